@@ -1,0 +1,456 @@
+"""The I/O-free core that :class:`Client` and :class:`AsyncClient` share.
+
+Everything a producer decides without talking to Redis lives here, in the
+manner of httpx's ``BaseClient``: merging settings, checking what the caller
+passed, making request ids, building stream fields, choosing reply keys,
+laying out the enqueue script's arguments, turning reply bytes into a
+:class:`Result` or an exception, and sizing each blocking wait. It never
+reads a clock (callers pass ``now_ms``) and never imports redis, so the two
+clients differ only in transport and ``await``, and tests can drive it
+directly.
+"""
+
+from __future__ import annotations
+
+import array
+import inspect
+import logging
+import math
+import sys
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pydantic
+
+from tokenq.producer.estimate import estimate_tokens
+from tokenq.shared import keys, wire
+from tokenq.shared.errors import (
+    BadRequest,
+    DecodeError,
+    QueueFull,
+    RemoteError,
+    TokenqError,
+    remote_error,
+)
+from tokenq.shared.settings import ClientSettings
+
+log = logging.getLogger("tokenq.producer")
+
+Estimator = Callable[[str], int] | Callable[[str, str | None], int]
+"""Token estimator: ``f(text)`` or ``f(text, text_pair)`` -> estimated tokens."""
+
+TextItem = str | tuple[str, str]
+"""One input of a batch: a text, or a ``(text, text_pair)`` pair for rerankers."""
+
+ENQUEUE_SCRIPT = resources.files("tokenq.producer").joinpath("enqueue.lua").read_text("utf-8")
+"""Source of the atomic backpressure script (see enqueue.lua for its contract)."""
+
+QUEUE_FULL_PREFIX = "QUEUEFULL"
+"""First word of the error the enqueue script answers when the batch does not fit."""
+
+BAD_REPLY = "bad_reply"
+"""Error code of a :class:`RemoteError` raised for a reply that does not decode."""
+
+BLOCK_FLOOR_S = 0.01
+"""Shortest BLPOP wait; BLPOP 0 would block forever, which tokenq never does."""
+
+BACKOFF_BASE_S = 0.02
+BACKOFF_CAP_S = 0.5
+"""redis-py retries connection errors with exponential backoff between these."""
+
+
+class ReplyTimeout(TokenqError, TimeoutError):
+    """No reply came before the caller's timeout (Redis itself was reachable).
+
+    A builtin ``TimeoutError``, so ``except TimeoutError`` catches it. The
+    request may still be running; its reply lands on its reply key later and
+    expires there, and ``Client.result(id)`` can still fetch it.
+    """
+
+    def __init__(self, request_ids: Sequence[str], waited_s: float) -> None:
+        shown = ", ".join(request_ids[:5])
+        more = f" and {len(request_ids) - 5} more" if len(request_ids) > 5 else ""
+        super().__init__(
+            f"no reply after {waited_s:.2f}s for {len(request_ids)} request(s): {shown}{more}"
+        )
+        self.request_ids = tuple(request_ids)
+        self.waited_s = waited_s
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A worker's successful answer to one request.
+
+    ``embedding`` is an ``array.array('f')`` (no numpy needed;
+    ``numpy.frombuffer(result.embedding, numpy.float32)`` views it without a
+    copy) for embedding models; ``scores`` is set for classifiers and
+    rerankers. ``tokens`` is the exact token count the worker ran, when it
+    says so.
+    """
+
+    id: str
+    embedding: array.array | None  # typecode "f"; not subscriptable at runtime before 3.12
+    dim: int | None
+    scores: tuple[float, ...] | None
+    tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """One validated request, ready for the enqueue script."""
+
+    id: str
+    reply_to: str
+    fields: dict[str, str | bytes]
+
+
+Outcome = Result | RemoteError
+
+
+def make_settings(settings: ClientSettings | None, **overrides: Any) -> ClientSettings:
+    """Settings from ``TOKENQ_*`` (or ``settings``), with non-None keyword overrides on top.
+
+    Invalid values (a bad queue name, a negative limit) raise
+    :class:`BadRequest` naming the setting, before any connection is made.
+    """
+    given = {name: value for name, value in overrides.items() if value is not None}
+    try:
+        if settings is None:
+            return ClientSettings(**given)
+        return ClientSettings.model_validate({**settings.model_dump(), **given})
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise BadRequest(f"invalid client settings: {problems}") from None
+
+
+def redact_url(url: str) -> str:
+    """The Redis URL with any password masked, for error messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def _pair_aware(estimator: Estimator) -> Callable[[str, str | None], int]:
+    """Wrap ``estimator`` so it can always be called as ``f(text, text_pair)``.
+
+    A one-argument estimator is called once per text and the sums added: it
+    cannot know about the pair's extra separator, and one token hardly matters.
+    """
+    try:
+        params = inspect.signature(estimator).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return lambda text, pair: estimator(text)  # type: ignore[call-arg]
+    positional = [
+        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return estimator  # type: ignore[return-value]
+
+    def one_at_a_time(text: str, pair: str | None) -> int:
+        total = estimator(text)  # type: ignore[call-arg]
+        return total if pair is None else total + estimator(pair)  # type: ignore[call-arg]
+
+    return one_at_a_time
+
+
+def _check_timeout(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise BadRequest(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
+
+
+class ClientCore:
+    """Decisions the sync and async clients share; holds no connection."""
+
+    def __init__(self, settings: ClientSettings, estimator: Estimator | None = None) -> None:
+        self.settings = settings
+        self.queue = settings.queue_ref
+        self.stream_key = keys.requests(self.queue)
+        self.config_key = keys.config(self.queue)
+        self.url = redact_url(settings.redis_url)
+        self._estimate = _pair_aware(estimator or estimate_tokens)
+
+    # ------------------------------------------------------------------ ids
+
+    @staticmethod
+    def new_id() -> str:
+        """A fresh request (or batch, or client) id: 32 hex digits of uuid4."""
+        return uuid.uuid4().hex
+
+    def reply_key(self, reply_id: str) -> str:
+        """The list a request's reply (or a batch's, or a client's) lands on."""
+        return keys.reply(self.queue, reply_id)
+
+    def reply_keys(self, request_ids: Sequence[str]) -> dict[str, str]:
+        """Reply key -> request id for ids the caller wants to fetch, checked first."""
+        if isinstance(request_ids, str):
+            raise BadRequest("request_ids must be a sequence of ids, not a single string")
+        wanted: dict[str, str] = {}
+        for request_id in request_ids:
+            try:
+                wire.validate_id(request_id, "request id")
+            except DecodeError as exc:
+                raise BadRequest(f"{exc}: {request_id!r}") from None
+            wanted[self.reply_key(request_id)] = request_id
+        return wanted
+
+    # ------------------------------------------------------------- requests
+
+    def timeout(self, timeout_s: float | None) -> float:
+        """The caller's wait in seconds, defaulting to the configured one."""
+        if timeout_s is None:
+            return self.settings.timeout_s
+        return _check_timeout(timeout_s, "timeout_s")
+
+    @staticmethod
+    def infer_deadline(
+        timeout: float, deadline_s: float | None, deadline_ms: int | None
+    ) -> tuple[float | None, int | None]:
+        """An infer call's deadline: the caller's own, else its timeout.
+
+        Nobody waits for the answer after the timeout, so no worker should
+        spend device time on it later.
+        """
+        if deadline_s is None and deadline_ms is None:
+            return timeout, None
+        return deadline_s, deadline_ms
+
+    def deadline_ms(
+        self, deadline_s: float | None, deadline_ms: int | None, now_ms: int
+    ) -> int | None:
+        """The absolute ``deadline_ms`` field from a relative or absolute deadline."""
+        if deadline_s is not None and deadline_ms is not None:
+            raise BadRequest("give deadline_s (relative) or deadline_ms (absolute), not both")
+        if deadline_s is not None:
+            seconds = _check_timeout(deadline_s, "deadline_s")
+            return now_ms + max(1, math.ceil(seconds * 1000))
+        if deadline_ms is None:
+            return None
+        if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int):
+            raise BadRequest(
+                f"deadline_ms must be an integer (epoch milliseconds), "
+                f"got {type(deadline_ms).__name__}"
+            )
+        if deadline_ms <= now_ms:
+            raise BadRequest(
+                f"deadline_ms {deadline_ms} has already passed (now is {now_ms} epoch ms)"
+            )
+        return deadline_ms
+
+    def prepare(
+        self,
+        item: object,
+        *,
+        now_ms: int,
+        text_pair: object = None,
+        deadline_s: float | None = None,
+        deadline_ms: int | None = None,
+        reply_to: str | None = None,
+        opts: Mapping[str, Any] | None = None,
+        index: int | None = None,
+    ) -> Prepared:
+        """Validate one input and build its stream fields.
+
+        ``item`` is a text, or (in batches) a ``(text, text_pair)`` tuple.
+        ``index`` names the item's position in a batch in error messages.
+        ``reply_to`` defaults to the request's own reply key.
+        """
+        where = "text" if index is None else f"texts[{index}]"
+        if isinstance(item, tuple) and index is not None:
+            if len(item) != 2:
+                raise BadRequest(f"{where} must be a string or a (text, text_pair) tuple")
+            item, text_pair = item
+        text = self._text(item, where)
+        pair = None if text_pair is None else self._text(text_pair, f"{where} text_pair")
+        size = len(text.encode("utf-8")) + (0 if pair is None else len(pair.encode("utf-8")))
+        limit = self.settings.max_request_bytes
+        if size > limit:
+            raise BadRequest(f"{where} is {size} bytes of UTF-8, over the limit of {limit} bytes")
+
+        request_id = self.new_id()
+        target = self.reply_key(request_id) if reply_to is None else self._reply_to(reply_to)
+        request = wire.Request(
+            id=request_id,
+            text=text,
+            tokens=self._tokens(text, pair, where),
+            reply_to=target,
+            deadline_ms=self.deadline_ms(deadline_s, deadline_ms, now_ms),
+            text_pair=pair,
+            opts=self._opts(opts),
+        )
+        try:
+            fields = wire.encode_request(request)
+        except DecodeError as exc:
+            raise BadRequest(str(exc)) from None
+        except (TypeError, ValueError) as exc:  # msgpack cannot encode something in opts
+            raise BadRequest(f"opts cannot be encoded as msgpack: {exc}") from None
+        return Prepared(id=request_id, reply_to=target, fields=fields)
+
+    def prepare_many(
+        self, texts: Iterable[TextItem], *, now_ms: int, **common: Any
+    ) -> list[Prepared]:
+        """Validate a whole batch before anything is written (all or nothing)."""
+        if isinstance(texts, (str, bytes)):
+            raise BadRequest(
+                "texts must be a sequence of strings, not a single string "
+                "(use submit/infer for one text)"
+            )
+        try:
+            items = list(texts)
+        except TypeError:
+            raise BadRequest(
+                f"texts must be a sequence of strings, got {type(texts).__name__}"
+            ) from None
+        return [
+            self.prepare(item, now_ms=now_ms, index=i, **common) for i, item in enumerate(items)
+        ]
+
+    def _text(self, value: object, where: str) -> str:
+        if not isinstance(value, str):
+            raise BadRequest(f"{where} must be a string, got {type(value).__name__}")
+        if not value.strip():
+            raise BadRequest(f"{where} is empty or only whitespace")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequest(f"{where} is not valid Unicode: {exc.reason}") from None
+        return value
+
+    def _tokens(self, text: str, pair: str | None, where: str) -> int:
+        tokens = self._estimate(text, pair)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise BadRequest(
+                f"the token estimator returned {tokens!r} for {where}; "
+                "it must return a non-negative int"
+            )
+        return tokens
+
+    @staticmethod
+    def _reply_to(value: object) -> str:
+        if not isinstance(value, str) or not 0 < len(value) <= wire.MAX_REPLY_TO_CHARS:
+            raise BadRequest(f"reply_to must be a key name of 1-{wire.MAX_REPLY_TO_CHARS} chars")
+        return value
+
+    @staticmethod
+    def _opts(opts: object) -> Mapping[str, Any]:
+        if opts is None:
+            return {}
+        if not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
+            raise BadRequest("opts must be a mapping with string keys")
+        return opts
+
+    # -------------------------------------------------------------- enqueue
+
+    def script_args(self, batch: Sequence[Prepared]) -> list[str | bytes | int]:
+        """ARGV for enqueue.lua: max_len, n, then each entry's field count and pairs."""
+        args: list[str | bytes | int] = [self.settings.max_queue_length, len(batch)]
+        for prepared in batch:
+            args.append(len(prepared.fields))
+            for name, value in prepared.fields.items():
+                args.extend((name, value))
+        return args
+
+    def queue_full(self, message: str, n: int) -> QueueFull | None:
+        """The :class:`QueueFull` for the script's refusal ``message``, or None if it is not one."""
+        words = message.split()
+        if not words or words[0] != QUEUE_FULL_PREFIX:
+            return None
+        length, limit = [*words[1:3], "?", "?"][:2]
+        return QueueFull(
+            f"queue {self.queue.name!r} holds {length} of at most {limit} requests; "
+            f"{n} more would not fit, so nothing was written"
+        )
+
+    def broker_full(self, n: int) -> QueueFull:
+        """The :class:`QueueFull` for Redis refusing the script at its ``maxmemory``.
+
+        Redis denies a script for lack of memory only before its first write,
+        so, as with the length limit, nothing of the batch was written.
+        """
+        return QueueFull(
+            f"Redis at {self.url} is out of memory (maxmemory) and refused {n} request(s) "
+            f"for queue {self.queue.name!r}; nothing was written"
+        )
+
+    # -------------------------------------------------------------- replies
+
+    def block_s(self, remaining_s: float) -> float:
+        """How long one BLPOP may block: under the socket timeout and the caller's deadline.
+
+        A BLPOP that outlives the socket timeout would be reported as a dead
+        connection, so each wait is at most half the socket timeout and the
+        caller loops until its own deadline.
+        """
+        ceiling = self.settings.socket_timeout_s / 2
+        return max(BLOCK_FLOOR_S, min(remaining_s, ceiling))
+
+    @staticmethod
+    def decode_config(raw: Mapping[bytes, bytes]) -> dict[str, str]:
+        """The config hash as text (undecodable bytes replaced, never an exception)."""
+        return {
+            k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()
+        }
+
+    @staticmethod
+    def decode(raw: bytes) -> wire.Reply | None:
+        """A reply map, or None (logged) when it does not decode or names no id."""
+        try:
+            return wire.decode_reply(raw)
+        except DecodeError as exc:
+            log.warning("dropping a reply that does not decode: %s", exc)
+            return None
+
+    @staticmethod
+    def outcome(reply: wire.Reply) -> Outcome:
+        """A :class:`Result`, or the :class:`RemoteError` an error reply stands for."""
+        if not reply.ok:
+            error = reply.error or wire.ErrorInfo(code="", message="")
+            return remote_error(error.code, error.message, reply.id)
+        embedding = None
+        if reply.embedding is not None:
+            embedding = array.array("f")
+            embedding.frombytes(reply.embedding)
+            if sys.byteorder == "big":
+                embedding.byteswap()
+        return Result(
+            id=reply.id,
+            embedding=embedding,
+            dim=reply.dim,
+            scores=reply.scores,
+            tokens=reply.tokens,
+        )
+
+    @staticmethod
+    def undecodable(request_id: str, raw: bytes) -> RemoteError:
+        """The error for a reply on a request's own key that does not decode."""
+        try:
+            wire.decode_reply(raw)
+        except DecodeError as exc:
+            return RemoteError(BAD_REPLY, str(exc), request_id)
+        return RemoteError(BAD_REPLY, "reply names another request", request_id)
+
+    @staticmethod
+    def settle(
+        ids: Sequence[str],
+        outcomes: Mapping[str, Outcome | Exception],
+        return_exceptions: bool,
+    ) -> list[Any]:
+        """Outcomes in input order; raise the first error unless ``return_exceptions``."""
+        ordered = [outcomes[i] for i in ids]
+        if not return_exceptions:
+            for item in ordered:
+                if isinstance(item, Exception):
+                    raise item
+        return ordered

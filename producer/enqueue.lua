@@ -1,0 +1,62 @@
+-- enqueue.lua: append a batch of requests to a queue's stream, all or nothing,
+-- unless that would push the stream past the queue's maximum length.
+--
+-- Keys touched (all share the queue's hash tag, so one Cluster slot):
+--   KEYS[1]  <prefix>:{q}:requests   stream   XLEN, then XADD (never trimmed)
+--
+-- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
+-- ARGV[2]   n: how many entries follow
+-- ARGV[3..] for each entry: k, its number of fields, then k field/value pairs
+--
+-- Returns the n new entry ids, in order. When XLEN + n > max_len it writes
+-- nothing and answers the error "QUEUEFULL <xlen> <max_len>", which producers
+-- turn into QueueFull.
+--
+-- Why a script: XLEN then XADD from the client would race with every other
+-- producer; here the check and the writes are one atomic step.
+-- Why no MAXLEN/MINID: trimming would silently drop someone else's pending
+-- work; backpressure means refusing the newcomer, never evicting.
+-- Why all or nothing holds: the arguments are checked before the first
+-- write, and Redis refuses a script for lack of memory only at its first
+-- write (it never cuts a script off once it has written), so either no XADD
+-- runs or all of them do.
+
+local stream = KEYS[1]
+local max_len = tonumber(ARGV[1])
+local n = tonumber(ARGV[2])
+if max_len == nil or n == nil or max_len < 0 or n < 0 then
+  return redis.error_reply("ERR tokenq enqueue: max_len and n must be non-negative integers")
+end
+
+-- Walk the arguments once to check their shape before writing anything.
+local pos = 3
+for _ = 1, n do
+  local k = tonumber(ARGV[pos])
+  if k == nil or k < 1 or pos + 2 * k > #ARGV then
+    return redis.error_reply("ERR tokenq enqueue: malformed entry at argument " .. pos)
+  end
+  pos = pos + 1 + 2 * k
+end
+if pos ~= #ARGV + 1 then
+  return redis.error_reply("ERR tokenq enqueue: " .. (#ARGV + 1 - pos) .. " stray arguments")
+end
+
+if max_len > 0 then
+  local length = redis.call("XLEN", stream)
+  if length + n > max_len then
+    return redis.error_reply("QUEUEFULL " .. length .. " " .. max_len)
+  end
+end
+
+local ids = {}
+pos = 3
+for i = 1, n do
+  local k = tonumber(ARGV[pos])
+  local entry = {"XADD", stream, "*"}
+  for j = pos + 1, pos + 2 * k do
+    entry[#entry + 1] = ARGV[j]
+  end
+  ids[i] = redis.call(unpack(entry))
+  pos = pos + 1 + 2 * k
+end
+return ids

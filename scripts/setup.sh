@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv and install tokenq with everything the demo and the tests need.
+# torch is pinned here (not in pyproject) so that this machine takes its local
+# CPU wheel; users with GPUs install any torch >= 2.1 they like.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[worker,dev]'

@@ -1,0 +1,72 @@
+"""Errors, split by who is at fault.
+
+``BadRequest`` and its children: the caller sent something tokenq refuses
+(empty text, oversize text, a bad setting). ``RemoteError`` and its children:
+a worker answered the request with an error reply. ``BrokerUnavailable``:
+Redis could not be reached in time. Every error reply carries a stable
+``code`` (see :class:`ErrorCode`) so callers in any language can branch on it.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ErrorCode(str, Enum):
+    """Codes carried in error replies; documented in docs/PROTOCOL.md."""
+
+    BAD_REQUEST = "bad_request"
+    TOO_LONG = "too_long"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    OUT_OF_MEMORY = "out_of_memory"
+    INFERENCE_FAILED = "inference_failed"
+    DEAD_LETTER = "dead_letter"
+    BAD_REPLY = "bad_reply"
+
+
+class TokenqError(Exception):
+    """Base of every error tokenq raises."""
+
+
+class BadRequest(TokenqError, ValueError):
+    """The caller passed something tokenq cannot accept; nothing was enqueued."""
+
+
+class DecodeError(BadRequest):
+    """A stream entry or a reply does not follow the wire format."""
+
+
+class ConfigError(TokenqError, ValueError):
+    """A setting is invalid or two settings contradict each other."""
+
+
+class QueueFull(TokenqError):
+    """The queue is at its maximum length; nothing was written."""
+
+
+class BrokerUnavailable(TokenqError, ConnectionError):
+    """Redis could not be reached before the caller's timeout."""
+
+
+class DeviceOutOfMemory(TokenqError, MemoryError):
+    """A backend ran out of device memory on a batch (retried by splitting it)."""
+
+
+class RemoteError(TokenqError):
+    """A worker answered the request with an error reply."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class DeadlineExceeded(RemoteError, TimeoutError):
+    """The request's deadline passed before a worker could run it."""
+
+
+def remote_error(code: str, message: str, request_id: str | None = None) -> RemoteError:
+    """The most specific :class:`RemoteError` subclass for an error reply's code."""
+    cls = DeadlineExceeded if code == ErrorCode.DEADLINE_EXCEEDED.value else RemoteError
+    return cls(code, message, request_id)

@@ -1,0 +1,90 @@
+"""Every Redis key tokenq touches is named here, and only here.
+
+Layout for queue ``q`` under the default prefix ``tokenq``::
+
+    tokenq:{q}:requests        stream   producers XADD; consumer group "workers"
+    tokenq:{q}:dead            stream   dead letters, with their error
+    tokenq:{q}:config          hash     written by workers at start: model, limits, policy
+    tokenq:{q}:workers         hash     consumer name -> last heartbeat (msgpack map)
+    tokenq:{q}:worker:<name>   string   liveness key with a TTL, refreshed by each heartbeat
+    tokenq:{q}:reply:<id>      list     replies (msgpack maps), PEXPIREd by the worker
+
+The queue name sits in braces, which makes it a Redis Cluster hash tag: every
+key of one queue lands in one slot, so a MULTI or a Lua script may touch them
+together. A shard of a queue is addressed as ``QueueRef(name, shard=k)`` and
+renders as ``{q:k}``; nothing outside this module builds a key by hand, so
+adding shards changes no call site.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+GROUP = "workers"
+"""The consumer group every worker of a queue reads through."""
+
+DEFAULT_PREFIX = "tokenq"
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+@dataclass(frozen=True, slots=True)
+class QueueRef:
+    """One queue (or one shard of it) under one key prefix."""
+
+    name: str
+    prefix: str = DEFAULT_PREFIX
+    shard: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(
+                f"queue name {self.name!r} is invalid: use 1-128 characters from "
+                "letters, digits, '_', '.', '-'"
+            )
+        if not isinstance(self.prefix, str) or not _NAME.match(self.prefix):
+            raise ValueError(f"key prefix {self.prefix!r} is invalid: use letters, digits, _.-")
+        if self.shard is not None and (type(self.shard) is not int or self.shard < 0):
+            raise ValueError(f"shard must be a non-negative integer, got {self.shard!r}")
+
+    @property
+    def tag(self) -> str:
+        """The hash-tagged part shared by every key of this queue (shard)."""
+        inner = self.name if self.shard is None else f"{self.name}:{self.shard}"
+        return f"{self.prefix}:{{{inner}}}"
+
+
+def requests(q: QueueRef) -> str:
+    """The stream producers append requests to."""
+    return f"{q.tag}:requests"
+
+
+def dead(q: QueueRef) -> str:
+    """The dead-letter stream."""
+    return f"{q.tag}:dead"
+
+
+def config(q: QueueRef) -> str:
+    """The hash where workers publish the model's limits and the queue policy."""
+    return f"{q.tag}:config"
+
+
+def workers(q: QueueRef) -> str:
+    """The hash of worker heartbeats (consumer name -> msgpack stats)."""
+    return f"{q.tag}:workers"
+
+
+def worker_alive(q: QueueRef, consumer: str) -> str:
+    """A per-worker key with a TTL: present means the worker is alive."""
+    return f"{q.tag}:worker:{consumer}"
+
+
+def reply(q: QueueRef, reply_id: str) -> str:
+    """The list one request's reply (or a client's multiplexed replies) lands on."""
+    return f"{q.tag}:reply:{reply_id}"
+
+
+def reply_pattern(q: QueueRef) -> str:
+    """A SCAN pattern matching every reply key of the queue."""
+    return f"{q.tag}:reply:*"

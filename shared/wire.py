@@ -1,0 +1,362 @@
+"""The wire format: stream entries in, typed messages out, and back.
+
+Sans-I/O: this module never talks to Redis. A request is one stream entry with
+readable fields (so ``redis-cli XRANGE`` shows it and any language can write it
+with a plain XADD); a reply is one msgpack map pushed on the request's
+``reply_to`` list. docs/PROTOCOL.md is the normative description; this module
+is its Python implementation. Every problem raises :class:`DecodeError` naming
+the field at fault.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from tokenq.shared.errors import DecodeError
+
+PROTOCOL_VERSION = 1
+
+MAX_ID_CHARS = 128
+MAX_REPLY_TO_CHARS = 512
+MAX_OPTS_BYTES = 64 * 1024
+DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
+"""Default cap on the UTF-8 size of ``text`` plus ``text_pair`` in one request."""
+
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+
+_REQUEST_FIELDS = frozenset(
+    {"v", "id", "text", "text_pair", "tokens", "reply_to", "deadline_ms", "opts"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One input sequence (or one query/passage pair) to run through the model."""
+
+    id: str
+    text: str
+    tokens: int
+    reply_to: str
+    deadline_ms: int | None = None
+    text_pair: str | None = None
+    opts: Mapping[str, Any] = field(default_factory=dict)
+
+    def utf8_size(self) -> int:
+        """Bytes of text this request carries (what the size limit counts)."""
+        size = len(self.text.encode("utf-8"))
+        if self.text_pair is not None:
+            size += len(self.text_pair.encode("utf-8"))
+        return size
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """Why a request failed: a stable code (see ErrorCode) and a human message."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What a worker answers: an embedding, scores, or an error."""
+
+    id: str
+    ok: bool
+    embedding: bytes | None = None
+    dim: int | None = None
+    scores: tuple[float, ...] | None = None
+    error: ErrorInfo | None = None
+    tokens: int | None = None
+
+    def embedding_floats(self) -> list[float]:
+        """The embedding as Python floats (decoded from little-endian float32)."""
+        if self.embedding is None:
+            return []
+        import array
+
+        values = array.array("f")
+        values.frombytes(self.embedding)
+        if sys.byteorder == "big":
+            values.byteswap()
+        return values.tolist()
+
+
+# --------------------------------------------------------------------- requests
+
+
+def validate_text(value: object, field_name: str, max_bytes: int) -> str:
+    """Check a text the caller wants to enqueue; raise DecodeError naming the problem."""
+    if not isinstance(value, str):
+        raise DecodeError(f"{field_name} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DecodeError(f"{field_name} is empty")
+    size = len(value.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        raise DecodeError(f"{field_name} is {size} bytes, over the limit of {max_bytes} bytes")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DecodeError(f"{field_name} is not valid Unicode: {exc.reason}") from None
+    return value
+
+
+def validate_id(value: object, field_name: str = "id") -> str:
+    if not isinstance(value, str) or not value:
+        raise DecodeError(f"{field_name} must be a non-empty string")
+    if len(value) > MAX_ID_CHARS:
+        raise DecodeError(f"{field_name} is longer than {MAX_ID_CHARS} characters")
+    if any(ch.isspace() or ord(ch) < 32 for ch in value):
+        raise DecodeError(f"{field_name} must not contain whitespace or control characters")
+    return value
+
+
+def encode_request(request: Request) -> dict[str, str | bytes]:
+    """Stream fields for one request, ready for XADD."""
+    fields: dict[str, str | bytes] = {
+        "v": str(PROTOCOL_VERSION),
+        "id": request.id,
+        "text": request.text,
+        "tokens": str(int(request.tokens)),
+        "reply_to": request.reply_to,
+    }
+    if request.text_pair is not None:
+        fields["text_pair"] = request.text_pair
+    if request.deadline_ms is not None:
+        fields["deadline_ms"] = str(int(request.deadline_ms))
+    if request.opts:
+        packed = msgpack.packb(dict(request.opts), use_bin_type=True)
+        if len(packed) > MAX_OPTS_BYTES:
+            raise DecodeError(f"opts is {len(packed)} bytes packed, over {MAX_OPTS_BYTES}")
+        fields["opts"] = packed
+    return fields
+
+
+def _text_field(raw: bytes, name: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DecodeError(f"field {name!r} is not valid UTF-8") from None
+
+
+def _int_field(raw: bytes, name: str, *, minimum: int) -> int:
+    try:
+        value = int(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise DecodeError(f"field {name!r} must be a decimal integer, got {raw[:40]!r}") from None
+    if value < minimum:
+        raise DecodeError(f"field {name!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def decode_request(
+    fields: Mapping[bytes | str, bytes | str],
+    *,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    default_reply_to: Callable[[str], str] | None = None,
+) -> Request:
+    """Parse the fields of one stream entry into a :class:`Request`.
+
+    ``default_reply_to`` maps a request id to its reply key when the entry
+    names no ``reply_to`` (the caller passes ``lambda id: keys.reply(q, id)``,
+    so this module stays free of key knowledge).
+    """
+    raw: dict[str, bytes] = {}
+    for key, value in fields.items():
+        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        # surrogatepass: a str with a lone surrogate becomes bytes that fail
+        # the UTF-8 check below with a DecodeError instead of escaping here.
+        raw[name] = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+
+    version = raw.get("v")
+    if version is None:
+        raise DecodeError("missing field 'v' (protocol version)")
+    if _int_field(version, "v", minimum=0) != PROTOCOL_VERSION:
+        raise DecodeError(
+            f"unsupported protocol version {version!r}; this worker speaks {PROTOCOL_VERSION}"
+        )
+    for required in ("id", "text"):
+        if required not in raw:
+            raise DecodeError(f"missing field {required!r}")
+    request_id = validate_id(_text_field(raw["id"], "id"))
+
+    text_bytes = len(raw["text"]) + len(raw.get("text_pair", b""))
+    if text_bytes > max_request_bytes:
+        raise DecodeError(f"text is {text_bytes} bytes, over the limit of {max_request_bytes}")
+    text = _text_field(raw["text"], "text")
+    if not text.strip():
+        raise DecodeError("field 'text' is empty")
+    text_pair = None
+    if "text_pair" in raw:
+        text_pair = _text_field(raw["text_pair"], "text_pair")
+        if not text_pair.strip():
+            raise DecodeError("field 'text_pair' is empty")
+
+    tokens = _int_field(raw["tokens"], "tokens", minimum=0) if "tokens" in raw else 0
+
+    if "reply_to" in raw:
+        reply_to = _text_field(raw["reply_to"], "reply_to")
+        if not reply_to or len(reply_to) > MAX_REPLY_TO_CHARS:
+            raise DecodeError(f"field 'reply_to' must be 1-{MAX_REPLY_TO_CHARS} characters")
+    elif default_reply_to is not None:
+        reply_to = default_reply_to(request_id)
+    else:
+        raise DecodeError("missing field 'reply_to'")
+
+    deadline_ms = None
+    if raw.get("deadline_ms"):
+        deadline_ms = _int_field(raw["deadline_ms"], "deadline_ms", minimum=0)
+
+    opts: dict[str, Any] = {}
+    if raw.get("opts"):
+        opts = _unpack_opts(raw["opts"])
+
+    return Request(
+        id=request_id,
+        text=text,
+        tokens=tokens,
+        reply_to=reply_to,
+        deadline_ms=deadline_ms,
+        text_pair=text_pair,
+        opts=opts,
+    )
+
+
+def _unpack_opts(packed: bytes) -> dict[str, Any]:
+    if len(packed) > MAX_OPTS_BYTES:
+        raise DecodeError(f"field 'opts' is {len(packed)} bytes, over {MAX_OPTS_BYTES}")
+    try:
+        value = msgpack.unpackb(
+            packed,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=1024,
+            max_map_len=256,
+            max_str_len=MAX_OPTS_BYTES,
+            max_bin_len=MAX_OPTS_BYTES,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise DecodeError(f"field 'opts' is not valid msgpack: {exc}") from None
+    if not isinstance(value, dict):
+        raise DecodeError("field 'opts' must be a msgpack map")
+    return value
+
+
+def request_id_of(fields: Mapping[bytes | str, bytes | str]) -> str | None:
+    """Best-effort id of an entry that failed to decode, so its caller can be told."""
+    for key, value in fields.items():
+        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        if name == "id":
+            try:
+                text = value.decode("utf-8") if isinstance(value, bytes) else value
+                return validate_id(text)
+            except (UnicodeDecodeError, DecodeError):
+                return None
+    return None
+
+
+def reply_to_of(fields: Mapping[bytes | str, bytes | str]) -> str | None:
+    """Best-effort reply key of an entry that failed to decode."""
+    for key, value in fields.items():
+        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        if name == "reply_to":
+            try:
+                text = value.decode("utf-8") if isinstance(value, bytes) else value
+            except UnicodeDecodeError:
+                return None
+            return text if 0 < len(text) <= MAX_REPLY_TO_CHARS else None
+    return None
+
+
+# ---------------------------------------------------------------------- replies
+
+
+def embedding_reply(
+    request_id: str, embedding: bytes, dim: int, tokens: int | None = None
+) -> Reply:
+    """A successful embedding reply; ``embedding`` is little-endian float32 bytes."""
+    if len(embedding) != 4 * dim:
+        raise ValueError(f"embedding has {len(embedding)} bytes, expected 4 * {dim}")
+    return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens)
+
+
+def scores_reply(request_id: str, scores: Sequence[float], tokens: int | None = None) -> Reply:
+    """A successful classification / rerank reply."""
+    return Reply(
+        id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens
+    )
+
+
+def error_reply(request_id: str, code: str, message: str) -> Reply:
+    """An error reply; ``code`` is one of ErrorCode's values."""
+    return Reply(id=request_id, ok=False, error=ErrorInfo(code=str(code), message=message))
+
+
+def encode_reply(reply: Reply) -> bytes:
+    """The msgpack map a worker RPUSHes onto ``reply_to``."""
+    body: dict[str, Any] = {"id": reply.id, "ok": reply.ok}
+    if reply.embedding is not None:
+        body["embedding"] = reply.embedding
+        body["dim"] = reply.dim
+    if reply.scores is not None:
+        body["scores"] = list(reply.scores)
+    if reply.error is not None:
+        body["error"] = {"code": reply.error.code, "message": reply.error.message}
+    if reply.tokens is not None:
+        body["tokens"] = reply.tokens
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode_reply(packed: bytes) -> Reply:
+    """Parse one reply map; raise DecodeError naming what is wrong."""
+    if len(packed) > MAX_REPLY_BYTES:
+        raise DecodeError(f"reply is {len(packed)} bytes, over {MAX_REPLY_BYTES}")
+    try:
+        body = msgpack.unpackb(packed, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise DecodeError(f"reply is not valid msgpack: {exc}") from None
+    if not isinstance(body, dict):
+        raise DecodeError("reply must be a msgpack map")
+    request_id = body.get("id")
+    if not isinstance(request_id, str):
+        raise DecodeError("reply has no string 'id'")
+    ok = body.get("ok")
+    if not isinstance(ok, bool):
+        raise DecodeError("reply has no boolean 'ok'")
+    if not ok:
+        error = body.get("error")
+        if not isinstance(error, dict):
+            raise DecodeError("error reply has no 'error' map")
+        return Reply(
+            id=request_id,
+            ok=False,
+            error=ErrorInfo(code=str(error.get("code", "")), message=str(error.get("message", ""))),
+        )
+    tokens = body.get("tokens")
+    if tokens is not None and (type(tokens) is not int or tokens < 0):
+        raise DecodeError("reply 'tokens' must be a non-negative integer")
+    embedding = body.get("embedding")
+    if embedding is not None:
+        dim = body.get("dim")
+        well_formed = isinstance(embedding, bytes) and isinstance(dim, int)
+        if not well_formed or len(embedding) != 4 * dim:
+            raise DecodeError("reply 'embedding' must be 4*dim bytes of float32")
+        return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens)
+    scores = body.get("scores")
+    if isinstance(scores, list) and all(isinstance(s, (int, float)) for s in scores):
+        return Reply(
+            id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens
+        )
+    raise DecodeError("successful reply carries neither 'embedding' nor 'scores'")
+
+
+def finite(values: Sequence[float]) -> bool:
+    """True when every value is a finite float (NaN/inf results are reported as errors)."""
+    return all(math.isfinite(v) for v in values)

@@ -1,0 +1,398 @@
+"""Property tests of the sans-I/O packer: every batching rule in DESIGN.md, driven by hypothesis.
+
+The packer never reads a clock, so these tests pass ``now_ms`` explicitly and
+never sleep. Each property below is one rule a worker relies on: the budget is
+a memory bound (a. g), nothing is lost or duplicated (b), nothing starves (c),
+lingering is bounded (d), removal keeps the token count honest (e), and packing
+by nearest length actually saves padding (f).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from tokenq.shared.packer import Batch, Budget, CostModel, Item, Packer
+
+PROPERTY = settings(max_examples=200, deadline=None)
+
+lengths = st.integers(min_value=1, max_value=4096)
+arrivals = st.integers(min_value=0, max_value=10_000).map(float)
+cost_models = st.sampled_from(list(CostModel))
+row_limits = st.integers(min_value=1, max_value=64)
+lingers = st.integers(min_value=0, max_value=50).map(float)
+
+
+@st.composite
+def workloads(
+    draw: st.DrawFn, *, allow_oversize: bool = False, max_items: int = 60
+) -> tuple[Budget, list[tuple[int, float]]]:
+    """A budget and a list of (length, arrived_ms) to buffer.
+
+    Unless ``allow_oversize``, the token budget is at least the longest length,
+    as the worker guarantees at start-up (DESIGN.md, "Over-long input").
+    """
+    items = draw(st.lists(st.tuples(lengths, arrivals), min_size=1, max_size=max_items))
+    longest = max(length for length, _ in items)
+    low = 1 if allow_oversize else longest
+    tokens = draw(st.integers(min_value=low, max_value=max(low, 8 * longest)))
+    budget = Budget(
+        max_batch_tokens=tokens, max_batch_size=draw(row_limits), cost_model=draw(cost_models)
+    )
+    return budget, items
+
+
+def fill(packer: Packer[int], items: Iterable[tuple[int, float]]) -> None:
+    """Buffer items whose payload is their index, so batches are easy to check."""
+    for index, (length, arrived) in enumerate(items):
+        packer.add(length, arrived, index)
+
+
+def drain(packer: Packer[int], now_ms: float = 1e12) -> list[Batch[int]]:
+    """Empty the packer the way a worker does on shutdown."""
+    batches = []
+    while (batch := packer.next_batch(now_ms, flush=True)) is not None:
+        batches.append(batch)
+    return batches
+
+
+def assert_within_budget(batch: Batch[int], budget: Budget) -> None:
+    """Rule 3 and 5: within the limits, unless one item alone breaks the budget."""
+    assert 1 <= batch.rows <= budget.max_batch_size
+    assert batch.cost == budget.cost(batch.rows, batch.longest, batch.tokens)
+    if batch.cost > budget.max_batch_tokens:
+        assert batch.rows == 1, f"an oversize item rode with company: {batch}"
+        assert batch.items[0].length > budget.max_batch_tokens
+    lengths_in_order = [item.length for item in batch.items]
+    assert lengths_in_order == sorted(lengths_in_order)
+
+
+def oldest_of(items: Iterable[Item[int]]) -> Item[int]:
+    """The anchor rule 1 promises: earliest arrival, then earliest added."""
+    return min(items, key=lambda item: (item.arrived_ms, item.seq))
+
+
+# ------------------------------------------------------------ (a) (b) (g) budget
+
+
+@PROPERTY
+@given(workloads(), lingers)
+def test_drain_respects_budget_and_yields_every_item_once(
+    workload: tuple[Budget, list[tuple[int, float]]], linger_ms: float
+) -> None:
+    budget, items = workload
+    packer: Packer[int] = Packer(budget, linger_ms=linger_ms)
+    fill(packer, items)
+    assert packer.buffered_tokens == sum(length for length, _ in items)
+
+    batches = drain(packer)
+
+    for batch in batches:
+        assert_within_budget(batch, budget)
+        # The budget is at least the longest item here, so nothing may exceed it.
+        assert batch.cost <= budget.max_batch_tokens
+        if budget.cost_model is CostModel.RAGGED:
+            assert batch.tokens <= budget.max_batch_tokens
+        else:
+            assert batch.rows * batch.longest <= budget.max_batch_tokens
+    seen = [payload for batch in batches for payload in batch.payloads]
+    assert sorted(seen) == list(range(len(items)))
+    assert len(packer) == 0
+    assert packer.buffered_tokens == 0
+    assert packer.peek(0.0) is None
+    assert packer.ready_at() is None
+
+
+@PROPERTY
+@given(workloads(allow_oversize=True))
+def test_oversize_items_go_alone_and_everything_else_fits(
+    workload: tuple[Budget, list[tuple[int, float]]],
+) -> None:
+    budget, items = workload
+    packer: Packer[int] = Packer(budget)
+    fill(packer, items)
+
+    batches = drain(packer)
+
+    for batch in batches:
+        assert_within_budget(batch, budget)
+        for item in batch.items:
+            if item.length > budget.max_batch_tokens:
+                assert batch.rows == 1
+    assert sorted(p for batch in batches for p in batch.payloads) == list(range(len(items)))
+
+
+def test_ragged_cost_is_the_sum_of_lengths() -> None:
+    """A varlen model fits rows a padded one could not: 60+30+10 = 100, not 3 x 60."""
+    items = [(60, 0.0), (30, 1.0), (10, 2.0)]
+    ragged: Packer[int] = Packer(Budget(100, 8, CostModel.RAGGED))
+    fill(ragged, items)
+    batch = ragged.next_batch(0.0, flush=True)
+    assert batch is not None
+    assert (batch.rows, batch.cost, batch.tokens, batch.padded_tokens) == (3, 100, 100, 180)
+
+    padded: Packer[int] = Packer(Budget(100, 8, CostModel.PADDED), max_padding_ratio=float("inf"))
+    fill(padded, items)
+    # Padded, the oldest (60) cannot take the 30 (2 x 60 > 100) and goes alone.
+    assert [b.payloads for b in drain(padded)] == [[0], [2, 1]]
+
+
+def test_row_limit_seals_a_batch() -> None:
+    packer: Packer[int] = Packer(Budget(10_000, 3), linger_ms=100.0)
+    fill(packer, [(5, 0.0)] * 7)
+    assert [b.rows for b in drain(packer)] == [3, 3, 1]
+
+
+def test_fills_with_the_nearest_lengths() -> None:
+    """Rule 2: the oldest 100-token request rides with 90-110, not with 1000s."""
+    packer: Packer[int] = Packer(Budget(1000, 64))
+    fill(packer, [(100, 0.0), (1000, 1.0), (10, 2.0), (110, 3.0), (90, 4.0), (999, 5.0)])
+    batch = packer.next_batch(10.0, flush=True)
+    assert batch is not None
+    # Rule 3: the 10 would add 100 tokens of padding (more than its own 10) and
+    # the 999 would add far more than 999, so both wait; nothing broke the
+    # budget, so the batch is not sealed (it may linger for company).
+    assert not batch.sealed
+    assert sorted(item.length for item in batch.items) == [90, 100, 110]
+
+
+# ------------------------------------------------------------ (c) (d) (e) state
+
+
+class PackerMachine(RuleBasedStateMachine):
+    """Interleaved add / next_batch / remove_where against a plain-list model.
+
+    Arrival times are not monotonic (a claimed-back request may be older than
+    what is buffered), and the clock only moves forward, as in a worker.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packer: Packer[int] = Packer(Budget(1, 1))
+        self.model: dict[int, Item[int]] = {}
+        self.next_payload = 0
+        self.now = 0.0
+
+    @initialize(
+        tokens=st.integers(min_value=1, max_value=16_384),
+        rows=row_limits,
+        model=cost_models,
+        linger_ms=lingers,
+    )
+    def start(self, tokens: int, rows: int, model: CostModel, linger_ms: float) -> None:
+        # Lengths may exceed the budget: rule 5 must hold mid-stream too.
+        self.packer = Packer(Budget(tokens, rows, model), linger_ms=linger_ms)
+
+    @rule(length=lengths, age=st.integers(min_value=0, max_value=100))
+    def add(self, length: int, age: int) -> None:
+        payload = self.next_payload
+        self.next_payload += 1
+        item = self.packer.add(length, self.now - age, payload)
+        assert (item.length, item.payload) == (length, payload)
+        self.model[payload] = item
+
+    @rule(step=st.integers(min_value=0, max_value=60), flush=st.booleans())
+    def next_batch(self, step: int, flush: bool) -> None:
+        self.now += step
+        preview = self.packer.peek(self.now)
+        ready = self.packer.ready_at()
+        batch = self.packer.next_batch(self.now, flush=flush)
+        if not self.model:
+            assert preview is None and batch is None and ready is None
+            return
+        anchor = oldest_of(self.model.values())
+        assert preview is not None
+        assert preview.items[0] == anchor
+        assert ready == anchor.arrived_ms + self.packer.linger_ms
+        due = preview.sealed or flush or self.now >= ready
+        if not due:
+            assert batch is None, "an unsealed batch left before its linger ran out"
+            return
+        assert batch is not None, "a due batch was held back"
+        assert anchor in batch.items, "the oldest request was passed over"
+        assert {i.payload for i in batch.items} == {i.payload for i in preview.items}
+        assert_within_budget(batch, self.packer.budget)
+        for item in batch.items:
+            del self.model[item.payload]
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def remove_where(self, data: st.DataObject) -> None:
+        doomed = data.draw(st.sets(st.sampled_from(sorted(self.model))))
+        gone = self.packer.remove_where(lambda payload: payload in doomed)
+        assert sorted(item.payload for item in gone) == sorted(doomed)
+        for payload in doomed:
+            del self.model[payload]
+
+    @invariant()
+    def buffer_matches_model(self) -> None:
+        assert len(self.packer) == len(self.model)
+        assert {item.payload for item in self.packer} == set(self.model)
+        assert self.packer.buffered_tokens == sum(i.length for i in self.model.values())
+
+
+PackerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPackerMachine = PackerMachine.TestCase
+
+
+@PROPERTY
+@given(workloads(), lingers, st.integers(min_value=0, max_value=20_000).map(float))
+def test_linger_holds_an_unsealed_batch_until_its_oldest_is_due(
+    workload: tuple[Budget, list[tuple[int, float]]], linger_ms: float, now: float
+) -> None:
+    budget, items = workload
+    packer: Packer[int] = Packer(budget, linger_ms=linger_ms)
+    fill(packer, items)
+    preview = packer.peek(now)
+    assert preview is not None
+    due_at = preview.items[0].arrived_ms + linger_ms
+    assert packer.ready_at() == due_at
+
+    if preview.sealed:
+        # A sealed batch goes at once, whatever the clock says.
+        batch = packer.next_batch(min(now, due_at - 1.0))
+    else:
+        assert packer.next_batch(due_at - 0.5) is None
+        assert len(packer) == len(items), "a refused batch must leave the buffer alone"
+        batch = packer.next_batch(due_at)
+    assert batch is not None
+    assert {i.payload for i in batch.items} == {i.payload for i in preview.items}
+
+
+def test_lone_request_lingers_then_goes() -> None:
+    packer: Packer[str] = Packer(Budget(1000, 8), linger_ms=5.0)
+    packer.add(10, 100.0, "a")
+    assert packer.next_batch(104.9) is None
+    assert packer.next_batch(100.0, flush=True) is not None  # flush skips the linger
+    packer.add(10, 200.0, "b")
+    batch = packer.next_batch(205.0)
+    assert batch is not None and batch.payloads == ["b"] and not batch.sealed
+
+
+def test_a_batch_that_cannot_grow_does_not_linger() -> None:
+    """A full budget or a lone oversize request gains nothing from waiting."""
+    full: Packer[str] = Packer(Budget(120, 8), linger_ms=1000.0)
+    full.add(60, 0.0, "a")
+    full.add(60, 0.0, "b")
+    ragged: Packer[str] = Packer(Budget(100, 8, CostModel.RAGGED), linger_ms=1000.0)
+    ragged.add(60, 0.0, "a")
+    ragged.add(40, 0.0, "b")
+    oversize: Packer[str] = Packer(Budget(100, 8), linger_ms=1000.0)
+    oversize.add(500, 0.0, "big")
+    for packer, expected in ((full, ["a", "b"]), (ragged, ["b", "a"]), (oversize, ["big"])):
+        batch = packer.next_batch(0.0)
+        assert batch is not None and batch.sealed
+        assert batch.payloads == expected
+
+
+# ------------------------------------------------------------------ (e) remove
+
+
+@PROPERTY
+@given(workloads(), st.data())
+def test_remove_where_removes_exactly_the_matches(
+    workload: tuple[Budget, list[tuple[int, float]]], data: st.DataObject
+) -> None:
+    budget, items = workload
+    packer: Packer[int] = Packer(budget)
+    fill(packer, items)
+    doomed = data.draw(st.sets(st.integers(min_value=0, max_value=len(items) - 1)))
+
+    gone = packer.remove_where(lambda payload: payload in doomed)
+
+    assert sorted(item.payload for item in gone) == sorted(doomed)
+    kept = [i for i in range(len(items)) if i not in doomed]
+    assert len(packer) == len(kept)
+    assert packer.buffered_tokens == sum(items[i][0] for i in kept)
+    assert packer.remove_where(lambda payload: payload in doomed) == []
+    assert sorted(p for batch in drain(packer) for p in batch.payloads) == kept
+    assert packer.buffered_tokens == 0
+
+
+# -------------------------------------------------------------- (f) efficiency
+
+
+def padding_efficiency(lengths_in: list[int], budget: Budget) -> float:
+    """Real tokens over padded tokens when the whole buffer is present at once."""
+    packer: Packer[int] = Packer(budget)
+    fill(packer, [(length, float(i)) for i, length in enumerate(lengths_in)])
+    batches = drain(packer)
+    return sum(b.tokens for b in batches) / sum(b.padded_tokens for b in batches)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.randoms(use_true_random=False), st.sampled_from([64, 256]))
+def test_bimodal_lengths_pack_with_little_padding(rng: random.Random, rows: int) -> None:
+    """Queries (~20 tokens) and passages (~1500) arriving shuffled are not mixed.
+
+    A count-based batcher would pad every query to ~1500 tokens; packing around
+    the oldest request by nearest length keeps the two populations apart.
+    """
+    mixed = [rng.randint(15, 25) for _ in range(100)] + [
+        rng.randint(1400, 1600) for _ in range(100)
+    ]
+    rng.shuffle(mixed)
+    assert padding_efficiency(mixed, Budget(16_384, rows, CostModel.PADDED)) >= 0.9
+
+
+# ------------------------------------------------------------------ validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_batch_tokens": 0, "max_batch_size": 1}, "max_batch_tokens"),
+        ({"max_batch_tokens": 1, "max_batch_size": 0}, "max_batch_size"),
+    ],
+)
+def test_budget_rejects_nonpositive_limits(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Budget(**kwargs)
+
+
+def test_packer_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="linger_ms"):
+        Packer(Budget(10, 1), linger_ms=-1.0)
+    packer: Packer[str] = Packer(Budget(10, 1))
+    with pytest.raises(ValueError, match="length"):
+        packer.add(0, 0.0, "empty")
+    assert len(packer) == 0 and packer.buffered_tokens == 0
+
+
+@PROPERTY
+@given(workloads(), st.floats(min_value=0, max_value=1e6))
+def test_peek_does_not_change_the_buffer(
+    workload: tuple[Budget, list[tuple[int, float]]], now: float
+) -> None:
+    budget, items = workload
+    packer: Packer[int] = Packer(budget)
+    fill(packer, items)
+    first, second = packer.peek(now), packer.peek(now)
+    assert first == second
+    assert len(packer) == len(items)
+
+
+def test_a_request_that_would_mostly_add_padding_waits_for_its_own_kind() -> None:
+    """Queries do not ride in a passage batch, nor a passage in a query batch."""
+    items = [(20, 0.0), (1500, 1.0), (22, 2.0), (1480, 3.0), (18, 4.0)]
+    packer: Packer[int] = Packer(Budget(16384, 64))
+    fill(packer, items)
+    assert [sorted(b.payloads) for b in drain(packer)] == [[0, 2, 4], [1, 3]]
+
+    # The ratio is the padding a candidate adds over its own length: at 2.0 a
+    # 10-token row may join a batch padded to 30 (20 padding), at 1.0 it may not.
+    for ratio, expected in [(1.0, [[0], [1]]), (2.0, [[0, 1]])]:
+        packer = Packer(Budget(1000, 8), max_padding_ratio=ratio)
+        fill(packer, [(30, 0.0), (10, 1.0)])
+        assert [sorted(b.payloads) for b in drain(packer)] == expected

@@ -1,0 +1,136 @@
+"""The producer's I/O-free core, driven directly: no Redis, no clock."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from tokenq.producer import BadRequest, DeadlineExceeded, RemoteError, ReplyTimeout, Result
+from tokenq.producer._core import (
+    BLOCK_FLOOR_S,
+    ClientCore,
+    make_settings,
+    redact_url,
+)
+from tokenq.shared import keys, wire
+from tokenq.shared.errors import QueueFull
+from tokenq.shared.settings import ClientSettings
+
+NOW_MS = 1_700_000_000_000
+
+
+@pytest.fixture
+def core() -> ClientCore:
+    return ClientCore(ClientSettings(queue="q", max_queue_length=10, socket_timeout_s=4))
+
+
+def test_prepare_builds_wire_fields(core: ClientCore) -> None:
+    prepared = core.prepare("hello", now_ms=NOW_MS, deadline_s=1.5, opts={"a": 1})
+    request = wire.decode_request(prepared.fields)
+    assert request.id == prepared.id and len(prepared.id) == 32
+    assert request.reply_to == prepared.reply_to == keys.reply(keys.QueueRef("q"), prepared.id)
+    assert request.deadline_ms == NOW_MS + 1500
+    assert request.opts == {"a": 1}
+    assert request.tokens == 3
+
+
+def test_ids_are_unique(core: ClientCore) -> None:
+    batch = core.prepare_many(["a"] * 100, now_ms=NOW_MS)
+    assert len({p.id for p in batch}) == 100
+
+
+def test_script_args_layout(core: ClientCore) -> None:
+    batch = core.prepare_many(["a", ("b", "c")], now_ms=NOW_MS, reply_to="k")
+    args = core.script_args(batch)
+    assert args[:2] == [10, 2]
+    first = args[2]
+    assert first == len(batch[0].fields)
+    second_at = 3 + 2 * first
+    assert args[second_at] == len(batch[1].fields)
+    assert len(args) == second_at + 1 + 2 * args[second_at]
+    assert "text_pair" in args[second_at + 1 :]
+
+
+def test_queue_full_message(core: ClientCore) -> None:
+    full = core.queue_full("QUEUEFULL 9 10", 3)
+    assert isinstance(full, QueueFull)
+    assert "holds 9 of at most 10" in str(full) and "3 more" in str(full)
+    assert core.queue_full("ERR something else", 1) is None
+
+
+def test_block_stays_under_the_socket_timeout(core: ClientCore) -> None:
+    assert core.block_s(100) == 2.0
+    assert core.block_s(0.5) == 0.5
+    assert core.block_s(0) == BLOCK_FLOOR_S  # never BLPOP 0, which blocks forever
+
+
+def test_outcome_of_an_embedding(core: ClientCore) -> None:
+    reply = wire.decode_reply(
+        wire.encode_reply(wire.embedding_reply("r", struct.pack("<2f", 0.5, -1.0), 2, tokens=7))
+    )
+    result = core.outcome(reply)
+    assert isinstance(result, Result)
+    assert list(result.embedding) == [0.5, -1.0] and result.dim == 2 and result.tokens == 7
+
+
+def test_outcome_of_errors(core: ClientCore) -> None:
+    late = core.outcome(wire.error_reply("r", "deadline_exceeded", "too late"))
+    assert isinstance(late, DeadlineExceeded) and late.request_id == "r"
+    failed = core.outcome(wire.error_reply("r", "out_of_memory", "too big"))
+    assert type(failed) is RemoteError and failed.code == "out_of_memory"
+
+
+def test_decode_drops_garbage(core: ClientCore) -> None:
+    assert core.decode(b"\x00garbage") is None
+
+
+def test_settle_orders_and_raises_first_error(core: ClientCore) -> None:
+    ok = Result(id="a", embedding=None, dim=None, scores=(1.0,), tokens=None)
+    boom = RemoteError("too_long", "x", "b")
+    late = ReplyTimeout(["c"], 1.0)
+    outcomes = {"a": ok, "b": boom, "c": late}
+    assert core.settle(["c", "a"], outcomes, True) == [late, ok]
+    with pytest.raises(ReplyTimeout):
+        core.settle(["a", "c", "b"], outcomes, False)
+
+
+def test_reply_timeout_names_ids_and_seconds() -> None:
+    error = ReplyTimeout([f"id{i}" for i in range(8)], 2.5)
+    assert "2.50s" in str(error) and "id0" in str(error) and "3 more" in str(error)
+    assert isinstance(error, TimeoutError) and len(error.request_ids) == 8
+
+
+def test_estimator_exceptions_are_not_swallowed() -> None:
+    def broken(text: str) -> int:
+        raise RuntimeError("estimator bug")
+
+    core = ClientCore(ClientSettings(), broken)
+    with pytest.raises(RuntimeError, match="estimator bug"):
+        core.prepare("a", now_ms=NOW_MS)
+
+
+def test_builtin_estimator_is_accepted() -> None:
+    core = ClientCore(ClientSettings(), len)
+    prepared = core.prepare("abcd", now_ms=NOW_MS, text_pair="ef")
+    assert prepared.fields["tokens"] == "6"
+
+
+def test_make_settings_overrides_only_what_is_given() -> None:
+    base = ClientSettings(queue="base", timeout_s=3)
+    merged = make_settings(base, queue="other", timeout_s=None)
+    assert merged.queue == "other" and merged.timeout_s == 3
+    with pytest.raises(BadRequest, match="queue"):
+        make_settings(base, queue="no spaces allowed")
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://localhost:6379/0", "redis://localhost:6379/0"),
+        ("redis://:pw@host:1/0", "redis://:***@host:1/0"),
+        ("rediss://user:p%40ss@host/0", "rediss://user:***@host/0"),
+    ],
+)
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown

@@ -1,0 +1,90 @@
+"""The small interface every model backend implements.
+
+A backend owns a tokenizer and a model. The worker asks it for exact token
+lengths (``tokenize``), hands it token-budgeted batches (``run``), and reads
+its limits from ``info``; ``info.padded`` feeds the packer's cost model, as
+TEI's ``is_padded`` does. Backends are plain objects; a plugin is any
+``factory(settings) -> Backend`` named as ``package.module:factory``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+Task = Literal["embed", "score"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """What the worker and the queue's config hash need to know about a model."""
+
+    name: str
+    """Backend kind: 'sim', 'hf', or a plugin's own name."""
+    model: str
+    """Model id or path, for the config hash and logs."""
+    task: Task
+    """'embed' replies carry an embedding; 'score' replies carry scores."""
+    max_input_tokens: int
+    """Longest sequence the model accepts, special tokens included."""
+    padded: bool = True
+    """True when a batch costs rows x longest; False for varlen (ragged) kernels."""
+    dim: int | None = None
+    """Embedding size (embed) or number of scores (score)."""
+    device: str = "cpu"
+    dtype: str = "float32"
+    tokenizer: str | None = None
+    """Path of a tokenizer.json producers may load for exact estimates, if any."""
+    pairs: bool = False
+    """True when the model takes (text, text_pair) inputs (cross-encoders)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TextInput:
+    """One input sequence, or a (query, passage) pair for a cross-encoder."""
+
+    text: str
+    text_pair: str | None = None
+
+
+class Encoding(Protocol):
+    """A tokenized input; only its length matters to the worker."""
+
+    @property
+    def length(self) -> int:
+        """Tokens this sequence occupies, special tokens included."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A model the worker can feed batches to."""
+
+    info: BackendInfo
+
+    def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
+        """Tokenize inputs; truncate each to ``max_length`` tokens when it is given.
+
+        Called off the Redis I/O path (in a thread), on the read-ahead buffer
+        in batches. Must not raise for one bad input without saying which:
+        raise ``ValueError`` only for inputs the backend cannot take at all.
+        """
+        ...
+
+    def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
+        """Run one batch; return one float32 1-D array per row, in order.
+
+        For task 'embed' the array is the embedding; for 'score' the scores.
+        Raise :class:`tokenq.shared.errors.DeviceOutOfMemory` (or the
+        framework's own OOM error) when the batch does not fit; the worker
+        splits it and retries.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the device (called once, at exit)."""
+        ...

@@ -1,0 +1,68 @@
+"""``tokenq worker``: parse settings, load the backend, serve until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+from pydantic_settings import CliApp, SettingsError
+
+from tokenq.shared.errors import ConfigError
+from tokenq.shared.settings import WorkerSettings
+from tokenq.worker import logs
+from tokenq.worker.loop import Worker
+from tokenq.worker.plugins import load_backend
+
+log = logging.getLogger("tokenq.worker")
+
+
+def parse_settings(argv: Sequence[str]) -> WorkerSettings:
+    """Flags over TOKENQ_* environment over defaults; a clear message on bad input."""
+    return CliApp.run(
+        WorkerSettings, cli_args=list(argv), cli_settings_source=None
+    )
+
+
+async def serve(settings: WorkerSettings) -> None:
+    backend = await asyncio.to_thread(load_backend, settings)
+    worker = Worker(settings, backend)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
+    try:
+        await worker.run()
+    finally:
+        backend.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = parse_settings(args)
+    except ValidationError as exc:
+        print(f"tokenq worker: invalid settings:\n{_describe(exc)}", file=sys.stderr)
+        return 2
+    except SettingsError as exc:
+        print(f"tokenq worker: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level, json_lines=settings.log_json)
+    try:
+        asyncio.run(serve(settings))
+    except ConfigError as exc:
+        log.error("%s", exc)
+        print(f"tokenq worker: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        flag = "--" + where.replace("_", "-")
+        lines.append(f"  {flag} (TOKENQ_{where.upper()}): {error['msg']}")
+    return "\n".join(lines)

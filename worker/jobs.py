@@ -1,0 +1,189 @@
+"""Turning stream entries into jobs the packer can batch.
+
+A *job* is one decoded request with its exact token encoding. This module
+decides, for each entry read from the stream, whether it becomes a job or an
+immediate error reply (undecodable, past its deadline, over-long under the
+``reject`` policy). It does no Redis I/O; tokenization is the backend's and
+runs in a thread the caller provides.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenq.shared import wire
+from tokenq.shared.errors import DecodeError, ErrorCode
+from tokenq.worker.backend import Backend, Encoding, TextInput
+from tokenq.worker.hf_encoding import combine_chunks
+
+log = logging.getLogger("tokenq.worker")
+
+
+@dataclass(slots=True)
+class ChunkGroup:
+    """The windows of one over-long request under the ``chunk`` policy.
+
+    Each window is packed as its own sequence (possibly into different
+    batches); the request is answered, and its entry acked, only when every
+    window has a result, with their length-weighted mean.
+    """
+
+    lengths: list[int]
+    results: dict[int, np.ndarray] = field(default_factory=dict)
+    failure: tuple[str, str] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.failure is not None or len(self.results) == len(self.lengths)
+
+    def combined(self, normalize: bool) -> np.ndarray:
+        vectors = [self.results[index] for index in range(len(self.lengths))]
+        return combine_chunks(vectors, self.lengths, normalize)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A request (or one window of a chunked request) that is ready to be packed."""
+
+    entry_id: bytes
+    request: wire.Request
+    encoding: Encoding
+    read_ms: float
+    """Monotonic ms when the worker read it (the packer's arrival time)."""
+    chunk: ChunkGroup | None = None
+    chunk_index: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A reply the worker owes for one stream entry, ready to publish."""
+
+    entry_id: bytes
+    reply_to: str | None
+    """None when the entry was too broken to name one: acked without a reply."""
+    payload: bytes
+    ok: bool
+
+
+def error_answer(entry_id: bytes, request_id: str, reply_to: str | None,
+                 code: ErrorCode, message: str) -> Answer:
+    """An error reply for one entry."""
+    reply = wire.error_reply(request_id, code.value, message)
+    return Answer(entry_id, reply_to, wire.encode_reply(reply), ok=False)
+
+
+@dataclass(slots=True)
+class Decoded:
+    """Result of decoding a read: good requests and the answers owed for bad ones."""
+
+    requests: list[tuple[bytes, wire.Request]]
+    answers: list[Answer]
+
+
+def decode_entries(
+    entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]],
+    *,
+    default_reply_to: Callable[[str], str],
+    max_request_bytes: int,
+    now_epoch_ms: int,
+) -> Decoded:
+    """Decode raw entries; answer the broken and the expired at once.
+
+    ``default_reply_to`` maps a request id to its default reply key. Nothing
+    an entry contains can make this raise anything but an answer.
+    """
+    out = Decoded(requests=[], answers=[])
+    for entry_id, fields in entries:
+        try:
+            request = wire.decode_request(
+                fields, max_request_bytes=max_request_bytes, default_reply_to=default_reply_to
+            )
+        except DecodeError as exc:
+            request_id = wire.request_id_of(fields) or entry_id.decode()
+            reply_to = wire.reply_to_of(fields)
+            if reply_to is None and wire.request_id_of(fields) is not None:
+                reply_to = default_reply_to(request_id)
+            out.answers.append(
+                error_answer(entry_id, request_id, reply_to, ErrorCode.BAD_REQUEST, str(exc))
+            )
+            continue
+        except Exception as exc:  # a decoder bug must not take the worker down
+            log.exception("unexpected error decoding entry %s", entry_id)
+            out.answers.append(error_answer(
+                entry_id, entry_id.decode(), wire.reply_to_of(fields), ErrorCode.BAD_REQUEST,
+                f"entry could not be decoded: {type(exc).__name__}: {exc}",
+            ))
+            continue
+        if request.deadline_ms is not None and request.deadline_ms <= now_epoch_ms:
+            out.answers.append(expired_answer(entry_id, request, now_epoch_ms))
+            continue
+        out.requests.append((entry_id, request))
+    return out
+
+
+def expired_answer(entry_id: bytes, request: wire.Request, now_epoch_ms: int) -> Answer:
+    late = now_epoch_ms - (request.deadline_ms or now_epoch_ms)
+    return error_answer(
+        entry_id,
+        request.id,
+        request.reply_to,
+        ErrorCode.DEADLINE_EXCEEDED,
+        f"deadline passed {late} ms before the request could run",
+    )
+
+
+def tokenize_requests(
+    backend: Backend,
+    requests: Sequence[tuple[bytes, wire.Request]],
+    *,
+    policy: str,
+    read_ms: float,
+    chunk_overlap: int = 0,
+) -> tuple[list[Job], list[Answer]]:
+    """Exact token lengths for a read, with the over-length policy applied.
+
+    ``truncate`` cuts each input to the model's limit; ``reject`` answers an
+    over-long input with an error naming its length and the limit; ``chunk``
+    splits it into overlapping windows (``backend.windows``), each its own
+    job. Runs in a worker thread (the tokenizer is CPU-bound).
+    """
+    limit = backend.info.max_input_tokens
+    answers: list[Answer] = []
+    valid: list[tuple[bytes, wire.Request]] = []
+    for entry_id, request in requests:
+        if request.text_pair is not None and not backend.info.pairs:
+            answers.append(error_answer(
+                entry_id, request.id, request.reply_to, ErrorCode.BAD_REQUEST,
+                f"this queue's model ({backend.info.model}) takes single texts, "
+                "but the request carries a text_pair",
+            ))
+            continue
+        valid.append((entry_id, request))
+    if not valid:
+        return [], answers
+    inputs = [TextInput(req.text, req.text_pair) for _, req in valid]
+    max_length = limit if policy == "truncate" else None
+    encodings = backend.tokenize(inputs, max_length)
+    jobs: list[Job] = []
+    for (entry_id, request), encoding in zip(valid, encodings, strict=True):
+        if encoding.length > limit and policy == "chunk" and request.text_pair is None:
+            windows = backend.windows(encoding, limit, chunk_overlap)  # type: ignore[attr-defined]
+            group = ChunkGroup(lengths=[window.length for window in windows])
+            jobs += [
+                Job(entry_id, request, window, read_ms, chunk=group, chunk_index=index)
+                for index, window in enumerate(windows)
+            ]
+            continue
+        if encoding.length > limit:
+            answers.append(error_answer(
+                entry_id, request.id, request.reply_to, ErrorCode.TOO_LONG,
+                f"input is {encoding.length} tokens, over the model's limit of {limit} "
+                f"(queue policy: {policy})",
+            ))
+            continue
+        jobs.append(Job(entry_id, request, encoding, read_ms))
+    return jobs, answers

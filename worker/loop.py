@@ -1,0 +1,513 @@
+"""The worker process: a thin asyncio shell around the packer and a backend.
+
+Four small tasks joined by bounded hand-offs (TEI's shape):
+
+* **read**   XREADGROUP about ``read_ahead_budgets`` budgets of estimated tokens
+  ahead, decode, tokenize in a thread, and buffer jobs in the packer;
+* **run**    whenever the device is idle, ask the packer for a batch and run it
+  in a thread (one batch on the device at a time: the budget is the memory
+  bound, so two in flight would double it);
+* **publish** answer each batch in one MULTI (reply, XACK, XDEL), retrying
+  until Redis takes it;
+* **beat**   heartbeat, and keep the buffered entries' idle time fresh so no
+  other worker claims them.
+
+Reading and tokenizing the next batch and publishing the last one overlap
+with the device's work. Every batching decision is the packer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from tokenq.shared import keys, wire
+from tokenq.shared.errors import ConfigError, ErrorCode
+from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, CostModel, Packer
+from tokenq.shared.settings import WorkerSettings
+from tokenq.worker import presence
+from tokenq.worker.backend import Backend
+from tokenq.worker.connection import connect
+from tokenq.worker.execute import FailedRun, Failure, run_isolated
+from tokenq.worker.jobs import (
+    Answer,
+    Job,
+    decode_entries,
+    error_answer,
+    tokenize_requests,
+)
+from tokenq.worker.publish import publish
+from tokenq.worker.stats import BatchLog, BatchRecord, WorkerStats
+
+log = logging.getLogger("tokenq.worker")
+
+_HISTORY_COUNT = 256
+_MAX_READ_COUNT = 1024
+
+
+def default_consumer_name() -> str:
+    """host-pid-random: unique per process, readable in XINFO CONSUMERS."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _monotonic_ms() -> float:
+    return time.monotonic() * 1000.0
+
+
+def _epoch_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Limits the worker runs under, derived once from settings and the backend."""
+
+    budget: Budget
+    budget_reason: str
+    policy: str
+
+
+def plan(settings: WorkerSettings, backend: Backend) -> Plan:
+    """Choose the budget and cost model; refuse settings the model cannot honour."""
+    info = backend.info
+    if settings.max_batch_tokens == "auto":
+        from tokenq.worker.calibrate import calibrate_budget
+
+        tokens, reason = calibrate_budget(backend, max_rows=settings.max_batch_size)
+        reason = f"auto: {reason}"
+    else:
+        tokens, reason = int(settings.max_batch_tokens), "set by --max-batch-tokens"
+    if tokens < info.max_input_tokens:
+        raise ConfigError(
+            f"max_batch_tokens ({tokens}) is below the model's maximum input length "
+            f"({info.max_input_tokens} tokens): one full-length input would not fit in a "
+            f"batch; raise --max-batch-tokens to at least {info.max_input_tokens} ({reason})"
+        )
+    if settings.policy == "chunk" and (info.task != "embed" or not hasattr(backend, "windows")):
+        raise ConfigError(
+            f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
+            f"{info.name} ({info.model}, task {info.task}) cannot: use truncate or reject"
+        )
+    if settings.cost_model == "auto":
+        cost_model = CostModel.PADDED if info.padded else CostModel.RAGGED
+    else:
+        cost_model = CostModel(settings.cost_model)
+    budget = Budget(tokens, settings.max_batch_size, cost_model)
+    return Plan(budget=budget, budget_reason=reason, policy=settings.policy)
+
+
+class Worker:
+    """One worker process's loop over one queue."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        backend: Backend,
+        *,
+        client: aioredis.Redis | None = None,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.queue = settings.queue_ref
+        self.stream = keys.requests(self.queue)
+        self.consumer = settings.consumer or default_consumer_name()
+        self.plan = plan(settings, backend)
+        self.packer: Packer[Job] = Packer(
+            self.plan.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio
+        )
+        self.adaptive = AdaptiveBudget(
+            self.plan.budget.max_batch_tokens, backend.info.max_input_tokens
+        )
+        self.stats = WorkerStats()
+        self._client = client
+        self._own_client = client is None
+        self._batch_log = BatchLog(settings.batch_log)
+        self._stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._space = asyncio.Event()
+        self._answers: asyncio.Queue[list[Answer] | None] = asyncio.Queue(maxsize=8)
+        self._reader_done = False
+        self._inflight_estimate = 0
+        self._running: tuple[Job, ...] = ()
+        self._avg_estimate = 64.0
+        self._last_activity = time.monotonic()
+        self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
+        self._default_reply_to = functools.partial(keys.reply, self.queue)
+
+    @property
+    def client(self) -> aioredis.Redis:
+        if self._client is None:
+            self._client = connect(self.settings)
+        return self._client
+
+    def stop(self) -> None:
+        """Stop reading; finish and answer what was read; then return from run()."""
+        if not self._stopping.is_set():
+            log.info("stopping: finishing %d buffered requests", len(self.packer))
+        self._stopping.set()
+        self._wake.set()
+        self._space.set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Serve the queue until stop() is called (or the idle timeout passes)."""
+        await self._ensure_group()
+        fields = presence.config_fields(
+            self.backend.info, policy=self.plan.policy,
+            max_batch_tokens=self.plan.budget.max_batch_tokens,
+        )
+        await presence.write_config(self.client, self.queue, fields)
+        self._log_start()
+        beat = asyncio.create_task(self._beat_loop(), name="tokenq-beat")
+        tasks = [
+            asyncio.create_task(self._read_loop(), name="tokenq-read"),
+            asyncio.create_task(self._run_loop(), name="tokenq-run"),
+            asyncio.create_task(self._publish_loop(), name="tokenq-publish"),
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+            try:
+                await presence.leave(self.client, self.queue, self.consumer)
+            except RedisError as exc:
+                log.warning("could not deregister: %s", exc)
+            self._batch_log.close()
+            if self._own_client and self._client is not None:
+                await self._client.aclose()
+            log.info("stopped: %s", self.stats.snapshot())
+
+    def _log_start(self) -> None:
+        info = self.backend.info
+        budget = self.plan.budget
+        log.info(
+            "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
+            "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s",
+            self.consumer, self.stream, info.model, info.task, info.device, info.dtype,
+            info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
+            self.plan.budget_reason, budget.max_batch_size, self.settings.linger_ms,
+            self.plan.policy,
+        )
+
+    async def _ensure_group(self) -> None:
+        try:
+            await self.client.xgroup_create(self.stream, keys.GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # ----------------------------------------------------------------------- read
+
+    def _room(self) -> float:
+        """Estimated tokens the worker may still read ahead."""
+        limit = self.settings.read_ahead_budgets * self.packer.budget.max_batch_tokens
+        return limit - self.packer.buffered_tokens - self._inflight_estimate
+
+    async def _read_loop(self) -> None:
+        try:
+            await self._read_history()
+            backoff = 0.1
+            while not self._stopping.is_set():
+                if self._idle_expired():
+                    log.info("queue idle for %.1fs; exiting", self.settings.exit_when_idle_s)
+                    self.stop()
+                    break
+                room = self._room()
+                if room <= 0:
+                    self._space.clear()
+                    await _wait(self._space, 1.0)
+                    continue
+                count = int(min(_MAX_READ_COUNT, max(1, room // self._avg_estimate)))
+                try:
+                    entries = await self._xread(">", count, self.settings.block_ms)
+                    backoff = 0.1
+                except RedisError as exc:
+                    await self._on_read_error(exc, backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                if entries:
+                    await self._take(entries)
+        finally:
+            self._reader_done = True
+            self._wake.set()
+
+    async def _read_history(self) -> None:
+        """Re-read entries this consumer already owns (a restart under the same name)."""
+        last = "0"
+        while not self._stopping.is_set():
+            entries = await self._xread(last, _HISTORY_COUNT, None)
+            if not entries:
+                return
+            await self._take(entries)
+            last = entries[-1][0].decode()
+
+    async def _xread(
+        self, last_id: str, count: int, block_ms: int | None
+    ) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
+        reply = await self.client.xreadgroup(
+            keys.GROUP, self.consumer, {self.stream: last_id}, count=count, block=block_ms
+        )
+        if not reply:
+            return []
+        # RESP2 gives [[stream, entries]]; RESP3 gives {stream: [entries]}.
+        if isinstance(reply, dict):
+            return next(iter(reply.values()))[0] if reply else []
+        return reply[0][1]
+
+    async def _on_read_error(self, exc: RedisError, backoff: float) -> None:
+        if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+            log.warning("consumer group missing (Redis restarted empty?); recreating it")
+            try:
+                await self._ensure_group()
+                return
+            except RedisError:
+                pass
+        log.warning("read failed (%s); retrying in %.1fs", exc, backoff)
+        await asyncio.sleep(backoff)
+
+    def _idle_expired(self) -> bool:
+        limit = self.settings.exit_when_idle_s
+        if limit is None or len(self.packer) or self._running or self._inflight_estimate:
+            return False
+        return time.monotonic() - self._last_activity >= limit
+
+    async def _take(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+        """Decode, tokenize and buffer one read."""
+        self._last_activity = time.monotonic()
+        gone = [entry_id for entry_id, fields in entries if fields is None]
+        if gone:  # deleted while pending to us: nothing to answer, just release
+            await self._answers.put([Answer(entry_id, None, b"", ok=False) for entry_id in gone])
+        present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+        decoded = decode_entries(
+            present,
+            default_reply_to=self._default_reply_to,
+            max_request_bytes=self.settings.max_request_bytes,
+            now_epoch_ms=_epoch_ms(),
+        )
+        if decoded.answers:
+            self.stats.requests_failed += len(decoded.answers)
+            await self._answers.put(decoded.answers)
+        if not decoded.requests:
+            return
+        estimate = sum(max(1, request.tokens) for _, request in decoded.requests)
+        self._inflight_estimate += estimate
+        try:
+            jobs, answers = await asyncio.to_thread(self._tokenize, decoded.requests)
+        finally:
+            self._inflight_estimate -= estimate
+        self._avg_estimate = 0.9 * self._avg_estimate + 0.1 * (estimate / len(decoded.requests))
+        for job in jobs:
+            self.packer.add(job.encoding.length, job.read_ms, job)
+        if answers:
+            self.stats.requests_failed += len(answers)
+            await self._answers.put(answers)
+        self._wake.set()
+
+    def _tokenize(
+        self, requests: list[tuple[bytes, wire.Request]]
+    ) -> tuple[list[Job], list[Answer]]:
+        """Tokenize a read; if the tokenizer fails, isolate the input(s) it fails on."""
+        read_ms = _monotonic_ms()
+        try:
+            return tokenize_requests(
+                self.backend, requests, policy=self.plan.policy, read_ms=read_ms,
+                chunk_overlap=self.settings.chunk_overlap,
+            )
+        except Exception as exc:
+            if len(requests) == 1:
+                entry_id, request = requests[0]
+                message = f"tokenizer failed: {type(exc).__name__}: {exc}"
+                return [], [error_answer(
+                    entry_id, request.id, request.reply_to, ErrorCode.BAD_REQUEST, message
+                )]
+        jobs: list[Job] = []
+        answers: list[Answer] = []
+        for one in requests:
+            more_jobs, more_answers = self._tokenize([one])
+            jobs += more_jobs
+            answers += more_answers
+        return jobs, answers
+
+    # ------------------------------------------------------------------------ run
+
+    async def _run_loop(self) -> None:
+        try:
+            while True:
+                if not self.packer:
+                    if self._reader_done:
+                        return
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                now = _monotonic_ms()
+                batch = self.packer.next_batch(now, flush=self._stopping.is_set())
+                if batch is None:
+                    ready_at = self.packer.ready_at() or now
+                    self._wake.clear()
+                    await _wait(self._wake, max(0.0, ready_at - now) / 1000.0)
+                    continue
+                self._space.set()
+                await self._run_batch(batch)
+        finally:
+            await self._answers.put(None)
+
+    async def _run_batch(self, batch: Batch[Job]) -> None:
+        jobs = batch.payloads
+        packed_under = self.packer.budget
+        now = _epoch_ms()
+        expired = [job for job in jobs if _expired(job, now)]
+        live = [job for job in jobs if not _expired(job, now)]
+        answers = self._settle(expired, [_DEADLINE] * len(expired))
+        splits = 0
+        device_ms = 0.0
+        if live:
+            self._running = tuple(live)
+            oom_events: list[FailedRun] = []
+            started = time.perf_counter()
+            outcome = await asyncio.to_thread(
+                run_isolated, self.backend, [job.encoding for job in live],
+                on_oom=oom_events.append,
+            )
+            device_ms = (time.perf_counter() - started) * 1000.0
+            self._running = ()
+            splits = sum(event.rows > 1 for event in oom_events)
+            self._adapt_budget(oom_events)
+            answers += self._settle(live, outcome)
+        record = BatchRecord(
+            worker=self.consumer,
+            rows=batch.rows,
+            tokens=batch.tokens,
+            padded_tokens=batch.padded_tokens,
+            cost=batch.cost,
+            max_batch_tokens=packed_under.max_batch_tokens,
+            max_batch_size=packed_under.max_batch_size,
+            sealed=batch.sealed,
+            device_ms=round(device_ms, 3),
+            failed=sum(not answer.ok for answer in answers),
+            oom_splits=splits,
+        )
+        self.stats.record(record)
+        self._batch_log.write(record)
+        if answers:
+            await self._answers.put(answers)
+
+    def _adapt_budget(self, oom_events: list[FailedRun]) -> None:
+        """Lower the budget after an OOM; raise it slowly after clean batches."""
+        before = self.adaptive.current
+        if oom_events:
+            padded = self.packer.budget.cost_model is CostModel.PADDED
+            failed = max(event.padded_tokens if padded else event.tokens for event in oom_events)
+            after = self.adaptive.on_oom(failed)
+        else:
+            after = self.adaptive.on_success()
+        if after != before:
+            self.packer.budget = replace(self.packer.budget, max_batch_tokens=after)
+            log.warning(
+                "budget %s from %d to %d tokens%s",
+                "lowered" if after < before else "raised", before, after,
+                " after out-of-memory" if oom_events else "",
+            )
+
+    def _settle(self, jobs: list[Job], outcome: list[np.ndarray | Failure]) -> list[Answer]:
+        """Answers for finished jobs; a chunked request answers when its last window does."""
+        answers: list[Answer] = []
+        for job, result in zip(jobs, outcome, strict=True):
+            group = job.chunk
+            if group is None:
+                answers.append(self._answer(job, result, job.encoding.length))
+                continue
+            if group.complete:
+                continue  # an earlier window already failed the request
+            if isinstance(result, Failure):
+                group.failure = (result.code, result.message)
+                answers.append(self._answer(job, result, sum(group.lengths)))
+                continue
+            group.results[job.chunk_index] = result
+            if group.complete:
+                normalize = bool(getattr(self.backend, "normalize", True))
+                answers.append(self._answer(job, group.combined(normalize), sum(group.lengths)))
+        return answers
+
+    def _answer(self, job: Job, result: np.ndarray | Failure, tokens: int) -> Answer:
+        request = job.request
+        if isinstance(result, Failure):
+            reply = wire.error_reply(request.id, result.code, result.message)
+        elif self.backend.info.task == "embed":
+            vector = np.ascontiguousarray(result, dtype="<f4")
+            reply = wire.embedding_reply(
+                request.id, vector.tobytes(), int(vector.shape[0]), tokens=tokens
+            )
+        else:
+            scores = [float(x) for x in np.ravel(result)]
+            reply = wire.scores_reply(request.id, scores, tokens=tokens)
+        return Answer(job.entry_id, request.reply_to, wire.encode_reply(reply), ok=reply.ok)
+
+    # -------------------------------------------------------------------- publish
+
+    async def _publish_loop(self) -> None:
+        while True:
+            answers = await self._answers.get()
+            if answers is None:
+                return
+            await publish(self.client, self.stream, keys.GROUP, answers, self._reply_ttl_ms)
+
+    # ---------------------------------------------------------------------- beat
+
+    def status(self) -> dict[str, object]:
+        """What the heartbeat publishes (``tokenq stats`` reads it)."""
+        return {
+            **self.stats.snapshot(),
+            "max_batch_tokens": self.packer.budget.max_batch_tokens,
+            "configured_batch_tokens": self.plan.budget.max_batch_tokens,
+            "max_batch_size": self.plan.budget.max_batch_size,
+            "buffered": len(self.packer),
+            "model": self.backend.info.model,
+            "pid": os.getpid(),
+        }
+
+    async def _beat_loop(self) -> None:
+        ttl_ms = int(self.settings.heartbeat_s * 3000)
+        while True:
+            try:
+                await presence.beat(self.client, self.queue, self.consumer, self.status(), ttl_ms)
+                await self._keep_claims_fresh()
+            except RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _keep_claims_fresh(self) -> None:
+        """Reset the idle time of entries this worker holds, so nobody claims them."""
+        held = [job.entry_id for job in self.packer] + [job.entry_id for job in self._running]
+        for start in range(0, len(held), 512):
+            await self.client.xclaim(
+                self.stream, keys.GROUP, self.consumer, 0, held[start:start + 512], justid=True
+            )
+
+
+_DEADLINE = Failure(ErrorCode.DEADLINE_EXCEEDED.value, "deadline passed before the request ran")
+
+
+def _expired(job: Job, now_epoch_ms: int) -> bool:
+    deadline = job.request.deadline_ms
+    return deadline is not None and deadline <= now_epoch_ms
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    """Wait for an event, at most ``timeout`` seconds."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)

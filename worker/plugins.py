@@ -1,0 +1,148 @@
+"""Turn the ``backend`` setting into a Backend object, or a ConfigError that says why not.
+
+``backend`` is ``sim`` (the simulated GPU), ``hf`` (Hugging Face
+transformers, imported only when asked for, so a sim worker never loads
+torch), or a plugin named as ``package.module:factory``; a plugin factory
+takes the :class:`WorkerSettings` and returns any object with the
+:class:`~tokenq.worker.backend.Backend` members. Every way this can go wrong
+at start-up (a typo, a missing module, a factory that raises or returns the
+wrong thing) ends as one :class:`ConfigError` naming the spec, so the worker
+exits with one readable line instead of a traceback from inside importlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+from typing import Any, cast
+
+from tokenq.shared.errors import ConfigError
+from tokenq.shared.settings import WorkerSettings
+from tokenq.worker.backend import Backend, BackendInfo
+
+_BACKEND_MEMBERS = ("info", "tokenize", "run", "close")
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_PLUGIN_SPEC = re.compile(
+    rf"^(?P<module>{_IDENTIFIER}(?:\.{_IDENTIFIER})*)"
+    rf":(?P<attr>{_IDENTIFIER}(?:\.{_IDENTIFIER})*)$"
+)
+HF_MODULE = "tokenq.worker.hf"
+
+
+def load_backend(settings: WorkerSettings) -> Backend:
+    """Build the backend ``settings.backend`` names; ConfigError if it cannot."""
+    spec = settings.backend.strip()
+    if spec == "sim":
+        from tokenq.worker.sim import build_sim_backend
+
+        return _checked(build_sim_backend(settings), spec)
+    if spec == "hf":
+        return _checked(_call(_hf_factory(), settings, spec), spec)
+    return _checked(_call(_plugin_factory(spec), settings, spec), spec)
+
+
+def _hf_factory() -> Callable[[WorkerSettings], Any]:
+    """``tokenq.worker.hf.build_hf_backend``, imported only now (it pulls in torch)."""
+    try:
+        module = importlib.import_module(HF_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name == HF_MODULE:
+            raise ConfigError(
+                f"backend 'hf' needs the module {HF_MODULE}, which this tokenq install "
+                "does not have"
+            ) from None
+        raise ConfigError(
+            f"backend 'hf' needs {exc.name!r}, which is not installed; "
+            "install the worker extra: pip install 'tokenq[worker]'"
+        ) from None
+    except Exception as exc:
+        raise ConfigError(
+            f"backend 'hf': importing {HF_MODULE} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    factory = getattr(module, "build_hf_backend", None)
+    if not callable(factory):
+        raise ConfigError(f"{HF_MODULE} has no callable build_hf_backend")
+    return factory
+
+
+def _plugin_factory(spec: str) -> Callable[[WorkerSettings], Any]:
+    """The callable a ``package.module:factory`` spec names."""
+    match = _PLUGIN_SPEC.match(spec)
+    if match is None:
+        raise ConfigError(
+            f"backend {spec!r} is not 'sim', 'hf' or a plugin as 'package.module:factory'"
+        )
+    module_name, attr_path = match["module"], match["attr"]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and _is_prefix(exc.name, module_name):
+            raise ConfigError(
+                f"backend {spec!r}: module {module_name!r} not found (is it installed, "
+                "or on PYTHONPATH?)"
+            ) from None
+        raise ConfigError(
+            f"backend {spec!r}: importing {module_name!r} failed, it needs {exc.name!r}, "
+            "which is not installed"
+        ) from exc
+    except Exception as exc:
+        raise ConfigError(
+            f"backend {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    target: Any = module
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigError(
+                f"backend {spec!r}: module {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    if not callable(target):
+        raise ConfigError(
+            f"backend {spec!r}: {attr_path!r} is a {type(target).__name__}, not a callable "
+            "factory(settings) -> Backend"
+        )
+    return target
+
+
+def _call(factory: Callable[[WorkerSettings], Any], settings: WorkerSettings, spec: str) -> Any:
+    """Call a factory; anything it raises becomes a ConfigError naming the spec."""
+    try:
+        return factory(settings)
+    except Exception as exc:
+        raise ConfigError(
+            f"backend {spec!r}: the factory raised {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _checked(backend: Any, spec: str) -> Backend:
+    """Refuse a factory result that is not a Backend, naming the members it lacks."""
+    missing = [name for name in _BACKEND_MEMBERS if not hasattr(backend, name)]
+    if missing:
+        raise ConfigError(
+            f"backend {spec!r}: the factory returned a {type(backend).__name__}, which "
+            f"lacks {', '.join(missing)} (see tokenq.worker.backend.Backend)"
+        )
+    not_callable = [name for name in _BACKEND_MEMBERS[1:] if not callable(getattr(backend, name))]
+    if not_callable:
+        raise ConfigError(
+            f"backend {spec!r}: {', '.join(not_callable)} of the returned "
+            f"{type(backend).__name__} must be methods"
+        )
+    if not isinstance(backend.info, BackendInfo):
+        raise ConfigError(
+            f"backend {spec!r}: info must be a tokenq.worker.backend.BackendInfo, "
+            f"got {type(backend.info).__name__}"
+        )
+    if backend.info.max_input_tokens < 1:
+        raise ConfigError(
+            f"backend {spec!r}: info.max_input_tokens must be >= 1, "
+            f"got {backend.info.max_input_tokens}"
+        )
+    return cast(Backend, backend)
+
+
+def _is_prefix(missing: str, module_name: str) -> bool:
+    """True when ``missing`` is ``module_name`` or one of its parent packages."""
+    return module_name == missing or module_name.startswith(missing + ".")

@@ -1,0 +1,363 @@
+"""A simulated GPU backend (``--backend sim``): exact tokens, modelled time and memory.
+
+Why it exists: every part of tokenq above the backend (packer, worker loop,
+out-of-memory recovery, end-to-end tests, benchmarks) should be exercised
+without a GPU or a model download, and with results a test can check. So the
+sim behaves like a padded (or varlen) encoder in the ways that matter to a
+batcher, and in no others:
+
+* **Tokens** are deterministic and cheap: each CJK ideograph, kana or hangul
+  character is one token, every other run of ``\\w`` characters is one token,
+  every other non-space character is one token; plus 2 special tokens (3 for a
+  ``text_pair``), as a BERT-style tokenizer adds ``[CLS] a [SEP]`` /
+  ``[CLS] a [SEP] b [SEP]``.
+* **Time** of a batch is ``sim_batch_ms + sim_token_us x cost`` where cost is
+  ``rows x longest`` (padded) or the sum of lengths (``sim_ragged``); it is
+  spent in ``time.sleep`` so it releases the GIL like a real kernel launch.
+* **Memory** of a batch is ``cost x sim_bytes_per_token``; above
+  ``sim_capacity_bytes`` the batch raises :class:`DeviceOutOfMemory`.
+* **Results** are unit float32 vectors derived from the tokens actually kept
+  (after truncation), so :func:`expected_vector` tells a test exactly what a
+  request's reply must hold, whichever batch it rode in.
+* **Chunks**: :meth:`SimBackend.windows` splits an over-long input into
+  overlapping windows exactly as the hf backend does (the 'chunk' policy),
+  and :func:`expected_chunked_vector` is the answer such a request must get.
+* **Poison**: any batch holding a text with :data:`SIM_FAIL_MARKER` raises
+  ``ValueError``, and a text with :data:`SIM_NAN_MARKER` yields a NaN vector,
+  so tests can check that the worker isolates bad inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenq.shared.errors import ConfigError, DeviceOutOfMemory
+from tokenq.shared.settings import WorkerSettings
+from tokenq.worker.backend import BackendInfo, Encoding, TextInput
+from tokenq.worker.hf_encoding import combine_chunks, sliding_windows
+
+SIM_FAIL_MARKER = "<<tokenq-sim-fail>>"
+"""A text containing this makes any batch it is in raise ``ValueError``."""
+
+SIM_NAN_MARKER = "<<tokenq-sim-nan>>"
+"""A text containing this gets an all-NaN vector (the rest of its batch is fine)."""
+
+SPECIAL_TOKENS = 2
+"""``[CLS] text [SEP]``."""
+
+PAIR_SPECIAL_TOKENS = 3
+"""``[CLS] text [SEP] text_pair [SEP]``."""
+
+# Scripts written without spaces between words: one character, one token (as
+# WordPiece/SentencePiece vocabularies mostly do for them).
+_CJK = (
+    "\u1100-\u11ff"  # Hangul Jamo
+    "\u3040-\u309f"  # Hiragana
+    "\u30a0-\u30ff"  # Katakana
+    "\u3130-\u318f"  # Hangul compatibility Jamo
+    "\u31f0-\u31ff"  # Katakana phonetic extensions
+    "\u3400-\u4dbf"  # CJK extension A
+    "\u4e00-\u9fff"  # CJK unified ideographs
+    "\ua960-\ua97f"  # Hangul Jamo extended A
+    "\uac00-\ud7af"  # Hangul syllables
+    "\ud7b0-\ud7ff"  # Hangul Jamo extended B
+    "\uf900-\ufaff"  # CJK compatibility ideographs
+    "\uff66-\uff9f"  # Halfwidth katakana
+    "\U00020000-\U0003134f"  # CJK extensions B-G and the compatibility supplement
+)
+_TOKEN = re.compile(rf"[{_CJK}]|(?:(?![{_CJK}])\w)+|[^\w\s]")
+
+
+@dataclass(frozen=True, slots=True)
+class SimEncoding:
+    """One tokenized input: its length and the content tokens it kept."""
+
+    length: int
+    """Tokens the sequence occupies, special tokens included."""
+    tokens: tuple[str, ...]
+    """Content tokens of ``text`` kept after truncation."""
+    pair_tokens: tuple[str, ...] | None = None
+    """Content tokens of ``text_pair`` kept after truncation, if there was one."""
+    fail: bool = False
+    """The original input carried :data:`SIM_FAIL_MARKER`."""
+    nan: bool = False
+    """The original input carried :data:`SIM_NAN_MARKER`."""
+
+
+def split_tokens(text: str) -> list[str]:
+    """The sim's content tokens of a text, without special tokens or truncation."""
+    return _TOKEN.findall(text)
+
+
+def count_tokens(text: str, text_pair: str | None = None) -> int:
+    """Untruncated length of an input, special tokens included (a producer's exact estimate)."""
+    if text_pair is None:
+        return len(split_tokens(text)) + SPECIAL_TOKENS
+    return len(split_tokens(text)) + len(split_tokens(text_pair)) + PAIR_SPECIAL_TOKENS
+
+
+def _truncated_pair_lengths(first: int, second: int, room: int) -> tuple[int, int]:
+    """How many content tokens of each side a pair keeps within ``room`` tokens.
+
+    Closed form of Hugging Face's ``longest_first`` strategy: drop one token at
+    a time from the longer side (the second on a tie) until the pair fits.
+    """
+    if first + second <= room:
+        return first, second
+    shorter = min(first, second)
+    if room - shorter >= shorter:
+        # The longer side shrinks to what is left; the shorter one is untouched.
+        return (shorter, room - shorter) if first <= second else (room - shorter, shorter)
+    # Both sides shrink to about half; ties take from the second side first.
+    return (room + 1) // 2, room // 2
+
+
+def encode(text: str, text_pair: str | None = None, max_length: int | None = None) -> SimEncoding:
+    """Tokenize one input the way :class:`SimBackend` does (pure; used by tests too)."""
+    tokens = split_tokens(text)
+    pair_tokens = None if text_pair is None else split_tokens(text_pair)
+    specials = SPECIAL_TOKENS if pair_tokens is None else PAIR_SPECIAL_TOKENS
+    if max_length is not None:
+        room = max_length - specials
+        if room < 0:
+            raise ValueError(
+                f"max_length {max_length} is shorter than the {specials} special tokens"
+            )
+        if pair_tokens is None:
+            del tokens[room:]
+        else:
+            keep_first, keep_second = _truncated_pair_lengths(len(tokens), len(pair_tokens), room)
+            del tokens[keep_first:]
+            del pair_tokens[keep_second:]
+    length = len(tokens) + specials + (0 if pair_tokens is None else len(pair_tokens))
+    texts = (text,) if text_pair is None else (text, text_pair)
+    return SimEncoding(
+        length=length,
+        tokens=tuple(tokens),
+        pair_tokens=None if pair_tokens is None else tuple(pair_tokens),
+        fail=any(SIM_FAIL_MARKER in t for t in texts),
+        nan=any(SIM_NAN_MARKER in t for t in texts),
+    )
+
+
+def vector_of(encoding: SimEncoding, dim: int) -> np.ndarray:
+    """The unit float32 vector the sim computes for an encoding.
+
+    blake2b over the kept tokens (length-prefixed, so no two token lists
+    collide by concatenation) seeds SHAKE-256, whose bytes become uniform
+    values in [-1, 1). Hash-derived rather than numpy-RNG-derived so a vector
+    is the same on every numpy version and platform.
+    """
+    digest = hashlib.blake2b(digest_size=32, person=b"tokenq-sim")
+    sides = [encoding.tokens]
+    if encoding.pair_tokens is not None:
+        sides.append(encoding.pair_tokens)
+    for side in sides:
+        digest.update(len(side).to_bytes(8, "little"))
+        for token in side:
+            raw = token.encode("utf-8", errors="surrogatepass")
+            digest.update(len(raw).to_bytes(4, "little"))
+            digest.update(raw)
+    stream = hashlib.shake_256(digest.digest()).digest(4 * dim)
+    values = np.frombuffer(stream, dtype="<u4").astype(np.float64) / 2.0**31 - 1.0
+    norm = float(np.linalg.norm(values))
+    if norm == 0.0:  # astronomically unlikely; keep the unit-norm promise anyway
+        values[0], norm = 1.0, 1.0
+    return (values / norm).astype(np.float32)
+
+
+def expected_vector(
+    text: str,
+    dim: int,
+    max_input_tokens: int | None = None,
+    text_pair: str | None = None,
+) -> np.ndarray:
+    """What the sim backend answers for this input (truncated to ``max_input_tokens``).
+
+    Pure, so a test can check any reply end-to-end without knowing which batch
+    carried the request.
+    """
+    return vector_of(encode(text, text_pair, max_input_tokens), dim)
+
+
+def expected_chunked_vector(text: str, dim: int, max_input_tokens: int, overlap: int) -> np.ndarray:
+    """What a worker with the 'chunk' policy answers for ``text`` on the sim backend.
+
+    An input that fits is answered whole (as :func:`expected_vector`); a longer
+    one is the re-normalised, length-weighted mean of its windows' vectors.
+    """
+    windows = _windows(encode(text), max_input_tokens, overlap)
+    if len(windows) == 1:
+        return vector_of(windows[0], dim)
+    vectors = [vector_of(window, dim) for window in windows]
+    return combine_chunks(vectors, [window.length for window in windows], normalize=True)
+
+
+def _windows(encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEncoding]:
+    if encoding.pair_tokens is not None:
+        raise ValueError("a (text, text_pair) input cannot be chunked")
+    if encoding.length <= max_length:
+        return [encoding]
+    # The hf backend's own window rule, over content tokens (the specials go
+    # back around each window), so both backends chunk alike.
+    positions = range(len(encoding.tokens))
+    parts = sliding_windows(positions, 0, 0, max_length - SPECIAL_TOKENS, overlap)
+    return [
+        SimEncoding(
+            length=len(part) + SPECIAL_TOKENS,
+            tokens=tuple(encoding.tokens[i] for i in part),
+            fail=encoding.fail,
+            nan=encoding.nan,
+        )
+        for part in parts
+    ]
+
+
+class SimBackend:
+    """A simulated encoder on a simulated device; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        dim: int = 32,
+        max_input_tokens: int = 2048,
+        batch_ms: float = 0.5,
+        token_us: float = 0.05,
+        bytes_per_token: int = 4096,
+        capacity_bytes: int = 1 << 30,
+        ragged: bool = False,
+        pairs: bool = False,
+    ) -> None:
+        """``pairs`` makes it claim to be a cross-encoder (``info.pairs``), for tests."""
+        if dim < 1 or max_input_tokens <= SPECIAL_TOKENS:
+            raise ConfigError(
+                f"sim needs dim >= 1 and max_input_tokens > {SPECIAL_TOKENS} (its special "
+                f"tokens), got dim={dim} and max_input_tokens={max_input_tokens}"
+            )
+        self.info = BackendInfo(
+            name="sim",
+            model="sim",
+            task="embed",
+            max_input_tokens=max_input_tokens,
+            padded=not ragged,
+            dim=dim,
+            pairs=pairs,
+        )
+        self.normalize = True
+        """Its vectors are unit length (the worker re-normalises combined chunks)."""
+        self.batch_ms = batch_ms
+        self.token_us = token_us
+        self.bytes_per_token = bytes_per_token
+        self.capacity_bytes = capacity_bytes
+        self.ragged = ragged
+        # Counters for benchmarks and tests; a lock because the worker may read
+        # them from another thread while a batch runs.
+        self._lock = threading.Lock()
+        self.batches = 0
+        """Batches that ran to completion."""
+        self.rows = 0
+        """Rows in the batches that ran to completion."""
+        self.oom_events = 0
+        """Batches refused for lack of device memory."""
+        self.failures = 0
+        """Batches that raised because of :data:`SIM_FAIL_MARKER`."""
+        self.peak_memory_bytes = 0
+        """Largest memory a completed batch used."""
+        self.busy_s = 0.0
+        """Simulated device time spent on completed batches."""
+        self.closed = False
+
+    def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
+        """Exact sim tokens of each input, truncated to ``max_length`` when given."""
+        return [encode(item.text, item.text_pair, max_length) for item in inputs]
+
+    def windows(self, encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEncoding]:
+        """Overlapping windows of at most ``max_length`` tokens of an over-long input."""
+        if max_length > self.info.max_input_tokens:
+            raise ValueError(
+                f"window length {max_length} exceeds the model's {self.info.max_input_tokens}"
+            )
+        return _windows(encoding, max_length, overlap)
+
+    def cost(self, batch: Sequence[SimEncoding]) -> int:
+        """Tokens the simulated device pays for a batch (its memory and time driver)."""
+        lengths = [encoding.length for encoding in batch]
+        if not lengths:
+            return 0
+        return sum(lengths) if self.ragged else len(lengths) * max(lengths)
+
+    def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
+        """Sleep for the modelled time and return one unit vector per row.
+
+        Raises DeviceOutOfMemory when the batch would not fit (before spending
+        any time, as an allocation failure would), ValueError for a poisoned
+        batch or a row longer than the model takes.
+        """
+        if self.closed:
+            raise RuntimeError("sim backend is closed")
+        rows: list[SimEncoding] = []
+        for encoding in batch:
+            if not isinstance(encoding, SimEncoding):
+                raise TypeError(f"sim backend got a {type(encoding).__name__}, not a SimEncoding")
+            if encoding.length > self.info.max_input_tokens:
+                raise ValueError(
+                    f"a row of {encoding.length} tokens exceeds the model's "
+                    f"max_input_tokens {self.info.max_input_tokens}"
+                )
+            rows.append(encoding)
+        if not rows:
+            return []
+        cost = self.cost(rows)
+        memory = cost * self.bytes_per_token
+        if memory > self.capacity_bytes:
+            with self._lock:
+                self.oom_events += 1
+            raise DeviceOutOfMemory(
+                f"sim: batch of {len(rows)} rows needs {memory} bytes "
+                f"({cost} tokens), device capacity is {self.capacity_bytes} bytes"
+            )
+        if any(encoding.fail for encoding in rows):
+            with self._lock:
+                self.failures += 1
+            raise ValueError(f"sim: batch holds an input marked {SIM_FAIL_MARKER!r}")
+        seconds = (self.batch_ms * 1e3 + self.token_us * cost) / 1e6
+        started = time.perf_counter()
+        dim = self.info.dim or 1
+        outputs = [
+            np.full(dim, np.nan, dtype=np.float32) if encoding.nan else vector_of(encoding, dim)
+            for encoding in rows
+        ]
+        # Hashing counts toward the modelled time rather than adding to it.
+        remaining = seconds - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        with self._lock:
+            self.batches += 1
+            self.rows += len(rows)
+            self.peak_memory_bytes = max(self.peak_memory_bytes, memory)
+            self.busy_s += seconds
+        return outputs
+
+    def close(self) -> None:
+        """Nothing to release; later runs raise, as with a freed device."""
+        self.closed = True
+
+
+def build_sim_backend(settings: WorkerSettings) -> SimBackend:
+    """The sim backend configured by the ``sim_*`` settings."""
+    return SimBackend(
+        dim=settings.sim_dim,
+        max_input_tokens=settings.sim_max_input_tokens,
+        batch_ms=settings.sim_batch_ms,
+        token_us=settings.sim_token_us,
+        bytes_per_token=settings.sim_bytes_per_token,
+        capacity_bytes=settings.sim_capacity_bytes,
+        ragged=settings.sim_ragged,
+    )

@@ -1,0 +1,86 @@
+"""What a worker reports about itself: per-batch records and rolling totals.
+
+Each batch becomes one :class:`BatchRecord` (rows, real tokens, padded tokens,
+cost under the budget, time on the device). Records go to the debug log, to
+an optional JSON-lines file (``--batch-log``, which tests and benchmarks read
+to check that no batch broke the budget), and into the totals a heartbeat
+publishes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tokenq.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    worker: str
+    rows: int
+    tokens: int
+    padded_tokens: int
+    cost: int
+    max_batch_tokens: int
+    max_batch_size: int
+    sealed: bool
+    device_ms: float
+    failed: int
+    oom_splits: int
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Totals since start; published in each heartbeat."""
+
+    started_at: float = field(default_factory=time.time)
+    requests_ok: int = 0
+    requests_failed: int = 0
+    batches: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    device_ms: float = 0.0
+    oom_splits: int = 0
+
+    def record(self, batch: BatchRecord) -> None:
+        self.batches += 1
+        self.tokens += batch.tokens
+        self.padded_tokens += batch.padded_tokens
+        self.device_ms += batch.device_ms
+        self.oom_splits += batch.oom_splits
+        self.requests_ok += batch.rows - batch.failed
+        self.requests_failed += batch.failed
+
+    @property
+    def padding_efficiency(self) -> float:
+        return self.tokens / self.padded_tokens if self.padded_tokens else 1.0
+
+    def snapshot(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["padding_efficiency"] = round(self.padding_efficiency, 4)
+        return data
+
+
+class BatchLog:
+    """Appends one JSON line per batch to a file, when configured."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._file = path.open("a", encoding="utf-8", buffering=1) if path else None
+
+    def write(self, record: BatchRecord) -> None:
+        log.debug(
+            "batch rows=%d tokens=%d padded=%d cost=%d/%d ms=%.1f failed=%d",
+            record.rows, record.tokens, record.padded_tokens, record.cost,
+            record.max_batch_tokens, record.device_ms, record.failed,
+        )
+        if self._file is not None:
+            self._file.write(json.dumps(asdict(record)) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
