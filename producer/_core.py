@@ -31,6 +31,7 @@ from tokenq.shared import keys, wire
 from tokenq.shared.errors import (
     BadRequest,
     DecodeError,
+    ErrorCode,
     QueueFull,
     RemoteError,
     TokenqError,
@@ -52,7 +53,7 @@ ENQUEUE_SCRIPT = resources.files("tokenq.producer").joinpath("enqueue.lua").read
 QUEUE_FULL_PREFIX = "QUEUEFULL"
 """First word of the error the enqueue script answers when the batch does not fit."""
 
-BAD_REPLY = "bad_reply"
+BAD_REPLY = ErrorCode.BAD_REPLY.value
 """Error code of a :class:`RemoteError` raised for a reply that does not decode."""
 
 BLOCK_FLOOR_S = 0.01
