@@ -9,15 +9,24 @@ transformers or numpy, so importing it costs a web process next to nothing.
         result = client.infer("hello world")          # Result(embedding=array('f', ...))
         ids = client.submit_many(["a", "b"])          # fire now ...
         results = client.results(ids, timeout_s=10)   # ... collect later, anywhere
+
+Once a worker has published the queue's config, the client refuses what the
+workers would refuse before writing anything (:class:`InputTooLong` on a
+``policy=reject`` queue, a ``text_pair`` on a single-text model), counting
+tokens exactly with the queue's tokenizer.json when the optional
+``tokenizers`` package can load it (see docs/ESTIMATES.md).
 """
 
+from tokenq.producer._config import HEURISTIC_MARGIN, InputTooLong
 from tokenq.producer._core import Estimator, ReplyTimeout, Result
 from tokenq.producer.aio import AsyncClient
 from tokenq.producer.client import Client
 from tokenq.producer.estimate import estimate_tokens
+from tokenq.producer.tokenizer import TokenizerEstimator
 from tokenq.shared.errors import (
     BadRequest,
     BrokerUnavailable,
+    ConfigError,
     DeadlineExceeded,
     QueueFull,
     RemoteError,
@@ -25,16 +34,20 @@ from tokenq.shared.errors import (
 )
 
 __all__ = [
+    "HEURISTIC_MARGIN",
     "AsyncClient",
     "BadRequest",
     "BrokerUnavailable",
     "Client",
+    "ConfigError",
     "DeadlineExceeded",
     "Estimator",
+    "InputTooLong",
     "QueueFull",
     "RemoteError",
     "ReplyTimeout",
     "Result",
+    "TokenizerEstimator",
     "TokenqError",
     "estimate_tokens",
 ]

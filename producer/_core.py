@@ -4,7 +4,8 @@ Everything a producer decides without talking to Redis lives here, in the
 manner of httpx's ``BaseClient``: merging settings, checking what the caller
 passed, making request ids, building stream fields, choosing reply keys,
 laying out the enqueue script's arguments, turning reply bytes into a
-:class:`Result` or an exception, and sizing each blocking wait. It never
+:class:`Result` or an exception, and sizing each blocking wait. What the
+queue's config hash lets it refuse early lives in :mod:`._config`. It never
 reads a clock (callers pass ``now_ms``) and never imports redis, so the two
 clients differ only in transport and ``await``, and tests can drive it
 directly.
@@ -26,7 +27,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
 
-from tokenq.producer.estimate import estimate_tokens
+from tokenq.producer._config import (
+    DEFAULT_CONFIG_TTL_S,
+    ESTIMATOR_MODES,
+    ConfigCache,
+    EstimatorMode,
+)
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import (
     BadRequest,
@@ -42,7 +48,15 @@ from tokenq.shared.settings import ClientSettings
 log = logging.getLogger("tokenq.producer")
 
 Estimator = Callable[[str], int] | Callable[[str, str | None], int]
-"""Token estimator: ``f(text)`` or ``f(text, text_pair)`` -> estimated tokens."""
+"""Token estimator: ``f(text)`` or ``f(text, text_pair)`` -> estimated tokens.
+
+An estimator with an ``exact = True`` attribute is trusted as exact: inputs
+are compared with the queue's limit without the heuristic's safety margin.
+"""
+
+EstimatorChoice = EstimatorMode | Estimator | None
+"""What a client's ``estimator=`` takes: ``"auto"`` (the default; None means
+the same), ``"heuristic"``, ``"exact"``, or a callable."""
 
 TextItem = str | tuple[str, str]
 """One input of a batch: a text, or a ``(text, text_pair)`` pair for rerankers."""
@@ -172,16 +186,47 @@ def _check_timeout(value: object, name: str) -> float:
     return float(value)
 
 
+def config_cache(estimator: EstimatorChoice, config_ttl_s: float) -> ConfigCache:
+    """The config cache for a client's ``estimator=`` and ``config_ttl_s=`` arguments."""
+    if isinstance(config_ttl_s, bool) or not isinstance(config_ttl_s, (int, float)):
+        raise BadRequest(f"config_ttl_s must be a number of seconds, got {config_ttl_s!r}")
+    if not math.isfinite(config_ttl_s) or config_ttl_s < 0:
+        raise BadRequest(f"config_ttl_s must be a finite number >= 0, got {config_ttl_s!r}")
+    if estimator is None:
+        return ConfigCache("auto", ttl_s=float(config_ttl_s))
+    if isinstance(estimator, str):
+        if estimator not in ESTIMATOR_MODES:
+            raise BadRequest(
+                f"estimator must be one of {', '.join(map(repr, ESTIMATOR_MODES))} "
+                f"or a callable, got {estimator!r}"
+            )
+        return ConfigCache(estimator, ttl_s=float(config_ttl_s))  # type: ignore[arg-type]
+    if not callable(estimator):
+        raise BadRequest(f"estimator must be a mode name or a callable, got {estimator!r}")
+    exact = getattr(estimator, "exact", False) is True
+    return ConfigCache(
+        "custom", custom=_pair_aware(estimator), custom_exact=exact, ttl_s=float(config_ttl_s)
+    )
+
+
 class ClientCore:
     """Decisions the sync and async clients share; holds no connection."""
 
-    def __init__(self, settings: ClientSettings, estimator: Estimator | None = None) -> None:
+    def __init__(
+        self,
+        settings: ClientSettings,
+        estimator: EstimatorChoice = None,
+        config_ttl_s: float = DEFAULT_CONFIG_TTL_S,
+        refuse_early: bool = True,
+    ) -> None:
         self.settings = settings
+        self.refuse_early = refuse_early
         self.queue = settings.queue_ref
         self.stream_key = keys.requests(self.queue)
         self.config_key = keys.config(self.queue)
         self.url = redact_url(settings.redis_url)
-        self._estimate = _pair_aware(estimator or estimate_tokens)
+        self.config_cache = config_cache(estimator, config_ttl_s)
+        self._config_warned = False
 
     # ------------------------------------------------------------------ ids
 
@@ -279,13 +324,19 @@ class ClientCore:
         limit = self.settings.max_request_bytes
         if size > limit:
             raise BadRequest(f"{where} is {size} bytes of UTF-8, over the limit of {limit} bytes")
+        chars = len(text) + (0 if pair is None else len(pair))
+        estimating = self.config_cache.current().for_length(chars)
+        estimating.ensure_exact(self.queue.name)
+        tokens = self._tokens(estimating.estimate, text, pair, where)
+        if self.refuse_early:
+            estimating.check(self.queue.name, tokens=tokens, has_pair=pair is not None, where=where)
 
         request_id = self.new_id()
         target = self.reply_key(request_id) if reply_to is None else self._reply_to(reply_to)
         request = wire.Request(
             id=request_id,
             text=text,
-            tokens=self._tokens(text, pair, where),
+            tokens=tokens,
             reply_to=target,
             deadline_ms=self.deadline_ms(deadline_s, deadline_ms, now_ms),
             text_pair=pair,
@@ -329,8 +380,11 @@ class ClientCore:
             raise BadRequest(f"{where} is not valid Unicode: {exc.reason}") from None
         return value
 
-    def _tokens(self, text: str, pair: str | None, where: str) -> int:
-        tokens = self._estimate(text, pair)
+    @staticmethod
+    def _tokens(
+        estimate: Callable[[str, str | None], int], text: str, pair: str | None, where: str
+    ) -> int:
+        tokens = estimate(text, pair)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise BadRequest(
                 f"the token estimator returned {tokens!r} for {where}; "
@@ -396,6 +450,31 @@ class ClientCore:
         """
         ceiling = self.settings.socket_timeout_s / 2
         return max(BLOCK_FLOOR_S, min(remaining_s, ceiling))
+
+    # --------------------------------------------------------------- config
+
+    def take_config(self, raw: Mapping[bytes, bytes], now_s: float) -> str | None:
+        """Adopt a fresh HGETALL of the config hash (read at monotonic ``now_s``).
+
+        Returns the path of a tokenizer.json to load (with
+        :func:`tokenq.producer.tokenizer.load_estimator`) and hand to
+        ``config_cache.take_tokenizer`` before the next request, or None.
+        """
+        return self.config_cache.take(self.decode_config(raw), now_s)
+
+    def config_unreadable(self, error: Exception, now_s: float) -> None:
+        """Carry on without early checks when Redis refuses the read (an ACL, a wrong type).
+
+        A producer's minimal ACL need not allow reading the config hash
+        (docs/PROTOCOL.md), so this is a warning, once, not a failure: the
+        worker still checks every request.
+        """
+        level = logging.DEBUG if self._config_warned else logging.WARNING
+        log.log(
+            level, "cannot read %s (%s); enqueueing without early checks", self.config_key, error
+        )
+        self._config_warned = True
+        self.config_cache.take(None, now_s)
 
     @staticmethod
     def decode_config(raw: Mapping[bytes, bytes]) -> dict[str, str]:

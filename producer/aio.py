@@ -8,6 +8,10 @@ caller's future by request id. So a thousand concurrent ``infer`` calls use
 at most ``max_connections`` pooled connections for enqueueing plus one for
 listening. The listener runs only while someone waits, and replies for ids
 nobody waits for any more (a caller that timed out) are dropped.
+
+The config hash is re-read as by the sync client, under one lock so that
+concurrent callers share a single read; a tokenizer it names is loaded in a
+worker thread, so the event loop never parses a tokenizer.json.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from tokenq.producer._config import DEFAULT_CONFIG_TTL_S
 from tokenq.producer._core import (
     BACKOFF_BASE_S,
     BACKOFF_CAP_S,
     ENQUEUE_SCRIPT,
     ClientCore,
-    Estimator,
+    EstimatorChoice,
     Outcome,
     Prepared,
     ReplyTimeout,
@@ -37,6 +42,7 @@ from tokenq.producer._core import (
     TextItem,
     make_settings,
 )
+from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared.errors import BrokerUnavailable, TokenqError
 from tokenq.shared.settings import ClientSettings
 
@@ -67,7 +73,8 @@ class AsyncClient:
     """An asyncio producer for one queue; see :class:`tokenq.producer.Client` for the API.
 
     Use it from one event loop. ``max_connections`` bounds the command pool
-    (the listener has one more connection of its own).
+    (the listener has one more connection of its own). ``estimator``,
+    ``config_ttl_s`` and ``refuse_early`` work as for the sync client.
     """
 
     def __init__(
@@ -78,9 +85,11 @@ class AsyncClient:
         prefix: str | None = None,
         max_queue_length: int | None = None,
         timeout_s: float | None = None,
-        estimator: Estimator | None = None,
+        estimator: EstimatorChoice = "auto",
         settings: ClientSettings | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        config_ttl_s: float = DEFAULT_CONFIG_TTL_S,
+        refuse_early: bool = True,
     ) -> None:
         self.settings = make_settings(
             settings,
@@ -90,7 +99,8 @@ class AsyncClient:
             max_queue_length=max_queue_length,
             timeout_s=timeout_s,
         )
-        self._core = ClientCore(self.settings, estimator)
+        self._core = ClientCore(self.settings, estimator, config_ttl_s, refuse_early)
+        self._config_lock = asyncio.Lock()
         self.client_id = self._core.new_id()
         self._reply_key = self._core.reply_key(self.client_id)
         s = self.settings
@@ -183,6 +193,7 @@ class AsyncClient:
         opts: Mapping[str, Any] | None = None,
     ) -> str:
         """Enqueue one text; its reply goes to its own key, for :meth:`result`."""
+        await self._ensure_config()
         prepared = self._core.prepare(
             text,
             now_ms=_now_ms(),
@@ -205,6 +216,7 @@ class AsyncClient:
         opts: Mapping[str, Any] | None = None,
     ) -> list[str]:
         """Enqueue a batch all or nothing; ids in input order."""
+        await self._ensure_config()
         batch = self._core.prepare_many(
             texts,
             now_ms=_now_ms(),
@@ -215,6 +227,28 @@ class AsyncClient:
         )
         await self._enqueue(batch)
         return [p.id for p in batch]
+
+    async def _ensure_config(self) -> None:
+        """Re-read the queue's config hash if the cached copy is older than ``config_ttl_s``."""
+        async with self._config_lock:
+            if self._core.config_cache.due(time.monotonic()):
+                await self._read_config(strict=False)
+
+    async def _read_config(self, *, strict: bool) -> dict[str, str]:
+        """HGETALL the config hash into the cache (see :meth:`Client._read_config`)."""
+        with self._broker():
+            try:
+                raw = await self._redis.hgetall(self._core.config_key)
+            except redis.ResponseError as exc:
+                if strict:
+                    raise
+                self._core.config_unreadable(exc, time.monotonic())
+                return {}
+        path = self._core.take_config(raw, time.monotonic())
+        if path is not None:
+            loaded = await asyncio.to_thread(load_estimator, path)
+            self._core.config_cache.take_tokenizer(path, loaded)
+        return self._core.decode_config(raw)
 
     async def _enqueue(self, batch: Sequence[Prepared]) -> None:
         if not batch:
@@ -316,6 +350,7 @@ class AsyncClient:
         started = time.monotonic()
         timeout = self._core.timeout(timeout_s)
         common = self._infer_fields(timeout, deadline_s, deadline_ms, opts)
+        await self._ensure_config()
         prepared = self._core.prepare(text, text_pair=text_pair, **common)
         results: list[Result] = await self._run([prepared], started + timeout, started, False)
         return results[0]
@@ -334,6 +369,7 @@ class AsyncClient:
         started = time.monotonic()
         timeout = self._core.timeout(timeout_s)
         common = self._infer_fields(timeout, deadline_s, deadline_ms, opts)
+        await self._ensure_config()
         batch = self._core.prepare_many(texts, **common)
         return await self._run(batch, started + timeout, started, return_exceptions)
 
@@ -434,7 +470,6 @@ class AsyncClient:
             return int(await self._redis.xlen(self._core.stream_key))
 
     async def config(self) -> dict[str, str]:
-        """The queue's config hash (see :meth:`tokenq.producer.Client.config`)."""
-        with self._broker():
-            raw = await self._redis.hgetall(self._core.config_key)
-        return self._core.decode_config(raw)
+        """The queue's config hash; refreshes the cached copy (see ``Client.config``)."""
+        async with self._config_lock:
+            return await self._read_config(strict=True)

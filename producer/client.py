@@ -6,10 +6,16 @@ timeout) that ends at the caller's deadline, so no call can hang; Redis being
 unreachable until then is reported as :class:`BrokerUnavailable`, a missing
 reply as :class:`ReplyTimeout`. A ``Client`` holds no per-call state, so one
 instance may be shared by threads.
+
+Before an enqueue the client makes sure its copy of the queue's config hash
+is at most ``config_ttl_s`` old (one HGETALL when it is not), so that the
+core can refuse what the workers would refuse (see
+:mod:`tokenq.producer._config`); every other enqueue is one round trip.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -19,12 +25,13 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from tokenq.producer._config import DEFAULT_CONFIG_TTL_S
 from tokenq.producer._core import (
     BACKOFF_BASE_S,
     BACKOFF_CAP_S,
     ENQUEUE_SCRIPT,
     ClientCore,
-    Estimator,
+    EstimatorChoice,
     Outcome,
     Prepared,
     ReplyTimeout,
@@ -32,6 +39,7 @@ from tokenq.producer._core import (
     TextItem,
     make_settings,
 )
+from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared.errors import BrokerUnavailable
 from tokenq.shared.settings import ClientSettings
 
@@ -47,9 +55,21 @@ class Client:
 
     Settings come from ``settings`` (or ``TOKENQ_*`` environment variables
     when omitted); keyword arguments that are not None override them.
-    ``estimator`` replaces the built-in token estimate
-    (:func:`tokenq.producer.estimate_tokens`). ``max_connections`` caps the
-    Redis connection pool (default: one per concurrent thread).
+    ``max_connections`` caps the Redis connection pool (default: one per
+    concurrent thread).
+
+    ``estimator`` chooses the ``tokens`` count sent with each request and
+    used for early refusal: ``"auto"`` counts exactly with the tokenizer.json
+    the queue's config names when the ``tokenizers`` package can load it,
+    else uses the heuristic :func:`tokenq.producer.estimate_tokens`;
+    ``"heuristic"`` never loads a tokenizer; ``"exact"`` raises
+    :class:`~tokenq.shared.errors.ConfigError` rather than enqueue without
+    one; a callable ``f(text)`` or ``f(text, text_pair)`` replaces both
+    (give it ``exact = True`` to have it compared without a margin, as
+    :class:`tokenq.producer.TokenizerEstimator` does). ``config_ttl_s`` is
+    how long a read of the queue's config hash is trusted.
+    ``refuse_early=False`` sends everything on to the workers, which answer
+    what they refuse with an error reply (to test a worker's own checks).
     """
 
     def __init__(
@@ -60,9 +80,11 @@ class Client:
         prefix: str | None = None,
         max_queue_length: int | None = None,
         timeout_s: float | None = None,
-        estimator: Estimator | None = None,
+        estimator: EstimatorChoice = "auto",
         settings: ClientSettings | None = None,
         max_connections: int | None = None,
+        config_ttl_s: float = DEFAULT_CONFIG_TTL_S,
+        refuse_early: bool = True,
     ) -> None:
         self.settings = make_settings(
             settings,
@@ -72,7 +94,8 @@ class Client:
             max_queue_length=max_queue_length,
             timeout_s=timeout_s,
         )
-        self._core = ClientCore(self.settings, estimator)
+        self._core = ClientCore(self.settings, estimator, config_ttl_s, refuse_early)
+        self._config_lock = threading.Lock()
         self.client_id = self._core.new_id()
         s = self.settings
         self._redis = redis.Redis.from_url(
@@ -137,8 +160,10 @@ class Client:
         ``reply_to`` overrides the reply key (``result`` only reads the
         default one). Raises :class:`QueueFull` when the queue is at its
         limit and :class:`BadRequest` for invalid input; nothing is written
-        in either case.
+        in either case. :class:`InputTooLong` (a ``BadRequest``) means the
+        queue's config rejects input that long.
         """
+        self._ensure_config()
         prepared = self._core.prepare(
             text,
             now_ms=_now_ms(),
@@ -165,6 +190,7 @@ class Client:
         If the whole batch does not fit under the queue's limit, nothing is
         written and :class:`QueueFull` is raised.
         """
+        self._ensure_config()
         batch = self._core.prepare_many(
             texts,
             now_ms=_now_ms(),
@@ -175,6 +201,31 @@ class Client:
         )
         self._enqueue(batch)
         return [p.id for p in batch]
+
+    def _ensure_config(self) -> None:
+        """Re-read the queue's config hash if the cached copy is older than ``config_ttl_s``."""
+        with self._config_lock:
+            if self._core.config_cache.due(time.monotonic()):
+                self._read_config(strict=False)
+
+    def _read_config(self, *, strict: bool) -> dict[str, str]:
+        """HGETALL the config hash into the cache, loading a newly named tokenizer.
+
+        Not ``strict``: a refused read (an ACL without access to the hash)
+        leaves the client without early checks instead of failing enqueues.
+        """
+        with self._broker():
+            try:
+                raw = self._redis.hgetall(self._core.config_key)
+            except redis.ResponseError as exc:
+                if strict:
+                    raise
+                self._core.config_unreadable(exc, time.monotonic())
+                return {}
+        path = self._core.take_config(raw, time.monotonic())
+        if path is not None:
+            self._core.config_cache.take_tokenizer(path, load_estimator(path))
+        return self._core.decode_config(raw)
 
     def _enqueue(self, batch: Sequence[Prepared]) -> None:
         if not batch:
@@ -319,6 +370,7 @@ class Client:
         timeout = self._core.timeout(timeout_s)
         deadline_s, deadline_ms = self._core.infer_deadline(timeout, deadline_s, deadline_ms)
         reply_key = self._core.reply_key(self._core.new_id())
+        self._ensure_config()
         batch = self._core.prepare_many(
             texts,
             now_ms=_now_ms(),
@@ -372,10 +424,9 @@ class Client:
     def config(self) -> dict[str, str]:
         """The queue's config hash as workers published it (empty before any started).
 
-        This is the hook for refusing requests early: when the hash names
-        ``max_input_tokens`` with ``policy=reject``, a producer can compare
-        its estimate before enqueueing.
+        Reading it also refreshes the copy enqueues are checked against, so
+        call this after changing a queue's workers to stop waiting out
+        ``config_ttl_s``.
         """
-        with self._broker():
-            raw = self._redis.hgetall(self._core.config_key)
-        return self._core.decode_config(raw)
+        with self._config_lock:
+            return self._read_config(strict=True)

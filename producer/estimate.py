@@ -24,9 +24,21 @@ and reranking models use) does to text, calibrated against
   shorter: one token plus one per further 3 characters.
 * **Digits**: numbers split into pieces of a few digits: one plus one per
   further 4 digits.
-* **Punctuation and symbols**: the basic tokenizer splits every punctuation
-  character off as its own token (an emoji or other symbol becomes one
-  ``[UNK]`` or a piece). One token each.
+* **Punctuation**: the basic tokenizer splits every punctuation character
+  (all ASCII punctuation and symbols, and Unicode's ``P*`` categories) off
+  as its own token. One token each.
+* **Other symbols** (emoji, box drawing, arrows, currency signs outside
+  ASCII): these are *not* split off, so a glued run such as ``😀😀😀`` or
+  ``╭───╮`` is one word, which WordPiece turns into a single ``[UNK]`` when
+  any piece is missing from the vocabulary (or one piece per symbol when
+  all are present). One token per run: counting each symbol made CLI help
+  text with box drawing come out at 3-4x the real count, enough to
+  refuse a request the worker would accept (see docs/ESTIMATES.md).
+  Control and format characters (zero-width joiners) are dropped, as BERT's
+  text cleaning drops them.
+* **Very long words**: WordPiece gives up on a word over 100 characters and
+  emits one ``[UNK]``; a letter or digit run that long (a hash, a blob)
+  counts 1.
 * **Special tokens**: ``[CLS] ... [SEP]`` adds 2; a pair adds a second
   ``[SEP]``, so 3.
 
@@ -38,6 +50,7 @@ SentencePiece model, a byte-level BPE) plugs its own estimator into the client.
 from __future__ import annotations
 
 import re
+import unicodedata
 
 SPECIAL_TOKENS = 2
 """``[CLS]`` and ``[SEP]`` around a single text."""
@@ -68,7 +81,12 @@ _MARKS = (
 )
 _LETTERS = re.compile(rf"(?:[^\W\d_]|[{_MARKS}])+")
 _DIGITS = re.compile(r"\d+")
-_PUNCT = re.compile(rf"[^\w\s{_MARKS}]|_")
+_ASCII_PUNCT = re.compile(r"[!-/:-@\[-`{-~]")  # BERT calls every one of these punctuation
+# Everything else that is neither a word character, a space nor a mark:
+# Unicode punctuation, symbols, control and format characters.
+_NON_ASCII_OTHER = re.compile(rf"[^\w\s\x00-\x7f{_MARKS}]+")
+_MAX_WORD_CHARS = 100
+"""WordPiece's ``max_input_chars_per_word``: a longer word becomes one ``[UNK]``."""
 
 _LATIN_PIECE = 7
 # Latin up to Extended-B plus combining accents: accented Latin splits like ASCII.
@@ -98,10 +116,35 @@ def _count(text: str) -> int:
         text = _CJK.sub(" ", text)
     tokens = cjk
     for word in _LETTERS.findall(text):
+        if len(word) > _MAX_WORD_CHARS:
+            tokens += 1
+            continue
         latin = word.isascii() or _NOT_LATIN.search(word) is None
         piece = _LATIN_PIECE if latin else _OTHER_PIECE
         tokens += 1 + (len(word) - 1) // piece
     for number in _DIGITS.findall(text):
-        tokens += 1 + (len(number) - 1) // _DIGIT_PIECE
-    tokens += len(_PUNCT.findall(text))
+        tokens += 1 if len(number) > _MAX_WORD_CHARS else 1 + (len(number) - 1) // _DIGIT_PIECE
+    tokens += len(_ASCII_PUNCT.findall(text))
+    for run in _NON_ASCII_OTHER.findall(text):
+        tokens += _symbol_run(run)
+    return tokens
+
+
+def _symbol_run(run: str) -> int:
+    """Tokens of a run of non-ASCII punctuation, symbols and invisible characters.
+
+    Punctuation (``P*``) is split off one by one; control and format
+    characters (``C*``) vanish; what is left between them is glued into one
+    word, counted once.
+    """
+    tokens = 0
+    glued = False
+    for char in run:
+        kind = unicodedata.category(char)[0]
+        if kind == "P":
+            tokens += 1
+            glued = False
+        elif kind != "C" and not glued:
+            tokens += 1
+            glued = True
     return tokens

@@ -165,6 +165,7 @@ class WorkerSettings(_Common):
         1 << 30, ge=1, description="sim: device memory; a larger batch raises out-of-memory"
     )
     sim_ragged: bool = Field(False, description="sim: behave as a varlen (ragged) model")
+    sim_pairs: bool = Field(False, description="sim: take (text, text_pair) inputs like a reranker")
 
     @field_validator("max_batch_tokens")
     @classmethod

@@ -43,6 +43,12 @@ class SpySim(SimBackend):
         return super().run(batch)
 
 
+async def on_the_device(backend: SpySim) -> None:
+    """Return once the backend has started its first batch."""
+    while not backend.shapes:
+        await asyncio.sleep(0.001)
+
+
 def mixed_texts(count: int, seed: int = 7) -> list[str]:
     """English and CJK texts from 1 to ~400 tokens, some over the model's limit."""
     rng = random.Random(seed)
@@ -113,12 +119,12 @@ def test_sealed_batch_does_not_linger() -> None:
 
 
 def test_input_accumulates_while_the_device_is_busy() -> None:
-    backend = SpySim(batch_ms=100)
+    backend = SpySim(batch_ms=200)
 
     async def main() -> None:
         async with Batcher(backend, max_batch_tokens=4096, max_batch_size=64, linger_ms=0) as b:
             first = asyncio.ensure_future(b.submit("first"))
-            await asyncio.sleep(0.03)  # the first batch is on the device now
+            await on_the_device(backend)
             await asyncio.gather(first, *(b.submit(f"later {i}") for i in range(20)))
 
     run(main())
@@ -173,6 +179,8 @@ def test_oom_splits_and_only_an_oversized_row_fails() -> None:
 
     batcher = run(main())
     assert batcher.stats.oom_events >= 1 and batcher.stats.failed == 0
+    # The budget came down after the OOM, but not below one full-length input.
+    assert 64 <= batcher.budget.max_batch_tokens < 512
 
     tiny = SpySim(max_input_tokens=64, bytes_per_token=1, capacity_bytes=10)
 
@@ -183,6 +191,24 @@ def test_oom_splits_and_only_an_oversized_row_fails() -> None:
             assert raised.value.code == ErrorCode.OUT_OF_MEMORY.value
 
     run(too_big())
+
+
+def test_budget_settles_below_the_device_after_repeated_ooms() -> None:
+    backend = SpySim(max_input_tokens=64, bytes_per_token=1, capacity_bytes=128)
+    texts = [" ".join(["w"] * 40) + f" {i}" for i in range(12)]  # 43 tokens each
+
+    async def main() -> list[int]:
+        ooms_per_round = []
+        async with Batcher(backend, max_batch_tokens=512, max_batch_size=64, linger_ms=1) as b:
+            for _ in range(8):
+                before = b.stats.oom_events
+                await b.submit_many(texts)
+                ooms_per_round.append(b.stats.oom_events - before)
+            assert b.budget.max_batch_tokens <= 128
+        return ooms_per_round
+
+    ooms_per_round = run(main())
+    assert ooms_per_round[0] > 0 and ooms_per_round[-1] == 0
 
 
 def test_budget_below_max_input_is_a_config_error() -> None:
@@ -260,12 +286,12 @@ def test_close_drains_what_was_submitted() -> None:
 
 
 def test_a_cancelled_caller_does_not_disturb_the_others() -> None:
-    backend = SpySim(batch_ms=50)
+    backend = SpySim(batch_ms=200)
 
     async def main() -> None:
         async with Batcher(backend, max_batch_tokens=4096, max_batch_size=64, linger_ms=0) as b:
             busy = asyncio.ensure_future(b.submit("keeps the device busy"))
-            await asyncio.sleep(0.01)
+            await on_the_device(backend)
             doomed = asyncio.ensure_future(b.submit("nobody waits for me"))
             kept = [asyncio.ensure_future(b.submit(f"wanted {i}")) for i in range(3)]
             await asyncio.sleep(0.01)
@@ -297,17 +323,20 @@ def test_tokenizer_refusal_fails_only_that_request() -> None:
     run(main())
 
 
-def test_a_dying_task_fails_callers_instead_of_hanging() -> None:
+@pytest.mark.parametrize("broken", ["add", "next_batch"])  # the tokenizer's, the device's
+def test_a_dying_task_fails_callers_instead_of_hanging(broken: str) -> None:
     async def main() -> None:
         batcher = Batcher(SpySim(), max_batch_tokens=4096, max_batch_size=8, linger_ms=1)
+        packer = batcher._packer
 
-        def broken_add(*args: object) -> None:
-            raise RuntimeError("packer bug")
+        def bug(*args: object, **kwargs: object) -> None:
+            if broken == "add" or len(packer):
+                raise RuntimeError("packer bug")
 
-        batcher._packer.add = broken_add  # type: ignore[method-assign]  # simulate a tokenq bug
+        setattr(packer, broken, bug)  # simulate a tokenq bug in one of the two tasks
         with pytest.raises(RemoteError, match="batcher stopped: RuntimeError: packer bug"):
             await asyncio.wait_for(batcher.submit("anything"), timeout=5)
-        await batcher.aclose()  # logs the dead task, does not raise
+        await asyncio.wait_for(batcher.aclose(), timeout=5)  # logs the dead task, no raise
         with pytest.raises(RuntimeError, match="closed"):
             await batcher.submit("after the crash")
 

@@ -17,6 +17,7 @@ from tokenq.worker.sim import (
     SIM_NAN_MARKER,
     SimBackend,
     SimEncoding,
+    encode,
     expected_vector,
 )
 
@@ -201,7 +202,7 @@ def test_long_messages_are_capped() -> None:
     def answer(batch: Sequence[SimEncoding]) -> list[np.ndarray]:
         raise RuntimeError("x" * 10_000)
 
-    (failure,) = run_isolated(ScriptedBackend(answer), [SimEncoding(3, ("a",))])
+    (failure,) = run_isolated(ScriptedBackend(answer), [encode("a")])
     assert isinstance(failure, Failure) and len(failure.message) <= 1000
 
 

@@ -31,8 +31,9 @@ from tokenq.worker.calibrate import (  # noqa: E402
     plan_budget,
     probe_budget,
 )
+from tokenq.worker.chunks import combine_chunks, sliding_windows  # noqa: E402
 from tokenq.worker.hf import HFBackend, HFOptions, build_hf_backend  # noqa: E402
-from tokenq.worker.hf_encoding import HFEncoding, combine_chunks, sliding_windows  # noqa: E402
+from tokenq.worker.hf_encoding import HFEncoding  # noqa: E402
 from tokenq.worker.hf_load import resolve_model  # noqa: E402
 
 TEXTS = [

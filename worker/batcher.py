@@ -32,13 +32,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, overload
 
 import numpy as np
 
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode, remote_error
-from tokenq.shared.packer import Batch, Budget, CostModel, Packer
+from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, CostModel, Packer
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_text
 from tokenq.worker.backend import Backend, Encoding, TextInput
 from tokenq.worker.execute import FailedRun, Failure, describe, run_isolated
@@ -120,6 +120,9 @@ class Batcher:
             self._packer: Packer[_Pending] = Packer(budget, linger_ms)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        # Lowered after an out-of-memory error, raised slowly after clean
+        # batches, never below one full-length input (DESIGN.md).
+        self._adaptive = AdaptiveBudget(max_batch_tokens, info.max_input_tokens)
         self.backend = backend
         self.max_request_bytes = max_request_bytes
         self.stats = BatcherStats()
@@ -138,6 +141,7 @@ class Batcher:
 
     @property
     def budget(self) -> Budget:
+        """The budget now in force (lower than configured for a while after an OOM)."""
         return self._packer.budget
 
     # ----------------------------------------------------------------- callers
@@ -366,8 +370,28 @@ class Batcher:
                 stats.error_events += 1
         if events:
             stats.failed_runs = (stats.failed_runs + events)[-100:]
+        self._adapt_budget([event for event in events if event.reason == "oom"])
         for pending, result in zip(pendings, results, strict=True):
             self._answer(pending, result)
+
+    def _adapt_budget(self, ooms: list[FailedRun]) -> None:
+        """Lower the packer's budget after an OOM; raise it slowly after clean batches."""
+        before = self._adaptive.current
+        if ooms:
+            padded = self._packer.budget.cost_model is CostModel.PADDED
+            failed = max(event.padded_tokens if padded else event.tokens for event in ooms)
+            after = self._adaptive.on_oom(failed)
+        else:
+            after = self._adaptive.on_success()
+        if after != before:
+            self._packer.budget = replace(self._packer.budget, max_batch_tokens=after)
+            log.warning(
+                "batcher budget %s from %d to %d tokens%s",
+                "lowered" if after < before else "raised",
+                before,
+                after,
+                " after out-of-memory" if ooms else "",
+            )
 
     # ----------------------------------------------------------------- answers
 
@@ -394,6 +418,7 @@ class Batcher:
             *(item.payload for item in self._packer),
         ]
         self._incoming.clear()
+        self._tokenizing = []
         self._packer.remove_where(lambda _: True)
         for pending in doomed:
             self._answer(pending, failure)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -28,6 +29,9 @@ def parse_settings(argv: Sequence[str]) -> WorkerSettings:
 
 
 async def serve(settings: WorkerSettings) -> None:
+    # Like uvicorn: a plugin named as module:factory may live in the working directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     backend = await asyncio.to_thread(load_backend, settings)
     worker = Worker(settings, backend)
     loop = asyncio.get_running_loop()

@@ -33,7 +33,8 @@ import torch
 
 from tokenq.shared.errors import BadRequest, ConfigError, DeviceOutOfMemory
 from tokenq.worker.backend import BackendInfo, TextInput
-from tokenq.worker.hf_encoding import HFEncoding, sliding_windows
+from tokenq.worker.chunks import sliding_windows
+from tokenq.worker.hf_encoding import HFEncoding
 from tokenq.worker.hf_load import (
     ModelSource,
     SentenceTransformerConfig,

@@ -18,7 +18,7 @@ import numpy as np
 from tokenq.shared import wire
 from tokenq.shared.errors import DecodeError, ErrorCode
 from tokenq.worker.backend import Backend, Encoding, TextInput
-from tokenq.worker.hf_encoding import combine_chunks
+from tokenq.worker.chunks import combine_chunks
 
 log = logging.getLogger("tokenq.worker")
 

@@ -34,14 +34,14 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tokenq.shared.errors import ConfigError, DeviceOutOfMemory
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker.backend import BackendInfo, Encoding, TextInput
-from tokenq.worker.hf_encoding import combine_chunks, sliding_windows
+from tokenq.worker.chunks import combine_chunks, sliding_windows
 
 SIM_FAIL_MARKER = "<<tokenq-sim-fail>>"
 """A text containing this makes any batch it is in raise ``ValueError``."""
@@ -83,8 +83,11 @@ class SimEncoding:
     """Tokens the sequence occupies, special tokens included."""
     tokens: tuple[str, ...]
     """Content tokens of ``text`` kept after truncation."""
-    pair_tokens: tuple[str, ...] | None = None
+    pair_tokens: tuple[str, ...] | None
     """Content tokens of ``text_pair`` kept after truncation, if there was one."""
+    digest: bytes = field(repr=False)
+    """Hash of the kept tokens, the seed of the vector; computed when tokenizing,
+    off the device's path, so ``run`` time stays close to the modelled time."""
     fail: bool = False
     """The original input carried :data:`SIM_FAIL_MARKER`."""
     nan: bool = False
@@ -136,36 +139,50 @@ def encode(text: str, text_pair: str | None = None, max_length: int | None = Non
             keep_first, keep_second = _truncated_pair_lengths(len(tokens), len(pair_tokens), room)
             del tokens[keep_first:]
             del pair_tokens[keep_second:]
-    length = len(tokens) + specials + (0 if pair_tokens is None else len(pair_tokens))
     texts = (text,) if text_pair is None else (text, text_pair)
-    return SimEncoding(
-        length=length,
-        tokens=tuple(tokens),
-        pair_tokens=None if pair_tokens is None else tuple(pair_tokens),
+    return _encoding(
+        tuple(tokens),
+        None if pair_tokens is None else tuple(pair_tokens),
         fail=any(SIM_FAIL_MARKER in t for t in texts),
         nan=any(SIM_NAN_MARKER in t for t in texts),
     )
 
 
-def vector_of(encoding: SimEncoding, dim: int) -> np.ndarray:
-    """The unit float32 vector the sim computes for an encoding.
+def _encoding(
+    tokens: tuple[str, ...], pair_tokens: tuple[str, ...] | None, *, fail: bool, nan: bool
+) -> SimEncoding:
+    """A SimEncoding with its length and digest worked out from the kept tokens.
 
-    blake2b over the kept tokens (length-prefixed, so no two token lists
-    collide by concatenation) seeds SHAKE-256, whose bytes become uniform
-    values in [-1, 1). Hash-derived rather than numpy-RNG-derived so a vector
-    is the same on every numpy version and platform.
+    The digest is blake2b over the tokens, length-prefixed so no two token
+    lists collide by concatenation.
     """
     digest = hashlib.blake2b(digest_size=32, person=b"tokenq-sim")
-    sides = [encoding.tokens]
-    if encoding.pair_tokens is not None:
-        sides.append(encoding.pair_tokens)
+    sides = [tokens] if pair_tokens is None else [tokens, pair_tokens]
     for side in sides:
         digest.update(len(side).to_bytes(8, "little"))
         for token in side:
             raw = token.encode("utf-8", errors="surrogatepass")
             digest.update(len(raw).to_bytes(4, "little"))
             digest.update(raw)
-    stream = hashlib.shake_256(digest.digest()).digest(4 * dim)
+    specials = SPECIAL_TOKENS if pair_tokens is None else PAIR_SPECIAL_TOKENS
+    return SimEncoding(
+        length=sum(map(len, sides)) + specials,
+        tokens=tokens,
+        pair_tokens=pair_tokens,
+        digest=digest.digest(),
+        fail=fail,
+        nan=nan,
+    )
+
+
+def vector_of(encoding: SimEncoding, dim: int) -> np.ndarray:
+    """The unit float32 vector the sim computes for an encoding.
+
+    The encoding's digest seeds SHAKE-256, whose bytes become uniform values
+    in [-1, 1). Hash-derived rather than numpy-RNG-derived so a vector is the
+    same on every numpy version and platform.
+    """
+    stream = hashlib.shake_256(encoding.digest).digest(4 * dim)
     values = np.frombuffer(stream, dtype="<u4").astype(np.float64) / 2.0**31 - 1.0
     norm = float(np.linalg.norm(values))
     if norm == 0.0:  # astronomically unlikely; keep the unit-norm promise anyway
@@ -210,11 +227,8 @@ def _windows(encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEn
     positions = range(len(encoding.tokens))
     parts = sliding_windows(positions, 0, 0, max_length - SPECIAL_TOKENS, overlap)
     return [
-        SimEncoding(
-            length=len(part) + SPECIAL_TOKENS,
-            tokens=tuple(encoding.tokens[i] for i in part),
-            fail=encoding.fail,
-            nan=encoding.nan,
+        _encoding(
+            tuple(encoding.tokens[i] for i in part), None, fail=encoding.fail, nan=encoding.nan
         )
         for part in parts
     ]
@@ -360,4 +374,5 @@ def build_sim_backend(settings: WorkerSettings) -> SimBackend:
         bytes_per_token=settings.sim_bytes_per_token,
         capacity_bytes=settings.sim_capacity_bytes,
         ragged=settings.sim_ragged,
+        pairs=settings.sim_pairs,
     )

@@ -1,0 +1,70 @@
+"""Backend plugins the end-to-end tests load with ``--backend tests.plugins_for_tests:NAME``.
+
+Why a plugin and not a monkeypatch: the worker under test is a real
+``python -m tokenq.worker`` process, so the only way to give it a backend
+that misbehaves on purpose is the plugin hook a user would use. The worker
+runs with the repository root as its working directory (and the tests put it
+on ``PYTHONPATH``), so ``tests.plugins_for_tests`` is importable there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tokenq.shared.errors import DeviceOutOfMemory
+from tokenq.worker.backend import Encoding
+
+OOM_ABOVE_ENV = "TOKENQ_TESTS_OOM_ABOVE_TOKENS"
+"""Padded tokens (rows x longest) above which :class:`OomAbove` refuses a batch."""
+
+
+class OomAbove:
+    """A real backend whose device "has room" for at most ``limit`` padded tokens.
+
+    Every batch whose ``rows x longest`` is above ``limit`` raises
+    :class:`DeviceOutOfMemory` before reaching the model, exactly as an
+    allocation failure would; smaller batches run on the real model. So the
+    results of a run that went through OOM splits can be compared with
+    direct forwards of the same model. Everything but ``run`` is the wrapped
+    backend's (``info``, ``tokenize``, ``windows``, ``normalize``, ...).
+    """
+
+    def __init__(self, inner: Any, limit: int) -> None:
+        self._inner = inner
+        self.limit = limit
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes not found on the wrapper itself.
+        return getattr(self._inner, name)
+
+    def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
+        """Refuse batches over the limit; run the rest on the wrapped backend."""
+        if batch:
+            padded = len(batch) * max(encoding.length for encoding in batch)
+            if padded > self.limit:
+                raise DeviceOutOfMemory(
+                    f"test plugin: {len(batch)} rows x {padded // len(batch)} tokens = "
+                    f"{padded} padded tokens, over the {self.limit} that fit"
+                )
+        return self._inner.run(batch)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def hf_oom_above(settings: Any) -> OomAbove:
+    """``--backend tests.plugins_for_tests:hf_oom_above``: the HF backend, OOM over a limit.
+
+    The limit comes from the ``TOKENQ_TESTS_OOM_ABOVE_TOKENS`` environment
+    variable (WorkerSettings has no field for it, and should not).
+    """
+    from tokenq.worker.hf import build_hf_backend
+
+    raw = os.environ.get(OOM_ABOVE_ENV)
+    if raw is None:
+        raise ValueError(f"set {OOM_ABOVE_ENV} to the padded tokens a batch may hold")
+    return OomAbove(build_hf_backend(settings), int(raw))
