@@ -223,6 +223,7 @@ class ClientCore:
         self.refuse_early = refuse_early
         self.queue = settings.queue_ref
         self.stream_key = keys.requests(self.queue)
+        self.dedupe_ttl_ms = int(self.settings.dedupe_ttl_s * 1000)
         self.config_key = keys.config(self.queue)
         self.url = redact_url(settings.redis_url)
         self.config_cache = config_cache(estimator, config_ttl_s)
@@ -408,9 +409,17 @@ class ClientCore:
 
     # -------------------------------------------------------------- enqueue
 
+    def script_keys(self, batch: Sequence[Prepared]) -> list[str]:
+        """KEYS for enqueue.lua: the stream, then one dedupe key per entry (when on)."""
+        if self.dedupe_ttl_ms <= 0:
+            return [self.stream_key]
+        return [self.stream_key, *(keys.seen(self.queue, p.id) for p in batch)]
+
     def script_args(self, batch: Sequence[Prepared]) -> list[str | bytes | int]:
-        """ARGV for enqueue.lua: max_len, n, then each entry's field count and pairs."""
-        args: list[str | bytes | int] = [self.settings.max_queue_length, len(batch)]
+        """ARGV for enqueue.lua: max_len, n, dedupe TTL, then each entry's fields."""
+        args: list[str | bytes | int] = [
+            self.settings.max_queue_length, len(batch), self.dedupe_ttl_ms
+        ]
         for prepared in batch:
             args.append(len(prepared.fields))
             for name, value in prepared.fields.items():

@@ -256,7 +256,7 @@ class AsyncClient:
         args = self._core.script_args(batch)
         with self._broker():
             try:
-                await self._enqueue_script(keys=[self._core.stream_key], args=args)
+                await self._enqueue_script(keys=self._core.script_keys(batch), args=args)
             except redis.OutOfMemoryError:
                 raise self._core.broker_full(len(batch)) from None
             except redis.ResponseError as exc:

@@ -233,7 +233,7 @@ class Client:
         args = self._core.script_args(batch)
         with self._broker():
             try:
-                self._enqueue_script(keys=[self._core.stream_key], args=args)
+                self._enqueue_script(keys=self._core.script_keys(batch), args=args)
             except redis.OutOfMemoryError:
                 raise self._core.broker_full(len(batch)) from None
             except redis.ResponseError as exc:

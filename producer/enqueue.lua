@@ -2,15 +2,23 @@
 -- unless that would push the stream past the queue's maximum length.
 --
 -- Keys touched (all share the queue's hash tag, so one Cluster slot):
---   KEYS[1]  <prefix>:{q}:requests   stream   XLEN, then XADD (never trimmed)
+--   KEYS[1]       <prefix>:{q}:requests      stream   XLEN, then XADD (never trimmed)
+--   KEYS[2..n+1]  <prefix>:{q}:seen:<id>     string   one per entry, only when
+--                                                     dedupe_ttl_ms > 0: GET, SET PX
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   n: how many entries follow
--- ARGV[3..] for each entry: k, its number of fields, then k field/value pairs
+-- ARGV[3]   dedupe_ttl_ms: how long a request id is remembered; 0 turns it off
+-- ARGV[4..] for each entry: k, its number of fields, then k field/value pairs
 --
--- Returns the n new entry ids, in order. When XLEN + n > max_len it writes
+-- Returns the n entry ids, in order. When XLEN + n > max_len it writes
 -- nothing and answers the error "QUEUEFULL <xlen> <max_len>", which producers
 -- turn into QueueFull.
+--
+-- Why the seen keys: a client that retries this script after a lost reply
+-- (a timeout after Redis ran it) would otherwise enqueue the same request
+-- twice and get two answers. An entry whose id was seen within
+-- dedupe_ttl_ms is not added again; its first stream id is returned.
 --
 -- Why a script: XLEN then XADD from the client would race with every other
 -- producer; here the check and the writes are one atomic step.
@@ -24,12 +32,18 @@
 local stream = KEYS[1]
 local max_len = tonumber(ARGV[1])
 local n = tonumber(ARGV[2])
-if max_len == nil or n == nil or max_len < 0 or n < 0 then
-  return redis.error_reply("ERR tokenq enqueue: max_len and n must be non-negative integers")
+local dedupe_ttl_ms = tonumber(ARGV[3])
+if max_len == nil or n == nil or dedupe_ttl_ms == nil
+    or max_len < 0 or n < 0 or dedupe_ttl_ms < 0 then
+  return redis.error_reply(
+    "ERR tokenq enqueue: max_len, n and dedupe_ttl_ms must be non-negative integers")
+end
+if dedupe_ttl_ms > 0 and #KEYS ~= n + 1 then
+  return redis.error_reply("ERR tokenq enqueue: dedupe needs one seen key per entry")
 end
 
 -- Walk the arguments once to check their shape before writing anything.
-local pos = 3
+local pos = 4
 for _ = 1, n do
   local k = tonumber(ARGV[pos])
   if k == nil or k < 1 or pos + 2 * k > #ARGV then
@@ -49,14 +63,25 @@ if max_len > 0 then
 end
 
 local ids = {}
-pos = 3
+pos = 4
 for i = 1, n do
   local k = tonumber(ARGV[pos])
-  local entry = {"XADD", stream, "*"}
-  for j = pos + 1, pos + 2 * k do
-    entry[#entry + 1] = ARGV[j]
+  local seen = false
+  if dedupe_ttl_ms > 0 then
+    seen = redis.call("GET", KEYS[i + 1])
   end
-  ids[i] = redis.call(unpack(entry))
+  if seen then
+    ids[i] = seen
+  else
+    local entry = {"XADD", stream, "*"}
+    for j = pos + 1, pos + 2 * k do
+      entry[#entry + 1] = ARGV[j]
+    end
+    ids[i] = redis.call(unpack(entry))
+    if dedupe_ttl_ms > 0 then
+      redis.call("SET", KEYS[i + 1], ids[i], "PX", dedupe_ttl_ms)
+    end
+  end
   pos = pos + 1 + 2 * k
 end
 return ids

@@ -8,6 +8,7 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
     tokenq:{q}:workers         hash     consumer name -> last heartbeat (msgpack map)
     tokenq:{q}:worker:<name>   string   liveness key with a TTL, refreshed by each heartbeat
     tokenq:{q}:reply:<id>      list     replies (msgpack maps), PEXPIREd by the worker
+    tokenq:{q}:seen:<id>       string   request ids enqueued lately (retry dedupe), TTL
 
 The queue name sits in braces, which makes it a Redis Cluster hash tag: every
 key of one queue lands in one slot, so a MULTI or a Lua script may touch them
@@ -83,6 +84,11 @@ def worker_alive(q: QueueRef, consumer: str) -> str:
 def reply(q: QueueRef, reply_id: str) -> str:
     """The list one request's reply (or a client's multiplexed replies) lands on."""
     return f"{q.tag}:reply:{reply_id}"
+
+
+def seen(q: QueueRef, request_id: str) -> str:
+    """Marks a request id as enqueued, so a retried enqueue does not add it twice."""
+    return f"{q.tag}:seen:{request_id}"
 
 
 def reply_pattern(q: QueueRef) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliPositionalArg, SettingsConfigDict
 
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
@@ -69,6 +69,12 @@ class ClientSettings(_Common):
     timeout_s: float = Field(30.0, gt=0, description="default wait for a reply, seconds")
     socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout, seconds")
     retries: int = Field(5, ge=0, description="Redis command retries (exponential backoff)")
+    dedupe_ttl_s: float = Field(
+        60.0,
+        ge=0,
+        description="remember enqueued request ids this long, so a retried enqueue "
+        "cannot add a request twice (0: off)",
+    )
 
 
 class WorkerSettings(_Common):
@@ -116,7 +122,21 @@ class WorkerSettings(_Common):
         1000, ge=1, description="XREADGROUP BLOCK time; kept below the socket timeout"
     )
     reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push")
-    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval, seconds")
+    heartbeat_s: float = Field(
+        2.0, gt=0, description="heartbeat interval; a worker silent for 3 beats is presumed dead"
+    )
+    claim_idle_s: float = Field(
+        300.0,
+        gt=0,
+        description="entries idle this long are claimed whoever holds them (the safety net "
+        "behind heartbeats; longer than any batch can take)",
+    )
+    max_deliveries: int = Field(
+        3, ge=1, description="an entry delivered more often goes to the dead stream"
+    )
+    dead_max_len: int = Field(
+        10_000, ge=1, description="the dead stream is trimmed (approximately) to this many"
+    )
     socket_timeout_s: float = Field(10.0, gt=0, description="Redis socket timeout, seconds")
     retries: int = Field(10, ge=0, description="Redis command retries (exponential backoff)")
     batch_log: Path | None = Field(
@@ -126,6 +146,17 @@ class WorkerSettings(_Common):
     log_json: bool = Field(False, description="log as JSON lines")
     exit_when_idle_s: float | None = Field(
         None, gt=0, description="exit after the queue has been empty this long (batch jobs)"
+    )
+    metrics_port: int = Field(
+        0, ge=0, le=65535,
+        description="serve Prometheus metrics on this port (0: off); with --devices, "
+        "child i uses port + i",
+    )
+    metrics_host: str = Field("0.0.0.0", description="address the metrics endpoint binds to")
+    devices: str | None = Field(
+        None,
+        description="run one worker process per GPU, e.g. '0,1' (each child gets "
+        "CUDA_VISIBLE_DEVICES=N, --device cuda:0 and a consumer name suffixed -gpuN)",
     )
 
     # The Hugging Face transformers backend (--backend hf).
@@ -183,4 +214,179 @@ class WorkerSettings(_Common):
             )
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {self.log_level!r}")
+        if self.devices is not None and not self.device_list:
+            raise ValueError(f"devices must be GPU indices or ids like '0,1': {self.devices!r}")
+        return self
+
+    @property
+    def device_list(self) -> list[str]:
+        """``--devices`` split on commas (CUDA_VISIBLE_DEVICES accepts indices or UUIDs)."""
+        if self.devices is None:
+            return []
+        parts = [part.strip() for part in self.devices.split(",")]
+        if not all(parts) or any(" " in part for part in parts):
+            return []
+        return parts
+
+
+# ----------------------------------------------------------------- operator commands
+
+
+class _OpsCommon(BaseSettings):
+    """What every operator command (stats, top, dlq, embed, up) needs to find the queues."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENQ_",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        extra="ignore",
+        validate_default=True,
+        populate_by_name=True,
+    )
+
+    redis_url: str = Field(
+        DEFAULT_REDIS_URL,
+        description="Redis URL; rediss:// for TLS, user:password@ for ACL users",
+    )
+    prefix: str = Field("tokenq", description="key prefix of every tokenq key")
+    socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout, seconds")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://: {value!r}")
+        return value
+
+    @field_validator("prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        QueueRef("x", value)  # raises ValueError naming the bad prefix
+        return value
+
+
+class StatsSettings(_OpsCommon):
+    """``tokenq stats``: one look at every queue under the prefix."""
+
+    model_config = SettingsConfigDict(cli_prog_name="tokenq stats")
+
+    queue: str | None = Field(
+        None, description="only this queue (default: every queue found by SCAN under the prefix)"
+    )
+    as_json: bool = Field(
+        False, alias="json", description="print one JSON document (see docs/OPERATIONS.md)"
+    )
+
+    @field_validator("queue")
+    @classmethod
+    def _check_queue(cls, value: str | None) -> str | None:
+        if value is not None:
+            QueueRef(value)
+        return value
+
+
+class TopSettings(StatsSettings):
+    """``tokenq top``: ``tokenq stats`` refreshed live, with rates between refreshes."""
+
+    model_config = SettingsConfigDict(cli_prog_name="tokenq top")
+
+    interval_s: float = Field(1.0, gt=0, description="seconds between refreshes")
+    once: bool = Field(False, description="draw one frame and exit (scripts, tests)")
+
+
+class DlqSettings(_OpsCommon):
+    """``tokenq dlq``: look at, retry or purge a queue's dead letters."""
+
+    model_config = SettingsConfigDict(cli_prog_name="tokenq dlq")
+
+    action: CliPositionalArg[Literal["list", "retry", "purge"]] = Field(
+        description="list the dead letters, retry them (back onto the queue), or purge them"
+    )
+    queue: str = Field("default", description="queue name (letters, digits, _.-)")
+    id: list[str] = Field(
+        default_factory=list,
+        description="dead-stream entry ids to act on (--id A B, --id A --id B or --id A,B)",
+    )
+    all: bool = Field(False, description="act on every dead letter")
+    count: int = Field(100, ge=1, description="list: show at most this many (oldest first)")
+    as_json: bool = Field(False, alias="json", description="list: print JSON lines")
+    max_queue_length: int = Field(
+        100_000, ge=0,
+        description="retry: refuse (nothing moved) past this queue length (0: no limit)",
+    )
+    drop_deadline: bool = Field(
+        False, description="retry: remove the request's deadline_ms so it runs even if late"
+    )
+
+    @model_validator(mode="after")
+    def _check_target(self) -> DlqSettings:
+        QueueRef(self.queue, self.prefix)
+        if self.action != "list" and not self.id and not self.all:
+            raise ValueError(f"dlq {self.action} needs --id ENTRY_ID ... or --all")
+        if self.id and self.all:
+            raise ValueError("give --id or --all, not both")
+        return self
+
+
+class EmbedSettings(ClientSettings):
+    """``tokenq embed``: embed a file through the queue, resumably, in input order."""
+
+    model_config = SettingsConfigDict(cli_prog_name="tokenq embed", populate_by_name=True)
+
+    file: CliPositionalArg[str] = Field(
+        description="input: lines of text, or JSONL ('-' reads standard input)"
+    )
+    output: Path = Field(
+        description="where the vectors go: .npy (a float32 matrix, needs numpy) or .jsonl"
+    )
+    input_format: Literal["auto", "text", "jsonl"] = Field(
+        "auto", alias="format",
+        description="input format; auto: jsonl for .jsonl/.ndjson files, else one text per line",
+    )
+    field: str = Field("text", description="jsonl input: the field holding the text")
+    id_field: str = Field(
+        "id", description="jsonl input: copy this field (when present) into .jsonl output as id"
+    )
+    chunk_size: int = Field(
+        2048, ge=1, description="inputs per checkpoint: a re-run resumes after the last one"
+    )
+    batch_size: int = Field(64, ge=1, description="inputs per enqueue call (one reply key)")
+    max_in_flight: int = Field(
+        1024, ge=1, description="most inputs enqueued and not yet answered at any time"
+    )
+    timeout_s: float = Field(
+        300.0, gt=0, description="wait this long for one enqueue call's replies, seconds"
+    )
+    restart: bool = Field(False, description="discard progress from an earlier run and start over")
+    progress: bool = Field(True, description="show a progress bar on stderr")
+
+
+class UpSettings(_OpsCommon):
+    """``tokenq up``: a local Redis and N workers in one command (development, demos)."""
+
+    model_config = SettingsConfigDict(cli_prog_name="tokenq up")
+
+    redis_url: str | None = Field(  # type: ignore[assignment]
+        None,
+        description="use this Redis instead of starting a private redis-server (AOF on) "
+        "on a free loopback port",
+    )
+    queue: str = Field("default", description="queue name the workers serve")
+    workers: int = Field(2, ge=0, description="worker processes to start")
+    backend: str = Field("sim", description="worker backend: 'sim', 'hf', or 'package.module:f'")
+    data_dir: Path | None = Field(
+        None, description="the private Redis's data directory (default: a temporary one, removed "
+        "at exit)"
+    )
+    port: int = Field(0, ge=0, le=65535, description="the private Redis's port (0: a free one)")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="worker i serves Prometheus metrics on port + i (0: off)"
+    )
+    stop_timeout_s: float = Field(
+        30.0, gt=0, description="how long workers get to finish after Ctrl-C before SIGKILL"
+    )
+
+    @model_validator(mode="after")
+    def _check_queue(self) -> UpSettings:
+        QueueRef(self.queue, self.prefix)
         return self

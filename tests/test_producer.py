@@ -253,12 +253,39 @@ def test_enqueue_script_checks_its_arguments(r: redis.Redis, queue_name: str) ->
 
     script = r.register_script(ENQUEUE_SCRIPT)
     with pytest.raises(redis.ResponseError, match="malformed"):
-        script(keys=[stream(queue_name)], args=[0, 1, 2, "v", "1"])
+        script(keys=[stream(queue_name)], args=[0, 1, 0, 2, "v", "1"])
     with pytest.raises(redis.ResponseError, match="stray"):
-        script(keys=[stream(queue_name)], args=[0, 1, 1, "v", "1", "extra"])
+        script(keys=[stream(queue_name)], args=[0, 1, 0, 1, "v", "1", "extra"])
+    with pytest.raises(redis.ResponseError, match="seen key"):
+        script(keys=[stream(queue_name)], args=[0, 1, 1000, 1, "v", "1"])
     assert r.exists(stream(queue_name)) == 0
-    ids = script(keys=[stream(queue_name)], args=[5, 2, 1, "v", "1", 2, "v", "1", "id", "x"])
+    ids = script(keys=[stream(queue_name)], args=[5, 2, 0, 1, "v", "1", 2, "v", "1", "id", "x"])
     assert len(ids) == 2 and r.xlen(stream(queue_name)) == 2
+
+
+def test_a_retried_enqueue_does_not_add_a_request_twice(
+    r: redis.Redis, queue_name: str
+) -> None:
+    """The script remembers request ids, so a retry after a lost reply is a no-op."""
+    from tokenq.producer._core import ENQUEUE_SCRIPT
+
+    q = keys.QueueRef(queue_name)
+    script = r.register_script(ENQUEUE_SCRIPT)
+    seen = [keys.seen(q, "a"), keys.seen(q, "b")]
+    entries = [3, "v", "1", "id", "a", "text", "x", 3, "v", "1", "id", "b", "text", "y"]
+    first = script(keys=[stream(queue_name), *seen], args=[0, 2, 60_000, *entries])
+    again = script(keys=[stream(queue_name), *seen], args=[0, 2, 60_000, *entries])
+    assert again == first and r.xlen(stream(queue_name)) == 2
+    assert 0 < r.pttl(seen[0]) <= 60_000
+
+    # The client passes the seen keys itself: re-sending one prepared batch (what a
+    # retry after a lost reply does) leaves one entry per request.
+    url = f"redis://127.0.0.1:{r.connection_pool.connection_kwargs['port']}/0"
+    with Client(url, queue_name, max_queue_length=0) as client:
+        batch = [client._core.prepare(f"text {i}", now_ms=0) for i in range(3)]
+        client._enqueue(batch)
+        client._enqueue(batch)
+    assert r.xlen(stream(queue_name)) == 2 + 3
 
 
 # ------------------------------------------------------------------ timeouts, outages

@@ -43,10 +43,13 @@ def test_ids_are_unique(core: ClientCore) -> None:
 def test_script_args_layout(core: ClientCore) -> None:
     batch = core.prepare_many(["a", ("b", "c")], now_ms=NOW_MS, reply_to="k")
     args = core.script_args(batch)
-    assert args[:2] == [10, 2]
-    first = args[2]
+    assert args[:3] == [10, 2, 60_000]  # max_len, n, dedupe TTL (ms)
+    assert core.script_keys(batch) == [
+        core.stream_key, *(keys.seen(core.queue, p.id) for p in batch)
+    ]
+    first = args[3]
     assert first == len(batch[0].fields)
-    second_at = 3 + 2 * first
+    second_at = 4 + 2 * first
     assert args[second_at] == len(batch[1].fields)
     assert len(args) == second_at + 1 + 2 * args[second_at]
     assert "text_pair" in args[second_at + 1 :]

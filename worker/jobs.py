@@ -9,6 +9,7 @@ runs in a thread the caller provides.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,8 @@ class Answer:
     """None when the entry was too broken to name one: acked without a reply."""
     payload: bytes
     ok: bool
+    dead_fields: tuple[tuple[bytes | str, bytes | str], ...] = ()
+    """When not empty, the entry is also copied to the dead stream with these fields."""
 
 
 def error_answer(entry_id: bytes, request_id: str, reply_to: str | None,
@@ -74,6 +77,54 @@ def error_answer(entry_id: bytes, request_id: str, reply_to: str | None,
     """An error reply for one entry."""
     reply = wire.error_reply(request_id, code.value, message)
     return Answer(entry_id, reply_to, wire.encode_reply(reply), ok=False)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterPolicy:
+    """Who is dead-lettering, and the limits that make an entry a dead letter."""
+
+    worker: str
+    max_deliveries: int
+    default_reply_to: Callable[[str], str]
+    max_request_bytes: int
+
+
+def dead_answer(
+    entry_id: bytes,
+    fields: Mapping[bytes, bytes],
+    code: ErrorCode,
+    message: str,
+    *,
+    policy: DeadLetterPolicy,
+    deliveries: int,
+    now_epoch_ms: int,
+) -> Answer:
+    """Answer an entry with an error and move it to the dead stream, fields and all.
+
+    The dead entry keeps the original fields (so ``tokenq dlq retry`` can
+    re-enqueue it as it was) plus ``dead_*`` fields saying why, who and when.
+    """
+    known_id = wire.request_id_of(fields)
+    request_id = known_id or entry_id.decode()
+    reply_to = wire.reply_to_of(fields)
+    if reply_to is None and known_id is not None:
+        reply_to = policy.default_reply_to(known_id)
+    original = tuple(
+        (name, value) for name, value in fields.items()
+        if not (name.decode("utf-8", "replace") if isinstance(name, bytes) else name)
+        .startswith("dead_")
+    )
+    record = (
+        *original,
+        ("dead_error_code", code.value),
+        ("dead_error", message),
+        ("dead_worker", policy.worker),
+        ("dead_deliveries", str(deliveries)),
+        ("dead_at_ms", str(now_epoch_ms)),
+        ("dead_source_id", entry_id),
+    )
+    reply = wire.error_reply(request_id, code.value, message)
+    return Answer(entry_id, reply_to, wire.encode_reply(reply), ok=False, dead_fields=record)
 
 
 @dataclass(slots=True)
@@ -87,35 +138,47 @@ class Decoded:
 def decode_entries(
     entries: Sequence[tuple[bytes, Mapping[bytes, bytes]]],
     *,
-    default_reply_to: Callable[[str], str],
-    max_request_bytes: int,
+    policy: DeadLetterPolicy,
+    deliveries: Mapping[bytes, int],
     now_epoch_ms: int,
 ) -> Decoded:
-    """Decode raw entries; answer the broken and the expired at once.
+    """Decode raw entries; dead-letter the broken and the over-delivered, answer the expired.
 
-    ``default_reply_to`` maps a request id to its default reply key. Nothing
-    an entry contains can make this raise anything but an answer.
+    ``deliveries`` gives, for entries claimed from another worker, how many
+    times each has now been delivered (entries read fresh are on their first).
+    An entry delivered more than ``policy.max_deliveries`` times has been in
+    the hands of workers that died on it, so it is not tried again. Nothing
+    an entry contains can make this raise: every entry ends as a request or
+    an answer.
     """
     out = Decoded(requests=[], answers=[])
     for entry_id, fields in entries:
+        count = deliveries.get(entry_id, 1)
+        dead = functools.partial(
+            dead_answer, entry_id, fields,
+            policy=policy, deliveries=count, now_epoch_ms=now_epoch_ms,
+        )
+
+        if count > policy.max_deliveries:
+            out.answers.append(dead(
+                ErrorCode.DEAD_LETTER,
+                f"delivered {count} times without an answer (max_deliveries "
+                f"{policy.max_deliveries}): the workers holding it died; moved to dead letters",
+            ))
+            continue
         try:
             request = wire.decode_request(
-                fields, max_request_bytes=max_request_bytes, default_reply_to=default_reply_to
+                fields,
+                max_request_bytes=policy.max_request_bytes,
+                default_reply_to=policy.default_reply_to,
             )
         except DecodeError as exc:
-            request_id = wire.request_id_of(fields) or entry_id.decode()
-            reply_to = wire.reply_to_of(fields)
-            if reply_to is None and wire.request_id_of(fields) is not None:
-                reply_to = default_reply_to(request_id)
-            out.answers.append(
-                error_answer(entry_id, request_id, reply_to, ErrorCode.BAD_REQUEST, str(exc))
-            )
+            out.answers.append(dead(ErrorCode.BAD_REQUEST, str(exc)))
             continue
         except Exception as exc:  # a decoder bug must not take the worker down
             log.exception("unexpected error decoding entry %s", entry_id)
-            out.answers.append(error_answer(
-                entry_id, entry_id.decode(), wire.reply_to_of(fields), ErrorCode.BAD_REQUEST,
-                f"entry could not be decoded: {type(exc).__name__}: {exc}",
+            out.answers.append(dead(
+                ErrorCode.BAD_REQUEST, f"entry could not be decoded: {type(exc).__name__}: {exc}"
             ))
             continue
         if request.deadline_ms is not None and request.deadline_ms <= now_epoch_ms:

@@ -42,12 +42,15 @@ from tokenq.worker.connection import connect
 from tokenq.worker.execute import FailedRun, Failure, run_isolated
 from tokenq.worker.jobs import (
     Answer,
+    DeadLetterPolicy,
     Job,
     decode_entries,
     error_answer,
     tokenize_requests,
 )
-from tokenq.worker.publish import publish
+from tokenq.worker.publish import Publisher
+from tokenq.worker.recovery import Reclaimer
+from tokenq.worker.server_check import check_server
 from tokenq.worker.stats import BatchLog, BatchRecord, WorkerStats
 
 log = logging.getLogger("tokenq.worker")
@@ -143,7 +146,13 @@ class Worker:
         self._avg_estimate = 64.0
         self._last_activity = time.monotonic()
         self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
-        self._default_reply_to = functools.partial(keys.reply, self.queue)
+        self._dead_letters = DeadLetterPolicy(
+            worker=self.consumer,
+            max_deliveries=settings.max_deliveries,
+            default_reply_to=functools.partial(keys.reply, self.queue),
+            max_request_bytes=settings.max_request_bytes,
+        )
+        self._last_reclaim = 0.0
 
     @property
     def client(self) -> aioredis.Redis:
@@ -163,7 +172,18 @@ class Worker:
 
     async def run(self) -> None:
         """Serve the queue until stop() is called (or the idle timeout passes)."""
+        dead_after_ms = int(self.settings.heartbeat_s * 3000)
+        self._reclaimer = Reclaimer(
+            self.client, self.queue, self.consumer,
+            dead_after_ms=dead_after_ms, claim_idle_ms=int(self.settings.claim_idle_s * 1000),
+        )
+        self._publisher = Publisher(
+            self.client, stream=self.stream, dead=keys.dead(self.queue), group=keys.GROUP,
+            consumer=self.consumer, reply_ttl_ms=self._reply_ttl_ms,
+            dead_max_len=self.settings.dead_max_len,
+        )
         await self._ensure_group()
+        await check_server(self.client)
         fields = presence.config_fields(
             self.backend.info, policy=self.plan.policy,
             max_batch_tokens=self.plan.budget.max_batch_tokens,
@@ -234,6 +254,8 @@ class Worker:
                     continue
                 count = int(min(_MAX_READ_COUNT, max(1, room // self._avg_estimate)))
                 try:
+                    if await self._reclaim(count):
+                        continue
                     entries = await self._xread(">", count, self.settings.block_ms)
                     backoff = 0.1
                 except RedisError as exc:
@@ -245,6 +267,19 @@ class Worker:
         finally:
             self._reader_done = True
             self._wake.set()
+
+    async def _reclaim(self, count: int) -> bool:
+        """Every heartbeat interval, take over entries of dead workers; True if any."""
+        now = time.monotonic()
+        if now - self._last_reclaim < self.settings.heartbeat_s:
+            return False
+        self._last_reclaim = now
+        claimed = await self._reclaimer.scan(count)
+        if not claimed.entries:
+            return False
+        self.stats.reclaimed += len(claimed.entries)
+        await self._take(claimed.entries, claimed.deliveries)
+        return True
 
     async def _read_history(self) -> None:
         """Re-read entries this consumer already owns (a restart under the same name)."""
@@ -286,7 +321,11 @@ class Worker:
             return False
         return time.monotonic() - self._last_activity >= limit
 
-    async def _take(self, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+    async def _take(
+        self,
+        entries: list[tuple[bytes, dict[bytes, bytes] | None]],
+        deliveries: dict[bytes, int] | None = None,
+    ) -> None:
         """Decode, tokenize and buffer one read."""
         self._last_activity = time.monotonic()
         gone = [entry_id for entry_id, fields in entries if fields is None]
@@ -295,12 +334,13 @@ class Worker:
         present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
         decoded = decode_entries(
             present,
-            default_reply_to=self._default_reply_to,
-            max_request_bytes=self.settings.max_request_bytes,
+            policy=self._dead_letters,
+            deliveries=deliveries or {},
             now_epoch_ms=_epoch_ms(),
         )
         if decoded.answers:
             self.stats.requests_failed += len(decoded.answers)
+            self.stats.dead_lettered += sum(bool(a.dead_fields) for a in decoded.answers)
             await self._answers.put(decoded.answers)
         if not decoded.requests:
             return
@@ -464,7 +504,7 @@ class Worker:
             answers = await self._answers.get()
             if answers is None:
                 return
-            await publish(self.client, self.stream, keys.GROUP, answers, self._reply_ttl_ms)
+            await self._publisher.publish(answers)
 
     # ---------------------------------------------------------------------- beat
 

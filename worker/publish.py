@@ -1,10 +1,12 @@
-"""Publishing answers: reply, XACK and XDEL of a batch in one MULTI/EXEC.
+"""Publishing answers: each request's reply, XACK and XDEL in one atomic step.
 
 A request is either still pending in the stream or answered, never both and
-never neither: the RPUSH of its reply, the PEXPIRE of the reply key, the XACK
-and the XDEL of its entry commit together. If Redis is unreachable the
-answers are kept and retried with backoff until they land, so a computed
-result is never thrown away because of a network blip.
+never neither: ``publish.lua`` pushes the reply, acks and deletes the entry
+(and, for a dead letter, copies it to the dead stream) in one script, and
+only while the entry is still pending to this worker, so a worker that was
+presumed dead and lost its entries to another cannot answer them a second
+time. If Redis is unreachable, the answers are kept and retried with backoff
+until they land: a computed result is never thrown away for a network blip.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from importlib import resources
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -20,50 +23,70 @@ from tokenq.worker.jobs import Answer
 
 log = logging.getLogger("tokenq.worker")
 
+PUBLISH_SCRIPT = resources.files("tokenq.worker").joinpath("publish.lua").read_text()
 
-async def publish_once(
-    client: aioredis.Redis,
-    stream: str,
-    group: str,
-    answers: Sequence[Answer],
-    reply_ttl_ms: int,
-) -> None:
-    """One MULTI/EXEC for a batch of answers."""
-    if not answers:
-        return
-    async with client.pipeline(transaction=True) as pipe:
-        expire: set[str] = set()
+
+class Publisher:
+    """Answers one queue's requests through ``publish.lua``."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        stream: str,
+        dead: str,
+        group: str,
+        consumer: str,
+        reply_ttl_ms: int,
+        dead_max_len: int,
+    ) -> None:
+        self._script = client.register_script(PUBLISH_SCRIPT)
+        self._stream = stream
+        self._dead = dead
+        self._head = [group, consumer, reply_ttl_ms, dead_max_len]
+
+    def arguments(self, answers: Sequence[Answer]) -> tuple[list[str], list[object]]:
+        """KEYS and ARGV for one call (pure; tested without Redis)."""
+        keys = [self._stream, self._dead]
+        index: dict[str, int] = {}
+        args: list[object] = [*self._head, len(answers)]
         for answer in answers:
+            slot = 0
             if answer.reply_to is not None:
-                pipe.rpush(answer.reply_to, answer.payload)
-                expire.add(answer.reply_to)
-        for key in expire:
-            pipe.pexpire(key, reply_ttl_ms)
-        entry_ids = [answer.entry_id for answer in answers]
-        pipe.xack(stream, group, *entry_ids)
-        pipe.xdel(stream, *entry_ids)
-        await pipe.execute()
+                if answer.reply_to not in index:
+                    keys.append(answer.reply_to)
+                    index[answer.reply_to] = len(keys)
+                slot = index[answer.reply_to]
+            args += [answer.entry_id, slot, answer.payload, len(answer.dead_fields)]
+            for name, value in answer.dead_fields:
+                args += [name, value]
+        return keys, args
 
+    async def publish_once(self, answers: Sequence[Answer]) -> int:
+        """One script call; returns how many answers were still ours to publish."""
+        if not answers:
+            return 0
+        keys, args = self.arguments(answers)
+        return int(await self._script(keys=keys, args=args))
 
-async def publish(
-    client: aioredis.Redis,
-    stream: str,
-    group: str,
-    answers: Sequence[Answer],
-    reply_ttl_ms: int,
-    *,
-    max_backoff_s: float = 5.0,
-) -> None:
-    """Publish, retrying until Redis takes it (results are never dropped)."""
-    delay = 0.1
-    while True:
-        try:
-            await publish_once(client, stream, group, answers, reply_ttl_ms)
-            return
-        except RedisError as exc:
-            log.warning(
-                "could not publish %d answers (%s); keeping them and retrying in %.1fs",
-                len(answers), exc, delay,
-            )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, max_backoff_s)
+    async def publish(self, answers: Sequence[Answer], *, max_backoff_s: float = 5.0) -> int:
+        """Publish, retrying until Redis takes it (results are never dropped)."""
+        delay = 0.1
+        while True:
+            try:
+                published = await self.publish_once(answers)
+            except RedisError as exc:
+                log.warning(
+                    "could not publish %d answers (%s); keeping them, retrying in %.1fs",
+                    len(answers), exc, delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, max_backoff_s)
+                continue
+            if published < len(answers):
+                log.warning(
+                    "%d of %d answers were no longer ours (claimed by another worker "
+                    "or already answered); dropped them",
+                    len(answers) - published, len(answers),
+                )
+            return published

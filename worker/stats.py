@@ -46,6 +46,8 @@ class WorkerStats:
     padded_tokens: int = 0
     device_ms: float = 0.0
     oom_splits: int = 0
+    reclaimed: int = 0
+    dead_lettered: int = 0
 
     def record(self, batch: BatchRecord) -> None:
         self.batches += 1

@@ -1,0 +1,126 @@
+"""Taking over the work of workers that died, and of entries nobody touches.
+
+A live worker keeps every entry it holds fresh (``XCLAIM … JUSTID`` with
+min-idle 0 at each heartbeat), so an entry's idle time only grows when its
+holder stopped beating. Two ways to find such entries, both ending in an
+``XCLAIM`` with a min-idle guard (so an entry its holder refreshed in the
+meantime is left alone, and no lock is ever held):
+
+* **dead consumers** — a consumer whose liveness key expired (no heartbeat for
+  three intervals) and whose entries have been idle as long: claimed within a
+  few seconds of its death;
+* **the safety net** — any entry idle past ``claim_idle_s``, whoever holds it,
+  found with ``XPENDING … IDLE`` from a cursor that walks the whole pending
+  list over successive scans.
+
+``XPENDING`` is used rather than ``XAUTOCLAIM`` because it reports each
+entry's delivery count before the claim, which decides dead-lettering.
+Consumers that are dead and hold nothing are removed from the group.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+
+from tokenq.shared import keys
+
+log = logging.getLogger("tokenq.worker")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+@dataclass(slots=True)
+class Claimed:
+    """Entries taken over in one scan, with how often each has now been delivered."""
+
+    entries: list[tuple[bytes, dict[bytes, bytes] | None]] = field(default_factory=list)
+    deliveries: dict[bytes, int] = field(default_factory=dict)
+
+
+class Reclaimer:
+    """One worker's view of who else holds work, and the claiming of it."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        queue: keys.QueueRef,
+        consumer: str,
+        *,
+        dead_after_ms: int,
+        claim_idle_ms: int,
+    ) -> None:
+        self._client = client
+        self._queue = queue
+        self._stream = keys.requests(queue)
+        self._consumer = consumer
+        self._dead_after_ms = dead_after_ms
+        self._claim_idle_ms = claim_idle_ms
+        self._cursor = "-"
+
+    async def scan(self, limit: int) -> Claimed:
+        """Claim at most ``limit`` entries from dead consumers, then long-idle ones."""
+        claimed = Claimed()
+        if limit <= 0:
+            return claimed
+        candidates = await self._from_dead_consumers(limit)
+        await self._claim(candidates, self._dead_after_ms, claimed)
+        room = limit - len(claimed.entries)
+        if room > 0:
+            await self._claim(await self._long_idle(room), self._claim_idle_ms, claimed)
+        return claimed
+
+    async def _from_dead_consumers(self, limit: int) -> list[tuple[bytes, int]]:
+        candidates: list[tuple[bytes, int]] = []
+        for info in await self._client.xinfo_consumers(self._stream, keys.GROUP):
+            name = _text(info["name"])
+            if name == self._consumer:
+                continue
+            if await self._client.exists(keys.worker_alive(self._queue, name)):
+                continue
+            if int(info["pending"]) == 0:
+                if int(info["idle"]) >= self._dead_after_ms:
+                    await self._client.xgroup_delconsumer(self._stream, keys.GROUP, name)
+                continue
+            pending = await self._client.xpending_range(
+                self._stream, keys.GROUP, min="-", max="+",
+                count=limit - len(candidates), consumername=name,
+            )
+            candidates += [(p["message_id"], int(p["times_delivered"])) for p in pending]
+            if len(candidates) >= limit:
+                break
+        return candidates
+
+    async def _long_idle(self, limit: int) -> list[tuple[bytes, int]]:
+        pending = await self._client.xpending_range(
+            self._stream, keys.GROUP, min=self._cursor, max="+", count=limit,
+            idle=self._claim_idle_ms,
+        )
+        if len(pending) < limit:
+            self._cursor = "-"  # walked to the end; start over next scan
+        else:
+            self._cursor = "(" + _text(pending[-1]["message_id"])
+        return [
+            (p["message_id"], int(p["times_delivered"]))
+            for p in pending
+            if _text(p["consumer"]) != self._consumer
+        ]
+
+    async def _claim(
+        self, candidates: list[tuple[bytes, int]], min_idle_ms: int, into: Claimed
+    ) -> None:
+        if not candidates:
+            return
+        delivered = dict(candidates)
+        entries = await self._client.xclaim(
+            self._stream, keys.GROUP, self._consumer, min_idle_ms, list(delivered)
+        )
+        for entry_id, fields in entries:
+            into.entries.append((entry_id, fields))
+            into.deliveries[entry_id] = delivered.get(entry_id, 0) + 1
+        if entries:
+            log.warning("claimed %d entries from workers presumed dead", len(entries))

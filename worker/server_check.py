@@ -1,0 +1,51 @@
+"""Start-up check that the Redis server is configured the way tokenq assumes.
+
+tokenq's guarantees lean on two server settings (docs/RELIABILITY.md):
+``maxmemory-policy noeviction`` — any other policy lets Redis silently evict
+pending requests or replies under memory pressure — and an append-only file
+(``appendonly yes``, ``appendfsync everysec``) so a restart does not forget
+enqueued work. A worker warns (it does not refuse: a dev server is fine
+without AOF) and carries on; an ACL user without CONFIG rights skips the check.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger("tokenq.worker")
+
+
+async def check_server(client: aioredis.Redis) -> list[str]:
+    """Warnings about the server's settings (also logged); empty when all is well."""
+    try:
+        policy = await client.config_get("maxmemory-policy")
+        persistence = await client.config_get("appendonly")
+    except RedisError as exc:
+        log.debug("cannot read the server's settings (%s); skipping the check", exc)
+        return []
+    warnings = []
+    value = _value(policy, "maxmemory-policy")
+    if value and value != "noeviction":
+        warnings.append(
+            f"Redis maxmemory-policy is {value!r}: under memory pressure it may evict pending "
+            "requests or replies; set maxmemory-policy noeviction"
+        )
+    if _value(persistence, "appendonly") == "no":
+        warnings.append(
+            "Redis appendonly is off: a Redis restart loses every queued request; "
+            "set appendonly yes and appendfsync everysec for durability"
+        )
+    for warning in warnings:
+        log.warning("%s", warning)
+    return warnings
+
+
+def _value(reply: dict, name: str) -> str | None:
+    for key, value in reply.items():
+        key_text = key.decode() if isinstance(key, bytes) else key
+        if key_text == name:
+            return value.decode() if isinstance(value, bytes) else value
+    return None
