@@ -36,6 +36,7 @@ from tokenq.producer._config import (
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import (
     BadRequest,
+    BrokerUnavailable,
     DecodeError,
     ErrorCode,
     QueueFull,
@@ -529,6 +530,37 @@ class ClientCore:
         except DecodeError as exc:
             return RemoteError(BAD_REPLY, str(exc), request_id)
         return RemoteError(BAD_REPLY, "reply names another request", request_id)
+
+    def own_key_reply(
+        self, wanted: dict[str, str], key: bytes, raw: bytes, outcomes: dict[str, Any]
+    ) -> None:
+        """Record what BLPOP popped from one request's own reply key (``wanted``: key -> id)."""
+        request_id = wanted.pop(key.decode())
+        reply = self.decode(raw)
+        if reply is None or reply.id != request_id:
+            outcomes[request_id] = self.undecodable(request_id, raw)
+        else:
+            outcomes[request_id] = self.outcome(reply)
+
+    def missing(
+        self,
+        ids: Sequence[str],
+        outcomes: dict[str, Any],
+        waited_s: float,
+        unreachable: BaseException | None,
+    ) -> None:
+        """Record a timeout (or Redis being down) for every request still unanswered."""
+        if not ids:
+            return
+        if unreachable is not None:
+            error: Exception = BrokerUnavailable(
+                f"Redis at {self.url} was unreachable until the {waited_s:.2f}s "
+                f"timeout: {unreachable}"
+            )
+        else:
+            error = ReplyTimeout(list(ids), waited_s)
+        for request_id in ids:
+            outcomes[request_id] = error
 
     @staticmethod
     def settle(

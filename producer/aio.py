@@ -37,7 +37,6 @@ from tokenq.producer._core import (
     EstimatorChoice,
     Outcome,
     Prepared,
-    ReplyTimeout,
     Result,
     TextItem,
     make_settings,
@@ -301,34 +300,9 @@ class AsyncClient:
             unreachable, failures = None, 0
             if popped is None:
                 continue
-            key, raw = popped
-            request_id = wanted.pop(key.decode())
-            reply = self._core.decode(raw)
-            if reply is None or reply.id != request_id:
-                outcomes[request_id] = self._core.undecodable(request_id, raw)
-            else:
-                outcomes[request_id] = self._core.outcome(reply)
-        self._missing(list(wanted.values()), outcomes, time.monotonic() - started, unreachable)
+            self._core.own_key_reply(wanted, *popped, outcomes)
+        self._core.missing(list(wanted.values()), outcomes, time.monotonic() - started, unreachable)
         return self._core.settle(request_ids, outcomes, return_exceptions)
-
-    def _missing(
-        self,
-        ids: list[str],
-        outcomes: dict[str, Outcome | Exception],
-        waited_s: float,
-        unreachable: BaseException | None,
-    ) -> None:
-        if not ids:
-            return
-        if unreachable is not None:
-            error: Exception = BrokerUnavailable(
-                f"Redis at {self._core.url} was unreachable until the {waited_s:.2f}s "
-                f"timeout: {unreachable}"
-            )
-        else:
-            error = ReplyTimeout(ids, waited_s)
-        for request_id in ids:
-            outcomes[request_id] = error
 
     # ---------------------------------------------------------------- infer
 
@@ -411,7 +385,7 @@ class AsyncClient:
                 if future.done():
                     outcomes[request_id] = future.exception() or future.result()
             missing = [i for i in ids if i not in outcomes]
-            self._missing(missing, outcomes, time.monotonic() - started, self._unreachable)
+            self._core.missing(missing, outcomes, time.monotonic() - started, self._unreachable)
             return self._core.settle(ids, outcomes, return_exceptions)
         finally:
             for request_id in ids:

@@ -34,7 +34,6 @@ from tokenq.producer._core import (
     EstimatorChoice,
     Outcome,
     Prepared,
-    ReplyTimeout,
     Result,
     TextItem,
     make_settings,
@@ -285,35 +284,9 @@ class Client:
             unreachable, failures = None, 0
             if popped is None:
                 continue
-            key, raw = popped
-            request_id = wanted.pop(key.decode())
-            reply = self._core.decode(raw)
-            if reply is None or reply.id != request_id:
-                outcomes[request_id] = self._core.undecodable(request_id, raw)
-            else:
-                outcomes[request_id] = self._core.outcome(reply)
-        self._missing(list(wanted.values()), outcomes, time.monotonic() - started, unreachable)
+            self._core.own_key_reply(wanted, *popped, outcomes)
+        self._core.missing(list(wanted.values()), outcomes, time.monotonic() - started, unreachable)
         return self._core.settle(request_ids, outcomes, return_exceptions)
-
-    def _missing(
-        self,
-        ids: list[str],
-        outcomes: dict[str, Outcome | Exception],
-        waited_s: float,
-        unreachable: BaseException | None,
-    ) -> None:
-        """Record a timeout (or Redis being down) for every request still unanswered."""
-        if not ids:
-            return
-        if unreachable is not None:
-            error: Exception = BrokerUnavailable(
-                f"Redis at {self._core.url} was unreachable until the {waited_s:.2f}s "
-                f"timeout: {unreachable}"
-            )
-        else:
-            error = ReplyTimeout(ids, waited_s)
-        for request_id in ids:
-            outcomes[request_id] = error
 
     @staticmethod
     def _pause(failures: int, deadline: float) -> None:
@@ -411,7 +384,7 @@ class Client:
                     continue  # a duplicate, or a reply for nobody: logged by decode or dropped
                 pending.discard(reply.id)
                 outcomes[reply.id] = self._core.outcome(reply)
-        self._missing(sorted(pending), outcomes, time.monotonic() - started, unreachable)
+        self._core.missing(sorted(pending), outcomes, time.monotonic() - started, unreachable)
         return outcomes
 
     # ---------------------------------------------------------------- admin

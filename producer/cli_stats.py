@@ -1,0 +1,92 @@
+"""``tokenq stats``: one look at every queue: backlog, workers, dead letters.
+
+The numbers come from :mod:`tokenq.producer.inspect`; this module only
+prints them, as aligned text or (``--json``) the stable document described
+in docs/OPERATIONS.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tokenq.producer.inspect import Unreachable, connect, read_snapshot
+from tokenq.shared.cli import run_command
+from tokenq.shared.settings import StatsSettings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(StatsSettings, list(argv or []), "tokenq stats", stats)
+
+
+def stats(settings: StatsSettings) -> int:
+    r = connect(settings.redis_url, settings.socket_timeout_s)
+    try:
+        doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url)
+    except Unreachable as exc:
+        print(f"tokenq stats: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        r.close()
+    if settings.as_json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print(render_text(doc))
+    return 0
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    """The snapshot as aligned plain text (no colour, no terminal needed)."""
+    if not doc["queues"]:
+        return "no tokenq queues found (nothing has been enqueued or served yet)"
+    blocks = [_queue_block(q) for q in doc["queues"]]
+    return "\n\n".join(blocks)
+
+
+def _queue_block(q: dict[str, Any]) -> str:
+    oldest = "" if q["oldest_pending_ms"] is None else f" (oldest {q['oldest_pending_ms']}ms)"
+    lag = str(q["lag"]) + ("" if q["lag_exact"] else "~")
+    totals = q["totals"]
+    lines = [
+        f"queue {q['label']}: length {q['length']}  pending {q['pending']}{oldest}  "
+        f"lag {lag}  dead {q['dead']}  workers {totals['workers']}  "
+        f"{totals['requests_per_s']:.1f} req/s  {totals['tokens_per_s']:.0f} tok/s  "
+        f"padding {totals['padding_efficiency']:.1%}"
+    ]
+    if q["workers"]:
+        lines.append("  " + format_table(WORKER_COLUMNS, [worker_row(w) for w in q["workers"]],
+                                         indent="  "))
+    if q["stale_workers"]:
+        lines.append(f"  stale heartbeats (no liveness key): {', '.join(q['stale_workers'])}")
+    if q["consumers"]:
+        consumers = ", ".join(
+            f"{c['name']} (pending {c['pending']}, idle {c['idle_ms']}ms)" for c in q["consumers"]
+        )
+        lines.append(f"  consumers: {consumers}")
+    return "\n".join(lines)
+
+
+WORKER_COLUMNS = ("worker", "host", "budget", "rows", "buffered", "req/s", "tok/s",
+                  "padding", "ok", "failed", "batches", "oom", "age")
+
+
+def worker_row(w: dict[str, Any]) -> tuple[str, ...]:
+    """One worker as table cells (lifetime averages; ``top`` shows recent rates)."""
+    budget = f"{w['max_batch_tokens']}"
+    if w["configured_batch_tokens"] not in (None, w["max_batch_tokens"]):
+        budget += f"/{w['configured_batch_tokens']}"
+    return (
+        w["consumer"], str(w["host"] or ""), budget, str(w["max_batch_size"] or ""),
+        str(w["buffered"]), f"{w['requests_per_s']:.1f}", f"{w['tokens_per_s']:.0f}",
+        f"{w['padding_efficiency']:.1%}", str(w["requests_ok"]), str(w["requests_failed"]),
+        str(w["batches"]), str(w["oom_splits"]), f"{w['heartbeat_age_s']:.1f}s",
+    )
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> str:
+    widths = [max(len(str(c)), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    return f"\n{indent}".join(line.rstrip() for line in lines)

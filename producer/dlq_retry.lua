@@ -1,0 +1,70 @@
+-- Move dead letters back onto their queue's request stream: all of them or none.
+--
+-- Keys touched (both carry the queue's hash tag, so one Cluster slot):
+--   KEYS[1]  <prefix>:{q}:dead       stream   XRANGE id id, then XDEL
+--   KEYS[2]  <prefix>:{q}:requests   stream   XLEN, then XADD (never trimmed)
+--
+-- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
+-- ARGV[2]   drop_deadline: "1" leaves the request's deadline_ms field out
+-- ARGV[3..] dead-stream entry ids
+--
+-- A dead letter's fields are the original request's fields plus the worker's
+-- dead_* fields (dead_error_code, dead_error, dead_worker, dead_deliveries,
+-- dead_at_ms, dead_source_id); every field whose name starts with "dead_" is
+-- left out, so the request goes back exactly as its producer wrote it.
+--
+-- Returns, per id in order, the new request stream id, or false when the dead
+-- stream has no such entry. When XLEN + found > max_len it moves nothing and
+-- answers the error "QUEUEFULL <xlen> <max_len>", as the enqueue script does.
+--
+-- Why a script: the XADD and the XDEL must happen together, or a crash in
+-- between would lose the letter or run the request twice.
+
+local dead = KEYS[1]
+local stream = KEYS[2]
+local max_len = tonumber(ARGV[1])
+if max_len == nil or max_len < 0 then
+  return redis.error_reply("ERR tokenq dlq retry: max_len must be a non-negative integer")
+end
+local drop_deadline = ARGV[2] == "1"
+
+local found = {}
+local count = 0
+for i = 3, #ARGV do
+  local entries = redis.call("XRANGE", dead, ARGV[i], ARGV[i])
+  if #entries == 1 then
+    found[i] = entries[1][2]
+    count = count + 1
+  end
+end
+
+if max_len > 0 and count > 0 then
+  local xlen = redis.call("XLEN", stream)
+  if xlen + count > max_len then
+    return redis.error_reply("QUEUEFULL " .. xlen .. " " .. max_len)
+  end
+end
+
+local ids = {}
+for i = 3, #ARGV do
+  local fields = found[i]
+  if fields == nil then
+    ids[#ids + 1] = false
+  else
+    local entry = {"XADD", stream, "*"}
+    for j = 1, #fields, 2 do
+      local name = fields[j]
+      local keep = string.sub(name, 1, 5) ~= "dead_"
+      if drop_deadline and name == "deadline_ms" then
+        keep = false
+      end
+      if keep then
+        entry[#entry + 1] = name
+        entry[#entry + 1] = fields[j + 1]
+      end
+    end
+    ids[#ids + 1] = redis.call(unpack(entry))
+    redis.call("XDEL", dead, ARGV[i])
+  end
+end
+return ids

@@ -1,0 +1,301 @@
+"""What ``tokenq stats`` and ``tokenq top`` see: one read-only snapshot of the queues.
+
+Everything here is plain Redis reads (SCAN, XLEN, XINFO, XPENDING, HGETALL,
+EXISTS) turned into JSON-ready dicts, so the text view, the live view and
+``--json`` all show the same numbers, and a test can assert on them. The
+document's fields are listed in docs/OPERATIONS.md; keep the two in step
+(``SNAPSHOT_VERSION`` goes up when a field changes meaning or goes away).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import msgpack
+import redis
+
+from tokenq.producer._core import redact_url
+from tokenq.shared import keys
+
+SNAPSHOT_VERSION = 1
+
+_SUFFIX = ":requests"
+_HEARTBEAT_LIMITS = {"max_str_len": 1 << 16, "max_bin_len": 1 << 16, "max_map_len": 256}
+
+
+def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
+    """A bytes-in, bytes-out client for operator commands (short timeouts, no retries)."""
+    return redis.Redis.from_url(
+        redis_url,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        client_name="tokenq-ops",
+    )
+
+
+def parse_queue_key(key: str, prefix: str) -> keys.QueueRef | None:
+    """The queue (shard) a ``<prefix>:{q}:requests`` key belongs to, or None."""
+    head = f"{prefix}:{{"
+    tail = "}" + _SUFFIX
+    if not (key.startswith(head) and key.endswith(tail)):
+        return None
+    inner = key[len(head):-len(tail)]
+    name, shard = inner, None
+    if ":" in inner:
+        name, _, shard_text = inner.rpartition(":")
+        if not shard_text.isdigit():
+            return None
+        shard = int(shard_text)
+    try:
+        return keys.QueueRef(name, prefix, shard)
+    except ValueError:
+        return None
+
+
+def discover_queues(r: redis.Redis, prefix: str) -> list[keys.QueueRef]:
+    """Every queue (and shard) with a request stream under ``prefix``, sorted by name."""
+    found: dict[str, keys.QueueRef] = {}
+    pattern = f"{prefix}:{{*}}{_SUFFIX}"
+    for raw in r.scan_iter(match=pattern, count=1000, _type="stream"):
+        key = raw.decode() if isinstance(raw, bytes) else raw
+        q = parse_queue_key(key, prefix)
+        if q is not None:
+            found[key] = q
+    return sorted(found.values(), key=lambda q: (q.name, q.shard if q.shard is not None else -1))
+
+
+def queue_label(q: keys.QueueRef) -> str:
+    """``name`` or ``name:shard``, as shown in the tables."""
+    return q.name if q.shard is None else f"{q.name}:{q.shard}"
+
+
+def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str = "") -> dict:
+    """The whole ``tokenq stats --json`` document for ``queues``."""
+    now = time.time()
+    return {
+        "version": SNAPSHOT_VERSION,
+        "at": round(now, 3),
+        "redis_url": redact_url(redis_url) if redis_url else "",
+        "queues": [queue_stats(r, q, now) for q in queues],
+    }
+
+
+def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
+    """One queue's entry of the snapshot."""
+    stream = keys.requests(q)
+    group = _group_info(r, stream)
+    pending, oldest_pending_ms = _pending(r, stream, group is not None, now)
+    length = int(r.xlen(stream))
+    lag = group.get("lag") if group else None
+    lag_exact = lag is not None
+    if group is None:
+        lag, lag_exact = length, True  # nobody has read anything yet
+    elif lag is None:
+        # Workers XDEL what they answer, so the stream holds what is pending plus
+        # what no one has read; Redis cannot count lag across deleted entries.
+        lag = max(0, length - pending)
+    workers, stale = _workers(r, q, now)
+    return {
+        "queue": q.name,
+        "shard": q.shard,
+        "label": queue_label(q),
+        "stream": stream,
+        "length": length,
+        "pending": pending,
+        "oldest_pending_ms": oldest_pending_ms,
+        "lag": int(lag),
+        "lag_exact": lag_exact,
+        "dead": int(r.xlen(keys.dead(q))),
+        "group": group is not None,
+        "consumers": _consumers(r, stream) if group is not None else [],
+        "workers": workers,
+        "stale_workers": stale,
+        "totals": _totals(workers),
+        "config": {k.decode(): v.decode(errors="replace")
+                   for k, v in r.hgetall(keys.config(q)).items()},
+    }
+
+
+def _group_info(r: redis.Redis, stream: str) -> dict[str, Any] | None:
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream
+        return None
+    for group in groups:
+        if _text(group.get("name")) == keys.GROUP:
+            return group
+    return None
+
+
+def _pending(r: redis.Redis, stream: str, has_group: bool, now: float) -> tuple[int, int | None]:
+    """Pending count and the age of the oldest pending entry (from its id's timestamp)."""
+    if not has_group:
+        return 0, None
+    summary = r.xpending(stream, keys.GROUP)
+    count = int(summary.get("pending") or 0)
+    oldest = summary.get("min")
+    if not count or not oldest:
+        return count, None
+    return count, max(0, int(now * 1000) - entry_ms(oldest))
+
+
+def entry_ms(entry_id: bytes | str) -> int:
+    """The Unix-ms timestamp a stream entry id starts with."""
+    return int(_text(entry_id).split("-", 1)[0])
+
+
+def _consumers(r: redis.Redis, stream: str) -> list[dict[str, Any]]:
+    out = []
+    for consumer in r.xinfo_consumers(stream, keys.GROUP):
+        inactive = consumer.get("inactive")
+        out.append({
+            "name": _text(consumer.get("name")),
+            "pending": int(consumer.get("pending") or 0),
+            "idle_ms": int(consumer.get("idle") or 0),
+            "inactive_ms": None if inactive is None else int(inactive),
+        })
+    return sorted(out, key=lambda c: c["name"])
+
+
+def _workers(
+    r: redis.Redis, q: keys.QueueRef, now: float
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Live workers (heartbeat entry and liveness key) and the names of stale entries."""
+    beats = r.hgetall(keys.workers(q))
+    names = sorted(_text(name) for name in beats)
+    if not names:
+        return [], []
+    with r.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.exists(keys.worker_alive(q, name))
+        alive = pipe.execute()
+    live, stale = [], []
+    for name, is_alive in zip(names, alive, strict=True):
+        raw = beats.get(name.encode())
+        beat = _decode_beat(raw)
+        if not is_alive or beat is None:
+            stale.append(name)
+            continue
+        live.append(_worker_view(name, beat, now))
+    return live, stale
+
+
+def _decode_beat(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        beat = msgpack.unpackb(raw, raw=False, **_HEARTBEAT_LIMITS)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        return None
+    return beat if isinstance(beat, dict) else None
+
+
+def _worker_view(name: str, beat: dict[str, Any], now: float) -> dict[str, Any]:
+    at = float(beat.get("at") or now)
+    started = float(beat.get("started_at") or at)
+    uptime = max(at - started, 1e-9)
+    requests = int(beat.get("requests_ok", 0)) + int(beat.get("requests_failed", 0))
+    return {
+        "consumer": name,
+        "host": beat.get("host"),
+        "pid": beat.get("pid"),
+        "model": beat.get("model"),
+        "max_batch_tokens": beat.get("max_batch_tokens"),
+        "configured_batch_tokens": beat.get("configured_batch_tokens"),
+        "max_batch_size": beat.get("max_batch_size"),
+        "buffered": int(beat.get("buffered", 0)),
+        "requests_ok": int(beat.get("requests_ok", 0)),
+        "requests_failed": int(beat.get("requests_failed", 0)),
+        "batches": int(beat.get("batches", 0)),
+        "tokens": int(beat.get("tokens", 0)),
+        "padded_tokens": int(beat.get("padded_tokens", 0)),
+        "device_ms": round(float(beat.get("device_ms", 0.0)), 3),
+        "oom_splits": int(beat.get("oom_splits", 0)),
+        "padding_efficiency": float(beat.get("padding_efficiency", 1.0)),
+        "uptime_s": round(max(at - started, 0.0), 3),
+        "requests_per_s": round(requests / uptime, 3) if at > started else 0.0,
+        "tokens_per_s": round(int(beat.get("tokens", 0)) / uptime, 3) if at > started else 0.0,
+        "heartbeat_age_s": round(max(now - at, 0.0), 3),
+        "at": round(at, 3),
+    }
+
+
+_SUMMED = ("requests_ok", "requests_failed", "batches", "tokens", "padded_tokens",
+           "oom_splits", "buffered", "requests_per_s", "tokens_per_s")
+
+
+def _totals(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    totals: dict[str, Any] = {name: 0 for name in _SUMMED}
+    for worker in workers:
+        for name in _SUMMED:
+            totals[name] += worker[name]
+    totals["workers"] = len(workers)
+    totals["requests_per_s"] = round(totals["requests_per_s"], 3)
+    totals["tokens_per_s"] = round(totals["tokens_per_s"], 3)
+    padded = totals["padded_tokens"]
+    totals["padding_efficiency"] = round(totals["tokens"] / padded, 4) if padded else 1.0
+    return totals
+
+
+_COUNTERS = ("requests_ok", "requests_failed", "batches", "tokens", "padded_tokens",
+             "oom_splits", "device_ms")
+
+
+def heartbeat_counters(r: redis.Redis, q: keys.QueueRef) -> dict[str, dict[str, float]]:
+    """Each heartbeat entry's cumulative counters (and ``at``), by consumer name.
+
+    ``tokenq embed`` and ``tokenq top`` subtract two of these to report what
+    the workers did in between.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for name, raw in r.hgetall(keys.workers(q)).items():
+        beat = _decode_beat(raw)
+        if beat is None:
+            continue
+        counters = {field: float(beat.get(field, 0) or 0) for field in _COUNTERS}
+        counters["at"] = float(beat.get("at") or 0.0)
+        out[_text(name)] = counters
+    return out
+
+
+def counter_delta(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """Summed counter increase between two :func:`heartbeat_counters` readings.
+
+    A worker that appeared in between counts from zero; one that left (its
+    entry is deleted at a clean exit) is missing from ``after`` and its last
+    part is lost, so the delta is a lower bound.
+    """
+    total = {field: 0.0 for field in _COUNTERS}
+    for name, counters in after.items():
+        base = before.get(name, {})
+        for field in _COUNTERS:
+            total[field] += max(0.0, counters[field] - base.get(field, 0.0))
+    padded = total["padded_tokens"]
+    total["padding_efficiency"] = round(total["tokens"] / padded, 4) if padded else 1.0
+    return total
+
+
+def _text(value: object) -> str:
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return "" if value is None else str(value)
+
+
+
+class Unreachable(Exception):
+    """Redis could not be reached or refused a read; the message is for the operator."""
+
+
+def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str) -> dict:
+    """Discover (or take) the queues and snapshot them, as one operator-facing error."""
+    try:
+        queues = [keys.QueueRef(queue, prefix)] if queue else discover_queues(r, prefix)
+        return snapshot(r, queues, redis_url=redis_url)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise Unreachable(f"cannot reach Redis at {redact_url(redis_url)}: {exc}") from exc
+    except redis.ResponseError as exc:
+        raise Unreachable(f"Redis at {redact_url(redis_url)} refused a read: {exc}") from exc
