@@ -32,7 +32,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal, overload
 
 import numpy as np
@@ -41,7 +41,7 @@ from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode, remote_erro
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, CostModel, Packer
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_text
 from tokenq.worker.backend import Backend, Encoding, TextInput
-from tokenq.worker.execute import FailedRun, Failure, describe, run_isolated
+from tokenq.worker.execute import FailedRun, Failure, adapt_budget, describe, run_isolated
 
 log = logging.getLogger(__name__)
 
@@ -370,28 +370,10 @@ class Batcher:
                 stats.error_events += 1
         if events:
             stats.failed_runs = (stats.failed_runs + events)[-100:]
-        self._adapt_budget([event for event in events if event.reason == "oom"])
+        ooms = [event for event in events if event.reason == "oom"]
+        adapt_budget(self._adaptive, self._packer, ooms, "batcher")
         for pending, result in zip(pendings, results, strict=True):
             self._answer(pending, result)
-
-    def _adapt_budget(self, ooms: list[FailedRun]) -> None:
-        """Lower the packer's budget after an OOM; raise it slowly after clean batches."""
-        before = self._adaptive.current
-        if ooms:
-            padded = self._packer.budget.cost_model is CostModel.PADDED
-            failed = max(event.padded_tokens if padded else event.tokens for event in ooms)
-            after = self._adaptive.on_oom(failed)
-        else:
-            after = self._adaptive.on_success()
-        if after != before:
-            self._packer.budget = replace(self._packer.budget, max_batch_tokens=after)
-            log.warning(
-                "batcher budget %s from %d to %d tokens%s",
-                "lowered" if after < before else "raised",
-                before,
-                after,
-                " after out-of-memory" if ooms else "",
-            )
 
     # ----------------------------------------------------------------- answers
 

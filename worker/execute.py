@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import numpy as np
 
 from tokenq.shared.errors import ErrorCode
+from tokenq.shared.packer import AdaptiveBudget, CostModel, Packer
 from tokenq.worker.backend import Backend, Encoding
 
 log = logging.getLogger(__name__)
@@ -169,3 +170,27 @@ def _notify(callback: OnFailedRun | None, event: FailedRun) -> None:
 def _missing() -> Failure:
     # Unreachable: every row is either answered by a run or fails alone.
     return Failure(ErrorCode.INFERENCE_FAILED.value, "row was never run (tokenq bug)")
+
+
+def adapt_budget(
+    adaptive: AdaptiveBudget, packer: Packer[Any], ooms: Sequence[FailedRun], who: str
+) -> None:
+    """Feed one batch's out-of-memory events to the adaptive budget and the packer.
+
+    After an OOM the budget drops below the failed batch's cost (padded or
+    ragged, as the packer counts); after clean batches it climbs back slowly.
+    Shared by the Redis worker and the in-process batcher.
+    """
+    before = adaptive.current
+    if ooms:
+        padded = packer.budget.cost_model is CostModel.PADDED
+        after = adaptive.on_oom(max(e.padded_tokens if padded else e.tokens for e in ooms))
+    else:
+        after = adaptive.on_success()
+    if after != before:
+        packer.budget = replace(packer.budget, max_batch_tokens=after)
+        log.warning(
+            "%s budget %s from %d to %d tokens%s", who,
+            "lowered" if after < before else "raised", before, after,
+            " after out-of-memory" if ooms else "",
+        )
