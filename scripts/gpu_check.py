@@ -132,12 +132,6 @@ class Ballast:
         torch.cuda.empty_cache()
 
 
-def is_oom(exc: BaseException) -> bool:
-    from tokenq.worker.execute import is_out_of_memory
-
-    return is_out_of_memory(exc)
-
-
 def check_oom(
     backend: Any, texts: Sequence[str], headroom_gib: float, start_rows: int, max_rows: int
 ) -> Check:
@@ -146,7 +140,7 @@ def check_oom(
     import torch
 
     from tokenq.worker.backend import TextInput
-    from tokenq.worker.execute import FailedRun, Failure, run_isolated
+    from tokenq.worker.execute import FailedRun, Failure, is_out_of_memory, run_isolated
 
     limit = backend.info.max_input_tokens
     encodings = backend.tokenize([TextInput(t) for t in texts], limit)
@@ -163,7 +157,7 @@ def check_oom(
             try:
                 backend.run(batch)
             except Exception as exc:
-                if not is_oom(exc):
+                if not is_out_of_memory(exc):
                     raise
                 break
             rows *= 2

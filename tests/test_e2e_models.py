@@ -54,7 +54,7 @@ from tests.workers import WorkerProcess  # noqa: E402
 from tokenq.producer import Client, Result  # noqa: E402
 from tokenq.shared import keys, wire  # noqa: E402
 from tokenq.shared.errors import RemoteError  # noqa: E402
-from tokenq.worker.hf_encoding import combine_chunks  # noqa: E402
+from tokenq.worker.chunks import combine_chunks  # noqa: E402
 from tokenq.worker.sim import expected_vector  # noqa: E402
 
 LIMIT = 32
@@ -191,7 +191,6 @@ def _hf(path_of: str, *extra: str) -> Callable[[SimpleNamespace], tuple[str, ...
 
 SPECS: dict[str, Spec] = {
     "embed_worker": Spec(_hf("embed")),
-    "truncate_worker": Spec(_hf("embed")),
     "reject_worker": Spec(_hf("embed", "--policy", "reject")),
     "chunk_worker": Spec(_hf("embed", "--policy", "chunk", "--chunk-overlap", str(CHUNK_OVERLAP))),
     "auto_worker": Spec(_hf("embed", "--max-batch-tokens", "auto")),
@@ -313,7 +312,6 @@ def _served_fixture(name: str) -> Any:
 
 
 embed_worker = _served_fixture("embed_worker")
-truncate_worker = _served_fixture("truncate_worker")
 reject_worker = _served_fixture("reject_worker")
 chunk_worker = _served_fixture("chunk_worker")
 auto_worker = _served_fixture("auto_worker")
@@ -364,35 +362,31 @@ def send_raw(
 
 
 def test_embeddings_through_the_queue_equal_single_forwards(
-    embed_worker: Served, embed_ref: Reference
+    embed_worker: Served, embed_ref: Reference, r: redis.Redis
 ) -> None:
-    texts = tiny_texts(random.Random(1), 60, 1, LIMIT - 2)
-    lengths = [len(embed_ref.ids(text)["input_ids"]) for text in texts]
+    """Mixed lengths in padded batches; over-long input truncated (the default policy)."""
+    rng = random.Random(1)
+    fitting = tiny_texts(rng, 60, 1, LIMIT - 2)
+    lengths = [len(embed_ref.ids(text)["input_ids"]) for text in fitting]
     assert max(lengths) <= LIMIT and len(set(lengths)) > 15, lengths
+    over = tiny_texts(rng, 6, 40, 120)
     with embed_worker.client() as client:
-        results = client.infer_many(texts, timeout_s=TIMEOUT_S)
-    for text, length, result in zip(texts, lengths, results, strict=True):
+        results = client.infer_many([*fitting, *over], timeout_s=TIMEOUT_S)
+    for text, length, result in zip(fitting, lengths, results[: len(fitting)], strict=True):
         assert result.dim == 32 and result.tokens == length
         np.testing.assert_allclose(vector(result), embed_ref(text), atol=ATOL, err_msg=text)
     batches = embed_worker.worker.batches()
     padded = [b for b in batches if b["rows"] > 1 and b["padded_tokens"] > b["tokens"]]
     assert padded, f"no batch had padding, so nothing was tested: {batches}"
 
-
-def test_truncate_policy_and_pairs_on_an_embedding_queue(
-    truncate_worker: Served, embed_ref: Reference, r: redis.Redis
-) -> None:
-    rng = random.Random(2)
-    texts = [*tiny_texts(rng, 6, 40, 120), *tiny_texts(rng, 4, 3, 10)]
-    with truncate_worker.client() as client:
-        results = client.infer_many(texts, timeout_s=TIMEOUT_S)
-    for text, result in zip(texts, results, strict=True):
-        full = len(embed_ref.ids(text)["input_ids"])
-        assert result.tokens == min(full, LIMIT), (full, result.tokens)
+    for text, result in zip(over, results[len(fitting) :], strict=True):
+        assert len(embed_ref.ids(text)["input_ids"]) > LIMIT
+        assert result.tokens == LIMIT
         expected = embed_ref(text, max_length=LIMIT)
         np.testing.assert_allclose(vector(result), expected, atol=ATOL, err_msg=text)
-    assert sum(len(embed_ref.ids(t)["input_ids"]) > LIMIT for t in texts) == 6
-    pair, single = send_raw(r, truncate_worker, [("query", "passage"), "hello world"])
+    assert not any(b["failed"] for b in batches)
+
+    pair, single = send_raw(r, embed_worker, [("query", "passage"), "hello world"])
     assert not pair.ok and pair.error is not None and pair.error.code == "bad_request"
     assert "text_pair" in pair.error.message
     assert single.ok and single.embedding is not None

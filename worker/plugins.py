@@ -110,6 +110,8 @@ def _call(factory: Callable[[WorkerSettings], Any], settings: WorkerSettings, sp
     """Call a factory; anything it raises becomes a ConfigError naming the spec."""
     try:
         return factory(settings)
+    except ConfigError as exc:
+        raise ConfigError(f"backend {spec!r}: {exc}") from exc
     except Exception as exc:
         raise ConfigError(
             f"backend {spec!r}: the factory raised {type(exc).__name__}: {exc}"
