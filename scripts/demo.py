@@ -1,31 +1,29 @@
-"""The main job, end to end on one machine: Redis, workers, a producer, a summary.
+"""The main job on one machine: ``tokenq up`` + ``tokenq embed`` on real text.
 
-Starts a private redis-server on a free loopback port, N worker processes
-(the Hugging Face backend with the bundled all-MiniLM-L6-v2 by default), and
-embeds the bundled sample of real English and Chinese text through the queue
-with the sync client. Prints throughput, batching figures from the workers'
-batch logs, and a few nearest-neighbour look-ups so the vectors can be seen
-to mean something. Everything it started is stopped at the end.
+Runs ``tokenq up`` (a private redis-server with AOF on a free loopback port,
+plus N workers serving the bundled all-MiniLM-L6-v2, offline), then
+``tokenq embed`` over the bundled sample of English and Chinese text of mixed
+lengths (scripts/data/sample.jsonl) into a .npy file, which prints its
+summary (requests/s, tokens/s, batches, padding efficiency). Then it looks up
+the nearest sample text for a few queries, to show the vectors mean
+something, and stops everything it started.
 
-    python scripts/demo.py [--workers 2] [--backend hf|sim] [--repeat 1]
+    python scripts/demo.py [--workers 2] [--backend hf|sim] [--output DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import numpy as np
+
 from tokenq.producer import Client
-from tokenq.shared import keys
-from tokenq.worker.embedded import RedisServer
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample.jsonl"
 QUEUE = "demo"
@@ -36,119 +34,70 @@ QUERIES = [
 ]
 
 
-def load_sample() -> list[dict]:
-    return [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines() if line]
+def tokenq(*args: str) -> list[str]:
+    """The ``tokenq`` console script of this interpreter's environment."""
+    return [sys.executable, "-m", "tokenq.shared.cli", *args]
 
 
-def start_workers(url: str, count: int, backend: str, log_dir: Path) -> list[subprocess.Popen]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    workers = []
-    for index in range(count):
-        log = (log_dir / f"worker{index}.log").open("wb")
-        workers.append(subprocess.Popen(
-            [sys.executable, "-m", "tokenq.worker", "--redis-url", url, "--queue", QUEUE,
-             "--backend", backend, "--consumer", f"demo-{index}",
-             "--batch-log", str(log_dir / f"worker{index}.batches.jsonl")],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        ))
-    return workers
-
-
-def wait_for_workers(client: Client, server_url: str, count: int, timeout: float = 120) -> None:
-    import redis
-
-    raw = redis.Redis.from_url(server_url)
-    q = keys.QueueRef(QUEUE)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sum(raw.exists(keys.worker_alive(q, f"demo-{i}")) for i in range(count)) == count:
-            return
-        time.sleep(0.2)
-    raise SystemExit("workers did not start; see their logs")
-
-
-def cosine(a, b) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)) or 1.0)
+def start_stack(workers: int, backend: str) -> tuple[subprocess.Popen[str], str]:
+    """``tokenq up``; returns the process and the Redis URL it prints once workers are ready."""
+    up = subprocess.Popen(
+        tokenq("up", "--workers", str(workers), "--backend", backend, "--queue", QUEUE),
+        stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+    assert up.stdout is not None
+    url = None
+    for line in up.stdout:
+        print(line.rstrip())
+        if line.startswith("tokenq up: enqueue to "):
+            url = line.split()[4]
+        if "workers ready" in line:
+            break
+    if url is None or up.poll() is not None:
+        raise SystemExit("tokenq up did not start; see its output above")
+    return up, url
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--backend", default="hf", help="hf (bundled MiniLM) or sim")
-    parser.add_argument("--repeat", type=int, default=1, help="send the sample this many times")
+    parser.add_argument("--output", type=Path, default=None, help="keep sample.npy here")
     args = parser.parse_args()
 
-    rows = load_sample()
-    texts = [row["text"] for row in rows] * args.repeat
     with tempfile.TemporaryDirectory(prefix="tokenq-demo-") as tmp:
-        tmp_path = Path(tmp)
-        server = RedisServer(tmp_path / "redis", appendonly=True)
-        server.start()
-        print(f"redis-server on {server.url} (AOF on, noeviction)")
-        workers = start_workers(server.url, args.workers, args.backend, tmp_path)
+        output = (args.output or Path(tmp)) / "sample.npy"
+        output.parent.mkdir(parents=True, exist_ok=True)
+        up, url = start_stack(args.workers, args.backend)
         try:
-            with Client(redis_url=server.url, queue=QUEUE, max_queue_length=0) as client:
-                wait_for_workers(client, server.url, args.workers)
-                print(f"{args.workers} workers ready ({args.backend}); "
-                      f"embedding {len(texts)} texts")
-                started = time.perf_counter()
-                results = client.infer_many(texts, timeout_s=600, return_exceptions=True)
-                elapsed = time.perf_counter() - started
-                vectors = {}
-                for row, result in zip(rows, results, strict=False):
-                    if not isinstance(result, Exception):
-                        vectors[row["id"]] = list(result.embedding)
-                query_results = client.infer_many(QUERIES, timeout_s=120)
+            embed = subprocess.run(
+                tokenq("embed", str(SAMPLE), "--field", "text", "--output", str(output),
+                       "--redis-url", url, "--queue", QUEUE, "--restart"),
+                check=False,
+            )
+            if embed.returncode == 0:
+                show_neighbours(url, np.load(output))
         finally:
-            for worker in workers:
-                worker.send_signal(signal.SIGTERM)
-            for worker in workers:
-                worker.wait(timeout=60)
-            server.stop()
-        summarize(texts, results, elapsed, tmp_path)
-        show_neighbours(rows, vectors, query_results)
-    failed = sum(isinstance(result, Exception) for result in results)
-    return 1 if failed else 0
+            up.send_signal(signal.SIGINT)
+            up.wait(timeout=120)
+    return embed.returncode
 
 
-def summarize(texts: list[str], results: list, elapsed: float, log_dir: Path) -> None:
-    ok = [result for result in results if not isinstance(result, Exception)]
-    tokens = sum(result.tokens or 0 for result in ok)
-    batches = [
-        json.loads(line)
-        for path in sorted(log_dir.glob("worker*.batches.jsonl"))
-        for line in path.read_text().splitlines()
-        if line
-    ]
-    real = sum(batch["tokens"] for batch in batches)
-    padded = sum(batch["padded_tokens"] for batch in batches) or 1
-    print()
-    print("summary")
-    print(f"  requests        {len(texts)} sent, {len(ok)} answered ok, "
-          f"{len(texts) - len(ok)} failed")
-    print(f"  wall time       {elapsed:.2f} s")
-    print(f"  throughput      {len(ok) / elapsed:.1f} requests/s, {tokens / elapsed:.0f} tokens/s")
-    print(f"  batches         {len(batches)} (mean {len(ok) / max(1, len(batches)):.1f} rows)")
-    print(f"  padding eff.    {real / padded:.3f} (real / padded tokens)")
-    if ok:
-        print(f"  embedding dim   {ok[0].dim}")
+def show_neighbours(url: str, vectors: np.ndarray) -> None:
+    """The sample line nearest to each query, by cosine similarity."""
+    import json
 
-
-def show_neighbours(rows: list[dict], vectors: dict[str, list[float]], queries: list) -> None:
-    if not vectors:
-        return
-    by_id = {row["id"]: row for row in rows}
-    print()
-    print("nearest sample text to a few queries (cosine)")
-    for query, result in zip(QUERIES, queries, strict=True):
-        scored = sorted(
-            ((cosine(result.embedding, vector), rid) for rid, vector in vectors.items()),
-            reverse=True,
-        )
-        score, rid = scored[0]
-        text = by_id[rid]["text"].replace("\n", " ")
-        print(f"  {query}\n    {score:.3f}  {text[:90]}{'…' if len(text) > 90 else ''}")
+    texts = [json.loads(line)["text"] for line in SAMPLE.read_text("utf-8").splitlines() if line]
+    with Client(redis_url=url, queue=QUEUE) as client:
+        queries = np.array([list(r.embedding) for r in client.infer_many(QUERIES, timeout_s=60)])
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    scores = (queries / np.linalg.norm(queries, axis=1, keepdims=True)) @ unit.T
+    print("\nnearest sample text to a few queries (cosine)")
+    for query, row in zip(QUERIES, scores, strict=True):
+        best = int(row.argmax())
+        text = texts[best].replace("\n", " ")
+        print(f"  {query}\n    {row[best]:.3f}  {text[:90]}{'…' if len(text) > 90 else ''}")
 
 
 if __name__ == "__main__":

@@ -266,7 +266,7 @@ class _OpsCommon(BaseSettings):
 
 
 class StatsSettings(_OpsCommon):
-    """``tokenq stats``: one look at every queue under the prefix."""
+    """tokenq stats: one look at every queue under the prefix (docs/OPERATIONS.md)."""
 
     model_config = SettingsConfigDict(cli_prog_name="tokenq stats")
 
@@ -286,7 +286,7 @@ class StatsSettings(_OpsCommon):
 
 
 class TopSettings(StatsSettings):
-    """``tokenq top``: ``tokenq stats`` refreshed live, with rates between refreshes."""
+    """tokenq top: tokenq stats refreshed live, with rates between refreshes; Ctrl-C quits."""
 
     model_config = SettingsConfigDict(cli_prog_name="tokenq top")
 
@@ -295,7 +295,7 @@ class TopSettings(StatsSettings):
 
 
 class DlqSettings(_OpsCommon):
-    """``tokenq dlq``: look at, retry or purge a queue's dead letters."""
+    """tokenq dlq: look at, retry or purge a queue's dead letters (docs/OPERATIONS.md)."""
 
     model_config = SettingsConfigDict(cli_prog_name="tokenq dlq")
 
@@ -329,7 +329,7 @@ class DlqSettings(_OpsCommon):
 
 
 class EmbedSettings(ClientSettings):
-    """``tokenq embed``: embed a file through the queue, resumably, in input order."""
+    """tokenq embed: a file through the queue, in input order; re-run it to resume."""
 
     model_config = SettingsConfigDict(cli_prog_name="tokenq embed", populate_by_name=True)
 
@@ -362,7 +362,7 @@ class EmbedSettings(ClientSettings):
 
 
 class UpSettings(_OpsCommon):
-    """``tokenq up``: a local Redis and N workers in one command (development, demos)."""
+    """tokenq up: a local Redis and N workers (for demos); flags after -- go to each worker."""
 
     model_config = SettingsConfigDict(cli_prog_name="tokenq up")
 

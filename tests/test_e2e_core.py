@@ -253,3 +253,24 @@ def test_worker_refuses_bad_settings(worker_env):
 
     plugin = run("--backend", "no.such.module:factory")
     assert plugin.returncode == 2 and "no.such.module" in plugin.stderr
+
+
+def test_worker_started_before_redis_waits_for_it(worker_env, tmp_path, queue_name):
+    """A worker that starts first (compose, Kubernetes) retries until Redis is up."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "late")
+    env = {**worker_env, "TOKENQ_REDIS_URL": server.url}
+    worker = WorkerProcess(env, tmp_path, *SIM_FLAGS, "--retries", "0", name="early")
+    try:
+        time.sleep(2.0)
+        assert worker.process.poll() is None, worker.output()
+        server.start()
+        client = redis.Redis.from_url(server.url)
+        worker.wait_ready(client, queue_name, timeout=30)
+        with Client(redis_url=server.url, queue=queue_name) as producer:
+            assert_vector(list(producer.infer("finally", timeout_s=30).embedding), "finally")
+        assert "not reachable at start" in worker.output()
+    finally:
+        worker.close()
+        server.stop()

@@ -14,9 +14,10 @@ from pydantic_settings import CliApp, SettingsError
 
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker import logs
+from tokenq.worker import logs, metrics
 from tokenq.worker.loop import Worker
 from tokenq.worker.plugins import load_backend
+from tokenq.worker.supervise import run_per_device
 
 log = logging.getLogger("tokenq.worker")
 
@@ -33,7 +34,12 @@ async def serve(settings: WorkerSettings) -> None:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     backend = await asyncio.to_thread(load_backend, settings)
-    worker = Worker(settings, backend)
+    worker = Worker(settings, backend)  # checks the settings before a port is opened
+    worker_metrics = worker.metrics = metrics.create(settings)
+    info = backend.info
+    worker_metrics.describe(
+        consumer=worker.consumer, model=info.model, backend=info.name, device=info.device
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stop)
@@ -41,6 +47,7 @@ async def serve(settings: WorkerSettings) -> None:
         await worker.run()
     finally:
         backend.close()
+        worker_metrics.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,6 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenq worker: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, json_lines=settings.log_json)
+    if settings.devices is not None:
+        return run_per_device(settings, args)
     try:
         asyncio.run(serve(settings))
     except ConfigError as exc:

@@ -74,8 +74,11 @@ class RedisServer:
             "--maxmemory-policy", "noeviction",
             *self.args,
         ]
+        # Its own session: a Ctrl-C at the terminal reaches the workers and
+        # ``tokenq up``, which stop the server last, after workers published.
         self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -26,7 +26,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -39,7 +39,7 @@ from tokenq.shared.settings import WorkerSettings
 from tokenq.worker import presence
 from tokenq.worker.backend import Backend
 from tokenq.worker.connection import connect
-from tokenq.worker.execute import FailedRun, Failure, run_isolated
+from tokenq.worker.execute import FailedRun, Failure, adapt_budget, run_isolated
 from tokenq.worker.jobs import (
     Answer,
     DeadLetterPolicy,
@@ -48,6 +48,7 @@ from tokenq.worker.jobs import (
     error_answer,
     tokenize_requests,
 )
+from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.publish import Publisher
 from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.server_check import check_server
@@ -100,7 +101,8 @@ def plan(settings: WorkerSettings, backend: Backend) -> Plan:
     if settings.policy == "chunk" and (info.task != "embed" or not hasattr(backend, "windows")):
         raise ConfigError(
             f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
-            f"{info.name} ({info.model}, task {info.task}) cannot: use truncate or reject"
+            f"{info.name} ({info.model}, task {info.extra.get('hf_task', info.task)}) cannot: "
+            "use truncate or reject"
         )
     if settings.cost_model == "auto":
         cost_model = CostModel.PADDED if info.padded else CostModel.RAGGED
@@ -119,8 +121,10 @@ class Worker:
         backend: Backend,
         *,
         client: aioredis.Redis | None = None,
+        metrics: NullMetrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = metrics if metrics is not None else NullMetrics()
         self.backend = backend
         self.queue = settings.queue_ref
         self.stream = keys.requests(self.queue)
@@ -182,13 +186,10 @@ class Worker:
             consumer=self.consumer, reply_ttl_ms=self._reply_ttl_ms,
             dead_max_len=self.settings.dead_max_len,
         )
-        await self._ensure_group()
-        await check_server(self.client)
-        fields = presence.config_fields(
-            self.backend.info, policy=self.plan.policy,
-            max_batch_tokens=self.plan.budget.max_batch_tokens,
-        )
-        await presence.write_config(self.client, self.queue, fields)
+        if not await self._join():  # stopped before Redis ever answered
+            if self._own_client and self._client is not None:
+                await self._client.aclose()
+            return
         self._log_start()
         beat = asyncio.create_task(self._beat_loop(), name="tokenq-beat")
         tasks = [
@@ -211,6 +212,29 @@ class Worker:
             if self._own_client and self._client is not None:
                 await self._client.aclose()
             log.info("stopped: %s", self.stats.snapshot())
+
+    async def _join(self) -> bool:
+        """Create the group and publish the config, waiting for Redis if it is not up yet.
+
+        A worker may start before Redis does (compose, Kubernetes); it retries
+        with backoff until Redis answers or it is told to stop (False).
+        """
+        fields = presence.config_fields(
+            self.backend.info, policy=self.plan.policy,
+            max_batch_tokens=self.plan.budget.max_batch_tokens,
+        )
+        delay = 0.5
+        while not self._stopping.is_set():
+            try:
+                await self._ensure_group()
+                await check_server(self.client)
+                await presence.write_config(self.client, self.queue, fields)
+                return True
+            except RedisError as exc:
+                log.warning("Redis not reachable at start (%s); retrying in %.1fs", exc, delay)
+                await _wait(self._stopping, delay)
+                delay = min(delay * 2, 5.0)
+        return False
 
     def _log_start(self) -> None:
         info = self.backend.info
@@ -275,9 +299,15 @@ class Worker:
             return False
         self._last_reclaim = now
         claimed = await self._reclaimer.scan(count)
+        # The safety net may hand back our own entries when we stalled past
+        # claim_idle_s; those we still hold must not be run (and answered) twice.
+        held = {item.payload.entry_id for item in self.packer}
+        held |= {job.entry_id for job in self._running}
+        claimed.entries = [entry for entry in claimed.entries if entry[0] not in held]
         if not claimed.entries:
             return False
         self.stats.reclaimed += len(claimed.entries)
+        self.metrics.reclaimed(len(claimed.entries))
         await self._take(claimed.entries, claimed.deliveries)
         return True
 
@@ -341,6 +371,7 @@ class Worker:
         if decoded.answers:
             self.stats.requests_failed += len(decoded.answers)
             self.stats.dead_lettered += sum(bool(a.dead_fields) for a in decoded.answers)
+            self.metrics.dead_lettered(sum(bool(a.dead_fields) for a in decoded.answers))
             await self._answers.put(decoded.answers)
         if not decoded.requests:
             return
@@ -426,7 +457,7 @@ class Worker:
             device_ms = (time.perf_counter() - started) * 1000.0
             self._running = ()
             splits = sum(event.rows > 1 for event in oom_events)
-            self._adapt_budget(oom_events)
+            adapt_budget(self.adaptive, self.packer, oom_events, "worker")
             answers += self._settle(live, outcome)
         record = BatchRecord(
             worker=self.consumer,
@@ -442,26 +473,11 @@ class Worker:
             oom_splits=splits,
         )
         self.stats.record(record)
+        self.metrics.batch(record, (job.entry_id for job in jobs), started_epoch_ms=now,
+                           budget=self.packer.budget.max_batch_tokens)
         self._batch_log.write(record)
         if answers:
             await self._answers.put(answers)
-
-    def _adapt_budget(self, oom_events: list[FailedRun]) -> None:
-        """Lower the budget after an OOM; raise it slowly after clean batches."""
-        before = self.adaptive.current
-        if oom_events:
-            padded = self.packer.budget.cost_model is CostModel.PADDED
-            failed = max(event.padded_tokens if padded else event.tokens for event in oom_events)
-            after = self.adaptive.on_oom(failed)
-        else:
-            after = self.adaptive.on_success()
-        if after != before:
-            self.packer.budget = replace(self.packer.budget, max_batch_tokens=after)
-            log.warning(
-                "budget %s from %d to %d tokens%s",
-                "lowered" if after < before else "raised", before, after,
-                " after out-of-memory" if oom_events else "",
-            )
 
     def _settle(self, jobs: list[Job], outcome: list[np.ndarray | Failure]) -> list[Answer]:
         """Answers for finished jobs; a chunked request answers when its last window does."""
@@ -505,6 +521,7 @@ class Worker:
             if answers is None:
                 return
             await self._publisher.publish(answers)
+            self.metrics.answered(answers)
 
     # ---------------------------------------------------------------------- beat
 
@@ -528,11 +545,16 @@ class Worker:
                 await self._keep_claims_fresh()
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except Exception:
+                # A heartbeat that stops lets other workers take this one's work;
+                # whatever went wrong, log it and keep beating.
+                log.exception("heartbeat failed unexpectedly")
             await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _keep_claims_fresh(self) -> None:
         """Reset the idle time of entries this worker holds, so nobody claims them."""
-        held = [job.entry_id for job in self.packer] + [job.entry_id for job in self._running]
+        held = [item.payload.entry_id for item in self.packer]  # the packer yields Items
+        held += [job.entry_id for job in self._running]
         for start in range(0, len(held), 512):
             await self.client.xclaim(
                 self.stream, keys.GROUP, self.consumer, 0, held[start:start + 512], justid=True

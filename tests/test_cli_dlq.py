@@ -1,0 +1,131 @@
+"""``tokenq dlq list|retry|purge`` on dead letters written as the worker writes them."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from tests.cli_support import DIM, MAX_INPUT
+from tokenq.producer import dlq
+from tokenq.producer.cli_dlq import main as dlq_main
+from tokenq.producer.cli_dlq import spread_ids
+from tokenq.shared import keys
+from tokenq.shared.errors import QueueFull
+from tokenq.shared.keys import QueueRef
+from tokenq.worker.sim import expected_vector
+
+pytest_plugins = ("tests.cli_fixtures",)
+
+
+def bury(r: redis.Redis, q: QueueRef, request_id: str, text: str, **extra: str) -> str:
+    """A dead letter with the original request fields plus the worker's dead_* fields."""
+    fields = {
+        "v": "1", "id": request_id, "text": text, "tokens": "3",
+        "reply_to": keys.reply(q, request_id), **extra,
+        "dead_error_code": "dead_letter", "dead_error": "delivered 5 times without an answer",
+        "dead_worker": "w-old", "dead_deliveries": "5",
+        "dead_at_ms": str(int(time.time() * 1000)), "dead_source_id": "1-0",
+    }
+    return r.xadd(keys.dead(q), fields).decode()
+
+
+def run(capsys: pytest.CaptureFixture[str], redis_url: str, queue: str, *args: str) -> tuple:
+    code = dlq_main(["--redis-url", redis_url, "--queue", queue, *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_list_shows_why_each_request_died(redis_url, queue_name, r, capsys):
+    q = QueueRef(queue_name)
+    first = bury(r, q, "req-1", "a poisoned input " * 10)
+    bury(r, q, "req-2", "another one")
+    code, out, _ = run(capsys, redis_url, queue_name, "list")
+    assert code == 0
+    assert out.startswith(f"2 dead letters in {keys.dead(q)}")
+    assert first in out and "req-1" in out and "dead_letter" in out and "w-old" in out
+
+    code, out, _ = run(capsys, redis_url, queue_name, "list", "--json", "--count", "1")
+    [line] = out.splitlines()
+    letter = json.loads(line)
+    assert letter["entry_id"] == first and letter["request_id"] == "req-1"
+    assert letter["error_code"] == "dead_letter" and letter["deliveries"] == 5
+    assert letter["worker"] == "w-old" and letter["source_id"] == "1-0"
+    assert letter["request"]["text"].startswith("a poisoned input")
+    assert not any(name.startswith("dead_") for name in letter["request"])
+
+
+def test_retry_requeues_and_a_worker_answers_on_the_original_reply_key(
+    sim_worker, redis_url, queue_name, r, capsys
+):
+    q = QueueRef(queue_name)
+    retried = bury(r, q, "again-1", "please run me again")
+    kept = bury(r, q, "stays", "not retried")
+    code, out, _ = run(capsys, redis_url, queue_name, "retry", "--id", retried)
+    assert code == 0 and "retried 1 dead letters" in out
+    [(_, fields)] = r.xrange(keys.requests(q))
+    assert {k.decode() for k in fields} == {"v", "id", "text", "tokens", "reply_to"}
+    assert [entry_id.decode() for entry_id, _ in r.xrange(keys.dead(q))] == [kept]
+
+    sim_worker()
+    popped = r.blpop([keys.reply(q, "again-1")], timeout=20)
+    assert popped is not None, "the retried request was not answered"
+    body = msgpack.unpackb(popped[1], raw=False)
+    assert body["id"] == "again-1" and body["ok"] is True
+    np.testing.assert_allclose(
+        np.frombuffer(body["embedding"], dtype="<f4"),
+        expected_vector("please run me again", DIM, MAX_INPUT), atol=1e-6,
+    )
+
+
+def test_retry_all_pages_and_drop_deadline(redis_url, queue_name, r, capsys):
+    q = QueueRef(queue_name)
+    for i in range(dlq._PAGE + 5):
+        bury(r, q, f"r{i}", f"text {i}", deadline_ms="1")
+    code, out, _ = run(capsys, redis_url, queue_name, "retry", "--all", "--drop-deadline")
+    assert code == 0 and f"retried {dlq._PAGE + 5} dead letters" in out
+    assert r.xlen(keys.dead(q)) == 0
+    entries = r.xrange(keys.requests(q))
+    assert [f[b"id"].decode() for _, f in entries] == [f"r{i}" for i in range(dlq._PAGE + 5)]
+    assert all(b"deadline_ms" not in f for _, f in entries)
+
+
+def test_retry_respects_the_queue_limit_and_reports_missing_ids(redis_url, queue_name, r, capsys):
+    q = QueueRef(queue_name)
+    ids = [bury(r, q, f"r{i}", "t") for i in range(3)]
+    with pytest.raises(QueueFull):
+        dlq.retry(r, q, ids, max_queue_length=2)
+    assert r.xlen(keys.dead(q)) == 3 and r.xlen(keys.requests(q)) == 0  # nothing moved
+    code, _, err = run(capsys, redis_url, queue_name, "retry", "--id", ids[0],
+                       "--max-queue-length", "2")
+    assert code == 0 and r.xlen(keys.requests(q)) == 1
+    code, out, err = run(capsys, redis_url, queue_name, "retry", "--id", ids[0], ids[1])
+    assert code == 1 and ids[0] in err and "retried 1 dead letters" in out
+    code, _, err = run(capsys, redis_url, queue_name, "retry", "--all", "--max-queue-length", "2")
+    assert code == 1 and "holds 2 of at most 2" in err
+
+
+def test_purge_by_id_and_all(redis_url, queue_name, r, capsys):
+    q = QueueRef(queue_name)
+    ids = [bury(r, q, f"r{i}", "t") for i in range(4)]
+    code, out, _ = run(capsys, redis_url, queue_name, "purge", "--id", ids[0], ids[1])
+    assert code == 0 and "purged 2" in out and r.xlen(keys.dead(q)) == 2
+    code, out, _ = run(capsys, redis_url, queue_name, "purge", "--all")
+    assert code == 0 and "purged 2" in out and not r.exists(keys.dead(q))
+
+
+def test_retry_and_purge_need_a_target(redis_url, queue_name, capsys):
+    code, _, err = run(capsys, redis_url, queue_name, "purge")
+    assert code == 2 and "--id ENTRY_ID" in err
+    code, _, err = run(capsys, redis_url, queue_name, "retry", "--all", "--id", "1-0")
+    assert code == 2
+
+
+def test_spread_ids_accepts_a_run_of_ids():
+    assert spread_ids(["retry", "--id", "1-0", "2-0", "3", "--all"]) == [
+        "retry", "--id", "1-0", "--id", "2-0", "--id", "3", "--all"]
+    assert spread_ids(["--id", "1-0", "retry"]) == ["--id", "1-0", "retry"]

@@ -1,0 +1,160 @@
+"""``tokenq stats`` and ``tokenq top`` against a real Redis and live sim workers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgpack
+import pytest
+import redis
+
+from tests.cli_support import tokenq, wait_for
+from tokenq.producer import Client
+from tokenq.producer.cli_stats import main as stats_main
+from tokenq.producer.cli_top import main as top_main
+from tokenq.producer.inspect import (
+    SNAPSHOT_VERSION,
+    counter_delta,
+    discover_queues,
+    heartbeat_counters,
+    parse_queue_key,
+)
+from tokenq.shared import keys
+from tokenq.shared.cli import main as dispatch
+from tokenq.shared.keys import QueueRef
+
+pytest_plugins = ("tests.cli_fixtures",)
+
+QUEUE_FIELDS = {
+    "queue", "shard", "label", "stream", "length", "pending", "oldest_pending_ms", "lag",
+    "lag_exact", "dead", "group", "consumers", "workers", "stale_workers", "totals", "config",
+}
+WORKER_FIELDS = {
+    "consumer", "host", "pid", "model", "max_batch_tokens", "configured_batch_tokens",
+    "max_batch_size", "buffered", "requests_ok", "requests_failed", "batches", "tokens",
+    "padded_tokens", "device_ms", "oom_splits", "padding_efficiency", "uptime_s",
+    "requests_per_s", "tokens_per_s", "heartbeat_age_s", "at",
+}
+
+
+def stats_json(capsys: pytest.CaptureFixture[str], redis_url: str, *args: str) -> dict:
+    assert stats_main(["--redis-url", redis_url, "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_stats_json_reports_backlog_workers_and_dead_letters(
+    sim_worker, redis_url, queue_name, r, capsys
+):
+    q = QueueRef(queue_name)
+    sim_worker("--max-batch-tokens", "8192", name="live")
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.infer_many([f"text number {i}" for i in range(40)], timeout_s=20)
+        # A backlog nobody reads yet: written past the consumer group's last id.
+        r.xadd(keys.dead(q), {"v": "1", "id": "gone", "text": "x", "dead_error_code": "x"})
+        # A heartbeat entry whose worker died (no liveness key).
+        r.hset(keys.workers(q), "ghost", msgpack.packb({"requests_ok": 5, "at": time.time()}))
+    wait_for(lambda: stats_json(capsys, redis_url, "--queue", queue_name)["queues"][0]
+             ["totals"]["requests_ok"] >= 40, what="a heartbeat counting the 40 requests")
+
+    doc = stats_json(capsys, redis_url, "--queue", queue_name)
+    assert doc["version"] == SNAPSHOT_VERSION
+    assert set(doc) == {"version", "at", "redis_url", "queues"}
+    [queue] = doc["queues"]
+    assert set(queue) == QUEUE_FIELDS
+    assert queue["queue"] == queue_name and queue["stream"] == keys.requests(q)
+    assert queue["length"] == 0 and queue["pending"] == 0 and queue["lag"] == 0
+    assert queue["dead"] == 1 and queue["group"] is True
+    assert queue["stale_workers"] == ["ghost"]
+    assert queue["config"]["model"] == "sim"
+    assert [c["name"] for c in queue["consumers"]] == ["live"]
+    assert queue["consumers"][0]["idle_ms"] >= 0
+    [worker] = queue["workers"]
+    assert set(worker) == WORKER_FIELDS
+    assert worker["consumer"] == "live"
+    assert worker["max_batch_tokens"] == worker["configured_batch_tokens"] == 8192
+    assert worker["requests_ok"] == 40 and worker["requests_failed"] == 0
+    assert worker["batches"] >= 1
+    assert 0 < worker["padding_efficiency"] <= 1.0
+    assert worker["tokens"] <= worker["padded_tokens"]
+    assert worker["requests_per_s"] > 0 and worker["tokens_per_s"] > 0
+    assert worker["heartbeat_age_s"] < 5
+    assert queue["totals"]["workers"] == 1 and queue["totals"]["requests_ok"] == 40
+
+
+def test_stats_shows_backlog_pending_and_lag(sim_worker, redis_url, queue_name, r, capsys):
+    q = QueueRef(queue_name)
+    worker = sim_worker(name="w")
+    worker.terminate()
+    # The group exists now; a worker that reads but never answers leaves entries pending.
+    for i in range(5):
+        r.xadd(keys.requests(q), {"v": "1", "id": f"r{i}", "text": "hello"})
+    r.xreadgroup(keys.GROUP, "stuck", {keys.requests(q): ">"}, count=2)
+    [queue] = stats_json(capsys, redis_url, "--queue", queue_name)["queues"]
+    assert queue["length"] == 5 and queue["pending"] == 2 and queue["lag"] == 3
+    assert queue["oldest_pending_ms"] is not None and queue["oldest_pending_ms"] >= 0
+    assert {c["name"]: c["pending"] for c in queue["consumers"]} == {"stuck": 2}
+    assert queue["workers"] == []
+
+
+def test_stats_discovers_queues_and_shards_by_scan(redis_url, r, queue_name, capsys):
+    for q in (QueueRef(queue_name), QueueRef(queue_name, shard=3)):
+        r.xadd(keys.requests(q), {"v": "1", "id": "a", "text": "b"})
+    labels = [q["label"] for q in stats_json(capsys, redis_url)["queues"]]
+    assert queue_name in labels and f"{queue_name}:3" in labels
+    assert QueueRef(queue_name, shard=3) in discover_queues(r, "tokenq")
+    assert parse_queue_key("tokenq:{a:x}:requests", "tokenq") is None
+    assert parse_queue_key("other:{a}:requests", "tokenq") is None
+
+
+def test_stats_text_top_once_and_the_dispatcher(sim_worker, redis_url, queue_name, capsys):
+    sim_worker(name="shown")
+    assert stats_main(["--redis-url", redis_url, "--queue", queue_name]) == 0
+    text = capsys.readouterr().out
+    assert f"queue {queue_name}:" in text and "shown" in text and "padding" in text
+    assert top_main(["--redis-url", redis_url, "--queue", queue_name, "--once"]) == 0
+    frame = capsys.readouterr().out
+    assert "tokenq top" in frame and "shown" in frame and "budget" in frame
+    assert dispatch(["--help"]) == 0
+    listing = capsys.readouterr().out
+    for name in ("worker", "up", "embed", "stats", "top", "dlq"):
+        assert f"  {name} " in listing
+
+
+def test_every_subcommand_has_help_and_stats_stays_light():
+    for name in ("stats", "top", "dlq", "embed", "up", "worker"):
+        done = tokenq(name, "--help")
+        assert done.returncode == 0, done.stderr
+        assert "--redis-url" in done.stdout
+    # stats must not pay for the worker side (torch, numpy, the model code).
+    probe = tokenq("stats", "--redis-url", "redis://127.0.0.1:1/0", "--socket-timeout-s", "0.2")
+    assert probe.returncode == 1 and "cannot reach Redis" in probe.stderr
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from tokenq.shared.cli import main\n"
+        "import tokenq.producer.cli_stats, tokenq.producer.cli_top, tokenq.producer.cli_dlq\n"
+        "import tokenq.producer.cli_embed\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'tokenq.worker')"
+        " if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_bad_flags_exit_2_with_the_flag_named(redis_url):
+    done = tokenq("stats", "--redis-url", "http://nope")
+    assert done.returncode == 2
+    assert "--redis-url" in done.stderr and "TOKENQ_REDIS_URL" in done.stderr
+
+
+def test_heartbeat_deltas_count_only_what_changed(r: redis.Redis, queue_name: str):
+    q = QueueRef(queue_name)
+    r.hset(keys.workers(q), "a", msgpack.packb({"batches": 2, "tokens": 10, "padded_tokens": 20}))
+    before = heartbeat_counters(r, q)
+    r.hset(keys.workers(q), "a", msgpack.packb({"batches": 5, "tokens": 40, "padded_tokens": 50}))
+    r.hset(keys.workers(q), "b", msgpack.packb({"batches": 1, "tokens": 10, "padded_tokens": 10}))
+    delta = counter_delta(before, heartbeat_counters(r, q))
+    assert delta["batches"] == 4 and delta["tokens"] == 40 and delta["padded_tokens"] == 40
+    assert delta["padding_efficiency"] == 1.0
