@@ -155,8 +155,8 @@ class AsyncClient:
                 pipe.rpush(self._reply_key, _WAKE)
                 pipe.pexpire(self._reply_key, _WAKE_TTL_MS)
                 await pipe.execute()
-        except _REDIS_DOWN:
-            log.debug("could not wake the reply listener; it stops after its current wait")
+        except redis.RedisError as exc:  # down, or an ACL without RPUSH: closing must not fail
+            log.debug("could not wake the reply listener (%s); it stops after its wait", exc)
 
     async def __aenter__(self) -> AsyncClient:
         return self

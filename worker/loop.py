@@ -147,7 +147,12 @@ class Worker:
         self._reader_done = False
         self._inflight_estimate = 0
         self._running: tuple[Job, ...] = ()
-        self._avg_estimate = 64.0
+        # Estimated tokens per request, which turns the read-ahead room into an
+        # XREADGROUP count. It starts at the longest input the model takes, so
+        # the first read cannot overshoot the room however long the requests
+        # are (from 64, one idle worker took a whole burst while its peers
+        # idled); each request read then counts as one step of a 0.1 EMA.
+        self._avg_estimate = float(max(1, backend.info.max_input_tokens))
         self._last_activity = time.monotonic()
         self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
         self._dead_letters = DeadLetterPolicy(
@@ -219,22 +224,24 @@ class Worker:
         A worker may start before Redis does (compose, Kubernetes); it retries
         with backoff until Redis answers or it is told to stop (False).
         """
-        fields = presence.config_fields(
-            self.backend.info, policy=self.plan.policy,
-            max_batch_tokens=self.plan.budget.max_batch_tokens,
-        )
         delay = 0.5
         while not self._stopping.is_set():
             try:
                 await self._ensure_group()
                 await check_server(self.client)
-                await presence.write_config(self.client, self.queue, fields)
+                await presence.write_config(self.client, self.queue, self._config_fields())
                 return True
             except RedisError as exc:
                 log.warning("Redis not reachable at start (%s); retrying in %.1fs", exc, delay)
                 await _wait(self._stopping, delay)
                 delay = min(delay * 2, 5.0)
         return False
+
+    def _config_fields(self) -> dict[str, str]:
+        return presence.config_fields(
+            self.backend.info, policy=self.plan.policy,
+            max_batch_tokens=self.plan.budget.max_batch_tokens,
+        )
 
     def _log_start(self) -> None:
         info = self.backend.info
@@ -339,6 +346,9 @@ class Worker:
             log.warning("consumer group missing (Redis restarted empty?); recreating it")
             try:
                 await self._ensure_group()
+                # An empty Redis lost the config hash too; producers need it back
+                # for their early checks and exact estimates.
+                await presence.write_config(self.client, self.queue, self._config_fields())
                 return
             except RedisError:
                 pass
@@ -381,7 +391,8 @@ class Worker:
             jobs, answers = await asyncio.to_thread(self._tokenize, decoded.requests)
         finally:
             self._inflight_estimate -= estimate
-        self._avg_estimate = 0.9 * self._avg_estimate + 0.1 * (estimate / len(decoded.requests))
+        weight = 1.0 - 0.9 ** len(decoded.requests)
+        self._avg_estimate += weight * (estimate / len(decoded.requests) - self._avg_estimate)
         for job in jobs:
             self.packer.add(job.encoding.length, job.read_ms, job)
         if answers:

@@ -2,20 +2,34 @@
 --
 -- Keys touched (all share the queue's hash tag, so one Cluster slot; a custom
 -- reply_to must carry the same tag under Cluster):
---   KEYS[1]     <prefix>:{q}:requests   stream  XPENDING (ownership), XACK, XDEL
+--   KEYS[1]     <prefix>:{q}:requests   stream  XPENDING (ownership), XRANGE, XACK, XDEL
 --   KEYS[2]     <prefix>:{q}:dead       stream  XADD MAXLEN ~ (dead letters only)
 --   KEYS[3..]   reply keys              list    RPUSH, then PEXPIRE once each
 --
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
 -- ARGV[5] n, then for each answer:
---   entry_id, reply (index into KEYS of its reply key; 0 = no reply),
---   payload (msgpack reply), k (dead-letter field pairs; 0 = not a dead letter),
---   then k field/value pairs
+--   entry_id, reply (index into KEYS of its reply key; 0 = no reply; -1 = its
+--   reply_to was refused before the script ran, see below), payload (msgpack
+--   reply; with -1, why it was refused), k (dead-letter field pairs; 0 = not a
+--   dead letter), then k field/value pairs
 --
 -- An answer is published only while its entry is still pending to this
 -- consumer. If another worker claimed it (this one was presumed dead), or it
 -- was already answered, the answer is dropped here: the owner answers, so the
--- caller sees exactly one reply. Returns the number of answers published.
+-- caller sees exactly one reply.
+--
+-- A reply_to that refuses the reply (a key of another type, such as the
+-- stream itself, or one the worker's ACL user may not write) must not fail
+-- the script: the batch would be retried forever and the worker would never
+-- answer anything again. Such an entry is acked and moved to the dead stream
+-- with its original fields and dead_error_code bad_request; its caller named
+-- a key that cannot be told. A key of another type fails RPUSH (caught with
+-- pcall); a key outside the ACL makes Redis refuse the whole call before it
+-- runs, so publish.py retries such a batch one answer at a time and passes
+-- reply -1 for the answer whose key was refused.
+--
+-- Returns {published, undeliverable}: answers settled by this call, and how
+-- many of those were dead-lettered because their reply_to refused the push.
 
 local stream, dead = KEYS[1], KEYS[2]
 local group, consumer = ARGV[1], ARGV[2]
@@ -23,7 +37,29 @@ local ttl_ms = tonumber(ARGV[3])
 local dead_max_len = tonumber(ARGV[4])
 local n = tonumber(ARGV[5])
 
-local published = 0
+local function undeliverable_letter(entry_id, deliveries, why)
+  local record = {"XADD", dead, "MAXLEN", "~", dead_max_len, "*"}
+  local found = redis.call("XRANGE", stream, entry_id, entry_id)
+  if #found == 1 then
+    local fields = found[1][2]
+    for j = 1, #fields, 2 do
+      if string.sub(fields[j], 1, 5) ~= "dead_" then
+        record[#record + 1] = fields[j]
+        record[#record + 1] = fields[j + 1]
+      end
+    end
+  end
+  local now = redis.call("TIME")
+  local at_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+  for _, v in ipairs({"dead_error_code", "bad_request", "dead_error", why,
+                      "dead_worker", consumer, "dead_deliveries", tostring(deliveries),
+                      "dead_at_ms", string.format("%d", at_ms), "dead_source_id", entry_id}) do
+    record[#record + 1] = v
+  end
+  redis.call(unpack(record))
+end
+
+local published, undeliverable = 0, 0
 local touched = {}
 local pos = 6
 for _ = 1, n do
@@ -38,9 +74,22 @@ for _ = 1, n do
       end
       redis.call(unpack(record))
     end
-    if reply > 0 then
-      redis.call("RPUSH", KEYS[reply], payload)
-      touched[reply] = true
+    if reply < 0 then
+      if k == 0 then
+        undeliverable_letter(entry_id, mine[1][4], payload)
+      end
+      undeliverable = undeliverable + 1
+    elseif reply > 0 then
+      local pushed = redis.pcall("RPUSH", KEYS[reply], payload)
+      if type(pushed) == "table" and pushed.err then
+        if k == 0 then
+          local why = "reply_to " .. KEYS[reply] .. " refused the reply: " .. tostring(pushed.err)
+          undeliverable_letter(entry_id, mine[1][4], why)
+        end
+        undeliverable = undeliverable + 1
+      else
+        touched[reply] = true
+      end
     end
     redis.call("XACK", stream, group, entry_id)
     redis.call("XDEL", stream, entry_id)
@@ -51,4 +100,4 @@ end
 for reply, _ in pairs(touched) do
   redis.call("PEXPIRE", KEYS[reply], ttl_ms)
 end
-return published
+return {published, undeliverable}

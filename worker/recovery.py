@@ -9,25 +9,32 @@ meantime is left alone, and no lock is ever held):
 * **dead consumers** — a consumer whose liveness key expired (no heartbeat for
   three intervals) and whose entries have been idle as long: claimed within a
   few seconds of its death;
-* **the safety net** — any entry idle past ``claim_idle_s``, whoever holds it,
-  found with ``XPENDING … IDLE`` from a cursor that walks the whole pending
-  list over successive scans.
+* **the safety net** — any entry idle past ``claim_idle_s``, whoever holds it
+  (this worker included: an entry it read on a reply it never received is
+  pending to it, unknown to it), found with ``XPENDING … IDLE`` from a cursor
+  that walks the whole pending list over successive scans.
 
 ``XPENDING`` is used rather than ``XAUTOCLAIM`` because it reports each
 entry's delivery count before the claim, which decides dead-lettering.
-Consumers that are dead and hold nothing are removed from the group.
+Consumers that are dead and hold nothing are removed from the group, by a
+script that checks both again at the moment of removal (``drop_consumer.lua``:
+``XGROUP DELCONSUMER`` discards pending entries, and a stalled worker may wake
+up and read some after this worker looked).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from importlib import resources
 
 import redis.asyncio as aioredis
 
 from tokenq.shared import keys
 
 log = logging.getLogger("tokenq.worker")
+
+DROP_CONSUMER_SCRIPT = resources.files("tokenq.worker").joinpath("drop_consumer.lua").read_text()
 
 
 def _text(value: bytes | str) -> str:
@@ -61,6 +68,7 @@ class Reclaimer:
         self._dead_after_ms = dead_after_ms
         self._claim_idle_ms = claim_idle_ms
         self._cursor = "-"
+        self._drop_consumer = client.register_script(DROP_CONSUMER_SCRIPT)
 
     async def scan(self, limit: int) -> Claimed:
         """Claim at most ``limit`` entries from dead consumers, then long-idle ones."""
@@ -84,7 +92,10 @@ class Reclaimer:
                 continue
             if int(info["pending"]) == 0:
                 if int(info["idle"]) >= self._dead_after_ms:
-                    await self._client.xgroup_delconsumer(self._stream, keys.GROUP, name)
+                    await self._drop_consumer(
+                        keys=[self._stream, keys.worker_alive(self._queue, name)],
+                        args=[keys.GROUP, name],
+                    )
                 continue
             pending = await self._client.xpending_range(
                 self._stream, keys.GROUP, min="-", max="+",
@@ -104,11 +115,11 @@ class Reclaimer:
             self._cursor = "-"  # walked to the end; start over next scan
         else:
             self._cursor = "(" + _text(pending[-1]["message_id"])
-        return [
-            (p["message_id"], int(p["times_delivered"]))
-            for p in pending
-            if _text(p["consumer"]) != self._consumer
-        ]
+        # Our own entries count too: those we hold are refreshed every heartbeat,
+        # so one idle this long is one we do not know we have (an XREADGROUP or
+        # XCLAIM whose reply was lost to a dropped connection or a retried
+        # timeout). Nobody else would ever claim it from a live consumer.
+        return [(p["message_id"], int(p["times_delivered"])) for p in pending]
 
     async def _claim(
         self, candidates: list[tuple[bytes, int]], min_idle_ms: int, into: Claimed
