@@ -1,0 +1,494 @@
+"""What every suite measures with: a private Redis, worker subprocesses, a timing producer.
+
+Why one module: the suites are only comparable if they time the same thing
+the same way. Here that is always *enqueue to reply received by the
+producer*, on one clock (``time.perf_counter`` in the benchmark process):
+
+* the producer is tokenq's own :class:`~tokenq.producer.Client` (the Lua
+  enqueue script, its token estimate), with every reply sent to one shared
+  reply key, as ``infer_many`` does;
+* a :class:`Collector` thread drains that key with BLPOP + LPOP and stamps
+  each reply as it lands, so a reply's latency never includes time the
+  producer spent doing something else;
+* workers are real processes (``python -m tokenq.worker``, or the baseline
+  in ``fifo_worker.py``), started and ready before the clock starts, and
+  stopped with SIGTERM afterwards so they flush their batch logs and stats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from tokenq.producer import Client
+from tokenq.shared import keys, wire
+from tokenq.worker.embedded import RedisServer
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent.parent
+SUBMIT_CHUNK = 250
+"""Requests per ``submit_many`` call in a burst (one Lua script call each)."""
+
+
+# --------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on; the load average says how busy it was."""
+    cpu = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    memory_gib = None
+    with contextlib.suppress(OSError), open("/proc/meminfo", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("MemTotal:"):
+                memory_gib = round(int(line.split()[1]) / 2**20, 1)
+                break
+    versions = {}
+    for package in ("torch", "transformers", "sentence-transformers", "redis", "numpy"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    try:
+        redis_server = subprocess.run(
+            ["redis-server", "--version"], capture_output=True, text=True, check=False
+        ).stdout.split()[2].removeprefix("v=")
+    except (OSError, IndexError):
+        redis_server = None
+    return {
+        "cores": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "redis_server": redis_server,
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        **versions,
+    }
+
+
+# ----------------------------------------------------------------------- redis
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[RedisServer]:
+    """A redis-server of our own (no persistence), so INFO counts only what we do."""
+    with tempfile.TemporaryDirectory(prefix="tokenq-bench-") as directory:
+        server = RedisServer(Path(directory) / "redis")
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def new_queue(tag: str) -> str:
+    """A queue name no earlier run in the same server used."""
+    return f"bench-{tag}-{secrets.token_hex(3)}"
+
+
+def commandstats(client: redis.Redis) -> dict[str, int]:
+    """Calls per command since the server started (INFO commandstats)."""
+    stats = client.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): int(value["calls"])
+        for name, value in stats.items()
+        if isinstance(value, dict)
+    }
+
+
+def commands_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Per-command call counts between two :func:`commandstats` snapshots."""
+    delta = {name: after[name] - before.get(name, 0) for name in after}
+    return {name: count for name, count in sorted(delta.items()) if count}
+
+
+# --------------------------------------------------------------------- workers
+
+
+class WorkerProc:
+    """One worker subprocess (tokenq or the fixed-count baseline), logs to files."""
+
+    def __init__(
+        self,
+        command: list[str],
+        *,
+        name: str,
+        queue: str,
+        redis_url: str,
+        workdir: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.queue = queue
+        self.log_path = workdir / f"{name}.log"
+        self.batch_log = workdir / f"{name}.batches.jsonl"
+        self.stats_path = workdir / f"{name}.sim.json"
+        full_env = dict(os.environ)
+        full_env.update(
+            TOKENQ_REDIS_URL=redis_url,
+            TOKENQ_QUEUE=queue,
+            PYTHONUNBUFFERED="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            BENCH_SIM_STATS=str(self.stats_path),
+            PYTHONPATH=os.pathsep.join(
+                [str(BENCH_DIR), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        )
+        full_env.update(env or {})
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            command, env=full_env, cwd=BENCH_DIR, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, client: redis.Redis, timeout: float = 120.0) -> None:
+        """Block until the worker's liveness key exists (it has joined the group)."""
+        alive = keys.worker_alive(keys.QueueRef(self.queue), self.name)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if client.exists(alive):
+                return
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited early:\n{self.output()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"worker {self.name} not ready in {timeout}s:\n{self.output()}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM (the worker answers what it holds and flushes its logs), then reap."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self._log.close()
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def batches(self) -> list[dict[str, Any]]:
+        """The worker's batch log: one record per batch it ran."""
+        if not self.batch_log.exists():
+            return []
+        lines = self.batch_log.read_text().splitlines()
+        return [json.loads(line) for line in lines if line]
+
+    def sim_stats(self) -> dict[str, Any] | None:
+        """What its simulated device counted (written at exit by ``sim_probe``)."""
+        if not self.stats_path.exists():
+            return None
+        return json.loads(self.stats_path.read_text())
+
+
+def sim_flags(sim: dict[str, Any]) -> list[str]:
+    """``--sim-*`` flags for a sim parameter dict such as ``{"batch_ms": 2}``."""
+    flags: list[str] = []
+    for name, value in sim.items():
+        flags += [f"--sim-{name.replace('_', '-')}", str(value)]
+    return flags
+
+
+def start_tokenq(
+    server: RedisServer, queue: str, workdir: Path, name: str, flags: Sequence[str],
+    env: dict[str, str] | None = None,
+) -> WorkerProc:
+    """``python -m tokenq.worker`` with a batch log, as an operator would run it."""
+    command = [
+        sys.executable, "-m", "tokenq.worker", "--consumer", name,
+        "--batch-log", str(workdir / f"{name}.batches.jsonl"), *flags,
+    ]
+    return WorkerProc(
+        command, name=name, queue=queue, redis_url=server.url, workdir=workdir, env=env
+    )
+
+
+def start_fifo(
+    server: RedisServer, queue: str, workdir: Path, name: str, batch_size: int,
+    sim: dict[str, Any],
+) -> WorkerProc:
+    """The classic fixed-count micro-batcher of ``fifo_worker.py``."""
+    command = [
+        sys.executable, str(BENCH_DIR / "fifo_worker.py"), "--consumer", name,
+        "--batch-size", str(batch_size),
+        "--batch-log", str(workdir / f"{name}.batches.jsonl"), *sim_flags(sim),
+    ]
+    return WorkerProc(command, name=name, queue=queue, redis_url=server.url, workdir=workdir)
+
+
+@contextlib.contextmanager
+def running(workers: list[WorkerProc], redis_url: str) -> Iterator[list[WorkerProc]]:
+    """Wait until every worker is ready; stop them all on the way out."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for worker in workers:
+            worker.wait_ready(client)
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
+        client.close()
+
+
+# -------------------------------------------------------------------- producer
+
+
+@dataclass(slots=True)
+class Received:
+    """One reply as the producer saw it: when it landed and what it said."""
+
+    at: float
+    ok: bool
+    tokens: int
+    error: str | None
+    embedding: bytes | None = None
+
+
+class Collector(threading.Thread):
+    """Drains one shared reply key and stamps every reply the moment it lands."""
+
+    def __init__(
+        self, redis_url: str, reply_key: str, expected: int, timeout_s: float,
+        *, keep_vectors: bool = False, workers: Sequence[WorkerProc] = (),
+    ) -> None:
+        super().__init__(daemon=True, name="bench-collector")
+        self.keep_vectors = keep_vectors
+        self.reply_key = reply_key
+        self.expected = expected
+        self.deadline = time.monotonic() + timeout_s
+        self.received: dict[str, Received] = {}
+        self.workers = list(workers)
+        self.dead: WorkerProc | None = None
+        """A worker that exited while replies were still owed (the run is void)."""
+        self._client = redis.Redis.from_url(redis_url)
+
+    def run(self) -> None:
+        client = self._client
+        while len(self.received) < self.expected and time.monotonic() < self.deadline:
+            popped = client.blpop([self.reply_key], timeout=0.5)
+            if popped is None:
+                self.dead = next((w for w in self.workers if w.process.poll() is not None), None)
+                if self.dead is not None:
+                    break
+                continue
+            raws = [popped[1], *(client.lpop(self.reply_key, 1000) or [])]
+            now = time.perf_counter()
+            for raw in raws:
+                reply = wire.decode_reply(raw)
+                error = None if reply.error is None else reply.error.code
+                vector = reply.embedding if self.keep_vectors else None
+                self.received[reply.id] = Received(now, reply.ok, reply.tokens or 0, error, vector)
+        client.close()
+
+
+@dataclass(slots=True)
+class Run:
+    """When each request was sent (or was due) and when its reply came back."""
+
+    sent: dict[str, float] = field(default_factory=dict)
+    received: dict[str, Received] = field(default_factory=dict)
+    behind_ms: list[float] = field(default_factory=list)
+    """Open loop only: how late each submit was against its Poisson schedule."""
+    order: list[str] = field(default_factory=list)
+
+    @property
+    def requests(self) -> int:
+        return len(self.sent)
+
+    @property
+    def ok(self) -> list[str]:
+        return [rid for rid, got in self.received.items() if got.ok]
+
+    @property
+    def failed(self) -> int:
+        """Requests answered with an error, or not answered at all."""
+        return self.requests - len(self.ok)
+
+    @property
+    def makespan_s(self) -> float:
+        """First request sent to last reply received."""
+        if not self.received:
+            return math.nan
+        return max(got.at for got in self.received.values()) - min(self.sent.values())
+
+    def latencies_ms(self) -> list[float]:
+        """Enqueue (or due time) to reply received, successful requests only."""
+        return sorted(
+            (self.received[rid].at - self.sent[rid]) * 1000.0 for rid in self.ok
+        )
+
+    def useful_tokens(self) -> int:
+        return sum(self.received[rid].tokens for rid in self.ok)
+
+    def summary(self) -> dict[str, Any]:
+        """The figures every suite reports about a run."""
+        latencies = self.latencies_ms()
+        span = self.makespan_s
+        return {
+            "requests": self.requests,
+            "failed_requests": self.failed,
+            "seconds": round(span, 3),
+            "requests_per_s": round(len(self.ok) / span, 1) if span > 0 else None,
+            "useful_tokens_per_s": round(self.useful_tokens() / span, 0) if span > 0 else None,
+            "p50_ms": _round(percentile(latencies, 50)),
+            "p99_ms": _round(percentile(latencies, 99)),
+        }
+
+
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def reply_key_for(queue: str) -> str:
+    """A reply key under the queue's own hash tag, as ``infer_many`` would make."""
+    return keys.reply(keys.QueueRef(queue), f"bench-{secrets.token_hex(4)}")
+
+
+def burst(
+    redis_url: str, queue: str, texts: Sequence[str], *, timeout_s: float = 600.0,
+    keep_vectors: bool = False, workers: Sequence[WorkerProc] = (),
+) -> Run:
+    """Open every request at once (chunked ``submit_many``), collect every reply.
+
+    ``Run.order`` lists the request ids in the order of ``texts``.
+    """
+    reply_key = reply_key_for(queue)
+    collector = Collector(
+        redis_url, reply_key, len(texts), timeout_s, keep_vectors=keep_vectors, workers=workers
+    )
+    collector.start()
+    run = Run()
+    with Client(redis_url=redis_url, queue=queue, max_queue_length=0) as client:
+        client.config()  # load the queue's config (and tokenizer) before the clock starts
+        for start in range(0, len(texts), SUBMIT_CHUNK):
+            sent_at = time.perf_counter()
+            ids = client.submit_many(texts[start:start + SUBMIT_CHUNK], reply_to=reply_key)
+            run.sent.update(dict.fromkeys(ids, sent_at))
+            run.order += ids
+    collector.join()
+    check_alive(collector)
+    run.received = collector.received
+    return run
+
+
+def open_loop(
+    redis_url: str, queue: str, texts: Sequence[str], rate_per_s: float, *,
+    seed: int = 11, timeout_s: float = 600.0, workers: Sequence[WorkerProc] = (),
+) -> Run:
+    """Send at Poisson arrival times whatever the replies do (open loop).
+
+    A request's latency is measured from its *scheduled* time, so a sender
+    that fell behind does not hide queueing delay (no coordinated omission);
+    ``behind_ms`` says how far behind it fell.
+    """
+    rng = random.Random(seed)
+    reply_key = reply_key_for(queue)
+    collector = Collector(redis_url, reply_key, len(texts), timeout_s, workers=workers)
+    collector.start()
+    run = Run()
+    with Client(redis_url=redis_url, queue=queue, max_queue_length=0) as client:
+        client.config()  # load the queue's config before the clock starts
+        due = time.perf_counter()
+        for text in texts:
+            due += rng.expovariate(rate_per_s)
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            else:
+                run.behind_ms.append(-wait * 1000.0)
+            request_id = client.submit(text, reply_to=reply_key)
+            run.sent[request_id] = due
+    collector.join()
+    check_alive(collector)
+    run.received = collector.received
+    return run
+
+
+def check_alive(collector: Collector) -> None:
+    """A worker that died mid-run voids the figures: fail loudly with its log."""
+    if collector.dead is not None:
+        tail = "\n".join(collector.dead.output().splitlines()[-30:])
+        raise RuntimeError(
+            f"worker {collector.dead.name} exited with {collector.dead.process.returncode} "
+            f"while {collector.expected - len(collector.received)} replies were owed:\n{tail}"
+        )
+
+
+# ------------------------------------------------------------------ arithmetic
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile of sorted ``values`` (linear interpolation), None when empty."""
+    if not values:
+        return None
+    position = (len(values) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+
+def batch_totals(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Totals over batch-log records (every batch handed to the device)."""
+    batches = len(records)
+    tokens = sum(r["tokens"] for r in records)
+    padded = sum(r["padded_tokens"] for r in records)
+    device_ms = sum(r["device_ms"] for r in records)
+    rows = sum(r["rows"] for r in records)
+    return {
+        "batches": batches,
+        "mean_rows": round(rows / batches, 2) if batches else None,
+        "padding_efficiency": round(tokens / padded, 4) if padded else None,
+        "mean_batch_ms": round(device_ms / batches, 3) if batches else None,
+        "device_ms": round(device_ms, 1),
+        "oom_splits": sum(r.get("oom_splits", 0) for r in records),
+    }
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain fixed-width table (what each suite prints)."""
+    cells = [[_cell(row.get(column)) for column in columns] for row in rows]
+    widths = [
+        max(len(column), *(len(line[i]) for line in cells)) for i, column in enumerate(columns)
+    ]
+    lines = ["  ".join(column.rjust(width) for column, width in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * width for width in widths))
+    for line in cells:
+        lines.append("  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)))
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
+    if isinstance(value, int) and abs(value) >= 10000:
+        return f"{value:,}"
+    return str(value)

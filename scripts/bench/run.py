@@ -1,0 +1,109 @@
+"""tokenq's benchmarks: ``python scripts/bench/run.py SUITE [--size SIZE] [--json PATH]``.
+
+Suites (docs/BENCHMARKS.md has the latest figures and how to read them):
+
+  seed      passages + queries on the simulated GPU: fixed-count FIFO batching vs tokenq
+  real      all-MiniLM-L6-v2 on CPU: tokenq vs sentence-transformers vs naive vs ideal
+  overhead  null backend: tokenq's own cost per request vs redis-benchmark ceilings
+  scale     1, 2, 4, 8 sim workers with a sleep-bound device: throughput vs N
+  latency   open-loop Poisson load at fractions of measured capacity: p50/p99
+  plots     draw docs/img/*.png from the JSON results (--results DIR)
+  all       every suite above, JSON into --results DIR, then the plots
+
+Why one entry point: every suite starts its own redis-server and workers and
+tears them down, so one command is all a reader needs to reproduce a figure.
+Each suite prints a table; ``--json`` also writes everything it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+import harness  # noqa: E402  (the folder is not a package; see module docstring)
+
+SUITES = ("seed", "real", "overhead", "scale", "latency")
+DEFAULT_RESULTS = BENCH_DIR / "results"
+DEFAULT_IMAGES = BENCH_DIR.parent.parent / "docs" / "img"
+
+
+def run_suite(name: str, size: str) -> dict[str, Any]:
+    """Run one suite and wrap its figures with when, where and how long."""
+    module = importlib.import_module(f"suite_{name}")
+    started = time.perf_counter()
+    machine = harness.machine_info()
+    result = module.run(size)
+    return {
+        "suite": name,
+        "size": size,
+        "command": f"python scripts/bench/run.py {name} --size {size}",
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "machine": machine,
+        **result,
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    """The suite's table and its headline notes, as printed."""
+    lines = [f"== {result['suite']} ({result['size']}, {result['wall_s']} s)"]
+    lines.append(harness.format_table(result["rows"], result["columns"]))
+    for note in result.get("notes", []):
+        lines.append(f"  {note}")
+    return "\n".join(lines)
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    parser.add_argument("suite", choices=[*SUITES, "plots", "all"])
+    parser.add_argument(
+        "--size", choices=["tiny", "small", "full"], default="small",
+        help="tiny: seconds (smoke test); small: a quick look; full: the published figures",
+    )
+    parser.add_argument("--json", type=Path, help="write the suite's results to this file")
+    parser.add_argument(
+        "--results", type=Path, default=DEFAULT_RESULTS,
+        help="plots/all: folder of <suite>.json results (default: scripts/bench/results)",
+    )
+    parser.add_argument(
+        "--images", type=Path, default=DEFAULT_IMAGES,
+        help="plots/all: where the PNGs go (default: docs/img)",
+    )
+    args = parser.parse_args(argv)
+    if args.suite == "plots":
+        for path in importlib.import_module("plots").draw_all(args.results, args.images):
+            print(f"wrote {path}")
+        return 0
+    names = SUITES if args.suite == "all" else (args.suite,)
+    for name in names:
+        result = run_suite(name, args.size)
+        print(report(result), flush=True)
+        if args.json and args.suite != "all":
+            write_json(result, args.json)
+        if args.suite == "all":
+            write_json(result, args.results / f"{name}.json")
+    if args.suite == "all":
+        for path in importlib.import_module("plots").draw_all(args.results, args.images):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Every benchmark suite runs end to end at ``--size tiny`` and writes the JSON it promises.
+
+Why: the benchmarks start real redis-servers and worker processes and read
+the workers' batch logs; a change anywhere in tokenq can break them
+silently, and docs/BENCHMARKS.md would then quote figures nobody can
+reproduce. These tests check that each suite still runs and reports its
+keys, and a few facts that hold at any size (a fixed count of 32 runs out
+of memory on the seed mix, tokenq does not). They do not check speed: the
+machine running tests is shared and tiny runs are seconds long.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUN = REPO_ROOT / "scripts" / "bench" / "run.py"
+SEED_KEYS = {
+    "failed_requests", "padding_efficiency", "useful_tokens_per_s", "requests_per_s",
+    "p50_ms", "p99_ms", "peak_memory_bytes",
+}
+
+
+def run_suite(suite: str, tmp_path: Path, timeout: float = 120.0) -> dict[str, Any]:
+    out = tmp_path / f"{suite}.json"
+    completed = subprocess.run(
+        [sys.executable, str(RUN), suite, "--size", "tiny", "--json", str(out)],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert f"== {suite} (tiny" in completed.stdout  # the table was printed
+    result = json.loads(out.read_text())
+    assert result["suite"] == suite and result["size"] == "tiny"
+    assert result["machine"]["cores"] and result["rows"]
+    return result
+
+
+def test_seed(tmp_path: Path) -> None:
+    result = run_suite("seed", tmp_path)
+    rows = {row["setting"]: row for row in result["rows"]}
+    safe = result["config"]["largest_safe_count"]
+    assert set(rows) == {"fifo-32", f"fifo-{safe}", "tokenq-4096", "tokenq-8192", "bound"}
+    for row in rows.values():
+        assert set(row) >= SEED_KEYS
+    capacity = result["config"]["sim"]["capacity_bytes"]
+    assert rows["fifo-32"]["failed_requests"] > 0  # 32 rows with a passage do not fit
+    for name in (f"fifo-{safe}", "tokenq-4096", "tokenq-8192"):
+        assert rows[name]["failed_requests"] == 0, name
+        assert 0 < rows[name]["peak_memory_bytes"] <= capacity, name
+    assert rows["tokenq-4096"]["peak_memory_bytes"] <= 4096 * 4096
+    assert rows["tokenq-8192"]["padding_efficiency"] > rows[f"fifo-{safe}"]["padding_efficiency"]
+
+
+def test_overhead(tmp_path: Path) -> None:
+    result = run_suite("overhead", tmp_path)
+    rows = {row["setting"]: row for row in result["rows"]}
+    e2e = rows["end to end, 1 worker"]
+    assert e2e["failed_requests"] == 0 and e2e["requests_per_s"] > 0
+    # Every request needs at least its XADD and its reply RPUSH.
+    assert e2e["commands_per_request"] >= 2
+    assert 0 < e2e["round_trips_per_request"] < e2e["commands_per_request"]
+
+
+@pytest.fixture(scope="module")
+def scale_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny scale run, shared by the scale test and the plots test."""
+    results = tmp_path_factory.mktemp("results")
+    run_suite("scale", results)
+    return results
+
+
+def test_scale(scale_results: Path) -> None:
+    result = json.loads((scale_results / "scale.json").read_text())
+    assert [row["workers"] for row in result["rows"]] == [1, 2]
+    assert all(row["failed_requests"] == 0 for row in result["rows"])
+    assert result["rows"][0]["speedup"] == 1
+    # A burst is shared: no idle worker is left out (the first read of a
+    # fresh worker used to take up to 128 requests, i.e. the whole burst).
+    assert all(batches > 0 for batches in result["rows"][1]["batches_per_worker"])
+
+
+def test_latency(tmp_path: Path) -> None:
+    result = run_suite("latency", tmp_path)
+    assert result["config"]["capacity_per_s"] > 0
+    for row in result["rows"]:
+        assert row["failed_requests"] == 0
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+
+
+def test_plots_from_results(scale_results: Path, tmp_path: Path) -> None:
+    """The plots draw from whatever suite JSON exists (here: a tiny scale run)."""
+    results, images = scale_results, tmp_path / "img"
+    completed = subprocess.run(
+        [sys.executable, str(RUN), "plots", "--results", str(results), "--images", str(images)],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert (images / "scale.png").stat().st_size > 1000
+    assert not (images / "seed.png").exists()  # no seed.json: skipped, not failed
+
+
+@pytest.mark.slow
+def test_real(tmp_path: Path) -> None:
+    pytest.importorskip("sentence_transformers")
+    result = run_suite("real", tmp_path, timeout=300.0)
+    methods = {row["method"] for row in result["rows"]}
+    assert {"sentence-transformers", "naive fifo-32", "tokenq (budget 16384)"} <= methods
+    assert set(result["ratios"]) >= {"tokenq_over_st", "tokenq_over_ideal"}
+    # Same model, same inputs: tokenq's vectors are sentence-transformers' vectors.
+    assert result["config"]["min_cosine_tokenq_vs_st"] > 0.999
