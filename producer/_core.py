@@ -26,6 +26,8 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
+import redis
+from redis.backoff import ExponentialBackoff
 
 from tokenq.producer._config import (
     DEFAULT_CONFIG_TTL_S,
@@ -45,6 +47,9 @@ from tokenq.shared.errors import (
     remote_error,
 )
 from tokenq.shared.settings import ClientSettings
+
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+"""Errors that mean Redis is unreachable (retried with backoff, then BrokerUnavailable)."""
 
 log = logging.getLogger("tokenq.producer")
 
@@ -231,6 +236,25 @@ class ClientCore:
         self._config_warned = False
 
     # ------------------------------------------------------------------ ids
+
+    def connection_options(self, retry_cls: type, client_id: str) -> dict[str, Any]:
+        """Socket timeouts, retries with backoff and a client name, for either client.
+
+        ``retry_cls`` is redis-py's sync or asyncio ``Retry``; everything else
+        is the same for both twins.
+        """
+        s = self.settings
+        return {
+            "socket_timeout": s.socket_timeout_s,
+            "socket_connect_timeout": s.socket_timeout_s,
+            "retry": retry_cls(
+                ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
+                s.retries,
+                supported_errors=REDIS_DOWN,
+            ),
+            "retry_on_error": list(REDIS_DOWN),  # redis-py 5 ignores `retry` without it
+            "client_name": f"tokenq-producer-{client_id[:12]}",
+        }
 
     @staticmethod
     def new_id() -> str:

@@ -26,13 +26,13 @@ from typing import Any
 import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
 from tokenq.producer._config import DEFAULT_CONFIG_TTL_S
 from tokenq.producer._core import (
     BACKOFF_BASE_S,
     BACKOFF_CAP_S,
     ENQUEUE_SCRIPT,
+    REDIS_DOWN,
     ClientCore,
     EstimatorChoice,
     Outcome,
@@ -47,7 +47,7 @@ from tokenq.shared.settings import ClientSettings
 
 log = logging.getLogger("tokenq.producer")
 
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+
 
 DEFAULT_MAX_CONNECTIONS = 16
 """Pooled connections per AsyncClient; callers beyond it wait for a free one."""
@@ -103,17 +103,7 @@ class AsyncClient:
         self.client_id = self._core.new_id()
         self._reply_key = self._core.reply_key(self.client_id)
         s = self.settings
-        connection_kwargs: dict[str, Any] = {
-            "socket_timeout": s.socket_timeout_s,
-            "socket_connect_timeout": s.socket_timeout_s,
-            "retry": Retry(
-                ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
-                s.retries,
-                supported_errors=_REDIS_DOWN,
-            ),
-            "retry_on_error": list(_REDIS_DOWN),  # redis-py 5 ignores `retry` without it
-            "client_name": f"tokenq-producer-{self.client_id[:12]}",
-        }
+        connection_kwargs = self._core.connection_options(Retry, self.client_id)
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             s.redis_url, max_connections=max_connections, timeout=s.timeout_s, **connection_kwargs
         )
@@ -176,7 +166,7 @@ class AsyncClient:
     def _broker(self) -> Iterator[None]:
         try:
             yield
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             raise BrokerUnavailable(f"Redis at {self._core.url} is unreachable: {exc}") from exc
 
     # --------------------------------------------------------------- submit
@@ -293,7 +283,7 @@ class AsyncClient:
                 popped = await self._redis.blpop(
                     list(wanted), timeout=self._core.block_s(remaining)
                 )
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 unreachable, failures = exc, failures + 1
                 await asyncio.sleep(max(0.0, min(_backoff(failures), remaining)))
                 continue
@@ -412,7 +402,7 @@ class AsyncClient:
                 if popped is not None:
                     count = max(1, len(self._waiters))
                     raws += await self._listen_redis.lpop(self._reply_key, count) or []
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 self._unreachable, failures = exc, failures + 1
                 await asyncio.sleep(_backoff(failures))
                 continue

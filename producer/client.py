@@ -22,7 +22,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis
-from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tokenq.producer._config import DEFAULT_CONFIG_TTL_S
@@ -30,6 +29,7 @@ from tokenq.producer._core import (
     BACKOFF_BASE_S,
     BACKOFF_CAP_S,
     ENQUEUE_SCRIPT,
+    REDIS_DOWN,
     ClientCore,
     EstimatorChoice,
     Outcome,
@@ -41,8 +41,6 @@ from tokenq.producer._core import (
 from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared.errors import BrokerUnavailable
 from tokenq.shared.settings import ClientSettings
-
-_REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 def _now_ms() -> int:
@@ -96,19 +94,10 @@ class Client:
         self._core = ClientCore(self.settings, estimator, config_ttl_s, refuse_early)
         self._config_lock = threading.Lock()
         self.client_id = self._core.new_id()
-        s = self.settings
         self._redis = redis.Redis.from_url(
-            s.redis_url,
-            socket_timeout=s.socket_timeout_s,
-            socket_connect_timeout=s.socket_timeout_s,
-            retry=Retry(
-                ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
-                s.retries,
-                supported_errors=_REDIS_DOWN,
-            ),
-            retry_on_error=list(_REDIS_DOWN),  # redis-py 5 ignores `retry` without it
+            self.settings.redis_url,
             max_connections=max_connections,
-            client_name=f"tokenq-producer-{self.client_id[:12]}",
+            **self._core.connection_options(Retry, self.client_id),
         )
         self._enqueue_script = self._redis.register_script(ENQUEUE_SCRIPT)
 
@@ -137,7 +126,7 @@ class Client:
         """Report Redis being unreachable (after redis-py's retries) as BrokerUnavailable."""
         try:
             yield
-        except _REDIS_DOWN as exc:
+        except REDIS_DOWN as exc:
             raise BrokerUnavailable(f"Redis at {self._core.url} is unreachable: {exc}") from exc
 
     # --------------------------------------------------------------- submit
@@ -277,7 +266,7 @@ class Client:
                 break
             try:
                 popped = self._redis.blpop(list(wanted), timeout=self._core.block_s(remaining))
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 unreachable, failures = exc, failures + 1
                 self._pause(failures, started + timeout)
                 continue
@@ -373,7 +362,7 @@ class Client:
                 raws = [] if popped is None else [popped[1]]
                 if popped is not None and len(pending) > 1:
                     raws += self._redis.lpop(reply_key, len(pending) - 1) or []
-            except _REDIS_DOWN as exc:
+            except REDIS_DOWN as exc:
                 unreachable, failures = exc, failures + 1
                 self._pause(failures, deadline)
                 continue
