@@ -20,8 +20,8 @@ from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-class _Common(BaseSettings):
-    """Settings both sides of the queue share."""
+class _Connection(BaseSettings):
+    """How to reach Redis and which keys are tokenq's: every command needs these."""
 
     model_config = SettingsConfigDict(
         env_prefix="TOKENQ_",
@@ -35,18 +35,23 @@ class _Common(BaseSettings):
         DEFAULT_REDIS_URL,
         description="Redis URL; rediss:// for TLS, user:password@ for ACL users",
     )
-    queue: str = Field("default", description="queue name (letters, digits, _.-)")
     prefix: str = Field("tokenq", description="key prefix of every tokenq key")
-    max_request_bytes: int = Field(
-        DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest UTF-8 text accepted per request"
-    )
 
     @field_validator("redis_url")
     @classmethod
-    def _check_url(cls, value: str) -> str:
-        if not value.startswith(("redis://", "rediss://", "unix://")):
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis_url must start with redis://, rediss:// or unix://: {value!r}")
         return value
+
+
+class _Common(_Connection):
+    """Settings both sides of the queue share."""
+
+    queue: str = Field("default", description="queue name (letters, digits, _.-)")
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest UTF-8 text accepted per request"
+    )
 
     @model_validator(mode="after")
     def _check_queue(self) -> _Common:
@@ -232,31 +237,12 @@ class WorkerSettings(_Common):
 # ----------------------------------------------------------------- operator commands
 
 
-class _OpsCommon(BaseSettings):
+class _OpsCommon(_Connection):
     """What every operator command (stats, top, dlq, embed, up) needs to find the queues."""
 
-    model_config = SettingsConfigDict(
-        env_prefix="TOKENQ_",
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        extra="ignore",
-        validate_default=True,
-        populate_by_name=True,
-    )
+    model_config = SettingsConfigDict(populate_by_name=True)
 
-    redis_url: str = Field(
-        DEFAULT_REDIS_URL,
-        description="Redis URL; rediss:// for TLS, user:password@ for ACL users",
-    )
-    prefix: str = Field("tokenq", description="key prefix of every tokenq key")
     socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout, seconds")
-
-    @field_validator("redis_url")
-    @classmethod
-    def _check_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://: {value!r}")
-        return value
 
     @field_validator("prefix")
     @classmethod
