@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from tests.cli_support import FAST_BEAT, SIM_FLAGS, StartWorker
-from tests.workers import WorkerProcess
+from tests.workers import Fleet, WorkerProcess
 
 
 @pytest.fixture
@@ -21,18 +21,10 @@ def sim_worker(
     worker_env: dict[str, str], tmp_path: Path, r: redis.Redis, queue_name: str
 ) -> Iterator[StartWorker]:
     """Start sim workers on this test's queue (heartbeat every 0.5 s); all closed after."""
-    started: list[WorkerProcess] = []
+    fleet = Fleet(worker_env, tmp_path, (*SIM_FLAGS, *FAST_BEAT))
 
     def start(*flags: str, name: str | None = None, wait: bool = True) -> WorkerProcess:
-        worker = WorkerProcess(
-            worker_env, tmp_path, *SIM_FLAGS, *FAST_BEAT, *flags,
-            name=name or f"w{len(started)}",
-        )
-        started.append(worker)
-        if wait:
-            worker.wait_ready(r, queue_name)
-        return worker
+        return fleet.start(*flags, name=name, ready=r if wait else None, queue=queue_name)
 
     yield start
-    for worker in started:
-        worker.close()
+    fleet.close()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import redis
 
-from tests.workers import WorkerProcess
+from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import DeadlineExceeded
@@ -38,20 +38,13 @@ def sim_tokens(text: str) -> int:
 
 @pytest.fixture
 def start_worker(worker_env: dict[str, str], tmp_path: Path, r: redis.Redis, queue_name: str):
-    started: list[WorkerProcess] = []
+    fleet = Fleet(worker_env, tmp_path, SIM_FLAGS)
 
     def start(*flags: str, name: str | None = None, wait: bool = True) -> WorkerProcess:
-        worker = WorkerProcess(
-            worker_env, tmp_path, *SIM_FLAGS, *flags, name=name or f"w{len(started)}"
-        )
-        started.append(worker)
-        if wait:
-            worker.wait_ready(r, queue_name)
-        return worker
+        return fleet.start(*flags, name=name, ready=r if wait else None, queue=queue_name)
 
     yield start
-    for worker in started:
-        worker.close()
+    fleet.close()
 
 
 def assert_vector(reply_embedding: bytes | list[float] | np.ndarray, text: str) -> None:

@@ -29,7 +29,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.redis_server import RedisServer
-from tests.workers import WorkerProcess
+from tests.workers import Fleet
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import BrokerUnavailable, RemoteError
@@ -170,36 +170,11 @@ class Inbox:
         return sum(count - 1 for count in self.counts.values() if count > 1)
 
 
-@dataclass
-class Fleet:
-    """Worker processes of one test; all are killed at teardown."""
-
-    env: dict[str, str]
-    log_dir: Path
-    flags: tuple[str, ...] = ()
-    started: list[WorkerProcess] = field(default_factory=list)
-
-    def start(self, *flags: str, name: str | None = None, env: dict[str, str] | None = None,
-              ready: redis.Redis | None = None, queue: str | None = None) -> WorkerProcess:
-        name = name or f"w{len(self.started)}-{uuid.uuid4().hex[:4]}"
-        worker = WorkerProcess(env or self.env, self.log_dir, *SIM, *self.flags, *flags, name=name)
-        self.started.append(worker)
-        if ready is not None and queue is not None:
-            worker.wait_ready(ready, queue, timeout=60)
-        return worker
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {w.name}\n{w.output()[-3000:]}" for w in self.started)
-
-
 @pytest.fixture
 def fleet(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Fleet]:
-    group = Fleet(worker_env, tmp_path)
+    group = Fleet(worker_env, tmp_path, SIM, ready_timeout=60)
     yield group
-    for worker in group.started:
-        if worker.process.poll() is None:
-            os.kill(worker.process.pid, signal.SIGCONT)  # a stopped one cannot die otherwise
-        worker.close()
+    group.close()
 
 
 def env_for(worker_env: dict[str, str], url: str) -> dict[str, str]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -63,3 +65,38 @@ class WorkerProcess:
         if self.process.poll() is None:
             self.kill()
         self._log.close()
+
+
+@dataclass
+class Fleet:
+    """The worker processes one test started; ``close`` ends all of them.
+
+    ``flags`` go to every worker (backend, sizes, heartbeat); ``start`` adds
+    per-worker flags and, given ``ready`` and ``queue``, waits for its heartbeat.
+    """
+
+    env: dict[str, str]
+    log_dir: Path
+    flags: tuple[str, ...] = ()
+    ready_timeout: float = 30.0
+    started: list[WorkerProcess] = field(default_factory=list)
+
+    def start(self, *flags: str, name: str | None = None, env: dict[str, str] | None = None,
+              ready: redis.Redis | None = None, queue: str | None = None) -> WorkerProcess:
+        worker = WorkerProcess(
+            env or self.env, self.log_dir, *self.flags, *flags,
+            name=name or f"w{len(self.started)}",
+        )
+        self.started.append(worker)
+        if ready is not None and queue is not None:
+            worker.wait_ready(ready, queue, timeout=self.ready_timeout)
+        return worker
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {w.name}\n{w.output()[-3000:]}" for w in self.started)
+
+    def close(self) -> None:
+        for worker in self.started:
+            if worker.process.poll() is None:
+                os.kill(worker.process.pid, signal.SIGCONT)  # a stopped one cannot die otherwise
+            worker.close()
