@@ -3,7 +3,7 @@
 :class:`HFEncoding` is what ``HFBackend.tokenize`` hands the worker: the ids
 and nothing else it does not need, so the read-ahead buffer stays small.
 The window arithmetic of the 'chunk' policy lives in
-:mod:`tokenq.worker.chunks` (re-exported here for the backend's callers).
+:mod:`tokenq.worker.chunks`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,3 @@ class HFEncoding:
     @property
     def is_pair(self) -> bool:
         return self.type_ids is not None
-
-
-from tokenq.worker.chunks import combine_chunks, sliding_windows  # noqa: E402
-
-__all__ = ["HFEncoding", "combine_chunks", "sliding_windows"]
