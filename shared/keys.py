@@ -86,6 +86,40 @@ def reply(q: QueueRef, reply_id: str) -> str:
     return f"{q.tag}:reply:{reply_id}"
 
 
+def reply_prefix(q: QueueRef) -> str:
+    """The queue's reply namespace: every key a worker pushes a reply to starts with it."""
+    return f"{q.tag}:reply:"
+
+
+def reply_to_refusal(
+    q: QueueRef, reply_to: str, extra_prefixes: tuple[str, ...] = ()
+) -> str | None:
+    """Why a worker must not push a reply onto ``reply_to``; None when it may.
+
+    The protocol rule (docs/PROTOCOL.md): a reply goes only to a key in the
+    queue's reply namespace, ``<prefix>:{q}:reply:<something>``, so no
+    producer can aim a worker's RPUSH/PEXPIRE at tokenq's own keys (the dead
+    stream, the config hash, another request's dedupe key) or at another
+    application's data. An operator may widen the rule with
+    ``extra_prefixes`` (``--reply-to-prefixes``); even then, a key under
+    tokenq's prefix that is not some queue's reply key is refused.
+    """
+    own = reply_prefix(q)
+    if reply_to.startswith(own):
+        return None if len(reply_to) > len(own) else "it names no reply id after the prefix"
+    if _is_tokenq_key(q.prefix, reply_to):
+        return f"it is one of tokenq's own keys, not a reply key (replies go under {own!r})"
+    if any(reply_to.startswith(prefix) for prefix in extra_prefixes if prefix):
+        return None
+    return f"it is outside the queue's reply namespace {own!r}"
+
+
+def _is_tokenq_key(prefix: str, key: str) -> bool:
+    """Whether ``key`` is a tokenq key under ``prefix`` other than a reply key."""
+    match = re.match(rf"{re.escape(prefix)}:\{{[^}}]*\}}:(?P<kind>[^:]*)", key)
+    return match is not None and match.group("kind") != "reply"
+
+
 def seen(q: QueueRef, request_id: str) -> str:
     """Marks a request id as enqueued, so a retried enqueue does not add it twice."""
     return f"{q.tag}:seen:{request_id}"

@@ -11,6 +11,7 @@ the field at fault.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +31,25 @@ DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 
+MAX_TOKENS = 1 << 24
+"""Largest ``tokens`` estimate accepted (16,777,216: far past any model's input,
+and small enough that no sum or mean of estimates can overflow a float)."""
+
+MAX_EPOCH_MS = 253_402_300_799_999
+"""Largest absolute ``deadline_ms``: the last millisecond of the year 9999."""
+
+MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
+"""Largest relative ``timeout_ms``: 30 days."""
+
+_MAX_VERSION = 1_000_000
+
+_MAX_INT_DIGITS = 19
+"""A numeric field longer than this is refused before it is parsed (no bignum work)."""
+
+_DECIMAL = re.compile(rb"[0-9]{1,19}")
+
 _REQUEST_FIELDS = frozenset(
-    {"v", "id", "text", "text_pair", "tokens", "reply_to", "deadline_ms", "opts"}
+    {"v", "id", "text", "text_pair", "tokens", "reply_to", "deadline_ms", "timeout_ms", "opts"}
 )
 
 
@@ -44,8 +62,11 @@ class Request:
     tokens: int
     reply_to: str
     deadline_ms: int | None = None
+    """Absolute deadline on the *producer's* clock (epoch ms); kept for old producers."""
     text_pair: str | None = None
     opts: Mapping[str, Any] = field(default_factory=dict)
+    timeout_ms: int | None = None
+    """Relative deadline: ms after the entry's stream id, i.e. on Redis's clock."""
 
     def utf8_size(self) -> int:
         """Bytes of text this request carries (what the size limit counts)."""
@@ -118,7 +139,12 @@ def validate_id(value: object, field_name: str = "id") -> str:
 
 
 def encode_request(request: Request) -> dict[str, str | bytes]:
-    """Stream fields for one request, ready for XADD."""
+    """Stream fields for one request, ready for XADD (ranges checked as decoding checks them)."""
+    _check_range("tokens", request.tokens, 0, MAX_TOKENS)
+    if request.deadline_ms is not None:
+        _check_range("deadline_ms", request.deadline_ms, 0, MAX_EPOCH_MS)
+    if request.timeout_ms is not None:
+        _check_range("timeout_ms", request.timeout_ms, 1, MAX_TIMEOUT_MS)
     fields: dict[str, str | bytes] = {
         "v": str(PROTOCOL_VERSION),
         "id": request.id,
@@ -130,12 +156,19 @@ def encode_request(request: Request) -> dict[str, str | bytes]:
         fields["text_pair"] = request.text_pair
     if request.deadline_ms is not None:
         fields["deadline_ms"] = str(int(request.deadline_ms))
+    if request.timeout_ms is not None:
+        fields["timeout_ms"] = str(int(request.timeout_ms))
     if request.opts:
         packed = msgpack.packb(dict(request.opts), use_bin_type=True)
         if len(packed) > MAX_OPTS_BYTES:
             raise DecodeError(f"opts is {len(packed)} bytes packed, over {MAX_OPTS_BYTES}")
         fields["opts"] = packed
     return fields
+
+
+def _check_range(name: str, value: int, minimum: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise DecodeError(f"{name} must be an integer from {minimum} to {maximum}, got {value!r}")
 
 
 def _text_field(raw: bytes, name: str) -> str:
@@ -145,13 +178,26 @@ def _text_field(raw: bytes, name: str) -> str:
         raise DecodeError(f"field {name!r} is not valid UTF-8") from None
 
 
-def _int_field(raw: bytes, name: str, *, minimum: int) -> int:
-    try:
-        value = int(raw.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        raise DecodeError(f"field {name!r} must be a decimal integer, got {raw[:40]!r}") from None
-    if value < minimum:
-        raise DecodeError(f"field {name!r} must be >= {minimum}, got {value}")
+def _int_field(raw: bytes, name: str, *, minimum: int, maximum: int) -> int:
+    """A decimal ASCII integer in ``[minimum, maximum]``, or a DecodeError naming the limit.
+
+    Only plain digits are taken (no sign, spaces, underscores or other
+    scripts' digits, all of which ``int()`` would accept), and a field too
+    long to be in range is refused before it is parsed, so no entry can make
+    a worker do bignum arithmetic or overflow a float later.
+    """
+    if len(raw) > _MAX_INT_DIGITS and raw.lstrip(b"0").isdigit():
+        raise DecodeError(
+            f"field {name!r} is out of range: at most {maximum}, got a {len(raw)}-digit number"
+        )
+    if not _DECIMAL.fullmatch(raw):
+        raise DecodeError(
+            f"field {name!r} must be a decimal integer from {minimum} to {maximum}, "
+            f"got {raw[:40]!r}"
+        )
+    value = int(raw)
+    if not minimum <= value <= maximum:
+        raise DecodeError(f"field {name!r} is out of range: {minimum} to {maximum}, got {value}")
     return value
 
 
@@ -160,12 +206,15 @@ def decode_request(
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     default_reply_to: Callable[[str], str] | None = None,
+    check_reply_to: Callable[[str], str | None] | None = None,
 ) -> Request:
     """Parse the fields of one stream entry into a :class:`Request`.
 
     ``default_reply_to`` maps a request id to its reply key when the entry
     names no ``reply_to`` (the caller passes ``lambda id: keys.reply(q, id)``,
-    so this module stays free of key knowledge).
+    so this module stays free of key knowledge). ``check_reply_to`` returns
+    why a named ``reply_to`` may not be written (None when it may): the
+    worker passes its reply namespace rule (see :mod:`tokenq.shared.keys`).
     """
     raw: dict[str, bytes] = {}
     for key, value in fields.items():
@@ -177,7 +226,7 @@ def decode_request(
     version = raw.get("v")
     if version is None:
         raise DecodeError("missing field 'v' (protocol version)")
-    if _int_field(version, "v", minimum=0) != PROTOCOL_VERSION:
+    if _int_field(version, "v", minimum=0, maximum=_MAX_VERSION) != PROTOCOL_VERSION:
         raise DecodeError(
             f"unsupported protocol version {version!r}; this worker speaks {PROTOCOL_VERSION}"
         )
@@ -198,12 +247,17 @@ def decode_request(
         if not text_pair.strip():
             raise DecodeError("field 'text_pair' is empty")
 
-    tokens = _int_field(raw["tokens"], "tokens", minimum=0) if "tokens" in raw else 0
+    tokens = 0
+    if "tokens" in raw:
+        tokens = _int_field(raw["tokens"], "tokens", minimum=0, maximum=MAX_TOKENS)
 
     if "reply_to" in raw:
         reply_to = _text_field(raw["reply_to"], "reply_to")
         if not reply_to or len(reply_to) > MAX_REPLY_TO_CHARS:
             raise DecodeError(f"field 'reply_to' must be 1-{MAX_REPLY_TO_CHARS} characters")
+        refused = check_reply_to(reply_to) if check_reply_to is not None else None
+        if refused is not None:
+            raise DecodeError(f"field 'reply_to' {reply_to[:80]!r} is refused: {refused}")
     elif default_reply_to is not None:
         reply_to = default_reply_to(request_id)
     else:
@@ -211,7 +265,10 @@ def decode_request(
 
     deadline_ms = None
     if raw.get("deadline_ms"):
-        deadline_ms = _int_field(raw["deadline_ms"], "deadline_ms", minimum=0)
+        deadline_ms = _int_field(raw["deadline_ms"], "deadline_ms", minimum=0, maximum=MAX_EPOCH_MS)
+    timeout_ms = None
+    if raw.get("timeout_ms"):
+        timeout_ms = _int_field(raw["timeout_ms"], "timeout_ms", minimum=1, maximum=MAX_TIMEOUT_MS)
 
     opts: dict[str, Any] = {}
     if raw.get("opts"):
@@ -225,7 +282,40 @@ def decode_request(
         deadline_ms=deadline_ms,
         text_pair=text_pair,
         opts=opts,
+        timeout_ms=timeout_ms,
     )
+
+
+def stream_id_ms(entry_id: bytes | str) -> int | None:
+    """The milliseconds part of a stream id: Redis's clock when ``XADD … *`` ran.
+
+    None for an id that is not ``<ms>-<seq>`` (never the case for ids Redis
+    returns; tests and odd callers pass other things).
+    """
+    text = entry_id.decode("ascii", "replace") if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    if not ms.isdigit() or len(ms) > _MAX_INT_DIGITS or (seq and not seq.isdigit()):
+        return None
+    return int(ms)
+
+
+def deadline_of(request: Request, entry_id: bytes | str) -> int | None:
+    """When a request stops being worth running, in epoch ms on **Redis's** clock.
+
+    ``timeout_ms`` counts from the entry's stream id, which Redis stamped with
+    its own clock, so no producer's clock enters it; a worker compares it with
+    its estimate of Redis's clock (never its own wall clock). An absolute
+    ``deadline_ms`` (older producers, hand-written XADDs) is the producer's
+    clock and is taken as it is; with both, the earlier one wins.
+    """
+    candidates = []
+    if request.deadline_ms is not None:
+        candidates.append(request.deadline_ms)
+    if request.timeout_ms is not None:
+        added_ms = stream_id_ms(entry_id)
+        if added_ms is not None:
+            candidates.append(added_ms + request.timeout_ms)
+    return min(candidates) if candidates else None
 
 
 def _unpack_opts(packed: bytes) -> dict[str, Any]:

@@ -26,7 +26,9 @@ from tokenq.shared.wire import Reply, Request
 
 PROPERTY = settings(max_examples=200, deadline=None)
 PROTOCOL_MD = Path(__file__).resolve().parent.parent / "docs" / "PROTOCOL.md"
-FIELD_NAMES = ["v", "id", "text", "text_pair", "tokens", "reply_to", "deadline_ms", "opts"]
+FIELD_NAMES = [
+    "v", "id", "text", "text_pair", "tokens", "reply_to", "deadline_ms", "timeout_ms", "opts"
+]
 
 
 def _valid_id(value: str) -> bool:
@@ -59,9 +61,10 @@ def requests(draw: st.DrawFn) -> Request:
     return Request(
         id=draw(ids),
         text=draw(texts),
-        tokens=draw(st.integers(min_value=0, max_value=10**9)),
+        tokens=draw(st.integers(min_value=0, max_value=wire.MAX_TOKENS)),
         reply_to=draw(reply_keys),
-        deadline_ms=draw(st.none() | st.integers(min_value=0, max_value=2**63 - 1)),
+        deadline_ms=draw(st.none() | st.integers(min_value=0, max_value=wire.MAX_EPOCH_MS)),
+        timeout_ms=draw(st.none() | st.integers(min_value=1, max_value=wire.MAX_TIMEOUT_MS)),
         text_pair=draw(st.none() | texts),
         opts=draw(opts_maps),
     )
