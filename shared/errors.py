@@ -52,6 +52,14 @@ class DeviceOutOfMemory(TokenqError, MemoryError):
     """A backend ran out of device memory on a batch (retried by splitting it)."""
 
 
+class DeviceLost(TokenqError, RuntimeError):
+    """The device can run nothing more (a sticky CUDA error): the worker process must end.
+
+    Not retried and not answered as a failure: the requests of the batch are
+    left pending, and other workers claim them once this one has exited.
+    """
+
+
 class RemoteError(TokenqError):
     """A worker answered the request with an error reply."""
 

@@ -142,6 +142,26 @@ class WorkerSettings(_Common):
     dead_max_len: int = Field(
         10_000, ge=1, description="the dead stream is trimmed (approximately) to this many"
     )
+    dead_max_letter_bytes: int = Field(
+        16 * 1024, ge=1024,
+        description="a dead letter keeps at most this many bytes of the entry's fields "
+        "(longer ones are cut and named in dead_truncated)",
+    )
+    read_ahead_bytes: int = Field(
+        64 * 1024 * 1024, ge=1,
+        description="read at most this many bytes of request text ahead (with "
+        "read_ahead_budgets: whichever is reached first)",
+    )
+    batch_timeout_s: float = Field(
+        300.0, gt=0,
+        description="a batch still on the device after this long is hung: the worker stops "
+        "reading and refreshing its claims, and exits 3 so its supervisor restarts it",
+    )
+    reply_to_prefixes: str = Field(
+        "",
+        description="comma-separated key prefixes a request's reply_to may name besides the "
+        "queue's own reply keys (default: none; tokenq's other keys are always refused)",
+    )
     socket_timeout_s: float = Field(10.0, gt=0, description="Redis socket timeout, seconds")
     retries: int = Field(10, ge=0, description="Redis command retries (exponential backoff)")
     batch_log: Path | None = Field(
@@ -202,6 +222,11 @@ class WorkerSettings(_Common):
     )
     sim_ragged: bool = Field(False, description="sim: behave as a varlen (ragged) model")
     sim_pairs: bool = Field(False, description="sim: take (text, text_pair) inputs like a reranker")
+    sim_hang_s: float = Field(
+        0.0, ge=0,
+        description="sim: a batch holding the text <<tokenq-sim-hang>> sleeps this long "
+        "(a hung device, for tests of --batch-timeout-s); 0: the marker is plain text",
+    )
 
     @field_validator("max_batch_tokens")
     @classmethod
@@ -219,9 +244,19 @@ class WorkerSettings(_Common):
             )
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {self.log_level!r}")
+        if self.batch_timeout_s <= self.heartbeat_s:
+            raise ValueError(
+                f"batch_timeout_s ({self.batch_timeout_s}s) must be longer than heartbeat_s "
+                f"({self.heartbeat_s}s)"
+            )
         if self.devices is not None and not self.device_list:
             raise ValueError(f"devices must be GPU indices or ids like '0,1': {self.devices!r}")
         return self
+
+    @property
+    def reply_to_prefix_list(self) -> tuple[str, ...]:
+        """``--reply-to-prefixes`` split on commas, empty parts dropped."""
+        return tuple(part.strip() for part in self.reply_to_prefixes.split(",") if part.strip())
 
     @property
     def device_list(self) -> list[str]:

@@ -115,8 +115,10 @@ def test_documented_acl_users_run_the_whole_path_with_no_refusal(
     admin.xadd(stream, {"v": "1", "id": "orphan", "text": "held by a dead worker"})
     admin.xreadgroup(keys.GROUP, "ghost", {stream: ">"}, count=1)
 
+    # The operator widened the reply namespace to "not-": the worker tries
+    # such a key, so the refusal below comes from Redis's ACL itself.
     env = {**worker_env, "TOKENQ_REDIS_URL": user_url(acl_server, f"{queue}-worker", password),
-           "TOKENQ_QUEUE": queue}
+           "TOKENQ_QUEUE": queue, "TOKENQ_REPLY_TO_PREFIXES": "not-"}
     worker = start_worker(workers, env, tmp_path, admin, queue)
     producer_url = user_url(acl_server, f"{queue}-producer", password)
     with Client(redis_url=producer_url, queue=queue) as client:

@@ -1,4 +1,14 @@
-"""``tokenq worker``: parse settings, load the backend, serve until a signal."""
+"""``tokenq worker``: parse settings, load the backend, serve until a signal.
+
+Exit codes (supervisors act on them; docs/OPERATIONS.md lists them):
+
+* 0 — stopped cleanly (a signal, or ``--exit-when-idle-s``);
+* 2 — bad settings or a model the settings cannot serve: restarting cannot help;
+* 3 — a batch hung on the device past ``--batch-timeout-s`` (the watchdog):
+  restart the process, peers have taken its requests;
+* 4 — the worker itself failed (the device was lost, an internal error):
+  restart it; its requests are claimed by peers.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +25,16 @@ from pydantic_settings import CliApp, SettingsError
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker import logs, metrics
-from tokenq.worker.loop import Worker
+from tokenq.worker.loop import Worker, WorkerHung
 from tokenq.worker.plugins import load_backend
 from tokenq.worker.supervise import run_per_device
 
 log = logging.getLogger("tokenq.worker")
+
+EXIT_OK = 0
+EXIT_CONFIG = 2
+EXIT_HUNG = 3
+EXIT_FAILED = 4
 
 
 def parse_settings(argv: Sequence[str]) -> WorkerSettings:
@@ -45,6 +60,13 @@ async def serve(settings: WorkerSettings) -> None:
         loop.add_signal_handler(sig, worker.stop)
     try:
         await worker.run()
+    except WorkerHung as exc:
+        # The hung batch's thread cannot be stopped, and interpreter shutdown
+        # would wait for it forever: leave at once, as a crash would.
+        log.critical("exiting %d: %s", EXIT_HUNG, exc)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(EXIT_HUNG)
     finally:
         backend.close()
         worker_metrics.close()
@@ -68,8 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         print(f"tokenq worker: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return EXIT_CONFIG
+    except Exception as exc:
+        log.critical("worker failed, exiting %d: %s: %s", EXIT_FAILED, type(exc).__name__, exc,
+                     exc_info=exc)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _describe(exc: ValidationError) -> str:

@@ -1,24 +1,32 @@
--- drop_consumer.lua: remove a dead consumer from the group, only while it is
--- still dead and holds nothing, in one atomic step.
+-- drop_consumer.lua: forget a consumer that is gone, only while it is still
+-- gone, in one atomic step: its heartbeat row always, its group membership
+-- only while it holds nothing.
 --
 -- Keys touched (one queue's hash tag, so one Cluster slot):
 --   KEYS[1]  <prefix>:{q}:requests        stream  XPENDING, XGROUP DELCONSUMER
 --   KEYS[2]  <prefix>:{q}:worker:<name>   string  EXISTS (the consumer's liveness key)
+--   KEYS[3]  <prefix>:{q}:workers         hash    HDEL <name> (its heartbeat row)
 --
 -- ARGV[1] group   ARGV[2] consumer name
 --
--- Why a script: XGROUP DELCONSUMER throws away the consumer's pending
+-- Every removal of a consumer goes through here: a worker leaving cleanly
+-- (after deleting its own liveness key) and a worker tidying up after a dead
+-- peer. Why a script: XGROUP DELCONSUMER throws away the consumer's pending
 -- entries, which then stay in the stream and are never delivered or claimed
 -- again. A worker presumed dead (stalled, not gone) can wake up and read new
 -- entries between another worker's XINFO CONSUMERS and its DELCONSUMER;
--- checking and deleting in one script closes that window.
--- Returns 1 when the consumer was removed, 0 when it was left alone.
+-- checking and deleting in one script closes that window. The heartbeat row
+-- of a consumer whose liveness key expired is stale (a live worker rewrites
+-- both in one MULTI each beat), so it goes even while entries are pending:
+-- otherwise rows of crashed workers would pile up in the hash forever.
+-- Returns 1 when the consumer was removed from the group, 0 otherwise.
 
 if redis.call("EXISTS", KEYS[2]) == 1 then
   return 0
 end
-if #redis.call("XPENDING", KEYS[1], ARGV[1], "-", "+", 1, ARGV[2]) > 0 then
-  return 0
+redis.call("HDEL", KEYS[3], ARGV[2])
+local pending = redis.pcall("XPENDING", KEYS[1], ARGV[1], "-", "+", 1, ARGV[2])
+if type(pending) ~= "table" or pending.err or #pending > 0 then
+  return 0  -- entries still pending (or no group, nothing to remove)
 end
-redis.call("XGROUP", "DELCONSUMER", KEYS[1], ARGV[1], ARGV[2])
-return 1
+return redis.call("XGROUP", "DELCONSUMER", KEYS[1], ARGV[1], ARGV[2]) > 0 and 1 or 0

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tokenq.shared.errors import ErrorCode
+from tokenq.shared.errors import DeviceLost, ErrorCode
 from tokenq.shared.packer import AdaptiveBudget, CostModel, Packer
 from tokenq.worker.backend import Backend, Encoding
 
@@ -115,6 +115,8 @@ def run_isolated(
             outputs = backend.run(rows)
             if len(outputs) != len(rows):
                 raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(rows)} rows")
+        except DeviceLost:
+            raise  # nothing more can run here; splitting would only fail every row
         except Exception as exc:
             oom = is_out_of_memory(exc)
             lengths = [encoding.length for encoding in rows]

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenq.shared.errors import BadRequest, ConfigError, DeviceOutOfMemory
+from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backend import BackendInfo, TextInput
 from tokenq.worker.chunks import sliding_windows
 from tokenq.worker.hf_encoding import HFEncoding
@@ -245,6 +245,10 @@ class HFBackend:
             result = self._forward(*tensors)
         except torch.cuda.OutOfMemoryError as exc:
             message = str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
+        except RuntimeError as exc:
+            if is_device_lost(exc):
+                raise DeviceLost(f"the CUDA device failed: {str(exc).splitlines()[0]}") from exc
+            raise
         else:
             return list(result)
         # Outside the except block: the exception's traceback (and with it the
@@ -424,3 +428,22 @@ def _special_token_layout(tokenizer: Any) -> tuple[int, int] | None:
         if full[start : start + len(bare)] == bare:
             return start, len(full) - start - len(bare)
     return None
+
+
+_STICKY_CUDA_ERRORS = (
+    "illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "an illegal instruction",
+    "misaligned address",
+    "uncorrectable ECC error",
+    "device not ready",
+    "GPU is lost",
+)
+"""CUDA errors after which the context is unusable until the process restarts."""
+
+
+def is_device_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CUDA error no later call on this process can recover from."""
+    message = str(exc)
+    return "CUDA error" in message and any(part in message for part in _STICKY_CUDA_ERRORS)

@@ -87,6 +87,49 @@ class DeadLetterPolicy:
     max_deliveries: int
     default_reply_to: Callable[[str], str]
     max_request_bytes: int
+    check_reply_to: Callable[[str], str | None]
+    """Why a named reply_to may not be written, or None (the reply namespace rule)."""
+    max_letter_bytes: int
+    """Bytes of the entry's own fields a dead letter keeps (see :func:`capped_fields`)."""
+
+
+TRUNCATED_FIELD = "dead_truncated"
+"""Names the fields a dead letter cut to stay within its byte cap (comma-separated)."""
+
+_DEAD_PREFIX = b"dead_"
+
+
+def capped_fields(
+    fields: Mapping[bytes | str, bytes | str], max_bytes: int
+) -> tuple[list[tuple[bytes, bytes]], list[str]]:
+    """An entry's fields for its dead letter, within ``max_bytes``, and the names cut.
+
+    Fields are kept in order while the budget lasts; a value that does not fit
+    is cut to what is left (so a huge ``text`` keeps its beginning, enough to
+    recognise it), and any field past the budget is dropped. Earlier
+    ``dead_*`` fields (a letter retried and dead again) are left out, as the
+    new ones replace them. ``publish.lua`` applies the same rule when it
+    dead-letters from the stream itself.
+    """
+    kept: list[tuple[bytes, bytes]] = []
+    cut: list[str] = []
+    room = max_bytes
+    for key, value in fields.items():
+        name = key if isinstance(key, bytes) else key.encode("utf-8", "surrogatepass")
+        if name.startswith(_DEAD_PREFIX):
+            continue
+        data = value if isinstance(value, bytes) else value.encode("utf-8", "surrogatepass")
+        label = name[:64].decode("utf-8", "replace")
+        if len(name) > room:
+            cut.append(label)
+            continue
+        room -= len(name)
+        if len(data) > room:
+            cut.append(label)
+            data = data[:room]
+        room -= len(data)
+        kept.append((name, data))
+    return kept, cut
 
 
 def dead_answer(
@@ -107,15 +150,15 @@ def dead_answer(
     known_id = wire.request_id_of(fields)
     request_id = known_id or entry_id.decode()
     reply_to = wire.reply_to_of(fields)
+    if reply_to is not None and policy.check_reply_to(reply_to) is not None:
+        reply_to = None  # never written to; the request's own reply key is told instead
     if reply_to is None and known_id is not None:
         reply_to = policy.default_reply_to(known_id)
-    original = tuple(
-        (name, value) for name, value in fields.items()
-        if not (name.decode("utf-8", "replace") if isinstance(name, bytes) else name)
-        .startswith("dead_")
-    )
+    original, cut = capped_fields(fields, policy.max_letter_bytes)
+    truncated = ((TRUNCATED_FIELD, ",".join(cut)),) if cut else ()
     record = (
         *original,
+        *truncated,
         ("dead_error_code", code.value),
         ("dead_error", message),
         ("dead_worker", policy.worker),
@@ -171,6 +214,7 @@ def decode_entries(
                 fields,
                 max_request_bytes=policy.max_request_bytes,
                 default_reply_to=policy.default_reply_to,
+                check_reply_to=policy.check_reply_to,
             )
         except DecodeError as exc:
             out.answers.append(dead(ErrorCode.BAD_REQUEST, str(exc)))
@@ -181,15 +225,19 @@ def decode_entries(
                 ErrorCode.BAD_REQUEST, f"entry could not be decoded: {type(exc).__name__}: {exc}"
             ))
             continue
-        if request.deadline_ms is not None and request.deadline_ms <= now_epoch_ms:
-            out.answers.append(expired_answer(entry_id, request, now_epoch_ms))
+        deadline = wire.deadline_of(request, entry_id)
+        if deadline is not None and deadline <= now_epoch_ms:
+            out.answers.append(expired_answer(entry_id, request, deadline, now_epoch_ms))
             continue
         out.requests.append((entry_id, request))
     return out
 
 
-def expired_answer(entry_id: bytes, request: wire.Request, now_epoch_ms: int) -> Answer:
-    late = now_epoch_ms - (request.deadline_ms or now_epoch_ms)
+def expired_answer(
+    entry_id: bytes, request: wire.Request, deadline_ms: int, now_epoch_ms: int
+) -> Answer:
+    """The ``deadline_exceeded`` answer; both times are on Redis's clock."""
+    late = now_epoch_ms - deadline_ms
     return error_answer(
         entry_id,
         request.id,

@@ -10,10 +10,20 @@ Four small tasks joined by bounded hand-offs (TEI's shape):
 * **publish** answer each batch in one MULTI (reply, XACK, XDEL), retrying
   until Redis takes it;
 * **beat**   heartbeat, and keep the buffered entries' idle time fresh so no
-  other worker claims them.
+  other worker claims them;
+* **watchdog** a batch on the device past ``batch_timeout_s`` is hung: stop
+  reading and refreshing claims, publish what is done, and raise
+  :class:`WorkerHung` (the command exits 3 and its supervisor restarts it;
+  peers claim and answer its entries).
 
 Reading and tokenizing the next batch and publishing the last one overlap
 with the device's work. Every batching decision is the packer's.
+
+Containment: nothing one stream entry contains can end the process. Every
+read is decoded, tokenized and buffered as a unit; if that raises anything,
+the read is split and retried one entry at a time, and the entry that still
+fails is dead-lettered. Only a failure of the worker itself (the device lost,
+a bug in the loop) ends :meth:`Worker.run` with an exception.
 """
 
 from __future__ import annotations
@@ -26,24 +36,28 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from tokenq.shared import keys, wire
-from tokenq.shared.errors import ConfigError, ErrorCode
+from tokenq.shared.errors import ConfigError, ErrorCode, TokenqError
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, CostModel, Packer
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker import presence
 from tokenq.worker.backend import Backend
+from tokenq.worker.clock import RedisClock
 from tokenq.worker.connection import connect
 from tokenq.worker.execute import FailedRun, Failure, adapt_budget, run_isolated
 from tokenq.worker.jobs import (
     Answer,
     DeadLetterPolicy,
     Job,
+    dead_answer,
     decode_entries,
     error_answer,
     tokenize_requests,
@@ -56,8 +70,20 @@ from tokenq.worker.stats import BatchLog, BatchRecord, WorkerStats
 
 log = logging.getLogger("tokenq.worker")
 
+_T = TypeVar("_T")
+
 _HISTORY_COUNT = 256
 _MAX_READ_COUNT = 1024
+_STOP_GRACE_S = 5.0
+"""How long a stopping worker keeps trying to publish and deregister while Redis is down."""
+
+
+class WorkerHung(TokenqError):
+    """A batch stayed on the device past ``batch_timeout_s``; the process must be restarted.
+
+    The thread running it cannot be stopped from Python, so the command that
+    catches this exits the process (``os._exit``) with code 3.
+    """
 
 
 def default_consumer_name() -> str:
@@ -67,10 +93,6 @@ def default_consumer_name() -> str:
 
 def _monotonic_ms() -> float:
     return time.monotonic() * 1000.0
-
-
-def _epoch_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +169,21 @@ class Worker:
         self._reader_done = False
         self._inflight_estimate = 0
         self._running: tuple[Job, ...] = ()
+        self._batch_started: float | None = None
+        """Monotonic time the batch now on the device started, None when idle."""
+        self._hung = False
+        self._held_bytes: dict[bytes, int] = {}
+        """Raw size of each entry read and not yet answered (the byte bound on read-ahead)."""
+        self._clock = RedisClock()
         # Estimated tokens per request, which turns the read-ahead room into an
         # XREADGROUP count. It starts at the longest input the model takes, so
         # the first read cannot overshoot the room however long the requests
         # are (from 64, one idle worker took a whole burst while its peers
         # idled); each request read then counts as one step of a 0.1 EMA.
         self._avg_estimate = float(max(1, backend.info.max_input_tokens))
+        # Likewise for bytes: from the largest request allowed, so that the
+        # first read of 1 MiB requests claiming tokens=0 cannot take a thousand.
+        self._avg_entry_bytes = float(max(1, settings.max_request_bytes))
         self._last_activity = time.monotonic()
         self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
         self._dead_letters = DeadLetterPolicy(
@@ -160,7 +191,13 @@ class Worker:
             max_deliveries=settings.max_deliveries,
             default_reply_to=functools.partial(keys.reply, self.queue),
             max_request_bytes=settings.max_request_bytes,
+            check_reply_to=functools.partial(
+                keys.reply_to_refusal, self.queue, extra_prefixes=settings.reply_to_prefix_list
+            ),
+            max_letter_bytes=settings.dead_max_letter_bytes,
         )
+        self._stop_started: float | None = None
+        self._publishing = False
         self._last_reclaim = 0.0
 
     @property
@@ -173,6 +210,7 @@ class Worker:
         """Stop reading; finish and answer what was read; then return from run()."""
         if not self._stopping.is_set():
             log.info("stopping: finishing %d buffered requests", len(self.packer))
+            self._stop_started = time.monotonic()
         self._stopping.set()
         self._wake.set()
         self._space.set()
@@ -190,6 +228,7 @@ class Worker:
             self.client, stream=self.stream, dead=keys.dead(self.queue), group=keys.GROUP,
             consumer=self.consumer, reply_ttl_ms=self._reply_ttl_ms,
             dead_max_len=self.settings.dead_max_len,
+            dead_max_letter_bytes=self.settings.dead_max_letter_bytes,
         )
         if not await self._join():  # stopped before Redis ever answered
             if self._own_client and self._client is not None:
@@ -202,17 +241,20 @@ class Worker:
             asyncio.create_task(self._run_loop(), name="tokenq-run"),
             asyncio.create_task(self._publish_loop(), name="tokenq-publish"),
         ]
+        watchdog = asyncio.create_task(self._watchdog(), name="tokenq-watchdog")
         try:
-            await asyncio.gather(*tasks)
+            await _first_failure(tasks, watchdog)
         finally:
-            for task in tasks:
+            for task in (*tasks, watchdog):
                 task.cancel()
             beat.cancel()
-            await asyncio.gather(beat, return_exceptions=True)
+            await asyncio.gather(beat, watchdog, *tasks, return_exceptions=True)
             try:
-                await presence.leave(self.client, self.queue, self.consumer)
-            except RedisError as exc:
-                log.warning("could not deregister: %s", exc)
+                await asyncio.wait_for(
+                    presence.leave(self.client, self.queue, self.consumer), _STOP_GRACE_S
+                )
+            except (RedisError, asyncio.TimeoutError) as exc:
+                log.warning("could not deregister: %s", exc or "Redis did not answer")
             self._batch_log.close()
             if self._own_client and self._client is not None:
                 await self._client.aclose()
@@ -229,6 +271,7 @@ class Worker:
             try:
                 await self._ensure_group()
                 await check_server(self.client)
+                await self._clock.sync(self.client)
                 await presence.write_config(self.client, self.queue, self._config_fields())
                 return True
             except RedisError as exc:
@@ -264,30 +307,50 @@ class Worker:
 
     # ----------------------------------------------------------------------- read
 
-    def _room(self) -> float:
-        """Estimated tokens the worker may still read ahead."""
+    def _room(self) -> tuple[float, float]:
+        """Estimated tokens, and bytes, the worker may still read ahead."""
         limit = self.settings.read_ahead_budgets * self.packer.budget.max_batch_tokens
-        return limit - self.packer.buffered_tokens - self._inflight_estimate
+        tokens = limit - self.packer.buffered_tokens - self._inflight_estimate
+        return tokens, self.settings.read_ahead_bytes - sum(self._held_bytes.values())
+
+    def _read_count(self) -> int:
+        """How many entries the next XREADGROUP may take (0: no room now).
+
+        Bounded by both rooms: tokens (from the exact lengths of what was read
+        lately, not the producers' claims) and bytes (from the sizes of what
+        was read lately), so neither ``tokens=0`` on huge texts nor a burst of
+        tiny ones can make one read hold more than the worker should.
+        """
+        tokens, size = self._room()
+        if tokens <= 0 or size <= 0:
+            return 0
+        by_tokens = tokens // self._avg_estimate
+        by_bytes = size // self._avg_entry_bytes
+        return int(min(_MAX_READ_COUNT, max(1, min(by_tokens, by_bytes))))
+
+    def _reading(self) -> bool:
+        return not (self._stopping.is_set() or self._hung)
 
     async def _read_loop(self) -> None:
         try:
-            await self._read_history()
+            await self._until_stopped(self._read_history())
             backoff = 0.1
-            while not self._stopping.is_set():
+            while self._reading():
                 if self._idle_expired():
                     log.info("queue idle for %.1fs; exiting", self.settings.exit_when_idle_s)
                     self.stop()
                     break
-                room = self._room()
-                if room <= 0:
+                count = self._read_count()
+                if count == 0:
                     self._space.clear()
                     await _wait(self._space, 1.0)
                     continue
-                count = int(min(_MAX_READ_COUNT, max(1, room // self._avg_estimate)))
                 try:
-                    if await self._reclaim(count):
+                    if await self._until_stopped(self._reclaim(count)):
                         continue
-                    entries = await self._xread(">", count, self.settings.block_ms)
+                    entries = await self._until_stopped(
+                        self._xread(">", count, self.settings.block_ms)
+                    )
                     backoff = 0.1
                 except RedisError as exc:
                     await self._on_read_error(exc, backoff)
@@ -298,6 +361,27 @@ class Worker:
         finally:
             self._reader_done = True
             self._wake.set()
+
+    async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
+        """Run one read, abandoning it when the worker is told to stop (None).
+
+        A read can spend its whole retry budget on an unreachable Redis; a
+        stop must not wait for that. An abandoned XREADGROUP may still have
+        delivered entries to this consumer: they stay pending to it and the
+        safety net (or a restart's history read) hands them out again.
+        """
+        task = asyncio.ensure_future(read)
+        stopped = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RedisError):
+            await task
+        return None
 
     async def _reclaim(self, count: int) -> bool:
         """Every heartbeat interval, take over entries of dead workers; True if any."""
@@ -319,13 +403,19 @@ class Worker:
         return True
 
     async def _read_history(self) -> None:
-        """Re-read entries this consumer already owns (a restart under the same name)."""
+        """Re-read entries this consumer already owns (a restart under the same name).
+
+        Each history read counts as a delivery, and the counts are looked up
+        and honoured, so an entry that crashed the previous process under
+        this name is dead-lettered after ``max_deliveries`` like any other.
+        """
         last = "0"
-        while not self._stopping.is_set():
+        while self._reading():
             entries = await self._xread(last, _HISTORY_COUNT, None)
             if not entries:
                 return
-            await self._take(entries)
+            deliveries = await self._reclaimer.own_deliveries([e[0] for e in entries])
+            await self._take(entries, deliveries)
             last = entries[-1][0].decode()
 
     async def _xread(
@@ -353,7 +443,7 @@ class Worker:
             except RedisError:
                 pass
         log.warning("read failed (%s); retrying in %.1fs", exc, backoff)
-        await asyncio.sleep(backoff)
+        await _wait(self._stopping, backoff)
 
     def _idle_expired(self) -> bool:
         limit = self.settings.exit_when_idle_s
@@ -366,39 +456,103 @@ class Worker:
         entries: list[tuple[bytes, dict[bytes, bytes] | None]],
         deliveries: dict[bytes, int] | None = None,
     ) -> None:
-        """Decode, tokenize and buffer one read."""
+        """Decode, tokenize and buffer one read; no entry can make this raise.
+
+        The read is prepared as a unit (:meth:`_prepare`: decoding and
+        tokenizing, with no side effects) and only then buffered. If preparing
+        raises anything, the read is split into single entries, and an entry
+        that still fails alone is dead-lettered naming the error, so a poison
+        entry costs its own answer, never the worker or its neighbours.
+        """
         self._last_activity = time.monotonic()
+        deliveries = deliveries or {}
         gone = [entry_id for entry_id, fields in entries if fields is None]
         if gone:  # deleted while pending to us: nothing to answer, just release
-            await self._answers.put([Answer(entry_id, None, b"", ok=False) for entry_id in gone])
+            await self._emit([Answer(entry_id, None, b"", ok=False) for entry_id in gone])
         present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
-        decoded = decode_entries(
-            present,
-            policy=self._dead_letters,
-            deliveries=deliveries or {},
-            now_epoch_ms=_epoch_ms(),
-        )
-        if decoded.answers:
-            self.stats.requests_failed += len(decoded.answers)
-            self.stats.dead_lettered += sum(bool(a.dead_fields) for a in decoded.answers)
-            self.metrics.dead_lettered(sum(bool(a.dead_fields) for a in decoded.answers))
-            await self._answers.put(decoded.answers)
-        if not decoded.requests:
+        for entry_id, fields in present:
+            self._held_bytes[entry_id] = _entry_bytes(fields)
+        await self._take_present(present, deliveries)
+        self._wake.set()
+
+    async def _take_present(
+        self, present: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int]
+    ) -> None:
+        if not present:
             return
-        estimate = sum(max(1, request.tokens) for _, request in decoded.requests)
-        self._inflight_estimate += estimate
         try:
-            jobs, answers = await asyncio.to_thread(self._tokenize, decoded.requests)
-        finally:
-            self._inflight_estimate -= estimate
-        weight = 1.0 - 0.9 ** len(decoded.requests)
-        self._avg_estimate += weight * (estimate / len(decoded.requests) - self._avg_estimate)
+            jobs, answers = await self._prepare(present, deliveries)
+        except Exception as exc:
+            if len(present) > 1:
+                for one in present:
+                    await self._take_present([one], deliveries)
+                return
+            entry_id, fields = present[0]
+            log.exception("entry %r could not be taken; dead-lettering it", entry_id)
+            jobs, answers = [], [dead_answer(
+                entry_id, fields, ErrorCode.BAD_REQUEST,
+                f"the worker could not take this entry: {type(exc).__name__}: {exc}"[:1000],
+                policy=self._dead_letters, deliveries=deliveries.get(entry_id, 1),
+                now_epoch_ms=self._clock.now_ms(),
+            )]
         for job in jobs:
             self.packer.add(job.encoding.length, job.read_ms, job)
         if answers:
+            dead = sum(bool(a.dead_fields) for a in answers)
             self.stats.requests_failed += len(answers)
-            await self._answers.put(answers)
-        self._wake.set()
+            self.stats.dead_lettered += dead
+            self.metrics.dead_lettered(dead)
+            await self._emit(answers)
+
+    async def _prepare(
+        self, present: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int]
+    ) -> tuple[list[Job], list[Answer]]:
+        """Jobs to buffer and answers owed for one read, with no effect on the buffer.
+
+        It moves only the in-flight estimate (restored on the way out) and the
+        running means (by finite, bounded amounts), so a read that raises here
+        can be retried entry by entry.
+        """
+        decoded = decode_entries(
+            present,
+            policy=self._dead_letters,
+            deliveries=deliveries,
+            now_epoch_ms=self._clock.now_ms(),
+        )
+        answers = list(decoded.answers)
+        if not decoded.requests:
+            return [], answers
+        claimed = sum(max(1, request.tokens) for _, request in decoded.requests)
+        self._inflight_estimate += claimed
+        try:
+            jobs, refused = await asyncio.to_thread(self._tokenize, decoded.requests)
+        finally:
+            self._inflight_estimate -= claimed
+        for job in jobs:
+            if job.encoding.length < 1:
+                raise ValueError(f"the tokenizer gave {job.entry_id!r} no tokens")
+        self._learn(decoded.requests, jobs, present)
+        return jobs, answers + refused
+
+    def _learn(
+        self,
+        requests: list[tuple[bytes, wire.Request]],
+        jobs: list[Job],
+        present: list[tuple[bytes, dict[bytes, bytes]]],
+    ) -> None:
+        """Move the running means of tokens and bytes per entry towards this read.
+
+        Exact lengths, not the producers' ``tokens`` claims: a claim is only a
+        hint, and a lying one must not make the next read huge. Each entry
+        counts as one step of a 0.1 EMA.
+        """
+        weight = 1.0 - 0.9 ** len(requests)
+        exact = sum(job.encoding.length for job in jobs) or len(requests)
+        self._avg_estimate += weight * (max(1.0, exact / len(requests)) - self._avg_estimate)
+        size = sum(self._held_bytes.get(entry_id, 0) for entry_id, _ in present)
+        self._avg_entry_bytes += weight * (
+            max(1.0, size / len(present)) - self._avg_entry_bytes
+        )
 
     def _tokenize(
         self, requests: list[tuple[bytes, wire.Request]]
@@ -413,7 +567,7 @@ class Worker:
         except Exception as exc:
             if len(requests) == 1:
                 entry_id, request = requests[0]
-                message = f"tokenizer failed: {type(exc).__name__}: {exc}"
+                message = f"tokenizer failed: {type(exc).__name__}: {exc}"[:1000]
                 return [], [error_answer(
                     entry_id, request.id, request.reply_to, ErrorCode.BAD_REQUEST, message
                 )]
@@ -425,6 +579,13 @@ class Worker:
             answers += more_answers
         return jobs, answers
 
+    async def _emit(self, answers: list[Answer]) -> None:
+        """Hand answers to the publish task; their entries stop counting as held."""
+        for answer in answers:
+            self._held_bytes.pop(answer.entry_id, None)
+        self._space.set()
+        await self._answers.put(answers)
+
     # ------------------------------------------------------------------------ run
 
     async def _run_loop(self) -> None:
@@ -432,7 +593,7 @@ class Worker:
             while True:
                 if not self.packer:
                     if self._reader_done:
-                        return
+                        break
                     self._wake.clear()
                     await self._wake.wait()
                     continue
@@ -446,12 +607,15 @@ class Worker:
                 self._space.set()
                 await self._run_batch(batch)
         finally:
-            await self._answers.put(None)
+            self._batch_started = None
+        # Not in the finally: a run task cancelled while the queue is full must
+        # not block its own cancellation on this put.
+        await self._answers.put(None)
 
     async def _run_batch(self, batch: Batch[Job]) -> None:
         jobs = batch.payloads
         packed_under = self.packer.budget
-        now = _epoch_ms()
+        now = self._clock.now_ms()
         expired = [job for job in jobs if _expired(job, now)]
         live = [job for job in jobs if not _expired(job, now)]
         answers = self._settle(expired, [_DEADLINE] * len(expired))
@@ -461,10 +625,12 @@ class Worker:
             self._running = tuple(live)
             oom_events: list[FailedRun] = []
             started = time.perf_counter()
+            self._batch_started = time.monotonic()
             outcome = await asyncio.to_thread(
                 run_isolated, self.backend, [job.encoding for job in live],
                 on_oom=oom_events.append,
             )
+            self._batch_started = None
             device_ms = (time.perf_counter() - started) * 1000.0
             self._running = ()
             splits = sum(event.rows > 1 for event in oom_events)
@@ -488,7 +654,7 @@ class Worker:
                            budget=self.packer.budget.max_batch_tokens)
         self._batch_log.write(record)
         if answers:
-            await self._answers.put(answers)
+            await self._emit(answers)
 
     def _settle(self, jobs: list[Job], outcome: list[np.ndarray | Failure]) -> list[Answer]:
         """Answers for finished jobs; a chunked request answers when its last window does."""
@@ -531,8 +697,56 @@ class Worker:
             answers = await self._answers.get()
             if answers is None:
                 return
-            await self._publisher.publish(answers)
+            self._publishing = True
+            try:
+                await self._publisher.publish(answers, give_up=self._past_grace)
+            finally:
+                self._publishing = False
             self.metrics.answered(answers)
+
+    def _past_grace(self) -> bool:
+        """A stopping (or hung) worker gives up on an unreachable Redis after a grace."""
+        if self._hung:
+            return True
+        started = self._stop_started
+        return started is not None and time.monotonic() - started > _STOP_GRACE_S
+
+    # ------------------------------------------------------------------- watchdog
+
+    async def _watchdog(self) -> None:
+        """Raise :class:`WorkerHung` once a batch has been on the device too long.
+
+        From that moment the worker reads nothing and refreshes no claims (the
+        beat loop checks ``_hung``), publishes what is already done within a
+        grace period, and deletes its liveness key so that peers may claim its
+        entries as soon as they have been idle three heartbeats, instead of
+        waiting for the key to expire too.
+        """
+        limit = self.settings.batch_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            started = self._batch_started
+            if started is None or time.monotonic() - started < limit:
+                continue
+            self._hung = True
+            log.critical(
+                "a batch of %d requests has been on the device for %.0fs (batch_timeout_s "
+                "%.0f): the device is hung; stopping to read and to keep claims, so that "
+                "other workers take this worker's requests, and exiting",
+                len(self._running), time.monotonic() - started, limit,
+            )
+            self._wake.set()
+            self._space.set()
+            grace = time.monotonic() + _STOP_GRACE_S
+            while (self._publishing or not self._answers.empty()) and time.monotonic() < grace:
+                await asyncio.sleep(0.05)
+            with contextlib.suppress(RedisError, asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    self.client.delete(keys.worker_alive(self.queue, self.consumer)), 2.0
+                )
+            raise WorkerHung(
+                f"batch on the device for more than batch_timeout_s ({limit:.0f}s)"
+            )
 
     # ---------------------------------------------------------------------- beat
 
@@ -550,10 +764,11 @@ class Worker:
 
     async def _beat_loop(self) -> None:
         ttl_ms = int(self.settings.heartbeat_s * 3000)
-        while True:
+        while not self._hung:
             try:
                 await presence.beat(self.client, self.queue, self.consumer, self.status(), ttl_ms)
                 await self._keep_claims_fresh()
+                await self._clock.sync(self.client)
             except RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             except Exception:
@@ -563,10 +778,16 @@ class Worker:
             await asyncio.sleep(self.settings.heartbeat_s)
 
     async def _keep_claims_fresh(self) -> None:
-        """Reset the idle time of entries this worker holds, so nobody claims them."""
+        """Reset the idle time of entries this worker holds, so nobody claims them.
+
+        Never while a batch is hung: a worker whose device does not come back
+        must let its entries go (the watchdog ends it soon after).
+        """
         held = [item.payload.entry_id for item in self.packer]  # the packer yields Items
         held += [job.entry_id for job in self._running]
         for start in range(0, len(held), 512):
+            if self._hung:
+                return
             await self.client.xclaim(
                 self.stream, keys.GROUP, self.consumer, 0, held[start:start + 512], justid=True
             )
@@ -576,8 +797,24 @@ _DEADLINE = Failure(ErrorCode.DEADLINE_EXCEEDED.value, "deadline passed before t
 
 
 def _expired(job: Job, now_epoch_ms: int) -> bool:
-    deadline = job.request.deadline_ms
+    """Whether a job's deadline has passed; ``now_epoch_ms`` is on Redis's clock."""
+    deadline = wire.deadline_of(job.request, job.entry_id)
     return deadline is not None and deadline <= now_epoch_ms
+
+
+def _entry_bytes(fields: dict[bytes, bytes]) -> int:
+    """What an entry costs the worker to hold: the raw size of its fields."""
+    return sum(len(name) + len(value) for name, value in fields.items())
+
+
+async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task[None]) -> None:
+    """Wait until every task has finished, raising the first exception any of them raises."""
+    pending: set[asyncio.Task[None]] = {*tasks, watchdog}
+    while not all(task.done() for task in tasks):
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import time
+from importlib import resources
 from typing import Any
 
 import msgpack
@@ -18,6 +19,8 @@ import redis.asyncio as aioredis
 
 from tokenq.shared import keys, wire
 from tokenq.worker.backend import BackendInfo
+
+DROP_CONSUMER_SCRIPT = resources.files("tokenq.worker").joinpath("drop_consumer.lua").read_text()
 
 
 def config_fields(info: BackendInfo, *, policy: str, max_batch_tokens: int) -> dict[str, str]:
@@ -61,13 +64,20 @@ async def beat(
 
 
 async def leave(client: aioredis.Redis, q: keys.QueueRef, consumer: str) -> None:
-    """Deregister: drop liveness, the heartbeat entry, and the consumer if it holds nothing."""
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.delete(keys.worker_alive(q, consumer))
-        pipe.hdel(keys.workers(q), consumer)
-        await pipe.execute()
-    pending = await client.xpending_range(
-        keys.requests(q), keys.GROUP, min="-", max="+", count=1, consumername=consumer
+    """Deregister: drop liveness, then forget the consumer as a dead one is forgotten."""
+    await client.delete(keys.worker_alive(q, consumer))
+    await drop_consumer(client, q, consumer)
+
+
+async def drop_consumer(client: aioredis.Redis, q: keys.QueueRef, consumer: str) -> bool:
+    """Remove a gone consumer's heartbeat row, and it from the group if it holds nothing.
+
+    One script (``drop_consumer.lua``) does every removal, re-checking liveness
+    and pending entries at the moment it acts. True when it left the group.
+    """
+    script = client.register_script(DROP_CONSUMER_SCRIPT)  # EVALSHA, loaded once per server
+    removed = await script(
+        keys=[keys.requests(q), keys.worker_alive(q, consumer), keys.workers(q)],
+        args=[keys.GROUP, consumer],
     )
-    if not pending:
-        await client.xgroup_delconsumer(keys.requests(q), keys.GROUP, consumer)
+    return bool(removed)

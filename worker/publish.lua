@@ -7,7 +7,8 @@
 --   KEYS[3..]   reply keys              list    RPUSH, then PEXPIRE once each
 --
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
--- ARGV[5] n, then for each answer:
+-- ARGV[5] dead_max_letter_bytes (cap on the entry's own fields in a dead letter)
+-- ARGV[6] n, then for each answer:
 --   entry_id, reply (index into KEYS of its reply key; 0 = no reply; -1 = its
 --   reply_to was refused before the script ran, see below), payload (msgpack
 --   reply; with -1, why it was refused), k (dead-letter field pairs; 0 = not a
@@ -28,26 +29,64 @@
 -- runs, so publish.py retries such a batch one answer at a time and passes
 -- reply -1 for the answer whose key was refused.
 --
--- Returns {published, undeliverable}: answers settled by this call, and how
--- many of those were dead-lettered because their reply_to refused the push.
+-- The dead-letter write itself can fail only if someone made the dead key
+-- something other than a stream (workers never write a producer-chosen key
+-- there: reply_to is confined to the reply namespace before this runs). It
+-- is made with pcall, so even then the answers are still settled; the
+-- letters that could not be written are counted and the worker logs them.
+--
+-- Returns {published, undeliverable, unwritten}: answers settled by this
+-- call, how many of those were dead-lettered because their reply_to refused
+-- the push, and how many dead letters the dead key refused.
 
 local stream, dead = KEYS[1], KEYS[2]
 local group, consumer = ARGV[1], ARGV[2]
 local ttl_ms = tonumber(ARGV[3])
 local dead_max_len = tonumber(ARGV[4])
-local n = tonumber(ARGV[5])
+local letter_bytes = tonumber(ARGV[5])
+local n = tonumber(ARGV[6])
+local unwritten = 0
+
+local function write_letter(record)
+  local added = redis.pcall(unpack(record))
+  if type(added) == "table" and added.err then
+    unwritten = unwritten + 1
+  end
+end
+
+-- The entry's own fields within letter_bytes, as jobs.capped_fields does:
+-- in order, the value that does not fit cut to what is left, the rest dropped,
+-- old dead_* fields left out; the names cut go in dead_truncated.
+local function copy_capped(fields, record)
+  local room, cut = letter_bytes, {}
+  for j = 1, #fields, 2 do
+    local name, value = fields[j], fields[j + 1]
+    if string.sub(name, 1, 5) ~= "dead_" then
+      if #name > room then
+        cut[#cut + 1] = string.sub(name, 1, 64)
+      else
+        room = room - #name
+        if #value > room then
+          cut[#cut + 1] = string.sub(name, 1, 64)
+          value = string.sub(value, 1, room)
+        end
+        room = room - #value
+        record[#record + 1] = name
+        record[#record + 1] = value
+      end
+    end
+  end
+  if #cut > 0 then
+    record[#record + 1] = "dead_truncated"
+    record[#record + 1] = table.concat(cut, ",")
+  end
+end
 
 local function undeliverable_letter(entry_id, deliveries, why)
   local record = {"XADD", dead, "MAXLEN", "~", dead_max_len, "*"}
   local found = redis.call("XRANGE", stream, entry_id, entry_id)
   if #found == 1 then
-    local fields = found[1][2]
-    for j = 1, #fields, 2 do
-      if string.sub(fields[j], 1, 5) ~= "dead_" then
-        record[#record + 1] = fields[j]
-        record[#record + 1] = fields[j + 1]
-      end
-    end
+    copy_capped(found[1][2], record)
   end
   local now = redis.call("TIME")
   local at_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
@@ -56,12 +95,12 @@ local function undeliverable_letter(entry_id, deliveries, why)
                       "dead_at_ms", string.format("%d", at_ms), "dead_source_id", entry_id}) do
     record[#record + 1] = v
   end
-  redis.call(unpack(record))
+  write_letter(record)
 end
 
 local published, undeliverable = 0, 0
 local touched = {}
-local pos = 6
+local pos = 7
 for _ = 1, n do
   local entry_id, reply, payload = ARGV[pos], tonumber(ARGV[pos + 1]), ARGV[pos + 2]
   local k = tonumber(ARGV[pos + 3])
@@ -72,7 +111,7 @@ for _ = 1, n do
       for j = pos + 4, pos + 3 + 2 * k do
         record[#record + 1] = ARGV[j]
       end
-      redis.call(unpack(record))
+      write_letter(record)
     end
     if reply < 0 then
       if k == 0 then
@@ -100,4 +139,4 @@ end
 for reply, _ in pairs(touched) do
   redis.call("PEXPIRE", KEYS[reply], ttl_ms)
 end
-return {published, undeliverable}
+return {published, undeliverable, unwritten}

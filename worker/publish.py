@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 
 import redis.asyncio as aioredis
@@ -42,11 +42,12 @@ class Publisher:
         consumer: str,
         reply_ttl_ms: int,
         dead_max_len: int,
+        dead_max_letter_bytes: int,
     ) -> None:
         self._script = client.register_script(PUBLISH_SCRIPT)
         self._stream = stream
         self._dead = dead
-        self._head = [group, consumer, reply_ttl_ms, dead_max_len]
+        self._head = [group, consumer, reply_ttl_ms, dead_max_len, dead_max_letter_bytes]
 
     def arguments(
         self, answers: Sequence[Answer], refused: Mapping[bytes, str] | None = None
@@ -88,32 +89,70 @@ class Publisher:
             return 0
         keys, args = self.arguments(answers)
         try:
-            published, undeliverable = await self._script(keys=keys, args=args)
+            published, undeliverable, unwritten = await self._script(keys=keys, args=args)
         except ResponseError as exc:
-            if not _keys_refused(exc) or all(a.reply_to is None for a in answers):
+            if _transient(exc):
                 raise
+            # Something in this batch makes Redis refuse the whole call: a
+            # reply key outside the ACL or the slot, or anything else an answer
+            # carries. Retrying the same call would refuse it again forever, so
+            # each answer goes alone and the one that is refused on its own is
+            # settled without its reply (acked and dead-lettered).
             if len(answers) > 1:
                 return sum([await self.publish_once([answer]) for answer in answers])
             answer = answers[0]
             reason = f"NOPERM {exc}" if isinstance(exc, NoPermissionError) else str(exc)
-            why = f"reply_to {answer.reply_to} refused the reply: {reason}"
+            why = f"reply_to {answer.reply_to} refused the reply: {reason}"[:1000]
             keys, args = self.arguments(answers, refused={answer.entry_id: why})
-            published, undeliverable = await self._script(keys=keys, args=args)
+            try:
+                published, undeliverable, unwritten = await self._script(keys=keys, args=args)
+            except ResponseError as again:
+                if _transient(again):
+                    raise
+                # Not even the bare ack goes through: leave the entry pending
+                # rather than wedge the worker; redelivery counts it towards
+                # max_deliveries like any entry that cannot be answered.
+                log.error("could not settle entry %r (%s); leaving it pending",
+                          answer.entry_id, again)
+                return 0
         if undeliverable:
             log.warning(
                 "%d answers could not be pushed: their reply_to is not a list this worker "
                 "may write (wrong type or ACL); moved those entries to the dead stream",
                 undeliverable,
             )
+        if unwritten:
+            log.error(
+                "%d dead letters could not be written: %s is not a stream (someone else "
+                "wrote that key); their entries were answered and acked all the same",
+                unwritten, self._dead,
+            )
         return int(published)
 
-    async def publish(self, answers: Sequence[Answer], *, max_backoff_s: float = 5.0) -> int:
-        """Publish, retrying until Redis takes it (results are never dropped)."""
+    async def publish(
+        self,
+        answers: Sequence[Answer],
+        *,
+        max_backoff_s: float = 5.0,
+        give_up: Callable[[], bool] = lambda: False,
+    ) -> int:
+        """Publish, retrying while Redis is unreachable (results are not dropped for a blip).
+
+        ``give_up`` is asked before each retry: a worker that is stopping
+        while Redis is down stops retrying after a grace period, leaving the
+        entries pending (another worker claims and answers them later).
+        """
         delay = 0.1
         while True:
             try:
                 published = await self.publish_once(answers)
             except RedisError as exc:
+                if give_up():
+                    log.warning(
+                        "could not publish %d answers (%s) while stopping; leaving their "
+                        "entries pending for another worker", len(answers), exc,
+                    )
+                    return 0
                 log.warning(
                     "could not publish %d answers (%s); keeping them, retrying in %.1fs",
                     len(answers), exc, delay,
@@ -128,6 +167,19 @@ class Publisher:
                     len(answers) - published, len(answers),
                 )
             return published
+
+
+_TRANSIENT = ("OOM", "BUSY", "LOADING", "READONLY", "TRYAGAIN", "MASTERDOWN", "CLUSTERDOWN",
+              "NOREPLICAS", "MISCONF")
+"""Error prefixes that mean Redis cannot take writes *now*: retry the same call later."""
+
+
+def _transient(exc: ResponseError) -> bool:
+    """Redis refused for its own state (memory, loading, failover), not for this batch."""
+    message = str(exc)
+    # Inside a script, Redis reports "ERR Error running script ... OOM ..." in some
+    # versions; the refusal of the script itself starts with the code.
+    return message.split(" ", 1)[0] in _TRANSIENT or "-OOM" in message
 
 
 def _keys_refused(exc: ResponseError) -> bool:

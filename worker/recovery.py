@@ -19,22 +19,22 @@ entry's delivery count before the claim, which decides dead-lettering.
 Consumers that are dead and hold nothing are removed from the group, by a
 script that checks both again at the moment of removal (``drop_consumer.lua``:
 ``XGROUP DELCONSUMER`` discards pending entries, and a stalled worker may wake
-up and read some after this worker looked).
+up and read some after this worker looked); the same script drops the
+heartbeat rows of workers that are gone, so ``tokenq:{q}:workers`` holds one
+row per live worker, not one per worker that ever ran.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from importlib import resources
 
 import redis.asyncio as aioredis
 
 from tokenq.shared import keys
+from tokenq.worker import presence
 
 log = logging.getLogger("tokenq.worker")
-
-DROP_CONSUMER_SCRIPT = resources.files("tokenq.worker").joinpath("drop_consumer.lua").read_text()
 
 
 def _text(value: bytes | str) -> str:
@@ -68,7 +68,6 @@ class Reclaimer:
         self._dead_after_ms = dead_after_ms
         self._claim_idle_ms = claim_idle_ms
         self._cursor = "-"
-        self._drop_consumer = client.register_script(DROP_CONSUMER_SCRIPT)
 
     async def scan(self, limit: int) -> Claimed:
         """Claim at most ``limit`` entries from dead consumers, then long-idle ones."""
@@ -82,9 +81,39 @@ class Reclaimer:
             await self._claim(await self._long_idle(room), self._claim_idle_ms, claimed)
         return claimed
 
+    async def own_deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
+        """How often each of this consumer's own pending entries has been delivered.
+
+        A restarted worker that keeps its name (``--consumer``, ``--devices``,
+        PID 1 in a container) re-reads its history with ``XREADGROUP … 0``,
+        which counts as a delivery but does not report the count; without it,
+        an entry that crashes the worker would be re-read after every restart
+        forever instead of being dead-lettered after ``max_deliveries``.
+        """
+        if not entry_ids:
+            return {}
+        pending = await self._client.xpending_range(
+            self._stream, keys.GROUP, min=entry_ids[0], max=entry_ids[-1],
+            count=len(entry_ids), consumername=self._consumer,
+        )
+        return {p["message_id"]: int(p["times_delivered"]) for p in pending}
+
+    async def _prune_heartbeats(self, members: set[str]) -> None:
+        """Drop heartbeat rows of workers that are gone and no longer in the group.
+
+        Rows of consumers still in the group are handled with them; a row can
+        outlive its consumer when the group itself was recreated (an empty
+        Redis) or the consumer was removed by hand.
+        """
+        rows = await self._client.hkeys(keys.workers(self._queue))
+        for name in {_text(row) for row in rows} - members - {self._consumer}:
+            await presence.drop_consumer(self._client, self._queue, name)
+
     async def _from_dead_consumers(self, limit: int) -> list[tuple[bytes, int]]:
         candidates: list[tuple[bytes, int]] = []
-        for info in await self._client.xinfo_consumers(self._stream, keys.GROUP):
+        consumers = await self._client.xinfo_consumers(self._stream, keys.GROUP)
+        await self._prune_heartbeats({_text(info["name"]) for info in consumers})
+        for info in consumers:
             name = _text(info["name"])
             if name == self._consumer:
                 continue
@@ -92,11 +121,11 @@ class Reclaimer:
                 continue
             if int(info["pending"]) == 0:
                 if int(info["idle"]) >= self._dead_after_ms:
-                    await self._drop_consumer(
-                        keys=[self._stream, keys.worker_alive(self._queue, name)],
-                        args=[keys.GROUP, name],
-                    )
+                    await presence.drop_consumer(self._client, self._queue, name)
                 continue
+            # Gone with entries pending: the script drops its stale heartbeat
+            # row and keeps it in the group until its entries are claimed.
+            await presence.drop_consumer(self._client, self._queue, name)
             pending = await self._client.xpending_range(
                 self._stream, keys.GROUP, min="-", max="+",
                 count=limit - len(candidates), consumername=name,

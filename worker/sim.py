@@ -46,6 +46,10 @@ from tokenq.worker.chunks import combine_chunks, sliding_windows
 SIM_FAIL_MARKER = "<<tokenq-sim-fail>>"
 """A text containing this makes any batch it is in raise ``ValueError``."""
 
+SIM_HANG_MARKER = "<<tokenq-sim-hang>>"
+"""A text containing this makes its batch sleep ``hang_s`` seconds (a hung device), when
+the backend was built with ``hang_s > 0``; otherwise it is ordinary text."""
+
 SIM_NAN_MARKER = "<<tokenq-sim-nan>>"
 """A text containing this gets an all-NaN vector (the rest of its batch is fine)."""
 
@@ -92,6 +96,8 @@ class SimEncoding:
     """The original input carried :data:`SIM_FAIL_MARKER`."""
     nan: bool = False
     """The original input carried :data:`SIM_NAN_MARKER`."""
+    hang: bool = False
+    """The original input carried :data:`SIM_HANG_MARKER`."""
 
 
 def split_tokens(text: str) -> list[str]:
@@ -145,11 +151,17 @@ def encode(text: str, text_pair: str | None = None, max_length: int | None = Non
         None if pair_tokens is None else tuple(pair_tokens),
         fail=any(SIM_FAIL_MARKER in t for t in texts),
         nan=any(SIM_NAN_MARKER in t for t in texts),
+        hang=any(SIM_HANG_MARKER in t for t in texts),
     )
 
 
 def _encoding(
-    tokens: tuple[str, ...], pair_tokens: tuple[str, ...] | None, *, fail: bool, nan: bool
+    tokens: tuple[str, ...],
+    pair_tokens: tuple[str, ...] | None,
+    *,
+    fail: bool,
+    nan: bool,
+    hang: bool = False,
 ) -> SimEncoding:
     """A SimEncoding with its length and digest worked out from the kept tokens.
 
@@ -172,6 +184,7 @@ def _encoding(
         digest=digest.digest(),
         fail=fail,
         nan=nan,
+        hang=hang,
     )
 
 
@@ -228,7 +241,8 @@ def _windows(encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEn
     parts = sliding_windows(positions, 0, 0, max_length - SPECIAL_TOKENS, overlap)
     return [
         _encoding(
-            tuple(encoding.tokens[i] for i in part), None, fail=encoding.fail, nan=encoding.nan
+            tuple(encoding.tokens[i] for i in part), None,
+            fail=encoding.fail, nan=encoding.nan, hang=encoding.hang,
         )
         for part in parts
     ]
@@ -248,8 +262,10 @@ class SimBackend:
         capacity_bytes: int = 1 << 30,
         ragged: bool = False,
         pairs: bool = False,
+        hang_s: float = 0.0,
     ) -> None:
-        """``pairs`` makes it claim to be a cross-encoder (``info.pairs``), for tests."""
+        """``pairs`` makes it claim to be a cross-encoder (``info.pairs``), for tests;
+        ``hang_s`` is how long a batch holding :data:`SIM_HANG_MARKER` sleeps."""
         if dim < 1 or max_input_tokens <= SPECIAL_TOKENS:
             raise ConfigError(
                 f"sim needs dim >= 1 and max_input_tokens > {SPECIAL_TOKENS} (its special "
@@ -271,6 +287,7 @@ class SimBackend:
         self.bytes_per_token = bytes_per_token
         self.capacity_bytes = capacity_bytes
         self.ragged = ragged
+        self.hang_s = hang_s
         # Counters for benchmarks and tests; a lock because the worker may read
         # them from another thread while a batch runs.
         self._lock = threading.Lock()
@@ -341,6 +358,8 @@ class SimBackend:
             with self._lock:
                 self.failures += 1
             raise ValueError(f"sim: batch holds an input marked {SIM_FAIL_MARKER!r}")
+        if self.hang_s > 0 and any(encoding.hang for encoding in rows):
+            time.sleep(self.hang_s)  # a device that stopped answering
         seconds = (self.batch_ms * 1e3 + self.token_us * cost) / 1e6
         started = time.perf_counter()
         dim = self.info.dim or 1
@@ -375,4 +394,5 @@ def build_sim_backend(settings: WorkerSettings) -> SimBackend:
         capacity_bytes=settings.sim_capacity_bytes,
         ragged=settings.sim_ragged,
         pairs=settings.sim_pairs,
+        hang_s=settings.sim_hang_s,
     )
