@@ -68,3 +68,33 @@ def hf_oom_above(settings: Any) -> OomAbove:
     if raw is None:
         raise ValueError(f"set {OOM_ABOVE_ENV} to the padded tokens a batch may hold")
     return OomAbove(build_hf_backend(settings), int(raw))
+
+
+ZERO_LENGTH_MARKER = "<<zero-length>>"
+
+
+class ZeroLengthTokens:
+    """The sim backend, except that a text holding :data:`ZERO_LENGTH_MARKER` tokenizes to
+    an encoding of length 0 — output no packer can take, as a tokenizer bug would give."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def tokenize(self, inputs: Sequence[Any], max_length: int | None) -> list[Encoding]:
+        import dataclasses
+
+        encodings = self._inner.tokenize(inputs, max_length)
+        return [
+            dataclasses.replace(encoding, length=0) if ZERO_LENGTH_MARKER in item.text else encoding
+            for item, encoding in zip(inputs, encodings, strict=True)
+        ]
+
+
+def sim_zero_length(settings: Any) -> ZeroLengthTokens:
+    """``--backend tests.plugins_for_tests:sim_zero_length``."""
+    from tokenq.worker.sim import build_sim_backend
+
+    return ZeroLengthTokens(build_sim_backend(settings))

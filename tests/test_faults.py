@@ -46,7 +46,7 @@ from tests.workers import Fleet
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import BrokerUnavailable, RemoteError
-from tokenq.shared.settings import ClientSettings
+from tokenq.shared.settings import ClientSettings, WorkerSettings
 from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.sim import expected_vector
 
@@ -63,6 +63,7 @@ SIM = (
     "--backend", "sim", "--sim-dim", str(DIM), "--sim-max-input-tokens", str(MAX_INPUT),
     "--heartbeat-s", str(HEARTBEAT_S), "--log-level", "INFO",
 )
+DEAD_LETTER_BYTES = WorkerSettings.model_fields["dead_max_letter_bytes"].default
 SLACK_S = 3.0
 """How late a caller's error may come after its timeout (a loaded 2-core CI box)."""
 VOCABULARY = ["alpha", "beta", "gamma", "delta", "queue", "token", "batch", "redis", "model"]
@@ -584,8 +585,15 @@ def test_malformed_entries_are_dead_lettered_and_valid_load_is_answered(fleet, r
         assert fields[b"dead_error"]
         sent = {k.encode(): v for k, v in stream_ids[stream_id].fields.items()}
         original = {k: v for k, v in fields.items() if not k.startswith(b"dead_")}
+        # A letter keeps at most dead_max_letter_bytes of the entry's fields;
+        # what it cut it names, and what it kept of a cut field is its start.
+        assert sum(len(k) + len(v) for k, v in original.items()) <= DEAD_LETTER_BYTES
+        cut = set(fields.get(b"dead_truncated", b"").split(b",")) - {b""}
         for name in sent.keys() - {b"id", b"reply_to"}:  # those two were filled in above
-            assert original[name] == sent[name], (name, original, sent)
+            if name in cut:
+                assert sent[name].startswith(original.get(name, b"")), (name, original, sent)
+            else:
+                assert original[name] == sent[name], (name, original, sent)
     assert worker.process.poll() is None, "the worker exited"
     output = worker.output()
     assert "Traceback" not in output and "unexpected error" not in output, output[-3000:]
@@ -750,12 +758,22 @@ def test_worker_presumed_dead_that_comes_back_cannot_answer_twice(fleet, r, queu
 
 
 def test_reply_to_of_the_wrong_type_is_dead_lettered_not_a_wedge(fleet, r, queue_name):
-    """A reply_to naming the stream (or any non-list) must not stop the worker publishing."""
+    """A reply key that is not a list must not stop the worker publishing.
+
+    Reply keys in the queue's namespace that someone made a string or a hash
+    refuse the RPUSH (WRONGTYPE, caught in publish.lua); tokenq's own keys
+    (the stream, the config hash) are refused before anything is written, by
+    the reply namespace rule. Either way the entry is dead-lettered, its
+    caller told on the default reply key, and the worker goes on.
+    """
     q = keys.QueueRef(queue_name)
     stream = keys.requests(q)
     fleet.start(ready=r, queue=queue_name)
-    r.set(f"{q.tag}:a-string", "x")
-    wrong = [stream, keys.config(q), f"{q.tag}:a-string"]
+    r.set(keys.reply(q, "a-string"), "x")
+    r.hset(keys.reply(q, "a-hash"), "f", "x")
+    wrong_type = [keys.reply(q, "a-string"), keys.reply(q, "a-hash")]
+    own_keys = [stream, keys.config(q)]
+    wrong = wrong_type + own_keys
     for index, target in enumerate(wrong):
         r.xadd(stream, {"v": "1", "id": f"wrong{index}", "text": "hello", "reply_to": target})
     r.xadd(stream, {"v": "1", "id": "right", "text": "still answering"})
@@ -768,7 +786,13 @@ def test_reply_to_of_the_wrong_type_is_dead_lettered_not_a_wedge(fleet, r, queue
         fields = dead[f"wrong{index}".encode()]
         assert fields[b"reply_to"] == target.encode() and fields[b"text"] == b"hello"
         assert fields[b"dead_error_code"] == b"bad_request"
-        assert b"WRONGTYPE" in fields[b"dead_error"]
+        expected = b"WRONGTYPE" if target in wrong_type else b"tokenq's own keys"
+        assert expected in fields[b"dead_error"], fields[b"dead_error"]
+    for index in range(len(wrong_type), len(wrong)):
+        told = blpop_within(r, keys.reply(q, f"wrong{index}"), 10)
+        assert told is not None and wire.decode_reply(told).error.code == "bad_request"
+    assert r.type(keys.reply(q, "a-string")) == b"string" and r.get(keys.reply(q, "a-string"))
+    assert r.type(keys.config(q)) == b"hash"
     assert r.pttl(stream) == -1, "the stream must never get a TTL"
     assert r.xlen(stream) == 0 and pending_of(r, q) == 0
 
