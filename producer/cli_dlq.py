@@ -4,22 +4,22 @@
 ``retry`` puts them back on the queue exactly as their producer wrote them
 (one atomic script per page of 100), so a worker answers them on their
 original ``reply_to``; ``purge`` deletes them. ``retry`` and ``purge`` need
-``--id ENTRY_ID ...`` or ``--all``.
+``--id ENTRY_ID ...`` or ``--all``. Ids not found, and letters ``retry``
+skips because the worker truncated them, are named on stderr and make the
+exit status 1; Redis failures are one line (shared/cli.py).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Sequence
 
 import redis
 
 from tokenq.producer import dlq
-from tokenq.producer._core import redact_url
 from tokenq.producer.cli_stats import format_table
-from tokenq.producer.inspect import connect
+from tokenq.producer.inspect import connect, entry_ms, explain, redis_now
 from tokenq.shared import keys
 from tokenq.shared.cli import run_command
 from tokenq.shared.errors import QueueFull
@@ -69,43 +69,58 @@ def run(settings: DlqSettings) -> int:
         ids = None if settings.all else settings.id
         if settings.action == "retry":
             return _retry(r, q, ids, settings)
-        removed = dlq.purge(r, q, ids)
-        print(f"purged {removed} dead letters from {keys.dead(q)}")
-        return 0
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        print(f"tokenq dlq: cannot reach Redis at {redact_url(settings.redis_url)}: {exc}",
-              file=sys.stderr)
-        return 1
+        return _purge(r, q, ids)
+    except redis.RedisError as exc:
+        # One line naming the URL (a WRONGTYPE names the key); see shared/cli.py.
+        raise explain(exc, r, [q], settings.redis_url, settings.socket_timeout_s) from exc
     finally:
         r.close()
 
 
+def _report_missing(missing: list[str]) -> None:
+    """The named ids the dead stream does not hold, on stderr (the caller exits 1)."""
+    if not missing:
+        return
+    words = [one if dlq.entry_id(one) is not None else f"{one} (not a stream entry id)"
+             for one in missing]
+    print(f"tokenq dlq: not in the dead stream: {', '.join(words)}", file=sys.stderr)
+
+
 def _list(r: redis.Redis, q: keys.QueueRef, settings: DlqSettings) -> int:
-    letters = dlq.list_letters(r, q, limit=settings.count, ids=settings.id)
+    wanted, invalid = dlq.resolve_ids(settings.id)
+    if settings.id and not wanted:
+        letters = []
+    else:
+        letters = dlq.list_letters(r, q, limit=settings.count, ids=wanted)
+    found = {letter.entry_id for letter in letters}
+    missing = invalid + [one for one in wanted if one not in found]
     if settings.as_json:
         for letter in letters:
             print(json.dumps(letter.to_json(), ensure_ascii=False))
-        return 0
-    total = dlq.count(r, q)
-    print(f"{total} dead letters in {keys.dead(q)}" + (
-        f" (showing {len(letters)})" if len(letters) < total else ""))
-    if letters:
-        rows = [_row(letter) for letter in letters]
-        print(format_table(("entry", "request", "code", "deliveries", "worker", "age", "text"),
-                           rows))
-    return 0
+    else:
+        total = dlq.count(r, q)
+        print(f"{total} dead letters in {keys.dead(q)}" + (
+            f" (showing {len(letters)})" if len(letters) < total else ""))
+        if letters:
+            now_ms = int(redis_now(r) * 1000)
+            rows = [_row(letter, now_ms) for letter in letters]
+            print(format_table(("entry", "request", "code", "deliveries", "worker", "age",
+                                "truncated", "text"), rows))
+    _report_missing(missing)
+    return 1 if missing else 0
 
 
-def _row(letter: dlq.DeadLetter) -> tuple[str, ...]:
+def _row(letter: dlq.DeadLetter, now_ms: int) -> tuple[str, ...]:
+    """One letter as table cells; its age is from its entry id against Redis's clock."""
     body = letter.to_json()
-    at_ms = body["at_ms"]
-    age = "" if at_ms is None else f"{max(0.0, time.time() - at_ms / 1000):.0f}s"
+    age = f"{max(0, now_ms - entry_ms(letter.entry_id)) / 1000:.0f}s"
     text = letter.request.get("text", "")
     text = text if isinstance(text, str) else "<binary>"
     if len(text) > _PREVIEW:
         text = text[:_PREVIEW - 1] + "…"
+    truncated = ",".join(letter.truncated) if letter.truncated else ""
     return (letter.entry_id, letter.request_id, body["error_code"] or "",
-            str(body["deliveries"] or ""), body["worker"] or "", age,
+            str(body["deliveries"] or ""), body["worker"] or "", age, truncated,
             text.replace("\n", " "))
 
 
@@ -113,13 +128,26 @@ def _retry(
     r: redis.Redis, q: keys.QueueRef, ids: list[str] | None, settings: DlqSettings
 ) -> int:
     try:
-        moved, missing = dlq.retry(r, q, ids, max_queue_length=settings.max_queue_length,
-                                   drop_deadline=settings.drop_deadline)
+        outcome = dlq.retry(r, q, ids, max_queue_length=settings.max_queue_length,
+                            drop_deadline=settings.drop_deadline)
     except QueueFull as exc:
         print(f"tokenq dlq: {exc}", file=sys.stderr)
         return 1
-    print(f"retried {len(moved)} dead letters onto {keys.requests(q)}")
-    if missing:
-        print(f"not in the dead stream: {', '.join(missing)}", file=sys.stderr)
-        return 1
-    return 0
+    upto = "" if ids is not None or outcome.last_id is None else (
+        f" (every letter up to {outcome.last_id}, the last when the retry started)")
+    print(f"retried {len(outcome.moved)} dead letters onto {keys.requests(q)}{upto}")
+    for one, why in outcome.skipped.items():
+        print(f"tokenq dlq: skipped {one}: {why}; it stays in {keys.dead(q)} "
+              "(inspect it with dlq list --id, drop it with dlq purge --id)", file=sys.stderr)
+    if outcome.vanished:
+        print(f"tokenq dlq: {len(outcome.vanished)} letters were deleted by someone else "
+              f"while the retry ran: {', '.join(outcome.vanished)}", file=sys.stderr)
+    _report_missing(outcome.missing)
+    return 1 if outcome.missing or outcome.skipped else 0
+
+
+def _purge(r: redis.Redis, q: keys.QueueRef, ids: list[str] | None) -> int:
+    removed, missing = dlq.purge(r, q, ids)
+    print(f"purged {removed} dead letters from {keys.dead(q)}")
+    _report_missing(missing)
+    return 1 if missing else 0

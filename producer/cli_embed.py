@@ -26,6 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from tokenq.producer._core import ReplyTimeout, Result
 from tokenq.producer.client import Client
 from tokenq.producer.embed_io import (
@@ -38,8 +40,15 @@ from tokenq.producer.embed_io import (
     output_format,
     read_items,
 )
-from tokenq.producer.inspect import connect, counter_delta, heartbeat_counters
-from tokenq.shared.cli import run_command
+from tokenq.producer.inspect import (
+    connect,
+    counter_delta,
+    explain,
+    heartbeat_counters,
+    live_names,
+)
+from tokenq.shared import keys
+from tokenq.shared.cli import one_line, run_command
 from tokenq.shared.errors import BadRequest, BrokerUnavailable, QueueFull, RemoteError
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import EmbedSettings
@@ -75,10 +84,32 @@ def embed(settings: EmbedSettings) -> int:
             print("tokenq embed: .npy output needs numpy (pip install numpy), "
                   "or write .jsonl instead", file=sys.stderr)
             return 2
+    if settings.output.is_dir():
+        print(f"tokenq embed: --output {settings.output} is a directory; name a .npy or "
+              ".jsonl file", file=sys.stderr)
+        return 2
     fmt = input_format(settings.file, settings.input_format)
     if settings.file != "-" and not _readable(settings.file):
         print(f"tokenq embed: cannot read {settings.file}", file=sys.stderr)
         return 2
+    q = QueueRef(settings.queue, settings.prefix)
+    ops = connect(settings.redis_url, settings.socket_timeout_s)
+    try:
+        return _embed(settings, ops, q, fmt)
+    except redis.RedisError as exc:
+        # Before the run (or outside the client): one line naming the URL; see shared/cli.py.
+        raise explain(exc, ops, [q], settings.redis_url, settings.socket_timeout_s) from exc
+    finally:
+        ops.close()
+
+
+def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> int:
+    # Read the heartbeats first: an unreachable Redis or a refused login is
+    # reported before anything is written next to the output.
+    before = _heartbeats(ops, q)
+    if before is not None and not before:
+        print(f"tokenq embed: no worker has a heartbeat on queue {settings.queue!r} yet; "
+              "requests wait until one starts", file=sys.stderr)
     manifest = {
         "version": 1, **Checkpoint.describe_input(settings.file), "format": fmt,
         "field": settings.field if fmt == "jsonl" else None, "chunk_size": settings.chunk_size,
@@ -99,9 +130,13 @@ def embed(settings: EmbedSettings) -> int:
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with Client(settings=settings) as client:
-            return _run(settings, client, checkpoint, done, fmt)
-    except BrokerUnavailable as exc:
-        print(f"tokenq embed: {exc}\nprogress is saved in {checkpoint.directory}; run the "
+            return _run(settings, client, ops, q, before, checkpoint, done, fmt)
+    except (BrokerUnavailable, redis.RedisError) as exc:
+        if isinstance(exc, BrokerUnavailable):
+            message = one_line(str(exc))
+        else:
+            message = str(explain(exc, ops, [q], settings.redis_url, settings.socket_timeout_s))
+        print(f"tokenq embed: {message}; progress is saved in {checkpoint.directory}: run the "
               "same command again to resume", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -118,6 +153,20 @@ def embed(settings: EmbedSettings) -> int:
             signal.signal(sig, handler)
 
 
+def _heartbeats(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, float]] | None:
+    """The workers' heartbeat counters, or None when this ACL user may not read them.
+
+    A producer's ACL user has no access to the workers' hash (docs/SECURITY.md):
+    the run goes on without the workers' part of the summary.
+    """
+    try:
+        return heartbeat_counters(ops, q)
+    except redis.exceptions.NoPermissionError:
+        print(f"tokenq embed: this Redis user may not read {keys.workers(q)} (ACL); the "
+              "summary leaves out what the workers did", file=sys.stderr)
+        return None
+
+
 def _readable(path: str) -> bool:
     try:
         with open(path, "rb"):
@@ -126,14 +175,9 @@ def _readable(path: str) -> bool:
         return False
 
 
-def _run(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: set[int],
+def _run(settings: EmbedSettings, client: Client, ops: redis.Redis, q: QueueRef,
+         before: dict[str, dict[str, float]] | None, checkpoint: Checkpoint, done: set[int],
          fmt: str) -> int:
-    q = QueueRef(settings.queue, settings.prefix)
-    redis_client = connect(settings.redis_url, settings.socket_timeout_s)
-    before = heartbeat_counters(redis_client, q)
-    if not before:
-        print(f"tokenq embed: no worker has a heartbeat on queue {settings.queue!r} yet; "
-              "requests wait until one starts", file=sys.stderr)
     tally = Tally()
     progress = _progress(count_lines(settings.file), settings.progress)
     started = time.monotonic()
@@ -143,9 +187,14 @@ def _run(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
         progress.close()
     elapsed = max(time.monotonic() - started, 1e-9)
     failed = checkpoint.assemble()
-    after = _settled_counters(redis_client, q, time.time())
-    redis_client.close()
-    _summary(settings, tally, elapsed, counter_delta(before, after), failed)
+    workers = None
+    if before is not None:
+        try:
+            workers = counter_delta(before, _settled_counters(ops, q))
+        except redis.RedisError as exc:  # the output is written: only the summary loses a line
+            print(f"tokenq embed: could not read the workers' heartbeats after the run: "
+                  f"{one_line(str(exc))}", file=sys.stderr)
+    _summary(settings, tally, elapsed, workers, failed)
     return 1 if failed else 0
 
 
@@ -285,8 +334,8 @@ def _row(item: Item, outcome: Any) -> Row:
         return Row(item.index, item.id, error_code=outcome.code, error_message=str(outcome))
     if isinstance(outcome, ReplyTimeout):
         return Row(item.index, item.id, error_code="timeout", error_message=str(outcome))
-    if isinstance(outcome, BrokerUnavailable):
-        raise outcome
+    if isinstance(outcome, (BrokerUnavailable, redis.RedisError)):
+        raise outcome  # Redis itself failing stops the run (resumable), not one input
     if isinstance(outcome, BadRequest):  # refused before enqueueing (InputTooLong: too_long)
         code = str(getattr(outcome, "code", "bad_request"))
     else:
@@ -303,27 +352,40 @@ def _count(rows: list[Row], tally: Tally) -> None:
             tally.failures[row.error_code] += 1
 
 
-def _settled_counters(redis_client: Any, q: Any, finished_at: float) -> dict:
-    """Heartbeat counters once every worker has beaten after the run ended (a few s at most)."""
+def _settled_counters(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, float]]:
+    """Heartbeat counters once every live worker has beaten again since the run ended.
+
+    Clock-free: a worker's ``at`` (its own clock) is only compared with an
+    earlier ``at`` of the same worker, never with this host's clock; rows of
+    workers that are gone (no liveness key) are not waited for. Gives up after
+    a few seconds (the delta is then a lower bound).
+    """
     deadline = time.monotonic() + _HEARTBEAT_WAIT_S
-    while True:
-        after = heartbeat_counters(redis_client, q)
-        if all(c["at"] >= finished_at for c in after.values()) or time.monotonic() > deadline:
-            return after
+    at_end = heartbeat_counters(ops, q)
+    waiting = {name: c["at"] for name, c in at_end.items()
+               if name in live_names(ops, q, at_end)}
+    after = at_end
+    while waiting and time.monotonic() < deadline:
         time.sleep(0.2)
+        after = heartbeat_counters(ops, q)
+        waiting = {name: at for name, at in waiting.items()
+                   if name in after and after[name]["at"] <= at}
+    return after
 
 
-def _summary(settings: EmbedSettings, tally: Tally, elapsed: float, workers: dict[str, float],
-             failed_rows: int) -> None:
+def _summary(settings: EmbedSettings, tally: Tally, elapsed: float,
+             workers: dict[str, float] | None, failed_rows: int) -> None:
     done = tally.ok + sum(tally.failures.values())
     lines = [
         f"tokenq embed: wrote {settings.output} "
         f"({done} inputs this run, {tally.skipped} from an earlier run)",
         f"  {elapsed:.2f}s  {done / elapsed:.1f} requests/s  {tally.tokens / elapsed:.0f} tokens/s",
-        f"  workers (heartbeat deltas): {workers['batches']:.0f} batches, "
-        f"{workers['tokens']:.0f} tokens, padding efficiency {workers['padding_efficiency']:.1%}, "
-        f"device {workers['device_ms'] / 1000:.2f}s",
     ]
+    if workers is not None:
+        lines.append(
+            f"  workers (heartbeat deltas): {workers['batches']:.0f} batches, "
+            f"{workers['tokens']:.0f} tokens, padding efficiency "
+            f"{workers['padding_efficiency']:.1%}, device {workers['device_ms'] / 1000:.2f}s")
     if tally.failures or failed_rows:
         codes = ", ".join(f"{code} {n}" for code, n in tally.failures.most_common())
         where = (f"{settings.output}.errors.jsonl" if settings.output.suffix == ".npy"

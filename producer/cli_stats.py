@@ -24,7 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def stats(settings: StatsSettings) -> int:
     r = connect(settings.redis_url, settings.socket_timeout_s)
     try:
-        doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url)
+        doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url,
+                            settings.socket_timeout_s)
     except Unreachable as exc:
         print(f"tokenq stats: {exc}", file=sys.stderr)
         return 1
@@ -51,7 +52,7 @@ def _queue_block(q: dict[str, Any]) -> str:
     totals = q["totals"]
     lines = [
         f"queue {q['label']}: length {q['length']}  pending {q['pending']}{oldest}  "
-        f"lag {lag}  dead {q['dead']}  workers {totals['workers']}  "
+        f"lag {lag}  dead {q['dead']}  workers {totals['workers']}{gone_note(q)}  "
         f"{totals['requests_per_s']:.1f} req/s  {totals['tokens_per_s']:.0f} tok/s  "
         f"padding {totals['padding_efficiency']:.1%}"
     ]
@@ -59,13 +60,24 @@ def _queue_block(q: dict[str, Any]) -> str:
         lines.append("  " + format_table(WORKER_COLUMNS, [worker_row(w) for w in q["workers"]],
                                          indent="  "))
     if q["stale_workers"]:
-        lines.append(f"  stale heartbeats (no liveness key): {', '.join(q['stale_workers'])}")
+        lines.append(f"  {gone_line(q)}")
     if q["consumers"]:
         consumers = ", ".join(
             f"{c['name']} (pending {c['pending']}, idle {c['idle_ms']}ms)" for c in q["consumers"]
         )
         lines.append(f"  consumers: {consumers}")
     return "\n".join(lines)
+
+
+def gone_note(q: dict[str, Any]) -> str:
+    """`` (N gone)`` after the live-worker count when heartbeat rows have no liveness key."""
+    return f" ({len(q['stale_workers'])} gone)" if q["stale_workers"] else ""
+
+
+def gone_line(q: dict[str, Any]) -> str:
+    """The gone workers by name: rows of the workers hash whose liveness key expired."""
+    return (f"gone (heartbeat row without a liveness key, or unreadable; not counted): "
+            f"{', '.join(q['stale_workers'])}")
 
 
 WORKER_COLUMNS = ("worker", "host", "budget", "rows", "buffered", "req/s", "tok/s",

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tokenq.producer.cli_stats import WORKER_COLUMNS, worker_row
+from tokenq.producer.cli_stats import WORKER_COLUMNS, gone_line, gone_note, worker_row
 from tokenq.producer.inspect import Unreachable, connect, read_snapshot
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import TopSettings
@@ -35,14 +35,16 @@ def top(settings: TopSettings) -> int:
     # Piped output (``--once`` in a script) gets room for every column, not 80.
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
-        doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url)
+        doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url,
+                            settings.socket_timeout_s)
         if settings.once:
             console.print(render(doc, rates.update(doc)))
             return 0
         with Live(render(doc, rates.update(doc)), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(settings.interval_s)
-                doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url)
+                doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url,
+                                    settings.socket_timeout_s)
                 live.update(render(doc, rates.update(doc)), refresh=True)
     except Unreachable as exc:
         print(f"tokenq top: {exc}", file=sys.stderr)
@@ -93,7 +95,7 @@ def render(doc: dict[str, Any], rates: dict[tuple[str, str], tuple[float, float]
         head = (
             f"queue {q['label']}  length {q['length']}  pending {q['pending']}{oldest}  "
             f"lag {q['lag']}{'' if q['lag_exact'] else '~'}  dead {q['dead']}  "
-            f"workers {q['totals']['workers']}"
+            f"workers {q['totals']['workers']}{gone_note(q)}"
         )
         table = Table(title=head, title_justify="left", expand=False)
         for column in WORKER_COLUMNS:
@@ -109,5 +111,5 @@ def render(doc: dict[str, Any], rates: dict[tuple[str, str], tuple[float, float]
             table.add_row(*cells)
         parts.append(table)
         if q["stale_workers"]:
-            parts.append(Text(f"stale heartbeats: {', '.join(q['stale_workers'])}", style="dim"))
+            parts.append(Text(gone_line(q), style="dim"))
     return Group(*parts)

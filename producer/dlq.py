@@ -6,12 +6,20 @@ A worker moves a request it could not answer after ``max_deliveries`` to
 ``dead_source_id``. Retrying re-adds the original fields to the request
 stream and deletes the letter in one Lua script (``dlq_retry.lua``), so a
 letter is never lost or doubled, and the queue's length limit still holds.
+
+A letter whose fields the worker cut to its byte cap carries
+``dead_truncated`` (the names cut, comma-separated): it is no longer the
+request its producer wrote, so retrying skips it and leaves it in place.
+
+``retry(ids=None)`` works on a snapshot: it stops at the dead stream's last
+id as of its start, so letters that die again while it runs (or any written
+meanwhile) are left for the next retry instead of being re-read forever.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
@@ -21,8 +29,10 @@ from tokenq.shared import keys
 from tokenq.shared.errors import QueueFull
 
 DEAD_PREFIX = "dead_"
+TRUNCATED_FIELD = "dead_truncated"
 RETRY_SCRIPT = resources.files("tokenq.producer").joinpath("dlq_retry.lua").read_text("utf-8")
 _PAGE = 100
+_MAX_U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +47,14 @@ class DeadLetter:
     def request_id(self) -> str:
         value = self.request.get("id", "")
         return value if isinstance(value, str) else value.decode(errors="replace")
+
+    @property
+    def truncated(self) -> list[str] | None:
+        """The fields the worker cut to fit its byte cap, or None for a whole letter."""
+        value = self.dead.get(TRUNCATED_FIELD)
+        if value is None:
+            return None
+        return [name for name in value.split(",") if name] or ["?"]
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: text fields as strings, binary ones (``opts``) as hex."""
@@ -53,8 +71,24 @@ class DeadLetter:
             "deliveries": _int(self.dead.get("dead_deliveries")),
             "at_ms": _int(self.dead.get("dead_at_ms")),
             "source_id": self.dead.get("dead_source_id"),
+            "truncated": self.truncated,
             "request": request,
         }
+
+
+@dataclass(slots=True)
+class RetryOutcome:
+    """What :func:`retry` did, letter by letter (dead-stream entry ids)."""
+
+    moved: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    """Named ids the dead stream does not hold (or that are not stream ids at all)."""
+    vanished: list[str] = field(default_factory=list)
+    """``--all`` only: letters deleted by someone else between being listed and moved."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Letters left in the dead stream, id -> why: truncated (fields cut), or no fields."""
+    last_id: str | None = None
+    """``--all``: the snapshot's end, the dead stream's last id when the retry started."""
 
 
 def _int(value: str | None) -> int | None:
@@ -79,6 +113,36 @@ def _letter(entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
     return DeadLetter(entry_id.decode(), request, dead)
 
 
+def entry_id(text: str) -> str | None:
+    """``text`` as a complete stream id (``ms-seq``; a bare ``ms`` means ``ms-0``), or None.
+
+    Only complete ids are sent to Redis: ``XRANGE`` reads a bare ``ms`` as a
+    range of entries while ``XDEL`` reads it as ``ms-0``, and anything else is
+    an error reply.
+    """
+    ms, dash, seq = text.strip().partition("-")
+    if not dash:
+        seq = "0"
+    if not (ms.isascii() and ms.isdigit() and seq.isascii() and seq.isdigit()):
+        return None
+    if int(ms) > _MAX_U64 or int(seq) > _MAX_U64:
+        return None
+    return f"{int(ms)}-{int(seq)}"
+
+
+def resolve_ids(ids: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(complete ids to look up, in order and without repeats; words that are not stream ids)."""
+    wanted: list[str] = []
+    invalid: list[str] = []
+    for text in ids:
+        normal = entry_id(text)
+        if normal is None:
+            invalid.append(text)
+        elif normal not in wanted:
+            wanted.append(normal)
+    return wanted, invalid
+
+
 def count(r: redis.Redis, q: keys.QueueRef) -> int:
     return int(r.xlen(keys.dead(q)))
 
@@ -86,23 +150,32 @@ def count(r: redis.Redis, q: keys.QueueRef) -> int:
 def list_letters(
     r: redis.Redis, q: keys.QueueRef, *, limit: int, ids: Sequence[str] = ()
 ) -> list[DeadLetter]:
-    """The oldest ``limit`` dead letters, or the ones named by ``ids``."""
+    """The oldest ``limit`` dead letters, or the ones named by ``ids`` (complete ids)."""
     if ids:
-        letters = []
-        for entry_id in ids:
-            letters += [_letter(i, f) for i, f in r.xrange(keys.dead(q), entry_id, entry_id)]
-        return letters
+        with r.pipeline(transaction=False) as pipe:
+            for one in ids:
+                pipe.xrange(keys.dead(q), one, one)
+            found = pipe.execute()
+        return [_letter(i, f) for entries in found for i, f in entries]
     return [_letter(i, f) for i, f in r.xrange(keys.dead(q), "-", "+", count=limit)]
 
 
-def _pages(r: redis.Redis, q: keys.QueueRef) -> Iterator[list[str]]:
-    """All dead entry ids, a page at a time (each page is handled before the next read)."""
+def last_id(r: redis.Redis, q: keys.QueueRef) -> str | None:
+    """The dead stream's newest entry id, or None when it is empty."""
+    newest = r.xrevrange(keys.dead(q), "+", "-", count=1)
+    return newest[0][0].decode() if newest else None
+
+
+def _pages(r: redis.Redis, q: keys.QueueRef, end: str) -> Iterator[list[str]]:
+    """Dead entry ids up to ``end``, a page at a time (each handled before the next read)."""
     start = "-"
     while True:
-        entries = r.xrange(keys.dead(q), start, "+", count=_PAGE)
+        entries = r.xrange(keys.dead(q), start, end, count=_PAGE)
         if not entries:
             return
-        yield [entry_id.decode() for entry_id, _ in entries]
+        yield [one.decode() for one, _ in entries]
+        if entries[-1][0].decode() == end:
+            return
         start = "(" + entries[-1][0].decode()
 
 
@@ -113,43 +186,88 @@ def retry(
     *,
     max_queue_length: int,
     drop_deadline: bool = False,
-) -> tuple[list[str], list[str]]:
-    """Re-enqueue the named letters (``ids=None``: all); returns (moved ids, missing ids).
+) -> RetryOutcome:
+    """Re-enqueue the named letters (``ids=None``: every letter there when it starts).
 
-    Raises :class:`QueueFull` when a page would push the queue past
+    Truncated letters are skipped and stay in the dead stream. Raises
+    :class:`QueueFull` when a page would push the queue past
     ``max_queue_length``; pages already moved stay moved.
     """
     script = r.register_script(RETRY_SCRIPT)
-    pages = _pages(r, q) if ids is None else (list(ids[i:i + _PAGE])
-                                              for i in range(0, len(ids), _PAGE))
-    moved: list[str] = []
-    missing: list[str] = []
+    outcome = RetryOutcome()
+    if ids is None:
+        outcome.last_id = last_id(r, q)
+        pages: Iterator[list[str]] = iter(()) if outcome.last_id is None else _pages(
+            r, q, outcome.last_id)
+    else:
+        wanted, outcome.missing = resolve_ids(ids)
+        pages = (wanted[i:i + _PAGE] for i in range(0, len(wanted), _PAGE))
     for page in pages:
         try:
-            new_ids = script(keys=[keys.dead(q), keys.requests(q)],
+            answers = script(keys=[keys.dead(q), keys.requests(q)],
                              args=[max_queue_length, "1" if drop_deadline else "0", *page])
         except redis.ResponseError as exc:
             if str(exc).startswith("QUEUEFULL"):
-                _, xlen, limit = str(exc).split()
+                _, xlen, limit = str(exc).split()[:3]
                 raise QueueFull(
                     f"queue {q.name!r} holds {xlen} of at most {limit} requests; "
-                    f"moved {len(moved)} dead letters before it filled"
+                    f"moved {len(outcome.moved)} dead letters before it filled"
                 ) from None
             raise
-        for entry_id, new_id in zip(page, new_ids, strict=True):
-            (moved if new_id else missing).append(entry_id)
-    return moved, missing
+        for one, answer in zip(page, answers, strict=True):
+            if isinstance(answer, list):  # [b"truncated", b"text,opts"] or [b"empty", b""]
+                outcome.skipped[one] = _skip_reason(answer)
+            elif answer:
+                outcome.moved.append(one)
+            elif ids is None:
+                outcome.vanished.append(one)
+            else:
+                outcome.missing.append(one)
+    return outcome
 
 
-def purge(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None) -> int:
-    """Delete the named letters (``ids=None``: the whole dead stream); returns how many."""
+def _skip_reason(answer: list[bytes]) -> str:
+    kind = answer[0].decode(errors="replace") if answer else ""
+    detail = answer[1].decode(errors="replace") if len(answer) > 1 else ""
+    if kind == "truncated":
+        return (f"truncated: the worker cut {detail or 'some fields'} to fit its dead-letter "
+                "size cap, so it is not the request as written")
+    return "it holds no request fields, only dead_* ones: nothing to put back"
+
+
+def purge(
+    r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None
+) -> tuple[int, list[str]]:
+    """Delete the named letters (``ids=None``: the whole dead stream).
+
+    Returns how many were deleted and the named ids that were not there.
+    """
     if ids is None:
-        with r.pipeline(transaction=True) as pipe:
-            pipe.xlen(keys.dead(q))
-            pipe.delete(keys.dead(q))
-            removed, _ = pipe.execute()
-        return int(removed)
+        dead = keys.dead(q)
+
+        def drop(pipe: redis.client.Pipeline) -> None:
+            kind = pipe.type(dead)
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            if kind not in ("stream", "none"):  # never DEL what is not a dead stream
+                raise redis.ResponseError(
+                    f"WRONGTYPE {dead} is a {kind}, not a stream: not deleted")
+            pipe.multi()
+            pipe.xlen(dead)
+            pipe.delete(dead)
+
+        removed, _ = r.transaction(drop, dead)
+        return int(removed), []
+    wanted, missing = resolve_ids(ids)
     removed = 0
-    for start in range(0, len(ids), _PAGE):
-        removed += int(r.xdel(keys.dead(q), *ids[start:start + _PAGE]))
-    return removed
+    for start in range(0, len(wanted), _PAGE):
+        page = wanted[start:start + _PAGE]
+        with r.pipeline(transaction=False) as pipe:
+            for one in page:
+                pipe.xdel(keys.dead(q), one)
+            deleted = pipe.execute()
+        for one, n in zip(page, deleted, strict=True):
+            if int(n):
+                removed += 1
+            else:
+                missing.append(one)
+    return removed, missing

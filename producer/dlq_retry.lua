@@ -6,16 +6,22 @@
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   drop_deadline: "1" leaves the request's deadline_ms field out
--- ARGV[3..] dead-stream entry ids
+-- ARGV[3..] dead-stream entry ids, complete ("<ms>-<seq>"; the caller checks)
 --
 -- A dead letter's fields are the original request's fields plus the worker's
 -- dead_* fields (dead_error_code, dead_error, dead_worker, dead_deliveries,
 -- dead_at_ms, dead_source_id); every field whose name starts with "dead_" is
 -- left out, so the request goes back exactly as its producer wrote it.
 --
--- Returns, per id in order, the new request stream id, or false when the dead
--- stream has no such entry. When XLEN + found > max_len it moves nothing and
--- answers the error "QUEUEFULL <xlen> <max_len>", as the enqueue script does.
+-- A letter with a dead_truncated field had fields cut by the worker to fit
+-- its byte cap: it is not the request as written, so it is left where it is.
+--
+-- Returns, per id in order: the new request stream id; false when the dead
+-- stream has no such entry; or, for a letter skipped and left in place,
+-- {"truncated", <dead_truncated value>} or {"empty", ""} (no request fields
+-- at all: nothing to put back). When XLEN + movable > max_len it moves nothing
+-- and answers the error "QUEUEFULL <xlen> <max_len>", as the enqueue script
+-- does.
 --
 -- Why a script: the XADD and the XDEL must happen together, or a crash in
 -- between would lose the letter or run the request twice.
@@ -29,12 +35,27 @@ end
 local drop_deadline = ARGV[2] == "1"
 
 local found = {}
+local skip = {}
 local count = 0
 for i = 3, #ARGV do
   local entries = redis.call("XRANGE", dead, ARGV[i], ARGV[i])
   if #entries == 1 then
-    found[i] = entries[1][2]
-    count = count + 1
+    local fields = entries[1][2]
+    local own = 0
+    for j = 1, #fields, 2 do
+      if fields[j] == "dead_truncated" then
+        skip[i] = {"truncated", fields[j + 1]}
+      elseif string.sub(fields[j], 1, 5) ~= "dead_" then
+        own = own + 1
+      end
+    end
+    if skip[i] == nil and own == 0 then
+      skip[i] = {"empty", ""}
+    end
+    if skip[i] == nil then
+      found[i] = entries[1]
+      count = count + 1
+    end
   end
 end
 
@@ -47,10 +68,13 @@ end
 
 local ids = {}
 for i = 3, #ARGV do
-  local fields = found[i]
-  if fields == nil then
+  local letter = found[i]
+  if skip[i] ~= nil then
+    ids[#ids + 1] = skip[i]
+  elseif letter == nil then
     ids[#ids + 1] = false
   else
+    local fields = letter[2]
     local entry = {"XADD", stream, "*"}
     for j = 1, #fields, 2 do
       local name = fields[j]
@@ -64,7 +88,7 @@ for i = 3, #ARGV do
       end
     end
     ids[#ids + 1] = redis.call(unpack(entry))
-    redis.call("XDEL", dead, ARGV[i])
+    redis.call("XDEL", dead, letter[1])
   end
 end
 return ids

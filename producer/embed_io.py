@@ -24,12 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tokenq.shared.cli import CommandFailed
+
 MANIFEST_VERSION = 1
 _LOCK = "lock"
 
 
 class ResumeMismatch(Exception):
     """The partial results on disk belong to a different run (input or settings changed)."""
+
+
+class IncompleteOutput(CommandFailed):
+    """Chunks are missing from the partial results when they should all be there (exit 1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +152,15 @@ class Checkpoint:
                 if stale.name != _LOCK:
                     stale.unlink()
         if manifest_path.exists():
-            found = json.loads(manifest_path.read_text())
+            try:
+                found = json.loads(manifest_path.read_text())
+            except (ValueError, UnicodeDecodeError):
+                found = None
+            if not isinstance(found, dict):
+                raise ResumeMismatch(
+                    f"{manifest_path} is not a tokenq embed manifest; "
+                    "re-run with --restart to discard the partial results"
+                )
             stored = {k: v for k, v in found.items() if k != "dim"}
             if stored != self.manifest:
                 changed = sorted(k for k in set(stored) | set(self.manifest)
@@ -215,7 +229,8 @@ class Checkpoint:
         """
         numbers = sorted(int(p.name[6:12]) for p in self.directory.glob("chunk-??????.done"))
         if numbers != list(range(len(numbers))):
-            raise RuntimeError(f"{self.directory} is missing chunks; re-run to finish them")
+            raise IncompleteOutput(f"{self.directory} is missing chunks; re-run the same "
+                                   "command to finish them")
         failed = self._join_errors(numbers)
         if self.format == "npy":
             self._join_npy(numbers)

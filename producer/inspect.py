@@ -16,8 +16,14 @@ from typing import Any
 import msgpack
 import redis
 
-from tokenq.producer._core import redact_url
 from tokenq.shared import keys
+from tokenq.shared.cli import (
+    CommandFailed,
+    UsageError,
+    failure_message,
+    is_wrong_type,
+    redact_url,
+)
 
 SNAPSHOT_VERSION = 1
 
@@ -26,13 +32,71 @@ _HEARTBEAT_LIMITS = {"max_str_len": 1 << 16, "max_bin_len": 1 << 16, "max_map_le
 
 
 def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
-    """A bytes-in, bytes-out client for operator commands (short timeouts, no retries)."""
-    return redis.Redis.from_url(
-        redis_url,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=socket_timeout_s,
-        client_name="tokenq-ops",
-    )
+    """A bytes-in, bytes-out client for operator commands (short timeouts, no retries).
+
+    A URL redis-py cannot parse (a port that is not a number, ...) is a
+    :class:`UsageError` naming the flag; nothing is connected until the first command.
+    """
+    try:
+        return redis.Redis.from_url(
+            redis_url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            client_name="tokenq-ops",
+        )
+    except ValueError as exc:
+        raise UsageError(f"--redis-url (TOKENQ_REDIS_URL) {redact_url(redis_url)}: {exc}") from None
+
+
+def redis_now(r: redis.Redis) -> float:
+    """Redis's clock (``TIME``), in Unix seconds.
+
+    Stream ids and the times Redis stamps are on this clock, so ages computed
+    from them are right even when the operator's host clock is off. A user
+    whose ACL refuses ``TIME`` falls back to the local clock.
+    """
+    try:
+        seconds, micros = r.time()
+    except redis.ResponseError:
+        return time.time()
+    return int(seconds) + int(micros) / 1e6
+
+
+# The type each of a queue's keys must have (for naming the culprit of a WRONGTYPE).
+def queue_key_types(q: keys.QueueRef) -> dict[str, str]:
+    return {keys.requests(q): "stream", keys.dead(q): "stream", keys.workers(q): "hash",
+            keys.config(q): "hash"}
+
+
+def wrong_type_keys(r: redis.Redis, queues: Iterable[keys.QueueRef]) -> list[str]:
+    """``"KEY is a T, not a U"`` for each of the queues' keys that has the wrong type."""
+    expected: dict[str, str] = {}
+    for q in queues:
+        expected.update(queue_key_types(q))
+    names = list(expected)
+    with r.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.type(name)
+        found = [_text(kind) for kind in pipe.execute()]
+    return [f"{name} is a {kind}, not a {expected[name]}"
+            for name, kind in zip(names, found, strict=True)
+            if kind not in ("none", expected[name])]
+
+
+def explain(exc: redis.RedisError, r: redis.Redis, queues: Iterable[keys.QueueRef],
+            redis_url: str, socket_timeout_s: float | None = None) -> CommandFailed:
+    """``exc`` as the operator's one-line :class:`CommandFailed`; a WRONGTYPE names the key."""
+    message = failure_message(exc, redis_url, socket_timeout_s) or str(exc)
+    if is_wrong_type(exc):
+        try:
+            culprits = wrong_type_keys(r, queues)
+        except redis.RedisError:
+            culprits = []
+        if culprits:
+            message = (f"Redis at {redact_url(redis_url)}: {'; '.join(culprits)} (not written by "
+                       "tokenq, or by another program using its prefix; rename or delete it, "
+                       "or choose another --prefix)")
+    return CommandFailed(message)
 
 
 def parse_queue_key(key: str, prefix: str) -> keys.QueueRef | None:
@@ -72,8 +136,12 @@ def queue_label(q: keys.QueueRef) -> str:
 
 
 def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str = "") -> dict:
-    """The whole ``tokenq stats --json`` document for ``queues``."""
-    now = time.time()
+    """The whole ``tokenq stats --json`` document for ``queues``.
+
+    Ages (oldest pending entry, heartbeat age) and ``at`` are on Redis's
+    clock (``TIME``), never the operator's: see :func:`redis_now`.
+    """
+    now = redis_now(r)
     return {
         "version": SNAPSHOT_VERSION,
         "at": round(now, 3),
@@ -121,8 +189,10 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
 def _group_info(r: redis.Redis, stream: str) -> dict[str, Any] | None:
     try:
         groups = r.xinfo_groups(stream)
-    except redis.ResponseError:  # no such stream
-        return None
+    except redis.ResponseError as exc:
+        if "no such key" in str(exc).lower():
+            return None
+        raise  # WRONGTYPE, NOPERM: the operator must hear of it
     for group in groups:
         if _text(group.get("name")) == keys.GROUP:
             return group
@@ -162,24 +232,40 @@ def _consumers(r: redis.Redis, stream: str) -> list[dict[str, Any]]:
 def _workers(
     r: redis.Redis, q: keys.QueueRef, now: float
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Live workers (heartbeat entry and liveness key) and the names of stale entries."""
+    """Live workers (heartbeat entry and liveness key) and the names of gone ones.
+
+    A heartbeat row whose liveness key ``tokenq:{q}:worker:<name>`` is gone
+    (its worker died without deregistering; live workers prune such rows) is
+    not a worker: it is left out of ``workers`` and the totals and listed by
+    name in ``stale_workers``, as is a row that cannot be decoded.
+    """
     beats = r.hgetall(keys.workers(q))
     names = sorted(_text(name) for name in beats)
     if not names:
         return [], []
+    alive = live_names(r, q, names)
+    live, stale = [], []
+    for name in names:
+        raw = beats.get(name.encode())
+        beat = _decode_beat(raw)
+        view = None if name not in alive or beat is None else _worker_view(name, beat, now)
+        if view is None:
+            stale.append(name)
+            continue
+        live.append(view)
+    return live, stale
+
+
+def live_names(r: redis.Redis, q: keys.QueueRef, names: Iterable[str]) -> set[str]:
+    """Those of ``names`` whose liveness key still exists."""
+    names = list(names)
+    if not names:
+        return set()
     with r.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.exists(keys.worker_alive(q, name))
         alive = pipe.execute()
-    live, stale = [], []
-    for name, is_alive in zip(names, alive, strict=True):
-        raw = beats.get(name.encode())
-        beat = _decode_beat(raw)
-        if not is_alive or beat is None:
-            stale.append(name)
-            continue
-        live.append(_worker_view(name, beat, now))
-    return live, stale
+    return {name for name, is_alive in zip(names, alive, strict=True) if is_alive}
 
 
 def _decode_beat(raw: bytes | None) -> dict[str, Any] | None:
@@ -192,7 +278,17 @@ def _decode_beat(raw: bytes | None) -> dict[str, Any] | None:
     return beat if isinstance(beat, dict) else None
 
 
-def _worker_view(name: str, beat: dict[str, Any], now: float) -> dict[str, Any]:
+def _worker_view(name: str, beat: dict[str, Any], now: float) -> dict[str, Any] | None:
+    """One live worker's entry, or None when its heartbeat's numbers are not numbers."""
+    try:
+        return _worker_fields(name, beat, now)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _worker_fields(name: str, beat: dict[str, Any], now: float) -> dict[str, Any]:
+    # ``at`` is the worker's own clock: heartbeat_age_s is only as right as the
+    # worker's clock agrees with Redis's (``now``).
     at = float(beat.get("at") or now)
     started = float(beat.get("started_at") or at)
     uptime = max(at - started, 1e-9)
@@ -254,8 +350,11 @@ def heartbeat_counters(r: redis.Redis, q: keys.QueueRef) -> dict[str, dict[str, 
         beat = _decode_beat(raw)
         if beat is None:
             continue
-        counters = {field: float(beat.get(field, 0) or 0) for field in _COUNTERS}
-        counters["at"] = float(beat.get("at") or 0.0)
+        try:
+            counters = {field: float(beat.get(field, 0) or 0) for field in _COUNTERS}
+            counters["at"] = float(beat.get("at") or 0.0)
+        except (TypeError, ValueError):  # not numbers: not a heartbeat tokenq wrote
+            continue
         out[_text(name)] = counters
     return out
 
@@ -285,17 +384,17 @@ def _text(value: object) -> str:
     return "" if value is None else str(value)
 
 
-
-class Unreachable(Exception):
+class Unreachable(CommandFailed):
     """Redis could not be reached or refused a read; the message is for the operator."""
 
 
-def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str) -> dict:
+def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str,
+                  socket_timeout_s: float | None = None) -> dict:
     """Discover (or take) the queues and snapshot them, as one operator-facing error."""
+    queues: list[keys.QueueRef] = [keys.QueueRef(queue, prefix)] if queue else []
     try:
-        queues = [keys.QueueRef(queue, prefix)] if queue else discover_queues(r, prefix)
+        if not queue:
+            queues = discover_queues(r, prefix)
         return snapshot(r, queues, redis_url=redis_url)
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise Unreachable(f"cannot reach Redis at {redact_url(redis_url)}: {exc}") from exc
-    except redis.ResponseError as exc:
-        raise Unreachable(f"Redis at {redact_url(redis_url)} refused a read: {exc}") from exc
+    except redis.RedisError as exc:
+        raise Unreachable(str(explain(exc, r, queues, redis_url, socket_timeout_s))) from exc

@@ -4,7 +4,7 @@
     python scripts/fault_report.py --scale 1     # the sizes CI runs
     python scripts/fault_report.py -- -k kill    # extra arguments go to pytest
 
-Each test in tests/test_faults.py appends one JSON line of what it did to
+Each test in the fault suites (FAULT_SUITES) appends one JSON line of what it did to
 the file named by TOKENQ_FAULT_REPORT (requests sent, workers killed, Redis
 restarts, malformed entries, requests lost, duplicate replies); this script
 runs pytest with that set and turns the lines into the table that
@@ -27,7 +27,12 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+FAULT_SUITES = ("tests/test_faults.py", "tests/test_hardening.py", "tests/test_hostile_fuzz.py")
+"""The suites whose tests record what they did."""
+
 LABELS = {
+    "workers_alive": "workers alive after it",
+    "hostile": "hostile entries",
     "kills": "workers killed (-9)",
     "orphaned": "entries they held",
     "restarts": "Redis restarts",
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "TOKENQ_FAULT_SCALE": str(args.scale),
                "TOKENQ_FAULT_REPORT": str(report)}
         command = [sys.executable, "-m", "pytest", "-q", "-m", "fault",
-                   "-p", "no:cacheprovider", "tests/test_faults.py", *args.pytest_args]
+                   "-p", "no:cacheprovider", *FAULT_SUITES, *args.pytest_args]
         shown = f"TOKENQ_FAULT_SCALE={args.scale:g} " + shlex.join(["python", *command[1:]])
         print(f"$ {shown}", flush=True)
         started = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import msgpack
@@ -129,3 +130,121 @@ def test_spread_ids_accepts_a_run_of_ids():
     assert spread_ids(["retry", "--id", "1-0", "2-0", "3", "--all"]) == [
         "retry", "--id", "1-0", "--id", "2-0", "--id", "3", "--all"]
     assert spread_ids(["--id", "1-0", "retry"]) == ["--id", "1-0", "retry"]
+
+
+# ------------------------------------------------------- retry works on a snapshot
+
+
+class _DyingAgain:
+    """A Redis client through which every read of the dead stream first lets a "worker"
+    dead-letter again whatever retried requests are on the request stream (new letters,
+    new ids), as a request that still kills its workers does, up to ``cap`` times."""
+
+    def __init__(self, r: redis.Redis, q: QueueRef, cap: int = 2000) -> None:
+        self._r, self._q, self.cap, self.reburied = r, q, cap, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._r, name)
+
+    def xrange(self, *args, **kwargs):
+        for entry_id, fields in self._r.xrange(keys.requests(self._q)):
+            if self.reburied >= self.cap:
+                break
+            self._r.xdel(keys.requests(self._q), entry_id)
+            bury(self._r, self._q, fields[b"id"].decode(), fields[b"text"].decode())
+            self.reburied += 1
+        return self._r.xrange(*args, **kwargs)
+
+
+def test_retry_all_stops_at_the_last_letter_there_when_it_started(queue_name, r):
+    q = QueueRef(queue_name)
+    original = [bury(r, q, f"r{i}", f"text {i}") for i in range(2 * dlq._PAGE + 50)]
+    dying = _DyingAgain(r, q)
+    outcome = dlq.retry(dying, q, None, max_queue_length=0)
+    assert outcome.moved == original and outcome.last_id == original[-1]
+    assert not outcome.missing and not outcome.skipped and not outcome.vanished
+    # The letters that died again while it ran are still there, none retried twice.
+    assert 0 < dying.reburied < len(original)
+    left = [entry_id.decode() for entry_id, _ in r.xrange(keys.dead(q))]
+    assert len(left) == dying.reburied and not set(left) & set(original)
+    assert r.xlen(keys.requests(q)) + len(left) == len(original)
+
+
+def test_retry_all_with_letters_dying_again_concurrently_touches_exactly_the_snapshot(
+    redis_url, queue_name, r, capsys
+):
+    q = QueueRef(queue_name)
+    original = [bury(r, q, f"r{i}", f"text {i}") for i in range(3 * dlq._PAGE)]
+    stop = threading.Event()
+    reburied: list[str] = []
+
+    def worker() -> None:  # takes whatever is on the request stream and kills it again
+        with redis.Redis.from_url(redis_url) as own:
+            while not stop.is_set() and len(reburied) < 5000:
+                for entry_id, fields in own.xrange(keys.requests(q), count=50):
+                    if own.xdel(keys.requests(q), entry_id):
+                        reburied.append(bury(own, q, fields[b"id"].decode(), "again"))
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        code, out, err = run(capsys, redis_url, queue_name, "retry", "--all")
+    finally:
+        stop.set()
+        thread.join(10)
+    assert code == 0, err
+    assert f"retried {len(original)} dead letters" in out
+    assert f"up to {original[-1]}" in out
+    left = [entry_id.decode() for entry_id, _ in r.xrange(keys.dead(q))]
+    assert left == reburied and not set(left) & set(original)
+    assert r.xlen(keys.requests(q)) + len(left) == len(original)  # each request once
+
+
+# ------------------------------------------------------------ truncated letters
+
+
+def test_truncated_letters_are_listed_as_such_and_never_retried(redis_url, queue_name, r, capsys):
+    q = QueueRef(queue_name)
+    whole = bury(r, q, "whole", "retry me")
+    cut = bury(r, q, "cut", "the beginning of a very long te", dead_truncated="text,opts")
+    empty = r.xadd(keys.dead(q), {"dead_error_code": "bad_request", "dead_error": "x"}).decode()
+
+    code, out, _ = run(capsys, redis_url, queue_name, "list")
+    assert code == 0
+    header, *rows = out.splitlines()[1:]
+    assert "truncated" in header.split()
+    [cut_row] = [row for row in rows if row.startswith(cut)]
+    assert "text,opts" in cut_row
+    [whole_row] = [row for row in rows if row.startswith(whole)]
+    assert "text,opts" not in whole_row
+    code, out, _ = run(capsys, redis_url, queue_name, "list", "--json")
+    by_id = {letter["entry_id"]: letter for letter in map(json.loads, out.splitlines())}
+    assert by_id[cut]["truncated"] == ["text", "opts"] and by_id[whole]["truncated"] is None
+    assert "dead_truncated" not in by_id[cut]["request"]
+
+    code, _, err = run(capsys, redis_url, queue_name, "retry", "--id", cut)
+    assert code == 1 and cut in err and "truncated" in err and "text,opts" in err
+    assert r.xlen(keys.requests(q)) == 0
+
+    code, out, err = run(capsys, redis_url, queue_name, "retry", "--all")
+    assert code == 1 and "retried 1 dead letters" in out
+    assert f"skipped {cut}: truncated" in err and f"skipped {empty}:" in err
+    assert "Traceback" not in err
+    [(_, fields)] = r.xrange(keys.requests(q))
+    assert fields[b"id"] == b"whole"
+    assert [i.decode() for i, _ in r.xrange(keys.dead(q))] == [cut, empty]  # left in place
+
+
+def test_list_ages_come_from_redis_clock_not_the_operators(
+    redis_url, queue_name, r, capsys, monkeypatch
+):
+    q = QueueRef(queue_name)
+    entry = bury(r, q, "recent", "just died")
+    real = time.time
+    for skew in (-7200.0, 7200.0):
+        monkeypatch.setattr(time, "time", lambda skew=skew: real() + skew)
+        code, out, _ = run(capsys, redis_url, queue_name, "list")
+        assert code == 0
+        [row] = [line for line in out.splitlines() if line.startswith(entry)]
+        age = next(cell for cell in row.split() if cell.endswith("s") and cell[:-1].isdigit())
+        assert int(age[:-1]) < 60, row

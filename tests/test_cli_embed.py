@@ -7,12 +7,19 @@ import random
 import signal
 import subprocess
 import sys
+import threading
+import time
 
+import msgpack
 import numpy as np
 import pytest
 
 from tests.cli_support import DIM, MAX_INPUT, tokenq, wait_for
+from tests.test_acl import documented_rules
+from tokenq.producer.cli_embed import _settled_counters
 from tokenq.producer.cli_embed import main as embed_main
+from tokenq.shared import keys
+from tokenq.shared.keys import QueueRef
 from tokenq.worker.sim import expected_vector
 
 pytest_plugins = ("tests.cli_fixtures",)
@@ -184,3 +191,50 @@ def test_inputs_a_reject_queue_refuses_fail_alone(sim_worker, redis_url, queue_n
     for i in (0, 2):
         np.testing.assert_allclose(rows[i]["embedding"], expected_vector(lines[i], DIM, 64),
                                    atol=1e-6)
+
+
+@pytest.mark.parametrize("skew_s", [-3600.0, 3600.0])
+def test_the_summary_waits_for_one_more_heartbeat_of_each_live_worker_on_no_clock(
+    skew_s, r, queue_name, monkeypatch
+):
+    """Heartbeat ``at`` is the worker's clock: never compared with the operator's."""
+    q = QueueRef(queue_name)
+    r.hset(keys.workers(q), "live", msgpack.packb({"at": 1000.0, "batches": 1}))
+    r.set(keys.worker_alive(q, "live"), "1", ex=30)
+    r.hset(keys.workers(q), "gone", msgpack.packb({"at": 10.0, "batches": 5}))  # no liveness
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew_s)
+    beat = threading.Timer(0.6, lambda: r.hset(keys.workers(q), "live",
+                                               msgpack.packb({"at": 1001.0, "batches": 7})))
+    beat.start()
+    started = time.monotonic()
+    try:
+        after = _settled_counters(r, q)
+    finally:
+        beat.cancel()
+    waited = time.monotonic() - started
+    assert after["live"]["batches"] == 7 and after["gone"]["batches"] == 5
+    assert 0.5 <= waited < 2.5, waited  # waited for the beat, not for the gone row
+
+
+def test_a_producer_acl_user_embeds_without_the_workers_summary(
+    sim_worker, redis_url, r, queue_name, tmp_path, capsys
+):
+    """docs/SECURITY.md's producer may not read the workers' hash: a note, not a crash."""
+    rules = documented_rules(queue_name, "producer-pw")["producer"]
+    r.execute_command(*rules)
+    try:
+        sim_worker()
+        source = tmp_path / "in.txt"
+        source.write_text("one\ntwo\n")
+        out = tmp_path / "out.jsonl"
+        host_port = redis_url.split("://", 1)[1]
+        url = f"redis://{rules[2]}:producer-pw@{host_port}"
+        code, err = embed(capsys, url, queue_name, str(source), "--output", str(out))
+        assert code == 0, err
+        assert "may not read" in err and "summary leaves out" in err and "Traceback" not in err
+        assert "producer-pw" not in err
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        np.testing.assert_allclose(rows[1]["embedding"], expected("two"), atol=1e-6)
+    finally:
+        r.acl_deluser(rules[2])

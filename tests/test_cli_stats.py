@@ -158,3 +158,68 @@ def test_heartbeat_deltas_count_only_what_changed(r: redis.Redis, queue_name: st
     delta = counter_delta(before, heartbeat_counters(r, q))
     assert delta["batches"] == 4 and delta["tokens"] == 40 and delta["padded_tokens"] == 40
     assert delta["padding_efficiency"] == 1.0
+
+
+def _beat(r: redis.Redis, q: QueueRef, name: str, *, alive: bool, at: float, **counters) -> None:
+    r.hset(keys.workers(q), name, msgpack.packb({"at": at, "started_at": at - 10, **counters}))
+    if alive:
+        r.set(keys.worker_alive(q, name), "1", ex=30)
+
+
+def _redis_time(r: redis.Redis) -> float:
+    seconds, micros = r.time()
+    return seconds + micros / 1e6
+
+
+@pytest.mark.parametrize("skew_s", [-3600.0, 3600.0])
+def test_ages_use_redis_clock_when_the_operator_clock_is_off(
+    skew_s, redis_url, queue_name, r, capsys, monkeypatch
+):
+    q = QueueRef(queue_name)
+    r.xgroup_create(keys.requests(q), keys.GROUP, id="$", mkstream=True)
+    r.xadd(keys.requests(q), {"v": "1", "id": "a", "text": "hello"})
+    r.xreadgroup(keys.GROUP, "busy", {keys.requests(q): ">"}, count=1)
+    # A worker whose clock agrees with Redis's, which is what the age is measured on.
+    _beat(r, q, "busy", alive=True, at=_redis_time(r), requests_ok=3)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew_s)
+    doc = stats_json(capsys, redis_url, "--queue", queue_name)
+    [queue] = doc["queues"]
+    assert 0 <= queue["oldest_pending_ms"] < 5000
+    [worker] = queue["workers"]
+    assert worker["heartbeat_age_s"] < 5
+    assert abs(doc["at"] - _redis_time(r)) < 5
+    assert top_main(["--redis-url", redis_url, "--queue", queue_name, "--once"]) == 0
+    assert "oldest" in capsys.readouterr().out
+
+
+def test_heartbeat_rows_without_a_liveness_key_are_gone_not_workers(
+    redis_url, queue_name, r, capsys
+):
+    q = QueueRef(queue_name)
+    now = _redis_time(r)
+    r.xadd(keys.requests(q), {"v": "1", "id": "a", "text": "hello"})
+    _beat(r, q, "live", alive=True, at=now, requests_ok=10, tokens=100, padded_tokens=100)
+    _beat(r, q, "ghost", alive=False, at=now - 60, requests_ok=500, tokens=9, padded_tokens=90)
+    # Rows no worker could have written: not msgpack, and numbers that are not numbers.
+    r.hset(keys.workers(q), "junk", b"\xc1\xc1")
+    r.hset(keys.workers(q), "odd", msgpack.packb({"at": "yesterday", "requests_ok": [1]}))
+    for name in ("junk", "odd"):
+        r.set(keys.worker_alive(q, name), "1", ex=30)
+    assert set(heartbeat_counters(r, q)) == {"live", "ghost"}
+    [queue] = stats_json(capsys, redis_url, "--queue", queue_name)["queues"]
+    assert [w["consumer"] for w in queue["workers"]] == ["live"]
+    assert queue["stale_workers"] == ["ghost", "junk", "odd"]
+    assert queue["totals"]["workers"] == 1 and queue["totals"]["requests_ok"] == 10
+    assert queue["totals"]["padding_efficiency"] == 1.0
+
+    assert stats_main(["--redis-url", redis_url, "--queue", queue_name]) == 0
+    text = capsys.readouterr().out
+    assert "workers 1 (3 gone)" in text
+    [table_row] = [line for line in text.splitlines() if line.strip().startswith("live")]
+    assert "ghost" not in table_row
+    assert ("gone (heartbeat row without a liveness key, or unreadable; not counted): "
+            "ghost, junk, odd") in text
+    assert top_main(["--redis-url", redis_url, "--queue", queue_name, "--once"]) == 0
+    frame = capsys.readouterr().out
+    assert "workers 1 (3 gone)" in frame and "ghost" in frame

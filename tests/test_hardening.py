@@ -27,6 +27,7 @@ from tests.test_faults import (
     SIM,
     blpop_within,
     pending_of,
+    record,
     vector_ok,
     wait_for,
 )
@@ -74,6 +75,8 @@ def test_a_400_digit_number_is_a_bad_request_not_a_dead_fleet(fleet, r, queue_na
     assert all(worker.process.poll() is None for worker in workers)
     dead = r.xrange(keys.dead(q))
     assert [f[b"id"] for _, f in dead] == [b"huge"]
+    record(f"400-digit {field}", requests=2, workers_alive=len(workers), dead_lettered=1,
+           lost=0, duplicates=0)
 
 
 def test_an_entry_that_breaks_the_tokenizer_output_is_dead_lettered_alone(
@@ -136,6 +139,8 @@ def test_fixed_name_restarts_over_a_crashing_entry_end_in_a_dead_letter(
     assert letter[b"dead_deliveries"] == b"4" and letter[b"dead_worker"] == b"fixed"
     assert worker.process.poll() is None
     assert pending_of(r, q) == 0 and r.xlen(keys.requests(q)) == 0
+    record("fixed-name restarts over a crashing entry", requests=1, kills=3, dead_lettered=1,
+           lost=0, duplicates=0)
 
 
 # ------------------------------------------------------------ 3. the reply namespace
@@ -173,6 +178,9 @@ def test_reply_to_cannot_aim_at_tokenq_keys_or_foreign_keys(fleet, r, queue_name
     letters = {f[b"id"]: f for _, f in r.xrange(keys.dead(q))}
     assert b"reply namespace" in letters[b"at-foreign"][b"dead_error"]
     assert b"tokenq's own keys" in letters[b"at-dead"][b"dead_error"]
+    record("reply_to aimed at tokenq's and foreign keys", requests=len(targets) + 2,
+           malformed=len(targets) + 1, dead_lettered=len(targets) + 1,
+           error_replies=len(targets) + 1, lost=0, duplicates=0)
 
 
 def test_an_operator_can_widen_the_reply_namespace(fleet, r, queue_name):
@@ -213,6 +221,8 @@ def test_a_hung_batch_is_taken_over_by_peers_without_anyone_killing_it(fleet, r,
     assert hung.process.wait(timeout=30) == 3
     assert "batch_timeout_s" in hung.output()
     assert pending_of(r, q) == 0 and r.xlen(stream) == 0
+    record("hung device (watchdog)", requests=len(ids), timeout_s=timeout_s,
+           slowest_error_s=round(answered_after, 1), lost=0, duplicates=0)
 
 
 # ------------------------------------------------------------------ 5. clock skew
