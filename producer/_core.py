@@ -5,19 +5,27 @@ manner of httpx's ``BaseClient``: merging settings, checking what the caller
 passed, making request ids, building stream fields, choosing reply keys,
 laying out the enqueue script's arguments, turning reply bytes into a
 :class:`Result` or an exception, and sizing each blocking wait. What the
-queue's config hash lets it refuse early lives in :mod:`._config`. It never
-reads a clock (callers pass ``now_ms``) and never imports redis, so the two
-clients differ only in transport and ``await``, and tests can drive it
-directly.
+queue's config hash lets it refuse early lives in :mod:`._config`. Its
+decisions never read a clock (callers pass ``now_ms``), so the two clients
+differ only in transport and ``await``, and tests can drive it directly.
+
+The one exception is the deadline plumbing at the end of the module, which
+both clients plug into redis-py: the caller's deadline travels in a
+:data:`CALLER_DEADLINE` context variable (per thread for :class:`Client`,
+per task for :class:`AsyncClient`), and :class:`DeadlineTimeouts` and
+:func:`retry_pause` read it, with the monotonic clock, so that no socket
+wait, pool wait or retry of redis-py's outlasts the caller who asked for it.
 """
 
 from __future__ import annotations
 
 import array
+import contextvars
 import inspect
 import logging
 import math
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +59,21 @@ from tokenq.shared.settings import ClientSettings
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 """Errors that mean Redis is unreachable (retried with backoff, then BrokerUnavailable)."""
 
+
+def busy_as_down(exc: redis.ResponseError) -> redis.ConnectionError | None:
+    """A ``BUSY`` refusal as an outage, or None for any other error reply.
+
+    Redis answers BUSY to every command while a script has run past
+    ``busy-reply-threshold``: the command was not run, so it is as safe to
+    retry as a refused connection, and the caller should hear
+    BrokerUnavailable rather than a raw error reply.
+    """
+    if not str(exc).startswith("BUSY"):
+        return None
+    down = redis.ConnectionError(f"Redis is busy running a script: {exc}")
+    down.__cause__ = exc
+    return down
+
 log = logging.getLogger("tokenq.producer")
 
 Estimator = Callable[[str], int] | Callable[[str, str | None], int]
@@ -82,6 +105,18 @@ BLOCK_FLOOR_S = 0.01
 BACKOFF_BASE_S = 0.02
 BACKOFF_CAP_S = 0.5
 """redis-py retries connection errors with exponential backoff between these."""
+
+DEADLINE_GRACE_S = 0.2
+"""How far past the caller's deadline one Redis command may run before it is cut off.
+
+A BLPOP that blocks for exactly the caller's remaining time must get its
+``nil`` back before the socket gives up on it (else a healthy Redis would be
+reported as unreachable), so every socket wait is the remaining time plus
+this. It is also the most a command started at the deadline may take.
+"""
+
+MIN_SOCKET_TIMEOUT_S = 0.01
+"""Floor of a deadline-bound socket timeout (0 would put the socket in non-blocking mode)."""
 
 
 class ReplyTimeout(TokenqError, TimeoutError):
@@ -288,26 +323,40 @@ class ClientCore:
 
     @staticmethod
     def infer_deadline(
-        timeout: float, deadline_s: float | None, deadline_ms: int | None
+        remaining_s: float, deadline_s: float | None, deadline_ms: int | None
     ) -> tuple[float | None, int | None]:
-        """An infer call's deadline: the caller's own, else its timeout.
+        """An infer call's deadline: the caller's own, else the rest of its timeout.
 
         Nobody waits for the answer after the timeout, so no worker should
-        spend device time on it later.
+        spend device time on it later. (A timeout longer than the protocol's
+        largest ``timeout_ms`` is sent as that largest value.)
         """
         if deadline_s is None and deadline_ms is None:
-            return timeout, None
+            ceiling = wire.MAX_TIMEOUT_MS / 1000
+            return min(max(remaining_s, 0.001), ceiling), None
         return deadline_s, deadline_ms
 
-    def deadline_ms(
+    def timeout_ms(
         self, deadline_s: float | None, deadline_ms: int | None, now_ms: int
     ) -> int | None:
-        """The absolute ``deadline_ms`` field from a relative or absolute deadline."""
+        """The relative ``timeout_ms`` field from a relative or an absolute deadline.
+
+        ``timeout_ms`` counts from the entry's stream id, which Redis stamps
+        with its own clock, so no producer's clock skew reaches the workers.
+        An absolute ``deadline_ms`` is turned into one with the caller's own
+        clock (``now_ms``), the only place that clock is used.
+        """
         if deadline_s is not None and deadline_ms is not None:
             raise BadRequest("give deadline_s (relative) or deadline_ms (absolute), not both")
+        limit = wire.MAX_TIMEOUT_MS
         if deadline_s is not None:
             seconds = _check_timeout(deadline_s, "deadline_s")
-            return now_ms + max(1, math.ceil(seconds * 1000))
+            if seconds * 1000 > limit:
+                raise BadRequest(
+                    f"deadline_s {deadline_s!r} is out of range: at most {limit // 1000} s "
+                    "(30 days)"
+                )
+            return max(1, math.ceil(seconds * 1000))
         if deadline_ms is None:
             return None
         if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int):
@@ -319,7 +368,12 @@ class ClientCore:
             raise BadRequest(
                 f"deadline_ms {deadline_ms} has already passed (now is {now_ms} epoch ms)"
             )
-        return deadline_ms
+        if deadline_ms - now_ms > limit:
+            raise BadRequest(
+                f"deadline_ms {deadline_ms} is out of range: at most {limit} ms (30 days) "
+                f"after now ({now_ms} epoch ms)"
+            )
+        return deadline_ms - now_ms
 
     def prepare(
         self,
@@ -364,7 +418,7 @@ class ClientCore:
             text=text,
             tokens=tokens,
             reply_to=target,
-            deadline_ms=self.deadline_ms(deadline_s, deadline_ms, now_ms),
+            timeout_ms=self.timeout_ms(deadline_s, deadline_ms, now_ms),
             text_pair=pair,
             opts=self._opts(opts),
         )
@@ -416,6 +470,11 @@ class ClientCore:
                 f"the token estimator returned {tokens!r} for {where}; "
                 "it must return a non-negative int"
             )
+        if tokens > wire.MAX_TOKENS:
+            raise BadRequest(
+                f"the token estimator returned {tokens} for {where}, over the protocol's "
+                f"limit of {wire.MAX_TOKENS} tokens; nothing was written"
+            )
         return tokens
 
     @staticmethod
@@ -452,14 +511,19 @@ class ClientCore:
         return args
 
     def queue_full(self, message: str, n: int) -> QueueFull | None:
-        """The :class:`QueueFull` for the script's refusal ``message``, or None if it is not one."""
+        """The :class:`QueueFull` for the script's refusal ``message``, or None if it is not one.
+
+        The script names how many of the ``n`` entries were new (entries it
+        had already seen do not count); older scripts did not, hence ``n``.
+        """
         words = message.split()
         if not words or words[0] != QUEUE_FULL_PREFIX:
             return None
         length, limit = [*words[1:3], "?", "?"][:2]
+        fresh = words[3] if len(words) > 3 else str(n)
         return QueueFull(
             f"queue {self.queue.name!r} holds {length} of at most {limit} requests; "
-            f"{n} more would not fit, so nothing was written"
+            f"{fresh} more would not fit, so nothing was written"
         )
 
     def broker_full(self, n: int) -> QueueFull:
@@ -599,3 +663,118 @@ class ClientCore:
                 if isinstance(item, Exception):
                     raise item
         return ordered
+
+
+# ---------------------------------------------------------------- deadlines
+
+CALLER_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "tokenq_caller_deadline", default=None
+)
+"""The ``time.monotonic()`` deadline of the caller on whose behalf Redis is being called.
+
+Set by the clients around each command (in the calling thread, or in the
+task that runs one command for an async caller) and read by the redis-py
+hooks below; None outside a caller's command, where the configured timeouts
+apply unchanged.
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """When one call of a client gives up, and how it treats a Redis that is down.
+
+    ``at`` is on the ``time.monotonic()`` clock. With ``persist`` a command
+    that fails because Redis is unreachable is tried again, with backoff,
+    until ``at`` (``infer``, ``infer_many``: the caller gave that time to
+    get an answer, and a retried enqueue is deduplicated by the script; the
+    BLPOP loops of every wait retry the same way by themselves); without it
+    redis-py's ``retries`` are all it gets (``submit``, admin calls). Either
+    way no retry or backoff starts after ``at``, and no command runs more
+    than :data:`DEADLINE_GRACE_S` past it.
+    """
+
+    at: float
+    persist: bool = False
+
+    @classmethod
+    def after(cls, seconds: float, *, persist: bool = False) -> Deadline:
+        return cls(time.monotonic() + seconds, persist)
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+
+def bounded_timeout(configured: float | None) -> float | None:
+    """A socket (or pool) timeout cut down to the current caller's deadline plus the grace."""
+    deadline = CALLER_DEADLINE.get()
+    if deadline is None:
+        return configured
+    left = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S
+    if configured is not None:
+        left = min(configured, left)
+    return max(MIN_SOCKET_TIMEOUT_S, left)
+
+
+def retry_pause(backoff_s: float) -> float | None:
+    """How long redis-py should back off before its next retry; None: stop, the deadline passed."""
+    deadline = CALLER_DEADLINE.get()
+    if deadline is None:
+        return backoff_s
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return None
+    return min(backoff_s, left)
+
+
+class DeadlineTimeouts:
+    """Mixin for a redis-py connection class: timeouts that end at the caller's deadline.
+
+    redis-py reads ``socket_timeout`` and ``socket_connect_timeout`` when it
+    connects, runs the handshake and (asyncio) reads each reply; through
+    these properties every such wait made for a caller ends by its deadline
+    plus :data:`DEADLINE_GRACE_S`, whatever the configured timeout. The
+    configured values are kept where redis-py keeps them.
+    """
+
+    @property
+    def socket_timeout(self) -> float | None:
+        return bounded_timeout(getattr(self, "_socket_timeout", None))
+
+    @socket_timeout.setter
+    def socket_timeout(self, value: float | None) -> None:
+        self._socket_timeout = value
+
+    @property
+    def socket_connect_timeout(self) -> float | None:
+        return bounded_timeout(getattr(self, "_socket_connect_timeout", None))
+
+    @socket_connect_timeout.setter
+    def socket_connect_timeout(self, value: float | None) -> None:
+        self._socket_connect_timeout = value
+
+
+class DeadlinePoolWait:
+    """Mixin for a redis-py BlockingConnectionPool: waiting for a free connection ends in time."""
+
+    @property
+    def timeout(self) -> float | None:
+        return bounded_timeout(getattr(self, "_tokenq_wait_s", None))
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._tokenq_wait_s = value
+
+
+_BOUNDED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> type:
+    """``connection_class`` (plain, TLS or Unix socket) with ``mixin`` in front; made once."""
+    if issubclass(connection_class, mixin):
+        return connection_class
+    key = (connection_class, mixin)
+    made = _BOUNDED_CLASSES.get(key)
+    if made is None:
+        made = type(f"Bounded{connection_class.__name__}", (mixin, connection_class), {})
+        _BOUNDED_CLASSES[key] = made
+    return made

@@ -11,23 +11,32 @@
 -- ARGV[3]   dedupe_ttl_ms: how long a request id is remembered; 0 turns it off
 -- ARGV[4..] for each entry: k, its number of fields, then k field/value pairs
 --
--- Returns the n entry ids, in order. When XLEN + n > max_len it writes
--- nothing and answers the error "QUEUEFULL <xlen> <max_len>", which producers
--- turn into QueueFull.
+-- Returns the n entry ids, in order: for an entry seen before, the id its
+-- first enqueue got. Only new entries count against the limit: when
+-- XLEN + <new entries> > max_len it writes nothing and answers the error
+-- "QUEUEFULL <xlen> <max_len> <new entries>", which producers turn into
+-- QueueFull. A batch whose entries were all seen before is never refused.
 --
 -- Why the seen keys: a client that retries this script after a lost reply
 -- (a timeout after Redis ran it) would otherwise enqueue the same request
 -- twice and get two answers. An entry whose id was seen within
 -- dedupe_ttl_ms is not added again; its first stream id is returned.
+-- Why they are looked up before the length check: the retry of a batch that
+-- the lost attempt wrote in full must answer that attempt's ids. Counting
+-- those entries again would refuse it with QUEUEFULL whenever the first
+-- attempt filled the queue; the caller, told nothing was written, would
+-- submit the work again and it would run twice.
+-- An id that appears twice in one batch is added once (the second gets the
+-- first's stream id), as if the two had come in separate calls.
 --
 -- Why a script: XLEN then XADD from the client would race with every other
--- producer; here the check and the writes are one atomic step.
+-- producer; here the lookups, the check and the writes are one atomic step.
 -- Why no MAXLEN/MINID: trimming would silently drop someone else's pending
 -- work; backpressure means refusing the newcomer, never evicting.
--- Why all or nothing holds: the arguments are checked before the first
--- write, and Redis refuses a script for lack of memory only at its first
--- write (it never cuts a script off once it has written), so either no XADD
--- runs or all of them do.
+-- Why all or nothing holds: the arguments are checked and the seen keys
+-- read before the first write, and Redis refuses a script for lack of
+-- memory only at its first write (it never cuts a script off once it has
+-- written), so either no XADD runs or all of the new entries' do.
 
 local stream = KEYS[1]
 local max_len = tonumber(ARGV[1])
@@ -43,38 +52,60 @@ if dedupe_ttl_ms > 0 and #KEYS ~= n + 1 then
 end
 
 -- Walk the arguments once to check their shape before writing anything.
+local starts = {}
 local pos = 4
-for _ = 1, n do
+for i = 1, n do
   local k = tonumber(ARGV[pos])
   if k == nil or k < 1 or pos + 2 * k > #ARGV then
     return redis.error_reply("ERR tokenq enqueue: malformed entry at argument " .. pos)
   end
+  starts[i] = pos
   pos = pos + 1 + 2 * k
 end
 if pos ~= #ARGV + 1 then
   return redis.error_reply("ERR tokenq enqueue: " .. (#ARGV + 1 - pos) .. " stray arguments")
 end
 
-if max_len > 0 then
-  local length = redis.call("XLEN", stream)
-  if length + n > max_len then
-    return redis.error_reply("QUEUEFULL " .. length .. " " .. max_len)
+-- Which entries are new: not seen within dedupe_ttl_ms, nor earlier in this batch.
+local ids = {}
+local first_in_batch = {}
+local same_as = {}
+local fresh = 0
+for i = 1, n do
+  local seen = false
+  if dedupe_ttl_ms > 0 then
+    local key = KEYS[i + 1]
+    seen = redis.call("GET", key)
+    if not seen and first_in_batch[key] then
+      same_as[i] = first_in_batch[key]
+      seen = true
+    elseif not seen then
+      first_in_batch[key] = i
+    end
+  end
+  if seen then
+    if same_as[i] == nil then
+      ids[i] = seen
+    end
+  else
+    fresh = fresh + 1
   end
 end
 
-local ids = {}
-pos = 4
-for i = 1, n do
-  local k = tonumber(ARGV[pos])
-  local seen = false
-  if dedupe_ttl_ms > 0 then
-    seen = redis.call("GET", KEYS[i + 1])
+if max_len > 0 and fresh > 0 then
+  local length = redis.call("XLEN", stream)
+  if length + fresh > max_len then
+    return redis.error_reply("QUEUEFULL " .. length .. " " .. max_len .. " " .. fresh)
   end
-  if seen then
-    ids[i] = seen
-  else
+end
+
+for i = 1, n do
+  if same_as[i] ~= nil then
+    ids[i] = ids[same_as[i]]
+  elseif ids[i] == nil then
+    local k = tonumber(ARGV[starts[i]])
     local entry = {"XADD", stream, "*"}
-    for j = pos + 1, pos + 2 * k do
+    for j = starts[i] + 1, starts[i] + 2 * k do
       entry[#entry + 1] = ARGV[j]
     end
     ids[i] = redis.call(unpack(entry))
@@ -82,6 +113,5 @@ for i = 1, n do
       redis.call("SET", KEYS[i + 1], ids[i], "PX", dedupe_ttl_ms)
     end
   end
-  pos = pos + 1 + 2 * k
 end
 return ids

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from tests.redis_server import RedisServer, free_port
 from tests.test_producer_fakes import FakeWorker
@@ -26,6 +29,7 @@ from tokenq.producer import (
     Result,
     estimate_tokens,
 )
+from tokenq.producer._core import ENQUEUE_SCRIPT
 from tokenq.shared import keys, wire
 from tokenq.shared.settings import ClientSettings
 
@@ -126,14 +130,33 @@ def test_text_pair_and_opts_reach_the_stream(
     assert request.tokens == estimate_tokens("q", "p")
 
 
-def test_deadline_s_becomes_absolute_ms(client: Client, r: redis.Redis, queue_name: str) -> None:
+def test_deadlines_travel_as_timeout_ms(client: Client, r: redis.Redis, queue_name: str) -> None:
+    """Relative timeout_ms on Redis's clock; an absolute deadline_ms is converted here."""
     before = int(time.time() * 1000)
     client.submit("a", deadline_s=10)
     client.submit("b", deadline_ms=before + 60_000)
-    first, second = (wire.decode_request(f) for f in entries(r, queue_name))
-    assert first.deadline_ms is not None
-    assert before + 10_000 <= first.deadline_ms <= int(time.time() * 1000) + 10_000
-    assert second.deadline_ms == before + 60_000
+    client.submit("c", deadline_s=0.0001)  # rounded up: 0 would mean no time at all
+    after = int(time.time() * 1000)
+    first, second, third = (wire.decode_request(f) for f in entries(r, queue_name))
+    assert first.timeout_ms == 10_000 and first.deadline_ms is None
+    assert before + 60_000 - after <= second.timeout_ms <= 60_000
+    assert second.deadline_ms is None
+    assert third.timeout_ms == 1
+    assert all(b"deadline_ms" not in fields for fields in
+               (f for _, f in r.xrange(stream(queue_name))))
+
+
+def test_infer_sends_the_rest_of_its_timeout_as_timeout_ms(
+    client: Client, r: redis.Redis, queue_name: str
+) -> None:
+    with pytest.raises(ReplyTimeout):
+        client.infer("nobody answers", timeout_s=0.3)
+    with pytest.raises(ReplyTimeout):
+        client.infer("nor this", timeout_s=0.3, deadline_s=45)
+    default, own = (wire.decode_request(f) for f in entries(r, queue_name))
+    assert default.timeout_ms is not None and 200 < default.timeout_ms <= 300
+    assert own.timeout_ms == 45_000
+    assert default.deadline_ms is None and own.deadline_ms is None
 
 
 def test_submit_has_no_deadline_unless_asked(
@@ -141,7 +164,7 @@ def test_submit_has_no_deadline_unless_asked(
 ) -> None:
     client.submit("a")
     (fields,) = entries(r, queue_name)
-    assert b"deadline_ms" not in fields
+    assert b"deadline_ms" not in fields and b"timeout_ms" not in fields
     assert fields[b"reply_to"].decode() == keys.reply(
         keys.QueueRef(queue_name), fields[b"id"].decode()
     )
@@ -249,8 +272,6 @@ def test_out_of_memory_is_queue_full(tmp_path: Path, queue_name: str) -> None:
 
 
 def test_enqueue_script_checks_its_arguments(r: redis.Redis, queue_name: str) -> None:
-    from tokenq.producer._core import ENQUEUE_SCRIPT
-
     script = r.register_script(ENQUEUE_SCRIPT)
     with pytest.raises(redis.ResponseError, match="malformed"):
         script(keys=[stream(queue_name)], args=[0, 1, 0, 2, "v", "1"])
@@ -267,8 +288,6 @@ def test_a_retried_enqueue_does_not_add_a_request_twice(
     r: redis.Redis, queue_name: str
 ) -> None:
     """The script remembers request ids, so a retry after a lost reply is a no-op."""
-    from tokenq.producer._core import ENQUEUE_SCRIPT
-
     q = keys.QueueRef(queue_name)
     script = r.register_script(ENQUEUE_SCRIPT)
     seen = [keys.seen(q, "a"), keys.seen(q, "b")]
@@ -286,6 +305,99 @@ def test_a_retried_enqueue_does_not_add_a_request_twice(
         client._enqueue(batch)
         client._enqueue(batch)
     assert r.xlen(stream(queue_name)) == 2 + 3
+
+
+def test_a_retry_of_an_enqueue_that_filled_the_queue_is_not_queue_full(
+    redis_url: str, r: redis.Redis, queue_name: str
+) -> None:
+    """The lost-reply retry of a batch that filled the queue answers the first ids.
+
+    Seen entries are looked up before the length check, so they do not count
+    again; otherwise the retry would say QueueFull ("nothing was written")
+    although everything was, and the caller would submit the work twice.
+    """
+    limit = 3
+    with Client(redis_url, queue_name, max_queue_length=limit) as client:
+        batch = [client._core.prepare(f"text {i}", now_ms=0) for i in range(limit)]
+        script = client._enqueue_script
+        call = {"keys": client._core.script_keys(batch), "args": client._core.script_args(batch)}
+        first = script(**call)
+        assert r.xlen(stream(queue_name)) == limit
+        again = script(**call)  # the same call again: what redis-py's retry sends
+        assert again == first and r.xlen(stream(queue_name)) == limit
+        client._enqueue(batch)  # through the client: no QueueFull either
+        assert r.xlen(stream(queue_name)) == limit
+        # One new entry among seen ones still counts, and still writes nothing.
+        extra = client._core.prepare("one too many", now_ms=0)
+        with pytest.raises(QueueFull, match="1 more would not fit"):
+            client._enqueue([*batch, extra])
+        assert r.xlen(stream(queue_name)) == limit and not r.exists(
+            keys.seen(keys.QueueRef(queue_name), extra.id)
+        )
+
+
+@hypothesis_settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    data=st.data(),
+    others=st.integers(0, 4),
+    max_len=st.integers(0, 8),
+    seen_mask=st.lists(st.booleans(), min_size=1, max_size=6),
+)
+def test_enqueue_counts_only_new_entries_against_the_limit(
+    redis_url: str, data: st.DataObject, others: int, max_len: int, seen_mask: list[bool]
+) -> None:
+    """Any mix of seen and new entries: seen ones keep their ids; new ones all or nothing."""
+    q = keys.QueueRef(f"p{uuid.uuid4().hex[:12]}")
+    with redis.Redis.from_url(redis_url) as raw:
+        script = raw.register_script(ENQUEUE_SCRIPT)
+
+        def enqueue(ids: list[str], limit: int) -> list[bytes]:
+            entries: list[str | int] = []
+            for request_id in ids:
+                entries += [2, "id", request_id, "text", "t"]
+            seen_keys = [keys.seen(q, i) for i in ids]
+            return script(keys=[keys.requests(q), *seen_keys],
+                          args=[limit, len(ids), 60_000, *entries])
+
+        if others:
+            enqueue([f"other{i}" for i in range(others)], 0)
+        ids = [f"r{i}" for i in range(len(seen_mask))]
+        earlier = [i for i, seen in zip(ids, seen_mask, strict=True) if seen]
+        first_ids = dict(zip(earlier, enqueue(earlier, 0), strict=True)) if earlier else {}
+        batch = data.draw(st.permutations(ids))
+        length = raw.xlen(keys.requests(q))
+        fresh = len(batch) - len(earlier)
+        if max_len and fresh and length + fresh > max_len:
+            with pytest.raises(redis.ResponseError, match=f"QUEUEFULL {length} {max_len} {fresh}"):
+                enqueue(batch, max_len)
+            assert raw.xlen(keys.requests(q)) == length
+            assert not any(raw.exists(keys.seen(q, i)) for i in ids if i not in first_ids)
+        else:
+            answered = enqueue(batch, max_len)
+            assert raw.xlen(keys.requests(q)) == length + fresh
+            for request_id, entry_id in zip(batch, answered, strict=True):
+                if request_id in first_ids:
+                    assert entry_id == first_ids[request_id]
+                else:
+                    (stored,) = raw.xrange(keys.requests(q), entry_id, entry_id)
+                    assert stored[1][b"id"] == request_id.encode()
+            assert enqueue(batch, max_len) == answered  # and a retry changes nothing
+            assert raw.xlen(keys.requests(q)) == length + fresh
+        raw.delete(keys.requests(q), *(keys.seen(q, i) for i in ids),
+                   *(keys.seen(q, f"other{i}") for i in range(others)))
+
+
+def test_an_id_twice_in_one_batch_is_added_once(r: redis.Redis, queue_name: str) -> None:
+    q = keys.QueueRef(queue_name)
+    script = r.register_script(ENQUEUE_SCRIPT)
+    seen = keys.seen(q, "twin")
+    entry = [2, "id", "twin", "text", "t"]
+    ids = script(keys=[stream(queue_name), seen, seen], args=[1, 2, 60_000, *entry, *entry])
+    assert ids[0] == ids[1] and r.xlen(stream(queue_name)) == 1
 
 
 # ------------------------------------------------------------------ timeouts, outages
@@ -403,6 +515,9 @@ def test_password_is_not_shown_in_errors(queue_name: str) -> None:
         (lambda c: c.submit("a", deadline_s="5"), "deadline_s must be a number"),
         (lambda c: c.submit("a", deadline_ms=1), "already passed"),
         (lambda c: c.submit("a", deadline_ms=1.5e15), "deadline_ms must be an integer"),
+        (lambda c: c.submit("a", deadline_ms=2**50), "deadline_ms 1125899906842624 is out of"),
+        (lambda c: c.submit("a", deadline_s=31 * 86400), "deadline_s 2678400 is out of range"),
+        (lambda c: c.submit("a", deadline_s=float("inf")), "deadline_s must be a positive"),
         (lambda c: c.submit("a", deadline_s=1, deadline_ms=2**50), "not both"),
         (lambda c: c.submit("a", opts=[1]), "opts must be a mapping"),
         (lambda c: c.submit("a", opts={"f": object()}), "opts cannot be encoded"),
@@ -454,7 +569,12 @@ def test_estimator_that_returns_nonsense_is_refused(
     client = Client(redis_url, queue_name, estimator=lambda text: -1)
     with client, pytest.raises(BadRequest, match="estimator returned -1"):
         client.submit("a")
-    assert r.exists(stream(queue_name)) == 0
+    huge = Client(redis_url, queue_name, estimator=lambda text: wire.MAX_TOKENS + 1)
+    with huge, pytest.raises(BadRequest, match="over the protocol's limit of 16777216"):
+        huge.submit_many(["a", "b"])
+    with Client(redis_url, queue_name, estimator=lambda text: wire.MAX_TOKENS) as at_limit:
+        at_limit.submit("a")
+    assert r.xlen(stream(queue_name)) == 1
 
 
 # ------------------------------------------------------------------ estimators, settings

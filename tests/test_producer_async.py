@@ -169,6 +169,23 @@ def test_timeout_without_worker_is_prompt(redis_url: str, queue_name: str) -> No
     run(main)
 
 
+def test_deadlines_travel_as_timeout_ms(redis_url: str, queue_name: str, r: redis.Redis) -> None:
+    async def main() -> None:
+        async with AsyncClient(redis_url, queue_name) as client:
+            with pytest.raises(ReplyTimeout):
+                await client.infer("nobody answers", timeout_s=0.3)
+            await client.submit("later", deadline_s=7)
+            await client.submit("whenever")
+
+    run(main)
+    entries = [wire.decode_request(f) for _, f in r.xrange(stream(queue_name))]
+    inferred, later, whenever = entries
+    assert inferred.timeout_ms is not None and 200 < inferred.timeout_ms <= 300
+    assert later.timeout_ms == 7000
+    assert whenever.timeout_ms is None
+    assert all(e.deadline_ms is None for e in entries)
+
+
 def test_broker_unavailable_on_closed_port(queue_name: str) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     settings = ClientSettings(redis_url=url, queue=queue_name, retries=1, timeout_s=0.5)

@@ -30,9 +30,46 @@ def test_prepare_builds_wire_fields(core: ClientCore) -> None:
     request = wire.decode_request(prepared.fields)
     assert request.id == prepared.id and len(prepared.id) == 32
     assert request.reply_to == prepared.reply_to == keys.reply(keys.QueueRef("q"), prepared.id)
-    assert request.deadline_ms == NOW_MS + 1500
+    assert request.timeout_ms == 1500 and request.deadline_ms is None
+    assert "deadline_ms" not in prepared.fields
     assert request.opts == {"a": 1}
     assert request.tokens == 3
+
+
+def test_deadlines_become_relative_timeout_ms(core: ClientCore) -> None:
+    """timeout_ms counts on Redis's clock; only an absolute deadline uses the caller's."""
+
+    def timeout_ms(**deadline: object) -> int | None:
+        fields = core.prepare("x", now_ms=NOW_MS, **deadline).fields  # type: ignore[arg-type]
+        return wire.decode_request(fields).timeout_ms
+
+    assert timeout_ms(deadline_s=0.0001) == 1  # rounded up, never 0
+    assert timeout_ms(deadline_s=2.0005) == 2001
+    assert timeout_ms(deadline_ms=NOW_MS + 1) == 1
+    assert timeout_ms(deadline_ms=NOW_MS + 90_000) == 90_000
+    assert timeout_ms(deadline_s=wire.MAX_TIMEOUT_MS / 1000) == wire.MAX_TIMEOUT_MS
+    assert timeout_ms(deadline_ms=NOW_MS + wire.MAX_TIMEOUT_MS) == wire.MAX_TIMEOUT_MS
+    assert timeout_ms() is None
+    with pytest.raises(BadRequest, match="already passed"):
+        timeout_ms(deadline_ms=NOW_MS)
+    with pytest.raises(BadRequest, match="out of range"):
+        timeout_ms(deadline_ms=NOW_MS + wire.MAX_TIMEOUT_MS + 1)
+    with pytest.raises(BadRequest, match="out of range"):
+        timeout_ms(deadline_s=wire.MAX_TIMEOUT_MS / 1000 + 1)
+    # infer's own deadline: what is left of its timeout, capped at the protocol's largest.
+    assert core.infer_deadline(2.5, None, None) == (2.5, None)
+    assert core.infer_deadline(-1.0, None, None) == (0.001, None)
+    assert core.infer_deadline(1e12, None, None) == (wire.MAX_TIMEOUT_MS / 1000, None)
+    assert core.infer_deadline(2.5, 9.0, None) == (9.0, None)
+    assert core.infer_deadline(2.5, None, NOW_MS) == (None, NOW_MS)
+
+
+def test_token_estimates_past_the_protocol_limit_are_refused() -> None:
+    core = ClientCore(ClientSettings(), lambda text: wire.MAX_TOKENS + 1)
+    with pytest.raises(BadRequest, match="over the protocol's limit"):
+        core.prepare("a", now_ms=NOW_MS)
+    at_limit = ClientCore(ClientSettings(), lambda text: wire.MAX_TOKENS)
+    assert at_limit.prepare("a", now_ms=NOW_MS).fields["tokens"] == str(wire.MAX_TOKENS)
 
 
 def test_ids_are_unique(core: ClientCore) -> None:
@@ -56,9 +93,10 @@ def test_script_args_layout(core: ClientCore) -> None:
 
 
 def test_queue_full_message(core: ClientCore) -> None:
-    full = core.queue_full("QUEUEFULL 9 10", 3)
+    full = core.queue_full("QUEUEFULL 9 10 2", 3)  # 2 of the 3 were new to the script
     assert isinstance(full, QueueFull)
-    assert "holds 9 of at most 10" in str(full) and "3 more" in str(full)
+    assert "holds 9 of at most 10" in str(full) and "2 more" in str(full)
+    assert "3 more" in str(core.queue_full("QUEUEFULL 9 10", 3))  # an older script's answer
     assert core.queue_full("ERR something else", 1) is None
 
 
