@@ -1,18 +1,85 @@
-"""Shared fixtures: a real redis-server per test session, a fresh queue per test."""
+"""Shared fixtures: a real redis-server per test session, a fresh queue per test, and
+processes that never outlive the test (``spawn``) or the session (the safety net)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from tests.redis_server import RedisServer
+from tests.redis_server import (
+    RedisServer,
+    alive,
+    become_subreaper,
+    cmdline,
+    descendants,
+    kill_tree,
+    reap,
+    wait_gone,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+_NOT_LEAKS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+_LEAK_GRACE_S = 5.0
+"""A process still exiting when the last test ended (SIGTERM sent, not waited for) gets this."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """The safety net: at session end, no process a test started is still running.
+
+    Set up before any other fixture (so torn down after all of them, the
+    session's redis-server included). This process becomes a child
+    subreaper (Linux), so the children of a killed parent are reparented to
+    it rather than to init and are still found by walking ``/proc`` parent
+    links. Whatever is still running ``_LEAK_GRACE_S`` after the last test
+    is killed with its descendants, and the session fails naming each one.
+    """
+    become_subreaper()
+    yield
+    me = os.getpid()
+
+    def running() -> list[int]:
+        return [pid for pid in descendants(me)
+                if alive(pid) and not any(name in cmdline(pid) for name in _NOT_LEAKS)]
+
+    leaked = wait_gone(running(), _LEAK_GRACE_S)
+    described = [f"pid {pid}: {cmdline(pid)}" for pid in leaked]
+    for _ in range(3):  # a supervisor may have started one more meanwhile
+        for pid in leaked:
+            kill_tree(pid)
+        leaked = running()
+        described += [f"pid {pid}: {cmdline(pid)}" for pid in leaked]
+    reap()
+    if described:
+        pytest.fail("tests left processes running (now killed):\n  " + "\n  ".join(described),
+                    pytrace=False)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
+    """``spawn(argv, **popen_kwargs)``: a subprocess that, pass or fail, is SIGKILLed at
+    teardown together with every descendant it has (a supervisor's children)."""
+    started: list[subprocess.Popen] = []
+
+    def start(argv: list[str], **kwargs: object) -> subprocess.Popen:
+        process = subprocess.Popen(argv, **kwargs)  # type: ignore[call-overload]
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:  # once reaped its pid may be someone else's: leave it
+            kill_tree(process)
+        for stream in (process.stdin, process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
 
 
 @pytest.fixture(scope="session")

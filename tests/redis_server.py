@@ -1,5 +1,176 @@
-"""The tests' own redis-server: the same launcher ``tokenq up`` uses."""
+"""The tests' own redis-server (the launcher ``tokenq up`` uses), free ports, process trees.
+
+Ports: :func:`free_ports` finds ``count`` consecutive ports that nothing
+holds, below the kernel's ephemeral range, so no outgoing connection (a
+Redis client's) takes one between the check and the bind of the process
+under test — the race that made ``--metrics-port P`` with ``--devices``
+(child *i* on ``P + i``) flaky when P came from the ephemeral range.
+
+Processes: :func:`descendants` walks ``/proc/<pid>/stat`` parent links;
+:func:`kill_tree` SIGKILLs a process and every descendant it had, and reaps
+them; :func:`become_subreaper` makes orphans of killed parents this
+process's children, so they stay findable (``tests/conftest.py`` uses it for
+its end-of-session check that no test left a process behind).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 from tokenq.worker.embedded import RedisServer, find_redis_server, free_port
 
-__all__ = ["RedisServer", "find_redis_server", "free_port"]
+__all__ = [
+    "RedisServer", "alive", "become_subreaper", "cmdline", "descendants", "find_redis_server",
+    "free_port", "free_ports", "kill_tree", "reap", "wait_gone",
+]
+
+# ------------------------------------------------------------------- ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        low, _ = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low)
+    except (OSError, ValueError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:  # no SO_REUSEADDR: exactly what the server's bind will meet
+        try:
+            sock.bind(("0.0.0.0", port))  # conflicts with any local address on that port
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports that nothing uses right now.
+
+    Picked at random below the ephemeral range (10000 up to it), where only
+    explicit binds go.
+    """
+    high = min(_ephemeral_low(), 65536) - count
+    for _ in range(200):
+        base = random.randrange(10000, max(high, 10001))
+        if all(_bindable(port) for port in range(base, base + count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+# --------------------------------------------------------------- processes
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, ppid) of ``pid``, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the name may hold spaces and parentheses
+    return fields[0], int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped, is not)."""
+    stat = _stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), zombies included."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _stat(int(entry.name))
+            if stat is not None:
+                children.setdefault(stat[1], []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+def reap(pids: list[int] | None = None) -> None:
+    """Collect exited children of this process (orphans a subreaper took in)."""
+    for pid in pids if pids is not None else descendants(os.getpid()):
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def wait_gone(pids: list[int], timeout: float, *, keep: int | None = None) -> list[int]:
+    """Wait until none of ``pids`` runs; those still running after ``timeout``.
+
+    Exited ones are reaped, except ``keep`` (a Popen's own, which its wait() collects).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        reap([pid for pid in pids if pid != keep])
+        left = [pid for pid in pids if alive(pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def kill_tree(process: subprocess.Popen | int, timeout: float = 10.0) -> list[int]:
+    """SIGKILL ``process`` and all its descendants, reap them; the pids that were running.
+
+    The tree is read before anything is killed (a dead parent's children
+    move to init or a subreaper and are no longer its descendants), parent
+    first, so a supervisor cannot restart what is being killed; and read
+    again in case a child was being started just then.
+    """
+    pid = process if isinstance(process, int) else process.pid
+    keep = None if isinstance(process, int) else pid
+    killed: list[int] = []
+    for _ in range(5):
+        tree = [p for p in [pid, *descendants(pid)] if alive(p) and p not in killed]
+        tree += [p for p in killed if alive(p)]
+        if not tree:
+            break
+        for target in tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(target, signal.SIGCONT)  # a stopped process cannot die otherwise
+                os.kill(target, signal.SIGKILL)
+            if target not in killed:
+                killed.append(target)
+        wait_gone(tree, timeout, keep=keep)
+    if isinstance(process, subprocess.Popen):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=timeout)
+    reap([p for p in killed if p != keep])
+    return killed
+
+
+def become_subreaper() -> bool:
+    """Linux: orphaned descendants become this process's children instead of init's."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    return prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER

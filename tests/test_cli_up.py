@@ -1,15 +1,25 @@
-"""``tokenq up`` (private Redis + workers) and ``tokenq worker --devices`` (one per GPU)."""
+"""``tokenq up`` (private Redis + workers) and ``tokenq worker --devices`` (one per GPU).
+
+Both are supervisors (worker/children.py): these tests kill their children
+and the parents themselves with SIGKILL, and check that failed children are
+restarted, that exit codes 0 and 2 are final, and that no child outlives its
+parent. Every process is started through the ``spawn`` fixture, which kills
+it and its descendants at teardown, pass or fail.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgpack
@@ -18,11 +28,11 @@ import pytest
 import redis
 
 from tests.cli_support import DIM, MAX_INPUT, wait_for
+from tests.redis_server import alive, descendants, free_ports, wait_gone
 from tokenq.producer import Client
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.embedded import free_port
 from tokenq.worker.sim import expected_vector
 from tokenq.worker.supervise import device_commands, strip_flags
 
@@ -44,87 +54,261 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def test_up_starts_redis_and_workers_prints_the_url_and_stops_on_ctrl_c(tmp_path: Path):
-    data = tmp_path / "data"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tokenq.shared.cli", "up", "--backend", "sim", "--workers", "2",
-         "--queue", "demo", "--data-dir", str(data), "--",
-         "--sim-dim", str(DIM), "--heartbeat-s", "0.2"],
-        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+def children_of(pid: int) -> list[int]:
+    """Live direct children of ``pid``."""
+    return [child for child in descendants(pid)
+            if alive(child) and Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1]
+            .split()[1] == str(pid)]
+
+
+def beat_pid(r: redis.Redis, q: QueueRef, name: str) -> int | None:
+    """The pid in ``name``'s heartbeat entry, while its liveness key exists."""
+    raw = r.hget(keys.workers(q), name)
+    if raw is None or not r.exists(keys.worker_alive(q, name)):
+        return None
+    return int(msgpack.unpackb(raw, raw=False)["pid"])
+
+
+@contextlib.contextmanager
+def ports_taken(base: int, count: int) -> Iterator[None]:
+    """Listen on ``count`` ports from ``base``, so a worker's metrics endpoint cannot bind."""
+    sockets = []
     try:
-        match = URL_LINE.match(read_line(process, 30))
-        assert match, "the first line must say where to enqueue"
-        url, queue = match.groups()
-        assert queue == "demo" and url.startswith("redis://127.0.0.1:")
-        with Client(redis_url=url, queue=queue) as client:
-            result = client.infer("hello from tokenq up", timeout_s=30)
-        np.testing.assert_allclose(list(result.embedding),
-                                   expected_vector("hello from tokenq up", DIM, MAX_INPUT),
-                                   atol=1e-6)
-        assert read_line(process, 30).startswith("tokenq up: 2 workers ready")
-        assert redis.Redis.from_url(url).config_get("appendonly")["appendonly"] == "yes"
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=30) == 0, process.stderr.read() if process.stderr else ""
+        for port in range(base, base + count):
+            sock = socket.socket()
+            sock.bind(("0.0.0.0", port))
+            sock.listen()
+            sockets.append(sock)
+        yield
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        for sock in sockets:
+            sock.close()
+
+
+def exit_status(process: subprocess.Popen, log: Path, timeout: float) -> int:
+    """``process.wait(timeout)``, failing with the tail of its log when it does not exit."""
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tail = log.read_text()[-4000:]
+        raise AssertionError(f"still running after {timeout}s:\n{tail}") from None
+
+
+Spawn = Callable[..., subprocess.Popen]
+
+
+def start_up(spawn: Spawn, log: Path, *flags: str, workers: int = 2,
+             worker_flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """``tokenq up`` with a private Redis; the process and its URL (from its first line)."""
+    with log.open("w") as stderr:  # the child has its own copy of the descriptor
+        process = spawn(
+            [sys.executable, "-m", "tokenq.shared.cli", "up", "--backend", "sim",
+             "--workers", str(workers), *flags, "--", "--sim-dim", str(DIM),
+             "--heartbeat-s", "0.2", *worker_flags],
+            env=clean_env(), stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )
+    match = URL_LINE.match(read_line(process, 30))
+    assert match, f"the first line must say where to enqueue:\n{log.read_text()}"
+    return process, match.group(1)
+
+
+def start_devices(spawn: Spawn, log: Path, redis_url: str, queue: str, *flags: str,
+                  devices: str = "0,1") -> subprocess.Popen:
+    """``tokenq worker --devices`` with the sim backend, consumer base name ``box``."""
+    with log.open("w") as stderr:
+        return spawn(
+            [sys.executable, "-m", "tokenq.worker", "--redis-url", redis_url, "--queue", queue,
+             "--backend", "sim", "--devices", devices, "--consumer", "box",
+             "--heartbeat-s", "0.2", *flags],
+            env=clean_env(), stdout=subprocess.DEVNULL, stderr=stderr,
+        )
+
+
+# ------------------------------------------------------------------- tokenq up
+
+
+def test_up_starts_redis_and_workers_prints_the_url_and_stops_on_ctrl_c(
+    tmp_path: Path, spawn: Spawn,
+):
+    data, log = tmp_path / "data", tmp_path / "up.log"
+    process, url = start_up(spawn, log, "--queue", "demo", "--data-dir", str(data))
+    assert url.startswith("redis://127.0.0.1:")
+    with Client(redis_url=url, queue="demo") as client:
+        result = client.infer("hello from tokenq up", timeout_s=30)
+    np.testing.assert_allclose(list(result.embedding),
+                               expected_vector("hello from tokenq up", DIM, MAX_INPUT),
+                               atol=1e-6)
+    assert read_line(process, 30).startswith("tokenq up: 2 workers ready")
+    assert redis.Redis.from_url(url).config_get("appendonly")["appendonly"] == "yes"
+    children = children_of(process.pid)
+    assert len(children) == 3  # redis-server and two workers
+    process.send_signal(signal.SIGINT)
+    assert exit_status(process, log, 30) == 0
+    assert not wait_gone(children, 5)
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
     assert any(data.iterdir()), "the AOF lives in --data-dir"
-    stderr = process.stderr.read() if process.stderr else ""
-    assert "stopping 2 workers" in stderr and "stopped:" in stderr
+    stderr = log.read_text()
+    assert "signal SIGINT: stopping" in stderr and "stopped:" in stderr
 
 
-def test_up_with_an_existing_redis_starts_only_workers(redis_url, queue_name, r):
-    process = subprocess.Popen(
+def test_up_with_an_existing_redis_starts_only_workers(redis_url, queue_name, r, spawn):
+    process = spawn(
         [sys.executable, "-m", "tokenq.shared.cli", "up", "--redis-url", redis_url,
          "--queue", queue_name, "--workers", "1", "--", "--consumer", "from-up"],
         env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
-    try:
-        assert read_line(process, 30) == f"tokenq up: enqueue to {redis_url} queue {queue_name}"
-        wait_for(lambda: r.exists(keys.worker_alive(QueueRef(queue_name), "from-up")),
-                 timeout=30, what="the worker's heartbeat")
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    assert read_line(process, 30) == f"tokenq up: enqueue to {redis_url} queue {queue_name}"
+    wait_for(lambda: r.exists(keys.worker_alive(QueueRef(queue_name), "from-up")),
+             timeout=30, what="the worker's heartbeat")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
     assert r.ping()  # not ours: left running
 
 
-def test_worker_devices_runs_one_child_per_gpu(redis_url, queue_name, r):
-    port = free_port()
-    parent = subprocess.Popen(
-        [sys.executable, "-m", "tokenq.worker", "--redis-url", redis_url, "--queue", queue_name,
-         "--backend", "sim", "--devices", "0,1", "--consumer", "box", "--heartbeat-s", "0.2",
-         "--metrics-port", str(port)],
-        env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+def test_up_children_die_with_it_on_kill_9(tmp_path: Path, spawn: Spawn):
+    log = tmp_path / "up.log"
+    # Redis gets its SIGTERM at the same moment as the workers, so each worker's last
+    # read and deregistration fail and are retried: --retries 2 keeps that short (with
+    # the default 10 a worker takes about 25 s to give up and exit).
+    # --data-dir: a killed ``tokenq up`` cannot remove its temporary directory.
+    process, _ = start_up(spawn, log, "--data-dir", str(tmp_path / "data"),
+                          worker_flags=("--retries", "2"))
+    assert read_line(process, 30).startswith("tokenq up: 2 workers ready")
+    children = children_of(process.pid)
+    assert len(children) == 3, log.read_text()
+    process.kill()
+    process.wait(timeout=10)
+    left = wait_gone(children, 20)
+    assert not left, f"outlived tokenq up: {left}\n{log.read_text()}"
+
+
+def test_up_restarts_a_killed_worker_and_a_killed_redis(tmp_path: Path, spawn: Spawn):
+    log = tmp_path / "up.log"
+    process, url = start_up(spawn, log, "--queue", "demo", workers=1)
+    assert read_line(process, 30).startswith("tokenq up: 1 workers ready")
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    q = QueueRef("demo")
+    (name,) = [n.decode() for n in client.hkeys(keys.workers(q))]
+    worker = beat_pid(client, q, name)
+    assert worker is not None
+    os.kill(worker, signal.SIGKILL)
+    # A new worker process (a new consumer name: it is a new process) heartbeats.
+    wait_for(lambda: any(pid not in (None, worker) and alive(pid)
+                         for pid in (beat_pid(client, q, n.decode())
+                                     for n in client.hkeys(keys.workers(q)))),
+             timeout=30, what="a restarted worker's heartbeat")
+    (server,) = [pid for pid in children_of(process.pid) if "redis-server" in Path(
+        f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    os.kill(server, signal.SIGKILL)
+
+    def answers() -> bool:
+        with contextlib.suppress(redis.RedisError):
+            return bool(client.ping())
+        return False
+
+    wait_for(answers, timeout=30, what="the restarted redis-server")
+    with Client(redis_url=url, queue="demo") as producer:
+        assert producer.infer("after both restarts", timeout_s=30).embedding
+    client.close()
+    process.send_signal(signal.SIGTERM)
+    assert exit_status(process, log, 30) == 0
+    text = log.read_text()
+    assert "exited with signal SIGKILL" in text and "restarting in 1.0s" in text
+    assert "restarted worker 0" in text and "restarted redis-server" in text
+
+
+def test_up_exits_2_when_its_workers_exit_2(tmp_path: Path, spawn: Spawn):
+    log, port = tmp_path / "up.log", free_ports(1)
+    with ports_taken(port, 1):
+        process, url = start_up(spawn, log, "--metrics-port", str(port), workers=1)
+        assert exit_status(process, log, 60) == 2
+    text = log.read_text()
+    assert "exit code 2" in text and "restarted" not in text
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+
+
+# ---------------------------------------------------- tokenq worker --devices
+
+
+def test_worker_devices_runs_one_child_per_gpu(redis_url, queue_name, r, spawn, tmp_path):
+    port = free_ports(2)  # child i serves metrics on port + i
+    log = tmp_path / "parent.log"
+    parent = start_devices(spawn, log, redis_url, queue_name,
+                           "--metrics-port", str(port), "--metrics-host", "127.0.0.1")
     q = QueueRef(queue_name)
-    try:
-        for name in ("box-gpu0", "box-gpu1"):
-            wait_for(lambda name=name: r.exists(keys.worker_alive(q, name)), timeout=30,
-                     what=f"{name}'s heartbeat")
-        for index, name in enumerate(("box-gpu0", "box-gpu1")):
-            beat = msgpack.unpackb(r.hget(keys.workers(q), name), raw=False)
-            environ = Path(f"/proc/{beat['pid']}/environ").read_bytes().split(b"\0")
-            assert f"CUDA_VISIBLE_DEVICES={index}".encode() in environ
-            cmdline = Path(f"/proc/{beat['pid']}/cmdline").read_bytes().split(b"\0")
-            assert b"cuda:0" in cmdline and b"--devices" not in cmdline
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port + index}/metrics").read()
-            assert f'consumer="{name}"'.encode() in text
-        parent.send_signal(signal.SIGTERM)
-        assert parent.wait(timeout=30) == 0
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
+    for name in ("box-gpu0", "box-gpu1"):
+        wait_for(lambda name=name: r.exists(keys.worker_alive(q, name)), timeout=30,
+                 what=f"{name}'s heartbeat")
+    for index, name in enumerate(("box-gpu0", "box-gpu1")):
+        beat = msgpack.unpackb(r.hget(keys.workers(q), name), raw=False)
+        environ = Path(f"/proc/{beat['pid']}/environ").read_bytes().split(b"\0")
+        assert f"CUDA_VISIBLE_DEVICES={index}".encode() in environ
+        cmdline = Path(f"/proc/{beat['pid']}/cmdline").read_bytes().split(b"\0")
+        assert b"cuda:0" in cmdline and b"--devices" not in cmdline
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port + index}/metrics").read()
+        assert f'consumer="{name}"'.encode() in text
+    parent.send_signal(signal.SIGTERM)
+    assert exit_status(parent, log, 30) == 0
     time.sleep(0.1)
     assert not r.hkeys(keys.workers(q)), "children deregistered on the way out"
+
+
+def test_worker_devices_children_die_with_the_parent_on_kill_9(
+    redis_url, queue_name, r, spawn, tmp_path,
+):
+    parent = start_devices(spawn, tmp_path / "parent.log", redis_url, queue_name)
+    q = QueueRef(queue_name)
+    for name in ("box-gpu0", "box-gpu1"):
+        wait_for(lambda name=name: beat_pid(r, q, name), timeout=30, what=f"{name}'s heartbeat")
+    children = children_of(parent.pid)
+    assert sorted(children) == sorted(beat_pid(r, q, n) for n in ("box-gpu0", "box-gpu1"))
+    parent.kill()
+    parent.wait(timeout=10)
+    assert not wait_gone(children, 10), "the children outlived their parent"
+    # They got SIGTERM: each finished and deregistered.
+    assert not r.hkeys(keys.workers(q))
+
+
+def test_worker_devices_restarts_a_child_that_dies(redis_url, queue_name, r, spawn, tmp_path):
+    log = tmp_path / "parent.log"
+    parent = start_devices(spawn, log, redis_url, queue_name)
+    q = QueueRef(queue_name)
+    for name in ("box-gpu0", "box-gpu1"):
+        wait_for(lambda name=name: beat_pid(r, q, name), timeout=30, what=f"{name}'s heartbeat")
+    first, other = beat_pid(r, q, "box-gpu1"), beat_pid(r, q, "box-gpu0")
+    assert first is not None
+    os.kill(first, signal.SIGKILL)  # a non-zero exit, as a crash would be
+    wait_for(lambda: beat_pid(r, q, "box-gpu1") not in (None, first), timeout=30,
+             what="the restarted child's heartbeat")
+    second = beat_pid(r, q, "box-gpu1")
+    assert second in children_of(parent.pid) and not alive(first)
+    assert beat_pid(r, q, "box-gpu0") == other, "the other child was left alone"
+    parent.send_signal(signal.SIGTERM)
+    assert exit_status(parent, log, 30) == 0
+    text = log.read_text()
+    assert f"box-gpu1 (pid {first}) exited with signal SIGKILL" in text
+    assert f"restarted box-gpu1 (pid {second}; restart 1)" in text
+
+
+def test_worker_devices_exit_2_is_final_and_the_parent_exits_2(
+    redis_url, queue_name, spawn, tmp_path,
+):
+    log, port = tmp_path / "parent.log", free_ports(2)
+    with ports_taken(port, 2):  # neither child can serve its metrics: a configuration error
+        parent = start_devices(spawn, log, redis_url, queue_name, "--metrics-port", str(port))
+        assert exit_status(parent, log, 60) == 2
+    text = log.read_text()
+    assert text.count("exit code 2") == 2 and "restarted" not in text
+
+
+def test_worker_devices_exit_0_is_final(redis_url, queue_name, spawn, tmp_path):
+    log = tmp_path / "parent.log"
+    parent = start_devices(spawn, log, redis_url, queue_name, "--exit-when-idle-s", "0.5")
+    assert exit_status(parent, log, 60) == 0
+    text = log.read_text()
+    assert text.count("exited with exit code 0") == 2 and "restarted" not in text
 
 
 def test_device_commands_strip_per_child_flags():

@@ -6,9 +6,13 @@ processes, and prints one line saying where to enqueue::
 
     tokenq up: enqueue to redis://127.0.0.1:PORT/0 queue NAME
 
-Ctrl-C or SIGTERM stops the workers first (each finishes and answers what it
-read), then Redis, then removes the temporary directory. Flags after ``--``
-go to every worker unchanged (``tokenq up -- --max-batch-tokens 4096``).
+Every child is supervised (:mod:`tokenq.worker.children`): one that fails is
+restarted with backoff — redis-server on the same port and data directory,
+so the AOF brings the queue back — and all of them die with ``tokenq up``,
+even when it is SIGKILLed. Ctrl-C or SIGTERM stops the workers first (each
+finishes and answers what it read), then Redis, then removes the temporary
+directory. Flags after ``--`` go to every worker unchanged
+(``tokenq up -- --max-batch-tokens 4096``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,12 +34,14 @@ from tokenq.shared import keys
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import UpSettings
 from tokenq.worker import logs
-from tokenq.worker.embedded import RedisServer
-from tokenq.worker.supervise import PER_CHILD_ENV, Children
+from tokenq.worker.children import Child, Supervisor, describe_exit
+from tokenq.worker.embedded import find_redis_server, free_port
+from tokenq.worker.supervise import PER_CHILD_ENV
 
 log = logging.getLogger("tokenq.worker")
 
-_POLL_S = 0.2
+_REDIS_START_S = 10.0
+_REDIS_STOP_S = 10.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,58 +71,116 @@ def worker_command(settings: UpSettings, redis_url: str, index: int,
     return command + list(extra)
 
 
+def redis_command(directory: Path, port: int) -> list[str]:
+    """The private redis-server: loopback only, AOF on (everysec), ``noeviction``.
+
+    The same settings as :class:`tokenq.worker.embedded.RedisServer` with
+    ``appendonly=True``; started here as a supervised child instead.
+    """
+    return [
+        find_redis_server(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(directory),
+        "--save", "",
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--maxmemory-policy", "noeviction",
+    ]
+
+
 def up(settings: UpSettings, worker_flags: Sequence[str]) -> int:
     logs.configure("INFO", json_lines=False)
-    server: RedisServer | None = None
     temp_dir: str | None = None
-    children = Children()
-    children.install_signal_handlers()  # before anything starts: Ctrl-C always cleans up
+    supervisor = Supervisor(stop_timeout_s=settings.stop_timeout_s)
+    supervisor.install_signal_handlers()  # before anything starts: Ctrl-C always cleans up
+    server: Child | None = None
+    workers: list[Child] = []
     try:
         redis_url = settings.redis_url
         if redis_url is None:
             if settings.data_dir is None:
                 temp_dir = tempfile.mkdtemp(prefix="tokenq-up-")
             directory = settings.data_dir or Path(temp_dir or ".")
-            server = RedisServer(directory, port=settings.port or None, appendonly=True)
-            server.start()
-            redis_url = server.url
+            directory.mkdir(parents=True, exist_ok=True)
+            port = settings.port or free_port()
+            redis_url = f"redis://127.0.0.1:{port}/0"
+            # Its own session: a Ctrl-C at the terminal reaches the workers and
+            # ``tokenq up``, which stops the server last, after the workers published.
+            server = supervisor.start(
+                "redis-server", redis_command(directory, port), os.environ, new_session=True,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            if not _wait_for_redis(supervisor, server, redis_url):
+                return 0 if supervisor.stopping else 1  # a stop during start is clean
             log.info("redis-server on %s (AOF on, data in %s)", redis_url, directory)
         # Worker settings pass through as TOKENQ_*; names, ports and devices are per worker.
         env = {k: v for k, v in os.environ.items() if k not in PER_CHILD_ENV}
         env.setdefault("PYTHONUNBUFFERED", "1")
         for index in range(settings.workers):
-            if children.stopping:
+            if supervisor.stopping:
                 break
             command = worker_command(settings, redis_url, index, worker_flags)
-            children.start(f"worker {index}", command, env)
-        print(f"tokenq up: enqueue to {redis_url} queue {settings.queue}", flush=True)
-        _watch(children, redis_url, settings)
+            workers.append(supervisor.start(f"worker {index}", command, env))
+        if not supervisor.stopping:
+            print(f"tokenq up: enqueue to {redis_url} queue {settings.queue}", flush=True)
+            _watch(supervisor, server, workers, redis_url, settings)
     finally:
-        if children.running:
-            children.stop(settings.stop_timeout_s)
+        supervisor.stop(workers)
         if server is not None:
-            server.stop()
+            supervisor.stop([server], _REDIS_STOP_S)
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
-        children.restore_signal_handlers()
-    return children.exit_code()
+        supervisor.restore_signal_handlers()
+    return supervisor.exit_code()
 
 
-def _watch(children: Children, redis_url: str, settings: UpSettings) -> None:
-    """Report when the workers are ready; return when all exited or a stop signal came."""
-    q = keys.QueueRef(settings.queue, settings.prefix)
-    ready = settings.workers == 0
-    client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+def _wait_for_redis(supervisor: Supervisor, server: Child, url: str) -> bool:
+    """True once the new server answers PING; False if it exits or a stop comes first."""
+    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    deadline = time.monotonic() + _REDIS_START_S
     try:
-        while not children.stopping and (children.running or settings.workers == 0):
-            if not ready:
-                with contextlib.suppress(redis.RedisError):  # Redis busy starting: ask again
-                    ready = client.hlen(keys.workers(q)) >= settings.workers
-                if ready:
-                    print(f"tokenq up: {settings.workers} workers ready "
-                          f"(tokenq stats --redis-url {redis_url})", flush=True)
-            time.sleep(_POLL_S)
-        if not children.stopping:
+        while time.monotonic() < deadline and not supervisor.stopping:
+            with contextlib.suppress(redis.RedisError):
+                client.ping()
+                return True
+            if server.process is not None and server.process.poll() is not None:
+                log.error("redis-server exited with %s at start (port taken? see --port)",
+                          describe_exit(server.process.returncode))
+                return False
+            time.sleep(0.05)
+        if not supervisor.stopping:
+            log.error("redis-server did not answer on %s within %.0fs", url, _REDIS_START_S)
+        return False
+    finally:
+        client.close()
+
+
+def _watch(supervisor: Supervisor, server: Child | None, workers: list[Child],
+           redis_url: str, settings: UpSettings) -> None:
+    """Report when the workers are ready; return on a stop signal, when every worker
+    is done (exited and not to be restarted), or when the private Redis is."""
+    q = keys.QueueRef(settings.queue, settings.prefix)
+    ready = not workers
+    client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
+
+    def done() -> bool:
+        nonlocal ready
+        if server is not None and server.finished:
+            log.error("redis-server exited with %s; stopping", describe_exit(server.returncode))
+            return True
+        if workers and not any(worker.live for worker in workers):
             log.warning("every worker exited; stopping")
+            return True
+        if not ready:
+            with contextlib.suppress(redis.RedisError):  # Redis busy starting: ask again
+                ready = client.hlen(keys.workers(q)) >= len(workers)
+            if ready:
+                print(f"tokenq up: {len(workers)} workers ready "
+                      f"(tokenq stats --redis-url {redis_url})", flush=True)
+        return False
+
+    try:
+        supervisor.run(done)
     finally:
         client.close()

@@ -1,0 +1,473 @@
+"""Child processes that are restarted when they fail and die with their parent.
+
+``tokenq worker --devices 0,1`` (one worker per GPU) and ``tokenq up`` (a
+private redis-server and N workers) are both small supervisors built on
+:class:`Supervisor`:
+
+- **Restarts.** A child that exits non-zero is started again after a backoff
+  (:class:`RestartPolicy`: 1 s doubling to 30 s, back to 1 s once a child has
+  run 60 s). Exit code 0 (a clean stop, e.g. ``exit_when_idle_s``) and 2 (a
+  configuration or usage error, which a restart cannot fix) are final. Each
+  exit and restart is logged with its code.
+- **Stop.** The first SIGTERM/SIGINT stops the supervisor: children get
+  SIGTERM (a worker then finishes and answers what it read), up to a stop
+  timeout, then SIGKILL. A second signal (more than a second later: one stop
+  sent to a whole process group arrives twice) SIGKILLs them at once.
+- **Death of the parent.** Children never outlive the supervisor, even when
+  it is SIGKILLed: on Linux each child is started with
+  ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (kept across ``exec``); elsewhere it
+  runs under a small guard process (``python -m tokenq.worker.children``) that
+  polls its parent's pid and SIGTERMs the child when the parent is gone.
+
+``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not
+the process: start and restart children from the thread that lives as long
+as the supervisor does (the main thread; :meth:`Supervisor.run` restarts from
+the thread that calls it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Literal
+
+log = logging.getLogger("tokenq.worker")
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+"""A configuration or usage error: restarting cannot help."""
+EXIT_HUNG = 3
+"""A batch hung past ``batch_timeout_s`` (the worker's watchdog)."""
+EXIT_FATAL = 4
+"""Redis unreachable past its retries, or an internal error."""
+
+_MEANINGS = {
+    EXIT_OK: "clean stop",
+    1: "error",
+    EXIT_USAGE: "configuration or usage error",
+    EXIT_HUNG: "a batch hung past batch_timeout_s",
+    EXIT_FATAL: "fatal: Redis unreachable or internal error",
+}
+
+_POLL_S = 0.1
+_REPEAT_S = 1.0
+"""A second stop signal within this time is the same stop, not a request to kill."""
+_KILL_WAIT_S = 10.0
+_GUARD_POLL_S = 0.5
+
+DeathMode = Literal["auto", "prctl", "guard", "none"]
+
+
+def describe_exit(code: int | None) -> str:
+    """``exit code 3 (a batch hung past batch_timeout_s)``, ``signal SIGKILL``, ..."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    meaning = _MEANINGS.get(code)
+    return f"exit code {code}" + (f" ({meaning})" if meaning else "")
+
+
+def shell_status(code: int) -> int:
+    """A child's return code as a shell exit status (a signal N is 128 + N)."""
+    return code if code >= 0 else 128 - code
+
+
+# ---------------------------------------------------------------- the policy
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a child that exited is started again: pure, no clock, no I/O.
+
+    The first restart waits ``initial_s``; each further one doubles the wait,
+    up to ``max_s``. A child that ran at least ``reset_after_s`` before it
+    exited is back at ``initial_s`` (it was healthy; this is a new failure).
+    Exit codes in ``final_codes`` are never restarted.
+    """
+
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+    final_codes: frozenset[int] = frozenset({EXIT_OK, EXIT_USAGE})
+
+    def delay(self, code: int, ran_s: float, previous_s: float | None) -> float | None:
+        """Seconds to wait before restarting, or None: do not restart.
+
+        ``code`` is the child's return code (negative: killed by that signal),
+        ``ran_s`` how long it ran, ``previous_s`` the delay before its last
+        restart (None if it has not been restarted yet).
+        """
+        if code in self.final_codes:
+            return None
+        if previous_s is None or ran_s >= self.reset_after_s:
+            return self.initial_s
+        return min(previous_s * 2, self.max_s)
+
+
+# ------------------------------------------------------ dying with the parent
+
+
+def _load_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_PRCTL = _load_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _death_mode(mode: DeathMode) -> DeathMode:
+    if mode == "auto":
+        return "prctl" if _PRCTL is not None else "guard"
+    if mode == "prctl" and _PRCTL is None:
+        raise RuntimeError("prctl(PR_SET_PDEATHSIG) needs Linux")
+    return mode
+
+
+def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
+    """Run in the child between fork and exec: SIGTERM me when ``parent`` dies."""
+    prctl = _PRCTL
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above: too late to ask
+            os._exit(1)
+
+    return preexec
+
+
+def guarded(argv: Sequence[str], parent: int | None = None) -> list[str]:
+    """``argv`` run under the guard that ends it when ``parent`` (default: us) exits."""
+    return [sys.executable, "-m", "tokenq.worker.children", str(parent or os.getpid()),
+            *argv]
+
+
+def _guard_main(args: Sequence[str]) -> int:
+    """``python -m tokenq.worker.children PARENT_PID COMMAND...``.
+
+    Runs COMMAND, forwards SIGTERM/SIGINT/SIGHUP to it, exits as it exits
+    (the same code, or the same signal), and SIGTERMs it (SIGKILL 30 s later)
+    once PARENT_PID is no longer this process's parent.
+    """
+    if len(args) < 2 or not args[0].isdigit():
+        print("usage: python -m tokenq.worker.children PARENT_PID COMMAND...", file=sys.stderr)
+        return EXIT_USAGE
+    parent = int(args[0])
+    pending: list[int] = []  # signals that came before the child existed
+    started: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if not started:
+            pending.append(signum)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            started[0].send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    child = subprocess.Popen(list(args[1:]))
+    started.append(child)
+    for signum in pending:
+        child.send_signal(signum)
+    orphaned_at: float | None = None
+    while True:
+        try:
+            code = child.wait(timeout=_GUARD_POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        if orphaned_at is None and os.getppid() != parent:
+            orphaned_at = time.monotonic()
+            child.terminate()
+        elif orphaned_at is not None and time.monotonic() - orphaned_at > 30.0:
+            child.kill()
+    if code < 0:  # die the way the child died, so the supervisor sees the same code
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        return shell_status(code)  # a signal whose default is not to terminate
+    return code
+
+
+# ----------------------------------------------------------------- the parent
+
+
+@dataclass
+class Child:
+    """One supervised command: its current process, and its restart history."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    restart: bool = True
+    popen: dict[str, Any] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    returncode: int | None = None
+    """The last exit's return code (None while the first process runs)."""
+    restarts: int = 0
+    restart_at: float | None = None
+    """When the pending restart is due (monotonic), or None."""
+    delay_s: float | None = None
+    """The delay before the last restart (the policy doubles it)."""
+    finished: bool = False
+    """Exited and will not be started again."""
+    _alive: bool = False
+    """The current process was started and its exit not yet handled."""
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def running(self) -> bool:
+        """The current process has not been seen to exit by the supervisor."""
+        return self._alive
+
+    @property
+    def live(self) -> bool:
+        """Running, or due to be restarted."""
+        return self.running or self.restart_at is not None
+
+
+class Supervisor:
+    """Children, restarted by a :class:`RestartPolicy`, stopped together, never orphaned.
+
+    Drive it from the main thread: :meth:`start` the children, then
+    :meth:`run` (or call :meth:`poll` in a loop of your own), then
+    :meth:`stop` in a ``finally``. Signal handlers only record the stop;
+    the loop acts on it within ``poll_s``.
+    """
+
+    def __init__(
+        self,
+        policy: RestartPolicy | None = None,
+        *,
+        stop_timeout_s: float = 30.0,
+        poll_s: float = _POLL_S,
+        die_with_parent: DeathMode = "auto",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy or RestartPolicy()
+        self.stop_timeout_s = stop_timeout_s
+        self.poll_s = poll_s
+        self.death_mode = _death_mode(die_with_parent)
+        self.clock = clock
+        self.children: list[Child] = []
+        self._signals = 0
+        self._first_signal = 0.0
+        self._stop_requested = False
+        self._previous: dict[int, object] = {}
+
+    # ------------------------------------------------------------- starting
+
+    def start(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str], *,
+        restart: bool = True, new_session: bool = False, **popen: Any,
+    ) -> Child:
+        """Start ``argv`` as child ``name``; ``popen`` goes to :class:`subprocess.Popen`.
+
+        ``new_session``: its own session, so a Ctrl-C at the terminal does not
+        reach it directly (``tokenq up``'s redis-server is stopped last).
+        """
+        if new_session:
+            popen["start_new_session"] = True
+        child = Child(name, list(argv), dict(env), restart=restart, popen=popen)
+        self.children.append(child)
+        self._spawn(child)
+        log.info("started %s (pid %d)", name, child.pid)
+        return child
+
+    def _spawn(self, child: Child) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("starting %s off the main thread: it dies when this thread does", child.name)
+        argv, popen = child.argv, dict(child.popen)
+        if self.death_mode == "prctl":
+            popen["preexec_fn"] = _pdeathsig_preexec(os.getpid())
+        elif self.death_mode == "guard":
+            argv = guarded(argv)
+        child.process = subprocess.Popen(argv, env=child.env, **popen)
+        child.started_at = self.clock()
+        child._alive = True
+
+    # -------------------------------------------------------------- signals
+
+    def install_signal_handlers(self) -> None:
+        """First SIGTERM/SIGINT: stop (see :meth:`run`); a later second one: SIGKILL all."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def restore_signal_handlers(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if self._signals and now - self._first_signal < _REPEAT_S:
+            return  # the same stop sent to the whole process group (timeout(1), a shell)
+        self._signals += 1
+        if self._signals == 1:
+            self._first_signal = now
+            self._stop_requested = True
+            names = ", ".join(child.name for child in self.children if child.running)
+            log.info("signal %s: stopping %s", signal.Signals(signum).name, names or "(none)")
+        else:
+            log.warning("second signal: killing children")
+            self.kill()
+
+    def request_stop(self) -> None:
+        """What a stop signal does: no more restarts; :meth:`run` returns."""
+        self._stop_requested = True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def running(self) -> int:
+        return sum(child.running for child in self.children)
+
+    def poll(self) -> list[Child]:
+        """Notice exits, schedule restarts, start those that are due; the children that exited."""
+        exited = []
+        now = self.clock()
+        for child in self.children:
+            process = child.process
+            if process is not None and child.running and process.poll() is not None:
+                exited.append(child)
+                self._on_exit(child, process, now)
+            if child.restart_at is not None and now >= child.restart_at and not self.stopping:
+                child.restart_at = None
+                child.restarts += 1
+                self._spawn(child)
+                log.warning("restarted %s (pid %d; restart %d)", child.name, child.pid,
+                            child.restarts)
+        return exited
+
+    def _on_exit(self, child: Child, process: subprocess.Popen[bytes], now: float) -> None:
+        code = process.returncode
+        child.returncode = code
+        child._alive = False
+        ran = now - child.started_at
+        what = (f"{child.name} (pid {process.pid}) exited with {describe_exit(code)} "
+                f"after {ran:.1f}s")
+        if self.stopping or child.finished:
+            child.finished = True
+            log.info("%s", what)
+            return
+        delay = self.policy.delay(code, ran, child.delay_s) if child.restart else None
+        if delay is None:
+            child.finished = True
+            if code == 0:
+                log.info("%s; not restarting", what)
+            else:
+                log.error("%s; not restarting", what)
+            return
+        child.delay_s = delay
+        child.restart_at = now + delay
+        log.warning("%s; restarting in %.1fs", what, delay)
+
+    def run(self, until: Callable[[], object] | None = None) -> None:
+        """Poll until a stop is requested, ``until()`` is true, or (without
+        ``until``) no child is running or due to restart."""
+        while True:
+            self.poll()
+            if self.stopping:
+                return
+            if until is not None:
+                if until():
+                    return
+            elif not any(child.live for child in self.children):
+                return
+            time.sleep(self.poll_s)
+
+    # -------------------------------------------------------------- stopping
+
+    def send(self, sig: int, children: Iterable[Child] | None = None) -> None:
+        for child in self.children if children is None else children:
+            if child.running and child.process is not None:
+                with contextlib.suppress(ProcessLookupError):  # exited just now
+                    child.process.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL every running child now (safe in a signal handler: no waiting)."""
+        self._stop_requested = True
+        for child in self.children:
+            child.restart_at = None
+            process = child.process
+            if process is not None and process.returncode is None:  # not reaped: still our pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+
+    def wait(self, children: Sequence[Child] | None = None, timeout: float | None = None) -> bool:
+        """Wait until ``children`` (default all) exited (True) or ``timeout`` passed (False)."""
+        chosen = self.children if children is None else children
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.poll()
+            if not any(child.running for child in chosen):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(self.poll_s)
+
+    def stop(self, children: Sequence[Child] | None = None,
+             timeout_s: float | None = None) -> None:
+        """SIGTERM ``children`` (default all), wait the stop timeout, SIGKILL whoever is left.
+
+        The supervisor is stopping from then on: nothing is restarted any more
+        (``tokenq up`` stops its workers first, then Redis).
+        """
+        self._stop_requested = True
+        chosen = list(self.children if children is None else children)
+        timeout = self.stop_timeout_s if timeout_s is None else timeout_s
+        for child in chosen:
+            child.finished = True
+            child.restart_at = None
+        if not any(child.running for child in chosen):
+            self.poll()
+            return
+        self.send(signal.SIGTERM, chosen)
+        if not self.wait(chosen, timeout):
+            names = ", ".join(child.name for child in chosen if child.running)
+            log.warning("still running after %gs: %s; killing", timeout, names)
+            self.send(signal.SIGKILL, chosen)
+            self.wait(chosen, _KILL_WAIT_S)
+
+    def exit_code(self) -> int:
+        """The parent's exit status: 0 when every child ended cleanly (a stop
+        signal counts), else the first child's failure (as a shell status)."""
+        for child in self.children:
+            code = child.returncode
+            if code not in (None, 0, -signal.SIGTERM, -signal.SIGINT):
+                return shell_status(code)
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_guard_main(sys.argv[1:]))
