@@ -94,22 +94,32 @@ class DeadLetterPolicy:
 
 
 TRUNCATED_FIELD = "dead_truncated"
-"""Names the fields a dead letter cut to stay within its byte cap (comma-separated)."""
+"""Names the fields a dead letter cut to stay within its caps (comma-separated)."""
+
+MAX_LETTER_FIELDS = 256
+"""Most of an entry's own fields a dead letter keeps (a stream entry may have thousands;
+``publish.lua`` builds its XADD on Lua's stack, which holds about 8,000 values)."""
+
+MAX_TRUNCATED_NAMES = 16
+"""Most field names ``dead_truncated`` lists; any further cut is counted as ``+N more``."""
 
 _DEAD_PREFIX = b"dead_"
 
 
 def capped_fields(
     fields: Mapping[bytes | str, bytes | str], max_bytes: int
-) -> tuple[list[tuple[bytes, bytes]], list[str]]:
-    """An entry's fields for its dead letter, within ``max_bytes``, and the names cut.
+) -> tuple[list[tuple[bytes, bytes]], str]:
+    """An entry's fields for its dead letter within the caps, and the ``dead_truncated`` value.
 
-    Fields are kept in order while the budget lasts; a value that does not fit
-    is cut to what is left (so a huge ``text`` keeps its beginning, enough to
-    recognise it), and any field past the budget is dropped. Earlier
-    ``dead_*`` fields (a letter retried and dead again) are left out, as the
-    new ones replace them. ``publish.lua`` applies the same rule when it
-    dead-letters from the stream itself.
+    Fields are kept in order while ``max_bytes`` and :data:`MAX_LETTER_FIELDS`
+    last; a value that does not fit is cut to what is left (so a huge ``text``
+    keeps its beginning, enough to recognise it), and any field past a cap is
+    dropped. Earlier ``dead_*`` fields (a letter retried and dead again) are
+    left out, as the new ones replace them. The names cut, each at most 64
+    characters, at most :data:`MAX_TRUNCATED_NAMES` of them and then a count,
+    make the second value ("" when nothing was cut), so the letter's size is
+    bounded whatever the entry holds. ``publish.lua`` applies the same rule
+    when it dead-letters from the stream itself.
     """
     kept: list[tuple[bytes, bytes]] = []
     cut: list[str] = []
@@ -120,7 +130,7 @@ def capped_fields(
             continue
         data = value if isinstance(value, bytes) else value.encode("utf-8", "surrogatepass")
         label = name[:64].decode("utf-8", "replace")
-        if len(name) > room:
+        if len(name) > room or len(kept) >= MAX_LETTER_FIELDS:
             cut.append(label)
             continue
         room -= len(name)
@@ -129,7 +139,14 @@ def capped_fields(
             data = data[:room]
         room -= len(data)
         kept.append((name, data))
-    return kept, cut
+    return kept, truncated_names(cut)
+
+
+def truncated_names(cut: Sequence[str]) -> str:
+    """The ``dead_truncated`` value for the names cut, in order, bounded."""
+    shown = ",".join(cut[:MAX_TRUNCATED_NAMES])
+    more = len(cut) - MAX_TRUNCATED_NAMES
+    return f"{shown},+{more} more" if more > 0 else shown
 
 
 def dead_answer(
@@ -155,7 +172,7 @@ def dead_answer(
     if reply_to is None and known_id is not None:
         reply_to = policy.default_reply_to(known_id)
     original, cut = capped_fields(fields, policy.max_letter_bytes)
-    truncated = ((TRUNCATED_FIELD, ",".join(cut)),) if cut else ()
+    truncated = ((TRUNCATED_FIELD, cut),) if cut else ()
     record = (
         *original,
         *truncated,

@@ -163,6 +163,7 @@ class Worker:
         self._own_client = client is None
         self._batch_log = BatchLog(settings.batch_log)
         self._stopping = asyncio.Event()
+        self._closing = asyncio.Event()
         self._wake = asyncio.Event()
         self._space = asyncio.Event()
         self._answers: asyncio.Queue[list[Answer] | None] = asyncio.Queue(maxsize=8)
@@ -245,10 +246,12 @@ class Worker:
         try:
             await _first_failure(tasks, watchdog)
         finally:
-            for task in (*tasks, watchdog):
+            # redis-py can swallow a cancel that lands inside a command, so
+            # the loops also watch _closing, and the wait for them is bounded.
+            self._closing.set()
+            for task in (*tasks, watchdog, beat):
                 task.cancel()
-            beat.cancel()
-            await asyncio.gather(beat, watchdog, *tasks, return_exceptions=True)
+            await asyncio.wait({beat, watchdog, *tasks}, timeout=_STOP_GRACE_S)
             try:
                 await asyncio.wait_for(
                     presence.leave(self.client, self.queue, self.consumer), _STOP_GRACE_S
@@ -764,7 +767,7 @@ class Worker:
 
     async def _beat_loop(self) -> None:
         ttl_ms = int(self.settings.heartbeat_s * 3000)
-        while not self._hung:
+        while not (self._hung or self._closing.is_set()):
             try:
                 await presence.beat(self.client, self.queue, self.consumer, self.status(), ttl_ms)
                 await self._keep_claims_fresh()
@@ -775,7 +778,7 @@ class Worker:
                 # A heartbeat that stops lets other workers take this one's work;
                 # whatever went wrong, log it and keep beating.
                 log.exception("heartbeat failed unexpectedly")
-            await asyncio.sleep(self.settings.heartbeat_s)
+            await _wait(self._closing, self.settings.heartbeat_s)
 
     async def _keep_claims_fresh(self) -> None:
         """Reset the idle time of entries this worker holds, so nobody claims them.

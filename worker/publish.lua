@@ -4,7 +4,7 @@
 -- reply_to must carry the same tag under Cluster):
 --   KEYS[1]     <prefix>:{q}:requests   stream  XPENDING (ownership), XRANGE, XACK, XDEL
 --   KEYS[2]     <prefix>:{q}:dead       stream  XADD MAXLEN ~ (dead letters only)
---   KEYS[3..]   reply keys              list    RPUSH, then PEXPIRE once each
+--   KEYS[3..]   reply keys              list    RPUSH, and PEXPIRE at the first push to each
 --
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
 -- ARGV[5] dead_max_letter_bytes (cap on the entry's own fields in a dead letter)
@@ -54,31 +54,46 @@ local function write_letter(record)
   end
 end
 
--- The entry's own fields within letter_bytes, as jobs.capped_fields does:
--- in order, the value that does not fit cut to what is left, the rest dropped,
--- old dead_* fields left out; the names cut go in dead_truncated.
+-- The entry's own fields within letter_bytes and max_fields, as
+-- jobs.capped_fields does: in order, the value that does not fit cut to what
+-- is left, the rest dropped, old dead_* fields left out; dead_truncated names
+-- what was cut (at most max_names names of 64 bytes, then "+N more"), so a
+-- letter's size and its XADD's length are bounded whatever the entry holds.
+local max_fields, max_names = 256, 16
 local function copy_capped(fields, record)
-  local room, cut = letter_bytes, {}
+  local room, kept, cut = letter_bytes, 0, {}
+  local function cut_one(name)
+    cut[#cut + 1] = string.sub(name, 1, 64)
+  end
   for j = 1, #fields, 2 do
     local name, value = fields[j], fields[j + 1]
     if string.sub(name, 1, 5) ~= "dead_" then
-      if #name > room then
-        cut[#cut + 1] = string.sub(name, 1, 64)
+      if #name > room or kept >= max_fields then
+        cut_one(name)
       else
         room = room - #name
         if #value > room then
-          cut[#cut + 1] = string.sub(name, 1, 64)
+          cut_one(name)
           value = string.sub(value, 1, room)
         end
         room = room - #value
+        kept = kept + 1
         record[#record + 1] = name
         record[#record + 1] = value
       end
     end
   end
   if #cut > 0 then
+    local shown = {}
+    for i = 1, math.min(#cut, max_names) do
+      shown[i] = cut[i]
+    end
+    local names = table.concat(shown, ",")
+    if #cut > max_names then
+      names = names .. ",+" .. (#cut - max_names) .. " more"
+    end
     record[#record + 1] = "dead_truncated"
-    record[#record + 1] = table.concat(cut, ",")
+    record[#record + 1] = names
   end
 end
 
@@ -126,7 +141,10 @@ for _ = 1, n do
           undeliverable_letter(entry_id, mine[1][4], why)
         end
         undeliverable = undeliverable + 1
-      else
+      elseif not touched[reply] then
+        -- At the first push, not at the end: a reply key must never be left
+        -- without a TTL, even if something later in this call fails.
+        redis.call("PEXPIRE", KEYS[reply], ttl_ms)
         touched[reply] = true
       end
     end
@@ -135,8 +153,5 @@ for _ = 1, n do
     published = published + 1
   end
   pos = pos + 4 + 2 * k
-end
-for reply, _ in pairs(touched) do
-  redis.call("PEXPIRE", KEYS[reply], ttl_ms)
 end
 return {published, undeliverable, unwritten}
