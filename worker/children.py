@@ -49,14 +49,14 @@ EXIT_USAGE = 2
 EXIT_HUNG = 3
 """A batch hung past ``batch_timeout_s`` (the worker's watchdog)."""
 EXIT_FATAL = 4
-"""Redis unreachable past its retries, or an internal error."""
+"""The worker itself failed: the device was lost (a sticky CUDA error) or an internal error."""
 
 _MEANINGS = {
     EXIT_OK: "clean stop",
     1: "error",
     EXIT_USAGE: "configuration or usage error",
     EXIT_HUNG: "a batch hung past batch_timeout_s",
-    EXIT_FATAL: "fatal: Redis unreachable or internal error",
+    EXIT_FATAL: "fatal: the device was lost or an internal error",
 }
 
 _POLL_S = 0.1

@@ -1,6 +1,7 @@
 """``tokenq worker``: parse settings, load the backend, serve until a signal.
 
-Exit codes (supervisors act on them; docs/OPERATIONS.md lists them):
+Exit codes (defined in :mod:`tokenq.worker.children`, whose supervisors act
+on them; docs/OPERATIONS.md lists them):
 
 * 0 — stopped cleanly (a signal, or ``--exit-when-idle-s``);
 * 2 — bad settings or a model the settings cannot serve: restarting cannot help;
@@ -25,16 +26,13 @@ from pydantic_settings import CliApp, SettingsError
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker import logs, metrics
+from tokenq.worker.children import EXIT_FATAL, EXIT_HUNG, EXIT_OK, EXIT_USAGE
 from tokenq.worker.loop import Worker, WorkerHung
 from tokenq.worker.plugins import load_backend
 from tokenq.worker.supervise import run_per_device
 
 log = logging.getLogger("tokenq.worker")
 
-EXIT_OK = 0
-EXIT_CONFIG = 2
-EXIT_HUNG = 3
-EXIT_FAILED = 4
 
 
 def parse_settings(argv: Sequence[str]) -> WorkerSettings:
@@ -90,11 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         print(f"tokenq worker: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return EXIT_USAGE
     except Exception as exc:
-        log.critical("worker failed, exiting %d: %s: %s", EXIT_FAILED, type(exc).__name__, exc,
+        log.critical("worker failed, exiting %d: %s: %s", EXIT_FATAL, type(exc).__name__, exc,
                      exc_info=exc)
-        return EXIT_FAILED
+        return EXIT_FATAL
     return EXIT_OK
 
 
