@@ -366,12 +366,15 @@ class Worker:
             self._wake.set()
 
     async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
-        """Run one read, abandoning it when the worker is told to stop (None).
+        """Run one read; once the worker is told to stop, give it only a short grace.
 
-        A read can spend its whole retry budget on an unreachable Redis; a
-        stop must not wait for that. An abandoned XREADGROUP may still have
-        delivered entries to this consumer: they stay pending to it and the
-        safety net (or a restart's history read) hands them out again.
+        A read that Redis answers (a blocking XREADGROUP returns within
+        ``block_ms``) is let finish and its entries are taken and answered: an
+        abandoned read may already have delivered entries to this consumer.
+        Only a read still unanswered after the grace — Redis down or frozen,
+        redis-py spending its retries — is abandoned (None), so a stop never
+        waits for that; whatever it delivered stays pending to this consumer
+        and the safety net (or a restart's history read) hands it out again.
         """
         task = asyncio.ensure_future(read)
         stopped = asyncio.ensure_future(self._stopping.wait())
@@ -379,6 +382,8 @@ class Worker:
             await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             stopped.cancel()
+        if not task.done():
+            await asyncio.wait({task}, timeout=self.settings.block_ms / 1000 + 1.0)
         if task.done():
             return task.result()
         task.cancel()
