@@ -17,10 +17,10 @@ tokens exactly with the queue's tokenizer.json when the optional
 ``tokenizers`` package can load it (see docs/ESTIMATES.md).
 """
 
-from tokenq.producer._config import HEURISTIC_MARGIN, InputTooLong
-from tokenq.producer._core import Estimator, ReplyTimeout, Result
 from tokenq.producer.aio import AsyncClient
 from tokenq.producer.client import Client
+from tokenq.producer.config import HEURISTIC_MARGIN, InputTooLong
+from tokenq.producer.core import Estimator, ReplyTimeout, Result
 from tokenq.producer.estimate import estimate_tokens
 from tokenq.producer.tokenizer import TokenizerEstimator
 from tokenq.shared.errors import (

@@ -15,7 +15,7 @@ deadline plus ``DEADLINE_GRACE_S`` (the task is then cancelled, which
 disconnects its connection: a reply that arrives later can never be read as
 another command's). Inside that task the caller's deadline also bounds
 redis-py's socket and pool waits and its retries (see
-:mod:`tokenq.producer._core`), so an abandoned command does not linger.
+:mod:`tokenq.producer.core`), so an abandoned command does not linger.
 
 The config hash is re-read as by the sync client: the first caller that
 finds the cached copy stale starts one read as a task of its own (shielded:
@@ -39,8 +39,8 @@ import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry
 
-from tokenq.producer._config import DEFAULT_CONFIG_TTL_S
-from tokenq.producer._core import (
+from tokenq.producer.config import DEFAULT_CONFIG_TTL_S
+from tokenq.producer.core import (
     BACKOFF_BASE_S,
     BACKOFF_CAP_S,
     CALLER_DEADLINE,

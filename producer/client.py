@@ -1,6 +1,6 @@
 """The synchronous producer client: enqueue texts, wait for their replies.
 
-All decisions live in :mod:`tokenq.producer._core`; this module only talks to
+All decisions live in :mod:`tokenq.producer.core`; this module only talks to
 Redis. Every wait is a loop of bounded BLPOPs (each shorter than the socket
 timeout) that ends at the caller's deadline, so no call can hang; Redis being
 unreachable until then is reported as :class:`BrokerUnavailable`, a missing
@@ -9,7 +9,7 @@ instance may be shared by threads.
 
 A caller's timeout is a promise, kept for every Redis command made on its
 behalf (config read, enqueue, each BLPOP and LPOP): the calling thread's
-deadline is put in :data:`~tokenq.producer._core.CALLER_DEADLINE`, and the
+deadline is put in :data:`~tokenq.producer.core.CALLER_DEADLINE`, and the
 connection class, the pool and the ``Retry`` this client gives redis-py read
 it, so a socket wait, a wait for a pooled connection, a reconnect or a retry
 never outlasts the caller by more than ``DEADLINE_GRACE_S``. A connection
@@ -18,7 +18,7 @@ cut off that way is disconnected by redis-py, never reused mid-reply.
 Before an enqueue the client makes sure its copy of the queue's config hash
 is at most ``config_ttl_s`` old (one HGETALL when it is not), so that the
 core can refuse what the workers would refuse (see
-:mod:`tokenq.producer._config`); every other enqueue is one round trip. Of
+:mod:`tokenq.producer.config`); every other enqueue is one round trip. Of
 concurrent callers that find the copy stale one reads and the others wait
 for that read, each only until its own deadline; a read that fails leaves
 the copy stale for the next call and its waiters carry on without it.
@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 import redis
 from redis.retry import Retry
 
-from tokenq.producer._config import DEFAULT_CONFIG_TTL_S
-from tokenq.producer._core import (
+from tokenq.producer.config import DEFAULT_CONFIG_TTL_S
+from tokenq.producer.core import (
     BACKOFF_BASE_S,
     BACKOFF_CAP_S,
     CALLER_DEADLINE,

@@ -68,7 +68,7 @@ def cosines(a: Any, b: Any) -> Any:
 
 
 def load(model: str | None, dtype: str) -> Any:
-    from tokenq.worker.hf import HFBackend, HFOptions
+    from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
 
     return HFBackend.load(HFOptions(model=model, device="cuda", dtype=dtype))
 
@@ -77,7 +77,7 @@ def embed(backend: Any, texts: Sequence[str]) -> Any:
     """Embeddings of ``texts`` (truncated to the model's limit) in one batch."""
     import numpy as np
 
-    from tokenq.worker.backend import TextInput
+    from tokenq.worker.backends.base import TextInput
 
     encodings = backend.tokenize([TextInput(t) for t in texts], backend.info.max_input_tokens)
     return np.stack(backend.run(encodings))
@@ -139,8 +139,8 @@ def check_oom(
     import numpy as np
     import torch
 
-    from tokenq.worker.backend import TextInput
-    from tokenq.worker.execute import FailedRun, Failure, is_out_of_memory, run_isolated
+    from tokenq.worker.backends.base import TextInput
+    from tokenq.worker.pipeline.execute import FailedRun, Failure, is_out_of_memory, run_isolated
 
     limit = backend.info.max_input_tokens
     encodings = backend.tokenize([TextInput(t) for t in texts], limit)
@@ -199,7 +199,7 @@ def check_oom(
 
 def check_calibrate(backend: Any, max_rows: int) -> tuple[Check, int]:
     """(c) the auto budget, as a worker with ``--max-batch-size max_rows`` would get it."""
-    from tokenq.worker.calibrate import calibrate_budget
+    from tokenq.worker.backends.calibrate import calibrate_budget
 
     started = time.perf_counter()
     tokens, reason = calibrate_budget(backend, max_rows=max_rows)
@@ -217,7 +217,7 @@ def check_throughput(backend: Any, budget: int, max_rows: int, repeat: int) -> C
     import torch
 
     from tokenq.shared.packer import Budget, CostModel, Packer
-    from tokenq.worker.backend import TextInput
+    from tokenq.worker.backends.base import TextInput
 
     if budget < backend.info.max_input_tokens:
         return Check("throughput", False, f"budget {budget} is below the max input length")

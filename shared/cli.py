@@ -29,11 +29,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("tokenq.worker.cli", "run one worker process on a queue (--devices: one per GPU)"),
-    "up": ("tokenq.worker.cli_up", "start a local Redis and N workers (development, demos)"),
-    "embed": ("tokenq.producer.cli_embed", "embed a file of texts through a queue, resumably"),
-    "stats": ("tokenq.producer.cli_stats", "queue lengths, pending, lag, workers, dead letters"),
-    "top": ("tokenq.producer.cli_top", "tokenq stats, refreshed live"),
-    "dlq": ("tokenq.producer.cli_dlq", "list, retry or purge a queue's dead letters"),
+    "up": ("tokenq.worker.tooling.up", "start a local Redis and N workers (development, demos)"),
+    "embed": ("tokenq.producer.ops.embed", "embed a file of texts through a queue, resumably"),
+    "stats": ("tokenq.producer.ops.stats", "queue lengths, pending, lag, workers, dead letters"),
+    "top": ("tokenq.producer.ops.top", "tokenq stats, refreshed live"),
+    "dlq": ("tokenq.producer.ops.dlq", "list, retry or purge a queue's dead letters"),
 }
 
 EXIT_OK = 0

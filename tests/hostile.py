@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 
 from tokenq.shared import keys
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER
+from tokenq.worker.backends.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER
 
 MAX_REQUEST_BYTES = 1024 * 1024
 """The worker's default ``max_request_bytes`` (the fleet runs with it)."""

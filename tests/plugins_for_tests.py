@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tokenq.shared.errors import DeviceOutOfMemory
-from tokenq.worker.backend import Encoding
+from tokenq.worker.backends.base import Encoding
 
 OOM_ABOVE_ENV = "TOKENQ_TESTS_OOM_ABOVE_TOKENS"
 """Padded tokens (rows x longest) above which :class:`OomAbove` refuses a batch."""
@@ -62,7 +62,7 @@ def hf_oom_above(settings: Any) -> OomAbove:
     The limit comes from the ``TOKENQ_TESTS_OOM_ABOVE_TOKENS`` environment
     variable (WorkerSettings has no field for it, and should not).
     """
-    from tokenq.worker.hf import build_hf_backend
+    from tokenq.worker.backends.hf.backend import build_hf_backend
 
     raw = os.environ.get(OOM_ABOVE_ENV)
     if raw is None:
@@ -95,6 +95,6 @@ class ZeroLengthTokens:
 
 def sim_zero_length(settings: Any) -> ZeroLengthTokens:
     """``--backend tests.plugins_for_tests:sim_zero_length``."""
-    from tokenq.worker.sim import build_sim_backend
+    from tokenq.worker.backends.sim import build_sim_backend
 
     return ZeroLengthTokens(build_sim_backend(settings))

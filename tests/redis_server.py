@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenq.worker.embedded import RedisServer, find_redis_server, free_port
+from tokenq.worker.tooling.embedded import RedisServer, find_redis_server, free_port
 
 __all__ = [
     "RedisServer", "alive", "become_subreaper", "cmdline", "descendants", "find_redis_server",

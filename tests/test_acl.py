@@ -26,7 +26,7 @@ from tests.redis_server import RedisServer, free_port
 from tests.workers import WorkerProcess
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
-from tokenq.worker.sim import expected_vector
+from tokenq.worker.backends.sim import expected_vector
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SECURITY_MD = REPO_ROOT / "docs" / "SECURITY.md"

@@ -22,7 +22,7 @@ from tests.cli_support import DIM, MAX_INPUT
 from tests.conftest import REPO_ROOT
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
-from tokenq.worker.sim import expected_vector
+from tokenq.worker.backends.sim import expected_vector
 
 pytest_plugins = ("tests.cli_fixtures",)
 
@@ -110,7 +110,7 @@ def test_redis_cli_producer_with_the_enqueue_script(sim_worker, redis_server, qu
     text = "what is a token budget?"
     # docs/PROTOCOL.md section 4, verbatim but for the queue: backpressure via the script.
     enqueued = redis_cli(
-        redis_server.port, "--eval", str(REPO_ROOT / "producer" / "enqueue.lua"),
+        redis_server.port, "--eval", str(REPO_ROOT / "producer" / "lua" / "enqueue.lua"),
         keys.requests(q), ",", "100000", "1", "0", "5", "v", "1", "id", request_id,
         "text", text, "tokens", "9", "reply_to", keys.reply(q, request_id),
     )
@@ -129,7 +129,7 @@ def test_redis_cli_enqueue_script_refuses_a_full_queue(redis_server, queue_name,
     q = QueueRef(queue_name)
     r.xadd(keys.requests(q), {"v": "1", "id": "first", "text": "x"})
     refused = redis_cli(
-        redis_server.port, "--eval", str(REPO_ROOT / "producer" / "enqueue.lua"),
+        redis_server.port, "--eval", str(REPO_ROOT / "producer" / "lua" / "enqueue.lua"),
         keys.requests(q), ",", "1", "1", "0", "3", "v", "1", "id", "second", "text", "y",
     )
     assert b"QUEUEFULL 1 1" in refused.stdout + refused.stderr

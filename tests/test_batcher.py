@@ -13,9 +13,9 @@ import pytest
 
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode, RemoteError
 from tokenq.shared.packer import CostModel
-from tokenq.worker.backend import Encoding, TextInput
-from tokenq.worker.batcher import Batcher
-from tokenq.worker.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER, SimBackend, expected_vector
+from tokenq.worker.backends.base import Encoding, TextInput
+from tokenq.worker.backends.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER, SimBackend, expected_vector
+from tokenq.worker.local.batcher import Batcher
 
 T = TypeVar("T")
 DIM = 16

@@ -12,13 +12,13 @@ import pytest
 import redis
 
 from tests.cli_support import DIM, MAX_INPUT
-from tokenq.producer import dlq
-from tokenq.producer.cli_dlq import main as dlq_main
-from tokenq.producer.cli_dlq import spread_ids
+from tokenq.producer.ops import letters as dlq
+from tokenq.producer.ops.dlq import main as dlq_main
+from tokenq.producer.ops.dlq import spread_ids
 from tokenq.shared import keys
 from tokenq.shared.errors import QueueFull
 from tokenq.shared.keys import QueueRef
-from tokenq.worker.sim import expected_vector
+from tokenq.worker.backends.sim import expected_vector
 
 pytest_plugins = ("tests.cli_fixtures",)
 

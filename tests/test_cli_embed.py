@@ -16,11 +16,11 @@ import pytest
 
 from tests.cli_support import DIM, MAX_INPUT, tokenq, wait_for
 from tests.test_acl import documented_rules
-from tokenq.producer.cli_embed import _settled_counters
-from tokenq.producer.cli_embed import main as embed_main
+from tokenq.producer.ops.embed import _settled_counters
+from tokenq.producer.ops.embed import main as embed_main
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
-from tokenq.worker.sim import expected_vector
+from tokenq.worker.backends.sim import expected_vector
 
 pytest_plugins = ("tests.cli_fixtures",)
 

@@ -11,15 +11,15 @@ import redis
 
 from tests.cli_support import tokenq, wait_for
 from tokenq.producer import Client
-from tokenq.producer.cli_stats import main as stats_main
-from tokenq.producer.cli_top import main as top_main
-from tokenq.producer.inspect import (
+from tokenq.producer.ops.snapshot import (
     SNAPSHOT_VERSION,
     counter_delta,
     discover_queues,
     heartbeat_counters,
     parse_queue_key,
 )
+from tokenq.producer.ops.stats import main as stats_main
+from tokenq.producer.ops.top import main as top_main
 from tokenq.shared import keys
 from tokenq.shared.cli import main as dispatch
 from tokenq.shared.keys import QueueRef
@@ -134,8 +134,8 @@ def test_every_subcommand_has_help_and_stats_stays_light():
 
     code = (
         "import sys; from tokenq.shared.cli import main\n"
-        "import tokenq.producer.cli_stats, tokenq.producer.cli_top, tokenq.producer.cli_dlq\n"
-        "import tokenq.producer.cli_embed\n"
+        "import tokenq.producer.ops.stats, tokenq.producer.ops.top, tokenq.producer.ops.dlq\n"
+        "import tokenq.producer.ops.embed\n"
         "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'tokenq.worker')"
         " if m in sys.modules))"
     )

@@ -1,6 +1,6 @@
 """``tokenq up`` (private Redis + workers) and ``tokenq worker --devices`` (one per GPU).
 
-Both are supervisors (worker/children.py): these tests kill their children
+Both are supervisors (worker/tooling/children.py): these tests kill their children
 and the parents themselves with SIGKILL, and check that failed children are
 restarted, that exit codes 0 and 2 are final, and that no child outlives its
 parent. Every process is started through the ``spawn`` fixture, which kills
@@ -33,8 +33,8 @@ from tokenq.producer import Client
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.sim import expected_vector
-from tokenq.worker.supervise import device_commands, strip_flags
+from tokenq.worker.backends.sim import expected_vector
+from tokenq.worker.tooling.supervise import device_commands, strip_flags
 
 URL_LINE = re.compile(r"^tokenq up: enqueue to (redis://\S+) queue (\S+)$")
 

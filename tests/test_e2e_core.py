@@ -19,7 +19,7 @@ from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import DeadlineExceeded
-from tokenq.worker.sim import expected_vector
+from tokenq.worker.backends.sim import expected_vector
 
 DIM = 32
 MAX_INPUT = 2048

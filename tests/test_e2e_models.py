@@ -54,8 +54,8 @@ from tests.workers import WorkerProcess  # noqa: E402
 from tokenq.producer import Client, Result  # noqa: E402
 from tokenq.shared import keys, wire  # noqa: E402
 from tokenq.shared.errors import RemoteError  # noqa: E402
-from tokenq.worker.chunks import combine_chunks  # noqa: E402
-from tokenq.worker.sim import expected_vector  # noqa: E402
+from tokenq.worker.backends.sim import expected_vector  # noqa: E402
+from tokenq.worker.pipeline.chunks import combine_chunks  # noqa: E402
 
 LIMIT = 32
 """The tiny embedding model's max input: ``max_seq_length`` in sentence_bert_config.json."""
@@ -624,7 +624,7 @@ def sample_texts() -> list[str]:
 @pytest.mark.slow
 def test_minilm_through_the_queue_matches_sentence_transformers(minilm_worker: Served) -> None:
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    from tokenq.worker.hf_load import resolve_model
+    from tokenq.worker.backends.hf.load import resolve_model
 
     texts = sample_texts()
     model = sentence_transformers.SentenceTransformer(resolve_model(None).location, device="cpu")

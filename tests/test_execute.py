@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenq.shared.errors import ErrorCode
-from tokenq.worker.backend import Encoding, TextInput
-from tokenq.worker.execute import FailedRun, Failure, is_out_of_memory, run_isolated
-from tokenq.worker.sim import (
+from tokenq.worker.backends.base import Encoding, TextInput
+from tokenq.worker.backends.sim import (
     SIM_FAIL_MARKER,
     SIM_NAN_MARKER,
     SimBackend,
@@ -20,6 +19,7 @@ from tokenq.worker.sim import (
     encode,
     expected_vector,
 )
+from tokenq.worker.pipeline.execute import FailedRun, Failure, is_out_of_memory, run_isolated
 
 DIM = 8
 

@@ -11,7 +11,7 @@ import pytest
 from tests.cli_support import DIM, MAX_INPUT
 from tests.conftest import REPO_ROOT
 from tokenq.shared.settings import ClientSettings
-from tokenq.worker.sim import SIM_FAIL_MARKER, expected_vector
+from tokenq.worker.backends.sim import SIM_FAIL_MARKER, expected_vector
 
 pytest_plugins = ("tests.cli_fixtures",)
 

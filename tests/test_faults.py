@@ -47,8 +47,8 @@ from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import BrokerUnavailable, RemoteError
 from tokenq.shared.settings import ClientSettings, WorkerSettings
+from tokenq.worker.backends.sim import expected_vector
 from tokenq.worker.recovery import Reclaimer
-from tokenq.worker.sim import expected_vector
 
 pytestmark = pytest.mark.fault
 

@@ -36,7 +36,7 @@ from tokenq.producer import Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import RemoteError
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.sim import SIM_HANG_MARKER
+from tokenq.worker.backends.sim import SIM_HANG_MARKER
 
 pytestmark = pytest.mark.fault
 

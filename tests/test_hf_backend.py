@@ -24,17 +24,17 @@ pytest.importorskip("transformers")
 
 from tests.tiny_bert import write_sentence_transformers_files, write_tiny_bert  # noqa: E402
 from tokenq.shared.errors import BadRequest, ConfigError, DeviceOutOfMemory  # noqa: E402
-from tokenq.worker.backend import Backend, TextInput  # noqa: E402
-from tokenq.worker.calibrate import (  # noqa: E402
+from tokenq.worker.backends.base import Backend, TextInput  # noqa: E402
+from tokenq.worker.backends.calibrate import (  # noqa: E402
     CPU_DEFAULT_TOKENS,
     calibrate_budget,
     plan_budget,
     probe_budget,
 )
-from tokenq.worker.chunks import combine_chunks, sliding_windows  # noqa: E402
-from tokenq.worker.hf import HFBackend, HFOptions, build_hf_backend  # noqa: E402
-from tokenq.worker.hf_encoding import HFEncoding  # noqa: E402
-from tokenq.worker.hf_load import resolve_model  # noqa: E402
+from tokenq.worker.backends.hf.backend import HFBackend, HFOptions, build_hf_backend  # noqa: E402
+from tokenq.worker.backends.hf.encoding import HFEncoding  # noqa: E402
+from tokenq.worker.backends.hf.load import resolve_model  # noqa: E402
+from tokenq.worker.pipeline.chunks import combine_chunks, sliding_windows  # noqa: E402
 
 TEXTS = [
     "hello",

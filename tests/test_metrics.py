@@ -13,10 +13,10 @@ from tokenq.producer import Client
 from tokenq.shared.errors import ConfigError, ErrorCode
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker import metrics
-from tokenq.worker.embedded import free_port
-from tokenq.worker.jobs import Answer, error_answer
-from tokenq.worker.sim import SIM_FAIL_MARKER
+from tokenq.worker.backends.sim import SIM_FAIL_MARKER
+from tokenq.worker.pipeline.jobs import Answer, error_answer
 from tokenq.worker.stats import BatchRecord
+from tokenq.worker.tooling.embedded import free_port
 
 pytest_plugins = ("tests.cli_fixtures",)
 

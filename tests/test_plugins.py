@@ -14,9 +14,9 @@ import pytest
 
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.backend import Backend
-from tokenq.worker.plugins import load_backend
-from tokenq.worker.sim import SimBackend
+from tokenq.worker.backends.base import Backend
+from tokenq.worker.backends.plugins import load_backend
+from tokenq.worker.backends.sim import SimBackend
 
 WritePlugin = Callable[[str], str]
 
@@ -48,7 +48,7 @@ def test_sim_is_built_from_the_settings() -> None:
 def test_plugin_factory_gets_the_settings(write_plugin: WritePlugin) -> None:
     name = write_plugin(
         """
-        from tokenq.worker.sim import SimBackend
+        from tokenq.worker.backends.sim import SimBackend
 
         def make(settings):
             return SimBackend(dim=settings.sim_dim + 1)
@@ -62,7 +62,7 @@ def test_plugin_factory_gets_the_settings(write_plugin: WritePlugin) -> None:
 def test_plugin_factory_may_be_a_dotted_attribute(write_plugin: WritePlugin) -> None:
     name = write_plugin(
         """
-        from tokenq.worker.sim import SimBackend
+        from tokenq.worker.backends.sim import SimBackend
 
         class Factory:
             @staticmethod
@@ -129,7 +129,7 @@ def test_factory_returned_something_else(write_plugin: WritePlugin) -> None:
 def test_factory_returned_a_backend_without_close(write_plugin: WritePlugin) -> None:
     name = write_plugin(
         """
-        from tokenq.worker.sim import SimBackend
+        from tokenq.worker.backends.sim import SimBackend
 
         class Partial:
             info = SimBackend().info
@@ -158,19 +158,19 @@ def test_factory_returned_a_backend_with_bad_info(write_plugin: WritePlugin) -> 
         """
     )
     with pytest.raises(
-        ConfigError, match=re.escape("info must be a tokenq.worker.backend.BackendInfo")
+        ConfigError, match=re.escape("info must be a tokenq.worker.backends.base.BackendInfo")
     ):
         load(f"{name}:make")
 
 
 def test_hf_missing_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "tokenq.worker.hf", None)  # import fails: not found
-    with pytest.raises(ConfigError, match=re.escape("tokenq.worker.hf")):
+    monkeypatch.setitem(sys.modules, "tokenq.worker.backends.hf.backend", None)  # not found
+    with pytest.raises(ConfigError, match=re.escape("tokenq.worker.backends.hf.backend")):
         load("hf")
 
 
 def test_hf_is_imported_lazily_and_called(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = types.ModuleType("tokenq.worker.hf")
+    fake = types.ModuleType("tokenq.worker.backends.hf.backend")
     seen: list[WorkerSettings] = []
 
     def build_hf_backend(settings: WorkerSettings) -> SimBackend:
@@ -178,7 +178,7 @@ def test_hf_is_imported_lazily_and_called(monkeypatch: pytest.MonkeyPatch) -> No
         return SimBackend()
 
     fake.build_hf_backend = build_hf_backend  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "tokenq.worker.hf", fake)
+    monkeypatch.setitem(sys.modules, "tokenq.worker.backends.hf.backend", fake)
     settings = WorkerSettings(backend="hf")
     assert isinstance(load_backend(settings), SimBackend)
     assert seen == [settings]

@@ -29,7 +29,7 @@ from tokenq.producer import (
     Result,
     estimate_tokens,
 )
-from tokenq.producer._core import ENQUEUE_SCRIPT
+from tokenq.producer.core import ENQUEUE_SCRIPT
 from tokenq.shared import keys, wire
 from tokenq.shared.settings import ClientSettings
 

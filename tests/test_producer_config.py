@@ -31,7 +31,7 @@ from tokenq.producer import (
     TokenizerEstimator,
     estimate_tokens,
 )
-from tokenq.producer._config import AUTO_EXACT_MAX_CHARS, ConfigCache, QueueConfig
+from tokenq.producer.config import AUTO_EXACT_MAX_CHARS, ConfigCache, QueueConfig
 from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared import keys, wire
 

@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from tokenq.producer import BadRequest, DeadlineExceeded, RemoteError, ReplyTimeout, Result
-from tokenq.producer._core import (
+from tokenq.producer.core import (
     BLOCK_FLOOR_S,
     ClientCore,
     make_settings,

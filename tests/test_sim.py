@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from tokenq.shared.errors import ConfigError, DeviceOutOfMemory
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.backend import Backend, TextInput
-from tokenq.worker.sim import (
+from tokenq.worker.backends.base import Backend, TextInput
+from tokenq.worker.backends.sim import (
     SIM_FAIL_MARKER,
     SIM_NAN_MARKER,
     SimBackend,

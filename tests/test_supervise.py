@@ -1,4 +1,4 @@
-"""worker/children.py: the restart policy (pure) and the Supervisor (real processes).
+"""worker/tooling/children.py: the restart policy (pure) and the Supervisor (real processes).
 
 The supervisor's own parents here are small Python scripts, so the tests
 can SIGKILL a parent and look for its children; ``tokenq worker --devices``
@@ -20,7 +20,7 @@ import pytest
 
 from tests.cli_support import wait_for
 from tests.redis_server import alive, cmdline, descendants, wait_gone
-from tokenq.worker.children import (
+from tokenq.worker.tooling.children import (
     EXIT_FATAL,
     EXIT_HUNG,
     EXIT_USAGE,
@@ -228,7 +228,7 @@ def test_the_guard_passes_exit_codes_and_signals_through(tmp_path: Path):
 
 PARENT = """
 import os, sys
-from tokenq.worker.children import Supervisor
+from tokenq.worker.tooling.children import Supervisor
 sup = Supervisor(die_with_parent=sys.argv[1], stop_timeout_s=5)
 sup.install_signal_handlers()
 child = sup.start("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], os.environ)

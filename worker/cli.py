@@ -1,6 +1,6 @@
 """``tokenq worker``: parse settings, load the backend, serve until a signal.
 
-Exit codes (defined in :mod:`tokenq.worker.children`, whose supervisors act
+Exit codes (defined in :mod:`tokenq.worker.tooling.children`, whose supervisors act
 on them; docs/OPERATIONS.md lists them):
 
 * 0 — stopped cleanly (a signal, or ``--exit-when-idle-s``);
@@ -26,10 +26,10 @@ from pydantic_settings import CliApp, SettingsError
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker import logs, metrics
-from tokenq.worker.children import EXIT_FATAL, EXIT_HUNG, EXIT_OK, EXIT_USAGE
+from tokenq.worker.backends.plugins import load_backend
 from tokenq.worker.loop import Worker, WorkerHung
-from tokenq.worker.plugins import load_backend
-from tokenq.worker.supervise import run_per_device
+from tokenq.worker.tooling.children import EXIT_FATAL, EXIT_HUNG, EXIT_OK, EXIT_USAGE
+from tokenq.worker.tooling.supervise import run_per_device
 
 log = logging.getLogger("tokenq.worker")
 

@@ -49,11 +49,12 @@ from tokenq.shared.errors import ConfigError, ErrorCode, TokenqError
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, CostModel, Packer
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker import presence
-from tokenq.worker.backend import Backend
+from tokenq.worker.backends.base import Backend
 from tokenq.worker.clock import RedisClock
 from tokenq.worker.connection import connect
-from tokenq.worker.execute import FailedRun, Failure, adapt_budget, run_isolated
-from tokenq.worker.jobs import (
+from tokenq.worker.metrics import NullMetrics
+from tokenq.worker.pipeline.execute import FailedRun, Failure, adapt_budget, run_isolated
+from tokenq.worker.pipeline.jobs import (
     Answer,
     DeadLetterPolicy,
     Job,
@@ -62,7 +63,6 @@ from tokenq.worker.jobs import (
     error_answer,
     tokenize_requests,
 )
-from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.publish import Publisher
 from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.server_check import check_server
@@ -108,7 +108,7 @@ def plan(settings: WorkerSettings, backend: Backend) -> Plan:
     """Choose the budget and cost model; refuse settings the model cannot honour."""
     info = backend.info
     if settings.max_batch_tokens == "auto":
-        from tokenq.worker.calibrate import calibrate_budget
+        from tokenq.worker.backends.calibrate import calibrate_budget
 
         tokens, reason = calibrate_budget(backend, max_rows=settings.max_batch_size)
         reason = f"auto: {reason}"

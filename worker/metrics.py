@@ -22,7 +22,7 @@ from tokenq.shared.errors import ConfigError, DecodeError
 
 if TYPE_CHECKING:
     from tokenq.shared.settings import WorkerSettings
-    from tokenq.worker.jobs import Answer
+    from tokenq.worker.pipeline.jobs import Answer
     from tokenq.worker.stats import BatchRecord
 
 log = logging.getLogger("tokenq.worker")

@@ -18,9 +18,11 @@ import msgpack
 import redis.asyncio as aioredis
 
 from tokenq.shared import keys, wire
-from tokenq.worker.backend import BackendInfo
+from tokenq.worker.backends.base import BackendInfo
 
-DROP_CONSUMER_SCRIPT = resources.files("tokenq.worker").joinpath("drop_consumer.lua").read_text()
+DROP_CONSUMER_SCRIPT = (
+    resources.files("tokenq.worker").joinpath("lua/drop_consumer.lua").read_text()
+)
 
 
 def config_fields(info: BackendInfo, *, policy: str, max_batch_tokens: int) -> dict[str, str]:

@@ -22,11 +22,11 @@ from importlib import resources
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
-from tokenq.worker.jobs import Answer
+from tokenq.worker.pipeline.jobs import Answer
 
 log = logging.getLogger("tokenq.worker")
 
-PUBLISH_SCRIPT = resources.files("tokenq.worker").joinpath("publish.lua").read_text()
+PUBLISH_SCRIPT = resources.files("tokenq.worker").joinpath("lua/publish.lua").read_text()
 
 
 class Publisher:

@@ -3,7 +3,7 @@
 What a team builds before tokenq: take the next N requests in arrival order,
 run them as one batch, answer them. It reads tokenq's stream through the same
 consumer group, speaks the same wire format, and runs on the same
-:class:`~tokenq.worker.sim.SimBackend` parameters, so the only difference the
+:class:`~tokenq.worker.backends.sim.SimBackend` parameters, so the only difference the
 benchmark measures is the batching policy. It is given tokenq's plumbing
 advantages on purpose: a reader thread reads and tokenizes the next batch
 while the device runs the current one, replies go out in one MULTI per batch
@@ -36,8 +36,8 @@ import redis
 
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import DecodeError, DeviceOutOfMemory, ErrorCode
-from tokenq.worker.backend import TextInput
-from tokenq.worker.sim import SimBackend
+from tokenq.worker.backends.base import TextInput
+from tokenq.worker.backends.sim import SimBackend
 
 REPLY_TTL_MS = 300_000
 

@@ -40,7 +40,7 @@ import redis
 
 from tokenq.producer import Client
 from tokenq.shared import keys, wire
-from tokenq.worker.embedded import RedisServer
+from tokenq.worker.tooling.embedded import RedisServer
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent.parent

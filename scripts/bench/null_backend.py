@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenq.worker.backend import BackendInfo, TextInput
+from tokenq.worker.backends.base import BackendInfo, TextInput
 
 DIM = 8
 

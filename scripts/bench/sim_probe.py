@@ -3,7 +3,7 @@
 Why: the worker's batch log says what the *packer* sent, but only the
 simulated device knows what it actually held (peak memory), how often it ran
 out of memory, and how long it was busy. This plugin wraps the very
-:class:`~tokenq.worker.sim.SimBackend` that ``--backend sim`` builds from the
+:class:`~tokenq.worker.backends.sim.SimBackend` that ``--backend sim`` builds from the
 same ``--sim-*`` settings (tokenize, run and windows are the sim's own); on
 ``close()`` (the worker's clean exit) it writes those counters as JSON to the
 path in ``$BENCH_SIM_STATS``.
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.sim import SimBackend, build_sim_backend
+from tokenq.worker.backends.sim import SimBackend, build_sim_backend
 
 STATS_ENV = "BENCH_SIM_STATS"
 

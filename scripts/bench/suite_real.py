@@ -77,7 +77,7 @@ def padding(batches: list[list[int]]) -> float:
 
 
 def lengths_of(backend: Any, texts: list[str]) -> list[int]:
-    from tokenq.worker.backend import TextInput
+    from tokenq.worker.backends.base import TextInput
 
     encodings = backend.tokenize([TextInput(t) for t in texts], backend.info.max_input_tokens)
     return [encoding.length for encoding in encodings]
@@ -86,7 +86,7 @@ def lengths_of(backend: Any, texts: list[str]) -> list[int]:
 def sentence_transformers_run(texts: list[str], lengths: list[int]) -> tuple[Timing, np.ndarray]:
     from sentence_transformers import SentenceTransformer
 
-    from tokenq.worker.hf_load import bundled_model_dir
+    from tokenq.worker.backends.hf.load import bundled_model_dir
 
     model = SentenceTransformer(str(bundled_model_dir()), device="cpu")
     model.encode(texts[:ST_BATCH], batch_size=ST_BATCH)  # warm-up, off the clock
@@ -100,7 +100,7 @@ def sentence_transformers_run(texts: list[str], lengths: list[int]) -> tuple[Tim
 
 
 def naive_fifo_run(backend: Any, texts: list[str], lengths: list[int], size: int = 32) -> Timing:
-    from tokenq.worker.backend import TextInput
+    from tokenq.worker.backends.base import TextInput
 
     limit = backend.info.max_input_tokens
     backend.run(backend.tokenize([TextInput(t) for t in texts[:size]], limit))  # warm-up
@@ -119,7 +119,7 @@ def ideal_run(backend: Any, texts: list[str], budget: int) -> Timing:
     Uses the backend's own padding and forward (``_pad``/``_forward``) so the
     ideal computes exactly what a tokenq batch computes, minus everything else.
     """
-    from tokenq.worker.backend import TextInput
+    from tokenq.worker.backends.base import TextInput
 
     encodings = sorted(
         backend.tokenize([TextInput(t) for t in texts], backend.info.max_input_tokens),
@@ -162,7 +162,7 @@ def tokenq_run(texts: list[str], budget: int, read_ahead: float) -> tuple[Timing
 def run(size: str) -> dict[str, Any]:
     import torch
 
-    from tokenq.worker.hf import HFBackend, HFOptions
+    from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
 
     torch.set_num_threads(THREADS)
     texts = real_texts(SIZES[size])

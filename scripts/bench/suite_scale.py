@@ -24,7 +24,7 @@ from typing import Any
 import harness
 from texts import uniform_mix
 
-from tokenq.worker.embedded import RedisServer
+from tokenq.worker.tooling.embedded import RedisServer
 
 COUNTS = {"tiny": (1, 2), "small": (1, 2, 4), "full": (1, 2, 4, 8)}
 PER_WORKER = {"tiny": 40, "small": 300, "full": 1000}

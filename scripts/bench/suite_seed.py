@@ -27,7 +27,7 @@ from typing import Any
 import harness
 from texts import Mix, seed_mix
 
-from tokenq.worker.embedded import RedisServer
+from tokenq.worker.tooling.embedded import RedisServer
 
 SIZES = {"tiny": 120, "small": 1000, "full": 5000}
 BYTES_PER_TOKEN = 4096

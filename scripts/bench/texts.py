@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from tokenq.worker.sim import SPECIAL_TOKENS, count_tokens, split_tokens
+from tokenq.worker.backends.sim import SPECIAL_TOKENS, count_tokens, split_tokens
 
 SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample.jsonl"
 

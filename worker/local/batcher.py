@@ -5,7 +5,7 @@ GPU, a notebook, a batch job): ``await batcher.submit(text)`` from as many
 coroutines as you like, and the batcher packs them with the same
 :class:`~tokenq.shared.packer.Packer` the Redis worker uses, runs one batch at
 a time on the device, and isolates failures with the same
-:func:`~tokenq.worker.execute.run_isolated`. So a request gets the same
+:func:`~tokenq.worker.pipeline.execute.run_isolated`. So a request gets the same
 batching, truncation, error codes and exceptions whether it went through Redis
 or not.
 
@@ -40,8 +40,8 @@ import numpy as np
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode, remote_error
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, CostModel, Packer
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_text
-from tokenq.worker.backend import Backend, Encoding, TextInput
-from tokenq.worker.execute import FailedRun, Failure, adapt_budget, describe, run_isolated
+from tokenq.worker.backends.base import Backend, Encoding, TextInput
+from tokenq.worker.pipeline.execute import FailedRun, Failure, adapt_budget, describe, run_isolated
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ import numpy as np
 
 from tokenq.shared.errors import ConfigError, DeviceOutOfMemory
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.backend import BackendInfo, Encoding, TextInput
-from tokenq.worker.chunks import combine_chunks, sliding_windows
+from tokenq.worker.backends.base import BackendInfo, Encoding, TextInput
+from tokenq.worker.pipeline.chunks import combine_chunks, sliding_windows
 
 SIM_FAIL_MARKER = "<<tokenq-sim-fail>>"
 """A text containing this makes any batch it is in raise ``ValueError``."""

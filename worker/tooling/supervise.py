@@ -3,7 +3,7 @@
 Each child gets ``CUDA_VISIBLE_DEVICES=<device>``, ``--device cuda:0``, the
 consumer name ``<base>-gpu<device>`` and, with ``--metrics-port P``, port
 ``P + i``; every other flag is passed on unchanged. The parent is a
-:class:`tokenq.worker.children.Supervisor`: a child that fails is restarted
+:class:`tokenq.worker.tooling.children.Supervisor`: a child that fails is restarted
 with backoff (exit codes 0 and 2 are final), a SIGTERM/SIGINT is forwarded
 as SIGTERM (SIGKILL after ``STOP_TIMEOUT_S``), and the children die with the
 parent even when it is SIGKILLed.
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.children import Supervisor
+from tokenq.worker.tooling.children import Supervisor
 
 STOP_TIMEOUT_S = 30.0
 """How long children get to finish after SIGTERM before SIGKILL."""

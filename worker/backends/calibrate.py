@@ -48,7 +48,7 @@ def calibrate_budget(backend: Any, *, safety: float = 0.8, max_rows: int = 256) 
 def _calibrate_cuda(backend: Any, *, safety: float, max_rows: int) -> tuple[int, str]:
     import torch
 
-    from tokenq.worker.backend import TextInput
+    from tokenq.worker.backends.base import TextInput
 
     device = torch.device(backend.info.device)
     max_len = int(backend.info.max_input_tokens)

@@ -1,6 +1,6 @@
 """Run one batch on a backend so that one bad row, or one too-big batch, fails alone.
 
-Both the Redis worker loop and the in-process :class:`~tokenq.worker.batcher.Batcher`
+Both the Redis worker loop and the in-process :class:`~tokenq.worker.local.batcher.Batcher`
 call :func:`run_isolated`; it knows nothing about Redis or asyncio and is
 synchronous, because the caller runs it in a thread next to its event loop.
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from tokenq.shared.errors import DeviceLost, ErrorCode
 from tokenq.shared.packer import AdaptiveBudget, CostModel, Packer
-from tokenq.worker.backend import Backend, Encoding
+from tokenq.worker.backends.base import Backend, Encoding
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ processes, and prints one line saying where to enqueue::
 
     tokenq up: enqueue to redis://127.0.0.1:PORT/0 queue NAME
 
-Every child is supervised (:mod:`tokenq.worker.children`): one that fails is
+Every child is supervised (:mod:`tokenq.worker.tooling.children`): one that fails is
 restarted with backoff — redis-server on the same port and data directory,
 so the AOF brings the queue back — and all of them die with ``tokenq up``,
 even when it is SIGKILLed. Ctrl-C or SIGTERM stops the workers first (each
@@ -34,9 +34,9 @@ from tokenq.shared import keys
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import UpSettings
 from tokenq.worker import logs
-from tokenq.worker.children import Child, Supervisor, describe_exit
-from tokenq.worker.embedded import find_redis_server, free_port
-from tokenq.worker.supervise import PER_CHILD_ENV
+from tokenq.worker.tooling.children import Child, Supervisor, describe_exit
+from tokenq.worker.tooling.embedded import find_redis_server, free_port
+from tokenq.worker.tooling.supervise import PER_CHILD_ENV
 
 log = logging.getLogger("tokenq.worker")
 
@@ -74,7 +74,7 @@ def worker_command(settings: UpSettings, redis_url: str, index: int,
 def redis_command(directory: Path, port: int) -> list[str]:
     """The private redis-server: loopback only, AOF on (everysec), ``noeviction``.
 
-    The same settings as :class:`tokenq.worker.embedded.RedisServer` with
+    The same settings as :class:`tokenq.worker.tooling.embedded.RedisServer` with
     ``appendonly=True``; started here as a supervised child instead.
     """
     return [

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import redis
 
-from tokenq.producer import dlq
-from tokenq.producer.cli_stats import format_table
-from tokenq.producer.inspect import connect, entry_ms, explain, redis_now
+from tokenq.producer.ops import letters as dlq
+from tokenq.producer.ops.snapshot import connect, entry_ms, explain, redis_now
+from tokenq.producer.ops.stats import format_table
 from tokenq.shared import keys
 from tokenq.shared.cli import run_command
 from tokenq.shared.errors import QueueFull

@@ -8,7 +8,7 @@ budget (not this command) decides how requests are batched on the device.
 
 Groups are collected in submission order, so every chunk of ``--chunk-size``
 inputs completes in order and is checkpointed at once (see
-:mod:`tokenq.producer.embed_io`). Stopped for any reason, the same command
+:mod:`tokenq.producer.ops.embed_io`). Stopped for any reason, the same command
 resumes after the last finished chunk. At the end it prints throughput, and
 batches and padding efficiency as the workers' heartbeats counted them over
 the run.
@@ -28,9 +28,9 @@ from typing import Any
 
 import redis
 
-from tokenq.producer._core import ReplyTimeout, Result
 from tokenq.producer.client import Client
-from tokenq.producer.embed_io import (
+from tokenq.producer.core import ReplyTimeout, Result
+from tokenq.producer.ops.embed_io import (
     Checkpoint,
     Item,
     ResumeMismatch,
@@ -40,7 +40,7 @@ from tokenq.producer.embed_io import (
     output_format,
     read_items,
 )
-from tokenq.producer.inspect import (
+from tokenq.producer.ops.snapshot import (
     connect,
     counter_delta,
     explain,

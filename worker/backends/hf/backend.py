@@ -32,18 +32,18 @@ import numpy as np
 import torch
 
 from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, DeviceOutOfMemory
-from tokenq.worker.backend import BackendInfo, TextInput
-from tokenq.worker.chunks import sliding_windows
-from tokenq.worker.hf_encoding import HFEncoding
-from tokenq.worker.hf_load import (
+from tokenq.worker.backends.base import BackendInfo, TextInput
+from tokenq.worker.backends.hf.encoding import HFEncoding
+from tokenq.worker.backends.hf.load import (
     ModelSource,
     SentenceTransformerConfig,
     read_sentence_transformer_config,
     resolve_model,
     tokenizer_json,
 )
-from tokenq.worker.hf_options import HFOptions, HFTask, resolve_device, resolve_dtype
-from tokenq.worker.hf_pooling import l2_normalize, pool
+from tokenq.worker.backends.hf.options import HFOptions, HFTask, resolve_device, resolve_dtype
+from tokenq.worker.backends.hf.pooling import l2_normalize, pool
+from tokenq.worker.pipeline.chunks import sliding_windows
 
 __all__ = ["HFBackend", "HFOptions", "build_hf_backend"]
 
@@ -69,7 +69,7 @@ def build_hf_backend(settings: Any) -> HFBackend:
 
 
 class HFBackend:
-    """A transformers model behind the :class:`~tokenq.worker.backend.Backend` protocol."""
+    """A transformers model behind the :class:`~tokenq.worker.backends.base.Backend` protocol."""
 
     def __init__(
         self,
@@ -195,7 +195,7 @@ class HFBackend:
         """Sliding windows of an over-long embedding input (the 'chunk' policy).
 
         Special tokens are put back around each window; combine the window
-        embeddings with :func:`tokenq.worker.hf_encoding.combine_chunks`,
+        embeddings with :func:`tokenq.worker.backends.hf.encoding.combine_chunks`,
         passing ``normalize=backend.normalize``.
         """
         if self._hf_task != "embed":

@@ -1,6 +1,6 @@
 """``tokenq stats``: one look at every queue: backlog, workers, dead letters.
 
-The numbers come from :mod:`tokenq.producer.inspect`; this module only
+The numbers come from :mod:`tokenq.producer.ops.snapshot`; this module only
 prints them, as aligned text or (``--json``) the stable document described
 in docs/OPERATIONS.md.
 """
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tokenq.producer.inspect import Unreachable, connect, read_snapshot
+from tokenq.producer.ops.snapshot import Unreachable, connect, read_snapshot
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import StatsSettings
 

@@ -4,7 +4,7 @@
 transformers, imported only when asked for, so a sim worker never loads
 torch), or a plugin named as ``package.module:factory``; a plugin factory
 takes the :class:`WorkerSettings` and returns any object with the
-:class:`~tokenq.worker.backend.Backend` members. Every way this can go wrong
+:class:`~tokenq.worker.backends.base.Backend` members. Every way this can go wrong
 at start-up (a typo, a missing module, a factory that raises or returns the
 wrong thing) ends as one :class:`ConfigError` naming the spec, so the worker
 exits with one readable line instead of a traceback from inside importlib.
@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.backend import Backend, BackendInfo
+from tokenq.worker.backends.base import Backend, BackendInfo
 
 _BACKEND_MEMBERS = ("info", "tokenize", "run", "close")
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -27,14 +27,14 @@ _PLUGIN_SPEC = re.compile(
     rf"^(?P<module>{_IDENTIFIER}(?:\.{_IDENTIFIER})*)"
     rf":(?P<attr>{_IDENTIFIER}(?:\.{_IDENTIFIER})*)$"
 )
-HF_MODULE = "tokenq.worker.hf"
+HF_MODULE = "tokenq.worker.backends.hf.backend"
 
 
 def load_backend(settings: WorkerSettings) -> Backend:
     """Build the backend ``settings.backend`` names; ConfigError if it cannot."""
     spec = settings.backend.strip()
     if spec == "sim":
-        from tokenq.worker.sim import build_sim_backend
+        from tokenq.worker.backends.sim import build_sim_backend
 
         return _checked(build_sim_backend(settings), spec)
     if spec == "hf":
@@ -43,7 +43,7 @@ def load_backend(settings: WorkerSettings) -> Backend:
 
 
 def _hf_factory() -> Callable[[WorkerSettings], Any]:
-    """``tokenq.worker.hf.build_hf_backend``, imported only now (it pulls in torch)."""
+    """``hf.backend.build_hf_backend``, imported only now (it pulls in torch)."""
     try:
         module = importlib.import_module(HF_MODULE)
     except ModuleNotFoundError as exc:
@@ -124,7 +124,7 @@ def _checked(backend: Any, spec: str) -> Backend:
     if missing:
         raise ConfigError(
             f"backend {spec!r}: the factory returned a {type(backend).__name__}, which "
-            f"lacks {', '.join(missing)} (see tokenq.worker.backend.Backend)"
+            f"lacks {', '.join(missing)} (see tokenq.worker.backends.base.Backend)"
         )
     not_callable = [name for name in _BACKEND_MEMBERS[1:] if not callable(getattr(backend, name))]
     if not_callable:
@@ -134,7 +134,7 @@ def _checked(backend: Any, spec: str) -> Backend:
         )
     if not isinstance(backend.info, BackendInfo):
         raise ConfigError(
-            f"backend {spec!r}: info must be a tokenq.worker.backend.BackendInfo, "
+            f"backend {spec!r}: info must be a tokenq.worker.backends.base.BackendInfo, "
             f"got {type(backend.info).__name__}"
         )
     if backend.info.max_input_tokens < 1:

@@ -3,7 +3,7 @@
 :class:`HFEncoding` is what ``HFBackend.tokenize`` hands the worker: the ids
 and nothing else it does not need, so the read-ahead buffer stays small.
 The window arithmetic of the 'chunk' policy lives in
-:mod:`tokenq.worker.chunks`.
+:mod:`tokenq.worker.pipeline.chunks`.
 """
 
 from __future__ import annotations

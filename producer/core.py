@@ -37,7 +37,7 @@ import pydantic
 import redis
 from redis.backoff import ExponentialBackoff
 
-from tokenq.producer._config import (
+from tokenq.producer.config import (
     DEFAULT_CONFIG_TTL_S,
     ESTIMATOR_MODES,
     ConfigCache,
@@ -90,7 +90,7 @@ the same), ``"heuristic"``, ``"exact"``, or a callable."""
 TextItem = str | tuple[str, str]
 """One input of a batch: a text, or a ``(text, text_pair)`` pair for rerankers."""
 
-ENQUEUE_SCRIPT = resources.files("tokenq.producer").joinpath("enqueue.lua").read_text("utf-8")
+ENQUEUE_SCRIPT = resources.files("tokenq.producer").joinpath("lua/enqueue.lua").read_text("utf-8")
 """Source of the atomic backpressure script (see enqueue.lua for its contract)."""
 
 QUEUE_FULL_PREFIX = "QUEUEFULL"

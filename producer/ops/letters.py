@@ -30,7 +30,7 @@ from tokenq.shared.errors import QueueFull
 
 DEAD_PREFIX = "dead_"
 TRUNCATED_FIELD = "dead_truncated"
-RETRY_SCRIPT = resources.files("tokenq.producer").joinpath("dlq_retry.lua").read_text("utf-8")
+RETRY_SCRIPT = resources.files("tokenq.producer").joinpath("lua/dlq_retry.lua").read_text("utf-8")
 _PAGE = 100
 _MAX_U64 = (1 << 64) - 1
 

@@ -18,8 +18,8 @@ import numpy as np
 
 from tokenq.shared import wire
 from tokenq.shared.errors import DecodeError, ErrorCode
-from tokenq.worker.backend import Backend, Encoding, TextInput
-from tokenq.worker.chunks import combine_chunks
+from tokenq.worker.backends.base import Backend, Encoding, TextInput
+from tokenq.worker.pipeline.chunks import combine_chunks
 
 log = logging.getLogger("tokenq.worker")
 

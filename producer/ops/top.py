@@ -13,8 +13,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tokenq.producer.cli_stats import WORKER_COLUMNS, gone_line, gone_note, worker_row
-from tokenq.producer.inspect import Unreachable, connect, read_snapshot
+from tokenq.producer.ops.snapshot import Unreachable, connect, read_snapshot
+from tokenq.producer.ops.stats import WORKER_COLUMNS, gone_line, gone_note, worker_row
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import TopSettings
 

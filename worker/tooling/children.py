@@ -16,7 +16,7 @@ private redis-server and N workers) are both small supervisors built on
 - **Death of the parent.** Children never outlive the supervisor, even when
   it is SIGKILLed: on Linux each child is started with
   ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (kept across ``exec``); elsewhere it
-  runs under a small guard process (``python -m tokenq.worker.children``) that
+  runs under a small guard process (``python -m tokenq.worker.tooling.children``) that
   polls its parent's pid and SIGTERMs the child when the parent is gone.
 
 ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not
@@ -160,19 +160,22 @@ def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
 
 def guarded(argv: Sequence[str], parent: int | None = None) -> list[str]:
     """``argv`` run under the guard that ends it when ``parent`` (default: us) exits."""
-    return [sys.executable, "-m", "tokenq.worker.children", str(parent or os.getpid()),
+    return [sys.executable, "-m", "tokenq.worker.tooling.children", str(parent or os.getpid()),
             *argv]
 
 
 def _guard_main(args: Sequence[str]) -> int:
-    """``python -m tokenq.worker.children PARENT_PID COMMAND...``.
+    """``python -m tokenq.worker.tooling.children PARENT_PID COMMAND...``.
 
     Runs COMMAND, forwards SIGTERM/SIGINT/SIGHUP to it, exits as it exits
     (the same code, or the same signal), and SIGTERMs it (SIGKILL 30 s later)
     once PARENT_PID is no longer this process's parent.
     """
     if len(args) < 2 or not args[0].isdigit():
-        print("usage: python -m tokenq.worker.children PARENT_PID COMMAND...", file=sys.stderr)
+        print(
+            "usage: python -m tokenq.worker.tooling.children PARENT_PID COMMAND...",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     parent = int(args[0])
     pending: list[int] = []  # signals that came before the child existed

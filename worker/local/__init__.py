@@ -1,0 +1,1 @@
+"""In-process batching: the worker's pipeline and packer without Redis in between."""

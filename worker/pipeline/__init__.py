@@ -1,0 +1,7 @@
+"""The request pipeline both batching loops call: entries, jobs, batch outcomes, answers.
+
+Nothing here does Redis or asyncio I/O. The Redis worker (``worker/loop.py``)
+and the in-process batcher (``worker/local``) feed it and carry out what it
+returns, so a policy (over-length, deadlines, OOM splitting, chunking) is
+written once and both honour it.
+"""
