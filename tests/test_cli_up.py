@@ -31,10 +31,13 @@ from tests.cli_support import DIM, MAX_INPUT, wait_for
 from tests.redis_server import alive, descendants, free_ports, wait_gone
 from tokenq.producer import Client
 from tokenq.shared import keys
+from tokenq.shared.cli import parse_settings
 from tokenq.shared.keys import QueueRef
-from tokenq.shared.settings import WorkerSettings
+from tokenq.shared.settings import UpSettings, WorkerSettings
 from tokenq.worker.backends.sim import expected_vector
 from tokenq.worker.tooling.supervise import device_commands, strip_flags
+from tokenq.worker.tooling.up import main as up_main
+from tokenq.worker.tooling.up import worker_command
 
 URL_LINE = re.compile(r"^tokenq up: enqueue to (redis://\S+) queue (\S+)$")
 
@@ -327,3 +330,22 @@ def test_device_commands_strip_per_child_flags():
                                 "--metrics-port", "9101"]
     with pytest.raises(ValueError):
         WorkerSettings(devices=",")
+
+
+def test_up_passes_its_settings_on_as_the_worker_flags_they_are(monkeypatch):
+    for name in [n for n in os.environ if n.upper().startswith("TOKENQ_")]:
+        monkeypatch.delenv(name)
+    settings = UpSettings(queue="q1", prefix="p", backend="sim", metrics_port=9100)
+    argv = worker_command(settings, "redis://127.0.0.1:1/0", 2, ["--sim-dim", "5"])
+    assert argv[1:3] == ["-m", "tokenq.worker"]
+    worker = parse_settings(WorkerSettings, argv[3:], "tokenq worker")
+    assert (worker.redis_url, worker.queue, worker.prefix, worker.backend, worker.metrics_port,
+            worker.sim_dim) == ("redis://127.0.0.1:1/0", "q1", "p", "sim", 9102, 5)
+
+
+def test_up_refuses_bad_settings_before_starting_anything(capsys):
+    assert up_main(["--workers", "-1", "--queue", "bad q"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "tokenq up: invalid settings:"
+    assert sorted(line.split(":")[0].strip() for line in err[1:]) == [
+        "--queue / TOKENQ_QUEUE", "--workers / TOKENQ_WORKERS"]

@@ -196,8 +196,8 @@ def test_classification_scores_are_raw_logits_of_a_single_forward(dirs: SimpleNa
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     backend = load(dirs.classify, task="classify")
-    assert (backend.info.task, backend.info.dim, backend.info.pairs) == ("score", 3, False)
-    assert len(backend.info.extra["labels"]) == 3
+    assert (backend.info.task, backend.info.dim, backend.info.pairs) == ("classify", 3, False)
+    assert len(backend.info.labels) == 3
     model = AutoModelForSequenceClassification.from_pretrained(str(dirs.classify)).eval()
     tok = AutoTokenizer.from_pretrained(str(dirs.classify))
     scores = backend.run(backend.tokenize(texts(TEXTS), 64))
@@ -212,7 +212,7 @@ def test_rerank_scores_each_pair_as_one_sequence(dirs: SimpleNamespace) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     backend = load(dirs.rerank, task="rerank")
-    assert (backend.info.task, backend.info.dim, backend.info.pairs) == ("score", 1, True)
+    assert (backend.info.task, backend.info.dim, backend.info.pairs) == ("rerank", 1, True)
     model = AutoModelForSequenceClassification.from_pretrained(str(dirs.rerank)).eval()
     tok = AutoTokenizer.from_pretrained(str(dirs.rerank))
     encodings = backend.tokenize([TextInput(q, p) for q, p in PAIRS], 64)

@@ -1,4 +1,4 @@
-"""Property tests of the sans-I/O packer: every batching rule in DESIGN.md, driven by hypothesis.
+"""Property tests of the sans-I/O packer: every rule in shared/packer.py, driven by hypothesis.
 
 The packer never reads a clock, so these tests pass ``now_ms`` explicitly and
 never sleep. Each property below is one rule a worker relies on: the budget is
@@ -41,7 +41,7 @@ def workloads(
     """A budget and a list of (length, arrived_ms) to buffer.
 
     Unless ``allow_oversize``, the token budget is at least the longest length,
-    as the worker guarantees at start-up (DESIGN.md, "Over-long input").
+    as the worker guarantees at start-up (docs/ARCHITECTURE.md, "Over-long input").
     """
     items = draw(st.lists(st.tuples(lengths, arrivals), min_size=1, max_size=max_items))
     longest = max(length for length, _ in items)

@@ -163,6 +163,25 @@ def test_factory_returned_a_backend_with_bad_info(write_plugin: WritePlugin) -> 
         load(f"{name}:make")
 
 
+def test_a_task_outside_the_one_vocabulary_is_refused(write_plugin: WritePlugin) -> None:
+    name = write_plugin(
+        """
+        from tokenq.worker.backends.base import BackendInfo
+
+        class Old:
+            info = BackendInfo(name="old", model="m", task="score", max_input_tokens=8)
+            def tokenize(self, inputs, max_length): ...
+            def run(self, batch): ...
+            def close(self): ...
+
+        def make(settings):
+            return Old()
+        """
+    )
+    with pytest.raises(ConfigError, match=r"info\.task must be one of embed, classify, rerank"):
+        load(f"{name}:make")
+
+
 def test_hf_missing_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tokenq.worker.backends.hf.backend", None)  # not found
     with pytest.raises(ConfigError, match=re.escape("tokenq.worker.backends.hf.backend")):

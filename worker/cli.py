@@ -20,9 +20,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from pydantic import ValidationError
-from pydantic_settings import CliApp, SettingsError
-
+from tokenq.shared.cli import UsageError, parse_settings
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker import logs, metrics
@@ -33,13 +31,7 @@ from tokenq.worker.tooling.supervise import run_per_device
 
 log = logging.getLogger("tokenq.worker")
 
-
-
-def parse_settings(argv: Sequence[str]) -> WorkerSettings:
-    """Flags over TOKENQ_* environment over defaults; a clear message on bad input."""
-    return CliApp.run(
-        WorkerSettings, cli_args=list(argv), cli_settings_source=None
-    )
+PROG = "tokenq worker"
 
 
 async def serve(settings: WorkerSettings) -> None:
@@ -73,13 +65,10 @@ async def serve(settings: WorkerSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        settings = parse_settings(args)
-    except ValidationError as exc:
-        print(f"tokenq worker: invalid settings:\n{_describe(exc)}", file=sys.stderr)
-        return 2
-    except SettingsError as exc:
-        print(f"tokenq worker: {exc}", file=sys.stderr)
-        return 2
+        settings = parse_settings(WorkerSettings, args, PROG)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
     logs.configure(settings.log_level, json_lines=settings.log_json)
     if settings.devices is not None:
         return run_per_device(settings, args)
@@ -87,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(serve(settings))
     except ConfigError as exc:
         log.error("%s", exc)
-        print(f"tokenq worker: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as exc:
         log.critical("worker failed, exiting %d: %s: %s", EXIT_FATAL, type(exc).__name__, exc,
@@ -95,11 +84,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FATAL
     return EXIT_OK
 
-
-def _describe(exc: ValidationError) -> str:
-    lines = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "settings"
-        flag = "--" + where.replace("_", "-")
-        lines.append(f"  {flag} (TOKENQ_{where.upper()}): {error['msg']}")
-    return "\n".join(lines)

@@ -1,13 +1,20 @@
-"""The worker process: a thin asyncio shell around the packer and a backend.
+"""The worker process: the Redis I/O and scheduling around the request pipeline.
+
+Every per-request rule (deadlines, the over-length policy, tokenizer and row
+isolation, OOM splitting, chunk settlement, reply encoding) is the
+pipeline's (``worker/pipeline``), shared with the in-process batcher; every
+batching decision is the packer's. What is left here is reading, holding,
+claiming and publishing.
 
 Four small tasks joined by bounded hand-offs (TEI's shape):
 
 * **read**   XREADGROUP about ``read_ahead_budgets`` budgets of estimated tokens
-  ahead, decode, tokenize in a thread, and buffer jobs in the packer;
-* **run**    whenever the device is idle, ask the packer for a batch and run it
-  in a thread (one batch on the device at a time: the budget is the memory
-  bound, so two in flight would double it);
-* **publish** answer each batch in one MULTI (reply, XACK, XDEL), retrying
+  ahead, decode, admit through the pipeline in a thread, and buffer the jobs
+  in the packer;
+* **run**    :func:`~tokenq.worker.pipeline.feed.feed_device`: whenever the
+  device is idle, ask the packer for a batch and run it through the pipeline
+  in a thread (one batch on the device at a time);
+* **publish** answer each batch in one script (reply, XACK, XDEL), retrying
   until Redis takes it;
 * **beat**   heartbeat, and keep the buffered entries' idle time fresh so no
   other worker claims them;
@@ -17,7 +24,7 @@ Four small tasks joined by bounded hand-offs (TEI's shape):
   peers claim and answer its entries).
 
 Reading and tokenizing the next batch and publishing the last one overlap
-with the device's work. Every batching decision is the packer's.
+with the device's work.
 
 Containment: nothing one stream entry contains can end the process. Every
 read is decoded, tokenized and buffered as a unit; if that raises anything,
@@ -40,29 +47,29 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from tokenq.shared import keys, wire
-from tokenq.shared.errors import ConfigError, ErrorCode, TokenqError
-from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, CostModel, Packer
+from tokenq.shared.errors import ErrorCode, TokenqError
+from tokenq.shared.heartbeat import Heartbeat
+from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker import presence
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.clock import RedisClock
 from tokenq.worker.connection import connect
 from tokenq.worker.metrics import NullMetrics
-from tokenq.worker.pipeline.execute import FailedRun, Failure, adapt_budget, run_isolated
+from tokenq.worker.pipeline.execute import adapt_budget
+from tokenq.worker.pipeline.feed import feed_device, monotonic_ms, wait_event
 from tokenq.worker.pipeline.jobs import (
     Answer,
     DeadLetterPolicy,
-    Job,
+    answer_of,
     dead_answer,
     decode_entries,
-    error_answer,
-    tokenize_requests,
 )
+from tokenq.worker.pipeline.pipeline import Admit, BatchOutcome, Job, Pipeline, budget_for
 from tokenq.worker.publish import Publisher
 from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.server_check import check_server
@@ -91,10 +98,6 @@ def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def _monotonic_ms() -> float:
-    return time.monotonic() * 1000.0
-
-
 @dataclass(frozen=True, slots=True)
 class Plan:
     """Limits the worker runs under, derived once from settings and the backend."""
@@ -114,23 +117,7 @@ def plan(settings: WorkerSettings, backend: Backend) -> Plan:
         reason = f"auto: {reason}"
     else:
         tokens, reason = int(settings.max_batch_tokens), "set by --max-batch-tokens"
-    if tokens < info.max_input_tokens:
-        raise ConfigError(
-            f"max_batch_tokens ({tokens}) is below the model's maximum input length "
-            f"({info.max_input_tokens} tokens): one full-length input would not fit in a "
-            f"batch; raise --max-batch-tokens to at least {info.max_input_tokens} ({reason})"
-        )
-    if settings.policy == "chunk" and (info.task != "embed" or not hasattr(backend, "windows")):
-        raise ConfigError(
-            f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
-            f"{info.name} ({info.model}, task {info.extra.get('hf_task', info.task)}) cannot: "
-            "use truncate or reject"
-        )
-    if settings.cost_model == "auto":
-        cost_model = CostModel.PADDED if info.padded else CostModel.RAGGED
-    else:
-        cost_model = CostModel(settings.cost_model)
-    budget = Budget(tokens, settings.max_batch_size, cost_model)
+    budget = budget_for(info, tokens, settings.max_batch_size, settings.cost_model, reason)
     return Plan(budget=budget, budget_reason=reason, policy=settings.policy)
 
 
@@ -152,7 +139,10 @@ class Worker:
         self.stream = keys.requests(self.queue)
         self.consumer = settings.consumer or default_consumer_name()
         self.plan = plan(settings, backend)
-        self.packer: Packer[Job] = Packer(
+        self.pipeline: Pipeline[bytes] = Pipeline(
+            backend, policy=settings.policy, chunk_overlap=settings.chunk_overlap
+        )
+        self.packer: Packer[Job[bytes]] = Packer(
             self.plan.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio
         )
         self.adaptive = AdaptiveBudget(
@@ -169,7 +159,7 @@ class Worker:
         self._answers: asyncio.Queue[list[Answer] | None] = asyncio.Queue(maxsize=8)
         self._reader_done = False
         self._inflight_estimate = 0
-        self._running: tuple[Job, ...] = ()
+        self._running: tuple[Job[bytes], ...] = ()
         self._batch_started: float | None = None
         """Monotonic time the batch now on the device started, None when idle."""
         self._hung = False
@@ -279,7 +269,7 @@ class Worker:
                 return True
             except RedisError as exc:
                 log.warning("Redis not reachable at start (%s); retrying in %.1fs", exc, delay)
-                await _wait(self._stopping, delay)
+                await wait_event(self._stopping, delay)
                 delay = min(delay * 2, 5.0)
         return False
 
@@ -346,7 +336,7 @@ class Worker:
                 count = self._read_count()
                 if count == 0:
                     self._space.clear()
-                    await _wait(self._space, 1.0)
+                    await wait_event(self._space, 1.0)
                     continue
                 try:
                     if await self._until_stopped(self._reclaim(count)):
@@ -400,8 +390,8 @@ class Worker:
         claimed = await self._reclaimer.scan(count)
         # The safety net may hand back our own entries when we stalled past
         # claim_idle_s; those we still hold must not be run (and answered) twice.
-        held = {item.payload.entry_id for item in self.packer}
-        held |= {job.entry_id for job in self._running}
+        held = {item.payload.ref for item in self.packer}
+        held |= {job.ref for job in self._running}
         claimed.entries = [entry for entry in claimed.entries if entry[0] not in held]
         if not claimed.entries:
             return False
@@ -451,7 +441,7 @@ class Worker:
             except RedisError:
                 pass
         log.warning("read failed (%s); retrying in %.1fs", exc, backoff)
-        await _wait(self._stopping, backoff)
+        await wait_event(self._stopping, backoff)
 
     def _idle_expired(self) -> bool:
         limit = self.settings.exit_when_idle_s
@@ -504,7 +494,7 @@ class Worker:
                 now_epoch_ms=self._clock.now_ms(),
             )]
         for job in jobs:
-            self.packer.add(job.encoding.length, job.read_ms, job)
+            self.packer.add(job.encoding.length, job.arrived_ms, job)
         if answers:
             dead = sum(bool(a.dead_fields) for a in answers)
             self.stats.requests_failed += len(answers)
@@ -514,38 +504,49 @@ class Worker:
 
     async def _prepare(
         self, present: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int]
-    ) -> tuple[list[Job], list[Answer]]:
+    ) -> tuple[list[Job[bytes]], list[Answer]]:
         """Jobs to buffer and answers owed for one read, with no effect on the buffer.
 
         It moves only the in-flight estimate (restored on the way out) and the
         running means (by finite, bounded amounts), so a read that raises here
         can be retried entry by entry.
         """
+        now = self._clock.now_ms()
         decoded = decode_entries(
-            present,
-            policy=self._dead_letters,
-            deliveries=deliveries,
-            now_epoch_ms=self._clock.now_ms(),
+            present, policy=self._dead_letters, deliveries=deliveries, now_epoch_ms=now
         )
         answers = list(decoded.answers)
         if not decoded.requests:
             return [], answers
+        read_ms = monotonic_ms()
+        items = [
+            Admit(entry_id, request, wire.deadline_of(request, entry_id), read_ms)
+            for entry_id, request in decoded.requests
+        ]
         claimed = sum(max(1, request.tokens) for _, request in decoded.requests)
         self._inflight_estimate += claimed
         try:
-            jobs, refused = await asyncio.to_thread(self._tokenize, decoded.requests)
+            admitted = await asyncio.to_thread(self.pipeline.admit, items, now)
         finally:
             self._inflight_estimate -= claimed
-        for job in jobs:
-            if job.encoding.length < 1:
-                raise ValueError(f"the tokenizer gave {job.entry_id!r} no tokens")
-        self._learn(decoded.requests, jobs, present)
-        return jobs, answers + refused
+        answers += [answer_of(self.pipeline, outcome) for outcome in admitted.answered]
+        fields = dict(present)
+        answers += [
+            dead_answer(
+                item.ref, fields[item.ref], ErrorCode.BAD_REQUEST,
+                f"the worker could not take this entry: {why}",
+                policy=self._dead_letters, deliveries=deliveries.get(item.ref, 1),
+                now_epoch_ms=now,
+            )
+            for item, why in admitted.broken
+        ]
+        self._learn(decoded.requests, admitted.jobs, present)
+        return admitted.jobs, answers
 
     def _learn(
         self,
         requests: list[tuple[bytes, wire.Request]],
-        jobs: list[Job],
+        jobs: list[Job[bytes]],
         present: list[tuple[bytes, dict[bytes, bytes]]],
     ) -> None:
         """Move the running means of tokens and bytes per entry towards this read.
@@ -562,31 +563,6 @@ class Worker:
             max(1.0, size / len(present)) - self._avg_entry_bytes
         )
 
-    def _tokenize(
-        self, requests: list[tuple[bytes, wire.Request]]
-    ) -> tuple[list[Job], list[Answer]]:
-        """Tokenize a read; if the tokenizer fails, isolate the input(s) it fails on."""
-        read_ms = _monotonic_ms()
-        try:
-            return tokenize_requests(
-                self.backend, requests, policy=self.plan.policy, read_ms=read_ms,
-                chunk_overlap=self.settings.chunk_overlap,
-            )
-        except Exception as exc:
-            if len(requests) == 1:
-                entry_id, request = requests[0]
-                message = f"tokenizer failed: {type(exc).__name__}: {exc}"[:1000]
-                return [], [error_answer(
-                    entry_id, request.id, request.reply_to, ErrorCode.BAD_REQUEST, message
-                )]
-        jobs: list[Job] = []
-        answers: list[Answer] = []
-        for one in requests:
-            more_jobs, more_answers = self._tokenize([one])
-            jobs += more_jobs
-            answers += more_answers
-        return jobs, answers
-
     async def _emit(self, answers: list[Answer]) -> None:
         """Hand answers to the publish task; their entries stop counting as held."""
         for answer in answers:
@@ -598,105 +574,38 @@ class Worker:
 
     async def _run_loop(self) -> None:
         try:
-            while True:
-                if not self.packer:
-                    if self._reader_done:
-                        break
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                now = _monotonic_ms()
-                batch = self.packer.next_batch(now, flush=self._stopping.is_set())
-                if batch is None:
-                    ready_at = self.packer.ready_at() or now
-                    self._wake.clear()
-                    await _wait(self._wake, max(0.0, ready_at - now) / 1000.0)
-                    continue
-                self._space.set()
-                await self._run_batch(batch)
+            await feed_device(
+                self.packer, self._wake, self._run_batch,
+                flushing=self._stopping.is_set,
+                finished=lambda: self._reader_done and not self.packer,
+            )
         finally:
             self._batch_started = None
         # Not in the finally: a run task cancelled while the queue is full must
         # not block its own cancellation on this put.
         await self._answers.put(None)
 
-    async def _run_batch(self, batch: Batch[Job]) -> None:
-        jobs = batch.payloads
+    async def _run_batch(self, batch: Batch[Job[bytes]]) -> None:
+        """Run one batch through the pipeline, then adapt, account and answer."""
+        self._space.set()  # the batch left the buffer: room to read ahead
         packed_under = self.packer.budget
         now = self._clock.now_ms()
-        expired = [job for job in jobs if _expired(job, now)]
-        live = [job for job in jobs if not _expired(job, now)]
-        answers = self._settle(expired, [_DEADLINE] * len(expired))
-        splits = 0
-        device_ms = 0.0
-        if live:
-            self._running = tuple(live)
-            oom_events: list[FailedRun] = []
-            started = time.perf_counter()
-            self._batch_started = time.monotonic()
-            outcome = await asyncio.to_thread(
-                run_isolated, self.backend, [job.encoding for job in live],
-                on_oom=oom_events.append,
-            )
+        self._running = tuple(batch.payloads)
+        self._batch_started = time.monotonic()
+        try:
+            outcome = await asyncio.to_thread(self.pipeline.run_batch, batch.payloads, now)
+        finally:
             self._batch_started = None
-            device_ms = (time.perf_counter() - started) * 1000.0
             self._running = ()
-            splits = sum(event.rows > 1 for event in oom_events)
-            adapt_budget(self.adaptive, self.packer, oom_events, "worker")
-            answers += self._settle(live, outcome)
-        record = BatchRecord(
-            worker=self.consumer,
-            rows=batch.rows,
-            tokens=batch.tokens,
-            padded_tokens=batch.padded_tokens,
-            cost=batch.cost,
-            max_batch_tokens=packed_under.max_batch_tokens,
-            max_batch_size=packed_under.max_batch_size,
-            sealed=batch.sealed,
-            device_ms=round(device_ms, 3),
-            failed=sum(not answer.ok for answer in answers),
-            oom_splits=splits,
-        )
+        adapt_budget(self.adaptive, self.packer, outcome.ooms, "worker")
+        answers = [answer_of(self.pipeline, done) for done in outcome.answered]
+        record = _batch_record(self.consumer, batch, packed_under, outcome)
         self.stats.record(record)
-        self.metrics.batch(record, (job.entry_id for job in jobs), started_epoch_ms=now,
+        self.metrics.batch(record, (job.ref for job in batch.payloads), started_epoch_ms=now,
                            budget=self.packer.budget.max_batch_tokens)
         self._batch_log.write(record)
         if answers:
             await self._emit(answers)
-
-    def _settle(self, jobs: list[Job], outcome: list[np.ndarray | Failure]) -> list[Answer]:
-        """Answers for finished jobs; a chunked request answers when its last window does."""
-        answers: list[Answer] = []
-        for job, result in zip(jobs, outcome, strict=True):
-            group = job.chunk
-            if group is None:
-                answers.append(self._answer(job, result, job.encoding.length))
-                continue
-            if group.complete:
-                continue  # an earlier window already failed the request
-            if isinstance(result, Failure):
-                group.failure = (result.code, result.message)
-                answers.append(self._answer(job, result, sum(group.lengths)))
-                continue
-            group.results[job.chunk_index] = result
-            if group.complete:
-                normalize = bool(getattr(self.backend, "normalize", True))
-                answers.append(self._answer(job, group.combined(normalize), sum(group.lengths)))
-        return answers
-
-    def _answer(self, job: Job, result: np.ndarray | Failure, tokens: int) -> Answer:
-        request = job.request
-        if isinstance(result, Failure):
-            reply = wire.error_reply(request.id, result.code, result.message)
-        elif self.backend.info.task == "embed":
-            vector = np.ascontiguousarray(result, dtype="<f4")
-            reply = wire.embedding_reply(
-                request.id, vector.tobytes(), int(vector.shape[0]), tokens=tokens
-            )
-        else:
-            scores = [float(x) for x in np.ravel(result)]
-            reply = wire.scores_reply(request.id, scores, tokens=tokens)
-        return Answer(job.entry_id, request.reply_to, wire.encode_reply(reply), ok=reply.ok)
 
     # -------------------------------------------------------------------- publish
 
@@ -758,17 +667,19 @@ class Worker:
 
     # ---------------------------------------------------------------------- beat
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> Heartbeat:
         """What the heartbeat publishes (``tokenq stats`` reads it)."""
-        return {
+        return Heartbeat(
             **self.stats.snapshot(),
-            "max_batch_tokens": self.packer.budget.max_batch_tokens,
-            "configured_batch_tokens": self.plan.budget.max_batch_tokens,
-            "max_batch_size": self.plan.budget.max_batch_size,
-            "buffered": len(self.packer),
-            "model": self.backend.info.model,
-            "pid": os.getpid(),
-        }
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            model=self.backend.info.model,
+            at=time.time(),
+            max_batch_tokens=self.packer.budget.max_batch_tokens,
+            configured_batch_tokens=self.plan.budget.max_batch_tokens,
+            max_batch_size=self.plan.budget.max_batch_size,
+            buffered=len(self.packer),
+        )
 
     async def _beat_loop(self) -> None:
         ttl_ms = int(self.settings.heartbeat_s * 3000)
@@ -783,7 +694,7 @@ class Worker:
                 # A heartbeat that stops lets other workers take this one's work;
                 # whatever went wrong, log it and keep beating.
                 log.exception("heartbeat failed unexpectedly")
-            await _wait(self._closing, self.settings.heartbeat_s)
+            await wait_event(self._closing, self.settings.heartbeat_s)
 
     async def _keep_claims_fresh(self) -> None:
         """Reset the idle time of entries this worker holds, so nobody claims them.
@@ -791,8 +702,8 @@ class Worker:
         Never while a batch is hung: a worker whose device does not come back
         must let its entries go (the watchdog ends it soon after).
         """
-        held = [item.payload.entry_id for item in self.packer]  # the packer yields Items
-        held += [job.entry_id for job in self._running]
+        held = [item.payload.ref for item in self.packer]  # the packer yields Items
+        held += [job.ref for job in self._running]
         for start in range(0, len(held), 512):
             if self._hung:
                 return
@@ -801,13 +712,23 @@ class Worker:
             )
 
 
-_DEADLINE = Failure(ErrorCode.DEADLINE_EXCEEDED.value, "deadline passed before the request ran")
-
-
-def _expired(job: Job, now_epoch_ms: int) -> bool:
-    """Whether a job's deadline has passed; ``now_epoch_ms`` is on Redis's clock."""
-    deadline = wire.deadline_of(job.request, job.entry_id)
-    return deadline is not None and deadline <= now_epoch_ms
+def _batch_record(
+    worker: str, batch: Batch[Job[bytes]], packed_under: Budget, outcome: BatchOutcome[bytes]
+) -> BatchRecord:
+    """The batch log's line (and the stats' and metrics' input) for one batch."""
+    return BatchRecord(
+        worker=worker,
+        rows=batch.rows,
+        tokens=batch.tokens,
+        padded_tokens=batch.padded_tokens,
+        cost=batch.cost,
+        max_batch_tokens=packed_under.max_batch_tokens,
+        max_batch_size=packed_under.max_batch_size,
+        sealed=batch.sealed,
+        device_ms=round(outcome.device_ms, 3),
+        failed=sum(not done.ok for done in outcome.answered),
+        oom_splits=outcome.oom_splits,
+    )
 
 
 def _entry_bytes(fields: dict[bytes, bytes]) -> int:
@@ -823,9 +744,3 @@ async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task
         for task in done:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
-
-
-async def _wait(event: asyncio.Event, timeout: float) -> None:
-    """Wait for an event, at most ``timeout`` seconds."""
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout)

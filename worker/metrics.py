@@ -17,8 +17,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tokenq.shared import wire
-from tokenq.shared.errors import ConfigError, DecodeError
+from tokenq.shared.errors import ConfigError
 
 if TYPE_CHECKING:
     from tokenq.shared.settings import WorkerSettings
@@ -156,12 +155,9 @@ class Metrics(NullMetrics):
     def answered(self, answers: Sequence[Answer]) -> None:
         counts: dict[str, int] = {}
         for answer in answers:
-            if answer.ok:
-                outcome = "ok"
-            elif not answer.payload:
+            outcome = answer.outcome
+            if outcome is None:
                 continue  # entry deleted while pending: acked, nobody to answer
-            else:
-                outcome = _error_code(answer.payload)
             counts[outcome] = counts.get(outcome, 0) + 1
         for outcome, n in counts.items():
             self._requests.labels(self.queue, outcome).inc(n)
@@ -219,11 +215,3 @@ def _entry_ms(entry_id: bytes | str) -> int | None:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     head = text.split("-", 1)[0]
     return int(head) if head.isdigit() else None
-
-
-def _error_code(payload: bytes) -> str:
-    try:
-        reply = wire.decode_reply(payload)
-    except DecodeError:
-        return "unknown"
-    return reply.error.code if reply.error is not None else "unknown"

@@ -38,7 +38,6 @@ class NullBackend:
             name="null", model="null", task="embed", max_input_tokens=max_input_tokens,
             padded=True, dim=DIM,
         )
-        self.normalize = False
         self._zeros = np.zeros(DIM, dtype=np.float32)
 
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[NullEncoding]:

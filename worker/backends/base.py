@@ -5,6 +5,12 @@ lengths (``tokenize``), hands it token-budgeted batches (``run``), and reads
 its limits from ``info``; ``info.padded`` feeds the packer's cost model, as
 TEI's ``is_padded`` does. Backends are plain objects; a plugin is any
 ``factory(settings) -> Backend`` named as ``package.module:factory``.
+
+What a backend can do beyond the four members is declared, never probed:
+facts about its outputs are fields of :class:`BackendInfo` (``normalized``,
+``labels``), and the one optional method, ``windows`` (the ``chunk``
+policy), is the :class:`Windowing` protocol, looked up once by
+:func:`windowing_of`.
 """
 
 from __future__ import annotations
@@ -15,7 +21,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-Task = Literal["embed", "score"]
+Task = Literal["embed", "classify", "rerank"]
+"""What the model does, named as ``--task`` names it: ``embed`` replies carry an
+embedding; ``classify`` (one score per label) and ``rerank`` (a cross-encoder's
+score for a (query, passage) pair) replies carry scores."""
+
+TASKS: tuple[Task, ...] = ("embed", "classify", "rerank")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +38,7 @@ class BackendInfo:
     model: str
     """Model id or path, for the config hash and logs."""
     task: Task
-    """'embed' replies carry an embedding; 'score' replies carry scores."""
+    """See :data:`Task`; it decides whether replies carry an embedding or scores."""
     max_input_tokens: int
     """Longest sequence the model accepts, special tokens included."""
     padded: bool = True
@@ -40,7 +51,17 @@ class BackendInfo:
     """Path of a tokenizer.json producers may load for exact estimates, if any."""
     pairs: bool = False
     """True when the model takes (text, text_pair) inputs (cross-encoders)."""
+    normalized: bool = False
+    """Its embeddings are unit length, so a chunked input's combined vector is re-normalised."""
+    labels: tuple[str, ...] = ()
+    """A classifier's name for each score, in order (empty when it has none)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific facts for logs and the config hash; the worker never reads them."""
+
+    @property
+    def embeds(self) -> bool:
+        """Whether replies carry an embedding (else scores)."""
+        return self.task == "embed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +109,20 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the device (called once, at exit)."""
         ...
+
+
+@runtime_checkable
+class Windowing(Protocol):
+    """The optional capability behind the ``chunk`` policy: split an over-long input."""
+
+    def windows(self, encoding: Encoding, max_length: int, overlap: int) -> list[Encoding]:
+        """Overlapping windows of at most ``max_length`` tokens, special tokens put back.
+
+        Raise ``ValueError`` for an input that cannot be split (a pair, say).
+        """
+        ...
+
+
+def windowing_of(backend: Backend) -> Windowing | None:
+    """The backend's :class:`Windowing` capability, or None: the one place it is looked up."""
+    return backend if isinstance(backend, Windowing) else None

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.backends.base import Backend, BackendInfo
+from tokenq.worker.backends.base import TASKS, Backend, BackendInfo
 
 _BACKEND_MEMBERS = ("info", "tokenize", "run", "close")
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -136,6 +136,11 @@ def _checked(backend: Any, spec: str) -> Backend:
         raise ConfigError(
             f"backend {spec!r}: info must be a tokenq.worker.backends.base.BackendInfo, "
             f"got {type(backend.info).__name__}"
+        )
+    if backend.info.task not in TASKS:
+        raise ConfigError(
+            f"backend {spec!r}: info.task must be one of {', '.join(TASKS)}, "
+            f"got {backend.info.task!r}"
         )
     if backend.info.max_input_tokens < 1:
         raise ConfigError(

@@ -279,9 +279,8 @@ class SimBackend:
             padded=not ragged,
             dim=dim,
             pairs=pairs,
+            normalized=True,
         )
-        self.normalize = True
-        """Its vectors are unit length (the worker re-normalises combined chunks)."""
         self.batch_ms = batch_ms
         self.token_us = token_us
         self.bytes_per_token = bytes_per_token

@@ -3,11 +3,12 @@
 For an app that hosts the model in its own process (a FastAPI server with a
 GPU, a notebook, a batch job): ``await batcher.submit(text)`` from as many
 coroutines as you like, and the batcher packs them with the same
-:class:`~tokenq.shared.packer.Packer` the Redis worker uses, runs one batch at
-a time on the device, and isolates failures with the same
-:func:`~tokenq.worker.pipeline.execute.run_isolated`. So a request gets the same
-batching, truncation, error codes and exceptions whether it went through Redis
-or not.
+:class:`~tokenq.shared.packer.Packer` the Redis worker uses and runs them
+through the same :class:`~tokenq.worker.pipeline.pipeline.Pipeline`: the
+over-length policy (truncate, reject, chunk), deadlines, the padding guard,
+OOM splitting and failure isolation are one implementation, so a request
+gets the same batching, error codes and exceptions whether it went through
+Redis or not.
 
 Two tasks, as in the worker (and TEI's ``infer.rs``), joined by the packer:
 
@@ -27,7 +28,7 @@ does not close the backend.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -37,11 +38,14 @@ from typing import Literal, overload
 
 import numpy as np
 
+from tokenq.shared import wire
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode, remote_error
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, CostModel, Packer
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_text
-from tokenq.worker.backends.base import Backend, Encoding, TextInput
-from tokenq.worker.pipeline.execute import FailedRun, Failure, adapt_budget, describe, run_isolated
+from tokenq.worker.backends.base import Backend
+from tokenq.worker.pipeline.execute import FailedRun, Failure, adapt_budget, describe
+from tokenq.worker.pipeline.feed import feed_device, monotonic_ms
+from tokenq.worker.pipeline.pipeline import Admit, Job, OverLength, Pipeline, budget_for
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +54,18 @@ TOKENIZE_CHUNK = 512
 small enough that the first batch of a huge ``submit_many`` starts soon."""
 
 
-def _now_ms() -> float:
-    return time.monotonic() * 1000.0
+def _epoch_ms() -> int:
+    return int(time.time() * 1000)
 
 
 @dataclass(slots=True, eq=False)
 class _Pending:
     """One submitted input on its way through tokenizer, packer and device."""
 
-    text: str
-    text_pair: str | None
+    request: wire.Request
+    deadline_ms: int | None
     arrived_ms: float
     future: asyncio.Future[np.ndarray]
-    encoding: Encoding | None = None
 
 
 @dataclass(slots=True)
@@ -98,36 +101,38 @@ class Batcher:
         linger_ms: float,
         cost_model: CostModel | str | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        policy: OverLength = "truncate",
+        chunk_overlap: int = 0,
+        max_padding_ratio: float = 1.0,
     ) -> None:
-        """``cost_model`` None (or 'auto') follows ``backend.info.padded``."""
+        """The same knobs as ``tokenq worker``'s flags of the same names.
+
+        ``cost_model`` None (or 'auto') follows ``backend.info.padded``;
+        ``policy`` is what happens to an over-long input (truncate, reject, or
+        chunk into windows, for embedding backends that can);
+        ``max_padding_ratio`` is the packer's padding guard.
+        """
         info = backend.info
-        if max_batch_tokens < info.max_input_tokens:
-            raise ConfigError(
-                f"max_batch_tokens ({max_batch_tokens}) is below the model's max input "
-                f"length ({info.max_input_tokens}); one full-length input would not fit a batch"
-            )
-        if cost_model is None or cost_model == "auto":
-            model = CostModel.PADDED if info.padded else CostModel.RAGGED
-        else:
-            try:
-                model = CostModel(cost_model)
-            except ValueError:
-                raise ConfigError(
-                    f"cost_model must be 'padded', 'ragged' or 'auto', got {cost_model!r}"
-                ) from None
+        budget = budget_for(info, max_batch_tokens, max_batch_size, cost_model,
+                            "set by max_batch_tokens")
+        self._pipeline: Pipeline[_Pending] = Pipeline(
+            backend, policy=policy, chunk_overlap=chunk_overlap
+        )
         try:
-            budget = Budget(max_batch_tokens, max_batch_size, model)
-            self._packer: Packer[_Pending] = Packer(budget, linger_ms)
+            self._packer: Packer[Job[_Pending]] = Packer(
+                budget, linger_ms, max_padding_ratio=max_padding_ratio
+            )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         # Lowered after an out-of-memory error, raised slowly after clean
-        # batches, never below one full-length input (DESIGN.md).
+        # batches, never below one full-length input (docs/ARCHITECTURE.md).
         self._adaptive = AdaptiveBudget(max_batch_tokens, info.max_input_tokens)
         self.backend = backend
         self.max_request_bytes = max_request_bytes
         self.stats = BatcherStats()
         self._incoming: deque[_Pending] = deque()
         self._tokenizing: list[_Pending] = []
+        self._ids = itertools.count()
         """The chunk the tokenizer thread holds: out of ``_incoming``, not yet in the packer."""
         self._stopped: Failure | None = None
         """Set when a task died; what every later answer becomes."""
@@ -146,15 +151,20 @@ class Batcher:
 
     # ----------------------------------------------------------------- callers
 
-    async def submit(self, text: str, text_pair: str | None = None) -> np.ndarray:
-        """The model's output for one input (truncated to the model's max length).
+    async def submit(
+        self, text: str, text_pair: str | None = None, *, timeout_s: float | None = None
+    ) -> np.ndarray:
+        """The model's output for one input.
 
         Raises BadRequest at once for an input tokenq refuses (not a string,
-        empty, too large), and a RemoteError with the request's code when the
-        backend fails on this input (other requests are not affected).
+        empty, too large, a pair for a single-text model), and a RemoteError
+        with the request's code when it fails: ``too_long`` under the reject
+        policy, ``deadline_exceeded`` when ``timeout_s`` passes before it
+        runs, or the backend's failure on this input (other requests are not
+        affected).
         """
         self._check(text, text_pair)
-        return await self._enqueue(text, text_pair).future
+        return await self._enqueue(text, text_pair, timeout_s).future
 
     @overload
     async def submit_many(
@@ -163,6 +173,7 @@ class Batcher:
         text_pairs: Sequence[str] | None = None,
         *,
         return_exceptions: Literal[False] = False,
+        timeout_s: float | None = None,
     ) -> list[np.ndarray]: ...
 
     @overload
@@ -172,6 +183,7 @@ class Batcher:
         text_pairs: Sequence[str] | None = None,
         *,
         return_exceptions: Literal[True],
+        timeout_s: float | None = None,
     ) -> list[np.ndarray | BaseException]: ...
 
     async def submit_many(
@@ -180,6 +192,7 @@ class Batcher:
         text_pairs: Sequence[str] | None = None,
         *,
         return_exceptions: bool = False,
+        timeout_s: float | None = None,
     ) -> list[np.ndarray] | list[np.ndarray | BaseException]:
         """Outputs for many inputs, in order; batched together with everyone else's.
 
@@ -198,7 +211,9 @@ class Batcher:
             pairs = list(text_pairs)
         for index, (text, pair) in enumerate(zip(texts, pairs, strict=True)):
             self._check(text, pair, where=f"[{index}]")
-        queued = [self._enqueue(text, pair) for text, pair in zip(texts, pairs, strict=True)]
+        queued = [
+            self._enqueue(text, pair, timeout_s) for text, pair in zip(texts, pairs, strict=True)
+        ]
         futures = [pending.future for pending in queued]
         results = await asyncio.gather(*futures, return_exceptions=True)
         if not return_exceptions:
@@ -233,17 +248,17 @@ class Batcher:
             raise RuntimeError("Batcher is closed")
         validate_text(text, f"text{where}", self.max_request_bytes)
         if text_pair is not None:
-            if not self.backend.info.pairs:
-                # The same refusal the Redis worker answers with, raised up front.
-                raise BadRequest(
-                    f"text_pair{where}: this model ({self.backend.info.model}) takes single "
-                    "texts, not (text, text_pair) pairs"
-                )
+            # The same refusal the Redis worker answers with, raised up front.
+            why = self._pipeline.refusal(_request("", "", "pair"))
+            if why is not None:
+                raise BadRequest(f"text_pair{where}: {why}")
             validate_text(text_pair, f"text_pair{where}", self.max_request_bytes)
 
-    def _enqueue(self, text: str, text_pair: str | None) -> _Pending:
+    def _enqueue(self, text: str, text_pair: str | None, timeout_s: float | None) -> _Pending:
         loop = self._start()
-        pending = _Pending(text, text_pair, _now_ms(), loop.create_future())
+        deadline = None if timeout_s is None else _epoch_ms() + int(timeout_s * 1000)
+        request = _request(str(next(self._ids)), text, text_pair)
+        pending = _Pending(request, deadline, monotonic_ms(), loop.create_future())
         pending.future.add_done_callback(self._on_future_done)
         self._incoming.append(pending)
         self.stats.submitted += 1
@@ -288,76 +303,60 @@ class Batcher:
                 if not chunk:
                     continue
                 self._tokenizing = chunk
-                encodings = await asyncio.to_thread(self._tokenize, chunk)
-                for pending, encoding in zip(chunk, encodings, strict=True):
-                    if isinstance(encoding, Failure) or self._stopped is not None:
-                        self._answer(pending, self._stopped or encoding)
+                items = [Admit(p, p.request, p.deadline_ms, p.arrived_ms) for p in chunk]
+                admitted = await asyncio.to_thread(self._pipeline.admit, items, _epoch_ms())
+                for outcome in admitted.answered:
+                    self._answer(outcome.ref, outcome.result)
+                for item, why in admitted.broken:
+                    self._answer(item.ref, Failure(
+                        ErrorCode.BAD_REQUEST.value, f"the batcher could not take this input: {why}"
+                    ))
+                for job in admitted.jobs:
+                    if self._stopped is not None:
+                        self._answer(job.ref, self._stopped)
                     else:
-                        pending.encoding = encoding
-                        self._packer.add(encoding.length, pending.arrived_ms, pending)
+                        self._packer.add(job.encoding.length, job.arrived_ms, job)
                 self._tokenizing = []
                 self._wake_device.set()
         except BaseException as exc:
             self._fail_everything(exc)
             raise
 
-    def _tokenize(self, chunk: list[_Pending]) -> list[Encoding | Failure]:
-        """Tokenize a chunk (in a thread); if that raises, one by one to find the culprit."""
-        max_length = self.backend.info.max_input_tokens
-        inputs = [TextInput(pending.text, pending.text_pair) for pending in chunk]
-        try:
-            encodings = list(self.backend.tokenize(inputs, max_length))
-            if len(encodings) != len(inputs):
-                raise RuntimeError(
-                    f"tokenize returned {len(encodings)} encodings for {len(inputs)} inputs"
-                )
-        except Exception as exc:
-            if len(inputs) == 1:
-                return [_tokenizer_failure(exc)]
-            return [self._tokenize_one(item, max_length) for item in inputs]
-        return [_checked_encoding(encoding) for encoding in encodings]
-
-    def _tokenize_one(self, item: TextInput, max_length: int) -> Encoding | Failure:
-        try:
-            (encoding,) = self.backend.tokenize([item], max_length)
-        except Exception as exc:
-            return _tokenizer_failure(exc)
-        return _checked_encoding(encoding)
-
     # ------------------------------------------------------------------ device
 
     async def _device_task(self) -> None:
         try:
-            while True:
-                if self._abandoned:
-                    self._abandoned = False
-                    self._packer.remove_where(lambda pending: pending.future.done())
-                now = _now_ms()
-                batch = self._packer.next_batch(now, flush=self._closing)
-                if batch is not None:
-                    await self._run(batch)
-                    continue
-                if self._closing and not (self._incoming or self._tokenizing or self._packer):
-                    return
-                ready = self._packer.ready_at()
-                timeout = None if ready is None else max(0.0, (ready - now) / 1000.0)
-                self._wake_device.clear()
-                await _wait(self._wake_device, timeout)
+            await feed_device(
+                self._packer, self._wake_device, self._run,
+                flushing=lambda: self._closing,
+                finished=lambda: self._closing and not (
+                    self._incoming or self._tokenizing or self._packer
+                ),
+                prune=self._prune,
+            )
         except BaseException as exc:
             self._fail_everything(exc)
             raise
 
-    async def _run(self, batch: Batch[_Pending]) -> None:
-        pendings = batch.payloads
-        encodings = [pending.encoding for pending in pendings]
-        events: list[FailedRun] = []
-        self._in_flight = pendings
+    def _prune(self) -> None:
+        """Drop what callers gave up on (cancelled, timed out) before costing a batch."""
+        if self._abandoned:
+            self._abandoned = False
+            self._packer.remove_where(lambda job: job.ref.future.done())
+
+    async def _run(self, batch: Batch[Job[_Pending]]) -> None:
+        jobs = batch.payloads
+        self._in_flight = [job.ref for job in jobs]
         try:
-            results = await asyncio.to_thread(
-                run_isolated, self.backend, encodings, on_oom=events.append, on_error=events.append
-            )
+            outcome = await asyncio.to_thread(self._pipeline.run_batch, jobs, _epoch_ms())
         finally:
             self._in_flight = []
+        self._account(batch, outcome.failed_runs)
+        adapt_budget(self._adaptive, self._packer, outcome.ooms, "batcher")
+        for done in outcome.answered:
+            self._answer(done.ref, done.result)
+
+    def _account(self, batch: Batch[Job[_Pending]], events: list[FailedRun]) -> None:
         stats = self.stats
         stats.batches += 1
         stats.rows += batch.rows
@@ -370,10 +369,6 @@ class Batcher:
                 stats.error_events += 1
         if events:
             stats.failed_runs = (stats.failed_runs + events)[-100:]
-        ooms = [event for event in events if event.reason == "oom"]
-        adapt_budget(self._adaptive, self._packer, ooms, "batcher")
-        for pending, result in zip(pendings, results, strict=True):
-            self._answer(pending, result)
 
     # ----------------------------------------------------------------- answers
 
@@ -397,7 +392,7 @@ class Batcher:
             *self._incoming,
             *self._tokenizing,
             *self._in_flight,
-            *(item.payload for item in self._packer),
+            *(item.payload.ref for item in self._packer),
         ]
         self._incoming.clear()
         self._tokenizing = []
@@ -409,27 +404,6 @@ class Batcher:
         self._wake_device.set()
 
 
-def _tokenizer_failure(exc: Exception) -> Failure:
-    """ValueError is the backend refusing this input (the Backend contract); else a fault."""
-    if isinstance(exc, ValueError):
-        return Failure(ErrorCode.BAD_REQUEST.value, f"tokenizer refused input: {exc}")
-    return Failure(ErrorCode.INFERENCE_FAILED.value, f"tokenizer failed: {describe(exc)}")
-
-
-def _checked_encoding(encoding: Encoding) -> Encoding | Failure:
-    """Refuse an encoding the packer cannot cost (a backend bug, answered per request)."""
-    length = getattr(encoding, "length", None)
-    if not isinstance(length, int) or length < 1:
-        return Failure(
-            ErrorCode.INFERENCE_FAILED.value, f"tokenizer returned an encoding of length {length!r}"
-        )
-    return encoding
-
-
-async def _wait(event: asyncio.Event, timeout: float | None) -> None:
-    """Wait for ``event`` at most ``timeout`` seconds (forever when None)."""
-    if timeout is None:
-        await event.wait()
-        return
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout)
+def _request(request_id: str, text: str, text_pair: str | None) -> wire.Request:
+    """A submitted input as the pipeline's request (no reply key: the answer is a future)."""
+    return wire.Request(id=request_id, text=text, tokens=0, reply_to="", text_pair=text_pair)

@@ -1,6 +1,6 @@
 """The 'chunk' over-length policy's arithmetic, shared by every backend.
 
-DESIGN.md, "Over-long input": an input longer than the model's limit is cut
+docs/ARCHITECTURE.md, "Over-long input": an input longer than the model's limit is cut
 into overlapping windows, each packed as its own sequence, and the window
 embeddings are combined per request with a length-weighted mean. These are
 pure functions over token ids and vectors (numpy only), so the sim and the

@@ -4,7 +4,7 @@ Both the Redis worker loop and the in-process :class:`~tokenq.worker.local.batch
 call :func:`run_isolated`; it knows nothing about Redis or asyncio and is
 synchronous, because the caller runs it in a thread next to its event loop.
 
-DESIGN.md promises that an input which makes a batch raise is isolated by
+docs/RELIABILITY.md promises that an input which makes a batch raise is isolated by
 splitting the batch, and that no request fails because of an out-of-memory
 error unless it alone does not fit. Both come down to the same move: when
 ``backend.run`` raises, run the two halves separately, recursively. A batch of
@@ -27,6 +27,7 @@ import numpy as np
 
 from tokenq.shared.errors import DeviceLost, ErrorCode
 from tokenq.shared.packer import AdaptiveBudget, CostModel, Packer
+from tokenq.shared.wire import ErrorInfo
 from tokenq.worker.backends.base import Backend, Encoding
 
 log = logging.getLogger(__name__)
@@ -35,12 +36,9 @@ MAX_MESSAGE_CHARS = 1000
 """Longest error message put in a Failure (framework messages can be pages long)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """Why one row got no result; ``code`` is an :class:`ErrorCode` value."""
-
-    code: str
-    message: str
+Failure = ErrorInfo
+"""Why one row got no result: the reply's own error record (``code`` is an
+:class:`ErrorCode` value), so a failure becomes an error reply as it is."""
 
 
 @dataclass(frozen=True, slots=True)

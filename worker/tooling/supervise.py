@@ -19,7 +19,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from tokenq.shared.settings import WorkerSettings
+from tokenq.shared.settings import WorkerSettings, env_var, flag
 from tokenq.worker.tooling.children import Supervisor
 
 STOP_TIMEOUT_S = 30.0
@@ -28,8 +28,10 @@ STOP_TIMEOUT_S = 30.0
 
 # ---------------------------------------------------------------- one per GPU
 
-_PER_CHILD_FLAGS = ("--devices", "--consumer", "--device", "--metrics-port")
-PER_CHILD_ENV = ("TOKENQ_DEVICES", "TOKENQ_CONSUMER", "TOKENQ_DEVICE", "TOKENQ_METRICS_PORT")
+_PER_CHILD = ("devices", "consumer", "device", "metrics_port")
+"""The settings each child gets its own value of; every other one is passed on."""
+_PER_CHILD_FLAGS = tuple(flag(WorkerSettings, name) for name in _PER_CHILD)
+PER_CHILD_ENV = tuple(env_var(name) for name in _PER_CHILD)
 
 
 def strip_flags(argv: Sequence[str], flags: Sequence[str]) -> list[str]:

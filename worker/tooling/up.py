@@ -32,7 +32,7 @@ import redis
 
 from tokenq.shared import keys
 from tokenq.shared.cli import run_command
-from tokenq.shared.settings import UpSettings
+from tokenq.shared.settings import UpSettings, WorkerSettings, flag
 from tokenq.worker import logs
 from tokenq.worker.tooling.children import Child, Supervisor, describe_exit
 from tokenq.worker.tooling.embedded import find_redis_server, free_port
@@ -58,16 +58,18 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+PASSED_ON = ("queue", "prefix", "backend")
+"""``tokenq up`` settings every worker gets unchanged (the URL and metrics port are per worker)."""
+
+
 def worker_command(settings: UpSettings, redis_url: str, index: int,
                    extra: Sequence[str]) -> list[str]:
     """The argv of worker ``index``."""
-    command = [
-        sys.executable, "-m", "tokenq.worker",
-        "--redis-url", redis_url, "--queue", settings.queue, "--prefix", settings.prefix,
-        "--backend", settings.backend,
-    ]
+    command = [sys.executable, "-m", "tokenq.worker", flag(WorkerSettings, "redis_url"), redis_url]
+    for name in PASSED_ON:
+        command += [flag(WorkerSettings, name), str(getattr(settings, name))]
     if settings.metrics_port:
-        command += ["--metrics-port", str(settings.metrics_port + index)]
+        command += [flag(WorkerSettings, "metrics_port"), str(settings.metrics_port + index)]
     return command + list(extra)
 
 

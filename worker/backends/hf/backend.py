@@ -124,7 +124,7 @@ class HFBackend:
         info = BackendInfo(
             name="hf",
             model=source.name,
-            task="embed" if options.task == "embed" else "score",
+            task=options.task,
             max_input_tokens=max_input,
             padded=True,
             dim=_output_dim(model.config, options.task),
@@ -132,6 +132,8 @@ class HFBackend:
             dtype=str(dtype).removeprefix("torch."),
             tokenizer=tokenizer_path,
             pairs=options.task == "rerank",
+            normalized=options.task == "embed" and normalize,
+            labels=_labels(model.config, options.task),
             extra=_extra(source, options.task, pooling, normalize, model.config),
         )
         log.info(
@@ -196,7 +198,7 @@ class HFBackend:
 
         Special tokens are put back around each window; combine the window
         embeddings with :func:`tokenq.worker.backends.hf.encoding.combine_chunks`,
-        passing ``normalize=backend.normalize``.
+        passing ``normalize=backend.info.normalized``.
         """
         if self._hf_task != "embed":
             raise ValueError("chunking applies to embeddings only; this model scores inputs")
@@ -410,10 +412,16 @@ def _extra(
     if task == "embed":
         extra.update(pooling=pooling, normalize=normalize)
     else:
-        labels = getattr(config, "id2label", None) or {}
-        extra["labels"] = [str(labels.get(i, i)) for i in range(int(config.num_labels))]
         extra["activation"] = "none (raw logits)"
     return extra
+
+
+def _labels(config: Any, task: HFTask) -> tuple[str, ...]:
+    """A classifier's label names by score index (``id2label``), else none."""
+    if task == "embed":
+        return ()
+    names = getattr(config, "id2label", None) or {}
+    return tuple(str(names.get(i, i)) for i in range(int(config.num_labels)))
 
 
 def _special_token_layout(tokenizer: Any) -> tuple[int, int] | None:

@@ -1,84 +1,38 @@
-"""Every setting the Hugging Face backend reads, and the device and dtype they come to.
+"""The Hugging Face backend's options, and the device and dtype they come to.
 
-:class:`HFOptions` is built from ``WorkerSettings`` (or any object with the
-same attribute names) by :meth:`HFOptions.from_settings`; a setting the
-object does not have takes the default here, and any bad value becomes one
+The options themselves are :class:`tokenq.shared.settings.HFSettings`, the
+same definitions ``tokenq worker`` parses (``--model``, ``--task``,
+``--dtype`` ...); :class:`HFOptions` is that set on its own, frozen, built
+from ``WorkerSettings`` (or any object with the same attribute names) by
+:meth:`HFOptions.from_settings`. A setting the object does not have takes
+the default, and any bad value becomes one
 :class:`~tokenq.shared.errors.ConfigError` that names it.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import warnings
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, ValidationError
 
 from tokenq.shared.errors import ConfigError
+from tokenq.shared.settings import HFSettings, describe_errors
+from tokenq.shared.settings import Task as HFTask
+
+__all__ = ["HFOptions", "HFTask", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
-HFTask = Literal["embed", "classify", "rerank"]
-
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_DTYPE_ALIASES = {
-    "float32": "fp32",
-    "float": "fp32",
-    "float16": "fp16",
-    "half": "fp16",
-    "bfloat16": "bf16",
-}
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-class HFOptions(BaseModel):
-    """The worker settings the HF backend reads, validated in one place.
-
-    Built from :class:`~tokenq.shared.settings.WorkerSettings` by
-    :meth:`from_settings`; a setting WorkerSettings does not (yet) have takes
-    the default below.
-    """
+class HFOptions(HFSettings):
+    """The worker settings the HF backend reads, validated where WorkerSettings validates them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-    model: str | None = Field(
-        None, description="model directory or Hugging Face id; None: bundled all-MiniLM-L6-v2"
-    )
-    task: HFTask = Field("embed", description="embed, classify or rerank (cross-encoder)")
-    pooling: Literal["auto", "mean", "cls", "last"] = Field(
-        "auto", description="embed: pooling; auto reads 1_Pooling/config.json, else mean"
-    )
-    normalize: Literal["auto", "true", "false"] = Field(
-        "auto", description="embed: L2-normalise; auto: when modules.json has a Normalize module"
-    )
-    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
-        "auto", description="weights and activations; auto: fp16 on CUDA, fp32 on CPU"
-    )
-    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
-    max_input_tokens: int | None = Field(
-        None, ge=1, description="cap below the model's own max input length"
-    )
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _dtype_alias(cls, value: Any) -> Any:
-        return _DTYPE_ALIASES.get(str(value).lower(), str(value).lower())
-
-    @field_validator("normalize", mode="before")
-    @classmethod
-    def _normalize_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        return str(value).lower()
-
-    @field_validator("device")
-    @classmethod
-    def _check_device(cls, value: str) -> str:
-        if not _DEVICE.match(value):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N: {value!r}")
-        return value
 
     @classmethod
     def from_settings(cls, settings: Any) -> HFOptions:
@@ -91,7 +45,8 @@ class HFOptions(BaseModel):
         try:
             return cls(**values)
         except ValidationError as exc:
-            raise ConfigError(f"hf backend settings: {exc}") from exc
+            problems = "; ".join(describe_errors(exc, cls))
+            raise ConfigError(f"hf backend settings: {problems}") from exc
 
 
 def resolve_device(requested: str) -> torch.device:

@@ -1,0 +1,389 @@
+"""One request pipeline for both batching loops: requests in, jobs, batch outcomes out.
+
+The Redis worker (``worker/loop.py``) and the in-process batcher
+(``worker/local/batcher.py``) differ only in where a request comes from (a
+stream entry, a ``submit`` call) and where its answer goes (a reply key, a
+future). Everything between is here, once:
+
+* :meth:`Pipeline.admit` turns requests into jobs the packer can cost:
+  deadline check, the pairs check, exact tokenization (a failing tokenizer is
+  isolated to the input it fails on), and the over-length policy
+  (``truncate``, ``reject``, ``chunk`` into windows);
+* :meth:`Pipeline.run_batch` runs one packed batch: drops what expired while
+  it waited, runs the rest with :func:`run_isolated` (one bad row or an
+  out-of-memory error fails alone), and settles chunked requests when their
+  last window is back;
+* :meth:`Pipeline.reply` is the wire reply for a finished request.
+
+A job's ``ref`` is the caller's handle (a stream entry id, a pending
+future); the pipeline never looks inside it. Nothing here does I/O or
+touches asyncio: the callers run :meth:`admit` and :meth:`run_batch` in a
+thread, next to their event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
+
+import numpy as np
+
+from tokenq.shared import wire
+from tokenq.shared.errors import ConfigError, ErrorCode
+from tokenq.shared.packer import Budget, CostModel
+from tokenq.worker.backends.base import Backend, BackendInfo, Encoding, TextInput, windowing_of
+from tokenq.worker.pipeline.chunks import combine_chunks
+from tokenq.worker.pipeline.execute import (
+    MAX_MESSAGE_CHARS,
+    FailedRun,
+    Failure,
+    describe,
+    run_isolated,
+)
+from tokenq.worker.pipeline.options import NO_OPTIONS, RequestOptions
+
+K = TypeVar("K")
+
+OverLength = Literal["truncate", "reject", "chunk"]
+"""What happens to an input longer than the model takes (``--policy``)."""
+
+
+
+@dataclass(slots=True)
+class ChunkGroup:
+    """The windows of one over-long request under the ``chunk`` policy.
+
+    Each window is packed as its own sequence (possibly into different
+    batches); the request is answered only when every window has a result,
+    with their length-weighted mean.
+    """
+
+    lengths: list[int]
+    results: dict[int, np.ndarray] = field(default_factory=dict)
+    failure: Failure | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.failure is not None or len(self.results) == len(self.lengths)
+
+    def combined(self, normalize: bool) -> np.ndarray:
+        vectors = [self.results[index] for index in range(len(self.lengths))]
+        return combine_chunks(vectors, self.lengths, normalize)
+
+
+@dataclass(frozen=True, slots=True)
+class Admit(Generic[K]):
+    """One request offered to :meth:`Pipeline.admit`."""
+
+    ref: K
+    request: wire.Request
+    deadline_ms: int | None
+    """Epoch ms on the caller's reference clock (Redis's, for the worker), or None."""
+    arrived_ms: float
+    """Monotonic ms it arrived (the packer's arrival time: linger and age count from it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Job(Generic[K]):
+    """A request (or one window of a chunked request) that is ready to be packed."""
+
+    ref: K
+    request: wire.Request
+    encoding: Encoding
+    deadline_ms: int | None
+    arrived_ms: float
+    chunk: ChunkGroup | None = None
+    chunk_index: int = 0
+    options: RequestOptions = NO_OPTIONS
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome(Generic[K]):
+    """A finished request: its result or why it failed, and the tokens it took."""
+
+    ref: K
+    request: wire.Request
+    result: np.ndarray | Failure
+    tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not isinstance(self.result, Failure)
+
+    @property
+    def code(self) -> str:
+        """``ok`` or the error code (what metrics count)."""
+        return self.result.code if isinstance(self.result, Failure) else "ok"
+
+
+@dataclass(slots=True)
+class Admitted(Generic[K]):
+    """What :meth:`Pipeline.admit` made of a read: jobs, requests answered at once, and
+    requests it could not take (the caller's containment rule decides their fate)."""
+
+    jobs: list[Job[K]] = field(default_factory=list)
+    answered: list[Outcome[K]] = field(default_factory=list)
+    broken: list[tuple[Admit[K], str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class BatchOutcome(Generic[K]):
+    """What one packed batch came to."""
+
+    answered: list[Outcome[K]]
+    """Requests finished by this batch (a chunked one only with its last window)."""
+    failed_runs: list[FailedRun]
+    """Every ``backend.run`` that raised (the batch was split, or a row failed)."""
+    device_ms: float
+    """Wall time on the device (0 when every job had expired)."""
+    expired: int
+
+    @property
+    def ooms(self) -> list[FailedRun]:
+        return [run for run in self.failed_runs if run.reason == "oom"]
+
+    @property
+    def oom_splits(self) -> int:
+        return sum(run.rows > 1 for run in self.ooms)
+
+
+def budget_for(
+    info: BackendInfo,
+    max_batch_tokens: int,
+    max_batch_size: int,
+    cost_model: CostModel | str | None,
+    reason: str,
+) -> Budget:
+    """The batch budget both loops run under; a ConfigError for one the model cannot honour.
+
+    ``cost_model`` None or ``auto`` follows ``info.padded`` (TEI's ``is_padded``).
+    """
+    if max_batch_tokens < info.max_input_tokens:
+        raise ConfigError(
+            f"max_batch_tokens ({max_batch_tokens}) is below the model's maximum input length "
+            f"({info.max_input_tokens} tokens): one full-length input would not fit in a "
+            f"batch; raise --max-batch-tokens to at least {info.max_input_tokens} ({reason})"
+        )
+    if cost_model is None or cost_model == "auto":
+        model = CostModel.PADDED if info.padded else CostModel.RAGGED
+    else:
+        try:
+            model = CostModel(cost_model)
+        except ValueError:
+            raise ConfigError(
+                f"cost_model must be 'padded', 'ragged' or 'auto', got {cost_model!r}"
+            ) from None
+    try:
+        return Budget(max_batch_tokens, max_batch_size, model)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+class Pipeline(Generic[K]):
+    """Every per-request rule between a decoded request and its answer, for one backend."""
+
+    def __init__(self, backend: Backend, *, policy: OverLength = "truncate",
+                 chunk_overlap: int = 0) -> None:
+        info = backend.info
+        self.backend = backend
+        self.info = info
+        self.policy: OverLength = policy
+        self.chunk_overlap = chunk_overlap
+        self._windowing = windowing_of(backend) if info.embeds else None
+        if policy == "chunk" and self._windowing is None:
+            raise ConfigError(
+                f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
+                f"{info.name} ({info.model}, task {info.task}) cannot: use truncate or reject"
+            )
+        if policy not in ("truncate", "reject", "chunk"):
+            raise ConfigError(f"policy must be truncate, reject or chunk, got {policy!r}")
+
+    # ------------------------------------------------------------------ admit
+
+    def refusal(self, request: wire.Request) -> str | None:
+        """Why this queue's model cannot take the request as it is, or None."""
+        if request.text_pair is not None and not self.info.pairs:
+            return (
+                f"this queue's model ({self.info.model}) takes single texts, "
+                "but the request carries a text_pair"
+            )
+        return None
+
+    def admit(self, items: Sequence[Admit[K]], now_epoch_ms: int) -> Admitted[K]:
+        """Jobs for the requests worth running; an answer now for the rest.
+
+        Raises nothing for what a request holds: a tokenizer that fails on a
+        read is retried input by input, so only the input it fails on is
+        answered (``bad_request`` when the backend refuses it with
+        ``ValueError``, as the Backend contract says; ``inference_failed``
+        otherwise), and an encoding no packer can cost lands in ``broken``.
+        """
+        out: Admitted[K] = Admitted()
+        valid: list[tuple[Admit[K], RequestOptions]] = []
+        for item in items:
+            if item.deadline_ms is not None and item.deadline_ms <= now_epoch_ms:
+                late = now_epoch_ms - item.deadline_ms
+                out.answered.append(self._failed(
+                    item, ErrorCode.DEADLINE_EXCEEDED,
+                    f"deadline passed {late} ms before the request could run",
+                ))
+                continue
+            why = self.refusal(item.request)
+            if why is not None:
+                out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, why))
+                continue
+            try:
+                options = RequestOptions.parse(item.request.opts)
+            except ValueError as exc:
+                out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, f"opts: {exc}"))
+                continue
+            valid.append((item, options))
+        if valid:
+            self._tokenize(valid, out)
+        return out
+
+    def _tokenize(
+        self, items: Sequence[tuple[Admit[K], RequestOptions]], out: Admitted[K]
+    ) -> None:
+        inputs = [TextInput(item.request.text, item.request.text_pair) for item, _ in items]
+        max_length = self.info.max_input_tokens if self.policy == "truncate" else None
+        try:
+            encodings = list(self.backend.tokenize(inputs, max_length))
+            if len(encodings) != len(inputs):
+                raise RuntimeError(
+                    f"tokenize returned {len(encodings)} encodings for {len(inputs)} inputs"
+                )
+        except Exception as exc:
+            if len(items) > 1:
+                for item in items:
+                    self._tokenize([item], out)
+                return
+            out.answered.append(self._failed(items[0][0], *_tokenizer_failure(exc)))
+            return
+        for (item, options), encoding in zip(items, encodings, strict=True):
+            self._place(item, options, encoding, out)
+
+    def _place(
+        self, item: Admit[K], options: RequestOptions, encoding: Encoding, out: Admitted[K]
+    ) -> None:
+        """Apply the over-length policy to one tokenized request."""
+        length = getattr(encoding, "length", None)
+        if not isinstance(length, int) or length < 1:
+            out.broken.append((item, f"the tokenizer gave an encoding of length {length!r}"))
+            return
+        limit = self.info.max_input_tokens
+        if length <= limit:
+            out.jobs.append(self._job(item, options, encoding))
+            return
+        if self._windowing is not None and self.policy == "chunk" \
+                and item.request.text_pair is None:
+            try:
+                windows = self._windowing.windows(encoding, limit, self.chunk_overlap)
+            except ValueError as exc:
+                out.answered.append(self._failed(
+                    item, ErrorCode.BAD_REQUEST, f"input cannot be chunked: {exc}"
+                ))
+                return
+            group = ChunkGroup(lengths=[window.length for window in windows])
+            out.jobs += [
+                self._job(item, options, window, chunk=group, chunk_index=index)
+                for index, window in enumerate(windows)
+            ]
+            return
+        out.answered.append(self._failed(
+            item, ErrorCode.TOO_LONG,
+            f"input is {length} tokens, over the model's limit of {limit} "
+            f"(queue policy: {self.policy})",
+        ))
+
+    @staticmethod
+    def _job(item: Admit[K], options: RequestOptions, encoding: Encoding,
+             chunk: ChunkGroup | None = None, chunk_index: int = 0) -> Job[K]:
+        return Job(item.ref, item.request, encoding, item.deadline_ms, item.arrived_ms,
+                   chunk, chunk_index, options)
+
+    @staticmethod
+    def _failed(item: Admit[K], code: ErrorCode, message: str) -> Outcome[K]:
+        return Outcome(item.ref, item.request, Failure(code.value, message[:MAX_MESSAGE_CHARS]))
+
+    # -------------------------------------------------------------- run a batch
+
+    def run_batch(self, jobs: Sequence[Job[K]], now_epoch_ms: int) -> BatchOutcome[K]:
+        """Run one packed batch and settle what it finishes (synchronous: call it in a thread).
+
+        Jobs whose deadline passed while they waited are answered
+        ``deadline_exceeded`` without running; the rest run together, split
+        and retried on failure by :func:`run_isolated`.
+        """
+        expired = [job for job in jobs if _past(job, now_epoch_ms)]
+        live = [job for job in jobs if not _past(job, now_epoch_ms)]
+        answered = self.settle(expired, [_DEADLINE] * len(expired))
+        failed_runs: list[FailedRun] = []
+        device_ms = 0.0
+        if live:
+            started = time.perf_counter()
+            results = run_isolated(
+                self.backend, [job.encoding for job in live],
+                on_oom=failed_runs.append, on_error=failed_runs.append,
+            )
+            device_ms = (time.perf_counter() - started) * 1000.0
+            answered += self.settle(live, results)
+        return BatchOutcome(answered, failed_runs, device_ms, expired=len(expired))
+
+    def settle(self, jobs: Sequence[Job[K]],
+               results: Sequence[np.ndarray | Failure]) -> list[Outcome[K]]:
+        """Outcomes for finished jobs; a chunked request finishes with its last window."""
+        out: list[Outcome[K]] = []
+        for job, result in zip(jobs, results, strict=True):
+            group = job.chunk
+            if group is None:
+                out.append(self._finished(job, result, job.encoding.length))
+                continue
+            if group.complete:
+                continue  # an earlier window already failed the request
+            if isinstance(result, Failure):
+                group.failure = result
+                out.append(Outcome(job.ref, job.request, result, sum(group.lengths)))
+                continue
+            group.results[job.chunk_index] = result
+            if group.complete:
+                combined = group.combined(self.info.normalized)
+                out.append(self._finished(job, combined, sum(group.lengths)))
+        return out
+
+    @staticmethod
+    def _finished(job: Job[K], result: np.ndarray | Failure, tokens: int) -> Outcome[K]:
+        if not isinstance(result, Failure):
+            result = job.options.apply(result)
+        return Outcome(job.ref, job.request, result, tokens)
+
+    # ------------------------------------------------------------------ reply
+
+    def reply(self, outcome: Outcome[K]) -> wire.Reply:
+        """The wire reply for a finished request: an embedding or scores, or the error."""
+        request, result = outcome.request, outcome.result
+        if isinstance(result, Failure):
+            return wire.error_reply(request.id, result.code, result.message)
+        if self.info.embeds:
+            vector = np.ascontiguousarray(result, dtype="<f4")
+            return wire.embedding_reply(
+                request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens
+            )
+        scores = [float(x) for x in np.ravel(result)]
+        return wire.scores_reply(request.id, scores, tokens=outcome.tokens)
+
+
+_DEADLINE = Failure(ErrorCode.DEADLINE_EXCEEDED.value, "deadline passed before the request ran")
+
+
+def _past(job: Job[object], now_epoch_ms: int) -> bool:
+    return job.deadline_ms is not None and job.deadline_ms <= now_epoch_ms
+
+
+def _tokenizer_failure(exc: Exception) -> tuple[ErrorCode, str]:
+    """ValueError is the backend refusing this input (the Backend contract); else a fault."""
+    if isinstance(exc, ValueError):
+        return ErrorCode.BAD_REQUEST, f"tokenizer refused input: {exc}"
+    return ErrorCode.INFERENCE_FAILED, f"tokenizer failed: {describe(exc)}"
