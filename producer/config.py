@@ -37,6 +37,7 @@ from typing import Literal
 
 from tokenq.producer.estimate import estimate_tokens
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode
+from tokenq.shared.queue_config import QueueConfig
 
 log = logging.getLogger("tokenq.producer")
 
@@ -96,42 +97,6 @@ class InputTooLong(BadRequest):
         self.limit = limit
         self.queue = queue
         self.exact = exact
-
-
-@dataclass(frozen=True, slots=True)
-class QueueConfig:
-    """The fields of a queue's config hash that the producer acts on."""
-
-    max_input_tokens: int | None
-    policy: str | None
-    pairs: bool | None
-    tokenizer: str | None
-    model: str | None
-
-    @classmethod
-    def parse(cls, fields: Mapping[str, str]) -> QueueConfig | None:
-        """The config from the decoded hash; None when the hash is missing (empty).
-
-        A field that does not parse counts as absent, so a malformed hash
-        disables a check rather than refusing everything.
-        """
-        if not fields:
-            return None
-        try:
-            limit: int | None = int(fields.get("max_input_tokens", ""))
-        except ValueError:
-            limit = None
-        if limit is not None and limit <= 0:
-            limit = None
-        pairs = {"1": True, "0": False}.get(fields.get("pairs", "").strip())
-        policy = fields.get("policy", "").strip().lower() or None
-        return cls(
-            max_input_tokens=limit,
-            policy=policy,
-            pairs=pairs,
-            tokenizer=fields.get("tokenizer") or None,
-            model=fields.get("model") or None,
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,49 +1,47 @@
-"""The I/O-free core that :class:`Client` and :class:`AsyncClient` share.
+"""What a producer decides, for both clients: no I/O, no redis, no asyncio.
 
-Everything a producer decides without talking to Redis lives here, in the
-manner of httpx's ``BaseClient``: merging settings, checking what the caller
-passed, making request ids, building stream fields, choosing reply keys,
-laying out the enqueue script's arguments, turning reply bytes into a
-:class:`Result` or an exception, and sizing each blocking wait. What the
-queue's config hash lets it refuse early lives in :mod:`._config`. Its
-decisions never read a clock (callers pass ``now_ms``), so the two clients
-differ only in transport and ``await``, and tests can drive it directly.
+Everything a producer decides about a request lives here, in the manner of
+httpx's ``BaseClient``: merging settings, checking what the caller passed,
+making request ids, building stream fields, choosing reply keys, laying out
+the enqueue script's arguments, turning reply bytes into a :class:`Result`
+or an exception, and sizing each blocking wait. What the queue's config
+hash lets it refuse early lives in :mod:`tokenq.producer.config`. Its
+decisions take the time as an argument (``now_ms``, ``now_s``; only a
+:class:`Deadline` reads the monotonic clock), so tests can drive it
+directly.
 
-The one exception is the deadline plumbing at the end of the module, which
-both clients plug into redis-py: the caller's deadline travels in a
-:data:`CALLER_DEADLINE` context variable (per thread for :class:`Client`,
-per task for :class:`AsyncClient`), and :class:`DeadlineTimeouts` and
-:func:`retry_pause` read it, with the monotonic clock, so that no socket
-wait, pool wait or retry of redis-py's outlasts the caller who asked for it.
+The order of the commands that carry these decisions out (read the config,
+enqueue, wait, retry) is :mod:`tokenq.producer.calls`; the redis-py glue
+that keeps each command within its caller's :class:`Deadline` is
+:mod:`tokenq.producer.connection`.
 """
 
 from __future__ import annotations
 
 import array
-import contextvars
 import inspect
 import logging
 import math
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
-import redis
-from redis.backoff import ExponentialBackoff
 
 from tokenq.producer.config import (
     DEFAULT_CONFIG_TTL_S,
     ESTIMATOR_MODES,
     ConfigCache,
     EstimatorMode,
+    PairEstimate,
 )
-from tokenq.shared import keys, wire
+from tokenq.producer.options import SubmitOptions, worker_options
+from tokenq.shared import keys, lua, wire
 from tokenq.shared.errors import (
     BadRequest,
     BrokerUnavailable,
@@ -54,25 +52,10 @@ from tokenq.shared.errors import (
     TokenqError,
     remote_error,
 )
-from tokenq.shared.settings import ClientSettings
+from tokenq.shared.settings import ClientSettings, describe_errors
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
-"""Errors that mean Redis is unreachable (retried with backoff, then BrokerUnavailable)."""
-
-
-def busy_as_down(exc: redis.ResponseError) -> redis.ConnectionError | None:
-    """A ``BUSY`` refusal as an outage, or None for any other error reply.
-
-    Redis answers BUSY to every command while a script has run past
-    ``busy-reply-threshold``: the command was not run, so it is as safe to
-    retry as a refused connection, and the caller should hear
-    BrokerUnavailable rather than a raw error reply.
-    """
-    if not str(exc).startswith("BUSY"):
-        return None
-    down = redis.ConnectionError(f"Redis is busy running a script: {exc}")
-    down.__cause__ = exc
-    return down
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger("tokenq.producer")
 
@@ -90,11 +73,8 @@ the same), ``"heuristic"``, ``"exact"``, or a callable."""
 TextItem = str | tuple[str, str]
 """One input of a batch: a text, or a ``(text, text_pair)`` pair for rerankers."""
 
-ENQUEUE_SCRIPT = resources.files("tokenq.producer").joinpath("lua/enqueue.lua").read_text("utf-8")
+ENQUEUE_SCRIPT = lua.load("tokenq.producer", "enqueue.lua")
 """Source of the atomic backpressure script (see enqueue.lua for its contract)."""
-
-QUEUE_FULL_PREFIX = "QUEUEFULL"
-"""First word of the error the enqueue script answers when the batch does not fit."""
 
 BAD_REPLY = ErrorCode.BAD_REPLY.value
 """Error code of a :class:`RemoteError` raised for a reply that does not decode."""
@@ -104,7 +84,7 @@ BLOCK_FLOOR_S = 0.01
 
 BACKOFF_BASE_S = 0.02
 BACKOFF_CAP_S = 0.5
-"""redis-py retries connection errors with exponential backoff between these."""
+"""Outages are retried with exponential backoff between these (by redis-py and by the calls)."""
 
 DEADLINE_GRACE_S = 0.2
 """How far past the caller's deadline one Redis command may run before it is cut off.
@@ -115,8 +95,10 @@ reported as unreachable), so every socket wait is the remaining time plus
 this. It is also the most a command started at the deadline may take.
 """
 
-MIN_SOCKET_TIMEOUT_S = 0.01
-"""Floor of a deadline-bound socket timeout (0 would put the socket in non-blocking mode)."""
+
+def backoff_s(failures: int) -> float:
+    """The pause after the ``failures``-th outage in a row that redis-py's retries gave up on."""
+    return min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**failures)
 
 
 class ReplyTimeout(TokenqError, TimeoutError):
@@ -167,6 +149,39 @@ class Prepared:
 Outcome = Result | RemoteError
 
 
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """When one call of a client gives up, and how it treats a Redis that is down.
+
+    ``at`` is on the ``time.monotonic()`` clock. With ``persist`` a command
+    that fails because Redis is unreachable is tried again, with backoff,
+    until ``at`` (``infer``, ``infer_many``: the caller gave that time to
+    get an answer, and a retried enqueue is deduplicated by the script; the
+    BLPOP loops of every wait retry the same way by themselves); without it
+    redis-py's ``retries`` are all it gets (``submit``, admin calls). Either
+    way no retry or backoff starts after ``at``, and no command runs more
+    than :data:`DEADLINE_GRACE_S` past it.
+    """
+
+    at: float
+    persist: bool = False
+
+    @classmethod
+    def after(cls, seconds: float, *, persist: bool = False) -> Deadline:
+        return cls(time.monotonic() + seconds, persist)
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+    def left(self) -> float:
+        """The time left, never negative: how long a wait for something else may last."""
+        return max(0.0, self.remaining())
+
+    def cap(self, seconds: float) -> float:
+        """``seconds`` cut short to end by the deadline (a backoff that must not outlast it)."""
+        return max(0.0, min(seconds, self.remaining()))
+
+
 def make_settings(settings: ClientSettings | None, **overrides: Any) -> ClientSettings:
     """Settings from ``TOKENQ_*`` (or ``settings``), with non-None keyword overrides on top.
 
@@ -179,10 +194,7 @@ def make_settings(settings: ClientSettings | None, **overrides: Any) -> ClientSe
             return ClientSettings(**given)
         return ClientSettings.model_validate({**settings.model_dump(), **given})
     except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
-            for err in exc.errors()
-        )
+        problems = "; ".join(describe_errors(exc, ClientSettings, flags=False))
         raise BadRequest(f"invalid client settings: {problems}") from None
 
 
@@ -268,28 +280,12 @@ class ClientCore:
         self.config_key = keys.config(self.queue)
         self.url = redact_url(settings.redis_url)
         self.config_cache = config_cache(estimator, config_ttl_s)
+        # The config cache changes from whichever caller reads the hash and
+        # from the thread that loads a tokenizer; this makes each change whole.
+        self._config_lock = threading.Lock()
         self._config_warned = False
 
     # ------------------------------------------------------------------ ids
-
-    def connection_options(self, retry_cls: type, client_id: str) -> dict[str, Any]:
-        """Socket timeouts, retries with backoff and a client name, for either client.
-
-        ``retry_cls`` is redis-py's sync or asyncio ``Retry``; everything else
-        is the same for both twins.
-        """
-        s = self.settings
-        return {
-            "socket_timeout": s.socket_timeout_s,
-            "socket_connect_timeout": s.socket_timeout_s,
-            "retry": retry_cls(
-                ExponentialBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
-                s.retries,
-                supported_errors=REDIS_DOWN,
-            ),
-            "retry_on_error": list(REDIS_DOWN),  # redis-py 5 ignores `retry` without it
-            "client_name": f"tokenq-producer-{client_id[:12]}",
-        }
 
     @staticmethod
     def new_id() -> str:
@@ -320,6 +316,14 @@ class ClientCore:
         if timeout_s is None:
             return self.settings.timeout_s
         return _check_timeout(timeout_s, "timeout_s")
+
+    def deadline(self) -> Deadline:
+        """The deadline of a call without a ``timeout_s`` of its own: ``settings.timeout_s``."""
+        return Deadline.after(self.settings.timeout_s)
+
+    def unreachable(self, error: BaseException) -> BrokerUnavailable:
+        """The error for Redis not answering a command (after every retry it was given)."""
+        return BrokerUnavailable(f"Redis at {self.url} is unreachable: {error}")
 
     @staticmethod
     def infer_deadline(
@@ -381,16 +385,14 @@ class ClientCore:
         *,
         now_ms: int,
         text_pair: object = None,
-        deadline_s: float | None = None,
-        deadline_ms: int | None = None,
-        reply_to: str | None = None,
-        opts: Mapping[str, Any] | None = None,
         index: int | None = None,
+        **options: Unpack[SubmitOptions],
     ) -> Prepared:
         """Validate one input and build its stream fields.
 
         ``item`` is a text, or (in batches) a ``(text, text_pair)`` tuple.
         ``index`` names the item's position in a batch in error messages.
+        ``options`` are the caller's (:class:`~tokenq.producer.options.SubmitOptions`);
         ``reply_to`` defaults to the request's own reply key.
         """
         where = "text" if index is None else f"texts[{index}]"
@@ -412,7 +414,9 @@ class ClientCore:
             estimating.check(self.queue.name, tokens=tokens, has_pair=pair is not None, where=where)
 
         request_id = self.new_id()
+        reply_to = options.get("reply_to")
         target = self.reply_key(request_id) if reply_to is None else self._reply_to(reply_to)
+        deadline_s, deadline_ms = options.get("deadline_s"), options.get("deadline_ms")
         request = wire.Request(
             id=request_id,
             text=text,
@@ -420,7 +424,7 @@ class ClientCore:
             reply_to=target,
             timeout_ms=self.timeout_ms(deadline_s, deadline_ms, now_ms),
             text_pair=pair,
-            opts=self._opts(opts),
+            opts=self._opts(options),
         )
         try:
             fields = wire.encode_request(request)
@@ -431,7 +435,7 @@ class ClientCore:
         return Prepared(id=request_id, reply_to=target, fields=fields)
 
     def prepare_many(
-        self, texts: Iterable[TextItem], *, now_ms: int, **common: Any
+        self, texts: Iterable[TextItem], *, now_ms: int, **options: Unpack[SubmitOptions]
     ) -> list[Prepared]:
         """Validate a whole batch before anything is written (all or nothing)."""
         if isinstance(texts, (str, bytes)):
@@ -446,19 +450,15 @@ class ClientCore:
                 f"texts must be a sequence of strings, got {type(texts).__name__}"
             ) from None
         return [
-            self.prepare(item, now_ms=now_ms, index=i, **common) for i, item in enumerate(items)
+            self.prepare(item, now_ms=now_ms, index=i, **options) for i, item in enumerate(items)
         ]
 
     def _text(self, value: object, where: str) -> str:
-        if not isinstance(value, str):
-            raise BadRequest(f"{where} must be a string, got {type(value).__name__}")
-        if not value.strip():
-            raise BadRequest(f"{where} is empty or only whitespace")
+        """``value`` if the worker would take it as a text (the wire's own check)."""
         try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise BadRequest(f"{where} is not valid Unicode: {exc.reason}") from None
-        return value
+            return wire.validate_text(value, where, self.settings.max_request_bytes)
+        except DecodeError as exc:
+            raise BadRequest(str(exc)) from None
 
     @staticmethod
     def _tokens(
@@ -484,12 +484,18 @@ class ClientCore:
         return value
 
     @staticmethod
-    def _opts(opts: object) -> Mapping[str, Any]:
+    def _opts(options: SubmitOptions) -> Mapping[str, Any]:
+        """The request's ``opts`` map: the caller's ``opts``, plus the worker options it named."""
+        opts = options.get("opts")
         if opts is None:
-            return {}
-        if not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
+            opts = {}
+        elif not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
             raise BadRequest("opts must be a mapping with string keys")
-        return opts
+        named = worker_options(options)
+        twice = sorted(named.keys() & opts.keys())
+        if twice:
+            raise BadRequest(f"{twice[0]} is given both as a keyword and in opts")
+        return {**opts, **named} if named else opts
 
     # -------------------------------------------------------------- enqueue
 
@@ -516,14 +522,12 @@ class ClientCore:
         The script names how many of the ``n`` entries were new (entries it
         had already seen do not count); older scripts did not, hence ``n``.
         """
-        words = message.split()
-        if not words or words[0] != QUEUE_FULL_PREFIX:
+        full = lua.parse_queue_full(message)
+        if full is None:
             return None
-        length, limit = [*words[1:3], "?", "?"][:2]
-        fresh = words[3] if len(words) > 3 else str(n)
         return QueueFull(
-            f"queue {self.queue.name!r} holds {length} of at most {limit} requests; "
-            f"{fresh} more would not fit, so nothing was written"
+            f"queue {self.queue.name!r} holds {full.length} of at most {full.limit} requests; "
+            f"{full.adding or n} more would not fit, so nothing was written"
         )
 
     def broker_full(self, n: int) -> QueueFull:
@@ -551,14 +555,26 @@ class ClientCore:
 
     # --------------------------------------------------------------- config
 
+    def config_due(self, now_s: float) -> bool:
+        """Whether the next enqueue should read the config hash first (monotonic ``now_s``)."""
+        return self.config_cache.due(now_s)
+
     def take_config(self, raw: Mapping[bytes, bytes], now_s: float) -> str | None:
         """Adopt a fresh HGETALL of the config hash (read at monotonic ``now_s``).
 
         Returns the path of a tokenizer.json to load (with
         :func:`tokenq.producer.tokenizer.load_estimator`) and hand to
-        ``config_cache.take_tokenizer`` before the next request, or None.
+        :meth:`take_tokenizer` before the next request, or None.
         """
-        return self.config_cache.take(self.decode_config(raw), now_s)
+        with self._config_lock:
+            return self.config_cache.take(self.decode_config(raw), now_s)
+
+    def take_tokenizer(self, path: str, loaded: PairEstimate | str | BaseException) -> None:
+        """Adopt the result of loading ``path``: an estimator, or why (or how) it failed."""
+        if isinstance(loaded, BaseException):
+            loaded = f"cannot load {path}: {loaded}"
+        with self._config_lock:
+            self.config_cache.take_tokenizer(path, loaded)
 
     def config_unreadable(self, error: Exception, now_s: float) -> None:
         """Carry on without early checks when Redis refuses the read (an ACL, a wrong type).
@@ -572,7 +588,8 @@ class ClientCore:
             level, "cannot read %s (%s); enqueueing without early checks", self.config_key, error
         )
         self._config_warned = True
-        self.config_cache.take(None, now_s)
+        with self._config_lock:
+            self.config_cache.take(None, now_s)
 
     @staticmethod
     def decode_config(raw: Mapping[bytes, bytes]) -> dict[str, str]:
@@ -630,6 +647,18 @@ class ClientCore:
         else:
             outcomes[request_id] = self.outcome(reply)
 
+    def shared_key_reply(self, pending: set[str], raw: bytes, outcomes: dict[str, Any]) -> None:
+        """Record one reply popped from a key many requests share (``pending``: ids still due).
+
+        A reply that does not decode (logged) or names no pending id (a
+        duplicate, or one for nobody) is dropped.
+        """
+        reply = self.decode(raw)
+        if reply is None or reply.id not in pending:
+            return
+        pending.discard(reply.id)
+        outcomes[reply.id] = self.outcome(reply)
+
     def missing(
         self,
         ids: Sequence[str],
@@ -663,118 +692,3 @@ class ClientCore:
                 if isinstance(item, Exception):
                     raise item
         return ordered
-
-
-# ---------------------------------------------------------------- deadlines
-
-CALLER_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "tokenq_caller_deadline", default=None
-)
-"""The ``time.monotonic()`` deadline of the caller on whose behalf Redis is being called.
-
-Set by the clients around each command (in the calling thread, or in the
-task that runs one command for an async caller) and read by the redis-py
-hooks below; None outside a caller's command, where the configured timeouts
-apply unchanged.
-"""
-
-
-@dataclass(frozen=True, slots=True)
-class Deadline:
-    """When one call of a client gives up, and how it treats a Redis that is down.
-
-    ``at`` is on the ``time.monotonic()`` clock. With ``persist`` a command
-    that fails because Redis is unreachable is tried again, with backoff,
-    until ``at`` (``infer``, ``infer_many``: the caller gave that time to
-    get an answer, and a retried enqueue is deduplicated by the script; the
-    BLPOP loops of every wait retry the same way by themselves); without it
-    redis-py's ``retries`` are all it gets (``submit``, admin calls). Either
-    way no retry or backoff starts after ``at``, and no command runs more
-    than :data:`DEADLINE_GRACE_S` past it.
-    """
-
-    at: float
-    persist: bool = False
-
-    @classmethod
-    def after(cls, seconds: float, *, persist: bool = False) -> Deadline:
-        return cls(time.monotonic() + seconds, persist)
-
-    def remaining(self) -> float:
-        return self.at - time.monotonic()
-
-
-def bounded_timeout(configured: float | None) -> float | None:
-    """A socket (or pool) timeout cut down to the current caller's deadline plus the grace."""
-    deadline = CALLER_DEADLINE.get()
-    if deadline is None:
-        return configured
-    left = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S
-    if configured is not None:
-        left = min(configured, left)
-    return max(MIN_SOCKET_TIMEOUT_S, left)
-
-
-def retry_pause(backoff_s: float) -> float | None:
-    """How long redis-py should back off before its next retry; None: stop, the deadline passed."""
-    deadline = CALLER_DEADLINE.get()
-    if deadline is None:
-        return backoff_s
-    left = deadline - time.monotonic()
-    if left <= 0:
-        return None
-    return min(backoff_s, left)
-
-
-class DeadlineTimeouts:
-    """Mixin for a redis-py connection class: timeouts that end at the caller's deadline.
-
-    redis-py reads ``socket_timeout`` and ``socket_connect_timeout`` when it
-    connects, runs the handshake and (asyncio) reads each reply; through
-    these properties every such wait made for a caller ends by its deadline
-    plus :data:`DEADLINE_GRACE_S`, whatever the configured timeout. The
-    configured values are kept where redis-py keeps them.
-    """
-
-    @property
-    def socket_timeout(self) -> float | None:
-        return bounded_timeout(getattr(self, "_socket_timeout", None))
-
-    @socket_timeout.setter
-    def socket_timeout(self, value: float | None) -> None:
-        self._socket_timeout = value
-
-    @property
-    def socket_connect_timeout(self) -> float | None:
-        return bounded_timeout(getattr(self, "_socket_connect_timeout", None))
-
-    @socket_connect_timeout.setter
-    def socket_connect_timeout(self, value: float | None) -> None:
-        self._socket_connect_timeout = value
-
-
-class DeadlinePoolWait:
-    """Mixin for a redis-py BlockingConnectionPool: waiting for a free connection ends in time."""
-
-    @property
-    def timeout(self) -> float | None:
-        return bounded_timeout(getattr(self, "_tokenq_wait_s", None))
-
-    @timeout.setter
-    def timeout(self, value: float | None) -> None:
-        self._tokenq_wait_s = value
-
-
-_BOUNDED_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> type:
-    """``connection_class`` (plain, TLS or Unix socket) with ``mixin`` in front; made once."""
-    if issubclass(connection_class, mixin):
-        return connection_class
-    key = (connection_class, mixin)
-    made = _BOUNDED_CLASSES.get(key)
-    if made is None:
-        made = type(f"Bounded{connection_class.__name__}", (mixin, connection_class), {})
-        _BOUNDED_CLASSES[key] = made
-    return made

@@ -61,6 +61,29 @@ def requests(q: QueueRef) -> str:
     return f"{q.tag}:requests"
 
 
+def requests_pattern(prefix: str = DEFAULT_PREFIX) -> str:
+    """A SCAN pattern matching the request stream of every queue (and shard) under ``prefix``."""
+    return f"{prefix}:{{*}}:requests"
+
+
+def queue_of(key: str, prefix: str = DEFAULT_PREFIX) -> QueueRef | None:
+    """The queue (shard) whose request stream ``key`` is, or None: :func:`requests` undone."""
+    head, tail = f"{prefix}:{{", "}:requests"
+    if not (key.startswith(head) and key.endswith(tail)):
+        return None
+    inner = key[len(head):-len(tail)]
+    name, shard = inner, None
+    if ":" in inner:  # names hold no ':', so this is a shard
+        name, _, shard_text = inner.rpartition(":")
+        if not (shard_text.isascii() and shard_text.isdigit()):
+            return None
+        shard = int(shard_text)
+    try:
+        return QueueRef(name, prefix, shard)
+    except ValueError:
+        return None
+
+
 def dead(q: QueueRef) -> str:
     """The dead-letter stream."""
     return f"{q.tag}:dead"

@@ -341,27 +341,28 @@ def _unpack_opts(packed: bytes) -> dict[str, Any]:
 
 def request_id_of(fields: Mapping[bytes | str, bytes | str]) -> str | None:
     """Best-effort id of an entry that failed to decode, so its caller can be told."""
-    for key, value in fields.items():
-        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        if name == "id":
-            try:
-                text = value.decode("utf-8") if isinstance(value, bytes) else value
-                return validate_id(text)
-            except (UnicodeDecodeError, DecodeError):
-                return None
-    return None
+    text = _text_of(fields, "id")
+    try:
+        return None if text is None else validate_id(text)
+    except DecodeError:
+        return None
 
 
 def reply_to_of(fields: Mapping[bytes | str, bytes | str]) -> str | None:
     """Best-effort reply key of an entry that failed to decode."""
+    text = _text_of(fields, "reply_to")
+    return text if text is not None and 0 < len(text) <= MAX_REPLY_TO_CHARS else None
+
+
+def _text_of(fields: Mapping[bytes | str, bytes | str], wanted: str) -> str | None:
+    """The first field named ``wanted`` as text; None when there is none or it is not UTF-8."""
     for key, value in fields.items():
         name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        if name == "reply_to":
+        if name == wanted:
             try:
-                text = value.decode("utf-8") if isinstance(value, bytes) else value
+                return value.decode("utf-8") if isinstance(value, bytes) else value
             except UnicodeDecodeError:
                 return None
-            return text if 0 < len(text) <= MAX_REPLY_TO_CHARS else None
     return None
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from tests.cli_support import DIM, MAX_INPUT
 from tests.conftest import REPO_ROOT
-from tokenq.shared import keys
+from tokenq.producer.core import ENQUEUE_SCRIPT
+from tokenq.shared import keys, lua
 from tokenq.shared.keys import QueueRef
 from tokenq.worker.backends.sim import expected_vector
 
@@ -134,3 +135,10 @@ def test_redis_cli_enqueue_script_refuses_a_full_queue(redis_server, queue_name,
     )
     assert b"QUEUEFULL 1 1" in refused.stdout + refused.stderr
     assert r.xlen(keys.requests(q)) == 1
+
+
+def test_the_documented_script_file_is_what_the_python_client_runs():
+    """Other languages run producer/lua/enqueue.lua as it is: it is complete, fragments and all."""
+    source = (REPO_ROOT / "producer" / "lua" / "enqueue.lua").read_text(encoding="utf-8")
+    assert source == ENQUEUE_SCRIPT == lua.assemble(source)
+    assert "local function queue_full(" in source

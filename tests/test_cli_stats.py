@@ -16,13 +16,13 @@ from tokenq.producer.ops.snapshot import (
     counter_delta,
     discover_queues,
     heartbeat_counters,
-    parse_queue_key,
 )
 from tokenq.producer.ops.stats import main as stats_main
 from tokenq.producer.ops.top import main as top_main
 from tokenq.shared import keys
 from tokenq.shared.cli import main as dispatch
 from tokenq.shared.keys import QueueRef
+from tokenq.shared.keys import queue_of as parse_queue_key
 
 pytest_plugins = ("tests.cli_fixtures",)
 

@@ -54,8 +54,8 @@ from tests.test_faults import record
 from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import Client
 from tokenq.shared import keys, wire
+from tokenq.shared.dead_letter import MAX_LETTER_FIELDS
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER, expected_vector
-from tokenq.worker.pipeline.jobs import MAX_LETTER_FIELDS
 
 pytestmark = pytest.mark.fault
 

@@ -4,46 +4,40 @@ At start a worker writes the model's limits to ``keys.config(q)`` so that
 producers can refuse over-long input early and load the same tokenizer. Every
 heartbeat refreshes a liveness key with a TTL (``keys.worker_alive``) and
 writes its totals to the ``keys.workers(q)`` hash, which ``tokenq stats``
-reads. At a clean exit both are removed.
+reads. At a clean exit both are removed. The formats of both records live in
+:mod:`tokenq.shared.queue_config` and :mod:`tokenq.shared.heartbeat`.
 """
 
 from __future__ import annotations
 
-import socket
 import time
-from importlib import resources
-from typing import Any
 
-import msgpack
 import redis.asyncio as aioredis
 
-from tokenq.shared import keys, wire
+from tokenq.shared import keys, lua, wire
+from tokenq.shared.heartbeat import Heartbeat, encode_heartbeat
+from tokenq.shared.queue_config import QueueConfig, encode_config
 from tokenq.worker.backends.base import BackendInfo
 
-DROP_CONSUMER_SCRIPT = (
-    resources.files("tokenq.worker").joinpath("lua/drop_consumer.lua").read_text()
-)
+DROP_CONSUMER_SCRIPT = lua.load("tokenq.worker", "drop_consumer.lua")
 
 
 def config_fields(info: BackendInfo, *, policy: str, max_batch_tokens: int) -> dict[str, str]:
     """The config hash's fields (strings, so redis-cli HGETALL reads them)."""
-    fields = {
-        "protocol": str(wire.PROTOCOL_VERSION),
-        "backend": info.name,
-        "model": info.model,
-        "task": info.task,
-        "max_input_tokens": str(info.max_input_tokens),
-        "policy": policy,
-        "pairs": "1" if info.pairs else "0",
-        "padded": "1" if info.padded else "0",
-        "max_batch_tokens": str(max_batch_tokens),
-        "updated_at": str(int(time.time())),
-    }
-    if info.dim is not None:
-        fields["dim"] = str(info.dim)
-    if info.tokenizer:
-        fields["tokenizer"] = info.tokenizer
-    return fields
+    return encode_config(QueueConfig(
+        protocol=wire.PROTOCOL_VERSION,
+        backend=info.name,
+        model=info.model,
+        task=info.task,
+        max_input_tokens=info.max_input_tokens,
+        policy=policy,
+        pairs=info.pairs,
+        padded=info.padded,
+        max_batch_tokens=max_batch_tokens,
+        updated_at=int(time.time()),
+        dim=info.dim,
+        tokenizer=info.tokenizer or None,
+    ))
 
 
 async def write_config(client: aioredis.Redis, q: keys.QueueRef, fields: dict[str, str]) -> None:
@@ -51,17 +45,12 @@ async def write_config(client: aioredis.Redis, q: keys.QueueRef, fields: dict[st
 
 
 async def beat(
-    client: aioredis.Redis,
-    q: keys.QueueRef,
-    consumer: str,
-    status: dict[str, Any],
-    ttl_ms: int,
+    client: aioredis.Redis, q: keys.QueueRef, consumer: str, status: Heartbeat, ttl_ms: int
 ) -> None:
-    """Refresh liveness and publish this worker's totals."""
-    status = {**status, "host": socket.gethostname(), "at": time.time()}
+    """Refresh liveness and publish this worker's totals, in one MULTI."""
     async with client.pipeline(transaction=True) as pipe:
         pipe.set(keys.worker_alive(q, consumer), b"1", px=ttl_ms)
-        pipe.hset(keys.workers(q), consumer, msgpack.packb(status, use_bin_type=True))
+        pipe.hset(keys.workers(q), consumer, encode_heartbeat(status))
         await pipe.execute()
 
 

@@ -17,16 +17,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from importlib import resources
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
+from tokenq.shared import lua
 from tokenq.worker.pipeline.jobs import Answer
 
 log = logging.getLogger("tokenq.worker")
 
-PUBLISH_SCRIPT = resources.files("tokenq.worker").joinpath("lua/publish.lua").read_text()
+PUBLISH_SCRIPT = lua.load("tokenq.worker", "publish.lua")
 
 
 class Publisher:
@@ -180,8 +180,3 @@ def _transient(exc: ResponseError) -> bool:
     # Inside a script, Redis reports "ERR Error running script ... OOM ..." in some
     # versions; the refusal of the script itself starts with the code.
     return message.split(" ", 1)[0] in _TRANSIENT or "-OOM" in message
-
-
-def _keys_refused(exc: ResponseError) -> bool:
-    """Redis refused a call for its keys: not this user's (ACL), or not this slot."""
-    return isinstance(exc, NoPermissionError) or str(exc).startswith("CROSSSLOT")

@@ -20,11 +20,18 @@
 -- stream has no such entry; or, for a letter skipped and left in place,
 -- {"truncated", <dead_truncated value>} or {"empty", ""} (no request fields
 -- at all: nothing to put back). When XLEN + movable > max_len it moves nothing
--- and answers the error "QUEUEFULL <xlen> <max_len>", as the enqueue script
--- does.
+-- and answers the error "QUEUEFULL <xlen> <max_len> <movable>", as the enqueue
+-- script does (the same check, shared/lua/queue_full.lua).
 --
 -- Why a script: the XADD and the XDEL must happen together, or a crash in
 -- between would lose the letter or run the request twice.
+--
+-- Each tokenq:include line is replaced, when tokenq.shared.lua loads this
+-- file, by that fragment of shared/lua/: the queue's length check (shared
+-- with enqueue.lua) and the dead_ prefix rule (shared with publish.lua).
+
+-- tokenq:include queue_full.lua
+-- tokenq:include dead_fields.lua
 
 local dead = KEYS[1]
 local stream = KEYS[2]
@@ -43,9 +50,9 @@ for i = 3, #ARGV do
     local fields = entries[1][2]
     local own = 0
     for j = 1, #fields, 2 do
-      if fields[j] == "dead_truncated" then
+      if fields[j] == DEAD_TRUNCATED then
         skip[i] = {"truncated", fields[j + 1]}
-      elseif string.sub(fields[j], 1, 5) ~= "dead_" then
+      elseif not is_dead_field(fields[j]) then
         own = own + 1
       end
     end
@@ -59,11 +66,9 @@ for i = 3, #ARGV do
   end
 end
 
-if max_len > 0 and count > 0 then
-  local xlen = redis.call("XLEN", stream)
-  if xlen + count > max_len then
-    return redis.error_reply("QUEUEFULL " .. xlen .. " " .. max_len)
-  end
+local full = queue_full(stream, max_len, count)
+if full then
+  return full
 end
 
 local ids = {}
@@ -78,7 +83,7 @@ for i = 3, #ARGV do
     local entry = {"XADD", stream, "*"}
     for j = 1, #fields, 2 do
       local name = fields[j]
-      local keep = string.sub(name, 1, 5) ~= "dead_"
+      local keep = not is_dead_field(name)
       if drop_deadline and name == "deadline_ms" then
         keep = false
       end

@@ -37,6 +37,33 @@
 -- read before the first write, and Redis refuses a script for lack of
 -- memory only at its first write (it never cuts a script off once it has
 -- written), so either no XADD runs or all of the new entries' do.
+--
+-- The block between the tokenq:include and tokenq:end lines is a copy of
+-- shared/lua/queue_full.lua, the length check dlq_retry.lua shares. Other
+-- scripts name their fragments on a tokenq:include line alone, spliced in
+-- when tokenq.shared.lua loads them; this one carries its copy so that the
+-- file stays a complete script any language can run as it is (see
+-- docs/PROTOCOL.md). tokenq.shared.lua refuses to load it if the copy is not
+-- the fragment; `python -m tokenq.shared.lua producer/lua/enqueue.lua`
+-- refreshes it.
+
+-- tokenq:include queue_full.lua (a copy: edit shared/lua/queue_full.lua)
+-- queue_full(stream, max_len, adding): the queue's length limit, for every
+-- script that adds entries to a request stream (KEYS: the stream, XLEN).
+-- nil when `adding` more entries fit under max_len (0 means no limit);
+-- otherwise the error "QUEUEFULL <xlen> <max_len> <adding>", which the
+-- caller returns before writing anything (parsed by tokenq.shared.lua).
+local function queue_full(stream, max_len, adding)
+  if max_len == 0 or adding == 0 then
+    return nil
+  end
+  local length = redis.call("XLEN", stream)
+  if length + adding <= max_len then
+    return nil
+  end
+  return redis.error_reply("QUEUEFULL " .. length .. " " .. max_len .. " " .. adding)
+end
+-- tokenq:end queue_full.lua
 
 local stream = KEYS[1]
 local max_len = tonumber(ARGV[1])
@@ -92,11 +119,9 @@ for i = 1, n do
   end
 end
 
-if max_len > 0 and fresh > 0 then
-  local length = redis.call("XLEN", stream)
-  if length + fresh > max_len then
-    return redis.error_reply("QUEUEFULL " .. length .. " " .. max_len .. " " .. fresh)
-  end
+local full = queue_full(stream, max_len, fresh)
+if full then
+  return full
 end
 
 for i = 1, n do

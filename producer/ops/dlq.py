@@ -18,10 +18,11 @@ from collections.abc import Sequence
 import redis
 
 from tokenq.producer.ops import letters as dlq
-from tokenq.producer.ops.snapshot import connect, entry_ms, explain, redis_now
+from tokenq.producer.ops.snapshot import connection, entry_ms, redis_now
 from tokenq.producer.ops.stats import format_table
 from tokenq.shared import keys
 from tokenq.shared.cli import run_command
+from tokenq.shared.dead_letter import DeadLetter
 from tokenq.shared.errors import QueueFull
 from tokenq.shared.settings import DlqSettings
 
@@ -62,19 +63,13 @@ def _looks_like_id(arg: str) -> bool:
 
 def run(settings: DlqSettings) -> int:
     q = keys.QueueRef(settings.queue, settings.prefix)
-    r = connect(settings.redis_url, settings.socket_timeout_s)
-    try:
+    with connection(settings.redis_url, settings.socket_timeout_s, [q]) as r:
         if settings.action == "list":
             return _list(r, q, settings)
         ids = None if settings.all else settings.id
         if settings.action == "retry":
             return _retry(r, q, ids, settings)
         return _purge(r, q, ids)
-    except redis.RedisError as exc:
-        # One line naming the URL (a WRONGTYPE names the key); see shared/cli.py.
-        raise explain(exc, r, [q], settings.redis_url, settings.socket_timeout_s) from exc
-    finally:
-        r.close()
 
 
 def _report_missing(missing: list[str]) -> None:
@@ -96,7 +91,7 @@ def _list(r: redis.Redis, q: keys.QueueRef, settings: DlqSettings) -> int:
     missing = invalid + [one for one in wanted if one not in found]
     if settings.as_json:
         for letter in letters:
-            print(json.dumps(letter.to_json(), ensure_ascii=False))
+            print(json.dumps(dlq.letter_json(letter), ensure_ascii=False))
     else:
         total = dlq.count(r, q)
         print(f"{total} dead letters in {keys.dead(q)}" + (
@@ -110,17 +105,16 @@ def _list(r: redis.Redis, q: keys.QueueRef, settings: DlqSettings) -> int:
     return 1 if missing else 0
 
 
-def _row(letter: dlq.DeadLetter, now_ms: int) -> tuple[str, ...]:
+def _row(letter: DeadLetter, now_ms: int) -> tuple[str, ...]:
     """One letter as table cells; its age is from its entry id against Redis's clock."""
-    body = letter.to_json()
     age = f"{max(0, now_ms - entry_ms(letter.entry_id)) / 1000:.0f}s"
     text = letter.request.get("text", "")
     text = text if isinstance(text, str) else "<binary>"
     if len(text) > _PREVIEW:
         text = text[:_PREVIEW - 1] + "…"
     truncated = ",".join(letter.truncated) if letter.truncated else ""
-    return (letter.entry_id, letter.request_id, body["error_code"] or "",
-            str(body["deliveries"] or ""), body["worker"] or "", age, truncated,
+    return (letter.entry_id, letter.request_id, letter.error_code or "",
+            str(letter.deliveries or ""), letter.worker or "", age, truncated,
             text.replace("\n", " "))
 
 

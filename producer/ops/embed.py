@@ -28,8 +28,15 @@ from typing import Any
 
 import redis
 
-from tokenq.producer.client import Client
-from tokenq.producer.core import ReplyTimeout, Result
+from tokenq.producer import (
+    BadRequest,
+    BrokerUnavailable,
+    Client,
+    QueueFull,
+    RemoteError,
+    ReplyTimeout,
+    Result,
+)
 from tokenq.producer.ops.embed_io import (
     Checkpoint,
     Item,
@@ -41,7 +48,7 @@ from tokenq.producer.ops.embed_io import (
     read_items,
 )
 from tokenq.producer.ops.snapshot import (
-    connect,
+    connection,
     counter_delta,
     explain,
     heartbeat_counters,
@@ -49,7 +56,6 @@ from tokenq.producer.ops.snapshot import (
 )
 from tokenq.shared import keys
 from tokenq.shared.cli import one_line, run_command
-from tokenq.shared.errors import BadRequest, BrokerUnavailable, QueueFull, RemoteError
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import EmbedSettings
 
@@ -93,14 +99,9 @@ def embed(settings: EmbedSettings) -> int:
         print(f"tokenq embed: cannot read {settings.file}", file=sys.stderr)
         return 2
     q = QueueRef(settings.queue, settings.prefix)
-    ops = connect(settings.redis_url, settings.socket_timeout_s)
-    try:
+    # A Redis failure before the run (or outside the client) ends as one line naming the URL.
+    with connection(settings.redis_url, settings.socket_timeout_s, [q]) as ops:
         return _embed(settings, ops, q, fmt)
-    except redis.RedisError as exc:
-        # Before the run (or outside the client): one line naming the URL; see shared/cli.py.
-        raise explain(exc, ops, [q], settings.redis_url, settings.socket_timeout_s) from exc
-    finally:
-        ops.close()
 
 
 def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> int:

@@ -212,7 +212,7 @@ class Checkpoint:
     def write_chunk(self, number: int, rows: list[Row]) -> None:
         """Store one finished chunk; its ``.done`` marker is written last."""
         base = self.directory / f"chunk-{number:06d}"
-        errors = [_error_json(row) for row in rows if row.error_code is not None]
+        errors = [_row_json(row) for row in rows if row.error_code is not None]
         if self.format == "npy":
             _atomic_write(base.with_suffix(".npy"), _npy_bytes(rows, self.dim))
         else:
@@ -308,14 +308,6 @@ def _row_json(row: Row) -> dict[str, Any]:
         body[row.kind] = row.vector
         if row.tokens is not None:
             body["tokens"] = row.tokens
-    return body
-
-
-def _error_json(row: Row) -> dict[str, Any]:
-    body: dict[str, Any] = {"index": row.index}
-    if row.id is not None:
-        body["id"] = row.id
-    body["error"] = {"code": row.error_code, "message": row.error_message}
     return body
 
 

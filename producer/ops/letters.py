@@ -3,9 +3,10 @@
 A worker moves a request it could not answer after ``max_deliveries`` to
 ``keys.dead(q)`` with its original fields plus ``dead_error_code``,
 ``dead_error``, ``dead_worker``, ``dead_deliveries``, ``dead_at_ms`` and
-``dead_source_id``. Retrying re-adds the original fields to the request
-stream and deletes the letter in one Lua script (``dlq_retry.lua``), so a
-letter is never lost or doubled, and the queue's length limit still holds.
+``dead_source_id`` (the format is :mod:`tokenq.shared.dead_letter`'s).
+Retrying re-adds the original fields to the request stream and deletes the
+letter in one Lua script (``dlq_retry.lua``), so a letter is never lost or
+doubled, and the queue's length limit still holds.
 
 A letter whose fields the worker cut to its byte cap carries
 ``dead_truncated`` (the names cut, comma-separated): it is no longer the
@@ -20,60 +21,37 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 import redis
 
-from tokenq.shared import keys
+from tokenq.shared import keys, lua
+from tokenq.shared.dead_letter import DeadLetter, parse_letter
 from tokenq.shared.errors import QueueFull
 
-DEAD_PREFIX = "dead_"
-TRUNCATED_FIELD = "dead_truncated"
-RETRY_SCRIPT = resources.files("tokenq.producer").joinpath("lua/dlq_retry.lua").read_text("utf-8")
+RETRY_SCRIPT = lua.load("tokenq.producer", "dlq_retry.lua")
 _PAGE = 100
 _MAX_U64 = (1 << 64) - 1
 
 
-@dataclass(frozen=True, slots=True)
-class DeadLetter:
-    """One entry of the dead stream, split into the request and why it died."""
-
-    entry_id: str
-    request: dict[str, str | bytes]
-    dead: dict[str, str]
-
-    @property
-    def request_id(self) -> str:
-        value = self.request.get("id", "")
-        return value if isinstance(value, str) else value.decode(errors="replace")
-
-    @property
-    def truncated(self) -> list[str] | None:
-        """The fields the worker cut to fit its byte cap, or None for a whole letter."""
-        value = self.dead.get(TRUNCATED_FIELD)
-        if value is None:
-            return None
-        return [name for name in value.split(",") if name] or ["?"]
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready: text fields as strings, binary ones (``opts``) as hex."""
-        request = {
-            name: value if isinstance(value, str) else {"hex": value.hex()}
-            for name, value in self.request.items()
-        }
-        return {
-            "entry_id": self.entry_id,
-            "request_id": self.request_id,
-            "error_code": self.dead.get("dead_error_code"),
-            "error": self.dead.get("dead_error"),
-            "worker": self.dead.get("dead_worker"),
-            "deliveries": _int(self.dead.get("dead_deliveries")),
-            "at_ms": _int(self.dead.get("dead_at_ms")),
-            "source_id": self.dead.get("dead_source_id"),
-            "truncated": self.truncated,
-            "request": request,
-        }
+def letter_json(letter: DeadLetter) -> dict[str, Any]:
+    """One letter for ``dlq list --json``: text fields as strings, binary ones (``opts``) as hex."""
+    request = {
+        name: value if isinstance(value, str) else {"hex": value.hex()}
+        for name, value in letter.request.items()
+    }
+    return {
+        "entry_id": letter.entry_id,
+        "request_id": letter.request_id,
+        "error_code": letter.error_code,
+        "error": letter.error,
+        "worker": letter.worker,
+        "deliveries": letter.deliveries,
+        "at_ms": letter.at_ms,
+        "source_id": letter.source_id,
+        "truncated": letter.truncated,
+        "request": request,
+    }
 
 
 @dataclass(slots=True)
@@ -89,28 +67,6 @@ class RetryOutcome:
     """Letters left in the dead stream, id -> why: truncated (fields cut), or no fields."""
     last_id: str | None = None
     """``--all``: the snapshot's end, the dead stream's last id when the retry started."""
-
-
-def _int(value: str | None) -> int | None:
-    try:
-        return None if value is None else int(value)
-    except ValueError:
-        return None
-
-
-def _letter(entry_id: bytes, fields: dict[bytes, bytes]) -> DeadLetter:
-    request: dict[str, str | bytes] = {}
-    dead: dict[str, str] = {}
-    for raw_name, raw_value in fields.items():
-        name = raw_name.decode(errors="replace")
-        if name.startswith(DEAD_PREFIX):
-            dead[name] = raw_value.decode(errors="replace")
-            continue
-        try:
-            request[name] = raw_value.decode()
-        except UnicodeDecodeError:
-            request[name] = raw_value
-    return DeadLetter(entry_id.decode(), request, dead)
 
 
 def entry_id(text: str) -> str | None:
@@ -156,8 +112,8 @@ def list_letters(
             for one in ids:
                 pipe.xrange(keys.dead(q), one, one)
             found = pipe.execute()
-        return [_letter(i, f) for entries in found for i, f in entries]
-    return [_letter(i, f) for i, f in r.xrange(keys.dead(q), "-", "+", count=limit)]
+        return [parse_letter(i, f) for entries in found for i, f in entries]
+    return [parse_letter(i, f) for i, f in r.xrange(keys.dead(q), "-", "+", count=limit)]
 
 
 def last_id(r: redis.Redis, q: keys.QueueRef) -> str | None:
@@ -207,13 +163,13 @@ def retry(
             answers = script(keys=[keys.dead(q), keys.requests(q)],
                              args=[max_queue_length, "1" if drop_deadline else "0", *page])
         except redis.ResponseError as exc:
-            if str(exc).startswith("QUEUEFULL"):
-                _, xlen, limit = str(exc).split()[:3]
-                raise QueueFull(
-                    f"queue {q.name!r} holds {xlen} of at most {limit} requests; "
-                    f"moved {len(outcome.moved)} dead letters before it filled"
-                ) from None
-            raise
+            full = lua.parse_queue_full(str(exc))
+            if full is None:
+                raise
+            raise QueueFull(
+                f"queue {q.name!r} holds {full.length} of at most {full.limit} requests; "
+                f"moved {len(outcome.moved)} dead letters before it filled"
+            ) from None
         for one, answer in zip(page, answers, strict=True):
             if isinstance(answer, list):  # [b"truncated", b"text,opts"] or [b"empty", b""]
                 outcome.skipped[one] = _skip_reason(answer)

@@ -9,11 +9,11 @@ document's fields are listed in docs/OPERATIONS.md; keep the two in step
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-import msgpack
 import redis
 
 from tokenq.shared import keys
@@ -24,11 +24,10 @@ from tokenq.shared.cli import (
     is_wrong_type,
     redact_url,
 )
+from tokenq.shared.errors import DecodeError
+from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat
 
 SNAPSHOT_VERSION = 1
-
-_SUFFIX = ":requests"
-_HEARTBEAT_LIMITS = {"max_str_len": 1 << 16, "max_bin_len": 1 << 16, "max_map_len": 256}
 
 
 def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
@@ -46,6 +45,21 @@ def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
         )
     except ValueError as exc:
         raise UsageError(f"--redis-url (TOKENQ_REDIS_URL) {redact_url(redis_url)}: {exc}") from None
+
+
+@contextlib.contextmanager
+def connection(
+    redis_url: str, socket_timeout_s: float, queues: Iterable[keys.QueueRef]
+) -> Iterator[redis.Redis]:
+    """:func:`connect` for one command: closed at the end, and a Redis failure inside
+    leaves as the operator's one line (:func:`explain`; a WRONGTYPE names the key)."""
+    r = connect(redis_url, socket_timeout_s)
+    try:
+        yield r
+    except redis.RedisError as exc:
+        raise explain(exc, r, queues, redis_url, socket_timeout_s) from exc
+    finally:
+        r.close()
 
 
 def redis_now(r: redis.Redis) -> float:
@@ -99,32 +113,12 @@ def explain(exc: redis.RedisError, r: redis.Redis, queues: Iterable[keys.QueueRe
     return CommandFailed(message)
 
 
-def parse_queue_key(key: str, prefix: str) -> keys.QueueRef | None:
-    """The queue (shard) a ``<prefix>:{q}:requests`` key belongs to, or None."""
-    head = f"{prefix}:{{"
-    tail = "}" + _SUFFIX
-    if not (key.startswith(head) and key.endswith(tail)):
-        return None
-    inner = key[len(head):-len(tail)]
-    name, shard = inner, None
-    if ":" in inner:
-        name, _, shard_text = inner.rpartition(":")
-        if not shard_text.isdigit():
-            return None
-        shard = int(shard_text)
-    try:
-        return keys.QueueRef(name, prefix, shard)
-    except ValueError:
-        return None
-
-
 def discover_queues(r: redis.Redis, prefix: str) -> list[keys.QueueRef]:
     """Every queue (and shard) with a request stream under ``prefix``, sorted by name."""
     found: dict[str, keys.QueueRef] = {}
-    pattern = f"{prefix}:{{*}}{_SUFFIX}"
-    for raw in r.scan_iter(match=pattern, count=1000, _type="stream"):
+    for raw in r.scan_iter(match=keys.requests_pattern(prefix), count=1000, _type="stream"):
         key = raw.decode() if isinstance(raw, bytes) else raw
-        q = parse_queue_key(key, prefix)
+        q = keys.queue_of(key, prefix)
         if q is not None:
             found[key] = q
     return sorted(found.values(), key=lambda q: (q.name, q.shard if q.shard is not None else -1))
@@ -246,13 +240,11 @@ def _workers(
     alive = live_names(r, q, names)
     live, stale = [], []
     for name in names:
-        raw = beats.get(name.encode())
-        beat = _decode_beat(raw)
-        view = None if name not in alive or beat is None else _worker_view(name, beat, now)
-        if view is None:
+        beat = _decode_beat(beats.get(name.encode()))
+        if name not in alive or beat is None:
             stale.append(name)
             continue
-        live.append(view)
+        live.append(_worker_view(name, beat, now))
     return live, stale
 
 
@@ -268,51 +260,44 @@ def live_names(r: redis.Redis, q: keys.QueueRef, names: Iterable[str]) -> set[st
     return {name for name, is_alive in zip(names, alive, strict=True) if is_alive}
 
 
-def _decode_beat(raw: bytes | None) -> dict[str, Any] | None:
+def _decode_beat(raw: bytes | None) -> Heartbeat | None:
+    """A heartbeat row, or None when it is missing or no tokenq worker wrote it."""
     if raw is None:
         return None
     try:
-        beat = msgpack.unpackb(raw, raw=False, **_HEARTBEAT_LIMITS)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
-        return None
-    return beat if isinstance(beat, dict) else None
-
-
-def _worker_view(name: str, beat: dict[str, Any], now: float) -> dict[str, Any] | None:
-    """One live worker's entry, or None when its heartbeat's numbers are not numbers."""
-    try:
-        return _worker_fields(name, beat, now)
-    except (TypeError, ValueError, OverflowError):
+        return decode_heartbeat(raw)
+    except DecodeError:
         return None
 
 
-def _worker_fields(name: str, beat: dict[str, Any], now: float) -> dict[str, Any]:
+def _worker_view(name: str, beat: Heartbeat, now: float) -> dict[str, Any]:
+    """One live worker's entry of the snapshot."""
     # ``at`` is the worker's own clock: heartbeat_age_s is only as right as the
     # worker's clock agrees with Redis's (``now``).
-    at = float(beat.get("at") or now)
-    started = float(beat.get("started_at") or at)
+    at = beat.at or now
+    started = beat.started_at or at
     uptime = max(at - started, 1e-9)
-    requests = int(beat.get("requests_ok", 0)) + int(beat.get("requests_failed", 0))
+    running = at > started
     return {
         "consumer": name,
-        "host": beat.get("host"),
-        "pid": beat.get("pid"),
-        "model": beat.get("model"),
-        "max_batch_tokens": beat.get("max_batch_tokens"),
-        "configured_batch_tokens": beat.get("configured_batch_tokens"),
-        "max_batch_size": beat.get("max_batch_size"),
-        "buffered": int(beat.get("buffered", 0)),
-        "requests_ok": int(beat.get("requests_ok", 0)),
-        "requests_failed": int(beat.get("requests_failed", 0)),
-        "batches": int(beat.get("batches", 0)),
-        "tokens": int(beat.get("tokens", 0)),
-        "padded_tokens": int(beat.get("padded_tokens", 0)),
-        "device_ms": round(float(beat.get("device_ms", 0.0)), 3),
-        "oom_splits": int(beat.get("oom_splits", 0)),
-        "padding_efficiency": float(beat.get("padding_efficiency", 1.0)),
+        "host": beat.host,
+        "pid": beat.pid,
+        "model": beat.model,
+        "max_batch_tokens": beat.max_batch_tokens,
+        "configured_batch_tokens": beat.configured_batch_tokens,
+        "max_batch_size": beat.max_batch_size,
+        "buffered": beat.buffered,
+        "requests_ok": beat.requests_ok,
+        "requests_failed": beat.requests_failed,
+        "batches": beat.batches,
+        "tokens": beat.tokens,
+        "padded_tokens": beat.padded_tokens,
+        "device_ms": round(beat.device_ms, 3),
+        "oom_splits": beat.oom_splits,
+        "padding_efficiency": beat.padding_efficiency,
         "uptime_s": round(max(at - started, 0.0), 3),
-        "requests_per_s": round(requests / uptime, 3) if at > started else 0.0,
-        "tokens_per_s": round(int(beat.get("tokens", 0)) / uptime, 3) if at > started else 0.0,
+        "requests_per_s": round(beat.requests / uptime, 3) if running else 0.0,
+        "tokens_per_s": round(beat.tokens / uptime, 3) if running else 0.0,
         "heartbeat_age_s": round(max(now - at, 0.0), 3),
         "at": round(at, 3),
     }
@@ -348,13 +333,10 @@ def heartbeat_counters(r: redis.Redis, q: keys.QueueRef) -> dict[str, dict[str, 
     out: dict[str, dict[str, float]] = {}
     for name, raw in r.hgetall(keys.workers(q)).items():
         beat = _decode_beat(raw)
-        if beat is None:
+        if beat is None:  # not a heartbeat tokenq wrote
             continue
-        try:
-            counters = {field: float(beat.get(field, 0) or 0) for field in _COUNTERS}
-            counters["at"] = float(beat.get("at") or 0.0)
-        except (TypeError, ValueError):  # not numbers: not a heartbeat tokenq wrote
-            continue
+        counters = {field: float(getattr(beat, field)) for field in _COUNTERS}
+        counters["at"] = beat.at or 0.0
         out[_text(name)] = counters
     return out
 

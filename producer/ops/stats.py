@@ -47,12 +47,9 @@ def render_text(doc: dict[str, Any]) -> str:
 
 
 def _queue_block(q: dict[str, Any]) -> str:
-    oldest = "" if q["oldest_pending_ms"] is None else f" (oldest {q['oldest_pending_ms']}ms)"
-    lag = str(q["lag"]) + ("" if q["lag_exact"] else "~")
     totals = q["totals"]
     lines = [
-        f"queue {q['label']}: length {q['length']}  pending {q['pending']}{oldest}  "
-        f"lag {lag}  dead {q['dead']}  workers {totals['workers']}{gone_note(q)}  "
+        f"queue {q['label']}: {backlog(q)}  "
         f"{totals['requests_per_s']:.1f} req/s  {totals['tokens_per_s']:.0f} tok/s  "
         f"padding {totals['padding_efficiency']:.1%}"
     ]
@@ -69,9 +66,13 @@ def _queue_block(q: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def gone_note(q: dict[str, Any]) -> str:
-    """`` (N gone)`` after the live-worker count when heartbeat rows have no liveness key."""
-    return f" ({len(q['stale_workers'])} gone)" if q["stale_workers"] else ""
+def backlog(q: dict[str, Any]) -> str:
+    """A queue's backlog and workers on one line, as ``stats`` and ``top`` head a queue."""
+    oldest = "" if q["oldest_pending_ms"] is None else f" (oldest {q['oldest_pending_ms']}ms)"
+    lag = str(q["lag"]) + ("" if q["lag_exact"] else "~")
+    gone = f" ({len(q['stale_workers'])} gone)" if q["stale_workers"] else ""
+    return (f"length {q['length']}  pending {q['pending']}{oldest}  lag {lag}  "
+            f"dead {q['dead']}  workers {q['totals']['workers']}{gone}")
 
 
 def gone_line(q: dict[str, Any]) -> str:

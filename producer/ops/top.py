@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenq.producer.ops.snapshot import Unreachable, connect, read_snapshot
-from tokenq.producer.ops.stats import WORKER_COLUMNS, gone_line, gone_note, worker_row
+from tokenq.producer.ops.stats import WORKER_COLUMNS, backlog, gone_line, worker_row
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import TopSettings
 
@@ -91,12 +91,7 @@ def render(doc: dict[str, Any], rates: dict[tuple[str, str], tuple[float, float]
     if not doc["queues"]:
         parts.append(Text("no tokenq queues found"))
     for q in doc["queues"]:
-        oldest = "" if q["oldest_pending_ms"] is None else f" (oldest {q['oldest_pending_ms']}ms)"
-        head = (
-            f"queue {q['label']}  length {q['length']}  pending {q['pending']}{oldest}  "
-            f"lag {q['lag']}{'' if q['lag_exact'] else '~'}  dead {q['dead']}  "
-            f"workers {q['totals']['workers']}{gone_note(q)}"
-        )
+        head = f"queue {q['label']}  {backlog(q)}"
         table = Table(title=head, title_justify="left", expand=False)
         for column in WORKER_COLUMNS:
             table.add_column(

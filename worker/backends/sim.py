@@ -281,12 +281,10 @@ class SimBackend:
             pairs=pairs,
             normalized=True,
         )
-        self.batch_ms = batch_ms
-        self.token_us = token_us
-        self.bytes_per_token = bytes_per_token
-        self.capacity_bytes = capacity_bytes
+        # The device model: time per batch and per token, memory, layout.
+        self.batch_ms, self.token_us, self.hang_s = batch_ms, token_us, hang_s
+        self.bytes_per_token, self.capacity_bytes = bytes_per_token, capacity_bytes
         self.ragged = ragged
-        self.hang_s = hang_s
         # Counters for benchmarks and tests; a lock because the worker may read
         # them from another thread while a batch runs.
         self._lock = threading.Lock()
@@ -383,15 +381,14 @@ class SimBackend:
 
 
 def build_sim_backend(settings: WorkerSettings) -> SimBackend:
-    """The sim backend configured by the ``sim_*`` settings."""
-    return SimBackend(
-        dim=settings.sim_dim,
-        max_input_tokens=settings.sim_max_input_tokens,
-        batch_ms=settings.sim_batch_ms,
-        token_us=settings.sim_token_us,
-        bytes_per_token=settings.sim_bytes_per_token,
-        capacity_bytes=settings.sim_capacity_bytes,
-        ragged=settings.sim_ragged,
-        pairs=settings.sim_pairs,
-        hang_s=settings.sim_hang_s,
-    )
+    """The sim backend configured by the ``sim_*`` settings.
+
+    Each ``sim_<name>`` setting is the constructor's keyword ``<name>``, so a
+    new sim knob is a setting and a keyword, nothing in between.
+    """
+    prefix = "sim_"
+    knobs = {
+        name.removeprefix(prefix): getattr(settings, name)
+        for name in type(settings).model_fields if name.startswith(prefix)
+    }
+    return SimBackend(**knobs)

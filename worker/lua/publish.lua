@@ -38,6 +38,15 @@
 -- Returns {published, undeliverable, unwritten}: answers settled by this
 -- call, how many of those were dead-lettered because their reply_to refused
 -- the push, and how many dead letters the dead key refused.
+--
+-- A letter written here follows the same format and caps as one the worker
+-- builds in Python (tokenq.shared.dead_letter): each tokenq:include line is
+-- replaced, when tokenq.shared.lua loads this file, by that fragment of
+-- shared/lua/, which holds the Lua side of the format (is_dead_field,
+-- copy_capped, append_death).
+
+-- tokenq:include dead_fields.lua
+-- tokenq:include dead_letter.lua
 
 local stream, dead = KEYS[1], KEYS[2]
 local group, consumer = ARGV[1], ARGV[2]
@@ -54,62 +63,15 @@ local function write_letter(record)
   end
 end
 
--- The entry's own fields within letter_bytes and max_fields, as
--- jobs.capped_fields does: in order, the value that does not fit cut to what
--- is left, the rest dropped, old dead_* fields left out; dead_truncated names
--- what was cut (at most max_names names of 64 bytes, then "+N more"), so a
--- letter's size and its XADD's length are bounded whatever the entry holds.
-local max_fields, max_names = 256, 16
-local function copy_capped(fields, record)
-  local room, kept, cut = letter_bytes, 0, {}
-  local function cut_one(name)
-    cut[#cut + 1] = string.sub(name, 1, 64)
-  end
-  for j = 1, #fields, 2 do
-    local name, value = fields[j], fields[j + 1]
-    if string.sub(name, 1, 5) ~= "dead_" then
-      if #name > room or kept >= max_fields then
-        cut_one(name)
-      else
-        room = room - #name
-        if #value > room then
-          cut_one(name)
-          value = string.sub(value, 1, room)
-        end
-        room = room - #value
-        kept = kept + 1
-        record[#record + 1] = name
-        record[#record + 1] = value
-      end
-    end
-  end
-  if #cut > 0 then
-    local shown = {}
-    for i = 1, math.min(#cut, max_names) do
-      shown[i] = cut[i]
-    end
-    local names = table.concat(shown, ",")
-    if #cut > max_names then
-      names = names .. ",+" .. (#cut - max_names) .. " more"
-    end
-    record[#record + 1] = "dead_truncated"
-    record[#record + 1] = names
-  end
-end
-
 local function undeliverable_letter(entry_id, deliveries, why)
   local record = {"XADD", dead, "MAXLEN", "~", dead_max_len, "*"}
   local found = redis.call("XRANGE", stream, entry_id, entry_id)
   if #found == 1 then
-    copy_capped(found[1][2], record)
+    copy_capped(found[1][2], letter_bytes, record)
   end
   local now = redis.call("TIME")
   local at_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-  for _, v in ipairs({"dead_error_code", "bad_request", "dead_error", why,
-                      "dead_worker", consumer, "dead_deliveries", tostring(deliveries),
-                      "dead_at_ms", string.format("%d", at_ms), "dead_source_id", entry_id}) do
-    record[#record + 1] = v
-  end
+  append_death(record, "bad_request", why, consumer, deliveries, at_ms, entry_id)
   write_letter(record)
 end
 

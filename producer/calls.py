@@ -1,0 +1,455 @@
+"""Every call of a producer, as the sequence of steps it takes: no I/O here.
+
+Rule: which Redis commands a client sends, in which order, what it retries,
+how long it waits and what it makes of each answer lives in this module,
+once for both clients (the shape of h11). Each call (``submit``,
+``infer``, ``results``, ...) is a generator that yields a :class:`Step`,
+what to do next, and is resumed with the step's answer, or has the step's
+failure thrown in (:class:`Unreachable`, :class:`ErrorReply`). A driver
+performs the steps without knowing the sequence: ``Client._run`` by
+blocking, ``AsyncClient._run`` by awaiting (see :func:`resume`). What to
+write and what a reply means are decided by
+:class:`~tokenq.producer.core.ClientCore`.
+
+The steps a call may ask for:
+
+* :class:`Send`: one Redis command, bounded by the caller's deadline.
+* :class:`Sleep`: a backoff after Redis was unreachable.
+* :class:`ShareConfigRead`: the queue's config hash is stale; read it with
+  :func:`read_config`, or wait for the read another caller has in flight,
+  until the deadline.
+* :class:`LoadTokenizer`: load the tokenizer.json the config names, once,
+  away from the caller; wait for it until the deadline.
+* :class:`Listen` and :class:`Collect` (AsyncClient only): its one listener
+  resolves replies on the client's own key; register the ids before the
+  enqueue (a reply may beat the script's answer), then wait for them.
+
+Without a listener ``infer`` waits on the request's own reply key and
+``infer_many`` on one key of its own for the whole batch. Deadlines are on
+the ``time.monotonic()`` clock, which the sequences read through
+:class:`~tokenq.producer.core.Deadline`; the wall clock is read once per
+enqueue, for an absolute ``deadline_ms``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from tokenq.producer.core import (
+    ClientCore,
+    Deadline,
+    Outcome,
+    Prepared,
+    Result,
+    TextItem,
+    backoff_s,
+)
+from tokenq.producer.options import RequestOptions, SubmitOptions, refuse_unknown
+
+T = TypeVar("T")
+
+ENQUEUE = "enqueue"
+"""The :class:`Send` command name of the enqueue script (enqueue.lua), which each client loads."""
+
+
+# ------------------------------------------------------------------ failures
+
+
+class CommandFailed(Exception):
+    """A Redis command failed; thrown into the call by its driver. ``error``: redis-py's exception.
+
+    One the call does not handle reaches the caller as ``error`` itself.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Unreachable(CommandFailed):
+    """No answer: refused, cut off, timed out, or BUSY (a script holds Redis; nothing ran)."""
+
+
+class ErrorReply(CommandFailed):
+    """Redis answered with an error reply (the enqueue script's QUEUEFULL, an ACL's NOPERM, ...)."""
+
+
+class OutOfMemory(ErrorReply):
+    """Redis refused a write at its ``maxmemory``; a script is refused before its first write."""
+
+
+# --------------------------------------------------------------------- steps
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Run one command: ``command`` names a method of redis-py's client, or :data:`ENQUEUE`.
+
+    The driver bounds every wait of it (socket, pool, redis-py's retries) by
+    ``deadline`` (monotonic) plus ``DEADLINE_GRACE_S``. Answer: the reply.
+    """
+
+    command: str
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Pause for ``seconds``. Answer: None."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ShareConfigRead:
+    """Run :func:`read_config` (not strict), or join the read in flight; wait until ``deadline``.
+
+    Only the caller whose read it is sees its failure (BrokerUnavailable);
+    the others carry on with what the cache holds. Answer: None.
+    """
+
+    deadline: Deadline
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTokenizer:
+    """Load ``path`` off the caller's thread (or loop), once, into the config cache.
+
+    Wait for it until ``deadline``; a longer load goes on without the caller,
+    who carries on with the heuristic. Answer: None.
+    """
+
+    path: str
+    deadline: Deadline
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    """Have the client's listener keep the replies to ``ids``. Answer: None."""
+
+    ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Collect:
+    """Wait until the listener holds every reply to ``ids``, or ``deadline``.
+
+    Answer: ``(outcomes, unreachable)``, the outcomes in by then and the
+    listener's last outage (None if Redis answered it last).
+    """
+
+    ids: tuple[str, ...]
+    deadline: Deadline
+
+
+Step = Send | Sleep | ShareConfigRead | LoadTokenizer | Listen | Collect
+Call = Generator[Step, Any, T]
+"""A call in progress: yields steps, is sent their answers, returns the call's value."""
+
+
+@dataclass(frozen=True, slots=True)
+class Done(Generic[T]):
+    """What :func:`resume` returns once the call returned ``value``."""
+
+    value: T
+
+
+def resume(
+    call: Call[T], answer: Any = None, failure: BaseException | None = None
+) -> Step | Done[T]:
+    """The call's next step, given the last step's ``answer`` or ``failure``; Done at its end.
+
+    A driver calls ``resume(call)`` to start, performs each step and resumes
+    with what came of it, until Done. What the call raises reaches the
+    caller; a :class:`CommandFailed` it does not handle does so as
+    redis-py's own exception.
+    """
+    try:
+        return call.send(answer) if failure is None else call.throw(failure)
+    except StopIteration as stop:
+        return Done(stop.value)
+    except CommandFailed as failed:
+        error = failed.error
+        raise error from error.__cause__
+
+
+# ------------------------------------------------------------------ commands
+
+
+def command(
+    core: ClientCore, deadline: Deadline, name: str, *args: Any, **kwargs: Any
+) -> Call[Any]:
+    """One command for a caller; BrokerUnavailable when Redis stays unreachable.
+
+    With ``deadline.persist`` an outage is tried again, with backoff, until
+    the deadline (``infer``: the caller gave that time for an answer, and a
+    retried enqueue is deduplicated by the script); without it redis-py's
+    own ``retries`` are all it gets.
+    """
+    failures = 0
+    while True:
+        try:
+            return (yield Send(name, args, kwargs, deadline.at))
+        except Unreachable as down:
+            failures += 1
+            if deadline.persist:
+                yield Sleep(deadline.cap(backoff_s(failures)))
+            if not deadline.persist or deadline.remaining() <= 0:
+                raise core.unreachable(down.error) from down.error
+
+
+def read_config(core: ClientCore, deadline: Deadline, *, strict: bool) -> Call[dict[str, str]]:
+    """HGETALL the config hash into the cache, loading a tokenizer it newly names.
+
+    Not ``strict``: a refused read (an ACL without access to the hash)
+    leaves the client without early checks instead of failing enqueues.
+    """
+    try:
+        raw = yield from command(core, deadline, "hgetall", core.config_key)
+    except ErrorReply as refused:
+        if strict:
+            raise
+        core.config_unreadable(refused.error, time.monotonic())
+        return {}
+    path = core.take_config(raw, time.monotonic())
+    if path is not None:
+        yield LoadTokenizer(path, deadline)
+    return core.decode_config(raw)
+
+
+def ensure_config(core: ClientCore, deadline: Deadline) -> Call[None]:
+    """Before an enqueue: the cached config hash at most ``config_ttl_s`` old."""
+    if core.config_due(time.monotonic()):
+        yield ShareConfigRead(deadline)
+
+
+def enqueue(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> Call[None]:
+    """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit."""
+    if not batch:
+        return
+    try:
+        # With ``persist`` a lost reply is retried with the same ids and
+        # seen keys, which the script answers without adding anything.
+        yield from command(
+            core, deadline, ENQUEUE, keys=core.script_keys(batch), args=core.script_args(batch)
+        )
+    except OutOfMemory:
+        raise core.broker_full(len(batch)) from None
+    except ErrorReply as refused:
+        full = core.queue_full(str(refused.error), len(batch))
+        if full is None:
+            raise
+        raise full from None
+
+
+def queue_length(core: ClientCore) -> Call[int]:
+    """XLEN of the queue's stream (pending and in flight)."""
+    return int((yield from command(core, core.deadline(), "xlen", core.stream_key)))
+
+
+# ------------------------------------------------------------------- waiting
+
+
+Outcomes = dict[str, Outcome | Exception]
+
+
+def _poll(
+    core: ClientCore,
+    deadline: Deadline,
+    pending: Sized,
+    pop: Callable[[float, list[Any]], Call[None]],
+    take: Callable[[Any], None],
+) -> Call[BaseException | None]:
+    """Pop replies with ``pop`` and hand each to ``take`` until none is ``pending`` or the deadline.
+
+    Each pop blocks at most ``core.block_s`` (under the socket timeout), so
+    the loop, not redis-py, waits out the caller's time; an outage is
+    backed off and tried again until then. What a pop got counts even if a
+    later command of it failed. Returns Redis's last outage, or None.
+    """
+    unreachable: BaseException | None = None
+    failures = 0
+    while pending:
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            break
+        popped: list[Any] = []
+        try:
+            yield from pop(core.block_s(remaining), popped)
+            unreachable, failures = None, 0
+        except Unreachable as down:
+            unreachable, failures = down.error, failures + 1
+        for item in popped:
+            take(item)
+        if failures and pending:
+            yield Sleep(deadline.cap(backoff_s(failures)))
+    return unreachable
+
+
+def own_keys(
+    core: ClientCore, wanted: dict[str, str], deadline: Deadline, started: float
+) -> Call[Outcomes]:
+    """Outcomes of requests whose replies land on their own keys (``wanted``: key -> id).
+
+    One BLPOP watches every key still missing, so waiting for many
+    requests costs one connection.
+    """
+    outcomes: Outcomes = {}
+
+    def pop(block_s: float, popped: list[Any]) -> Call[None]:
+        key_and_raw = yield Send("blpop", (list(wanted),), {"timeout": block_s}, deadline.at)
+        if key_and_raw is not None:
+            popped.append(key_and_raw)
+
+    def take(key_and_raw: tuple[bytes, bytes]) -> None:
+        core.own_key_reply(wanted, *key_and_raw, outcomes)
+
+    unreachable = yield from _poll(core, deadline, wanted, pop, take)
+    core.missing(list(wanted.values()), outcomes, time.monotonic() - started, unreachable)
+    return outcomes
+
+
+def drain(
+    core: ClientCore, reply_key: str, pending: set[str], deadline: Deadline, started: float
+) -> Call[Outcomes]:
+    """Outcomes of the ``pending`` ids, whose replies all land on ``reply_key``.
+
+    BLPOP, then LPOP as many more as are missing; replies are matched by id.
+    """
+    outcomes: Outcomes = {}
+
+    def pop(block_s: float, popped: list[Any]) -> Call[None]:
+        first = yield Send("blpop", ([reply_key],), {"timeout": block_s}, deadline.at)
+        if first is None:
+            return
+        popped.append(first[1])
+        if len(pending) > 1:
+            more = yield Send("lpop", (reply_key, len(pending) - 1), {}, deadline.at)
+            popped += more or []
+
+    def take(raw: bytes) -> None:
+        core.shared_key_reply(pending, raw, outcomes)
+
+    unreachable = yield from _poll(core, deadline, pending, pop, take)
+    core.missing(sorted(pending), outcomes, time.monotonic() - started, unreachable)
+    return outcomes
+
+
+def listened(
+    core: ClientCore, batch: Sequence[Prepared], deadline: Deadline, started: float
+) -> Call[Outcomes]:
+    """Enqueue ``batch`` and collect what the client's listener resolves for it."""
+    ids = tuple(p.id for p in batch)
+    yield Listen(ids)  # before enqueueing: a reply may beat the script's answer
+    yield from enqueue(core, batch, deadline)
+    outcomes, unreachable = yield Collect(ids, deadline)
+    missing = [i for i in ids if i not in outcomes]
+    core.missing(missing, outcomes, time.monotonic() - started, unreachable)
+    return outcomes
+
+
+# --------------------------------------------------------------------- calls
+
+
+def submit(
+    core: ClientCore, text: str, text_pair: str | None, options: SubmitOptions
+) -> Call[str]:
+    """Enqueue one text; its id. Bounded by ``settings.timeout_s``."""
+    refuse_unknown(options, SubmitOptions, "submit")
+    deadline = core.deadline()
+    yield from ensure_config(core, deadline)
+    prepared = core.prepare(text, now_ms=_now_ms(), text_pair=text_pair, **options)
+    yield from enqueue(core, [prepared], deadline)
+    return prepared.id
+
+
+def submit_many(
+    core: ClientCore, texts: Iterable[TextItem], options: SubmitOptions
+) -> Call[list[str]]:
+    """Enqueue a batch all or nothing; the ids in input order."""
+    refuse_unknown(options, SubmitOptions, "submit_many")
+    deadline = core.deadline()
+    yield from ensure_config(core, deadline)
+    batch = core.prepare_many(texts, now_ms=_now_ms(), **options)
+    yield from enqueue(core, batch, deadline)
+    return [p.id for p in batch]
+
+
+def results(
+    core: ClientCore, request_ids: Sequence[str], timeout_s: float | None, return_exceptions: bool
+) -> Call[list[Any]]:
+    """Wait for submitted requests' replies on their own keys; outcomes in input order."""
+    started = time.monotonic()
+    deadline = Deadline(started + core.timeout(timeout_s))
+    wanted = core.reply_keys(request_ids)
+    outcomes = yield from own_keys(core, wanted, deadline, started)
+    return core.settle(request_ids, outcomes, return_exceptions)
+
+
+def infer(
+    core: ClientCore,
+    text: str,
+    text_pair: str | None,
+    timeout_s: float | None,
+    options: RequestOptions,
+    listener: str | None,
+) -> Call[Result]:
+    """Enqueue one text and wait for its result (``listener``: the client's listened key)."""
+    refuse_unknown(options, RequestOptions, "infer")
+    started = time.monotonic()
+    deadline = Deadline(started + core.timeout(timeout_s), persist=True)
+    yield from ensure_config(core, deadline)
+    request = _infer_request(core, deadline, options)
+    prepared = core.prepare(text, text_pair=text_pair, reply_to=listener, **request)
+    if listener is None:
+        yield from enqueue(core, [prepared], deadline)
+        wanted = {prepared.reply_to: prepared.id}
+        outcomes = yield from own_keys(core, wanted, deadline, started)
+    else:
+        outcomes = yield from listened(core, [prepared], deadline, started)
+    return core.settle([prepared.id], outcomes, False)[0]
+
+
+def infer_many(
+    core: ClientCore,
+    texts: Iterable[TextItem],
+    timeout_s: float | None,
+    return_exceptions: bool,
+    options: RequestOptions,
+    listener: str | None,
+) -> Call[list[Any]]:
+    """Enqueue a batch all or nothing and wait for every result, in input order."""
+    refuse_unknown(options, RequestOptions, "infer_many")
+    started = time.monotonic()
+    deadline = Deadline(started + core.timeout(timeout_s), persist=True)
+    reply_key = listener or core.reply_key(core.new_id())
+    yield from ensure_config(core, deadline)
+    request = _infer_request(core, deadline, options)
+    batch = core.prepare_many(texts, reply_to=reply_key, **request)
+    if listener is None:
+        yield from enqueue(core, batch, deadline)
+        outcomes = yield from drain(core, reply_key, {p.id for p in batch}, deadline, started)
+    else:
+        outcomes = yield from listened(core, batch, deadline, started)
+    return core.settle([p.id for p in batch], outcomes, return_exceptions)
+
+
+def _infer_request(core: ClientCore, deadline: Deadline, options: RequestOptions) -> dict[str, Any]:
+    """An infer call's request options, its deadline made the rest of the timeout if none given.
+
+    So no worker spends device time on an answer nobody waits for any more.
+    """
+    deadline_s, deadline_ms = core.infer_deadline(
+        deadline.remaining(), options.get("deadline_s"), options.get("deadline_ms")
+    )
+    return {**options, "now_ms": _now_ms(), "deadline_s": deadline_s, "deadline_ms": deadline_ms}
+
+
+def _now_ms() -> int:
+    """The wall clock in epoch ms, which turns an absolute ``deadline_ms`` into a relative one."""
+    return int(time.time() * 1000)

@@ -1,0 +1,207 @@
+"""Dead letters: one entry of ``keys.dead(q)``, the request that could not be answered.
+
+A letter is the request's own stream fields, capped, followed by the
+``dead_*`` fields that say why, who and when (every name in
+:data:`DEATH_FIELDS`, plus :data:`TRUNCATED` when the cap cut something).
+The rules, all here:
+
+* **The prefix.** A field is the letter's own when its name starts with
+  ``dead_`` (:func:`is_dead_field`); every other field is the request's.
+  A request's own ``dead_*`` fields (a letter retried and dead again) are
+  left out of a new letter, whose fields replace them.
+* **The cap.** At most ``max_bytes`` of names and values and
+  :data:`MAX_LETTER_FIELDS` fields of the request are kept, in order; the
+  value that does not fit is cut to what is left (a huge ``text`` keeps its
+  beginning, enough to recognise it) and later fields are dropped.
+  :data:`TRUNCATED` names what was cut (each name at most 64 bytes, at most
+  :data:`MAX_TRUNCATED_NAMES` names, then ``+N more``), so a letter's size
+  is bounded whatever the entry holds.
+* **Retry.** A truncated letter is not the request as written, so ``tokenq
+  dlq retry`` leaves it in place.
+
+Sans-I/O: :func:`encode_letter` builds the fields the worker XADDs and
+:func:`parse_letter` splits a letter read back for ``tokenq dlq``.
+``worker/lua/publish.lua`` writes letters inside its script too, with the
+same rules in ``shared/lua/dead_letter.lua``; tests/test_records.py checks
+the two agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+PREFIX = "dead_"
+"""Every field a letter adds to the request's starts with this, and no other does."""
+
+ERROR_CODE = "dead_error_code"
+ERROR = "dead_error"
+WORKER = "dead_worker"
+DELIVERIES = "dead_deliveries"
+AT_MS = "dead_at_ms"
+SOURCE_ID = "dead_source_id"
+DEATH_FIELDS = (ERROR_CODE, ERROR, WORKER, DELIVERIES, AT_MS, SOURCE_ID)
+"""The fields every letter carries, in the order they are written."""
+
+TRUNCATED = "dead_truncated"
+"""Names the fields a letter cut to stay within its caps (comma-separated)."""
+
+MAX_LETTER_FIELDS = 256
+"""Most of an entry's own fields a dead letter keeps (a stream entry may have thousands;
+``publish.lua`` builds its XADD on Lua's stack, which holds about 8,000 values)."""
+
+MAX_TRUNCATED_NAMES = 16
+"""Most field names ``dead_truncated`` lists; any further cut is counted as ``+N more``."""
+
+_MAX_NAME_BYTES = 64
+_PREFIX_BYTES = PREFIX.encode()
+
+Field = tuple[bytes | str, bytes | str]
+
+
+def is_dead_field(name: bytes | str) -> bool:
+    """Whether a field is the letter's own (``dead_*``) rather than the request's."""
+    return name.startswith(_PREFIX_BYTES if isinstance(name, bytes) else PREFIX)
+
+
+@dataclass(frozen=True, slots=True)
+class Death:
+    """Why, who and when: the ``dead_*`` fields of one letter."""
+
+    code: str
+    """An ErrorCode value (``dead_letter``, ``bad_request``, ...)."""
+    message: str
+    worker: str
+    """The consumer name of the worker that wrote the letter."""
+    deliveries: int
+    at_ms: int
+    """Unix ms on Redis's clock."""
+    source_id: str
+    """The request's stream entry id."""
+
+
+def capped_fields(
+    fields: Mapping[bytes | str, bytes | str], max_bytes: int
+) -> tuple[list[tuple[bytes, bytes]], str]:
+    """An entry's own fields within the caps, and the ``dead_truncated`` value ("" if none)."""
+    kept: list[tuple[bytes, bytes]] = []
+    cut: list[str] = []
+    room = max_bytes
+    for key, value in fields.items():
+        name = key if isinstance(key, bytes) else key.encode("utf-8", "surrogatepass")
+        if is_dead_field(name):
+            continue
+        data = value if isinstance(value, bytes) else value.encode("utf-8", "surrogatepass")
+        label = name[:_MAX_NAME_BYTES].decode("utf-8", "replace")
+        if len(name) > room or len(kept) >= MAX_LETTER_FIELDS:
+            cut.append(label)
+            continue
+        room -= len(name)
+        if len(data) > room:
+            cut.append(label)
+            data = data[:room]
+        room -= len(data)
+        kept.append((name, data))
+    return kept, truncated_names(cut)
+
+
+def truncated_names(cut: Sequence[str]) -> str:
+    """The ``dead_truncated`` value for the names cut, in order, bounded."""
+    shown = ",".join(cut[:MAX_TRUNCATED_NAMES])
+    more = len(cut) - MAX_TRUNCATED_NAMES
+    return f"{shown},+{more} more" if more > 0 else shown
+
+
+def encode_letter(
+    fields: Mapping[bytes | str, bytes | str], death: Death, *, max_bytes: int
+) -> tuple[Field, ...]:
+    """The letter's fields, in order, ready for XADD: the capped request, then ``dead_*``."""
+    original, cut = capped_fields(fields, max_bytes)
+    truncated: tuple[Field, ...] = ((TRUNCATED, cut),) if cut else ()
+    return (
+        *original,
+        *truncated,
+        (ERROR_CODE, death.code),
+        (ERROR, death.message),
+        (WORKER, death.worker),
+        (DELIVERIES, str(death.deliveries)),
+        (AT_MS, str(death.at_ms)),
+        (SOURCE_ID, death.source_id),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One letter read back: the request as kept, and why it died."""
+
+    entry_id: str
+    request: dict[str, str | bytes]
+    """The request's fields; a value that is not UTF-8 (``opts``) stays bytes."""
+    dead: dict[str, str]
+    """Every ``dead_*`` field, as text (including any this version does not know)."""
+
+    @property
+    def request_id(self) -> str:
+        value = self.request.get("id", "")
+        return value if isinstance(value, str) else value.decode(errors="replace")
+
+    @property
+    def error_code(self) -> str | None:
+        return self.dead.get(ERROR_CODE)
+
+    @property
+    def error(self) -> str | None:
+        return self.dead.get(ERROR)
+
+    @property
+    def worker(self) -> str | None:
+        return self.dead.get(WORKER)
+
+    @property
+    def deliveries(self) -> int | None:
+        return _int(self.dead.get(DELIVERIES))
+
+    @property
+    def at_ms(self) -> int | None:
+        return _int(self.dead.get(AT_MS))
+
+    @property
+    def source_id(self) -> str | None:
+        return self.dead.get(SOURCE_ID)
+
+    @property
+    def truncated(self) -> list[str] | None:
+        """The fields the worker cut to fit its byte cap, or None for a whole letter."""
+        value = self.dead.get(TRUNCATED)
+        if value is None:
+            return None
+        return [name for name in value.split(",") if name] or ["?"]
+
+
+def parse_letter(
+    entry_id: bytes | str, fields: Mapping[bytes | str, bytes | str]
+) -> DeadLetter:
+    """Split a letter's fields into the request's and its own (never raises)."""
+    request: dict[str, str | bytes] = {}
+    dead: dict[str, str] = {}
+    for raw_name, raw_value in fields.items():
+        name = _text(raw_name)
+        if is_dead_field(name):
+            dead[name] = _text(raw_value)
+            continue
+        try:
+            request[name] = raw_value.decode() if isinstance(raw_value, bytes) else raw_value
+        except UnicodeDecodeError:
+            request[name] = raw_value
+    return DeadLetter(_text(entry_id), request, dead)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None

@@ -1,0 +1,97 @@
+"""The heartbeat: one worker's row in ``keys.workers(q)``, a msgpack map.
+
+A worker writes it every heartbeat interval (with its liveness key, in one
+MULTI); ``tokenq stats``, ``top`` and ``embed`` read it. Sans-I/O:
+:func:`encode_heartbeat` takes a :class:`Heartbeat` (the worker passes its
+own host, pid and clock) and :func:`decode_heartbeat` gives one back, or
+raises :class:`DecodeError` naming the field at fault, for a row no tokenq
+worker wrote (not msgpack, not a map, a number that is not a number).
+
+The map's keys are the field names of :class:`Heartbeat`. A key that is
+missing reads as its default, so a row written by an older worker still
+counts; readers ignore keys they do not know.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgpack
+
+from tokenq.shared.errors import DecodeError
+
+_LIMITS = {"max_str_len": 1 << 16, "max_bin_len": 1 << 16, "max_map_len": 256}
+"""Far above any row a worker writes: a hostile row cannot make a reader allocate much."""
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """What one worker says about itself: who, its batch budget, and its totals since start."""
+
+    host: str | None = None
+    pid: int | None = None
+    model: str | None = None
+    at: float | None = None
+    """When it beat: Unix seconds on the *worker's* clock."""
+    started_at: float | None = None
+    """When the worker started, on the same clock."""
+    max_batch_tokens: int | None = None
+    """The token budget it packs batches to now (adaptive budgets move it)."""
+    configured_batch_tokens: int | None = None
+    max_batch_size: int | None = None
+    buffered: int = 0
+    """Requests read and waiting in its packer."""
+    requests_ok: int = 0
+    requests_failed: int = 0
+    batches: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    device_ms: float = 0.0
+    oom_splits: int = 0
+    reclaimed: int = 0
+    dead_lettered: int = 0
+    padding_efficiency: float = 1.0
+
+    @property
+    def requests(self) -> int:
+        """Requests answered since start, successes and failures."""
+        return self.requests_ok + self.requests_failed
+
+
+_TEXT = frozenset({"host", "model"})
+_FLOATS = frozenset({"at", "started_at", "device_ms", "padding_efficiency"})
+
+
+def encode_heartbeat(beat: Heartbeat) -> bytes:
+    """The row's msgpack map (fields that are None are left out)."""
+    body = {f.name: getattr(beat, f.name) for f in fields(beat)}
+    return msgpack.packb({k: v for k, v in body.items() if v is not None}, use_bin_type=True)
+
+
+def decode_heartbeat(raw: bytes) -> Heartbeat:
+    """Parse one row; raise :class:`DecodeError` naming what is wrong."""
+    try:
+        body = msgpack.unpackb(raw, raw=False, **_LIMITS)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise DecodeError(f"heartbeat is not valid msgpack: {exc}") from None
+    if not isinstance(body, dict):
+        raise DecodeError("heartbeat must be a msgpack map")
+    values: dict[str, Any] = {}
+    for f in fields(Heartbeat):
+        if f.name in body:
+            values[f.name] = _value(f.name, body[f.name], optional=f.default is None)
+    return Heartbeat(**values)
+
+
+def _value(name: str, value: object, *, optional: bool) -> object:
+    if value is None and optional:
+        return None
+    if name in _TEXT:
+        if not isinstance(value, str):
+            raise DecodeError(f"heartbeat field {name!r} must be a string")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DecodeError(f"heartbeat field {name!r} must be a finite number, got {value!r:.40}")
+    return float(value) if name in _FLOATS else int(value)

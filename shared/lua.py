@@ -1,0 +1,152 @@
+"""The one loader of tokenq's Lua scripts, their shared fragments, and the QUEUEFULL reply.
+
+Every script lives in its side's ``lua/`` folder (``producer/lua/enqueue.lua``,
+``dlq_retry.lua``; ``worker/lua/publish.lua``, ``drop_consumer.lua``) and is
+read through :func:`load`. What two scripts need alike is written once, as a
+fragment in ``shared/lua/``:
+
+* ``queue_full.lua`` — the length limit of every script that adds to a
+  request stream, and its refusal ``QUEUEFULL <xlen> <max_len> <adding>``,
+  parsed here by :func:`parse_queue_full` and nowhere else;
+* ``dead_fields.lua`` — the ``dead_`` prefix rule of dead letters;
+* ``dead_letter.lua`` — the dead-letter cap and record, the Lua twin of
+  :mod:`tokenq.shared.dead_letter`.
+
+A script names a fragment on a line of its own::
+
+    -- tokenq:include dead_letter.lua
+
+and :func:`load` puts the fragment there, as BullMQ's loader does with its
+``includes/``. One script is different: other languages run
+``producer/lua/enqueue.lua`` as it is (``redis-cli --eval``,
+docs/PROTOCOL.md), so it must stay a complete script on disk. It carries a
+*copy* of its fragment, closed by a ``-- tokenq:end queue_full.lua`` line;
+:func:`load` refuses a copy that is not the fragment (so what Redis runs,
+what the file says and what the fragment says never drift apart), and
+``python -m tokenq.shared.lua producer/lua/enqueue.lua`` refreshes it after
+the fragment changed.
+
+Sans-I/O but for reading the package's own files (and that command, which
+rewrites the files it is given); no Redis, no clock.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+QUEUE_FULL = "QUEUEFULL"
+"""First word of the error a script answers when entries would not fit in the queue."""
+
+_INCLUDE = re.compile(r"-- tokenq:include (?P<name>[\w.-]+\.lua)\b.*")
+
+
+class StaleFragment(RuntimeError):
+    """A script's copy of a fragment is not the fragment (refresh it with this module)."""
+
+
+def fragment(name: str) -> str:
+    """The text of ``shared/lua/<name>``, ending in one newline."""
+    text = resources.files("tokenq.shared").joinpath("lua", name).read_text("utf-8")
+    return text.rstrip("\n") + "\n"
+
+
+def assemble(source: str) -> str:
+    """``source`` with every fragment in place: spliced at each include line, and each
+    copy (an include line … ``-- tokenq:end <name>``) replaced by the current fragment."""
+    return _expand(source, splice=True)[0]
+
+
+def copies_stale(source: str) -> list[str]:
+    """The fragments ``source`` carries copies of that are not those fragments."""
+    return _expand(source, splice=False)[1]
+
+
+def _expand(source: str, *, splice: bool) -> tuple[str, list[str]]:
+    """(``source`` with its copies refreshed and, with ``splice``, its include lines
+    filled; the names of the copies that were stale)."""
+    lines = source.splitlines(keepends=True)
+    out: list[str] = []
+    stale: list[str] = []
+    at = 0
+    while at < len(lines):
+        line = lines[at]
+        match = _INCLUDE.fullmatch(line.rstrip("\n"))
+        at += 1
+        out.append(line)
+        if match is None:
+            continue
+        name = match.group("name")
+        end = f"-- tokenq:end {name}"
+        close = next((i for i in range(at, len(lines)) if lines[i].rstrip("\n") == end), None)
+        if close is None and not splice:
+            continue
+        if not line.endswith("\n"):
+            out[-1] = line + "\n"
+        out.append(fragment(name))
+        if close is not None:  # a copy: keep its markers, refresh what is between them
+            if "".join(lines[at:close]) != fragment(name):
+                stale.append(name)
+            out.append(lines[close])
+            at = close + 1
+    return "".join(out), stale
+
+
+def load(package: str, name: str) -> str:
+    """The source of ``<package>/lua/<name>`` with its fragments in place.
+
+    ``package`` is the caller's own (``"tokenq.producer"``, ``"tokenq.worker"``),
+    so this module imports neither side. Raises :class:`StaleFragment` when
+    the file carries an out-of-date copy of a fragment.
+    """
+    source = resources.files(package).joinpath("lua", name).read_text("utf-8")
+    stale = copies_stale(source)
+    if stale:
+        raise StaleFragment(
+            f"{package} lua/{name} holds an old copy of shared/lua/{', '.join(stale)}; "
+            f"run python -m tokenq.shared.lua on that file to refresh it"
+        )
+    return assemble(source)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueFullReply:
+    """What a ``QUEUEFULL`` refusal says, as Redis sent it ("?" where a word is missing)."""
+
+    length: str
+    limit: str
+    adding: str | None
+    """How many entries did not fit; None from scripts older than the dedupe keys."""
+
+
+def parse_queue_full(message: str) -> QueueFullReply | None:
+    """The refusal in a script error's ``message``, or None when it is another error."""
+    words = message.split()
+    if not words or words[0] != QUEUE_FULL:
+        return None
+    length, limit = [*words[1:3], "?", "?"][:2]
+    return QueueFullReply(length, limit, words[3] if len(words) > 3 else None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Refresh the fragment copies in the named script files (``--check``: only report)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    check = "--check" in args
+    stale = []
+    for path in (Path(arg) for arg in args if arg != "--check"):
+        refreshed, names = _expand(path.read_text("utf-8"), splice=False)
+        if names:
+            stale.append(path)
+            if not check:
+                path.write_text(refreshed, "utf-8")
+    for path in stale:
+        print(f"{'stale' if check else 'refreshed'}: {path}")
+    return 1 if check and stale else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+-- The dead-letter record built inside a script, the Lua twin of
+-- tokenq.shared.dead_letter (capped_fields, encode_letter); the two are
+-- tested against each other in tests/test_records.py. Include dead_fields.lua
+-- before it.
+--
+-- copy_capped(fields, letter_bytes, record): append an entry's own fields
+-- (a flat name/value array) to record within letter_bytes and
+-- MAX_LETTER_FIELDS: in order, the value that does not fit cut to what is
+-- left, the rest dropped, old dead_* fields left out; dead_truncated names
+-- what was cut (at most MAX_TRUNCATED_NAMES names of 64 bytes, then
+-- "+N more"), so a letter's size and its XADD's length are bounded whatever
+-- the entry holds.
+-- append_death(record, code, why, worker, deliveries, at_ms, source_id):
+-- append the dead_* fields saying why, who and when.
+local MAX_LETTER_FIELDS, MAX_TRUNCATED_NAMES, MAX_NAME_BYTES = 256, 16, 64
+
+local function copy_capped(fields, letter_bytes, record)
+  local room, kept, cut = letter_bytes, 0, {}
+  for j = 1, #fields, 2 do
+    local name, value = fields[j], fields[j + 1]
+    if not is_dead_field(name) then
+      if #name > room or kept >= MAX_LETTER_FIELDS then
+        cut[#cut + 1] = string.sub(name, 1, MAX_NAME_BYTES)
+      else
+        room = room - #name
+        if #value > room then
+          cut[#cut + 1] = string.sub(name, 1, MAX_NAME_BYTES)
+          value = string.sub(value, 1, room)
+        end
+        room = room - #value
+        kept = kept + 1
+        record[#record + 1] = name
+        record[#record + 1] = value
+      end
+    end
+  end
+  if #cut > 0 then
+    local shown = {}
+    for i = 1, math.min(#cut, MAX_TRUNCATED_NAMES) do
+      shown[i] = cut[i]
+    end
+    local names = table.concat(shown, ",")
+    if #cut > MAX_TRUNCATED_NAMES then
+      names = names .. ",+" .. (#cut - MAX_TRUNCATED_NAMES) .. " more"
+    end
+    record[#record + 1] = DEAD_TRUNCATED
+    record[#record + 1] = names
+  end
+end
+
+local function append_death(record, code, why, worker, deliveries, at_ms, source_id)
+  for _, v in ipairs({"dead_error_code", code, "dead_error", why, "dead_worker", worker,
+                      "dead_deliveries", tostring(deliveries),
+                      "dead_at_ms", string.format("%d", at_ms), "dead_source_id", source_id}) do
+    record[#record + 1] = v
+  end
+end

@@ -1,0 +1,101 @@
+"""The config hash (``keys.config(q)``): what a queue's workers tell its producers.
+
+Sans-I/O, like :mod:`tokenq.shared.wire`: :func:`encode_config` turns the
+worker's values into the hash's fields, :func:`parse_config` turns an
+HGETALL back into a :class:`QueueConfig`. Every field is a readable string
+(``redis-cli HGETALL`` shows it; any language can read it):
+
+==================== ==================================================
+``protocol``         wire protocol version the workers speak
+``backend``          backend name (``hf``, ``sim``, ...)
+``model``            model id or path
+``task``             ``embed``, ``classify`` or ``rerank`` (``--task``)
+``max_input_tokens`` the model's input limit, in tokens
+``policy``           ``reject``, ``truncate`` or ``chunk`` (over-long input)
+``pairs``            ``1``: the model takes query/passage pairs; ``0``: single texts
+``padded``           ``1``: batches cost rows x longest; ``0``: the sum of lengths
+``max_batch_tokens`` the workers' token budget per batch
+``dim``              embedding size, or number of scores (when the model says)
+``tokenizer``        path of the model's tokenizer.json (when it has one)
+``updated_at``       Unix seconds of the last write (the worker's clock)
+==================== ==================================================
+
+Parsing never raises: a field that is missing or does not parse is None, so
+a malformed hash disables the producer check that needs it rather than
+refusing everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+_FLAGS = {"1": True, "0": False}
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """One queue's config hash, typed; None for a field that is absent or unreadable."""
+
+    max_input_tokens: int | None = None
+    policy: str | None = None
+    pairs: bool | None = None
+    tokenizer: str | None = None
+    model: str | None = None
+    protocol: int | None = None
+    backend: str | None = None
+    task: str | None = None
+    padded: bool | None = None
+    max_batch_tokens: int | None = None
+    dim: int | None = None
+    updated_at: int | None = None
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
+        """Same as :func:`parse_config`."""
+        return parse_config(raw)
+
+
+def encode_config(config: QueueConfig) -> dict[str, str]:
+    """The hash's fields for HSET (absent values are left out)."""
+    out: dict[str, str] = {}
+    for field in fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, bool):
+            out[field.name] = "1" if value else "0"
+        elif value is not None:
+            out[field.name] = str(value)
+    return out
+
+
+def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
+    """The config from an HGETALL (bytes or text); None when the hash is missing (empty)."""
+    if not raw:
+        return None
+    text = {_text(k): _text(v) for k, v in raw.items()}
+    return QueueConfig(
+        max_input_tokens=_int(text, "max_input_tokens", minimum=1),
+        policy=text.get("policy", "").strip().lower() or None,
+        pairs=_FLAGS.get(text.get("pairs", "").strip()),
+        tokenizer=text.get("tokenizer") or None,
+        model=text.get("model") or None,
+        protocol=_int(text, "protocol", minimum=0),
+        backend=text.get("backend") or None,
+        task=text.get("task") or None,
+        padded=_FLAGS.get(text.get("padded", "").strip()),
+        max_batch_tokens=_int(text, "max_batch_tokens", minimum=1),
+        dim=_int(text, "dim", minimum=1),
+        updated_at=_int(text, "updated_at", minimum=0),
+    )
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def _int(fields: Mapping[str, str], name: str, *, minimum: int) -> int | None:
+    try:
+        value = int(fields.get(name, ""))
+    except ValueError:
+        return None
+    return value if value >= minimum else None

@@ -1,0 +1,93 @@
+"""The Lua loader: fragments written once, spliced in, and enqueue.lua complete as a file.
+
+Other languages run ``producer/lua/enqueue.lua`` as it is, so it carries a
+copy of its fragment (between ``tokenq:include``/``tokenq:end`` lines) that
+``tokenq.shared.lua`` refuses when stale; the other scripts name theirs on
+an include line, spliced in at load. The rules a fragment holds appear in no
+script outside it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import REPO_ROOT
+from tokenq.shared import keys, lua
+from tokenq.shared.keys import QueueRef
+
+SCRIPTS = {
+    "tokenq.producer": ("enqueue.lua", "dlq_retry.lua"),
+    "tokenq.worker": ("publish.lua", "drop_consumer.lua"),
+}
+PATHS = [REPO_ROOT / package.split(".")[1] / "lua" / name
+         for package, names in SCRIPTS.items() for name in names]
+REGION = re.compile(r"^-- tokenq:include .*?^-- tokenq:end \S+$", re.MULTILINE | re.DOTALL)
+
+
+def test_every_script_loads_with_its_fragments_in_place() -> None:
+    for path in PATHS:
+        package = f"tokenq.{path.parent.parent.name}"
+        source = path.read_text()
+        loaded = lua.load(package, path.name)
+        for name in re.findall(r"^-- tokenq:include (\S+)", source, re.MULTILINE):
+            assert lua.fragment(name) in loaded, (path.name, name)
+    assert lua.load("tokenq.producer", "enqueue.lua") == PATHS[0].read_text()  # complete
+    assert lua.main(["--check", *map(str, PATHS)]) == 0
+
+
+def test_a_stale_copy_is_refused_and_rewritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = lua.fragment
+
+    def edited(name: str) -> str:
+        return real(name).replace('"QUEUEFULL "', '"QUEUEFULL  "')
+
+    monkeypatch.setattr(lua, "fragment", edited)
+    with pytest.raises(lua.StaleFragment, match=r"run python -m tokenq\.shared\.lua"):
+        lua.load("tokenq.producer", "enqueue.lua")
+    assert '"QUEUEFULL  "' in lua.load("tokenq.producer", "dlq_retry.lua")  # spliced: current
+    copy = tmp_path / "enqueue.lua"
+    copy.write_text((REPO_ROOT / "producer" / "lua" / "enqueue.lua").read_text())
+    assert lua.main(["--check", str(copy)]) == 1
+    assert lua.main([str(copy)]) == 0 and '"QUEUEFULL  "' in copy.read_text()
+    assert lua.main(["--check", str(copy)]) == 0
+
+
+def test_shared_rules_live_only_in_fragments() -> None:
+    for path in PATHS:
+        code = [line for line in REGION.sub("", path.read_text()).splitlines()
+                if not line.lstrip().startswith("--")]
+        text = "\n".join(code)
+        assert "QUEUEFULL" not in text and '"dead_' not in text, path
+
+
+def test_queue_full_replies_parse_in_one_place() -> None:
+    assert lua.parse_queue_full("QUEUEFULL 9 10 2") == lua.QueueFullReply("9", "10", "2")
+    assert lua.parse_queue_full("QUEUEFULL 9 10") == lua.QueueFullReply("9", "10", None)
+    assert lua.parse_queue_full("QUEUEFULL") == lua.QueueFullReply("?", "?", None)
+    assert lua.parse_queue_full("ERR QUEUEFULL 1 2") is None
+    assert lua.parse_queue_full("") is None
+
+
+def test_both_scripts_that_add_to_a_queue_refuse_alike(r: redis.Redis, queue_name: str) -> None:
+    q = QueueRef(queue_name)
+    r.xadd(keys.requests(q), {"v": "1", "id": "first", "text": "x"})
+    letter = r.xadd(keys.dead(q), {"v": "1", "id": "dead", "text": "y",
+                                   "dead_error_code": "dead_letter"}).decode()
+    enqueue = r.register_script(lua.load("tokenq.producer", "enqueue.lua"))
+    retry = r.register_script(lua.load("tokenq.producer", "dlq_retry.lua"))
+    refusals = []
+    for call in (
+        lambda: enqueue(keys=[keys.requests(q)], args=[1, 1, 0, 2, "id", "second", "text", "z"]),
+        lambda: retry(keys=[keys.dead(q), keys.requests(q)], args=[1, "0", letter]),
+    ):
+        with pytest.raises(redis.ResponseError) as caught:
+            call()
+        refusals.append(lua.parse_queue_full(str(caught.value)))
+    assert refusals == [lua.QueueFullReply("1", "1", "1")] * 2
+    assert r.xlen(keys.requests(q)) == 1 and r.xlen(keys.dead(q)) == 1
