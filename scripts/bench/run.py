@@ -10,6 +10,13 @@ Suites (docs/BENCHMARKS.md has the latest figures and how to read them):
   plots     draw docs/img/*.png from the JSON results (--results DIR)
   all       every suite above, JSON into --results DIR, then the plots
 
+Against a baseline commit, ``--baseline REV [--rounds N]`` (default 2) runs
+the suite on a temporary git worktree of REV and on this working tree,
+interleaved (base, current, base, current …), and prints, for each numeric
+figure of each row, the median of each side and current/baseline; ``--json``
+then writes both sides' raw runs and the ratios. scripts/bench/compare.py says
+how the baseline is imported without being installed.
+
 Why one entry point: every suite starts its own redis-server and workers and
 tears them down, so one command is all a reader needs to reproduce a figure.
 Each suite prints a table; ``--json`` also writes everything it measured.
@@ -29,7 +36,8 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-import harness  # noqa: E402  (the folder is not a package; see module docstring)
+import compare  # noqa: E402  (the folder is not a package; see module docstring)
+import harness  # noqa: E402
 
 SUITES = ("seed", "real", "overhead", "scale", "latency")
 DEFAULT_RESULTS = BENCH_DIR / "results"
@@ -86,7 +94,22 @@ def main(argv: list[str] | None = None) -> int:
         "--images", type=Path, default=DEFAULT_IMAGES,
         help="plots/all: where the PNGs go (default: docs/img)",
     )
+    parser.add_argument(
+        "--baseline", metavar="REV",
+        help="also run the suite on a worktree of this commit, interleaved; print ratios",
+    )
+    parser.add_argument(
+        "--rounds", type=int,
+        help=f"--baseline: runs of each side (default {compare.DEFAULT_ROUNDS}); medians compared",
+    )
     args = parser.parse_args(argv)
+    if args.baseline is None and args.rounds is not None:
+        parser.error("--rounds needs --baseline")
+    if args.baseline is not None:
+        if args.suite not in SUITES:
+            parser.error(f"--baseline compares one suite, not {args.suite!r}")
+        rounds = compare.DEFAULT_ROUNDS if args.rounds is None else args.rounds
+        return compare.main(args.suite, args.baseline, rounds, args.size, args.json)
     if args.suite == "plots":
         for path in importlib.import_module("plots").draw_all(args.results, args.images):
             print(f"wrote {path}")
