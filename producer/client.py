@@ -30,7 +30,6 @@ names is loaded in a thread of its own, once.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -200,7 +199,7 @@ class Client(ProducerBase):
 
     def _run(self, call: calls.Call[T]) -> T:
         """Perform ``call``'s steps in this thread, one after the other, until it returns."""
-        with contextlib.closing(call):
+        try:
             step = calls.resume(call)
             while not isinstance(step, calls.Done):
                 try:
@@ -210,8 +209,13 @@ class Client(ProducerBase):
                 else:
                     step = calls.resume(call, answer)
             return step.value
+        finally:
+            call.close()
 
     def _perform(self, step: calls.Step) -> Any:
+        if type(step) is calls.Send:  # the common step, ahead of the match below
+            with connection.for_caller(step.deadline):
+                return self._command(step.command)(*step.args, **step.kwargs)
         match step:
             case calls.Send(command, args, kwargs, deadline):
                 with connection.for_caller(deadline):

@@ -492,10 +492,12 @@ class ClientCore:
         elif not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
             raise BadRequest("opts must be a mapping with string keys")
         named = worker_options(options)
+        if not named:
+            return opts
         twice = sorted(named.keys() & opts.keys())
         if twice:
             raise BadRequest(f"{twice[0]} is given both as a keyword and in opts")
-        return {**opts, **named} if named else opts
+        return {**opts, **named}
 
     # -------------------------------------------------------------- enqueue
 

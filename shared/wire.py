@@ -118,13 +118,14 @@ def validate_text(value: object, field_name: str, max_bytes: int) -> str:
         raise DecodeError(f"{field_name} must be a string, got {type(value).__name__}")
     if not value.strip():
         raise DecodeError(f"{field_name} is empty")
-    size = len(value.encode("utf-8", errors="surrogatepass"))
+    try:
+        size, invalid = len(value.encode("utf-8")), None
+    except UnicodeEncodeError as exc:  # lone surrogates: the size is still checked first
+        size, invalid = len(value.encode("utf-8", errors="surrogatepass")), exc.reason
     if size > max_bytes:
         raise DecodeError(f"{field_name} is {size} bytes, over the limit of {max_bytes} bytes")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise DecodeError(f"{field_name} is not valid Unicode: {exc.reason}") from None
+    if invalid is not None:
+        raise DecodeError(f"{field_name} is not valid Unicode: {invalid}")
     return value
 
 

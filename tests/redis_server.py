@@ -16,16 +16,15 @@ its end-of-session check that no test left a process behind).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from tokenq.worker.tooling.children import PR_SET_CHILD_SUBREAPER, prctl
 from tokenq.worker.tooling.embedded import RedisServer, find_redis_server, free_port
 
 __all__ = [
@@ -165,12 +164,4 @@ def kill_tree(process: subprocess.Popen | int, timeout: float = 10.0) -> list[in
 
 def become_subreaper() -> bool:
     """Linux: orphaned descendants become this process's children instead of init's."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return False
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                      ctypes.c_ulong]
-    return prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)

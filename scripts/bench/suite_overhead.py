@@ -59,10 +59,13 @@ LUA_WORD = re.compile(r'"([A-Z]+)"')
 def script_commands() -> set[str]:
     """Lower-case names of the commands tokenq's Lua scripts may call."""
     words: set[str] = set()
-    for package in ("tokenq.producer", "tokenq.worker"):
-        for entry in resources.files(package).iterdir():
-            if entry.name.endswith(".lua"):
-                words |= set(LUA_WORD.findall(entry.read_text()))
+    for package in ("tokenq.producer", "tokenq.worker", "tokenq.shared"):
+        for folder in (resources.files(package), resources.files(package).joinpath("lua")):
+            if not folder.is_dir():
+                continue
+            for entry in folder.iterdir():
+                if entry.name.endswith(".lua"):
+                    words |= set(LUA_WORD.findall(entry.read_text()))
     return {word.lower() for word in words}
 NULL_FLAGS = ["--backend", "null_backend:factory"]
 COLUMNS = [

@@ -230,12 +230,13 @@ class Pipeline(Generic[K]):
                     f"deadline passed {late} ms before the request could run",
                 ))
                 continue
-            why = self.refusal(item.request)
+            why = self.refusal(item.request) if item.request.text_pair is not None else None
             if why is not None:
                 out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, why))
                 continue
+            opts = item.request.opts
             try:
-                options = RequestOptions.parse(item.request.opts)
+                options = RequestOptions.parse(opts) if opts else NO_OPTIONS
             except ValueError as exc:
                 out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, f"opts: {exc}"))
                 continue
@@ -355,7 +356,7 @@ class Pipeline(Generic[K]):
 
     @staticmethod
     def _finished(job: Job[K], result: np.ndarray | Failure, tokens: int) -> Outcome[K]:
-        if not isinstance(result, Failure):
+        if job.options is not NO_OPTIONS and not isinstance(result, Failure):
             result = job.options.apply(result)
         return Outcome(job.ref, job.request, result, tokens)
 

@@ -136,6 +136,12 @@ def _load_prctl() -> Any:
 
 _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, value: int) -> bool:
+    """Linux ``prctl(option, value)``; False where there is none or it fails."""
+    return _PRCTL is not None and _PRCTL(option, value, 0, 0, 0) == 0
 
 
 def _death_mode(mode: DeathMode) -> DeathMode:

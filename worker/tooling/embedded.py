@@ -39,6 +39,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def server_command(
+    directory: Path, port: int, *, appendonly: bool, args: tuple[str, ...] = ()
+) -> list[str]:
+    """A private redis-server's command line: loopback only, no RDB snapshots,
+    AOF (``everysec``) when asked, ``noeviction`` (a queue must never lose work to
+    eviction). The one definition behind :class:`RedisServer` and ``tokenq up``."""
+    return [
+        find_redis_server(),
+        "--port", str(port),
+        "--bind", "127.0.0.1",
+        "--dir", str(directory),
+        "--save", "",
+        "--appendonly", "yes" if appendonly else "no",
+        "--appendfsync", "everysec",
+        "--maxmemory-policy", "noeviction",
+        *args,
+    ]
+
+
 class RedisServer:
     """One redis-server process in its own directory, on loopback only."""
 
@@ -63,17 +82,9 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> None:
         """Start the server and wait until it answers PING."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        command = [
-            find_redis_server(),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.directory),
-            "--save", "",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
-            "--maxmemory-policy", "noeviction",
-            *self.args,
-        ]
+        command = server_command(
+            self.directory, self.port, appendonly=self.appendonly, args=self.args
+        )
         # Its own session: a Ctrl-C at the terminal reaches the workers and
         # ``tokenq up``, which stop the server last, after workers published.
         self.process = subprocess.Popen(

@@ -35,7 +35,7 @@ from tokenq.shared.cli import run_command
 from tokenq.shared.settings import UpSettings, WorkerSettings, flag
 from tokenq.worker import logs
 from tokenq.worker.tooling.children import Child, Supervisor, describe_exit
-from tokenq.worker.tooling.embedded import find_redis_server, free_port
+from tokenq.worker.tooling.embedded import free_port, server_command
 from tokenq.worker.tooling.supervise import PER_CHILD_ENV
 
 log = logging.getLogger("tokenq.worker")
@@ -74,21 +74,8 @@ def worker_command(settings: UpSettings, redis_url: str, index: int,
 
 
 def redis_command(directory: Path, port: int) -> list[str]:
-    """The private redis-server: loopback only, AOF on (everysec), ``noeviction``.
-
-    The same settings as :class:`tokenq.worker.tooling.embedded.RedisServer` with
-    ``appendonly=True``; started here as a supervised child instead.
-    """
-    return [
-        find_redis_server(),
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--dir", str(directory),
-        "--save", "",
-        "--appendonly", "yes",
-        "--appendfsync", "everysec",
-        "--maxmemory-policy", "noeviction",
-    ]
+    """The private redis-server, AOF on; started here as a supervised child."""
+    return server_command(directory, port, appendonly=True)
 
 
 def up(settings: UpSettings, worker_flags: Sequence[str]) -> int:
