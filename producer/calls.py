@@ -84,7 +84,7 @@ class OutOfMemory(ErrorReply):
 # --------------------------------------------------------------------- steps
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)  # made per command: no frozen-init cost
 class Send:
     """Run one command: ``command`` names a method of redis-py's client, or :data:`ENQUEUE`.
 
@@ -152,7 +152,7 @@ Call = Generator[Step, Any, T]
 """A call in progress: yields steps, is sent their answers, returns the call's value."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)  # made per command: no frozen-init cost
 class Done(Generic[T]):
     """What :func:`resume` returns once the call returned ``value``."""
 

@@ -69,7 +69,14 @@ from tokenq.worker.pipeline.jobs import (
     dead_answer,
     decode_entries,
 )
-from tokenq.worker.pipeline.pipeline import Admit, BatchOutcome, Job, Pipeline, budget_for
+from tokenq.worker.pipeline.pipeline import (
+    Admit,
+    Admitted,
+    BatchOutcome,
+    Job,
+    Pipeline,
+    budget_for,
+)
 from tokenq.worker.publish import Publisher
 from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.server_check import check_server
@@ -518,19 +525,14 @@ class Worker:
         answers = list(decoded.answers)
         if not decoded.requests:
             return [], answers
-        read_ms = monotonic_ms()
-        items = [
-            Admit(entry_id, request, wire.deadline_of(request, entry_id), read_ms)
-            for entry_id, request in decoded.requests
-        ]
         claimed = sum(max(1, request.tokens) for _, request in decoded.requests)
         self._inflight_estimate += claimed
         try:
-            admitted = await asyncio.to_thread(self.pipeline.admit, items, now)
+            admitted = await asyncio.to_thread(self._admit, decoded.requests, monotonic_ms(), now)
         finally:
             self._inflight_estimate -= claimed
         answers += [answer_of(self.pipeline, outcome) for outcome in admitted.answered]
-        fields = dict(present)
+        fields = dict(present) if admitted.broken else {}
         answers += [
             dead_answer(
                 item.ref, fields[item.ref], ErrorCode.BAD_REQUEST,
@@ -542,6 +544,16 @@ class Worker:
         ]
         self._learn(decoded.requests, admitted.jobs, present)
         return admitted.jobs, answers
+
+    def _admit(
+        self, requests: list[tuple[bytes, wire.Request]], read_ms: float, now_epoch_ms: int
+    ) -> Admitted[bytes]:
+        """The pipeline's admission of one read (in a thread: it tokenizes)."""
+        items = [
+            Admit(entry_id, request, wire.deadline_of(request, entry_id), read_ms)
+            for entry_id, request in requests
+        ]
+        return self.pipeline.admit(items, now_epoch_ms)
 
     def _learn(
         self,

@@ -46,6 +46,10 @@ from tokenq.worker.pipeline.options import NO_OPTIONS, RequestOptions
 
 K = TypeVar("K")
 
+# Admit, Job and Outcome are made per request on the hot path, so they are
+# plain slotted classes: a frozen dataclass's __init__ costs a setattr call
+# per field. Nothing mutates them after construction.
+
 OverLength = Literal["truncate", "reject", "chunk"]
 """What happens to an input longer than the model takes (``--policy``)."""
 
@@ -73,7 +77,7 @@ class ChunkGroup:
         return combine_chunks(vectors, self.lengths, normalize)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Admit(Generic[K]):
     """One request offered to :meth:`Pipeline.admit`."""
 
@@ -85,7 +89,7 @@ class Admit(Generic[K]):
     """Monotonic ms it arrived (the packer's arrival time: linger and age count from it)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Job(Generic[K]):
     """A request (or one window of a chunked request) that is ready to be packed."""
 
@@ -99,7 +103,7 @@ class Job(Generic[K]):
     options: RequestOptions = NO_OPTIONS
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Outcome(Generic[K]):
     """A finished request: its result or why it failed, and the tokens it took."""
 
