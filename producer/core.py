@@ -150,6 +150,15 @@ Outcome = Result | RemoteError
 
 
 @dataclass(frozen=True, slots=True)
+class _Shared:
+    """The parts of a request that one call's options decide for all its requests."""
+
+    reply_to: str | None
+    timeout_ms: int | None
+    opts: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class Deadline:
     """When one call of a client gives up, and how it treats a Redis that is down.
 
@@ -395,6 +404,21 @@ class ClientCore:
         ``options`` are the caller's (:class:`~tokenq.producer.options.SubmitOptions`);
         ``reply_to`` defaults to the request's own reply key.
         """
+        return self._prepare(item, text_pair, index, self._shared(options, now_ms))
+
+    def _shared(self, options: SubmitOptions, now_ms: int) -> _Shared:
+        """What the options make of every request of one call (checked once per call)."""
+        reply_to = options.get("reply_to")
+        return _Shared(
+            reply_to=None if reply_to is None else self._reply_to(reply_to),
+            timeout_ms=self.timeout_ms(options.get("deadline_s"), options.get("deadline_ms"),
+                                       now_ms),
+            opts=self._opts(options),
+        )
+
+    def _prepare(
+        self, item: object, text_pair: object, index: int | None, shared: _Shared
+    ) -> Prepared:
         where = "text" if index is None else f"texts[{index}]"
         if isinstance(item, tuple) and index is not None:
             if len(item) != 2:
@@ -414,17 +438,15 @@ class ClientCore:
             estimating.check(self.queue.name, tokens=tokens, has_pair=pair is not None, where=where)
 
         request_id = self.new_id()
-        reply_to = options.get("reply_to")
-        target = self.reply_key(request_id) if reply_to is None else self._reply_to(reply_to)
-        deadline_s, deadline_ms = options.get("deadline_s"), options.get("deadline_ms")
+        target = self.reply_key(request_id) if shared.reply_to is None else shared.reply_to
         request = wire.Request(
             id=request_id,
             text=text,
             tokens=tokens,
             reply_to=target,
-            timeout_ms=self.timeout_ms(deadline_s, deadline_ms, now_ms),
+            timeout_ms=shared.timeout_ms,
             text_pair=pair,
-            opts=self._opts(options),
+            opts=shared.opts,
         )
         try:
             fields = wire.encode_request(request)
@@ -449,9 +471,10 @@ class ClientCore:
             raise BadRequest(
                 f"texts must be a sequence of strings, got {type(texts).__name__}"
             ) from None
-        return [
-            self.prepare(item, now_ms=now_ms, index=i, **options) for i, item in enumerate(items)
-        ]
+        if not items:
+            return []
+        shared = self._shared(options, now_ms)
+        return [self._prepare(item, None, i, shared) for i, item in enumerate(items)]
 
     def _text(self, value: object, where: str) -> str:
         """``value`` if the worker would take it as a text (the wire's own check)."""
