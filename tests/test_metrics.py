@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -38,6 +39,22 @@ def scrape(port: int) -> dict[str, dict[tuple, float]]:
     return samples
 
 
+def settled_scrape(port: int, queue: str, answered: int) -> dict[str, dict[tuple, float]]:
+    """A scrape once the worker has counted ``answered`` replies.
+
+    A reply is counted when its publish returns, which may be a moment after
+    the caller already popped it; so wait (bounded) for the count, not a sleep.
+    """
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape(port)
+        counted = sum(value for labels, value in samples.get("tokenq_requests_total", {}).items()
+                      if ("queue", queue) in labels)
+        if counted >= answered or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.05)
+
+
 def only(samples: dict[str, dict[tuple, float]], name: str, **labels: str) -> float:
     matches = [value for key, value in samples[name].items()
                if labels.items() <= dict(key).items()]
@@ -54,7 +71,7 @@ def test_metrics_endpoint_after_a_run(sim_worker, redis_url, queue_name):
         results = client.infer_many([*texts, f"poison {SIM_FAIL_MARKER}"], timeout_s=30,
                                     return_exceptions=True)
     assert sum(not isinstance(r, Exception) for r in results) == 60
-    samples = scrape(port)
+    samples = settled_scrape(port, queue_name, answered=61)
     names = {family.name for family in text_string_to_metric_families(
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode())}
     assert names >= DOCUMENTED, DOCUMENTED - names
