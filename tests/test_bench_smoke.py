@@ -75,6 +75,18 @@ def scale_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return results
 
 
+def test_producer(tmp_path: Path) -> None:
+    result = run_suite("producer", tmp_path)
+    rows = {row["setting"]: row for row in result["rows"]}
+    assert {"estimate, all", "estimate, ascii", "estimate, mixed scripts"} <= set(rows)
+    assert rows["estimate, all"]["texts"] == sum(
+        rows[name]["texts"] for name in ("estimate, ascii", "estimate, mixed scripts")
+    )
+    assert all(row["us_per_text"] > 0 for name, row in rows.items() if name.startswith("est"))
+    (submit,) = [row for name, row in rows.items() if name.startswith("submit_many")]
+    assert submit["requests_per_s"] > 0 and submit["texts"] == rows["estimate, all"]["texts"]
+
+
 def test_scale(scale_results: Path) -> None:
     result = json.loads((scale_results / "scale.json").read_text())
     assert [row["workers"] for row in result["rows"]] == [1, 2]

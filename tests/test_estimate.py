@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import time
+import unicodedata
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from tokenq.producer import estimate as est
 from tokenq.producer import estimate_tokens
 from tokenq.producer.estimate import SPECIAL_TOKENS, SPECIAL_TOKENS_PAIR
 
@@ -87,3 +91,62 @@ def test_close_to_a_real_wordpiece_tokenizer() -> None:
     for text in (ENGLISH, CHINESE, "Call 555-1234 in 2024, isn't it?", "Le café est très bon."):
         exact = len(tokenizer.encode(text).ids)
         assert 0.75 * exact <= estimate_tokens(text) <= 1.33 * exact, text
+
+
+# ------------------------------------------------- the counted rules, word by word
+
+def _rules_word_by_word(text: str) -> int:
+    """The module docstring's rules applied one word at a time: the plain reading of
+    them, against which the counting shortcuts (an ASCII path, word lengths counted
+    in C) must agree exactly."""
+    cjk = len(est._CJK.findall(text))
+    text = est._CJK.sub(" ", text) if cjk else text
+    tokens = cjk
+    for word in est._LETTERS.findall(text):
+        if len(word) > est._MAX_WORD_CHARS:
+            tokens += 1
+            continue
+        latin = word.isascii() or est._NOT_LATIN.search(word) is None
+        tokens += 1 + (len(word) - 1) // (est._LATIN_PIECE if latin else est._OTHER_PIECE)
+    for number in est._DIGITS.findall(text):
+        long = len(number) > est._MAX_WORD_CHARS
+        tokens += 1 if long else 1 + (len(number) - 1) // est._DIGIT_PIECE
+    tokens += len(est._ASCII_PUNCT.findall(text))
+    return tokens + sum(_symbol_run(run) for run in est._NON_ASCII_OTHER.findall(text))
+
+
+def _symbol_run(run: str) -> int:
+    """A run of non-ASCII punctuation, symbols and invisible characters: punctuation is
+    split off one by one, control and format characters vanish, the rest glues into one."""
+    tokens = 0
+    glued = False
+    for char in run:
+        kind = unicodedata.category(char)[0]
+        if kind == "P":
+            tokens += 1
+            glued = False
+        elif kind != "C" and not glued:
+            tokens += 1
+            glued = True
+    return tokens
+
+
+PIECES = st.sampled_from([
+    "a", "token", "tokenization", "x" * 7, "y" * 14, "z" * 101, "7", "2024", "12345678",
+    "9" * 120, " ", "  ", "\n", ",", "-", "_", "é", "café", "naïve", "e\u0301", "Привет",
+    "мир", "αβγ", "日本", "語", "한국어", "😀", "😀😀", "—", "“", "”", "╭─╮", "\u200d", "\u0301",
+    "שלום", "مرحبا", "नमस्ते", "ไทย", "x1y2", "a_b", "，", "。", "、", "「", "」", "！", "·",
+    "¿", "«", "\u3000", "々", "〒", "Ａ", "½", "²", "\x07", "\t",
+])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(PIECES, max_size=40).map("".join))
+def test_the_shortcuts_count_exactly_what_the_rules_say(text: str) -> None:
+    assert est._count(text) == _rules_word_by_word(text)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=200))
+def test_the_shortcuts_agree_on_any_text(text: str) -> None:
+    assert est._count(text) == _rules_word_by_word(text)

@@ -11,8 +11,10 @@ How the baseline runs without being installed: REV is checked out with
 folders is put first on ``PYTHONPATH``. ``tokenq`` is a namespace package, so
 the overlay's portions are found before the editable install's finder, and the
 worker processes a suite starts inherit the variable. The baseline runs its
-*own* ``scripts/bench/run.py`` (its suites and harness as they were); the
-current side runs this working tree's, with the environment as it is. Before
+*own* ``scripts/bench/run.py`` (its suites and harness as they were), unless
+the suite is newer than REV: then it runs this tree's suite on REV's package
+(said in the notes). The current side runs this working tree's, with the
+environment as it is. Before
 the first round, each side's environment is asked where ``tokenq`` resolves
 and the comparison stops if a side would import the other's tree. The
 worktree is removed at the end, on error and on Ctrl-C or SIGTERM too.
@@ -371,9 +373,14 @@ def compare_suite(suite: str, rev: str, rounds: int, size: str, json_path: Path 
     commit = resolve_commit(rev)
     started = time.perf_counter()
     runs: dict[str, list[Result]] = {"baseline": [], "current": []}
+    borrowed = False
     with sigterm_unwinds(), baseline_tree(commit) as (tree, overlay):
+        baseline_run = tree / "scripts" / "bench" / "run.py"
+        if not (baseline_run.parent / f"suite_{suite}.py").exists():
+            # A suite newer than REV: this tree's suite, on REV's package.
+            baseline_run, borrowed = BENCH_DIR / "run.py", True
         sides = {
-            "baseline": (tree / "scripts" / "bench" / "run.py", side_env(overlay), tree),
+            "baseline": (baseline_run, side_env(overlay), tree),
             "current": (BENCH_DIR / "run.py", side_env(None), REPO_ROOT),
         }
         for label, (_, env, root) in sides.items():
@@ -393,6 +400,9 @@ def compare_suite(suite: str, rev: str, rounds: int, size: str, json_path: Path 
         f"ratio = current / baseline, medians of {rounds} round(s) each, run interleaved",
         *unmatched(runs["baseline"], runs["current"]),
     ]
+    if borrowed:
+        notes.append(f"the suite is newer than {rev}: both sides ran this tree's suite; "
+                     f"the baseline side imported {rev}'s tokenq")
     record = {
         "suite": suite,
         "size": size,

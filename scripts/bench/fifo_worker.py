@@ -90,22 +90,31 @@ class FifoWorker:
         publisher = threading.Thread(target=self.publish_loop, name="publish")
         reader.start()
         publisher.start()
-        self.run_loop()
-        publisher.join()
-        reader.join()
-        self.client.delete(alive)
-        if self.log:
-            self.log.close()
-        stats = os.environ.get("BENCH_SIM_STATS")
-        if stats:
-            from sim_probe import sim_counters
+        try:
+            self.run_loop()
+            publisher.join()
+            reader.join()
+            self.client.delete(alive)
+        finally:
+            # Written whatever happened, so a benchmark never reads a missing figure.
+            if self.log:
+                self.log.close()
+            stats = os.environ.get("BENCH_SIM_STATS")
+            if stats:
+                from sim_probe import sim_counters
 
-            Path(stats).write_text(json.dumps(sim_counters(self.backend)))
+                Path(stats).write_text(json.dumps(sim_counters(self.backend)))
 
     # -------------------------------------------------------------------- read
 
     def read_loop(self) -> None:
         """Gather the next ``batch_size`` entries in stream order, tokenize, hand over."""
+        try:
+            self._read()
+        finally:  # a reader that dies must not leave the run loop waiting forever
+            self.batches.put(None)
+
+    def _read(self) -> None:
         size, linger_s = self.args.batch_size, self.args.linger_ms / 1000.0
         pending: list = []
         first_at = 0.0
@@ -129,7 +138,6 @@ class FifoWorker:
             ):
                 self.batches.put(self.tokenize(pending))
                 pending = []
-        self.batches.put(None)
 
     def tokenize(self, entries: list) -> list:
         jobs = []
@@ -148,6 +156,12 @@ class FifoWorker:
 
     def run_loop(self) -> None:
         """Run each batch exactly as read; an OOM fails every request in it."""
+        try:
+            self._run()
+        finally:  # likewise for the publisher
+            self.answers.put(None)
+
+    def _run(self) -> None:
         while (jobs := self.batches.get()) is not None:
             encodings = [encoding for _, _, encoding in jobs]
             started = time.perf_counter()
@@ -169,7 +183,6 @@ class FifoWorker:
                 answers.append((entry_id, request.reply_to, wire.encode_reply(reply)))
             self.record(encodings, device_ms, failed=len(jobs) if error else 0)
             self.answers.put(answers)
-        self.answers.put(None)
 
     def record(self, encodings: list, device_ms: float, failed: int) -> None:
         if self.log is None or not encodings:

@@ -7,6 +7,7 @@ Suites (docs/BENCHMARKS.md has the latest figures and how to read them):
   overhead  null backend: tokenq's own cost per request vs redis-benchmark ceilings
   scale     1, 2, 4, 8 sim workers with a sleep-bound device: throughput vs N
   latency   open-loop Poisson load at fractions of measured capacity: p50/p99
+  producer  the producer's own cost on the seed mix: estimate per text, submit_many rate
   plots     draw docs/img/*.png from the JSON results (--results DIR)
   all       every suite above, JSON into --results DIR, then the plots
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(BENCH_DIR))
 import compare  # noqa: E402  (the folder is not a package; see module docstring)
 import harness  # noqa: E402
 
-SUITES = ("seed", "real", "overhead", "scale", "latency")
+SUITES = ("seed", "real", "overhead", "scale", "latency", "producer")
 DEFAULT_RESULTS = BENCH_DIR / "results"
 DEFAULT_IMAGES = BENCH_DIR.parent.parent / "docs" / "img"
 
