@@ -6,3 +6,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m pytest "$@"
+# The worker extra brings hiredis, so the run above read replies with it. A
+# producer installed without extras uses redis-py's Python parser: its tests
+# (the caller-deadline guarantees above all) run again on that parser.
+if .venv/bin/python -c "import hiredis" 2>/dev/null; then
+    HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -p tests.pure_python_parser "$@" \
+        tests/test_reply_parser.py tests/test_caller_deadlines.py tests/test_producer.py \
+        tests/test_producer_async.py tests/test_producer_calls.py tests/test_producer_core.py
+fi
