@@ -217,9 +217,6 @@ class Client(ProducerBase):
             with connection.for_caller(step.deadline):
                 return self._command(step.command)(*step.args, **step.kwargs)
         match step:
-            case calls.Send(command, args, kwargs, deadline):
-                with connection.for_caller(deadline):
-                    return self._command(command)(*args, **kwargs)
             case calls.Sleep(seconds):
                 time.sleep(seconds)
             case calls.ShareConfigRead(deadline):

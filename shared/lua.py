@@ -87,9 +87,10 @@ def _expand(source: str, *, splice: bool) -> tuple[str, list[str]]:
             continue
         if not line.endswith("\n"):
             out[-1] = line + "\n"
-        out.append(fragment(name))
+        text = fragment(name)
+        out.append(text)
         if close is not None:  # a copy: keep its markers, refresh what is between them
-            if "".join(lines[at:close]) != fragment(name):
+            if "".join(lines[at:close]) != text:
                 stale.append(name)
             out.append(lines[close])
             at = close + 1

@@ -494,12 +494,10 @@ class Worker:
                 return
             entry_id, fields = present[0]
             log.exception("entry %r could not be taken; dead-lettering it", entry_id)
-            jobs, answers = [], [dead_answer(
-                entry_id, fields, ErrorCode.BAD_REQUEST,
-                f"the worker could not take this entry: {type(exc).__name__}: {exc}"[:1000],
-                policy=self._dead_letters, deliveries=deliveries.get(entry_id, 1),
-                now_epoch_ms=self._clock.now_ms(),
-            )]
+            why = f"{type(exc).__name__}: {exc}"
+            jobs, answers = [], [
+                self._untakable(entry_id, fields, why, deliveries, self._clock.now_ms())
+            ]
         for job in jobs:
             self.packer.add(job.encoding.length, job.arrived_ms, job)
         if answers:
@@ -534,16 +532,23 @@ class Worker:
         answers += [answer_of(self.pipeline, outcome) for outcome in admitted.answered]
         fields = dict(present) if admitted.broken else {}
         answers += [
-            dead_answer(
-                item.ref, fields[item.ref], ErrorCode.BAD_REQUEST,
-                f"the worker could not take this entry: {why}",
-                policy=self._dead_letters, deliveries=deliveries.get(item.ref, 1),
-                now_epoch_ms=now,
-            )
+            self._untakable(item.ref, fields[item.ref], why, deliveries, now)
             for item, why in admitted.broken
         ]
         self._learn(decoded.requests, admitted.jobs, present)
         return admitted.jobs, answers
+
+    def _untakable(
+        self, entry_id: bytes, fields: dict[bytes, bytes], why: str,
+        deliveries: dict[bytes, int], now_epoch_ms: int,
+    ) -> Answer:
+        """The dead letter of an entry the worker could not take, saying why."""
+        return dead_answer(
+            entry_id, fields, ErrorCode.BAD_REQUEST,
+            f"the worker could not take this entry: {why}"[:1000],
+            policy=self._dead_letters, deliveries=deliveries.get(entry_id, 1),
+            now_epoch_ms=now_epoch_ms,
+        )
 
     def _admit(
         self, requests: list[tuple[bytes, wire.Request]], read_ms: float, now_epoch_ms: int

@@ -249,7 +249,7 @@ class Batcher:
         validate_text(text, f"text{where}", self.max_request_bytes)
         if text_pair is not None:
             # The same refusal the Redis worker answers with, raised up front.
-            why = self._pipeline.refusal(_request("", "", "pair"))
+            why = self._pipeline.pair_refusal()
             if why is not None:
                 raise BadRequest(f"text_pair{where}: {why}")
             validate_text(text_pair, f"text_pair{where}", self.max_request_bytes)

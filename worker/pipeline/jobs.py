@@ -9,6 +9,7 @@ turns the pipeline's outcomes into :class:`Answer` bytes for
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -96,9 +97,8 @@ def dead_answer(
     death = dead_letter.Death(code.value, message, policy.worker, deliveries, now_epoch_ms,
                               entry_id.decode())
     record = dead_letter.encode_letter(fields, death, max_bytes=policy.max_letter_bytes)
-    reply = wire.error_reply(request_id, code.value, message)
-    return Answer(entry_id, reply_to, wire.encode_reply(reply), ok=False, dead_fields=record,
-                  code=code.value)
+    answer = error_answer(entry_id, request_id, reply_to, code, message)
+    return dataclasses.replace(answer, dead_fields=record)
 
 
 @dataclass(slots=True)

@@ -142,7 +142,6 @@ class BatchOutcome(Generic[K]):
     """Every ``backend.run`` that raised (the batch was split, or a row failed)."""
     device_ms: float
     """Wall time on the device (0 when every job had expired)."""
-    expired: int
 
     @property
     def ooms(self) -> list[FailedRun]:
@@ -195,25 +194,25 @@ class Pipeline(Generic[K]):
         self.info = info
         self.policy: OverLength = policy
         self.chunk_overlap = chunk_overlap
+        if policy not in ("truncate", "reject", "chunk"):
+            raise ConfigError(f"policy must be truncate, reject or chunk, got {policy!r}")
         self._windowing = windowing_of(backend) if info.embeds else None
         if policy == "chunk" and self._windowing is None:
             raise ConfigError(
                 f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
                 f"{info.name} ({info.model}, task {info.task}) cannot: use truncate or reject"
             )
-        if policy not in ("truncate", "reject", "chunk"):
-            raise ConfigError(f"policy must be truncate, reject or chunk, got {policy!r}")
 
     # ------------------------------------------------------------------ admit
 
-    def refusal(self, request: wire.Request) -> str | None:
-        """Why this queue's model cannot take the request as it is, or None."""
-        if request.text_pair is not None and not self.info.pairs:
-            return (
-                f"this queue's model ({self.info.model}) takes single texts, "
-                "but the request carries a text_pair"
-            )
-        return None
+    def pair_refusal(self) -> str | None:
+        """Why this model cannot take a (text, text_pair) request, or None when it can."""
+        if self.info.pairs:
+            return None
+        return (
+            f"this queue's model ({self.info.model}) takes single texts, "
+            "but the request carries a text_pair"
+        )
 
     def admit(self, items: Sequence[Admit[K]], now_epoch_ms: int) -> Admitted[K]:
         """Jobs for the requests worth running; an answer now for the rest.
@@ -234,7 +233,7 @@ class Pipeline(Generic[K]):
                     f"deadline passed {late} ms before the request could run",
                 ))
                 continue
-            why = self.refusal(item.request) if item.request.text_pair is not None else None
+            why = self.pair_refusal() if item.request.text_pair is not None else None
             if why is not None:
                 out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, why))
                 continue
@@ -335,7 +334,7 @@ class Pipeline(Generic[K]):
             )
             device_ms = (time.perf_counter() - started) * 1000.0
             answered += self.settle(live, results)
-        return BatchOutcome(answered, failed_runs, device_ms, expired=len(expired))
+        return BatchOutcome(answered, failed_runs, device_ms)
 
     def settle(self, jobs: Sequence[Job[K]],
                results: Sequence[np.ndarray | Failure]) -> list[Outcome[K]]:
