@@ -43,13 +43,15 @@ and reranking models use) does to text, calibrated against
   ``[SEP]``, so 3.
 
 How it counts, fast: no Python code runs per word, only per distinct word
-length (a ``Counter`` over lengths, in C). ASCII text is counted on its
+length (a ``Counter`` over lengths, in C), except that a text with letters of
+non-Latin scripts sorts its words into Latin and other in Python. ASCII text is counted on its
 bytes (``translate`` and ``split``); text of ASCII, CJK and punctuation
 likewise once the CJK and punctuation are counted and blanked; any other
 text is first mapped to a string of one-letter character classes (one
 ``str.translate`` through a cached table) and counted on that. So an English
-1,500-token passage costs about 80 us and a mixed Chinese-English one of
-4,000 characters about 50 us (docs/ESTIMATES.md). The rules themselves are
+1,500-token passage costs about 80 us, a Chinese-English text of 3,000
+characters about 50 us, and a text off those paths about 40 ns a character
+(docs/ESTIMATES.md). The rules themselves are
 checked word by word against these shortcuts in the tests. A caller whose
 model tokenizes very differently (a SentencePiece model, a byte-level BPE)
 plugs its own estimator into the client.
