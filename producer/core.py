@@ -156,6 +156,7 @@ class _Shared:
     reply_to: str | None
     timeout_ms: int | None
     opts: Mapping[str, Any]
+    priority: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,6 +415,7 @@ class ClientCore:
             timeout_ms=self.timeout_ms(options.get("deadline_s"), options.get("deadline_ms"),
                                        now_ms),
             opts=self._opts(options),
+            priority=wire.validate_priority(options.get("priority")),
         )
 
     def _prepare(
@@ -447,6 +449,7 @@ class ClientCore:
             timeout_ms=shared.timeout_ms,
             text_pair=pair,
             opts=shared.opts,
+            priority=shared.priority,
         )
         try:
             fields = wire.encode_request(request)
@@ -717,3 +720,4 @@ class ClientCore:
                 if isinstance(item, Exception):
                     raise item
         return ordered
+

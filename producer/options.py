@@ -44,6 +44,9 @@ class RequestOptions(WorkerOptions, total=False):
     """The same as an absolute epoch-milliseconds time, converted with this machine's clock."""
     opts: Mapping[str, Any] | None
     """The request's ``opts`` map as is: string keys, msgpack-encodable values."""
+    priority: int | None
+    """Scheduling class from 0 (the default) to 9: a worker puts a higher class into its
+    next batch first, and lower classes age into the front (docs/PROTOCOL.md)."""
 
 
 class SubmitOptions(RequestOptions, total=False):

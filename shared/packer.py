@@ -1,32 +1,54 @@
 """Every batching decision tokenq makes lives in this module.
 
 The packer is sans-I/O: it holds the worker's buffer of requests (each with its
-exact token length and the time it arrived), and when asked for a batch it
-returns one or nothing. It never reads a clock, never awaits, never touches
-Redis; the caller passes ``now_ms``. That makes every rule below testable with
-hypothesis.
+exact token length, the time it arrived and its priority), and when asked for
+a batch it returns one or nothing. It never reads a clock, never awaits, never
+touches Redis; the caller passes ``now_ms`` and reports how long each batch
+took. That makes every rule below testable with hypothesis.
 
 Rules (the packer's part of docs/ARCHITECTURE.md, in full):
 
-1. The oldest request always goes into the next batch, so nothing starves.
-2. The rest of the batch is filled from the neighbours of the oldest request
-   in a length-sorted view of the buffer, always taking the neighbour that adds
-   the least padding; so similar lengths ride together without fixed buckets.
-3. A candidate that would add more padding than ``max_padding_ratio`` times
-   its own length is left for a later batch of its own kind (a 20-token query
-   does not ride in a batch padded to 1,500, nor a passage join 30 queries):
-   mixing them costs the device more than running them apart.
-4. A batch is *sealed* when the next candidate would break the token budget or
-   the row limit. Cost is ``rows x longest`` for a padded model and the sum of
-   lengths for a ragged (varlen) one.
-5. The packer is only asked for a batch when the device is idle. A batch that
-   is not sealed (the buffer ran out before the budget did) is held back until
-   ``linger_ms`` after its oldest request arrived, hoping for company; a
+1. **Line.** Requests stand in line by *virtual arrival*: arrival time minus
+   ``priority x aging_ms``. A request of priority 1 stands as if it had come
+   ``aging_ms`` earlier than it did, so it goes before priority-0 requests
+   that arrived less than ``aging_ms`` before it, and after older ones: a
+   higher class goes first, a lower class ages into the front, nothing
+   starves. With every priority 0 (the default) the line is arrival order.
+2. **Anchor.** A batch is built around one request, its anchor, filled from
+   the anchor's neighbours in a length-sorted view of the buffer, always
+   taking the neighbour that adds the least padding; so similar lengths ride
+   together without fixed buckets.
+3. **Padding guard.** A candidate that would add more padding than
+   ``max_padding_ratio`` times its own length is left for a later batch of its
+   own kind (a 20-token query does not ride in a batch padded to 1,500, nor a
+   passage join 30 queries): mixing them costs the device more than running
+   them apart.
+4. **Seal.** A batch is *sealed* when the next candidate would break the token
+   budget or the row limit. Cost is ``rows x longest`` for a padded model and
+   the sum of lengths for a ragged (varlen) one. With ``max_batch_ms`` set, the
+   budget is also capped at the cost the learned time model (:class:`BatchTimer`)
+   says runs within that many milliseconds, so no batch is planned to hold the
+   device longer while other work waits.
+5. **Linger.** The packer is only asked for a batch when the device is idle. A
+   batch that is not sealed (the buffer ran out before the budget did) is held
+   back until ``linger_ms`` after its anchor arrived, hoping for company; a
    sealed batch goes at once. While the device is busy nobody asks, so input
    accumulates and the next batch is full.
-6. A request whose length alone breaks the budget goes alone (the worker
-   refuses budgets below the model's maximum input length, so this only
-   happens after an out-of-memory error has lowered the budget).
+6. **Choice.** The next batch is the one anchored at the head of the line,
+   except that another batch may go first when it is anchored at a request of
+   the same or a higher priority and either
+   (a) the head's batch is still lingering and the other one is sealed (the
+   device never idles while a full batch waits), or
+   (b) both are ready and the other has the higher *response ratio*
+   ``(wait + estimate) / estimate`` (wait counted from the virtual arrival,
+   estimate from the time model): a cheap batch of short requests does not
+   wait long behind an expensive one, and every wait grows until it wins.
+   Rule (b) never passes over a head that has waited ``aging_ms`` or more:
+   that head goes in the next batch. This is the aging bound.
+7. **Oversize.** A request whose length alone breaks the budget goes alone
+   (the worker refuses budgets below the model's maximum input length, so this
+   only happens after an out-of-memory error has lowered the budget, or under a
+   ``max_batch_ms`` cap).
 """
 
 from __future__ import annotations
@@ -34,9 +56,11 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Generic, TypeVar
+
+from tokenq.shared import wire
 
 T = TypeVar("T")
 
@@ -74,14 +98,29 @@ class Budget:
         )
 
 
+DEFAULT_AGING_MS = 1000.0
+"""How much earlier each priority class stands in line, and the wait after which the
+head of the line is never passed over (rules 1 and 6)."""
+
+MAX_PRIORITY = wire.MAX_PRIORITY
+"""Priorities run from 0 (the default) to this (the wire format's limit)."""
+
+_CANDIDATES = 3
+"""Batches weighed against each other per pick: the head's and up to two others."""
+
+_CANDIDATE_SCAN = 64
+"""How far down the line the packer looks for other anchors (a bound on pick cost)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Item(Generic[T]):
-    """One buffered request: its exact token length, arrival time and payload."""
+    """One buffered request: its exact token length, arrival time, priority and payload."""
 
     length: int
     arrived_ms: float
     payload: T
     seq: int = field(default=-1, compare=False)
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,34 +155,109 @@ class Batch(Generic[T]):
         return [item.payload for item in self.items]
 
 
+class BatchTimer:
+    """How long a batch of a given cost runs on this device, learned from the batches that ran.
+
+    A straight line ``ms = fixed + per_token x cost``, fitted by least squares
+    with exponential forgetting (each new batch weighs ``1 / (1 - decay)``
+    batches' worth), so it follows a device that warms up or is shared. Until
+    ``min_batches`` have been seen it answers from a prior (1 ms + 1 µs per
+    token) and :meth:`cost_within` declines to cap anything.
+    """
+
+    def __init__(self, *, decay: float = 0.95, min_batches: int = 8) -> None:
+        if not 0 < decay < 1:
+            raise ValueError(f"decay must be in (0, 1), got {decay}")
+        self.decay = decay
+        self.min_batches = min_batches
+        self.batches = 0
+        self.fixed_ms = 1.0
+        self.per_token_ms = 0.001
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy
+
+    def observe(self, cost: int, ms: float) -> None:
+        """One batch of ``cost`` tokens took ``ms`` milliseconds."""
+        if cost < 1 or not ms >= 0 or ms == float("inf"):
+            return
+        sums = [value * self.decay for value in self._sums]
+        for index, value in enumerate((1.0, cost, ms, cost * cost, cost * ms)):
+            sums[index] += value
+        self._sums = sums
+        self.batches += 1
+        weight, x, y, xx, xy = sums
+        mean_x, mean_y = x / weight, y / weight
+        spread = xx / weight - mean_x * mean_x
+        if spread > 1e-9 * max(1.0, mean_x * mean_x):
+            slope = (xy / weight - mean_x * mean_y) / spread
+            if slope > 0:
+                self.per_token_ms = slope
+                self.fixed_ms = max(0.0, mean_y - slope * mean_x)
+                return
+        # Every batch the same size (or time falling with cost): proportional fit.
+        self.per_token_ms = max(mean_y, 1e-6) / max(mean_x, 1.0)
+        self.fixed_ms = 0.0
+
+    @property
+    def learned(self) -> bool:
+        return self.batches >= self.min_batches
+
+    def estimate_ms(self, cost: int) -> float:
+        return self.fixed_ms + self.per_token_ms * cost
+
+    def cost_within(self, ms: float) -> int | None:
+        """The largest cost expected to run within ``ms``; None until learned."""
+        if not self.learned:
+            return None
+        return max(1, int((ms - self.fixed_ms) / self.per_token_ms))
+
+
 class Packer(Generic[T]):
     """A buffer of requests that hands out token-budgeted batches."""
 
     def __init__(
-        self, budget: Budget, linger_ms: float = 0.0, *, max_padding_ratio: float = 1.0
+        self,
+        budget: Budget,
+        linger_ms: float = 0.0,
+        *,
+        max_padding_ratio: float = 1.0,
+        aging_ms: float = DEFAULT_AGING_MS,
+        max_batch_ms: float | None = None,
+        timer: BatchTimer | None = None,
     ) -> None:
         if linger_ms < 0:
             raise ValueError(f"linger_ms must be >= 0, got {linger_ms}")
         if max_padding_ratio < 0:
             raise ValueError(f"max_padding_ratio must be >= 0, got {max_padding_ratio}")
+        if not aging_ms > 0:
+            raise ValueError(f"aging_ms must be > 0, got {aging_ms}")
+        if max_batch_ms is not None and not max_batch_ms > 0:
+            raise ValueError(f"max_batch_ms must be > 0, got {max_batch_ms}")
         self.budget = budget
         self.linger_ms = float(linger_ms)
         self.max_padding_ratio = float(max_padding_ratio)
+        self.aging_ms = float(aging_ms)
+        self.max_batch_ms = max_batch_ms
+        self.timer = timer if timer is not None else BatchTimer()
         self._items: dict[int, Item[T]] = {}
         self._by_length: list[tuple[int, int]] = []  # (length, seq), ascending
+        self._line: list[tuple[float, int]] = []  # (virtual arrival, seq), ascending
         self._seq = itertools.count()
         self._tokens = 0
 
     # ------------------------------------------------------------------ buffer
 
-    def add(self, length: int, arrived_ms: float, payload: T) -> Item[T]:
+    def add(self, length: int, arrived_ms: float, payload: T, priority: int = 0) -> Item[T]:
         """Buffer one request whose exact token length is known."""
         if length < 1:
             raise ValueError(f"length must be >= 1, got {length}")
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be from 0 to {MAX_PRIORITY}, got {priority}")
         seq = next(self._seq)
-        item = Item(length=length, arrived_ms=arrived_ms, payload=payload, seq=seq)
+        item = Item(length=length, arrived_ms=arrived_ms, payload=payload, seq=seq,
+                    priority=priority)
         self._items[seq] = item
         bisect.insort(self._by_length, (length, seq))
+        bisect.insort(self._line, (self.virtual_arrival(item), seq))
         self._tokens += length
         return item
 
@@ -165,15 +279,22 @@ class Packer(Generic[T]):
         """Sum of the exact lengths of everything buffered."""
         return self._tokens
 
-    def oldest(self) -> Item[T] | None:
-        if not self._items:
-            return None
-        return min(self._items.values(), key=lambda item: (item.arrived_ms, item.seq))
+    def virtual_arrival(self, item: Item[T]) -> float:
+        """Where ``item`` stands in line (rule 1): arrival less ``priority x aging_ms``."""
+        return item.arrived_ms - item.priority * self.aging_ms
+
+    def head(self) -> Item[T] | None:
+        """The request at the head of the line (earliest virtual arrival, then first added)."""
+        return self._items[self._line[0][1]] if self._line else None
 
     def ready_at(self) -> float | None:
-        """When an unsealed batch stops lingering (ms), or None with an empty buffer."""
-        oldest = self.oldest()
-        return None if oldest is None else oldest.arrived_ms + self.linger_ms
+        """When the head's unsealed batch stops lingering (ms), or None with an empty buffer."""
+        head = self.head()
+        return None if head is None else head.arrived_ms + self.linger_ms
+
+    def observe(self, cost: int, ms: float) -> None:
+        """A batch of ``cost`` tokens took ``ms`` on the device (feeds the time model)."""
+        self.timer.observe(cost, ms)
 
     # ----------------------------------------------------------------- batching
 
@@ -182,10 +303,8 @@ class Packer(Generic[T]):
 
         ``flush`` skips the linger (used when draining on shutdown).
         """
-        batch = self.peek(now_ms)
+        batch = self._choose(now_ms, flush)
         if batch is None:
-            return None
-        if not (batch.sealed or flush or now_ms >= batch.items[0].arrived_ms + self.linger_ms):
             return None
         for item in batch.items:
             self._discard(item)
@@ -196,64 +315,140 @@ class Packer(Generic[T]):
         )
 
     def peek(self, now_ms: float) -> Batch[T] | None:
-        """The batch the packer would send now, without removing it.
+        """The head's batch (rules 2-4), without removing it; ready or not.
 
-        ``items[0]`` is the oldest request (the anchor); the caller's linger
-        check reads its arrival time.
+        ``items[0]`` is the head (the anchor); the caller's linger check reads
+        its arrival time.
         """
-        del now_ms  # the choice does not depend on time; kept for symmetry
-        anchor = self.oldest()
-        if anchor is None:
+        del now_ms  # the head's batch does not depend on time; kept for symmetry
+        head = self.head()
+        return None if head is None else self._build(head, self._budget_now())
+
+    def _choose(self, now_ms: float, flush: bool) -> Batch[T] | None:
+        """Rule 6: the head's batch, or another one that may go before it."""
+        head = self.head()
+        if head is None:
             return None
+        budget = self._budget_now()
+        first = self._build(head, budget)
+        head_ready = self._ready(first, now_ms, flush)
+        if head_ready and now_ms - head.arrived_ms >= self.aging_ms:
+            return first  # the aging bound: a head this old is never passed over
+        others = self._other_candidates(first, budget)
+        if not head_ready:
+            sealed = [batch for batch in others if batch.sealed]
+            return max(sealed, key=lambda b: self._ratio(b, now_ms), default=None)
+        ready = [first, *(batch for batch in others if self._ready(batch, now_ms, flush))]
+        return max(ready, key=lambda b: self._ratio(b, now_ms))  # ties keep the head's
+
+    def _other_candidates(self, first: Batch[T], budget: Budget) -> list[Batch[T]]:
+        """Batches anchored further down the line, at requests of the head's priority or more.
+
+        An anchor whose length lies within a batch already built is skipped:
+        it is of that batch's kind and was left out only by the budget or the
+        row limit, so a batch around it would cost about the same and weigh
+        nothing new (and uniform traffic costs one build per pick, not three).
+        """
+        head = first.items[0]
+        spans = [_span(first)]
+        found: list[Batch[T]] = []
+        for _, seq in itertools.islice(self._line, 1, _CANDIDATE_SCAN):
+            if len(found) >= _CANDIDATES - 1:
+                break
+            item = self._items[seq]
+            if item.priority < head.priority or any(
+                low <= item.length <= high for low, high in spans
+            ):
+                continue
+            batch = self._build(item, budget)
+            spans.append(_span(batch))
+            found.append(batch)
+        return found
+
+    def _ready(self, batch: Batch[T], now_ms: float, flush: bool) -> bool:
+        return batch.sealed or flush or now_ms >= batch.items[0].arrived_ms + self.linger_ms
+
+    def _ratio(self, batch: Batch[T], now_ms: float) -> float:
+        """Response ratio: (wait + estimated run time) / estimated run time."""
+        estimate = max(self.timer.estimate_ms(batch.cost), 1e-3)
+        waited = max(0.0, now_ms - self.virtual_arrival(batch.items[0]))
+        return (waited + estimate) / estimate
+
+    def _budget_now(self) -> Budget:
+        """The budget, capped by ``max_batch_ms`` once the time model has learned (rule 4)."""
+        if self.max_batch_ms is None:
+            return self.budget
+        cap = self.timer.cost_within(self.max_batch_ms)
+        if cap is None or cap >= self.budget.max_batch_tokens:
+            return self.budget
+        return replace(self.budget, max_batch_tokens=cap)
+
+    def _build(self, anchor: Item[T], budget: Budget) -> Batch[T]:
+        """Rules 2-4 and 7: the batch around ``anchor``; ``items[0]`` is the anchor.
+
+        Written as one flat loop (it runs per row of every candidate batch):
+        below the anchor in length order every candidate is at most the
+        longest row so far, above it at least, so the padding each side would
+        add is a subtraction, not a search.
+        """
         order = self._by_length
+        padded = budget.cost_model is CostModel.PADDED
+        max_rows, max_tokens = budget.max_batch_size, budget.max_batch_tokens
+        ratio = self.max_padding_ratio
         position = bisect.bisect_left(order, (anchor.length, anchor.seq))
         chosen = [anchor]
         longest = total = anchor.length
-        below, above = position - 1, position + 1
+        below, above, end = position - 1, position + 1, len(order)
         sealed = False
-        budget = self.budget
         while True:
-            if len(chosen) >= budget.max_batch_size:
+            rows = len(chosen)
+            if rows >= max_rows:
                 sealed = True
                 break
-            candidates = []
-            if below >= 0:
-                candidates.append(("below", order[below][0]))
-            if above < len(order):
-                candidates.append(("above", order[above][0]))
-            if not candidates:
+            if below < 0 and above >= end:
                 break
-            side, length = min(
-                candidates,
-                key=lambda c: (self._padding_added(len(chosen), longest, c[1]), c[1]),
-            )
-            if self._padding_added(len(chosen), longest, length) > self.max_padding_ratio * length:
+            # The side whose next request adds the least padding (ties: the shorter).
+            if below >= 0:
+                length = order[below][0]
+                padding = longest - length if padded else 0
+                take_below = True
+                if above < end:
+                    up = order[above][0]
+                    up_padding = rows * (up - longest) if padded else 0
+                    take_below = (padding, length) <= (up_padding, up)
+                    if not take_below:
+                        length, padding = up, up_padding
+            else:
+                length = order[above][0]
+                padding = rows * (length - longest) if padded else 0
+                take_below = False
+            if padding > ratio * length:
                 # Too unlike the batch: it would add more padding than it brings
                 # tokens. Further out on that side it only gets worse, so the side
                 # closes; the batch is not sealed, since similar input may come.
-                if side == "above":
-                    above = len(order)
-                else:
+                if take_below:
                     below = -1
+                else:
+                    above = end
                 continue
-            new_longest = max(longest, length)
-            if budget.fits(len(chosen) + 1, new_longest, total + length):
-                index = below if side == "below" else above
-                chosen.append(self._items[order[index][1]])
-                longest, total = new_longest, total + length
-                if side == "below":
+            new_longest = length if length > longest else longest
+            cost = (rows + 1) * new_longest if padded else total + length
+            if cost <= max_tokens:
+                if take_below:
+                    chosen.append(self._items[order[below][1]])
                     below -= 1
                 else:
+                    chosen.append(self._items[order[above][1]])
                     above += 1
+                longest, total = new_longest, total + length
                 continue
             # Longer candidates only cost more; a padded model pays `longest` for
             # any shorter one, so one failure closes that side for good.
             sealed = True
-            if side == "above" or budget.cost_model is CostModel.PADDED:
-                if side == "above":
-                    above = len(order)
-                else:
-                    below = -1
+            if not take_below:
+                above = end
+            elif padded:
+                below = -1
             else:
                 below -= 1  # ragged: a shorter one further down may still fit
         if not sealed and not budget.fits(len(chosen) + 1, longest, total + 1):
@@ -263,19 +458,18 @@ class Packer(Generic[T]):
         cost = budget.cost(len(chosen), longest, total)
         return Batch(items=tuple(chosen), cost=cost, sealed=sealed)
 
-    def _padding_added(self, rows: int, longest: int, length: int) -> int:
-        """Padding tokens a candidate would add to a batch (0 for a ragged model)."""
-        if self.budget.cost_model is CostModel.RAGGED:
-            return 0
-        if length <= longest:
-            return longest - length
-        return rows * (length - longest)
-
     def _discard(self, item: Item[T]) -> None:
         del self._items[item.seq]
         index = bisect.bisect_left(self._by_length, (item.length, item.seq))
         del self._by_length[index]
+        index = bisect.bisect_left(self._line, (self.virtual_arrival(item), item.seq))
+        del self._line[index]
         self._tokens -= item.length
+
+
+def _span(batch: Batch[T]) -> tuple[int, int]:
+    lengths = [item.length for item in batch.items]
+    return min(lengths), max(lengths)
 
 
 class AdaptiveBudget:

@@ -344,6 +344,18 @@ class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
         description="a request joins a batch only if the padding it adds is at most this "
         "times its own length (inf: always)",
     )
+    aging_ms: float = Field(
+        1000.0,
+        gt=0,
+        description="each priority class stands this much earlier in line; a request at the "
+        "head of the line this long is never passed over",
+    )
+    max_batch_ms: float | None = Field(
+        None,
+        gt=0,
+        description="latency target: no batch is planned to hold the device longer than this "
+        "(learned from measured batch times; default: no cap)",
+    )
     cost_model: Literal["auto", "padded", "ragged"] = Field(
         "auto",
         description="batch cost: rows x longest (padded) or sum (ragged); auto asks the backend",

@@ -41,6 +41,9 @@ MAX_EPOCH_MS = 253_402_300_799_999
 MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
 """Largest relative ``timeout_ms``: 30 days."""
 
+MAX_PRIORITY = 9
+"""Largest ``priority``; 0 (the default) is the lowest class."""
+
 _MAX_VERSION = 1_000_000
 
 _MAX_INT_DIGITS = 19
@@ -49,7 +52,10 @@ _MAX_INT_DIGITS = 19
 _DECIMAL = re.compile(rb"[0-9]{1,19}")
 
 _REQUEST_FIELDS = frozenset(
-    {"v", "id", "text", "text_pair", "tokens", "reply_to", "deadline_ms", "timeout_ms", "opts"}
+    {
+        "v", "id", "text", "text_pair", "tokens", "reply_to", "deadline_ms", "timeout_ms",
+        "priority", "opts",
+    }
 )
 
 
@@ -67,6 +73,8 @@ class Request:
     opts: Mapping[str, Any] = field(default_factory=dict)
     timeout_ms: int | None = None
     """Relative deadline: ms after the entry's stream id, i.e. on Redis's clock."""
+    priority: int = 0
+    """Scheduling class, 0 to :data:`MAX_PRIORITY`: higher goes first (docs/PROTOCOL.md)."""
 
     def utf8_size(self) -> int:
         """Bytes of text this request carries (what the size limit counts)."""
@@ -129,6 +137,17 @@ def validate_text(value: object, field_name: str, max_bytes: int) -> str:
     return value
 
 
+def validate_priority(value: object, field_name: str = "priority") -> int:
+    """A caller's priority: an int from 0 to :data:`MAX_PRIORITY` (None means 0)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PRIORITY:
+        raise DecodeError(
+            f"{field_name} must be an integer from 0 to {MAX_PRIORITY}, got {value!r}"
+        )
+    return value
+
+
 def validate_id(value: object, field_name: str = "id") -> str:
     if not isinstance(value, str) or not value:
         raise DecodeError(f"{field_name} must be a non-empty string")
@@ -146,6 +165,7 @@ def encode_request(request: Request) -> dict[str, str | bytes]:
         _check_range("deadline_ms", request.deadline_ms, 0, MAX_EPOCH_MS)
     if request.timeout_ms is not None:
         _check_range("timeout_ms", request.timeout_ms, 1, MAX_TIMEOUT_MS)
+    _check_range("priority", request.priority, 0, MAX_PRIORITY)
     fields: dict[str, str | bytes] = {
         "v": str(PROTOCOL_VERSION),
         "id": request.id,
@@ -159,6 +179,8 @@ def encode_request(request: Request) -> dict[str, str | bytes]:
         fields["deadline_ms"] = str(int(request.deadline_ms))
     if request.timeout_ms is not None:
         fields["timeout_ms"] = str(int(request.timeout_ms))
+    if request.priority:
+        fields["priority"] = str(int(request.priority))
     if request.opts:
         packed = msgpack.packb(dict(request.opts), use_bin_type=True)
         if len(packed) > MAX_OPTS_BYTES:
@@ -271,6 +293,10 @@ def decode_request(
     if raw.get("timeout_ms"):
         timeout_ms = _int_field(raw["timeout_ms"], "timeout_ms", minimum=1, maximum=MAX_TIMEOUT_MS)
 
+    priority = 0
+    if raw.get("priority"):
+        priority = _int_field(raw["priority"], "priority", minimum=0, maximum=MAX_PRIORITY)
+
     opts: dict[str, Any] = {}
     if raw.get("opts"):
         opts = _unpack_opts(raw["opts"])
@@ -284,6 +310,7 @@ def decode_request(
         text_pair=text_pair,
         opts=opts,
         timeout_ms=timeout_ms,
+        priority=priority,
     )
 
 

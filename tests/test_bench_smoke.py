@@ -45,12 +45,14 @@ def test_seed(tmp_path: Path) -> None:
     result = run_suite("seed", tmp_path)
     rows = {row["setting"]: row for row in result["rows"]}
     safe = result["config"]["largest_safe_count"]
-    assert set(rows) == {"fifo-32", f"fifo-{safe}", "tokenq-4096", "tokenq-8192", "bound"}
+    assert set(rows) == {
+        "fifo-32", f"fifo-{safe}", "tokenq-4096", "tokenq-8192", "tokenq-16384", "bound",
+    }
     for row in rows.values():
         assert set(row) >= SEED_KEYS
     capacity = result["config"]["sim"]["capacity_bytes"]
     assert rows["fifo-32"]["failed_requests"] > 0  # 32 rows with a passage do not fit
-    for name in (f"fifo-{safe}", "tokenq-4096", "tokenq-8192"):
+    for name in (f"fifo-{safe}", "tokenq-4096", "tokenq-8192", "tokenq-16384"):
         assert rows[name]["failed_requests"] == 0, name
         assert 0 < rows[name]["peak_memory_bytes"] <= capacity, name
     assert rows["tokenq-4096"]["peak_memory_bytes"] <= 4096 * 4096
@@ -103,6 +105,22 @@ def test_latency(tmp_path: Path) -> None:
     for row in result["rows"]:
         assert row["failed_requests"] == 0
         assert 0 < row["p50_ms"] <= row["p99_ms"]
+
+
+def test_mixed_latency(tmp_path: Path) -> None:
+    result = run_suite("mixed-latency", tmp_path)
+    rows = {row["setting"]: row for row in result["rows"]}
+    modes, classes = ("no-priority", "priority"), ("query", "passage", "all")
+    assert set(rows) == {f"{mode} {cls}" for mode in modes for cls in classes}
+    assert result["config"]["priority_supported"] is True  # this tree's producer takes it
+    assert result["config"]["aging_ms"] > 0
+    assert result["config"]["priorities"]["priority"] == {"query": 1, "passage": 0}
+    for mode in ("no-priority", "priority"):
+        parts = [rows[f"{mode} {cls}"] for cls in ("query", "passage")]
+        assert rows[f"{mode} all"]["requests"] == sum(row["requests"] for row in parts) > 0
+    for name, row in rows.items():
+        assert row["failed"] == 0, name
+        assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"], name
 
 
 def test_plots_from_results(scale_results: Path, tmp_path: Path) -> None:

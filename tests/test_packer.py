@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tokenq.shared.packer import Batch, Budget, CostModel, Item, Packer
+from tokenq.shared.packer import MAX_PRIORITY, Batch, BatchTimer, Budget, CostModel, Item, Packer
 
 PROPERTY = settings(max_examples=200, deadline=None)
 
@@ -32,6 +32,7 @@ arrivals = st.integers(min_value=0, max_value=10_000).map(float)
 cost_models = st.sampled_from(list(CostModel))
 row_limits = st.integers(min_value=1, max_value=64)
 lingers = st.integers(min_value=0, max_value=50).map(float)
+priorities = st.sampled_from([0, 0, 0, 1, 2])
 
 
 @st.composite
@@ -78,9 +79,9 @@ def assert_within_budget(batch: Batch[int], budget: Budget) -> None:
     assert lengths_in_order == sorted(lengths_in_order)
 
 
-def oldest_of(items: Iterable[Item[int]]) -> Item[int]:
-    """The anchor rule 1 promises: earliest arrival, then earliest added."""
-    return min(items, key=lambda item: (item.arrived_ms, item.seq))
+def head_of(items: Iterable[Item[int]], aging_ms: float) -> Item[int]:
+    """The head of the line rule 1 promises: earliest virtual arrival, then earliest added."""
+    return min(items, key=lambda item: (item.arrived_ms - item.priority * aging_ms, item.seq))
 
 
 # ------------------------------------------------------------ (a) (b) (g) budget
@@ -189,17 +190,20 @@ class PackerMachine(RuleBasedStateMachine):
         rows=row_limits,
         model=cost_models,
         linger_ms=lingers,
+        aging_ms=st.sampled_from([30.0, 100.0, 1000.0]),
     )
-    def start(self, tokens: int, rows: int, model: CostModel, linger_ms: float) -> None:
-        # Lengths may exceed the budget: rule 5 must hold mid-stream too.
-        self.packer = Packer(Budget(tokens, rows, model), linger_ms=linger_ms)
+    def start(
+        self, tokens: int, rows: int, model: CostModel, linger_ms: float, aging_ms: float
+    ) -> None:
+        # Lengths may exceed the budget: rule 7 must hold mid-stream too.
+        self.packer = Packer(Budget(tokens, rows, model), linger_ms=linger_ms, aging_ms=aging_ms)
 
-    @rule(length=lengths, age=st.integers(min_value=0, max_value=100))
-    def add(self, length: int, age: int) -> None:
+    @rule(length=lengths, age=st.integers(min_value=0, max_value=100), priority=priorities)
+    def add(self, length: int, age: int, priority: int) -> None:
         payload = self.next_payload
         self.next_payload += 1
-        item = self.packer.add(length, self.now - age, payload)
-        assert (item.length, item.payload) == (length, payload)
+        item = self.packer.add(length, self.now - age, payload, priority)
+        assert (item.length, item.payload, item.priority) == (length, payload, priority)
         self.model[payload] = item
 
     @rule(step=st.integers(min_value=0, max_value=60), flush=st.booleans())
@@ -211,18 +215,23 @@ class PackerMachine(RuleBasedStateMachine):
         if not self.model:
             assert preview is None and batch is None and ready is None
             return
-        anchor = oldest_of(self.model.values())
+        head = head_of(self.model.values(), self.packer.aging_ms)
         assert preview is not None
-        assert preview.items[0] == anchor
-        assert ready == anchor.arrived_ms + self.packer.linger_ms
+        assert preview.items[0] == head
+        assert ready == head.arrived_ms + self.packer.linger_ms
         due = preview.sealed or flush or self.now >= ready
-        if not due:
-            assert batch is None, "an unsealed batch left before its linger ran out"
+        if batch is None:
+            assert not due, "a due batch was held back"
             return
-        assert batch is not None, "a due batch was held back"
-        assert anchor in batch.items, "the oldest request was passed over"
-        assert {i.payload for i in batch.items} == {i.payload for i in preview.items}
         assert_within_budget(batch, self.packer.budget)
+        if head not in batch.items:
+            # Rule 6: only a batch anchored at the head's class or above goes first,
+            # only a sealed one while the head lingers, never past an aged head.
+            assert max(item.priority for item in batch.items) >= head.priority
+            assert due or batch.sealed, "an unsealed batch jumped a lingering head"
+            assert not (due and self.now - head.arrived_ms >= self.packer.aging_ms), (
+                "a head past the aging bound was passed over"
+            )
         for item in batch.items:
             del self.model[item.payload]
 
@@ -260,14 +269,20 @@ def test_linger_holds_an_unsealed_batch_until_its_oldest_is_due(
     assert packer.ready_at() == due_at
 
     if preview.sealed:
-        # A sealed batch goes at once, whatever the clock says.
-        batch = packer.next_batch(min(now, due_at - 1.0))
-    else:
-        assert packer.next_batch(due_at - 0.5) is None
-        assert len(packer) == len(items), "a refused batch must leave the buffer alone"
-        batch = packer.next_batch(due_at)
+        # A sealed batch goes at once, whatever the clock says: the head's, or
+        # a cheaper one that rule 6 lets go first.
+        assert packer.next_batch(min(now, due_at - 1.0)) is not None
+        return
+    early = packer.next_batch(due_at - 0.5)
+    # Only a sealed batch (anchored elsewhere) may go while the head lingers.
+    assert early is None or early.sealed
+    assert len(packer) == len(items) - (early.rows if early else 0)
+    if early is not None:
+        return
+    batch = packer.next_batch(due_at)
     assert batch is not None
-    assert {i.payload for i in batch.items} == {i.payload for i in preview.items}
+    # The head's batch, or one anchored elsewhere that rule 6 preferred.
+    assert len(packer) == len(items) - batch.rows
 
 
 def test_lone_request_lingers_then_goes() -> None:
@@ -396,3 +411,103 @@ def test_a_request_that_would_mostly_add_padding_waits_for_its_own_kind() -> Non
         packer = Packer(Budget(1000, 8), max_padding_ratio=ratio)
         fill(packer, [(30, 0.0), (10, 1.0)])
         assert [sorted(b.payloads) for b in drain(packer)] == expected
+
+
+# ------------------------------------------------- (h) lanes, aging, cost, time
+
+
+def test_a_higher_class_goes_first_and_a_lower_one_ages_into_the_front() -> None:
+    """Rule 1: priority 1 stands aging_ms earlier in line than it arrived."""
+    packer: Packer[str] = Packer(Budget(1000, 1), aging_ms=100.0)
+    packer.add(10, 0.0, "old-low")
+    packer.add(10, 50.0, "new-high", priority=1)  # virtual arrival -50: ahead
+    packer.add(10, 150.0, "late-high", priority=1)  # virtual arrival 50: behind old-low
+    now = 1000.0
+    assert [b.payloads for b in iter(lambda: packer.next_batch(now, flush=True), None)] == [
+        ["new-high"], ["old-low"], ["late-high"],
+    ]
+
+
+def test_a_cheap_batch_does_not_wait_behind_an_expensive_one() -> None:
+    """Rule 6b: a query batch that has waited goes before a fresher-headed passage batch,
+    but a head past the aging bound goes first whatever is cheaper."""
+    timer = BatchTimer(min_batches=1)
+    for cost in (100, 8000):
+        timer.observe(cost, 1.0 + cost / 1000)  # 1 ms + 1 us per token
+    packer: Packer[str] = Packer(Budget(8192, 64), aging_ms=500.0, timer=timer)
+    for index in range(5):
+        packer.add(1500, 0.0, f"passage{index}")
+    for index in range(4):
+        packer.add(20, 5.0, f"query{index}")
+    batch = packer.next_batch(20.0)  # passages waited 20 ms for 9 ms; queries 15 for 1.1
+    assert batch is not None and all(p.startswith("query") for p in batch.payloads)
+    for index in range(4):
+        packer.add(20, 600.0, f"late{index}")
+    batch = packer.next_batch(600.0)  # the passages' head has waited past aging_ms
+    assert batch is not None and all(p.startswith("passage") for p in batch.payloads)
+
+
+def test_the_device_does_not_idle_while_a_full_batch_waits() -> None:
+    """Rule 6a: while the head's batch lingers, a sealed batch of its class goes."""
+    packer: Packer[str] = Packer(Budget(3000, 64), linger_ms=50.0)
+    packer.add(20, 0.0, "query")
+    packer.add(20, 0.0, "query2")  # two queries: a passage would pad both (rule 3)
+    packer.add(1500, 1.0, "p1")
+    packer.add(1500, 1.0, "p2")
+    batch = packer.next_batch(2.0)
+    assert batch is not None and sorted(batch.payloads) == ["p1", "p2"] and batch.sealed
+    assert packer.next_batch(2.0) is None  # the query lingers until 50 ms
+    assert packer.ready_at() == 50.0
+    # A sealed batch of a lower class may not jump a lingering higher-class head.
+    packer.add(1500, 3.0, "p3")
+    packer.add(1500, 3.0, "p4")
+    packer.add(20, 4.0, "urgent", priority=1)
+    assert packer.next_batch(5.0) is None
+    batch = packer.next_batch(54.0)
+    assert batch is not None and sorted(batch.payloads) == ["query", "query2", "urgent"]
+
+
+@PROPERTY
+@given(workloads(max_items=40), st.integers(min_value=1, max_value=8), st.data())
+def test_max_batch_ms_caps_every_batch_once_the_time_model_has_learned(
+    workload: tuple[Budget, list[tuple[int, float]]], cap_ms: int, data: st.DataObject
+) -> None:
+    """Rule 4: no batch is planned past max_batch_ms, except a lone request too long alone."""
+    budget, items = workload
+    timer = BatchTimer(min_batches=2)
+    timer.observe(10, 1.0 + 0.01)
+    timer.observe(1000, 1.0 + 1.0)  # 1 ms + 1 us per token
+    packer: Packer[int] = Packer(budget, max_batch_ms=float(cap_ms), timer=timer)
+    fill(packer, items)
+    cap = timer.cost_within(float(cap_ms))
+    assert cap is not None
+    for batch in drain(packer):
+        assert batch.cost <= max(cap, budget.max_batch_tokens) or batch.rows == 1
+        if batch.rows > 1:
+            assert batch.cost <= cap
+
+
+@given(
+    st.floats(min_value=0.0, max_value=20.0), st.floats(min_value=1e-4, max_value=0.01),
+    st.lists(st.integers(min_value=1, max_value=16_384), min_size=3, max_size=30, unique=True),
+)
+def test_batch_timer_learns_a_straight_line(
+    fixed: float, per_token: float, costs: list[int]
+) -> None:
+    timer = BatchTimer(min_batches=3)
+    assert timer.cost_within(10.0) is None  # nothing learned yet: no cap
+    for cost in costs:
+        timer.observe(cost, fixed + per_token * cost)
+    for cost in (1, 100, 10_000):
+        assert timer.estimate_ms(cost) == pytest.approx(fixed + per_token * cost, rel=1e-3,
+                                                         abs=1e-3)
+    within = timer.cost_within(fixed + per_token * 5000)
+    assert within is not None and abs(within - 5000) <= max(2, 5000 * 1e-3)
+
+
+def test_priority_is_range_checked() -> None:
+    packer: Packer[str] = Packer(Budget(10, 1))
+    for bad in (-1, MAX_PRIORITY + 1):
+        with pytest.raises(ValueError, match="priority"):
+            packer.add(1, 0.0, "x", priority=bad)
+    assert len(packer) == 0

@@ -87,7 +87,7 @@ Answer = np.ndarray | BaseException
 class Loop(Protocol):
     async def submit_all(
         self, texts: Sequence[str], *, pairs: Sequence[str | None] | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, priority: int = 0,
     ) -> list[Answer]: ...
 
 
@@ -95,12 +95,14 @@ class BatcherLoop:
     def __init__(self, batcher: Batcher) -> None:
         self.batcher = batcher
 
-    async def submit_all(self, texts, *, pairs=None, timeout_s=None):
+    async def submit_all(self, texts, *, pairs=None, timeout_s=None, priority=0):
         pairs = pairs or [None] * len(texts)
 
         async def one(text: str, pair: str | None) -> Answer:
             try:
-                return await self.batcher.submit(text, pair, timeout_s=timeout_s)
+                return await self.batcher.submit(
+                    text, pair, timeout_s=timeout_s, priority=priority
+                )
             except Exception as exc:  # the outcome under test
                 return exc
 
@@ -114,7 +116,7 @@ class RedisLoop:
         self.client = client
         self.q = q
 
-    async def submit_all(self, texts, *, pairs=None, timeout_s=None):
+    async def submit_all(self, texts, *, pairs=None, timeout_s=None, priority=0):
         pairs = pairs or [None] * len(texts)
         ids = [uuid.uuid4().hex for _ in texts]
         for request_id, text, pair in zip(ids, texts, pairs, strict=True):
@@ -126,6 +128,7 @@ class RedisLoop:
             request = wire.Request(
                 id=request_id, text=text, tokens=0, reply_to=keys.reply(self.q, request_id),
                 text_pair=pair, timeout_ms=timeout_ms, deadline_ms=deadline_ms,
+                priority=priority,
             )
             await self.client.xadd(keys.requests(self.q), wire.encode_request(request))
         return [await self._reply(keys.reply(self.q, request_id)) for request_id in ids]
@@ -323,5 +326,27 @@ def test_a_pair_for_a_single_text_model_is_refused(open_loop) -> None:
         (answer,) = answers
         assert isinstance(answer, Exception) and "single texts" in str(answer)
         assert getattr(answer, "code", ErrorCode.BAD_REQUEST.value) == ErrorCode.BAD_REQUEST.value
+
+    run(main())
+
+
+def test_a_higher_priority_goes_into_the_next_batch_first(open_loop) -> None:
+    """A request of priority 1 that arrives behind buffered priority-0 work runs before it."""
+
+    async def main() -> None:
+        backend = Recording(slow_s=0.6)
+        async with open_loop(backend, Knobs(max_batch_size=1, linger_ms=0)) as loop:
+            slow = asyncio.ensure_future(loop.submit_all(["slow one"]))
+            await asyncio.sleep(0.2)  # the slow batch is on the device now
+            low = asyncio.ensure_future(loop.submit_all([f"low {i}" for i in range(4)]))
+            await asyncio.sleep(0.15)  # the four are buffered behind it
+            (urgent,) = await loop.submit_all(["urgent"], priority=1)
+            lows, (slow_answer,) = await low, await slow
+        np.testing.assert_allclose(urgent, expected_vector("urgent", DIM), rtol=1e-6)
+        for index, answer in enumerate(lows):
+            np.testing.assert_allclose(answer, expected_vector(f"low {index}", DIM), rtol=1e-6)
+        np.testing.assert_allclose(slow_answer, expected_vector("slow one", DIM), rtol=1e-6)
+        # "urgent" is 3 sim tokens, each "low i" 4: the urgent one ran right after the slow one.
+        assert [shape for shape in backend.shapes[1:]] == [[3], [4], [4], [4], [4]]
 
     run(main())

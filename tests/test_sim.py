@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tokenq.shared.errors import ConfigError, DeviceOutOfMemory
 from tokenq.shared.settings import WorkerSettings
+from tokenq.worker.backends import sim
 from tokenq.worker.backends.base import Backend, TextInput
 from tokenq.worker.backends.sim import (
     SIM_FAIL_MARKER,
@@ -271,3 +272,47 @@ def test_encoding_is_small_and_frozen() -> None:
     assert isinstance(encoding, SimEncoding)
     with pytest.raises(AttributeError):
         encoding.length = 5  # type: ignore[misc]
+
+
+# Every class of character the sim tells apart, plus astral ones inside and
+# outside the CJK ranges and a lone surrogate.
+_ANY_CLASS = [
+    *"ab zé9_,.!?-'\t\n\x1c\x00\u00a0\u2028\u3000日本語テキスト한국어ｱ",
+    "\U00020001", "\U0001f600", "\ud800", "\u0663", "\u00b2",
+]
+long_texts = st.text(alphabet=st.sampled_from(_ANY_CLASS), min_size=0, max_size=700)
+
+
+def test_every_bmp_character_is_classed_as_the_regex_sees_it() -> None:
+    """The bulk tokenizer's class table against the reference regex, character by character."""
+    table = sim._bmp_classes()
+    wrong = [
+        code for code in range(0x10000)
+        if sim._ScannedTokens.of(f"a{chr(code)}a").count != len(split_tokens(f"a{chr(code)}a"))
+        or (table[code] == sim._SPACE) != bool(split_tokens(chr(code)) == [])
+    ]
+    assert wrong == []
+
+
+@given(long_texts, st.data())
+def test_bulk_and_regex_tokenizers_agree(text: str, data: st.DataObject) -> None:
+    """Both paths give the same tokens: count, and canonical form of any run of them."""
+    scanned, matched = sim._ScannedTokens.of(text), sim._MatchedTokens(split_tokens(text))
+    assert scanned.count == matched.count
+    first = data.draw(st.integers(0, matched.count))
+    last = data.draw(st.integers(first, matched.count))
+    assert scanned.canonical(first, last) == matched.canonical(first, last)
+
+
+@given(long_texts, long_texts)
+def test_vector_depends_on_the_tokens_alone(text: str, spacing: str) -> None:
+    """Re-spacing a text's tokens changes nothing, on either path (long or short text)."""
+    tokens = split_tokens(text)
+    gaps = [" " * (1 + len(spacing) % 3), "\n"]
+    respaced = "".join(token + gaps[i % 2] for i, token in enumerate(tokens))
+    assert encode(text).digest == encode(respaced).digest
+    assert encode(text).length == len(tokens) + 2
+    if len(tokens) > 1:  # a different split of the same characters is another vector
+        merged = "".join(tokens[:2]) + " " + " ".join(tokens[2:])
+        if split_tokens(merged) != tokens:
+            assert encode(merged).digest != encode(text).digest

@@ -11,9 +11,11 @@ Four small tasks joined by bounded hand-offs (TEI's shape):
 * **read**   XREADGROUP about ``read_ahead_budgets`` budgets of estimated tokens
   ahead, decode, admit through the pipeline in a thread, and buffer the jobs
   in the packer;
-* **run**    :func:`~tokenq.worker.pipeline.feed.feed_device`: whenever the
-  device is idle, ask the packer for a batch and run it through the pipeline
-  in a thread (one batch on the device at a time);
+* **run**    :class:`~tokenq.worker.pipeline.feed.DeviceFeed`: a device
+  thread takes the packer's next batch the moment the device frees, runs it
+  through the pipeline (one batch on the device at a time) and hands the
+  outcome back to the event loop, which accounts for it and builds the
+  answers;
 * **publish** answer each batch in one script (reply, XACK, XDEL), retrying
   until Redis takes it;
 * **beat**   heartbeat, and keep the buffered entries' idle time fresh so no
@@ -61,7 +63,7 @@ from tokenq.worker.clock import RedisClock
 from tokenq.worker.connection import connect
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.execute import adapt_budget
-from tokenq.worker.pipeline.feed import feed_device, monotonic_ms, wait_event
+from tokenq.worker.pipeline.feed import DeviceFeed, monotonic_ms, wait_event
 from tokenq.worker.pipeline.jobs import (
     Answer,
     DeadLetterPolicy,
@@ -88,6 +90,8 @@ _T = TypeVar("_T")
 
 _HISTORY_COUNT = 256
 _MAX_READ_COUNT = 1024
+_PUBLISH_CHUNK = 2048
+"""Most answers one publish call carries when several batches' answers are waiting."""
 _STOP_GRACE_S = 5.0
 """How long a stopping worker keeps trying to publish and deregister while Redis is down."""
 
@@ -150,10 +154,18 @@ class Worker:
             backend, policy=settings.policy, chunk_overlap=settings.chunk_overlap
         )
         self.packer: Packer[Job[bytes]] = Packer(
-            self.plan.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio
+            self.plan.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio,
+            aging_ms=settings.aging_ms, max_batch_ms=settings.max_batch_ms,
         )
         self.adaptive = AdaptiveBudget(
             self.plan.budget.max_batch_tokens, backend.info.max_input_tokens
+        )
+        self._feed: DeviceFeed[Job[bytes], _Ran] = DeviceFeed(
+            self.packer, self._execute,
+            flushing=lambda: self._stopping.is_set(),
+            finished=lambda: self._reader_done and not self.packer,
+            on_take=lambda: self._space.set(),
+            name="tokenq-device",
         )
         self.stats = WorkerStats()
         self._client = client
@@ -161,12 +173,10 @@ class Worker:
         self._batch_log = BatchLog(settings.batch_log)
         self._stopping = asyncio.Event()
         self._closing = asyncio.Event()
-        self._wake = asyncio.Event()
         self._space = asyncio.Event()
         self._answers: asyncio.Queue[list[Answer] | None] = asyncio.Queue(maxsize=8)
         self._reader_done = False
         self._inflight_estimate = 0
-        self._running: tuple[Job[bytes], ...] = ()
         self._batch_started: float | None = None
         """Monotonic time the batch now on the device started, None when idle."""
         self._hung = False
@@ -210,7 +220,7 @@ class Worker:
             log.info("stopping: finishing %d buffered requests", len(self.packer))
             self._stop_started = time.monotonic()
         self._stopping.set()
-        self._wake.set()
+        self._feed.wake()
         self._space.set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -360,7 +370,7 @@ class Worker:
                     await self._take(entries)
         finally:
             self._reader_done = True
-            self._wake.set()
+            self._feed.wake()
 
     async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
         """Run one read; once the worker is told to stop, give it only a short grace.
@@ -397,8 +407,7 @@ class Worker:
         claimed = await self._reclaimer.scan(count)
         # The safety net may hand back our own entries when we stalled past
         # claim_idle_s; those we still hold must not be run (and answered) twice.
-        held = {item.payload.ref for item in self.packer}
-        held |= {job.ref for job in self._running}
+        held = {job.ref for job in self._feed.held()}
         claimed.entries = [entry for entry in claimed.entries if entry[0] not in held]
         if not claimed.entries:
             return False
@@ -452,7 +461,7 @@ class Worker:
 
     def _idle_expired(self) -> bool:
         limit = self.settings.exit_when_idle_s
-        if limit is None or len(self.packer) or self._running or self._inflight_estimate:
+        if limit is None or self._feed.held() or self._inflight_estimate:
             return False
         return time.monotonic() - self._last_activity >= limit
 
@@ -478,7 +487,7 @@ class Worker:
         for entry_id, fields in present:
             self._held_bytes[entry_id] = _entry_bytes(fields)
         await self._take_present(present, deliveries)
-        self._wake.set()
+        self._feed.wake()
 
     async def _take_present(
         self, present: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int]
@@ -498,8 +507,7 @@ class Worker:
             jobs, answers = [], [
                 self._untakable(entry_id, fields, why, deliveries, self._clock.now_ms())
             ]
-        for job in jobs:
-            self.packer.add(job.encoding.length, job.arrived_ms, job)
+        self._feed.add(jobs)
         if answers:
             dead = sum(bool(a.dead_fields) for a in answers)
             self.stats.requests_failed += len(answers)
@@ -591,34 +599,36 @@ class Worker:
 
     async def _run_loop(self) -> None:
         try:
-            await feed_device(
-                self.packer, self._wake, self._run_batch,
-                flushing=self._stopping.is_set,
-                finished=lambda: self._reader_done and not self.packer,
-            )
+            await self._feed.run(self._settle)
         finally:
             self._batch_started = None
         # Not in the finally: a run task cancelled while the queue is full must
         # not block its own cancellation on this put.
         await self._answers.put(None)
 
-    async def _run_batch(self, batch: Batch[Job[bytes]]) -> None:
-        """Run one batch through the pipeline, then adapt, account and answer."""
-        self._space.set()  # the batch left the buffer: room to read ahead
+    def _execute(self, batch: Batch[Job[bytes]]) -> _Ran:
+        """Run one batch through the pipeline and adapt the budget (in the device thread).
+
+        Only this thread changes the packer's budget, and it picks the next
+        batch itself, so the new budget holds from that pick on.
+        """
         packed_under = self.packer.budget
         now = self._clock.now_ms()
-        self._running = tuple(batch.payloads)
         self._batch_started = time.monotonic()
         try:
-            outcome = await asyncio.to_thread(self.pipeline.run_batch, batch.payloads, now)
+            outcome = self.pipeline.run_batch(batch.payloads, now)
         finally:
             self._batch_started = None
-            self._running = ()
         adapt_budget(self.adaptive, self.packer, outcome.ooms, "worker")
-        answers = [answer_of(self.pipeline, done) for done in outcome.answered]
-        record = _batch_record(self.consumer, batch, packed_under, outcome)
+        return _Ran(outcome, packed_under, now)
+
+    async def _settle(self, batch: Batch[Job[bytes]], ran: _Ran) -> None:
+        """Account for and answer one batch the device thread ran (on the event loop)."""
+        answers = [answer_of(self.pipeline, done) for done in ran.outcome.answered]
+        record = _batch_record(self.consumer, batch, ran.packed_under, ran.outcome)
         self.stats.record(record)
-        self.metrics.batch(record, (job.ref for job in batch.payloads), started_epoch_ms=now,
+        self.metrics.batch(record, (job.ref for job in batch.payloads),
+                           started_epoch_ms=ran.started_epoch_ms,
                            budget=self.packer.budget.max_batch_tokens)
         self._batch_log.write(record)
         if answers:
@@ -627,10 +637,23 @@ class Worker:
     # -------------------------------------------------------------------- publish
 
     async def _publish_loop(self) -> None:
-        while True:
+        """Publish answers as they come, in bulk: whatever queued up meanwhile goes in one call.
+
+        One script call carries every answer waiting (up to ``_PUBLISH_CHUNK``),
+        so when batches finish faster than Redis answers a round trip, the
+        round trips do not add up.
+        """
+        last = False
+        while not last:
             answers = await self._answers.get()
             if answers is None:
                 return
+            while len(answers) < _PUBLISH_CHUNK and not self._answers.empty():
+                more = self._answers.get_nowait()
+                if more is None:
+                    last = True
+                    break
+                answers = [*answers, *more]
             self._publishing = True
             try:
                 await self._publisher.publish(answers, give_up=self._past_grace)
@@ -667,9 +690,9 @@ class Worker:
                 "a batch of %d requests has been on the device for %.0fs (batch_timeout_s "
                 "%.0f): the device is hung; stopping to read and to keep claims, so that "
                 "other workers take this worker's requests, and exiting",
-                len(self._running), time.monotonic() - started, limit,
+                len(self._feed.running()), time.monotonic() - started, limit,
             )
-            self._wake.set()
+            self._feed.wake()
             self._space.set()
             grace = time.monotonic() + _STOP_GRACE_S
             while (self._publishing or not self._answers.empty()) and time.monotonic() < grace:
@@ -719,14 +742,22 @@ class Worker:
         Never while a batch is hung: a worker whose device does not come back
         must let its entries go (the watchdog ends it soon after).
         """
-        held = [item.payload.ref for item in self.packer]  # the packer yields Items
-        held += [job.ref for job in self._running]
+        held = [job.ref for job in self._feed.held()]
         for start in range(0, len(held), 512):
             if self._hung:
                 return
             await self.client.xclaim(
                 self.stream, keys.GROUP, self.consumer, 0, held[start:start + 512], justid=True
             )
+
+
+@dataclass(frozen=True, slots=True)
+class _Ran:
+    """What the device thread hands the event loop for one batch."""
+
+    outcome: BatchOutcome[bytes]
+    packed_under: Budget
+    started_epoch_ms: int
 
 
 def _batch_record(

@@ -8,6 +8,7 @@ Suites (docs/BENCHMARKS.md has the latest figures and how to read them):
   scale     1, 2, 4, 8 sim workers with a sleep-bound device: throughput vs N
   latency   open-loop Poisson load at fractions of measured capacity: p50/p99
   producer  the producer's own cost on the seed mix: estimate per text, submit_many rate
+  mixed-latency  closed loop of 32 callers on the seed mix: query/passage latency, priority on/off
   plots     draw docs/img/*.png from the JSON results (--results DIR)
   all       every suite above, JSON into --results DIR, then the plots
 
@@ -40,14 +41,14 @@ sys.path.insert(0, str(BENCH_DIR))
 import compare  # noqa: E402  (the folder is not a package; see module docstring)
 import harness  # noqa: E402
 
-SUITES = ("seed", "real", "overhead", "scale", "latency", "producer")
+SUITES = ("seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency")
 DEFAULT_RESULTS = BENCH_DIR / "results"
 DEFAULT_IMAGES = BENCH_DIR.parent.parent / "docs" / "img"
 
 
 def run_suite(name: str, size: str) -> dict[str, Any]:
     """Run one suite and wrap its figures with when, where and how long."""
-    module = importlib.import_module(f"suite_{name}")
+    module = importlib.import_module(f"suite_{name.replace('-', '_')}")  # mixed-latency
     started = time.perf_counter()
     machine = harness.machine_info()
     result = module.run(size)

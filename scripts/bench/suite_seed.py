@@ -10,7 +10,9 @@ fit. Four settings, each one worker process on the same device model:
 * ``fifo-N``: the same with the largest count that cannot run out of memory
   on this mix (``capacity // longest request``; a FIFO batch of N always
   fits, N+1 passages would not);
-* ``tokenq-4096`` / ``tokenq-8192``: tokenq workers with that token budget.
+* ``tokenq-4096`` / ``tokenq-8192`` / ``tokenq-16384``: tokenq workers with
+  that token budget (16,384 is the whole device: what ``--max-batch-tokens
+  auto`` would find on it).
 
 A last row, ``bound``, is not a run: it is the device time of the same
 requests sorted by length and packed into full batches of the device's whole
@@ -40,7 +42,7 @@ SIM: dict[str, Any] = {
     "bytes_per_token": BYTES_PER_TOKEN,
     "capacity_bytes": CAPACITY_TOKENS * BYTES_PER_TOKEN,
 }
-BUDGETS = (4096, 8192)
+BUDGETS = (4096, 8192, 16384)
 COLUMNS = [
     "setting", "failed_requests", "padding_efficiency", "useful_tokens_per_s",
     "requests_per_s", "p50_ms", "p99_ms", "peak_memory_bytes", "mean_rows", "device_busy",

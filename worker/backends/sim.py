@@ -29,12 +29,16 @@ batcher, and in no others:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
+import itertools
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -79,16 +83,135 @@ _CJK = (
 _TOKEN = re.compile(rf"[{_CJK}]|(?:(?![{_CJK}])\w)+|[^\w\s]")
 
 
+_WORD, _IDEOGRAPH, _SPACE, _MARK = 0, 1, 2, 3
+"""Character classes of the sim's tokenizer: a run of word characters is one token,
+an ideograph (any :data:`_CJK` character) is one token, a space is no token, and any
+other character (a mark) is one token."""
+
+_SCAN_FROM_CHARS = 256
+"""Texts this long are tokenized by :class:`_ScannedTokens`, shorter ones by the regex."""
+
+
+def _class_of(char: str) -> int:
+    """The class of one character, as ``_TOKEN`` sees it (``\\w`` is alnum or ``_``)."""
+    if _IDEOGRAPH_RE.match(char):
+        return _IDEOGRAPH
+    if char.isalnum() or char == "_":
+        return _WORD
+    return _SPACE if char.isspace() else _MARK
+
+
+_IDEOGRAPH_RE = re.compile(rf"[{_CJK}]")
+
+
+@functools.cache
+def _bmp_classes() -> np.ndarray:
+    """The class of every character of the Basic Multilingual Plane (built once, ~30 ms)."""
+    return np.fromiter((_class_of(chr(code)) for code in range(0x10000)), np.uint8, 0x10000)
+
+
+@functools.cache
+def _astral_class(code: int) -> int:
+    return _class_of(chr(code))
+
+
+class _Tokens(Protocol):
+    """The sim tokens of one text: how many, and a canonical form of any run of them."""
+
+    @property
+    def count(self) -> int: ...
+
+    def canonical(self, first: int, last: int) -> bytes:
+        """Tokens ``first`` to ``last - 1`` as bytes that depend on those tokens alone:
+        their characters (UTF-32), then where each starts among them (uint32)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class _MatchedTokens:
+    """Tokens as the reference regex finds them: cheapest for short texts."""
+
+    tokens: list[str]
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
+
+    def canonical(self, first: int, last: int) -> bytes:
+        run = self.tokens[first:last]
+        starts = itertools.accumulate(map(len, run[:-1]), initial=0) if run else ()
+        chars = "".join(run).encode("utf-32-le", "surrogatepass")
+        return _framed(chars, np.fromiter(starts, "<u4").tobytes())
+
+
+@dataclass(frozen=True, slots=True)
+class _ScannedTokens:
+    """Tokens found by classifying every code point at once (numpy).
+
+    Why not the regex for long texts: it makes a Python string per token
+    (~0.4 µs each, most of a millisecond per passage, all of it holding the
+    GIL that the device thread needs); classifying the code points in bulk
+    costs a tenth of that. The tests hold the two to each other.
+    """
+
+    codes: np.ndarray
+    classes: np.ndarray
+    starts: np.ndarray
+    """Index of the first character of each token, ascending."""
+
+    @classmethod
+    def of(cls, text: str) -> _ScannedTokens:
+        codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        astral = codes > 0xFFFF
+        classes = _bmp_classes()[np.where(astral, 0, codes)]
+        if astral.any():
+            for index in np.flatnonzero(astral):
+                classes[index] = _astral_class(int(codes[index]))
+        word = classes == _WORD
+        follows_word = np.empty_like(word)
+        follows_word[:1] = False
+        follows_word[1:] = word[:-1]
+        begins = (classes == _IDEOGRAPH) | (classes == _MARK) | (word & ~follows_word)
+        return cls(codes, classes, np.flatnonzero(begins))
+
+    @property
+    def count(self) -> int:
+        return len(self.starts)
+
+    def canonical(self, first: int, last: int) -> bytes:
+        if first >= last:
+            return _framed(b"", b"")
+        begin = int(self.starts[first])
+        end = int(self.starts[last]) if last < len(self.starts) else len(self.codes)
+        spaces = np.cumsum(self.classes[begin:end] == _SPACE)
+        kept = self.codes[begin:end][self.classes[begin:end] != _SPACE]
+        starts = self.starts[first:last] - begin
+        return _framed(kept.tobytes(), (starts - spaces[starts]).astype("<u4").tobytes())
+
+
+def _framed(chars: bytes, starts: bytes) -> bytes:
+    return len(chars).to_bytes(8, "little") + chars + starts
+
+
+def _tokens_of(text: str) -> _Tokens:
+    if len(text) >= _SCAN_FROM_CHARS:
+        return _ScannedTokens.of(text)
+    return _MatchedTokens(_TOKEN.findall(text))
+
+
 @dataclass(frozen=True, slots=True)
 class SimEncoding:
-    """One tokenized input: its length and the content tokens it kept."""
+    """One tokenized input: its length and which tokens of its text(s) it kept."""
 
     length: int
     """Tokens the sequence occupies, special tokens included."""
-    tokens: tuple[str, ...]
-    """Content tokens of ``text`` kept after truncation."""
-    pair_tokens: tuple[str, ...] | None
-    """Content tokens of ``text_pair`` kept after truncation, if there was one."""
+    text: str
+    kept: tuple[int, int]
+    """The run of ``text``'s content tokens this sequence holds (after truncation, or one
+    window of a chunked input): ``text``'s tokens ``kept[0]`` to ``kept[1] - 1``."""
+    pair_text: str | None
+    pair_kept: int
+    """How many of ``pair_text``'s content tokens were kept (0 without a pair)."""
     digest: bytes = field(repr=False)
     """Hash of the kept tokens, the seed of the vector; computed when tokenizing,
     off the device's path, so ``run`` time stays close to the modelled time."""
@@ -99,17 +222,33 @@ class SimEncoding:
     hang: bool = False
     """The original input carried :data:`SIM_HANG_MARKER`."""
 
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """Content tokens of ``text`` this sequence holds."""
+        return tuple(split_tokens(self.text)[self.kept[0]:self.kept[1]])
+
+    @property
+    def pair_tokens(self) -> tuple[str, ...] | None:
+        """Content tokens of ``text_pair`` kept after truncation, if there was one."""
+        if self.pair_text is None:
+            return None
+        return tuple(split_tokens(self.pair_text)[: self.pair_kept])
+
 
 def split_tokens(text: str) -> list[str]:
-    """The sim's content tokens of a text, without special tokens or truncation."""
+    """The sim's content tokens of a text, without special tokens or truncation.
+
+    The reference definition (one regex); long texts are counted in bulk by
+    :class:`_ScannedTokens`, to the same tokens.
+    """
     return _TOKEN.findall(text)
 
 
 def count_tokens(text: str, text_pair: str | None = None) -> int:
     """Untruncated length of an input, special tokens included (a producer's exact estimate)."""
     if text_pair is None:
-        return len(split_tokens(text)) + SPECIAL_TOKENS
-    return len(split_tokens(text)) + len(split_tokens(text_pair)) + PAIR_SPECIAL_TOKENS
+        return _tokens_of(text).count + SPECIAL_TOKENS
+    return _tokens_of(text).count + _tokens_of(text_pair).count + PAIR_SPECIAL_TOKENS
 
 
 def _truncated_pair_lengths(first: int, second: int, room: int) -> tuple[int, int]:
@@ -130,62 +269,45 @@ def _truncated_pair_lengths(first: int, second: int, room: int) -> tuple[int, in
 
 def encode(text: str, text_pair: str | None = None, max_length: int | None = None) -> SimEncoding:
     """Tokenize one input the way :class:`SimBackend` does (pure; used by tests too)."""
-    tokens = split_tokens(text)
-    pair_tokens = None if text_pair is None else split_tokens(text_pair)
-    specials = SPECIAL_TOKENS if pair_tokens is None else PAIR_SPECIAL_TOKENS
+    tokens = _tokens_of(text)
+    pair = None if text_pair is None else _tokens_of(text_pair)
+    specials = SPECIAL_TOKENS if pair is None else PAIR_SPECIAL_TOKENS
+    keep, keep_pair = tokens.count, 0 if pair is None else pair.count
     if max_length is not None:
         room = max_length - specials
         if room < 0:
             raise ValueError(
                 f"max_length {max_length} is shorter than the {specials} special tokens"
             )
-        if pair_tokens is None:
-            del tokens[room:]
+        if pair is None:
+            keep = min(keep, room)
         else:
-            keep_first, keep_second = _truncated_pair_lengths(len(tokens), len(pair_tokens), room)
-            del tokens[keep_first:]
-            del pair_tokens[keep_second:]
+            keep, keep_pair = _truncated_pair_lengths(keep, keep_pair, room)
+    sides = [tokens.canonical(0, keep)]
+    if pair is not None:
+        sides.append(pair.canonical(0, keep_pair))
     texts = (text,) if text_pair is None else (text, text_pair)
-    return _encoding(
-        tuple(tokens),
-        None if pair_tokens is None else tuple(pair_tokens),
+    return SimEncoding(
+        length=keep + keep_pair + specials,
+        text=text,
+        kept=(0, keep),
+        pair_text=text_pair,
+        pair_kept=keep_pair,
+        digest=_digest(sides),
         fail=any(SIM_FAIL_MARKER in t for t in texts),
         nan=any(SIM_NAN_MARKER in t for t in texts),
         hang=any(SIM_HANG_MARKER in t for t in texts),
     )
 
 
-def _encoding(
-    tokens: tuple[str, ...],
-    pair_tokens: tuple[str, ...] | None,
-    *,
-    fail: bool,
-    nan: bool,
-    hang: bool = False,
-) -> SimEncoding:
-    """A SimEncoding with its length and digest worked out from the kept tokens.
-
-    The digest is blake2b over the tokens, length-prefixed so no two token
-    lists collide by concatenation.
-    """
-    digest = hashlib.blake2b(digest_size=32, person=b"tokenq-sim")
-    sides = [tokens] if pair_tokens is None else [tokens, pair_tokens]
-    for side in sides:
-        digest.update(len(side).to_bytes(8, "little"))
-        for token in side:
-            raw = token.encode("utf-8", errors="surrogatepass")
-            digest.update(len(raw).to_bytes(4, "little"))
-            digest.update(raw)
-    specials = SPECIAL_TOKENS if pair_tokens is None else PAIR_SPECIAL_TOKENS
-    return SimEncoding(
-        length=sum(map(len, sides)) + specials,
-        tokens=tokens,
-        pair_tokens=pair_tokens,
-        digest=digest.digest(),
-        fail=fail,
-        nan=nan,
-        hang=hang,
-    )
+def _digest(canonical_sides: Iterable[bytes]) -> bytes:
+    """blake2b over each side's canonical tokens, length-prefixed so that sides never
+    collide by concatenation (a pair is not the text of its two sides)."""
+    digest = hashlib.blake2b(digest_size=32, person=b"tokenq-sim2")
+    for raw in canonical_sides:
+        digest.update(len(raw).to_bytes(8, "little"))
+        digest.update(raw)
+    return digest.digest()
 
 
 def vector_of(encoding: SimEncoding, dim: int) -> np.ndarray:
@@ -231,18 +353,19 @@ def expected_chunked_vector(text: str, dim: int, max_input_tokens: int, overlap:
 
 
 def _windows(encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEncoding]:
-    if encoding.pair_tokens is not None:
+    if encoding.pair_text is not None:
         raise ValueError("a (text, text_pair) input cannot be chunked")
     if encoding.length <= max_length:
         return [encoding]
     # The hf backend's own window rule, over content tokens (the specials go
     # back around each window), so both backends chunk alike.
-    positions = range(len(encoding.tokens))
-    parts = sliding_windows(positions, 0, 0, max_length - SPECIAL_TOKENS, overlap)
+    tokens = _tokens_of(encoding.text)
+    begin, end = encoding.kept
+    parts = sliding_windows(range(begin, end), 0, 0, max_length - SPECIAL_TOKENS, overlap)
     return [
-        _encoding(
-            tuple(encoding.tokens[i] for i in part), None,
-            fail=encoding.fail, nan=encoding.nan, hang=encoding.hang,
+        dataclasses.replace(
+            encoding, length=len(part) + SPECIAL_TOKENS, kept=(part[0], part[-1] + 1),
+            digest=_digest([tokens.canonical(part[0], part[-1] + 1)]),
         )
         for part in parts
     ]
@@ -301,6 +424,9 @@ class SimBackend:
         self.busy_s = 0.0
         """Simulated device time spent on completed batches."""
         self.closed = False
+        self._oversleep_s = 0.0
+        """Running mean of how much later than asked ``time.sleep`` returns (see :meth:`_hold`)."""
+        _bmp_classes()  # built now, not on the first request's path
 
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
         """Exact sim tokens of each input, truncated to ``max_length`` when given."""
@@ -364,16 +490,32 @@ class SimBackend:
             np.full(dim, np.nan, dtype=np.float32) if encoding.nan else vector_of(encoding, dim)
             for encoding in rows
         ]
-        # Hashing counts toward the modelled time rather than adding to it.
-        remaining = seconds - (time.perf_counter() - started)
-        if remaining > 0:
-            time.sleep(remaining)
+        self._hold(started + seconds)
         with self._lock:
             self.batches += 1
             self.rows += len(rows)
             self.peak_memory_bytes = max(self.peak_memory_bytes, memory)
             self.busy_s += seconds
         return outputs
+
+    def _hold(self, until: float) -> None:
+        """Keep the device busy until ``until`` (``perf_counter`` seconds), GIL released.
+
+        Hashing the vectors counts toward the modelled time rather than adding
+        to it. ``time.sleep`` returns late by the scheduler's wake-up latency
+        (about 0.2 ms on a shared VM, per sleep), which no GPU adds to a batch;
+        left alone it would make every batch longer than modelled, the more so
+        the more batches a policy runs. So each sleep is shortened by the
+        running mean of that lateness, and a batch lasts its modelled time on
+        average.
+        """
+        remaining = until - time.perf_counter()
+        if remaining <= 0:
+            return
+        asked = max(0.0, remaining - self._oversleep_s)
+        time.sleep(asked)
+        late = time.perf_counter() - until
+        self._oversleep_s = max(0.0, min(0.002, self._oversleep_s + 0.1 * late))
 
     def close(self) -> None:
         """Nothing to release; later runs raise, as with a freed device."""

@@ -40,12 +40,26 @@ import numpy as np
 
 from tokenq.shared import wire
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode, remote_error
-from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, CostModel, Packer
-from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_text
+from tokenq.shared.packer import (
+    DEFAULT_AGING_MS,
+    AdaptiveBudget,
+    Batch,
+    Budget,
+    CostModel,
+    Packer,
+)
+from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_priority, validate_text
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.pipeline.execute import FailedRun, Failure, adapt_budget, describe
-from tokenq.worker.pipeline.feed import feed_device, monotonic_ms
-from tokenq.worker.pipeline.pipeline import Admit, Job, OverLength, Pipeline, budget_for
+from tokenq.worker.pipeline.feed import DeviceFeed, monotonic_ms
+from tokenq.worker.pipeline.pipeline import (
+    Admit,
+    BatchOutcome,
+    Job,
+    OverLength,
+    Pipeline,
+    budget_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +118,17 @@ class Batcher:
         policy: OverLength = "truncate",
         chunk_overlap: int = 0,
         max_padding_ratio: float = 1.0,
+        aging_ms: float = DEFAULT_AGING_MS,
+        max_batch_ms: float | None = None,
     ) -> None:
         """The same knobs as ``tokenq worker``'s flags of the same names.
 
         ``cost_model`` None (or 'auto') follows ``backend.info.padded``;
         ``policy`` is what happens to an over-long input (truncate, reject, or
         chunk into windows, for embedding backends that can);
-        ``max_padding_ratio`` is the packer's padding guard.
+        ``max_padding_ratio`` is the packer's padding guard; ``aging_ms`` and
+        ``max_batch_ms`` are its priority aging and latency target (rules 1, 4
+        and 6 of ``tokenq.shared.packer``).
         """
         info = backend.info
         budget = budget_for(info, max_batch_tokens, max_batch_size, cost_model,
@@ -120,13 +138,23 @@ class Batcher:
         )
         try:
             self._packer: Packer[Job[_Pending]] = Packer(
-                budget, linger_ms, max_padding_ratio=max_padding_ratio
+                budget, linger_ms, max_padding_ratio=max_padding_ratio,
+                aging_ms=aging_ms, max_batch_ms=max_batch_ms,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         # Lowered after an out-of-memory error, raised slowly after clean
         # batches, never below one full-length input (docs/ARCHITECTURE.md).
         self._adaptive = AdaptiveBudget(max_batch_tokens, info.max_input_tokens)
+        self._feed: DeviceFeed[Job[_Pending], BatchOutcome[_Pending]] = DeviceFeed(
+            self._packer, self._execute,
+            flushing=lambda: self._closing,
+            finished=lambda: self._closing and not (
+                self._incoming or self._tokenizing or self._packer
+            ),
+            prune=self._prune,
+            name="tokenq-batcher-device",
+        )
         self.backend = backend
         self.max_request_bytes = max_request_bytes
         self.stats = BatcherStats()
@@ -136,11 +164,9 @@ class Batcher:
         """The chunk the tokenizer thread holds: out of ``_incoming``, not yet in the packer."""
         self._stopped: Failure | None = None
         """Set when a task died; what every later answer becomes."""
-        self._in_flight: list[_Pending] = []
         self._abandoned = False
         self._closing = False
         self._wake_tokenizer = asyncio.Event()
-        self._wake_device = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -152,7 +178,8 @@ class Batcher:
     # ----------------------------------------------------------------- callers
 
     async def submit(
-        self, text: str, text_pair: str | None = None, *, timeout_s: float | None = None
+        self, text: str, text_pair: str | None = None, *, timeout_s: float | None = None,
+        priority: int = 0,
     ) -> np.ndarray:
         """The model's output for one input.
 
@@ -161,10 +188,11 @@ class Batcher:
         with the request's code when it fails: ``too_long`` under the reject
         policy, ``deadline_exceeded`` when ``timeout_s`` passes before it
         runs, or the backend's failure on this input (other requests are not
-        affected).
+        affected). ``priority`` (0-9) puts it ahead of lower classes, as a
+        request's ``priority`` field does on a queue.
         """
         self._check(text, text_pair)
-        return await self._enqueue(text, text_pair, timeout_s).future
+        return await self._enqueue(text, text_pair, timeout_s, validate_priority(priority)).future
 
     @overload
     async def submit_many(
@@ -174,6 +202,7 @@ class Batcher:
         *,
         return_exceptions: Literal[False] = False,
         timeout_s: float | None = None,
+        priority: int = 0,
     ) -> list[np.ndarray]: ...
 
     @overload
@@ -184,6 +213,7 @@ class Batcher:
         *,
         return_exceptions: Literal[True],
         timeout_s: float | None = None,
+        priority: int = 0,
     ) -> list[np.ndarray | BaseException]: ...
 
     async def submit_many(
@@ -193,6 +223,7 @@ class Batcher:
         *,
         return_exceptions: bool = False,
         timeout_s: float | None = None,
+        priority: int = 0,
     ) -> list[np.ndarray] | list[np.ndarray | BaseException]:
         """Outputs for many inputs, in order; batched together with everyone else's.
 
@@ -211,8 +242,10 @@ class Batcher:
             pairs = list(text_pairs)
         for index, (text, pair) in enumerate(zip(texts, pairs, strict=True)):
             self._check(text, pair, where=f"[{index}]")
+        priority = validate_priority(priority)
         queued = [
-            self._enqueue(text, pair, timeout_s) for text, pair in zip(texts, pairs, strict=True)
+            self._enqueue(text, pair, timeout_s, priority)
+            for text, pair in zip(texts, pairs, strict=True)
         ]
         futures = [pending.future for pending in queued]
         results = await asyncio.gather(*futures, return_exceptions=True)
@@ -226,7 +259,7 @@ class Batcher:
         """Stop taking input, answer everything already submitted, then return."""
         self._closing = True
         self._wake_tokenizer.set()
-        self._wake_device.set()
+        self._feed.wake()
         if not self._tasks:
             return
         outcomes = await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -254,10 +287,12 @@ class Batcher:
                 raise BadRequest(f"text_pair{where}: {why}")
             validate_text(text_pair, f"text_pair{where}", self.max_request_bytes)
 
-    def _enqueue(self, text: str, text_pair: str | None, timeout_s: float | None) -> _Pending:
+    def _enqueue(
+        self, text: str, text_pair: str | None, timeout_s: float | None, priority: int
+    ) -> _Pending:
         loop = self._start()
         deadline = None if timeout_s is None else _epoch_ms() + int(timeout_s * 1000)
-        request = _request(str(next(self._ids)), text, text_pair)
+        request = _request(str(next(self._ids)), text, text_pair, priority)
         pending = _Pending(request, deadline, monotonic_ms(), loop.create_future())
         pending.future.add_done_callback(self._on_future_done)
         self._incoming.append(pending)
@@ -311,13 +346,12 @@ class Batcher:
                     self._answer(item.ref, Failure(
                         ErrorCode.BAD_REQUEST.value, f"the batcher could not take this input: {why}"
                     ))
-                for job in admitted.jobs:
-                    if self._stopped is not None:
+                if self._stopped is not None:
+                    for job in admitted.jobs:
                         self._answer(job.ref, self._stopped)
-                    else:
-                        self._packer.add(job.encoding.length, job.arrived_ms, job)
+                else:
+                    self._feed.add(admitted.jobs)
                 self._tokenizing = []
-                self._wake_device.set()
         except BaseException as exc:
             self._fail_everything(exc)
             raise
@@ -326,33 +360,29 @@ class Batcher:
 
     async def _device_task(self) -> None:
         try:
-            await feed_device(
-                self._packer, self._wake_device, self._run,
-                flushing=lambda: self._closing,
-                finished=lambda: self._closing and not (
-                    self._incoming or self._tokenizing or self._packer
-                ),
-                prune=self._prune,
-            )
+            await self._feed.run(self._settle)
         except BaseException as exc:
             self._fail_everything(exc)
             raise
 
     def _prune(self) -> None:
-        """Drop what callers gave up on (cancelled, timed out) before costing a batch."""
+        """Drop what callers gave up on (cancelled, timed out) before costing a batch.
+
+        Runs in the device thread, under the feed's lock: it only reads the
+        futures' state.
+        """
         if self._abandoned:
             self._abandoned = False
             self._packer.remove_where(lambda job: job.ref.future.done())
 
-    async def _run(self, batch: Batch[Job[_Pending]]) -> None:
-        jobs = batch.payloads
-        self._in_flight = [job.ref for job in jobs]
-        try:
-            outcome = await asyncio.to_thread(self._pipeline.run_batch, jobs, _epoch_ms())
-        finally:
-            self._in_flight = []
-        self._account(batch, outcome.failed_runs)
+    def _execute(self, batch: Batch[Job[_Pending]]) -> BatchOutcome[_Pending]:
+        """Run one batch and adapt the budget (in the device thread, which alone changes it)."""
+        outcome = self._pipeline.run_batch(batch.payloads, _epoch_ms())
         adapt_budget(self._adaptive, self._packer, outcome.ooms, "batcher")
+        return outcome
+
+    async def _settle(self, batch: Batch[Job[_Pending]], outcome: BatchOutcome[_Pending]) -> None:
+        self._account(batch, outcome.failed_runs)
         for done in outcome.answered:
             self._answer(done.ref, done.result)
 
@@ -391,19 +421,20 @@ class Batcher:
         doomed = [
             *self._incoming,
             *self._tokenizing,
-            *self._in_flight,
-            *(item.payload.ref for item in self._packer),
+            *(job.ref for job in self._feed.held()),
         ]
         self._incoming.clear()
         self._tokenizing = []
-        self._packer.remove_where(lambda _: True)
+        self._feed.remove_where(lambda _: True)
         for pending in doomed:
             self._answer(pending, failure)
         # Wake the other task so it notices the shutdown.
         self._wake_tokenizer.set()
-        self._wake_device.set()
+        self._feed.wake()
 
 
-def _request(request_id: str, text: str, text_pair: str | None) -> wire.Request:
+def _request(request_id: str, text: str, text_pair: str | None, priority: int) -> wire.Request:
     """A submitted input as the pipeline's request (no reply key: the answer is a future)."""
-    return wire.Request(id=request_id, text=text, tokens=0, reply_to="", text_pair=text_pair)
+    return wire.Request(id=request_id, text=text, tokens=0, reply_to="", text_pair=text_pair,
+                        priority=priority)
+

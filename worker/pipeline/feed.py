@@ -1,24 +1,46 @@
-"""Keeping the device fed: the one scheduling loop both batching loops run.
+"""Keeping the device fed: the packer behind a lock, and the thread that runs its batches.
 
-The pipeline's only asyncio piece. Whenever the device is idle, ask the
-packer for a batch; run it (one batch on the device at a time: the budget is
-the memory bound, so two in flight would double it); when the packer holds
-an unsealed batch, wait until its ``ready_at`` (linger) or until new input
-wakes the loop. The Redis worker and the in-process batcher pass what
-differs: how to run a batch, when to flush, when they are done.
+Both batching loops (the Redis worker and the in-process batcher) run their
+device through a :class:`DeviceFeed`. A dedicated device thread asks the
+packer for the next batch the moment the last one finishes, runs it, hands
+the result to the event loop, and asks again. Why a thread that picks for
+itself, rather than the event loop picking and handing each batch to a
+thread: that hand-off costs two thread switches and a turn of the event
+loop per batch (a millisecond or more between batches when the loop is
+busy reading and publishing), and during it the device waits. Here the
+event loop only adds input and settles results; the device thread never
+waits for it.
+
+Rules it keeps:
+
+* one batch on the device at a time (the budget is the memory bound: two in
+  flight would double it);
+* the packer still chooses as late as possible: the pick happens when the
+  device frees, under the lock, with everything added up to that instant;
+* an unsealed batch lingers until the packer's ``ready_at``, or until new
+  input or a flush wakes the thread (a condition variable: no selector
+  rounding on the linger);
+* results are settled on the event loop, in order; at most
+  ``max_unsettled`` wait there, so a stalled loop stalls the device rather
+  than piling up results.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from tokenq.shared.packer import Batch, Packer
 
+if TYPE_CHECKING:
+    from tokenq.worker.pipeline.pipeline import Job
+
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 def monotonic_ms() -> float:
@@ -35,32 +57,186 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
         await asyncio.wait_for(event.wait(), timeout)
 
 
-async def feed_device(
-    packer: Packer[T],
-    wake: asyncio.Event,
-    run: Callable[[Batch[T]], Awaitable[Any]],
-    *,
-    flushing: Callable[[], bool],
-    finished: Callable[[], bool],
-    prune: Callable[[], None] | None = None,
-) -> None:
-    """Run the packer's batches one at a time until ``finished()`` holds with none ready.
+class _Done:
+    """What the device thread posts last: it stopped, and why (None: finished)."""
 
-    ``wake`` is set by whoever adds input (or stops the loop); ``flushing()``
-    lets an unsealed batch go without lingering (stopping, closing);
-    ``prune`` drops abandoned input before each pick.
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+class DeviceFeed(Generic[T, R]):
+    """A packer shared by the event loop (which adds) and a device thread (which takes).
+
+    ``execute(batch)`` runs in the device thread and returns what ``settle``
+    then receives on the event loop. ``flushing()`` lets an unsealed batch go
+    without lingering (stopping, closing); ``finished()`` says no more input
+    will come, so the thread ends once the packer has nothing ready; ``prune()``
+    drops abandoned input before each pick (under the lock). All three are
+    called from the device thread and must only read plain flags.
+    ``on_take()`` runs on the event loop each time a batch leaves the packer
+    (the buffer has room again).
     """
-    while True:
-        if prune is not None:
-            prune()
-        now = monotonic_ms()
-        batch = packer.next_batch(now, flush=flushing())
-        if batch is not None:
-            await run(batch)
-            continue
-        if finished():
-            return
-        ready = packer.ready_at()
-        timeout = None if ready is None else max(0.0, (ready - now) / 1000.0)
-        wake.clear()
-        await wait_event(wake, timeout)
+
+    def __init__(
+        self,
+        packer: Packer[T],
+        execute: Callable[[Batch[T]], R],
+        *,
+        flushing: Callable[[], bool],
+        finished: Callable[[], bool],
+        prune: Callable[[], None] | None = None,
+        on_take: Callable[[], None] | None = None,
+        max_unsettled: int = 4,
+        name: str = "tokenq-device",
+    ) -> None:
+        self.packer = packer
+        self._execute = execute
+        self._flushing = flushing
+        self._finished = finished
+        self._prune = prune
+        self._on_take = on_take
+        self._name = name
+        self._lock = threading.Condition()
+        self._unsettled = threading.Semaphore(max_unsettled)
+        self._running: Batch[T] | None = None
+        self._unsettled_batches: list[Batch[T]] = []
+        """Batches whose results are on their way to ``settle`` (still held, not answered)."""
+        self._cancelled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._results: asyncio.Queue[tuple[Batch[T], R] | _Done] | None = None
+
+    # ------------------------------------------------------- event loop side
+
+    def add(self, jobs: Iterable[Job[Any]]) -> None:
+        """Buffer pipeline jobs (their exact length, arrival and priority) and wake the thread."""
+        with self._lock:
+            for job in jobs:
+                self.packer.add(job.encoding.length, job.arrived_ms, job, job.request.priority)
+            self._lock.notify()
+
+    def wake(self) -> None:
+        """Make the device thread look again (a flag it reads changed)."""
+        with self._lock:
+            self._lock.notify()
+
+    def remove_where(self, predicate: Callable[[T], bool]) -> list[T]:
+        """Take out every buffered payload that matches."""
+        with self._lock:
+            return [item.payload for item in self.packer.remove_where(predicate)]
+
+    def held(self) -> list[T]:
+        """Every payload buffered, on the device, or ran and not settled (a snapshot).
+
+        A batch whose result a cancel dropped stays here: it was never
+        answered, and whoever cancelled may still answer it.
+        """
+        with self._lock:
+            held = [item.payload for item in self.packer]
+            for batch in (self._running, *self._unsettled_batches):
+                if batch is not None:
+                    held += batch.payloads
+            return held
+
+    def running(self) -> list[T]:
+        """The payloads of the batch on the device now (empty when idle)."""
+        batch = self._running
+        return [] if batch is None else batch.payloads
+
+    def __len__(self) -> int:
+        return len(self.packer)
+
+    async def run(self, settle: Callable[[Batch[T], R], Awaitable[None]]) -> None:
+        """Start the device thread and settle its results until it finishes.
+
+        Raises what ``execute`` raised (the device thread stops at once). When
+        this coroutine is cancelled the thread stops after the batch it is
+        running, whose result is dropped, as a cancelled caller's would be.
+        """
+        self._loop = asyncio.get_running_loop()
+        self._results = asyncio.Queue()
+        self._cancelled = False
+        thread = threading.Thread(target=self._device_thread, name=self._name, daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = await self._results.get()
+                if isinstance(item, _Done):
+                    thread.join()  # posting _Done was its last act: this returns at once
+                    if item.error is not None:
+                        raise item.error
+                    return
+                try:
+                    await settle(*item)
+                finally:
+                    with self._lock:
+                        self._unsettled_batches.remove(item[0])
+                    self._unsettled.release()
+        finally:
+            with self._lock:
+                self._cancelled = True
+                self._lock.notify()
+            self._unsettled.release()  # in case the thread waits for room
+
+    # ---------------------------------------------------------- device thread
+
+    def _device_thread(self) -> None:
+        error: BaseException | None = None
+        try:
+            while True:
+                self._unsettled.acquire()
+                batch = self._next()
+                if batch is None:
+                    break
+                if self._on_take is not None:
+                    self._call_on_loop(self._on_take)
+                started = time.perf_counter()
+                try:
+                    result = self._execute(batch)
+                except BaseException:
+                    with self._lock:
+                        self._running = None
+                    raise
+                elapsed_ms = (time.perf_counter() - started) * 1000.0
+                with self._lock:
+                    self._running = None
+                    self._unsettled_batches.append(batch)
+                    self.packer.observe(batch.cost, elapsed_ms)
+                if not self._post((batch, result)):
+                    return
+        except BaseException as exc:  # the loop raises it: a worker failure, not a request's
+            error = exc
+        self._post(_Done(error))
+
+    def _next(self) -> Batch[T] | None:
+        """Wait for the packer's next batch; None once finished (or cancelled)."""
+        with self._lock:
+            while not self._cancelled:
+                if self._prune is not None:
+                    self._prune()
+                now = monotonic_ms()
+                batch = self.packer.next_batch(now, flush=self._flushing())
+                if batch is not None:
+                    self._running = batch
+                    return batch
+                if self._finished():
+                    return None
+                ready = self.packer.ready_at()
+                self._lock.wait(None if ready is None else max(0.0, (ready - now) / 1000.0))
+            return None
+
+    def _post(self, item: tuple[Batch[T], R] | _Done) -> bool:
+        """Hand ``item`` to the event loop; False when the loop is gone."""
+        results = self._results
+        return results is not None and self._call_on_loop(results.put_nowait, item)
+
+    def _call_on_loop(self, callback: Callable[..., object], *args: object) -> bool:
+        loop = self._loop
+        if loop is None or self._cancelled:
+            return False
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed under us
+            return False
+        return True

@@ -1,0 +1,255 @@
+"""Suite ``mixed-latency``: what short queries wait behind long passages, with and without priority.
+
+The seed scenario (half ~20-token queries, half ~1,500-token passages, the
+seed suite's simulated GPU) as a service sees it rather than as a backlog: a
+CLOSED loop of 32 callers, each an asyncio task sharing one
+:class:`~tokenq.producer.AsyncClient`, each sending one request, waiting for
+its reply and sending the next, for a fixed time. Each caller picks its next
+request's class at random (seeded, 50/50), so about 16 passages and 16
+queries are in flight at any moment. A passage costs the device ~75 times a
+query, so in arrival order a query mostly waits for the passage batches
+ahead of it; that wait, not its own few microseconds of device time, is its
+latency.
+
+Two settings, each a fresh tokenq worker process on the same device model
+as the seed suite (2 ms per batch + 1 us per padded token, 16,384 tokens of
+4,096 bytes), ``--max-batch-tokens 8192`` and the default linger:
+
+* ``no-priority``: every request priority 0 (arrival order);
+* ``priority``: queries ``priority=1``, passages 0. A query then stands in
+  line as if it had come ``aging_ms`` earlier, so it goes ahead of the
+  passages that came less than that before it, while a passage at the head
+  of the line ``aging_ms`` long is never passed over (the aging bound), so
+  passages slow down but do not starve.
+
+Each setting gives a row per class (query, passage) and one for all
+requests: replies per second and useful (sim) tokens per second over the
+run's span, and latency from the ``infer`` call to its return
+(``time.perf_counter`` in this process, so it includes the producer's own
+work), the first ``WARMUP`` of each class's requests left out of the
+percentiles. The closed loop fixes the concurrency rather than the rate: a
+setting that answers queries sooner also gets more queries to answer.
+
+The suite also runs on an older tokenq whose producer has no ``priority``
+keyword (``run.py mixed-latency --baseline REV`` runs this file on REV's
+package): then the ``priority`` setting is sent without it, the same load
+as ``no-priority``, and its rows and the config say ``priority_supported:
+false``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import harness
+from suite_seed import CAPACITY_TOKENS, SIM
+from texts import seed_mix
+
+from tokenq.producer import AsyncClient
+from tokenq.worker.tooling.embedded import RedisServer
+
+CALLERS = 32
+SECONDS = {"tiny": 2.0, "small": 8.0, "full": 25.0}
+POOL = 256
+"""Distinct texts to draw from (half of each class); callers pick among them at random."""
+BUDGET = 8192
+WARMUP = 0.05
+"""Fraction of each class's first requests (by send time) left out of its percentiles."""
+TIMEOUT_S = 30.0
+SEED = 5
+PASSAGE_MIN = 100
+"""Sim length above which a text of the seed mix is a passage (they are 1,350-1,650)."""
+SETTINGS = {"no-priority": {"query": 0, "passage": 0}, "priority": {"query": 1, "passage": 0}}
+CLASSES = ("query", "passage")
+COLUMNS = [
+    "setting", "requests", "requests_per_s", "useful_tokens_per_s", "p50_ms", "p99_ms",
+    "max_ms", "failed",
+]
+
+
+def priority_supported() -> bool:
+    """Whether the tokenq imported here takes ``priority=`` on ``infer``."""
+    try:
+        from tokenq.producer import options
+    except ImportError:
+        return False
+    declared = getattr(getattr(options, "RequestOptions", None), "__optional_keys__", ())
+    return "priority" in declared
+
+
+def worker_default(name: str) -> float | None:
+    """A worker setting's default in the tokenq imported here (None: it has no such setting)."""
+    try:
+        from tokenq.shared.settings import WorkerSettings
+
+        return float(WorkerSettings.model_fields[name].default)
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
+@dataclass(slots=True)
+class Call:
+    """One request as its caller saw it."""
+
+    cls: str
+    tokens: int
+    sent: float
+    done: float
+    ok: bool
+    error: str | None = None
+
+
+def pools(seed: int = 21) -> dict[str, list[tuple[str, int]]]:
+    """The seed mix's texts by class, each with its exact sim length."""
+    mix = seed_mix(POOL, seed=seed)
+    out: dict[str, list[tuple[str, int]]] = {cls: [] for cls in CLASSES}
+    for text, length in zip(mix.texts, mix.lengths, strict=True):
+        out["passage" if length > PASSAGE_MIN else "query"].append((text, length))
+    return out
+
+
+async def closed_loop(
+    redis_url: str, queue: str, texts: dict[str, list[tuple[str, int]]],
+    priorities: dict[str, int] | None, seconds: float, seed: int,
+) -> tuple[list[Call], float, float]:
+    """``CALLERS`` tasks on one AsyncClient for ``seconds``; every call, the clock's start and end.
+
+    ``priorities`` None: send no ``priority`` keyword at all (an older tokenq).
+    """
+    calls: list[Call] = []
+    async with AsyncClient(redis_url=redis_url, queue=queue, max_queue_length=0) as client:
+        await client.config()  # load the queue's config before the clock starts
+        start = time.perf_counter()
+        stop = start + seconds
+
+        async def caller(index: int) -> None:
+            rng = random.Random(seed * 1000 + index)
+            while time.perf_counter() < stop:
+                cls = rng.choice(CLASSES)
+                text, tokens = rng.choice(texts[cls])
+                options = {} if priorities is None else {"priority": priorities[cls]}
+                sent = time.perf_counter()
+                try:
+                    await client.infer(text, timeout_s=TIMEOUT_S, **options)
+                except Exception as exc:  # a failed request is a figure, not a crash
+                    calls.append(Call(cls, tokens, sent, time.perf_counter(), False,
+                                      type(exc).__name__))
+                else:
+                    calls.append(Call(cls, tokens, sent, time.perf_counter(), True))
+
+        await asyncio.gather(*(caller(i) for i in range(CALLERS)))
+    end = max((call.done for call in calls), default=start)
+    return calls, start, end
+
+
+def class_row(name: str, calls: list[Call], span: float) -> dict[str, Any]:
+    """Figures of some calls (one class, or all), warm-up left out of the percentiles."""
+    kept: list[Call] = []
+    for cls in CLASSES:
+        mine = sorted((c for c in calls if c.cls == cls), key=lambda c: c.sent)
+        kept += mine[int(len(mine) * WARMUP):]
+    latencies = sorted((c.done - c.sent) * 1000.0 for c in kept if c.ok)
+    ok = [c for c in calls if c.ok]
+    return {
+        "setting": name,
+        "requests": len(calls),
+        "requests_per_s": round(len(ok) / span, 1) if span > 0 else None,
+        "useful_tokens_per_s": round(sum(c.tokens for c in ok) / span, 0) if span > 0 else None,
+        "p50_ms": _round(harness.percentile(latencies, 50)),
+        "p99_ms": _round(harness.percentile(latencies, 99)),
+        "max_ms": _round(latencies[-1] if latencies else None),
+        "failed": len(calls) - len(ok),
+        "errors": sorted({c.error for c in calls if c.error}),
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def run_setting(
+    server: RedisServer, workdir: Path, setting: str, size: str,
+    texts: dict[str, list[tuple[str, int]]], supported: bool,
+) -> list[dict[str, Any]]:
+    """A fresh worker, one closed-loop run; a row per class and one for all."""
+    queue = harness.new_queue(setting)
+    flags = [
+        "--backend", "sim_probe:factory", *harness.sim_flags(SIM),
+        "--max-batch-tokens", str(BUDGET),
+    ]
+    worker = harness.start_tokenq(server, queue, workdir, setting, flags)
+    priorities = SETTINGS[setting] if supported else None
+    with harness.running([worker], server.url):
+        # The same seed in every setting: caller k's n-th request is of the same class.
+        calls, start, end = asyncio.run(
+            closed_loop(server.url, queue, texts, priorities, SECONDS[size], seed=SEED)
+        )
+    span = end - start
+    totals = harness.batch_totals(worker.batches())
+    device = worker.sim_stats() or {}
+    rows = []
+    for cls in (*CLASSES, "all"):
+        mine = calls if cls == "all" else [c for c in calls if c.cls == cls]
+        row = class_row(f"{setting} {cls}", mine, span)
+        row.update({"mode": setting, "class": cls}, priority_supported=supported)
+        rows.append(row)
+    rows[-1].update(
+        seconds=round(span, 3),
+        batches=totals["batches"],
+        mean_rows=totals["mean_rows"],
+        mean_batch_ms=totals["mean_batch_ms"],
+        padding_efficiency=totals["padding_efficiency"],
+        oom_events=device.get("oom_events"),
+        device_busy=round(device.get("busy_s", 0.0) / span, 3) if span > 0 else None,
+    )
+    return rows
+
+
+def run(size: str) -> dict[str, Any]:
+    texts = pools()
+    supported = priority_supported()
+    rows: list[dict[str, Any]] = []
+    with harness.private_redis() as server, tempfile.TemporaryDirectory() as tmp:
+        for setting in SETTINGS:
+            rows += run_setting(server, Path(tmp), setting, size, texts, supported)
+    by = {row["setting"]: row for row in rows}
+    notes = []
+    for cls in CLASSES:
+        base, prio = by[f"no-priority {cls}"]["p50_ms"], by[f"priority {cls}"]["p50_ms"]
+        if base and prio:
+            notes.append(f"{cls} p50, priority / no-priority: x{prio / base:.2f} "
+                         f"({prio:.1f} vs {base:.1f} ms)")
+    base_all = by["no-priority all"]["requests_per_s"]
+    prio_all = by["priority all"]["requests_per_s"]
+    if base_all and prio_all:
+        notes.append(f"all requests/s, priority / no-priority: x{prio_all / base_all:.2f}")
+    if not supported:
+        notes.append("this tokenq has no priority keyword: the priority setting ran without it")
+    return {
+        "columns": COLUMNS,
+        "rows": rows,
+        "config": {
+            "callers": CALLERS,
+            "seconds_per_setting": SECONDS[size],
+            "mix": "50/50 random per request: queries 12-28 tokens, passages 1,350-1,650",
+            "pool": {cls: len(group) for cls, group in texts.items()},
+            "priorities": SETTINGS,
+            "priority_supported": supported,
+            "aging_ms": worker_default("aging_ms"),
+            "sim": SIM,
+            "capacity_tokens": CAPACITY_TOKENS,
+            "max_batch_tokens": BUDGET,
+            "linger_ms": worker_default("linger_ms"),
+            "warmup_fraction": WARMUP,
+            "timeout_s": TIMEOUT_S,
+            "load": "closed loop: each caller sends its next request when its last returns",
+            "latency": "AsyncClient.infer call to its return (time.perf_counter)",
+        },
+        "notes": notes,
+    }
