@@ -369,7 +369,7 @@ class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
         32, ge=0, description="chunk policy: tokens shared by consecutive windows"
     )
     read_ahead_budgets: float = Field(
-        2.0, gt=0, description="read at most this many budgets of estimated tokens ahead"
+        4.0, gt=0, description="read at most this many budgets of estimated tokens ahead"
     )
     block_ms: int = Field(
         1000, ge=1, description="XREADGROUP BLOCK time; kept below --socket-timeout-s"

@@ -781,7 +781,7 @@ def _batch_record(
 
 def _entry_bytes(fields: dict[bytes, bytes]) -> int:
     """What an entry costs the worker to hold: the raw size of its fields."""
-    return sum(len(name) + len(value) for name, value in fields.items())
+    return sum(map(len, fields)) + sum(map(len, fields.values()))
 
 
 async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task[None]) -> None:
