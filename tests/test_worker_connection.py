@@ -1,0 +1,43 @@
+"""The worker's connection packs commands in C (hiredis) exactly as redis-py would in Python."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from redis.asyncio.connection import Connection
+from redis.exceptions import DataError
+
+from tokenq.shared.settings import WorkerSettings
+from tokenq.worker.connection import HiredisPacking, connect
+
+pytest.importorskip("hiredis")
+
+arguments = st.one_of(
+    st.binary(max_size=64), st.text(max_size=32), st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+)
+
+
+class Packed(HiredisPacking, Connection):
+    pass
+
+
+@given(st.sampled_from(["EVALSHA", "XREADGROUP", "SCRIPT LOAD", b"XACK", b"CLIENT SETNAME"]),
+       st.lists(arguments, max_size=12))
+def test_hiredis_packing_is_byte_for_byte_redis_pys(command: str | bytes, args: list) -> None:
+    expected = b"".join(Connection().pack_command(command, *args))
+    assert b"".join(Packed().pack_command(command, *args)) == expected
+
+
+def test_what_hiredis_refuses_gets_redis_pys_error() -> None:
+    with pytest.raises(DataError):
+        Packed().pack_command("SET", "key", True)
+
+
+def test_the_workers_client_packs_in_c_whatever_the_url_scheme() -> None:
+    for url in ("redis://127.0.0.1:6379/0", "rediss://127.0.0.1:6380/0", "unix:///tmp/r.sock"):
+        client = connect(WorkerSettings(redis_url=url, queue="q", backend="sim"))
+        connection_class = client.connection_pool.connection_class
+        assert issubclass(connection_class, HiredisPacking), url
+        assert connection_class.__mro__[2].__name__.endswith("Connection"), url
