@@ -3,7 +3,7 @@
 Why a guess at all: the producer runs in a web backend that must not load a
 tokenizer (no torch, no transformers, no 500 MB of vocabulary per process),
 yet the worker wants a token count with every request so it can read "about
-two budgets of estimated tokens ahead" without tokenizing what it may never
+four budgets of estimated tokens ahead" without tokenizing what it may never
 run. The worker tokenizes exactly before packing, so this number only steers
 read-ahead; it must be cheap, roughly right, and never zero.
 
@@ -42,27 +42,33 @@ and reranking models use) does to text, calibrated against
 * **Special tokens**: ``[CLS] ... [SEP]`` adds 2; a pair adds a second
   ``[SEP]``, so 3.
 
-How it counts, fast: no Python code runs per word, only per distinct word
-length (a ``Counter`` over lengths, in C), except that a text with letters of
-non-Latin scripts sorts its words into Latin and other in Python. ASCII text is counted on its
-bytes (``translate`` and ``split``); text of ASCII, CJK and punctuation
-likewise once the CJK and punctuation are counted and blanked; any other
-text is first mapped to a string of one-letter character classes (one
-``str.translate`` through a cached table) and counted on that. So an English
-1,500-token passage costs about 80 us, a Chinese-English text of 3,000
-characters about 50 us, and a text off those paths about 40 ns a character
-(docs/ESTIMATES.md). The rules themselves are
-checked word by word against these shortcuts in the tests. A caller whose
-model tokenizes very differently (a SentencePiece model, a byte-level BPE)
-plugs its own estimator into the client.
+How it counts, fast: no Python code runs per character, nor per word but,
+in a text with letters of non-Latin scripts, to find the words that hold
+them. Each view of a text (its Latin letters, its digits) is one
+``bytes.translate`` of its bytes (UTF-8, or one ``?`` a character when it
+is mostly CJK), and words are counted by deleting every group of 7 letters
+(4 digits) with ``bytes.replace`` and counting the groups deleted and the
+words left with ``bytes.count``; deleting the rest of ASCII leaves the
+one-token characters (punctuation, CJK). Characters no byte table can see
+as they are (an ``ã``, a ``〇``, an emoji) are looked for in that short
+remainder, not in the text, and each distinct one is replaced all through
+the text by an ASCII stand-in of its class (``str.replace``). A text with
+more than 32 distinct ones (Russian, Greek, Hindi prose) is instead mapped
+to a string of one-letter classes first (one ``str.translate`` through a
+cached table, the slowest path). On the benchmark's seed mix this costs a
+quarter of what counting word lengths did, and a ``〇`` beside Chinese no
+longer makes a text five times dearer (docs/ESTIMATES.md). The rules
+themselves are checked word by word against every path in the tests. A
+caller whose model tokenizes very differently (a SentencePiece model, a
+byte-level BPE) plugs its own estimator into the client.
 """
 
 from __future__ import annotations
 
 import re
 import unicodedata
-from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 SPECIAL_TOKENS = 2
 """``[CLS]`` and ``[SEP]`` around a single text."""
@@ -122,13 +128,240 @@ def _count(text: str) -> int:
     """Tokens of one text without special tokens."""
     if text.isascii():  # the common case: no CJK, marks or non-ASCII symbols to look for
         return _count_ascii(text.encode("ascii"))
-    if _BEYOND_ONE_EACH.search(text) is None:
-        # ASCII plus characters that are one token each and split words (CJK,
-        # punctuation): count those, blank them, and count the rest as ASCII.
-        data = text.encode("utf-8")
-        ascii_bytes = len(data.translate(None, _HIGH_BYTES))
-        return len(text) - ascii_bytes + _count_ascii(data.translate(_HIGH_TO_SPACE))
-    return _count_classes(text.translate(_CLASSES))
+    data = text.encode("utf-8", "surrogatepass")  # a lone surrogate is a character too
+    if len(data) > 2 * len(text):
+        # Mostly CJK: searched as it is, and counted one byte a character
+        # rather than three.
+        return _count_standing_in(text, text)
+    # Deleting the rest of ASCII leaves its punctuation and every non-ASCII
+    # character whole: a much shorter text to search than the text itself.
+    chars = data.translate(None, _NOT_ONE_EACH).decode("utf-8", "surrogatepass")
+    if _BEYOND_ONE_EACH.search(chars) is None:  # ASCII plus CJK and punctuation
+        return _tally(data, _TEXT_VIEWS, len(chars))
+    return _count_standing_in(text, chars)
+
+
+class _Views(NamedTuple):
+    """``bytes.translate`` tables that turn one alphabet into the runs the rules count.
+
+    Each table maps the bytes of its kind to one letter and every other byte
+    to a space, so that a run of that letter is a word of that kind.
+    """
+
+    latin: bytes
+    """Latin letters to ``a``: letters of other scripts end a run here."""
+    scripts: bytes
+    """Latin letters to ``a``, letters of other scripts to ``o``: whole words."""
+    digits: bytes
+    """Digits to ``a`` (the letter :func:`_run_tokens` counts runs of)."""
+    glued: bytes
+    """Symbols to ``s`` (glued runs count once)."""
+    invisible: bytes
+    """What to delete before finding glued runs: control and format characters."""
+
+
+def _table(kinds: dict[bytes, bytes]) -> bytes:
+    """A ``bytes.translate`` table: each byte of a key becomes its value, every other a space."""
+    table = bytearray(b" " * 256)
+    for keys, value in kinds.items():
+        for byte in keys:
+            table[byte] = value[0]
+    return bytes(table)
+
+
+_PUNCTUATION = bytes(c for c in range(0x21, 0x7f) if _ASCII_PUNCT.match(chr(c)))
+_NOT_ONE_EACH = bytes(c for c in range(0x80) if c not in _PUNCTUATION)
+"""Deleted from a text's UTF-8, these leave what costs one token per character
+(ASCII punctuation) and the non-ASCII characters whole."""
+_ASCII_LETTERS = bytes(range(ord("a"), ord("z") + 1)) + bytes(range(ord("A"), ord("Z") + 1))
+
+# Stand-ins for the classes of characters that ASCII has no example of. They
+# are control characters, which the rules count as spaces, so a text holding
+# one already cannot use them (it takes the class path instead).
+_OTHER_LETTER = "\x01"
+_SYMBOL = "\x02"
+_INVISIBLE = "\x03"
+_STAND_INS = {
+    "a": "a", "0": "0", " ": " ", "p": "!", "c": "!",
+    "o": _OTHER_LETTER, "s": _SYMBOL, "x": _INVISIBLE,
+}
+"""ASCII stand-in of each class of :class:`_Classes` but ``D``, a letter that is
+also a digit: its stand-in would have to be a digit in the digit view, which
+every text shares and where control characters are spaces."""
+_CONTROL_STAND_INS = (_OTHER_LETTER, _SYMBOL, _INVISIBLE)
+
+_TEXT_VIEWS = _Views(
+    latin=_table({_ASCII_LETTERS: b"a"}),
+    scripts=_table({_ASCII_LETTERS: b"a", _OTHER_LETTER.encode(): b"o"}),
+    digits=_table({b"0123456789": b"a"}),
+    glued=_table({_SYMBOL.encode(): b"s"}),
+    invisible=_INVISIBLE.encode(),
+)
+"""Views of a text's UTF-8 bytes whose characters are ASCII, one token each
+(CJK, punctuation) or ASCII stand-ins."""
+
+_CLASS_VIEWS = _Views(
+    latin=_table({b"a": b"a"}),
+    scripts=_table({b"a": b"a", b"oD": b"o"}),
+    digits=_table({b"0D": b"a"}),
+    glued=_table({b"s": b"s"}),
+    invisible=b"x",
+)
+"""Views of a class string (see :class:`_Classes`)."""
+
+_MAX_STAND_INS = 32
+"""Most distinct characters a text may have replaced by stand-ins; past it, the
+class path. Each costs about two passes over the text, so stand-ins cost as
+much as the class string at about 50 distinct characters of 6,000 (measured
+on Cyrillic words); at 32, French, Portuguese and Vietnamese prose come out
+4-6x cheaper than through the class string, and a text past the bound (Russian,
+Greek, Hindi prose) pays about a third more than the class path alone for
+having looked."""
+
+
+def _count_standing_in(text: str, haystack: str) -> int:
+    """:func:`_count` of a text that may hold characters the byte views cannot see as they are.
+
+    ``haystack`` holds every non-ASCII character of ``text`` (it is the text,
+    or just those and ASCII punctuation). Each distinct character outside
+    ASCII, CJK and one-token punctuation is replaced, all through the text,
+    by the ASCII stand-in of its class, and what is left outside ASCII
+    counts one token a character, like the ``?`` it is encoded as. Few
+    distinct ones (an accented name, a ``〇`` in Chinese) make a few
+    ``str.replace`` passes, far cheaper than classifying every character.
+    They are all found, in ``haystack`` (which shrinks as they go), before
+    any is replaced, so a text with too many pays for finding them only.
+    """
+    stand_ins: dict[str, str] = {}
+    found = _BEYOND_ONE_EACH.search(haystack)
+    while found is not None:
+        char = found.group()
+        stand_in = _STAND_INS.get(_CLASSES[ord(char)])
+        if stand_in is None or len(stand_ins) == _MAX_STAND_INS:
+            return _count_classes(text)
+        stand_ins[char] = stand_in
+        haystack = haystack.replace(char, "")
+        found = _BEYOND_ONE_EACH.search(haystack, found.start())
+    used = set(stand_ins.values())
+    if not used.isdisjoint(_CONTROL_STAND_INS) and any(c in text for c in _CONTROL_STAND_INS):
+        return _count_classes(text)  # the text holds one itself, which the views would misread
+    for char, stand_in in stand_ins.items():
+        text = text.replace(char, stand_in)
+    return _count_ascii(
+        text.encode("ascii", "replace"), other=_OTHER_LETTER in used, symbols=_SYMBOL in used,
+    )
+
+
+def _count_ascii(data: bytes, *, other: bool = False, symbols: bool = False) -> int:
+    """:func:`_count` of a text as ASCII bytes, stand-ins included (see :func:`_tally`)."""
+    one_each = len(data.translate(None, _NOT_ONE_EACH))  # punctuation, and "?" for CJK
+    return _tally(data, _TEXT_VIEWS, one_each, other=other, symbols=symbols)
+
+
+def _count_classes(text: str) -> int:
+    """:func:`_count` of any text, through its class string (see :class:`_Classes`)."""
+    kinds = text.translate(_CLASSES).encode("ascii")
+    return _tally(
+        kinds, _CLASS_VIEWS, kinds.count(b"c") + kinds.count(b"p"),
+        other=b"o" in kinds or b"D" in kinds, symbols=b"s" in kinds,
+    )
+
+
+def _tally(
+    data: bytes, views: _Views, one_each: int, *, other: bool = False, symbols: bool = False,
+) -> int:
+    """Tokens of a text given as ``data`` in the alphabet of ``views``.
+
+    ``one_each`` is the number of characters that are one token each (CJK,
+    punctuation); ``other`` says whether there are letters of non-Latin
+    scripts, ``symbols`` whether there are symbols, so that a text without
+    them skips their passes.
+    """
+    tokens = (
+        one_each
+        + _run_tokens(data.translate(views.latin), _LATIN_PIECE)
+        # Numbers are sparse: joined first, they are counted on a short string.
+        + _run_tokens(b" ".join(data.translate(views.digits).split()), _DIGIT_PIECE)
+    )
+    if other:
+        tokens += _other_script_tokens(data.translate(views.scripts))
+    if symbols:
+        tokens += len(data.translate(views.glued, views.invisible).split())
+    return tokens
+
+
+_TOO_LONG = b"a" * (_MAX_WORD_CHARS + 1)
+
+
+def _run_tokens(runs: bytes, piece: int) -> int:
+    """Tokens of the runs of ``a`` in ``runs`` (every other byte a space) as words that
+    split into a first piece and one per further ``piece`` characters.
+
+    A word of n letters is ceil(n / piece) tokens. Deleting every group of
+    ``piece`` letters (``bytes.replace``, left to right) leaves each word's
+    remainder, so the groups deleted plus the runs left is the count: no
+    Python per word, and no word objects (splitting into words and counting
+    their lengths cost twice as much). A text with a word over the WordPiece
+    limit (rare: a hash, a blob) is counted word by word instead.
+    """
+    if _TOO_LONG in runs:
+        return _pieces(runs.split(), piece)
+    rest = runs.replace(b"a" * piece, b"")
+    groups = (len(runs) - len(rest)) // piece
+    return groups + rest.count(b"a ") + rest.endswith(b"a")  # ends: measured faster than starts
+
+
+_FEW_OTHER_LETTERS = 16
+"""Up to this many letters of other scripts, their words are found from each
+letter (Python per such word); past it, by splitting the text into words (C
+per word of the text), cheaper once such words are many."""
+
+
+def _other_script_tokens(scripts: bytes) -> int:
+    """What words holding letters of non-Latin scripts add to the Latin count.
+
+    ``scripts`` shows Latin letters as ``a`` and others as ``o``. Such a word
+    costs one token per 3 characters, not 7, over its whole length, while
+    the Latin count (which sees ``o`` as a space) counted its Latin
+    fragments: this is the difference.
+    """
+    if scripts.count(b"o") > _FEW_OTHER_LETTERS:
+        words = [word for word in scripts.split() if _O in word]
+    else:
+        words = list(_words_around(scripts, b"o"))
+    joined = b" ".join(words)
+    return (
+        _run_tokens(joined.translate(_WHOLE_WORDS), _OTHER_PIECE)
+        - _run_tokens(joined.translate(_LATIN_FRAGMENTS), _LATIN_PIECE)
+    )
+
+
+_O = ord("o")
+"""An int, not ``b"o"``: ``int in bytes`` is a ``memchr``, ten times faster."""
+_WHOLE_WORDS = _table({b"ao": b"a"})
+_LATIN_FRAGMENTS = _table({b"a": b"a"})
+
+
+def _words_around(runs: bytes, letter: bytes) -> Iterable[bytes]:
+    """The space-separated words of ``runs`` that hold ``letter``, found from each one."""
+    end = 0
+    while (at := runs.find(letter, end)) >= 0:
+        end = runs.find(b" ", at)
+        if end < 0:
+            end = len(runs)
+        yield runs[runs.rfind(b" ", 0, at) + 1:end]
+
+
+def _pieces(words: Sequence[bytes], piece: int) -> int:
+    """Tokens of words that split into a first piece and one per further ``piece`` characters.
+
+    A word over :data:`_MAX_WORD_CHARS` is one ``[UNK]``. Python per word, so
+    only for the rare text with such a word (see :func:`_run_tokens`).
+    """
+    return sum(
+        1 if length > _MAX_WORD_CHARS else 1 + (length - 1) // piece
+        for length in map(len, words)
+    )
 
 
 class _Classes(dict[int, str]):
@@ -173,52 +406,12 @@ def _classify(char: str) -> str:
 _CLASSES = _Classes()
 
 
-def _runs_of(keep: dict[str, str]) -> bytes:
-    """A ``bytes.translate`` table over class letters: ``keep`` mapped, the rest spaces."""
-    table = bytearray(b" " * 256)
-    for kind, mark in keep.items():
-        table[ord(kind)] = ord(mark)
-    return bytes(table)
-
-
-_LETTER_RUNS = _runs_of({"a": "a", "o": "o", "D": "o"})
-_DIGIT_RUNS = _runs_of({"0": "0", "D": "0"})
-_GLUED_RUNS = _runs_of({"s": "s", "x": "x"})
-
-
-def _count_classes(classes: str) -> int:
-    """:func:`_count` of a text from its class string (see :class:`_Classes`)."""
-    kinds = classes.encode("ascii")
-    words = kinds.translate(_LETTER_RUNS).split()
-    if b"o" in kinds or b"D" in kinds:
-        other = [word for word in words if b"o" in word]
-        latin = [word for word in words if b"o" not in word]
-        letters = _pieces(latin, _LATIN_PIECE) + _pieces(other, _OTHER_PIECE)
-    else:
-        letters = _pieces(words, _LATIN_PIECE)
-    return (
-        kinds.count(b"c")
-        + letters
-        + _pieces(kinds.translate(_DIGIT_RUNS).split(), _DIGIT_PIECE)
-        + kinds.count(b"p")
-        + len(kinds.translate(_GLUED_RUNS, b"x").split())
-    )
-
-
-def _only(keep: bytes, mark: int) -> bytes:
-    """A ``bytes.translate`` table: ``keep`` become ``mark``, every other byte a space."""
-    table = bytearray(b" " * 256)
-    for byte in keep:
-        table[byte] = mark
-    return bytes(table)
-
-
 def _one_token_punctuation() -> str:
     """Non-ASCII punctuation (``P*``) of the common blocks, as a character-class body.
 
     Each such character is split off as one token and ends any word it
-    touches, exactly like a CJK character, so texts of ASCII, CJK and these
-    take the fast path of :func:`_count`.
+    touches, exactly like a CJK character, so the byte tables need no stand-in
+    for it.
     """
     blocks = [(0x00A0, 0x00FF), (0x2000, 0x206F), (0x3000, 0x303F), (0xFE30, 0xFE4F),
               (0xFF00, 0xFFEF)]
@@ -230,37 +423,5 @@ def _one_token_punctuation() -> str:
 
 
 _BEYOND_ONE_EACH = re.compile(f"[^\x00-\x7f{_CJK_RANGES}{_one_token_punctuation()}]")
-"""A character outside ASCII, CJK and one-token punctuation (the fast paths' domain)."""
-_HIGH_BYTES = bytes(range(0x80, 0x100))
-_HIGH_TO_SPACE = bytes(range(0x80)) + b" " * 0x80
-
-_ASCII_LETTERS = bytes(range(ord("a"), ord("z") + 1)) + bytes(range(ord("A"), ord("Z") + 1))
-_ONLY_LETTERS = _only(_ASCII_LETTERS, ord("a"))
-_ONLY_DIGITS = _only(b"0123456789", ord("0"))
-_PUNCTUATION = bytes(c for c in range(0x21, 0x7f) if _ASCII_PUNCT.match(chr(c)))
-
-
-def _count_ascii(data: bytes) -> int:
-    """:func:`_count` of an ASCII text, by byte translation instead of regular expressions.
-
-    The same rules (letters, digits, ASCII punctuation are all there is), at
-    a tenth of the cost: ``translate`` and ``split`` find the runs in C.
-    """
-    return (
-        _pieces(data.translate(_ONLY_LETTERS).split(), _LATIN_PIECE)
-        + _pieces(data.translate(_ONLY_DIGITS).split(), _DIGIT_PIECE)
-        + len(data) - len(data.translate(None, _PUNCTUATION))
-    )
-
-
-def _pieces(words: Iterable[str | bytes], piece: int) -> int:
-    """Tokens of words that split into a first piece and one per further ``piece`` characters.
-
-    A word over :data:`_MAX_WORD_CHARS` is one ``[UNK]``. Counted per distinct
-    length (``Counter`` runs in C), so the cost does not grow with the words.
-    """
-    return sum(
-        count * (1 if length > _MAX_WORD_CHARS else 1 + (length - 1) // piece)
-        for length, count in Counter(map(len, words)).items()
-    )
-
+"""A character outside ASCII, CJK and one-token punctuation: one the byte tables
+cannot count as it is."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import unicodedata
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
@@ -97,8 +98,8 @@ def test_close_to_a_real_wordpiece_tokenizer() -> None:
 
 def _rules_word_by_word(text: str) -> int:
     """The module docstring's rules applied one word at a time: the plain reading of
-    them, against which the counting shortcuts (an ASCII path, word lengths counted
-    in C) must agree exactly."""
+    them, against which every counting shortcut (byte views, stand-ins, the class
+    string) must agree exactly."""
     cjk = len(est._CJK.findall(text))
     text = est._CJK.sub(" ", text) if cjk else text
     tokens = cjk
@@ -131,22 +132,126 @@ def _symbol_run(run: str) -> int:
     return tokens
 
 
+def _every_path(text: str) -> dict[str, int]:
+    """The count of ``text`` by each way :func:`est._count` has of counting it.
+
+    The dispatch picks one path per text; the others are forced here: the class
+    string for any text, stand-ins looked for in the whole text (as for mostly
+    CJK text) and for as many distinct characters as there are (the class path
+    is only a shortcut past many of them), and each of the two ways of finding
+    words of two scripts.
+    """
+    counts = {
+        "dispatch": est._count(text),
+        "classes": est._count_classes(text),
+        "stand-ins, found in the text itself": est._count_standing_in(text, text),
+    }
+    with patch.object(est, "_MAX_STAND_INS", 10**6), patch.object(est, "_FEW_OTHER_LETTERS", 0):
+        counts["stand-ins, words of other scripts by splitting"] = est._count(text)
+    with patch.object(est, "_FEW_OTHER_LETTERS", 10**6):
+        counts["words of other scripts one by one"] = est._count(text)
+        counts["classes, words of other scripts one by one"] = est._count_classes(text)
+    return counts
+
+
+def _agrees_with_the_rules(text: str) -> None:
+    counts = _every_path(text)
+    assert counts == dict.fromkeys(counts, _rules_word_by_word(text)), repr(text)
+
+
 PIECES = st.sampled_from([
     "a", "token", "tokenization", "x" * 7, "y" * 14, "z" * 101, "7", "2024", "12345678",
     "9" * 120, " ", "  ", "\n", ",", "-", "_", "é", "café", "naïve", "e\u0301", "Привет",
     "мир", "αβγ", "日本", "語", "한국어", "😀", "😀😀", "—", "“", "”", "╭─╮", "\u200d", "\u0301",
     "שלום", "مرحبا", "नमस्ते", "ไทย", "x1y2", "a_b", "，", "。", "、", "「", "」", "！", "·",
     "¿", "«", "\u3000", "々", "〒", "Ａ", "½", "²", "\x07", "\t",
+    "São", "ã", "〇", "〇〇", "二〇〇六", "ß", "œuvre", "ǅ", "ŉ", "ª", "µ", "×", "÷", "\xa0",
+    "\xad", "\x85", "\x01", "\x02", "\x03", "€", "©", "™", "٣", "०", "१२", "Ⅻ", "\ud800",
+    "\udfff", "\U0001f468\u200d\U0001f469", "\U00020000", "ß" * 101, "〇" * 102, "\u2028",
+    "ａｂｃ", "１２", "\ufeff", "\ue000", "\U000e0001", "ｶﾀｶﾅ",
 ])
 
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(PIECES, max_size=40).map("".join))
 def test_the_shortcuts_count_exactly_what_the_rules_say(text: str) -> None:
-    assert est._count(text) == _rules_word_by_word(text)
+    _agrees_with_the_rules(text)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=200))
 def test_the_shortcuts_agree_on_any_text(text: str) -> None:
-    assert est._count(text) == _rules_word_by_word(text)
+    _agrees_with_the_rules(text)
+
+
+BLOCKS = {
+    "ascii": (0x00, 0x7F), "latin-1": (0x80, 0xFF), "latin extended": (0x100, 0x24F),
+    "combining marks": (0x300, 0x36F), "greek and cyrillic": (0x370, 0x4FF),
+    "devanagari": (0x900, 0x97F), "thai": (0xE00, 0xE7F), "hangul jamo": (0x1100, 0x11FF),
+    "general punctuation": (0x2000, 0x206F), "symbols": (0x2100, 0x27FF),
+    "cjk punctuation": (0x3000, 0x303F), "kana": (0x3040, 0x30FF), "cjk": (0x4E00, 0x9FFF),
+    "hangul": (0xAC00, 0xD7AF), "surrogates": (0xD800, 0xDFFF), "private use": (0xE000, 0xE0FF),
+    "halfwidth and fullwidth": (0xFF00, 0xFFEF), "emoji": (0x1F300, 0x1F6FF),
+    "cjk extension b": (0x20000, 0x2A6DF),
+}
+
+
+def _word(blocks: list[str]) -> st.SearchStrategy[str]:
+    """A run of characters from ``blocks``: short, or over the WordPiece limit of 100."""
+    chars = st.one_of(*(
+        st.characters(min_codepoint=low, max_codepoint=high, categories=None)
+        for low, high in (BLOCKS[name] for name in blocks)
+    ))
+    short = st.text(chars, min_size=1, max_size=12)
+    long = st.tuples(chars, st.integers(95, 110)).map(lambda run: run[0] * run[1])
+    return st.one_of(short, short, short, long)
+
+
+@st.composite
+def mixed_scripts(draw: st.DrawFn) -> str:
+    """Words of a few scripts and kinds of character, glued or apart: a few distinct
+    characters outside ASCII, CJK and punctuation take stand-ins, many the class path."""
+    blocks = draw(st.lists(st.sampled_from(sorted(BLOCKS)), min_size=1, max_size=3, unique=True))
+    words = draw(st.lists(_word(blocks), max_size=12))
+    glue = draw(st.lists(st.sampled_from(["", " ", "  ", ",", "\n", "-"]), min_size=len(words),
+                         max_size=len(words)))
+    return "".join(word + between for word, between in zip(words, glue, strict=True))
+
+
+@settings(max_examples=400, deadline=None)
+@given(mixed_scripts())
+def test_every_path_agrees_on_mixed_scripts(text: str) -> None:
+    _agrees_with_the_rules(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # The seed mix's slow case: an accented letter or a 〇 beside Chinese and English.
+        "São Paulo 坝 体 于 二 〇〇 六 年 全 线 建 成 ， naïve café ½ 😀 \u200d",
+        # As many distinct letters as there may be stand-ins.
+        " ".join(map(chr, range(0x400, 0x400 + est._MAX_STAND_INS))),
+    ],
+)
+def test_a_few_distinct_characters_need_no_class_string(text: str) -> None:
+    with patch.object(est, "_count_classes", wraps=est._count_classes) as classes:
+        assert est._count(text) == _rules_word_by_word(text)
+    classes.assert_not_called()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # One distinct letter more than there may be stand-ins.
+        " ".join(map(chr, range(0x400, 0x401 + est._MAX_STAND_INS))),
+        # The text holds a control character that stands in for a class: the
+        # views would read it as that class, not as the space it is.
+        f"{est._SYMBOL} is the stand-in for symbols, so this 😀 cannot use it",
+        "〒\x03×",  # \x03 stands in for invisible characters, which glue symbols
+        "नमस्ते १२३",  # a letter that is also a digit
+    ],
+)
+def test_the_class_string_takes_what_stand_ins_cannot(text: str) -> None:
+    with patch.object(est, "_count_classes", wraps=est._count_classes) as classes:
+        assert est._count(text) == _rules_word_by_word(text)
+    classes.assert_called_once()
