@@ -15,11 +15,13 @@ Two tasks, as in the worker (and TEI's ``infer.rs``), joined by the packer:
 * the *tokenizer* task takes what ``submit`` queued, tokenizes it in a thread
   (in chunks, so tokenizing a large ``submit_many`` does not hold up the first
   batch) and adds it to the packer with its exact length;
-* the *device* task asks the packer for a batch whenever the device is idle,
-  runs it in a thread, and resolves each caller's future. While the device is
+* the *device* task runs a :class:`~tokenq.worker.pipeline.feed.DeviceFeed`:
+  its device thread takes the packer's next batch the moment the last one
+  finishes, and the task resolves each caller's future. While the device is
   busy, input accumulates in the packer, so the next batch is full; while it
-  is idle, an unsealed batch waits until ``packer.ready_at()`` (its oldest
-  request's arrival plus ``linger_ms``) for company.
+  is idle, an unsealed batch waits until ``packer.ready_at()`` (the head of
+  the line's arrival plus ``linger_ms``) for company. ``priority`` orders the
+  line as it does on a queue (``tokenq.shared.packer``, rule 1).
 
 The batcher does not own the backend: ``aclose`` drains what was submitted but
 does not close the backend.
