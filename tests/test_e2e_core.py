@@ -211,7 +211,9 @@ def test_sigterm_mid_load_loses_nothing(start_worker, r, queue_name):
     texts = [words(rng, rng.randint(5, 600)) for _ in range(3000)]
     reply_to = keys.reply(q, "term")
     ids = enqueue_raw(r, q, texts, reply_to)
-    slow = ("--sim-batch-ms", "5", "--sim-token-us", "0.5")
+    # ~3 s of device time for the 3,000 (about 900k tokens): the stop after 1 s
+    # lands mid-load however fast the worker feeds the device.
+    slow = ("--sim-batch-ms", "10", "--sim-token-us", "3")
     first = start_worker(*slow, name="first")
     time.sleep(1.0)
     assert first.terminate() == 0, first.output()
