@@ -322,14 +322,14 @@ class Packer(Generic[T]):
         """
         del now_ms  # the head's batch does not depend on time; kept for symmetry
         head = self.head()
-        return None if head is None else self._build(head, self._budget_now())
+        return None if head is None else self._build(head, self.budget_now())
 
     def _choose(self, now_ms: float, flush: bool) -> Batch[T] | None:
         """Rule 6: the head's batch, or another one that may go before it."""
         head = self.head()
         if head is None:
             return None
-        budget = self._budget_now()
+        budget = self.budget_now()
         first = self._build(head, budget)
         head_ready = self._ready(first, now_ms, flush)
         if head_ready and now_ms - head.arrived_ms >= self.aging_ms:
@@ -374,8 +374,9 @@ class Packer(Generic[T]):
         waited = max(0.0, now_ms - self.virtual_arrival(batch.items[0]))
         return (waited + estimate) / estimate
 
-    def _budget_now(self) -> Budget:
-        """The budget, capped by ``max_batch_ms`` once the time model has learned (rule 4)."""
+    def budget_now(self) -> Budget:
+        """The budget batches are packed under now: ``budget``, capped by
+        ``max_batch_ms`` once the time model has learned (rule 4)."""
         if self.max_batch_ms is None:
             return self.budget
         cap = self.timer.cost_within(self.max_batch_ms)

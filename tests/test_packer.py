@@ -481,6 +481,7 @@ def test_max_batch_ms_caps_every_batch_once_the_time_model_has_learned(
     fill(packer, items)
     cap = timer.cost_within(float(cap_ms))
     assert cap is not None
+    assert packer.budget_now().max_batch_tokens == min(cap, budget.max_batch_tokens)
     for batch in drain(packer):
         assert batch.cost <= max(cap, budget.max_batch_tokens) or batch.rows == 1
         if batch.rows > 1:

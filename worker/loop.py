@@ -612,7 +612,9 @@ class Worker:
         Only this thread changes the packer's budget, and it picks the next
         batch itself, so the new budget holds from that pick on.
         """
-        packed_under = self.packer.budget
+        # What the pick used: only this thread picks and teaches the time model,
+        # and it does so after the batch, so the cap has not moved since.
+        packed_under = self.packer.budget_now()
         now = self._clock.now_ms()
         self._batch_started = time.monotonic()
         try:
