@@ -341,3 +341,17 @@ def test_a_dying_task_fails_callers_instead_of_hanging(broken: str) -> None:
             await batcher.submit("after the crash")
 
     run(main())
+
+
+@pytest.mark.parametrize("bad", [-1, 10, True, 0.5])
+def test_a_bad_priority_raises_bad_request_and_queues_nothing(bad: object) -> None:
+    async def main() -> None:
+        batcher = Batcher(SpySim(), max_batch_tokens=4096, max_batch_size=8, linger_ms=1)
+        with pytest.raises(BadRequest, match="priority"):
+            await batcher.submit("fine", priority=bad)  # type: ignore[arg-type]
+        with pytest.raises(BadRequest, match="priority"):
+            await batcher.submit_many(["fine", "also fine"], priority=bad)  # type: ignore[arg-type]
+        assert batcher.stats.submitted == 0
+        await batcher.aclose()
+
+    run(main())

@@ -175,3 +175,15 @@ def test_make_settings_overrides_only_what_is_given() -> None:
 )
 def test_redact_url(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+def test_priority_travels_and_bad_priorities_are_refused(core: ClientCore) -> None:
+    prepared = core.prepare("hello", now_ms=NOW_MS, priority=3)
+    assert prepared.fields["priority"] == "3"
+    assert wire.decode_request(prepared.fields).priority == 3
+    default = core.prepare("hello", now_ms=NOW_MS)
+    assert "priority" not in default.fields  # 0 is the default: today's entries unchanged
+    assert wire.decode_request(default.fields).priority == 0
+    for bad in (-1, wire.MAX_PRIORITY + 1, True, 1.5, "2"):
+        with pytest.raises(BadRequest, match="priority must be an integer from 0 to 9"):
+            core.prepare("hello", now_ms=NOW_MS, priority=bad)

@@ -405,3 +405,13 @@ def test_protocol_doc_lists_every_error_code_and_limit() -> None:
     ):
         assert f"{limit:,}".replace(",", "") in doc.replace(",", ""), f"limit {limit} missing"
     assert f"`v` = `{wire.PROTOCOL_VERSION}`" in doc
+
+
+@pytest.mark.parametrize("raw", [b"10", b"-1", b"1.0", b"x", b"99999999999999999999"])
+def test_a_priority_out_of_range_is_refused_naming_the_field(raw: bytes) -> None:
+    fields = {b"v": b"1", b"id": b"r1", b"text": b"hi", b"reply_to": b"tokenq:{q}:reply:r1",
+              b"priority": raw}
+    with pytest.raises(DecodeError, match="'priority'"):
+        wire.decode_request(fields)
+    fields[b"priority"] = b"9"
+    assert wire.decode_request(fields).priority == 9
