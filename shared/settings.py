@@ -368,6 +368,11 @@ class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
     chunk_overlap: int = Field(
         32, ge=0, description="chunk policy: tokens shared by consecutive windows"
     )
+    tokenize_processes: int = Field(
+        0, ge=0, le=256,
+        description="tokenize in this many child processes, for a backend whose tokenizer "
+        "holds the GIL (it must offer a tokenizer factory); 0: in a thread of the worker",
+    )
     read_ahead_budgets: float = Field(
         4.0, gt=0, description="read at most this many budgets of estimated tokens ahead"
     )

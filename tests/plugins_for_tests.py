@@ -98,3 +98,20 @@ def sim_zero_length(settings: Any) -> ZeroLengthTokens:
     from tokenq.worker.backends.sim import build_sim_backend
 
     return ZeroLengthTokens(build_sim_backend(settings))
+
+
+class PickyTokenizer:
+    """The sim's tokenizer, except that it refuses any text holding ``refuse me``
+    (``ValueError``, as the Backend contract says) and names the process it ran in."""
+
+    def tokenize(self, inputs: Sequence[Any], max_length: int | None) -> list[Encoding]:
+        from tokenq.worker.backends.sim import SimTokenizer
+
+        if any("refuse me" in item.text for item in inputs):
+            raise ValueError("this tokenizer refuses 'refuse me'")
+        return SimTokenizer.tokenize(inputs, max_length)
+
+
+def broken_tokenizer_factory() -> PickyTokenizer:
+    """A tokenizer factory that fails in the child, as a missing vocabulary file would."""
+    raise RuntimeError("vocabulary file not found (a test's broken factory)")

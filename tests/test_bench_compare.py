@@ -225,3 +225,41 @@ def test_overhead_against_head_end_to_end(tmp_path: Path) -> None:
     assert e2e["ratio"] == round(e2e["current"] / e2e["baseline"], 4)
     settings = {row["setting"] for row in record["current"]["runs"][0]["rows"]}
     assert settings <= {setting for setting, _ in rows}
+
+
+BASELINE_PYPROJECT = """
+[project]
+dependencies = ["redis>=5", "pydantic-settings>=2.3"]
+[project.optional-dependencies]
+worker = ["torch>=2.1"]
+"""
+CURRENT_PYPROJECT = """
+[project]
+dependencies = ["redis>=5", "pydantic-settings>=2.3", "hiredis>=2.0 ; python_version >= '3.8'"]
+[project.optional-dependencies]
+worker = ["torch>=2.1", "Zope.Interface[extra]"]
+"""
+
+
+def test_the_libraries_only_the_current_tree_declares_are_found_by_import_name() -> None:
+    assert compare.declared_libraries(BASELINE_PYPROJECT) == {"redis", "pydantic_settings", "torch"}
+    assert compare.newly_declared(BASELINE_PYPROJECT, CURRENT_PYPROJECT) == [
+        "hiredis", "zope_interface",
+    ]
+
+
+def test_a_library_the_baseline_did_not_declare_cannot_be_imported_on_its_side(
+    tmp_path: Path,
+) -> None:
+    tree, overlay = tmp_path / "tree", tmp_path / "overlay"
+    tree.mkdir()
+    overlay.mkdir()
+    (tree / "pyproject.toml").write_text(
+        (compare.REPO_ROOT / "pyproject.toml").read_text().replace('"hiredis', '"not-hiredis')
+    )
+    compare.hide_undeclared(tree, overlay)
+    assert compare.hidden_libraries(overlay) == ["hiredis"]
+    env = compare.side_env(overlay)
+    probe = "import redis.utils, sys; sys.exit(0 if not redis.utils.HIREDIS_AVAILABLE else 3)"
+    assert subprocess.run([sys.executable, "-c", probe], env=env).returncode == 0
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 3

@@ -79,6 +79,7 @@ from tokenq.worker.pipeline.pipeline import (
     Pipeline,
     budget_for,
 )
+from tokenq.worker.pipeline.tokenizing import pool_for
 from tokenq.worker.publish import Publisher
 from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.server_check import check_server
@@ -150,8 +151,10 @@ class Worker:
         self.stream = keys.requests(self.queue)
         self.consumer = settings.consumer or default_consumer_name()
         self.plan = plan(settings, backend)
+        self._tokenizer_pool = pool_for(backend, settings.tokenize_processes)
         self.pipeline: Pipeline[bytes] = Pipeline(
-            backend, policy=settings.policy, chunk_overlap=settings.chunk_overlap
+            backend, policy=settings.policy, chunk_overlap=settings.chunk_overlap,
+            tokenizer=self._tokenizer_pool,
         )
         self.packer: Packer[Job[bytes]] = Packer(
             self.plan.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio,
@@ -238,7 +241,10 @@ class Worker:
             dead_max_len=self.settings.dead_max_len,
             dead_max_letter_bytes=self.settings.dead_max_letter_bytes,
         )
+        if self._tokenizer_pool is not None:
+            await asyncio.to_thread(self._tokenizer_pool.start)
         if not await self._join():  # stopped before Redis ever answered
+            self._close_tokenizer_pool()
             if self._own_client and self._client is not None:
                 await self._client.aclose()
             return
@@ -266,9 +272,14 @@ class Worker:
             except (RedisError, asyncio.TimeoutError) as exc:
                 log.warning("could not deregister: %s", exc or "Redis did not answer")
             self._batch_log.close()
+            self._close_tokenizer_pool()
             if self._own_client and self._client is not None:
                 await self._client.aclose()
             log.info("stopped: %s", self.stats.snapshot())
+
+    def _close_tokenizer_pool(self) -> None:
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.close()
 
     async def _join(self) -> bool:
         """Create the group and publish the config, waiting for Redis if it is not up yet.

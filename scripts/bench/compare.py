@@ -10,7 +10,16 @@ How the baseline runs without being installed: REV is checked out with
 ``overlay/tokenq/{producer,worker,shared}`` of symlinks to that checkout's
 folders is put first on ``PYTHONPATH``. ``tokenq`` is a namespace package, so
 the overlay's portions are found before the editable install's finder, and the
-worker processes a suite starts inherit the variable. The baseline runs its
+worker processes a suite starts inherit the variable.
+
+Which libraries the baseline gets: the ones it declared. Both sides share
+this environment, which was installed for the working tree; a library that
+this tree's pyproject.toml asks for and REV's does not (hiredis, say, which
+redis-py uses whenever it can import it) would otherwise speed up the
+baseline with this work's own dependency and hide what the work did. For
+each such library that is importable under its distribution name, the
+overlay holds a module of that name whose import raises ImportError, which
+is what REV's users saw; the notes name them. The baseline runs its
 *own* ``scripts/bench/run.py`` (its suites and harness as they were), unless
 the suite is newer than REV: then it runs this tree's suite on REV's package
 (said in the notes). The current side runs this working tree's, with the
@@ -34,9 +43,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -48,6 +59,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+import tomllib
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent.parent
@@ -66,6 +79,32 @@ class CompareError(Exception):
 
 
 # ------------------------------------------------------------------ pure part
+
+
+_REQUIREMENT_NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+def declared_libraries(pyproject: str) -> set[str]:
+    """Every distribution a pyproject.toml names, its extras included, normalised.
+
+    Normalised as an import name would be spelled: lower case, ``-`` and
+    ``.`` as ``_`` (``pydantic-settings`` is ``pydantic_settings``).
+    """
+    project = tomllib.loads(pyproject).get("project", {})
+    requirements = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        requirements.extend(extra)
+    names = set()
+    for requirement in requirements:
+        match = _REQUIREMENT_NAME.match(requirement)
+        if match:
+            names.add(re.sub(r"[-.]", "_", match.group(1).lower()))
+    return names
+
+
+def newly_declared(baseline_pyproject: str, current_pyproject: str) -> list[str]:
+    """The libraries the current tree declares and the baseline did not, sorted."""
+    return sorted(declared_libraries(current_pyproject) - declared_libraries(baseline_pyproject))
 
 
 def is_figure(value: object) -> bool:
@@ -228,12 +267,41 @@ def baseline_tree(commit: str) -> Iterator[tuple[Path, Path]]:
             if not (tree / package / "__init__.py").is_file():
                 raise CompareError(f"{commit[:10]} has no {package}/__init__.py to import")
             (overlay / "tokenq" / package).symlink_to(tree / package)
+        hide_undeclared(tree, overlay)
         yield tree, overlay
     finally:
         removed = git("worktree", "remove", "--force", str(tree))
         shutil.rmtree(scratch, ignore_errors=True)
         if removed.returncode != 0:
             git("worktree", "prune")  # drops the entry of a tree add left half made
+
+
+_HIDDEN = (
+    "raise ImportError({name!r} + ' is hidden from the baseline: its pyproject.toml '\n"
+    "                  'does not declare it (scripts/bench/compare.py)')\n"
+)
+
+
+def hidden_libraries(overlay: Path) -> list[str]:
+    """The names ``hide_undeclared`` put in the overlay, sorted."""
+    return sorted(path.stem for path in overlay.glob("*.py"))
+
+
+def hide_undeclared(tree: Path, overlay: Path) -> None:
+    """Shadow, in the overlay, each library this tree declares and ``tree`` does not.
+
+    Only names importable here under the distribution's own name are
+    shadowed; a distribution whose module is named otherwise is left alone
+    (none of tokenq's are).
+    """
+    baseline_pyproject = tree / "pyproject.toml"
+    if not baseline_pyproject.is_file():
+        return
+    for name in newly_declared(
+        baseline_pyproject.read_text(), (REPO_ROOT / "pyproject.toml").read_text()
+    ):
+        if importlib.util.find_spec(name) is not None:
+            (overlay / f"{name}.py").write_text(_HIDDEN.format(name=name))
 
 
 def side_env(overlay: Path | None) -> dict[str, str]:
@@ -385,6 +453,7 @@ def compare_suite(suite: str, rev: str, rounds: int, size: str, json_path: Path 
         }
         for label, (_, env, root) in sides.items():
             check_imports(label, env, root)
+        hidden = hidden_libraries(overlay)
         out_dir = overlay.parent / "runs"
         out_dir.mkdir()
         for round_no in range(1, rounds + 1):
@@ -400,6 +469,9 @@ def compare_suite(suite: str, rev: str, rounds: int, size: str, json_path: Path 
         f"ratio = current / baseline, medians of {rounds} round(s) each, run interleaved",
         *unmatched(runs["baseline"], runs["current"]),
     ]
+    if hidden:
+        notes.append(f"the baseline ran without {', '.join(hidden)}: {rev} does not declare it "
+                     f"(this tree does)")
     if borrowed:
         notes.append(f"the suite is newer than {rev}: both sides ran this tree's suite; "
                      f"the baseline side imported {rev}'s tokenq")

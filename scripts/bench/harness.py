@@ -108,6 +108,25 @@ def new_queue(tag: str) -> str:
     return f"bench-{tag}-{secrets.token_hex(3)}"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a live process has used so far (Linux ``/proc``; 0.0 elsewhere).
+
+    Why: on a machine with fewer cores than busy processes, requests/s says
+    how the cores were shared as much as what each side costs; CPU per
+    request says what each side costs.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_pid(client: redis.Redis) -> int:
+    """The server's process id, from INFO."""
+    return int(client.info("server")["process_id"])
+
+
 def commandstats(client: redis.Redis) -> dict[str, int]:
     """Calls per command since the server started (INFO commandstats)."""
     stats = client.info("commandstats")

@@ -16,6 +16,13 @@ one private redis-server:
   the floor of a single request's latency, with the default 2 ms linger
   (an idle device waits that long for company) and with none.
 
+The two split rows also give CPU per request: the producer's own (this
+process), the worker process's, and redis-server's during each phase, from
+``/proc``. On a machine with fewer cores than busy processes (this one has
+two, shared by producer, worker and Redis end to end) requests/s says how the
+cores were shared; CPU per request says what each side costs, and their sum
+over the core count bounds what end to end can reach.
+
 Redis commands per request come from INFO commandstats deltas. Commands
 queued in a MULTI and commands a Lua script calls are counted there one by
 one, so round trips are counted as one per command *outside* a transaction
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -70,7 +78,7 @@ def script_commands() -> set[str]:
 NULL_FLAGS = ["--backend", "null_backend:factory"]
 COLUMNS = [
     "setting", "requests_per_s", "commands_per_request", "round_trips_per_request",
-    "p50_ms", "p99_ms", "vs_xadd_pipelined",
+    "p50_ms", "p99_ms", "vs_xadd_pipelined", "cpu_us_per_request", "redis_cpu_us_per_request",
 ]
 
 
@@ -146,11 +154,14 @@ def producer_then_worker(server: RedisServer, workdir: Path, texts: list[str]) -
     reply_key = harness.reply_key_for(queue)
     client = redis.Redis.from_url(server.url)
     before = harness.commandstats(client)
+    server_pid = harness.redis_pid(client)
     with Client(redis_url=server.url, queue=queue, max_queue_length=0) as producer:
         started = time.perf_counter()
+        own_cpu, server_cpu = time.process_time(), harness.cpu_seconds(server_pid)
         for start in range(0, len(texts), harness.SUBMIT_CHUNK):
             producer.submit_many(texts[start:start + harness.SUBMIT_CHUNK], reply_to=reply_key)
         enqueue_s = time.perf_counter() - started
+        enqueue_cpu = (time.process_time() - own_cpu, harness.cpu_seconds(server_pid) - server_cpu)
     middle = harness.commandstats(client)
     worker = harness.start_tokenq(server, queue, workdir, "drain", NULL_FLAGS)
     collector = harness.Collector(server.url, reply_key, len(texts), 600.0, workers=[worker])
@@ -160,8 +171,14 @@ def producer_then_worker(server: RedisServer, workdir: Path, texts: list[str]) -
             raise RuntimeError(worker.output())
         time.sleep(0.005)
     started = time.perf_counter()
+    worker_cpu = harness.cpu_seconds(worker.process.pid)
+    server_cpu = harness.cpu_seconds(server_pid)
     collector.start()
     collector.join()
+    drain_cpu = (
+        harness.cpu_seconds(worker.process.pid) - worker_cpu,
+        harness.cpu_seconds(server_pid) - server_cpu,
+    )
     harness.check_alive(collector)
     drain_s = max(got.at for got in collector.received.values()) - started
     after = harness.commandstats(client)
@@ -171,11 +188,22 @@ def producer_then_worker(server: RedisServer, workdir: Path, texts: list[str]) -
     drained = per_request(harness.commands_delta(middle, after), len(texts))
     return [
         {"setting": "producer only (enqueue)", "requests_per_s": round(len(texts) / enqueue_s, 1),
-         "commands_per_request": produced[0], "round_trips_per_request": produced[1]},
+         "commands_per_request": produced[0], "round_trips_per_request": produced[1],
+         **cpu_per_request(enqueue_cpu, len(texts))},
         {"setting": "worker only (drain backlog)",
          "requests_per_s": round(len(collector.received) / drain_s, 1),
-         "commands_per_request": drained[0], "round_trips_per_request": drained[1]},
+         "commands_per_request": drained[0], "round_trips_per_request": drained[1],
+         **cpu_per_request(drain_cpu, len(texts))},
     ]
+
+
+def cpu_per_request(cpu: tuple[float, float], requests: int) -> dict[str, float]:
+    """(side's CPU s, redis-server's CPU s) over a phase, as microseconds per request."""
+    side, server = cpu
+    return {
+        "cpu_us_per_request": round(side / requests * 1e6, 1),
+        "redis_cpu_us_per_request": round(server / requests * 1e6, 1),
+    }
 
 
 def infer_loop(
@@ -199,6 +227,19 @@ def infer_loop(
         "p50_ms": round(harness.percentile(latencies, 50) or 0, 2),
         "p99_ms": round(harness.percentile(latencies, 99) or 0, 2),
     }
+
+
+def cpu_bound_note(rows: list[dict[str, Any]]) -> list[str]:
+    """What the split rows' CPU per request allows end to end on this machine's cores."""
+    split = [r for r in rows if "cpu_us_per_request" in r]
+    total_us = sum(r["cpu_us_per_request"] + r["redis_cpu_us_per_request"] for r in split)
+    if len(split) != 2 or total_us <= 0:
+        return []
+    cores = os.cpu_count() or 1
+    return [
+        f"CPU per request, producer + worker + redis-server for both: {total_us:.1f} us; "
+        f"{cores} cores allow at most {cores / total_us * 1e6:,.0f} requests/s end to end"
+    ]
 
 
 def run(size: str) -> dict[str, Any]:
@@ -232,5 +273,8 @@ def run(size: str) -> dict[str, Any]:
                     "the backlog",
             "round_trips": "commands outside MULTI/EXEC and Lua scripts (see suite docstring)",
         },
-        "notes": [f"end to end, 1 worker: {e2e['requests_per_s']} requests/s = {ceiling}"],
+        "notes": [
+            f"end to end, 1 worker: {e2e['requests_per_s']} requests/s = {ceiling}",
+            *cpu_bound_note(rows),
+        ],
     }

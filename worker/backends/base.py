@@ -8,14 +8,15 @@ TEI's ``is_padded`` does. Backends are plain objects; a plugin is any
 
 What a backend can do beyond the four members is declared, never probed:
 facts about its outputs are fields of :class:`BackendInfo` (``normalized``,
-``labels``), and the one optional method, ``windows`` (the ``chunk``
-policy), is the :class:`Windowing` protocol, looked up once by
-:func:`windowing_of`.
+``labels``), and each optional method is a protocol looked up once:
+``windows`` (the ``chunk`` policy) is :class:`Windowing`, found by
+:func:`windowing_of`; ``tokenizer_factory`` (``--tokenize-processes``) is
+:class:`TokenizerSource`, found by :func:`tokenizer_source_of`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -126,3 +127,33 @@ class Windowing(Protocol):
 def windowing_of(backend: Backend) -> Windowing | None:
     """The backend's :class:`Windowing` capability, or None: the one place it is looked up."""
     return backend if isinstance(backend, Windowing) else None
+
+
+class Tokenizer(Protocol):
+    """Anything that tokenizes as :meth:`Backend.tokenize` does (a backend is one)."""
+
+    def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
+        ...
+
+
+@runtime_checkable
+class TokenizerSource(Protocol):
+    """The optional capability behind ``--tokenize-processes``: a tokenizer that travels.
+
+    For a backend whose tokenizer is Python code and holds the GIL while it
+    works (a fast, Rust tokenizer releases it and needs none of this): the
+    worker builds one copy per child process and tokenizes there, so the
+    event loop and the device thread keep the interpreter.
+    """
+
+    def tokenizer_factory(self) -> Callable[[], Tokenizer]:
+        """A picklable callable that builds, in another process, a tokenizer equal to this one.
+
+        Its encodings must pickle too, and be what :meth:`Backend.run` takes.
+        """
+        ...
+
+
+def tokenizer_source_of(backend: Backend) -> TokenizerSource | None:
+    """The backend's :class:`TokenizerSource` capability, or None: the one place it is looked up."""
+    return backend if isinstance(backend, TokenizerSource) else None

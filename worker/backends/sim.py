@@ -36,7 +36,7 @@ import itertools
 import re
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -371,6 +371,17 @@ def _windows(encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEn
     ]
 
 
+class SimTokenizer:
+    """The sim's tokenizer alone: what :meth:`SimBackend.tokenize` runs, in any process."""
+
+    def __init__(self) -> None:
+        _bmp_classes()  # built now, not on the first request's path
+
+    @staticmethod
+    def tokenize(inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
+        return [encode(item.text, item.text_pair, max_length) for item in inputs]
+
+
 class SimBackend:
     """A simulated encoder on a simulated device; see the module docstring."""
 
@@ -430,7 +441,11 @@ class SimBackend:
 
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
         """Exact sim tokens of each input, truncated to ``max_length`` when given."""
-        return [encode(item.text, item.text_pair, max_length) for item in inputs]
+        return SimTokenizer.tokenize(inputs, max_length)
+
+    def tokenizer_factory(self) -> Callable[[], SimTokenizer]:
+        """The sim's tokenizer for ``--tokenize-processes`` (it is Python, so it holds the GIL)."""
+        return SimTokenizer
 
     def windows(self, encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEncoding]:
         """Overlapping windows of at most ``max_length`` tokens of an over-long input."""

@@ -33,7 +33,14 @@ import numpy as np
 from tokenq.shared import wire
 from tokenq.shared.errors import ConfigError, ErrorCode
 from tokenq.shared.packer import Budget, CostModel
-from tokenq.worker.backends.base import Backend, BackendInfo, Encoding, TextInput, windowing_of
+from tokenq.worker.backends.base import (
+    Backend,
+    BackendInfo,
+    Encoding,
+    TextInput,
+    Tokenizer,
+    windowing_of,
+)
 from tokenq.worker.pipeline.chunks import combine_chunks
 from tokenq.worker.pipeline.execute import (
     MAX_MESSAGE_CHARS,
@@ -188,9 +195,12 @@ class Pipeline(Generic[K]):
     """Every per-request rule between a decoded request and its answer, for one backend."""
 
     def __init__(self, backend: Backend, *, policy: OverLength = "truncate",
-                 chunk_overlap: int = 0) -> None:
+                 chunk_overlap: int = 0, tokenizer: Tokenizer | None = None) -> None:
+        """``tokenizer`` tokenizes in the backend's place (a
+        :class:`~tokenq.worker.pipeline.tokenizing.TokenizerPool`); by default the backend."""
         info = backend.info
         self.backend = backend
+        self.tokenizer: Tokenizer = backend if tokenizer is None else tokenizer
         self.info = info
         self.policy: OverLength = policy
         self.chunk_overlap = chunk_overlap
@@ -254,7 +264,7 @@ class Pipeline(Generic[K]):
         inputs = [TextInput(item.request.text, item.request.text_pair) for item, _ in items]
         max_length = self.info.max_input_tokens if self.policy == "truncate" else None
         try:
-            encodings = list(self.backend.tokenize(inputs, max_length))
+            encodings = list(self.tokenizer.tokenize(inputs, max_length))
             if len(encodings) != len(inputs):
                 raise RuntimeError(
                     f"tokenize returned {len(encodings)} encodings for {len(inputs)} inputs"

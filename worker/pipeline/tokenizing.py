@@ -1,0 +1,162 @@
+"""Tokenizing in child processes, for backends whose tokenizer holds the GIL.
+
+The pipeline tokenizes each read off the event loop, in a thread. A fast
+(Rust) tokenizer releases the GIL for its batch call, so the loop keeps
+reading and publishing and the device thread keeps feeding the device while
+it works. A tokenizer written in Python holds the GIL for the whole call: a
+read of long passages then stalls the loop and, worse, the device thread,
+whose next batch waits for the interpreter. ``--tokenize-processes N`` moves
+that work into N child processes, each holding its own copy of the tokenizer
+(built from the backend's :class:`~tokenq.worker.backends.base.TokenizerSource`
+factory): a read is cut into up to N contiguous slices tokenized side by
+side, and the encodings come back in input order.
+
+Decisions:
+
+* **spawn, not fork**: the worker process holds threads (the device's, redis
+  connections) and maybe a CUDA context, neither of which survives a fork.
+* **Started and checked at worker start** (:meth:`TokenizerPool.start`): a
+  factory that fails in a child fails the start with the reason, not the
+  first read.
+* **A child that dies** (the OOM killer, a crash in native code) breaks the
+  pool; the call is retried once on a fresh pool, so one lost process costs
+  one retry, not every request of the read. A second failure is raised.
+* **Errors keep their type**: a ``ValueError`` for a bad input comes back as
+  a ``ValueError``, so the pipeline's rule (retry input by input, answer
+  ``bad_request`` for the one refused) is unchanged.
+* **Small reads stay in one slice**: below :data:`MIN_SLICE` inputs per
+  child, the cost of shipping inputs across is more than the split saves.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from tokenq.shared.errors import ConfigError
+from tokenq.worker.backends.base import (
+    Backend,
+    Encoding,
+    TextInput,
+    Tokenizer,
+    tokenizer_source_of,
+)
+
+MIN_SLICE = 16
+"""Fewest inputs a child is sent at a time (a smaller read uses fewer children)."""
+
+_tokenizer: Tokenizer | None = None
+"""The child process's own tokenizer, built by :func:`_build` when the child starts."""
+
+
+def _build(factory: Callable[[], Tokenizer]) -> None:
+    global _tokenizer
+    _tokenizer = factory()
+
+
+def _ready() -> bool:
+    return _tokenizer is not None
+
+
+def _tokenize(inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
+    assert _tokenizer is not None, "the pool's initializer builds the tokenizer first"
+    return list(_tokenizer.tokenize(inputs, max_length))
+
+
+def slices(count: int, processes: int) -> list[tuple[int, int]]:
+    """Contiguous ``(start, stop)`` ranges covering ``count`` inputs, at most one per process."""
+    parts = max(1, min(processes, count // MIN_SLICE))
+    size, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        stop = start + size + (1 if part < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class TokenizerPool:
+    """``processes`` children each holding a tokenizer; :meth:`tokenize` as a backend's."""
+
+    def __init__(self, factory: Callable[[], Tokenizer], processes: int) -> None:
+        if processes < 1:
+            raise ConfigError(f"tokenize processes must be at least 1, got {processes}")
+        self.factory = factory
+        self.processes = processes
+        self._executor: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start every child and wait until each has built its tokenizer; ConfigError if not."""
+        with self._lock:
+            self._executor = self._new_executor()
+        try:
+            # One call per child: the pool starts a process per pending call
+            # while it has fewer than ``processes``, so all of them get built.
+            checks = [self._executor.submit(_ready) for _ in range(self.processes)]
+            for check in checks:
+                check.result()
+        except BrokenProcessPool as exc:
+            self.close()
+            raise ConfigError(
+                "the backend's tokenizer factory failed in a child process (its traceback "
+                f"is above): {exc}"
+            ) from None
+
+    def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
+        """Encodings of ``inputs`` in order, tokenized in the children."""
+        if not inputs:
+            return []
+        try:
+            return self._tokenize_once(inputs, max_length)
+        except BrokenProcessPool:
+            self._restart()
+            return self._tokenize_once(inputs, max_length)
+
+    def close(self) -> None:
+        """Stop the children (what they were doing is dropped); safe to call twice."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+
+    def _tokenize_once(
+        self, inputs: Sequence[TextInput], max_length: int | None
+    ) -> list[Encoding]:
+        executor = self._executor
+        if executor is None:
+            raise RuntimeError("the tokenizer pool is not running (start() it first)")
+        futures = [
+            executor.submit(_tokenize, list(inputs[start:stop]), max_length)
+            for start, stop in slices(len(inputs), self.processes)
+        ]
+        return [encoding for future in futures for encoding in future.result()]
+
+    def _restart(self) -> None:
+        with self._lock:
+            broken, self._executor = self._executor, self._new_executor()
+        if broken is not None:
+            broken.shutdown(wait=True, cancel_futures=True)
+
+    def _new_executor(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(
+            self.processes, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_build, initargs=(self.factory,),
+        )
+
+
+def pool_for(backend: Backend, processes: int) -> TokenizerPool | None:
+    """The pool ``--tokenize-processes`` asks for (None for 0); ConfigError if the backend can't."""
+    if processes == 0:
+        return None
+    source = tokenizer_source_of(backend)
+    if source is None:
+        raise ConfigError(
+            f"--tokenize-processes {processes}: the {backend.info.name} backend offers no "
+            "tokenizer factory to run in child processes (a fast tokenizer releases the GIL "
+            "and needs none); use 0"
+        )
+    return TokenizerPool(source.tokenizer_factory(), processes)
