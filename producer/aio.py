@@ -5,7 +5,7 @@ Both clients take the same steps, written once in
 (:meth:`AsyncClient._run`). What differs is how it waits for ``infer`` and
 ``infer_many``: they do not block a connection per caller. Every request of
 one ``AsyncClient`` names the same reply key (``keys.reply(q, <client
-id>)``), one background task BLPOPs that key on its own connection and
+id>)``), one background task reads that key on its own connection and
 resolves each caller's future by request id (the calls' ``Listen`` and
 ``Collect`` steps). So a thousand concurrent ``infer`` calls use at most
 ``max_connections`` pooled connections for enqueueing plus one for
@@ -43,7 +43,6 @@ from tokenq.producer import calls, connection
 from tokenq.producer.base import ProducerBase
 from tokenq.producer.core import (
     DEADLINE_GRACE_S,
-    ENQUEUE_SCRIPT,
     Deadline,
     Outcome,
     Result,
@@ -99,7 +98,9 @@ class AsyncClient(ProducerBase):
             self.client_id,
             DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
         )
-        self._enqueue_script = self._redis.register_script(ENQUEUE_SCRIPT)
+        self._scripts = {
+            name: self._redis.register_script(source) for name, source in calls.SCRIPTS.items()
+        }
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._unreachable: BaseException | None = None
@@ -118,7 +119,7 @@ class AsyncClient(ProducerBase):
             done, _ = await asyncio.wait({listener}, timeout=_CANCEL_GRACE_S)
             if not done:
                 # redis-py can swallow a cancel that lands while a command is
-                # being sent; the BLPOP then runs its course. Wake it instead.
+                # being sent; the BLMOVE then runs its course. Wake it instead.
                 await self._wake_listener()
                 await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
         self._listener = None
@@ -129,7 +130,7 @@ class AsyncClient(ProducerBase):
         await self._redis.aclose()
 
     async def _wake_listener(self) -> None:
-        """Push a marker the listener's BLPOP returns at once (it expires unread if unneeded)."""
+        """Push a marker that ends the listener's BLMOVE at once (it expires unread if unneeded)."""
         try:
             await self._attempt(time.monotonic() + _WAKE_WAIT_S, self._push_wake)
         except redis.RedisError as exc:  # down, or an ACL without RPUSH: closing must not fail
@@ -355,34 +356,50 @@ class AsyncClient(ProducerBase):
             )
 
     async def _listen(self) -> None:
-        """BLPOP the client's reply key while anyone waits; resolve futures by id."""
+        """Read the client's reply key while anyone waits; resolve futures by id.
+
+        Nothing is removed before it is in hand (docs/RELIABILITY.md): LRANGE
+        reads what has landed, the replies are delivered, and only then LTRIM
+        drops what was read (the workers only append). With nothing there,
+        ``BLMOVE key key`` waits without removing anything. A reply read
+        twice (its LTRIM failed) finds its future done and is dropped.
+        """
         failures = 0
+        redis_ = self._listen_redis
+        key = self._reply_key
         while self._waiters and not self._closing:
-            raws: list[bytes] = []  # what was popped is delivered even if the LPOP fails
+            landed: list[bytes] = []  # what was read is delivered even if a later command fails
             failed = True
             try:
-                popped = await self._listen_redis.blpop(
-                    [self._reply_key], timeout=self._core.block_s(_LISTEN_FOREVER_S)
-                )
-                if popped is not None:
-                    raws.append(popped[1])
-                    count = max(1, len(self._waiters))
-                    raws += await self._listen_redis.lpop(self._reply_key, count) or []
+                landed = await redis_.lrange(key, 0, -1)
+                if not landed:
+                    block_s = self._core.block_s(_LISTEN_FOREVER_S)
+                    if await redis_.blmove(key, key, block_s, "LEFT", "RIGHT") is not None:
+                        landed = await redis_.lrange(key, 0, -1)
                 failed = False
             except Exception as exc:  # never let one odd error strand every waiter
-                down = connection.failure(exc)
-                if isinstance(down, calls.Unreachable):
-                    self._unreachable = down.error
-                else:
-                    log.exception("tokenq reply listener failed; retrying")
-            for raw in raws:
+                self._listen_failed(exc)
+            for raw in landed:
                 if raw != _WAKE:
                     self._deliver(raw)
+            if landed and not failed:
+                try:
+                    await redis_.ltrim(key, len(landed), -1)
+                except Exception as exc:  # read again next time; delivered ones are dropped
+                    failed = True
+                    self._listen_failed(exc)
             if failed:
                 failures += 1
                 await asyncio.sleep(backoff_s(failures))
             else:
                 self._unreachable, failures = None, 0
+
+    def _listen_failed(self, exc: Exception) -> None:
+        down = connection.failure(exc)
+        if isinstance(down, calls.Unreachable):
+            self._unreachable = down.error
+        else:
+            log.exception("tokenq reply listener failed; retrying")
 
     def _deliver(self, raw: bytes) -> None:
         reply = self._core.decode(raw)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenq.producer.calls import ENQUEUE
 from tokenq.producer.config import DEFAULT_CONFIG_TTL_S
 from tokenq.producer.core import ClientCore, EstimatorChoice, make_settings
 from tokenq.shared.settings import ClientSettings
@@ -18,7 +17,8 @@ class ProducerBase:
     """Settings, the :class:`ClientCore` and the client id (arguments: see ``Client``)."""
 
     _redis: Any
-    _enqueue_script: Any
+    _scripts: dict[str, Any]
+    """The Lua scripts a :class:`Send` may name (:data:`~tokenq.producer.core.SCRIPTS`)."""
 
     def __init__(
         self,
@@ -52,7 +52,8 @@ class ProducerBase:
 
     def _command(self, name: str) -> Callable[..., Any]:
         """What a :class:`~tokenq.producer.calls.Send` named: a redis-py method, or the script."""
-        return self._enqueue_script if name == ENQUEUE else getattr(self._redis, name)
+        script = self._scripts.get(name)
+        return script if script is not None else getattr(self._redis, name)
 
     @property
     def queue(self) -> str:

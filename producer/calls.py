@@ -33,12 +33,15 @@ enqueue, for an absolute ``deadline_ms``.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from tokenq.producer.core import (
+    ENQUEUE_SCRIPT,
+    PEEK_SCRIPT,
     ClientCore,
     Deadline,
     Outcome,
@@ -53,6 +56,14 @@ T = TypeVar("T")
 
 ENQUEUE = "enqueue"
 """The :class:`Send` command name of the enqueue script (enqueue.lua), which each client loads."""
+
+PEEK = "peek_replies"
+"""The :class:`Send` command name of peek_replies.lua, which each client loads too."""
+
+SCRIPTS = {ENQUEUE: ENQUEUE_SCRIPT, PEEK: PEEK_SCRIPT}
+"""Every script a :class:`Send` may name, by name: what each client registers."""
+
+log = logging.getLogger("tokenq.producer")
 
 
 # ------------------------------------------------------------------ failures
@@ -296,22 +307,58 @@ def own_keys(
 ) -> Call[Outcomes]:
     """Outcomes of requests whose replies land on their own keys (``wanted``: key -> id).
 
-    One BLPOP watches every key still missing, so waiting for many
-    requests costs one connection.
+    Nothing is removed before it is in hand (docs/RELIABILITY.md, "A reply
+    lost on its way"): one script call reads every key still missing
+    (peek_replies.lua); when none has a reply, ``BLMOVE key key`` waits on
+    the first, a rotation that returns the reply and leaves it where it
+    was; the keys read are deleted at the end, in one DEL. A reply whose
+    read never arrived (Redis stopped, the connection dropped) is read
+    again on the next try.
     """
     outcomes: Outcomes = {}
+    read: list[str] = []
 
     def pop(block_s: float, popped: list[Any]) -> Call[None]:
-        key_and_raw = yield Send("blpop", (list(wanted),), {"timeout": block_s}, deadline.at)
-        if key_and_raw is not None:
-            popped.append(key_and_raw)
+        missing = list(wanted)
+        got: list[tuple[str, bytes]] = []
+        if len(missing) > 1:  # one key: BLMOVE answers at once if its reply is there
+            found = yield Send(PEEK, (), {"keys": missing}, deadline.at)
+            got = [(key, raw) for key, raw in zip(missing, found or (), strict=False) if raw]
+        if not got:
+            first = missing[0]
+            raw = yield Send("blmove", (first, first, block_s), _ROTATE, deadline.at)
+            got = [(first, raw)] if raw is not None else []
+        popped += got
 
-    def take(key_and_raw: tuple[bytes, bytes]) -> None:
-        core.own_key_reply(wanted, *key_and_raw, outcomes)
+    def take(key_and_raw: tuple[str, bytes]) -> None:
+        key, raw = key_and_raw
+        core.own_key_reply(wanted, key, raw, outcomes)
+        read.append(key)
 
     unreachable = yield from _poll(core, deadline, wanted, pop, take)
+    yield from _forget(core, deadline, "delete", read)
     core.missing(list(wanted.values()), outcomes, time.monotonic() - started, unreachable)
     return outcomes
+
+
+_ROTATE = {"src": "LEFT", "dest": "RIGHT"}
+"""``BLMOVE key key LEFT RIGHT``: waits like BLPOP, moves the head to the tail, removes nothing."""
+
+
+def _forget(core: ClientCore, deadline: Deadline, command: str, *args: Any) -> Call[None]:
+    """Remove replies already in hand (DEL, LTRIM); best effort, since each key expires anyway.
+
+    The reply keys carry the worker's ``reply_ttl_s``, so one that cannot be
+    removed now (Redis down) still goes, later; the caller's outcome does not
+    wait for it. Not sent at all when there is nothing to remove.
+    """
+    if command == "delete" and not args[0]:
+        return
+    call_args = tuple(args[0]) if command == "delete" else args
+    try:
+        yield Send(command, call_args, {}, deadline.at)
+    except Unreachable:
+        log.debug("could not remove replies already read (%s); they expire", command)
 
 
 def drain(
@@ -319,18 +366,23 @@ def drain(
 ) -> Call[Outcomes]:
     """Outcomes of the ``pending`` ids, whose replies all land on ``reply_key``.
 
-    BLPOP, then LPOP as many more as are missing; replies are matched by id.
+    Read, then removed: ``LRANGE`` takes what has landed, matched by id,
+    and only then ``LTRIM`` drops what was read (the worker only appends,
+    so the first ``n`` are those). With nothing there, ``BLMOVE key key``
+    waits without removing anything. So a reply is never removed before it
+    is in hand (docs/RELIABILITY.md); one read twice is matched once.
     """
     outcomes: Outcomes = {}
 
     def pop(block_s: float, popped: list[Any]) -> Call[None]:
-        first = yield Send("blpop", ([reply_key],), {"timeout": block_s}, deadline.at)
-        if first is None:
-            return
-        popped.append(first[1])
-        if len(pending) > 1:
-            more = yield Send("lpop", (reply_key, len(pending) - 1), {}, deadline.at)
-            popped += more or []
+        landed = yield Send("lrange", (reply_key, 0, -1), {}, deadline.at)
+        if not landed:
+            arrived = yield Send("blmove", (reply_key, reply_key, block_s), _ROTATE, deadline.at)
+            if arrived is not None:
+                landed = yield Send("lrange", (reply_key, 0, -1), {}, deadline.at)
+        popped += landed or []
+        if landed:
+            yield from _forget(core, deadline, "ltrim", reply_key, len(landed), -1)
 
     def take(raw: bytes) -> None:
         core.shared_key_reply(pending, raw, outcomes)

@@ -3,15 +3,16 @@
 What each call sends and waits for is written once, in
 :mod:`tokenq.producer.calls`, for this client and :class:`AsyncClient`
 alike; this module is the blocking driver that performs those steps
-(:meth:`Client._run`). Every wait is a loop of bounded BLPOPs (each shorter
-than the socket timeout) that ends at the caller's deadline, so no call can
+(:meth:`Client._run`). Every wait is a loop of bounded blocking reads (each
+shorter than the socket timeout, and none removing a reply before it is in
+hand: docs/RELIABILITY.md) that ends at the caller's deadline, so no call can
 hang; Redis being unreachable until then is reported as
 :class:`BrokerUnavailable`, a missing reply as :class:`ReplyTimeout`. A
 ``Client`` holds no per-call state, so one instance may be shared by
 threads.
 
 A caller's timeout is a promise, kept for every Redis command made on its
-behalf (config read, enqueue, each BLPOP and LPOP): the command runs in the
+behalf (config read, enqueue, each blocking read and removal): the command runs in the
 calling thread with the caller's deadline in
 :data:`~tokenq.producer.connection.CALLER_DEADLINE`, which the connection
 class, the pool and the ``Retry`` of :mod:`tokenq.producer.connection`
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenq.producer import calls, connection
 from tokenq.producer.base import ProducerBase
-from tokenq.producer.core import ENQUEUE_SCRIPT, Deadline, Prepared, Result, TextItem
+from tokenq.producer.core import Deadline, Prepared, Result, TextItem
 from tokenq.producer.options import RequestOptions, SubmitOptions
 from tokenq.producer.tokenizer import load_estimator
 
@@ -85,7 +86,9 @@ class Client(ProducerBase):
         self._config_read: threading.Event | None = None  # set when the read in flight ends
         self._loading: dict[str, threading.Event] = {}
         self._redis = connection.sync_redis(self.settings, self.client_id, max_connections)
-        self._enqueue_script = self._redis.register_script(ENQUEUE_SCRIPT)
+        self._scripts = {
+            name: self._redis.register_script(source) for name, source in calls.SCRIPTS.items()
+        }
 
     # ------------------------------------------------------------ lifecycle
 
@@ -141,9 +144,11 @@ class Client(ProducerBase):
     ) -> list[Any]:
         """Wait for the replies to several submitted requests; results in input order.
 
-        One BLPOP watches every still-missing reply key, so waiting for many
-        requests costs one connection. With ``return_exceptions`` errors are
-        returned in place instead of the first being raised.
+        One script call reads every still-missing reply key (and one
+        ``BLMOVE`` waits when none has landed), so waiting for many requests
+        costs one connection; keys are deleted once their replies are in
+        hand. With ``return_exceptions`` errors are returned in place instead
+        of the first being raised.
         """
         return self._run(calls.results(self._core, request_ids, timeout_s, return_exceptions))
 
@@ -169,8 +174,9 @@ class Client(ProducerBase):
     ) -> list[Any]:
         """Enqueue a batch all or nothing and wait for every result, in input order.
 
-        All replies of the call land on one shared reply key, drained with
-        BLPOP then LPOP ``count``, and are matched by request id. Without
+        All replies of the call land on one shared reply key, read with
+        ``LRANGE`` (``BLMOVE`` waits while it is empty) and trimmed once in
+        hand, and are matched by request id. Without
         ``return_exceptions`` the first failed item (in input order) is raised
         once every reply is in or the timeout has passed. Bounded by
         ``timeout_s`` as :meth:`infer` is.

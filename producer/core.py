@@ -76,11 +76,14 @@ TextItem = str | tuple[str, str]
 ENQUEUE_SCRIPT = lua.load("tokenq.producer", "enqueue.lua")
 """Source of the atomic backpressure script (see enqueue.lua for its contract)."""
 
+PEEK_SCRIPT = lua.load("tokenq.producer", "peek_replies.lua")
+"""Source of the script that reads a caller's own reply keys without removing anything."""
+
 BAD_REPLY = ErrorCode.BAD_REPLY.value
 """Error code of a :class:`RemoteError` raised for a reply that does not decode."""
 
 BLOCK_FLOOR_S = 0.01
-"""Shortest BLPOP wait; BLPOP 0 would block forever, which tokenq never does."""
+"""Shortest blocking wait; a timeout of 0 would block forever, which tokenq never does."""
 
 BACKOFF_BASE_S = 0.02
 BACKOFF_CAP_S = 0.5
@@ -89,7 +92,7 @@ BACKOFF_CAP_S = 0.5
 DEADLINE_GRACE_S = 0.2
 """How far past the caller's deadline one Redis command may run before it is cut off.
 
-A BLPOP that blocks for exactly the caller's remaining time must get its
+A blocking read that blocks for exactly the caller's remaining time must get its
 ``nil`` back before the socket gives up on it (else a healthy Redis would be
 reported as unreachable), so every socket wait is the remaining time plus
 this. It is also the most a command started at the deadline may take.
@@ -167,7 +170,7 @@ class Deadline:
     that fails because Redis is unreachable is tried again, with backoff,
     until ``at`` (``infer``, ``infer_many``: the caller gave that time to
     get an answer, and a retried enqueue is deduplicated by the script; the
-    BLPOP loops of every wait retry the same way by themselves); without it
+    blocking loops of every wait retry the same way by themselves); without it
     redis-py's ``retries`` are all it gets (``submit``, admin calls). Either
     way no retry or backoff starts after ``at``, and no command runs more
     than :data:`DEADLINE_GRACE_S` past it.
@@ -572,9 +575,9 @@ class ClientCore:
     # -------------------------------------------------------------- replies
 
     def block_s(self, remaining_s: float) -> float:
-        """How long one BLPOP may block: under the socket timeout and the caller's deadline.
+        """How long one blocking read may block: under the socket timeout and the caller's deadline.
 
-        A BLPOP that outlives the socket timeout would be reported as a dead
+        A blocking read that outlives the socket timeout would be reported as a dead
         connection, so each wait is at most half the socket timeout and the
         caller loops until its own deadline.
         """
@@ -665,10 +668,10 @@ class ClientCore:
         return RemoteError(BAD_REPLY, "reply names another request", request_id)
 
     def own_key_reply(
-        self, wanted: dict[str, str], key: bytes, raw: bytes, outcomes: dict[str, Any]
+        self, wanted: dict[str, str], key: str, raw: bytes, outcomes: dict[str, Any]
     ) -> None:
-        """Record what BLPOP popped from one request's own reply key (``wanted``: key -> id)."""
-        request_id = wanted.pop(key.decode())
+        """Record the reply read from one request's own reply key (``wanted``: key -> id)."""
+        request_id = wanted.pop(key)
         reply = self.decode(raw)
         if reply is None or reply.id != request_id:
             outcomes[request_id] = self.undecodable(request_id, raw)
@@ -676,7 +679,7 @@ class ClientCore:
             outcomes[request_id] = self.outcome(reply)
 
     def shared_key_reply(self, pending: set[str], raw: bytes, outcomes: dict[str, Any]) -> None:
-        """Record one reply popped from a key many requests share (``pending``: ids still due).
+        """Record one reply read from a key many requests share (``pending``: ids still due).
 
         A reply that does not decode (logged) or names no pending id (a
         duplicate, or one for nobody) is dropped.

@@ -179,8 +179,10 @@ def test_acl_keeps_queues_apart(acl_server: RedisServer) -> None:
     producer_a = redis.Redis.from_url(user_url(acl_server, f"{queue}-producer", password),
                                       socket_timeout=10)
     refused = {
-        "B's producer pops A's reply": lambda: producer_b.blpop([keys.reply(a, "secret")], 1),
-        "B's producer LPOPs A's reply": lambda: producer_b.lpop(keys.reply(a, "secret")),
+        "B's producer waits on A's reply": lambda: producer_b.blmove(
+            keys.reply(a, "secret"), keys.reply(a, "secret"), 1, "LEFT", "RIGHT"),
+        "B's producer reads A's reply": lambda: producer_b.lrange(keys.reply(a, "secret"), 0, -1),
+        "B's producer deletes A's reply": lambda: producer_b.delete(keys.reply(a, "secret")),
         "B's producer enqueues into A": lambda: producer_b.xadd(keys.requests(a), {"v": "1"}),
         "A's producer reads its dead letters": lambda: producer_a.xrange(keys.dead(a)),
         "A's producer writes its config": lambda: producer_a.hset(keys.config(a), "x", "1"),
@@ -193,7 +195,8 @@ def test_acl_keeps_queues_apart(acl_server: RedisServer) -> None:
     }
     # Control: the same users may do these things on their own queue.
     assert producer_b.xlen(keys.requests(b)) == 0
-    assert producer_b.lpop(keys.reply(b, "mine")) is None
+    assert producer_b.lrange(keys.reply(b, "mine"), 0, -1) == []
+    assert producer_b.delete(keys.reply(b, "mine")) == 0
     assert producer_a.hgetall(keys.config(a)) == {}
     for what, call in refused.items():
         with pytest.raises(redis.exceptions.NoPermissionError):

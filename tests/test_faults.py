@@ -240,14 +240,6 @@ def test_kill_9_workers_repeatedly_every_request_answered_once(fleet, r, redis_u
 # ------------------------------------------------------- 2. Redis restart, AOF on
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known gap, docs/RELIABILITY.md 'A reply popped as Redis stops': a reply the "
-    "caller's BLPOP pops in the instant before a restart is lost to that caller (seen once "
-    "in ~6 runs: the AOF shows the reply's RPUSH, then BLPOP's LPOP, then the restart); the "
-    "request itself was answered once. Fix: pop replies into a per-client in-flight list "
-    "(BLMOVE) and re-read it after a reconnect",
-)
 def test_redis_restart_with_aof_answers_every_enqueued_request(fleet, worker_env, tmp_path):
     """Restart Redis (graceful, AOF on) under load: whatever was enqueued gets its answer."""
     server = RedisServer(tmp_path / "aof", appendonly=True)

@@ -27,6 +27,7 @@ from tokenq.producer import (
     RemoteError,
     ReplyTimeout,
     Result,
+    calls,
     estimate_tokens,
 )
 from tokenq.producer.core import ENQUEUE_SCRIPT
@@ -319,7 +320,7 @@ def test_a_retry_of_an_enqueue_that_filled_the_queue_is_not_queue_full(
     limit = 3
     with Client(redis_url, queue_name, max_queue_length=limit) as client:
         batch = [client._core.prepare(f"text {i}", now_ms=0) for i in range(limit)]
-        script = client._enqueue_script
+        script = client._scripts[calls.ENQUEUE]
         call = {"keys": client._core.script_keys(batch), "args": client._core.script_args(batch)}
         first = script(**call)
         assert r.xlen(stream(queue_name)) == limit

@@ -73,7 +73,7 @@ def test_infer_retries_a_lost_enqueue_with_the_same_entries() -> None:
     again = answer(call)
     assert isinstance(again, calls.Send) and again.kwargs == first.kwargs  # deduplicated
     wait = answer(call, [b"1-0"])
-    assert isinstance(wait, calls.Send) and wait.command == "blpop"
+    assert isinstance(wait, calls.Send) and wait.command == "blmove"
 
 
 @pytest.mark.parametrize(
@@ -96,23 +96,100 @@ def test_results_wait_on_own_keys_until_the_deadline() -> None:
     request_id = core.new_id()
     call = calls.results(core, [request_id], 0.05, False)
     step = calls.resume(call)
-    assert isinstance(step, calls.Send) and step.command == "blpop"
-    assert step.args == ([core.reply_key(request_id)],)
+    key = core.reply_key(request_id)
+    assert isinstance(step, calls.Send) and step.command == "blmove"
+    assert step.args[:2] == (key, key) and step.kwargs == {"src": "LEFT", "dest": "RIGHT"}
     time.sleep(0.06)
     with pytest.raises(ReplyTimeout):
-        answer(call, None)
+        answer(call, None)  # nothing read: nothing to delete either
 
 
-def test_results_decode_what_blpop_popped() -> None:
+def test_results_delete_a_reply_key_only_once_its_reply_is_in_hand() -> None:
     core = fresh_core()
     request_id = core.new_id()
+    key = core.reply_key(request_id)
     call = calls.results(core, [request_id], 5.0, False)
     calls.resume(call)
     raw = wire.encode_reply(wire.scores_reply(request_id, [0.5]))
-    done = answer(call, (core.reply_key(request_id).encode(), raw))
+    delete = answer(call, raw)
+    assert isinstance(delete, calls.Send) and delete.command == "delete"
+    assert delete.args == (key,)
+    done = answer(call, 1)
     assert isinstance(done, calls.Done)
     (result,) = done.value
     assert isinstance(result, Result) and result.scores == (0.5,)
+
+
+def test_a_read_lost_on_its_way_is_read_again_since_nothing_was_removed() -> None:
+    """The class of failure: Redis answered, the answer never arrived (restart, reset)."""
+    core = fresh_core()
+    request_id = core.new_id()
+    key = core.reply_key(request_id)
+    call = calls.results(core, [request_id], 5.0, False)
+    first = calls.resume(call)
+    pause = fail(call, redis.ConnectionError("reset after the reply was sent"))
+    assert isinstance(pause, calls.Sleep)
+    again = answer(call)
+    assert isinstance(again, calls.Send) and (again.command, again.args) == (first.command,
+                                                                             first.args)
+    raw = wire.encode_reply(wire.scores_reply(request_id, [0.25]))
+    delete = answer(call, raw)
+    assert isinstance(delete, calls.Send) and (delete.command, delete.args) == ("delete", (key,))
+    done = answer(call, 1)
+    assert isinstance(done, calls.Done) and done.value[0].scores == (0.25,)
+
+
+def test_results_of_many_read_every_missing_key_at_once_then_wait_on_one() -> None:
+    core = fresh_core()
+    ids = [core.new_id() for _ in range(3)]
+    reply_keys = [core.reply_key(i) for i in ids]
+    raws = [wire.encode_reply(wire.scores_reply(i, [float(n)])) for n, i in enumerate(ids)]
+    call = calls.results(core, ids, 5.0, False)
+    peek = calls.resume(call)
+    assert isinstance(peek, calls.Send) and peek.command == calls.PEEK
+    assert peek.kwargs == {"keys": reply_keys}
+    peek = answer(call, [None, raws[1], None])  # one landed: taken, the rest read again
+    assert isinstance(peek, calls.Send) and peek.kwargs == {"keys": [reply_keys[0], reply_keys[2]]}
+    wait = answer(call, [None, None])  # none landed: wait on the first missing key
+    assert isinstance(wait, calls.Send) and wait.command == "blmove"
+    assert wait.args[:2] == (reply_keys[0], reply_keys[0])
+    last = answer(call, raws[0])
+    assert isinstance(last, calls.Send) and last.command == "blmove"  # one key left: no peek
+    delete = answer(call, raws[2])
+    assert isinstance(delete, calls.Send) and delete.command == "delete"
+    assert sorted(delete.args) == sorted(reply_keys)
+    done = answer(call, 3)
+    assert isinstance(done, calls.Done)
+    assert [result.scores for result in done.value] == [(0.0,), (1.0,), (2.0,)]
+
+
+def test_infer_many_reads_its_shared_key_then_trims_what_it_read() -> None:
+    core = fresh_core()
+    call = calls.infer_many(core, ["a", "b"], 5.0, False, {}, None)
+    enqueue = calls.resume(call)
+    assert isinstance(enqueue, calls.Send) and enqueue.command == calls.ENQUEUE
+    read = answer(call, [b"1-0", b"1-1"])
+    assert isinstance(read, calls.Send) and read.command == "lrange"
+    reply_key = read.args[0]
+    wait = answer(call, [])
+    assert isinstance(wait, calls.Send) and wait.command == "blmove"
+    assert wait.args[:2] == (reply_key, reply_key)
+    read = answer(call, b"whatever arrived first")
+    assert isinstance(read, calls.Send) and read.command == "lrange"
+    args = [a.decode() if isinstance(a, bytes) else a for a in enqueue.kwargs["args"]]
+    ids = [args[i + 1] for i, value in enumerate(args) if value == "id"]
+    assert len(ids) == 2
+    raws = [wire.encode_reply(wire.scores_reply(i, [1.0])) for i in ids]
+    trim = answer(call, [raws[0]])
+    assert isinstance(trim, calls.Send) and trim.command == "ltrim"
+    assert trim.args == (reply_key, 1, -1)
+    again = fail(call, redis.ConnectionError("reset"))  # the trim failed: read again
+    assert isinstance(again, calls.Send) and again.command == "lrange"
+    trim = answer(call, [raws[0], raws[1]])  # the first is read twice, matched once
+    assert isinstance(trim, calls.Send) and trim.args == (reply_key, 2, -1)
+    done = answer(call, True)
+    assert isinstance(done, calls.Done)
+    assert [result.scores for result in done.value] == [(1.0,), (1.0,)]
 
 
 def test_async_infer_listens_before_it_enqueues() -> None:
