@@ -302,6 +302,30 @@ def _poll(
     return unreachable
 
 
+LIVENESS_CHECK_S = 0.1
+"""How long the check behind a timeout's "no live worker" may take, past the caller's deadline."""
+
+
+def why_unanswered(core: ClientCore, missing: Sequence[str]) -> Call[str | None]:
+    """After a wait that left ``missing`` unanswered: the reason, if no worker is alive.
+
+    Two reads (the workers hash, then one EXISTS over their liveness keys),
+    bounded by :data:`LIVENESS_CHECK_S`. Best effort: a Redis that does not
+    answer, or an ACL without these reads (docs/SECURITY.md lists them as
+    optional), gives no reason rather than another error.
+    """
+    if not missing:
+        return None
+    check = Deadline.after(LIVENESS_CHECK_S)
+    try:
+        names = yield Send("hkeys", (core.workers_key,), {}, check.at)
+        alive = (yield Send("exists", tuple(core.alive_keys(names)), {}, check.at)) if names else 0
+    except Exception as exc:  # a timeout's message must not become another error
+        log.debug("could not tell whether any worker is alive: %s", exc)
+        return None
+    return None if alive else core.no_live_worker()
+
+
 def own_keys(
     core: ClientCore, wanted: dict[str, str], deadline: Deadline, started: float
 ) -> Call[Outcomes]:
@@ -337,7 +361,9 @@ def own_keys(
 
     unreachable = yield from _poll(core, deadline, wanted, pop, take)
     yield from _forget(core, deadline, "delete", read)
-    core.missing(list(wanted.values()), outcomes, time.monotonic() - started, unreachable)
+    waited_s = time.monotonic() - started
+    why = None if unreachable else (yield from why_unanswered(core, list(wanted.values())))
+    core.missing(list(wanted.values()), outcomes, waited_s, unreachable, why)
     return outcomes
 
 
@@ -388,7 +414,9 @@ def drain(
         core.shared_key_reply(pending, raw, outcomes)
 
     unreachable = yield from _poll(core, deadline, pending, pop, take)
-    core.missing(sorted(pending), outcomes, time.monotonic() - started, unreachable)
+    waited_s = time.monotonic() - started
+    why = None if unreachable else (yield from why_unanswered(core, sorted(pending)))
+    core.missing(sorted(pending), outcomes, waited_s, unreachable, why)
     return outcomes
 
 
@@ -401,7 +429,9 @@ def listened(
     yield from enqueue(core, batch, deadline)
     outcomes, unreachable = yield Collect(ids, deadline)
     missing = [i for i in ids if i not in outcomes]
-    core.missing(missing, outcomes, time.monotonic() - started, unreachable)
+    waited_s = time.monotonic() - started
+    why = None if unreachable else (yield from why_unanswered(core, missing))
+    core.missing(missing, outcomes, waited_s, unreachable, why)
     return outcomes
 
 

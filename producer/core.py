@@ -112,14 +112,17 @@ class ReplyTimeout(TokenqError, TimeoutError):
     expires there, and ``Client.result(id)`` can still fetch it.
     """
 
-    def __init__(self, request_ids: Sequence[str], waited_s: float) -> None:
+    def __init__(self, request_ids: Sequence[str], waited_s: float, why: str | None = None) -> None:
         shown = ", ".join(request_ids[:5])
         more = f" and {len(request_ids) - 5} more" if len(request_ids) > 5 else ""
         super().__init__(
             f"no reply after {waited_s:.2f}s for {len(request_ids)} request(s): {shown}{more}"
+            + (f"; {why}" if why else "")
         )
         self.request_ids = tuple(request_ids)
         self.waited_s = waited_s
+        self.why = why
+        """What the client saw when it gave up (no live worker serves the queue), if anything."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +294,7 @@ class ClientCore:
         self.stream_key = keys.requests(self.queue)
         self.dedupe_ttl_ms = int(self.settings.dedupe_ttl_s * 1000)
         self.config_key = keys.config(self.queue)
+        self.workers_key = keys.workers(self.queue)
         self.url = redact_url(settings.redis_url)
         self.config_cache = config_cache(estimator, config_ttl_s)
         # The config cache changes from whichever caller reads the hash and
@@ -696,6 +700,7 @@ class ClientCore:
         outcomes: dict[str, Any],
         waited_s: float,
         unreachable: BaseException | None,
+        why: str | None = None,
     ) -> None:
         """Record a timeout (or Redis being down) for every request still unanswered."""
         if not ids:
@@ -706,9 +711,24 @@ class ClientCore:
                 f"timeout: {unreachable}"
             )
         else:
-            error = ReplyTimeout(list(ids), waited_s)
+            error = ReplyTimeout(list(ids), waited_s, why)
         for request_id in ids:
             outcomes[request_id] = error
+
+    def alive_keys(self, names: Sequence[bytes | str]) -> list[str]:
+        """The liveness keys of the workers the workers hash names."""
+        return [
+            keys.worker_alive(self.queue, name.decode() if isinstance(name, bytes) else name)
+            for name in names
+        ]
+
+    def no_live_worker(self) -> str:
+        """What a timeout says when no worker of the queue is alive."""
+        name = self.queue.name
+        return (
+            f"no live worker serves queue {name!r} (no liveness key is set: none started, or "
+            f"all stopped or died); start one, e.g. tokenq worker --queue {name}"
+        )
 
     @staticmethod
     def settle(

@@ -200,7 +200,10 @@ class _WorkerProcess(BaseModel):
     """What each worker process runs: ``tokenq worker`` flags, passed on by ``tokenq up``."""
 
     backend: str = Field(
-        "sim", description="'sim', 'hf', or a plugin as 'package.module:factory'"
+        "hf",
+        description="'hf' (the real model; the bundled all-MiniLM-L6-v2 without --model), "
+        "'sim' (a simulated GPU, for tests and benchmarks), or a plugin as "
+        "'package.module:factory'",
     )
     metrics_port: Port = Field(
         0,
@@ -485,6 +488,30 @@ class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
         if value is not None and not _split_devices(value):
             raise ValueError(f"devices must be GPU indices or ids like '0,1': {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _no_options_of_another_backend(self) -> WorkerSettings:
+        """Refuse the other built-in backend's options, so none is silently ignored.
+
+        Why: ``--model BAAI/bge-small-en-v1.5 --backend sim`` would otherwise
+        serve simulated vectors under a real model's name. A plugin may read
+        any setting, so a plugin backend is not checked.
+        """
+        backend = self.backend.strip()
+        other = {"sim": (HFSettings, "hf"), "hf": (SimSettings, "sim")}.get(backend)
+        if other is None:
+            return self
+        group, owner = other
+        given = sorted(name for name in self.model_fields_set if name in group.model_fields)
+        if given:
+            flags = ", ".join(flag(type(self), name) for name in given)
+            raise ValueError(
+                f"--backend {backend} ignores {flags}: "
+                f"{'they are options' if len(given) > 1 else 'it is an option'} of "
+                f"--backend {owner}; drop {'them' if len(given) > 1 else 'it'} or use "
+                f"--backend {owner}"
+            )
+        return self
 
     @property
     def reply_to_prefix_list(self) -> tuple[str, ...]:

@@ -249,7 +249,8 @@ def test_worker_devices_runs_one_child_per_gpu(redis_url, queue_name, r, spawn, 
         environ = Path(f"/proc/{beat['pid']}/environ").read_bytes().split(b"\0")
         assert f"CUDA_VISIBLE_DEVICES={index}".encode() in environ
         cmdline = Path(f"/proc/{beat['pid']}/cmdline").read_bytes().split(b"\0")
-        assert b"cuda:0" in cmdline and b"--devices" not in cmdline
+        # the sim has no device to pick (and refuses --device); an hf child gets cuda:0
+        assert b"cuda:0" not in cmdline and b"--devices" not in cmdline
         text = urllib.request.urlopen(f"http://127.0.0.1:{port + index}/metrics").read()
         assert f'consumer="{name}"'.encode() in text
     parent.send_signal(signal.SIGTERM)
@@ -328,6 +329,9 @@ def test_device_commands_strip_per_child_flags():
     assert second_env["TOKENQ_QUEUE"] == "q"
     assert second_argv[-6:] == ["--consumer", "n-gpu3", "--device", "cuda:0",
                                 "--metrics-port", "9101"]
+    sim = WorkerSettings(devices="0", consumer="n", backend="sim")
+    (_, sim_argv, _), = device_commands(sim, ["--devices", "0", "--backend", "sim"], env)
+    assert "--device" not in sim_argv  # the sim refuses an option of --backend hf
     with pytest.raises(ValueError):
         WorkerSettings(devices=",")
 

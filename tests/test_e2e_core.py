@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tests.workers import Fleet, WorkerProcess
-from tokenq.producer import AsyncClient, Client
+from tokenq.producer import AsyncClient, Client, ReplyTimeout
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import DeadlineExceeded
 from tokenq.worker.backends.sim import expected_vector
@@ -249,6 +249,16 @@ def test_worker_refuses_bad_settings(worker_env):
     plugin = run("--backend", "no.such.module:factory")
     assert plugin.returncode == 2 and "no.such.module" in plugin.stderr
 
+    # A real model's name on the simulated GPU would serve fake vectors under it.
+    fake = run("--backend", "sim", "--model", "BAAI/bge-small-en-v1.5")
+    assert fake.returncode == 2
+    assert "--backend sim ignores --model" in fake.stderr and "--backend hf" in fake.stderr
+    from_env = subprocess.run(
+        [sys.executable, "-m", "tokenq.worker", "--backend", "hf"],
+        env={**worker_env, "TOKENQ_SIM_DIM": "8"}, capture_output=True, text=True, timeout=60,
+    )
+    assert from_env.returncode == 2 and "--backend hf ignores --sim-dim" in from_env.stderr
+
 
 def test_worker_started_before_redis_waits_for_it(worker_env, tmp_path, queue_name):
     """A worker that starts first (compose, Kubernetes) retries until Redis is up."""
@@ -269,3 +279,15 @@ def test_worker_started_before_redis_waits_for_it(worker_env, tmp_path, queue_na
     finally:
         worker.close()
         server.stop()
+
+
+def test_a_timeout_says_when_no_live_worker_serves_the_queue(start_worker, redis_url, queue_name):
+    nobody = f"no live worker serves queue '{queue_name}'"
+    with Client(redis_url=redis_url, queue=queue_name) as client, \
+            pytest.raises(ReplyTimeout, match=nobody):
+        client.infer("nobody is home", timeout_s=0.5)
+    start_worker("--sim-batch-ms", "3000")  # alive, but slower than the caller's timeout
+    with Client(redis_url=redis_url, queue=queue_name) as client, \
+            pytest.raises(ReplyTimeout) as raised:
+        client.infer("a slow device", timeout_s=0.5)
+    assert raised.value.why is None and "no live worker" not in str(raised.value)

@@ -100,8 +100,44 @@ def test_results_wait_on_own_keys_until_the_deadline() -> None:
     assert isinstance(step, calls.Send) and step.command == "blmove"
     assert step.args[:2] == (key, key) and step.kwargs == {"src": "LEFT", "dest": "RIGHT"}
     time.sleep(0.06)
-    with pytest.raises(ReplyTimeout):
-        answer(call, None)  # nothing read: nothing to delete either
+    check = answer(call, None)  # nothing read, so nothing to delete; then: is anyone alive?
+    assert isinstance(check, calls.Send) and check.command == "hkeys"
+    assert check.args == (core.workers_key,)
+    alive = answer(call, [b"w1", b"w2"])
+    assert isinstance(alive, calls.Send) and alive.command == "exists"
+    assert alive.args == tuple(core.alive_keys(["w1", "w2"]))
+    with pytest.raises(ReplyTimeout) as raised:
+        answer(call, 1)  # one of them is: the timeout gives no reason
+    assert raised.value.why is None and "no live worker" not in str(raised.value)
+
+
+@pytest.mark.parametrize("workers", [[], [b"w1"]])
+def test_a_timeout_with_no_live_worker_says_so(workers: list[bytes]) -> None:
+    core = fresh_core()
+    call = calls.results(core, [core.new_id()], 0.01, False)
+    calls.resume(call)
+    time.sleep(0.02)
+    check = answer(call, None)
+    assert isinstance(check, calls.Send) and check.command == "hkeys"
+    with pytest.raises(ReplyTimeout, match="no live worker serves queue 'q'") as raised:
+        if workers:  # named in the hash, but its liveness key has expired
+            step = answer(call, workers)
+            assert isinstance(step, calls.Send) and step.command == "exists"
+            answer(call, 0)
+        else:  # nobody ever registered: no EXISTS needed
+            answer(call, workers)
+    assert "tokenq worker --queue q" in str(raised.value)
+
+
+def test_a_liveness_check_that_fails_gives_the_plain_timeout() -> None:
+    core = fresh_core()
+    call = calls.results(core, [core.new_id()], 0.01, False)
+    calls.resume(call)
+    time.sleep(0.02)
+    answer(call, None)
+    with pytest.raises(ReplyTimeout) as raised:
+        fail(call, redis.ResponseError("NOPERM this user has no permissions to run 'hkeys'"))
+    assert raised.value.why is None
 
 
 def test_results_delete_a_reply_key_only_once_its_reply_is_in_hand() -> None:
@@ -200,7 +236,9 @@ def test_async_infer_listens_before_it_enqueues() -> None:
     assert isinstance(answer(call), calls.Send)
     collect = answer(call, [b"1-0", b"1-1"])
     assert isinstance(collect, calls.Collect) and collect.ids == listen.ids
-    done = answer(call, ({}, None))
+    check = answer(call, ({}, None))
+    assert isinstance(check, calls.Send) and check.command == "hkeys"
+    done = answer(call, [])
     assert isinstance(done, calls.Done)
     assert all(isinstance(item, ReplyTimeout) for item in done.value)
 

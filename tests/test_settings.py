@@ -257,3 +257,30 @@ def test_flag_and_env_var_names() -> None:
     assert flag(StatsSettings, "as_json") == "--json"
     assert flag(DlqSettings, "action") == "ACTION"
     assert env_var("max_batch_tokens") == "TOKENQ_MAX_BATCH_TOKENS"
+
+
+def test_the_worker_serves_the_real_model_unless_told_otherwise() -> None:
+    assert WorkerSettings().backend == "hf"
+    assert WorkerSettings().model is None  # the bundled all-MiniLM-L6-v2
+
+
+@pytest.mark.parametrize(
+    ("backend", "given", "named"),
+    [
+        ("sim", {"model": "BAAI/bge-small-en-v1.5"}, "--model"),
+        ("sim", {"task": "classify", "pooling": "cls"}, "--pooling, --task"),
+        ("hf", {"sim_dim": 8}, "--sim-dim"),
+        (" sim ", {"device": "cuda:0"}, "--device"),
+    ],
+)
+def test_an_option_the_chosen_backend_ignores_is_refused_by_name(
+    backend: str, given: dict, named: str
+) -> None:
+    with pytest.raises(ValidationError, match=f"--backend {backend.strip()} ignores {named}"):
+        WorkerSettings(backend=backend, **given)
+
+
+def test_a_plugin_may_read_either_backends_options() -> None:
+    settings = WorkerSettings(backend="tests.plugins_for_tests:hf_oom_above", model="m", sim_dim=3)
+    assert (settings.model, settings.sim_dim) == ("m", 3)
+    assert WorkerSettings(backend="sim", sim_dim=8).sim_dim == 8  # its own options are fine

@@ -1,6 +1,7 @@
 """``tokenq worker --devices 0,1``: one worker process per GPU under one parent.
 
-Each child gets ``CUDA_VISIBLE_DEVICES=<device>``, ``--device cuda:0``, the
+Each child gets ``CUDA_VISIBLE_DEVICES=<device>``, ``--device cuda:0`` (not
+with ``--backend sim``, which has no device to pick and refuses the flag), the
 consumer name ``<base>-gpu<device>`` and, with ``--metrics-port P``, port
 ``P + i``; every other flag is passed on unchanged. The parent is a
 :class:`tokenq.worker.tooling.children.Supervisor`: a child that fails is restarted
@@ -61,8 +62,9 @@ def device_commands(
         name = f"{base}-gpu{device}"
         child_env = {k: v for k, v in env.items() if k not in PER_CHILD_ENV}
         child_env["CUDA_VISIBLE_DEVICES"] = device
-        child_argv = [sys.executable, "-m", "tokenq.worker", *common,
-                      "--consumer", name, "--device", "cuda:0"]
+        child_argv = [sys.executable, "-m", "tokenq.worker", *common, "--consumer", name]
+        if settings.backend.strip() != "sim":
+            child_argv += ["--device", "cuda:0"]
         if settings.metrics_port:
             child_argv += ["--metrics-port", str(settings.metrics_port + index)]
         commands.append((name, child_argv, child_env))
