@@ -11,8 +11,12 @@ and GPU workers elsewhere answer. Run it with any ASGI server::
         -d '{"texts": ["hello", "world"]}'
 
 Errors map to HTTP the way a caller can act on them: a bad input is 422, a
-full queue 503 (retry later), Redis down 503, no answer in time 504, and a
-worker's error 502 with its code.
+full queue 503 (retry later), Redis down 503, no answer in time 504, a
+worker's error 502 with its code, and a queue whose model answers scores
+(a classifier or a reranker) rather than embeddings 409, naming the task.
+
+This is a minimal example of embedding the client in one's own app, and
+serves embedding queues only.
 """
 
 from __future__ import annotations
@@ -70,7 +74,13 @@ def create_app(settings: ClientSettings | None = None) -> FastAPI:
             raise HTTPException(504, str(exc)) from exc
         except RemoteError as exc:
             raise HTTPException(502, {"code": exc.code, "message": exc.message}) from exc
-        vectors = [list(result.embedding or ()) for result in results]
+        if any(result.embedding is None for result in results):
+            raise HTTPException(
+                409,
+                f"queue {client.queue!r} answers scores (a classifier or reranker model), "
+                "not embeddings; this app serves embedding queues only",
+            )
+        vectors = [list(result.embedding) for result in results]
         return EmbedResponse(
             embeddings=vectors,
             dim=len(vectors[0]) if vectors else 0,

@@ -115,3 +115,23 @@ class PickyTokenizer:
 def broken_tokenizer_factory() -> PickyTokenizer:
     """A tokenizer factory that fails in the child, as a missing vocabulary file would."""
     raise RuntimeError("vocabulary file not found (a test's broken factory)")
+
+
+class SimClassifier:
+    """The sim backend claiming to be a classifier: replies carry its vectors as scores."""
+
+    def __init__(self, inner: Any) -> None:
+        import dataclasses
+
+        self._inner = inner
+        self.info = dataclasses.replace(inner.info, task="classify", normalized=False)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def sim_classifier(settings: Any) -> SimClassifier:
+    """``--backend tests.plugins_for_tests:sim_classifier``."""
+    from tokenq.worker.backends.sim import build_sim_backend
+
+    return SimClassifier(build_sim_backend(settings))

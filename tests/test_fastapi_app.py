@@ -51,6 +51,17 @@ def test_post_embed_through_a_real_worker(sim_worker, redis_url, queue_name):
         assert health.status_code == 200 and health.json()["queue_length"] >= 0
 
 
+def test_a_classifier_queue_is_refused_naming_why_not_answered_with_empty_vectors(
+    sim_worker, redis_url, queue_name
+):
+    sim_worker("--backend", "tests.plugins_for_tests:sim_classifier")
+    app = load_app_module().create_app(ClientSettings(redis_url=redis_url, queue=queue_name))
+    with testclient.TestClient(app) as http:
+        response = http.post("/embed", json={"texts": ["is this spam?"]})
+    assert response.status_code == 409, response.text
+    assert "answers scores" in response.json()["detail"] and queue_name in response.text
+
+
 def test_redis_down_is_503(queue_name):
     app = load_app_module().create_app(ClientSettings(
         redis_url="redis://127.0.0.1:1/0", queue=queue_name, retries=0, socket_timeout_s=0.2,
