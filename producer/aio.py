@@ -203,6 +203,15 @@ class AsyncClient(ProducerBase):
         )
         return await self._run(call)
 
+    async def workers_alive(self) -> int:
+        """How many workers of the queue are alive now (0: nobody would answer).
+
+        A worker is alive while its liveness key is set: it expires three
+        heartbeats after the worker's last beat. Needs the optional reads of
+        docs/SECURITY.md (``HKEYS`` of the workers hash, ``EXISTS``).
+        """
+        return await self._run(calls.workers_alive(self._core))
+
     async def queue_length(self) -> int:
         """How many requests the queue's stream holds (pending and in flight)."""
         return await self._run(calls.queue_length(self._core))

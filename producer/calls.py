@@ -263,6 +263,11 @@ def queue_length(core: ClientCore) -> Call[int]:
     return int((yield from command(core, core.deadline(), "xlen", core.stream_key)))
 
 
+def workers_alive(core: ClientCore) -> Call[int]:
+    """:func:`live_workers` for a caller, bounded by ``settings.timeout_s``."""
+    return (yield from live_workers(core, core.deadline()))
+
+
 # ------------------------------------------------------------------- waiting
 
 
@@ -306,20 +311,30 @@ LIVENESS_CHECK_S = 0.1
 """How long the check behind a timeout's "no live worker" may take, past the caller's deadline."""
 
 
+def live_workers(core: ClientCore, deadline: Deadline) -> Call[int]:
+    """How many of the queue's workers are alive: named in the workers hash, liveness key set.
+
+    Two reads: HKEYS of the workers hash, then one EXISTS over those
+    workers' liveness keys (which expire three heartbeats after a worker's
+    last beat). BrokerUnavailable or the ACL's refusal as any command's.
+    """
+    names = yield from command(core, deadline, "hkeys", core.workers_key)
+    if not names:
+        return 0
+    return int((yield from command(core, deadline, "exists", *core.alive_keys(names))))
+
+
 def why_unanswered(core: ClientCore, missing: Sequence[str]) -> Call[str | None]:
     """After a wait that left ``missing`` unanswered: the reason, if no worker is alive.
 
-    Two reads (the workers hash, then one EXISTS over their liveness keys),
-    bounded by :data:`LIVENESS_CHECK_S`. Best effort: a Redis that does not
-    answer, or an ACL without these reads (docs/SECURITY.md lists them as
-    optional), gives no reason rather than another error.
+    :func:`live_workers`, bounded by :data:`LIVENESS_CHECK_S`. Best effort: a
+    Redis that does not answer, or an ACL without these reads (docs/SECURITY.md
+    lists them as optional), gives no reason rather than another error.
     """
     if not missing:
         return None
-    check = Deadline.after(LIVENESS_CHECK_S)
     try:
-        names = yield Send("hkeys", (core.workers_key,), {}, check.at)
-        alive = (yield Send("exists", tuple(core.alive_keys(names)), {}, check.at)) if names else 0
+        alive = yield from live_workers(core, Deadline.after(LIVENESS_CHECK_S))
     except Exception as exc:  # a timeout's message must not become another error
         log.debug("could not tell whether any worker is alive: %s", exc)
         return None

@@ -37,6 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("tokenq.producer.ops.stats", "queue lengths, pending, lag, workers, dead letters"),
     "top": ("tokenq.producer.ops.top", "tokenq stats, refreshed live"),
     "dlq": ("tokenq.producer.ops.dlq", "list, retry or purge a queue's dead letters"),
+    "serve": ("tokenq.producer.serve.cli", "an HTTP gateway: OpenAI and TEI APIs over queues"),
 }
 
 EXIT_OK = 0

@@ -16,6 +16,7 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``padded``           ``1``: batches cost rows x longest; ``0``: the sum of lengths
 ``max_batch_tokens`` the workers' token budget per batch
 ``dim``              embedding size, or number of scores (when the model says)
+``normalized``       ``1``: the model's embeddings are unit length; ``0``: they are not
 ``tokenizer``        path of the model's tokenizer.json (when it has one)
 ``updated_at``       Unix seconds of the last write (the worker's clock)
 ==================== ==================================================
@@ -48,6 +49,7 @@ class QueueConfig:
     padded: bool | None = None
     max_batch_tokens: int | None = None
     dim: int | None = None
+    normalized: bool | None = None
     updated_at: int | None = None
 
     @classmethod
@@ -85,6 +87,7 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         padded=_FLAGS.get(text.get("padded", "").strip()),
         max_batch_tokens=_int(text, "max_batch_tokens", minimum=1),
         dim=_int(text, "dim", minimum=1),
+        normalized=_FLAGS.get(text.get("normalized", "").strip()),
         updated_at=_int(text, "updated_at", minimum=0),
     )
 

@@ -608,6 +608,47 @@ class EmbedSettings(ClientSettings):
     progress: bool = Field(True, description="show a progress bar on stderr")
 
 
+class ServeSettings(ClientSettings):
+    """An HTTP gateway (OpenAI and TEI APIs) in front of queues; it holds no model."""
+
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: Port = Field(8080, description="port to listen on")
+    models: str = Field(
+        "",
+        description="model names and their queues, 'name=queue,name=queue'; the first is the "
+        "default; empty: every model name is served by --queue",
+    )
+    max_client_batch_size: int = Field(
+        2048, ge=1, description="most inputs one HTTP request may carry (more: 413)"
+    )
+    max_body_bytes: int = Field(
+        16 << 20, ge=1024, description="largest request body accepted (more: 413)"
+    )
+
+    @field_validator("models")
+    @classmethod
+    def _check_models(cls, value: str) -> str:
+        _model_queues(value)  # raises ValueError naming the bad part
+        return value
+
+    @property
+    def model_queues(self) -> dict[str, str]:
+        """``--models`` as {model name: queue}, in order (empty: --queue serves every name)."""
+        return _model_queues(self.models)
+
+
+def _model_queues(value: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for part in filter(None, (item.strip() for item in value.split(","))):
+        name, sep, queue = part.partition("=")
+        if not sep or not name.strip() or not queue.strip():
+            raise ValueError(f"models: {part!r} is not name=queue")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", queue.strip()):
+            raise ValueError(f"models: queue {queue.strip()!r} is not a queue name")
+        out[name.strip()] = queue.strip()
+    return out
+
+
 class UpSettings(_WorkerProcess, _QueueSettings):
     """A local Redis and N workers, for development and demos; flags after -- go to each worker."""
 

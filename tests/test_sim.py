@@ -203,7 +203,8 @@ def test_run_refuses_foreign_encodings_and_runs_nothing_when_empty() -> None:
 
 def test_build_from_settings() -> None:
     settings = WorkerSettings(
-        sim_dim=7, sim_max_input_tokens=99, sim_ragged=True, sim_capacity_bytes=123_456
+        backend="sim", sim_dim=7, sim_max_input_tokens=99, sim_ragged=True,
+        sim_capacity_bytes=123_456,
     )
     backend = build_sim_backend(settings)
     assert isinstance(backend, Backend)

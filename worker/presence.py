@@ -36,6 +36,7 @@ def config_fields(info: BackendInfo, *, policy: str, max_batch_tokens: int) -> d
         max_batch_tokens=max_batch_tokens,
         updated_at=int(time.time()),
         dim=info.dim,
+        normalized=info.normalized if info.embeds else None,
         tokenizer=info.tokenizer or None,
     ))
 

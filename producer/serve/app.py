@@ -1,0 +1,236 @@
+"""The gateway's routes, over one shared AsyncClient per queue.
+
+Routes (docs/OPERATIONS.md, "tokenq serve"):
+
+* ``POST /v1/embeddings`` — OpenAI's embeddings API;
+* ``POST /embed`` — TEI's; ``GET /info`` — TEI's model info, from the
+  default queue's config hash;
+* ``GET /health`` — 200 while Redis answers (the gateway can work), else 503;
+* ``GET /ready`` — 200 while every queue it serves has a live worker (from
+  the workers' liveness keys), else 503 naming the queues without one;
+* ``GET /metrics`` — Prometheus text: requests by route and status, inputs,
+  latency.
+
+A request's body is read whole (up to ``--max-body-bytes``, else 413) and
+parsed by :mod:`.schemas`; the work is one ``infer_many`` bounded by
+``--timeout-s``. While it waits, the route watches the connection: a client
+that goes away cancels its wait, so the gateway stops holding what nobody
+will read (the workers still answer the request; its reply expires).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+from tokenq.producer import AsyncClient, Result
+from tokenq.producer.serve import schemas
+from tokenq.producer.serve.errors import ApiError, from_exception, too_large
+from tokenq.shared.cli import version
+from tokenq.shared.queue_config import QueueConfig
+from tokenq.shared.settings import ServeSettings
+
+DISCONNECT_POLL_S = 0.1
+"""How often a waiting route checks whether its client is still there."""
+
+Shape = Callable[[ApiError], dict[str, Any]]
+
+
+class Gateway:
+    """The per-queue clients and the metrics: what every route shares."""
+
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.models = settings.model_queues
+        self.queues = sorted(set(self.models.values()) or {settings.queue})
+        self.clients: dict[str, AsyncClient] = {}
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tokenq_serve_requests", "HTTP requests answered, by route and status",
+            ["route", "status"], registry=self.registry,
+        )
+        self.inputs = Counter(
+            "tokenq_serve_inputs", "texts sent to queues, by queue", ["queue"],
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "tokenq_serve_request_seconds", "time to answer an HTTP request, by route",
+            ["route"], registry=self.registry,
+        )
+
+    def queue_of(self, model: str | None) -> str:
+        """The queue serving ``model``; 404 for a name ``--models`` does not list."""
+        if not self.models:
+            return self.settings.queue
+        if model is None:
+            return next(iter(self.models.values()))
+        queue = self.models.get(model)
+        if queue is None:
+            raise ApiError(
+                404, f"The model {model!r} does not exist; served: {', '.join(self.models)}",
+                param="model", code="model_not_found",
+            )
+        return queue
+
+    def default_model(self) -> str:
+        return next(iter(self.models), None) or self.settings.queue
+
+    async def config(self, queue: str) -> QueueConfig | None:
+        """The queue's config hash as its workers published it (None before any started)."""
+        return QueueConfig.parse(await self.clients[queue].config())
+
+    async def infer(self, request: Request, queue: str, texts: list[str]) -> list[Result]:
+        """``infer_many`` on ``queue``, cancelled if the HTTP client goes away."""
+        if len(texts) > self.settings.max_client_batch_size:
+            raise too_large(
+                "input", f"{len(texts)} inputs, over the limit of "
+                f"{self.settings.max_client_batch_size} per request",
+            )
+        self.inputs.labels(queue).inc(len(texts))
+        work = asyncio.ensure_future(
+            self.clients[queue].infer_many(texts, timeout_s=self.settings.timeout_s)
+        )
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return work.result()
+                if await request.is_disconnected():
+                    work.cancel()
+                    raise ApiError(499, "the client went away", code="client_closed")
+        finally:
+            if not work.done():
+                work.cancel()
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The whole body, or 413 as soon as it is over ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large("body", f"{declared} bytes, over the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large("body", f"over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(settings: ServeSettings) -> FastAPI:
+    """The gateway for ``settings``: one AsyncClient per queue, opened with the app."""
+    gateway = Gateway(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            for queue in gateway.queues:
+                client = AsyncClient(settings=settings.model_copy(update={"queue": queue}))
+                gateway.clients[queue] = await stack.enter_async_context(client)
+            yield
+
+    app = FastAPI(title="tokenq serve", version=version(), lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+
+    async def answer(
+        route: str, shape: Shape, work: Callable[[], Awaitable[Any]]
+    ) -> Response:
+        """Run a route's work; every failure in the route's own error shape."""
+        started = time.perf_counter()
+        try:
+            response: Response = JSONResponse(await work())
+        except Exception as exc:  # mapped, or re-raised by from_exception if it is a bug
+            error = from_exception(exc)
+            response = JSONResponse(shape(error), status_code=error.status,
+                                    headers=error.headers)
+        gateway.requests.labels(route, str(response.status_code)).inc()
+        gateway.seconds.labels(route).observe(time.perf_counter() - started)
+        return response
+
+    @app.post("/v1/embeddings")
+    async def openai_embeddings(request: Request) -> Response:
+        async def work() -> dict[str, Any]:
+            body = schemas.parse(schemas.OpenAIEmbeddings,
+                                 await _body(request, settings.max_body_bytes))
+            queue = gateway.queue_of(body.model)
+            texts = schemas.openai_texts(body)
+            results = await gateway.infer(request, queue, texts)
+            return schemas.openai_answer(results, body.model, body.encoding_format)
+        return await answer("/v1/embeddings", ApiError.openai_body, work)
+
+    @app.post("/embed")
+    async def tei_embed(request: Request) -> Response:
+        async def work() -> list[list[float]]:
+            body = schemas.parse(schemas.TEIEmbed, await _body(request, settings.max_body_bytes))
+            queue = gateway.queue_of(None)
+            config = await gateway.config(queue)
+            texts = schemas.tei_texts(
+                body, config.policy if config else None, _normalizes(config)
+            )
+            results = await gateway.infer(request, queue, texts)
+            return schemas.tei_answer(results, gateway.default_model())
+        return await answer("/embed", ApiError.tei_body, work)
+
+    @app.get("/info")
+    async def info() -> Response:
+        async def work() -> dict[str, Any]:
+            queue = gateway.queue_of(None)
+            config = await gateway.config(queue) or QueueConfig()
+            kind = "embedding" if config.task in (None, "embed") else "classifier"
+            return {
+                "model_id": config.model or gateway.default_model(),
+                "model_sha": None,
+                "model_dtype": None,
+                "model_type": {kind: {}},
+                "max_input_length": config.max_input_tokens,
+                "max_batch_tokens": config.max_batch_tokens,
+                "max_client_batch_size": settings.max_client_batch_size,
+                "auto_truncate": config.policy == "truncate",
+                "version": version(),
+                "queue": queue,
+                "models": gateway.models or {gateway.default_model(): queue},
+            }
+        return await answer("/info", ApiError.tei_body, work)
+
+    @app.get("/health")
+    async def health() -> Response:
+        async def work() -> dict[str, Any]:
+            lengths = {q: await gateway.clients[q].queue_length() for q in gateway.queues}
+            return {"status": "ok", "queue_lengths": lengths}
+        return await answer("/health", ApiError.tei_body, work)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        async def work() -> dict[str, Any]:
+            alive = {q: await gateway.clients[q].workers_alive() for q in gateway.queues}
+            idle = [q for q, count in alive.items() if not count]
+            if idle:
+                raise ApiError(503, f"no live worker serves queue(s) {', '.join(idle)}",
+                               code="no_worker")
+            return {"status": "ready", "workers": alive}
+        return await answer("/ready", ApiError.tei_body, work)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _normalizes(config: QueueConfig | None) -> bool | None:
+    """Whether the queue's model normalises its vectors; None when the hash does not say."""
+    return None if config is None else config.normalized

@@ -1,0 +1,26 @@
+"""``tokenq serve``: parse the settings, run the gateway under uvicorn until a signal."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenq.shared.cli import UsageError, run_command
+from tokenq.shared.settings import ServeSettings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(ServeSettings, list(argv or []), "tokenq serve", serve)
+
+
+def serve(settings: ServeSettings) -> int:
+    try:
+        import uvicorn
+
+        from tokenq.producer.serve.app import create_app
+    except ModuleNotFoundError as exc:
+        raise UsageError(
+            f"tokenq serve needs {exc.name!r}: pip install 'tokenq[serve]'"
+        ) from None
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level="info", access_log=False)
+    return 0
