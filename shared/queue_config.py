@@ -17,6 +17,7 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``max_batch_tokens`` the workers' token budget per batch
 ``dim``              embedding size, or number of scores (when the model says)
 ``normalized``       ``1``: the model's embeddings are unit length; ``0``: they are not
+``labels``           a classifier's name for each score, in order: a JSON array of strings
 ``tokenizer``        path of the model's tokenizer.json (when it has one)
 ``updated_at``       Unix seconds of the last write (the worker's clock)
 ==================== ==================================================
@@ -28,6 +29,7 @@ refusing everything.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -50,6 +52,7 @@ class QueueConfig:
     max_batch_tokens: int | None = None
     dim: int | None = None
     normalized: bool | None = None
+    labels: tuple[str, ...] | None = None
     updated_at: int | None = None
 
     @classmethod
@@ -65,6 +68,8 @@ def encode_config(config: QueueConfig) -> dict[str, str]:
         value = getattr(config, field.name)
         if isinstance(value, bool):
             out[field.name] = "1" if value else "0"
+        elif isinstance(value, tuple):
+            out[field.name] = json.dumps(list(value), ensure_ascii=False)
         elif value is not None:
             out[field.name] = str(value)
     return out
@@ -88,8 +93,22 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         max_batch_tokens=_int(text, "max_batch_tokens", minimum=1),
         dim=_int(text, "dim", minimum=1),
         normalized=_FLAGS.get(text.get("normalized", "").strip()),
+        labels=_labels(text.get("labels")),
         updated_at=_int(text, "updated_at", minimum=0),
     )
+
+
+def _labels(raw: str | None) -> tuple[str, ...] | None:
+    """A JSON array of strings, or None for anything else."""
+    if raw is None:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        return None
+    return tuple(value)
 
 
 def _text(value: str | bytes) -> str:

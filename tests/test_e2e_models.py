@@ -469,6 +469,33 @@ def test_classification_scores_equal_single_forwards(
     assert any(b["padded_tokens"] > b["tokens"] for b in batches), batches
 
 
+def test_a_classifier_publishes_its_labels_and_the_gateway_shows_them(
+    classify_worker: Served, models: SimpleNamespace
+) -> None:
+    import json
+
+    from transformers import AutoConfig
+
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from tokenq.producer.serve.app import create_app
+    from tokenq.shared.settings import ServeSettings
+
+    id2label = AutoConfig.from_pretrained(models.classify).id2label
+    expected = [id2label[i] for i in range(3)]
+    with classify_worker.client() as client:
+        assert json.loads(client.config()["labels"]) == expected
+    app = create_app(ServeSettings(redis_url=classify_worker.redis_url,
+                                   queue=classify_worker.queue))
+    with TestClient(app) as http:
+        info = http.get("/info").json()
+    assert info["model_type"] == {"classifier": {
+        "id2label": {str(i): label for i, label in enumerate(expected)},
+        "label2id": {label: i for i, label in enumerate(expected)},
+    }}
+
+
 def test_rerank_scores_equal_single_forwards(
     rerank_worker: Served, models: SimpleNamespace
 ) -> None:

@@ -43,6 +43,8 @@ configs = st.builds(
     padded=st.none() | st.booleans(),
     max_batch_tokens=st.none() | positive,
     dim=st.none() | positive,
+    normalized=st.none() | st.booleans(),
+    labels=st.none() | st.lists(st.text(max_size=20), max_size=5).map(tuple),
     updated_at=st.none() | counts,
 )
 

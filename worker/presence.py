@@ -37,6 +37,7 @@ def config_fields(info: BackendInfo, *, policy: str, max_batch_tokens: int) -> d
         updated_at=int(time.time()),
         dim=info.dim,
         normalized=info.normalized if info.embeds else None,
+        labels=info.labels or None,
         tokenizer=info.tokenizer or None,
     ))
 

@@ -190,12 +190,11 @@ def create_app(settings: ServeSettings) -> FastAPI:
         async def work() -> dict[str, Any]:
             queue = gateway.queue_of(None)
             config = await gateway.config(queue) or QueueConfig()
-            kind = "embedding" if config.task in (None, "embed") else "classifier"
             return {
                 "model_id": config.model or gateway.default_model(),
                 "model_sha": None,
                 "model_dtype": None,
-                "model_type": {kind: {}},
+                "model_type": _model_type(config),
                 "max_input_length": config.max_input_tokens,
                 "max_batch_tokens": config.max_batch_tokens,
                 "max_client_batch_size": settings.max_client_batch_size,
@@ -229,6 +228,18 @@ def create_app(settings: ServeSettings) -> FastAPI:
         return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _model_type(config: QueueConfig) -> dict[str, Any]:
+    """TEI's ``model_type``: ``embedding``, ``classifier`` (with ``id2label``) or ``reranker``."""
+    if config.task in (None, "embed"):
+        return {"embedding": {}}
+    kind = "reranker" if config.task == "rerank" else "classifier"
+    labels = config.labels or ()
+    return {kind: {
+        "id2label": {str(index): label for index, label in enumerate(labels)},
+        "label2id": {label: index for index, label in enumerate(labels)},
+    }}
 
 
 def _normalizes(config: QueueConfig | None) -> bool | None:
