@@ -375,10 +375,9 @@ def own_keys(
         read.append(key)
 
     unreachable = yield from _poll(core, deadline, wanted, pop, take)
-    yield from _forget(core, deadline, "delete", read)
-    waited_s = time.monotonic() - started
-    why = None if unreachable else (yield from why_unanswered(core, list(wanted.values())))
-    core.missing(list(wanted.values()), outcomes, waited_s, unreachable, why)
+    if read:
+        yield from _forget(deadline, "delete", *read)
+    yield from _missing(core, list(wanted.values()), outcomes, started, unreachable)
     return outcomes
 
 
@@ -386,20 +385,27 @@ _ROTATE = {"src": "LEFT", "dest": "RIGHT"}
 """``BLMOVE key key LEFT RIGHT``: waits like BLPOP, moves the head to the tail, removes nothing."""
 
 
-def _forget(core: ClientCore, deadline: Deadline, command: str, *args: Any) -> Call[None]:
+def _forget(deadline: Deadline, command: str, *args: Any) -> Call[None]:
     """Remove replies already in hand (DEL, LTRIM); best effort, since each key expires anyway.
 
     The reply keys carry the worker's ``reply_ttl_s``, so one that cannot be
     removed now (Redis down) still goes, later; the caller's outcome does not
-    wait for it. Not sent at all when there is nothing to remove.
+    wait for it.
     """
-    if command == "delete" and not args[0]:
-        return
-    call_args = tuple(args[0]) if command == "delete" else args
     try:
-        yield Send(command, call_args, {}, deadline.at)
+        yield Send(command, args, {}, deadline.at)
     except Unreachable:
         log.debug("could not remove replies already read (%s); they expire", command)
+
+
+def _missing(
+    core: ClientCore, ids: Sequence[str], outcomes: Outcomes, started: float,
+    unreachable: BaseException | None,
+) -> Call[None]:
+    """Record every request of ``ids`` still unanswered, with why when no worker is alive."""
+    waited_s = time.monotonic() - started
+    why = None if unreachable else (yield from why_unanswered(core, ids))
+    core.missing(ids, outcomes, waited_s, unreachable, why)
 
 
 def drain(
@@ -423,15 +429,13 @@ def drain(
                 landed = yield Send("lrange", (reply_key, 0, -1), {}, deadline.at)
         popped += landed or []
         if landed:
-            yield from _forget(core, deadline, "ltrim", reply_key, len(landed), -1)
+            yield from _forget(deadline, "ltrim", reply_key, len(landed), -1)
 
     def take(raw: bytes) -> None:
         core.shared_key_reply(pending, raw, outcomes)
 
     unreachable = yield from _poll(core, deadline, pending, pop, take)
-    waited_s = time.monotonic() - started
-    why = None if unreachable else (yield from why_unanswered(core, sorted(pending)))
-    core.missing(sorted(pending), outcomes, waited_s, unreachable, why)
+    yield from _missing(core, sorted(pending), outcomes, started, unreachable)
     return outcomes
 
 
@@ -444,9 +448,7 @@ def listened(
     yield from enqueue(core, batch, deadline)
     outcomes, unreachable = yield Collect(ids, deadline)
     missing = [i for i in ids if i not in outcomes]
-    waited_s = time.monotonic() - started
-    why = None if unreachable else (yield from why_unanswered(core, missing))
-    core.missing(missing, outcomes, waited_s, unreachable, why)
+    yield from _missing(core, missing, outcomes, started, unreachable)
     return outcomes
 
 

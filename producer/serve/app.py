@@ -109,11 +109,9 @@ class Gateway:
                 if done:
                     return work.result()
                 if await request.is_disconnected():
-                    work.cancel()
                     raise ApiError(499, "the client went away", code="client_closed")
         finally:
-            if not work.done():
-                work.cancel()
+            work.cancel()  # a no-op once it is done
 
 
 async def _body(request: Request, limit: int) -> bytes:

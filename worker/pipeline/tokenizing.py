@@ -110,11 +110,11 @@ class TokenizerPool:
         """Encodings of ``inputs`` in order, tokenized in the children."""
         if not inputs:
             return []
+        executor = self._running()
         try:
-            return self._tokenize_once(inputs, max_length)
+            return self._tokenize_on(executor, inputs, max_length)
         except BrokenProcessPool:
-            self._restart()
-            return self._tokenize_once(inputs, max_length)
+            return self._tokenize_on(self._replace(executor), inputs, max_length)
 
     def close(self) -> None:
         """Stop the children (what they were doing is dropped); safe to call twice."""
@@ -123,23 +123,34 @@ class TokenizerPool:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
 
-    def _tokenize_once(
-        self, inputs: Sequence[TextInput], max_length: int | None
-    ) -> list[Encoding]:
+    def _running(self) -> ProcessPoolExecutor:
         executor = self._executor
         if executor is None:
             raise RuntimeError("the tokenizer pool is not running (start() it first)")
+        return executor
+
+    def _tokenize_on(
+        self, executor: ProcessPoolExecutor, inputs: Sequence[TextInput], max_length: int | None
+    ) -> list[Encoding]:
         futures = [
             executor.submit(_tokenize, list(inputs[start:stop]), max_length)
             for start, stop in slices(len(inputs), self.processes)
         ]
         return [encoding for future in futures for encoding in future.result()]
 
-    def _restart(self) -> None:
+    def _replace(self, broken: ProcessPoolExecutor) -> ProcessPoolExecutor:
+        """A fresh pool in place of ``broken``, unless the pool was closed or replaced meanwhile.
+
+        Why compare: a call that finds the pool broken after :meth:`close`
+        must not start children nobody will stop, and two calls that broke
+        on the same pool must not both replace it.
+        """
         with self._lock:
-            broken, self._executor = self._executor, self._new_executor()
-        if broken is not None:
-            broken.shutdown(wait=True, cancel_futures=True)
+            if self._executor is broken:
+                self._executor = self._new_executor()
+            current = self._running()
+        broken.shutdown(wait=True, cancel_futures=True)
+        return current
 
     def _new_executor(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
