@@ -38,6 +38,7 @@ from typing import Literal
 from tokenq.producer.estimate import estimate_tokens
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode
 from tokenq.shared.queue_config import QueueConfig
+from tokenq.shared.request_options import ModelFacts
 
 log = logging.getLogger("tokenq.producer")
 
@@ -99,6 +100,20 @@ class InputTooLong(BadRequest):
         self.exact = exact
 
 
+def model_facts(config: QueueConfig | None) -> ModelFacts:
+    """What the config hash tells the request-option checks (None where it says nothing)."""
+    if config is None:
+        return ModelFacts()
+    embeds = None if config.task is None else config.task == "embed"
+    return ModelFacts(
+        embeds=embeds,
+        dim=config.dim if embeds else None,
+        normalized=config.normalized,
+        prompts=config.prompts,
+        default_prompt_name=config.default_prompt,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Estimating:
     """One consistent view for a request: how to count, whether exactly, what to check."""
@@ -125,8 +140,14 @@ class Estimating:
                 f"load: {self.exact_problem}; nothing was written"
             )
 
-    def check(self, queue: str, *, tokens: int, has_pair: bool, where: str) -> None:
-        """Refuse what the worker would refuse, when the producer can tell (see the module)."""
+    def check(
+        self, queue: str, *, tokens: int, has_pair: bool, where: str, truncate: bool | None = None
+    ) -> None:
+        """Refuse what the worker would refuse, when the producer can tell (see the module).
+
+        ``truncate`` is the request's own option, which overrides the queue's
+        policy: true is never refused for length, false is on a truncate queue.
+        """
         config = self.config
         if config is None:
             return
@@ -137,7 +158,10 @@ class Estimating:
                 "single texts (its config says pairs=0); nothing was written"
             )
         limit = config.max_input_tokens
-        if config.policy != "reject" or limit is None:
+        policy = config.policy
+        if truncate is not None and policy != "chunk":
+            policy = "truncate" if truncate else "reject"
+        if policy != "reject" or limit is None:
             return
         ceiling = limit if self.exact else math.floor(limit * HEURISTIC_MARGIN)
         if tokens > ceiling:

@@ -39,6 +39,7 @@ from tokenq.producer.config import (
     ConfigCache,
     EstimatorMode,
     PairEstimate,
+    model_facts,
 )
 from tokenq.producer.options import SubmitOptions, worker_options
 from tokenq.shared import keys, lua, wire
@@ -51,6 +52,14 @@ from tokenq.shared.errors import (
     RemoteError,
     TokenqError,
     remote_error,
+)
+from tokenq.shared.queue_config import QueueConfig
+from tokenq.shared.request_options import (
+    NO_OPTIONS,
+    ModelFacts,
+    RequestOptions,
+    parse_options,
+    prompt_of,
 )
 from tokenq.shared.settings import ClientSettings, describe_errors
 
@@ -141,6 +150,8 @@ class Result:
     dim: int | None
     scores: tuple[float, ...] | None
     tokens: int | None
+    labels: tuple[str, ...] | None = None
+    """A classifier's label for each score, in order, when the model names them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +174,10 @@ class _Shared:
     timeout_ms: int | None
     opts: Mapping[str, Any]
     priority: int
+    prompt: str = ""
+    """The prompt the worker will put before each text, as far as the config says."""
+    truncate: bool | None = None
+    """The request's ``truncate`` option, which decides what the early length check does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +305,7 @@ class ClientCore:
     ) -> None:
         self.settings = settings
         self.refuse_early = refuse_early
+        self._facts_of: tuple[QueueConfig | None, ModelFacts] | None = None
         self.queue = settings.queue_ref
         self.stream_key = keys.requests(self.queue)
         self.dedupe_ttl_ms = int(self.settings.dedupe_ttl_s * 1000)
@@ -417,13 +433,36 @@ class ClientCore:
     def _shared(self, options: SubmitOptions, now_ms: int) -> _Shared:
         """What the options make of every request of one call (checked once per call)."""
         reply_to = options.get("reply_to")
+        opts = self._opts(options)
+        checked = self._worker_options(opts)
         return _Shared(
             reply_to=None if reply_to is None else self._reply_to(reply_to),
             timeout_ms=self.timeout_ms(options.get("deadline_s"), options.get("deadline_ms"),
                                        now_ms),
-            opts=self._opts(options),
+            opts=opts,
             priority=wire.validate_priority(options.get("priority")),
+            prompt=prompt_of(checked, self._facts()),
+            truncate=checked.truncate,
         )
+
+    def _facts(self) -> ModelFacts:
+        config = self.config_cache.current().config
+        if self._facts_of is None or self._facts_of[0] is not config:
+            self._facts_of = (config, model_facts(config))
+        return self._facts_of[1]
+
+    def _worker_options(self, opts: Mapping[str, Any]) -> RequestOptions:
+        """The request options as the worker will read them, checked against the config.
+
+        A value the worker would refuse is a BadRequest here when ``refuse_early``
+        (the config may be stale, so without it the worker decides alone).
+        """
+        try:
+            return parse_options(opts, self._facts())
+        except ValueError as exc:
+            if self.refuse_early:
+                raise BadRequest(f"opts: {exc}; nothing was written") from None
+            return NO_OPTIONS
 
     def _prepare(
         self, item: object, text_pair: object, index: int | None, shared: _Shared
@@ -442,9 +481,10 @@ class ClientCore:
         chars = len(text) + (0 if pair is None else len(pair))
         estimating = self.config_cache.current().for_length(chars)
         estimating.ensure_exact(self.queue.name)
-        tokens = self._tokens(estimating.estimate, text, pair, where)
+        tokens = self._tokens(estimating.estimate, shared.prompt + text, pair, where)
         if self.refuse_early:
-            estimating.check(self.queue.name, tokens=tokens, has_pair=pair is not None, where=where)
+            estimating.check(self.queue.name, tokens=tokens, has_pair=pair is not None,
+                             where=where, truncate=shared.truncate)
 
         request_id = self.new_id()
         target = self.reply_key(request_id) if shared.reply_to is None else shared.reply_to
@@ -660,6 +700,7 @@ class ClientCore:
             dim=reply.dim,
             scores=reply.scores,
             tokens=reply.tokens,
+            labels=reply.labels,
         )
 
     @staticmethod

@@ -5,9 +5,9 @@
 all take ``**options: Unpack[...]`` of the dicts below, and
 :meth:`~tokenq.producer.core.ClientCore.prepare` turns them into a request.
 So a new per-request option the worker reads from a request's ``opts`` map
-is one line in :class:`WorkerOptions`: every enqueueing call of both clients
-then accepts it as a keyword and sends it in ``opts`` under its own name
-(the worker validates it, see docs/PROTOCOL.md).
+is one line in :class:`~tokenq.shared.request_options.WorkerOptions`: every
+enqueueing call of both clients then accepts it as a keyword and sends it in
+``opts`` under its own name (the worker validates it, see docs/PROTOCOL.md).
 
 Python checks no keyword against a ``TypedDict``, so each call first passes
 what it was given to :func:`refuse_unknown`, which raises the ``TypeError``
@@ -17,17 +17,9 @@ a fixed signature would for a name it does not declare.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypedDict
+from typing import Any
 
-
-class WorkerOptions(TypedDict, total=False):
-    """Per-request options the worker reads from the request's ``opts`` map.
-
-    Add a new one here, as ``name: type | None``: it is sent in ``opts``
-    under ``name`` when given and not None (giving it in ``opts`` as well is
-    a :class:`~tokenq.shared.errors.BadRequest`). This protocol version
-    defines none yet; anything else still travels in ``opts`` as given.
-    """
+from tokenq.shared.request_options import WorkerOptions
 
 
 class RequestOptions(WorkerOptions, total=False):

@@ -18,6 +18,8 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``dim``              embedding size, or number of scores (when the model says)
 ``normalized``       ``1``: the model's embeddings are unit length; ``0``: they are not
 ``labels``           a classifier's name for each score, in order: a JSON array of strings
+``prompts``          the model's named prompts: a JSON object, name to text (``{}``: none)
+``default_prompt``   the prompt name a request gets when it names none (empty: none)
 ``tokenizer``        path of the model's tokenizer.json (when it has one)
 ``updated_at``       Unix seconds of the last write (the worker's clock)
 ==================== ==================================================
@@ -53,6 +55,8 @@ class QueueConfig:
     dim: int | None = None
     normalized: bool | None = None
     labels: tuple[str, ...] | None = None
+    prompts: Mapping[str, str] | None = None
+    default_prompt: str | None = None
     updated_at: int | None = None
 
     @classmethod
@@ -70,6 +74,8 @@ def encode_config(config: QueueConfig) -> dict[str, str]:
             out[field.name] = "1" if value else "0"
         elif isinstance(value, tuple):
             out[field.name] = json.dumps(list(value), ensure_ascii=False)
+        elif isinstance(value, Mapping):
+            out[field.name] = json.dumps(dict(value), ensure_ascii=False, sort_keys=True)
         elif value is not None:
             out[field.name] = str(value)
     return out
@@ -94,21 +100,36 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         dim=_int(text, "dim", minimum=1),
         normalized=_FLAGS.get(text.get("normalized", "").strip()),
         labels=_labels(text.get("labels")),
+        prompts=_prompts(text.get("prompts")),
+        default_prompt=text.get("default_prompt") or None,
         updated_at=_int(text, "updated_at", minimum=0),
     )
 
 
 def _labels(raw: str | None) -> tuple[str, ...] | None:
     """A JSON array of strings, or None for anything else."""
-    if raw is None:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return None
+    value = _json(raw)
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         return None
     return tuple(value)
+
+
+def _prompts(raw: str | None) -> dict[str, str] | None:
+    """A JSON object of strings, or None for anything else."""
+    value = _json(raw)
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        return None
+    return value
+
+
+def _json(raw: str | None) -> object:
+    """The JSON value of a field, or None when it is absent or not JSON."""
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 def _text(value: str | bytes) -> str:

@@ -46,7 +46,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ENV_PREFIX = "TOKENQ_"
 
 Task = Literal["embed", "classify", "rerank"]
-"""What a model computes: vectors, raw logits per label, or one logit per (query, passage)."""
+"""What a model computes: vectors, a score per label, or one score per (query, passage)."""
 
 _POSITIONAL = get_args(CliPositionalArg[str])[1]
 """The marker pydantic-settings puts on a positional argument's field."""
@@ -231,11 +231,16 @@ class HFSettings(BaseModel):
     )
     task: Task = Field(
         "embed",
-        description="embed (vectors), classify (raw logits per label), rerank "
-        "(cross-encoder: raw logit per (query, passage) pair)",
+        description="embed (vectors), classify (a probability per label: softmax, or sigmoid "
+        "for multi-label), rerank (cross-encoder: a score per (query, passage) pair, sigmoid "
+        "for a single logit); requests may ask for the raw logits",
     )
-    pooling: Literal["auto", "mean", "cls", "last"] = Field(
-        "auto", description="--task embed: pooling; auto reads 1_Pooling/config.json, else mean"
+    pooling: Literal[
+        "auto", "mean", "cls", "last", "lasttoken", "max", "mean_sqrt_len_tokens", "weightedmean"
+    ] = Field(
+        "auto",
+        description="--task embed: pooling (last is lasttoken); auto reads 1_Pooling/config.json, "
+        "else mean",
     )
     normalize: Literal["auto", "true", "false"] = Field(
         "auto", description="--task embed: L2-normalise; auto: when modules.json has Normalize"
@@ -248,6 +253,11 @@ class HFSettings(BaseModel):
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
     max_input_tokens: int | None = Field(
         None, ge=1, description="cap below the model's own max input length"
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="run Python code the model ships (auto_map in its config.json); "
+        "off: such a model is refused",
     )
 
     @field_validator("dtype", mode="before")

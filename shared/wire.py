@@ -107,6 +107,8 @@ class Reply:
     scores: tuple[float, ...] | None = None
     error: ErrorInfo | None = None
     tokens: int | None = None
+    labels: tuple[str, ...] | None = None
+    """A classifier's label for each score, in the scores' order (None when it names none)."""
 
     def embedding_floats(self) -> list[float]:
         """The embedding as Python floats (decoded from little-endian float32)."""
@@ -410,10 +412,18 @@ def embedding_reply(
     return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens)
 
 
-def scores_reply(request_id: str, scores: Sequence[float], tokens: int | None = None) -> Reply:
-    """A successful classification / rerank reply."""
+def scores_reply(
+    request_id: str,
+    scores: Sequence[float],
+    tokens: int | None = None,
+    labels: Sequence[str] | None = None,
+) -> Reply:
+    """A successful classification / rerank reply; ``labels`` name the scores, in order."""
+    if labels is not None and len(labels) != len(scores):
+        raise ValueError(f"{len(labels)} labels for {len(scores)} scores")
     return Reply(
-        id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens
+        id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens,
+        labels=tuple(labels) if labels else None,
     )
 
 
@@ -430,6 +440,8 @@ def encode_reply(reply: Reply) -> bytes:
         body["dim"] = reply.dim
     if reply.scores is not None:
         body["scores"] = list(reply.scores)
+        if reply.labels:
+            body["labels"] = list(reply.labels)
     if reply.error is not None:
         body["error"] = {"code": reply.error.code, "message": reply.error.message}
     if reply.tokens is not None:
@@ -474,8 +486,16 @@ def decode_reply(packed: bytes) -> Reply:
         return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens)
     scores = body.get("scores")
     if isinstance(scores, list) and all(isinstance(s, (int, float)) for s in scores):
+        labels = body.get("labels")
+        if labels is not None and not (
+            isinstance(labels, list)
+            and len(labels) == len(scores)
+            and all(isinstance(label, str) for label in labels)
+        ):
+            raise DecodeError("reply 'labels' must be one string per score")
         return Reply(
-            id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens
+            id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens,
+            labels=tuple(labels) if labels else None,
         )
     raise DecodeError("successful reply carries neither 'embedding' nor 'scores'")
 

@@ -456,15 +456,24 @@ def test_chunk_policy_combines_window_forwards(
 def test_classification_scores_equal_single_forwards(
     classify_worker: Served, models: SimpleNamespace
 ) -> None:
+    """Replies carry the softmax of a single forward's logits, with the labels;
+    ``raw_scores`` gives the logits themselves."""
+    from transformers import AutoConfig
+
+    labels = AutoConfig.from_pretrained(models.classify).id2label
     reference = Reference(models.classify, "classify")
     rng = random.Random(5)
     texts = tiny_texts(rng, 30, 1, 40)
     with classify_worker.client() as client:
         results = client.infer_many(texts, timeout_s=TIMEOUT_S)
-    for text, result in zip(texts, results, strict=True):
+        raw = client.infer_many(texts, timeout_s=TIMEOUT_S, raw_scores=True)
+    for text, result, logits in zip(texts, results, raw, strict=True):
         assert result.embedding is None and len(result.scores) == 3
         expected = reference(text, max_length=TINY_POSITIONS)
-        np.testing.assert_allclose(result.scores, expected, atol=ATOL, err_msg=text)
+        np.testing.assert_allclose(logits.scores, expected, atol=ATOL, err_msg=text)
+        softmax = np.exp(expected - np.max(expected))
+        np.testing.assert_allclose(result.scores, softmax / softmax.sum(), atol=ATOL)
+        assert result.labels == tuple(labels[i] for i in range(3)) == logits.labels
     batches = classify_worker.worker.batches()
     assert any(b["padded_tokens"] > b["tokens"] for b in batches), batches
 
@@ -509,10 +518,13 @@ def test_rerank_scores_equal_single_forwards(
         unpaired = client.infer_many(
             ["a query without its passage", pairs[1]], timeout_s=TIMEOUT_S, return_exceptions=True
         )
-    for (query, passage), result in zip(pairs, batched, strict=True):
+        raw = client.infer_many(pairs, timeout_s=TIMEOUT_S, raw_scores=True)
+    for (query, passage), result, logit in zip(pairs, batched, raw, strict=True):
         assert len(result.scores) == 1
         expected = reference(query, passage, max_length=TINY_POSITIONS)
-        np.testing.assert_allclose(result.scores, expected, atol=ATOL, err_msg=query)
+        np.testing.assert_allclose(logit.scores, expected, atol=ATOL, err_msg=query)
+        # a single-logit cross-encoder's score is its sigmoid, as CrossEncoder.predict gives
+        np.testing.assert_allclose(result.scores, 1 / (1 + np.exp(-expected)), atol=ATOL)
     np.testing.assert_allclose(one.scores, batched[0].scores, atol=ATOL)
     assert isinstance(unpaired[0], RemoteError) and unpaired[0].code == "bad_request"
     assert "text_pair" in unpaired[0].message

@@ -25,7 +25,13 @@ import pytest
 import redis.asyncio as aioredis
 
 from tokenq.shared import keys, wire
-from tokenq.shared.errors import DeviceOutOfMemory, ErrorCode, RemoteError, remote_error
+from tokenq.shared.errors import (
+    BadRequest,
+    DeviceOutOfMemory,
+    ErrorCode,
+    RemoteError,
+    remote_error,
+)
 from tokenq.shared.settings import WorkerSettings
 from tokenq.worker.backends.base import Encoding, TextInput
 from tokenq.worker.backends.sim import SimBackend, expected_chunked_vector, expected_vector
@@ -87,7 +93,7 @@ Answer = np.ndarray | BaseException
 class Loop(Protocol):
     async def submit_all(
         self, texts: Sequence[str], *, pairs: Sequence[str | None] | None = None,
-        timeout_s: float | None = None, priority: int = 0,
+        timeout_s: float | None = None, priority: int = 0, **opts: Any,
     ) -> list[Answer]: ...
 
 
@@ -95,13 +101,13 @@ class BatcherLoop:
     def __init__(self, batcher: Batcher) -> None:
         self.batcher = batcher
 
-    async def submit_all(self, texts, *, pairs=None, timeout_s=None, priority=0):
+    async def submit_all(self, texts, *, pairs=None, timeout_s=None, priority=0, **opts):
         pairs = pairs or [None] * len(texts)
 
         async def one(text: str, pair: str | None) -> Answer:
             try:
                 return await self.batcher.submit(
-                    text, pair, timeout_s=timeout_s, priority=priority
+                    text, pair, timeout_s=timeout_s, priority=priority, **opts
                 )
             except Exception as exc:  # the outcome under test
                 return exc
@@ -116,7 +122,7 @@ class RedisLoop:
         self.client = client
         self.q = q
 
-    async def submit_all(self, texts, *, pairs=None, timeout_s=None, priority=0):
+    async def submit_all(self, texts, *, pairs=None, timeout_s=None, priority=0, **opts):
         pairs = pairs or [None] * len(texts)
         ids = [uuid.uuid4().hex for _ in texts]
         for request_id, text, pair in zip(ids, texts, pairs, strict=True):
@@ -128,7 +134,7 @@ class RedisLoop:
             request = wire.Request(
                 id=request_id, text=text, tokens=0, reply_to=keys.reply(self.q, request_id),
                 text_pair=pair, timeout_ms=timeout_ms, deadline_ms=deadline_ms,
-                priority=priority,
+                priority=priority, opts=opts,
             )
             await self.client.xadd(keys.requests(self.q), wire.encode_request(request))
         return [await self._reply(keys.reply(self.q, request_id)) for request_id in ids]
@@ -350,3 +356,84 @@ def test_a_higher_priority_goes_into_the_next_batch_first(open_loop) -> None:
         assert [shape for shape in backend.shapes[1:]] == [[3], [4], [4], [4], [4]]
 
     run(main())
+
+
+# ---------------------------------------------------------------- request options
+
+
+def unit(vector: np.ndarray) -> np.ndarray:
+    return vector / np.linalg.norm(vector)
+
+
+def test_a_prompt_is_embedded_with_the_text_and_its_tokens_count(open_loop) -> None:
+    """The prompt's tokens count toward the limit: a text that fits alone is too long with it."""
+    fits = " ".join(f"w{i}" for i in range(MAX_INPUT - 2))  # exactly the limit with [CLS]/[SEP]
+    prompt = "query : "
+
+    async def main() -> None:
+        async with open_loop(Recording(), Knobs(policy="reject")) as loop:
+            (prompted,) = await loop.submit_all([SHORT], prompt=prompt)
+            (alone,) = await loop.submit_all([fits])
+            (over,) = await loop.submit_all([fits], prompt=prompt)
+        np.testing.assert_allclose(prompted, expected_vector(prompt + SHORT, DIM), rtol=1e-6)
+        np.testing.assert_allclose(alone, expected_vector(fits, DIM), rtol=1e-6)
+        assert_error(over, ErrorCode.TOO_LONG, f"{MAX_INPUT + 2} tokens")
+
+    run(main())
+
+
+def test_dimensions_keep_the_first_values_renormalised(open_loop) -> None:
+    async def main() -> None:
+        async with open_loop(Recording()) as loop:
+            (short,) = await loop.submit_all([SHORT], dimensions=4)
+            (chunked,) = await loop.submit_all([LONG], dimensions=5, truncate=False)
+        np.testing.assert_allclose(short, unit(expected_vector(SHORT, DIM)[:4]), rtol=1e-6)
+        assert short.shape == (4,)
+        # truncate false on a truncate queue without chunking: refused, not cut
+        assert_error(chunked, ErrorCode.TOO_LONG, "truncate: false")
+
+    run(main())
+
+
+def test_truncate_option_overrides_the_queue_policy(open_loop) -> None:
+    async def main() -> None:
+        async with open_loop(Recording(), Knobs(policy="reject")) as loop:
+            (cut,) = await loop.submit_all([LONG], truncate=True)
+        np.testing.assert_allclose(cut, expected_vector(LONG, DIM, MAX_INPUT), rtol=1e-6)
+        async with open_loop(Recording(), Knobs(policy="chunk")) as loop:
+            (cut,) = await loop.submit_all([LONG], truncate=True)
+            (chunked,) = await loop.submit_all([LONG], truncate=False, dimensions=6)
+        np.testing.assert_allclose(cut, expected_vector(LONG, DIM, MAX_INPUT), rtol=1e-6)
+        whole = expected_chunked_vector(LONG, DIM, MAX_INPUT, 0)
+        np.testing.assert_allclose(chunked, unit(whole[:6]), rtol=1e-5, atol=1e-6)
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("opts", "fragment"),
+    [
+        ({"normalize": False}, "only answers unit-length"),
+        ({"raw_scores": True}, "raw_scores applies to classifiers"),
+        ({"dimensions": DIM + 1}, f"more than the model's {DIM}"),
+        ({"dimensions": 0}, "at least 1"),
+        ({"prompt_name": "query"}, "it has no named prompts"),
+        ({"prompt": "a", "prompt_name": "b"}, "not both"),
+        ({"truncate": "yes"}, "truncate must be true or false"),
+    ],
+)
+def test_a_bad_option_is_refused_by_name_and_nothing_else_is_lost(
+    open_loop, opts: dict[str, Any], fragment: str
+) -> None:
+    async def main() -> list[Answer]:
+        async with open_loop(Recording()) as loop:
+            bad = await loop.submit_all([SHORT], **opts)
+            good = await loop.submit_all([SHORT])
+        return bad + good
+
+    bad, good = run(main())
+    if isinstance(bad, BadRequest):  # the in-process batcher refuses at submit
+        assert fragment in str(bad), bad
+    else:  # the worker answers the request
+        assert_error(bad, ErrorCode.BAD_REQUEST, fragment)
+    np.testing.assert_allclose(good, expected_vector(SHORT, DIM), rtol=1e-6)

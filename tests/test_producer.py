@@ -131,6 +131,52 @@ def test_text_pair_and_opts_reach_the_stream(
     assert request.tokens == estimate_tokens("q", "p")
 
 
+def test_request_options_travel_in_opts_and_the_prompt_counts_in_the_estimate(
+    client: Client, r: redis.Redis, queue_name: str
+) -> None:
+    client.submit("hello world", prompt="query: ", dimensions=8, normalize=False)
+    client.submit_many(["a", "b"], truncate=True, prompt_name="query")
+    first, *many = [wire.decode_request(fields) for fields in entries(r, queue_name)]
+    assert first.opts == {"prompt": "query: ", "dimensions": 8, "normalize": False}
+    assert first.tokens == estimate_tokens("query: hello world")
+    assert [request.opts for request in many] == [{"truncate": True, "prompt_name": "query"}] * 2
+    with pytest.raises(BadRequest, match="dimensions is given both"):
+        client.submit("x", dimensions=4, opts={"dimensions": 4})
+    with pytest.raises(BadRequest, match="dimensions must be an integer"):
+        client.submit("x", dimensions="8")  # type: ignore[arg-type]
+
+
+def test_the_config_lets_the_producer_refuse_options_and_count_named_prompts(
+    client: Client, r: redis.Redis, queue_name: str
+) -> None:
+    """With the config hash's facts the producer refuses what the worker would, and
+    estimates a named (or default) prompt's tokens; nothing is written for a refusal."""
+    from tokenq.shared.queue_config import QueueConfig, encode_config
+
+    q = keys.QueueRef(queue_name)
+    r.hset(keys.config(q), mapping=encode_config(QueueConfig(
+        task="embed", dim=16, normalized=True, max_input_tokens=6, policy="reject",
+        prompts={"query": "search query: ", "doc": ""}, default_prompt="query",
+    )))
+    with Client(client.settings.redis_url, queue_name, timeout_s=5) as fresh:
+        with pytest.raises(BadRequest, match="dimensions 17 is more than the model's 16"):
+            fresh.submit("x", dimensions=17)
+        with pytest.raises(BadRequest, match=r"'passage' is not one of .*\['doc', 'query'\]"):
+            fresh.submit("x", prompt_name="passage")
+        assert r.exists(stream(queue_name)) == 0
+        fresh.submit("hello")  # the default prompt
+        fresh.submit("hello", prompt_name="doc")
+        # "a b c d e f" is estimated at 8 tokens, within the heuristic's margin over 6;
+        # with the default prompt it is 11, refused unless the request asks to be truncated.
+        with pytest.raises(BadRequest, match="11 tokens"):
+            fresh.submit("a b c d e f")
+        fresh.submit("a b c d e f", truncate=True)
+    default, named, truncated = [wire.decode_request(f) for f in entries(r, queue_name)]
+    assert default.tokens == estimate_tokens("search query: hello")
+    assert named.tokens == estimate_tokens("hello")
+    assert truncated.opts == {"truncate": True}
+
+
 def test_deadlines_travel_as_timeout_ms(client: Client, r: redis.Redis, queue_name: str) -> None:
     """Relative timeout_ms on Redis's clock; an absolute deadline_ms is converted here."""
     before = int(time.time() * 1000)

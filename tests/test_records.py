@@ -73,6 +73,20 @@ def test_the_worker_side_writes_the_fields_producers_read() -> None:
                       "padded": "1", "dim": "384", "protocol": "1"}
 
 
+@PROPERTY
+@given(st.dictionaries(st.text(max_size=10), st.text(max_size=20), max_size=4),
+       st.none() | st.lists(st.text(max_size=10), max_size=4), st.text(max_size=10))
+def test_prompts_and_labels_round_trip_through_the_hash(
+    prompts: dict[str, str], labels: list[str] | None, default: str
+) -> None:
+    config = QueueConfig(prompts=prompts, labels=None if labels is None else tuple(labels),
+                         default_prompt=default or None)
+    parsed = parse_config(encode_config(config))
+    assert parsed is not None
+    assert parsed.prompts == prompts and parsed.default_prompt == (default or None)
+    assert parsed.labels == config.labels
+
+
 # -------------------------------------------------------------------- heartbeat
 
 heartbeats = st.builds(

@@ -288,9 +288,10 @@ def replies(draw: st.DrawFn) -> Reply:
         packed = struct.pack(f"<{len(floats)}f", *floats)
         return wire.embedding_reply(request_id, packed, len(floats), tokens=tokens)
     if kind == "scores":
-        return wire.scores_reply(
-            request_id, draw(st.lists(st.floats(allow_nan=False), max_size=16)), tokens=tokens
-        )
+        scores = draw(st.lists(st.floats(allow_nan=False), max_size=16))
+        labels = draw(st.none() | st.lists(st.text(max_size=8), min_size=len(scores),
+                                            max_size=len(scores)))
+        return wire.scores_reply(request_id, scores, tokens=tokens, labels=labels)
     code = draw(st.sampled_from([code.value for code in ErrorCode]))
     return wire.error_reply(request_id, code, draw(st.text(max_size=200)))
 
@@ -313,6 +314,15 @@ def test_reply_map_layout_is_what_the_protocol_documents() -> None:
     assert body == {"id": "a", "ok": True, "embedding": embedding, "dim": 2, "tokens": 3}
     body = msgpack.unpackb(wire.encode_reply(wire.scores_reply("b", [1, 0.25])))
     assert body == {"id": "b", "ok": True, "scores": [1.0, 0.25]}
+    labelled = wire.scores_reply("b", [0.9, 0.1], labels=["pos", "neg"])
+    body = msgpack.unpackb(wire.encode_reply(labelled))
+    assert body == {"id": "b", "ok": True, "scores": [0.9, 0.1], "labels": ["pos", "neg"]}
+    with pytest.raises(ValueError, match="2 labels for 1 scores"):
+        wire.scores_reply("b", [0.5], labels=["a", "b"])
+    for bad in (["only one"], [1, 2], "ab"):
+        packed = msgpack.packb({"id": "b", "ok": True, "scores": [0.5, 0.5], "labels": bad})
+        with pytest.raises(DecodeError, match="one string per score"):
+            wire.decode_reply(packed)
     body = msgpack.unpackb(wire.encode_reply(wire.error_reply("c", "too_long", "5000 > 512")))
     assert body == {"id": "c", "ok": False, "error": {"code": "too_long", "message": "5000 > 512"}}
 

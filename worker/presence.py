@@ -38,6 +38,8 @@ def config_fields(info: BackendInfo, *, policy: str, max_batch_tokens: int) -> d
         dim=info.dim,
         normalized=info.normalized if info.embeds else None,
         labels=info.labels or None,
+        prompts=dict(info.prompts),
+        default_prompt=info.default_prompt_name or "",
         tokenizer=info.tokenizer or None,
     ))
 

@@ -8,6 +8,7 @@ can stand behind a load balancer while GPU workers elsewhere answer. It is
 the producer side: it never imports torch.
 
 Modules: :mod:`.errors` (every failure as the status and body each API
-gives), :mod:`.schemas` (request bodies and answers, per API), :mod:`.app`
-(the routes and the per-queue clients), :mod:`.cli` (the command).
+gives), :mod:`.schemas` (embedding request bodies and answers, per API),
+:mod:`.scores` (TEI's ``/rerank`` and ``/predict``), :mod:`.app` (the
+routes and the per-queue clients), :mod:`.cli` (the command).
 """

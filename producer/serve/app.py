@@ -1,10 +1,12 @@
 """The gateway's routes, over one shared AsyncClient per queue.
 
-Routes (docs/OPERATIONS.md, "tokenq serve"):
+Routes (docs/OPERATIONS.md, "tokenq serve"; docs/MIGRATING.md has each
+client's exact requests):
 
-* ``POST /v1/embeddings`` — OpenAI's embeddings API;
-* ``POST /embed`` — TEI's; ``GET /info`` — TEI's model info, from the
-  default queue's config hash;
+* ``POST /v1/embeddings`` — OpenAI's embeddings API; ``POST /embeddings``,
+  the same, where Infinity serves it;
+* ``POST /embed``, ``POST /rerank``, ``POST /predict`` — TEI's; ``GET
+  /info`` — TEI's model info, from the default queue's config hash;
 * ``GET /health`` — 200 while Redis answers (the gateway can work), else 503;
 * ``GET /ready`` — 200 while every queue it serves has a live worker (from
   the workers' liveness keys), else 503 naming the queues without one;
@@ -12,10 +14,11 @@ Routes (docs/OPERATIONS.md, "tokenq serve"):
   latency.
 
 A request's body is read whole (up to ``--max-body-bytes``, else 413) and
-parsed by :mod:`.schemas`; the work is one ``infer_many`` bounded by
-``--timeout-s``. While it waits, the route watches the connection: a client
-that goes away cancels its wait, so the gateway stops holding what nobody
-will read (the workers still answer the request; its reply expires).
+parsed by :mod:`.schemas` or :mod:`.scores` into a job; the work is one
+``infer_many`` with the job's options, bounded by ``--timeout-s``. While it
+waits, the route watches the connection: a client that goes away cancels
+its wait, so the gateway stops holding what nobody will read (the workers
+still answer the request; its reply expires).
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ from prometheus_client import (
 )
 
 from tokenq.producer import AsyncClient, Result
-from tokenq.producer.serve import schemas
+from tokenq.producer.serve import schemas, scores
 from tokenq.producer.serve.errors import ApiError, from_exception, too_large
+from tokenq.producer.serve.schemas import Job
 from tokenq.shared.cli import version
 from tokenq.shared.queue_config import QueueConfig
 from tokenq.shared.settings import ServeSettings
@@ -92,26 +96,34 @@ class Gateway:
         """The queue's config hash as its workers published it (None before any started)."""
         return QueueConfig.parse(await self.clients[queue].config())
 
-    async def infer(self, request: Request, queue: str, texts: list[str]) -> list[Result]:
-        """``infer_many`` on ``queue``, cancelled if the HTTP client goes away."""
-        if len(texts) > self.settings.max_client_batch_size:
+    async def infer(self, request: Request, queue: str, job: Job) -> list[Result]:
+        """``infer_many`` of ``job`` on ``queue``, cancelled if the HTTP client goes away.
+
+        A refusal that names one of the job's options comes back naming it
+        (errors.from_exception).
+        """
+        if len(job.items) > self.settings.max_client_batch_size:
             raise too_large(
-                "input", f"{len(texts)} inputs, over the limit of "
+                job.where, f"{len(job.items)} inputs, over the limit of "
                 f"{self.settings.max_client_batch_size} per request",
             )
-        self.inputs.labels(queue).inc(len(texts))
-        work = asyncio.ensure_future(
-            self.clients[queue].infer_many(texts, timeout_s=self.settings.timeout_s)
-        )
+        self.inputs.labels(queue).inc(len(job.items))
+        work = asyncio.ensure_future(self.clients[queue].infer_many(
+            job.items, timeout_s=self.settings.timeout_s, **job.options
+        ))
         try:
             while True:
                 done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
                 if done:
-                    return work.result()
+                    break
                 if await request.is_disconnected():
                     raise ApiError(499, "the client went away", code="client_closed")
         finally:
             work.cancel()  # a no-op once it is done
+        try:
+            return work.result()
+        except Exception as exc:
+            raise from_exception(exc, job.options, job.where) from exc
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -159,29 +171,56 @@ def create_app(settings: ServeSettings) -> FastAPI:
         gateway.seconds.labels(route).observe(time.perf_counter() - started)
         return response
 
-    @app.post("/v1/embeddings")
-    async def openai_embeddings(request: Request) -> Response:
+    async def openai_embeddings(request: Request, route: str) -> Response:
         async def work() -> dict[str, Any]:
             body = schemas.parse(schemas.OpenAIEmbeddings,
                                  await _body(request, settings.max_body_bytes))
             queue = gateway.queue_of(body.model)
-            texts = schemas.openai_texts(body)
-            results = await gateway.infer(request, queue, texts)
+            results = await gateway.infer(request, queue, schemas.openai_job(body))
             return schemas.openai_answer(results, body.model, body.encoding_format)
-        return await answer("/v1/embeddings", ApiError.openai_body, work)
+        return await answer(route, ApiError.openai_body, work)
+
+    @app.post("/v1/embeddings")
+    async def openai_route(request: Request) -> Response:
+        return await openai_embeddings(request, "/v1/embeddings")
+
+    @app.post("/embeddings")
+    async def infinity_route(request: Request) -> Response:
+        return await openai_embeddings(request, "/embeddings")
 
     @app.post("/embed")
     async def tei_embed(request: Request) -> Response:
         async def work() -> list[list[float]]:
             body = schemas.parse(schemas.TEIEmbed, await _body(request, settings.max_body_bytes))
-            queue = gateway.queue_of(None)
-            config = await gateway.config(queue)
-            texts = schemas.tei_texts(
-                body, config.policy if config else None, _normalizes(config)
-            )
-            results = await gateway.infer(request, queue, texts)
-            return schemas.tei_answer(results, gateway.default_model())
+            job = schemas.tei_embed_job(body)
+            queue = gateway.queue_of(body.model)
+            model = body.model or gateway.default_model()
+            schemas.require_embeddings(await gateway.config(queue), model)
+            return schemas.tei_answer(await gateway.infer(request, queue, job), model)
         return await answer("/embed", ApiError.tei_body, work)
+
+    @app.post("/rerank")
+    async def tei_rerank(request: Request) -> Response:
+        async def work() -> list[dict[str, Any]]:
+            body = schemas.parse(scores.TEIRerank, await _body(request, settings.max_body_bytes))
+            job = scores.rerank_job(body)
+            queue = gateway.queue_of(body.model)
+            scores.require_reranker(await gateway.config(queue))
+            results = await gateway.infer(request, queue, job)
+            return scores.rerank_answer(results, body.texts, body.return_text)
+        return await answer("/rerank", ApiError.tei_body, work)
+
+    @app.post("/predict")
+    async def tei_predict(request: Request) -> Response:
+        async def work() -> list[Any]:
+            body = schemas.parse(scores.TEIPredict, await _body(request, settings.max_body_bytes))
+            job, batched = scores.predict_job(body)
+            queue = gateway.queue_of(body.model)
+            config = await gateway.config(queue)
+            scores.require_classifier(config, job)
+            results = await gateway.infer(request, queue, job)
+            return scores.predict_answer(results, batched, config.labels if config else None)
+        return await answer("/predict", ApiError.tei_body, work)
 
     @app.get("/info")
     async def info() -> Response:
@@ -192,7 +231,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 "model_id": config.model or gateway.default_model(),
                 "model_sha": None,
                 "model_dtype": None,
-                "model_type": _model_type(config),
+                "model_type": scores.tei_model_type(config),
                 "max_input_length": config.max_input_tokens,
                 "max_batch_tokens": config.max_batch_tokens,
                 "max_client_batch_size": settings.max_client_batch_size,
@@ -227,19 +266,3 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
     return app
 
-
-def _model_type(config: QueueConfig) -> dict[str, Any]:
-    """TEI's ``model_type``: ``embedding``, ``classifier`` (with ``id2label``) or ``reranker``."""
-    if config.task in (None, "embed"):
-        return {"embedding": {}}
-    kind = "reranker" if config.task == "rerank" else "classifier"
-    labels = config.labels or ()
-    return {kind: {
-        "id2label": {str(index): label for index, label in enumerate(labels)},
-        "label2id": {label: index for index, label in enumerate(labels)},
-    }}
-
-
-def _normalizes(config: QueueConfig | None) -> bool | None:
-    """Whether the queue's model normalises its vectors; None when the hash does not say."""
-    return None if config is None else config.normalized

@@ -1,27 +1,42 @@
 """Every failure of the gateway as one :class:`ApiError`, and how each API writes it.
 
 One mapping from what went wrong to an HTTP status, kept here so the OpenAI
-and TEI routes cannot disagree (TEI's statuses are the reference: 413 for a
-body or batch too large, 422 for validation, 424 for a model error, 429
-when overloaded):
+and TEI routes cannot disagree (TEI's statuses are the reference: 400 for an
+empty batch, 413 for a body or batch too large, 422 for validation, 424 for
+a model error, 429 when overloaded):
 
 ==========================================  ======  ===============================
 what                                        status  note
 ==========================================  ======  ===============================
+an empty batch on a TEI route (``inputs:    400     TEI's ``Empty``
+[]``, ``texts: []``)
 body over ``--max-body-bytes``, batch over  413
 ``--max-client-batch-size``
-a field that does not validate; input the   422     names the field
-queue refuses (empty, over-long, a pair to
-a single-text model); the worker's
+a field that does not validate; what no     422     names the field, or the option
+worker can serve (token ids, left
+truncation); input or an option the queue
+refuses (empty text, over-long, a pair to a
+single-text model, an unknown prompt, more
+dimensions than the model has): the
+producer's ``BadRequest``, the worker's
 ``bad_request`` / ``too_long``
+a route the queue's model does not answer   422     ``not_an_embedding_model``,
+(embeddings from a classifier, ``/rerank``          ``not_a_reranker``,
+on an embedder)                                     ``not_a_classifier``
 unknown model name                          404     OpenAI's ``model_not_found``
 the queue is full                           429     ``Retry-After`` (seconds)
 Redis unreachable                           503
 no answer by the deadline; the request's    504
 deadline passed before a worker ran it
 the worker's other errors (``inference_     424     the worker's code in the body
-failed``, ``out_of_memory``, …)
+failed``, ``out_of_memory``, a NaN score)
 ==========================================  ======  ===============================
+
+Why a refused option is 422 on the OpenAI route too, where OpenAI itself
+answers 400: it is a client error either way (the SDK raises an
+``APIStatusError`` and does not retry), and one status for "this request
+cannot be served as asked" on both routes is what TEI's own
+OpenAI-compatible route does.
 
 Bodies: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` and
 TEI's ``{"error": message, "error_type": kind}``.
@@ -29,6 +44,8 @@ TEI's ``{"error": message, "error_type": kind}``.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +65,7 @@ RETRY_AFTER_S = 1
 _VALIDATION_CODES = {ErrorCode.BAD_REQUEST.value, ErrorCode.TOO_LONG.value}
 
 _OPENAI_TYPES = {
+    400: "invalid_request_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -57,6 +75,7 @@ _OPENAI_TYPES = {
     424: "api_error",
 }
 _TEI_TYPES = {
+    400: "Empty",
     404: "Validation",
     413: "Validation",
     422: "Validation",
@@ -96,16 +115,34 @@ def invalid(param: str, message: str) -> ApiError:
     return ApiError(422, f"{param}: {message}", param=param)
 
 
+def empty(param: str) -> ApiError:
+    """400, as TEI answers a batch with nothing in it."""
+    return ApiError(400, f"{param}: cannot be empty", param=param, code="empty")
+
+
 def too_large(param: str, message: str) -> ApiError:
     return ApiError(413, f"{param}: {message}", param=param)
 
 
-def from_exception(exc: Exception) -> ApiError:
-    """The answer for what the client raised (anything else is a bug: re-raised)."""
+def wrong_model(code: str, message: str) -> ApiError:
+    """422: the queue's model does not answer what this route asks (named by ``code``)."""
+    return ApiError(422, message, param="model", code=code)
+
+
+def from_exception(
+    exc: Exception, options: Collection[str] = (), items: str = "input"
+) -> ApiError:
+    """The answer for what the client raised (anything else is a bug: re-raised).
+
+    ``options`` are the request options the call sent: a refusal that names
+    one (the producer's or the worker's) is answered with that option as
+    the field at fault, since it is the request field of the same name;
+    any other refusal names ``items``, the field holding the inputs.
+    """
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, BadRequest):
-        return ApiError(422, f"input: {exc}", param="input", code="bad_request")
+        return _client_fault(str(exc), "bad_request", options, items)
     if isinstance(exc, QueueFull):
         return ApiError(429, f"the queue is full, retry later: {exc}", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -115,6 +152,24 @@ def from_exception(exc: Exception) -> ApiError:
         return ApiError(504, str(exc), code="timeout")
     if isinstance(exc, RemoteError):
         if exc.code in _VALIDATION_CODES:
-            return ApiError(422, f"input: {exc.message}", param="input", code=exc.code)
+            return _client_fault(exc.message, exc.code, options, items)
         return ApiError(424, f"the model failed: {exc.code}: {exc.message}", code=exc.code)
     raise exc
+
+
+def _client_fault(message: str, code: str, options: Collection[str], items: str) -> ApiError:
+    """422 for input or an option the queue refused, naming the option when it is one."""
+    message = message.removeprefix("opts: ")  # how the worker marks an option's refusal
+    option = named_option(message, options)
+    if option is None:
+        return ApiError(422, f"{items}: {message}", param=items, code=code)
+    if not message.startswith(option):
+        message = f"{option}: {message}"
+    return ApiError(422, message, param=option, code=code)
+
+
+def named_option(message: str, options: Collection[str]) -> str | None:
+    """The first of ``options`` that ``message`` names as a word, if any."""
+    found = [(match.start(), name) for name in options
+             if (match := re.search(rf"\b{re.escape(name)}\b", message))]
+    return min(found)[1] if found else None

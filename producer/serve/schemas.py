@@ -1,12 +1,13 @@
-"""Request bodies and answers of each API, as their clients send and expect them.
+"""Embedding request bodies and answers, as OpenAI, TEI and Infinity clients send and expect them.
 
 Parsing is ours rather than FastAPI's, so a field that does not validate is
 a 422 in the API's own error shape naming the field (``input``,
-``encoding_format``), not FastAPI's generic body. What the gateway cannot do
-yet is refused by name rather than ignored: OpenAI's ``dimensions`` and
-TEI's ``normalize: false`` and ``prompt_name`` need per-request options on
-the wire (issue 12's second part), and token-id input needs a worker that
-takes token ids.
+``encoding_format``), not FastAPI's generic body. A body becomes a
+:class:`Job`: the inputs for one ``infer_many`` and the per-request options
+(the keywords of :mod:`tokenq.producer.options`) the queue's workers apply
+and check. Only what no worker can serve is refused here, by name: token-id
+input (workers take text), left truncation (they keep the start of a text),
+Infinity's image and audio modalities.
 """
 
 from __future__ import annotations
@@ -15,39 +16,63 @@ import array
 import base64
 import sys
 from collections.abc import Sequence
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tokenq.producer import Result
-from tokenq.producer.serve.errors import ApiError, invalid
+from tokenq.producer.core import TextItem
+from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
+from tokenq.shared.queue_config import QueueConfig
+
+Dimensions = Annotated[int, Field(ge=0, strict=True)]
+"""OpenAI's ``dimensions``; 0 means all of them, as Infinity (whose client sends 0) reads it."""
+
+Direction = Literal["Right", "right", "Left", "left"]
+"""TEI's ``truncation_direction``, spelled either way as TEI accepts it."""
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as both APIs do
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What one HTTP request asks of a queue: its inputs, and the options for every one."""
+
+    items: list[TextItem]
+    options: dict[str, Any] = field(default_factory=dict)
+    where: str = "input"
+    """The body's field that holds the items, named when they are refused."""
 
 
-class OpenAIEmbeddings(_Body):
-    """``POST /v1/embeddings``."""
+class Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as these APIs do
+
+
+class OpenAIEmbeddings(Body):
+    """``POST /v1/embeddings`` (OpenAI) and ``POST /embeddings`` (Infinity)."""
 
     input: str | list[str] | list[int] | list[list[int]]
     model: str
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Dimensions | None = None
     user: str | None = None
+    modality: str = "text"
+    """Infinity's: ``image`` and ``audio`` inputs are refused, only text is served."""
 
 
-class TEIEmbed(_Body):
+class TEIEmbed(Body):
     """``POST /embed`` (text-embeddings-inference)."""
 
-    inputs: str | list[str]
+    inputs: str | list[int] | list[str | list[int]]
     normalize: bool = True
     truncate: bool | None = None
-    truncation_direction: Literal["Right", "right", "Left", "left"] = "Right"
+    truncation_direction: Direction = "Right"
     prompt_name: str | None = None
+    dimensions: Dimensions | None = None
+    model: str | None = None
+    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
 
 
-def parse(model: type[_Body], raw: bytes) -> Any:
+def parse(model: type[Body], raw: bytes) -> Any:
     """The body as ``model``, or a 422 naming the first field that does not validate."""
     try:
         return model.model_validate_json(raw or b"{}")
@@ -57,35 +82,53 @@ def parse(model: type[_Body], raw: bytes) -> Any:
         raise invalid(where, first.get("msg", "invalid")) from None
 
 
-def openai_texts(body: OpenAIEmbeddings) -> list[str]:
-    """The texts of an OpenAI request (a string or a list of strings)."""
-    if body.dimensions is not None:
-        raise invalid("dimensions", "not supported by this tokenq version; leave it out")
+def openai_job(body: OpenAIEmbeddings) -> Job:
+    """The texts of an OpenAI request (a string or a list of strings) and its ``dimensions``."""
+    if body.modality != "text":
+        raise invalid("modality", f"{body.modality!r} is not served: tokenq embeds text")
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:
         raise invalid("input", "must not be empty")
     if not all(isinstance(text, str) for text in texts):
         raise invalid("input", "token-id input is not supported: send text")
-    return list(texts)  # type: ignore[arg-type]
+    options = {"dimensions": body.dimensions} if body.dimensions else {}
+    return Job(list(texts), options)  # type: ignore[arg-type]
 
 
-def tei_texts(body: TEIEmbed, policy: str | None, normalized: bool | None) -> list[str]:
-    """The texts of a TEI request, refusing what this version cannot honour by name."""
+def tei_embed_job(body: TEIEmbed) -> Job:
+    """The texts of a TEI request and the options it asks for.
+
+    ``normalize`` is always sent, since TEI's default (true) normalises
+    whatever the model does; ``truncate`` only when given, so the queue's
+    policy decides otherwise, as TEI's ``auto_truncate`` does.
+    """
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    if not all(isinstance(item, str) for item in texts):
+        raise invalid("inputs", "token-id input is not supported: send text")
     if not texts:
-        raise invalid("inputs", "must not be empty")
+        raise empty("inputs")
+    refuse_left(body.truncation_direction)
+    options: dict[str, Any] = {"normalize": body.normalize}
+    if body.truncate is not None:
+        options["truncate"] = body.truncate
     if body.prompt_name is not None:
-        raise invalid("prompt_name", "not supported by this tokenq version; leave it out")
-    if not body.normalize and normalized:
-        raise invalid("normalize", "false is not supported: this queue's model normalises")
-    if body.truncation_direction.lower() != "right":
-        raise invalid("truncation_direction", "only Right is supported")
-    if body.truncate is not None and policy is not None:
-        if body.truncate and policy != "truncate":
-            raise invalid("truncate", f"true, but this queue's policy is {policy!r}")
-        if not body.truncate and policy == "truncate":
-            raise invalid("truncate", "false, but this queue truncates over-long input")
-    return list(texts)
+        options["prompt_name"] = body.prompt_name
+    if body.dimensions:
+        options["dimensions"] = body.dimensions
+    return Job(list(texts), options, "inputs")  # type: ignore[arg-type]
+
+
+def refuse_left(direction: str) -> None:
+    """422 for ``truncation_direction: Left``: workers cut the end of an over-long input."""
+    if direction.lower() != "right":
+        raise invalid("truncation_direction",
+                      "Left is not supported: the workers keep the start of an input (Right)")
+
+
+def require_embeddings(config: QueueConfig | None, model: str) -> None:
+    """422 before anything is sent when the queue's config says its model answers scores."""
+    if config is not None and config.task not in (None, "embed"):
+        raise _not_embeddings(model)
 
 
 def embeddings_of(results: Sequence[Result], model: str) -> list[Any]:
@@ -93,12 +136,16 @@ def embeddings_of(results: Sequence[Result], model: str) -> list[Any]:
     vectors = []
     for result in results:
         if result.embedding is None:
-            raise ApiError(
-                422, f"model {model!r} answers scores (a classifier or reranker), "
-                "not embeddings", param="model", code="not_an_embedding_model",
-            )
+            raise _not_embeddings(model)
         vectors.append(result.embedding)
     return vectors
+
+
+def _not_embeddings(model: str) -> ApiError:
+    return wrong_model(
+        "not_an_embedding_model",
+        f"model {model!r} answers scores (a classifier or reranker), not embeddings",
+    )
 
 
 def openai_answer(

@@ -16,7 +16,7 @@ facts about its outputs are fields of :class:`BackendInfo` (``normalized``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -28,6 +28,12 @@ embedding; ``classify`` (one score per label) and ``rerank`` (a cross-encoder's
 score for a (query, passage) pair) replies carry scores."""
 
 TASKS: tuple[Task, ...] = ("embed", "classify", "rerank")
+
+Activation = Literal["none", "sigmoid", "softmax"]
+"""A scoring model's activation over its logits: ``sigmoid`` per score (a single-logit
+cross-encoder, a multi-label classifier), ``softmax`` across them (a single-label
+classifier), or ``none`` (regression, or logits by design)."""
+ACTIVATIONS: tuple[Activation, ...] = ("none", "sigmoid", "softmax")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +62,18 @@ class BackendInfo:
     """Its embeddings are unit length, so a chunked input's combined vector is re-normalised."""
     labels: tuple[str, ...] = ()
     """A classifier's name for each score, in order (empty when it has none)."""
+    raw_vectors: bool = False
+    """``run`` returns embeddings *before* the final L2 normalisation; the worker then
+    normalises per request (``normalized`` is the default, the ``normalize`` option
+    overrides it). False: ``run`` returns the queue's answer as is, so a request for
+    ``normalize: false`` on a ``normalized`` queue is refused."""
+    activation: Activation = "none"
+    """What turns a row's raw scores (``run`` always returns the logits) into the scores
+    a reply carries by default; a request with ``raw_scores: true`` gets the logits."""
+    prompts: Mapping[str, str] = field(default_factory=dict)
+    """Named prompts (sentence-transformers' ``prompts``): the text each prepends."""
+    default_prompt_name: str | None = None
+    """The prompt a request gets when it names none (sentence-transformers' default)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Backend-specific facts for logs and the config hash; the worker never reads them."""
 
@@ -71,6 +89,11 @@ class TextInput:
 
     text: str
     text_pair: str | None = None
+    prompt: str = ""
+    """Text put before ``text`` (a resolved sentence-transformers prompt). A backend
+    tokenizes ``prompt + text`` as one sequence, so the prompt's tokens count in the
+    length the packer costs; it is separate so a model whose pooling leaves the
+    prompt out (``include_prompt: false``) can tell where it ends."""
 
 
 class Encoding(Protocol):

@@ -379,7 +379,7 @@ class SimTokenizer:
 
     @staticmethod
     def tokenize(inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
-        return [encode(item.text, item.text_pair, max_length) for item in inputs]
+        return [encode(item.prompt + item.text, item.text_pair, max_length) for item in inputs]
 
 
 class SimBackend:

@@ -34,9 +34,9 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from tokenq.shared.packer import (
     CostModel,
     Packer,
 )
+from tokenq.shared.request_options import WorkerOptions, parse_options
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_priority, validate_text
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.pipeline.execute import FailedRun, Failure, adapt_budget, describe
@@ -62,6 +63,9 @@ from tokenq.worker.pipeline.pipeline import (
     Pipeline,
     budget_for,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +185,7 @@ class Batcher:
 
     async def submit(
         self, text: str, text_pair: str | None = None, *, timeout_s: float | None = None,
-        priority: int = 0,
+        priority: int = 0, **options: Unpack[WorkerOptions],
     ) -> np.ndarray:
         """The model's output for one input.
 
@@ -191,10 +195,16 @@ class Batcher:
         policy, ``deadline_exceeded`` when ``timeout_s`` passes before it
         runs, or the backend's failure on this input (other requests are not
         affected). ``priority`` (0-9) puts it ahead of lower classes, as a
-        request's ``priority`` field does on a queue.
+        request's ``priority`` field does on a queue. ``options`` are the
+        per-request options a queue's request carries in ``opts``
+        (``dimensions``, ``prompt_name``... docs/PROTOCOL.md); a bad one is a
+        BadRequest at once.
         """
         self._check(text, text_pair)
-        return await self._enqueue(text, text_pair, timeout_s, validate_priority(priority)).future
+        opts = self._opts(options)
+        return await self._enqueue(
+            text, text_pair, timeout_s, validate_priority(priority), opts
+        ).future
 
     @overload
     async def submit_many(
@@ -205,6 +215,7 @@ class Batcher:
         return_exceptions: Literal[False] = False,
         timeout_s: float | None = None,
         priority: int = 0,
+        **options: Unpack[WorkerOptions],
     ) -> list[np.ndarray]: ...
 
     @overload
@@ -216,6 +227,7 @@ class Batcher:
         return_exceptions: Literal[True],
         timeout_s: float | None = None,
         priority: int = 0,
+        **options: Unpack[WorkerOptions],
     ) -> list[np.ndarray | BaseException]: ...
 
     async def submit_many(
@@ -226,6 +238,7 @@ class Batcher:
         return_exceptions: bool = False,
         timeout_s: float | None = None,
         priority: int = 0,
+        **options: Unpack[WorkerOptions],
     ) -> list[np.ndarray] | list[np.ndarray | BaseException]:
         """Outputs for many inputs, in order; batched together with everyone else's.
 
@@ -245,8 +258,9 @@ class Batcher:
         for index, (text, pair) in enumerate(zip(texts, pairs, strict=True)):
             self._check(text, pair, where=f"[{index}]")
         priority = validate_priority(priority)
+        opts = self._opts(options)
         queued = [
-            self._enqueue(text, pair, timeout_s, priority)
+            self._enqueue(text, pair, timeout_s, priority, opts)
             for text, pair in zip(texts, pairs, strict=True)
         ]
         futures = [pending.future for pending in queued]
@@ -289,12 +303,25 @@ class Batcher:
                 raise BadRequest(f"text_pair{where}: {why}")
             validate_text(text_pair, f"text_pair{where}", self.max_request_bytes)
 
+    def _opts(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The request's ``opts``: the options given, refused now if the pipeline would."""
+        unknown = sorted(set(options) - WorkerOptions.__optional_keys__)
+        if unknown:
+            raise TypeError(f"submit() got an unexpected keyword argument {unknown[0]!r}")
+        opts = {name: value for name, value in options.items() if value is not None}
+        try:
+            parse_options(opts, self._pipeline.facts)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        return opts
+
     def _enqueue(
-        self, text: str, text_pair: str | None, timeout_s: float | None, priority: int
+        self, text: str, text_pair: str | None, timeout_s: float | None, priority: int,
+        opts: Mapping[str, Any],
     ) -> _Pending:
         loop = self._start()
         deadline = None if timeout_s is None else _epoch_ms() + int(timeout_s * 1000)
-        request = _request(str(next(self._ids)), text, text_pair, priority)
+        request = _request(str(next(self._ids)), text, text_pair, priority, opts)
         pending = _Pending(request, deadline, monotonic_ms(), loop.create_future())
         pending.future.add_done_callback(self._on_future_done)
         self._incoming.append(pending)
@@ -435,8 +462,9 @@ class Batcher:
         self._feed.wake()
 
 
-def _request(request_id: str, text: str, text_pair: str | None, priority: int) -> wire.Request:
-    """A submitted input as the pipeline's request (no reply key: the answer is a future)."""
+def _request(
+    request_id: str, text: str, text_pair: str | None, priority: int, opts: Mapping[str, Any]
+) -> wire.Request:
     return wire.Request(id=request_id, text=text, tokens=0, reply_to="", text_pair=text_pair,
-                        priority=priority)
+                        priority=priority, opts=opts)
 

@@ -1,39 +1,122 @@
-"""Per-request options (the request's ``opts`` map): the worker's one home for them.
+"""What a request's options and the model's defaults do to its result: the worker's one home.
 
-docs/PROTOCOL.md reserves ``opts`` for options that change what one request
-gets (a prompt, a dimension, normalisation...). This version defines none,
-and unknown keys are ignored, as the protocol promises, so an old worker
-serves a newer producer.
+The options themselves (names, types, when each is valid) are
+:mod:`tokenq.shared.request_options`, shared with the producer. This module
+turns the rows a backend's ``run`` returned into the answers the requests
+asked for:
 
-Adding an option is an edit here: a field of :class:`RequestOptions`, its
-check in :meth:`RequestOptions.parse` (raise ``ValueError`` naming the key:
-the request is answered ``bad_request``), and its effect in
-:meth:`RequestOptions.apply` (or where the pipeline reads ``job.options``).
-On the producer side the matching edit is the keyword in
-``tokenq.producer``'s request options.
+* embeddings: ``dimensions`` keeps the first N values (Matryoshka), then the
+  vector is L2-normalised when the answer is normalised (``normalize``, else
+  the model's default). A backend with ``raw_vectors`` returns vectors before
+  normalisation, so this is where its Normalize module runs, once per batch;
+* scores: the model's activation (``sigmoid`` per score, ``softmax`` across
+  them) unless the request asked for ``raw_scores``.
+
+Rows that take the default are finished together in one numpy operation per
+batch, so the common case costs a fraction of a microsecond per row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
+from tokenq.shared.request_options import NO_OPTIONS, ModelFacts, RequestOptions
+from tokenq.worker.backends.base import BackendInfo
+from tokenq.worker.pipeline.chunks import combine_chunks
 
-@dataclass(frozen=True, slots=True)
-class RequestOptions:
-    """The options one request asked for, checked."""
+__all__ = ["NO_OPTIONS", "Finisher", "RequestOptions", "facts_of"]
 
-    @classmethod
-    def parse(cls, opts: Mapping[str, Any]) -> RequestOptions:
-        """The options in ``opts``; ``ValueError`` for a known key with a bad value."""
-        return NO_OPTIONS
-
-    def apply(self, result: np.ndarray) -> np.ndarray:
-        """The model's output for this request as the options shape it."""
-        return result
+_EPS = 1e-12  # sentence-transformers' epsilon: a zero vector stays zero
 
 
-NO_OPTIONS = RequestOptions()
+def facts_of(info: BackendInfo) -> ModelFacts:
+    """The facts option checks read, from the backend's own description."""
+    return ModelFacts(
+        embeds=info.embeds,
+        dim=info.dim,
+        normalized=info.normalized,
+        can_unnormalize=info.raw_vectors,
+        prompts=dict(info.prompts),
+        default_prompt_name=info.default_prompt_name,
+    )
+
+
+class Finisher:
+    """Shapes a backend's rows into the answers their requests asked for."""
+
+    def __init__(self, info: BackendInfo) -> None:
+        self.info = info
+        self.embeds = info.embeds
+        # Whether a default request's row must be touched at all.
+        self._default_work = (
+            (info.raw_vectors and info.normalized) if info.embeds else info.activation != "none"
+        )
+
+    def finish(
+        self, rows: Sequence[np.ndarray], options: Sequence[RequestOptions]
+    ) -> list[np.ndarray]:
+        """The answer for each row (one request's whole result each), in order."""
+        out = list(rows)
+        plain = [i for i, option in enumerate(options) if not option.shapes_output]
+        if self._default_work and plain:
+            done = self._default([out[i] for i in plain])
+            for i, row in zip(plain, done, strict=True):
+                out[i] = row
+        for i, option in enumerate(options):
+            if option.shapes_output:
+                out[i] = self.one(out[i], option)
+        return out
+
+    def one(self, row: np.ndarray, option: RequestOptions, *, combined: bool = False) -> np.ndarray:
+        """One request's answer; a ``combined`` row (a chunked input's mean) is not unit length."""
+        if not self.embeds:
+            if option.raw_scores or self.info.activation == "none":
+                return row
+            return _activate(row[np.newaxis, :], self.info.activation)[0]
+        if option.dimensions is not None:
+            row = row[: option.dimensions]
+        normalize = self.info.normalized if option.normalize is None else option.normalize
+        already_unit = self.info.normalized and not self.info.raw_vectors and not combined
+        if normalize and (option.dimensions is not None or not already_unit):
+            row = _unit(row[np.newaxis, :])[0]
+        return np.ascontiguousarray(row, dtype=np.float32)
+
+    def combine(
+        self, windows: Sequence[np.ndarray], lengths: Sequence[int], option: RequestOptions
+    ) -> np.ndarray:
+        """A chunked input's answer from its windows' rows (the 'chunk' policy).
+
+        When the answer is normalised each window is made unit length first,
+        so every window counts by its length alone, not by its norm.
+        """
+        normalize = self.info.normalized if option.normalize is None else option.normalize
+        if normalize and self.info.raw_vectors:
+            windows = list(_unit(np.stack(windows)))
+        mean = combine_chunks(windows, lengths, normalize=False)
+        return self.one(mean, option, combined=True)
+
+    def _default(self, rows: list[np.ndarray]) -> list[np.ndarray]:
+        stacked = np.stack(rows).astype(np.float32, copy=False)
+        if self.embeds:
+            return list(_unit(stacked))
+        return list(_activate(stacked, self.info.activation))
+
+
+def _unit(rows: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    return (rows / np.maximum(norms, _EPS)).astype(np.float32, copy=False)
+
+
+def _activate(rows: np.ndarray, activation: str) -> np.ndarray:
+    rows = rows.astype(np.float32, copy=False)
+    if activation == "sigmoid":
+        # exp of a negative argument only, so no overflow warning for large logits
+        positive = rows >= 0
+        e = np.exp(-np.abs(rows))
+        return np.where(positive, 1.0 / (1.0 + e), e / (1.0 + e)).astype(np.float32)
+    if activation == "softmax":
+        shifted = np.exp(rows - rows.max(axis=1, keepdims=True))
+        return (shifted / shifted.sum(axis=1, keepdims=True)).astype(np.float32)
+    raise ValueError(f"unknown activation {activation!r}")

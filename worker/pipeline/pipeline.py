@@ -33,6 +33,12 @@ import numpy as np
 from tokenq.shared import wire
 from tokenq.shared.errors import ConfigError, ErrorCode
 from tokenq.shared.packer import Budget, CostModel
+from tokenq.shared.request_options import (
+    NO_OPTIONS,
+    RequestOptions,
+    parse_options,
+    prompt_of,
+)
 from tokenq.worker.backends.base import (
     Backend,
     BackendInfo,
@@ -41,7 +47,6 @@ from tokenq.worker.backends.base import (
     Tokenizer,
     windowing_of,
 )
-from tokenq.worker.pipeline.chunks import combine_chunks
 from tokenq.worker.pipeline.execute import (
     MAX_MESSAGE_CHARS,
     FailedRun,
@@ -49,7 +54,7 @@ from tokenq.worker.pipeline.execute import (
     describe,
     run_isolated,
 )
-from tokenq.worker.pipeline.options import NO_OPTIONS, RequestOptions
+from tokenq.worker.pipeline.options import Finisher, facts_of
 
 K = TypeVar("K")
 
@@ -79,9 +84,9 @@ class ChunkGroup:
     def complete(self) -> bool:
         return self.failure is not None or len(self.results) == len(self.lengths)
 
-    def combined(self, normalize: bool) -> np.ndarray:
-        vectors = [self.results[index] for index in range(len(self.lengths))]
-        return combine_chunks(vectors, self.lengths, normalize)
+    def windows(self) -> list[np.ndarray]:
+        """The windows' rows, in order (call when :attr:`complete` without a failure)."""
+        return [self.results[index] for index in range(len(self.lengths))]
 
 
 @dataclass(slots=True, eq=False)
@@ -207,6 +212,8 @@ class Pipeline(Generic[K]):
         if policy not in ("truncate", "reject", "chunk"):
             raise ConfigError(f"policy must be truncate, reject or chunk, got {policy!r}")
         self._windowing = windowing_of(backend) if info.embeds else None
+        self.facts = facts_of(info)
+        self.finisher = Finisher(info)
         if policy == "chunk" and self._windowing is None:
             raise ConfigError(
                 f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
@@ -249,7 +256,7 @@ class Pipeline(Generic[K]):
                 continue
             opts = item.request.opts
             try:
-                options = RequestOptions.parse(opts) if opts else NO_OPTIONS
+                options = parse_options(opts, self.facts) if opts else NO_OPTIONS
             except ValueError as exc:
                 out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, f"opts: {exc}"))
                 continue
@@ -258,11 +265,29 @@ class Pipeline(Generic[K]):
             self._tokenize(valid, out)
         return out
 
+    def _truncates(self, options: RequestOptions) -> bool:
+        """Whether this request's input is cut to the model's limit when it is longer."""
+        return self.policy == "truncate" if options.truncate is None else options.truncate
+
     def _tokenize(
         self, items: Sequence[tuple[Admit[K], RequestOptions]], out: Admitted[K]
     ) -> None:
-        inputs = [TextInput(item.request.text, item.request.text_pair) for item, _ in items]
-        max_length = self.info.max_input_tokens if self.policy == "truncate" else None
+        """Tokenize in one call per truncation length (one call unless requests differ)."""
+        cut = [entry for entry in items if self._truncates(entry[1])]
+        whole = [entry for entry in items if not self._truncates(entry[1])]
+        if cut:
+            self._tokenize_with(cut, self.info.max_input_tokens, out)
+        if whole:
+            self._tokenize_with(whole, None, out)
+
+    def _tokenize_with(
+        self, items: Sequence[tuple[Admit[K], RequestOptions]], max_length: int | None,
+        out: Admitted[K],
+    ) -> None:
+        inputs = [
+            TextInput(item.request.text, item.request.text_pair, prompt_of(options, self.facts))
+            for item, options in items
+        ]
         try:
             encodings = list(self.tokenizer.tokenize(inputs, max_length))
             if len(encodings) != len(inputs):
@@ -272,7 +297,7 @@ class Pipeline(Generic[K]):
         except Exception as exc:
             if len(items) > 1:
                 for item in items:
-                    self._tokenize([item], out)
+                    self._tokenize_with([item], max_length, out)
                 return
             out.answered.append(self._failed(items[0][0], *_tokenizer_failure(exc)))
             return
@@ -292,7 +317,7 @@ class Pipeline(Generic[K]):
             out.jobs.append(self._job(item, options, encoding))
             return
         if self._windowing is not None and self.policy == "chunk" \
-                and item.request.text_pair is None:
+                and item.request.text_pair is None and options.truncate is not True:
             try:
                 windows = self._windowing.windows(encoding, limit, self.chunk_overlap)
             except ValueError as exc:
@@ -306,10 +331,11 @@ class Pipeline(Generic[K]):
                 for index, window in enumerate(windows)
             ]
             return
+        why = "the request asked truncate: false" if options.truncate is False \
+            else f"queue policy: {self.policy}"
         out.answered.append(self._failed(
             item, ErrorCode.TOO_LONG,
-            f"input is {length} tokens, over the model's limit of {limit} "
-            f"(queue policy: {self.policy})",
+            f"input is {length} tokens, over the model's limit of {limit} ({why})",
         ))
 
     @staticmethod
@@ -348,12 +374,27 @@ class Pipeline(Generic[K]):
 
     def settle(self, jobs: Sequence[Job[K]],
                results: Sequence[np.ndarray | Failure]) -> list[Outcome[K]]:
-        """Outcomes for finished jobs; a chunked request finishes with its last window."""
+        """Outcomes for finished jobs; a chunked request finishes with its last window.
+
+        Whole requests' rows are shaped into their answers together (one numpy
+        operation for all that take the model's defaults); a chunked request's
+        windows stay raw until its last one is back.
+        """
+        whole = [i for i, job in enumerate(jobs)
+                 if job.chunk is None and not isinstance(results[i], Failure)]
+        finished: dict[int, np.ndarray] = {}
+        if whole:
+            rows = self.finisher.finish(
+                [results[i] for i in whole],  # type: ignore[misc]
+                [jobs[i].options for i in whole],
+            )
+            finished = dict(zip(whole, rows, strict=True))
         out: list[Outcome[K]] = []
-        for job, result in zip(jobs, results, strict=True):
+        for index, (job, result) in enumerate(zip(jobs, results, strict=True)):
             group = job.chunk
             if group is None:
-                out.append(self._finished(job, result, job.encoding.length))
+                answer = finished.get(index, result)
+                out.append(Outcome(job.ref, job.request, answer, job.encoding.length))
                 continue
             if group.complete:
                 continue  # an earlier window already failed the request
@@ -363,15 +404,9 @@ class Pipeline(Generic[K]):
                 continue
             group.results[job.chunk_index] = result
             if group.complete:
-                combined = group.combined(self.info.normalized)
-                out.append(self._finished(job, combined, sum(group.lengths)))
+                combined = self.finisher.combine(group.windows(), group.lengths, job.options)
+                out.append(Outcome(job.ref, job.request, combined, sum(group.lengths)))
         return out
-
-    @staticmethod
-    def _finished(job: Job[K], result: np.ndarray | Failure, tokens: int) -> Outcome[K]:
-        if job.options is not NO_OPTIONS and not isinstance(result, Failure):
-            result = job.options.apply(result)
-        return Outcome(job.ref, job.request, result, tokens)
 
     # ------------------------------------------------------------------ reply
 
@@ -385,8 +420,9 @@ class Pipeline(Generic[K]):
             return wire.embedding_reply(
                 request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens
             )
-        scores = [float(x) for x in np.ravel(result)]
-        return wire.scores_reply(request.id, scores, tokens=outcome.tokens)
+        scores = np.ravel(result).tolist()
+        labels = self.info.labels if len(self.info.labels) == len(scores) else None
+        return wire.scores_reply(request.id, scores, tokens=outcome.tokens, labels=labels)
 
 
 _DEADLINE = Failure(ErrorCode.DEADLINE_EXCEEDED.value, "deadline passed before the request ran")

@@ -6,18 +6,26 @@ batch call per list), pads each batch only to its own longest row (right
 padding plus an attention mask, so padding never changes a result), runs the
 model under ``torch.inference_mode()`` and returns float32 numpy rows.
 
-Tasks:
+Tasks (docs/MODELS.md lists what each supports and refuses):
 
-- ``embed``: ``AutoModel`` + pooling (mean, CLS or last token) and optional
-  L2 normalisation; sentence-transformers files (modules.json, the Pooling
-  config, a Normalize module, ``max_seq_length``) are honoured when present.
-- ``classify``: ``AutoModelForSequenceClassification``; a row's scores are
-  the **raw logits** (no softmax or sigmoid), one per label, so callers can
-  apply whichever the model was trained with.
-- ``rerank``: a cross-encoder; each (query, passage) pair is one sequence
-  and its score is the raw logit(s), again without a sigmoid.
+- ``embed``: ``AutoModel`` then the :class:`~tokenq.worker.backends.hf.head.EmbeddingHead`
+  the model's sentence-transformers files describe (pooling, Dense
+  modules). Rows are the vectors *before* the final L2 normalisation
+  (``info.raw_vectors``); ``info.normalized`` says whether the model's
+  default answer is unit length, and the worker's pipeline normalises.
+  Encoder and decoder (Qwen2, Llama-style) models alike: with right padding
+  and a causal mask a padded row equals the row alone.
+- ``classify``: ``AutoModelForSequenceClassification``; a row is the logits,
+  one per label (``info.labels``); ``info.activation`` is what the
+  transformers text-classification pipeline would apply.
+- ``rerank``: a cross-encoder; each (query, passage) pair is one sequence and
+  its row is the logit(s); ``info.activation`` is sentence-transformers'
+  CrossEncoder default.
 
-Only this module and its ``hf_*`` siblings import torch; the producer never does.
+A resolved prompt (``TextInput.prompt``) is tokenized as ``prompt + text``,
+as sentence-transformers does, so its tokens count in the length the packer
+costs; each encoding records the prompt's length for models that pool
+without it. Only this package imports torch; the producer never does.
 """
 
 from __future__ import annotations
@@ -31,36 +39,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, DeviceOutOfMemory
-from tokenq.worker.backends.base import BackendInfo, TextInput
-from tokenq.worker.backends.hf.encoding import HFEncoding
-from tokenq.worker.backends.hf.load import (
-    ModelSource,
+from tokenq.shared.errors import BadRequest, DeviceLost, DeviceOutOfMemory
+from tokenq.worker.backends.base import Activation, BackendInfo, TextInput
+from tokenq.worker.backends.hf.activation import classify_activation, rerank_activation
+from tokenq.worker.backends.hf.encoding import HFEncoding, PromptLengths
+from tokenq.worker.backends.hf.head import EmbeddingHead, build_embedding_head
+from tokenq.worker.backends.hf.layout import (
     SentenceTransformerConfig,
     read_sentence_transformer_config,
-    resolve_model,
-    tokenizer_json,
 )
+from tokenq.worker.backends.hf.load import ModelSource, resolve_model, tokenizer_json
 from tokenq.worker.backends.hf.options import HFOptions, HFTask, resolve_device, resolve_dtype
-from tokenq.worker.backends.hf.pooling import l2_normalize, pool
+from tokenq.worker.backends.hf.pretrained import load_pretrained, max_input_tokens, pad_token_id
 from tokenq.worker.pipeline.chunks import sliding_windows
 
 __all__ = ["HFBackend", "HFOptions", "build_hf_backend"]
 
 log = logging.getLogger(__name__)
-
-# Models whose position table keeps two slots for the padding offset, so
-# max_position_embeddings (514) is two more than the longest input (512).
-_POSITION_OFFSET = {
-    "roberta": 2,
-    "xlm-roberta": 2,
-    "camembert": 2,
-    "mpnet": 2,
-    "longformer": 2,
-    "data2vec-text": 2,
-    "ibert": 2,
-}
-_NO_LIMIT = 1_000_000  # tokenizers without a model_max_length report ~1e30
 
 
 def build_hf_backend(settings: Any) -> HFBackend:
@@ -78,14 +73,12 @@ class HFBackend:
         model: torch.nn.Module,
         tokenizer: Any,
         device: torch.device,
-        pooling: str,
-        normalize: bool,
+        head: EmbeddingHead | None = None,
         lowercase: bool = False,
     ) -> None:
         self.info = info
         self.device = device
-        self.pooling = pooling
-        self.normalize = normalize
+        self.head = head
         self._model: torch.nn.Module | None = model
         self._tokenizer = tokenizer
         # The transformers wrapper sets truncation on the shared Rust tokenizer
@@ -94,63 +87,66 @@ class HFBackend:
         self._tokenizer_lock = threading.Lock()
         self._lowercase = lowercase
         self._hf_task: HFTask = info.extra["hf_task"]
-        self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._pad_id = pad_token_id(tokenizer)
         self._uses_type_ids = "token_type_ids" in tokenizer.model_input_names
         self._special_layout = _special_token_layout(tokenizer)
         self._min_length = {
             False: tokenizer.num_special_tokens_to_add(pair=False) + 1,
             True: tokenizer.num_special_tokens_to_add(pair=True) + 2,
         }
+        self._prompt_lengths = PromptLengths(self._prompt_ids, set(tokenizer.all_special_ids))
+
+    @property
+    def pooling(self) -> tuple[str, ...]:
+        """The pooling modes, in concatenation order (empty for a scoring model)."""
+        return self.head.modes if self.head else ()
+
+    @property
+    def normalize(self) -> bool:
+        """Whether the model's default embedding is unit length (``info.normalized``)."""
+        return self.info.normalized
 
     @classmethod
     def load(cls, options: HFOptions) -> HFBackend:
         """Load model and tokenizer as ``options`` say; every refusal is a ConfigError."""
         source = resolve_model(options.model)
         st = SentenceTransformerConfig()
-        if options.task == "embed":
-            st = read_sentence_transformer_config(source)
-            if st.unsupported:
-                raise ConfigError(
-                    f"model {source.name!r}: sentence-transformers modules {list(st.unsupported)} "
-                    "are not supported (tokenq runs Transformer, Pooling and Normalize only)"
-                )
+        if options.task in ("embed", "rerank"):
+            st = read_sentence_transformer_config(source, options.task)
         tokenizer_path = tokenizer_json(source, st.subfolder)
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device, explicit_device=options.device != "auto")
-        tokenizer, model = _load_pretrained(source, st.subfolder, options.task, dtype)
+        tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
         model.to(device).eval()
-        max_input = _max_input_tokens(source, st, tokenizer, model.config, options)
-        pooling, normalize = _embed_mode(source, st, options)
-        info = BackendInfo(
-            name="hf",
-            model=source.name,
-            task=options.task,
-            max_input_tokens=max_input,
-            padded=True,
-            dim=_output_dim(model.config, options.task),
-            device=str(device),
-            dtype=str(dtype).removeprefix("torch."),
-            tokenizer=tokenizer_path,
-            pairs=options.task == "rerank",
-            normalized=options.task == "embed" and normalize,
-            labels=_labels(model.config, options.task),
-            extra=_extra(source, options.task, pooling, normalize, model.config),
+        head = None
+        if options.task == "embed":
+            head = build_embedding_head(source, st, options, int(model.config.hidden_size), device)
+        info = _describe(
+            source,
+            st,
+            options,
+            head,
+            model.config,
+            max_input=max_input_tokens(source, st.max_seq_length, tokenizer, model.config, options),
+            device=device,
+            dtype=dtype,
+            tokenizer_path=tokenizer_path,
         )
         log.info(
-            "hf backend: %s task=%s device=%s dtype=%s max_input_tokens=%d",
+            "hf backend: %s task=%s device=%s dtype=%s max_input_tokens=%d %s",
             info.model,
             options.task,
             info.device,
             info.dtype,
-            max_input,
+            info.max_input_tokens,
+            " ".join(f"{k}={v}" for k, v in info.extra.items() if k not in ("hf_task", "path")),
         )
         return cls(
             info=info,
             model=model,
             tokenizer=tokenizer,
             device=device,
-            pooling=pooling,
-            normalize=normalize,
+            head=head,
             lowercase=st.do_lower_case,
         )
 
@@ -159,6 +155,8 @@ class HFBackend:
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[HFEncoding]:
         """Tokenize with the fast tokenizer in one batch call per kind of input.
 
+        A prompt goes in front of the text (the first text of a pair), as
+        sentence-transformers' ``prepend_prompt_to_texts`` puts it.
         Truncation keeps the special tokens (the tokenizer's own truncation);
         pairs are cut 'longest_first'. ``max_length=None`` means no
         truncation, for the 'chunk' and 'reject' policies.
@@ -175,7 +173,7 @@ class HFBackend:
                     f"max_length {max_length} is shorter than the special tokens need "
                     f"({self._min_length[is_pair]})"
                 )
-            texts = [self._prepare(inputs[i].text) for i in indices]
+            texts = [self._prepare(inputs[i].prompt + inputs[i].text) for i in indices]
             text_pairs = [self._prepare(inputs[i].text_pair or "") for i in indices]
             with self._tokenizer_lock:
                 batch = self._tokenizer(
@@ -188,17 +186,20 @@ class HFBackend:
                     return_token_type_ids=is_pair,
                     verbose=False,
                 )
+                # Measured under the same lock: it tokenizes with truncation too.
+                prompts = {p: self._prompt_lengths(p) for p in {inputs[i].prompt for i in indices}}
             for row, i in enumerate(indices):
                 type_ids = tuple(batch["token_type_ids"][row]) if is_pair else None
-                out[i] = HFEncoding(tuple(batch["input_ids"][row]), type_ids)
+                prompt_length = prompts[inputs[i].prompt]
+                out[i] = HFEncoding(tuple(batch["input_ids"][row]), type_ids, prompt_length)
         return [enc for enc in out if enc is not None]
 
     def windows(self, encoding: HFEncoding, max_length: int, overlap: int) -> list[HFEncoding]:
         """Sliding windows of an over-long embedding input (the 'chunk' policy).
 
-        Special tokens are put back around each window; combine the window
-        embeddings with :func:`tokenq.worker.backends.hf.encoding.combine_chunks`,
-        passing ``normalize=backend.info.normalized``.
+        Special tokens are put back around each window, and so is the
+        prompt: every window is embedded as ``prompt + piece``, the input a
+        model with a prompt was trained on.
         """
         if self._hf_task != "embed":
             raise ValueError("chunking applies to embeddings only; this model scores inputs")
@@ -208,11 +209,14 @@ class HFBackend:
             raise ValueError(
                 f"window length {max_length} exceeds the model's {self.info.max_input_tokens}"
             )
+        if encoding.length <= max_length:
+            return [encoding]
         if self._special_layout is None:
             raise ValueError("cannot tell where this tokenizer puts its special tokens")
         n_prefix, n_suffix = self._special_layout
+        n_prefix = min(max(n_prefix, encoding.prompt_length), encoding.length - n_suffix)
         ids = sliding_windows(encoding.ids, n_prefix, n_suffix, max_length, overlap)
-        return [HFEncoding(window) for window in ids]
+        return [HFEncoding(window, None, encoding.prompt_length) for window in ids]
 
     def _check_inputs(self, inputs: Sequence[TextInput]) -> None:
         for i, item in enumerate(inputs):
@@ -230,13 +234,31 @@ class HFBackend:
     def _prepare(self, text: str) -> str:
         return text.lower() if self._lowercase else text
 
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        """The prompt alone, special tokens included, as sentence-transformers measures it.
+
+        Called with the tokenizer lock held (from :meth:`tokenize`), and only
+        for a prompt the cache has not seen.
+        """
+        ids = self._tokenizer(
+            self._prepare(prompt),
+            add_special_tokens=True,
+            truncation=True,
+            max_length=self.info.max_input_tokens,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+            verbose=False,
+        )["input_ids"]
+        return list(ids)
+
     # -- inference ----------------------------------------------------------
 
     def run(self, batch: Sequence[HFEncoding]) -> list[np.ndarray]:
         """Pad to the batch's longest row, run the model, return one float32 row each.
 
-        A CUDA out-of-memory error becomes :class:`DeviceOutOfMemory` after
-        the cache is emptied, so the worker can split the batch and retry.
+        Embeddings come back before the final L2 normalisation, scores as
+        logits. A CUDA out-of-memory error becomes :class:`DeviceOutOfMemory`
+        after the cache is emptied, so the worker can split the batch and retry.
         """
         if not batch:
             return []
@@ -260,7 +282,8 @@ class HFBackend:
         shape = tuple(tensors[0].shape)
         raise DeviceOutOfMemory(f"batch of {shape[0]} rows x {shape[1]} tokens: {message}")
 
-    def _pad(self, batch: Sequence[HFEncoding]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _pad(self, batch: Sequence[HFEncoding]) -> tuple[torch.Tensor, ...]:
+        """ids, attention mask, type ids (rows x longest) and each row's prompt length."""
         longest = 0
         for i, enc in enumerate(batch):
             if not isinstance(enc, HFEncoding):
@@ -274,24 +297,30 @@ class HFBackend:
         ids = np.full((len(batch), longest), self._pad_id, dtype=np.int64)
         mask = np.zeros((len(batch), longest), dtype=np.int64)
         type_ids = np.zeros((len(batch), longest), dtype=np.int64)
+        prompts = np.zeros(len(batch), dtype=np.int64)
         for row, enc in enumerate(batch):
             ids[row, : enc.length] = enc.ids
             mask[row, : enc.length] = 1
             if enc.type_ids is not None:
                 type_ids[row, : enc.length] = enc.type_ids
-        return tuple(torch.from_numpy(a).to(self.device) for a in (ids, mask, type_ids))
+            prompts[row] = enc.prompt_length
+        return tuple(torch.from_numpy(a).to(self.device) for a in (ids, mask, type_ids, prompts))
 
     @torch.inference_mode()
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, type_ids: torch.Tensor) -> np.ndarray:
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        type_ids: torch.Tensor,
+        prompt_lengths: torch.Tensor,
+    ) -> np.ndarray:
         assert self._model is not None
         kwargs = {"input_ids": ids, "attention_mask": mask}
         if self._uses_type_ids:
             kwargs["token_type_ids"] = type_ids
         output = self._model(**kwargs)
-        if self._hf_task == "embed":
-            vectors = pool(output[0], mask, self.pooling)
-            if self.normalize:
-                vectors = l2_normalize(vectors)
+        if self.head is not None:
+            vectors = self.head(output[0], mask, prompt_lengths)
         else:
             vectors = output.logits.float()
         return vectors.cpu().numpy().astype(np.float32, copy=False)
@@ -299,121 +328,61 @@ class HFBackend:
     def close(self) -> None:
         """Drop the model and give its device memory back."""
         self._model = None
+        self.head = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
 
-# -- loading helpers ----------------------------------------------------------
+# -- what the model is --------------------------------------------------------
 
 
-def _load_pretrained(
-    source: ModelSource, subfolder: str, task: HFTask, dtype: torch.dtype
-) -> tuple[Any, torch.nn.Module]:
-    """Tokenizer and model; a missing classification head is refused, not randomly initialised."""
-    import transformers
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # one worker process, logs not terminals
-    where: dict[str, Any] = {"trust_remote_code": False}
-    location = source.location
-    if subfolder:
-        if source.local:
-            location = f"{location}/{subfolder}"
-        else:
-            where["subfolder"] = subfolder
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(location, use_fast=True, **where)
-        model_class = (
-            transformers.AutoModel
-            if task == "embed"
-            else transformers.AutoModelForSequenceClassification
-        )
-        model, loading = model_class.from_pretrained(
-            location, dtype=dtype, output_loading_info=True, **where
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"cannot load model {source.name!r}: {exc}") from exc
-    if not tokenizer.is_fast:
-        raise ConfigError(f"model {source.name!r} has no fast (Rust) tokenizer")
-    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
-        raise ConfigError(f"model {source.name!r} has a tokenizer with no vocabulary")
-    # Weights the checkpoint lacks are randomly initialised by transformers,
-    # which for a classification head means scores that look fine and mean nothing.
-    missing = sorted(k for k in loading.get("missing_keys", ()) if not k.endswith("position_ids"))
-    if task != "embed" and missing:
-        raise ConfigError(
-            f"model {source.name!r} lacks trained weights {missing[:4]}; "
-            f"task {task!r} needs a sequence-classification or cross-encoder checkpoint"
-        )
-    return tokenizer, model
-
-
-def _max_input_tokens(
+def _describe(
     source: ModelSource,
     st: SentenceTransformerConfig,
-    tokenizer: Any,
-    config: Any,
     options: HFOptions,
-) -> int:
-    """The smallest of max_seq_length, the tokenizer's limit and the position table."""
-    limits = []
-    if st.max_seq_length:
-        limits.append(st.max_seq_length)
-    if 0 < tokenizer.model_max_length < _NO_LIMIT:
-        limits.append(int(tokenizer.model_max_length))
-    positions = getattr(config, "max_position_embeddings", None)
-    if positions:
-        limits.append(int(positions) - _POSITION_OFFSET.get(config.model_type, 0))
-    if not limits and options.max_input_tokens is None:
-        raise ConfigError(f"model {source.name!r} states no max input length: set max_input_tokens")
-    model_limit = min(limits) if limits else options.max_input_tokens
-    assert model_limit is not None
-    if options.max_input_tokens is None:
-        return model_limit
-    if options.max_input_tokens > model_limit:
-        raise ConfigError(
-            f"max_input_tokens {options.max_input_tokens} exceeds model {source.name!r}'s "
-            f"limit of {model_limit}"
-        )
-    if options.max_input_tokens < tokenizer.num_special_tokens_to_add(pair=False) + 1:
-        raise ConfigError(f"max_input_tokens {options.max_input_tokens} leaves no room for text")
-    return options.max_input_tokens
-
-
-def _embed_mode(
-    source: ModelSource, st: SentenceTransformerConfig, options: HFOptions
-) -> tuple[str, bool]:
-    """Pooling and normalisation: explicit settings win, then the model's files, then mean/off."""
-    if options.task != "embed":
-        return "none", False
-    pooling = (st.pooling or "mean") if options.pooling == "auto" else options.pooling
-    if st.pooling and options.pooling not in ("auto", st.pooling):
-        log.warning(
-            "model %r was trained with %s pooling; using %s as configured",
-            source.name,
-            st.pooling,
-            options.pooling,
-        )
-    if options.pooling == "auto" and not st.pooling:
-        log.info("model %r has no pooling config; using mean pooling", source.name)
-    normalize = st.normalize if options.normalize == "auto" else options.normalize == "true"
-    return pooling, normalize
-
-
-def _output_dim(config: Any, task: HFTask) -> int:
-    return int(config.hidden_size) if task == "embed" else int(config.num_labels)
-
-
-def _extra(
-    source: ModelSource, task: HFTask, pooling: str, normalize: bool, config: Any
-) -> dict[str, Any]:
+    head: EmbeddingHead | None,
+    config: Any,
+    *,
+    max_input: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokenizer_path: str | None,
+) -> BackendInfo:
+    """The model's :class:`BackendInfo`: its outputs, limits, prompts and activation."""
+    task = options.task
     extra: dict[str, Any] = {"hf_task": task, "path": source.location}
-    if task == "embed":
-        extra.update(pooling=pooling, normalize=normalize)
+    activation: Activation = "none"
+    if head is not None:
+        extra.update(head.describe())
     else:
-        extra["activation"] = "none (raw logits)"
-    return extra
+        activation = (
+            rerank_activation(source.name, st.activation_fn, config)
+            if task == "rerank"
+            else classify_activation(config)
+        )
+        extra["activation"] = activation
+    if options.trust_remote_code:
+        extra["trust_remote_code"] = True
+    return BackendInfo(
+        name="hf",
+        model=source.name,
+        task=task,
+        max_input_tokens=max_input,
+        padded=True,
+        dim=head.dim if head is not None else int(config.num_labels),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        tokenizer=tokenizer_path,
+        pairs=task == "rerank",
+        normalized=head is not None and head.normalize,
+        labels=_labels(config, task),
+        raw_vectors=head is not None,
+        activation=activation,
+        prompts=dict(st.prompts),
+        default_prompt_name=st.default_prompt_name,
+        extra=extra,
+    )
 
 
 def _labels(config: Any, task: HFTask) -> tuple[str, ...]:

@@ -1,11 +1,12 @@
-"""Finding a Hugging Face model's files and reading what sentence-transformers says about them.
+"""Finding a Hugging Face model's files.
 
 Every decision about *which* files a model is made of lives here: the
-bundled default model, local directory versus hub name, the
-sentence-transformers layout (``modules.json``, ``1_Pooling/config.json``,
-a ``Normalize`` module, ``sentence_bert_config.json``), and whether a
-tokenizer is really there. Nothing here imports torch, so a bad ``--model``
-is reported before the slow imports, and tests can drive it on plain files.
+bundled default model, local directory versus hub name, whether a
+tokenizer is really there, and whether the model ships code of its own
+(``auto_map``). What the sentence-transformers files *say* is
+:mod:`tokenq.worker.backends.hf.layout`. Nothing here imports torch, so a
+bad ``--model`` is reported before the slow imports, and tests can drive it
+on plain files.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +39,6 @@ TOKENIZER_FILES = (
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
-# sentence-transformers pooling modes tokenq implements, by their config key.
-_POOLING_KEYS = {
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_lasttoken": "last",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
@@ -55,21 +49,6 @@ class ModelSource:
     location: str
     """A local directory, or a hub id resolved through the Hugging Face cache."""
     local: bool
-
-
-@dataclass(frozen=True, slots=True)
-class SentenceTransformerConfig:
-    """What a sentence-transformers model's own files say; all empty for a plain model."""
-
-    present: bool = False
-    subfolder: str = ""
-    """Where the transformer module's files are ('' for the model root, as usual)."""
-    pooling: str | None = None
-    normalize: bool = False
-    max_seq_length: int | None = None
-    do_lower_case: bool = False
-    unsupported: tuple[str, ...] = field(default_factory=tuple)
-    """Module types after the transformer tokenq cannot reproduce (e.g. Dense)."""
 
 
 def bundled_model_dir() -> Path:
@@ -129,7 +108,7 @@ def read_json(source: ModelSource, filename: str) -> Any:
 
 def tokenizer_json(source: ModelSource, subfolder: str) -> str | None:
     """Path of tokenizer.json (which producers may load); ConfigError when there is no tokenizer."""
-    found = {name: find_file(source, _join(subfolder, name)) for name in TOKENIZER_FILES}
+    found = {name: find_file(source, join(subfolder, name)) for name in TOKENIZER_FILES}
     if any(found.values()):
         return found["tokenizer.json"]
     raise ConfigError(
@@ -138,52 +117,30 @@ def tokenizer_json(source: ModelSource, subfolder: str) -> str | None:
     )
 
 
-def read_sentence_transformer_config(source: ModelSource) -> SentenceTransformerConfig:
-    """Read modules.json and the files it points to; a plain transformers model has none."""
-    modules = read_json(source, "modules.json")
-    if not isinstance(modules, list):
-        return SentenceTransformerConfig()
-    subfolder, pooling, normalize, unsupported = "", None, False, []
-    for module in sorted(modules, key=lambda m: m.get("idx", 0)):
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        path = str(module.get("path", "")).strip("/")
-        if kind == "Transformer":
-            subfolder = path
-        elif kind == "Pooling":
-            pooling = _pooling_mode(source, _join(path, "config.json"))
-        elif kind == "Normalize":
-            normalize = True
-        else:
-            unsupported.append(kind)
-    bert_config = read_json(source, _join(subfolder, "sentence_bert_config.json")) or {}
-    max_seq = bert_config.get("max_seq_length")
-    return SentenceTransformerConfig(
-        present=True,
-        subfolder=subfolder,
-        pooling=pooling,
-        normalize=normalize,
-        max_seq_length=int(max_seq) if max_seq else None,
-        do_lower_case=bool(bert_config.get("do_lower_case", False)),
-        unsupported=tuple(unsupported),
-    )
-
-
-def _pooling_mode(source: ModelSource, filename: str) -> str:
-    """The one pooling mode a 1_Pooling/config.json turns on, as tokenq names it."""
-    config = read_json(source, filename) or {}
-    enabled = [key for key, value in config.items() if key.startswith("pooling_mode") and value]
-    if len(enabled) == 1 and enabled[0] in _POOLING_KEYS:
-        return _POOLING_KEYS[enabled[0]]
-    if not enabled:
-        return "mean"  # sentence-transformers' own default when no mode is set
-    raise ConfigError(
-        f"model {source.name!r}: pooling {enabled} in {filename} is not supported "
-        "(tokenq does mean, cls or last-token pooling; pass --pooling to override)"
-    )
-
-
-def _join(folder: str, name: str) -> str:
+def join(folder: str, name: str) -> str:
+    """``folder/name``, or ``name`` for the model root."""
     return f"{folder}/{name}" if folder else name
+
+
+def check_remote_code(source: ModelSource, subfolder: str, trusted: bool) -> None:
+    """Refuse a model that ships Python code unless ``--trust-remote-code`` was given.
+
+    Why check here rather than leave it to transformers: for a model whose
+    ``model_type`` transformers also knows, ``trust_remote_code=False``
+    silently runs the built-in class instead of the model's own code, which
+    computes something else under the model's name.
+    """
+    if trusted:
+        return
+    for filename in ("config.json", "tokenizer_config.json"):
+        config = read_json(source, join(subfolder, filename))
+        auto_map = config.get("auto_map") if isinstance(config, dict) else None
+        if auto_map:
+            names = sorted(auto_map) if isinstance(auto_map, dict) else auto_map
+            raise ConfigError(
+                f"model {source.name!r} ships its own code (auto_map {names} in {filename}): "
+                "pass --trust-remote-code (TOKENQ_TRUST_REMOTE_CODE=true) to run it"
+            )
 
 
 def _cached_file(repo_id: str, filename: str) -> str | None:

@@ -1,0 +1,186 @@
+"""TEI's scoring routes, ``POST /rerank`` and ``POST /predict``: bodies in, answers out.
+
+Sans-I/O like :mod:`.schemas`: a body becomes a :class:`~.schemas.Job` (one
+request per (query, text) pair, or per input), the queue's results become
+TEI's answer. What decides whether a queue can answer a route is its config
+hash (``task``, ``pairs``, ``labels``), read by the route and passed in.
+
+* ``/rerank``: ``[{index, score, text?}]``, best first, ``index`` being the
+  text's place in ``texts``; ``score`` is the model's first score for the
+  pair (a reranker has one).
+* ``/predict``: per input ``[{label, score}]``, best first; a single input
+  (a string, or one pair ``[a, b]``) gets one such list, a batch
+  (``[[a], [a, b], ...]``) a list of them, as TEI answers.
+
+Scores are the model's activation (sigmoid for a one-logit reranker,
+softmax across a classifier's labels) unless ``raw_scores`` asks for the
+logits; the workers apply both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from tokenq.producer import Result
+from tokenq.producer.core import TextItem
+from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
+from tokenq.producer.serve.schemas import Body, Direction, Job, refuse_left
+from tokenq.shared.queue_config import QueueConfig
+
+
+class TEIRerank(Body):
+    """``POST /rerank``."""
+
+    query: str
+    texts: list[str]
+    truncate: bool | None = None
+    truncation_direction: Direction = "Right"
+    raw_scores: bool = False
+    return_text: bool = False
+    model: str | None = None
+    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
+
+
+class TEIPredict(Body):
+    """``POST /predict``."""
+
+    inputs: str | list[str] | list[list[str]]
+    truncate: bool | None = None
+    truncation_direction: Direction = "Right"
+    raw_scores: bool = False
+    model: str | None = None
+    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
+
+
+def _options(body: TEIRerank | TEIPredict) -> dict[str, Any]:
+    refuse_left(body.truncation_direction)
+    options: dict[str, Any] = {}
+    if body.truncate is not None:
+        options["truncate"] = body.truncate
+    if body.raw_scores:
+        options["raw_scores"] = True
+    return options
+
+
+def rerank_job(body: TEIRerank) -> Job:
+    """One (query, text) pair per text."""
+    if not body.texts:
+        raise empty("texts")
+    return Job([(body.query, text) for text in body.texts], _options(body), "texts")
+
+
+def predict_job(body: TEIPredict) -> tuple[Job, bool]:
+    """The inputs of a predict request, and whether it is a batch (answered as a list of lists).
+
+    As TEI reads ``inputs``: a string is one input; a flat list is one
+    input too, ``[text]`` or a pair ``[text, text_pair]``; a list of lists
+    is a batch of such inputs.
+    """
+    inputs = body.inputs
+    if isinstance(inputs, str):
+        return Job([inputs], _options(body), "inputs"), False
+    if not inputs:
+        raise empty("inputs")
+    if all(isinstance(item, str) for item in inputs):
+        one = _sequence(inputs, "inputs")  # type: ignore[arg-type]
+        return Job([one], _options(body), "inputs"), False
+    items = [_sequence(item, f"inputs[{index}]") for index, item in enumerate(inputs)]
+    return Job(items, _options(body), "inputs"), True
+
+
+def _sequence(parts: Sequence[str], where: str) -> TextItem:
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return (parts[0], parts[1])
+    raise invalid(where, f"{len(parts)} strings: an input is [text] or a pair [text, text_pair]; "
+                  "send a batch as a list of those")
+
+
+def require_reranker(config: QueueConfig | None) -> None:
+    """422 unless the queue's model is a reranker (TEI refuses any other model, too)."""
+    if config is None:
+        return  # no worker has described the queue yet: the workers will decide
+    if config.task == "rerank" or (config.task is None and config.pairs):
+        return
+    kind = {None: "takes no pairs", "embed": "embeds"}.get(config.task,
+                                                             f"is a {config.task!r} model")
+    raise wrong_model("not_a_reranker", f"model is not a re-ranker model: this queue's model "
+                      f"{kind}; /rerank needs a cross-encoder run with --task rerank")
+
+
+def require_classifier(config: QueueConfig | None, job: Job) -> None:
+    """422 unless the queue's model answers scores, and takes pairs if ``job`` has any."""
+    if config is None:
+        return
+    if config.task in (None, "embed"):
+        raise wrong_model("not_a_classifier", "model is not a classifier model: this queue's "
+                          "model embeds; /predict needs a classifier or a reranker")
+    if config.pairs is False and any(isinstance(item, tuple) for item in job.items):
+        raise invalid("inputs", "a pair [text, text_pair], but this queue's model takes "
+                      "single texts")
+
+
+def label_names(count: int, labels: Sequence[str] | None) -> list[str]:
+    """The name of each of ``count`` scores: ``labels`` when they fit, else ``LABEL_i``.
+
+    ``LABEL_i`` is what transformers calls a label its config does not name.
+    """
+    if labels is not None and len(labels) == count:
+        return list(labels)
+    return [f"LABEL_{index}" for index in range(count)]
+
+
+def scores_of(result: Result) -> tuple[float, ...]:
+    """A result's scores; 422 for an embedding, 424 for a NaN (as TEI answers one)."""
+    if result.scores is None:
+        raise wrong_model("not_a_classifier", "the queue answered an embedding, not scores")
+    if any(math.isnan(score) for score in result.scores):
+        raise ApiError(424, "score is NaN", code="inference_failed")
+    return result.scores
+
+
+def rerank_answer(
+    results: Sequence[Result], texts: Sequence[str], return_text: bool
+) -> list[dict[str, Any]]:
+    """TEI's ranks, best first; ties keep input order."""
+    ranks: list[dict[str, Any]] = []
+    for index, result in enumerate(results):
+        rank: dict[str, Any] = {"index": index, "score": scores_of(result)[0]}
+        if return_text:
+            rank["text"] = texts[index]
+        ranks.append(rank)
+    ranks.sort(key=lambda rank: -rank["score"])
+    return ranks
+
+
+def predict_answer(
+    results: Sequence[Result], batched: bool, labels: Sequence[str] | None
+) -> list[Any]:
+    """TEI's predictions; a result's own labels first, then the queue's (``labels``)."""
+    answers = [_predictions(result, labels) for result in results]
+    return answers if batched else answers[0]
+
+
+def _predictions(result: Result, labels: Sequence[str] | None) -> list[dict[str, Any]]:
+    scores = scores_of(result)
+    names = label_names(len(scores), result.labels or labels)
+    pairs = zip(names, scores, strict=True)
+    predictions = [{"label": name, "score": score} for name, score in pairs]
+    predictions.sort(key=lambda prediction: -prediction["score"])
+    return predictions
+
+
+def tei_model_type(config: QueueConfig) -> dict[str, Any]:
+    """TEI's ``model_type``: ``embedding``, ``classifier`` (with ``id2label``) or ``reranker``."""
+    if config.task in (None, "embed"):
+        return {"embedding": {}}
+    kind = "reranker" if config.task == "rerank" else "classifier"
+    count = config.dim or len(config.labels or ()) or (1 if kind == "reranker" else 0)
+    names = label_names(count, config.labels)
+    return {kind: {
+        "id2label": {str(index): label for index, label in enumerate(names)},
+        "label2id": {label: index for index, label in enumerate(names)},
+    }}

@@ -1,0 +1,189 @@
+"""Per-request options (a request's ``opts`` map): what each one means and when it is valid.
+
+docs/PROTOCOL.md, "Request options", is the contract; this module is its one
+home. It is sans-I/O and needs neither numpy nor torch, so the worker (which
+answers a bad option ``bad_request``) and the producer (which resolves a
+request's prompt to estimate its tokens, and refuses early what the config
+hash says the worker would refuse) read the same rules.
+
+=============== ======== ==========================================================
+key             type     meaning
+=============== ======== ==========================================================
+``prompt_name`` str      one of the model's named prompts, put before the text
+``prompt``      str      literal text put before the text ("" for no prompt at all)
+``dimensions``  int      keep the first N values of the embedding (Matryoshka)
+``normalize``   bool     unit-length embedding or not (default: the model's)
+``truncate``    bool     cut an over-long input (true) or refuse / chunk it (false)
+``raw_scores``  bool     a scoring model's logits, without its activation
+=============== ======== ==========================================================
+
+Unknown keys are ignored, as the protocol promises, so an old worker serves a
+newer producer. Adding an option: a field of :class:`RequestOptions`, its
+check in :func:`parse_options`, its keyword in ``tokenq.producer.options``,
+and its effect where the worker reads it (``worker/pipeline/options.py`` for
+what it does to a result, the pipeline for what it does to an input).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+MAX_PROMPT_CHARS = 4096
+"""Longest literal ``prompt`` a request may carry (a prompt is an instruction, not a document)."""
+
+
+class WorkerOptions(TypedDict, total=False):
+    """Per-request options the worker reads from the request's ``opts`` map.
+
+    The keyword arguments of every enqueueing call of both producer clients
+    and of the in-process ``Batcher``: each is sent in ``opts`` under its own
+    name when given and not None (giving it in ``opts`` as well is a
+    :class:`~tokenq.shared.errors.BadRequest`). Add a new one here, as
+    ``name: type | None``, and its check in :func:`parse_options`.
+    """
+
+    prompt_name: str | None
+    """One of the model's named prompts (sentence-transformers' ``prompts``, e.g.
+    ``query``), put before the text; its tokens count toward the input's length."""
+    prompt: str | None
+    """Literal text put before the text, instead of a named prompt ("" for none at all,
+    overriding the model's default prompt)."""
+    dimensions: int | None
+    """Keep the embedding's first ``dimensions`` values (Matryoshka truncation),
+    re-normalised when the answer is normalised."""
+    normalize: bool | None
+    """Unit-length embedding or not; by default what the model does."""
+    truncate: bool | None
+    """True: cut an over-long input to the model's limit; False: refuse it
+    (``too_long``), or chunk it on a ``chunk`` queue. By default the queue's policy."""
+    raw_scores: bool | None
+    """A classifier's or reranker's logits, without the model's activation."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What option checks need to know about the queue's model.
+
+    The worker fills it from its backend's ``BackendInfo``; the producer from
+    the queue's config hash, where a fact the hash does not give is None and
+    the check that needs it is left to the worker.
+    """
+
+    embeds: bool | None = None
+    """True: replies carry embeddings; False: scores; None: unknown."""
+    dim: int | None = None
+    normalized: bool | None = None
+    """The model's default answer is unit length."""
+    can_unnormalize: bool | None = None
+    """The worker can answer ``normalize: false`` (its backend returns raw vectors)."""
+    prompts: Mapping[str, str] | None = None
+    default_prompt_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """The options one request asked for, checked; a field left None takes the default."""
+
+    prompt: str | None = None
+    """The prompt text resolved from ``prompt``/``prompt_name``; None: the model's default."""
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate: bool | None = None
+    raw_scores: bool = False
+
+    @property
+    def shapes_output(self) -> bool:
+        """Whether the answer differs from the model's default one (a result must be re-shaped)."""
+        return self.dimensions is not None or self.normalize is not None or self.raw_scores
+
+
+NO_OPTIONS = RequestOptions()
+
+_KNOWN: frozenset[str] = WorkerOptions.__optional_keys__
+
+
+def parse_options(opts: Mapping[str, Any], facts: ModelFacts) -> RequestOptions:
+    """The options in ``opts``, checked against the model; ``ValueError`` names a bad one."""
+    if not any(key in opts for key in _KNOWN):
+        return NO_OPTIONS
+    prompt = _prompt(opts, facts)
+    dimensions = _dimensions(opts.get("dimensions"), facts)
+    normalize = _flag(opts, "normalize")
+    if normalize is not None:
+        _embedding_only("normalize", facts)
+        if normalize is False and facts.normalized and facts.can_unnormalize is False:
+            raise ValueError(
+                "normalize false: this queue's backend only answers unit-length embeddings"
+            )
+    raw_scores = _flag(opts, "raw_scores")
+    if raw_scores is not None and facts.embeds:
+        raise ValueError("raw_scores applies to classifiers and rerankers; this model embeds")
+    return RequestOptions(
+        prompt=prompt,
+        dimensions=dimensions,
+        normalize=normalize,
+        truncate=_flag(opts, "truncate"),
+        raw_scores=bool(raw_scores),
+    )
+
+
+def default_prompt(facts: ModelFacts) -> str:
+    """The prompt a request that names none gets ("" when the model has no default)."""
+    if facts.default_prompt_name is None or not facts.prompts:
+        return ""
+    return facts.prompts.get(facts.default_prompt_name, "")
+
+
+def prompt_of(options: RequestOptions, facts: ModelFacts) -> str:
+    """The text this request's input is prefixed with."""
+    return default_prompt(facts) if options.prompt is None else options.prompt
+
+
+def _prompt(opts: Mapping[str, Any], facts: ModelFacts) -> str | None:
+    name, text = opts.get("prompt_name"), opts.get("prompt")
+    if name is not None and text is not None:
+        raise ValueError("give prompt_name or prompt, not both")
+    if text is not None:
+        if not isinstance(text, str):
+            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+        if len(text) > MAX_PROMPT_CHARS:
+            raise ValueError(f"prompt is {len(text)} characters, over {MAX_PROMPT_CHARS}")
+        return text
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise ValueError(f"prompt_name must be a string, got {type(name).__name__}")
+    if facts.prompts is None:
+        return None  # the producer, without the model's prompts: the worker decides
+    if name not in facts.prompts:
+        known = sorted(facts.prompts)
+        have = f"its prompts are {known}" if known else "it has no named prompts"
+        raise ValueError(f"prompt_name {name!r} is not one of this model's prompts ({have})")
+    return facts.prompts[name]
+
+
+def _dimensions(value: object, facts: ModelFacts) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"dimensions must be an integer, got {type(value).__name__}")
+    _embedding_only("dimensions", facts)
+    if value < 1:
+        raise ValueError(f"dimensions must be at least 1, got {value}")
+    if facts.dim is not None and value > facts.dim:
+        raise ValueError(f"dimensions {value} is more than the model's {facts.dim}")
+    return value
+
+
+def _flag(opts: Mapping[str, Any], name: str) -> bool | None:
+    value = opts.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"{name} must be true or false, got {type(value).__name__}")
+
+
+def _embedding_only(name: str, facts: ModelFacts) -> None:
+    if facts.embeds is False:
+        raise ValueError(f"{name} applies to embeddings; this model answers scores")

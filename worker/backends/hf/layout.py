@@ -1,0 +1,327 @@
+"""What a sentence-transformers model's own files say it is, read without torch.
+
+Rule: every decision about the sentence-transformers layout lives here:
+which modules tokenq reproduces (Transformer, Pooling, Dense, Normalize,
+in that order), the pooling modes and ``include_prompt``, each Dense
+module's shape and activation, the named prompts, a cross-encoder's
+``activation_fn``, and everything refused. A refusal names the module,
+key or value, so a model tokenq would serve differently from
+sentence-transformers never starts. Semantics follow sentence-transformers
+6 (``Pooling.load_config``, ``Dense.load``, ``SentenceTransformer``'s
+default prompts), including the legacy keys older releases wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from tokenq.shared.errors import ConfigError
+from tokenq.worker.backends.hf.load import ModelSource, join, read_json
+
+PoolingMode = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
+
+POOLING_MODES: tuple[PoolingMode, ...] = (
+    "cls",
+    "max",
+    "mean",
+    "mean_sqrt_len_tokens",
+    "weightedmean",
+    "lasttoken",
+)
+"""Every mode, in the order sentence-transformers concatenates the legacy boolean keys."""
+
+_LEGACY_POOLING_KEYS: dict[str, PoolingMode] = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+
+DENSE_ACTIVATIONS = frozenset(
+    {
+        "Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU", "LeakyReLU", "ELU", "SELU",
+        "CELU", "Softplus", "Softsign", "Mish", "Hardtanh", "Hardswish", "Hardsigmoid",
+        "ReLU6", "LogSigmoid", "Tanhshrink",
+    }
+)
+"""Elementwise ``torch.nn`` activations a Dense module may name: no parameters, so
+``cls()`` is exactly what sentence-transformers builds from the saved name."""
+
+# Transformer-module config files, newest name first (sentence-transformers tries them in order).
+_TRANSFORMER_CONFIGS = (
+    "sentence_bert_config.json",
+    "sentence_roberta_config.json",
+    "sentence_distilbert_config.json",
+    "sentence_camembert_config.json",
+    "sentence_albert_config.json",
+    "sentence_xlm-roberta_config.json",
+    "sentence_xlnet_config.json",
+)
+# What the Transformer module must compute for each task tokenq can serve from it.
+_TRANSFORMER_TASK = {"embed": "feature-extraction", "rerank": "sequence-classification"}
+_TRANSFORMER_OUTPUT = {"embed": "token_embeddings", "rerank": "scores"}
+# A SentenceTransformer starts with these prompts, empty unless the model's config fills them.
+_EMBED_DEFAULT_PROMPTS = ("query", "document")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingConfig:
+    """A Pooling module: its modes in concatenation order, and whether the prompt is pooled."""
+
+    modes: tuple[PoolingMode, ...] = ("mean",)
+    include_prompt: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DenseConfig:
+    """One Dense module: ``activation(linear(x))`` (+ ``x`` or ``residual(x)``)."""
+
+    path: str
+    """The module's folder, where its weights are."""
+    in_features: int
+    out_features: int
+    bias: bool = True
+    activation: str = "Tanh"
+    """A ``torch.nn`` class name from :data:`DENSE_ACTIVATIONS` (Tanh when none is saved)."""
+    use_residual: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SentenceTransformerConfig:
+    """What a sentence-transformers model's own files say; all defaults for a plain model."""
+
+    present: bool = False
+    subfolder: str = ""
+    """Where the transformer module's files are ('' for the model root, as usual)."""
+    pooling: PoolingConfig | None = None
+    dense: tuple[DenseConfig, ...] = ()
+    normalize: bool = False
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    prompts: Mapping[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+    activation_fn: str | None = None
+    """A cross-encoder's ``activation_fn`` from config_sentence_transformers.json, as saved."""
+
+
+def read_sentence_transformer_config(
+    source: ModelSource, task: Literal["embed", "rerank"]
+) -> SentenceTransformerConfig:
+    """Read modules.json and the files it points to; a plain transformers model has none.
+
+    ``embed`` takes Transformer, Pooling, any number of Dense, then an
+    optional Normalize; ``rerank`` (a cross-encoder) takes the Transformer
+    alone. Anything else is a ConfigError naming what tokenq cannot run.
+    """
+    modules = read_json(source, "modules.json")
+    if not isinstance(modules, list):
+        return SentenceTransformerConfig(prompts=_prompts({}, task, source)[0])
+    kinds = [(_kind(m), str(m.get("path", "")).strip("/")) for m in _ordered(modules, source)]
+    _check_order(source, task, [kind for kind, _ in kinds])
+    subfolder, pooling, dense, normalize = "", None, [], False
+    for kind, path in kinds:
+        if kind == "Transformer":
+            subfolder = path
+        elif kind == "Pooling":
+            pooling = _pooling(source, join(path, "config.json"))
+        elif kind == "Dense":
+            dense.append(_dense(source, path))
+        else:
+            normalize = True
+    transformer = _transformer_config(source, subfolder, task)
+    model_config = read_json(source, "config_sentence_transformers.json") or {}
+    prompts, default_prompt_name = _prompts(model_config, task, source)
+    max_seq = transformer.get("max_seq_length")
+    activation_fn = model_config.get("activation_fn")
+    return SentenceTransformerConfig(
+        present=True,
+        subfolder=subfolder,
+        pooling=pooling,
+        dense=tuple(dense),
+        normalize=normalize,
+        max_seq_length=int(max_seq) if max_seq else None,
+        do_lower_case=bool(transformer.get("do_lower_case", False)),
+        prompts=prompts,
+        default_prompt_name=default_prompt_name,
+        activation_fn=str(activation_fn) if activation_fn is not None else None,
+    )
+
+
+def torch_nn_class(path: str) -> str | None:
+    """``X`` for ``torch.nn.X`` or ``torch.nn.modules.<file>.X`` (a saved class), else None."""
+    parts = path.split(".")
+    if parts[:2] != ["torch", "nn"] or len(parts) not in (3, 5):
+        return None
+    if len(parts) == 5 and parts[2] != "modules":
+        return None
+    return parts[-1] if parts[-1].isidentifier() else None
+
+
+def pooling_modes(value: Any, where: str) -> tuple[PoolingMode, ...]:
+    """A ``pooling_mode`` value (one name or a list of names) as a tuple; ValueError if unknown."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list | tuple) or not names:
+        raise ValueError(f"pooling_mode in {where} must be a mode or a list of modes: {value!r}")
+    unknown = [name for name in names if name not in POOLING_MODES]
+    if unknown:
+        raise ValueError(f"pooling_mode {unknown} in {where} is not one of {list(POOLING_MODES)}")
+    return tuple(names)
+
+
+# -- modules.json ---------------------------------------------------------------
+
+
+def _kind(module: Mapping[str, Any]) -> str:
+    return str(module.get("type", "")).rsplit(".", 1)[-1]
+
+
+def _ordered(modules: list[Any], source: ModelSource) -> list[Mapping[str, Any]]:
+    if not all(isinstance(m, Mapping) for m in modules):
+        raise ConfigError(f"model {source.name!r}: modules.json must be a list of objects")
+    return sorted(modules, key=lambda m: m.get("idx", 0))
+
+
+def _check_order(source: ModelSource, task: str, kinds: list[str]) -> None:
+    """Transformer, Pooling, Dense*, Normalize? for embed; Transformer alone for rerank."""
+    if task == "rerank":
+        expected, shape = ["Transformer"], "one Transformer module (a cross-encoder)"
+        if kinds != expected:
+            raise ConfigError(
+                f"model {source.name!r}: sentence-transformers modules {kinds} are not supported "
+                f"for --task rerank (tokenq runs {shape})"
+            )
+        return
+    supported = {"Transformer", "Pooling", "Dense", "Normalize"}
+    unknown = [kind for kind in kinds if kind not in supported]
+    if unknown:
+        raise ConfigError(
+            f"model {source.name!r}: sentence-transformers modules {unknown} are not supported "
+            "(tokenq runs Transformer, Pooling, Dense and Normalize)"
+        )
+    body = [kind for kind in kinds if kind != "Normalize"]
+    normalize_last = kinds.count("Normalize") == 0 or (
+        kinds.count("Normalize") == 1 and kinds[-1] == "Normalize"
+    )
+    well_formed = (
+        body[:2] == ["Transformer", "Pooling"]
+        and all(kind == "Dense" for kind in body[2:])
+        and normalize_last
+    )
+    if not well_formed:
+        raise ConfigError(
+            f"model {source.name!r}: sentence-transformers modules in the order {kinds} are not "
+            "supported (tokenq runs Transformer, Pooling, then any Dense, then Normalize)"
+        )
+
+
+def _transformer_config(source: ModelSource, subfolder: str, task: str) -> Mapping[str, Any]:
+    """The Transformer module's config, refused when it computes something other than ``task``."""
+    config: Mapping[str, Any] = {}
+    for name in _TRANSFORMER_CONFIGS:
+        found = read_json(source, join(subfolder, name))
+        if isinstance(found, Mapping) and found:
+            config = found
+            break
+    where = join(subfolder, "sentence_bert_config.json")
+    transformer_task = config.get("transformer_task")
+    if transformer_task is not None and transformer_task != _TRANSFORMER_TASK[task]:
+        raise ConfigError(
+            f"model {source.name!r}: its Transformer module computes {transformer_task!r} "
+            f"({where}); --task {task} needs {_TRANSFORMER_TASK[task]!r}"
+        )
+    modalities = config.get("modality_config") or {}
+    if "message" in modalities:
+        # sentence-transformers would render every input through the chat template.
+        raise ConfigError(
+            f"model {source.name!r}: its Transformer module takes chat messages "
+            f"(modality_config 'message' in {where}); tokenq tokenizes plain text only"
+        )
+    output = config.get("module_output_name")
+    if output is not None and output != _TRANSFORMER_OUTPUT[task]:
+        raise ConfigError(
+            f"model {source.name!r}: module_output_name {output!r} in {where} is not supported "
+            f"(tokenq reads {_TRANSFORMER_OUTPUT[task]!r})"
+        )
+    return config
+
+
+# -- Pooling and Dense ------------------------------------------------------------
+
+
+def _pooling(source: ModelSource, filename: str) -> PoolingConfig:
+    """A Pooling config: the new ``pooling_mode`` key wins, else the legacy booleans, else mean."""
+    config = read_json(source, filename) or {}
+    try:
+        if "pooling_mode" in config:
+            modes = pooling_modes(config["pooling_mode"], filename)
+        else:
+            enabled = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key))
+            modes = enabled or ("mean",)
+    except ValueError as exc:
+        raise ConfigError(f"model {source.name!r}: {exc}") from exc
+    return PoolingConfig(modes=modes, include_prompt=bool(config.get("include_prompt", True)))
+
+
+def _dense(source: ModelSource, path: str) -> DenseConfig:
+    """A Dense config, refused unless it maps the sentence embedding through a known activation."""
+    where = join(path, "config.json")
+    config = read_json(source, where)
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"model {source.name!r}: its Dense module has no {where}")
+    for key in ("module_input_name", "module_output_name"):
+        name = config.get(key)
+        if name is not None and name != "sentence_embedding":
+            raise ConfigError(
+                f"model {source.name!r}: Dense {key} {name!r} in {where} is not supported "
+                "(tokenq's Dense maps the sentence embedding)"
+            )
+    saved = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+    activation = torch_nn_class(str(saved))
+    if activation not in DENSE_ACTIVATIONS:
+        raise ConfigError(
+            f"model {source.name!r}: Dense activation_function {saved!r} in {where} is not "
+            f"supported (tokenq runs torch.nn {', '.join(sorted(DENSE_ACTIVATIONS))})"
+        )
+    try:
+        return DenseConfig(
+            path=path,
+            in_features=int(config["in_features"]),
+            out_features=int(config["out_features"]),
+            bias=bool(config.get("bias", True)),
+            activation=activation,
+            use_residual=bool(config.get("use_residual", False)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"model {source.name!r}: bad Dense config {where}: {exc!r}") from exc
+
+
+# -- prompts ------------------------------------------------------------------------
+
+
+def _prompts(
+    config: Mapping[str, Any], task: str, source: ModelSource
+) -> tuple[dict[str, str], str | None]:
+    """Named prompts as sentence-transformers loads them, and the default one.
+
+    A SentenceTransformer starts with empty ``query`` and ``document``
+    prompts that the saved ones fill (so ``prompt_name: query`` works on
+    every embedding model, with no text on one that defines none); a
+    CrossEncoder starts with none.
+    """
+    prompts: dict[str, str] = dict.fromkeys(_EMBED_DEFAULT_PROMPTS, "") if task == "embed" else {}
+    saved = config.get("prompts") or {}
+    if not isinstance(saved, Mapping):
+        raise ConfigError(f"model {source.name!r}: prompts in config_sentence_transformers.json")
+    for name, text in saved.items():
+        prompts[str(name)] = "" if text is None else str(text)
+    default = config.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise ConfigError(
+            f"model {source.name!r}: default_prompt_name {default!r} is not one of its prompts "
+            f"{sorted(prompts)} (config_sentence_transformers.json)"
+        )
+    return prompts, default
