@@ -134,8 +134,8 @@ def ideal_run(backend: Any, texts: list[str], budget: int) -> Timing:
     tensors = [backend._pad(batch) for batch in batches]
     backend._forward(*tensors[0])  # warm-up
     started = time.perf_counter()
-    for ids, mask, type_ids in tensors:
-        backend._forward(ids, mask, type_ids)
+    for padded in tensors:
+        backend._forward(*padded)
     seconds = time.perf_counter() - started
     shapes = [[encoding.length for encoding in batch] for batch in batches]
     return Timing(seconds, len(batches), padding(shapes))
