@@ -43,6 +43,7 @@ from tokenq.producer.config import (
 )
 from tokenq.producer.options import SubmitOptions, worker_options
 from tokenq.shared import keys, lua, wire
+from tokenq.shared.cli import plural
 from tokenq.shared.errors import (
     BadRequest,
     BrokerUnavailable,
@@ -125,7 +126,8 @@ class ReplyTimeout(TokenqError, TimeoutError):
         shown = ", ".join(request_ids[:5])
         more = f" and {len(request_ids) - 5} more" if len(request_ids) > 5 else ""
         super().__init__(
-            f"no reply after {waited_s:.2f}s for {len(request_ids)} request(s): {shown}{more}"
+            f"no reply after {waited_s:.2f}s for {plural(len(request_ids), 'request')}: "
+            f"{shown}{more}"
             + (f"; {why}" if why else "")
         )
         self.request_ids = tuple(request_ids)
@@ -152,6 +154,32 @@ class Result:
     tokens: int | None
     labels: tuple[str, ...] | None = None
     """A classifier's label for each score, in order, when the model names them."""
+
+    def __repr__(self) -> str:
+        """A short summary: a 384-float vector printed whole buries everything else.
+
+        ``Result(id='r1', dim=384, embedding=[0.0123, -0.04, 0.0781, … 384 values],
+        tokens=7)``; a classifier's scores are shown with their labels.
+        """
+        def head(values: Sequence[Any], show: Callable[[Any], str] = "{:.4g}".format,
+                 brackets: str = "[]") -> str:
+            shown = ", ".join(show(value) for value in values[:3])
+            more = f", … {len(values)} values" if len(values) > 3 else ""
+            return f"{brackets[0]}{shown}{more}{brackets[1]}"
+
+        parts = [f"id={self.id!r}"]
+        if self.embedding is not None:
+            dim = self.dim if self.dim is not None else len(self.embedding)
+            parts += [f"dim={dim}", f"embedding={head(self.embedding)}"]
+        if self.scores is not None:
+            if self.labels is not None and len(self.labels) == len(self.scores):
+                pairs = [f"{label!r}: {score:.4g}"
+                         for label, score in zip(self.labels, self.scores, strict=True)]
+                parts.append(f"scores={head(pairs, str, '{}')}")
+            else:
+                parts.append(f"scores={head(self.scores)}")
+        parts.append(f"tokens={self.tokens}")
+        return f"Result({', '.join(parts)})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -612,7 +640,7 @@ class ClientCore:
         so, as with the length limit, nothing of the batch was written.
         """
         return QueueFull(
-            f"Redis at {self.url} is out of memory (maxmemory) and refused {n} request(s) "
+            f"Redis at {self.url} is out of memory (maxmemory) and refused {plural(n, 'request')} "
             f"for queue {self.queue.name!r}; nothing was written"
         )
 

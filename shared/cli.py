@@ -26,7 +26,7 @@ import os
 import re
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -94,11 +94,16 @@ class CommandFailed(Exception):
     """An operational failure whose message says everything the operator needs (exit 1)."""
 
 
-def parse_settings(settings_cls: type[S], argv: Sequence[str], prog: str) -> S:
+def parse_settings(
+    settings_cls: type[S], argv: Sequence[str], prog: str,
+    actions: Mapping[str, str] | None = None,
+) -> S:
     """Flags over ``TOKENQ_*`` over defaults; :class:`UsageError` naming each bad setting.
 
-    ``--help`` prints the settings with their defaults and exits (argparse's
-    SystemExit), as does a flag that does not exist (status 2).
+    ``--help`` prints the settings with their defaults, the ``actions`` (what
+    each value of the command's ACTION does) and every environment variable
+    the command reads, then exits (argparse's SystemExit), as does a flag
+    that does not exist (status 2).
     """
     from pydantic import ValidationError
     from pydantic_settings import CliApp, CliSettingsSource, SettingsError
@@ -108,7 +113,7 @@ def parse_settings(settings_cls: type[S], argv: Sequence[str], prog: str) -> S:
     try:
         source: CliSettingsSource[Any] = CliSettingsSource(
             settings_cls,  # type: ignore[arg-type]
-            root_parser=_root_parser(settings_cls, prog),
+            root_parser=_root_parser(settings_cls, prog, actions),
             add_argument_method=_argument_adder(settings_cls),
         )
         return CliApp.run(settings_cls, cli_args=list(argv), cli_settings_source=source)
@@ -120,27 +125,51 @@ def parse_settings(settings_cls: type[S], argv: Sequence[str], prog: str) -> S:
         raise UsageError(f"{prog}: {exc}") from None
 
 
-def _root_parser(settings_cls: Any, prog: str) -> argparse.ArgumentParser:
-    """The parser ``--help`` describes: the class's docstring, then how variables work."""
-    from tokenq.shared.settings import env_var, flag
-
-    spelt_apart = [
-        f"{flag(settings_cls, name)} is {env_var(name)}"
-        for name in settings_cls.model_fields
-        if flag(settings_cls, name) not in {"--" + name.replace("_", "-"), name.upper()}
-    ]
-    epilog = (
-        "Every flag is also an environment variable: --redis-url is TOKENQ_REDIS_URL"
-        + "".join(f", {pair}" for pair in spelt_apart)
-        + ". Flags win over the environment, the environment over the defaults."
-    )
+def _root_parser(
+    settings_cls: Any, prog: str, actions: Mapping[str, str] | None
+) -> argparse.ArgumentParser:
+    """The parser ``--help`` describes: the docstring, the actions, then the variables."""
+    description = inspect.cleandoc(settings_cls.__doc__ or "")
+    if actions:
+        width = max(len(name) for name in actions) + 4
+        description += "\n\nactions:\n" + "\n".join(
+            textwrap.fill(what, 79, initial_indent=f"  {name:<{width - 2}}",
+                          subsequent_indent=" " * width)
+            for name, what in actions.items())
     return argparse.ArgumentParser(
         prog=prog,
-        description=inspect.cleandoc(settings_cls.__doc__ or ""),
-        epilog="\n".join(textwrap.wrap(epilog, 79)),
+        description=description,
+        epilog=environment_help(settings_cls),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
+
+
+def environment_help(settings_cls: Any) -> str:
+    """The ``--help`` paragraph listing every ``TOKENQ_*`` variable the command reads.
+
+    Generated from the settings class (a positional argument has no
+    variable), so a new setting is listed without anyone writing it down;
+    a variable whose flag is spelt apart names its flag.
+    """
+    from tokenq.shared.settings import env_var, flag, is_positional
+
+    names = []
+    for name in settings_cls.model_fields:
+        if is_positional(settings_cls, name):
+            continue
+        spelt = flag(settings_cls, name)
+        apart = spelt != "--" + name.replace("_", "-")
+        names.append(f"{env_var(name)} ({spelt})" if apart else env_var(name))
+    head = ("environment: every option is also a variable (flags win over the environment, "
+            "the environment over the defaults; a switch takes true or false):")
+    lines = [""]
+    for at, name in enumerate(names):
+        word = name + ("," if at < len(names) - 1 else "")
+        if lines[-1] and len(lines[-1]) + 1 + len(word) > 77:  # a name is never cut in two
+            lines.append("")
+        lines[-1] += (" " if lines[-1] else "") + word
+    return "\n".join(textwrap.wrap(head, 79) + ["  " + line for line in lines])
 
 
 def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
@@ -164,6 +193,10 @@ def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
         kwargs["help"] = _help_text(info)
         if isinstance(kwargs.get("metavar"), str) and str(kwargs["metavar"]).startswith("list["):
             kwargs["metavar"] = name.upper()
+        choices = _literal_choices(info.annotation)
+        if not names[0].startswith("-") and choices:
+            # A positional's values are its actions: usage and help name them.
+            kwargs["metavar"] = "{" + ",".join(choices) + "}"
         if names[0].startswith("-"):
             names = (flag(settings_cls, name),)
         if kwargs.get("action") is argparse.BooleanOptionalAction:
@@ -183,6 +216,20 @@ def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
     return add_argument
 
 
+def _literal_choices(annotation: Any) -> list[str]:
+    """The values of a ``Literal[...]`` annotation (through ``Annotated``), else []."""
+    from typing import Literal, get_args, get_origin
+
+    while get_origin(annotation) is not None and get_origin(annotation) is not Literal:
+        args = get_args(annotation)
+        if not args:
+            return []
+        annotation = args[0]
+    if get_origin(annotation) is Literal:
+        return [str(value) for value in get_args(annotation)]
+    return []
+
+
 def _help_text(info: Any) -> str:
     """A field's description, then its default unless that is "unset" or "off"."""
     text = str(info.description or "")
@@ -196,16 +243,18 @@ def _help_text(info: Any) -> str:
 
 
 def run_command(
-    settings_cls: type[S], argv: Sequence[str], prog: str, body: object
+    settings_cls: type[S], argv: Sequence[str], prog: str, body: object,
+    actions: Mapping[str, str] | None = None,
 ) -> int:
     """Parse settings and run ``body(settings)``; every failure becomes one line and a status.
 
     Usage errors exit 2; a ``TokenqError``, ``redis.RedisError`` or ``OSError``
     that escapes ``body`` is printed as ``<prog>: <message>`` (naming the
-    password-masked Redis URL for Redis failures) and exits 1.
+    password-masked Redis URL for Redis failures) and exits 1. ``actions``
+    describes each value of the command's ACTION for ``--help``.
     """
     try:
-        settings = parse_settings(settings_cls, argv, prog)
+        settings = parse_settings(settings_cls, argv, prog, actions)
     except UsageError as exc:
         _print_usage_error(prog, exc)
         return EXIT_USAGE
@@ -223,7 +272,7 @@ def _guarded(prog: str, settings: object, call: object) -> int:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # stdout went away (``tokenq dlq list | head``): nothing left to tell anyone.
-        _silence_stdout()
+        silence_stdout()
         return EXIT_FAILED
     except Exception as exc:
         message = failure_message(exc, getattr(settings, "redis_url", None),
@@ -239,7 +288,9 @@ def _print_usage_error(prog: str, exc: UsageError) -> None:
     print(text if text.startswith(prog) else f"{prog}: {text}", file=sys.stderr)
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
+    """Point stdout at /dev/null: its reader went away (``tokenq dlq list | head``), and
+    the interpreter's last flush must not fail again."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -296,6 +347,18 @@ def is_wrong_type(exc: BaseException) -> bool:
     from redis import exceptions as redis
 
     return isinstance(exc, redis.ResponseError) and "WRONGTYPE" in str(exc)
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and the noun that agrees with it: "1 dead letter", "2 dead letters", "0 batches".
+
+    ``words`` is the plural when adding "s" (or "es" after s, x, ch, sh) is wrong.
+    """
+    if n == 1:
+        return f"{n} {word}"
+    if words is None:
+        words = word + ("es" if word.endswith(("s", "x", "ch", "sh")) else "s")
+    return f"{n} {words}"
 
 
 def one_line(text: str) -> str:

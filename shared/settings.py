@@ -432,7 +432,10 @@ class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
         None, description="append one JSON line per batch to this file (rows, tokens, cost)"
     )
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
-    log_json: bool = Field(False, description="log as JSON lines")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text lines, or one JSON object per line (for log shippers)"
+    )
+    log_json: bool = Field(False, description="the same as --log-format json")
     exit_when_idle_s: float | None = Field(
         None, gt=0, description="exit after the queue has been empty this long (batch jobs)"
     )
@@ -524,6 +527,11 @@ class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
         return self
 
     @property
+    def logs_json(self) -> bool:
+        """Whether the worker logs JSON lines (``--log-format json`` or ``--log-json``)."""
+        return self.log_format == "json" or self.log_json
+
+    @property
     def reply_to_prefix_list(self) -> tuple[str, ...]:
         """``--reply-to-prefixes`` split on commas, empty parts dropped."""
         return tuple(part.strip() for part in self.reply_to_prefixes.split(",") if part.strip())
@@ -556,7 +564,7 @@ class StatsSettings(_JsonOutput, _Survey):
     """One look at every queue under the prefix: length, pending, lag, workers, dead letters."""
 
 
-class TopSettings(_Survey):
+class TopSettings(_JsonOutput, _Survey):
     """tokenq stats refreshed live, with rates between refreshes; Ctrl-C quits."""
 
     interval_s: float = Field(1.0, gt=0, description="seconds between refreshes")

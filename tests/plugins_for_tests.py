@@ -135,3 +135,23 @@ def sim_classifier(settings: Any) -> SimClassifier:
     from tokenq.worker.backends.sim import build_sim_backend
 
     return SimClassifier(build_sim_backend(settings))
+
+
+LOAD_GATE_ENV = "TOKENQ_TESTS_LOAD_GATE"
+"""A path: :func:`sim_gated_load` does not finish loading until a file exists there."""
+
+
+def sim_gated_load(settings: Any) -> Any:
+    """``--backend tests.plugins_for_tests:sim_gated_load``: the sim backend, whose "model
+    load" lasts until the test creates the file ``TOKENQ_TESTS_LOAD_GATE`` names (at most
+    60 s), so a test can look at the worker while it is still loading, for as long as it needs."""
+    import time
+    from pathlib import Path
+
+    from tokenq.worker.backends.sim import build_sim_backend
+
+    gate = Path(os.environ[LOAD_GATE_ENV])
+    deadline = time.monotonic() + 60
+    while not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return build_sim_backend(settings)

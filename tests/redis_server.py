@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tokenq.worker.tooling.children import PR_SET_CHILD_SUBREAPER, prctl
@@ -165,3 +166,17 @@ def kill_tree(process: subprocess.Popen | int, timeout: float = 10.0) -> list[in
 def become_subreaper() -> bool:
     """Linux: orphaned descendants become this process's children instead of init's."""
     return prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+@contextlib.contextmanager
+def freezable_server(folder: Path) -> Iterator[RedisServer]:
+    """A private redis-server a test may SIGSTOP or kill; thawed and stopped whatever happens."""
+    own = RedisServer(folder)
+    own.start()
+    try:
+        yield own
+    finally:
+        if own.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(own.process.pid, signal.SIGCONT)
+            own.stop(kill=True)

@@ -32,14 +32,14 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, freezable_server
 from tests.test_producer_fakes import FakeWorker
 from tokenq.producer import (
     AsyncClient,
@@ -73,16 +73,8 @@ end
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[RedisServer]:
-    """A redis-server this test may freeze or kill; thawed and stopped whatever happens."""
-    own = RedisServer(tmp_path / "redis")
-    own.start()
-    try:
+    with freezable_server(tmp_path / "redis") as own:
         yield own
-    finally:
-        if own.process is not None:
-            with suppress(ProcessLookupError):
-                os.kill(own.process.pid, signal.SIGCONT)
-            own.stop(kill=True)
 
 
 @contextmanager

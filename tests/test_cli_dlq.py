@@ -5,19 +5,21 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import get_args
 
 import msgpack
 import numpy as np
 import pytest
 import redis
 
-from tests.cli_support import DIM, MAX_INPUT
+from tests.cli_support import DIM, MAX_INPUT, wait_for
 from tokenq.producer.ops import letters as dlq
+from tokenq.producer.ops.dlq import ACTIONS, spread_ids
 from tokenq.producer.ops.dlq import main as dlq_main
-from tokenq.producer.ops.dlq import spread_ids
 from tokenq.shared import keys
 from tokenq.shared.errors import QueueFull
 from tokenq.shared.keys import QueueRef
+from tokenq.shared.settings import DlqSettings
 from tokenq.worker.backends.sim import expected_vector
 
 pytest_plugins = ("tests.cli_fixtures",)
@@ -67,7 +69,7 @@ def test_retry_requeues_and_a_worker_answers_on_the_original_reply_key(
     retried = bury(r, q, "again-1", "please run me again")
     kept = bury(r, q, "stays", "not retried")
     code, out, _ = run(capsys, redis_url, queue_name, "retry", "--id", retried)
-    assert code == 0 and "retried 1 dead letters" in out
+    assert code == 0 and "retried 1 dead letter " in out
     [(_, fields)] = r.xrange(keys.requests(q))
     assert {k.decode() for k in fields} == {"v", "id", "text", "tokens", "reply_to"}
     assert [entry_id.decode() for entry_id, _ in r.xrange(keys.dead(q))] == [kept]
@@ -105,7 +107,7 @@ def test_retry_respects_the_queue_limit_and_reports_missing_ids(redis_url, queue
                        "--max-queue-length", "2")
     assert code == 0 and r.xlen(keys.requests(q)) == 1
     code, out, err = run(capsys, redis_url, queue_name, "retry", "--id", ids[0], ids[1])
-    assert code == 1 and ids[0] in err and "retried 1 dead letters" in out
+    assert code == 1 and ids[0] in err and "retried 1 dead letter " in out
     code, _, err = run(capsys, redis_url, queue_name, "retry", "--all", "--max-queue-length", "2")
     assert code == 1 and "holds 2 of at most 2" in err
 
@@ -114,9 +116,53 @@ def test_purge_by_id_and_all(redis_url, queue_name, r, capsys):
     q = QueueRef(queue_name)
     ids = [bury(r, q, f"r{i}", "t") for i in range(4)]
     code, out, _ = run(capsys, redis_url, queue_name, "purge", "--id", ids[0], ids[1])
-    assert code == 0 and "purged 2" in out and r.xlen(keys.dead(q)) == 2
+    assert code == 0 and "purged 2 dead letters" in out and r.xlen(keys.dead(q)) == 2
+    code, out, _ = run(capsys, redis_url, queue_name, "purge", "--id", ids[2])
+    assert code == 0 and out.startswith("purged 1 dead letter from")
     code, out, _ = run(capsys, redis_url, queue_name, "purge", "--all")
-    assert code == 0 and "purged 2" in out and not r.exists(keys.dead(q))
+    assert code == 0 and "purged 1 dead letter " in out and not r.exists(keys.dead(q))
+
+
+def test_list_shows_the_reason_as_text_in_the_table_and_in_json(
+    sim_worker, redis_url, queue_name, r, capsys
+):
+    """The reason a worker wrote, even one quoting a raw field as a bytes literal."""
+    q = QueueRef(queue_name)
+    sim_worker()
+    r.xadd(keys.requests(q), {"v": "9", "id": "future", "text": "hi"})  # as the worker writes it
+    wait_for(lambda: r.xlen(keys.dead(q)) == 1, what="the worker's dead letter")
+    odd = r.xadd(keys.dead(q), {"v": "1", "id": "odd", "text": "t", "dead_error_code": "x",
+                                "dead_error": b"caf\xc3\xa9 \xff broke"}).decode()
+    code, out, _ = run(capsys, redis_url, queue_name, "list")
+    assert code == 0
+    header, *rows = out.splitlines()[1:]
+    assert header.split()[:4] == ["entry", "request", "code", "reason"]
+    [future_row] = [row for row in rows if " future " in row]
+    assert "unsupported protocol version '9'; this worker speaks 1" in future_row
+    [odd_row] = [row for row in rows if row.startswith(odd)]
+    assert "café \ufffd broke" in odd_row
+    code, out, _ = run(capsys, redis_url, queue_name, "list", "--json")
+    by_id = {letter["request_id"]: letter for letter in map(json.loads, out.splitlines())}
+    assert by_id["future"]["error"] == "unsupported protocol version '9'; this worker speaks 1"
+    assert by_id["odd"]["error"] == "café \ufffd broke"
+    code, out, _ = run(capsys, redis_url, queue_name, "list", "--id", odd)
+    assert out.startswith(f"2 dead letters in {keys.dead(q)} (showing 1)")
+    run(capsys, redis_url, queue_name, "purge", "--id", odd)
+    code, out, _ = run(capsys, redis_url, queue_name, "list")
+    assert out.startswith(f"1 dead letter in {keys.dead(q)}\n")
+
+
+def test_help_lists_every_action_and_variable(capsys):
+    with pytest.raises(SystemExit):
+        dlq_main(["--help"])
+    text = capsys.readouterr().out
+    assert "{list,retry,purge}" in text.split("\n\n", 1)[0]  # in the usage line
+    actions = text.split("actions:\n", 1)[1].split("\n\n", 1)[0]
+    assert [line.split()[0] for line in actions.splitlines() if not line.startswith("    ")] == [
+        "list", "retry", "purge"]
+    assert list(ACTIONS) == list(get_args(DlqSettings.model_fields["action"].annotation))
+    for variable in ("TOKENQ_QUEUE", "TOKENQ_COUNT", "TOKENQ_AS_JSON (--json)", "TOKENQ_ALL"):
+        assert variable in text
 
 
 def test_retry_and_purge_need_a_target(redis_url, queue_name, capsys):
@@ -227,7 +273,7 @@ def test_truncated_letters_are_listed_as_such_and_never_retried(redis_url, queue
     assert r.xlen(keys.requests(q)) == 0
 
     code, out, err = run(capsys, redis_url, queue_name, "retry", "--all")
-    assert code == 1 and "retried 1 dead letters" in out
+    assert code == 1 and "retried 1 dead letter " in out
     assert f"skipped {cut}: truncated" in err and f"skipped {empty}:" in err
     assert "Traceback" not in err
     [(_, fields)] = r.xrange(keys.requests(q))

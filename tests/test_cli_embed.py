@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import array
+import contextlib
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -16,10 +19,14 @@ import pytest
 
 from tests.cli_support import DIM, MAX_INPUT, tokenq, wait_for
 from tests.test_acl import documented_rules
+from tokenq.producer import Result
 from tokenq.producer.ops.embed import _settled_counters
 from tokenq.producer.ops.embed import main as embed_main
+from tokenq.producer.ops.embed_io import Checkpoint, Row
+from tokenq.producer.ops.embed_pump import Tally, pump
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
+from tokenq.shared.settings import EmbedSettings
 from tokenq.worker.backends.sim import expected_vector
 
 pytest_plugins = ("tests.cli_fixtures",)
@@ -107,42 +114,124 @@ def test_failed_rows_are_nan_in_npy_with_an_errors_file(
     assert errors[0]["error"]["code"] == "bad_input"
 
 
-def test_interrupted_run_resumes_where_it_stopped(
-    sim_worker, redis_url, queue_name, tmp_path, worker_env
+def _saved(stderr: str) -> int:
+    """How many inputs a resumed run found done (finished chunks and saved rows)."""
+    match = re.search(r"resuming: (\d+) chunks? of (\d+) and (\d+) more inputs? already done",
+                      stderr)
+    if match is None:
+        return 0
+    return int(match[1]) * int(match[2]) + int(match[3])
+
+
+def test_interruptions_at_any_point_lose_nothing_and_double_nothing(
+    sim_worker, queue_name, tmp_path, worker_env
 ):
-    # A slow device so the run is still going when it is interrupted.
-    sim_worker("--sim-batch-ms", "40", "--max-batch-size", "8")
-    lines = texts(400, seed=2)
+    """Defaults: the file is smaller than one chunk, the case where a Ctrl-C saved nothing.
+
+    Interrupted before anything came back, twice after some did (SIGINT, then
+    SIGTERM), then run to the end: every line is in the output exactly once,
+    in order, and every interruption kept what had come back."""
+    # A slow device so each run is still going when it is interrupted.
+    worker = sim_worker("--sim-batch-ms", "30", "--max-batch-size", "8")
+    records = [{"id": f"doc-{i}", "text": text} for i, text in enumerate(texts(240, seed=2))]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(record) + "\n" for record in records))
+    out = tmp_path / "out.jsonl"
+    partial = tmp_path / "out.jsonl.partial"
+    args = ["embed", str(source), "--output", str(out), "--batch-size", "8",
+            "--max-in-flight", "32", "--no-progress"]
+    env = {**worker_env, "TOKENQ_QUEUE": queue_name}
+
+    def rows_run() -> int:
+        return sum(batch["rows"] for batch in worker.batches())
+
+    def interrupted(sig: signal.Signals, ready: object) -> str:
+        started = rows_run()
+        process = subprocess.Popen([sys.executable, "-m", "tokenq.shared.cli", *args],
+                                   env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            # ``ready`` sees how many rows the worker ran since this run started.
+            wait_for(lambda: partial.exists() and ready(rows_run() - started), timeout=30,
+                     what="the point to interrupt at")
+            process.send_signal(sig)
+            _, err = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+        assert process.returncode == 130, err
+        assert "run the same command again to resume" in err and "Traceback" not in err
+        assert not out.exists()
+        return err
+
+    interrupted(signal.SIGINT, lambda ran: True)  # as soon as it has started
+    saved = [_saved(interrupted(signal.SIGINT, lambda ran: ran >= 64))]
+    # The run above had at most 32 inputs out and 32 abandoned ahead of them: with 64
+    # rows run, some of its own results were back, and the interruption kept them.
+    saved.append(_saved(interrupted(signal.SIGTERM, lambda ran: ran >= 64)))
+    last = tokenq(*args, env=env, timeout=60)
+    assert last.returncode == 0, last.stderr
+    saved.append(_saved(last.stderr))
+    assert saved[1] > saved[0] and saved[2] > saved[1], saved
+    assert f"{saved[2]} from an earlier run" in last.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["index"] for row in rows] == list(range(len(records)))
+    assert [row["id"] for row in rows] == [record["id"] for record in records]
+    for row, record in zip(rows, records, strict=True):
+        np.testing.assert_allclose(row["embedding"], expected(record["text"]), atol=1e-6)
+    assert not partial.exists()
+
+
+def test_a_resume_sends_only_what_no_earlier_run_saved(
+    sim_worker, redis_url, queue_name, tmp_path, capsys
+):
+    """Chunks finished and rows saved of an unfinished chunk, in .npy: only the rest goes out."""
+    worker = sim_worker()
+    lines = texts(50, seed=3)
     source = tmp_path / "in.txt"
     source.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.npy"
-    args = [str(source), "--output", str(out), "--chunk-size", "40", "--batch-size", "8",
-            "--max-in-flight", "16", "--no-progress"]
-    env = {k: v for k, v in worker_env.items() if k != "TOKENQ_QUEUE"}
-    env.update(TOKENQ_QUEUE=queue_name)
-    first = subprocess.Popen([sys.executable, "-m", "tokenq.shared.cli", "embed", *args],
-                             env=env, stderr=subprocess.PIPE, text=True)
-    partial = tmp_path / "out.npy.partial"
-    wait_for(lambda: len(list(partial.glob("*.done"))) >= 2, timeout=30,
-             what="two finished chunks")
-    first.send_signal(signal.SIGINT)
-    _, first_err = first.communicate(timeout=20)
-    assert first.returncode == 130, first_err
-    assert "run the same command again to resume" in first_err
-    assert not out.exists()
-    done_before = len(list(partial.glob("*.done")))
-    assert 2 <= done_before < 10
+    args = [str(source), "--output", str(out), "--chunk-size", "20"]
+    code, err = embed(capsys, redis_url, queue_name, *args)
+    assert code == 0, err
+    whole = np.load(out)
+    ran = sum(batch["rows"] for batch in worker.batches())
+    # What an interrupted run leaves: chunk 0 finished, and rows 20-24 of chunk 1.
+    checkpoint = Checkpoint(out, {"version": 1, **Checkpoint.describe_input(str(source)),
+                                  "format": "text", "field": None, "chunk_size": 20,
+                                  "queue": queue_name, "prefix": "tokenq"})
+    checkpoint.open(restart=False)
+    checkpoint.set_dim(DIM)
+    checkpoint.write_chunk(0, [Row(i, None, vector=whole[i].tolist(), tokens=1) for i in range(20)])
+    checkpoint.write_partial(1, [Row(i, None, vector=whole[i].tolist(), tokens=1)
+                                 for i in range(20, 25)])
+    checkpoint.close()
+    out.unlink()
+    code, err = embed(capsys, redis_url, queue_name, *args)
+    assert code == 0, err
+    assert "resuming: 1 chunk of 20 and 5 more inputs already done" in err
+    assert "25 inputs this run, 25 from an earlier run" in err
+    assert sum(batch["rows"] for batch in worker.batches()) - ran == 25
+    np.testing.assert_array_equal(np.load(out), whole)
 
-    # Same command again: skips the finished chunks, finishes the rest.
-    second = tokenq("embed", *args, env=env, timeout=60)
-    assert second.returncode == 0, second.stderr
-    assert f"resuming: {done_before} chunks" in second.stderr
-    assert f"{done_before * 40} from an earlier run" in second.stderr
-    matrix = np.load(out)
-    assert matrix.shape == (400, DIM)
-    for i, text in enumerate(lines):
-        np.testing.assert_allclose(matrix[i], expected(text), atol=1e-6)
-    assert not partial.exists()
+
+def test_requests_carry_deadlines_so_workers_drop_abandoned_ones(
+    sim_worker, redis_url, queue_name, tmp_path, r, worker_env
+):
+    """Nobody waits for a reply after --timeout-s: no worker spends device time on it."""
+    q = QueueRef(queue_name)
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(texts(12, seed=4)) + "\n")
+    env = {**worker_env, "TOKENQ_QUEUE": queue_name}
+    gave_up = tokenq("embed", str(source), "--output", str(tmp_path / "o.jsonl"),
+                     "--timeout-s", "1", "--no-progress", env=env)
+    assert gave_up.returncode == 1 and "timeout 12" in gave_up.stderr, gave_up.stderr
+    entries = r.xrange(keys.requests(q))
+    assert len(entries) == 12
+    assert all(0 < int(fields[b"timeout_ms"]) <= 1000 for _, fields in entries)
+    worker = sim_worker()  # starts after every deadline passed
+    wait_for(lambda: r.xlen(keys.requests(q)) == 0, timeout=20, what="the stream to drain")
+    assert worker.batches() == []
 
 
 def test_resume_refuses_a_changed_run_until_restart(
@@ -242,3 +331,145 @@ def test_a_producer_acl_user_embeds_without_the_workers_summary(
         np.testing.assert_allclose(rows[1]["embedding"], expected("two"), atol=1e-6)
     finally:
         r.acl_deluser(rules[2])
+
+
+# ------------------------------------------------------------ what a new user hit
+
+
+def test_progress_goes_to_stderr(sim_worker, queue_name, tmp_path, worker_env):
+    sim_worker()
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(texts(10, seed=5)) + "\n")
+    done = tokenq("embed", str(source), "--output", str(tmp_path / "o.jsonl"),
+                  env={**worker_env, "TOKENQ_QUEUE": queue_name})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""
+    assert "embed" in done.stderr and "10/10" in done.stderr
+
+
+class _Gated:
+    """A client whose ``infer_many`` answers a group only once the test opens its gate."""
+
+    def __init__(self) -> None:
+        self.gates: dict[str, threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def gate(self, first_text: str) -> threading.Event:
+        with self.lock:
+            return self.gates.setdefault(first_text, threading.Event())
+
+    def infer_many(self, texts: list[str], **_: object) -> list[Result]:
+        assert self.gate(texts[0]).wait(30), "the test never opened this group's gate"
+        return [Result(text, array.array("f", [1.0, 0.0]), 2, None, 1) for text in texts]
+
+
+class _Seen:
+    """A progress bar that only counts."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def advance(self, n: int) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        pass
+
+
+def test_progress_moves_as_groups_finish_in_any_order(tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text("a\nb\nc\nd\n")
+    out = tmp_path / "out.jsonl"
+    settings = EmbedSettings(file=str(source), output=out, batch_size=2, max_in_flight=4)
+    checkpoint = Checkpoint(out, {"version": 1, "chunk_size": settings.chunk_size})
+    checkpoint.open(restart=False)
+    client, seen, failed = _Gated(), _Seen(), []
+
+    def run() -> None:
+        try:
+            pump(settings, client, checkpoint, set(), {}, "text",  # type: ignore[arg-type]
+                 Tally(), seen, contextlib.nullcontext)
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        client.gate("c").set()  # the second group is answered first
+        wait_for(lambda: seen.n == 2, timeout=10, what="progress for the second group")
+    finally:
+        client.gate("a").set()
+        thread.join(30)
+    assert not failed and seen.n == 4
+    checkpoint.assemble()
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_an_empty_input_is_a_matrix_of_the_queues_width(
+    sim_worker, redis_url, queue_name, tmp_path, capsys
+):
+    source = tmp_path / "empty.txt"
+    source.write_text("")
+    out = tmp_path / "out.npy"
+    code, err = embed(capsys, redis_url, queue_name, str(source), "--output", str(out))
+    assert code == 1 and not out.exists()
+    assert "no input gave a vector" in err and "no config hash" in err, err
+    sim_worker()  # publishes the queue's config, dim included
+    code, err = embed(capsys, redis_url, queue_name, str(source), "--output", str(out))
+    assert code == 0, err
+    assert np.load(out).shape == (0, DIM)
+
+
+def test_most_of_the_first_chunk_failing_alike_stops_before_sending_the_rest(
+    sim_worker, redis_url, queue_name, tmp_path, r, capsys
+):
+    worker = sim_worker()
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"body": text}) + "\n" for text in texts(50, seed=6)))
+    out = tmp_path / "out.npy"
+    code, err = embed(capsys, redis_url, queue_name, str(source), "--output", str(out),
+                      "--chunk-size", "10")  # the text is in "body": --field was forgotten
+    assert code == 1
+    assert ("stopped early: 10 of the 10 inputs on lines 1-10 failed the same way, e.g. line 1: "
+            "bad_input: no non-empty string field 'text'") in err, err
+    assert "--field" in err and "requests/s" not in err
+    assert r.xlen(keys.requests(QueueRef(queue_name))) == 0 and worker.batches() == []
+    assert not out.exists() and not (tmp_path / "out.npy.partial").exists()
+
+
+def test_a_first_chunk_the_workers_refuse_stops_the_run(sim_worker, queue_name, tmp_path,
+                                                        worker_env):
+    worker = sim_worker("--policy", "reject", "--sim-max-input-tokens", "64")
+    lines = ["word " * 200] * 8 + ["short"] * 42  # the first chunk: 8 of 10 too long
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(lines) + "\n")
+    done = tokenq("embed", str(source), "--output", str(tmp_path / "o.jsonl"), "--no-progress",
+                  "--chunk-size", "10", "--batch-size", "5", "--max-in-flight", "10",
+                  env={**worker_env, "TOKENQ_QUEUE": queue_name})
+    assert done.returncode == 1, done.stderr
+    assert "stopped early: 8 of the 10 inputs on lines 1-10 failed the same way" in done.stderr
+    assert "e.g. line 1: too_long" in done.stderr
+    assert sum(batch["rows"] for batch in worker.batches()) < 42  # the rest never all ran
+
+
+def test_throughput_counts_only_what_succeeded(sim_worker, redis_url, queue_name, tmp_path,
+                                               capsys):
+    sim_worker()
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"body": text}) + "\n" for text in texts(5, seed=7)))
+    code, err = embed(capsys, redis_url, queue_name, str(source), "--output",
+                      str(tmp_path / "o.jsonl"))  # no --field body: every line fails
+    assert code == 1
+    assert " 0.0 requests/s " in err and "(0 inputs embedded)" in err, err
+    assert "FAILED: 5 inputs in total (bad_input 5)" in err
+    assert "e.g. line 1: bad_input: no non-empty string field 'text'" in err
+
+
+def test_a_result_prints_short():
+    vector = Result("r1", array.array("f", [0.5, -0.25, 0.125] * 128), 384, None, 7)
+    assert repr(vector) == (
+        "Result(id='r1', dim=384, embedding=[0.5, -0.25, 0.125, … 384 values], tokens=7)")
+    labelled = Result("r2", None, None, (0.9, 0.1), 5, ("pos", "neg"))
+    assert repr(labelled) == "Result(id='r2', scores={'pos': 0.9, 'neg': 0.1}, tokens=5)"
+    many = Result("r3", None, None, tuple(float(i) for i in range(10)), None)
+    assert repr(many) == "Result(id='r3', scores=[0, 1, 2, … 10 values], tokens=None)"

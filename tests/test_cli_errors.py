@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import re
 import socket
 import subprocess
 import sys
@@ -37,6 +38,16 @@ from tokenq.shared.cli import (
 )
 from tokenq.shared.errors import BrokerUnavailable, QueueFull
 from tokenq.shared.keys import QueueRef
+from tokenq.shared.settings import (
+    DlqSettings,
+    EmbedSettings,
+    StatsSettings,
+    TopSettings,
+    UpSettings,
+    WorkerSettings,
+    env_var,
+    is_positional,
+)
 
 SECRET = "s3cret-Pw"
 
@@ -291,10 +302,38 @@ def test_help_of_every_subcommand_is_clean(name, capsys):
     assert [word for word in LEFTOVERS if word in text] == []
     if name == "worker":
         assert "--backend hf (Hugging Face transformers):" in text and "--no-log-json" not in text
-    if name in ("stats", "dlq"):
-        assert "--json " in text and "--json is TOKENQ_AS_JSON" in text
+    if name in ("stats", "dlq", "top"):
+        assert "--json " in text and "TOKENQ_AS_JSON (--json)" in text
     if name == "embed":
         assert "--no-progress" in text and "--format {auto,text,jsonl}" in text
+
+
+SETTINGS_OF = {
+    "worker": WorkerSettings, "up": UpSettings, "embed": EmbedSettings, "stats": StatsSettings,
+    "top": TopSettings, "dlq": DlqSettings,
+}
+
+
+@pytest.mark.parametrize("name", list(SUBCOMMAND_MAINS))
+def test_help_lists_every_variable_the_subcommand_reads(name, capsys, monkeypatch):
+    settings_cls = SETTINGS_OF[name]
+    with pytest.raises(SystemExit):
+        _main(name)(["--help"])
+    text = capsys.readouterr().out
+    listed = re.findall(r"TOKENQ_[A-Z0-9_]+", text.split("environment:", 1)[1])
+    expected = [env_var(field) for field in settings_cls.model_fields
+                if not is_positional(settings_cls, field)]
+    assert listed == expected
+    # And each is read: a bad value in any numeric one is refused, naming the variable.
+    numeric = [field for field, info in settings_cls.model_fields.items()
+               if info.annotation in (int, float)]
+    for field in numeric:
+        monkeypatch.setenv(env_var(field), "not-a-number")
+    if numeric:
+        assert _main(name)(["list"] if name == "dlq" else ["f", "--output", "o.jsonl"]
+                           if name == "embed" else []) == 2
+        err = capsys.readouterr().err
+        assert all(env_var(field) in err for field in numeric), err
 
 
 def test_a_flag_that_does_not_exist_is_a_usage_error(capsys):

@@ -152,7 +152,7 @@ def test_up_starts_redis_and_workers_prints_the_url_and_stops_on_ctrl_c(
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
     assert any(data.iterdir()), "the AOF lives in --data-dir"
     stderr = log.read_text()
-    assert "signal SIGINT: stopping" in stderr and "stopped:" in stderr
+    assert "signal SIGINT: stopping" in stderr and " stopped after " in stderr
 
 
 def test_up_with_an_existing_redis_starts_only_workers(redis_url, queue_name, r, spawn):
@@ -189,7 +189,7 @@ def test_up_children_die_with_it_on_kill_9(tmp_path: Path, spawn: Spawn):
 def test_up_restarts_a_killed_worker_and_a_killed_redis(tmp_path: Path, spawn: Spawn):
     log = tmp_path / "up.log"
     process, url = start_up(spawn, log, "--queue", "demo", workers=1)
-    assert read_line(process, 30).startswith("tokenq up: 1 workers ready")
+    assert read_line(process, 30).startswith("tokenq up: 1 worker ready")
     client = redis.Redis.from_url(url, socket_timeout=2)
     q = QueueRef("demo")
     (name,) = [n.decode() for n in client.hkeys(keys.workers(q))]

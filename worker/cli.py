@@ -23,9 +23,10 @@ from collections.abc import Sequence
 from tokenq.shared.cli import UsageError, parse_settings
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker import logs, metrics
+from tokenq.worker import endpoint, logs, metrics
 from tokenq.worker.backends.plugins import load_backend
-from tokenq.worker.loop import Worker, WorkerHung
+from tokenq.worker.health import Health
+from tokenq.worker.loop import Worker, WorkerHung, watchdog_period_s
 from tokenq.worker.tooling.children import EXIT_FATAL, EXIT_HUNG, EXIT_OK, EXIT_USAGE
 from tokenq.worker.tooling.supervise import run_per_device
 
@@ -35,12 +36,34 @@ PROG = "tokenq worker"
 
 
 async def serve(settings: WorkerSettings) -> None:
+    """Open the endpoint, load the backend, run the worker until a signal.
+
+    The endpoint comes first, so probes answer (``/readyz``: ``model
+    loading``) while a model of gigabytes loads; it closes last.
+    """
+    health = Health(settings.heartbeat_s, watchdog_period_s(settings))
+    worker_metrics = metrics.create(settings)
+    served = endpoint.serve(settings.metrics_host, settings.metrics_port, health,
+                            worker_metrics.wsgi_app())
+    try:
+        await _load_and_run(settings, health, worker_metrics)
+    finally:
+        if served is not None:
+            served.close()
+
+
+async def _load_and_run(
+    settings: WorkerSettings, health: Health, worker_metrics: metrics.NullMetrics
+) -> None:
     # Like uvicorn: a plugin named as module:factory may live in the working directory.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     backend = await asyncio.to_thread(load_backend, settings)
-    worker = Worker(settings, backend)  # checks the settings before a port is opened
-    worker_metrics = worker.metrics = metrics.create(settings)
+    try:
+        worker = Worker(settings, backend, metrics=worker_metrics, health=health)
+    except BaseException:
+        backend.close()
+        raise
     info = backend.info
     worker_metrics.describe(
         consumer=worker.consumer, model=info.model, backend=info.name, device=info.device
@@ -59,7 +82,6 @@ async def serve(settings: WorkerSettings) -> None:
         os._exit(EXIT_HUNG)
     finally:
         backend.close()
-        worker_metrics.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
-    logs.configure(settings.log_level, json_lines=settings.log_json)
+    logs.configure(settings.log_level, json_lines=settings.logs_json)
     if settings.devices is not None:
         return run_per_device(settings, args)
     try:

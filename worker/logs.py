@@ -1,17 +1,28 @@
-"""Logging set-up for the worker process: plain text, or JSON lines for log shippers."""
+"""Logging set-up for the worker process: plain text, or JSON lines for log shippers.
+
+A record may carry structured fields (``log.info(line, extra={"fields":
+{...}})``, as the exit line does): plain text shows only the line, JSON
+adds each field to the object beside ``message``, so a log shipper can
+index them without parsing the sentence. A field never replaces one of the
+four every object has (``time``, ``level``, ``logger``, ``message``).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
+from typing import Any
+
+FIELDS = "fields"
+"""The ``extra`` key whose dict :class:`JsonFormatter` spreads into the object."""
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: time, level, logger, message (and exception)."""
+    """One JSON object per record: time, level, logger, message (and exception, fields)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        body = {
+        body: dict[str, Any] = {
             "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
             "level": record.levelname,
             "logger": record.name,
@@ -19,7 +30,11 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             body["exception"] = self.formatException(record.exc_info)
-        return json.dumps(body, ensure_ascii=False)
+        fields = getattr(record, FIELDS, None)
+        if isinstance(fields, dict):
+            for name, value in fields.items():
+                body.setdefault(str(name), value)
+        return json.dumps(body, ensure_ascii=False, default=str)
 
 
 def configure(level: str, *, json_lines: bool) -> None:

@@ -25,6 +25,10 @@ Four small tasks joined by bounded hand-offs (TEI's shape):
   :class:`WorkerHung` (the command exits 3 and its supervisor restarts it;
   peers claim and answer its entries).
 
+The beat, the watchdog, the join and the stop report to
+:class:`~tokenq.worker.health.Health`, which the ``/livez`` and ``/readyz``
+probes read (``worker/endpoint.py``).
+
 Reading and tokenizing the next batch and publishing the last one overlap
 with the device's work.
 
@@ -57,10 +61,12 @@ from tokenq.shared.errors import ErrorCode, TokenqError
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
 from tokenq.shared.settings import WorkerSettings
-from tokenq.worker import presence
+from tokenq.worker import depth, presence
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.clock import RedisClock
 from tokenq.worker.connection import connect
+from tokenq.worker.health import Health
+from tokenq.worker.logs import FIELDS
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.execute import adapt_budget
 from tokenq.worker.pipeline.feed import DeviceFeed, monotonic_ms, wait_event
@@ -83,7 +89,7 @@ from tokenq.worker.pipeline.tokenizing import pool_for
 from tokenq.worker.publish import Publisher
 from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.server_check import check_server
-from tokenq.worker.stats import BatchLog, BatchRecord, WorkerStats
+from tokenq.worker.stats import BatchLog, BatchRecord, WorkerStats, exit_line
 
 log = logging.getLogger("tokenq.worker")
 
@@ -103,6 +109,11 @@ class WorkerHung(TokenqError):
     The thread running it cannot be stopped from Python, so the command that
     catches this exits the process (``os._exit``) with code 3.
     """
+
+
+def watchdog_period_s(settings: WorkerSettings) -> float:
+    """How often the watchdog looks at the device (and ticks the event loop's liveness)."""
+    return min(1.0, settings.batch_timeout_s / 4)
 
 
 def default_consumer_name() -> str:
@@ -143,9 +154,13 @@ class Worker:
         *,
         client: aioredis.Redis | None = None,
         metrics: NullMetrics | None = None,
+        health: Health | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics if metrics is not None else NullMetrics()
+        self.health = health if health is not None else Health(
+            settings.heartbeat_s, watchdog_period_s(settings)
+        )
         self.backend = backend
         self.queue = settings.queue_ref
         self.stream = keys.requests(self.queue)
@@ -210,6 +225,8 @@ class Worker:
         self._stop_started: float | None = None
         self._publishing = False
         self._last_reclaim = 0.0
+        self._depth_failed = False
+        self.health.loaded()  # the backend is built and the plan holds: the model is in
 
     @property
     def client(self) -> aioredis.Redis:
@@ -222,6 +239,7 @@ class Worker:
         if not self._stopping.is_set():
             log.info("stopping: finishing %d buffered requests", len(self.packer))
             self._stop_started = time.monotonic()
+        self.health.stopping = True
         self._stopping.set()
         self._feed.wake()
         self._space.set()
@@ -249,6 +267,7 @@ class Worker:
                 await self._client.aclose()
             return
         self._log_start()
+        self.health.running(time.monotonic())
         beat = asyncio.create_task(self._beat_loop(), name="tokenq-beat")
         tasks = [
             asyncio.create_task(self._read_loop(), name="tokenq-read"),
@@ -262,6 +281,7 @@ class Worker:
             # redis-py can swallow a cancel that lands inside a command, so
             # the loops also watch _closing, and the wait for them is bounded.
             self._closing.set()
+            self.health.closed()  # no more ticks: the probes stop expecting them
             for task in (*tasks, watchdog, beat):
                 task.cancel()
             await asyncio.wait({beat, watchdog, *tasks}, timeout=_STOP_GRACE_S)
@@ -275,7 +295,8 @@ class Worker:
             self._close_tokenizer_pool()
             if self._own_client and self._client is not None:
                 await self._client.aclose()
-            log.info("stopped: %s", self.stats.snapshot())
+            fields = self.stats.exit_fields(self.consumer, time.time())
+            log.info(exit_line(fields), extra={FIELDS: fields})
 
     def _close_tokenizer_pool(self) -> None:
         if self._tokenizer_pool is not None:
@@ -294,8 +315,10 @@ class Worker:
                 await check_server(self.client)
                 await self._clock.sync(self.client)
                 await presence.write_config(self.client, self.queue, self._config_fields())
+                self.health.redis_answered()
                 return True
             except RedisError as exc:
+                self.health.redis_answered(exc)
                 log.warning("Redis not reachable at start (%s); retrying in %.1fs", exc, delay)
                 await wait_event(self._stopping, delay)
                 delay = min(delay * 2, 5.0)
@@ -459,11 +482,13 @@ class Worker:
     async def _on_read_error(self, exc: RedisError, backoff: float) -> None:
         if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
             log.warning("consumer group missing (Redis restarted empty?); recreating it")
+            self.health.joined = False
             try:
                 await self._ensure_group()
                 # An empty Redis lost the config hash too; producers need it back
                 # for their early checks and exact estimates.
                 await presence.write_config(self.client, self.queue, self._config_fields())
+                self.health.joined = True
                 return
             except RedisError:
                 pass
@@ -577,7 +602,10 @@ class Worker:
             Admit(entry_id, request, wire.deadline_of(request, entry_id), read_ms)
             for entry_id, request in requests
         ]
-        return self.pipeline.admit(items, now_epoch_ms)
+        started = time.perf_counter()
+        admitted = self.pipeline.admit(items, now_epoch_ms)
+        self.metrics.tokenized(time.perf_counter() - started)
+        return admitted
 
     def _learn(
         self,
@@ -640,9 +668,12 @@ class Worker:
         answers = [answer_of(self.pipeline, done) for done in ran.outcome.answered]
         record = _batch_record(self.consumer, batch, ran.packed_under, ran.outcome)
         self.stats.record(record)
-        self.metrics.batch(record, (job.ref for job in batch.payloads),
-                           started_epoch_ms=ran.started_epoch_ms,
-                           budget=self.packer.budget.max_batch_tokens)
+        if self.metrics.enabled:
+            self.metrics.batch(
+                record, (job.ref for job in batch.payloads),
+                input_tokens=[done.tokens for done in ran.outcome.answered if done.tokens],
+                started_epoch_ms=ran.started_epoch_ms, budget=self.packer.budget.max_batch_tokens,
+            )
         self._batch_log.write(record)
         if answers:
             await self._emit(answers)
@@ -672,7 +703,7 @@ class Worker:
                 await self._publisher.publish(answers, give_up=self._past_grace)
             finally:
                 self._publishing = False
-            self.metrics.answered(answers)
+            self.metrics.answered(answers, now_epoch_ms=self._clock.now_ms())
 
     def _past_grace(self) -> bool:
         """A stopping (or hung) worker gives up on an unreachable Redis after a grace."""
@@ -690,15 +721,21 @@ class Worker:
         beat loop checks ``_hung``), publishes what is already done within a
         grace period, and deletes its liveness key so that peers may claim its
         entries as soon as they have been idle three heartbeats, instead of
-        waiting for the key to expire too.
+        waiting for the key to expire too. ``/livez`` fails from then on; each
+        turn of this loop is also a tick of the event loop's liveness.
         """
         limit = self.settings.batch_timeout_s
         while True:
-            await asyncio.sleep(min(1.0, limit / 4))
+            await asyncio.sleep(watchdog_period_s(self.settings))
+            self.health.tick(time.monotonic())
             started = self._batch_started
             if started is None or time.monotonic() - started < limit:
                 continue
             self._hung = True
+            self.health.device_hung(
+                f"a batch of {len(self._feed.running())} requests on the device for more than "
+                f"batch_timeout_s ({limit:g}s)"
+            )
             log.critical(
                 "a batch of %d requests has been on the device for %.0fs (batch_timeout_s "
                 "%.0f): the device is hung; stopping to read and to keep claims, so that "
@@ -737,17 +774,36 @@ class Worker:
     async def _beat_loop(self) -> None:
         ttl_ms = int(self.settings.heartbeat_s * 3000)
         while not (self._hung or self._closing.is_set()):
+            self.health.beat_started(time.monotonic())
             try:
                 await presence.beat(self.client, self.queue, self.consumer, self.status(), ttl_ms)
                 await self._keep_claims_fresh()
                 await self._clock.sync(self.client)
+                self.health.beat_finished()
             except RedisError as exc:
+                self.health.beat_finished(exc)
                 log.warning("heartbeat failed: %s", exc)
             except Exception:
                 # A heartbeat that stops lets other workers take this one's work;
                 # whatever went wrong, log it and keep beating.
+                self.health.beat_finished()
                 log.exception("heartbeat failed unexpectedly")
+            if self.metrics.enabled and self.health.redis_error is None:
+                await self._measure_depth()  # not after a failed beat: Redis is away
             await wait_event(self._closing, self.settings.heartbeat_s)
+
+    async def _measure_depth(self) -> None:
+        """Refresh the queue-depth gauges; a failure (an ACL without XLEN) is logged once."""
+        try:
+            found = await depth.measure(self.client, self.stream)
+        except RedisError as exc:
+            if not self._depth_failed:
+                log.warning("queue depth metrics unavailable (%s); needs XLEN and "
+                            "XINFO GROUPS on %s", exc, self.stream)
+            self._depth_failed = True
+            return
+        self._depth_failed = False
+        self.metrics.queue_depth(found.length, found.pending, found.lag)
 
     async def _keep_claims_fresh(self) -> None:
         """Reset the idle time of entries this worker holds, so nobody claims them.

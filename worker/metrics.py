@@ -2,13 +2,18 @@
 
 Each :class:`Metrics` owns its own ``CollectorRegistry``, so two workers in
 one process (tests, an embedding app) never collide on metric names, and
-the HTTP endpoint serves exactly that worker's numbers. The loop calls the
-hooks right beside the code they measure (TEI's habit); with metrics off it
-holds a :class:`NullMetrics` whose hooks do nothing and which never imports
-``prometheus_client``.
+the endpoint (:mod:`tokenq.worker.endpoint`) serves exactly that worker's
+numbers plus the process's own (``process_*``, ``python_*``). The loop calls
+the hooks right beside the code they measure (TEI's habit); with metrics
+off it holds a :class:`NullMetrics` whose hooks do nothing and which never
+imports ``prometheus_client``.
 
-Every name starts with ``tokenq_`` and carries a ``queue`` label; the list,
-with units and how to read them, is docs/METRICS.md.
+Hot-path cost: each hook is called once per read, batch, publish or
+heartbeat, never per request; what is observed per request goes into a
+:class:`~tokenq.worker.histograms.BatchHistogram` in one call.
+
+Every tokenq name starts with ``tokenq_`` and carries a ``queue`` label; the
+list, with units, TEI's equivalents and how to read them, is docs/METRICS.md.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tokenq.shared.errors import ConfigError
+from tokenq.shared import wire
 
 if TYPE_CHECKING:
     from tokenq.shared.settings import WorkerSettings
+    from tokenq.worker.endpoint import WsgiApp
     from tokenq.worker.pipeline.jobs import Answer
     from tokenq.worker.stats import BatchRecord
 
@@ -28,6 +34,7 @@ log = logging.getLogger("tokenq.worker")
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKEN_BUCKETS = tuple(float(1 << k) for k in range(6, 19))  # 64 .. 262144
+INPUT_BUCKETS = tuple(float(1 << k) for k in range(2, 16))  # 4 .. 32768
 EFFICIENCY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -43,14 +50,18 @@ class NullMetrics:
     def describe(self, **info: str) -> None:
         """Static facts about the worker (model, backend, device, consumer)."""
 
+    def tokenized(self, seconds: float) -> None:
+        """One read was tokenized (the admission call, in its thread) in ``seconds``."""
+
     def batch(
         self, record: BatchRecord, entry_ids: Iterable[bytes], *,
-        started_epoch_ms: int, budget: int,
+        input_tokens: Sequence[int], started_epoch_ms: int, budget: int,
     ) -> None:
-        """One batch ran: its size, tokens, padding, queue wait and device time."""
+        """One batch ran: its size, tokens, padding, queue wait and device time, and
+        the tokens of each request it finished (``input_tokens``)."""
 
-    def answered(self, answers: Sequence[Answer]) -> None:
-        """Replies published, counted by outcome (``ok`` or the error code)."""
+    def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int) -> None:
+        """Replies published, counted by outcome, and each one's time since enqueue."""
 
     def reclaimed(self, n: int) -> None:
         """``n`` entries taken over from dead or stuck consumers."""
@@ -61,11 +72,12 @@ class NullMetrics:
     def budget(self, tokens: int) -> None:
         """The batch budget now in force (it drops after an OOM and climbs back)."""
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        """Start the HTTP endpoint (no-op here)."""
+    def queue_depth(self, length: int, pending: int, lag: int) -> None:
+        """The queue as Redis sees it (refreshed every heartbeat): what autoscalers read."""
 
-    def close(self) -> None:
-        """Stop the HTTP endpoint."""
+    def wsgi_app(self) -> WsgiApp | None:
+        """The ``/metrics`` application (None: no metrics to serve)."""
+        return None
 
 
 class Metrics(NullMetrics):
@@ -74,116 +86,160 @@ class Metrics(NullMetrics):
     enabled = True
 
     def __init__(self, queue: str, registry: Any = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        import prometheus_client
+        from prometheus_client import (
+            CollectorRegistry,
+            Counter,
+            Gauge,
+            GCCollector,
+            Histogram,
+            PlatformCollector,
+            ProcessCollector,
+        )
 
-        self.registry = registry if registry is not None else CollectorRegistry()
+        from tokenq.worker.histograms import BatchHistogram
+
+        # Process-wide and read at each scrape (the environment variable is
+        # read once at import, which an embedding app may already have done).
+        # prometheus-client < 0.20 has no switch and keeps the series.
+        disable = getattr(prometheus_client, "disable_created_metrics", None)
+        if disable is not None:
+            disable()
+        own = registry is None
+        self.registry = CollectorRegistry() if own else registry
         self.queue = queue
-        self._server: Any = None
-        self._thread: Any = None
+        if own:  # the default registry has these already
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
             return Counter(name, doc, ("queue", *labels), registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            return Histogram(name, doc, ("queue",), buckets=buckets, registry=self.registry)
+            return Histogram(name, doc, ("queue",), buckets=buckets,
+                             registry=self.registry).labels(queue)
+
+        def per_request(name: str, doc: str, buckets: Sequence[float]) -> BatchHistogram:
+            return BatchHistogram(name, doc, buckets, {"queue": queue}, self.registry)
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, ("queue",), registry=self.registry)
+            return Gauge(name, doc, ("queue",), registry=self.registry).labels(queue)
 
         self._requests = counter(
             "tokenq_requests", "Requests answered, by outcome (ok or error code)", ("outcome",)
         )
-        self._batches = counter("tokenq_batches", "Batches run on the device")
-        self._tokens = counter("tokenq_tokens", "Real (unpadded) tokens run")
-        self._padded = counter("tokenq_padded_tokens", "Tokens run including padding")
-        self._oom_splits = counter("tokenq_oom_splits", "Batches split after out-of-memory")
-        self._reclaimed = counter("tokenq_reclaimed", "Entries claimed from other consumers")
-        self._dead = counter("tokenq_dead_lettered", "Requests moved to the dead stream")
+        self._batches = counter("tokenq_batches", "Batches run on the device").labels(queue)
+        self._tokens = counter("tokenq_tokens", "Real (unpadded) tokens run").labels(queue)
+        self._padded = counter(
+            "tokenq_padded_tokens", "Tokens run including padding").labels(queue)
+        self._oom_splits = counter(
+            "tokenq_oom_splits", "Batches split after out-of-memory").labels(queue)
+        self._reclaimed = counter(
+            "tokenq_reclaimed", "Entries claimed from other consumers").labels(queue)
+        self._dead = counter("tokenq_dead_lettered", "Requests moved to the dead stream"
+                             ).labels(queue)
         self._rows = histogram("tokenq_batch_rows", "Rows (sequences) per batch", ROW_BUCKETS)
         self._batch_tokens = histogram(
             "tokenq_batch_tokens", "Real tokens per batch", TOKEN_BUCKETS
         )
         self._efficiency = histogram(
-            "tokenq_batch_padding_efficiency", "Real / padded tokens per batch",
+            "tokenq_batch_padding_efficiency_ratio", "Real / padded tokens per batch",
             EFFICIENCY_BUCKETS,
-        )
-        self._wait = histogram(
-            "tokenq_queue_wait_seconds",
-            "From enqueue (the stream entry id's time) to the start of its batch", WAIT_BUCKETS,
         )
         self._infer = histogram(
             "tokenq_inference_seconds", "Time one batch spent in the backend", INFER_BUCKETS
         )
+        self._tokenize = histogram(
+            "tokenq_tokenization_seconds",
+            "Time to admit one read: decode-checks and exact tokenization of its requests",
+            INFER_BUCKETS,
+        )
+        self._wait = per_request(
+            "tokenq_queue_wait_seconds",
+            "From enqueue (the stream entry id's time) to the start of its batch", WAIT_BUCKETS,
+        )
+        self._duration = per_request(
+            "tokenq_request_duration_seconds",
+            "From enqueue (the stream entry id's time) to its reply's publish", WAIT_BUCKETS,
+        )
+        self._input = per_request(
+            "tokenq_request_input_tokens", "Tokens of each request run (after truncation)",
+            INPUT_BUCKETS,
+        )
         self._budget = gauge("tokenq_batch_budget_tokens", "Token budget now in force")
+        self._length = gauge(
+            "tokenq_queue_length", "Entries in the request stream (XLEN): waiting or held")
+        self._pending = gauge(
+            "tokenq_queue_pending", "Entries delivered to some worker and not yet answered")
+        self._lag = gauge(
+            "tokenq_queue_lag", "Entries no worker has read yet (the group's lag)")
         self._info = Gauge(
             "tokenq_worker_info", "Static facts about the worker (value is always 1)",
             ("queue", "consumer", "model", "backend", "device"), registry=self.registry,
         )
-        for outcome in ("ok",):  # present from the start, so rate() works at once
-            self._requests.labels(queue, outcome)
-        for metric in (self._batches, self._tokens, self._padded, self._oom_splits,
-                       self._reclaimed, self._dead):
-            metric.labels(queue)
+        self._requests.labels(queue, "ok")  # present from the start, so rate() works at once
 
     def describe(self, **info: str) -> None:
         labels = {name: str(info.get(name, "")) for name in
                   ("consumer", "model", "backend", "device")}
         self._info.labels(queue=self.queue, **labels).set(1)
 
+    def tokenized(self, seconds: float) -> None:
+        self._tokenize.observe(seconds)
+
     def batch(
         self, record: BatchRecord, entry_ids: Iterable[bytes], *,
-        started_epoch_ms: int, budget: int,
+        input_tokens: Sequence[int], started_epoch_ms: int, budget: int,
     ) -> None:
-        q = self.queue
-        self._batches.labels(q).inc()
-        self._tokens.labels(q).inc(record.tokens)
-        self._padded.labels(q).inc(record.padded_tokens)
+        self._batches.inc()
+        self._tokens.inc(record.tokens)
+        self._padded.inc(record.padded_tokens)
         if record.oom_splits:
-            self._oom_splits.labels(q).inc(record.oom_splits)
-        self._rows.labels(q).observe(record.rows)
-        self._batch_tokens.labels(q).observe(record.tokens)
+            self._oom_splits.inc(record.oom_splits)
+        self._rows.observe(record.rows)
+        self._batch_tokens.observe(record.tokens)
         if record.padded_tokens:
-            self._efficiency.labels(q).observe(record.tokens / record.padded_tokens)
-        self._infer.labels(q).observe(record.device_ms / 1000.0)
-        self._budget.labels(q).set(budget)
-        wait = self._wait.labels(q)
-        for entry_id in entry_ids:
-            enqueued_ms = _entry_ms(entry_id)
-            if enqueued_ms is not None:  # clip: worker and Redis clocks may disagree a little
-                wait.observe(max(0.0, started_epoch_ms - enqueued_ms) / 1000.0)
+            self._efficiency.observe(record.tokens / record.padded_tokens)
+        self._infer.observe(record.device_ms / 1000.0)
+        self._budget.set(budget)
+        self._wait.observe_many(_ages_s(entry_ids, started_epoch_ms))
+        if input_tokens:
+            self._input.observe_many(input_tokens)
 
-    def answered(self, answers: Sequence[Answer]) -> None:
+    def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int) -> None:
         counts: dict[str, int] = {}
+        replied = []
         for answer in answers:
             outcome = answer.outcome
             if outcome is None:
                 continue  # entry deleted while pending: acked, nobody to answer
             counts[outcome] = counts.get(outcome, 0) + 1
+            replied.append(answer.entry_id)
         for outcome, n in counts.items():
             self._requests.labels(self.queue, outcome).inc(n)
+        self._duration.observe_many(_ages_s(replied, now_epoch_ms))
 
     def reclaimed(self, n: int) -> None:
         if n:
-            self._reclaimed.labels(self.queue).inc(n)
+            self._reclaimed.inc(n)
 
     def dead_lettered(self, n: int) -> None:
         if n:
-            self._dead.labels(self.queue).inc(n)
+            self._dead.inc(n)
 
     def budget(self, tokens: int) -> None:
-        self._budget.labels(self.queue).set(tokens)
+        self._budget.set(tokens)
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> None:
-        from prometheus_client import start_http_server
+    def queue_depth(self, length: int, pending: int, lag: int) -> None:
+        self._length.set(length)
+        self._pending.set(pending)
+        self._lag.set(lag)
 
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        log.info("metrics on http://%s:%d/metrics", host, port)
+    def wsgi_app(self) -> WsgiApp:
+        from prometheus_client import make_wsgi_app
 
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        return make_wsgi_app(self.registry)  # type: ignore[no-any-return]
 
     def text(self) -> str:
         """The exposition text, as a scrape would see it (tests, debugging)."""
@@ -193,25 +249,27 @@ class Metrics(NullMetrics):
 
 
 def create(settings: WorkerSettings) -> NullMetrics:
-    """Metrics for a worker process: real and served when ``metrics_port`` is set."""
+    """Metrics for a worker process: real when ``metrics_port`` is set (and the library is in)."""
     if not settings.metrics_port:
         return NullMetrics()
     try:
-        metrics = Metrics(settings.queue)
+        return Metrics(settings.queue)
     except ImportError:
         log.warning("--metrics-port needs prometheus-client (pip install 'tokenq[worker]'); "
-                    "metrics are off")
+                    "/metrics is off, /livez and /readyz still answer")
         return NullMetrics()
-    try:
-        metrics.serve(settings.metrics_port, settings.metrics_host)
-    except OSError as exc:  # port taken, address not local: say which, exit 2
-        raise ConfigError(
-            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {exc}"
-        ) from exc
-    return metrics
 
 
-def _entry_ms(entry_id: bytes | str) -> int | None:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    head = text.split("-", 1)[0]
-    return int(head) if head.isdigit() else None
+def _ages_s(entry_ids: Iterable[bytes], now_epoch_ms: int) -> list[float]:
+    """Seconds from each entry's enqueue (its stream id, on Redis's clock) to ``now``.
+
+    ``now`` is the worker's estimate of Redis's clock (:class:`~tokenq.worker.
+    clock.RedisClock`), good to about one round trip; a difference that comes
+    out negative is clipped to 0. Ids that are not ``<ms>-<seq>`` are skipped.
+    """
+    ages = []
+    for entry_id in entry_ids:
+        enqueued_ms = wire.stream_id_ms(entry_id)
+        if enqueued_ms is not None:
+            ages.append(max(0, now_epoch_ms - enqueued_ms) / 1000.0)
+    return ages

@@ -67,6 +67,47 @@ class WorkerStats:
         data["padding_efficiency"] = round(self.padding_efficiency, 4)
         return data
 
+    def exit_fields(self, worker: str, now: float) -> dict[str, Any]:
+        """The exit log line's fields (``--log-format json`` logs them as they are)."""
+        return {
+            "event": "worker_stopped",
+            "worker": worker,
+            "uptime_s": round(max(0.0, now - self.started_at), 3),
+            "requests_ok": self.requests_ok,
+            "requests_failed": self.requests_failed,
+            "batches": self.batches,
+            "tokens": self.tokens,
+            "padded_tokens": self.padded_tokens,
+            "padding_efficiency": round(self.padding_efficiency, 4),
+            "device_s": round(self.device_ms / 1000.0, 3),
+            "oom_splits": self.oom_splits,
+            "reclaimed": self.reclaimed,
+            "dead_lettered": self.dead_lettered,
+        }
+
+
+def exit_line(fields: dict[str, Any]) -> str:
+    """:meth:`WorkerStats.exit_fields` as one line a person reads at a glance."""
+    return (
+        f"worker {fields['worker']} stopped after {_duration(fields['uptime_s'])}: "
+        f"{fields['requests_ok']:,} requests ok, {fields['requests_failed']:,} failed, "
+        f"{fields['batches']:,} batches, {fields['tokens']:,} tokens "
+        f"(padding efficiency {fields['padding_efficiency']:.2f}), "
+        f"{fields['device_s']:,.1f}s on the device, {fields['oom_splits']:,} OOM splits, "
+        f"{fields['reclaimed']:,} reclaimed, {fields['dead_lettered']:,} dead-lettered"
+    )
+
+
+def _duration(seconds: float) -> str:
+    """``42.1s``, ``5m12s``, ``3h07m``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
 
 class BatchLog:
     """Appends one JSON line per batch to a file, when configured."""

@@ -1,6 +1,7 @@
 """``tokenq dlq list|retry|purge``: the operator's handle on dead letters.
 
-``list`` shows the oldest letters (or ``--id`` ones) with why they died;
+``list`` shows the oldest letters (or ``--id`` ones) with why they died
+(the code and the reason, as text);
 ``retry`` puts them back on the queue exactly as their producer wrote them
 (one atomic script per page of 100), so a worker answers them on their
 original ``reply_to``; ``purge`` deletes them. ``retry`` and ``purge`` need
@@ -21,16 +22,23 @@ from tokenq.producer.ops import letters as dlq
 from tokenq.producer.ops.snapshot import connection, entry_ms, redis_now
 from tokenq.producer.ops.stats import format_table
 from tokenq.shared import keys
-from tokenq.shared.cli import run_command
+from tokenq.shared.cli import plural, run_command
 from tokenq.shared.dead_letter import DeadLetter
 from tokenq.shared.errors import QueueFull
 from tokenq.shared.settings import DlqSettings
 
 _PREVIEW = 60
 
+ACTIONS = {
+    "list": "show the oldest --count letters (or the --id ones): code, reason, worker, age",
+    "retry": "put letters back on the queue as their producer wrote them (--id ... or --all)",
+    "purge": "delete letters (--id ... or --all)",
+}
+"""What each ACTION does, for ``--help`` (the names are DlqSettings.action's)."""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(DlqSettings, spread_ids(list(argv or [])), "tokenq dlq", run)
+    return run_command(DlqSettings, spread_ids(list(argv or [])), "tokenq dlq", run, ACTIONS)
 
 
 def spread_ids(argv: list[str]) -> list[str]:
@@ -94,13 +102,13 @@ def _list(r: redis.Redis, q: keys.QueueRef, settings: DlqSettings) -> int:
             print(json.dumps(dlq.letter_json(letter), ensure_ascii=False))
     else:
         total = dlq.count(r, q)
-        print(f"{total} dead letters in {keys.dead(q)}" + (
+        print(f"{plural(total, 'dead letter')} in {keys.dead(q)}" + (
             f" (showing {len(letters)})" if len(letters) < total else ""))
         if letters:
             now_ms = int(redis_now(r) * 1000)
             rows = [_row(letter, now_ms) for letter in letters]
-            print(format_table(("entry", "request", "code", "deliveries", "worker", "age",
-                                "truncated", "text"), rows))
+            print(format_table(("entry", "request", "code", "reason", "deliveries", "worker",
+                                "age", "truncated", "text"), rows))
     _report_missing(missing)
     return 1 if missing else 0
 
@@ -110,12 +118,16 @@ def _row(letter: DeadLetter, now_ms: int) -> tuple[str, ...]:
     age = f"{max(0, now_ms - entry_ms(letter.entry_id)) / 1000:.0f}s"
     text = letter.request.get("text", "")
     text = text if isinstance(text, str) else "<binary>"
-    if len(text) > _PREVIEW:
-        text = text[:_PREVIEW - 1] + "…"
     truncated = ",".join(letter.truncated) if letter.truncated else ""
     return (letter.entry_id, letter.request_id, letter.error_code or "",
-            str(letter.deliveries or ""), letter.worker or "", age, truncated,
-            text.replace("\n", " "))
+            _preview(dlq.reason_text(letter.error) or ""), str(letter.deliveries or ""),
+            letter.worker or "", age, truncated, _preview(text))
+
+
+def _preview(text: str) -> str:
+    """``text`` on one line, cut to fit a table cell."""
+    text = " ".join(text.split())
+    return text[:_PREVIEW - 1] + "…" if len(text) > _PREVIEW else text
 
 
 def _retry(
@@ -129,19 +141,19 @@ def _retry(
         return 1
     upto = "" if ids is not None or outcome.last_id is None else (
         f" (every letter up to {outcome.last_id}, the last when the retry started)")
-    print(f"retried {len(outcome.moved)} dead letters onto {keys.requests(q)}{upto}")
+    print(f"retried {plural(len(outcome.moved), 'dead letter')} onto {keys.requests(q)}{upto}")
     for one, why in outcome.skipped.items():
         print(f"tokenq dlq: skipped {one}: {why}; it stays in {keys.dead(q)} "
               "(inspect it with dlq list --id, drop it with dlq purge --id)", file=sys.stderr)
     if outcome.vanished:
-        print(f"tokenq dlq: {len(outcome.vanished)} letters were deleted by someone else "
-              f"while the retry ran: {', '.join(outcome.vanished)}", file=sys.stderr)
+        print(f"tokenq dlq: {plural(len(outcome.vanished), 'letter')} deleted by someone "
+              f"else while the retry ran: {', '.join(outcome.vanished)}", file=sys.stderr)
     _report_missing(outcome.missing)
     return 1 if outcome.missing or outcome.skipped else 0
 
 
 def _purge(r: redis.Redis, q: keys.QueueRef, ids: list[str] | None) -> int:
     removed, missing = dlq.purge(r, q, ids)
-    print(f"purged {removed} dead letters from {keys.dead(q)}")
+    print(f"purged {plural(removed, 'dead letter')} from {keys.dead(q)}")
     _report_missing(missing)
     return 1 if missing else 0

@@ -1,52 +1,42 @@
 """``tokenq embed FILE --output OUT``: a file of texts through the queue, in input order.
 
-Inputs go out in groups of ``--batch-size`` (one ``Client.infer_many`` each,
-one reply key per group) from a small thread pool, so at most
-``--max-in-flight`` inputs are enqueued and unanswered at any time: the
-queue never floods, other producers keep their share, and the workers' token
-budget (not this command) decides how requests are batched on the device.
+This module is the command around the loop: it checks the flags, opens the
+checkpoint (:mod:`tokenq.producer.ops.embed_io`), runs the inputs through
+the queue (:mod:`tokenq.producer.ops.embed_pump`) and prints the summary:
+throughput of the inputs that succeeded, and batches and padding efficiency
+as the workers' heartbeats counted them over the run.
 
-Groups are collected in submission order, so every chunk of ``--chunk-size``
-inputs completes in order and is checkpointed at once (see
-:mod:`tokenq.producer.ops.embed_io`). Stopped for any reason, the same command
-resumes after the last finished chunk. At the end it prints throughput, and
-batches and padding efficiency as the workers' heartbeats counted them over
-the run.
+Stopped for any reason, the same command resumes where it stopped. Ctrl-C
+and SIGTERM become one ``KeyboardInterrupt`` (:class:`_Signals`), which is
+held back while a checkpoint file is being written, so an interruption never
+lands in the middle of one; on its way out the run saves every row that is
+back (finished chunks and the finished part of unfinished ones).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import threading
 import time
-from collections import Counter, deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from types import FrameType
 
 import redis
 
-from tokenq.producer import (
-    BadRequest,
-    BrokerUnavailable,
-    Client,
-    QueueFull,
-    RemoteError,
-    ReplyTimeout,
-    Result,
-)
+from tokenq.producer import BrokerUnavailable, Client
 from tokenq.producer.ops.embed_io import (
     Checkpoint,
-    Item,
     ResumeMismatch,
     Row,
     count_lines,
     input_format,
     output_format,
-    read_items,
 )
+from tokenq.producer.ops.embed_pump import THREAD_PREFIX, StoppedEarly, Tally, pump
+from tokenq.producer.ops.progress import progress_bar
 from tokenq.producer.ops.snapshot import (
     connection,
     counter_delta,
@@ -55,26 +45,16 @@ from tokenq.producer.ops.snapshot import (
     live_names,
 )
 from tokenq.shared import keys
-from tokenq.shared.cli import one_line, run_command
+from tokenq.shared.cli import CommandFailed, one_line, plural, run_command
 from tokenq.shared.keys import QueueRef
+from tokenq.shared.queue_config import parse_config
 from tokenq.shared.settings import EmbedSettings
 
-_QUEUE_FULL_PAUSE_S = 0.5
 _HEARTBEAT_WAIT_S = 3.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_command(EmbedSettings, list(argv or []), "tokenq embed", embed)
-
-
-@dataclass
-class Tally:
-    """What this run did (chunks skipped from an earlier run are not counted)."""
-
-    ok: int = 0
-    tokens: int = 0
-    skipped: int = 0
-    failures: Counter[str] = field(default_factory=Counter)
 
 
 def embed(settings: EmbedSettings) -> int:
@@ -104,6 +84,53 @@ def embed(settings: EmbedSettings) -> int:
         return _embed(settings, ops, q, fmt)
 
 
+class _Signals:
+    """SIGINT and SIGTERM as one ``KeyboardInterrupt``, never inside a :meth:`held` block.
+
+    Why: the run saves what is back on its way out, and a second Ctrl-C (or
+    the first one landing halfway through writing a chunk) must not cut that
+    short. A signal that comes inside :meth:`held` is raised when the block
+    ends; after the first one, later signals are ignored while the run
+    saves and leaves (SIGKILL still ends it at once).
+    """
+
+    def __init__(self) -> None:
+        self._holding = 0
+        self._pending = False
+        self.stopping = False
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        # Also where a shell started us with SIGINT ignored; restored after, for callers
+        # in-process.
+        self._previous = {sig: signal.signal(sig, self._on_signal)
+                          for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopping:
+            return
+        if self._holding:
+            self._pending = True
+            return
+        self.stopping = True
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+        if not self._holding and self._pending and not self.stopping:
+            self.stopping = True
+            raise KeyboardInterrupt
+
+
 def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> int:
     # Read the heartbeats first: an unreachable Redis or a refused login is
     # reported before anything is written next to the output.
@@ -122,36 +149,58 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
     except ResumeMismatch as exc:
         print(f"tokenq embed: {exc}", file=sys.stderr)
         return 2
-    if done:
-        print(f"tokenq embed: resuming: {len(done)} chunks of {settings.chunk_size} already "
-              f"done in {checkpoint.directory}", file=sys.stderr)
-    # Ctrl-C and kill both end in the same clean message (even where a shell
-    # started us with SIGINT ignored); restored after, for callers in-process.
-    previous = {sig: signal.signal(sig, signal.default_int_handler)
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    saved = checkpoint.partial_rows(done)
+    if done or saved:
+        rows = sum(len(rows) for rows in saved.values())
+        print(f"tokenq embed: resuming: {plural(len(done), 'chunk')} of "
+              f"{settings.chunk_size} and {plural(rows, 'more input')} already done in "
+              f"{checkpoint.directory}", file=sys.stderr)
+    signals = _Signals()
+    signals.install()
+    run = _Run(settings, checkpoint)
     try:
         with Client(settings=settings) as client:
-            return _run(settings, client, ops, q, before, checkpoint, done, fmt)
+            return run.run(client, ops, q, before, done, saved, fmt, signals)
     except (BrokerUnavailable, redis.RedisError) as exc:
         if isinstance(exc, BrokerUnavailable):
             message = one_line(str(exc))
         else:
             message = str(explain(exc, ops, [q], settings.redis_url, settings.socket_timeout_s))
-        print(f"tokenq embed: {message}; progress is saved in {checkpoint.directory}: run the "
-              "same command again to resume", file=sys.stderr)
-        return 1
+        print(f"tokenq embed: {message}; {run.resume_hint()}", file=sys.stderr)
+        return _exit(1)
+    except StoppedEarly as exc:
+        if not done and not saved:
+            checkpoint.discard()  # nothing of value: the corrected command starts afresh
+        print(f"tokenq embed: {exc}", file=sys.stderr)
+        return _exit(1)
     except KeyboardInterrupt:
-        print(f"\ntokenq embed: interrupted; progress is saved in {checkpoint.directory}; "
-              "run the same command again to resume", file=sys.stderr)
-        # Threads may sit in a BLPOP until their timeout; every finished chunk is
-        # already on disk (atomically), so leave without waiting for them.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        if run.written:
+            print(f"\ntokenq embed: interrupted after writing {settings.output} (the summary "
+                  "is left out)", file=sys.stderr)
+        else:
+            print(f"\ntokenq embed: interrupted; {run.resume_hint()}", file=sys.stderr)
+        _leave(130)
     finally:
         checkpoint.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        signals.restore()
+    return 1  # not reached: _leave does not return
+
+
+def _exit(code: int) -> int:
+    """``code``, or :func:`_leave` with it while threads of groups are still out."""
+    if any(thread.name.startswith(THREAD_PREFIX) and thread.is_alive()
+           for thread in threading.enumerate()):
+        _leave(code)
+    return code
+
+
+def _leave(code: int) -> None:
+    """Exit now, without waiting for the threads of groups still out: they may sit in a
+    blocking read (or retry a Redis that is gone) until ``--timeout-s``, and the
+    interpreter would wait for them. Everything worth keeping is on disk (atomically)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _heartbeats(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, float]] | None:
@@ -176,181 +225,63 @@ def _readable(path: str) -> bool:
         return False
 
 
-def _run(settings: EmbedSettings, client: Client, ops: redis.Redis, q: QueueRef,
-         before: dict[str, dict[str, float]] | None, checkpoint: Checkpoint, done: set[int],
-         fmt: str) -> int:
-    tally = Tally()
-    progress = _progress(count_lines(settings.file), settings.progress)
-    started = time.monotonic()
-    try:
-        _pump(settings, client, checkpoint, done, fmt, tally, progress)
-    finally:
-        progress.close()
-    elapsed = max(time.monotonic() - started, 1e-9)
-    failed = checkpoint.assemble()
-    workers = None
-    if before is not None:
-        try:
-            workers = counter_delta(before, _settled_counters(ops, q))
-        except redis.RedisError as exc:  # the output is written: only the summary loses a line
-            print(f"tokenq embed: could not read the workers' heartbeats after the run: "
-                  f"{one_line(str(exc))}", file=sys.stderr)
-    _summary(settings, tally, elapsed, workers, failed)
-    return 1 if failed else 0
+class _Run:
+    """One run: the loop, the output, the summary."""
 
-
-def _pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: set[int],
-          fmt: str, tally: Tally, progress: Any) -> None:
-    """Keep up to max_in_flight inputs out; write each chunk as soon as it is complete."""
-    threads = max(1, settings.max_in_flight // settings.batch_size)
-    outstanding: deque[tuple[int, int, Future[list[Row]]]] = deque()
-    chunks = _Chunks(checkpoint)
-    items = read_items(settings.file, fmt, settings.field, settings.id_field)
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenq-embed")
-
-    def collect_oldest() -> None:
-        number, size, future = outstanding.popleft()
-        rows = future.result()
-        _count(rows, tally)
-        progress.advance(size)
-        chunks.received(number, rows)
-
-    try:
-        for number, group in _groups(items, settings.chunk_size, settings.batch_size):
-            chunks.reached(number)
-            if number in done:
-                tally.skipped += len(group)
-                progress.advance(len(group))
-                continue
-            chunks.sent(number, len(group))
-            while len(outstanding) >= threads:
-                collect_oldest()
-            future = pool.submit(_infer_group, client, group, settings)
-            outstanding.append((number, len(group), future))
-        chunks.reached(None)
-        while outstanding:
-            collect_oldest()
-    except BaseException:
-        # Ctrl-C or Redis gone: do not wait for groups still out; finished chunks are on disk.
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    pool.shutdown()
-
-
-class _Chunks:
-    """Rows gathered per chunk; a chunk is written once the input has moved past it and
-    every one of its rows is back."""
-
-    def __init__(self, checkpoint: Checkpoint) -> None:
+    def __init__(self, settings: EmbedSettings, checkpoint: Checkpoint) -> None:
+        self.settings = settings
         self.checkpoint = checkpoint
-        self.rows: dict[int, list[Row]] = {}
-        self.expected: dict[int, int] = {}
-        self.current: int | None = None
+        self.written = False
+        """Whether OUT is complete (an interruption after it has nothing to resume)."""
 
-    def reached(self, number: int | None) -> None:
-        """The input is now at chunk ``number`` (None: at its end); earlier ones are closed."""
-        if number == self.current:
-            return
-        self.current = number
-        for earlier in sorted(self.rows):
-            self._maybe_finish(earlier)
+    def resume_hint(self) -> str:
+        return (f"progress is saved in {self.checkpoint.directory}: run the same command "
+                "again to resume")
 
-    def sent(self, number: int, n: int) -> None:
-        self.expected[number] = self.expected.get(number, 0) + n
-        self.rows.setdefault(number, [])
-
-    def received(self, number: int, rows: list[Row]) -> None:
-        self.rows[number].extend(rows)
-        self._maybe_finish(number)
-
-    def _maybe_finish(self, number: int) -> None:
-        if number == self.current or len(self.rows[number]) < self.expected[number]:
-            return
-        _finish_chunk(self.checkpoint, number, self.rows.pop(number))
-        del self.expected[number]
-
-
-def _finish_chunk(checkpoint: Checkpoint, number: int, rows: list[Row]) -> None:
-    if checkpoint.dim is None:
-        widths = [len(row.vector) for row in rows if row.vector is not None]
-        if widths:
-            checkpoint.set_dim(widths[0])
-    checkpoint.write_chunk(number, sorted(rows, key=lambda row: row.index))
-
-
-def _groups(items: Iterator[Item], chunk_size: int,
-            batch_size: int) -> Iterator[tuple[int, list[Item]]]:
-    """(chunk number, group) in input order; a group never spans two chunks."""
-    group: list[Item] = []
-    number = 0
-    for item in items:
-        item_chunk = item.index // chunk_size
-        if group and (item_chunk != number or len(group) >= batch_size):
-            yield number, group
-            group = []
-        number = item_chunk
-        group.append(item)
-    if group:
-        yield number, group
-
-
-def _infer_group(client: Client, items: list[Item], settings: EmbedSettings) -> list[Row]:
-    """One enqueue call for the group's valid inputs; per-input rows, never an exception
-    for a single bad input (only Redis being down propagates)."""
-    rows = {item.index: Row(item.index, item.id, error_code="bad_input",
-                            error_message=item.problem)
-            for item in items if item.text is None}
-    sendable = [item for item in items if item.text is not None]
-    if sendable:
-        outcomes = _infer_many(client, [item.text or "" for item in sendable], settings)
-        for item, outcome in zip(sendable, outcomes, strict=True):
-            rows[item.index] = _row(item, outcome)
-    return [rows[item.index] for item in items]
-
-
-def _infer_many(client: Client, texts: list[str], settings: EmbedSettings) -> list[Any]:
-    """infer_many, waiting out QueueFull, isolating inputs the client refuses."""
-    pause = _QUEUE_FULL_PAUSE_S
-    while True:
+    def run(self, client: Client, ops: redis.Redis, q: QueueRef,
+            before: dict[str, dict[str, float]] | None, done: set[int],
+            saved: dict[int, dict[int, Row]], fmt: str, signals: _Signals) -> int:
+        settings = self.settings
+        tally = Tally()
+        progress = progress_bar(count_lines(settings.file), settings.progress)
+        started = time.monotonic()
         try:
-            return client.infer_many(texts, timeout_s=settings.timeout_s,
-                                     return_exceptions=True)
-        except QueueFull:
-            time.sleep(pause)  # other producers filled it: wait for the workers
-            pause = min(pause * 2, 5.0)
-        except BadRequest as exc:
-            if len(texts) == 1:
-                return [exc]
-            return [outcome for text in texts
-                    for outcome in _infer_many(client, [text], settings)]
+            pump(settings, client, self.checkpoint, done, saved, fmt, tally, progress,
+                 signals.held)
+        finally:
+            progress.close()
+        elapsed = max(time.monotonic() - started, 1e-9)
+        with signals.held():
+            if self.checkpoint.format == "npy" and self.checkpoint.dim is None:
+                self.checkpoint.set_dim(_queue_dim(client, settings))
+            failed = self.checkpoint.assemble()
+            self.written = True
+        workers = None
+        if before is not None:
+            try:
+                workers = counter_delta(before, _settled_counters(ops, q))
+            except redis.RedisError as exc:  # the output is written: only the summary loses a line
+                print(f"tokenq embed: could not read the workers' heartbeats after the run: "
+                      f"{one_line(str(exc))}", file=sys.stderr)
+        _summary(settings, tally, elapsed, workers, failed)
+        return 1 if failed else 0
 
 
-def _row(item: Item, outcome: Any) -> Row:
-    if isinstance(outcome, Result):
-        if outcome.embedding is not None:
-            return Row(item.index, item.id, vector=list(outcome.embedding), tokens=outcome.tokens)
-        return Row(item.index, item.id, vector=list(outcome.scores or ()), kind="scores",
-                   tokens=outcome.tokens)
-    if isinstance(outcome, RemoteError):
-        return Row(item.index, item.id, error_code=outcome.code, error_message=str(outcome))
-    if isinstance(outcome, ReplyTimeout):
-        return Row(item.index, item.id, error_code="timeout", error_message=str(outcome))
-    if isinstance(outcome, (BrokerUnavailable, redis.RedisError)):
-        raise outcome  # Redis itself failing stops the run (resumable), not one input
-    if isinstance(outcome, BadRequest):  # refused before enqueueing (InputTooLong: too_long)
-        code = str(getattr(outcome, "code", "bad_request"))
-    else:
-        code = type(outcome).__name__
-    return Row(item.index, item.id, error_code=code, error_message=str(outcome))
+def _queue_dim(client: Client, settings: EmbedSettings) -> int:
+    """The width of an .npy output no input gave a vector for: the queue config's ``dim``.
 
-
-def _count(rows: list[Row], tally: Tally) -> None:
-    for row in rows:
-        if row.error_code is None:
-            tally.ok += 1
-            tally.tokens += row.tokens or 0
-        else:
-            tally.failures[row.error_code] += 1
+    Why: an empty input (or one whose every line failed) is still a
+    ``(rows, dim)`` matrix, which a program stacking outputs relies on.
+    """
+    config = parse_config(client.config())
+    if config is None or config.dim is None:
+        why = ("has no config hash (no worker has started on it yet)" if config is None
+               else "says no dim in its config hash")
+        raise CommandFailed(
+            f"cannot write {settings.output}: no input gave a vector to take its width from, "
+            f"and queue {settings.queue!r} {why}; start a worker and run the same command "
+            "again, or write .jsonl")
+    return config.dim
 
 
 def _settled_counters(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, float]]:
@@ -376,80 +307,28 @@ def _settled_counters(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, floa
 
 def _summary(settings: EmbedSettings, tally: Tally, elapsed: float,
              workers: dict[str, float] | None, failed_rows: int) -> None:
+    """What the run did. Throughput counts the inputs that succeeded: a file whose every
+    line fails is not fast."""
     done = tally.ok + sum(tally.failures.values())
     lines = [
         f"tokenq embed: wrote {settings.output} "
-        f"({done} inputs this run, {tally.skipped} from an earlier run)",
-        f"  {elapsed:.2f}s  {done / elapsed:.1f} requests/s  {tally.tokens / elapsed:.0f} tokens/s",
+        f"({plural(done, 'input')} this run, {tally.skipped} from an earlier run)",
+        f"  {elapsed:.2f}s  {tally.ok / elapsed:.1f} requests/s  "
+        f"{tally.tokens / elapsed:.0f} tokens/s  ({plural(tally.ok, 'input')} embedded)",
     ]
     if workers is not None:
         lines.append(
-            f"  workers (heartbeat deltas): {workers['batches']:.0f} batches, "
-            f"{workers['tokens']:.0f} tokens, padding efficiency "
+            f"  workers (heartbeat deltas): {plural(round(workers['batches']), 'batch')}, "
+            f"{plural(round(workers['tokens']), 'token')}, padding efficiency "
             f"{workers['padding_efficiency']:.1%}, device {workers['device_ms'] / 1000:.2f}s")
     if tally.failures or failed_rows:
         codes = ", ".join(f"{code} {n}" for code, n in tally.failures.most_common())
         where = (f"{settings.output}.errors.jsonl" if settings.output.suffix == ".npy"
                  else "the output's error rows")
-        lines.append(f"  FAILED: {failed_rows} inputs in total ({codes or 'earlier run'}); "
-                     f"see {where}")
+        lines.append(f"  FAILED: {plural(failed_rows, 'input')} in total "
+                     f"({codes or 'earlier run'}); see {where}")
+        if tally.failures:
+            code = tally.failures.most_common(1)[0][0]
+            example = tally.example[code]
+            lines.append(f"  e.g. line {example.index + 1}: {code}: {example.error_message}")
     print("\n".join(lines), file=sys.stderr)
-
-
-# ---------------------------------------------------------------- progress bar
-
-
-class _NoProgress:
-    def advance(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _RichProgress:
-    def __init__(self, total: int | None) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self._bar = Progress(TextColumn("embed"), BarColumn(), MofNCompleteColumn(),
-                             TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
-        self._task = self._bar.add_task("embed", total=total)
-        self._bar.start()
-
-    def advance(self, n: int) -> None:
-        self._bar.advance(self._task, n)
-
-    def close(self) -> None:
-        self._bar.stop()
-
-
-class _TqdmProgress:
-    def __init__(self, total: int | None) -> None:
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, unit="input", desc="embed")
-
-    def advance(self, n: int) -> None:
-        self._bar.update(n)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
-def _progress(total: int | None, enabled: bool) -> Any:
-    """rich if installed, else tqdm, else nothing (``--no-progress`` turns it off)."""
-    if not enabled:
-        return _NoProgress()
-    for kind in (_RichProgress, _TqdmProgress):
-        try:
-            return kind(total)
-        except ImportError:
-            continue
-    return _NoProgress()

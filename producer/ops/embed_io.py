@@ -5,9 +5,13 @@ network drops, an operator presses Ctrl-C. Inputs are numbered in file order
 and cut into chunks of ``chunk_size``; each finished chunk is written
 atomically (temp file + rename) into ``OUTPUT.partial/`` beside a
 ``manifest.json`` that pins what the run was (input, its size and mtime,
-format, field, chunk size). Running the same command again skips the chunks
-already there. When every chunk is in, they are joined into OUTPUT (streamed,
-never all in memory) and the directory is removed.
+format, field, chunk size). A run that stops before a chunk is finished
+(Ctrl-C, SIGTERM, Redis gone) saves the rows of that chunk that are back in
+``chunk-NNNNNN.part.jsonl``, so even a file smaller than one chunk loses
+nothing. Running the same command again skips the chunks already there and
+the saved rows, and sends only the rest. When every chunk is in, they are
+joined into OUTPUT (streamed, never all in memory) and the directory is
+removed.
 
 A failed input does not stop the run: its row is NaN in ``.npy`` output (its
 error goes to ``OUTPUT.errors.jsonl``), or carries ``error`` in ``.jsonl``.
@@ -28,6 +32,8 @@ from tokenq.shared.cli import CommandFailed
 
 MANIFEST_VERSION = 1
 _LOCK = "lock"
+_PART = ".part.jsonl"
+"""Suffix of an unfinished chunk's saved rows."""
 
 
 class ResumeMismatch(Exception):
@@ -209,8 +215,43 @@ class Checkpoint:
         _atomic_write(self.directory / "manifest.json",
                       json.dumps(self.manifest, indent=2).encode())
 
+    def write_partial(self, number: int, rows: list[Row]) -> None:
+        """Save the rows of unfinished chunk ``number`` that are back (replacing any
+        saved before), so a resumed run sends only the others."""
+        body = "".join(json.dumps(_row_record(row), ensure_ascii=False) + "\n" for row in rows)
+        _atomic_write(self._chunk(number, _PART), body.encode())
+
+    def partial_rows(self, done: set[int]) -> dict[int, dict[int, Row]]:
+        """The rows saved for unfinished chunks, by chunk and input index.
+
+        A saved row that does not belong to its chunk, or cannot be read, is
+        left out (its input is simply sent again); rows saved for a chunk
+        that is done are removed.
+        """
+        chunk_size = int(self.manifest["chunk_size"])
+        out: dict[int, dict[int, Row]] = {}
+        for path in sorted(self.directory.glob("chunk-??????" + _PART)):
+            number = int(path.name[6:12])
+            if number in done:
+                path.unlink(missing_ok=True)
+                continue
+            rows = {}
+            for line in path.read_bytes().splitlines():
+                row = _row_from_record(line)
+                if row is not None and row.index // chunk_size == number:
+                    rows[row.index] = row
+            if rows:
+                out[number] = rows
+        return out
+
+    def discard(self) -> None:
+        """Remove the directory and everything in it (a run that stopped before saving any)."""
+        self.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
     def write_chunk(self, number: int, rows: list[Row]) -> None:
-        """Store one finished chunk; its ``.done`` marker is written last."""
+        """Store one finished chunk; its ``.done`` marker is written last, then the rows
+        saved for it at an interruption are dropped."""
         base = self.directory / f"chunk-{number:06d}"
         errors = [_row_json(row) for row in rows if row.error_code is not None]
         if self.format == "npy":
@@ -221,6 +262,7 @@ class Checkpoint:
         _atomic_write(base.with_suffix(".errors.jsonl"),
                       "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors).encode())
         _atomic_write(base.with_suffix(".done"), str(len(rows)).encode())
+        self._chunk(number, _PART).unlink(missing_ok=True)
 
     def assemble(self) -> int:
         """Join every chunk into OUTPUT (and OUTPUT.errors.jsonl); remove the directory.
@@ -309,6 +351,27 @@ def _row_json(row: Row) -> dict[str, Any]:
         if row.tokens is not None:
             body["tokens"] = row.tokens
     return body
+
+
+def _row_record(row: Row) -> dict[str, Any]:
+    """Every field of a row, for a ``.part.jsonl`` file (read back by :func:`_row_from_record`)."""
+    return {"index": row.index, "id": row.id, "vector": row.vector, "kind": row.kind,
+            "tokens": row.tokens, "error_code": row.error_code,
+            "error_message": row.error_message}
+
+
+def _row_from_record(line: bytes) -> Row | None:
+    """A saved row, or None for a line that is not one."""
+    try:
+        record = json.loads(line)
+        row = Row(int(record["index"]), record.get("id"), record.get("vector"),
+                  str(record.get("kind") or "embedding"), record.get("tokens"),
+                  record.get("error_code"), record.get("error_message"))
+    except (ValueError, TypeError, KeyError):
+        return None
+    if (row.vector is None) == (row.error_code is None):  # exactly one of them
+        return None
+    return row
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

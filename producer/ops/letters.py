@@ -19,6 +19,8 @@ meanwhile) are left for the next retry instead of being re-read forever.
 
 from __future__ import annotations
 
+import ast
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,12 +28,37 @@ from typing import Any
 import redis
 
 from tokenq.shared import keys, lua
+from tokenq.shared.cli import plural
 from tokenq.shared.dead_letter import DeadLetter, parse_letter
 from tokenq.shared.errors import QueueFull
 
 RETRY_SCRIPT = lua.load("tokenq.producer", "dlq_retry.lua")
 _PAGE = 100
 _MAX_U64 = (1 << 64) - 1
+
+
+_BYTES_LITERAL = re.compile(r"""(?<![\w'"])b('(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")""")
+"""A Python bytes literal (``b'9'``, ``b"\\xff"``), as some workers' messages quote a field."""
+
+
+def reason_text(reason: str | None) -> str | None:
+    """Why a letter died, as text a person reads: every bytes literal in it becomes its
+    UTF-8 text (``b'9'`` becomes ``'9'``, undecodable bytes U+FFFD).
+
+    Why here: a worker's message may quote a raw field with Python's repr,
+    and an operator should not have to decode ``b'\\xe2\\x80\\xa6'`` by hand.
+    """
+    if reason is None:
+        return None
+
+    def as_text(match: re.Match[str]) -> str:
+        try:
+            value = ast.literal_eval(match.group(0))
+        except (ValueError, SyntaxError):
+            return match.group(0)
+        return repr(value.decode("utf-8", "replace")) if isinstance(value, bytes) else str(value)
+
+    return _BYTES_LITERAL.sub(as_text, reason)
 
 
 def letter_json(letter: DeadLetter) -> dict[str, Any]:
@@ -44,7 +71,7 @@ def letter_json(letter: DeadLetter) -> dict[str, Any]:
         "entry_id": letter.entry_id,
         "request_id": letter.request_id,
         "error_code": letter.error_code,
-        "error": letter.error,
+        "error": reason_text(letter.error),
         "worker": letter.worker,
         "deliveries": letter.deliveries,
         "at_ms": letter.at_ms,
@@ -168,7 +195,7 @@ def retry(
                 raise
             raise QueueFull(
                 f"queue {q.name!r} holds {full.length} of at most {full.limit} requests; "
-                f"moved {len(outcome.moved)} dead letters before it filled"
+                f"moved {plural(len(outcome.moved), 'dead letter')} before it filled"
             ) from None
         for one, answer in zip(page, answers, strict=True):
             if isinstance(answer, list):  # [b"truncated", b"text,opts"] or [b"empty", b""]

@@ -24,6 +24,7 @@ from tokenq.shared.cli import (
     is_wrong_type,
     redact_url,
 )
+from tokenq.shared.depth import depth
 from tokenq.shared.errors import DecodeError
 from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat
 
@@ -150,14 +151,8 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
     group = _group_info(r, stream)
     pending, oldest_pending_ms = _pending(r, stream, group is not None, now)
     length = int(r.xlen(stream))
-    lag = group.get("lag") if group else None
-    lag_exact = lag is not None
-    if group is None:
-        lag, lag_exact = length, True  # nobody has read anything yet
-    elif lag is None:
-        # Workers XDEL what they answer, so the stream holds what is pending plus
-        # what no one has read; Redis cannot count lag across deleted entries.
-        lag = max(0, length - pending)
+    measured = depth(length, pending, group_exists=group is not None,
+                     reported_lag=group.get("lag") if group else None)
     workers, stale = _workers(r, q, now)
     return {
         "queue": q.name,
@@ -167,8 +162,8 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
         "length": length,
         "pending": pending,
         "oldest_pending_ms": oldest_pending_ms,
-        "lag": int(lag),
-        "lag_exact": lag_exact,
+        "lag": measured.lag,
+        "lag_exact": measured.lag_exact,
         "dead": int(r.xlen(keys.dead(q))),
         "group": group is not None,
         "consumers": _consumers(r, stream) if group is not None else [],

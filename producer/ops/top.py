@@ -2,21 +2,34 @@
 
 Where ``stats`` shows each worker's lifetime averages, ``top`` shows rates
 over the last refresh (from the difference of two heartbeats), which is what
-an operator watching a backlog drain wants. ``--once`` draws a single frame
-(for scripts and tests). Needs ``rich`` (``pip install 'tokenq[cli]'``).
+an operator watching a backlog drain wants.
+
+Three ways out, for three kinds of reader:
+
+* a terminal: the live table (needs ``rich``: ``pip install 'tokenq[cli]'``);
+* ``--once``, or a stdout that is not a terminal (``tokenq top | less``, a
+  script, a log): one frame of the table and exit, since a redraw means
+  nothing to a pipe and nothing would ever be shown;
+* ``--json``: one snapshot per refresh, each a line of JSON (the ``stats
+  --json`` document, each worker with its recent rates) flushed as it is
+  written, until Ctrl-C or the reader goes away; with ``--once``, one line
+  and exit. Needs no ``rich``.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenq.producer.ops.snapshot import Unreachable, connect, read_snapshot
 from tokenq.producer.ops.stats import WORKER_COLUMNS, backlog, gone_line, worker_row
-from tokenq.shared.cli import run_command
+from tokenq.shared.cli import run_command, silence_stdout
 from tokenq.shared.settings import TopSettings
+
+Rates = dict[tuple[str, str], tuple[float, float]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,28 +37,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def top(settings: TopSettings) -> int:
-    try:
-        from rich.console import Console
-        from rich.live import Live
-    except ImportError:
-        print("tokenq top: needs the rich package: pip install 'tokenq[cli]'", file=sys.stderr)
-        return 2
     r = connect(settings.redis_url, settings.socket_timeout_s)
-    rates = Rates()
-    # Piped output (``--once`` in a script) gets room for every column, not 80.
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    try:
+    recent = RecentRates()
+
+    def snapshot() -> tuple[dict[str, Any], Rates]:
         doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url,
                             settings.socket_timeout_s)
-        if settings.once:
-            console.print(render(doc, rates.update(doc)))
-            return 0
-        with Live(render(doc, rates.update(doc)), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(settings.interval_s)
-                doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url,
-                                    settings.socket_timeout_s)
-                live.update(render(doc, rates.update(doc)), refresh=True)
+        return doc, recent.update(doc)
+
+    try:
+        if settings.as_json:
+            return _json_lines(settings, snapshot)
+        return _table(settings, snapshot)
     except Unreachable as exc:
         print(f"tokenq top: {exc}", file=sys.stderr)
         return 1
@@ -55,14 +58,50 @@ def top(settings: TopSettings) -> int:
         r.close()
 
 
-class Rates:
+def _json_lines(settings: TopSettings,
+                snapshot: Callable[[], tuple[dict[str, Any], Rates]]) -> int:
+    """One JSON line per refresh; the reader closing the pipe ends it quietly (status 0)."""
+    try:
+        while True:
+            doc, rates = snapshot()
+            print(json.dumps(with_rates(doc, rates), sort_keys=True), flush=True)
+            if settings.once:
+                return 0
+            time.sleep(settings.interval_s)
+    except BrokenPipeError:
+        silence_stdout()
+        return 0
+
+
+def _table(settings: TopSettings, snapshot: Callable[[], tuple[dict[str, Any], Rates]]) -> int:
+    try:
+        from rich.console import Console
+        from rich.live import Live
+    except ImportError:
+        print("tokenq top: needs the rich package: pip install 'tokenq[cli]' (or use --json)",
+              file=sys.stderr)
+        return 2
+    terminal = sys.stdout.isatty()
+    # Piped output gets room for every column, not 80.
+    console = Console(width=None if terminal else 160)
+    doc, rates = snapshot()
+    if settings.once or not terminal:
+        console.print(render(doc, rates))
+        return 0
+    with Live(render(doc, rates), console=console, auto_refresh=False) as live:
+        while True:
+            time.sleep(settings.interval_s)
+            live.update(render(*snapshot()), refresh=True)
+
+
+class RecentRates:
     """Requests/s and tokens/s per worker between the last two heartbeats seen."""
 
     def __init__(self) -> None:
         self._last: dict[tuple[str, str], tuple[float, float, float]] = {}
-        self._rates: dict[tuple[str, str], tuple[float, float]] = {}
+        self._rates: Rates = {}
 
-    def update(self, doc: dict[str, Any]) -> dict[tuple[str, str], tuple[float, float]]:
+    def update(self, doc: dict[str, Any]) -> Rates:
         seen = set()
         for q in doc["queues"]:
             for w in q["workers"]:
@@ -80,7 +119,24 @@ class Rates:
         return dict(self._rates)
 
 
-def render(doc: dict[str, Any], rates: dict[tuple[str, str], tuple[float, float]]) -> Any:
+def with_rates(doc: dict[str, Any], rates: Rates) -> dict[str, Any]:
+    """The snapshot with each worker's ``recent_requests_per_s`` and ``recent_tokens_per_s``
+    (null until two of its heartbeats have been seen)."""
+    queues = []
+    for q in doc["queues"]:
+        workers = []
+        for w in q["workers"]:
+            recent = rates.get((q["label"], w["consumer"]))
+            workers.append({
+                **w,
+                "recent_requests_per_s": None if recent is None else round(recent[0], 3),
+                "recent_tokens_per_s": None if recent is None else round(recent[1], 3),
+            })
+        queues.append({**q, "workers": workers})
+    return {**doc, "queues": queues}
+
+
+def render(doc: dict[str, Any], rates: Rates) -> Any:
     """One frame: a table per queue."""
     from rich.console import Group
     from rich.table import Table
@@ -108,3 +164,4 @@ def render(doc: dict[str, Any], rates: dict[tuple[str, str], tuple[float, float]
         if q["stale_workers"]:
             parts.append(Text(gone_line(q), style="dim"))
     return Group(*parts)
+

@@ -31,7 +31,7 @@ from pathlib import Path
 import redis
 
 from tokenq.shared import keys
-from tokenq.shared.cli import run_command
+from tokenq.shared.cli import plural, run_command
 from tokenq.shared.settings import UpSettings, WorkerSettings, flag
 from tokenq.worker import logs
 from tokenq.worker.tooling.children import Child, Supervisor, describe_exit
@@ -165,7 +165,7 @@ def _watch(supervisor: Supervisor, server: Child | None, workers: list[Child],
             with contextlib.suppress(redis.RedisError):  # Redis busy starting: ask again
                 ready = client.hlen(keys.workers(q)) >= len(workers)
             if ready:
-                print(f"tokenq up: {len(workers)} workers ready "
+                print(f"tokenq up: {plural(len(workers), 'worker')} ready "
                       f"(tokenq stats --redis-url {redis_url})", flush=True)
         return False
 

@@ -1,0 +1,341 @@
+"""The inner loop of ``tokenq embed``: inputs out in groups, rows back into chunks.
+
+Inputs go out in groups of ``--batch-size`` (one ``Client.infer_many`` each,
+one reply key per group) from a small thread pool, so at most
+``--max-in-flight`` inputs are enqueued and unanswered at any time: the
+queue never floods, other producers keep their share, and the workers' token
+budget (not this command) decides how requests are batched on the device.
+An input that cannot be sent (a blank line, bad JSON, no ``--field``) is an
+error row at once, without a request.
+
+Groups are collected in the order they finish, not the order they were
+sent, so the progress bar moves as results arrive. A chunk of
+``--chunk-size`` inputs is written as soon as the input has moved past it and
+all its rows are back, whatever order they came in. Rows are kept by input
+index, so no input can be written twice, and every state change happens
+inside ``held()``: an interruption (which the caller turns into
+``KeyboardInterrupt``) lands between two of them, never in the middle of
+one, and :meth:`_Chunks.save` can then write what is back.
+
+The first chunk this run works on is checked (:func:`same_failure`): when
+more than half its inputs failed the same way and there is input after it,
+the run stops (:class:`StoppedEarly`) instead of failing the same way a
+million times.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from tokenq.producer import (
+    BadRequest,
+    BrokerUnavailable,
+    Client,
+    QueueFull,
+    RemoteError,
+    ReplyTimeout,
+    Result,
+)
+from tokenq.producer.ops.embed_io import Checkpoint, Item, Row, read_items
+from tokenq.producer.ops.progress import Progress
+from tokenq.shared.cli import CommandFailed, plural
+from tokenq.shared.settings import EmbedSettings
+
+_QUEUE_FULL_PAUSE_S = 0.5
+
+Held = Callable[[], AbstractContextManager[None]]
+"""A context in which an interruption waits until the block is done (see embed.py)."""
+
+
+@dataclass
+class Tally:
+    """What this run did (inputs done by an earlier run are only counted as skipped)."""
+
+    ok: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    example: dict[str, Row] = field(default_factory=dict)
+    """The first failed row of each error code, to show what went wrong."""
+
+    def count(self, rows: Sequence[Row]) -> None:
+        for row in rows:
+            if row.error_code is None:
+                self.ok += 1
+                self.tokens += row.tokens or 0
+            else:
+                self.failures[row.error_code] += 1
+                self.example.setdefault(row.error_code, row)
+
+
+THREAD_PREFIX = "tokenq-embed"
+"""The names of the threads that wait for the groups' replies."""
+
+
+class StoppedEarly(CommandFailed):
+    """Most of the first chunk failed the same way: the rest would too (exit 1)."""
+
+
+def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: set[int],
+         saved: dict[int, dict[int, Row]], fmt: str, tally: Tally, progress: Progress,
+         held: Held) -> None:
+    """Send every input not done yet; write each chunk once it is complete.
+
+    On any exception (an interruption, Redis gone) the rows that are back
+    are saved before it propagates, except for :class:`StoppedEarly`.
+    """
+    threads = max(1, settings.max_in_flight // settings.batch_size)
+    outstanding: dict[Future[list[Row]], int] = {}
+    chunks = _Chunks(checkpoint, saved, settings.chunk_size)
+    items = read_items(settings.file, fmt, settings.field, settings.id_field)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=THREAD_PREFIX)
+
+    def take(finished: set[Future[list[Row]]]) -> None:
+        with held():
+            for future in finished:
+                number = outstanding.pop(future)
+                rows = future.result()  # Redis gone: raised here, the run stops
+                tally.count(rows)
+                progress.advance(len(rows))
+                chunks.received(number, rows)
+
+    def settle(block: bool) -> None:
+        if block:
+            finished, _ = wait(outstanding, return_when=FIRST_COMPLETED)
+        else:
+            finished = {future for future in outstanding if future.done()}
+        if finished:
+            take(finished)
+
+    try:
+        for number, group in _groups(items, settings.chunk_size, settings.batch_size):
+            with held():
+                chunks.reached(number)
+                if number in done:
+                    tally.skipped += len(group)
+                    progress.advance(len(group))
+                    continue
+                new = chunks.sent(number, group)
+                tally.skipped += len(group) - len(new)
+                progress.advance(len(group) - len(new))
+                bad = [_bad_row(item) for item in new if item.text is None]
+                tally.count(bad)
+                progress.advance(len(bad))
+                chunks.received(number, bad)
+            sendable = [item for item in new if item.text is not None]
+            settle(block=False)
+            while len(outstanding) >= threads:
+                settle(block=True)
+            if sendable:
+                outstanding[pool.submit(_infer_group, client, sendable, settings)] = number
+        with held():
+            chunks.reached(None)
+        while outstanding:
+            settle(block=True)
+    except StoppedEarly:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    except BaseException:
+        # Ctrl-C, SIGTERM or Redis gone: keep what is back, leave the rest out there.
+        pool.shutdown(wait=False, cancel_futures=True)
+        with held():
+            chunks.judged = True  # no verdict now: what is back is saved, whatever it is
+            for future in [f for f in outstanding if f.done() and f.exception() is None]:
+                chunks.received(outstanding.pop(future), future.result())
+            chunks.save()
+        raise
+    pool.shutdown()
+
+
+class _Chunks:
+    """Rows gathered per chunk, by input index; a chunk is written once the input has
+    moved past it and every one of its rows is back."""
+
+    def __init__(self, checkpoint: Checkpoint, saved: dict[int, dict[int, Row]],
+                 chunk_size: int) -> None:
+        self.checkpoint = checkpoint
+        self.chunk_size = chunk_size
+        self.rows: dict[int, dict[int, Row]] = {n: dict(rows) for n, rows in saved.items()}
+        self.expected: dict[int, int] = {n: len(rows) for n, rows in saved.items()}
+        self.current: int | None = -1
+        """The chunk the input is at: -1 before the first line, None past the last."""
+        self.first: int | None = None
+        """The first chunk this run works on: the one :func:`same_failure` judges."""
+        self.judged = False
+
+    def reached(self, number: int | None) -> None:
+        """The input is now at chunk ``number`` (None: at its end); earlier ones are closed.
+
+        Leaving the first chunk with input still to come judges what is known
+        of it already: the inputs that could not even be sent.
+        """
+        if number == self.current:
+            return
+        left, self.current = self.current, number
+        if left == self.first and number is not None:
+            self._judge(left, only_known=True)
+        for earlier in sorted(self.rows):
+            self._maybe_finish(earlier)
+
+    def sent(self, number: int, group: list[Item]) -> list[Item]:
+        """Register ``group`` as part of chunk ``number``; the items whose rows are not saved."""
+        if self.first is None:
+            self.first = number
+        rows = self.rows.setdefault(number, {})
+        new = [item for item in group if item.index not in rows]
+        self.expected[number] = self.expected.get(number, 0) + len(new)
+        return new
+
+    def received(self, number: int, rows: list[Row]) -> None:
+        if not rows:
+            return
+        self.rows[number].update((row.index, row) for row in rows)
+        self._maybe_finish(number)
+
+    def save(self) -> None:
+        """Write the rows back so far of every unfinished chunk (at an interruption)."""
+        for number, rows in sorted(self.rows.items()):
+            if rows:
+                _learn_dim(self.checkpoint, rows.values())
+                self.checkpoint.write_partial(number, sorted(rows.values(),
+                                                             key=lambda row: row.index))
+
+    def _maybe_finish(self, number: int) -> None:
+        passed = self.current is None or number < self.current
+        if not passed or len(self.rows[number]) < self.expected[number]:
+            return
+        if number == self.first and self.current is not None:
+            self._judge(number, only_known=False)
+        rows = sorted(self.rows[number].values(), key=lambda row: row.index)
+        _learn_dim(self.checkpoint, rows)
+        self.checkpoint.write_chunk(number, rows)
+        del self.rows[number], self.expected[number]
+
+    def _judge(self, number: int, *, only_known: bool) -> None:
+        if self.judged:
+            return
+        size = self.expected[number]
+        verdict = same_failure(list(self.rows[number].values()), size)
+        if verdict is not None:
+            failed, example = verdict
+            first = number * self.chunk_size + 1
+            hint = " (see --format and --field)" if example.error_code == "bad_input" else ""
+            raise StoppedEarly(
+                f"stopped early: {failed} of the {plural(size, 'input')} on lines {first}-"
+                f"{first + size - 1} failed the same way, e.g. line {example.index + 1}: "
+                f"{example.error_code}: {example.error_message}{hint}; the rest would most "
+                "likely fail too, so the run stops here")
+        self.judged = not only_known
+
+
+def same_failure(rows: Sequence[Row], size: int) -> tuple[int, Row] | None:
+    """(how many, the first of them) when more than half of a chunk of ``size`` inputs
+    failed the same way; else None.
+
+    "The same way" is the error code, and for ``bad_input`` the kind of
+    problem (``no non-empty string field 'text'``, ``not JSON``, ...),
+    whose details differ from line to line.
+    """
+    kinds: Counter[tuple[str, str]] = Counter()
+    first: dict[tuple[str, str], Row] = {}
+    for row in sorted(rows, key=lambda row: row.index):
+        if row.error_code is None:
+            continue
+        kind = (row.error_code, _problem_kind(row))
+        kinds[kind] += 1
+        first.setdefault(kind, row)
+    if not kinds:
+        return None
+    kind, failed = kinds.most_common(1)[0]
+    return (failed, first[kind]) if failed * 2 > size else None
+
+
+def _problem_kind(row: Row) -> str:
+    """What kind of ``bad_input`` a row is (its message up to any detail), else ""."""
+    if row.error_code != "bad_input":
+        return ""
+    return (row.error_message or "").split(":", 1)[0]
+
+
+def _learn_dim(checkpoint: Checkpoint, rows: Any) -> None:
+    """Pin the output's width from the first vector seen (a chunk of failures has none)."""
+    if checkpoint.dim is None:
+        widths = [len(row.vector) for row in rows if row.vector is not None]
+        if widths:
+            checkpoint.set_dim(widths[0])
+
+
+def _groups(items: Iterator[Item], chunk_size: int,
+            batch_size: int) -> Iterator[tuple[int, list[Item]]]:
+    """(chunk number, group) in input order; a group never spans two chunks."""
+    group: list[Item] = []
+    number = 0
+    for item in items:
+        item_chunk = item.index // chunk_size
+        if group and (item_chunk != number or len(group) >= batch_size):
+            yield number, group
+            group = []
+        number = item_chunk
+        group.append(item)
+    if group:
+        yield number, group
+
+
+def _bad_row(item: Item) -> Row:
+    return Row(item.index, item.id, error_code="bad_input", error_message=item.problem)
+
+
+def _infer_group(client: Client, items: list[Item], settings: EmbedSettings) -> list[Row]:
+    """One enqueue call for the group; per-input rows, never an exception for a single bad
+    input (only Redis being down propagates).
+
+    Each request carries the rest of ``--timeout-s`` as its deadline (the
+    client's default for ``infer_many``), so after an interruption the
+    workers drop, unrun, whatever they have not reached by then.
+    """
+    outcomes = _infer_many(client, [item.text or "" for item in items], settings)
+    return [_row(item, outcome) for item, outcome in zip(items, outcomes, strict=True)]
+
+
+def _infer_many(client: Client, texts: list[str], settings: EmbedSettings) -> list[Any]:
+    """infer_many, waiting out QueueFull, isolating inputs the client refuses."""
+    pause = _QUEUE_FULL_PAUSE_S
+    while True:
+        try:
+            return client.infer_many(texts, timeout_s=settings.timeout_s,
+                                     return_exceptions=True)
+        except QueueFull:
+            time.sleep(pause)  # other producers filled it: wait for the workers
+            pause = min(pause * 2, 5.0)
+        except BadRequest as exc:
+            if len(texts) == 1:
+                return [exc]
+            return [outcome for text in texts
+                    for outcome in _infer_many(client, [text], settings)]
+
+
+def _row(item: Item, outcome: Any) -> Row:
+    if isinstance(outcome, Result):
+        if outcome.embedding is not None:
+            return Row(item.index, item.id, vector=list(outcome.embedding), tokens=outcome.tokens)
+        return Row(item.index, item.id, vector=list(outcome.scores or ()), kind="scores",
+                   tokens=outcome.tokens)
+    if isinstance(outcome, RemoteError):
+        return Row(item.index, item.id, error_code=outcome.code, error_message=str(outcome))
+    if isinstance(outcome, ReplyTimeout):
+        return Row(item.index, item.id, error_code="timeout", error_message=str(outcome))
+    if isinstance(outcome, (BrokerUnavailable, redis.RedisError)):
+        raise outcome  # Redis itself failing stops the run (resumable), not one input
+    if isinstance(outcome, BadRequest):  # refused before enqueueing (InputTooLong: too_long)
+        code = str(getattr(outcome, "code", "bad_request"))
+    else:
+        code = type(outcome).__name__
+    return Row(item.index, item.id, error_code=code, error_message=str(outcome))

@@ -1,0 +1,33 @@
+"""How deep a queue is: the one rule ``tokenq stats``/``top`` and the worker's gauges share.
+
+* **length** — entries in the request stream: waiting, and held by workers
+  (they are deleted once answered);
+* **pending** — delivered to a worker and not yet answered;
+* **lag** — not yet delivered to anyone. Before any worker made the group,
+  everything is lag. Redis cannot count lag across deleted entries (it
+  reports none), and workers delete what they answer, so then the stream
+  holds exactly what is pending plus what no one has read: ``length −
+  pending``, marked not exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Depth:
+    length: int
+    pending: int
+    lag: int
+    lag_exact: bool
+    """False when Redis gave no lag and it was derived from length and pending."""
+
+
+def depth(length: int, pending: int, *, group_exists: bool, reported_lag: object) -> Depth:
+    """The queue's depth from XLEN, the group's pending count and XINFO GROUPS' ``lag``."""
+    if not group_exists:
+        return Depth(length, 0, length, True)  # nobody has read anything yet
+    if reported_lag is None:
+        return Depth(length, pending, max(0, length - pending), False)
+    return Depth(length, pending, int(reported_lag), True)  # type: ignore[call-overload]

@@ -1,0 +1,31 @@
+"""How deep the queue is, as the worker reports it for autoscalers (KEDA, an HPA).
+
+Two commands in one round trip, once a heartbeat (not per batch): ``XLEN``
+of the request stream and the group's row of ``XINFO GROUPS``. Every
+worker of a queue reports the same numbers; a dashboard or a scaler takes
+``max by (queue)``. What length, pending and lag mean, and how lag is
+derived when Redis gives none, is :mod:`tokenq.shared.depth`.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from tokenq.shared import keys
+from tokenq.shared.depth import Depth, depth
+
+
+async def measure(client: aioredis.Redis, stream: str) -> Depth:
+    """The queue's depth now (raises RedisError, e.g. NOPERM without ``+xlen +xinfo|groups``)."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.xlen(stream)
+        pipe.xinfo_groups(stream)
+        length, groups = await pipe.execute()
+    group = next((g for g in groups if _text(g.get("name")) == keys.GROUP), None)
+    pending = int(group.get("pending") or 0) if group else 0
+    return depth(int(length), pending, group_exists=group is not None,
+                 reported_lag=group.get("lag") if group else None)
+
+
+def _text(value: object) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

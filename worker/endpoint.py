@@ -1,0 +1,106 @@
+"""The worker's HTTP endpoint on ``--metrics-port``: ``/metrics``, ``/livez``, ``/readyz``.
+
+It listens from the moment the process starts, before the model loads, so
+an orchestrator's probes have an answer during a load of minutes: ``/livez``
+200 and ``/readyz`` 503 ``model loading``. It runs in threads of its own
+(the standard library's WSGI server, one thread per request), never on the
+event loop, so it answers while a long batch holds the device thread or the
+event loop is busy; that is also what lets ``/livez`` notice a stalled loop.
+
+Routes (anything else is 404):
+
+* ``GET /metrics`` — the Prometheus text (prometheus-client's own WSGI app:
+  content negotiation, gzip); 404 when prometheus-client is not installed;
+* ``GET /livez``, ``GET /readyz`` — 200 ``ok``, or 503 with the reasons in
+  one plain-text line; the rules are :mod:`tokenq.worker.health`'s.
+
+Port 0 (the default) means no endpoint at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from tokenq.shared.errors import ConfigError
+from tokenq.worker.health import Health, Verdict
+
+log = logging.getLogger("tokenq.worker")
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a probe left hanging never holds the process open
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Probes come every few seconds: no access log line each time."""
+
+
+def app(health: Health, metrics_app: WsgiApp | None) -> WsgiApp:
+    """The WSGI application: three routes, everything else 404."""
+
+    def probe(verdict: Verdict, start_response: Callable[..., Any]) -> list[bytes]:
+        status = "200 OK" if verdict.ok else "503 Service Unavailable"
+        body = (verdict.text + "\n").encode()
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+                                ("Content-Length", str(len(body))),
+                                ("Cache-Control", "no-store")])
+        return [body]
+
+    def route(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/livez":
+            return probe(health.live(time.monotonic()), start_response)
+        if path == "/readyz":
+            return probe(health.ready(time.monotonic()), start_response)
+        if path == "/metrics" and metrics_app is not None:
+            return metrics_app(environ, start_response)
+        body = b"not found: try /metrics, /livez or /readyz\n"
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8"),
+                                         ("Content-Length", str(len(body)))])
+        return [body]
+
+    return route
+
+
+class Endpoint:
+    """The server and the thread it runs in."""
+
+    def __init__(self, server: WSGIServer) -> None:
+        self._server = server
+        self.port = server.server_address[1]
+        self._thread = threading.Thread(
+            target=server.serve_forever, name="tokenq-endpoint", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def serve(host: str, port: int, health: Health, metrics_app: WsgiApp | None) -> Endpoint | None:
+    """Start the endpoint (None for port 0); a :class:`ConfigError` when it cannot bind."""
+    if not port:
+        return None
+    server_class = _Server6 if ":" in host else _Server
+    try:
+        server = make_server(host, port, app(health, metrics_app), server_class, _QuietHandler)
+    except OSError as exc:  # port taken, address not local: say which, exit 2
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    log.info("metrics and probes on http://%s:%d (/metrics /livez /readyz)", host, port)
+    return Endpoint(server)

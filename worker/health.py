@@ -1,0 +1,136 @@
+"""Every rule behind the worker's ``/livez`` and ``/readyz`` answers, and nothing else.
+
+The loop and the command report facts here (the model loaded, Redis answered
+or not, a tick of the event loop, the watchdog fired); the HTTP endpoint
+(:mod:`tokenq.worker.endpoint`) asks :meth:`Health.live` and
+:meth:`Health.ready` from its own thread. Nothing here does I/O or reads a
+clock: every timestamp is monotonic seconds passed in by the caller.
+
+**Live** means "restarting this process would not help anything": it fails
+only for what the process itself cannot recover from —
+
+* the watchdog fired: a batch stayed on the device past ``batch_timeout_s``;
+* the event loop stalled: neither the heartbeat nor the watchdog, which
+  tick it at least every heartbeat and every second, has run for
+  ``3 × max(heartbeat_s, watchdog period)`` (the three beats after which
+  peers presume a worker dead).
+
+Redis being down is *not* a liveness failure: every worker would restart
+at once, reload its model, and find Redis still down.
+
+**Ready** means "this worker is taking work": the model loaded, the
+consumer group joined, Redis answered the last check (the heartbeat's, or
+the join's) and the heartbeat in flight has not waited more than three
+beats for an answer, the worker is not stopping, and it is live. Loading
+and joining count as live: ``/livez`` is 200 while ``/readyz`` says
+``model loading``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODEL_LOADING = "model loading"
+NOT_JOINED = "consumer group not joined"
+STOPPING = "stopping"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """An answer for a probe: ok, or the reasons it is not (short, for people)."""
+
+    ok: bool
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def text(self) -> str:
+        return "ok" if self.ok else "; ".join(self.reasons)
+
+
+class Health:
+    """What the probes know about one worker process.
+
+    Plain attributes, written by the event loop and read by the endpoint's
+    thread: each write is one atomic store, and a probe that reads a value
+    one beat old is still right.
+    """
+
+    def __init__(self, heartbeat_s: float, watchdog_period_s: float = 1.0) -> None:
+        self.stall_after_s = 3.0 * max(heartbeat_s, watchdog_period_s)
+        self._redis_after_s = 3.0 * heartbeat_s
+        self.model_loaded = False
+        self.joined = False
+        self.stopping = False
+        self.redis_error: str | None = None
+        """Why the last Redis check failed; None when it passed (or none ran yet)."""
+        self.hung: str | None = None
+        """The watchdog's reason once it fired."""
+        self._ticked: float | None = None
+        """Last tick of the event loop; None until the worker runs (and after it closed)."""
+        self._beat_since: float | None = None
+        """When the heartbeat now waiting on Redis started; None between beats."""
+
+    # ------------------------------------------------------------ facts
+
+    def loaded(self) -> None:
+        self.model_loaded = True
+
+    def redis_answered(self, error: BaseException | str | None = None) -> None:
+        """A Redis check finished: passed (None) or failed with ``error``."""
+        self.redis_error = None if error is None else (str(error) or type(error).__name__)
+
+    def running(self, now: float) -> None:
+        """The worker's tasks started: from now on the event loop must keep ticking."""
+        self.joined = True
+        self._ticked = now
+
+    def tick(self, now: float) -> None:
+        """The event loop ran one of the worker's periodic tasks."""
+        if self._ticked is not None:
+            self._ticked = now
+
+    def beat_started(self, now: float) -> None:
+        self.tick(now)
+        self._beat_since = now
+
+    def beat_finished(self, error: BaseException | None = None) -> None:
+        self._beat_since = None
+        self.redis_answered(error)
+
+    def device_hung(self, reason: str) -> None:
+        self.hung = reason
+
+    def closed(self) -> None:
+        """The worker's tasks ended (the process is about to exit): stop expecting ticks."""
+        self.stopping = True
+        self._ticked = None
+        self._beat_since = None
+
+    # --------------------------------------------------------- verdicts
+
+    def live(self, now: float) -> Verdict:
+        if self.hung is not None:
+            return Verdict(False, (f"device hung: {self.hung}",))
+        if self._ticked is not None and now - self._ticked > self.stall_after_s:
+            return Verdict(False, (
+                f"event loop stalled: no heartbeat or watchdog tick for "
+                f"{now - self._ticked:.1f}s",
+            ))
+        return Verdict(True)
+
+    def ready(self, now: float) -> Verdict:
+        reasons: list[str] = []
+        if not self.model_loaded:
+            reasons.append(MODEL_LOADING)
+        elif not self.joined:
+            reasons.append(NOT_JOINED)
+        since = self._beat_since
+        if since is not None and now - since > self._redis_after_s:
+            reasons.append(f"redis unreachable: no answer for {now - since:.1f}s")
+        elif self.redis_error is not None:
+            reasons.append(f"redis unreachable: {self.redis_error}")
+        if self.stopping:
+            reasons.append(STOPPING)
+        live = self.live(now)
+        reasons += live.reasons
+        return Verdict(not reasons, tuple(reasons))
