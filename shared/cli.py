@@ -350,7 +350,7 @@ def is_wrong_type(exc: BaseException) -> bool:
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
-    """``n`` and the noun that agrees with it: "1 dead letter", "2 dead letters", "0 batches".
+    """``n`` and the noun that agrees with it: "1 dead letter", "2 dead letters", "1,204 batches".
 
     ``words`` is the plural when adding "s" (or "es" after s, x, ch, sh) is wrong.
     """
@@ -358,7 +358,7 @@ def plural(n: int, word: str, words: str | None = None) -> str:
         return f"{n} {word}"
     if words is None:
         words = word + ("es" if word.endswith(("s", "x", "ch", "sh")) else "s")
-    return f"{n} {words}"
+    return f"{n:,} {words}"
 
 
 def one_line(text: str) -> str:

@@ -238,7 +238,7 @@ def test_worker_logs_json_lines_with_startup_batch_and_exit_lines(
     assert any(level == "INFO" and "budget=" in m and worker.name in m for level, m in messages)
     assert any(level == "DEBUG" and m.startswith("batch rows=1 ") for level, m in messages)
     [stopped] = [r for r in records if r.get("event") == "worker_stopped"]
-    assert re.match(rf"worker {worker.name} stopped after [0-9.]+s: 1 requests ok, ",
+    assert re.match(rf"worker {worker.name} stopped after [0-9.]+s: 1 request ok, ",
                     stopped["message"]), stopped["message"]
     assert stopped["worker"] == worker.name
     assert (stopped["requests_ok"], stopped["requests_failed"], stopped["batches"]) == (1, 0, 1)
@@ -271,3 +271,7 @@ def test_exit_line_reads_large_numbers_with_separators():
         "0 reclaimed, 0 dead-lettered"
     )
     assert json.loads(json.dumps(fields))["device_s"] == 12.345
+    one = WorkerStats(started_at=0.0, requests_ok=1, batches=1, tokens=1, padded_tokens=1,
+                      oom_splits=1).exit_fields("w1", now=1.0)
+    assert ": 1 request ok, 0 failed, 1 batch, 1 token " in exit_line(one)
+    assert "1 OOM split," in exit_line(one)

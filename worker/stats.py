@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenq.shared.cli import plural
+
 log = logging.getLogger("tokenq.worker")
 
 
@@ -90,10 +92,10 @@ def exit_line(fields: dict[str, Any]) -> str:
     """:meth:`WorkerStats.exit_fields` as one line a person reads at a glance."""
     return (
         f"worker {fields['worker']} stopped after {_duration(fields['uptime_s'])}: "
-        f"{fields['requests_ok']:,} requests ok, {fields['requests_failed']:,} failed, "
-        f"{fields['batches']:,} batches, {fields['tokens']:,} tokens "
+        f"{plural(fields['requests_ok'], 'request')} ok, {fields['requests_failed']:,} failed, "
+        f"{plural(fields['batches'], 'batch')}, {plural(fields['tokens'], 'token')} "
         f"(padding efficiency {fields['padding_efficiency']:.2f}), "
-        f"{fields['device_s']:,.1f}s on the device, {fields['oom_splits']:,} OOM splits, "
+        f"{fields['device_s']:,.1f}s on the device, {plural(fields['oom_splits'], 'OOM split')}, "
         f"{fields['reclaimed']:,} reclaimed, {fields['dead_lettered']:,} dead-lettered"
     )
 
