@@ -250,6 +250,15 @@ class AsyncClient(ProducerBase):
             for request_id in listening:
                 self._waiters.pop(request_id, None)
 
+    async def _durable_enqueue(
+        self, *, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            await self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            written, confirmed = await pipe.execute()
+        return written, int(confirmed)
+
     async def _perform(self, step: calls.Step) -> Any:
         match step:
             case calls.Send(command, args, kwargs, deadline):

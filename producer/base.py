@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tokenq.producer.calls import DURABLE_ENQUEUE
 from tokenq.producer.config import DEFAULT_CONFIG_TTL_S
 from tokenq.producer.core import ClientCore, EstimatorChoice, make_settings
 from tokenq.shared.settings import ClientSettings
@@ -51,9 +52,18 @@ class ProducerBase:
         raise NotImplementedError
 
     def _command(self, name: str) -> Callable[..., Any]:
-        """What a :class:`~tokenq.producer.calls.Send` named: a redis-py method, or the script."""
+        """What a :class:`~tokenq.producer.calls.Send` named: a redis-py method, a script,
+        or :data:`~tokenq.producer.calls.DURABLE_ENQUEUE`."""
+        if name == DURABLE_ENQUEUE:
+            return self._durable_enqueue
         script = self._scripts.get(name)
         return script if script is not None else getattr(self._redis, name)
+
+    def _durable_enqueue(
+        self, *, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
+    ) -> Any:
+        """The enqueue script and ``WAIT`` in one pipeline, so both run on one connection."""
+        raise NotImplementedError
 
     @property
     def queue(self) -> str:

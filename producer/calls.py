@@ -60,6 +60,11 @@ ENQUEUE = "enqueue"
 PEEK = "peek_replies"
 """The :class:`Send` command name of peek_replies.lua, which each client loads too."""
 
+DURABLE_ENQUEUE = "durable_enqueue"
+"""The :class:`Send` command name of a durable enqueue: the enqueue script, then ``WAIT
+replicas timeout_ms``, pipelined on one connection (WAIT counts only the writes of the
+connection it runs on). Answer: the script's reply and how many replicas confirmed."""
+
 SCRIPTS = {ENQUEUE: ENQUEUE_SCRIPT, PEEK: PEEK_SCRIPT}
 """Every script a :class:`Send` may name, by name: what each client registers."""
 
@@ -243,11 +248,19 @@ def enqueue(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> 
     """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit."""
     if not batch:
         return
+    replicas = core.settings.durable_replicas
     try:
         # With ``persist`` a lost reply is retried with the same ids and
         # seen keys, which the script answers without adding anything.
-        yield from command(
-            core, deadline, ENQUEUE, keys=core.script_keys(batch), args=core.script_args(batch)
+        if not replicas:
+            yield from command(
+                core, deadline, ENQUEUE, keys=core.script_keys(batch), args=core.script_args(batch)
+            )
+            return
+        wait_ms = max(1, min(core.settings.durable_timeout_ms, int(deadline.remaining() * 1000)))
+        _, confirmed = yield from command(
+            core, deadline, DURABLE_ENQUEUE, keys=core.script_keys(batch),
+            args=core.script_args(batch), replicas=replicas, timeout_ms=wait_ms,
         )
     except OutOfMemory:
         raise core.broker_full(len(batch)) from None
@@ -256,6 +269,8 @@ def enqueue(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> 
         if full is None:
             raise
         raise full from None
+    if confirmed < replicas:
+        raise core.not_replicated(batch, confirmed, wait_ms)
 
 
 def queue_length(core: ClientCore) -> Call[int]:

@@ -90,6 +90,15 @@ class Client(ProducerBase):
             name: self._redis.register_script(source) for name, source in calls.SCRIPTS.items()
         }
 
+    def _durable_enqueue(
+        self, *, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
+    ) -> tuple[Any, int]:
+        with self._redis.pipeline(transaction=False) as pipe:
+            self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            written, confirmed = pipe.execute()
+        return written, int(confirmed)
+
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:

@@ -49,6 +49,7 @@ from tokenq.shared.errors import (
     BrokerUnavailable,
     DecodeError,
     ErrorCode,
+    NotReplicated,
     QueueFull,
     RemoteError,
     TokenqError,
@@ -631,6 +632,18 @@ class ClientCore:
         return QueueFull(
             f"queue {self.queue.name!r} holds {full.length} of at most {full.limit} requests; "
             f"{full.adding or n} more would not fit, so nothing was written"
+        )
+
+    def not_replicated(
+        self, batch: Sequence[Prepared], confirmed: int, waited_ms: int
+    ) -> NotReplicated:
+        """The :class:`NotReplicated` for a durable enqueue too few replicas confirmed."""
+        wanted = self.settings.durable_replicas
+        return NotReplicated(
+            f"{plural(len(batch), 'request')} written to {self.url} for queue "
+            f"{self.queue.name!r}, but {confirmed} of {wanted} replicas confirmed within "
+            f"{waited_ms} ms: they are queued, and would be lost if the primary failed now",
+            tuple(prepared.id for prepared in batch),
         )
 
     def broker_full(self, n: int) -> QueueFull:

@@ -48,6 +48,19 @@ class BrokerUnavailable(TokenqError, ConnectionError):
     """Redis could not be reached before the caller's timeout."""
 
 
+class NotReplicated(TokenqError):
+    """A durable enqueue was written on the primary, but too few replicas confirmed it in time.
+
+    The requests *are* in the queue and will be answered unless the primary
+    fails before its replicas catch up; ``request_ids`` names them, so a
+    caller can wait for their results or decide to give up on them.
+    """
+
+    def __init__(self, message: str, request_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 class DeviceOutOfMemory(TokenqError, MemoryError):
     """A backend ran out of device memory on a batch (retried by splitting it)."""
 

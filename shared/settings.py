@@ -330,6 +330,21 @@ class ClientSettings(_QueueLimit, _Requests):
         description="remember enqueued request ids this long, so a retried enqueue "
         "cannot add a request twice (0: off)",
     )
+    durable_replicas: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="durable enqueue: each enqueue returns only once this many replicas have "
+        "it (Redis WAIT, on the connection that wrote it), so an accepted request survives a "
+        "failover; fewer in time raises NotReplicated (0: off, return once the primary has it)",
+    )
+    durable_timeout_ms: int = Field(
+        1000,
+        ge=1,
+        le=600_000,
+        description="longest a durable enqueue waits for its replicas (never past the call's "
+        "own timeout)",
+    )
 
 
 class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):

@@ -132,7 +132,7 @@ def test_interruptions_at_any_point_lose_nothing_and_double_nothing(
     SIGTERM), then run to the end: every line is in the output exactly once,
     in order, and every interruption kept what had come back."""
     # A slow device so each run is still going when it is interrupted.
-    worker = sim_worker("--sim-batch-ms", "30", "--max-batch-size", "8")
+    worker = sim_worker("--sim-batch-ms", "60", "--max-batch-size", "8")
     records = [{"id": f"doc-{i}", "text": text} for i, text in enumerate(texts(240, seed=2))]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(record) + "\n" for record in records))
@@ -145,7 +145,7 @@ def test_interruptions_at_any_point_lose_nothing_and_double_nothing(
     def rows_run() -> int:
         return sum(batch["rows"] for batch in worker.batches())
 
-    def interrupted(sig: signal.Signals, ready: object) -> str:
+    def interrupted(sig: signal.Signals, ready: object, settle_s: float = 0.0) -> str:
         started = rows_run()
         process = subprocess.Popen([sys.executable, "-m", "tokenq.shared.cli", *args],
                                    env=env, stderr=subprocess.PIPE, text=True)
@@ -153,6 +153,9 @@ def test_interruptions_at_any_point_lose_nothing_and_double_nothing(
             # ``ready`` sees how many rows the worker ran since this run started.
             wait_for(lambda: partial.exists() and ready(rows_run() - started), timeout=30,
                      what="the point to interrupt at")
+            # Rows the worker ran are published at once, but the client takes them a
+            # moment later: on a loaded machine, give it that moment (about two batches).
+            time.sleep(settle_s)
             process.send_signal(sig)
             _, err = process.communicate(timeout=30)
         finally:
@@ -165,10 +168,10 @@ def test_interruptions_at_any_point_lose_nothing_and_double_nothing(
         return err
 
     interrupted(signal.SIGINT, lambda ran: True)  # as soon as it has started
-    saved = [_saved(interrupted(signal.SIGINT, lambda ran: ran >= 64))]
+    saved = [_saved(interrupted(signal.SIGINT, lambda ran: ran >= 64, settle_s=0.15))]
     # The run above had at most 32 inputs out and 32 abandoned ahead of them: with 64
     # rows run, some of its own results were back, and the interruption kept them.
-    saved.append(_saved(interrupted(signal.SIGTERM, lambda ran: ran >= 64)))
+    saved.append(_saved(interrupted(signal.SIGTERM, lambda ran: ran >= 64, settle_s=0.15)))
     last = tokenq(*args, env=env, timeout=60)
     assert last.returncode == 0, last.stderr
     saved.append(_saved(last.stderr))

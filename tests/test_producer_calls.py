@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 import redis
 
-from tokenq.producer import BrokerUnavailable, QueueFull, ReplyTimeout, Result, calls
+from tokenq.producer import (
+    BrokerUnavailable,
+    NotReplicated,
+    QueueFull,
+    ReplyTimeout,
+    Result,
+    calls,
+)
 from tokenq.producer.connection import failure
 from tokenq.producer.core import ClientCore
 from tokenq.shared import wire
@@ -61,6 +68,24 @@ def test_queue_full_is_refused_and_other_error_replies_stay_redis_errors() -> No
     calls.resume(call)
     with pytest.raises(redis.ResponseError, match="NOPERM"):
         fail(call, redis.ResponseError("NOPERM no access"))
+
+
+def test_a_durable_enqueue_waits_within_the_call_and_refuses_a_shortfall() -> None:
+    """One step carries the script and WAIT (one connection); WAIT never outlasts the call."""
+    core = fresh_core(durable_replicas=2, durable_timeout_ms=5000, timeout_s=1)
+    call = calls.submit(core, "a", None, {})
+    step = calls.resume(call)
+    assert isinstance(step, calls.Send) and step.command == calls.DURABLE_ENQUEUE
+    assert step.kwargs["replicas"] == 2 and 1 <= step.kwargs["timeout_ms"] <= 1000
+    done = answer(call, ([b"1-0"], 2))
+    assert isinstance(done, calls.Done)
+    call = calls.submit(core, "a", None, {})
+    calls.resume(call)
+    with pytest.raises(NotReplicated, match="1 of 2 replicas") as info:
+        answer(call, ([b"1-0"], 1))
+    assert len(info.value.request_ids) == 1
+    call = calls.submit(fresh_core(), "a", None, {})  # not durable: the plain script
+    assert calls.resume(call).command == calls.ENQUEUE  # type: ignore[union-attr]
 
 
 def test_infer_retries_a_lost_enqueue_with_the_same_entries() -> None:
