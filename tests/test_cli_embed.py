@@ -476,3 +476,19 @@ def test_a_result_prints_short():
     assert repr(labelled) == "Result(id='r2', scores={'pos': 0.9, 'neg': 0.1}, tokens=5)"
     many = Result("r3", None, None, tuple(float(i) for i in range(10)), None)
     assert repr(many) == "Result(id='r3', scores=[0, 1, 2, … 10 values], tokens=None)"
+
+
+def test_an_interruption_keeps_what_finished_among_cancelled_and_failed_groups():
+    """What an interruption saves: groups that finished with rows, whatever else the pool
+    holds; a group cancelled before it was sent (``cancel_futures``) must not raise."""
+    from concurrent.futures import Future
+
+    from tokenq.producer import ReplyTimeout
+    from tokenq.producer.ops.embed_pump import answered
+
+    done, failed, cancelled, running = Future(), Future(), Future(), Future()
+    done.set_result(["row"])
+    failed.set_exception(ReplyTimeout(["r1"], 1.0))
+    cancelled.cancel()
+    running.set_running_or_notify_cancel()
+    assert answered([done, failed, cancelled, running]) == [done]

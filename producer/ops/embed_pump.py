@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -48,6 +48,8 @@ from tokenq.producer.ops.embed_io import Checkpoint, Item, Row, read_items
 from tokenq.producer.ops.progress import Progress
 from tokenq.shared.cli import CommandFailed, plural
 from tokenq.shared.settings import EmbedSettings
+
+T = TypeVar("T")
 
 _QUEUE_FULL_PAUSE_S = 0.5
 
@@ -148,11 +150,18 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
         pool.shutdown(wait=False, cancel_futures=True)
         with held():
             chunks.judged = True  # no verdict now: what is back is saved, whatever it is
-            for future in [f for f in outstanding if f.done() and f.exception() is None]:
+            for future in answered(outstanding):
                 chunks.received(outstanding.pop(future), future.result())
             chunks.save()
         raise
     pool.shutdown()
+
+
+def answered(futures: Iterable[Future[T]]) -> list[Future[T]]:
+    """The futures that finished with a result: not running, not failed, and not
+    cancelled (an interruption cancels the groups not yet sent, and asking a
+    cancelled future for its exception raises)."""
+    return [f for f in futures if f.done() and not f.cancelled() and f.exception() is None]
 
 
 class _Chunks:
