@@ -144,3 +144,7 @@ def test_real(tmp_path: Path) -> None:
     assert set(result["ratios"]) >= {"tokenq_over_st", "tokenq_over_ideal"}
     # Same model, same inputs: tokenq's vectors are sentence-transformers' vectors.
     assert result["config"]["min_cosine_tokenq_vs_st"] > 0.999
+
+
+# Minutes of real workers and models: CI runs them; `-m 'not slow'` skips them.
+pytestmark = pytest.mark.slow

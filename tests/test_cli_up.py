@@ -155,6 +155,7 @@ def test_up_starts_redis_and_workers_prints_the_url_and_stops_on_ctrl_c(
     assert "signal SIGINT: stopping" in stderr and " stopped after " in stderr
 
 
+@pytest.mark.slow
 def test_up_with_an_existing_redis_starts_only_workers(redis_url, queue_name, r, spawn):
     process = spawn(
         [sys.executable, "-m", "tokenq.shared.cli", "up", "--redis-url", redis_url,

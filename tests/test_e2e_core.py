@@ -167,6 +167,7 @@ def collect(r: redis.Redis, reply_to: str, expected: int, timeout: float) -> lis
     return replies
 
 
+@pytest.mark.slow
 def test_ten_thousand_mixed_requests_through_two_workers(start_worker, r, queue_name):
     budget = 16384
     workers = [start_worker("--max-batch-tokens", str(budget), "--max-batch-size", "256")

@@ -691,3 +691,7 @@ def test_gpu_check_skips_cleanly_without_cuda() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no CUDA device; skipped" in done.stdout
+
+
+# Minutes of real workers and models: CI runs them; `-m 'not slow'` skips them.
+pytestmark = pytest.mark.slow

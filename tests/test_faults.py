@@ -185,6 +185,7 @@ def env_for(worker_env: dict[str, str], url: str) -> dict[str, str]:
 # ------------------------------------------------------------------ 1. kill -9
 
 
+@pytest.mark.slow
 def test_kill_9_workers_repeatedly_every_request_answered_once(fleet, r, redis_url, queue_name):
     """kill -9 a worker again and again under load; replacements start; nothing lost or doubled."""
     n = scaled(4000)

@@ -264,6 +264,7 @@ def test_deadlines_are_measured_on_redis_clock_whatever_the_worker_clock(
 # ------------------------------------------------------------ 6. bounded memory
 
 
+@pytest.mark.slow
 def test_read_ahead_is_bounded_in_bytes_when_tokens_claim_nothing(fleet, r, queue_name):
     """200 KB texts claiming tokens=0: the worker holds about read_ahead_bytes, not 1,024."""
     q = keys.QueueRef(queue_name)

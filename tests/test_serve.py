@@ -321,6 +321,7 @@ def sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x))
 
 
+@pytest.mark.slow  # three hf workers: about a minute to start
 def test_rerank_ranks_the_queues_own_scores(hf):
     pairs = [(QUERY, text) for text in PASSAGES]
     own = [result.scores[0] for result in direct(hf, hf.rerank, pairs)]
@@ -354,6 +355,7 @@ def test_rerank_ranks_the_queues_own_scores(hf):
         assert list(http.get("/info").json()["model_type"]) == ["reranker"]
 
 
+@pytest.mark.slow  # three hf workers: about a minute to start
 def test_predict_answers_the_queues_labels_and_scores(hf):
     texts = ["hello world", "the cat", "狗"]
     own = direct(hf, hf.classify, texts)
@@ -384,6 +386,7 @@ def test_predict_answers_the_queues_labels_and_scores(hf):
                                        "label2id": {n: i for i, n in enumerate(CLASS_NAMES)}}}
 
 
+@pytest.mark.slow  # three hf workers: about a minute to start
 def test_embedding_options_reach_the_hf_worker(hf):
     text = "hello world"
     default, = direct(hf, hf.embed, [text])
