@@ -39,10 +39,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
-from tokenq.producer import calls, connection
+from tokenq.producer import calls, connection, nodes
 from tokenq.producer.base import ProducerBase
 from tokenq.producer.core import (
     DEADLINE_GRACE_S,
+    ClientCore,
     Deadline,
     Outcome,
     Result,
@@ -98,11 +99,16 @@ class AsyncClient(ProducerBase):
             self.client_id,
             DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
         )
+        # One listener per reply key: a sharded queue's replies land in each
+        # shard's slot, so each shard has a key (and a connection) of its own.
+        self._listen_clients: dict[str, Any] = {self._reply_key: self._listen_redis}
+        self._listeners: dict[str, asyncio.Task[None]] = {}
+        self._node_clients: dict[str, Any] = {}
+        """Plain clients of Cluster nodes, for what must run on one connection (durable)."""
         self._scripts = {
             name: self._redis.register_script(source) for name, source in calls.SCRIPTS.items()
         }
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
-        self._listener: asyncio.Task[None] | None = None
         self._unreachable: BaseException | None = None
         self._closing = False
         self._config_task: asyncio.Task[dict[str, str]] | None = None
@@ -113,34 +119,40 @@ class AsyncClient(ProducerBase):
     async def aclose(self) -> None:
         """Stop the listener, fail whoever still waits, close every connection."""
         self._closing = True
-        listener = self._listener
-        if listener is not None and not listener.done():
+        listeners, self._listeners = self._listeners, {}
+        for key, listener in listeners.items():
+            if listener.done():
+                continue
             listener.cancel()
             done, _ = await asyncio.wait({listener}, timeout=_CANCEL_GRACE_S)
             if not done:
                 # redis-py can swallow a cancel that lands while a command is
                 # being sent; the BLMOVE then runs its course. Wake it instead.
-                await self._wake_listener()
+                await self._wake_listener(key)
                 await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
-        self._listener = None
         for future in self._waiters.values():
             if not future.done():
                 future.set_exception(TokenqError("the AsyncClient was closed while waiting"))
-        await self._listen_redis.aclose()
+        for client in (*self._listen_clients.values(), *self._node_clients.values()):
+            await client.aclose()
         await self._redis.aclose()
 
-    async def _wake_listener(self) -> None:
-        """Push a marker that ends the listener's BLMOVE at once (it expires unread if unneeded)."""
+    async def _wake_listener(self, key: str) -> None:
+        """Push a marker that ends a listener's BLMOVE at once (it expires unread if unneeded)."""
         try:
-            await self._attempt(time.monotonic() + _WAKE_WAIT_S, self._push_wake)
+            await self._attempt(time.monotonic() + _WAKE_WAIT_S, self._push_wake, key)
         except redis.RedisError as exc:  # down, or an ACL without RPUSH: closing must not fail
             log.debug("could not wake the reply listener (%s); it stops after its wait", exc)
 
-    async def _push_wake(self) -> None:
+    async def _push_wake(self, key: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.rpush(self._reply_key, _WAKE)
-            pipe.pexpire(self._reply_key, _WAKE_TTL_MS)
+            pipe.rpush(key, _WAKE)
+            pipe.pexpire(key, _WAKE_TTL_MS)
             await pipe.execute()
+
+    def _listen_key(self, core: ClientCore) -> str:
+        """The reply key this client's listener reads for requests written through ``core``."""
+        return core.reply_key(self.client_id)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -189,7 +201,7 @@ class AsyncClient(ProducerBase):
         :meth:`tokenq.producer.Client.infer`).
         """
         self._check_open()
-        call = calls.infer(self._core, text, text_pair, timeout_s, options, self._reply_key)
+        call = calls.infer(self._core, text, text_pair, timeout_s, options, self._listen_key)
         return await self._run(call)
 
     async def infer_many(
@@ -199,7 +211,7 @@ class AsyncClient(ProducerBase):
         """Enqueue a batch all or nothing and wait for every result, in input order."""
         self._check_open()
         call = calls.infer_many(
-            self._core, texts, timeout_s, return_exceptions, options, self._reply_key
+            self._core, texts, timeout_s, return_exceptions, options, self._listen_key
         )
         return await self._run(call)
 
@@ -253,11 +265,17 @@ class AsyncClient(ProducerBase):
     async def _durable_enqueue(
         self, *, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
     ) -> tuple[Any, int]:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            await self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", replicas, timeout_ms)
-            written, confirmed = await pipe.execute()
-        return written, int(confirmed)
+        for attempt in (1, 2):
+            node = await nodes.async_node_for(self._redis, keys[0], self._node_clients)
+            try:
+                async with node.pipeline(transaction=False) as pipe:
+                    await self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
+                    pipe.execute_command("WAIT", replicas, timeout_ms)
+                    written, confirmed = await pipe.execute()
+                return written, int(confirmed)
+            except redis.exceptions.MovedError:
+                await nodes.async_moved(self._redis, last=attempt == 2)
+        raise AssertionError("unreachable")
 
     async def _perform(self, step: calls.Step) -> Any:
         match step:
@@ -269,8 +287,8 @@ class AsyncClient(ProducerBase):
                 await self._share_config_read(deadline)
             case calls.LoadTokenizer(path, deadline):
                 await self._load_tokenizer(path, deadline)
-            case calls.Listen(ids):
-                self._listen_for(ids)
+            case calls.Listen(ids, key):
+                self._listen_for(ids, key)
             case calls.Collect(ids, deadline):
                 return await self._collect(ids, deadline)
         return None
@@ -345,11 +363,11 @@ class AsyncClient(ProducerBase):
 
     # ------------------------------------------------------------- listener
 
-    def _listen_for(self, ids: Sequence[str]) -> None:
-        """Give each id a future the listener resolves, and make sure it is listening."""
+    def _listen_for(self, ids: Sequence[str], key: str) -> None:
+        """Give each id a future the listener of ``key`` resolves; make sure it is listening."""
         loop = asyncio.get_running_loop()
         self._waiters.update({request_id: loop.create_future() for request_id in ids})
-        self._ensure_listener()
+        self._ensure_listener(key)
 
     async def _collect(
         self, ids: Sequence[str], deadline: Deadline
@@ -366,14 +384,19 @@ class AsyncClient(ProducerBase):
         }
         return outcomes, self._unreachable
 
-    def _ensure_listener(self) -> None:
-        """Start the listener unless it is running (it stops when nobody waits)."""
-        if self._listener is None or self._listener.done():
-            self._listener = asyncio.get_running_loop().create_task(
-                self._listen(), name=f"tokenq-listener-{self.client_id[:12]}"
+    def _ensure_listener(self, key: str) -> None:
+        """Start the listener of ``key`` unless it is running (it stops when nobody waits)."""
+        listener = self._listeners.get(key)
+        if listener is None or listener.done():
+            if key not in self._listen_clients:
+                _, self._listen_clients[key] = connection.async_redis(
+                    self.settings, self.client_id, 1
+                )
+            self._listeners[key] = asyncio.get_running_loop().create_task(
+                self._listen(key), name=f"tokenq-listener-{self.client_id[:12]}"
             )
 
-    async def _listen(self) -> None:
+    async def _listen(self, key: str) -> None:
         """Read the client's reply key while anyone waits; resolve futures by id.
 
         Nothing is removed before it is in hand (docs/RELIABILITY.md): LRANGE
@@ -383,8 +406,7 @@ class AsyncClient(ProducerBase):
         twice (its LTRIM failed) finds its future done and is dropped.
         """
         failures = 0
-        redis_ = self._listen_redis
-        key = self._reply_key
+        redis_ = self._listen_clients[key]
         while self._waiters and not self._closing:
             landed: list[bytes] = []  # what was read is delivered even if a later command fails
             failed = True

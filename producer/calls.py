@@ -51,6 +51,7 @@ from tokenq.producer.core import (
     backoff_s,
 )
 from tokenq.producer.options import RequestOptions, SubmitOptions, refuse_unknown
+from tokenq.shared import keys
 
 T = TypeVar("T")
 
@@ -146,9 +147,10 @@ class LoadTokenizer:
 
 @dataclass(frozen=True, slots=True)
 class Listen:
-    """Have the client's listener keep the replies to ``ids``. Answer: None."""
+    """Have the client's listener of ``key`` keep the replies to ``ids``. Answer: None."""
 
     ids: tuple[str, ...]
+    key: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,9 @@ class Collect:
 
 
 Step = Send | Sleep | ShareConfigRead | LoadTokenizer | Listen | Collect
+
+Listener = Callable[["ClientCore"], str]
+"""The reply key a client's listener reads for requests written through a core (shard)."""
 Call = Generator[Step, Any, T]
 """A call in progress: yields steps, is sent their answers, returns the call's value."""
 
@@ -244,10 +249,44 @@ def ensure_config(core: ClientCore, deadline: Deadline) -> Call[None]:
         yield ShareConfigRead(deadline)
 
 
+def choose_shard(
+    core: ClientCore, deadline: Deadline, reply_to: object = None
+) -> Call[ClientCore]:
+    """The core (shard) this enqueueing call writes through; ``core`` itself unsharded.
+
+    A ``reply_to`` in one shard's reply namespace pins the call to that
+    shard (a worker answers only within its request's shard). Otherwise,
+    with ``shard_choice="shortest"`` the shards' lengths are read first when
+    the last reading is stale: one XLEN per shard (in a Cluster each is on
+    its own node). A refused XLEN (an ACL) leaves the choice round robin.
+    """
+    count = core.shards()
+    if count > 1 and isinstance(reply_to, str):
+        pinned = keys.shard_of_reply_key(core.queue, count, reply_to)
+        if pinned is not None:
+            return core.lane(pinned)
+    if count > 1 and core.chooser.lengths_due(count, time.monotonic()):
+        lengths = []
+        try:
+            for shard in range(count):
+                lane = core.lane(shard)
+                lengths.append(int((yield from command(lane, deadline, "xlen", lane.stream_key))))
+        except ErrorReply as refused:
+            log.debug("cannot read the shards' lengths (%s); choosing round robin", refused.error)
+            lengths = []
+        core.chooser.take_lengths(lengths, time.monotonic())
+    return core.pick()
+
+
 def enqueue(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> Call[None]:
     """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit."""
     if not batch:
         return
+    yield from _write(core, batch, deadline)
+    core.chooser.added(core.shard, len(batch))
+
+
+def _write(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> Call[None]:
     replicas = core.settings.durable_replicas
     try:
         # With ``persist`` a lost reply is retried with the same ids and
@@ -274,8 +313,13 @@ def enqueue(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> 
 
 
 def queue_length(core: ClientCore) -> Call[int]:
-    """XLEN of the queue's stream (pending and in flight)."""
-    return int((yield from command(core, core.deadline(), "xlen", core.stream_key)))
+    """XLEN of the queue's stream (pending and in flight); summed over a sharded queue's."""
+    deadline = core.deadline()
+    yield from ensure_config(core, deadline)
+    total = 0
+    for lane in core.lanes():
+        total += int((yield from command(lane, deadline, "xlen", lane.stream_key)))
+    return total
 
 
 def workers_alive(core: ClientCore) -> Call[int]:
@@ -295,20 +339,27 @@ def _poll(
     pending: Sized,
     pop: Callable[[float, list[Any]], Call[None]],
     take: Callable[[Any], None],
+    *,
+    at_least_once: bool = False,
 ) -> Call[BaseException | None]:
     """Pop replies with ``pop`` and hand each to ``take`` until none is ``pending`` or the deadline.
 
     Each pop blocks at most ``core.block_s`` (under the socket timeout), so
     the loop, not redis-py, waits out the caller's time; an outage is
     backed off and tried again until then. What a pop got counts even if a
-    later command of it failed. Returns Redis's last outage, or None.
+    later command of it failed. ``at_least_once`` pops once (for the
+    shortest block) even past the deadline: replies that landed while the
+    caller waited on another shard are in hand, not timed out. Returns
+    Redis's last outage, or None.
     """
     unreachable: BaseException | None = None
     failures = 0
+    tried = not at_least_once
     while pending:
         remaining = deadline.remaining()
-        if remaining <= 0:
+        if remaining <= 0 and tried:
             break
+        tried = True
         popped: list[Any] = []
         try:
             yield from pop(core.block_s(remaining), popped)
@@ -359,6 +410,15 @@ def why_unanswered(core: ClientCore, missing: Sequence[str]) -> Call[str | None]
 def own_keys(
     core: ClientCore, wanted: dict[str, str], deadline: Deadline, started: float
 ) -> Call[Outcomes]:
+    """:func:`own_replies` of ``wanted``, then every one still missing recorded as such."""
+    outcomes, unreachable = yield from own_replies(core, wanted, deadline)
+    yield from _missing(core, list(wanted.values()), outcomes, started, unreachable)
+    return outcomes
+
+
+def own_replies(
+    core: ClientCore, wanted: dict[str, str], deadline: Deadline, *, at_least_once: bool = False
+) -> Call[tuple[Outcomes, BaseException | None]]:
     """Outcomes of requests whose replies land on their own keys (``wanted``: key -> id).
 
     Nothing is removed before it is in hand (docs/RELIABILITY.md, "A reply
@@ -389,11 +449,10 @@ def own_keys(
         core.own_key_reply(wanted, key, raw, outcomes)
         read.append(key)
 
-    unreachable = yield from _poll(core, deadline, wanted, pop, take)
+    unreachable = yield from _poll(core, deadline, wanted, pop, take, at_least_once=at_least_once)
     if read:
         yield from _forget(deadline, "delete", *read)
-    yield from _missing(core, list(wanted.values()), outcomes, started, unreachable)
-    return outcomes
+    return outcomes, unreachable
 
 
 _ROTATE = {"src": "LEFT", "dest": "RIGHT"}
@@ -455,11 +514,11 @@ def drain(
 
 
 def listened(
-    core: ClientCore, batch: Sequence[Prepared], deadline: Deadline, started: float
+    core: ClientCore, batch: Sequence[Prepared], deadline: Deadline, started: float, key: str
 ) -> Call[Outcomes]:
-    """Enqueue ``batch`` and collect what the client's listener resolves for it."""
+    """Enqueue ``batch`` and collect what the client's listener of ``key`` resolves for it."""
     ids = tuple(p.id for p in batch)
-    yield Listen(ids)  # before enqueueing: a reply may beat the script's answer
+    yield Listen(ids, key)  # before enqueueing: a reply may beat the script's answer
     yield from enqueue(core, batch, deadline)
     outcomes, unreachable = yield Collect(ids, deadline)
     missing = [i for i in ids if i not in outcomes]
@@ -477,6 +536,7 @@ def submit(
     refuse_unknown(options, SubmitOptions, "submit")
     deadline = core.deadline()
     yield from ensure_config(core, deadline)
+    core = yield from choose_shard(core, deadline, options.get("reply_to"))
     prepared = core.prepare(text, now_ms=_now_ms(), text_pair=text_pair, **options)
     yield from enqueue(core, [prepared], deadline)
     return prepared.id
@@ -489,6 +549,7 @@ def submit_many(
     refuse_unknown(options, SubmitOptions, "submit_many")
     deadline = core.deadline()
     yield from ensure_config(core, deadline)
+    core = yield from choose_shard(core, deadline, options.get("reply_to"))
     batch = core.prepare_many(texts, now_ms=_now_ms(), **options)
     yield from enqueue(core, batch, deadline)
     return [p.id for p in batch]
@@ -497,11 +558,28 @@ def submit_many(
 def results(
     core: ClientCore, request_ids: Sequence[str], timeout_s: float | None, return_exceptions: bool
 ) -> Call[list[Any]]:
-    """Wait for submitted requests' replies on their own keys; outcomes in input order."""
+    """Wait for submitted requests' replies on their own keys; outcomes in input order.
+
+    Requests of a sharded queue are waited for shard by shard (one script
+    may read keys of one slot only), all within the one deadline.
+    """
     started = time.monotonic()
     deadline = Deadline(started + core.timeout(timeout_s))
-    wanted = core.reply_keys(request_ids)
-    outcomes = yield from own_keys(core, wanted, deadline, started)
+    by_shard: dict[int | None, dict[str, str]] = {}
+    for key, request_id in core.reply_keys(request_ids).items():
+        by_shard.setdefault(core.lane_of(request_id).shard, {})[key] = request_id
+    if len(by_shard) == 1:
+        (shard, wanted), = by_shard.items()
+        outcomes = yield from own_keys(core.lane(shard), wanted, deadline, started)
+        return core.settle(request_ids, outcomes, return_exceptions)
+    outcomes: Outcomes = {}
+    unreachable: BaseException | None = None
+    for shard, wanted in by_shard.items():
+        got, down = yield from own_replies(core.lane(shard), wanted, deadline, at_least_once=True)
+        outcomes.update(got)
+        unreachable = unreachable or down
+    missing = [i for i in dict.fromkeys(request_ids) if i not in outcomes]
+    yield from _missing(core, missing, outcomes, started, unreachable)
     return core.settle(request_ids, outcomes, return_exceptions)
 
 
@@ -511,21 +589,23 @@ def infer(
     text_pair: str | None,
     timeout_s: float | None,
     options: RequestOptions,
-    listener: str | None,
+    listener: Listener | None,
 ) -> Call[Result]:
     """Enqueue one text and wait for its result (``listener``: the client's listened key)."""
     refuse_unknown(options, RequestOptions, "infer")
     started = time.monotonic()
     deadline = Deadline(started + core.timeout(timeout_s), persist=True)
     yield from ensure_config(core, deadline)
+    core = yield from choose_shard(core, deadline)
     request = _infer_request(core, deadline, options)
-    prepared = core.prepare(text, text_pair=text_pair, reply_to=listener, **request)
-    if listener is None:
+    key = None if listener is None else listener(core)
+    prepared = core.prepare(text, text_pair=text_pair, reply_to=key, **request)
+    if key is None:
         yield from enqueue(core, [prepared], deadline)
         wanted = {prepared.reply_to: prepared.id}
         outcomes = yield from own_keys(core, wanted, deadline, started)
     else:
-        outcomes = yield from listened(core, [prepared], deadline, started)
+        outcomes = yield from listened(core, [prepared], deadline, started, key)
     return core.settle([prepared.id], outcomes, False)[0]
 
 
@@ -535,21 +615,22 @@ def infer_many(
     timeout_s: float | None,
     return_exceptions: bool,
     options: RequestOptions,
-    listener: str | None,
+    listener: Listener | None,
 ) -> Call[list[Any]]:
     """Enqueue a batch all or nothing and wait for every result, in input order."""
     refuse_unknown(options, RequestOptions, "infer_many")
     started = time.monotonic()
     deadline = Deadline(started + core.timeout(timeout_s), persist=True)
-    reply_key = listener or core.reply_key(core.new_id())
     yield from ensure_config(core, deadline)
+    core = yield from choose_shard(core, deadline)
+    reply_key = core.reply_key(core.new_id()) if listener is None else listener(core)
     request = _infer_request(core, deadline, options)
     batch = core.prepare_many(texts, reply_to=reply_key, **request)
     if listener is None:
         yield from enqueue(core, batch, deadline)
         outcomes = yield from drain(core, reply_key, {p.id for p in batch}, deadline, started)
     else:
-        outcomes = yield from listened(core, batch, deadline, started)
+        outcomes = yield from listened(core, batch, deadline, started, reply_key)
     return core.settle([p.id for p in batch], outcomes, return_exceptions)
 
 

@@ -36,7 +36,9 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tokenq.producer import calls, connection
+import redis
+
+from tokenq.producer import calls, connection, nodes
 from tokenq.producer.base import ProducerBase
 from tokenq.producer.core import Deadline, Prepared, Result, TextItem
 from tokenq.producer.options import RequestOptions, SubmitOptions
@@ -93,11 +95,17 @@ class Client(ProducerBase):
     def _durable_enqueue(
         self, *, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
     ) -> tuple[Any, int]:
-        with self._redis.pipeline(transaction=False) as pipe:
-            self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", replicas, timeout_ms)
-            written, confirmed = pipe.execute()
-        return written, int(confirmed)
+        for attempt in (1, 2):
+            node = nodes.node_for(self._redis, keys[0])
+            try:
+                with node.pipeline(transaction=False) as pipe:
+                    self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
+                    pipe.execute_command("WAIT", replicas, timeout_ms)
+                    written, confirmed = pipe.execute()
+                return written, int(confirmed)
+            except redis.exceptions.MovedError:
+                nodes.moved(self._redis, last=attempt == 2)
+        raise AssertionError("unreachable")
 
     # ------------------------------------------------------------ lifecycle
 

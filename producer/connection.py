@@ -15,6 +15,15 @@ it:
 * retries (:class:`DeadlineRetry`, :class:`AsyncDeadlineRetry`): no retry
   starts after the deadline and no backoff sleeps past it.
 
+The URL (:mod:`tokenq.shared.redis_url`) picks the client: a single server
+(``redis://``, ``rediss://``, ``unix://``: built exactly as before), a
+``RedisCluster`` (``redis+cluster://``) or a Sentinel-watched master
+(``redis+sentinel://``). The same hooks sit in all three: in a cluster the
+node pools are built from the bounded pool classes, and the cluster's own
+retry loop (which re-reads the topology instead of backing off) stops at the
+deadline (:class:`ClusterDeadlineRetry`); behind Sentinel the managed
+connections are bounded and so are the sentinels' own.
+
 A connection cut off that way is disconnected by redis-py, never reused
 mid-reply. Outside a caller's command (``CALLER_DEADLINE`` None) the
 configured timeouts apply unchanged. :func:`failure` names redis-py's
@@ -30,16 +39,28 @@ from typing import Any
 
 import redis
 import redis.asyncio
+import redis.asyncio.cluster
+import redis.asyncio.sentinel
+import redis.cluster
+import redis.sentinel
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tokenq.producer.calls import ErrorReply, OutOfMemory, Unreachable
 from tokenq.producer.core import BACKOFF_BASE_S, BACKOFF_CAP_S, DEADLINE_GRACE_S
+from tokenq.shared.redis_url import RedisTarget, parse_redis_url
 from tokenq.shared.settings import ClientSettings
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 """redis-py's errors for a Redis that did not answer (retried, then BrokerUnavailable)."""
+
+CLUSTER_UNAVAILABLE = (
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
+"""A cluster that could not run the command (mid-failover, a slot moving): as safe to retry."""
 
 MIN_SOCKET_TIMEOUT_S = 0.01
 """Floor of a deadline-bound socket timeout (0 would put the socket in non-blocking mode)."""
@@ -80,9 +101,16 @@ def failure(exc: Exception) -> Exception:
     A ``BUSY`` error reply counts as Redis being down: Redis answers it to
     every command while a script has run past ``busy-reply-threshold``, so
     the command was not run and is as safe to retry as a refused connection.
+    So do a cluster's ``CLUSTERDOWN`` and ``TRYAGAIN`` (:data:`CLUSTER_UNAVAILABLE`).
     """
     if isinstance(exc, REDIS_DOWN):
         return Unreachable(exc)
+    if isinstance(exc, CLUSTER_UNAVAILABLE) or (
+        isinstance(exc, redis.RedisClusterException) and isinstance(exc.__cause__, REDIS_DOWN)
+    ):  # the second: no startup node of a cluster answered
+        down = redis.ConnectionError(f"Redis Cluster could not serve the command: {exc}")
+        down.__cause__ = exc
+        return Unreachable(down)
     if isinstance(exc, redis.OutOfMemoryError):
         return OutOfMemory(exc)
     if not isinstance(exc, redis.ResponseError):
@@ -212,6 +240,40 @@ class AsyncDeadlineRetry(DeadlineRetries, AsyncRetry):
     """redis-py's asyncio ``Retry``, bounded by the caller's deadline."""
 
 
+class _RetriesLeft(int):
+    """A retry count that reads as none left (``> 0`` is False) once the caller's deadline passed.
+
+    redis-py's cluster client takes ``retry.get_retries()`` once and counts
+    it down itself (``while``/``for`` loops around ``if left > 0: left -= 1``,
+    re-reading the topology between tries instead of backing off), so a
+    plain number would let it retry past the deadline.
+    """
+
+    def __gt__(self, other: object) -> bool:
+        deadline = CALLER_DEADLINE.get()
+        if deadline is not None and deadline <= time.monotonic():
+            return False
+        return int(self) > other  # type: ignore[operator]
+
+    def __sub__(self, other: object) -> _RetriesLeft:
+        return _RetriesLeft(int(self) - other)  # type: ignore[operator]
+
+
+class _ClusterRetries:
+    """Mixin for the cluster clients' retry: what it hands out to count down is a _RetriesLeft."""
+
+    def get_retries(self) -> int:
+        return _RetriesLeft(self._retries)  # type: ignore[attr-defined]
+
+
+class ClusterDeadlineRetry(_ClusterRetries, DeadlineRetry):
+    """The sync ``RedisCluster``'s retry: none starts after the caller's deadline."""
+
+
+class AsyncClusterDeadlineRetry(_ClusterRetries, AsyncDeadlineRetry):
+    """The asyncio ``RedisCluster``'s retry: none starts after the caller's deadline."""
+
+
 def _options(settings: ClientSettings, retry_class: type, client_id: str) -> dict[str, Any]:
     """Socket timeouts, retries with backoff and a client name, for either client."""
     return {
@@ -255,11 +317,59 @@ class _AsyncPool(DeadlinePoolWait, redis.asyncio.BlockingConnectionPool):
         super().__init__(connection_class=deadline_bound(connection_class), **kwargs)
 
 
+class _SentinelPool(redis.sentinel.SentinelConnectionPool):
+    """A Sentinel master's pool: its managed connections wait no longer than their caller."""
+
+    def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
+        managed = (redis.sentinel.SentinelManagedSSLConnection if kwargs.pop("ssl", False)
+                   else redis.sentinel.SentinelManagedConnection)
+        kwargs["connection_class"] = deadline_bound(managed, _BoundedSockets)
+        super().__init__(service_name, sentinel_manager, **kwargs)
+
+
+class _BlockingSentinelPool(DeadlinePoolWait, _SentinelPool, redis.BlockingConnectionPool):
+    """The same, capped at ``max_connections`` as :class:`_BlockingPool` is."""
+
+
+class _AsyncSentinelPool(
+    DeadlinePoolWait, redis.asyncio.sentinel.SentinelConnectionPool,
+    redis.asyncio.BlockingConnectionPool,
+):
+    """The async command pool behind Sentinel, bounded as :class:`_AsyncPool` is."""
+
+    def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
+        managed = (redis.asyncio.sentinel.SentinelManagedSSLConnection if kwargs.pop("ssl", False)
+                   else redis.asyncio.sentinel.SentinelManagedConnection)
+        kwargs["connection_class"] = deadline_bound(managed)
+        super().__init__(service_name, sentinel_manager, **kwargs)
+
+
+# ------------------------------------------------------------------- clients
+
+
 def sync_redis(
     settings: ClientSettings, client_id: str, max_connections: int | None
-) -> redis.Redis:
-    """The sync client's Redis: a pooled socket per thread, or at most ``max_connections``."""
+) -> redis.Redis | redis.RedisCluster:
+    """The sync client's Redis: a pooled socket per thread, or at most ``max_connections``.
+
+    In a cluster the cap is per node. A sync ``RedisCluster`` reads the
+    topology when it is made (redis-py's constructor does), so an
+    unreachable cluster fails here rather than at the first command.
+    """
+    target = parse_redis_url(settings.redis_url)
+    if target.kind == "cluster":
+        options = _options(settings, ClusterDeadlineRetry, client_id)
+        return _sync_cluster(target, options, max_connections, settings.timeout_s)
     options = _options(settings, DeadlineRetry, client_id)
+    if target.kind == "sentinel":
+        pool_class: type = _SentinelPool
+        if max_connections is not None:
+            pool_class = _BlockingSentinelPool
+            options.update(max_connections=max_connections, timeout=settings.timeout_s)
+        return _sync_sentinel(target, options).master_for(
+            target.service, redis_class=_SentinelMaster, connection_pool_class=pool_class,
+            **options, **_master_kwargs(target),
+        )
     if max_connections is None:
         pool: redis.ConnectionPool = _Pool.from_url(settings.redis_url, **options)
     else:
@@ -274,9 +384,34 @@ def sync_redis(
 
 def async_redis(
     settings: ClientSettings, client_id: str, max_connections: int
-) -> tuple[redis.asyncio.Redis, redis.asyncio.Redis]:
-    """The async client's command pool, and its listener's connection of its own."""
+) -> tuple[redis.asyncio.Redis | redis.asyncio.RedisCluster,
+           redis.asyncio.Redis | redis.asyncio.RedisCluster]:
+    """The async client's command pool, and its listener's connection of its own.
+
+    In a cluster both are ``RedisCluster`` clients, the command one with
+    ``max_connections`` per node (redis-py's cluster fails a command at once
+    with ``MaxConnectionsError`` when a node has none free, where the single
+    and Sentinel pools wait for one until the deadline), the listener's with
+    one connection per node. Behind Sentinel both are master clients of one
+    Sentinel, the listener's with a pool of one.
+    """
+    target = parse_redis_url(settings.redis_url)
+    if target.kind == "cluster":
+        options = _options(settings, AsyncClusterDeadlineRetry, client_id)
+        return (_async_cluster(target, options, max_connections),
+                _async_cluster(target, options, 1))
     options = _options(settings, AsyncDeadlineRetry, client_id)
+    if target.kind == "sentinel":
+        sentinel = _async_sentinel(target, options)
+        command, listener = (
+            sentinel.master_for(
+                target.service, redis_class=_AsyncSentinelMaster,
+                connection_pool_class=_AsyncSentinelPool, max_connections=size, timeout=wait,
+                **_master_kwargs(target), **options,
+            )
+            for size, wait in ((max_connections, settings.timeout_s), (1, None))
+        )
+        return command, listener
     pool = _AsyncPool.from_url(
         settings.redis_url, max_connections=max_connections, timeout=settings.timeout_s, **options
     )
@@ -284,3 +419,145 @@ def async_redis(
         settings.redis_url, single_connection_client=True, **options
     )
     return redis.asyncio.Redis.from_pool(pool), listener
+
+
+def sync_client_for(url: str, **kwargs: Any) -> redis.Redis | redis.RedisCluster:
+    """A plain sync client for ``url`` of any kind, with redis-py's client ``kwargs``.
+
+    For the operator commands (``tokenq stats``, ``top``, ``dlq``), which want
+    short timeouts and no caller deadlines. A single-server URL is exactly
+    ``redis.Redis.from_url(url, **kwargs)``; a malformed URL is a ValueError.
+    """
+    target = parse_redis_url(url)
+    if target.kind == "single":
+        return redis.Redis.from_url(url, **kwargs)
+    if target.kind == "cluster":
+        return redis.RedisCluster(
+            startup_nodes=[redis.cluster.ClusterNode(host, port) for host, port in target.nodes],
+            **_master_kwargs(target), **kwargs,
+        )
+    sentinels = _sentinel_kwargs(target, kwargs)
+    sentinel = redis.sentinel.Sentinel(target.nodes, sentinel_kwargs=sentinels)
+    return sentinel.master_for(target.service, redis_class=_SentinelMaster,
+                               **_master_kwargs(target), **kwargs)
+
+
+# ------------------------------------------------------- cluster and sentinel
+
+
+def _master_kwargs(target: RedisTarget) -> dict[str, Any]:
+    """The URL's credentials, TLS and (Sentinel) database, as redis-py client kwargs."""
+    kwargs: dict[str, Any] = {"username": target.username, "password": target.password}
+    if target.tls:
+        kwargs.update(ssl=True, **target.tls_kwargs())
+    if target.kind == "sentinel":
+        kwargs["db"] = target.db
+    return kwargs
+
+
+def _sentinel_kwargs(target: RedisTarget, options: dict[str, Any]) -> dict[str, Any]:
+    """How to talk to the sentinels: the socket and retry options, their own credentials."""
+    kept = {name: value for name, value in options.items()
+            if name.startswith("socket_") or name in ("retry", "retry_on_error")}
+    return {**kept, "username": target.sentinel_username, "password": target.sentinel_password}
+
+
+def _node_url(host: str, port: int) -> str:
+    return f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
+
+
+def _sync_cluster(
+    target: RedisTarget, options: dict[str, Any], max_connections: int | None, wait_s: float
+) -> redis.RedisCluster:
+    """A ``RedisCluster`` whose node pools are the deadline-bound ones.
+
+    redis-py builds a node's pool from ``connection_pool_class`` only when
+    the client was given a URL (its ``from_url`` mode; otherwise it makes a
+    plain ``Redis`` per node, which takes no connection class), so the first
+    node goes in as a bare URL and the rest as startup nodes; credentials and
+    TLS, passed as kwargs, are not overridden by a URL that has none.
+    ``retry_on_error`` is dropped: node connections never retry there, the
+    cluster's loop does (:class:`ClusterDeadlineRetry`).
+    """
+    (host, port), *others = target.nodes
+    kwargs = {name: value for name, value in options.items() if name != "retry_on_error"}
+    kwargs.update(_master_kwargs(target))
+    tls = kwargs.pop("ssl", False)
+    kwargs["connection_class"] = redis.SSLConnection if tls else redis.Connection
+    if max_connections is None:
+        kwargs["connection_pool_class"] = _Pool
+    else:
+        kwargs.update(connection_pool_class=_BlockingPool, max_connections=max_connections,
+                      timeout=wait_s)
+    return redis.RedisCluster(
+        url=_node_url(host, port),
+        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in others],
+        **kwargs,
+    )
+
+
+def _async_cluster(
+    target: RedisTarget, options: dict[str, Any], max_connections: int
+) -> redis.asyncio.RedisCluster:
+    """An asyncio ``RedisCluster`` whose node connections are deadline-bound.
+
+    Its constructor takes no connection class (it picks plain or TLS from
+    ``ssl``) nor every TLS option, but every node it ever makes, the startup
+    nodes aside, is built from the one ``connection_kwargs`` dict it keeps;
+    so both are set there, and on the startup nodes, before anything connects.
+    """
+    kwargs = {name: value for name, value in options.items() if name != "retry_on_error"}
+    master = _master_kwargs(target)
+    tls = {name: master.pop(name) for name in target.options}
+    client = redis.asyncio.RedisCluster(
+        startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in target.nodes],
+        max_connections=max_connections, **master, **kwargs,
+    )
+    connection_class = deadline_bound(client.connection_kwargs["connection_class"])
+    client.connection_kwargs.update(connection_class=connection_class, **tls)
+    for node in client.startup_nodes:
+        node.connection_class = connection_class
+        node.connection_kwargs.update(tls)
+    return client
+
+
+class _SentinelMaster(redis.Redis):
+    """A master client that, closed, also closes its Sentinel's connections to the sentinels."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.connection_pool.sentinel_manager.close()
+
+
+class _AsyncSentinelMaster(redis.asyncio.Redis):
+    """The asyncio twin of :class:`_SentinelMaster`."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        try:
+            await super().aclose(close_connection_pool)
+        finally:
+            await self.connection_pool.sentinel_manager.aclose()
+
+
+def _sync_sentinel(target: RedisTarget, options: dict[str, Any]) -> redis.sentinel.Sentinel:
+    """A Sentinel whose own connections to the sentinels are deadline-bound too."""
+    sentinel = redis.sentinel.Sentinel(target.nodes,
+                                       sentinel_kwargs=_sentinel_kwargs(target, options))
+    for client in sentinel.sentinels:
+        pool = client.connection_pool
+        pool.connection_class = deadline_bound(pool.connection_class, _BoundedSockets)
+    return sentinel
+
+
+def _async_sentinel(
+    target: RedisTarget, options: dict[str, Any]
+) -> redis.asyncio.sentinel.Sentinel:
+    """The asyncio twin of :func:`_sync_sentinel`."""
+    sentinel = redis.asyncio.sentinel.Sentinel(
+        target.nodes, sentinel_kwargs=_sentinel_kwargs(target, options))
+    for client in sentinel.sentinels:
+        pool = client.connection_pool
+        pool.connection_class = deadline_bound(pool.connection_class)
+    return sentinel

@@ -19,6 +19,7 @@ that keeps each command within its caller's :class:`Deadline` is
 from __future__ import annotations
 
 import array
+import copy
 import inspect
 import logging
 import math
@@ -29,7 +30,6 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
 
@@ -42,6 +42,7 @@ from tokenq.producer.config import (
     model_facts,
 )
 from tokenq.producer.options import SubmitOptions, worker_options
+from tokenq.producer.shards import ShardChooser, shard_count
 from tokenq.shared import keys, lua, wire
 from tokenq.shared.cli import plural
 from tokenq.shared.errors import (
@@ -56,6 +57,7 @@ from tokenq.shared.errors import (
     remote_error,
 )
 from tokenq.shared.queue_config import QueueConfig
+from tokenq.shared.redis_url import redact
 from tokenq.shared.request_options import (
     NO_OPTIONS,
     ModelFacts,
@@ -260,12 +262,7 @@ def make_settings(settings: ClientSettings | None, **overrides: Any) -> ClientSe
 
 def redact_url(url: str) -> str:
     """The Redis URL with any password masked, for error messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    return redact(url)
 
 
 def _pair_aware(estimator: Estimator) -> Callable[[str, str | None], int]:
@@ -346,13 +343,60 @@ class ClientCore:
         # from the thread that loads a tokenizer; this makes each change whole.
         self._config_lock = threading.Lock()
         self._config_warned = False
+        self.shard: int | None = None
+        """The shard this core writes to; None for the plain queue ``{q}``."""
+        self.chooser = ShardChooser(settings.shard_choice)
+        self._lanes: dict[int | None, ClientCore] = {None: self}
 
     # ------------------------------------------------------------------ ids
 
-    @staticmethod
-    def new_id() -> str:
-        """A fresh request (or batch, or client) id: 32 hex digits of uuid4."""
-        return uuid.uuid4().hex
+    def new_id(self) -> str:
+        """A fresh request (or batch, or client) id: 32 hex digits of uuid4.
+
+        On a shard they follow its number (``3.<hex>``, :func:`keys.id_on_shard`),
+        so the id alone leads any process to its reply key.
+        """
+        return keys.id_on_shard(self.shard, uuid.uuid4().hex)
+
+    # --------------------------------------------------------------- shards
+
+    def shards(self) -> int:
+        """The queue's shard count as this client knows it (see :mod:`.shards`)."""
+        return shard_count(self.settings.shards, self.config_cache.current().config,
+                           self.queue.name)
+
+    def lane(self, shard: int | None) -> ClientCore:
+        """The core that writes to ``shard`` (None: the plain ``{q}``), made once.
+
+        A lane shares everything with this core but the keys it writes: the
+        config cache, the tokenizer, the settings, the shard choice.
+        """
+        made = self._lanes.get(shard)
+        if made is None:
+            made = copy.copy(self)
+            made.shard = shard
+            made.queue = keys.QueueRef(self.queue.name, self.queue.prefix, shard)
+            made.stream_key = keys.requests(made.queue)
+            made.workers_key = keys.workers(made.queue)
+            made._facts_of = None
+            made = self._lanes.setdefault(shard, made)
+        return made
+
+    def lane_of(self, request_id: str) -> ClientCore:
+        """The core of the shard ``request_id`` was written to (its id says)."""
+        return self.lane(keys.shard_in_id(request_id))
+
+    def lanes(self) -> list[ClientCore]:
+        """Every stream the queue's workers read: the shards, then the plain ``{q}``."""
+        count = self.shards()
+        if count == 1:
+            return [self]
+        return [*(self.lane(k) for k in range(count)), self]
+
+    def pick(self) -> ClientCore:
+        """The core the next enqueueing call writes through."""
+        count = self.shards()
+        return self if count == 1 else self.lane(self.chooser.pick(count))
 
     def reply_key(self, reply_id: str) -> str:
         """The list a request's reply (or a batch's, or a client's) lands on."""
@@ -368,7 +412,7 @@ class ClientCore:
                 wire.validate_id(request_id, "request id")
             except DecodeError as exc:
                 raise BadRequest(f"{exc}: {request_id!r}") from None
-            wanted[self.reply_key(request_id)] = request_id
+            wanted[self.lane_of(request_id).reply_key(request_id)] = request_id
         return wanted
 
     # ------------------------------------------------------------- requests

@@ -28,7 +28,8 @@ import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from tokenq.shared.redis_url import redact
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("tokenq.worker.cli", "run one worker process on a queue (--devices: one per GPU)"),
@@ -368,22 +369,7 @@ def one_line(text: str) -> str:
 
 def redact_url(url: str) -> str:
     """``url`` with its password masked (in the user part and a ``password=`` query)."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if parts.password is not None:
-            host = netloc.rsplit("@", 1)[1]
-            netloc = f"{parts.username or ''}:***@{host}"
-        query = parts.query
-        if query:
-            pairs = parse_qsl(query, keep_blank_values=True)
-            if any(name.lower() == "password" for name, _ in pairs):
-                query = urlencode([(name, "***" if name.lower() == "password" else value)
-                                   for name, value in pairs], safe="*")
-        return urlunsplit(parts._replace(netloc=netloc, query=query))
-    except ValueError:  # not even parseable: show nothing that might be a secret
-        scheme = url.split("://", 1)[0]
-        return f"{scheme}://***"
+    return redact(url)
 
 
 if __name__ == "__main__":

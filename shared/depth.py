@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -31,3 +32,17 @@ def depth(length: int, pending: int, *, group_exists: bool, reported_lag: object
     if reported_lag is None:
         return Depth(length, pending, max(0, length - pending), False)
     return Depth(length, pending, int(reported_lag), True)  # type: ignore[call-overload]
+
+
+def total(parts: Sequence[Depth]) -> Depth:
+    """The depth of a queue whose lanes have ``parts``: sums, exact only if every part is.
+
+    Why here: a sharded queue is several streams, and ``tokenq stats`` and the
+    worker's gauges must add them up the same way.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    return Depth(
+        sum(p.length for p in parts), sum(p.pending for p in parts), sum(p.lag for p in parts),
+        all(p.lag_exact for p in parts),
+    )

@@ -15,6 +15,14 @@ key of one queue lands in one slot, so a MULTI or a Lua script may touch them
 together. A shard of a queue is addressed as ``QueueRef(name, shard=k)`` and
 renders as ``{q:k}``; nothing outside this module builds a key by hand, so
 adding shards changes no call site.
+
+A queue of K > 1 shards (``--shards K``) is served on the streams ``{q:0}``
+… ``{q:K-1}`` (:func:`shards_of`), each with every key above, so each
+shard's scripts stay within one slot and shards spread over a Cluster's
+nodes. Its workers also serve the plain ``{q}`` (:func:`lanes_of`): a
+producer that has not yet learned K writes there and is still answered, and
+its ``{q}:config`` is where producers learn K. A request id names its
+shard (:func:`shard_in_id`), so any process can find its reply key.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ GROUP = "workers"
 """The consumer group every worker of a queue reads through."""
 
 DEFAULT_PREFIX = "tokenq"
+
+MAX_SHARDS = 256
+"""The most shards a queue may have (a Cluster has 16384 slots; far more than nodes)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
@@ -54,6 +65,50 @@ class QueueRef:
         """The hash-tagged part shared by every key of this queue (shard)."""
         inner = self.name if self.shard is None else f"{self.name}:{self.shard}"
         return f"{self.prefix}:{{{inner}}}"
+
+
+def shards_of(q: QueueRef, shards: int) -> tuple[QueueRef, ...]:
+    """Where a queue of ``shards`` shards takes requests: ``(q,)`` for 1, else ``{q:0}`` …."""
+    if type(shards) is not int or not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"shards must be an integer from 1 to {MAX_SHARDS}, got {shards!r}")
+    if shards == 1:
+        return (q,)
+    return tuple(QueueRef(q.name, q.prefix, k) for k in range(shards))
+
+
+def lanes_of(q: QueueRef, shards: int) -> tuple[QueueRef, ...]:
+    """Every stream a worker of a queue of ``shards`` shards reads: the shards, then ``{q}``.
+
+    The plain ``{q}`` is read too when the queue is sharded, so nothing a
+    producer wrote before it learned the shard count (or before the queue
+    was resharded) is left unanswered.
+    """
+    spread = shards_of(q, shards)
+    return spread if shards == 1 else (*spread, q)
+
+
+_SHARDED_ID = re.compile(r"^(0|[1-9][0-9]{0,2})\.[0-9A-Za-z_-]+$")
+
+
+def id_on_shard(shard: int | None, unique: str) -> str:
+    """The request id a producer gives a request it writes to ``shard``: ``<shard>.<unique>``.
+
+    A request on the plain ``{q}`` (``shard`` None) keeps ``unique`` as it is.
+    """
+    return unique if shard is None else f"{shard}.{unique}"
+
+
+def shard_in_id(request_id: str) -> int | None:
+    """The shard a request id names (:func:`id_on_shard` undone), None for a plain id.
+
+    So any process finds a request's reply key from its id alone, without
+    knowing how many shards the queue has.
+    """
+    match = _SHARDED_ID.match(request_id)
+    if match is None:
+        return None
+    shard = int(match.group(1))
+    return shard if shard < MAX_SHARDS else None
 
 
 def requests(q: QueueRef) -> str:
@@ -112,6 +167,14 @@ def reply(q: QueueRef, reply_id: str) -> str:
 def reply_prefix(q: QueueRef) -> str:
     """The queue's reply namespace: every key a worker pushes a reply to starts with it."""
     return f"{q.tag}:reply:"
+
+
+def shard_of_reply_key(q: QueueRef, shards: int, key: str) -> int | None:
+    """The shard of queue ``q`` whose reply namespace ``key`` is in, or None (any other key)."""
+    for lane in shards_of(q, shards):
+        if lane.shard is not None and key.startswith(reply_prefix(lane)):
+            return lane.shard
+    return None
 
 
 def reply_to_refusal(

@@ -21,6 +21,7 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``prompts``          the model's named prompts: a JSON object, name to text (``{}``: none)
 ``default_prompt``   the prompt name a request gets when it names none (empty: none)
 ``tokenizer``        path of the model's tokenizer.json (when it has one)
+``shards``           how many shards the queue's workers serve (``{q:0}`` … ``{q:K-1}``); absent: 1
 ``updated_at``       Unix seconds of the last write (the worker's clock)
 ==================== ==================================================
 
@@ -58,6 +59,7 @@ class QueueConfig:
     prompts: Mapping[str, str] | None = None
     default_prompt: str | None = None
     updated_at: int | None = None
+    shards: int | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
@@ -103,6 +105,7 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         prompts=_prompts(text.get("prompts")),
         default_prompt=text.get("default_prompt") or None,
         updated_at=_int(text, "updated_at", minimum=0),
+        shards=_int(text, "shards", minimum=1),
     )
 
 

@@ -39,7 +39,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, CliPositionalArg, SettingsConfigDict
 
-from tokenq.shared.keys import DEFAULT_PREFIX, QueueRef
+from tokenq.shared.keys import DEFAULT_PREFIX, MAX_SHARDS, QueueRef
+from tokenq.shared.redis_url import parse_redis_url
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -108,10 +109,15 @@ def describe_errors(
 
 
 def _redis_url(value: str) -> str:
+    if parse_redis_url(value).kind != "single":
+        return value  # a Cluster or Sentinel URL, checked whole by the parser
     if not value.startswith(("redis://", "rediss://", "unix://")):
         # Only the scheme is shown: the rest may hold a password.
         given = f"not {value.split('://', 1)[0]}://" if "://" in value else "it has no scheme"
-        raise ValueError(f"redis_url must start with redis://, rediss:// or unix:// ({given})")
+        raise ValueError(
+            "redis_url must start with redis://, rediss://, unix://, redis+cluster:// or "
+            f"redis+sentinel:// ({given})"
+        )
     return value
 
 
@@ -133,6 +139,21 @@ ReplyTimeout = Annotated[
     float, Field(gt=0, description="how long one call waits for its replies, seconds")
 ]
 Port = Annotated[int, Field(ge=0, le=65535)]
+Shards = Annotated[int, Field(ge=1, le=MAX_SHARDS)]
+
+
+def _shards(default: int | None) -> Any:
+    """The one definition of ``shards``; workers default to 1, producers to learning it."""
+    return Field(
+        default,
+        description="the queue's shard count K: streams {q:0}..{q:K-1}, each in its own Redis "
+        "Cluster slot, plus {q}. Workers serve K (default 1) and publish it in the config hash; "
+        "producers learn it from there (default) or are told it, and one that differs from "
+        "the workers' is refused",
+    )
+
+
+ShardChoice = Literal["round_robin", "shortest"]
 
 
 # ----------------------------------------------------------------- the shared bases
@@ -153,7 +174,9 @@ class _Settings(BaseSettings):
 
     redis_url: RedisUrl = Field(
         DEFAULT_REDIS_URL,
-        description="Redis URL; rediss:// for TLS, user:password@ for ACL users",
+        description="Redis URL; rediss:// for TLS, user:password@ for ACL users; "
+        "redis+cluster://host:port,... for a Redis Cluster, "
+        "redis+sentinel://host:port,.../service for a Sentinel-watched master",
     )
     prefix: Annotated[str, AfterValidator(_key_prefix)] = Field(
         DEFAULT_PREFIX, description="key prefix of every tokenq key"
@@ -205,6 +228,7 @@ class _WorkerProcess(BaseModel):
         "'sim' (a simulated GPU, for tests and benchmarks), or a plugin as "
         "'package.module:factory'",
     )
+    shards: Shards | None = _shards(1)
     metrics_port: Port = Field(
         0,
         description="serve Prometheus metrics on this port (0: off); worker i of tokenq up "
@@ -344,6 +368,12 @@ class ClientSettings(_QueueLimit, _Requests):
         le=600_000,
         description="longest a durable enqueue waits for its replicas (never past the call's "
         "own timeout)",
+    )
+    shards: Shards | None = _shards(None)
+    shard_choice: ShardChoice = Field(
+        "round_robin",
+        description="which shard each enqueueing call writes to: round_robin, or shortest (the "
+        "shortest stream by lengths read at most once a second)",
     )
 
 

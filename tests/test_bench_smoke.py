@@ -1,4 +1,4 @@
-"""Every benchmark suite runs end to end at ``--size tiny`` and writes the JSON it promises.
+"""Every benchmark suite runs end to end (``--size tiny``; shards ``small``) and writes its JSON.
 
 Why: the benchmarks start real redis-servers and worker processes and read
 the workers' batch logs; a change anywhere in tokenq can break them
@@ -27,16 +27,18 @@ SEED_KEYS = {
 }
 
 
-def run_suite(suite: str, tmp_path: Path, timeout: float = 120.0) -> dict[str, Any]:
+def run_suite(
+    suite: str, tmp_path: Path, timeout: float = 120.0, size: str = "tiny"
+) -> dict[str, Any]:
     out = tmp_path / f"{suite}.json"
     completed = subprocess.run(
-        [sys.executable, str(RUN), suite, "--size", "tiny", "--json", str(out)],
+        [sys.executable, str(RUN), suite, "--size", size, "--json", str(out)],
         capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
-    assert f"== {suite} (tiny" in completed.stdout  # the table was printed
+    assert f"== {suite} ({size}" in completed.stdout  # the table was printed
     result = json.loads(out.read_text())
-    assert result["suite"] == suite and result["size"] == "tiny"
+    assert result["suite"] == suite and result["size"] == size
     assert result["machine"]["cores"] and result["rows"]
     return result
 
@@ -121,6 +123,26 @@ def test_mixed_latency(tmp_path: Path) -> None:
     for name, row in rows.items():
         assert row["failed"] == 0, name
         assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"], name
+
+
+def test_shards(tmp_path: Path) -> None:
+    """Small, not tiny: at 600 requests a shard's share is a handful of submit_many calls."""
+    result = run_suite("shards", tmp_path, timeout=300.0, size="small")
+    totals = {row["shards"]: row for row in result["rows"] if "shards" in row}
+    assert set(totals) == {1, 3}
+    for shards, total in totals.items():
+        nodes = [row for row in result["rows"] if row["setting"].startswith(f"K={shards}, node")]
+        assert len(nodes) == 3  # one row per master
+        assert total["requests"] == result["config"]["requests_per_k"]
+        assert sum(row["requests"] for row in nodes) == total["requests"]
+        # Every request needs at least its XADD and its reply RPUSH.
+        assert total["commands_per_request"] >= 2
+        assert 0 < total["round_trips_per_request"] < total["commands_per_request"]
+        assert total["capacity_per_s"] > 0 and total["redis_cpu_us_per_request"] > 0
+        busy = [row for row in nodes if row["requests"]]
+        assert len(busy) == shards  # K=1 on one master; K=3 on three (spread_queue)
+    assert "info" in result["config"]["commands_seen"]["not_counted"]
+    assert "evalsha" in result["config"]["commands_seen"]["round_trip"]
 
 
 def test_plots_from_results(scale_results: Path, tmp_path: Path) -> None:

@@ -185,7 +185,7 @@ def test_queue_depth_reads_length_pending_and_lag(r: redis.Redis, redis_url: str
     async def measure() -> depth.Depth:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            return await depth.measure(client, stream)
+            return await depth.measure(client, [stream])
         finally:
             await client.aclose()
 

@@ -241,7 +241,7 @@ def test_listener_reports_outage_as_broker_unavailable(
     run(main)
 
 
-async def _sleep_forever() -> None:
+async def _sleep_forever(key: str) -> None:
     await asyncio.sleep(3600)
 
 
@@ -288,8 +288,8 @@ def test_listener_stops_when_nobody_waits(
     async def main() -> None:
         async with AsyncClient(settings=settings) as client:
             await client.infer("a")
-            assert client._listener is not None
-            await asyncio.wait_for(client._listener, timeout=2)
+            listener = client._listeners[client._reply_key]
+            await asyncio.wait_for(listener, timeout=2)
             assert (await client.infer("b")).embedding[0] == 1.0  # and restarts on demand
 
     run(main)

@@ -255,9 +255,10 @@ def test_infer_many_reads_its_shared_key_then_trims_what_it_read() -> None:
 
 def test_async_infer_listens_before_it_enqueues() -> None:
     core = fresh_core()
-    call = calls.infer_many(core, ["a", "b"], 5.0, True, {}, "client-key")
+    call = calls.infer_many(core, ["a", "b"], 5.0, True, {}, lambda lane: "client-key")
     listen = calls.resume(call)
     assert isinstance(listen, calls.Listen) and len(listen.ids) == 2
+    assert listen.key == "client-key"
     assert isinstance(answer(call), calls.Send)
     collect = answer(call, [b"1-0", b"1-1"])
     assert isinstance(collect, calls.Collect) and collect.ids == listen.ids
@@ -273,7 +274,7 @@ def test_an_unknown_keyword_is_a_type_error() -> None:
         calls.resume(calls.infer(fresh_core(), "a", None, None, {"reply_to": "k"}, None))
 
 
-@pytest.mark.parametrize("module", ["core.py", "calls.py", "options.py", "config.py"])
+@pytest.mark.parametrize("module", ["core.py", "calls.py", "options.py", "config.py", "shards.py"])
 def test_the_sans_io_modules_import_no_redis_and_no_asyncio(module: str) -> None:
     path = Path(__file__).resolve().parent.parent / "producer" / module
     imported = set()

@@ -142,6 +142,8 @@ ROLE_DEFAULTS = {
     ("WorkerSettings", "socket_timeout_s"): 10.0,  # a worker rides out a Redis restart
     ("WorkerSettings", "retries"): 10,
     ("EmbedSettings", "timeout_s"): 300.0,  # one enqueue call's replies, not one reply
+    ("WorkerSettings", "shards"): 1,  # workers serve K; producers learn it from them
+    ("UpSettings", "shards"): 1,
 }
 OPTIONAL_IN = {("StatsSettings", "queue"), ("TopSettings", "queue"), ("UpSettings", "redis_url")}
 

@@ -1,7 +1,9 @@
 """How deep the queue is, as the worker reports it for autoscalers (KEDA, an HPA).
 
 Two commands in one round trip, once a heartbeat (not per batch): ``XLEN``
-of the request stream and the group's row of ``XINFO GROUPS``. Every
+of the request stream and the group's row of ``XINFO GROUPS``; for a
+sharded queue, that for each of its streams (one round trip each: in a
+Cluster they live on different nodes), summed. Every
 worker of a queue reports the same numbers; a dashboard or a scaler takes
 ``max by (queue)``. What length, pending and lag mean, and how lag is
 derived when Redis gives none, is :mod:`tokenq.shared.depth`.
@@ -12,11 +14,16 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from tokenq.shared import keys
-from tokenq.shared.depth import Depth, depth
+from tokenq.shared.depth import Depth, depth, total
 
 
-async def measure(client: aioredis.Redis, stream: str) -> Depth:
-    """The queue's depth now (raises RedisError, e.g. NOPERM without ``+xlen +xinfo|groups``)."""
+async def measure(client: aioredis.Redis, streams: list[str]) -> Depth:
+    """The queue's depth now, over all its streams (raises RedisError, e.g. NOPERM without
+    ``+xlen +xinfo|groups``)."""
+    return total([await _measure_one(client, stream) for stream in streams])
+
+
+async def _measure_one(client: aioredis.Redis, stream: str) -> Depth:
     async with client.pipeline(transaction=False) as pipe:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)

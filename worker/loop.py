@@ -66,6 +66,7 @@ from tokenq.worker.backends.base import Backend
 from tokenq.worker.clock import RedisClock
 from tokenq.worker.connection import connect
 from tokenq.worker.health import Health
+from tokenq.worker.lanes import Lane, by_lane, entry_ids, split_ref, tagged
 from tokenq.worker.logs import FIELDS
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.execute import adapt_budget
@@ -163,8 +164,13 @@ class Worker:
         )
         self.backend = backend
         self.queue = settings.queue_ref
-        self.stream = keys.requests(self.queue)
         self.consumer = settings.consumer or default_consumer_name()
+        lanes = keys.lanes_of(self.queue, settings.shards or 1)
+        self.lanes = [
+            Lane(index, queue, self._dead_letter_policy(settings, queue), tagged=len(lanes) > 1)
+            for index, queue in enumerate(lanes)
+        ]
+        self.stream = self.lanes[0].stream
         self.plan = plan(settings, backend)
         self._tokenizer_pool = pool_for(backend, settings.tokenize_processes)
         self.pipeline: Pipeline[bytes] = Pipeline(
@@ -194,6 +200,7 @@ class Worker:
         self._space = asyncio.Event()
         self._answers: asyncio.Queue[list[Answer] | None] = asyncio.Queue(maxsize=8)
         self._reader_done = False
+        self._readers_left = len(self.lanes)
         self._inflight_estimate = 0
         self._batch_started: float | None = None
         """Monotonic time the batch now on the device started, None when idle."""
@@ -212,21 +219,25 @@ class Worker:
         self._avg_entry_bytes = float(max(1, settings.max_request_bytes))
         self._last_activity = time.monotonic()
         self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
-        self._dead_letters = DeadLetterPolicy(
+        self._stop_started: float | None = None
+        self._publishing = False
+        self._depth_failed = False
+        self.health.loaded()  # the backend is built and the plan holds: the model is in
+
+    def _dead_letter_policy(
+        self, settings: WorkerSettings, queue: keys.QueueRef
+    ) -> DeadLetterPolicy:
+        """A lane's rules for dead letters and reply keys: replies stay in the lane's slot."""
+        return DeadLetterPolicy(
             worker=self.consumer,
             max_deliveries=settings.max_deliveries,
-            default_reply_to=functools.partial(keys.reply, self.queue),
+            default_reply_to=functools.partial(keys.reply, queue),
             max_request_bytes=settings.max_request_bytes,
             check_reply_to=functools.partial(
-                keys.reply_to_refusal, self.queue, extra_prefixes=settings.reply_to_prefix_list
+                keys.reply_to_refusal, queue, extra_prefixes=settings.reply_to_prefix_list
             ),
             max_letter_bytes=settings.dead_max_letter_bytes,
         )
-        self._stop_started: float | None = None
-        self._publishing = False
-        self._last_reclaim = 0.0
-        self._depth_failed = False
-        self.health.loaded()  # the backend is built and the plan holds: the model is in
 
     @property
     def client(self) -> aioredis.Redis:
@@ -249,16 +260,17 @@ class Worker:
     async def run(self) -> None:
         """Serve the queue until stop() is called (or the idle timeout passes)."""
         dead_after_ms = int(self.settings.heartbeat_s * 3000)
-        self._reclaimer = Reclaimer(
-            self.client, self.queue, self.consumer,
-            dead_after_ms=dead_after_ms, claim_idle_ms=int(self.settings.claim_idle_s * 1000),
-        )
-        self._publisher = Publisher(
-            self.client, stream=self.stream, dead=keys.dead(self.queue), group=keys.GROUP,
-            consumer=self.consumer, reply_ttl_ms=self._reply_ttl_ms,
-            dead_max_len=self.settings.dead_max_len,
-            dead_max_letter_bytes=self.settings.dead_max_letter_bytes,
-        )
+        for lane in self.lanes:
+            lane.reclaimer = Reclaimer(
+                self.client, lane.queue, self.consumer,
+                dead_after_ms=dead_after_ms, claim_idle_ms=int(self.settings.claim_idle_s * 1000),
+            )
+            lane.publisher = Publisher(
+                self.client, stream=lane.stream, dead=keys.dead(lane.queue), group=keys.GROUP,
+                consumer=self.consumer, reply_ttl_ms=self._reply_ttl_ms,
+                dead_max_len=self.settings.dead_max_len,
+                dead_max_letter_bytes=self.settings.dead_max_letter_bytes,
+            )
         if self._tokenizer_pool is not None:
             await asyncio.to_thread(self._tokenizer_pool.start)
         if not await self._join():  # stopped before Redis ever answered
@@ -270,7 +282,8 @@ class Worker:
         self.health.running(time.monotonic())
         beat = asyncio.create_task(self._beat_loop(), name="tokenq-beat")
         tasks = [
-            asyncio.create_task(self._read_loop(), name="tokenq-read"),
+            *(asyncio.create_task(self._read_loop(lane), name=f"tokenq-read-{lane.index}")
+              for lane in self.lanes),
             asyncio.create_task(self._run_loop(), name="tokenq-run"),
             asyncio.create_task(self._publish_loop(), name="tokenq-publish"),
         ]
@@ -286,9 +299,7 @@ class Worker:
                 task.cancel()
             await asyncio.wait({beat, watchdog, *tasks}, timeout=_STOP_GRACE_S)
             try:
-                await asyncio.wait_for(
-                    presence.leave(self.client, self.queue, self.consumer), _STOP_GRACE_S
-                )
+                await asyncio.wait_for(self._leave(), _STOP_GRACE_S)
             except (RedisError, asyncio.TimeoutError) as exc:
                 log.warning("could not deregister: %s", exc or "Redis did not answer")
             self._batch_log.close()
@@ -297,6 +308,10 @@ class Worker:
                 await self._client.aclose()
             fields = self.stats.exit_fields(self.consumer, time.time())
             log.info(exit_line(fields), extra={FIELDS: fields})
+
+    async def _leave(self) -> None:
+        for lane in self.lanes:
+            await presence.leave(self.client, lane.queue, self.consumer)
 
     def _close_tokenizer_pool(self) -> None:
         if self._tokenizer_pool is not None:
@@ -311,10 +326,12 @@ class Worker:
         delay = 0.5
         while not self._stopping.is_set():
             try:
-                await self._ensure_group()
+                for lane in self.lanes:
+                    await self._ensure_group(lane)
                 await check_server(self.client)
                 await self._clock.sync(self.client)
-                await presence.write_config(self.client, self.queue, self._config_fields())
+                for lane in self.lanes:
+                    await presence.write_config(self.client, lane.queue, self._config_fields())
                 self.health.redis_answered()
                 return True
             except RedisError as exc:
@@ -328,6 +345,7 @@ class Worker:
         return presence.config_fields(
             self.backend.info, policy=self.plan.policy,
             max_batch_tokens=self.plan.budget.max_batch_tokens,
+            shards=self.settings.shards or 1,
         )
 
     def _log_start(self) -> None:
@@ -336,15 +354,16 @@ class Worker:
         log.info(
             "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
             "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s",
-            self.consumer, self.stream, info.model, info.task, info.device, info.dtype,
+            self.consumer, ", ".join(lane.stream for lane in self.lanes), info.model, info.task,
+            info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
             self.plan.budget_reason, budget.max_batch_size, self.settings.linger_ms,
             self.plan.policy,
         )
 
-    async def _ensure_group(self) -> None:
+    async def _ensure_group(self, lane: Lane) -> None:
         try:
-            await self.client.xgroup_create(self.stream, keys.GROUP, id="0", mkstream=True)
+            await self.client.xgroup_create(lane.stream, keys.GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -370,14 +389,16 @@ class Worker:
             return 0
         by_tokens = tokens // self._avg_estimate
         by_bytes = size // self._avg_entry_bytes
-        return int(min(_MAX_READ_COUNT, max(1, min(by_tokens, by_bytes))))
+        # Every lane reads at once, so each takes its share: together no more than the room.
+        share = min(by_tokens, by_bytes) // len(self.lanes)
+        return int(min(_MAX_READ_COUNT, max(1, share)))
 
     def _reading(self) -> bool:
         return not (self._stopping.is_set() or self._hung)
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, lane: Lane) -> None:
         try:
-            await self._until_stopped(self._read_history())
+            await self._until_stopped(self._read_history(lane))
             backoff = 0.1
             while self._reading():
                 if self._idle_expired():
@@ -390,20 +411,21 @@ class Worker:
                     await wait_event(self._space, 1.0)
                     continue
                 try:
-                    if await self._until_stopped(self._reclaim(count)):
+                    if await self._until_stopped(self._reclaim(lane, count)):
                         continue
                     entries = await self._until_stopped(
-                        self._xread(">", count, self.settings.block_ms)
+                        self._xread(lane, ">", count, self.settings.block_ms)
                     )
                     backoff = 0.1
                 except RedisError as exc:
-                    await self._on_read_error(exc, backoff)
+                    await self._on_read_error(lane, exc, backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
                 if entries:
-                    await self._take(entries)
+                    await self._take(lane, entries)
         finally:
-            self._reader_done = True
+            self._readers_left -= 1
+            self._reader_done = self._readers_left == 0
             self._feed.wake()
 
     async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
@@ -432,25 +454,26 @@ class Worker:
             await task
         return None
 
-    async def _reclaim(self, count: int) -> bool:
+    async def _reclaim(self, lane: Lane, count: int) -> bool:
         """Every heartbeat interval, take over entries of dead workers; True if any."""
         now = time.monotonic()
-        if now - self._last_reclaim < self.settings.heartbeat_s:
+        if now - lane.last_reclaim < self.settings.heartbeat_s:
             return False
-        self._last_reclaim = now
-        claimed = await self._reclaimer.scan(count)
+        lane.last_reclaim = now
+        assert lane.reclaimer is not None
+        claimed = await lane.reclaimer.scan(count)
         # The safety net may hand back our own entries when we stalled past
         # claim_idle_s; those we still hold must not be run (and answered) twice.
         held = {job.ref for job in self._feed.held()}
-        claimed.entries = [entry for entry in claimed.entries if entry[0] not in held]
+        claimed.entries = [entry for entry in claimed.entries if lane.ref(entry[0]) not in held]
         if not claimed.entries:
             return False
         self.stats.reclaimed += len(claimed.entries)
         self.metrics.reclaimed(len(claimed.entries))
-        await self._take(claimed.entries, claimed.deliveries)
+        await self._take(lane, claimed.entries, claimed.deliveries)
         return True
 
-    async def _read_history(self) -> None:
+    async def _read_history(self, lane: Lane) -> None:
         """Re-read entries this consumer already owns (a restart under the same name).
 
         Each history read counts as a delivery, and the counts are looked up
@@ -459,18 +482,19 @@ class Worker:
         """
         last = "0"
         while self._reading():
-            entries = await self._xread(last, _HISTORY_COUNT, None)
+            entries = await self._xread(lane, last, _HISTORY_COUNT, None)
             if not entries:
                 return
-            deliveries = await self._reclaimer.own_deliveries([e[0] for e in entries])
-            await self._take(entries, deliveries)
+            assert lane.reclaimer is not None
+            deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
+            await self._take(lane, entries, deliveries)
             last = entries[-1][0].decode()
 
     async def _xread(
-        self, last_id: str, count: int, block_ms: int | None
+        self, lane: Lane, last_id: str, count: int, block_ms: int | None
     ) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
         reply = await self.client.xreadgroup(
-            keys.GROUP, self.consumer, {self.stream: last_id}, count=count, block=block_ms
+            keys.GROUP, self.consumer, {lane.stream: last_id}, count=count, block=block_ms
         )
         if not reply:
             return []
@@ -479,15 +503,16 @@ class Worker:
             return next(iter(reply.values()))[0] if reply else []
         return reply[0][1]
 
-    async def _on_read_error(self, exc: RedisError, backoff: float) -> None:
+    async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
         if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
-            log.warning("consumer group missing (Redis restarted empty?); recreating it")
+            log.warning("consumer group missing on %s (Redis restarted empty?); recreating it",
+                        lane.stream)
             self.health.joined = False
             try:
-                await self._ensure_group()
+                await self._ensure_group(lane)
                 # An empty Redis lost the config hash too; producers need it back
                 # for their early checks and exact estimates.
-                await presence.write_config(self.client, self.queue, self._config_fields())
+                await presence.write_config(self.client, lane.queue, self._config_fields())
                 self.health.joined = True
                 return
             except RedisError:
@@ -503,6 +528,7 @@ class Worker:
 
     async def _take(
         self,
+        lane: Lane,
         entries: list[tuple[bytes, dict[bytes, bytes] | None]],
         deliveries: dict[bytes, int] | None = None,
     ) -> None:
@@ -518,31 +544,32 @@ class Worker:
         deliveries = deliveries or {}
         gone = [entry_id for entry_id, fields in entries if fields is None]
         if gone:  # deleted while pending to us: nothing to answer, just release
-            await self._emit([Answer(entry_id, None, b"", ok=False) for entry_id in gone])
+            await self._emit([Answer(lane.ref(entry_id), None, b"", ok=False) for entry_id in gone])
         present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
         for entry_id, fields in present:
-            self._held_bytes[entry_id] = _entry_bytes(fields)
-        await self._take_present(present, deliveries)
+            self._held_bytes[lane.ref(entry_id)] = _entry_bytes(fields)
+        await self._take_present(lane, present, deliveries)
         self._feed.wake()
 
     async def _take_present(
-        self, present: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int]
+        self, lane: Lane, present: list[tuple[bytes, dict[bytes, bytes]]],
+        deliveries: dict[bytes, int],
     ) -> None:
         if not present:
             return
         try:
-            jobs, answers = await self._prepare(present, deliveries)
+            jobs, answers = await self._prepare(lane, present, deliveries)
         except Exception as exc:
             if len(present) > 1:
                 for one in present:
-                    await self._take_present([one], deliveries)
+                    await self._take_present(lane, [one], deliveries)
                 return
             entry_id, fields = present[0]
             log.exception("entry %r could not be taken; dead-lettering it", entry_id)
             why = f"{type(exc).__name__}: {exc}"
-            jobs, answers = [], [
-                self._untakable(entry_id, fields, why, deliveries, self._clock.now_ms())
-            ]
+            jobs, answers = [], tagged(lane, [
+                self._untakable(lane, entry_id, fields, why, deliveries, self._clock.now_ms())
+            ])
         self._feed.add(jobs)
         if answers:
             dead = sum(bool(a.dead_fields) for a in answers)
@@ -552,54 +579,59 @@ class Worker:
             await self._emit(answers)
 
     async def _prepare(
-        self, present: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int]
+        self, lane: Lane, present: list[tuple[bytes, dict[bytes, bytes]]],
+        deliveries: dict[bytes, int],
     ) -> tuple[list[Job[bytes]], list[Answer]]:
         """Jobs to buffer and answers owed for one read, with no effect on the buffer.
 
         It moves only the in-flight estimate (restored on the way out) and the
         running means (by finite, bounded amounts), so a read that raises here
-        can be retried entry by entry.
+        can be retried entry by entry. Decoding and dead letters see the bare
+        entry ids; jobs and answers leave named by the lane's references.
         """
         now = self._clock.now_ms()
         decoded = decode_entries(
-            present, policy=self._dead_letters, deliveries=deliveries, now_epoch_ms=now
+            present, policy=lane.dead_letters, deliveries=deliveries, now_epoch_ms=now
         )
-        answers = list(decoded.answers)
+        answers = tagged(lane, decoded.answers)
         if not decoded.requests:
             return [], answers
         claimed = sum(max(1, request.tokens) for _, request in decoded.requests)
         self._inflight_estimate += claimed
         try:
-            admitted = await asyncio.to_thread(self._admit, decoded.requests, monotonic_ms(), now)
+            admitted = await asyncio.to_thread(
+                self._admit, lane, decoded.requests, monotonic_ms(), now
+            )
         finally:
             self._inflight_estimate -= claimed
         answers += [answer_of(self.pipeline, outcome) for outcome in admitted.answered]
         fields = dict(present) if admitted.broken else {}
-        answers += [
-            self._untakable(item.ref, fields[item.ref], why, deliveries, now)
-            for item, why in admitted.broken
-        ]
-        self._learn(decoded.requests, admitted.jobs, present)
+        answers += tagged(lane, [
+            self._untakable(lane, entry_id, fields[entry_id], why, deliveries, now)
+            for entry_id, why in ((split_ref(item.ref)[1], why) for item, why in admitted.broken)
+        ])
+        self._learn(lane, decoded.requests, admitted.jobs, present)
         return admitted.jobs, answers
 
     def _untakable(
-        self, entry_id: bytes, fields: dict[bytes, bytes], why: str,
+        self, lane: Lane, entry_id: bytes, fields: dict[bytes, bytes], why: str,
         deliveries: dict[bytes, int], now_epoch_ms: int,
     ) -> Answer:
         """The dead letter of an entry the worker could not take, saying why."""
         return dead_answer(
             entry_id, fields, ErrorCode.BAD_REQUEST,
             f"the worker could not take this entry: {why}"[:1000],
-            policy=self._dead_letters, deliveries=deliveries.get(entry_id, 1),
+            policy=lane.dead_letters, deliveries=deliveries.get(entry_id, 1),
             now_epoch_ms=now_epoch_ms,
         )
 
     def _admit(
-        self, requests: list[tuple[bytes, wire.Request]], read_ms: float, now_epoch_ms: int
+        self, lane: Lane, requests: list[tuple[bytes, wire.Request]], read_ms: float,
+        now_epoch_ms: int,
     ) -> Admitted[bytes]:
         """The pipeline's admission of one read (in a thread: it tokenizes)."""
         items = [
-            Admit(entry_id, request, wire.deadline_of(request, entry_id), read_ms)
+            Admit(lane.ref(entry_id), request, wire.deadline_of(request, entry_id), read_ms)
             for entry_id, request in requests
         ]
         started = time.perf_counter()
@@ -609,6 +641,7 @@ class Worker:
 
     def _learn(
         self,
+        lane: Lane,
         requests: list[tuple[bytes, wire.Request]],
         jobs: list[Job[bytes]],
         present: list[tuple[bytes, dict[bytes, bytes]]],
@@ -622,7 +655,7 @@ class Worker:
         weight = 1.0 - 0.9 ** len(requests)
         exact = sum(job.encoding.length for job in jobs) or len(requests)
         self._avg_estimate += weight * (max(1.0, exact / len(requests)) - self._avg_estimate)
-        size = sum(self._held_bytes.get(entry_id, 0) for entry_id, _ in present)
+        size = sum(self._held_bytes.get(lane.ref(entry_id), 0) for entry_id, _ in present)
         self._avg_entry_bytes += weight * (
             max(1.0, size / len(present)) - self._avg_entry_bytes
         )
@@ -670,7 +703,7 @@ class Worker:
         self.stats.record(record)
         if self.metrics.enabled:
             self.metrics.batch(
-                record, (job.ref for job in batch.payloads),
+                record, entry_ids(job.ref for job in batch.payloads),
                 input_tokens=[done.tokens for done in ran.outcome.answered if done.tokens],
                 started_epoch_ms=ran.started_epoch_ms, budget=self.packer.budget.max_batch_tokens,
             )
@@ -700,10 +733,20 @@ class Worker:
                 answers = [*answers, *more]
             self._publishing = True
             try:
-                await self._publisher.publish(answers, give_up=self._past_grace)
+                await self._publish(answers)
             finally:
                 self._publishing = False
-            self.metrics.answered(answers, now_epoch_ms=self._clock.now_ms())
+
+    async def _publish(self, answers: list[Answer]) -> None:
+        """Answer each lane's entries on that lane (one script per lane, lanes at once)."""
+        grouped = by_lane(answers)
+
+        async def one(lane: Lane, owed: list[Answer]) -> None:
+            assert lane.publisher is not None
+            await lane.publisher.publish(owed, give_up=self._past_grace)
+            self.metrics.answered(owed, now_epoch_ms=self._clock.now_ms())
+
+        await asyncio.gather(*(one(self.lanes[i], owed) for i, owed in grouped.items()))
 
     def _past_grace(self) -> bool:
         """A stopping (or hung) worker gives up on an unreachable Redis after a grace."""
@@ -748,12 +791,14 @@ class Worker:
             while (self._publishing or not self._answers.empty()) and time.monotonic() < grace:
                 await asyncio.sleep(0.05)
             with contextlib.suppress(RedisError, asyncio.TimeoutError):
-                await asyncio.wait_for(
-                    self.client.delete(keys.worker_alive(self.queue, self.consumer)), 2.0
-                )
+                await asyncio.wait_for(self._drop_liveness(), 2.0)
             raise WorkerHung(
                 f"batch on the device for more than batch_timeout_s ({limit:.0f}s)"
             )
+
+    async def _drop_liveness(self) -> None:
+        for lane in self.lanes:
+            await self.client.delete(keys.worker_alive(lane.queue, self.consumer))
 
     # ---------------------------------------------------------------------- beat
 
@@ -776,7 +821,9 @@ class Worker:
         while not (self._hung or self._closing.is_set()):
             self.health.beat_started(time.monotonic())
             try:
-                await presence.beat(self.client, self.queue, self.consumer, self.status(), ttl_ms)
+                status = self.status()
+                for lane in self.lanes:
+                    await presence.beat(self.client, lane.queue, self.consumer, status, ttl_ms)
                 await self._keep_claims_fresh()
                 await self._clock.sync(self.client)
                 self.health.beat_finished()
@@ -795,7 +842,7 @@ class Worker:
     async def _measure_depth(self) -> None:
         """Refresh the queue-depth gauges; a failure (an ACL without XLEN) is logged once."""
         try:
-            found = await depth.measure(self.client, self.stream)
+            found = await depth.measure(self.client, [lane.stream for lane in self.lanes])
         except RedisError as exc:
             if not self._depth_failed:
                 log.warning("queue depth metrics unavailable (%s); needs XLEN and "
@@ -811,13 +858,18 @@ class Worker:
         Never while a batch is hung: a worker whose device does not come back
         must let its entries go (the watchdog ends it soon after).
         """
-        held = [job.ref for job in self._feed.held()]
-        for start in range(0, len(held), 512):
-            if self._hung:
-                return
-            await self.client.xclaim(
-                self.stream, keys.GROUP, self.consumer, 0, held[start:start + 512], justid=True
-            )
+        held: dict[int, list[bytes]] = {}
+        for job in self._feed.held():
+            lane, entry_id = split_ref(job.ref)
+            held.setdefault(lane, []).append(entry_id)
+        for lane, ids in held.items():
+            for start in range(0, len(ids), 512):
+                if self._hung:
+                    return
+                await self.client.xclaim(
+                    self.lanes[lane].stream, keys.GROUP, self.consumer, 0,
+                    ids[start:start + 512], justid=True,
+                )
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,9 @@ from tokenq.worker.backends.base import BackendInfo
 DROP_CONSUMER_SCRIPT = lua.load("tokenq.worker", "drop_consumer.lua")
 
 
-def config_fields(info: BackendInfo, *, policy: str, max_batch_tokens: int) -> dict[str, str]:
+def config_fields(
+    info: BackendInfo, *, policy: str, max_batch_tokens: int, shards: int = 1
+) -> dict[str, str]:
     """The config hash's fields (strings, so redis-cli HGETALL reads them)."""
     return encode_config(QueueConfig(
         protocol=wire.PROTOCOL_VERSION,
@@ -41,11 +43,21 @@ def config_fields(info: BackendInfo, *, policy: str, max_batch_tokens: int) -> d
         prompts=dict(info.prompts),
         default_prompt=info.default_prompt_name or "",
         tokenizer=info.tokenizer or None,
+        shards=shards if shards > 1 else None,  # absent means 1: one shard's hash is unchanged
     ))
 
 
+_ONLY_WHEN_SET = ("shards",)
+"""Fields absent at their default; a write without one removes a stale one (resharding to 1)."""
+
+
 async def write_config(client: aioredis.Redis, q: keys.QueueRef, fields: dict[str, str]) -> None:
-    await client.hset(keys.config(q), mapping=fields)
+    stale = [name for name in _ONLY_WHEN_SET if name not in fields]
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.config(q), mapping=fields)
+        if stale:
+            pipe.hdel(keys.config(q), *stale)
+        await pipe.execute()
 
 
 async def beat(

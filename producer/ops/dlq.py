@@ -8,23 +8,28 @@ original ``reply_to``; ``purge`` deletes them. ``retry`` and ``purge`` need
 ``--id ENTRY_ID ...`` or ``--all``. Ids not found, and letters ``retry``
 skips because the worker truncated them, are named on stderr and make the
 exit status 1; Redis failures are one line (shared/cli.py).
+
+A sharded queue (``shards`` in its ``{q}`` config hash) is every lane's dead
+stream at once: letters are named ``<shard>/<entry id>`` (``plain/<entry
+id>`` on the plain ``{q}``), a bare id is looked up in every lane and must
+be in one, and each letter is retried onto its own lane (letters.py).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import redis
 
 from tokenq.producer.ops import letters as dlq
-from tokenq.producer.ops.snapshot import connection, entry_ms, redis_now
+from tokenq.producer.ops.snapshot import connection, entry_ms, queue_lanes, redis_now
 from tokenq.producer.ops.stats import format_table
 from tokenq.shared import keys
 from tokenq.shared.cli import plural, run_command
 from tokenq.shared.dead_letter import DeadLetter
-from tokenq.shared.errors import QueueFull
 from tokenq.shared.settings import DlqSettings
 
 _PREVIEW = 60
@@ -44,8 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def spread_ids(argv: list[str]) -> list[str]:
     """Let ``--id A B C`` mean ``--id A --id B --id C`` (the settings parser takes one value).
 
-    Only words shaped like stream ids (``1718000000000-0``) are taken, so the
-    ACTION positional may still follow.
+    Only words shaped like stream ids (``1718000000000-0``), or a sharded
+    queue's letter names (``2/1718000000000-0``, ``plain/…``), are taken, so
+    the ACTION positional may still follow.
     """
     out: list[str] = []
     state = "other"  # "value": the word right after --id; "more": later words of the run
@@ -65,63 +71,134 @@ def spread_ids(argv: list[str]) -> list[str]:
 
 
 def _looks_like_id(arg: str) -> bool:
+    lane, slash, rest = arg.partition("/")
+    if slash and (lane.isdigit() or lane == dlq.PLAIN):
+        arg = rest  # a sharded queue's letter: <shard>/<entry id>
     ms, _, seq = arg.partition("-")
     return ms.isdigit() and (seq == "" or seq.isdigit())
 
 
 def run(settings: DlqSettings) -> int:
     q = keys.QueueRef(settings.queue, settings.prefix)
-    with connection(settings.redis_url, settings.socket_timeout_s, [q]) as r:
+    checked = [q]  # whose keys a WRONGTYPE is looked for in: every lane, once they are known
+    with connection(settings.redis_url, settings.socket_timeout_s, checked) as r:
+        lanes = dlq.Lanes(q, queue_lanes(r, q))
+        checked[:] = lanes.all
         if settings.action == "list":
-            return _list(r, q, settings)
-        ids = None if settings.all else settings.id
+            return _list(r, lanes, settings)
+        work, missing, ambiguous = _work(r, lanes, settings)
         if settings.action == "retry":
-            return _retry(r, q, ids, settings)
-        return _purge(r, q, ids)
+            failed = _retry(r, lanes, work, missing, settings)
+        else:
+            failed = _purge(r, lanes, work, missing)
+        verb = "retried" if settings.action == "retry" else "purged"
+        _report_ambiguous(ambiguous, f"not {verb}; name the one you mean")
+        return 1 if failed or ambiguous else 0
 
 
-def _report_missing(missing: list[str]) -> None:
-    """The named ids the dead stream does not hold, on stderr (the caller exits 1)."""
+Work = list[tuple[keys.QueueRef, list[str] | None]]
+"""What retry or purge acts on, lane by lane: the entry ids, or None for every letter."""
+
+
+def _work(
+    r: redis.Redis, lanes: dlq.Lanes, settings: DlqSettings
+) -> tuple[Work, list[str], dict[str, list[str]]]:
+    """(the letters to act on by lane; the named ones not there; bare ids in several lanes)."""
+    if settings.all:
+        return [(lane, None) for lane in lanes.all], [], {}
+    targets, invalid = lanes.targets(settings.id)
+    placed = dlq.place(r, lanes, targets)
+    return list(placed.ids.items()), invalid + placed.missing, placed.ambiguous
+
+
+def _report_missing(lanes: dlq.Lanes, missing: list[str]) -> None:
+    """The named letters no dead stream holds, on stderr (the caller exits 1)."""
     if not missing:
         return
-    words = [one if dlq.entry_id(one) is not None else f"{one} (not a stream entry id)"
-             for one in missing]
-    print(f"tokenq dlq: not in the dead stream: {', '.join(words)}", file=sys.stderr)
+    where = "any of the queue's dead streams" if lanes.sharded else "the dead stream"
+    print(f"tokenq dlq: not in {where}: {', '.join(missing)}", file=sys.stderr)
 
 
-def _list(r: redis.Redis, q: keys.QueueRef, settings: DlqSettings) -> int:
-    wanted, invalid = dlq.resolve_ids(settings.id)
-    if settings.id and not wanted:
-        letters = []
+def _report_ambiguous(ambiguous: dict[str, list[str]], outcome: str) -> None:
+    """Bare ids that more than one lane of a sharded queue holds, one line each."""
+    for one, names in ambiguous.items():
+        print(f"tokenq dlq: {one} is in more than one dead stream ({', '.join(names)}): "
+              f"{outcome}", file=sys.stderr)
+
+
+_COLUMNS = ("entry", "request", "code", "reason", "deliveries", "worker", "age", "truncated",
+            "text")
+
+
+def _list(r: redis.Redis, lanes: dlq.Lanes, settings: DlqSettings) -> int:
+    targets, missing = lanes.targets(settings.id)
+    if settings.id:
+        letters = dlq.read_letters(r, [one for t in targets for one in lanes.candidates(t)])
     else:
-        letters = dlq.list_letters(r, q, limit=settings.count, ids=wanted)
-    found = {letter.entry_id for letter in letters}
-    missing = invalid + [one for one in wanted if one not in found]
+        letters = dlq.oldest(r, lanes, settings.count)
+    unfound, ambiguous = _unmatched(lanes, targets, letters)
+    missing += unfound
     if settings.as_json:
-        for letter in letters:
-            print(json.dumps(dlq.letter_json(letter), ensure_ascii=False))
+        for lane, letter in letters:
+            print(json.dumps(_letter_json(lanes, lane, letter), ensure_ascii=False))
     else:
-        total = dlq.count(r, q)
-        print(f"{plural(total, 'dead letter')} in {keys.dead(q)}" + (
+        total = sum(dlq.counts(r, lanes).values())
+        print(f"{plural(total, 'dead letter')} in {lanes.where(keys.dead)}" + (
             f" (showing {len(letters)})" if len(letters) < total else ""))
         if letters:
             now_ms = int(redis_now(r) * 1000)
-            rows = [_row(letter, now_ms) for letter in letters]
-            print(format_table(("entry", "request", "code", "reason", "deliveries", "worker",
-                                "age", "truncated", "text"), rows))
-    _report_missing(missing)
+            rows = [_row(lanes, lane, letter, now_ms) for lane, letter in letters]
+            columns = ("shard", *_COLUMNS) if lanes.sharded else _COLUMNS
+            print(format_table(columns, rows))
+    _report_missing(lanes, missing)
+    _report_ambiguous(ambiguous, "all listed")
     return 1 if missing else 0
 
 
-def _row(letter: DeadLetter, now_ms: int) -> tuple[str, ...]:
+def _unmatched(
+    lanes: dlq.Lanes, targets: list[dlq.Target],
+    letters: list[tuple[keys.QueueRef, DeadLetter]],
+) -> tuple[list[str], dict[str, list[str]]]:
+    """(the named letters ``letters`` lacks; bare ids it holds in several lanes, by name).
+
+    ``list`` shows every lane's letter a bare id matches: that is harmless,
+    and the names in the table tell them apart.
+    """
+    found = {(lane, letter.entry_id) for lane, letter in letters}
+    missing: list[str] = []
+    ambiguous: dict[str, list[str]] = {}
+    for target in targets:
+        holders = [one for one in lanes.candidates(target) if one in found]
+        if not holders:
+            missing.append(target.entry_id if target.lane is None
+                           else lanes.name(target.lane, target.entry_id))
+        elif len(holders) > 1:
+            ambiguous[target.entry_id] = [lanes.name(*one) for one in holders]
+    return missing, ambiguous
+
+
+def _letter_json(lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter) -> dict[str, Any]:
+    """A letter's ``--json`` line; a sharded queue's also says its lane and its name."""
+    doc = dlq.letter_json(letter)
+    if not lanes.sharded:
+        return doc
+    return {"shard": lane.shard, "entry": lanes.name(lane, letter.entry_id), **doc}
+
+
+def _row(
+    lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter, now_ms: int
+) -> tuple[str, ...]:
     """One letter as table cells; its age is from its entry id against Redis's clock."""
     age = f"{max(0, now_ms - entry_ms(letter.entry_id)) / 1000:.0f}s"
     text = letter.request.get("text", "")
     text = text if isinstance(text, str) else "<binary>"
     truncated = ",".join(letter.truncated) if letter.truncated else ""
-    return (letter.entry_id, letter.request_id, letter.error_code or "",
-            _preview(dlq.reason_text(letter.error) or ""), str(letter.deliveries or ""),
-            letter.worker or "", age, truncated, _preview(text))
+    cells = (lanes.name(lane, letter.entry_id), letter.request_id, letter.error_code or "",
+             _preview(dlq.reason_text(letter.error) or ""), str(letter.deliveries or ""),
+             letter.worker or "", age, truncated, _preview(text))
+    if not lanes.sharded:
+        return cells
+    return ("-" if lane.shard is None else str(lane.shard), *cells)
 
 
 def _preview(text: str) -> str:
@@ -130,30 +207,74 @@ def _preview(text: str) -> str:
     return text[:_PREVIEW - 1] + "…" if len(text) > _PREVIEW else text
 
 
+def _done(
+    lanes: dlq.Lanes, verb: str, done: dict[keys.QueueRef, int],
+    key: Callable[[keys.QueueRef], str], preposition: str,
+) -> str:
+    """``retried N dead letters onto KEY`` (or purged ... from); a sharded queue's says how
+    many each lane's own stream took."""
+    head = f"{verb} {plural(sum(done.values()), 'dead letter')}"
+    parts = [f"{n} {preposition} {key(lane)}" for lane, n in done.items() if n]
+    if lanes.sharded and parts:
+        return f"{head}: {', '.join(parts)}"
+    return f"{head} {preposition} {lanes.where(key)}"
+
+
 def _retry(
-    r: redis.Redis, q: keys.QueueRef, ids: list[str] | None, settings: DlqSettings
-) -> int:
-    try:
-        outcome = dlq.retry(r, q, ids, max_queue_length=settings.max_queue_length,
-                            drop_deadline=settings.drop_deadline)
-    except QueueFull as exc:
-        print(f"tokenq dlq: {exc}", file=sys.stderr)
-        return 1
-    upto = "" if ids is not None or outcome.last_id is None else (
-        f" (every letter up to {outcome.last_id}, the last when the retry started)")
-    print(f"retried {plural(len(outcome.moved), 'dead letter')} onto {keys.requests(q)}{upto}")
+    r: redis.Redis, lanes: dlq.Lanes, work: Work, missing: list[str], settings: DlqSettings
+) -> bool:
+    """Retry lane by lane, each onto its own request stream; True when something failed.
+
+    A lane that is full (``--max-queue-length`` holds per lane) does not stop
+    the others in a sharded queue: each has room of its own.
+    """
+    outcomes = [(lane, dlq.retry_until_full(r, lane, ids, drop_deadline=settings.drop_deadline,
+                                            max_queue_length=settings.max_queue_length))
+                for lane, ids in work]
+    full = [outcome.full for _, outcome in outcomes if outcome.full is not None]
+    if full and not lanes.sharded:  # the one line it always was
+        print(f"tokenq dlq: {full[0]}", file=sys.stderr)
+        return True
+    moved = {lane: len(outcome.moved) for lane, outcome in outcomes}
+    print(_done(lanes, "retried", moved, keys.requests, "onto") + _upto(lanes, outcomes))
+    for line in full:
+        print(f"tokenq dlq: {line}", file=sys.stderr)
+    for lane, outcome in outcomes:
+        _report_outcome(lanes, lane, outcome)
+    missing = missing + [lanes.name(lane, one) for lane, outcome in outcomes
+                         for one in outcome.missing]
+    _report_missing(lanes, missing)
+    return bool(missing or full or any(outcome.skipped for _, outcome in outcomes))
+
+
+def _upto(lanes: dlq.Lanes, outcomes: list[tuple[keys.QueueRef, dlq.RetryOutcome]]) -> str:
+    """``retry --all``'s snapshot end: where each lane's dead stream ended when it started."""
+    ends = [outcome.last_id for _, outcome in outcomes if outcome.last_id is not None]
+    if not ends:
+        return ""
+    if lanes.sharded:
+        return " (in each lane, every letter up to the last there when the retry started)"
+    return f" (every letter up to {ends[0]}, the last when the retry started)"
+
+
+def _report_outcome(lanes: dlq.Lanes, lane: keys.QueueRef, outcome: dlq.RetryOutcome) -> None:
+    """The letters of one lane a retry left in place or found gone, on stderr."""
     for one, why in outcome.skipped.items():
-        print(f"tokenq dlq: skipped {one}: {why}; it stays in {keys.dead(q)} "
-              "(inspect it with dlq list --id, drop it with dlq purge --id)", file=sys.stderr)
+        print(f"tokenq dlq: skipped {lanes.name(lane, one)}: {why}; it stays in "
+              f"{keys.dead(lane)} (inspect it with dlq list --id, drop it with dlq purge --id)",
+              file=sys.stderr)
     if outcome.vanished:
         print(f"tokenq dlq: {plural(len(outcome.vanished), 'letter')} deleted by someone "
-              f"else while the retry ran: {', '.join(outcome.vanished)}", file=sys.stderr)
-    _report_missing(outcome.missing)
-    return 1 if outcome.missing or outcome.skipped else 0
+              f"else while the retry ran: "
+              f"{', '.join(lanes.name(lane, one) for one in outcome.vanished)}", file=sys.stderr)
 
 
-def _purge(r: redis.Redis, q: keys.QueueRef, ids: list[str] | None) -> int:
-    removed, missing = dlq.purge(r, q, ids)
-    print(f"purged {plural(removed, 'dead letter')} from {keys.dead(q)}")
-    _report_missing(missing)
-    return 1 if missing else 0
+def _purge(r: redis.Redis, lanes: dlq.Lanes, work: Work, missing: list[str]) -> bool:
+    """Purge lane by lane; True when a named letter was not there."""
+    removed: dict[keys.QueueRef, int] = {}
+    for lane, ids in work:
+        removed[lane], gone = dlq.purge(r, lane, ids)
+        missing = missing + [lanes.name(lane, one) for one in gone]
+    print(_done(lanes, "purged", removed, keys.dead, "from"))
+    _report_missing(lanes, missing)
+    return bool(missing)

@@ -15,13 +15,19 @@ request its producer wrote, so retrying skips it and leaves it in place.
 ``retry(ids=None)`` works on a snapshot: it stops at the dead stream's last
 id as of its start, so letters that die again while it runs (or any written
 meanwhile) are left for the next retry instead of being re-read forever.
+
+A sharded queue's letters are in each lane's own dead stream
+(``tokenq:{q:k}:dead``, and the plain ``tokenq:{q}:dead``), and each goes
+back onto its own lane's request stream, where its ``reply_to`` and id
+belong. Entry ids are per stream, so there a letter is named with its lane
+(:class:`Lanes`): ``<shard>/<entry id>``, or ``plain/<entry id>``.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +100,8 @@ class RetryOutcome:
     """Letters left in the dead stream, id -> why: truncated (fields cut), or no fields."""
     last_id: str | None = None
     """``--all``: the snapshot's end, the dead stream's last id when the retry started."""
+    full: str | None = None
+    """Why it stopped early: a page would have overfilled the queue (pages before it moved)."""
 
 
 def entry_id(text: str) -> str | None:
@@ -126,8 +134,111 @@ def resolve_ids(ids: Sequence[str]) -> tuple[list[str], list[str]]:
     return wanted, invalid
 
 
+PLAIN = "plain"
+"""The lane part of a letter's name on the plain ``{q}`` of a sharded queue (``plain/<id>``).
+
+Not ``-`` (the table's shard column for it): a word starting with ``-``
+after ``--id`` would be read as a flag.
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One letter an operator named: its entry id, and its lane (None: whichever holds it)."""
+
+    lane: keys.QueueRef | None
+    entry_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Lanes:
+    """A queue's lanes (:func:`tokenq.shared.keys.lanes_of`), and how ``tokenq dlq`` names
+    the letters in them.
+
+    Why names: entry ids are per stream, so two lanes may each hold a letter
+    ``1700000000000-0``. In a sharded queue a letter is ``<shard>/<entry id>``
+    (``plain/<entry id>`` on the plain ``{q}``); in an unsharded one it is
+    its entry id, as it always was.
+    """
+
+    queue: keys.QueueRef
+    all: tuple[keys.QueueRef, ...]
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.all) > 1
+
+    def name(self, lane: keys.QueueRef, entry: str) -> str:
+        """The letter ``entry`` of ``lane`` as the table shows it and ``--id`` takes it."""
+        if not self.sharded:
+            return entry
+        return f"{PLAIN if lane.shard is None else lane.shard}/{entry}"
+
+    def where(self, key: Callable[[keys.QueueRef], str]) -> str:
+        """The lanes' ``key`` (``keys.dead``, ...) for a summary line: ``tokenq:{q}:dead``,
+        or ``tokenq:{q:0}:dead … tokenq:{q:2}:dead and tokenq:{q}:dead``."""
+        if not self.sharded:
+            return key(self.queue)
+        *shards, plain = self.all
+        between = ", " if len(shards) == 2 else " … "
+        return f"{key(shards[0])}{between}{key(shards[-1])} and {key(plain)}"
+
+    def target(self, word: str) -> Target | str:
+        """The letter ``word`` names, or ``word`` with why it names none (for the report).
+
+        In a sharded queue a bare entry id names whichever lane holds it
+        (:func:`place` looks); ``<shard>/<id>`` and ``plain/<id>`` name one lane.
+        """
+        head, slash, tail = word.partition("/")
+        if not (self.sharded and slash):
+            normal = entry_id(word)
+            if normal is None:
+                return f"{word} (not a stream entry id)"
+            return Target(None if self.sharded else self.queue, normal)
+        normal = entry_id(tail)
+        if normal is None:
+            return f"{word} (not a stream entry id)"
+        lane = self._lane(head.strip())
+        if lane is None:
+            return f"{word} (no such shard: the queue has shards 0-{len(self.all) - 2} and plain)"
+        return Target(lane, normal)
+
+    def targets(self, words: Sequence[str]) -> tuple[list[Target], list[str]]:
+        """(the letters named, in order and without repeats; each word naming none, with why)."""
+        wanted: list[Target] = []
+        invalid: list[str] = []
+        for word in words:
+            found = self.target(word)
+            if isinstance(found, str):
+                invalid.append(found)
+            elif found not in wanted:
+                wanted.append(found)
+        return wanted, invalid
+
+    def candidates(self, target: Target) -> list[tuple[keys.QueueRef, str]]:
+        """Where ``target`` may be: its lane, or every lane for a bare id."""
+        lanes = self.all if target.lane is None else (target.lane,)
+        return [(lane, target.entry_id) for lane in lanes]
+
+    def _lane(self, text: str) -> keys.QueueRef | None:
+        if text == PLAIN:
+            return self.queue
+        if not (text.isascii() and text.isdigit()) or int(text) >= len(self.all) - 1:
+            return None
+        return self.all[int(text)]
+
+
 def count(r: redis.Redis, q: keys.QueueRef) -> int:
     return int(r.xlen(keys.dead(q)))
+
+
+def counts(r: redis.Redis, lanes: Lanes) -> dict[keys.QueueRef, int]:
+    """Each lane's number of dead letters (one pipeline)."""
+    with r.pipeline(transaction=False) as pipe:
+        for lane in lanes.all:
+            pipe.xlen(keys.dead(lane))
+        found = pipe.execute()
+    return {lane: int(n) for lane, n in zip(lanes.all, found, strict=True)}
 
 
 def list_letters(
@@ -135,12 +246,77 @@ def list_letters(
 ) -> list[DeadLetter]:
     """The oldest ``limit`` dead letters, or the ones named by ``ids`` (complete ids)."""
     if ids:
-        with r.pipeline(transaction=False) as pipe:
-            for one in ids:
-                pipe.xrange(keys.dead(q), one, one)
-            found = pipe.execute()
-        return [parse_letter(i, f) for entries in found for i, f in entries]
+        return [letter for _, letter in read_letters(r, [(q, one) for one in ids])]
     return [parse_letter(i, f) for i, f in r.xrange(keys.dead(q), "-", "+", count=limit)]
+
+
+def read_letters(
+    r: redis.Redis, where: Sequence[tuple[keys.QueueRef, str]]
+) -> list[tuple[keys.QueueRef, DeadLetter]]:
+    """The letters at each ``(lane, complete entry id)`` that holds one, in order (one pipeline)."""
+    if not where:
+        return []
+    with r.pipeline(transaction=False) as pipe:
+        for lane, one in where:
+            pipe.xrange(keys.dead(lane), one, one)
+        found = pipe.execute()
+    return [(lane, parse_letter(i, f))
+            for (lane, _), entries in zip(where, found, strict=True) for i, f in entries]
+
+
+def oldest(r: redis.Redis, lanes: Lanes, limit: int) -> list[tuple[keys.QueueRef, DeadLetter]]:
+    """The ``limit`` oldest letters of all the lanes together (by entry id time; then lane)."""
+    with r.pipeline(transaction=False) as pipe:
+        for lane in lanes.all:
+            pipe.xrange(keys.dead(lane), "-", "+", count=limit)
+        found = pipe.execute()
+    merged = [(_id_order(i), at, lane, parse_letter(i, f))
+              for at, (lane, entries) in enumerate(zip(lanes.all, found, strict=True))
+              for i, f in entries]
+    merged.sort(key=lambda one: (one[0], one[1]))
+    return [(lane, letter) for _, _, lane, letter in merged[:limit]]
+
+
+def _id_order(raw: bytes | str) -> tuple[int, int]:
+    ms, _, seq = (raw.decode() if isinstance(raw, bytes) else raw).partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(slots=True)
+class Placed:
+    """The named letters by lane (:func:`place`), and the bare ids that name no one letter."""
+
+    ids: dict[keys.QueueRef, list[str]] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    """Bare ids no lane holds."""
+    ambiguous: dict[str, list[str]] = field(default_factory=dict)
+    """Bare id -> the names of the letters (one per lane) it could mean."""
+
+
+def place(r: redis.Redis, lanes: Lanes, targets: Sequence[Target]) -> Placed:
+    """Each target's lane: a bare id (sharded queues only) is looked up in every lane.
+
+    One found in several lanes is ambiguous and placed nowhere: retrying or
+    purging a letter the operator did not mean cannot be undone.
+    """
+    bare = [pair for target in targets if target.lane is None
+            for pair in lanes.candidates(target)]
+    holders: dict[str, list[keys.QueueRef]] = {}
+    for lane, letter in read_letters(r, bare):
+        holders.setdefault(letter.entry_id, []).append(lane)
+    placed = Placed()
+    by_lane: dict[keys.QueueRef, list[str]] = {}
+    for target in targets:
+        where = [target.lane] if target.lane is not None else holders.get(target.entry_id, [])
+        if not where:
+            placed.missing.append(target.entry_id)
+        elif len(where) > 1:
+            placed.ambiguous[target.entry_id] = [lanes.name(one, target.entry_id)
+                                                 for one in where]
+        else:
+            by_lane.setdefault(where[0], []).append(target.entry_id)
+    placed.ids = {lane: by_lane[lane] for lane in lanes.all if lane in by_lane}
+    return placed
 
 
 def last_id(r: redis.Redis, q: keys.QueueRef) -> str | None:
@@ -176,6 +352,23 @@ def retry(
     :class:`QueueFull` when a page would push the queue past
     ``max_queue_length``; pages already moved stay moved.
     """
+    outcome = retry_until_full(r, q, ids, max_queue_length=max_queue_length,
+                               drop_deadline=drop_deadline)
+    if outcome.full is not None:
+        raise QueueFull(outcome.full)
+    return outcome
+
+
+def retry_until_full(
+    r: redis.Redis,
+    q: keys.QueueRef,
+    ids: Sequence[str] | None,
+    *,
+    max_queue_length: int,
+    drop_deadline: bool = False,
+) -> RetryOutcome:
+    """:func:`retry`, but a full queue ends it with ``outcome.full`` set instead of raising,
+    so a sharded queue's retry still counts what that lane moved before it filled."""
     script = r.register_script(RETRY_SCRIPT)
     outcome = RetryOutcome()
     if ids is None:
@@ -193,10 +386,10 @@ def retry(
             full = lua.parse_queue_full(str(exc))
             if full is None:
                 raise
-            raise QueueFull(
-                f"queue {q.name!r} holds {full.length} of at most {full.limit} requests; "
-                f"moved {plural(len(outcome.moved), 'dead letter')} before it filled"
-            ) from None
+            outcome.full = (
+                f"{_lane_words(q)} holds {full.length} of at most {full.limit} requests; "
+                f"moved {plural(len(outcome.moved), 'dead letter')} before it filled")
+            return outcome
         for one, answer in zip(page, answers, strict=True):
             if isinstance(answer, list):  # [b"truncated", b"text,opts"] or [b"empty", b""]
                 outcome.skipped[one] = _skip_reason(answer)
@@ -207,6 +400,11 @@ def retry(
             else:
                 outcome.missing.append(one)
     return outcome
+
+
+def _lane_words(q: keys.QueueRef) -> str:
+    """``queue 'q'``, or ``shard 2 of queue 'q'``: the limit holds per lane."""
+    return f"queue {q.name!r}" if q.shard is None else f"shard {q.shard} of queue {q.name!r}"
 
 
 def _skip_reason(answer: list[bytes]) -> str:

@@ -5,6 +5,10 @@ EXISTS) turned into JSON-ready dicts, so the text view, the live view and
 ``--json`` all show the same numbers, and a test can assert on them. The
 document's fields are listed in docs/OPERATIONS.md; keep the two in step
 (``SNAPSHOT_VERSION`` goes up when a field changes meaning or goes away).
+
+Each lane of a sharded queue (``{q:0}`` …, and the plain ``{q}``) is a row
+of its own; the document's ``totals`` adds one aggregate per sharded queue
+(:func:`queue_totals`), and is left out when no queue is sharded.
 """
 
 from __future__ import annotations
@@ -16,17 +20,20 @@ from typing import Any
 
 import redis
 
+from tokenq.producer.connection import sync_client_for
 from tokenq.shared import keys
 from tokenq.shared.cli import (
     CommandFailed,
     UsageError,
     failure_message,
     is_wrong_type,
+    plural,
     redact_url,
 )
-from tokenq.shared.depth import depth
+from tokenq.shared.depth import Depth, depth, total
 from tokenq.shared.errors import DecodeError
 from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat
+from tokenq.shared.queue_config import parse_config
 
 SNAPSHOT_VERSION = 1
 
@@ -34,11 +41,13 @@ SNAPSHOT_VERSION = 1
 def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
     """A bytes-in, bytes-out client for operator commands (short timeouts, no retries).
 
-    A URL redis-py cannot parse (a port that is not a number, ...) is a
-    :class:`UsageError` naming the flag; nothing is connected until the first command.
+    A URL that cannot be parsed (a port that is not a number, ...) is a
+    :class:`UsageError` naming the flag. A single server or Sentinel is not
+    connected until the first command; a cluster is, to learn its topology,
+    and a cluster that does not answer is a :class:`CommandFailed`.
     """
     try:
-        return redis.Redis.from_url(
+        return sync_client_for(
             redis_url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
@@ -46,6 +55,10 @@ def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
         )
     except ValueError as exc:
         raise UsageError(f"--redis-url (TOKENQ_REDIS_URL) {redact_url(redis_url)}: {exc}") from None
+    except (redis.RedisError, redis.RedisClusterException) as exc:
+        down = exc.__cause__ if isinstance(exc.__cause__, redis.RedisError) else exc
+        raise CommandFailed(failure_message(down, redis_url, socket_timeout_s)
+                            or str(exc)) from exc
 
 
 @contextlib.contextmanager
@@ -114,6 +127,30 @@ def explain(exc: redis.RedisError, r: redis.Redis, queues: Iterable[keys.QueueRe
     return CommandFailed(message)
 
 
+def queue_lanes(r: redis.Redis, q: keys.QueueRef) -> tuple[keys.QueueRef, ...]:
+    """Every lane queue ``q`` is served on: ``(q,)``, or its shards and then the plain ``{q}``.
+
+    The shard count is the one its workers publish as ``shards`` in the
+    plain ``{q}``'s config hash, where producers learn it too; absent or
+    unreadable (not a count, or the key not a hash) means 1. The one place
+    the operator commands look it up.
+    """
+    try:
+        raw = r.hget(keys.config(q), "shards")
+    except redis.ResponseError as exc:
+        if not is_wrong_type(exc):
+            raise  # NOPERM: a sharded queue must not quietly look unsharded
+        raw = None
+    config = None if raw is None else parse_config({b"shards": raw})
+    shards = config.shards if config is not None else None
+    return keys.lanes_of(q, shards if shards is not None and shards <= keys.MAX_SHARDS else 1)
+
+
+def lane_order(q: keys.QueueRef) -> tuple[str, int]:
+    """How the tables sort lanes: by queue name, the plain ``{q}`` before its shards."""
+    return q.name, q.shard if q.shard is not None else -1
+
+
 def discover_queues(r: redis.Redis, prefix: str) -> list[keys.QueueRef]:
     """Every queue (and shard) with a request stream under ``prefix``, sorted by name."""
     found: dict[str, keys.QueueRef] = {}
@@ -122,7 +159,7 @@ def discover_queues(r: redis.Redis, prefix: str) -> list[keys.QueueRef]:
         q = keys.queue_of(key, prefix)
         if q is not None:
             found[key] = q
-    return sorted(found.values(), key=lambda q: (q.name, q.shard if q.shard is not None else -1))
+    return sorted(found.values(), key=lane_order)
 
 
 def queue_label(q: keys.QueueRef) -> str:
@@ -137,12 +174,62 @@ def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str 
     clock (``TIME``), never the operator's: see :func:`redis_now`.
     """
     now = redis_now(r)
-    return {
+    rows = [queue_stats(r, q, now) for q in queues]
+    doc = {
         "version": SNAPSHOT_VERSION,
         "at": round(now, 3),
         "redis_url": redact_url(redis_url) if redis_url else "",
-        "queues": [queue_stats(r, q, now) for q in queues],
+        "queues": rows,
     }
+    sharded = queue_totals(rows)
+    if sharded:  # left out otherwise, so an unsharded snapshot reads as it always did
+        doc["totals"] = sharded
+    return doc
+
+
+def queue_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One aggregate per sharded queue among ``rows`` (one with a ``{q:k}`` row), in order."""
+    by_queue: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_queue.setdefault(row["queue"], []).append(row)
+    return [_queue_total(name, lanes) for name, lanes in by_queue.items()
+            if any(lane["shard"] is not None for lane in lanes)]
+
+
+def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sharded queue as a whole: its lanes' depths and dead letters summed, and its
+    workers counted once each, however many lanes' heartbeat hashes list them."""
+    measured = total([Depth(lane["length"], lane["pending"], lane["lag"], lane["lag_exact"])
+                      for lane in lanes])
+    workers = _distinct_workers(lanes)
+    live = {worker["consumer"] for worker in workers}
+    oldest = [lane["oldest_pending_ms"] for lane in lanes if lane["oldest_pending_ms"] is not None]
+    shards = sum(1 for lane in lanes if lane["shard"] is not None)
+    return {
+        "queue": name,
+        "label": f"{name} ({plural(shards, 'shard')})",
+        "shards": shards,
+        "lanes": [lane["label"] for lane in lanes],
+        "length": measured.length,
+        "pending": measured.pending,
+        "oldest_pending_ms": max(oldest) if oldest else None,
+        "lag": measured.lag,
+        "lag_exact": measured.lag_exact,
+        "dead": sum(lane["dead"] for lane in lanes),
+        "stale_workers": sorted({n for lane in lanes for n in lane["stale_workers"]} - live),
+        "totals": _totals(workers),
+    }
+
+
+def _distinct_workers(lanes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each live worker once (its freshest heartbeat): one worker serves every lane."""
+    freshest: dict[str, dict[str, Any]] = {}
+    for lane in lanes:
+        for worker in lane["workers"]:
+            seen = freshest.get(worker["consumer"])
+            if seen is None or worker["at"] > seen["at"]:
+                freshest[worker["consumer"]] = worker
+    return [freshest[name] for name in sorted(freshest)]
 
 
 def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
@@ -367,10 +454,13 @@ class Unreachable(CommandFailed):
 
 def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str,
                   socket_timeout_s: float | None = None) -> dict:
-    """Discover (or take) the queues and snapshot them, as one operator-facing error."""
+    """Discover (or take, with every lane) the queues and snapshot them; a failure is one
+    operator-facing error."""
     queues: list[keys.QueueRef] = [keys.QueueRef(queue, prefix)] if queue else []
     try:
-        if not queue:
+        if queue:  # every lane of a sharded queue, as SCAN would find them
+            queues = sorted(queue_lanes(r, queues[0]), key=lane_order)
+        else:
             queues = discover_queues(r, prefix)
         return snapshot(r, queues, redis_url=redis_url)
     except redis.RedisError as exc:

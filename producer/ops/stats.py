@@ -2,14 +2,15 @@
 
 The numbers come from :mod:`tokenq.producer.ops.snapshot`; this module only
 prints them, as aligned text or (``--json``) the stable document described
-in docs/OPERATIONS.md.
+in docs/OPERATIONS.md. A sharded queue is a block per lane, then one that
+sums them (:func:`in_display_order`).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tokenq.producer.ops.snapshot import Unreachable, connect, read_snapshot
@@ -42,17 +43,32 @@ def render_text(doc: dict[str, Any]) -> str:
     """The snapshot as aligned plain text (no colour, no terminal needed)."""
     if not doc["queues"]:
         return "no tokenq queues found (nothing has been enqueued or served yet)"
-    blocks = [_queue_block(q) for q in doc["queues"]]
+    blocks = [_head(q) if whole else _queue_block(q) for whole, q in in_display_order(doc)]
     return "\n\n".join(blocks)
 
 
-def _queue_block(q: dict[str, Any]) -> str:
+def in_display_order(doc: dict[str, Any]) -> Iterator[tuple[bool, dict[str, Any]]]:
+    """(whether it is a whole sharded queue, its entry): each lane's row, and after the
+    last lane of a sharded queue its entry of ``totals``."""
+    wholes = {whole["queue"]: whole for whole in doc.get("totals", [])}
+    rows = doc["queues"]
+    for at, row in enumerate(rows):
+        yield False, row
+        last = at + 1 == len(rows) or rows[at + 1]["queue"] != row["queue"]
+        if last and row["queue"] in wholes:
+            yield True, wholes.pop(row["queue"])
+
+
+def _head(q: dict[str, Any]) -> str:
+    """A queue's first line: backlog, workers, and what its live workers do together."""
     totals = q["totals"]
-    lines = [
-        f"queue {q['label']}: {backlog(q)}  "
-        f"{totals['requests_per_s']:.1f} req/s  {totals['tokens_per_s']:.0f} tok/s  "
-        f"padding {totals['padding_efficiency']:.1%}"
-    ]
+    return (f"queue {q['label']}: {backlog(q)}  "
+            f"{totals['requests_per_s']:.1f} req/s  {totals['tokens_per_s']:.0f} tok/s  "
+            f"padding {totals['padding_efficiency']:.1%}")
+
+
+def _queue_block(q: dict[str, Any]) -> str:
+    lines = [_head(q)]
     if q["workers"]:
         lines.append("  " + format_table(WORKER_COLUMNS, [worker_row(w) for w in q["workers"]],
                                          indent="  "))

@@ -25,7 +25,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenq.producer.ops.snapshot import Unreachable, connect, read_snapshot
-from tokenq.producer.ops.stats import WORKER_COLUMNS, backlog, gone_line, worker_row
+from tokenq.producer.ops.stats import (
+    WORKER_COLUMNS,
+    backlog,
+    gone_line,
+    in_display_order,
+    worker_row,
+)
 from tokenq.shared.cli import run_command, silence_stdout
 from tokenq.shared.settings import TopSettings
 
@@ -137,7 +143,7 @@ def with_rates(doc: dict[str, Any], rates: Rates) -> dict[str, Any]:
 
 
 def render(doc: dict[str, Any], rates: Rates) -> Any:
-    """One frame: a table per queue."""
+    """One frame: a table per queue (per lane), and a line summing each sharded queue."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -146,8 +152,11 @@ def render(doc: dict[str, Any], rates: Rates) -> Any:
     parts: list[Any] = [Text(f"tokenq top  {doc['redis_url']}  {stamp}", style="bold")]
     if not doc["queues"]:
         parts.append(Text("no tokenq queues found"))
-    for q in doc["queues"]:
+    for whole, q in in_display_order(doc):
         head = f"queue {q['label']}  {backlog(q)}"
+        if whole:  # a sharded queue's sum: its workers are in its lanes' tables
+            parts.append(Text(head, style="bold"))
+            continue
         table = Table(title=head, title_justify="left", expand=False)
         for column in WORKER_COLUMNS:
             table.add_column(

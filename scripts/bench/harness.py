@@ -34,12 +34,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import redis
+from redis.cluster import ClusterNode
 
 from tokenq.producer import Client
 from tokenq.shared import keys, wire
+from tokenq.shared.redis_url import parse_redis_url
 from tokenq.worker.tooling.embedded import RedisServer
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -101,6 +103,26 @@ def private_redis() -> Iterator[RedisServer]:
             yield server
         finally:
             server.stop()
+
+
+class Reachable(Protocol):
+    """Anything workers can be pointed at: a :class:`RedisServer`, or a local Redis Cluster."""
+
+    @property
+    def url(self) -> str: ...
+
+
+def connect(url: str) -> redis.Redis | redis.RedisCluster:
+    """The suite's own client for ``url`` (liveness checks, INFO).
+
+    Why not ``redis.Redis.from_url``: it cannot read tokenq's
+    ``redis+cluster://`` URLs, which the shards suite points workers at.
+    """
+    target = parse_redis_url(url)
+    if target.kind == "cluster":
+        nodes = [ClusterNode(host, port) for host, port in target.nodes]
+        return redis.RedisCluster(startup_nodes=nodes)
+    return redis.Redis.from_url(url)
 
 
 def new_queue(tag: str) -> str:
@@ -182,7 +204,9 @@ class WorkerProc:
             command, env=full_env, cwd=BENCH_DIR, stdout=self._log, stderr=subprocess.STDOUT
         )
 
-    def wait_ready(self, client: redis.Redis, timeout: float = 120.0) -> None:
+    def wait_ready(
+        self, client: redis.Redis | redis.RedisCluster, timeout: float = 120.0
+    ) -> None:
         """Block until the worker's liveness key exists (it has joined the group)."""
         alive = keys.worker_alive(keys.QueueRef(self.queue), self.name)
         deadline = time.monotonic() + timeout
@@ -232,7 +256,7 @@ def sim_flags(sim: dict[str, Any]) -> list[str]:
 
 
 def start_tokenq(
-    server: RedisServer, queue: str, workdir: Path, name: str, flags: Sequence[str],
+    server: Reachable, queue: str, workdir: Path, name: str, flags: Sequence[str],
     env: dict[str, str] | None = None,
 ) -> WorkerProc:
     """``python -m tokenq.worker`` with a batch log, as an operator would run it."""
@@ -261,7 +285,7 @@ def start_fifo(
 @contextlib.contextmanager
 def running(workers: list[WorkerProc], redis_url: str) -> Iterator[list[WorkerProc]]:
     """Wait until every worker is ready; stop them all on the way out."""
-    client = redis.Redis.from_url(redis_url)
+    client = connect(redis_url)
     try:
         for worker in workers:
             worker.wait_ready(client)

@@ -9,6 +9,7 @@ Suites (docs/BENCHMARKS.md has the latest figures and how to read them):
   latency   open-loop Poisson load at fractions of measured capacity: p50/p99
   producer  the producer's own cost on the seed mix: estimate per text, submit_many rate
   mixed-latency  closed loop of 32 callers on the seed mix: query/passage latency, priority on/off
+  shards    one queue of 1 vs 3 shards on a local Redis Cluster: commands and Redis CPU per node
   plots     draw docs/img/*.png from the JSON results (--results DIR)
   all       every suite above, JSON into --results DIR, then the plots
 
@@ -41,7 +42,9 @@ sys.path.insert(0, str(BENCH_DIR))
 import compare  # noqa: E402  (the folder is not a package; see module docstring)
 import harness  # noqa: E402
 
-SUITES = ("seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency")
+SUITES = (
+    "seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency", "shards",
+)
 DEFAULT_RESULTS = BENCH_DIR / "results"
 DEFAULT_IMAGES = BENCH_DIR.parent.parent / "docs" / "img"
 

@@ -58,7 +58,7 @@ def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-PASSED_ON = ("queue", "prefix", "backend")
+PASSED_ON = ("queue", "prefix", "backend", "shards")
 """``tokenq up`` settings every worker gets unchanged (the URL and metrics port are per worker)."""
 
 

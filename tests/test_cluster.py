@@ -1,0 +1,264 @@
+"""A sharded queue on a real Redis Cluster, and failover on a Cluster and under Sentinel.
+
+The local cluster is 3 masters and 3 replicas on loopback
+(``tests/redis_cluster.py``). What is tested is what an operator is
+promised (docs/RELIABILITY.md, "Replicas and failover"):
+
+* a queue of 3 shards spreads over the 3 masters, and 3 workers answer
+  20,000 requests through it, each exactly once;
+* when a master dies, its replica is promoted (by the Cluster, or by
+  Sentinel) and producers and workers carry on by themselves;
+* requests the dead master acknowledged but never replicated are lost
+  without ``durable_replicas``, and exactly those: the test cuts the
+  replication link first so the count is known, not left to timing; with
+  ``durable_replicas=1`` such requests raise ``NotReplicated`` instead, so
+  no request the producer was told is accepted is ever lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from tests.redis_cluster import (  # noqa: F401
+    LocalCluster,
+    LocalSentinel,
+    redis_cluster,
+    redis_sentinel,
+)
+from tests.workers import Fleet, WorkerProcess
+from tokenq.producer import Client, NotReplicated, ReplyTimeout
+from tokenq.shared import keys
+from tokenq.shared.settings import ClientSettings
+from tokenq.worker.backends.sim import expected_vector
+
+DIM = 16
+MAX_INPUT = 512
+SIM = ("--backend", "sim", "--sim-dim", str(DIM), "--sim-max-input-tokens", str(MAX_INPUT),
+       "--heartbeat-s", "0.5")
+
+
+def spread_queue(cluster: LocalCluster, shards: int = 3) -> str:
+    """A queue name whose shards' slots sit on ``shards`` different masters."""
+    for attempt in range(500):
+        name = f"c{attempt}x{time.monotonic_ns() % 10_000}"
+        lanes = keys.shards_of(keys.QueueRef(name), shards)
+        owners = {cluster.master_for_key(keys.requests(lane)) for lane in lanes}
+        if len(owners) == shards:
+            return name
+    raise AssertionError("no queue name spreads over the masters")
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    import os
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    started = Fleet(env, tmp_path, SIM)
+    yield started
+    started.close()
+
+
+def start_workers(fleet: Fleet, url: str, queue: str, count: int, shards: int,
+                  check: redis.Redis) -> list[WorkerProcess]:
+    workers = [fleet.start("--redis-url", url, "--queue", queue, "--shards", str(shards))
+               for _ in range(count)]
+    first_lane = keys.lanes_of(keys.QueueRef(queue), shards)[0]
+    deadline = time.monotonic() + 60
+    for worker in workers:
+        while not check.exists(keys.worker_alive(first_lane, worker.name)):
+            assert worker.process.poll() is None, worker.output()
+            assert time.monotonic() < deadline, worker.output()
+            time.sleep(0.05)
+    return workers
+
+
+def vector_ok(result: object, text: str) -> bool:
+    got = np.asarray(result.embedding, dtype=np.float32)  # type: ignore[attr-defined]
+    return bool(np.allclose(got, expected_vector(text, DIM, MAX_INPUT), rtol=0, atol=1e-6))
+
+
+@pytest.mark.slow
+def test_three_shards_three_workers_twenty_thousand_requests_exactly_once(
+    redis_cluster: LocalCluster, fleet: Fleet,  # noqa: F811
+) -> None:
+    cluster = redis_cluster
+    queue = spread_queue(cluster)
+    admin = cluster.client()
+    workers = start_workers(fleet, cluster.url, queue, count=3, shards=3, check=admin)
+    texts = {}
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def produce(offset: int) -> None:
+        with Client(cluster.url, queue, timeout_s=120) as client:
+            for call in range(50):
+                batch = [f"p{offset} c{call} r{row} " + "w " * (row % 40) for row in range(100)]
+                written = client.submit_many(batch)
+                with lock:
+                    texts.update(zip(written, batch, strict=True))
+                    ids.extend(written)
+
+    threads = [threading.Thread(target=produce, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(ids) == 20_000
+    with Client(cluster.url, queue, timeout_s=180) as client:
+        results = [r for start in range(0, len(ids), 1000)
+                   for r in client.results(ids[start:start + 1000])]
+    assert all(vector_ok(result, texts[rid]) for rid, result in zip(ids, results, strict=True))
+
+    per_shard = Counter(keys.shard_in_id(rid) for rid in ids)
+    assert set(per_shard) == {0, 1, 2}
+    # Each client's 50 calls of 100 split 17/17/16 over the shards, in some order.
+    assert all(6_400 <= n <= 6_800 for n in per_shard.values()), per_shard
+    time.sleep(1.0)  # a second answer would land meanwhile, on a key results() deleted
+    left = [k for lane in keys.lanes_of(keys.QueueRef(queue), 3)
+            for k in admin.scan_iter(match=keys.reply_pattern(lane), target_nodes="primaries")]
+    assert left == [], f"{len(left)} requests were answered twice"
+    rows = [batch["rows"] for worker in workers for batch in worker.batches()]
+    assert sum(rows) == 20_000, "each request ran exactly once"
+    assert all(worker.batches() for worker in workers), "every worker took part"
+    for lane in keys.lanes_of(keys.QueueRef(queue), 3):
+        assert admin.xlen(keys.requests(lane)) == 0
+    admin.close()
+
+
+def cut_replication(master: redis.Redis) -> None:
+    """Drop the master's replica links; the (frozen) replica cannot come back for the rest."""
+    master.client_kill_filter(_type="replica")
+
+
+def submit_each(client: Client, texts: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Submit one by one: (accepted id -> text, refused-as-not-replicated id -> text)."""
+    accepted, unreplicated = {}, {}
+    for text in texts:
+        try:
+            accepted[client.submit(text)] = text
+        except NotReplicated as exc:
+            unreplicated.update(dict.fromkeys(exc.request_ids, text))
+    return accepted, unreplicated
+
+
+def answered(client: Client, wanted: dict[str, str], timeout_s: float) -> dict[str, bool]:
+    """Per id: answered (with the right vector) or not by the timeout."""
+    outcome = client.results(list(wanted), timeout_s, return_exceptions=True)
+    return {rid: not isinstance(res, ReplyTimeout) and vector_ok(res, wanted[rid])
+            for rid, res in zip(wanted, outcome, strict=True)}
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_cluster_failover_loses_only_unreplicated_requests_and_never_durable_ones(
+    redis_cluster: LocalCluster, fleet: Fleet,  # noqa: F811
+) -> None:
+    cluster = redis_cluster
+    queue = spread_queue(cluster)
+    admin = cluster.client()
+    start_workers(fleet, cluster.url, queue, count=2, shards=3, check=admin)
+    shard0 = keys.requests(keys.shards_of(keys.QueueRef(queue), 3)[0])
+    doomed = cluster.master_for_key(shard0)
+    (replica,) = cluster.replicas_of(doomed)
+    plain = Client(settings=ClientSettings(redis_url=cluster.url, queue=queue, timeout_s=10))
+    durable = Client(settings=ClientSettings(
+        redis_url=cluster.url, queue=queue, timeout_s=10,
+        durable_replicas=1, durable_timeout_ms=300,
+    ))
+    try:
+        before, _ = submit_each(plain, [f"before {i}" for i in range(12)])
+        assert all(answered(plain, before, 20).values())
+
+        # Cut shard 0's replication, write, and kill its master: what it alone held is gone.
+        for worker in fleet.started:
+            worker.process.send_signal(19)  # SIGSTOP: nothing is answered meanwhile
+        cluster.freeze(replica)
+        cut_replication(redis.Redis(port=doomed))
+        lossy, _ = submit_each(plain, [f"plain {i}" for i in range(30)])
+        kept, told = submit_each(durable, [f"durable {i}" for i in range(30)])
+        cluster.kill(doomed)
+        cluster.thaw(replica)
+        assert cluster.wait_promoted(doomed, timeout_s=30) == replica
+        for worker in fleet.started:
+            worker.process.send_signal(18)  # SIGCONT
+
+        on_dead_shard = {rid for rid in lossy if keys.shard_in_id(rid) == 0}
+        assert len(on_dead_shard) == 10 and len(lossy) == 30
+        got = answered(plain, lossy, 30)
+        lost = {rid for rid, ok in got.items() if not ok}
+        assert lost == on_dead_shard, fleet.logs()
+
+        assert len(told) == 10 and all(keys.shard_in_id(rid) == 0 for rid in told)
+        assert len(kept) == 20
+        assert all(answered(durable, kept, 30).values()), "no durable acceptance is lost"
+
+        # Producers and workers carry on by themselves through the new master.
+        after, _ = submit_each(plain, [f"after {i}" for i in range(12)])
+        assert all(answered(plain, after, 30).values())
+    finally:
+        plain.close()
+        durable.close()
+        for worker in fleet.started:
+            worker.process.send_signal(18)
+        cluster.thaw(replica)
+        if doomed not in cluster.live_ports():
+            cluster.restart(doomed)
+        cluster.wait_ok(timeout_s=60)
+        admin.close()
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_sentinel_failover_loses_only_unreplicated_requests_and_never_durable_ones(
+    redis_sentinel: LocalSentinel, fleet: Fleet,  # noqa: F811
+) -> None:
+    group = redis_sentinel
+    queue = "sentineled"
+    master = group.current_master()
+    (replica,) = group.replica_ports
+    check = redis.Redis(port=master)
+    start_workers(fleet, group.url, queue, count=1, shards=1, check=check)
+    plain = Client(settings=ClientSettings(redis_url=group.url, queue=queue, timeout_s=10))
+    durable = Client(settings=ClientSettings(
+        redis_url=group.url, queue=queue, timeout_s=10,
+        durable_replicas=1, durable_timeout_ms=300,
+    ))
+    try:
+        before, _ = submit_each(plain, [f"before {i}" for i in range(5)])
+        assert all(answered(plain, before, 20).values())
+        for worker in fleet.started:
+            worker.process.send_signal(19)
+        group.freeze(replica)
+        cut_replication(check)
+        lossy, _ = submit_each(plain, [f"plain {i}" for i in range(8)])
+        kept, told = submit_each(durable, [f"durable {i}" for i in range(8)])
+        group.kill_master()
+        group.thaw(replica)
+        assert group.wait_promoted(master, timeout_s=40) == replica
+        for worker in fleet.started:
+            worker.process.send_signal(18)
+
+        assert len(lossy) == 8 and not any(answered(plain, lossy, 15).values()), (
+            "every acknowledged request the replica never received is lost"
+        )
+        assert kept == {} and len(told) == 8, "a durable enqueue was told, not lost silently"
+        after, _ = submit_each(plain, [f"after {i}" for i in range(5)])
+        assert all(answered(plain, after, 30).values()), "both sides found the new master"
+        kept_after, told_after = submit_each(durable, [f"durable after {i}" for i in range(5)])
+        assert len(kept_after) + len(told_after) == 5
+        assert all(answered(durable, kept_after, 30).values())
+    finally:
+        plain.close()
+        durable.close()
+        for worker in fleet.started:
+            worker.process.send_signal(18)
+        group.thaw(replica)
+        check.close()
