@@ -67,8 +67,8 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
 
 
 def start_workers(fleet: Fleet, url: str, queue: str, count: int, shards: int,
-                  check: redis.Redis) -> list[WorkerProcess]:
-    workers = [fleet.start("--redis-url", url, "--queue", queue, "--shards", str(shards))
+                  check: redis.Redis, *flags: str) -> list[WorkerProcess]:
+    workers = [fleet.start("--redis-url", url, "--queue", queue, "--shards", str(shards), *flags)
                for _ in range(count)]
     first_lane = keys.lanes_of(keys.QueueRef(queue), shards)[0]
     deadline = time.monotonic() + 60
@@ -262,3 +262,55 @@ def test_sentinel_failover_loses_only_unreplicated_requests_and_never_durable_on
             worker.process.send_signal(18)
         group.thaw(replica)
         check.close()
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_shard_whose_nodes_are_down_does_not_hold_back_the_others(
+    redis_cluster: LocalCluster, fleet: Fleet,  # noqa: F811
+) -> None:
+    """A worker answers the shards it can reach while one shard's master and replica are down.
+
+    With ``cluster-require-full-coverage no`` (docs/OPERATIONS.md) the
+    Cluster keeps serving the other slots; the worker's answers for the lost
+    shard wait in that shard's own outbox until its nodes are back.
+    """
+    cluster = redis_cluster
+    queue = spread_queue(cluster)
+    admin = cluster.client()
+    for port in cluster.live_ports():
+        redis.Redis(port=port).config_set("cluster-require-full-coverage", "no")
+    # A batch takes 1.5 s, long enough to take a shard's nodes away before it is answered.
+    (worker,) = start_workers(fleet, cluster.url, queue, 1, 3, admin, "--sim-batch-ms", "1500",
+                              "--linger-ms", "50")
+    worker.process.send_signal(19)  # hold it, so one batch takes all 30 requests
+    lanes = keys.shards_of(keys.QueueRef(queue), 3)
+    master = cluster.master_for_key(keys.requests(lanes[0]))
+    (replica,) = cluster.replicas_of(master)
+    client = Client(cluster.url, queue, timeout_s=15)
+    try:
+        ids = [client.submit(f"t {i}") for i in range(30)]
+        texts = {rid: f"t {i}" for i, rid in enumerate(ids)}
+        worker.process.send_signal(18)
+        deadline = time.monotonic() + 10
+        while sum(admin.xpending(keys.requests(lane), keys.GROUP)["pending"]
+                  for lane in lanes) < 30:
+            assert time.monotonic() < deadline, worker.output()
+            time.sleep(0.01)
+        cluster.freeze(replica)
+        cluster.freeze(master)
+        reachable = {rid: t for rid, t in texts.items() if keys.shard_in_id(rid) != 0}
+        got = answered(client, reachable, 10)
+        assert all(got.values()), (got, worker.output())
+        cluster.thaw(master)
+        cluster.thaw(replica)
+        lost_shard = {rid: t for rid, t in texts.items() if keys.shard_in_id(rid) == 0}
+        assert all(answered(client, lost_shard, 30).values()), worker.output()
+    finally:
+        client.close()
+        cluster.thaw(master)
+        cluster.thaw(replica)
+        cluster.wait_ok(timeout_s=60)
+        for port in cluster.live_ports():
+            redis.Redis(port=port).config_set("cluster-require-full-coverage", "yes")
+        admin.close()

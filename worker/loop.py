@@ -10,14 +10,16 @@ Four small tasks joined by bounded hand-offs (TEI's shape):
 
 * **read**   XREADGROUP about ``read_ahead_budgets`` budgets of estimated tokens
   ahead, decode, admit through the pipeline in a thread, and buffer the jobs
-  in the packer;
+  in the packer (one read task per stream of a sharded queue: ``lanes.py``);
 * **run**    :class:`~tokenq.worker.pipeline.feed.DeviceFeed`: a device
   thread takes the packer's next batch the moment the device frees, runs it
   through the pipeline (one batch on the device at a time) and hands the
   outcome back to the event loop, which accounts for it and builds the
   answers;
 * **publish** answer each batch in one script (reply, XACK, XDEL), retrying
-  until Redis takes it;
+  until Redis takes it (one publish task per stream, so a shard whose node
+  is down holds back only its own answers; an answer holds its entry's
+  read-ahead room until it is published);
 * **beat**   heartbeat, and keep the buffered entries' idle time fresh so no
   other worker claims them;
 * **watchdog** a batch on the device past ``batch_timeout_s`` is hung: stop
@@ -198,7 +200,13 @@ class Worker:
         self._stopping = asyncio.Event()
         self._closing = asyncio.Event()
         self._space = asyncio.Event()
-        self._answers: asyncio.Queue[list[Answer] | None] = asyncio.Queue(maxsize=8)
+        # One outbox per lane, each drained by its own publish task, so a shard
+        # whose node is down holds back only its own answers. Unbounded: what
+        # waits in them still counts as held (bytes), so the read-ahead room
+        # is what bounds them, as it bounds everything the worker holds.
+        self._outboxes: list[asyncio.Queue[list[Answer] | None]] = [
+            asyncio.Queue() for _ in self.lanes
+        ]
         self._reader_done = False
         self._readers_left = len(self.lanes)
         self._inflight_estimate = 0
@@ -220,7 +228,10 @@ class Worker:
         self._last_activity = time.monotonic()
         self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
         self._stop_started: float | None = None
-        self._publishing = False
+        self._publishing = 0
+        """How many lanes' publish calls are in flight."""
+        self._unpublished_answers = 0
+        """Answers emitted and not yet published: they hold read-ahead room, in tokens too."""
         self._depth_failed = False
         self.health.loaded()  # the backend is built and the plan holds: the model is in
 
@@ -285,7 +296,8 @@ class Worker:
             *(asyncio.create_task(self._read_loop(lane), name=f"tokenq-read-{lane.index}")
               for lane in self.lanes),
             asyncio.create_task(self._run_loop(), name="tokenq-run"),
-            asyncio.create_task(self._publish_loop(), name="tokenq-publish"),
+            *(asyncio.create_task(self._publish_loop(lane), name=f"tokenq-publish-{lane.index}")
+              for lane in self.lanes),
         ]
         watchdog = asyncio.create_task(self._watchdog(), name="tokenq-watchdog")
         try:
@@ -373,7 +385,8 @@ class Worker:
     def _room(self) -> tuple[float, float]:
         """Estimated tokens, and bytes, the worker may still read ahead."""
         limit = self.settings.read_ahead_budgets * self.packer.budget.max_batch_tokens
-        tokens = limit - self.packer.buffered_tokens - self._inflight_estimate
+        waiting = self._unpublished_answers * self._avg_estimate
+        tokens = limit - self.packer.buffered_tokens - self._inflight_estimate - waiting
         return tokens, self.settings.read_ahead_bytes - sum(self._held_bytes.values())
 
     def _read_count(self) -> int:
@@ -661,11 +674,11 @@ class Worker:
         )
 
     async def _emit(self, answers: list[Answer]) -> None:
-        """Hand answers to the publish task; their entries stop counting as held."""
-        for answer in answers:
-            self._held_bytes.pop(answer.entry_id, None)
-        self._space.set()
-        await self._answers.put(answers)
+        """Hand answers to their lanes' publish tasks (their entries count as held until
+        published)."""
+        self._unpublished_answers += len(answers)
+        for lane, owed in by_lane(answers).items():
+            self._outboxes[lane].put_nowait(owed)
 
     # ------------------------------------------------------------------------ run
 
@@ -674,9 +687,8 @@ class Worker:
             await self._feed.run(self._settle)
         finally:
             self._batch_started = None
-        # Not in the finally: a run task cancelled while the queue is full must
-        # not block its own cancellation on this put.
-        await self._answers.put(None)
+        for outbox in self._outboxes:
+            outbox.put_nowait(None)
 
     def _execute(self, batch: Batch[Job[bytes]]) -> _Ran:
         """Run one batch through the pipeline and adapt the budget (in the device thread).
@@ -713,40 +725,38 @@ class Worker:
 
     # -------------------------------------------------------------------- publish
 
-    async def _publish_loop(self) -> None:
-        """Publish answers as they come, in bulk: whatever queued up meanwhile goes in one call.
+    async def _publish_loop(self, lane: Lane) -> None:
+        """Publish one lane's answers as they come, in bulk: whatever queued up meanwhile
+        goes in one call.
 
         One script call carries every answer waiting (up to ``_PUBLISH_CHUNK``),
         so when batches finish faster than Redis answers a round trip, the
-        round trips do not add up.
+        round trips do not add up. Once published (or given up on), the
+        entries stop counting as held, which makes room to read more.
         """
+        outbox = self._outboxes[lane.index]
+        assert lane.publisher is not None
         last = False
         while not last:
-            answers = await self._answers.get()
+            answers = await outbox.get()
             if answers is None:
                 return
-            while len(answers) < _PUBLISH_CHUNK and not self._answers.empty():
-                more = self._answers.get_nowait()
+            while len(answers) < _PUBLISH_CHUNK and not outbox.empty():
+                more = outbox.get_nowait()
                 if more is None:
                     last = True
                     break
                 answers = [*answers, *more]
-            self._publishing = True
+            self._publishing += 1
             try:
-                await self._publish(answers)
+                await lane.publisher.publish(answers, give_up=self._past_grace)
             finally:
-                self._publishing = False
-
-    async def _publish(self, answers: list[Answer]) -> None:
-        """Answer each lane's entries on that lane (one script per lane, lanes at once)."""
-        grouped = by_lane(answers)
-
-        async def one(lane: Lane, owed: list[Answer]) -> None:
-            assert lane.publisher is not None
-            await lane.publisher.publish(owed, give_up=self._past_grace)
-            self.metrics.answered(owed, now_epoch_ms=self._clock.now_ms())
-
-        await asyncio.gather(*(one(self.lanes[i], owed) for i, owed in grouped.items()))
+                self._publishing -= 1
+                self._unpublished_answers -= len(answers)
+                for answer in answers:
+                    self._held_bytes.pop(lane.ref(answer.entry_id), None)
+                self._space.set()
+            self.metrics.answered(answers, now_epoch_ms=self._clock.now_ms())
 
     def _past_grace(self) -> bool:
         """A stopping (or hung) worker gives up on an unreachable Redis after a grace."""
@@ -788,13 +798,17 @@ class Worker:
             self._feed.wake()
             self._space.set()
             grace = time.monotonic() + _STOP_GRACE_S
-            while (self._publishing or not self._answers.empty()) and time.monotonic() < grace:
+            while self._unpublished() and time.monotonic() < grace:
                 await asyncio.sleep(0.05)
             with contextlib.suppress(RedisError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._drop_liveness(), 2.0)
             raise WorkerHung(
                 f"batch on the device for more than batch_timeout_s ({limit:.0f}s)"
             )
+
+    def _unpublished(self) -> bool:
+        """Whether any answer waits for, or is in, a publish call."""
+        return bool(self._publishing) or any(not outbox.empty() for outbox in self._outboxes)
 
     async def _drop_liveness(self) -> None:
         for lane in self.lanes:
@@ -821,10 +835,7 @@ class Worker:
         while not (self._hung or self._closing.is_set()):
             self.health.beat_started(time.monotonic())
             try:
-                status = self.status()
-                for lane in self.lanes:
-                    await presence.beat(self.client, lane.queue, self.consumer, status, ttl_ms)
-                await self._keep_claims_fresh()
+                await self._beat_lanes(self.status(), ttl_ms)
                 await self._clock.sync(self.client)
                 self.health.beat_finished()
             except RedisError as exc:
@@ -852,24 +863,58 @@ class Worker:
         self._depth_failed = False
         self.metrics.queue_depth(found.length, found.pending, found.lag)
 
-    async def _keep_claims_fresh(self) -> None:
+    async def _beat_lanes(self, status: Heartbeat, ttl_ms: int) -> None:
+        """Beat, and keep held entries' claims fresh, on every lane.
+
+        With several lanes each goes at once and is bounded by the liveness
+        TTL, so a shard whose node is down or frozen cannot let the worker's
+        liveness lapse on the others (peers would take over its work there).
+        Raises when no lane took the beat.
+        """
+        held = self._held_by_lane()
+        if len(self.lanes) == 1:
+            await self._beat_lane(self.lanes[0], status, ttl_ms, held.get(0, []))
+            return
+        results = await asyncio.gather(*(
+            asyncio.wait_for(self._beat_lane(lane, status, ttl_ms, held.get(lane.index, [])),
+                             ttl_ms / 1000)
+            for lane in self.lanes
+        ), return_exceptions=True)
+        failed = [(lane, outcome) for lane, outcome in zip(self.lanes, results, strict=True)
+                  if isinstance(outcome, BaseException)]
+        for lane, exc in failed:
+            if not isinstance(exc, (RedisError, asyncio.TimeoutError)):
+                raise exc
+            log.warning("heartbeat on %s failed: %s", lane.stream, exc or "no answer in time")
+        if len(failed) == len(self.lanes):
+            raise RedisError(f"no stream took the heartbeat: {failed[0][1] or 'no answer'}")
+
+    async def _beat_lane(
+        self, lane: Lane, status: Heartbeat, ttl_ms: int, held: list[bytes]
+    ) -> None:
+        await presence.beat(self.client, lane.queue, self.consumer, status, ttl_ms)
+        await self._keep_claims_fresh(lane, held)
+
+    def _held_by_lane(self) -> dict[int, list[bytes]]:
+        """The entry ids of every job the worker holds, by lane."""
+        held: dict[int, list[bytes]] = {}
+        for job in self._feed.held():
+            lane, entry_id = split_ref(job.ref)
+            held.setdefault(lane, []).append(entry_id)
+        return held
+
+    async def _keep_claims_fresh(self, lane: Lane, held: list[bytes]) -> None:
         """Reset the idle time of entries this worker holds, so nobody claims them.
 
         Never while a batch is hung: a worker whose device does not come back
         must let its entries go (the watchdog ends it soon after).
         """
-        held: dict[int, list[bytes]] = {}
-        for job in self._feed.held():
-            lane, entry_id = split_ref(job.ref)
-            held.setdefault(lane, []).append(entry_id)
-        for lane, ids in held.items():
-            for start in range(0, len(ids), 512):
-                if self._hung:
-                    return
-                await self.client.xclaim(
-                    self.lanes[lane].stream, keys.GROUP, self.consumer, 0,
-                    ids[start:start + 512], justid=True,
-                )
+        for start in range(0, len(held), 512):
+            if self._hung:
+                return
+            await self.client.xclaim(
+                lane.stream, keys.GROUP, self.consumer, 0, held[start:start + 512], justid=True
+            )
 
 
 @dataclass(frozen=True, slots=True)
