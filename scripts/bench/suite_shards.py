@@ -26,6 +26,9 @@ Measured on every master, as deltas over that window:
   the CPU it spent. ``capacity_per_s`` is the run's requests over the
   busiest node's CPU: the queue's rate once that node fills one core.
 
+The replicas' CPU is read too, and only summed (``replica_cpu_us_per_request``
+of the all-masters rows): it is real work, but on cores of its own.
+
 Why CPU and not requests/s: on a machine with fewer cores than busy
 processes (producers, workers and six redis-servers here) the wall-clock
 rate says how the cores were shared; a node's CPU per request is what it
@@ -43,8 +46,11 @@ nests:
   (EXEC is their trip);
 * a trip: EVALSHA/EVAL (one per script call) and all else: XREADGROUP,
   XCLAIM, BLMOVE, LRANGE, LTRIM, DEL, HGETALL, HKEYS, EXISTS, EXEC, TIME,
-  PING, XINFO, SCRIPT LOAD, CLIENT, CLUSTER, WAIT, …;
-* not counted at all: INFO (this suite's own reads).
+  PING, XINFO, SCRIPT LOAD, CLIENT, HELLO, CLUSTER, WAIT, and COMMAND
+  GETKEYS (redis-py's cluster client asking a node where a command with
+  "movable" keys, such as XREADGROUP, sends them), …;
+* not counted at all: INFO (this suite's own reads) and REPLCONF (the
+  replicas' acknowledgements to their masters).
 
 EXISTS and TIME are trips because the scripts run them only off this run's
 path (dropping a consumer at exit, timestamping a dead letter), while the
@@ -91,7 +97,8 @@ GPU_RATES = (2_000, 10_000)
 """Illustrative requests/s of one GPU worker, for the capacity arithmetic (not measured)."""
 OFF_PATH = frozenset({"exists", "time"})
 IN_MULTI = frozenset({"multi", "set", "hset", "hdel"})
-NOT_OURS = frozenset({"info"})
+NOT_OURS = frozenset({"info", "replconf"})
+"""This suite's own INFO reads, and the replicas' REPLCONF ACKs (once a second, not tokenq's)."""
 COLUMNS = [
     "setting", "lanes", "requests", "seconds", "requests_per_s", "commands_per_request",
     "round_trips_per_request", "redis_cpu_us_per_request", "requests_per_redis_cpu_s",
@@ -299,35 +306,40 @@ def classified(rows: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
 # --------------------------------------------------------------------- notes
 
 
+def node_rows(rows: Sequence[dict[str, Any]], shards: int) -> list[dict[str, Any]]:
+    return [row for row in rows if row["setting"].startswith(f"K={shards}, node")]
+
+
+def gpus(requests_per_s: float) -> str:
+    """How many GPU workers ``requests_per_s`` feeds, at each illustrative GPU rate."""
+    return " or ".join(f"{requests_per_s / rate:.1f}" for rate in GPU_RATES)
+
+
 def capacity_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
     """What one node (one core) carries at the measured cost, and what K nodes carry."""
-    one, spread = (next(r for r in rows if r.get("shards") == k) for k in SHARD_COUNTS)
-    per_node = one["capacity_per_s"]
-    notes = [
-        f"K=1: one master carries every request: {one['redis_cpu_us_per_request']} us of "
-        f"Redis CPU each, so one core carries ~{per_node:,} requests/s; at an illustrative "
-        + " or ".join(f"{rate:,}" for rate in GPU_RATES)
-        + " requests/s per GPU worker that feeds "
-        + " or ".join(f"{per_node / rate:.1f}" for rate in GPU_RATES) + " GPUs",
-    ]
-    nodes = [r for r in rows if r["setting"].startswith("K=3, node")]
-    shares = " / ".join(f"{r['commands_per_request']}" for r in nodes)
-    cpus = " / ".join(f"{r['redis_cpu_us_per_request']}" for r in nodes)
-    ceiling = spread["capacity_per_s"]
-    notes += [
-        f"K=3: commands per request by node {shares} (of {spread['commands_per_request']}), "
-        f"Redis CPU us per request by node {cpus} (of {spread['redis_cpu_us_per_request']}); "
-        f"the busiest node fills one core at ~{ceiling:,} requests/s, x{ceiling / per_node:.2f} "
-        f"of K=1 (ideal x{SHARD_COUNTS[-1]}): K shards on K nodes multiply what one node "
-        "feeds, "
-        + " or ".join(f"{ceiling / rate:.1f}" for rate in GPU_RATES) + " GPUs at those rates",
-        f"replicas (not in the table) spent {one['replica_cpu_us_per_request']} (K=1) and "
-        f"{spread['replica_cpu_us_per_request']} (K=3) us of CPU per request applying the "
-        "masters' writes, on cores of their own in a real deployment",
+    few, many = SHARD_COUNTS
+    one, spread = (next(r for r in rows if r.get("shards") == k) for k in (few, many))
+    (busy,) = [row for row in node_rows(rows, few) if row["requests"]]
+    per_node, ceiling = one["capacity_per_s"], spread["capacity_per_s"]
+    nodes = node_rows(rows, many)
+    shares = " / ".join(str(row["commands_per_request"]) for row in nodes)
+    cpus = " / ".join(str(row["redis_cpu_us_per_request"]) for row in nodes)
+    rates = " or ".join(f"{rate:,}" for rate in GPU_RATES)
+    return [
+        f"K={few}: one master carries every request, at {busy['redis_cpu_us_per_request']} us "
+        f"of Redis CPU each, so one core carries ~{per_node:,} requests/s; at an illustrative "
+        f"(not measured) {rates} requests/s per GPU worker that feeds {gpus(per_node)} GPUs",
+        f"K={many}: commands per request by node {shares} (of "
+        f"{spread['commands_per_request']}), Redis CPU us per request by node {cpus} (of "
+        f"{spread['redis_cpu_us_per_request']}); the busiest node fills one core at "
+        f"~{ceiling:,} requests/s, x{ceiling / per_node:.2f} of K={few} (ideal x{many}): "
+        f"K shards on K nodes multiply what one node feeds, {gpus(ceiling)} GPUs at those rates",
+        f"replicas (not in the table) spent {one['replica_cpu_us_per_request']} (K={few}) and "
+        f"{spread['replica_cpu_us_per_request']} (K={many}) us of CPU per request applying "
+        "the masters' writes, on cores of their own in a real deployment",
         "requests_per_s is wall-clock on this machine's shared cores (clients, workers and six "
         "redis-servers compete); per-node CPU per request is the figure to carry elsewhere",
     ]
-    return notes
 
 
 def run(size: str) -> dict[str, Any]:
