@@ -287,3 +287,48 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
 
+
+
+def sharded_rules(queue: str, password: str) -> dict[str, list[str]]:
+    """docs/SECURITY.md's rule for a sharded queue: each key pattern again with ``{q:*}``."""
+    rules = documented_rules(queue, password)
+    tag, shards = "{" + queue + "}", "{" + queue + ":*}"
+    return {
+        role: [*words, *(w.replace(tag, shards) for w in words if tag in w)]
+        for role, words in rules.items()
+    }
+
+
+def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
+    acl_server: RedisServer, workers: list[WorkerProcess], worker_env: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    queue, password = "aclshards", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    for words in sharded_rules(queue, password).values():
+        admin.execute_command(*words)
+    env = {**worker_env, "TOKENQ_REDIS_URL": user_url(acl_server, f"{queue}-worker", password),
+           "TOKENQ_QUEUE": queue, "TOKENQ_SHARDS": "3"}
+    worker = WorkerProcess(env, tmp_path, *SIM, name="w")
+    workers.append(worker)
+    first = keys.QueueRef(queue, shard=0)
+    _wait(lambda: bool(admin.exists(keys.worker_alive(first, "w"))), 60, "the worker to join")
+    producer_url = user_url(acl_server, f"{queue}-producer", password)
+    texts = [f"sharded under an acl {i}" for i in range(6)]
+    with Client(redis_url=producer_url, queue=queue, settings=None) as client:
+        ids = [client.submit(text) for text in texts]
+        assert {keys.shard_in_id(i) for i in ids} == {0, 1, 2}
+        for text, result in zip(texts, client.results(ids, timeout_s=60), strict=True):
+            assert vector_ok(result.embedding, text)
+        assert client.queue_length() == 0
+
+    async def via_async() -> None:
+        async with AsyncClient(redis_url=producer_url, queue=queue) as aclient:
+            results = await asyncio.gather(*(aclient.infer(t, timeout_s=60) for t in texts))
+            for text, result in zip(texts, results, strict=True):
+                assert vector_ok(result.embedding, text)
+
+    asyncio.run(via_async())
+    denials = acl_denials(admin)
+    assert not denials, f"commands refused in normal operation: {denials}"
+    assert "NOPERM" not in worker.output(), worker.output()[-3000:]
