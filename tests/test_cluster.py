@@ -314,3 +314,36 @@ def test_a_shard_whose_nodes_are_down_does_not_hold_back_the_others(
         for port in cluster.live_ports():
             redis.Redis(port=port).config_set("cluster-require-full-coverage", "yes")
         admin.close()
+
+
+def test_the_workers_stream_reads_cost_no_command_getkeys(
+    redis_cluster: LocalCluster,  # noqa: F811
+) -> None:
+    """redis-py would ask a node COMMAND GETKEYS before every XREADGROUP; the worker does not."""
+    import asyncio
+
+    from tokenq.shared.settings import WorkerSettings
+    from tokenq.worker.connection import connect
+
+    cluster = redis_cluster
+    stream = keys.requests(keys.QueueRef("getkeys", shard=1))
+    masters = [redis.Redis(port=port) for port in cluster.masters()]
+
+    async def read() -> None:
+        client = connect(WorkerSettings(redis_url=cluster.url))
+        try:
+            await client.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+            await client.xadd(stream, {"v": "1"})
+            for node in masters:
+                node.config_resetstat()
+            for _ in range(5):
+                await client.xreadgroup(keys.GROUP, "c", {stream: ">"}, count=10, block=10)
+        finally:
+            await client.aclose()
+
+    asyncio.run(read())
+    stats = [node.info("commandstats") for node in masters]
+    assert sum(s.get("cmdstat_xreadgroup", {}).get("calls", 0) for s in stats) == 5
+    assert not any("cmdstat_command|getkeys" in s for s in stats), stats
+    for node in masters:
+        node.close()

@@ -41,3 +41,24 @@ def test_the_workers_client_packs_in_c_whatever_the_url_scheme() -> None:
         connection_class = client.connection_pool.connection_class
         assert issubclass(connection_class, HiredisPacking), url
         assert connection_class.__mro__[2].__name__.endswith("Connection"), url
+
+
+@given(
+    st.lists(st.text(st.characters(codec="ascii", exclude_categories=("Cc",)), min_size=1,
+                     max_size=12), min_size=1, max_size=4),
+    st.sampled_from(["workers", "streams", "STREAMS"]),
+    st.booleans(),
+)
+def test_a_stream_reads_keys_are_found_without_asking_redis(
+    streams: list[str], consumer: str, with_count: bool
+) -> None:
+    """The worker's Cluster client routes XREADGROUP by the keys after STREAMS, however named."""
+    from tokenq.worker.connection import stream_read_keys
+
+    options = ["COUNT", 10, "BLOCK", 100] if with_count else []
+    args = ("XREADGROUP", "GROUP", "workers", consumer, *options, "STREAMS", *streams,
+            *([">"] * len(streams)))
+    assert stream_read_keys(args) == streams
+    assert stream_read_keys(("XREAD", "STREAMS", *streams, *(["0"] * len(streams)))) == streams
+    assert stream_read_keys(("GET", "x")) is None
+    assert stream_read_keys(("XREADGROUP", "GROUP", "g", "c", "STREAMS", "odd")) is None

@@ -24,6 +24,7 @@ import functools
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis._parsers import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import (
@@ -117,7 +118,41 @@ def _cluster(target: RedisTarget, options: dict[str, Any]) -> aioredis.RedisClus
     for node in client.startup_nodes:
         node.connection_class = connection_class
         node.connection_kwargs.update(tls)
+    client.commands_parser.__class__ = _StreamKeysParser
     return client
+
+
+def stream_read_keys(args: tuple[Any, ...]) -> list[Any] | None:
+    """The keys of an ``XREADGROUP``/``XREAD`` command line (the first half after ``STREAMS``),
+    or None when it is not one or does not parse (the caller then asks Redis)."""
+    name = (args[0].decode() if isinstance(args[0], bytes) else str(args[0])) if args else ""
+    options_from = {"XREADGROUP": 4, "XREAD": 1}.get(name.upper())  # past GROUP group consumer
+    if options_from is None:
+        return None
+    words = [a.decode() if isinstance(a, bytes) else str(a) for a in args]
+    try:
+        at = next(i for i in range(options_from, len(words)) if words[i].upper() == "STREAMS")
+    except StopIteration:
+        return None
+    rest = list(args[at + 1:])
+    if not rest or len(rest) % 2:
+        return None
+    return rest[: len(rest) // 2]
+
+
+class _StreamKeysParser(AsyncCommandsParser):
+    """redis-py's cluster command parser, finding a stream read's keys without asking Redis.
+
+    ``XREADGROUP`` has "movable" keys, so redis-py sends ``COMMAND GETKEYS``
+    (twice) to its default node before every read to learn which slot to
+    send it to: two round trips per read, to a node that may hold nothing of
+    the queue (``scripts/bench/run.py shards`` counted 126 of 705). The keys
+    are simply the first half of what follows ``STREAMS``.
+    """
+
+    async def _get_moveable_keys(self, *args: Any) -> Any:
+        keys = stream_read_keys(args)
+        return keys if keys is not None else await super()._get_moveable_keys(*args)
 
 
 class _PackedSentinelPool(SentinelConnectionPool):
