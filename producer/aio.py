@@ -389,8 +389,8 @@ class AsyncClient(ProducerBase):
         listener = self._listeners.get(key)
         if listener is None or listener.done():
             if key not in self._listen_clients:
-                _, self._listen_clients[key] = connection.async_redis(
-                    self.settings, self.client_id, 1
+                self._listen_clients[key] = connection.async_listener(
+                    self.settings, self.client_id
                 )
             self._listeners[key] = asyncio.get_running_loop().create_task(
                 self._listen(key), name=f"tokenq-listener-{self.client_id[:12]}"

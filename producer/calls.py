@@ -261,11 +261,13 @@ def choose_shard(
     its own node). A refused XLEN (an ACL) leaves the choice round robin.
     """
     count = core.shards()
-    if count > 1 and isinstance(reply_to, str):
+    if count == 1:
+        return core
+    if isinstance(reply_to, str):
         pinned = keys.shard_of_reply_key(core.queue, count, reply_to)
         if pinned is not None:
             return core.lane(pinned)
-    if count > 1 and core.chooser.lengths_due(count, time.monotonic()):
+    if core.chooser.lengths_due(count, time.monotonic()):
         lengths = []
         try:
             for shard in range(count):
@@ -275,7 +277,7 @@ def choose_shard(
             log.debug("cannot read the shards' lengths (%s); choosing round robin", refused.error)
             lengths = []
         core.chooser.take_lengths(lengths, time.monotonic())
-    return core.pick()
+    return core.lane(core.chooser.pick(count))
 
 
 def enqueue(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> Call[None]:
@@ -565,20 +567,17 @@ def results(
     """
     started = time.monotonic()
     deadline = Deadline(started + core.timeout(timeout_s))
-    by_shard: dict[int | None, dict[str, str]] = {}
-    for key, request_id in core.reply_keys(request_ids).items():
-        by_shard.setdefault(core.lane_of(request_id).shard, {})[key] = request_id
-    if len(by_shard) == 1:
-        (shard, wanted), = by_shard.items()
-        outcomes = yield from own_keys(core.lane(shard), wanted, deadline, started)
-        return core.settle(request_ids, outcomes, return_exceptions)
+    by_shard = core.reply_keys(request_ids)
+    several = len(by_shard) > 1
     outcomes: Outcomes = {}
     unreachable: BaseException | None = None
     for shard, wanted in by_shard.items():
-        got, down = yield from own_replies(core.lane(shard), wanted, deadline, at_least_once=True)
+        got, down = yield from own_replies(core.lane(shard), wanted, deadline,
+                                           at_least_once=several)
         outcomes.update(got)
         unreachable = unreachable or down
-    missing = [i for i in dict.fromkeys(request_ids) if i not in outcomes]
+    # own_replies leaves in each ``wanted`` exactly the ids it did not get.
+    missing = [i for wanted in by_shard.values() for i in wanted.values()]
     yield from _missing(core, missing, outcomes, started, unreachable)
     return core.settle(request_ids, outcomes, return_exceptions)
 

@@ -392,33 +392,50 @@ def async_redis(
     ``max_connections`` per node (redis-py's cluster fails a command at once
     with ``MaxConnectionsError`` when a node has none free, where the single
     and Sentinel pools wait for one until the deadline), the listener's with
-    one connection per node. Behind Sentinel both are master clients of one
-    Sentinel, the listener's with a pool of one.
+    one connection per node. Behind Sentinel both are master clients, each of
+    its own Sentinel, the listener's with a pool of one.
     """
+    command = _async_client(settings, client_id, max_connections, settings.timeout_s)
+    return command, async_listener(settings, client_id)
+
+
+def async_listener(
+    settings: ClientSettings, client_id: str
+) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+    """A listener's client of one connection (per node, in a cluster), for one reply key.
+
+    A sharded queue's replies land in each shard's slot, so an
+    ``AsyncClient`` makes one of these per shard it listens on.
+    """
+    target = parse_redis_url(settings.redis_url)
+    if target.kind == "single":
+        options = _options(settings, AsyncDeadlineRetry, client_id)
+        return redis.asyncio.Redis.from_url(
+            settings.redis_url, single_connection_client=True, **options
+        )
+    return _async_client(settings, client_id, 1, None)
+
+
+def _async_client(
+    settings: ClientSettings, client_id: str, max_connections: int, wait_s: float | None
+) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+    """A pool of ``max_connections`` (per node, in a cluster), waiting at most ``wait_s`` for a
+    free one (and never past a caller's deadline; a cluster does not wait)."""
     target = parse_redis_url(settings.redis_url)
     if target.kind == "cluster":
         options = _options(settings, AsyncClusterDeadlineRetry, client_id)
-        return (_async_cluster(target, options, max_connections),
-                _async_cluster(target, options, 1))
+        return _async_cluster(target, options, max_connections)
     options = _options(settings, AsyncDeadlineRetry, client_id)
     if target.kind == "sentinel":
-        sentinel = _async_sentinel(target, options)
-        command, listener = (
-            sentinel.master_for(
-                target.service, redis_class=_AsyncSentinelMaster,
-                connection_pool_class=_AsyncSentinelPool, max_connections=size, timeout=wait,
-                **_master_kwargs(target), **options,
-            )
-            for size, wait in ((max_connections, settings.timeout_s), (1, None))
+        return _async_sentinel(target, options).master_for(
+            target.service, redis_class=_AsyncSentinelMaster,
+            connection_pool_class=_AsyncSentinelPool, max_connections=max_connections,
+            timeout=wait_s, **_master_kwargs(target), **options,
         )
-        return command, listener
     pool = _AsyncPool.from_url(
-        settings.redis_url, max_connections=max_connections, timeout=settings.timeout_s, **options
+        settings.redis_url, max_connections=max_connections, timeout=wait_s, **options
     )
-    listener = redis.asyncio.Redis.from_url(
-        settings.redis_url, single_connection_client=True, **options
-    )
-    return redis.asyncio.Redis.from_pool(pool), listener
+    return redis.asyncio.Redis.from_pool(pool)
 
 
 def sync_client_for(url: str, **kwargs: Any) -> redis.Redis | redis.RedisCluster:

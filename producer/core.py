@@ -393,27 +393,24 @@ class ClientCore:
             return [self]
         return [*(self.lane(k) for k in range(count)), self]
 
-    def pick(self) -> ClientCore:
-        """The core the next enqueueing call writes through."""
-        count = self.shards()
-        return self if count == 1 else self.lane(self.chooser.pick(count))
-
     def reply_key(self, reply_id: str) -> str:
         """The list a request's reply (or a batch's, or a client's) lands on."""
         return keys.reply(self.queue, reply_id)
 
-    def reply_keys(self, request_ids: Sequence[str]) -> dict[str, str]:
-        """Reply key -> request id for ids the caller wants to fetch, checked first."""
+    def reply_keys(self, request_ids: Sequence[str]) -> dict[int | None, dict[str, str]]:
+        """Reply key -> request id for ids the caller wants to fetch, checked first, by the
+        shard each id names (None: the plain queue)."""
         if isinstance(request_ids, str):
             raise BadRequest("request_ids must be a sequence of ids, not a single string")
-        wanted: dict[str, str] = {}
+        by_shard: dict[int | None, dict[str, str]] = {}
         for request_id in request_ids:
             try:
                 wire.validate_id(request_id, "request id")
             except DecodeError as exc:
                 raise BadRequest(f"{exc}: {request_id!r}") from None
-            wanted[self.lane_of(request_id).reply_key(request_id)] = request_id
-        return wanted
+            lane = self.lane_of(request_id)
+            by_shard.setdefault(lane.shard, {})[lane.reply_key(request_id)] = request_id
+        return by_shard
 
     # ------------------------------------------------------------- requests
 

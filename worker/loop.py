@@ -172,7 +172,6 @@ class Worker:
             Lane(index, queue, self._dead_letter_policy(settings, queue), tagged=len(lanes) > 1)
             for index, queue in enumerate(lanes)
         ]
-        self.stream = self.lanes[0].stream
         self.plan = plan(settings, backend)
         self._tokenizer_pool = pool_for(backend, settings.tokenize_processes)
         self.pipeline: Pipeline[bytes] = Pipeline(
@@ -366,12 +365,16 @@ class Worker:
         log.info(
             "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
             "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s",
-            self.consumer, ", ".join(lane.stream for lane in self.lanes), info.model, info.task,
+            self.consumer, self._streams(), info.model, info.task,
             info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
             self.plan.budget_reason, budget.max_batch_size, self.settings.linger_ms,
             self.plan.policy,
         )
+
+    def _streams(self) -> str:
+        """The streams this worker reads, for its log lines."""
+        return ", ".join(lane.stream for lane in self.lanes)
 
     async def _ensure_group(self, lane: Lane) -> None:
         try:
@@ -857,7 +860,7 @@ class Worker:
         except RedisError as exc:
             if not self._depth_failed:
                 log.warning("queue depth metrics unavailable (%s); needs XLEN and "
-                            "XINFO GROUPS on %s", exc, self.stream)
+                            "XINFO GROUPS on %s", exc, self._streams())
             self._depth_failed = True
             return
         self._depth_failed = False
