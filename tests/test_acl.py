@@ -64,6 +64,18 @@ def acl_denials(admin: redis.Redis) -> list[str]:
             for e in admin.acl_log()]
 
 
+def check_async_path(producer_url: str, queue: str, texts: list[str]) -> None:
+    """Concurrent ``AsyncClient.infer`` calls each get their text's vector."""
+
+    async def via_async() -> None:
+        async with AsyncClient(redis_url=producer_url, queue=queue) as aclient:
+            results = await asyncio.gather(*(aclient.infer(t, timeout_s=60) for t in texts))
+            for text, result in zip(texts, results, strict=True):
+                assert vector_ok(result.embedding, text)
+
+    asyncio.run(via_async())
+
+
 def vector_ok(embedding: bytes | None, text: str) -> bool:
     import numpy as np
 
@@ -133,13 +145,7 @@ def test_documented_acl_users_run_the_whole_path_with_no_refusal(
         orphan = client.result("orphan", timeout_s=60)
         assert vector_ok(orphan.embedding, "held by a dead worker")
 
-    async def via_async() -> None:
-        async with AsyncClient(redis_url=producer_url, queue=queue) as aclient:
-            results = await asyncio.gather(*(aclient.infer(t, timeout_s=60) for t in texts))
-            for text, result in zip(texts, results, strict=True):
-                assert vector_ok(result.embedding, text)
-
-    asyncio.run(via_async())
+    check_async_path(producer_url, queue, texts)
 
     # A malformed entry: the worker dead-letters it (XADD on dead) and answers it.
     admin.xadd(stream, {"v": "9", "id": "badversion", "text": "x"})
@@ -315,20 +321,14 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
     _wait(lambda: bool(admin.exists(keys.worker_alive(first, "w"))), 60, "the worker to join")
     producer_url = user_url(acl_server, f"{queue}-producer", password)
     texts = [f"sharded under an acl {i}" for i in range(6)]
-    with Client(redis_url=producer_url, queue=queue, settings=None) as client:
+    with Client(redis_url=producer_url, queue=queue) as client:
         ids = [client.submit(text) for text in texts]
         assert {keys.shard_in_id(i) for i in ids} == {0, 1, 2}
         for text, result in zip(texts, client.results(ids, timeout_s=60), strict=True):
             assert vector_ok(result.embedding, text)
         assert client.queue_length() == 0
 
-    async def via_async() -> None:
-        async with AsyncClient(redis_url=producer_url, queue=queue) as aclient:
-            results = await asyncio.gather(*(aclient.infer(t, timeout_s=60) for t in texts))
-            for text, result in zip(texts, results, strict=True):
-                assert vector_ok(result.embedding, text)
-
-    asyncio.run(via_async())
+    check_async_path(producer_url, queue, texts)
     denials = acl_denials(admin)
     assert not denials, f"commands refused in normal operation: {denials}"
     assert "NOPERM" not in worker.output(), worker.output()[-3000:]
