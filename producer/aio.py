@@ -103,6 +103,8 @@ class AsyncClient(ProducerBase):
         # shard's slot, so each shard has a key (and a connection) of its own.
         self._listen_clients: dict[str, Any] = {self._reply_key: self._listen_redis}
         self._listeners: dict[str, asyncio.Task[None]] = {}
+        self._trimming: set[str] = set()
+        """Keys whose listener is removing replies it has delivered (aclose lets it finish)."""
         self._node_clients: dict[str, Any] = {}
         """Plain clients of Cluster nodes, for what must run on one connection (durable)."""
         self._scripts = {
@@ -121,21 +123,35 @@ class AsyncClient(ProducerBase):
         self._closing = True
         listeners, self._listeners = self._listeners, {}
         for key, listener in listeners.items():
-            if listener.done():
-                continue
-            listener.cancel()
-            done, _ = await asyncio.wait({listener}, timeout=_CANCEL_GRACE_S)
-            if not done:
-                # redis-py can swallow a cancel that lands while a command is
-                # being sent; the BLMOVE then runs its course. Wake it instead.
-                await self._wake_listener(key)
-                await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
+            await self._stop_listener(key, listener)
         for future in self._waiters.values():
             if not future.done():
                 future.set_exception(TokenqError("the AsyncClient was closed while waiting"))
         for client in (*self._listen_clients.values(), *self._node_clients.values()):
             await client.aclose()
         await self._redis.aclose()
+
+    async def _stop_listener(self, key: str, listener: asyncio.Task[None]) -> None:
+        """End a listener without cutting short its removal of replies it delivered.
+
+        A listener between delivering replies and their ``LTRIM`` is left to
+        finish (it then sees ``_closing`` and ends): cancelling it there
+        would leave answered replies on Redis until their TTL. Anywhere else
+        it has removed nothing it holds, so it is cancelled at once.
+        """
+        if listener.done():
+            return
+        if key in self._trimming:
+            done, _ = await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
+            if done:
+                return
+        listener.cancel()
+        done, _ = await asyncio.wait({listener}, timeout=_CANCEL_GRACE_S)
+        if not done:
+            # redis-py can swallow a cancel that lands while a command is
+            # being sent; the BLMOVE then runs its course. Wake it instead.
+            await self._wake_listener(key)
+            await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
 
     async def _wake_listener(self, key: str) -> None:
         """Push a marker that ends a listener's BLMOVE at once (it expires unread if unneeded)."""
@@ -265,17 +281,16 @@ class AsyncClient(ProducerBase):
     async def _durable_enqueue(
         self, *, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
     ) -> tuple[Any, int]:
-        for attempt in (1, 2):
-            node = await nodes.async_node_for(self._redis, keys[0], self._node_clients)
-            try:
-                async with node.pipeline(transaction=False) as pipe:
-                    await self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
-                    pipe.execute_command("WAIT", replicas, timeout_ms)
-                    written, confirmed = await pipe.execute()
-                return written, int(confirmed)
-            except redis.exceptions.MovedError:
-                await nodes.async_moved(self._redis, last=attempt == 2)
-        raise AssertionError("unreachable")
+        async def enqueue_and_wait(node: Any) -> tuple[Any, int]:
+            async with node.pipeline(transaction=False) as pipe:
+                await self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
+                pipe.execute_command("WAIT", replicas, timeout_ms)
+                written, confirmed = await pipe.execute()
+            return written, int(confirmed)
+
+        return await nodes.async_run_pinned(
+            self._redis, keys[0], enqueue_and_wait, self._node_clients
+        )
 
     async def _perform(self, step: calls.Step) -> Any:
         match step:
@@ -423,11 +438,14 @@ class AsyncClient(ProducerBase):
                 if raw != _WAKE:
                     self._deliver(raw)
             if landed and not failed:
+                self._trimming.add(key)
                 try:
                     await redis_.ltrim(key, len(landed), -1)
                 except Exception as exc:  # read again next time; delivered ones are dropped
                     failed = True
                     self._listen_failed(exc)
+                finally:
+                    self._trimming.discard(key)
             if failed:
                 failures += 1
                 await asyncio.sleep(backoff_s(failures))

@@ -36,8 +36,6 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import redis
-
 from tokenq.producer import calls, connection, nodes
 from tokenq.producer.base import ProducerBase
 from tokenq.producer.core import Deadline, Prepared, Result, TextItem
@@ -95,17 +93,14 @@ class Client(ProducerBase):
     def _durable_enqueue(
         self, *, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
     ) -> tuple[Any, int]:
-        for attempt in (1, 2):
-            node = nodes.node_for(self._redis, keys[0])
-            try:
-                with node.pipeline(transaction=False) as pipe:
-                    self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
-                    pipe.execute_command("WAIT", replicas, timeout_ms)
-                    written, confirmed = pipe.execute()
-                return written, int(confirmed)
-            except redis.exceptions.MovedError:
-                nodes.moved(self._redis, last=attempt == 2)
-        raise AssertionError("unreachable")
+        def enqueue_and_wait(node: Any) -> tuple[Any, int]:
+            with node.pipeline(transaction=False) as pipe:
+                self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
+                pipe.execute_command("WAIT", replicas, timeout_ms)
+                written, confirmed = pipe.execute()
+            return written, int(confirmed)
+
+        return nodes.run_pinned(self._redis, keys[0], enqueue_and_wait)
 
     # ------------------------------------------------------------ lifecycle
 

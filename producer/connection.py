@@ -50,6 +50,7 @@ from redis.retry import Retry
 from tokenq.producer.calls import ErrorReply, OutOfMemory, Unreachable
 from tokenq.producer.core import BACKOFF_BASE_S, BACKOFF_CAP_S, DEADLINE_GRACE_S
 from tokenq.shared.redis_url import RedisTarget, parse_redis_url
+from tokenq.shared.sentinel_connection import managed_connection
 from tokenq.shared.settings import ClientSettings
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
@@ -321,8 +322,7 @@ class _SentinelPool(redis.sentinel.SentinelConnectionPool):
     """A Sentinel master's pool: its managed connections wait no longer than their caller."""
 
     def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
-        managed = (redis.sentinel.SentinelManagedSSLConnection if kwargs.pop("ssl", False)
-                   else redis.sentinel.SentinelManagedConnection)
+        managed = managed_connection(tls=kwargs.pop("ssl", False), asyncio=False)
         kwargs["connection_class"] = deadline_bound(managed, _BoundedSockets)
         super().__init__(service_name, sentinel_manager, **kwargs)
 
@@ -338,8 +338,7 @@ class _AsyncSentinelPool(
     """The async command pool behind Sentinel, bounded as :class:`_AsyncPool` is."""
 
     def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
-        managed = (redis.asyncio.sentinel.SentinelManagedSSLConnection if kwargs.pop("ssl", False)
-                   else redis.asyncio.sentinel.SentinelManagedConnection)
+        managed = managed_connection(tls=kwargs.pop("ssl", False), asyncio=True)
         kwargs["connection_class"] = deadline_bound(managed)
         super().__init__(service_name, sentinel_manager, **kwargs)
 
@@ -455,8 +454,9 @@ def sync_client_for(url: str, **kwargs: Any) -> redis.Redis | redis.RedisCluster
         )
     sentinels = _sentinel_kwargs(target, kwargs)
     sentinel = redis.sentinel.Sentinel(target.nodes, sentinel_kwargs=sentinels)
+    following = managed_connection(tls=target.tls, asyncio=False)
     return sentinel.master_for(target.service, redis_class=_SentinelMaster,
-                               **_master_kwargs(target), **kwargs)
+                               connection_class=following, **_master_kwargs(target), **kwargs)
 
 
 # ------------------------------------------------------- cluster and sentinel

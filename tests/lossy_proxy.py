@@ -42,6 +42,8 @@ class LossyProxy:
 
     def close(self) -> None:
         self._closed = True
+        with contextlib.suppress(OSError):  # wakes the accept() that close() alone would not
+            self._listener.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:

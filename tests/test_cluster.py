@@ -17,10 +17,13 @@ promised (docs/RELIABILITY.md, "Replicas and failover"):
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +37,7 @@ from tests.redis_cluster import (  # noqa: F401
     redis_sentinel,
 )
 from tests.workers import Fleet, WorkerProcess
-from tokenq.producer import Client, NotReplicated, ReplyTimeout
+from tokenq.producer import AsyncClient, BrokerUnavailable, Client, NotReplicated, ReplyTimeout
 from tokenq.shared import keys
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.backends.sim import expected_vector
@@ -78,6 +81,13 @@ def start_workers(fleet: Fleet, url: str, queue: str, count: int, shards: int,
             assert time.monotonic() < deadline, worker.output()
             time.sleep(0.05)
     return workers
+
+
+def whole_again(cluster: LocalCluster, killed: int) -> None:
+    """Bring back a node a test killed and wait for the cluster to be whole, for the next test."""
+    if killed not in cluster.live_ports():
+        cluster.restart(killed)
+    cluster.wait_ok(timeout_s=60)
 
 
 def vector_ok(result: object, text: str) -> bool:
@@ -209,9 +219,76 @@ def test_cluster_failover_loses_only_unreplicated_requests_and_never_durable_one
         for worker in fleet.started:
             worker.process.send_signal(18)
         cluster.thaw(replica)
-        if doomed not in cluster.live_ports():
-            cluster.restart(doomed)
-        cluster.wait_ok(timeout_s=60)
+        whole_again(cluster, doomed)
+        admin.close()
+
+
+def replica_pending(port: int, stream: str) -> int:
+    """What a Cluster replica's copy of ``stream`` has pending (READONLY on one connection)."""
+    with redis.Redis(port=port, socket_timeout=2, single_connection_client=True) as replica:
+        replica.execute_command("READONLY")
+        return int(replica.xpending(stream, keys.GROUP)["pending"])
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_answers_the_promoted_replica_never_got_are_given_again(
+    redis_cluster: LocalCluster, fleet: Fleet,  # noqa: F811
+) -> None:
+    """A failover can take back a worker's answers: the promoted replica had the read but
+    not the publish, so its entries are pending to a worker that is alive, holds nothing
+    and would never look at them again (nobody claims from a live worker, and the safety
+    net is an hour away here). The worker takes back what it forgot and answers again, so
+    every durable request is answered; without that each would wait for the safety net."""
+    cluster = redis_cluster
+    queue = spread_queue(cluster)
+    admin = cluster.client()
+    # One batch of all the requests, slow enough to cut replication while it runs.
+    (worker,) = start_workers(fleet, cluster.url, queue, 1, 3, admin, "--sim-batch-ms", "1500",
+                              "--linger-ms", "50", "--claim-idle-s", "3600")
+    lanes = keys.shards_of(keys.QueueRef(queue), 3)
+    streams = [keys.requests(lane) for lane in lanes]
+    doomed = cluster.master_for_key(streams[0])
+    (replica,) = cluster.replicas_of(doomed)
+    durable = Client(settings=ClientSettings(
+        redis_url=cluster.url, queue=queue, timeout_s=10,
+        durable_replicas=1, durable_timeout_ms=2000,
+    ))
+    try:
+        worker.process.send_signal(19)  # so that one read takes every request
+        accepted, told = submit_each(durable, [f"answered twice {i}" for i in range(30)])
+        assert len(accepted) == 30 and not told
+        worker.process.send_signal(18)
+        wait_for(lambda: sum(admin.xpending(s, keys.GROUP)["pending"] for s in streams) == 30,
+                 10, worker.output())
+        wait_for(lambda: replica_pending(replica, streams[0]) == 10, 10,
+                 "the replica never had the worker's read")
+        # The answer reaches the master alone: then the master dies.
+        cluster.freeze(replica)
+        cut_replication(redis.Redis(port=doomed))
+        wait_for(lambda: admin.xpending(streams[0], keys.GROUP)["pending"] == 0, 10,
+                 worker.output())
+        cluster.kill(doomed)
+        cluster.thaw(replica)
+        assert cluster.wait_promoted(doomed, timeout_s=30) == replica
+        assert replica_pending(replica, streams[0]) == 10, "the new master lacks the answers"
+
+        got = answered(durable, accepted, 30)
+        assert all(got.values()), (sum(got.values()), worker.output())
+        assert "unknown to it" in worker.output()
+        assert worker.process.poll() is None, "the worker carried on by itself"
+    finally:
+        durable.close()
+        worker.process.send_signal(18)
+        cluster.thaw(replica)
+        whole_again(cluster, doomed)
         admin.close()
 
 
@@ -261,6 +338,210 @@ def test_sentinel_failover_loses_only_unreplicated_requests_and_never_durable_on
         for worker in fleet.started:
             worker.process.send_signal(18)
         group.thaw(replica)
+        check.close()
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_durable_enqueue_follows_its_slot_to_the_promoted_replica(
+    redis_cluster: LocalCluster,  # noqa: F811
+) -> None:
+    """The durable enqueue runs on a plain client of the slot's owner, outside the cluster
+    client's routing: after the owner dies, both clients find the promoted replica (which
+    has no replica of its own yet, so the answer is NotReplicated, not an outage), and once
+    the old node is back as its replica, durable enqueues are accepted again."""
+    cluster = redis_cluster
+    queue = f"follow{uuid.uuid4().hex[:6]}"
+    settings = ClientSettings(redis_url=cluster.url, queue=queue, timeout_s=5,
+                              durable_replicas=1, durable_timeout_ms=500)
+    doomed = cluster.master_for_key(keys.requests(keys.QueueRef(queue)))
+    sync_client = Client(settings=settings)
+    loop = asyncio.new_event_loop()
+    async_client = AsyncClient(settings=settings)
+    try:
+        assert sync_client.submit("before, sync")
+        assert loop.run_until_complete(async_client.submit("before, async"))
+        cluster.kill(doomed)
+        cluster.wait_promoted(doomed, timeout_s=30)
+        with pytest.raises(NotReplicated):
+            sync_client.submit("after, sync")
+        with pytest.raises(NotReplicated):
+            loop.run_until_complete(async_client.submit("after, async"))
+        cluster.restart(doomed)
+        cluster.wait_ok(timeout_s=60)
+        assert sync_client.submit("replicated again, sync")
+        assert loop.run_until_complete(async_client.submit("replicated again, async"))
+    finally:
+        sync_client.close()
+        loop.run_until_complete(async_client.aclose())
+        loop.close()
+        whole_again(cluster, doomed)
+
+
+@dataclass
+class Load:
+    """What producer threads had accepted, refused or failed while a failover ran."""
+
+    accepted: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """id -> (text, monotonic time the enqueue returned)."""
+    told: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """NotReplicated ids -> (text, when): queued on the primary alone, at risk."""
+    failed_calls: int = 0
+    inferred: dict[str, tuple[bool, float]] = field(default_factory=dict)
+    """infer_many through an AsyncClient: id -> (right vector, when it came back)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def infer_async(self, settings: ClientSettings, tag: str, stop: threading.Event) -> None:
+        """Wait for answers through one AsyncClient's listeners, through the failover."""
+        async def run() -> None:
+            async with AsyncClient(settings=settings) as client:
+                call = 0
+                while not stop.is_set():
+                    texts = [f"{tag} call {call} row {row}" for row in range(10)]
+                    call += 1
+                    try:
+                        results = await client.infer_many(texts, timeout_s=5)
+                    except (BrokerUnavailable, ReplyTimeout, redis.RedisError):
+                        with self.lock:
+                            self.failed_calls += 1
+                        await asyncio.sleep(0.05)
+                        continue
+                    now = time.monotonic()
+                    with self.lock:
+                        self.inferred.update((res.id, (vector_ok(res, text), now))
+                                             for res, text in zip(results, texts, strict=True))
+
+        asyncio.run(run())
+
+    def produce(self, settings: ClientSettings, tag: str, stop: threading.Event) -> None:
+        with Client(settings=settings) as client:
+            call = 0
+            while not stop.is_set():
+                texts = [f"{tag} call {call} row {row} " + "w " * (row % 30) for row in range(10)]
+                call += 1
+                try:
+                    ids = client.submit_many(texts)
+                except NotReplicated as exc:
+                    now = time.monotonic()
+                    with self.lock:
+                        self.told.update((rid, (t, now))
+                                         for rid, t in zip(exc.request_ids, texts, strict=True))
+                    continue
+                except (BrokerUnavailable, ReplyTimeout, redis.RedisError):
+                    with self.lock:
+                        self.failed_calls += 1
+                    time.sleep(0.05)
+                    continue
+                now = time.monotonic()
+                with self.lock:
+                    self.accepted.update((rid, (t, now)) for rid, t in zip(ids, texts, strict=True))
+                time.sleep(0.01)  # a steady load, not a flood to verify afterwards
+
+
+def failover_under_load(url: str, queue: str, shards: int, fleet: Fleet, check: redis.Redis,
+                        kill: Callable[[], None], promoted: Callable[[], None]) -> None:
+    """Producers (durable and plain) and 2 workers run; a master dies mid-run; both sides
+    carry on; every durable acceptance is answered, and a plain one lost only if accepted
+    before the kill."""
+    workers = start_workers(fleet, url, queue, 2, shards, check, "--sim-batch-ms", "5",
+                            "--claim-idle-s", "3600")
+    durable, plain, waiting = Load(), Load(), Load()
+    base = {"redis_url": url, "queue": queue, "timeout_s": 5}
+    stop = threading.Event()
+    threads = [
+        *(threading.Thread(target=durable.produce, args=(ClientSettings(
+            **base, durable_replicas=1, durable_timeout_ms=1000), f"d{n}", stop))
+          for n in range(2)),
+        threading.Thread(target=plain.produce, args=(ClientSettings(**base), "p", stop)),
+        threading.Thread(target=waiting.infer_async, args=(ClientSettings(**base), "a", stop)),
+    ]
+    for thread in threads:
+        thread.start()
+    every_shard: set[int | None] = {None} if shards == 1 else set(range(shards))
+
+    def carried_on(since: float) -> dict[str, set[int | None]]:
+        """The shards on which each kind of producer had an outcome after ``since``."""
+        with plain.lock, durable.lock, waiting.lock:
+            outcomes = {
+                # a plain enqueue is accepted
+                "plain": plain.accepted.items(),
+                # a durable one accepted, or told NotReplicated (the new master has no replica)
+                "durable": [*durable.accepted.items(), *durable.told.items()],
+                # an AsyncClient's infer_many answered, through its listeners
+                "async infer": waiting.inferred.items(),
+            }
+            return {kind: {keys.shard_in_id(rid) for rid, (_, at) in done if at > since}
+                    for kind, done in outcomes.items()}
+
+    try:
+        deadline = time.monotonic() + 30
+        while any(found != every_shard for found in carried_on(0).values()):
+            assert time.monotonic() < deadline, ("the load never started", carried_on(0))
+            time.sleep(0.1)
+        killed_at = time.monotonic()
+        kill()
+        promoted()
+        back_at = time.monotonic()
+        deadline = back_at + 30
+        while any(found != every_shard for found in carried_on(back_at).values()):
+            assert time.monotonic() < deadline, ("not every producer carried on",
+                                                 carried_on(back_at), fleet.logs())
+            time.sleep(0.1)
+        resumed_s = time.monotonic() - back_at
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert all(ok for ok, _ in waiting.inferred.values())
+    with Client(url, queue, timeout_s=60) as client:
+        got = answered(client, {rid: t for rid, (t, _) in durable.accepted.items()}, 60)
+        assert all(got.values()), (
+            f"{sum(not ok for ok in got.values())} of {len(got)} durable acceptances lost",
+            fleet.logs())
+        plain_got = answered(client, {rid: t for rid, (t, _) in plain.accepted.items()}, 30)
+    lost = [rid for rid, ok in plain_got.items() if not ok]
+    assert all(plain.accepted[rid][1] <= killed_at for rid in lost), "lost after the failover"
+    assert all(worker.process.poll() is None for worker in workers), "workers carried on"
+    print(f"failover under load: durable {len(durable.accepted)} accepted, all answered, "
+          f"{len(durable.told)} told NotReplicated, {durable.failed_calls} calls failed; "
+          f"plain {len(plain.accepted)} accepted, {len(lost)} lost; "
+          f"{len(waiting.inferred)} answers to async infer_many, {waiting.failed_calls} failed; "
+          f"{back_at - killed_at:.1f} s to the new master, every producer resumed "
+          f"{resumed_s:.1f} s later")
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_cluster_master_killed_under_load_loses_no_durable_request(
+    redis_cluster: LocalCluster, fleet: Fleet,  # noqa: F811
+) -> None:
+    cluster = redis_cluster
+    queue = spread_queue(cluster)
+    admin = cluster.client()
+    doomed = cluster.master_for_key(keys.requests(keys.shards_of(keys.QueueRef(queue), 3)[0]))
+    try:
+        failover_under_load(
+            cluster.url, queue, 3, fleet, admin, lambda: cluster.kill(doomed),
+            lambda: cluster.wait_promoted(doomed, timeout_s=30),
+        )
+    finally:
+        whole_again(cluster, doomed)
+        admin.close()
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_sentinel_master_killed_under_load_loses_no_durable_request(
+    redis_sentinel: LocalSentinel, fleet: Fleet,  # noqa: F811
+) -> None:
+    group = redis_sentinel
+    master = group.current_master()
+    check = redis.Redis(port=master)
+    try:
+        failover_under_load(group.url, "sentinel-load", 1, fleet, check, group.kill_master,
+                            lambda: group.wait_promoted(master, timeout_s=40))
+    finally:
         check.close()
 
 

@@ -29,6 +29,8 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio
+import redis.backoff
+import redis.retry
 
 from tests.redis_cluster import redis_cluster, redis_sentinel  # noqa: F401
 from tokenq.producer import connection
@@ -552,6 +554,81 @@ def test_sentinel_clients_follow_a_failover_within_their_deadlines(
     finally:
         r.close()
         for client in (command, listener, worker):
+            loop.run_until_complete(client.aclose())
+        loop.close()
+
+
+@pytest.mark.fault
+def test_a_command_begun_during_a_sentinel_failover_ends_on_the_new_master(
+        redis_sentinel) -> None:  # noqa: F811
+    """A command in flight when the master dies is retried on the promoted replica.
+
+    Each client blocks in a BLPOP (as the worker's XREADGROUP and the
+    listener's BLMOVE block) when the master is killed; its connection dies
+    under it, and the command's retry must ask the sentinels again. redis-py
+    reconnected such a connection to the address it had (redis-py #3874), so
+    every retry went to the dead master: the command failed at its deadline,
+    or after the worker's ten retries (~13 s, while every caller waited). After
+    the promotion a value is pushed for each; each blocked command returns it.
+    """
+    settings = client_settings(redis_sentinel.url, retries=50, socket_timeout_s=10)
+    block_s = 8
+    r = sync_redis(settings, CLIENT_ID, None)
+    ops = sync_client_for(redis_sentinel.url, socket_timeout=10,
+                          retry=redis.retry.Retry(redis.backoff.ExponentialBackoff(2, 0.05), 20),
+                          retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+    loop = asyncio.new_event_loop()
+    command, listener = async_redis(settings, CLIENT_ID, 4)
+    worker = worker_connect(worker_settings(redis_sentinel.url))
+    sync_clients = {"producer, sync": r, "operator commands": ops}
+    async_clients = {"producer, async": command, "listener": listener, "worker": worker}
+    lists = {name: slot_keys(name.replace(" ", "-").replace(",", ""))[0]
+             for name in (*sync_clients, *async_clients)}
+    got: dict[str, Any] = {}
+
+    def pop(name: str, client: Any) -> None:
+        with for_caller(time.monotonic() + 30):
+            try:
+                got[name] = client.blpop([lists[name]], timeout=block_s)
+            except Exception as exc:
+                got[name] = exc
+
+    async def apop(name: str, client: Any) -> None:
+        with for_caller(time.monotonic() + 30):
+            try:
+                got[name] = await client.blpop([lists[name]], timeout=block_s)
+            except Exception as exc:
+                got[name] = exc
+
+    async def blocked_through_the_failover() -> None:
+        popping = [asyncio.ensure_future(apop(name, client))
+                   for name, client in async_clients.items()]
+        await asyncio.sleep(0.5)  # every BLPOP is blocked now
+        old = await asyncio.to_thread(redis_sentinel.kill_master)
+        assert await asyncio.to_thread(redis_sentinel.wait_promoted, old) != old
+        with redis.Redis(port=redis_sentinel.current_master()) as new_master:
+            for name, key in lists.items():
+                new_master.rpush(key, name)
+        await asyncio.gather(*popping)
+
+    try:
+        for client in (r, ops):
+            assert client.ping()
+        for client in async_clients.values():
+            assert loop.run_until_complete(client.ping())
+        threads = [threading.Thread(target=pop, args=item) for item in sync_clients.items()]
+        for thread in threads:
+            thread.start()
+        loop.run_until_complete(blocked_through_the_failover())
+        for thread in threads:
+            thread.join(timeout=40)
+        popped = {name: tuple(value) if isinstance(value, (list, tuple)) else value
+                  for name, value in got.items()}
+        assert popped == {name: (key.encode(), name.encode()) for name, key in lists.items()}
+    finally:
+        r.close()
+        ops.close()
+        for client in async_clients.values():
             loop.run_until_complete(client.aclose())
         loop.close()
 

@@ -264,7 +264,9 @@ def test_unknown_replies_are_dropped(redis_url: str, queue_name: str) -> None:
     run(main)
 
 
-def test_aclose_fails_pending_waiters(redis_url: str, queue_name: str) -> None:
+def test_aclose_fails_pending_waiters(redis_url: str, queue_name: str, r: redis.Redis) -> None:
+    """And a listener blocked on an empty key is cancelled (BLMOVE removes nothing): no
+    marker or anything else is left on the key."""
     async def main() -> None:
         client = AsyncClient(redis_url, queue_name, timeout_s=10)
         waiting = asyncio.ensure_future(client.infer("a"))
@@ -278,6 +280,7 @@ def test_aclose_fails_pending_waiters(redis_url: str, queue_name: str) -> None:
         assert time.monotonic() - started < 1
 
     run(main)
+    assert not r.keys(keys.reply(keys.QueueRef(queue_name), "*"))
 
 
 def test_listener_stops_when_nobody_waits(
@@ -293,3 +296,31 @@ def test_listener_stops_when_nobody_waits(
             assert (await client.infer("b")).embedding[0] == 1.0  # and restarts on demand
 
     run(main)
+
+
+def test_aclose_right_after_the_answers_leaves_no_reply_behind(
+    redis_url: str, queue_name: str, r: redis.Redis, worker: FakeWorker
+) -> None:
+    """Closing while the listener removes replies it delivered lets that removal finish.
+
+    The callers are answered the moment their replies are read; the
+    listener's ``LTRIM`` comes after. Slowed down here (a loaded machine or a
+    distant Redis), it is still in flight when ``async with`` ends, and a
+    close that cancelled it left answered replies on Redis until their TTL.
+    """
+    async def main() -> None:
+        async with AsyncClient(redis_url, queue_name, timeout_s=10) as client:
+            listening = client._listen_clients[client._reply_key]
+            trim = listening.ltrim
+
+            async def slow_trim(*args: object) -> object:
+                await asyncio.sleep(0.3)
+                return await trim(*args)
+
+            listening.ltrim = slow_trim
+            results = await asyncio.gather(*(client.infer(t) for t in ("a", "bb", "ccc")))
+            assert [res.embedding[0] for res in results] == [1.0, 2.0, 3.0]
+
+    run(main)
+    assert not r.keys(keys.reply(keys.QueueRef(queue_name), "*")), "answered replies were left"
+

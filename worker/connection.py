@@ -10,7 +10,8 @@ The URL (:mod:`tokenq.shared.redis_url`) may also name a Redis Cluster
 (``redis+cluster://``: an asyncio ``RedisCluster``, which follows MOVED/ASK
 and re-reads the topology itself, retrying ``retries`` times at cluster
 level) or a Sentinel-watched master (``redis+sentinel://``: a master client
-that asks the sentinels where the master is whenever it reconnects).
+that asks the sentinels where the master is whenever it reconnects, a
+reconnect inside a command's retries included: ``shared/sentinel_connection.py``).
 
 Commands are packed by hiredis's C packer when hiredis is installed (it is
 in the worker extra): redis-py's asyncio connection packs every argument in
@@ -27,17 +28,13 @@ import redis.asyncio as aioredis
 from redis._parsers import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import (
-    Sentinel,
-    SentinelConnectionPool,
-    SentinelManagedConnection,
-    SentinelManagedSSLConnection,
-)
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenq.shared.redis_url import RedisTarget, parse_redis_url
+from tokenq.shared.sentinel_connection import managed_connection
 from tokenq.shared.settings import WorkerSettings
 
 try:
@@ -159,8 +156,7 @@ class _PackedSentinelPool(SentinelConnectionPool):
     """A Sentinel master's pool whose managed connections pack in C."""
 
     def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
-        tls = kwargs.pop("ssl", False)
-        managed = SentinelManagedSSLConnection if tls else SentinelManagedConnection
+        managed = managed_connection(tls=kwargs.pop("ssl", False), asyncio=True)
         kwargs["connection_class"] = _with_packing(managed)
         super().__init__(service_name, sentinel_manager, **kwargs)
 

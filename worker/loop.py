@@ -477,11 +477,8 @@ class Worker:
             return False
         lane.last_reclaim = now
         assert lane.reclaimer is not None
-        claimed = await lane.reclaimer.scan(count)
-        # The safety net may hand back our own entries when we stalled past
-        # claim_idle_s; those we still hold must not be run (and answered) twice.
-        held = {job.ref for job in self._feed.held()}
-        claimed.entries = [entry for entry in claimed.entries if lane.ref(entry[0]) not in held]
+        # What we hold must not be run (and answered) twice: the scan claims none of it.
+        claimed = await lane.reclaimer.scan(count, set(self._held_by_lane().get(lane.index, ())))
         if not claimed.entries:
             return False
         self.stats.reclaimed += len(claimed.entries)
@@ -899,10 +896,14 @@ class Worker:
         await self._keep_claims_fresh(lane, held)
 
     def _held_by_lane(self) -> dict[int, list[bytes]]:
-        """The entry ids of every job the worker holds, by lane."""
+        """The entry ids the worker holds (read, not yet answered on Redis), by lane.
+
+        Buffered, on the device, and answered but waiting to be published
+        alike: each is pending to this worker until its answer is published.
+        """
         held: dict[int, list[bytes]] = {}
-        for job in self._feed.held():
-            lane, entry_id = split_ref(job.ref)
+        for ref in self._held_bytes:
+            lane, entry_id = split_ref(ref)
             held.setdefault(lane, []).append(entry_id)
         return held
 

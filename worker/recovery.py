@@ -9,10 +9,17 @@ meantime is left alone, and no lock is ever held):
 * **dead consumers** — a consumer whose liveness key expired (no heartbeat for
   three intervals) and whose entries have been idle as long: claimed within a
   few seconds of its death;
-* **the safety net** — any entry idle past ``claim_idle_s``, whoever holds it
-  (this worker included: an entry it read on a reply it never received is
-  pending to it, unknown to it), found with ``XPENDING … IDLE`` from a cursor
-  that walks the whole pending list over successive scans.
+* **forgotten entries** — this worker's own entries that it does not hold:
+  Redis delivered them but the worker never learnt it (an ``XREADGROUP`` or
+  ``XCLAIM`` whose reply was lost with its connection), or they came back
+  after the worker had answered them (a failover to a replica that had the
+  read but not the answer). Nobody else claims from a live worker, so the
+  worker takes them back itself once idle as long as a dead consumer's
+  (it refreshes everything it holds every heartbeat, so nothing it holds is
+  that idle), found with ``XPENDING … IDLE … <this consumer>``;
+* **the safety net** — any entry idle past ``claim_idle_s``, whoever holds it,
+  found with ``XPENDING … IDLE`` from a cursor that walks the whole pending
+  list over successive scans.
 
 ``XPENDING`` is used rather than ``XAUTOCLAIM`` because it reports each
 entry's delivery count before the claim, which decides dead-lettering.
@@ -27,6 +34,7 @@ row per live worker, not one per worker that ever ran.
 from __future__ import annotations
 
 import logging
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -69,16 +77,26 @@ class Reclaimer:
         self._claim_idle_ms = claim_idle_ms
         self._cursor = "-"
 
-    async def scan(self, limit: int) -> Claimed:
-        """Claim at most ``limit`` entries from dead consumers, then long-idle ones."""
+    async def scan(self, limit: int, held: Container[bytes]) -> Claimed:
+        """Claim at most ``limit`` entries: dead consumers', forgotten ones, then long-idle ones.
+
+        ``held`` is every entry id of this stream the worker holds (read and
+        not yet answered); none of them is claimed.
+        """
         claimed = Claimed()
         if limit <= 0:
             return claimed
-        candidates = await self._from_dead_consumers(limit)
+        # A dead consumer may hold what it once claimed from us while we were presumed dead.
+        candidates = [c for c in await self._from_dead_consumers(limit) if c[0] not in held]
         await self._claim(candidates, self._dead_after_ms, claimed)
         room = limit - len(claimed.entries)
         if room > 0:
-            await self._claim(await self._long_idle(room), self._claim_idle_ms, claimed)
+            forgotten = await self._forgotten(room, held)
+            await self._claim(forgotten, self._dead_after_ms, claimed)
+            room = limit - len(claimed.entries)
+        if room > 0:
+            long_idle = [c for c in await self._long_idle(room) if c[0] not in held]
+            await self._claim(long_idle, self._claim_idle_ms, claimed)
         return claimed
 
     async def own_deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
@@ -135,6 +153,19 @@ class Reclaimer:
                 break
         return candidates
 
+    async def _forgotten(self, limit: int, held: Container[bytes]) -> list[tuple[bytes, int]]:
+        """This consumer's entries idle as long as a dead consumer's that it does not hold."""
+        pending = await self._client.xpending_range(
+            self._stream, keys.GROUP, min="-", max="+", count=limit,
+            idle=self._dead_after_ms, consumername=self._consumer,
+        )
+        forgotten = [(p["message_id"], int(p["times_delivered"])) for p in pending
+                     if p["message_id"] not in held]
+        if forgotten:
+            log.warning("%d entries pending to this worker on %s were unknown to it (a lost "
+                        "read, or a failover); taking them again", len(forgotten), self._stream)
+        return forgotten
+
     async def _long_idle(self, limit: int) -> list[tuple[bytes, int]]:
         pending = await self._client.xpending_range(
             self._stream, keys.GROUP, min=self._cursor, max="+", count=limit,
@@ -144,10 +175,6 @@ class Reclaimer:
             self._cursor = "-"  # walked to the end; start over next scan
         else:
             self._cursor = "(" + _text(pending[-1]["message_id"])
-        # Our own entries count too: those we hold are refreshed every heartbeat,
-        # so one idle this long is one we do not know we have (an XREADGROUP or
-        # XCLAIM whose reply was lost to a dropped connection or a retried
-        # timeout). Nobody else would ever claim it from a live consumer.
         return [(p["message_id"], int(p["times_delivered"])) for p in pending]
 
     async def _claim(
