@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tokenq.shared.redis_text import as_text
+
 PREFIX = "dead_"
 """Every field a letter adds to the request's starts with this, and no other does."""
 
@@ -185,19 +187,15 @@ def parse_letter(
     request: dict[str, str | bytes] = {}
     dead: dict[str, str] = {}
     for raw_name, raw_value in fields.items():
-        name = _text(raw_name)
+        name = as_text(raw_name)
         if is_dead_field(name):
-            dead[name] = _text(raw_value)
+            dead[name] = as_text(raw_value)
             continue
         try:
             request[name] = raw_value.decode() if isinstance(raw_value, bytes) else raw_value
         except UnicodeDecodeError:
             request[name] = raw_value
-    return DeadLetter(_text(entry_id), request, dead)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return DeadLetter(as_text(entry_id), request, dead)
 
 
 def _int(value: str | None) -> int | None:

@@ -36,6 +36,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from tokenq.shared.redis_text import as_text
+
 _FLAGS = {"1": True, "0": False}
 
 
@@ -87,7 +89,7 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
     """The config from an HGETALL (bytes or text); None when the hash is missing (empty)."""
     if not raw:
         return None
-    text = {_text(k): _text(v) for k, v in raw.items()}
+    text = {as_text(k): as_text(v) for k, v in raw.items()}
     return QueueConfig(
         max_input_tokens=_int(text, "max_input_tokens", minimum=1),
         policy=text.get("policy", "").strip().lower() or None,
@@ -135,8 +137,6 @@ def _json(raw: str | None) -> object:
         return None
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def _int(fields: Mapping[str, str], name: str, *, minimum: int) -> int | None:

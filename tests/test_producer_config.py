@@ -330,11 +330,15 @@ def test_unreadable_config_is_a_warning_not_a_failure(
     queue_name: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    r.set(keys.config(keys.QueueRef(queue_name)), "not a hash")  # WRONGTYPE, like a NOPERM
-    with caplog.at_level(logging.WARNING, logger="tokenq.producer"):
-        connect().submit(LONG_TEXT)
-    assert xlen(r, queue_name) == 1
-    assert any("without early checks" in rec.getMessage() for rec in caplog.records)
+    config = keys.config(keys.QueueRef(queue_name))
+    r.set(config, "not a hash")  # WRONGTYPE, like a NOPERM
+    try:
+        with caplog.at_level(logging.WARNING, logger="tokenq.producer"):
+            connect().submit(LONG_TEXT)
+        assert xlen(r, queue_name) == 1
+        assert any("without early checks" in rec.getMessage() for rec in caplog.records)
+    finally:
+        r.delete(config)  # the session's Redis is shared: `tokenq stats` would find it
 
 
 # ------------------------------------------------------------------ pairs

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from tokenq.shared import keys
 from tokenq.shared.depth import Depth, depth, total
+from tokenq.shared.redis_text import as_text
 
 
 async def measure(client: aioredis.Redis, streams: list[str]) -> Depth:
@@ -28,11 +29,7 @@ async def _measure_one(client: aioredis.Redis, stream: str) -> Depth:
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)
         length, groups = await pipe.execute()
-    group = next((g for g in groups if _text(g.get("name")) == keys.GROUP), None)
+    group = next((g for g in groups if as_text(g.get("name")) == keys.GROUP), None)
     pending = int(group.get("pending") or 0) if group else 0
     return depth(int(length), pending, group_exists=group is not None,
                  reported_lag=group.get("lag") if group else None)
-
-
-def _text(value: object) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

@@ -40,13 +40,10 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from tokenq.shared import keys
+from tokenq.shared.redis_text import as_text
 from tokenq.worker import presence
 
 log = logging.getLogger("tokenq.worker")
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 @dataclass(slots=True)
@@ -124,15 +121,15 @@ class Reclaimer:
         Redis) or the consumer was removed by hand.
         """
         rows = await self._client.hkeys(keys.workers(self._queue))
-        for name in {_text(row) for row in rows} - members - {self._consumer}:
+        for name in {as_text(row) for row in rows} - members - {self._consumer}:
             await presence.drop_consumer(self._client, self._queue, name)
 
     async def _from_dead_consumers(self, limit: int) -> list[tuple[bytes, int]]:
         candidates: list[tuple[bytes, int]] = []
         consumers = await self._client.xinfo_consumers(self._stream, keys.GROUP)
-        await self._prune_heartbeats({_text(info["name"]) for info in consumers})
+        await self._prune_heartbeats({as_text(info["name"]) for info in consumers})
         for info in consumers:
-            name = _text(info["name"])
+            name = as_text(info["name"])
             if name == self._consumer:
                 continue
             if await self._client.exists(keys.worker_alive(self._queue, name)):
@@ -174,7 +171,7 @@ class Reclaimer:
         if len(pending) < limit:
             self._cursor = "-"  # walked to the end; start over next scan
         else:
-            self._cursor = "(" + _text(pending[-1]["message_id"])
+            self._cursor = "(" + as_text(pending[-1]["message_id"])
         return [(p["message_id"], int(p["times_delivered"])) for p in pending]
 
     async def _claim(

@@ -34,6 +34,7 @@ from tokenq.shared.depth import Depth, depth, total
 from tokenq.shared.errors import DecodeError
 from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat
 from tokenq.shared.queue_config import parse_config
+from tokenq.shared.redis_text import as_text
 
 SNAPSHOT_VERSION = 1
 
@@ -105,7 +106,7 @@ def wrong_type_keys(r: redis.Redis, queues: Iterable[keys.QueueRef]) -> list[str
     with r.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.type(name)
-        found = [_text(kind) for kind in pipe.execute()]
+        found = [as_text(kind) for kind in pipe.execute()]
     return [f"{name} is a {kind}, not a {expected[name]}"
             for name, kind in zip(names, found, strict=True)
             if kind not in ("none", expected[name])]
@@ -270,7 +271,7 @@ def _group_info(r: redis.Redis, stream: str) -> dict[str, Any] | None:
             return None
         raise  # WRONGTYPE, NOPERM: the operator must hear of it
     for group in groups:
-        if _text(group.get("name")) == keys.GROUP:
+        if as_text(group.get("name")) == keys.GROUP:
             return group
     return None
 
@@ -289,7 +290,7 @@ def _pending(r: redis.Redis, stream: str, has_group: bool, now: float) -> tuple[
 
 def entry_ms(entry_id: bytes | str) -> int:
     """The Unix-ms timestamp a stream entry id starts with."""
-    return int(_text(entry_id).split("-", 1)[0])
+    return int(as_text(entry_id).split("-", 1)[0])
 
 
 def _consumers(r: redis.Redis, stream: str) -> list[dict[str, Any]]:
@@ -297,7 +298,7 @@ def _consumers(r: redis.Redis, stream: str) -> list[dict[str, Any]]:
     for consumer in r.xinfo_consumers(stream, keys.GROUP):
         inactive = consumer.get("inactive")
         out.append({
-            "name": _text(consumer.get("name")),
+            "name": as_text(consumer.get("name")),
             "pending": int(consumer.get("pending") or 0),
             "idle_ms": int(consumer.get("idle") or 0),
             "inactive_ms": None if inactive is None else int(inactive),
@@ -316,7 +317,7 @@ def _workers(
     name in ``stale_workers``, as is a row that cannot be decoded.
     """
     beats = r.hgetall(keys.workers(q))
-    names = sorted(_text(name) for name in beats)
+    names = sorted(as_text(name) for name in beats)
     if not names:
         return [], []
     alive = live_names(r, q, names)
@@ -419,7 +420,7 @@ def heartbeat_counters(r: redis.Redis, q: keys.QueueRef) -> dict[str, dict[str, 
             continue
         counters = {field: float(getattr(beat, field)) for field in _COUNTERS}
         counters["at"] = beat.at or 0.0
-        out[_text(name)] = counters
+        out[as_text(name)] = counters
     return out
 
 
@@ -440,12 +441,6 @@ def counter_delta(
     padded = total["padded_tokens"]
     total["padding_efficiency"] = round(total["tokens"] / padded, 4) if padded else 1.0
     return total
-
-
-def _text(value: object) -> str:
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    return "" if value is None else str(value)
 
 
 class Unreachable(CommandFailed):
