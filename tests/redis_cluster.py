@@ -369,7 +369,8 @@ class LocalCluster(_Group):
     def wait_ok(self, timeout_s: float = 30.0) -> None:
         """Wait until the cluster is whole: every live node says ``cluster_state:ok``
         with all slots ok, all agree which live master serves each slot, none
-        sees a live node as failed, and every live replica's link is up."""
+        sees a live node as failed, every live replica's link is up, and every
+        live master serves slots (a restarted master has become a replica)."""
         _wait(self._problems, timeout_s, "cluster ok")
 
     def _problems(self) -> None:
@@ -389,10 +390,17 @@ class LocalCluster(_Group):
             if failed := [n.port for n in view if n.port in live and n.failed]:
                 raise NotYet(f"{port} sees live {failed} as failed")
             layouts.add(frozenset(served))
-            if "slave" in next(n.flags for n in view if "myself" in n.flags):
+            me = next(n for n in view if "myself" in n.flags)
+            if "slave" in me.flags:
                 link = _ask(port, "INFO", "replication").get("master_link_status")
                 if link != "up":
                     raise NotYet(f"replica {port}: link {link}")
+            elif not me.slots:
+                # A restarted old master rejoins as a master whose slots were taken; it
+                # becomes a replica only once it hears of the new owner's epoch.
+                raise NotYet(f"{port} is a master with no slots, not yet a replica")
+            else:
+                _replicas_online(port, view, me, live)
         if len(layouts) > 1:
             raise NotYet("nodes disagree on the slot layout")
 
@@ -440,6 +448,23 @@ class LocalCluster(_Group):
                  (i + 1) * SLOTS // masters - 1)
         for i, port in enumerate(self.ports[masters:]):
             _ask(port, "CLUSTER", "REPLICATE", ids[self.ports[i % masters]])
+
+
+def _replicas_online(port: int, view: list[ClusterNode], me: ClusterNode,
+                     live: list[int]) -> None:
+    """The master on ``port`` counts each live replica of its own as online, as ``WAIT`` does.
+
+    A replica reports its link up when its sync is done; its master counts it
+    for ``WAIT`` only once it is online there, a moment later.
+    """
+    expected = sorted(n.port for n in view if n.master_id == me.node_id and n.port in live
+                      and not n.failed)
+    info = _ask(port, "INFO", "replication")
+    online = sorted(int(value["port"]) for name, value in info.items()
+                    if name.startswith("slave") and isinstance(value, dict)
+                    and value.get("state") == "online")
+    if online != expected:
+        raise NotYet(f"master {port}: replicas online {online}, expected {expected}")
 
 
 def _redis_cli() -> str | None:

@@ -352,8 +352,9 @@ def test_a_durable_enqueue_follows_its_slot_to_the_promoted_replica(
     the old node is back as its replica, durable enqueues are accepted again."""
     cluster = redis_cluster
     queue = f"follow{uuid.uuid4().hex[:6]}"
-    settings = ClientSettings(redis_url=cluster.url, queue=queue, timeout_s=5,
-                              durable_replicas=1, durable_timeout_ms=500)
+    # A replica that has just rejoined can take ~0.9 s to confirm its first WAIT.
+    settings = ClientSettings(redis_url=cluster.url, queue=queue, timeout_s=10,
+                              durable_replicas=1, durable_timeout_ms=3000)
     doomed = cluster.master_for_key(keys.requests(keys.QueueRef(queue)))
     sync_client = Client(settings=settings)
     loop = asyncio.new_event_loop()

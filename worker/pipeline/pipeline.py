@@ -273,8 +273,10 @@ class Pipeline(Generic[K]):
         self, items: Sequence[tuple[Admit[K], RequestOptions]], out: Admitted[K]
     ) -> None:
         """Tokenize in one call per truncation length (one call unless requests differ)."""
-        cut = [entry for entry in items if self._truncates(entry[1])]
-        whole = [entry for entry in items if not self._truncates(entry[1])]
+        cut: list[tuple[Admit[K], RequestOptions]] = []
+        whole: list[tuple[Admit[K], RequestOptions]] = []
+        for entry in items:
+            (cut if self._truncates(entry[1]) else whole).append(entry)
         if cut:
             self._tokenize_with(cut, self.info.max_input_tokens, out)
         if whole:
