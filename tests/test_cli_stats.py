@@ -223,3 +223,43 @@ def test_heartbeat_rows_without_a_liveness_key_are_gone_not_workers(
     assert top_main(["--redis-url", redis_url, "--queue", queue_name, "--once"]) == 0
     frame = capsys.readouterr().out
     assert "workers 1 (3 gone)" in frame and "ghost" in frame
+
+
+def test_a_queue_redis_will_not_read_is_named_and_hides_no_other(redis_url, r, queue_name,
+                                                                 capsys):
+    """A stray key under tokenq's prefix (another program's) makes one queue unreadable:
+    stats and top show every other queue, name that one's key on stderr, and exit 1."""
+    prefix = f"p{queue_name}"  # discovery sees only this test's queues
+    good, bad = QueueRef(queue_name, prefix), QueueRef(queue_name + "b", prefix)
+    for q in (good, bad):
+        r.xadd(keys.requests(q), {"v": "1", "id": "a", "text": "b"})
+    r.set(keys.config(bad), "not a hash")
+    base = ["--redis-url", redis_url, "--prefix", prefix]
+    named = f"queue {bad.name}: "
+    try:
+        assert stats_main([*base, "--json"]) == 1
+        out, err = capsys.readouterr()
+        doc = json.loads(out)
+        assert [q["label"] for q in doc["queues"]] == [good.name]
+        (unreadable,) = doc["unreadable"]
+        assert unreadable["label"] == bad.name and keys.config(bad) in unreadable["error"]
+        assert err.startswith(f"tokenq stats: {named}") and keys.config(bad) in err
+
+        assert stats_main(base) == 1
+        out, err = capsys.readouterr()
+        assert f"queue {good.name}:" in out and bad.name not in out
+        assert keys.config(bad) in err
+
+        assert top_main([*base, "--once"]) == 1  # not a terminal: one frame
+        out, err = capsys.readouterr()
+        assert f"queue {good.name}" in out
+        assert err.startswith(f"tokenq top: {named}") and keys.config(bad) in err
+
+        assert top_main([*base, "--json", "--once"]) == 1
+        out, err = capsys.readouterr()
+        line = json.loads(out)
+        assert [q["label"] for q in line["unreadable"]] == [bad.name]
+        assert [q["label"] for q in line["queues"]] == [good.name]
+        assert keys.config(bad) in err
+    finally:
+        r.delete(keys.config(bad), keys.requests(good), keys.requests(bad))

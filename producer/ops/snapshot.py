@@ -173,19 +173,43 @@ def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str 
 
     Ages (oldest pending entry, heartbeat age) and ``at`` are on Redis's
     clock (``TIME``), never the operator's: see :func:`redis_now`.
+
+    A queue (lane) that Redis refuses to read — a key of the wrong type,
+    written by another program under tokenq's prefix, or an ACL that denies
+    its keys — is listed under ``unreadable`` with the operator's message
+    naming the key, and every other queue is still shown: one stray key
+    must not hide the whole deployment. A Redis that cannot be reached at
+    all still fails the whole command.
     """
     now = redis_now(r)
-    rows = [queue_stats(r, q, now) for q in queues]
+    rows: list[dict[str, Any]] = []
+    unreadable: list[dict[str, Any]] = []
+    for q in queues:
+        try:
+            rows.append(queue_stats(r, q, now))
+        except redis.ResponseError as exc:
+            if not (is_wrong_type(exc) or isinstance(exc, redis.NoPermissionError)):
+                raise  # Redis's own state (loading, busy): the whole command's failure
+            unreadable.append({"queue": q.name, "shard": q.shard, "label": queue_label(q),
+                               "error": str(explain(exc, r, [q], redis_url))})
     doc = {
         "version": SNAPSHOT_VERSION,
         "at": round(now, 3),
         "redis_url": redact_url(redis_url) if redis_url else "",
         "queues": rows,
     }
+    # Each left out when empty, so a plain snapshot reads as it always did.
     sharded = queue_totals(rows)
-    if sharded:  # left out otherwise, so an unsharded snapshot reads as it always did
+    if sharded:
         doc["totals"] = sharded
+    if unreadable:
+        doc["unreadable"] = unreadable
     return doc
+
+
+def unreadable_lines(doc: dict[str, Any]) -> list[str]:
+    """One line per queue of the snapshot that Redis refused to read (its key named)."""
+    return [f"queue {q['label']}: {q['error']}" for q in doc.get("unreadable", [])]
 
 
 def queue_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

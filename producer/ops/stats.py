@@ -3,7 +3,8 @@
 The numbers come from :mod:`tokenq.producer.ops.snapshot`; this module only
 prints them, as aligned text or (``--json``) the stable document described
 in docs/OPERATIONS.md. A sharded queue is a block per lane, then one that
-sums them (:func:`in_display_order`).
+sums them (:func:`in_display_order`). A queue Redis refuses to read is named
+on stderr, after the others are shown, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -13,8 +14,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tokenq.producer.ops.snapshot import Unreachable, connect, read_snapshot
-from tokenq.shared.cli import run_command
+from tokenq.producer.ops.snapshot import (
+    Unreachable,
+    connect,
+    read_snapshot,
+    unreadable_lines,
+)
+from tokenq.shared.cli import EXIT_FAILED, run_command
 from tokenq.shared.settings import StatsSettings
 
 
@@ -34,9 +40,11 @@ def stats(settings: StatsSettings) -> int:
         r.close()
     if settings.as_json:
         print(json.dumps(doc, indent=2, sort_keys=True))
-    else:
+    elif doc["queues"] or not doc.get("unreadable"):
         print(render_text(doc))
-    return 0
+    for line in unreadable_lines(doc):  # the rest was shown; the command still fails
+        print(f"tokenq stats: {line}", file=sys.stderr)
+    return EXIT_FAILED if doc.get("unreadable") else 0
 
 
 def render_text(doc: dict[str, Any]) -> str:

@@ -24,7 +24,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tokenq.producer.ops.snapshot import Unreachable, connect, read_snapshot
+from tokenq.producer.ops.snapshot import (
+    Unreachable,
+    connect,
+    read_snapshot,
+    unreadable_lines,
+)
 from tokenq.producer.ops.stats import (
     WORKER_COLUMNS,
     backlog,
@@ -32,7 +37,7 @@ from tokenq.producer.ops.stats import (
     in_display_order,
     worker_row,
 )
-from tokenq.shared.cli import run_command, silence_stdout
+from tokenq.shared.cli import EXIT_FAILED, run_command, silence_stdout
 from tokenq.shared.settings import TopSettings
 
 Rates = dict[tuple[str, str], tuple[float, float]]
@@ -55,6 +60,10 @@ def top(settings: TopSettings) -> int:
         if settings.as_json:
             return _json_lines(settings, snapshot)
         return _table(settings, snapshot)
+    except Unreadable as exc:  # a single frame showed the rest; its refusals end it
+        for line in exc.lines:
+            print(f"tokenq top: {line}", file=sys.stderr)
+        return EXIT_FAILED
     except Unreachable as exc:
         print(f"tokenq top: {exc}", file=sys.stderr)
         return 1
@@ -72,6 +81,7 @@ def _json_lines(settings: TopSettings,
             doc, rates = snapshot()
             print(json.dumps(with_rates(doc, rates), sort_keys=True), flush=True)
             if settings.once:
+                _raise_unreadable(doc)
                 return 0
             time.sleep(settings.interval_s)
     except BrokenPipeError:
@@ -92,7 +102,8 @@ def _table(settings: TopSettings, snapshot: Callable[[], tuple[dict[str, Any], R
     console = Console(width=None if terminal else 160)
     doc, rates = snapshot()
     if settings.once or not terminal:
-        console.print(render(doc, rates))
+        console.print(render(doc, rates, with_unreadable=False))
+        _raise_unreadable(doc)
         return 0
     with Live(render(doc, rates), console=console, auto_refresh=False) as live:
         while True:
@@ -142,15 +153,34 @@ def with_rates(doc: dict[str, Any], rates: Rates) -> dict[str, Any]:
     return {**doc, "queues": queues}
 
 
-def render(doc: dict[str, Any], rates: Rates) -> Any:
-    """One frame: a table per queue (per lane), and a line summing each sharded queue."""
+class Unreadable(Exception):
+    """A one-frame ``top`` found queues Redis refused to read (after showing the rest)."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("; ".join(lines))
+        self.lines = lines
+
+
+def _raise_unreadable(doc: dict[str, Any]) -> None:
+    if doc.get("unreadable"):
+        raise Unreadable(unreadable_lines(doc))
+
+
+def render(doc: dict[str, Any], rates: Rates, *, with_unreadable: bool = True) -> Any:
+    """One frame: a table per queue (per lane), and a line summing each sharded queue.
+
+    The live view shows the queues Redis refused to read in the frame
+    itself; a single frame leaves them to stderr (``with_unreadable=False``).
+    """
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     stamp = time.strftime("%H:%M:%S", time.localtime(doc["at"]))
     parts: list[Any] = [Text(f"tokenq top  {doc['redis_url']}  {stamp}", style="bold")]
-    if not doc["queues"]:
+    if with_unreadable:
+        parts += [Text(line, style="bold red") for line in unreadable_lines(doc)]
+    if not doc["queues"] and not doc.get("unreadable"):
         parts.append(Text("no tokenq queues found"))
     for whole, q in in_display_order(doc):
         head = f"queue {q['label']}  {backlog(q)}"
