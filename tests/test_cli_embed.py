@@ -492,3 +492,41 @@ def test_an_interruption_keeps_what_finished_among_cancelled_and_failed_groups()
     cancelled.cancel()
     running.set_running_or_notify_cancel()
     assert answered([done, failed, cancelled, running]) == [done]
+
+
+INTERRUPT_WHILE_OPENING = """
+import os, signal, sys
+from tokenq.producer.ops import embed_io
+from tokenq.shared.cli import main
+
+opened = embed_io.Checkpoint.open
+
+def open_then_ctrl_c(self, *args, **kwargs):
+    done = opened(self, *args, **kwargs)  # the directory exists now
+    os.kill(os.getpid(), signal.SIGINT)
+    return done
+
+embed_io.Checkpoint.open = open_then_ctrl_c
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_ctrl_c_while_the_checkpoint_opens_still_says_how_to_resume(
+    redis_url, queue_name, tmp_path, worker_env
+):
+    """The checkpoint directory appears before the run's own Ctrl-C handling starts; a
+    signal landing in between got the dispatcher's bare "interrupted", with no word of the
+    saved progress (seen in CI). It is held until the checkpoint is open, then answered."""
+    source = tmp_path / "in.txt"
+    source.write_text("one\ntwo\n")
+    out = tmp_path / "out.jsonl"
+    process = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_WHILE_OPENING, "embed", str(source), "--output",
+         str(out), "--no-progress"],
+        env={**worker_env, "TOKENQ_QUEUE": queue_name}, stderr=subprocess.PIPE, text=True,
+        timeout=60,
+    )
+    assert process.returncode == 130, process.stderr
+    assert "run the same command again to resume" in process.stderr, process.stderr
+    assert "Traceback" not in process.stderr
+    assert (tmp_path / "out.jsonl.partial").is_dir() and not out.exists()

@@ -846,6 +846,10 @@ def test_entries_read_on_a_lost_reply_are_recovered_even_with_one_worker(fleet, 
     q = keys.QueueRef(queue_name)
     stream = keys.requests(q)
     worker = fleet.start("--claim-idle-s", "3600", name="solo", ready=r, queue=queue_name)
+    # Answered once first, so the worker is past the history read it makes at start (which
+    # would take the orphan as its own, legitimately, and prove nothing of the rule).
+    r.xadd(stream, {"v": "1", "id": "first", "text": "the worker is reading"})
+    assert blpop_within(r, keys.reply(q, "first"), 30) is not None, worker.output()
     with r.pipeline(transaction=True) as pipe:  # one MULTI: the worker's own blocked read
         pipe.xadd(stream, {"v": "1", "id": "orphan", "text": "read but never seen"})
         pipe.xreadgroup(keys.GROUP, worker.name, {stream: ">"}, count=1)  # cannot get it

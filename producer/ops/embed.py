@@ -144,21 +144,24 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
         "queue": settings.queue, "prefix": settings.prefix,
     }
     checkpoint = Checkpoint(settings.output, manifest)
-    try:
-        done = checkpoint.open(restart=settings.restart)
-    except ResumeMismatch as exc:
-        print(f"tokenq embed: {exc}", file=sys.stderr)
-        return 2
-    saved = checkpoint.partial_rows(done)
-    if done or saved:
-        rows = sum(len(rows) for rows in saved.values())
-        print(f"tokenq embed: resuming: {plural(len(done), 'chunk')} of "
-              f"{settings.chunk_size} and {plural(rows, 'more input')} already done in "
-              f"{checkpoint.directory}", file=sys.stderr)
+    run = _Run(settings, checkpoint)
+    # From the moment the checkpoint exists, a Ctrl-C is this function's to answer (with
+    # the resume hint): one landing while it opens is held until it is open.
     signals = _Signals()
     signals.install()
-    run = _Run(settings, checkpoint)
     try:
+        with signals.held():
+            try:
+                done = checkpoint.open(restart=settings.restart)
+            except ResumeMismatch as exc:
+                print(f"tokenq embed: {exc}", file=sys.stderr)
+                return 2
+        saved = checkpoint.partial_rows(done)
+        if done or saved:
+            rows = sum(len(rows) for rows in saved.values())
+            print(f"tokenq embed: resuming: {plural(len(done), 'chunk')} of "
+                  f"{settings.chunk_size} and {plural(rows, 'more input')} already done in "
+                  f"{checkpoint.directory}", file=sys.stderr)
         with Client(settings=settings) as client:
             return run.run(client, ops, q, before, done, saved, fmt, signals)
     except (BrokerUnavailable, redis.RedisError) as exc:
@@ -169,7 +172,7 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
         print(f"tokenq embed: {message}; {run.resume_hint()}", file=sys.stderr)
         return _exit(1)
     except StoppedEarly as exc:
-        if not done and not saved:
+        if not done and not saved:  # both set before anything could stop early
             checkpoint.discard()  # nothing of value: the corrected command starts afresh
         print(f"tokenq embed: {exc}", file=sys.stderr)
         return _exit(1)
