@@ -137,8 +137,6 @@ def _json(raw: str | None) -> object:
         return None
 
 
-
-
 def _int(fields: Mapping[str, str], name: str, *, minimum: int) -> int | None:
     try:
         value = int(fields.get(name, ""))

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import redis
 
+from tests.cli_support import wait_for
 from tests.redis_cluster import (  # noqa: F401
     LocalCluster,
     LocalSentinel,
@@ -228,13 +229,6 @@ def replica_pending(port: int, stream: str) -> int:
     with redis.Redis(port=port, socket_timeout=2, single_connection_client=True) as replica:
         replica.execute_command("READONLY")
         return int(replica.xpending(stream, keys.GROUP)["pending"])
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ of its own; the document's ``totals`` adds one aggregate per sharded queue
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -23,6 +24,7 @@ import redis
 from tokenq.producer.connection import sync_client_for
 from tokenq.shared import keys
 from tokenq.shared.cli import (
+    EXIT_FAILED,
     CommandFailed,
     UsageError,
     failure_message,
@@ -210,6 +212,15 @@ def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str 
 def unreadable_lines(doc: dict[str, Any]) -> list[str]:
     """One line per queue of the snapshot that Redis refused to read (its key named)."""
     return [f"queue {q['label']}: {q['error']}" for q in doc.get("unreadable", [])]
+
+
+def report_unreadable(prog: str, doc: dict[str, Any]) -> int:
+    """After the readable queues were shown: name each unreadable one on stderr; the
+    command's status (1 if there was any, else 0)."""
+    lines = unreadable_lines(doc)
+    for line in lines:
+        print(f"{prog}: {line}", file=sys.stderr)
+    return EXIT_FAILED if lines else 0
 
 
 def queue_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -18,9 +18,9 @@ from tokenq.producer.ops.snapshot import (
     Unreachable,
     connect,
     read_snapshot,
-    unreadable_lines,
+    report_unreadable,
 )
-from tokenq.shared.cli import EXIT_FAILED, run_command
+from tokenq.shared.cli import run_command
 from tokenq.shared.settings import StatsSettings
 
 
@@ -42,9 +42,7 @@ def stats(settings: StatsSettings) -> int:
         print(json.dumps(doc, indent=2, sort_keys=True))
     elif doc["queues"] or not doc.get("unreadable"):
         print(render_text(doc))
-    for line in unreadable_lines(doc):  # the rest was shown; the command still fails
-        print(f"tokenq stats: {line}", file=sys.stderr)
-    return EXIT_FAILED if doc.get("unreadable") else 0
+    return report_unreadable("tokenq stats", doc)
 
 
 def render_text(doc: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ from tokenq.producer.ops.snapshot import (
     Unreachable,
     connect,
     read_snapshot,
+    report_unreadable,
     unreadable_lines,
 )
 from tokenq.producer.ops.stats import (
@@ -37,7 +38,7 @@ from tokenq.producer.ops.stats import (
     in_display_order,
     worker_row,
 )
-from tokenq.shared.cli import EXIT_FAILED, run_command, silence_stdout
+from tokenq.shared.cli import run_command, silence_stdout
 from tokenq.shared.settings import TopSettings
 
 Rates = dict[tuple[str, str], tuple[float, float]]
@@ -60,10 +61,6 @@ def top(settings: TopSettings) -> int:
         if settings.as_json:
             return _json_lines(settings, snapshot)
         return _table(settings, snapshot)
-    except Unreadable as exc:  # a single frame showed the rest; its refusals end it
-        for line in exc.lines:
-            print(f"tokenq top: {line}", file=sys.stderr)
-        return EXIT_FAILED
     except Unreachable as exc:
         print(f"tokenq top: {exc}", file=sys.stderr)
         return 1
@@ -81,8 +78,7 @@ def _json_lines(settings: TopSettings,
             doc, rates = snapshot()
             print(json.dumps(with_rates(doc, rates), sort_keys=True), flush=True)
             if settings.once:
-                _raise_unreadable(doc)
-                return 0
+                return report_unreadable("tokenq top", doc)
             time.sleep(settings.interval_s)
     except BrokenPipeError:
         silence_stdout()
@@ -103,8 +99,7 @@ def _table(settings: TopSettings, snapshot: Callable[[], tuple[dict[str, Any], R
     doc, rates = snapshot()
     if settings.once or not terminal:
         console.print(render(doc, rates, with_unreadable=False))
-        _raise_unreadable(doc)
-        return 0
+        return report_unreadable("tokenq top", doc)
     with Live(render(doc, rates), console=console, auto_refresh=False) as live:
         while True:
             time.sleep(settings.interval_s)
@@ -151,19 +146,6 @@ def with_rates(doc: dict[str, Any], rates: Rates) -> dict[str, Any]:
             })
         queues.append({**q, "workers": workers})
     return {**doc, "queues": queues}
-
-
-class Unreadable(Exception):
-    """A one-frame ``top`` found queues Redis refused to read (after showing the rest)."""
-
-    def __init__(self, lines: list[str]) -> None:
-        super().__init__("; ".join(lines))
-        self.lines = lines
-
-
-def _raise_unreadable(doc: dict[str, Any]) -> None:
-    if doc.get("unreadable"):
-        raise Unreadable(unreadable_lines(doc))
 
 
 def render(doc: dict[str, Any], rates: Rates, *, with_unreadable: bool = True) -> Any:
