@@ -25,6 +25,7 @@ from tokenq.producer.estimate import estimate_tokens
 from tokenq.producer.tokenizer import TokenizerEstimator
 from tokenq.shared.errors import (
     BadRequest,
+    BrokerOutOfMemory,
     BrokerUnavailable,
     ConfigError,
     DeadlineExceeded,
@@ -38,6 +39,7 @@ __all__ = [
     "HEURISTIC_MARGIN",
     "AsyncClient",
     "BadRequest",
+    "BrokerOutOfMemory",
     "BrokerUnavailable",
     "Client",
     "ConfigError",

@@ -52,6 +52,7 @@ from tokenq.producer.core import (
 )
 from tokenq.producer.options import RequestOptions, SubmitOptions
 from tokenq.producer.tokenizer import TokenizerEstimator, load_estimator
+from tokenq.shared import functions
 from tokenq.shared.errors import TokenqError
 
 if TYPE_CHECKING:
@@ -107,9 +108,7 @@ class AsyncClient(ProducerBase):
         """Keys whose listener is removing replies it has delivered (aclose lets it finish)."""
         self._node_clients: dict[str, Any] = {}
         """Plain clients of Cluster nodes, for what must run on one connection (durable)."""
-        self._scripts = {
-            name: self._redis.register_script(source) for name, source in calls.SCRIPTS.items()
-        }
+        self._scripts = {name: functions.AsyncFunction(self._redis, name) for name in calls.SCRIPTS}
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
         self._unreachable: BaseException | None = None
         self._closing = False
@@ -285,11 +284,15 @@ class AsyncClient(ProducerBase):
             async with node.pipeline(transaction=False) as pipe:
                 await self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
                 pipe.execute_command("WAIT", replicas, timeout_ms)
-                written, confirmed = await pipe.execute()
+                with connection.slow_reply(timeout_ms / 1000):  # WAIT's own time
+                    written, confirmed = await pipe.execute()
             return written, int(confirmed)
 
+        enqueue = self._scripts[calls.ENQUEUE]  # on a node without tokenq's functions: load, again
         return await nodes.async_run_pinned(
-            self._redis, keys[0], enqueue_and_wait, self._node_clients
+            self._redis, keys[0],
+            lambda node: enqueue.guarded(node, lambda: enqueue_and_wait(node)),
+            self._node_clients,
         )
 
     async def _perform(self, step: calls.Step) -> Any:

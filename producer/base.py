@@ -19,7 +19,8 @@ class ProducerBase:
 
     _redis: Any
     _scripts: dict[str, Any]
-    """The Lua scripts a :class:`Send` may name (:data:`~tokenq.producer.core.SCRIPTS`)."""
+    """The functions a :class:`Send` may name (:data:`~tokenq.producer.calls.SCRIPTS`):
+    :class:`tokenq.shared.functions.Function` or its asyncio twin."""
 
     def __init__(
         self,
@@ -48,7 +49,7 @@ class ProducerBase:
         self._connect(max_connections)
 
     def _connect(self, max_connections: int | None) -> None:
-        """Make the Redis client(s) and load the enqueue script; connections open lazily."""
+        """Make the Redis client(s) and the functions they call; connections open lazily."""
         raise NotImplementedError
 
     def _command(self, name: str) -> Callable[..., Any]:
@@ -64,6 +65,13 @@ class ProducerBase:
     ) -> Any:
         """The enqueue script and ``WAIT`` in one pipeline, so both run on one connection."""
         raise NotImplementedError
+
+    @property
+    def unreplicated(self) -> int:
+        """How many requests this client's durable enqueues wrote that too few replicas
+        confirmed in time (``durable_replicas``): raised as NotReplicated by the submits,
+        logged by ``infer`` and ``infer_many``, which wait for the replies as usual."""
+        return self._core.unconfirmed_requests.count
 
     @property
     def queue(self) -> str:

@@ -51,7 +51,9 @@ from tokenq.producer.core import (
     backoff_s,
 )
 from tokenq.producer.options import RequestOptions, SubmitOptions, refuse_unknown
+from tokenq.producer.shards import ShardRetired, is_retired
 from tokenq.shared import keys
+from tokenq.shared.errors import BrokerUnavailable
 
 T = TypeVar("T")
 
@@ -66,8 +68,15 @@ DURABLE_ENQUEUE = "durable_enqueue"
 replicas timeout_ms``, pipelined on one connection (WAIT counts only the writes of the
 connection it runs on). Answer: the script's reply and how many replicas confirmed."""
 
-SCRIPTS = {ENQUEUE: ENQUEUE_SCRIPT, PEEK: PEEK_SCRIPT}
-"""Every script a :class:`Send` may name, by name: what each client registers."""
+ENQUEUE_SEEN = "enqueue_seen"
+"""The :class:`Send` command name of the enqueue script as a read-only function: it answers
+a batch written before (every entry seen) and refuses one with anything new, even when
+Redis is at ``maxmemory`` and refuses the enqueue function itself (:func:`_written_before`)."""
+
+SCRIPTS = {ENQUEUE: ENQUEUE_SCRIPT, PEEK: PEEK_SCRIPT, ENQUEUE_SEEN: ENQUEUE_SCRIPT}
+"""Every script a :class:`Send` may name, by name (its short name in
+:data:`tokenq.shared.lua.SCRIPTS`): each client calls it as a function of tokenq's
+library, ``FCALL`` (:mod:`tokenq.shared.functions`; ``EVALSHA`` before Redis 7)."""
 
 log = logging.getLogger("tokenq.producer")
 
@@ -280,15 +289,54 @@ def choose_shard(
     return core.lane(core.chooser.pick(count))
 
 
-def enqueue(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> Call[None]:
-    """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit."""
+def on_current_shard(
+    core: ClientCore, deadline: Deadline, write: Callable[[ClientCore], Call[T]],
+    reply_to: object = None,
+) -> Call[T]:
+    """``write`` through the shard :func:`choose_shard` picks; on another if that one is retired.
+
+    A client holding a stale shard count (up to ``config_ttl_s``) may pick a
+    shard the workers retired; enqueue.lua refuses it with nothing written
+    (:mod:`tokenq.producer.shards`). The call reads the config again and
+    chooses among the shards it names now, so the caller sees nothing of it.
+    Only a count that still includes the refused shard (a ``shards`` setting,
+    a config it may not read) reaches the caller, as :class:`ShardRetired`.
+    Each retry chooses below the refused shard, so this ends.
+    """
+    while True:
+        lane = yield from choose_shard(core, deadline, reply_to)
+        try:
+            return (yield from write(lane))
+        except ShardRetired as retired:
+            yield from read_config(core, deadline, strict=False)
+            count = core.shards()
+            if count > 1 and retired.shard < count:  # a count of 1 is the plain {q} alone
+                raise
+            log.info("shard %d of queue %r is retired; choosing again among %d shards",
+                     retired.shard, core.queue.name, count)
+
+
+def enqueue(
+    core: ClientCore, batch: Sequence[Prepared], deadline: Deadline, *, awaited: bool = False
+) -> Call[None]:
+    """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit.
+
+    A durable enqueue too few replicas confirmed raises NotReplicated, unless
+    ``awaited``: the call waits for the replies itself (``infer``,
+    ``infer_many``), so it goes on waiting as usual, and the miss is counted
+    and logged (:meth:`ClientCore.unconfirmed`). The requests are queued and
+    will be answered; an error would only invite a retry that runs them twice
+    (docs/DECISIONS.md, "Durable enqueue tells the truth").
+    """
     if not batch:
         return
-    yield from _write(core, batch, deadline)
+    yield from _write(core, batch, deadline, awaited)
     core.chooser.added(core.shard, len(batch))
 
 
-def _write(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> Call[None]:
+def _write(
+    core: ClientCore, batch: Sequence[Prepared], deadline: Deadline, awaited: bool
+) -> Call[None]:
     replicas = core.settings.durable_replicas
     try:
         # With ``persist`` a lost reply is retried with the same ids and
@@ -304,14 +352,40 @@ def _write(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> C
             args=core.script_args(batch), replicas=replicas, timeout_ms=wait_ms,
         )
     except OutOfMemory:
+        if not replicas and (yield from _written_before(core, batch, deadline)):
+            return
         raise core.broker_full(len(batch)) from None
     except ErrorReply as refused:
+        if core.shard is not None and is_retired(str(refused.error)):
+            raise ShardRetired(core.queue.name, core.shard) from None
         full = core.queue_full(str(refused.error), len(batch))
         if full is None:
             raise
         raise full from None
     if confirmed < replicas:
-        raise core.not_replicated(batch, confirmed, wait_ms)
+        missed = core.not_replicated(batch, confirmed, wait_ms)
+        core.unconfirmed(missed, awaited=awaited)
+        if not awaited:
+            raise missed
+
+
+def _written_before(core: ClientCore, batch: Sequence[Prepared], deadline: Deadline) -> Call[bool]:
+    """After Redis refused the enqueue for memory: whether an earlier try wrote all of ``batch``.
+
+    Redis refuses a function that may write before it runs when it is at
+    ``maxmemory``, even when it would write nothing: the retry of a batch whose
+    first try was written but whose reply was lost (and whose writes may be
+    what filled the memory) would be told "nothing was written", and the work
+    submitted again. The read-only twin (:data:`ENQUEUE_SEEN`) runs at
+    ``maxmemory`` and answers such a batch from its seen keys; a batch with
+    anything new makes it fail at its first write, before writing anything.
+    """
+    try:
+        yield from command(core, deadline, ENQUEUE_SEEN, keys=core.script_keys(batch),
+                           args=core.script_args(batch))
+    except ErrorReply:
+        return False
+    return True
 
 
 def queue_length(core: ClientCore) -> Call[int]:
@@ -333,6 +407,14 @@ def workers_alive(core: ClientCore) -> Call[int]:
 
 
 Outcomes = dict[str, Outcome | Exception]
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """What an infer call wrote, and through which core (shard): where its replies land."""
+
+    core: ClientCore
+    batch: Sequence[Prepared]
 
 
 def _poll(
@@ -515,13 +597,22 @@ def drain(
     return outcomes
 
 
+def written(
+    core: ClientCore, batch: Sequence[Prepared], deadline: Deadline, key: str | None
+) -> Call[Sent]:
+    """Enqueue ``batch``, first having the client's listener of ``key`` (if any) keep its
+    replies: a reply may beat the script's answer."""
+    if key is not None:
+        yield Listen(tuple(p.id for p in batch), key)
+    yield from enqueue(core, batch, deadline, awaited=True)
+    return Sent(core, batch)
+
+
 def listened(
-    core: ClientCore, batch: Sequence[Prepared], deadline: Deadline, started: float, key: str
+    core: ClientCore, batch: Sequence[Prepared], deadline: Deadline, started: float
 ) -> Call[Outcomes]:
-    """Enqueue ``batch`` and collect what the client's listener of ``key`` resolves for it."""
+    """Collect what the client's listener resolves for ``batch`` (see :func:`written`)."""
     ids = tuple(p.id for p in batch)
-    yield Listen(ids, key)  # before enqueueing: a reply may beat the script's answer
-    yield from enqueue(core, batch, deadline)
     outcomes, unreachable = yield Collect(ids, deadline)
     missing = [i for i in ids if i not in outcomes]
     yield from _missing(core, missing, outcomes, started, unreachable)
@@ -538,10 +629,13 @@ def submit(
     refuse_unknown(options, SubmitOptions, "submit")
     deadline = core.deadline()
     yield from ensure_config(core, deadline)
-    core = yield from choose_shard(core, deadline, options.get("reply_to"))
-    prepared = core.prepare(text, now_ms=_now_ms(), text_pair=text_pair, **options)
-    yield from enqueue(core, [prepared], deadline)
-    return prepared.id
+
+    def write(lane: ClientCore) -> Call[str]:
+        prepared = lane.prepare(text, now_ms=_now_ms(), text_pair=text_pair, **options)
+        yield from enqueue(lane, [prepared], deadline)
+        return prepared.id
+
+    return (yield from on_current_shard(core, deadline, write, options.get("reply_to")))
 
 
 def submit_many(
@@ -551,10 +645,14 @@ def submit_many(
     refuse_unknown(options, SubmitOptions, "submit_many")
     deadline = core.deadline()
     yield from ensure_config(core, deadline)
-    core = yield from choose_shard(core, deadline, options.get("reply_to"))
-    batch = core.prepare_many(texts, now_ms=_now_ms(), **options)
-    yield from enqueue(core, batch, deadline)
-    return [p.id for p in batch]
+    items = _replayable(texts)
+
+    def write(lane: ClientCore) -> Call[list[str]]:
+        batch = lane.prepare_many(items, now_ms=_now_ms(), **options)
+        yield from enqueue(lane, batch, deadline)
+        return [p.id for p in batch]
+
+    return (yield from on_current_shard(core, deadline, write, options.get("reply_to")))
 
 
 def results(
@@ -567,7 +665,9 @@ def results(
     """
     started = time.monotonic()
     deadline = Deadline(started + core.timeout(timeout_s))
-    by_shard = core.reply_keys(request_ids)
+    core.check_ids(request_ids)
+    retired = yield from retired_shards_named(core, request_ids, deadline)
+    by_shard = core.reply_keys(request_ids, retired)
     several = len(by_shard) > 1
     outcomes: Outcomes = {}
     unreachable: BaseException | None = None
@@ -580,6 +680,36 @@ def results(
     missing = [i for wanted in by_shard.values() for i in wanted.values()]
     yield from _missing(core, missing, outcomes, started, unreachable)
     return core.settle(request_ids, outcomes, return_exceptions)
+
+
+def retired_shards_named(
+    core: ClientCore, request_ids: Sequence[str], deadline: Deadline
+) -> Call[frozenset[int]]:
+    """Of the shards ``request_ids`` name that the queue does not have now, the retired ones.
+
+    Such an id's reply is on its shard if the queue once had it (a retired
+    shard keeps its marker: :mod:`tokenq.producer.shards`), else on ``{q}``
+    (:meth:`ClientCore.shard_of_id`). Read only when an id names a shard:
+    the config hash for K (as an enqueue reads it), then one ``EXISTS`` of
+    each such shard's marker. Best effort: a read refused (an ACL without the
+    shard's keys) or not answered counts as not retired, and an outage is
+    the wait's to report.
+    """
+    if all(keys.shard_in_id(request_id) is None for request_id in request_ids):
+        return frozenset()
+    try:
+        yield from ensure_config(core, deadline)
+    except BrokerUnavailable:
+        return frozenset()
+    retired: set[int] = set()
+    for shard in core.shards_beyond(request_ids):
+        lane = core.lane(shard)
+        try:
+            if (yield from command(lane, deadline, "exists", keys.retired(lane.queue))):
+                retired.add(shard)
+        except (ErrorReply, BrokerUnavailable) as exc:
+            log.debug("cannot tell whether shard %d is retired (%s): taken as not", shard, exc)
+    return frozenset(retired)
 
 
 def infer(
@@ -595,16 +725,20 @@ def infer(
     started = time.monotonic()
     deadline = Deadline(started + core.timeout(timeout_s), persist=True)
     yield from ensure_config(core, deadline)
-    core = yield from choose_shard(core, deadline)
-    request = _infer_request(core, deadline, options)
-    key = None if listener is None else listener(core)
-    prepared = core.prepare(text, text_pair=text_pair, reply_to=key, **request)
-    if key is None:
-        yield from enqueue(core, [prepared], deadline)
+
+    def write(lane: ClientCore) -> Call[Sent]:
+        request = _infer_request(lane, deadline, options)
+        key = None if listener is None else listener(lane)
+        prepared = lane.prepare(text, text_pair=text_pair, reply_to=key, **request)
+        return (yield from written(lane, [prepared], deadline, key))
+
+    sent = yield from on_current_shard(core, deadline, write)
+    core, (prepared,) = sent.core, sent.batch
+    if listener is None:
         wanted = {prepared.reply_to: prepared.id}
         outcomes = yield from own_keys(core, wanted, deadline, started)
     else:
-        outcomes = yield from listened(core, [prepared], deadline, started, key)
+        outcomes = yield from listened(core, sent.batch, deadline, started)
     return core.settle([prepared.id], outcomes, False)[0]
 
 
@@ -621,16 +755,34 @@ def infer_many(
     started = time.monotonic()
     deadline = Deadline(started + core.timeout(timeout_s), persist=True)
     yield from ensure_config(core, deadline)
-    core = yield from choose_shard(core, deadline)
-    reply_key = core.reply_key(core.new_id()) if listener is None else listener(core)
-    request = _infer_request(core, deadline, options)
-    batch = core.prepare_many(texts, reply_to=reply_key, **request)
+    items = _replayable(texts)
+
+    def write(lane: ClientCore) -> Call[Sent]:
+        key = lane.reply_key(lane.new_id()) if listener is None else listener(lane)
+        request = _infer_request(lane, deadline, options)
+        batch = lane.prepare_many(items, reply_to=key, **request)
+        return (yield from written(lane, batch, deadline, None if listener is None else key))
+
+    sent = yield from on_current_shard(core, deadline, write)
+    core, batch = sent.core, sent.batch
     if listener is None:
-        yield from enqueue(core, batch, deadline)
+        reply_key = batch[0].reply_to if batch else ""
         outcomes = yield from drain(core, reply_key, {p.id for p in batch}, deadline, started)
     else:
-        outcomes = yield from listened(core, batch, deadline, started, reply_key)
+        outcomes = yield from listened(core, batch, deadline, started)
     return core.settle([p.id for p in batch], outcomes, return_exceptions)
+
+
+def _replayable(texts: Iterable[TextItem]) -> Iterable[TextItem]:
+    """``texts`` as a list, so a call retried on another shard (:func:`on_current_shard`)
+    prepares the same inputs; a string or a non-iterable as it is, for ``prepare_many``
+    to refuse by name."""
+    if isinstance(texts, (str, bytes)):
+        return texts
+    try:
+        return list(texts)
+    except TypeError:
+        return texts
 
 
 def _infer_request(core: ClientCore, deadline: Deadline, options: RequestOptions) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from tokenq.producer.base import ProducerBase
 from tokenq.producer.core import Deadline, Prepared, Result, TextItem
 from tokenq.producer.options import RequestOptions, SubmitOptions
 from tokenq.producer.tokenizer import load_estimator
+from tokenq.shared import functions
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -86,9 +87,7 @@ class Client(ProducerBase):
         self._config_read: threading.Event | None = None  # set when the read in flight ends
         self._loading: dict[str, threading.Event] = {}
         self._redis = connection.sync_redis(self.settings, self.client_id, max_connections)
-        self._scripts = {
-            name: self._redis.register_script(source) for name, source in calls.SCRIPTS.items()
-        }
+        self._scripts = {name: functions.Function(self._redis, name) for name in calls.SCRIPTS}
 
     def _durable_enqueue(
         self, *, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
@@ -97,10 +96,14 @@ class Client(ProducerBase):
             with node.pipeline(transaction=False) as pipe:
                 self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
                 pipe.execute_command("WAIT", replicas, timeout_ms)
-                written, confirmed = pipe.execute()
+                with connection.slow_reply(timeout_ms / 1000):  # WAIT's own time
+                    written, confirmed = pipe.execute()
             return written, int(confirmed)
 
-        return nodes.run_pinned(self._redis, keys[0], enqueue_and_wait)
+        enqueue = self._scripts[calls.ENQUEUE]  # on a node without tokenq's functions: load, again
+        return nodes.run_pinned(
+            self._redis, keys[0], lambda node: enqueue.guarded(node, lambda: enqueue_and_wait(node))
+        )
 
     # ------------------------------------------------------------ lifecycle
 

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -49,6 +51,7 @@ from redis.retry import Retry
 
 from tokenq.producer.calls import ErrorReply, OutOfMemory, Unreachable
 from tokenq.producer.core import BACKOFF_BASE_S, BACKOFF_CAP_S, DEADLINE_GRACE_S
+from tokenq.shared import functions, redis_refusal
 from tokenq.shared.redis_url import RedisTarget, parse_redis_url
 from tokenq.shared.sentinel_connection import managed_connection
 from tokenq.shared.settings import ClientSettings
@@ -63,6 +66,15 @@ CLUSTER_UNAVAILABLE = (
 )
 """A cluster that could not run the command (mid-failover, a slot moving): as safe to retry."""
 
+REFUSED_NOW_RETRIED = {
+    "BUSY": "Redis is busy running a script",
+    "READONLY": "Redis is a read-only replica (a failover may be under way)",
+    "MASTERDOWN": "Redis is a replica that lost its master",
+}
+"""Error replies for a command Redis did not run because of its own state, not the
+command's (:mod:`tokenq.shared.redis_refusal`): retried within the call's deadline, then
+``BrokerUnavailable`` naming the reason, like a refused connection."""
+
 MIN_SOCKET_TIMEOUT_S = 0.01
 """Floor of a deadline-bound socket timeout (0 would put the socket in non-blocking mode)."""
 
@@ -75,6 +87,35 @@ Set by :func:`for_caller` around each command (in the calling thread, or in
 the task that runs one command for an async caller) and read by the hooks
 below; None outside a caller's command.
 """
+
+
+SLOW_REPLY_S: contextvars.ContextVar[float] = contextvars.ContextVar(
+    "tokenq_slow_reply_s", default=0.0
+)
+"""How long Redis itself may take to answer the command being run, beyond the socket timeout.
+
+Set by :class:`slow_reply` around a command that waits on the server by design
+(the durable enqueue's ``WAIT``); 0 otherwise. The socket timeout is then this
+plus ``socket_timeout_s`` (still ended by the caller's deadline plus the grace),
+so a ``durable_timeout_ms`` longer than ``socket_timeout_s`` is waited for, not
+reported as Redis being unreachable.
+"""
+
+
+class slow_reply:
+    """Run the block's commands with ``seconds`` of server-side waiting allowed on top of
+    the socket timeout (see :data:`SLOW_REPLY_S`)."""
+
+    __slots__ = ("_seconds", "_token")
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    def __enter__(self) -> None:
+        self._token = SLOW_REPLY_S.set(self._seconds)
+
+    def __exit__(self, *exc_info: object) -> None:
+        SLOW_REPLY_S.reset(self._token)
 
 
 class for_caller:
@@ -99,9 +140,11 @@ class for_caller:
 def failure(exc: Exception) -> Exception:
     """What to throw into a call for ``exc``: the calls' name for a command failure, else ``exc``.
 
-    A ``BUSY`` error reply counts as Redis being down: Redis answers it to
-    every command while a script has run past ``busy-reply-threshold``, so
-    the command was not run and is as safe to retry as a refused connection.
+    A ``BUSY``, ``READONLY`` or ``MASTERDOWN`` error reply counts as Redis
+    being down (:data:`REFUSED_NOW_RETRIED`): Redis answers it before running
+    the command (a script past ``busy-reply-threshold``; a write sent to a
+    replica, as after a failover behind a DNS name), so the command was not
+    run and is as safe to retry as a refused connection.
     So do a cluster's ``CLUSTERDOWN`` and ``TRYAGAIN`` (:data:`CLUSTER_UNAVAILABLE`).
     """
     if isinstance(exc, REDIS_DOWN):
@@ -112,13 +155,14 @@ def failure(exc: Exception) -> Exception:
         down = redis.ConnectionError(f"Redis Cluster could not serve the command: {exc}")
         down.__cause__ = exc
         return Unreachable(down)
-    if isinstance(exc, redis.OutOfMemoryError):
+    if redis_refusal.is_out_of_memory(exc):
         return OutOfMemory(exc)
     if not isinstance(exc, redis.ResponseError):
         return exc
-    if not str(exc).startswith("BUSY"):
+    code = redis_refusal.error_code(exc)
+    if code not in REFUSED_NOW_RETRIED:
         return ErrorReply(exc)
-    down = redis.ConnectionError(f"Redis is busy running a script: {exc}")
+    down = redis.ConnectionError(f"{REFUSED_NOW_RETRIED[code]}: {exc}")
     down.__cause__ = exc
     return Unreachable(down)
 
@@ -126,8 +170,14 @@ def failure(exc: Exception) -> Exception:
 # ------------------------------------------------------------------ timeouts
 
 
-def bounded_timeout(configured: float | None) -> float | None:
-    """A socket (or pool) timeout cut down to the current caller's deadline plus the grace."""
+def bounded_timeout(configured: float | None, *, reads: bool = False) -> float | None:
+    """A socket (or pool) timeout cut down to the current caller's deadline plus the grace.
+
+    ``reads``: the timeout of waiting for a reply, which :class:`slow_reply` lengthens.
+    """
+    slow = SLOW_REPLY_S.get() if reads else 0.0
+    if slow and configured is not None:
+        configured += slow
     deadline = CALLER_DEADLINE.get()
     if deadline is None:
         return configured
@@ -140,13 +190,14 @@ def bounded_timeout(configured: float | None) -> float | None:
 class _Bounded:
     """A timeout attribute that reads as :func:`bounded_timeout` of the value kept in ``slot``."""
 
-    def __init__(self, slot: str) -> None:
+    def __init__(self, slot: str, *, reads: bool = False) -> None:
         self._slot = slot
+        self._reads = reads
 
     def __get__(self, obj: object, owner: type | None = None) -> Any:
         if obj is None:
             return self
-        return bounded_timeout(getattr(obj, self._slot, None))
+        return bounded_timeout(getattr(obj, self._slot, None), reads=self._reads)
 
     def __set__(self, obj: object, value: float | None) -> None:
         setattr(obj, self._slot, value)
@@ -161,7 +212,7 @@ class DeadlineTimeouts:
     writes ``_socket_timeout`` itself, past the property).
     """
 
-    socket_timeout = _Bounded("_socket_timeout")
+    socket_timeout = _Bounded("_socket_timeout", reads=True)
     socket_connect_timeout = _Bounded("_socket_connect_timeout")
 
 
@@ -351,14 +402,15 @@ def sync_redis(
 ) -> redis.Redis | redis.RedisCluster:
     """The sync client's Redis: a pooled socket per thread, or at most ``max_connections``.
 
-    In a cluster the cap is per node. A sync ``RedisCluster`` reads the
-    topology when it is made (redis-py's constructor does), so an
-    unreachable cluster fails here rather than at the first command.
+    In a cluster the cap is per node, and the ``RedisCluster`` is made at the
+    first command (:class:`LazyCluster`), as every other client connects.
     """
     target = parse_redis_url(settings.redis_url)
     if target.kind == "cluster":
         options = _options(settings, ClusterDeadlineRetry, client_id)
-        return _sync_cluster(target, options, max_connections, settings.timeout_s)
+        return LazyCluster(  # type: ignore[return-value]  # it stands in for one
+            lambda: _sync_cluster(target, options, max_connections, settings.timeout_s)
+        )
     options = _options(settings, DeadlineRetry, client_id)
     if target.kind == "sentinel":
         pool_class: type = _SentinelPool
@@ -448,10 +500,10 @@ def sync_client_for(url: str, **kwargs: Any) -> redis.Redis | redis.RedisCluster
     if target.kind == "single":
         return redis.Redis.from_url(url, **kwargs)
     if target.kind == "cluster":
-        return redis.RedisCluster(
+        return functions.route_by_keys(redis.RedisCluster(
             startup_nodes=[redis.cluster.ClusterNode(host, port) for host, port in target.nodes],
             **_master_kwargs(target), **kwargs,
-        )
+        ))
     sentinels = _sentinel_kwargs(target, kwargs)
     sentinel = redis.sentinel.Sentinel(target.nodes, sentinel_kwargs=sentinels)
     following = managed_connection(tls=target.tls, asyncio=False)
@@ -477,6 +529,50 @@ def _sentinel_kwargs(target: RedisTarget, options: dict[str, Any]) -> dict[str, 
     kept = {name: value for name, value in options.items()
             if name.startswith("socket_") or name in ("retry", "retry_on_error")}
     return {**kept, "username": target.sentinel_username, "password": target.sentinel_password}
+
+
+class LazyCluster:
+    """A sync ``RedisCluster``, made at its first use rather than with the ``Client``.
+
+    redis-py's sync ``RedisCluster`` reads the topology in its constructor,
+    so a cluster whose nodes were all unreachable made ``Client(...)`` raise
+    redis-py's ``RedisClusterException``, unbounded by any deadline. Made at
+    the first command instead, it is read inside that caller's deadline (the
+    node connections are deadline-bound) and a failure is that call's
+    ``BrokerUnavailable`` (:func:`failure`); the next call tries again. The
+    asyncio ``RedisCluster`` is lazy by itself.
+    """
+
+    def __init__(self, make: Callable[[], redis.RedisCluster]) -> None:
+        self._make = make
+        self._made: redis.RedisCluster | None = None
+        self._lock = threading.Lock()
+
+    def resolve(self) -> redis.RedisCluster:
+        """The ``RedisCluster``, made now if this is its first use (by one thread)."""
+        made = self._made
+        if made is None:
+            with self._lock:
+                if self._made is None:
+                    self._made = self._make()
+                made = self._made
+        return made
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.resolve(), name)
+
+    def get_encoder(self) -> Any:
+        """redis-py's default encoder, which a script registered before any use asks for."""
+        return redis.connection.Encoder("utf-8", "strict", False)
+
+    def register_script(self, script: str) -> Any:
+        """A script bound to this stand-in, so registering one connects nothing."""
+        return redis.commands.core.Script(self, script)
+
+    def close(self) -> None:
+        """Close the cluster's connections, if it was ever made."""
+        if self._made is not None:
+            self._made.close()
 
 
 def _node_url(host: str, port: int) -> str:
@@ -506,11 +602,11 @@ def _sync_cluster(
     else:
         kwargs.update(connection_pool_class=_BlockingPool, max_connections=max_connections,
                       timeout=wait_s)
-    return redis.RedisCluster(
+    return functions.route_by_keys(redis.RedisCluster(
         url=_node_url(host, port),
         startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in others],
         **kwargs,
-    )
+    ))
 
 
 def _async_cluster(
@@ -535,7 +631,7 @@ def _async_cluster(
     for node in client.startup_nodes:
         node.connection_class = connection_class
         node.connection_kwargs.update(tls)
-    return client
+    return functions.route_by_keys(client)
 
 
 class _SentinelMaster(redis.Redis):

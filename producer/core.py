@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ from tokenq.shared import keys, lua, wire
 from tokenq.shared.cli import plural
 from tokenq.shared.errors import (
     BadRequest,
+    BrokerOutOfMemory,
     BrokerUnavailable,
     DecodeError,
     ErrorCode,
@@ -65,7 +66,7 @@ from tokenq.shared.request_options import (
     parse_options,
     prompt_of,
 )
-from tokenq.shared.settings import ClientSettings, describe_errors
+from tokenq.shared.settings import MAX_SECONDS, ClientSettings, describe_errors
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -137,6 +138,35 @@ class ReplyTimeout(TokenqError, TimeoutError):
         self.waited_s = waited_s
         self.why = why
         """What the client saw when it gave up (no live worker serves the queue), if anything."""
+
+
+UNCONFIRMED_WARN_EVERY_S = 60.0
+"""The warning for requests a durable enqueue wrote unconfirmed is logged at most this
+often per client (the rest at DEBUG, every one counted): a replica down for an hour
+must not write a line per request."""
+
+
+class Unconfirmed:
+    """How many requests durable enqueues wrote that too few replicas confirmed in time.
+
+    One per client, shared by its core and every lane (thread-safe), read as
+    ``Client.unreplicated`` (the gateway's ``tokenq_serve_unreplicated_requests``).
+    It also spaces the warning the infer calls log (:data:`UNCONFIRMED_WARN_EVERY_S`).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        self._warned_at = -math.inf
+
+    def add(self, n: int, now_s: float) -> bool:
+        """Count ``n`` more; whether a warning is due (monotonic ``now_s``)."""
+        with self._lock:
+            self.count += n
+            due = now_s - self._warned_at >= UNCONFIRMED_WARN_EVERY_S
+            if due:
+                self._warned_at = now_s
+            return due
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,8 +321,11 @@ def _pair_aware(estimator: Estimator) -> Callable[[str, str | None], int]:
 def _check_timeout(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRequest(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise BadRequest(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise BadRequest(
+            f"{name} must be a positive number of seconds, at most {MAX_SECONDS:,} "
+            f"(about 31 years), got {value!r}"
+        )
     return float(value)
 
 
@@ -346,6 +379,7 @@ class ClientCore:
         self.shard: int | None = None
         """The shard this core writes to; None for the plain queue ``{q}``."""
         self.chooser = ShardChooser(settings.shard_choice)
+        self.unconfirmed_requests = Unconfirmed()
         self._lanes: dict[int | None, ClientCore] = {None: self}
 
     # ------------------------------------------------------------------ ids
@@ -382,9 +416,26 @@ class ClientCore:
             made = self._lanes.setdefault(shard, made)
         return made
 
-    def lane_of(self, request_id: str) -> ClientCore:
-        """The core of the shard ``request_id`` was written to (its id says)."""
-        return self.lane(keys.shard_in_id(request_id))
+    def shard_of_id(self, request_id: str, retired: Collection[int] = ()) -> int | None:
+        """The shard whose reply namespace ``request_id``'s reply lands in; None: ``{q}``.
+
+        An id ``k.<unique>`` names shard ``k`` only where the queue has one:
+        one of its K shards now, or one of the ``retired`` shards (it had it,
+        and answers its requests there while it drains). Anywhere else it is
+        a plain id of ``{q}``: on a queue of one shard ``7.order-42`` is just
+        an id a producer in another language chose (docs/PROTOCOL.md, "K = 1").
+        """
+        shard = keys.shard_in_id(request_id)
+        if shard is None:
+            return None
+        count = self.shards()
+        return shard if (count > 1 and shard < count) or shard in retired else None
+
+    def shards_beyond(self, request_ids: Sequence[str]) -> list[int]:
+        """The shards ids name that the queue does not have now: were they retired?"""
+        count = self.shards()
+        named = {keys.shard_in_id(request_id) for request_id in request_ids}
+        return sorted(k for k in named if k is not None and (count == 1 or k >= count))
 
     def lanes(self) -> list[ClientCore]:
         """Every stream the queue's workers read: the shards, then the plain ``{q}``."""
@@ -397,18 +448,26 @@ class ClientCore:
         """The list a request's reply (or a batch's, or a client's) lands on."""
         return keys.reply(self.queue, reply_id)
 
-    def reply_keys(self, request_ids: Sequence[str]) -> dict[int | None, dict[str, str]]:
-        """Reply key -> request id for ids the caller wants to fetch, checked first, by the
-        shard each id names (None: the plain queue)."""
+    @staticmethod
+    def check_ids(request_ids: Sequence[str]) -> None:
+        """BadRequest unless ``request_ids`` is a sequence of ids the protocol allows."""
         if isinstance(request_ids, str):
             raise BadRequest("request_ids must be a sequence of ids, not a single string")
-        by_shard: dict[int | None, dict[str, str]] = {}
         for request_id in request_ids:
             try:
                 wire.validate_id(request_id, "request id")
             except DecodeError as exc:
                 raise BadRequest(f"{exc}: {request_id!r}") from None
-            lane = self.lane_of(request_id)
+
+    def reply_keys(
+        self, request_ids: Sequence[str], retired: Collection[int] = ()
+    ) -> dict[int | None, dict[str, str]]:
+        """Reply key -> request id for ids the caller wants to fetch, checked first, by the
+        shard each id's reply is on (:meth:`shard_of_id`; None: the plain queue)."""
+        self.check_ids(request_ids)
+        by_shard: dict[int | None, dict[str, str]] = {}
+        for request_id in request_ids:
+            lane = self.lane(self.shard_of_id(request_id, retired))
             by_shard.setdefault(lane.shard, {})[lane.reply_key(request_id)] = request_id
         return by_shard
 
@@ -572,7 +631,8 @@ class ClientCore:
             fields = wire.encode_request(request)
         except DecodeError as exc:
             raise BadRequest(str(exc)) from None
-        except (TypeError, ValueError) as exc:  # msgpack cannot encode something in opts
+        except (TypeError, ValueError, OverflowError) as exc:
+            # msgpack cannot encode something in opts (an int past 64 bits overflows)
             raise BadRequest(f"opts cannot be encoded as msgpack: {exc}") from None
         return Prepared(id=request_id, reply_to=target, fields=fields)
 
@@ -645,10 +705,11 @@ class ClientCore:
     # -------------------------------------------------------------- enqueue
 
     def script_keys(self, batch: Sequence[Prepared]) -> list[str]:
-        """KEYS for enqueue.lua: the stream, then one dedupe key per entry (when on)."""
-        if self.dedupe_ttl_ms <= 0:
-            return [self.stream_key]
-        return [self.stream_key, *(keys.seen(self.queue, p.id) for p in batch)]
+        """KEYS for enqueue.lua: the stream, one dedupe key per entry (when on), then on a
+        shard its retired marker (a retired shard refuses: :mod:`.shards`)."""
+        seen = [keys.seen(self.queue, p.id) for p in batch] if self.dedupe_ttl_ms > 0 else []
+        retired = [] if self.shard is None else [keys.retired(self.queue)]
+        return [self.stream_key, *seen, *retired]
 
     def script_args(self, batch: Sequence[Prepared]) -> list[str | bytes | int]:
         """ARGV for enqueue.lua: max_len, n, dedupe TTL, then each entry's fields."""
@@ -687,13 +748,25 @@ class ClientCore:
             tuple(prepared.id for prepared in batch),
         )
 
-    def broker_full(self, n: int) -> QueueFull:
-        """The :class:`QueueFull` for Redis refusing the script at its ``maxmemory``.
+    def unconfirmed(self, missed: NotReplicated, *, awaited: bool) -> None:
+        """Count a durable enqueue's unconfirmed requests; log it when the call waits on.
+
+        A call that raises ``missed`` (a submit) tells its caller; one that
+        waits for the replies anyway (``awaited``) logs it instead, as a
+        warning at most once a minute.
+        """
+        due = self.unconfirmed_requests.add(len(missed.request_ids), time.monotonic())
+        if awaited:
+            log.log(logging.WARNING if due else logging.DEBUG,
+                    "%s; waiting for their replies as usual", missed)
+
+    def broker_full(self, n: int) -> BrokerOutOfMemory:
+        """The :class:`BrokerOutOfMemory` for Redis refusing the script at its ``maxmemory``.
 
         Redis denies a script for lack of memory only before its first write,
         so, as with the length limit, nothing of the batch was written.
         """
-        return QueueFull(
+        return BrokerOutOfMemory(
             f"Redis at {self.url} is out of memory (maxmemory) and refused {plural(n, 'request')} "
             f"for queue {self.queue.name!r}; nothing was written"
         )

@@ -49,6 +49,9 @@ def _moved_twice() -> redis.ConnectionError:
 
 def run_pinned(client: Any, key: str, operation: Callable[[Any], T]) -> T:
     """``operation`` on the client of the node owning ``key``, following a failover once."""
+    resolve = getattr(client, "resolve", None)  # a LazyCluster: the RedisCluster it stands for
+    if resolve is not None:
+        client = resolve()
     if not isinstance(client, redis.RedisCluster):
         return operation(client)
     for attempt in (1, 2):

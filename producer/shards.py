@@ -19,6 +19,13 @@ holds at most K × ``max_queue_length``). Which shard:
   counting what this client added since, so a burst between reads spreads
   instead of landing on one shard.
 
+When the workers' K shrinks, the shards beyond it are retired (they drain;
+:mod:`tokenq.shared.keys`): the enqueue script refuses a retired shard with
+``RETIRED`` and writes nothing, and the call reads the config again and
+chooses among the shards it now names (:func:`tokenq.producer.calls.on_current_shard`),
+so a producer holding the old K for up to ``config_ttl_s`` loses nothing and
+sees no error.
+
 Sans-I/O: the calls read the lengths and hand them over with the time.
 """
 
@@ -32,6 +39,32 @@ from collections.abc import Sequence
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.keys import MAX_SHARDS
 from tokenq.shared.queue_config import QueueConfig
+
+RETIRED = "RETIRED"
+"""First word of enqueue.lua's refusal on a retired shard (its header says why)."""
+
+
+class ShardRetired(ConfigError):
+    """The shard a call chose is retired: nothing was written.
+
+    The calls catch it and choose again once the config names fewer shards;
+    it reaches a caller only when the count it goes by still includes the
+    retired shard (a ``shards`` setting the workers left, a config it may not read).
+    """
+
+    def __init__(self, queue: str, shard: int) -> None:
+        super().__init__(
+            f"shard {shard} of queue {queue!r} is retired (its workers serve fewer shards), "
+            "but this client still counts it (shards / TOKENQ_SHARDS, or a config hash it "
+            "may not read); make them agree; nothing was written"
+        )
+        self.shard = shard
+
+
+def is_retired(message: str) -> bool:
+    """Whether a script's error ``message`` is the refusal of a retired shard."""
+    return message.split(" ", 1)[0] == RETIRED
+
 
 LENGTHS_TTL_S = 1.0
 """How long the shortest-shard choice trusts one reading of the shards' lengths."""

@@ -27,7 +27,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-FAULT_SUITES = ("tests/test_faults.py", "tests/test_hardening.py", "tests/test_hostile_fuzz.py")
+FAULT_SUITES = ("tests/test_faults.py", "tests/test_hardening.py", "tests/test_hostile_fuzz.py",
+                "tests/test_redis_refuses.py")
 """The suites whose tests record what they did."""
 
 LABELS = {
@@ -51,6 +52,10 @@ LABELS = {
     "held_while_stopped": "held while stopped",
     "reply_keys_left": "reply keys left",
     "seen_keys_left": "seen keys left",
+    "held_while_full": "pending while Redis was full",
+    "refused_while_full": "writes refused while full (OOM)",
+    "refused_tries": "publish tries refused (OOM)",
+    "letters_owed": "dead letters owed, each written once",
 }
 """How each number a test records reads in the table's middle column."""
 

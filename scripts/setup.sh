@@ -9,4 +9,4 @@ if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[worker,dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[worker,dev,onnx]'

@@ -38,6 +38,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("tokenq.producer.ops.stats", "queue lengths, pending, lag, workers, dead letters"),
     "top": ("tokenq.producer.ops.top", "tokenq stats, refreshed live"),
     "dlq": ("tokenq.producer.ops.dlq", "list, retry or purge a queue's dead letters"),
+    "functions": ("tokenq.producer.ops.functions", "load tokenq's Lua functions (Redis 7+)"),
     "serve": ("tokenq.producer.serve.cli", "an HTTP gateway: OpenAI and TEI APIs over queues"),
 }
 
@@ -308,6 +309,8 @@ def failure_message(
     """
     from redis import exceptions as redis
 
+    from tokenq.shared import redis_refusal
+
     where = f"Redis at {redact_url(redis_url)}" if redis_url else "Redis"
     timeout = socket_timeout_s
     text = _SCRIPT_NOISE.sub("", one_line(str(exc))) or type(exc).__name__
@@ -328,6 +331,9 @@ def failure_message(
                 "lists the rights each command needs)")
     if is_wrong_type(exc):
         return f"{where}: a tokenq key holds the wrong type of value: {text}"
+    if isinstance(exc, redis.ResponseError) and redis_refusal.is_out_of_memory(exc):
+        return (f"{where} is out of memory (maxmemory) and refused the write: {text} "
+                "(nothing was written; free memory or raise maxmemory, then try again)")
     if isinstance(exc, redis.RedisError):
         return f"{where} answered an error: {text}"
     from tokenq.shared.errors import TokenqError
@@ -339,7 +345,8 @@ def failure_message(
     return None
 
 
-_SCRIPT_NOISE = re.compile(r"\s*script: [0-9a-f]{40}, on @user_script:\d+\.?$")
+_SCRIPT_NOISE = re.compile(
+    r"\s*script: (?:[0-9a-f]{40}|tokenq_\w+), on @user_(?:script|function):\d+\.?$")
 """What Redis appends to an error raised inside a Lua script: the sha and the line."""
 
 
@@ -347,7 +354,9 @@ def is_wrong_type(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis's WRONGTYPE (also when a pipeline wrapped it)."""
     from redis import exceptions as redis
 
-    return isinstance(exc, redis.ResponseError) and "WRONGTYPE" in str(exc)
+    from tokenq.shared import redis_refusal
+
+    return isinstance(exc, redis.ResponseError) and redis_refusal.error_code(exc) == "WRONGTYPE"
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:

@@ -44,6 +44,15 @@ class QueueFull(TokenqError):
     """The queue is at its maximum length; nothing was written."""
 
 
+class BrokerOutOfMemory(QueueFull):
+    """Redis is at its ``maxmemory`` (``noeviction``) and refused the write; nothing was written.
+
+    A :class:`QueueFull` (the same backpressure: retry later, or shed load),
+    named for its cause so a caller or an operator can tell a full Redis from
+    a queue at its length limit.
+    """
+
+
 class BrokerUnavailable(TokenqError, ConnectionError):
     """Redis could not be reached before the caller's timeout."""
 

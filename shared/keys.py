@@ -9,6 +9,9 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
     tokenq:{q}:worker:<name>   string   liveness key with a TTL, refreshed by each heartbeat
     tokenq:{q}:reply:<id>      list     replies (msgpack maps), PEXPIREd by the worker
     tokenq:{q}:seen:<id>       string   request ids enqueued lately (retry dedupe), TTL
+    tokenq:{q}:shards_served   string   highest shard count served while shards beyond
+                                        today's are still draining (:func:`shards_served`)
+    tokenq:{q:k}:retired       string   shard k is retired: enqueue.lua refuses new entries
 
 The queue name sits in braces, which makes it a Redis Cluster hash tag: every
 key of one queue lands in one slot, so a MULTI or a Lua script may touch them
@@ -23,6 +26,14 @@ nodes. Its workers also serve the plain ``{q}`` (:func:`lanes_of`): a
 producer that has not yet learned K writes there and is still answered, and
 its ``{q}:config`` is where producers learn K. A request id names its
 shard (:func:`shard_in_id`), so any process can find its reply key.
+
+When K shrinks, the shards beyond the new K are *retired*, not dropped
+(:func:`retired_shards`): each gets a ``retired`` marker, which the enqueue
+script checks atomically in the shard's own slot, so no producer still
+holding the old K can add to it; the workers keep reading it until it is
+empty and then remove it, keeping the marker. ``shards_served`` records
+the highest K while any retired shard remains, so workers and operator
+commands find them without a SCAN.
 """
 
 from __future__ import annotations
@@ -87,6 +98,18 @@ def lanes_of(q: QueueRef, shards: int) -> tuple[QueueRef, ...]:
     return spread if shards == 1 else (*spread, q)
 
 
+def retired_shards(q: QueueRef, shards: int, served: int) -> tuple[QueueRef, ...]:
+    """The shards a queue of ``shards`` shards once served up to ``served`` and serves no more.
+
+    ``{q:shards}`` … ``{q:served-1}``; every ``{q:k}`` below ``served`` when the
+    queue is now unsharded (``shards`` 1 is served on the plain ``{q}`` alone).
+    """
+    if served <= shards:
+        return ()
+    first = 0 if shards == 1 else shards
+    return tuple(QueueRef(q.name, q.prefix, k) for k in range(first, min(served, MAX_SHARDS)))
+
+
 _SHARDED_ID = re.compile(r"^(0|[1-9][0-9]{0,2})\.[0-9A-Za-z_-]+$")
 
 
@@ -101,8 +124,11 @@ def id_on_shard(shard: int | None, unique: str) -> str:
 def shard_in_id(request_id: str) -> int | None:
     """The shard a request id names (:func:`id_on_shard` undone), None for a plain id.
 
-    So any process finds a request's reply key from its id alone, without
-    knowing how many shards the queue has.
+    So any process finds a request's reply key from its id and the queue's
+    shard count. The form alone does not make it a shard: only where the
+    queue has (or had) shard ``k`` is ``k.<unique>`` that shard's id; on a
+    queue of one shard ``7.order-42`` is a plain id (the producer's check:
+    ``ClientCore.shard_of_id``).
     """
     match = _SHARDED_ID.match(request_id)
     if match is None:
@@ -204,6 +230,16 @@ def _is_tokenq_key(prefix: str, key: str) -> bool:
     """Whether ``key`` is a tokenq key under ``prefix`` other than a reply key."""
     match = re.match(rf"{re.escape(prefix)}:\{{[^}}]*\}}:(?P<kind>[^:]*)", key)
     return match is not None and match.group("kind") != "reply"
+
+
+def retired(q: QueueRef) -> str:
+    """A retired shard's marker: present, the shard takes no new requests (enqueue.lua)."""
+    return f"{q.tag}:retired"
+
+
+def shards_served(q: QueueRef) -> str:
+    """The highest shard count the queue served while shards beyond today's still drain."""
+    return f"{q.tag}:shards_served"
 
 
 def seen(q: QueueRef, request_id: str) -> str:

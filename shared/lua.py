@@ -26,15 +26,25 @@ what the file says and what the fragment says never drift apart), and
 ``python -m tokenq.shared.lua producer/lua/enqueue.lua`` refreshes it after
 the fragment changed.
 
+The same scripts run as one Redis Functions library on Redis 7
+(:func:`library`): each script's text becomes the body of a function, so a
+producer needs ``FCALL`` and never ``EVAL``/``SCRIPT LOAD``, which would let
+it run Lua of its own (docs/SECURITY.md, docs/DECISIONS.md "Redis
+Functions"). Names carry a hash of the library's code, so two tokenq versions
+can be loaded side by side during a rolling upgrade.
+:mod:`tokenq.shared.functions` loads and calls them.
+
 Sans-I/O but for reading the package's own files (and that command, which
 rewrites the files it is given); no Redis, no clock.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -112,6 +122,100 @@ def load(package: str, name: str) -> str:
             f"run python -m tokenq.shared.lua on that file to refresh it"
         )
     return assemble(source)
+
+
+@dataclass(frozen=True, slots=True)
+class Script:
+    """One of tokenq's scripts: where its file lives and how Redis may run it as a function.
+
+    ``flags`` are Redis's function flags: ``no-writes`` for a script that
+    only reads (it may also run at ``maxmemory`` and as ``FCALL_RO``);
+    ``allow-oom`` only for one that never grows memory, so a worker can
+    still tidy up at ``maxmemory``. Every other script gets none, so Redis
+    refuses it *before* it runs when memory is full (``OOM``): all or
+    nothing, as the legacy ``EVAL`` was only up to its first write.
+    """
+
+    package: str
+    file: str
+    flags: tuple[str, ...] = ()
+
+
+SCRIPTS: Mapping[str, Script] = {
+    "enqueue": Script("tokenq.producer", "enqueue.lua"),
+    "enqueue_seen": Script("tokenq.producer", "enqueue.lua", ("no-writes",)),
+    "peek_replies": Script("tokenq.producer", "peek_replies.lua", ("no-writes",)),
+    "dlq_retry": Script("tokenq.producer", "dlq_retry.lua"),
+    "publish": Script("tokenq.worker", "publish.lua"),
+    "drop_consumer": Script("tokenq.worker", "drop_consumer.lua", ("allow-oom",)),
+    "remove_retired": Script("tokenq.worker", "remove_retired.lua", ("allow-oom",)),
+}
+"""Every script tokenq runs, by its short name: the functions of the library.
+``enqueue_seen`` is enqueue.lua read-only: at ``maxmemory`` it still answers the retry of
+a batch already written (``producer/calls.py``, ``_written_before``)."""
+
+FUNCTION_FLAGS = frozenset({"no-writes", "allow-oom", "allow-stale", "no-cluster",
+                            "allow-cross-slot-keys"})
+"""The flags Redis 7 accepts on a function."""
+
+
+@dataclass(frozen=True, slots=True)
+class Library:
+    """tokenq's scripts as one Redis Functions library (``FUNCTION LOAD`` text and names)."""
+
+    name: str
+    """``tokenq_<hash>``: the hash is of the library's code, so each version has its own."""
+    code: str
+    """What ``FUNCTION LOAD`` takes: the ``#!lua`` line, then one function per script."""
+    functions: Mapping[str, str]
+    """Short name (``enqueue``) -> function name (``tokenq_<hash>_enqueue``), for ``FCALL``."""
+    scripts: Mapping[str, str]
+    """Short name -> the script's source, for ``EVALSHA`` where Redis has no Functions (< 7)."""
+
+
+LIBRARY_PREFIX = "tokenq_"
+"""Every tokenq library's name starts so (``FUNCTION LIST LIBRARYNAME tokenq_``)."""
+
+_HASH_CHARS = 12
+
+
+def function_body(name: str, source: str, flags: Sequence[str]) -> str:
+    """``source`` (a complete script) as the registration of the function ``name``.
+
+    The script's text goes in unchanged as the callback's body, whose
+    parameters are named ``KEYS`` and ``ARGV``, so the script reads its keys
+    and arguments as it does under ``EVAL``; its locals (fragments included)
+    are the callback's, with Lua's limit of 200 each, as they were the chunk's.
+    """
+    unknown = set(flags) - FUNCTION_FLAGS
+    if unknown:
+        raise ValueError(f"unknown function flags for {name}: {sorted(unknown)}")
+    flag_list = ", ".join(f"'{flag}'" for flag in flags)
+    return (f"redis.register_function{{function_name = '{name}', flags = {{{flag_list}}},\n"
+            f"callback = function(KEYS, ARGV)\n{source.rstrip()}\nend}}\n")
+
+
+@functools.cache
+def library() -> Library:
+    """tokenq's library, built from the script files as :func:`load` reads them (cached)."""
+    return build_library({short: load(s.package, s.file) for short, s in SCRIPTS.items()})
+
+
+def build_library(scripts: Mapping[str, str]) -> Library:
+    """The library of ``scripts`` (short name -> source; flags from :data:`SCRIPTS`)."""
+
+    def text(prefix: str) -> str:
+        return "".join(function_body(f"{prefix}_{short}", scripts[short], SCRIPTS[short].flags)
+                       for short in scripts)
+
+    # The hash is of the code with a fixed name, so the name cannot change what it hashes.
+    digest = hashlib.sha1(text("tokenq").encode("utf-8")).hexdigest()[:_HASH_CHARS]
+    name = f"{LIBRARY_PREFIX}{digest}"
+    code = (f"#!lua name={name}\n"
+            "-- tokenq's Lua scripts as Redis functions, built by tokenq.shared.lua from\n"
+            "-- producer/lua and worker/lua; the hash in the names is of this code.\n"
+            + text(name))
+    return Library(name, code, {short: f"{name}_{short}" for short in scripts}, scripts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``default_prompt``   the prompt name a request gets when it names none (empty: none)
 ``tokenizer``        path of the model's tokenizer.json (when it has one)
 ``shards``           how many shards the queue's workers serve (``{q:0}`` … ``{q:K-1}``); absent: 1
+``enqueue_function`` the Redis function that enqueues (FCALL, docs/PROTOCOL.md); absent: Redis < 7
 ``updated_at``       Unix seconds of the last write (the worker's clock)
 ==================== ==================================================
 
@@ -62,6 +63,7 @@ class QueueConfig:
     default_prompt: str | None = None
     updated_at: int | None = None
     shards: int | None = None
+    enqueue_function: str | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
@@ -108,6 +110,7 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         default_prompt=text.get("default_prompt") or None,
         updated_at=_int(text, "updated_at", minimum=0),
         shards=_int(text, "shards", minimum=1),
+        enqueue_function=text.get("enqueue_function") or None,
     )
 
 

@@ -11,7 +11,7 @@ key             type     meaning
 =============== ======== ==========================================================
 ``prompt_name`` str      one of the model's named prompts, put before the text
 ``prompt``      str      literal text put before the text ("" for no prompt at all)
-``dimensions``  int      keep the first N values of the embedding (Matryoshka)
+``dimensions``  int      keep the first N values of the embedding (Matryoshka), 1-65536
 ``normalize``   bool     unit-length embedding or not (default: the model's)
 ``truncate``    bool     cut an over-long input (true) or refuse / chunk it (false)
 ``raw_scores``  bool     a scoring model's logits, without its activation
@@ -32,6 +32,12 @@ from typing import Any, TypedDict
 
 MAX_PROMPT_CHARS = 4096
 """Longest literal ``prompt`` a request may carry (a prompt is an instruction, not a document)."""
+
+MAX_DIMENSIONS = 65_536
+"""Most ``dimensions`` a request may ask for, whatever the model (the largest embedding
+models give a few thousand). Checked even when the model's own size is unknown (a
+producer without the config hash), so a huge number is a ``BadRequest`` at the
+enqueue, never an ``OverflowError`` from msgpack (whose ints are 64-bit)."""
 
 
 class WorkerOptions(TypedDict, total=False):
@@ -170,8 +176,9 @@ def _dimensions(value: object, facts: ModelFacts) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"dimensions must be an integer, got {type(value).__name__}")
     _embedding_only("dimensions", facts)
-    if value < 1:
-        raise ValueError(f"dimensions must be at least 1, got {value}")
+    if not 1 <= value <= MAX_DIMENSIONS:
+        shown = f"{value}" if abs(value) < 10**12 else f"a {value.bit_length()}-bit integer"
+        raise ValueError(f"dimensions must be from 1 to {MAX_DIMENSIONS}, got {shown}")
     if facts.dim is not None and value > facts.dim:
         raise ValueError(f"dimensions {value} is more than the model's {facts.dim}")
     return value

@@ -24,6 +24,7 @@ variable.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -131,6 +132,60 @@ def _key_prefix(value: str) -> str:
     return value
 
 
+MAX_EXACT_INT = 2**53
+"""The largest whole number any setting may be. Redis scripts hold numbers as Lua
+doubles, exact up to 2**53 (past about 1e16 a script's ``SET ... PX`` is refused
+as "not an integer"); msgpack and JSON readers in any language take it too."""
+
+MAX_SECONDS = 10**9
+"""The longest time any setting may name, about 31 years: one home for every
+``*_s``, ``*_ms`` and ``*_us`` setting's ceiling (:func:`check_number`).
+
+Why this number: Python's sleeps, socket timeouts and ``threading`` waits take
+at most 2**63 ns (292 years; past it they raise ``OverflowError``), and in
+milliseconds, even times 3000 (a worker's liveness key lives three heartbeats),
+it stays under :data:`MAX_EXACT_INT`, so every TTL a setting becomes is one
+``SET PX`` / ``PEXPIRE`` Redis takes, in a script or not (a plain ``SET PX`` is
+refused past 2**63 - 1 less the current time in ms)."""
+
+_UNIT_SCALE = {"_s": 1, "_ms": 1_000, "_us": 1_000_000}
+"""A setting's unit, by the end of its name: its ceiling is MAX_SECONDS in that unit."""
+
+
+def check_number(value: object, name: str, *, allow_inf: bool = False) -> object:
+    """``value`` if it is a number a setting may hold, else ValueError saying why.
+
+    Every int and float setting passes here (``_Settings``' validator), so a
+    new setting is bounded without a line of its own: never NaN, infinite only
+    where the setting says what infinity means (``allow_inf``), a time at most
+    :data:`MAX_SECONDS` in its unit, anything else at most :data:`MAX_EXACT_INT`.
+    Lower bounds are each field's own (``ge``, ``gt``).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    if isinstance(value, float) and math.isnan(value):
+        raise ValueError(f"{name} must be a number, not nan")
+    if isinstance(value, float) and math.isinf(value):
+        if allow_inf and value > 0:
+            return value
+        raise ValueError(f"{name} must be finite, got {value}")
+    unit = next((suffix for suffix in _UNIT_SCALE if name.endswith(suffix)), None)
+    if unit is None:
+        ceiling, what = MAX_EXACT_INT, "2**53"
+    else:
+        ceiling, what = MAX_SECONDS * _UNIT_SCALE[unit], "about 31 years"
+    if abs(value) > ceiling:
+        raise ValueError(f"{name} must be at most {ceiling:,} ({what}), got {value:.4g}")
+    return value
+
+
+def _allows_inf(settings_cls: type[BaseModel], name: str) -> bool:
+    """Whether setting ``name`` gives infinity a meaning (``json_schema_extra={"inf": True}``)."""
+    info = settings_cls.model_fields.get(name)
+    extra = info.json_schema_extra if info is not None else None
+    return isinstance(extra, dict) and extra.get("inf") is True
+
+
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
 QueueName = Annotated[str, AfterValidator(_queue_name)]
 SocketTimeout = Annotated[float, Field(gt=0, description="Redis socket timeout, seconds")]
@@ -182,6 +237,13 @@ class _Settings(BaseSettings):
         DEFAULT_PREFIX, description="key prefix of every tokenq key"
     )
     socket_timeout_s: SocketTimeout = 5.0
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        """Every number of every command's settings within what Redis and Python take."""
+        name = info.field_name or ""
+        return check_number(value, name, allow_inf=_allows_inf(cls, name))
 
 
 class _QueueSettings(_Settings):
@@ -275,6 +337,17 @@ class HFSettings(BaseModel):
         "(fp16 with --device cpu is refused)",
     )
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
+    runtime: Literal["torch", "onnx", "auto"] = Field(
+        "torch",
+        description="what runs the transformer: torch (eager), onnx (ONNX Runtime on CPU, "
+        "fp32; needs pip install 'tokenq[onnx]'; the model is exported once and cached), "
+        "auto (onnx on CPU when the extra is installed, else torch; torch on CUDA)",
+    )
+    onnx_cache_dir: str | None = Field(
+        None,
+        description="--runtime onnx: where exported models are kept "
+        "(default: $XDG_CACHE_HOME/tokenq/onnx, else ~/.cache/tokenq/onnx)",
+    )
     max_input_tokens: int | None = Field(
         None, ge=1, description="cap below the model's own max input length"
     )
@@ -360,14 +433,15 @@ class ClientSettings(_QueueLimit, _Requests):
         le=64,
         description="durable enqueue: each enqueue returns only once this many replicas have "
         "it (Redis WAIT, on the connection that wrote it), so an accepted request survives a "
-        "failover; fewer in time raises NotReplicated (0: off, return once the primary has it)",
+        "failover; fewer in time: a submit raises NotReplicated, an infer waits for its results "
+        "as usual (logged, counted) (0: off, return once the primary has it)",
     )
     durable_timeout_ms: int = Field(
         1000,
         ge=1,
         le=600_000,
         description="longest a durable enqueue waits for its replicas (never past the call's "
-        "own timeout)",
+        "own timeout; it may be longer than --socket-timeout-s)",
     )
     shards: Shards | None = _shards(None)
     shard_choice: ShardChoice = Field(
@@ -401,6 +475,7 @@ class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
         ge=0,
         description="a request joins a batch only if the padding it adds is at most this "
         "times its own length (inf: always)",
+        json_schema_extra={"inf": True},
     )
     aging_ms: float = Field(
         1000.0,
@@ -484,7 +559,13 @@ class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
     exit_when_idle_s: float | None = Field(
         None, gt=0, description="exit after the queue has been empty this long (batch jobs)"
     )
-    metrics_host: str = Field("0.0.0.0", description="address the metrics endpoint binds to")
+    # Loopback by default, like `tokenq serve`'s --host: /metrics names the queue,
+    # the model and the consumers, so another machine sees it only when asked.
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="address the metrics endpoint binds to (0.0.0.0: every interface, "
+        "as a container needs for a probe or Prometheus from outside it)",
+    )
     devices: str | None = Field(
         None,
         description="run one worker process per GPU, e.g. '0,1' (each child gets "
@@ -616,6 +697,14 @@ class TopSettings(_JsonOutput, _Survey):
     once: bool = Field(False, description="draw one frame and exit (scripts, tests)")
 
 
+class FunctionsSettings(_Settings):
+    """Load tokenq's Lua functions (Redis 7+) with an admin's rights (docs/SECURITY.md)."""
+
+    action: CliPositionalArg[Literal["load", "show"]] = Field(
+        description="load the library (every primary of a Cluster), or show its names"
+    )
+
+
 class DlqSettings(_QueueLimit, _JsonOutput, _QueueSettings):
     """Look at, retry or purge a queue's dead letters (docs/OPERATIONS.md)."""
 
@@ -686,6 +775,10 @@ class ServeSettings(ClientSettings):
     )
     max_body_bytes: int = Field(
         16 << 20, ge=1024, description="largest request body accepted (more: 413)"
+    )
+    max_concurrent_requests: int = Field(
+        512, ge=1, description="most POST requests in flight at once, bodies being read "
+        "included (more: 429 at once, as TEI's --max-concurrent-requests)"
     )
 
     @field_validator("models")

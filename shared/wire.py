@@ -46,6 +46,23 @@ MAX_PRIORITY = 9
 
 _MAX_VERSION = 1_000_000
 
+_FIELD_OVERHEAD_BYTES = 512
+"""Room for the field names and numeric fields of one entry (about 150 bytes in all)."""
+
+
+def max_entry_bytes(max_request_bytes: int) -> int:
+    """The largest stream entry a producer can write (its fields' names and values, raw).
+
+    The text and its pair within ``max_request_bytes``, ``opts`` within
+    :data:`MAX_OPTS_BYTES`, the id and ``reply_to`` within their characters
+    (4 UTF-8 bytes at most each), and the names and numbers. The worker's
+    read-ahead counts every entry it may read as this large
+    (``worker/read_ahead.py``); only a raw ``XADD`` can write a larger one,
+    which decoding then refuses.
+    """
+    return (max_request_bytes + MAX_OPTS_BYTES + 4 * (MAX_ID_CHARS + MAX_REPLY_TO_CHARS)
+            + _FIELD_OVERHEAD_BYTES)
+
 _MAX_INT_DIGITS = 19
 """A numeric field longer than this is refused before it is parsed (no bignum work)."""
 

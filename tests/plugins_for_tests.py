@@ -155,3 +155,52 @@ def sim_gated_load(settings: Any) -> Any:
     while not gate.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     return build_sim_backend(settings)
+
+
+TOKENIZE_HANG_MARKER = "<<tokenize-hang>>"
+TOKENIZER_PIDS_ENV = "TOKENQ_TESTS_TOKENIZER_PIDS"
+"""A directory: a :class:`HangingTokenizer` about to hang creates a file named by its pid there."""
+
+
+class HangingTokenizer:
+    """The sim's tokenizer, except that a read holding :data:`TOKENIZE_HANG_MARKER` never
+    returns, as a tokenizer stuck in a loop or a lock would; it first names its process in
+    the directory ``TOKENQ_TESTS_TOKENIZER_PIDS`` names, so a test can watch that process."""
+
+    def tokenize(self, inputs: Sequence[Any], max_length: int | None) -> list[Encoding]:
+        import time
+        from pathlib import Path
+
+        from tokenq.worker.backends.sim import SimTokenizer
+
+        if any(TOKENIZE_HANG_MARKER in item.text for item in inputs):
+            directory = os.environ.get(TOKENIZER_PIDS_ENV)
+            if directory:
+                Path(directory, str(os.getpid())).touch()
+            while True:
+                time.sleep(3600)
+        return SimTokenizer.tokenize(inputs, max_length)
+
+
+class SimHangingTokenizer:
+    """The sim backend with a :class:`HangingTokenizer`, in the worker's thread and in
+    ``--tokenize-processes`` children alike."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def tokenize(self, inputs: Sequence[Any], max_length: int | None) -> list[Encoding]:
+        return HangingTokenizer().tokenize(inputs, max_length)
+
+    def tokenizer_factory(self) -> type[HangingTokenizer]:
+        return HangingTokenizer
+
+
+def sim_hanging_tokenizer(settings: Any) -> SimHangingTokenizer:
+    """``--backend tests.plugins_for_tests:sim_hanging_tokenizer``."""
+    from tokenq.worker.backends.sim import build_sim_backend
+
+    return SimHangingTokenizer(build_sim_backend(settings))

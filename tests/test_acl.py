@@ -4,8 +4,10 @@ The ACL rules are read from docs/SECURITY.md itself, so the documented rules
 are the tested ones. A producer and a worker run the whole path under them
 (enqueue, replies, dead letters, claiming a dead consumer's entry, removing
 that consumer) and Redis's own ``ACL LOG`` must stay empty: no command tokenq
-runs in normal operation is refused. Then the refusals that keep queues apart
-are checked one by one.
+runs in normal operation is refused (the worker loads tokenq's Lua functions;
+the producer only calls them). Then the refusals that keep queues apart, and
+keep a producer from running Lua of its own, are checked one by one
+(``tests/test_functions.py`` covers the functions in depth).
 """
 
 from __future__ import annotations
@@ -195,6 +197,12 @@ def test_acl_keeps_queues_apart(acl_server: RedisServer) -> None:
         "A's producer lists keys": lambda: producer_a.keys("*"),
         "A's producer flushes": lambda: producer_a.flushall(),
         "A's producer runs its own Lua": lambda: producer_a.eval("return 1", 0),
+        "A's producer loads its own Lua": lambda: producer_a.script_load("while true do end"),
+        "A's producer runs a loaded script": lambda: producer_a.evalsha(
+            admin.script_load("return 1"), 0),
+        "A's producer loads a function": lambda: producer_a.function_load(
+            "#!lua name=mine\nredis.register_function('spin', function() while true do end end)"),
+        "A's producer deletes tokenq's functions": lambda: producer_a.function_flush(),
         "B's worker reads A's stream": lambda: worker_b.xreadgroup(
             keys.GROUP, "w", {keys.requests(a): ">"}),
         "B's worker pushes A's replies": lambda: worker_b.rpush(keys.reply(a, "x"), b"forged"),

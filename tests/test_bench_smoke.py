@@ -28,11 +28,11 @@ SEED_KEYS = {
 
 
 def run_suite(
-    suite: str, tmp_path: Path, timeout: float = 120.0, size: str = "tiny"
+    suite: str, tmp_path: Path, timeout: float = 120.0, size: str = "tiny", *flags: str
 ) -> dict[str, Any]:
     out = tmp_path / f"{suite}.json"
     completed = subprocess.run(
-        [sys.executable, str(RUN), suite, "--size", size, "--json", str(out)],
+        [sys.executable, str(RUN), suite, "--size", size, "--json", str(out), *flags],
         capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
@@ -142,7 +142,7 @@ def test_shards(tmp_path: Path) -> None:
         busy = [row for row in nodes if row["requests"]]
         assert len(busy) == shards  # K=1 on one master; K=3 on three (spread_queue)
     assert "info" in result["config"]["commands_seen"]["not_counted"]
-    assert "evalsha" in result["config"]["commands_seen"]["round_trip"]
+    assert "fcall" in result["config"]["commands_seen"]["round_trip"]  # a script call: one trip
 
 
 def test_plots_from_results(scale_results: Path, tmp_path: Path) -> None:
@@ -166,6 +166,34 @@ def test_real(tmp_path: Path) -> None:
     assert set(result["ratios"]) >= {"tokenq_over_st", "tokenq_over_ideal"}
     # Same model, same inputs: tokenq's vectors are sentence-transformers' vectors.
     assert result["config"]["min_cosine_tokenq_vs_st"] > 0.999
+
+
+def test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch(tmp_path: Path) -> None:
+    """``--runtime onnx``: the onnx rows beside the torch ones, the same vectors as
+    sentence-transformers, and onnx/torch in the notes (not its size: tiny runs are noise)."""
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("onnxruntime")
+    real = run_suite("real", tmp_path, 400.0, "tiny", "--runtime", "onnx")
+    methods = {row["method"] for row in real["rows"]}
+    assert {"tokenq (budget 16384)", "tokenq onnx (budget 16384)"} <= methods
+    assert any(method.startswith("ideal onnx") for method in methods)
+    assert real["config"]["min_cosine_tokenq_onnx_vs_st"] >= 0.9999
+    assert real["ratios"]["onnx_over_torch"] > 0
+    assert real["command"].endswith("--runtime onnx")
+    mixed = run_suite("mixed-latency", tmp_path, 300.0, "tiny", "--runtime", "onnx")
+    rows = {row["setting"]: row for row in mixed["rows"]}
+    for setting in ("hf-torch", "hf-onnx"):
+        assert rows[f"{setting} all"]["requests"] > 0 and rows[f"{setting} all"]["failed"] == 0
+    assert any("hf onnx / hf torch requests/s" in note for note in mixed["notes"])
+
+
+def test_runtime_is_refused_for_a_suite_without_the_hf_backend() -> None:
+    completed = subprocess.run(
+        [sys.executable, str(RUN), "seed", "--runtime", "onnx"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )
+    assert completed.returncode == 2
+    assert "--runtime applies to real, mixed-latency, not 'seed'" in completed.stderr
 
 
 # Minutes of real workers and models: CI runs them; `-m 'not slow'` skips them.

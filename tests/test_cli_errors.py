@@ -41,6 +41,7 @@ from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import (
     DlqSettings,
     EmbedSettings,
+    FunctionsSettings,
     StatsSettings,
     TopSettings,
     UpSettings,
@@ -249,6 +250,7 @@ SUBCOMMAND_MAINS = {
     "stats": "tokenq.producer.ops.stats",
     "top": "tokenq.producer.ops.top",
     "dlq": "tokenq.producer.ops.dlq",
+    "functions": "tokenq.producer.ops.functions",
 }
 
 
@@ -310,7 +312,7 @@ def test_help_of_every_subcommand_is_clean(name, capsys):
 
 SETTINGS_OF = {
     "worker": WorkerSettings, "up": UpSettings, "embed": EmbedSettings, "stats": StatsSettings,
-    "top": TopSettings, "dlq": DlqSettings,
+    "top": TopSettings, "dlq": DlqSettings, "functions": FunctionsSettings,
 }
 
 
@@ -330,8 +332,8 @@ def test_help_lists_every_variable_the_subcommand_reads(name, capsys, monkeypatc
     for field in numeric:
         monkeypatch.setenv(env_var(field), "not-a-number")
     if numeric:
-        assert _main(name)(["list"] if name == "dlq" else ["f", "--output", "o.jsonl"]
-                           if name == "embed" else []) == 2
+        argv = {"dlq": ["list"], "functions": ["load"], "embed": ["f", "--output", "o.jsonl"]}
+        assert _main(name)(argv.get(name, [])) == 2
         err = capsys.readouterr().err
         assert all(env_var(field) in err for field in numeric), err
 

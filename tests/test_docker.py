@@ -173,6 +173,19 @@ def test_healthchecks_hit_the_worker_and_gateway_ports(compose, dockerfile):
     assert ServeSettings.model_fields["port"].default == 8080
 
 
+def test_prometheus_reaches_every_worker_metrics_host(compose, dockerfile, monkeypatch):
+    """Prometheus scrapes from its own container, which the default loopback bind refuses."""
+    assert WorkerSettings.model_fields["metrics_host"].default == "127.0.0.1"
+    for name in WORKERS:
+        env = container_env(compose["services"][name])
+        settings = settings_from(env, WorkerSettings, monkeypatch)
+        assert settings.metrics_host == "0.0.0.0", name  # type: ignore[attr-defined]
+    # The image's own default, for `docker run` without compose.
+    lines = instructions(stages(dockerfile)["worker"])
+    assert any(line.startswith("ENV ") and re.search(r"\bTOKENQ_METRICS_HOST=0\.0\.0\.0\b", line)
+               for line in lines)
+
+
 def test_redis_is_healthy_before_anything_starts_on_it(compose):
     for name in (*WORKERS, "gateway"):
         assert compose["services"][name]["depends_on"]["redis"]["condition"] == "service_healthy"

@@ -3,8 +3,11 @@
 Over real HTTP against real worker processes: the endpoint answers while
 the model is still loading (a plugin whose load waits for a file the test
 creates), ``/readyz`` turns 200 once the worker has joined, unknown paths
-are 404, and ``/livez`` fails once the watchdog declares the device hung
-(but not merely because Redis stopped answering). The rules themselves
+are 404, ``/livez`` fails once the watchdog declares the device hung
+(but not merely because Redis stopped answering), and ``/readyz`` fails,
+naming Redis's error, while every read fails (the stream key turned into a
+string: WRONGTYPE; the ACL denying XREADGROUP: NOPERM) and recovers once a
+read succeeds. The rules themselves
 (:class:`~tokenq.worker.health.Health`) are also driven directly, with
 the clock as an argument.
 """
@@ -25,9 +28,16 @@ from tests.cli_support import DIM, FAST_BEAT, MAX_INPUT, SIM_FLAGS, wait_for
 from tests.plugins_for_tests import LOAD_GATE_ENV
 from tests.redis_server import RedisServer, free_ports, freezable_server
 from tests.workers import Fleet
+from tokenq.producer import Client
 from tokenq.shared import keys
 from tokenq.worker.backends.sim import SIM_HANG_MARKER
-from tokenq.worker.health import MODEL_LOADING, NOT_JOINED, STOPPING, Health
+from tokenq.worker.health import (
+    MODEL_LOADING,
+    NOT_JOINED,
+    READ_FAILURES_BEFORE_UNREADY,
+    STOPPING,
+    Health,
+)
 
 LOCAL = ("--metrics-host", "127.0.0.1")
 
@@ -127,7 +137,86 @@ def test_livez_fails_once_the_watchdog_fires_and_not_because_redis_froze(
     assert worker.process.wait(timeout=30) == 3
 
 
+def test_readyz_fails_while_every_read_fails_and_recovers_when_one_succeeds(
+    fleet: Fleet, r: redis.Redis, redis_url: str, queue_name: str,
+):
+    """The heartbeat passes while XREADGROUP fails on WRONGTYPE: the worker takes no work,
+    so it is not ready; once the key is gone the group is made again and it is ready."""
+    port = free_ports(1)
+    fleet.start(*SIM_FLAGS, *FAST_BEAT, "--metrics-port", str(port), *LOCAL,
+                ready=r, queue=queue_name)
+    wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to turn 200")
+    stream = keys.requests(keys.QueueRef(queue_name))
+    with r.pipeline(transaction=True) as swap:  # at once: no read sees the key missing
+        swap.delete(stream).set(stream, "not a stream").execute()
+    wait_for(lambda: get(port, "/readyz")[0] == 503, 30, "/readyz to fail")
+    status, body = get(port, "/readyz")
+    assert status == 503 and body.startswith("reads failing: WRONGTYPE"), body
+    assert get(port, "/livez") == (200, "ok\n")  # Redis refusing reads is not fatal
+
+    r.delete(stream)
+    wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to recover")
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        assert len(client.infer("taken again", timeout_s=30).embedding) == DIM
+
+
+def test_readyz_fails_while_the_acl_denies_xreadgroup_and_recovers_when_it_allows_it(
+    fleet: Fleet, worker_env: dict[str, str], tmp_path: Path, queue_name: str,
+):
+    """The documented worker user, then ``-xreadgroup``: the heartbeat still passes, reads
+    fail NOPERM, ``/readyz`` says so; ``+xreadgroup`` and it is ready again."""
+    from tests.test_acl import create_users, user_url
+
+    server = RedisServer(tmp_path / "acl")
+    server.start()
+    try:
+        admin = redis.Redis(port=server.port)
+        create_users(admin, queue_name, "pw")
+        port = free_ports(1)
+        user = f"{queue_name}-worker"
+        env = {**worker_env, "TOKENQ_REDIS_URL": user_url(server, user, "pw")}
+        fleet.start(*SIM_FLAGS, *FAST_BEAT, "--metrics-port", str(port), *LOCAL, env=env,
+                    ready=admin, queue=queue_name)
+        wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to turn 200")
+        admin.execute_command("ACL", "SETUSER", user, "-xreadgroup")
+        wait_for(lambda: get(port, "/readyz")[0] == 503, 30, "/readyz to fail")
+        status, body = get(port, "/readyz")
+        assert status == 503, body
+        assert body.startswith("reads failing: ") and "xreadgroup" in body.lower(), body
+        assert get(port, "/livez") == (200, "ok\n")
+        admin.execute_command("ACL", "SETUSER", user, "+xreadgroup")
+        wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to recover")
+        admin.close()
+    finally:
+        fleet.close()
+        server.stop()
+
+
 # ------------------------------------------------------------------ the rules
+
+
+def test_reads_failing_on_every_lane_fail_readiness_and_one_answer_restores_it():
+    health = Health(heartbeat_s=1.0)
+    health.loaded()
+    health.running(0.0)
+    for lane in (0, 1):
+        health.reader_started(lane)
+    for _ in range(READ_FAILURES_BEFORE_UNREADY):
+        health.read_failed(0, "WRONGTYPE Operation against a key holding the wrong kind")
+    assert health.ready(1.0).ok  # lane 1 still takes work
+    for _ in range(READ_FAILURES_BEFORE_UNREADY - 1):
+        health.read_failed(1, "NOPERM no permissions to run the 'xreadgroup' command")
+    assert health.ready(1.0).ok  # one blip less than the rule
+    health.read_failed(1, "NOPERM no permissions to run the 'xreadgroup' command")
+    verdict = health.ready(1.0)
+    assert verdict.text == "reads failing: NOPERM no permissions to run the 'xreadgroup' command"
+    assert health.live(1.0).ok
+    health.read_ok(0)
+    assert health.ready(1.0).ok
+    health.read_failed(0, "WRONGTYPE")
+    assert health.ready(1.0).ok  # the count starts again after an answer
+    health.reader_ended(0)  # a drained lane no longer counts: lane 1 alone fails
+    assert health.ready(1.0).text.startswith("reads failing: NOPERM")
 
 
 def test_a_new_worker_is_live_but_not_ready_until_loaded_and_joined():
@@ -182,7 +271,7 @@ def test_the_watchdog_and_a_stop_fail_the_right_probes():
     health.running(0.0)
     health.stopping = True
     assert health.live(0.5).ok and health.ready(0.5).reasons == (STOPPING,)
-    health.device_hung("a batch of 3 requests on the device for more than 5s")
+    health.stage_hung("device", "a batch of 3 requests on the device for more than 5s")
     assert health.live(0.5).text == (
         "device hung: a batch of 3 requests on the device for more than 5s")
     assert "device hung" in health.ready(0.5).text

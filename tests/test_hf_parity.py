@@ -8,11 +8,17 @@ before the final L2 normalisation, logits); :func:`finish` applies what
 and the result must equal the reference's: ``SentenceTransformer.encode``,
 ``CrossEncoder.predict``, the transformers ``text-classification`` pipeline,
 or a direct ``AutoModel`` forward of each input alone.
+
+Every test runs on both runtimes (``--runtime torch`` and ``onnx``, the
+latter skipped without the ``onnx`` extra): the ONNX export must give the
+same answers, family by family. Exports go to one folder per module run,
+so each model is exported once and reused by the tests after it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,6 +55,26 @@ from tokenq.worker.pipeline.options import NO_OPTIONS, Finisher  # noqa: E402
 TEXTS, PAIRS = SAMPLE_TEXTS, SAMPLE_PAIRS
 PROMPTS = {"query": "query: ", "document": "passage: "}
 MIN_COSINE = 0.9999
+RUNTIME = "torch"
+"""The runtime :func:`load` asks for; the autouse ``runtime`` fixture sets it per test."""
+ONNX_CACHE: Path | None = None
+
+
+@pytest.fixture(scope="module")
+def onnx_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("onnx-cache")
+
+
+@pytest.fixture(autouse=True, params=["torch", "onnx"])
+def runtime(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, onnx_cache: Path
+) -> str:
+    """Each test once per runtime."""
+    if request.param == "onnx":
+        pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(sys.modules[__name__], "RUNTIME", request.param)
+    monkeypatch.setattr(sys.modules[__name__], "ONNX_CACHE", onnx_cache)
+    return str(request.param)
 
 
 def finish(info: BackendInfo, rows: Sequence[np.ndarray]) -> np.ndarray:
@@ -62,8 +88,15 @@ def reference_library() -> Any:
     return pytest.importorskip("sentence_transformers")
 
 
-def load(path: Path, **options: Any) -> HFBackend:
-    return HFBackend.load(HFOptions(model=str(path), device="cpu", **options))
+def load(path: Path | None, **options: Any) -> HFBackend:
+    """The backend on the CPU, on this test's runtime (``path`` None: the bundled model)."""
+    model = None if path is None else str(path)
+    cache = str(ONNX_CACHE) if ONNX_CACHE else None
+    backend = HFBackend.load(
+        HFOptions(model=model, device="cpu", runtime=RUNTIME, onnx_cache_dir=cache, **options)
+    )
+    assert backend.info.extra["runtime"] == RUNTIME
+    return backend
 
 
 def answers(
@@ -408,7 +441,7 @@ def test_remote_code_runs_only_with_trust_remote_code(root: Path, bert: Path) ->
 
 def test_minilm_with_a_prompt_matches_sentence_transformers() -> None:
     path = bundled_model_dir()
-    backend = HFBackend.load(HFOptions(device="cpu"))
+    backend = load(None)
     assert backend.info.normalized and backend.info.raw_vectors
     texts = [*TEXTS, "What is the capital of France?", "Paris is the capital of France."]
     expected = st_encode(path, texts, prompt="query: ")

@@ -200,6 +200,13 @@ def test_worker_probes_hit_its_metrics_port(worker):
     assert startup["failureThreshold"] * startup["periodSeconds"] >= 600
 
 
+def test_the_probes_reach_the_worker_metrics_host(worker, monkeypatch):
+    """The kubelet probes the pod's IP, which the worker's default loopback bind refuses."""
+    settings = settings_from(tokenq_env(container(worker)), WorkerSettings, monkeypatch)
+    assert settings.metrics_host == "0.0.0.0"  # type: ignore[attr-defined]
+    assert WorkerSettings.model_fields["metrics_host"].default == "127.0.0.1"  # so it must be set
+
+
 def test_the_worker_serves_the_probe_paths():
     """/livez and /readyz are the worker's (on its metrics port), not only this file's."""
     source = "\n".join(path.read_text() for path in (REPO_ROOT / "worker").rglob("*.py"))

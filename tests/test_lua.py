@@ -91,3 +91,31 @@ def test_both_scripts_that_add_to_a_queue_refuse_alike(r: redis.Redis, queue_nam
         refusals.append(lua.parse_queue_full(str(caught.value)))
     assert refusals == [lua.QueueFullReply("1", "1", "1")] * 2
     assert r.xlen(keys.requests(q)) == 1 and r.xlen(keys.dead(q)) == 1
+
+
+# ------------------------------------------------------ the functions library
+
+
+def test_every_script_file_is_a_function_of_the_library() -> None:
+    """A script added to producer/lua or worker/lua and not to lua.SCRIPTS would run by
+    EVALSHA, which the documented ACLs no longer grant: every file is in the library."""
+    files = {(f"tokenq.{side}", path.name) for side in ("producer", "worker")
+             for path in (REPO_ROOT / side / "lua").glob("*.lua")}
+    assert {(s.package, s.file) for s in lua.SCRIPTS.values()} == files
+    library = lua.library()
+    assert library.code.startswith(f"#!lua name={library.name}\n")
+    for short, script in lua.SCRIPTS.items():
+        source = lua.load(script.package, script.file)
+        assert library.scripts[short] == source and source.rstrip() in library.code
+        assert library.functions[short] == f"{library.name}_{short}"
+
+
+def test_the_library_is_named_by_its_code() -> None:
+    """Another version (any script changed) has other names, so both can be loaded at once;
+    the same scripts always give the same names."""
+    library = lua.library()
+    assert lua.build_library(dict(library.scripts)) == library
+    changed = lua.build_library({**library.scripts, "enqueue": library.scripts["enqueue"] + "--"})
+    assert changed.name != library.name and changed.name.startswith(lua.LIBRARY_PREFIX)
+    with pytest.raises(ValueError, match="unknown function flags"):
+        lua.function_body("f", "return 1", ["allow-everything"])

@@ -416,7 +416,7 @@ def test_truncate_option_overrides_the_queue_policy(open_loop) -> None:
         ({"normalize": False}, "only answers unit-length"),
         ({"raw_scores": True}, "raw_scores applies to classifiers"),
         ({"dimensions": DIM + 1}, f"more than the model's {DIM}"),
-        ({"dimensions": 0}, "at least 1"),
+        ({"dimensions": 0}, "from 1 to 65536"),
         ({"prompt_name": "query"}, "it has no named prompts"),
         ({"prompt": "a", "prompt_name": "b"}, "not both"),
         ({"truncate": "yes"}, "truncate must be true or false"),

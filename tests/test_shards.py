@@ -91,6 +91,21 @@ def test_lanes_are_the_shards_then_the_plain_queue(shards: int) -> None:
     assert all(keys.queue_of(keys.requests(lane)) == lane for lane in lanes)
 
 
+@given(st.integers(1, 64), st.integers(0, keys.MAX_SHARDS + 8))
+def test_retired_shards_are_exactly_the_served_ones_no_lane_reads(shards: int, served: int) -> None:
+    """After any change of K, every numbered shard ever served is read or retired, not both."""
+    q = keys.QueueRef("q")
+    retired = keys.retired_shards(q, shards, served)
+    reading = set(keys.lanes_of(q, shards))
+    assert not reading & set(retired)
+    numbered = [count for count in (shards, min(served, keys.MAX_SHARDS)) if count > 1]
+    ever = set(range(max(numbered, default=0)))  # a count of 1 is the plain {q} alone
+    assert {lane.shard for lane in (*reading, *retired) if lane.shard is not None} == ever
+    assert all(keys.retired(lane) == f"tokenq:{{q:{lane.shard}}}:retired" for lane in retired)
+    if served <= shards:
+        assert retired == ()
+
+
 def test_bad_shard_counts_are_refused_by_name() -> None:
     for bad in (0, -1, keys.MAX_SHARDS + 1, 2.0, True):
         with pytest.raises(ValueError, match="shards must be an integer"):

@@ -14,12 +14,19 @@ import itertools
 import multiprocessing
 import os
 import signal
+import threading
+import time
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.plugins_for_tests import PickyTokenizer, broken_tokenizer_factory
+from tests.plugins_for_tests import (
+    TOKENIZE_HANG_MARKER,
+    HangingTokenizer,
+    PickyTokenizer,
+    broken_tokenizer_factory,
+)
 from tests.test_e2e_core import DIM, MAX_INPUT, assert_vector, start_worker  # noqa: F401
 from tokenq.producer import Client
 from tokenq.shared import wire
@@ -27,7 +34,13 @@ from tokenq.shared.errors import ConfigError
 from tokenq.worker.backends.base import TextInput, tokenizer_source_of
 from tokenq.worker.backends.sim import SimBackend, SimTokenizer
 from tokenq.worker.pipeline.pipeline import Admit, Pipeline
-from tokenq.worker.pipeline.tokenizing import MIN_SLICE, TokenizerPool, pool_for, slices
+from tokenq.worker.pipeline.tokenizing import (
+    CLOSE_GRACE_S,
+    MIN_SLICE,
+    TokenizerPool,
+    pool_for,
+    slices,
+)
 
 
 @given(st.integers(0, 2000), st.integers(1, 16))
@@ -124,6 +137,30 @@ def test_closing_the_pool_stops_its_children(pool) -> None:
     pool.close()  # twice is fine
     with pytest.raises(RuntimeError, match="not running"):
         pool.tokenize(inputs_of(["after close"]), None)
+
+
+def test_closing_kills_a_child_whose_tokenizer_hangs_instead_of_waiting_for_it() -> None:
+    """The worker closes its pool on the way out: a hung child must not hold its exit."""
+    hanging = TokenizerPool(HangingTokenizer, 1)
+    hanging.start()
+    child = hanging.pids()[0]
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            hanging.tokenize(inputs_of([TOKENIZE_HANG_MARKER]), None)
+        except Exception as exc:
+            errors.append(exc)
+
+    stuck = threading.Thread(target=call, daemon=True)
+    stuck.start()
+    time.sleep(0.5)  # the call is in the child
+    started = time.monotonic()
+    hanging.close()
+    assert time.monotonic() - started < CLOSE_GRACE_S + 5
+    assert child not in _children()
+    stuck.join(10)
+    assert not stuck.is_alive() and errors  # the caller got an error, not a hang
 
 
 def test_a_backend_without_a_tokenizer_factory_is_refused_by_name() -> None:

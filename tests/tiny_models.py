@@ -170,11 +170,14 @@ class TinyCustomModel(BertModel):
 '''
 
 
-def write_custom_code_bert(path: Path, base: Path) -> Path:
-    """``base`` (a tiny BERT) as a model with its own code: config.json has ``auto_map``."""
+def write_custom_code_bert(path: Path, base: Path, modeling: str = _MODELING) -> Path:
+    """``base`` (a tiny BERT) as a model with its own code: config.json has ``auto_map``.
+
+    ``modeling`` is the source of ``modeling_tiny_custom.py``, defining ``TinyCustomModel``.
+    """
     shutil.copytree(base, path)
     (path / "configuration_tiny_custom.py").write_text(_CONFIGURATION.lstrip())
-    (path / "modeling_tiny_custom.py").write_text(_MODELING.lstrip())
+    (path / "modeling_tiny_custom.py").write_text(modeling.lstrip())
     config = json.loads((path / "config.json").read_text())
     config["model_type"] = "tiny-custom"
     config["architectures"] = ["TinyCustomModel"]

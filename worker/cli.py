@@ -5,8 +5,9 @@ on them; docs/OPERATIONS.md lists them):
 
 * 0 — stopped cleanly (a signal, or ``--exit-when-idle-s``);
 * 2 — bad settings or a model the settings cannot serve: restarting cannot help;
-* 3 — a batch hung on the device past ``--batch-timeout-s`` (the watchdog):
-  restart the process, peers have taken its requests;
+* 3 — a stage holding entries hung past its deadline (the watchdog: a batch
+  on the device or a tokenizer past ``--batch-timeout-s``): restart the
+  process, peers have taken its requests;
 * 4 — the worker itself failed (the device was lost, an internal error):
   restart it; its requests are claimed by peers.
 """

@@ -33,6 +33,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tokenq.shared import functions
 from tokenq.shared.redis_url import RedisTarget, parse_redis_url
 from tokenq.shared.sentinel_connection import managed_connection
 from tokenq.shared.settings import WorkerSettings
@@ -116,7 +117,7 @@ def _cluster(target: RedisTarget, options: dict[str, Any]) -> aioredis.RedisClus
         node.connection_class = connection_class
         node.connection_kwargs.update(tls)
     client.commands_parser.__class__ = _StreamKeysParser
-    return client
+    return functions.route_by_keys(client)  # FCALL's keys too, without asking Redis
 
 
 def stream_read_keys(args: tuple[Any, ...]) -> list[Any] | None:

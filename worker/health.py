@@ -9,7 +9,9 @@ clock: every timestamp is monotonic seconds passed in by the caller.
 **Live** means "restarting this process would not help anything": it fails
 only for what the process itself cannot recover from —
 
-* the watchdog fired: a batch stayed on the device past ``batch_timeout_s``;
+* the watchdog fired: a stage that holds entries ran past its deadline (a
+  batch on the device past ``batch_timeout_s``, a read being tokenized, a
+  Redis read or a publish attempt: ``worker/stages.py``);
 * the event loop stalled: neither the heartbeat nor the watchdog, which
   tick it at least every heartbeat and every second, has run for
   ``3 × max(heartbeat_s, watchdog period)`` (the three beats after which
@@ -21,7 +23,12 @@ at once, reload its model, and find Redis still down.
 **Ready** means "this worker is taking work": the model loaded, the
 consumer group joined, Redis answered the last check (the heartbeat's, or
 the join's) and the heartbeat in flight has not waited more than three
-beats for an answer, the worker is not stopping, and it is live. Loading
+beats for an answer, reads are not failing on every lane (a stream key of
+the wrong type, an ACL that denies ``XREADGROUP``: the heartbeat may pass
+while no work is taken), Redis did not refuse the last try to publish answers
+(``OOM`` at ``maxmemory``, ``READONLY``: the worker holds its answers until
+Redis takes them, so more work would only pile up), the worker is not
+stopping, and it is live. Loading
 and joining count as live: ``/livez`` is 200 while ``/readyz`` says
 ``model loading``.
 """
@@ -33,6 +40,9 @@ from dataclasses import dataclass
 MODEL_LOADING = "model loading"
 NOT_JOINED = "consumer group not joined"
 STOPPING = "stopping"
+READ_FAILURES_BEFORE_UNREADY = 3
+"""Consecutive failed reads on every lane after which ``/readyz`` fails (the read
+loop's backoff makes three about 0.7 s: one blip is not enough)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +74,11 @@ class Health:
         self.redis_error: str | None = None
         """Why the last Redis check failed; None when it passed (or none ran yet)."""
         self.hung: str | None = None
-        """The watchdog's reason once it fired."""
+        """The watchdog's reason once it fired (``device hung: ...``)."""
+        self._read_failures: dict[int, tuple[int, str]] = {}
+        """Per lane being read: consecutive failed reads and the last error."""
+        self.publish_refusal: str | None = None
+        """Why Redis refused the last try to publish answers; None once one went through."""
         self._ticked: float | None = None
         """Last tick of the event loop; None until the worker runs (and after it closed)."""
         self._beat_since: float | None = None
@@ -97,8 +111,41 @@ class Health:
         self._beat_since = None
         self.redis_answered(error)
 
-    def device_hung(self, reason: str) -> None:
-        self.hung = reason
+    def publish_refused(self, reason: str) -> None:
+        """Redis refused a publish call for its own state (``oom``, ``readonly``, ...)."""
+        self.publish_refusal = reason
+
+    def publish_ok(self) -> None:
+        """A publish call went through: Redis takes writes again."""
+        self.publish_refusal = None
+
+    def stage_hung(self, stage: str, reason: str) -> None:
+        """The watchdog found ``stage`` (``device``, ``tokenizing``, ...) past its deadline."""
+        self.hung = f"{stage} hung: {reason}"
+
+    def reader_started(self, lane: int) -> None:
+        """``lane`` is read from now on: readiness counts its reads."""
+        self._read_failures[lane] = (0, "")
+
+    def reader_ended(self, lane: int) -> None:
+        self._read_failures.pop(lane, None)
+
+    def read_failed(self, lane: int, error: BaseException | str) -> None:
+        """A read (XREADGROUP, a reclaim scan) on ``lane`` failed with ``error``."""
+        failures, _ = self._read_failures.get(lane, (0, ""))
+        self._read_failures[lane] = (failures + 1, str(error) or type(error).__name__)
+
+    def read_ok(self, lane: int) -> None:
+        """A read on ``lane`` got Redis's answer: the lane takes work."""
+        if lane in self._read_failures:
+            self._read_failures[lane] = (0, "")
+
+    def _reads_failing(self) -> str | None:
+        """The last error, when every lane's reads have failed often enough in a row."""
+        lanes = list(self._read_failures.values())
+        if not lanes or any(failures < READ_FAILURES_BEFORE_UNREADY for failures, _ in lanes):
+            return None
+        return lanes[-1][1]
 
     def closed(self) -> None:
         """The worker's tasks ended (the process is about to exit): stop expecting ticks."""
@@ -110,7 +157,7 @@ class Health:
 
     def live(self, now: float) -> Verdict:
         if self.hung is not None:
-            return Verdict(False, (f"device hung: {self.hung}",))
+            return Verdict(False, (self.hung,))
         if self._ticked is not None and now - self._ticked > self.stall_after_s:
             return Verdict(False, (
                 f"event loop stalled: no heartbeat or watchdog tick for "
@@ -129,6 +176,11 @@ class Health:
             reasons.append(f"redis unreachable: no answer for {now - since:.1f}s")
         elif self.redis_error is not None:
             reasons.append(f"redis unreachable: {self.redis_error}")
+        reads = self._reads_failing()
+        if reads is not None:
+            reasons.append(f"reads failing: {reads}")
+        if self.publish_refusal is not None:
+            reasons.append(f"redis refuses writes: {self.publish_refusal}")
         if self.stopping:
             reasons.append(STOPPING)
         live = self.live(now)

@@ -13,16 +13,29 @@ with more than one lane the worker names an entry ``<lane>/<id>``
 (:func:`ref_of`) wherever it holds it: the packer, the held-bytes table,
 answers. With one lane the reference *is* the entry id, so a queue of one
 shard reads and writes byte for byte what it always did.
+
+When a queue's shard count shrinks, the shards beyond it are *retired*
+(:class:`Retirement`): the worker reads them too, as extra lanes after its
+own, until each is empty, nothing is pending on it, no dead letter is left
+on it, and (by its marker) no producer can add to it; then it removes the
+lane (``remove_retired.lua``), keeping the marker.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenq.shared import keys
+import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
+
+from tokenq.shared import functions, keys, lua
+from tokenq.shared.redis_text import as_text
+
+log = logging.getLogger("tokenq.worker")
 
 if TYPE_CHECKING:
     from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy
@@ -42,6 +55,10 @@ class Lane:
     reclaimer: Reclaimer | None = None
     publisher: Publisher | None = None
     last_reclaim: float = 0.0
+    retired: bool = False
+    """A shard beyond the queue's shard count, read until drained (:class:`Retirement`)."""
+    drained: bool = False
+    """A retired lane that is removed: nothing reads, beats or answers on it any more."""
     stream: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,3 +101,107 @@ def tagged(lane: Lane, answers: Iterable[Answer]) -> list[Answer]:
     if not lane.tagged:
         return list(answers)
     return [dataclasses.replace(a, entry_id=lane.ref(a.entry_id)) for a in answers]
+
+
+REMOVE_RETIRED_SCRIPT = lua.load("tokenq.worker", "remove_retired.lua")
+
+_GONE = ("removed", "gone")
+"""What remove_retired.lua answers for a lane nobody reads any more."""
+
+
+class Retirement:
+    """The shards a queue served beyond its count today: found at a worker's join, drained,
+    then removed (docs/OPERATIONS.md, "Changing K").
+
+    Found without a SCAN: ``keys.shards_served`` records the highest count
+    served while a retired shard remains, and the config hash the count the
+    workers served before this one joined (a queue resharded by a version
+    without the record). Each retired shard gets its marker before anything
+    else, so from then on it only shrinks (enqueue.lua refuses to add to it).
+    """
+
+    def __init__(self, queue: keys.QueueRef, shards: int) -> None:
+        self.queue = queue
+        self.shards = shards
+        self._found: set[keys.QueueRef] = set()
+
+    async def join(self, client: aioredis.Redis) -> list[keys.QueueRef]:
+        """Mark the retired shards and unmark this worker's own; the retired shards with a
+        stream not returned before (a join is retried until Redis answers).
+
+        Runs before the worker publishes its count in the config hash, so a
+        producer that learns a grown count finds the shards unmarked, and one
+        holding a shrunk count is refused from the moment it could be stale.
+        """
+        recorded = await self._served(client)
+        if recorded is None:
+            return []
+        served = max(self.shards, recorded)
+        for shard in keys.shards_of(self.queue, self.shards) if self.shards > 1 else ():
+            await client.delete(keys.retired(shard))  # served again (grown back): takes requests
+        retired = keys.retired_shards(self.queue, self.shards, served)
+        for shard in retired:  # the marker first: then what EXISTS sees is all there will be
+            await client.set(keys.retired(shard), str(self.shards))
+        existing = [shard for shard in retired if await client.exists(keys.requests(shard))]
+        if existing:
+            await client.set(keys.shards_served(self.queue), str(served))
+        else:
+            await client.delete(keys.shards_served(self.queue))
+        new = [shard for shard in existing if shard not in self._found]
+        self._found.update(new)
+        return new
+
+    async def tend(
+        self, client: aioredis.Redis, lanes: list[Lane], consumer: str
+    ) -> list[Lane]:
+        """Remove the retired lanes that are drained; those nobody reads any more.
+
+        A lane another worker removed (``gone``) is given up the same way;
+        this worker's heartbeat row and liveness key on it go too (a beat may
+        have written them after the removal). When no retired lane is left the
+        record goes, once no retired shard has a stream.
+        """
+        retired = [lane for lane in lanes if lane.retired]
+        if not retired:
+            return []
+        script = functions.AsyncFunction(client, "remove_retired")  # remove_retired.lua, FCALL
+        done = []
+        for lane in retired:
+            q = lane.queue
+            state = await script(
+                keys=[keys.requests(q), keys.dead(q), keys.retired(q), keys.workers(q),
+                      keys.config(q)],
+                args=[keys.GROUP],
+            )
+            if as_text(state) in _GONE:
+                await client.delete(keys.worker_alive(q, consumer))
+                await client.hdel(keys.workers(q), consumer)
+                done.append(lane)
+        if len(done) == len(retired):
+            served = await self._served(client) or 1
+            left = [shard for shard in keys.retired_shards(self.queue, self.shards, served)
+                    if await client.exists(keys.requests(shard))]
+            if not left:
+                await client.delete(keys.shards_served(self.queue))
+        return done
+
+    async def _served(self, client: aioredis.Redis) -> int | None:
+        """The highest shard count on record: ``shards_served``, or the config hash's count.
+
+        None when an ACL denies the reads (docs/SECURITY.md lists them): the
+        worker then serves its own lanes as before and drains nothing retired.
+        """
+        try:
+            recorded = await client.get(keys.shards_served(self.queue))
+            published = await client.hget(keys.config(self.queue), "shards")
+        except NoPermissionError as exc:
+            log.warning("cannot read %s (%s): retired shards of %r are not drained by this "
+                        "worker", keys.shards_served(self.queue), exc, self.queue.name)
+            return None
+        return max(_count(recorded), _count(published))
+
+
+def _count(raw: object) -> int:
+    """A recorded shard count; 1 for one missing or not a count (written by someone else)."""
+    text = as_text(raw) if raw is not None else ""
+    return min(int(text), keys.MAX_SHARDS) if text.isascii() and text.isdigit() else 1

@@ -22,10 +22,12 @@ Four small tasks joined by bounded hand-offs (TEI's shape):
   read-ahead room until it is published);
 * **beat**   heartbeat, and keep the buffered entries' idle time fresh so no
   other worker claims them;
-* **watchdog** a batch on the device past ``batch_timeout_s`` is hung: stop
-  reading and refreshing claims, publish what is done, and raise
-  :class:`WorkerHung` (the command exits 3 and its supervisor restarts it;
-  peers claim and answer its entries).
+* **watchdog** a stage that holds entries past its deadline is hung (a batch
+  on the device or a read being tokenized past ``batch_timeout_s``, a Redis
+  read or publish attempt past :func:`redis_call_deadline_s`; the rules:
+  ``worker/stages.py``): stop reading and refreshing claims, publish what is
+  done, and raise :class:`WorkerHung` (the command exits 3 and its supervisor
+  restarts it; peers claim and answer its entries).
 
 The beat, the watchdog, the join and the stop report to
 :class:`~tokenq.worker.health.Health`, which the ``/livez`` and ``/readyz``
@@ -51,7 +53,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -68,7 +70,7 @@ from tokenq.worker.backends.base import Backend
 from tokenq.worker.clock import RedisClock
 from tokenq.worker.connection import connect
 from tokenq.worker.health import Health
-from tokenq.worker.lanes import Lane, by_lane, entry_ids, split_ref, tagged
+from tokenq.worker.lanes import Lane, Retirement, by_lane, entry_ids, split_ref, tagged
 from tokenq.worker.logs import FIELDS
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.execute import adapt_budget
@@ -90,8 +92,10 @@ from tokenq.worker.pipeline.pipeline import (
 )
 from tokenq.worker.pipeline.tokenizing import pool_for
 from tokenq.worker.publish import Publisher
+from tokenq.worker.read_ahead import ByteRoom
 from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.server_check import check_server
+from tokenq.worker.stages import DEVICE, PUBLISH, READ, TOKENIZING, Stages
 from tokenq.worker.stats import BatchLog, BatchRecord, WorkerStats, exit_line
 
 log = logging.getLogger("tokenq.worker")
@@ -107,7 +111,8 @@ _STOP_GRACE_S = 5.0
 
 
 class WorkerHung(TokenqError):
-    """A batch stayed on the device past ``batch_timeout_s``; the process must be restarted.
+    """A stage holding entries ran past its deadline (a batch on the device past
+    ``batch_timeout_s``, a tokenizer that never returns); the process must be restarted.
 
     The thread running it cannot be stopped from Python, so the command that
     catches this exits the process (``os._exit``) with code 3.
@@ -115,8 +120,25 @@ class WorkerHung(TokenqError):
 
 
 def watchdog_period_s(settings: WorkerSettings) -> float:
-    """How often the watchdog looks at the device (and ticks the event loop's liveness)."""
+    """How often the watchdog looks at the stages (and ticks the event loop's liveness)."""
     return min(1.0, settings.batch_timeout_s / 4)
+
+
+REDIS_CALL_BOUND = "twice the Redis call bound"
+
+
+def redis_call_deadline_s(settings: WorkerSettings) -> float:
+    """The deadline of one Redis read or publish attempt: twice what redis-py can take.
+
+    Each of its ``retries + 1`` attempts connects (at most 5 s), sends and
+    waits up to ``socket_timeout_s`` (a blocking read ``block_ms`` more),
+    with at most 2 s of backoff between: a Redis that is down or frozen makes
+    the call fail by then (not a hang: Redis away is not the worker's fault),
+    so a call still running at twice that is stuck in the worker itself.
+    """
+    attempt = settings.block_ms / 1000 + settings.socket_timeout_s + min(
+        5.0, settings.socket_timeout_s)
+    return 2 * ((settings.retries + 1) * attempt + settings.retries * 2.0)
 
 
 def default_consumer_name() -> str:
@@ -168,6 +190,7 @@ class Worker:
         self.queue = settings.queue_ref
         self.consumer = settings.consumer or default_consumer_name()
         lanes = keys.lanes_of(self.queue, settings.shards or 1)
+        self._retirement = Retirement(self.queue, settings.shards or 1)
         self.lanes = [
             Lane(index, queue, self._dead_letter_policy(settings, queue), tagged=len(lanes) > 1)
             for index, queue in enumerate(lanes)
@@ -209,11 +232,16 @@ class Worker:
         self._reader_done = False
         self._readers_left = len(self.lanes)
         self._inflight_estimate = 0
-        self._batch_started: float | None = None
-        """Monotonic time the batch now on the device started, None when idle."""
+        self._stages = Stages(time.monotonic)
+        """The stages holding entries now, each with its deadline (the watchdog reads it)."""
+        self._redis_deadline_s = redis_call_deadline_s(settings)
         self._hung = False
-        self._held_bytes: dict[bytes, int] = {}
-        """Raw size of each entry read and not yet answered (the byte bound on read-ahead)."""
+        self._read_room = ByteRoom(
+            settings.read_ahead_bytes, wire.max_entry_bytes(settings.max_request_bytes)
+        )
+        """The byte bound on read-ahead: held < read_ahead_bytes + one largest entry."""
+        self._held_bytes = self._read_room.held
+        """Raw size of each entry read and not yet answered."""
         self._clock = RedisClock()
         # Estimated tokens per request, which turns the read-ahead room into an
         # XREADGROUP count. It starts at the longest input the model takes, so
@@ -221,9 +249,6 @@ class Worker:
         # are (from 64, one idle worker took a whole burst while its peers
         # idled); each request read then counts as one step of a 0.1 EMA.
         self._avg_estimate = float(max(1, backend.info.max_input_tokens))
-        # Likewise for bytes: from the largest request allowed, so that the
-        # first read of 1 MiB requests claiming tokens=0 cannot take a thousand.
-        self._avg_entry_bytes = float(max(1, settings.max_request_bytes))
         self._last_activity = time.monotonic()
         self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
         self._stop_started: float | None = None
@@ -269,18 +294,8 @@ class Worker:
 
     async def run(self) -> None:
         """Serve the queue until stop() is called (or the idle timeout passes)."""
-        dead_after_ms = int(self.settings.heartbeat_s * 3000)
         for lane in self.lanes:
-            lane.reclaimer = Reclaimer(
-                self.client, lane.queue, self.consumer,
-                dead_after_ms=dead_after_ms, claim_idle_ms=int(self.settings.claim_idle_s * 1000),
-            )
-            lane.publisher = Publisher(
-                self.client, stream=lane.stream, dead=keys.dead(lane.queue), group=keys.GROUP,
-                consumer=self.consumer, reply_ttl_ms=self._reply_ttl_ms,
-                dead_max_len=self.settings.dead_max_len,
-                dead_max_letter_bytes=self.settings.dead_max_letter_bytes,
-            )
+            self._equip(lane)
         if self._tokenizer_pool is not None:
             await asyncio.to_thread(self._tokenizer_pool.start)
         if not await self._join():  # stopped before Redis ever answered
@@ -320,6 +335,40 @@ class Worker:
             fields = self.stats.exit_fields(self.consumer, time.time())
             log.info(exit_line(fields), extra={FIELDS: fields})
 
+    def _equip(self, lane: Lane) -> None:
+        """Give a lane what reclaims and publishes on it."""
+        lane.reclaimer = Reclaimer(
+            self.client, lane.queue, self.consumer,
+            dead_after_ms=int(self.settings.heartbeat_s * 3000),
+            claim_idle_ms=int(self.settings.claim_idle_s * 1000),
+        )
+        lane.publisher = Publisher(
+            self.client, stream=lane.stream, dead=keys.dead(lane.queue), group=keys.GROUP,
+            consumer=self.consumer, reply_ttl_ms=self._reply_ttl_ms,
+            dead_max_len=self.settings.dead_max_len,
+            dead_max_letter_bytes=self.settings.dead_max_letter_bytes,
+            on_refused=self._publish_refused, on_published=self.health.publish_ok,
+        )
+
+    def _add_lanes(self, queues: list[keys.QueueRef]) -> None:
+        """Read retired shards too (``lanes.Retirement``): extra lanes into the same packer,
+        each answered and dead-lettered on its own, until it is drained and removed."""
+        for queue in queues:
+            lane = Lane(len(self.lanes), queue, self._dead_letter_policy(self.settings, queue),
+                        tagged=True, retired=True)
+            self._equip(lane)
+            self.lanes.append(lane)
+            self._outboxes.append(asyncio.Queue())
+            self._readers_left += 1
+        for lane in self.lanes if queues else ():
+            lane.tagged = True  # nothing is read before the join: no reference changes name
+
+    async def _tend_retired(self) -> None:
+        """Once a beat: stop reading the retired lanes that are drained and removed."""
+        for lane in await self._retirement.tend(self.client, self.lanes, self.consumer):
+            lane.drained = True
+            self.lanes.remove(lane)
+
     async def _leave(self) -> None:
         for lane in self.lanes:
             await presence.leave(self.client, lane.queue, self.consumer)
@@ -337,6 +386,7 @@ class Worker:
         delay = 0.5
         while not self._stopping.is_set():
             try:
+                self._add_lanes(await self._retirement.join(self.client))
                 for lane in self.lanes:
                     await self._ensure_group(lane)
                 await check_server(self.client)
@@ -385,64 +435,82 @@ class Worker:
 
     # ----------------------------------------------------------------------- read
 
-    def _room(self) -> tuple[float, float]:
-        """Estimated tokens, and bytes, the worker may still read ahead."""
+    def _room(self) -> float:
+        """Estimated tokens the worker may still read ahead."""
         limit = self.settings.read_ahead_budgets * self.packer.budget.max_batch_tokens
         waiting = self._unpublished_answers * self._avg_estimate
-        tokens = limit - self.packer.buffered_tokens - self._inflight_estimate - waiting
-        return tokens, self.settings.read_ahead_bytes - sum(self._held_bytes.values())
+        return limit - self.packer.buffered_tokens - self._inflight_estimate - waiting
 
-    def _read_count(self) -> int:
+    def _read_count(self, cap: int = _MAX_READ_COUNT) -> int:
         """How many entries the next XREADGROUP may take (0: no room now).
 
-        Bounded by both rooms: tokens (from the exact lengths of what was read
-        lately, not the producers' claims) and bytes (from the sizes of what
-        was read lately), so neither ``tokens=0`` on huge texts nor a burst of
-        tiny ones can make one read hold more than the worker should.
+        Bounded by both rooms. Tokens: from the exact lengths of what was read
+        lately (not the producers' claims), about ``read_ahead_budgets``
+        budgets, each lane its share. Bytes: a bound, not an estimate
+        (``read_ahead.py``): the room over the largest entry, reserved while
+        the read runs, so what the worker holds stays below
+        ``read_ahead_bytes`` plus one largest entry whatever the sizes.
         """
-        tokens, size = self._room()
-        if tokens <= 0 or size <= 0:
+        tokens = self._room()
+        # Every lane reads at once, so each takes its share of both rooms.
+        by_bytes = self._read_room.count(cap, readers=len(self.lanes))
+        if tokens <= 0 or by_bytes == 0:
             return 0
-        by_tokens = tokens // self._avg_estimate
-        by_bytes = size // self._avg_entry_bytes
-        # Every lane reads at once, so each takes its share: together no more than the room.
-        share = min(by_tokens, by_bytes) // len(self.lanes)
-        return int(min(_MAX_READ_COUNT, max(1, share)))
+        share = tokens // self._avg_estimate // len(self.lanes)
+        return int(min(by_bytes, max(1, share)))
 
     def _reading(self) -> bool:
         return not (self._stopping.is_set() or self._hung)
 
     async def _read_loop(self, lane: Lane) -> None:
+        self.health.reader_started(lane.index)
         try:
             await self._until_stopped(self._read_history(lane))
             backoff = 0.1
-            while self._reading():
+            while self._reading() and not lane.drained:
                 if self._idle_expired():
                     log.info("queue idle for %.1fs; exiting", self.settings.exit_when_idle_s)
                     self.stop()
                     break
                 count = self._read_count()
                 if count == 0:
-                    self._space.clear()
-                    await wait_event(self._space, 1.0)
+                    await self._wait_for_space()
                     continue
                 try:
-                    if await self._until_stopped(self._reclaim(lane, count)):
-                        continue
-                    entries = await self._until_stopped(
-                        self._xread(lane, ">", count, self.settings.block_ms)
-                    )
+                    with self._read_room.reserving(count):
+                        if await self._until_stopped(self._reclaim(lane, count)):
+                            self.health.read_ok(lane.index)
+                            continue
+                        entries = await self._until_stopped(
+                            self._xread(lane, ">", count, self.settings.block_ms)
+                        )
+                        self._hold(lane, entries or [])
+                    self.health.read_ok(lane.index)
                     backoff = 0.1
                 except RedisError as exc:
+                    self.health.read_failed(lane.index, exc)
                     await self._on_read_error(lane, exc, backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
                 if entries:
                     await self._take(lane, entries)
         finally:
+            self.health.reader_ended(lane.index)
             self._readers_left -= 1
             self._reader_done = self._readers_left == 0
             self._feed.wake()
+
+    async def _wait_for_space(self) -> None:
+        """Wait until something read was answered (or a second passed): room to read more."""
+        self._space.clear()
+        await wait_event(self._space, 1.0)
+
+    def _hold(self, lane: Lane, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
+        """Count a read's entries as held, before its reservation ends (``read_ahead.py``:
+        the room they take is never free in between)."""
+        for entry_id, fields in entries:
+            if fields is not None:
+                self._read_room.hold(lane.ref(entry_id), _entry_bytes(fields))
 
     async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
         """Run one read; once the worker is told to stop, give it only a short grace.
@@ -478,7 +546,10 @@ class Worker:
         lane.last_reclaim = now
         assert lane.reclaimer is not None
         # What we hold must not be run (and answered) twice: the scan claims none of it.
-        claimed = await lane.reclaimer.scan(count, set(self._held_by_lane().get(lane.index, ())))
+        with self._stages.running(READ, f"the reclaim scan on {lane.stream}",
+                                  self._redis_deadline_s, REDIS_CALL_BOUND):
+            claimed = await lane.reclaimer.scan(
+                count, set(self._held_by_lane().get(lane.index, ())))
         if not claimed.entries:
             return False
         self.stats.reclaimed += len(claimed.entries)
@@ -495,7 +566,13 @@ class Worker:
         """
         last = "0"
         while self._reading():
-            entries = await self._xread(lane, last, _HISTORY_COUNT, None)
+            count = self._read_count(_HISTORY_COUNT)
+            if count == 0:
+                await self._wait_for_space()
+                continue
+            with self._read_room.reserving(count):
+                entries = await self._xread(lane, last, count, None)
+                self._hold(lane, entries)
             if not entries:
                 return
             assert lane.reclaimer is not None
@@ -506,9 +583,11 @@ class Worker:
     async def _xread(
         self, lane: Lane, last_id: str, count: int, block_ms: int | None
     ) -> list[tuple[bytes, dict[bytes, bytes] | None]]:
-        reply = await self.client.xreadgroup(
-            keys.GROUP, self.consumer, {lane.stream: last_id}, count=count, block=block_ms
-        )
+        with self._stages.running(READ, f"an XREADGROUP on {lane.stream}",
+                                  self._redis_deadline_s, REDIS_CALL_BOUND):
+            reply = await self.client.xreadgroup(
+                keys.GROUP, self.consumer, {lane.stream: last_id}, count=count, block=block_ms
+            )
         if not reply:
             return []
         # RESP2 gives [[stream, entries]]; RESP3 gives {stream: [entries]}.
@@ -517,7 +596,12 @@ class Worker:
         return reply[0][1]
 
     async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
-        if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+        # A retired lane's stream goes once it is drained: never made again here.
+        # NOGROUP from XREADGROUP, "no such key" from the reclaim scan's XINFO: the
+        # stream is gone (Redis restarted empty, or someone deleted it).
+        missing = isinstance(exc, ResponseError) and any(
+            sign in str(exc) for sign in ("NOGROUP", "no such key"))
+        if missing and not lane.retired:
             log.warning("consumer group missing on %s (Redis restarted empty?); recreating it",
                         lane.stream)
             self.health.joined = False
@@ -559,8 +643,7 @@ class Worker:
         if gone:  # deleted while pending to us: nothing to answer, just release
             await self._emit([Answer(lane.ref(entry_id), None, b"", ok=False) for entry_id in gone])
         present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
-        for entry_id, fields in present:
-            self._held_bytes[lane.ref(entry_id)] = _entry_bytes(fields)
+        self._hold(lane, entries)
         await self._take_present(lane, present, deliveries)
         self._feed.wake()
 
@@ -612,9 +695,13 @@ class Worker:
         claimed = sum(max(1, request.tokens) for _, request in decoded.requests)
         self._inflight_estimate += claimed
         try:
-            admitted = await asyncio.to_thread(
-                self._admit, lane, decoded.requests, monotonic_ms(), now
-            )
+            with self._stages.running(
+                TOKENIZING, f"a read of {len(decoded.requests)} requests being tokenized",
+                self.settings.batch_timeout_s, "batch_timeout_s", shortened_by_stop=True,
+            ):
+                admitted = await asyncio.to_thread(
+                    self._admit, lane, decoded.requests, monotonic_ms(), now
+                )
         finally:
             self._inflight_estimate -= claimed
         answers += [answer_of(self.pipeline, outcome) for outcome in admitted.answered]
@@ -623,7 +710,7 @@ class Worker:
             self._untakable(lane, entry_id, fields[entry_id], why, deliveries, now)
             for entry_id, why in ((split_ref(item.ref)[1], why) for item, why in admitted.broken)
         ])
-        self._learn(lane, decoded.requests, admitted.jobs, present)
+        self._learn(decoded.requests, admitted.jobs)
         return admitted.jobs, answers
 
     def _untakable(
@@ -653,25 +740,17 @@ class Worker:
         return admitted
 
     def _learn(
-        self,
-        lane: Lane,
-        requests: list[tuple[bytes, wire.Request]],
-        jobs: list[Job[bytes]],
-        present: list[tuple[bytes, dict[bytes, bytes]]],
+        self, requests: list[tuple[bytes, wire.Request]], jobs: list[Job[bytes]]
     ) -> None:
-        """Move the running means of tokens and bytes per entry towards this read.
+        """Move the running mean of tokens per entry towards this read.
 
         Exact lengths, not the producers' ``tokens`` claims: a claim is only a
         hint, and a lying one must not make the next read huge. Each entry
-        counts as one step of a 0.1 EMA.
+        counts as one step of a 0.1 EMA. (Bytes need no mean: ``read_ahead.py``.)
         """
         weight = 1.0 - 0.9 ** len(requests)
         exact = sum(job.encoding.length for job in jobs) or len(requests)
         self._avg_estimate += weight * (max(1.0, exact / len(requests)) - self._avg_estimate)
-        size = sum(self._held_bytes.get(lane.ref(entry_id), 0) for entry_id, _ in present)
-        self._avg_entry_bytes += weight * (
-            max(1.0, size / len(present)) - self._avg_entry_bytes
-        )
 
     async def _emit(self, answers: list[Answer]) -> None:
         """Hand answers to their lanes' publish tasks (their entries count as held until
@@ -683,10 +762,7 @@ class Worker:
     # ------------------------------------------------------------------------ run
 
     async def _run_loop(self) -> None:
-        try:
-            await self._feed.run(self._settle)
-        finally:
-            self._batch_started = None
+        await self._feed.run(self._settle)
         for outbox in self._outboxes:
             outbox.put_nowait(None)
 
@@ -700,11 +776,11 @@ class Worker:
         # and it does so after the batch, so the cap has not moved since.
         packed_under = self.packer.budget_now()
         now = self._clock.now_ms()
-        self._batch_started = time.monotonic()
-        try:
+        with self._stages.running(
+            DEVICE, f"a batch of {len(batch.payloads)} requests on the device",
+            self.settings.batch_timeout_s, "batch_timeout_s",
+        ):
             outcome = self.pipeline.run_batch(batch.payloads, now)
-        finally:
-            self._batch_started = None
         adapt_budget(self.adaptive, self.packer, outcome.ooms, "worker")
         return _Ran(outcome, packed_under, now)
 
@@ -749,7 +825,12 @@ class Worker:
                 answers = [*answers, *more]
             self._publishing += 1
             try:
-                await lane.publisher.publish(answers, give_up=self._past_grace)
+                with self._stages.running(
+                    PUBLISH, f"publishing {len(answers)} answers on {lane.stream}",
+                    self._redis_deadline_s, REDIS_CALL_BOUND,
+                ) as restart:
+                    await lane.publisher.publish(
+                        answers, give_up=functools.partial(self._retrying, restart))
             finally:
                 self._publishing -= 1
                 self._unpublished_answers -= len(answers)
@@ -757,6 +838,21 @@ class Worker:
                     self._held_bytes.pop(lane.ref(answer.entry_id), None)
                 self._space.set()
             self.metrics.answered(answers, now_epoch_ms=self._clock.now_ms())
+
+    def _publish_refused(self, reason: str, error: str) -> None:
+        """Redis refused a publish call (OOM, READONLY, ...): count it, and /readyz says why."""
+        self.metrics.redis_refused(reason)
+        self.health.publish_refused(f"{reason}: {error}"[:200])
+
+    def _retrying(self, restart: Callable[[], None]) -> bool:
+        """Asked by the publisher before each retry: give up (:meth:`_past_grace`)?
+
+        The attempt that failed has ended, so the publish stage's clock starts
+        again: its deadline bounds one attempt, since a publish retried while
+        Redis is away is waiting for Redis, not hung.
+        """
+        restart()
+        return self._past_grace()
 
     def _past_grace(self) -> bool:
         """A stopping (or hung) worker gives up on an unreachable Redis after a grace."""
@@ -768,32 +864,30 @@ class Worker:
     # ------------------------------------------------------------------- watchdog
 
     async def _watchdog(self) -> None:
-        """Raise :class:`WorkerHung` once a batch has been on the device too long.
+        """Raise :class:`WorkerHung` once a stage holding entries is past its deadline.
 
-        From that moment the worker reads nothing and refreshes no claims (the
-        beat loop checks ``_hung``), publishes what is already done within a
-        grace period, and deletes its liveness key so that peers may claim its
-        entries as soon as they have been idle three heartbeats, instead of
-        waiting for the key to expire too. ``/livez`` fails from then on; each
-        turn of this loop is also a tick of the event loop's liveness.
+        The stages and their deadlines are :class:`~tokenq.worker.stages.Stages`'
+        (a batch on the device, a read being tokenized, a Redis read, a publish
+        attempt). From that moment the worker reads nothing and refreshes no
+        claims (the beat loop checks ``_hung``), publishes what is already done
+        within a grace period, and deletes its liveness key so that peers may
+        claim its entries as soon as they have been idle three heartbeats,
+        instead of waiting for the key to expire too. ``/livez`` fails from
+        then on; each turn of this loop is also a tick of the event loop's liveness.
         """
-        limit = self.settings.batch_timeout_s
         while True:
             await asyncio.sleep(watchdog_period_s(self.settings))
-            self.health.tick(time.monotonic())
-            started = self._batch_started
-            if started is None or time.monotonic() - started < limit:
+            now = time.monotonic()
+            self.health.tick(now)
+            late = self._stages.overdue(now, self._stop_started, _STOP_GRACE_S)
+            if late is None:
                 continue
             self._hung = True
-            self.health.device_hung(
-                f"a batch of {len(self._feed.running())} requests on the device for more than "
-                f"batch_timeout_s ({limit:g}s)"
-            )
+            self.health.stage_hung(late.stage.name, late.reason)
             log.critical(
-                "a batch of %d requests has been on the device for %.0fs (batch_timeout_s "
-                "%.0f): the device is hung; stopping to read and to keep claims, so that "
+                "%s hung: %s (for %.0fs); stopping to read and to keep claims, so that "
                 "other workers take this worker's requests, and exiting",
-                len(self._feed.running()), time.monotonic() - started, limit,
+                late.stage.name, late.reason, now - late.stage.started,
             )
             self._feed.wake()
             self._space.set()
@@ -802,9 +896,7 @@ class Worker:
                 await asyncio.sleep(0.05)
             with contextlib.suppress(RedisError, asyncio.TimeoutError):
                 await asyncio.wait_for(self._drop_liveness(), 2.0)
-            raise WorkerHung(
-                f"batch on the device for more than batch_timeout_s ({limit:.0f}s)"
-            )
+            raise WorkerHung(f"{late.stage.name} hung: {late.reason}")
 
     def _unpublished(self) -> bool:
         """Whether any answer waits for, or is in, a publish call."""
@@ -836,6 +928,7 @@ class Worker:
             self.health.beat_started(time.monotonic())
             try:
                 await self._beat_lanes(self.status(), ttl_ms)
+                await self._tend_retired()
                 await self._clock.sync(self.client)
                 self.health.beat_finished()
             except RedisError as exc:

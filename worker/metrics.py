@@ -69,6 +69,9 @@ class NullMetrics:
     def dead_lettered(self, n: int) -> None:
         """``n`` requests moved to the dead stream."""
 
+    def redis_refused(self, reason: str) -> None:
+        """Redis refused a call for its own state (``oom``, ``readonly``, ...); it is retried."""
+
     def budget(self, tokens: int) -> None:
         """The batch budget now in force (it drops after an OOM and climbs back)."""
 
@@ -139,6 +142,9 @@ class Metrics(NullMetrics):
             "tokenq_reclaimed", "Entries claimed from other consumers").labels(queue)
         self._dead = counter("tokenq_dead_lettered", "Requests moved to the dead stream"
                              ).labels(queue)
+        self._refusals = counter(
+            "tokenq_redis_refusals",
+            "Calls Redis refused for its own state (oom, readonly, ...), retried", ("reason",))
         self._rows = histogram("tokenq_batch_rows", "Rows (sequences) per batch", ROW_BUCKETS)
         self._batch_tokens = histogram(
             "tokenq_batch_tokens", "Real tokens per batch", TOKEN_BUCKETS
@@ -179,6 +185,7 @@ class Metrics(NullMetrics):
             ("queue", "consumer", "model", "backend", "device"), registry=self.registry,
         )
         self._requests.labels(queue, "ok")  # present from the start, so rate() works at once
+        self._refusals.labels(queue, "oom")  # so an alert on it has a series before the first
 
     def describe(self, **info: str) -> None:
         labels = {name: str(info.get(name, "")) for name in
@@ -227,6 +234,9 @@ class Metrics(NullMetrics):
     def dead_lettered(self, n: int) -> None:
         if n:
             self._dead.inc(n)
+
+    def redis_refused(self, reason: str) -> None:
+        self._refusals.labels(self.queue, reason).inc()
 
     def budget(self, tokens: int) -> None:
         self._budget.set(tokens)

@@ -6,20 +6,28 @@ heartbeat refreshes a liveness key with a TTL (``keys.worker_alive``) and
 writes its totals to the ``keys.workers(q)`` hash, which ``tokenq stats``
 reads. At a clean exit both are removed. The formats of both records live in
 :mod:`tokenq.shared.queue_config` and :mod:`tokenq.shared.heartbeat`.
+
+Writing the config also loads tokenq's Lua functions (Redis 7): producers
+under the documented ACL may ``FCALL`` them but not load them, so the worker,
+which is trusted to, loads them whenever it (re)publishes the config: at
+start and after Redis came back empty. The hash names the enqueue function
+for producers in other languages (docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError, RedisError
 
-from tokenq.shared import keys, lua, wire
+from tokenq.shared import functions, keys, lua, redis_refusal, wire
 from tokenq.shared.heartbeat import Heartbeat, encode_heartbeat
 from tokenq.shared.queue_config import QueueConfig, encode_config
 from tokenq.worker.backends.base import BackendInfo
 
-DROP_CONSUMER_SCRIPT = lua.load("tokenq.worker", "drop_consumer.lua")
+log = logging.getLogger("tokenq.worker")
 
 
 def config_fields(
@@ -47,11 +55,14 @@ def config_fields(
     ))
 
 
-_ONLY_WHEN_SET = ("shards",)
+_ONLY_WHEN_SET = ("shards", functions.ENQUEUE_FUNCTION_FIELD)
 """Fields absent at their default; a write without one removes a stale one (resharding to 1)."""
 
 
 async def write_config(client: aioredis.Redis, q: keys.QueueRef, fields: dict[str, str]) -> None:
+    """Load tokenq's functions, then write the config hash naming the enqueue function."""
+    if await load_functions(client):
+        fields = {**fields, functions.ENQUEUE_FUNCTION_FIELD: lua.library().functions["enqueue"]}
     stale = [name for name in _ONLY_WHEN_SET if name not in fields]
     async with client.pipeline(transaction=True) as pipe:
         pipe.hset(keys.config(q), mapping=fields)
@@ -60,14 +71,41 @@ async def write_config(client: aioredis.Redis, q: keys.QueueRef, fields: dict[st
         await pipe.execute()
 
 
+async def load_functions(client: aioredis.Redis) -> bool:
+    """``FUNCTION LOAD`` tokenq's library; False on Redis < 7 (scripts by EVALSHA there)
+    or when this worker's ACL may not load it (one written before Functions: it logs how
+    producers under the documented ACL get them)."""
+    try:
+        return await functions.async_load(client) is not None
+    except NoPermissionError as exc:
+        log.warning("cannot load tokenq's Redis functions (%s): producers whose ACL allows "
+                    "only FCALL will fail until an admin runs `tokenq functions load` or this "
+                    "worker's ACL gets +function|load (docs/SECURITY.md)", exc)
+        return False
+
+
 async def beat(
     client: aioredis.Redis, q: keys.QueueRef, consumer: str, status: Heartbeat, ttl_ms: int
 ) -> None:
-    """Refresh liveness and publish this worker's totals, in one MULTI."""
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.set(keys.worker_alive(q, consumer), b"1", px=ttl_ms)
-        pipe.hset(keys.workers(q), consumer, encode_heartbeat(status))
-        await pipe.execute()
+    """Refresh liveness and publish this worker's totals, in one MULTI.
+
+    Redis at ``maxmemory`` refuses both writes (they may grow memory), which
+    would let the liveness key lapse while the worker holds answers it cannot
+    publish yet: peers would take its entries and compute them again. So on
+    OOM the liveness key's TTL is renewed with PEXPIRE, which Redis allows
+    when full (the totals wait for the next beat). Raises when the key is
+    already gone.
+    """
+    try:
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.set(keys.worker_alive(q, consumer), b"1", px=ttl_ms)
+            pipe.hset(keys.workers(q), consumer, encode_heartbeat(status))
+            await pipe.execute()
+    except RedisError as exc:
+        if not redis_refusal.is_out_of_memory(exc):
+            raise
+        if not await client.pexpire(keys.worker_alive(q, consumer), ttl_ms):
+            raise
 
 
 async def leave(client: aioredis.Redis, q: keys.QueueRef, consumer: str) -> None:
@@ -82,7 +120,7 @@ async def drop_consumer(client: aioredis.Redis, q: keys.QueueRef, consumer: str)
     One script (``drop_consumer.lua``) does every removal, re-checking liveness
     and pending entries at the moment it acts. True when it left the group.
     """
-    script = client.register_script(DROP_CONSUMER_SCRIPT)  # EVALSHA, loaded once per server
+    script = functions.AsyncFunction(client, "drop_consumer")  # drop_consumer.lua, by FCALL
     removed = await script(
         keys=[keys.requests(q), keys.worker_alive(q, consumer), keys.workers(q)],
         args=[keys.GROUP, consumer],

@@ -10,23 +10,33 @@ until they land: a computed result is never thrown away for a network blip.
 A ``reply_to`` that refuses the push (a key of another type, or one outside
 the worker's ACL) dead-letters that one entry instead of failing the batch,
 which would otherwise be retried forever.
+
+Which refusal is which is :mod:`tokenq.shared.redis_refusal`'s rule: only a
+key that can never take the write is settled without it. When Redis refuses
+writes right now (``OOM`` at ``maxmemory``, ``READONLY``, ``MASTERDOWN``,
+``LOADING``, ``BUSY``, or an error not known), the whole call fails and is
+retried with backoff, the answers kept and their entries pending (the
+heartbeat keeps their claims fresh), so nothing is dropped or dead-lettered
+because Redis was full. Such an episode is logged once when it starts and
+once when it ends, and reported to ``on_refused`` at every refused try (the
+loop counts it in ``tokenq_redis_refusals_total`` and turns ``/readyz`` red)
+and to ``on_published`` when a call goes through again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
-from tokenq.shared import lua
+from tokenq.shared import functions, redis_refusal
 from tokenq.worker.pipeline.jobs import Answer
 
 log = logging.getLogger("tokenq.worker")
-
-PUBLISH_SCRIPT = lua.load("tokenq.worker", "publish.lua")
 
 
 class Publisher:
@@ -43,8 +53,14 @@ class Publisher:
         reply_ttl_ms: int,
         dead_max_len: int,
         dead_max_letter_bytes: int,
+        on_refused: Callable[[str, str], None] = lambda reason, error: None,
+        on_published: Callable[[], None] = lambda: None,
     ) -> None:
-        self._script = client.register_script(PUBLISH_SCRIPT)
+        self._on_refused = on_refused
+        """Called with (reason, error) each time Redis answers a call with a refusal."""
+        self._on_published = on_published
+        """Called when a call went through (after refusals: the episode is over)."""
+        self._script = functions.AsyncFunction(client, "publish")  # publish.lua, by FCALL
         self._stream = stream
         self._dead = dead
         self._head = [group, consumer, reply_ttl_ms, dead_max_len, dead_max_letter_bytes]
@@ -91,7 +107,7 @@ class Publisher:
         try:
             published, undeliverable, unwritten = await self._script(keys=keys, args=args)
         except ResponseError as exc:
-            if _transient(exc):
+            if redis_refusal.refused_now(exc):
                 raise
             # Something in this batch makes Redis refuse the whole call: a
             # reply key outside the ACL or the slot, or anything else an answer
@@ -107,7 +123,7 @@ class Publisher:
             try:
                 published, undeliverable, unwritten = await self._script(keys=keys, args=args)
             except ResponseError as again:
-                if _transient(again):
+                if redis_refusal.refused_now(again):
                     raise
                 # Not even the bare ack goes through: leave the entry pending
                 # rather than wedge the worker; redelivery counts it towards
@@ -143,6 +159,7 @@ class Publisher:
         entries pending (another worker claims and answers them later).
         """
         delay = 0.1
+        failed, since = 0, time.monotonic()
         while True:
             try:
                 published = await self.publish_once(answers)
@@ -153,13 +170,15 @@ class Publisher:
                         "entries pending for another worker", len(answers), exc,
                     )
                     return 0
-                log.warning(
-                    "could not publish %d answers (%s); keeping them, retrying in %.1fs",
-                    len(answers), exc, delay,
-                )
+                failed += 1
+                self._failed(exc, len(answers), first=failed == 1)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_backoff_s)
                 continue
+            if failed:
+                log.warning("published %d answers after %d failed tries over %.1fs",
+                            len(answers), failed, time.monotonic() - since)
+            self._on_published()
             if published < len(answers):
                 log.warning(
                     "%d of %d answers were no longer ours (claimed by another worker "
@@ -168,15 +187,17 @@ class Publisher:
                 )
             return published
 
-
-_TRANSIENT = ("OOM", "BUSY", "LOADING", "READONLY", "TRYAGAIN", "MASTERDOWN", "CLUSTERDOWN",
-              "NOREPLICAS", "MISCONF")
-"""Error prefixes that mean Redis cannot take writes *now*: retry the same call later."""
-
-
-def _transient(exc: ResponseError) -> bool:
-    """Redis refused for its own state (memory, loading, failover), not for this batch."""
-    message = str(exc)
-    # Inside a script, Redis reports "ERR Error running script ... OOM ..." in some
-    # versions; the refusal of the script itself starts with the code.
-    return message.split(" ", 1)[0] in _TRANSIENT or "-OOM" in message
+    def _failed(self, exc: RedisError, n: int, *, first: bool) -> None:
+        """One failed try: reported to ``on_refused`` when Redis answered with a refusal;
+        logged at warning level once per episode (the first try), then at debug."""
+        refusal = isinstance(exc, ResponseError) or redis_refusal.error_code(exc) != ""
+        if refusal:
+            self._on_refused(redis_refusal.reason(exc), str(exc))
+        what = "Redis refuses writes" if refusal else "Redis is unreachable"
+        if redis_refusal.is_out_of_memory(exc):
+            what = "Redis is out of memory (maxmemory) and refuses writes"
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "could not publish %d answers: %s (%s); keeping them and their entries "
+            "pending, retrying with backoff until Redis takes them", n, what, exc,
+        )

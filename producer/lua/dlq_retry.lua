@@ -25,6 +25,10 @@
 --
 -- Why a script: the XADD and the XDEL must happen together, or a crash in
 -- between would lose the letter or run the request twice.
+-- At maxmemory (noeviction) Redis refuses the first XADD with OOM, before
+-- anything was written (it denies a script memory only at its first write
+-- that grows memory), and the error reaches the caller: nothing moves.
+-- Every write after the first goes through, so it is all or nothing.
 --
 -- Each tokenq:include line is replaced, when tokenq.shared.lua loads this
 -- file, by that fragment of shared/lua/: the queue's length check (shared

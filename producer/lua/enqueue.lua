@@ -5,6 +5,8 @@
 --   KEYS[1]       <prefix>:{q}:requests      stream   XLEN, then XADD (never trimmed)
 --   KEYS[2..n+1]  <prefix>:{q}:seen:<id>     string   one per entry, only when
 --                                                     dedupe_ttl_ms > 0: GET, SET PX
+--   then, optionally, one more key (KEYS[n+2] with dedupe, else KEYS[2]):
+--                 <prefix>:{q:k}:retired     string   EXISTS: set on a retired shard
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   n: how many entries follow
@@ -29,6 +31,14 @@
 -- An id that appears twice in one batch is added once (the second gets the
 -- first's stream id), as if the two had come in separate calls.
 --
+-- Why the retired marker: a shard beyond a shrunk shard count still drains
+-- (producer/shards.py, worker/lanes.py), and a producer still holding the old
+-- count must add nothing to it, or what it adds after the shard is removed
+-- would wait forever. When the marker key is given and exists, new entries are
+-- refused with "RETIRED ..." before anything is written; producers read the
+-- config again and choose a current shard. Entries all seen before are
+-- answered, as with the length limit. Without the key nothing is checked.
+--
 -- Why a script: XLEN then XADD from the client would race with every other
 -- producer; here the lookups, the check and the writes are one atomic step.
 -- Why no MAXLEN/MINID: trimming would silently drop someone else's pending
@@ -36,7 +46,12 @@
 -- Why all or nothing holds: the arguments are checked and the seen keys
 -- read before the first write, and Redis refuses a script for lack of
 -- memory only at its first write (it never cuts a script off once it has
--- written), so either no XADD runs or all of the new entries' do.
+-- written), so either no XADD runs or all of the new entries' do. That
+-- includes the seen keys' SET PX: dedupe_ttl_ms must be digits (at most 15)
+-- and goes to Redis as those digits, because a TTL Redis refuses (a
+-- fraction, or a Lua number it would get as 1e+15) would fail the script
+-- after its first XADD and leave the batch half written. An OOM answers
+-- the error "OOM ...", which producers turn into an out-of-memory QueueFull.
 --
 -- The block between the tokenq:include and tokenq:end lines is a copy of
 -- shared/lua/queue_full.lua, the length check dlq_retry.lua shares. Other
@@ -70,11 +85,13 @@ local max_len = tonumber(ARGV[1])
 local n = tonumber(ARGV[2])
 local dedupe_ttl_ms = tonumber(ARGV[3])
 if max_len == nil or n == nil or dedupe_ttl_ms == nil
-    or max_len < 0 or n < 0 or dedupe_ttl_ms < 0 then
+    or max_len < 0 or n < 0 or dedupe_ttl_ms < 0
+    or #ARGV[3] > 15 or not string.match(ARGV[3], "^%d+$") then
   return redis.error_reply(
-    "ERR tokenq enqueue: max_len, n and dedupe_ttl_ms must be non-negative integers")
+    "ERR tokenq enqueue: max_len, n and dedupe_ttl_ms must be non-negative integers "
+    .. "(dedupe_ttl_ms: at most 15 digits)")
 end
-if dedupe_ttl_ms > 0 and #KEYS ~= n + 1 then
+if dedupe_ttl_ms > 0 and #KEYS ~= n + 1 and #KEYS ~= n + 2 then
   return redis.error_reply("ERR tokenq enqueue: dedupe needs one seen key per entry")
 end
 
@@ -119,6 +136,12 @@ for i = 1, n do
   end
 end
 
+local retired = KEYS[dedupe_ttl_ms > 0 and n + 2 or 2]
+if fresh > 0 and retired and redis.call("EXISTS", retired) == 1 then
+  return redis.error_reply("RETIRED this shard takes no new requests: read the queue's "
+    .. "config and choose a shard again")
+end
+
 local full = queue_full(stream, max_len, fresh)
 if full then
   return full
@@ -135,7 +158,7 @@ for i = 1, n do
     end
     ids[i] = redis.call(unpack(entry))
     if dedupe_ttl_ms > 0 then
-      redis.call("SET", KEYS[i + 1], ids[i], "PX", dedupe_ttl_ms)
+      redis.call("SET", KEYS[i + 1], ids[i], "PX", ARGV[3])
     end
   end
 end

@@ -33,12 +33,11 @@ from typing import Any
 
 import redis
 
-from tokenq.shared import keys, lua
+from tokenq.shared import functions, keys, lua
 from tokenq.shared.cli import plural
 from tokenq.shared.dead_letter import DeadLetter, parse_letter
 from tokenq.shared.errors import QueueFull
 
-RETRY_SCRIPT = lua.load("tokenq.producer", "dlq_retry.lua")
 _PAGE = 100
 _MAX_U64 = (1 << 64) - 1
 
@@ -369,7 +368,7 @@ def retry_until_full(
 ) -> RetryOutcome:
     """:func:`retry`, but a full queue ends it with ``outcome.full`` set instead of raising,
     so a sharded queue's retry still counts what that lane moved before it filled."""
-    script = r.register_script(RETRY_SCRIPT)
+    script = functions.Function(r, "dlq_retry")  # dlq_retry.lua, by FCALL
     outcome = RetryOutcome()
     if ids is None:
         outcome.last_id = last_id(r, q)

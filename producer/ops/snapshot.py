@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from tokenq.producer.connection import sync_client_for
-from tokenq.shared import keys
+from tokenq.shared import keys, redis_refusal
 from tokenq.shared.cli import (
     EXIT_FAILED,
     CommandFailed,
@@ -135,18 +135,33 @@ def queue_lanes(r: redis.Redis, q: keys.QueueRef) -> tuple[keys.QueueRef, ...]:
 
     The shard count is the one its workers publish as ``shards`` in the
     plain ``{q}``'s config hash, where producers learn it too; absent or
-    unreadable (not a count, or the key not a hash) means 1. The one place
-    the operator commands look it up.
+    unreadable (not a count, or the key not a hash) means 1. Shards retired
+    by a smaller count that still have a stream (draining, or holding dead
+    letters) are lanes too, up to the count ``shards_served`` records
+    (docs/OPERATIONS.md, "Changing K"). The one place the operator commands
+    look them up.
     """
+    shards = _count(r, keys.config(q), "shards") or 1
+    lanes = keys.lanes_of(q, shards)
+    served = _count(r, keys.shards_served(q))
+    retired = [shard for shard in keys.retired_shards(q, shards, served or 1)
+               if r.exists(keys.requests(shard))]
+    if not retired:
+        return lanes
+    return (*(lane for lane in lanes if lane.shard is not None), *retired, q)
+
+
+def _count(r: redis.Redis, key: str, field: str | None = None) -> int | None:
+    """A shard count stored at ``key`` (a hash's ``field``), None when absent or not one."""
     try:
-        raw = r.hget(keys.config(q), "shards")
+        raw = r.get(key) if field is None else r.hget(key, field)
     except redis.ResponseError as exc:
         if not is_wrong_type(exc):
             raise  # NOPERM: a sharded queue must not quietly look unsharded
         raw = None
     config = None if raw is None else parse_config({b"shards": raw})
     shards = config.shards if config is not None else None
-    return keys.lanes_of(q, shards if shards is not None and shards <= keys.MAX_SHARDS else 1)
+    return shards if shards is not None and shards <= keys.MAX_SHARDS else None
 
 
 def lane_order(q: keys.QueueRef) -> tuple[str, int]:
@@ -190,7 +205,7 @@ def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str 
         try:
             rows.append(queue_stats(r, q, now))
         except redis.ResponseError as exc:
-            if not (is_wrong_type(exc) or isinstance(exc, redis.NoPermissionError)):
+            if not redis_refusal.key_refuses(exc):
                 raise  # Redis's own state (loading, busy): the whole command's failure
             unreadable.append({"queue": q.name, "shard": q.shard, "label": queue_label(q),
                                "error": str(explain(exc, r, [q], redis_url))})

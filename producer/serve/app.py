@@ -13,9 +13,13 @@ client's exact requests):
 * ``GET /metrics`` — Prometheus text: requests by route and status, inputs,
   latency.
 
-A request's body is read whole (up to ``--max-body-bytes``, else 413) and
-parsed by :mod:`.schemas` or :mod:`.scores` into a job; the work is one
-``infer_many`` with the job's options, bounded by ``--timeout-s``. While it
+A POST is admitted if fewer than ``--max-concurrent-requests`` are in
+flight (else 429); its body is read whole (up to ``--max-body-bytes``, else
+413; within ``--timeout-s``, else 408) and parsed by :mod:`.schemas` or
+:mod:`.scores` into a job, off the event loop when it is big; the job is
+refused if it would send the queue more than :mod:`.bounds` allows. The
+work is one ``infer_many`` with the job's options, bounded by
+``--timeout-s``. While it
 waits, the route watches the connection: a client that goes away cancels
 its wait, so the gateway stops holding what nobody will read (the workers
 still answer the request; its reply expires).
@@ -25,9 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,13 +39,17 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from tokenq.producer import AsyncClient, Result
 from tokenq.producer.serve import schemas, scores
-from tokenq.producer.serve.errors import ApiError, from_exception, too_large
+from tokenq.producer.serve.bounds import Admission, Parser, check_job, read_body
+from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.producer.serve.schemas import Job
 from tokenq.shared.cli import version
 from tokenq.shared.queue_config import QueueConfig
@@ -51,6 +59,7 @@ DISCONNECT_POLL_S = 0.1
 """How often a waiting route checks whether its client is still there."""
 
 Shape = Callable[[ApiError], dict[str, Any]]
+T = TypeVar("T")
 
 
 class Gateway:
@@ -61,6 +70,8 @@ class Gateway:
         self.models = settings.model_queues
         self.queues = sorted(set(self.models.values()) or {settings.queue})
         self.clients: dict[str, AsyncClient] = {}
+        self.admission = Admission(settings.max_concurrent_requests)
+        self.parser = Parser()
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "tokenq_serve_requests", "HTTP requests answered, by route and status",
@@ -74,6 +85,10 @@ class Gateway:
             "tokenq_serve_request_seconds", "time to answer an HTTP request, by route",
             ["route"], registry=self.registry,
         )
+        Gauge("tokenq_serve_in_flight", "POST requests in flight (at most "
+              "--max-concurrent-requests)", registry=self.registry,
+              ).set_function(lambda: self.admission.in_flight)
+        self.registry.register(_Unreplicated(self.clients))
 
     def queue_of(self, model: str | None) -> str:
         """The queue serving ``model``; 404 for a name ``--models`` does not list."""
@@ -96,17 +111,27 @@ class Gateway:
         """The queue's config hash as its workers published it (None before any started)."""
         return QueueConfig.parse(await self.clients[queue].config())
 
+    async def read(self, request: Request, prepare: Callable[[bytes], T]) -> T:
+        """The request's body, read within the bounds, made into what ``prepare`` returns.
+
+        ``prepare`` (parse and build a job: a module-level function) runs in
+        a child process when the body is big (bounds.Parser). The body's size is kept on the request
+        for :meth:`infer`, which measures the job against it.
+        """
+        raw = await read_body(request, self.settings.max_body_bytes, self.settings.timeout_s)
+        request.state.body_bytes = len(raw)
+        return await self.parser.run(raw, prepare)
+
     async def infer(self, request: Request, queue: str, job: Job) -> list[Result]:
         """``infer_many`` of ``job`` on ``queue``, cancelled if the HTTP client goes away.
 
         A refusal that names one of the job's options comes back naming it
-        (errors.from_exception).
+        (errors.from_exception). A job over the batch size, or that would
+        send more than its body's share (bounds.check_job), is a 413 and
+        sends nothing.
         """
-        if len(job.items) > self.settings.max_client_batch_size:
-            raise too_large(
-                job.where, f"{len(job.items)} inputs, over the limit of "
-                f"{self.settings.max_client_batch_size} per request",
-            )
+        check_job(job.items, job.options, job.where, request.state.body_bytes,
+                  self.settings.max_client_batch_size)
         self.inputs.labels(queue).inc(len(job.items))
         work = asyncio.ensure_future(self.clients[queue].infer_many(
             job.items, timeout_s=self.settings.timeout_s, **job.options
@@ -126,18 +151,27 @@ class Gateway:
             raise from_exception(exc, job.options, job.where) from exc
 
 
-async def _body(request: Request, limit: int) -> bytes:
-    """The whole body, or 413 as soon as it is over ``limit`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large("body", f"{declared} bytes, over the limit of {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large("body", f"over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+class _Unreplicated(Collector):
+    """``tokenq_serve_unreplicated_requests_total``: requests queued by durable enqueues
+    (``--durable-replicas``) that too few replicas confirmed in time, by queue.
+
+    Such a request is still answered as usual (200, one warning line a
+    minute in the log), since it is queued and computed; the count is the
+    clients' own (``AsyncClient.unreplicated``), read at each scrape.
+    """
+
+    def __init__(self, clients: dict[str, AsyncClient]) -> None:
+        self._clients = clients
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "tokenq_serve_unreplicated_requests",
+            "requests written by a durable enqueue that too few replicas confirmed, by queue",
+            labels=["queue"],
+        )
+        for queue, client in self._clients.items():
+            family.add_metric([queue], client.unreplicated)
+        yield family
 
 
 def create_app(settings: ServeSettings) -> FastAPI:
@@ -150,6 +184,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
             for queue in gateway.queues:
                 client = AsyncClient(settings=settings.model_copy(update={"queue": queue}))
                 gateway.clients[queue] = await stack.enter_async_context(client)
+            stack.callback(gateway.parser.close)
             yield
 
     app = FastAPI(title="tokenq serve", version=version(), lifespan=lifespan,
@@ -157,12 +192,17 @@ def create_app(settings: ServeSettings) -> FastAPI:
     app.state.gateway = gateway
 
     async def answer(
-        route: str, shape: Shape, work: Callable[[], Awaitable[Any]]
+        route: str, shape: Shape, work: Callable[[], Awaitable[Any]], admit: bool = False
     ) -> Response:
-        """Run a route's work; every failure in the route's own error shape."""
+        """Run a route's work; every failure in the route's own error shape.
+
+        ``admit``: the work counts against ``--max-concurrent-requests`` (the
+        POST routes; never the probes, which must answer while it is full).
+        """
         started = time.perf_counter()
         try:
-            response: Response = JSONResponse(await work())
+            with gateway.admission.admit() if admit else nullcontext():
+                response: Response = JSONResponse(await work())
         except Exception as exc:  # mapped, or re-raised by from_exception if it is a bug
             error = from_exception(exc)
             response = JSONResponse(shape(error), status_code=error.status,
@@ -173,12 +213,11 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
     async def openai_embeddings(request: Request, route: str) -> Response:
         async def work() -> dict[str, Any]:
-            body = schemas.parse(schemas.OpenAIEmbeddings,
-                                 await _body(request, settings.max_body_bytes))
+            body, job = await gateway.read(request, schemas.openai_request)
             queue = gateway.queue_of(body.model)
-            results = await gateway.infer(request, queue, schemas.openai_job(body))
+            results = await gateway.infer(request, queue, job)
             return schemas.openai_answer(results, body.model, body.encoding_format)
-        return await answer(route, ApiError.openai_body, work)
+        return await answer(route, ApiError.openai_body, work, admit=True)
 
     @app.post("/v1/embeddings")
     async def openai_route(request: Request) -> Response:
@@ -191,36 +230,33 @@ def create_app(settings: ServeSettings) -> FastAPI:
     @app.post("/embed")
     async def tei_embed(request: Request) -> Response:
         async def work() -> list[list[float]]:
-            body = schemas.parse(schemas.TEIEmbed, await _body(request, settings.max_body_bytes))
-            job = schemas.tei_embed_job(body)
+            body, job = await gateway.read(request, schemas.tei_embed_request)
             queue = gateway.queue_of(body.model)
             model = body.model or gateway.default_model()
             schemas.require_embeddings(await gateway.config(queue), model)
             return schemas.tei_answer(await gateway.infer(request, queue, job), model)
-        return await answer("/embed", ApiError.tei_body, work)
+        return await answer("/embed", ApiError.tei_body, work, admit=True)
 
     @app.post("/rerank")
     async def tei_rerank(request: Request) -> Response:
         async def work() -> list[dict[str, Any]]:
-            body = schemas.parse(scores.TEIRerank, await _body(request, settings.max_body_bytes))
-            job = scores.rerank_job(body)
+            body, job = await gateway.read(request, scores.rerank_request)
             queue = gateway.queue_of(body.model)
             scores.require_reranker(await gateway.config(queue))
             results = await gateway.infer(request, queue, job)
             return scores.rerank_answer(results, body.texts, body.return_text)
-        return await answer("/rerank", ApiError.tei_body, work)
+        return await answer("/rerank", ApiError.tei_body, work, admit=True)
 
     @app.post("/predict")
     async def tei_predict(request: Request) -> Response:
         async def work() -> list[Any]:
-            body = schemas.parse(scores.TEIPredict, await _body(request, settings.max_body_bytes))
-            job, batched = scores.predict_job(body)
+            body, (job, batched) = await gateway.read(request, scores.predict_request)
             queue = gateway.queue_of(body.model)
             config = await gateway.config(queue)
             scores.require_classifier(config, job)
             results = await gateway.infer(request, queue, job)
             return scores.predict_answer(results, batched, config.labels if config else None)
-        return await answer("/predict", ApiError.tei_body, work)
+        return await answer("/predict", ApiError.tei_body, work, admit=True)
 
     @app.get("/info")
     async def info() -> Response:
@@ -235,6 +271,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 "max_input_length": config.max_input_tokens,
                 "max_batch_tokens": config.max_batch_tokens,
                 "max_client_batch_size": settings.max_client_batch_size,
+                "max_concurrent_requests": settings.max_concurrent_requests,
                 "auto_truncate": config.policy == "truncate",
                 "version": version(),
                 "queue": queue,

@@ -11,7 +11,14 @@ what                                        status  note
 an empty batch on a TEI route (``inputs:    400     TEI's ``Empty``
 []``, ``texts: []``)
 body over ``--max-body-bytes``, batch over  413
-``--max-client-batch-size``
+``--max-client-batch-size``, or more to
+send than ``bounds.MAX_AMPLIFICATION``
+times the body (a rerank's long query)
+the body not all sent within                408     ``timeout``
+``--timeout-s``
+over ``--max-concurrent-requests`` in       429     ``overloaded``, ``Retry-After``
+flight
+the client went away (mid-body or waiting)  499     ``client_closed`` (metrics only)
 a field that does not validate; what no     422     names the field, or the option
 worker can serve (token ids, left
 truncation); input or an option the queue

@@ -8,6 +8,10 @@ a 422 in the API's own error shape naming the field (``input``,
 and check. Only what no worker can serve is refused here, by name: token-id
 input (workers take text), left truncation (they keep the start of a text),
 Infinity's image and audio modalities.
+
+A body is decoded and checked by :mod:`.bounds` (one linear pass; no union of
+list types is tried in turn): each field that takes several shapes is a
+:func:`~.bounds.text_or_list` validator, not a pydantic union.
 """
 
 from __future__ import annotations
@@ -19,18 +23,32 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
 from tokenq.producer import Result
 from tokenq.producer.core import TextItem
+from tokenq.producer.serve import bounds
+from tokenq.producer.serve.bounds import TEXT, TEXT_OR_TOKENS, TOKEN, TOKENS
 from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
 from tokenq.shared.queue_config import QueueConfig
+from tokenq.shared.request_options import MAX_DIMENSIONS
 
-Dimensions = Annotated[int, Field(ge=0, strict=True)]
+Dimensions = Annotated[int, Field(ge=0, le=MAX_DIMENSIONS, strict=True)]
 """OpenAI's ``dimensions``; 0 means all of them, as Infinity (whose client sends 0) reads it."""
 
 Direction = Literal["Right", "right", "Left", "left"]
 """TEI's ``truncation_direction``, spelled either way as TEI accepts it."""
+
+
+def one_kind(where: str, *variants: bounds.Variant) -> PlainValidator:
+    """A field holding a string or a list of one of ``variants``, checked in one pass."""
+    return PlainValidator(lambda value: bounds.text_or_list(value, where, variants))
+
+
+OpenAIInput = Annotated[str | list[str] | list[int] | list[list[int]],
+                        one_kind("input", TEXT, TOKEN, TOKENS)]
+TEIInputs = Annotated[str | list[int] | list[str | list[int]],
+                      one_kind("inputs", TOKEN, TEXT_OR_TOKENS)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +68,7 @@ class Body(BaseModel):
 class OpenAIEmbeddings(Body):
     """``POST /v1/embeddings`` (OpenAI) and ``POST /embeddings`` (Infinity)."""
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: OpenAIInput
     model: str
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Dimensions | None = None
@@ -62,7 +80,7 @@ class OpenAIEmbeddings(Body):
 class TEIEmbed(Body):
     """``POST /embed`` (text-embeddings-inference)."""
 
-    inputs: str | list[int] | list[str | list[int]]
+    inputs: TEIInputs
     normalize: bool = True
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
@@ -73,13 +91,30 @@ class TEIEmbed(Body):
 
 
 def parse(model: type[Body], raw: bytes) -> Any:
-    """The body as ``model``, or a 422 naming the first field that does not validate."""
+    """The body as ``model``, or a 422 naming the first field that does not validate.
+
+    Time and memory linear in ``raw`` (:mod:`.bounds`): decoded once by the
+    stdlib, then validated from the Python objects.
+    """
+    document = bounds.decode_json(raw)
     try:
-        return model.model_validate_json(raw or b"{}")
+        return model.model_validate(document)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first.get("loc", ())) or "body"
         raise invalid(where, first.get("msg", "invalid")) from None
+
+
+def openai_request(raw: bytes) -> tuple[OpenAIEmbeddings, Job]:
+    """``/v1/embeddings``' body and job (module level: bounds.Parser pickles it by name)."""
+    body = parse(OpenAIEmbeddings, raw)
+    return body, openai_job(body)
+
+
+def tei_embed_request(raw: bytes) -> tuple[TEIEmbed, Job]:
+    """``/embed``'s body and job."""
+    body = parse(TEIEmbed, raw)
+    return body, tei_embed_job(body)
 
 
 def openai_job(body: OpenAIEmbeddings) -> Job:

@@ -21,20 +21,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import PlainValidator
 
 from tokenq.producer import Result
 from tokenq.producer.core import TextItem
+from tokenq.producer.serve.bounds import TEXT, TEXTS, check_each, kind
 from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
-from tokenq.producer.serve.schemas import Body, Direction, Job, refuse_left
+from tokenq.producer.serve.schemas import Body, Direction, Job, one_kind, parse, refuse_left
 from tokenq.shared.queue_config import QueueConfig
+
+
+def texts_only(value: Any) -> list[str]:
+    """``texts``: a list of strings, checked in one pass that stops at the first that is not
+    (pydantic's ``list[str]`` would build an error for every item that is not)."""
+    if type(value) is not list:
+        raise invalid("texts", f"expected a list of strings, got {kind(value)}")
+    check_each(value, "texts", TEXT)
+    return value
 
 
 class TEIRerank(Body):
     """``POST /rerank``."""
 
     query: str
-    texts: list[str]
+    texts: Annotated[list[str], PlainValidator(texts_only)]
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
     raw_scores: bool = False
@@ -46,7 +58,8 @@ class TEIRerank(Body):
 class TEIPredict(Body):
     """``POST /predict``."""
 
-    inputs: str | list[str] | list[list[str]]
+    inputs: Annotated[str | list[str] | list[list[str]],
+                      one_kind("inputs", TEXT, TEXTS)]
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
     raw_scores: bool = False
@@ -69,6 +82,18 @@ def rerank_job(body: TEIRerank) -> Job:
     if not body.texts:
         raise empty("texts")
     return Job([(body.query, text) for text in body.texts], _options(body), "texts")
+
+
+def rerank_request(raw: bytes) -> tuple[TEIRerank, Job]:
+    """``/rerank``'s body and job (module level: bounds.Parser pickles it by name)."""
+    body = parse(TEIRerank, raw)
+    return body, rerank_job(body)
+
+
+def predict_request(raw: bytes) -> tuple[TEIPredict, tuple[Job, bool]]:
+    """``/predict``'s body, its job and whether it is a batch."""
+    body = parse(TEIPredict, raw)
+    return body, predict_job(body)
 
 
 def predict_job(body: TEIPredict) -> tuple[Job, bool]:

@@ -480,7 +480,9 @@ def compare_suite(suite: str, rev: str, rounds: int, size: str, json_path: Path 
         "size": size,
         "rounds": rounds,
         "command": f"python scripts/bench/run.py {suite} --size {size} --baseline {rev} "
-                   f"--rounds {rounds}",
+                   f"--rounds {rounds}"
+                   + (f" --runtime {runtime}" if (runtime := os.environ.get("BENCH_RUNTIME"))
+                      else ""),
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": round(time.perf_counter() - started, 1),
         "baseline": {"rev": rev, "commit": commit, "runs": runs["baseline"]},

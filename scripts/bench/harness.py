@@ -47,6 +47,8 @@ from tokenq.worker.tooling.embedded import RedisServer
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent.parent
 SUBMIT_CHUNK = 250
+RUNTIME_ENV = "BENCH_RUNTIME"
+"""``run.py --runtime``: the hf runtime a suite compares with torch (``torch``: none)."""
 """Requests per ``submit_many`` call in a burst (one Lua script call each)."""
 
 
@@ -253,6 +255,14 @@ def sim_flags(sim: dict[str, Any]) -> list[str]:
     for name, value in sim.items():
         flags += [f"--sim-{name.replace('_', '-')}", str(value)]
     return flags
+
+
+def bench_runtime() -> str:
+    """The runtime ``run.py --runtime`` asked the suite to compare with torch."""
+    runtime = os.environ.get(RUNTIME_ENV, "torch")
+    if runtime not in ("torch", "onnx"):
+        raise SystemExit(f"{RUNTIME_ENV}={runtime!r}: expected torch or onnx")
+    return runtime
 
 
 def start_tokenq(

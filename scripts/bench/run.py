@@ -20,6 +20,11 @@ figure of each row, the median of each side and current/baseline; ``--json``
 then writes both sides' raw runs and the ratios. scripts/bench/compare.py says
 how the baseline is imported without being installed.
 
+``--runtime onnx`` (suites ``real`` and ``mixed-latency``) also runs the hf
+worker with ``--runtime onnx`` beside the torch one, in the same run, and
+reports onnx/torch; it reaches the suite as ``BENCH_RUNTIME``, so a
+``--baseline`` run passes it to both sides.
+
 Why one entry point: every suite starts its own redis-server and workers and
 tears them down, so one command is all a reader needs to reproduce a figure.
 Each suite prints a table; ``--json`` also writes everything it measured.
@@ -31,6 +36,7 @@ import argparse
 import datetime
 import importlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +51,8 @@ import harness  # noqa: E402
 SUITES = (
     "seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency", "shards",
 )
+RUNTIME_SUITES = ("real", "mixed-latency")
+"""Suites that take ``--runtime``: the ones that run the hf backend."""
 DEFAULT_RESULTS = BENCH_DIR / "results"
 DEFAULT_IMAGES = BENCH_DIR.parent.parent / "docs" / "img"
 
@@ -58,12 +66,18 @@ def run_suite(name: str, size: str) -> dict[str, Any]:
     return {
         "suite": name,
         "size": size,
-        "command": f"python scripts/bench/run.py {name} --size {size}",
+        "command": f"python scripts/bench/run.py {name} --size {size}" + runtime_flag(),
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": round(time.perf_counter() - started, 1),
         "machine": machine,
         **result,
     }
+
+
+def runtime_flag() -> str:
+    """`` --runtime X`` when the suite was asked to compare a runtime with torch."""
+    runtime = harness.bench_runtime()
+    return f" --runtime {runtime}" if runtime != "torch" else ""
 
 
 def report(result: dict[str, Any]) -> str:
@@ -107,7 +121,16 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int,
         help=f"--baseline: runs of each side (default {compare.DEFAULT_ROUNDS}); medians compared",
     )
+    parser.add_argument(
+        "--runtime", choices=["torch", "onnx"],
+        help=f"{', '.join(RUNTIME_SUITES)}: also run the hf worker on this runtime and "
+        "compare it with torch in the same run",
+    )
     args = parser.parse_args(argv)
+    if args.runtime is not None:
+        if args.suite not in RUNTIME_SUITES:
+            parser.error(f"--runtime applies to {', '.join(RUNTIME_SUITES)}, not {args.suite!r}")
+        os.environ[harness.RUNTIME_ENV] = args.runtime  # read by the suite, here and in --baseline
     if args.baseline is None and args.rounds is not None:
         parser.error("--rounds needs --baseline")
     if args.baseline is not None:

@@ -30,6 +30,14 @@ work), the first ``WARMUP`` of each class's requests left out of the
 percentiles. The closed loop fixes the concurrency rather than the rate: a
 setting that answers queries sooner also gets more queries to answer.
 
+With ``run.py mixed-latency --runtime onnx`` (``BENCH_RUNTIME=onnx``) two
+more settings run the same closed loop on the real model instead of the
+sim: ``hf-torch`` and ``hf-onnx``, one ``--backend hf`` worker (the bundled
+all-MiniLM-L6-v2 on the CPU, ``HF_THREADS`` threads, inputs cut at 256
+tokens) on ``--runtime torch`` and ``--runtime onnx``, every request
+priority 0; the notes give onnx/torch requests per second, the same load in
+the same run.
+
 The suite also runs on an older tokenq whose producer has no ``priority``
 keyword (``run.py mixed-latency --baseline REV`` runs this file on REV's
 package): then the ``priority`` setting is sent without it, the same load
@@ -40,6 +48,7 @@ false``.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import tempfile
 import time
@@ -173,18 +182,29 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
+HF_THREADS = int(os.environ.get("BENCH_THREADS", "1"))
+"""Threads of the hf worker (``OMP_NUM_THREADS``), as suite ``real`` runs it."""
+SIM_FLAGS = ["--backend", "sim_probe:factory", *harness.sim_flags(SIM)]
+
+
+def hf_flags(runtime: str) -> list[str]:
+    """A ``--backend hf`` worker on ``runtime`` (no flag for torch: an older tokenq has none)."""
+    return ["--backend", "hf", *([] if runtime == "torch" else ["--runtime", runtime])]
+
+
 def run_setting(
     server: RedisServer, workdir: Path, setting: str, size: str,
     texts: dict[str, list[tuple[str, int]]], supported: bool,
+    backend_flags: list[str] = SIM_FLAGS,
 ) -> list[dict[str, Any]]:
     """A fresh worker, one closed-loop run; a row per class and one for all."""
     queue = harness.new_queue(setting)
-    flags = [
-        "--backend", "sim_probe:factory", *harness.sim_flags(SIM),
-        "--max-batch-tokens", str(BUDGET),
-    ]
-    worker = harness.start_tokenq(server, queue, workdir, setting, flags)
-    priorities = SETTINGS[setting] if supported else None
+    flags = [*backend_flags, "--max-batch-tokens", str(BUDGET)]
+    env = None
+    if backend_flags is not SIM_FLAGS:
+        env = {"OMP_NUM_THREADS": str(HF_THREADS), "MKL_NUM_THREADS": str(HF_THREADS)}
+    worker = harness.start_tokenq(server, queue, workdir, setting, flags, env=env)
+    priorities = SETTINGS.get(setting, SETTINGS["no-priority"]) if supported else None
     with harness.running([worker], server.url):
         # The same seed in every setting: caller k's n-th request is of the same class.
         calls, start, end = asyncio.run(
@@ -215,11 +235,25 @@ def run(size: str) -> dict[str, Any]:
     texts = pools()
     supported = priority_supported()
     rows: list[dict[str, Any]] = []
+    runtime = harness.bench_runtime()
+    hf_settings = {} if runtime == "torch" else {"hf-torch": "torch", f"hf-{runtime}": runtime}
     with harness.private_redis() as server, tempfile.TemporaryDirectory() as tmp:
         for setting in SETTINGS:
             rows += run_setting(server, Path(tmp), setting, size, texts, supported)
+        for setting, name in hf_settings.items():
+            rows += run_setting(
+                server, Path(tmp), setting, size, texts, supported, hf_flags(name)
+            )
     by = {row["setting"]: row for row in rows}
     notes = []
+    if hf_settings:
+        mine, torch_all = by[f"hf-{runtime} all"], by["hf-torch all"]
+        if mine["requests_per_s"] and torch_all["requests_per_s"]:
+            notes.append(
+                f"hf {runtime} / hf torch requests/s, same run: "
+                f"x{mine['requests_per_s'] / torch_all['requests_per_s']:.2f} "
+                f"({mine['requests_per_s']} vs {torch_all['requests_per_s']})"
+            )
     for cls in CLASSES:
         base, prio = by[f"no-priority {cls}"]["p50_ms"], by[f"priority {cls}"]["p50_ms"]
         if base and prio:
@@ -241,6 +275,8 @@ def run(size: str) -> dict[str, Any]:
             "pool": {cls: len(group) for cls, group in texts.items()},
             "priorities": SETTINGS,
             "priority_supported": supported,
+            "runtime": runtime,
+            "hf_threads": HF_THREADS if hf_settings else None,
             "aging_ms": worker_default("aging_ms"),
             "sim": SIM,
             "capacity_tokens": CAPACITY_TOKENS,

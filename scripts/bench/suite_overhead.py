@@ -26,8 +26,8 @@ over the core count bounds what end to end can reach.
 Redis commands per request come from INFO commandstats deltas. Commands
 queued in a MULTI and commands a Lua script calls are counted there one by
 one, so round trips are counted as one per command *outside* a transaction
-or script, where EXEC stands for its whole transaction and EVAL/EVALSHA for
-its script. Which commands tokenq runs inside scripts is read from its own
+or script, where EXEC stands for its whole transaction and FCALL (EVALSHA before
+Redis 7) for its script. Which commands tokenq runs inside scripts is read from its own
 ``*.lua`` files (every quoted upper-case word that is a command name);
 inside MULTI it runs only the heartbeat's and deregistration's SET, HSET,
 DEL and HDEL. A command tokenq also issues on its own (XPENDING at exit)

@@ -26,6 +26,13 @@ ideal's best budget, so that its distance from the ideal is not a choice
 of setting, and with that budget and a read-ahead of 8 budgets instead of
 2, since a small budget also shrinks the window the packer sorts in.
 
+With ``run.py real --runtime onnx`` (``BENCH_RUNTIME=onnx``) the suite
+also runs the best tokenq setting again with the worker on ``--runtime
+onnx``, and the ideal at its best budget on an ONNX backend in this process:
+rows ``tokenq onnx (...)`` and ``ideal onnx (...)``, the ratio
+``onnx_over_torch`` (tokenq end to end, same budget, same run) and the
+lowest cosine between the onnx worker's vectors and sentence-transformers'.
+
 Why one thread by default: this machine has two cores shared with other
 work; with the model on one, the other carries the producer, Redis and the
 worker's event loop, which is the situation on a GPU host (the model on the
@@ -57,7 +64,7 @@ MAX_ROWS = 256
 ST_BATCH = 32
 COLUMNS = [
     "method", "texts_per_s", "tokens_per_s", "seconds", "batches", "padding_efficiency",
-    "vs_tokenq",
+    "vs_tokenq", "vs_torch",
 ]
 
 
@@ -141,12 +148,16 @@ def ideal_run(backend: Any, texts: list[str], budget: int) -> Timing:
     return Timing(seconds, len(batches), padding(shapes))
 
 
-def tokenq_run(texts: list[str], budget: int, read_ahead: float) -> tuple[Timing, harness.Run]:
+def tokenq_run(
+    texts: list[str], budget: int, read_ahead: float, runtime: str = "torch",
+) -> tuple[Timing, harness.Run]:
     """One hf worker process, warmed up on a few requests, then the whole burst."""
     flags = [
         "--backend", "hf", "--max-batch-tokens", str(budget),
         "--read-ahead-budgets", str(read_ahead),
     ]
+    if runtime != "torch":  # an older tokenq (--baseline) has no --runtime
+        flags += ["--runtime", runtime]
     env = {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     with harness.private_redis() as server, tempfile.TemporaryDirectory() as tmp:
         queue = harness.new_queue("real")
@@ -157,6 +168,14 @@ def tokenq_run(texts: list[str], budget: int, read_ahead: float) -> tuple[Timing
             run = harness.burst(server.url, queue, texts, keep_vectors=True, workers=[worker])
         timed = harness.batch_totals(worker.batches()[warm:])
     return Timing(run.makespan_s, timed["batches"], timed["padding_efficiency"]), run
+
+
+def min_cosine(run: harness.Run, reference: np.ndarray) -> float:
+    """The lowest cosine between a run's vectors (unit length) and ``reference``'s rows."""
+    vectors = np.stack([
+        np.frombuffer(run.received[rid].embedding or b"", dtype="<f4") for rid in run.order
+    ])
+    return float(np.min(np.sum(vectors * reference, axis=1)))
 
 
 def run(size: str) -> dict[str, Any]:
@@ -177,11 +196,13 @@ def run(size: str) -> dict[str, Any]:
     if best != DEFAULT_BUDGET:
         variants += [(best, 2.0), (best, WIDE_READ_AHEAD)]
     runs = {}
+    setting_of: dict[str, tuple[int, float]] = {}
     for budget, read_ahead in variants:
         name = f"tokenq (budget {budget})"
         if read_ahead != 2.0:
             name = f"tokenq (budget {budget}, read-ahead {read_ahead:g})"
         timings[name], runs[name] = tokenq_run(texts, budget, read_ahead)
+        setting_of[name] = (budget, read_ahead)
     for budget in BUDGETS[size]:
         timings[f"ideal (budget {budget})"] = ideal[budget]
     tokenq_name = min(runs, key=lambda name: timings[name].seconds)
@@ -208,12 +229,22 @@ def run(size: str) -> dict[str, Any]:
             3,
         ),
     }
-    best_run = runs[tokenq_name]
-    tokenq_vectors = np.stack([
-        np.frombuffer(best_run.received[rid].embedding or b"", dtype="<f4")
-        for rid in best_run.order
-    ])
-    agreement = float(np.min(np.sum(tokenq_vectors * st_vectors, axis=1)))
+    agreement = min_cosine(runs[tokenq_name], st_vectors)
+    notes = [
+        f"{tokenq_name} / sentence-transformers = {ratios['tokenq_over_st']}",
+        f"{tokenq_name} / ideal (budget {best}) = {ratios['tokenq_over_ideal']}",
+        f"{tokenq_name} / naive fifo-32 = {ratios['tokenq_over_naive']}",
+        f"lowest cosine between tokenq's and sentence-transformers' vectors: {agreement:.6f}",
+    ]
+    runtime = harness.bench_runtime()
+    extra_config: dict[str, Any] = {}
+    if runtime != "torch":
+        extra_config, runtime_notes = runtime_rows(
+            rows, runtime, texts, tokens, (tokenq_name, *setting_of[tokenq_name]),
+            timings[tokenq_name], (best, ideal[best]), st_vectors,
+        )
+        ratios["onnx_over_torch"] = extra_config["onnx_over_torch"]
+        notes += runtime_notes
     return {
         "columns": COLUMNS,
         "rows": rows,
@@ -228,11 +259,57 @@ def run(size: str) -> dict[str, Any]:
             "max_input_tokens": backend.info.max_input_tokens,
             "min_cosine_tokenq_vs_st": round(agreement, 6),
             "load": "tokenq: all requests opened at once, one worker; the others offline",
+            **extra_config,
         },
-        "notes": [
-            f"{tokenq_name} / sentence-transformers = {ratios['tokenq_over_st']}",
-            f"{tokenq_name} / ideal (budget {best}) = {ratios['tokenq_over_ideal']}",
-            f"{tokenq_name} / naive fifo-32 = {ratios['tokenq_over_naive']}",
-            f"lowest cosine between tokenq's and sentence-transformers' vectors: {agreement:.6f}",
-        ],
+        "notes": notes,
     }
+
+
+def runtime_rows(
+    rows: list[dict[str, Any]], runtime: str, texts: list[str], tokens: int,
+    setting: tuple[str, int, float], torch_timing: Timing, torch_ideal: tuple[int, Timing],
+    st_vectors: np.ndarray,
+) -> tuple[dict[str, Any], list[str]]:
+    """The best tokenq setting and the best ideal again on ``runtime``; rows appended in place.
+
+    ``setting``: the best torch tokenq row's (name, budget, read-ahead);
+    ``torch_ideal``: the best budget and the torch ideal's timing there.
+    """
+    from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
+
+    tokenq_name, budget, read_ahead = setting
+    best, torch_ideal_timing = torch_ideal
+    backend = HFBackend.load(HFOptions(device="cpu", runtime=runtime))
+    ideal_timing = ideal_run(backend, texts, best)
+    timing, runtime_run = tokenq_run(texts, budget, read_ahead, runtime)
+    found = {
+        f"ideal {runtime} (budget {best})": (ideal_timing, torch_ideal_timing),
+        tokenq_name.replace("tokenq", f"tokenq {runtime}", 1): (timing, torch_timing),
+    }
+    for method, (mine, theirs) in found.items():
+        rows.append({
+            "method": method,
+            "texts_per_s": round(len(texts) / mine.seconds, 1),
+            "tokens_per_s": round(tokens / mine.seconds, 0),
+            "seconds": round(mine.seconds, 3),
+            "batches": mine.batches,
+            "padding_efficiency": mine.padding_efficiency,
+            "vs_tokenq": round(torch_timing.seconds / mine.seconds, 3),
+            "vs_torch": round(theirs.seconds / mine.seconds, 3),
+        })
+    over = round(torch_timing.seconds / timing.seconds, 3)
+    ideal_over = round(torch_ideal_timing.seconds / ideal_timing.seconds, 3)
+    agreement = min_cosine(runtime_run, st_vectors)
+    config = {
+        "runtime": runtime,
+        "onnx_over_torch": over,
+        "onnx_ideal_over_torch_ideal": ideal_over,
+        f"min_cosine_tokenq_{runtime}_vs_st": round(agreement, 6),
+    }
+    notes = [
+        f"tokenq {runtime} / tokenq torch, same setting, same run = {over}",
+        f"ideal {runtime} / ideal torch (budget {best}) = {ideal_over}",
+        f"lowest cosine between tokenq {runtime}'s and sentence-transformers' vectors: "
+        f"{agreement:.6f}",
+    ]
+    return config, notes

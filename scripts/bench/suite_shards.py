@@ -44,7 +44,7 @@ nests:
   MULTI and HSET, which (with SET and HDEL, also in scripts) tokenq sends
   outside a script only inside its heartbeat and config transactions
   (EXEC is their trip);
-* a trip: EVALSHA/EVAL (one per script call) and all else: XREADGROUP,
+* a trip: FCALL (EVALSHA before Redis 7; one per script call) and all else: XREADGROUP,
   XCLAIM, BLMOVE, LRANGE, LTRIM, DEL, HGETALL, HKEYS, EXISTS, EXEC, TIME,
   PING, XINFO, SCRIPT LOAD, CLIENT, HELLO, CLUSTER, WAIT, and COMMAND
   GETKEYS (redis-py's cluster client asking a node where a command with

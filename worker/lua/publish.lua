@@ -35,6 +35,21 @@
 -- is made with pcall, so even then the answers are still settled; the
 -- letters that could not be written are counted and the worker logs them.
 --
+-- Only a key that can never take the write is settled that way (WRONGTYPE,
+-- NOPERM, CROSSSLOT: key_refuses, shared/lua/refusal.lua). When Redis
+-- refuses writes right now (OOM at maxmemory with noeviction, READONLY,
+-- MASTERDOWN, anything else), the script returns that error at once and
+-- publish.py keeps the answers and retries the whole call: an answer is never
+-- dropped, nor dead-lettered, because Redis was full. Nothing was written
+-- when that happens for lack of memory, because Redis denies a script memory
+-- only at its first write that grows memory; and what an earlier answer of
+-- the call did write is safe to leave, since the retry skips answers whose
+-- entries are no longer pending. For the same reason every argument is
+-- checked before the first write (a TTL Redis would refuse in PEXPIRE would
+-- otherwise leave a reply pushed, its entry pending and the reply without a
+-- TTL), and the numbers go to Redis as the digits they came as (a Lua number
+-- would be written 1e+15, which Redis refuses).
+--
 -- Returns {published, undeliverable, unwritten}: answers settled by this
 -- call, how many of those were dead-lettered because their reply_to refused
 -- the push, and how many dead letters the dead key refused.
@@ -47,20 +62,42 @@
 
 -- tokenq:include dead_fields.lua
 -- tokenq:include dead_letter.lua
+-- tokenq:include refusal.lua
 
 local stream, dead = KEYS[1], KEYS[2]
 local group, consumer = ARGV[1], ARGV[2]
-local ttl_ms = tonumber(ARGV[3])
-local dead_max_len = tonumber(ARGV[4])
-local letter_bytes = tonumber(ARGV[5])
-local n = tonumber(ARGV[6])
+-- A count Redis takes as an integer: digits only, at most 15 of them (so
+-- that now + ttl_ms cannot overflow PEXPIRE's bound either).
+local function count(text, least)
+  if type(text) ~= "string" or #text > 15 or not string.match(text, "^%d+$")
+      or tonumber(text) < least then
+    return nil
+  end
+  return tonumber(text)
+end
+
+local ttl_ms = ARGV[3]
+local dead_max_len = ARGV[4]
+local letter_bytes = count(ARGV[5], 0)
+local n = count(ARGV[6], 0)
+if count(ttl_ms, 1) == nil or count(dead_max_len, 0) == nil or letter_bytes == nil
+    or n == nil then
+  return redis.error_reply("ERR tokenq publish: reply_ttl_ms must be 1 to 15 digits; "
+    .. "the dead stream's length and letter caps and n, 0 to 15 digits")
+end
 local unwritten = 0
 
+-- nil when the letter was written or its key can never take it (counted in
+-- unwritten); else the error of a Redis that refuses writes now.
 local function write_letter(record)
   local added = redis.pcall(unpack(record))
   if type(added) == "table" and added.err then
+    if not key_refuses(added.err) then
+      return refusal_text(added.err)
+    end
     unwritten = unwritten + 1
   end
+  return nil
 end
 
 local function undeliverable_letter(entry_id, deliveries, why)
@@ -72,7 +109,7 @@ local function undeliverable_letter(entry_id, deliveries, why)
   local now = redis.call("TIME")
   local at_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
   append_death(record, "bad_request", why, consumer, deliveries, at_ms, entry_id)
-  write_letter(record)
+  return write_letter(record)
 end
 
 local published, undeliverable = 0, 0
@@ -88,19 +125,31 @@ for _ = 1, n do
       for j = pos + 4, pos + 3 + 2 * k do
         record[#record + 1] = ARGV[j]
       end
-      write_letter(record)
+      local refused = write_letter(record)
+      if refused then
+        return redis.error_reply(refused)
+      end
     end
     if reply < 0 then
       if k == 0 then
-        undeliverable_letter(entry_id, mine[1][4], payload)
+        local refused = undeliverable_letter(entry_id, mine[1][4], payload)
+        if refused then
+          return redis.error_reply(refused)
+        end
       end
       undeliverable = undeliverable + 1
     elseif reply > 0 then
       local pushed = redis.pcall("RPUSH", KEYS[reply], payload)
       if type(pushed) == "table" and pushed.err then
+        if not key_refuses(pushed.err) then
+          return redis.error_reply(refusal_text(pushed.err))
+        end
         if k == 0 then
           local why = "reply_to " .. KEYS[reply] .. " refused the reply: " .. tostring(pushed.err)
-          undeliverable_letter(entry_id, mine[1][4], why)
+          local refused = undeliverable_letter(entry_id, mine[1][4], why)
+          if refused then
+            return redis.error_reply(refused)
+          end
         end
         undeliverable = undeliverable + 1
       elseif not touched[reply] then

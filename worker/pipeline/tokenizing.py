@@ -26,12 +26,22 @@ Decisions:
   ``bad_request`` for the one refused) is unchanged.
 * **Small reads stay in one slice**: below :data:`MIN_SLICE` inputs per
   child, the cost of shipping inputs across is more than the split saves.
+* **Children never outlive the worker**: each child asks, as it starts, to
+  be SIGKILLed when the worker exits (``PR_SET_PDEATHSIG`` on Linux, a thread
+  polling the parent's pid elsewhere: ``tooling.children.die_with_parent``),
+  so a worker SIGKILLed while a child hangs leaves no child behind; and
+  :meth:`TokenizerPool.close` kills a child still busy after
+  :data:`CLOSE_GRACE_S` instead of waiting for it (a hung tokenizer would hold
+  the worker's exit forever). A tokenizing call that never returns is the
+  worker's watchdog's (``worker/stages.py``): the worker exits 3.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -47,12 +57,18 @@ from tokenq.worker.backends.base import (
 
 MIN_SLICE = 16
 """Fewest inputs a child is sent at a time (a smaller read uses fewer children)."""
+CLOSE_GRACE_S = 2.0
+"""How long :meth:`TokenizerPool.close` lets a busy child finish before killing it."""
 
 _tokenizer: Tokenizer | None = None
 """The child process's own tokenizer, built by :func:`_build` when the child starts."""
 
 
-def _build(factory: Callable[[], Tokenizer]) -> None:
+def _build(factory: Callable[[], Tokenizer], parent: int, use_prctl: bool) -> None:
+    """The child's initializer: die with the worker, then build the tokenizer."""
+    from tokenq.worker.tooling.children import die_with_parent
+
+    die_with_parent(parent, use_prctl=use_prctl)
     global _tokenizer
     _tokenizer = factory()
 
@@ -81,11 +97,15 @@ def slices(count: int, processes: int) -> list[tuple[int, int]]:
 class TokenizerPool:
     """``processes`` children each holding a tokenizer; :meth:`tokenize` as a backend's."""
 
-    def __init__(self, factory: Callable[[], Tokenizer], processes: int) -> None:
+    def __init__(
+        self, factory: Callable[[], Tokenizer], processes: int, *, use_prctl: bool = True
+    ) -> None:
         if processes < 1:
             raise ConfigError(f"tokenize processes must be at least 1, got {processes}")
         self.factory = factory
         self.processes = processes
+        self.use_prctl = use_prctl
+        """False: children watch the worker's pid by polling only (the portable way; tests)."""
         self._executor: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -117,11 +137,20 @@ class TokenizerPool:
             return self._tokenize_on(self._replace(executor), inputs, max_length)
 
     def close(self) -> None:
-        """Stop the children (what they were doing is dropped); safe to call twice."""
+        """Stop the children (what they were doing is dropped); safe to call twice.
+
+        A child still busy after :data:`CLOSE_GRACE_S` is killed: the worker
+        closes the pool on its way out, and a hung tokenizer must not hold that.
+        """
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+            _stop(executor)
+
+    def pids(self) -> list[int]:
+        """The children's process ids (for logs and tests)."""
+        executor = self._executor
+        return list(executor._processes or {}) if executor is not None else []
 
     def _running(self) -> ProcessPoolExecutor:
         executor = self._executor
@@ -149,14 +178,33 @@ class TokenizerPool:
             if self._executor is broken:
                 self._executor = self._new_executor()
             current = self._running()
-        broken.shutdown(wait=True, cancel_futures=True)
+        _stop(broken)
         return current
 
     def _new_executor(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
             self.processes, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_build, initargs=(self.factory,),
+            initializer=_build, initargs=(self.factory, os.getpid(), self.use_prctl),
         )
+
+
+def _stop(executor: ProcessPoolExecutor) -> None:
+    """Shut ``executor`` down, killing a child that has not finished in :data:`CLOSE_GRACE_S`.
+
+    ``ProcessPoolExecutor.shutdown`` waits for the calls children are running
+    and has no time-out (Python 3.14 adds ``kill_workers``); hence the
+    children, taken before the shutdown forgets them, are joined and killed here.
+    """
+    children = list((executor._processes or {}).values())
+    executor.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + CLOSE_GRACE_S
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+    for child in children:
+        if child.is_alive():
+            child.kill()
+            child.join(5.0)
+    executor.shutdown(wait=True)
 
 
 def pool_for(backend: Backend, processes: int) -> TokenizerPool | None:

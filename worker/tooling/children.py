@@ -47,7 +47,8 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 """A configuration or usage error: restarting cannot help."""
 EXIT_HUNG = 3
-"""A batch hung past ``batch_timeout_s`` (the worker's watchdog)."""
+"""A stage holding entries hung past its deadline (the worker's watchdog: a batch on the
+device, or a read being tokenized, past ``batch_timeout_s``; ``worker/stages.py``)."""
 EXIT_FATAL = 4
 """The worker itself failed: the device was lost (a sticky CUDA error) or an internal error."""
 
@@ -162,6 +163,31 @@ def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
             os._exit(1)
 
     return preexec
+
+
+def die_with_parent(parent: int, signum: int = signal.SIGKILL, *, use_prctl: bool = True) -> str:
+    """Called in a child process: end it (``signum``) once ``parent`` has exited.
+
+    For children the worker starts itself (the tokenizer pool's, which
+    multiprocessing spawns, so no ``preexec_fn`` can be given): on Linux
+    ``prctl(PR_SET_PDEATHSIG)``; elsewhere, or if that fails, a daemon thread
+    that polls the parent's pid, as the guard does (``use_prctl=False``: only
+    that, which tests use). Returns which ("prctl" or "poll"). A parent
+    already gone when this runs ends the child at once.
+    """
+    how = "prctl" if use_prctl and prctl(_PR_SET_PDEATHSIG, signum) else "poll"
+    if how == "poll":
+        threading.Thread(target=_poll_parent, args=(parent, signum), daemon=True,
+                         name="tokenq-parent-watch").start()
+    if os.getppid() != parent:  # it died before the watch began: too late to be told
+        os.kill(os.getpid(), signum)
+    return how
+
+
+def _poll_parent(parent: int, signum: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(_GUARD_POLL_S)
+    os.kill(os.getpid(), signum)
 
 
 def guarded(argv: Sequence[str], parent: int | None = None) -> list[str]:

