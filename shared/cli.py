@@ -207,7 +207,7 @@ def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
             kwargs["action"] = "store_true" if on else "store_false"
             if not on:
                 names = ("--no-" + names[0].removeprefix("--"),)
-                kwargs["help"] = f"turn off: {info.description}"
+                kwargs["help"] = off_help(info)
         title = help_group(settings_cls, name)
         if title is not None:
             if title not in groups:
@@ -216,6 +216,20 @@ def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
         return parser.add_argument(*names, **kwargs)
 
     return add_argument
+
+
+def off_help(info: Any) -> str:
+    """What a default-on switch's ``--no-X`` does, for ``--help``.
+
+    A field's description says what the setting *is* ("show a progress bar
+    on stderr"), which read as the help of ``--no-progress`` says the
+    opposite of what the flag does; so such a field names its off state in
+    ``json_schema_extra={"off_help": ...}`` (tests/test_first_day.py holds
+    every default-on switch to it).
+    """
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    said = extra.get("off_help")
+    return str(said) if said else f"turn off (on by default): {info.description}"
 
 
 def _literal_choices(annotation: Any) -> list[str]:

@@ -757,7 +757,10 @@ class EmbedSettings(ClientSettings):
     )
     timeout_s: ReplyTimeout = 300.0  # one enqueue call of --batch-size inputs
     restart: bool = Field(False, description="discard progress from an earlier run and start over")
-    progress: bool = Field(True, description="show a progress bar on stderr")
+    progress: bool = Field(
+        True, description="show a progress bar on stderr",
+        json_schema_extra={"off_help": "no progress bar on stderr (logs, scripts, CI)"},
+    )
 
 
 class ServeSettings(ClientSettings):

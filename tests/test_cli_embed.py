@@ -530,3 +530,11 @@ def test_a_ctrl_c_while_the_checkpoint_opens_still_says_how_to_resume(
     assert "run the same command again to resume" in process.stderr, process.stderr
     assert "Traceback" not in process.stderr
     assert (tmp_path / "out.jsonl.partial").is_dir() and not out.exists()
+
+
+def test_no_progress_help_says_what_the_flag_does():
+    """It read "--no-progress  turn off: show a progress bar on stderr"."""
+    done = tokenq("embed", "--help")
+    assert done.returncode == 0
+    [line] = [line for line in done.stdout.splitlines() if line.strip().startswith("--no-progress")]
+    assert "no progress bar" in line and "turn off: show" not in line

@@ -263,3 +263,52 @@ def test_a_queue_redis_will_not_read_is_named_and_hides_no_other(redis_url, r, q
         assert keys.config(bad) in err
     finally:
         r.delete(keys.config(bad), keys.requests(good), keys.requests(bad))
+
+
+# ----------------------------------------------------------------- a queue that is not there
+
+
+@pytest.mark.parametrize("command", ["stats", "top", "dlq list", "dlq purge"])
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_a_queue_with_no_keys_is_named_not_shown_empty(redis_url, r, queue_name, command,
+                                                       as_json):
+    """``--queue embd`` (a typo) showed an empty queue (no dead letters) and exited 0."""
+    r.xadd(keys.requests(QueueRef(queue_name)), {"v": "1"})  # a real queue beside it
+    typo = queue_name + "-typo"
+    flags = ["--json"] if as_json else []
+    if command == "top":
+        flags.append("--once")
+    if command == "dlq purge":
+        flags = ["--all"]
+    done = tokenq(*command.split(), "--redis-url", redis_url, "--queue", typo, *flags)
+    assert done.returncode == 1, done.stdout
+    assert done.stdout == ""
+    [line] = done.stderr.strip().splitlines()
+    prog = command.split()[0]
+    assert line.startswith(f"tokenq {prog}: queue '{typo}'") and "no keys" in line
+    assert queue_name in line  # the queues that do exist, to spot the typo
+
+
+@pytest.mark.parametrize("key", ["requests", "config", "workers", "dead"])
+def test_a_queue_with_any_of_its_keys_is_shown_even_empty(redis_url, r, queue_name, capsys,
+                                                          key):
+    """An existing queue with nothing in it (a worker's consumer group on an empty stream,
+    only dead letters, only a config hash) is still shown, exit 0."""
+    q = QueueRef(queue_name)
+    if key == "requests":
+        r.xgroup_create(keys.requests(q), "workers", id="0", mkstream=True)
+    elif key == "dead":
+        r.xadd(keys.dead(q), {"v": "1", "id": "gone", "text": "x", "dead_error_code": "x"})
+    else:
+        r.hset(getattr(keys, key)(q), "x", "1")
+    doc = stats_json(capsys, redis_url, "--queue", queue_name)
+    [row] = doc["queues"]
+    assert row["queue"] == queue_name and row["length"] == 0
+
+
+def test_a_sharded_queue_counts_as_there_by_any_lane(redis_url, r, queue_name, capsys):
+    q = QueueRef(queue_name)
+    r.hset(keys.config(q), "shards", "2")
+    r.xadd(keys.requests(keys.shards_of(q, 2)[1]), {"v": "1"})
+    doc = stats_json(capsys, redis_url, "--queue", queue_name)
+    assert {row["queue"] for row in doc["queues"]} == {queue_name}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import select
 import signal
 import subprocess
@@ -72,3 +73,67 @@ def test_json_needs_no_terminal_and_reports_redis_failures_in_one_line():
                   "--socket-timeout-s", "0.2")
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().startswith("tokenq top: cannot reach Redis")
+
+
+# ----------------------------------------------------------------- the frame's width
+
+LONG_NAME = "worker-" + "x" * 170  # with the other 12 columns, wider than any fixed width
+
+
+def _frame(argv: list[str], spawn, *, columns: int | None, terminal: bool) -> str:
+    """One frame of ``tokenq top --once``, its stdout a terminal (a pty) or a pipe."""
+    import os
+    import pty
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    if not terminal:
+        process = spawn(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        out, err = process.communicate(timeout=30)
+        assert process.returncode == 0, err
+        return out
+    leader, follower = pty.openpty()
+    process = spawn(argv, stdout=follower, stderr=subprocess.PIPE, env=env)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: the follower side closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert process.wait(timeout=30) == 0, process.stderr.read()
+    text = b"".join(chunks).decode()
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text).replace("\r", "")  # colours, cursor
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_a_wide_columns_shows_every_column_uncropped(sim_worker, redis_url, queue_name, spawn,
+                                                     terminal):
+    sim_worker(name=LONG_NAME)
+    out = _frame(_argv(redis_url, queue_name, "--once"), spawn, columns=400, terminal=terminal)
+    assert LONG_NAME in out and "…" not in out
+    header = next(line for line in out.splitlines() if line.lstrip("┃ ").startswith("worker"))
+    assert all(column in header for column in ("worker", "budget", "padding", "oom", "age"))
+
+
+def test_a_narrow_terminal_gets_a_frame_no_wider_than_it(sim_worker, redis_url, queue_name,
+                                                         spawn):
+    sim_worker(name=LONG_NAME)
+    out = _frame(_argv(redis_url, queue_name, "--once"), spawn, columns=60, terminal=True)
+    assert "worker" in out
+    assert max(len(line) for line in out.splitlines()) <= 60
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["sizeless-terminal", "pipe"])
+def test_without_a_known_width_the_frame_is_never_cropped(sim_worker, redis_url, queue_name,
+                                                          spawn, terminal):
+    """``tokenq top | less``, or a terminal that reports no size (a fresh pty, as
+    ``docker exec -t`` may give): no width to fit, so the table keeps its own."""
+    sim_worker(name=LONG_NAME)
+    out = _frame(_argv(redis_url, queue_name, "--once"), spawn, columns=None, terminal=terminal)
+    assert LONG_NAME in out and "…" not in out

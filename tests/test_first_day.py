@@ -236,8 +236,8 @@ def test_the_extraction_finds_the_commands_the_readme_shows():
     lines = [line for where, line in doc_command_lines() if where.startswith("README")]
     assert any(line.startswith("tokenq worker ") for line in lines)
     assert any(line.startswith("tokenq dlq retry ") for line in lines)
-    assert [["stats", "--queue", "embed"], ["stats", "--queue", "embed", "--json"]] == variants(
-        "tokenq stats --queue embed [--json]   # a comment")
+    assert variants("tokenq stats --queue embed [--json]   # a comment") == [
+        ["stats", "--queue", "embed"], ["stats", "--queue", "embed", "--json"]]
     assert variants("tokenq dlq list|purge --all | head") == [["dlq", "list", "--all"],
                                                                ["dlq", "purge", "--all"]]
 
@@ -254,3 +254,71 @@ def test_every_documented_command_line_parses(monkeypatch, capsys):
                 said = why or "parses, but the docs show it failing"
                 wrong.append(f"{where}: tokenq {shlex.join(argv)}\n    {said}")
     assert not wrong, "documented command lines that do not parse:\n" + "\n".join(wrong)
+
+
+# ----------------------------------------------------------------- the install lines
+
+_PIP_INSTALL = re.compile(r"pip install ([^\n`]*)")
+
+
+def test_every_documented_install_of_tokenq_is_from_a_checkout_or_a_wheel():
+    """tokenq is on no package index: ``pip install 'tokenq[worker]'`` finds nothing.
+
+    Every ``pip install`` in README.md and docs/*.md that installs tokenq
+    names the checkout (``.``) or a built wheel, and each extra it asks for
+    exists in pyproject.toml.
+    """
+    import tomllib
+
+    extras = set(tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+                 ["optional-dependencies"])
+    wrong = []
+    for doc in DOCS:
+        for match in _PIP_INSTALL.finditer(doc.read_text(encoding="utf-8")):
+            for word in shlex.split(match.group(1).split("#")[0], posix=True):
+                name, _, extra = word.partition("[")
+                if name == "tokenq" or name.startswith("tokenq["):
+                    wrong.append(f"{doc.name}: pip install {word} (no index has tokenq)")
+                if name in (".", "") or name.endswith(".whl"):
+                    # X: the README's placeholder for "any extra".
+                    asked = set(extra.rstrip("]").split(",")) - {"", "X"} if extra else set()
+                    if asked - extras:
+                        wrong.append(f"{doc.name}: pip install {word}: no extra "
+                                     f"{asked - extras}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_readme_batcher_example_runs_as_written(tmp_path):
+    """The README's in-process example, copied out and run: it says how to build a backend."""
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    [example] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S)
+                 if "Batcher(" in block]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENQ_")}
+    env["HF_HUB_OFFLINE"] = "1"
+    done = subprocess.run([sys.executable, "-c", example], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["(384,)", "2"]
+
+
+# ----------------------------------------------------------------- --help of default-on switches
+
+
+def test_every_default_on_switch_says_what_its_no_flag_does():
+    """``--no-X`` is shown with the field's ``off_help``: its description says the opposite."""
+    import inspect
+
+    from pydantic_settings import BaseSettings
+
+    from tokenq.shared import settings as every
+
+    missing = []
+    for name, cls in vars(every).items():
+        if not (inspect.isclass(cls) and issubclass(cls, BaseSettings)):
+            continue
+        for field, info in cls.model_fields.items():
+            if info.annotation is bool and info.get_default() is True:
+                extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+                if not extra.get("off_help"):
+                    missing.append(f"{name}.{field}")
+    assert not missing, f"default-on switches without off_help: {sorted(set(missing))}"

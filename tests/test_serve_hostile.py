@@ -7,7 +7,8 @@ here tries to break one:
 * validation is linear: hostile bodies (a list of strings ending in an
   integer, ``[[1],[1],...]``, empty containers, deep nesting, many tiny
   items, one huge item) are parsed under hypothesis with their time and
-  traced memory bounded by the body's size, on every route's model;
+  traced memory bounded by the body's size, on every route's model, and
+  posted to every route: a 4xx, never a 500;
 * the loop stays free: ``/health`` answers within 0.5 s while a hostile
   body of the largest accepted size is being validated, and the process's
   peak memory stays within the stated multiple of it;
@@ -43,7 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.cli_support import wait_for
-from tests.redis_server import free_port
+from tests.redis_server import alive, cmdline, descendants, free_port
 from tokenq.producer.serve import bounds, schemas, scores
 from tokenq.producer.serve.errors import ApiError
 from tokenq.shared import keys
@@ -286,6 +287,37 @@ def test_what_one_request_writes_to_redis_is_bounded_by_its_body(
         client.close()
 
 
+ROUTES = {schemas.OpenAIEmbeddings: "/v1/embeddings", schemas.TEIEmbed: "/embed",
+          scores.TEIRerank: "/rerank", scores.TEIPredict: "/predict"}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.data_too_large])
+@given(st.sampled_from(MODELS), st.data())
+def test_hostile_bodies_through_the_gateway_are_answered_and_bounded_in_redis(
+    redis_server, model, data
+):
+    """Every route, any hostile body: a 4xx (or 504: valid, sent, and no worker), never a
+    500, and what reached Redis within the amplification bound."""
+    field = data.draw(st.sampled_from([FIELD[model], "query", "extra"]))
+    body = data.draw(hostile_bodies(st.just(field)).filter(lambda b: b.count <= 3000))
+    raw = body.raw(model)
+    queue = f"fuzz{os.urandom(6).hex()}"
+    client = redis.Redis.from_url(redis_server.url)
+    app = create_app(ServeSettings(redis_url=redis_server.url, queue=queue, timeout_s=0.1,
+                                   max_client_batch_size=4096))
+    try:
+        with testclient.TestClient(app, raise_server_exceptions=True) as http:
+            answer = http.post(ROUTES[model], content=raw,
+                               headers={"content-type": "application/json"})
+        assert answer.status_code in (400, 413, 422, 504), answer.text
+        entries, written = entry_bytes(client, queue)
+        assert written <= MAX_AMPLIFICATION * len(raw) + ENTRY_FIXED_BYTES * entries
+    finally:
+        client.delete(keys.requests(keys.QueueRef(queue)))
+        client.close()
+
+
 def test_the_issues_rerank_wrote_1700_times_its_body_and_is_now_refused(redis_server, r):
     queue = f"amp{os.urandom(6).hex()}"
     app = create_app(ServeSettings(redis_url=redis_server.url, queue=queue, timeout_s=0.1))
@@ -333,17 +365,14 @@ class Served:
         """The gateway process's own peak resident memory."""
         return peak_rss(self.process.pid)
 
+    def parsers(self) -> list[int]:
+        """Its body parsers' processes (``spawn``ed by its pool)."""
+        return [pid for pid in descendants(self.process.pid)
+                if alive(pid) and "spawn_main" in cmdline(pid)]
+
     def children_peak_rss(self) -> int:
-        """The peak resident memory of its child processes (the body parsers), summed."""
-        children = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == self.process.pid:
-                children.append(int(stat.parent.name))
-        return sum(peak_rss(pid) for pid in children)
+        """The peak resident memory of its living child processes, summed."""
+        return sum(peak_rss(pid) for pid in descendants(self.process.pid) if alive(pid))
 
     def raw(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=10)
@@ -425,6 +454,21 @@ def test_health_answers_while_a_hostile_body_is_validated(serve, megabytes):
     assert children <= PARSE_PROCESSES * CHILD_BASELINE + PARSE_MEMORY_FACTOR * len(raw), children
 
 
+def test_the_parsers_end_when_the_gateway_is_killed(serve):
+    """A parser process holds both ends of its pool's pipe, so it would not see the gateway
+    go: it watches its parent instead, and ends within about a second of SIGKILL."""
+    served = serve()
+    big = HostileBody("input", "text", OFFLOAD_BYTES // 5 + 1, "int").raw(
+        schemas.OpenAIEmbeddings)
+    assert httpx.post(f"{served.url}/v1/embeddings", content=big, timeout=60).status_code == 422
+    parsers = served.parsers()
+    assert parsers
+    served.process.kill()
+    served.process.wait()
+    wait_for(lambda: not any(map(alive, parsers)), timeout=10,
+             what="the parser processes to end")
+
+
 def test_big_valid_bodies_are_parsed_apart_and_answered(serve, sim_worker):
     """Over ``OFFLOAD_BYTES`` a body is parsed in a child process; the job comes back whole."""
     sim_worker()
@@ -448,7 +492,7 @@ def test_big_valid_bodies_are_parsed_apart_and_answered(serve, sim_worker):
 
 
 def test_over_the_concurrency_cap_is_429_in_teis_shape(serve, sim_worker):
-    sim_worker("--sim-batch-ms", "2000")
+    sim_worker("--sim-batch-ms", "1500")
     served = serve("--max-concurrent-requests", "2")
     results: list[httpx.Response] = []
 

@@ -493,7 +493,7 @@ class Worker:
                     backoff = min(backoff * 2, 5.0)
                     continue
                 if entries:
-                    await self._take(lane, entries)
+                    await self._take(lane, entries, held=True)
         finally:
             self.health.reader_ended(lane.index)
             self._readers_left -= 1
@@ -577,7 +577,7 @@ class Worker:
                 return
             assert lane.reclaimer is not None
             deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
-            await self._take(lane, entries, deliveries)
+            await self._take(lane, entries, deliveries, held=True)
             last = entries[-1][0].decode()
 
     async def _xread(
@@ -628,8 +628,13 @@ class Worker:
         lane: Lane,
         entries: list[tuple[bytes, dict[bytes, bytes] | None]],
         deliveries: dict[bytes, int] | None = None,
+        *,
+        held: bool = False,
     ) -> None:
         """Decode, tokenize and buffer one read; no entry can make this raise.
+
+        ``held``: the read already counted its entries as held (:meth:`_hold`,
+        inside its reservation), so they are not sized a second time here.
 
         The read is prepared as a unit (:meth:`_prepare`: decoding and
         tokenizing, with no side effects) and only then buffered. If preparing
@@ -643,7 +648,8 @@ class Worker:
         if gone:  # deleted while pending to us: nothing to answer, just release
             await self._emit([Answer(lane.ref(entry_id), None, b"", ok=False) for entry_id in gone])
         present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
-        self._hold(lane, entries)
+        if not held:
+            self._hold(lane, entries)
         await self._take_present(lane, present, deliveries)
         self._feed.wake()
 

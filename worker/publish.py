@@ -76,21 +76,21 @@ class Publisher:
         keys = [self._stream, self._dead]
         index: dict[str, int] = {}
         args: list[object] = [*self._head, len(answers)]
+        extend = args.extend  # bound once: this loop runs per answer (issue 25)
         for answer in answers:
-            slot = 0
+            dead_fields = answer.dead_fields
             if refused and answer.entry_id in refused:
-                args += [answer.entry_id, -1, refused[answer.entry_id], len(answer.dead_fields)]
-                for name, value in answer.dead_fields:
-                    args += [name, value]
-                continue
-            if answer.reply_to is not None:
-                if answer.reply_to not in index:
-                    keys.append(answer.reply_to)
-                    index[answer.reply_to] = len(keys)
-                slot = index[answer.reply_to]
-            args += [answer.entry_id, slot, answer.payload, len(answer.dead_fields)]
-            for name, value in answer.dead_fields:
-                args += [name, value]
+                extend((answer.entry_id, -1, refused[answer.entry_id], len(dead_fields)))
+            else:
+                reply_to, slot = answer.reply_to, 0
+                if reply_to is not None:
+                    slot = index.get(reply_to, 0)
+                    if not slot:
+                        keys.append(reply_to)
+                        slot = index[reply_to] = len(keys)
+                extend((answer.entry_id, slot, answer.payload, len(dead_fields)))
+            for pair in dead_fields:
+                extend(pair)
         return keys, args
 
     async def publish_once(self, answers: Sequence[Answer]) -> int:

@@ -25,7 +25,15 @@ from typing import Any
 import redis
 
 from tokenq.producer.ops import letters as dlq
-from tokenq.producer.ops.snapshot import connection, entry_ms, queue_lanes, redis_now
+from tokenq.producer.ops.snapshot import (
+    UnknownQueue,
+    connection,
+    entry_ms,
+    has_keys,
+    queue_lanes,
+    redis_now,
+    unknown_queue_message,
+)
 from tokenq.producer.ops.stats import format_table
 from tokenq.shared import keys
 from tokenq.shared.cli import plural, run_command
@@ -84,6 +92,8 @@ def run(settings: DlqSettings) -> int:
     with connection(settings.redis_url, settings.socket_timeout_s, checked) as r:
         lanes = dlq.Lanes(q, queue_lanes(r, q))
         checked[:] = lanes.all
+        if not any(has_keys(r, lane) for lane in lanes.all):  # a misspelt --queue
+            raise UnknownQueue(unknown_queue_message(r, q.name, q.prefix))
         if settings.action == "list":
             return _list(r, lanes, settings)
         work, missing, ambiguous = _work(r, lanes, settings)

@@ -497,16 +497,43 @@ class Unreachable(CommandFailed):
     """Redis could not be reached or refused a read; the message is for the operator."""
 
 
+class UnknownQueue(CommandFailed):
+    """``--queue`` names a queue that has no key at all: most likely a typo."""
+
+
 def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str,
                   socket_timeout_s: float | None = None) -> dict:
     """Discover (or take, with every lane) the queues and snapshot them; a failure is one
-    operator-facing error."""
+    operator-facing error, and a named queue with no keys is :class:`UnknownQueue`."""
     queues: list[keys.QueueRef] = [keys.QueueRef(queue, prefix)] if queue else []
     try:
         if queue:  # every lane of a sharded queue, as SCAN would find them
             queues = sorted(queue_lanes(r, queues[0]), key=lane_order)
+            if not any(has_keys(r, lane) for lane in queues):
+                raise UnknownQueue(unknown_queue_message(r, queues[0].name, prefix))
         else:
             queues = discover_queues(r, prefix)
         return snapshot(r, queues, redis_url=redis_url)
     except redis.RedisError as exc:
         raise Unreachable(str(explain(exc, r, queues, redis_url, socket_timeout_s))) from exc
+
+
+def has_keys(r: redis.Redis, lane: keys.QueueRef) -> bool:
+    """Whether any key tokenq keeps for a queue exists: its stream (a worker's consumer
+    group makes it, empty), config hash, heartbeat hash or dead letters.
+
+    Why ask at all: the snapshot of a queue with no keys is an empty queue,
+    which is also what a misspelt ``--queue`` looks like. One EXISTS per lane,
+    its keys in one slot, so it works on a Cluster.
+    """
+    return bool(r.exists(keys.requests(lane), keys.config(lane), keys.workers(lane),
+                         keys.dead(lane)))
+
+
+def unknown_queue_message(r: redis.Redis, name: str, prefix: str) -> str:
+    """The operator's line for a queue with no keys, naming the queues that do exist."""
+    known = sorted({q.name for q in discover_queues(r, prefix)})
+    there = f"queues under it: {', '.join(known)}" if known else "no queue has keys under it"
+    return (f"queue {name!r} has no keys under prefix {prefix!r} (no request stream, config, "
+            f"workers or dead letters; nothing has served or enqueued to it): check --queue "
+            f"and --prefix; {there}")

@@ -19,6 +19,7 @@ Three ways out, for three kinds of reader:
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -94,8 +95,7 @@ def _table(settings: TopSettings, snapshot: Callable[[], tuple[dict[str, Any], R
               file=sys.stderr)
         return 2
     terminal = sys.stdout.isatty()
-    # Piped output gets room for every column, not 80.
-    console = Console(width=None if terminal else 160)
+    console = Console(width=frame_width())
     doc, rates = snapshot()
     if settings.once or not terminal:
         console.print(render(doc, rates, with_unreadable=False))
@@ -104,6 +104,22 @@ def _table(settings: TopSettings, snapshot: Callable[[], tuple[dict[str, Any], R
         while True:
             time.sleep(settings.interval_s)
             live.update(render(*snapshot()), refresh=True)
+
+
+_UNBOUNDED = 100_000
+"""The width "no limit" is drawn at: rich lays a table out at its own width within it."""
+
+
+def frame_width() -> int:
+    """The width to draw at: ``COLUMNS`` when set, else the terminal's own width.
+
+    Where neither says (a pipe: ``tokenq top | less``; a terminal that reports
+    no size, as some ``docker exec -t`` sessions do), nothing is there to fit,
+    so the table keeps its own width rather than being cropped to a guess
+    (rich's fallback is 80).
+    """
+    columns = shutil.get_terminal_size(fallback=(0, 0)).columns
+    return columns if columns > 0 else _UNBOUNDED
 
 
 class RecentRates:

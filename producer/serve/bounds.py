@@ -35,7 +35,10 @@ from __future__ import annotations
 import asyncio
 import json
 import operator
+import os
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -69,6 +72,9 @@ PARSE_MEMORY_FACTOR = 40
 OFFLOAD_BYTES = 256 * 1024
 """Bodies larger than this are decoded in a child process (a smaller one stops the loop
 for at most tens of milliseconds; sending it to a child would cost about as much)."""
+
+PARENT_POLL_S = 1.0
+"""How often a parser process checks that the gateway that started it is still there."""
 
 PARSE_PROCESSES = 2
 """Big bodies decoded at once; more wait their turn (each expands to up to 40× its size)."""
@@ -144,9 +150,8 @@ class Parser:
         if len(raw) <= OFFLOAD_BYTES:
             return prepare(raw)
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(  # Ctrl-C is the gateway's to handle, not theirs
-                self.processes, get_context("spawn"),
-                initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN))
+            self._pool = ProcessPoolExecutor(self.processes, get_context("spawn"),
+                                             initializer=_parser_started, initargs=(os.getpid(),))
         try:
             outcome = await asyncio.get_running_loop().run_in_executor(
                 self._pool, _prepare_apart, prepare, raw)
@@ -162,6 +167,23 @@ class Parser:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def _parser_started(gateway: int) -> None:
+    """In each parser process: leave Ctrl-C to the gateway, and end when the gateway does.
+
+    A pool's process never sees its parent go (it holds both ends of its
+    task pipe), so without the watch a gateway killed with SIGKILL would
+    leave its parsers running for ever.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == gateway:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tokenq-parent-watch", daemon=True).start()
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,10 +52,9 @@ def error_answer(entry_id: bytes, request_id: str, reply_to: str | None,
 
 def answer_of(pipeline: Pipeline[Any], outcome: Outcome[bytes]) -> Answer:
     """The answer a finished request's stream entry is owed."""
-    reply = pipeline.reply(outcome)
-    code = None if reply.ok else outcome.code
-    return Answer(outcome.ref, outcome.request.reply_to, wire.encode_reply(reply),
-                  ok=reply.ok, code=code)
+    payload, ok = pipeline.encoded_reply(outcome)
+    return Answer(outcome.ref, outcome.request.reply_to, payload,
+                  ok=ok, code=None if ok else outcome.code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,18 +125,17 @@ def decode_entries(
     an answer.
     """
     out = Decoded(requests=[], answers=[])
+    # One helper for the read, not one per entry: a good entry costs no object here.
+    dead_letter = functools.partial(dead_answer, policy=policy, now_epoch_ms=now_epoch_ms)
     for entry_id, fields in entries:
-        count = deliveries.get(entry_id, 1)
-        dead = functools.partial(
-            dead_answer, entry_id, fields,
-            policy=policy, deliveries=count, now_epoch_ms=now_epoch_ms,
-        )
+        count = deliveries.get(entry_id, 1) if deliveries else 1
 
         if count > policy.max_deliveries:
-            out.answers.append(dead(
-                ErrorCode.DEAD_LETTER,
+            out.answers.append(dead_letter(
+                entry_id, fields, ErrorCode.DEAD_LETTER,
                 f"delivered {count} times without an answer (max_deliveries "
                 f"{policy.max_deliveries}): the workers holding it died; moved to dead letters",
+                deliveries=count,
             ))
             continue
         try:
@@ -148,12 +146,14 @@ def decode_entries(
                 check_reply_to=policy.check_reply_to,
             )
         except DecodeError as exc:
-            out.answers.append(dead(ErrorCode.BAD_REQUEST, str(exc)))
+            out.answers.append(dead_letter(
+                entry_id, fields, ErrorCode.BAD_REQUEST, str(exc), deliveries=count))
             continue
         except Exception as exc:  # a decoder bug must not take the worker down
             log.exception("unexpected error decoding entry %s", entry_id)
-            out.answers.append(dead(
-                ErrorCode.BAD_REQUEST, f"entry could not be decoded: {type(exc).__name__}: {exc}"
+            out.answers.append(dead_letter(
+                entry_id, fields, ErrorCode.BAD_REQUEST,
+                f"entry could not be decoded: {type(exc).__name__}: {exc}", deliveries=count,
             ))
             continue
         out.requests.append((entry_id, request))

@@ -412,6 +412,22 @@ class Pipeline(Generic[K]):
 
     # ------------------------------------------------------------------ reply
 
+    def encoded_reply(self, outcome: Outcome[K]) -> tuple[bytes, bool]:
+        """The reply's msgpack bytes, and whether it is a success.
+
+        An embedding is packed straight from the vector (no :class:`wire.Reply`
+        in between: this runs per request); anything else goes through
+        :meth:`reply`. The bytes are the same either way.
+        """
+        result = outcome.result
+        if self.info.embeds and not isinstance(result, Failure):
+            vector = np.ascontiguousarray(result, dtype="<f4")
+            return wire.encode_embedding_reply(
+                outcome.request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens
+            ), True
+        reply = self.reply(outcome)
+        return wire.encode_reply(reply), reply.ok
+
     def reply(self, outcome: Outcome[K]) -> wire.Reply:
         """The wire reply for a finished request: an embedding or scores, or the error."""
         request, result = outcome.request, outcome.result
