@@ -187,10 +187,17 @@ class AsyncClient(ProducerBase):
         return await self._run(calls.submit(self._core, text, text_pair, options))
 
     async def submit_many(
-        self, texts: Iterable[TextItem], **options: Unpack[SubmitOptions]
+        self, texts: Iterable[TextItem], *, unique: Sequence[str] | None = None,
+        **options: Unpack[SubmitOptions],
     ) -> list[str]:
-        """Enqueue a batch all or nothing; ids in input order."""
-        return await self._run(calls.submit_many(self._core, texts, options))
+        """Enqueue a batch all or nothing; ids in input order.
+
+        ``unique``: the requests' ids (32 hex digits each, before a shard's
+        prefix) instead of fresh ones: a retry that names the same ids is
+        written once (``dedupe_ttl_s``) and :meth:`results` reads the first
+        write's replies.
+        """
+        return await self._run(calls.submit_many(self._core, texts, options, unique))
 
     async def result(self, request_id: str, timeout_s: float | None = None) -> Result:
         """Wait for the reply to a request :meth:`submit` made (here or elsewhere)."""

@@ -639,16 +639,18 @@ def submit(
 
 
 def submit_many(
-    core: ClientCore, texts: Iterable[TextItem], options: SubmitOptions
+    core: ClientCore, texts: Iterable[TextItem], options: SubmitOptions,
+    unique: Sequence[str] | None = None,
 ) -> Call[list[str]]:
-    """Enqueue a batch all or nothing; the ids in input order."""
+    """Enqueue a batch all or nothing; the ids in input order (``unique``: see
+    :meth:`ClientCore.prepare_many`)."""
     refuse_unknown(options, SubmitOptions, "submit_many")
     deadline = core.deadline()
     yield from ensure_config(core, deadline)
     items = _replayable(texts)
 
     def write(lane: ClientCore) -> Call[list[str]]:
-        batch = lane.prepare_many(items, now_ms=_now_ms(), **options)
+        batch = lane.prepare_many(items, now_ms=_now_ms(), unique=unique, **options)
         yield from enqueue(lane, batch, deadline)
         return [p.id for p in batch]
 

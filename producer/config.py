@@ -111,6 +111,10 @@ def model_facts(config: QueueConfig | None) -> ModelFacts:
         normalized=config.normalized,
         prompts=config.prompts,
         default_prompt_name=config.default_prompt,
+        sparse=None if config.task is None else config.task == "sparse",
+        token_dim=config.token_dim,
+        # A worker that offers output: tokens publishes token_dim; one that predates it does not.
+        can_output_tokens=True if config.token_dim else None,
     )
 
 

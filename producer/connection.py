@@ -52,6 +52,7 @@ from redis.retry import Retry
 from tokenq.producer.calls import ErrorReply, OutOfMemory, Unreachable
 from tokenq.producer.core import BACKOFF_BASE_S, BACKOFF_CAP_S, DEADLINE_GRACE_S
 from tokenq.shared import functions, redis_refusal
+from tokenq.shared.packing import HiredisPacking
 from tokenq.shared.redis_url import RedisTarget, parse_redis_url
 from tokenq.shared.sentinel_connection import managed_connection
 from tokenq.shared.settings import ClientSettings
@@ -237,13 +238,21 @@ _BOUNDED_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> type:
-    """``connection_class`` (plain, TLS or Unix socket) with ``mixin`` in front; made once."""
+    """``connection_class`` (plain, TLS or Unix socket) with ``mixin`` in front; made once.
+
+    It also packs commands in C (:class:`~tokenq.shared.packing.HiredisPacking`):
+    an enqueue carries a dozen arguments per request, which redis-py's own
+    packer walks in Python (issue 25).
+    """
     if issubclass(connection_class, mixin):
         return connection_class
     key = (connection_class, mixin)
     made = _BOUNDED_CLASSES.get(key)
     if made is None:
-        made = type(f"Bounded{connection_class.__name__}", (mixin, connection_class), {})
+        bases = (mixin, connection_class)
+        if not issubclass(connection_class, HiredisPacking):
+            bases = (mixin, HiredisPacking, connection_class)
+        made = type(f"Bounded{connection_class.__name__}", bases, {})
         _BOUNDED_CLASSES[key] = made
     return made
 

@@ -21,12 +21,13 @@ from __future__ import annotations
 import array
 import copy
 import inspect
+import itertools
 import logging
 import math
+import os
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -187,6 +188,11 @@ class Result:
     tokens: int | None
     labels: tuple[str, ...] | None = None
     """A classifier's label for each score, in order, when the model names them."""
+    sparse: tuple[tuple[int, float], ...] | None = None
+    """A sparse (SPLADE, ``--task sparse``) model's nonzero (token id, weight) pairs, in
+    increasing token id; ``dim`` is then the vocabulary's size."""
+    token_embeddings: tuple[array.array, ...] | None = None
+    """``output="tokens"``: one ``array('f')`` of ``dim`` values per token, in order."""
 
     def __repr__(self) -> str:
         """A short summary: a 384-float vector printed whole buries everything else.
@@ -211,6 +217,10 @@ class Result:
                 parts.append(f"scores={head(pairs, str, '{}')}")
             else:
                 parts.append(f"scores={head(self.scores)}")
+        if self.token_embeddings is not None:
+            parts.append(f"token_embeddings=[{len(self.token_embeddings)} x {self.dim}]")
+        if self.sparse is not None:
+            parts.append(f"sparse={head(self.sparse, lambda p: f'{p[0]}: {p[1]:.4g}', '{}')}")
         parts.append(f"tokens={self.tokens}")
         return f"Result({', '.join(parts)})"
 
@@ -352,6 +362,22 @@ def config_cache(estimator: EstimatorChoice, config_ttl_s: float) -> ConfigCache
     )
 
 
+
+def _utf8_size(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (checked valid before): an ASCII text is not encoded."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+_UUID4_CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
+_UUID4_SET = (0x8000 << 48) | (4 << 76)
+
+
+def _uuid4_hex() -> str:
+    """``uuid.uuid4().hex``, digit for digit (RFC 4122 variant and version 4 bits), without
+    the UUID object: it is made once per request (issue 25), where the object cost
+    half the id's time."""
+    return "%032x" % (int.from_bytes(os.urandom(16), "big") & _UUID4_CLEAR | _UUID4_SET)
+
 class ClientCore:
     """Decisions the sync and async clients share; holds no connection."""
 
@@ -390,7 +416,7 @@ class ClientCore:
         On a shard they follow its number (``3.<hex>``, :func:`keys.id_on_shard`),
         so the id alone leads any process to its reply key.
         """
-        return keys.id_on_shard(self.shard, uuid.uuid4().hex)
+        return keys.id_on_shard(self.shard, _uuid4_hex())
 
     # --------------------------------------------------------------- shards
 
@@ -594,7 +620,8 @@ class ClientCore:
             return NO_OPTIONS
 
     def _prepare(
-        self, item: object, text_pair: object, index: int | None, shared: _Shared
+        self, item: object, text_pair: object, index: int | None, shared: _Shared,
+        unique: str | None = None,
     ) -> Prepared:
         where = "text" if index is None else f"texts[{index}]"
         if isinstance(item, tuple) and index is not None:
@@ -603,7 +630,7 @@ class ClientCore:
             item, text_pair = item
         text = self._text(item, where)
         pair = None if text_pair is None else self._text(text_pair, f"{where} text_pair")
-        size = len(text.encode("utf-8")) + (0 if pair is None else len(pair.encode("utf-8")))
+        size = _utf8_size(text) + (0 if pair is None else _utf8_size(pair))
         limit = self.settings.max_request_bytes
         if size > limit:
             raise BadRequest(f"{where} is {size} bytes of UTF-8, over the limit of {limit} bytes")
@@ -615,7 +642,7 @@ class ClientCore:
             estimating.check(self.queue.name, tokens=tokens, has_pair=pair is not None,
                              where=where, truncate=shared.truncate)
 
-        request_id = self.new_id()
+        request_id = self.new_id() if unique is None else keys.id_on_shard(self.shard, unique)
         target = self.reply_key(request_id) if shared.reply_to is None else shared.reply_to
         request = wire.Request(
             id=request_id,
@@ -637,9 +664,15 @@ class ClientCore:
         return Prepared(id=request_id, reply_to=target, fields=fields)
 
     def prepare_many(
-        self, texts: Iterable[TextItem], *, now_ms: int, **options: Unpack[SubmitOptions]
+        self, texts: Iterable[TextItem], *, now_ms: int, unique: Sequence[str] | None = None,
+        **options: Unpack[SubmitOptions],
     ) -> list[Prepared]:
-        """Validate a whole batch before anything is written (all or nothing)."""
+        """Validate a whole batch before anything is written (all or nothing).
+
+        ``unique``: each request's id (before its shard prefix) instead of a
+        fresh one, so a caller retrying a call names the same requests and the
+        enqueue's dedupe writes them once (the gateway's ``Idempotency-Key``).
+        """
         if isinstance(texts, (str, bytes)):
             raise BadRequest(
                 "texts must be a sequence of strings, not a single string "
@@ -654,7 +687,12 @@ class ClientCore:
         if not items:
             return []
         shared = self._shared(options, now_ms)
-        return [self._prepare(item, None, i, shared) for i, item in enumerate(items)]
+        if unique is None:
+            return [self._prepare(item, None, i, shared) for i, item in enumerate(items)]
+        if len(unique) != len(items):
+            raise BadRequest(f"{len(unique)} ids for {len(items)} texts")
+        self.check_ids(unique)
+        return [self._prepare(item, None, i, shared, unique[i]) for i, item in enumerate(items)]
 
     def _text(self, value: object, where: str) -> str:
         """``value`` if the worker would take it as a text (the wire's own check)."""
@@ -716,10 +754,11 @@ class ClientCore:
         args: list[str | bytes | int] = [
             self.settings.max_queue_length, len(batch), self.dedupe_ttl_ms
         ]
+        append, extend = args.append, args.extend  # bound once: per entry below
         for prepared in batch:
-            args.append(len(prepared.fields))
-            for name, value in prepared.fields.items():
-                args.extend((name, value))
+            fields = prepared.fields
+            append(len(fields))
+            extend(itertools.chain.from_iterable(fields.items()))
         return args
 
     def queue_full(self, message: str, n: int) -> QueueFull | None:
@@ -856,6 +895,9 @@ class ClientCore:
             scores=reply.scores,
             tokens=reply.tokens,
             labels=reply.labels,
+            sparse=tuple(reply.sparse_pairs()) if reply.sparse_indices is not None else None,
+            token_embeddings=None if reply.token_embeddings is None else tuple(
+                array.array("f", vector) for vector in reply.token_vectors()),
         )
 
     @staticmethod

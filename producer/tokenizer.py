@@ -64,6 +64,12 @@ class TokenizerEstimator:
             raise OSError(f"{source} is not a readable tokenizer.json: {exc}") from exc
         return cls(tokenizer, source)
 
+    @property
+    def tokenizer(self) -> Any:
+        """The loaded ``tokenizers.Tokenizer`` (no truncation, no padding): the gateway's
+        ``/tokenize`` and ``/decode`` answer with it."""
+        return self._tokenizer
+
     def __call__(self, text: str, text_pair: str | None = None) -> int:
         """Token count of ``text`` (with ``text_pair``), special tokens included."""
         return len(self._tokenizer.encode(text, text_pair, add_special_tokens=True))

@@ -9,13 +9,14 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``protocol``         wire protocol version the workers speak
 ``backend``          backend name (``hf``, ``sim``, ...)
 ``model``            model id or path
-``task``             ``embed``, ``classify`` or ``rerank`` (``--task``)
+``task``             ``embed``, ``classify``, ``rerank`` or ``sparse`` (``--task``)
 ``max_input_tokens`` the model's input limit, in tokens
 ``policy``           ``reject``, ``truncate`` or ``chunk`` (over-long input)
 ``pairs``            ``1``: the model takes query/passage pairs; ``0``: single texts
 ``padded``           ``1``: batches cost rows x longest; ``0``: the sum of lengths
 ``max_batch_tokens`` the workers' token budget per batch
-``dim``              embedding size, or number of scores (when the model says)
+``dim``              embedding size, number of scores, or vocabulary size (sparse)
+``token_dim``        size of each token's vector for ``output: tokens``; absent: not offered
 ``normalized``       ``1``: the model's embeddings are unit length; ``0``: they are not
 ``labels``           a classifier's name for each score, in order: a JSON array of strings
 ``prompts``          the model's named prompts: a JSON object, name to text (``{}``: none)
@@ -24,6 +25,8 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``shards``           how many shards the queue's workers serve (``{q:0}`` … ``{q:K-1}``); absent: 1
 ``enqueue_function`` the Redis function that enqueues (FCALL, docs/PROTOCOL.md); absent: Redis < 7
 ``updated_at``       Unix seconds of the last write (the worker's clock)
+``dtype``            the weights' dtype as the backend runs them (``float32``, ``float16``, ...)
+``tokenize_processes`` tokenizer child processes per worker (``--tokenize-processes``; 0: a thread)
 ==================== ==================================================
 
 Parsing never raises: a field that is missing or does not parse is None, so
@@ -64,6 +67,9 @@ class QueueConfig:
     updated_at: int | None = None
     shards: int | None = None
     enqueue_function: str | None = None
+    dtype: str | None = None
+    tokenize_processes: int | None = None
+    token_dim: int | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
@@ -111,6 +117,9 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         updated_at=_int(text, "updated_at", minimum=0),
         shards=_int(text, "shards", minimum=1),
         enqueue_function=text.get("enqueue_function") or None,
+        dtype=text.get("dtype") or None,
+        tokenize_processes=_int(text, "tokenize_processes", minimum=0),
+        token_dim=_int(text, "token_dim", minimum=1),
     )
 
 

@@ -15,6 +15,7 @@ key             type     meaning
 ``normalize``   bool     unit-length embedding or not (default: the model's)
 ``truncate``    bool     cut an over-long input (true) or refuse / chunk it (false)
 ``raw_scores``  bool     a scoring model's logits, without its activation
+``output``      str      ``tokens``: one vector per token (TEI's ``/embed_all``), not pooled
 =============== ======== ==========================================================
 
 Unknown keys are ignored, as the protocol promises, so an old worker serves a
@@ -66,6 +67,11 @@ class WorkerOptions(TypedDict, total=False):
     (``too_long``), or chunk it on a ``chunk`` queue. By default the queue's policy."""
     raw_scores: bool | None
     """A classifier's or reranker's logits, without the model's activation."""
+    output: str | None
+    """``"tokens"``: the transformer's last hidden state for every token of the input
+    (special and prompt tokens included), not the pooled embedding: TEI's ``/embed_all``.
+    An embedding queue's only; it takes no ``dimensions`` or ``normalize``, and an
+    over-long input is truncated or refused, never chunked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +92,13 @@ class ModelFacts:
     """The worker can answer ``normalize: false`` (its backend returns raw vectors)."""
     prompts: Mapping[str, str] | None = None
     default_prompt_name: str | None = None
+    sparse: bool | None = None
+    """True: replies carry a sparse (SPLADE) model's weights, which take no output option."""
+    token_dim: int | None = None
+    """Size of each token's vector for ``output: tokens``; None: unknown (the producer
+    without a config hash that says) or, on a worker, not offered by its backend."""
+    can_output_tokens: bool | None = None
+    """The queue's backend answers ``output: tokens`` (None: unknown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +111,14 @@ class RequestOptions:
     normalize: bool | None = None
     truncate: bool | None = None
     raw_scores: bool = False
+    output_tokens: bool = False
+    """``output: tokens``: the row is the token embeddings, flattened (tokens x token_dim)."""
 
     @property
     def shapes_output(self) -> bool:
         """Whether the answer differs from the model's default one (a result must be re-shaped)."""
-        return self.dimensions is not None or self.normalize is not None or self.raw_scores
+        return (self.dimensions is not None or self.normalize is not None or self.raw_scores
+                or self.output_tokens)
 
 
 NO_OPTIONS = RequestOptions()
@@ -124,14 +140,20 @@ def parse_options(opts: Mapping[str, Any], facts: ModelFacts) -> RequestOptions:
                 "normalize false: this queue's backend only answers unit-length embeddings"
             )
     raw_scores = _flag(opts, "raw_scores")
+    if raw_scores is not None and facts.sparse:
+        raise ValueError("raw_scores applies to classifiers and rerankers; this model is sparse")
     if raw_scores is not None and facts.embeds:
         raise ValueError("raw_scores applies to classifiers and rerankers; this model embeds")
+    output_tokens = _output_tokens(opts.get("output"), facts)
+    if output_tokens and (dimensions is not None or normalize is not None):
+        raise ValueError("output tokens takes no dimensions or normalize (raw token vectors)")
     return RequestOptions(
         prompt=prompt,
         dimensions=dimensions,
         normalize=normalize,
         truncate=_flag(opts, "truncate"),
         raw_scores=bool(raw_scores),
+        output_tokens=output_tokens,
     )
 
 
@@ -184,6 +206,21 @@ def _dimensions(value: object, facts: ModelFacts) -> int | None:
     return value
 
 
+OUTPUTS = ("tokens",)
+"""The values ``output`` takes (absent: the model's pooled answer)."""
+
+
+def _output_tokens(value: object, facts: ModelFacts) -> bool:
+    if value is None:
+        return False
+    if value not in OUTPUTS:
+        raise ValueError(f"output must be one of {list(OUTPUTS)}, got {value!r}")
+    _embedding_only("output", facts)
+    if facts.can_output_tokens is False:
+        raise ValueError("output tokens: this queue's backend does not answer token embeddings")
+    return True
+
+
 def _flag(opts: Mapping[str, Any], name: str) -> bool | None:
     value = opts.get(name)
     if value is None or isinstance(value, bool):
@@ -192,5 +229,7 @@ def _flag(opts: Mapping[str, Any], name: str) -> bool | None:
 
 
 def _embedding_only(name: str, facts: ModelFacts) -> None:
+    if facts.sparse:
+        raise ValueError(f"{name} applies to dense embeddings; this model is sparse (SPLADE)")
     if facts.embeds is False:
         raise ValueError(f"{name} applies to embeddings; this model answers scores")

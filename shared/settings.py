@@ -47,8 +47,9 @@ from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ENV_PREFIX = "TOKENQ_"
 
-Task = Literal["embed", "classify", "rerank"]
-"""What a model computes: vectors, a score per label, or one score per (query, passage)."""
+Task = Literal["embed", "classify", "rerank", "sparse"]
+"""What a model computes: vectors, a score per label, one score per (query, passage), or
+a sparse (SPLADE) vector over the vocabulary."""
 
 _POSITIONAL = get_args(CliPositionalArg[str])[1]
 """The marker pydantic-settings puts on a positional argument's field."""
@@ -179,11 +180,36 @@ def check_number(value: object, name: str, *, allow_inf: bool = False) -> object
     return value
 
 
-def _allows_inf(settings_cls: type[BaseModel], name: str) -> bool:
-    """Whether setting ``name`` gives infinity a meaning (``json_schema_extra={"inf": True}``)."""
+def _marked(settings_cls: type[BaseModel], name: str, mark: str) -> bool:
+    """Whether setting ``name`` carries ``json_schema_extra={mark: True}``."""
     info = settings_cls.model_fields.get(name)
     extra = info.json_schema_extra if info is not None else None
-    return isinstance(extra, dict) and extra.get("inf") is True
+    return isinstance(extra, dict) and extra.get(mark) is True
+
+
+def _allows_inf(settings_cls: type[BaseModel], name: str) -> bool:
+    """Whether setting ``name`` gives infinity a meaning (``json_schema_extra={"inf": True}``)."""
+    return _marked(settings_cls, name, "inf")
+
+
+REDIS_MS = {"redis_ms": True}
+"""``json_schema_extra`` of a seconds setting Redis gets in whole milliseconds
+(``int(s * 1000)``: a TTL, an idle time): :func:`check_redis_ms` holds it to them."""
+
+
+def check_redis_ms(value: object, name: str) -> object:
+    """``value`` unless it is a positive time under 1 ms, which Redis would get as 0 ms.
+
+    Why: 0 is not "a very short time" to Redis. A 0 ms reply TTL makes
+    ``publish.lua`` refuse every call (the worker retries it for ever and
+    answers nothing), a 0 ms idle time claims every peer's pending entry at
+    each scan, a 0 ms dedupe TTL turns dedupe off, a 0 ms liveness TTL
+    (``heartbeat_s`` × 3) fails every beat: each must be said at start.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 0.001:
+        raise ValueError(f"{name} must be 0.001 (1 ms) or more: Redis takes it in whole "
+                         f"milliseconds, and {value:g}s would be 0 ms")
+    return value
 
 
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
@@ -243,7 +269,8 @@ class _Settings(BaseSettings):
     def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
         """Every number of every command's settings within what Redis and Python take."""
         name = info.field_name or ""
-        return check_number(value, name, allow_inf=_allows_inf(cls, name))
+        value = check_number(value, name, allow_inf=_allows_inf(cls, name))
+        return check_redis_ms(value, name) if _marked(cls, name, "redis_ms") else value
 
 
 class _QueueSettings(_Settings):
@@ -319,7 +346,8 @@ class HFSettings(BaseModel):
         "embed",
         description="embed (vectors), classify (a probability per label: softmax, or sigmoid "
         "for multi-label), rerank (cross-encoder: a score per (query, passage) pair, sigmoid "
-        "for a single logit); requests may ask for the raw logits",
+        "for a single logit), sparse (SPLADE: a weight per vocabulary token, sentence-"
+        "transformers' SparseEncoder); requests may ask for the raw logits",
     )
     pooling: Literal[
         "auto", "mean", "cls", "last", "lasttoken", "max", "mean_sqrt_len_tokens", "weightedmean"
@@ -426,6 +454,7 @@ class ClientSettings(_QueueLimit, _Requests):
         ge=0,
         description="remember enqueued request ids this long, so a retried enqueue "
         "cannot add a request twice (0: off)",
+        json_schema_extra=REDIS_MS,
     )
     durable_replicas: int = Field(
         0,
@@ -512,15 +541,18 @@ class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
     block_ms: int = Field(
         1000, ge=1, description="XREADGROUP BLOCK time; kept below --socket-timeout-s"
     )
-    reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push")
+    reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push",
+                               json_schema_extra=REDIS_MS)
     heartbeat_s: float = Field(
-        2.0, gt=0, description="heartbeat interval; a worker silent for 3 beats is presumed dead"
+        2.0, gt=0, description="heartbeat interval; a worker silent for 3 beats is presumed dead",
+        json_schema_extra=REDIS_MS,  # its liveness key lives int(3 × heartbeat_s × 1000) ms
     )
     claim_idle_s: float = Field(
         300.0,
         gt=0,
         description="entries idle this long are claimed whoever holds them (the safety net "
         "behind heartbeats; longer than any batch can take)",
+        json_schema_extra=REDIS_MS,
     )
     max_deliveries: int = Field(
         3, ge=1, description="an entry delivered more often goes to the dead stream"
@@ -782,6 +814,24 @@ class ServeSettings(ClientSettings):
     max_concurrent_requests: int = Field(
         512, ge=1, description="most POST requests in flight at once, bodies being read "
         "included (more: 429 at once, as TEI's --max-concurrent-requests)"
+    )
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer <key>' on every route but /health, "
+        "/ready and /metrics (401 without it), as TEI's --api-key; better given as "
+        "TOKENQ_API_KEY than on a command line others can read"
+    )
+    cors_allow_origin: str = Field(
+        "", description="origins a browser may call from, comma-separated ('*': any); empty: "
+        "no CORS headers, so browsers refuse cross-origin calls"
+    )
+    cold_start_s: float = Field(
+        0.0, ge=0, description="with no live worker on the queue: 0 answers 503 'no live "
+        "worker' at once and writes nothing; N > 0 queues the request (a KEDA-scaled fleet "
+        "at zero sees it) and waits up to N s for a worker to start, else 503"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a connection must send a request's headers within this long "
+        "of opening or of its last answer, else it is closed (the body has --timeout-s: 408)"
     )
 
     @field_validator("models")

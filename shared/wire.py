@@ -10,6 +10,7 @@ the field at fault.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import sys
@@ -30,6 +31,11 @@ DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 """Default cap on the UTF-8 size of ``text`` plus ``text_pair`` in one request."""
 
 MAX_REPLY_BYTES = 64 * 1024 * 1024
+
+MAX_TOKEN_EMBEDDING_FLOATS = 4 * 1024 * 1024
+"""Most floats one ``output: tokens`` reply may carry (tokens x token_dim: 16 MiB of
+float32, a quarter of :data:`MAX_REPLY_BYTES`); a worker refuses a longer input
+``bad_request`` before it runs (512 tokens x 4,096 dims is 2 Mi)."""
 
 MAX_TOKENS = 1 << 24
 """Largest ``tokens`` estimate accepted (16,777,216: far past any model's input,
@@ -135,18 +141,46 @@ class Reply:
     tokens: int | None = None
     labels: tuple[str, ...] | None = None
     """A classifier's label for each score, in the scores' order (None when it names none)."""
+    sparse_indices: bytes | None = None
+    """A sparse (SPLADE) row's nonzero positions: little-endian uint32, increasing, < ``dim``."""
+    sparse_values: bytes | None = None
+    """Their weights: little-endian float32, one per index."""
+    token_embeddings: bytes | None = None
+    """``output: tokens``: one ``dim``-long vector per token, little-endian float32, in order."""
 
     def embedding_floats(self) -> list[float]:
         """The embedding as Python floats (decoded from little-endian float32)."""
         if self.embedding is None:
             return []
-        import array
+        return _le_array("f", self.embedding).tolist()
 
-        values = array.array("f")
-        values.frombytes(self.embedding)
-        if sys.byteorder == "big":
-            values.byteswap()
-        return values.tolist()
+    def token_vectors(self) -> list[list[float]]:
+        """A token-embeddings reply's vectors, one per token ([] otherwise)."""
+        if self.token_embeddings is None or not self.dim:
+            return []
+        flat = _le_array("f", self.token_embeddings).tolist()
+        return [flat[start:start + self.dim] for start in range(0, len(flat), self.dim)]
+
+    def sparse_pairs(self) -> list[tuple[int, float]]:
+        """A sparse reply's (token id, weight) pairs, in increasing token id ([] otherwise)."""
+        if self.sparse_indices is None or self.sparse_values is None:
+            return []
+        indices = _le_array("I", self.sparse_indices).tolist()
+        values = _le_array("f", self.sparse_values).tolist()
+        return list(zip(indices, values, strict=True))
+
+
+def _le_array(typecode: str, data: bytes) -> Any:
+    """``array.array(typecode)`` of little-endian bytes, in this machine's byte order."""
+    import array
+
+    values = array.array(typecode)
+    if values.itemsize != 4:  # "I" is 4 bytes on every platform CPython supports; be sure
+        values = array.array("L" if typecode == "I" else typecode)
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
 
 
 # --------------------------------------------------------------------- requests
@@ -159,7 +193,8 @@ def validate_text(value: object, field_name: str, max_bytes: int) -> str:
     if not value.strip():
         raise DecodeError(f"{field_name} is empty")
     try:
-        size, invalid = len(value.encode("utf-8")), None
+        # ASCII (most texts) is one byte a character: its size without encoding it.
+        size, invalid = len(value) if value.isascii() else len(value.encode("utf-8")), None
     except UnicodeEncodeError as exc:  # lone surrogates: the size is still checked first
         size, invalid = len(value.encode("utf-8", errors="surrogatepass")), exc.reason
     if size > max_bytes:
@@ -456,6 +491,51 @@ def scores_reply(
     )
 
 
+def sparse_reply(
+    request_id: str, indices: bytes, values: bytes, dim: int, tokens: int | None = None
+) -> Reply:
+    """A successful sparse (SPLADE) reply: the nonzero entries of a ``dim``-long row.
+
+    ``indices`` are little-endian uint32 and ``values`` little-endian float32,
+    one each per nonzero entry: 8 bytes a nonzero, at most ``8 * dim`` bytes
+    (docs/PROTOCOL.md), so the reply is bounded by the vocabulary's size.
+    """
+    _check_sparse(indices, values, dim, ValueError)
+    return Reply(id=request_id, ok=True, dim=dim, tokens=tokens,
+                 sparse_indices=indices, sparse_values=values)
+
+
+def token_embeddings_reply(
+    request_id: str, vectors: bytes, dim: int, tokens: int | None = None
+) -> Reply:
+    """A successful ``output: tokens`` reply: ``len(vectors) / (4 * dim)`` vectors of ``dim``."""
+    _check_token_embeddings(vectors, dim, ValueError)
+    return Reply(id=request_id, ok=True, dim=dim, tokens=tokens, token_embeddings=vectors)
+
+
+def _check_token_embeddings(vectors: object, dim: object, error: type[Exception]) -> None:
+    """Raise ``error`` unless ``vectors`` is a whole number (>= 1) of ``dim`` float32s."""
+    if not (isinstance(vectors, bytes) and type(dim) is int and dim > 0):
+        raise error("token-embeddings reply needs 'token_embeddings' bytes and a positive 'dim'")
+    if not vectors or len(vectors) % (4 * dim) or len(vectors) > 4 * MAX_TOKEN_EMBEDDING_FLOATS:
+        raise error(f"token-embeddings reply must be one or more vectors of 4*dim bytes, "
+                    f"at most {MAX_TOKEN_EMBEDDING_FLOATS} floats")
+
+
+def _check_sparse(indices: object, values: object, dim: object, error: type[Exception]) -> None:
+    """Raise ``error`` unless the pair is a well-formed sparse row of ``dim`` (one home)."""
+    if not (isinstance(indices, bytes) and isinstance(values, bytes)
+            and type(dim) is int and dim > 0):
+        raise error("sparse reply needs 'sparse_indices', 'sparse_values' bytes and 'dim'")
+    if len(indices) != len(values) or len(indices) % 4 or len(indices) > 4 * dim:
+        raise error("sparse reply's 'sparse_indices' and 'sparse_values' must be 4 bytes "
+                    "per nonzero each, at most 'dim' of them")
+    if indices:
+        found = _le_array("I", indices)
+        if any(b <= a for a, b in itertools.pairwise(found)) or found[-1] >= dim:
+            raise error("sparse reply's 'sparse_indices' must increase and be below 'dim'")
+
+
 def error_reply(request_id: str, code: str, message: str) -> Reply:
     """An error reply; ``code`` is one of ErrorCode's values."""
     return Reply(id=request_id, ok=False, error=ErrorInfo(code=str(code), message=message))
@@ -483,6 +563,13 @@ def encode_reply(reply: Reply) -> bytes:
     body: dict[str, Any] = {"id": reply.id, "ok": reply.ok}
     if reply.embedding is not None:
         body["embedding"] = reply.embedding
+        body["dim"] = reply.dim
+    if reply.token_embeddings is not None:
+        body["token_embeddings"] = reply.token_embeddings
+        body["dim"] = reply.dim
+    if reply.sparse_indices is not None:
+        body["sparse_indices"] = reply.sparse_indices
+        body["sparse_values"] = reply.sparse_values
         body["dim"] = reply.dim
     if reply.scores is not None:
         body["scores"] = list(reply.scores)
@@ -530,6 +617,17 @@ def decode_reply(packed: bytes) -> Reply:
         if not well_formed or len(embedding) != 4 * dim:
             raise DecodeError("reply 'embedding' must be 4*dim bytes of float32")
         return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens)
+    if "token_embeddings" in body:
+        vectors, dim = body.get("token_embeddings"), body.get("dim")
+        _check_token_embeddings(vectors, dim, DecodeError)
+        return Reply(id=request_id, ok=True, dim=dim, tokens=tokens,  # type: ignore[arg-type]
+                     token_embeddings=vectors)  # type: ignore[arg-type]
+    if "sparse_indices" in body:
+        indices, values = body.get("sparse_indices"), body.get("sparse_values")
+        dim = body.get("dim")
+        _check_sparse(indices, values, dim, DecodeError)
+        return Reply(id=request_id, ok=True, dim=dim, tokens=tokens,  # type: ignore[arg-type]
+                     sparse_indices=indices, sparse_values=values)  # type: ignore[arg-type]
     scores = body.get("scores")
     if isinstance(scores, list) and all(isinstance(s, (int, float)) for s in scores):
         labels = body.get("labels")
@@ -543,7 +641,8 @@ def decode_reply(packed: bytes) -> Reply:
             id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens,
             labels=tuple(labels) if labels else None,
         )
-    raise DecodeError("successful reply carries neither 'embedding' nor 'scores'")
+    raise DecodeError("successful reply carries none of 'embedding', 'token_embeddings', "
+                      "'sparse_indices', 'scores'")
 
 
 def finite(values: Sequence[float]) -> bool:

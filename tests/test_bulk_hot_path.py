@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import uuid
 
 import numpy as np
 import pytest
@@ -88,7 +89,8 @@ def test_one_call_answers_each_entry_still_ours_exactly_once(
         replies = r.lrange(keys.reply(q, f"r{i}"), 0, -1)
         assert replies == ([f"reply {i}".encode()] if i in ours else [])
     assert r.xlen(keys.dead(q)) == len(ours & dead)
-    pending = {entry[0]: entry[1] for entry in r.xpending_range(stream, keys.GROUP, "-", "+", 100)}
+    pending = {entry["message_id"]: entry["consumer"]
+               for entry in r.xpending_range(stream, keys.GROUP, "-", "+", 100)}
     assert pending == {
         **{ids[i]: b"c1" for i in range(_PER_CALL) if i not in ours | settled | theirs},
         **{ids[i]: b"c2" for i in theirs},
@@ -164,3 +166,66 @@ def test_an_integer_field_is_taken_exactly_when_it_was_before(raw: bytes) -> Non
     except DecodeError:
         got = None
     assert got == expected
+
+
+@given(raw=st.binary(min_size=16, max_size=16))
+def test_a_request_id_is_uuid4_hex_digit_for_digit(raw: bytes) -> None:
+    """The producer's id without the UUID object is what ``uuid.UUID(bytes, version=4)`` gives."""
+    from unittest import mock
+
+    from tokenq.producer import core
+
+    with mock.patch.object(core.os, "urandom", return_value=raw):
+        assert core._uuid4_hex() == uuid.UUID(bytes=raw, version=4).hex
+
+
+@given(rows=st.lists(
+    st.one_of(
+        st.lists(st.floats(width=32), min_size=3, max_size=3).map(
+            lambda v: np.asarray(v, dtype=np.float32)),
+        st.lists(st.floats(width=32), min_size=1, max_size=4).map(
+            lambda v: np.asarray(v, dtype=np.float32)),
+        st.lists(st.floats(width=32), min_size=3, max_size=3).map(
+            lambda v: np.asarray(v, dtype=">f4")),
+        st.just([1.0, 2.0, 3.0]),
+        st.just(np.zeros((2, 3), dtype=np.float32)),
+        st.just("not numbers"),
+    ),
+    max_size=8,
+))
+def test_a_run_checked_in_bulk_answers_each_row_as_it_would_alone(rows: list[object]) -> None:
+    """Rows a backend returns: the same vectors and the same Failures as row by row."""
+    from tokenq.worker.pipeline.execute import _checked, _checked_rows
+
+    def same(a: object, b: object) -> bool:
+        if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+            return a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+        return a == b
+
+    bulk, alone = _checked_rows(rows), [_checked(row) for row in rows]
+    assert len(bulk) == len(alone)
+    assert all(same(a, b) for a, b in zip(bulk, alone, strict=True))
+
+
+def test_the_producers_connections_pack_in_c_and_still_enqueue(
+    redis_url: str, r: redis.Redis, queue_name: str,
+) -> None:
+    """Both producers' sockets pack by hiredis (byte for byte redis-py's:
+    tests/test_worker_connection.py), and what they enqueue reads back as sent."""
+    from tokenq.producer import AsyncClient, Client
+    from tokenq.shared.packing import HiredisPacking
+
+    with Client(redis_url=redis_url, queue=queue_name, max_queue_length=0) as client:
+        assert issubclass(client._redis.connection_pool.connection_class, HiredisPacking)
+        ids = client.submit_many(["héllo wörld", "a b c"], reply_to=keys.reply(
+            keys.QueueRef(queue_name), "mine"))
+
+    async def async_side() -> type:
+        async with AsyncClient(redis_url=redis_url, queue=queue_name) as aclient:
+            return aclient._redis.connection_pool.connection_class
+
+    assert issubclass(asyncio.run(async_side()), HiredisPacking)
+    entries = r.xrange(keys.requests(keys.QueueRef(queue_name)))
+    decoded = [wire.decode_request(fields) for _, fields in entries]
+    texts = ["héllo wörld", "a b c"]
+    assert [(d.id, d.text) for d in decoded] == list(zip(ids, texts, strict=True))

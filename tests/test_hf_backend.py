@@ -568,7 +568,7 @@ def test_settings_object_and_bundled_default(dirs: SimpleNamespace) -> None:
 def test_cuda_out_of_memory_becomes_device_out_of_memory(
     embed: HFBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def fail(*_args: object) -> None:
+    def fail(*_args: object, **_kwargs: object) -> None:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
 
     monkeypatch.setattr(embed, "_forward", fail)

@@ -185,10 +185,10 @@ def test_prompts_without_a_default(st_folder: Callable[..., Path]) -> None:
     assert_same(answers(backend, TEXTS, "cat dog "), st_encode(path, TEXTS, prompt="cat dog "))
 
 
-def test_legacy_files_with_prompts_and_include_prompt(root: Path, bert: Path) -> None:
+def test_legacy_files_with_prompts_and_include_prompt(tmp_path: Path, bert: Path) -> None:
     import shutil
 
-    path = root / "legacy-prompts"
+    path = tmp_path / "legacy-prompts"
     shutil.copytree(bert, path)
     write_sentence_transformers_files(
         path,
@@ -226,10 +226,12 @@ def test_each_pooling_mode_matches_sentence_transformers(
     assert_same(answers(backend, TEXTS, "query: "), st_encode(path, TEXTS, prompt="query: "))
 
 
-def test_legacy_boolean_pooling_keys_concatenate_in_their_order(root: Path, bert: Path) -> None:
+def test_legacy_boolean_pooling_keys_concatenate_in_their_order(
+    tmp_path: Path, bert: Path
+) -> None:
     import shutil
 
-    path = root / "legacy-modes"
+    path = tmp_path / "legacy-modes"
     shutil.copytree(bert, path)
     write_sentence_transformers_files(
         path, pooling=("mean", "cls", "weightedmean"), normalize=True, max_seq_length=None
@@ -415,10 +417,10 @@ def test_reranker_with_an_activation_tokenq_cannot_apply_is_refused(tmp_path: Pa
 # -- code the model ships --------------------------------------------------------
 
 
-def test_remote_code_runs_only_with_trust_remote_code(root: Path, bert: Path) -> None:
+def test_remote_code_runs_only_with_trust_remote_code(tmp_path: Path, bert: Path) -> None:
     from transformers import AutoModel, AutoTokenizer
 
-    path = write_custom_code_bert(root / "custom", bert)
+    path = write_custom_code_bert(tmp_path / "custom", bert)
     with pytest.raises(ConfigError, match=r"auto_map.*--trust-remote-code"):
         load(path)
     backend = load(path, trust_remote_code=True)

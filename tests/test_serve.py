@@ -106,7 +106,8 @@ def test_tei_embed_info_health_and_ready(sim_worker, redis_url, queue_name):
         assert_vectors(single.json(), ["only one"])
         info = http.get("/info").json()
         assert info["model_id"] == "sim" and info["max_input_length"] == MAX_INPUT
-        assert info["model_type"] == {"embedding": {}} and info["auto_truncate"] is True
+        assert info["model_type"] == {"embedding": {"pooling": "unknown"}}
+        assert info["auto_truncate"] is True
         for refused, status, field in (
             ({"inputs": "x", "prompt_name": "query"}, 422, "prompt_name"),  # sim has no prompts
             ({"inputs": "x", "normalize": False}, 422, "normalize"),  # sim answers unit vectors
@@ -141,19 +142,20 @@ def test_each_error_status_comes_from_its_real_condition(sim_worker, redis_url, 
         assert bad.status_code == 422 and bad.json()["error"]["param"].startswith("input")
         missing = post({"input": "x"})
         assert missing.status_code == 422 and missing.json()["error"]["param"] == "model"
-        empty = post({"model": "m", "input": "   "})
-        assert empty.status_code == 422 and "empty" in empty.json()["error"]["message"]
-        nobody = post({"model": "m", "input": "is anyone there?"})
-        assert nobody.status_code == 504
+        nobody = post({"model": "m", "input": "is anyone there?"})  # --cold-start-s 0
+        assert nobody.status_code == 503 and nobody.json()["error"]["code"] == "no_worker"
         assert "no live worker serves queue" in nobody.json()["error"]["message"]
         sim_worker()
+        empty = post({"model": "m", "input": "   "})
+        assert empty.status_code == 422 and "empty" in empty.json()["error"]["message"]
         failed = post({"model": "m", "input": [f"poison {SIM_FAIL_MARKER}"]})
         assert failed.status_code == 424 and failed.json()["error"]["code"] == "inference_failed"
         assert post({"model": "m", "input": ["fine"]}).status_code == 200
 
 
 def test_a_full_queue_is_429_with_retry_after_and_an_unknown_model_404(redis_url, queue_name):
-    with gateway(redis_url, queue_name, max_queue_length=1, models=f"small={queue_name}") as http:
+    with gateway(redis_url, queue_name, max_queue_length=1, models=f"small={queue_name}",
+                 cold_start_s=5) as http:  # no worker: queued, as a fleet at zero is
         full = http.post("/v1/embeddings", json={"model": "small", "input": ["a", "b"]})
         assert full.status_code == 429 and full.headers["retry-after"] == "1"
         assert full.json()["error"]["type"] == "rate_limit_error"

@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 
 from tests.cli_support import wait_for
 from tests.redis_server import alive, cmdline, descendants, free_port
-from tokenq.producer.serve import bounds, schemas, scores
+from tokenq.producer.serve import bounds, schemas, scores, tei_api
 from tokenq.producer.serve.errors import ApiError
 from tokenq.shared import keys
 from tokenq.shared.settings import ServeSettings
@@ -62,9 +62,11 @@ from tokenq.producer.serve.bounds import (  # noqa: E402
     PARSE_PROCESSES,
 )
 
-MODELS = (schemas.OpenAIEmbeddings, schemas.TEIEmbed, scores.TEIRerank, scores.TEIPredict)
+MODELS = (schemas.OpenAIEmbeddings, schemas.TEIEmbed, scores.TEIRerank, scores.TEIPredict,
+          tei_api.TEITokenize, tei_api.TEIDecode)
 FIELD = {schemas.OpenAIEmbeddings: "input", schemas.TEIEmbed: "inputs",
-         scores.TEIRerank: "texts", scores.TEIPredict: "inputs"}
+         scores.TEIRerank: "texts", scores.TEIPredict: "inputs",
+         tei_api.TEITokenize: "inputs", tei_api.TEIDecode: "ids"}
 
 SECONDS_PER_MB = 2.0
 """Generous on a shared 2-core machine: the parse takes about 0.1 s per MB alone."""
@@ -115,8 +117,9 @@ def parse_and_build(model: type, raw: bytes) -> None:
         schemas.tei_embed_job(body)
     elif model is scores.TEIRerank:
         scores.rerank_job(body)
-    else:
+    elif model is scores.TEIPredict:
         scores.predict_job(body)
+    # /tokenize and /decode: the parse is all that comes before the tokenizer
 
 
 def assert_bounded(model: type, raw: bytes) -> None:
@@ -221,14 +224,17 @@ def test_the_type_pass_finds_the_same_first_misfit_as_checking_each_item(items, 
     b'{"model": "m", "input": ' + b"1" * 5000 + b"}", b'{"model": "m", "input": "a"',
 ])
 def test_a_body_that_is_not_a_json_object_is_a_422_naming_body(raw):
+    """JSON of another shape is a 422; a body that is not JSON at all a 400, as OpenAI and
+    TEI answer (issue 24)."""
+    status = 422 if raw in (b"[1]", b'"text"') else 400
     for model in MODELS:
         error = refused(model, raw)
-        assert error is not None and (error.status, error.param) == (422, "body"), error
+        assert error is not None and (error.status, error.param) == (status, "body"), error
 
 
 def test_a_lone_surrogate_is_refused_by_name_not_a_server_error(redis_server):
     app = create_app(ServeSettings(redis_url=redis_server.url, queue="surrogates",
-                                   timeout_s=0.1))
+                                   timeout_s=0.1, cold_start_s=5))
     with testclient.TestClient(app, raise_server_exceptions=True) as http:
         for route, body in (("/embed", b'{"inputs": ["a", "\\ud800"]}'),
                             ("/rerank", b'{"query": "\\udfff", "texts": ["a"]}')):
@@ -271,7 +277,7 @@ def test_what_one_request_writes_to_redis_is_bounded_by_its_body(
     queue = f"amp{os.urandom(6).hex()}".ljust(128, "q")  # the longest name: the most per entry
     client = redis.Redis.from_url(redis_server.url)
     app = create_app(ServeSettings(redis_url=redis_server.url, queue=queue, timeout_s=0.1,
-                                   retries=0))
+                                   retries=0, cold_start_s=5))  # no worker: queued
     try:
         with testclient.TestClient(app) as http:
             answer, size = post_rerank(http, "q" * query, ["t" * text] * count)
@@ -288,7 +294,8 @@ def test_what_one_request_writes_to_redis_is_bounded_by_its_body(
 
 
 ROUTES = {schemas.OpenAIEmbeddings: "/v1/embeddings", schemas.TEIEmbed: "/embed",
-          scores.TEIRerank: "/rerank", scores.TEIPredict: "/predict"}
+          scores.TEIRerank: "/rerank", scores.TEIPredict: "/predict",
+          tei_api.TEITokenize: "/tokenize", tei_api.TEIDecode: "/decode"}
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -305,7 +312,7 @@ def test_hostile_bodies_through_the_gateway_are_answered_and_bounded_in_redis(
     queue = f"fuzz{os.urandom(6).hex()}"
     client = redis.Redis.from_url(redis_server.url)
     app = create_app(ServeSettings(redis_url=redis_server.url, queue=queue, timeout_s=0.1,
-                                   max_client_batch_size=4096))
+                                   max_client_batch_size=4096, cold_start_s=5))
     try:
         with testclient.TestClient(app, raise_server_exceptions=True) as http:
             answer = http.post(ROUTES[model], content=raw,
@@ -330,7 +337,8 @@ def test_the_issues_rerank_wrote_1700_times_its_body_and_is_now_refused(redis_se
 def test_an_option_sent_with_every_input_counts_once_per_input(redis_server, r):
     """``prompt_name`` goes in every request's ``opts``: 60 KB of it over 2,048 inputs."""
     queue = f"amp{os.urandom(6).hex()}"
-    app = create_app(ServeSettings(redis_url=redis_server.url, queue=queue, timeout_s=0.1))
+    app = create_app(ServeSettings(redis_url=redis_server.url, queue=queue, timeout_s=0.1,
+                                   cold_start_s=5))  # no worker: queued
     with testclient.TestClient(app) as http:
         answer = http.post("/embed", json={"inputs": ["a"] * 2048, "prompt_name": "p" * 60_000})
         assert answer.status_code == 413 and "inputs" in answer.json()["error"], answer.text

@@ -230,8 +230,9 @@ def test_a_nan_score_is_the_models_failure_and_an_embedding_is_the_wrong_model()
 
 
 def test_info_model_type_follows_the_queues_task():
-    assert scores.tei_model_type(QueueConfig()) == {"embedding": {}}
-    assert scores.tei_model_type(QueueConfig(task="embed", dim=32)) == {"embedding": {}}
+    embedder = {"embedding": {"pooling": "unknown"}}  # TEI's spec requires pooling
+    assert scores.tei_model_type(QueueConfig()) == embedder
+    assert scores.tei_model_type(QueueConfig(task="embed", dim=32)) == embedder
     rerank = scores.tei_model_type(QueueConfig(task="rerank", dim=1))
     assert rerank == {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
     named = scores.tei_model_type(QueueConfig(task="classify", dim=2, labels=("neg", "pos")))

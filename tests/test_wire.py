@@ -282,7 +282,7 @@ def test_validate_text_accepts_real_text(text: str) -> None:
 def replies(draw: st.DrawFn) -> Reply:
     request_id = draw(ids)
     tokens = draw(st.none() | st.integers(min_value=0, max_value=2**32))
-    kind = draw(st.sampled_from(["embedding", "scores", "error"]))
+    kind = draw(st.sampled_from(["embedding", "scores", "sparse", "tokens", "error"]))
     if kind == "embedding":
         floats = draw(st.lists(st.floats(width=32, allow_nan=False), max_size=64))
         packed = struct.pack(f"<{len(floats)}f", *floats)
@@ -292,6 +292,19 @@ def replies(draw: st.DrawFn) -> Reply:
         labels = draw(st.none() | st.lists(st.text(max_size=8), min_size=len(scores),
                                             max_size=len(scores)))
         return wire.scores_reply(request_id, scores, tokens=tokens, labels=labels)
+    if kind == "tokens":
+        dim = draw(st.integers(min_value=1, max_value=16))
+        floats = draw(st.lists(st.floats(width=32, allow_nan=False), min_size=dim,
+                               max_size=8 * dim).filter(lambda v: len(v) % dim == 0))
+        return wire.token_embeddings_reply(
+            request_id, struct.pack(f"<{len(floats)}f", *floats), dim, tokens=tokens)
+    if kind == "sparse":
+        dim = draw(st.integers(min_value=1, max_value=2**32 - 1))
+        indices = sorted(draw(st.sets(st.integers(0, min(dim, 2**20) - 1), max_size=32)))
+        weights = draw(st.lists(st.floats(width=32, min_value=0, exclude_min=True),
+                                min_size=len(indices), max_size=len(indices)))
+        return wire.sparse_reply(request_id, struct.pack(f"<{len(indices)}I", *indices),
+                                 struct.pack(f"<{len(weights)}f", *weights), dim, tokens=tokens)
     code = draw(st.sampled_from([code.value for code in ErrorCode]))
     return wire.error_reply(request_id, code, draw(st.text(max_size=200)))
 
@@ -306,6 +319,62 @@ def test_reply_round_trips(reply: Reply) -> None:
     if reply.embedding is not None:
         assert reply.dim is not None
         assert decoded.embedding_floats() == list(struct.unpack(f"<{reply.dim}f", reply.embedding))
+    if reply.token_embeddings is not None:
+        assert reply.dim is not None
+        flat = struct.unpack(f"<{len(reply.token_embeddings) // 4}f", reply.token_embeddings)
+        assert decoded.token_vectors() == [
+            list(flat[i:i + reply.dim]) for i in range(0, len(flat), reply.dim)]
+    if reply.sparse_indices is not None:
+        count = len(reply.sparse_indices) // 4
+        assert decoded.sparse_pairs() == list(zip(
+            struct.unpack(f"<{count}I", reply.sparse_indices),
+            struct.unpack(f"<{count}f", reply.sparse_values or b""), strict=True))
+
+
+def test_a_token_embeddings_reply_is_whole_vectors_within_its_bound() -> None:
+    """docs/PROTOCOL.md's layout; a ragged, empty or over-the-bound one is a DecodeError."""
+    vectors = struct.pack("<6f", *range(6))
+    packed = wire.encode_reply(wire.token_embeddings_reply("t", vectors, 3, tokens=2))
+    assert msgpack.unpackb(packed) == {"id": "t", "ok": True, "token_embeddings": vectors,
+                                       "dim": 3, "tokens": 2}
+    assert wire.decode_reply(packed).token_vectors() == [[0, 1, 2], [3, 4, 5]]
+    huge = bytes(4 * (wire.MAX_TOKEN_EMBEDDING_FLOATS + 4))
+    for fields in ({"token_embeddings": vectors, "dim": 4}, {"token_embeddings": b"", "dim": 3},
+                   {"token_embeddings": vectors}, {"token_embeddings": vectors, "dim": 0},
+                   {"token_embeddings": "abc", "dim": 3}, {"token_embeddings": huge, "dim": 4}):
+        with pytest.raises(DecodeError, match="token-embeddings"):
+            wire.decode_reply(msgpack.packb({"id": "t", "ok": True, **fields}))
+        with pytest.raises(ValueError, match="token-embeddings"):
+            wire.token_embeddings_reply("t", fields["token_embeddings"], fields.get("dim"))
+
+
+def test_a_sparse_reply_is_pairs_of_index_and_weight_as_documented() -> None:
+    """The layout docs/PROTOCOL.md gives, and every malformed sparse map a DecodeError."""
+    indices, values = struct.pack("<2I", 3, 7), struct.pack("<2f", 0.5, 2.0)
+    packed = wire.encode_reply(wire.sparse_reply("s", indices, values, 10, tokens=4))
+    assert msgpack.unpackb(packed) == {"id": "s", "ok": True, "sparse_indices": indices,
+                                       "sparse_values": values, "dim": 10, "tokens": 4}
+    assert wire.decode_reply(packed).sparse_pairs() == [(3, 0.5), (7, 2.0)]
+    empty = wire.decode_reply(wire.encode_reply(wire.sparse_reply("e", b"", b"", 10)))
+    assert empty.sparse_pairs() == [] and empty.dim == 10
+    bad = [
+        {"sparse_indices": indices, "sparse_values": values[:4], "dim": 10},  # one value short
+        {"sparse_indices": indices, "sparse_values": values, "dim": 7},  # index 7 not < dim
+        {"sparse_indices": struct.pack("<2I", 7, 3), "sparse_values": values, "dim": 10},
+        {"sparse_indices": struct.pack("<2I", 3, 3), "sparse_values": values, "dim": 10},
+        {"sparse_indices": indices[:7], "sparse_values": values[:7], "dim": 10},  # not 4n
+        {"sparse_indices": indices, "sparse_values": values, "dim": 1},  # more than dim
+        {"sparse_indices": indices, "sparse_values": values},
+        {"sparse_indices": "ab", "sparse_values": values, "dim": 10},
+        {"sparse_indices": indices, "sparse_values": values, "dim": True},
+        {"sparse_indices": indices, "sparse_values": values, "dim": 0},
+    ]
+    for fields in bad:
+        with pytest.raises(DecodeError, match="sparse"):
+            wire.decode_reply(msgpack.packb({"id": "s", "ok": True, **fields}))
+        with pytest.raises((ValueError, TypeError)):
+            wire.sparse_reply("s", fields.get("sparse_indices"), fields.get("sparse_values"),
+                              fields.get("dim"))
 
 
 def test_reply_map_layout_is_what_the_protocol_documents() -> None:

@@ -34,36 +34,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenq.shared import functions
+from tokenq.shared.packing import HiredisPacking
 from tokenq.shared.redis_url import RedisTarget, parse_redis_url
 from tokenq.shared.sentinel_connection import managed_connection
 from tokenq.shared.settings import WorkerSettings
-
-try:
-    from hiredis import pack_command as _hiredis_pack
-except ImportError:  # pragma: no cover - hiredis is in the worker extra
-    _hiredis_pack = None
-
-
-class HiredisPacking:
-    """Connection mixin: ``pack_command`` in C (hiredis), byte-for-byte redis-py's output.
-
-    What hiredis refuses (a bool, an unknown type) goes to redis-py's own
-    packer, so the errors a caller sees are redis-py's.
-    """
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        if _hiredis_pack is not None and args:
-            first = args[0]
-            # A command name with a space ("SCRIPT LOAD") is two arguments, as redis-py splits it.
-            if isinstance(first, str):
-                args = (*first.encode().split(), *args[1:])
-            elif isinstance(first, bytes) and b" " in first:
-                args = (*first.split(), *args[1:])
-            try:
-                return [_hiredis_pack(args)]
-            except TypeError:
-                pass
-        return super().pack_command(*args)  # type: ignore[misc]
 
 
 @functools.cache

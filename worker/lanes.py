@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoPermissionError
+from redis.exceptions import NoPermissionError, ResponseError
 
-from tokenq.shared import functions, keys, lua
+from tokenq.shared import functions, keys, lua, redis_refusal
 from tokenq.shared.redis_text import as_text
 
 log = logging.getLogger("tokenq.worker")
@@ -124,6 +124,8 @@ class Retirement:
         self.queue = queue
         self.shards = shards
         self._found: set[keys.QueueRef] = set()
+        self._unremovable: set[keys.QueueRef] = set()
+        """Retired lanes whose removal Redis refused for good (warned once each)."""
 
     async def join(self, client: aioredis.Redis) -> list[keys.QueueRef]:
         """Mark the retired shards and unmark this worker's own; the retired shards with a
@@ -168,11 +170,17 @@ class Retirement:
         done = []
         for lane in retired:
             q = lane.queue
-            state = await script(
-                keys=[keys.requests(q), keys.dead(q), keys.retired(q), keys.workers(q),
-                      keys.config(q)],
-                args=[keys.GROUP],
-            )
+            try:
+                state = await script(
+                    keys=[keys.requests(q), keys.dead(q), keys.retired(q), keys.workers(q),
+                          keys.config(q)],
+                    args=[keys.GROUP],
+                )
+            except ResponseError as exc:
+                if redis_refusal.refused_now(exc):
+                    raise  # Redis refuses writes now (OOM ...): the beat reports it, tries again
+                self._cannot_remove(q, exc)
+                continue
             if as_text(state) in _GONE:
                 await client.delete(keys.worker_alive(q, consumer))
                 await client.hdel(keys.workers(q), consumer)
@@ -184,6 +192,18 @@ class Retirement:
             if not left:
                 await client.delete(keys.shards_served(self.queue))
         return done
+
+    def _cannot_remove(self, q: keys.QueueRef, exc: ResponseError) -> None:
+        """A lane whose removal Redis refuses for good (a key of another type, outside the
+        ACL): logged once, and read on, rather than failing every heartbeat.
+
+        Why not let the beat fail: a failed beat makes ``/readyz`` say Redis is
+        unreachable, for ever, while the worker takes work on its own lanes.
+        """
+        if q not in self._unremovable:
+            self._unremovable.add(q)
+            log.warning("cannot remove the drained retired shard %s (%s); it is still read, "
+                        "and stays until an operator fixes its keys", keys.requests(q), exc)
 
     async def _served(self, client: aioredis.Redis) -> int | None:
         """The highest shard count on record: ``shards_served``, or the config hash's count.

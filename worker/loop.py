@@ -407,6 +407,7 @@ class Worker:
             self.backend.info, policy=self.plan.policy,
             max_batch_tokens=self.plan.budget.max_batch_tokens,
             shards=self.settings.shards or 1,
+            tokenize_processes=self.settings.tokenize_processes,
         )
 
     def _log_start(self) -> None:
@@ -508,9 +509,10 @@ class Worker:
     def _hold(self, lane: Lane, entries: list[tuple[bytes, dict[bytes, bytes] | None]]) -> None:
         """Count a read's entries as held, before its reservation ends (``read_ahead.py``:
         the room they take is never free in between)."""
+        ref, hold = lane.ref, self._read_room.hold  # bound once: per entry below
         for entry_id, fields in entries:
             if fields is not None:
-                self._read_room.hold(lane.ref(entry_id), _entry_bytes(fields))
+                hold(ref(entry_id), _entry_bytes(fields))
 
     async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
         """Run one read; once the worker is told to stop, give it only a short grace.
@@ -840,8 +842,9 @@ class Worker:
             finally:
                 self._publishing -= 1
                 self._unpublished_answers -= len(answers)
+                ref, release = lane.ref, self._held_bytes.pop  # bound once: per answer
                 for answer in answers:
-                    self._held_bytes.pop(lane.ref(answer.entry_id), None)
+                    release(ref(answer.entry_id), None)
                 self._space.set()
             self.metrics.answered(answers, now_epoch_ms=self._clock.now_ms())
 

@@ -31,7 +31,8 @@ log = logging.getLogger("tokenq.worker")
 
 
 def config_fields(
-    info: BackendInfo, *, policy: str, max_batch_tokens: int, shards: int = 1
+    info: BackendInfo, *, policy: str, max_batch_tokens: int, shards: int = 1,
+    tokenize_processes: int = 0,
 ) -> dict[str, str]:
     """The config hash's fields (strings, so redis-cli HGETALL reads them)."""
     return encode_config(QueueConfig(
@@ -52,6 +53,9 @@ def config_fields(
         default_prompt=info.default_prompt_name or "",
         tokenizer=info.tokenizer or None,
         shards=shards if shards > 1 else None,  # absent means 1: one shard's hash is unchanged
+        dtype=info.dtype,
+        tokenize_processes=tokenize_processes,
+        token_dim=info.token_dim,
     ))
 
 

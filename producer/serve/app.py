@@ -11,7 +11,10 @@ client's exact requests):
 * ``GET /ready`` — 200 while every queue it serves has a live worker (from
   the workers' liveness keys), else 503 naming the queues without one;
 * ``GET /metrics`` — Prometheus text: requests by route and status, inputs,
-  latency.
+  latency;
+* ``POST /`` (by the model's kind), ``/similarity``, ``/tokenize``,
+  ``/decode``, ``GET /``, ``/ping`` — the rest of TEI's router, :mod:`.tei_api`;
+* ``GET /openapi.json``, ``/docs`` — every route's schemas, :mod:`.openapi`.
 
 A POST is admitted if fewer than ``--max-concurrent-requests`` are in
 flight (else 429); its body is read whole (up to ``--max-body-bytes``, else
@@ -47,7 +50,16 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenq.producer import AsyncClient, Result
-from tokenq.producer.serve import schemas, scores
+from tokenq.producer.serve import (
+    delivery,
+    edge,
+    openai_api,
+    openapi,
+    schemas,
+    scores,
+    sparse_api,
+    tei_api,
+)
 from tokenq.producer.serve.bounds import Admission, Parser, check_job, read_body
 from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.producer.serve.schemas import Job
@@ -72,6 +84,7 @@ class Gateway:
         self.clients: dict[str, AsyncClient] = {}
         self.admission = Admission(settings.max_concurrent_requests)
         self.parser = Parser()
+        self.liveness = delivery.Liveness()
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "tokenq_serve_requests", "HTTP requests answered, by route and status",
@@ -120,6 +133,8 @@ class Gateway:
         """
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.timeout_s)
         request.state.body_bytes = len(raw)
+        if delivery.IDEMPOTENCY_HEADER in request.headers:
+            request.state.body_digest = delivery.body_digest(raw)
         return await self.parser.run(raw, prepare)
 
     async def infer(self, request: Request, queue: str, job: Job) -> list[Result]:
@@ -133,8 +148,12 @@ class Gateway:
         check_job(job.items, job.options, job.where, request.state.body_bytes,
                   self.settings.max_client_batch_size)
         self.inputs.labels(queue).inc(len(job.items))
-        work = asyncio.ensure_future(self.clients[queue].infer_many(
-            job.items, timeout_s=self.settings.timeout_s, **job.options
+        key = request.headers.get(delivery.IDEMPOTENCY_HEADER)
+        unique = None if key is None else delivery.idempotent_ids(
+            key, queue, request.state.body_digest, len(job.items))
+        work = asyncio.ensure_future(delivery.deliver(
+            self.clients[queue], queue, job, timeout_s=self.settings.timeout_s,
+            cold_start_s=self.settings.cold_start_s, liveness=self.liveness, unique=unique,
         ))
         try:
             while True:
@@ -190,6 +209,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     app = FastAPI(title="tokenq serve", version=version(), lifespan=lifespan,
                   docs_url=None, redoc_url=None)
     app.state.gateway = gateway
+    edge.install(app, settings)
 
     async def answer(
         route: str, shape: Shape, work: Callable[[], Awaitable[Any]], admit: bool = False
@@ -211,10 +231,15 @@ def create_app(settings: ServeSettings) -> FastAPI:
         gateway.seconds.labels(route).observe(time.perf_counter() - started)
         return response
 
+    app.state.answer = answer  # for the routes of other modules (openai_api)
+    app.include_router(openai_api.router)
+    app.include_router(sparse_api.router(gateway, answer))
+
     async def openai_embeddings(request: Request, route: str) -> Response:
         async def work() -> dict[str, Any]:
             body, job = await gateway.read(request, schemas.openai_request)
             queue = gateway.queue_of(body.model)
+            schemas.require_embeddings(await gateway.config(queue), body.model)
             results = await gateway.infer(request, queue, job)
             return schemas.openai_answer(results, body.model, body.encoding_format)
         return await answer(route, ApiError.openai_body, work, admit=True)
@@ -265,13 +290,15 @@ def create_app(settings: ServeSettings) -> FastAPI:
             config = await gateway.config(queue) or QueueConfig()
             return {
                 "model_id": config.model or gateway.default_model(),
+                "served_model_name": gateway.default_model(),
                 "model_sha": None,
-                "model_dtype": None,
+                "model_dtype": config.dtype,
                 "model_type": scores.tei_model_type(config),
                 "max_input_length": config.max_input_tokens,
                 "max_batch_tokens": config.max_batch_tokens,
                 "max_client_batch_size": settings.max_client_batch_size,
                 "max_concurrent_requests": settings.max_concurrent_requests,
+                "tokenization_workers": config.tokenize_processes,
                 "auto_truncate": config.policy == "truncate",
                 "version": version(),
                 "queue": queue,
@@ -301,5 +328,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.include_router(tei_api.router(gateway, answer))  # POST /, /similarity, /tokenize ...
+    openapi.describe(app)
     return app
 

@@ -52,6 +52,7 @@ import msgpack
 
 from tokenq.producer.core import TextItem
 from tokenq.producer.serve.errors import ApiError, invalid, too_large
+from tokenq.shared.wire import MAX_TOKEN_EMBEDDING_FLOATS
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -202,7 +203,8 @@ def _prepare_apart(prepare: Callable[[bytes], T], raw: bytes) -> T | _Refused:
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (an empty body is ``{}``), or a 422 naming ``body``.
+    """The body as a JSON object (an empty body is ``{}``); 400 naming ``body`` for one that
+    is not JSON (as OpenAI and TEI answer), 422 for JSON that is not an object.
 
     The stdlib's decoder is C and linear; nesting deeper than Python's
     recursion limit is refused by it (RecursionError), not followed.
@@ -210,12 +212,17 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     try:
         document = json.loads(raw) if raw else {}
     except RecursionError:
-        raise invalid("body", "nested too deeply") from None
+        raise malformed("nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, bad UTF-8, an integer of 4,300+ digits
-        raise invalid("body", f"not valid JSON: {exc}") from None
+        raise malformed(f"not valid JSON: {exc}") from None
     if not isinstance(document, dict):
         raise invalid("body", f"expected a JSON object, got {kind(document)}")
     return document
+
+
+def malformed(message: str) -> ApiError:
+    """400: the body cannot be read as JSON at all."""
+    return ApiError(400, f"body: {message}", param="body", code="invalid_json")
 
 
 def kind(value: object) -> str:
@@ -339,3 +346,28 @@ def check_job(items: list[TextItem], options: dict[str, Any], where: str, body_b
         raise too_large(where, f"{sent} bytes of text and options would be sent to the queue, "
                         f"over {MAX_AMPLIFICATION} times the body's {body_bytes} bytes; a "
                         "field shared by every input (a rerank's query) counts once per input")
+
+
+MAX_TOKEN_ANSWER_FLOATS = 4 * 1024 * 1024
+"""Most floats one ``/embed_all`` answer may hold (inputs x tokens x token_dim): 16 MiB
+as float32, about 80 MB as JSON. Checked before anything is sent, from the worst case
+the queue's config hash allows (every input at the model's input limit)."""
+
+
+def check_token_answer(count: int, max_input_tokens: int | None, token_dim: int | None,
+                       where: str) -> None:
+    """413 when ``count`` inputs' token embeddings could exceed :data:`MAX_TOKEN_ANSWER_FLOATS`.
+
+    Why the worst case and not the real lengths: the gateway must refuse
+    before the workers spend the device and the reply keys hold the answer.
+    Without the model's limits (no config hash yet) each worker still bounds
+    its own reply (``wire.MAX_TOKEN_EMBEDDING_FLOATS``).
+    """
+    if not max_input_tokens or not token_dim:
+        return
+    each = min(max_input_tokens * token_dim, MAX_TOKEN_EMBEDDING_FLOATS)  # a worker's own cap
+    if count * each > MAX_TOKEN_ANSWER_FLOATS:
+        raise too_large(where, f"{count} inputs of up to {max_input_tokens} tokens x "
+                        f"{token_dim} floats could answer {count * each} floats, over the "
+                        f"limit of {MAX_TOKEN_ANSWER_FLOATS}: send at most "
+                        f"{max(1, MAX_TOKEN_ANSWER_FLOATS // each)} inputs per request")

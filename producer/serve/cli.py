@@ -17,10 +17,16 @@ def serve(settings: ServeSettings) -> int:
         import uvicorn
 
         from tokenq.producer.serve.app import create_app
+        from tokenq.producer.serve.edge import header_timeout_protocol
     except ModuleNotFoundError as exc:
         raise UsageError(
             f"tokenq serve needs {exc.name!r}: pip install 'tokenq[serve]'"
         ) from None
+    # Slow clients: a request head within --header-timeout-s (h11 refuses one
+    # over 16 KiB), an idle kept-alive connection closed after as long, the
+    # body within --timeout-s (bounds.read_body).
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="info", access_log=False)
+                log_level="info", access_log=False,
+                http=header_timeout_protocol(settings.header_timeout_s),
+                timeout_keep_alive=max(1, round(settings.header_timeout_s)))
     return 0

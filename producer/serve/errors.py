@@ -10,6 +10,10 @@ what                                        status  note
 ==========================================  ======  ===============================
 an empty batch on a TEI route (``inputs:    400     TEI's ``Empty``
 []``, ``texts: []``)
+a body that is not JSON at all              400     ``invalid_json`` (as OpenAI and TEI)
+no or a wrong ``--api-key``                 401     ``invalid_api_key``; edge.py
+a POST whose ``Content-Type`` is not JSON   415     edge.py
+no live worker (``--cold-start-s``)         503     ``no_worker``; delivery.py
 body over ``--max-body-bytes``, batch over  413
 ``--max-client-batch-size``, or more to
 send than ``bounds.MAX_AMPLIFICATION``
@@ -73,6 +77,8 @@ _VALIDATION_CODES = {ErrorCode.BAD_REQUEST.value, ErrorCode.TOO_LONG.value}
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
+    415: "invalid_request_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -83,6 +89,8 @@ _OPENAI_TYPES = {
 }
 _TEI_TYPES = {
     400: "Empty",
+    401: "Validation",
+    415: "Validation",
     404: "Validation",
     413: "Validation",
     422: "Validation",
@@ -114,7 +122,8 @@ class ApiError(Exception):
         }}
 
     def tei_body(self) -> dict[str, Any]:
-        return {"error": self.message, "error_type": _TEI_TYPES.get(self.status, "Backend")}
+        kind = "Validation" if self.code == "invalid_json" else _TEI_TYPES.get(self.status)
+        return {"error": self.message, "error_type": kind or "Backend"}
 
 
 def invalid(param: str, message: str) -> ApiError:

@@ -40,15 +40,16 @@ Direction = Literal["Right", "right", "Left", "left"]
 """TEI's ``truncation_direction``, spelled either way as TEI accepts it."""
 
 
-def one_kind(where: str, *variants: bounds.Variant) -> PlainValidator:
+def one_kind(where: str, *variants: bounds.Variant, shape: Any = Any) -> PlainValidator:
     """A field holding a string or a list of one of ``variants``, checked in one pass."""
-    return PlainValidator(lambda value: bounds.text_or_list(value, where, variants))
+    return PlainValidator(lambda value: bounds.text_or_list(value, where, variants),
+                          json_schema_input_type=shape)  # ``shape``: what /openapi.json shows
 
 
-OpenAIInput = Annotated[str | list[str] | list[int] | list[list[int]],
-                        one_kind("input", TEXT, TOKEN, TOKENS)]
-TEIInputs = Annotated[str | list[int] | list[str | list[int]],
-                      one_kind("inputs", TOKEN, TEXT_OR_TOKENS)]
+OpenAIShape = str | list[str] | list[int] | list[list[int]]
+OpenAIInput = Annotated[OpenAIShape, one_kind("input", TEXT, TOKEN, TOKENS, shape=OpenAIShape)]
+TEIShape = str | list[int] | list[str | list[int]]
+TEIInputs = Annotated[TEIShape, one_kind("inputs", TOKEN, TEXT_OR_TOKENS, shape=TEIShape)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +63,27 @@ class Job:
 
 
 class Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as these APIs do
+    """A request body: unknown fields ignored, as TEI does; no value coerced into another type.
+
+    Strict, because a coerced value is a silent wrong answer: ``"normalize":
+    "no"`` read as true, ``"return_text": 0`` as false. OpenAI's and TEI's
+    own servers refuse both; so does this (422 naming the field).
+    """
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class OpenAIEmbeddings(Body):
-    """``POST /v1/embeddings`` (OpenAI) and ``POST /embeddings`` (Infinity)."""
+    """``POST /v1/embeddings`` (OpenAI) and ``POST /embeddings`` (Infinity).
+
+    Unknown fields are refused (422 naming the field), unlike TEI's bodies:
+    the OpenAI SDK sends only the fields below, and anything else comes from
+    ``extra_body``, written by a person, where a misspelt ``prompt_name``
+    must not pass as a request without a prompt (OpenAI's API refuses an
+    unknown argument too).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     input: OpenAIInput
     model: str
@@ -75,6 +92,8 @@ class OpenAIEmbeddings(Body):
     user: str | None = None
     modality: str = "text"
     """Infinity's: ``image`` and ``audio`` inputs are refused, only text is served."""
+    prompt_name: str | None = None
+    """Not OpenAI's (send it in ``extra_body``): the model's named prompt, as TEI's ``/embed``."""
 
 
 class TEIEmbed(Body):
@@ -125,9 +144,22 @@ def openai_job(body: OpenAIEmbeddings) -> Job:
     if not texts:
         raise invalid("input", "must not be empty")
     if not all(isinstance(text, str) for text in texts):
-        raise invalid("input", "token-id input is not supported: send text")
-    options = {"dimensions": body.dimensions} if body.dimensions else {}
+        raise invalid("input", TOKEN_IDS_REFUSED)
+    options: dict[str, Any] = {"dimensions": body.dimensions} if body.dimensions else {}
+    if body.prompt_name is not None:
+        options["prompt_name"] = body.prompt_name
     return Job(list(texts), options)  # type: ignore[arg-type]
+
+
+TOKEN_IDS_REFUSED = (
+    "token-id input is not supported: send text. LangChain's OpenAIEmbeddings sends "
+    "tiktoken ids by default: construct it with check_embedding_ctx_length=False"
+)
+"""Why token ids are refused, and the one switch that makes LangChain send text.
+
+The ids a client sends are of its own tokenizer (LangChain's are tiktoken's
+cl100k), which is not the model's, and nothing in the request says which
+one it was: decoding them would be a guess (docs/DECISIONS.md)."""
 
 
 def tei_embed_job(body: TEIEmbed) -> Job:
@@ -179,7 +211,8 @@ def embeddings_of(results: Sequence[Result], model: str) -> list[Any]:
 def _not_embeddings(model: str) -> ApiError:
     return wrong_model(
         "not_an_embedding_model",
-        f"model {model!r} answers scores (a classifier or reranker), not embeddings",
+        f"model {model!r} answers scores or sparse weights (a classifier, reranker or SPLADE "
+        "model), not embeddings",
     )
 
 

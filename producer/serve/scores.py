@@ -46,7 +46,7 @@ class TEIRerank(Body):
     """``POST /rerank``."""
 
     query: str
-    texts: Annotated[list[str], PlainValidator(texts_only)]
+    texts: Annotated[list[str], PlainValidator(texts_only, json_schema_input_type=list[str])]
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
     raw_scores: bool = False
@@ -59,7 +59,7 @@ class TEIPredict(Body):
     """``POST /predict``."""
 
     inputs: Annotated[str | list[str] | list[list[str]],
-                      one_kind("inputs", TEXT, TEXTS)]
+                      one_kind("inputs", TEXT, TEXTS, shape=str | list[str] | list[list[str]])]
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
     raw_scores: bool = False
@@ -140,9 +140,10 @@ def require_classifier(config: QueueConfig | None, job: Job) -> None:
     """422 unless the queue's model answers scores, and takes pairs if ``job`` has any."""
     if config is None:
         return
-    if config.task in (None, "embed"):
+    if config.task in (None, "embed", "sparse"):
+        kind = "answers sparse weights" if config.task == "sparse" else "embeds"
         raise wrong_model("not_a_classifier", "model is not a classifier model: this queue's "
-                          "model embeds; /predict needs a classifier or a reranker")
+                          f"model {kind}; /predict needs a classifier or a reranker")
     if config.pairs is False and any(isinstance(item, tuple) for item in job.items):
         raise invalid("inputs", "a pair [text, text_pair], but this queue's model takes "
                       "single texts")
@@ -201,7 +202,10 @@ def _predictions(result: Result, labels: Sequence[str] | None) -> list[dict[str,
 def tei_model_type(config: QueueConfig) -> dict[str, Any]:
     """TEI's ``model_type``: ``embedding``, ``classifier`` (with ``id2label``) or ``reranker``."""
     if config.task in (None, "embed"):
-        return {"embedding": {}}
+        # TEI's spec requires ``pooling``; the workers do not publish theirs, so it says so
+        return {"embedding": {"pooling": "unknown"}}
+    if config.task == "sparse":
+        return {"embedding": {"pooling": "splade"}}  # as TEI describes a SPLADE model
     kind = "reranker" if config.task == "rerank" else "classifier"
     count = config.dim or len(config.labels or ()) or (1 if kind == "reranker" else 0)
     names = label_names(count, config.labels)

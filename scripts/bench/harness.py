@@ -151,6 +151,18 @@ def redis_pid(client: redis.Redis) -> int:
     return int(client.info("server")["process_id"])
 
 
+def redis_cpu_seconds(client: redis.Redis) -> float:
+    """redis-server's user + system CPU so far, from INFO cpu (``used_cpu_sys`` +
+    ``used_cpu_user``).
+
+    Why not :func:`cpu_seconds` on its pid: ``/proc`` counts in clock ticks
+    (10 ms), which on a run of a few thousand requests is ±2 µs per request
+    of a figure near 10; INFO reads getrusage, to the microsecond.
+    """
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
 def commandstats(client: redis.Redis) -> dict[str, int]:
     """Calls per command since the server started (INFO commandstats)."""
     stats = client.info("commandstats")

@@ -17,9 +17,10 @@ one private redis-server:
   (an idle device waits that long for company) and with none.
 
 The two split rows also give CPU per request: the producer's own (this
-process), the worker process's, and redis-server's during each phase, from
-``/proc``. On a machine with fewer cores than busy processes (this one has
-two, shared by producer, worker and Redis end to end) requests/s says how the
+process, ``time.process_time``), the worker process's (``/proc/<pid>/stat``)
+and redis-server's during each phase (``INFO cpu``, to the microsecond). On a
+machine with fewer cores than busy processes (this one has two, shared by
+producer, worker and Redis end to end) requests/s says how the
 cores were shared; CPU per request says what each side costs, and their sum
 over the core count bounds what end to end can reach.
 
@@ -154,14 +155,15 @@ def producer_then_worker(server: RedisServer, workdir: Path, texts: list[str]) -
     reply_key = harness.reply_key_for(queue)
     client = redis.Redis.from_url(server.url)
     before = harness.commandstats(client)
-    server_pid = harness.redis_pid(client)
     with Client(redis_url=server.url, queue=queue, max_queue_length=0) as producer:
         started = time.perf_counter()
-        own_cpu, server_cpu = time.process_time(), harness.cpu_seconds(server_pid)
+        own_cpu, server_cpu = time.process_time(), harness.redis_cpu_seconds(client)
         for start in range(0, len(texts), harness.SUBMIT_CHUNK):
             producer.submit_many(texts[start:start + harness.SUBMIT_CHUNK], reply_to=reply_key)
         enqueue_s = time.perf_counter() - started
-        enqueue_cpu = (time.process_time() - own_cpu, harness.cpu_seconds(server_pid) - server_cpu)
+        enqueue_cpu = (
+            time.process_time() - own_cpu, harness.redis_cpu_seconds(client) - server_cpu
+        )
     middle = harness.commandstats(client)
     worker = harness.start_tokenq(server, queue, workdir, "drain", NULL_FLAGS)
     collector = harness.Collector(server.url, reply_key, len(texts), 600.0, workers=[worker])
@@ -172,12 +174,12 @@ def producer_then_worker(server: RedisServer, workdir: Path, texts: list[str]) -
         time.sleep(0.005)
     started = time.perf_counter()
     worker_cpu = harness.cpu_seconds(worker.process.pid)
-    server_cpu = harness.cpu_seconds(server_pid)
+    server_cpu = harness.redis_cpu_seconds(client)
     collector.start()
     collector.join()
     drain_cpu = (
         harness.cpu_seconds(worker.process.pid) - worker_cpu,
-        harness.cpu_seconds(server_pid) - server_cpu,
+        harness.redis_cpu_seconds(client) - server_cpu,
     )
     harness.check_alive(collector)
     drain_s = max(got.at for got in collector.received.values()) - started

@@ -22,12 +22,14 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-Task = Literal["embed", "classify", "rerank"]
+Task = Literal["embed", "classify", "rerank", "sparse"]
 """What the model does, named as ``--task`` names it: ``embed`` replies carry an
 embedding; ``classify`` (one score per label) and ``rerank`` (a cross-encoder's
-score for a (query, passage) pair) replies carry scores."""
+score for a (query, passage) pair) replies carry scores; ``sparse`` (SPLADE) replies
+carry the nonzero (token id, weight) pairs of a vocabulary-sized row that ``run``
+returns dense."""
 
-TASKS: tuple[Task, ...] = ("embed", "classify", "rerank")
+TASKS: tuple[Task, ...] = ("embed", "classify", "rerank", "sparse")
 
 Activation = Literal["none", "sigmoid", "softmax"]
 """A scoring model's activation over its logits: ``sigmoid`` per score (a single-logit
@@ -74,6 +76,10 @@ class BackendInfo:
     """Named prompts (sentence-transformers' ``prompts``): the text each prepends."""
     default_prompt_name: str | None = None
     """The prompt a request gets when it names none (sentence-transformers' default)."""
+    token_dim: int | None = None
+    """Size of each token's vector when the backend answers ``output: tokens`` (an input
+    with ``TextInput.tokens``: ``run`` returns its ``length x token_dim`` vectors
+    flattened into the row); None: it does not, and such a request is refused."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Backend-specific facts for logs and the config hash; the worker never reads them."""
 
@@ -94,6 +100,8 @@ class TextInput:
     tokenizes ``prompt + text`` as one sequence, so the prompt's tokens count in the
     length the packer costs; it is separate so a model whose pooling leaves the
     prompt out (``include_prompt: false``) can tell where it ends."""
+    tokens: bool = False
+    """Answer this input's token embeddings (``BackendInfo.token_dim``), not its pooled one."""
 
 
 class Encoding(Protocol):

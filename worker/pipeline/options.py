@@ -10,7 +10,9 @@ asked for:
   the model's default). A backend with ``raw_vectors`` returns vectors before
   normalisation, so this is where its Normalize module runs, once per batch;
 * scores: the model's activation (``sigmoid`` per score, ``softmax`` across
-  them) unless the request asked for ``raw_scores``.
+  them) unless the request asked for ``raw_scores``;
+* sparse (SPLADE) rows pass as they are (they take no option), and
+  :func:`sparse_entries` keeps only their nonzero entries for the reply.
 
 Rows that take the default are finished together in one numpy operation per
 batch, so the common case costs a fraction of a microsecond per row.
@@ -26,7 +28,7 @@ from tokenq.shared.request_options import NO_OPTIONS, ModelFacts, RequestOptions
 from tokenq.worker.backends.base import BackendInfo
 from tokenq.worker.pipeline.chunks import combine_chunks
 
-__all__ = ["NO_OPTIONS", "Finisher", "RequestOptions", "facts_of"]
+__all__ = ["NO_OPTIONS", "Finisher", "RequestOptions", "facts_of", "sparse_entries"]
 
 _EPS = 1e-12  # sentence-transformers' epsilon: a zero vector stays zero
 
@@ -40,6 +42,9 @@ def facts_of(info: BackendInfo) -> ModelFacts:
         can_unnormalize=info.raw_vectors,
         prompts=dict(info.prompts),
         default_prompt_name=info.default_prompt_name,
+        sparse=info.task == "sparse",
+        token_dim=info.token_dim,
+        can_output_tokens=info.token_dim is not None,
     )
 
 
@@ -70,7 +75,14 @@ class Finisher:
         return out
 
     def one(self, row: np.ndarray, option: RequestOptions, *, combined: bool = False) -> np.ndarray:
-        """One request's answer; a ``combined`` row (a chunked input's mean) is not unit length."""
+        """One request's answer; a ``combined`` row (a chunked input's mean) is not unit length.
+
+        ``output: tokens``: the row is the input's token vectors, flattened by
+        the backend; they come back as they are, one row per token (2-D).
+        """
+        if option.output_tokens:
+            assert self.info.token_dim is not None  # parse_options refused it otherwise
+            return np.ascontiguousarray(row, dtype=np.float32).reshape(-1, self.info.token_dim)
         if not self.embeds:
             if option.raw_scores or self.info.activation == "none":
                 return row
@@ -102,6 +114,18 @@ class Finisher:
         if self.embeds:
             return list(_unit(stacked))
         return list(_activate(stacked, self.info.activation))
+
+
+def sparse_entries(row: np.ndarray) -> tuple[bytes, bytes]:
+    """A dense sparse-model row's nonzero entries: (uint32 indices, float32 values), LE.
+
+    Why not the dense row: a SPLADE row is vocabulary-long (30,522 floats,
+    122 KB, for BERT) and has a few hundred nonzero values; the pairs cost 8
+    bytes each, so a reply is at most ``8 * vocab`` bytes and usually ~2 KB.
+    """
+    flat = np.ravel(row)
+    nonzero = np.flatnonzero(flat)
+    return nonzero.astype("<u4").tobytes(), flat[nonzero].astype("<f4").tobytes()
 
 
 def _unit(rows: np.ndarray) -> np.ndarray:

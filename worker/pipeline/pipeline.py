@@ -54,7 +54,7 @@ from tokenq.worker.pipeline.execute import (
     describe,
     run_isolated,
 )
-from tokenq.worker.pipeline.options import Finisher, facts_of
+from tokenq.worker.pipeline.options import Finisher, facts_of, sparse_entries
 
 K = TypeVar("K")
 
@@ -287,7 +287,8 @@ class Pipeline(Generic[K]):
         out: Admitted[K],
     ) -> None:
         inputs = [
-            TextInput(item.request.text, item.request.text_pair, prompt_of(options, self.facts))
+            TextInput(item.request.text, item.request.text_pair, prompt_of(options, self.facts),
+                      tokens=options.output_tokens)
             for item, options in items
         ]
         try:
@@ -316,9 +317,17 @@ class Pipeline(Generic[K]):
             return
         limit = self.info.max_input_tokens
         if length <= limit:
+            if options.output_tokens and length * (self.info.token_dim or 0) > \
+                    wire.MAX_TOKEN_EMBEDDING_FLOATS:
+                out.answered.append(self._failed(
+                    item, ErrorCode.BAD_REQUEST,
+                    f"output tokens: {length} tokens x {self.info.token_dim} dims is over the "
+                    f"reply's limit of {wire.MAX_TOKEN_EMBEDDING_FLOATS} floats: send less text",
+                ))
+                return
             out.jobs.append(self._job(item, options, encoding))
             return
-        if self._windowing is not None and self.policy == "chunk" \
+        if self._windowing is not None and self.policy == "chunk" and not options.output_tokens \
                 and item.request.text_pair is None and options.truncate is not True:
             try:
                 windows = self._windowing.windows(encoding, limit, self.chunk_overlap)
@@ -420,7 +429,7 @@ class Pipeline(Generic[K]):
         :meth:`reply`. The bytes are the same either way.
         """
         result = outcome.result
-        if self.info.embeds and not isinstance(result, Failure):
+        if self.info.embeds and not isinstance(result, Failure) and result.ndim == 1:
             vector = np.ascontiguousarray(result, dtype="<f4")
             return wire.encode_embedding_reply(
                 outcome.request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens
@@ -433,10 +442,20 @@ class Pipeline(Generic[K]):
         request, result = outcome.request, outcome.result
         if isinstance(result, Failure):
             return wire.error_reply(request.id, result.code, result.message)
+        if result.ndim == 2:  # output: tokens (Finisher.one): one vector per token
+            rows = np.ascontiguousarray(result, dtype="<f4")
+            return wire.token_embeddings_reply(
+                request.id, rows.tobytes(), int(rows.shape[1]), tokens=outcome.tokens
+            )
         if self.info.embeds:
             vector = np.ascontiguousarray(result, dtype="<f4")
             return wire.embedding_reply(
                 request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens
+            )
+        if self.info.task == "sparse":
+            indices, values = sparse_entries(result)
+            return wire.sparse_reply(
+                request.id, indices, values, int(np.size(result)), tokens=outcome.tokens
             )
         scores = np.ravel(result).tolist()
         labels = self.info.labels if len(self.info.labels) == len(scores) else None

@@ -23,6 +23,10 @@ Tasks (docs/MODELS.md lists what each supports and refuses):
 - ``rerank``: a cross-encoder; each (query, passage) pair is one sequence and
   its row is the logit(s); ``info.activation`` is sentence-transformers'
   CrossEncoder default.
+- ``sparse``: a SPLADE SparseEncoder (``AutoModelForMaskedLM`` then
+  :class:`~tokenq.worker.backends.hf.sparse.SparseHead`); a row is one weight
+  per vocabulary token, dense here, made sparse in the reply. Torch only:
+  the ONNX export does not take the MLM head.
 
 A resolved prompt (``TextInput.prompt``) is tokenized as ``prompt + text``,
 as sentence-transformers does, so its tokens count in the length the packer
@@ -41,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenq.shared.errors import BadRequest, DeviceLost, DeviceOutOfMemory
+from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backends.base import Activation, BackendInfo, TextInput
 from tokenq.worker.backends.hf.activation import classify_activation, rerank_activation
 from tokenq.worker.backends.hf.encoding import HFEncoding, PromptLengths
@@ -49,6 +53,7 @@ from tokenq.worker.backends.hf.head import EmbeddingHead, build_embedding_head
 from tokenq.worker.backends.hf.layout import (
     SentenceTransformerConfig,
     read_sentence_transformer_config,
+    read_sparse_config,
 )
 from tokenq.worker.backends.hf.load import ModelSource, resolve_model, tokenizer_json
 from tokenq.worker.backends.hf.options import HFOptions, HFTask, resolve_device, resolve_dtype
@@ -59,6 +64,7 @@ from tokenq.worker.backends.hf.runtime import (
     build_encoder,
     resolve_runtime,
 )
+from tokenq.worker.backends.hf.sparse import SparseHead
 from tokenq.worker.pipeline.chunks import sliding_windows
 
 __all__ = ["HFBackend", "HFOptions", "build_hf_backend"]
@@ -83,10 +89,12 @@ class HFBackend:
         device: torch.device,
         head: EmbeddingHead | None = None,
         lowercase: bool = False,
+        sparse: SparseHead | None = None,
     ) -> None:
         self.info = info
         self.device = device
         self.head = head
+        self.sparse = sparse
         self._encoder: Encoder | None = encoder
         self._tokenizer = tokenizer
         # The transformers wrapper sets truncation on the shared Rust tokenizer
@@ -117,15 +125,20 @@ class HFBackend:
     def load(cls, options: HFOptions) -> HFBackend:
         """Load model and tokenizer as ``options`` say; every refusal is a ConfigError."""
         source = resolve_model(options.model)
-        st = SentenceTransformerConfig()
+        st, sparse = SentenceTransformerConfig(), None
         if options.task in ("embed", "rerank"):
             st = read_sentence_transformer_config(source, options.task)
+        elif options.task == "sparse":
+            st, sparse = _sparse_layout(source, options)
         tokenizer_path = tokenizer_json(source, st.subfolder)
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device, explicit_device=options.device != "auto")
         tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
         model.to(device).eval()
-        runtime = resolve_runtime(options.runtime, device, dtype)
+        # A sparse model stays on torch whatever --runtime auto would pick (see _sparse_layout).
+        runtime: Runtime = (
+            "torch" if sparse is not None else resolve_runtime(options.runtime, device, dtype)
+        )
         encoder = build_encoder(runtime, model, tokenizer, source, st.subfolder, options)
         head = None
         if options.task == "embed":
@@ -141,6 +154,7 @@ class HFBackend:
             dtype=dtype,
             tokenizer_path=tokenizer_path,
             runtime=runtime,
+            sparse=sparse,
         )
         log.info(
             "hf backend: %s task=%s device=%s dtype=%s max_input_tokens=%d %s",
@@ -158,6 +172,7 @@ class HFBackend:
             device=device,
             head=head,
             lowercase=st.do_lower_case,
+            sparse=sparse,
         )
 
     # -- tokenization -------------------------------------------------------
@@ -201,7 +216,8 @@ class HFBackend:
             for row, i in enumerate(indices):
                 type_ids = tuple(batch["token_type_ids"][row]) if is_pair else None
                 prompt_length = prompts[inputs[i].prompt]
-                out[i] = HFEncoding(tuple(batch["input_ids"][row]), type_ids, prompt_length)
+                out[i] = HFEncoding(tuple(batch["input_ids"][row]), type_ids, prompt_length,
+                                    tokens=inputs[i].tokens)
         return [enc for enc in out if enc is not None]
 
     def windows(self, encoding: HFEncoding, max_length: int, overlap: int) -> list[HFEncoding]:
@@ -230,7 +246,7 @@ class HFBackend:
 
     def _check_inputs(self, inputs: Sequence[TextInput]) -> None:
         for i, item in enumerate(inputs):
-            if self._hf_task == "embed" and item.text_pair is not None:
+            if self._hf_task in ("embed", "sparse") and item.text_pair is not None:
                 raise BadRequest(
                     f"input {i} is a (text, text_pair) pair, but {self.info.model} is an "
                     "embedding model: send one text per input"
@@ -275,8 +291,9 @@ class HFBackend:
         if self._encoder is None:
             raise RuntimeError("the hf backend is closed")
         tensors = self._pad(batch)
+        token_rows = [(row, enc.length) for row, enc in enumerate(batch) if enc.tokens]
         try:
-            result = self._forward(*tensors)
+            result = self._forward(*tensors, token_rows=token_rows)
         except torch.cuda.OutOfMemoryError as exc:
             message = str(exc).splitlines()[0] if str(exc) else "CUDA out of memory"
         except RuntimeError as exc:
@@ -284,7 +301,7 @@ class HFBackend:
                 raise DeviceLost(f"the CUDA device failed: {str(exc).splitlines()[0]}") from exc
             raise
         else:
-            return list(result)
+            return result
         # Outside the except block: the exception's traceback (and with it the
         # activations in the failed forward's frames) is gone, so the cache
         # can really be emptied before the worker retries smaller halves.
@@ -323,14 +340,23 @@ class HFBackend:
         mask: torch.Tensor,
         type_ids: torch.Tensor,
         prompt_lengths: torch.Tensor,
-    ) -> np.ndarray:
+        *,
+        token_rows: Sequence[tuple[int, int]] = (),
+    ) -> list[np.ndarray]:
+        """One row per input: pooled (or scores, or sparse weights); for each of
+        ``token_rows`` (row, length), that row's token vectors flattened instead."""
         assert self._encoder is not None
         output = self._encoder(ids, mask, type_ids)
         if self.head is not None:
             vectors = self.head(output, mask, prompt_lengths)
+        elif self.sparse is not None:
+            vectors = self.sparse(output, mask)
         else:
             vectors = output.float()
-        return vectors.cpu().numpy().astype(np.float32, copy=False)
+        rows = list(vectors.cpu().numpy().astype(np.float32, copy=False))
+        for row, length in token_rows:
+            rows[row] = output[row, :length].float().cpu().numpy().reshape(-1)
+        return rows
 
     def close(self) -> None:
         """Drop the model and give its device memory back."""
@@ -356,6 +382,7 @@ def _describe(
     dtype: torch.dtype,
     tokenizer_path: str | None,
     runtime: Runtime,
+    sparse: SparseHead | None = None,
 ) -> BackendInfo:
     """The model's :class:`BackendInfo`: its outputs, limits, prompts and activation."""
     task = options.task
@@ -363,6 +390,8 @@ def _describe(
     activation: Activation = "none"
     if head is not None:
         extra.update(head.describe())
+    elif sparse is not None:
+        extra.update(sparse.describe())
     else:
         activation = (
             rerank_activation(source.name, st.activation_fn, config)
@@ -378,7 +407,7 @@ def _describe(
         task=task,
         max_input_tokens=max_input,
         padded=True,
-        dim=head.dim if head is not None else int(config.num_labels),
+        dim=_dim(head, sparse, config),
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         tokenizer=tokenizer_path,
@@ -389,13 +418,47 @@ def _describe(
         activation=activation,
         prompts=dict(st.prompts),
         default_prompt_name=st.default_prompt_name,
+        # The encoder's hidden states are what an embedder's output: tokens answers.
+        token_dim=int(config.hidden_size) if head is not None else None,
         extra=extra,
     )
 
 
+def _dim(head: EmbeddingHead | None, sparse: SparseHead | None, config: Any) -> int:
+    """The row's length: the embedding's, the vocabulary's (sparse), or the labels' count."""
+    if head is not None:
+        return head.dim
+    return int(config.vocab_size) if sparse is not None else int(config.num_labels)
+
+
+def _sparse_layout(
+    source: ModelSource, options: HFOptions
+) -> tuple[SentenceTransformerConfig, SparseHead]:
+    """A SPLADE model's layout as the fields the loader shares with the other tasks.
+
+    ``--runtime onnx`` is refused by name: the exporter takes the encoder's
+    hidden states or a classifier's logits, not a masked-LM head's.
+    """
+    if options.runtime == "onnx":
+        raise ConfigError(
+            f"model {source.name!r}: --task sparse runs on --runtime torch only "
+            "(the ONNX export does not take a masked-LM head)"
+        )
+    sparse = read_sparse_config(source)
+    st = SentenceTransformerConfig(
+        present=True,
+        subfolder=sparse.subfolder,
+        max_seq_length=sparse.max_seq_length,
+        do_lower_case=sparse.do_lower_case,
+        prompts=sparse.prompts,
+        default_prompt_name=sparse.default_prompt_name,
+    )
+    return st, SparseHead(sparse)
+
+
 def _labels(config: Any, task: HFTask) -> tuple[str, ...]:
     """A classifier's label names by score index (``id2label``), else none."""
-    if task == "embed":
+    if task in ("embed", "sparse"):
         return ()
     names = getattr(config, "id2label", None) or {}
     return tuple(str(names.get(i, i)) for i in range(int(config.num_labels)))

@@ -26,6 +26,8 @@ class HFEncoding:
     """Leading tokens that are the prompt, the special tokens before it included
     (sentence-transformers' prompt length). A model whose Pooling has
     ``include_prompt: false`` pools without them; a window repeats them."""
+    tokens: bool = False
+    """Answer the last hidden state of every token, not the pooled vector (``output: tokens``)."""
 
     @property
     def length(self) -> int:

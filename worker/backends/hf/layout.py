@@ -197,6 +197,11 @@ def _check_order(source: ModelSource, task: str, kinds: list[str]) -> None:
         return
     supported = {"Transformer", "Pooling", "Dense", "Normalize"}
     unknown = [kind for kind in kinds if kind not in supported]
+    if set(kinds) & set(_SPARSE_MODULES):
+        raise ConfigError(
+            f"model {source.name!r} is a sparse (SPLADE) model (modules {kinds}): "
+            "serve it with --task sparse"
+        )
     if unknown:
         raise ConfigError(
             f"model {source.name!r}: sentence-transformers modules {unknown} are not supported "
@@ -325,3 +330,83 @@ def _prompts(
             f"{sorted(prompts)} (config_sentence_transformers.json)"
         )
     return prompts, default
+
+
+# -- sparse (SPLADE) models ---------------------------------------------------------
+
+_SPARSE_MODULES = ("MLMTransformer", "SpladePooling")
+"""sentence-transformers 5+'s SparseEncoder layout tokenq runs, in this order."""
+SPLADE_STRATEGIES = ("max", "sum")
+SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
+
+
+@dataclass(frozen=True, slots=True)
+class SparseConfig:
+    """A SparseEncoder's MLMTransformer + SpladePooling, as its files say.
+
+    The row is ``pool_over_tokens(log1p(activation(mlm_logits)))`` with
+    padding masked to zero (sentence-transformers' ``SpladePooling``):
+    ``activation`` is ``relu`` or ``log1p_relu`` (log1p applied twice).
+    """
+
+    subfolder: str = ""
+    strategy: str = "max"
+    activation: str = "relu"
+    max_seq_length: int | None = None
+    do_lower_case: bool = False
+    prompts: Mapping[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
+
+
+def read_sparse_config(source: ModelSource) -> SparseConfig:
+    """A SPLADE model's layout; anything but MLMTransformer then SpladePooling is refused.
+
+    Why refuse rather than guess: a SparseEncoder with another module (a
+    SparseAutoEncoder, a Router) computes something else, and a row that
+    looks plausible but differs from sentence-transformers is worse than no
+    worker at all.
+    """
+    modules = read_json(source, "modules.json")
+    if not isinstance(modules, list):
+        raise ConfigError(
+            f"model {source.name!r} has no modules.json: --task sparse needs a "
+            "sentence-transformers SparseEncoder (MLMTransformer, SpladePooling)"
+        )
+    kinds = [(_kind(m), str(m.get("path", "")).strip("/")) for m in _ordered(modules, source)]
+    if [kind for kind, _ in kinds] != list(_SPARSE_MODULES):
+        raise ConfigError(
+            f"model {source.name!r}: sentence-transformers modules {[k for k, _ in kinds]} are "
+            f"not supported for --task sparse (tokenq runs {list(_SPARSE_MODULES)})"
+        )
+    subfolder, pooling_path = kinds[0][1], kinds[1][1]
+    where = join(pooling_path, "config.json")
+    pooling = read_json(source, where) or {}
+    strategy = str(pooling.get("pooling_strategy", "max"))
+    activation = str(pooling.get("activation_function", "relu"))
+    if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
+        raise ConfigError(
+            f"model {source.name!r}: SpladePooling pooling_strategy {strategy!r} / "
+            f"activation_function {activation!r} in {where} is not supported "
+            f"(tokenq runs {list(SPLADE_STRATEGIES)} / {list(SPLADE_ACTIVATIONS)})"
+        )
+    transformer: Mapping[str, Any] = read_json(
+        source, join(subfolder, "sentence_bert_config.json")
+    ) or {}
+    task = transformer.get("transformer_task")
+    if task not in (None, "fill-mask"):
+        raise ConfigError(
+            f"model {source.name!r}: its MLMTransformer computes {task!r}; "
+            "--task sparse needs 'fill-mask' (masked-LM logits)"
+        )
+    model_config = read_json(source, "config_sentence_transformers.json") or {}
+    prompts, default_prompt_name = _prompts(model_config, "embed", source)
+    max_seq = transformer.get("max_seq_length")
+    return SparseConfig(
+        subfolder=subfolder,
+        strategy=strategy,
+        activation=activation,
+        max_seq_length=int(max_seq) if max_seq else None,
+        do_lower_case=bool(transformer.get("do_lower_case", False)),
+        prompts=prompts,
+        default_prompt_name=default_prompt_name,
+    )

@@ -49,11 +49,10 @@ def load_pretrained(
             location = f"{location}/{subfolder}"
         else:
             where["subfolder"] = subfolder
-    model_class = (
-        transformers.AutoModel
-        if options.task == "embed"
-        else transformers.AutoModelForSequenceClassification
-    )
+    model_class = {
+        "embed": transformers.AutoModel,
+        "sparse": transformers.AutoModelForMaskedLM,  # SPLADE reads the MLM head's logits
+    }.get(options.task, transformers.AutoModelForSequenceClassification)
     try:
         config = transformers.AutoConfig.from_pretrained(location, **where)
         tokenizer = transformers.AutoTokenizer.from_pretrained(location, use_fast=True, **where)
@@ -72,7 +71,9 @@ def load_pretrained(
     if options.task != "embed" and missing:
         raise ConfigError(
             f"model {source.name!r} lacks trained weights {missing[:4]}; "
-            f"task {options.task!r} needs a sequence-classification or cross-encoder checkpoint"
+            f"task {options.task!r} needs "
+            + ("a masked-LM (SPLADE) checkpoint" if options.task == "sparse"
+               else "a sequence-classification or cross-encoder checkpoint")
         )
     return tokenizer, model
 

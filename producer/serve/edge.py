@@ -1,0 +1,169 @@
+"""The gateway's edge: what is checked of a request before any route sees it.
+
+docs/SECURITY.md, "The gateway", is the operator's view. In order, outermost first:
+
+1. **CORS** (``--cors-allow-origin``): Starlette's ``CORSMiddleware``
+   answers a browser's preflight (``OPTIONS``) itself and marks answers for
+   the origins allowed; with the setting empty nothing is added, and a
+   browser refuses every cross-origin call. Outermost, so a preflight needs
+   no key (browsers send none with it) and a 401 still carries the headers
+   the browser needs to read it.
+2. **The key** (``--api-key``): every route but :data:`OPEN_PATHS` wants
+   ``Authorization: Bearer <key>`` (compared in constant time), else 401
+   in the route's API's error shape with ``WWW-Authenticate: Bearer``, as
+   TEI's ``--api-key`` answers. The probes and ``/metrics`` stay open: an
+   orchestrator's probe and a Prometheus scrape carry no secrets, and
+   neither reveals input or output.
+3. **The content type**: a POST whose ``Content-Type`` is given and is not
+   JSON is a 415 naming it (a form post would otherwise be read as JSON).
+   A missing one is taken as JSON, since some clients send none.
+4. **Leaving clients**: a request answered 499 (the client went away, mid
+   body or while waiting) is logged as one WARNING line (uvicorn's setup shows no
+   INFO of other loggers), never a traceback.
+
+Header timeouts are uvicorn's part (:class:`HeaderTimeout`); body timeouts
+are :func:`.bounds.read_body`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenq.producer.serve.errors import ApiError
+from tokenq.shared.settings import ServeSettings
+
+log = logging.getLogger("tokenq.serve")
+
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping"})
+"""Routes answered without ``--api-key``: probes and the Prometheus scrape."""
+
+OPENAI_PREFIXES = ("/v1/", "/embeddings")
+"""Paths whose errors are written in OpenAI's shape (the rest in TEI's)."""
+
+
+def error_body(path: str, error: ApiError) -> dict[str, Any]:
+    """``error`` in the shape of the API ``path`` belongs to."""
+    return error.openai_body() if path.startswith(OPENAI_PREFIXES) else error.tei_body()
+
+
+def is_json(content_type: str) -> bool:
+    """``application/json``, ``application/<x>+json``, with or without parameters."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
+class Edge:
+    """Steps 2-4 of the module's list, as plain ASGI (no body buffering, no task per call)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self.refusal(scope)
+        if refusal is not None:
+            response = JSONResponse(error_body(scope["path"], refusal),
+                                    status_code=refusal.status, headers=refusal.headers)
+            await response(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 0
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, watch)
+        if status == 499:
+            log.warning("client went away: %s %s after %.2f s (499)", scope["method"],
+                     scope["path"], time.monotonic() - started)
+
+    def refusal(self, scope: Scope) -> ApiError | None:
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer "
+                                "<key>' (--api-key)", code="invalid_api_key",
+                                headers={"WWW-Authenticate": "Bearer"})
+        content_type = headers.get(b"content-type")
+        if scope["method"] == "POST" and content_type is not None:
+            text = content_type.decode("latin-1")
+            if not is_json(text):
+                return ApiError(415, f"Content-Type {text!r} is not served: send "
+                                "application/json", param="Content-Type",
+                                code="unsupported_media_type")
+        return None
+
+
+def install(app: FastAPI, settings: ServeSettings) -> None:
+    """The edge's middleware on ``app`` (added last runs first: CORS is outermost)."""
+    app.add_middleware(Edge, api_key=settings.api_key)
+    origins = [item.strip() for item in settings.cors_allow_origin.split(",") if item.strip()]
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
+
+
+def header_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol, closing a connection that sends no complete request head within
+    ``timeout_s`` of opening or of its last answer.
+
+    uvicorn times out only an idle kept-alive connection (``timeout_keep_alive``) and
+    only once a first request was answered; a client that connects and sends its headers
+    a byte at a time (slowloris) would hold a connection, and a file descriptor, forever.
+    """
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeout(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # the head is in: the body has --timeout-s
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(timeout_s, self._head_late)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.cycle is None or self.cycle.response_complete:
+                log.info("closed a connection that sent no request head within %s s "
+                         "(--header-timeout-s)", timeout_s)
+                self.transport.close()
+
+    return HeaderTimeout

@@ -1,0 +1,134 @@
+"""The OpenAI-style routes beside ``/v1/embeddings``: ``GET /v1/models`` and ``POST /v1/rerank``.
+
+* ``GET /v1/models`` (and ``/v1/models/{id}``): OpenAI's list of models, the
+  names ``--models`` serves (or the default queue's name), so clients that
+  list models before calling (LibreChat, Open WebUI, LiteLLM's health
+  check) find them.
+* ``POST /v1/rerank``: the Cohere and Jina shape RAG frameworks call
+  (LlamaIndex's and LangChain's Cohere/Jina rerankers, LiteLLM):
+  ``{query, documents, top_n?, return_documents?, model?}`` where each
+  document is a string or ``{"text": ...}``; the answer is
+  ``{results: [{index, relevance_score, document?}], model, usage}``, best
+  first. It is TEI's ``/rerank`` underneath (one (query, document) pair
+  per document, the reranker's activation as the score), refused before
+  anything is queued unless the queue's model is a reranker. Errors are in
+  OpenAI's shape.
+
+The routes run through the app's ``answer`` (``app.state.answer``): the same
+admission, metrics and error mapping as every route.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import ConfigDict, Field, PlainValidator
+
+from tokenq.producer.serve import openapi, scores
+from tokenq.producer.serve.bounds import kind
+from tokenq.producer.serve.errors import ApiError, empty, invalid
+from tokenq.producer.serve.schemas import Body, Job, parse
+
+router = APIRouter()
+
+CREATED = 0
+"""``created`` of every model: the gateway does not know when a model was made."""
+
+
+def documents_only(value: Any) -> list[str]:
+    """``documents``: strings or ``{"text": str}`` objects (Cohere's two spellings), as texts."""
+    if type(value) is not list:
+        raise invalid("documents", f"expected a list, got {kind(value)}")
+    texts = []
+    for index, item in enumerate(value):
+        if type(item) is dict and type(item.get("text")) is str:
+            item = item["text"]
+        if type(item) is not str:
+            raise invalid(f"documents[{index}]",
+                          f"expected a string or {{\"text\": string}}, got {kind(item)}")
+        texts.append(item)
+    return texts
+
+
+class Rerank(Body):
+    """``POST /v1/rerank`` (Cohere v1/v2, Jina); unknown fields refused, as on /v1/embeddings."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    query: str
+    documents: Annotated[list[str], PlainValidator(documents_only)]
+    top_n: Annotated[int, Field(ge=1)] | None = None
+    return_documents: bool = False
+    model: str | None = None
+    max_chunks_per_doc: Annotated[int, Field(ge=1)] | None = None
+    """Cohere's; accepted and unused: a document longer than the model's input is truncated
+    or refused by the queue's policy, never split."""
+
+
+def rerank_request(raw: bytes) -> tuple[Rerank, Job]:
+    """The body and its job (module level: bounds.Parser pickles it by name)."""
+    body = parse(Rerank, raw)
+    if not body.documents:
+        raise empty("documents")
+    return body, Job([(body.query, text) for text in body.documents], {}, "documents")
+
+
+def rerank_answer(body: Rerank, model: str, results: list[Any]) -> dict[str, Any]:
+    """Cohere's answer: the best ``top_n`` documents, best first (ties in input order)."""
+    ranks = scores.rerank_answer(results, body.documents, body.return_documents)
+    out = []
+    for rank in ranks[:body.top_n]:
+        entry: dict[str, Any] = {"index": rank["index"], "relevance_score": rank["score"]}
+        if body.return_documents:
+            entry["document"] = {"text": rank["text"]}
+        out.append(entry)
+    tokens = sum(result.tokens or 0 for result in results)
+    return {"object": "list", "results": out, "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": CREATED, "owned_by": "tokenq"}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    gateway = request.app.state.gateway
+
+    async def work() -> dict[str, Any]:
+        names = list(gateway.models) or [gateway.default_model()]
+        return {"object": "list", "data": [model_card(name) for name in names]}
+    return await request.app.state.answer("/v1/models", ApiError.openai_body, work)
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(request: Request, model: str) -> Response:
+    gateway = request.app.state.gateway
+
+    async def work() -> dict[str, Any]:
+        gateway.queue_of(model)  # 404 for a name --models does not list; without it any
+        return model_card(model)  # name is served by --queue, as /v1/embeddings takes it
+    return await request.app.state.answer("/v1/models/{model}", ApiError.openai_body, work)
+
+
+@router.post("/v1/rerank")
+async def rerank(request: Request) -> Response:
+    gateway = request.app.state.gateway
+
+    async def work() -> dict[str, Any]:
+        body, job = await gateway.read(request, rerank_request)
+        queue = gateway.queue_of(body.model)
+        scores.require_reranker(await gateway.config(queue))
+        results = await gateway.infer(request, queue, job)
+        return rerank_answer(body, body.model or gateway.default_model(), results)
+    return await request.app.state.answer("/v1/rerank", ApiError.openai_body, work, admit=True)
+
+
+openapi.describe_route("post", "/v1/rerank", Rerank, dict[str, Any], openapi.OpenAIError,
+                       "Cohere/Jina-style rerank")
+openapi.describe_route("get", "/v1/models", None, dict[str, Any], openapi.OpenAIError,
+                       "OpenAI: the models served")
+openapi.describe_route("get", "/v1/models/{model}", None, dict[str, Any], openapi.OpenAIError,
+                       "OpenAI: one model")

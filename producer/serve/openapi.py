@@ -1,0 +1,239 @@
+"""The gateway's ``/openapi.json``: every route's request and response schemas, every error status.
+
+Why it is assembled here rather than from the route signatures: the routes
+read their raw body themselves (:mod:`.bounds`: size, time, a linear parse,
+big bodies in child processes), so FastAPI sees no body parameter and would
+publish ``schema: {}``. Each route is described in :data:`ROUTES` by the
+same pydantic models that parse its body (one home for a field) and by the
+shape of its answer; :func:`describe` merges that into FastAPI's generated
+document. A route nobody described still gets its error statuses; the test
+(tests/test_serve_openapi.py) fails for a POST without a request schema.
+
+``/docs`` is FastAPI's Swagger UI page: HTML that loads its script and CSS
+from a CDN (jsdelivr), so the browser needs the internet; the gateway does
+not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from pydantic import BaseModel, TypeAdapter
+from typing_extensions import TypedDict
+
+from tokenq.producer.serve import schemas, scores, tei_api
+
+ERROR_STATUSES = {
+    400: "the batch is empty, or the body is not JSON",
+    401: "no or a wrong API key (--api-key)",
+    404: "an unknown model name",
+    408: "the body was not received within --timeout-s",
+    413: "the body or the batch is too large",
+    415: "the body is not JSON",
+    422: "a field does not validate, or the queue cannot serve it",
+    424: "the model failed",
+    429: "overloaded: too many requests in flight, or the queue is full",
+    503: "Redis is unreachable, or no worker serves the queue",
+    504: "no answer within --timeout-s",
+}
+"""Every status a route may answer besides 200 (errors.py decides which, for what)."""
+
+
+class TEIError(TypedDict):
+    """TEI's ``ErrorResponse``."""
+
+    error: str
+    error_type: Literal["Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty"]
+
+
+class OpenAIErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(TypedDict):
+    """OpenAI's error body."""
+
+    error: OpenAIErrorDetail
+
+
+class Rank(TypedDict, total=False):
+    index: int
+    score: float
+    text: str
+
+
+class Prediction(TypedDict):
+    label: str
+    score: float
+
+
+class SimpleToken(TypedDict):
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
+class SparseValue(TypedDict):
+    index: int
+    value: float
+
+
+class OpenAIEmbedding(TypedDict):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class OpenAIUsage(TypedDict):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class OpenAIEmbeddingList(TypedDict):
+    """OpenAI's answer (named apart from the request's model, ``OpenAIEmbeddings``)."""
+
+    object: Literal["list"]
+    data: list[OpenAIEmbedding]
+    model: str
+    usage: OpenAIUsage
+
+
+Embeddings = list[list[float]]
+Predictions = list[Prediction] | list[list[Prediction]]
+
+
+@dataclass(frozen=True)
+class Route:
+    """What one route takes and answers, for the document."""
+
+    body: Any
+    """The request body's pydantic model (or a union of them); None for a GET."""
+    answer: Any
+    """The 200 answer's type (a TypedDict, list, dict ...)."""
+    error: type = TEIError
+    summary: str = ""
+
+
+_TEI_POST = {
+    "/embed": Route(schemas.TEIEmbed, Embeddings, summary="TEI: embeddings"),
+    "/rerank": Route(scores.TEIRerank, list[Rank], summary="TEI: rerank texts against a query"),
+    "/predict": Route(scores.TEIPredict, Predictions, summary="TEI: classify"),
+    "/similarity": Route(tei_api.TEISimilarity, list[float],
+                         summary="TEI: cosine of a sentence with others"),
+    "/tokenize": Route(tei_api.TEITokenize, list[list[SimpleToken]],
+                       summary="TEI: the queue's tokenizer"),
+    "/decode": Route(tei_api.TEIDecode, list[str], summary="TEI: ids back to text"),
+    "/": Route(schemas.TEIEmbed | tei_api.TEISimilarity | scores.TEIPredict | scores.TEIRerank,
+               Embeddings | list[float] | Predictions | list[Rank],
+               summary="TEI: the route of the model's kind (embed or similarity, predict, "
+                       "rerank)"),
+}
+_OPENAI_POST = {
+    path: Route(schemas.OpenAIEmbeddings, OpenAIEmbeddingList, OpenAIError,
+                summary="OpenAI (and Infinity): embeddings")
+    for path in ("/v1/embeddings", "/embeddings")
+}
+_GET = {
+    "/info": Route(None, dict[str, Any], summary="TEI: the model and the gateway's limits"),
+    "/health": Route(None, dict[str, Any], summary="200 while Redis answers"),
+    "/": Route(None, dict[str, Any], summary="TEI's health alias"),
+    "/ping": Route(None, dict[str, Any], summary="TEI's (SageMaker's) health alias"),
+    "/ready": Route(None, dict[str, Any], summary="200 while every queue has a live worker"),
+}
+
+ROUTES: dict[tuple[str, str], Route] = {
+    **{("post", path): route
+       for path, route in {**_TEI_POST, **_OPENAI_POST}.items()},
+    **{("get", path): route for path, route in _GET.items()},
+}
+"""Each described route by (method, path); a route of another module adds itself with
+:func:`describe_route`."""
+
+
+def describe_route(method: str, path: str, body: Any, answer: Any, error: type = TEIError,
+                   summary: str = "") -> None:
+    """Publish ``method path``'s body model (None for a GET) and answer type in the document."""
+    ROUTES[(method.lower(), path)] = Route(body, answer, error, summary)
+
+_GET_STATUSES = (401, 503)
+
+
+def describe(app: FastAPI) -> None:
+    """Serve the complete document at ``/openapi.json`` and Swagger UI at ``/docs``."""
+
+    def document() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            with warnings.catch_warnings():  # GET / and POST / are one route: ids set below
+                warnings.filterwarnings("ignore", "Duplicate Operation ID")
+                spec = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                                   description="tokenq serve: TEI's and OpenAI's APIs over a "
+                                               "queue")
+            _complete(spec)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = document  # type: ignore[method-assign]
+
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} docs")
+
+    app.add_api_route("/docs", docs, methods=["GET"], include_in_schema=False)
+
+
+def _complete(spec: dict[str, Any]) -> None:
+    components: dict[str, Any] = spec.setdefault("components", {}).setdefault("schemas", {})
+    for path, operations in spec.get("paths", {}).items():
+        for method, operation in operations.items():
+            operation["operationId"] = f"{method}_{path.strip('/').replace('/', '_') or 'root'}"
+            route = ROUTES.get((method, path))
+            error = route.error if route else (OpenAIError if path.startswith("/v1/")
+                                               else TEIError)
+            if path == "/metrics":
+                operation["responses"] = {"200": {
+                    "description": "Prometheus text",
+                    "content": {"text/plain": {"schema": {"type": "string"}}}}}
+                continue
+            if route is not None:
+                operation["summary"] = route.summary or operation.get("summary", "")
+                operation["responses"] = {"200": _content("the answer", route.answer,
+                                                          components)}
+                if route.body is not None:
+                    operation["requestBody"] = {
+                        "required": True, **_content("the body", route.body, components)}
+            operation.setdefault("responses", {}).pop("422", None)  # FastAPI's own shape
+            statuses = ERROR_STATUSES if method == "post" else _GET_STATUSES
+            for status in statuses:
+                operation["responses"][str(status)] = _content(
+                    ERROR_STATUSES[status], error, components)
+
+
+def _content(description: str, kind: Any, components: dict[str, Any]) -> dict[str, Any]:
+    """A JSON ``content`` entry for ``kind``, its named parts moved into ``components``."""
+    schema = _schema(kind, components)
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _schema(kind: Any, components: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(kind, type) and issubclass(kind, BaseModel):
+        schema = kind.model_json_schema(ref_template="#/components/schemas/{model}")
+    else:
+        schema = TypeAdapter(kind).json_schema(ref_template="#/components/schemas/{model}")
+    definitions: dict[str, Any] = schema.pop("$defs", {})
+    if "title" in schema and schema.get("type") == "object":
+        definitions[schema["title"]] = schema
+        schema = {"$ref": f"#/components/schemas/{schema['title']}"}
+    for name, definition in definitions.items():
+        if components.setdefault(name, definition) != definition:  # two types, one name: a bug
+            raise ValueError(f"two schemas are named {name!r}")
+    return schema

@@ -1,0 +1,166 @@
+"""TEI's ``POST /embed_sparse`` and ``POST /embed_all``: answers that are not one vector.
+
+TEI's published ``docs/openapi.json`` is the contract. Both bodies are
+``inputs`` in TEI's forms, ``truncate``, ``truncation_direction`` and
+``prompt_name`` (``EmbedSparseRequest``, ``EmbedAllRequest``).
+
+* ``/embed_sparse`` (``EmbedSparseResponse``): per input,
+  ``[{"index": token_id, "value": weight}]`` for the nonzero weights, in
+  increasing ``index``. The queue's workers run a SPLADE model
+  (``--task sparse``); a queue whose config hash says it serves another kind
+  is refused with 422 ``not_a_sparse_model`` before anything is enqueued.
+* ``/embed_all`` (``EmbedAllResponse``): per input, one vector per token
+  (special and prompt tokens included): the request option ``output:
+  "tokens"`` on an embedding queue. The answer is bounded before anything is
+  sent (:func:`.bounds.check_token_answer`): 413 beyond
+  :data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` floats in the worst case.
+
+The bodies go through the same bounds as ``/embed`` (:mod:`.bounds`:
+admission, body size and time, the linear parse, the batch size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tokenq.producer import Result
+from tokenq.producer.serve import openapi, schemas
+from tokenq.producer.serve.bounds import check_token_answer
+from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
+from tokenq.producer.serve.schemas import Body, Direction, Job, TEIInputs, parse, refuse_left
+from tokenq.shared.queue_config import QueueConfig
+
+if TYPE_CHECKING:
+    from tokenq.producer.serve.app import Gateway
+
+Answer = Callable[..., Awaitable[Response]]
+"""``create_app``'s ``answer(route, shape, work, admit)``: metrics, admission, error bodies."""
+
+SPARSE_TASK = "sparse"
+"""The ``task`` a sparse queue's workers publish in its config hash."""
+
+
+class TEIPerToken(Body):
+    """``POST /embed_sparse`` and ``/embed_all`` (TEI's ``EmbedSparseRequest`` and
+    ``EmbedAllRequest``, which have the same fields)."""
+
+    inputs: TEIInputs
+    truncate: bool | None = None
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = None
+    model: str | None = None
+    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
+
+
+def sparse_request(raw: bytes) -> tuple[TEIPerToken, Job]:
+    """``/embed_sparse``'s body and job (module level: bounds.Parser pickles it by name)."""
+    return _request(raw, {})
+
+
+def all_request(raw: bytes) -> tuple[TEIPerToken, Job]:
+    """``/embed_all``'s body and job: the option ``output: tokens`` on every input."""
+    return _request(raw, {"output": "tokens"})
+
+
+def _request(raw: bytes, options: dict[str, Any]) -> tuple[TEIPerToken, Job]:
+    """The body, and its job with ``options``.
+
+    ``truncate`` is sent only when given, so the queue's policy decides
+    otherwise, as TEI's ``auto_truncate`` does; neither route takes
+    ``normalize`` or ``dimensions``.
+    """
+    body = parse(TEIPerToken, raw)
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    if not all(isinstance(item, str) for item in texts):
+        raise invalid("inputs", "token-id input is not supported: send text")
+    if not texts:
+        raise empty("inputs")
+    refuse_left(body.truncation_direction)
+    options = dict(options)
+    if body.truncate is not None:
+        options["truncate"] = body.truncate
+    if body.prompt_name is not None:
+        options["prompt_name"] = body.prompt_name
+    return body, Job(list(texts), options, "inputs")  # type: ignore[arg-type]
+
+
+def require_sparse(config: QueueConfig | None, model: str) -> None:
+    """422 before anything is sent when the queue's config says it serves another kind."""
+    if config is not None and config.task is not None and config.task != SPARSE_TASK:
+        raise _not_sparse(model, config.task)
+
+
+def sparse_answer(results: Sequence[Result], model: str) -> list[list[dict[str, Any]]]:
+    """TEI's ``EmbedSparseResponse``: each input's nonzero ``{index, value}`` pairs."""
+    answer = []
+    for result in results:
+        if result.sparse is None:
+            raise _not_sparse(model, "embed" if result.embedding is not None else "score")
+        answer.append([{"index": index, "value": value} for index, value in result.sparse])
+    return answer
+
+
+def tokens_answer(results: Sequence[Result], model: str) -> list[list[list[float]]]:
+    """TEI's ``EmbedAllResponse``: each input's token vectors, in token order."""
+    answer = []
+    for result in results:
+        if result.token_embeddings is None:
+            raise wrong_model("not_an_embedding_model",
+                              f"model {model!r} answered no token embeddings")
+        answer.append([vector.tolist() for vector in result.token_embeddings])
+    return answer
+
+
+def _not_sparse(model: str, task: str) -> ApiError:
+    return wrong_model(
+        "not_a_sparse_model",
+        f"model {model!r} is not a sparse (SPLADE) model (its queue serves task {task!r}): "
+        "/embed_sparse needs a queue whose workers run --task sparse",
+    )
+
+
+async def embed_sparse(gateway: Gateway, answer: Answer, request: Request,
+                       route: str = "/embed_sparse") -> Response:
+    """``/embed_sparse``'s work; TEI's ``POST /`` on a sparse queue answers with it too."""
+    async def work() -> list[list[dict[str, Any]]]:
+        body, job = await gateway.read(request, sparse_request)
+        queue = gateway.queue_of(body.model)
+        model = body.model or gateway.default_model()
+        require_sparse(await gateway.config(queue), model)
+        return sparse_answer(await gateway.infer(request, queue, job), model)
+    return await answer(route, ApiError.tei_body, work, admit=True)
+
+
+def router(gateway: Gateway, answer: Answer) -> APIRouter:
+    """``/embed_sparse`` and ``/embed_all`` over ``gateway``, answered through ``answer``."""
+    api = APIRouter()
+
+    @api.post("/embed_sparse")
+    async def sparse_route(request: Request) -> Response:
+        return await embed_sparse(gateway, answer, request)
+
+    @api.post("/embed_all")
+    async def embed_all(request: Request) -> Response:
+        async def work() -> list[list[list[float]]]:
+            body, job = await gateway.read(request, all_request)
+            queue = gateway.queue_of(body.model)
+            model = body.model or gateway.default_model()
+            config = await gateway.config(queue)
+            schemas.require_embeddings(config, model)
+            if config is not None:
+                check_token_answer(len(job.items), config.max_input_tokens, config.token_dim,
+                                   job.where)
+            return tokens_answer(await gateway.infer(request, queue, job), model)
+        return await answer("/embed_all", ApiError.tei_body, work, admit=True)
+
+    return api
+
+
+openapi.describe_route("post", "/embed_sparse", TEIPerToken, list[list[openapi.SparseValue]],
+                       summary="TEI: sparse (SPLADE) embeddings")
+openapi.describe_route("post", "/embed_all", TEIPerToken, list[list[list[float]]],
+                       summary="TEI: every token's embedding")

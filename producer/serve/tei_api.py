@@ -1,0 +1,315 @@
+"""The rest of TEI's router: ``POST /`` by the model's kind, ``/similarity``, ``/tokenize``,
+``/decode``, and ``GET /`` / ``GET /ping`` (TEI's health aliases).
+
+TEI's published ``docs/openapi.json`` is the contract (a copy in
+tests/data/, checked by schemathesis in tests/test_serve_openapi.py):
+
+* ``POST /`` answers as the route of the queue's kind does, as TEI routes
+  it: a classifier's ``/predict``, a reranker's ``/rerank``; an embedder's
+  ``/embed`` — or ``/similarity`` when ``inputs`` is an object
+  (``{"source_sentence", "sentences"}``), which is what ``huggingface_hub``'s
+  ``InferenceClient.sentence_similarity`` posts to a base URL. TEI chooses
+  similarity for the whole server with ``TASK=sentence-similarity``; the
+  body's shape tells the two apart without a setting (docs/DECISIONS.md).
+* ``/similarity``: the cosine of ``source_sentence`` with each of
+  ``sentences``, from their embeddings, computed in one ``infer_many``.
+* ``/tokenize`` and ``/decode``: the queue's own tokenizer (the
+  ``tokenizer.json`` its workers publish in the config hash, loaded once per
+  path with :class:`~tokenq.producer.tokenizer.TokenizerEstimator`, off the
+  event loop). A queue whose tokenizer the gateway cannot load (no path
+  published, as the sim's; another machine's path; no ``tokenizers``
+  package) is a 422 ``Tokenizer`` error naming why.
+
+Every POST goes through the gateway's bounds (:mod:`.bounds`): admission,
+body size and time, the linear parse (in a child process when big), and
+``--max-client-batch-size`` on the number of inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator
+
+from tokenq.producer import Result
+from tokenq.producer.serve import schemas
+from tokenq.producer.serve.bounds import TEXT, TOKEN, TOKENS, decode_json, text_or_list
+from tokenq.producer.serve.errors import ApiError, empty, invalid, too_large
+from tokenq.producer.serve.schemas import Body, Direction, Job, parse, refuse_left
+from tokenq.producer.tokenizer import TokenizerEstimator
+from tokenq.shared.queue_config import QueueConfig
+
+if TYPE_CHECKING:
+    from tokenq.producer.serve.app import Gateway
+
+Answer = Callable[..., Awaitable[Response]]
+"""``create_app``'s ``answer(route, shape, work, admit)``: metrics, admission, error bodies."""
+
+MAX_TOKEN_ID = 2**32 - 1
+"""TEI's ids are ``uint32``; a larger (or negative) one is a 422, not the tokenizer's overflow."""
+
+
+class SimilarityInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityParameters(BaseModel):
+    prompt_name: str | None = None
+    truncate: bool | None = None
+    truncation_direction: Direction = "Right"
+
+
+class TEISimilarity(Body):
+    """``POST /similarity`` (and ``POST /`` on an embedder, with ``inputs`` an object)."""
+
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+    model: str | None = None
+    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
+
+
+def _texts(value: Any) -> Any:
+    return text_or_list(value, "inputs", (TEXT,))
+
+
+def _ids(value: Any) -> Any:
+    if type(value) is str:
+        raise invalid("ids", "expected a list of token ids or a list of such lists")
+    ids = text_or_list(value, "ids", (TOKEN, TOKENS))
+    rows = ids if ids and type(ids[0]) is list else [ids]
+    if any(not 0 <= token <= MAX_TOKEN_ID for row in rows for token in row):
+        raise invalid("ids", f"a token id is outside 0..{MAX_TOKEN_ID}")
+    return ids
+
+
+class TEITokenize(Body):
+    """``POST /tokenize``."""
+
+    inputs: Annotated[str | list[str],
+                      PlainValidator(_texts, json_schema_input_type=str | list[str])]
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+    model: str | None = None
+
+
+class TEIDecode(Body):
+    """``POST /decode``."""
+
+    ids: Annotated[list[int] | list[list[int]],
+                   PlainValidator(_ids, json_schema_input_type=list[Annotated[int, Field(ge=0)]]
+                                  | list[list[Annotated[int, Field(ge=0)]]])]
+    skip_special_tokens: bool = True
+    model: str | None = None
+
+
+def similarity_request(raw: bytes) -> tuple[TEISimilarity, Job]:
+    """``/similarity``'s body and job: the source first, then each sentence."""
+    body = parse(TEISimilarity, raw)
+    return body, similarity_job(body)
+
+
+def similarity_job(body: TEISimilarity) -> Job:
+    if not body.inputs.sentences:
+        raise empty("inputs.sentences")
+    parameters = body.parameters or SimilarityParameters()
+    refuse_left(parameters.truncation_direction)
+    options: dict[str, Any] = {}
+    if parameters.truncate is not None:
+        options["truncate"] = parameters.truncate
+    if parameters.prompt_name is not None:
+        options["prompt_name"] = parameters.prompt_name
+    items = [body.inputs.source_sentence, *body.inputs.sentences]
+    return Job(items, options, "inputs")  # type: ignore[arg-type]
+
+
+def root_embed_request(raw: bytes) -> tuple[Any, Job]:
+    """``POST /`` on an embedder: a similarity body when ``inputs`` is an object, else
+    ``/embed``'s."""
+    document = decode_json(raw)
+    if isinstance(document.get("inputs"), dict):
+        return similarity_request(raw)
+    return schemas.tei_embed_request(raw)
+
+
+def tokenize_request(raw: bytes) -> TEITokenize:
+    return parse(TEITokenize, raw)
+
+
+def decode_request(raw: bytes) -> TEIDecode:
+    return parse(TEIDecode, raw)
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """The cosine of two vectors; 0 when either is all zeros (TEI answers a number, never NaN)."""
+    norms = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    if norms == 0.0:
+        return 0.0
+    return math.fsum(x * y for x, y in zip(a, b, strict=True)) / norms
+
+
+def similarity_answer(results: Sequence[Result], model: str) -> list[float]:
+    """The source's cosine with each sentence, in the sentences' order."""
+    source, *others = schemas.embeddings_of(results, model)
+    return [cosine(source, vector) for vector in others]
+
+
+def token_answer(encoding: Any, text: str) -> list[dict[str, Any]]:
+    """TEI's ``SimpleToken`` list: a special token has no span in the text."""
+    tokens = []
+    for token_id, token, special, (start, stop) in zip(
+        encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets, strict=True
+    ):
+        tokens.append({"id": token_id, "text": token if special else text[start:stop],
+                       "special": bool(special),
+                       "start": None if special else start, "stop": None if special else stop})
+    return tokens
+
+
+class Tokenizers:
+    """The queues' tokenizers, loaded once per published path, off the event loop."""
+
+    def __init__(self) -> None:
+        self._loaded: dict[str, TokenizerEstimator | str] = {}
+
+    async def of(self, config: QueueConfig | None) -> Any:
+        """The ``tokenizers.Tokenizer`` of the queue described by ``config``, or a 422."""
+        path = config.tokenizer if config is not None else None
+        if path is None:
+            raise _tokenizer_error("this queue's workers publish no tokenizer.json "
+                                   "(the sim backend has none; or no worker has started)")
+        if path not in self._loaded:
+            self._loaded[path] = await asyncio.to_thread(_load, path)
+        loaded = self._loaded[path]
+        if isinstance(loaded, str):
+            raise _tokenizer_error(f"the gateway cannot load the queue's tokenizer: {loaded}")
+        return loaded.tokenizer
+
+
+def _load(path: str) -> TokenizerEstimator | str:
+    try:
+        return TokenizerEstimator.from_file(path)
+    except ImportError:
+        return "the tokenizers package is not installed (pip install 'tokenq[exact]')"
+    except OSError as exc:
+        return str(exc)
+
+
+def _tokenizer_error(message: str) -> ApiError:
+    return ApiError(422, message, code="tokenizer")
+
+
+async def _reraise(exc: Exception) -> None:
+    raise exc
+
+
+def _check_count(count: int, where: str, limit: int) -> None:
+    if count > limit:
+        raise too_large(where, f"{count} inputs, over --max-client-batch-size {limit}")
+
+
+async def _call(endpoint: Callable[..., Awaitable[Response]], request: Request) -> Response:
+    """Call another route's endpoint, with the request if it takes one."""
+    takes_request = bool(inspect.signature(endpoint).parameters)
+    return await (endpoint(request) if takes_request else endpoint())
+
+
+def _endpoint(request: Request, path: str, method: str) -> Callable[..., Awaitable[Response]]:
+    """The app's own endpoint for ``method path``: ``POST /`` answers exactly as it does."""
+    for route in request.app.router.routes:
+        if isinstance(route, APIRoute) and route.path == path and method in route.methods:
+            return route.endpoint
+    raise LookupError(f"no {method} {path} route")  # a bug: the app always has them
+
+
+def router(gateway: Gateway, answer: Answer) -> APIRouter:
+    """TEI's remaining routes over ``gateway``, answered through ``answer``."""
+    api = APIRouter()
+    tokenizers = Tokenizers()
+    limit = gateway.settings.max_client_batch_size
+
+    async def embed_or_similarity(request: Request, route: str,
+                                  prepare: Callable[[bytes], tuple[Any, Job]]) -> Response:
+        async def work() -> list[Any]:
+            body, job = await gateway.read(request, prepare)
+            queue = gateway.queue_of(body.model)
+            model = body.model or gateway.default_model()
+            schemas.require_embeddings(await gateway.config(queue), model)
+            results = await gateway.infer(request, queue, job)
+            if isinstance(body, TEISimilarity):
+                return similarity_answer(results, model)
+            return schemas.tei_answer(results, model)
+        return await answer(route, ApiError.tei_body, work, admit=True)
+
+    @api.post("/similarity")
+    async def similarity(request: Request) -> Response:
+        return await embed_or_similarity(request, "/similarity", similarity_request)
+
+    @api.api_route("/", methods=["GET", "POST"])  # one route: a 405 there names both methods
+    async def root(request: Request) -> Response:
+        """TEI's ``POST /``: the route of the default queue's kind; ``GET /``: its health."""
+        if request.method == "GET":
+            return await health(request)
+        try:
+            config = await gateway.config(gateway.queue_of(None))
+        except Exception as exc:  # Redis down: answered as /embed answers it
+            return await answer("/", ApiError.tei_body, functools.partial(_reraise, exc))
+        task = config.task if config is not None else None
+        if task == "rerank" or (task is None and config is not None and config.pairs):
+            return await _call(_endpoint(request, "/rerank", "POST"), request)
+        if task == "sparse":  # TEI: a SPLADE model's POST / is /embed_sparse
+            from tokenq.producer.serve import sparse_api  # here: sparse_api -> openapi -> us
+
+            return await sparse_api.embed_sparse(gateway, answer, request, "/")
+        if task not in (None, "embed"):
+            return await _call(_endpoint(request, "/predict", "POST"), request)
+        return await embed_or_similarity(request, "/", root_embed_request)
+
+    @api.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        async def work() -> list[list[dict[str, Any]]]:
+            body = await gateway.read(request, tokenize_request)
+            texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+            if not texts:
+                raise empty("inputs")
+            _check_count(len(texts), "inputs", limit)
+            config = await gateway.config(gateway.queue_of(body.model))
+            tokenizer = await tokenizers.of(config)
+            if body.prompt_name is not None:
+                prompts = (config.prompts if config is not None else None) or {}
+                if body.prompt_name not in prompts:
+                    raise invalid("prompt_name", f"{body.prompt_name!r} is not one of the "
+                                  f"model's prompts ({', '.join(prompts) or 'none'})")
+                texts = [prompts[body.prompt_name] + text for text in texts]
+            encodings = await asyncio.to_thread(
+                tokenizer.encode_batch, texts, add_special_tokens=body.add_special_tokens)
+            return [token_answer(encoding, text)
+                    for encoding, text in zip(encodings, texts, strict=True)]
+        return await answer("/tokenize", ApiError.tei_body, work, admit=True)
+
+    @api.post("/decode")
+    async def decode(request: Request) -> Response:
+        async def work() -> list[str]:
+            body = await gateway.read(request, decode_request)
+            rows = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
+            _check_count(len(rows), "ids", limit)
+            tokenizer = await tokenizers.of(await gateway.config(gateway.queue_of(body.model)))
+            return await asyncio.to_thread(tokenizer.decode_batch, rows,
+                                           skip_special_tokens=body.skip_special_tokens)
+        return await answer("/decode", ApiError.tei_body, work, admit=True)
+
+    async def health(request: Request) -> Response:
+        """TEI serves its health check at ``/`` and ``/ping`` (SageMaker's) as well."""
+        return await _call(_endpoint(request, "/health", "GET"), request)
+
+    api.add_api_route("/ping", health, methods=["GET"], name="ping")
+    return api

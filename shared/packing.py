@@ -1,0 +1,40 @@
+"""Redis commands packed by hiredis's C packer, for the worker's and the producer's connections.
+
+Why: redis-py packs every argument in Python (its asyncio connection
+entirely; its sync one passes each argument through a generator before
+hiredis), and a batch's script call carries four to fifteen arguments per
+request, so packing was the largest single cost per request on both sides
+(issue 11 for the worker, issue 25 for the producer). Without hiredis
+installed the mixin steps aside and redis-py packs as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - hiredis: the worker extra, tokenq[fast]
+    _hiredis_pack = None
+
+
+class HiredisPacking:
+    """Connection mixin: ``pack_command`` in C (hiredis), byte-for-byte redis-py's output.
+
+    What hiredis refuses (a bool, an unknown type) goes to redis-py's own
+    packer, so the errors a caller sees are redis-py's.
+    """
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        if _hiredis_pack is not None and args:
+            first = args[0]
+            # A command name with a space ("SCRIPT LOAD") is two arguments, as redis-py splits it.
+            if isinstance(first, str):
+                args = (*first.encode().split(), *args[1:])
+            elif isinstance(first, bytes) and b" " in first:
+                args = (*first.split(), *args[1:])
+            try:
+                return [_hiredis_pack(args)]
+            except TypeError:
+                pass
+        return super().pack_command(*args)  # type: ignore[misc]
