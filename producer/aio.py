@@ -18,7 +18,7 @@ deadline plus ``DEADLINE_GRACE_S`` (the task is then cancelled, which
 disconnects its connection: a reply that arrives later can never be read as
 another command's). Inside that task the caller's deadline also bounds
 redis-py's socket and pool waits and its retries (see
-:mod:`tokenq.producer.connection`), so an abandoned command does not linger.
+:mod:`tokenq.producer.redis_deadlines`), so an abandoned command does not linger.
 
 The config hash is re-read as by the sync client: the first caller that
 finds the cached copy stale starts one read as a task of its own (shielded:
@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
-from tokenq.producer import calls, connection, nodes
+from tokenq.producer import calls, nodes, redis_deadlines
 from tokenq.producer.base import ProducerBase
+from tokenq.producer.call_options import RequestOptions, SubmitOptions
 from tokenq.producer.core import (
     DEADLINE_GRACE_S,
     ClientCore,
@@ -50,7 +51,6 @@ from tokenq.producer.core import (
     TextItem,
     backoff_s,
 )
-from tokenq.producer.options import RequestOptions, SubmitOptions
 from tokenq.producer.tokenizer import TokenizerEstimator, load_estimator
 from tokenq.shared import functions
 from tokenq.shared.errors import TokenqError
@@ -95,7 +95,7 @@ class AsyncClient(ProducerBase):
 
     def _connect(self, max_connections: int | None) -> None:
         self._reply_key = self._core.reply_key(self.client_id)
-        self._redis, self._listen_redis = connection.async_redis(
+        self._redis, self._listen_redis = redis_deadlines.async_redis(
             self.settings,
             self.client_id,
             DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
@@ -275,7 +275,7 @@ class AsyncClient(ProducerBase):
                 try:
                     answer = await self._perform(step)
                 except Exception as exc:
-                    step = calls.resume(call, failure=connection.failure(exc))
+                    step = calls.resume(call, failure=redis_deadlines.failure(exc))
                 else:
                     step = calls.resume(call, answer)
             return step.value
@@ -291,7 +291,7 @@ class AsyncClient(ProducerBase):
             async with node.pipeline(transaction=False) as pipe:
                 await self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
                 pipe.execute_command("WAIT", replicas, timeout_ms)
-                with connection.slow_reply(timeout_ms / 1000):  # WAIT's own time
+                with redis_deadlines.slow_reply(timeout_ms / 1000):  # WAIT's own time
                     written, confirmed = await pipe.execute()
             return written, int(confirmed)
 
@@ -328,7 +328,7 @@ class AsyncClient(ProducerBase):
         until the deadline plus the grace, and past that cancels it and
         raises redis-py's TimeoutError, whether or not the cancel lands.
         """
-        with connection.for_caller(deadline):
+        with redis_deadlines.for_caller(deadline):
             task = asyncio.ensure_future(command(*args, **kwargs))
         wait = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S + _BACKSTOP_S
         try:
@@ -414,7 +414,7 @@ class AsyncClient(ProducerBase):
         listener = self._listeners.get(key)
         if listener is None or listener.done():
             if key not in self._listen_clients:
-                self._listen_clients[key] = connection.async_listener(
+                self._listen_clients[key] = redis_deadlines.async_listener(
                     self.settings, self.client_id
                 )
             self._listeners[key] = asyncio.get_running_loop().create_task(
@@ -463,7 +463,7 @@ class AsyncClient(ProducerBase):
                 self._unreachable, failures = None, 0
 
     def _listen_failed(self, exc: Exception) -> None:
-        down = connection.failure(exc)
+        down = redis_deadlines.failure(exc)
         if isinstance(down, calls.Unreachable):
             self._unreachable = down.error
         else:

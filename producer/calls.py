@@ -27,7 +27,7 @@ The steps a call may ask for:
 Without a listener ``infer`` waits on the request's own reply key and
 ``infer_many`` on one key of its own for the whole batch. Deadlines are on
 the ``time.monotonic()`` clock, which the sequences read through
-:class:`~tokenq.producer.core.Deadline`; the wall clock is read once per
+:class:`~tokenq.producer.deadline.Deadline`; the wall clock is read once per
 enqueue, for an absolute ``deadline_ms``.
 """
 
@@ -39,18 +39,11 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Si
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from tokenq.producer.core import (
-    ENQUEUE_SCRIPT,
-    PEEK_SCRIPT,
-    ClientCore,
-    Deadline,
-    Outcome,
-    Prepared,
-    Result,
-    TextItem,
-    backoff_s,
-)
-from tokenq.producer.options import RequestOptions, SubmitOptions, refuse_unknown
+from tokenq.producer.call_options import RequestOptions, SubmitOptions, refuse_unknown
+from tokenq.producer.core import ENQUEUE_SCRIPT, PEEK_SCRIPT, ClientCore
+from tokenq.producer.deadline import Deadline, backoff_s
+from tokenq.producer.prepare import Prepared, TextItem
+from tokenq.producer.replies import Outcome, Result
 from tokenq.producer.shards import ShardRetired, is_retired
 from tokenq.shared import keys
 from tokenq.shared.errors import BrokerUnavailable
@@ -75,7 +68,7 @@ Redis is at ``maxmemory`` and refuses the enqueue function itself (:func:`_writt
 
 SCRIPTS = {ENQUEUE: ENQUEUE_SCRIPT, PEEK: PEEK_SCRIPT, ENQUEUE_SEEN: ENQUEUE_SCRIPT}
 """Every script a :class:`Send` may name, by name (its short name in
-:data:`tokenq.shared.lua.SCRIPTS`): each client calls it as a function of tokenq's
+:data:`tokenq.shared.lua_scripts.SCRIPTS`): each client calls it as a function of tokenq's
 library, ``FCALL`` (:mod:`tokenq.shared.functions`; ``EVALSHA`` before Redis 7)."""
 
 log = logging.getLogger("tokenq.producer")

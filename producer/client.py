@@ -14,8 +14,8 @@ threads.
 A caller's timeout is a promise, kept for every Redis command made on its
 behalf (config read, enqueue, each blocking read and removal): the command runs in the
 calling thread with the caller's deadline in
-:data:`~tokenq.producer.connection.CALLER_DEADLINE`, which the connection
-class, the pool and the ``Retry`` of :mod:`tokenq.producer.connection`
+:data:`~tokenq.producer.redis_deadlines.CALLER_DEADLINE`, which the connection
+class, the pool and the ``Retry`` of :mod:`tokenq.producer.redis_deadlines`
 read, so a socket wait, a wait for a pooled connection, a reconnect or a
 retry never outlasts the caller by more than ``DEADLINE_GRACE_S``.
 
@@ -36,10 +36,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tokenq.producer import calls, connection, nodes
+from tokenq.producer import calls, nodes, redis_deadlines
 from tokenq.producer.base import ProducerBase
+from tokenq.producer.call_options import RequestOptions, SubmitOptions
 from tokenq.producer.core import Deadline, Prepared, Result, TextItem
-from tokenq.producer.options import RequestOptions, SubmitOptions
 from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared import functions
 
@@ -78,7 +78,7 @@ class Client(ProducerBase):
     what they refuse with an error reply (to test a worker's own checks).
 
     The enqueueing calls take the keyword options of
-    :class:`~tokenq.producer.options.RequestOptions` (``deadline_s``,
+    :class:`~tokenq.producer.call_options.RequestOptions` (``deadline_s``,
     ``deadline_ms``, ``opts``); the submits also ``reply_to``.
     """
 
@@ -86,7 +86,7 @@ class Client(ProducerBase):
         self._config_state = threading.Lock()  # held only to look at or update the two below
         self._config_read: threading.Event | None = None  # set when the read in flight ends
         self._loading: dict[str, threading.Event] = {}
-        self._redis = connection.sync_redis(self.settings, self.client_id, max_connections)
+        self._redis = redis_deadlines.sync_redis(self.settings, self.client_id, max_connections)
         self._scripts = {name: functions.Function(self._redis, name) for name in calls.SCRIPTS}
 
     def _durable_enqueue(
@@ -96,7 +96,7 @@ class Client(ProducerBase):
             with node.pipeline(transaction=False) as pipe:
                 self._scripts[calls.ENQUEUE](keys=keys, args=args, client=pipe)
                 pipe.execute_command("WAIT", replicas, timeout_ms)
-                with connection.slow_reply(timeout_ms / 1000):  # WAIT's own time
+                with redis_deadlines.slow_reply(timeout_ms / 1000):  # WAIT's own time
                     written, confirmed = pipe.execute()
             return written, int(confirmed)
 
@@ -235,7 +235,7 @@ class Client(ProducerBase):
                 try:
                     answer = self._perform(step)
                 except Exception as exc:
-                    step = calls.resume(call, failure=connection.failure(exc))
+                    step = calls.resume(call, failure=redis_deadlines.failure(exc))
                 else:
                     step = calls.resume(call, answer)
             return step.value
@@ -244,7 +244,7 @@ class Client(ProducerBase):
 
     def _perform(self, step: calls.Step) -> Any:
         if type(step) is calls.Send:  # the common step, ahead of the match below
-            with connection.for_caller(step.deadline):
+            with redis_deadlines.for_caller(step.deadline):
                 return self._command(step.command)(*step.args, **step.kwargs)
         match step:
             case calls.Sleep(seconds):

@@ -38,7 +38,7 @@ from typing import Literal
 from tokenq.producer.estimate import estimate_tokens
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode
 from tokenq.shared.queue_config import QueueConfig
-from tokenq.shared.request_options import ModelFacts
+from tokenq.shared.queue_config import model_facts as model_facts  # its one home is shared
 
 log = logging.getLogger("tokenq.producer")
 
@@ -82,7 +82,9 @@ class InputTooLong(BadRequest):
 
     code = ErrorCode.TOO_LONG.value
 
-    def __init__(self, where: str, tokens: int, limit: int, queue: str, exact: bool) -> None:
+    def __init__(
+        self, where: str, tokens: int, limit: int, queue: str, exact: bool, param: str = "text"
+    ) -> None:
         if exact:
             size = f"{tokens} tokens"
         else:
@@ -92,30 +94,13 @@ class InputTooLong(BadRequest):
             )
         super().__init__(
             f"{where} is {size}, over the limit of {limit} tokens of queue {queue!r} "
-            "(max_input_tokens, policy reject); nothing was written"
+            "(max_input_tokens, policy reject); nothing was written",
+            param=param,
         )
         self.tokens = tokens
         self.limit = limit
         self.queue = queue
         self.exact = exact
-
-
-def model_facts(config: QueueConfig | None) -> ModelFacts:
-    """What the config hash tells the request-option checks (None where it says nothing)."""
-    if config is None:
-        return ModelFacts()
-    embeds = None if config.task is None else config.task == "embed"
-    return ModelFacts(
-        embeds=embeds,
-        dim=config.dim if embeds else None,
-        normalized=config.normalized,
-        prompts=config.prompts,
-        default_prompt_name=config.default_prompt,
-        sparse=None if config.task is None else config.task == "sparse",
-        token_dim=config.token_dim,
-        # A worker that offers output: tokens publishes token_dim; one that predates it does not.
-        can_output_tokens=True if config.token_dim else None,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,12 +130,14 @@ class Estimating:
             )
 
     def check(
-        self, queue: str, *, tokens: int, has_pair: bool, where: str, truncate: bool | None = None
+        self, queue: str, *, tokens: int, has_pair: bool, where: str,
+        truncate: bool | None = None, param: str = "text",
     ) -> None:
         """Refuse what the worker would refuse, when the producer can tell (see the module).
 
         ``truncate`` is the request's own option, which overrides the queue's
         policy: true is never refused for length, false is on a truncate queue.
+        ``param`` names the argument the input came in (``text``, ``texts``).
         """
         config = self.config
         if config is None:
@@ -159,7 +146,8 @@ class Estimating:
             model = f"model {config.model!r}" if config.model else "model"
             raise BadRequest(
                 f"{where} has a text_pair, but queue {queue!r} serves a {model} that takes "
-                "single texts (its config says pairs=0); nothing was written"
+                "single texts (its config says pairs=0); nothing was written",
+                param="text_pair",
             )
         limit = config.max_input_tokens
         policy = config.policy
@@ -169,7 +157,7 @@ class Estimating:
             return
         ceiling = limit if self.exact else math.floor(limit * HEURISTIC_MARGIN)
         if tokens > ceiling:
-            raise InputTooLong(where, tokens, limit, queue, self.exact)
+            raise InputTooLong(where, tokens, limit, queue, self.exact, param)
 
 
 @dataclass

@@ -29,7 +29,17 @@ class TokenqError(Exception):
 
 
 class BadRequest(TokenqError, ValueError):
-    """The caller passed something tokenq cannot accept; nothing was enqueued."""
+    """The caller passed something tokenq cannot accept; nothing was enqueued.
+
+    ``param`` names the argument at fault (``texts``, ``deadline_s``, an
+    option such as ``dimensions``), set where the error is raised, so a
+    caller that must say which field was wrong (the HTTP gateway's
+    ``param``) never reads it out of the message.
+    """
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class DecodeError(BadRequest):
@@ -85,18 +95,24 @@ class DeviceLost(TokenqError, RuntimeError):
 class RemoteError(TokenqError):
     """A worker answered the request with an error reply."""
 
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, request_id: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.request_id = request_id
+        self.param = param
+        """The request field the worker refused (an option's name), when its reply names one."""
 
 
 class DeadlineExceeded(RemoteError, TimeoutError):
     """The request's deadline passed before a worker could run it."""
 
 
-def remote_error(code: str, message: str, request_id: str | None = None) -> RemoteError:
+def remote_error(
+    code: str, message: str, request_id: str | None = None, param: str | None = None
+) -> RemoteError:
     """The most specific :class:`RemoteError` subclass for an error reply's code."""
     cls = DeadlineExceeded if code == ErrorCode.DEADLINE_EXCEEDED.value else RemoteError
-    return cls(code, message, request_id)
+    return cls(code, message, request_id, param)

@@ -1,6 +1,6 @@
 """Loading and calling tokenq's Lua: ``FCALL`` of its function library, ``EVALSHA`` before Redis 7.
 
-:func:`tokenq.shared.lua.library` builds the library; this module is the
+:func:`tokenq.shared.lua_scripts.library` builds the library; this module is the
 one place that talks to Redis about it, for the producer, the worker and the
 operator commands alike, sync (:class:`Function`) and asyncio
 (:class:`AsyncFunction`). Each mimics redis-py's ``Script``
@@ -41,7 +41,7 @@ import redis.asyncio.client
 import redis.client
 import redis.cluster
 
-from tokenq.shared import lua
+from tokenq.shared import lua_scripts
 
 T = TypeVar("T")
 
@@ -64,7 +64,7 @@ class FunctionsMissing(redis.exceptions.ResponseError):
 
 
 def _missing(cause: BaseException) -> FunctionsMissing:
-    name = lua.library().name
+    name = lua_scripts.library().name
     return FunctionsMissing(
         f"tokenq's Redis functions (library {name}) are not loaded and this user may not "
         f"load them ({cause}): start a tokenq worker of this version, or run "
@@ -101,9 +101,9 @@ class _Base:
     """What both twins share: the names, the mode, and what an error means."""
 
     def __init__(self, client: Any, short: str) -> None:
-        lib = lua.library()
+        lib = lua_scripts.library()
         self.name = lib.functions[short]
-        self._command = "fcall_ro" if "no-writes" in lua.SCRIPTS[short].flags else "fcall"
+        self._command = "fcall_ro" if "no-writes" in lua_scripts.SCRIPTS[short].flags else "fcall"
         """A read-only function goes by FCALL_RO, which Redis refuses to let write."""
         self._source = lib.scripts[short]
         self._client = client
@@ -207,21 +207,21 @@ def load(client: Any, *, missing_ok: bool = True) -> str | None:
     tampered copy, healed).
     """
     try:
-        client.function_load(lua.library().code, replace=True)
+        client.function_load(lua_scripts.library().code, replace=True)
     except redis.exceptions.ResponseError as exc:
         _load_failed(exc, missing_ok)
         return None
-    return lua.library().name
+    return lua_scripts.library().name
 
 
 async def async_load(client: Any, *, missing_ok: bool = True) -> str | None:
     """The asyncio twin of :func:`load`."""
     try:
-        await client.function_load(lua.library().code, replace=True)
+        await client.function_load(lua_scripts.library().code, replace=True)
     except redis.exceptions.ResponseError as exc:
         _load_failed(exc, missing_ok)
         return None
-    return lua.library().name
+    return lua_scripts.library().name
 
 
 def route_by_keys(client: T) -> T:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenq.shared.redis_client import with_mixins
+
 try:
     from hiredis import pack_command as _hiredis_pack
 except ImportError:  # pragma: no cover - hiredis: the worker extra, tokenq[fast]
@@ -38,3 +40,9 @@ class HiredisPacking:
             except TypeError:
                 pass
         return super().pack_command(*args)  # type: ignore[misc]
+
+
+def packed(connection_class: type) -> type:
+    """``connection_class`` packing in C: the worker's hook into
+    :mod:`tokenq.shared.redis_client`, made once per class."""
+    return with_mixins(connection_class, HiredisPacking)

@@ -20,7 +20,10 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``normalized``       ``1``: the model's embeddings are unit length; ``0``: they are not
 ``labels``           a classifier's name for each score, in order: a JSON array of strings
 ``prompts``          the model's named prompts: a JSON object, name to text (``{}``: none)
-``default_prompt``   the prompt name a request gets when it names none (empty: none)
+``default_prompt_name`` the prompt name a request gets when it names none (empty: none;
+                     read under its old name ``default_prompt`` from older workers)
+``raw_vectors``      ``1``: the workers can answer ``normalize: false`` (their backend returns
+                     vectors before the final normalisation); embedding queues only
 ``tokenizer``        path of the model's tokenizer.json (when it has one)
 ``shards``           how many shards the queue's workers serve (``{q:0}`` … ``{q:K-1}``); absent: 1
 ``enqueue_function`` the Redis function that enqueues (FCALL, docs/PROTOCOL.md); absent: Redis < 7
@@ -28,6 +31,12 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``dtype``            the weights' dtype as the backend runs them (``float32``, ``float16``, ...)
 ``tokenize_processes`` tokenizer child processes per worker (``--tokenize-processes``; 0: a thread)
 ==================== ==================================================
+
+One derivation each way, so the worker and the producer cannot disagree on
+a fact: :func:`describe` is the config of a backend's ``BackendInfo`` (any
+:class:`ModelDescription`), the only way the worker writes one, and
+:func:`model_facts` the :class:`~tokenq.shared.request_options.ModelFacts`
+of a config, the only way either side checks a request's options.
 
 Parsing never raises: a field that is missing or does not parse is None, so
 a malformed hash disables the producer check that needs it rather than
@@ -39,8 +48,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 from tokenq.shared.redis_text import as_text
+from tokenq.shared.request_options import ModelFacts
+from tokenq.shared.wire import PROTOCOL_VERSION
 
 _FLAGS = {"1": True, "0": False}
 
@@ -63,13 +75,14 @@ class QueueConfig:
     normalized: bool | None = None
     labels: tuple[str, ...] | None = None
     prompts: Mapping[str, str] | None = None
-    default_prompt: str | None = None
+    default_prompt_name: str | None = None
     updated_at: int | None = None
     shards: int | None = None
     enqueue_function: str | None = None
     dtype: str | None = None
     tokenize_processes: int | None = None
     token_dim: int | None = None
+    raw_vectors: bool | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
@@ -113,13 +126,125 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         normalized=_FLAGS.get(text.get("normalized", "").strip()),
         labels=_labels(text.get("labels")),
         prompts=_prompts(text.get("prompts")),
-        default_prompt=text.get("default_prompt") or None,
+        default_prompt_name=_default_prompt_name(text),
         updated_at=_int(text, "updated_at", minimum=0),
         shards=_int(text, "shards", minimum=1),
         enqueue_function=text.get("enqueue_function") or None,
         dtype=text.get("dtype") or None,
         tokenize_processes=_int(text, "tokenize_processes", minimum=0),
         token_dim=_int(text, "token_dim", minimum=1),
+        raw_vectors=_FLAGS.get(text.get("raw_vectors", "").strip()),
+    )
+
+
+_OLD_DEFAULT_PROMPT = "default_prompt"
+"""``default_prompt_name``'s field name in hashes written before it was renamed."""
+
+
+def _default_prompt_name(text: Mapping[str, str]) -> str | None:
+    """The field under its name, else its old name (a hash an older worker wrote).
+
+    The new name wins even when empty: HSET leaves an old worker's field in
+    place, and a model without a default prompt must not inherit its value.
+    """
+    if "default_prompt_name" in text:
+        return text["default_prompt_name"] or None
+    return text.get(_OLD_DEFAULT_PROMPT) or None
+
+
+class ModelDescription(Protocol):
+    """What :func:`describe` reads: the worker's ``BackendInfo`` has every one of these."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def task(self) -> str: ...
+    @property
+    def max_input_tokens(self) -> int: ...
+    @property
+    def padded(self) -> bool: ...
+    @property
+    def dim(self) -> int | None: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def tokenizer(self) -> str | None: ...
+    @property
+    def pairs(self) -> bool: ...
+    @property
+    def normalized(self) -> bool: ...
+    @property
+    def labels(self) -> tuple[str, ...]: ...
+    @property
+    def raw_vectors(self) -> bool: ...
+    @property
+    def prompts(self) -> Mapping[str, str]: ...
+    @property
+    def default_prompt_name(self) -> str | None: ...
+    @property
+    def token_dim(self) -> int | None: ...
+
+
+def describe(
+    info: ModelDescription, *, policy: str | None = None, max_batch_tokens: int | None = None,
+    shards: int = 1, tokenize_processes: int | None = None, updated_at: int | None = None,
+) -> QueueConfig:
+    """The config a worker with backend ``info`` publishes: every fact producers may check.
+
+    The queue's own values (``policy``, ...) are the worker's settings; left
+    out, they are absent (the worker's :func:`model_facts` needs none of them).
+    """
+    embeds = info.task == "embed"
+    return QueueConfig(
+        protocol=PROTOCOL_VERSION,
+        backend=info.name,
+        model=info.model,
+        task=info.task,
+        max_input_tokens=info.max_input_tokens,
+        policy=policy,
+        pairs=info.pairs,
+        padded=info.padded,
+        max_batch_tokens=max_batch_tokens,
+        updated_at=updated_at,
+        dim=info.dim,
+        normalized=info.normalized if embeds else None,
+        raw_vectors=info.raw_vectors if embeds else None,
+        labels=info.labels or None,
+        prompts=dict(info.prompts),
+        default_prompt_name=info.default_prompt_name or "",
+        tokenizer=info.tokenizer or None,
+        shards=shards if shards > 1 else None,  # absent means 1: one shard's hash is unchanged
+        dtype=info.dtype,
+        tokenize_processes=tokenize_processes,
+        token_dim=info.token_dim,
+    )
+
+
+def model_facts(config: QueueConfig | None) -> ModelFacts:
+    """What a config tells the request-option checks (None where it says nothing).
+
+    The worker reads its own config through here too, so both sides check
+    the same facts. A hash with ``raw_vectors`` comes from a worker that
+    publishes ``token_dim`` whenever it answers ``output: tokens``, so there
+    its absence means "not offered"; in an older hash it means "unknown".
+    """
+    if config is None:
+        return ModelFacts()
+    embeds = None if config.task is None else config.task == "embed"
+    complete = config.raw_vectors is not None
+    return ModelFacts(
+        embeds=embeds,
+        dim=config.dim if embeds else None,
+        normalized=config.normalized,
+        raw_vectors=config.raw_vectors,
+        prompts=config.prompts,
+        default_prompt_name=config.default_prompt_name or None,  # "": none (a write clears it)
+        sparse=None if config.task is None else config.task == "sparse",
+        token_dim=config.token_dim,
+        can_output_tokens=(config.token_dim is not None if complete
+                           else True if config.token_dim else None),
     )
 
 

@@ -1,8 +1,9 @@
 """What a tokenq Redis URL names: one server, a Redis Cluster, or a Sentinel-watched master.
 
 Every decision about the text of a Redis URL lives here (sans-I/O: no
-socket, no redis import); :mod:`tokenq.producer.connection` and
-:mod:`tokenq.worker.connection` turn a :class:`RedisTarget` into a client.
+socket, no redis import); :mod:`tokenq.shared.redis_client` turns a
+:class:`RedisTarget` into a client, for the producer, the worker and the
+operator commands alike.
 
 Three kinds of URL are accepted::
 

@@ -20,8 +20,8 @@ key             type     meaning
 
 Unknown keys are ignored, as the protocol promises, so an old worker serves a
 newer producer. Adding an option: a field of :class:`RequestOptions`, its
-check in :func:`parse_options`, its keyword in ``tokenq.producer.options``,
-and its effect where the worker reads it (``worker/pipeline/options.py`` for
+check in :func:`parse_options`, its keyword in ``tokenq.producer.call_options``,
+and its effect where the worker reads it (``worker/pipeline/finisher.py`` for
 what it does to a result, the pipeline for what it does to an input).
 """
 
@@ -78,9 +78,10 @@ class WorkerOptions(TypedDict, total=False):
 class ModelFacts:
     """What option checks need to know about the queue's model.
 
-    The worker fills it from its backend's ``BackendInfo``; the producer from
-    the queue's config hash, where a fact the hash does not give is None and
-    the check that needs it is left to the worker.
+    Both sides build it one way, from the queue's config
+    (:func:`tokenq.shared.queue_config.model_facts`): the worker from the
+    config it publishes, the producer from the hash it reads, where a fact the
+    hash does not give is None and the check that needs it is left to the worker.
     """
 
     embeds: bool | None = None
@@ -88,8 +89,9 @@ class ModelFacts:
     dim: int | None = None
     normalized: bool | None = None
     """The model's default answer is unit length."""
-    can_unnormalize: bool | None = None
-    """The worker can answer ``normalize: false`` (its backend returns raw vectors)."""
+    raw_vectors: bool | None = None
+    """The worker can answer ``normalize: false``: its backend returns vectors before the
+    final normalisation (``BackendInfo.raw_vectors``)."""
     prompts: Mapping[str, str] | None = None
     default_prompt_name: str | None = None
     sparse: bool | None = None
@@ -123,11 +125,24 @@ class RequestOptions:
 
 NO_OPTIONS = RequestOptions()
 
+
+class OptionError(ValueError):
+    """An option the model refuses; ``param`` names it (the ``opts`` key at fault).
+
+    A ``ValueError``, as before, so callers catching that still do; the
+    producer turns it into a ``BadRequest`` and the worker into a
+    ``bad_request`` reply, both carrying ``param``.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
 _KNOWN: frozenset[str] = WorkerOptions.__optional_keys__
 
 
 def parse_options(opts: Mapping[str, Any], facts: ModelFacts) -> RequestOptions:
-    """The options in ``opts``, checked against the model; ``ValueError`` names a bad one."""
+    """The options in ``opts``, checked against the model; :class:`OptionError` names a bad one."""
     if not any(key in opts for key in _KNOWN):
         return NO_OPTIONS
     prompt = _prompt(opts, facts)
@@ -135,18 +150,25 @@ def parse_options(opts: Mapping[str, Any], facts: ModelFacts) -> RequestOptions:
     normalize = _flag(opts, "normalize")
     if normalize is not None:
         _embedding_only("normalize", facts)
-        if normalize is False and facts.normalized and facts.can_unnormalize is False:
-            raise ValueError(
-                "normalize false: this queue's backend only answers unit-length embeddings"
+        if normalize is False and facts.normalized and facts.raw_vectors is False:
+            raise OptionError(
+                "normalize",
+                "normalize false: this queue's backend only answers unit-length embeddings",
             )
     raw_scores = _flag(opts, "raw_scores")
     if raw_scores is not None and facts.sparse:
-        raise ValueError("raw_scores applies to classifiers and rerankers; this model is sparse")
+        raise OptionError(
+            "raw_scores", "raw_scores applies to classifiers and rerankers; this model is sparse"
+        )
     if raw_scores is not None and facts.embeds:
-        raise ValueError("raw_scores applies to classifiers and rerankers; this model embeds")
+        raise OptionError(
+            "raw_scores", "raw_scores applies to classifiers and rerankers; this model embeds"
+        )
     output_tokens = _output_tokens(opts.get("output"), facts)
     if output_tokens and (dimensions is not None or normalize is not None):
-        raise ValueError("output tokens takes no dimensions or normalize (raw token vectors)")
+        raise OptionError(
+            "output", "output tokens takes no dimensions or normalize (raw token vectors)"
+        )
     return RequestOptions(
         prompt=prompt,
         dimensions=dimensions,
@@ -172,23 +194,27 @@ def prompt_of(options: RequestOptions, facts: ModelFacts) -> str:
 def _prompt(opts: Mapping[str, Any], facts: ModelFacts) -> str | None:
     name, text = opts.get("prompt_name"), opts.get("prompt")
     if name is not None and text is not None:
-        raise ValueError("give prompt_name or prompt, not both")
+        raise OptionError("prompt_name", "give prompt_name or prompt, not both")
     if text is not None:
         if not isinstance(text, str):
-            raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            raise OptionError("prompt", f"prompt must be a string, got {type(text).__name__}")
         if len(text) > MAX_PROMPT_CHARS:
-            raise ValueError(f"prompt is {len(text)} characters, over {MAX_PROMPT_CHARS}")
+            raise OptionError(
+                "prompt", f"prompt is {len(text)} characters, over {MAX_PROMPT_CHARS}"
+            )
         return text
     if name is None:
         return None
     if not isinstance(name, str):
-        raise ValueError(f"prompt_name must be a string, got {type(name).__name__}")
+        raise OptionError("prompt_name", f"prompt_name must be a string, got {type(name).__name__}")
     if facts.prompts is None:
         return None  # the producer, without the model's prompts: the worker decides
     if name not in facts.prompts:
         known = sorted(facts.prompts)
         have = f"its prompts are {known}" if known else "it has no named prompts"
-        raise ValueError(f"prompt_name {name!r} is not one of this model's prompts ({have})")
+        raise OptionError(
+            "prompt_name", f"prompt_name {name!r} is not one of this model's prompts ({have})"
+        )
     return facts.prompts[name]
 
 
@@ -196,13 +222,17 @@ def _dimensions(value: object, facts: ModelFacts) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"dimensions must be an integer, got {type(value).__name__}")
+        raise OptionError(
+            "dimensions", f"dimensions must be an integer, got {type(value).__name__}"
+        )
     _embedding_only("dimensions", facts)
     if not 1 <= value <= MAX_DIMENSIONS:
         shown = f"{value}" if abs(value) < 10**12 else f"a {value.bit_length()}-bit integer"
-        raise ValueError(f"dimensions must be from 1 to {MAX_DIMENSIONS}, got {shown}")
+        raise OptionError(
+            "dimensions", f"dimensions must be from 1 to {MAX_DIMENSIONS}, got {shown}"
+        )
     if facts.dim is not None and value > facts.dim:
-        raise ValueError(f"dimensions {value} is more than the model's {facts.dim}")
+        raise OptionError("dimensions", f"dimensions {value} is more than the model's {facts.dim}")
     return value
 
 
@@ -214,10 +244,12 @@ def _output_tokens(value: object, facts: ModelFacts) -> bool:
     if value is None:
         return False
     if value not in OUTPUTS:
-        raise ValueError(f"output must be one of {list(OUTPUTS)}, got {value!r}")
+        raise OptionError("output", f"output must be one of {list(OUTPUTS)}, got {value!r}")
     _embedding_only("output", facts)
     if facts.can_output_tokens is False:
-        raise ValueError("output tokens: this queue's backend does not answer token embeddings")
+        raise OptionError(
+            "output", "output tokens: this queue's backend does not answer token embeddings"
+        )
     return True
 
 
@@ -225,11 +257,13 @@ def _flag(opts: Mapping[str, Any], name: str) -> bool | None:
     value = opts.get(name)
     if value is None or isinstance(value, bool):
         return value
-    raise ValueError(f"{name} must be true or false, got {type(value).__name__}")
+    raise OptionError(name, f"{name} must be true or false, got {type(value).__name__}")
 
 
 def _embedding_only(name: str, facts: ModelFacts) -> None:
     if facts.sparse:
-        raise ValueError(f"{name} applies to dense embeddings; this model is sparse (SPLADE)")
+        raise OptionError(
+            name, f"{name} applies to dense embeddings; this model is sparse (SPLADE)"
+        )
     if facts.embeds is False:
-        raise ValueError(f"{name} applies to embeddings; this model answers scores")
+        raise OptionError(name, f"{name} applies to embeddings; this model answers scores")

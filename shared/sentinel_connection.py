@@ -16,11 +16,13 @@ inside a command is one lookup and one connect attempt, and the command's
 own retry (which wraps every send) does the retrying, each attempt asking
 the sentinels afresh (retrying inside it as well would nest one retry
 policy in another). :func:`managed_connection` gives the class for each of
-tokenq's Sentinel pools, sync or asyncio, plain or TLS.
+tokenq's Sentinel pools (:mod:`tokenq.shared.redis_client`), sync or asyncio,
+plain or TLS.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import redis.asyncio.sentinel
@@ -69,20 +71,15 @@ class AsyncFollowsMaster:
         )
 
 
-_MADE: dict[tuple[bool, bool], type] = {}
-
-
+@functools.cache
 def managed_connection(*, tls: bool, asyncio: bool) -> type:
     """The Sentinel-managed connection class that follows the master, made once per kind."""
-    made = _MADE.get((tls, asyncio))
-    if made is None:
-        if asyncio:
-            base: type = (redis.asyncio.sentinel.SentinelManagedSSLConnection if tls
-                          else redis.asyncio.sentinel.SentinelManagedConnection)
-            mixin: type = AsyncFollowsMaster
-        else:
-            base = (redis.sentinel.SentinelManagedSSLConnection if tls
-                    else redis.sentinel.SentinelManagedConnection)
-            mixin = FollowsMaster
-        made = _MADE[(tls, asyncio)] = type(f"Following{base.__name__}", (mixin, base), {})
-    return made
+    if asyncio:
+        base: type = (redis.asyncio.sentinel.SentinelManagedSSLConnection if tls
+                      else redis.asyncio.sentinel.SentinelManagedConnection)
+        mixin: type = AsyncFollowsMaster
+    else:
+        base = (redis.sentinel.SentinelManagedSSLConnection if tls
+                else redis.sentinel.SentinelManagedConnection)
+        mixin = FollowsMaster
+    return type(f"Following{base.__name__}", (mixin, base), {})

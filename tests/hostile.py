@@ -33,8 +33,8 @@ import msgpack
 from hypothesis import strategies as st
 
 from tokenq.shared import keys
-from tokenq.shared.settings import WorkerSettings
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER
+from tokenq.worker.settings import WorkerSettings
 
 MAX_REQUEST_BYTES = 1024 * 1024
 """The worker's default ``max_request_bytes`` (the fleet runs with it)."""

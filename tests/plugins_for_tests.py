@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
+from pydantic import Field
 
 from tokenq.shared.errors import DeviceOutOfMemory
+from tokenq.shared.settings import BackendSettings
 from tokenq.worker.backends.base import Encoding
+from tokenq.worker.backends.registry import BackendEntry
 
 OOM_ABOVE_ENV = "TOKENQ_TESTS_OOM_ABOVE_TOKENS"
 """Padded tokens (rows x longest) above which :class:`OomAbove` refuses a batch."""
@@ -204,3 +207,26 @@ def sim_hanging_tokenizer(settings: Any) -> SimHangingTokenizer:
     from tokenq.worker.backends.sim import build_sim_backend
 
     return SimHangingTokenizer(build_sim_backend(settings))
+
+
+GREETER = "tests.plugins_for_tests:greeter"
+"""The ``--backend`` value of :data:`greeter`."""
+
+
+class GreeterSettings(BackendSettings):
+    """A plugin's own settings: ``--greeter-dim`` / ``TOKENQ_GREETER_DIM``, and nothing in
+    ``shared/`` names them."""
+
+    heading: ClassVar[str] = f"--backend {GREETER} (a test plugin)"
+
+    greeter_dim: int = Field(3, ge=1, le=4096, description="size of the greeter's vectors")
+
+
+def _build_greeter(settings: Any) -> Any:
+    from tokenq.worker.backends.sim import SimBackend
+
+    return SimBackend(dim=settings.greeter_dim)
+
+
+greeter = BackendEntry(name="greeter", settings=GreeterSettings, build=_build_greeter)
+"""``--backend tests.plugins_for_tests:greeter``: the sim, sized by its own flag."""

@@ -2,7 +2,7 @@
 
 The worker extra installs hiredis, so the suite normally runs with it; a
 producer installed without extras reads replies with redis-py's Python
-parser, and the caller-deadline guarantees (``producer/connection.py``) must
+parser, and the caller-deadline guarantees (``producer/redis_deadlines.py``) must
 hold on both. ``scripts/test.sh`` runs the producer's tests a second time
 with this plugin. Loaded by ``-p`` before any conftest imports redis, it
 makes ``import hiredis`` fail, which is how redis-py decides.

@@ -38,11 +38,12 @@ def start_gateway(spawn: Callable[..., subprocess.Popen], redis_url: str, queue:
 
 SCHEMATHESIS_CONFIG = """
 [checks.positive_data_acceptance]
-expected-statuses = ["2xx", "400", "404", "413", "422", "429"]
+expected-statuses = ["2xx", "400", "404", "413", "422", "424", "429"]
 """
 """A schema-valid body may still be refused for what only the queue's model knows (its
-prompts, its length limit, its kind, whether it publishes a tokenizer; docs/DECISIONS.md,
-"TEI routes and OpenAPI"): those refusals are TEI's documented 400/413/422, never a 5xx."""
+prompts, its length limit, whether it publishes a tokenizer; docs/DECISIONS.md, "TEI routes
+and OpenAPI"), or because the route is not for the queue's kind of model (``/rerank`` on an
+embedder): those refusals are TEI's documented 400/413/422 and 424, never a 5xx."""
 
 TEI_SPEC = Path(__file__).parent / "data" / "tei_openapi.json"
 """TEI's published API (tests/data/README.md says where it comes from)."""
@@ -63,3 +64,41 @@ def schemathesis(location: str, url: str, tmp: Path, *args: str,
                "--seed", "24", "--generation-database", "none", "--no-color",
                "--request-timeout", "30", "--workers", "1", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp)
+
+
+MIGRATING = Path(__file__).resolve().parent.parent / "docs" / "MIGRATING.md"
+DOC_URL = "http://tokenq-serve:8080"
+"""The gateway's base URL in docs/MIGRATING.md's code (``tokenq-classify`` names a second one)."""
+
+
+def migrating_code(heading: str) -> str:
+    """The Python blocks of docs/MIGRATING.md under the heading that starts with ``heading``,
+    joined: the exact code the docs show, for a test to run against a live gateway."""
+    blocks: list[str] = []
+    current, block = "", None
+    for line in MIGRATING.read_text().splitlines():
+        if block is not None:
+            if line.startswith("```"):
+                if current.startswith(heading):
+                    blocks.append("\n".join(block))
+                block = None
+            else:
+                block.append(line)
+        elif line.startswith("#"):
+            current = line.lstrip("#").strip()
+        elif line.strip() == "```python":
+            block = []
+    if not blocks:
+        raise AssertionError(f"docs/MIGRATING.md has no Python block under {heading!r}")
+    return "\n".join(blocks)
+
+
+def run_migrating_code(heading: str, urls: dict[str, str]) -> dict[str, object]:
+    """Run :func:`migrating_code` with each documented URL replaced (``{doc_url: live_url}``);
+    the names it left behind."""
+    code = migrating_code(heading)
+    for documented, live in urls.items():
+        code = code.replace(documented, live)
+    names: dict[str, object] = {}
+    exec(compile(code, f"docs/MIGRATING.md ({heading})", "exec"), names)
+    return names

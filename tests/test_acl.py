@@ -16,24 +16,24 @@ import asyncio
 import shlex
 import shutil
 import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
 from tests.redis_server import RedisServer, free_port
-from tests.workers import WorkerProcess
+from tests.support import FAST_BEAT, SimModel, blpop_within, fleet_fixture, wait_for
+from tests.workers import Fleet
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
-from tokenq.worker.backends.sim import expected_vector
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SECURITY_MD = REPO_ROOT / "docs" / "SECURITY.md"
-DIM = 32
-SIM = ("--backend", "sim", "--sim-dim", str(DIM), "--heartbeat-s", "0.5", "--log-level", "DEBUG")
+SIM = SimModel().flags(*FAST_BEAT, "--log-level", "DEBUG")
+fleet = fleet_fixture(*SIM)
+vector_ok = SimModel().vector_ok
 
 
 def documented_rules(queue: str, password: str) -> dict[str, list[str]]:
@@ -78,15 +78,6 @@ def check_async_path(producer_url: str, queue: str, texts: list[str]) -> None:
     asyncio.run(via_async())
 
 
-def vector_ok(embedding: bytes | None, text: str) -> bool:
-    import numpy as np
-
-    if embedding is None:
-        return False
-    got = np.frombuffer(bytes(embedding), dtype="<f4")
-    return bool(np.allclose(got, expected_vector(text, DIM, 2048), rtol=0, atol=1e-6))
-
-
 @pytest.fixture
 def acl_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of this test's own: its users and ACL LOG are nobody else's."""
@@ -96,25 +87,8 @@ def acl_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.stop()
 
 
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[list[WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    yield started
-    for worker in started:
-        worker.close()
-
-
-def start_worker(started: list[WorkerProcess], env: dict[str, str], log_dir: Path,
-                 admin: redis.Redis, queue: str, name: str = "w") -> WorkerProcess:
-    worker = WorkerProcess(env, log_dir, *SIM, name=name)
-    started.append(worker)
-    worker.wait_ready(admin, queue, timeout=60)
-    return worker
-
-
 def test_documented_acl_users_run_the_whole_path_with_no_refusal(
-    acl_server: RedisServer, workers: list[WorkerProcess], worker_env: dict[str, str],
-    tmp_path: Path,
+    acl_server: RedisServer, fleet: Fleet, worker_env: dict[str, str],
 ) -> None:
     queue, other, password = "acla", "aclb", uuid.uuid4().hex
     admin = redis.Redis(port=acl_server.port, socket_timeout=10)
@@ -133,7 +107,7 @@ def test_documented_acl_users_run_the_whole_path_with_no_refusal(
     # such a key, so the refusal below comes from Redis's ACL itself.
     env = {**worker_env, "TOKENQ_REDIS_URL": user_url(acl_server, f"{queue}-worker", password),
            "TOKENQ_QUEUE": queue, "TOKENQ_REPLY_TO_PREFIXES": "not-"}
-    worker = start_worker(workers, env, tmp_path, admin, queue)
+    worker = fleet.start(name="w", env=env, ready=admin, queue=queue)
     producer_url = user_url(acl_server, f"{queue}-producer", password)
     with Client(redis_url=producer_url, queue=queue) as client:
         texts = ["an acl-limited producer", "still gets its vectors"]
@@ -151,9 +125,9 @@ def test_documented_acl_users_run_the_whole_path_with_no_refusal(
 
     # A malformed entry: the worker dead-letters it (XADD on dead) and answers it.
     admin.xadd(stream, {"v": "9", "id": "badversion", "text": "x"})
-    raw = _pop_within(admin, keys.reply(q, "badversion"), 60)
+    raw = blpop_within(admin, keys.reply(q, "badversion"), 60)
     assert raw is not None and wire.decode_reply(raw).error.code == "bad_request"
-    _wait(lambda: [c["name"] for c in admin.xinfo_consumers(stream, keys.GROUP)] == [b"w"],
+    wait_for(lambda: [c["name"] for c in admin.xinfo_consumers(stream, keys.GROUP)] == [b"w"],
           30, "the dead consumer to be removed")
     assert admin.xlen(keys.dead(q)) == 1
 
@@ -164,7 +138,7 @@ def test_documented_acl_users_run_the_whole_path_with_no_refusal(
     # A reply_to outside the worker's keys: refused by Redis, dead-lettered, no wedge.
     admin.xadd(stream, {"v": "1", "id": "elsewhere", "text": "x", "reply_to": "not-tokenq"})
     admin.xadd(stream, {"v": "1", "id": "after", "text": "answered after the refusal"})
-    raw = _pop_within(admin, keys.reply(q, "after"), 60)
+    raw = blpop_within(admin, keys.reply(q, "after"), 60)
     assert raw is not None, worker.output()[-3000:]
     assert vector_ok(wire.decode_reply(raw).embedding, "answered after the refusal")
     dead = {f[b"id"]: f for _, f in admin.xrange(keys.dead(q))}
@@ -262,13 +236,13 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[RedisServer, int, Path]]:
     server.stop()
 
 
-def test_worker_and_client_over_rediss(tls_server, workers, worker_env, tmp_path) -> None:
+def test_worker_and_client_over_rediss(tls_server, fleet, worker_env) -> None:
     server, tls_port, ca = tls_server
     queue = f"tls{uuid.uuid4().hex[:6]}"
     url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={ca}"
     admin = redis.Redis(port=server.port, socket_timeout=10)
     env = {**worker_env, "TOKENQ_REDIS_URL": url, "TOKENQ_QUEUE": queue}
-    start_worker(workers, env, tmp_path, admin, queue)
+    fleet.start(name="w", env=env, ready=admin, queue=queue)
     with Client(redis_url=url, queue=queue) as client:
         texts = ["encrypted on the wire", "both ways"]
         for text, result in zip(texts, client.infer_many(texts, timeout_s=60), strict=True):
@@ -284,24 +258,6 @@ def test_worker_and_client_over_rediss(tls_server, workers, worker_env, tmp_path
 # ----------------------------------------------------------------- helpers
 
 
-def _pop_within(r: redis.Redis, key: str, timeout: float) -> bytes | None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        popped = r.blpop([key], timeout=1)
-        if popped is not None:
-            return popped[1]
-    return None
-
-
-def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 
 def sharded_rules(queue: str, password: str) -> dict[str, list[str]]:
     """docs/SECURITY.md's rule for a sharded queue: each key pattern again with ``{q:*}``."""
@@ -314,8 +270,7 @@ def sharded_rules(queue: str, password: str) -> dict[str, list[str]]:
 
 
 def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
-    acl_server: RedisServer, workers: list[WorkerProcess], worker_env: dict[str, str],
-    tmp_path: Path,
+    acl_server: RedisServer, fleet: Fleet, worker_env: dict[str, str],
 ) -> None:
     queue, password = "aclshards", uuid.uuid4().hex
     admin = redis.Redis(port=acl_server.port, socket_timeout=10)
@@ -323,10 +278,9 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
         admin.execute_command(*words)
     env = {**worker_env, "TOKENQ_REDIS_URL": user_url(acl_server, f"{queue}-worker", password),
            "TOKENQ_QUEUE": queue, "TOKENQ_SHARDS": "3"}
-    worker = WorkerProcess(env, tmp_path, *SIM, name="w")
-    workers.append(worker)
+    worker = fleet.start(name="w", env=env)
     first = keys.QueueRef(queue, shard=0)
-    _wait(lambda: bool(admin.exists(keys.worker_alive(first, "w"))), 60, "the worker to join")
+    wait_for(lambda: bool(admin.exists(keys.worker_alive(first, "w"))), 60, "the worker to join")
     producer_url = user_url(acl_server, f"{queue}-producer", password)
     texts = [f"sharded under an acl {i}" for i in range(6)]
     with Client(redis_url=producer_url, queue=queue) as client:

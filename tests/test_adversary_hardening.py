@@ -53,8 +53,9 @@ from tests.workers import Fleet
 from tokenq.producer import BrokerOutOfMemory, Client
 from tokenq.producer.ops import functions as functions_cli
 from tokenq.shared import functions, keys
-from tokenq.shared.settings import ClientSettings, WorkerSettings
+from tokenq.shared.settings import ClientSettings
 from tokenq.worker.lanes import Lane, Retirement
+from tokenq.worker.settings import WorkerSettings
 
 # ---------------------------------------------- a frozen Redis is not a hung worker
 
@@ -241,7 +242,7 @@ def test_a_retired_lane_removal_refused_for_memory_loses_nothing_and_happens_lat
                                 socket_timeout=10)
         try:
             assert await retirement.join(client) == [gone]
-            lane = Lane(0, gone, None, tagged=True, retired=True)  # type: ignore[arg-type]
+            lane = Lane(0, gone, None, retired=True)  # type: ignore[arg-type]
             fill(r)
             with contextlib.suppress(redis.exceptions.RedisError):  # the beat logs it
                 assert await retirement.tend(client, [lane], "c1") == []

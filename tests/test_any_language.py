@@ -18,10 +18,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from tests.cli_support import DIM, MAX_INPUT
 from tests.conftest import REPO_ROOT
+from tests.support import DIM, MAX_INPUT
 from tokenq.producer.core import ENQUEUE_SCRIPT
-from tokenq.shared import keys, lua
+from tokenq.shared import keys, lua_scripts
 from tokenq.shared.keys import QueueRef
 from tokenq.worker.backends.sim import expected_vector
 
@@ -140,5 +140,5 @@ def test_redis_cli_enqueue_script_refuses_a_full_queue(redis_server, queue_name,
 def test_the_documented_script_file_is_what_the_python_client_runs():
     """Other languages run producer/lua/enqueue.lua as it is: it is complete, fragments and all."""
     source = (REPO_ROOT / "producer" / "lua" / "enqueue.lua").read_text(encoding="utf-8")
-    assert source == ENQUEUE_SCRIPT == lua.assemble(source)
+    assert source == ENQUEUE_SCRIPT == lua_scripts.assemble(source)
     assert "local function queue_full(" in source

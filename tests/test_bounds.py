@@ -39,10 +39,10 @@ from tokenq.shared.settings import (
     StatsSettings,
     TopSettings,
     UpSettings,
-    WorkerSettings,
     describe_errors,
     flag,
 )
+from tokenq.worker.settings import WorkerSettings
 
 COMMANDS: list[type[BaseModel]] = [
     ClientSettings, WorkerSettings, EmbedSettings, ServeSettings, UpSettings, TopSettings,

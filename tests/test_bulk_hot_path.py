@@ -173,10 +173,10 @@ def test_a_request_id_is_uuid4_hex_digit_for_digit(raw: bytes) -> None:
     """The producer's id without the UUID object is what ``uuid.UUID(bytes, version=4)`` gives."""
     from unittest import mock
 
-    from tokenq.producer import core
+    from tokenq.producer import lanes
 
-    with mock.patch.object(core.os, "urandom", return_value=raw):
-        assert core._uuid4_hex() == uuid.UUID(bytes=raw, version=4).hex
+    with mock.patch.object(lanes.os, "urandom", return_value=raw):
+        assert lanes.uuid4_hex() == uuid.UUID(bytes=raw, version=4).hex
 
 
 @given(rows=st.lists(

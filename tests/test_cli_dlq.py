@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import redis
 
-from tests.cli_support import DIM, MAX_INPUT, wait_for
+from tests.support import DIM, MAX_INPUT, wait_for
 from tokenq.producer.ops import letters as dlq
 from tokenq.producer.ops.dlq import ACTIONS, spread_ids
 from tokenq.producer.ops.dlq import main as dlq_main

@@ -17,7 +17,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from tests.cli_support import DIM, MAX_INPUT, tokenq, wait_for
+from tests.cli_support import tokenq
+from tests.support import DIM, MAX_INPUT, wait_for
 from tests.test_acl import documented_rules
 from tokenq.producer import Result
 from tokenq.producer.ops.embed import _settled_counters

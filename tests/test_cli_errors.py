@@ -29,15 +29,11 @@ import redis
 from tests.cli_support import tokenq
 from tests.redis_server import free_port
 from tokenq.shared import keys
-from tokenq.shared.cli import (
-    EXIT_FAILED,
-    CommandFailed,
-    failure_message,
-    one_line,
-    redact_url,
-)
 from tokenq.shared.errors import BrokerUnavailable, QueueFull
+from tokenq.shared.exit_codes import EXIT_FAILED
+from tokenq.shared.failures import CommandFailed, failure_message
 from tokenq.shared.keys import QueueRef
+from tokenq.shared.redis_url import redact as redact_url
 from tokenq.shared.settings import (
     DlqSettings,
     EmbedSettings,
@@ -45,10 +41,11 @@ from tokenq.shared.settings import (
     StatsSettings,
     TopSettings,
     UpSettings,
-    WorkerSettings,
     env_var,
     is_positional,
 )
+from tokenq.shared.text import one_line
+from tokenq.worker.settings import WorkerSettings
 
 SECRET = "s3cret-Pw"
 

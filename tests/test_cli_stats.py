@@ -9,7 +9,8 @@ import msgpack
 import pytest
 import redis
 
-from tests.cli_support import tokenq, wait_for
+from tests.cli_support import tokenq
+from tests.support import wait_for
 from tokenq.producer import Client
 from tokenq.producer.ops.snapshot import (
     SNAPSHOT_VERSION,

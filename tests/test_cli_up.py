@@ -27,14 +27,15 @@ import numpy as np
 import pytest
 import redis
 
-from tests.cli_support import DIM, MAX_INPUT, wait_for
 from tests.redis_server import alive, descendants, free_ports, wait_gone
+from tests.support import DIM, MAX_INPUT, wait_for
 from tokenq.producer import Client
 from tokenq.shared import keys
-from tokenq.shared.cli import parse_settings
+from tokenq.shared.flags import parse_settings
 from tokenq.shared.keys import QueueRef
-from tokenq.shared.settings import UpSettings, WorkerSettings
+from tokenq.shared.settings import UpSettings
 from tokenq.worker.backends.sim import expected_vector
+from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling.supervise import device_commands, strip_flags
 from tokenq.worker.tooling.up import main as up_main
 from tokenq.worker.tooling.up import worker_command

@@ -22,31 +22,35 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 
-from tests.cli_support import wait_for
 from tests.redis_cluster import (  # noqa: F401
     LocalCluster,
     LocalSentinel,
     redis_cluster,
     redis_sentinel,
 )
+from tests.support import FAST_BEAT, SimModel, fleet_fixture, wait_for, wait_lane_ready
 from tests.workers import Fleet, WorkerProcess
-from tokenq.producer import AsyncClient, BrokerUnavailable, Client, NotReplicated, ReplyTimeout
+from tokenq.producer import (
+    AsyncClient,
+    BrokerUnavailable,
+    Client,
+    NotReplicated,
+    ReplyTimeout,
+    Result,
+)
 from tokenq.shared import keys
 from tokenq.shared.settings import ClientSettings
-from tokenq.worker.backends.sim import expected_vector
 
 DIM = 16
 MAX_INPUT = 512
-SIM = ("--backend", "sim", "--sim-dim", str(DIM), "--sim-max-input-tokens", str(MAX_INPUT),
-       "--heartbeat-s", "0.5")
+MODEL = SimModel(DIM, MAX_INPUT)
+fleet = fleet_fixture(*MODEL.flags(*FAST_BEAT))
 
 
 def spread_queue(cluster: LocalCluster, shards: int = 3) -> str:
@@ -60,28 +64,17 @@ def spread_queue(cluster: LocalCluster, shards: int = 3) -> str:
     raise AssertionError("no queue name spreads over the masters")
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    import os
-
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    started = Fleet(env, tmp_path, SIM)
-    yield started
-    started.close()
-
-
 def start_workers(fleet: Fleet, url: str, queue: str, count: int, shards: int,
                   check: redis.Redis, *flags: str) -> list[WorkerProcess]:
     workers = [fleet.start("--redis-url", url, "--queue", queue, "--shards", str(shards), *flags)
                for _ in range(count)]
-    first_lane = keys.lanes_of(keys.QueueRef(queue), shards)[0]
-    deadline = time.monotonic() + 60
     for worker in workers:
-        while not check.exists(keys.worker_alive(first_lane, worker.name)):
-            assert worker.process.poll() is None, worker.output()
-            assert time.monotonic() < deadline, worker.output()
-            time.sleep(0.05)
+        wait_lane_ready(worker, check, queue, shards, timeout=60)
     return workers
+
+
+def vector_ok(result: Result, text: str) -> bool:
+    return MODEL.vector_ok(result.embedding, text)
 
 
 def whole_again(cluster: LocalCluster, killed: int) -> None:
@@ -89,11 +82,6 @@ def whole_again(cluster: LocalCluster, killed: int) -> None:
     if killed not in cluster.live_ports():
         cluster.restart(killed)
     cluster.wait_ok(timeout_s=60)
-
-
-def vector_ok(result: object, text: str) -> bool:
-    got = np.asarray(result.embedding, dtype=np.float32)  # type: ignore[attr-defined]
-    return bool(np.allclose(got, expected_vector(text, DIM, MAX_INPUT), rtol=0, atol=1e-6))
 
 
 @pytest.mark.slow
@@ -598,8 +586,8 @@ def test_the_workers_stream_reads_cost_no_command_getkeys(
     """redis-py would ask a node COMMAND GETKEYS before every XREADGROUP; the worker does not."""
     import asyncio
 
-    from tokenq.shared.settings import WorkerSettings
-    from tokenq.worker.connection import connect
+    from tokenq.worker.redis_connect import connect
+    from tokenq.worker.settings import WorkerSettings
 
     cluster = redis_cluster
     stream = keys.requests(keys.QueueRef("getkeys", shard=1))

@@ -1,11 +1,11 @@
-"""The queue-depth rule ``tokenq stats`` and the worker's gauges share (shared/depth.py)."""
+"""The queue-depth rule ``tokenq stats`` and the worker's gauges share (shared/queue_depth.py)."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenq.shared.depth import depth
+from tokenq.shared.queue_depth import depth
 
 
 @given(st.integers(0, 10**6), st.integers(0, 10**6), st.booleans(),

@@ -17,7 +17,8 @@ import yaml
 
 from tests.conftest import REPO_ROOT
 from tests.settings_env import settings_from
-from tokenq.shared.settings import ENV_PREFIX, ServeSettings, WorkerSettings, env_var
+from tokenq.shared.settings import ENV_PREFIX, ServeSettings, env_var
+from tokenq.worker.settings import WorkerSettings
 
 DOCKER = REPO_ROOT / "docker"
 WORKERS = ("worker", "worker-allgpus", "worker-cpu")

@@ -128,6 +128,11 @@ class FakeWorker:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> FakeWorker:
+        # Named in the workers hash with its liveness key set, as a worker's heartbeat
+        # leaves them: the gateway queues only for a queue with a live worker.
+        ref = keys.QueueRef(QUEUE)
+        self.redis.hset(keys.workers(ref), "fake", "{}")
+        self.redis.set(keys.worker_alive(ref, "fake"), "1", ex=60)
         self._thread.start()
         return self
 

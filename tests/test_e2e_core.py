@@ -8,22 +8,18 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 import redis
 
-from tests.workers import Fleet, WorkerProcess
+from tests.support import DIM, MAX_INPUT, SIM_FLAGS, starter_fixture
+from tests.workers import WorkerProcess
 from tokenq.producer import AsyncClient, Client, ReplyTimeout
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import DeadlineExceeded
 from tokenq.worker.backends.sim import expected_vector
-
-DIM = 32
-MAX_INPUT = 2048
-SIM_FLAGS = ("--backend", "sim", "--sim-dim", str(DIM), "--sim-max-input-tokens", str(MAX_INPUT))
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -36,15 +32,7 @@ def sim_tokens(text: str) -> int:
     return len(text.split()) + 2
 
 
-@pytest.fixture
-def start_worker(worker_env: dict[str, str], tmp_path: Path, r: redis.Redis, queue_name: str):
-    fleet = Fleet(worker_env, tmp_path, SIM_FLAGS)
-
-    def start(*flags: str, name: str | None = None, wait: bool = True) -> WorkerProcess:
-        return fleet.start(*flags, name=name, ready=r if wait else None, queue=queue_name)
-
-    yield start
-    fleet.close()
+start_worker = starter_fixture("start_worker", *SIM_FLAGS)
 
 
 def assert_vector(reply_embedding: bytes | list[float] | np.ndarray, text: str) -> None:

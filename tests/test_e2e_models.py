@@ -44,6 +44,7 @@ pytest.importorskip("transformers")
 from tests.conftest import REPO_ROOT  # noqa: E402
 from tests.plugins_for_tests import OOM_ABOVE_ENV  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
+from tests.support import SimModel  # noqa: E402
 from tests.tiny_bert import (  # noqa: E402
     CJK,
     WORDS,
@@ -54,8 +55,8 @@ from tests.workers import WorkerProcess  # noqa: E402
 from tokenq.producer import Client, Result  # noqa: E402
 from tokenq.shared import keys, wire  # noqa: E402
 from tokenq.shared.errors import RemoteError  # noqa: E402
+from tokenq.worker.backends.chunks import combine_chunks  # noqa: E402
 from tokenq.worker.backends.sim import expected_vector  # noqa: E402
-from tokenq.worker.pipeline.chunks import combine_chunks  # noqa: E402
 
 LIMIT = 32
 """The tiny embedding model's max input: ``max_seq_length`` in sentence_bert_config.json."""
@@ -197,8 +198,7 @@ SPECS: dict[str, Spec] = {
     "classify_worker": Spec(_hf("classify", "--task", "classify")),
     "rerank_worker": Spec(_hf("rerank", "--task", "rerank")),
     "sim_oom_worker": Spec(lambda m: (
-        "--backend", "sim", "--sim-dim", str(SIM_DIM),
-        "--sim-max-input-tokens", str(SIM_MAX_INPUT),
+        *SimModel(SIM_DIM, SIM_MAX_INPUT).flags(),
         "--sim-bytes-per-token", "4096",
         "--sim-capacity-bytes", str(SIM_CAPACITY_TOKENS * 4096),
         "--max-batch-tokens", str(SIM_BUDGET), "--heartbeat-s", "0.2",

@@ -28,13 +28,11 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -43,13 +41,13 @@ from hypothesis import strategies as st
 
 from tests.lossy_proxy import LossyProxy
 from tests.redis_server import RedisServer
-from tests.workers import Fleet
+from tests.support import SimModel, blpop_within, fleet_fixture, wait_for
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import BrokerUnavailable, RemoteError
-from tokenq.shared.settings import ClientSettings, WorkerSettings
-from tokenq.worker.backends.sim import expected_vector
+from tokenq.shared.settings import ClientSettings
 from tokenq.worker.recovery import Reclaimer
+from tokenq.worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.fault
 
@@ -60,10 +58,10 @@ DIM = 32
 MAX_INPUT = 512
 HEARTBEAT_S = 0.5
 """A worker silent for 3 heartbeats (1.5 s) is presumed dead."""
-SIM = (
-    "--backend", "sim", "--sim-dim", str(DIM), "--sim-max-input-tokens", str(MAX_INPUT),
-    "--heartbeat-s", str(HEARTBEAT_S), "--log-level", "INFO",
-)
+MODEL = SimModel(DIM, MAX_INPUT)
+SIM = MODEL.flags("--heartbeat-s", str(HEARTBEAT_S), "--log-level", "INFO")
+vector_ok = MODEL.vector_ok
+fleet = fleet_fixture(*SIM)
 DEAD_LETTER_BYTES = WorkerSettings.model_fields["dead_max_letter_bytes"].default
 SLACK_S = 3.0
 """How late a caller's error may come after its timeout (a loaded 2-core CI box)."""
@@ -89,33 +87,6 @@ def words(rng: random.Random, n: int) -> str:
 def texts_for(seed: int, n: int, longest: int = 120) -> list[str]:
     rng = random.Random(seed)
     return [words(rng, rng.randint(3, longest)) for _ in range(n)]
-
-
-def vector_ok(embedding: bytes | None, text: str) -> bool:
-    if embedding is None:
-        return False
-    got = np.frombuffer(embedding, dtype="<f4")
-    want = expected_vector(text, DIM, MAX_INPUT)
-    return got.shape == want.shape and bool(np.allclose(got, want, rtol=0, atol=1e-6))
-
-
-def wait_for(condition: Callable[[], bool], timeout: float, what: str, poll: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def blpop_within(r: redis.Redis, key: str, timeout: float) -> bytes | None:
-    """BLPOP in short waits (redis-py's default socket timeout is 5 s)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        popped = r.blpop([key], timeout=1)
-        if popped is not None:
-            return popped[1]
-    return None
 
 
 def pending_of(r: redis.Redis, q: keys.QueueRef, consumer: str | None = None) -> int:
@@ -170,13 +141,6 @@ class Inbox:
 
     def duplicates(self) -> int:
         return sum(count - 1 for count in self.counts.values() if count > 1)
-
-
-@pytest.fixture
-def fleet(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Fleet]:
-    group = Fleet(worker_env, tmp_path, SIM, ready_timeout=60)
-    yield group
-    group.close()
 
 
 def env_for(worker_env: dict[str, str], url: str) -> dict[str, str]:

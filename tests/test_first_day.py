@@ -121,7 +121,7 @@ def test_other_hub_ids_are_not_taken_for_the_bundled_model(tmp_path):
 
 def test_the_metrics_endpoint_binds_loopback_unless_told(monkeypatch):
     from tests.settings_env import settings_from
-    from tokenq.shared.settings import WorkerSettings
+    from tokenq.worker.settings import WorkerSettings
 
     assert settings_from({}, WorkerSettings, monkeypatch).metrics_host == "127.0.0.1"  # type: ignore[attr-defined]
     told = settings_from({"TOKENQ_METRICS_HOST": "0.0.0.0"}, WorkerSettings, monkeypatch)

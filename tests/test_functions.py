@@ -30,17 +30,18 @@ from tests.redis_server import RedisServer
 from tests.test_acl import create_users, user_url
 from tokenq.producer import AsyncClient, Client
 from tokenq.producer.ops import functions as functions_cli
-from tokenq.shared import functions, keys, lua, wire
-from tokenq.shared.cli import failure_message
+from tokenq.shared import functions, keys, lua_scripts, wire
 from tokenq.shared.errors import QueueFull
+from tokenq.shared.failures import failure_message
 from tokenq.shared.queue_config import parse_config
-from tokenq.shared.settings import ClientSettings, WorkerSettings
+from tokenq.shared.settings import ClientSettings
 from tokenq.worker import presence
-from tokenq.worker.connection import connect
+from tokenq.worker.redis_connect import connect
+from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling import embedded
 
 DIM = 4
-LIBRARY = lua.library()
+LIBRARY = lua_scripts.library()
 
 
 @pytest.fixture
@@ -104,21 +105,21 @@ def producer_round_trip(url: str, admin: redis.Redis, queue: str) -> None:
 def test_every_script_is_a_function_with_its_flags(server: RedisServer) -> None:
     admin = admin_of(server)
     assert functions.load(admin) == LIBRARY.name
-    assert LIBRARY.name.startswith(lua.LIBRARY_PREFIX)
+    assert LIBRARY.name.startswith(lua_scripts.LIBRARY_PREFIX)
     expected = {LIBRARY.functions[short]: sorted(script.flags)
-                for short, script in lua.SCRIPTS.items()}
+                for short, script in lua_scripts.SCRIPTS.items()}
     assert loaded_libraries(admin) == {LIBRARY.name: expected}
     # A read-only function cannot write even when called so; memory-growing ones
     # are refused at maxmemory before they run (no allow-oom), tidying ones are not.
-    assert lua.SCRIPTS["peek_replies"].flags == ("no-writes",)
-    assert not lua.SCRIPTS["enqueue"].flags and not lua.SCRIPTS["publish"].flags
+    assert lua_scripts.SCRIPTS["peek_replies"].flags == ("no-writes",)
+    assert not lua_scripts.SCRIPTS["enqueue"].flags and not lua_scripts.SCRIPTS["publish"].flags
     assert functions.load(admin) == LIBRARY.name  # again: REPLACE, the same code
 
 
 def test_two_versions_load_side_by_side(server: RedisServer) -> None:
     """A rolling upgrade: the other version's library has other names, both serve."""
     admin = admin_of(server)
-    other = lua.build_library({**LIBRARY.scripts,
+    other = lua_scripts.build_library({**LIBRARY.scripts,
                                "peek_replies": LIBRARY.scripts["peek_replies"] + "\n-- v2\n"})
     assert other.name != LIBRARY.name
     assert set(other.functions.values()).isdisjoint(LIBRARY.functions.values())

@@ -15,39 +15,27 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
 from tests.redis_server import RedisServer
-from tests.test_faults import (
-    HEARTBEAT_S,
-    SIM,
-    blpop_within,
-    pending_of,
-    record,
-    vector_ok,
-    wait_for,
-)
+from tests.support import blpop_within, fleet_fixture, wait_for
+from tests.test_faults import HEARTBEAT_S, SIM, pending_of, record, vector_ok
 from tests.workers import Fleet
 from tokenq.producer import Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import RemoteError
-from tokenq.shared.settings import WorkerSettings
 from tokenq.worker.backends.sim import SIM_HANG_MARKER
+from tokenq.worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.fault
 
 DEAD_LETTER_BYTES = WorkerSettings.model_fields["dead_max_letter_bytes"].default
 
 
-@pytest.fixture
-def fleet(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Fleet]:
-    group = Fleet(worker_env, tmp_path, SIM, ready_timeout=60)
-    yield group
-    group.close()
+fleet = fleet_fixture(*SIM)
 
 
 def reply_of(r: redis.Redis, key: str, timeout: float = 30) -> wire.Reply:

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.cli_support import DIM, FAST_BEAT, MAX_INPUT, SIM_FLAGS, wait_for
 from tests.plugins_for_tests import LOAD_GATE_ENV
 from tests.redis_server import RedisServer, free_ports, freezable_server
+from tests.support import DIM, FAST_BEAT, SIM_FLAGS, SimModel, fleet_fixture, wait_for
 from tests.workers import Fleet
 from tokenq.producer import Client
 from tokenq.shared import keys
@@ -53,11 +53,7 @@ def get(port: int, path: str) -> tuple[int, str]:
         return 0, str(exc)
 
 
-@pytest.fixture
-def fleet(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Fleet]:
-    group = Fleet(worker_env, tmp_path)
-    yield group
-    group.close()
+fleet = fleet_fixture()
 
 
 @pytest.fixture
@@ -75,8 +71,7 @@ def test_probes_answer_while_the_model_loads_and_readyz_turns_200_once_joined(
     port, gate = free_ports(1), tmp_path / "loaded"
     env = {**worker_env, LOAD_GATE_ENV: str(gate)}
     worker = fleet.start(
-        "--backend", "tests.plugins_for_tests:sim_gated_load", "--sim-dim", str(DIM),
-        "--sim-max-input-tokens", str(MAX_INPUT), *FAST_BEAT,
+        *SimModel().flags(*FAST_BEAT, backend="tests.plugins_for_tests:sim_gated_load"),
         "--metrics-port", str(port), *LOCAL, env=env,
     )
     wait_for(lambda: get(port, "/livez")[0] == 200, 30, "the endpoint to listen")

@@ -41,10 +41,10 @@ from tokenq.worker.backends.calibrate import (  # noqa: E402
     plan_budget,
     probe_budget,
 )
+from tokenq.worker.backends.chunks import combine_chunks, sliding_windows  # noqa: E402
 from tokenq.worker.backends.hf.backend import HFBackend, HFOptions, build_hf_backend  # noqa: E402
 from tokenq.worker.backends.hf.encoding import HFEncoding, PromptLengths  # noqa: E402
 from tokenq.worker.backends.hf.load import resolve_model  # noqa: E402
-from tokenq.worker.pipeline.chunks import combine_chunks, sliding_windows  # noqa: E402
 
 TEXTS, PAIRS = SAMPLE_TEXTS, SAMPLE_PAIRS
 
@@ -544,7 +544,7 @@ def test_old_sentence_transformers_layout_with_a_transformer_folder(
 def test_trust_remote_code_is_an_opt_in_hf_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     from pydantic import ValidationError
 
-    from tokenq.shared.settings import WorkerSettings
+    from tokenq.worker.settings import WorkerSettings
 
     assert WorkerSettings().trust_remote_code is False
     assert HFOptions.from_settings(WorkerSettings(trust_remote_code=True)).trust_remote_code
@@ -555,7 +555,7 @@ def test_trust_remote_code_is_an_opt_in_hf_setting(monkeypatch: pytest.MonkeyPat
 
 
 def test_settings_object_and_bundled_default(dirs: SimpleNamespace) -> None:
-    from tokenq.shared.settings import WorkerSettings
+    from tokenq.worker.settings import WorkerSettings
 
     assert HFOptions.from_settings(WorkerSettings()) == HFOptions()
     backend = build_hf_backend(SimpleNamespace(model=str(dirs.plain), task="embed", device="cpu"))

@@ -50,7 +50,7 @@ from tokenq.worker.backends.base import BackendInfo, TextInput  # noqa: E402
 from tokenq.worker.backends.hf.backend import HFBackend, HFOptions  # noqa: E402
 from tokenq.worker.backends.hf.layout import POOLING_MODES  # noqa: E402
 from tokenq.worker.backends.hf.load import bundled_model_dir  # noqa: E402
-from tokenq.worker.pipeline.options import NO_OPTIONS, Finisher  # noqa: E402
+from tokenq.worker.pipeline.finisher import NO_OPTIONS, Finisher  # noqa: E402
 
 TEXTS, PAIRS = SAMPLE_TEXTS, SAMPLE_PAIRS
 PROMPTS = {"query": "query: ", "document": "passage: "}

@@ -38,11 +38,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import msgpack
-import numpy as np
 import pytest
 import redis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -50,22 +48,22 @@ from hypothesis import strategies as st
 
 from tests import hostile
 from tests.hostile import ID, Expect, Hostile, Targets
+from tests.support import FAST_BEAT, SimModel, fleet_fixture
 from tests.test_faults import record
 from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import Client
 from tokenq.shared import keys, wire
 from tokenq.shared.dead_letter import MAX_LETTER_FIELDS
-from tokenq.worker.backends.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER, expected_vector
+from tokenq.worker.backends.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER
 
 pytestmark = pytest.mark.fault
 
 DIM = 32
 MAX_INPUT = 512
 WORKERS = 3
-SIM = (
-    "--backend", "sim", "--sim-dim", str(DIM), "--sim-max-input-tokens", str(MAX_INPUT),
-    "--heartbeat-s", "0.5", "--max-deliveries", "3", "--log-level", "INFO",
-)
+MODEL = SimModel(DIM, MAX_INPUT)
+vector_ok = MODEL.vector_ok
+fleet = fleet_fixture(*MODEL.flags(*FAST_BEAT, "--max-deliveries", "3", "--log-level", "INFO"))
 EXAMPLES = int(os.environ.get("TOKENQ_FUZZ_EXAMPLES", "12"))
 WAIT_S = 30.0
 """How long one round may take to be answered (a busy 2-core box; it normally takes ~1 s)."""
@@ -75,23 +73,6 @@ LETTER_OVERHEAD = 4096
 """Bytes a dead letter may carry besides its capped fields: the dead_* fields."""
 VOCABULARY = ["alpha", "beta", "gamma", "delta", "queue", "token", "batch", "redis", "model"]
 TRAPS = 400
-
-
-@pytest.fixture
-def fleet(worker_env: dict[str, str], tmp_path: Path) -> Iterator[Fleet]:
-    group = Fleet(worker_env, tmp_path, SIM, ready_timeout=60)
-    try:
-        yield group
-    finally:
-        group.close()
-
-
-def vector_ok(embedding: Any, text: str) -> bool:
-    if embedding is None:
-        return False
-    got = np.frombuffer(bytes(embedding), dtype="<f4")
-    want = expected_vector(text, DIM, MAX_INPUT)
-    return got.shape == want.shape and bool(np.allclose(got, want, rtol=0, atol=1e-6))
 
 
 class Harness:

@@ -24,7 +24,8 @@ from tests.conftest import REPO_ROOT
 from tests.settings_env import settings_from
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
-from tokenq.shared.settings import ENV_PREFIX, ServeSettings, WorkerSettings, env_var
+from tokenq.shared.settings import ENV_PREFIX, ServeSettings, env_var
+from tokenq.worker.settings import WorkerSettings
 
 K8S = REPO_ROOT / "docker" / "k8s"
 QUEUE = "embed"  # the queue README.md and docs/OPERATIONS.md use throughout

@@ -2,7 +2,7 @@
 
 Other languages run ``producer/lua/enqueue.lua`` as it is, so it carries a
 copy of its fragment (between ``tokenq:include``/``tokenq:end`` lines) that
-``tokenq.shared.lua`` refuses when stale; the other scripts name theirs on
+``tokenq.shared.lua_scripts`` refuses when stale; the other scripts name theirs on
 an include line, spliced in at load. The rules a fragment holds appear in no
 script outside it.
 """
@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tests.conftest import REPO_ROOT
-from tokenq.shared import keys, lua
+from tokenq.shared import keys, lua_scripts
 from tokenq.shared.keys import QueueRef
 
 SCRIPTS = {
@@ -32,30 +32,31 @@ def test_every_script_loads_with_its_fragments_in_place() -> None:
     for path in PATHS:
         package = f"tokenq.{path.parent.parent.name}"
         source = path.read_text()
-        loaded = lua.load(package, path.name)
+        loaded = lua_scripts.load(package, path.name)
         for name in re.findall(r"^-- tokenq:include (\S+)", source, re.MULTILINE):
-            assert lua.fragment(name) in loaded, (path.name, name)
-    assert lua.load("tokenq.producer", "enqueue.lua") == PATHS[0].read_text()  # complete
-    assert lua.main(["--check", *map(str, PATHS)]) == 0
+            assert lua_scripts.fragment(name) in loaded, (path.name, name)
+    assert lua_scripts.load("tokenq.producer", "enqueue.lua") == PATHS[0].read_text()  # complete
+    assert lua_scripts.main(["--check", *map(str, PATHS)]) == 0
 
 
 def test_a_stale_copy_is_refused_and_rewritten(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = lua.fragment
+    real = lua_scripts.fragment
 
     def edited(name: str) -> str:
         return real(name).replace('"QUEUEFULL "', '"QUEUEFULL  "')
 
-    monkeypatch.setattr(lua, "fragment", edited)
-    with pytest.raises(lua.StaleFragment, match=r"run python -m tokenq\.shared\.lua"):
-        lua.load("tokenq.producer", "enqueue.lua")
-    assert '"QUEUEFULL  "' in lua.load("tokenq.producer", "dlq_retry.lua")  # spliced: current
+    monkeypatch.setattr(lua_scripts, "fragment", edited)
+    with pytest.raises(lua_scripts.StaleFragment, match=r"run python -m tokenq\.shared\.lua"):
+        lua_scripts.load("tokenq.producer", "enqueue.lua")
+    spliced = lua_scripts.load("tokenq.producer", "dlq_retry.lua")
+    assert '"QUEUEFULL  "' in spliced  # spliced: current
     copy = tmp_path / "enqueue.lua"
     copy.write_text((REPO_ROOT / "producer" / "lua" / "enqueue.lua").read_text())
-    assert lua.main(["--check", str(copy)]) == 1
-    assert lua.main([str(copy)]) == 0 and '"QUEUEFULL  "' in copy.read_text()
-    assert lua.main(["--check", str(copy)]) == 0
+    assert lua_scripts.main(["--check", str(copy)]) == 1
+    assert lua_scripts.main([str(copy)]) == 0 and '"QUEUEFULL  "' in copy.read_text()
+    assert lua_scripts.main(["--check", str(copy)]) == 0
 
 
 def test_shared_rules_live_only_in_fragments() -> None:
@@ -67,11 +68,12 @@ def test_shared_rules_live_only_in_fragments() -> None:
 
 
 def test_queue_full_replies_parse_in_one_place() -> None:
-    assert lua.parse_queue_full("QUEUEFULL 9 10 2") == lua.QueueFullReply("9", "10", "2")
-    assert lua.parse_queue_full("QUEUEFULL 9 10") == lua.QueueFullReply("9", "10", None)
-    assert lua.parse_queue_full("QUEUEFULL") == lua.QueueFullReply("?", "?", None)
-    assert lua.parse_queue_full("ERR QUEUEFULL 1 2") is None
-    assert lua.parse_queue_full("") is None
+    reply = lua_scripts.QueueFullReply
+    assert lua_scripts.parse_queue_full("QUEUEFULL 9 10 2") == reply("9", "10", "2")
+    assert lua_scripts.parse_queue_full("QUEUEFULL 9 10") == reply("9", "10", None)
+    assert lua_scripts.parse_queue_full("QUEUEFULL") == reply("?", "?", None)
+    assert lua_scripts.parse_queue_full("ERR QUEUEFULL 1 2") is None
+    assert lua_scripts.parse_queue_full("") is None
 
 
 def test_both_scripts_that_add_to_a_queue_refuse_alike(r: redis.Redis, queue_name: str) -> None:
@@ -79,8 +81,8 @@ def test_both_scripts_that_add_to_a_queue_refuse_alike(r: redis.Redis, queue_nam
     r.xadd(keys.requests(q), {"v": "1", "id": "first", "text": "x"})
     letter = r.xadd(keys.dead(q), {"v": "1", "id": "dead", "text": "y",
                                    "dead_error_code": "dead_letter"}).decode()
-    enqueue = r.register_script(lua.load("tokenq.producer", "enqueue.lua"))
-    retry = r.register_script(lua.load("tokenq.producer", "dlq_retry.lua"))
+    enqueue = r.register_script(lua_scripts.load("tokenq.producer", "enqueue.lua"))
+    retry = r.register_script(lua_scripts.load("tokenq.producer", "dlq_retry.lua"))
     refusals = []
     for call in (
         lambda: enqueue(keys=[keys.requests(q)], args=[1, 1, 0, 2, "id", "second", "text", "z"]),
@@ -88,8 +90,8 @@ def test_both_scripts_that_add_to_a_queue_refuse_alike(r: redis.Redis, queue_nam
     ):
         with pytest.raises(redis.ResponseError) as caught:
             call()
-        refusals.append(lua.parse_queue_full(str(caught.value)))
-    assert refusals == [lua.QueueFullReply("1", "1", "1")] * 2
+        refusals.append(lua_scripts.parse_queue_full(str(caught.value)))
+    assert refusals == [lua_scripts.QueueFullReply("1", "1", "1")] * 2
     assert r.xlen(keys.requests(q)) == 1 and r.xlen(keys.dead(q)) == 1
 
 
@@ -97,15 +99,15 @@ def test_both_scripts_that_add_to_a_queue_refuse_alike(r: redis.Redis, queue_nam
 
 
 def test_every_script_file_is_a_function_of_the_library() -> None:
-    """A script added to producer/lua or worker/lua and not to lua.SCRIPTS would run by
+    """A script added to producer/lua or worker/lua and not to lua_scripts.SCRIPTS would run by
     EVALSHA, which the documented ACLs no longer grant: every file is in the library."""
     files = {(f"tokenq.{side}", path.name) for side in ("producer", "worker")
              for path in (REPO_ROOT / side / "lua").glob("*.lua")}
-    assert {(s.package, s.file) for s in lua.SCRIPTS.values()} == files
-    library = lua.library()
+    assert {(s.package, s.file) for s in lua_scripts.SCRIPTS.values()} == files
+    library = lua_scripts.library()
     assert library.code.startswith(f"#!lua name={library.name}\n")
-    for short, script in lua.SCRIPTS.items():
-        source = lua.load(script.package, script.file)
+    for short, script in lua_scripts.SCRIPTS.items():
+        source = lua_scripts.load(script.package, script.file)
         assert library.scripts[short] == source and source.rstrip() in library.code
         assert library.functions[short] == f"{library.name}_{short}"
 
@@ -113,9 +115,10 @@ def test_every_script_file_is_a_function_of_the_library() -> None:
 def test_the_library_is_named_by_its_code() -> None:
     """Another version (any script changed) has other names, so both can be loaded at once;
     the same scripts always give the same names."""
-    library = lua.library()
-    assert lua.build_library(dict(library.scripts)) == library
-    changed = lua.build_library({**library.scripts, "enqueue": library.scripts["enqueue"] + "--"})
-    assert changed.name != library.name and changed.name.startswith(lua.LIBRARY_PREFIX)
+    library = lua_scripts.library()
+    assert lua_scripts.build_library(dict(library.scripts)) == library
+    edited = {**library.scripts, "enqueue": library.scripts["enqueue"] + "--"}
+    changed = lua_scripts.build_library(edited)
+    assert changed.name != library.name and changed.name.startswith(lua_scripts.LIBRARY_PREFIX)
     with pytest.raises(ValueError, match="unknown function flags"):
-        lua.function_body("f", "return 1", ["allow-everything"])
+        lua_scripts.function_body("f", "return 1", ["allow-everything"])

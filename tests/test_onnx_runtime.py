@@ -217,7 +217,7 @@ def test_an_export_that_computes_otherwise_is_refused_by_family(bert: Path, tmp_
 def test_the_runtime_setting_is_checked_where_settings_are() -> None:
     from types import SimpleNamespace
 
-    from tokenq.shared.settings import WorkerSettings
+    from tokenq.worker.settings import WorkerSettings
 
     assert HFOptions().runtime == "torch"  # the documented default
     with pytest.raises(ConfigError, match=r"runtime"):

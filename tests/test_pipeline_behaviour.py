@@ -32,11 +32,11 @@ from tokenq.shared.errors import (
     RemoteError,
     remote_error,
 )
-from tokenq.shared.settings import WorkerSettings
 from tokenq.worker.backends.base import Encoding, TextInput
 from tokenq.worker.backends.sim import SimBackend, expected_chunked_vector, expected_vector
 from tokenq.worker.local import Batcher
 from tokenq.worker.loop import Worker
+from tokenq.worker.settings import WorkerSettings
 
 DIM = 16
 MAX_INPUT = 24

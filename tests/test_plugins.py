@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from tokenq.shared.errors import ConfigError
-from tokenq.shared.settings import WorkerSettings
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.backends.plugins import load_backend
 from tokenq.worker.backends.sim import SimBackend
+from tokenq.worker.settings import WorkerSettings
 
 WritePlugin = Callable[[str], str]
 

@@ -156,7 +156,7 @@ def test_the_config_lets_the_producer_refuse_options_and_count_named_prompts(
     q = keys.QueueRef(queue_name)
     r.hset(keys.config(q), mapping=encode_config(QueueConfig(
         task="embed", dim=16, normalized=True, max_input_tokens=6, policy="reject",
-        prompts={"query": "search query: ", "doc": ""}, default_prompt="query",
+        prompts={"query": "search query: ", "doc": ""}, default_prompt_name="query",
     )))
     with Client(client.settings.redis_url, queue_name, timeout_s=5) as fresh:
         with pytest.raises(BadRequest, match="dimensions 17 is more than the model's 16"):

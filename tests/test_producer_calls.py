@@ -22,8 +22,8 @@ from tokenq.producer import (
     Result,
     calls,
 )
-from tokenq.producer.connection import failure
 from tokenq.producer.core import ClientCore
+from tokenq.producer.redis_deadlines import failure
 from tokenq.shared import wire
 from tokenq.shared.settings import ClientSettings
 
@@ -274,7 +274,9 @@ def test_an_unknown_keyword_is_a_type_error() -> None:
         calls.resume(calls.infer(fresh_core(), "a", None, None, {"reply_to": "k"}, None))
 
 
-@pytest.mark.parametrize("module", ["core.py", "calls.py", "options.py", "config.py", "shards.py"])
+@pytest.mark.parametrize("module", ["core.py", "calls.py", "call_options.py", "config.py",
+                                    "shards.py", "lanes.py", "prepare.py", "replies.py",
+                                    "config_state.py", "deadline.py"])
 def test_the_sans_io_modules_import_no_redis_and_no_asyncio(module: str) -> None:
     path = Path(__file__).resolve().parent.parent / "producer" / module
     imported = set()

@@ -16,7 +16,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenq.shared import dead_letter, lua
+from tokenq.shared import dead_letter, lua_scripts
 from tokenq.shared.dead_letter import Death, encode_letter, is_dead_field, parse_letter
 from tokenq.shared.errors import DecodeError
 from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat, encode_heartbeat
@@ -80,10 +80,10 @@ def test_prompts_and_labels_round_trip_through_the_hash(
     prompts: dict[str, str], labels: list[str] | None, default: str
 ) -> None:
     config = QueueConfig(prompts=prompts, labels=None if labels is None else tuple(labels),
-                         default_prompt=default or None)
+                         default_prompt_name=default or None)
     parsed = parse_config(encode_config(config))
     assert parsed is not None
-    assert parsed.prompts == prompts and parsed.default_prompt == (default or None)
+    assert parsed.prompts == prompts and parsed.default_prompt_name == (default or None)
     assert parsed.labels == config.labels
 
 
@@ -207,7 +207,7 @@ def test_the_dead_prefix_rule() -> None:
 
 # The Lua side of the same rule, run on a real Redis: the fragments publish.lua
 # copies, then one call of each function.
-LUA_LETTER = lua.assemble("""
+LUA_LETTER = lua_scripts.assemble("""
 -- tokenq:include dead_fields.lua
 -- tokenq:end dead_fields.lua
 -- tokenq:include dead_letter.lua

@@ -32,7 +32,7 @@ from tests.test_health import get
 from tests.workers import Fleet
 from tokenq.producer import BrokerOutOfMemory, BrokerUnavailable, Client, QueueFull
 from tokenq.producer.ops import letters
-from tokenq.shared import keys, lua, redis_refusal, wire
+from tokenq.shared import keys, lua_scripts, redis_refusal, wire
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.health import Health
 from tokenq.worker.pipeline.jobs import Answer
@@ -192,7 +192,7 @@ def test_the_publish_script_by_eval_answers_oom_before_settling_anything(full, k
     n = 5
     answers = _pending_answers(r, q, n, kind)
     names, args = _publisher(aioredis.Redis.from_url(url), q).arguments(answers)
-    source = lua.load("tokenq.worker", "publish.lua")
+    source = lua_scripts.load("tokenq.worker", "publish.lua")
     fill(r)
     with pytest.raises(redis.exceptions.OutOfMemoryError):
         r.eval(source, len(names), *names, *args)
@@ -271,7 +271,7 @@ def test_enqueue_takes_a_dedupe_ttl_whole_or_refuses_it_before_writing(r, queue_
     """The seen key's SET PX comes after the XADD: a TTL Redis would refuse there must be
     refused before it (or, of up to 15 digits, passed as given), never half-write."""
     q = keys.QueueRef(queue_name)
-    script = r.register_script(lua.load("tokenq.producer", "enqueue.lua"))
+    script = r.register_script(lua_scripts.load("tokenq.producer", "enqueue.lua"))
     stream, seen = keys.requests(q), keys.seen(q, "x1")
     whole = len(ttl) <= 15 and ttl.isdigit()
     try:

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenq.producer.core import redact_url as core_redact_url
-from tokenq.shared.cli import redact_url as cli_redact_url
 from tokenq.shared.redis_url import RedisTarget, parse_redis_url, redact
+from tokenq.shared.redis_url import redact as cli_redact_url
 
 # ----------------------------------------------------------------- strategies
 

@@ -1,5 +1,5 @@
 """Per-request options, sans-I/O: what each means (shared/request_options.py) and what it
-does to a result (worker/pipeline/options.py), with hypothesis trying to break both."""
+does to a result (worker/pipeline/finisher.py), with hypothesis trying to break both."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from tokenq.shared.request_options import (
     prompt_of,
 )
 from tokenq.worker.backends.base import BackendInfo
-from tokenq.worker.pipeline.chunks import combine_chunks
-from tokenq.worker.pipeline.options import Finisher, facts_of
+from tokenq.worker.backends.chunks import combine_chunks
+from tokenq.worker.pipeline.finisher import Finisher, facts_of
 
-EMBED = ModelFacts(embeds=True, dim=8, normalized=True, can_unnormalize=True,
+EMBED = ModelFacts(embeds=True, dim=8, normalized=True, raw_vectors=True,
                    prompts={"query": "query: ", "document": "passage: "},
                    default_prompt_name="query")
 SCORES = ModelFacts(embeds=False, dim=3, prompts={})

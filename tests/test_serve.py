@@ -178,10 +178,10 @@ def test_a_classifier_queue_predicts_and_refuses_embeddings_by_name(
     sim_worker("--backend", "tests.plugins_for_tests:sim_classifier")
     with gateway(redis_url, queue_name) as http:
         answer = http.post("/v1/embeddings", json={"model": "spam", "input": "buy now"})
-        assert answer.status_code == 422
+        assert answer.status_code == 424
         assert answer.json()["error"]["code"] == "not_an_embedding_model"
         tei = http.post("/embed", json={"inputs": "buy now"})
-        assert tei.status_code == 422 and "not embeddings" in tei.json()["error"]
+        assert tei.status_code == 424 and "not embeddings" in tei.json()["error"]
         predicted = http.post("/predict", json={"inputs": "buy now"})
         assert predicted.status_code == 200, predicted.text
         scores = expected_vector("buy now", DIM, MAX_INPUT)
@@ -195,7 +195,7 @@ def test_a_classifier_queue_predicts_and_refuses_embeddings_by_name(
         pair = http.post("/predict", json={"inputs": ["a", "b"]})
         assert pair.status_code == 422 and "single texts" in pair.json()["error"]
         rerank = http.post("/rerank", json={"query": "q", "texts": ["a"]})
-        assert rerank.status_code == 422 and "re-ranker" in rerank.json()["error"]
+        assert rerank.status_code == 424 and "re-ranker" in rerank.json()["error"]
         model_type = http.get("/info").json()["model_type"]
         assert list(model_type) == ["classifier"]
         assert model_type["classifier"]["id2label"]["31"] == "LABEL_31"
@@ -205,10 +205,10 @@ def test_scoring_routes_refuse_an_embedding_queue(sim_worker, redis_url, queue_n
     sim_worker()
     with gateway(redis_url, queue_name) as http:
         rerank = http.post("/rerank", json={"query": "q", "texts": ["a", "b"]})
-        assert rerank.status_code == 422 and rerank.json()["error_type"] == "Validation"
+        assert rerank.status_code == 424 and rerank.json()["error_type"] == "Backend"
         assert "not a re-ranker" in rerank.json()["error"]
         predict = http.post("/predict", json={"inputs": "a"})
-        assert predict.status_code == 422 and "not a classifier" in predict.json()["error"]
+        assert predict.status_code == 424 and "not a classifier" in predict.json()["error"]
         empty = http.post("/rerank", json={"query": "q", "texts": []})
         assert empty.status_code == 400 and empty.json()["error_type"] == "Empty"
 
@@ -428,7 +428,7 @@ def test_embedding_options_reach_the_hf_worker(hf):
         ranked = http.post("/rerank", json={"model": "rerank", "query": QUERY,
                                             "texts": PASSAGES[:2]})
         assert ranked.status_code == 200, ranked.text
-        assert http.post("/rerank", json={"query": QUERY, "texts": ["a"]}).status_code == 422
+        assert http.post("/rerank", json={"query": QUERY, "texts": ["a"]}).status_code == 424
         labels = http.post("/predict", json={"model": "classify", "inputs": text}).json()
         assert {p["label"] for p in labels} == set(CLASS_NAMES)
         assert http.post("/embed", json={"model": "large", "inputs": text}).status_code == 404

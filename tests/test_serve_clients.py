@@ -32,6 +32,7 @@ import pytest
 import redis
 
 from tests.redis_server import RedisServer, free_port
+from tests.serve_process import DOC_URL, run_migrating_code, start_gateway
 from tests.workers import WorkerProcess
 from tokenq.shared import keys
 from tokenq.shared.settings import ServeSettings
@@ -128,8 +129,9 @@ def test_the_openai_sdk_gets_sentence_transformers_vectors(served_models, refere
     assert cosines([item.embedding for item in created.data], reference).min() >= 0.9999
     listed = client.models.list()
     assert [model.id for model in listed.data] == ["minilm", "reranker"]
-    with pytest.raises(openai.UnprocessableEntityError, match=r"not_an_embedding_model|scores"):
+    with pytest.raises(openai.APIStatusError, match=r"not_an_embedding_model|scores") as caught:
         client.embeddings.create(model="reranker", input=TEXTS)
+    assert caught.value.status_code == 424  # TEI's status for the wrong kind of model
 
 
 @pytest.mark.slow
@@ -213,7 +215,47 @@ def test_a_cohere_style_rerank_gets_cross_encoder_scores(served_models, models):
     assert len(objects.json()["results"]) == 3 and "document" not in objects.json()["results"][0]
     embedder = served_models.post("/v1/rerank", json={"model": "minilm", "query": QUERY,
                                                        "documents": DOCUMENTS})
-    assert embedder.status_code == 422 and embedder.json()["error"]["code"] == "not_a_reranker"
+    assert embedder.status_code == 424 and embedder.json()["error"]["code"] == "not_a_reranker"
+
+
+@pytest.mark.slow
+def test_migrating_md_client_code_runs_as_written(models, spawn, tmp_path, monkeypatch):
+    """Each Python block of docs/MIGRATING.md's OpenAI section, run as the docs show it
+    against a ``tokenq serve`` process (only the URL changed), gets sentence-transformers'
+    numbers on the same model files."""
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+
+    _offline_tiktoken(monkeypatch)
+    url = start_gateway(spawn, models.url, models.embed, tmp_path / "serve.log",
+                        "--models", models.models, "--timeout-s", "60")
+    texts = ["hello", "world"]
+    expected = SentenceTransformer(models.minilm, device="cpu").encode(texts)
+
+    def run(heading: str) -> dict:
+        return run_migrating_code(heading, {DOC_URL: url})
+
+    openai_sdk = run("OpenAI SDK")
+    assert cosines(openai_sdk["vectors"], expected).min() >= 0.9999
+    assert len(openai_sdk["short"].data[0].embedding) == 256
+    langchain = run("LangChain")
+    assert cosines(langchain["vectors"], expected).min() >= 0.9999
+    assert cosines([langchain["query"]], expected[:1]).min() >= 0.9999
+    assert "check_embedding_ctx_length=False" in langchain["message"]
+    llama = run("LlamaIndex")
+    assert cosines(llama["vectors"], expected).min() >= 0.9999
+    assert cosines([llama["query"]], expected[:1]).min() >= 0.9999
+    retried = run("Retries")
+    assert cosines([item.embedding for item in retried["created"].data], expected).min() >= 0.9999
+    rerank = run("Rerank")
+    query, documents = "what holds the model?", ["The worker holds the model.",
+                                                  "Redis holds the queue."]
+    scores = CrossEncoder(models.reranker, device="cpu").predict(
+        [(query, document) for document in documents])
+    assert [result["index"] for result in rerank["results"]] == list(np.argsort(-scores))
+    for result in rerank["results"]:
+        assert result["relevance_score"] == pytest.approx(float(scores[result["index"]]),
+                                                          abs=1e-5)
+        assert result["document"] == {"text": documents[result["index"]]}
 
 
 # ------------------------------------------------------------ the OpenAI route's checks
@@ -259,7 +301,7 @@ def test_the_openai_route_refuses_a_scoring_queue_before_writing(
     with gateway(redis_url, queue_name) as http:
         before = added(r, queue_name)
         answer = http.post("/v1/embeddings", json={"model": "m", "input": ["a", "b"]})
-        assert answer.status_code == 422, answer.text
+        assert answer.status_code == 424, answer.text
         assert answer.json()["error"]["code"] == "not_an_embedding_model"
         assert added(r, queue_name) == before
 
@@ -299,6 +341,12 @@ def test_cold_start_queues_and_answers_once_a_worker_starts(
     with gateway(redis_url, f"{queue_name}x", cold_start_s=0.5) as http:
         late = http.post("/embed", json={"inputs": "x"})
         assert late.status_code == 503 and "--cold-start-s" in late.json()["error"]
+        assert late.headers["x-should-retry"] == "false"  # it stays queued: no second copy
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                               http_client=http, max_retries=2)
+        with pytest.raises(openai.InternalServerError, match="--cold-start-s"):
+            client.embeddings.create(model="m", input=["a", "b"])
+        assert added(r, f"{queue_name}x") == 1 + 2  # the SDK's retries queued nothing more
 
 
 POSTS = [
@@ -309,7 +357,12 @@ POSTS = [
     ("POST", "/predict", {"inputs": "x"}),
     ("POST", "/v1/rerank", {"query": "q", "documents": ["a"]}),
 ]
-ROUTES = [*POSTS, ("GET", "/health", None), ("GET", "/ready", None), ("GET", "/info", None)]
+ROUTES = [*POSTS, ("GET", "/health", None), ("GET", "/ready", None), ("GET", "/info", None),
+          ("POST", "/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}),
+          ("POST", "/tokenize", {"inputs": "x"}), ("POST", "/decode", {"ids": [1]}),
+          ("POST", "/embed_all", {"inputs": "x"}), ("POST", "/embed_sparse", {"inputs": "x"}),
+          ("POST", "/", {"inputs": "x"}), ("GET", "/", None), ("GET", "/ping", None)]
+"""Every route that needs Redis (``/v1/models``, ``/metrics``, ``/docs`` do not)."""
 
 
 def test_redis_killed_every_route_is_503_within_two_seconds(tmp_path, queue_name):
@@ -447,31 +500,41 @@ def test_a_key_names_the_same_requests_only_for_the_same_body():
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in one)
 
 
-def test_redis_killed_while_a_request_waits_is_503_by_its_timeout(tmp_path, queue_name):
-    """Redis goes away after the request is queued: the wait rides out a failover (the
-    client's listener reconnects until the deadline, and a queued request is answered once
-    Redis is back), so this one is a 503 at --timeout-s, not at once (docs/OPERATIONS.md)."""
-    from tests.cli_support import FAST_BEAT, SIM_FLAGS
+WAITING = [("/embed", {"inputs": "x"}), ("/v1/embeddings", {"model": "m", "input": "x"}),
+           ("/rerank", {"query": "q", "texts": ["a"]})]
 
+
+@pytest.mark.parametrize("nobody", ["cold_start", "ghost_worker"])
+def test_redis_killed_while_requests_wait_is_503_on_every_route_within_3_s(
+    tmp_path, queue_name, nobody
+):
+    """Redis goes away after the requests are queued, with no worker to answer them: each
+    wait learns it from the gateway's probe (delivery.Reachability), not at --timeout-s.
+    ``cold_start``: queued to wake a fleet at zero (--cold-start-s); ``ghost_worker``: a
+    liveness key with no process behind it, so the route waits as for a live worker."""
     server = RedisServer(tmp_path / "redis")
     server.start()
-    env = dict(os.environ, TOKENQ_REDIS_URL=server.url, PYTHONUNBUFFERED="1")
-    worker = WorkerProcess(env, tmp_path, "--queue", queue_name, *SIM_FLAGS, *FAST_BEAT,
-                           "--sim-batch-ms", "3000", name="slow")
     client = redis.Redis.from_url(server.url)
+    if nobody == "ghost_worker":
+        ref = keys.QueueRef(queue_name)
+        client.hset(keys.workers(ref), "ghost", "{}")
+        client.set(keys.worker_alive(ref, "ghost"), "1")
     try:
-        worker.wait_ready(client, queue_name)
-        with gateway(server.url, queue_name, timeout_s=3) as http, \
-                ThreadPoolExecutor(1) as pool:
-            call = pool.submit(http.post, "/v1/embeddings", json={"model": "m", "input": "x"})
-            while added(client, queue_name) < 1:
+        with gateway(server.url, queue_name, timeout_s=60, cold_start_s=60) as http, \
+                ThreadPoolExecutor(len(WAITING)) as pool:
+            calls = {path: pool.submit(http.post, path, json=body) for path, body in WAITING}
+            while added(client, queue_name) < len(WAITING):  # every request queued
+                assert not any(call.done() for call in calls.values()), {
+                    path: call.result().text for path, call in calls.items() if call.done()}
                 time.sleep(0.05)
             server.stop()
             started = time.monotonic()
-            answer = call.result(timeout=60)
-            took = time.monotonic() - started
-            assert answer.status_code == 503 and took < 3 + 2, (took, answer.text)
+            for path, call in calls.items():
+                answer = call.result(timeout=60)
+                took = time.monotonic() - started
+                assert answer.status_code == 503, (path, answer.text)
+                assert "Redis" in answer.text and took < 3, (path, took, answer.text)
+                assert answer.headers["x-should-retry"] == "false"  # the entry stays queued
     finally:
         client.close()
-        worker.close()
         server.stop()

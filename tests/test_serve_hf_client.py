@@ -25,7 +25,14 @@ import pytest
 import redis
 
 from tests.redis_server import RedisServer
-from tests.serve_process import TEI_CHECKS, TEI_SPEC, schemathesis, start_gateway
+from tests.serve_process import (
+    DOC_URL,
+    TEI_CHECKS,
+    TEI_SPEC,
+    run_migrating_code,
+    schemathesis,
+    start_gateway,
+)
 from tests.workers import WorkerProcess
 
 hub = pytest.importorskip("huggingface_hub")
@@ -113,14 +120,14 @@ def test_inference_client_matches_sentence_transformers_and_the_pipeline(served,
 
     reference = SentenceTransformer(str(served.model["embed"]), device="cpu")
 
-    # What docs/MIGRATING.md shows:
-    from huggingface_hub import InferenceClient
-
-    client = InferenceClient(base_url=served.url["embed"])
-    vector = client.feature_extraction(TEXT)
-    similarities = client.sentence_similarity(TEXT, other_sentences=OTHERS)
-    classifier = InferenceClient(base_url=served.url["classify"])
-    top = classifier.text_classification(TEXT)
+    # docs/MIGRATING.md's code, as written (only its URLs changed):
+    shown = run_migrating_code("`huggingface_hub`", {
+        DOC_URL: served.url["embed"],
+        DOC_URL.replace("tokenq-serve", "tokenq-classify"): served.url["classify"]})
+    assert shown["similarities"] == pytest.approx(
+        shown["client"].sentence_similarity(TEXT, other_sentences=OTHERS[:2]), abs=1e-6)
+    vector, top = shown["vector"], shown["top"]
+    similarities = shown["client"].sentence_similarity(TEXT, other_sentences=OTHERS)
 
     expected = reference.encode([TEXT], normalize_embeddings=True)
     np.testing.assert_allclose(np.asarray(vector).reshape(1, -1), expected, atol=1e-5)

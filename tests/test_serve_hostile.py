@@ -125,11 +125,14 @@ def parse_and_build(model: type, raw: bytes) -> None:
 def assert_bounded(model: type, raw: bytes) -> None:
     """Parsing ``raw`` is an answer or an ApiError, within time and memory linear in its size.
 
-    Timed without tracemalloc (which slows every allocation), then traced.
+    Timed without tracemalloc (which slows every allocation), then traced. The time is
+    this process's CPU time, not the wall clock: a quadratic parse shows in both, while
+    a loaded CI machine stretches only the wall clock (the in-process parse runs no
+    children).
     """
-    started = time.perf_counter()
+    started = time.process_time()
     refused(model, raw)
-    seconds = time.perf_counter() - started
+    seconds = time.process_time() - started
     assert seconds <= 0.2 + SECONDS_PER_MB * len(raw) / 1e6, (seconds, len(raw))
     tracemalloc.start()
     try:
@@ -495,8 +498,8 @@ def test_big_valid_bodies_are_parsed_apart_and_answered(serve, sim_worker):
     for route, body in (("/rerank", {"query": "q", "texts": texts}),
                         ("/predict", {"inputs": [[text] for text in texts]})):
         answer = httpx.post(f"{served.url}{route}", json=body, timeout=60)
-        assert answer.status_code == 422, answer.text  # parsed, then refused: the sim embeds
-        assert answer.json()["error_type"] == "Validation" and "model" in answer.json()["error"]
+        assert answer.status_code == 424, answer.text  # parsed, then refused: the sim embeds
+        assert answer.json()["error_type"] == "Backend" and "model" in answer.json()["error"]
 
 
 def test_over_the_concurrency_cap_is_429_in_teis_shape(serve, sim_worker):

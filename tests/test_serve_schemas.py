@@ -112,7 +112,7 @@ def test_an_embedding_route_refuses_a_scoring_queue_before_sending():
     schemas.require_embeddings(None, "m")
     schemas.require_embeddings(QueueConfig(task="embed"), "m")
     error = refused(schemas.require_embeddings, QueueConfig(task="classify"), "spam")
-    assert error.status == 422 and error.code == "not_an_embedding_model"
+    assert error.status == 424 and error.code == "not_an_embedding_model"
 
 
 def test_rerank_is_one_pair_per_text_with_its_options():
@@ -162,7 +162,7 @@ def test_scoring_routes_refuse_a_queue_whose_model_cannot_answer():
     scores.require_reranker(QueueConfig(task="rerank", pairs=True))
     for config in (QueueConfig(task="embed"), QueueConfig(task="classify", pairs=False)):
         error = refused(scores.require_reranker, config)
-        assert error.status == 422 and error.code == "not_a_reranker"
+        assert error.status == 424 and error.code == "not_a_reranker"
         assert "re-ranker" in error.message
     pair = schemas.Job([("a", "b")])
     scores.require_classifier(QueueConfig(task="rerank", pairs=True), pair)
@@ -226,7 +226,7 @@ def test_a_nan_score_is_the_models_failure_and_an_embedding_is_the_wrong_model()
     nan = refused(scores.rerank_answer, [result(scores_=(math.nan,))], ["a"], False)
     assert nan.status == 424
     vector = refused(scores.predict_answer, [result(vector=[0.6, 0.8])], False, None)
-    assert vector.status == 422 and vector.code == "not_a_classifier"
+    assert vector.status == 424 and vector.code == "not_a_classifier"
 
 
 def test_info_model_type_follows_the_queues_task():
@@ -252,8 +252,8 @@ def test_a_refused_option_names_itself_as_the_field():
     error = from_exception(worker, options)
     assert (error.status, error.param, error.code) == (422, "prompt_name", "bad_request")
     assert error.message.startswith("prompt_name 'nope'")
-    early = from_exception(BadRequest("dimensions 64 is more than the model's 32"),
-                           {"dimensions": 64})
+    early = from_exception(BadRequest("dimensions 64 is more than the model's 32",
+                                      param="dimensions"), {"dimensions": 64})
     assert early.status == 422 and early.param == "dimensions"
     text = from_exception(BadRequest("texts[0] is empty"), options)
     assert text.param == "input" and text.message == "input: texts[0] is empty"

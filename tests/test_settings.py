@@ -20,15 +20,15 @@ from tokenq.shared.settings import (
     ClientSettings,
     DlqSettings,
     EmbedSettings,
-    HFSettings,
     StatsSettings,
     TopSettings,
     UpSettings,
-    WorkerSettings,
     describe_errors,
     env_var,
     flag,
 )
+from tokenq.worker.backends.hf.settings import HFSettings
+from tokenq.worker.settings import WorkerSettings
 
 
 @pytest.fixture(autouse=True)

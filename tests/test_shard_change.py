@@ -18,14 +18,12 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import redis
 
+from tests.support import SimModel, fleet_fixture, wait_for
 from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import AsyncClient, Client
 from tokenq.producer.core import ENQUEUE_SCRIPT
@@ -34,25 +32,11 @@ from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import ClientSettings
 
-SIM = ("--backend", "sim", "--sim-dim", "8", "--heartbeat-s", "0.3")
-
-
-@pytest.fixture
-def fleet(worker_env: dict[str, str], tmp_path: Path):
-    started = Fleet(worker_env, tmp_path, SIM)
-    yield started
-    started.close()
+fleet = fleet_fixture(*SimModel(dim=8).flags("--heartbeat-s", "0.3"))
 
 
 def start(fleet: Fleet, r: redis.Redis, queue: str, shards: int, name: str) -> WorkerProcess:
     return fleet.start("--shards", str(shards), name=name, ready=r, queue=queue)
-
-
-def wait_for(check: Callable[[], bool], seconds: float, what: str, fleet: Fleet) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, f"{what} within {seconds}s\n{fleet.logs()}"
-        time.sleep(0.05)
 
 
 def stale_client(redis_url: str, queue: str) -> Client:
@@ -115,7 +99,7 @@ def test_shrinking_drains_the_retired_shard_and_stale_producers_lose_nothing(
     assert ran == len(before) + len(after), "every request ran exactly once"
 
     # Drained, but its dead letter keeps shard 2: stats and dlq still see it.
-    wait_for(lambda: r.xlen(keys.dead(two)) == 1, 10, "the dead letter on shard 2", fleet)
+    wait_for(lambda: r.xlen(keys.dead(two)) == 1, 10, "the dead letter on shard 2", fleet=fleet)
     assert r.xlen(keys.requests(two)) == 0 and r.exists(keys.requests(two))
     assert (queue_name, 2) in lanes_in_stats(capsys, redis_url, "--queue", queue_name)
     assert (queue_name, 2) in lanes_in_stats(capsys, redis_url)
@@ -130,7 +114,7 @@ def test_shrinking_drains_the_retired_shard_and_stale_producers_lose_nothing(
 
     # Nothing left on it: the workers remove it within a heartbeat or two.
     wait_for(lambda: not r.exists(keys.requests(two), keys.shards_served(q)), 10,
-             "shard 2 removed, and then its record", fleet)
+             "shard 2 removed, and then its record", fleet=fleet)
     assert not r.exists(keys.dead(two), keys.workers(two), keys.config(two))
     assert r.exists(keys.retired(two))
     assert (queue_name, 2) not in lanes_in_stats(capsys, redis_url, "--queue", queue_name)
@@ -224,6 +208,6 @@ def test_shrinking_to_one_shard_drains_every_numbered_shard(fleet, r, redis_url,
     assert all(result.embedding is not None for result in results)
     numbered = [QueueRef(queue_name, shard=k) for k in range(3)]
     wait_for(lambda: not any(r.exists(keys.requests(s)) for s in numbered), 10,
-             "every shard removed", fleet)
+             "every shard removed", fleet=fleet)
     assert all(r.exists(keys.retired(s)) for s in numbered)
     assert "Traceback" not in one.output(), one.output()

@@ -13,7 +13,6 @@ import random
 import signal
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support import SimModel, fleet_fixture, wait_lane_ready
 from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import AsyncClient, Client
 from tokenq.producer.shards import ShardChooser, shard_count
@@ -29,29 +29,17 @@ from tokenq.shared.errors import ConfigError
 from tokenq.shared.queue_config import QueueConfig, parse_config
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.backends.sim import expected_vector
-from tokenq.worker.lanes import by_lane, ref_of, split_ref
+from tokenq.worker.lanes import Ref
 
 DIM = 16
 MAX_INPUT = 512
-SIM = ("--backend", "sim", "--sim-dim", str(DIM), "--sim-max-input-tokens", str(MAX_INPUT))
-
-
-@pytest.fixture
-def fleet(worker_env: dict[str, str], tmp_path: Path):
-    started = Fleet(worker_env, tmp_path, SIM)
-    yield started
-    started.close()
+fleet = fleet_fixture(*SimModel(DIM, MAX_INPUT).flags())
 
 
 def start(fleet: Fleet, r: redis.Redis, queue: str, *flags: str, shards: int = 3,
           name: str | None = None) -> WorkerProcess:
     worker = fleet.start("--shards", str(shards), *flags, name=name)
-    lane = keys.lanes_of(keys.QueueRef(queue), shards)[0]
-    deadline = time.monotonic() + 30
-    while not r.exists(keys.worker_alive(lane, worker.name)):
-        assert worker.process.poll() is None, worker.output()
-        assert time.monotonic() < deadline, worker.output()
-        time.sleep(0.05)
+    wait_lane_ready(worker, r, queue, shards)
     return worker
 
 
@@ -116,8 +104,8 @@ def test_bad_shard_counts_are_refused_by_name() -> None:
     lambda b: b"/" not in b)), max_size=30))
 def test_references_undo_to_their_lane_and_entry(entries: list[tuple[int, bytes]]) -> None:
     for lane, entry_id in entries:
-        assert split_ref(ref_of(lane, entry_id)) == (lane, entry_id)
-        assert split_ref(entry_id) == (0, entry_id)  # one lane: the reference is the id
+        ref = Ref(lane, entry_id)
+        assert (ref.lane, ref.entry_id) == (lane, entry_id)
 
 
 @given(st.integers(2, 16), st.integers(1, 500))
@@ -153,10 +141,18 @@ def test_the_shard_count_comes_from_the_workers_and_a_contradiction_is_refused()
 
 
 def test_answers_go_back_to_their_lane_under_their_bare_id() -> None:
-    from tokenq.worker.pipeline.jobs import Answer
+    from tokenq.worker.outbox import answer_for
+    from tokenq.worker.pipeline.pipeline import Failure, Outcome
 
-    answers = [Answer(ref_of(k % 3, b"1-%d" % k), None, b"", ok=True) for k in range(9)]
-    grouped = by_lane(answers)
+    class Encoder:
+        def encoded_reply(self, outcome: Outcome) -> tuple[bytes, bool]:
+            return b"", True
+
+    outcomes = [Outcome(Ref(k % 3, b"1-%d" % k), wire.Request(str(k), "t", 1, "r"),
+                        Failure("x", "y")) for k in range(9)]
+    grouped: dict[int, list] = {}
+    for outcome in outcomes:
+        grouped.setdefault(outcome.ref.lane, []).append(answer_for(Encoder(), outcome))
     assert sorted(grouped) == [0, 1, 2]
     assert [a.entry_id for a in grouped[1]] == [b"1-1", b"1-4", b"1-7"]
 

@@ -10,7 +10,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenq.shared.errors import ConfigError, DeviceOutOfMemory
-from tokenq.shared.settings import WorkerSettings
 from tokenq.worker.backends import sim
 from tokenq.worker.backends.base import Backend, TextInput
 from tokenq.worker.backends.sim import (
@@ -26,6 +25,7 @@ from tokenq.worker.backends.sim import (
     expected_vector,
     split_tokens,
 )
+from tokenq.worker.settings import WorkerSettings
 
 # Letters, digits, punctuation, spaces of several kinds, CJK, kana, hangul, emoji.
 texts = st.text(

@@ -39,6 +39,12 @@ sentence_transformers = pytest.importorskip("sentence_transformers")
 testclient = pytest.importorskip("fastapi.testclient")
 
 from tests.redis_server import RedisServer  # noqa: E402
+from tests.serve_process import (  # noqa: E402
+    TEI_CHECKS,
+    TEI_SPEC,
+    schemathesis,
+    start_gateway,
+)
 from tests.tiny_bert import (  # noqa: E402
     tiny_vocab,
     write_sentence_transformers_files,
@@ -167,7 +173,7 @@ def test_a_splade_model_is_refused_as_an_embedder_and_on_onnx_naming_the_fix(
                 min_size=1, max_size=300))
 def test_a_dense_row_survives_the_sparse_reply_exactly(values: list[float]) -> None:
     """Finisher's nonzero pairs, packed and decoded, rebuild the backend's row bit for bit."""
-    from tokenq.worker.pipeline.options import sparse_entries
+    from tokenq.worker.pipeline.finisher import sparse_entries
 
     row = np.array(values, dtype=np.float32)
     indices, weights = sparse_entries(row)
@@ -281,7 +287,7 @@ def test_a_worker_and_embed_sparse_answer_sparse_encoders_pairs(fleet, splade: P
                                ("/rerank", {"query": "a", "texts": ["b"]}),
                                ("/v1/embeddings", {"input": "a", "model": fleet.sparse})):
             refused = api.post(route, json=body_of)  # refused before anything is enqueued
-            assert refused.status_code == 422, (route, refused.text)
+            assert refused.status_code == 424, (route, refused.text)
         info = api.get("/info").json()
         assert info["model_type"] == {"embedding": {"pooling": "splade"}}
         assert api.post("/embed_sparse", json={"inputs": []}).status_code == 400
@@ -290,15 +296,14 @@ def test_a_worker_and_embed_sparse_answer_sparse_encoders_pairs(fleet, splade: P
         ids = api.post("/embed_sparse", json={"inputs": [[1, 2, 3]]})
         assert ids.status_code == 422 and "token-id" in ids.json()["error"]
         embed = api.post("/embed", json={"inputs": "hello"})
-        assert embed.status_code == 422 and embed.json()["error_type"] == "Validation"
+        assert embed.status_code == 424 and embed.json()["error_type"] == "Backend"
 
 
 def test_embed_sparse_on_an_embedding_queue_is_refused_by_name(fleet) -> None:
     with http(fleet.url, fleet.sim) as api:
         answer = api.post("/embed_sparse", json={"inputs": ["hello"]})
-    assert answer.status_code == 422
+    assert answer.status_code == 424 and answer.json()["error_type"] == "Backend"
     assert "not a sparse (SPLADE) model" in answer.json()["error"]
-    assert answer.json()["error_type"] == "Validation"
 
 
 # ------------------------------------------------------------------ token embeddings
@@ -393,8 +398,28 @@ def test_embed_all_answers_each_tokens_hidden_state_through_a_worker(
         assert big.status_code == 413 and "send at most 2 inputs" in big.json()["error"]
     with http(fleet.url, fleet.sparse) as api:
         refused = api.post("/embed_all", json={"inputs": ["hello"]})
-        assert refused.status_code == 422 and refused.json()["error_type"] == "Validation"
+        assert refused.status_code == 424 and refused.json()["error_type"] == "Backend"
     with http(fleet.url, fleet.sim) as api:  # the sim offers no token embeddings
         refused = api.post("/embed_all", json={"inputs": ["hello"]})
         assert refused.status_code == 422, refused.text
         assert "does not answer token embeddings" in refused.json()["error"]
+
+
+TEI_KIND_ROUTES = {"sparse": ("/embed_sparse", "/info", "/health"),
+                   "embed": ("/embed_all", "/embed", "/similarity", "/info")}
+"""TEI's routes a SPLADE queue and an hf embedder's (with real token embeddings) serve."""
+
+
+@pytest.mark.slow  # hf workers
+@pytest.mark.parametrize("kind", list(TEI_KIND_ROUTES))
+def test_schemathesis_finds_nothing_against_teis_spec_for_sparse_and_token_answers(
+    fleet, kind, spawn, tmp_path
+) -> None:
+    pytest.importorskip("schemathesis")
+    url = start_gateway(spawn, fleet.url, getattr(fleet, kind), tmp_path / "serve.log",
+                        "--timeout-s", "60")
+    include = [arg for path in TEI_KIND_ROUTES[kind] for arg in ("--include-path", path)]
+    run = schemathesis(str(TEI_SPEC), url, tmp_path, "--checks", TEI_CHECKS, *include,
+                       examples=10)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout, run.stdout[-2000:]

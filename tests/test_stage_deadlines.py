@@ -26,17 +26,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.cli_support import DIM, FAST_BEAT, MAX_INPUT, SIM_FLAGS, wait_for
 from tests.plugins_for_tests import TOKENIZE_HANG_MARKER, TOKENIZER_PIDS_ENV
 from tests.redis_server import free_ports
+from tests.support import DIM, FAST_BEAT, SIM_FLAGS, SimModel, wait_for
 from tests.test_health import LOCAL, get
 from tests.workers import Fleet
 from tokenq.producer import Client
 from tokenq.shared import keys
 from tokenq.worker.stages import DEVICE, PUBLISH, TOKENIZING, Stages
 
-HANGING = ("--backend", "tests.plugins_for_tests:sim_hanging_tokenizer", "--sim-dim", str(DIM),
-           "--sim-max-input-tokens", str(MAX_INPUT))
+HANGING = SimModel().flags(backend="tests.plugins_for_tests:sim_hanging_tokenizer")
 
 
 def gone(pid: int) -> bool:

@@ -20,10 +20,8 @@ import pytest
 
 from tests.cli_support import wait_for
 from tests.redis_server import alive, cmdline, descendants, wait_gone
+from tokenq.shared.exit_codes import EXIT_FATAL, EXIT_HUNG, EXIT_USAGE
 from tokenq.worker.tooling.children import (
-    EXIT_FATAL,
-    EXIT_HUNG,
-    EXIT_USAGE,
     RestartPolicy,
     Supervisor,
     describe_exit,

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
-from tokenq.shared.settings import WorkerSettings
-from tokenq.worker.connection import HiredisPacking, connect
+from tokenq.worker.redis_connect import HiredisPacking, connect
+from tokenq.worker.settings import WorkerSettings
 
 pytest.importorskip("hiredis")
 
@@ -53,7 +53,7 @@ def test_a_stream_reads_keys_are_found_without_asking_redis(
     streams: list[str], consumer: str, with_count: bool
 ) -> None:
     """The worker's Cluster client routes XREADGROUP by the keys after STREAMS, however named."""
-    from tokenq.worker.connection import stream_read_keys
+    from tokenq.worker.redis_connect import stream_read_keys
 
     options = ["COUNT", 10, "BLOCK", 100] if with_count else []
     args = ("XREADGROUP", "GROUP", "workers", consumer, *options, "STREAMS", *streams,

@@ -21,14 +21,14 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from tokenq.shared.cli import UsageError, parse_settings
 from tokenq.shared.errors import ConfigError
-from tokenq.shared.settings import WorkerSettings
+from tokenq.shared.exit_codes import EXIT_FATAL, EXIT_HUNG, EXIT_OK, EXIT_USAGE
+from tokenq.shared.flags import UsageError, parse_settings
 from tokenq.worker import endpoint, logs, metrics
 from tokenq.worker.backends.plugins import load_backend
 from tokenq.worker.health import Health
 from tokenq.worker.loop import Worker, WorkerHung, watchdog_period_s
-from tokenq.worker.tooling.children import EXIT_FATAL, EXIT_HUNG, EXIT_OK, EXIT_USAGE
+from tokenq.worker.settings import WorkerSettings, settings_class_for
 from tokenq.worker.tooling.supervise import run_per_device
 
 log = logging.getLogger("tokenq.worker")
@@ -56,9 +56,6 @@ async def serve(settings: WorkerSettings) -> None:
 async def _load_and_run(
     settings: WorkerSettings, health: Health, worker_metrics: metrics.NullMetrics
 ) -> None:
-    # Like uvicorn: a plugin named as module:factory may live in the working directory.
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     backend = await asyncio.to_thread(load_backend, settings)
     try:
         worker = Worker(settings, backend, metrics=worker_metrics, health=health)
@@ -87,8 +84,12 @@ async def _load_and_run(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    # Like uvicorn: a plugin named as module:factory may live in the working directory.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
-        settings = parse_settings(WorkerSettings, args, PROG)
+        # The flags depend on the backend: a plugin's own settings join the class.
+        settings = parse_settings(settings_class_for(args), args, PROG)
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE

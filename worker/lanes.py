@@ -9,10 +9,12 @@ so its token budget and batches span shards, and answers each entry on the
 lane it came from.
 
 Two lanes' streams can hand out the same entry id (ids are per stream), so
-with more than one lane the worker names an entry ``<lane>/<id>``
-(:func:`ref_of`) wherever it holds it: the packer, the held-bytes table,
-answers. With one lane the reference *is* the entry id, so a queue of one
-shard reads and writes byte for byte what it always did.
+wherever the worker holds an entry (the packer, the held-bytes table) it
+names it by a :class:`Ref`: its lane and its entry id, a type rather than a
+byte prefix, so nothing parses a name and one lane costs nothing extra.
+Refs never reach Redis: answers leave named by their bare entry id, grouped
+by lane (one outbox per lane), so the keys and bytes on Redis are the same
+whatever the number of lanes.
 
 When a queue's shard count shrinks, the shards beyond it are *retired*
 (:class:`Retirement`): the worker reads them too, as extra lanes after its
@@ -23,24 +25,34 @@ lane (``remove_retired.lua``), keeping the marker.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from tokenq.shared import functions, keys, lua, redis_refusal
+from tokenq.shared import functions, keys, lua_scripts, redis_refusal
 from tokenq.shared.redis_text import as_text
 
 log = logging.getLogger("tokenq.worker")
 
 if TYPE_CHECKING:
-    from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy
+    from tokenq.worker.pipeline.jobs import DeadLetterPolicy
     from tokenq.worker.publish import Publisher
     from tokenq.worker.recovery import Reclaimer
+
+
+class Ref(NamedTuple):
+    """The worker's name for an entry it holds: the lane it came from and its entry id.
+
+    A tuple, so it hashes (the held-bytes table, the reclaim scan's exclusions)
+    and compares by value; the lane is an index into the worker's lanes.
+    """
+
+    lane: int
+    entry_id: bytes
 
 
 @dataclass(slots=True)
@@ -50,8 +62,6 @@ class Lane:
     index: int
     queue: keys.QueueRef
     dead_letters: DeadLetterPolicy
-    tagged: bool
-    """Whether references carry the lane (more than one lane)."""
     reclaimer: Reclaimer | None = None
     publisher: Publisher | None = None
     last_reclaim: float = 0.0
@@ -64,46 +74,17 @@ class Lane:
     def __post_init__(self) -> None:
         self.stream = keys.requests(self.queue)
 
-    def ref(self, entry_id: bytes) -> bytes:
+    def ref(self, entry_id: bytes) -> Ref:
         """The worker's name for an entry of this lane."""
-        return ref_of(self.index, entry_id) if self.tagged else entry_id
+        return Ref(self.index, entry_id)
 
 
-def ref_of(lane: int, entry_id: bytes) -> bytes:
-    """``<lane>/<entry id>``: stream ids hold no ``/``, so :func:`split_ref` undoes it."""
-    return b"%d/%s" % (lane, entry_id)
-
-
-def split_ref(ref: bytes) -> tuple[int, bytes]:
-    """The lane index and the stream entry id of a reference (lane 0 for a bare id)."""
-    head, slash, entry_id = ref.partition(b"/")
-    return (int(head), entry_id) if slash else (0, ref)
-
-
-def entry_ids(refs: Iterable[bytes]) -> list[bytes]:
+def entry_ids(refs: Iterable[Ref]) -> list[bytes]:
     """The stream entry ids of references (for what reads an id's time: metrics)."""
-    return [split_ref(ref)[1] for ref in refs]
+    return [ref.entry_id for ref in refs]
 
 
-def by_lane(answers: Sequence[Answer]) -> dict[int, list[Answer]]:
-    """Answers grouped by the lane they are owed on, each named by its bare entry id."""
-    grouped: dict[int, list[Answer]] = {}
-    for answer in answers:
-        lane, entry_id = split_ref(answer.entry_id)
-        if entry_id is not answer.entry_id:
-            answer = dataclasses.replace(answer, entry_id=entry_id)
-        grouped.setdefault(lane, []).append(answer)
-    return grouped
-
-
-def tagged(lane: Lane, answers: Iterable[Answer]) -> list[Answer]:
-    """Answers built from bare entry ids of ``lane``, named by the worker's references."""
-    if not lane.tagged:
-        return list(answers)
-    return [dataclasses.replace(a, entry_id=lane.ref(a.entry_id)) for a in answers]
-
-
-REMOVE_RETIRED_SCRIPT = lua.load("tokenq.worker", "remove_retired.lua")
+REMOVE_RETIRED_SCRIPT = lua_scripts.load("tokenq.worker", "remove_retired.lua")
 
 _GONE = ("removed", "gone")
 """What remove_retired.lua answers for a lane nobody reads any more."""

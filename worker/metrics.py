@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 from tokenq.shared import wire
 
 if TYPE_CHECKING:
-    from tokenq.shared.settings import WorkerSettings
+    from tokenq.worker.batch_stats import BatchRecord
     from tokenq.worker.endpoint import WsgiApp
     from tokenq.worker.pipeline.jobs import Answer
-    from tokenq.worker.stats import BatchRecord
+    from tokenq.worker.settings import WorkerSettings
 
 log = logging.getLogger("tokenq.worker")
 

@@ -22,9 +22,9 @@ import time
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError
 
-from tokenq.shared import functions, keys, lua, redis_refusal, wire
+from tokenq.shared import functions, keys, lua_scripts, redis_refusal
 from tokenq.shared.heartbeat import Heartbeat, encode_heartbeat
-from tokenq.shared.queue_config import QueueConfig, encode_config
+from tokenq.shared.queue_config import describe, encode_config
 from tokenq.worker.backends.base import BackendInfo
 
 log = logging.getLogger("tokenq.worker")
@@ -35,27 +35,9 @@ def config_fields(
     tokenize_processes: int = 0,
 ) -> dict[str, str]:
     """The config hash's fields (strings, so redis-cli HGETALL reads them)."""
-    return encode_config(QueueConfig(
-        protocol=wire.PROTOCOL_VERSION,
-        backend=info.name,
-        model=info.model,
-        task=info.task,
-        max_input_tokens=info.max_input_tokens,
-        policy=policy,
-        pairs=info.pairs,
-        padded=info.padded,
-        max_batch_tokens=max_batch_tokens,
-        updated_at=int(time.time()),
-        dim=info.dim,
-        normalized=info.normalized if info.embeds else None,
-        labels=info.labels or None,
-        prompts=dict(info.prompts),
-        default_prompt=info.default_prompt_name or "",
-        tokenizer=info.tokenizer or None,
-        shards=shards if shards > 1 else None,  # absent means 1: one shard's hash is unchanged
-        dtype=info.dtype,
-        tokenize_processes=tokenize_processes,
-        token_dim=info.token_dim,
+    return encode_config(describe(
+        info, policy=policy, max_batch_tokens=max_batch_tokens, shards=shards,
+        tokenize_processes=tokenize_processes, updated_at=int(time.time()),
     ))
 
 
@@ -66,7 +48,8 @@ _ONLY_WHEN_SET = ("shards", functions.ENQUEUE_FUNCTION_FIELD)
 async def write_config(client: aioredis.Redis, q: keys.QueueRef, fields: dict[str, str]) -> None:
     """Load tokenq's functions, then write the config hash naming the enqueue function."""
     if await load_functions(client):
-        fields = {**fields, functions.ENQUEUE_FUNCTION_FIELD: lua.library().functions["enqueue"]}
+        enqueue = lua_scripts.library().functions["enqueue"]
+        fields = {**fields, functions.ENQUEUE_FUNCTION_FIELD: enqueue}
     stale = [name for name in _ONLY_WHEN_SET if name not in fields]
     async with client.pipeline(transaction=True) as pipe:
         pipe.hset(keys.config(q), mapping=fields)

@@ -31,11 +31,15 @@ reads are mostly small. Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+"""What names a held entry (the worker's :class:`~tokenq.worker.lanes.Ref`)."""
 
 
-class ByteRoom:
+class ByteRoom(Generic[K]):
     """The bytes a worker holds (entries read, not yet answered) and reserves for reads."""
 
     def __init__(self, limit: int, max_entry: int) -> None:
@@ -43,8 +47,8 @@ class ByteRoom:
             raise ValueError(f"limit and max_entry must be >= 1, got {limit}, {max_entry}")
         self.limit = limit
         self.max_entry = max_entry
-        self.held: dict[bytes, int] = {}
-        """Raw size of each entry held, by reference (the worker adds and pops these)."""
+        self.held: dict[K, int] = {}
+        """Raw size of each entry held, by reference (:meth:`hold`, :meth:`release`)."""
         self.reserved = 0
         """Bytes reserved for reads asked for and not yet held."""
 
@@ -77,8 +81,8 @@ class ByteRoom:
         finally:
             self.reserved -= reserved
 
-    def hold(self, ref: bytes, size: int) -> None:
+    def hold(self, ref: K, size: int) -> None:
         self.held[ref] = size
 
-    def release(self, ref: bytes) -> None:
+    def release(self, ref: K) -> None:
         self.held.pop(ref, None)

@@ -34,6 +34,10 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenq.worker.settings import WorkerSettings
 
 DEVICE = "device"
 TOKENIZING = "tokenizing"
@@ -125,3 +129,21 @@ class Stages:
             if late >= 0 and (worst is None or late > worst[0]):
                 worst = (late, Overdue(stage, reason))
         return None if worst is None else worst[1]
+
+
+REDIS_CALL_BOUND = "twice the Redis call bound"
+"""How the deadline of a Redis read or publish attempt is named in the probe and the log."""
+
+
+def redis_call_deadline_s(settings: WorkerSettings) -> float:
+    """The deadline of one Redis read or publish attempt: twice what redis-py can take.
+
+    Each of its ``retries + 1`` attempts connects (at most 5 s), sends and
+    waits up to ``socket_timeout_s`` (a blocking read ``block_ms`` more),
+    with at most 2 s of backoff between: a Redis that is down or frozen makes
+    the call fail by then (not a hang: Redis away is not the worker's fault),
+    so a call still running at twice that is stuck in the worker itself.
+    """
+    attempt = settings.block_ms / 1000 + settings.socket_timeout_s + min(
+        5.0, settings.socket_timeout_s)
+    return 2 * ((settings.retries + 1) * attempt + settings.retries * 2.0)

@@ -30,7 +30,7 @@
 -- that grows memory), and the error reaches the caller: nothing moves.
 -- Every write after the first goes through, so it is all or nothing.
 --
--- Each tokenq:include line is replaced, when tokenq.shared.lua loads this
+-- Each tokenq:include line is replaced, when tokenq.shared.lua_scripts loads this
 -- file, by that fragment of shared/lua/: the queue's length check (shared
 -- with enqueue.lua) and the dead_ prefix rule (shared with publish.lua).
 

@@ -56,10 +56,10 @@
 -- The block between the tokenq:include and tokenq:end lines is a copy of
 -- shared/lua/queue_full.lua, the length check dlq_retry.lua shares. Other
 -- scripts name their fragments on a tokenq:include line alone, spliced in
--- when tokenq.shared.lua loads them; this one carries its copy so that the
+-- when tokenq.shared.lua_scripts loads them; this one carries its copy so that the
 -- file stays a complete script any language can run as it is (see
--- docs/PROTOCOL.md). tokenq.shared.lua refuses to load it if the copy is not
--- the fragment; `python -m tokenq.shared.lua producer/lua/enqueue.lua`
+-- docs/PROTOCOL.md). tokenq.shared.lua_scripts refuses to load it if the copy is not
+-- the fragment; `python -m tokenq.shared.lua_scripts producer/lua/enqueue.lua`
 -- refreshes it.
 
 -- tokenq:include queue_full.lua (a copy: edit shared/lua/queue_full.lua)
@@ -67,7 +67,7 @@
 -- script that adds entries to a request stream (KEYS: the stream, XLEN).
 -- nil when `adding` more entries fit under max_len (0 means no limit);
 -- otherwise the error "QUEUEFULL <xlen> <max_len> <adding>", which the
--- caller returns before writing anything (parsed by tokenq.shared.lua).
+-- caller returns before writing anything (parsed by tokenq.shared.lua_scripts).
 local function queue_full(stream, max_len, adding)
   if max_len == 0 or adding == 0 then
     return nil

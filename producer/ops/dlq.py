@@ -36,9 +36,10 @@ from tokenq.producer.ops.snapshot import (
 )
 from tokenq.producer.ops.stats import format_table
 from tokenq.shared import keys
-from tokenq.shared.cli import plural, run_command
+from tokenq.shared.cli import run_command
 from tokenq.shared.dead_letter import DeadLetter
 from tokenq.shared.settings import DlqSettings
+from tokenq.shared.text import plural
 
 _PREVIEW = 60
 

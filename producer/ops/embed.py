@@ -45,10 +45,12 @@ from tokenq.producer.ops.snapshot import (
     live_names,
 )
 from tokenq.shared import keys
-from tokenq.shared.cli import CommandFailed, one_line, plural, run_command
+from tokenq.shared.cli import run_command
+from tokenq.shared.failures import CommandFailed
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.queue_config import parse_config
 from tokenq.shared.settings import EmbedSettings
+from tokenq.shared.text import one_line, plural
 
 _HEARTBEAT_WAIT_S = 3.0
 

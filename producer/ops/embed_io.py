@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tokenq.shared.cli import CommandFailed
+from tokenq.shared.failures import CommandFailed
 
 MANIFEST_VERSION = 1
 _LOCK = "lock"

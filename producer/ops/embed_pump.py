@@ -46,8 +46,9 @@ from tokenq.producer import (
 )
 from tokenq.producer.ops.embed_io import Checkpoint, Item, Row, read_items
 from tokenq.producer.ops.progress import Progress
-from tokenq.shared.cli import CommandFailed, plural
+from tokenq.shared.failures import CommandFailed
 from tokenq.shared.settings import EmbedSettings
+from tokenq.shared.text import plural
 
 T = TypeVar("T")
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenq.producer.ops.snapshot import connect
-from tokenq.shared import functions, lua
-from tokenq.shared.cli import CommandFailed, run_command
+from tokenq.shared import functions, lua_scripts
+from tokenq.shared.cli import run_command
+from tokenq.shared.failures import CommandFailed
 from tokenq.shared.settings import FunctionsSettings
 
 ACTIONS = {
@@ -28,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(settings: FunctionsSettings) -> int:
-    library = lua.library()
+    library = lua_scripts.library()
     if settings.action == "show":
         print(library.name)
         for short, name in library.functions.items():

@@ -33,10 +33,10 @@ from typing import Any
 
 import redis
 
-from tokenq.shared import functions, keys, lua
-from tokenq.shared.cli import plural
+from tokenq.shared import functions, keys, lua_scripts
 from tokenq.shared.dead_letter import DeadLetter, parse_letter
 from tokenq.shared.errors import QueueFull
+from tokenq.shared.text import plural
 
 _PAGE = 100
 _MAX_U64 = (1 << 64) - 1
@@ -382,7 +382,7 @@ def retry_until_full(
             answers = script(keys=[keys.dead(q), keys.requests(q)],
                              args=[max_queue_length, "1" if drop_deadline else "0", *page])
         except redis.ResponseError as exc:
-            full = lua.parse_queue_full(str(exc))
+            full = lua_scripts.parse_queue_full(str(exc))
             if full is None:
                 raise
             outcome.full = (

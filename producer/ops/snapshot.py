@@ -21,22 +21,18 @@ from typing import Any
 
 import redis
 
-from tokenq.producer.connection import sync_client_for
+from tokenq.producer.redis_deadlines import sync_client_for
 from tokenq.shared import keys, redis_refusal
-from tokenq.shared.cli import (
-    EXIT_FAILED,
-    CommandFailed,
-    UsageError,
-    failure_message,
-    is_wrong_type,
-    plural,
-    redact_url,
-)
-from tokenq.shared.depth import Depth, depth, total
 from tokenq.shared.errors import DecodeError
+from tokenq.shared.exit_codes import EXIT_FAILED
+from tokenq.shared.failures import CommandFailed, failure_message, is_wrong_type
+from tokenq.shared.flags import UsageError
 from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat
 from tokenq.shared.queue_config import parse_config
+from tokenq.shared.queue_depth import Depth, depth, total
 from tokenq.shared.redis_text import as_text
+from tokenq.shared.redis_url import redact as redact_url
+from tokenq.shared.text import plural
 
 SNAPSHOT_VERSION = 1
 

@@ -85,6 +85,7 @@ class Gateway:
         self.admission = Admission(settings.max_concurrent_requests)
         self.parser = Parser()
         self.liveness = delivery.Liveness()
+        self.reachability = delivery.Reachability()
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "tokenq_serve_requests", "HTTP requests answered, by route and status",
@@ -153,7 +154,8 @@ class Gateway:
             key, queue, request.state.body_digest, len(job.items))
         work = asyncio.ensure_future(delivery.deliver(
             self.clients[queue], queue, job, timeout_s=self.settings.timeout_s,
-            cold_start_s=self.settings.cold_start_s, liveness=self.liveness, unique=unique,
+            cold_start_s=self.settings.cold_start_s, liveness=self.liveness,
+            reachability=self.reachability, unique=unique,
         ))
         try:
             while True:

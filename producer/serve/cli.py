@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenq.shared.cli import UsageError, run_command
+from tokenq.shared.cli import run_command
+from tokenq.shared.flags import UsageError
 from tokenq.shared.settings import ServeSettings
 
 

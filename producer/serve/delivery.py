@@ -1,6 +1,6 @@
 """How a route's job reaches its queue: no live worker, scale-from-zero, and retried requests.
 
-Two questions every POST route asks before and while it waits (docs/OPERATIONS.md,
+Three questions every POST route asks before and while it waits (docs/OPERATIONS.md,
 "No live worker"; docs/DECISIONS.md, "Gateway drop-in (issue 24)"):
 
 * **Is anyone there?** The workers' liveness keys (what ``/ready`` reads)
@@ -11,7 +11,9 @@ Two questions every POST route asks before and while it waits (docs/OPERATIONS.m
   request is queued (so a KEDA-scaled fleet at zero sees the stream grow
   and starts a worker) and the route waits up to N s for a worker to come
   alive, then as usual for the answer; no worker by then is the same 503
-  (the entry stays queued until its deadline). A positive answer is
+  (the entry stays queued until its deadline, so without an
+  ``Idempotency-Key`` the answer carries ``x-should-retry: false``, which
+  keeps the OpenAI SDK from queueing it again: :func:`left_queued`). A positive answer is
   remembered for :data:`ALIVE_CACHE_S`, so a busy gateway asks Redis about
   once a second per queue, not once a request.
 * **Was this asked before?** A request carrying ``Idempotency-Key`` gets
@@ -20,6 +22,17 @@ Two questions every POST route asks before and while it waits (docs/OPERATIONS.m
   the enqueue script's dedupe (``--dedupe-ttl-s``): a retry of the same body
   with the same key writes nothing new and reads the first attempt's
   replies. A key reused with another body names other requests.
+* **Is Redis still there?** A queued request's wait rides out an outage by
+  itself (the client's reply listener reconnects until the deadline), which
+  suits a library call and not an HTTP caller, who would learn of the outage
+  only at ``--timeout-s``. So while a route waits, the queue's Redis is
+  asked (``XLEN``, what ``/health`` reads) every :data:`PROBE_S`, one probe
+  per queue however many requests wait (:class:`Reachability`); a probe
+  that redis-py's retries give up on ends every wait on that queue with the
+  503 a route gives when Redis is down before anything is queued, within
+  about 1.5 s. The queued entries stay (``x-should-retry: false`` as
+  above); a client that retries with its ``Idempotency-Key`` once Redis is
+  back reads their replies.
 """
 
 from __future__ import annotations
@@ -27,17 +40,23 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import Any
+from typing import Any, TypeVar
 
-from tokenq.producer import AsyncClient, Result
-from tokenq.producer.serve.errors import ApiError
+from tokenq.producer import AsyncClient, BrokerUnavailable, Result
+from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.producer.serve.schemas import Job
+
+T = TypeVar("T")
 
 ALIVE_CACHE_S = 1.0
 """How long a queue seen with a live worker is taken to still have one."""
 
 WORKER_POLL_S = 0.25
 """How often a cold start asks whether a worker has come alive."""
+
+PROBE_S = 0.25
+"""How often a waiting request's queue is asked whether its Redis still answers; with
+redis-py's retries (about 1.1 s) an outage ends a wait within about 1.5 s."""
 
 IDEMPOTENCY_HEADER = "idempotency-key"
 """The header OpenAI's API and Stripe-style clients name a retried request with."""
@@ -89,29 +108,96 @@ class Liveness:
         return False
 
 
+class Reachability:
+    """Whether each queue's Redis still answers, asked at most once per :data:`PROBE_S`
+    per queue: every request waiting on the queue shares the probe in flight."""
+
+    def __init__(self) -> None:
+        self._probes: dict[str, tuple[float, asyncio.Future[BrokerUnavailable | None]]] = {}
+
+    async def check(self, queue: str, client: AsyncClient) -> None:
+        """Return when the queue's Redis answered the latest probe; else raise its outage."""
+        started, probe = self._probes.get(queue, (0.0, None))
+        if probe is None or (probe.done() and time.monotonic() - started >= PROBE_S):
+            probe = asyncio.ensure_future(_probe(client))
+            self._probes[queue] = (time.monotonic(), probe)
+        down = await asyncio.shield(probe)  # a waiter that leaves does not end the others' probe
+        if down is not None:
+            raise down
+
+    async def watch(self, queue: str, client: AsyncClient, work: asyncio.Future[T]) -> T:
+        """``work``'s result, or the queue's outage as soon as a probe finds Redis gone."""
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=PROBE_S)
+            if done:
+                return work.result()
+            check = asyncio.ensure_future(self.check(queue, client))
+            try:
+                await asyncio.wait({work, check}, return_when=asyncio.FIRST_COMPLETED)
+                if work.done():
+                    return work.result()
+                check.result()  # BrokerUnavailable when Redis is gone
+            finally:
+                check.cancel()  # a no-op once it is done
+
+
+async def _probe(client: AsyncClient) -> BrokerUnavailable | None:
+    """Redis's outage, or None when it answered (or refused otherwise: an ACL, not an outage)."""
+    try:
+        await client.queue_length()
+    except BrokerUnavailable as down:
+        return down
+    except Exception:  # no news of an outage; the request's own wait goes on
+        return None
+    return None
+
+
 async def deliver(
     client: AsyncClient, queue: str, job: Job, *, timeout_s: float, cold_start_s: float,
-    liveness: Liveness, unique: list[str] | None,
+    liveness: Liveness, reachability: Reachability, unique: list[str] | None,
 ) -> list[Result]:
     """The job's results, asked of ``queue`` as the module's rules say."""
-    if await liveness.alive(queue, client):
-        return await _send(client, job, timeout_s, unique)
-    if cold_start_s <= 0:
+    alive = await liveness.alive(queue, client)
+    if not alive and cold_start_s <= 0:
         raise no_worker(queue, "nothing was queued (--cold-start-s 0); retry when /ready "
                         "answers 200")
     work = asyncio.ensure_future(_send(client, job, timeout_s, unique))
     try:
-        until = time.monotonic() + cold_start_s
-        while not work.done():
-            if await liveness.alive(queue, client):
-                return await work
-            if time.monotonic() >= until:
-                raise no_worker(queue, f"none came alive within {cold_start_s} s "
-                                "(--cold-start-s); the request stays queued until its deadline")
-            await asyncio.wait({work}, timeout=WORKER_POLL_S)
-        return work.result()
+        if not alive:
+            await _cold_start(queue, client, work, cold_start_s, liveness)
+        return await reachability.watch(queue, client, work)
+    except BrokerUnavailable as down:  # Redis went after (or while) the job was written
+        raise left_queued(from_exception(down), unique) from down
+    except ApiError as error:
+        raise left_queued(error, unique) from None
     finally:
         work.cancel()  # a no-op once it is done
+
+
+async def _cold_start(queue: str, client: AsyncClient, work: asyncio.Future[Any],
+                      cold_start_s: float, liveness: Liveness) -> None:
+    """Return once a worker is alive or ``work`` is done; no_worker after ``cold_start_s``."""
+    until = time.monotonic() + cold_start_s
+    while not work.done():
+        if await liveness.alive(queue, client):
+            return
+        if time.monotonic() >= until:
+            raise no_worker(queue, f"none came alive within {cold_start_s} s "
+                            "(--cold-start-s); the request stays queued until its deadline")
+        await asyncio.wait({work}, timeout=WORKER_POLL_S)
+
+
+def left_queued(error: ApiError, unique: list[str] | None) -> ApiError:
+    """``error`` for a request whose entries may stay queued until their deadline.
+
+    Without an ``Idempotency-Key`` a retry would queue every input again, so
+    the answer asks the OpenAI SDK not to retry (``x-should-retry: false``,
+    which it obeys before its own rules); with a key a retry is safe (it
+    reads the first attempt's replies) and left to the client.
+    """
+    if unique is None and error.status >= 500:
+        error.headers = {**error.headers, "x-should-retry": "false"}
+    return error
 
 
 async def _send(

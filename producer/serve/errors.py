@@ -31,9 +31,9 @@ single-text model, an unknown prompt, more
 dimensions than the model has): the
 producer's ``BadRequest``, the worker's
 ``bad_request`` / ``too_long``
-a route the queue's model does not answer   422     ``not_an_embedding_model``,
-(embeddings from a classifier, ``/rerank``          ``not_a_reranker``,
-on an embedder)                                     ``not_a_classifier``
+a route the queue's model does not answer   424     ``not_an_embedding_model``,
+(embeddings from a classifier, ``/rerank``          ``not_a_reranker``, TEI's
+on an embedder)                                     ``Backend``; before enqueueing
 unknown model name                          404     OpenAI's ``model_not_found``
 the queue is full                           429     ``Retry-After`` (seconds)
 Redis unreachable                           503
@@ -68,10 +68,16 @@ from tokenq.producer import (
     RemoteError,
     ReplyTimeout,
 )
+from tokenq.producer.call_options import WORKER_OPTIONS
 from tokenq.shared.errors import ErrorCode
 
 RETRY_AFTER_S = 1
 """What ``Retry-After`` says when the queue is full: about one batch's time is plenty."""
+
+_OPTION_PREFIX = "opts: "
+"""How the producer's and the worker's messages mark an option's refusal; the field's name
+follows it, so it is not repeated in the answer."""
+
 
 _VALIDATION_CODES = {ErrorCode.BAD_REQUEST.value, ErrorCode.TOO_LONG.value}
 
@@ -141,8 +147,15 @@ def too_large(param: str, message: str) -> ApiError:
 
 
 def wrong_model(code: str, message: str) -> ApiError:
-    """422: the queue's model does not answer what this route asks (named by ``code``)."""
-    return ApiError(422, message, param="model", code=code)
+    """424: the queue's model does not answer what this route asks (named by ``code``).
+
+    TEI's status and body for it on every route (``/embed`` on a classifier,
+    ``/rerank`` on an embedder, ``/embed_sparse`` on a dense model, and its
+    OpenAI route): its router answers a ``Backend`` error, 424, before any
+    inference; its published spec lists no other status for it. The OpenAI
+    body carries ``code`` (``not_an_embedding_model``, ...).
+    """
+    return ApiError(424, message, param="model", code=code)
 
 
 def from_exception(
@@ -150,15 +163,17 @@ def from_exception(
 ) -> ApiError:
     """The answer for what the client raised (anything else is a bug: re-raised).
 
-    ``options`` are the request options the call sent: a refusal that names
-    one (the producer's or the worker's) is answered with that option as
-    the field at fault, since it is the request field of the same name;
-    any other refusal names ``items``, the field holding the inputs.
+    ``options`` are the request options the call sent. A refusal carries the
+    parameter at fault (``BadRequest.param``, the worker's ``param``): when
+    that is one of ``options`` it is the request field of the same name and
+    is answered as the field at fault; any other refusal names ``items``,
+    the field holding the inputs (``text``, ``texts``, ``text_pair`` and
+    the rest are the client's argument names, not this route's fields).
     """
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, BadRequest):
-        return _client_fault(str(exc), "bad_request", options, items)
+        return _client_fault(str(exc), "bad_request", _param(exc), options, items)
     if isinstance(exc, QueueFull):
         return ApiError(429, f"the queue is full, retry later: {exc}", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -168,24 +183,33 @@ def from_exception(
         return ApiError(504, str(exc), code="timeout")
     if isinstance(exc, RemoteError):
         if exc.code in _VALIDATION_CODES:
-            return _client_fault(exc.message, exc.code, options, items)
+            return _client_fault(exc.message, exc.code, _param(exc, exc.message), options, items)
         return ApiError(424, f"the model failed: {exc.code}: {exc.message}", code=exc.code)
     raise exc
 
 
-def _client_fault(message: str, code: str, options: Collection[str], items: str) -> ApiError:
+def _param(exc: BadRequest | RemoteError, message: str | None = None) -> str | None:
+    """The parameter ``exc`` names. Only a reply from a worker that predates ``param``
+    (``message``: a RemoteError's) has its field read from the text, as before."""
+    if exc.param is not None or message is None:
+        return exc.param
+    return _named_option_of_old_worker(message.removeprefix(_OPTION_PREFIX))
+
+
+def _client_fault(
+    message: str, code: str, param: str | None, options: Collection[str], items: str
+) -> ApiError:
     """422 for input or an option the queue refused, naming the option when it is one."""
-    message = message.removeprefix("opts: ")  # how the worker marks an option's refusal
-    option = named_option(message, options)
-    if option is None:
+    message = message.removeprefix(_OPTION_PREFIX)
+    if param is None or param not in options:
         return ApiError(422, f"{items}: {message}", param=items, code=code)
-    if not message.startswith(option):
-        message = f"{option}: {message}"
-    return ApiError(422, message, param=option, code=code)
+    if not message.startswith(param):
+        message = f"{param}: {message}"
+    return ApiError(422, message, param=param, code=code)
 
 
-def named_option(message: str, options: Collection[str]) -> str | None:
-    """The first of ``options`` that ``message`` names as a word, if any."""
-    found = [(match.start(), name) for name in options
-             if (match := re.search(rf"\b{re.escape(name)}\b", message))]
-    return min(found)[1] if found else None
+def _named_option_of_old_worker(message: str) -> str | None:
+    """The option an error reply without ``param`` names: the first word of ``message``, when
+    that is an option's name (a worker from before ``param`` sent only the message)."""
+    match = re.match(r"(\w+)", message)
+    return match.group(1) if match and match.group(1) in WORKER_OPTIONS else None

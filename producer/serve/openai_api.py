@@ -25,6 +25,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ConfigDict, Field, PlainValidator
+from typing_extensions import TypedDict
 
 from tokenq.producer.serve import openapi, scores
 from tokenq.producer.serve.bounds import kind
@@ -52,13 +53,21 @@ def documents_only(value: Any) -> list[str]:
     return texts
 
 
+class TextObject(TypedDict):
+    """A document as an object (Cohere v1, Jina): only ``text`` is read, other keys ignored."""
+
+    __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
+    text: str
+
+
 class Rerank(Body):
     """``POST /v1/rerank`` (Cohere v1/v2, Jina); unknown fields refused, as on /v1/embeddings."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     query: str
-    documents: Annotated[list[str], PlainValidator(documents_only)]
+    documents: Annotated[list[str], PlainValidator(
+        documents_only, json_schema_input_type=list[str | TextObject])]
     top_n: Annotated[int, Field(ge=1)] | None = None
     return_documents: bool = False
     model: str | None = None
@@ -126,9 +135,9 @@ async def rerank(request: Request) -> Response:
     return await request.app.state.answer("/v1/rerank", ApiError.openai_body, work, admit=True)
 
 
-openapi.describe_route("post", "/v1/rerank", Rerank, dict[str, Any], openapi.OpenAIError,
+openapi.describe_route("post", "/v1/rerank", Rerank, openapi.RerankList, openapi.OpenAIError,
                        "Cohere/Jina-style rerank")
-openapi.describe_route("get", "/v1/models", None, dict[str, Any], openapi.OpenAIError,
+openapi.describe_route("get", "/v1/models", None, openapi.ModelList, openapi.OpenAIError,
                        "OpenAI: the models served")
-openapi.describe_route("get", "/v1/models/{model}", None, dict[str, Any], openapi.OpenAIError,
-                       "OpenAI: one model")
+openapi.describe_route("get", "/v1/models/{model}", None, openapi.ModelCard,
+                       openapi.OpenAIError, "OpenAI: one model", statuses=(401, 404, 503))

@@ -25,7 +25,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, TypeAdapter
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from tokenq.producer.serve import schemas, scores, tei_api
 
@@ -36,8 +36,8 @@ ERROR_STATUSES = {
     408: "the body was not received within --timeout-s",
     413: "the body or the batch is too large",
     415: "the body is not JSON",
-    422: "a field does not validate, or the queue cannot serve it",
-    424: "the model failed",
+    422: "a field does not validate, or the queue cannot serve it as asked",
+    424: "the model failed, or the queue's model is not of the kind the route needs",
     429: "overloaded: too many requests in flight, or the queue is full",
     503: "Redis is unreachable, or no worker serves the queue",
     504: "no answer within --timeout-s",
@@ -109,6 +109,44 @@ class OpenAIEmbeddingList(TypedDict):
     usage: OpenAIUsage
 
 
+class RerankDocument(TypedDict):
+    text: str
+
+
+class RerankResult(TypedDict):
+    """One of Cohere's ``results``: ``document`` only with ``return_documents``."""
+
+    index: int
+    relevance_score: float
+    document: NotRequired[RerankDocument]
+
+
+class RerankList(TypedDict):
+    """``POST /v1/rerank``'s answer: Cohere's ``results`` (best first), as Jina's clients read
+    them too."""
+
+    object: Literal["list"]
+    results: list[RerankResult]
+    model: str
+    usage: OpenAIUsage
+
+
+class ModelCard(TypedDict):
+    """OpenAI's ``Model``."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(TypedDict):
+    """``GET /v1/models``' answer."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
 Embeddings = list[list[float]]
 Predictions = list[Prediction] | list[list[Prediction]]
 
@@ -123,6 +161,9 @@ class Route:
     """The 200 answer's type (a TypedDict, list, dict ...)."""
     error: type = TEIError
     summary: str = ""
+    statuses: tuple[int, ...] | None = None
+    """Its error statuses; None: every one of :data:`ERROR_STATUSES` for a POST,
+    :data:`_GET_STATUSES` for a GET."""
 
 
 _TEI_POST = {
@@ -162,9 +203,11 @@ ROUTES: dict[tuple[str, str], Route] = {
 
 
 def describe_route(method: str, path: str, body: Any, answer: Any, error: type = TEIError,
-                   summary: str = "") -> None:
-    """Publish ``method path``'s body model (None for a GET) and answer type in the document."""
-    ROUTES[(method.lower(), path)] = Route(body, answer, error, summary)
+                   summary: str = "", statuses: tuple[int, ...] | None = None) -> None:
+    """Publish ``method path``'s body model (None for a GET), answer type and error statuses
+    (default: as :class:`Route` says) in the document."""
+    ROUTES[(method.lower(), path)] = Route(body, answer, error, summary, statuses)
+
 
 _GET_STATUSES = (401, 503)
 
@@ -195,7 +238,8 @@ def _complete(spec: dict[str, Any]) -> None:
     components: dict[str, Any] = spec.setdefault("components", {}).setdefault("schemas", {})
     for path, operations in spec.get("paths", {}).items():
         for method, operation in operations.items():
-            operation["operationId"] = f"{method}_{path.strip('/').replace('/', '_') or 'root'}"
+            name = path.strip("/").replace("/", "_").replace("{", "").replace("}", "")
+            operation["operationId"] = f"{method}_{name or 'root'}"
             route = ROUTES.get((method, path))
             error = route.error if route else (OpenAIError if path.startswith("/v1/")
                                                else TEIError)
@@ -212,7 +256,8 @@ def _complete(spec: dict[str, Any]) -> None:
                     operation["requestBody"] = {
                         "required": True, **_content("the body", route.body, components)}
             operation.setdefault("responses", {}).pop("422", None)  # FastAPI's own shape
-            statuses = ERROR_STATUSES if method == "post" else _GET_STATUSES
+            statuses = route.statuses if route is not None and route.statuses else (
+                tuple(ERROR_STATUSES) if method == "post" else _GET_STATUSES)
             for status in statuses:
                 operation["responses"][str(status)] = _content(
                     ERROR_STATUSES[status], error, components)

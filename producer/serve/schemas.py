@@ -4,7 +4,7 @@ Parsing is ours rather than FastAPI's, so a field that does not validate is
 a 422 in the API's own error shape naming the field (``input``,
 ``encoding_format``), not FastAPI's generic body. A body becomes a
 :class:`Job`: the inputs for one ``infer_many`` and the per-request options
-(the keywords of :mod:`tokenq.producer.options`) the queue's workers apply
+(the keywords of :mod:`tokenq.producer.call_options`) the queue's workers apply
 and check. Only what no worker can serve is refused here, by name: token-id
 input (workers take text), left truncation (they keep the start of a text),
 Infinity's image and audio modalities.
@@ -193,13 +193,13 @@ def refuse_left(direction: str) -> None:
 
 
 def require_embeddings(config: QueueConfig | None, model: str) -> None:
-    """422 before anything is sent when the queue's config says its model answers scores."""
+    """424 before anything is sent when the queue's config says its model answers scores."""
     if config is not None and config.task not in (None, "embed"):
         raise _not_embeddings(model)
 
 
 def embeddings_of(results: Sequence[Result], model: str) -> list[Any]:
-    """Each result's vector; 422 for a queue whose model answers scores."""
+    """Each result's vector; 424 for a queue whose model answers scores."""
     vectors = []
     for result in results:
         if result.embedding is None:

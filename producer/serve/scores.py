@@ -29,7 +29,14 @@ from tokenq.producer import Result
 from tokenq.producer.core import TextItem
 from tokenq.producer.serve.bounds import TEXT, TEXTS, check_each, kind
 from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
-from tokenq.producer.serve.schemas import Body, Direction, Job, one_kind, parse, refuse_left
+from tokenq.producer.serve.schemas import (
+    Body,
+    Direction,
+    Job,
+    one_kind,
+    parse,
+    refuse_left,
+)
 from tokenq.shared.queue_config import QueueConfig
 
 
@@ -125,7 +132,7 @@ def _sequence(parts: Sequence[str], where: str) -> TextItem:
 
 
 def require_reranker(config: QueueConfig | None) -> None:
-    """422 unless the queue's model is a reranker (TEI refuses any other model, too)."""
+    """424 unless the queue's model is a reranker (TEI refuses any other model, too)."""
     if config is None:
         return  # no worker has described the queue yet: the workers will decide
     if config.task == "rerank" or (config.task is None and config.pairs):
@@ -137,7 +144,7 @@ def require_reranker(config: QueueConfig | None) -> None:
 
 
 def require_classifier(config: QueueConfig | None, job: Job) -> None:
-    """422 unless the queue's model answers scores, and takes pairs if ``job`` has any."""
+    """424 unless the queue's model answers scores, and takes pairs if ``job`` has any."""
     if config is None:
         return
     if config.task in (None, "embed", "sparse"):
@@ -160,7 +167,7 @@ def label_names(count: int, labels: Sequence[str] | None) -> list[str]:
 
 
 def scores_of(result: Result) -> tuple[float, ...]:
-    """A result's scores; 422 for an embedding, 424 for a NaN (as TEI answers one)."""
+    """A result's scores; 424 for an embedding (the wrong kind) or a NaN (as TEI answers one)."""
     if result.scores is None:
         raise wrong_model("not_a_classifier", "the queue answered an embedding, not scores")
     if any(math.isnan(score) for score in result.scores):

@@ -8,7 +8,8 @@ TEI's published ``docs/openapi.json`` is the contract. Both bodies are
   ``[{"index": token_id, "value": weight}]`` for the nonzero weights, in
   increasing ``index``. The queue's workers run a SPLADE model
   (``--task sparse``); a queue whose config hash says it serves another kind
-  is refused with 422 ``not_a_sparse_model`` before anything is enqueued.
+  is refused with 424 ``not_a_sparse_model`` before anything is enqueued
+  (TEI's status for a route its model does not serve).
 * ``/embed_all`` (``EmbedAllResponse``): per input, one vector per token
   (special and prompt tokens included): the request option ``output:
   "tokens"`` on an embedding queue. The answer is bounded before anything is
@@ -31,7 +32,14 @@ from tokenq.producer import Result
 from tokenq.producer.serve import openapi, schemas
 from tokenq.producer.serve.bounds import check_token_answer
 from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
-from tokenq.producer.serve.schemas import Body, Direction, Job, TEIInputs, parse, refuse_left
+from tokenq.producer.serve.schemas import (
+    Body,
+    Direction,
+    Job,
+    TEIInputs,
+    parse,
+    refuse_left,
+)
 from tokenq.shared.queue_config import QueueConfig
 
 if TYPE_CHECKING:
@@ -89,7 +97,7 @@ def _request(raw: bytes, options: dict[str, Any]) -> tuple[TEIPerToken, Job]:
 
 
 def require_sparse(config: QueueConfig | None, model: str) -> None:
-    """422 before anything is sent when the queue's config says it serves another kind."""
+    """424 before anything is sent when the queue's config says it serves another kind."""
     if config is not None and config.task is not None and config.task != SPARSE_TASK:
         raise _not_sparse(model, config.task)
 

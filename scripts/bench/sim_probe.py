@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokenq.shared.settings import WorkerSettings
 from tokenq.worker.backends.sim import SimBackend, build_sim_backend
+from tokenq.worker.settings import WorkerSettings
 
 STATS_ENV = "BENCH_SIM_STATS"
 

@@ -85,9 +85,12 @@ COLUMNS = [
 def priority_supported() -> bool:
     """Whether the tokenq imported here takes ``priority=`` on ``infer``."""
     try:
-        from tokenq.producer import options
+        from tokenq.producer import call_options as options
     except ImportError:
-        return False
+        try:  # a --baseline checkout from before the module's rename
+            from tokenq.producer import options  # type: ignore[no-redef]
+        except ImportError:
+            return False
     declared = getattr(getattr(options, "RequestOptions", None), "__optional_keys__", ())
     return "priority" in declared
 
@@ -95,7 +98,7 @@ def priority_supported() -> bool:
 def worker_default(name: str) -> float | None:
     """A worker setting's default in the tokenq imported here (None: it has no such setting)."""
     try:
-        from tokenq.shared.settings import WorkerSettings
+        from tokenq.worker.settings import WorkerSettings
 
         return float(WorkerSettings.model_fields[name].default)
     except (ImportError, AttributeError, KeyError, TypeError, ValueError):

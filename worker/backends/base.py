@@ -4,7 +4,9 @@ A backend owns a tokenizer and a model. The worker asks it for exact token
 lengths (``tokenize``), hands it token-budgeted batches (``run``), and reads
 its limits from ``info``; ``info.padded`` feeds the packer's cost model, as
 TEI's ``is_padded`` does. Backends are plain objects; a plugin is any
-``factory(settings) -> Backend`` named as ``package.module:factory``.
+``factory(settings) -> Backend`` named as ``package.module:factory``, or a
+:class:`~tokenq.worker.backends.registry.BackendEntry` that brings its own
+settings (flags and ``TOKENQ_*`` variables) too.
 
 What a backend can do beyond the four members is declared, never probed:
 facts about its outputs are fields of :class:`BackendInfo` (``normalized``,
@@ -68,7 +70,8 @@ class BackendInfo:
     """``run`` returns embeddings *before* the final L2 normalisation; the worker then
     normalises per request (``normalized`` is the default, the ``normalize`` option
     overrides it). False: ``run`` returns the queue's answer as is, so a request for
-    ``normalize: false`` on a ``normalized`` queue is refused."""
+    ``normalize: false`` on a ``normalized`` queue is refused (by the producer too: the
+    config hash publishes it, and both sides read it as ``ModelFacts.raw_vectors``)."""
     activation: Activation = "none"
     """What turns a row's raw scores (``run`` always returns the logits) into the scores
     a reply carries by default; a request with ``raw_scores: true`` gets the logits."""

@@ -1,9 +1,10 @@
 """Turn the ``backend`` setting into a Backend object, or a ConfigError that says why not.
 
-``backend`` is ``sim`` (the simulated GPU), ``hf`` (Hugging Face
-transformers, imported only when asked for, so a sim worker never loads
-torch), or a plugin named as ``package.module:factory``; a plugin factory
-takes the :class:`WorkerSettings` and returns any object with the
+``backend`` is a registered backend's name (:mod:`.registry`: ``sim``, the
+simulated GPU; ``hf``, Hugging Face transformers, whose builder is imported
+only when asked for, so a sim worker never loads torch), or a plugin named as
+``package.module:factory``; a plugin factory takes the worker's settings
+(``tokenq.worker.settings.WorkerSettings``) and returns any object with the
 :class:`~tokenq.worker.backends.base.Backend` members. Every way this can go wrong
 at start-up (a typo, a missing module, a factory that raises or returns the
 wrong thing) ends as one :class:`ConfigError` naming the spec, so the worker
@@ -18,8 +19,8 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from tokenq.shared.errors import ConfigError
-from tokenq.shared.settings import WorkerSettings
 from tokenq.worker.backends.base import TASKS, Backend, BackendInfo
+from tokenq.worker.backends.registry import BackendEntry, by_name, registered
 
 _BACKEND_MEMBERS = ("info", "tokenize", "run", "close")
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -27,51 +28,39 @@ _PLUGIN_SPEC = re.compile(
     rf"^(?P<module>{_IDENTIFIER}(?:\.{_IDENTIFIER})*)"
     rf":(?P<attr>{_IDENTIFIER}(?:\.{_IDENTIFIER})*)$"
 )
-HF_MODULE = "tokenq.worker.backends.hf.backend"
 
 
-def load_backend(settings: WorkerSettings) -> Backend:
+def load_backend(settings: Any) -> Backend:
     """Build the backend ``settings.backend`` names; ConfigError if it cannot."""
     spec = settings.backend.strip()
-    if spec == "sim":
-        from tokenq.worker.backends.sim import build_sim_backend
-
-        return _checked(build_sim_backend(settings), spec)
-    if spec == "hf":
-        return _checked(_call(_hf_factory(), settings, spec), spec)
+    entry = by_name(spec)
+    if entry is not None:
+        return _checked(_call(_builder(entry), settings, spec), spec)
     return _checked(_call(_plugin_factory(spec), settings, spec), spec)
 
 
-def _hf_factory() -> Callable[[WorkerSettings], Any]:
-    """``hf.backend.build_hf_backend``, imported only now (it pulls in torch)."""
+def _builder(entry: BackendEntry) -> Callable[[Any], Any]:
+    """A registered backend's builder, imported only now (hf's pulls in torch)."""
     try:
-        module = importlib.import_module(HF_MODULE)
+        return entry.builder()
     except ModuleNotFoundError as exc:
-        if exc.name == HF_MODULE:
-            raise ConfigError(
-                f"backend 'hf' needs the module {HF_MODULE}, which this tokenq install "
-                "does not have"
-            ) from None
         raise ConfigError(
-            f"backend 'hf' needs {exc.name!r}, which is not installed; "
+            f"backend {entry.name!r} needs {exc.name!r}, which is not installed; "
             "install the worker extra: pip install 'tokenq[worker]'"
         ) from None
     except Exception as exc:
         raise ConfigError(
-            f"backend 'hf': importing {HF_MODULE} raised {type(exc).__name__}: {exc}"
+            f"backend {entry.name!r}: importing {entry.build} raised {type(exc).__name__}: {exc}"
         ) from exc
-    factory = getattr(module, "build_hf_backend", None)
-    if not callable(factory):
-        raise ConfigError(f"{HF_MODULE} has no callable build_hf_backend")
-    return factory
 
 
-def _plugin_factory(spec: str) -> Callable[[WorkerSettings], Any]:
+def _plugin_factory(spec: str) -> Callable[[Any], Any]:
     """The callable a ``package.module:factory`` spec names."""
     match = _PLUGIN_SPEC.match(spec)
     if match is None:
         raise ConfigError(
-            f"backend {spec!r} is not 'sim', 'hf' or a plugin as 'package.module:factory'"
+            f"backend {spec!r} is not {_registered_names()} or a plugin as "
+            "'package.module:factory'"
         )
     module_name, attr_path = match["module"], match["attr"]
     try:
@@ -106,7 +95,7 @@ def _plugin_factory(spec: str) -> Callable[[WorkerSettings], Any]:
     return target
 
 
-def _call(factory: Callable[[WorkerSettings], Any], settings: WorkerSettings, spec: str) -> Any:
+def _call(factory: Callable[[Any], Any], settings: Any, spec: str) -> Any:
     """Call a factory; anything it raises becomes a ConfigError naming the spec."""
     try:
         return factory(settings)
@@ -153,3 +142,8 @@ def _checked(backend: Any, spec: str) -> Backend:
 def _is_prefix(missing: str, module_name: str) -> bool:
     """True when ``missing`` is ``module_name`` or one of its parent packages."""
     return module_name == missing or module_name.startswith(missing + ".")
+
+
+def _registered_names() -> str:
+    """The registered backends' names, for a message: ``'hf', 'sim'``."""
+    return ", ".join(repr(entry.name) for entry in registered())

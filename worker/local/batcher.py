@@ -436,7 +436,8 @@ class Batcher:
             return
         if isinstance(result, Failure):
             self.stats.failed += 1
-            pending.future.set_exception(remote_error(result.code, result.message))
+            pending.future.set_exception(
+                remote_error(result.code, result.message, param=result.param))
         else:
             pending.future.set_result(result)
 

@@ -56,7 +56,7 @@
 --
 -- A letter written here follows the same format and caps as one the worker
 -- builds in Python (tokenq.shared.dead_letter): each tokenq:include line is
--- replaced, when tokenq.shared.lua loads this file, by that fragment of
+-- replaced, when tokenq.shared.lua_scripts loads this file, by that fragment of
 -- shared/lua/, which holds the Lua side of the format (is_dead_field,
 -- copy_capped, append_death).
 

@@ -7,6 +7,9 @@ written once and both honour it:
 
 * :mod:`.pipeline` requests → jobs → batch outcomes (the rules);
 * :mod:`.execute` one batch on the device, failures isolated;
-* :mod:`.chunks` windows of an over-long input and their combination;
+* :mod:`.finisher` what options and model defaults do to a result;
 * :mod:`.jobs` the Redis side: stream entries in, dead letters, answer bytes out.
+
+The windows of an over-long input and their combination are
+:mod:`tokenq.worker.backends.chunks`, below the backends that cut them.
 """

@@ -54,7 +54,7 @@ from tokenq.worker.pipeline.execute import (
     describe,
     run_isolated,
 )
-from tokenq.worker.pipeline.options import Finisher, facts_of, sparse_entries
+from tokenq.worker.pipeline.finisher import Finisher, facts_of, sparse_entries
 
 K = TypeVar("K")
 
@@ -258,7 +258,8 @@ class Pipeline(Generic[K]):
             try:
                 options = parse_options(opts, self.facts) if opts else NO_OPTIONS
             except ValueError as exc:
-                out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, f"opts: {exc}"))
+                out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, f"opts: {exc}",
+                                                 getattr(exc, "param", None)))
                 continue
             valid.append((item, options))
         if valid:
@@ -356,8 +357,11 @@ class Pipeline(Generic[K]):
                    chunk, chunk_index, options)
 
     @staticmethod
-    def _failed(item: Admit[K], code: ErrorCode, message: str) -> Outcome[K]:
-        return Outcome(item.ref, item.request, Failure(code.value, message[:MAX_MESSAGE_CHARS]))
+    def _failed(
+        item: Admit[K], code: ErrorCode, message: str, param: str | None = None
+    ) -> Outcome[K]:
+        failure = Failure(code.value, message[:MAX_MESSAGE_CHARS], param)
+        return Outcome(item.ref, item.request, failure)
 
     # -------------------------------------------------------------- run a batch
 
@@ -441,7 +445,7 @@ class Pipeline(Generic[K]):
         """The wire reply for a finished request: an embedding or scores, or the error."""
         request, result = outcome.request, outcome.result
         if isinstance(result, Failure):
-            return wire.error_reply(request.id, result.code, result.message)
+            return wire.error_reply(request.id, result.code, result.message, result.param)
         if result.ndim == 2:  # output: tokens (Finisher.one): one vector per token
             rows = np.ascontiguousarray(result, dtype="<f4")
             return wire.token_embeddings_reply(

@@ -41,24 +41,9 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Literal
 
+from tokenq.shared.exit_codes import EXIT_OK, EXIT_USAGE, MEANINGS
+
 log = logging.getLogger("tokenq.worker")
-
-EXIT_OK = 0
-EXIT_USAGE = 2
-"""A configuration or usage error: restarting cannot help."""
-EXIT_HUNG = 3
-"""A stage holding entries hung past its deadline (the worker's watchdog: a batch on the
-device, or a read being tokenized, past ``batch_timeout_s``; ``worker/stages.py``)."""
-EXIT_FATAL = 4
-"""The worker itself failed: the device was lost (a sticky CUDA error) or an internal error."""
-
-_MEANINGS = {
-    EXIT_OK: "clean stop",
-    1: "error",
-    EXIT_USAGE: "configuration or usage error",
-    EXIT_HUNG: "a batch hung past batch_timeout_s",
-    EXIT_FATAL: "fatal: the device was lost or an internal error",
-}
 
 _POLL_S = 0.1
 _REPEAT_S = 1.0
@@ -78,7 +63,7 @@ def describe_exit(code: int | None) -> str:
             return f"signal {signal.Signals(-code).name}"
         except ValueError:
             return f"signal {-code}"
-    meaning = _MEANINGS.get(code)
+    meaning = MEANINGS.get(code)
     return f"exit code {code}" + (f" ({meaning})" if meaning else "")
 
 

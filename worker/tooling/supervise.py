@@ -20,7 +20,8 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
-from tokenq.shared.settings import WorkerSettings, env_var, flag
+from tokenq.shared.settings import env_var, flag
+from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling.children import Supervisor
 
 STOP_TIMEOUT_S = 30.0

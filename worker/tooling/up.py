@@ -31,9 +31,11 @@ from pathlib import Path
 import redis
 
 from tokenq.shared import keys
-from tokenq.shared.cli import plural, run_command
-from tokenq.shared.settings import UpSettings, WorkerSettings, flag
+from tokenq.shared.cli import run_command
+from tokenq.shared.settings import UpSettings, flag
+from tokenq.shared.text import plural
 from tokenq.worker import logs
+from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling.children import Child, Supervisor, describe_exit
 from tokenq.worker.tooling.embedded import free_port, server_command
 from tokenq.worker.tooling.supervise import PER_CHILD_ENV

@@ -47,6 +47,7 @@ import torch
 
 from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backends.base import Activation, BackendInfo, TextInput
+from tokenq.worker.backends.chunks import sliding_windows
 from tokenq.worker.backends.hf.activation import classify_activation, rerank_activation
 from tokenq.worker.backends.hf.encoding import HFEncoding, PromptLengths
 from tokenq.worker.backends.hf.head import EmbeddingHead, build_embedding_head
@@ -65,7 +66,6 @@ from tokenq.worker.backends.hf.runtime import (
     resolve_runtime,
 )
 from tokenq.worker.backends.hf.sparse import SparseHead
-from tokenq.worker.pipeline.chunks import sliding_windows
 
 __all__ = ["HFBackend", "HFOptions", "build_hf_backend"]
 

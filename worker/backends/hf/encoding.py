@@ -4,7 +4,7 @@
 and nothing else it does not need, so the read-ahead buffer stays small.
 :class:`PromptLengths` measures prompts the way sentence-transformers does.
 The window arithmetic of the 'chunk' policy lives in
-:mod:`tokenq.worker.pipeline.chunks`.
+:mod:`tokenq.worker.backends.chunks`.
 """
 
 from __future__ import annotations

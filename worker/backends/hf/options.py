@@ -1,6 +1,6 @@
 """The Hugging Face backend's options, and the device and dtype they come to.
 
-The options themselves are :class:`tokenq.shared.settings.HFSettings`, the
+The options themselves are :class:`tokenq.worker.backends.hf.settings.HFSettings`, the
 same definitions ``tokenq worker`` parses (``--model``, ``--task``,
 ``--dtype`` ...); :class:`HFOptions` is that set on its own, frozen, built
 from ``WorkerSettings`` (or any object with the same attribute names) by
@@ -19,8 +19,9 @@ import torch
 from pydantic import ConfigDict, ValidationError
 
 from tokenq.shared.errors import ConfigError
-from tokenq.shared.settings import HFSettings, describe_errors
 from tokenq.shared.settings import Task as HFTask
+from tokenq.shared.settings import describe_errors
+from tokenq.worker.backends.hf.settings import HFSettings
 
 __all__ = ["HFOptions", "HFTask", "resolve_device", "resolve_dtype"]
 

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tokenq.shared.queue_config import describe, model_facts
 from tokenq.shared.request_options import NO_OPTIONS, ModelFacts, RequestOptions
 from tokenq.worker.backends.base import BackendInfo
-from tokenq.worker.pipeline.chunks import combine_chunks
+from tokenq.worker.backends.chunks import combine_chunks
 
 __all__ = ["NO_OPTIONS", "Finisher", "RequestOptions", "facts_of", "sparse_entries"]
 
@@ -34,18 +35,9 @@ _EPS = 1e-12  # sentence-transformers' epsilon: a zero vector stays zero
 
 
 def facts_of(info: BackendInfo) -> ModelFacts:
-    """The facts option checks read, from the backend's own description."""
-    return ModelFacts(
-        embeds=info.embeds,
-        dim=info.dim,
-        normalized=info.normalized,
-        can_unnormalize=info.raw_vectors,
-        prompts=dict(info.prompts),
-        default_prompt_name=info.default_prompt_name,
-        sparse=info.task == "sparse",
-        token_dim=info.token_dim,
-        can_output_tokens=info.token_dim is not None,
-    )
+    """The facts option checks read: those of the config this backend publishes, as the
+    producer reads them (one derivation for both sides)."""
+    return model_facts(describe(info))
 
 
 class Finisher:

@@ -3,7 +3,7 @@
 ``submit``, ``submit_many``, ``infer`` and ``infer_many`` of
 :class:`~tokenq.producer.Client` and :class:`~tokenq.producer.AsyncClient`
 all take ``**options: Unpack[...]`` of the dicts below, and
-:meth:`~tokenq.producer.core.ClientCore.prepare` turns them into a request.
+:meth:`~tokenq.producer.prepare.Preparer.prepare` turns them into a request.
 So a new per-request option the worker reads from a request's ``opts`` map
 is one line in :class:`~tokenq.shared.request_options.WorkerOptions`: every
 enqueueing call of both clients then accepts it as a keyword and sends it in

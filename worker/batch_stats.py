@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenq.shared.cli import plural
+from tokenq.shared.text import plural
 
 log = logging.getLogger("tokenq.worker")
 

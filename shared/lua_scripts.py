@@ -23,7 +23,7 @@ docs/PROTOCOL.md), so it must stay a complete script on disk. It carries a
 *copy* of its fragment, closed by a ``-- tokenq:end queue_full.lua`` line;
 :func:`load` refuses a copy that is not the fragment (so what Redis runs,
 what the file says and what the fragment says never drift apart), and
-``python -m tokenq.shared.lua producer/lua/enqueue.lua`` refreshes it after
+``python -m tokenq.shared.lua_scripts producer/lua/enqueue.lua`` refreshes it after
 the fragment changed.
 
 The same scripts run as one Redis Functions library on Redis 7
@@ -119,7 +119,7 @@ def load(package: str, name: str) -> str:
     if stale:
         raise StaleFragment(
             f"{package} lua/{name} holds an old copy of shared/lua/{', '.join(stale)}; "
-            f"run python -m tokenq.shared.lua on that file to refresh it"
+            f"run python -m tokenq.shared.lua_scripts on that file to refresh it"
         )
     return assemble(source)
 
@@ -212,7 +212,7 @@ def build_library(scripts: Mapping[str, str]) -> Library:
     digest = hashlib.sha1(text("tokenq").encode("utf-8")).hexdigest()[:_HASH_CHARS]
     name = f"{LIBRARY_PREFIX}{digest}"
     code = (f"#!lua name={name}\n"
-            "-- tokenq's Lua scripts as Redis functions, built by tokenq.shared.lua from\n"
+            "-- tokenq's Lua scripts as Redis functions, built by tokenq.shared.lua_scripts from\n"
             "-- producer/lua and worker/lua; the hash in the names is of this code.\n"
             + text(name))
     return Library(name, code, {short: f"{name}_{short}" for short in scripts}, scripts)

@@ -16,12 +16,13 @@ it:
   starts after the deadline and no backoff sleeps past it.
 
 The URL (:mod:`tokenq.shared.redis_url`) picks the client: a single server
-(``redis://``, ``rediss://``, ``unix://``: built exactly as before), a
-``RedisCluster`` (``redis+cluster://``) or a Sentinel-watched master
-(``redis+sentinel://``). The same hooks sit in all three: in a cluster the
-node pools are built from the bounded pool classes, and the cluster's own
-retry loop (which re-reads the topology instead of backing off) stops at the
-deadline (:class:`ClusterDeadlineRetry`); behind Sentinel the managed
+(``redis://``, ``rediss://``, ``unix://``), a ``RedisCluster``
+(``redis+cluster://``) or a Sentinel-watched master (``redis+sentinel://``),
+all built by :mod:`tokenq.shared.redis_client`; this module only hands it the
+hooks (:data:`SYNC_HOOKS`, :data:`ASYNC_HOOKS`), which sit in all three: in a
+cluster the node pools are built from the bounded classes, and the cluster's
+own retry loop (which re-reads the topology instead of backing off) stops at
+the deadline (:class:`ClusterDeadlineRetry`); behind Sentinel the managed
 connections are bounded and so are the sentinels' own.
 
 A connection cut off that way is disconnected by redis-py, never reused
@@ -34,27 +35,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import redis
 import redis.asyncio
-import redis.asyncio.cluster
-import redis.asyncio.sentinel
-import redis.cluster
-import redis.sentinel
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tokenq.producer.calls import ErrorReply, OutOfMemory, Unreachable
 from tokenq.producer.core import BACKOFF_BASE_S, BACKOFF_CAP_S, DEADLINE_GRACE_S
-from tokenq.shared import functions, redis_refusal
+from tokenq.shared import redis_client, redis_refusal
 from tokenq.shared.packing import HiredisPacking
-from tokenq.shared.redis_url import RedisTarget, parse_redis_url
-from tokenq.shared.sentinel_connection import managed_connection
+from tokenq.shared.redis_client import ClientHooks, with_mixins
+from tokenq.shared.redis_client import LazyCluster as LazyCluster  # the sync cluster's stand-in
+from tokenq.shared.redis_url import parse_redis_url
 from tokenq.shared.settings import ClientSettings
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
@@ -234,9 +230,6 @@ class _BoundedSockets(DeadlineTimeouts):
         super().send_packed_command(command, check_health)  # type: ignore[misc]
 
 
-_BOUNDED_CLASSES: dict[tuple[type, type], type] = {}
-
-
 def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> type:
     """``connection_class`` (plain, TLS or Unix socket) with ``mixin`` in front; made once.
 
@@ -246,15 +239,11 @@ def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> ty
     """
     if issubclass(connection_class, mixin):
         return connection_class
-    key = (connection_class, mixin)
-    made = _BOUNDED_CLASSES.get(key)
-    if made is None:
-        bases = (mixin, connection_class)
-        if not issubclass(connection_class, HiredisPacking):
-            bases = (mixin, HiredisPacking, connection_class)
-        made = type(f"Bounded{connection_class.__name__}", bases, {})
-        _BOUNDED_CLASSES[key] = made
-    return made
+    return with_mixins(connection_class, mixin, HiredisPacking)
+
+
+def _sync_bound(connection_class: type) -> type:
+    return deadline_bound(connection_class, _BoundedSockets)
 
 
 # ------------------------------------------------------------------- retries
@@ -335,75 +324,36 @@ class AsyncClusterDeadlineRetry(_ClusterRetries, AsyncDeadlineRetry):
     """The asyncio ``RedisCluster``'s retry: none starts after the caller's deadline."""
 
 
+def _retry(settings: ClientSettings, retry_class: type) -> Any:
+    """Retries with a deadline-bound backoff, of ``retry_class`` (sync, asyncio, cluster)."""
+    return retry_class(
+        DeadlineBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
+        settings.retries,
+        supported_errors=REDIS_DOWN,
+    )
+
+
 def _options(settings: ClientSettings, retry_class: type, client_id: str) -> dict[str, Any]:
     """Socket timeouts, retries with backoff and a client name, for either client."""
     return {
         "socket_timeout": settings.socket_timeout_s,
         "socket_connect_timeout": settings.socket_timeout_s,
-        "retry": retry_class(
-            DeadlineBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
-            settings.retries,
-            supported_errors=REDIS_DOWN,
-        ),
+        "retry": _retry(settings, retry_class),
         "retry_on_error": list(REDIS_DOWN),  # redis-py 5 ignores `retry` without it
         "client_name": f"tokenq-producer-{client_id[:12]}",
     }
 
 
-# --------------------------------------------------------------------- pools
-
-
-class _Pool(redis.ConnectionPool):
-    """A connection pool whose connections wait no longer than their caller."""
-
-    def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
-        super().__init__(connection_class=deadline_bound(connection_class, _BoundedSockets),
-                         **kwargs)
-
-
-class _BlockingPool(DeadlinePoolWait, redis.BlockingConnectionPool):
-    """The same, capped at ``max_connections``; waits for a free one end by the deadline."""
-
-    def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
-        super().__init__(connection_class=deadline_bound(connection_class, _BoundedSockets),
-                         **kwargs)
-
-
-class _AsyncPool(DeadlinePoolWait, redis.asyncio.BlockingConnectionPool):
-    """The async command pool: connections and waits for one bounded by the caller's deadline."""
-
-    def __init__(
-        self, connection_class: type = redis.asyncio.Connection, **kwargs: Any
-    ) -> None:
-        super().__init__(connection_class=deadline_bound(connection_class), **kwargs)
-
-
-class _SentinelPool(redis.sentinel.SentinelConnectionPool):
-    """A Sentinel master's pool: its managed connections wait no longer than their caller."""
-
-    def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
-        managed = managed_connection(tls=kwargs.pop("ssl", False), asyncio=False)
-        kwargs["connection_class"] = deadline_bound(managed, _BoundedSockets)
-        super().__init__(service_name, sentinel_manager, **kwargs)
-
-
-class _BlockingSentinelPool(DeadlinePoolWait, _SentinelPool, redis.BlockingConnectionPool):
-    """The same, capped at ``max_connections`` as :class:`_BlockingPool` is."""
-
-
-class _AsyncSentinelPool(
-    DeadlinePoolWait, redis.asyncio.sentinel.SentinelConnectionPool,
-    redis.asyncio.BlockingConnectionPool,
-):
-    """The async command pool behind Sentinel, bounded as :class:`_AsyncPool` is."""
-
-    def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
-        managed = managed_connection(tls=kwargs.pop("ssl", False), asyncio=True)
-        kwargs["connection_class"] = deadline_bound(managed)
-        super().__init__(service_name, sentinel_manager, **kwargs)
-
-
 # ------------------------------------------------------------------- clients
+
+
+SYNC_HOOKS = ClientHooks(connection=_sync_bound, sentinels=_sync_bound, pool_wait=DeadlinePoolWait)
+"""What the sync client plugs into the factory: deadline-bound connections (which re-arm a
+pooled socket's timeout before each command, the sentinels' too) and pool waits."""
+
+ASYNC_HOOKS = ClientHooks(connection=deadline_bound, sentinels=deadline_bound,
+                          pool_wait=DeadlinePoolWait)
+"""The same for the asyncio clients."""
 
 
 def sync_redis(
@@ -414,32 +364,11 @@ def sync_redis(
     In a cluster the cap is per node, and the ``RedisCluster`` is made at the
     first command (:class:`LazyCluster`), as every other client connects.
     """
-    target = parse_redis_url(settings.redis_url)
-    if target.kind == "cluster":
-        options = _options(settings, ClusterDeadlineRetry, client_id)
-        return LazyCluster(  # type: ignore[return-value]  # it stands in for one
-            lambda: _sync_cluster(target, options, max_connections, settings.timeout_s)
-        )
-    options = _options(settings, DeadlineRetry, client_id)
-    if target.kind == "sentinel":
-        pool_class: type = _SentinelPool
-        if max_connections is not None:
-            pool_class = _BlockingSentinelPool
-            options.update(max_connections=max_connections, timeout=settings.timeout_s)
-        return _sync_sentinel(target, options).master_for(
-            target.service, redis_class=_SentinelMaster, connection_pool_class=pool_class,
-            **options, **_master_kwargs(target),
-        )
-    if max_connections is None:
-        pool: redis.ConnectionPool = _Pool.from_url(settings.redis_url, **options)
-    else:
-        pool = _BlockingPool.from_url(
-            settings.redis_url,
-            max_connections=max_connections,
-            timeout=settings.timeout_s,
-            **options,
-        )
-    return redis.Redis.from_pool(pool)
+    return redis_client.sync_client(
+        parse_redis_url(settings.redis_url), _options(settings, DeadlineRetry, client_id),
+        SYNC_HOOKS, max_connections=max_connections, wait_s=settings.timeout_s,
+        cluster_retry=_retry(settings, ClusterDeadlineRetry), lazy=True,
+    )
 
 
 def async_redis(
@@ -455,7 +384,8 @@ def async_redis(
     one connection per node. Behind Sentinel both are master clients, each of
     its own Sentinel, the listener's with a pool of one.
     """
-    command = _async_client(settings, client_id, max_connections, settings.timeout_s)
+    command = _async_client(settings, client_id, max_connections=max_connections,
+                            wait_s=settings.timeout_s)
     return command, async_listener(settings, client_id)
 
 
@@ -467,219 +397,29 @@ def async_listener(
     A sharded queue's replies land in each shard's slot, so an
     ``AsyncClient`` makes one of these per shard it listens on.
     """
-    target = parse_redis_url(settings.redis_url)
-    if target.kind == "single":
-        options = _options(settings, AsyncDeadlineRetry, client_id)
-        return redis.asyncio.Redis.from_url(
-            settings.redis_url, single_connection_client=True, **options
-        )
-    return _async_client(settings, client_id, 1, None)
+    return _async_client(settings, client_id, one_connection=True)
 
 
 def _async_client(
-    settings: ClientSettings, client_id: str, max_connections: int, wait_s: float | None
+    settings: ClientSettings, client_id: str, *, max_connections: int | None = None,
+    wait_s: float | None = None, one_connection: bool = False,
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
     """A pool of ``max_connections`` (per node, in a cluster), waiting at most ``wait_s`` for a
-    free one (and never past a caller's deadline; a cluster does not wait)."""
-    target = parse_redis_url(settings.redis_url)
-    if target.kind == "cluster":
-        options = _options(settings, AsyncClusterDeadlineRetry, client_id)
-        return _async_cluster(target, options, max_connections)
-    options = _options(settings, AsyncDeadlineRetry, client_id)
-    if target.kind == "sentinel":
-        return _async_sentinel(target, options).master_for(
-            target.service, redis_class=_AsyncSentinelMaster,
-            connection_pool_class=_AsyncSentinelPool, max_connections=max_connections,
-            timeout=wait_s, **_master_kwargs(target), **options,
-        )
-    pool = _AsyncPool.from_url(
-        settings.redis_url, max_connections=max_connections, timeout=wait_s, **options
+    free one (and never past a caller's deadline; a cluster does not wait); or a client of
+    ``one_connection``."""
+    return redis_client.async_client(
+        parse_redis_url(settings.redis_url), _options(settings, AsyncDeadlineRetry, client_id),
+        ASYNC_HOOKS, max_connections=max_connections, wait_s=wait_s,
+        one_connection=one_connection,
+        cluster_retry=_retry(settings, AsyncClusterDeadlineRetry),
     )
-    return redis.asyncio.Redis.from_pool(pool)
 
 
 def sync_client_for(url: str, **kwargs: Any) -> redis.Redis | redis.RedisCluster:
     """A plain sync client for ``url`` of any kind, with redis-py's client ``kwargs``.
 
     For the operator commands (``tokenq stats``, ``top``, ``dlq``), which want
-    short timeouts and no caller deadlines. A single-server URL is exactly
-    ``redis.Redis.from_url(url, **kwargs)``; a malformed URL is a ValueError.
+    short timeouts and no caller deadlines. A single-server URL is built as
+    ``redis.Redis.from_url(url, **kwargs)`` builds it; a malformed URL is a ValueError.
     """
-    target = parse_redis_url(url)
-    if target.kind == "single":
-        return redis.Redis.from_url(url, **kwargs)
-    if target.kind == "cluster":
-        return functions.route_by_keys(redis.RedisCluster(
-            startup_nodes=[redis.cluster.ClusterNode(host, port) for host, port in target.nodes],
-            **_master_kwargs(target), **kwargs,
-        ))
-    sentinels = _sentinel_kwargs(target, kwargs)
-    sentinel = redis.sentinel.Sentinel(target.nodes, sentinel_kwargs=sentinels)
-    following = managed_connection(tls=target.tls, asyncio=False)
-    return sentinel.master_for(target.service, redis_class=_SentinelMaster,
-                               connection_class=following, **_master_kwargs(target), **kwargs)
-
-
-# ------------------------------------------------------- cluster and sentinel
-
-
-def _master_kwargs(target: RedisTarget) -> dict[str, Any]:
-    """The URL's credentials, TLS and (Sentinel) database, as redis-py client kwargs."""
-    kwargs: dict[str, Any] = {"username": target.username, "password": target.password}
-    if target.tls:
-        kwargs.update(ssl=True, **target.tls_kwargs())
-    if target.kind == "sentinel":
-        kwargs["db"] = target.db
-    return kwargs
-
-
-def _sentinel_kwargs(target: RedisTarget, options: dict[str, Any]) -> dict[str, Any]:
-    """How to talk to the sentinels: the socket and retry options, their own credentials."""
-    kept = {name: value for name, value in options.items()
-            if name.startswith("socket_") or name in ("retry", "retry_on_error")}
-    return {**kept, "username": target.sentinel_username, "password": target.sentinel_password}
-
-
-class LazyCluster:
-    """A sync ``RedisCluster``, made at its first use rather than with the ``Client``.
-
-    redis-py's sync ``RedisCluster`` reads the topology in its constructor,
-    so a cluster whose nodes were all unreachable made ``Client(...)`` raise
-    redis-py's ``RedisClusterException``, unbounded by any deadline. Made at
-    the first command instead, it is read inside that caller's deadline (the
-    node connections are deadline-bound) and a failure is that call's
-    ``BrokerUnavailable`` (:func:`failure`); the next call tries again. The
-    asyncio ``RedisCluster`` is lazy by itself.
-    """
-
-    def __init__(self, make: Callable[[], redis.RedisCluster]) -> None:
-        self._make = make
-        self._made: redis.RedisCluster | None = None
-        self._lock = threading.Lock()
-
-    def resolve(self) -> redis.RedisCluster:
-        """The ``RedisCluster``, made now if this is its first use (by one thread)."""
-        made = self._made
-        if made is None:
-            with self._lock:
-                if self._made is None:
-                    self._made = self._make()
-                made = self._made
-        return made
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.resolve(), name)
-
-    def get_encoder(self) -> Any:
-        """redis-py's default encoder, which a script registered before any use asks for."""
-        return redis.connection.Encoder("utf-8", "strict", False)
-
-    def register_script(self, script: str) -> Any:
-        """A script bound to this stand-in, so registering one connects nothing."""
-        return redis.commands.core.Script(self, script)
-
-    def close(self) -> None:
-        """Close the cluster's connections, if it was ever made."""
-        if self._made is not None:
-            self._made.close()
-
-
-def _node_url(host: str, port: int) -> str:
-    return f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
-
-
-def _sync_cluster(
-    target: RedisTarget, options: dict[str, Any], max_connections: int | None, wait_s: float
-) -> redis.RedisCluster:
-    """A ``RedisCluster`` whose node pools are the deadline-bound ones.
-
-    redis-py builds a node's pool from ``connection_pool_class`` only when
-    the client was given a URL (its ``from_url`` mode; otherwise it makes a
-    plain ``Redis`` per node, which takes no connection class), so the first
-    node goes in as a bare URL and the rest as startup nodes; credentials and
-    TLS, passed as kwargs, are not overridden by a URL that has none.
-    ``retry_on_error`` is dropped: node connections never retry there, the
-    cluster's loop does (:class:`ClusterDeadlineRetry`).
-    """
-    (host, port), *others = target.nodes
-    kwargs = {name: value for name, value in options.items() if name != "retry_on_error"}
-    kwargs.update(_master_kwargs(target))
-    tls = kwargs.pop("ssl", False)
-    kwargs["connection_class"] = redis.SSLConnection if tls else redis.Connection
-    if max_connections is None:
-        kwargs["connection_pool_class"] = _Pool
-    else:
-        kwargs.update(connection_pool_class=_BlockingPool, max_connections=max_connections,
-                      timeout=wait_s)
-    return functions.route_by_keys(redis.RedisCluster(
-        url=_node_url(host, port),
-        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in others],
-        **kwargs,
-    ))
-
-
-def _async_cluster(
-    target: RedisTarget, options: dict[str, Any], max_connections: int
-) -> redis.asyncio.RedisCluster:
-    """An asyncio ``RedisCluster`` whose node connections are deadline-bound.
-
-    Its constructor takes no connection class (it picks plain or TLS from
-    ``ssl``) nor every TLS option, but every node it ever makes, the startup
-    nodes aside, is built from the one ``connection_kwargs`` dict it keeps;
-    so both are set there, and on the startup nodes, before anything connects.
-    """
-    kwargs = {name: value for name, value in options.items() if name != "retry_on_error"}
-    master = _master_kwargs(target)
-    tls = {name: master.pop(name) for name in target.options}
-    client = redis.asyncio.RedisCluster(
-        startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in target.nodes],
-        max_connections=max_connections, **master, **kwargs,
-    )
-    connection_class = deadline_bound(client.connection_kwargs["connection_class"])
-    client.connection_kwargs.update(connection_class=connection_class, **tls)
-    for node in client.startup_nodes:
-        node.connection_class = connection_class
-        node.connection_kwargs.update(tls)
-    return functions.route_by_keys(client)
-
-
-class _SentinelMaster(redis.Redis):
-    """A master client that, closed, also closes its Sentinel's connections to the sentinels."""
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.connection_pool.sentinel_manager.close()
-
-
-class _AsyncSentinelMaster(redis.asyncio.Redis):
-    """The asyncio twin of :class:`_SentinelMaster`."""
-
-    async def aclose(self, close_connection_pool: bool | None = None) -> None:
-        try:
-            await super().aclose(close_connection_pool)
-        finally:
-            await self.connection_pool.sentinel_manager.aclose()
-
-
-def _sync_sentinel(target: RedisTarget, options: dict[str, Any]) -> redis.sentinel.Sentinel:
-    """A Sentinel whose own connections to the sentinels are deadline-bound too."""
-    sentinel = redis.sentinel.Sentinel(target.nodes,
-                                       sentinel_kwargs=_sentinel_kwargs(target, options))
-    for client in sentinel.sentinels:
-        pool = client.connection_pool
-        pool.connection_class = deadline_bound(pool.connection_class, _BoundedSockets)
-    return sentinel
-
-
-def _async_sentinel(
-    target: RedisTarget, options: dict[str, Any]
-) -> redis.asyncio.sentinel.Sentinel:
-    """The asyncio twin of :func:`_sync_sentinel`."""
-    sentinel = redis.asyncio.sentinel.Sentinel(
-        target.nodes, sentinel_kwargs=_sentinel_kwargs(target, options))
-    for client in sentinel.sentinels:
-        pool = client.connection_pool
-        pool.connection_class = deadline_bound(pool.connection_class)
-    return sentinel
+    return redis_client.sync_client(parse_redis_url(url), kwargs)

@@ -6,7 +6,7 @@ sharded queue, that for each of its streams (one round trip each: in a
 Cluster they live on different nodes), summed. Every
 worker of a queue reports the same numbers; a dashboard or a scaler takes
 ``max by (queue)``. What length, pending and lag mean, and how lag is
-derived when Redis gives none, is :mod:`tokenq.shared.depth`.
+derived when Redis gives none, is :mod:`tokenq.shared.queue_depth`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from tokenq.shared import keys
-from tokenq.shared.depth import Depth, depth, total
+from tokenq.shared.queue_depth import Depth, depth, total
 from tokenq.shared.redis_text import as_text
 
 

@@ -1,0 +1,140 @@
+"""Request ids and the streams a producer writes to: one :class:`Lane` per shard.
+
+A queue's lanes are its shards ``{q:0}`` … ``{q:K-1}`` and the plain
+``{q}`` (:mod:`tokenq.producer.shards` says how many there are and which one
+a call takes). Everything that differs between two lanes of one client is in
+its :class:`Lane`, made by :func:`lane_of` alone: the keys it writes and the
+namespace its ids and reply keys live in. Everything else (settings, config,
+tokenizer, shard choice) is the client's, shared by all its lanes, so no
+per-shard field can be forgotten when a lane is made.
+
+An id on shard ``k`` reads ``k.<32 hex digits>`` (:func:`keys.id_on_shard`), so
+the id alone leads any process to its reply key; :class:`Lanes` turns ids
+back into the lane whose reply namespace holds them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from tokenq.producer.shards import shard_count
+from tokenq.shared import keys, wire
+from tokenq.shared.errors import BadRequest, DecodeError
+from tokenq.shared.queue_config import QueueConfig
+
+_UUID4_CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
+_UUID4_SET = (0x8000 << 48) | (4 << 76)
+
+
+def uuid4_hex() -> str:
+    """``uuid.uuid4().hex``, digit for digit (RFC 4122 variant and version 4 bits), without
+    the UUID object: it is made once per request (issue 25), where the object cost
+    half the id's time."""
+    return "%032x" % (int.from_bytes(os.urandom(16), "big") & _UUID4_CLEAR | _UUID4_SET)
+
+
+def check_ids(request_ids: Sequence[str]) -> None:
+    """BadRequest unless ``request_ids`` is a sequence of ids the protocol allows."""
+    if isinstance(request_ids, str):
+        raise BadRequest("request_ids must be a sequence of ids, not a single string",
+                         param="request_ids")
+    for request_id in request_ids:
+        try:
+            wire.validate_id(request_id, "request id")
+        except DecodeError as exc:
+            raise BadRequest(f"{exc}: {request_id!r}", param="request_ids") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """One stream a client writes to (a shard, or the plain queue): all that is per shard."""
+
+    shard: int | None
+    """The shard; None for the plain queue ``{q}``."""
+    queue: keys.QueueRef
+    stream_key: str
+    workers_key: str
+
+    def new_id(self) -> str:
+        """A fresh request (or batch, or client) id: 32 hex digits of uuid4, after the shard."""
+        return keys.id_on_shard(self.shard, uuid4_hex())
+
+    def reply_key(self, reply_id: str) -> str:
+        """The list a request's reply (or a batch's, or a client's) lands on."""
+        return keys.reply(self.queue, reply_id)
+
+
+def lane_of(queue: keys.QueueRef, shard: int | None) -> Lane:
+    """The lane of ``queue`` for ``shard`` (None: the plain ``{q}``); the one place one is made."""
+    on = keys.QueueRef(queue.name, queue.prefix, shard)
+    return Lane(shard, on, keys.requests(on), keys.workers(on))
+
+
+class Lanes:
+    """A client's lanes, made once each, and which lane an id's reply is on.
+
+    ``config`` gives the config hash the client last read (None: none), which
+    names the workers' shard count unless ``wanted`` (``settings.shards``) does.
+    """
+
+    def __init__(
+        self, queue: keys.QueueRef, wanted: int | None,
+        config: Callable[[], QueueConfig | None],
+    ) -> None:
+        self._queue = queue
+        self._wanted = wanted
+        self._config = config
+        self._made: dict[int | None, Lane] = {None: lane_of(queue, None)}
+
+    def count(self) -> int:
+        """The queue's shard count as this client knows it (see :mod:`.shards`)."""
+        return shard_count(self._wanted, self._config(), self._queue.name)
+
+    def lane(self, shard: int | None) -> Lane:
+        """The lane that writes to ``shard`` (None: the plain ``{q}``)."""
+        made = self._made.get(shard)
+        if made is None:
+            made = self._made.setdefault(shard, lane_of(self._queue, shard))
+        return made
+
+    def every(self) -> list[Lane]:
+        """Every stream the queue's workers read: the shards, then the plain ``{q}``."""
+        count = self.count()
+        if count == 1:
+            return [self.lane(None)]
+        return [*(self.lane(k) for k in range(count)), self.lane(None)]
+
+    def shard_of_id(self, request_id: str, retired: Collection[int] = ()) -> int | None:
+        """The shard whose reply namespace ``request_id``'s reply lands in; None: ``{q}``.
+
+        An id ``k.<unique>`` names shard ``k`` only where the queue has one:
+        one of its K shards now, or one of the ``retired`` shards (it had it,
+        and answers its requests there while it drains). Anywhere else it is
+        a plain id of ``{q}``: on a queue of one shard ``7.order-42`` is just
+        an id a producer in another language chose (docs/PROTOCOL.md, "K = 1").
+        """
+        shard = keys.shard_in_id(request_id)
+        if shard is None:
+            return None
+        count = self.count()
+        return shard if (count > 1 and shard < count) or shard in retired else None
+
+    def shards_beyond(self, request_ids: Sequence[str]) -> list[int]:
+        """The shards ids name that the queue does not have now: were they retired?"""
+        count = self.count()
+        named = {keys.shard_in_id(request_id) for request_id in request_ids}
+        return sorted(k for k in named if k is not None and (count == 1 or k >= count))
+
+    def reply_keys(
+        self, request_ids: Sequence[str], retired: Collection[int] = ()
+    ) -> dict[int | None, dict[str, str]]:
+        """Reply key -> request id for ids the caller wants to fetch, checked first, by the
+        shard each id's reply is on (:meth:`shard_of_id`; None: the plain queue)."""
+        check_ids(request_ids)
+        by_shard: dict[int | None, dict[str, str]] = {}
+        for request_id in request_ids:
+            lane = self.lane(self.shard_of_id(request_id, retired))
+            by_shard.setdefault(lane.shard, {})[lane.reply_key(request_id)] = request_id
+        return by_shard

@@ -1,0 +1,322 @@
+"""Turning what a caller passed into requests the enqueue script writes: every early refusal.
+
+:class:`Preparer` checks each argument of an enqueueing call where the
+worker would refuse it (texts, pairs, sizes, deadlines, priority,
+``reply_to``, ``opts`` and the worker options, the token estimate and, as
+far as the config hash tells, the queue's length limit), and builds each
+request's stream fields (:func:`tokenq.shared.wire.encode_request`). A
+refusal is a :class:`BadRequest` whose ``param`` names the argument at
+fault (``text``, ``texts``, ``text_pair``, ``deadline_s``, an option's
+name), so a caller never reads it out of the message. No I/O, no clock: the
+time comes in as ``now_ms``; the lane a call writes to (its ids and reply
+keys) as a :class:`~tokenq.producer.lanes.Lane`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenq.producer.call_options import SubmitOptions, worker_options
+from tokenq.producer.config_state import ConfigState
+from tokenq.producer.deadline import check_seconds
+from tokenq.producer.lanes import Lane, check_ids
+from tokenq.shared import keys, wire
+from tokenq.shared.errors import BadRequest, DecodeError
+from tokenq.shared.request_options import (
+    NO_OPTIONS,
+    OptionError,
+    RequestOptions,
+    parse_options,
+    prompt_of,
+)
+from tokenq.shared.settings import ClientSettings
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+TextItem = str | tuple[str, str]
+"""One input of a batch: a text, or a ``(text, text_pair)`` pair for rerankers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """One validated request, ready for the enqueue script."""
+
+    id: str
+    reply_to: str
+    fields: dict[str, str | bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class CallOptions:
+    """The parts of a request that one call's options decide for all its requests."""
+
+    reply_to: str | None
+    timeout_ms: int | None
+    opts: Mapping[str, Any]
+    priority: int
+    prompt: str = ""
+    """The prompt the worker will put before each text, as far as the config says."""
+    truncate: bool | None = None
+    """The request's ``truncate`` option, which decides what the early length check does."""
+
+
+def utf8_size(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (checked valid before): an ASCII text is not encoded."""
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def infer_deadline(
+    remaining_s: float, deadline_s: float | None, deadline_ms: int | None
+) -> tuple[float | None, int | None]:
+    """An infer call's deadline: the caller's own, else the rest of its timeout.
+
+    Nobody waits for the answer after the timeout, so no worker should
+    spend device time on it later. (A timeout longer than the protocol's
+    largest ``timeout_ms`` is sent as that largest value.)
+    """
+    if deadline_s is None and deadline_ms is None:
+        ceiling = wire.MAX_TIMEOUT_MS / 1000
+        return min(max(remaining_s, 0.001), ceiling), None
+    return deadline_s, deadline_ms
+
+
+def timeout_ms(deadline_s: float | None, deadline_ms: int | None, now_ms: int) -> int | None:
+    """The relative ``timeout_ms`` field from a relative or an absolute deadline.
+
+    ``timeout_ms`` counts from the entry's stream id, which Redis stamps
+    with its own clock, so no producer's clock skew reaches the workers.
+    An absolute ``deadline_ms`` is turned into one with the caller's own
+    clock (``now_ms``), the only place that clock is used.
+    """
+    if deadline_s is not None and deadline_ms is not None:
+        raise BadRequest("give deadline_s (relative) or deadline_ms (absolute), not both",
+                         param="deadline_ms")
+    limit = wire.MAX_TIMEOUT_MS
+    if deadline_s is not None:
+        seconds = check_seconds(deadline_s, "deadline_s")
+        if seconds * 1000 > limit:
+            raise BadRequest(
+                f"deadline_s {deadline_s!r} is out of range: at most {limit // 1000} s "
+                "(30 days)",
+                param="deadline_s",
+            )
+        return max(1, math.ceil(seconds * 1000))
+    if deadline_ms is None:
+        return None
+    if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int):
+        raise BadRequest(
+            f"deadline_ms must be an integer (epoch milliseconds), "
+            f"got {type(deadline_ms).__name__}",
+            param="deadline_ms",
+        )
+    if deadline_ms <= now_ms:
+        raise BadRequest(
+            f"deadline_ms {deadline_ms} has already passed (now is {now_ms} epoch ms)",
+            param="deadline_ms",
+        )
+    if deadline_ms - now_ms > limit:
+        raise BadRequest(
+            f"deadline_ms {deadline_ms} is out of range: at most {limit} ms (30 days) "
+            f"after now ({now_ms} epoch ms)",
+            param="deadline_ms",
+        )
+    return deadline_ms - now_ms
+
+
+def _reply_to(value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= wire.MAX_REPLY_TO_CHARS:
+        raise BadRequest(f"reply_to must be a key name of 1-{wire.MAX_REPLY_TO_CHARS} chars",
+                         param="reply_to")
+    return value
+
+
+def _opts(options: SubmitOptions) -> Mapping[str, Any]:
+    """The request's ``opts`` map: the caller's ``opts``, plus the worker options it named."""
+    opts = options.get("opts")
+    if opts is None:
+        opts = {}
+    elif not isinstance(opts, Mapping) or not all(isinstance(k, str) for k in opts):
+        raise BadRequest("opts must be a mapping with string keys", param="opts")
+    named = worker_options(options)
+    if not named:
+        return opts
+    twice = sorted(named.keys() & opts.keys())
+    if twice:
+        raise BadRequest(f"{twice[0]} is given both as a keyword and in opts", param=twice[0])
+    return {**opts, **named}
+
+
+def _priority(value: object) -> int:
+    try:
+        return wire.validate_priority(value)
+    except DecodeError as exc:
+        exc.param = "priority"
+        raise
+
+
+def _tokens(
+    estimate: Callable[[str, str | None], int], text: str, pair: str | None, where: str
+) -> int:
+    tokens = estimate(text, pair)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise BadRequest(
+            f"the token estimator returned {tokens!r} for {where}; "
+            "it must return a non-negative int",
+            param="estimator",
+        )
+    if tokens > wire.MAX_TOKENS:
+        raise BadRequest(
+            f"the token estimator returned {tokens} for {where}, over the protocol's "
+            f"limit of {wire.MAX_TOKENS} tokens; nothing was written",
+            param="estimator",
+        )
+    return tokens
+
+
+class Preparer:
+    """Checks a call's arguments and builds its requests (see the module)."""
+
+    def __init__(self, settings: ClientSettings, config: ConfigState, refuse_early: bool) -> None:
+        self.settings = settings
+        self.config = config
+        self.refuse_early = refuse_early
+        """Refuse what the config says the worker would (else the worker decides alone)."""
+
+    def prepare(
+        self,
+        lane: Lane,
+        item: object,
+        *,
+        now_ms: int,
+        text_pair: object = None,
+        index: int | None = None,
+        **options: Unpack[SubmitOptions],
+    ) -> Prepared:
+        """Validate one input and build its stream fields, for ``lane``.
+
+        ``item`` is a text, or (in batches) a ``(text, text_pair)`` tuple.
+        ``index`` names the item's position in a batch in error messages.
+        ``options`` are the caller's (:class:`~tokenq.producer.call_options.SubmitOptions`);
+        ``reply_to`` defaults to the request's own reply key.
+        """
+        return self._prepare(lane, item, text_pair, index, self._call(options, now_ms))
+
+    def prepare_many(
+        self, lane: Lane, texts: Iterable[TextItem], *, now_ms: int,
+        unique: Sequence[str] | None = None, **options: Unpack[SubmitOptions],
+    ) -> list[Prepared]:
+        """Validate a whole batch before anything is written (all or nothing).
+
+        ``unique``: each request's id (before its shard prefix) instead of a
+        fresh one, so a caller retrying a call names the same requests and the
+        enqueue's dedupe writes them once (the gateway's ``Idempotency-Key``).
+        """
+        if isinstance(texts, (str, bytes)):
+            raise BadRequest(
+                "texts must be a sequence of strings, not a single string "
+                "(use submit/infer for one text)",
+                param="texts",
+            )
+        try:
+            items = list(texts)
+        except TypeError:
+            raise BadRequest(
+                f"texts must be a sequence of strings, got {type(texts).__name__}", param="texts"
+            ) from None
+        if not items:
+            return []
+        call = self._call(options, now_ms)
+        if unique is None:
+            return [self._prepare(lane, item, None, i, call) for i, item in enumerate(items)]
+        if len(unique) != len(items):
+            raise BadRequest(f"{len(unique)} ids for {len(items)} texts", param="texts")
+        check_ids(unique)
+        return [self._prepare(lane, item, None, i, call, unique[i])
+                for i, item in enumerate(items)]
+
+    def _call(self, options: SubmitOptions, now_ms: int) -> CallOptions:
+        """What the options make of every request of one call (checked once per call)."""
+        reply_to = options.get("reply_to")
+        opts = _opts(options)
+        checked = self._worker_options(opts)
+        return CallOptions(
+            reply_to=None if reply_to is None else _reply_to(reply_to),
+            timeout_ms=timeout_ms(options.get("deadline_s"), options.get("deadline_ms"), now_ms),
+            opts=opts,
+            priority=_priority(options.get("priority")),
+            prompt=prompt_of(checked, self.config.facts()),
+            truncate=checked.truncate,
+        )
+
+    def _worker_options(self, opts: Mapping[str, Any]) -> RequestOptions:
+        """The request options as the worker will read them, checked against the config.
+
+        A value the worker would refuse is a BadRequest here when ``refuse_early``
+        (the config may be stale, so without it the worker decides alone).
+        """
+        try:
+            return parse_options(opts, self.config.facts())
+        except ValueError as exc:
+            if self.refuse_early:
+                param = exc.param if isinstance(exc, OptionError) else "opts"
+                raise BadRequest(f"opts: {exc}; nothing was written", param=param) from None
+            return NO_OPTIONS
+
+    def _text(self, value: object, where: str, param: str) -> str:
+        """``value`` if the worker would take it as a text (the wire's own check)."""
+        try:
+            return wire.validate_text(value, where, self.settings.max_request_bytes)
+        except DecodeError as exc:
+            raise BadRequest(str(exc), param=param) from None
+
+    def _prepare(
+        self, lane: Lane, item: object, text_pair: object, index: int | None, call: CallOptions,
+        unique: str | None = None,
+    ) -> Prepared:
+        where, param = ("text", "text") if index is None else (f"texts[{index}]", "texts")
+        if isinstance(item, tuple) and index is not None:
+            if len(item) != 2:
+                raise BadRequest(f"{where} must be a string or a (text, text_pair) tuple",
+                                 param=param)
+            item, text_pair = item
+        text = self._text(item, where, param)
+        pair = None if text_pair is None else self._text(
+            text_pair, f"{where} text_pair", "text_pair")
+        size = utf8_size(text) + (0 if pair is None else utf8_size(pair))
+        limit = self.settings.max_request_bytes
+        if size > limit:
+            raise BadRequest(f"{where} is {size} bytes of UTF-8, over the limit of {limit} bytes",
+                             param=param)
+        chars = len(text) + (0 if pair is None else len(pair))
+        estimating = self.config.current().for_length(chars)
+        queue = self.settings.queue
+        estimating.ensure_exact(queue)
+        tokens = _tokens(estimating.estimate, call.prompt + text, pair, where)
+        if self.refuse_early:
+            estimating.check(queue, tokens=tokens, has_pair=pair is not None,
+                             where=where, truncate=call.truncate, param=param)
+
+        request_id = lane.new_id() if unique is None else keys.id_on_shard(lane.shard, unique)
+        target = lane.reply_key(request_id) if call.reply_to is None else call.reply_to
+        request = wire.Request(
+            id=request_id,
+            text=text,
+            tokens=tokens,
+            reply_to=target,
+            timeout_ms=call.timeout_ms,
+            text_pair=pair,
+            opts=call.opts,
+            priority=call.priority,
+        )
+        try:
+            fields = wire.encode_request(request)
+        except DecodeError as exc:
+            raise BadRequest(str(exc), param="opts") from None
+        except (TypeError, ValueError, OverflowError) as exc:
+            # msgpack cannot encode something in opts (an int past 64 bits overflows)
+            raise BadRequest(f"opts cannot be encoded as msgpack: {exc}", param="opts") from None
+        return Prepared(id=request_id, reply_to=target, fields=fields)

@@ -1,0 +1,193 @@
+"""What a reply means to a producer: reply bytes into a :class:`Result` or an exception.
+
+No I/O: :mod:`tokenq.producer.calls` reads the reply keys and hands each
+raw reply here. A reply that does not decode is logged and dropped when it
+was read from a key many requests share (it may be anybody's), and becomes
+the request's own :class:`RemoteError` (``bad_reply``) when it was read from
+the request's own key. A request still unanswered at the deadline gets a
+:class:`ReplyTimeout` (the caller's error text is the core's: it names the
+Redis URL).
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenq.shared import wire
+from tokenq.shared.errors import (
+    DecodeError,
+    ErrorCode,
+    RemoteError,
+    TokenqError,
+    remote_error,
+)
+from tokenq.shared.text import plural
+
+log = logging.getLogger("tokenq.producer")
+
+BAD_REPLY = ErrorCode.BAD_REPLY.value
+"""Error code of a :class:`RemoteError` raised for a reply that does not decode."""
+
+
+class ReplyTimeout(TokenqError, TimeoutError):
+    """No reply came before the caller's timeout (Redis itself was reachable).
+
+    A builtin ``TimeoutError``, so ``except TimeoutError`` catches it. The
+    request may still be running; its reply lands on its reply key later and
+    expires there, and ``Client.result(id)`` can still fetch it.
+    """
+
+    def __init__(self, request_ids: Sequence[str], waited_s: float, why: str | None = None) -> None:
+        shown = ", ".join(request_ids[:5])
+        more = f" and {len(request_ids) - 5} more" if len(request_ids) > 5 else ""
+        super().__init__(
+            f"no reply after {waited_s:.2f}s for {plural(len(request_ids), 'request')}: "
+            f"{shown}{more}"
+            + (f"; {why}" if why else "")
+        )
+        self.request_ids = tuple(request_ids)
+        self.waited_s = waited_s
+        self.why = why
+        """What the client saw when it gave up (no live worker serves the queue), if anything."""
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A worker's successful answer to one request.
+
+    ``embedding`` is an ``array.array('f')`` (no numpy needed;
+    ``numpy.frombuffer(result.embedding, numpy.float32)`` views it without a
+    copy) for embedding models; ``scores`` is set for classifiers and
+    rerankers. ``tokens`` is the exact token count the worker ran, when it
+    says so.
+    """
+
+    id: str
+    embedding: array.array | None  # typecode "f"; not subscriptable at runtime before 3.12
+    dim: int | None
+    scores: tuple[float, ...] | None
+    tokens: int | None
+    labels: tuple[str, ...] | None = None
+    """A classifier's label for each score, in order, when the model names them."""
+    sparse: tuple[tuple[int, float], ...] | None = None
+    """A sparse (SPLADE, ``--task sparse``) model's nonzero (token id, weight) pairs, in
+    increasing token id; ``dim`` is then the vocabulary's size."""
+    token_embeddings: tuple[array.array, ...] | None = None
+    """``output="tokens"``: one ``array('f')`` of ``dim`` values per token, in order."""
+
+    def __repr__(self) -> str:
+        """A short summary: a 384-float vector printed whole buries everything else.
+
+        ``Result(id='r1', dim=384, embedding=[0.0123, -0.04, 0.0781, … 384 values],
+        tokens=7)``; a classifier's scores are shown with their labels.
+        """
+        def head(values: Sequence[Any], show: Callable[[Any], str] = "{:.4g}".format,
+                 brackets: str = "[]") -> str:
+            shown = ", ".join(show(value) for value in values[:3])
+            more = f", … {len(values)} values" if len(values) > 3 else ""
+            return f"{brackets[0]}{shown}{more}{brackets[1]}"
+
+        parts = [f"id={self.id!r}"]
+        if self.embedding is not None:
+            dim = self.dim if self.dim is not None else len(self.embedding)
+            parts += [f"dim={dim}", f"embedding={head(self.embedding)}"]
+        if self.scores is not None:
+            if self.labels is not None and len(self.labels) == len(self.scores):
+                pairs = [f"{label!r}: {score:.4g}"
+                         for label, score in zip(self.labels, self.scores, strict=True)]
+                parts.append(f"scores={head(pairs, str, '{}')}")
+            else:
+                parts.append(f"scores={head(self.scores)}")
+        if self.token_embeddings is not None:
+            parts.append(f"token_embeddings=[{len(self.token_embeddings)} x {self.dim}]")
+        if self.sparse is not None:
+            parts.append(f"sparse={head(self.sparse, lambda p: f'{p[0]}: {p[1]:.4g}', '{}')}")
+        parts.append(f"tokens={self.tokens}")
+        return f"Result({', '.join(parts)})"
+
+
+Outcome = Result | RemoteError
+
+
+def decode(raw: bytes) -> wire.Reply | None:
+    """A reply map, or None (logged) when it does not decode or names no id."""
+    try:
+        return wire.decode_reply(raw)
+    except DecodeError as exc:
+        log.warning("dropping a reply that does not decode: %s", exc)
+        return None
+
+
+def outcome(reply: wire.Reply) -> Outcome:
+    """A :class:`Result`, or the :class:`RemoteError` an error reply stands for."""
+    if not reply.ok:
+        error = reply.error or wire.ErrorInfo(code="", message="")
+        return remote_error(error.code, error.message, reply.id, error.param)
+    embedding = None
+    if reply.embedding is not None:
+        embedding = array.array("f")
+        embedding.frombytes(reply.embedding)
+        if sys.byteorder == "big":
+            embedding.byteswap()
+    return Result(
+        id=reply.id,
+        embedding=embedding,
+        dim=reply.dim,
+        scores=reply.scores,
+        tokens=reply.tokens,
+        labels=reply.labels,
+        sparse=tuple(reply.sparse_pairs()) if reply.sparse_indices is not None else None,
+        token_embeddings=None if reply.token_embeddings is None else tuple(
+            array.array("f", vector) for vector in reply.token_vectors()),
+    )
+
+
+def undecodable(request_id: str, raw: bytes) -> RemoteError:
+    """The error for a reply on a request's own key that does not decode."""
+    try:
+        wire.decode_reply(raw)
+    except DecodeError as exc:
+        return RemoteError(BAD_REPLY, str(exc), request_id)
+    return RemoteError(BAD_REPLY, "reply names another request", request_id)
+
+
+def own_key_reply(wanted: dict[str, str], key: str, raw: bytes, outcomes: dict[str, Any]) -> None:
+    """Record the reply read from one request's own reply key (``wanted``: key -> id)."""
+    request_id = wanted.pop(key)
+    reply = decode(raw)
+    if reply is None or reply.id != request_id:
+        outcomes[request_id] = undecodable(request_id, raw)
+    else:
+        outcomes[request_id] = outcome(reply)
+
+
+def shared_key_reply(pending: set[str], raw: bytes, outcomes: dict[str, Any]) -> None:
+    """Record one reply read from a key many requests share (``pending``: ids still due).
+
+    A reply that does not decode (logged) or names no pending id (a
+    duplicate, or one for nobody) is dropped.
+    """
+    reply = decode(raw)
+    if reply is None or reply.id not in pending:
+        return
+    pending.discard(reply.id)
+    outcomes[reply.id] = outcome(reply)
+
+
+def settle(
+    ids: Sequence[str],
+    outcomes: Mapping[str, Outcome | Exception],
+    return_exceptions: bool,
+) -> list[Any]:
+    """Outcomes in input order; raise the first error unless ``return_exceptions``."""
+    ordered = [outcomes[i] for i in ids]
+    if not return_exceptions:
+        for item in ordered:
+            if isinstance(item, Exception):
+                raise item
+    return ordered

@@ -1,0 +1,77 @@
+"""What an operational failure reads as: the one line ``tokenq <cmd>: <message>``.
+
+The dispatcher (``shared/cli.py``) prints it for every ``TokenqError``,
+``redis.RedisError`` and ``OSError`` a subcommand lets escape; commands
+that report several failures (``tokenq stats`` across shards) word each one
+the same way. A Redis failure names the Redis URL with its password masked.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tokenq.shared.redis_url import redact
+from tokenq.shared.text import one_line
+
+
+class CommandFailed(Exception):
+    """An operational failure whose message says everything the operator needs (exit 1)."""
+
+
+def failure_message(
+    exc: BaseException, redis_url: str | None = None, socket_timeout_s: float | None = None
+) -> str | None:
+    """The one-line report of an operational failure, or None when ``exc`` is not one.
+
+    Redis failures name ``redis_url`` with its password masked.
+    """
+    from redis import exceptions as redis
+
+    from tokenq.shared import redis_refusal
+
+    where = f"Redis at {redact(redis_url)}" if redis_url else "Redis"
+    timeout = socket_timeout_s
+    text = _SCRIPT_NOISE.sub("", one_line(str(exc))) or type(exc).__name__
+    if isinstance(exc, CommandFailed):
+        return text
+    if isinstance(exc, redis.AuthenticationError):
+        return (f"{where} refused the login: {text} (check the user name and password in "
+                "--redis-url / TOKENQ_REDIS_URL)")
+    if isinstance(exc, redis.TimeoutError) or (
+        isinstance(exc, redis.ConnectionError) and "timeout" in text.lower()
+    ):
+        within = f" within --socket-timeout-s {timeout:g}" if timeout else ""
+        return f"cannot reach {where}: no answer{within} ({text})"
+    if isinstance(exc, redis.ConnectionError):
+        return f"cannot reach {where}: {text}"
+    if isinstance(exc, redis.NoPermissionError):
+        return (f"{where} refused a command to this ACL user: {text} (docs/SECURITY.md "
+                "lists the rights each command needs)")
+    if is_wrong_type(exc):
+        return f"{where}: a tokenq key holds the wrong type of value: {text}"
+    if isinstance(exc, redis.ResponseError) and redis_refusal.is_out_of_memory(exc):
+        return (f"{where} is out of memory (maxmemory) and refused the write: {text} "
+                "(nothing was written; free memory or raise maxmemory, then try again)")
+    if isinstance(exc, redis.RedisError):
+        return f"{where} answered an error: {text}"
+    from tokenq.shared.errors import TokenqError
+
+    if isinstance(exc, TokenqError):
+        return text
+    if isinstance(exc, OSError):
+        return text
+    return None
+
+
+_SCRIPT_NOISE = re.compile(
+    r"\s*script: (?:[0-9a-f]{40}|tokenq_\w+), on @user_(?:script|function):\d+\.?$")
+"""What Redis appends to an error raised inside a Lua script: the sha and the line."""
+
+
+def is_wrong_type(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis's WRONGTYPE (also when a pipeline wrapped it)."""
+    from redis import exceptions as redis
+
+    from tokenq.shared import redis_refusal
+
+    return isinstance(exc, redis.ResponseError) and redis_refusal.error_code(exc) == "WRONGTYPE"

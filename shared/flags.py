@@ -1,0 +1,185 @@
+"""Settings from the command line: flags over ``TOKENQ_*`` over defaults, and ``--help``.
+
+Every subcommand's options are a pydantic-settings class (``shared/settings.py``);
+this module turns one into an argparse parser with tokenq's flag names, help
+and environment paragraph, and a bad value into one :class:`UsageError`
+naming each bad setting. The dispatcher (``shared/cli.py``) turns that error
+into exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+S = TypeVar("S")
+
+
+class UsageError(Exception):
+    """Bad flags or environment for a subcommand; the message says which and why."""
+
+
+def parse_settings(
+    settings_cls: type[S], argv: Sequence[str], prog: str,
+    actions: Mapping[str, str] | None = None,
+) -> S:
+    """Flags over ``TOKENQ_*`` over defaults; :class:`UsageError` naming each bad setting.
+
+    ``--help`` prints the settings with their defaults, the ``actions`` (what
+    each value of the command's ACTION does) and every environment variable
+    the command reads, then exits (argparse's SystemExit), as does a flag
+    that does not exist (status 2).
+    """
+    from pydantic import ValidationError
+    from pydantic_settings import CliApp, CliSettingsSource, SettingsError
+
+    from tokenq.shared.settings import describe_errors
+
+    try:
+        source: CliSettingsSource[Any] = CliSettingsSource(
+            settings_cls,  # type: ignore[arg-type]
+            root_parser=_root_parser(settings_cls, prog, actions),
+            add_argument_method=_argument_adder(settings_cls),
+        )
+        return CliApp.run(settings_cls, cli_args=list(argv), cli_settings_source=source)
+    except ValidationError as exc:
+        problems = describe_errors(exc, settings_cls)  # type: ignore[arg-type]
+        lines = "\n".join(f"  {line}" for line in problems)
+        raise UsageError(f"{prog}: invalid settings:\n{lines}") from None
+    except SettingsError as exc:
+        raise UsageError(f"{prog}: {exc}") from None
+
+
+def _root_parser(
+    settings_cls: Any, prog: str, actions: Mapping[str, str] | None
+) -> argparse.ArgumentParser:
+    """The parser ``--help`` describes: the docstring, the actions, then the variables."""
+    description = inspect.cleandoc(settings_cls.__doc__ or "")
+    if actions:
+        width = max(len(name) for name in actions) + 4
+        description += "\n\nactions:\n" + "\n".join(
+            textwrap.fill(what, 79, initial_indent=f"  {name:<{width - 2}}",
+                          subsequent_indent=" " * width)
+            for name, what in actions.items())
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=environment_help(settings_cls),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+
+
+def environment_help(settings_cls: Any) -> str:
+    """The ``--help`` paragraph listing every ``TOKENQ_*`` variable the command reads.
+
+    Generated from the settings class (a positional argument has no
+    variable), so a new setting is listed without anyone writing it down;
+    a variable whose flag is spelt apart names its flag.
+    """
+    from tokenq.shared.settings import env_var, flag, is_positional
+
+    names = []
+    for name in settings_cls.model_fields:
+        if is_positional(settings_cls, name):
+            continue
+        spelt = flag(settings_cls, name)
+        apart = spelt != "--" + name.replace("_", "-")
+        names.append(f"{env_var(name)} ({spelt})" if apart else env_var(name))
+    head = ("environment: every option is also a variable (flags win over the environment, "
+            "the environment over the defaults; a switch takes true or false):")
+    lines = [""]
+    for at, name in enumerate(names):
+        word = name + ("," if at < len(names) - 1 else "")
+        if lines[-1] and len(lines[-1]) + 1 + len(word) > 77:  # a name is never cut in two
+            lines.append("")
+        lines[-1] += (" " if lines[-1] else "") + word
+    return "\n".join(textwrap.wrap(head, 79) + ["  " + line for line in lines])
+
+
+def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
+    """pydantic-settings' ``add_argument`` with tokenq's flag names, metavars and help.
+
+    Each option's help is its field's description and its default when it
+    has one worth saying (never ``(default: null)``); a boolean is one
+    switch away from its default; the settings of one backend go under that
+    backend's heading.
+    """
+    from tokenq.shared.settings import flag, group_environment, help_group
+
+    fields = settings_cls.model_fields
+    groups: dict[str, Any] = {}
+
+    def add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> Any:
+        name = str(kwargs.get("dest", names[0]))
+        info = fields.get(name)
+        if info is None:
+            return parser.add_argument(*names, **kwargs)
+        kwargs["help"] = _help_text(info)
+        if isinstance(kwargs.get("metavar"), str) and str(kwargs["metavar"]).startswith("list["):
+            kwargs["metavar"] = name.upper()
+        choices = _literal_choices(info.annotation)
+        if not names[0].startswith("-") and choices:
+            # A positional's values are its actions: usage and help name them.
+            kwargs["metavar"] = "{" + ",".join(choices) + "}"
+        if names[0].startswith("-"):
+            names = (flag(settings_cls, name),)
+        if kwargs.get("action") is argparse.BooleanOptionalAction:
+            # One switch, away from the default: --json, --no-progress.
+            on = info.get_default() is not True
+            kwargs["action"] = "store_true" if on else "store_false"
+            if not on:
+                names = ("--no-" + names[0].removeprefix("--"),)
+                kwargs["help"] = off_help(info)
+        title = help_group(settings_cls, name)
+        if title is not None:
+            if title not in groups:
+                groups[title] = parser.add_argument_group(
+                    title, group_environment(settings_cls, title))
+            return groups[title].add_argument(*names, **kwargs)
+        return parser.add_argument(*names, **kwargs)
+
+    return add_argument
+
+
+def off_help(info: Any) -> str:
+    """What a default-on switch's ``--no-X`` does, for ``--help``.
+
+    A field's description says what the setting *is* ("show a progress bar
+    on stderr"), which read as the help of ``--no-progress`` says the
+    opposite of what the flag does; so such a field names its off state in
+    ``json_schema_extra={"off_help": ...}`` (tests/test_first_day.py holds
+    every default-on switch to it).
+    """
+    extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+    said = extra.get("off_help")
+    return str(said) if said else f"turn off (on by default): {info.description}"
+
+
+def _literal_choices(annotation: Any) -> list[str]:
+    """The values of a ``Literal[...]`` annotation (through ``Annotated``), else []."""
+    from typing import Literal, get_args, get_origin
+
+    while get_origin(annotation) is not None and get_origin(annotation) is not Literal:
+        args = get_args(annotation)
+        if not args:
+            return []
+        annotation = args[0]
+    if get_origin(annotation) is Literal:
+        return [str(value) for value in get_args(annotation)]
+    return []
+
+
+def _help_text(info: Any) -> str:
+    """A field's description, then its default unless that is "unset" or "off"."""
+    text = str(info.description or "")
+    if info.is_required():
+        return text
+    default = info.get_default(call_default_factory=True)
+    if default is None or default is False or default in ("", []):
+        return text
+    shown = "on" if default is True else f"{default:g}" if isinstance(default, float) else default
+    return f"{text} (default: {shown})"

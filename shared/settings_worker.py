@@ -1,0 +1,226 @@
+"""The worker's own settings, whatever its backend: batching, reading, delivery, logs.
+
+A worker's full settings class is this composed with the settings of every
+backend (``tokenq.worker.settings.WorkerSettings``): the backends live on the
+worker's side, so ``shared/`` never names one. The definitions, defaults,
+bounds and messages follow :mod:`tokenq.shared.settings`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from tokenq.shared.settings import (
+    REDIS_MS,
+    Retries,
+    SocketTimeout,
+    _Requests,
+    _WorkerProcess,
+)
+
+
+class BaseWorkerSettings(_WorkerProcess, _Requests):
+    """Run one worker process on a queue (--devices: one per GPU)."""
+
+    # Longer than a caller's: a worker rides out a Redis restart instead of failing.
+    socket_timeout_s: SocketTimeout = 10.0
+    retries: Retries = 10
+
+    consumer: str | None = Field(
+        None, description="consumer name in the group (default: host-pid-random)"
+    )
+    max_batch_tokens: int | Literal["auto"] = Field(
+        16384,
+        description="token budget of one batch; 'auto' calibrates it on CUDA against free "
+        "memory (on CPU: max(8 x max input, 16384))",
+    )
+    max_batch_size: int = Field(256, ge=1, description="most rows in one batch")
+    linger_ms: float = Field(
+        2.0, ge=0, description="how long an idle device waits to fill an unsealed batch"
+    )
+    max_padding_ratio: float = Field(
+        1.0,
+        ge=0,
+        description="a request joins a batch only if the padding it adds is at most this "
+        "times its own length (inf: always)",
+        json_schema_extra={"inf": True},
+    )
+    aging_ms: float = Field(
+        1000.0,
+        gt=0,
+        description="each priority class stands this much earlier in line; a request at the "
+        "head of the line this long is never passed over",
+    )
+    max_batch_ms: float | None = Field(
+        None,
+        gt=0,
+        description="latency target: no batch is planned to hold the device longer than this "
+        "(learned from measured batch times; default: no cap)",
+    )
+    cost_model: Literal["auto", "padded", "ragged"] = Field(
+        "auto",
+        description="batch cost: rows x longest (padded) or sum (ragged); auto asks the backend",
+    )
+    policy: Literal["truncate", "reject", "chunk"] = Field(
+        "truncate",
+        description="over-long input: truncate to the model's limit, reject with an error, "
+        "or chunk into overlapping windows",
+    )
+    chunk_overlap: int = Field(
+        32, ge=0, description="chunk policy: tokens shared by consecutive windows"
+    )
+    tokenize_processes: int = Field(
+        0, ge=0, le=256,
+        description="tokenize in this many child processes, for a backend whose tokenizer "
+        "holds the GIL (it must offer a tokenizer factory); 0: in a thread of the worker",
+    )
+    read_ahead_budgets: float = Field(
+        4.0, gt=0, description="read at most this many budgets of estimated tokens ahead"
+    )
+    block_ms: int = Field(
+        1000, ge=1, description="XREADGROUP BLOCK time; kept below --socket-timeout-s"
+    )
+    reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push",
+                               json_schema_extra=REDIS_MS)
+    heartbeat_s: float = Field(
+        2.0, gt=0, description="heartbeat interval; a worker silent for 3 beats is presumed dead",
+        json_schema_extra=REDIS_MS,  # its liveness key lives int(3 × heartbeat_s × 1000) ms
+    )
+    claim_idle_s: float = Field(
+        300.0,
+        gt=0,
+        description="entries idle this long are claimed whoever holds them (the safety net "
+        "behind heartbeats; longer than any batch can take)",
+        json_schema_extra=REDIS_MS,
+    )
+    max_deliveries: int = Field(
+        3, ge=1, description="an entry delivered more often goes to the dead stream"
+    )
+    dead_max_len: int = Field(
+        10_000, ge=1, description="the dead stream is trimmed (approximately) to this many"
+    )
+    dead_max_letter_bytes: int = Field(
+        16 * 1024, ge=1024,
+        description="a dead letter keeps at most this many bytes of the entry's fields "
+        "(longer ones are cut and named in dead_truncated)",
+    )
+    read_ahead_bytes: int = Field(
+        64 * 1024 * 1024, ge=1,
+        description="read at most this many bytes of request text ahead (with "
+        "--read-ahead-budgets: whichever is reached first)",
+    )
+    batch_timeout_s: float = Field(
+        300.0, gt=0,
+        description="a batch still on the device after this long is hung: the worker stops "
+        "reading and refreshing its claims, and exits 3 so its supervisor restarts it",
+    )
+    reply_to_prefixes: str = Field(
+        "",
+        description="comma-separated key prefixes a request's reply_to may name besides the "
+        "queue's own reply keys (default: none; tokenq's other keys are always refused)",
+    )
+    batch_log: Path | None = Field(
+        None, description="append one JSON line per batch to this file (rows, tokens, cost)"
+    )
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text lines, or one JSON object per line (for log shippers)"
+    )
+    log_json: bool = Field(False, description="the same as --log-format json")
+    exit_when_idle_s: float | None = Field(
+        None, gt=0, description="exit after the queue has been empty this long (batch jobs)"
+    )
+    # Loopback by default, like `tokenq serve`'s --host: /metrics names the queue,
+    # the model and the consumers, so another machine sees it only when asked.
+    metrics_host: str = Field(
+        "127.0.0.1",
+        description="address the metrics endpoint binds to (0.0.0.0: every interface, "
+        "as a container needs for a probe or Prometheus from outside it)",
+    )
+    devices: str | None = Field(
+        None,
+        description="run one worker process per GPU, e.g. '0,1' (each child gets "
+        "CUDA_VISIBLE_DEVICES=N, --device cuda:0 and a consumer name suffixed -gpuN)",
+    )
+
+    # Checks that span two settings sit on the later one, so the message names it.
+
+    @field_validator("max_batch_tokens", mode="before")
+    @classmethod
+    def _parse_budget(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() != "auto":
+            try:
+                int(value)
+            except ValueError:
+                raise ValueError(
+                    f"max_batch_tokens must be a whole number or 'auto', got {value!r}"
+                ) from None
+        return value
+
+    @field_validator("max_batch_tokens")
+    @classmethod
+    def _check_budget(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1 or 'auto', got {value}")
+        return value
+
+    @field_validator("block_ms")
+    @classmethod
+    def _check_block(cls, value: int, info: ValidationInfo) -> int:
+        timeout = info.data.get("socket_timeout_s")
+        if timeout is not None and value / 1000 >= timeout:
+            raise ValueError(
+                f"block_ms ({value}) must be shorter than socket_timeout_s "
+                f"({timeout}s), or blocking reads would time out"
+            )
+        return value
+
+    @field_validator("batch_timeout_s")
+    @classmethod
+    def _check_batch_timeout(cls, value: float, info: ValidationInfo) -> float:
+        beat = info.data.get("heartbeat_s")
+        if beat is not None and value <= beat:
+            raise ValueError(
+                f"batch_timeout_s ({value}s) must be longer than heartbeat_s ({beat}s)"
+            )
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        if value.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {value!r}")
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str | None) -> str | None:
+        if value is not None and not _split_devices(value):
+            raise ValueError(f"devices must be GPU indices or ids like '0,1': {value!r}")
+        return value
+
+    @property
+    def logs_json(self) -> bool:
+        """Whether the worker logs JSON lines (``--log-format json`` or ``--log-json``)."""
+        return self.log_format == "json" or self.log_json
+
+    @property
+    def reply_to_prefix_list(self) -> tuple[str, ...]:
+        """``--reply-to-prefixes`` split on commas, empty parts dropped."""
+        return tuple(part.strip() for part in self.reply_to_prefixes.split(",") if part.strip())
+
+    @property
+    def device_list(self) -> list[str]:
+        """``--devices`` split on commas (CUDA_VISIBLE_DEVICES accepts indices or UUIDs)."""
+        return [] if self.devices is None else _split_devices(self.devices)
+
+
+def _split_devices(devices: str) -> list[str]:
+    parts = [part.strip() for part in devices.split(",")]
+    if not all(parts) or any(" " in part for part in parts):
+        return []
+    return parts
+

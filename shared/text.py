@@ -1,0 +1,20 @@
+"""Small wordings every command's output shares: counted nouns, one-line reports."""
+
+from __future__ import annotations
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and the noun that agrees with it: "1 dead letter", "2 dead letters", "1,204 batches".
+
+    ``words`` is the plural when adding "s" (or "es" after s, x, ch, sh) is wrong.
+    """
+    if n == 1:
+        return f"{n} {word}"
+    if words is None:
+        words = word + ("es" if word.endswith(("s", "x", "ch", "sh")) else "s")
+    return f"{n:,} {words}"
+
+
+def one_line(text: str) -> str:
+    """``text`` with its lines joined, for one-line reports."""
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())

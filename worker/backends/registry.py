@@ -1,0 +1,121 @@
+"""Which backends exist and what each brings: its name, its settings and its builder.
+
+A backend is registered by a :class:`BackendEntry` its own module exports:
+
+* an in-tree backend is one line of :data:`BUILT_IN` (its module path);
+* an installed package registers one under the ``tokenq.backends`` entry-point
+  group (``[project.entry-points."tokenq.backends"] name = "pkg.mod:BACKEND"``);
+* a plugin named on the command line, ``--backend pkg.mod:attr``, is one when
+  ``attr`` is a ``BackendEntry`` (a plain ``factory(settings)`` still works,
+  declaring no settings).
+
+The worker's settings class is composed from these entries
+(:mod:`tokenq.worker.settings`), so a backend's flags and ``TOKENQ_*``
+variables exist, are listed under its heading in ``--help`` and are refused
+under another backend, without an edit to ``shared/``. Modules are imported
+when the registry is first read; a builder named as ``"module:function"`` is
+imported only when the backend is built (hf's pulls in torch).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from tokenq.shared.settings import BackendSettings
+
+log = logging.getLogger("tokenq.worker")
+
+ENTRY_POINT_GROUP = "tokenq.backends"
+
+BUILT_IN: tuple[str, ...] = (
+    "tokenq.worker.backends.hf.settings:BACKEND",
+    "tokenq.worker.backends.sim:BACKEND",
+)
+"""The in-tree backends' registrations, as ``module:attribute``."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendEntry:
+    """One backend: what ``--backend`` calls it, its settings and how it is built."""
+
+    name: str
+    """The ``--backend`` value of a registered backend (``hf``, ``sim``); a plugin's label."""
+    settings: type[BackendSettings]
+    """Its own settings (flags, ``TOKENQ_*`` variables, ``--help`` heading)."""
+    build: Callable[[Any], Any] | str
+    """``builder(settings) -> Backend``, or its ``"module:function"`` path, imported when used."""
+
+    def builder(self) -> Callable[[Any], Any]:
+        """The builder itself, importing its module when it was named by path."""
+        if not isinstance(self.build, str):
+            return self.build
+        module, _, attr = self.build.partition(":")
+        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+
+    def __call__(self, settings: Any) -> Any:
+        """Build the backend: an entry is also the ``factory(settings)`` a plugin names."""
+        return self.builder()(settings)
+
+
+def _resolve(path: str) -> Any:
+    """The object a ``module:attribute`` path names."""
+    module, _, attr = path.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        target = getattr(target, part)
+    return target
+
+
+@functools.cache
+def registered() -> tuple[BackendEntry, ...]:
+    """Every registered backend: the built-in ones, then installed entry points.
+
+    An entry point that fails to load is logged and left out, so one broken
+    package cannot stop a worker that does not use it.
+    """
+    found = [_resolve(path) for path in BUILT_IN]
+    names = {entry.name for entry in found}
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name in names:
+            continue
+        try:
+            entry = point.load()
+        except Exception as exc:  # a broken third-party package: say so, go on
+            log.warning("backend entry point %r failed to load: %s", point.name, exc)
+            continue
+        if isinstance(entry, BackendEntry):
+            found.append(entry)
+            names.add(entry.name)
+    return tuple(found)
+
+
+def by_name(name: str) -> BackendEntry | None:
+    """The registered backend ``--backend name`` names, or None."""
+    return next((entry for entry in registered() if entry.name == name.strip()), None)
+
+
+@functools.cache
+def plugin_entry(spec: str) -> BackendEntry | None:
+    """The :class:`BackendEntry` a ``pkg.mod:attr`` spec names, or None.
+
+    None also when the spec does not import or names a plain factory:
+    ``load_backend`` reports the former, and the latter declares no settings.
+    """
+    if ":" not in spec:
+        return None
+    try:
+        target = _resolve(spec.strip())
+    except Exception:  # reported, with its cause, when the backend is loaded
+        return None
+    return target if isinstance(target, BackendEntry) else None
+
+
+def entry_for(spec: str) -> BackendEntry | None:
+    """The entry of the backend a ``--backend`` value chooses (registered or plugin), or None."""
+    return by_name(spec) or plugin_entry(spec)

@@ -1,0 +1,149 @@
+"""The heartbeat: presence on every lane, fresh claims on what the worker holds, depth.
+
+Once every ``heartbeat_s`` the worker writes its heartbeat and liveness key
+on each lane (``presence.py``), resets the idle time of every entry it holds
+(so no peer's reclaim scan takes them), tends the retired lanes it drains
+(``lanes.Retirement``), syncs the Redis clock, and, with metrics on,
+measures the queue depth. A hung worker stops beating (its peers must take
+its entries); a failing beat is reported to :class:`~tokenq.worker.health.Health`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from tokenq.shared import keys
+from tokenq.shared.heartbeat import Heartbeat
+from tokenq.worker import depth_probe, presence
+from tokenq.worker.clock import RedisClock
+from tokenq.worker.health import Health
+from tokenq.worker.intake import Intake
+from tokenq.worker.lanes import Lane, Retirement
+from tokenq.worker.lifecycle import Lifecycle
+from tokenq.worker.pipeline.feed import wait_event
+from tokenq.worker.recorder import Recorder
+
+log = logging.getLogger("tokenq.worker")
+
+CLAIM_CHUNK = 512
+"""Most entry ids one XCLAIM refreshes."""
+
+
+class Beat:
+    """The worker's heartbeat task and what it keeps fresh."""
+
+    def __init__(
+        self, client: Any, *, consumer: str, heartbeat_s: float, lanes: list[Lane],
+        intake: Intake, lifecycle: Lifecycle, health: Health, recorder: Recorder,
+        clock: RedisClock, retirement: Retirement, status: Callable[[], Heartbeat],
+    ) -> None:
+        self.client = client
+        self.consumer = consumer
+        self.heartbeat_s = heartbeat_s
+        self.lanes = lanes
+        """The worker's lanes (shared: this removes the drained retired ones)."""
+        self._intake = intake
+        self._lifecycle = lifecycle
+        self._health = health
+        self._recorder = recorder
+        self._clock = clock
+        self._retirement = retirement
+        self._status = status
+        self._depth_failed = False
+
+    async def run(self) -> None:
+        ttl_ms = int(self.heartbeat_s * 3000)
+        while not (self._lifecycle.hung or self._lifecycle.closing.is_set()):
+            self._health.beat_started(time.monotonic())
+            try:
+                await self._beat_lanes(self._status(), ttl_ms)
+                await self._tend_retired()
+                await self._clock.sync(self.client)
+                self._health.beat_finished()
+            except RedisError as exc:
+                self._health.beat_finished(exc)
+                log.warning("heartbeat failed: %s", exc)
+            except Exception:
+                # A heartbeat that stops lets other workers take this one's work;
+                # whatever went wrong, log it and keep beating.
+                self._health.beat_finished()
+                log.exception("heartbeat failed unexpectedly")
+            if self._recorder.metrics.enabled and self._health.redis_error is None:
+                await self._measure_depth()  # not after a failed beat: Redis is away
+            await wait_event(self._lifecycle.closing, self.heartbeat_s)
+
+    async def _tend_retired(self) -> None:
+        """Stop reading the retired lanes that are drained and removed."""
+        for lane in await self._retirement.tend(self.client, self.lanes, self.consumer):
+            lane.drained = True
+            self.lanes.remove(lane)
+
+    async def _measure_depth(self) -> None:
+        """Refresh the queue-depth gauges; a failure (an ACL without XLEN) is logged once."""
+        try:
+            found = await depth_probe.measure(self.client, [lane.stream for lane in self.lanes])
+        except RedisError as exc:
+            if not self._depth_failed:
+                log.warning("queue depth metrics unavailable (%s); needs XLEN and "
+                            "XINFO GROUPS on %s", exc, streams_of(self.lanes))
+            self._depth_failed = True
+            return
+        self._depth_failed = False
+        self._recorder.queue_depth(found.length, found.pending, found.lag)
+
+    async def _beat_lanes(self, status: Heartbeat, ttl_ms: int) -> None:
+        """Beat, and keep held entries' claims fresh, on every lane.
+
+        With several lanes each goes at once and is bounded by the liveness
+        TTL, so a shard whose node is down or frozen cannot let the worker's
+        liveness lapse on the others (peers would take over its work there).
+        Raises when no lane took the beat.
+        """
+        held = self._intake.held_by_lane()
+        if len(self.lanes) == 1:
+            await self._beat_lane(self.lanes[0], status, ttl_ms, held.get(0, []))
+            return
+        results = await asyncio.gather(*(
+            asyncio.wait_for(self._beat_lane(lane, status, ttl_ms, held.get(lane.index, [])),
+                             ttl_ms / 1000)
+            for lane in self.lanes
+        ), return_exceptions=True)
+        failed = [(lane, outcome) for lane, outcome in zip(self.lanes, results, strict=True)
+                  if isinstance(outcome, BaseException)]
+        for lane, exc in failed:
+            if not isinstance(exc, (RedisError, asyncio.TimeoutError)):
+                raise exc
+            log.warning("heartbeat on %s failed: %s", lane.stream, exc or "no answer in time")
+        if len(failed) == len(self.lanes):
+            raise RedisError(f"no stream took the heartbeat: {failed[0][1] or 'no answer'}")
+
+    async def _beat_lane(
+        self, lane: Lane, status: Heartbeat, ttl_ms: int, held: list[bytes]
+    ) -> None:
+        await presence.beat(self.client, lane.queue, self.consumer, status, ttl_ms)
+        await self._keep_claims_fresh(lane, held)
+
+    async def _keep_claims_fresh(self, lane: Lane, held: list[bytes]) -> None:
+        """Reset the idle time of entries this worker holds, so nobody claims them.
+
+        Never while a batch is hung: a worker whose device does not come back
+        must let its entries go (the watchdog ends it soon after).
+        """
+        for start in range(0, len(held), CLAIM_CHUNK):
+            if self._lifecycle.hung:
+                return
+            await self.client.xclaim(
+                lane.stream, keys.GROUP, self.consumer, 0, held[start:start + CLAIM_CHUNK],
+                justid=True,
+            )
+
+
+def streams_of(lanes: list[Lane]) -> str:
+    """The streams a worker reads, for its log lines."""
+    return ", ".join(lane.stream for lane in lanes)

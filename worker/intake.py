@@ -1,0 +1,144 @@
+"""How much the worker may read ahead: the read-ahead room, in tokens and in bytes.
+
+Everything the worker holds counts against it: entries buffered in the
+packer, a read being tokenized (by the producers' estimates, until it is
+admitted), answers waiting to be published (each at the running mean of
+tokens per entry), and every entry read and not yet answered on Redis (its
+raw bytes: :class:`~tokenq.worker.read_ahead.ByteRoom`, the one bound that
+holds whatever the sizes). The reader asks :meth:`Intake.read_count` before
+each read; the outbox gives room back as answers are published.
+
+Pure: no asyncio, no Redis, no clock. What the packer holds (its budget and
+buffered tokens) is passed in, so tests drive every rule with plain numbers
+(``tests/test_worker_parts.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+
+from tokenq.worker.lanes import Ref
+from tokenq.worker.read_ahead import ByteRoom
+
+
+def entry_bytes(fields: Mapping[bytes, bytes]) -> int:
+    """What an entry costs the worker to hold: the raw size of its fields."""
+    return sum(map(len, fields)) + sum(map(len, fields.values()))
+
+
+class Intake:
+    """The read-ahead room and the running mean of tokens per entry that sizes reads."""
+
+    def __init__(
+        self, *, read_ahead_budgets: float, read_ahead_bytes: int, max_entry_bytes: int,
+        max_input_tokens: int,
+    ) -> None:
+        self.read_ahead_budgets = read_ahead_budgets
+        self.bytes: ByteRoom[Ref] = ByteRoom(read_ahead_bytes, max_entry_bytes)
+        """The byte bound on read-ahead: held < read_ahead_bytes + one largest entry."""
+        self.avg_estimate = float(max(1, max_input_tokens))
+        """Estimated tokens per request, which turns the token room into a read's count.
+
+        It starts at the longest input the model takes, so the first read
+        cannot overshoot the room however long the requests are (from 64, one
+        idle worker took a whole burst while its peers idled); each request
+        read then counts as one step of a 0.1 EMA (:meth:`learn`)."""
+        self.inflight_estimate = 0
+        """The producers' token estimates of the reads being tokenized now."""
+        self.unpublished_answers = 0
+        """Answers emitted and not yet published: they hold read-ahead room, in tokens too."""
+
+    # ------------------------------------------------------------------ tokens
+
+    def room(self, max_batch_tokens: int, buffered_tokens: int) -> float:
+        """Estimated tokens the worker may still read ahead."""
+        limit = self.read_ahead_budgets * max_batch_tokens
+        waiting = self.unpublished_answers * self.avg_estimate
+        return limit - buffered_tokens - self.inflight_estimate - waiting
+
+    def read_count(
+        self, max_batch_tokens: int, buffered_tokens: int, *, readers: int, cap: int
+    ) -> int:
+        """How many entries the next read may take (0: no room now).
+
+        Bounded by both rooms. Tokens: from the exact lengths of what was read
+        lately (not the producers' claims), about ``read_ahead_budgets``
+        budgets, each reader its share. Bytes: a bound, not an estimate
+        (``read_ahead.py``): the room over the largest entry, reserved while
+        the read runs (:meth:`reserving`), so what the worker holds stays
+        below ``read_ahead_bytes`` plus one largest entry whatever the sizes.
+        """
+        tokens = self.room(max_batch_tokens, buffered_tokens)
+        # Every lane reads at once, so each takes its share of both rooms.
+        by_bytes = self.bytes.count(cap, readers=readers)
+        if tokens <= 0 or by_bytes == 0:
+            return 0
+        share = tokens // self.avg_estimate // readers
+        return int(min(by_bytes, max(1, share)))
+
+    def learn(self, requests: int, exact_tokens: int) -> None:
+        """Move the running mean of tokens per entry towards one read's.
+
+        Exact lengths, not the producers' ``tokens`` claims: a claim is only a
+        hint, and a lying one must not make the next read huge. Each entry
+        counts as one step of a 0.1 EMA. (Bytes need no mean: ``read_ahead.py``.)
+        """
+        if requests <= 0:
+            return
+        weight = 1.0 - 0.9 ** requests
+        exact = exact_tokens or requests
+        self.avg_estimate += weight * (max(1.0, exact / requests) - self.avg_estimate)
+
+    @contextmanager
+    def estimating(self, claimed: int) -> Iterator[None]:
+        """Count a read's claimed tokens as in flight while it is tokenized."""
+        self.inflight_estimate += claimed
+        try:
+            yield
+        finally:
+            self.inflight_estimate -= claimed
+
+    # ------------------------------------------------------------------- bytes
+
+    def reserving(self, count: int) -> AbstractContextManager[None]:
+        """Reserve the bytes of ``count`` largest entries for one read (``read_ahead.py``)."""
+        return self.bytes.reserving(count)
+
+    def hold(
+        self, lane: int, entries: Iterable[tuple[bytes, Mapping[bytes, bytes] | None]]
+    ) -> None:
+        """Count a read's entries as held (before its reservation ends: the room they take
+        is never free in between); an entry deleted meanwhile (no fields) holds nothing."""
+        hold = self.bytes.hold  # bound once: per entry below
+        for entry_id, fields in entries:
+            if fields is not None:
+                hold(Ref(lane, entry_id), entry_bytes(fields))
+
+    def emitted(self, answers: int) -> None:
+        """Answers handed to the outbox: their entries hold room until published."""
+        self.unpublished_answers += answers
+
+    def published(self, lane: int, entry_ids: Iterable[bytes]) -> None:
+        """Answers published (or given up on): their entries stop holding room."""
+        release = self.bytes.held.pop  # bound once: per answer below
+        count = 0
+        for entry_id in entry_ids:
+            release(Ref(lane, entry_id), None)
+            count += 1
+        self.unpublished_answers -= count
+
+    def held_by_lane(self) -> dict[int, list[bytes]]:
+        """The entry ids the worker holds (read, not yet answered on Redis), by lane.
+
+        Buffered, on the device, and answered but waiting to be published
+        alike: each is pending to this worker until its answer is published.
+        """
+        held: dict[int, list[bytes]] = {}
+        for lane, entry_id in self.bytes.held:
+            held.setdefault(lane, []).append(entry_id)
+        return held
+
+    def busy(self) -> bool:
+        """Whether a read is being tokenized now (the worker is not idle)."""
+        return bool(self.inflight_estimate)

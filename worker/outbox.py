@@ -1,0 +1,132 @@
+"""The worker's answers on their way to Redis: one outbox and one publish task per lane.
+
+A shard whose node is down holds back only its own answers. The outboxes are
+unbounded: what waits in them still counts as held (bytes, and tokens at the
+running mean: :class:`~tokenq.worker.intake.Intake`), so the read-ahead room
+is what bounds them, as it bounds everything the worker holds. Each task
+publishes in bulk (whatever queued up meanwhile goes in one script call,
+:class:`~tokenq.worker.publish.Publisher`), and retries until Redis takes it
+or the worker, stopping or hung, is past its grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tokenq.worker.intake import Intake
+from tokenq.worker.lanes import Lane, Ref
+from tokenq.worker.lifecycle import Lifecycle
+from tokenq.worker.pipeline.jobs import Answer, answer_of
+from tokenq.worker.pipeline.pipeline import Outcome, Pipeline
+from tokenq.worker.recorder import Recorder
+from tokenq.worker.stages import PUBLISH, Stages
+
+PUBLISH_CHUNK = 2048
+"""Most answers one publish call carries when several batches' answers are waiting."""
+
+
+def answer_for(pipeline: Pipeline[Any], outcome: Outcome[Ref]) -> Answer:
+    """The answer a finished request's entry is owed, named by its bare entry id
+    (its lane is the outbox it goes to)."""
+    ref = outcome.ref
+    return answer_of(pipeline, Outcome(ref.entry_id, outcome.request, outcome.result,
+                                       outcome.tokens))
+
+
+class Outbox:
+    """The answers owed on each lane, and the tasks that publish them."""
+
+    def __init__(
+        self, *, intake: Intake, lifecycle: Lifecycle, stages: Stages, recorder: Recorder,
+        now_epoch_ms: Callable[[], int], call_deadline: tuple[float, str],
+    ) -> None:
+        self._intake = intake
+        self._lifecycle = lifecycle
+        self._stages = stages
+        self._recorder = recorder
+        self._now_epoch_ms = now_epoch_ms
+        self._call_deadline = call_deadline
+        """The deadline of one publish attempt and the rule it comes from (the watchdog's)."""
+        self._queues: list[asyncio.Queue[list[Answer] | None]] = []
+        self._publishing = 0
+        """How many lanes' publish calls are in flight."""
+
+    def add_lane(self) -> None:
+        """An outbox for the next lane (lanes are numbered in the order they are added)."""
+        self._queues.append(asyncio.Queue())
+
+    def emit(self, lane: int, answers: list[Answer]) -> None:
+        """Hand one lane's answers to its publish task (their entries count as held until
+        published)."""
+        self._intake.emitted(len(answers))
+        self._queues[lane].put_nowait(answers)
+
+    def emit_outcomes(self, pipeline: Pipeline[Any], outcomes: Sequence[Outcome[Ref]]) -> None:
+        """Answer finished requests, each on the lane its entry came from."""
+        owed: dict[int, list[Answer]] = {}
+        for outcome in outcomes:
+            owed.setdefault(outcome.ref.lane, []).append(answer_for(pipeline, outcome))
+        self.emit_all(owed)
+
+    def emit_all(self, owed: Mapping[int, list[Answer]]) -> None:
+        for lane, answers in owed.items():
+            self.emit(lane, answers)
+
+    def close(self) -> None:
+        """No more answers: each publish task ends once its outbox is empty."""
+        for queue in self._queues:
+            queue.put_nowait(None)
+
+    def unpublished(self) -> bool:
+        """Whether any answer waits for, or is in, a publish call."""
+        return bool(self._publishing) or any(not queue.empty() for queue in self._queues)
+
+    async def run(self, lane: Lane) -> None:
+        """Publish one lane's answers as they come, in bulk: whatever queued up meanwhile
+        goes in one call.
+
+        One script call carries every answer waiting (up to ``PUBLISH_CHUNK``),
+        so when batches finish faster than Redis answers a round trip, the
+        round trips do not add up. Once published (or given up on), the
+        entries stop counting as held, which makes room to read more.
+        """
+        queue = self._queues[lane.index]
+        assert lane.publisher is not None
+        limit_s, limit_name = self._call_deadline
+        last = False
+        while not last:
+            answers = await queue.get()
+            if answers is None:
+                return
+            while len(answers) < PUBLISH_CHUNK and not queue.empty():
+                more = queue.get_nowait()
+                if more is None:
+                    last = True
+                    break
+                answers = [*answers, *more]
+            self._publishing += 1
+            try:
+                with self._stages.running(
+                    PUBLISH, f"publishing {len(answers)} answers on {lane.stream}",
+                    limit_s, limit_name,
+                ) as restart:
+                    await lane.publisher.publish(
+                        answers, give_up=functools.partial(self._retrying, restart))
+            finally:
+                self._publishing -= 1
+                self._intake.published(lane.index, (answer.entry_id for answer in answers))
+                self._lifecycle.room_made.set()
+            self._recorder.published(answers, self._now_epoch_ms())
+
+    def _retrying(self, restart: Callable[[], None]) -> bool:
+        """Asked by the publisher before each retry: give up (past the stop grace)?
+
+        The attempt that failed has ended, so the publish stage's clock starts
+        again: its deadline bounds one attempt, since a publish retried while
+        Redis is away is waiting for Redis, not hung.
+        """
+        restart()
+        return self._lifecycle.past_grace()

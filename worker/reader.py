@@ -1,0 +1,371 @@
+"""Reading the worker's lanes: one task per lane, into the one packer.
+
+Each task first re-reads the entries this consumer already owns (a restart
+under the same name), then XREADGROUPs as much as the read-ahead room allows
+(:class:`~tokenq.worker.intake.Intake`), and once a heartbeat interval takes
+over dead workers' entries (:class:`~tokenq.worker.recovery.Reclaimer`).
+
+Containment: nothing one stream entry contains can end the process. Every
+read is decoded, tokenized and buffered as a unit; if that raises anything,
+the read is split and retried one entry at a time, and the entry that still
+fails is dead-lettered naming the error, so a poison entry costs its own
+answer, never the worker or its neighbours.
+
+The stream commands it sends are ``XREADGROUP`` and ``XGROUP CREATE`` (plus
+the config hash when a group must be made again), so a small fake of them
+drives it in tests (``tests/test_worker_parts.py``) as a real Redis does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from redis.exceptions import RedisError, ResponseError
+
+from tokenq.shared import keys, wire
+from tokenq.shared.errors import ErrorCode
+from tokenq.worker import presence
+from tokenq.worker.health import Health
+from tokenq.worker.intake import Intake
+from tokenq.worker.lanes import Lane, Ref
+from tokenq.worker.lifecycle import Lifecycle
+from tokenq.worker.outbox import Outbox, answer_for
+from tokenq.worker.pipeline.feed import DeviceFeed, monotonic_ms, wait_event
+from tokenq.worker.pipeline.jobs import Answer, dead_answer, decode_entries
+from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job, Pipeline
+from tokenq.worker.recorder import Recorder
+from tokenq.worker.settings import WorkerSettings
+from tokenq.worker.stages import READ, TOKENIZING, Stages
+
+log = logging.getLogger("tokenq.worker")
+
+_T = TypeVar("_T")
+
+HISTORY_COUNT = 256
+MAX_READ_COUNT = 1024
+
+Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
+"""What XREADGROUP and XCLAIM return: entry ids and fields (None: deleted while pending)."""
+
+
+class Reader:
+    """Reads every lane into the packer, within the read-ahead room."""
+
+    def __init__(
+        self, client: Any, *, consumer: str, settings: WorkerSettings, lanes: list[Lane],
+        intake: Intake, lifecycle: Lifecycle, stages: Stages, feed: DeviceFeed[Job[Ref], Any],
+        pipeline: Pipeline[Ref], outbox: Outbox, recorder: Recorder, health: Health,
+        now_epoch_ms: Callable[[], int], config_fields: Callable[[], dict[str, str]],
+        on_idle: Callable[[], None], call_deadline: tuple[float, str],
+    ) -> None:
+        self.client = client
+        self.consumer = consumer
+        self.settings = settings
+        self.lanes = lanes
+        """The worker's lanes (shared: the beat removes the drained retired ones)."""
+        self._intake = intake
+        self._lifecycle = lifecycle
+        self._stages = stages
+        self._feed = feed
+        self._pipeline = pipeline
+        self._outbox = outbox
+        self._recorder = recorder
+        self._health = health
+        self._now_epoch_ms = now_epoch_ms
+        self._config_fields = config_fields
+        self._on_idle = on_idle
+        self._call_deadline = call_deadline
+        self._readers_left = 0
+        self.done = False
+        """Every read task has ended: nothing more comes into the packer."""
+        self._last_activity = time.monotonic()
+
+    def starting(self) -> None:
+        """Called once, as the read tasks (one per lane) are started."""
+        self._readers_left = len(self.lanes)
+
+    async def ensure_group(self, lane: Lane) -> None:
+        try:
+            await self.client.xgroup_create(lane.stream, keys.GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # ---------------------------------------------------------------- reading
+
+    def _read_count(self, cap: int = MAX_READ_COUNT) -> int:
+        budget = self._feed.packer.budget.max_batch_tokens
+        return self._intake.read_count(
+            budget, self._feed.packer.buffered_tokens, readers=len(self.lanes), cap=cap)
+
+    async def run(self, lane: Lane) -> None:
+        """Read one lane until the worker stops (or the lane is drained and removed)."""
+        self._health.reader_started(lane.index)
+        try:
+            await self._until_stopped(self._read_history(lane))
+            backoff = 0.1
+            while self._lifecycle.reading() and not lane.drained:
+                if self._idle_expired():
+                    log.info("queue idle for %.1fs; exiting", self.settings.exit_when_idle_s)
+                    self._on_idle()
+                    break
+                count = self._read_count()
+                if count == 0:
+                    await self._wait_for_room()
+                    continue
+                try:
+                    with self._intake.reserving(count):
+                        if await self._until_stopped(self._reclaim(lane, count)):
+                            self._health.read_ok(lane.index)
+                            continue
+                        entries = await self._until_stopped(
+                            self._xread(lane, ">", count, self.settings.block_ms)
+                        )
+                        self._intake.hold(lane.index, entries or [])
+                    self._health.read_ok(lane.index)
+                    backoff = 0.1
+                except RedisError as exc:
+                    self._health.read_failed(lane.index, exc)
+                    await self._on_read_error(lane, exc, backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                if entries:
+                    await self.take(lane, entries, held=True)
+        finally:
+            self._health.reader_ended(lane.index)
+            self._readers_left -= 1
+            self.done = self._readers_left == 0
+            self._feed.wake()
+
+    async def _wait_for_room(self) -> None:
+        """Wait until something read was answered (or a second passed): room to read more."""
+        self._lifecycle.room_made.clear()
+        await wait_event(self._lifecycle.room_made, 1.0)
+
+    async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
+        """Run one read; once the worker is told to stop, give it only a short grace.
+
+        A read that Redis answers (a blocking XREADGROUP returns within
+        ``block_ms``) is let finish and its entries are taken and answered: an
+        abandoned read may already have delivered entries to this consumer.
+        Only a read still unanswered after the grace — Redis down or frozen,
+        redis-py spending its retries — is abandoned (None), so a stop never
+        waits for that; whatever it delivered stays pending to this consumer
+        and the safety net (or a restart's history read) hands it out again.
+        """
+        task = asyncio.ensure_future(read)
+        stopped = asyncio.ensure_future(self._lifecycle.stopping.wait())
+        try:
+            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not task.done():
+            await asyncio.wait({task}, timeout=self.settings.block_ms / 1000 + 1.0)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RedisError):
+            await task
+        return None
+
+    async def _reclaim(self, lane: Lane, count: int) -> bool:
+        """Every heartbeat interval, take over entries of dead workers; True if any."""
+        now = time.monotonic()
+        if now - lane.last_reclaim < self.settings.heartbeat_s:
+            return False
+        lane.last_reclaim = now
+        assert lane.reclaimer is not None
+        # What we hold must not be run (and answered) twice: the scan claims none of it.
+        with self._stages.running(READ, f"the reclaim scan on {lane.stream}",
+                                  *self._call_deadline):
+            claimed = await lane.reclaimer.scan(
+                count, set(self._intake.held_by_lane().get(lane.index, ())))
+        if not claimed.entries:
+            return False
+        self._recorder.reclaimed(len(claimed.entries))
+        await self.take(lane, claimed.entries, claimed.deliveries)
+        return True
+
+    async def _read_history(self, lane: Lane) -> None:
+        """Re-read entries this consumer already owns (a restart under the same name).
+
+        Each history read counts as a delivery, and the counts are looked up
+        and honoured, so an entry that crashed the previous process under
+        this name is dead-lettered after ``max_deliveries`` like any other.
+        """
+        last = "0"
+        while self._lifecycle.reading():
+            count = self._read_count(HISTORY_COUNT)
+            if count == 0:
+                await self._wait_for_room()
+                continue
+            with self._intake.reserving(count):
+                entries = await self._xread(lane, last, count, None)
+                self._intake.hold(lane.index, entries)
+            if not entries:
+                return
+            assert lane.reclaimer is not None
+            deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
+            await self.take(lane, entries, deliveries, held=True)
+            last = entries[-1][0].decode()
+
+    async def _xread(self, lane: Lane, last_id: str, count: int, block_ms: int | None) -> Entries:
+        with self._stages.running(READ, f"an XREADGROUP on {lane.stream}",
+                                  *self._call_deadline):
+            reply = await self.client.xreadgroup(
+                keys.GROUP, self.consumer, {lane.stream: last_id}, count=count, block=block_ms
+            )
+        if not reply:
+            return []
+        # RESP2 gives [[stream, entries]]; RESP3 gives {stream: [entries]}.
+        if isinstance(reply, dict):
+            return next(iter(reply.values()))[0] if reply else []
+        return reply[0][1]
+
+    async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
+        # A retired lane's stream goes once it is drained: never made again here.
+        # NOGROUP from XREADGROUP, "no such key" from the reclaim scan's XINFO: the
+        # stream is gone (Redis restarted empty, or someone deleted it).
+        missing = isinstance(exc, ResponseError) and any(
+            sign in str(exc) for sign in ("NOGROUP", "no such key"))
+        if missing and not lane.retired:
+            log.warning("consumer group missing on %s (Redis restarted empty?); recreating it",
+                        lane.stream)
+            self._health.joined = False
+            try:
+                await self.ensure_group(lane)
+                # An empty Redis lost the config hash too; producers need it back
+                # for their early checks and exact estimates.
+                await presence.write_config(self.client, lane.queue, self._config_fields())
+                self._health.joined = True
+                return
+            except RedisError:
+                pass
+        log.warning("read failed (%s); retrying in %.1fs", exc, backoff)
+        await wait_event(self._lifecycle.stopping, backoff)
+
+    def _idle_expired(self) -> bool:
+        limit = self.settings.exit_when_idle_s
+        if limit is None or self._feed.held() or self._intake.busy():
+            return False
+        return time.monotonic() - self._last_activity >= limit
+
+    # ----------------------------------------------------------------- taking
+
+    async def take(
+        self, lane: Lane, entries: Entries, deliveries: dict[bytes, int] | None = None, *,
+        held: bool = False,
+    ) -> None:
+        """Decode, tokenize and buffer one read; no entry can make this raise.
+
+        ``held``: the read already counted its entries as held (inside its
+        reservation), so they are not sized a second time here.
+
+        The read is prepared as a unit (:meth:`_prepare`: decoding and
+        tokenizing, with no side effects) and only then buffered. If preparing
+        raises anything, the read is split into single entries, and an entry
+        that still fails alone is dead-lettered naming the error.
+        """
+        self._last_activity = time.monotonic()
+        deliveries = deliveries or {}
+        gone = [entry_id for entry_id, fields in entries if fields is None]
+        if gone:  # deleted while pending to us: nothing to answer, just release
+            self._outbox.emit(lane.index, [Answer(entry_id, None, b"", ok=False)
+                                           for entry_id in gone])
+        present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+        if not held:
+            self._intake.hold(lane.index, entries)
+        await self._take_present(lane, present, deliveries)
+        self._feed.wake()
+
+    async def _take_present(
+        self, lane: Lane, present: list[tuple[bytes, dict[bytes, bytes]]],
+        deliveries: dict[bytes, int],
+    ) -> None:
+        if not present:
+            return
+        try:
+            jobs, answers = await self._prepare(lane, present, deliveries)
+        except Exception as exc:
+            if len(present) > 1:
+                for one in present:
+                    await self._take_present(lane, [one], deliveries)
+                return
+            entry_id, fields = present[0]
+            log.exception("entry %r could not be taken; dead-lettering it", entry_id)
+            why = f"{type(exc).__name__}: {exc}"
+            jobs, answers = [], [
+                _untakable(lane, entry_id, fields, why, deliveries, self._now_epoch_ms())
+            ]
+        self._feed.add(jobs)
+        if answers:
+            self._recorder.refused_at_intake(answers)
+            self._outbox.emit(lane.index, answers)
+
+    async def _prepare(
+        self, lane: Lane, present: list[tuple[bytes, dict[bytes, bytes]]],
+        deliveries: dict[bytes, int],
+    ) -> tuple[list[Job[Ref]], list[Answer]]:
+        """Jobs to buffer and answers owed for one read, with no effect on the buffer.
+
+        It moves only the in-flight estimate (restored on the way out) and the
+        running means (by finite, bounded amounts), so a read that raises here
+        can be retried entry by entry. Answers are named by bare entry ids
+        (they go to this lane's outbox); jobs by the lane's references.
+        """
+        now = self._now_epoch_ms()
+        decoded = decode_entries(
+            present, policy=lane.dead_letters, deliveries=deliveries, now_epoch_ms=now
+        )
+        answers = list(decoded.answers)
+        if not decoded.requests:
+            return [], answers
+        claimed = sum(max(1, request.tokens) for _, request in decoded.requests)
+        with self._intake.estimating(claimed), self._stages.running(
+            TOKENIZING, f"a read of {len(decoded.requests)} requests being tokenized",
+            self.settings.batch_timeout_s, "batch_timeout_s", shortened_by_stop=True,
+        ):
+            admitted = await asyncio.to_thread(
+                self._admit, lane, decoded.requests, monotonic_ms(), now
+            )
+        answers += [answer_for(self._pipeline, outcome) for outcome in admitted.answered]
+        fields = dict(present) if admitted.broken else {}
+        answers += [
+            _untakable(lane, item.ref.entry_id, fields[item.ref.entry_id], why, deliveries, now)
+            for item, why in admitted.broken
+        ]
+        self._intake.learn(len(decoded.requests),
+                           sum(job.encoding.length for job in admitted.jobs))
+        return admitted.jobs, answers
+
+    def _admit(
+        self, lane: Lane, requests: list[tuple[bytes, wire.Request]], read_ms: float,
+        now_epoch_ms: int,
+    ) -> Admitted[Ref]:
+        """The pipeline's admission of one read (in a thread: it tokenizes)."""
+        items = [
+            Admit(lane.ref(entry_id), request, wire.deadline_of(request, entry_id), read_ms)
+            for entry_id, request in requests
+        ]
+        started = time.perf_counter()
+        admitted = self._pipeline.admit(items, now_epoch_ms)
+        self._recorder.tokenized(time.perf_counter() - started)
+        return admitted
+
+
+def _untakable(
+    lane: Lane, entry_id: bytes, fields: dict[bytes, bytes], why: str,
+    deliveries: dict[bytes, int], now_epoch_ms: int,
+) -> Answer:
+    """The dead letter of an entry the worker could not take, saying why."""
+    return dead_answer(
+        entry_id, fields, ErrorCode.BAD_REQUEST,
+        f"the worker could not take this entry: {why}"[:1000],
+        policy=lane.dead_letters, deliveries=deliveries.get(entry_id, 1),
+        now_epoch_ms=now_epoch_ms,
+    )

@@ -1,0 +1,94 @@
+"""What the worker reports about its work, recorded in one call per event.
+
+Three sinks follow the same events: the totals a heartbeat publishes
+(:class:`~tokenq.worker.batch_stats.WorkerStats`), the Prometheus metrics (a
+:class:`~tokenq.worker.metrics.NullMetrics` when off) and the batch log
+(``--batch-log``). Each event is one method here, so no call site updates
+one sink and forgets another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenq.shared.packer import Batch, Budget
+from tokenq.worker.batch_stats import BatchLog, BatchRecord, WorkerStats
+from tokenq.worker.lanes import Ref, entry_ids
+from tokenq.worker.metrics import NullMetrics
+from tokenq.worker.pipeline.jobs import Answer
+from tokenq.worker.pipeline.pipeline import BatchOutcome, Job
+
+
+class Recorder:
+    """The worker's stats, metrics and batch log, updated together."""
+
+    def __init__(self, consumer: str, metrics: NullMetrics, batch_log: Path | None) -> None:
+        self.consumer = consumer
+        self.metrics = metrics
+        self.stats = WorkerStats()
+        self._batch_log = BatchLog(batch_log)
+
+    def batch(
+        self, batch: Batch[Job[Ref]], outcome: BatchOutcome[Ref], *, packed_under: Budget,
+        started_epoch_ms: int, budget_now: int,
+    ) -> None:
+        """One batch the device ran: totals, metrics and its batch-log line."""
+        record = batch_record(self.consumer, batch, packed_under, outcome)
+        self.stats.record(record)
+        if self.metrics.enabled:
+            self.metrics.batch(
+                record, entry_ids(job.ref for job in batch.payloads),
+                input_tokens=[done.tokens for done in outcome.answered if done.tokens],
+                started_epoch_ms=started_epoch_ms, budget=budget_now,
+            )
+        self._batch_log.write(record)
+
+    def refused_at_intake(self, answers: Sequence[Answer]) -> None:
+        """Answers owed for entries that never reached the device (refused, dead letters)."""
+        dead = sum(bool(a.dead_fields) for a in answers)
+        self.stats.requests_failed += len(answers)
+        self.stats.dead_lettered += dead
+        self.metrics.dead_lettered(dead)
+
+    def reclaimed(self, n: int) -> None:
+        self.stats.reclaimed += n
+        self.metrics.reclaimed(n)
+
+    def tokenized(self, seconds: float) -> None:
+        self.metrics.tokenized(seconds)
+
+    def published(self, answers: Sequence[Answer], now_epoch_ms: int) -> None:
+        self.metrics.answered(answers, now_epoch_ms=now_epoch_ms)
+
+    def redis_refused(self, reason: str) -> None:
+        self.metrics.redis_refused(reason)
+
+    def queue_depth(self, length: int, pending: int, lag: int) -> None:
+        self.metrics.queue_depth(length, pending, lag)
+
+    def exit_fields(self, now: float) -> dict[str, Any]:
+        return self.stats.exit_fields(self.consumer, now)
+
+    def close(self) -> None:
+        self._batch_log.close()
+
+
+def batch_record(
+    worker: str, batch: Batch[Job[Ref]], packed_under: Budget, outcome: BatchOutcome[Ref]
+) -> BatchRecord:
+    """The batch log's line (and the stats' and metrics' input) for one batch."""
+    return BatchRecord(
+        worker=worker,
+        rows=batch.rows,
+        tokens=batch.tokens,
+        padded_tokens=batch.padded_tokens,
+        cost=batch.cost,
+        max_batch_tokens=packed_under.max_batch_tokens,
+        max_batch_size=packed_under.max_batch_size,
+        sealed=batch.sealed,
+        device_ms=round(outcome.device_ms, 3),
+        failed=sum(not done.ok for done in outcome.answered),
+        oom_splits=outcome.oom_splits,
+    )

@@ -1,0 +1,91 @@
+"""One place that turns settings into a resilient asyncio Redis client.
+
+Every command retries with exponential backoff on connection errors and
+timeouts (redis-py's own Retry), TLS and ACL credentials come from the URL
+(``rediss://user:password@host``), and the socket timeout is longer than any
+blocking read the worker issues, so a dead server surfaces as an error
+instead of a hang.
+
+The URL (:mod:`tokenq.shared.redis_url`) may also name a Redis Cluster
+(``redis+cluster://``: an asyncio ``RedisCluster``, which follows MOVED/ASK
+and re-reads the topology itself, retrying ``retries`` times at cluster
+level) or a Sentinel-watched master (``redis+sentinel://``: a master client
+that asks the sentinels where the master is whenever it reconnects, a
+reconnect inside a command's retries included: ``shared/sentinel_connection.py``).
+:mod:`tokenq.shared.redis_client` builds all three; this module gives it the
+worker's options and hooks (:data:`HOOKS`).
+
+Commands are packed by hiredis's C packer when hiredis is installed (it is
+in the worker extra): redis-py's asyncio connection packs every argument in
+Python, about 1.5 µs each, and a batch's publish script carries four
+arguments per answer, so packing alone cost ~6 µs per request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis._parsers import AsyncCommandsParser
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from tokenq.shared import redis_client
+from tokenq.shared.packing import HiredisPacking as HiredisPacking  # the mixin, for tests
+from tokenq.shared.packing import packed
+from tokenq.shared.redis_url import parse_redis_url
+from tokenq.worker.settings import WorkerSettings
+
+
+def connect(settings: WorkerSettings) -> aioredis.Redis | aioredis.RedisCluster:
+    """An asyncio client for the worker (bytes in, bytes out), with no cap on connections."""
+    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), settings.retries)
+    options: dict[str, Any] = {
+        "decode_responses": False,
+        "socket_timeout": settings.socket_timeout_s,
+        "socket_connect_timeout": min(5.0, settings.socket_timeout_s),
+        "retry": retry,
+        "health_check_interval": 30,
+        "client_name": "tokenq-worker",
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],  # not in a cluster
+    }
+    return redis_client.async_client(parse_redis_url(settings.redis_url), options, HOOKS)
+
+
+def stream_read_keys(args: tuple[Any, ...]) -> list[Any] | None:
+    """The keys of an ``XREADGROUP``/``XREAD`` command line (the first half after ``STREAMS``),
+    or None when it is not one or does not parse (the caller then asks Redis)."""
+    name = (args[0].decode() if isinstance(args[0], bytes) else str(args[0])) if args else ""
+    options_from = {"XREADGROUP": 4, "XREAD": 1}.get(name.upper())  # past GROUP group consumer
+    if options_from is None:
+        return None
+    words = [a.decode() if isinstance(a, bytes) else str(a) for a in args]
+    try:
+        at = next(i for i in range(options_from, len(words)) if words[i].upper() == "STREAMS")
+    except StopIteration:
+        return None
+    rest = list(args[at + 1:])
+    if not rest or len(rest) % 2:
+        return None
+    return rest[: len(rest) // 2]
+
+
+class _StreamKeysParser(AsyncCommandsParser):
+    """redis-py's cluster command parser, finding a stream read's keys without asking Redis.
+
+    ``XREADGROUP`` has "movable" keys, so redis-py sends ``COMMAND GETKEYS``
+    (twice) to its default node before every read to learn which slot to
+    send it to: two round trips per read, to a node that may hold nothing of
+    the queue (``scripts/bench/run.py shards`` counted 126 of 705). The keys
+    are simply the first half of what follows ``STREAMS``.
+    """
+
+    async def _get_moveable_keys(self, *args: Any) -> Any:
+        keys = stream_read_keys(args)
+        return keys if keys is not None else await super()._get_moveable_keys(*args)
+
+
+HOOKS = redis_client.ClientHooks(connection=packed, cluster_parser=_StreamKeysParser)
+"""The worker's connections pack in C, on any topology; a cluster finds a read's keys itself."""

@@ -1,0 +1,106 @@
+"""``WorkerSettings``: the worker's own settings composed with every backend's.
+
+:class:`~tokenq.shared.settings_worker.BaseWorkerSettings` holds what every
+worker reads; each registered backend (:mod:`tokenq.worker.backends.registry`)
+adds its own :class:`~tokenq.shared.settings.BackendSettings`. So
+``--sim-dim`` exists, ``TOKENQ_SIM_DIM`` is read and ``--help`` lists both
+under ``--backend sim``, because the sim says so in its own module.
+
+A plugin named ``--backend pkg.mod:attr`` whose ``attr`` is a ``BackendEntry``
+brings its settings too: :func:`settings_class` composes them in, and
+:func:`chosen_backend` finds the ``--backend`` value before the command line is
+parsed (the flags a command accepts depend on it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import model_validator
+
+from tokenq.shared.settings import env_var, flag
+from tokenq.shared.settings_worker import BaseWorkerSettings
+from tokenq.worker.backends.registry import BackendEntry, entry_for, registered
+
+
+class _RefusesOtherBackends(BaseWorkerSettings):
+    """The check every composed class carries: no option of a backend not chosen."""
+
+    @model_validator(mode="after")
+    def _no_options_of_another_backend(self) -> Any:
+        """Refuse another backend's options, so none is silently ignored.
+
+        Why: ``--model BAAI/bge-small-en-v1.5 --backend sim`` would otherwise
+        serve simulated vectors under a real model's name. A plugin that
+        declares no settings (a plain factory) may read any setting, so it is
+        not checked.
+        """
+        backend = self.backend.strip()
+        chosen = entry_for(backend)
+        if chosen is None:
+            return self
+        own = set(chosen.settings.model_fields)
+        for other in registered():
+            if other is chosen:
+                continue
+            given = sorted(name for name in self.model_fields_set
+                           if name in other.settings.model_fields and name not in own)
+            if given:
+                raise ValueError(_refusal(type(self), backend, other.name, given))
+        return self
+
+
+def _refusal(cls: type[BaseWorkerSettings], backend: str, owner: str, given: list[str]) -> str:
+    flags = ", ".join(flag(cls, name) for name in given)
+    many = len(given) > 1
+    return (f"--backend {backend} ignores {flags}: "
+            f"{'they are options' if many else 'it is an option'} of --backend {owner}; "
+            f"drop {'them' if many else 'it'} or use --backend {owner}")
+
+
+def _compose(extra: tuple[BackendEntry, ...]) -> type[BaseWorkerSettings]:
+    """A settings class with the worker's own settings and those of these backends."""
+    bases = (*(entry.settings for entry in extra), _RefusesOtherBackends)
+    return type("WorkerSettings", bases, {
+        "__doc__": BaseWorkerSettings.__doc__,
+        "__module__": __name__,
+        "__qualname__": "WorkerSettings",
+    })
+
+
+WorkerSettings: Any = _compose(registered())
+"""The worker's settings with every registered backend's (``hf``, ``sim``, entry points)."""
+
+
+@functools.cache
+def settings_class(backend: str) -> type[BaseWorkerSettings]:
+    """:data:`WorkerSettings`, with the settings of a plugin ``backend`` names composed in."""
+    entry = entry_for(backend)
+    if entry is None or entry in registered():
+        return WorkerSettings  # type: ignore[no-any-return]
+    return _compose((entry, *registered()))
+
+
+def chosen_backend(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str:
+    """The ``--backend`` a command line chooses, else ``TOKENQ_BACKEND``, else the default."""
+    value: str | None = None
+    for at, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == "--backend" and at + 1 < len(argv):
+            value = argv[at + 1]
+        elif arg.startswith("--backend="):
+            value = arg.partition("=")[2]
+    if value is not None:
+        return value
+    env = os.environ if environ is None else environ
+    default = BaseWorkerSettings.model_fields["backend"].default
+    return str(env.get(env_var("backend"), default))
+
+
+def settings_class_for(argv: Sequence[str]) -> type[BaseWorkerSettings]:
+    """The settings class ``tokenq worker`` parses ``argv`` with (a plugin's flags included)."""
+    return settings_class(chosen_backend(argv))
