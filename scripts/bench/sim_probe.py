@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenq.worker.backends.sim import SimBackend, build_sim_backend
-from tokenq.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:  # a --baseline checkout may keep WorkerSettings elsewhere
+    from tokenq.worker.settings import WorkerSettings
 
 STATS_ENV = "BENCH_SIM_STATS"
 

@@ -98,7 +98,10 @@ def priority_supported() -> bool:
 def worker_default(name: str) -> float | None:
     """A worker setting's default in the tokenq imported here (None: it has no such setting)."""
     try:
-        from tokenq.worker.settings import WorkerSettings
+        try:
+            from tokenq.worker.settings import WorkerSettings
+        except ImportError:  # a --baseline checkout from before the settings moved
+            from tokenq.shared.settings import WorkerSettings  # type: ignore[no-redef]
 
         return float(WorkerSettings.model_fields[name].default)
     except (ImportError, AttributeError, KeyError, TypeError, ValueError):
