@@ -287,7 +287,7 @@ def test_a_producer_calling_the_workers_functions_with_its_own_keys_gains_nothin
         admin.xadd(keys.dead(q), {"id": "letter"})
         producer = redis.Redis.from_url(user_url(server, f"{queue}-producer", password),
                                         socket_timeout=10)
-        name = functions.lua.library().functions["remove_retired"]
+        name = functions.lua_scripts.library().functions["remove_retired"]
         producer.set(keys.retired(q), "1")  # allowed by the documented rules
         worker_keys = [keys.dead(q), keys.workers(q), keys.config(q)]
         for swapped in range(3):
@@ -308,7 +308,7 @@ def test_a_producer_calling_the_workers_functions_with_its_own_keys_gains_nothin
         }
         for short, call in swapped_calls.items():
             with pytest.raises(redis.exceptions.ResponseError, match=r"(?i)can.t run this command"):
-                producer.fcall(functions.lua.library().functions[short], *call)
+                producer.fcall(functions.lua_scripts.library().functions[short], *call)
         assert admin.xpending(keys.requests(q), keys.GROUP)["pending"] == 1
         assert admin.exists(keys.requests(q), keys.dead(q), keys.workers(q),
                             keys.config(q)) == 4
@@ -499,7 +499,7 @@ def test_tokenq_functions_load_against_a_cluster_loads_every_primary(
     try:
         admin.function_flush()  # every primary
         assert functions_cli.main(["load", "--redis-url", redis_cluster.url]) == 0
-        assert functions.lua.library().name in capsys.readouterr().out
+        assert functions.lua_scripts.library().name in capsys.readouterr().out
         for port in redis_cluster.masters():
             node = redis.Redis(port=port, socket_timeout=10)
             try:
@@ -507,6 +507,6 @@ def test_tokenq_functions_load_against_a_cluster_loads_every_primary(
                          for lib in node.function_list()]
             finally:
                 node.close()
-            assert functions.lua.library().name.encode() in names, port
+            assert functions.lua_scripts.library().name.encode() in names, port
     finally:
         admin.close()

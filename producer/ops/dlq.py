@@ -239,8 +239,8 @@ def _retry(
     A lane that is full (``--max-queue-length`` holds per lane) does not stop
     the others in a sharded queue: each has room of its own.
     """
-    outcomes = [(lane, dlq.retry_until_full(r, lane, ids, drop_deadline=settings.drop_deadline,
-                                            max_queue_length=settings.max_queue_length))
+    outcomes = [(lane, dlq.retry(r, lane, ids, drop_deadline=settings.drop_deadline,
+                                 max_queue_length=settings.max_queue_length, until_full=True))
                 for lane, ids in work]
     full = [outcome.full for _, outcome in outcomes if outcome.full is not None]
     if full and not lanes.sharded:  # the one line it always was

@@ -344,30 +344,16 @@ def retry(
     *,
     max_queue_length: int,
     drop_deadline: bool = False,
+    until_full: bool = False,
 ) -> RetryOutcome:
     """Re-enqueue the named letters (``ids=None``: every letter there when it starts).
 
     Truncated letters are skipped and stay in the dead stream. Raises
     :class:`QueueFull` when a page would push the queue past
-    ``max_queue_length``; pages already moved stay moved.
+    ``max_queue_length``; pages already moved stay moved. With ``until_full``
+    a full queue ends it with ``outcome.full`` set instead of raising, so a
+    sharded queue's retry still counts what that lane moved before it filled.
     """
-    outcome = retry_until_full(r, q, ids, max_queue_length=max_queue_length,
-                               drop_deadline=drop_deadline)
-    if outcome.full is not None:
-        raise QueueFull(outcome.full)
-    return outcome
-
-
-def retry_until_full(
-    r: redis.Redis,
-    q: keys.QueueRef,
-    ids: Sequence[str] | None,
-    *,
-    max_queue_length: int,
-    drop_deadline: bool = False,
-) -> RetryOutcome:
-    """:func:`retry`, but a full queue ends it with ``outcome.full`` set instead of raising,
-    so a sharded queue's retry still counts what that lane moved before it filled."""
     script = functions.Function(r, "dlq_retry")  # dlq_retry.lua, by FCALL
     outcome = RetryOutcome()
     if ids is None:
@@ -388,6 +374,8 @@ def retry_until_full(
             outcome.full = (
                 f"{_lane_words(q)} holds {full.length} of at most {full.limit} requests; "
                 f"moved {plural(len(outcome.moved), 'dead letter')} before it filled")
+            if not until_full:
+                raise QueueFull(outcome.full) from None
             return outcome
         for one, answer in zip(page, answers, strict=True):
             if isinstance(answer, list):  # [b"truncated", b"text,opts"] or [b"empty", b""]

@@ -21,7 +21,7 @@ import base64
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
@@ -166,8 +166,29 @@ def tei_embed_job(body: TEIEmbed) -> Job:
     """The texts of a TEI request and the options it asks for.
 
     ``normalize`` is always sent, since TEI's default (true) normalises
-    whatever the model does; ``truncate`` only when given, so the queue's
-    policy decides otherwise, as TEI's ``auto_truncate`` does.
+    whatever the model does; the rest as :func:`tei_job` says.
+    """
+    job = tei_job(body, {"normalize": body.normalize})
+    if body.dimensions:
+        job.options["dimensions"] = body.dimensions
+    return job
+
+
+class TEIBody(Protocol):
+    """What every TEI body that embeds texts has (``/embed``, ``/embed_sparse``, ``/embed_all``)."""
+
+    inputs: TEIShape
+    truncate: bool | None
+    truncation_direction: str
+    prompt_name: str | None
+
+
+def tei_job(body: TEIBody, options: dict[str, Any]) -> Job:
+    """A TEI body's texts, with ``options`` and what every TEI route takes alike.
+
+    Token ids and an empty list are refused, and so is ``truncation_direction:
+    Left``. ``truncate`` is sent only when given, so the queue's policy decides
+    otherwise, as TEI's ``auto_truncate`` does; ``prompt_name`` only when given.
     """
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not all(isinstance(item, str) for item in texts):
@@ -175,13 +196,11 @@ def tei_embed_job(body: TEIEmbed) -> Job:
     if not texts:
         raise empty("inputs")
     refuse_left(body.truncation_direction)
-    options: dict[str, Any] = {"normalize": body.normalize}
+    options = dict(options)
     if body.truncate is not None:
         options["truncate"] = body.truncate
     if body.prompt_name is not None:
         options["prompt_name"] = body.prompt_name
-    if body.dimensions:
-        options["dimensions"] = body.dimensions
     return Job(list(texts), options, "inputs")  # type: ignore[arg-type]
 
 

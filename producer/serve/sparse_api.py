@@ -31,14 +31,13 @@ from fastapi.responses import Response
 from tokenq.producer import Result
 from tokenq.producer.serve import openapi, schemas
 from tokenq.producer.serve.bounds import check_token_answer
-from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
+from tokenq.producer.serve.errors import ApiError, wrong_model
 from tokenq.producer.serve.schemas import (
     Body,
     Direction,
     Job,
     TEIInputs,
     parse,
-    refuse_left,
 )
 from tokenq.shared.queue_config import QueueConfig
 
@@ -77,23 +76,11 @@ def all_request(raw: bytes) -> tuple[TEIPerToken, Job]:
 def _request(raw: bytes, options: dict[str, Any]) -> tuple[TEIPerToken, Job]:
     """The body, and its job with ``options``.
 
-    ``truncate`` is sent only when given, so the queue's policy decides
-    otherwise, as TEI's ``auto_truncate`` does; neither route takes
-    ``normalize`` or ``dimensions``.
+    The rest as :func:`~tokenq.producer.serve.schemas.tei_job` says; neither
+    route takes ``normalize`` or ``dimensions``.
     """
     body = parse(TEIPerToken, raw)
-    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    if not all(isinstance(item, str) for item in texts):
-        raise invalid("inputs", "token-id input is not supported: send text")
-    if not texts:
-        raise empty("inputs")
-    refuse_left(body.truncation_direction)
-    options = dict(options)
-    if body.truncate is not None:
-        options["truncate"] = body.truncate
-    if body.prompt_name is not None:
-        options["prompt_name"] = body.prompt_name
-    return body, Job(list(texts), options, "inputs")  # type: ignore[arg-type]
+    return body, schemas.tei_job(body, options)
 
 
 def require_sparse(config: QueueConfig | None, model: str) -> None:

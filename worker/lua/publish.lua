@@ -155,34 +155,33 @@ for _ = 1, n do
         return refuse(refused)
       end
     end
+    -- Why the answer reaches no one: the worker's reason (reply < 0), or the
+    -- reply key refusing the push; nil once it is pushed (or none is wanted).
+    local unanswered = nil
     if reply < 0 then
-      if k == 0 then
-        local refused = undeliverable_letter(entry_id, mine[1][4], payload)
-        if refused then
-          return refuse(refused)
-        end
-      end
-      undeliverable = undeliverable + 1
+      unanswered = payload
     elseif reply > 0 then
       local pushed = redis.pcall("RPUSH", KEYS[reply], payload)
       if type(pushed) == "table" and pushed.err then
         if not key_refuses(pushed.err) then
           return refuse(refusal_text(pushed.err))
         end
-        if k == 0 then
-          local why = "reply_to " .. KEYS[reply] .. " refused the reply: " .. tostring(pushed.err)
-          local refused = undeliverable_letter(entry_id, mine[1][4], why)
-          if refused then
-            return refuse(refused)
-          end
-        end
-        undeliverable = undeliverable + 1
+        unanswered = "reply_to " .. KEYS[reply] .. " refused the reply: " .. tostring(pushed.err)
       elseif not touched[reply] then
         -- At the first push, not at the end: a reply key must never be left
         -- without a TTL, even if something later in this call fails.
         redis.call("PEXPIRE", KEYS[reply], ttl_ms)
         touched[reply] = true
       end
+    end
+    if unanswered then
+      if k == 0 then
+        local refused = undeliverable_letter(entry_id, mine[1][4], unanswered)
+        if refused then
+          return refuse(refused)
+        end
+      end
+      undeliverable = undeliverable + 1
     end
     settled[#settled + 1] = entry_id
     published = published + 1
