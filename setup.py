@@ -6,7 +6,7 @@ pyproject.toml names what it finds after the folders (``producer.ops``), not
 after where they install (``tokenq.producer.ops``), and has no prefix
 option; so the discovery lives here, and every other setting stays in
 pyproject.toml. A subpackage added under one of the folders is in the wheel
-without anyone listing it (tests/test_wheel.py builds one and checks).
+without anyone listing it (tests/project/test_wheel.py builds one and checks).
 """
 
 from setuptools import find_packages, setup

@@ -20,7 +20,7 @@ one of *its* commands fails), so :func:`run_pinned` reacts for it:
   whose next try starts from the fresh topology. Without this a producer
   kept the dead node as the slot's owner for good and every durable
   enqueue to that shard failed after the failover
-  (``tests/test_cluster.py::test_a_cluster_master_killed_under_load_…``).
+  (``tests/faults/test_cluster.py::test_a_cluster_master_killed_under_load_…``).
 
 For a client that is not a cluster client the operation runs once, on it.
 """

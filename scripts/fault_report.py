@@ -27,8 +27,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-FAULT_SUITES = ("tests/test_faults.py", "tests/test_hardening.py", "tests/test_hostile_fuzz.py",
-                "tests/test_redis_refuses.py")
+FAULT_SUITES = ("tests/faults/test_faults.py", "tests/faults/test_hardening.py",
+                "tests/faults/test_hostile_fuzz.py", "tests/faults/test_redis_refuses.py")
 """The suites whose tests record what they did."""
 
 LABELS = {

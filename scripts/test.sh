@@ -11,6 +11,6 @@ HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m pytest "$@"
 # (the caller-deadline guarantees above all) run again on that parser.
 if .venv/bin/python -c "import hiredis" 2>/dev/null; then
     HF_HUB_OFFLINE=1 .venv/bin/python -m pytest -p tests.pure_python_parser "$@" \
-        tests/test_reply_parser.py tests/test_caller_deadlines.py tests/test_producer.py \
-        tests/test_producer_async.py tests/test_producer_calls.py tests/test_producer_core.py
+        tests/producer/test_reply_parser.py tests/producer/test_caller_deadlines.py tests/producer/test_producer.py \
+        tests/producer/test_producer_async.py tests/producer/test_producer_calls.py tests/producer/test_producer_core.py
 fi

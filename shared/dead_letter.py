@@ -22,7 +22,7 @@ The rules, all here:
 Sans-I/O: :func:`encode_letter` builds the fields the worker XADDs and
 :func:`parse_letter` splits a letter read back for ``tokenq dlq``.
 ``worker/lua/publish.lua`` writes letters inside its script too, with the
-same rules in ``shared/lua/dead_letter.lua``; tests/test_records.py checks
+same rules in ``shared/lua/dead_letter.lua``; tests/shared/test_records.py checks
 the two agree.
 """
 

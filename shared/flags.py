@@ -151,7 +151,7 @@ def off_help(info: Any) -> str:
     A field's description says what the setting *is* ("show a progress bar
     on stderr"), which read as the help of ``--no-progress`` says the
     opposite of what the flag does; so such a field names its off state in
-    ``json_schema_extra={"off_help": ...}`` (tests/test_first_day.py holds
+    ``json_schema_extra={"off_help": ...}`` (tests/project/test_first_day.py holds
     every default-on switch to it).
     """
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}

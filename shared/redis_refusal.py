@@ -19,7 +19,7 @@ Two kinds of refusal, and what each must lead to:
   (a log line, a metric, readiness) and loses nothing.
 
 The Lua twin is ``shared/lua/refusal.lua`` (``key_refuses``); the two lists
-are checked against each other in ``tests/test_redis_refuses.py``.
+are checked against each other in ``tests/faults/test_redis_refuses.py``.
 
 No I/O, no redis import: an error is judged by its class name and its text.
 """

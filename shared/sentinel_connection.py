@@ -9,7 +9,7 @@ had, and retries *that* under the whole retry policy (redis-py issue #3874,
 open as of redis-py 8.1). After a failover that address is the dead master:
 a worker's read spent its ten retries, ~13 s, on it while the promoted
 replica served everyone else, and every caller waited
-(``tests/test_cluster_connections.py::test_a_command_begun_during_a_sentinel_failover_…``).
+(``tests/faults/test_cluster_connections.py::test_a_command_begun_during_a_sentinel_failover_…``).
 
 Here every way into a connection goes through the lookup: a reconnect made
 inside a command is one lookup and one connect attempt, and the command's

@@ -1,4 +1,5 @@
-"""Hostile stream entries for ``tests/test_hostile_fuzz.py``: what they are, and what each is owed.
+"""Hostile stream entries for ``tests/faults/test_hostile_fuzz.py``: what they are, and
+what each is owed.
 
 An entry is built from *breaks* (each one a definite reason the worker must
 not answer it ``ok``) and *noise* (anything that must not change the outcome:

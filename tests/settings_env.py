@@ -1,6 +1,6 @@
 """Settings built from exactly a deployment's environment, as the process in it would build them.
 
-``tests/test_docker.py`` (compose) and ``tests/test_k8s.py`` (manifests)
+``tests/project/test_docker.py`` (compose) and ``tests/project/test_k8s.py`` (manifests)
 check that what a deployment sets is what the code reads; both build the
 settings classes here, with this test process's own ``TOKENQ_*`` variables
 taken away first.

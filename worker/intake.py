@@ -10,7 +10,7 @@ each read; the outbox gives room back as answers are published.
 
 Pure: no asyncio, no Redis, no clock. What the packer holds (its budget and
 buffered tokens) is passed in, so tests drive every rule with plain numbers
-(``tests/test_worker_parts.py``).
+(``tests/worker/test_worker_parts.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ answer, never the worker or its neighbours.
 
 The stream commands it sends are ``XREADGROUP`` and ``XGROUP CREATE`` (plus
 the config hash when a group must be made again), so a small fake of them
-drives it in tests (``tests/test_worker_parts.py``) as a real Redis does.
+drives it in tests (``tests/worker/test_worker_parts.py``) as a real Redis does.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A route's body goes through these steps, each bounded (docs/SECURITY.md,
 "The gateway: what one HTTP request may cost", states the numbers and the
-tests that try to break them, tests/test_serve_hostile.py):
+tests that try to break them, tests/gateway/test_serve_hostile.py):
 
 1. **Admission** (:class:`Admission`): at most ``--max-concurrent-requests``
    POST requests in flight, from the first byte of the body to the answer;

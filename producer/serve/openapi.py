@@ -7,7 +7,7 @@ publish ``schema: {}``. Each route is described in :data:`ROUTES` by the
 same pydantic models that parse its body (one home for a field) and by the
 shape of its answer; :func:`describe` merges that into FastAPI's generated
 document. A route nobody described still gets its error statuses; the test
-(tests/test_serve_openapi.py) fails for a POST without a request schema.
+(tests/gateway/test_serve_openapi.py) fails for a POST without a request schema.
 
 ``/docs`` is FastAPI's Swagger UI page: HTML that loads its script and CSS
 from a CDN (jsdelivr), so the browser needs the internet; the gateway does

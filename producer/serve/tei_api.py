@@ -2,7 +2,7 @@
 ``/decode``, and ``GET /`` / ``GET /ping`` (TEI's health aliases).
 
 TEI's published ``docs/openapi.json`` is the contract (a copy in
-tests/data/, checked by schemathesis in tests/test_serve_openapi.py):
+tests/data/, checked by schemathesis in tests/gateway/test_serve_openapi.py):
 
 * ``POST /`` answers as the route of the queue's kind does, as TEI routes
   it: a classifier's ``/predict``, a reranker's ``/rerank``; an embedder's

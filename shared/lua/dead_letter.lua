@@ -1,6 +1,6 @@
 -- The dead-letter record built inside a script, the Lua twin of
 -- tokenq.shared.dead_letter (capped_fields, encode_letter); the two are
--- tested against each other in tests/test_records.py. Include dead_fields.lua
+-- tested against each other in tests/shared/test_records.py. Include dead_fields.lua
 -- before it.
 --
 -- copy_capped(fields, letter_bytes, record): append an entry's own fields

@@ -8,7 +8,7 @@ backend registers a ``BackendEntry`` (its name, its settings, its builder) in
 from those (:mod:`tokenq.worker.settings`).
 
 Backends sit at the bottom of the worker: a module here imports ``shared`` and
-``tokenq.worker.backends`` only (``tests/test_architecture.py``), so what a
+``tokenq.worker.backends`` only (``tests/project/test_architecture.py``), so what a
 backend shares with the pipeline, the chunk windows, lives here
 (:mod:`~tokenq.worker.backends.chunks`) and the pipeline imports it downward.
 """

@@ -1,0 +1,296 @@
+"""The minimal ACL users of docs/SECURITY.md, and TLS, on a real redis-server.
+
+The ACL rules are read from docs/SECURITY.md itself, so the documented rules
+are the tested ones. A producer and a worker run the whole path under them
+(enqueue, replies, dead letters, claiming a dead consumer's entry, removing
+that consumer) and Redis's own ``ACL LOG`` must stay empty: no command tokenq
+runs in normal operation is refused (the worker loads tokenq's Lua functions;
+the producer only calls them). Then the refusals that keep queues apart, and
+keep a producer from running Lua of its own, are checked one by one
+(``tests/shared/test_functions.py`` covers the functions in depth).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.redis_server import RedisServer, free_port
+from tests.support import FAST_BEAT, SimModel, blpop_within, fleet_fixture, wait_for
+from tests.workers import Fleet
+from tokenq.producer import AsyncClient, Client
+from tokenq.shared import keys, wire
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SECURITY_MD = REPO_ROOT / "docs" / "SECURITY.md"
+SIM = SimModel().flags(*FAST_BEAT, "--log-level", "DEBUG")
+fleet = fleet_fixture(*SIM)
+vector_ok = SimModel().vector_ok
+
+
+def documented_rules(queue: str, password: str) -> dict[str, list[str]]:
+    """The ``ACL SETUSER`` lines of docs/SECURITY.md, rewritten for ``queue``."""
+    rules: dict[str, list[str]] = {}
+    for line in SECURITY_MD.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("ACL SETUSER "):
+            continue
+        words = shlex.split(line.replace("{embed}", "{" + queue + "}"))
+        role = words[2].removeprefix("embed-")
+        words[2] = f"{queue}-{role}"
+        words = [f">{password}" if w in (">PRODUCER_PASSWORD", ">WORKER_PASSWORD") else w
+                 for w in words]
+        rules[role] = words
+    assert set(rules) == {"producer", "worker"}, f"docs/SECURITY.md lost its ACL lines: {rules}"
+    return rules
+
+
+def create_users(admin: redis.Redis, queue: str, password: str) -> None:
+    for words in documented_rules(queue, password).values():
+        admin.execute_command(*words)
+
+
+def user_url(server: RedisServer, user: str, password: str) -> str:
+    return f"redis://{user}:{password}@127.0.0.1:{server.port}/0"
+
+
+def acl_denials(admin: redis.Redis) -> list[str]:
+    return [f"{e.get('username')}: {e.get('context')} {e.get('object')} ({e.get('reason')})"
+            for e in admin.acl_log()]
+
+
+def check_async_path(producer_url: str, queue: str, texts: list[str]) -> None:
+    """Concurrent ``AsyncClient.infer`` calls each get their text's vector."""
+
+    async def via_async() -> None:
+        async with AsyncClient(redis_url=producer_url, queue=queue) as aclient:
+            results = await asyncio.gather(*(aclient.infer(t, timeout_s=60) for t in texts))
+            for text, result in zip(texts, results, strict=True):
+                assert vector_ok(result.embedding, text)
+
+    asyncio.run(via_async())
+
+
+@pytest.fixture
+def acl_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own: its users and ACL LOG are nobody else's."""
+    server = RedisServer(tmp_path / "acl")
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_documented_acl_users_run_the_whole_path_with_no_refusal(
+    acl_server: RedisServer, fleet: Fleet, worker_env: dict[str, str],
+) -> None:
+    queue, other, password = "acla", "aclb", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    create_users(admin, queue, password)
+    create_users(admin, other, password)
+    q = keys.QueueRef(queue)
+    stream = keys.requests(q)
+
+    # A consumer that "died" holding an entry, so the worker claims it and
+    # removes the consumer (drop_consumer.lua) under its ACL too.
+    admin.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    admin.xadd(stream, {"v": "1", "id": "orphan", "text": "held by a dead worker"})
+    admin.xreadgroup(keys.GROUP, "ghost", {stream: ">"}, count=1)
+
+    # The operator widened the reply namespace to "not-": the worker tries
+    # such a key, so the refusal below comes from Redis's ACL itself.
+    env = {**worker_env, "TOKENQ_REDIS_URL": user_url(acl_server, f"{queue}-worker", password),
+           "TOKENQ_QUEUE": queue, "TOKENQ_REPLY_TO_PREFIXES": "not-"}
+    worker = fleet.start(name="w", env=env, ready=admin, queue=queue)
+    producer_url = user_url(acl_server, f"{queue}-producer", password)
+    with Client(redis_url=producer_url, queue=queue) as client:
+        texts = ["an acl-limited producer", "still gets its vectors"]
+        for text, result in zip(texts, client.infer_many(texts, timeout_s=60), strict=True):
+            assert vector_ok(result.embedding, text)
+        request_id = client.submit("submit now, fetch later")
+        assert vector_ok(client.result(request_id, timeout_s=60).embedding,
+                         "submit now, fetch later")
+        assert client.config()["model"] == "sim"
+        assert client.queue_length() >= 0
+        orphan = client.result("orphan", timeout_s=60)
+        assert vector_ok(orphan.embedding, "held by a dead worker")
+
+    check_async_path(producer_url, queue, texts)
+
+    # A malformed entry: the worker dead-letters it (XADD on dead) and answers it.
+    admin.xadd(stream, {"v": "9", "id": "badversion", "text": "x"})
+    raw = blpop_within(admin, keys.reply(q, "badversion"), 60)
+    assert raw is not None and wire.decode_reply(raw).error.code == "bad_request"
+    wait_for(lambda: [c["name"] for c in admin.xinfo_consumers(stream, keys.GROUP)] == [b"w"],
+          30, "the dead consumer to be removed")
+    assert admin.xlen(keys.dead(q)) == 1
+
+    denials = acl_denials(admin)
+    assert not denials, f"commands refused in normal operation: {denials}"
+    assert "NOPERM" not in worker.output(), worker.output()[-3000:]
+
+    # A reply_to outside the worker's keys: refused by Redis, dead-lettered, no wedge.
+    admin.xadd(stream, {"v": "1", "id": "elsewhere", "text": "x", "reply_to": "not-tokenq"})
+    admin.xadd(stream, {"v": "1", "id": "after", "text": "answered after the refusal"})
+    raw = blpop_within(admin, keys.reply(q, "after"), 60)
+    assert raw is not None, worker.output()[-3000:]
+    assert vector_ok(wire.decode_reply(raw).embedding, "answered after the refusal")
+    dead = {f[b"id"]: f for _, f in admin.xrange(keys.dead(q))}
+    assert b"NOPERM" in dead[b"elsewhere"][b"dead_error"]
+    assert not admin.exists("not-tokenq")
+    assert worker.process.poll() is None
+
+
+def test_acl_keeps_queues_apart(acl_server: RedisServer) -> None:
+    queue, other, password = "sepa", "sepb", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    create_users(admin, queue, password)
+    create_users(admin, other, password)
+    a, b = keys.QueueRef(queue), keys.QueueRef(other)
+    admin.rpush(keys.reply(a, "secret"), b"someone else's answer")
+    producer_b = redis.Redis.from_url(user_url(acl_server, f"{other}-producer", password),
+                                      socket_timeout=10)
+    worker_b = redis.Redis.from_url(user_url(acl_server, f"{other}-worker", password),
+                                    socket_timeout=10)
+    producer_a = redis.Redis.from_url(user_url(acl_server, f"{queue}-producer", password),
+                                      socket_timeout=10)
+    refused = {
+        "B's producer waits on A's reply": lambda: producer_b.blmove(
+            keys.reply(a, "secret"), keys.reply(a, "secret"), 1, "LEFT", "RIGHT"),
+        "B's producer reads A's reply": lambda: producer_b.lrange(keys.reply(a, "secret"), 0, -1),
+        "B's producer deletes A's reply": lambda: producer_b.delete(keys.reply(a, "secret")),
+        "B's producer enqueues into A": lambda: producer_b.xadd(keys.requests(a), {"v": "1"}),
+        "A's producer reads its dead letters": lambda: producer_a.xrange(keys.dead(a)),
+        "A's producer writes its config": lambda: producer_a.hset(keys.config(a), "x", "1"),
+        "A's producer lists keys": lambda: producer_a.keys("*"),
+        "A's producer flushes": lambda: producer_a.flushall(),
+        "A's producer runs its own Lua": lambda: producer_a.eval("return 1", 0),
+        "A's producer loads its own Lua": lambda: producer_a.script_load("while true do end"),
+        "A's producer runs a loaded script": lambda: producer_a.evalsha(
+            admin.script_load("return 1"), 0),
+        "A's producer loads a function": lambda: producer_a.function_load(
+            "#!lua name=mine\nredis.register_function('spin', function() while true do end end)"),
+        "A's producer deletes tokenq's functions": lambda: producer_a.function_flush(),
+        "B's worker reads A's stream": lambda: worker_b.xreadgroup(
+            keys.GROUP, "w", {keys.requests(a): ">"}),
+        "B's worker pushes A's replies": lambda: worker_b.rpush(keys.reply(a, "x"), b"forged"),
+    }
+    # Control: the same users may do these things on their own queue.
+    assert producer_b.xlen(keys.requests(b)) == 0
+    assert producer_b.lrange(keys.reply(b, "mine"), 0, -1) == []
+    assert producer_b.delete(keys.reply(b, "mine")) == 0
+    assert producer_a.hgetall(keys.config(a)) == {}
+    for what, call in refused.items():
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            call()
+            pytest.fail(f"allowed: {what}")
+    assert admin.lrange(keys.reply(a, "secret"), 0, -1) == [b"someone else's answer"]
+    for client in (producer_a, producer_b, worker_b):
+        client.close()
+
+
+# --------------------------------------------------------------------- TLS
+
+
+def make_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1/localhost, by the openssl CLI."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl binary to make a test certificate")
+    ca_key, ca, key, csr, cert = (directory / n for n in
+                                  ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem"))
+    ext = directory / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+        "/CN=tokenq test CA", "-keyout", str(ca_key), "-out", str(ca))
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
+        "-keyout", str(key), "-out", str(csr))
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+        "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(cert))
+    return ca, cert, key
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[RedisServer, int, Path]]:
+    ca, cert, key = make_certificates(tmp_path)
+    tls_port = free_port()
+    server = RedisServer(tmp_path / "tls", args=(
+        "--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+        "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no",
+    ))
+    try:
+        server.start()
+    except RuntimeError as exc:  # a redis-server built without TLS refuses the options
+        pytest.skip(f"this redis-server has no TLS support: {exc}")
+    yield server, tls_port, ca
+    server.stop()
+
+
+def test_worker_and_client_over_rediss(tls_server, fleet, worker_env) -> None:
+    server, tls_port, ca = tls_server
+    queue = f"tls{uuid.uuid4().hex[:6]}"
+    url = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={ca}"
+    admin = redis.Redis(port=server.port, socket_timeout=10)
+    env = {**worker_env, "TOKENQ_REDIS_URL": url, "TOKENQ_QUEUE": queue}
+    fleet.start(name="w", env=env, ready=admin, queue=queue)
+    with Client(redis_url=url, queue=queue) as client:
+        texts = ["encrypted on the wire", "both ways"]
+        for text, result in zip(texts, client.infer_many(texts, timeout_s=60), strict=True):
+            assert vector_ok(result.embedding, text)
+    tls_clients = [c for c in admin.client_list() if str(c.get("laddr", "")).endswith(
+        f":{tls_port}")]
+    assert tls_clients, "nothing connected over the TLS port"
+    with pytest.raises(redis.ConnectionError):  # no CA given: the certificate is not trusted
+        redis.Redis.from_url(f"rediss://127.0.0.1:{tls_port}/0", socket_timeout=5,
+                             retry_on_error=[]).ping()
+
+
+# ----------------------------------------------------------------- helpers
+
+
+
+def sharded_rules(queue: str, password: str) -> dict[str, list[str]]:
+    """docs/SECURITY.md's rule for a sharded queue: each key pattern again with ``{q:*}``."""
+    rules = documented_rules(queue, password)
+    tag, shards = "{" + queue + "}", "{" + queue + ":*}"
+    return {
+        role: [*words, *(w.replace(tag, shards) for w in words if tag in w)]
+        for role, words in rules.items()
+    }
+
+
+def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
+    acl_server: RedisServer, fleet: Fleet, worker_env: dict[str, str],
+) -> None:
+    queue, password = "aclshards", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    for words in sharded_rules(queue, password).values():
+        admin.execute_command(*words)
+    env = {**worker_env, "TOKENQ_REDIS_URL": user_url(acl_server, f"{queue}-worker", password),
+           "TOKENQ_QUEUE": queue, "TOKENQ_SHARDS": "3"}
+    worker = fleet.start(name="w", env=env)
+    first = keys.QueueRef(queue, shard=0)
+    wait_for(lambda: bool(admin.exists(keys.worker_alive(first, "w"))), 60, "the worker to join")
+    producer_url = user_url(acl_server, f"{queue}-producer", password)
+    texts = [f"sharded under an acl {i}" for i in range(6)]
+    with Client(redis_url=producer_url, queue=queue) as client:
+        ids = [client.submit(text) for text in texts]
+        assert {keys.shard_in_id(i) for i in ids} == {0, 1, 2}
+        for text, result in zip(texts, client.results(ids, timeout_s=60), strict=True):
+            assert vector_ok(result.embedding, text)
+        assert client.queue_length() == 0
+
+    check_async_path(producer_url, queue, texts)
+    denials = acl_denials(admin)
+    assert not denials, f"commands refused in normal operation: {denials}"
+    assert "NOPERM" not in worker.output(), worker.output()[-3000:]

@@ -1,0 +1,200 @@
+"""Every benchmark suite runs end to end (``--size tiny``; shards ``small``) and writes its JSON.
+
+Why: the benchmarks start real redis-servers and worker processes and read
+the workers' batch logs; a change anywhere in tokenq can break them
+silently, and docs/BENCHMARKS.md would then quote figures nobody can
+reproduce. These tests check that each suite still runs and reports its
+keys, and a few facts that hold at any size (a fixed count of 32 runs out
+of memory on the seed mix, tokenq does not). They do not check speed: the
+machine running tests is shared and tiny runs are seconds long.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUN = REPO_ROOT / "scripts" / "bench" / "run.py"
+SEED_KEYS = {
+    "failed_requests", "padding_efficiency", "useful_tokens_per_s", "requests_per_s",
+    "p50_ms", "p99_ms", "peak_memory_bytes",
+}
+
+
+def run_suite(
+    suite: str, tmp_path: Path, timeout: float = 120.0, size: str = "tiny", *flags: str
+) -> dict[str, Any]:
+    out = tmp_path / f"{suite}.json"
+    completed = subprocess.run(
+        [sys.executable, str(RUN), suite, "--size", size, "--json", str(out), *flags],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert f"== {suite} ({size}" in completed.stdout  # the table was printed
+    result = json.loads(out.read_text())
+    assert result["suite"] == suite and result["size"] == size
+    assert result["machine"]["cores"] and result["rows"]
+    return result
+
+
+def test_seed(tmp_path: Path) -> None:
+    result = run_suite("seed", tmp_path)
+    rows = {row["setting"]: row for row in result["rows"]}
+    safe = result["config"]["largest_safe_count"]
+    assert set(rows) == {
+        "fifo-32", f"fifo-{safe}", "tokenq-4096", "tokenq-8192", "tokenq-16384", "bound",
+    }
+    for row in rows.values():
+        assert set(row) >= SEED_KEYS
+    capacity = result["config"]["sim"]["capacity_bytes"]
+    assert rows["fifo-32"]["failed_requests"] > 0  # 32 rows with a passage do not fit
+    for name in (f"fifo-{safe}", "tokenq-4096", "tokenq-8192", "tokenq-16384"):
+        assert rows[name]["failed_requests"] == 0, name
+        assert 0 < rows[name]["peak_memory_bytes"] <= capacity, name
+    assert rows["tokenq-4096"]["peak_memory_bytes"] <= 4096 * 4096
+    assert rows["tokenq-8192"]["padding_efficiency"] > rows[f"fifo-{safe}"]["padding_efficiency"]
+
+
+def test_overhead(tmp_path: Path) -> None:
+    result = run_suite("overhead", tmp_path)
+    rows = {row["setting"]: row for row in result["rows"]}
+    e2e = rows["end to end, 1 worker"]
+    assert e2e["failed_requests"] == 0 and e2e["requests_per_s"] > 0
+    # Every request needs at least its XADD and its reply RPUSH.
+    assert e2e["commands_per_request"] >= 2
+    assert 0 < e2e["round_trips_per_request"] < e2e["commands_per_request"]
+
+
+@pytest.fixture(scope="module")
+def scale_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny scale run, shared by the scale test and the plots test."""
+    results = tmp_path_factory.mktemp("results")
+    run_suite("scale", results)
+    return results
+
+
+def test_producer(tmp_path: Path) -> None:
+    result = run_suite("producer", tmp_path)
+    rows = {row["setting"]: row for row in result["rows"]}
+    assert {"estimate, all", "estimate, ascii", "estimate, mixed scripts"} <= set(rows)
+    assert rows["estimate, all"]["texts"] == sum(
+        rows[name]["texts"] for name in ("estimate, ascii", "estimate, mixed scripts")
+    )
+    assert all(row["us_per_text"] > 0 for name, row in rows.items() if name.startswith("est"))
+    (submit,) = [row for name, row in rows.items() if name.startswith("submit_many")]
+    assert submit["requests_per_s"] > 0 and submit["texts"] == rows["estimate, all"]["texts"]
+
+
+def test_scale(scale_results: Path) -> None:
+    result = json.loads((scale_results / "scale.json").read_text())
+    assert [row["workers"] for row in result["rows"]] == [1, 2]
+    assert all(row["failed_requests"] == 0 for row in result["rows"])
+    assert result["rows"][0]["speedup"] == 1
+    # A burst is shared: no idle worker is left out (the first read of a
+    # fresh worker used to take up to 128 requests, i.e. the whole burst).
+    assert all(batches > 0 for batches in result["rows"][1]["batches_per_worker"])
+
+
+def test_latency(tmp_path: Path) -> None:
+    result = run_suite("latency", tmp_path)
+    assert result["config"]["capacity_per_s"] > 0
+    for row in result["rows"]:
+        assert row["failed_requests"] == 0
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+
+
+def test_mixed_latency(tmp_path: Path) -> None:
+    result = run_suite("mixed-latency", tmp_path)
+    rows = {row["setting"]: row for row in result["rows"]}
+    modes, classes = ("no-priority", "priority"), ("query", "passage", "all")
+    assert set(rows) == {f"{mode} {cls}" for mode in modes for cls in classes}
+    assert result["config"]["priority_supported"] is True  # this tree's producer takes it
+    assert result["config"]["aging_ms"] > 0
+    assert result["config"]["priorities"]["priority"] == {"query": 1, "passage": 0}
+    for mode in ("no-priority", "priority"):
+        parts = [rows[f"{mode} {cls}"] for cls in ("query", "passage")]
+        assert rows[f"{mode} all"]["requests"] == sum(row["requests"] for row in parts) > 0
+    for name, row in rows.items():
+        assert row["failed"] == 0, name
+        assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"], name
+
+
+def test_shards(tmp_path: Path) -> None:
+    """Small, not tiny: at 600 requests a shard's share is a handful of submit_many calls."""
+    result = run_suite("shards", tmp_path, timeout=300.0, size="small")
+    totals = {row["shards"]: row for row in result["rows"] if "shards" in row}
+    assert set(totals) == {1, 3}
+    for shards, total in totals.items():
+        nodes = [row for row in result["rows"] if row["setting"].startswith(f"K={shards}, node")]
+        assert len(nodes) == 3  # one row per master
+        assert total["requests"] == result["config"]["requests_per_k"]
+        assert sum(row["requests"] for row in nodes) == total["requests"]
+        # Every request needs at least its XADD and its reply RPUSH.
+        assert total["commands_per_request"] >= 2
+        assert 0 < total["round_trips_per_request"] < total["commands_per_request"]
+        assert total["capacity_per_s"] > 0 and total["redis_cpu_us_per_request"] > 0
+        busy = [row for row in nodes if row["requests"]]
+        assert len(busy) == shards  # K=1 on one master; K=3 on three (spread_queue)
+    assert "info" in result["config"]["commands_seen"]["not_counted"]
+    assert "fcall" in result["config"]["commands_seen"]["round_trip"]  # a script call: one trip
+
+
+def test_plots_from_results(scale_results: Path, tmp_path: Path) -> None:
+    """The plots draw from whatever suite JSON exists (here: a tiny scale run)."""
+    results, images = scale_results, tmp_path / "img"
+    completed = subprocess.run(
+        [sys.executable, str(RUN), "plots", "--results", str(results), "--images", str(images)],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert (images / "scale.png").stat().st_size > 1000
+    assert not (images / "seed.png").exists()  # no seed.json: skipped, not failed
+
+
+@pytest.mark.slow
+def test_real(tmp_path: Path) -> None:
+    pytest.importorskip("sentence_transformers")
+    result = run_suite("real", tmp_path, timeout=300.0)
+    methods = {row["method"] for row in result["rows"]}
+    assert {"sentence-transformers", "naive fifo-32", "tokenq (budget 16384)"} <= methods
+    assert set(result["ratios"]) >= {"tokenq_over_st", "tokenq_over_ideal"}
+    # Same model, same inputs: tokenq's vectors are sentence-transformers' vectors.
+    assert result["config"]["min_cosine_tokenq_vs_st"] > 0.999
+
+
+def test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch(tmp_path: Path) -> None:
+    """``--runtime onnx``: the onnx rows beside the torch ones, the same vectors as
+    sentence-transformers, and onnx/torch in the notes (not its size: tiny runs are noise)."""
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("onnxruntime")
+    real = run_suite("real", tmp_path, 600.0, "tiny", "--runtime", "onnx")
+    methods = {row["method"] for row in real["rows"]}
+    assert {"tokenq (budget 16384)", "tokenq onnx (budget 16384)"} <= methods
+    assert any(method.startswith("ideal onnx") for method in methods)
+    assert real["config"]["min_cosine_tokenq_onnx_vs_st"] >= 0.9999
+    assert real["ratios"]["onnx_over_torch"] > 0
+    assert real["command"].endswith("--runtime onnx")
+    mixed = run_suite("mixed-latency", tmp_path, 300.0, "tiny", "--runtime", "onnx")
+    rows = {row["setting"]: row for row in mixed["rows"]}
+    for setting in ("hf-torch", "hf-onnx"):
+        assert rows[f"{setting} all"]["requests"] > 0 and rows[f"{setting} all"]["failed"] == 0
+    assert any("hf onnx / hf torch requests/s" in note for note in mixed["notes"])
+
+
+def test_runtime_is_refused_for_a_suite_without_the_hf_backend() -> None:
+    completed = subprocess.run(
+        [sys.executable, str(RUN), "seed", "--runtime", "onnx"],
+        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+    )
+    assert completed.returncode == 2
+    assert "--runtime applies to real, mixed-latency, not 'seed'" in completed.stderr
+
+
+# Minutes of real workers and models: CI runs them; `-m 'not slow'` skips them.
+pytestmark = pytest.mark.slow

@@ -1,0 +1,231 @@
+"""The per-request paths made cheaper in bulk (issue 25) keep their behaviour.
+
+* publish.lua acks and deletes a call's answered entries with one XACK and
+  one XDEL at the end instead of two commands per answer: whatever mix of
+  answers a call carries (an entry named twice, entries already settled,
+  entries another consumer owns), each entry still pending to this consumer
+  is answered exactly once and the rest are left alone;
+* the embedding reply is packed without a ``wire.Reply`` in between: the same
+  bytes as ``encode_reply(embedding_reply(...))``;
+* an integer field is checked without the regex when it is plain digits: the
+  same fields are taken and refused as before.
+
+Behaviour only, never timings (docs/BENCHMARKS.md §11 has the figures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import uuid
+
+import numpy as np
+import pytest
+import redis
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenq.shared import keys, wire
+from tokenq.shared.errors import DecodeError
+from tokenq.worker.pipeline.jobs import Answer
+from tokenq.worker.publish import Publisher
+
+_PER_CALL = 12
+_EXAMPLES = itertools.count()
+"""A fresh queue per hypothesis example (the fixtures are made once per test)."""
+
+
+def _publisher(client: aioredis.Redis, q: keys.QueueRef) -> Publisher:
+    return Publisher(
+        client, stream=keys.requests(q), dead=keys.dead(q), group=keys.GROUP, consumer="c1",
+        reply_ttl_ms=60_000, dead_max_len=1000, dead_max_letter_bytes=4096,
+        on_refused=lambda reason, error: None,
+    )
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    picks=st.lists(st.integers(0, _PER_CALL - 1), min_size=1, max_size=3 * _PER_CALL),
+    settled=st.sets(st.integers(0, _PER_CALL - 1), max_size=4),
+    theirs=st.sets(st.integers(0, _PER_CALL - 1), max_size=4),
+    dead=st.sets(st.integers(0, _PER_CALL - 1), max_size=4),
+)
+def test_one_call_answers_each_entry_still_ours_exactly_once(
+    redis_url: str, r: redis.Redis, queue_name: str,
+    picks: list[int], settled: set[int], theirs: set[int], dead: set[int],
+) -> None:
+    """Answers named in any order, repeated, already settled or owned by another consumer:
+    a reply (and a letter) per entry still pending to c1, nothing for the others, and every
+    entry c1 answered is acked and deleted while the others stay pending where they were."""
+    q = keys.QueueRef(f"{queue_name}{next(_EXAMPLES)}")
+    stream = keys.requests(q)
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    ids = [r.xadd(stream, {"id": f"r{i}", "text": "hello"}) for i in range(_PER_CALL)]
+    r.xreadgroup(keys.GROUP, "c1", {stream: ">"})
+    theirs -= settled
+    for i in theirs:
+        r.xclaim(stream, keys.GROUP, "c2", 0, [ids[i]])
+    for i in settled:
+        r.xack(stream, keys.GROUP, ids[i])
+    answers = [
+        Answer(ids[i], keys.reply(q, f"r{i}"), f"reply {i}".encode(), ok=i not in dead,
+               dead_fields=(("id", f"r{i}"), ("dead_error_code", "dead_letter"))
+               if i in dead else ())
+        for i in picks
+    ]
+
+    async def scenario() -> int:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            return await _publisher(client, q).publish_once(answers)
+        finally:
+            await client.aclose()
+
+    ours = set(picks) - settled - theirs
+    assert asyncio.run(scenario()) == len(ours)
+    for i in range(_PER_CALL):
+        replies = r.lrange(keys.reply(q, f"r{i}"), 0, -1)
+        assert replies == ([f"reply {i}".encode()] if i in ours else [])
+    assert r.xlen(keys.dead(q)) == len(ours & dead)
+    pending = {entry["message_id"]: entry["consumer"]
+               for entry in r.xpending_range(stream, keys.GROUP, "-", "+", 100)}
+    assert pending == {
+        **{ids[i]: b"c1" for i in range(_PER_CALL) if i not in ours | settled | theirs},
+        **{ids[i]: b"c2" for i in theirs},
+    }
+    left = {entry_id for entry_id, _ in r.xrange(stream)}
+    assert left == {ids[i] for i in range(_PER_CALL) if i not in ours}
+    r.delete(stream, keys.dead(q), *(keys.reply(q, f"r{i}") for i in range(_PER_CALL)))
+
+
+@pytest.mark.parametrize("n", [1, 999, 1000, 1001, 2500])
+def test_a_call_larger_than_one_ack_slice_settles_every_entry(
+    redis_url: str, r: redis.Redis, queue_name: str, n: int,
+) -> None:
+    """XACK and XDEL go in slices of 1,000 ids (Lua's stack): every slice is settled."""
+    q = keys.QueueRef(queue_name)
+    stream = keys.requests(q)
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    pipe = r.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd(stream, {"id": f"r{i}", "text": "hello"})
+    ids = pipe.execute()
+    r.xreadgroup(keys.GROUP, "c1", {stream: ">"})
+    reply_key = keys.reply(q, "all")
+    answers = [Answer(entry_id, reply_key, b"x", ok=True) for entry_id in ids]
+
+    async def scenario() -> int:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            return await _publisher(client, q).publish_once(answers)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(scenario()) == n
+    assert r.llen(reply_key) == n
+    assert r.xlen(stream) == 0
+    assert r.xpending(stream, keys.GROUP)["pending"] == 0
+
+
+@given(
+    request_id=st.text(min_size=1, max_size=40),
+    vector=st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64),
+    tokens=st.one_of(st.none(), st.integers(0, 1 << 20)),
+)
+def test_the_embedding_reply_packed_directly_is_the_same_bytes(
+    request_id: str, vector: list[float], tokens: int | None,
+) -> None:
+    embedding = np.asarray(vector, dtype="<f4").tobytes()
+    direct = wire.encode_embedding_reply(request_id, embedding, len(vector), tokens=tokens)
+    via_reply = wire.encode_reply(
+        wire.embedding_reply(request_id, embedding, len(vector), tokens=tokens))
+    assert direct == via_reply
+    assert wire.decode_reply(direct).embedding == embedding
+
+
+def test_the_embedding_reply_packed_directly_still_checks_its_length() -> None:
+    with pytest.raises(ValueError, match="expected 4"):
+        wire.encode_embedding_reply("a", b"\0" * 7, 2)
+
+
+_DIGITS = re.compile(rb"[0-9]{1,19}")
+
+
+@given(raw=st.one_of(
+    st.binary(max_size=24),
+    st.text(alphabet="0123456789٣۴ -+_", max_size=24).map(lambda t: t.encode()),
+    st.integers(0, 10**22).map(lambda n: str(n).encode()),
+))
+def test_an_integer_field_is_taken_exactly_when_it_was_before(raw: bytes) -> None:
+    """The plain-digits shortcut takes what the regex took, refuses what it refused."""
+    expected = int(raw) if _DIGITS.fullmatch(raw) and int(raw) <= 10**18 else None
+    try:
+        got = wire._int_field(raw, "n", minimum=0, maximum=10**18)
+    except DecodeError:
+        got = None
+    assert got == expected
+
+
+@given(raw=st.binary(min_size=16, max_size=16))
+def test_a_request_id_is_uuid4_hex_digit_for_digit(raw: bytes) -> None:
+    """The producer's id without the UUID object is what ``uuid.UUID(bytes, version=4)`` gives."""
+    from unittest import mock
+
+    from tokenq.producer import lanes
+
+    with mock.patch.object(lanes.os, "urandom", return_value=raw):
+        assert lanes.uuid4_hex() == uuid.UUID(bytes=raw, version=4).hex
+
+
+@given(rows=st.lists(
+    st.one_of(
+        st.lists(st.floats(width=32), min_size=3, max_size=3).map(
+            lambda v: np.asarray(v, dtype=np.float32)),
+        st.lists(st.floats(width=32), min_size=1, max_size=4).map(
+            lambda v: np.asarray(v, dtype=np.float32)),
+        st.lists(st.floats(width=32), min_size=3, max_size=3).map(
+            lambda v: np.asarray(v, dtype=">f4")),
+        st.just([1.0, 2.0, 3.0]),
+        st.just(np.zeros((2, 3), dtype=np.float32)),
+        st.just("not numbers"),
+    ),
+    max_size=8,
+))
+def test_a_run_checked_in_bulk_answers_each_row_as_it_would_alone(rows: list[object]) -> None:
+    """Rows a backend returns: the same vectors and the same Failures as row by row."""
+    from tokenq.worker.pipeline.execute import _checked, _checked_rows
+
+    def same(a: object, b: object) -> bool:
+        if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+            return a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+        return a == b
+
+    bulk, alone = _checked_rows(rows), [_checked(row) for row in rows]
+    assert len(bulk) == len(alone)
+    assert all(same(a, b) for a, b in zip(bulk, alone, strict=True))
+
+
+def test_the_producers_connections_pack_in_c_and_still_enqueue(
+    redis_url: str, r: redis.Redis, queue_name: str,
+) -> None:
+    """Both producers' sockets pack by hiredis (byte for byte redis-py's:
+    tests/worker/test_worker_connection.py), and what they enqueue reads back as sent."""
+    from tokenq.producer import AsyncClient, Client
+    from tokenq.shared.packing import HiredisPacking
+
+    with Client(redis_url=redis_url, queue=queue_name, max_queue_length=0) as client:
+        assert issubclass(client._redis.connection_pool.connection_class, HiredisPacking)
+        ids = client.submit_many(["héllo wörld", "a b c"], reply_to=keys.reply(
+            keys.QueueRef(queue_name), "mine"))
+
+    async def async_side() -> type:
+        async with AsyncClient(redis_url=redis_url, queue=queue_name) as aclient:
+            return aclient._redis.connection_pool.connection_class
+
+    assert issubclass(asyncio.run(async_side()), HiredisPacking)
+    entries = r.xrange(keys.requests(keys.QueueRef(queue_name)))
+    decoded = [wire.decode_request(fields) for _, fields in entries]
+    texts = ["héllo wörld", "a b c"]
+    assert [(d.id, d.text) for d in decoded] == list(zip(ids, texts, strict=True))

@@ -1,0 +1,344 @@
+"""The worker's parts, each driven on its own (issue 23).
+
+* :class:`~tokenq.worker.intake.Intake` is pure: hypothesis drives it with
+  plain numbers (the byte bound over any sequence of reads and publishes,
+  the token room, the running mean).
+* :class:`~tokenq.worker.reader.Reader` and :class:`~tokenq.worker.outbox.Outbox`
+  run against a small in-memory fake of the stream commands they send
+  (XREADGROUP, XGROUP CREATE, the publisher's call), no Redis: entries become
+  jobs named by their lane (:class:`~tokenq.worker.lanes.Ref`), a poison entry
+  costs only its own dead letter, and answers leave on their own lane under
+  their bare entry id, giving their read-ahead room back.
+
+The same parts run against a real Redis in every end-to-end test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.exceptions import ResponseError
+
+from tokenq.shared import keys, wire
+from tokenq.shared.packer import Budget, Packer
+from tokenq.worker.backends.sim import SimBackend
+from tokenq.worker.health import Health
+from tokenq.worker.intake import Intake, entry_bytes
+from tokenq.worker.lanes import Lane, Ref
+from tokenq.worker.lifecycle import Lifecycle
+from tokenq.worker.metrics import NullMetrics
+from tokenq.worker.outbox import Outbox
+from tokenq.worker.pipeline.feed import DeviceFeed
+from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy
+from tokenq.worker.pipeline.pipeline import Failure, Outcome, Pipeline
+from tokenq.worker.reader import Reader
+from tokenq.worker.recorder import Recorder
+from tokenq.worker.recovery import Claimed
+from tokenq.worker.settings import WorkerSettings
+from tokenq.worker.stages import Stages
+
+MAX_ENTRY = 1000
+
+# ------------------------------------------------------------------- intake (pure)
+
+
+def _intake(limit: int = 10_000, budgets: float = 2.0, max_input: int = 512) -> Intake:
+    return Intake(read_ahead_budgets=budgets, read_ahead_bytes=limit,
+                  max_entry_bytes=MAX_ENTRY, max_input_tokens=max_input)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 50_000), st.integers(1, 4), st.lists(st.tuples(
+    st.lists(st.integers(1, MAX_ENTRY), max_size=20), st.integers(0, 30)), max_size=40))
+def test_what_the_intake_holds_stays_under_the_byte_bound(
+    limit: int, readers: int, rounds: list[tuple[list[int], int]]
+) -> None:
+    intake = _intake(limit)
+    serial = 0
+    for sizes, publish in rounds:
+        count = intake.read_count(1_000_000, 0, readers=readers, cap=1024)
+        room = intake.bytes.limit - intake.bytes.used()
+        assert (count == 0) == (room <= 0)
+        if count:
+            with intake.reserving(count):
+                entries = []
+                for size in sizes[:count]:
+                    serial += 1
+                    entries.append((b"1-%d" % serial, {b"f": b"x" * (size - 1)}))
+                intake.hold(serial % readers, entries)
+            assert intake.bytes.used() < limit + MAX_ENTRY  # held, the reservation gone
+        intake.emitted(publish)
+        for lane, ids in list(intake.held_by_lane().items())[:1]:
+            intake.published(lane, ids[:publish])
+        assert intake.bytes.used() < limit + MAX_ENTRY
+    assert intake.bytes.reserved == 0
+
+
+@given(st.integers(1, 100_000), st.integers(0, 100_000), st.integers(0, 1000),
+       st.integers(1, 8))
+def test_no_token_room_means_no_read(budget: int, buffered: int, unpublished: int,
+                                     readers: int) -> None:
+    intake = _intake(limit=1 << 30)
+    intake.emitted(unpublished)
+    count = intake.read_count(budget, buffered, readers=readers, cap=1024)
+    if intake.room(budget, buffered) <= 0:
+        assert count == 0
+    else:
+        assert 1 <= count <= 1024
+
+
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(0, 100_000)), max_size=50))
+def test_the_running_mean_stays_within_what_was_read(reads: list[tuple[int, int]]) -> None:
+    intake = _intake(max_input=512)
+    low, high = 1.0, 512.0
+    for requests, tokens in reads:
+        intake.learn(requests, tokens)
+        per_entry = max(1.0, (tokens or requests) / requests)
+        low, high = min(low, per_entry), max(high, per_entry)
+        assert low - 1e-9 <= intake.avg_estimate <= high + 1e-9
+
+
+def test_an_estimate_in_flight_is_given_back_even_when_tokenizing_fails() -> None:
+    intake = _intake()
+    with pytest.raises(RuntimeError), intake.estimating(40):
+        assert intake.busy()
+        raise RuntimeError("tokenizer crashed")
+    assert not intake.busy() and intake.inflight_estimate == 0
+
+
+def test_unpublished_answers_take_token_room_at_the_running_mean() -> None:
+    intake = _intake(max_input=100)
+    before = intake.room(1000, 0)
+    intake.emitted(3)
+    assert intake.room(1000, 0) == before - 300
+
+
+# ------------------------------------------------------------- fakes of Redis
+
+
+class FakeStreams:
+    """The stream commands the reader sends, over in-memory streams (one consumer)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, list[tuple[bytes, dict[bytes, bytes]]]] = {}
+        self.delivered: dict[str, int] = {}
+        self.groups: set[str] = set()
+
+    def xadd(self, stream: str, fields: dict[str, str | bytes] | dict[bytes, bytes]) -> bytes:
+        held = self.entries.setdefault(stream, [])
+        entry_id = b"%d-0" % (len(held) + 1)
+        held.append((entry_id, {_b(k): _b(v) for k, v in fields.items()}))
+        return entry_id
+
+    async def xgroup_create(self, name: str, groupname: str, id: str = "$",
+                            mkstream: bool = False) -> bool:
+        if name in self.groups:
+            raise ResponseError("BUSYGROUP Consumer Group name already exists")
+        self.groups.add(name)
+        return True
+
+    async def xreadgroup(self, groupname: str, consumername: str, streams: dict[str, str],
+                         count: int | None = None, block: int | None = None) -> Any:
+        ((stream, last),) = streams.items()
+        if stream not in self.groups:
+            raise ResponseError("NOGROUP No such key or consumer group")
+        held = self.entries.get(stream, [])
+        done = self.delivered.get(stream, 0)
+        if last == ">":
+            found = held[done:done + (count or len(held))]
+            self.delivered[stream] = done + len(found)
+        else:  # history: what was delivered to this consumer after ``last``
+            after = int(last.split("-")[0])
+            found = [e for e in held[:done] if int(e[0].split(b"-")[0]) > after][:count]
+        if not found:
+            if block:
+                await asyncio.sleep(block / 1000)
+            return []
+        return [[stream.encode(), found]]
+
+
+def _b(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+class FakeReclaimer:
+    """Nobody else's entries to take over."""
+
+    async def scan(self, limit: int, held: Any) -> Claimed:
+        return Claimed()
+
+    async def own_deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
+        return {}
+
+
+class FakePublisher:
+    """Takes every call at once and remembers what it published."""
+
+    def __init__(self) -> None:
+        self.published: list[Answer] = []
+
+    async def publish(self, answers: list[Answer], give_up: Any) -> None:
+        self.published.extend(answers)
+
+
+# --------------------------------------------------------------- reader, outbox
+
+
+class Parts:
+    """A reader and an outbox wired as the Worker wires them, on fakes of Redis
+    (``shards`` > 1: that many lanes plus the queue's own, as ``keys.lanes_of`` says)."""
+
+    def __init__(self, shards: int = 2) -> None:
+        self.settings = WorkerSettings(queue="parts", block_ms=5, heartbeat_s=60.0)
+        self.client = FakeStreams()
+        self.backend = SimBackend(max_input_tokens=64)
+        self.intake = Intake(read_ahead_budgets=4.0, read_ahead_bytes=1 << 20,
+                             max_entry_bytes=wire.max_entry_bytes(1 << 16), max_input_tokens=64)
+        self.lifecycle = Lifecycle()
+        self.stages = Stages(time.monotonic)
+        self.recorder = Recorder("me", NullMetrics(), None)
+        self.pipeline: Pipeline[Ref] = Pipeline(self.backend)
+        self.packer: Packer[Any] = Packer(Budget(4096, 64))
+        self.feed: DeviceFeed[Any, Any] = DeviceFeed(
+            self.packer, lambda batch: None, flushing=lambda: False, finished=lambda: False)
+        self.outbox = Outbox(intake=self.intake, lifecycle=self.lifecycle, stages=self.stages,
+                             recorder=self.recorder, now_epoch_ms=lambda: 0,
+                             call_deadline=(30.0, "a test bound"))
+        self.lanes: list[Lane] = []
+        for index, queue in enumerate(keys.lanes_of(keys.QueueRef("parts"), shards)):
+            lane = Lane(index, queue, self._policy(queue), reclaimer=FakeReclaimer(),  # type: ignore[arg-type]
+                        publisher=FakePublisher())  # type: ignore[arg-type]
+            self.lanes.append(lane)
+            self.outbox.add_lane()
+        self.reader = Reader(
+            self.client, consumer="me", settings=self.settings, lanes=self.lanes,
+            intake=self.intake, lifecycle=self.lifecycle, stages=self.stages, feed=self.feed,
+            pipeline=self.pipeline, outbox=self.outbox, recorder=self.recorder,
+            health=Health(60.0), now_epoch_ms=lambda: int(time.time() * 1000),
+            config_fields=dict, on_idle=self.lifecycle.stop, call_deadline=(30.0, "a test bound"),
+        )
+
+    def _policy(self, queue: keys.QueueRef) -> DeadLetterPolicy:
+        return DeadLetterPolicy(
+            worker="me", max_deliveries=5, default_reply_to=functools.partial(keys.reply, queue),
+            max_request_bytes=1 << 16,
+            check_reply_to=functools.partial(keys.reply_to_refusal, queue),
+            max_letter_bytes=1 << 16,
+        )
+
+    def add(self, lane: int, text: str) -> bytes:
+        queue = self.lanes[lane].queue
+        request_id = f"r-{len(self.client.entries.get(self.lanes[lane].stream, []))}"
+        request = wire.Request(request_id, text, 0, keys.reply(queue, request_id))
+        return self.client.xadd(self.lanes[lane].stream, wire.encode_request(request))
+
+    def published(self, lane: int) -> list[Answer]:
+        return self.lanes[lane].publisher.published  # type: ignore[union-attr]
+
+    async def serve_until(self, jobs: int) -> None:
+        """Run the read and publish tasks until ``jobs`` are buffered, then stop them."""
+        for lane in self.lanes:
+            await self.reader.ensure_group(lane)
+        self.reader.starting()
+        reading = [asyncio.create_task(self.reader.run(lane)) for lane in self.lanes]
+        publishing = [asyncio.create_task(self.outbox.run(lane)) for lane in self.lanes]
+        for _ in range(500):
+            if len(self.packer) >= jobs:
+                break
+            await asyncio.sleep(0.01)
+        self.lifecycle.stop()
+        await asyncio.wait_for(asyncio.gather(*reading), 10)
+        self.outbox.close()
+        await asyncio.wait_for(asyncio.gather(*publishing), 10)
+
+
+def test_the_reader_buffers_each_lanes_entries_under_their_lane_on_fake_streams() -> None:
+    parts = Parts(shards=2)
+    first = [parts.add(0, f"zero {k}") for k in range(3)]
+    garbage = parts.client.xadd(parts.lanes[0].stream, {b"v": b"1", b"nonsense": b"x"})
+    second = [parts.add(1, f"one {k}") for k in range(2)]
+    asyncio.run(parts.serve_until(jobs=5))
+
+    refs = {job.ref for job in (item.payload for item in parts.packer)}
+    assert refs == {Ref(0, i) for i in first} | {Ref(1, i) for i in second}
+    # The undecodable entry is dead-lettered on its own lane, under its bare id ...
+    assert [a.entry_id for a in parts.published(0)] == [garbage]
+    assert parts.published(0)[0].dead_fields and parts.published(1) == []
+    # ... and its room is given back, while what is buffered still holds its bytes.
+    assert set(parts.intake.bytes.held) == refs
+    assert parts.intake.unpublished_answers == 0
+    assert parts.reader.done and parts.recorder.stats.dead_lettered == 1
+
+
+def test_a_restart_reads_its_own_history_first() -> None:
+    parts = Parts(shards=1)
+    ids = [parts.add(0, f"again {k}") for k in range(3)]
+    parts.client.groups.add(parts.lanes[0].stream)
+    parts.client.delivered[parts.lanes[0].stream] = 3  # delivered to "me" before a crash
+    asyncio.run(parts.serve_until(jobs=3))
+    assert sorted(item.payload.ref for item in parts.packer) == [Ref(0, i) for i in ids]
+
+
+def test_a_poison_entry_costs_only_its_own_dead_letter() -> None:
+    parts = Parts(shards=1)
+    admit = parts.pipeline.admit
+
+    def fragile(items: list[Any], now_epoch_ms: int) -> Any:
+        if any(item.request.text == "poison" for item in items):
+            raise RuntimeError("the tokenizer choked")
+        return admit(items, now_epoch_ms)
+
+    parts.pipeline.admit = fragile  # type: ignore[method-assign]
+    ids = [parts.add(0, text) for text in ("fine", "poison", "also fine")]
+    asyncio.run(parts.serve_until(jobs=2))
+    assert sorted(item.payload.ref.entry_id for item in parts.packer) == [ids[0], ids[2]]
+    (letter,) = parts.published(0)
+    assert letter.entry_id == ids[1] and letter.dead_fields
+    assert b"could not take this entry: RuntimeError" in letter.payload
+
+
+def test_the_outbox_answers_each_lane_under_bare_ids_and_gives_room_back() -> None:
+    parts = Parts(shards=2)
+    for lane in range(3):
+        parts.intake.hold(lane, [(b"7-0", {b"f": b"x"})])
+    request = wire.Request("r", "t", 1, "r")
+    outcomes = [Outcome(Ref(lane, b"7-0"), request, Failure("x", "y")) for lane in (2, 0)]
+
+    async def publish() -> None:
+        tasks = [asyncio.create_task(parts.outbox.run(lane)) for lane in parts.lanes]
+        parts.outbox.emit_outcomes(parts.pipeline, outcomes)
+        assert parts.outbox.unpublished()
+        parts.outbox.close()
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+
+    asyncio.run(publish())
+    assert [len(parts.published(lane)) for lane in range(3)] == [1, 0, 1]
+    assert all(a.entry_id == b"7-0" for lane in (0, 2) for a in parts.published(lane))
+    assert set(parts.intake.bytes.held) == {Ref(1, b"7-0")}
+    assert parts.intake.unpublished_answers == 0 and not parts.outbox.unpublished()
+    assert parts.lifecycle.room_made.is_set()
+
+
+def test_entry_bytes_are_the_raw_size_of_the_fields() -> None:
+    assert entry_bytes({b"ab": b"cde", b"f": b""}) == 6
+
+
+def test_no_class_of_the_worker_is_longer_than_400_lines() -> None:
+    """Issue 23's bound: a class that outgrows it owns too much state for one part."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "worker"
+    long = [
+        f"{path.relative_to(root)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(root.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 400
+    ]
+    assert long == []
