@@ -4,6 +4,7 @@ processes that never outlive the test (``spawn``) or the session (the safety net
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,6 +29,25 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _NOT_LEAKS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 _LEAK_GRACE_S = 5.0
 """A process still exiting when the last test ended (SIGTERM sent, not waited for) gets this."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_reaches_children() -> Iterator[None]:
+    """Ctrl-C is an interrupt in every process a test starts, however pytest was started.
+
+    A shell starts a background job (``.ci/run &``, ``nohup``) with SIGINT
+    ignored, and an ignored signal stays ignored across fork and exec: every
+    ``tokenq`` command a test then Ctrl-C's would ignore it, as it should for
+    the job's own sake, and the test would wait out its timeout. A handled
+    signal is reset to the default at exec, so handling it here gives each
+    child Python's usual KeyboardInterrupt.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -117,7 +117,9 @@ def test_a_factory_that_fails_in_the_child_fails_the_start_and_leaves_no_child()
     broken = TokenizerPool(broken_tokenizer_factory, 2)
     with pytest.raises(ConfigError, match="tokenizer factory failed in a child process"):
         broken.start()
-    assert _children() <= before
+    # The broken pool's own manager thread ends its children; a loaded machine can
+    # take a moment to reap the last.
+    wait_for(lambda: _children() <= before, 10.0, "the failed pool's children gone")
 
 
 def test_a_killed_child_is_replaced_and_the_read_still_tokenized(pool) -> None:
