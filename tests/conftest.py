@@ -51,6 +51,23 @@ def ctrl_c_reaches_children() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def teardown_on_sigterm() -> Iterator[None]:
+    """A SIGTERM to pytest (``timeout``, a CI runner giving up) still runs the teardowns.
+
+    By default SIGTERM ends the process at once, and every redis-server and
+    worker the session started is orphaned. As a KeyboardInterrupt, pytest
+    stops the run and finalises its fixtures, which stop them.
+    """
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind() -> Iterator[None]:
     """The safety net: at session end, no process a test started is still running.
 
