@@ -47,7 +47,7 @@ from redis.retry import Retry
 from tokenq.producer.calls import ErrorReply, OutOfMemory, Unreachable
 from tokenq.producer.core import BACKOFF_BASE_S, BACKOFF_CAP_S, DEADLINE_GRACE_S
 from tokenq.shared import redis_client, redis_refusal
-from tokenq.shared.packing import HiredisPacking
+from tokenq.shared.packing import packing_mixin
 from tokenq.shared.redis_client import ClientHooks, with_mixins
 from tokenq.shared.redis_client import LazyCluster as LazyCluster  # the sync cluster's stand-in
 from tokenq.shared.redis_url import parse_redis_url
@@ -239,7 +239,7 @@ def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> ty
     """
     if issubclass(connection_class, mixin):
         return connection_class
-    return with_mixins(connection_class, mixin, HiredisPacking)
+    return with_mixins(connection_class, mixin, packing_mixin(connection_class))
 
 
 def _sync_bound(connection_class: type) -> type:

@@ -112,9 +112,14 @@ _CANDIDATE_SCAN = 64
 """How far down the line the packer looks for other anchors (a bound on pick cost)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Item(Generic[T]):
-    """One buffered request: its exact token length, arrival time, priority and payload."""
+    """One buffered request: its exact token length, arrival time, priority and payload.
+
+    Not frozen, though nothing changes one once made: one is made per request on the
+    worker's hot path, and a frozen dataclass's ``__init__`` sets every field through
+    ``object.__setattr__``, three times the cost (docs/DECISIONS.md, issue 25).
+    """
 
     length: int
     arrived_ms: float

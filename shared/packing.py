@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis.asyncio.connection
+
 from tokenq.shared.redis_client import with_mixins
 
 try:
@@ -42,7 +44,31 @@ class HiredisPacking:
         return super().pack_command(*args)  # type: ignore[misc]
 
 
+class SyncHiredisPacking(HiredisPacking):
+    """The sync connection's mixin: its ``send_command`` packs through :meth:`pack_command`.
+
+    Why: redis-py's sync ``send_command`` (every command outside a pipeline,
+    the producer's enqueue included) calls its own serializer directly, not
+    ``pack_command``, so the mixin alone left the producer's enqueue packed
+    by redis-py's per-argument generator (the async connection goes through
+    ``pack_command``). The async ``send_command`` is a coroutine, hence a
+    class of its own.
+    """
+
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
+        self.send_packed_command(  # type: ignore[attr-defined]
+            self.pack_command(*args), check_health=kwargs.get("check_health", True)
+        )
+
+
+def packing_mixin(connection_class: type) -> type:
+    """The packing mixin for ``connection_class``: sync or asyncio."""
+    if issubclass(connection_class, redis.asyncio.connection.AbstractConnection):
+        return HiredisPacking
+    return SyncHiredisPacking
+
+
 def packed(connection_class: type) -> type:
     """``connection_class`` packing in C: the worker's hook into
     :mod:`tokenq.shared.redis_client`, made once per class."""
-    return with_mixins(connection_class, HiredisPacking)
+    return with_mixins(connection_class, packing_mixin(connection_class))

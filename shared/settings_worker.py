@@ -108,9 +108,10 @@ class BaseWorkerSettings(_WorkerProcess, _Requests):
         "(longer ones are cut and named in dead_truncated)",
     )
     read_ahead_bytes: int = Field(
-        64 * 1024 * 1024, ge=1,
+        256 * 1024 * 1024, ge=1,
         description="read at most this many bytes of request text ahead (with "
-        "--read-ahead-budgets: whichever is reached first)",
+        "--read-ahead-budgets: whichever is reached first); a read asks for this over the "
+        "largest entry (--max-request-bytes + 67 KiB), 240 a read by default",
     )
     batch_timeout_s: float = Field(
         300.0, gt=0,

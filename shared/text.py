@@ -18,3 +18,10 @@ def plural(n: int, word: str, words: str | None = None) -> str:
 def one_line(text: str) -> str:
     """``text`` with its lines joined, for one-line reports."""
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def exception_headline(exc: BaseException) -> str:
+    """``Type: first line of the message``: what a refusal says of a third-party failure
+    (an exporter's or a quantizer's message can run to pages)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

@@ -97,9 +97,14 @@ _REQUEST_FIELDS = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Request:
-    """One input sequence (or one query/passage pair) to run through the model."""
+    """One input sequence (or one query/passage pair) to run through the model.
+
+    Not frozen, though nothing changes one once made: one is made per request on the
+    worker's hot path, and a frozen dataclass's ``__init__`` sets every field through
+    ``object.__setattr__``, three times the cost (docs/DECISIONS.md, issue 25).
+    """
 
     id: str
     text: str

@@ -110,10 +110,12 @@ class Intake:
     ) -> None:
         """Count a read's entries as held (before its reservation ends: the room they take
         is never free in between); an entry deleted meanwhile (no fields) holds nothing."""
-        hold = self.bytes.hold  # bound once: per entry below
-        for entry_id, fields in entries:
-            if fields is not None:
-                hold(Ref(lane, entry_id), entry_bytes(fields))
+        # A plain (lane, id) tuple is equal to, and hashed as, Ref(lane, id), at a fifth
+        # of the cost per entry.
+        self.bytes.hold_all(
+            ((lane, entry_id), entry_bytes(fields))
+            for entry_id, fields in entries if fields is not None
+        )
 
     def emitted(self, answers: int) -> None:
         """Answers handed to the outbox: their entries hold room until published."""
@@ -124,7 +126,7 @@ class Intake:
         release = self.bytes.held.pop  # bound once: per answer below
         count = 0
         for entry_id in entry_ids:
-            release(Ref(lane, entry_id), None)
+            release((lane, entry_id), None)  # equal to, and hashed as, Ref(lane, entry_id)
             count += 1
         self.unpublished_answers -= count
 

@@ -31,9 +31,7 @@ PUBLISH_CHUNK = 2048
 def answer_for(pipeline: Pipeline[Any], outcome: Outcome[Ref]) -> Answer:
     """The answer a finished request's entry is owed, named by its bare entry id
     (its lane is the outbox it goes to)."""
-    ref = outcome.ref
-    return answer_of(pipeline, Outcome(ref.entry_id, outcome.request, outcome.result,
-                                       outcome.tokens))
+    return answer_of(pipeline, outcome, outcome.ref.entry_id)
 
 
 class Outbox:

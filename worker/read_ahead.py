@@ -23,15 +23,17 @@ of the reservation never adds. Entries larger than ``max_entry`` can only be
 written by a raw ``XADD`` (the producer refuses them): each exceeds the bound
 by its own excess, once, until it is dead-lettered.
 
-The price: many tiny entries are read in more, smaller reads (a 64 MiB room
-and 1 MiB entries allow 64 a read, whatever their real size); the count cap
-and ``read_ahead_budgets`` (tokens) bound reads anyway, and a busy worker's
-reads are mostly small. Pure: no I/O, no clock.
+The price: many tiny entries are read in more, smaller reads (the default
+256 MiB room over 1 MiB entries allows about 240 a read, whatever their real
+size; the 64 MiB default before allowed 60, and each read's round trip and
+batch cost the worker a third of its CPU per request with a null backend:
+docs/BENCHMARKS.md §14); the count cap and ``read_ahead_budgets`` (tokens)
+bound reads anyway. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
@@ -83,6 +85,10 @@ class ByteRoom(Generic[K]):
 
     def hold(self, ref: K, size: int) -> None:
         self.held[ref] = size
+
+    def hold_all(self, sizes: Iterable[tuple[K, int]]) -> None:
+        """:meth:`hold` for each (reference, size) of a read, in one call."""
+        self.held.update(sizes)
 
     def release(self, ref: K) -> None:
         self.held.pop(ref, None)

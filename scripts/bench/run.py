@@ -10,6 +10,7 @@ Suites (docs/BENCHMARKS.md has the latest figures and how to read them):
   producer  the producer's own cost on the seed mix: estimate per text, submit_many rate
   mixed-latency  closed loop of 32 callers on the seed mix: query/passage latency, priority on/off
   shards    one queue of 1 vs 3 shards on a local Redis Cluster: commands and Redis CPU per node
+  cpu       null backend: CPU per request of producer, worker and redis-server, each alone
   plots     draw docs/img/*.png from the JSON results (--results DIR)
   all       every suite above, JSON into --results DIR, then the plots
 
@@ -49,7 +50,7 @@ import compare  # noqa: E402  (the folder is not a package; see module docstring
 import harness  # noqa: E402
 
 SUITES = (
-    "seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency", "shards",
+    "seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency", "shards", "cpu",
 )
 RUNTIME_SUITES = ("real", "mixed-latency")
 """Suites that take ``--runtime``: the ones that run the hf backend."""

@@ -71,6 +71,18 @@ def test_overhead(tmp_path: Path) -> None:
     assert 0 < e2e["round_trips_per_request"] < e2e["commands_per_request"]
 
 
+def test_cpu(tmp_path: Path) -> None:
+    """Every side costs some CPU per request, and the lowest is never above the median."""
+    result = run_suite("cpu", tmp_path)
+    rows = {row["setting"]: row for row in result["rows"]}
+    for side in ("producer", "worker"):
+        assert 0 < rows[side]["lowest_cpu_us"] <= rows[side]["cpu_us_per_request"], side
+        assert rows[side]["lowest_redis_cpu_us"] > 0, side
+        assert rows[side]["requests_per_s"] > 0, side
+    both = rows["redis-server, both sides"]["redis_cpu_us_per_request"]
+    assert both >= rows["worker"]["redis_cpu_us_per_request"]
+
+
 @pytest.fixture(scope="module")
 def scale_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tiny scale run, shared by the scale test and the plots test."""

@@ -208,24 +208,41 @@ def test_a_run_checked_in_bulk_answers_each_row_as_it_would_alone(rows: list[obj
 
 
 def test_the_producers_connections_pack_in_c_and_still_enqueue(
-    redis_url: str, r: redis.Redis, queue_name: str,
+    redis_url: str, r: redis.Redis, queue_name: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Both producers' sockets pack by hiredis (byte for byte redis-py's:
-    tests/worker/test_worker_connection.py), and what they enqueue reads back as sent."""
+    """Both producers' commands are packed by hiredis (byte for byte redis-py's:
+    tests/worker/test_worker_connection.py), and what they enqueue reads back as sent.
+
+    Counted at the packer, not read off the class: redis-py's sync
+    ``send_command`` bypasses ``pack_command``, so a mixin in the class's MRO
+    once packed nothing the enqueue sent.
+    """
     from tokenq.producer import AsyncClient, Client
-    from tokenq.shared.packing import HiredisPacking
+    from tokenq.shared import packing
 
+    packed: list[bytes] = []
+
+    def counting(args: tuple) -> bytes:
+        packed.append(args[0] if isinstance(args[0], bytes) else str(args[0]).encode())
+        return real(args)
+
+    real = packing._hiredis_pack
+    assert real is not None, "hiredis is in the worker and dev extras"
+    monkeypatch.setattr(packing, "_hiredis_pack", counting)
+    reply_to = keys.reply(keys.QueueRef(queue_name), "mine")
     with Client(redis_url=redis_url, queue=queue_name, max_queue_length=0) as client:
-        assert issubclass(client._redis.connection_pool.connection_class, HiredisPacking)
-        ids = client.submit_many(["héllo wörld", "a b c"], reply_to=keys.reply(
-            keys.QueueRef(queue_name), "mine"))
+        ids = client.submit_many(["héllo wörld", "a b c"], reply_to=reply_to)
+    assert b"FCALL" in [name.upper() for name in packed], packed
+    packed.clear()
 
-    async def async_side() -> type:
-        async with AsyncClient(redis_url=redis_url, queue=queue_name) as aclient:
-            return aclient._redis.connection_pool.connection_class
+    async def async_side() -> str:
+        async with AsyncClient(redis_url=redis_url, queue=queue_name,
+                               max_queue_length=0) as aclient:
+            return await aclient.submit("async", reply_to=reply_to)
 
-    assert issubclass(asyncio.run(async_side()), HiredisPacking)
+    ids.append(asyncio.run(async_side()))
+    assert b"FCALL" in [name.upper() for name in packed], packed
     entries = r.xrange(keys.requests(keys.QueueRef(queue_name)))
     decoded = [wire.decode_request(fields) for _, fields in entries]
-    texts = ["héllo wörld", "a b c"]
+    texts = ["héllo wörld", "a b c", "async"]
     assert [(d.id, d.text) for d in decoded] == list(zip(ids, texts, strict=True))

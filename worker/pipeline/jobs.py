@@ -23,9 +23,14 @@ from tokenq.worker.pipeline.pipeline import Outcome, Pipeline
 log = logging.getLogger("tokenq.worker")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Answer:
-    """A reply the worker owes for one stream entry, ready to publish."""
+    """A reply the worker owes for one stream entry, ready to publish.
+
+    Not frozen, though nothing changes one once made: one is made per request on the
+    worker's hot path, and a frozen dataclass's ``__init__`` sets every field through
+    ``object.__setattr__``, three times the cost (docs/DECISIONS.md, issue 25).
+    """
 
     entry_id: bytes
     reply_to: str | None
@@ -50,10 +55,10 @@ def error_answer(entry_id: bytes, request_id: str, reply_to: str | None,
     return Answer(entry_id, reply_to, wire.encode_reply(reply), ok=False, code=code.value)
 
 
-def answer_of(pipeline: Pipeline[Any], outcome: Outcome[bytes]) -> Answer:
-    """The answer a finished request's stream entry is owed."""
+def answer_of(pipeline: Pipeline[Any], outcome: Outcome[Any], entry_id: bytes) -> Answer:
+    """The answer a finished request's stream entry (``entry_id``) is owed."""
     payload, ok = pipeline.encoded_reply(outcome)
-    return Answer(outcome.ref, outcome.request.reply_to, payload,
+    return Answer(entry_id, outcome.request.reply_to, payload,
                   ok=ok, code=None if ok else outcome.code)
 
 

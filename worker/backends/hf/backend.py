@@ -63,6 +63,7 @@ from tokenq.worker.backends.hf.runtime import (
     Encoder,
     Runtime,
     build_encoder,
+    check_quantize,
     resolve_runtime,
 )
 from tokenq.worker.backends.hf.sparse import SparseHead
@@ -133,28 +134,40 @@ class HFBackend:
         tokenizer_path = tokenizer_json(source, st.subfolder)
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device, explicit_device=options.device != "auto")
-        tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
-        model.to(device).eval()
         # A sparse model stays on torch whatever --runtime auto would pick (see _sparse_layout).
         runtime: Runtime = (
             "torch" if sparse is not None else resolve_runtime(options.runtime, device, dtype)
         )
-        encoder = build_encoder(runtime, model, tokenizer, source, st.subfolder, options)
+        check_quantize(options, runtime)  # before the slow load
+        tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
+        model.to(device).eval()
         head = None
         if options.task == "embed":
             head = build_embedding_head(source, st, options, int(model.config.hidden_size), device)
+        max_input = max_input_tokens(source, st.max_seq_length, tokenizer, model.config, options)
+        encoder, runtime_facts = build_encoder(
+            runtime,
+            model,
+            tokenizer,
+            source,
+            st.subfolder,
+            options,
+            finish=None if head is None else (lambda output, mask: head(output, mask, None)),
+            max_input=max_input,
+        )
         info = _describe(
             source,
             st,
             options,
             head,
             model.config,
-            max_input=max_input_tokens(source, st.max_seq_length, tokenizer, model.config, options),
+            max_input=max_input,
             device=device,
             dtype=dtype,
             tokenizer_path=tokenizer_path,
             runtime=runtime,
             sparse=sparse,
+            runtime_facts=runtime_facts,
         )
         log.info(
             "hf backend: %s task=%s device=%s dtype=%s max_input_tokens=%d %s",
@@ -383,10 +396,19 @@ def _describe(
     tokenizer_path: str | None,
     runtime: Runtime,
     sparse: SparseHead | None = None,
+    runtime_facts: dict[str, Any] | None = None,
 ) -> BackendInfo:
-    """The model's :class:`BackendInfo`: its outputs, limits, prompts and activation."""
+    """The model's :class:`BackendInfo`: its outputs, limits, prompts and activation.
+
+    ``runtime_facts`` is what the runtime measured at start (``--quantize``'s gate).
+    """
     task = options.task
-    extra: dict[str, Any] = {"hf_task": task, "path": source.location, "runtime": runtime}
+    extra: dict[str, Any] = {
+        "hf_task": task,
+        "path": source.location,
+        "runtime": runtime,
+        **(runtime_facts or {}),
+    }
     activation: Activation = "none"
     if head is not None:
         extra.update(head.describe())

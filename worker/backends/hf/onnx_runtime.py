@@ -20,8 +20,10 @@ The session, tuned for a CPU worker:
   the CPU; I/O binding would only save copies across a device boundary,
   and no GPU provider is offered (docs/DECISIONS.md).
 
-Only fp32 runs here: ONNX Runtime's CPU kernels for fp16 and bf16 are
-partial and slower than fp32.
+Only fp32 activations run here: ONNX Runtime's CPU kernels for fp16 and
+bf16 are partial and slower than fp32. ``--quantize int8`` swaps in a graph
+with int8 weights, only behind a calibration gate
+(:mod:`~tokenq.worker.backends.hf.quantize`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ import numpy as np
 import torch
 
 from tokenq.shared.errors import ConfigError
+from tokenq.shared.text import exception_headline
 from tokenq.worker.backends.hf.export import INPUTS, cache_key, default_cache_dir, export
+from tokenq.worker.backends.hf.quantize import GateReport, Int8Request, int8_encoder
 
 __all__ = ["OnnxEncoder", "import_onnxruntime", "load_onnx_encoder", "onnx_available"]
 
@@ -93,8 +97,14 @@ def load_onnx_encoder(
     cache_dir: str | None,
     vocab_size: int,
     trust_remote_code: bool,
-) -> OnnxEncoder:
-    """Export (or reuse) ``model``, open a session, check it against torch on a probe batch."""
+    int8: Int8Request | None = None,
+) -> tuple[OnnxEncoder, GateReport | None]:
+    """Export (or reuse) ``model``, open a session, check it against torch on a probe batch.
+
+    With ``int8`` (``--quantize int8``) the encoder returned is the int8
+    graph's, after it passed the calibration gate against the fp32 session
+    (:mod:`~tokenq.worker.backends.hf.quantize`); the report is what it measured.
+    """
     ort = import_onnxruntime()
     inputs = INPUTS if uses_type_ids else INPUTS[:2]
     logits = task != "embed"
@@ -114,14 +124,16 @@ def load_onnx_encoder(
     except Exception as exc:  # the exporter fails in many ways, all meaning the same here
         raise ConfigError(
             f"--runtime onnx: torch's ONNX exporter cannot take model family {family!r} "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            f"({exception_headline(exc)}); "
             "use --runtime torch"
         ) from exc
     encoder = OnnxEncoder(_session(ort, path), path)
     _check_against_torch(
         encoder, model, inputs, family=family, vocab_size=vocab_size, logits=logits
     )
-    return encoder
+    if int8 is None:
+        return encoder, None
+    return int8_encoder(encoder, path, lambda p: OnnxEncoder(_session(ort, p), p), int8)
 
 
 def _session(ort: Any, path: Path) -> Any:

@@ -15,6 +15,10 @@ The choice, one rule for every worker:
 - ``auto``: onnx on the CPU in fp32 when the extra is installed, torch
   otherwise (so torch on CUDA).
 
+``--quantize int8`` (the int8 graph, behind a calibration gate:
+:mod:`~tokenq.worker.backends.hf.quantize`) needs onnx: with torch, chosen
+or the one ``auto`` came to, it is refused by name rather than ignored.
+
 Why torch is the default and not ``auto``: the first start with onnx spends
 seconds exporting and writes the export to disk, which an operator should
 ask for, and the exporter cannot take every model's own code.
@@ -31,8 +35,17 @@ import torch
 from tokenq.shared.errors import ConfigError
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join
 from tokenq.worker.backends.hf.options import HFOptions
+from tokenq.worker.backends.hf.pretrained import pad_token_id
+from tokenq.worker.backends.hf.quantize import CALIBRATION_MAX_TOKENS, Finish, Int8Request
 
-__all__ = ["Encoder", "Runtime", "TorchEncoder", "build_encoder", "resolve_runtime"]
+__all__ = [
+    "Encoder",
+    "Runtime",
+    "TorchEncoder",
+    "build_encoder",
+    "check_quantize",
+    "resolve_runtime",
+]
 
 Runtime = Literal["torch", "onnx"]
 Encoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -82,6 +95,21 @@ def resolve_runtime(requested: str, device: torch.device, dtype: torch.dtype) ->
     return "onnx"
 
 
+def check_quantize(options: HFOptions, runtime: Runtime) -> None:
+    """Refuse ``--quantize`` on the torch runtime, saying which setting made it torch."""
+    if options.quantize == "none" or runtime == "onnx":
+        return
+    why = (
+        "--task sparse runs on torch only" if options.task == "sparse"
+        else "--runtime auto chose torch for this device and dtype" if options.runtime == "auto"
+        else "--runtime torch"
+    )
+    raise ConfigError(
+        f"--quantize {options.quantize} quantises the ONNX graph and needs --runtime onnx "
+        f"({why}): use --runtime onnx or --quantize none"
+    )
+
+
 def build_encoder(
     runtime: Runtime,
     model: torch.nn.Module,
@@ -89,17 +117,38 @@ def build_encoder(
     source: ModelSource,
     subfolder: str,
     options: HFOptions,
-) -> Encoder:
-    """The encoder ``runtime`` names, for a model already loaded in torch."""
+    *,
+    finish: Finish | None = None,
+    max_input: int = CALIBRATION_MAX_TOKENS,
+) -> tuple[Encoder, dict[str, Any]]:
+    """The encoder ``runtime`` names, for a model already loaded in torch, and its facts.
+
+    ``finish`` is the embedding head (what the worker makes of the output),
+    which the ``--quantize`` gate compares through; the facts (what the gate
+    measured) go into the backend's info.
+    """
+    check_quantize(options, runtime)
     uses_type_ids = "token_type_ids" in tokenizer.model_input_names
     logits = options.task != "embed"
     if runtime == "torch":
-        return TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits)
+        return TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits), {}
     from tokenq.worker.backends.hf.onnx_runtime import load_onnx_encoder
 
     config_path = find_file(source, join(subfolder, "config.json"))
     assert config_path is not None  # transformers loaded the model from it
-    return load_onnx_encoder(
+    int8 = None
+    if options.quantize == "int8":
+        assert logits or finish is not None, "an embedding model's gate compares through its head"
+        int8 = Int8Request(
+            model=source.name,
+            min_cosine=options.quantize_min_cosine,
+            tokenizer=tokenizer,
+            pad_id=pad_token_id(tokenizer),
+            pairs=options.task == "rerank",
+            max_tokens=min(CALIBRATION_MAX_TOKENS, max_input),
+            finish=finish,
+        )
+    encoder, report = load_onnx_encoder(
         model,
         Path(config_path).parent,
         family=str(getattr(model.config, "model_type", type(model).__name__)),
@@ -108,4 +157,6 @@ def build_encoder(
         cache_dir=options.onnx_cache_dir,
         vocab_size=len(tokenizer),
         trust_remote_code=options.trust_remote_code,
+        int8=int8,
     )
+    return encoder, ({} if report is None else report.describe())

@@ -70,6 +70,20 @@ class HFSettings(BackendSettings):
         description="--runtime onnx: where exported models are kept "
         "(default: $XDG_CACHE_HOME/tokenq/onnx, else ~/.cache/tokenq/onnx)",
     )
+    quantize: Literal["none", "int8"] = Field(
+        "none",
+        description="--runtime onnx only: int8 weights (dynamic quantisation of the "
+        "transformer's MatMuls, per channel); refused at start unless its answers on a "
+        "built-in calibration set stay within --quantize-min-cosine of the fp32 graph's",
+    )
+    quantize_min_cosine: float = Field(
+        0.99,
+        gt=0,
+        le=1,
+        description="--quantize int8: the lowest cosine between the int8 and the fp32 graph's "
+        "vectors on the calibration set that is accepted (scores: per label, over the set, "
+        "centred); below it the worker refuses to start",
+    )
     max_input_tokens: int | None = Field(
         None, ge=1, description="cap below the model's own max input length"
     )

@@ -1,0 +1,129 @@
+"""Suite ``cpu``: CPU per request of the producer, the worker and redis-server, each alone.
+
+What issue 25 measures instead of requests/s: on this machine's two cores,
+requests/s end to end says how producer, worker and Redis shared the cores;
+CPU per request says what each one costs, whatever the core count. The
+``overhead`` suite has the same two rows among many short phases; this suite
+does only these, longer and repeated, so a neighbour's burst moves a figure
+less:
+
+* ``producer``: ``Client.submit_many`` enqueues a backlog of short texts
+  (``uniform_mix`` of 10–40 characters, 250 a call) with no worker;
+  the producer's own ``time.process_time`` and redis-server's ``INFO cpu``
+  over the enqueue;
+* ``worker``: one worker with the null backend (nothing to compute) drains
+  that backlog; its CPU from ``/proc/<pid>/stat`` and redis-server's, from
+  the worker's first heartbeat to the last reply on the reply list (this
+  process polls ``LLEN`` every 10 ms and runs nothing else meanwhile).
+
+Each size runs ``REPEATS`` backlogs on one private redis-server and reports
+the median and the lowest of each figure: interference from other work only
+adds CPU, so the lowest is the steadiest figure on a shared machine, and
+``--baseline`` compares both. ``redis_both_us`` is redis-server's CPU per
+request for the enqueue and the drain together.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+import redis
+from texts import uniform_mix
+
+from tokenq.producer import Client
+from tokenq.shared import keys
+
+SIZES = {"tiny": 1000, "small": 10_000, "full": 20_000}
+REPEATS = {"tiny": 1, "small": 3, "full": 5}
+NULL_FLAGS = ["--backend", "null_backend:factory"]
+COLUMNS = [
+    "setting", "cpu_us_per_request", "lowest_cpu_us", "redis_cpu_us_per_request",
+    "lowest_redis_cpu_us", "requests_per_s",
+]
+
+
+def enqueue(url: str, queue: str, reply_key: str, texts: list[str]) -> tuple[float, float, float]:
+    """(producer CPU s, redis-server CPU s, wall s) of enqueueing ``texts``."""
+    client = redis.Redis.from_url(url)
+    with Client(redis_url=url, queue=queue, max_queue_length=0) as producer:
+        producer.submit_many(texts[:1], reply_to=reply_key)  # connect and load, off the clock
+        started = time.perf_counter()
+        own, server = time.process_time(), harness.redis_cpu_seconds(client)
+        for start in range(1, len(texts), harness.SUBMIT_CHUNK):
+            producer.submit_many(texts[start:start + harness.SUBMIT_CHUNK], reply_to=reply_key)
+        result = (time.process_time() - own, harness.redis_cpu_seconds(client) - server,
+                  time.perf_counter() - started)
+    client.close()
+    return result
+
+
+def drain(server: Any, workdir: Path, queue: str, name: str, reply_key: str,
+          requests: int) -> tuple[float, float, float]:
+    """(worker CPU s, redis-server CPU s, wall s) of one null worker answering the backlog."""
+    client = redis.Redis.from_url(server.url)
+    worker = harness.start_tokenq(server, queue, workdir, name, NULL_FLAGS)
+    try:
+        alive = keys.worker_alive(keys.QueueRef(queue), name)
+        while not client.exists(alive):
+            if worker.process.poll() is not None:
+                raise RuntimeError(worker.output())
+            time.sleep(0.005)
+        started = time.perf_counter()
+        own, redis_cpu = harness.cpu_seconds(worker.process.pid), harness.redis_cpu_seconds(client)
+        deadline = started + 600.0
+        while client.llen(reply_key) < requests:
+            if worker.process.poll() is not None or time.perf_counter() > deadline:
+                raise RuntimeError(f"the worker stopped answering:\n{worker.output()}")
+            time.sleep(0.01)
+        return (harness.cpu_seconds(worker.process.pid) - own,
+                harness.redis_cpu_seconds(client) - redis_cpu, time.perf_counter() - started)
+    finally:
+        worker.stop()
+        client.close()
+
+
+def row(setting: str, runs: list[tuple[float, float, float]], requests: int) -> dict[str, Any]:
+    """One side's figures over its runs, in µs per request."""
+    own = [run[0] / requests * 1e6 for run in runs]
+    server = [run[1] / requests * 1e6 for run in runs]
+    return {
+        "setting": setting,
+        "cpu_us_per_request": round(statistics.median(own), 1),
+        "lowest_cpu_us": round(min(own), 1),
+        "redis_cpu_us_per_request": round(statistics.median(server), 1),
+        "lowest_redis_cpu_us": round(min(server), 1),
+        "requests_per_s": round(requests / statistics.median(run[2] for run in runs), 1),
+    }
+
+
+def run(size: str) -> dict[str, Any]:
+    requests = SIZES[size]
+    texts = uniform_mix(requests, 10, 40).texts
+    produced: list[tuple[float, float, float]] = []
+    drained: list[tuple[float, float, float]] = []
+    with harness.private_redis() as server, tempfile.TemporaryDirectory() as directory:
+        for repeat in range(REPEATS[size]):
+            queue = harness.new_queue(f"cpu{repeat}")
+            reply_key = harness.reply_key_for(queue)
+            produced.append(enqueue(server.url, queue, reply_key, texts))
+            drained.append(drain(server, Path(directory), queue, f"drain{repeat}", reply_key,
+                                 requests))
+            redis.Redis.from_url(server.url).flushall()
+    rows = [row("producer", produced, requests - 1), row("worker", drained, requests)]
+    both = [p[1] + d[1] for p, d in zip(produced, drained, strict=True)]
+    rows.append({
+        "setting": "redis-server, both sides",
+        "redis_cpu_us_per_request": round(statistics.median(both) / requests * 1e6, 1),
+        "lowest_redis_cpu_us": round(min(both) / requests * 1e6, 1),
+    })
+    return {
+        "columns": COLUMNS,
+        "rows": rows,
+        "notes": [f"{requests:,} requests of 10-40 characters, {REPEATS[size]} backlogs; "
+                  "median and lowest of each figure"],
+    }
