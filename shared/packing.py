@@ -5,7 +5,11 @@ entirely; its sync one passes each argument through a generator before
 hiredis), and a batch's script call carries four to fifteen arguments per
 request, so packing was the largest single cost per request on both sides
 (issue 11 for the worker, issue 25 for the producer). Without hiredis
-installed the mixin steps aside and redis-py packs as before.
+installed the mixin steps aside and redis-py packs as before. The asyncio
+mixin also turns a connection closed under a command into the
+``ConnectionError`` it is (:class:`AsyncHiredisPacking`): every connection
+class tokenq makes passes through :func:`packing_mixin`, so this is its one
+place.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio.connection
+import redis.exceptions
 
 from tokenq.shared.redis_client import with_mixins
 
@@ -61,10 +66,35 @@ class SyncHiredisPacking(HiredisPacking):
         )
 
 
+class AsyncHiredisPacking(HiredisPacking):
+    """The asyncio connection's mixin: C packing, and a connection closed under a command
+    fails it with ``ConnectionError``, as any lost connection does.
+
+    Why: redis-py's asyncio ``send_packed_command`` awaits (connecting, the
+    health check) before it writes, and a concurrent ``disconnect`` (a Cluster
+    client drops a node's connections on a failover, while the worker's
+    readers, publishers and heartbeat use them) leaves it writing to
+    ``None``: ``AttributeError``, which no retry and no ``except RedisError``
+    takes for a connection failure. One failover test lost a worker to it
+    (tests/faults/test_cluster.py). Only when the connection is closed: any
+    other ``AttributeError`` is a bug and stays one.
+    """
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except AttributeError as exc:
+            if self.is_connected:  # type: ignore[attr-defined]
+                raise
+            raise redis.exceptions.ConnectionError(
+                f"the connection was closed while a command was being sent ({exc})"
+            ) from exc
+
+
 def packing_mixin(connection_class: type) -> type:
     """The packing mixin for ``connection_class``: sync or asyncio."""
     if issubclass(connection_class, redis.asyncio.connection.AbstractConnection):
-        return HiredisPacking
+        return AsyncHiredisPacking
     return SyncHiredisPacking
 
 

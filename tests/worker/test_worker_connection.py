@@ -40,7 +40,9 @@ def test_the_workers_client_packs_in_c_whatever_the_url_scheme() -> None:
         client = connect(WorkerSettings(redis_url=url, queue="q", backend="sim"))
         connection_class = client.connection_pool.connection_class
         assert issubclass(connection_class, HiredisPacking), url
-        assert connection_class.__mro__[2].__name__.endswith("Connection"), url
+        # Right after tokenq's mixins: the scheme's own redis-py connection class.
+        first_redis = next(c for c in connection_class.__mro__ if c.__module__.startswith("redis"))
+        assert first_redis.__name__.endswith("Connection"), url
 
 
 @given(
@@ -62,3 +64,45 @@ def test_a_stream_reads_keys_are_found_without_asking_redis(
     assert stream_read_keys(("XREAD", "STREAMS", *streams, *(["0"] * len(streams)))) == streams
     assert stream_read_keys(("GET", "x")) is None
     assert stream_read_keys(("XREADGROUP", "GROUP", "g", "c", "STREAMS", "odd")) is None
+
+
+def test_a_connection_closed_under_a_command_fails_it_as_a_connection_error(
+    redis_url: str,
+) -> None:
+    """redis-py's asyncio send awaits its health check before writing; a concurrent
+    disconnect then (a Cluster client dropping a node's connections on a failover) left
+    it writing to None: AttributeError, which killed a worker's publisher. Every async
+    connection class tokenq makes gets the mixin, and it raises ConnectionError instead,
+    which redis-py retries and the worker's loops wait out."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from tokenq.shared.packing import AsyncHiredisPacking, packing_mixin
+
+    assert packing_mixin(Connection) is AsyncHiredisPacking
+    client = connect(WorkerSettings(redis_url=redis_url, queue="q"))
+    assert issubclass(client.connection_pool.connection_class, AsyncHiredisPacking)
+
+    async def closed_while_checking() -> Exception:
+        connection = client.connection_pool.connection_class(
+            **aioredis.Redis.from_url(redis_url).connection_pool.connection_kwargs)
+        await connection.connect()
+
+        async def disconnected_meanwhile() -> None:
+            await connection.disconnect()
+
+        connection.check_health = disconnected_meanwhile  # type: ignore[method-assign]
+        try:
+            await connection.send_packed_command(connection.pack_command("PING"))
+        except Exception as exc:  # which exception is the point
+            return exc
+        finally:
+            await connection.disconnect()
+            await client.aclose()
+        raise AssertionError("the send did not fail")
+
+    failure = asyncio.run(closed_while_checking())
+    assert isinstance(failure, RedisConnectionError), repr(failure)
+    assert isinstance(failure.__cause__, AttributeError)
