@@ -61,9 +61,19 @@ class SyncHiredisPacking(HiredisPacking):
     """
 
     def send_command(self, *args: Any, **kwargs: Any) -> None:
-        self.send_packed_command(  # type: ignore[attr-defined]
+        self.send_packed_command(
             self.pack_command(*args), check_health=kwargs.get("check_health", True)
         )
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        """redis-py's, with a socket closed under it (another thread's ``disconnect``)
+        failing as ``ConnectionError``: see :class:`AsyncHiredisPacking`."""
+        try:
+            super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except AttributeError as exc:
+            if not _closed_under(exc):
+                raise
+            raise _lost(exc) from exc
 
 
 class AsyncHiredisPacking(HiredisPacking):
@@ -76,19 +86,29 @@ class AsyncHiredisPacking(HiredisPacking):
     readers, publishers and heartbeat use them) leaves it writing to
     ``None``: ``AttributeError``, which no retry and no ``except RedisError``
     takes for a connection failure. One failover test lost a worker to it
-    (tests/faults/test_cluster.py). Only when the connection is closed: any
-    other ``AttributeError`` is a bug and stays one.
+    (tests/faults/test_cluster.py). Only an ``AttributeError`` on ``None``
+    (the writer or socket gone) is converted: any other is a bug and stays one.
     """
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
         except AttributeError as exc:
-            if self.is_connected:  # type: ignore[attr-defined]
+            if not _closed_under(exc):
                 raise
-            raise redis.exceptions.ConnectionError(
-                f"the connection was closed while a command was being sent ({exc})"
-            ) from exc
+            raise _lost(exc) from exc
+
+
+def _closed_under(exc: AttributeError) -> bool:
+    """Whether an ``AttributeError`` from redis-py's send means the connection closed under
+    it (an attribute of ``None``: its writer or socket); anything else is a bug."""
+    return "'NoneType' object" in str(exc)
+
+
+def _lost(exc: AttributeError) -> redis.exceptions.ConnectionError:
+    return redis.exceptions.ConnectionError(
+        f"the connection was closed while a command was being sent ({exc})"
+    )
 
 
 def packing_mixin(connection_class: type) -> type:

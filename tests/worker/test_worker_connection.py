@@ -106,3 +106,28 @@ def test_a_connection_closed_under_a_command_fails_it_as_a_connection_error(
     failure = asyncio.run(closed_while_checking())
     assert isinstance(failure, RedisConnectionError), repr(failure)
     assert isinstance(failure.__cause__, AttributeError)
+
+
+def test_a_sync_socket_closed_under_a_command_fails_it_as_a_connection_error(
+    redis_url: str,
+) -> None:
+    """The same race on the producer's sync connection (another thread's disconnect, as a
+    Cluster or Sentinel client does on a failover): ConnectionError, which the producer
+    retries within the caller's deadline, not AttributeError."""
+    import redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from tokenq.producer import Client
+    from tokenq.shared.packing import SyncHiredisPacking
+
+    with Client(redis_url=redis_url, queue="q") as client:
+        connection_class = client._redis.connection_pool.connection_class
+    assert issubclass(connection_class, SyncHiredisPacking)
+    connection = connection_class(
+        **redis.Redis.from_url(redis_url).connection_pool.connection_kwargs)
+    connection.connect()
+    connection.check_health = connection.disconnect  # type: ignore[method-assign]
+    with pytest.raises(RedisConnectionError) as failure:
+        connection.send_command("PING")
+    assert isinstance(failure.value.__cause__, AttributeError)
+    connection.disconnect()
