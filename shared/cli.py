@@ -11,7 +11,8 @@ the numbers live in ``shared/exit_codes.py``):
 ``0`` done; ``1`` (:data:`EXIT_FAILED`) an operational failure: Redis
 unreachable, refusing the login or a command, a key of the wrong type, ids
 not found, letters skipped, inputs that failed; ``2`` (:data:`EXIT_USAGE`)
-bad flags, environment or arguments; ``130`` interrupted. A failure is
+bad flags, environment or arguments; ``130`` interrupted (also where a
+library wrapped the ``KeyboardInterrupt`` in an error of its own). A failure is
 reported as one line, ``tokenq <cmd>: <message>``, never a traceback:
 :func:`run_command` turns every ``TokenqError``, ``redis.RedisError`` and
 ``OSError`` a subcommand lets escape into that line, naming the Redis URL
@@ -31,6 +32,7 @@ from typing import TypeVar
 from tokenq.shared.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from tokenq.shared.failures import failure_message
 from tokenq.shared.flags import UsageError, parse_settings
+from tokenq.shared.interrupts import InterruptRecord, unwrapped
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("tokenq.worker.cli", "run one worker process on a queue (--devices: one per GPU)"),
@@ -102,8 +104,12 @@ def run_command(
 
 
 def _guarded(prog: str, settings: object, call: object) -> int:
+    # A Ctrl-C a library turned into its own error is still an interruption
+    # (shared/interrupts.py).
+    record = InterruptRecord()
     try:
-        return int(call() or 0)  # type: ignore[operator]
+        with record.recording(), unwrapped(lambda: record.seen):
+            return int(call() or 0)  # type: ignore[operator]
     except UsageError as exc:
         _print_usage_error(prog, exc)
         return EXIT_USAGE

@@ -47,6 +47,7 @@ from tokenq.producer.ops.snapshot import (
 from tokenq.shared import keys
 from tokenq.shared.cli import run_command
 from tokenq.shared.failures import CommandFailed
+from tokenq.shared.interrupts import unwrapped
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.queue_config import parse_config
 from tokenq.shared.settings import EmbedSettings
@@ -152,20 +153,23 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
     signals = _Signals()
     signals.install()
     try:
-        with signals.held():
-            try:
-                done = checkpoint.open(restart=settings.restart)
-            except ResumeMismatch as exc:
-                print(f"tokenq embed: {exc}", file=sys.stderr)
-                return 2
-        saved = checkpoint.partial_rows(done)
-        if done or saved:
-            rows = sum(len(rows) for rows in saved.values())
-            print(f"tokenq embed: resuming: {plural(len(done), 'chunk')} of "
-                  f"{settings.chunk_size} and {plural(rows, 'more input')} already done in "
-                  f"{checkpoint.directory}", file=sys.stderr)
-        with Client(settings=settings) as client:
-            return run.run(client, ops, q, before, done, saved, fmt, signals)
+        # A signal pydantic (or another library) wrapped in its own error is still the
+        # interruption, answered below with the resume hint.
+        with unwrapped(lambda: signals.stopping):
+            with signals.held():
+                try:
+                    done = checkpoint.open(restart=settings.restart)
+                except ResumeMismatch as exc:
+                    print(f"tokenq embed: {exc}", file=sys.stderr)
+                    return 2
+            saved = checkpoint.partial_rows(done)
+            if done or saved:
+                rows = sum(len(rows) for rows in saved.values())
+                print(f"tokenq embed: resuming: {plural(len(done), 'chunk')} of "
+                      f"{settings.chunk_size} and {plural(rows, 'more input')} already done in "
+                      f"{checkpoint.directory}", file=sys.stderr)
+            with Client(settings=settings) as client:
+                return run.run(client, ops, q, before, done, saved, fmt, signals)
     except (BrokerUnavailable, redis.RedisError) as exc:
         if isinstance(exc, BrokerUnavailable):
             message = one_line(str(exc))
