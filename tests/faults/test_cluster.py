@@ -191,9 +191,8 @@ def test_cluster_failover_loses_only_unreplicated_requests_and_never_durable_one
 
         on_dead_shard = {rid for rid in lossy if keys.shard_in_id(rid) == 0}
         assert len(on_dead_shard) == 10 and len(lossy) == 30
-        got = answered(plain, lossy, 30)
-        lost = {rid for rid, ok in got.items() if not ok}
-        assert lost == on_dead_shard, fleet.logs()
+        survivors = {rid: text for rid, text in lossy.items() if rid not in on_dead_shard}
+        assert all(answered(plain, survivors, 30).values()), fleet.logs()
 
         assert len(told) == 10 and all(keys.shard_in_id(rid) == 0 for rid in told)
         assert len(kept) == 20
@@ -202,6 +201,11 @@ def test_cluster_failover_loses_only_unreplicated_requests_and_never_durable_one
         # Producers and workers carry on by themselves through the new master.
         after, _ = submit_each(plain, [f"after {i}" for i in range(12)])
         assert all(answered(plain, after, 30).values())
+        # Every stream is read in order, so a request the promoted replica had would have
+        # been answered before the ones above: a short look finds that shard 0's are lost.
+        # (Only theirs: an answer is taken once, and the survivors' were taken above.)
+        dead = {rid: lossy[rid] for rid in on_dead_shard}
+        assert not any(answered(plain, dead, 2).values()), fleet.logs()
     finally:
         plain.close()
         durable.close()
@@ -305,12 +309,14 @@ def test_sentinel_failover_loses_only_unreplicated_requests_and_never_durable_on
         for worker in fleet.started:
             worker.process.send_signal(18)
 
-        assert len(lossy) == 8 and not any(answered(plain, lossy, 15).values()), (
-            "every acknowledged request the replica never received is lost"
-        )
         assert kept == {} and len(told) == 8, "a durable enqueue was told, not lost silently"
         after, _ = submit_each(plain, [f"after {i}" for i in range(5)])
         assert all(answered(plain, after, 30).values()), "both sides found the new master"
+        # The stream is read in order: had the replica received any of ``lossy``, it would
+        # have been answered before ``after``. A short look is enough.
+        assert len(lossy) == 8 and not any(answered(plain, lossy, 2).values()), (
+            "every acknowledged request the replica never received is lost"
+        )
         kept_after, told_after = submit_each(durable, [f"durable after {i}" for i in range(5)])
         assert len(kept_after) + len(told_after) == 5
         assert all(answered(durable, kept_after, 30).values())

@@ -37,6 +37,8 @@ STREAM = keys.requests(keys.QueueRef(QUEUE))
 def pair(tmp_path: Path) -> Iterator[SimpleNamespace]:
     """A primary and one replica that has caught up with it."""
     with freezable_server(tmp_path / "primary") as primary:
+        # Redis 7 waits 5 s for more replicas before a diskless full sync; one is all.
+        redis.Redis(port=primary.port).config_set("repl-diskless-sync-delay", 0)
         replica = RedisServer(tmp_path / "replica",
                               args=("--replicaof", "127.0.0.1", str(primary.port)))
         replica.start()

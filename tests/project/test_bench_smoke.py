@@ -169,24 +169,18 @@ def test_plots_from_results(scale_results: Path, tmp_path: Path) -> None:
     assert not (images / "seed.png").exists()  # no seed.json: skipped, not failed
 
 
-@pytest.mark.slow
-def test_real(tmp_path: Path) -> None:
-    pytest.importorskip("sentence_transformers")
-    result = run_suite("real", tmp_path, timeout=300.0)
-    methods = {row["method"] for row in result["rows"]}
-    assert {"sentence-transformers", "naive fifo-32", "tokenq (budget 16384)"} <= methods
-    assert set(result["ratios"]) >= {"tokenq_over_st", "tokenq_over_ideal"}
-    # Same model, same inputs: tokenq's vectors are sentence-transformers' vectors.
-    assert result["config"]["min_cosine_tokenq_vs_st"] > 0.999
-
-
 def test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch(tmp_path: Path) -> None:
-    """``--runtime onnx``: the onnx rows beside the torch ones, the same vectors as
-    sentence-transformers, and onnx/torch in the notes (not its size: tiny runs are noise)."""
+    """``real`` (every torch row and ratio) and, with ``--runtime onnx``, the onnx rows beside
+    the torch ones, the same vectors as sentence-transformers, and onnx/torch in the notes
+    (not its size: tiny runs are noise). One run covers both: each costs a minute."""
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("onnxruntime")
     real = run_suite("real", tmp_path, 600.0, "tiny", "--runtime", "onnx")
     methods = {row["method"] for row in real["rows"]}
+    assert {"sentence-transformers", "naive fifo-32", "tokenq (budget 16384)"} <= methods
+    assert set(real["ratios"]) >= {"tokenq_over_st", "tokenq_over_ideal"}
+    # Same model, same inputs: tokenq's vectors are sentence-transformers' vectors.
+    assert real["config"]["min_cosine_tokenq_vs_st"] > 0.999
     assert {"tokenq (budget 16384)", "tokenq onnx (budget 16384)"} <= methods
     assert any(method.startswith("ideal onnx") for method in methods)
     assert real["config"]["min_cosine_tokenq_onnx_vs_st"] >= 0.9999
