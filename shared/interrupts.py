@@ -26,7 +26,7 @@ class InterruptRecord:
     def __init__(self) -> None:
         self.seen = False
 
-    def interrupt(self, signum: int = signal.SIGINT, frame: FrameType | None = None) -> NoReturn:
+    def interrupt(self, signum: int, frame: FrameType | None) -> NoReturn:
         """The signal handler: record the interrupt, then raise it as Python's default would."""
         self.seen = True
         raise KeyboardInterrupt

@@ -5,11 +5,10 @@ entirely; its sync one passes each argument through a generator before
 hiredis), and a batch's script call carries four to fifteen arguments per
 request, so packing was the largest single cost per request on both sides
 (issue 11 for the worker, issue 25 for the producer). Without hiredis
-installed the mixin steps aside and redis-py packs as before. The asyncio
-mixin also turns a connection closed under a command into the
-``ConnectionError`` it is (:class:`AsyncHiredisPacking`): every connection
-class tokenq makes passes through :func:`packing_mixin`, so this is its one
-place.
+installed the mixin steps aside and redis-py packs as before. Both mixins
+also turn a connection closed under a command into the ``ConnectionError``
+it is (:class:`AsyncHiredisPacking` says why): every connection class tokenq
+makes passes through :func:`packing_mixin`, so this is its one place.
 """
 
 from __future__ import annotations

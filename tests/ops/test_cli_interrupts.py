@@ -10,6 +10,7 @@ command's guard (``shared/cli.py``) and ``tokenq embed``'s own handler.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 from pydantic_core import PydanticSerializationError
 
 from tests.cli_support import tokenq
+from tests.support import DIM
 from tokenq.shared.cli import run_command
 from tokenq.shared.exit_codes import EXIT_INTERRUPTED
 from tokenq.shared.interrupts import InterruptRecord, unwrapped
@@ -87,7 +89,7 @@ def test_the_record_leaves_a_handler_someone_else_installed_alone():
 
 
 def test_embed_interrupted_inside_pydantic_keeps_its_resume_hint(
-    redis_url, queue_name, tmp_path, worker_env
+    sim_worker, queue_name, tmp_path, worker_env
 ):
     """The exact CI failure: the signal lands while the client dumps its settings."""
     source = tmp_path / "in.txt"
@@ -123,9 +125,11 @@ def test_embed_interrupted_inside_pydantic_keeps_its_resume_hint(
     assert "run the same command again to resume" in process.stderr
     assert "Traceback" not in process.stderr
     assert not out.exists()
-    # And it does resume: the same command, uninterrupted, gets past the client (no
-    # worker runs here, so it waits; its timeout is not what this test is about).
+    # And it resumes: the same command, uninterrupted, answers every line once, in order.
+    sim_worker()
     again = tokenq("embed", str(source), "--output", str(out), "--no-progress",
-                   "--timeout-s", "1", env={**worker_env, "TOKENQ_QUEUE": queue_name},
-                   timeout=60)
-    assert "Traceback" not in again.stderr, again.stderr
+                   env={**worker_env, "TOKENQ_QUEUE": queue_name}, timeout=60)
+    assert again.returncode == 0, again.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["index"] for row in rows] == [0, 1]
+    assert all(len(row["embedding"]) == DIM for row in rows)
