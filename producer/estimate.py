@@ -154,6 +154,8 @@ class _Views(NamedTuple):
     """Latin letters to ``a``, letters of other scripts to ``o``: whole words."""
     digits: bytes
     """Digits to ``a`` (the letter :func:`_run_tokens` counts runs of)."""
+    not_digits: bytes
+    """Every byte but the digits': deleting them says whether there is a number at all."""
     glued: bytes
     """Symbols to ``s`` (glued runs count once)."""
     invisible: bytes
@@ -194,6 +196,7 @@ _TEXT_VIEWS = _Views(
     latin=_table({_ASCII_LETTERS: b"a"}),
     scripts=_table({_ASCII_LETTERS: b"a", _OTHER_LETTER.encode(): b"o"}),
     digits=_table({b"0123456789": b"a"}),
+    not_digits=bytes(set(range(256)) - set(b"0123456789")),
     glued=_table({_SYMBOL.encode(): b"s"}),
     invisible=_INVISIBLE.encode(),
 )
@@ -204,6 +207,7 @@ _CLASS_VIEWS = _Views(
     latin=_table({b"a": b"a"}),
     scripts=_table({b"a": b"a", b"oD": b"o"}),
     digits=_table({b"0D": b"a"}),
+    not_digits=bytes(set(range(256)) - set(b"0D")),
     glued=_table({b"s": b"s"}),
     invisible=b"x",
 )
@@ -277,12 +281,11 @@ def _tally(
     scripts, ``symbols`` whether there are symbols, so that a text without
     them skips their passes.
     """
-    tokens = (
-        one_each
-        + _run_tokens(data.translate(views.latin), _LATIN_PIECE)
-        # Numbers are sparse: joined first, they are counted on a short string.
-        + _run_tokens(b" ".join(data.translate(views.digits).split()), _DIGIT_PIECE)
-    )
+    tokens = one_each + _run_tokens(data.translate(views.latin), _LATIN_PIECE)
+    # Numbers are sparse: most texts have none (one deletion says so), and the
+    # rest are joined first and counted on a short string.
+    if data.translate(None, views.not_digits):
+        tokens += _run_tokens(b" ".join(data.translate(views.digits).split()), _DIGIT_PIECE)
     if other:
         tokens += _other_script_tokens(data.translate(views.scripts))
     if symbols:

@@ -14,6 +14,7 @@ import itertools
 import math
 import re
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,26 +77,28 @@ _MAX_INT_DIGITS = 19
 
 _DECIMAL = re.compile(rb"[0-9]{1,19}")
 
-_FIELD_NAMES: dict[bytes | str, str] = {
-    name.encode(): name
-    for name in (
-        "v", "id", "text", "text_pair", "tokens", "reply_to", "deadline_ms", "timeout_ms",
-        "priority", "opts",
-    )
-}
-"""An entry's known field names as bytes, decoded once here rather than per entry."""
+_packers = threading.local()
+
+
+def pack(value: object) -> bytes:
+    """``msgpack.packb(value, use_bin_type=True)``, through this thread's own Packer.
+
+    Why: ``packb`` builds a Packer per call, half of what packing a reply
+    costs; replies are packed once per request (issue 25). One Packer per
+    thread, since a Packer's buffer must not be shared by two threads.
+    """
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(value)
+
+
+_VERSION_BYTES = str(PROTOCOL_VERSION).encode()
+"""The version field as producers write it: compared as bytes before any parsing."""
 
 _ID_REFUSED = re.compile(r"[\s\x00-\x1f]")
 """Characters an id may not hold: whitespace (as ``str.isspace`` sees it) and controls.
 One regex search instead of a Python test per character (ids are read per request)."""
-
-_REQUEST_FIELDS = frozenset(
-    {
-        "v", "id", "text", "text_pair", "tokens", "reply_to", "deadline_ms", "timeout_ms",
-        "priority", "opts",
-    }
-)
-
 
 @dataclass(slots=True)
 class Request:
@@ -259,7 +262,7 @@ def encode_request(request: Request) -> dict[str, str | bytes]:
     if request.priority:
         fields["priority"] = str(int(request.priority))
     if request.opts:
-        packed = msgpack.packb(dict(request.opts), use_bin_type=True)
+        packed = pack(dict(request.opts))
         if len(packed) > MAX_OPTS_BYTES:
             raise DecodeError(f"opts is {len(packed)} bytes packed, over {MAX_OPTS_BYTES}")
         fields["opts"] = packed
@@ -311,51 +314,79 @@ def decode_request(
 ) -> Request:
     """Parse the fields of one stream entry into a :class:`Request`.
 
-    ``default_reply_to`` maps a request id to its reply key when the entry
-    names no ``reply_to`` (the caller passes ``lambda id: keys.reply(q, id)``,
+    Names and values may be str or bytes (a producer's own fields, what
+    redis-py returns); they are made bytes and :func:`decode_fields` parses
+    them. ``default_reply_to`` maps a request id to its reply key when the
+    entry names no ``reply_to`` (the caller passes ``lambda id: keys.reply(q, id)``,
     so this module stays free of key knowledge). ``check_reply_to`` returns
     why a named ``reply_to`` may not be written (None when it may): the
     worker passes its reply namespace rule (see :mod:`tokenq.shared.keys`).
     """
-    raw: dict[str, bytes] = {}
-    for key, value in fields.items():
-        name = _FIELD_NAMES.get(key)  # type: ignore[call-overload]
-        if name is None:
-            name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        # surrogatepass: a str with a lone surrogate becomes bytes that fail
-        # the UTF-8 check below with a DecodeError instead of escaping here.
-        raw[name] = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+    return decode_fields(
+        {_as_bytes(key): _as_bytes(value) for key, value in fields.items()},
+        max_request_bytes=max_request_bytes, default_reply_to=default_reply_to,
+        check_reply_to=check_reply_to,
+    )
 
-    version = raw.get("v")
+
+def _as_bytes(value: bytes | str) -> bytes:
+    # surrogatepass: a str with a lone surrogate becomes bytes that fail the
+    # UTF-8 check of decoding with a DecodeError instead of escaping here.
+    return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+
+
+def decode_fields(
+    raw: Mapping[bytes, bytes],
+    *,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    default_reply_to: Callable[[str], str] | None = None,
+    check_reply_to: Callable[[str], str | None] | None = None,
+) -> Request:
+    """:func:`decode_request` of fields as Redis returns them: bytes names and values.
+
+    The worker's hot path (once per request, issue 25): the fields are
+    looked up by their byte names as they came, with no normalised copy of
+    the entry first, and the one protocol version there is is compared as
+    bytes before any integer is parsed. Every rule lives here;
+    :func:`decode_request` only converts what it is given.
+    """
+    get = raw.get
+    version = get(b"v")
     if version is None:
         raise DecodeError("missing field 'v' (protocol version)")
-    if _int_field(version, "v", minimum=0, maximum=_MAX_VERSION) != PROTOCOL_VERSION:
+    if version != _VERSION_BYTES and _int_field(
+        version, "v", minimum=0, maximum=_MAX_VERSION
+    ) != PROTOCOL_VERSION:
         raise DecodeError(
             f"unsupported protocol version {version!r}; this worker speaks {PROTOCOL_VERSION}"
         )
-    for required in ("id", "text"):
-        if required not in raw:
-            raise DecodeError(f"missing field {required!r}")
-    request_id = validate_id(_text_field(raw["id"], "id"))
+    id_raw, text_raw = get(b"id"), get(b"text")
+    if id_raw is None:
+        raise DecodeError("missing field 'id'")
+    if text_raw is None:
+        raise DecodeError("missing field 'text'")
+    request_id = validate_id(_text_field(id_raw, "id"))
 
-    text_bytes = len(raw["text"]) + len(raw.get("text_pair", b""))
+    pair_raw = get(b"text_pair")
+    text_bytes = len(text_raw) + (0 if pair_raw is None else len(pair_raw))
     if text_bytes > max_request_bytes:
         raise DecodeError(f"text is {text_bytes} bytes, over the limit of {max_request_bytes}")
-    text = _text_field(raw["text"], "text")
-    if not text.strip():
+    text = _text_field(text_raw, "text")
+    if text.isspace() or not text:
         raise DecodeError("field 'text' is empty")
     text_pair = None
-    if "text_pair" in raw:
-        text_pair = _text_field(raw["text_pair"], "text_pair")
-        if not text_pair.strip():
+    if pair_raw is not None:
+        text_pair = _text_field(pair_raw, "text_pair")
+        if text_pair.isspace() or not text_pair:
             raise DecodeError("field 'text_pair' is empty")
 
-    tokens = 0
-    if "tokens" in raw:
-        tokens = _int_field(raw["tokens"], "tokens", minimum=0, maximum=MAX_TOKENS)
+    tokens_raw = get(b"tokens")
+    tokens = 0 if tokens_raw is None else _int_field(
+        tokens_raw, "tokens", minimum=0, maximum=MAX_TOKENS)
 
-    if "reply_to" in raw:
-        reply_to = _text_field(raw["reply_to"], "reply_to")
+    reply_raw = get(b"reply_to")
+    if reply_raw is not None:
+        reply_to = _text_field(reply_raw, "reply_to")
         if not reply_to or len(reply_to) > MAX_REPLY_TO_CHARS:
             raise DecodeError(f"field 'reply_to' must be 1-{MAX_REPLY_TO_CHARS} characters")
         refused = check_reply_to(reply_to) if check_reply_to is not None else None
@@ -366,32 +397,23 @@ def decode_request(
     else:
         raise DecodeError("missing field 'reply_to'")
 
-    deadline_ms = None
-    if raw.get("deadline_ms"):
-        deadline_ms = _int_field(raw["deadline_ms"], "deadline_ms", minimum=0, maximum=MAX_EPOCH_MS)
-    timeout_ms = None
-    if raw.get("timeout_ms"):
-        timeout_ms = _int_field(raw["timeout_ms"], "timeout_ms", minimum=1, maximum=MAX_TIMEOUT_MS)
-
+    # The optional fields: absent and empty both mean "not given".
+    deadline_ms = timeout_ms = None
     priority = 0
-    if raw.get("priority"):
-        priority = _int_field(raw["priority"], "priority", minimum=0, maximum=MAX_PRIORITY)
-
     opts: dict[str, Any] = {}
-    if raw.get("opts"):
-        opts = _unpack_opts(raw["opts"])
+    named = 3 + (pair_raw is not None) + (tokens_raw is not None) + (reply_raw is not None)
+    if len(raw) > named:  # anything more: the optional fields (or names no one reads)
+        if value := get(b"deadline_ms"):
+            deadline_ms = _int_field(value, "deadline_ms", minimum=0, maximum=MAX_EPOCH_MS)
+        if value := get(b"timeout_ms"):
+            timeout_ms = _int_field(value, "timeout_ms", minimum=1, maximum=MAX_TIMEOUT_MS)
+        if value := get(b"priority"):
+            priority = _int_field(value, "priority", minimum=0, maximum=MAX_PRIORITY)
+        if value := get(b"opts"):
+            opts = _unpack_opts(value)
 
-    return Request(
-        id=request_id,
-        text=text,
-        tokens=tokens,
-        reply_to=reply_to,
-        deadline_ms=deadline_ms,
-        text_pair=text_pair,
-        opts=opts,
-        timeout_ms=timeout_ms,
-        priority=priority,
-    )
+    return Request(request_id, text, tokens, reply_to, deadline_ms, text_pair, opts,
+                   timeout_ms, priority)
 
 
 def stream_id_ms(entry_id: bytes | str) -> int | None:
@@ -566,7 +588,7 @@ def encode_embedding_reply(
     body: dict[str, Any] = {"id": request_id, "ok": True, "embedding": embedding, "dim": dim}
     if tokens is not None:
         body["tokens"] = tokens
-    return msgpack.packb(body, use_bin_type=True)
+    return pack(body)
 
 
 def _error_param(value: object) -> str | None:
@@ -597,7 +619,7 @@ def encode_reply(reply: Reply) -> bytes:
             body["error"]["param"] = reply.error.param
     if reply.tokens is not None:
         body["tokens"] = reply.tokens
-    return msgpack.packb(body, use_bin_type=True)
+    return pack(body)
 
 
 def decode_reply(packed: bytes) -> Reply:

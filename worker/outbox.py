@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from tokenq.worker.intake import Intake
 from tokenq.worker.lanes import Lane, Ref
 from tokenq.worker.lifecycle import Lifecycle
-from tokenq.worker.pipeline.jobs import Answer, answer_of
+from tokenq.worker.pipeline.jobs import Answer
 from tokenq.worker.pipeline.pipeline import Outcome, Pipeline
 from tokenq.worker.recorder import Recorder
 from tokenq.worker.stages import PUBLISH, Stages
@@ -28,10 +28,27 @@ PUBLISH_CHUNK = 2048
 """Most answers one publish call carries when several batches' answers are waiting."""
 
 
-def answer_for(pipeline: Pipeline[Any], outcome: Outcome[Ref]) -> Answer:
-    """The answer a finished request's entry is owed, named by its bare entry id
-    (its lane is the outbox it goes to)."""
-    return answer_of(pipeline, outcome, outcome.ref.entry_id)
+def answers_by_lane(
+    pipeline: Pipeline[Any], outcomes: Iterable[Outcome[Ref]]
+) -> dict[int, list[Answer]]:
+    """The answers finished requests' entries are owed, by the lane each entry came from
+    (its outbox), each named by its bare entry id.
+
+    One loop for a whole batch with the reply encoded inline: this runs once
+    per request, where a call per answer was a tenth of what answering cost
+    (issue 25).
+    """
+    owed: dict[int, list[Answer]] = {}
+    encoded_reply = pipeline.encoded_reply
+    for outcome in outcomes:
+        payload, ok = encoded_reply(outcome)
+        lane, entry_id = outcome.ref
+        answers = owed.get(lane)
+        if answers is None:
+            answers = owed[lane] = []
+        answers.append(Answer(entry_id, outcome.request.reply_to, payload, ok, (),
+                              None if ok else outcome.code))
+    return owed
 
 
 class Outbox:
@@ -64,10 +81,7 @@ class Outbox:
 
     def emit_outcomes(self, pipeline: Pipeline[Any], outcomes: Sequence[Outcome[Ref]]) -> None:
         """Answer finished requests, each on the lane its entry came from."""
-        owed: dict[int, list[Answer]] = {}
-        for outcome in outcomes:
-            owed.setdefault(outcome.ref.lane, []).append(answer_for(pipeline, outcome))
-        self.emit_all(owed)
+        self.emit_all(answers_by_lane(pipeline, outcomes))
 
     def emit_all(self, owed: Mapping[int, list[Answer]]) -> None:
         for lane, answers in owed.items():

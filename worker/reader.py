@@ -34,7 +34,7 @@ from tokenq.worker.health import Health
 from tokenq.worker.intake import Intake
 from tokenq.worker.lanes import Lane, Ref
 from tokenq.worker.lifecycle import Lifecycle
-from tokenq.worker.outbox import Outbox, answer_for
+from tokenq.worker.outbox import Outbox, answers_by_lane
 from tokenq.worker.pipeline.feed import DeviceFeed, monotonic_ms, wait_event
 from tokenq.worker.pipeline.jobs import Answer, dead_answer, decode_entries
 from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job, Pipeline
@@ -333,7 +333,8 @@ class Reader:
             admitted = await asyncio.to_thread(
                 self._admit, lane, decoded.requests, monotonic_ms(), now
             )
-        answers += [answer_for(self._pipeline, outcome) for outcome in admitted.answered]
+        for owed in answers_by_lane(self._pipeline, admitted.answered).values():
+            answers += owed  # all on this lane: the read's own entries
         fields = dict(present) if admitted.broken else {}
         answers += [
             _untakable(lane, item.ref.entry_id, fields[item.ref.entry_id], why, deliveries, now)
@@ -348,9 +349,12 @@ class Reader:
         now_epoch_ms: int,
     ) -> Admitted[Ref]:
         """The pipeline's admission of one read (in a thread: it tokenizes)."""
+        deadline_of = wire.deadline_of
         items = [
-            Admit(lane.ref(entry_id), request, wire.deadline_of(request, entry_id), read_ms)
-            for entry_id, request in requests
+            Admit(ref, request, None if request.deadline_ms is None and request.timeout_ms is None
+                  else deadline_of(request, entry_id), read_ms)
+            for ref, (entry_id, request) in zip(
+                lane.refs([entry_id for entry_id, _ in requests]), requests, strict=True)
         ]
         started = time.perf_counter()
         admitted = self._pipeline.admit(items, now_epoch_ms)

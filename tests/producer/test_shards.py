@@ -141,7 +141,7 @@ def test_the_shard_count_comes_from_the_workers_and_a_contradiction_is_refused()
 
 
 def test_answers_go_back_to_their_lane_under_their_bare_id() -> None:
-    from tokenq.worker.outbox import answer_for
+    from tokenq.worker.outbox import answers_by_lane
     from tokenq.worker.pipeline.pipeline import Failure, Outcome
 
     class Encoder:
@@ -150,9 +150,7 @@ def test_answers_go_back_to_their_lane_under_their_bare_id() -> None:
 
     outcomes = [Outcome(Ref(k % 3, b"1-%d" % k), wire.Request(str(k), "t", 1, "r"),
                         Failure("x", "y")) for k in range(9)]
-    grouped: dict[int, list] = {}
-    for outcome in outcomes:
-        grouped.setdefault(outcome.ref.lane, []).append(answer_for(Encoder(), outcome))
+    grouped = answers_by_lane(Encoder(), outcomes)  # type: ignore[arg-type]
     assert sorted(grouped) == [0, 1, 2]
     assert [a.entry_id for a in grouped[1]] == [b"1-1", b"1-4", b"1-7"]
 

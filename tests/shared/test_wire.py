@@ -9,6 +9,7 @@ cannot drift apart silently.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import struct
 from collections.abc import Mapping
@@ -175,6 +176,29 @@ def test_one_corrupt_field_only_raises_decode_error(name: str, value: bytes | st
     if value is not None:
         fields[name] = value
     decodes_or_refuses(fields)
+
+
+@PROPERTY
+@given(
+    st.sets(st.sampled_from(["tokens", "reply_to"])),
+    st.sets(st.sampled_from(["deadline_ms", "timeout_ms", "priority"]), min_size=1),
+    st.sets(st.binary(min_size=1, max_size=8).filter(
+        lambda name: name not in {known.encode() for known in (*FIELD_NAMES, "priority")}),
+        max_size=2),
+)
+def test_an_optional_field_is_read_whatever_else_is_there(
+    absent: set[str], given_fields: set[str], unknown: set[bytes],
+) -> None:
+    """The decoder skips the optional fields only when nothing but the named ones is
+    there: whichever of the others are absent, and whatever unknown names ride along,
+    each optional field given is read."""
+    fields = valid_fields(**dict.fromkeys(absent), **dict.fromkeys(given_fields, b"7"))
+    fields.update({name: b"x" for name in unknown})
+    request = wire.decode_request(fields, default_reply_to=lambda rid: f"r:{rid}")
+    for name in ("deadline_ms", "timeout_ms", "priority"):
+        assert getattr(request, name) == (7 if name in given_fields else
+                                          (0 if name == "priority" else None))
+    assert wire.decode_fields(fields, default_reply_to=lambda rid: f"r:{rid}") == request
 
 
 @pytest.mark.parametrize(
@@ -494,3 +518,25 @@ def test_a_priority_out_of_range_is_refused_naming_the_field(raw: bytes) -> None
         wire.decode_request(fields)
     fields[b"priority"] = b"9"
     assert wire.decode_request(fields).priority == 9
+
+
+# ------------------------------------------------------------------ packing
+
+
+def test_pack_is_packb_after_a_failure_and_across_threads() -> None:
+    """The per-thread Packer gives packb's bytes: after a pack that raised (its buffer is
+    not left half written) and from many threads at once (none shares a buffer)."""
+    with pytest.raises(TypeError):
+        wire.pack({"id": "a", "bad": object()})
+    with pytest.raises(OverflowError):
+        wire.pack({"id": "a", "big": 2**70})
+    body = {"id": "x" * 40, "ok": True, "embedding": b"\x01" * 4096, "dim": 1024}
+    assert wire.pack(body) == msgpack.packb(body, use_bin_type=True)
+
+    def many(seed: int) -> bool:
+        bodies = [{"id": f"{seed}-{i}", "embedding": bytes([seed]) * (i * 37 % 5000)}
+                  for i in range(300)]
+        return all(wire.pack(b) == msgpack.packb(b, use_bin_type=True) for b in bodies)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(many, range(16)))

@@ -170,13 +170,16 @@ def test_an_integer_field_is_taken_exactly_when_it_was_before(raw: bytes) -> Non
 
 @given(raw=st.binary(min_size=16, max_size=16))
 def test_a_request_id_is_uuid4_hex_digit_for_digit(raw: bytes) -> None:
-    """The producer's id without the UUID object is what ``uuid.UUID(bytes, version=4)`` gives."""
+    """The producer's ids without UUID objects are what ``uuid.UUID(bytes, version=4)``
+    gives, for every 16 bytes of a block the OS handed over."""
     from unittest import mock
 
     from tokenq.producer import lanes
 
-    with mock.patch.object(lanes.os, "urandom", return_value=raw):
-        assert lanes.uuid4_hex() == uuid.UUID(bytes=raw, version=4).hex
+    block = raw + bytes(reversed(raw)) + raw[8:] + raw[:8]
+    with mock.patch.object(lanes.os, "urandom", return_value=block):
+        assert lanes._draw(3) == [uuid.UUID(bytes=block[at:at + 16], version=4).hex
+                                  for at in (0, 16, 32)]
 
 
 @given(rows=st.lists(

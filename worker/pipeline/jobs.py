@@ -3,8 +3,8 @@
 For each entry read from the stream this module decides whether it becomes
 a request for :class:`~tokenq.worker.pipeline.pipeline.Pipeline` or an
 immediate answer (undecodable, delivered too often: a dead letter), and it
-turns the pipeline's outcomes into :class:`Answer` bytes for
-``publish.lua``. It does no Redis I/O.
+defines the :class:`Answer` that ``publish.lua`` takes (the outbox turns the
+pipeline's outcomes into answers: ``worker/outbox.py``). It does no Redis I/O.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tokenq.shared import dead_letter, wire
 from tokenq.shared.errors import DecodeError, ErrorCode
-from tokenq.worker.pipeline.pipeline import Outcome, Pipeline
 
 log = logging.getLogger("tokenq.worker")
 
@@ -53,13 +51,6 @@ def error_answer(entry_id: bytes, request_id: str, reply_to: str | None,
     """An error reply for one entry."""
     reply = wire.error_reply(request_id, code.value, message)
     return Answer(entry_id, reply_to, wire.encode_reply(reply), ok=False, code=code.value)
-
-
-def answer_of(pipeline: Pipeline[Any], outcome: Outcome[Any], entry_id: bytes) -> Answer:
-    """The answer a finished request's stream entry (``entry_id``) is owed."""
-    payload, ok = pipeline.encoded_reply(outcome)
-    return Answer(entry_id, outcome.request.reply_to, payload,
-                  ok=ok, code=None if ok else outcome.code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +135,7 @@ def decode_entries(
             ))
             continue
         try:
-            request = wire.decode_request(
+            request = wire.decode_fields(
                 fields,
                 max_request_bytes=policy.max_request_bytes,
                 default_reply_to=policy.default_reply_to,
