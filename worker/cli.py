@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.exit_codes import EXIT_FATAL, EXIT_HUNG, EXIT_OK, EXIT_USAGE
 from tokenq.shared.flags import UsageError, parse_settings
-from tokenq.worker import endpoint, logs, metrics
+from tokenq.worker import collector, endpoint, logs, metrics
 from tokenq.worker.backends.plugins import load_backend
 from tokenq.worker.health import Health
 from tokenq.worker.loop import Worker, WorkerHung, watchdog_period_s
@@ -63,6 +63,7 @@ async def _load_and_run(
         backend.close()
         raise
     info = backend.info
+    collector.settle_after_startup()  # the model and the worker are built: freeze them
     worker_metrics.describe(
         consumer=worker.consumer, model=info.model, backend=info.name, device=info.device
     )
