@@ -438,6 +438,8 @@ def deadline_of(request: Request, entry_id: bytes | str) -> int | None:
     ``deadline_ms`` (older producers, hand-written XADDs) is the producer's
     clock and is taken as it is; with both, the earlier one wins.
     """
+    if request.deadline_ms is None and request.timeout_ms is None:
+        return None  # most requests: nothing to look at (this runs once per request)
     candidates = []
     if request.deadline_ms is not None:
         candidates.append(request.deadline_ms)

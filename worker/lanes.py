@@ -74,13 +74,9 @@ class Lane:
     def __post_init__(self) -> None:
         self.stream = keys.requests(self.queue)
 
-    def ref(self, entry_id: bytes) -> Ref:
-        """The worker's name for an entry of this lane (made per request: ``tuple.__new__``
-        skips the NamedTuple's own ``__new__``, half the cost)."""
-        return _new_ref(Ref, (self.index, entry_id))
-
     def refs(self, entry_ids: Iterable[bytes]) -> list[Ref]:
-        """:meth:`ref` of each entry of a read, in one loop (a read has hundreds)."""
+        """The worker's names for entries of this lane, a read's at once (made per request:
+        ``tuple.__new__`` skips the NamedTuple's own ``__new__``, half the cost)."""
         index, new = self.index, _new_ref
         return [new(Ref, (index, entry_id)) for entry_id in entry_ids]
 

@@ -351,8 +351,7 @@ class Reader:
         """The pipeline's admission of one read (in a thread: it tokenizes)."""
         deadline_of = wire.deadline_of
         items = [
-            Admit(ref, request, None if request.deadline_ms is None and request.timeout_ms is None
-                  else deadline_of(request, entry_id), read_ms)
+            Admit(ref, request, deadline_of(request, entry_id), read_ms)
             for ref, (entry_id, request) in zip(
                 lane.refs([entry_id for entry_id, _ in requests]), requests, strict=True)
         ]
