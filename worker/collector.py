@@ -25,8 +25,12 @@ What is done, once, after the backend has loaded and the worker is built:
 
 The same run then spent 0.002 s in 3 young collections and no full one. The
 collector stays on: a reference cycle made later (an exception's traceback
-holding its frame) is still freed, at most :data:`YOUNG_THRESHOLD`
-container allocations later — a few megabytes at most.
+holding its frame) is still freed, once :data:`YOUNG_THRESHOLD` more
+container objects are alive than at the last collection. The cost is that
+wait: whatever such a cycle holds (an array a frame refers to) is freed that
+much later. A backend's failure is reported as its text (``FailedRun``),
+not as the exception and its frames, so a failing batch does not leave its
+arrays to such a cycle.
 
 Only the ``tokenq worker`` command does this (the process is tokenq's own);
 a worker embedded in someone else's process leaves their collector alone.
