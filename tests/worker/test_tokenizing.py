@@ -163,7 +163,9 @@ def test_closing_kills_a_child_whose_tokenizer_hangs_instead_of_waiting_for_it()
     started = time.monotonic()
     hanging.close()
     assert time.monotonic() - started < CLOSE_GRACE_S + 5
-    assert child not in _children()
+    # close() has killed the child; its reaping can land a moment later on a loaded
+    # machine (the executor's own thread may be the one that collects its exit).
+    wait_for(lambda: child not in _children(), 10.0, "the hung child reaped")
     stuck.join(10)
     assert not stuck.is_alive() and errors  # the caller got an error, not a hang
 
