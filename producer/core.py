@@ -323,18 +323,31 @@ class ClientCore:
     # -------------------------------------------------------------- enqueue
 
     def script_keys(self, batch: Sequence[Prepared]) -> list[str]:
-        """KEYS for enqueue.lua: the stream, one dedupe key per entry (when on), then on a
-        shard its retired marker (a retired shard refuses: :mod:`.shards`)."""
+        """KEYS for enqueue.lua: the stream, the seen keys (when dedupe is on), then on a
+        shard its retired marker (a retired shard refuses: :mod:`.shards`).
+
+        A batch of fresh ids gets one seen key for the call (:func:`keys.seen_call`),
+        since only a retry of this very call can send them again; ids the
+        caller named get one each (:attr:`Prepared.named`). One key instead of
+        one per request is most of what redis-server spends on an enqueue
+        (issue 25; docs/DECISIONS.md, "One seen key per call").
+        """
         queue = self.queue
-        seen = [keys.seen(queue, p.id) for p in batch] if self.dedupe_ttl_ms > 0 else []
+        if self.dedupe_ttl_ms <= 0:
+            seen: list[str] = []
+        elif _per_entry(batch):
+            seen = [keys.seen(queue, p.id) for p in batch]
+        else:
+            seen = [keys.seen_call(queue, [p.id for p in batch])]
         retired = [] if self.shard is None else [keys.retired(queue)]
         return [self.stream_key, *seen, *retired]
 
     def script_args(self, batch: Sequence[Prepared]) -> list[str | bytes | int]:
-        """ARGV for enqueue.lua: max_len, n, dedupe TTL, then each entry's fields."""
-        args: list[str | bytes | int] = [
-            self.settings.max_queue_length, len(batch), self.dedupe_ttl_ms
-        ]
+        """ARGV for enqueue.lua: max_len, n, the dedupe TTL (``call:<ms>`` with one seen key
+        for the call), then each entry's fields."""
+        ttl_ms = self.dedupe_ttl_ms
+        dedupe: str | int = ttl_ms if ttl_ms <= 0 or _per_entry(batch) else f"call:{ttl_ms}"
+        args: list[str | bytes | int] = [self.settings.max_queue_length, len(batch), dedupe]
         append, extend = args.append, args.extend  # bound once: per entry below
         for prepared in batch:
             fields = prepared.fields
@@ -465,3 +478,8 @@ class ClientCore:
             f"no live worker serves queue {name!r} (no liveness key is set: none started, or "
             f"all stopped or died); start one, e.g. tokenq worker --queue {name}"
         )
+
+
+def _per_entry(batch: Sequence[Prepared]) -> bool:
+    """Whether ``batch`` is remembered by one seen key per request: some id is the caller's."""
+    return any(prepared.named for prepared in batch)

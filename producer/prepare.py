@@ -48,6 +48,10 @@ class Prepared:
     id: str
     reply_to: str
     fields: dict[str, str | bytes]
+    named: bool = False
+    """Whether the caller chose the id (``unique``): such a request is remembered by its
+    own seen key, since a retry may come in another call; a fresh id only ever comes
+    again in the very call that made it, which one key for the call remembers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,4 +323,4 @@ class Preparer:
         except (TypeError, ValueError, OverflowError) as exc:
             # msgpack cannot encode something in opts (an int past 64 bits overflows)
             raise BadRequest(f"opts cannot be encoded as msgpack: {exc}", param="opts") from None
-        return Prepared(id=request_id, reply_to=target, fields=fields)
+        return Prepared(id=request_id, reply_to=target, fields=fields, named=unique is not None)

@@ -9,6 +9,8 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
     tokenq:{q}:worker:<name>   string   liveness key with a TTL, refreshed by each heartbeat
     tokenq:{q}:reply:<id>      list     replies (msgpack maps), PEXPIREd by the worker
     tokenq:{q}:seen:<id>       string   request ids enqueued lately (retry dedupe), TTL
+    tokenq:{q}:seen:call.<h>   string   one enqueue call's stream ids (retry dedupe of a call
+                                        of fresh ids; <h> digests its request ids), TTL
     tokenq:{q}:shards_served   string   highest shard count served while shards beyond
                                         today's are still draining (:func:`shards_served`)
     tokenq:{q:k}:retired       string   shard k is retired: enqueue.lua refuses new entries
@@ -38,7 +40,9 @@ commands find them without a SCAN.
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 GROUP = "workers"
@@ -245,6 +249,17 @@ def shards_served(q: QueueRef) -> str:
 def seen(q: QueueRef, request_id: str) -> str:
     """Marks a request id as enqueued, so a retried enqueue does not add it twice."""
     return f"{q.tag}:seen:{request_id}"
+
+
+def seen_call(q: QueueRef, request_ids: Iterable[str]) -> str:
+    """Marks one enqueue call as written, so its retry after a lost reply adds nothing.
+
+    Named by a digest of the call's request ids in order: the retry of a call
+    sends the same ids, and no other call does (fresh ids are random, so no
+    caller can name one that collides).
+    """
+    digest = hashlib.blake2b("\n".join(request_ids).encode(), digest_size=16).hexdigest()
+    return f"{q.tag}:seen:call.{digest}"
 
 
 def reply_pattern(q: QueueRef) -> str:

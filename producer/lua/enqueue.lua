@@ -5,12 +5,15 @@
 --   KEYS[1]       <prefix>:{q}:requests      stream   XLEN, then XADD (never trimmed)
 --   KEYS[2..n+1]  <prefix>:{q}:seen:<id>     string   one per entry, only when
 --                                                     dedupe_ttl_ms > 0: GET, SET PX
---   then, optionally, one more key (KEYS[n+2] with dedupe, else KEYS[2]):
+--   or KEYS[2]    <prefix>:{q}:seen:call.<h> string   one for the whole call, only
+--                                                     with dedupe call:<ms>: GET, SET PX
+--   then, optionally, one more key (after the seen keys, else KEYS[2]):
 --                 <prefix>:{q:k}:retired     string   EXISTS: set on a retired shard
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   n: how many entries follow
--- ARGV[3]   dedupe_ttl_ms: how long a request id is remembered; 0 turns it off
+-- ARGV[3]   dedupe: how long what was enqueued is remembered, in ms: <ms> with a
+--           seen key per entry, call:<ms> with one seen key for the call; 0 turns it off
 -- ARGV[4..] for each entry: k, its number of fields, then k field/value pairs
 --
 -- Returns the n entry ids, in order: for an entry seen before, the id its
@@ -30,6 +33,15 @@
 -- submit the work again and it would run twice.
 -- An id that appears twice in one batch is added once (the second gets the
 -- first's stream id), as if the two had come in separate calls.
+--
+-- Why one seen key for a call: a request id the client made up itself comes
+-- again only in the retry of the very call that made it, so one key for the
+-- call, holding its n stream ids, answers that retry, at a fraction of the
+-- Redis time and memory of n keys (issue 25). Its name digests the call's
+-- request ids (tokenq.shared.keys.seen_call); a call whose key is found
+-- writes nothing and answers the ids it holds, checked to number n. Ids the
+-- caller chose (an Idempotency-Key) take a key each, because their retry
+-- may come grouped differently.
 --
 -- Why the retired marker: a shard beyond a shrunk shard count still drains
 -- (producer/shards.py, worker/lanes.py), and a producer still holding the old
@@ -83,16 +95,22 @@ end
 local stream = KEYS[1]
 local max_len = tonumber(ARGV[1])
 local n = tonumber(ARGV[2])
-local dedupe_ttl_ms = tonumber(ARGV[3])
+local dedupe = ARGV[3] or ""
+local per_call = string.sub(dedupe, 1, 5) == "call:"
+local ttl_text = per_call and string.sub(dedupe, 6) or dedupe
+local dedupe_ttl_ms = tonumber(ttl_text)
 if max_len == nil or n == nil or dedupe_ttl_ms == nil
-    or max_len < 0 or n < 0 or dedupe_ttl_ms < 0
-    or #ARGV[3] > 15 or not string.match(ARGV[3], "^%d+$") then
+    or max_len < 0 or n < 0 or dedupe_ttl_ms < 0 or (per_call and dedupe_ttl_ms == 0)
+    or #ttl_text > 15 or not string.match(ttl_text, "^%d+$") then
   return redis.error_reply(
     "ERR tokenq enqueue: max_len, n and dedupe_ttl_ms must be non-negative integers "
-    .. "(dedupe_ttl_ms: at most 15 digits)")
+    .. "(dedupe_ttl_ms: at most 15 digits, after call: at least 1)")
 end
-if dedupe_ttl_ms > 0 and #KEYS ~= n + 1 and #KEYS ~= n + 2 then
-  return redis.error_reply("ERR tokenq enqueue: dedupe needs one seen key per entry")
+-- How many seen keys follow the stream: one per entry, one for the call, or none.
+local seen_keys = (per_call and 1) or (dedupe_ttl_ms > 0 and n) or 0
+if dedupe_ttl_ms > 0 and #KEYS ~= seen_keys + 1 and #KEYS ~= seen_keys + 2 then
+  return redis.error_reply(per_call and "ERR tokenq enqueue: call: dedupe needs one seen key"
+    or "ERR tokenq enqueue: dedupe needs one seen key per entry")
 end
 
 -- Walk the arguments once to check their shape before writing anything.
@@ -115,9 +133,22 @@ local ids = {}
 local first_in_batch = {}
 local same_as = {}
 local fresh = 0
+if per_call then
+  local held = redis.call("GET", KEYS[2])
+  if held then
+    for id in string.gmatch(held, "%S+") do
+      ids[#ids + 1] = id
+    end
+    if #ids ~= n then
+      return redis.error_reply("ERR tokenq enqueue: the call's seen key holds " .. #ids
+        .. " ids for " .. n .. " entries")
+    end
+    return ids
+  end
+end
 for i = 1, n do
   local seen = false
-  if dedupe_ttl_ms > 0 then
+  if dedupe_ttl_ms > 0 and not per_call then
     local key = KEYS[i + 1]
     seen = redis.call("GET", key)
     if not seen and first_in_batch[key] then
@@ -136,7 +167,7 @@ for i = 1, n do
   end
 end
 
-local retired = KEYS[dedupe_ttl_ms > 0 and n + 2 or 2]
+local retired = KEYS[seen_keys + 2]
 if fresh > 0 and retired and redis.call("EXISTS", retired) == 1 then
   return redis.error_reply("RETIRED this shard takes no new requests: read the queue's "
     .. "config and choose a shard again")
@@ -157,9 +188,12 @@ for i = 1, n do
       entry[#entry + 1] = ARGV[j]
     end
     ids[i] = redis.call(unpack(entry))
-    if dedupe_ttl_ms > 0 then
-      redis.call("SET", KEYS[i + 1], ids[i], "PX", ARGV[3])
+    if dedupe_ttl_ms > 0 and not per_call then
+      redis.call("SET", KEYS[i + 1], ids[i], "PX", ttl_text)
     end
   end
+end
+if per_call and n > 0 then
+  redis.call("SET", KEYS[2], table.concat(ids, " "), "PX", ttl_text)
 end
 return ids

@@ -313,7 +313,7 @@ def test_seen_keys_expire(r, redis_url, queue_name):
     q = keys.QueueRef(queue_name)
     with Client(redis_url=redis_url, queue=queue_name) as client:
         request_id = client.submit("remembered for a while, not for ever")
-    ttl = r.pttl(keys.seen(q, request_id))
+    ttl = r.pttl(keys.seen_call(q, [request_id]))
     assert 0 < ttl <= 60_000
 
 

@@ -354,33 +354,77 @@ def test_a_retried_enqueue_does_not_add_a_request_twice(
     assert r.xlen(stream(queue_name)) == 2 + 3
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["fresh ids", "caller's ids"])
 def test_a_retry_of_an_enqueue_that_filled_the_queue_is_not_queue_full(
-    redis_url: str, r: redis.Redis, queue_name: str
+    redis_url: str, r: redis.Redis, queue_name: str, named: bool
 ) -> None:
     """The lost-reply retry of a batch that filled the queue answers the first ids.
 
     Seen entries are looked up before the length check, so they do not count
     again; otherwise the retry would say QueueFull ("nothing was written")
-    although everything was, and the caller would submit the work twice.
+    although everything was, and the caller would submit the work twice. A
+    call of fresh ids is remembered by one seen key, ids the caller chose by
+    one each.
     """
     limit = 3
     with Client(redis_url, queue_name, max_queue_length=limit) as client:
-        batch = [client._core.prepare(f"text {i}", now_ms=0) for i in range(limit)]
+        unique = [uuid.uuid4().hex for _ in range(limit)] if named else None
+        batch = client._core.prepare_many(
+            [f"text {i}" for i in range(limit)], now_ms=0, unique=unique)
         script = client._scripts[calls.ENQUEUE]
         call = {"keys": client._core.script_keys(batch), "args": client._core.script_args(batch)}
+        assert len(call["keys"]) == 1 + (limit if named else 1)
         first = script(**call)
         assert r.xlen(stream(queue_name)) == limit
         again = script(**call)  # the same call again: what redis-py's retry sends
         assert again == first and r.xlen(stream(queue_name)) == limit
         client._enqueue(batch)  # through the client: no QueueFull either
         assert r.xlen(stream(queue_name)) == limit
-        # One new entry among seen ones still counts, and still writes nothing.
-        extra = client._core.prepare("one too many", now_ms=0)
-        with pytest.raises(QueueFull, match="1 more would not fit"):
-            client._enqueue([*batch, extra])
-        assert r.xlen(stream(queue_name)) == limit and not r.exists(
-            keys.seen(keys.QueueRef(queue_name), extra.id)
-        )
+        if named:
+            # One new entry among seen ones still counts, and still writes nothing.
+            extra = client._core.prepare_many(["one too many"], now_ms=0,
+                                              unique=[uuid.uuid4().hex])[0]
+            with pytest.raises(QueueFull, match="1 more would not fit"):
+                client._enqueue([*batch, extra])
+            assert r.xlen(stream(queue_name)) == limit and not r.exists(
+                keys.seen(keys.QueueRef(queue_name), extra.id)
+            )
+
+
+def test_one_seen_key_remembers_a_call_of_fresh_ids(r: redis.Redis, queue_name: str) -> None:
+    """A call of fresh ids leaves one seen key, holding its stream ids, with the TTL."""
+    q = keys.QueueRef(queue_name)
+    url = f"redis://127.0.0.1:{r.connection_pool.connection_kwargs['port']}/0"
+    with Client(url, queue_name, max_queue_length=0) as client:
+        ids = client.submit_many([f"text {i}" for i in range(5)])
+    (call_key,) = r.scan_iter(match=keys.seen(q, "*"), count=1000)
+    assert call_key == keys.seen_call(q, ids).encode()
+    entries = [entry_id for entry_id, _ in r.xrange(stream(queue_name))]
+    assert r.get(call_key).split() == entries
+    assert 0 < r.pttl(call_key) <= 60_000
+
+
+def test_a_call_seen_key_that_does_not_fit_the_call_is_refused_by_name(
+    r: redis.Redis, queue_name: str
+) -> None:
+    """A call key of the wrong type or holding another count of ids writes nothing."""
+    q = keys.QueueRef(queue_name)
+    script = r.register_script(ENQUEUE_SCRIPT)
+    call_key = keys.seen_call(q, ["a", "b"])
+    entries = [2, "id", "a", "text", "x", 2, "id", "b", "text", "y"]
+    r.set(call_key, "1-0")
+    with pytest.raises(redis.ResponseError, match="seen key holds 1 ids for 2 entries"):
+        script(keys=[stream(queue_name), call_key], args=[0, 2, "call:60000", *entries])
+    r.delete(call_key)
+    r.rpush(call_key, "x")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        script(keys=[stream(queue_name), call_key], args=[0, 2, "call:60000", *entries])
+    for refused, keys_given in [("call:0", [call_key]), ("call:", [call_key]),
+                                ("call:1e5", [call_key]), ("call:60000", []),
+                                ("call:60000", [call_key, call_key, call_key])]:
+        with pytest.raises(redis.ResponseError, match="tokenq enqueue: "):
+            script(keys=[stream(queue_name), *keys_given], args=[0, 2, refused, *entries])
+    assert not r.exists(stream(queue_name))
 
 
 @hypothesis_settings(

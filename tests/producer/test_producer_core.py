@@ -80,9 +80,15 @@ def test_ids_are_unique(core: ClientCore) -> None:
 def test_script_args_layout(core: ClientCore) -> None:
     batch = core.prepare_many(["a", ("b", "c")], now_ms=NOW_MS, reply_to="k")
     args = core.script_args(batch)
-    assert args[:3] == [10, 2, 60_000]  # max_len, n, dedupe TTL (ms)
+    # max_len, n, dedupe TTL (ms) of one seen key for this call of fresh ids
+    assert args[:3] == [10, 2, "call:60000"]
     assert core.script_keys(batch) == [
-        core.stream_key, *(keys.seen(core.queue, p.id) for p in batch)
+        core.stream_key, keys.seen_call(core.queue, [p.id for p in batch])
+    ]
+    named = core.prepare_many(["a", "b"], now_ms=NOW_MS, unique=["1" * 32, "2" * 32])
+    assert core.script_args(named)[:3] == [10, 2, 60_000]  # the caller's ids: a key each
+    assert core.script_keys(named) == [
+        core.stream_key, *(keys.seen(core.queue, p.id) for p in named)
     ]
     first = args[3]
     assert first == len(batch[0].fields)

@@ -1,7 +1,8 @@
 """The per-request paths made cheaper in bulk (issue 25) keep their behaviour.
 
-* publish.lua acks and deletes a call's answered entries with one XACK and
-  one XDEL at the end instead of two commands per answer: whatever mix of
+* publish.lua asks which answers are still its own with one XPENDING over
+  the call's id range, and acks and deletes a call's answered entries with
+  one XACK and one XDEL at the end, instead of three commands per answer: whatever mix of
   answers a call carries (an entry named twice, entries already settled,
   entries another consumer owns), each entry still pending to this consumer
   is answered exactly once and the rest are left alone;
@@ -45,24 +46,41 @@ def _publisher(client: aioredis.Redis, q: keys.QueueRef) -> Publisher:
     )
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     picks=st.lists(st.integers(0, _PER_CALL - 1), min_size=1, max_size=3 * _PER_CALL),
     settled=st.sets(st.integers(0, _PER_CALL - 1), max_size=4),
     theirs=st.sets(st.integers(0, _PER_CALL - 1), max_size=4),
     dead=st.sets(st.integers(0, _PER_CALL - 1), max_size=4),
+    filler=st.lists(st.integers(0, 12), min_size=_PER_CALL, max_size=_PER_CALL),
+    huge_ids=st.booleans(),
 )
 def test_one_call_answers_each_entry_still_ours_exactly_once(
     redis_url: str, r: redis.Redis, queue_name: str,
     picks: list[int], settled: set[int], theirs: set[int], dead: set[int],
+    filler: list[int], huge_ids: bool,
 ) -> None:
     """Answers named in any order, repeated, already settled or owned by another consumer:
     a reply (and a letter) per entry still pending to c1, nothing for the others, and every
-    entry c1 answered is acked and deleted while the others stay pending where they were."""
+    entry c1 answered is acked and deleted while the others stay pending where they were.
+
+    c1 also holds ``filler`` entries it does not answer between the answered ones
+    (up to 144: past the one range XPENDING's count, so the per-entry check is
+    taken too), and with ``huge_ids`` the ids' parts are past 2^53, where a
+    Lua number could no longer order them."""
     q = keys.QueueRef(f"{queue_name}{next(_EXAMPLES)}")
     stream = keys.requests(q)
     r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
-    ids = [r.xadd(stream, {"id": f"r{i}", "text": "hello"}) for i in range(_PER_CALL)]
+    counter = itertools.count()
+
+    def add(fields: dict[str, str]) -> bytes:
+        at = next(counter)  # three entries per millisecond: both parts ordered by digits alone
+        return r.xadd(stream, fields, id=f"{2**60 + at // 3}-{2**62 + at}" if huge_ids else "*")
+
+    ids, fillers = [], []
+    for i in range(_PER_CALL):
+        ids.append(add({"id": f"r{i}", "text": "hello"}))
+        fillers += [add({"id": f"f{i}.{j}", "text": "unanswered"}) for j in range(filler[i])]
     r.xreadgroup(keys.GROUP, "c1", {stream: ">"})
     theirs -= settled
     for i in theirs:
@@ -90,13 +108,14 @@ def test_one_call_answers_each_entry_still_ours_exactly_once(
         assert replies == ([f"reply {i}".encode()] if i in ours else [])
     assert r.xlen(keys.dead(q)) == len(ours & dead)
     pending = {entry["message_id"]: entry["consumer"]
-               for entry in r.xpending_range(stream, keys.GROUP, "-", "+", 100)}
+               for entry in r.xpending_range(stream, keys.GROUP, "-", "+", 1000)}
     assert pending == {
         **{ids[i]: b"c1" for i in range(_PER_CALL) if i not in ours | settled | theirs},
         **{ids[i]: b"c2" for i in theirs},
+        **{entry_id: b"c1" for entry_id in fillers},
     }
     left = {entry_id for entry_id, _ in r.xrange(stream)}
-    assert left == {ids[i] for i in range(_PER_CALL) if i not in ours}
+    assert left == {ids[i] for i in range(_PER_CALL) if i not in ours} | set(fillers)
     r.delete(stream, keys.dead(q), *(keys.reply(q, f"r{i}") for i in range(_PER_CALL)))
 
 

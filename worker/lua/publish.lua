@@ -133,17 +133,87 @@ local function refuse(text)
   return redis.error_reply(text)
 end
 
+-- Which answers are still this consumer's: one XPENDING over the range of
+-- the call's entry ids rather than one per answer (issue 25). The range is
+-- found by comparing canonical ids as digit strings, exactly (a Lua number
+-- would round a sequence past 2^53); an entry the range may not have covered
+-- (its id not canonical, or the reply cut at `limit` before reaching it) is
+-- asked about alone, as every entry was before, so the shortcut can only
+-- save work, never drop an answer.
+local function canonical(digits)
+  return digits == "0" or string.match(digits, "^[1-9]%d*$") ~= nil
+end
+local function parts(id)
+  local ms, seq = string.match(id, "^(%d+)-(%d+)$")
+  if ms and canonical(ms) and canonical(seq) then
+    return ms, seq
+  end
+  return nil
+end
+local function digits_below(a, b)
+  if #a ~= #b then
+    return #a < #b
+  end
+  return a < b
+end
+local function below(a, b)  -- a, b: {ms, seq}
+  if a[1] ~= b[1] then
+    return digits_below(a[1], b[1])
+  end
+  return digits_below(a[2], b[2])
+end
+
+local ranged, low, high = {}, nil, nil
+local pos = 7
+for _ = 1, n do
+  local entry_id = ARGV[pos]
+  local k = tonumber(ARGV[pos + 3])
+  if entry_id == nil or k == nil then
+    break  -- malformed: the loop below stops at it as it always did
+  end
+  local ms, seq = parts(entry_id)
+  if ms then
+    local at = {ms, seq}
+    ranged[entry_id] = true
+    if low == nil or below(at, low) then
+      low = at
+    end
+    if high == nil or below(high, at) then
+      high = at
+    end
+  end
+  pos = pos + 4 + 2 * k
+end
+local owned, complete = {}, false
+if low then
+  local limit = 2 * n + 16
+  local found = redis.call("XPENDING", stream, group, low[1] .. "-" .. low[2],
+    high[1] .. "-" .. high[2], limit, consumer)
+  for _, pending in ipairs(found) do
+    owned[pending[1]] = pending[4]
+  end
+  complete = #found < limit
+end
+-- How many times this consumer's entry_id was delivered; nil when it is not pending to it.
+local function deliveries_of(entry_id)
+  if owned[entry_id] or (complete and ranged[entry_id]) then
+    return owned[entry_id]
+  end
+  local mine = redis.call("XPENDING", stream, group, entry_id, entry_id, 1, consumer)
+  return mine[1] and mine[1][4]
+end
+
 local published, undeliverable = 0, 0
 local touched = {}
-local pos = 7
+pos = 7
 for _ = 1, n do
   local entry_id, reply, payload = ARGV[pos], tonumber(ARGV[pos + 1]), ARGV[pos + 2]
   local k = tonumber(ARGV[pos + 3])
-  local mine = {}
+  local deliveries = nil
   if not settled_at[entry_id] then
-    mine = redis.call("XPENDING", stream, group, entry_id, entry_id, 1, consumer)
+    deliveries = deliveries_of(entry_id)
   end
-  if #mine == 1 then
+  if deliveries then
     settled_at[entry_id] = true
     if k > 0 then
       local record = {"XADD", dead, "MAXLEN", "~", dead_max_len, "*"}
@@ -176,7 +246,7 @@ for _ = 1, n do
     end
     if unanswered then
       if k == 0 then
-        local refused = undeliverable_letter(entry_id, mine[1][4], unanswered)
+        local refused = undeliverable_letter(entry_id, deliveries, unanswered)
         if refused then
           return refuse(refused)
         end
