@@ -105,7 +105,9 @@ def test_a_connection_closed_under_a_command_fails_it_as_a_connection_error(
 
     failure = asyncio.run(closed_while_checking())
     assert isinstance(failure, RedisConnectionError), repr(failure)
-    assert isinstance(failure.__cause__, AttributeError)
+    # Before redis-py 8.2 the write reached None and the mixin turned that
+    # AttributeError into this ConnectionError; 8.2 checks the writer itself.
+    assert failure.__cause__ is None or isinstance(failure.__cause__, AttributeError)
 
 
 def test_a_sync_socket_closed_under_a_command_fails_it_as_a_connection_error(
