@@ -106,8 +106,9 @@ if max_len == nil or n == nil or dedupe_ttl_ms == nil
     "ERR tokenq enqueue: max_len, n and dedupe_ttl_ms must be non-negative integers "
     .. "(dedupe_ttl_ms: at most 15 digits, after call: at least 1)")
 end
+local per_entry = dedupe_ttl_ms > 0 and not per_call
 -- How many seen keys follow the stream: one per entry, one for the call, or none.
-local seen_keys = (per_call and 1) or (dedupe_ttl_ms > 0 and n) or 0
+local seen_keys = (per_call and 1) or (per_entry and n) or 0
 if dedupe_ttl_ms > 0 and #KEYS ~= seen_keys + 1 and #KEYS ~= seen_keys + 2 then
   return redis.error_reply(per_call and "ERR tokenq enqueue: call: dedupe needs one seen key"
     or "ERR tokenq enqueue: dedupe needs one seen key per entry")
@@ -132,7 +133,7 @@ end
 local ids = {}
 local first_in_batch = {}
 local same_as = {}
-local fresh = 0
+local fresh = n
 if per_call then
   local held = redis.call("GET", KEYS[2])
   if held then
@@ -145,25 +146,19 @@ if per_call then
     end
     return ids
   end
-end
-for i = 1, n do
-  local seen = false
-  if dedupe_ttl_ms > 0 and not per_call then
+elseif per_entry then
+  fresh = 0
+  for i = 1, n do
     local key = KEYS[i + 1]
-    seen = redis.call("GET", key)
-    if not seen and first_in_batch[key] then
-      same_as[i] = first_in_batch[key]
-      seen = true
-    elseif not seen then
-      first_in_batch[key] = i
-    end
-  end
-  if seen then
-    if same_as[i] == nil then
+    local seen = redis.call("GET", key)
+    if seen then
       ids[i] = seen
+    elseif first_in_batch[key] then
+      same_as[i] = first_in_batch[key]
+    else
+      first_in_batch[key] = i
+      fresh = fresh + 1
     end
-  else
-    fresh = fresh + 1
   end
 end
 
@@ -188,7 +183,7 @@ for i = 1, n do
       entry[#entry + 1] = ARGV[j]
     end
     ids[i] = redis.call(unpack(entry))
-    if dedupe_ttl_ms > 0 and not per_call then
+    if per_entry then
       redis.call("SET", KEYS[i + 1], ids[i], "PX", ttl_text)
     end
   end

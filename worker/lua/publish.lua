@@ -156,7 +156,7 @@ local function digits_below(a, b)
   end
   return a < b
 end
-local function below(a, b)  -- a, b: {ms, seq}
+local function below(a, b)  -- a, b: {ms, seq, id}
   if a[1] ~= b[1] then
     return digits_below(a[1], b[1])
   end
@@ -173,7 +173,7 @@ for _ = 1, n do
   end
   local ms, seq = parts(entry_id)
   if ms then
-    local at = {ms, seq}
+    local at = {ms, seq, entry_id}
     ranged[entry_id] = true
     if low == nil or below(at, low) then
       low = at
@@ -187,8 +187,7 @@ end
 local owned, complete = {}, false
 if low then
   local limit = 2 * n + 16
-  local found = redis.call("XPENDING", stream, group, low[1] .. "-" .. low[2],
-    high[1] .. "-" .. high[2], limit, consumer)
+  local found = redis.call("XPENDING", stream, group, low[3], high[3], limit, consumer)
   for _, pending in ipairs(found) do
     owned[pending[1]] = pending[4]
   end
