@@ -21,6 +21,13 @@ from tokenq.shared.settings import (
     _WorkerProcess,
 )
 
+MAX_DEVICES = 64
+"""Most GPUs ``--devices`` lists (eight GPUs of seven MIG slices each fit): each is at least
+one child process, so a mistyped list must not start thousands."""
+MAX_PROCESSES_PER_DEVICE = 8
+"""Most worker processes ``--processes-per-device`` starts on one GPU: each holds a copy of
+the model and a CUDA context, so past a few the device's memory, not Python, is what runs out."""
+
 
 class BaseWorkerSettings(_WorkerProcess, _Requests):
     """Run one worker process on a queue (--devices: one per GPU)."""
@@ -146,6 +153,17 @@ class BaseWorkerSettings(_WorkerProcess, _Requests):
         description="run one worker process per GPU, e.g. '0,1' (each child gets "
         "CUDA_VISIBLE_DEVICES=N, --device cuda:0 and a consumer name suffixed -gpuN)",
     )
+    processes_per_device: int = Field(
+        1, ge=1, le=MAX_PROCESSES_PER_DEVICE,
+        description="with --devices: worker processes on each GPU (Triton's instance count): "
+        "each adds a core's worth of Python per request and a copy of the model in the "
+        "GPU's memory, and plans its auto budget on 1/N of the memory",
+    )
+    device_share: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="the share of the device's free memory this worker's auto budget plans "
+        "for (--processes-per-device sets 1/N in each child)",
+    )
 
     # Checks that span two settings sit on the later one, so the message names it.
 
@@ -199,8 +217,31 @@ class BaseWorkerSettings(_WorkerProcess, _Requests):
     @field_validator("devices")
     @classmethod
     def _check_devices(cls, value: str | None) -> str | None:
-        if value is not None and not _split_devices(value):
+        if value is None:
+            return value
+        parts = _split_devices(value)
+        if not parts:
             raise ValueError(f"devices must be GPU indices or ids like '0,1': {value!r}")
+        if len(parts) > MAX_DEVICES:
+            raise ValueError(f"devices lists {len(parts)} GPUs; at most {MAX_DEVICES}")
+        twice = sorted({part for part in parts if parts.count(part) > 1})
+        if twice:
+            # Both children would be one consumer: each would take the other's entries
+            # for its own on a restart, and one alive key would hide the other's death.
+            raise ValueError(
+                f"devices lists {', '.join(twice)} more than once; for more than one worker "
+                "process on a GPU use --processes-per-device"
+            )
+        return value
+
+    @field_validator("processes_per_device")
+    @classmethod
+    def _check_processes(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1 and info.data.get("devices") is None:
+            raise ValueError(
+                "processes_per_device needs --devices (the GPUs to start them on); without "
+                "it, start more tokenq worker processes on the queue"
+            )
         return value
 
     @property

@@ -124,7 +124,8 @@ def plan(settings: WorkerSettings, backend: Backend) -> Plan:
     if settings.max_batch_tokens == "auto":
         from tokenq.worker.backends.calibrate import calibrate_budget
 
-        tokens, reason = calibrate_budget(backend, max_rows=settings.max_batch_size)
+        tokens, reason = calibrate_budget(backend, max_rows=settings.max_batch_size,
+                                          share=settings.device_share)
         reason = f"auto: {reason}"
     else:
         tokens, reason = int(settings.max_batch_tokens), "set by --max-batch-tokens"

@@ -14,7 +14,14 @@ less:
 * ``worker``: one worker with the null backend (nothing to compute) drains
   that backlog; its CPU from ``/proc/<pid>/stat`` and redis-server's, from
   the worker's first heartbeat to the last reply on the reply list (this
-  process polls ``LLEN`` every 10 ms and runs nothing else meanwhile).
+  process polls ``LLEN`` every 10 ms and runs nothing else meanwhile);
+* ``worker floor``: what no worker in Python on redis-py can skip, in this
+  process: the same backlog read by ``XREADGROUP`` (1,024 a read, as the
+  worker reads), each entry decoded (``wire.decode_fields``), its reply
+  packed (``wire.encode_embedding_reply``) and the read answered by one
+  ``publish.lua`` call, one step after another with no batching, packing,
+  tokenizing, threads or metrics. The worker row can come near it, never
+  below it: it is the evidence for what issue 25's worker figure may ask.
 
 Each size runs ``REPEATS`` backlogs on one private redis-server and reports
 the median and the lowest of each figure: interference from other work only
@@ -25,6 +32,7 @@ request for the enqueue and the drain together.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import tempfile
 import time
@@ -33,14 +41,21 @@ from typing import Any
 
 import harness
 import redis
+import redis.asyncio as aioredis
 from texts import uniform_mix
 
 from tokenq.producer import Client
-from tokenq.shared import keys
+from tokenq.shared import keys, wire
+from tokenq.worker.pipeline.jobs import Answer
+from tokenq.worker.publish import Publisher
 
 SIZES = {"tiny": 1000, "small": 10_000, "full": 20_000}
 REPEATS = {"tiny": 1, "small": 3, "full": 5}
 NULL_FLAGS = ["--backend", "null_backend:factory"]
+FLOOR_READ = 1024
+"""Entries per read of the floor: the worker's own most (``reader.MAX_READ_COUNT``)."""
+FLOOR_DIM = 8
+"""The floor's reply vector: the null backend's dimension, so the replies weigh the same."""
 COLUMNS = [
     "setting", "cpu_us_per_request", "lowest_cpu_us", "redis_cpu_us_per_request",
     "lowest_redis_cpu_us", "requests_per_s",
@@ -87,6 +102,48 @@ def drain(server: Any, workdir: Path, queue: str, name: str, reply_key: str,
         client.close()
 
 
+def has_floor() -> bool:
+    """Whether the tokenq measured has the floor's steps (``--baseline`` runs this suite on
+    trees older than it: one without the bytes decoder gets no floor row)."""
+    return hasattr(wire, "decode_fields") and hasattr(wire, "encode_embedding_reply")
+
+
+def floor(url: str, queue: str, requests: int) -> tuple[float, float, float]:
+    """(this process's CPU s, redis-server CPU s, wall s) of the least a worker does."""
+    return asyncio.run(_floor(url, queue, requests))
+
+
+async def _floor(url: str, queue: str, requests: int) -> tuple[float, float, float]:
+    ref = keys.QueueRef(queue)
+    stream = keys.requests(ref)
+    client = aioredis.Redis.from_url(url)
+    server = redis.Redis.from_url(url)
+    try:
+        await client.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+        publisher = Publisher(
+            client, stream=stream, dead=keys.dead(ref), group=keys.GROUP, consumer="floor",
+            reply_ttl_ms=600_000, dead_max_len=1000, dead_max_letter_bytes=1000,
+        )
+        vector = bytes(4 * FLOOR_DIM)
+        started = time.perf_counter()
+        own, redis_cpu = time.process_time(), harness.redis_cpu_seconds(server)
+        answered = 0
+        while answered < requests:
+            reply = await client.xreadgroup(keys.GROUP, "floor", {stream: ">"}, count=FLOOR_READ)
+            entries = next(iter(reply.values()))[0] if isinstance(reply, dict) else reply[0][1]
+            answers = []
+            for entry_id, fields in entries:
+                request = wire.decode_fields(fields)
+                payload = wire.encode_embedding_reply(request.id, vector, FLOOR_DIM, tokens=3)
+                answers.append(Answer(entry_id, request.reply_to, payload, True))
+            answered += await publisher.publish(answers)
+        return (time.process_time() - own, harness.redis_cpu_seconds(server) - redis_cpu,
+                time.perf_counter() - started)
+    finally:
+        await client.aclose()
+        server.close()
+
+
 def row(setting: str, runs: list[tuple[float, float, float]], requests: int) -> dict[str, Any]:
     """One side's figures over its runs, in µs per request."""
     own = [run[0] / requests * 1e6 for run in runs]
@@ -106,6 +163,7 @@ def run(size: str) -> dict[str, Any]:
     texts = uniform_mix(requests, 10, 40).texts
     produced: list[tuple[float, float, float]] = []
     drained: list[tuple[float, float, float]] = []
+    floors: list[tuple[float, float, float]] = []
     with harness.private_redis() as server, tempfile.TemporaryDirectory() as directory:
         for repeat in range(REPEATS[size]):
             queue = harness.new_queue(f"cpu{repeat}")
@@ -114,7 +172,14 @@ def run(size: str) -> dict[str, Any]:
             drained.append(drain(server, Path(directory), queue, f"drain{repeat}", reply_key,
                                  requests))
             redis.Redis.from_url(server.url).flushall()
+            if has_floor():
+                queue = harness.new_queue(f"floor{repeat}")
+                enqueue(server.url, queue, harness.reply_key_for(queue), texts)
+                floors.append(floor(server.url, queue, requests))
+                redis.Redis.from_url(server.url).flushall()
     rows = [row("producer", produced, requests - 1), row("worker", drained, requests)]
+    if floors:
+        rows.append(row("worker floor", floors, requests))
     both = [p[1] + d[1] for p, d in zip(produced, drained, strict=True)]
     rows.append({
         "setting": "redis-server, both sides",

@@ -690,3 +690,9 @@ def test_cuda_calibration_glue_with_a_fake_device(monkeypatch: pytest.MonkeyPatc
     tokens, reason = calibrate_budget(FakeBackend(), safety=0.5, max_rows=10_000)
     assert tokens == 5 * 10**8 // 2048  # half of the free bytes at 2 KB per token
     assert reason.startswith("cuda: 2048 bytes/token at 128-token rows")
+    # --processes-per-device 4: this worker plans on a quarter of what it would alone.
+    shared, why = calibrate_budget(FakeBackend(), safety=0.5, max_rows=10_000, share=0.25)
+    assert shared == (5 * 10**8 // 4) // 2048
+    assert "0.25 of the device's free memory: --device-share" in why
+    with pytest.raises(ValueError, match="share must be in"):
+        calibrate_budget(FakeBackend(), share=0)

@@ -298,6 +298,50 @@ def test_worker_devices_restarts_a_child_that_dies(redis_url, queue_name, r, spa
     assert f"restarted box-gpu1 (pid {second}; restart 1)" in text
 
 
+def test_processes_per_device_share_one_gpu_and_lose_nothing_when_one_is_killed(
+    redis_url, queue_name, r, spawn, tmp_path,
+):
+    """``--processes-per-device 2``: two consumers on GPU 0 under stable names, each
+    planning on half the memory; the one SIGKILLed while it holds entries comes back
+    under its own name, and every request is answered with its own vector."""
+    log = tmp_path / "parent.log"
+    parent = start_devices(spawn, log, redis_url, queue_name, "--processes-per-device", "2",
+                           "--sim-batch-ms", "100", "--max-batch-size", "16", devices="0")
+    q = QueueRef(queue_name)
+    names = ("box-gpu0-1", "box-gpu0-2")
+    for name in names:
+        wait_for(lambda name=name: beat_pid(r, q, name), timeout=30, what=f"{name}'s heartbeat")
+    for name in names:
+        pid = beat_pid(r, q, name)
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=0" in environ
+        assert any(item.startswith(b"OMP_NUM_THREADS=") for item in environ), \
+            "co-located children divide the cores instead of each taking all of them"
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[cmdline.index(b"--device-share") + 1] == b"0.5"
+        assert b"--processes-per-device" not in cmdline
+    texts = [f"request number {i} for two processes" for i in range(300)]
+    stream = keys.requests(q)
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        ids = client.submit_many(texts)
+        victim = beat_pid(r, q, names[0])
+        wait_for(lambda: r.xpending_range(stream, keys.GROUP, "-", "+", 1,
+                                          consumername=names[0]),
+                 timeout=30, what=f"{names[0]} holding entries")
+        os.kill(victim, signal.SIGKILL)
+        results = client.results(ids, timeout_s=90)
+    for text, result in zip(texts, results, strict=True):
+        np.testing.assert_allclose(list(result.embedding), expected_vector(text, DIM, MAX_INPUT),
+                                   atol=1e-6)
+    served = {info["name"] for info in r.xinfo_consumers(stream, keys.GROUP)}
+    assert {name.encode() for name in names} <= {
+        n if isinstance(n, bytes) else n.encode() for n in served}
+    assert r.xpending(stream, keys.GROUP)["pending"] == 0
+    parent.send_signal(signal.SIGTERM)
+    assert exit_status(parent, log, 30) == 0
+    assert f"{names[0]} (pid {victim}) exited with signal SIGKILL" in log.read_text()
+
+
 def test_worker_devices_exit_2_is_final_and_the_parent_exits_2(
     redis_url, queue_name, spawn, tmp_path,
 ):
@@ -336,6 +380,57 @@ def test_device_commands_strip_per_child_flags():
     assert "--device" not in sim_argv  # the sim refuses an option of --backend hf
     with pytest.raises(ValueError):
         WorkerSettings(devices=",")
+
+
+def test_processes_per_device_names_each_child_and_shares_the_device():
+    settings = WorkerSettings(devices="0,3", processes_per_device=2, consumer="n",
+                              metrics_port=9100)
+    argv = ["--devices", "0,3", "--processes-per-device", "2", "--consumer", "n",
+            "--metrics-port", "9100", "--device-share", "0.9", "--backend", "hf"]
+    commands = device_commands(settings, argv, {"TOKENQ_PROCESSES_PER_DEVICE": "2"})
+    assert [name for name, _, _ in commands] == ["n-gpu0-1", "n-gpu0-2", "n-gpu3-1", "n-gpu3-2"]
+    for index, (name, child_argv, child_env) in enumerate(commands):
+        assert child_env["CUDA_VISIBLE_DEVICES"] == name.split("-gpu")[1].split("-")[0]
+        assert "TOKENQ_PROCESSES_PER_DEVICE" not in child_env
+        assert int(child_env["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 4)
+        assert child_argv.count("--device-share") == 1  # the parent's own is replaced
+        assert child_argv[child_argv.index("--device-share") + 1] == "0.5"
+        assert child_argv[-2:] == ["--metrics-port", str(9100 + index)]
+        assert "--processes-per-device" not in child_argv
+    # The operator's own thread count wins; one child per GPU keeps its plain name.
+    one = WorkerSettings(devices="1", consumer="n")
+    (name, one_argv, one_env), = device_commands(one, ["--devices", "1"],
+                                                 {"OMP_NUM_THREADS": "3"})
+    assert name == "n-gpu1" and one_env["OMP_NUM_THREADS"] == "3"
+    assert "--device-share" not in one_argv
+
+
+@pytest.mark.parametrize(("given", "refusal"), [
+    ({"devices": "0,1,0"}, "devices lists 0 more than once"),
+    ({"devices": "GPU-a, GPU-a"}, "devices lists GPU-a more than once"),
+    ({"processes_per_device": 2}, "processes_per_device needs --devices"),
+    ({"devices": "0", "processes_per_device": 9}, "less than or equal to 8"),
+    ({"devices": "0", "processes_per_device": 0}, "greater than or equal to 1"),
+    ({"device_share": 0}, "greater than 0"),
+    ({"device_share": 1.5}, "less than or equal to 1"),
+    ({"device_share": "nan"}, "less than or equal to 1"),
+    ({"devices": ",".join(map(str, range(65)))}, "devices lists 65 GPUs; at most 64"),
+])
+def test_devices_a_gpu_twice_or_processes_without_devices_are_refused_by_name(given, refusal):
+    """Two children under one consumer name would take each other's entries on a restart."""
+    with pytest.raises(ValueError, match=refusal):
+        WorkerSettings(**given)
+
+
+def test_the_cli_refuses_a_repeated_device_with_exit_2(redis_url, queue_name):
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenq.worker", "--redis-url", redis_url, "--queue", queue_name,
+         "--backend", "sim", "--devices", "0,0"],
+        env=clean_env(), capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "devices lists 0 more than once" in done.stderr
+    assert "--processes-per-device" in done.stderr
 
 
 def test_up_passes_its_settings_on_as_the_worker_flags_they_are(monkeypatch):

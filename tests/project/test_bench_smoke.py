@@ -75,7 +75,7 @@ def test_cpu(tmp_path: Path) -> None:
     """Every side costs some CPU per request, and the lowest is never above the median."""
     result = run_suite("cpu", tmp_path)
     rows = {row["setting"]: row for row in result["rows"]}
-    for side in ("producer", "worker"):
+    for side in ("producer", "worker", "worker floor"):
         assert 0 < rows[side]["lowest_cpu_us"] <= rows[side]["cpu_us_per_request"], side
         assert rows[side]["lowest_redis_cpu_us"] > 0, side
         assert rows[side]["requests_per_s"] > 0, side

@@ -26,15 +26,22 @@ CPU_ROWS_AT_MAX_LENGTH = 8
 """On CPU the budget also admits this many full-length rows."""
 
 
-def calibrate_budget(backend: Any, *, safety: float = 0.8, max_rows: int = 256) -> tuple[int, str]:
+def calibrate_budget(
+    backend: Any, *, safety: float = 0.8, max_rows: int = 256, share: float = 1.0
+) -> tuple[int, str]:
     """A token budget for ``backend`` and a sentence saying how it was chosen.
 
     ``max_rows`` caps the probe (pass the worker's ``max_batch_size``): a
     budget far beyond what the row limit can ever fill would only make the
-    worker read further ahead than it can use.
+    worker read further ahead than it can use. ``share`` is this process's
+    part of the device (``--device-share``, 1/N under ``--processes-per-device
+    N``): N workers that each planned on all the free memory would run out
+    of it together. The CPU default ignores it (no device memory to share).
     """
     if not 0 < safety <= 1:
         raise ValueError(f"safety must be in (0, 1]: {safety}")
+    if not 0 < share <= 1:
+        raise ValueError(f"share must be in (0, 1]: {share}")
     max_len = int(backend.info.max_input_tokens)
     if not str(backend.info.device).startswith("cuda"):
         tokens = max(CPU_ROWS_AT_MAX_LENGTH * max_len, CPU_DEFAULT_TOKENS)
@@ -42,7 +49,10 @@ def calibrate_budget(backend: Any, *, safety: float = 0.8, max_rows: int = 256) 
             f"cpu: no device memory to probe; default max({CPU_ROWS_AT_MAX_LENGTH} x "
             f"max_input_tokens {max_len}, {CPU_DEFAULT_TOKENS}) = {tokens}"
         )
-    return _calibrate_cuda(backend, safety=safety, max_rows=max_rows)
+    tokens, reason = _calibrate_cuda(backend, safety=safety * share, max_rows=max_rows)
+    if share < 1:
+        reason += f" ({share:.3g} of the device's free memory: --device-share)"
+    return tokens, reason
 
 
 def _calibrate_cuda(backend: Any, *, safety: float, max_rows: int) -> tuple[int, str]:

@@ -1,9 +1,16 @@
-"""``tokenq worker --devices 0,1``: one worker process per GPU under one parent.
+"""``tokenq worker --devices 0,1``: worker processes per GPU under one parent.
 
 Each child gets ``CUDA_VISIBLE_DEVICES=<device>``, ``--device cuda:0`` (not
 with ``--backend sim``, which has no device to pick and refuses the flag), the
 consumer name ``<base>-gpu<device>`` and, with ``--metrics-port P``, port
-``P + i``; every other flag is passed on unchanged. The parent is a
+``P + i``; every other flag is passed on unchanged. With
+``--processes-per-device N`` (N > 1) each GPU gets N children, named
+``<base>-gpu<device>-<k>`` for k = 1..N (stable, so a restarted child reads
+its own pending entries back), each with ``--device-share 1/N`` so its auto
+budget plans for its share of the memory. When more than one child runs and
+``OMP_NUM_THREADS`` is not set, each gets the cores divided among them (at
+least one), as ``torchrun`` does, instead of every child taking every core.
+The parent is a
 :class:`tokenq.worker.tooling.children.Supervisor`: a child that fails is restarted
 with backoff (exit codes 0 and 2 are final), a SIGTERM/SIGINT is forwarded
 as SIGTERM (SIGKILL after ``STOP_TIMEOUT_S``), and the children die with the
@@ -30,7 +37,8 @@ STOP_TIMEOUT_S = 30.0
 
 # ---------------------------------------------------------------- one per GPU
 
-_PER_CHILD = ("devices", "consumer", "device", "metrics_port")
+_PER_CHILD = ("devices", "processes_per_device", "device_share", "consumer", "device",
+              "metrics_port")
 """The settings each child gets its own value of; every other one is passed on."""
 _PER_CHILD_FLAGS = tuple(flag(WorkerSettings, name) for name in _PER_CHILD)
 PER_CHILD_ENV = tuple(env_var(name) for name in _PER_CHILD)
@@ -55,17 +63,23 @@ def strip_flags(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
 def device_commands(
     settings: WorkerSettings, argv: Sequence[str], env: Mapping[str, str]
 ) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(name, argv, env) of each per-GPU child of ``tokenq worker --devices``."""
+    """(name, argv, env) of each child of ``tokenq worker --devices``, device by device."""
     base = settings.consumer or f"{socket.gethostname()}-{os.getpid()}"
     common = strip_flags(argv, _PER_CHILD_FLAGS)
+    per_device = settings.processes_per_device
+    slots = [(device, k) for device in settings.device_list for k in range(1, per_device + 1)]
+    shared_env = {k: v for k, v in env.items() if k not in PER_CHILD_ENV}
+    if len(slots) > 1 and "OMP_NUM_THREADS" not in shared_env:
+        shared_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(slots)))
     commands = []
-    for index, device in enumerate(settings.device_list):
-        name = f"{base}-gpu{device}"
-        child_env = {k: v for k, v in env.items() if k not in PER_CHILD_ENV}
-        child_env["CUDA_VISIBLE_DEVICES"] = device
+    for index, (device, k) in enumerate(slots):
+        name = f"{base}-gpu{device}" if per_device == 1 else f"{base}-gpu{device}-{k}"
+        child_env = {**shared_env, "CUDA_VISIBLE_DEVICES": device}
         child_argv = [sys.executable, "-m", "tokenq.worker", *common, "--consumer", name]
         if settings.backend.strip() != "sim":
             child_argv += ["--device", "cuda:0"]
+        if per_device > 1:
+            child_argv += ["--device-share", repr(1 / per_device)]
         if settings.metrics_port:
             child_argv += ["--metrics-port", str(settings.metrics_port + index)]
         commands.append((name, child_argv, child_env))
