@@ -53,6 +53,19 @@ Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
 """What XREADGROUP and XCLAIM return: entry ids and fields (None: deleted while pending)."""
 
 
+def stream_entries(reply: Any) -> Entries:
+    """The entries of an XREADGROUP reply on one stream, whichever protocol carried it.
+
+    RESP2 gives ``[[stream, entries]]``; RESP3 gives ``{stream: [entries]}``;
+    nothing read is None (or empty).
+    """
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return next(iter(reply.values()))[0]
+    return reply[0][1]
+
+
 class Reader:
     """Reads every lane into the packer, within the read-ahead room."""
 
@@ -220,12 +233,7 @@ class Reader:
             reply = await self.client.xreadgroup(
                 keys.GROUP, self.consumer, {lane.stream: last_id}, count=count, block=block_ms
             )
-        if not reply:
-            return []
-        # RESP2 gives [[stream, entries]]; RESP3 gives {stream: [entries]}.
-        if isinstance(reply, dict):
-            return next(iter(reply.values()))[0] if reply else []
-        return reply[0][1]
+        return stream_entries(reply)
 
     async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
         # A retired lane's stream goes once it is drained: never made again here.

@@ -105,6 +105,10 @@ def drain(server: Any, workdir: Path, queue: str, name: str, reply_key: str,
 def has_floor() -> bool:
     """Whether the tokenq measured has the floor's steps (``--baseline`` runs this suite on
     trees older than it: one without the bytes decoder gets no floor row)."""
+    try:  # worker/reader.py is newer than 3ca6105
+        from tokenq.worker.reader import stream_entries  # noqa: F401
+    except ImportError:
+        return False
     return hasattr(wire, "decode_fields") and hasattr(wire, "encode_embedding_reply")
 
 
@@ -114,6 +118,8 @@ def floor(url: str, queue: str, requests: int) -> tuple[float, float, float]:
 
 
 async def _floor(url: str, queue: str, requests: int) -> tuple[float, float, float]:
+    from tokenq.worker.reader import stream_entries  # here: has_floor() said it exists
+
     ref = keys.QueueRef(queue)
     stream = keys.requests(ref)
     client = aioredis.Redis.from_url(url)
@@ -130,9 +136,8 @@ async def _floor(url: str, queue: str, requests: int) -> tuple[float, float, flo
         answered = 0
         while answered < requests:
             reply = await client.xreadgroup(keys.GROUP, "floor", {stream: ">"}, count=FLOOR_READ)
-            entries = next(iter(reply.values()))[0] if isinstance(reply, dict) else reply[0][1]
             answers = []
-            for entry_id, fields in entries:
+            for entry_id, fields in stream_entries(reply):
                 request = wire.decode_fields(fields)
                 payload = wire.encode_embedding_reply(request.id, vector, FLOOR_DIM, tokens=3)
                 answers.append(Answer(entry_id, request.reply_to, payload, True))
