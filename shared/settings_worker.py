@@ -162,7 +162,8 @@ class BaseWorkerSettings(_WorkerProcess, _Requests):
     device_share: float = Field(
         1.0, gt=0.0, le=1.0,
         description="the share of the device's free memory this worker's auto budget plans "
-        "for (--processes-per-device sets 1/N in each child)",
+        "for (with --devices, the share of each GPU: --processes-per-device N gives each "
+        "child share/N)",
     )
 
     # Checks that span two settings sit on the later one, so the message names it.

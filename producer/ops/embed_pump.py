@@ -80,6 +80,14 @@ class Tally:
 
 
 THREAD_PREFIX = "tokenq-embed"
+SIGNAL_CHECK_S = 0.25
+"""The longest the run waits for a request without returning to Python.
+
+Why not one untimed wait: the kernel may hand Ctrl-C (or SIGTERM) to any
+thread, a request thread or a library's, and Python runs the handler only
+when the main thread next runs bytecode; an untimed wait there is not
+interrupted by a signal another thread took, and the stop waited a
+request's whole --timeout-s (tests/ops/test_signals_any_thread.py)."""
 """The names of the threads that wait for the groups' replies."""
 
 
@@ -111,10 +119,9 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
                 chunks.received(number, rows)
 
     def settle(block: bool) -> None:
-        if block:
-            finished, _ = wait(outstanding, return_when=FIRST_COMPLETED)
-        else:
-            finished = {future for future in outstanding if future.done()}
+        finished = {future for future in outstanding if future.done()}
+        while block and outstanding and not finished:
+            finished, _ = wait(outstanding, timeout=SIGNAL_CHECK_S, return_when=FIRST_COMPLETED)
         if finished:
             take(finished)
 

@@ -21,6 +21,7 @@ Run by the benchmark as ``python scripts/bench/fifo_worker.py --batch-size 32
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -161,8 +162,21 @@ class FifoWorker:
         finally:  # likewise for the publisher
             self.answers.put(None)
 
+    def _next_batch(self) -> list | None:
+        """The reader's next batch, waiting in short steps.
+
+        Why not one untimed ``get``: the SIGTERM handler runs on this (the
+        main) thread, and a signal the kernel gave to another thread (the
+        reader's, numpy's) does not interrupt an untimed wait: the stop was
+        missed and the seed suite lost this worker's counters. Each timed
+        step returns to Python, which then runs the handler.
+        """
+        while True:
+            with contextlib.suppress(queue.Empty):
+                return self.batches.get(timeout=0.2)
+
     def _run(self) -> None:
-        while (jobs := self.batches.get()) is not None:
+        while (jobs := self._next_batch()) is not None:
             encodings = [encoding for _, _, encoding in jobs]
             started = time.perf_counter()
             try:

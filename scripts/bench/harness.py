@@ -232,19 +232,24 @@ class WorkerProc:
             time.sleep(0.05)
         raise RuntimeError(f"worker {self.name} not ready in {timeout}s:\n{self.output()}")
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM (the worker answers what it holds and flushes its logs), then reap."""
+    def stop(self, timeout: float = 60.0) -> bool:
+        """SIGTERM (the worker answers what it holds and flushes its logs), then reap;
+        False when it had to be killed (its batch log and counters may be incomplete)."""
+        clean = True
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                clean = False
                 self.process.kill()
                 self.process.wait(timeout=10)
         self._log.close()
+        return clean
 
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def batches(self) -> list[dict[str, Any]]:
@@ -313,9 +318,12 @@ def running(workers: list[WorkerProc], redis_url: str) -> Iterator[list[WorkerPr
             worker.wait_ready(client)
         yield workers
     finally:
-        for worker in workers:
-            worker.stop()
+        killed = [worker.name for worker in workers if not worker.stop()]
         client.close()
+    if killed:  # a figure read from a killed worker would be missing or partial
+        raise RuntimeError(f"workers {killed} ignored SIGTERM and were killed; their logs: "
+                           + "\n".join(f"{w.name}:\n{w.output()[-2000:]}" for w in workers
+                                       if w.name in killed))
 
 
 # -------------------------------------------------------------------- producer

@@ -384,7 +384,7 @@ def test_device_commands_strip_per_child_flags():
 
 def test_processes_per_device_names_each_child_and_shares_the_device():
     settings = WorkerSettings(devices="0,3", processes_per_device=2, consumer="n",
-                              metrics_port=9100)
+                              metrics_port=9100, device_share=0.9)
     argv = ["--devices", "0,3", "--processes-per-device", "2", "--consumer", "n",
             "--metrics-port", "9100", "--device-share", "0.9", "--backend", "hf"]
     commands = device_commands(settings, argv, {"TOKENQ_PROCESSES_PER_DEVICE": "2"})
@@ -393,8 +393,9 @@ def test_processes_per_device_names_each_child_and_shares_the_device():
         assert child_env["CUDA_VISIBLE_DEVICES"] == name.split("-gpu")[1].split("-")[0]
         assert "TOKENQ_PROCESSES_PER_DEVICE" not in child_env
         assert int(child_env["OMP_NUM_THREADS"]) == max(1, (os.cpu_count() or 1) // 4)
-        assert child_argv.count("--device-share") == 1  # the parent's own is replaced
-        assert child_argv[child_argv.index("--device-share") + 1] == "0.5"
+        # The parent's own share is of the whole GPU: its two children split it.
+        assert child_argv.count("--device-share") == 1
+        assert float(child_argv[child_argv.index("--device-share") + 1]) == pytest.approx(0.45)
         assert child_argv[-2:] == ["--metrics-port", str(9100 + index)]
         assert "--processes-per-device" not in child_argv
     # The operator's own thread count wins; one child per GPU keeps its plain name.
@@ -403,6 +404,12 @@ def test_processes_per_device_names_each_child_and_shares_the_device():
                                                  {"OMP_NUM_THREADS": "3"})
     assert name == "n-gpu1" and one_env["OMP_NUM_THREADS"] == "3"
     assert "--device-share" not in one_argv
+    # One child per GPU keeps the operator's share rather than the whole device.
+    halved = WorkerSettings(devices="0,1", consumer="n", device_share=0.5)
+    for _, child_argv, _ in device_commands(halved, ["--devices", "0,1", "--device-share=0.5"],
+                                            {}):
+        assert child_argv.count("--device-share") == 1
+        assert child_argv[child_argv.index("--device-share") + 1] == "0.5"
 
 
 @pytest.mark.parametrize(("given", "refusal"), [

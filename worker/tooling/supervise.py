@@ -6,11 +6,12 @@ consumer name ``<base>-gpu<device>`` and, with ``--metrics-port P``, port
 ``P + i``; every other flag is passed on unchanged. With
 ``--processes-per-device N`` (N > 1) each GPU gets N children, named
 ``<base>-gpu<device>-<k>`` for k = 1..N (stable, so a restarted child reads
-its own pending entries back), each with ``--device-share 1/N`` so its auto
-budget plans for its share of the memory. When more than one child runs and
-``OMP_NUM_THREADS`` is not set, each gets the cores divided among them (at
-least one), as ``torchrun`` does, instead of every child taking every core.
-The parent is a
+its own pending entries back), each with ``--device-share S/N`` (S the
+parent's own share, 1 by default) so its auto budget plans for its part of
+the memory; with one child per GPU a share below 1 is passed on as it is.
+When more than one child runs and ``OMP_NUM_THREADS`` is not set, each gets
+the cores divided among them (at least one), as ``torchrun`` does, instead
+of every child taking every core. The parent is a
 :class:`tokenq.worker.tooling.children.Supervisor`: a child that fails is restarted
 with backoff (exit codes 0 and 2 are final), a SIGTERM/SIGINT is forwarded
 as SIGTERM (SIGKILL after ``STOP_TIMEOUT_S``), and the children die with the
@@ -67,6 +68,8 @@ def device_commands(
     base = settings.consumer or f"{socket.gethostname()}-{os.getpid()}"
     common = strip_flags(argv, _PER_CHILD_FLAGS)
     per_device = settings.processes_per_device
+    # The operator's share is of the whole device; its N processes split it.
+    share = settings.device_share / per_device
     slots = [(device, k) for device in settings.device_list for k in range(1, per_device + 1)]
     shared_env = {k: v for k, v in env.items() if k not in PER_CHILD_ENV}
     if len(slots) > 1 and "OMP_NUM_THREADS" not in shared_env:
@@ -78,8 +81,8 @@ def device_commands(
         child_argv = [sys.executable, "-m", "tokenq.worker", *common, "--consumer", name]
         if settings.backend.strip() != "sim":
             child_argv += ["--device", "cuda:0"]
-        if per_device > 1:
-            child_argv += ["--device-share", repr(1 / per_device)]
+        if share < 1:
+            child_argv += ["--device-share", repr(share)]
         if settings.metrics_port:
             child_argv += ["--metrics-port", str(settings.metrics_port + index)]
         commands.append((name, child_argv, child_env))
