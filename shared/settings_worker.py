@@ -157,7 +157,7 @@ class BaseWorkerSettings(_WorkerProcess, _Requests):
         1, ge=1, le=MAX_PROCESSES_PER_DEVICE,
         description="with --devices: worker processes on each GPU (Triton's instance count): "
         "each adds a core's worth of Python per request and a copy of the model in the "
-        "GPU's memory, and plans its auto budget on 1/N of the memory",
+        "GPU's memory, and plans its auto budget on 1/N of the --device-share",
     )
     device_share: float = Field(
         1.0, gt=0.0, le=1.0,

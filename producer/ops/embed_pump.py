@@ -80,6 +80,7 @@ class Tally:
 
 
 THREAD_PREFIX = "tokenq-embed"
+"""The names of the threads that wait for the groups' replies."""
 SIGNAL_CHECK_S = 0.25
 """The longest the run waits for a request without returning to Python.
 
@@ -88,7 +89,6 @@ thread, a request thread or a library's, and Python runs the handler only
 when the main thread next runs bytecode; an untimed wait there is not
 interrupted by a signal another thread took, and the stop waited a
 request's whole --timeout-s (tests/ops/test_signals_any_thread.py)."""
-"""The names of the threads that wait for the groups' replies."""
 
 
 class StoppedEarly(CommandFailed):

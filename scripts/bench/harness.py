@@ -318,12 +318,11 @@ def running(workers: list[WorkerProc], redis_url: str) -> Iterator[list[WorkerPr
             worker.wait_ready(client)
         yield workers
     finally:
-        killed = [worker.name for worker in workers if not worker.stop()]
+        killed = [worker for worker in workers if not worker.stop()]
         client.close()
     if killed:  # a figure read from a killed worker would be missing or partial
-        raise RuntimeError(f"workers {killed} ignored SIGTERM and were killed; their logs: "
-                           + "\n".join(f"{w.name}:\n{w.output()[-2000:]}" for w in workers
-                                       if w.name in killed))
+        raise RuntimeError("workers ignored SIGTERM and were killed; their logs:\n" + "\n".join(
+            f"{worker.name}:\n{worker.output()[-2000:]}" for worker in killed))
 
 
 # -------------------------------------------------------------------- producer

@@ -34,8 +34,8 @@ def calibrate_budget(
     ``max_rows`` caps the probe (pass the worker's ``max_batch_size``): a
     budget far beyond what the row limit can ever fill would only make the
     worker read further ahead than it can use. ``share`` is this process's
-    part of the device (``--device-share``, 1/N under ``--processes-per-device
-    N``): N workers that each planned on all the free memory would run out
+    part of the device (``--device-share``; the parent's share over N under
+    ``--processes-per-device N``): N workers that each planned on all the free memory would run out
     of it together. The CPU default ignores it (no device memory to share).
     """
     if not 0 < safety <= 1:
