@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,20 @@ class BatchRecord:
     device_ms: float
     failed: int
     oom_splits: int
+
+    def as_json(self) -> str:
+        """The batch log's line, without the trailing newline.
+
+        Why not ``json.dumps(asdict(record))``: ``asdict`` deep-copies each
+        field through a recursive walk, which with a null backend cost more
+        than the rest of writing the line (a line per batch of ~60 short
+        requests: 0.8 µs a request, issue 25).
+        """
+        return json.dumps({name: getattr(self, name) for name in _RECORD_FIELDS})
+
+
+_RECORD_FIELDS = tuple(item.name for item in fields(BatchRecord))
+"""The batch log's keys, in the record's order."""
 
 
 @dataclass(slots=True)
@@ -124,7 +138,7 @@ class BatchLog:
             record.max_batch_tokens, record.device_ms, record.failed,
         )
         if self._file is not None:
-            self._file.write(json.dumps(asdict(record)) + "\n")
+            self._file.write(record.as_json() + "\n")
 
     def close(self) -> None:
         if self._file is not None:

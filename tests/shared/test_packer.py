@@ -206,6 +206,20 @@ class PackerMachine(RuleBasedStateMachine):
         assert (item.length, item.payload, item.priority) == (length, payload, priority)
         self.model[payload] = item
 
+    @rule(requests=st.lists(st.tuples(lengths, st.integers(min_value=0, max_value=100),
+                                      priorities), max_size=8))
+    def add_all(self, requests: list[tuple[int, int, int]]) -> None:
+        """A whole read at once (the worker's path), interleaved with single adds."""
+        payloads = range(self.next_payload, self.next_payload + len(requests))
+        self.next_payload += len(requests)
+        made = self.packer.add_all([(length, self.now - age, payload, priority)
+                                    for (length, age, priority), payload
+                                    in zip(requests, payloads, strict=True)])
+        assert [(item.length, item.payload, item.priority) for item in made] == [
+            (length, payload, priority)
+            for (length, _, priority), payload in zip(requests, payloads, strict=True)]
+        self.model.update((item.payload, item) for item in made)
+
     @rule(step=st.integers(min_value=0, max_value=60), flush=st.booleans())
     def next_batch(self, step: int, flush: bool) -> None:
         self.now += step
@@ -249,6 +263,15 @@ class PackerMachine(RuleBasedStateMachine):
         assert len(self.packer) == len(self.model)
         assert {item.payload for item in self.packer} == set(self.model)
         assert self.packer.buffered_tokens == sum(i.length for i in self.model.values())
+
+    @invariant()
+    def views_are_sorted_and_whole(self) -> None:
+        """The length view and the line hold every buffered item once, in order (rules 1-2
+        read them by bisection, so one out of place would mis-pack silently)."""
+        by_length, line = self.packer._by_length, self.packer._line
+        items = list(self.packer)
+        assert by_length == sorted((item.length, item.seq) for item in items)
+        assert line == sorted((self.packer.virtual_arrival(item), item.seq) for item in items)
 
 
 PackerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
@@ -383,6 +406,13 @@ def test_packer_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="length"):
         packer.add(0, 0.0, "empty")
     assert len(packer) == 0 and packer.buffered_tokens == 0
+    # One bad request in a read: nothing of the read is buffered.
+    for bad, named in (((0, 0.0, "empty", 0), "length"),
+                       ((1, 0.0, "urgent", MAX_PRIORITY + 1), "priority")):
+        with pytest.raises(ValueError, match=named):
+            packer.add_all([(3, 0.0, "fine", 0), bad, (4, 0.0, "also fine", 0)])
+        assert len(packer) == 0 and packer.buffered_tokens == 0
+        assert packer.next_batch(1e9, flush=True) is None
 
 
 @PROPERTY

@@ -323,14 +323,14 @@ def test_tokenizer_refusal_fails_only_that_request() -> None:
     run(main())
 
 
-@pytest.mark.parametrize("broken", ["add", "next_batch"])  # the tokenizer's, the device's
+@pytest.mark.parametrize("broken", ["add_all", "next_batch"])  # the tokenizer's, the device's
 def test_a_dying_task_fails_callers_instead_of_hanging(broken: str) -> None:
     async def main() -> None:
         batcher = Batcher(SpySim(), max_batch_tokens=4096, max_batch_size=8, linger_ms=1)
         packer = batcher._packer
 
         def bug(*args: object, **kwargs: object) -> None:
-            if broken == "add" or len(packer):
+            if broken == "add_all" or len(packer):
                 raise RuntimeError("packer bug")
 
         setattr(packer, broken, bug)  # simulate a tokenq bug in one of the two tasks

@@ -111,9 +111,10 @@ class DeviceFeed(Generic[T, R]):
 
     def add(self, jobs: Iterable[Job[Any]]) -> None:
         """Buffer pipeline jobs (their exact length, arrival and priority) and wake the thread."""
+        requests = [(job.encoding.length, job.arrived_ms, job, job.request.priority)
+                    for job in jobs]
         with self._lock:
-            for job in jobs:
-                self.packer.add(job.encoding.length, job.arrived_ms, job, job.request.priority)
+            self.packer.add_all(requests)
             self._lock.notify()
 
     def wake(self) -> None:
