@@ -39,9 +39,8 @@ class BatchRecord:
         """The batch log's line, without the trailing newline.
 
         Why not ``json.dumps(asdict(record))``: ``asdict`` deep-copies each
-        field through a recursive walk, which with a null backend cost more
-        than the rest of writing the line (a line per batch of ~60 short
-        requests: 0.8 µs a request, issue 25).
+        field through a recursive walk, two thirds of the line's cost (9.7 µs
+        a line against 3.0 here; a line per batch, issue 25).
         """
         return json.dumps({name: getattr(self, name) for name in _RECORD_FIELDS})
 
