@@ -40,6 +40,7 @@ import redis
 from redis.cluster import ClusterNode
 
 from tokenq.producer import Client
+from tokenq.producer.config import EstimatorMode
 from tokenq.shared import keys, wire
 from tokenq.shared.redis_url import parse_redis_url
 from tokenq.worker.tooling.embedded import RedisServer
@@ -442,10 +443,12 @@ def reply_key_for(queue: str) -> str:
 def burst(
     redis_url: str, queue: str, texts: Sequence[str], *, timeout_s: float = 600.0,
     keep_vectors: bool = False, workers: Sequence[WorkerProc] = (),
+    estimator: EstimatorMode = "auto",
 ) -> Run:
     """Open every request at once (chunked ``submit_many``), collect every reply.
 
-    ``Run.order`` lists the request ids in the order of ``texts``.
+    ``Run.order`` lists the request ids in the order of ``texts``. ``estimator``
+    is the client's (``"heuristic"`` keeps a tokenizer out of the producer).
     """
     reply_key = reply_key_for(queue)
     collector = Collector(
@@ -453,7 +456,9 @@ def burst(
     )
     collector.start()
     run = Run()
-    with Client(redis_url=redis_url, queue=queue, max_queue_length=0) as client:
+    with Client(
+        redis_url=redis_url, queue=queue, max_queue_length=0, estimator=estimator
+    ) as client:
         client.config()  # load the queue's config (and tokenizer) before the clock starts
         for start in range(0, len(texts), SUBMIT_CHUNK):
             sent_at = time.perf_counter()

@@ -202,5 +202,35 @@ def test_runtime_is_refused_for_a_suite_without_the_hf_backend() -> None:
     assert "--runtime applies to real, mixed-latency, not 'seed'" in completed.stderr
 
 
+def test_gpu_seed_runs_its_mix_through_a_real_worker_and_skips_without_cuda(
+    tmp_path: Path,
+) -> None:
+    """scripts/bench/gpu_seed.py: on the CPU (its --device cpu), every request answered,
+    every figure present; asked for CUDA on a machine without it, a skip, not a failure."""
+    script = REPO_ROOT / "scripts" / "bench" / "gpu_seed.py"
+    out = tmp_path / "gpu_seed.json"
+    completed = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--dtype", "fp32", "--requests", "24",
+         "--settings", "2048", "--json", str(out)],
+        capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["setting"] == "fp32 2048" and row["requests"] == 24
+    assert row["failed_requests"] == 0 and row["batches"] > 0
+    assert 0 < row["device_busy"] <= 1.0
+    assert row["worker_cpu_us"] > 0 and row["useful_tokens_per_s"] > 0
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        skipped = subprocess.run(
+            [sys.executable, str(script), "--requests", "4"],
+            capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+        )
+        assert skipped.returncode == 0 and "no CUDA device; skipped" in skipped.stdout
+
+
 # Minutes of real workers and models: CI runs them; `-m 'not slow'` skips them.
 pytestmark = pytest.mark.slow

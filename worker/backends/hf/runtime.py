@@ -26,7 +26,10 @@ ask for, and the exporter cannot take every model's own code.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +45,7 @@ __all__ = [
     "Encoder",
     "Runtime",
     "TorchEncoder",
+    "attention_kernels",
     "build_encoder",
     "check_quantize",
     "resolve_runtime",
@@ -59,6 +63,7 @@ class TorchEncoder:
         self.model = model
         self._uses_type_ids = uses_type_ids
         self._logits = logits
+        self._attention = attention_kernels(_device_of(model))
 
     def __call__(
         self, ids: torch.Tensor, mask: torch.Tensor, type_ids: torch.Tensor
@@ -66,8 +71,38 @@ class TorchEncoder:
         kwargs = {"input_ids": ids, "attention_mask": mask}
         if self._uses_type_ids:
             kwargs["token_type_ids"] = type_ids
-        output = self.model(**kwargs)
+        with self._attention():
+            output = self.model(**kwargs)
         return output.logits if self._logits else output[0]
+
+
+def attention_kernels(device: torch.device) -> Callable[[], AbstractContextManager[Any]]:
+    """What a forward runs under: on CUDA, every fused attention kernel but cuDNN's.
+
+    Why: torch (2.11 with CUDA 13, on an H200) picks cuDNN's fused attention
+    for ``scaled_dot_product_attention`` with a padding mask, and cuDNN
+    builds an execution plan for each new (rows, length) shape it sees. A
+    worker's batches are cut by a token budget, so nearly every batch is a
+    new shape: measured there, all-MiniLM-L6-v2 batches took ~50 ms where
+    the same forward on a shape seen before took 4-7 ms (scripts/bench/
+    gpu_seed.py, docs/BENCHMARKS.md). The memory-efficient and flash
+    kernels need no plan. On the CPU, and on a torch without
+    ``torch.nn.attention``, nothing changes.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3: no cuDNN attention to avoid
+        return contextlib.nullcontext
+    kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return functools.partial(sdpa_kernel, kernels)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are (the CPU for a model without any)."""
+    parameter = next(model.parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
 
 
 def resolve_runtime(requested: str, device: torch.device, dtype: torch.dtype) -> Runtime:

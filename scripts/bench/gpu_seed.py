@@ -1,0 +1,151 @@
+"""The seed scenario with all-MiniLM-L6-v2 on a CUDA GPU, end to end through Redis.
+
+Suite ``seed`` runs its mix (half long passages, half ~20-token queries,
+shuffled, every request opened at once) on a simulated device;
+this runs the same mix on a real one: one ``tokenq worker --backend hf
+--device cuda`` per setting (fp16 by default), a private redis-server, the
+producer in this process. Passages run past the model's 256 tokens and are
+cut there, so the mix is the model's longest input against its short ones.
+
+Per setting it prints requests/s and useful tokens/s end to end, device busy
+(the worker's summed forward time over the makespan: how much of the run the
+GPU was given work), mean rows and padding per batch, and the CPU each
+process spent per request (worker, this producer, redis-server). Those
+answer the question issue 25 asks of a GPU: are short queries waiting on
+Python? A busy figure well under 1 with the worker's CPU near one core
+says yes.
+
+Without a CUDA device it prints "no CUDA device; skipped" and exits 0, like
+``scripts/gpu_check.py``. Run it where ``python -m tokenq.worker`` works::
+
+    python scripts/bench/gpu_seed.py [--requests 20000] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import harness
+from texts import text_of_length
+
+from tokenq.producer.config import EstimatorMode
+
+PASSAGE_WORDS = (280, 330)
+"""A passage's length in sample words: past the model's 256 tokens, so each is cut there."""
+QUERY_WORDS = (12, 28)
+"""A query's, as in suite seed."""
+SETTINGS = ("16384", "65536", "auto")
+"""--max-batch-tokens per run: the worker's default, four times it, and calibrated."""
+WARM_UP = 256
+COLUMNS = [
+    "setting", "failed_requests", "requests_per_s", "useful_tokens_per_s", "device_busy",
+    "mean_rows", "padding_efficiency", "mean_batch_ms", "worker_cpu_us", "producer_cpu_us",
+    "redis_cpu_us", "p50_ms", "p99_ms",
+]
+
+
+def mix(count: int, seed: int = 6) -> list[str]:
+    """Half passages, half queries, shuffled: suite seed's mix at the model's scale.
+
+    Why not seed's own 1,500-word passages: the model reads 256 tokens of
+    them, and counting the rest only costs the producer more.
+    """
+    rng = random.Random(seed)
+    lengths = [
+        rng.randint(*PASSAGE_WORDS) if i < count // 2 else rng.randint(*QUERY_WORDS)
+        for i in range(count)
+    ]
+    rng.shuffle(lengths)
+    return [text_of_length(rng, length) for length in lengths]
+
+
+def one_setting(
+    texts: Sequence[str], budget: str, dtype: str, flags: Sequence[str], workdir: Path,
+    estimator: EstimatorMode,
+) -> dict[str, Any]:
+    """One worker with this budget: warmed up, then the whole burst, timed."""
+    with harness.private_redis() as server:
+        queue = harness.new_queue("gpu")
+        worker = harness.start_tokenq(
+            server, queue, workdir, f"gpu-{budget}",
+            ["--backend", "hf", "--max-batch-tokens", budget, "--dtype", dtype, *flags],
+        )
+        client = harness.connect(server.url)
+        with harness.running([worker], server.url):
+            harness.burst(server.url, queue, texts[:WARM_UP], workers=[worker],
+                          estimator=estimator)
+            warm = len(worker.batches())
+            worker_cpu = harness.cpu_seconds(worker.process.pid)
+            producer_cpu = time.process_time()
+            redis_cpu = harness.redis_cpu_seconds(client)
+            run = harness.burst(server.url, queue, texts, workers=[worker], estimator=estimator)
+            worker_cpu = harness.cpu_seconds(worker.process.pid) - worker_cpu
+            producer_cpu = time.process_time() - producer_cpu
+            redis_cpu = harness.redis_cpu_seconds(client) - redis_cpu
+        client.close()
+        totals = harness.batch_totals(worker.batches()[warm:])
+    summary = run.summary()
+    per_request = 1e6 / max(1, run.requests)
+    return {
+        "setting": f"{dtype} {budget}",
+        **summary,
+        **totals,
+        "device_busy": round(totals["device_ms"] / 1000 / summary["seconds"], 3),
+        "worker_cpu_us": round(worker_cpu * per_request, 1),
+        "producer_cpu_us": round(producer_cpu * per_request, 1),
+        "redis_cpu_us": round(redis_cpu * per_request, 1),
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=20_000, help="requests per setting")
+    parser.add_argument("--model", help="model dir or id (default: the bundled MiniLM)")
+    parser.add_argument("--dtype", default="fp16", help="worker --dtype (default fp16)")
+    parser.add_argument("--device", default="cuda",
+                        help="worker --device (default cuda; cpu only to try the script out)")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS),
+                        help="--max-batch-tokens values to run (default: %(default)s)")
+    parser.add_argument("--estimator", default="heuristic", choices=["heuristic", "exact"],
+                        help="the producer's token count (default heuristic: a web backend "
+                        "without a tokenizer; exact costs this process ~0.7 ms a passage)")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("gpu_seed: no CUDA device; skipped")
+        return 0
+    flags = ["--device", args.device]
+    if args.model:
+        flags += ["--model", args.model]
+    texts = mix(args.requests)
+    where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
+    print(f"gpu_seed: {where}, {args.requests} requests "
+          f"(half passages, half queries), {os.cpu_count()} CPUs", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for budget in args.settings:
+            rows.append(one_setting(texts, budget, args.dtype, flags, Path(tmp), args.estimator))
+            print(json.dumps(rows[-1]), flush=True)
+    print(harness.format_table(rows, COLUMNS))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 1 if any(row["failed_requests"] for row in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
