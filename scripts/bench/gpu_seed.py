@@ -12,8 +12,10 @@ Per setting it prints requests/s and useful tokens/s end to end, device busy
 GPU was given work), mean rows and padding per batch, and the CPU each
 process spent per request (worker, this producer, redis-server). Those
 answer the question issue 25 asks of a GPU: are short queries waiting on
-Python? A busy figure well under 1 with the worker's CPU near one core
-says yes.
+Python? A busy figure well under 1 says the device waited for the worker.
+Busy counts each batch's wall time in the worker's device thread, waits for
+the interpreter lock included, so a mean batch time well above the forward
+timed alone says the same from the other side (docs/BENCHMARKS.md §15).
 
 Without a CUDA device it prints "no CUDA device; skipped" and exits 0, like
 ``scripts/gpu_check.py``. Run it where ``python -m tokenq.worker`` works::
