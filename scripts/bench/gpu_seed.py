@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -37,14 +36,16 @@ from pathlib import Path
 from typing import Any
 
 import harness
-from texts import text_of_length
+from texts import seed_mix
 
 from tokenq.producer.config import EstimatorMode
 
 PASSAGE_WORDS = (280, 330)
-"""A passage's length in sample words: past the model's 256 tokens, so each is cut there."""
-QUERY_WORDS = (12, 28)
-"""A query's, as in suite seed."""
+"""A passage's length in sample words: past the model's 256 tokens, so each is cut there.
+
+Why not suite seed's own 1,500-word passages: the model reads 256 tokens of
+them, and counting the rest only costs the producer more.
+"""
 SETTINGS = ("16384", "65536", "auto")
 """--max-batch-tokens per run: the worker's default, four times it, and calibrated."""
 WARM_UP = 256
@@ -53,21 +54,6 @@ COLUMNS = [
     "mean_rows", "padding_efficiency", "mean_batch_ms", "worker_cpu_us", "producer_cpu_us",
     "redis_cpu_us", "p50_ms", "p99_ms",
 ]
-
-
-def mix(count: int, seed: int = 6) -> list[str]:
-    """Half passages, half queries, shuffled: suite seed's mix at the model's scale.
-
-    Why not seed's own 1,500-word passages: the model reads 256 tokens of
-    them, and counting the rest only costs the producer more.
-    """
-    rng = random.Random(seed)
-    lengths = [
-        rng.randint(*PASSAGE_WORDS) if i < count // 2 else rng.randint(*QUERY_WORDS)
-        for i in range(count)
-    ]
-    rng.shuffle(lengths)
-    return [text_of_length(rng, length) for length in lengths]
 
 
 def one_setting(
@@ -134,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = ["--device", args.device]
     if args.model:
         flags += ["--model", args.model]
-    texts = mix(args.requests)
+    texts = seed_mix(args.requests, passages=PASSAGE_WORDS).texts
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
     print(f"gpu_seed: {where}, {args.requests} requests "
           f"(half passages, half queries), {os.cpu_count()} CPUs", flush=True)

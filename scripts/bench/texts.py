@@ -62,15 +62,24 @@ class Mix:
         return sum(self.lengths)
 
 
-def seed_mix(n: int, seed: int = 6) -> Mix:
+SEED_PASSAGES = (1350, 1650)
+"""The seed mix's passage lengths (sim tokens), lowest and highest."""
+SEED_QUERIES = (12, 28)
+"""Its query lengths."""
+
+
+def seed_mix(n: int, seed: int = 6, passages: tuple[int, int] = SEED_PASSAGES) -> Mix:
     """Half ~1,500-token passages (1,350-1,650), half ~20-token queries (12-28), shuffled.
 
     The spread keeps the lengths realistic (no two passages need be alike)
     while the longest passage stays known: that fixes the largest safe
-    fixed batch count.
+    fixed batch count. ``passages`` sets other passage lengths (a real
+    model reads only its own maximum of each).
     """
     rng = random.Random(seed)
-    lengths = [rng.randint(1350, 1650) if i < n // 2 else rng.randint(12, 28) for i in range(n)]
+    lengths = [
+        rng.randint(*passages) if i < n // 2 else rng.randint(*SEED_QUERIES) for i in range(n)
+    ]
     rng.shuffle(lengths)
     return Mix([text_of_length(rng, length) for length in lengths], lengths)
 
