@@ -55,7 +55,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+import operator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Generic, TypeVar
@@ -110,6 +111,9 @@ _CANDIDATES = 3
 
 _CANDIDATE_SCAN = 64
 """How far down the line the packer looks for other anchors (a bound on pick cost)."""
+
+_LENGTH_ORDER = operator.attrgetter("length", "seq")
+"""The length view's order, as a sort key for items (a batch's rows go out in it)."""
 
 
 @dataclass(slots=True)
@@ -291,8 +295,8 @@ class Packer(Generic[T]):
     def remove_where(self, predicate: Callable[[T], bool]) -> list[Item[T]]:
         """Take out every buffered item whose payload matches (expired, claimed away)."""
         gone = [item for item in self._items.values() if predicate(item.payload)]
-        for item in gone:
-            self._discard(item)
+        if gone:
+            self._discard_all(sorted(gone, key=_LENGTH_ORDER))
         return gone
 
     def __len__(self) -> int:
@@ -333,13 +337,9 @@ class Packer(Generic[T]):
         batch = self._choose(now_ms, flush)
         if batch is None:
             return None
-        for item in batch.items:
-            self._discard(item)
-        return Batch(
-            items=tuple(sorted(batch.items, key=lambda i: (i.length, i.seq))),
-            cost=batch.cost,
-            sealed=batch.sealed,
-        )
+        items = tuple(sorted(batch.items, key=_LENGTH_ORDER))
+        self._discard_all(items)
+        return Batch(items=items, cost=batch.cost, sealed=batch.sealed)
 
     def peek(self, now_ms: float) -> Batch[T] | None:
         """The head's batch (rules 2-4), without removing it; ready or not.
@@ -414,85 +414,151 @@ class Packer(Generic[T]):
     def _build(self, anchor: Item[T], budget: Budget) -> Batch[T]:
         """Rules 2-4 and 7: the batch around ``anchor``; ``items[0]`` is the anchor.
 
-        Written as one flat loop (it runs per row of every candidate batch):
-        below the anchor in length order every candidate is at most the
-        longest row so far, above it at least, so the padding each side would
-        add is a subtraction, not a search.
+        The rows come from :meth:`_padded_rows` or :meth:`_ragged_rows`, by
+        the budget's cost model; both take, one step at a time, the side whose
+        next request adds the least padding (ties: the shorter).
         """
         order = self._by_length
-        padded = budget.cost_model is CostModel.PADDED
-        max_rows, max_tokens = budget.max_batch_size, budget.max_batch_tokens
-        ratio = self.max_padding_ratio
         position = bisect.bisect_left(order, (anchor.length, anchor.seq))
-        chosen = [anchor]
-        longest = total = anchor.length
-        below, above, end = position - 1, position + 1, len(order)
-        sealed = False
-        while True:
-            rows = len(chosen)
-            if rows >= max_rows:
-                sealed = True
-                break
-            if below < 0 and above >= end:
-                break
-            # The side whose next request adds the least padding (ties: the shorter).
-            if below >= 0:
-                length = order[below][0]
-                padding = longest - length if padded else 0
-                take_below = True
-                if above < end:
-                    up = order[above][0]
-                    up_padding = rows * (up - longest) if padded else 0
-                    take_below = (padding, length) <= (up_padding, up)
-                    if not take_below:
-                        length, padding = up, up_padding
-            else:
-                length = order[above][0]
-                padding = rows * (length - longest) if padded else 0
-                take_below = False
-            if padding > ratio * length:
-                # Too unlike the batch: it would add more padding than it brings
-                # tokens. Further out on that side it only gets worse, so the side
-                # closes; the batch is not sealed, since similar input may come.
-                if take_below:
-                    below = -1
-                else:
-                    above = end
-                continue
-            new_longest = length if length > longest else longest
-            cost = (rows + 1) * new_longest if padded else total + length
-            if cost <= max_tokens:
-                if take_below:
-                    chosen.append(self._items[order[below][1]])
-                    below -= 1
-                else:
-                    chosen.append(self._items[order[above][1]])
-                    above += 1
-                longest, total = new_longest, total + length
-                continue
-            # Longer candidates only cost more; a padded model pays `longest` for
-            # any shorter one, so one failure closes that side for good.
-            sealed = True
-            if not take_below:
-                above = end
-            elif padded:
-                below = -1
-            else:
-                below -= 1  # ragged: a shorter one further down may still fit
-        if not sealed and not budget.fits(len(chosen) + 1, longest, total + 1):
+        if budget.cost_model is CostModel.PADDED:
+            low, high, sealed = self._padded_rows(order, position, budget)
+            rest = [*order[low:position], *order[position + 1:high]]
+        else:
+            rest, sealed = _ragged_rows(order, position, budget)
+        lengths = [length for length, _ in rest]
+        rows, longest = len(rest) + 1, max(anchor.length, max(lengths, default=0))
+        total = anchor.length + sum(lengths)
+        if not sealed and not budget.fits(rows + 1, longest, total + 1):
             # Not even a 1-token request could join (a full budget, or a lone
             # oversize request): lingering for company would only waste time.
             sealed = True
-        cost = budget.cost(len(chosen), longest, total)
-        return Batch(items=tuple(chosen), cost=cost, sealed=sealed)
+        items = self._items
+        chosen = (anchor, *[items[seq] for _, seq in rest])
+        return Batch(items=chosen, cost=budget.cost(rows, longest, total), sealed=sealed)
 
-    def _discard(self, item: Item[T]) -> None:
-        del self._items[item.seq]
-        index = bisect.bisect_left(self._by_length, (item.length, item.seq))
-        del self._by_length[index]
-        index = bisect.bisect_left(self._line, (self.virtual_arrival(item), item.seq))
-        del self._line[index]
-        self._tokens -= item.length
+    def _padded_rows(
+        self, order: list[tuple[int, int]], position: int, budget: Budget
+    ) -> tuple[int, int, bool]:
+        """The padded batch around ``order[position]``: ``order[low:high]``, and whether
+        the budget or the row limit sealed it.
+
+        Each step takes the side whose next request adds the least padding
+        (ties: the shorter). A side closes for good when its next request
+        would add more padding than it brings tokens (further out it only gets
+        worse; the batch is not sealed, since similar input may come), or when
+        it does not fit (sealed: a longer one costs more, and a shorter one
+        costs the longest all the same).
+
+        A step takes that request's whole run of equal lengths, as far as the
+        budget and the row limit allow, which picks exactly the rows one
+        request at a time would, at a cost per distinct length instead of per
+        row. Why nothing else can end a run: below, the run's padding
+        (``longest - length``) stays the same while the other side's
+        (``rows x (up - longest)``) only grows with the rows; above, once the
+        run's first request is in it is the longest, so the rest add no
+        padding against a positive padding below (at a tie of zero padding
+        below goes first, and then all of its run does).
+        """
+        max_rows, max_tokens = budget.max_batch_size, budget.max_batch_tokens
+        ratio = self.max_padding_ratio
+        low, high, end = position, position + 1, len(order)
+        below_open, above_open = low > 0, high < end
+        longest = order[position][0]
+        sealed = False
+        while True:
+            rows = high - low
+            if rows >= max_rows:
+                return low, high, True
+            if not (below_open or above_open):
+                return low, high, sealed
+            if below_open:
+                length = order[low - 1][0]
+                padding = longest - length
+                take_below = True
+                if above_open:
+                    up = order[high][0]
+                    up_padding = rows * (up - longest)
+                    if (up_padding, up) < (padding, length):
+                        take_below, length, padding = False, up, up_padding
+            else:
+                length = order[high][0]
+                padding = rows * (length - longest)
+                take_below = False
+            if padding > ratio * length:
+                if take_below:
+                    below_open = False
+                else:
+                    above_open = False
+                continue
+            new_longest = max(longest, length)
+            fit = min(max_tokens // new_longest - rows, max_rows - rows)
+            if fit < 1:
+                sealed = True
+                if take_below:
+                    below_open = False
+                else:
+                    above_open = False
+                continue
+            longest = new_longest
+            if take_below:
+                low -= min(low - bisect.bisect_left(order, (length,), 0, low), fit)
+                below_open = low > 0
+            else:
+                high += min(bisect.bisect_left(order, (length + 1,), high) - high, fit)
+                above_open = high < end
+
+    def _discard_all(self, items: Sequence[Item[T]]) -> None:
+        """Take ``items`` (in ascending (length, seq) order) out of the buffer and both views.
+
+        A padded batch is one slice of the length view, removed in one step;
+        anything else goes one bisection at a time.
+        """
+        order, line, aging = self._by_length, self._line, self.aging_ms
+        first = bisect.bisect_left(order, (items[0].length, items[0].seq))
+        last = first + len(items) - 1
+        if last < len(order) and order[last] == (items[-1].length, items[-1].seq):
+            del order[first:last + 1]
+        else:
+            for item in items:
+                del order[bisect.bisect_left(order, (item.length, item.seq))]
+        for item in items:
+            del line[bisect.bisect_left(line, (item.arrived_ms - item.priority * aging, item.seq))]
+            del self._items[item.seq]
+            self._tokens -= item.length
+
+def _ragged_rows(
+    order: list[tuple[int, int]], position: int, budget: Budget
+) -> tuple[list[tuple[int, int]], bool]:
+    """The ragged batch around ``order[position]`` (not included), and whether it is sealed.
+
+    A ragged row adds no padding, so the shorter side always goes first (rule
+    2's tie): every request below, longest first, then every one above,
+    shortest first. The budget counts each row's own length, so below, a
+    request that does not fit is passed over (a shorter one further down
+    may); above, the first that does not fit ends the batch.
+    """
+    max_rows, max_tokens = budget.max_batch_size, budget.max_batch_tokens
+    total = order[position][0]
+    chosen: list[tuple[int, int]] = []
+    sealed = False
+    for index in range(position - 1, -1, -1):
+        if len(chosen) + 1 >= max_rows:
+            return chosen, True
+        length = order[index][0]
+        if total + length > max_tokens:
+            sealed = True
+            continue
+        chosen.append(order[index])
+        total += length
+    for index in range(position + 1, len(order)):
+        if len(chosen) + 1 >= max_rows:
+            return chosen, True
+        length = order[index][0]
+        if total + length > max_tokens:
+            return chosen, True
+        chosen.append(order[index])
+        total += length
+    return chosen, sealed or len(chosen) + 1 >= max_rows
 
 
 def _span(batch: Batch[T]) -> tuple[int, int]:

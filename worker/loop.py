@@ -217,9 +217,7 @@ class Worker:
             max_deliveries=settings.max_deliveries,
             default_reply_to=functools.partial(keys.reply, queue),
             max_request_bytes=settings.max_request_bytes,
-            check_reply_to=functools.partial(
-                keys.reply_to_refusal, queue, extra_prefixes=settings.reply_to_prefix_list
-            ),
+            check_reply_to=keys.reply_to_check(queue, settings.reply_to_prefix_list),
             max_letter_bytes=settings.dead_max_letter_bytes,
         )
 

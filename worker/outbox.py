@@ -34,14 +34,14 @@ def answers_by_lane(
     """The answers finished requests' entries are owed, by the lane each entry came from
     (its outbox), each named by its bare entry id.
 
-    One loop for a whole batch with the reply encoded inline: this runs once
-    per request, where a call per answer was a tenth of what answering cost
-    (issue 25).
+    One loop for a whole batch, its replies encoded together
+    (:meth:`Pipeline.encoded_replies`): this runs once per request, where a
+    call per answer was a tenth of what answering cost (issue 25).
     """
     owed: dict[int, list[Answer]] = {}
-    encoded_reply = pipeline.encoded_reply
-    for outcome in outcomes:
-        payload, ok = encoded_reply(outcome)
+    outcomes = list(outcomes)
+    for outcome, (payload, ok) in zip(outcomes, pipeline.encoded_replies(outcomes),
+                                      strict=True):
         lane, entry_id = outcome.ref
         answers = owed.get(lane)
         if answers is None:

@@ -74,21 +74,24 @@ class Publisher:
         reason: their key is left out and the script dead-letters them.
         """
         keys = [self._stream, self._dead]
-        index: dict[str, int] = {}
+        index: dict[str, bytes] = {}
         args: list[object] = [*self._head, len(answers)]
         extend = args.extend  # bound once: this loop runs per answer (issue 25)
+        # Numbers go as the decimal bytes Redis receives either way: hiredis turns an
+        # int into them through Python, twice the packing cost of the bytes (issue 25).
         for answer in answers:
             dead_fields = answer.dead_fields
+            count = b"%d" % len(dead_fields) if dead_fields else b"0"
             if refused and answer.entry_id in refused:
-                extend((answer.entry_id, -1, refused[answer.entry_id], len(dead_fields)))
+                extend((answer.entry_id, b"-1", refused[answer.entry_id], count))
             else:
-                reply_to, slot = answer.reply_to, 0
+                reply_to, slot = answer.reply_to, b"0"
                 if reply_to is not None:
-                    slot = index.get(reply_to, 0)
-                    if not slot:
+                    slot = index.get(reply_to, b"0")
+                    if slot == b"0":
                         keys.append(reply_to)
-                        slot = index[reply_to] = len(keys)
-                extend((answer.entry_id, slot, answer.payload, len(dead_fields)))
+                        slot = index[reply_to] = b"%d" % len(keys)
+                extend((answer.entry_id, slot, answer.payload, count))
             for pair in dead_fields:
                 extend(pair)
         return keys, args

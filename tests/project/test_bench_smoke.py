@@ -232,5 +232,22 @@ def test_gpu_seed_runs_its_mix_through_a_real_worker_and_skips_without_cuda(
         assert skipped.returncode == 0 and "no CUDA device; skipped" in skipped.stdout
 
 
+def test_path_steps_times_every_step_of_the_worker_path(tmp_path: Path) -> None:
+    """scripts/bench/path_steps.py: each of its ten steps ran and took some time, and the
+    batches it picked hold more than one row (the replay packs as the worker does)."""
+    out = tmp_path / "steps.json"
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bench" / "path_steps.py"),
+         "--reads", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT / "scripts" / "bench",
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    result = json.loads(out.read_text())
+    steps = result["us_per_request"]
+    assert [name.split()[0] for name in steps] == [str(n) for n in range(1, 11)]
+    assert all(us > 0 for us in steps.values())
+    assert result["total_us"] > 0 and result["rows_per_batch"] > 1
+
+
 # Minutes of real workers and models: CI runs them; `-m 'not slow'` skips them.
 pytestmark = pytest.mark.slow

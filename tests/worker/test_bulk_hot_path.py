@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import redis
 import redis.asyncio as aioredis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tokenq.shared import keys, wire
@@ -184,6 +184,62 @@ def test_an_integer_field_is_taken_exactly_when_it_was_before(raw: bytes) -> Non
         got = wire._int_field(raw, "n", minimum=0, maximum=10**18)
     except DecodeError:
         got = None
+    assert got == expected
+
+
+_ID_REFUSED = re.compile(r"[\s\x00-\x1f]")
+_TEXTS = st.one_of(
+    st.text(max_size=40),
+    st.text(alphabet="ab-_:{}. \t\x7f\x85\u2028\u00a0\x1c", max_size=12),
+    st.from_regex(r"tokenq:\{[a-z]{1,3}\}:reply:?[a-z]{0,3}", fullmatch=True),
+)
+
+
+@example(value="a b")
+@example(value="a\x7fb")
+@example(value="a\u2028")
+@given(value=_TEXTS)
+def test_a_request_id_is_refused_exactly_when_the_regex_refuses_it(value: str) -> None:
+    """The printable-ASCII shortcut of ``validate_id`` accepts only what the regex does."""
+    expected = bool(value) and len(value) <= wire.MAX_ID_CHARS \
+        and _ID_REFUSED.search(value) is None
+    try:
+        wire.validate_id(value)
+        got = True
+    except DecodeError:
+        got = False
+    assert got == expected
+
+
+@given(key=_TEXTS, extra=st.sampled_from([(), ("app:",), ("", "tokenq:{q}:")]),
+       name=st.sampled_from(["q", "qq", "a.b"]))
+def test_the_reply_to_check_answers_as_the_full_rule_does(
+    key: str, extra: tuple[str, ...], name: str
+) -> None:
+    """``keys.reply_to_check``'s prefix shortcut gives every key the rule's own answer."""
+    q = keys.QueueRef(name)
+    for candidate in (key, keys.reply_prefix(q) + key, keys.reply_prefix(q)[:-1] + key):
+        assert keys.reply_to_check(q, extra)(candidate) == \
+            keys.reply_to_refusal(q, candidate, extra), candidate
+
+
+@given(raw=st.one_of(
+    st.binary(max_size=12),
+    st.integers(0, 10**12).map(lambda n: str(n).encode()),
+    st.sampled_from([b"16777216", b"16777217", b"0", b"000000016777216", b"\xd9\xa3"]),
+))
+def test_a_token_count_is_read_as_the_integer_rule_reads_it(raw: bytes) -> None:
+    """The inline token count takes and refuses exactly what ``_int_field`` does."""
+    fields = {b"v": b"1", b"id": b"r", b"text": b"t", b"reply_to": b"x:{q}:reply:r",
+              b"tokens": raw}
+    try:
+        expected: object = wire._int_field(raw, "tokens", minimum=0, maximum=wire.MAX_TOKENS)
+    except DecodeError as exc:
+        expected = str(exc)
+    try:
+        got: object = wire.decode_fields(fields).tokens
+    except DecodeError as exc:
+        got = str(exc)
     assert got == expected
 
 

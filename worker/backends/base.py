@@ -92,9 +92,14 @@ class BackendInfo:
         return self.task == "embed"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TextInput:
-    """One input sequence, or a (query, passage) pair for a cross-encoder."""
+    """One input sequence, or a (query, passage) pair for a cross-encoder.
+
+    Not frozen, though nothing changes one once made: one is made per request on the
+    worker's hot path, and a frozen dataclass's ``__init__`` sets every field through
+    ``object.__setattr__``, 2.5 times the cost (docs/DECISIONS.md, issue 25).
+    """
 
     text: str
     text_pair: str | None = None
