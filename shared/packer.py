@@ -164,6 +164,26 @@ class Batch(Generic[T]):
         return [item.payload for item in self.items]
 
 
+@dataclass(slots=True)
+class Candidate(Generic[T]):
+    """A batch weighed in a pick: its anchor, its rows as the length view names them
+    ((length, seq), ascending, the anchor's included), its cost and whether it is sealed.
+
+    Why not a :class:`Batch`: a pick weighs up to three, and looking up the
+    items of the ones not chosen was a pass per row for nothing.
+    """
+
+    anchor: Item[T]
+    rows: list[tuple[int, int]]
+    cost: int
+    sealed: bool
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """The shortest and the longest length among its rows."""
+        return self.rows[0][0], self.rows[-1][0]
+
+
 class BatchTimer:
     """How long a batch of a given cost runs on this device, learned from the batches that ran.
 
@@ -334,12 +354,13 @@ class Packer(Generic[T]):
 
         ``flush`` skips the linger (used when draining on shutdown).
         """
-        batch = self._choose(now_ms, flush)
-        if batch is None:
+        chosen = self._choose(now_ms, flush)
+        if chosen is None:
             return None
-        items = tuple(sorted(batch.items, key=_LENGTH_ORDER))
+        lookup = self._items
+        items = tuple([lookup[seq] for _, seq in chosen.rows])
         self._discard_all(items)
-        return Batch(items=items, cost=batch.cost, sealed=batch.sealed)
+        return Batch(items=items, cost=chosen.cost, sealed=chosen.sealed)
 
     def peek(self, now_ms: float) -> Batch[T] | None:
         """The head's batch (rules 2-4), without removing it; ready or not.
@@ -349,9 +370,14 @@ class Packer(Generic[T]):
         """
         del now_ms  # the head's batch does not depend on time; kept for symmetry
         head = self.head()
-        return None if head is None else self._build(head, self.budget_now())
+        if head is None:
+            return None
+        built = self._build(head, self.budget_now())
+        lookup = self._items
+        rest = [lookup[seq] for _, seq in built.rows if seq != head.seq]
+        return Batch(items=(head, *rest), cost=built.cost, sealed=built.sealed)
 
-    def _choose(self, now_ms: float, flush: bool) -> Batch[T] | None:
+    def _choose(self, now_ms: float, flush: bool) -> Candidate[T] | None:
         """Rule 6: the head's batch, or another one that may go before it."""
         head = self.head()
         if head is None:
@@ -368,7 +394,7 @@ class Packer(Generic[T]):
         ready = [first, *(batch for batch in others if self._ready(batch, now_ms, flush))]
         return max(ready, key=lambda b: self._ratio(b, now_ms))  # ties keep the head's
 
-    def _other_candidates(self, first: Batch[T], budget: Budget) -> list[Batch[T]]:
+    def _other_candidates(self, first: Candidate[T], budget: Budget) -> list[Candidate[T]]:
         """Batches anchored further down the line, at requests of the head's priority or more.
 
         An anchor whose length lies within a batch already built is skipped:
@@ -376,9 +402,9 @@ class Packer(Generic[T]):
         row limit, so a batch around it would cost about the same and weigh
         nothing new (and uniform traffic costs one build per pick, not three).
         """
-        head = first.items[0]
-        spans = [_span(first)]
-        found: list[Batch[T]] = []
+        head = first.anchor
+        spans = [first.span]
+        found: list[Candidate[T]] = []
         for _, seq in itertools.islice(self._line, 1, _CANDIDATE_SCAN):
             if len(found) >= _CANDIDATES - 1:
                 break
@@ -388,17 +414,17 @@ class Packer(Generic[T]):
             ):
                 continue
             batch = self._build(item, budget)
-            spans.append(_span(batch))
+            spans.append(batch.span)
             found.append(batch)
         return found
 
-    def _ready(self, batch: Batch[T], now_ms: float, flush: bool) -> bool:
-        return batch.sealed or flush or now_ms >= batch.items[0].arrived_ms + self.linger_ms
+    def _ready(self, batch: Candidate[T], now_ms: float, flush: bool) -> bool:
+        return batch.sealed or flush or now_ms >= batch.anchor.arrived_ms + self.linger_ms
 
-    def _ratio(self, batch: Batch[T], now_ms: float) -> float:
+    def _ratio(self, batch: Candidate[T], now_ms: float) -> float:
         """Response ratio: (wait + estimated run time) / estimated run time."""
         estimate = max(self.timer.estimate_ms(batch.cost), 1e-3)
-        waited = max(0.0, now_ms - self.virtual_arrival(batch.items[0]))
+        waited = max(0.0, now_ms - self.virtual_arrival(batch.anchor))
         return (waited + estimate) / estimate
 
     def budget_now(self) -> Budget:
@@ -411,30 +437,29 @@ class Packer(Generic[T]):
             return self.budget
         return replace(self.budget, max_batch_tokens=cap)
 
-    def _build(self, anchor: Item[T], budget: Budget) -> Batch[T]:
-        """Rules 2-4 and 7: the batch around ``anchor``; ``items[0]`` is the anchor.
+    def _build(self, anchor: Item[T], budget: Budget) -> Candidate[T]:
+        """Rules 2-4 and 7: the batch around ``anchor``.
 
-        The rows come from :meth:`_padded_rows` or :meth:`_ragged_rows`, by
+        The rows come from :meth:`_padded_rows` or :func:`_ragged_rows`, by
         the budget's cost model; both take, one step at a time, the side whose
-        next request adds the least padding (ties: the shorter).
+        next request adds the least padding (ties: the shorter). Its items are
+        looked up only if it is chosen (most candidates of a pick are not).
         """
         order = self._by_length
         position = bisect.bisect_left(order, (anchor.length, anchor.seq))
         if budget.cost_model is CostModel.PADDED:
             low, high, sealed = self._padded_rows(order, position, budget)
-            rest = [*order[low:position], *order[position + 1:high]]
+            rows = order[low:high]
+            total = 0  # a padded cost does not read it
         else:
-            rest, sealed = _ragged_rows(order, position, budget)
-        lengths = [length for length, _ in rest]
-        rows, longest = len(rest) + 1, max(anchor.length, max(lengths, default=0))
-        total = anchor.length + sum(lengths)
-        if not sealed and not budget.fits(rows + 1, longest, total + 1):
+            rows, sealed = _ragged_rows(order, position, budget)
+            total = sum(length for length, _ in rows)
+        longest = rows[-1][0]
+        if not sealed and not budget.fits(len(rows) + 1, longest, total + 1):
             # Not even a 1-token request could join (a full budget, or a lone
             # oversize request): lingering for company would only waste time.
             sealed = True
-        items = self._items
-        chosen = (anchor, *[items[seq] for _, seq in rest])
-        return Batch(items=chosen, cost=budget.cost(rows, longest, total), sealed=sealed)
+        return Candidate(anchor, rows, budget.cost(len(rows), longest, total), sealed)
 
     def _padded_rows(
         self, order: list[tuple[int, int]], position: int, budget: Budget
@@ -529,7 +554,7 @@ class Packer(Generic[T]):
 def _ragged_rows(
     order: list[tuple[int, int]], position: int, budget: Budget
 ) -> tuple[list[tuple[int, int]], bool]:
-    """The ragged batch around ``order[position]`` (not included), and whether it is sealed.
+    """The ragged batch around ``order[position]``, ascending, and whether it is sealed.
 
     A ragged row adds no padding, so the shorter side always goes first (rule
     2's tie): every request below, longest first, then every one above,
@@ -539,31 +564,34 @@ def _ragged_rows(
     """
     max_rows, max_tokens = budget.max_batch_size, budget.max_batch_tokens
     total = order[position][0]
-    chosen: list[tuple[int, int]] = []
+    below: list[tuple[int, int]] = []
+    above: list[tuple[int, int]] = []
     sealed = False
     for index in range(position - 1, -1, -1):
-        if len(chosen) + 1 >= max_rows:
-            return chosen, True
+        if len(below) + 1 >= max_rows:
+            sealed = True
+            break
         length = order[index][0]
         if total + length > max_tokens:
             sealed = True
             continue
-        chosen.append(order[index])
+        below.append(order[index])
         total += length
-    for index in range(position + 1, len(order)):
-        if len(chosen) + 1 >= max_rows:
-            return chosen, True
-        length = order[index][0]
-        if total + length > max_tokens:
-            return chosen, True
-        chosen.append(order[index])
-        total += length
-    return chosen, sealed or len(chosen) + 1 >= max_rows
-
-
-def _span(batch: Batch[T]) -> tuple[int, int]:
-    lengths = [item.length for item in batch.items]
-    return min(lengths), max(lengths)
+    else:
+        for index in range(position + 1, len(order)):
+            if len(below) + len(above) + 1 >= max_rows:
+                sealed = True
+                break
+            length = order[index][0]
+            if total + length > max_tokens:
+                sealed = True
+                break
+            above.append(order[index])
+            total += length
+        else:
+            sealed = sealed or len(below) + len(above) + 1 >= max_rows
+    below.reverse()
+    return [*below, order[position], *above], sealed
 
 
 class AdaptiveBudget:

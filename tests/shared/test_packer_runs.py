@@ -18,7 +18,7 @@ import bisect
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenq.shared.packer import Batch, Budget, CostModel, Item, Packer
+from tokenq.shared.packer import Batch, Budget, Candidate, CostModel, Item, Packer
 
 BELOW, ABOVE = 0, 1
 """The two sides of the anchor, ordered so that a tie goes below."""
@@ -27,7 +27,7 @@ BELOW, ABOVE = 0, 1
 class OneRowAtATime(Packer[int]):
     """The reference: rule 2 as one loop that takes one request per step."""
 
-    def _build(self, anchor: Item[int], budget: Budget) -> Batch[int]:
+    def _build(self, anchor: Item[int], budget: Budget) -> Candidate[int]:
         order = self._by_length
         padded = budget.cost_model is CostModel.PADDED
         position = bisect.bisect_left(order, (anchor.length, anchor.seq))
@@ -69,7 +69,8 @@ class OneRowAtATime(Packer[int]):
                 below -= 1  # ragged: a shorter one further down may still fit
         if not sealed and not budget.fits(len(chosen) + 1, longest, total + 1):
             sealed = True
-        return Batch(tuple(chosen), budget.cost(len(chosen), longest, total), sealed)
+        rows = sorted((item.length, item.seq) for item in chosen)
+        return Candidate(anchor, rows, budget.cost(len(chosen), longest, total), sealed)
 
 
 # Few distinct lengths (long runs of equals) and small budgets (runs cut short).

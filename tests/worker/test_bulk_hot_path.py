@@ -164,6 +164,66 @@ def test_the_embedding_reply_packed_directly_is_the_same_bytes(
     assert wire.decode_reply(direct).embedding == embedding
 
 
+@settings(max_examples=60)
+@given(
+    request_ids=st.lists(st.text(min_size=1, max_size=130), min_size=1, max_size=5),
+    dim=st.sampled_from([1, 8, 63, 64, 384, 16_383, 16_384]),
+    tokens=st.lists(st.sampled_from([0, 1, 127, 128, 255, 256, 65_535, 65_536, 1 << 24]),
+                    min_size=5, max_size=5),
+    data=st.data(),
+)
+def test_a_batch_of_embedding_replies_is_the_same_bytes_as_one_at_a_time(
+    request_ids: list[str], dim: int, tokens: list[int], data: st.DataObject,
+) -> None:
+    """``encode_embedding_replies`` packs the shared parts once; each reply is still the bytes
+    ``encode_embedding_reply`` gives, whatever the id, the width (msgpack's three bin headers)
+    and the count (its five integer forms)."""
+    rows = [data.draw(st.binary(min_size=4 * dim, max_size=4 * dim)) if dim < 100
+            else bytes(range(256)) * (dim // 64) + bytes(4 * dim % 256) for _ in request_ids]
+    counts = tokens[:len(request_ids)]
+    together = wire.encode_embedding_replies(request_ids, b"".join(rows), dim, counts)
+    assert together == [wire.encode_embedding_reply(request_id, row, dim, tokens=count)
+                        for request_id, row, count in zip(request_ids, rows, counts, strict=True)]
+
+
+_RESULT_KINDS = st.sampled_from(
+    ["vector", "vector", "narrow", "float64", "tokens", "failure", "empty"])
+
+
+@settings(max_examples=80)
+@given(kinds=st.lists(_RESULT_KINDS, min_size=1, max_size=12), seed=st.integers(0, 99))
+def test_a_batchs_replies_are_the_bytes_each_would_get_alone(kinds: list[str], seed: int) -> None:
+    """``Pipeline.encoded_replies`` (a batch's rows packed together when they are vectors
+    of one width) gives every outcome exactly ``encoded_reply``'s bytes and verdict, whatever
+    the mix: other widths, float64 rows, token embeddings, failures, empty rows."""
+    from tokenq.worker.backends.sim import SimBackend
+    from tokenq.worker.pipeline.execute import Failure
+    from tokenq.worker.pipeline.pipeline import Outcome, Pipeline
+
+    rng = np.random.default_rng(seed)
+    pipeline: Pipeline[int] = Pipeline(SimBackend(dim=8, batch_ms=0.0, token_us=0.0))
+    made = {
+        "vector": lambda: rng.standard_normal(8).astype(np.float32),
+        "narrow": lambda: rng.standard_normal(3).astype(np.float32),
+        "float64": lambda: rng.standard_normal(8),
+        "tokens": lambda: rng.standard_normal((2, 8)).astype(np.float32),
+        "failure": lambda: Failure("inference_failed", "it broke", None),
+        "empty": lambda: np.zeros(0, dtype=np.float32),
+    }
+    outcomes = [
+        Outcome(index, wire.Request(f"id-{index}", "t", 1, "r"), made[kind](), index * 7)
+        for index, kind in enumerate(kinds)
+    ]
+    assert pipeline.encoded_replies(outcomes) == [pipeline.encoded_reply(o) for o in outcomes]
+
+
+def test_a_batch_of_embedding_replies_checks_its_sizes() -> None:
+    with pytest.raises(ValueError, match="need 16 bytes"):
+        wire.encode_embedding_replies(["a", "b"], b"\0" * 15, 2, [1, 1])
+    with pytest.raises(ValueError, match="token counts"):
+        wire.encode_embedding_replies(["a", "b"], b"\0" * 16, 2, [1])
+
+
 def test_the_embedding_reply_packed_directly_still_checks_its_length() -> None:
     with pytest.raises(ValueError, match="expected 4"):
         wire.encode_embedding_reply("a", b"\0" * 7, 2)

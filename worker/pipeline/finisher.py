@@ -56,6 +56,8 @@ class Finisher:
     ) -> list[np.ndarray]:
         """The answer for each row (one request's whole result each), in order."""
         out = list(rows)
+        if options.count(NO_OPTIONS) == len(options):  # no request asked anything: one step
+            return self._default(out) if self._default_work and out else out
         plain = [i for i, option in enumerate(options) if not option.shapes_output]
         if self._default_work and plain:
             done = self._default([out[i] for i in plain])

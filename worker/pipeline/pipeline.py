@@ -380,9 +380,12 @@ class Pipeline(Generic[K]):
         ``deadline_exceeded`` without running; the rest run together, split
         and retried on failure by :func:`run_isolated`.
         """
-        expired = [job for job in jobs if _past(job, now_epoch_ms)]
-        live = [job for job in jobs if not _past(job, now_epoch_ms)]
-        answered = self.settle(expired, [_DEADLINE] * len(expired))
+        expired: list[Job[K]] = []
+        live: list[Job[K]] = []
+        for job in jobs:
+            deadline = job.deadline_ms
+            (live if deadline is None or deadline > now_epoch_ms else expired).append(job)
+        answered = self.settle(expired, [_DEADLINE] * len(expired)) if expired else []
         failed_runs: list[FailedRun] = []
         device_ms = 0.0
         if live:
@@ -403,8 +406,12 @@ class Pipeline(Generic[K]):
         operation for all that take the model's defaults); a chunked request's
         windows stay raw until its last one is back.
         """
-        whole = [i for i, job in enumerate(jobs)
-                 if job.chunk is None and not isinstance(results[i], Failure)]
+        whole = [i for i, (job, result) in enumerate(zip(jobs, results, strict=True))
+                 if job.chunk is None and not isinstance(result, Failure)]
+        if len(whole) == len(jobs):  # the common case: every request whole and answered
+            rows = self.finisher.finish(results, [job.options for job in jobs])  # type: ignore[arg-type]
+            return [Outcome(job.ref, job.request, row, job.encoding.length)
+                    for job, row in zip(jobs, rows, strict=True)]
         finished: dict[int, np.ndarray] = {}
         if whole:
             rows = self.finisher.finish(
@@ -441,26 +448,39 @@ class Pipeline(Generic[K]):
         :func:`~tokenq.shared.wire.encode_embedding_replies`, instead of a
         conversion and a packed dict per row (issue 25). The bytes are the same.
         """
+        if not outcomes:
+            return []
+        if self.info.embeds:  # the common case first: every row a vector of one width
+            shapes = [getattr(outcome.result, "shape", None) for outcome in outcomes]
+            shape = shapes[0]
+            if shape is not None and len(shape) == 1 and shape[0] \
+                    and shapes.count(shape) == len(shapes):
+                return [(payload, True) for payload in self._embedding_replies(outcomes)]
         replies: list[tuple[bytes, bool] | None] = [None] * len(outcomes)
         if self.info.embeds:
             by_width: dict[int, list[int]] = {}
             for index, outcome in enumerate(outcomes):
                 result = outcome.result
-                if isinstance(result, np.ndarray) and result.ndim == 1:
+                if isinstance(result, np.ndarray) and result.ndim == 1 and result.shape[0]:
                     by_width.setdefault(result.shape[0], []).append(index)
-            for width, indices in by_width.items():
-                done = [outcomes[index] for index in indices]
-                # concatenate, not stack: the same bytes at a third of the cost per row
-                rows = np.concatenate([outcome.result for outcome in done]).astype(
-                    "<f4", copy=False)
-                payloads = wire.encode_embedding_replies(
-                    [outcome.request.id for outcome in done], rows.tobytes(), width,
-                    [outcome.tokens for outcome in done],
-                )
+            for indices in by_width.values():
+                payloads = self._embedding_replies([outcomes[index] for index in indices])
                 for index, payload in zip(indices, payloads, strict=True):
                     replies[index] = (payload, True)
         return [self.encoded_reply(outcome) if reply is None else reply
                 for outcome, reply in zip(outcomes, replies, strict=True)]
+
+    @staticmethod
+    def _embedding_replies(outcomes: Sequence[Outcome[K]]) -> list[bytes]:
+        """The replies of outcomes whose results are vectors of one width."""
+        vectors = [outcome.result for outcome in outcomes]
+        # concatenate, not stack: the same bytes at a third of the cost per row
+        rows = np.concatenate(vectors).astype("<f4", copy=False)  # type: ignore[arg-type]
+        return wire.encode_embedding_replies(
+            [outcome.request.id for outcome in outcomes], rows.tobytes(),
+            int(vectors[0].shape[0]),  # type: ignore[union-attr]
+            [outcome.tokens for outcome in outcomes],
+        )
 
     def encoded_reply(self, outcome: Outcome[K]) -> tuple[bytes, bool]:
         """The reply's msgpack bytes, and whether it is a success.
@@ -504,10 +524,6 @@ class Pipeline(Generic[K]):
 
 
 _DEADLINE = Failure(ErrorCode.DEADLINE_EXCEEDED.value, "deadline passed before the request ran")
-
-
-def _past(job: Job[object], now_epoch_ms: int) -> bool:
-    return job.deadline_ms is not None and job.deadline_ms <= now_epoch_ms
 
 
 def _tokenizer_failure(exc: Exception) -> tuple[ErrorCode, str]:
