@@ -566,30 +566,21 @@ def _ragged_rows(
     total = order[position][0]
     below: list[tuple[int, int]] = []
     above: list[tuple[int, int]] = []
+    walk = itertools.chain(((index, below) for index in range(position - 1, -1, -1)),
+                           ((index, above) for index in range(position + 1, len(order))))
     sealed = False
-    for index in range(position - 1, -1, -1):
-        if len(below) + 1 >= max_rows:
-            sealed = True
+    for index, side in walk:
+        if len(below) + len(above) + 1 >= max_rows:
             break
         length = order[index][0]
         if total + length > max_tokens:
             sealed = True
+            if side is above:
+                break
             continue
-        below.append(order[index])
+        side.append(order[index])
         total += length
-    else:
-        for index in range(position + 1, len(order)):
-            if len(below) + len(above) + 1 >= max_rows:
-                sealed = True
-                break
-            length = order[index][0]
-            if total + length > max_tokens:
-                sealed = True
-                break
-            above.append(order[index])
-            total += length
-        else:
-            sealed = sealed or len(below) + len(above) + 1 >= max_rows
+    sealed = sealed or len(below) + len(above) + 1 >= max_rows
     below.reverse()
     return [*below, order[position], *above], sealed
 
