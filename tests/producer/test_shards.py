@@ -145,8 +145,8 @@ def test_answers_go_back_to_their_lane_under_their_bare_id() -> None:
     from tokenq.worker.pipeline.pipeline import Failure, Outcome
 
     class Encoder:
-        def encoded_reply(self, outcome: Outcome) -> tuple[bytes, bool]:
-            return b"", True
+        def encoded_replies(self, outcomes: list[Outcome]) -> list[tuple[bytes, bool]]:
+            return [(b"", True)] * len(outcomes)
 
     outcomes = [Outcome(Ref(k % 3, b"1-%d" % k), wire.Request(str(k), "t", 1, "r"),
                         Failure("x", "y")) for k in range(9)]
