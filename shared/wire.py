@@ -91,10 +91,15 @@ def pack(value: object) -> bytes:
     costs; replies are packed once per request (issue 25). One Packer per
     thread, since a Packer's buffer must not be shared by two threads.
     """
+    return _thread_packer().pack(value)
+
+
+def _thread_packer() -> msgpack.Packer:
+    """This thread's own msgpack Packer (a Packer's buffer must not be shared by two)."""
     packer = getattr(_packers, "packer", None)
     if packer is None:
         packer = _packers.packer = msgpack.Packer(use_bin_type=True)
-    return packer.pack(value)
+    return packer
 
 
 _VERSION_BYTES = str(PROTOCOL_VERSION).encode()
@@ -635,7 +640,7 @@ def encode_embedding_replies(
             f"{len(request_ids)} replies of {dim} floats need {width * len(request_ids)} bytes "
             f"and {len(request_ids)} token counts; got {len(rows)} bytes, {len(tokens)} counts"
         )
-    head = _map_header(5) + pack("id")
+    head = _thread_packer().pack_map_header(5) + pack("id")
     middle = pack("ok") + pack(True) + pack("embedding") + pack(bytes(width))[:-width]
     tail = pack("dim") + pack(dim) + pack("tokens")
     one = pack
@@ -644,11 +649,6 @@ def encode_embedding_replies(
         for request_id, at, count in zip(request_ids, range(0, len(rows), width), tokens,
                                          strict=True)
     ]
-
-
-def _map_header(size: int) -> bytes:
-    """msgpack's header for a map of ``size`` pairs (as ``pack`` writes it for a dict)."""
-    return msgpack.Packer(use_bin_type=True).pack_map_header(size)
 
 
 def _error_param(value: object) -> str | None:

@@ -276,7 +276,7 @@ class Pipeline(Generic[K]):
         """Tokenize in one call per truncation length (one call unless requests differ)."""
         cut: list[tuple[Admit[K], RequestOptions]] = []
         whole: list[tuple[Admit[K], RequestOptions]] = []
-        default = cut if self.policy == "truncate" else whole  # requests that say nothing
+        default = cut if self._truncates(NO_OPTIONS) else whole  # requests that say nothing
         for entry in items:
             options = entry[1]
             if options is NO_OPTIONS:
@@ -292,10 +292,8 @@ class Pipeline(Generic[K]):
         self, items: Sequence[tuple[Admit[K], RequestOptions]], max_length: int | None,
         out: Admitted[K],
     ) -> None:
-        default_prompt = prompt_of(NO_OPTIONS, self.facts)
         inputs = [
-            TextInput(item.request.text, item.request.text_pair,
-                      default_prompt if options.prompt is None else options.prompt,
+            TextInput(item.request.text, item.request.text_pair, prompt_of(options, self.facts),
                       options.output_tokens)
             for item, options in items
         ]
@@ -333,8 +331,7 @@ class Pipeline(Generic[K]):
                     f"reply's limit of {wire.MAX_TOKEN_EMBEDDING_FLOATS} floats: send less text",
                 ))
                 return
-            out.jobs.append(Job(item.ref, item.request, encoding, item.deadline_ms,
-                                item.arrived_ms, None, 0, options))
+            out.jobs.append(self._job(item, options, encoding))
             return
         if self._windowing is not None and self.policy == "chunk" and not options.output_tokens \
                 and item.request.text_pair is None and options.truncate is not True:
@@ -444,18 +441,10 @@ class Pipeline(Generic[K]):
         """:meth:`encoded_reply` of each outcome, in order: a batch's replies at once.
 
         The embeddings of one width go together: one conversion of their
-        stacked rows to little-endian float32 and one
+        joined rows to little-endian float32 and one
         :func:`~tokenq.shared.wire.encode_embedding_replies`, instead of a
         conversion and a packed dict per row (issue 25). The bytes are the same.
         """
-        if not outcomes:
-            return []
-        if self.info.embeds:  # the common case first: every row a vector of one width
-            shapes = [getattr(outcome.result, "shape", None) for outcome in outcomes]
-            shape = shapes[0]
-            if shape is not None and len(shape) == 1 and shape[0] \
-                    and shapes.count(shape) == len(shapes):
-                return [(payload, True) for payload in self._embedding_replies(outcomes)]
         replies: list[tuple[bytes, bool] | None] = [None] * len(outcomes)
         if self.info.embeds:
             by_width: dict[int, list[int]] = {}
@@ -464,6 +453,8 @@ class Pipeline(Generic[K]):
                 if isinstance(result, np.ndarray) and result.ndim == 1 and result.shape[0]:
                     by_width.setdefault(result.shape[0], []).append(index)
             for indices in by_width.values():
+                if len(indices) == len(outcomes):  # one width for all: nothing to scatter
+                    return [(payload, True) for payload in self._embedding_replies(outcomes)]
                 payloads = self._embedding_replies([outcomes[index] for index in indices])
                 for index, payload in zip(indices, payloads, strict=True):
                     replies[index] = (payload, True)
