@@ -84,6 +84,11 @@ class BaseWorkerSettings(_WorkerProcess, _Requests):
         description="tokenize in this many child processes, for a backend whose tokenizer "
         "holds the GIL (it must offer a tokenizer factory); 0: in a thread of the worker",
     )
+    admit_inline_ms: float = Field(
+        1.0, ge=0, le=1000,
+        description="a read predicted to take at most this long to tokenize and admit runs "
+        "on the event loop instead of a thread (cheaper for short text; 0: always a thread)",
+    )
     read_ahead_budgets: float = Field(
         4.0, gt=0, description="read at most this many budgets of estimated tokens ahead"
     )

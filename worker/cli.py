@@ -6,8 +6,8 @@ on them; docs/OPERATIONS.md lists them):
 * 0 — stopped cleanly (a signal, or ``--exit-when-idle-s``);
 * 2 — bad settings or a model the settings cannot serve: restarting cannot help;
 * 3 — a stage holding entries hung past its deadline (the watchdog: a batch
-  on the device or a tokenizer past ``--batch-timeout-s``): restart the
-  process, peers have taken its requests;
+  on the device or a tokenizer past ``--batch-timeout-s``; the loop guard: an
+  event loop stuck in a stage): restart the process, peers take its requests;
 * 4 — the worker itself failed (the device was lost, an internal error):
   restart it; its requests are claimed by peers.
 """
@@ -29,6 +29,7 @@ from tokenq.worker.backends.plugins import load_backend
 from tokenq.worker.health import Health
 from tokenq.worker.loop import Worker, WorkerHung, watchdog_period_s
 from tokenq.worker.settings import WorkerSettings, settings_class_for
+from tokenq.worker.stages import Overdue
 from tokenq.worker.tooling.supervise import run_per_device
 
 log = logging.getLogger("tokenq.worker")
@@ -58,7 +59,8 @@ async def _load_and_run(
 ) -> None:
     backend = await asyncio.to_thread(load_backend, settings)
     try:
-        worker = Worker(settings, backend, metrics=worker_metrics, health=health)
+        worker = Worker(settings, backend, metrics=worker_metrics, health=health,
+                        on_stuck=_exit_stuck)
     except BaseException:
         backend.close()
         raise
@@ -75,12 +77,21 @@ async def _load_and_run(
     except WorkerHung as exc:
         # The hung batch's thread cannot be stopped, and interpreter shutdown
         # would wait for it forever: leave at once, as a crash would.
-        log.critical("exiting %d: %s", EXIT_HUNG, exc)
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(EXIT_HUNG)
+        _exit_hung(str(exc))
     finally:
         backend.close()
+
+
+def _exit_stuck(late: Overdue) -> None:
+    """The loop guard's way out: the event loop itself is stuck in ``late``'s stage."""
+    _exit_hung(f"{late.stage.name} hung on the event loop: {late.reason}")
+
+
+def _exit_hung(why: str) -> None:
+    log.critical("exiting %d: %s", EXIT_HUNG, why)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(EXIT_HUNG)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

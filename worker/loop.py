@@ -60,6 +60,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -78,6 +79,7 @@ from tokenq.worker.intake import Intake
 from tokenq.worker.lanes import Lane, Ref, Retirement
 from tokenq.worker.lifecycle import STOP_GRACE_S, Lifecycle
 from tokenq.worker.logs import FIELDS
+from tokenq.worker.loop_guard import LoopGuard
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.outbox import Outbox
 from tokenq.worker.pipeline.execute import adapt_budget
@@ -92,7 +94,13 @@ from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.redis_connect import connect
 from tokenq.worker.server_check import check_server
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.stages import DEVICE, REDIS_CALL_BOUND, Stages, redis_call_deadline_s
+from tokenq.worker.stages import (
+    DEVICE,
+    REDIS_CALL_BOUND,
+    Overdue,
+    Stages,
+    redis_call_deadline_s,
+)
 from tokenq.worker.watchdog import Watchdog, WorkerHung, watchdog_period_s
 
 __all__ = ["Plan", "Worker", "WorkerHung", "default_consumer_name", "plan",
@@ -144,7 +152,11 @@ class Worker:
         client: aioredis.Redis | None = None,
         metrics: NullMetrics | None = None,
         health: Health | None = None,
+        on_stuck: Callable[[Overdue], None] | None = None,
     ) -> None:
+        """``on_stuck``: given, a :class:`~tokenq.worker.loop_guard.LoopGuard` thread calls it
+        when the event loop is stuck in an overdue stage (the command exits 3); tests that
+        run a worker in their own process leave it out."""
         self.settings = settings
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.health = health if health is not None else Health(
@@ -200,6 +212,10 @@ class Worker:
         self._reader: Reader | None = None
         """Built with the client, when the worker runs."""
         self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
+        self._guard = None if on_stuck is None else LoopGuard(
+            stages=self._stages, lifecycle=self._lifecycle,
+            period_s=watchdog_period_s(settings), on_stuck=on_stuck,
+        )
         self.health.loaded()  # the backend is built and the plan holds: the model is in
 
     def _add_lane(self, queue: keys.QueueRef, *, retired: bool = False) -> Lane:
@@ -263,9 +279,13 @@ class Worker:
               for lane in self.lanes),
         ]
         watchdog = asyncio.create_task(self._wire_watchdog().run(), name="tokenq-watchdog")
+        if self._guard is not None:
+            self._guard.start()
         try:
             await _first_failure(tasks, watchdog)
         finally:
+            if self._guard is not None:
+                self._guard.stop()
             # redis-py can swallow a cancel that lands inside a command, so
             # the loops also watch closing, and the wait for them is bounded.
             self._lifecycle.closing.set()

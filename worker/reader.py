@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -30,6 +31,7 @@ from redis.exceptions import RedisError, ResponseError
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import ErrorCode
 from tokenq.worker import presence
+from tokenq.worker.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
 from tokenq.worker.health import Health
 from tokenq.worker.intake import Intake
 from tokenq.worker.lanes import Lane, Ref
@@ -97,6 +99,10 @@ class Reader:
         self.done = False
         """Every read task has ended: nothing more comes into the packer."""
         self._last_activity = time.monotonic()
+        self._stopped: asyncio.Future[Any] | None = None
+        """What :meth:`_until_stopped` waits on besides the read (:meth:`_stop_waiter`)."""
+        self._admit_place = AdmitPlace(settings.admit_inline_ms / 1000,
+                                       threads_only=settings.tokenize_processes > 0)
 
     def starting(self) -> None:
         """Called once, as the read tasks (one per lane) are started."""
@@ -153,6 +159,9 @@ class Reader:
             self._health.reader_ended(lane.index)
             self._readers_left -= 1
             self.done = self._readers_left == 0
+            if self._readers_left <= 0 and self._stopped is not None:
+                self._stopped.cancel()
+                self._stopped = None
             self._feed.wake()
 
     async def _wait_for_room(self) -> None:
@@ -172,11 +181,7 @@ class Reader:
         and the safety net (or a restart's history read) hands it out again.
         """
         task = asyncio.ensure_future(read)
-        stopped = asyncio.ensure_future(self._lifecycle.stopping.wait())
-        try:
-            await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
+        await asyncio.wait({task, self._stop_waiter()}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
             await asyncio.wait({task}, timeout=self.settings.block_ms / 1000 + 1.0)
         if task.done():
@@ -185,6 +190,17 @@ class Reader:
         with contextlib.suppress(asyncio.CancelledError, RedisError):
             await task
         return None
+
+    def _stop_waiter(self) -> asyncio.Future[Any]:
+        """One future per reader that ends when the worker is told to stop.
+
+        Shared by every read (a waiter made and cancelled per read was a tenth of a
+        read's own cost in the event loop); the last reader to end cancels it.
+        """
+        waiter = self._stopped
+        if waiter is None or waiter.get_loop() is not asyncio.get_running_loop():
+            waiter = self._stopped = asyncio.ensure_future(self._lifecycle.stopping.wait())
+        return waiter
 
     async def _reclaim(self, lane: Lane, count: int) -> bool:
         """Every heartbeat interval, take over entries of dead workers; True if any."""
@@ -334,13 +350,20 @@ class Reader:
         if not decoded.requests:
             return [], answers
         claimed = sum(max(1, request.tokens) for _, request in decoded.requests)
+        units = AdmitPlace.units(len(decoded.requests), sum(
+            len(request.text) + len(request.text_pair or "") for _, request in decoded.requests))
+        admit = functools.partial(self._admit, lane, decoded.requests, monotonic_ms(), now)
+        if self._admit_place.on_loop(units):
+            where, limit = " on the event loop", (
+                min(INLINE_LIMIT_S, self.settings.batch_timeout_s), INLINE_LIMIT_NAME)
+        else:
+            where, limit = "", (self.settings.batch_timeout_s, "batch_timeout_s")
         with self._intake.estimating(claimed), self._stages.running(
-            TOKENIZING, f"a read of {len(decoded.requests)} requests being tokenized",
-            self.settings.batch_timeout_s, "batch_timeout_s", shortened_by_stop=True,
+            TOKENIZING, f"a read of {len(decoded.requests)} requests being tokenized{where}",
+            *limit, shortened_by_stop=True,
         ):
-            admitted = await asyncio.to_thread(
-                self._admit, lane, decoded.requests, monotonic_ms(), now
-            )
+            admitted, seconds = admit() if where else await asyncio.to_thread(admit)
+        self._admit_place.learn(units, seconds)
         for owed in answers_by_lane(self._pipeline, admitted.answered).values():
             answers += owed  # all on this lane: the read's own entries
         fields = dict(present) if admitted.broken else {}
@@ -355,8 +378,9 @@ class Reader:
     def _admit(
         self, lane: Lane, requests: list[tuple[bytes, wire.Request]], read_ms: float,
         now_epoch_ms: int,
-    ) -> Admitted[Ref]:
-        """The pipeline's admission of one read (in a thread: it tokenizes)."""
+    ) -> tuple[Admitted[Ref], float]:
+        """The pipeline's admission of one read, and the seconds it took (in a thread, or on
+        the event loop when :class:`~tokenq.worker.admit_place.AdmitPlace` says it is cheap)."""
         deadline_of = wire.deadline_of
         items = [
             Admit(ref, request, deadline_of(request, entry_id), read_ms)
@@ -365,8 +389,9 @@ class Reader:
         ]
         started = time.perf_counter()
         admitted = self._pipeline.admit(items, now_epoch_ms)
-        self._recorder.tokenized(time.perf_counter() - started)
-        return admitted
+        seconds = time.perf_counter() - started
+        self._recorder.tokenized(seconds)
+        return admitted, seconds
 
 
 def _untakable(

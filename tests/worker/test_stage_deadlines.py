@@ -122,6 +122,33 @@ def test_a_hung_tokenizer_fails_livez_exits_3_and_a_peer_answers_its_read(
             assert len(client.result(request_id, timeout_s=60).embedding) == DIM
 
 
+def test_a_tokenizer_hung_on_the_event_loop_is_ended_by_the_guard_and_a_peer_answers(
+    fleet: Fleet, r: redis.Redis, redis_url: str, queue_name: str, pids: Path,
+):
+    """A read predicted cheap is admitted on the event loop (``worker/admit_place.py``), so
+    a tokenizer that hangs there blocks the watchdog too: the loop guard's thread ends the
+    worker (exit 3, naming the stage), and a peer answers the hung read."""
+    worker = fleet.start(*HANGING, *FAST_BEAT, "--batch-timeout-s", "2",
+                         name="hung", ready=r, queue=queue_name)
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        # Reads of one cheap request each teach the worker that admitting is cheap.
+        for index in range(80):
+            request_id = client.submit(f"warm up {index}")
+            assert len(client.result(request_id, timeout_s=30).embedding) == DIM
+    ids = enqueue_with_poison(r, queue_name, 3)
+    wait_for(lambda: os.listdir(pids), 30, "the tokenizer to hang")
+    assert int(os.listdir(pids)[0]) == worker.process.pid  # in the worker itself
+    assert worker.process.wait(timeout=60) == 3, worker.output()[-3000:]
+    output = worker.output()
+    assert "tokenizing hung on the event loop" in output, output[-3000:]
+    assert "being tokenized on the event loop" in output
+
+    fleet.start(*SIM_FLAGS, *FAST_BEAT, name="peer", ready=r, queue=queue_name)
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        for request_id in ids:
+            assert len(client.result(request_id, timeout_s=60).embedding) == DIM
+
+
 def test_sigterm_stops_a_worker_whose_tokenizer_child_hangs(
     fleet: Fleet, r: redis.Redis, queue_name: str, pids: Path,
 ):
