@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.worker.test_stage_deadlines import FakeClock
 from tokenq.shared.settings_worker import BaseWorkerSettings
 from tokenq.worker.admit_place import FALL, REQUEST_UNITS, AdmitPlace
 from tokenq.worker.lifecycle import Lifecycle
@@ -99,16 +100,8 @@ def test_the_setting_has_a_default_a_range_and_zero():
 # ------------------------------------------------------------------------- guard
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_guard_waits_for_the_watchdog_before_calling_the_loop_stuck():
-    clock = Clock()
+    clock = FakeClock()
     stages = Stages(clock)
     guard = LoopGuard(stages=stages, lifecycle=Lifecycle(clock), period_s=1.0,
                       on_stuck=lambda late: None, clock=clock)
@@ -122,7 +115,7 @@ def test_the_guard_waits_for_the_watchdog_before_calling_the_loop_stuck():
 
 
 def test_a_stop_shortens_the_guards_wait_for_a_tokenizing_stage():
-    clock = Clock()
+    clock = FakeClock()
     stages, lifecycle = Stages(clock), Lifecycle(clock)
     guard = LoopGuard(stages=stages, lifecycle=lifecycle, period_s=1.0,
                       on_stuck=lambda late: None, clock=clock)
@@ -133,7 +126,7 @@ def test_a_stop_shortens_the_guards_wait_for_a_tokenizing_stage():
 
 
 def test_the_guard_thread_calls_on_stuck_once_and_stop_ends_it():
-    clock = Clock()
+    clock = FakeClock()
     stages = Stages(clock)
     called: list[Overdue] = []
     fired = threading.Event()
