@@ -66,9 +66,8 @@ class LoopGuard:
 
     def check(self, now: float) -> Overdue | None:
         """The stage overdue for longer than the patience at ``now``, or None."""
-        late = self._stages.overdue(now - self._patience_s, self._lifecycle.stop_started,
+        return self._stages.overdue(now - self._patience_s, self._lifecycle.stop_started,
                                     STOP_GRACE_S)
-        return late
 
     def _run(self) -> None:
         while not self._stopped.wait(self._period_s):

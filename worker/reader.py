@@ -194,8 +194,8 @@ class Reader:
     def _stop_waiter(self) -> asyncio.Future[Any]:
         """One future per reader that ends when the worker is told to stop.
 
-        Shared by every read (a waiter made and cancelled per read was a tenth of a
-        read's own cost in the event loop); the last reader to end cancels it.
+        Shared by every read, instead of a task made and cancelled around each one
+        (issue 25: the loop's work per read); the last reader to end cancels it.
         """
         waiter = self._stopped
         if waiter is None or waiter.get_loop() is not asyncio.get_running_loop():
