@@ -85,7 +85,7 @@ class BaseWorkerSettings(_WorkerProcess, _Requests):
         "holds the GIL (it must offer a tokenizer factory); 0: in a thread of the worker",
     )
     admit_inline_ms: float = Field(
-        1.0, ge=0, le=1000,
+        2.0, ge=0, le=1000,
         description="a read predicted to take at most this long to tokenize and admit runs "
         "on the event loop instead of a thread (cheaper for short text; 0: always a thread)",
     )
@@ -119,11 +119,12 @@ class BaseWorkerSettings(_WorkerProcess, _Requests):
         description="a dead letter keeps at most this many bytes of the entry's fields "
         "(longer ones are cut and named in dead_truncated)",
     )
-    read_ahead_bytes: int = Field(
-        256 * 1024 * 1024, ge=1,
+    read_ahead_bytes: int | None = Field(
+        None, ge=1,
         description="read at most this many bytes of request text ahead (with "
         "--read-ahead-budgets: whichever is reached first); a read asks for this over the "
-        "largest entry (--max-request-bytes + 67 KiB), 240 a read by default",
+        "largest entry (--max-request-bytes + 67 KiB). Default: a 32nd of the memory the "
+        "worker may use (its cgroup's limit, else the machine's), from 64 MiB to 1 GiB",
     )
     batch_timeout_s: float = Field(
         300.0, gt=0,

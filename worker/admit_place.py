@@ -9,7 +9,7 @@ backend (docs/BENCHMARKS.md §14, eighth round), admitting on the loop took
 about a tenth off the worker's CPU per request.
 
 So each read goes where its predicted cost says: on the loop when the
-prediction is at most ``budget_s`` (``--admit-inline-ms``, 1 ms by default:
+prediction is at most ``budget_s`` (``--admit-inline-ms``, 2 ms by default:
 a read held that long delays a publish by no more than one Redis round
 trip under load would), in a thread otherwise, and always in a thread
 before anything was learned, with ``--tokenize-processes`` (the wait is for

@@ -69,7 +69,7 @@ from redis.exceptions import RedisError
 from tokenq.shared import keys, wire
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
-from tokenq.worker import presence
+from tokenq.worker import host_memory, presence, read_ahead
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.batch_stats import exit_line
 from tokenq.worker.beat import Beat, streams_of
@@ -197,7 +197,8 @@ class Worker:
         self._clock = RedisClock()
         self._intake = Intake(
             read_ahead_budgets=settings.read_ahead_budgets,
-            read_ahead_bytes=settings.read_ahead_bytes,
+            read_ahead_bytes=settings.read_ahead_bytes or read_ahead.auto_limit(
+                host_memory.usable_bytes()),
             max_entry_bytes=wire.max_entry_bytes(settings.max_request_bytes),
             max_input_tokens=backend.info.max_input_tokens,
         )
@@ -409,12 +410,12 @@ class Worker:
         budget = self.plan.budget
         log.info(
             "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
-            "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s",
+            "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s read_ahead=%d MiB",
             self.consumer, streams_of(self.lanes), info.model, info.task,
             info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
             self.plan.budget_reason, budget.max_batch_size, self.settings.linger_ms,
-            self.plan.policy,
+            self.plan.policy, self._intake.bytes.limit // (1024 * 1024),
         )
 
     # ------------------------------------------------------------------------ run

@@ -23,12 +23,15 @@ of the reservation never adds. Entries larger than ``max_entry`` can only be
 written by a raw ``XADD`` (the producer refuses them): each exceeds the bound
 by its own excess, once, until it is dead-lettered.
 
-The price: many tiny entries are read in more, smaller reads (the default
-256 MiB room over 1 MiB entries allows about 240 a read, whatever their real
-size; the 64 MiB default before allowed 60, and each read's round trip and
-batch cost the worker a third of its CPU per request with a null backend:
-docs/BENCHMARKS.md §14); the count cap and ``read_ahead_budgets`` (tokens)
-bound reads anyway. Pure: no I/O, no clock.
+The price: many tiny entries are read in more, smaller reads (256 MiB of
+room over 1 MiB entries allows about 240 a read, whatever their real size).
+Each read's round trip, admission and batches cost the worker per read, not
+per request, so the room is the lever on CPU per request with a fast model:
+60 entries a read cost a null worker a third more than 240, and 240 a fifth
+more than 960 (docs/BENCHMARKS.md §14). Hence the default room is a share of
+the memory the worker may use (:func:`auto_limit`), not a constant: a host
+with 32 GiB or more reads about 960 at a time, a small pod keeps a small bound. The count cap and
+``read_ahead_budgets`` (tokens) bound reads anyway. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -37,8 +40,25 @@ from collections.abc import Hashable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
+AUTO_SHARE = 32
+"""The default room is this fraction (1/32) of the memory the worker may use. Small on
+purpose: the bound counts raw entry bytes, and Python's copies of a held entry (the read's
+bytes while it is decoded, then its text) take more than that."""
+AUTO_MIN = 64 * 1024 * 1024
+AUTO_MAX = 1024 * 1024 * 1024
+"""The default room's range: at least 64 MiB (60 entries a read at the default 1 MiB
+``max_request_bytes``), at most 1 GiB (about 960 a read, near the count cap of 1,024)."""
+
 K = TypeVar("K", bound=Hashable)
 """What names a held entry (the worker's :class:`~tokenq.worker.lanes.Ref`)."""
+
+
+def auto_limit(memory_bytes: int | None) -> int:
+    """The default read-ahead room for a worker that may use ``memory_bytes`` (None: not
+    known, the smallest room): a 32nd of it, from 64 MiB to 1 GiB."""
+    if memory_bytes is None:
+        return AUTO_MIN
+    return max(AUTO_MIN, min(AUTO_MAX, memory_bytes // AUTO_SHARE))
 
 
 class ByteRoom(Generic[K]):

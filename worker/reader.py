@@ -353,7 +353,8 @@ class Reader:
         units = AdmitPlace.units(len(decoded.requests), sum(
             len(request.text) + len(request.text_pair or "") for _, request in decoded.requests))
         admit = functools.partial(self._admit, lane, decoded.requests, monotonic_ms(), now)
-        if self._admit_place.on_loop(units):
+        on_loop = self._admit_place.on_loop(units)
+        if on_loop:
             where, limit = " on the event loop", (
                 min(INLINE_LIMIT_S, self.settings.batch_timeout_s), INLINE_LIMIT_NAME)
         else:
@@ -362,7 +363,7 @@ class Reader:
             TOKENIZING, f"a read of {len(decoded.requests)} requests being tokenized{where}",
             *limit, shortened_by_stop=True,
         ):
-            admitted, seconds = admit() if where else await asyncio.to_thread(admit)
+            admitted, seconds = admit() if on_loop else await asyncio.to_thread(admit)
         self._admit_place.learn(units, seconds)
         for owed in answers_by_lane(self._pipeline, admitted.answered).values():
             answers += owed  # all on this lane: the read's own entries

@@ -91,7 +91,7 @@ def test_the_rate_is_never_below_the_last_read_and_never_above_the_dearest(
 
 
 def test_the_setting_has_a_default_a_range_and_zero():
-    assert BaseWorkerSettings(queue="q").admit_inline_ms == 1.0
+    assert BaseWorkerSettings(queue="q").admit_inline_ms == 2.0
     assert BaseWorkerSettings(queue="q", admit_inline_ms=0).admit_inline_ms == 0
     with pytest.raises(ValueError, match="admit_inline_ms"):
         BaseWorkerSettings(queue="q", admit_inline_ms=-1)
