@@ -267,3 +267,46 @@ def test_each_batch_teaches_the_packer_its_time() -> None:
         assert feed.packer.timer.batches == 3
 
     run(main())
+
+
+def test_messages_sent_while_the_loop_is_busy_share_one_wake_up_and_keep_their_order() -> None:
+    """The device thread wakes the loop only when no wake-up is on its way: batches taken
+    and finished while the loop was held are read in one go, in the order sent, and each
+    result comes after its batch's take (``on_take``: the buffer has room)."""
+
+    async def main() -> None:
+        device, done = Device(), [False]
+        events: list[str] = []
+        feed: DeviceFeed[Any, list[str]] = DeviceFeed(
+            Packer(Budget(10_000, 1)), device, flushing=lambda: done[0],
+            finished=lambda: done[0], on_take=lambda: events.append("take"),
+        )
+        loop = asyncio.get_running_loop()
+        wakes = [0]
+        plain = loop.call_soon_threadsafe
+
+        def counting(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            wakes[0] += 1
+            return plain(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+
+        async def settle(batch: Batch[Any], result: list[str]) -> None:
+            events.append(f"done {result[0]}")
+            if len(events) == 2:
+                time.sleep(0.3)  # the loop held: the device runs ahead meanwhile
+            if sum(event.startswith("done") for event in events) == 12:
+                done[0] = True
+                feed.wake()
+
+        feed.add([job(f"r{i:02d}") for i in range(12)])
+        await feed.run(settle)
+        taken = [event for event in events if event == "take"]
+        finished = [event.split()[1] for event in events if event.startswith("done")]
+        assert len(taken) == 12 and finished == [names[0] for names in device.ran]
+        for i, name in enumerate(finished):  # the i-th result follows the i-th take
+            assert events.index(f"done {name}") > [n for n, e in enumerate(events)
+                                                   if e == "take"][i]
+        assert wakes[0] < 24, "every take and result woke the loop on its own"
+
+    run(main())

@@ -22,12 +22,20 @@ Rules it keeps:
   rounding on the linger);
 * results are settled on the event loop, in order; at most
   ``max_unsettled`` wait there, so a stalled loop stalls the device rather
-  than piling up results.
+  than piling up results;
+* what the thread tells the loop (a batch taken, a result, that it stopped)
+  goes through one inbox with at most one wake-up pending: a message sent
+  before the loop has read the last ones rides on the wake-up already on
+  its way. Why: each wake-up is a write to the loop's self-pipe and, since
+  the write lets go of the GIL, a hand-over of the interpreter to the loop
+  and back; with a fast model that was two per batch, and batches cost a
+  null worker about 150 µs of CPU each (issue 25, docs/BENCHMARKS.md §14).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 import time
@@ -55,6 +63,10 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
         return
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(event.wait(), timeout)
+
+
+_TAKEN = object()
+"""The inbox's message that a batch left the packer (the loop then calls ``on_take``)."""
 
 
 class _Done:
@@ -106,6 +118,10 @@ class DeviceFeed(Generic[T, R]):
         self._cancelled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._results: asyncio.Queue[tuple[Batch[T], R] | _Done] | None = None
+        self._inbox: collections.deque[object] = collections.deque()
+        """Messages from the device thread the loop has not read yet (under the lock)."""
+        self._wake_pending = False
+        """A wake-up to read the inbox is on its way to the loop (under the lock)."""
 
     # ------------------------------------------------------- event loop side
 
@@ -158,6 +174,9 @@ class DeviceFeed(Generic[T, R]):
         self._loop = asyncio.get_running_loop()
         self._results = asyncio.Queue()
         self._cancelled = False
+        with self._lock:  # a run cancelled before left its messages: they were dropped
+            self._inbox.clear()
+            self._wake_pending = False
         thread = threading.Thread(target=self._device_thread, name=self._name, daemon=True)
         thread.start()
         try:
@@ -191,7 +210,7 @@ class DeviceFeed(Generic[T, R]):
                 if batch is None:
                     break
                 if self._on_take is not None:
-                    self._call_on_loop(self._on_take)
+                    self._send(_TAKEN)
                 started = time.perf_counter()
                 try:
                     result = self._execute(batch)
@@ -229,15 +248,35 @@ class DeviceFeed(Generic[T, R]):
 
     def _post(self, item: tuple[Batch[T], R] | _Done) -> bool:
         """Hand ``item`` to the event loop; False when the loop is gone."""
-        results = self._results
-        return results is not None and self._call_on_loop(results.put_nowait, item)
+        return self._results is not None and self._send(item)
 
-    def _call_on_loop(self, callback: Callable[..., object], *args: object) -> bool:
+    def _send(self, message: object) -> bool:
+        """Put ``message`` in the loop's inbox, waking the loop unless a wake-up is already
+        on its way; False when the loop is gone (or the feed was cancelled)."""
         loop = self._loop
         if loop is None or self._cancelled:
             return False
+        with self._lock:
+            self._inbox.append(message)
+            wake, self._wake_pending = not self._wake_pending, True
+        if not wake:
+            return True
         try:
-            loop.call_soon_threadsafe(callback, *args)
+            loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop closed under us
             return False
         return True
+
+    def _deliver(self) -> None:
+        """On the loop: act on every message in the inbox, in the order sent."""
+        with self._lock:
+            messages = list(self._inbox)
+            self._inbox.clear()
+            self._wake_pending = False
+        results = self._results
+        for message in messages:
+            if message is _TAKEN:
+                if self._on_take is not None:
+                    self._on_take()
+            elif results is not None:
+                results.put_nowait(message)  # type: ignore[arg-type]
