@@ -62,6 +62,7 @@ from enum import Enum
 from typing import Generic, TypeVar
 
 from tokenq.shared import wire
+from tokenq.shared.arrival_line import ArrivalLine
 
 T = TypeVar("T")
 
@@ -269,7 +270,7 @@ class Packer(Generic[T]):
         self.timer = timer if timer is not None else BatchTimer()
         self._items: dict[int, Item[T]] = {}
         self._by_length: list[tuple[int, int]] = []  # (length, seq), ascending
-        self._line: list[tuple[float, int]] = []  # (virtual arrival, seq), ascending
+        self._line = ArrivalLine(self._items.keys())  # rule 1's order, removed lazily
         self._seq = itertools.count()
         self._tokens = 0
 
@@ -300,15 +301,13 @@ class Packer(Generic[T]):
                     f"priority must be from 0 to {MAX_PRIORITY}, got {item.priority}")
         virtual_arrival = self.virtual_arrival
         self._items.update((item.seq, item) for item in made)
-        if len(made) == 1:  # one request: a bisection each, not a pass over the buffer
+        if len(made) == 1:  # one request: a bisection, not a pass over the buffer
             item = made[0]
             bisect.insort(self._by_length, (item.length, item.seq))
-            bisect.insort(self._line, (virtual_arrival(item), item.seq))
         else:
             self._by_length += [(item.length, item.seq) for item in made]
             self._by_length.sort()
-            self._line += [(virtual_arrival(item), item.seq) for item in made]
-            self._line.sort()
+        self._line.add([(virtual_arrival(item), item.seq) for item in made])
         self._tokens += sum(item.length for item in made)
         return made
 
@@ -336,7 +335,8 @@ class Packer(Generic[T]):
 
     def head(self) -> Item[T] | None:
         """The request at the head of the line (earliest virtual arrival, then first added)."""
-        return self._items[self._line[0][1]] if self._line else None
+        seq = self._line.head()
+        return None if seq is None else self._items[seq]
 
     def ready_at(self) -> float | None:
         """When the head's unsealed batch stops lingering (ms), or None with an empty buffer."""
@@ -405,7 +405,7 @@ class Packer(Generic[T]):
         head = first.anchor
         spans = [first.span]
         found: list[Candidate[T]] = []
-        for _, seq in itertools.islice(self._line, 1, _CANDIDATE_SCAN):
+        for seq in itertools.islice(self._line.seqs(), 1, _CANDIDATE_SCAN):
             if len(found) >= _CANDIDATES - 1:
                 break
             item = self._items[seq]
@@ -536,9 +536,10 @@ class Packer(Generic[T]):
         """Take ``items`` (in ascending (length, seq) order) out of the buffer and both views.
 
         A padded batch is one slice of the length view, removed in one step;
-        anything else goes one bisection at a time.
+        anything else goes one bisection at a time. The line drops them lazily
+        (:class:`~tokenq.shared.arrival_line.ArrivalLine`).
         """
-        order, line, aging = self._by_length, self._line, self.aging_ms
+        order = self._by_length
         first = bisect.bisect_left(order, (items[0].length, items[0].seq))
         last = first + len(items) - 1
         if last < len(order) and order[last] == (items[-1].length, items[-1].seq):
@@ -546,10 +547,12 @@ class Packer(Generic[T]):
         else:
             for item in items:
                 del order[bisect.bisect_left(order, (item.length, item.seq))]
+        buffered = self._items
         for item in items:
-            del line[bisect.bisect_left(line, (item.arrived_ms - item.priority * aging, item.seq))]
-            del self._items[item.seq]
-            self._tokens -= item.length
+            del buffered[item.seq]
+        self._tokens -= sum(item.length for item in items)
+        self._line.removed(len(items))
+
 
 def _ragged_rows(
     order: list[tuple[int, int]], position: int, budget: Budget

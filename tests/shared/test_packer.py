@@ -268,7 +268,7 @@ class PackerMachine(RuleBasedStateMachine):
     def views_are_sorted_and_whole(self) -> None:
         """The length view and the line hold every buffered item once, in order (rules 1-2
         read them by bisection, so one out of place would mis-pack silently)."""
-        by_length, line = self.packer._by_length, self.packer._line
+        by_length, line = self.packer._by_length, self.packer._line.entries()
         items = list(self.packer)
         assert by_length == sorted((item.length, item.seq) for item in items)
         assert line == sorted((self.packer.virtual_arrival(item), item.seq) for item in items)
