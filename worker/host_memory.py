@@ -1,22 +1,25 @@
-"""How much memory this worker process may use: its cgroup's limit, else the machine's.
+"""How much memory this worker process may use: its cgroups' limits, else the machine's.
 
 Read once at start to size defaults that are a share of memory (the
 read-ahead byte bound: :func:`tokenq.worker.read_ahead.auto_limit`). A
-container's limit is what the kernel enforces, so it wins over the host's
-memory when smaller; an unreadable, unlimited (``max``) or nonsensical file
-counts as no limit, never as an error: a default must not stop a worker.
+cgroup's limit is what the kernel enforces, so it wins over the machine's
+memory when smaller: a container's own (its namespace shows it at the
+root), and a service's under systemd (its own cgroup and every parent,
+found through ``/proc/self/cgroup``), for cgroup v2 and v1 alike. An
+unreadable, unlimited (``max``) or nonsensical file counts as no limit,
+never as an error: a default must not stop a worker.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-CGROUP_LIMIT_FILES = (
-    Path("/sys/fs/cgroup/memory.max"),  # cgroup v2, the container's own
-    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1
-)
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+V2_FILE = "memory.max"
+V1_DIR, V1_FILE = "memory", "memory.limit_in_bytes"
 
 
 def limit_in(path: Path) -> int | None:
@@ -35,6 +38,29 @@ def limit_in(path: Path) -> int | None:
     return value if 0 < value < 1 << 50 else None
 
 
+def limit_files(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> list[Path]:
+    """Every file that may state a memory limit on this process: for v2 and v1, the
+    hierarchy's root (a container's own cgroup) and the process's cgroup and its parents."""
+    v2, v1 = [PurePosixPath("/")], [PurePosixPath("/")]
+    try:
+        lines = proc_cgroup.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if not path.startswith("/"):
+            continue
+        own = PurePosixPath(path)
+        if controllers == "":
+            v2 += [own, *own.parents]
+        elif "memory" in controllers.split(","):
+            v1 += [own, *own.parents]
+    files = [root / str(cgroup).lstrip("/") / V2_FILE for cgroup in v2]
+    files += [root / V1_DIR / str(cgroup).lstrip("/") / V1_FILE for cgroup in v1]
+    return list(dict.fromkeys(files))
+
+
 def physical_bytes() -> int | None:
     """The machine's memory, or None where the platform does not say."""
     try:
@@ -44,8 +70,9 @@ def physical_bytes() -> int | None:
     return pages * size if pages > 0 and size > 0 else None
 
 
-def usable_bytes(limit_files: Iterable[Path] = CGROUP_LIMIT_FILES) -> int | None:
+def usable_bytes(files: Iterable[Path] | None = None) -> int | None:
     """The least of the machine's memory and every cgroup limit found (None: none known)."""
-    known = [value for value in (physical_bytes(), *map(limit_in, limit_files))
+    found = limit_files() if files is None else files
+    known = [value for value in (physical_bytes(), *map(limit_in, found))
              if value is not None]
     return min(known, default=None)

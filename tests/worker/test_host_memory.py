@@ -48,12 +48,40 @@ def test_a_missing_or_unreadable_file_is_no_limit(tmp_path: Path) -> None:
 def test_usable_memory_is_the_least_of_the_machine_and_every_limit(tmp_path: Path) -> None:
     physical = host_memory.physical_bytes()
     assert physical is not None and physical > 0
-    assert host_memory.usable_bytes([]) == physical
+    assert host_memory.usable_bytes([tmp_path / "absent"]) == physical
     small, unlimited = tmp_path / "v2", tmp_path / "v1"
     small.write_text(str(512 * 1024 * 1024))
     unlimited.write_text("max")
     assert host_memory.usable_bytes([small, unlimited]) == min(physical, 512 * 1024 * 1024)
     assert host_memory.usable_bytes([unlimited, tmp_path / "absent"]) == physical
+    assert host_memory.usable_bytes() is not None  # this machine's own files, whatever they say
+
+
+def test_a_services_own_cgroup_and_its_parents_are_read_for_v2_and_v1(tmp_path: Path) -> None:
+    """Under systemd a service's limit sits on its own cgroup (or a slice above it), not at
+    the root a container would show: every level is read, the least limit wins."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("12:cpu,cpuacct:/elsewhere\n4:memory,hugetlb:/box/worker\n"
+                    "0::/system.slice/tokenq.service\nnonsense\n3:devices:relative\n")
+    root = tmp_path / "fs"
+    files = host_memory.limit_files(proc, root)
+    assert root / "system.slice/tokenq.service/memory.max" in files
+    assert root / "system.slice/memory.max" in files and root / "memory.max" in files
+    assert root / "memory/box/worker/memory.limit_in_bytes" in files
+    assert root / "memory/box/memory.limit_in_bytes" in files
+    assert not any("elsewhere" in str(path) or "relative" in str(path) for path in files)
+    slice_limit = root / "system.slice/memory.max"
+    slice_limit.parent.mkdir(parents=True)
+    slice_limit.write_text(str(300 * 1024 * 1024))
+    (root / "system.slice/tokenq.service").mkdir()
+    (root / "system.slice/tokenq.service/memory.max").write_text("max")
+    assert host_memory.usable_bytes(files) == min(300 * 1024 * 1024,
+                                                   host_memory.physical_bytes() or 1 << 62)
+
+
+def test_an_unreadable_proc_file_leaves_the_roots(tmp_path: Path) -> None:
+    files = host_memory.limit_files(tmp_path / "absent", tmp_path)
+    assert files == [tmp_path / "memory.max", tmp_path / "memory/memory.limit_in_bytes"]
 
 
 @given(st.one_of(st.none(), st.integers(min_value=0, max_value=1 << 62)))
