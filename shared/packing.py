@@ -9,10 +9,18 @@ installed the mixin steps aside and redis-py packs as before. Both mixins
 also turn a connection closed under a command into the ``ConnectionError``
 it is (:class:`AsyncHiredisPacking` says why): every connection class tokenq
 makes passes through :func:`packing_mixin`, so this is its one place.
+
+Arguments can also arrive already packed (:class:`PackedArgs`): a caller
+that sends thousands of arguments of a known shape (the worker's publish
+call, four per answer) writes them as RESP itself, one format operation per
+answer, instead of a list the packer walks one argument at a time. This
+module is the one home of that byte format too (:func:`bulk_format`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio.connection
@@ -26,14 +34,94 @@ except ImportError:  # pragma: no cover - hiredis: the worker extra, tokenq[fast
     _hiredis_pack = None
 
 
+def bulk_format(count: int) -> bytes:
+    """A %-format for ``count`` RESP bulk strings, each given as (length, bytes)."""
+    return b"$%d\r\n%b\r\n" * count
+
+
+def bulk(value: bytes | str | int) -> bytes:
+    """One argument as a RESP bulk string, as redis-py's encoder would send it.
+
+    A str is UTF-8 (a lone surrogate becomes ``?``: this never raises for
+    text, where redis-py would); an int its decimal digits. A bool or any
+    other type is refused with ``TypeError``, as redis-py refuses it.
+    """
+    if isinstance(value, str):
+        value = value.encode("utf-8", "replace")
+    elif isinstance(value, int) and not isinstance(value, bool):
+        value = b"%d" % value
+    elif not isinstance(value, bytes):
+        raise TypeError(f"cannot send a {type(value).__name__} to Redis: {value!r:.80}")
+    return b"$%d\r\n%b\r\n" % (len(value), value)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedArgs:
+    """The last arguments of a command, already RESP bulk strings: ``count`` of them.
+
+    Only a connection with the packing mixin takes it (:func:`takes_packed`);
+    :meth:`values` gives them back, one by one, for any other.
+    """
+
+    count: int
+    data: bytes
+
+    @classmethod
+    def of(cls, values: Iterable[bytes | str | int]) -> PackedArgs:
+        """Arguments of any shape, one :func:`bulk` each (the slow, general way)."""
+        parts = [bulk(value) for value in values]
+        return cls(len(parts), b"".join(parts))
+
+    def values(self) -> list[bytes]:
+        """The arguments as bytes, in order (for a client that cannot take them packed)."""
+        out: list[bytes] = []
+        data, at = self.data, 0
+        for _ in range(self.count):
+            end = data.index(b"\r\n", at)
+            if data[at:at + 1] != b"$":
+                raise ValueError(f"not a RESP bulk string at byte {at}")
+            start = end + 2
+            stop = start + int(data[at + 1:end])
+            out.append(data[start:stop])
+            at = stop + 2
+        if at != len(data):
+            raise ValueError(f"{len(data) - at} bytes after {self.count} arguments")
+        return out
+
+
+def takes_packed(client: Any) -> bool:
+    """Whether ``client``'s connections take :class:`PackedArgs` (a client tokenq made:
+    plain, Sentinel or Cluster, sync or asyncio)."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        connection_class = getattr(pool, "connection_class", None)
+    else:  # a cluster client keeps its nodes' class in its connection options
+        connection_class = getattr(client, "connection_kwargs", {}).get("connection_class")
+    return isinstance(connection_class, type) and issubclass(connection_class, HiredisPacking)
+
+
+def _joined(chunks: list[bytes], packed: PackedArgs) -> list[bytes]:
+    """A packed command's chunks with ``packed`` after them, its count added to the header."""
+    first = chunks[0]
+    end = first.index(b"\r\n")
+    count = int(first[1:end]) + packed.count
+    return [b"*%d\r\n" % count + first[end + 2:], *chunks[1:], packed.data]
+
+
 class HiredisPacking:
     """Connection mixin: ``pack_command`` in C (hiredis), byte-for-byte redis-py's output.
 
     What hiredis refuses (a bool, an unknown type) goes to redis-py's own
-    packer, so the errors a caller sees are redis-py's.
+    packer, so the errors a caller sees are redis-py's. A :class:`PackedArgs`
+    last argument is sent as it is, after the others.
     """
 
     def pack_command(self, *args: Any) -> list[bytes]:
+        if args and isinstance(args[-1], PackedArgs):
+            return _joined(self._pack(args[:-1]), args[-1])
+        return self._pack(args)
+
+    def _pack(self, args: tuple[Any, ...]) -> list[bytes]:
         if _hiredis_pack is not None and args:
             first = args[0]
             # A command name with a space ("SCRIPT LOAD") is two arguments, as redis-py splits it.

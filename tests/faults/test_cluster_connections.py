@@ -47,6 +47,7 @@ from tokenq.producer.redis_deadlines import (
 from tokenq.shared import keys
 from tokenq.shared.failures import CommandFailed
 from tokenq.shared.flags import UsageError
+from tokenq.shared.packing import takes_packed
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.redis_connect import HiredisPacking
 from tokenq.worker.redis_connect import connect as worker_connect
@@ -297,6 +298,7 @@ def test_the_workers_client_runs_what_the_worker_sends(target: Target) -> None:
             else:
                 classes = [client.connection_pool.connection_class]
             assert classes and all(issubclass(c, HiredisPacking) for c in classes)
+            assert takes_packed(client)  # so its publish calls go packed (worker/publish.py)
             assert await client.client_getname() == "tokenq-worker"
         finally:
             await client.aclose()

@@ -36,7 +36,7 @@ from tokenq.shared import keys, lua_scripts, redis_refusal, wire
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.health import Health
 from tokenq.worker.pipeline.jobs import Answer
-from tokenq.worker.publish import Publisher
+from tokenq.worker.publish import Publisher, spelled_out
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,7 +191,8 @@ def test_the_publish_script_by_eval_answers_oom_before_settling_anything(full, k
     q = keys.QueueRef("oomeval")
     n = 5
     answers = _pending_answers(r, q, n, kind)
-    names, args = _publisher(aioredis.Redis.from_url(url), q).arguments(answers)
+    names, packed = _publisher(aioredis.Redis.from_url(url), q).arguments(answers)
+    args = spelled_out(packed)
     source = lua_scripts.load("tokenq.worker", "publish.lua")
     fill(r)
     with pytest.raises(redis.exceptions.OutOfMemoryError):

@@ -6,6 +6,10 @@
   answers a call carries (an entry named twice, entries already settled,
   entries another consumer owns), each entry still pending to this consumer
   is answered exactly once and the rest are left alone;
+* a call's per-answer arguments are written as RESP in bulk
+  (:class:`~tokenq.shared.packing.PackedArgs`): the worker's own client sends
+  them as they are, any other client spelled out, and both are the ARGV
+  layout publish.lua reads;
 * the embedding reply is packed without a ``wire.Reply`` in between: the same
   bytes as ``encode_reply(embedding_reply(...))``;
 * an integer field is checked without the regex when it is plain digits: the
@@ -30,12 +34,24 @@ from hypothesis import strategies as st
 
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import DecodeError
+from tokenq.shared.packing import PackedArgs, takes_packed
 from tokenq.worker.pipeline.jobs import Answer
-from tokenq.worker.publish import Publisher
+from tokenq.worker.publish import Publisher, spelled_out
+from tokenq.worker.redis_connect import connect
+from tokenq.worker.settings import WorkerSettings
 
 _PER_CALL = 12
 _EXAMPLES = itertools.count()
 """A fresh queue per hypothesis example (the fixtures are made once per test)."""
+
+
+def _client(redis_url: str, workers_own: bool) -> aioredis.Redis:
+    """The worker's own client (it takes packed arguments) or a plain redis-py one."""
+    if not workers_own:
+        return aioredis.Redis.from_url(redis_url)
+    client = connect(WorkerSettings(redis_url=redis_url, queue="q", backend="sim"))
+    assert takes_packed(client)
+    return client  # type: ignore[return-value]
 
 
 def _publisher(client: aioredis.Redis, q: keys.QueueRef) -> Publisher:
@@ -54,11 +70,12 @@ def _publisher(client: aioredis.Redis, q: keys.QueueRef) -> Publisher:
     dead=st.sets(st.integers(0, _PER_CALL - 1), max_size=4),
     filler=st.lists(st.integers(0, 12), min_size=_PER_CALL, max_size=_PER_CALL),
     huge_ids=st.booleans(),
+    workers_own=st.booleans(),
 )
 def test_one_call_answers_each_entry_still_ours_exactly_once(
     redis_url: str, r: redis.Redis, queue_name: str,
     picks: list[int], settled: set[int], theirs: set[int], dead: set[int],
-    filler: list[int], huge_ids: bool,
+    filler: list[int], huge_ids: bool, workers_own: bool,
 ) -> None:
     """Answers named in any order, repeated, already settled or owned by another consumer:
     a reply (and a letter) per entry still pending to c1, nothing for the others, and every
@@ -67,7 +84,8 @@ def test_one_call_answers_each_entry_still_ours_exactly_once(
     c1 also holds ``filler`` entries it does not answer between the answered ones
     (up to 144: past the one range XPENDING's count, so the per-entry check is
     taken too), and with ``huge_ids`` the ids' parts are past 2^53, where a
-    Lua number could no longer order them."""
+    Lua number could no longer order them. ``workers_own``: the call goes through the
+    worker's client (its per-answer arguments packed) or a plain one (spelled out)."""
     q = keys.QueueRef(f"{queue_name}{next(_EXAMPLES)}")
     stream = keys.requests(q)
     r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
@@ -95,7 +113,7 @@ def test_one_call_answers_each_entry_still_ours_exactly_once(
     ]
 
     async def scenario() -> int:
-        client = aioredis.Redis.from_url(redis_url)
+        client = _client(redis_url, workers_own)
         try:
             return await _publisher(client, q).publish_once(answers)
         finally:
@@ -119,9 +137,10 @@ def test_one_call_answers_each_entry_still_ours_exactly_once(
     r.delete(stream, keys.dead(q), *(keys.reply(q, f"r{i}") for i in range(_PER_CALL)))
 
 
+@pytest.mark.parametrize("workers_own", [True, False])
 @pytest.mark.parametrize("n", [1, 999, 1000, 1001, 2500])
 def test_a_call_larger_than_one_ack_slice_settles_every_entry(
-    redis_url: str, r: redis.Redis, queue_name: str, n: int,
+    redis_url: str, r: redis.Redis, queue_name: str, n: int, workers_own: bool,
 ) -> None:
     """XACK and XDEL go in slices of 1,000 ids (Lua's stack): every slice is settled."""
     q = keys.QueueRef(queue_name)
@@ -136,7 +155,7 @@ def test_a_call_larger_than_one_ack_slice_settles_every_entry(
     answers = [Answer(entry_id, reply_key, b"x", ok=True) for entry_id in ids]
 
     async def scenario() -> int:
-        client = aioredis.Redis.from_url(redis_url)
+        client = _client(redis_url, workers_own)
         try:
             return await _publisher(client, q).publish_once(answers)
         finally:
@@ -146,6 +165,51 @@ def test_a_call_larger_than_one_ack_slice_settles_every_entry(
     assert r.llen(reply_key) == n
     assert r.xlen(stream) == 0
     assert r.xpending(stream, keys.GROUP)["pending"] == 0
+
+
+def _layout(answers: list[Answer], refused: dict[bytes, str]) -> tuple[list[str], list[object]]:
+    """publish.lua's KEYS and ARGV as its header comment lays them out, written plainly."""
+    names: list[str] = ["stream", "dead"]
+    argv: list[object] = ["group", "c1", 60_000, 1000, 4096, len(answers)]
+    for answer in answers:
+        if answer.entry_id in refused:
+            slot, payload = b"-1", refused[answer.entry_id].encode()
+        elif answer.reply_to is None:
+            slot, payload = b"0", answer.payload
+        else:
+            if answer.reply_to not in names[2:]:
+                names.append(answer.reply_to)
+            slot, payload = str(names.index(answer.reply_to) + 1).encode(), answer.payload
+        argv += [answer.entry_id, slot, payload, str(len(answer.dead_fields)).encode()]
+        argv += [value.encode() if isinstance(value, str) else value
+                 for pair in answer.dead_fields for value in pair]
+    return names, argv
+
+
+_texts = st.one_of(st.binary(max_size=40), st.text(max_size=20))
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(
+    st.binary(min_size=1, max_size=24), st.one_of(st.none(), st.sampled_from(["k1", "k2", "é"])),
+    st.binary(max_size=300), st.lists(st.tuples(_texts, _texts), max_size=3), st.booleans(),
+), max_size=20))
+def test_a_calls_packed_arguments_are_the_layout_the_script_reads(rows: list) -> None:
+    """Whatever the answers (no reply key, repeated ones, refused, dead-letter fields of
+    bytes or text, empty payloads, payloads that contain CRLF), the packed ARGV spelled out
+    is exactly the plain layout, and the tail counts its arguments."""
+    answers = [Answer(entry_id, reply_to, payload, ok=not dead, dead_fields=tuple(dead))
+               for entry_id, reply_to, payload, dead, _ in rows]
+    refused = {row[0]: f"refused {i} ✓" for i, row in enumerate(rows) if row[4]}
+    publisher = Publisher(aioredis.Redis(), stream="stream", dead="dead", group="group",
+                          consumer="c1", reply_ttl_ms=60_000, dead_max_len=1000,
+                          dead_max_letter_bytes=4096)
+    names, args = publisher.arguments(answers, refused)
+    assert isinstance(args[-1], PackedArgs)
+    expected_names, expected = _layout(answers, refused)
+    assert names == expected_names
+    assert [a if isinstance(a, bytes) else str(a).encode() for a in spelled_out(args)] == [
+        a if isinstance(a, bytes) else str(a).encode() for a in expected]
 
 
 @given(

@@ -30,6 +30,60 @@ def test_hiredis_packing_is_byte_for_byte_redis_pys(command: str | bytes, args: 
     assert b"".join(Packed().pack_command(command, *args)) == expected
 
 
+packable = st.one_of(st.binary(max_size=64), st.text(max_size=32),
+                     st.integers(-(2**63), 2**63 - 1))
+
+
+@pytest.mark.parametrize("in_c", [True, False], ids=["hiredis", "redis-py"])
+@given(command=st.sampled_from(["FCALL", "EVALSHA", "SCRIPT LOAD", b"XACK"]),
+       head=st.lists(arguments, max_size=6), tail=st.lists(packable, max_size=40))
+def test_packed_arguments_are_sent_as_the_same_bytes(
+    command: str | bytes, head: list, tail: list, in_c: bool,
+) -> None:
+    """A command whose last arguments come packed (PackedArgs) is the same bytes as one
+    that names them one by one, through hiredis or through redis-py's own packer (no
+    hiredis installed), and the packed tail reads back as the arguments it was made of."""
+    from unittest import mock
+
+    from tokenq.shared import packing
+
+    expected = b"".join(Connection().pack_command(command, *head, *tail))
+    tail_packed = packing.PackedArgs.of(tail)
+    with mock.patch.object(packing, "_hiredis_pack", packing._hiredis_pack if in_c else None):
+        assert b"".join(Packed().pack_command(command, *head, tail_packed)) == expected
+    assert tail_packed.values() == [Connection().encoder.encode(value) for value in tail]
+
+
+@pytest.mark.parametrize("data", [b"$3\r\nab\r\n", b"x1\r\na\r\n", b"$1\r\na\r\nextra",
+                                  b"$-5\r\n\r\n", b"$9\r\nab\r\n"])
+def test_packed_arguments_that_are_not_resp_are_refused_when_read_back(data: bytes) -> None:
+    from tokenq.shared.packing import PackedArgs
+
+    with pytest.raises(ValueError):
+        PackedArgs(1, data).values()
+
+
+def test_what_cannot_be_sent_is_refused_by_the_bulk_packer_by_name() -> None:
+    from tokenq.shared.packing import bulk
+
+    for value in (True, 1.5, None, ["a"]):
+        with pytest.raises(TypeError, match="cannot send a"):
+            bulk(value)  # type: ignore[arg-type]
+    assert bulk("\ud800x") == b"$2\r\n?x\r\n"  # text never raises: a lone surrogate is ?
+
+
+def test_only_clients_tokenq_made_are_handed_packed_arguments(redis_url: str) -> None:
+    import redis
+    import redis.asyncio as aioredis
+
+    from tokenq.shared.packing import takes_packed
+
+    assert takes_packed(connect(WorkerSettings(redis_url=redis_url, queue="q")))
+    assert not takes_packed(aioredis.Redis.from_url(redis_url))
+    assert not takes_packed(redis.Redis.from_url(redis_url))
+    assert not takes_packed(object())
+
+
 def test_what_hiredis_refuses_gets_redis_pys_error() -> None:
     with pytest.raises(DataError):
         Packed().pack_command("SET", "key", True)
