@@ -15,10 +15,9 @@ buffered tokens) is passed in, so tests drive every rule with plain numbers
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
-from tokenq.worker.lanes import Ref
 from tokenq.worker.read_ahead import ByteRoom
 
 
@@ -35,7 +34,7 @@ class Intake:
         max_input_tokens: int,
     ) -> None:
         self.read_ahead_budgets = read_ahead_budgets
-        self.bytes: ByteRoom[Ref] = ByteRoom(read_ahead_bytes, max_entry_bytes)
+        self.bytes = ByteRoom(read_ahead_bytes, max_entry_bytes)
         """The byte bound on read-ahead: held < read_ahead_bytes + one largest entry."""
         self.avg_estimate = float(max(1, max_input_tokens))
         """Estimated tokens per request, which turns the token room into a read's count.
@@ -110,25 +109,18 @@ class Intake:
     ) -> None:
         """Count a read's entries as held (before its reservation ends: the room they take
         is never free in between); an entry deleted meanwhile (no fields) holds nothing."""
-        # A plain (lane, id) tuple is equal to, and hashed as, Ref(lane, id), at a fifth
-        # of the cost per entry.
-        self.bytes.hold_all(
-            ((lane, entry_id), entry_bytes(fields))
-            for entry_id, fields in entries if fields is not None
-        )
+        present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+        self.bytes.hold_all(lane, [entry_id for entry_id, _ in present],
+                            [entry_bytes(fields) for _, fields in present])
 
     def emitted(self, answers: int) -> None:
         """Answers handed to the outbox: their entries hold room until published."""
         self.unpublished_answers += answers
 
-    def published(self, lane: int, entry_ids: Iterable[bytes]) -> None:
+    def published(self, lane: int, entry_ids: Sequence[bytes]) -> None:
         """Answers published (or given up on): their entries stop holding room."""
-        release = self.bytes.held.pop  # bound once: per answer below
-        count = 0
-        for entry_id in entry_ids:
-            release((lane, entry_id), None)  # equal to, and hashed as, Ref(lane, entry_id)
-            count += 1
-        self.unpublished_answers -= count
+        self.bytes.release_all(lane, entry_ids)
+        self.unpublished_answers -= len(entry_ids)
 
     def held_by_lane(self) -> dict[int, list[bytes]]:
         """The entry ids the worker holds (read, not yet answered on Redis), by lane.
@@ -136,10 +128,7 @@ class Intake:
         Buffered, on the device, and answered but waiting to be published
         alike: each is pending to this worker until its answer is published.
         """
-        held: dict[int, list[bytes]] = {}
-        for lane, entry_id in self.bytes.held:
-            held.setdefault(lane, []).append(entry_id)
-        return held
+        return self.bytes.held()
 
     def busy(self) -> bool:
         """Whether a read is being tokenized now (the worker is not idle)."""

@@ -129,7 +129,7 @@ class Outbox:
                         answers, give_up=functools.partial(self._retrying, restart))
             finally:
                 self._publishing -= 1
-                self._intake.published(lane.index, (answer.entry_id for answer in answers))
+                self._intake.published(lane.index, [answer.entry_id for answer in answers])
                 self._lifecycle.room_made.set()
             self._recorder.published(answers, self._now_epoch_ms())
 

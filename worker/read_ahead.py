@@ -30,15 +30,20 @@ per request, so the room is the lever on CPU per request with a fast model:
 60 entries a read cost a null worker a third more than 240, and 240 a fifth
 more than 960 (docs/BENCHMARKS.md §14). Hence the default room is a share of
 the memory the worker may use (:func:`auto_limit`), not a constant: a host
-with 32 GiB or more reads about 960 at a time, a small pod keeps a small bound. The count cap and
-``read_ahead_budgets`` (tokens) bound reads anyway. Pure: no I/O, no clock.
+with 32 GiB or more reads about 960 at a time, a small pod keeps a small bound. The count
+cap and ``read_ahead_budgets`` (tokens) bound reads anyway. Pure: no I/O, no clock.
+
+What is held is kept per lane, by entry id (two lanes' streams can hand out the same id),
+so a read's entries are held and an answer's released in one C-level call each, not a
+tuple made and hashed per entry (issue 25).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator
+import itertools
+from collections import deque
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Generic, TypeVar
 
 AUTO_SHARE = 32
 """The default room is this fraction (1/32) of the memory the worker may use. Small on
@@ -49,10 +54,6 @@ AUTO_MAX = 1024 * 1024 * 1024
 """The default room's range: at least 64 MiB (60 entries a read at the default 1 MiB
 ``max_request_bytes``), at most 1 GiB (about 960 a read, near the count cap of 1,024)."""
 
-K = TypeVar("K", bound=Hashable)
-"""What names a held entry (the worker's :class:`~tokenq.worker.lanes.Ref`)."""
-
-
 def auto_limit(memory_bytes: int | None) -> int:
     """The default read-ahead room for a worker that may use ``memory_bytes`` (None: not
     known, the smallest room): a 32nd of it, from 64 MiB to 1 GiB."""
@@ -61,7 +62,7 @@ def auto_limit(memory_bytes: int | None) -> int:
     return max(AUTO_MIN, min(AUTO_MAX, memory_bytes // AUTO_SHARE))
 
 
-class ByteRoom(Generic[K]):
+class ByteRoom:
     """The bytes a worker holds (entries read, not yet answered) and reserves for reads."""
 
     def __init__(self, limit: int, max_entry: int) -> None:
@@ -69,13 +70,21 @@ class ByteRoom(Generic[K]):
             raise ValueError(f"limit and max_entry must be >= 1, got {limit}, {max_entry}")
         self.limit = limit
         self.max_entry = max_entry
-        self.held: dict[K, int] = {}
-        """Raw size of each entry held, by reference (:meth:`hold`, :meth:`release`)."""
+        self._held: dict[int, dict[bytes, int]] = {}
+        """Raw size of each entry held, by lane, then by entry id (:meth:`hold_all`)."""
         self.reserved = 0
         """Bytes reserved for reads asked for and not yet held."""
 
     def used(self) -> int:
-        return sum(self.held.values()) + self.reserved
+        return sum(sum(sizes.values()) for sizes in self._held.values()) + self.reserved
+
+    def held(self) -> dict[int, list[bytes]]:
+        """The ids of the entries held, by lane (lanes holding none left out)."""
+        return {lane: list(sizes) for lane, sizes in self._held.items() if sizes}
+
+    def size_of(self, lane: int, entry_id: bytes) -> int | None:
+        """What one held entry counts for (None: not held)."""
+        return self._held.get(lane, {}).get(entry_id)
 
     def count(self, cap: int, readers: int = 1) -> int:
         """How many entries the next read may ask for: 0 while there is no room.
@@ -103,12 +112,15 @@ class ByteRoom(Generic[K]):
         finally:
             self.reserved -= reserved
 
-    def hold(self, ref: K, size: int) -> None:
-        self.held[ref] = size
+    def hold_all(self, lane: int, entry_ids: Iterable[bytes], sizes: Iterable[int]) -> None:
+        """Hold a read's entries of ``lane`` (ids and sizes in the same order), in one call."""
+        held = self._held.get(lane)
+        if held is None:
+            held = self._held[lane] = {}
+        held.update(zip(entry_ids, sizes, strict=True))
 
-    def hold_all(self, sizes: Iterable[tuple[K, int]]) -> None:
-        """:meth:`hold` for each (reference, size) of a read, in one call."""
-        self.held.update(sizes)
-
-    def release(self, ref: K) -> None:
-        self.held.pop(ref, None)
+    def release_all(self, lane: int, entry_ids: Iterable[bytes]) -> None:
+        """Stop holding entries of ``lane`` (ids not held are skipped), in one call."""
+        held = self._held.get(lane)
+        if held:
+            deque(map(held.pop, entry_ids, itertools.repeat(0)), maxlen=0)

@@ -137,7 +137,7 @@ def measure(reads: int) -> dict[str, Any]:
                 pack_command("FCALL", "publish", len(names), *names, *args)
         with step("10 release"):
             for answers in owed:
-                intake.published(0, (answer.entry_id for answer in answers))
+                intake.published(0, [answer.entry_id for answer in answers])
     order = sorted(spent, key=lambda name: int(name.split()[0]))
     per_request = {name: round(spent[name] / reads / READ * 1e6, 3) for name in order}
     return {"us_per_request": per_request, "total_us": round(sum(per_request.values()), 3),

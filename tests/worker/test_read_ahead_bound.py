@@ -70,21 +70,25 @@ class ReadAheadMachine(RuleBasedStateMachine):
             return
         count, reservation = self.open.pop(read)
         if not failed:
-            for size in sizes[:count]:  # Redis returns at most COUNT entries
-                self.room.hold(f"e{self.next_ref}".encode(), size)
-                self.next_ref += 1
+            taken = sizes[:count]  # Redis returns at most COUNT entries
+            ids = [b"e%d" % (self.next_ref + i) for i in range(len(taken))]
+            self.next_ref += len(taken)
+            self.room.hold_all(read % 3, ids, taken)  # any lane: the bound spans them all
         reservation.__exit__(None, None, None)  # type: ignore[attr-defined]
 
     @rule(data=st.data())
     def publish(self, data: st.DataObject) -> None:
-        held = sorted(self.room.held)
+        held = sorted((lane, entry_id) for lane, ids in self.room.held().items()
+                      for entry_id in ids)
         if held:
-            for ref in data.draw(st.lists(st.sampled_from(held), max_size=len(held))):
-                self.room.release(ref)
+            for lane, entry_id in data.draw(st.lists(st.sampled_from(held), max_size=len(held))):
+                self.room.release_all(lane, [entry_id, b"never held"])
 
     @invariant()
     def bounded(self) -> None:
-        assert sum(self.room.held.values()) <= self.room.used()
+        sizes = [self.room.size_of(lane, entry_id)
+                 for lane, ids in self.room.held().items() for entry_id in ids]
+        assert sum(size or 0 for size in sizes) <= self.room.used()
         assert self.room.used() < self.room.limit + self.room.max_entry
 
 
