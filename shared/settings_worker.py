@@ -124,7 +124,8 @@ class BaseWorkerSettings(_WorkerProcess, _Requests):
         description="read at most this many bytes of request text ahead (with "
         "--read-ahead-budgets: whichever is reached first); a read asks for this over the "
         "largest entry (--max-request-bytes + 67 KiB). Default: a 32nd of the memory the "
-        "worker may use (its cgroup's limit, else the machine's), from 64 MiB to 1 GiB",
+        "worker may use (the least of the machine's memory and its cgroup limits), from "
+        "64 MiB to 1 GiB",
     )
     batch_timeout_s: float = Field(
         300.0, gt=0,

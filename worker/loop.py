@@ -195,10 +195,12 @@ class Worker:
         """The stages holding entries now, each with its deadline (the watchdog reads it)."""
         self._call_deadline = (redis_call_deadline_s(settings), REDIS_CALL_BOUND)
         self._clock = RedisClock()
+        room = settings.read_ahead_bytes
+        if room is None:  # not set: a share of the memory this worker may use
+            room = read_ahead.auto_limit(host_memory.usable_bytes())
         self._intake = Intake(
             read_ahead_budgets=settings.read_ahead_budgets,
-            read_ahead_bytes=settings.read_ahead_bytes or read_ahead.auto_limit(
-                host_memory.usable_bytes()),
+            read_ahead_bytes=room,
             max_entry_bytes=wire.max_entry_bytes(settings.max_request_bytes),
             max_input_tokens=backend.info.max_input_tokens,
         )
