@@ -19,7 +19,6 @@ module is the one home of that byte format too (:func:`bulk_format`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +51,10 @@ def bulk(value: bytes | str | int) -> bytes:
         value = b"%d" % value
     elif not isinstance(value, bytes):
         raise TypeError(f"cannot send a {type(value).__name__} to Redis: {value!r:.80}")
-    return b"$%d\r\n%b\r\n" % (len(value), value)
+    return _ONE_BULK % (len(value), value)
+
+
+_ONE_BULK = bulk_format(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +67,6 @@ class PackedArgs:
 
     count: int
     data: bytes
-
-    @classmethod
-    def of(cls, values: Iterable[bytes | str | int]) -> PackedArgs:
-        """Arguments of any shape, one :func:`bulk` each (the slow, general way)."""
-        parts = [bulk(value) for value in values]
-        return cls(len(parts), b"".join(parts))
 
     def values(self) -> list[bytes]:
         """The arguments as bytes, in order (for a client that cannot take them packed)."""

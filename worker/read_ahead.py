@@ -30,12 +30,13 @@ per request, so the room is the lever on CPU per request with a fast model:
 60 entries a read cost a null worker a third more than 240, and 240 a fifth
 more than 960 (docs/BENCHMARKS.md §14). Hence the default room is a share of
 the memory the worker may use (:func:`auto_limit`), not a constant: a host
-with 32 GiB or more reads about 960 at a time, a small pod keeps a small bound. The count
-cap and ``read_ahead_budgets`` (tokens) bound reads anyway. Pure: no I/O, no clock.
+with 32 GiB or more reads about 960 at a time, a small pod keeps a small
+bound. The count cap and ``read_ahead_budgets`` (tokens) bound reads anyway.
+Pure: no I/O, no clock.
 
-What is held is kept per lane, by entry id (two lanes' streams can hand out the same id),
-so a read's entries are held and an answer's released in one C-level call each, not a
-tuple made and hashed per entry (issue 25).
+What is held is kept per lane, by entry id (two lanes' streams can hand out
+the same id), so a read's entries are held and an answer's released in one
+C-level call each, not a tuple made and hashed per entry (issue 25).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ AUTO_MIN = 64 * 1024 * 1024
 AUTO_MAX = 1024 * 1024 * 1024
 """The default room's range: at least 64 MiB (60 entries a read at the default 1 MiB
 ``max_request_bytes``), at most 1 GiB (about 960 a read, near the count cap of 1,024)."""
+
 
 def auto_limit(memory_bytes: int | None) -> int:
     """The default read-ahead room for a worker that may use ``memory_bytes`` (None: not

@@ -52,7 +52,12 @@ HISTORY_COUNT = 256
 MAX_READ_COUNT = 1024
 
 Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
-"""What XREADGROUP and XCLAIM return: entry ids and fields (None: deleted while pending)."""
+"""What XREADGROUP and XCLAIM return: entry ids and fields.
+
+An entry deleted while pending comes back from a history read with no fields:
+Redis sends nil, redis-py turns it into ``{}`` (a fake may say None). No live
+entry has none (``XADD`` needs a field), so empty fields mean deleted.
+"""
 
 
 def stream_entries(reply: Any) -> Entries:
@@ -297,11 +302,10 @@ class Reader:
         """
         self._last_activity = time.monotonic()
         deliveries = deliveries or {}
-        gone = [entry_id for entry_id, fields in entries if fields is None]
-        if gone:  # deleted while pending to us: nothing to answer, just release
+        present = [(entry_id, fields) for entry_id, fields in entries if fields]
+        if len(present) < len(entries):  # deleted while pending to us: nothing to answer
             self._outbox.emit(lane.index, [Answer(entry_id, None, b"", ok=False)
-                                           for entry_id in gone])
-        present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+                                           for entry_id, fields in entries if not fields])
         if not held:
             self._intake.hold(lane.index, entries)
         await self._take_present(lane, present, deliveries)

@@ -131,6 +131,30 @@ def test_fixed_name_restarts_over_a_crashing_entry_end_in_a_dead_letter(
            lost=0, duplicates=0)
 
 
+def test_an_entry_deleted_while_pending_is_released_on_restart_not_dead_lettered(
+    fleet, r, queue_name
+):
+    """A history read gives an entry deleted while pending (XDEL, a trim) with no fields:
+    the restarted worker acks it and answers nobody, with no dead letter, and serves
+    its neighbours."""
+    q = keys.QueueRef(queue_name)
+    stream = keys.requests(q)
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    ids = [r.xadd(stream, {"v": "1", "id": f"d{i}", "text": f"pending {i}"}) for i in range(3)]
+    r.xreadgroup(keys.GROUP, "fixed", {stream: ">"})  # delivered to "fixed" before a crash
+    r.xdel(stream, ids[1])
+    assert pending_of(r, q, "fixed") == 3
+
+    fleet.start(name="fixed", ready=r, queue=queue_name)
+    for i in (0, 2):
+        assert vector_ok(reply_of(r, keys.reply(q, f"d{i}")).embedding, f"pending {i}")
+    wait_for(lambda: pending_of(r, q) == 0, 30, "the deleted entry acked")
+    assert r.xlen(keys.dead(q)) == 0 and r.llen(keys.reply(q, "d1")) == 0
+    assert r.xlen(stream) == 0
+    record("entry deleted while pending, then a restart", requests=3, deleted=1,
+           dead_lettered=0, lost=0, duplicates=0)
+
+
 # ------------------------------------------------------------ 3. the reply namespace
 
 

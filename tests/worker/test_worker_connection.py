@@ -48,7 +48,7 @@ def test_packed_arguments_are_sent_as_the_same_bytes(
     from tokenq.shared import packing
 
     expected = b"".join(Connection().pack_command(command, *head, *tail))
-    tail_packed = packing.PackedArgs.of(tail)
+    tail_packed = packing.PackedArgs(len(tail), b"".join(map(packing.bulk, tail)))
     with mock.patch.object(packing, "_hiredis_pack", packing._hiredis_pack if in_c else None):
         assert b"".join(Packed().pack_command(command, *head, tail_packed)) == expected
     assert tail_packed.values() == [Connection().encoder.encode(value) for value in tail]
