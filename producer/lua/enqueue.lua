@@ -14,7 +14,7 @@
 -- ARGV[2]   n: how many entries follow
 -- ARGV[3]   dedupe: how long what was enqueued is remembered, in ms: <ms> with a
 --           seen key per entry, call:<ms> with one seen key for the call; 0 turns it off
--- ARGV[4..] for each entry: k, its number of fields, then k field/value pairs
+-- ARGV[4..] for each entry: k, its number of fields (1 to 1,000), then k field/value pairs
 --
 -- Returns the n entry ids, in order: for an entry seen before, the id its
 -- first enqueue got. Only new entries count against the limit: when
@@ -114,12 +114,16 @@ if dedupe_ttl_ms > 0 and #KEYS ~= seen_keys + 1 and #KEYS ~= seen_keys + 2 then
     or "ERR tokenq enqueue: dedupe needs one seen key per entry")
 end
 
--- Walk the arguments once to check their shape before writing anything.
+-- Walk the arguments once to check their shape before writing anything. An
+-- entry's fields go to XADD by one unpack, and Lua's C stack takes about
+-- 8,000 values at once: an entry of more fields than MAX_FIELDS is refused
+-- here, or its unpack would fail the script half way through the batch.
+local MAX_FIELDS = 1000
 local starts = {}
 local pos = 4
 for i = 1, n do
   local k = tonumber(ARGV[pos])
-  if k == nil or k < 1 or pos + 2 * k > #ARGV then
+  if k == nil or k < 1 or k > MAX_FIELDS or pos + 2 * k > #ARGV then
     return redis.error_reply("ERR tokenq enqueue: malformed entry at argument " .. pos)
   end
   starts[i] = pos
@@ -177,12 +181,9 @@ for i = 1, n do
   if same_as[i] ~= nil then
     ids[i] = ids[same_as[i]]
   elseif ids[i] == nil then
-    local k = tonumber(ARGV[starts[i]])
-    local entry = {"XADD", stream, "*"}
-    for j = starts[i] + 1, starts[i] + 2 * k do
-      entry[#entry + 1] = ARGV[j]
-    end
-    ids[i] = redis.call(unpack(entry))
+    -- The fields straight from ARGV: no table built per entry (issue 25).
+    local at = starts[i]
+    ids[i] = redis.call("XADD", stream, "*", unpack(ARGV, at + 1, at + 2 * tonumber(ARGV[at])))
     if per_entry then
       redis.call("SET", KEYS[i + 1], ids[i], "PX", ttl_text)
     end

@@ -427,6 +427,26 @@ def test_a_call_seen_key_that_does_not_fit_the_call_is_refused_by_name(
     assert not r.exists(stream(queue_name))
 
 
+def test_an_entry_of_too_many_fields_is_refused_before_anything_is_written(
+    r: redis.Redis, queue_name: str
+) -> None:
+    """An entry's fields reach XADD by one Lua unpack, which fails past ~8,000 values:
+    an entry of more than 1,000 fields is refused while the arguments are checked, so a
+    batch is never half written (a fine entry before it included); 1,000 still go in."""
+    script = r.register_script(ENQUEUE_SCRIPT)
+
+    def entry(fields: int) -> list[object]:
+        return [fields, *(part for i in range(fields) for part in (f"f{i}", "x"))]
+
+    fine = [2, "id", "a", "text", "x"]
+    for hostile in (1001, 5000):
+        with pytest.raises(redis.ResponseError, match="malformed entry at argument 9"):
+            script(keys=[stream(queue_name)], args=[0, 2, 0, *fine, *entry(hostile)])
+        assert not r.exists(stream(queue_name))
+    [entry_id] = script(keys=[stream(queue_name)], args=[0, 1, 0, *entry(1000)])
+    assert len(r.xrange(stream(queue_name))[0][1]) == 1000 and entry_id
+
+
 @hypothesis_settings(
     max_examples=40,
     deadline=None,

@@ -71,15 +71,21 @@ def _publisher(client: aioredis.Redis, q: keys.QueueRef) -> Publisher:
     filler=st.lists(st.integers(0, 12), min_size=_PER_CALL, max_size=_PER_CALL),
     huge_ids=st.booleans(),
     workers_own=st.booleans(),
+    shared_keys=st.integers(0, 3),
+    refused=st.sets(st.integers(0, _PER_CALL - 1), max_size=3),
 )
 def test_one_call_answers_each_entry_still_ours_exactly_once(
     redis_url: str, r: redis.Redis, queue_name: str,
     picks: list[int], settled: set[int], theirs: set[int], dead: set[int],
-    filler: list[int], huge_ids: bool, workers_own: bool,
+    filler: list[int], huge_ids: bool, workers_own: bool, shared_keys: int, refused: set[int],
 ) -> None:
     """Answers named in any order, repeated, already settled or owned by another consumer:
     a reply (and a letter) per entry still pending to c1, nothing for the others, and every
     entry c1 answered is acked and deleted while the others stay pending where they were.
+
+    With ``shared_keys`` the answers share that many reply keys (pushed one RPUSH a
+    key): each key holds its replies in the call's order. ``refused`` answers name a key
+    of another type: they are acked and dead-lettered, and cost no one else a reply.
 
     c1 also holds ``filler`` entries it does not answer between the answered ones
     (up to 144: past the one range XPENDING's count, so the per-entry check is
@@ -105,8 +111,16 @@ def test_one_call_answers_each_entry_still_ours_exactly_once(
         r.xclaim(stream, keys.GROUP, "c2", 0, [ids[i]])
     for i in settled:
         r.xack(stream, keys.GROUP, ids[i])
+    wrong = keys.reply(q, "wrong-type")
+    r.set(wrong, "a string: RPUSH refuses it")
+
+    def reply_key(i: int) -> str:
+        if i in refused:
+            return wrong
+        return keys.reply(q, f"k{i % shared_keys}" if shared_keys else f"r{i}")
+
     answers = [
-        Answer(ids[i], keys.reply(q, f"r{i}"), f"reply {i}".encode(), ok=i not in dead,
+        Answer(ids[i], reply_key(i), f"reply {i}".encode(), ok=i not in dead,
                dead_fields=(("id", f"r{i}"), ("dead_error_code", "dead_letter"))
                if i in dead else ())
         for i in picks
@@ -121,10 +135,15 @@ def test_one_call_answers_each_entry_still_ours_exactly_once(
 
     ours = set(picks) - settled - theirs
     assert asyncio.run(scenario()) == len(ours)
-    for i in range(_PER_CALL):
-        replies = r.lrange(keys.reply(q, f"r{i}"), 0, -1)
-        assert replies == ([f"reply {i}".encode()] if i in ours else [])
-    assert r.xlen(keys.dead(q)) == len(ours & dead)
+    expected: dict[str, list[bytes]] = {reply_key(i): [] for i in range(_PER_CALL)}
+    for i in dict.fromkeys(picks):  # each entry's first mention, in the call's order
+        if i in ours and i not in refused:
+            expected[reply_key(i)].append(f"reply {i}".encode())
+    expected.pop(wrong, None)
+    assert {key: r.lrange(key, 0, -1) for key in expected} == expected
+    assert all(0 < r.pttl(key) <= 60_000 for key, replies in expected.items() if replies)
+    assert r.get(wrong) == b"a string: RPUSH refuses it"
+    assert r.xlen(keys.dead(q)) == len(ours & (dead | refused))
     pending = {entry["message_id"]: entry["consumer"]
                for entry in r.xpending_range(stream, keys.GROUP, "-", "+", 1000)}
     assert pending == {
@@ -134,15 +153,17 @@ def test_one_call_answers_each_entry_still_ours_exactly_once(
     }
     left = {entry_id for entry_id, _ in r.xrange(stream)}
     assert left == {ids[i] for i in range(_PER_CALL) if i not in ours} | set(fillers)
-    r.delete(stream, keys.dead(q), *(keys.reply(q, f"r{i}") for i in range(_PER_CALL)))
+    r.delete(stream, keys.dead(q), wrong, *expected)
 
 
 @pytest.mark.parametrize("workers_own", [True, False])
-@pytest.mark.parametrize("n", [1, 999, 1000, 1001, 2500])
+@pytest.mark.parametrize("n", [1, 999, 1000, 1001, 2001, 2002, 4500])
 def test_a_call_larger_than_one_ack_slice_settles_every_entry(
     redis_url: str, r: redis.Redis, queue_name: str, n: int, workers_own: bool,
 ) -> None:
-    """XACK and XDEL go in slices of 1,000 ids (Lua's stack): every slice is settled."""
+    """XACK, XDEL and each key's RPUSH go in slices of 1,000 (Lua's stack): every
+    slice is settled, and each of the two keys the answers alternate on holds its
+    replies in the call's order."""
     q = keys.QueueRef(queue_name)
     stream = keys.requests(q)
     r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
@@ -151,8 +172,9 @@ def test_a_call_larger_than_one_ack_slice_settles_every_entry(
         pipe.xadd(stream, {"id": f"r{i}", "text": "hello"})
     ids = pipe.execute()
     r.xreadgroup(keys.GROUP, "c1", {stream: ">"})
-    reply_key = keys.reply(q, "all")
-    answers = [Answer(entry_id, reply_key, b"x", ok=True) for entry_id in ids]
+    reply_keys = [keys.reply(q, "even"), keys.reply(q, "odd")]
+    answers = [Answer(entry_id, reply_keys[i % 2], b"%d" % i, ok=True)
+               for i, entry_id in enumerate(ids)]
 
     async def scenario() -> int:
         client = _client(redis_url, workers_own)
@@ -162,7 +184,8 @@ def test_a_call_larger_than_one_ack_slice_settles_every_entry(
             await client.aclose()
 
     assert asyncio.run(scenario()) == n
-    assert r.llen(reply_key) == n
+    for parity, key in enumerate(reply_keys):
+        assert r.lrange(key, 0, -1) == [b"%d" % i for i in range(parity, n, 2)]
     assert r.xlen(stream) == 0
     assert r.xpending(stream, keys.GROUP)["pending"] == 0
 

@@ -4,7 +4,7 @@
 -- reply_to must carry the same tag under Cluster):
 --   KEYS[1]     <prefix>:{q}:requests   stream  XPENDING (ownership), XRANGE, XACK, XDEL
 --   KEYS[2]     <prefix>:{q}:dead       stream  XADD MAXLEN ~ (dead letters only)
---   KEYS[3..]   reply keys              list    RPUSH, and PEXPIRE at the first push to each
+--   KEYS[3..]   reply keys              list    RPUSH (one per key and 1,000 replies), PEXPIRE with the first
 --
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
 -- ARGV[5] dead_max_letter_bytes (cap on the entry's own fields in a dead letter)
@@ -134,36 +134,16 @@ local function refuse(text)
 end
 
 -- Which answers are still this consumer's: one XPENDING over the range of
--- the call's entry ids rather than one per answer (issue 25). The range is
--- found by comparing canonical ids as digit strings, exactly (a Lua number
--- would round a sequence past 2^53); an entry the range may not have covered
--- (its id not canonical, or the reply cut at `limit` before reaching it) is
--- asked about alone, as every entry was before, so the shortcut can only
--- save work, never drop an answer.
-local function canonical(digits)
-  return digits == "0" or string.match(digits, "^[1-9]%d*$") ~= nil
-end
-local function parts(id)
-  local ms, seq = string.match(id, "^(%d+)-(%d+)$")
-  if ms and canonical(ms) and canonical(seq) then
-    return ms, seq
-  end
-  return nil
-end
-local function digits_below(a, b)
-  if #a ~= #b then
-    return #a < #b
-  end
-  return a < b
-end
-local function below(a, b)  -- a, b: {ms, seq, id}
-  if a[1] ~= b[1] then
-    return digits_below(a[1], b[1])
-  end
-  return digits_below(a[2], b[2])
-end
-
-local ranged, low, high = {}, nil, nil
+-- the call's entry ids rather than one per answer (issue 25). An entry that
+-- range did not show is asked about alone, as every entry was before: so the
+-- range only saves work and can never drop an answer, whatever the ids are
+-- (not canonical, past 2^53 where a Lua number rounds, or the reply cut at
+-- `limit` before reaching them), and a range Redis cannot parse just asks
+-- every entry alone. Found alone: entries settled by an earlier call (its
+-- retry) or claimed by another worker, which are rare. The range is found by
+-- comparing the ids' two parts as numbers, with no pattern matched per id.
+local find, sub = string.find, string.sub
+local low, low_ms, low_seq, high, high_ms, high_seq = nil, 0, 0, nil, 0, 0
 local pos = 7
 for _ = 1, n do
   local entry_id = ARGV[pos]
@@ -171,39 +151,97 @@ for _ = 1, n do
   if entry_id == nil or k == nil then
     break  -- malformed: the loop below stops at it as it always did
   end
-  local ms, seq = parts(entry_id)
-  if ms then
-    local at = {ms, seq, entry_id}
-    ranged[entry_id] = true
-    if low == nil or below(at, low) then
-      low = at
-    end
-    if high == nil or below(high, at) then
-      high = at
+  local dash = find(entry_id, "-", 1, true)
+  if dash then
+    local ms, seq = tonumber(sub(entry_id, 1, dash - 1)), tonumber(sub(entry_id, dash + 1))
+    if ms and seq then
+      if low == nil or ms < low_ms or (ms == low_ms and seq < low_seq) then
+        low, low_ms, low_seq = entry_id, ms, seq
+      end
+      if high == nil or ms > high_ms or (ms == high_ms and seq > high_seq) then
+        high, high_ms, high_seq = entry_id, ms, seq
+      end
     end
   end
   pos = pos + 4 + 2 * k
 end
-local owned, complete = {}, false
+local owned = {}
 if low then
-  local limit = 2 * n + 16
-  local found = redis.call("XPENDING", stream, group, low[3], high[3], limit, consumer)
-  for _, pending in ipairs(found) do
-    owned[pending[1]] = pending[4]
+  local found = redis.pcall("XPENDING", stream, group, low, high, 2 * n + 16, consumer)
+  if found.err == nil then
+    for _, pending in ipairs(found) do
+      owned[pending[1]] = pending[4]
+    end
   end
-  complete = #found < limit
 end
 -- How many times this consumer's entry_id was delivered; nil when it is not pending to it.
 local function deliveries_of(entry_id)
-  if owned[entry_id] or (complete and ranged[entry_id]) then
-    return owned[entry_id]
+  local deliveries = owned[entry_id]
+  if deliveries then
+    return deliveries
   end
   local mine = redis.call("XPENDING", stream, group, entry_id, entry_id, 1, consumer)
   return mine[1] and mine[1][4]
 end
 
 local published, undeliverable = 0, 0
-local touched = {}
+
+-- An answer no one can be told: dead-lettered unless it is a dead letter already.
+-- nil, or the error of a Redis that refuses writes now.
+local function unanswerable(entry_id, deliveries, k, why)
+  if k == 0 then
+    local refused = undeliverable_letter(entry_id, deliveries, why)
+    if refused then
+      return refused
+    end
+  end
+  undeliverable = undeliverable + 1
+  settled[#settled + 1] = entry_id
+  published = published + 1
+  return nil
+end
+
+-- Replies are pushed one RPUSH per reply key and up to 1,000 payloads, not one
+-- per answer (issue 25: Redis CPU per request): a client's answers share its
+-- key (a gateway, embed_many). Answers to one key stay in the call's order. An
+-- answer is settled only once its reply is pushed, so an error returned while
+-- a later key is pushed leaves it pending, for the retry.
+local replies, reply_order = {}, {}
+local function push_all(reply, group)
+  local key = KEYS[reply]
+  for first = 1, #group, 4000 do
+    local last = math.min(first + 3999, #group)
+    local payloads = {}
+    for j = first + 2, last, 4 do
+      payloads[#payloads + 1] = group[j]
+    end
+    local pushed = redis.pcall("RPUSH", key, unpack(payloads))
+    local why = nil
+    if type(pushed) == "table" and pushed.err then
+      if not key_refuses(pushed.err) then
+        return refusal_text(pushed.err)
+      end
+      why = "reply_to " .. key .. " refused the reply: " .. tostring(pushed.err)
+    elseif first == 1 then
+      -- With the push, not at the end: a reply key must never be left without
+      -- a TTL, even if something later in this call fails.
+      redis.call("PEXPIRE", key, ttl_ms)
+    end
+    for j = first, last, 4 do
+      if why then
+        local refused = unanswerable(group[j], group[j + 1], group[j + 3], why)
+        if refused then
+          return refused
+        end
+      else
+        settled[#settled + 1] = group[j]
+        published = published + 1
+      end
+    end
+  end
+  return nil
+end
+
 pos = 7
 for _ = 1, n do
   local entry_id, reply, payload = ARGV[pos], tonumber(ARGV[pos + 1]), ARGV[pos + 2]
@@ -224,38 +262,35 @@ for _ = 1, n do
         return refuse(refused)
       end
     end
-    -- Why the answer reaches no one: the worker's reason (reply < 0), or the
-    -- reply key refusing the push; nil once it is pushed (or none is wanted).
-    local unanswered = nil
-    if reply < 0 then
-      unanswered = payload
-    elseif reply > 0 then
-      local pushed = redis.pcall("RPUSH", KEYS[reply], payload)
-      if type(pushed) == "table" and pushed.err then
-        if not key_refuses(pushed.err) then
-          return refuse(refusal_text(pushed.err))
-        end
-        unanswered = "reply_to " .. KEYS[reply] .. " refused the reply: " .. tostring(pushed.err)
-      elseif not touched[reply] then
-        -- At the first push, not at the end: a reply key must never be left
-        -- without a TTL, even if something later in this call fails.
-        redis.call("PEXPIRE", KEYS[reply], ttl_ms)
-        touched[reply] = true
+    if reply > 0 then
+      local group = replies[reply]
+      if group == nil then
+        group = {}
+        replies[reply] = group
+        reply_order[#reply_order + 1] = reply
       end
-    end
-    if unanswered then
-      if k == 0 then
-        local refused = undeliverable_letter(entry_id, deliveries, unanswered)
-        if refused then
-          return refuse(refused)
-        end
+      -- Four slots an answer, flat: no table made per answer.
+      group[#group + 1] = entry_id
+      group[#group + 1] = deliveries
+      group[#group + 1] = payload
+      group[#group + 1] = k
+    elseif reply < 0 then  -- the worker's reason the reply reaches no one
+      local refused = unanswerable(entry_id, deliveries, k, payload)
+      if refused then
+        return refuse(refused)
       end
-      undeliverable = undeliverable + 1
+    else  -- no reply wanted
+      settled[#settled + 1] = entry_id
+      published = published + 1
     end
-    settled[#settled + 1] = entry_id
-    published = published + 1
   end
   pos = pos + 4 + 2 * k
+end
+for _, reply in ipairs(reply_order) do
+  local refused = push_all(reply, replies[reply])
+  if refused then
+    return refuse(refused)
+  end
 end
 settle()
 return {published, undeliverable, unwritten}
