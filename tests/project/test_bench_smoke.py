@@ -66,8 +66,9 @@ def test_overhead(tmp_path: Path) -> None:
     rows = {row["setting"]: row for row in result["rows"]}
     e2e = rows["end to end, 1 worker"]
     assert e2e["failed_requests"] == 0 and e2e["requests_per_s"] > 0
-    # Every request needs at least its XADD and its reply RPUSH.
-    assert e2e["commands_per_request"] >= 2
+    # Every request needs at least its XADD, and publishing it some more (its reply's
+    # RPUSH is shared with the other answers to its key in the same publish call).
+    assert e2e["commands_per_request"] > 1
     assert 0 < e2e["round_trips_per_request"] < e2e["commands_per_request"]
 
 
