@@ -108,8 +108,9 @@ class Intake:
         self, lane: int, entries: Iterable[tuple[bytes, Mapping[bytes, bytes] | None]]
     ) -> None:
         """Count a read's entries as held (before its reservation ends: the room they take
-        is never free in between); an entry deleted meanwhile (no fields) holds nothing."""
-        present = [(entry_id, fields) for entry_id, fields in entries if fields is not None]
+        is never free in between); an entry deleted meanwhile (no fields: None or ``{}``)
+        holds nothing."""
+        present = [(entry_id, fields) for entry_id, fields in entries if fields]
         self.bytes.hold_all(lane, [entry_id for entry_id, _ in present],
                             [entry_bytes(fields) for _, fields in present])
 

@@ -119,10 +119,12 @@ end
 -- well as XPENDING, so an entry named twice is still answered once. Every
 -- way out settles first: an error returned half way leaves what was pushed
 -- acked, as it was when each answer acked itself, so the retry skips it.
+-- Most values one unpack hands a command: Lua's C stack takes about 8,000.
+local SLICE = 1000
 local settled, settled_at = {}, {}
 local function settle()
-  for first = 1, #settled, 1000 do
-    local ids = {unpack(settled, first, math.min(first + 999, #settled))}
+  for first = 1, #settled, SLICE do
+    local ids = {unpack(settled, first, math.min(first + SLICE - 1, #settled))}
     redis.call("XACK", stream, group, unpack(ids))
     redis.call("XDEL", stream, unpack(ids))
   end
@@ -201,7 +203,7 @@ local function unanswerable(entry_id, deliveries, k, why)
   return nil
 end
 
--- Replies are pushed one RPUSH per reply key and up to 1,000 payloads, not one
+-- Replies are pushed one RPUSH per reply key and up to SLICE payloads, not one
 -- per answer (issue 25: Redis CPU per request): a client's answers share its
 -- key (a gateway, embed_many). Answers to one key stay in the call's order. An
 -- answer is settled only once its reply is pushed, so an error returned while
@@ -209,8 +211,8 @@ end
 local replies, reply_order = {}, {}
 local function push_all(reply, group)
   local key = KEYS[reply]
-  for first = 1, #group, 4000 do
-    local last = math.min(first + 3999, #group)
+  for first = 1, #group, 4 * SLICE do  -- four slots an answer
+    local last = math.min(first + 4 * SLICE - 1, #group)
     local payloads = {}
     for j = first + 2, last, 4 do
       payloads[#payloads + 1] = group[j]
