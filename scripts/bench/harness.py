@@ -288,12 +288,32 @@ def sim_flags(sim: dict[str, Any]) -> list[str]:
     return flags
 
 
+VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "torch": ((), {}),
+    "onnx": (("--runtime", "onnx"), {"runtime": "onnx"}),
+    "bf16-mixed": (("--dtype", "bf16-mixed"), {"dtype": "bf16-mixed"}),
+}
+"""What an hf worker is compared with torch fp32 on: its ``tokenq worker`` flags and
+``HFOptions`` fields (``run.py --runtime onnx`` or ``--dtype bf16-mixed``). Torch has no
+flag, so an older tokenq (``--baseline``) runs it."""
+
+
 def bench_runtime() -> str:
-    """The runtime ``run.py --runtime`` asked the suite to compare with torch."""
+    """The variant ``run.py --runtime``/``--dtype`` asked the suite to compare with torch."""
     runtime = os.environ.get(RUNTIME_ENV, "torch")
-    if runtime not in ("torch", "onnx"):
-        raise SystemExit(f"{RUNTIME_ENV}={runtime!r}: expected torch or onnx")
+    if runtime not in VARIANTS:
+        raise SystemExit(f"{RUNTIME_ENV}={runtime!r}: expected one of {', '.join(VARIANTS)}")
     return runtime
+
+
+def variant_flags(variant: str) -> list[str]:
+    """``tokenq worker`` flags of a :data:`VARIANTS` entry."""
+    return list(VARIANTS[variant][0])
+
+
+def variant_options(variant: str) -> dict[str, str]:
+    """``HFOptions`` fields of a :data:`VARIANTS` entry."""
+    return dict(VARIANTS[variant][1])
 
 
 def start_tokenq(

@@ -24,7 +24,9 @@ how the baseline is imported without being installed.
 ``--runtime onnx`` (suites ``real`` and ``mixed-latency``) also runs the hf
 worker with ``--runtime onnx`` beside the torch one, in the same run, and
 reports onnx/torch; it reaches the suite as ``BENCH_RUNTIME``, so a
-``--baseline`` run passes it to both sides.
+``--baseline`` run passes it to both sides. ``--dtype bf16-mixed`` does the
+same for the hf worker with ``--dtype bf16-mixed`` (a CPU with bf16
+instructions) against fp32.
 
 Why one entry point: every suite starts its own redis-server and workers and
 tears them down, so one command is all a reader needs to reproduce a figure.
@@ -76,9 +78,8 @@ def run_suite(name: str, size: str) -> dict[str, Any]:
 
 
 def runtime_flag() -> str:
-    """`` --runtime X`` when the suite was asked to compare a runtime with torch."""
-    runtime = harness.bench_runtime()
-    return f" --runtime {runtime}" if runtime != "torch" else ""
+    """`` --runtime onnx`` or `` --dtype bf16-mixed`` when the suite compares one with torch."""
+    return "".join(f" {flag}" for flag in harness.variant_flags(harness.bench_runtime()))
 
 
 def report(result: dict[str, Any]) -> str:
@@ -127,11 +128,20 @@ def main(argv: list[str] | None = None) -> int:
         help=f"{', '.join(RUNTIME_SUITES)}: also run the hf worker on this runtime and "
         "compare it with torch in the same run",
     )
+    parser.add_argument(
+        "--dtype", choices=["bf16-mixed"],
+        help=f"{', '.join(RUNTIME_SUITES)}: also run the hf worker with this --dtype and "
+        "compare it with torch fp32 in the same run",
+    )
     args = parser.parse_args(argv)
-    if args.runtime is not None:
+    if args.runtime is not None and args.dtype is not None:
+        parser.error("--runtime and --dtype: compare one of them with torch fp32 at a time")
+    variant = args.dtype or args.runtime
+    if variant is not None:
         if args.suite not in RUNTIME_SUITES:
-            parser.error(f"--runtime applies to {', '.join(RUNTIME_SUITES)}, not {args.suite!r}")
-        os.environ[harness.RUNTIME_ENV] = args.runtime  # read by the suite, here and in --baseline
+            parser.error(f"--runtime/--dtype apply to {', '.join(RUNTIME_SUITES)}, "
+                         f"not {args.suite!r}")
+        os.environ[harness.RUNTIME_ENV] = variant  # read by the suite, here and in --baseline
     if args.baseline is None and args.rounds is not None:
         parser.error("--rounds needs --baseline")
     if args.baseline is not None:

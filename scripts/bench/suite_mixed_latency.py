@@ -36,7 +36,8 @@ sim: ``hf-torch`` and ``hf-onnx``, one ``--backend hf`` worker (the bundled
 all-MiniLM-L6-v2 on the CPU, ``HF_THREADS`` threads, inputs cut at 256
 tokens) on ``--runtime torch`` and ``--runtime onnx``, every request
 priority 0; the notes give onnx/torch requests per second, the same load in
-the same run.
+the same run. ``--dtype bf16-mixed`` compares ``hf-bf16-mixed`` with
+``hf-torch`` (fp32) the same way.
 
 The suite also runs on an older tokenq whose producer has no ``priority``
 keyword (``run.py mixed-latency --baseline REV`` runs this file on REV's
@@ -195,7 +196,7 @@ SIM_FLAGS = ["--backend", "sim_probe:factory", *harness.sim_flags(SIM)]
 
 def hf_flags(runtime: str) -> list[str]:
     """A ``--backend hf`` worker on ``runtime`` (no flag for torch: an older tokenq has none)."""
-    return ["--backend", "hf", *([] if runtime == "torch" else ["--runtime", runtime])]
+    return ["--backend", "hf", *harness.variant_flags(runtime)]
 
 
 def run_setting(

@@ -33,6 +33,8 @@ times): rows ``tokenq torch, paired (...)``, ``tokenq onnx (...)``,
 ``ideal torch, paired (...)``, ``ideal onnx (...)``, the ratio
 ``onnx_over_torch`` (end to end, same setting, same run) and the lowest
 cosine between the onnx worker's vectors and sentence-transformers'.
+``run.py real --dtype bf16-mixed`` does the same for ``--dtype bf16-mixed``
+against fp32 (both on torch).
 
 Why one thread by default: this machine has two cores shared with other
 work; with the model on one, the other carries the producer, Redis and the
@@ -159,8 +161,7 @@ def tokenq_run(
         "--backend", "hf", "--max-batch-tokens", str(budget),
         "--read-ahead-budgets", str(read_ahead),
     ]
-    if runtime != "torch":  # an older tokenq (--baseline) has no --runtime
-        flags += ["--runtime", runtime]
+    flags += harness.variant_flags(runtime)  # none for torch: an older tokenq has no --runtime
     env = {"OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS)}
     with harness.private_redis() as server, tempfile.TemporaryDirectory() as tmp:
         queue = harness.new_queue("real")
@@ -246,7 +247,7 @@ def run(size: str) -> dict[str, Any]:
             rows, runtime, texts, tokens, (tokenq_name, *setting_of[tokenq_name]), best,
             backend, st_vectors, PAIRED_ROUNDS[size],
         )
-        ratios["onnx_over_torch"] = extra_config["onnx_over_torch"]
+        ratios[f"{runtime}_over_torch"] = extra_config[f"{runtime}_over_torch"]
         notes += runtime_notes
     return {
         "columns": COLUMNS,
@@ -285,7 +286,7 @@ def runtime_rows(
     from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
 
     tokenq_name, budget, read_ahead = setting
-    backend = HFBackend.load(HFOptions(device="cpu", runtime=runtime))
+    backend = HFBackend.load(HFOptions(device="cpu", **harness.variant_options(runtime)))
     spent: dict[str, list[Timing]] = {"tokenq torch": [], "tokenq": [], "ideal torch": [],
                                       "ideal": []}
     runtime_run = None
@@ -323,9 +324,9 @@ def runtime_rows(
     config = {
         "runtime": runtime,
         "paired_rounds": rounds,
-        "onnx_over_torch": over,
-        "onnx_over_torch_each_round": each,
-        "onnx_ideal_over_torch_ideal": ideal_over,
+        f"{runtime}_over_torch": over,
+        f"{runtime}_over_torch_each_round": each,
+        f"{runtime}_ideal_over_torch_ideal": ideal_over,
         f"min_cosine_tokenq_{runtime}_vs_st": round(agreement, 6),
     }
     notes = [

@@ -194,13 +194,38 @@ def test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch(tmp_path: Pa
     assert any("hf onnx / hf torch requests/s" in note for note in mixed["notes"])
 
 
-def test_runtime_is_refused_for_a_suite_without_the_hf_backend() -> None:
+def test_real_compares_bf16_mixed_with_fp32(tmp_path: Path) -> None:
+    """``real --dtype bf16-mixed``: the bf16-mixed rows beside fp32's, its vectors within
+    0.9999 of sentence-transformers', the ratio (not its size) and the command to rerun it."""
+    pytest.importorskip("sentence_transformers")
+    from tokenq.worker.backends.hf.options import cpu_has_bf16_matmul
+
+    if not cpu_has_bf16_matmul():
+        pytest.skip("this CPU has no bf16 instructions: the worker refuses bf16-mixed")
+    real = run_suite("real", tmp_path, 600.0, "tiny", "--dtype", "bf16-mixed")
+    methods = {row["method"] for row in real["rows"]}
+    assert "tokenq bf16-mixed (budget 16384)" in methods
+    assert any(method.startswith("ideal bf16-mixed") for method in methods)
+    assert real["config"]["min_cosine_tokenq_bf16-mixed_vs_st"] >= 0.9999
+    assert real["ratios"]["bf16-mixed_over_torch"] > 0
+    assert real["command"].endswith("--dtype bf16-mixed")
+
+
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        (["seed", "--runtime", "onnx"], "apply to real, mixed-latency, not 'seed'"),
+        (["cpu", "--dtype", "bf16-mixed"], "apply to real, mixed-latency, not 'cpu'"),
+        (["real", "--runtime", "onnx", "--dtype", "bf16-mixed"], "one of them with torch fp32"),
+    ],
+)
+def test_a_variant_is_refused_where_it_cannot_run(flags: list[str], refusal: str) -> None:
     completed = subprocess.run(
-        [sys.executable, str(RUN), "seed", "--runtime", "onnx"],
-        capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+        [sys.executable, str(RUN), *flags], capture_output=True, text=True, timeout=60,
+        cwd=REPO_ROOT,
     )
     assert completed.returncode == 2
-    assert "--runtime applies to real, mixed-latency, not 'seed'" in completed.stderr
+    assert refusal in completed.stderr
 
 
 def test_gpu_seed_runs_its_mix_through_a_real_worker_and_skips_without_cuda(

@@ -57,7 +57,13 @@ from tokenq.worker.backends.hf.layout import (
     read_sparse_config,
 )
 from tokenq.worker.backends.hf.load import ModelSource, resolve_model, tokenizer_json
-from tokenq.worker.backends.hf.options import HFOptions, HFTask, resolve_device, resolve_dtype
+from tokenq.worker.backends.hf.options import (
+    HFOptions,
+    HFTask,
+    resolve_autocast,
+    resolve_device,
+    resolve_dtype,
+)
 from tokenq.worker.backends.hf.pretrained import load_pretrained, max_input_tokens, pad_token_id
 from tokenq.worker.backends.hf.runtime import (
     Encoder,
@@ -134,9 +140,12 @@ class HFBackend:
         tokenizer_path = tokenizer_json(source, st.subfolder)
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device, explicit_device=options.device != "auto")
+        autocast = resolve_autocast(options.dtype, device)  # refused here, before the load
         # A sparse model stays on torch whatever --runtime auto would pick (see _sparse_layout).
         runtime: Runtime = (
-            "torch" if sparse is not None else resolve_runtime(options.runtime, device, dtype)
+            "torch"
+            if sparse is not None
+            else resolve_runtime(options.runtime, device, autocast or dtype)
         )
         check_quantize(options, runtime)  # before the slow load
         tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
@@ -163,7 +172,8 @@ class HFBackend:
             model.config,
             max_input=max_input,
             device=device,
-            dtype=dtype,
+            # bf16-mixed reads "bfloat16-mixed": what the products run in, and that it is mixed
+            dtype=str(autocast or dtype).removeprefix("torch.") + ("-mixed" if autocast else ""),
             tokenizer_path=tokenizer_path,
             runtime=runtime,
             sparse=sparse,
@@ -392,7 +402,7 @@ def _describe(
     *,
     max_input: int,
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: str,
     tokenizer_path: str | None,
     runtime: Runtime,
     sparse: SparseHead | None = None,
@@ -431,7 +441,7 @@ def _describe(
         padded=True,
         dim=_dim(head, sparse, config),
         device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=dtype,
         tokenizer=tokenizer_path,
         pairs=task == "rerank",
         normalized=head is not None and head.normalize,

@@ -23,7 +23,14 @@ from tokenq.shared.settings import Task as HFTask
 from tokenq.shared.settings import describe_errors
 from tokenq.worker.backends.hf.settings import HFSettings
 
-__all__ = ["HFOptions", "HFTask", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "HFOptions",
+    "HFTask",
+    "cpu_has_bf16_matmul",
+    "resolve_autocast",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,8 @@ def resolve_dtype(requested: str, device: torch.device, *, explicit_device: bool
     """
     if requested == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
+    if requested == "bf16-mixed":  # the weights stay fp32: resolve_autocast says the rest
+        return torch.float32
     if requested == "fp16" and device.type == "cpu":
         if explicit_device:
             raise ConfigError("dtype fp16 is not supported on device cpu: use fp32 or bf16")
@@ -86,3 +95,40 @@ def resolve_dtype(requested: str, device: torch.device, *, explicit_device: bool
     if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"dtype bf16 is not supported on {device}: use fp16 or fp32")
     return _DTYPES[requested]
+
+
+def resolve_autocast(requested: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the matrix products run in under ``--dtype bf16-mixed`` (else None).
+
+    Why a mixed mode beside ``bf16``: a model cast whole to bf16 keeps its
+    residual stream and LayerNorm inputs in bf16 too, and on
+    all-MiniLM-L6-v2 that moves vectors to a lowest cosine of 0.99986 from
+    fp32's; autocast keeps those in fp32 and rounds only the matrix products'
+    inputs (0.99994), at most of bf16's speed (docs/BENCHMARKS.md, §16).
+
+    Refused where it would not pay: on a CPU without bf16 instructions torch
+    emulates bf16 products, slower than fp32, and a setting chosen for speed
+    should not silently cost speed.
+    """
+    if requested != "bf16-mixed":
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_bf16_supported():
+            raise ConfigError(f"dtype bf16-mixed is not supported on {device}: use fp16 or fp32")
+        return torch.bfloat16
+    if not cpu_has_bf16_matmul():
+        raise ConfigError(
+            "dtype bf16-mixed needs a CPU with bf16 instructions (AVX512-BF16 or AMX), "
+            "which this one lacks: torch would emulate bf16, slower than fp32; use fp32"
+        )
+    return torch.bfloat16
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch reports it.
+
+    The probes are private to torch and absent from older releases; without
+    them the answer is no, which refuses ``bf16-mixed`` rather than risk it.
+    """
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)

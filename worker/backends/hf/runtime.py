@@ -8,7 +8,8 @@ whichever runtime ran the transformer.
 
 The choice, one rule for every worker:
 
-- ``torch`` (the default): eager torch, on any device and dtype;
+- ``torch`` (the default): eager torch, on any device and dtype, and the
+  only runtime for ``--dtype bf16-mixed`` (torch's autocast);
 - ``onnx``: ONNX Runtime's CPU provider, fp32 only; refused on CUDA, where
   ONNX Runtime's CUDA provider has not been measured against torch fp16
   (docs/DECISIONS.md), and refused by name without the ``onnx`` extra;
@@ -37,7 +38,7 @@ import torch
 
 from tokenq.shared.errors import ConfigError
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join
-from tokenq.worker.backends.hf.options import HFOptions
+from tokenq.worker.backends.hf.options import HFOptions, resolve_autocast
 from tokenq.worker.backends.hf.pretrained import pad_token_id
 from tokenq.worker.backends.hf.quantize import CALIBRATION_MAX_TOKENS, Finish, Int8Request
 
@@ -59,11 +60,25 @@ Encoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class TorchEncoder:
     """The transformer in eager torch, as loaded."""
 
-    def __init__(self, model: torch.nn.Module, *, uses_type_ids: bool, logits: bool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        uses_type_ids: bool,
+        logits: bool,
+        autocast: torch.dtype | None = None,
+    ) -> None:
         self.model = model
         self._uses_type_ids = uses_type_ids
         self._logits = logits
-        self._attention = attention_kernels(_device_of(model))
+        device = _device_of(model)
+        self._attention = attention_kernels(device)
+        self._autocast = autocast
+        self._precision: Callable[[], AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+            if autocast is None
+            else functools.partial(torch.autocast, device.type, dtype=autocast)
+        )
 
     def __call__(
         self, ids: torch.Tensor, mask: torch.Tensor, type_ids: torch.Tensor
@@ -71,9 +86,12 @@ class TorchEncoder:
         kwargs = {"input_ids": ids, "attention_mask": mask}
         if self._uses_type_ids:
             kwargs["token_type_ids"] = type_ids
-        with self._attention():
+        with self._attention(), self._precision():
             output = self.model(**kwargs)
-        return output.logits if self._logits else output[0]
+        result = output.logits if self._logits else output[0]
+        # Under autocast a model's last op may hand back bf16 (a decoder's
+        # norm, a classifier's Linear); the head and Dense after it are fp32.
+        return result if self._autocast is None else result.float()
 
 
 def attention_kernels(device: torch.device) -> Callable[[], AbstractContextManager[Any]]:
@@ -166,7 +184,9 @@ def build_encoder(
     uses_type_ids = "token_type_ids" in tokenizer.model_input_names
     logits = options.task != "embed"
     if runtime == "torch":
-        return TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits), {}
+        autocast = resolve_autocast(options.dtype, _device_of(model))
+        encoder = TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits, autocast=autocast)
+        return encoder, {}
     from tokenq.worker.backends.hf.onnx_runtime import load_onnx_encoder
 
     config_path = find_file(source, join(subfolder, "config.json"))

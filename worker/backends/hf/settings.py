@@ -23,6 +23,9 @@ _DTYPE_ALIASES = {
     "float16": "fp16",
     "half": "fp16",
     "bfloat16": "bf16",
+    "mixed-bf16": "bf16-mixed",
+    "bf16_mixed": "bf16-mixed",
+    "amp-bf16": "bf16-mixed",
 }
 
 
@@ -53,10 +56,12 @@ class HFSettings(BackendSettings):
     normalize: Literal["auto", "true", "false"] = Field(
         "auto", description="--task embed: L2-normalise; auto: when modules.json has Normalize"
     )
-    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+    dtype: Literal["auto", "fp32", "fp16", "bf16", "bf16-mixed"] = Field(
         "auto",
         description="weights and activations; auto: fp16 on CUDA, fp32 on CPU "
-        "(fp16 with --device cpu is refused)",
+        "(fp16 with --device cpu is refused); bf16-mixed: fp32 weights and activations, "
+        "matrix products in bf16 (torch autocast; --runtime torch, and on the CPU only one "
+        "with bf16 instructions, AVX512-BF16 or AMX)",
     )
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
     runtime: Literal["torch", "onnx", "auto"] = Field(
