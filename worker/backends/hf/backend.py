@@ -163,6 +163,7 @@ class HFBackend:
             options,
             finish=None if head is None else (lambda output, mask: head(output, mask, None)),
             max_input=max_input,
+            autocast=autocast,
         )
         info = _describe(
             source,

@@ -38,7 +38,7 @@ import torch
 
 from tokenq.shared.errors import ConfigError
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join
-from tokenq.worker.backends.hf.options import HFOptions, resolve_autocast
+from tokenq.worker.backends.hf.options import HFOptions
 from tokenq.worker.backends.hf.pretrained import pad_token_id
 from tokenq.worker.backends.hf.quantize import CALIBRATION_MAX_TOKENS, Finish, Int8Request
 
@@ -173,18 +173,20 @@ def build_encoder(
     *,
     finish: Finish | None = None,
     max_input: int = CALIBRATION_MAX_TOKENS,
+    autocast: torch.dtype | None = None,
 ) -> tuple[Encoder, dict[str, Any]]:
     """The encoder ``runtime`` names, for a model already loaded in torch, and its facts.
 
     ``finish`` is the embedding head (what the worker makes of the output),
     which the ``--quantize`` gate compares through; the facts (what the gate
-    measured) go into the backend's info.
+    measured) go into the backend's info. ``autocast``: what the torch
+    encoder's products run in (``resolve_autocast``, which the caller ran
+    before the load so that a refusal comes first).
     """
     check_quantize(options, runtime)
     uses_type_ids = "token_type_ids" in tokenizer.model_input_names
     logits = options.task != "embed"
     if runtime == "torch":
-        autocast = resolve_autocast(options.dtype, _device_of(model))
         encoder = TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits, autocast=autocast)
         return encoder, {}
     from tokenq.worker.backends.hf.onnx_runtime import load_onnx_encoder
