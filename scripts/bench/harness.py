@@ -160,6 +160,23 @@ _CPUCLOCK_SCHED = 2
 """Linux's clock id kind for a process's whole CPU time (all threads, by the scheduler)."""
 
 
+def peak_rss_bytes(pid: int) -> int | None:
+    """The most resident memory a live process has held so far (Linux ``VmHWM``; None
+    elsewhere or once it is gone).
+
+    Why the kernel's high-water mark and not samples: a forward's peak lasts
+    milliseconds, which a poll would miss; the kernel keeps the largest.
+    """
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def redis_pid(client: redis.Redis) -> int:
     """The server's process id, from INFO."""
     return int(client.info("server")["process_id"])
@@ -214,6 +231,8 @@ class WorkerProc:
         self.log_path = workdir / f"{name}.log"
         self.batch_log = workdir / f"{name}.batches.jsonl"
         self.stats_path = workdir / f"{name}.sim.json"
+        self.peak_rss_bytes: int | None = None
+        """Its resident memory's high-water mark, read as it is asked to stop."""
         full_env = dict(os.environ)
         full_env.update(
             TOKENQ_REDIS_URL=redis_url,
@@ -251,6 +270,7 @@ class WorkerProc:
         False when it had to be killed (its batch log and counters may be incomplete)."""
         clean = True
         if self.process.poll() is None:
+            self.peak_rss_bytes = peak_rss_bytes(self.process.pid)
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout=timeout)

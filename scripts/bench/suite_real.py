@@ -69,7 +69,7 @@ MAX_ROWS = 256
 ST_BATCH = 32
 COLUMNS = [
     "method", "texts_per_s", "tokens_per_s", "seconds", "batches", "padding_efficiency",
-    "vs_tokenq", "vs_torch",
+    "vs_tokenq", "vs_torch", "worker_peak_rss_mb",
 ]
 
 
@@ -80,6 +80,8 @@ class Timing:
     seconds: float
     batches: int
     padding_efficiency: float
+    peak_rss_mb: float | None = None
+    """A tokenq worker process's resident high-water mark (None for in-process methods)."""
 
 
 def padding(batches: list[list[int]]) -> float:
@@ -171,7 +173,8 @@ def tokenq_run(
             warm = len(worker.batches())
             run = harness.burst(server.url, queue, texts, keep_vectors=True, workers=[worker])
         timed = harness.batch_totals(worker.batches()[warm:])
-    return Timing(run.makespan_s, timed["batches"], timed["padding_efficiency"]), run
+    peak = None if worker.peak_rss_bytes is None else round(worker.peak_rss_bytes / 2**20, 1)
+    return Timing(run.makespan_s, timed["batches"], timed["padding_efficiency"], peak), run
 
 
 def min_cosine(run: harness.Run, reference: np.ndarray) -> float:
@@ -220,6 +223,7 @@ def run(size: str) -> dict[str, Any]:
             "batches": timing.batches,
             "padding_efficiency": timing.padding_efficiency,
             "vs_tokenq": round(timings[tokenq_name].seconds / timing.seconds, 3),
+            "worker_peak_rss_mb": timing.peak_rss_mb,
         }
         for method, timing in timings.items()
     ]
@@ -297,7 +301,8 @@ def runtime_rows(
         spent["ideal torch"].append(ideal_run(torch_backend, texts, best))
         spent["ideal"].append(ideal_run(backend, texts, best))
     mean = {key: Timing(sum(t.seconds for t in got) / len(got), got[-1].batches,
-                        got[-1].padding_efficiency) for key, got in spent.items()}
+                        got[-1].padding_efficiency, _largest_peak(got))
+            for key, got in spent.items()}
     setting_name = tokenq_name.removeprefix("tokenq ")
     found = {
         f"tokenq torch, paired {setting_name}": (mean["tokenq torch"], mean["tokenq torch"]),
@@ -314,6 +319,7 @@ def runtime_rows(
             "batches": mine.batches,
             "padding_efficiency": mine.padding_efficiency,
             "vs_torch": round(theirs.seconds / mine.seconds, 3),
+            "worker_peak_rss_mb": mine.peak_rss_mb,
         })
     over = round(mean["tokenq torch"].seconds / mean["tokenq"].seconds, 3)
     ideal_over = round(mean["ideal torch"].seconds / mean["ideal"].seconds, 3)
@@ -328,12 +334,26 @@ def runtime_rows(
         f"{runtime}_over_torch_each_round": each,
         f"{runtime}_ideal_over_torch_ideal": ideal_over,
         f"min_cosine_tokenq_{runtime}_vs_st": round(agreement, 6),
+        f"{runtime}_worker_peak_rss_over_torch": _ratio(mean["tokenq"].peak_rss_mb,
+                                                        mean["tokenq torch"].peak_rss_mb),
     }
     notes = [
         f"tokenq {runtime} / tokenq torch {setting_name}, {rounds} paired rounds = "
         f"{over} (each round: {each})",
         f"ideal {runtime} / ideal torch (budget {best}), paired = {ideal_over}",
+        f"worker peak RSS, {runtime} / torch = "
+        f"{config[f'{runtime}_worker_peak_rss_over_torch']}",
         f"lowest cosine between tokenq {runtime}'s and sentence-transformers' vectors: "
         f"{agreement:.6f}",
     ]
     return config, notes
+
+
+def _largest_peak(timings: list[Timing]) -> float | None:
+    """The largest resident high-water mark over paired rounds (None if none was read)."""
+    peaks = [t.peak_rss_mb for t in timings if t.peak_rss_mb is not None]
+    return max(peaks, default=None)
+
+
+def _ratio(mine: float | None, theirs: float | None) -> float | None:
+    return None if mine is None or not theirs else round(mine / theirs, 3)

@@ -172,8 +172,9 @@ def test_plots_from_results(scale_results: Path, tmp_path: Path) -> None:
 
 def test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch(tmp_path: Path) -> None:
     """``real`` (every torch row and ratio) and, with ``--runtime onnx``, the onnx rows beside
-    the torch ones, the same vectors as sentence-transformers, and onnx/torch in the notes
-    (not its size: tiny runs are noise). One run covers both: each costs a minute."""
+    the torch ones, the same vectors as sentence-transformers, each worker's peak memory, and
+    onnx/torch in the notes (not its size: tiny runs are noise). One run covers both: each
+    costs a minute."""
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("onnxruntime")
     real = run_suite("real", tmp_path, 600.0, "tiny", "--runtime", "onnx")
@@ -186,6 +187,11 @@ def test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch(tmp_path: Pa
     assert any(method.startswith("ideal onnx") for method in methods)
     assert real["config"]["min_cosine_tokenq_onnx_vs_st"] >= 0.9999
     assert real["ratios"]["onnx_over_torch"] > 0
+    # Each worker process's resident high-water mark, and onnx's against torch's.
+    peaks = {row["method"]: row["worker_peak_rss_mb"] for row in real["rows"]}
+    assert peaks["tokenq (budget 16384)"] > 50 and peaks["tokenq onnx (budget 16384)"] > 50
+    assert peaks["sentence-transformers"] is None  # in-process: not a worker's figure
+    assert real["config"]["onnx_worker_peak_rss_over_torch"] > 0
     assert real["command"].endswith("--runtime onnx")
     mixed = run_suite("mixed-latency", tmp_path, 300.0, "tiny", "--runtime", "onnx")
     rows = {row["setting"]: row for row in mixed["rows"]}

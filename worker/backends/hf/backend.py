@@ -51,6 +51,7 @@ from tokenq.worker.backends.chunks import sliding_windows
 from tokenq.worker.backends.hf.activation import classify_activation, rerank_activation
 from tokenq.worker.backends.hf.encoding import HFEncoding, PromptLengths
 from tokenq.worker.backends.hf.head import EmbeddingHead, build_embedding_head
+from tokenq.worker.backends.hf.host_memory import HeapTrimmer, bound_library_caches
 from tokenq.worker.backends.hf.layout import (
     SentenceTransformerConfig,
     read_sentence_transformer_config,
@@ -117,6 +118,8 @@ class HFBackend:
             True: tokenizer.num_special_tokens_to_add(pair=True) + 2,
         }
         self._prompt_lengths = PromptLengths(self._prompt_ids, set(tokenizer.all_special_ids))
+        # On the CPU the heap grows with every new batch shape (host_memory explains).
+        self._heap = HeapTrimmer() if device.type == "cpu" else None
 
     @property
     def pooling(self) -> tuple[str, ...]:
@@ -141,6 +144,8 @@ class HFBackend:
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device, explicit_device=options.device != "auto")
         autocast = resolve_autocast(options.dtype, device)  # refused here, before the load
+        if device.type == "cpu":
+            bound_library_caches()  # before any forward creates the caches
         # A sparse model stays on torch whatever --runtime auto would pick (see _sparse_layout).
         runtime: Runtime = (
             "torch"
@@ -325,6 +330,8 @@ class HFBackend:
                 raise DeviceLost(f"the CUDA device failed: {str(exc).splitlines()[0]}") from exc
             raise
         else:
+            if self._heap is not None:
+                self._heap.after_forward()
             return result
         # Outside the except block: the exception's traceback (and with it the
         # activations in the failed forward's frames) is gone, so the cache
