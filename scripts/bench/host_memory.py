@@ -7,7 +7,7 @@ worker's own forward path) over ``--shapes`` distinct shapes drawn from rows
 
 * ``unbounded``: what tokenq did before ``worker/backends/hf/host_memory.py``:
   oneDNN's caches at their 1,024-entry default and no heap trimming;
-* ``bounded``: what the worker does now (caches at 64 entries, the heap
+* ``bounded``: what the worker does now (caches at 256 entries, the heap
   trimmed when the process has grown by the slack).
 
 It prints the growth of resident memory over the process's size after the
@@ -61,7 +61,7 @@ def child(dtype: str, mode: str, shapes: int) -> dict[str, Any]:
         backend.run([HFEncoding(ids)] * rows)
         if done % max(1, len(chosen) // 4) == 0:
             growth.append(round(((resident_bytes() or 0) - loaded) / 2**20))
-    heap = getattr(backend, "_heap", None)
+    heap = backend._heap
     return {
         "dtype": dtype, "mode": mode, "shapes": len(chosen),
         "loaded_mb": round(loaded / 2**20), "growth_mb": growth,

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import compare
 import harness
 import numpy as np
 from texts import real_texts
@@ -334,9 +335,11 @@ def runtime_rows(
         f"{runtime}_over_torch_each_round": each,
         f"{runtime}_ideal_over_torch_ideal": ideal_over,
         f"min_cosine_tokenq_{runtime}_vs_st": round(agreement, 6),
-        f"{runtime}_worker_peak_rss_over_torch": _ratio(mean["tokenq"].peak_rss_mb,
-                                                        mean["tokenq torch"].peak_rss_mb),
     }
+    peak_ratio = compare.ratio(mean["tokenq torch"].peak_rss_mb, mean["tokenq"].peak_rss_mb)
+    config[f"{runtime}_worker_peak_rss_over_torch"] = (
+        None if peak_ratio is None else round(peak_ratio, 3)
+    )
     notes = [
         f"tokenq {runtime} / tokenq torch {setting_name}, {rounds} paired rounds = "
         f"{over} (each round: {each})",
@@ -354,6 +357,3 @@ def _largest_peak(timings: list[Timing]) -> float | None:
     peaks = [t.peak_rss_mb for t in timings if t.peak_rss_mb is not None]
     return max(peaks, default=None)
 
-
-def _ratio(mine: float | None, theirs: float | None) -> float | None:
-    return None if mine is None or not theirs else round(mine / theirs, 3)
