@@ -319,7 +319,7 @@ def enqueue(
     ``infer_many``), so it goes on waiting as usual, and the miss is counted
     and logged (:meth:`ClientCore.unconfirmed`). The requests are queued and
     will be answered; an error would only invite a retry that runs them twice
-    (docs/DECISIONS.md, "Durable enqueue tells the truth").
+    (docs/decisions/0025-durable-enqueue-waits-on.md).
     """
     if not batch:
         return

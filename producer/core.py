@@ -330,7 +330,7 @@ class ClientCore:
         since only a retry of this very call can send them again; ids the
         caller named get one each (:attr:`Prepared.named`). One key instead of
         one per request is most of what redis-server spends on an enqueue
-        (issue 25; docs/DECISIONS.md, "One seen key per call").
+        (docs/decisions/0021-one-seen-key-per-call.md).
         """
         queue = self.queue
         if self.dedupe_ttl_ms <= 0:

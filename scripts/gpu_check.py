@@ -17,7 +17,7 @@ e. ONNX Runtime's CUDA provider against torch fp16: the model exported by
    run with I/O binding on the device, over check d's batches; the vectors
    must agree (cosine >= 0.999) and a verdict line says which runtime is
    faster. This is the measurement ``--runtime onnx`` on CUDA waits for
-   (docs/DECISIONS.md); skipped, not failed, without ``onnxruntime-gpu``.
+   (docs/decisions/0040-onnx-runtime.md); skipped, not failed, without ``onnxruntime-gpu``.
 
 It prints one line per check and a summary, and exits 1 if a check failed,
 0 when all passed or were skipped, and 0 with "no CUDA device; skipped"

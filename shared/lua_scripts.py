@@ -29,8 +29,8 @@ the fragment changed.
 The same scripts run as one Redis Functions library on Redis 7
 (:func:`library`): each script's text becomes the body of a function, so a
 producer needs ``FCALL`` and never ``EVAL``/``SCRIPT LOAD``, which would let
-it run Lua of its own (docs/SECURITY.md, docs/DECISIONS.md "Redis
-Functions"). Names carry a hash of the library's code, so two tokenq versions
+it run Lua of its own (docs/SECURITY.md, docs/decisions/0058-redis-functions.md).
+Names carry a hash of the library's code, so two tokenq versions
 can be loaded side by side during a rolling upgrade.
 :mod:`tokenq.shared.functions` loads and calls them.
 

@@ -123,7 +123,8 @@ class Item(Generic[T]):
 
     Not frozen, though nothing changes one once made: one is made per request on the
     worker's hot path, and a frozen dataclass's ``__init__`` sets every field through
-    ``object.__setattr__``, three times the cost (docs/DECISIONS.md, issue 25).
+    ``object.__setattr__``, three times the cost
+    (docs/decisions/0024-per-request-records-not-frozen.md).
     """
 
     length: int

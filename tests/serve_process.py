@@ -41,7 +41,7 @@ SCHEMATHESIS_CONFIG = """
 expected-statuses = ["2xx", "400", "404", "413", "422", "424", "429"]
 """
 """A schema-valid body may still be refused for what only the queue's model knows (its
-prompts, its length limit, whether it publishes a tokenizer; docs/DECISIONS.md, "TEI routes
+prompts, its length limit, whether it publishes a tokenizer; docs/decisions/, "TEI routes
 and OpenAPI"), or because the route is not for the queue's kind of model (``/rerank`` on an
 embedder): those refusals are TEI's documented 400/413/422 and 424, never a 5xx."""
 

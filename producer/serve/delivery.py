@@ -1,7 +1,7 @@
 """How a route's job reaches its queue: no live worker, scale-from-zero, and retried requests.
 
 Three questions every POST route asks before and while it waits (docs/OPERATIONS.md,
-"No live worker"; docs/DECISIONS.md, "Gateway drop-in (issue 24)"):
+"No live worker"; docs/decisions/0033-gateway-503s.md):
 
 * **Is anyone there?** The workers' liveness keys (what ``/ready`` reads)
   say whether a worker serves the queue. With none and ``--cold-start-s 0``

@@ -159,7 +159,7 @@ TOKEN_IDS_REFUSED = (
 
 The ids a client sends are of its own tokenizer (LangChain's are tiktoken's
 cl100k), which is not the model's, and nothing in the request says which
-one it was: decoding them would be a guess (docs/DECISIONS.md)."""
+one it was: decoding them would be a guess (docs/decisions/0032-strict-bodies.md)."""
 
 
 def tei_embed_job(body: TEIEmbed) -> Job:

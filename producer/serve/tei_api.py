@@ -10,7 +10,8 @@ tests/data/, checked by schemathesis in tests/gateway/test_serve_openapi.py):
   (``{"source_sentence", "sentences"}``), which is what ``huggingface_hub``'s
   ``InferenceClient.sentence_similarity`` posts to a base URL. TEI chooses
   similarity for the whole server with ``TASK=sentence-similarity``; the
-  body's shape tells the two apart without a setting (docs/DECISIONS.md).
+  body's shape tells the two apart without a setting
+  (docs/decisions/0037-tei-routes-and-openapi.md).
 * ``/similarity``: the cosine of ``source_sentence`` with each of
   ``sentences``, from their embeddings, computed in one ``infer_many``.
 * ``/tokenize`` and ``/decode``: the queue's own tokenizer (the

@@ -2,7 +2,7 @@
 
 Why: the check only ever runs on a CUDA machine with onnxruntime-gpu, where
 its answer decides whether ``--runtime onnx`` is offered on CUDA
-(docs/DECISIONS.md). Everything in it but the provider is checked here, on a
+(docs/decisions/0040-onnx-runtime.md). Everything in it but the provider is checked here, on a
 tiny random BERT with the CPU provider: the worker's exporter under the
 worker's cache key, the session run through I/O binding on torch tensors'
 memory, padding and mean pooling equal to the hf backend's own vectors,

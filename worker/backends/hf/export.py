@@ -170,7 +170,7 @@ def _eager_attention(model: torch.nn.Module) -> str | None:
     Why: the SDPA path traces into a graph with NaN guards that ONNX Runtime
     cannot fuse, while the eager path's MatMul-Softmax-MatMul is the pattern
     its attention fusion knows; measured ~10% faster on all-MiniLM-L6-v2
-    (docs/DECISIONS.md). None: the model cannot switch (its own code), and
+    (docs/decisions/0040-onnx-runtime.md). None: the model cannot switch (its own code), and
     is traced as it is.
     """
     config = getattr(model, "config", None)

@@ -18,7 +18,7 @@ The session, tuned for a CPU worker:
   inter-op thread, since the graph is one chain;
 - inputs go in as numpy arrays, which ONNX Runtime reads without a copy on
   the CPU; I/O binding would only save copies across a device boundary,
-  and no GPU provider is offered (docs/DECISIONS.md).
+  and no GPU provider is offered (docs/decisions/0040-onnx-runtime.md).
 
 Only fp32 activations run here: ONNX Runtime's CPU kernels for fp16 and
 bf16 are partial and slower than fp32. ``--quantize int8`` swaps in a graph

@@ -27,7 +27,7 @@ Why measured on every start and not cached with the file: the int8
 kernels differ by CPU (VNNI or not), and so does their error.
 
 The recipe (:data:`RECIPE`) is the best uniform one measured on
-all-MiniLM-L6-v2 (docs/DECISIONS.md): MatMul weights only, one scale per
+all-MiniLM-L6-v2 (docs/decisions/0043-int8-behind-a-gate.md): MatMul weights only, one scale per
 output channel, 7-bit range (``reduce_range``, so AVX2 without VNNI cannot
 saturate its 16-bit sums).
 
@@ -266,7 +266,8 @@ def _sensitivity(
     Each is quantised alone and its calibration loss measured.
 
     Cheaper proxies were measured on all-MiniLM-L6-v2 and did not rank the
-    nodes as their real loss does (docs/DECISIONS.md), so each node is really
+    nodes as their real loss does
+    (docs/decisions/0043-int8-behind-a-gate.md), so each node is really
     quantised alone; at most :data:`SENSITIVITY_MAX_NODES`, stopping after
     :data:`SENSITIVITY_SECONDS`. A node not measured counts as harmless.
     """

@@ -12,7 +12,7 @@ The choice, one rule for every worker:
   only runtime for ``--dtype bf16-mixed`` (torch's autocast);
 - ``onnx``: ONNX Runtime's CPU provider, fp32 only; refused on CUDA, where
   ONNX Runtime's CUDA provider has not been measured against torch fp16
-  (docs/DECISIONS.md), and refused by name without the ``onnx`` extra;
+  (docs/decisions/0040-onnx-runtime.md), and refused by name without the ``onnx`` extra;
 - ``auto``: onnx on the CPU in fp32 when the extra is installed, torch
   otherwise (so torch on CUDA).
 
