@@ -155,13 +155,15 @@ async def _probe(client: AsyncClient) -> BrokerUnavailable | None:
 async def deliver(
     client: AsyncClient, queue: str, job: Job, *, timeout_s: float, cold_start_s: float,
     liveness: Liveness, reachability: Reachability, unique: list[str] | None,
+    keep: bool = False,
 ) -> list[Result]:
-    """The job's results, asked of ``queue`` as the module's rules say."""
+    """The job's results, asked of ``queue`` as the module's rules say (``keep``: leave
+    the replies on their keys for a retry, :mod:`.idempotency`)."""
     alive = await liveness.alive(queue, client)
     if not alive and cold_start_s <= 0:
         raise no_worker(queue, "nothing was queued (--cold-start-s 0); retry when /ready "
                         "answers 200")
-    work = asyncio.ensure_future(_send(client, job, timeout_s, unique))
+    work = asyncio.ensure_future(_send(client, job, timeout_s, unique, keep))
     try:
         if not alive:
             await _cold_start(queue, client, work, cold_start_s, liveness)
@@ -201,11 +203,11 @@ def left_queued(error: ApiError, unique: list[str] | None) -> ApiError:
 
 
 async def _send(
-    client: AsyncClient, job: Job, timeout_s: float, unique: list[str] | None
+    client: AsyncClient, job: Job, timeout_s: float, unique: list[str] | None, keep: bool
 ) -> list[Result]:
     if unique is None:
         return await client.infer_many(job.items, timeout_s=timeout_s, **job.options)
     ids = await client.submit_many(job.items, unique=unique, deadline_s=timeout_s,
                                    **job.options)
-    results: list[Any] = await client.results(ids, timeout_s)
+    results: list[Any] = await client.results(ids, timeout_s, keep=keep)
     return results
