@@ -159,7 +159,8 @@ class Gateway:
             claim = await watched(request, idempotency.claim(
                 self.clients[queue], QueueRef(queue, self.settings.prefix), key,
                 idempotency.fingerprint(request.url.path, request.state.body_digest), unique,
-                window_s=self.settings.dedupe_ttl_s, timeout_s=self.settings.timeout_s))
+                window_s=self.settings.dedupe_ttl_s, timeout_s=self.settings.timeout_s,
+                max_bytes=self.settings.max_body_bytes))
             idempotency.current.set(claim)  # answer() stores what the route answers
         try:
             return await watched(request, delivery.deliver(

@@ -21,7 +21,7 @@ Three questions every POST route asks before and while it waits (docs/OPERATIONS
   input's index (:func:`idempotent_ids`), each input's own reply key, and
   the enqueue script's dedupe (``--dedupe-ttl-s``): a retry of the same body
   with the same key writes nothing new and reads the first attempt's
-  replies. A key reused with another body names other requests.
+  replies; :mod:`.idempotency` keeps the first attempt's answer for it.
 * **Is Redis still there?** A queued request's wait rides out an outage by
   itself (the client's reply listener reconnects until the deadline), which
   suits a library call and not an HTTP caller, who would learn of the outage
@@ -42,7 +42,7 @@ import hashlib
 import time
 from typing import Any, TypeVar
 
-from tokenq.producer import AsyncClient, BrokerUnavailable, Result
+from tokenq.producer import AsyncClient, BrokerUnavailable, DeadlineExceeded, Result
 from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.producer.serve.schemas import Job
 
@@ -170,6 +170,8 @@ async def deliver(
         return await reachability.watch(queue, client, work)
     except BrokerUnavailable as down:  # Redis went after (or while) the job was written
         raise left_queued(from_exception(down), unique) from down
+    except DeadlineExceeded as late:  # the replies say so: a retry of the key reads them again
+        raise too_late(from_exception(late), unique) from late
     except ApiError as error:
         raise left_queued(error, unique) from None
     finally:
@@ -198,6 +200,19 @@ def left_queued(error: ApiError, unique: list[str] | None) -> ApiError:
     reads the first attempt's replies) and left to the client.
     """
     if unique is None and error.status >= 500:
+        error.headers = {**error.headers, "x-should-retry": "false"}
+    return error
+
+
+def too_late(error: ApiError, unique: list[str] | None) -> ApiError:
+    """``error`` for requests whose replies were ``deadline_exceeded``.
+
+    Under an ``Idempotency-Key`` a retry names the same requests and reads
+    the same replies (kept for it, :mod:`.idempotency`), so it cannot fix
+    this: ``x-should-retry: false``. Without one a retry is new work with
+    a fresh deadline, left to the client.
+    """
+    if unique is not None:
         error.headers = {**error.headers, "x-should-retry": "false"}
     return error
 

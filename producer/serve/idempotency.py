@@ -10,8 +10,8 @@ answered with the same bytes (docs/RELIABILITY.md, "Idempotent retries"):
 * **record** ``{q}:idem:<h>`` (:func:`tokenq.shared.keys.idempotent_answer`):
   set ``NX`` by the first attempt, holding its route and body digest
   (the *fingerprint*), then replaced by the finished answer (status and
-  body bytes); its TTL is the dedupe window (``--dedupe-ttl-s``), from the
-  claim and again from the store;
+  body bytes, if at most ``--max-body-bytes``); its TTL is the dedupe
+  window (``--dedupe-ttl-s``), from the claim and again from the store;
 * **lease** ``{q}:idem:<h>:lease`` (:func:`tokenq.shared.keys.idempotent_lease`):
   which request computes the answer now, for ``--timeout-s`` plus
   :data:`LEASE_GRACE_S`, dropped when it ends either way.
@@ -84,14 +84,20 @@ class Claim:
     fingerprint: bytes
     window_ms: int
     unique: list[str]
+    max_bytes: int
     stored: bool = False
 
     async def store(self, status: int, body: bytes) -> None:
         """Keep the answer for the window, then drop the replies it was made of.
 
-        A refusal (OOM, READONLY, NOPERM, an outage) is logged and swallowed:
-        the caller still gets its answer; the replies stay for a retry.
+        An answer over ``max_bytes`` (``--max-body-bytes``) is not kept, nor is
+        one Redis refuses (OOM, READONLY, NOPERM, an outage: logged): the
+        caller still gets it, and the replies stay for a retry to rebuild it.
         """
+        if len(body) > self.max_bytes:
+            log.info("an Idempotency-Key's answer of %d bytes is over --max-body-bytes; "
+                     "a retry rebuilds it from the kept replies", len(body))
+            return
         value = msgpack.packb({"fp": self.fingerprint, "status": status, "body": body})
         try:
             await self.client.command("set", self.record, value, px=self.window_ms)
@@ -125,7 +131,7 @@ def fingerprint(route: str, body_digest: bytes) -> bytes:
 
 async def claim(
     client: AsyncClient, queue: QueueRef, key: str, fp: bytes, unique: list[str], *,
-    window_s: float, timeout_s: float,
+    window_s: float, timeout_s: float, max_bytes: int,
 ) -> Claim | None:
     """This request's claim on ``key``'s answer; raises :class:`Replay` when it is stored.
 
@@ -138,7 +144,7 @@ async def claim(
     window_ms = max(1, int(window_s * 1000))
     lease_ms = int((timeout_s + LEASE_GRACE_S) * 1000)
     token = secrets.token_hex(8)
-    own = Claim(client, record, lease, fp, window_ms, unique)
+    own = Claim(client, record, lease, fp, window_ms, unique, max_bytes)
     until = time.monotonic() + timeout_s
     pending = msgpack.packb({"fp": fp})
     try:

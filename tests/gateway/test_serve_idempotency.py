@@ -133,6 +133,7 @@ def test_a_retry_while_the_first_is_in_flight_waits_for_its_answer(
             first.join()
     assert answers["first"].status_code == answers["retry"].status_code == 200
     assert answers["retry"].content == answers["first"].content
+    assert answers["retry"].headers["idempotent-replayed"] == "true"  # waited, then replayed
     assert added(r, queue_name) == len(TEXTS)
 
 
@@ -190,3 +191,59 @@ def test_without_a_window_the_key_only_names_the_requests(sim_worker, r, redis_u
     with replica(redis_url, queue_name, dedupe_ttl_s=0) as http:
         assert post(http, key).status_code == 200
     assert not r.exists(record_of(queue_name, key))
+
+
+def test_an_answer_over_the_body_limit_is_not_kept_and_its_retry_rebuilds_it(
+    sim_worker, r, redis_url, queue_name
+):
+    sim_worker()
+    key, texts = str(uuid.uuid4()), [f"input {i}" for i in range(20)]
+    with replica(redis_url, queue_name, max_body_bytes=1024) as one, \
+            replica(redis_url, queue_name, max_body_bytes=1024) as two:
+        first = post(one, key, texts)
+        assert len(first.content) > 1024
+        retry = post(two, key, texts)
+    assert first.status_code == retry.status_code == 200
+    assert retry.json()["data"] == first.json()["data"]
+    assert "idempotent-replayed" not in retry.headers
+    assert len(r.get(record_of(queue_name, key)) or b"") < 200  # the claim alone
+    assert added(r, queue_name) == len(texts)
+
+
+def test_a_retry_after_the_first_attempts_504_takes_over_and_reads_its_replies(
+    sim_worker, r, redis_url, queue_name
+):
+    sim_worker("--sim-batch-ms", "2500")
+    key = str(uuid.uuid4())
+    with replica(redis_url, queue_name, timeout_s=1) as one, \
+            replica(redis_url, queue_name, timeout_s=1) as two:
+        first = post(one, key)
+        assert first.status_code == 504, first.text
+        assert first.headers.get("x-should-retry") != "false"  # a retry can fix it
+        retries = [post(two, key) for _ in range(2)]
+        while retries[-1].status_code == 504 and len(retries) < 8:
+            retries.append(post(two, key))
+    assert retries[-1].status_code == 200, [answer.text for answer in retries]
+    assert added(r, queue_name) == len(TEXTS)  # the first attempt's requests, computed once
+
+
+def test_replies_past_their_deadline_are_a_504_no_retry_of_the_key_can_fix(
+    sim_worker, r, redis_url, queue_name
+):
+    sim_worker("--sim-batch-ms", "2500")
+    key = str(uuid.uuid4())
+    with replica(redis_url, queue_name, timeout_s=1) as http:
+        blocker = threading.Thread(target=post, args=(http, str(uuid.uuid4()), ["blocker"]))
+        blocker.start()
+        try:
+            wait_for(lambda: added(r, queue_name) == 1, what="the blocker queued")
+            time.sleep(0.3)  # the worker is running the blocker's batch
+            answers = [post(http, key)]  # waits behind it past its 1 s deadline
+            while answers[-1].headers.get("x-should-retry") != "false" and len(answers) < 8:
+                answers.append(post(http, key))
+        finally:
+            blocker.join()
+    assert answers[-1].status_code == 504, [answer.text for answer in answers]
+    assert answers[-1].headers["x-should-retry"] == "false"
+    assert "deadline" in answers[-1].text
+    assert added(r, queue_name) == 1 + len(TEXTS)  # the blocker and the keyed inputs, once
