@@ -146,7 +146,9 @@ class Gateway:
         A refusal that names one of the job's options comes back naming it
         (errors.from_exception). A job over the batch size, or that would
         send more than its body's share (bounds.check_job), is a 413 and
-        sends nothing.
+        sends nothing. Under an ``Idempotency-Key`` it first claims the
+        key's answer (:mod:`.idempotency`): a stored one is replayed by the
+        route's ``answer``, which also stores this one.
         """
         check_job(job.items, job.options, job.where, request.state.body_bytes,
                   self.settings.max_client_batch_size)

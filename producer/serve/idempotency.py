@@ -22,9 +22,9 @@ then a 409 that invites a later retry); or finds the lease free (the first
 attempt gave up, died, or lost its client) and takes over: the same ids
 are deduplicated, and the first attempt's replies are still on their keys
 (the gateway reads them with ``keep`` and deletes them only once the answer
-is stored). A key used again with another route or body is a 422 naming the
-header. Two takers at once (a retry between the first's claim and its lease)
-both wait on the same deduplicated requests and store the same bytes.
+is stored). The lease is taken ``NX`` by whoever computes, the first
+attempt included, so one request at a time computes a key's answer. A key
+used again with another route or body is a 422 naming the header.
 
 Redis refusing the claim or the store (``maxmemory``, ``READONLY``, an ACL
 without the ``idem`` keys) costs the guarantee and nothing else: the request
@@ -149,14 +149,14 @@ async def claim(
     pending = msgpack.packb({"fp": fp})
     try:
         while True:
-            if await client.command("set", record, pending, nx=True, px=window_ms):
-                await client.command("set", lease, token, px=lease_ms)
-                return own
-            held = await client.command("get", record)
-            if held is not None:
+            if not await client.command("set", record, pending, nx=True, px=window_ms):
+                held = await client.command("get", record)
+                if held is None:
+                    continue  # it expired between the two: claim it afresh
                 _check(msgpack.unpackb(held), fp)
-                if await client.command("set", lease, token, nx=True, px=lease_ms):
-                    return own  # the first attempt is gone: take over its requests
+            # the first to claim, or the first attempt is gone: take over its requests
+            if await client.command("set", lease, token, nx=True, px=lease_ms):
+                return own
             if time.monotonic() >= until:
                 raise in_flight()
             await asyncio.sleep(POLL_S)

@@ -247,3 +247,28 @@ def test_replies_past_their_deadline_are_a_504_no_retry_of_the_key_can_fix(
     assert answers[-1].headers["x-should-retry"] == "false"
     assert "deadline" in answers[-1].text
     assert added(r, queue_name) == 1 + len(TEXTS)  # the blocker and the keyed inputs, once
+
+
+def test_a_retry_that_outwaits_its_timeout_is_told_to_come_back(
+    sim_worker, r, redis_url, queue_name
+):
+    sim_worker("--sim-batch-ms", "2500")
+    key = str(uuid.uuid4())
+    answers: dict[str, httpx.Response] = {}
+    with replica(redis_url, queue_name, timeout_s=10) as one, \
+            replica(redis_url, queue_name, timeout_s=1) as impatient:
+        first = threading.Thread(target=lambda: answers.update(first=post(one, key)))
+        first.start()
+        try:
+            wait_for(lambda: r.exists(record_of(queue_name, key)), what="the first's claim")
+            answers["early"] = post(impatient, key)
+        finally:
+            first.join()
+        answers["later"] = post(impatient, key)
+    early = answers["early"]
+    assert early.status_code == 409, early.text
+    assert early.json()["error"]["code"] == "idempotency_key_in_flight"
+    assert early.headers["x-should-retry"] == "true" and early.headers["retry-after"] == "1"
+    assert answers["first"].status_code == 200
+    assert answers["later"].content == answers["first"].content
+    assert added(r, queue_name) == len(TEXTS)
