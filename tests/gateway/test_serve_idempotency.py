@@ -11,6 +11,7 @@ import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -35,6 +36,16 @@ def replica(redis_url: str, queue: str, **settings: Any) -> testclient.TestClien
     """One gateway replica: an app of its own, nothing shared with another but Redis."""
     return testclient.TestClient(create_app(ServeSettings(redis_url=redis_url, queue=queue,
                                                           **settings)))
+
+
+@contextlib.contextmanager
+def replicas(redis_url: str, queue: str, *timeouts_s: float, **settings: Any
+             ) -> Iterator[tuple[testclient.TestClient, testclient.TestClient]]:
+    """Two replicas of one gateway (``timeouts_s``: each one's ``--timeout-s``)."""
+    first_s, then_s = timeouts_s or (30.0, 30.0)
+    with replica(redis_url, queue, timeout_s=first_s, **settings) as one, \
+            replica(redis_url, queue, timeout_s=then_s, **settings) as two:
+        yield one, two
 
 
 def added(r: redis.Redis, queue: str, shards: int = 1) -> int:
@@ -67,7 +78,7 @@ def test_a_sharded_queue_computes_each_input_once_for_two_posts_of_one_key(
         """The first attempt's gateway answered and died: nothing stored, so its retry
         queues the inputs again, which only their shard's dedupe can drop."""
 
-    with replica(redis_url, queue_name) as one, replica(redis_url, queue_name) as two:
+    with replicas(redis_url, queue_name) as (one, two):
         # the same replica twice: its round robin would take the other shard the second time
         for retry_on in (one, two):
             key = str(uuid.uuid4())
@@ -101,7 +112,7 @@ def test_the_sdks_retry_after_a_lost_200_gets_the_same_answer_from_another_repli
 ):
     sim_worker()
     key = str(uuid.uuid4())
-    with replica(redis_url, queue_name) as one, replica(redis_url, queue_name) as two:
+    with replicas(redis_url, queue_name) as (one, two):
         lossy = LostFirstAnswer(one, two)
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=2,
                                http_client=httpx.Client(transport=lossy))
@@ -117,20 +128,27 @@ def test_the_sdks_retry_after_a_lost_200_gets_the_same_answer_from_another_repli
     assert 0 < r.pttl(record_of(queue_name, key)) <= 60_000  # the dedupe window
 
 
+def while_in_flight(r: redis.Redis, queue: str, key: str, first: testclient.TestClient,
+                    then: testclient.TestClient) -> dict[str, httpx.Response]:
+    """POST ``key`` to ``first`` and, once its claim is in Redis, again to ``then``."""
+    answers: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: answers.update(first=post(first, key)))
+    thread.start()
+    try:
+        wait_for(lambda: r.exists(record_of(queue, key)), what="the first attempt's claim")
+        answers["retry"] = post(then, key)
+    finally:
+        thread.join()
+    return answers
+
+
 def test_a_retry_while_the_first_is_in_flight_waits_for_its_answer(
     sim_worker, r, redis_url, queue_name
 ):
     sim_worker("--sim-batch-ms", "1000")
     key = str(uuid.uuid4())
-    answers: dict[str, httpx.Response] = {}
-    with replica(redis_url, queue_name) as one, replica(redis_url, queue_name) as two:
-        first = threading.Thread(target=lambda: answers.update(first=post(one, key)))
-        first.start()
-        try:
-            wait_for(lambda: r.exists(record_of(queue_name, key)), what="the first's claim")
-            answers["retry"] = post(two, key)
-        finally:
-            first.join()
+    with replicas(redis_url, queue_name) as (one, two):
+        answers = while_in_flight(r, queue_name, key, one, two)
     assert answers["first"].status_code == answers["retry"].status_code == 200
     assert answers["retry"].content == answers["first"].content
     assert answers["retry"].headers["idempotent-replayed"] == "true"  # waited, then replayed
@@ -173,7 +191,7 @@ def test_an_answer_redis_refuses_to_store_still_reaches_the_caller_and_its_retry
         refused.append(not claim.stored)
 
     monkeypatch.setattr(idempotency.Claim, "store", store_at_maxmemory)
-    with replica(redis_url, queue_name) as one, replica(redis_url, queue_name) as two:
+    with replicas(redis_url, queue_name) as (one, two):
         first = post(one, key)
         monkeypatch.setattr(idempotency.Claim, "store", store)
         retry = post(two, key)
@@ -198,8 +216,7 @@ def test_an_answer_over_the_body_limit_is_not_kept_and_its_retry_rebuilds_it(
 ):
     sim_worker()
     key, texts = str(uuid.uuid4()), [f"input {i}" for i in range(20)]
-    with replica(redis_url, queue_name, max_body_bytes=1024) as one, \
-            replica(redis_url, queue_name, max_body_bytes=1024) as two:
+    with replicas(redis_url, queue_name, max_body_bytes=1024) as (one, two):
         first = post(one, key, texts)
         assert len(first.content) > 1024
         retry = post(two, key, texts)
@@ -215,8 +232,7 @@ def test_a_retry_after_the_first_attempts_504_takes_over_and_reads_its_replies(
 ):
     sim_worker("--sim-batch-ms", "2500")
     key = str(uuid.uuid4())
-    with replica(redis_url, queue_name, timeout_s=1) as one, \
-            replica(redis_url, queue_name, timeout_s=1) as two:
+    with replicas(redis_url, queue_name, 1, 1) as (one, two):
         first = post(one, key)
         assert first.status_code == 504, first.text
         assert first.headers.get("x-should-retry") != "false"  # a retry can fix it
@@ -254,18 +270,10 @@ def test_a_retry_that_outwaits_its_timeout_is_told_to_come_back(
 ):
     sim_worker("--sim-batch-ms", "2500")
     key = str(uuid.uuid4())
-    answers: dict[str, httpx.Response] = {}
-    with replica(redis_url, queue_name, timeout_s=10) as one, \
-            replica(redis_url, queue_name, timeout_s=1) as impatient:
-        first = threading.Thread(target=lambda: answers.update(first=post(one, key)))
-        first.start()
-        try:
-            wait_for(lambda: r.exists(record_of(queue_name, key)), what="the first's claim")
-            answers["early"] = post(impatient, key)
-        finally:
-            first.join()
+    with replicas(redis_url, queue_name, 10, 1) as (one, impatient):
+        answers = while_in_flight(r, queue_name, key, one, impatient)
         answers["later"] = post(impatient, key)
-    early = answers["early"]
+    early = answers["retry"]
     assert early.status_code == 409, early.text
     assert early.json()["error"]["code"] == "idempotency_key_in_flight"
     assert early.headers["x-should-retry"] == "true" and early.headers["retry-after"] == "1"
