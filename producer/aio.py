@@ -206,11 +206,25 @@ class AsyncClient(ProducerBase):
 
     async def results(
         self, request_ids: Sequence[str], timeout_s: float | None = None, *,
-        return_exceptions: bool = False,
+        return_exceptions: bool = False, keep: bool = False,
     ) -> list[Any]:
-        """Wait for several submitted requests' replies (one pooled connection while waiting)."""
-        call = calls.results(self._core, request_ids, timeout_s, return_exceptions)
+        """Wait for several submitted requests' replies (one pooled connection while waiting).
+
+        ``keep``: leave the replies on their keys for another reader of the
+        same ids (they expire with the worker's ``reply_ttl_s``; :meth:`forget` drops them).
+        """
+        call = calls.results(self._core, request_ids, timeout_s, return_exceptions, keep)
         return await self._run(call)
+
+    async def forget(self, request_ids: Sequence[str]) -> None:
+        """Delete the replies :meth:`results` kept for ``request_ids`` (best effort)."""
+        await self._run(calls.forget_replies(self._core, request_ids))
+
+    async def command(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """One Redis command (a redis-py method's name) on this client's pool, bounded by
+        ``settings.timeout_s``: for keys a caller keeps beside the queue's (the gateway's)."""
+        return await self._run(calls.command(self._core, self._core.deadline(), name, *args,
+                                             **kwargs))
 
     async def infer(
         self, text: str, *, text_pair: str | None = None, timeout_s: float | None = None,

@@ -44,7 +44,7 @@ from tokenq.producer.core import ENQUEUE_SCRIPT, PEEK_SCRIPT, ClientCore
 from tokenq.producer.deadline import Deadline, backoff_s
 from tokenq.producer.prepare import Prepared, TextItem
 from tokenq.producer.replies import Outcome, Result
-from tokenq.producer.shards import ShardRetired, is_retired
+from tokenq.producer.shards import ShardRetired, is_retired, shard_for
 from tokenq.shared import keys
 from tokenq.shared.errors import BrokerUnavailable
 
@@ -252,12 +252,14 @@ def ensure_config(core: ClientCore, deadline: Deadline) -> Call[None]:
 
 
 def choose_shard(
-    core: ClientCore, deadline: Deadline, reply_to: object = None
+    core: ClientCore, deadline: Deadline, reply_to: object = None, pin: str | None = None
 ) -> Call[ClientCore]:
     """The core (shard) this enqueueing call writes through; ``core`` itself unsharded.
 
     A ``reply_to`` in one shard's reply namespace pins the call to that
-    shard (a worker answers only within its request's shard). Otherwise,
+    shard (a worker answers only within its request's shard); so does
+    ``pin``, a caller-chosen request id, to the shard it hashes to
+    (:func:`~tokenq.producer.shards.shard_for`). Otherwise,
     with ``shard_choice="shortest"`` the shards' lengths are read first when
     the last reading is stale: one XLEN per shard (in a Cluster each is on
     its own node). A refused XLEN (an ACL) leaves the choice round robin.
@@ -269,6 +271,8 @@ def choose_shard(
         pinned = keys.shard_of_reply_key(core.queue, count, reply_to)
         if pinned is not None:
             return core.lane(pinned)
+    if pin is not None:
+        return core.lane(shard_for(pin, count))
     if core.chooser.lengths_due(count, time.monotonic()):
         lengths = []
         try:
@@ -284,7 +288,7 @@ def choose_shard(
 
 def on_current_shard(
     core: ClientCore, deadline: Deadline, write: Callable[[ClientCore], Call[T]],
-    reply_to: object = None,
+    reply_to: object = None, pin: str | None = None,
 ) -> Call[T]:
     """``write`` through the shard :func:`choose_shard` picks; on another if that one is retired.
 
@@ -297,7 +301,7 @@ def on_current_shard(
     Each retry chooses below the refused shard, so this ends.
     """
     while True:
-        lane = yield from choose_shard(core, deadline, reply_to)
+        lane = yield from choose_shard(core, deadline, reply_to, pin)
         try:
             return (yield from write(lane))
         except ShardRetired as retired:
@@ -494,7 +498,8 @@ def own_keys(
 
 
 def own_replies(
-    core: ClientCore, wanted: dict[str, str], deadline: Deadline, *, at_least_once: bool = False
+    core: ClientCore, wanted: dict[str, str], deadline: Deadline, *, at_least_once: bool = False,
+    keep: bool = False,
 ) -> Call[tuple[Outcomes, BaseException | None]]:
     """Outcomes of requests whose replies land on their own keys (``wanted``: key -> id).
 
@@ -527,9 +532,18 @@ def own_replies(
         read.append(key)
 
     unreachable = yield from _poll(core, deadline, wanted, pop, take, at_least_once=at_least_once)
-    if read:
+    if read and not keep:
         yield from _forget(deadline, "delete", *read)
     return outcomes, unreachable
+
+
+def forget_replies(core: ClientCore, request_ids: Sequence[str]) -> Call[None]:
+    """Delete the reply keys of requests whose replies were read with ``keep`` (best effort)."""
+    deadline = core.deadline()
+    core.check_ids(request_ids)
+    retired = yield from retired_shards_named(core, request_ids, deadline)
+    for wanted in core.reply_keys(request_ids, retired).values():
+        yield from _forget(deadline, "delete", *wanted)
 
 
 _ROTATE = {"src": "LEFT", "dest": "RIGHT"}
@@ -647,16 +661,20 @@ def submit_many(
         yield from enqueue(lane, batch, deadline)
         return [p.id for p in batch]
 
-    return (yield from on_current_shard(core, deadline, write, options.get("reply_to")))
+    pin = unique[0] if unique else None  # a retry of the same ids: the same shard
+    return (yield from on_current_shard(core, deadline, write, options.get("reply_to"), pin))
 
 
 def results(
-    core: ClientCore, request_ids: Sequence[str], timeout_s: float | None, return_exceptions: bool
+    core: ClientCore, request_ids: Sequence[str], timeout_s: float | None, return_exceptions: bool,
+    keep: bool = False,
 ) -> Call[list[Any]]:
     """Wait for submitted requests' replies on their own keys; outcomes in input order.
 
     Requests of a sharded queue are waited for shard by shard (one script
-    may read keys of one slot only), all within the one deadline.
+    may read keys of one slot only), all within the one deadline. ``keep``:
+    leave the replies read on their keys (until their TTL, or
+    :func:`forget_replies`), so that another reader of the same ids gets them too.
     """
     started = time.monotonic()
     deadline = Deadline(started + core.timeout(timeout_s))
@@ -668,7 +686,7 @@ def results(
     unreachable: BaseException | None = None
     for shard, wanted in by_shard.items():
         got, down = yield from own_replies(core.lane(shard), wanted, deadline,
-                                           at_least_once=several)
+                                           at_least_once=several, keep=keep)
         outcomes.update(got)
         unreachable = unreachable or down
     # own_replies leaves in each ``wanted`` exactly the ids it did not get.

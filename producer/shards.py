@@ -19,6 +19,11 @@ holds at most K × ``max_queue_length``). Which shard:
   counting what this client added since, so a burst between reads spreads
   instead of landing on one shard.
 
+A call whose request ids the caller chose (an ``Idempotency-Key`` at the
+gateway) goes to the shard its first id hashes to (:func:`shard_for`), not
+to the chooser's: its retry names the same ids, lands on the same shard and
+is deduplicated there.
+
 When the workers' K shrinks, the shards beyond it are retired (they drain;
 :mod:`tokenq.shared.keys`): the enqueue script refuses a retired shard with
 ``RETIRED`` and writes nothing, and the call reads the config again and
@@ -31,6 +36,7 @@ Sans-I/O: the calls read the lengths and hand them over with the time.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import threading
@@ -85,6 +91,11 @@ def shard_count(wanted: int | None, config: QueueConfig | None, queue: str) -> i
             f"workers serve {published}; make them agree; nothing was written"
         )
     return published
+
+
+def shard_for(unique: str, shards: int) -> int:
+    """The shard of ``shards`` a call of caller-chosen ids goes to: the same for every retry."""
+    return int.from_bytes(hashlib.blake2b(unique.encode(), digest_size=8).digest(), "big") % shards
 
 
 class ShardChooser:

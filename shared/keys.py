@@ -14,6 +14,11 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
     tokenq:{q}:shards_served   string   highest shard count served while shards beyond
                                         today's are still draining (:func:`shards_served`)
     tokenq:{q:k}:retired       string   shard k is retired: enqueue.lua refuses new entries
+    tokenq:{q}:idem:<h>        string   the gateway's record of one Idempotency-Key (<h>
+                                        digests the key): route and body digest, then the
+                                        finished HTTP answer; TTL the dedupe window
+    tokenq:{q}:idem:<h>:lease  string   which gateway request computes that answer now; TTL
+                                        its --timeout-s and a grace
 
 The queue name sits in braces, which makes it a Redis Cluster hash tag: every
 key of one queue lands in one slot, so a MULTI or a Lua script may touch them
@@ -286,3 +291,13 @@ def seen_call(q: QueueRef, request_ids: Iterable[str]) -> str:
 def reply_pattern(q: QueueRef) -> str:
     """A SCAN pattern matching every reply key of the queue."""
     return f"{q.tag}:reply:*"
+
+
+def idempotent_answer(q: QueueRef, key_digest: str) -> str:
+    """The gateway's record of one ``Idempotency-Key``: what it was used for, then its answer."""
+    return f"{q.tag}:idem:{key_digest}"
+
+
+def idempotent_lease(q: QueueRef, key_digest: str) -> str:
+    """Held by the gateway request now computing that key's answer (a retry waits meanwhile)."""
+    return f"{q.tag}:idem:{key_digest}:lease"

@@ -53,6 +53,7 @@ from tokenq.producer import AsyncClient, Result
 from tokenq.producer.serve import (
     delivery,
     edge,
+    idempotency,
     openai_api,
     openapi,
     schemas,
@@ -64,6 +65,7 @@ from tokenq.producer.serve.bounds import Admission, Parser, check_job, read_body
 from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.producer.serve.schemas import Job
 from tokenq.shared.cli import version
+from tokenq.shared.keys import QueueRef
 from tokenq.shared.queue_config import QueueConfig
 from tokenq.shared.settings import ServeSettings
 
@@ -144,7 +146,9 @@ class Gateway:
         A refusal that names one of the job's options comes back naming it
         (errors.from_exception). A job over the batch size, or that would
         send more than its body's share (bounds.check_job), is a 413 and
-        sends nothing.
+        sends nothing. Under an ``Idempotency-Key`` it first claims the
+        key's answer (:mod:`.idempotency`): a stored one is replayed by the
+        route's ``answer``, which also stores this one.
         """
         check_job(job.items, job.options, job.where, request.state.body_bytes,
                   self.settings.max_client_batch_size)
@@ -152,24 +156,36 @@ class Gateway:
         key = request.headers.get(delivery.IDEMPOTENCY_HEADER)
         unique = None if key is None else delivery.idempotent_ids(
             key, queue, request.state.body_digest, len(job.items))
-        work = asyncio.ensure_future(delivery.deliver(
-            self.clients[queue], queue, job, timeout_s=self.settings.timeout_s,
-            cold_start_s=self.settings.cold_start_s, liveness=self.liveness,
-            reachability=self.reachability, unique=unique,
-        ))
+        claim = None
+        if key is not None and unique is not None and self.settings.dedupe_ttl_s > 0:
+            claim = await watched(request, idempotency.claim(
+                self.clients[queue], QueueRef(queue, self.settings.prefix), key,
+                idempotency.fingerprint(request.url.path, request.state.body_digest), unique,
+                window_s=self.settings.dedupe_ttl_s, timeout_s=self.settings.timeout_s,
+                max_bytes=self.settings.max_body_bytes))
+            idempotency.current.set(claim)  # answer() stores what the route answers
         try:
-            while True:
-                done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    raise ApiError(499, "the client went away", code="client_closed")
-        finally:
-            work.cancel()  # a no-op once it is done
-        try:
-            return work.result()
+            return await watched(request, delivery.deliver(
+                self.clients[queue], queue, job, timeout_s=self.settings.timeout_s,
+                cold_start_s=self.settings.cold_start_s, liveness=self.liveness,
+                reachability=self.reachability, unique=unique, keep=claim is not None,
+            ))
         except Exception as exc:
             raise from_exception(exc, job.options, job.where) from exc
+
+
+async def watched(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, cancelled with a 499 if the HTTP client goes away meanwhile."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ApiError(499, "the client went away", code="client_closed")
+    finally:
+        task.cancel()  # a no-op once it is done
 
 
 class _Unreplicated(Collector):
@@ -222,16 +238,35 @@ def create_app(settings: ServeSettings) -> FastAPI:
         POST routes; never the probes, which must answer while it is full).
         """
         started = time.perf_counter()
+        claimed = idempotency.current.set(None)
         try:
             with gateway.admission.admit() if admit else nullcontext():
                 response: Response = JSONResponse(await work())
+                await keep_answer(response)
+        except idempotency.Replay as replay:
+            response = Response(replay.body, status_code=replay.status,
+                                media_type="application/json",
+                                headers={"Idempotent-Replayed": "true"})
         except Exception as exc:  # mapped, or re-raised by from_exception if it is a bug
             error = from_exception(exc)
             response = JSONResponse(shape(error), status_code=error.status,
                                     headers=error.headers)
+            await keep_answer(response)
+        finally:
+            idempotency.current.reset(claimed)
         gateway.requests.labels(route, str(response.status_code)).inc()
         gateway.seconds.labels(route).observe(time.perf_counter() - started)
         return response
+
+    async def keep_answer(response: Response) -> None:
+        """Store a 200 under the request's Idempotency-Key (if it claimed one); free its lease."""
+        claim = idempotency.current.get()
+        if claim is None:
+            return
+        idempotency.current.set(None)
+        if response.status_code == 200:
+            await claim.store(response.status_code, bytes(response.body))
+        await claim.release()
 
     app.state.answer = answer  # for the routes of other modules (openai_api)
     app.include_router(openai_api.router)

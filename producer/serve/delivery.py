@@ -21,7 +21,7 @@ Three questions every POST route asks before and while it waits (docs/OPERATIONS
   input's index (:func:`idempotent_ids`), each input's own reply key, and
   the enqueue script's dedupe (``--dedupe-ttl-s``): a retry of the same body
   with the same key writes nothing new and reads the first attempt's
-  replies. A key reused with another body names other requests.
+  replies; :mod:`.idempotency` keeps the first attempt's answer for it.
 * **Is Redis still there?** A queued request's wait rides out an outage by
   itself (the client's reply listener reconnects until the deadline), which
   suits a library call and not an HTTP caller, who would learn of the outage
@@ -42,7 +42,7 @@ import hashlib
 import time
 from typing import Any, TypeVar
 
-from tokenq.producer import AsyncClient, BrokerUnavailable, Result
+from tokenq.producer import AsyncClient, BrokerUnavailable, DeadlineExceeded, Result
 from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.producer.serve.schemas import Job
 
@@ -155,19 +155,23 @@ async def _probe(client: AsyncClient) -> BrokerUnavailable | None:
 async def deliver(
     client: AsyncClient, queue: str, job: Job, *, timeout_s: float, cold_start_s: float,
     liveness: Liveness, reachability: Reachability, unique: list[str] | None,
+    keep: bool = False,
 ) -> list[Result]:
-    """The job's results, asked of ``queue`` as the module's rules say."""
+    """The job's results, asked of ``queue`` as the module's rules say (``keep``: leave
+    the replies on their keys for a retry, :mod:`.idempotency`)."""
     alive = await liveness.alive(queue, client)
     if not alive and cold_start_s <= 0:
         raise no_worker(queue, "nothing was queued (--cold-start-s 0); retry when /ready "
                         "answers 200")
-    work = asyncio.ensure_future(_send(client, job, timeout_s, unique))
+    work = asyncio.ensure_future(_send(client, job, timeout_s, unique, keep))
     try:
         if not alive:
             await _cold_start(queue, client, work, cold_start_s, liveness)
         return await reachability.watch(queue, client, work)
     except BrokerUnavailable as down:  # Redis went after (or while) the job was written
         raise left_queued(from_exception(down), unique) from down
+    except DeadlineExceeded as late:  # the replies say so: a retry of the key reads them again
+        raise too_late(from_exception(late), unique) from late
     except ApiError as error:
         raise left_queued(error, unique) from None
     finally:
@@ -200,12 +204,25 @@ def left_queued(error: ApiError, unique: list[str] | None) -> ApiError:
     return error
 
 
+def too_late(error: ApiError, unique: list[str] | None) -> ApiError:
+    """``error`` for requests whose replies were ``deadline_exceeded``.
+
+    Under an ``Idempotency-Key`` a retry names the same requests and reads
+    the same replies (kept for it, :mod:`.idempotency`), so it cannot fix
+    this: ``x-should-retry: false``. Without one a retry is new work with
+    a fresh deadline, left to the client.
+    """
+    if unique is not None:
+        error.headers = {**error.headers, "x-should-retry": "false"}
+    return error
+
+
 async def _send(
-    client: AsyncClient, job: Job, timeout_s: float, unique: list[str] | None
+    client: AsyncClient, job: Job, timeout_s: float, unique: list[str] | None, keep: bool
 ) -> list[Result]:
     if unique is None:
         return await client.infer_many(job.items, timeout_s=timeout_s, **job.options)
     ids = await client.submit_many(job.items, unique=unique, deadline_s=timeout_s,
                                    **job.options)
-    results: list[Any] = await client.results(ids, timeout_s)
+    results: list[Any] = await client.results(ids, timeout_s, keep=keep)
     return results

@@ -35,6 +35,10 @@ a route the queue's model does not answer   424     ``not_an_embedding_model``,
 (embeddings from a classifier, ``/rerank``          ``not_a_reranker``, TEI's
 on an embedder)                                     ``Backend``; before enqueueing
 unknown model name                          404     OpenAI's ``model_not_found``
+an ``Idempotency-Key`` used before with     422     ``idempotency_key_reused``;
+another route or body                               idempotency.py
+an ``Idempotency-Key`` whose first attempt  409     ``idempotency_key_in_flight``,
+still runs past ``--timeout-s``                     ``Retry-After``
 the queue is full                           429     ``Retry-After`` (seconds)
 Redis unreachable                           503
 no answer by the deadline; the request's    504

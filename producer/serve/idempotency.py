@@ -1,0 +1,184 @@
+"""One answer per ``Idempotency-Key``: the first attempt's, kept in Redis for any replica's retry.
+
+A POST with the header gets request ids derived from its key and body
+(:func:`tokenq.producer.serve.delivery.idempotent_ids`), which the enqueue
+dedupe keeps from being queued twice. This module keeps what the first
+attempt answered, so a retry (the 200 lost on its way back, a retry sent
+while the first still runs, a retry on another gateway replica) is
+answered with the same bytes (docs/RELIABILITY.md, "Idempotent retries"):
+
+* **record** ``{q}:idem:<h>`` (:func:`tokenq.shared.keys.idempotent_answer`):
+  set ``NX`` by the first attempt, holding its route and body digest
+  (the *fingerprint*), then replaced by the finished answer (status and
+  body bytes, if at most ``--max-body-bytes``); its TTL is the dedupe
+  window (``--dedupe-ttl-s``), from the claim and again from the store;
+* **lease** ``{q}:idem:<h>:lease`` (:func:`tokenq.shared.keys.idempotent_lease`):
+  which request computes the answer now, for ``--timeout-s`` plus
+  :data:`LEASE_GRACE_S`, dropped when it ends either way.
+
+A retry finds the answer and replays it; finds the record pending and the
+lease held, and waits (polling every :data:`POLL_S`, up to ``--timeout-s``:
+then a 409 that invites a later retry); or finds the lease free (the first
+attempt gave up, died, or lost its client) and takes over: the same ids
+are deduplicated, and the first attempt's replies are still on their keys
+(the gateway reads them with ``keep`` and deletes them only once the answer
+is stored). The lease is taken ``NX`` by whoever computes, the first
+attempt included, so one request at a time computes a key's answer. A key
+used again with another route or body is a 422 naming the header.
+
+Redis refusing the claim or the store (``maxmemory``, ``READONLY``, an ACL
+without the ``idem`` keys) costs the guarantee and nothing else: the request
+is answered as without the store, and a retry recomputes its answer from the
+kept replies (never a second inference while they live).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import time
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import msgpack
+import redis
+
+from tokenq.producer import AsyncClient, BrokerUnavailable
+from tokenq.producer.serve.errors import ApiError
+from tokenq.shared import keys
+from tokenq.shared.keys import QueueRef
+
+POLL_S = 0.1
+"""How often a retry asks whether the attempt it waits on has stored its answer."""
+
+LEASE_GRACE_S = 2.0
+"""How long past ``--timeout-s`` a computing request's lease lasts (its store, its cleanup)."""
+
+HEADER = "Idempotency-Key"
+"""The header's name as errors name it (``param``)."""
+
+log = logging.getLogger("tokenq.serve")
+
+current: ContextVar[Claim | None] = ContextVar("tokenq_idempotency_claim", default=None)
+"""The claim of the request being answered, for the route's answer to store (app.answer)."""
+
+
+class Replay(Exception):
+    """The stored answer of an earlier attempt, to send as it is."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"replay of a stored {status} answer")
+        self.status = status
+        self.body = body
+
+
+@dataclass(slots=True)
+class Claim:
+    """This request computes its key's answer: :meth:`store` it, or :meth:`release` the lease."""
+
+    client: AsyncClient
+    record: str
+    lease: str
+    fingerprint: bytes
+    window_ms: int
+    unique: list[str]
+    max_bytes: int
+    stored: bool = False
+
+    async def store(self, status: int, body: bytes) -> None:
+        """Keep the answer for the window, then drop the replies it was made of.
+
+        An answer over ``max_bytes`` (``--max-body-bytes``) is not kept, nor is
+        one Redis refuses (OOM, READONLY, NOPERM, an outage: logged): the
+        caller still gets it, and the replies stay for a retry to rebuild it.
+        """
+        if len(body) > self.max_bytes:
+            log.info("an Idempotency-Key's answer of %d bytes is over --max-body-bytes; "
+                     "a retry rebuilds it from the kept replies", len(body))
+            return
+        value = msgpack.packb({"fp": self.fingerprint, "status": status, "body": body})
+        try:
+            await self.client.command("set", self.record, value, px=self.window_ms)
+        except (redis.ResponseError, BrokerUnavailable) as refused:
+            log.warning("could not store the answer of an Idempotency-Key (%s); a retry "
+                        "within the window recomputes it from the kept replies", refused)
+            return
+        self.stored = True
+        try:
+            await self.client.forget(self.unique)
+        except (redis.ResponseError, BrokerUnavailable) as refused:
+            log.debug("could not drop the replies of a stored answer (%s); they expire", refused)
+
+    async def release(self) -> None:
+        """Let a retry take over at once (best effort: the lease expires anyway)."""
+        try:
+            await self.client.command("delete", self.lease)
+        except (redis.ResponseError, BrokerUnavailable):
+            log.debug("could not drop an Idempotency-Key's lease; it expires")
+
+
+def key_digest(key: str) -> str:
+    """The ``<h>`` of a key's Redis names: the client's text, of any characters, hashed."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def fingerprint(route: str, body_digest: bytes) -> bytes:
+    """What a key is bound to: the route and the body."""
+    return route.encode() + b"\0" + body_digest
+
+
+async def claim(
+    client: AsyncClient, queue: QueueRef, key: str, fp: bytes, unique: list[str], *,
+    window_s: float, timeout_s: float, max_bytes: int,
+) -> Claim | None:
+    """This request's claim on ``key``'s answer; raises :class:`Replay` when it is stored.
+
+    Waits while another request holds the lease, up to ``timeout_s`` (then
+    409). None when Redis refuses the claim: the request goes on unguarded.
+    """
+    digest = key_digest(key)
+    record = keys.idempotent_answer(queue, digest)
+    lease = keys.idempotent_lease(queue, digest)
+    window_ms = max(1, int(window_s * 1000))
+    lease_ms = int((timeout_s + LEASE_GRACE_S) * 1000)
+    token = secrets.token_hex(8)
+    own = Claim(client, record, lease, fp, window_ms, unique, max_bytes)
+    until = time.monotonic() + timeout_s
+    pending = msgpack.packb({"fp": fp})
+    try:
+        while True:
+            if not await client.command("set", record, pending, nx=True, px=window_ms):
+                held = await client.command("get", record)
+                if held is None:
+                    continue  # it expired between the two: claim it afresh
+                _check(msgpack.unpackb(held), fp)
+            # the first to claim, or the first attempt is gone: take over its requests
+            if await client.command("set", lease, token, nx=True, px=lease_ms):
+                return own
+            if time.monotonic() >= until:
+                raise in_flight()
+            await asyncio.sleep(POLL_S)
+    except redis.ResponseError as refused:
+        log.warning("could not claim an Idempotency-Key (%s); answering without storing "
+                    "the answer", refused)
+        return None
+
+
+def _check(held: dict[str, object], fp: bytes) -> None:
+    """Refuse a key bound to another route or body; replay a stored answer."""
+    if held.get("fp") != fp:
+        raise ApiError(422, f"this {HEADER} was used with another route or request body "
+                       "within the dedupe window; use a new key for a new request",
+                       param=HEADER, code="idempotency_key_reused")
+    status, body = held.get("status"), held.get("body")
+    if isinstance(status, int) and isinstance(body, bytes):
+        raise Replay(status, body)
+
+
+def in_flight() -> ApiError:
+    """The first attempt still computes: retry later (409, as the IETF draft has it)."""
+    return ApiError(409, f"a request with this {HEADER} is still being answered; retry "
+                    "later for its answer", param=HEADER, code="idempotency_key_in_flight",
+                    headers={"Retry-After": "1", "x-should-retry": "true"})
