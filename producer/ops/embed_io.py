@@ -201,7 +201,7 @@ class Checkpoint:
         if self.removing.exists():
             complete = not restart and not manifest_path.exists() and self._completed_by(
                 self.removing)
-            _remove_tree(self.removing)
+            _remove_tree(self.removing, complete=True)
             if complete:
                 self.discard()
                 raise AlreadyComplete(self.output, self._failed_in_output())
@@ -367,9 +367,9 @@ class Checkpoint:
             self._join_files(numbers, ".jsonl", self.output)
         self.close()
         if self.removing.exists():  # left by a finished run before this one: not ours
-            _remove_tree(self.removing)
+            _remove_tree(self.removing, complete=True)
         os.replace(self.directory, self.removing)
-        _remove_tree(self.removing)
+        _remove_tree(self.removing, complete=True)
         return failed
 
     def _chunk(self, number: int, suffix: str) -> Path:
@@ -488,18 +488,20 @@ def _compared(manifest: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in manifest.items() if k not in _UNCHECKED}
 
 
-def _remove_tree(directory: Path, keep: str | None = None) -> None:
+def _remove_tree(directory: Path, keep: str | None = None, *, complete: bool = False) -> None:
     """Remove a checkpoint directory's files (all but ``keep``), then the directory itself.
 
     The order makes each step safe to stop after: ``.done`` markers first (a
     chunk's data is never gone while its marker says it is done), then saved
     rows and the manifest (no stale row outlives the manifest it belongs
-    to), then the rest.
+    to), then the rest. In a ``complete`` run's directory (``OUTPUT.removing``)
+    the manifest goes last: while it is there a rerun knows the run is done.
     """
     def rank(path: Path) -> int:
         name = path.name
-        return 0 if name.endswith(_DONE) else 1 if name.endswith(_PART) else (
-            2 if name == _MANIFEST else 3)
+        if name == _MANIFEST:
+            return 4 if complete else 2
+        return 0 if name.endswith(_DONE) else 1 if name.endswith(_PART) else 3
 
     try:
         paths = sorted(directory.iterdir(), key=rank)
