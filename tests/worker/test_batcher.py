@@ -400,3 +400,35 @@ def test_a_batch_whose_run_raises_anything_answers_every_caller(error: BaseExcep
 
     run(main())  # the event loop survives: nothing escapes it
     assert len(backend.shapes) == 2
+
+
+class RefusingSim(SpySim):
+    """A backend whose tokenizer raises ``error`` (no ordinary Exception) on one input."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+    def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
+        if any("poison" in item.text for item in inputs):
+            raise self.error
+        return super().tokenize(inputs, max_length)
+
+
+@pytest.mark.parametrize("error", [
+    asyncio.CancelledError("from an async plugin"), Interrupted("custom"), KeyboardInterrupt(),
+], ids=lambda error: type(error).__name__)
+def test_a_tokenizer_that_raises_anything_fails_the_callers_and_spares_the_loop(
+    error: BaseException,
+) -> None:
+    async def main() -> None:
+        batcher = Batcher(RefusingSim(error), max_batch_tokens=4096, max_batch_size=4,
+                          linger_ms=1)
+        callers = [asyncio.ensure_future(batcher.submit(text))
+                   for text in ["fine", "poison", "also fine"]]
+        _, waiting = await asyncio.wait(callers, timeout=10)
+        assert not waiting
+        await asyncio.wait_for(batcher.aclose(), timeout=5)
+        assert all(isinstance(caller.exception(), RemoteError) for caller in callers)
+
+    run(main())  # returns: nothing escaped the event loop

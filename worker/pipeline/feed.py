@@ -85,6 +85,17 @@ def ordinary(exc: BaseException, who: str = "the device thread") -> Exception:
     return aborted
 
 
+def in_thread(call: Callable[..., R], *args: Any) -> R:
+    """``call(*args)``, for a thread off the event loop: a non-``Exception`` it raises
+    comes out as :func:`ordinary` makes it (no signal is ever delivered to such a thread)."""
+    try:
+        return call(*args)
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise ordinary(exc, f"{call.__name__} in a thread") from exc
+
+
 _TAKEN = object()
 """The inbox's message that a batch left the packer (the loop then calls ``on_take``)."""
 
