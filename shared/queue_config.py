@@ -222,6 +222,22 @@ def describe(
     )
 
 
+MODEL_IDENTITY = ("backend", "model", "task", "dim")
+"""The config fields that say which model answers a queue (the hash holds no revision or
+weights hash: a model id or path names the weights)."""
+
+
+def model_identity(config: QueueConfig | None) -> dict[str, str | int | None] | None:
+    """Which model answers the queue, as its config says; None with no config or no model.
+
+    Results stored under one identity must not be mixed with another's:
+    ``tokenq embed`` keeps it in its checkpoint and refuses to resume under another.
+    """
+    if config is None or config.model is None:
+        return None
+    return {name: getattr(config, name) for name in MODEL_IDENTITY}
+
+
 def model_facts(config: QueueConfig | None) -> ModelFacts:
     """What a config tells the request-option checks (None where it says nothing).
 

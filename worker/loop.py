@@ -83,7 +83,7 @@ from tokenq.worker.loop_guard import LoopGuard
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.outbox import Outbox
 from tokenq.worker.pipeline.execute import adapt_budget
-from tokenq.worker.pipeline.feed import DeviceFeed, wait_event
+from tokenq.worker.pipeline.feed import Aborted, DeviceFeed, ordinary, wait_event
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
 from tokenq.worker.pipeline.pipeline import BatchOutcome, Job, Pipeline, budget_for
 from tokenq.worker.pipeline.tokenizing import pool_for
@@ -485,5 +485,10 @@ async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task
     while not all(task.done() for task in tasks):
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            if not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            # Only run() cancels these tasks, after this returns: one that ended
+            # cancelled met a CancelledError raised inside it (a plugin's), and
+            # a worker that went on without it would hang with its entries held.
+            if task.cancelled():
+                raise Aborted(f"task {task.get_name()} stopped on CancelledError")
+            if task.exception() is not None:
+                raise ordinary(task.exception(), f"task {task.get_name()}")  # type: ignore[arg-type]

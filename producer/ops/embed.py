@@ -28,9 +28,11 @@ import redis
 
 from tokenq.producer import BrokerUnavailable, Client
 from tokenq.producer.ops.embed_io import (
+    AlreadyComplete,
     Checkpoint,
     ResumeMismatch,
     Row,
+    WriteFailed,
     count_lines,
     input_format,
     output_format,
@@ -49,7 +51,7 @@ from tokenq.shared.cli import run_command
 from tokenq.shared.failures import CommandFailed
 from tokenq.shared.interrupts import unwrapped
 from tokenq.shared.keys import QueueRef
-from tokenq.shared.queue_config import parse_config
+from tokenq.shared.queue_config import model_identity, parse_config
 from tokenq.shared.settings import EmbedSettings
 from tokenq.shared.text import one_line, plural
 
@@ -155,21 +157,30 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
     try:
         # A signal pydantic (or another library) wrapped in its own error is still the
         # interruption, answered below with the resume hint.
-        with unwrapped(lambda: signals.stopping):
+        with unwrapped(lambda: signals.stopping), Client(settings=settings) as client:
+            manifest["model"] = _model(client)
             with signals.held():
                 try:
                     done = checkpoint.open(restart=settings.restart)
-                except ResumeMismatch as exc:
-                    print(f"tokenq embed: {exc}", file=sys.stderr)
-                    return 2
+                except AlreadyComplete as exc:
+                    print(f"tokenq embed: {exc}"
+                          + (f"; {plural(exc.failed, 'input')} failed" if exc.failed else ""),
+                          file=sys.stderr)
+                    return 1 if exc.failed else 0
             saved = checkpoint.partial_rows(done)
             if done or saved:
                 rows = sum(len(rows) for rows in saved.values())
                 print(f"tokenq embed: resuming: {plural(len(done), 'chunk')} of "
                       f"{settings.chunk_size} and {plural(rows, 'more input')} already done in "
                       f"{checkpoint.directory}", file=sys.stderr)
-            with Client(settings=settings) as client:
-                return run.run(client, ops, q, before, done, saved, fmt, signals)
+            return run.run(client, ops, q, before, done, saved, fmt, signals)
+    except ResumeMismatch as exc:
+        print(f"tokenq embed: {exc}", file=sys.stderr)
+        return _exit(2)
+    except WriteFailed as exc:
+        hint = "" if run.written else f"; {run.resume_hint()} once it can be written"
+        print(f"tokenq embed: {exc}{hint}", file=sys.stderr)
+        return _exit(1)
     except (BrokerUnavailable, redis.RedisError) as exc:
         if isinstance(exc, BrokerUnavailable):
             message = one_line(str(exc))
@@ -274,6 +285,15 @@ class _Run:
                       f"{one_line(str(exc))}", file=sys.stderr)
         _summary(settings, tally, elapsed, workers, failed)
         return 1 if failed else 0
+
+
+def _model(client: Client) -> dict[str, str | int | None] | None:
+    """The model the queue serves (``queue_config.model_identity``), for the checkpoint;
+    None when no worker has published a config yet or this Redis user may not read it."""
+    try:
+        return model_identity(parse_config(client.config()))
+    except redis.exceptions.NoPermissionError:
+        return None
 
 
 def _queue_dim(client: Client, settings: EmbedSettings) -> int:

@@ -13,15 +13,27 @@ the saved rows, and sends only the rest. When every chunk is in, they are
 joined into OUTPUT (streamed, never all in memory) and the directory is
 removed.
 
+The manifest also names the model the queue serves (its config hash:
+:func:`~tokenq.shared.queue_config.model_identity`), so a resume against
+another model is refused rather than mixing two models' vectors.
+
+Crash-safe at every step: every file is written to a temporary name, synced
+and renamed; a write that fails (a full disk) removes its temporary file and
+says which file (:class:`WriteFailed`). Removing the directory first renames
+it to ``OUTPUT.removing`` (one atomic step that says "OUTPUT is complete"),
+and any removal takes a chunk's ``.done`` marker before its data, so a crash
+at any point leaves either a resumable checkpoint or a complete output that
+a rerun recognises (:class:`AlreadyComplete`).
+
 A failed input does not stop the run: its row is NaN in ``.npy`` output (its
 error goes to ``OUTPUT.errors.jsonl``), or carries ``error`` in ``.jsonl``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,12 +44,36 @@ from tokenq.shared.failures import CommandFailed
 
 MANIFEST_VERSION = 1
 _LOCK = "lock"
+_MANIFEST = "manifest.json"
+_DONE = ".done"
 _PART = ".part.jsonl"
 """Suffix of an unfinished chunk's saved rows."""
+_UNCHECKED = ("dim", "model")
+"""Manifest keys not compared as they are: learned during a run (``dim``), or checked
+with their own message (``model``)."""
 
 
 class ResumeMismatch(Exception):
-    """The partial results on disk belong to a different run (input or settings changed)."""
+    """The partial results on disk belong to a different run (input, settings or model changed)."""
+
+
+class AlreadyComplete(Exception):
+    """OUTPUT was written by an earlier run, which stopped while removing its checkpoint.
+
+    ``failed`` is how many of its rows are errors (the earlier run's exit status follows).
+    """
+
+    def __init__(self, output: Path, failed: int) -> None:
+        super().__init__(f"{output} is already complete: an earlier run wrote it and stopped "
+                         "while removing its checkpoint (now removed)")
+        self.failed = failed
+
+
+class WriteFailed(CommandFailed):
+    """A file could not be written (a full disk, a file-size limit, a read-only directory).
+
+    The message names the file and the system's error; no temporary file is left (exit 1).
+    """
 
 
 class IncompleteOutput(CommandFailed):
@@ -144,19 +180,31 @@ class Checkpoint:
         return {"input": str(Path(path).resolve()), "size": stat.st_size,
                 "mtime_ns": stat.st_mtime_ns}
 
+    @property
+    def removing(self) -> Path:
+        """Where the directory goes once OUTPUT is complete, to be removed in any order."""
+        return self.output.with_name(self.output.name + ".removing")
+
     def open(self, *, restart: bool) -> set[int]:
         """Create or reuse the directory; return the chunks already done.
 
         Holds a lock on the directory until :meth:`assemble` or :meth:`close`,
-        so two runs can never write the same output at once.
+        so two runs can never write the same output at once. Raises
+        :class:`AlreadyComplete` when an earlier run of this command wrote
+        OUTPUT and stopped while removing its checkpoint (it finishes that).
         """
-        manifest_path = self.directory / "manifest.json"
+        manifest_path = self.directory / _MANIFEST
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock()
         if restart:
-            for stale in self.directory.iterdir():
-                if stale.name != _LOCK:
-                    stale.unlink()
+            _remove_tree(self.directory, keep=_LOCK)
+        if self.removing.exists():
+            complete = not restart and not manifest_path.exists() and self._completed_by(
+                self.removing)
+            _remove_tree(self.removing, complete=True)
+            if complete:
+                self.discard()
+                raise AlreadyComplete(self.output, self._failed_in_output())
         if manifest_path.exists():
             try:
                 found = json.loads(manifest_path.read_text())
@@ -167,19 +215,55 @@ class Checkpoint:
                     f"{manifest_path} is not a tokenq embed manifest; "
                     "re-run with --restart to discard the partial results"
                 )
-            stored = {k: v for k, v in found.items() if k != "dim"}
-            if stored != self.manifest:
-                changed = sorted(k for k in set(stored) | set(self.manifest)
-                                 if stored.get(k) != self.manifest.get(k))
+            if _compared(found) != _compared(self.manifest):
+                changed = sorted(k for k in set(found) | set(self.manifest)
+                                 if k not in _UNCHECKED and found.get(k) != self.manifest.get(k))
                 raise ResumeMismatch(
                     f"{self.directory} is from a different run ({', '.join(changed)} changed); "
                     "re-run with --restart to discard it"
                 )
+            self._check_model(found.get("model"))
             if found.get("dim") is not None:
                 self.manifest["dim"] = found["dim"]
+            if self.manifest.get("model") != found.get("model"):
+                self._write_manifest()  # the first run did not know its model: now pinned
         else:
             self._write_manifest()
-        return {int(p.name[6:12]) for p in self.directory.glob("chunk-??????.done")}
+        return {int(p.name[6:12]) for p in self.directory.glob("chunk-??????" + _DONE)}
+
+    def _check_model(self, stored: dict[str, Any] | None) -> None:
+        """Refuse to resume with another model than the one the saved rows came from.
+
+        Unknown on either side (no config hash yet, or one this user may not
+        read) is not a refusal: the known one is kept, and a vector of another
+        width is still refused when a chunk is written (:func:`_check_widths`).
+        """
+        current = self.manifest.get("model")
+        if stored is None or current is None:
+            self.manifest["model"] = current or stored
+            return
+        if stored != current:
+            raise ResumeMismatch(
+                f"{self.directory} holds vectors of {model_words(stored)}, but queue "
+                f"{self.manifest.get('queue')!r} now serves {model_words(current)}; re-run "
+                "with --restart to discard them and embed everything with the new model")
+
+    def _completed_by(self, leftover: Path) -> bool:
+        """Whether ``leftover`` (a directory being removed) is this command's finished run."""
+        try:
+            found = json.loads((leftover / _MANIFEST).read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            return False
+        return (isinstance(found, dict) and _compared(found) == _compared(self.manifest)
+                and self.output.exists())
+
+    def _failed_in_output(self) -> int:
+        """How many rows of a complete OUTPUT are errors."""
+        if self.format == "npy":
+            errors = self.output.with_name(self.output.name + ".errors.jsonl")
+            return len(errors.read_bytes().splitlines()) if errors.exists() else 0
+        with self.output.open("rb") as rows:
+            return sum(1 for line in rows if "error" in json.loads(line))
 
     def _lock(self) -> None:
         try:
@@ -247,12 +331,13 @@ class Checkpoint:
     def discard(self) -> None:
         """Remove the directory and everything in it (a run that stopped before saving any)."""
         self.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        _remove_tree(self.directory)
 
     def write_chunk(self, number: int, rows: list[Row]) -> None:
         """Store one finished chunk; its ``.done`` marker is written last, then the rows
         saved for it at an interruption are dropped."""
         base = self.directory / f"chunk-{number:06d}"
+        _check_widths(rows, self.dim, self.manifest.get("queue"))
         errors = [_row_json(row) for row in rows if row.error_code is not None]
         if self.format == "npy":
             _atomic_write(base.with_suffix(".npy"), _npy_bytes(rows, self.dim))
@@ -261,15 +346,17 @@ class Checkpoint:
             _atomic_write(base.with_suffix(".jsonl"), body.encode())
         _atomic_write(base.with_suffix(".errors.jsonl"),
                       "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors).encode())
-        _atomic_write(base.with_suffix(".done"), str(len(rows)).encode())
+        _atomic_write(base.with_suffix(_DONE), str(len(rows)).encode())
         self._chunk(number, _PART).unlink(missing_ok=True)
 
     def assemble(self) -> int:
         """Join every chunk into OUTPUT (and OUTPUT.errors.jsonl); remove the directory.
 
-        Returns the number of failed rows.
+        Returns the number of failed rows. The directory is first renamed to
+        :attr:`removing` (atomically: from then on OUTPUT is complete), then
+        removed; a crash anywhere leaves what a rerun finishes.
         """
-        numbers = sorted(int(p.name[6:12]) for p in self.directory.glob("chunk-??????.done"))
+        numbers = sorted(int(p.name[6:12]) for p in self.directory.glob("chunk-??????" + _DONE))
         if numbers != list(range(len(numbers))):
             raise IncompleteOutput(f"{self.directory} is missing chunks; re-run the same "
                                    "command to finish them")
@@ -279,7 +366,10 @@ class Checkpoint:
         else:
             self._join_files(numbers, ".jsonl", self.output)
         self.close()
-        shutil.rmtree(self.directory)
+        if self.removing.exists():  # left by a finished run before this one: not ours
+            _remove_tree(self.removing, complete=True)
+        os.replace(self.directory, self.removing)
+        _remove_tree(self.removing, complete=True)
         return failed
 
     def _chunk(self, number: int, suffix: str) -> Path:
@@ -296,33 +386,34 @@ class Checkpoint:
         return failed
 
     def _join_files(self, numbers: list[int], suffix: str, target: Path) -> int:
-        temp = target.with_name(target.name + ".tmp")
         lines = 0
-        with temp.open("wb") as out:
+        with _writing(target, target.with_name(target.name + ".tmp")) as out:
             for n in numbers:
                 body = self._chunk(n, suffix).read_bytes()
                 lines += len(body.splitlines())
                 out.write(body)
-        os.replace(temp, target)
         return lines
 
     def _join_npy(self, numbers: list[int]) -> None:
+        """Stream the chunks into one ``(rows, dim)`` matrix with plain writes.
+
+        Why not a memory map: a full disk under a mapped page is a SIGBUS
+        that kills the process without a word; a plain write fails with
+        ENOSPC, which :func:`_writing` reports.
+        """
         import numpy as np
 
         parts = [np.load(self._chunk(n, ".npy"), mmap_mode="r") for n in numbers]
         dim = self.dim or 0
         rows = sum(part.shape[0] for part in parts)
         temp = self.output.with_name(self.output.name + ".tmp.npy")
-        matrix = np.lib.format.open_memmap(temp, mode="w+", dtype="<f4", shape=(rows, dim))
-        at = 0
-        for part in parts:
-            n = part.shape[0]
-            # A chunk whose every input failed before the width was known is (n, 0).
-            matrix[at:at + n] = part if part.shape[1] == dim else np.nan
-            at += n
-        matrix.flush()
-        del matrix
-        os.replace(temp, self.output)
+        with _writing(self.output, temp) as out:
+            np.lib.format.write_array_header_1_0(
+                out, {"descr": "<f4", "fortran_order": False, "shape": (rows, dim)})
+            for part in parts:
+                # A chunk whose every input failed before the width was known is (n, 0).
+                block = part if part.shape[1] == dim else np.full((part.shape[0], dim), np.nan)
+                out.write(np.ascontiguousarray(block, dtype="<f4").tobytes())
 
 
 def _npy_bytes(rows: list[Row], dim: int | None) -> bytes:
@@ -374,10 +465,78 @@ def _row_from_record(line: bytes) -> Row | None:
     return row
 
 
+def model_words(identity: dict[str, Any]) -> str:
+    """A model identity (``queue_config.model_identity``) in words: ``model M (backend, dim D)``."""
+    details = ", ".join(f"{key} {identity[key]}" if key == "dim" else str(identity[key])
+                        for key in ("backend", "task", "dim") if identity.get(key) is not None)
+    return f"model {identity.get('model')}" + (f" ({details})" if details else "")
+
+
+def _check_widths(rows: list[Row], dim: int | None, queue: object) -> None:
+    """Refuse a chunk whose vectors are not all ``dim`` wide: another model answered part of
+    the run (one whose config hash could not be compared)."""
+    widths = {len(row.vector) for row in rows if row.vector is not None}
+    if dim is not None and widths - {dim}:
+        raise ResumeMismatch(
+            f"queue {queue!r} answered vectors of {sorted(widths - {dim})[0]} values where this "
+            f"run's earlier ones have {dim}: its model changed; re-run with --restart to "
+            "embed everything with the new model")
+
+
+def _compared(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A manifest without the keys compared on their own (:data:`_UNCHECKED`)."""
+    return {k: v for k, v in manifest.items() if k not in _UNCHECKED}
+
+
+def _remove_tree(directory: Path, keep: str | None = None, *, complete: bool = False) -> None:
+    """Remove a checkpoint directory's files (all but ``keep``), then the directory itself.
+
+    The order makes each step safe to stop after: ``.done`` markers first (a
+    chunk's data is never gone while its marker says it is done), then saved
+    rows and the manifest (no stale row outlives the manifest it belongs
+    to), then the rest. In a ``complete`` run's directory (``OUTPUT.removing``)
+    the manifest goes last: while it is there a rerun knows the run is done.
+    """
+    def rank(path: Path) -> int:
+        name = path.name
+        if name == _MANIFEST:
+            return 4 if complete else 2
+        return 0 if name.endswith(_DONE) else 1 if name.endswith(_PART) else 3
+
+    try:
+        paths = sorted(directory.iterdir(), key=rank)
+    except FileNotFoundError:
+        return
+    for path in paths:
+        if path.name != keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+    if keep is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(directory)
+
+
+@contextlib.contextmanager
+def _writing(target: Path, temp: Path) -> Iterator[BinaryIO]:
+    """``temp`` open for writing; synced and renamed to ``target`` when the block ends.
+
+    On any failure ``temp`` is removed, and an OSError (a full disk: ENOSPC,
+    a size limit: EFBIG) becomes :class:`WriteFailed` naming ``target``.
+    """
+    try:
+        with temp.open("wb") as out:
+            yield out
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, target)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        if isinstance(exc, OSError):
+            raise WriteFailed(f"cannot write {target}: {exc.strerror or exc}") from exc
+        raise
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    temp = path.with_name(path.name + ".tmp")
-    with temp.open("wb") as out:
+    with _writing(path, path.with_name(path.name + ".tmp")) as out:
         out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(temp, path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import contextlib
 import json
+import os
 import random
 import re
 import signal
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -21,6 +24,7 @@ from tests.cli_support import tokenq
 from tests.faults.test_acl import documented_rules
 from tests.support import DIM, MAX_INPUT, wait_for
 from tokenq.producer import Result
+from tokenq.producer.ops import embed_io
 from tokenq.producer.ops.embed import _settled_counters
 from tokenq.producer.ops.embed import main as embed_main
 from tokenq.producer.ops.embed_io import Checkpoint, Row
@@ -539,3 +543,195 @@ def test_no_progress_help_says_what_the_flag_does():
     assert done.returncode == 0
     [line] = [line for line in done.stdout.splitlines() if line.strip().startswith("--no-progress")]
     assert "no progress bar" in line and "turn off: show" not in line
+
+
+class Crash(BaseException):
+    """A crash injected between two file steps (nothing in the command catches it)."""
+
+
+class CrashingOs:
+    """``embed_io``'s ``os``: once armed, every file step (replace, unlink, rmdir) from the
+    ``at``-th on raises :class:`Crash`, as if the process had died before it."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.steps = 0
+        self.armed = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def _step(self) -> None:
+        if self.armed:
+            if self.steps >= self.at:
+                raise Crash(f"crashed before file step {self.at}")
+            self.steps += 1
+
+    def replace(self, *args: object) -> None:
+        self._step()
+        os.replace(*args)  # type: ignore[arg-type]
+
+    def unlink(self, *args: object) -> None:
+        self._step()
+        os.unlink(*args)  # type: ignore[arg-type]
+
+    def rmdir(self, *args: object) -> None:
+        self._step()
+        os.rmdir(*args)  # type: ignore[arg-type]
+
+
+def test_a_crash_at_any_step_of_completion_leaves_what_a_rerun_finishes(
+    sim_worker, redis_url, queue_name, tmp_path, capsys, monkeypatch
+):
+    """Joining the chunks and removing the checkpoint, crashed before each file step in
+    turn: the rerun finishes the output or says it is complete, with the same exit
+    status (one input failed), and leaves nothing behind."""
+    sim_worker()
+    lines = texts(10, seed=9)
+    lines[1] = ""  # one bad_input row: the errors file is part of the output
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(lines) + "\n")
+    assemble = embed_io.Checkpoint.assemble
+
+    def crashing_run(at: int, out: Path) -> CrashingOs:
+        fake = CrashingOs(at)
+
+        def armed(checkpoint: Checkpoint) -> int:
+            fake.armed = True  # only the completion's steps count
+            return assemble(checkpoint)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(embed_io, "os", fake)
+            patch.setattr(embed_io.Checkpoint, "assemble", armed)
+            try:
+                code, err = embed(capsys, redis_url, queue_name, str(source), "--output",
+                                  str(out), "--chunk-size", "4")
+            except Crash:
+                capsys.readouterr()
+            else:
+                assert code == 1, err
+        return fake
+
+    steps = crashing_run(10_000, tmp_path / "whole.npy").steps  # how many there are
+    assert steps >= 10  # two joins, the rename, the files, the directory
+    said: list[str] = []
+    for at in range(steps):
+        folder = tmp_path / f"crash-{at}"
+        folder.mkdir()
+        out = folder / "out.npy"
+        assert crashing_run(at, out).armed
+        code, err = embed(capsys, redis_url, queue_name, str(source), "--output", str(out),
+                          "--chunk-size", "4")
+        assert code == 1, (at, err)
+        assert ("already complete" in err and "1 input failed" in err) or "wrote" in err, err
+        said.append("complete" if "already complete" in err else "wrote")
+        matrix = np.load(out)
+        assert np.isnan(matrix[1]).all()
+        for i in (0, 2, 9):
+            np.testing.assert_allclose(matrix[i], expected(lines[i]), atol=1e-6)
+        errors = (folder / "out.npy.errors.jsonl").read_text().splitlines()
+        assert [json.loads(line)["index"] for line in errors] == [1]
+        assert sorted(p.name for p in folder.iterdir()) == ["out.npy", "out.npy.errors.jsonl"]
+    # Crashed before the rename, the rerun joins again; after it, the output is complete
+    # (until the last step, when only the empty directory is left: a fresh run).
+    assert said[:3] == ["wrote"] * 3 and said[3:-1] == ["complete"] * (steps - 4), said
+
+
+@pytest.mark.parametrize("changed", [{"model": "another-model"}, {"dim": "16"}],
+                         ids=["same-width", "another-width"])
+def test_a_resume_under_another_model_is_refused_naming_both(
+    sim_worker, redis_url, queue_name, r, tmp_path, capsys, monkeypatch, changed
+):
+    sim_worker()
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(texts(6, seed=4)) + "\n")
+    out = tmp_path / "out.npy"
+    args = (str(source), "--output", str(out), "--chunk-size", "4")
+
+    def crash(checkpoint: Checkpoint) -> int:
+        raise Crash("stopped before joining")
+
+    with monkeypatch.context() as patch:  # every chunk saved, the output not yet written
+        patch.setattr(embed_io.Checkpoint, "assemble", crash)
+        with pytest.raises(Crash):
+            embed(capsys, redis_url, queue_name, *args)
+    capsys.readouterr()
+    r.hset(keys.config(QueueRef(queue_name)), mapping=changed)  # the queue now serves another
+    code, err = embed(capsys, redis_url, queue_name, *args)
+    assert code == 2 and not out.exists(), err
+    [line] = err.strip().splitlines()
+    new = f"model {changed.get('model', 'sim')} (sim, embed, dim {changed.get('dim', DIM)})"
+    assert f"model sim (sim, embed, dim {DIM})" in line and new in line, line
+    assert "--restart" in line
+    r.hset(keys.config(QueueRef(queue_name)), mapping={"model": "sim", "dim": str(DIM)})
+    code, err = embed(capsys, redis_url, queue_name, *args)  # the same model again: resumes
+    assert code == 0 and "resuming: 2 chunks" in err, err
+    assert np.load(out).shape == (6, DIM)
+
+
+def test_vectors_of_another_width_in_one_checkpoint_are_refused(tmp_path):
+    """When no config could be compared, a chunk of another width is still refused."""
+    checkpoint = Checkpoint(tmp_path / "out.npy", {"version": 1, "chunk_size": 2, "queue": "q"})
+    checkpoint.open(restart=False)
+    checkpoint.set_dim(4)
+    rows = [Row(0, None, vector=[0.5] * 4), Row(1, None, vector=[0.5] * 3)]
+    with pytest.raises(embed_io.ResumeMismatch, match=r"3 values where .* have 4.*--restart"):
+        checkpoint.write_chunk(0, rows)
+    checkpoint.close()
+    assert not list(checkpoint.directory.glob("chunk-*"))
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[str], None]]:
+    """A tmpfs of ``size`` at ``tmp_path/disk`` (the test resizes it); skipped without root."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+
+    def size(value: str, *, first: bool = False) -> None:
+        options = f"size={value}" if first else f"remount,size={value}"
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disk)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            if first:
+                pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+            raise AssertionError(done.stderr)
+
+    size("400k", first=True)
+    try:
+        yield size
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.parametrize(("disk_size", "failing"), [
+    ("400k", "out.npy"),  # the chunks fit, the joined output does not
+    ("100k", "out.npy.partial/chunk-"),  # a chunk does not fit
+])
+def test_a_full_disk_fails_naming_the_file_and_leaves_no_temporary_file(
+    sim_worker, queue_name, tmp_path, worker_env, small_disk, disk_size, failing
+):
+    sim_worker()
+    small_disk(disk_size)
+    lines = texts(2000, seed=6)
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(lines) + "\n")
+    disk = tmp_path / "disk"
+    out = disk / "out.npy"
+    args = ["embed", str(source), "--output", str(out), "--chunk-size", "500", "--no-progress"]
+    env = {**worker_env, "TOKENQ_QUEUE": queue_name}
+    done = tokenq(*args, env=env, timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stderr)  # not a SIGBUS (-7, 135)
+    [line] = done.stderr.strip().splitlines()
+    assert f"cannot write {disk / failing}" in line and "No space left on device" in line
+    assert "run the same command again to resume" in line and "Traceback" not in line
+    assert not out.exists()
+    leftovers = [p.name for p in disk.rglob("*") if ".tmp" in p.name]
+    assert leftovers == []
+    small_disk("4m")  # room again: the same command finishes from its checkpoint
+    done = tokenq(*args, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    matrix = np.load(out)
+    assert matrix.shape == (2000, DIM)
+    for i in (0, 999, 1999):
+        np.testing.assert_allclose(matrix[i], expected(lines[i]), atol=1e-6)
+    assert sorted(p.name for p in disk.iterdir()) == ["out.npy"]

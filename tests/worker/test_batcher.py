@@ -11,7 +11,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
-from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode, RemoteError
+from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, ErrorCode, RemoteError
 from tokenq.shared.packer import CostModel
 from tokenq.worker.backends.base import Encoding, TextInput
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER, SimBackend, expected_vector
@@ -355,3 +355,80 @@ def test_a_bad_priority_raises_bad_request_and_queues_nothing(bad: object) -> No
         await batcher.aclose()
 
     run(main())
+
+
+class Interrupted(BaseException):
+    """A BaseException that is no Exception, as a plugin may raise."""
+
+
+class StoppingSim(SpySim):
+    """A backend whose second batch raises ``error`` from ``run`` (it has started others)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(batch_ms=20)
+        self.error = error
+
+    def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
+        rows = super().run(batch)
+        if len(self.shapes) == 2:
+            raise self.error
+        return rows
+
+
+@pytest.mark.parametrize("error", [
+    asyncio.CancelledError("from an async plugin"), Interrupted("custom"),
+    KeyboardInterrupt(), SystemExit(3), DeviceLost("sticky CUDA error"),
+], ids=lambda error: type(error).__name__)
+def test_a_batch_whose_run_raises_anything_answers_every_caller(error: BaseException) -> None:
+    backend = StoppingSim(error)
+
+    async def main() -> None:
+        batcher = Batcher(backend, max_batch_tokens=4096, max_batch_size=4, linger_ms=1)
+        callers = [asyncio.ensure_future(batcher.submit(f"text {i}")) for i in range(12)]
+        _, waiting = await asyncio.wait(callers, timeout=10)
+        assert not waiting, f"{len(waiting)} of 12 callers still waiting"
+        await asyncio.wait_for(batcher.aclose(), timeout=5)
+        failed = [caller.exception() for caller in callers if caller.exception() is not None]
+        answered = [caller.result() for caller in callers if caller.exception() is None]
+        # The first batch ran before the failure; the failed batch and all behind it fail.
+        assert len(answered) == 4 and len(failed) == 8
+        assert all(isinstance(exc, RemoteError) and exc.code == ErrorCode.INFERENCE_FAILED.value
+                   and "batcher stopped" in exc.message and type(error).__name__ in exc.message
+                   for exc in failed)
+        with pytest.raises(RuntimeError, match="closed"):
+            await batcher.submit("after the failure")
+
+    run(main())  # the event loop survives: nothing escapes it
+    assert len(backend.shapes) == 2
+
+
+class RefusingSim(SpySim):
+    """A backend whose tokenizer raises ``error`` (no ordinary Exception) on one input."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__()
+        self.error = error
+
+    def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
+        if any("poison" in item.text for item in inputs):
+            raise self.error
+        return super().tokenize(inputs, max_length)
+
+
+@pytest.mark.parametrize("error", [
+    asyncio.CancelledError("from an async plugin"), Interrupted("custom"), KeyboardInterrupt(),
+], ids=lambda error: type(error).__name__)
+def test_a_tokenizer_that_raises_anything_fails_the_callers_and_spares_the_loop(
+    error: BaseException,
+) -> None:
+    async def main() -> None:
+        batcher = Batcher(RefusingSim(error), max_batch_tokens=4096, max_batch_size=4,
+                          linger_ms=1)
+        callers = [asyncio.ensure_future(batcher.submit(text))
+                   for text in ["fine", "poison", "also fine"]]
+        _, waiting = await asyncio.wait(callers, timeout=10)
+        assert not waiting
+        await asyncio.wait_for(batcher.aclose(), timeout=5)
+        assert all(isinstance(caller.exception(), RemoteError) for caller in callers)
+
+    run(main())  # returns: nothing escaped the event loop

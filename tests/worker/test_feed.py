@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tokenq.shared.packer import Batch, Budget, Packer
-from tokenq.worker.pipeline.feed import DeviceFeed, monotonic_ms
+from tokenq.worker.pipeline.feed import Aborted, DeviceFeed, monotonic_ms
 
 
 def job(name: str, length: int = 10, priority: int = 0) -> Any:
@@ -174,10 +174,22 @@ def test_an_unsealed_batch_lingers_and_a_wake_ends_it_early() -> None:
     run(main())
 
 
-def test_a_device_failure_reaches_the_caller() -> None:
+class Custom(BaseException):
+    """A BaseException that is no Exception, as a plugin may raise."""
+
+
+@pytest.mark.parametrize(("raised", "expected", "match"), [
+    (RuntimeError("device lost"), RuntimeError, "device lost"),
+    (asyncio.CancelledError("plugin"), Aborted, "stopped on CancelledError: plugin"),
+    (Custom("custom"), Aborted, "stopped on Custom: custom"),
+    (KeyboardInterrupt(), Aborted, "stopped on KeyboardInterrupt"),
+])
+def test_a_device_failure_reaches_the_caller_and_its_batch_stays_held(
+    raised: BaseException, expected: type[Exception], match: str,
+) -> None:
     async def main() -> None:
         def broken(batch: Batch[Any]) -> None:
-            raise RuntimeError("device lost")
+            raise raised
 
         feed: DeviceFeed[Any, None] = DeviceFeed(
             Packer(Budget(100, 8)), broken, flushing=lambda: False, finished=lambda: False
@@ -187,9 +199,11 @@ def test_a_device_failure_reaches_the_caller() -> None:
             raise AssertionError("nothing ran")
 
         feed.add([job("x")])
-        with pytest.raises(RuntimeError, match="device lost"):
-            await feed.run(settle)
-        assert feed.held() == []
+        with pytest.raises(expected, match=match) as caught:
+            await feed.run(settle)  # an ordinary error, never a cancel or an interpreter exit
+        if expected is Aborted:
+            assert caught.value.__cause__ is raised
+        assert [payload.name for payload in feed.held()] == ["x"]  # for whoever answers it
 
     run(main())
     assert not [t for t in threading.enumerate() if t.name == "tokenq-device"]

@@ -36,6 +36,7 @@ from tokenq.worker.backends.base import Encoding, TextInput
 from tokenq.worker.backends.sim import SimBackend, expected_chunked_vector, expected_vector
 from tokenq.worker.local import Batcher
 from tokenq.worker.loop import Worker
+from tokenq.worker.pipeline.feed import Aborted
 from tokenq.worker.settings import WorkerSettings
 
 DIM = 16
@@ -437,3 +438,65 @@ def test_a_bad_option_is_refused_by_name_and_nothing_else_is_lost(
     else:  # the worker answers the request
         assert_error(bad, ErrorCode.BAD_REQUEST, fragment)
     np.testing.assert_allclose(good, expected_vector(SHORT, DIM), rtol=1e-6)
+
+
+class Custom(BaseException):
+    """A BaseException that is no Exception, as a plugin may raise."""
+
+
+class Stopping(Recording):
+    """A backend whose ``tokenize`` or ``run`` raises ``error``, which is no ordinary Exception."""
+
+    def __init__(self, error: BaseException, where: str) -> None:
+        super().__init__()
+        self.error = error
+        self.where = where
+
+    def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
+        if self.where == "tokenize":
+            raise self.error
+        return super().tokenize(inputs, max_length)
+
+    def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
+        if self.where == "run":
+            raise self.error
+        return super().run(batch)
+
+
+@pytest.mark.parametrize("where", ["tokenize", "run"])
+@pytest.mark.parametrize("error", [asyncio.CancelledError("plugin"), Custom("custom")],
+                         ids=lambda error: type(error).__name__)
+def test_a_worker_whose_backend_raises_a_base_exception_stops_and_leaves_the_entry_pending(
+    redis_url: str, error: BaseException, where: str,
+) -> None:
+    """The worker ends with an ordinary error (exit 4 from the command) rather than
+    hanging with a dead task while it keeps its claim fresh; the entry stays pending
+    for another worker."""
+    queue = f"stopping-{uuid.uuid4().hex[:8]}"
+    settings = WorkerSettings(redis_url=redis_url, queue=queue, backend="sim", block_ms=100,
+                              heartbeat_s=1.0, linger_ms=1)
+    q = keys.QueueRef(queue)
+
+    async def main() -> None:
+        worker = Worker(settings, Stopping(error, where))
+        running = asyncio.create_task(worker.run())
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            for _ in range(200):
+                if await client.exists(keys.config(q)):
+                    break
+                await asyncio.sleep(0.02)
+            request = wire.Request(id="r1", text=SHORT, tokens=0, reply_to=keys.reply(q, "r1"))
+            await client.xadd(keys.requests(q), wire.encode_request(request))
+            with pytest.raises(Aborted, match=type(error).__name__):
+                await asyncio.wait_for(running, 20)
+            pending = await client.xpending(keys.requests(q), keys.GROUP)
+            assert pending["pending"] == 1
+            assert not await client.exists(keys.reply(q, "r1"))
+        finally:
+            if not running.done():
+                worker.stop()
+                running.cancel()
+            await client.aclose()
+
+    run(main())

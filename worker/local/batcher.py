@@ -54,7 +54,7 @@ from tokenq.shared.request_options import WorkerOptions, parse_options
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_priority, validate_text
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.pipeline.execute import FailedRun, Failure, adapt_budget, describe
-from tokenq.worker.pipeline.feed import DeviceFeed, monotonic_ms
+from tokenq.worker.pipeline.feed import DeviceFeed, in_thread, monotonic_ms
 from tokenq.worker.pipeline.pipeline import (
     Admit,
     BatchOutcome,
@@ -368,7 +368,8 @@ class Batcher:
                     continue
                 self._tokenizing = chunk
                 items = [Admit(p, p.request, p.deadline_ms, p.arrived_ms) for p in chunk]
-                admitted = await asyncio.to_thread(self._pipeline.admit, items, _epoch_ms())
+                admitted = await asyncio.to_thread(in_thread, self._pipeline.admit, items,
+                                             _epoch_ms())
                 for outcome in admitted.answered:
                     self._answer(outcome.ref, outcome.result)
                 for item, why in admitted.broken:

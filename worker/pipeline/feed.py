@@ -65,6 +65,37 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
         await asyncio.wait_for(event.wait(), timeout)
 
 
+class Aborted(RuntimeError):
+    """A thread's or task's work raised a BaseException that is not an ``Exception``.
+
+    A plugin's ``asyncio.CancelledError``, a ``KeyboardInterrupt`` or ``SystemExit``
+    raised inside ``run``, a custom ``BaseException``: on the event loop each
+    would read as a cancel (ignored by whoever waits on the task) or end the
+    interpreter, so the loop gets this ordinary error instead, the original
+    as its ``__cause__``: a worker failure, and the batch's callers are answered.
+    """
+
+
+def ordinary(exc: BaseException, who: str = "the device thread") -> Exception:
+    """``exc`` when it is an ordinary ``Exception``; else an :class:`Aborted` carrying it."""
+    if isinstance(exc, Exception):
+        return exc
+    aborted = Aborted(f"{who} stopped on {type(exc).__name__}: {exc}")
+    aborted.__cause__ = exc
+    return aborted
+
+
+def in_thread(call: Callable[..., R], *args: Any) -> R:
+    """``call(*args)``, for a thread off the event loop: a non-``Exception`` it raises
+    comes out as :func:`ordinary` makes it (no signal is ever delivered to such a thread)."""
+    try:
+        return call(*args)
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise ordinary(exc, f"{call.__name__} in a thread") from exc
+
+
 _TAKEN = object()
 """The inbox's message that a batch left the packer (the loop then calls ``on_take``)."""
 
@@ -146,8 +177,8 @@ class DeviceFeed(Generic[T, R]):
     def held(self) -> list[T]:
         """Every payload buffered, on the device, or ran and not settled (a snapshot).
 
-        A batch whose result a cancel dropped stays here: it was never
-        answered, and whoever cancelled may still answer it.
+        A batch whose result a cancel dropped, or whose run raised, stays
+        here: it was never answered, and whoever stops the feed answers it.
         """
         with self._lock:
             held = [item.payload for item in self.packer]
@@ -167,7 +198,9 @@ class DeviceFeed(Generic[T, R]):
     async def run(self, settle: Callable[[Batch[T], R], Awaitable[None]]) -> None:
         """Start the device thread and settle its results until it finishes.
 
-        Raises what ``execute`` raised (the device thread stops at once). When
+        Raises what ``execute`` raised (the device thread stops at once), as
+        an ordinary exception (:func:`ordinary`), its batch still
+        :meth:`held`. When
         this coroutine is cancelled the thread stops after the batch it is
         running, whose result is dropped, as a cancelled caller's would be.
         """
@@ -215,8 +248,9 @@ class DeviceFeed(Generic[T, R]):
                 try:
                     result = self._execute(batch)
                 except BaseException:
-                    with self._lock:
+                    with self._lock:  # never answered: held() keeps it for whoever stops
                         self._running = None
+                        self._unsettled_batches.append(batch)
                     raise
                 elapsed_ms = (time.perf_counter() - started) * 1000.0
                 with self._lock:
@@ -226,7 +260,7 @@ class DeviceFeed(Generic[T, R]):
                 if not self._post((batch, result)):
                     return
         except BaseException as exc:  # the loop raises it: a worker failure, not a request's
-            error = exc
+            error = ordinary(exc)
         self._post(_Done(error))
 
     def _next(self) -> Batch[T] | None:
