@@ -37,12 +37,16 @@ vector_ok = SimModel().vector_ok
 
 
 def documented_rules(queue: str, password: str) -> dict[str, list[str]]:
-    """The ``ACL SETUSER`` lines of docs/SECURITY.md, rewritten for ``queue``."""
+    """The ``ACL SETUSER`` lines of docs/SECURITY.md, rewritten for ``queue``.
+
+    Each selector, ``(+cmd ... ~pattern ...)``, is one word, as Redis takes it
+    from a client (redis-cli splits it at the spaces; Redis joins it again).
+    """
     rules: dict[str, list[str]] = {}
     for line in SECURITY_MD.read_text(encoding="utf-8").splitlines():
         if not line.startswith("ACL SETUSER "):
             continue
-        words = shlex.split(line.replace("{embed}", "{" + queue + "}"))
+        words = selectors_joined(shlex.split(line.replace("{embed}", "{" + queue + "}")))
         role = words[2].removeprefix("embed-")
         words[2] = f"{queue}-{role}"
         words = [f">{password}" if w in (">PRODUCER_PASSWORD", ">WORKER_PASSWORD") else w
@@ -50,6 +54,19 @@ def documented_rules(queue: str, password: str) -> dict[str, list[str]]:
         rules[role] = words
     assert set(rules) == {"producer", "worker"}, f"docs/SECURITY.md lost its ACL lines: {rules}"
     return rules
+
+
+def selectors_joined(words: list[str]) -> list[str]:
+    """``["(+get", "~k)"]`` as ``["(+get ~k)"]``: one word per selector."""
+    joined: list[str] = []
+    inside = False
+    for word in words:
+        if inside:
+            joined[-1] += " " + word
+        else:
+            joined.append(word)
+        inside = (inside or word.startswith("(")) and not word.endswith(")")
+    return joined
 
 
 def create_users(admin: redis.Redis, queue: str, password: str) -> None:
@@ -260,12 +277,17 @@ def test_worker_and_client_over_rediss(tls_server, fleet, worker_env) -> None:
 
 
 def sharded_rules(queue: str, password: str) -> dict[str, list[str]]:
-    """docs/SECURITY.md's rule for a sharded queue: each key pattern again with ``{q:*}``."""
-    rules = documented_rules(queue, password)
+    """docs/SECURITY.md's rule for a sharded queue: in each selector, each key pattern
+    again with ``{q:*}``."""
     tag, shards = "{" + queue + "}", "{" + queue + ":*}"
+
+    def doubled(selector: str) -> str:
+        inner = selector.removeprefix("(").removesuffix(")").split()
+        return "(" + " ".join([*inner, *(w.replace(tag, shards) for w in inner if tag in w)]) + ")"
+
     return {
-        role: [*words, *(w.replace(tag, shards) for w in words if tag in w)]
-        for role, words in rules.items()
+        role: [doubled(w) if w.startswith("(") else w for w in words]
+        for role, words in documented_rules(queue, password).items()
     }
 
 
