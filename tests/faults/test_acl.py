@@ -28,6 +28,7 @@ from tests.support import FAST_BEAT, SimModel, blpop_within, fleet_fixture, wait
 from tests.workers import Fleet
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
+from tokenq.shared.errors import QueueFull
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SECURITY_MD = REPO_ROOT / "docs" / "SECURITY.md"
@@ -479,3 +480,47 @@ def test_each_documented_right_reaches_its_own_keys_and_nothing_else(
         redis.Redis.from_url(user_url(acl_server, user, password), socket_timeout=10).set(
             keys.requests(keys.QueueRef(queue)), "over the stream")
     admin.close()
+
+
+# ------------------------------------------- what a producer can still do with XADD
+
+
+def test_entries_written_around_enqueue_past_the_limit_are_refused_as_queue_full(
+    acl_server: RedisServer, fleet: Fleet, worker_env: dict[str, str],
+) -> None:
+    """docs/SECURITY.md, "What a producer can still do with XADD": the documented producer
+    XADDs past the workers' max_queue_length (3) with no enqueue; the worker runs the
+    oldest 3, and refuses the newest 2 as an enqueue past the limit would be (the
+    caller's reply key told ``queue_full``, the entry dead-lettered), under its own ACL."""
+    queue, password = "aclcap", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    create_users(admin, queue, password)
+    q = keys.QueueRef(queue)
+    stream = keys.requests(q)
+    admin.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    producer_url = user_url(acl_server, f"{queue}-producer", password)
+    raw = redis.Redis.from_url(producer_url, socket_timeout=10)
+    texts = {f"raw{i}": f"written around enqueue {i}" for i in range(5)}
+    for request_id, text in texts.items():
+        raw.xadd(stream, {"v": "1", "id": request_id, "text": text})
+    raw.close()
+
+    env = {**worker_env, "TOKENQ_REDIS_URL": user_url(acl_server, f"{queue}-worker", password),
+           "TOKENQ_QUEUE": queue, "TOKENQ_MAX_QUEUE_LENGTH": "3"}
+    worker = fleet.start(name="w", env=env, ready=admin, queue=queue)
+    with Client(redis_url=producer_url, queue=queue) as client:
+        for request_id in ("raw0", "raw1", "raw2"):
+            assert vector_ok(client.result(request_id, timeout_s=60).embedding, texts[request_id])
+        for request_id in ("raw3", "raw4"):
+            with pytest.raises(QueueFull, match="maximum length") as refused:
+                client.result(request_id, timeout_s=60)
+            assert getattr(refused.value, "code", None) == "queue_full"
+    dead = {f[b"id"]: f for _, f in admin.xrange(keys.dead(q))}
+    assert set(dead) == {b"raw3", b"raw4"}
+    assert {f[b"dead_error_code"] for f in dead.values()} == {b"queue_full"}
+    assert dead[b"raw4"][b"text"] == texts["raw4"].encode()  # the letter keeps the request
+    assert admin.xlen(stream) == 0
+    assert admin.xpending(stream, keys.GROUP)["pending"] == 0
+    denials = acl_denials(admin)
+    assert not denials, f"commands refused in normal operation: {denials}"
+    assert worker.process.poll() is None
