@@ -490,8 +490,9 @@ def test_entries_written_around_enqueue_past_the_limit_are_refused_as_queue_full
 ) -> None:
     """docs/SECURITY.md, "What a producer can still do with XADD": the documented producer
     XADDs past the workers' max_queue_length (3) with no enqueue; the worker runs the
-    oldest 3, and refuses the newest 2 as an enqueue past the limit would be (the
-    caller's reply key told ``queue_full``, the entry dead-lettered), under its own ACL."""
+    oldest 3, and refuses the newest 3 as an enqueue past the limit would be (the
+    caller's reply key told ``queue_full``: the ``reply_to`` it names in the queue's
+    namespace, else the request's own; the entry dead-lettered), under its own ACL."""
     queue, password = "aclcap", uuid.uuid4().hex
     admin = redis.Redis(port=acl_server.port, socket_timeout=10)
     create_users(admin, queue, password)
@@ -500,9 +501,11 @@ def test_entries_written_around_enqueue_past_the_limit_are_refused_as_queue_full
     admin.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
     producer_url = user_url(acl_server, f"{queue}-producer", password)
     raw = redis.Redis.from_url(producer_url, socket_timeout=10)
-    texts = {f"raw{i}": f"written around enqueue {i}" for i in range(5)}
+    texts = {f"raw{i}": f"written around enqueue {i}" for i in range(6)}
+    reply_to = {"raw4": keys.reply(q, "shared"), "raw5": "elsewhere"}
     for request_id, text in texts.items():
-        raw.xadd(stream, {"v": "1", "id": request_id, "text": text})
+        named = {"reply_to": reply_to[request_id]} if request_id in reply_to else {}
+        raw.xadd(stream, {"v": "1", "id": request_id, "text": text, **named})
     raw.close()
 
     env = {**worker_env, "TOKENQ_REDIS_URL": user_url(acl_server, f"{queue}-worker", password),
@@ -511,12 +514,15 @@ def test_entries_written_around_enqueue_past_the_limit_are_refused_as_queue_full
     with Client(redis_url=producer_url, queue=queue) as client:
         for request_id in ("raw0", "raw1", "raw2"):
             assert vector_ok(client.result(request_id, timeout_s=60).embedding, texts[request_id])
-        for request_id in ("raw3", "raw4"):
+        for request_id in ("raw3", "raw5"):  # raw5's reply_to is refused: told on its own
             with pytest.raises(QueueFull, match="maximum length") as refused:
                 client.result(request_id, timeout_s=60)
             assert getattr(refused.value, "code", None) == "queue_full"
+    told = blpop_within(admin, reply_to["raw4"], 60)
+    assert told is not None and wire.decode_reply(told).error.code == "queue_full"
+    assert not admin.exists("elsewhere")
     dead = {f[b"id"]: f for _, f in admin.xrange(keys.dead(q))}
-    assert set(dead) == {b"raw3", b"raw4"}
+    assert set(dead) == {b"raw3", b"raw4", b"raw5"}
     assert {f[b"dead_error_code"] for f in dead.values()} == {b"queue_full"}
     assert dead[b"raw4"][b"text"] == texts["raw4"].encode()  # the letter keeps the request
     assert admin.xlen(stream) == 0
