@@ -22,6 +22,7 @@ class ErrorCode(str, Enum):
     INFERENCE_FAILED = "inference_failed"
     DEAD_LETTER = "dead_letter"
     BAD_REPLY = "bad_reply"
+    QUEUE_FULL = "queue_full"
 
 
 class TokenqError(Exception):
@@ -110,9 +111,19 @@ class DeadlineExceeded(RemoteError, TimeoutError):
     """The request's deadline passed before a worker could run it."""
 
 
+class QueueFullRefused(RemoteError, QueueFull):
+    """A worker refused the request as written past the queue's maximum length (around
+    tokenq's enqueue, which would have raised :class:`QueueFull`); it never ran."""
+
+
+_REMOTE_ERRORS: dict[str, type[RemoteError]] = {
+    ErrorCode.DEADLINE_EXCEEDED.value: DeadlineExceeded,
+    ErrorCode.QUEUE_FULL.value: QueueFullRefused,
+}
+
+
 def remote_error(
     code: str, message: str, request_id: str | None = None, param: str | None = None
 ) -> RemoteError:
     """The most specific :class:`RemoteError` subclass for an error reply's code."""
-    cls = DeadlineExceeded if code == ErrorCode.DEADLINE_EXCEEDED.value else RemoteError
-    return cls(code, message, request_id, param)
+    return _REMOTE_ERRORS.get(code, RemoteError)(code, message, request_id, param)

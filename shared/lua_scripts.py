@@ -149,6 +149,7 @@ SCRIPTS: Mapping[str, Script] = {
     "publish": Script("tokenq.worker", "publish.lua"),
     "drop_consumer": Script("tokenq.worker", "drop_consumer.lua", ("allow-oom",)),
     "remove_retired": Script("tokenq.worker", "remove_retired.lua", ("allow-oom",)),
+    "claim_excess": Script("tokenq.worker", "claim_excess.lua", ("allow-oom",)),
 }
 """Every script tokenq runs, by its short name: the functions of the library.
 ``enqueue_seen`` is enqueue.lua read-only: at ``maxmemory`` it still answers the retry of

@@ -299,7 +299,8 @@ class _QueueLimit(BaseModel):
         100_000,
         ge=0,
         description="the most requests the queue may hold: past it an enqueue fails with "
-        "QueueFull and dlq retry moves nothing (0: no limit)",
+        "QueueFull and dlq retry moves nothing; a worker refuses (queue_full) the entries "
+        "written around that limit (0: no limit)",
     )
 
 

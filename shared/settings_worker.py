@@ -17,6 +17,7 @@ from tokenq.shared.settings import (
     REDIS_MS,
     Retries,
     SocketTimeout,
+    _QueueLimit,
     _Requests,
     _WorkerProcess,
 )
@@ -29,7 +30,7 @@ MAX_PROCESSES_PER_DEVICE = 8
 the model and a CUDA context, so past a few the device's memory, not Python, is what runs out."""
 
 
-class BaseWorkerSettings(_WorkerProcess, _Requests):
+class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
     """Run one worker process on a queue (--devices: one per GPU)."""
 
     # Longer than a caller's: a worker rides out a Redis restart instead of failing.

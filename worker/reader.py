@@ -11,9 +11,15 @@ the read is split and retried one entry at a time, and the entry that still
 fails is dead-lettered naming the error, so a poison entry costs its own
 answer, never the worker or its neighbours.
 
+Before each read it refuses what was written around enqueue's length limit
+(:mod:`~tokenq.worker.excess`: one function call, an ``XLEN`` while the
+stream is within it).
+
 The stream commands it sends are ``XREADGROUP`` and ``XGROUP CREATE`` (plus
-the config hash when a group must be made again), so a small fake of them
-drives it in tests (``tests/worker/test_worker_parts.py``) as a real Redis does.
+the config hash when a group must be made again, and the length check when
+``max_queue_length`` is set), so a small fake of them drives it in tests
+(``tests/worker/test_worker_parts.py``, the length check off) as a real Redis
+does.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import ErrorCode
-from tokenq.worker import presence
+from tokenq.worker import excess, presence
 from tokenq.worker.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
 from tokenq.worker.health import Health
 from tokenq.worker.intake import Intake
@@ -108,6 +114,8 @@ class Reader:
         """What :meth:`_until_stopped` waits on besides the read (:meth:`_stop_waiter`)."""
         self._admit_place = AdmitPlace(settings.admit_inline_ms / 1000,
                                        threads_only=settings.tokenize_processes > 0)
+        self._length_limit = settings.max_queue_length
+        """What :meth:`_refuse_excess` holds each lane to; 0 once Redis refused the check."""
 
     def starting(self) -> None:
         """Called once, as the read tasks (one per lane) are started."""
@@ -147,6 +155,7 @@ class Reader:
                         if await self._until_stopped(self._reclaim(lane, count)):
                             self._health.read_ok(lane.index)
                             continue
+                        await self._until_stopped(self._refuse_excess(lane))
                         entries = await self._until_stopped(
                             self._xread(lane, ">", count, self.settings.block_ms)
                         )
@@ -224,6 +233,39 @@ class Reader:
         self._recorder.reclaimed(len(claimed.entries))
         await self.take(lane, claimed.entries, claimed.deliveries)
         return True
+
+    async def _refuse_excess(self, lane: Lane) -> None:
+        """Refuse the entries written past the queue's length limit (:mod:`excess`).
+
+        A Redis that refuses the check for good (an ACL written before it,
+        without ``+xrevrange``) turns it off with one warning: reading goes on.
+        """
+        if not self._length_limit:
+            return
+        try:
+            with self._stages.running(READ, f"the length check on {lane.stream}",
+                                      *self._call_deadline):
+                entries = await excess.claim(self.client, lane.stream, self.consumer,
+                                             self._length_limit)
+        except ResponseError as exc:
+            if not excess.acl_refused(exc):
+                raise
+            log.warning("cannot check %s against max_queue_length (%s): entries written "
+                        "around enqueue's limit are not refused by this worker",
+                        lane.stream, exc)
+            self._length_limit = 0
+            return
+        if not entries:
+            return
+        log.warning("%d entries on %s were written past max_queue_length %d around "
+                    "enqueue; refused as queue_full and dead-lettered", len(entries),
+                    lane.stream, self._length_limit)
+        # Not held: a claim refresh (XCLAIM) of an entry deleted from the stream would drop
+        # it from the pending list before its answer is published.
+        answers = excess.refusals(entries, self._length_limit, policy=lane.dead_letters,
+                                  now_epoch_ms=self._now_epoch_ms())
+        self._recorder.refused_at_intake(answers)
+        self._outbox.emit(lane.index, answers)
 
     async def _read_history(self, lane: Lane) -> None:
         """Re-read entries this consumer already owns (a restart under the same name).

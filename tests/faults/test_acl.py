@@ -28,6 +28,7 @@ from tests.support import FAST_BEAT, SimModel, blpop_within, fleet_fixture, wait
 from tests.workers import Fleet
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
+from tokenq.shared.errors import QueueFull
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SECURITY_MD = REPO_ROOT / "docs" / "SECURITY.md"
@@ -37,12 +38,16 @@ vector_ok = SimModel().vector_ok
 
 
 def documented_rules(queue: str, password: str) -> dict[str, list[str]]:
-    """The ``ACL SETUSER`` lines of docs/SECURITY.md, rewritten for ``queue``."""
+    """The ``ACL SETUSER`` lines of docs/SECURITY.md, rewritten for ``queue``.
+
+    Each selector, ``(+cmd ... ~pattern ...)``, is one word, as Redis takes it
+    from a client (redis-cli splits it at the spaces; Redis joins it again).
+    """
     rules: dict[str, list[str]] = {}
     for line in SECURITY_MD.read_text(encoding="utf-8").splitlines():
         if not line.startswith("ACL SETUSER "):
             continue
-        words = shlex.split(line.replace("{embed}", "{" + queue + "}"))
+        words = selectors_joined(shlex.split(line.replace("{embed}", "{" + queue + "}")))
         role = words[2].removeprefix("embed-")
         words[2] = f"{queue}-{role}"
         words = [f">{password}" if w in (">PRODUCER_PASSWORD", ">WORKER_PASSWORD") else w
@@ -50,6 +55,19 @@ def documented_rules(queue: str, password: str) -> dict[str, list[str]]:
         rules[role] = words
     assert set(rules) == {"producer", "worker"}, f"docs/SECURITY.md lost its ACL lines: {rules}"
     return rules
+
+
+def selectors_joined(words: list[str]) -> list[str]:
+    """``["(+get", "~k)"]`` as ``["(+get ~k)"]``: one word per selector."""
+    joined: list[str] = []
+    inside = False
+    for word in words:
+        if inside:
+            joined[-1] += " " + word
+        else:
+            joined.append(word)
+        inside = (inside or word.startswith("(")) and not word.endswith(")")
+    return joined
 
 
 def create_users(admin: redis.Redis, queue: str, password: str) -> None:
@@ -260,12 +278,17 @@ def test_worker_and_client_over_rediss(tls_server, fleet, worker_env) -> None:
 
 
 def sharded_rules(queue: str, password: str) -> dict[str, list[str]]:
-    """docs/SECURITY.md's rule for a sharded queue: each key pattern again with ``{q:*}``."""
-    rules = documented_rules(queue, password)
+    """docs/SECURITY.md's rule for a sharded queue: in each selector, each key pattern
+    again with ``{q:*}``."""
     tag, shards = "{" + queue + "}", "{" + queue + ":*}"
+
+    def doubled(selector: str) -> str:
+        inner = selector.removeprefix("(").removesuffix(")").split()
+        return "(" + " ".join([*inner, *(w.replace(tag, shards) for w in inner if tag in w)]) + ")"
+
     return {
-        role: [*words, *(w.replace(tag, shards) for w in words if tag in w)]
-        for role, words in rules.items()
+        role: [doubled(w) if w.startswith("(") else w for w in words]
+        for role, words in documented_rules(queue, password).items()
     }
 
 
@@ -294,3 +317,216 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
     denials = acl_denials(admin)
     assert not denials, f"commands refused in normal operation: {denials}"
     assert "NOPERM" not in worker.output(), worker.output()[-3000:]
+
+
+# ------------------------------------------------- every right, on every key
+
+KEY_KINDS = ("requests", "dead", "config", "workers", "worker", "reply", "seen", "retired",
+             "shards_served")
+"""The queue's keys, by what :func:`key_of` names."""
+
+
+def key_of(q: keys.QueueRef, kind: str) -> str:
+    return {
+        "requests": keys.requests(q), "dead": keys.dead(q), "config": keys.config(q),
+        "workers": keys.workers(q), "worker": keys.worker_alive(q, "w"),
+        "reply": keys.reply(q, "x"), "seen": keys.seen(q, "x"), "retired": keys.retired(q),
+        "shards_served": keys.shards_served(q),
+    }[kind]
+
+
+KEYED = {
+    "fcall": ["FCALL", "f", "1", "{k}"],
+    "fcall_ro": ["FCALL_RO", "f", "1", "{k}"],
+    "xadd": ["XADD", "{k}", "*", "f", "v"],
+    "xlen": ["XLEN", "{k}"],
+    "xrange": ["XRANGE", "{k}", "-", "+"],
+    "xrevrange": ["XREVRANGE", "{k}", "+", "-"],
+    "xreadgroup": ["XREADGROUP", "GROUP", "workers", "c", "STREAMS", "{k}", ">"],
+    "xack": ["XACK", "{k}", "workers", "0-1"],
+    "xdel": ["XDEL", "{k}", "0-1"],
+    "xclaim": ["XCLAIM", "{k}", "workers", "c", "0", "0-1"],
+    "xpending": ["XPENDING", "{k}", "workers"],
+    "xtrim": ["XTRIM", "{k}", "MAXLEN", "0"],
+    "xgroup|create": ["XGROUP", "CREATE", "{k}", "workers", "0", "MKSTREAM"],
+    "xgroup|delconsumer": ["XGROUP", "DELCONSUMER", "{k}", "workers", "c"],
+    "xgroup|destroy": ["XGROUP", "DESTROY", "{k}", "workers"],
+    "xgroup|setid": ["XGROUP", "SETID", "{k}", "workers", "$"],
+    "xinfo|groups": ["XINFO", "GROUPS", "{k}"],
+    "xinfo|consumers": ["XINFO", "CONSUMERS", "{k}", "workers"],
+    "get": ["GET", "{k}"],
+    "set": ["SET", "{k}", "v"],
+    "del": ["DEL", "{k}"],
+    "unlink": ["UNLINK", "{k}"],
+    "exists": ["EXISTS", "{k}"],
+    "pexpire": ["PEXPIRE", "{k}", "1000"],
+    "persist": ["PERSIST", "{k}"],
+    "rename": ["RENAME", "{k}", "{k}"],
+    "blmove": ["BLMOVE", "{k}", "{k}", "LEFT", "RIGHT", "1"],
+    "lrange": ["LRANGE", "{k}", "0", "-1"],
+    "lindex": ["LINDEX", "{k}", "0"],
+    "ltrim": ["LTRIM", "{k}", "0", "-1"],
+    "rpush": ["RPUSH", "{k}", "v"],
+    "hgetall": ["HGETALL", "{k}"],
+    "hkeys": ["HKEYS", "{k}"],
+    "hget": ["HGET", "{k}", "f"],
+    "hset": ["HSET", "{k}", "f", "v"],
+    "hdel": ["HDEL", "{k}", "f"],
+    "eval": ["EVAL", "return 1", "1", "{k}"],
+}
+"""Commands on one key, each as ``ACL DRYRUN`` takes it (``{k}``: the key)."""
+
+KEYLESS = {
+    "multi": ["MULTI"], "exec": ["EXEC"], "client|setname": ["CLIENT", "SETNAME", "n"],
+    "time": ["TIME"], "ping": ["PING"], "config|get": ["CONFIG", "GET", "maxmemory"],
+    "function|load": ["FUNCTION", "LOAD", "#!lua name=x\nredis.register_function('f', "
+                      "function() return 1 end)"],
+    "function|delete": ["FUNCTION", "DELETE", "x"], "function|flush": ["FUNCTION", "FLUSH"],
+    "function|restore": ["FUNCTION", "RESTORE", "x"], "script|load": ["SCRIPT", "LOAD", "1"],
+    "eval": ["EVAL", "return 1", "0"], "flushall": ["FLUSHALL"], "keys": ["KEYS", "*"],
+    "scan": ["SCAN", "0"], "config|set": ["CONFIG", "SET", "maxmemory", "1"],
+    "client|kill": ["CLIENT", "KILL", "ID", "1"], "acl|setuser": ["ACL", "SETUSER", "x"],
+    "shutdown": ["SHUTDOWN"], "debug": ["DEBUG", "SLEEP", "0"],
+}
+"""Commands on no key."""
+
+_REPLY_WAIT = ("blmove", "lrange", "lindex", "ltrim", "del", "rpush", "pexpire")
+ALLOWED: dict[str, dict[str, frozenset[str]]] = {
+    "producer": {
+        "fcall": frozenset({"requests", "seen", "retired"}),
+        "fcall_ro": frozenset({"reply"}),
+        "xadd": frozenset({"requests"}), "xlen": frozenset({"requests"}),
+        "get": frozenset({"seen"}), "set": frozenset({"seen"}),
+        "exists": frozenset({"retired", "workers", "worker"}),
+        **{command: frozenset({"reply"}) for command in _REPLY_WAIT},
+        "hgetall": frozenset({"config"}),
+        "hkeys": frozenset({"workers", "worker"}),
+    },
+    "worker": {
+        "fcall": frozenset({"requests", "dead", "reply", "worker", "workers", "retired",
+                            "config"}),
+        **{command: frozenset({"requests"}) for command in (
+            "xgroup|create", "xgroup|delconsumer", "xreadgroup", "xack", "xdel", "xclaim",
+            "xpending", "xinfo|consumers", "xinfo|groups", "xrange", "xrevrange")},
+        "xlen": frozenset({"requests", "dead"}),
+        "xadd": frozenset({"dead"}),
+        "exists": frozenset({"requests", "worker", "retired"}),
+        "del": frozenset({"requests", "dead", "worker", "workers", "config", "shards_served",
+                          "retired"}),
+        "rpush": frozenset({"reply"}),
+        "pexpire": frozenset({"reply", "worker"}),
+        "set": frozenset({"worker", "shards_served", "retired"}),
+        "get": frozenset({"shards_served"}),
+        "hset": frozenset({"workers", "config"}), "hdel": frozenset({"workers", "config"}),
+        "hkeys": frozenset({"workers"}), "hget": frozenset({"config"}),
+    },
+}
+"""Where docs/SECURITY.md's "Why each right" grants each keyed command; nowhere else."""
+
+ALLOWED_KEYLESS = {
+    "producer": frozenset({"multi", "exec", "client|setname"}),
+    "worker": frozenset({"multi", "exec", "client|setname", "time", "ping", "config|get",
+                         "function|load"}),
+}
+
+
+def granted_commands(words: list[str]) -> set[str]:
+    """Every ``+command`` a documented line grants, at its root or in a selector."""
+    return {w[1:].lower() for word in words for w in word.strip("()").split()
+            if w.startswith("+")}
+
+
+def dry_run(admin: redis.Redis, user: str, argv: list[str]) -> bool:
+    """Whether ``user`` may run ``argv`` (``ACL DRYRUN``: checked, never run)."""
+    answer = admin.execute_command("ACL", "DRYRUN", user, *argv)
+    return (answer.decode() if isinstance(answer, bytes) else answer) == "OK"
+
+
+@pytest.mark.parametrize("role", ["producer", "worker"])
+def test_each_documented_right_reaches_its_own_keys_and_nothing_else(
+    acl_server: RedisServer, role: str,
+) -> None:
+    """Every command of the documented line, and many it leaves out, on every key of the
+    queue, of a shard under the sharded rule, and of another queue: allowed exactly
+    where the table says (``ACL DRYRUN``, so nothing runs)."""
+    queue, other, password = "mx", "my", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    plain, sharded = documented_rules(queue, password)[role], sharded_rules(queue, password)[role]
+    admin.execute_command(*plain)
+    admin.execute_command(*[f"{queue}-{role}-shards" if w == f"{queue}-{role}" else w
+                            for w in sharded])
+    assert granted_commands(plain) <= set(ALLOWED[role]) | ALLOWED_KEYLESS[role], (
+        "a documented right has no expectation here: add it to ALLOWED")
+    user, shard_user = f"{queue}-{role}", f"{queue}-{role}-shards"
+    mismatches = []
+    cases = [(user, keys.QueueRef(queue), True), (user, keys.QueueRef(queue, shard=1), False),
+             (shard_user, keys.QueueRef(queue), True),
+             (shard_user, keys.QueueRef(queue, shard=1), True),
+             (shard_user, keys.QueueRef(other), False)]
+    for who, q, own in cases:
+        for command, template in KEYED.items():
+            for kind in KEY_KINDS:
+                argv = [part.replace("{k}", key_of(q, kind)) for part in template]
+                expected = own and kind in ALLOWED[role].get(command, ())
+                if dry_run(admin, who, argv) != expected:
+                    mismatches.append(f"{who} {command} {key_of(q, kind)}: "
+                                      f"{'refused' if expected else 'allowed'}")
+    for command, argv in KEYLESS.items():
+        for who in (user, shard_user):
+            if dry_run(admin, who, argv) != (command in ALLOWED_KEYLESS[role]):
+                mismatches.append(f"{who} {command}")
+    assert not mismatches, "\n".join(mismatches)
+    with pytest.raises(redis.exceptions.NoPermissionError):  # DRYRUN agrees with a real call
+        redis.Redis.from_url(user_url(acl_server, user, password), socket_timeout=10).set(
+            keys.requests(keys.QueueRef(queue)), "over the stream")
+    admin.close()
+
+
+# ------------------------------------------- what a producer can still do with XADD
+
+
+def test_entries_written_around_enqueue_past_the_limit_are_refused_as_queue_full(
+    acl_server: RedisServer, fleet: Fleet, worker_env: dict[str, str],
+) -> None:
+    """docs/SECURITY.md, "What a producer can still do with XADD": the documented producer
+    XADDs past the workers' max_queue_length (3) with no enqueue; the worker runs the
+    oldest 3, and refuses the newest 3 as an enqueue past the limit would be (the
+    caller's reply key told ``queue_full``: the ``reply_to`` it names in the queue's
+    namespace, else the request's own; the entry dead-lettered), under its own ACL."""
+    queue, password = "aclcap", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    create_users(admin, queue, password)
+    q = keys.QueueRef(queue)
+    stream = keys.requests(q)
+    admin.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    producer_url = user_url(acl_server, f"{queue}-producer", password)
+    raw = redis.Redis.from_url(producer_url, socket_timeout=10)
+    texts = {f"raw{i}": f"written around enqueue {i}" for i in range(6)}
+    reply_to = {"raw4": keys.reply(q, "shared"), "raw5": "elsewhere"}
+    for request_id, text in texts.items():
+        named = {"reply_to": reply_to[request_id]} if request_id in reply_to else {}
+        raw.xadd(stream, {"v": "1", "id": request_id, "text": text, **named})
+    raw.close()
+
+    env = {**worker_env, "TOKENQ_REDIS_URL": user_url(acl_server, f"{queue}-worker", password),
+           "TOKENQ_QUEUE": queue, "TOKENQ_MAX_QUEUE_LENGTH": "3"}
+    worker = fleet.start(name="w", env=env, ready=admin, queue=queue)
+    with Client(redis_url=producer_url, queue=queue) as client:
+        for request_id in ("raw0", "raw1", "raw2"):
+            assert vector_ok(client.result(request_id, timeout_s=60).embedding, texts[request_id])
+        for request_id in ("raw3", "raw5"):  # raw5's reply_to is refused: told on its own
+            with pytest.raises(QueueFull, match="maximum length") as refused:
+                client.result(request_id, timeout_s=60)
+            assert getattr(refused.value, "code", None) == "queue_full"
+    told = blpop_within(admin, reply_to["raw4"], 60)
+    assert told is not None and wire.decode_reply(told).error.code == "queue_full"
+    assert not admin.exists("elsewhere")
+    dead = {f[b"id"]: f for _, f in admin.xrange(keys.dead(q))}
+    assert set(dead) == {b"raw3", b"raw4", b"raw5"}
+    assert {f[b"dead_error_code"] for f in dead.values()} == {b"queue_full"}
+    assert dead[b"raw4"][b"text"] == texts["raw4"].encode()  # the letter keeps the request
+    assert admin.xlen(stream) == 0
+    assert admin.xpending(stream, keys.GROUP)["pending"] == 0
+    denials = acl_denials(admin)
+    assert not denials, f"commands refused in normal operation: {denials}"
+    assert worker.process.poll() is None

@@ -265,14 +265,14 @@ def test_a_producer_calling_the_workers_functions_with_its_own_keys_gains_nothin
     tmp_path: Path,
 ) -> None:
     """SECURITY: tokenq's functions run under the caller's ACL, "so calling a worker's
-    function gets a producer nothing it could not do itself". ``remove_retired`` (new
-    in this round) deletes four of its keys once the marker, which a producer may SET,
-    is present and XPENDING (which a producer may not run; the script ``pcall``s it)
-    says nothing; a producer passing the worker's hashes in place of its own keys
-    must be refused, whatever it passes, and the worker's keys must survive. The
-    existing test calls ``publish`` and ``drop_consumer`` with the worker's keys (refused
-    on the keys); here they get keys the producer may write, and must still stop at a
-    command it may not run (``XPENDING``, ``HDEL``), settling nothing."""
+    function gets a producer nothing it could not do itself". ``remove_retired``
+    deletes four of its keys once the marker is present and XPENDING (which a
+    producer may not run; the script ``pcall``s it) says nothing; a producer passing
+    the worker's hashes in place of its own keys must be refused, whatever it passes,
+    and the worker's keys must survive. The existing test calls ``publish`` and
+    ``drop_consumer`` with the worker's keys (refused on the keys); here they get keys
+    the producer may pass to FCALL, and must still stop at a command it may not run
+    there (``XPENDING``, ``EXISTS`` on a seen key), settling nothing."""
     server = RedisServer(tmp_path / "acl")
     server.start()
     try:
@@ -288,11 +288,11 @@ def test_a_producer_calling_the_workers_functions_with_its_own_keys_gains_nothin
         producer = redis.Redis.from_url(user_url(server, f"{queue}-producer", password),
                                         socket_timeout=10)
         name = functions.lua_scripts.library().functions["remove_retired"]
-        producer.set(keys.retired(q), "1")  # allowed by the documented rules
+        admin.set(keys.retired(q), "1")  # a producer may only read the marker
         worker_keys = [keys.dead(q), keys.workers(q), keys.config(q)]
         for swapped in range(3):
-            names = [keys.requests(q), keys.reply(q, "x"), keys.retired(q),
-                     keys.reply(q, "y"), keys.reply(q, "z")]
+            names = [keys.requests(q), keys.seen(q, "x"), keys.retired(q),
+                     keys.seen(q, "y"), keys.seen(q, "z")]
             names[[1, 3, 4][swapped]] = worker_keys[swapped]
             with pytest.raises(redis.exceptions.NoPermissionError):
                 producer.fcall(name, 5, *names, keys.GROUP)
@@ -301,13 +301,14 @@ def test_a_producer_calling_the_workers_functions_with_its_own_keys_gains_nothin
         entry = admin.xadd(keys.requests(q), {"id": "mine"})
         admin.xreadgroup(keys.GROUP, "w", {keys.requests(q): ">"})
         swapped_calls = {
-            "publish": (2, keys.requests(q), keys.reply(q, "x"), keys.GROUP, "w", 1000, 10,
+            "publish": (2, keys.requests(q), keys.seen(q, "x"), keys.GROUP, "w", 1000, 10,
                         100, 1, entry, 0, b"", 0),
-            "drop_consumer": (3, keys.requests(q), keys.reply(q, "a"), keys.reply(q, "b"),
+            "drop_consumer": (3, keys.requests(q), keys.seen(q, "a"), keys.seen(q, "b"),
                               keys.GROUP, "w"),
         }
         for short, call in swapped_calls.items():
-            with pytest.raises(redis.exceptions.ResponseError, match=r"(?i)can.t run this command"):
+            with pytest.raises(redis.exceptions.ResponseError,
+                               match=r"(?i)can.t (run this command|access at least one)"):
                 producer.fcall(functions.lua_scripts.library().functions[short], *call)
         assert admin.xpending(keys.requests(q), keys.GROUP)["pending"] == 1
         assert admin.exists(keys.requests(q), keys.dead(q), keys.workers(q),

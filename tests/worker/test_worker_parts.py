@@ -195,7 +195,9 @@ class Parts:
     (``shards`` > 1: that many lanes plus the queue's own, as ``keys.lanes_of`` says)."""
 
     def __init__(self, shards: int = 2) -> None:
-        self.settings = WorkerSettings(queue="parts", block_ms=5, heartbeat_s=60.0)
+        # max_queue_length 0: the fake has no FCALL for the length check.
+        self.settings = WorkerSettings(queue="parts", block_ms=5, heartbeat_s=60.0,
+                                       max_queue_length=0)
         self.client = FakeStreams()
         self.backend = SimBackend(max_input_tokens=64)
         self.intake = Intake(read_ahead_budgets=4.0, read_ahead_bytes=1 << 20,

@@ -1,0 +1,67 @@
+-- claim_excess.lua: take over, for refusal, the entries a request stream holds
+-- beyond the queue's maximum length, in one atomic step.
+--
+-- Keys touched (one queue's hash tag, so one Cluster slot):
+--   KEYS[1]  <prefix>:{q}:requests   stream  XLEN, XINFO GROUPS, XREVRANGE, XCLAIM FORCE, XDEL
+--
+-- ARGV[1] group   ARGV[2] consumer   ARGV[3] max_len (at least 1)   ARGV[4] most to take
+--
+-- Why the newest entries beyond max_len were all written around enqueue.lua:
+-- enqueue.lua appends only while the stream then holds at most max_len
+-- entries, and entries are only ever appended after the newest, so the count
+-- of entries at or before one it appended never grows past max_len. While
+-- XLEN - max_len > 0, the newest XLEN - max_len entries were therefore added
+-- by a plain XADD, or by enqueue given a larger limit than the workers'.
+--
+-- It takes the newest of them that no consumer was delivered yet (at most
+-- ARGV[4]): each is made pending to this consumer (XCLAIM FORCE) and deleted
+-- from the stream (XDEL), so no XREADGROUP hands it out again and XLEN is back
+-- under the limit at once; the worker answers each as a dead letter
+-- (queue_full) through publish.lua, which finds it pending. The worker does not
+-- refresh such a claim (on Redis 7, XCLAIM drops a deleted entry from the
+-- pending list), and a worker that dies before answering leaves the caller
+-- unanswered: the entry is gone either way. Returns the taken entries, newest
+-- first, as XREVRANGE gives them; nothing while the stream is within max_len
+-- or the group does not exist.
+
+local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
+local max_len, most = tonumber(ARGV[3]), tonumber(ARGV[4])
+if max_len == nil or most == nil or max_len < 1 or most < 1 then
+  return redis.error_reply("ERR tokenq claim_excess: max_len and the count must be at least 1")
+end
+local excess = redis.call("XLEN", stream) - max_len
+if excess <= 0 then
+  return {}
+end
+local delivered = nil
+for _, row in ipairs(redis.call("XINFO", "GROUPS", stream)) do
+  local name, last = nil, nil
+  for i = 1, #row, 2 do
+    if row[i] == "name" then
+      name = row[i + 1]
+    elseif row[i] == "last-delivered-id" then
+      last = row[i + 1]
+    end
+  end
+  if name == group then
+    delivered = last
+  end
+end
+if delivered == nil then
+  return {}
+end
+local taken = redis.call("XREVRANGE", stream, "+", "(" .. delivered, "COUNT",
+  math.min(excess, most))
+if #taken == 0 then
+  return {}
+end
+local claim, ids = {"XCLAIM", stream, group, consumer, "0"}, {}
+for i, entry in ipairs(taken) do
+  ids[i] = entry[1]
+  claim[#claim + 1] = entry[1]
+end
+claim[#claim + 1] = "FORCE"
+claim[#claim + 1] = "JUSTID"
+redis.call(unpack(claim))
+redis.call("XDEL", stream, unpack(ids))
+return taken
