@@ -322,7 +322,7 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
 # ------------------------------------------------- every right, on every key
 
 KEY_KINDS = ("requests", "dead", "config", "workers", "worker", "reply", "seen", "retired",
-             "shards_served")
+             "shards_served", "idem")
 """The queue's keys, by what :func:`key_of` names."""
 
 
@@ -331,7 +331,7 @@ def key_of(q: keys.QueueRef, kind: str) -> str:
         "requests": keys.requests(q), "dead": keys.dead(q), "config": keys.config(q),
         "workers": keys.workers(q), "worker": keys.worker_alive(q, "w"),
         "reply": keys.reply(q, "x"), "seen": keys.seen(q, "x"), "retired": keys.retired(q),
-        "shards_served": keys.shards_served(q),
+        "shards_served": keys.shards_served(q), "idem": keys.idempotent_answer(q, "x"),
     }[kind]
 
 
@@ -396,9 +396,10 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "fcall": frozenset({"requests", "seen", "retired"}),
         "fcall_ro": frozenset({"reply"}),
         "xadd": frozenset({"requests"}), "xlen": frozenset({"requests"}),
-        "get": frozenset({"seen"}), "set": frozenset({"seen"}),
+        "get": frozenset({"seen", "idem"}), "set": frozenset({"seen", "idem"}),
         "exists": frozenset({"retired", "workers", "worker"}),
         **{command: frozenset({"reply"}) for command in _REPLY_WAIT},
+        "del": frozenset({"reply", "idem"}),
         "hgetall": frozenset({"config"}),
         "hkeys": frozenset({"workers", "worker"}),
     },
