@@ -28,6 +28,11 @@ tests that try to break them, tests/gateway/test_serve_hostile.py):
    its ``query`` with every text; the wire has no shared field), so that one
    is refused with a 413 naming the limit instead of copying a 30 KB query
    into a thousand requests.
+5. **The answer**: built and encoded in a thread (:mod:`.render`); an answer
+   that is not small by nature is capped (:data:`MAX_TOKENIZE_TOKENS`,
+   :data:`MAX_DECODE_BYTES`, :data:`MAX_TOKEN_ANSWER_FLOATS`), a 413 naming
+   the cap, checked before the work where it can be (docs/SECURITY.md, "What
+   one HTTP request may cost, per route").
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from tokenq.shared import keys
 
 pytest_plugins = ("tests.cli_fixtures",)
 pytest.importorskip("fastapi")
+from tokenq.producer.serve.render import Raw, encode  # noqa: E402  (after the skip)
 
 MAX_BODY = 16 << 20
 """``--max-body-bytes``' default: the largest body any route accepts."""
@@ -238,8 +239,6 @@ def test_predict_answers_a_score_per_label_per_input(sim_worker, gateway):
 def test_encoding_a_piece_at_a_time_spells_what_one_json_dumps_spells():
     from array import array
 
-    from tokenq.producer.serve.render import Raw, encode
-
     vector = array("f", [0.5, -1.25, 3.0])
     answer = {"data": [{"embedding": vector, "index": i, "text": "é\n\""} for i in range(70)],
               "rows": [["x"] * 70, [], [1, 2.5, None, True]], "raw": Raw(b'[{"id":1}]'),
@@ -248,3 +247,18 @@ def test_encoding_a_piece_at_a_time_spells_what_one_json_dumps_spells():
              "raw": [{"id": 1}]}
     assert json.loads(encode(answer)) == plain
     assert encode(plain) == json.dumps(plain, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def test_a_sparse_answer_over_its_weight_cap_is_refused_before_it_is_written(monkeypatch):
+    from tokenq.producer import Result
+    from tokenq.producer.serve import sparse_api
+    from tokenq.producer.serve.errors import ApiError
+
+    results = [Result(id=str(i), dim=8, embedding=None, scores=None, tokens=None,
+                      sparse=((1, 0.5), (7, 2.0))) for i in range(3)]
+    assert json.loads(encode(sparse_api.sparse_answer(results, "m"))) == [
+        [{"index": 1, "value": 0.5}, {"index": 7, "value": 2.0}]] * 3
+    monkeypatch.setattr(sparse_api, "MAX_TOKEN_ANSWER_FLOATS", 5)
+    with pytest.raises(ApiError) as refused:
+        sparse_api.sparse_answer(results, "m")
+    assert refused.value.status == 413 and "6 nonzero weights" in refused.value.message
