@@ -140,6 +140,18 @@ def sim_classifier(settings: Any) -> SimClassifier:
     return SimClassifier(build_sim_backend(settings))
 
 
+def sim_reranker(settings: Any) -> SimClassifier:
+    """``--backend tests.plugins_for_tests:sim_reranker``: the sim claiming to be a
+    cross-encoder (``--sim-dim 1``: one score a pair)."""
+    import dataclasses
+
+    from tokenq.worker.backends.sim import build_sim_backend
+
+    backend = SimClassifier(build_sim_backend(settings))
+    backend.info = dataclasses.replace(backend.info, task="rerank", pairs=True)
+    return backend
+
+
 LOAD_GATE_ENV = "TOKENQ_TESTS_LOAD_GATE"
 """A path: :func:`sim_gated_load` does not finish loading until a file exists there."""
 

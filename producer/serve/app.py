@@ -56,6 +56,7 @@ from tokenq.producer.serve import (
     idempotency,
     openai_api,
     openapi,
+    render,
     schemas,
     scores,
     sparse_api,
@@ -241,7 +242,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
         claimed = idempotency.current.set(None)
         try:
             with gateway.admission.admit() if admit else nullcontext():
-                response: Response = JSONResponse(await work())
+                response = await render.respond(await work())
                 await keep_answer(response)
         except idempotency.Replay as replay:
             response = Response(replay.body, status_code=replay.status,
@@ -273,12 +274,12 @@ def create_app(settings: ServeSettings) -> FastAPI:
     app.include_router(sparse_api.router(gateway, answer))
 
     async def openai_embeddings(request: Request, route: str) -> Response:
-        async def work() -> dict[str, Any]:
+        async def work() -> render.Later:
             body, job = await gateway.read(request, schemas.openai_request)
             queue = gateway.queue_of(body.model)
             schemas.require_embeddings(await gateway.config(queue), body.model)
             results = await gateway.infer(request, queue, job)
-            return schemas.openai_answer(results, body.model, body.encoding_format)
+            return render.Later(schemas.openai_answer, results, body.model, body.encoding_format)
         return await answer(route, ApiError.openai_body, work, admit=True)
 
     @app.post("/v1/embeddings")
@@ -291,33 +292,35 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
     @app.post("/embed")
     async def tei_embed(request: Request) -> Response:
-        async def work() -> list[list[float]]:
+        async def work() -> render.Later:
             body, job = await gateway.read(request, schemas.tei_embed_request)
             queue = gateway.queue_of(body.model)
             model = body.model or gateway.default_model()
             schemas.require_embeddings(await gateway.config(queue), model)
-            return schemas.tei_answer(await gateway.infer(request, queue, job), model)
+            return render.Later(schemas.tei_answer, await gateway.infer(request, queue, job),
+                                model)
         return await answer("/embed", ApiError.tei_body, work, admit=True)
 
     @app.post("/rerank")
     async def tei_rerank(request: Request) -> Response:
-        async def work() -> list[dict[str, Any]]:
+        async def work() -> render.Later:
             body, job = await gateway.read(request, scores.rerank_request)
             queue = gateway.queue_of(body.model)
             scores.require_reranker(await gateway.config(queue))
             results = await gateway.infer(request, queue, job)
-            return scores.rerank_answer(results, body.texts, body.return_text)
+            return render.Later(scores.rerank_answer, results, body.texts, body.return_text)
         return await answer("/rerank", ApiError.tei_body, work, admit=True)
 
     @app.post("/predict")
     async def tei_predict(request: Request) -> Response:
-        async def work() -> list[Any]:
+        async def work() -> render.Later:
             body, (job, batched) = await gateway.read(request, scores.predict_request)
             queue = gateway.queue_of(body.model)
             config = await gateway.config(queue)
             scores.require_classifier(config, job)
             results = await gateway.infer(request, queue, job)
-            return scores.predict_answer(results, batched, config.labels if config else None)
+            return render.Later(scores.predict_answer, results, batched,
+                                config.labels if config else None)
         return await answer("/predict", ApiError.tei_body, work, admit=True)
 
     @app.get("/info")

@@ -28,6 +28,11 @@ tests that try to break them, tests/gateway/test_serve_hostile.py):
    its ``query`` with every text; the wire has no shared field), so that one
    is refused with a 413 naming the limit instead of copying a 30 KB query
    into a thousand requests.
+5. **The answer**: built and encoded in a thread (:mod:`.render`); an answer
+   that is not small by nature is capped (:data:`MAX_TOKENIZE_TOKENS`,
+   :data:`MAX_DECODE_BYTES`, :data:`MAX_TOKEN_ANSWER_FLOATS`), a 413 naming
+   the cap, checked before the work where it can be (docs/SECURITY.md, "What
+   one HTTP request may cost, per route").
 """
 
 from __future__ import annotations
@@ -371,3 +376,23 @@ def check_token_answer(count: int, max_input_tokens: int | None, token_dim: int 
                         f"{token_dim} floats could answer {count * each} floats, over the "
                         f"limit of {MAX_TOKEN_ANSWER_FLOATS}: send at most "
                         f"{max(1, MAX_TOKEN_ANSWER_FLOATS // each)} inputs per request")
+
+
+MAX_TOKENIZE_BYTES = 512 << 10
+"""Most UTF-8 bytes of text (prompts included) one ``/tokenize`` may tokenize: checked before
+the tokenizer runs, whose own working memory is up to 500 bytes a token (TEI's
+``/tokenize`` has no ``truncate``, so a longer text is refused, not cut)."""
+
+MAX_TOKENIZE_TOKENS = 1 << 17
+"""Most tokens one ``/tokenize`` answers (about 65 bytes of JSON each, 8.5 MB in all):
+checked after tokenizing, before any record is built."""
+
+MAX_DECODE_BYTES = 16 << 20
+"""Most UTF-8 bytes of text one ``/decode`` may answer, counting each id at the longest token
+of the vocabulary plus a space: checked before the tokenizer runs."""
+
+
+def check_count(count: int, limit: int, what: str, where: str, hint: str) -> None:
+    """413 naming ``limit`` when ``count`` ``what`` exceed it; ``hint`` says what to do."""
+    if count > limit:
+        raise too_large(where, f"{count} {what}, over the limit of {limit} per request; {hint}")

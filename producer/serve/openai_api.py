@@ -27,7 +27,7 @@ from fastapi.responses import Response
 from pydantic import ConfigDict, Field, PlainValidator
 from typing_extensions import TypedDict
 
-from tokenq.producer.serve import openapi, scores
+from tokenq.producer.serve import openapi, render, scores
 from tokenq.producer.serve.bounds import kind
 from tokenq.producer.serve.errors import ApiError, empty, invalid
 from tokenq.producer.serve.schemas import Body, Job, parse
@@ -126,12 +126,12 @@ async def get_model(request: Request, model: str) -> Response:
 async def rerank(request: Request) -> Response:
     gateway = request.app.state.gateway
 
-    async def work() -> dict[str, Any]:
+    async def work() -> render.Later:
         body, job = await gateway.read(request, rerank_request)
         queue = gateway.queue_of(body.model)
         scores.require_reranker(await gateway.config(queue))
         results = await gateway.infer(request, queue, job)
-        return rerank_answer(body, body.model or gateway.default_model(), results)
+        return render.Later(rerank_answer, body, body.model or gateway.default_model(), results)
     return await request.app.state.answer("/v1/rerank", ApiError.openai_body, work, admit=True)
 
 

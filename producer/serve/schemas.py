@@ -246,7 +246,7 @@ def openai_answer(
             "object": "embedding",
             "index": index,
             "embedding": (
-                _base64_le(vector) if encoding_format == "base64" else vector.tolist()
+                _base64_le(vector) if encoding_format == "base64" else vector
             ),
         }
         for index, vector in enumerate(vectors)
@@ -267,6 +267,6 @@ def _base64_le(vector: array.array) -> str:
     return base64.b64encode(vector.tobytes()).decode("ascii")
 
 
-def tei_answer(results: Sequence[Result], model: str) -> list[list[float]]:
-    """TEI's list of vectors, one per input, in input order."""
-    return [vector.tolist() for vector in embeddings_of(results, model)]
+def tei_answer(results: Sequence[Result], model: str) -> list[array.array]:
+    """TEI's list of vectors, one per input, in input order (render.encode writes each)."""
+    return embeddings_of(results, model)

@@ -22,6 +22,7 @@ admission, body size and time, the linear parse, the batch size).
 
 from __future__ import annotations
 
+import array
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +30,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tokenq.producer import Result
-from tokenq.producer.serve import openapi, schemas
-from tokenq.producer.serve.bounds import check_token_answer
+from tokenq.producer.serve import openapi, render, schemas
+from tokenq.producer.serve.bounds import (
+    MAX_TOKEN_ANSWER_FLOATS,
+    check_count,
+    check_token_answer,
+)
 from tokenq.producer.serve.errors import ApiError, wrong_model
+from tokenq.producer.serve.render import Raw, encode
 from tokenq.producer.serve.schemas import (
     Body,
     Direction,
@@ -89,24 +95,32 @@ def require_sparse(config: QueueConfig | None, model: str) -> None:
         raise _not_sparse(model, config.task)
 
 
-def sparse_answer(results: Sequence[Result], model: str) -> list[list[dict[str, Any]]]:
-    """TEI's ``EmbedSparseResponse``: each input's nonzero ``{index, value}`` pairs."""
-    answer = []
+def sparse_answer(results: Sequence[Result], model: str) -> list[Raw]:
+    """TEI's ``EmbedSparseResponse``: each input's nonzero ``{index, value}`` pairs.
+
+    A 413 beyond :data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` weights in all, counted
+    before any is written; each input's pairs are written straight to JSON
+    (a dict per weight cost about 250 bytes for about 30 of answer).
+    """
     for result in results:
         if result.sparse is None:
             raise _not_sparse(model, "embed" if result.embedding is not None else "score")
-        answer.append([{"index": index, "value": value} for index, value in result.sparse])
-    return answer
+    check_count(sum(len(result.sparse or ()) for result in results), MAX_TOKEN_ANSWER_FLOATS,
+                "nonzero weights", "inputs", "send fewer inputs")
+    return [Raw(b"[" + b",".join(b'{"index":%d,"value":%s}' % (index, encode(float(value)))
+                                 for index, value in result.sparse or ()) + b"]")
+            for result in results]
 
 
-def tokens_answer(results: Sequence[Result], model: str) -> list[list[list[float]]]:
-    """TEI's ``EmbedAllResponse``: each input's token vectors, in token order."""
+def tokens_answer(results: Sequence[Result], model: str) -> list[list[array.array]]:
+    """TEI's ``EmbedAllResponse``: each input's token vectors, in token order (render.encode
+    writes each)."""
     answer = []
     for result in results:
         if result.token_embeddings is None:
             raise wrong_model("not_an_embedding_model",
                               f"model {model!r} answered no token embeddings")
-        answer.append([vector.tolist() for vector in result.token_embeddings])
+        answer.append(list(result.token_embeddings))
     return answer
 
 
@@ -121,12 +135,12 @@ def _not_sparse(model: str, task: str) -> ApiError:
 async def embed_sparse(gateway: Gateway, answer: Answer, request: Request,
                        route: str = "/embed_sparse") -> Response:
     """``/embed_sparse``'s work; TEI's ``POST /`` on a sparse queue answers with it too."""
-    async def work() -> list[list[dict[str, Any]]]:
+    async def work() -> render.Later:
         body, job = await gateway.read(request, sparse_request)
         queue = gateway.queue_of(body.model)
         model = body.model or gateway.default_model()
         require_sparse(await gateway.config(queue), model)
-        return sparse_answer(await gateway.infer(request, queue, job), model)
+        return render.Later(sparse_answer, await gateway.infer(request, queue, job), model)
     return await answer(route, ApiError.tei_body, work, admit=True)
 
 
@@ -140,7 +154,7 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
 
     @api.post("/embed_all")
     async def embed_all(request: Request) -> Response:
-        async def work() -> list[list[list[float]]]:
+        async def work() -> render.Later:
             body, job = await gateway.read(request, all_request)
             queue = gateway.queue_of(body.model)
             model = body.model or gateway.default_model()
@@ -149,7 +163,7 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
             if config is not None:
                 check_token_answer(len(job.items), config.max_input_tokens, config.token_dim,
                                    job.where)
-            return tokens_answer(await gateway.infer(request, queue, job), model)
+            return render.Later(tokens_answer, await gateway.infer(request, queue, job), model)
         return await answer("/embed_all", ApiError.tei_body, work, admit=True)
 
     return api

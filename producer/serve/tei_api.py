@@ -41,9 +41,21 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
 
 from tokenq.producer import Result
-from tokenq.producer.serve import schemas
-from tokenq.producer.serve.bounds import TEXT, TOKEN, TOKENS, decode_json, text_or_list
+from tokenq.producer.serve import render, schemas
+from tokenq.producer.serve.bounds import (
+    MAX_DECODE_BYTES,
+    MAX_TOKENIZE_BYTES,
+    MAX_TOKENIZE_TOKENS,
+    TEXT,
+    TOKEN,
+    TOKENS,
+    check_count,
+    decode_json,
+    text_bytes,
+    text_or_list,
+)
 from tokenq.producer.serve.errors import ApiError, empty, invalid, too_large
+from tokenq.producer.serve.render import Raw, encode
 from tokenq.producer.serve.schemas import Body, Direction, Job, parse, refuse_left
 from tokenq.producer.tokenizer import TokenizerEstimator
 from tokenq.shared.queue_config import QueueConfig
@@ -164,16 +176,42 @@ def similarity_answer(results: Sequence[Result], model: str) -> list[float]:
     return [cosine(source, vector) for vector in others]
 
 
-def token_answer(encoding: Any, text: str) -> list[dict[str, Any]]:
-    """TEI's ``SimpleToken`` list: a special token has no span in the text."""
-    tokens = []
+def tokenize_answer(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[Raw]:
+    """Each text's ``SimpleToken`` list (:func:`token_answer`); a 413 beyond
+    :data:`.bounds.MAX_TOKENIZE_TOKENS` in all, before any record is built (in a thread)."""
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+    check_count(sum(map(len, encodings)), MAX_TOKENIZE_TOKENS, "tokens", "inputs",
+                "send fewer or shorter texts")
+    encodings.reverse()  # each encoding is let go once its records are written
+    return [token_answer(encodings.pop(), text) for text in texts]
+
+
+def token_answer(encoding: Any, text: str) -> Raw:
+    """TEI's ``SimpleToken`` list, as JSON: a special token has no span in the text.
+
+    Written straight to bytes, a record at a time: a dict per token cost
+    about 400 bytes of memory for about 70 of answer.
+    """
+    records = []
     for token_id, token, special, (start, stop) in zip(
         encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets, strict=True
     ):
-        tokens.append({"id": token_id, "text": token if special else text[start:stop],
-                       "special": bool(special),
-                       "start": None if special else start, "stop": None if special else stop})
-    return tokens
+        if special:
+            records.append(b'{"id":%d,"text":%s,"special":true,"start":null,"stop":null}'
+                           % (token_id, encode(token)))
+        else:
+            records.append(b'{"id":%d,"text":%s,"special":false,"start":%d,"stop":%d}'
+                           % (token_id, encode(text[start:stop]), start, stop))
+    return Raw(b"[" + b",".join(records) + b"]")
+
+
+def check_decode(rows: list[list[int]], longest: int) -> None:
+    """413 when ``rows`` could decode to more than :data:`.bounds.MAX_DECODE_BYTES`: each id
+    counted at ``longest`` (the vocabulary's longest token, in UTF-8 bytes) plus a space."""
+    ids = sum(map(len, rows))
+    most = MAX_DECODE_BYTES // (longest + 1)
+    check_count(ids, most, f"ids (each up to {longest + 1} bytes of text)", "ids",
+                f"at most {MAX_DECODE_BYTES} bytes of text are answered")
 
 
 class Tokenizers:
@@ -181,6 +219,14 @@ class Tokenizers:
 
     def __init__(self) -> None:
         self._loaded: dict[str, TokenizerEstimator | str] = {}
+        self._longest: dict[int, int] = {}
+
+    async def longest(self, tokenizer: Any) -> int:
+        """UTF-8 bytes of ``tokenizer``'s longest token (added tokens included), once."""
+        key = id(tokenizer)  # the loaded tokenizers live as long as this object
+        if key not in self._longest:
+            self._longest[key] = await asyncio.to_thread(_longest, tokenizer)
+        return self._longest[key]
 
     async def of(self, config: QueueConfig | None) -> Any:
         """The ``tokenizers.Tokenizer`` of the queue described by ``config``, or a 422."""
@@ -194,6 +240,10 @@ class Tokenizers:
         if isinstance(loaded, str):
             raise _tokenizer_error(f"the gateway cannot load the queue's tokenizer: {loaded}")
         return loaded.tokenizer
+
+
+def _longest(tokenizer: Any) -> int:
+    return max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=1)
 
 
 def _load(path: str) -> TokenizerEstimator | str:
@@ -240,15 +290,15 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
 
     async def embed_or_similarity(request: Request, route: str,
                                   prepare: Callable[[bytes], tuple[Any, Job]]) -> Response:
-        async def work() -> list[Any]:
+        async def work() -> render.Later:
             body, job = await gateway.read(request, prepare)
             queue = gateway.queue_of(body.model)
             model = body.model or gateway.default_model()
             schemas.require_embeddings(await gateway.config(queue), model)
             results = await gateway.infer(request, queue, job)
             if isinstance(body, TEISimilarity):
-                return similarity_answer(results, model)
-            return schemas.tei_answer(results, model)
+                return render.Later(similarity_answer, results, model)
+            return render.Later(schemas.tei_answer, results, model)
         return await answer(route, ApiError.tei_body, work, admit=True)
 
     @api.post("/similarity")
@@ -277,7 +327,7 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
 
     @api.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        async def work() -> list[list[dict[str, Any]]]:
+        async def work() -> render.Later:
             body = await gateway.read(request, tokenize_request)
             texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
             if not texts:
@@ -291,10 +341,9 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
                     raise invalid("prompt_name", f"{body.prompt_name!r} is not one of the "
                                   f"model's prompts ({', '.join(prompts) or 'none'})")
                 texts = [prompts[body.prompt_name] + text for text in texts]
-            encodings = await asyncio.to_thread(
-                tokenizer.encode_batch, texts, add_special_tokens=body.add_special_tokens)
-            return [token_answer(encoding, text)
-                    for encoding, text in zip(encodings, texts, strict=True)]
+            check_count(text_bytes(texts), MAX_TOKENIZE_BYTES, "bytes of text", "inputs",
+                        "/tokenize answers a record per token: send fewer or shorter texts")
+            return render.Later(tokenize_answer, tokenizer, texts, body.add_special_tokens)
         return await answer("/tokenize", ApiError.tei_body, work, admit=True)
 
     @api.post("/decode")
@@ -304,6 +353,7 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
             rows = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
             _check_count(len(rows), "ids", limit)
             tokenizer = await tokenizers.of(await gateway.config(gateway.queue_of(body.model)))
+            check_decode(rows, await tokenizers.longest(tokenizer))
             return await asyncio.to_thread(tokenizer.decode_batch, rows,
                                            skip_special_tokens=body.skip_special_tokens)
         return await answer("/decode", ApiError.tei_body, work, admit=True)
