@@ -6,8 +6,9 @@ admitted), answers waiting to be published (each at the running mean of
 tokens per entry), and in bytes (:class:`~tokenq.worker.read_ahead.ByteRoom`,
 the one bound that holds whatever the sizes) every entry read and not yet
 answered on Redis: its raw bytes, its encoding while it is buffered
-(:data:`TOKEN_BYTES` a token), then its packed reply until that is published. The reader asks :meth:`Intake.read_count` before
-each read; the outbox gives room back as answers are published.
+(:data:`TOKEN_BYTES` a token), then its packed reply until that is
+published. The reader asks :meth:`Intake.read_count` before each read; the
+outbox gives room back as answers are published.
 
 Pure: no asyncio, no Redis, no clock. What the packer holds (its budget and
 buffered tokens) is passed in, so tests drive every rule with plain numbers
@@ -20,7 +21,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 from tokenq.worker.read_ahead import ByteRoom
-
 
 TOKEN_BYTES = 40
 """What one token of a buffered encoding holds: the Hugging Face backend's ids are a

@@ -12,7 +12,8 @@ larger than the room would never be read).
 A read's room is *reserved* (``count × max_entry``) from the moment it is
 asked for until its entries are held, so reads running at once on several
 lanes (or a reclaim scan) cannot each count the same room. Hence the bound on
-the entries held (read, not yet answered), proved by ``tests/worker/test_read_ahead_bound.py`` over sequences of sizes:
+the entries held (read, not yet answered), proved by
+``tests/worker/test_read_ahead_bound.py`` over sequences of sizes:
 
     held + reserved  <  limit + max_entry         (so held < limit + max_entry)
 
