@@ -127,8 +127,7 @@ class Intake:
         """Answers handed to the outbox, their bytes in ``sizes``: from now on each entry
         counts for its answer (not its request) until published."""
         self.unpublished_answers += len(entry_ids)
-        self.answer_bytes += sum(sizes)
-        self.bytes.hold_all(lane, entry_ids, sizes)
+        self.answer_bytes += self.bytes.charge_all(lane, entry_ids, sizes)
 
     def published(self, lane: int, entry_ids: Sequence[bytes]) -> None:
         """Answers published (or given up on): their entries stop holding room."""

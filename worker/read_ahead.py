@@ -27,7 +27,7 @@ by its own excess, once, until it is dead-lettered.
 Entries are not all the worker holds for them: once answered, an entry counts
 for its packed reply instead (an embedding of 4,096 floats is 16 KB where its
 request was 175 B) until the reply is published or dead-lettered
-(:meth:`ByteRoom.hold_all` again, with the answers' sizes), and its encoding
+(:meth:`ByteRoom.charge_all`), and its encoding
 counts while it is buffered (``Intake``). All of it takes the same room, so a
 worker whose replies Redis refuses stops reading once its answers fill it;
 and its device stops taking batches then too (``Intake.answers_fit``), so the
@@ -130,19 +130,36 @@ class ByteRoom:
             self.reserved -= reserved
 
     def hold_all(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> None:
-        """Count entries of ``lane`` for ``sizes`` (ids and sizes in the same order) from now
-        on, in a few C-level calls: a read's raw sizes when it is held, then its answers'
-        (what the worker holds for them until they are published).
-
-        An id held already counts for its new size instead; one not held (an entry
-        deleted while pending, answered with nothing) is held until :meth:`release_all`.
-        """
+        """Hold a read's entries of ``lane`` (ids and sizes in the same order), in one call
+        (an id held already counts for its new size instead)."""
         held = self._held.get(lane)
         if held is None:
             held = self._held[lane] = {}
         before = sum(map(held.get, entry_ids, itertools.repeat(0))) if held else 0
         held.update(zip(entry_ids, sizes, strict=True))
         self._charged += sum(sizes) - before
+
+    def charge_all(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> int:
+        """Make held entries of ``lane`` count for ``sizes`` from now on (their answers':
+        what the worker holds for them until published), in a few C-level calls; the bytes
+        now charged for them.
+
+        Ids not held are skipped (an entry deleted while pending, answered with
+        nothing: holding it would have the heartbeat claim it again).
+        """
+        held = self._held.get(lane)
+        if not held:
+            return 0
+        before = list(map(held.get, entry_ids))
+        if None in before:  # rare: filter per answer only then
+            kept = [(entry_id, size) for entry_id, size, was
+                    in zip(entry_ids, sizes, before, strict=True) if was is not None]
+            entry_ids, sizes = [entry_id for entry_id, _ in kept], [size for _, size in kept]
+            before = [was for was in before if was is not None]
+        held.update(zip(entry_ids, sizes, strict=True))
+        charged = sum(sizes)
+        self._charged += charged - sum(before)  # type: ignore[arg-type]
+        return charged
 
     def release_all(self, lane: int, entry_ids: Iterable[bytes]) -> int:
         """Stop holding entries of ``lane`` (ids not held are skipped), in one call; the
