@@ -6,8 +6,9 @@ reply's bytes (16 KB at ``--sim-dim 4096``, where its request is about 200 B),
 so the worker stops reading once its answers fill ``--read-ahead-bytes``, and
 its device takes no batch meanwhile: what it holds stays within a small
 multiple of the room (docs/RELIABILITY.md, "What the byte room counts").
-When counted at the request's size it read about 6,000 and grew 150-170 MB
-against a 1 MiB room. Once memory frees, every request is answered once.
+Counted at the request's size, a worker with a larger token room held about
+6,000 answers and grew 150-170 MB against a 1 MiB room. Once memory frees,
+every request is answered once.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ ROOM = 1024 * 1024
 REQUESTS = 4000
 MODEL = SimModel(dim=4096, max_input=64)
 SLACK = 8 * 1024 * 1024
-"""What a worker's resident memory may grow by besides what the room counts: up to four
-batches' vectors on their way to be answered (32 rows of 16 KB each: 2 MB), the allocator's
-arenas and the Redis client's buffers. Measured: 0.6-1.5 MiB of growth in all; counted at
-the request's size, the same worker grew 36 MB (1,936 held, stopped only by its token room)."""
+"""What a worker's resident memory may grow by besides what the room counts: up to
+four batches' vectors on their way to be answered (32 rows of 16 KB each: 2 MB), the
+allocator's arenas and the Redis client's buffers. Measured from its start: 0.6-1.5 MiB
+of growth in all; counted at the request's size, the same worker grew 36-38 MB (about
+1,940 held, stopped only by its token room)."""
 
 
 def rss_bytes(pid: int) -> int:
@@ -112,8 +114,8 @@ def test_a_worker_whose_replies_are_refused_holds_its_room_and_loses_nothing(
         worker = fleet.start(*MODEL.flags(
             "--read-ahead-bytes", str(ROOM), "--max-batch-size", "32", "--sim-batch-ms", "5",
             "--heartbeat-s", "0.5"), ready=r, queue=queue_name)
+        start_rss = rss_bytes(worker.process.pid)  # joined: everything imported and built
         fill(r)
-        start_rss = rss_bytes(worker.process.pid)
         answered_before = REQUESTS - r.xlen(stream)
         assert answered_before < REQUESTS // 2, "the worker answered most before Redis filled"
 
@@ -152,7 +154,8 @@ def test_a_worker_whose_replies_are_refused_holds_its_room_and_loses_nothing(
             lengths = pipe.execute()
         assert lengths == [1] * REQUESTS, [i for i, n in enumerate(lengths) if n != 1][:10]
         assert r.xlen(keys.dead(q)) == 0
-        print(f"room under OOM: held {held} entries, RSS grew {growth / 2**20:.1f} MiB "
+        print(f"room under OOM: {answered_before} answered before Redis filled, held {held} "
+              f"entries, RSS grew {growth / 2**20:.1f} MiB "
               f"(bound {(3 * ROOM + SLACK) / 2**20:.0f} MiB)")
     finally:
         fleet.close()
