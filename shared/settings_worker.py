@@ -122,7 +122,8 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
     )
     read_ahead_bytes: int | None = Field(
         None, ge=1,
-        description="read at most this many bytes of request text ahead (with "
+        description="hold at most about this many bytes of what was read and not yet "
+        "answered on Redis: requests, their encodings, replies waiting to be published (with "
         "--read-ahead-budgets: whichever is reached first); a read asks for this over the "
         "largest entry (--max-request-bytes + 67 KiB). Default: a 32nd of the memory the "
         "worker may use (the least of the machine's memory and its cgroup limits), from "

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
 
 from tests.redis_server import RedisServer
@@ -37,6 +39,20 @@ def full_server(folder: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop(kill=True)
+
+
+def full_fixture() -> Any:
+    """A module's ``full`` fixture (``full = full_fixture()``): the test's own
+    :func:`full_server`, as (its url, a client)."""
+
+    @pytest.fixture
+    def full(tmp_path: Path) -> Iterator[tuple[str, redis.Redis]]:
+        with full_server(tmp_path / "full") as server:
+            client = redis.Redis.from_url(server.url)
+            yield server.url, client
+            client.close()
+
+    return full
 
 
 def fill(client: redis.Redis) -> int:

@@ -3,10 +3,12 @@
 Everything the worker holds counts against it: entries buffered in the
 packer, a read being tokenized (by the producers' estimates, until it is
 admitted), answers waiting to be published (each at the running mean of
-tokens per entry), and every entry read and not yet answered on Redis (its
-raw bytes: :class:`~tokenq.worker.read_ahead.ByteRoom`, the one bound that
-holds whatever the sizes). The reader asks :meth:`Intake.read_count` before
-each read; the outbox gives room back as answers are published.
+tokens per entry), and in bytes (:class:`~tokenq.worker.read_ahead.ByteRoom`,
+the one bound that holds whatever the sizes) every entry read and not yet
+answered on Redis: its raw bytes, its encoding while it is buffered
+(:data:`TOKEN_BYTES` a token), then its packed reply until that is
+published. The reader asks :meth:`Intake.read_count` before each read; the
+outbox gives room back as answers are published.
 
 Pure: no asyncio, no Redis, no clock. What the packer holds (its budget and
 buffered tokens) is passed in, so tests drive every rule with plain numbers
@@ -19,6 +21,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
 from tokenq.worker.read_ahead import ByteRoom
+
+TOKEN_BYTES = 40
+"""What one token of a buffered encoding holds: the Hugging Face backend's ids are a
+tuple of Python ints (an 8-byte pointer and a 28-byte int each; the sim holds less)."""
 
 
 def entry_bytes(fields: Mapping[bytes, bytes]) -> int:
@@ -47,6 +53,8 @@ class Intake:
         """The producers' token estimates of the reads being tokenized now."""
         self.unpublished_answers = 0
         """Answers emitted and not yet published: they hold read-ahead room, in tokens too."""
+        self.answer_bytes = 0
+        """The bytes of the answers emitted and not yet published (their packed replies)."""
 
     # ------------------------------------------------------------------ tokens
 
@@ -64,13 +72,14 @@ class Intake:
         Bounded by both rooms. Tokens: from the exact lengths of what was read
         lately (not the producers' claims), about ``read_ahead_budgets``
         budgets, each reader its share. Bytes: a bound, not an estimate
-        (``read_ahead.py``): the room over the largest entry, reserved while
-        the read runs (:meth:`reserving`), so what the worker holds stays
-        below ``read_ahead_bytes`` plus one largest entry whatever the sizes.
+        (``read_ahead.py``): the room left by the entries, answers and buffered
+        encodings held, over the largest entry, reserved while the read runs
+        (:meth:`reserving`), so the entries held stay below ``read_ahead_bytes``
+        plus one largest entry whatever the sizes.
         """
         tokens = self.room(max_batch_tokens, buffered_tokens)
         # Every lane reads at once, so each takes its share of both rooms.
-        by_bytes = self.bytes.count(cap, readers=readers)
+        by_bytes = self.bytes.count(cap, readers=readers, also=buffered_tokens * TOKEN_BYTES)
         if tokens <= 0 or by_bytes == 0:
             return 0
         share = tokens // self.avg_estimate // readers
@@ -114,14 +123,27 @@ class Intake:
         self.bytes.hold_all(lane, [entry_id for entry_id, _ in present],
                             [entry_bytes(fields) for _, fields in present])
 
-    def emitted(self, answers: int) -> None:
-        """Answers handed to the outbox: their entries hold room until published."""
-        self.unpublished_answers += answers
+    def emitted(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """Answers handed to the outbox, their bytes in ``sizes``: from now on each entry
+        counts for its answer (not its request) until published."""
+        self.unpublished_answers += len(entry_ids)
+        self.answer_bytes += self.bytes.charge_all(lane, entry_ids, sizes)
 
     def published(self, lane: int, entry_ids: Sequence[bytes]) -> None:
         """Answers published (or given up on): their entries stop holding room."""
-        self.bytes.release_all(lane, entry_ids)
+        self.answer_bytes -= self.bytes.release_all(lane, entry_ids)
         self.unpublished_answers -= len(entry_ids)
+
+    def answers_fit(self) -> bool:
+        """Whether the device may take another batch: the answers waiting to be published
+        fill less than the byte room.
+
+        While Redis refuses replies, what stays in the packer keeps its small
+        request size instead of becoming replies beyond the room; with no
+        answer waiting a batch always goes, whatever its replies weigh (no
+        deadlock on an answer larger than the room).
+        """
+        return self.answer_bytes < self.bytes.limit
 
     def held_by_lane(self) -> dict[int, list[bytes]]:
         """The entry ids the worker holds (read, not yet answered on Redis), by lane.

@@ -185,6 +185,7 @@ class Worker:
             flushing=lambda: self._lifecycle.stopping.is_set(),
             finished=lambda: self._readers_done() and not self.packer,
             on_take=lambda: self._lifecycle.room_made.set(),
+            may_take=lambda: self._intake.answers_fit(),
             name="tokenq-device",
         )
         self._client = client
@@ -207,7 +208,7 @@ class Worker:
         self._outbox = Outbox(
             intake=self._intake, lifecycle=self._lifecycle, stages=self._stages,
             recorder=self._recorder, now_epoch_ms=self._clock.now_ms,
-            call_deadline=self._call_deadline,
+            call_deadline=self._call_deadline, room_made=self._room_made,
         )
         self.lanes: list[Lane] = []
         for queue in keys.lanes_of(self.queue, settings.shards or 1):
@@ -251,6 +252,11 @@ class Worker:
         if self._lifecycle.stop():
             log.info("stopping: finishing %d buffered requests", len(self.packer))
         self.health.stopping = True
+        self._feed.wake()
+
+    def _room_made(self) -> None:
+        """Answers were published: the readers and the device may take more."""
+        self._lifecycle.room_made.set()
         self._feed.wake()
 
     def _readers_done(self) -> bool:

@@ -1,9 +1,11 @@
 """The worker's answers on their way to Redis: one outbox and one publish task per lane.
 
 A shard whose node is down holds back only its own answers. The outboxes are
-unbounded: what waits in them still counts as held (bytes, and tokens at the
-running mean: :class:`~tokenq.worker.intake.Intake`), so the read-ahead room
-is what bounds them, as it bounds everything the worker holds. Each task
+unbounded: what waits in them still counts as held (bytes, each answer at its
+packed reply's size, and tokens at the running mean:
+:class:`~tokenq.worker.intake.Intake`), so the read-ahead room is what bounds
+them, as it bounds everything the worker holds: while they fill it, the
+worker reads nothing and its device takes no batch. Each task
 publishes in bulk (whatever queued up meanwhile goes in one script call,
 :class:`~tokenq.worker.publish.Publisher`), and retries until Redis takes it
 or the worker, stopping or hung, is past its grace.
@@ -51,13 +53,21 @@ def answers_by_lane(
     return owed
 
 
+def letter_bytes(fields: Iterable[tuple[bytes | str, bytes | str]]) -> int:
+    """What a dead letter's fields hold (a rare answer: sized only when there is one)."""
+    return sum(len(name) + len(value) for name, value in fields)
+
+
 class Outbox:
     """The answers owed on each lane, and the tasks that publish them."""
 
     def __init__(
         self, *, intake: Intake, lifecycle: Lifecycle, stages: Stages, recorder: Recorder,
         now_epoch_ms: Callable[[], int], call_deadline: tuple[float, str],
+        room_made: Callable[[], None],
     ) -> None:
+        """``room_made``: called once published answers gave their room back (the readers
+        and the device, which wait for it while answers fill the room, look again)."""
         self._intake = intake
         self._lifecycle = lifecycle
         self._stages = stages
@@ -65,6 +75,7 @@ class Outbox:
         self._now_epoch_ms = now_epoch_ms
         self._call_deadline = call_deadline
         """The deadline of one publish attempt and the rule it comes from (the watchdog's)."""
+        self._room_made = room_made
         self._queues: list[asyncio.Queue[list[Answer] | None]] = []
         self._publishing = 0
         """How many lanes' publish calls are in flight."""
@@ -74,9 +85,11 @@ class Outbox:
         self._queues.append(asyncio.Queue())
 
     def emit(self, lane: int, answers: list[Answer]) -> None:
-        """Hand one lane's answers to its publish task (their entries count as held until
-        published)."""
-        self._intake.emitted(len(answers))
+        """Hand one lane's answers to its publish task: until published, each entry counts
+        as held for its packed reply's bytes (and a dead letter's), not its request's."""
+        self._intake.emitted(lane, [answer.entry_id for answer in answers], [
+            len(answer.payload) + (letter_bytes(answer.dead_fields) if answer.dead_fields else 0)
+            for answer in answers])
         self._queues[lane].put_nowait(answers)
 
     def emit_outcomes(self, pipeline: Pipeline[Any], outcomes: Sequence[Outcome[Ref]]) -> None:
@@ -130,7 +143,7 @@ class Outbox:
             finally:
                 self._publishing -= 1
                 self._intake.published(lane.index, [answer.entry_id for answer in answers])
-                self._lifecycle.room_made.set()
+                self._room_made()
             self._recorder.published(answers, self._now_epoch_ms())
 
     def _retrying(self, restart: Callable[[], None]) -> bool:

@@ -11,8 +11,9 @@ larger than the room would never be read).
 
 A read's room is *reserved* (``count × max_entry``) from the moment it is
 asked for until its entries are held, so reads running at once on several
-lanes (or a reclaim scan) cannot each count the same room. Hence the bound,
-proved by ``tests/worker/test_read_ahead_bound.py`` over sequences of sizes:
+lanes (or a reclaim scan) cannot each count the same room. Hence the bound on
+the entries held (read, not yet answered), proved by
+``tests/worker/test_read_ahead_bound.py`` over sequences of sizes:
 
     held + reserved  <  limit + max_entry         (so held < limit + max_entry)
 
@@ -22,6 +23,17 @@ entries it brings are each at most ``max_entry``, so holding them in place
 of the reservation never adds. Entries larger than ``max_entry`` can only be
 written by a raw ``XADD`` (the producer refuses them): each exceeds the bound
 by its own excess, once, until it is dead-lettered.
+
+Entries are not all the worker holds for them: once answered, an entry counts
+for its packed reply instead (an embedding of 4,096 floats is 16 KB where its
+request was 175 B) until the reply is published or dead-lettered
+(:meth:`ByteRoom.charge_all`), and its encoding
+counts while it is buffered (``Intake``). All of it takes the same room, so a
+worker whose replies Redis refuses stops reading once its answers fill it;
+and its device stops taking batches then too (``Intake.answers_fit``), so the
+entries already read cannot turn into replies beyond it:
+
+    answers held  <  limit + one batch's replies
 
 The price: many tiny entries are read in more, smaller reads (256 MiB of
 room over 1 MiB entries allows about 240 a read, whatever their real size).
@@ -42,8 +54,7 @@ C-level call each, not a tuple made and hashed per entry (issue 25).
 from __future__ import annotations
 
 import itertools
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 AUTO_SHARE = 32
@@ -73,12 +84,15 @@ class ByteRoom:
         self.limit = limit
         self.max_entry = max_entry
         self._held: dict[int, dict[bytes, int]] = {}
-        """Raw size of each entry held, by lane, then by entry id (:meth:`hold_all`)."""
+        """What each entry held counts for, by lane, then by entry id: its raw size
+        (:meth:`hold_all`), then its answer's once it is answered (:meth:`charge_all`)."""
+        self._charged = 0
+        """The sum of ``_held``'s sizes, kept as they change (``used`` runs before each read)."""
         self.reserved = 0
         """Bytes reserved for reads asked for and not yet held."""
 
     def used(self) -> int:
-        return sum(sum(sizes.values()) for sizes in self._held.values()) + self.reserved
+        return self._charged + self.reserved
 
     def held(self) -> dict[int, list[bytes]]:
         """The ids of the entries held, by lane (lanes holding none left out)."""
@@ -88,14 +102,15 @@ class ByteRoom:
         """What one held entry counts for (None: not held)."""
         return self._held.get(lane, {}).get(entry_id)
 
-    def count(self, cap: int, readers: int = 1) -> int:
+    def count(self, cap: int, readers: int = 1, also: int = 0) -> int:
         """How many entries the next read may ask for: 0 while there is no room.
 
         ``readers`` reading at once (a sharded queue's lanes) each ask for their
         share, so a blocking read on an empty lane does not reserve the room
-        the others need (the bound holds for any share).
+        the others need (the bound holds for any share). ``also``: bytes held
+        elsewhere that take room too (the buffered entries' encodings).
         """
-        room = self.limit - self.used()
+        room = self.limit - self.used() - also
         if room <= 0:
             return 0
         return max(1, min(cap, room // self.max_entry // max(1, readers)))
@@ -114,15 +129,44 @@ class ByteRoom:
         finally:
             self.reserved -= reserved
 
-    def hold_all(self, lane: int, entry_ids: Iterable[bytes], sizes: Iterable[int]) -> None:
-        """Hold a read's entries of ``lane`` (ids and sizes in the same order), in one call."""
+    def hold_all(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> None:
+        """Hold a read's entries of ``lane`` (ids and sizes in the same order), in one call
+        (an id held already counts for its new size instead)."""
         held = self._held.get(lane)
         if held is None:
             held = self._held[lane] = {}
+        before = sum(map(held.get, entry_ids, itertools.repeat(0))) if held else 0
         held.update(zip(entry_ids, sizes, strict=True))
+        self._charged += sum(sizes) - before
 
-    def release_all(self, lane: int, entry_ids: Iterable[bytes]) -> None:
-        """Stop holding entries of ``lane`` (ids not held are skipped), in one call."""
+    def charge_all(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> int:
+        """Make held entries of ``lane`` count for ``sizes`` from now on (their answers':
+        what the worker holds for them until published), in a few C-level calls; the bytes
+        now charged for them.
+
+        Ids not held are skipped (an entry deleted while pending, answered with
+        nothing: holding it would have the heartbeat claim it again).
+        """
         held = self._held.get(lane)
-        if held:
-            deque(map(held.pop, entry_ids, itertools.repeat(0)), maxlen=0)
+        if not held:
+            return 0
+        before = list(map(held.get, entry_ids))
+        if None in before:  # rare: filter per answer only then
+            kept = [(entry_id, size) for entry_id, size, was
+                    in zip(entry_ids, sizes, before, strict=True) if was is not None]
+            entry_ids, sizes = [entry_id for entry_id, _ in kept], [size for _, size in kept]
+            before = [was for was in before if was is not None]
+        held.update(zip(entry_ids, sizes, strict=True))
+        charged = sum(sizes)
+        self._charged += charged - sum(before)  # type: ignore[arg-type]
+        return charged
+
+    def release_all(self, lane: int, entry_ids: Iterable[bytes]) -> int:
+        """Stop holding entries of ``lane`` (ids not held are skipped), in one call; the
+        bytes they counted for."""
+        held = self._held.get(lane)
+        if not held:
+            return 0
+        released = sum(map(held.pop, entry_ids, itertools.repeat(0)))
+        self._charged -= released
+        return released

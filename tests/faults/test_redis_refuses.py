@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.faults.test_faults import SIM, Inbox, pending_of, record, scaled, texts_for, wait_for
-from tests.redis_full import fill, free, full_server
+from tests.redis_full import fill, free, full_fixture
 from tests.redis_server import RedisServer, free_ports
 from tests.worker.test_health import get
 from tests.workers import Fleet
@@ -39,15 +39,7 @@ from tokenq.worker.pipeline.jobs import Answer
 from tokenq.worker.publish import Publisher, spelled_out
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def full(tmp_path: Path) -> Iterator[tuple[str, redis.Redis]]:
-    """A private redis-server with a small maxmemory and noeviction; (url, client)."""
-    with full_server(tmp_path / "full") as server:
-        client = redis.Redis.from_url(server.url)
-        yield server.url, client
-        client.close()
+full = full_fixture()
 
 
 # ------------------------------------------------------------------ the rule

@@ -324,3 +324,32 @@ def test_messages_sent_while_the_loop_is_busy_share_one_wake_up_and_keep_their_o
         assert wakes[0] < 24, "every take and result woke the loop on its own"
 
     run(main())
+
+
+def test_no_batch_is_taken_while_may_take_says_no_and_one_is_once_woken() -> None:
+    """The worker holds batches back while its unpublished answers fill the room."""
+
+    async def main() -> None:
+        device, room = Device(), [False]
+        feed: DeviceFeed[Any, list[str]] = DeviceFeed(
+            Packer(Budget(10_000, 64), 0.0), device, flushing=lambda: True,
+            finished=lambda: False, may_take=lambda: room[0])
+        settled: list[list[str]] = []
+
+        async def settle(batch: Batch[Any], result: list[str]) -> None:
+            settled.append(result)
+
+        task = asyncio.create_task(feed.run(settle))
+        feed.add([job("a"), job("b")])
+        await asyncio.sleep(0.3)
+        assert device.ran == [] and len(feed) == 2, "a batch was taken with no room"
+        room[0] = True
+        feed.wake()  # room made: the thread looks again
+        while not settled:
+            await asyncio.sleep(0.01)
+        assert settled == [["a", "b"]] and len(feed) == 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(main())

@@ -73,9 +73,10 @@ def test_what_the_intake_holds_stays_under_the_byte_bound(
                     entries.append((b"1-%d" % serial, {b"f": b"x" * (size - 1)}))
                 intake.hold(serial % readers, entries)
             assert intake.bytes.used() < limit + MAX_ENTRY  # held, the reservation gone
-        intake.emitted(publish)
         for lane, ids in list(intake.held_by_lane().items())[:1]:
-            intake.published(lane, ids[:publish])
+            answered = ids[:publish]  # answers no larger than their requests: bound unmoved
+            intake.emitted(lane, answered, [intake.bytes.size_of(lane, i) or 0 for i in answered])
+            intake.published(lane, answered)
         assert intake.bytes.used() < limit + MAX_ENTRY
     assert intake.bytes.reserved == 0
 
@@ -85,7 +86,7 @@ def test_what_the_intake_holds_stays_under_the_byte_bound(
 def test_no_token_room_means_no_read(budget: int, buffered: int, unpublished: int,
                                      readers: int) -> None:
     intake = _intake(limit=1 << 30)
-    intake.emitted(unpublished)
+    intake.emitted(0, [b"%d-0" % i for i in range(unpublished)], [1] * unpublished)
     count = intake.read_count(budget, buffered, readers=readers, cap=1024)
     if intake.room(budget, buffered) <= 0:
         assert count == 0
@@ -115,7 +116,7 @@ def test_an_estimate_in_flight_is_given_back_even_when_tokenizing_fails() -> Non
 def test_unpublished_answers_take_token_room_at_the_running_mean() -> None:
     intake = _intake(max_input=100)
     before = intake.room(1000, 0)
-    intake.emitted(3)
+    intake.emitted(0, [b"1-0", b"2-0", b"3-0"], [1, 1, 1])
     assert intake.room(1000, 0) == before - 300
 
 
@@ -211,7 +212,8 @@ class Parts:
             self.packer, lambda batch: None, flushing=lambda: False, finished=lambda: False)
         self.outbox = Outbox(intake=self.intake, lifecycle=self.lifecycle, stages=self.stages,
                              recorder=self.recorder, now_epoch_ms=lambda: 0,
-                             call_deadline=(30.0, "a test bound"))
+                             call_deadline=(30.0, "a test bound"),
+                             room_made=self.lifecycle.room_made.set)
         self.lanes: list[Lane] = []
         for index, queue in enumerate(keys.lanes_of(keys.QueueRef("parts"), shards)):
             lane = Lane(index, queue, self._policy(queue), reclaimer=FakeReclaimer(),  # type: ignore[arg-type]
@@ -339,11 +341,12 @@ def test_the_same_entry_id_on_two_lanes_is_held_and_released_apart() -> None:
     intake.hold(1, [(b"5-0", {b"f": b"abcdefg"}), (b"6-0", None)])
     assert intake.held_by_lane() == {0: [b"5-0"], 1: [b"5-0"]}
     assert intake.bytes.used() == 4 + 8
-    intake.emitted(1)
+    intake.emitted(0, [b"5-0"], [4])
     intake.published(0, [b"5-0"])
     assert intake.held_by_lane() == {1: [b"5-0"]} and intake.bytes.used() == 8
-    intake.emitted(2)
-    intake.published(1, [b"5-0", b"9-9"])  # an id no longer held is skipped
+    intake.emitted(1, [b"5-0"], [8])
+    intake.emitted(1, [b"9-9"], [0])  # an entry deleted while pending: answered with nothing
+    intake.published(1, [b"5-0", b"9-9"])
     assert intake.held_by_lane() == {} and intake.bytes.used() == 0
     assert intake.unpublished_answers == 0
 

@@ -119,7 +119,9 @@ class DeviceFeed(Generic[T, R]):
     drops abandoned input before each pick (under the lock). All three are
     called from the device thread and must only read plain flags.
     ``on_take()`` runs on the event loop each time a batch leaves the packer
-    (the buffer has room again).
+    (the buffer has room again). ``may_take()`` (device thread, a plain read)
+    holds batches back while False, e.g. while the results waiting to be
+    published fill their room; :meth:`wake` the thread when it turns True.
     """
 
     def __init__(
@@ -131,6 +133,7 @@ class DeviceFeed(Generic[T, R]):
         finished: Callable[[], bool],
         prune: Callable[[], None] | None = None,
         on_take: Callable[[], None] | None = None,
+        may_take: Callable[[], bool] | None = None,
         max_unsettled: int = 4,
         name: str = "tokenq-device",
     ) -> None:
@@ -140,6 +143,7 @@ class DeviceFeed(Generic[T, R]):
         self._finished = finished
         self._prune = prune
         self._on_take = on_take
+        self._may_take = may_take
         self._name = name
         self._lock = threading.Condition()
         self._unsettled = threading.Semaphore(max_unsettled)
@@ -269,6 +273,11 @@ class DeviceFeed(Generic[T, R]):
             while not self._cancelled:
                 if self._prune is not None:
                     self._prune()
+                if self._may_take is not None and not self._may_take():
+                    if self._finished():
+                        return None
+                    self._lock.wait()  # until wake(): room made
+                    continue
                 now = monotonic_ms()
                 batch = self.packer.next_batch(now, flush=self._flushing())
                 if batch is not None:
