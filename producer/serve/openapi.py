@@ -32,7 +32,7 @@ from tokenq.producer.serve import schemas, scores, tei_api
 ERROR_STATUSES = {
     400: "the batch is empty, or the body is not JSON",
     401: "no or a wrong API key (--api-key)",
-    404: "an unknown model name",
+    404: "an unknown model name (or path)",
     408: "the body was not received within --timeout-s",
     413: "the body or the batch is too large",
     415: "the body is not JSON",
@@ -63,6 +63,12 @@ class OpenAIError(TypedDict):
     """OpenAI's error body."""
 
     error: OpenAIErrorDetail
+
+
+class CohereError(TypedDict):
+    """Cohere's error body (its v2 API)."""
+
+    message: str
 
 
 class Rank(TypedDict, total=False):
@@ -129,6 +135,32 @@ class RerankList(TypedDict):
     results: list[RerankResult]
     model: str
     usage: OpenAIUsage
+
+
+class RerankV2Result(TypedDict):
+    index: int
+    relevance_score: float
+
+
+class CohereVersion(TypedDict):
+    version: str
+
+
+class CohereBilled(TypedDict):
+    input_tokens: int
+
+
+class CohereMeta(TypedDict):
+    api_version: CohereVersion
+    billed_units: CohereBilled
+
+
+class RerankV2Answer(TypedDict):
+    """``POST /v2/rerank``'s answer: Cohere's ``V2RerankResponse``, best first."""
+
+    id: str
+    results: list[RerankV2Result]
+    meta: CohereMeta
 
 
 class ModelCard(TypedDict):
