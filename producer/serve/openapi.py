@@ -28,6 +28,7 @@ from pydantic import BaseModel, TypeAdapter
 from typing_extensions import NotRequired, TypedDict
 
 from tokenq.producer.serve import schemas, scores, tei_api
+from tokenq.producer.serve.errors import ApiError, body_for
 
 ERROR_STATUSES = {
     400: "the batch is empty, or the body is not JSON",
@@ -69,6 +70,12 @@ class CohereError(TypedDict):
     """Cohere's error body (its v2 API)."""
 
     message: str
+
+
+ERROR_BODIES: dict[Any, type] = {ApiError.openai_body: OpenAIError,
+                                  ApiError.cohere_body: CohereError,
+                                  ApiError.tei_body: TEIError}
+"""Each error shape's schema, by the ApiError method that writes it."""
 
 
 class Rank(TypedDict, total=False):
@@ -273,8 +280,7 @@ def _complete(spec: dict[str, Any]) -> None:
             name = path.strip("/").replace("/", "_").replace("{", "").replace("}", "")
             operation["operationId"] = f"{method}_{name or 'root'}"
             route = ROUTES.get((method, path))
-            error = route.error if route else (OpenAIError if path.startswith("/v1/")
-                                               else TEIError)
+            error = route.error if route else ERROR_BODIES[body_for(path)]
             if path == "/metrics":
                 operation["responses"] = {"200": {
                     "description": "Prometheus text",
