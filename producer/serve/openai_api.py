@@ -76,7 +76,7 @@ class RerankBody(Body):
 
 
 class Rerank(RerankBody):
-    """``POST /v1/rerank`` (Cohere v1/v2, Jina)."""
+    """``POST /v1/rerank`` (Cohere v1, Jina)."""
 
     return_documents: bool = False
     max_chunks_per_doc: Annotated[int, Field(ge=1)] | None = None
