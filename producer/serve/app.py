@@ -5,6 +5,8 @@ client's exact requests):
 
 * ``POST /v1/embeddings`` — OpenAI's embeddings API; ``POST /embeddings``,
   the same, where Infinity serves it;
+* ``POST /v1/rerank``, ``GET /v1/models`` — :mod:`.openai_api`; ``POST
+  /v2/rerank`` — Cohere's v2, :mod:`.cohere_api`;
 * ``POST /embed``, ``POST /rerank``, ``POST /predict`` — TEI's; ``GET
   /info`` — TEI's model info, from the default queue's config hash;
 * ``GET /health`` — 200 while Redis answers (the gateway can work), else 503;
@@ -51,6 +53,7 @@ from prometheus_client.registry import Collector
 
 from tokenq.producer import AsyncClient, Result
 from tokenq.producer.serve import (
+    cohere_api,
     delivery,
     edge,
     idempotency,
@@ -271,6 +274,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
     app.state.answer = answer  # for the routes of other modules (openai_api)
     app.include_router(openai_api.router)
+    app.include_router(cohere_api.router)
     app.include_router(sparse_api.router(gateway, answer))
 
     async def openai_embeddings(request: Request, route: str) -> Response:
