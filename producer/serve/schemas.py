@@ -94,6 +94,9 @@ class OpenAIEmbeddings(Body):
     """Infinity's: ``image`` and ``audio`` inputs are refused, only text is served."""
     prompt_name: str | None = None
     """Not OpenAI's (send it in ``extra_body``): the model's named prompt, as TEI's ``/embed``."""
+    truncate: bool | None = None
+    """Not OpenAI's (send it in ``extra_body``), TEI's: false refuses an input over the
+    model's limit (422 naming it) instead of cutting it; None: the queue's policy."""
 
 
 class TEIEmbed(Body):
@@ -148,6 +151,8 @@ def openai_job(body: OpenAIEmbeddings) -> Job:
     options: dict[str, Any] = {"dimensions": body.dimensions} if body.dimensions else {}
     if body.prompt_name is not None:
         options["prompt_name"] = body.prompt_name
+    if body.truncate is not None:
+        options["truncate"] = body.truncate
     return Job(list(texts), options)  # type: ignore[arg-type]
 
 
@@ -257,6 +262,29 @@ def openai_answer(
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+TRUNCATED_HEADER = "x-tokenq-truncated"
+"""How many of a request's inputs the model read only up to its limit (``/v1/embeddings``)."""
+
+
+def truncation_headers(
+    results: Sequence[Result], config: QueueConfig | None, truncate: bool | None
+) -> dict[str, str]:
+    """:data:`TRUNCATED_HEADER`: the inputs whose tokens read reached the model's limit.
+
+    A reply carries the tokens the model read, not the input's own length, so
+    an input of exactly the limit's length counts too. Without the queue's
+    limit (no config hash), or when nothing may be cut (``truncate: false``,
+    policy ``reject`` or ``chunk``), there is nothing to count: no header.
+    """
+    truncates = config is not None and (
+        config.policy == "truncate" if truncate is None else truncate)
+    if not truncates or config is None or config.max_input_tokens is None:
+        return {}
+    limit = config.max_input_tokens
+    cut = sum(1 for result in results if (result.tokens or 0) >= limit)
+    return {TRUNCATED_HEADER: str(cut)}
 
 
 def _base64_le(vector: array.array) -> str:
