@@ -277,13 +277,11 @@ def create_app(settings: ServeSettings) -> FastAPI:
         async def work() -> Response:
             body, job = await gateway.read(request, schemas.openai_request)
             queue = gateway.queue_of(body.model)
-            config = await gateway.config(queue)
-            schemas.require_embeddings(config, body.model)
+            schemas.require_embeddings(await gateway.config(queue), body.model)
             results = await gateway.infer(request, queue, job)
             response = await render.respond(render.Later(
                 schemas.openai_answer, results, body.model, body.encoding_format))
-            response.headers.update(schemas.truncation_headers(
-                results, config or await gateway.config(queue), body.truncate))
+            response.headers.update(schemas.truncation_headers(results))
             return response
         return await answer(route, ApiError.openai_body, work, admit=True)
 

@@ -265,26 +265,12 @@ def openai_answer(
 
 
 TRUNCATED_HEADER = "x-tokenq-truncated"
-"""How many of a request's inputs the model read only up to its limit (``/v1/embeddings``)."""
+"""How many of a request's inputs the workers cut to the model's limit (``/v1/embeddings``)."""
 
 
-def truncation_headers(
-    results: Sequence[Result], config: QueueConfig | None, truncate: bool | None
-) -> dict[str, str]:
-    """:data:`TRUNCATED_HEADER`: the inputs whose tokens read reached the model's limit.
-
-    A reply carries the tokens the model read, not the input's own length, so
-    an input of exactly the limit's length counts too. Without the queue's
-    limit (no config hash), or when nothing may be cut (``truncate: false``,
-    policy ``reject`` or ``chunk``), there is nothing to count: no header.
-    """
-    truncates = config is not None and (
-        config.policy == "truncate" if truncate is None else truncate)
-    if not truncates or config is None or config.max_input_tokens is None:
-        return {}
-    limit = config.max_input_tokens
-    cut = sum(1 for result in results if (result.tokens or 0) >= limit)
-    return {TRUNCATED_HEADER: str(cut)}
+def truncation_headers(results: Sequence[Result]) -> dict[str, str]:
+    """:data:`TRUNCATED_HEADER`: the inputs whose replies say the model read them cut."""
+    return {TRUNCATED_HEADER: str(sum(1 for result in results if result.truncated))}
 
 
 def _base64_le(vector: array.array) -> str:

@@ -153,19 +153,21 @@ def test_over_length_input_is_cut_and_said_so_or_refused_when_asked(
     limit = 16
     sim_worker("--sim-max-input-tokens", str(limit), "--policy", "truncate")
     short, long, over = "a short one", "word " * 40, "w " * (limit - 1)  # 42 and 17 tokens
-    assert encode(long).length > encode(over).length > limit
+    exact = "w " * (limit - 2)  # the limit's length: read whole, not cut
+    assert encode(long).length > encode(over).length > limit == encode(exact).length
     with gateway(redis_url, queue_name) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
                                http_client=http, max_retries=0)
-        raw = client.embeddings.with_raw_response.create(model="m", input=[short, long])
-        assert raw.headers["x-tokenq-truncated"] == "1"
+        texts = [short, long, exact, over]
+        raw = client.embeddings.with_raw_response.create(model="m", input=texts)
+        assert raw.headers["x-tokenq-truncated"] == "2"  # long and over
         created = raw.parse()
-        for item, text in zip(created.data, [short, long], strict=True):
+        for item, text in zip(created.data, texts, strict=True):
             np.testing.assert_allclose(item.embedding, expected_vector(text, DIM, limit),
                                        atol=1e-6)
-        read = encode(short).length + limit  # the tokens the model read: the long one cut
+        read = encode(short).length + 3 * limit  # the tokens the model read: two cut
         assert created.usage.prompt_tokens == created.usage.total_tokens == read
-        whole = client.embeddings.with_raw_response.create(model="m", input=[short])
+        whole = client.embeddings.with_raw_response.create(model="m", input=[short, exact])
         assert whole.headers["x-tokenq-truncated"] == "0"
         # truncate: false (TEI's field, in extra_body) refuses instead, naming the limit:
         # far over, the gateway's estimate refuses it with its index before queueing ...
@@ -182,9 +184,9 @@ def test_over_length_input_is_cut_and_said_so_or_refused_when_asked(
         assert f"{encode(over).length} tokens, over the model's limit of {limit}" in \
             near.value.message
         kept = client.embeddings.with_raw_response.create(
-            model="m", input=[short], extra_body={"truncate": False})
-        assert "x-tokenq-truncated" not in kept.headers  # nothing may be cut: no count
-        assert kept.parse().usage.prompt_tokens == encode(short).length
+            model="m", input=[short, exact], extra_body={"truncate": False})
+        assert kept.headers["x-tokenq-truncated"] == "0"
+        assert kept.parse().usage.prompt_tokens == encode(short).length + limit
 
 
 def test_each_error_status_comes_from_its_real_condition(sim_worker, redis_url, queue_name):

@@ -67,21 +67,11 @@ def test_openai_truncate_is_sent_only_when_given():
         body(schemas.OpenAIEmbeddings, {"model": "m", "input": "a"})).options
 
 
-@pytest.mark.parametrize(("policy", "truncate", "header"), [
-    ("truncate", None, "2"),  # two of the three were read up to the limit of 8
-    ("truncate", True, "2"),
-    ("reject", True, "2"),  # the request's own truncate overrides the queue's policy
-    ("truncate", False, None),  # nothing may be cut: nothing to count
-    ("reject", None, None),
-    ("chunk", None, None),  # a chunked input is read whole, in windows
-])
-def test_the_truncated_header_counts_inputs_read_up_to_the_limit(policy, truncate, header):
-    results = [Result(id=str(n), embedding=None, dim=None, scores=None, tokens=n)
-               for n in (3, 8, 8)]
-    config = QueueConfig(max_input_tokens=8, policy=policy)
-    got = schemas.truncation_headers(results, config, truncate)
-    assert got == ({} if header is None else {schemas.TRUNCATED_HEADER: header})
-    assert schemas.truncation_headers(results, None, truncate) == {}  # no config: no limit
+def test_the_truncated_header_counts_the_replies_that_say_cut():
+    results = [Result(id=str(n), embedding=None, dim=None, scores=None, tokens=8, truncated=cut)
+               for n, cut in enumerate((False, True, True))]
+    assert schemas.truncation_headers(results) == {schemas.TRUNCATED_HEADER: "2"}
+    assert schemas.truncation_headers(results[:1]) == {schemas.TRUNCATED_HEADER: "0"}
 
 
 @pytest.mark.parametrize(("value", "field"), [
