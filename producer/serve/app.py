@@ -278,12 +278,15 @@ def create_app(settings: ServeSettings) -> FastAPI:
     app.include_router(sparse_api.router(gateway, answer))
 
     async def openai_embeddings(request: Request, route: str) -> Response:
-        async def work() -> render.Later:
+        async def work() -> Response:
             body, job = await gateway.read(request, schemas.openai_request)
             queue = gateway.queue_of(body.model)
             schemas.require_embeddings(await gateway.config(queue), body.model)
             results = await gateway.infer(request, queue, job)
-            return render.Later(schemas.openai_answer, results, body.model, body.encoding_format)
+            response = await render.respond(render.Later(
+                schemas.openai_answer, results, body.model, body.encoding_format))
+            response.headers.update(schemas.truncation_headers(results))
+            return response
         return await answer(route, ApiError.openai_body, work, admit=True)
 
     @app.post("/v1/embeddings")

@@ -204,7 +204,8 @@ def from_exception(
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, BadRequest):
-        return _client_fault(str(exc), "bad_request", _param(exc), options, items)
+        code = getattr(exc, "code", ErrorCode.BAD_REQUEST.value)  # InputTooLong: too_long
+        return _client_fault(str(exc), code, _param(exc), options, items)
     if isinstance(exc, QueueFull):
         return ApiError(429, f"the queue is full, retry later: {exc}", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
