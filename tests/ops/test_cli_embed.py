@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from tests.cli_support import tokenq
+from tests.cli_support import interrupted_at, tokenq
 from tests.faults.test_acl import documented_rules
 from tests.support import DIM, MAX_INPUT, wait_for
 from tokenq.producer import Result
@@ -153,22 +153,17 @@ def test_interruptions_at_any_point_lose_nothing_and_double_nothing(
 
     def interrupted(sig: signal.Signals, ready: object, settle_s: float = 0.0) -> str:
         started = rows_run()
-        process = subprocess.Popen([sys.executable, "-m", "tokenq.shared.cli", *args],
-                                   env=env, stderr=subprocess.PIPE, text=True)
-        try:
+
+        def when() -> None:
             # ``ready`` sees how many rows the worker ran since this run started.
             wait_for(lambda: partial.exists() and ready(rows_run() - started), timeout=30,
                      what="the point to interrupt at")
             # Rows the worker ran are published at once, but the client takes them a
             # moment later: on a loaded machine, give it that moment (about two batches).
             time.sleep(settle_s)
-            process.send_signal(sig)
-            _, err = process.communicate(timeout=30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-        assert process.returncode == 130, err
+
+        code, err = interrupted_at(args, env, sig, when)
+        assert code == 130, err
         assert "run the same command again to resume" in err and "Traceback" not in err
         assert not out.exists()
         return err

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 
 import numpy as np
 
-from tests.cli_support import tokenq
+from tests.cli_support import interrupted_at, tokenq
 from tests.ops.test_cli_embed import embed, expected, texts
 from tests.support import DIM, wait_for
 from tokenq.producer.ops.embed_io import Checkpoint, Row
@@ -117,17 +115,9 @@ def test_an_interrupted_runs_requests_are_reused_not_computed_again(
     def rows_run() -> int:
         return sum(batch["rows"] for batch in worker.batches())
 
-    process = subprocess.Popen([sys.executable, "-m", "tokenq.shared.cli", *args],
-                               env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: rows_run() >= 24, timeout=30, what="some rows computed")
-        process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 130, err
+    code, err = interrupted_at(args, env, signal.SIGINT, lambda: wait_for(
+        lambda: rows_run() >= 24, timeout=30, what="some rows computed"))
+    assert code == 130, err
     sent = _entries_added(r, queue_name)
     assert sent > rows_run(), "the interruption left nothing queued: no reuse was tested"
     last = tokenq(*args, env=env, timeout=90)
@@ -140,3 +130,5 @@ def test_an_interrupted_runs_requests_are_reused_not_computed_again(
     assert _entries_added(r, queue_name) == len(kept)
     wait_for(lambda: rows_run() >= len(kept), timeout=10, what="the worker's last batch")
     assert rows_run() == len(kept)
+    # Replies are kept until their chunk is written, then deleted: none is left behind.
+    assert list(r.scan_iter(keys.reply_prefix(QueueRef(queue_name)) + "*")) == []
