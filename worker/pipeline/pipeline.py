@@ -321,23 +321,31 @@ class Pipeline(Generic[K]):
              max_length: int | None) -> set[int]:
         """The indices of the inputs ``max_length`` cut.
 
-        An encoding says only how long it is after the cut, so the inputs left
-        at the limit are tokenized again whole (one call, for those only) to
-        tell a cut input from one exactly the limit's length. If that fails,
-        each of them counts as cut.
+        A backend's encoding may say so itself (``truncated``); one that does
+        not is tokenized again whole, if it is at the limit (one call for
+        those only), to tell a cut input from one exactly the limit's length.
+        If that fails, each of them counts as cut.
         """
         if max_length is None:
             return set()
-        at = [index for index, encoding in enumerate(encodings)
-              if getattr(encoding, "length", 0) >= max_length]
-        if not at:
-            return set()
+        cut: set[int] = set()
+        unknown: list[int] = []
+        for index, encoding in enumerate(encodings):
+            if getattr(encoding, "length", 0) < max_length:
+                continue
+            known = getattr(encoding, "truncated", None)
+            if known is None:
+                unknown.append(index)
+            elif known:
+                cut.add(index)
+        if not unknown:
+            return cut
         try:
-            whole = self.tokenizer.tokenize([inputs[index] for index in at], None)
-            return {index for index, encoding in zip(at, whole, strict=True)
-                    if encoding.length > max_length}
+            whole = self.tokenizer.tokenize([inputs[index] for index in unknown], None)
+            return cut | {index for index, encoding in zip(unknown, whole, strict=True)
+                          if encoding.length > max_length}
         except Exception:  # a backend's tokenizer failing here must not fail the request
-            return set(at)
+            return cut | set(unknown)
 
     def _place(
         self, item: Admit[K], options: RequestOptions, encoding: Encoding, out: Admitted[K],
