@@ -131,13 +131,8 @@ class AsyncClient(ProducerBase):
         await self._redis.aclose()
 
     async def _stop_listener(self, key: str, listener: asyncio.Task[None]) -> None:
-        """End a listener without cutting short its removal of replies it delivered.
-
-        A listener between delivering replies and their ``LTRIM`` is left to
-        finish (it then sees ``_closing`` and ends): cancelling it there
-        would leave answered replies on Redis until their TTL. Anywhere else
-        it has removed nothing it holds, so it is cancelled at once.
-        """
+        """End a listener, letting one between delivering replies and their ``LTRIM`` finish
+        (cancelled there, answered replies would stay on Redis until their TTL)."""
         if listener.done():
             return
         if key in self._trimming:
@@ -208,11 +203,7 @@ class AsyncClient(ProducerBase):
         self, request_ids: Sequence[str], timeout_s: float | None = None, *,
         return_exceptions: bool = False, keep: bool = False,
     ) -> list[Any]:
-        """Wait for several submitted requests' replies (one pooled connection while waiting).
-
-        ``keep``: leave the replies on their keys for another reader of the
-        same ids (they expire with the worker's ``reply_ttl_s``; :meth:`forget` drops them).
-        """
+        """Wait for several requests' replies; ``keep`` leaves them for :meth:`forget` (or TTL)."""
         call = calls.results(self._core, request_ids, timeout_s, return_exceptions, keep)
         return await self._run(call)
 
@@ -221,8 +212,7 @@ class AsyncClient(ProducerBase):
         await self._run(calls.forget_replies(self._core, request_ids))
 
     async def command(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """One Redis command (a redis-py method's name) on this client's pool, bounded by
-        ``settings.timeout_s``: for keys a caller keeps beside the queue's (the gateway's)."""
+        """One redis-py command by name, bounded by ``timeout_s`` (keys kept beside the queue's)."""
         return await self._run(calls.command(self._core, self._core.deadline(), name, *args,
                                              **kwargs))
 
