@@ -132,6 +132,25 @@ def test_livez_fails_once_the_watchdog_fires_and_not_because_redis_froze(
     assert worker.process.wait(timeout=30) == 3
 
 
+def test_a_deregistration_that_fails_without_a_message_logs_the_error_s_type(
+    fleet: Fleet, worker_env: dict[str, str], frozen_redis: RedisServer, queue_name: str,
+):
+    """Redis frozen at SIGTERM: the last calls time out with an empty-message
+    ``TimeoutError``, and the warning names it rather than ending in a bare colon."""
+    env = {**worker_env, "TOKENQ_REDIS_URL": frozen_redis.url}
+    worker = fleet.start(*SIM_FLAGS, *FAST_BEAT, env=env)
+    with redis.Redis.from_url(frozen_redis.url) as admin:
+        worker.wait_ready(admin, queue_name)
+    assert frozen_redis.process is not None
+    os.kill(frozen_redis.process.pid, signal.SIGSTOP)
+    try:
+        worker.terminate(timeout=60)
+    finally:
+        os.kill(frozen_redis.process.pid, signal.SIGCONT)
+    line = next(x for x in worker.output().splitlines() if "could not deregister" in x)
+    assert "could not deregister: TimeoutError()" in line, line
+
+
 def test_readyz_fails_while_every_read_fails_and_recovers_when_one_succeeds(
     fleet: Fleet, r: redis.Redis, redis_url: str, queue_name: str,
 ):
