@@ -420,12 +420,13 @@ class Worker:
         budget = self.plan.budget
         log.info(
             "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
-            "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s read_ahead=%d MiB",
+            "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s read_ahead=%d MiB%s",
             self.consumer, streams_of(self.lanes), info.model, info.task,
             info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
             self.plan.budget_reason, budget.max_batch_size, self.settings.linger_ms,
             self.plan.policy, self._intake.bytes.limit // (1024 * 1024),
+            f" pooling={info.pooling}" if info.pooling else "",
         )
 
     # ------------------------------------------------------------------------ run

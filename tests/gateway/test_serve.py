@@ -22,6 +22,7 @@ import base64
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -303,7 +304,8 @@ def hf(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
     try:
         for worker, queue in zip(workers, queues.values(), strict=True):
             worker.wait_ready(client, queue, timeout=120)
-        yield SimpleNamespace(url=redis_server.url, **queues)
+        yield SimpleNamespace(url=redis_server.url, workers=dict(zip(flags, workers, strict=True)),
+                              **queues)
     finally:
         client.close()
         for worker in workers:
@@ -386,6 +388,18 @@ def test_predict_answers_the_queues_labels_and_scores(hf):
         info = http.get("/info").json()["model_type"]
         assert info == {"classifier": {"id2label": dict(zip("012", CLASS_NAMES, strict=True)),
                                        "label2id": {n: i for i, n in enumerate(CLASS_NAMES)}}}
+
+
+@pytest.mark.slow  # three hf workers: about a minute to start
+def test_info_reports_the_pooling_the_hf_worker_logs(hf):
+    """The tiny embedder's sentence-transformers folder says mean pooling: the worker logs
+    it at start, publishes it, and ``/info`` reports the same."""
+    logged = re.search(r" pooling=(\S+)", hf.workers["embed"].output())
+    assert logged is not None, hf.workers["embed"].output()
+    with gateway(hf.url, hf.embed, timeout_s=HF_TIMEOUT_S) as http:
+        info = http.get("/info").json()
+    assert info["model_type"] == {"embedding": {"pooling": logged.group(1)}}
+    assert logged.group(1) == "mean"  # what the fixture's folder configured
 
 
 @pytest.mark.slow  # three hf workers: about a minute to start
