@@ -97,9 +97,12 @@ def test_tei_embed_info_health_and_ready(sim_worker, redis_url, queue_name):
     with gateway(redis_url, queue_name) as http:
         not_ready = http.get("/ready")
         assert not_ready.status_code == 503 and queue_name in not_ready.json()["error"]
+        assert http.get("/readyz").json() == not_ready.json()  # the worker's names too
         assert http.get("/health").status_code == 200
+        assert http.get("/livez").json() == http.get("/health").json()
         sim_worker()
         assert http.get("/ready").status_code == 200
+        assert http.get("/readyz").json() == http.get("/ready").json()
         vectors = http.post("/embed", json={"inputs": TEXTS, "normalize": True})
         assert vectors.status_code == 200, vectors.text
         assert_vectors(vectors.json(), TEXTS)

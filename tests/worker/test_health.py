@@ -1,4 +1,5 @@
-"""The worker's probes, ``/livez`` and ``/readyz`` on ``--metrics-port``.
+"""The worker's probes, ``/livez`` and ``/readyz`` on ``--metrics-port`` (``/health`` and
+``/ready``, the gateway's names, answer the same).
 
 Over real HTTP against real worker processes: the endpoint answers while
 the model is still loading (a plugin whose load waits for a file the test
@@ -75,19 +76,20 @@ def test_probes_answer_while_the_model_loads_and_readyz_turns_200_once_joined(
         "--metrics-port", str(port), *LOCAL, env=env,
     )
     wait_for(lambda: get(port, "/livez")[0] == 200, 30, "the endpoint to listen")
-    assert get(port, "/livez") == (200, "ok\n")
+    assert get(port, "/livez") == get(port, "/health") == (200, "ok\n")
     status, body = get(port, "/readyz")
     assert (status, body.strip()) == (503, MODEL_LOADING)
+    assert get(port, "/ready") == (status, body)  # the gateway's names answer the same
     assert get(port, "/metrics")[0] == 200  # scrapes work during the load too
-    for path in ("/", "/health", "/livez/x", "/metrics2"):
+    for path in ("/", "/healthz", "/livez/x", "/ready/", "/metrics2"):
         assert get(port, path)[0] == 404, path
     assert worker.process.poll() is None and not gate.exists()
 
     gate.touch()
     worker.wait_ready(r, queue_name)
     wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to turn 200")
-    assert get(port, "/readyz") == (200, "ok\n")
-    assert get(port, "/livez") == (200, "ok\n")
+    assert get(port, "/readyz") == get(port, "/ready") == (200, "ok\n")
+    assert get(port, "/livez") == get(port, "/health") == (200, "ok\n")
     assert worker.terminate() == 0
 
 
