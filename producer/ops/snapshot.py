@@ -478,13 +478,12 @@ def counter_delta(
     entry is deleted at a clean exit) is missing from ``after`` and its last
     part is lost, so the delta is a lower bound.
     """
-    total: dict[str, float | None] = {field: 0.0 for field in _COUNTERS}
+    total = {field: 0.0 for field in _COUNTERS}
     for name, counters in after.items():
         base = before.get(name, {})
         for field in _COUNTERS:
             total[field] += max(0.0, counters[field] - base.get(field, 0.0))
-    total["padding_efficiency"] = ratio(total["tokens"], total["padded_tokens"])
-    return total
+    return {**total, "padding_efficiency": ratio(total["tokens"], total["padded_tokens"])}
 
 
 class Unreachable(CommandFailed):
