@@ -158,8 +158,7 @@ class AsyncClient(ProducerBase):
         try:
             await self._attempt(time.monotonic() + _WAKE_WAIT_S, self._push_wake, key)
         except redis.RedisError as exc:  # down, or an ACL without RPUSH: closing must not fail
-            log.debug("could not wake the reply listener (%s); it stops after its wait",
-                      error_text(exc))
+            log.debug("reply listener not woken (%s); it stops after its wait", error_text(exc))
 
     async def _push_wake(self, key: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
