@@ -54,6 +54,7 @@ from tokenq.producer.core import (
 from tokenq.producer.tokenizer import TokenizerEstimator, load_estimator
 from tokenq.shared import functions
 from tokenq.shared.errors import TokenqError
+from tokenq.shared.failures import error_text
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -152,7 +153,7 @@ class AsyncClient(ProducerBase):
         try:
             await self._attempt(time.monotonic() + _WAKE_WAIT_S, self._push_wake, key)
         except redis.RedisError as exc:  # down, or an ACL without RPUSH: closing must not fail
-            log.debug("could not wake the reply listener (%s); it stops after its wait", exc)
+            log.debug("reply listener not woken (%s); it stops after its wait", error_text(exc))
 
     async def _push_wake(self, key: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
