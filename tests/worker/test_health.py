@@ -179,9 +179,10 @@ def test_readyz_fails_while_every_read_fails_and_recovers_when_one_succeeds(
 def test_readyz_fails_while_the_acl_denies_xreadgroup_and_recovers_when_it_allows_it(
     fleet: Fleet, worker_env: dict[str, str], tmp_path: Path, queue_name: str,
 ):
-    """The documented worker user, then ``-xreadgroup``: the heartbeat still passes, reads
-    fail NOPERM, ``/readyz`` says so; ``+xreadgroup`` and it is ready again."""
-    from tests.faults.test_acl import create_users, user_url
+    """The documented worker user, then the same rules without ``+xreadgroup`` (it lives in
+    a selector, so the user is set again whole): the heartbeat still passes, reads fail
+    NOPERM, ``/readyz`` says so; the documented rules again and it is ready again."""
+    from tests.faults.test_acl import create_users, documented_rules, user_url
 
     server = RedisServer(tmp_path / "acl")
     server.start()
@@ -194,7 +195,8 @@ def test_readyz_fails_while_the_acl_denies_xreadgroup_and_recovers_when_it_allow
         fleet.start(*SIM_FLAGS, *FAST_BEAT, "--metrics-port", str(port), *LOCAL, env=env,
                     ready=admin, queue=queue_name)
         wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to turn 200")
-        admin.execute_command("ACL", "SETUSER", user, "-xreadgroup")
+        rules = documented_rules(queue_name, "pw")["worker"]
+        admin.execute_command(*[word.replace(" +xreadgroup", "") for word in rules])
         # Waited for by its reason: on a loaded machine a late heartbeat can make /readyz
         # 503 for a moment for another one, and that is not what this test is about.
         seen: list[tuple[int, str]] = []
@@ -206,7 +208,7 @@ def test_readyz_fails_while_the_acl_denies_xreadgroup_and_recovers_when_it_allow
         wait_for(reads_failing, 30, "/readyz to fail on the reads")
         assert "xreadgroup" in seen[-1][1].lower(), seen[-3:]
         assert get(port, "/livez") == (200, "ok\n")
-        admin.execute_command("ACL", "SETUSER", user, "+xreadgroup")
+        admin.execute_command(*rules)
         wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to recover")
         admin.close()
     finally:
