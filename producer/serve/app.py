@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from typing import Any, TypeVar
 
@@ -121,9 +121,15 @@ class Gateway:
     def default_model(self) -> str:
         return next(iter(self.models), None) or self.settings.queue
 
+    async def ask(self, queue: str, call: Callable[[AsyncClient], Coroutine[Any, Any, T]]) -> T:
+        """``call`` of the queue's client, ended by the 503 of a Redis gone as soon as the
+        probe finds it so (delivery.Reachability: about 1.5 s), however the call waits."""
+        client = self.clients[queue]
+        return await self.reachability.watch(queue, client, asyncio.ensure_future(call(client)))
+
     async def config(self, queue: str) -> QueueConfig | None:
         """The queue's config hash as its workers published it (None before any started)."""
-        return QueueConfig.parse(await self.clients[queue].config())
+        return QueueConfig.parse(await self.ask(queue, AsyncClient.config))
 
     async def read(self, request: Request, prepare: Callable[[bytes], T]) -> T:
         """The request's body, read within the bounds, made into what ``prepare`` returns.
@@ -311,14 +317,14 @@ def create_app(settings: ServeSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         async def work() -> dict[str, Any]:
-            lengths = {q: await gateway.clients[q].queue_length() for q in gateway.queues}
+            lengths = {q: await gateway.ask(q, AsyncClient.queue_length) for q in gateway.queues}
             return {"status": "ok", "queue_lengths": lengths}
         return await answer("/health", ApiError.tei_body, work)
 
     @app.get("/ready")
     async def ready() -> Response:
         async def work() -> dict[str, Any]:
-            alive = {q: await gateway.clients[q].workers_alive() for q in gateway.queues}
+            alive = {q: await gateway.ask(q, AsyncClient.workers_alive) for q in gateway.queues}
             idle = [q for q, count in alive.items() if not count]
             if idle:
                 raise ApiError(503, f"no live worker serves queue(s) {', '.join(idle)}",
