@@ -14,9 +14,7 @@ after SIGCONT the gateway serves again.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +25,7 @@ import pytest
 import redis
 
 from tests.gateway.test_serve_clients import WAITING, added, gateway
-from tests.redis_server import RedisServer, freezable_server
+from tests.redis_server import RedisServer, freezable_server, frozen
 from tests.support import SIM_FLAGS, SimModel
 from tests.workers import Fleet
 from tokenq.shared import keys
@@ -58,17 +56,6 @@ BOUND_S = 3.0
 def server(tmp_path: Path) -> Iterator[RedisServer]:
     with freezable_server(tmp_path / "redis") as own:
         yield own
-
-
-@contextlib.contextmanager
-def frozen(server: RedisServer) -> Iterator[None]:
-    """SIGSTOP the server for the block; SIGCONT whatever happens in it."""
-    assert server.process is not None
-    os.kill(server.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
 
 
 def ask(http, route: tuple[str, str, object]) -> tuple[int, float, str]:
