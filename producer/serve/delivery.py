@@ -32,7 +32,10 @@ Three questions every POST route asks before and while it waits (docs/OPERATIONS
   503 a route gives when Redis is down before anything is queued, within
   about 1.5 s. The queued entries stay (``x-should-retry: false`` as
   above); a client that retries with its ``Idempotency-Key`` once Redis is
-  back reads their replies.
+  back reads their replies. A Redis that hangs rather than dies (SIGSTOP, a
+  partition: connections open, nothing answered) fails the probe by its own
+  bound, :data:`PROBE_TIMEOUT_S`, and every other Redis read of a route runs
+  under the same probe (``Gateway.ask``), so no route waits out ``--timeout-s``.
 """
 
 from __future__ import annotations
