@@ -251,9 +251,10 @@ class AsyncClient(ProducerBase):
         """
         return await self._run(calls.workers_alive(self._core))
 
-    async def queue_length(self) -> int:
-        """How many requests the queue's stream holds (pending and in flight)."""
-        return await self._run(calls.queue_length(self._core))
+    async def queue_length(self, timeout_s: float | None = None) -> int:
+        """How many requests the queue's stream holds (pending and in flight); raises
+        ``BrokerUnavailable`` past ``timeout_s`` (default ``settings.timeout_s``)."""
+        return await self._run(calls.queue_length(self._core, timeout_s))
 
     async def config(self) -> dict[str, str]:
         """The queue's config hash; refreshes the cached copy (see ``Client.config``)."""

@@ -386,9 +386,10 @@ def _written_before(core: ClientCore, batch: Sequence[Prepared], deadline: Deadl
     return True
 
 
-def queue_length(core: ClientCore) -> Call[int]:
-    """XLEN of the queue's stream (pending and in flight); summed over a sharded queue's."""
-    deadline = core.deadline()
+def queue_length(core: ClientCore, timeout_s: float | None = None) -> Call[int]:
+    """XLEN of the queue's stream (pending and in flight); summed over a sharded queue's.
+    Bounded by ``timeout_s``, or ``settings.timeout_s`` without one."""
+    deadline = core.deadline() if timeout_s is None else Deadline.after(timeout_s)
     yield from ensure_config(core, deadline)
     total = 0
     for lane in core.lanes():

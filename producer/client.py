@@ -218,9 +218,10 @@ class Client(ProducerBase):
         """
         return self._run(calls.workers_alive(self._core))
 
-    def queue_length(self) -> int:
-        """How many requests the queue's stream holds (pending and in flight)."""
-        return self._run(calls.queue_length(self._core))
+    def queue_length(self, timeout_s: float | None = None) -> int:
+        """How many requests the queue's stream holds (pending and in flight); raises
+        ``BrokerUnavailable`` past ``timeout_s`` (default ``settings.timeout_s``)."""
+        return self._run(calls.queue_length(self._core, timeout_s))
 
     def config(self) -> dict[str, str]:
         """The queue's config hash as workers published it (empty before any started).

@@ -221,6 +221,40 @@ def sim_hanging_tokenizer(settings: Any) -> SimHangingTokenizer:
     return SimHangingTokenizer(build_sim_backend(settings))
 
 
+COMPUTE_US_ENV = "TOKENQ_TESTS_COMPUTE_US_PER_TOKEN"
+"""Microseconds of CPU time a :class:`ComputingDevice` spends per padded token of a batch."""
+
+
+class ComputingDevice:
+    """The wrapped backend, whose batches first spend CPU time as a real forward does:
+    ``TOKENQ_TESTS_COMPUTE_US_PER_TOKEN`` microseconds of the device thread's own CPU time
+    per padded token. Unlike the sim's sleep, which ends on time however long the process
+    was stopped, a batch stopped midway (SIGSTOP) still owes the rest once continued."""
+
+    def __init__(self, inner: Any, us_per_token: float) -> None:
+        self._inner = inner
+        self.us_per_token = us_per_token
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
+        import time
+
+        padded = len(batch) * max((encoding.length for encoding in batch), default=0)
+        done = time.thread_time() + padded * self.us_per_token / 1e6
+        while time.thread_time() < done:
+            pass
+        return self._inner.run(batch)
+
+
+def sim_computing_hanging_tokenizer(settings: Any) -> ComputingDevice:
+    """``--backend tests.plugins_for_tests:sim_computing_hanging_tokenizer``: the sim with a
+    :class:`HangingTokenizer` and a :class:`ComputingDevice` (its CPU time from
+    ``TOKENQ_TESTS_COMPUTE_US_PER_TOKEN``)."""
+    return ComputingDevice(sim_hanging_tokenizer(settings), float(os.environ[COMPUTE_US_ENV]))
+
+
 GREETER = "tests.plugins_for_tests:greeter"
 """The ``--backend`` value of :data:`greeter`."""
 

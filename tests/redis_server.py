@@ -169,6 +169,18 @@ def become_subreaper() -> bool:
 
 
 @contextlib.contextmanager
+def frozen(server: RedisServer) -> Iterator[None]:
+    """The server SIGSTOPped for the block (its connections open, nothing answered), and
+    SIGCONTed whatever happens in it."""
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
 def freezable_server(folder: Path) -> Iterator[RedisServer]:
     """A private redis-server a test may SIGSTOP or kill; thawed and stopped whatever happens."""
     own = RedisServer(folder)

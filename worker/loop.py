@@ -95,6 +95,7 @@ from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.redis_connect import connect
 from tokenq.worker.server_check import check_server
 from tokenq.worker.settings import WorkerSettings
+from tokenq.worker.stage_clock import StageClock
 from tokenq.worker.stages import (
     DEVICE,
     REDIS_CALL_BOUND,
@@ -180,7 +181,9 @@ class Worker:
         self.adaptive = AdaptiveBudget(
             self.plan.budget.max_batch_tokens, backend.info.max_input_tokens
         )
-        self._lifecycle = Lifecycle()
+        period_s = watchdog_period_s(settings)
+        stage_clock = StageClock(period_s)  # ticked by the guard: a stopped process's time left out
+        self._lifecycle = Lifecycle(stage_clock)
         self._feed: DeviceFeed[Job[Ref], _Ran] = DeviceFeed(
             self.packer, self._execute,
             flushing=lambda: self._lifecycle.stopping.is_set(),
@@ -193,7 +196,7 @@ class Worker:
         self._own_client = client is None
         self._recorder = Recorder(self.consumer, self.metrics, settings.batch_log)
         self.stats = self._recorder.stats
-        self._stages = Stages(time.monotonic)
+        self._stages = Stages(stage_clock)
         """The stages holding entries now, each with its deadline (the watchdog reads it)."""
         self._call_deadline = (redis_call_deadline_s(settings), REDIS_CALL_BOUND)
         self._clock = RedisClock()
@@ -219,7 +222,7 @@ class Worker:
         self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
         self._guard = None if on_stuck is None else LoopGuard(
             stages=self._stages, lifecycle=self._lifecycle,
-            period_s=watchdog_period_s(settings), on_stuck=on_stuck,
+            period_s=period_s, on_stuck=on_stuck, clock=stage_clock,
         )
         self.health.loaded()  # the backend is built and the plan holds: the model is in
 

@@ -15,6 +15,12 @@ stage, and calls ``on_stuck`` (the command: ``os._exit(3)``, as for any
 hang). What the worker held stays pending to it, and peers claim it once its
 liveness key expires (the beat, on the same loop, stopped refreshing it).
 
+The guard's thread also ticks the stages' clock
+(:class:`~tokenq.worker.stage_clock.StageClock`): a process stopped (SIGSTOP)
+longer than a deadline stops this thread too, so the stopped time is left
+out and the continued worker is not called hung; a loop stuck for real
+leaves this thread ticking, so its time counts.
+
 A thread, not a signal or ``faulthandler``: it needs no handler in the main
 thread (which is the one stuck) and nothing process-wide that tests or
 embedders also use.
@@ -24,10 +30,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from tokenq.worker.lifecycle import STOP_GRACE_S, Lifecycle
+from tokenq.worker.stage_clock import StageClock
 from tokenq.worker.stages import Overdue, Stages
 
 log = logging.getLogger("tokenq.worker")
@@ -45,8 +51,9 @@ class LoopGuard:
 
     def __init__(
         self, *, stages: Stages, lifecycle: Lifecycle, period_s: float,
-        on_stuck: Callable[[Overdue], None], clock: Callable[[], float] = time.monotonic,
+        on_stuck: Callable[[Overdue], None], clock: StageClock,
     ) -> None:
+        """``clock``: the one ``stages`` reads, ticked by this thread once a period."""
         self._stages = stages
         self._lifecycle = lifecycle
         self._period_s = period_s
@@ -70,13 +77,18 @@ class LoopGuard:
                                     STOP_GRACE_S)
 
     def _run(self) -> None:
-        while not self._stopped.wait(self._period_s):
-            late = self.check(self._clock())
-            if late is None:
-                continue
-            log.critical(
-                "event loop stuck: %s, and the watchdog could not act for %.0fs more; exiting",
-                late.reason, self._patience_s,
-            )
-            self._on_stuck(late)
-            return
+        self._clock.tick()
+        try:
+            while not self._stopped.wait(self._period_s):
+                self._clock.tick()
+                late = self.check(self._clock())
+                if late is None:
+                    continue
+                log.critical(
+                    "event loop stuck: %s, and the watchdog could not act for %.0fs more; "
+                    "exiting", late.reason, self._patience_s,
+                )
+                self._on_stuck(late)
+                return
+        finally:
+            self._clock.stop_ticking()

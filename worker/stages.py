@@ -102,6 +102,10 @@ class Stages:
             with self._lock:
                 self._running.pop(key, None)
 
+    def now(self) -> float:
+        """Now on the clock the stages' starts are read from."""
+        return self._clock()
+
     def now_running(self) -> list[Stage]:
         with self._lock:
             return list(self._running.values())

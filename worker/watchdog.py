@@ -64,8 +64,8 @@ class Watchdog:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._period_s)
-            now = time.monotonic()
-            self._health.tick(now)
+            self._health.tick(time.monotonic())
+            now = self._stages.now()  # the stages' clock: a stopped process's time left out
             late = self._stages.overdue(now, self._lifecycle.stop_started, STOP_GRACE_S)
             if late is None:
                 continue

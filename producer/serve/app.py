@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from typing import Any, TypeVar
 
@@ -128,9 +128,15 @@ class Gateway:
     def default_model(self) -> str:
         return next(iter(self.models), None) or self.settings.queue
 
+    async def ask(self, queue: str, call: Callable[[AsyncClient], Coroutine[Any, Any, T]]) -> T:
+        """``call`` of the queue's client, ended by the 503 of a Redis gone as soon as the
+        probe finds it so (delivery.Reachability: about 1.5 s), however the call waits."""
+        client = self.clients[queue]
+        return await self.reachability.watch(queue, client, asyncio.ensure_future(call(client)))
+
     async def config(self, queue: str) -> QueueConfig | None:
         """The queue's config hash as its workers published it (None before any started)."""
-        return QueueConfig.parse(await self.clients[queue].config())
+        return QueueConfig.parse(await self.ask(queue, AsyncClient.config))
 
     async def read(self, request: Request, prepare: Callable[[bytes], T]) -> T:
         """The request's body, read within the bounds, made into what ``prepare`` returns.
@@ -163,11 +169,11 @@ class Gateway:
             key, queue, request.state.body_digest, len(job.items))
         claim = None
         if key is not None and unique is not None and self.settings.dedupe_ttl_s > 0:
-            claim = await watched(request, idempotency.claim(
-                self.clients[queue], QueueRef(queue, self.settings.prefix), key,
+            claim = await watched(request, self.ask(queue, lambda client: idempotency.claim(
+                client, QueueRef(queue, self.settings.prefix), key,
                 idempotency.fingerprint(request.url.path, request.state.body_digest), unique,
                 window_s=self.settings.dedupe_ttl_s, timeout_s=self.settings.timeout_s,
-                max_bytes=self.settings.max_body_bytes))
+                max_bytes=self.settings.max_body_bytes)))
             idempotency.current.set(claim)  # answer() stores what the route answers
         try:
             return await watched(request, delivery.deliver(
@@ -358,7 +364,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     @app.get("/livez")  # the worker's name for its liveness probe: one probe config for both
     async def health() -> Response:
         async def work() -> dict[str, Any]:
-            lengths = {q: await gateway.clients[q].queue_length() for q in gateway.queues}
+            lengths = {q: await gateway.ask(q, AsyncClient.queue_length) for q in gateway.queues}
             return {"status": "ok", "queue_lengths": lengths}
         return await answer("/health", ApiError.tei_body, work)
 
@@ -366,7 +372,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     @app.get("/readyz")  # the worker's name
     async def ready() -> Response:
         async def work() -> dict[str, Any]:
-            alive = {q: await gateway.clients[q].workers_alive() for q in gateway.queues}
+            alive = {q: await gateway.ask(q, AsyncClient.workers_alive) for q in gateway.queues}
             idle = [q for q, count in alive.items() if not count]
             if idle:
                 raise ApiError(503, f"no live worker serves queue(s) {', '.join(idle)}",

@@ -32,7 +32,10 @@ Three questions every POST route asks before and while it waits (docs/OPERATIONS
   503 a route gives when Redis is down before anything is queued, within
   about 1.5 s. The queued entries stay (``x-should-retry: false`` as
   above); a client that retries with its ``Idempotency-Key`` once Redis is
-  back reads their replies.
+  back reads their replies. A Redis that hangs rather than dies (SIGSTOP, a
+  partition: connections open, nothing answered) fails the probe by its own
+  bound, :data:`PROBE_TIMEOUT_S`, and every other Redis read of a route runs
+  under the same probe (``Gateway.ask``), so no route waits out ``--timeout-s``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ WORKER_POLL_S = 0.25
 PROBE_S = 0.25
 """How often a waiting request's queue is asked whether its Redis still answers; with
 redis-py's retries (about 1.1 s) an outage ends a wait within about 1.5 s."""
+
+PROBE_TIMEOUT_S = 1.0
+"""How long a probe waits for Redis's answer. ``XLEN`` takes a live Redis well under a
+millisecond, so one that has not answered by then is gone or frozen (SIGSTOP, a
+partition: the connection stays open and nothing comes back), and the wait ends as
+for a Redis that refuses connections, rather than at the socket's timeout."""
 
 IDEMPOTENCY_HEADER = "idempotency-key"
 """The header OpenAI's API and Stripe-style clients name a retried request with."""
@@ -126,25 +135,29 @@ class Reachability:
             raise down
 
     async def watch(self, queue: str, client: AsyncClient, work: asyncio.Future[T]) -> T:
-        """``work``'s result, or the queue's outage as soon as a probe finds Redis gone."""
-        while True:
-            done, _ = await asyncio.wait({work}, timeout=PROBE_S)
-            if done:
-                return work.result()
-            check = asyncio.ensure_future(self.check(queue, client))
-            try:
-                await asyncio.wait({work, check}, return_when=asyncio.FIRST_COMPLETED)
-                if work.done():
+        """``work``'s result, or the queue's outage as soon as a probe finds Redis gone
+        (``work`` is then cancelled: whatever it waits on, Redis will not answer it)."""
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=PROBE_S)
+                if done:
                     return work.result()
-                check.result()  # BrokerUnavailable when Redis is gone
-            finally:
-                check.cancel()  # a no-op once it is done
+                check = asyncio.ensure_future(self.check(queue, client))
+                try:
+                    await asyncio.wait({work, check}, return_when=asyncio.FIRST_COMPLETED)
+                    if work.done():
+                        return work.result()
+                    check.result()  # BrokerUnavailable when Redis is gone
+                finally:
+                    check.cancel()  # a no-op once it is done
+        finally:
+            work.cancel()  # a no-op once it is done
 
 
 async def _probe(client: AsyncClient) -> BrokerUnavailable | None:
     """Redis's outage, or None when it answered (or refused otherwise: an ACL, not an outage)."""
     try:
-        await client.queue_length()
+        await client.queue_length(timeout_s=PROBE_TIMEOUT_S)
     except BrokerUnavailable as down:
         return down
     except Exception:  # no news of an outage; the request's own wait goes on
@@ -159,14 +172,16 @@ async def deliver(
 ) -> list[Result]:
     """The job's results, asked of ``queue`` as the module's rules say (``keep``: leave
     the replies on their keys for a retry, :mod:`.idempotency`)."""
-    alive = await liveness.alive(queue, client)
+    alive = await reachability.watch(queue, client,
+                                     asyncio.ensure_future(liveness.alive(queue, client)))
     if not alive and cold_start_s <= 0:
         raise no_worker(queue, "nothing was queued (--cold-start-s 0); retry when /ready "
                         "answers 200")
     work = asyncio.ensure_future(_send(client, job, timeout_s, unique, keep))
     try:
         if not alive:
-            await _cold_start(queue, client, work, cold_start_s, liveness)
+            await reachability.watch(queue, client, asyncio.ensure_future(
+                _cold_start(queue, client, work, cold_start_s, liveness)))
         return await reachability.watch(queue, client, work)
     except BrokerUnavailable as down:  # Redis went after (or while) the job was written
         raise left_queued(from_exception(down), unique) from down

@@ -53,6 +53,9 @@ from tokenq.shared.keys import QueueRef
 POLL_S = 0.1
 """How often a retry asks whether the attempt it waits on has stored its answer."""
 
+SETTLE_TIMEOUT_S = 1.0
+"""How long storing an answer or dropping a lease may hold up the answer (a hung Redis)."""
+
 LEASE_GRACE_S = 2.0
 """How long past ``--timeout-s`` a computing request's lease lasts (its store, its cleanup)."""
 
@@ -100,22 +103,23 @@ class Claim:
             return
         value = msgpack.packb({"fp": self.fingerprint, "status": status, "body": body})
         try:
-            await self.client.command("set", self.record, value, px=self.window_ms)
-        except (redis.ResponseError, BrokerUnavailable) as refused:
+            await asyncio.wait_for(self.client.command("set", self.record, value,
+                                                       px=self.window_ms), SETTLE_TIMEOUT_S)
+        except (redis.ResponseError, BrokerUnavailable, asyncio.TimeoutError) as refused:
             log.warning("could not store the answer of an Idempotency-Key (%s); a retry "
                         "within the window recomputes it from the kept replies", refused)
             return
         self.stored = True
         try:
-            await self.client.forget(self.unique)
-        except (redis.ResponseError, BrokerUnavailable) as refused:
+            await asyncio.wait_for(self.client.forget(self.unique), SETTLE_TIMEOUT_S)
+        except (redis.ResponseError, BrokerUnavailable, asyncio.TimeoutError) as refused:
             log.debug("could not drop the replies of a stored answer (%s); they expire", refused)
 
     async def release(self) -> None:
         """Let a retry take over at once (best effort: the lease expires anyway)."""
         try:
-            await self.client.command("delete", self.lease)
-        except (redis.ResponseError, BrokerUnavailable):
+            await asyncio.wait_for(self.client.command("delete", self.lease), SETTLE_TIMEOUT_S)
+        except (redis.ResponseError, BrokerUnavailable, asyncio.TimeoutError):
             log.debug("could not drop an Idempotency-Key's lease; it expires")
 
 

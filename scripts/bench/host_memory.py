@@ -3,7 +3,8 @@
 Token-budget packing gives the forward a new (rows, length) shape almost every
 batch. This runs the bundled all-MiniLM-L6-v2 through ``HFBackend.run`` (the
 worker's own forward path) over ``--shapes`` distinct shapes drawn from rows
-1-32 x lengths 4-128, each in a fresh process, two ways per dtype:
+1-32 x lengths 4-128 (every fourth length, every second past 1,024 shapes, every
+one past 2,016), each in a fresh process, two ways per dtype:
 
 * ``unbounded``: what tokenq did before ``worker/backends/hf/host_memory.py``:
   oneDNN's caches at their 1,024-entry default and no heap trimming;
@@ -15,6 +16,7 @@ load at each quarter of the run, the seconds the forwards took and how many
 trims ran (docs/BENCHMARKS.md, "host memory")::
 
     python scripts/bench/host_memory.py [--shapes 500] [--dtype fp32 bf16-mixed]
+        [--modes unbounded bounded] [--out results/host_memory.json]
 """
 
 from __future__ import annotations
@@ -33,7 +35,13 @@ import harness
 
 RESULTS = Path(__file__).resolve().parent / "results" / "host_memory.json"
 MODES = ("unbounded", "bounded")
-ROWS, LENGTHS = range(1, 33), range(4, 129, 4)
+ROWS = range(1, 33)
+
+
+def shape_grid(shapes: int) -> list[tuple[int, int]]:
+    """Rows x lengths 4-128, the length step the widest (4, 2, 1) that holds ``shapes``."""
+    step = next((s for s in (4, 2) if len(ROWS) * len(range(4, 129, s)) >= shapes), 1)
+    return [(rows, length) for rows in ROWS for length in range(4, 129, step)]
 
 
 def child(dtype: str, mode: str, shapes: int) -> dict[str, Any]:
@@ -52,7 +60,7 @@ def child(dtype: str, mode: str, shapes: int) -> dict[str, Any]:
     if mode == "unbounded":
         backend._heap = None  # the benchmark's "before" side: no trimming
     rng = random.Random(3)
-    grid = [(rows, length) for rows in ROWS for length in LENGTHS]
+    grid = shape_grid(shapes)
     chosen = rng.sample(grid, min(shapes, len(grid)))
     loaded = resident_bytes() or 0
     growth, started = [], time.perf_counter()
@@ -74,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", type=int, default=500)
     parser.add_argument("--dtype", nargs="+", default=["fp32", "bf16-mixed"])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", nargs=2, metavar=("DTYPE", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = []
     for dtype in args.dtype:
-        for mode in MODES:
+        for mode in args.modes:
             completed = subprocess.run(
                 [sys.executable, __file__, "--shapes", str(args.shapes), "--child", dtype, mode],
                 capture_output=True, text=True, check=True,
@@ -91,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     print(harness.format_table(rows, ["dtype", "mode", "shapes", "loaded_mb", "growth_mb",
                                       "seconds", "trims"]))
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": harness.machine_info(), "rows": rows}, indent=2))
+    args.out.parent.mkdir(exist_ok=True)
+    args.out.write_text(json.dumps({"machine": harness.machine_info(), "rows": rows}, indent=2))
     return 0
 
 

@@ -26,8 +26,6 @@ mid-reply is reused), and re-reads a config that a failed read left stale.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import threading
 import time
 import uuid
@@ -40,7 +38,7 @@ import pytest
 import redis
 
 from tests.producer.test_producer_fakes import FakeWorker
-from tests.redis_server import RedisServer, freezable_server
+from tests.redis_server import RedisServer, freezable_server, frozen
 from tokenq.producer import (
     AsyncClient,
     BrokerUnavailable,
@@ -81,12 +79,8 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
 def fault(server: RedisServer, kind: str) -> Iterator[None]:
     """Break Redis the way ``kind`` says for the duration of the block, then mend it."""
     if kind == "frozen":
-        assert server.process is not None
-        os.kill(server.process.pid, signal.SIGSTOP)
-        try:
+        with frozen(server):
             yield
-        finally:
-            os.kill(server.process.pid, signal.SIGCONT)
     elif kind == "killed":
         server.stop(kill=True)
         try:

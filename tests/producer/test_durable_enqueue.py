@@ -10,7 +10,6 @@ that a promotion would drop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -24,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from tests.redis_server import RedisServer, freezable_server
+from tests.redis_server import RedisServer, freezable_server, frozen
 from tokenq.producer import AsyncClient, Client, NotReplicated
 from tokenq.shared import keys, wire
 from tokenq.shared.settings import ClientSettings
@@ -164,17 +163,6 @@ class FakeWorker:
                 self.answered.append(request.id)
                 last = entry_id.decode()
             time.sleep(0.01)
-
-
-@contextlib.contextmanager
-def frozen(replica: RedisServer) -> Iterator[None]:
-    """The replica SIGSTOPped: it stops acknowledging, so WAIT counts it out."""
-    assert replica.process is not None
-    os.kill(replica.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(replica.process.pid, signal.SIGCONT)
 
 
 def test_ids_of_an_unconfirmed_submit_are_waited_for_with_results(pair: SimpleNamespace) -> None:

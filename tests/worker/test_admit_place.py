@@ -10,6 +10,7 @@ loop, is in ``test_stage_deadlines.py``.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -21,6 +22,7 @@ from tokenq.shared.settings_worker import BaseWorkerSettings
 from tokenq.worker.admit_place import FALL, REQUEST_UNITS, AdmitPlace
 from tokenq.worker.lifecycle import Lifecycle
 from tokenq.worker.loop_guard import LoopGuard, patience_s
+from tokenq.worker.stage_clock import StageClock
 from tokenq.worker.stages import TOKENIZING, Overdue, Stages
 
 MS = 0.001
@@ -104,7 +106,7 @@ def test_the_guard_waits_for_the_watchdog_before_calling_the_loop_stuck():
     clock = FakeClock()
     stages = Stages(clock)
     guard = LoopGuard(stages=stages, lifecycle=Lifecycle(clock), period_s=1.0,
-                      on_stuck=lambda late: None, clock=clock)
+                      on_stuck=lambda late: None, clock=StageClock(1.0, clock))
     with stages.running(TOKENIZING, "a read of 3 requests being tokenized on the event loop",
                         2.0, "the limit"):
         assert guard.check(clock.now + 2.0) is None  # overdue, but the watchdog's turn
@@ -118,7 +120,7 @@ def test_a_stop_shortens_the_guards_wait_for_a_tokenizing_stage():
     clock = FakeClock()
     stages, lifecycle = Stages(clock), Lifecycle(clock)
     guard = LoopGuard(stages=stages, lifecycle=lifecycle, period_s=1.0,
-                      on_stuck=lambda late: None, clock=clock)
+                      on_stuck=lambda late: None, clock=StageClock(1.0, clock))
     with stages.running(TOKENIZING, "a read", 300.0, "batch_timeout_s", shortened_by_stop=True):
         lifecycle.stop_started = clock.now
         late = guard.check(clock.now + 5.0 + patience_s(1.0))
@@ -127,7 +129,8 @@ def test_a_stop_shortens_the_guards_wait_for_a_tokenizing_stage():
 
 def test_the_guard_thread_calls_on_stuck_once_and_stop_ends_it():
     clock = FakeClock()
-    stages = Stages(clock)
+    ticked = StageClock(math.inf, clock)  # the fake clock's jump is time the guard ticked through
+    stages = Stages(ticked)
     called: list[Overdue] = []
     fired = threading.Event()
 
@@ -136,7 +139,7 @@ def test_the_guard_thread_calls_on_stuck_once_and_stop_ends_it():
         fired.set()
 
     guard = LoopGuard(stages=stages, lifecycle=Lifecycle(clock), period_s=0.01,
-                      on_stuck=on_stuck, clock=clock)
+                      on_stuck=on_stuck, clock=ticked)
     with stages.running(TOKENIZING, "a read", 1.0, "the limit"):
         guard.start()
         clock.now += 1.0 + patience_s(0.01) + 1.0
@@ -144,8 +147,8 @@ def test_the_guard_thread_calls_on_stuck_once_and_stop_ends_it():
     guard.stop()
     assert len(called) == 1 and called[0].stage.what == "a read"
 
-    quiet = LoopGuard(stages=Stages(clock), lifecycle=Lifecycle(clock), period_s=0.01,
-                      on_stuck=on_stuck, clock=clock)
+    quiet = LoopGuard(stages=Stages(ticked), lifecycle=Lifecycle(ticked), period_s=0.01,
+                      on_stuck=on_stuck, clock=ticked)
     quiet.start()
     quiet.stop()
     assert len(called) == 1
