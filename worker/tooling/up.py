@@ -18,6 +18,7 @@ directory. Flags after ``--`` go to every worker unchanged
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import shutil
@@ -81,6 +82,8 @@ def redis_command(directory: Path, port: int) -> list[str]:
 
 
 def up(settings: UpSettings, worker_flags: Sequence[str]) -> int:
+    # Its workers need the worker extra: say so now, in one line, before Redis starts.
+    importlib.import_module("tokenq.worker.process")
     logs.configure("INFO", json_lines=False)
     temp_dir: str | None = None
     supervisor = Supervisor(stop_timeout_s=settings.stop_timeout_s)
