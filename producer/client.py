@@ -136,13 +136,17 @@ class Client(ProducerBase):
         """
         return self._run(calls.submit(self._core, text, text_pair, options))
 
-    def submit_many(self, texts: Iterable[TextItem], **options: Unpack[SubmitOptions]) -> list[str]:
+    def submit_many(
+        self, texts: Iterable[TextItem], *, unique: Sequence[str] | None = None,
+        **options: Unpack[SubmitOptions],
+    ) -> list[str]:
         """Enqueue a batch (texts or ``(text, text_pair)`` tuples) all or nothing.
 
         If the whole batch does not fit under the queue's limit, nothing is
-        written and :class:`QueueFull` is raised.
+        written and :class:`QueueFull` is raised. ``unique``: the requests' ids
+        (32 hex digits each), as :meth:`AsyncClient.submit_many` takes them.
         """
-        return self._run(calls.submit_many(self._core, texts, options))
+        return self._run(calls.submit_many(self._core, texts, options, unique))
 
     def result(self, request_id: str, timeout_s: float | None = None) -> Result:
         """Wait for the reply to ``request_id`` (from this or any other process).
@@ -155,17 +159,23 @@ class Client(ProducerBase):
 
     def results(
         self, request_ids: Sequence[str], timeout_s: float | None = None, *,
-        return_exceptions: bool = False,
+        return_exceptions: bool = False, keep: bool = False,
     ) -> list[Any]:
         """Wait for the replies to several submitted requests; results in input order.
 
         One script call reads every still-missing reply key (and one
         ``BLMOVE`` waits when none has landed), so waiting for many requests
         costs one connection; keys are deleted once their replies are in
-        hand. With ``return_exceptions`` errors are returned in place instead
-        of the first being raised.
+        hand, unless ``keep`` (then :meth:`forget` deletes them, or the
+        worker's ``reply_ttl_s``). With ``return_exceptions`` errors are
+        returned in place instead of the first being raised.
         """
-        return self._run(calls.results(self._core, request_ids, timeout_s, return_exceptions))
+        return self._run(calls.results(self._core, request_ids, timeout_s, return_exceptions,
+                                       keep))
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Delete the replies :meth:`results` kept for ``request_ids`` (best effort)."""
+        self._run(calls.forget_replies(self._core, request_ids))
 
     def infer(
         self, text: str, *, text_pair: str | None = None, timeout_s: float | None = None,

@@ -83,7 +83,8 @@ class InputTooLong(BadRequest):
     code = ErrorCode.TOO_LONG.value
 
     def __init__(
-        self, where: str, tokens: int, limit: int, queue: str, exact: bool, param: str = "text"
+        self, where: str, tokens: int, limit: int, queue: str, exact: bool, param: str = "text",
+        why: str = "policy reject",
     ) -> None:
         if exact:
             size = f"{tokens} tokens"
@@ -94,7 +95,7 @@ class InputTooLong(BadRequest):
             )
         super().__init__(
             f"{where} is {size}, over the limit of {limit} tokens of queue {queue!r} "
-            "(max_input_tokens, policy reject); nothing was written",
+            f"(max_input_tokens, {why}); nothing was written",
             param=param,
         )
         self.tokens = tokens
@@ -157,7 +158,8 @@ class Estimating:
             return
         ceiling = limit if self.exact else math.floor(limit * HEURISTIC_MARGIN)
         if tokens > ceiling:
-            raise InputTooLong(where, tokens, limit, queue, self.exact, param)
+            why = "the request asked truncate: false" if truncate is False else "policy reject"
+            raise InputTooLong(where, tokens, limit, queue, self.exact, param, why)
 
 
 @dataclass

@@ -79,6 +79,8 @@ class Result:
     increasing token id; ``dim`` is then the vocabulary's size."""
     token_embeddings: tuple[array.array, ...] | None = None
     """``output="tokens"``: one ``array('f')`` of ``dim`` values per token, in order."""
+    truncated: bool = False
+    """The worker cut the input to the model's limit; ``tokens`` counts what it read."""
 
     def __repr__(self) -> str:
         """A short summary: a 384-float vector printed whole buries everything else.
@@ -108,6 +110,8 @@ class Result:
         if self.sparse is not None:
             parts.append(f"sparse={head(self.sparse, lambda p: f'{p[0]}: {p[1]:.4g}', '{}')}")
         parts.append(f"tokens={self.tokens}")
+        if self.truncated:
+            parts.append("truncated=True")
         return f"Result({', '.join(parts)})"
 
 
@@ -144,6 +148,7 @@ def outcome(reply: wire.Reply) -> Outcome:
         sparse=tuple(reply.sparse_pairs()) if reply.sparse_indices is not None else None,
         token_embeddings=None if reply.token_embeddings is None else tuple(
             array.array("f", vector) for vector in reply.token_vectors()),
+        truncated=reply.truncated,
     )
 
 

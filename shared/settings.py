@@ -477,6 +477,11 @@ class EmbedSettings(ClientSettings):
     id_field: str = Field(
         "id", description="jsonl input: copy this field (when present) into .jsonl output as id"
     )
+    blank: Literal["skip", "error"] = Field(
+        "skip", description="blank inputs (a whitespace-only line or text field): skip: no row "
+        "(.jsonl rows keep their input index; .npy lists the skipped in OUTPUT.skipped.txt); "
+        "error: an error row each"
+    )
     chunk_size: int = Field(
         2048, ge=1, description="inputs per checkpoint: a re-run resumes after the last one"
     )

@@ -170,6 +170,9 @@ class Reply:
     """Their weights: little-endian float32, one per index."""
     token_embeddings: bytes | None = None
     """``output: tokens``: one ``dim``-long vector per token, little-endian float32, in order."""
+    truncated: bool = False
+    """The input was cut to the model's limit (``tokens`` counts what was read); sent only
+    when true, and ignored by readers that predate it."""
 
     def embedding_floats(self) -> list[float]:
         """The embedding as Python floats (decoded from little-endian float32)."""
@@ -606,7 +609,8 @@ def error_reply(request_id: str, code: str, message: str, param: str | None = No
 
 
 def encode_embedding_reply(
-    request_id: str, embedding: bytes, dim: int, tokens: int | None = None
+    request_id: str, embedding: bytes, dim: int, tokens: int | None = None,
+    truncated: bool = False,
 ) -> bytes:
     """``encode_reply(embedding_reply(...))``, byte for byte, without the Reply in between.
 
@@ -619,6 +623,8 @@ def encode_embedding_reply(
     body: dict[str, Any] = {"id": request_id, "ok": True, "embedding": embedding, "dim": dim}
     if tokens is not None:
         body["tokens"] = tokens
+    if truncated:
+        body["truncated"] = True
     return pack(body)
 
 
@@ -680,6 +686,8 @@ def encode_reply(reply: Reply) -> bytes:
             body["error"]["param"] = reply.error.param
     if reply.tokens is not None:
         body["tokens"] = reply.tokens
+    if reply.truncated:
+        body["truncated"] = True
     return pack(body)
 
 
@@ -712,24 +720,29 @@ def decode_reply(packed: bytes) -> Reply:
     tokens = body.get("tokens")
     if tokens is not None and (type(tokens) is not int or tokens < 0):
         raise DecodeError("reply 'tokens' must be a non-negative integer")
+    truncated = body.get("truncated", False)
+    if type(truncated) is not bool:
+        raise DecodeError("reply 'truncated' must be a boolean")
     embedding = body.get("embedding")
     if embedding is not None:
         dim = body.get("dim")
         well_formed = isinstance(embedding, bytes) and isinstance(dim, int)
         if not well_formed or len(embedding) != 4 * dim:
             raise DecodeError("reply 'embedding' must be 4*dim bytes of float32")
-        return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens)
+        return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens,
+                     truncated=truncated)
     if "token_embeddings" in body:
         vectors, dim = body.get("token_embeddings"), body.get("dim")
         _check_token_embeddings(vectors, dim, DecodeError)
         return Reply(id=request_id, ok=True, dim=dim, tokens=tokens,  # type: ignore[arg-type]
-                     token_embeddings=vectors)  # type: ignore[arg-type]
+                     token_embeddings=vectors, truncated=truncated)  # type: ignore[arg-type]
     if "sparse_indices" in body:
         indices, values = body.get("sparse_indices"), body.get("sparse_values")
         dim = body.get("dim")
         _check_sparse(indices, values, dim, DecodeError)
         return Reply(id=request_id, ok=True, dim=dim, tokens=tokens,  # type: ignore[arg-type]
-                     sparse_indices=indices, sparse_values=values)  # type: ignore[arg-type]
+                     sparse_indices=indices, sparse_values=values,  # type: ignore[arg-type]
+                     truncated=truncated)
     scores = body.get("scores")
     if isinstance(scores, list) and all(isinstance(s, (int, float)) for s in scores):
         labels = body.get("labels")
@@ -741,7 +754,7 @@ def decode_reply(packed: bytes) -> Reply:
             raise DecodeError("reply 'labels' must be one string per score")
         return Reply(
             id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens,
-            labels=tuple(labels) if labels else None,
+            labels=tuple(labels) if labels else None, truncated=truncated,
         )
     raise DecodeError("successful reply carries none of 'embedding', 'token_embeddings', "
                       "'sparse_indices', 'scores'")

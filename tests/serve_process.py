@@ -66,39 +66,54 @@ def schemathesis(location: str, url: str, tmp: Path, *args: str,
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp)
 
 
-MIGRATING = Path(__file__).resolve().parent.parent / "docs" / "MIGRATING.md"
+DOCS = Path(__file__).resolve().parent.parent
+MIGRATING = DOCS / "docs" / "MIGRATING.md"
+README = DOCS / "README.md"
 DOC_URL = "http://tokenq-serve:8080"
 """The gateway's base URL in docs/MIGRATING.md's code (``tokenq-classify`` names a second one)."""
+README_URL = "http://localhost:8080"
+"""The gateway's base URL in README.md's code."""
 
 
-def migrating_code(heading: str) -> str:
-    """The Python blocks of docs/MIGRATING.md under the heading that starts with ``heading``,
-    joined: the exact code the docs show, for a test to run against a live gateway."""
+def doc_code(path: Path, heading: str, containing: str = "") -> str:
+    """The Python blocks of ``path`` under the heading that starts with ``heading`` (those
+    that contain ``containing``), joined: the exact code the docs show, for a test to run
+    against a live gateway."""
     blocks: list[str] = []
-    current, block = "", None
-    for line in MIGRATING.read_text().splitlines():
+    current, block, python = "", None, False
+    for line in path.read_text().splitlines():
         if block is not None:
             if line.startswith("```"):
-                if current.startswith(heading):
-                    blocks.append("\n".join(block))
+                text = "\n".join(block)
+                if python and current.startswith(heading) and containing in text:
+                    blocks.append(text)
                 block = None
             else:
                 block.append(line)
+        elif line.startswith("```"):  # any fence: a ``# comment`` in a bash block is no heading
+            block, python = [], line.strip() == "```python"
         elif line.startswith("#"):
             current = line.lstrip("#").strip()
-        elif line.strip() == "```python":
-            block = []
     if not blocks:
-        raise AssertionError(f"docs/MIGRATING.md has no Python block under {heading!r}")
+        raise AssertionError(f"{path.name} has no Python block under {heading!r}")
     return "\n".join(blocks)
 
 
-def run_migrating_code(heading: str, urls: dict[str, str]) -> dict[str, object]:
-    """Run :func:`migrating_code` with each documented URL replaced (``{doc_url: live_url}``);
-    the names it left behind."""
-    code = migrating_code(heading)
+def migrating_code(heading: str) -> str:
+    """:func:`doc_code` of docs/MIGRATING.md."""
+    return doc_code(MIGRATING, heading)
+
+
+def run_doc_code(code: str, urls: dict[str, str], name: str) -> dict[str, object]:
+    """Run ``code`` with each documented URL replaced (``{doc_url: live_url}``); the names
+    it left behind."""
     for documented, live in urls.items():
         code = code.replace(documented, live)
     names: dict[str, object] = {}
-    exec(compile(code, f"docs/MIGRATING.md ({heading})", "exec"), names)
+    exec(compile(code, name, "exec"), names)
     return names
+
+
+def run_migrating_code(heading: str, urls: dict[str, str]) -> dict[str, object]:
+    """:func:`run_doc_code` of :func:`migrating_code`."""
+    return run_doc_code(migrating_code(heading), urls, f"docs/MIGRATING.md ({heading})")

@@ -56,6 +56,8 @@ from tokenq.shared.settings import EmbedSettings
 from tokenq.shared.text import one_line, plural
 
 _HEARTBEAT_WAIT_S = 3.0
+_BLANK_SHOWN = 5
+"""How many skipped blank lines the summary names."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,7 +148,7 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
     manifest = {
         "version": 1, **Checkpoint.describe_input(settings.file), "format": fmt,
         "field": settings.field if fmt == "jsonl" else None, "chunk_size": settings.chunk_size,
-        "queue": settings.queue, "prefix": settings.prefix,
+        "blank": settings.blank, "queue": settings.queue, "prefix": settings.prefix,
     }
     checkpoint = Checkpoint(settings.output, manifest)
     run = _Run(settings, checkpoint)
@@ -274,6 +276,7 @@ class _Run:
         with signals.held():
             if self.checkpoint.format == "npy" and self.checkpoint.dim is None:
                 self.checkpoint.set_dim(_queue_dim(client, settings))
+            self.checkpoint.write_skipped(tally.blank)
             failed = self.checkpoint.assemble()
             self.written = True
         workers = None
@@ -345,6 +348,13 @@ def _summary(settings: EmbedSettings, tally: Tally, elapsed: float,
         f"  {elapsed:.2f}s  {tally.ok / elapsed:.1f} requests/s  "
         f"{tally.tokens / elapsed:.0f} tokens/s  ({plural(tally.ok, 'input')} embedded)",
     ]
+    if tally.blank:
+        shown = ", ".join(str(index + 1) for index in tally.blank[:_BLANK_SHOWN])
+        more = "" if len(tally.blank) <= _BLANK_SHOWN else ", ..."
+        where = (f"; their indexes are in {settings.output}.skipped.txt"
+                 if settings.output.suffix == ".npy" else "; rows keep their input index")
+        lines.append(f"  skipped {plural(len(tally.blank), 'blank input')} (no row; lines "
+                     f"{shown}{more}){where}")
     if workers is not None:
         lines.append(
             f"  workers (heartbeat deltas): {plural(round(workers['batches']), 'batch')}, "

@@ -25,6 +25,17 @@ and any removal takes a chunk's ``.done`` marker before its data, so a crash
 at any point leaves either a resumable checkpoint or a complete output that
 a rerun recognises (:class:`AlreadyComplete`).
 
+Blank inputs (an empty or whitespace-only line, or a JSONL line whose text
+field is empty or whitespace-only) are skipped under ``--blank skip`` (the
+default): they get no row, ``.jsonl`` rows keep their input ``index``, and a
+``.npy`` output lists the skipped indexes in ``OUTPUT.skipped.txt``. The
+manifest records the policy, so a resumed run skips the same lines.
+``--blank error`` makes each one an error row instead.
+
+The manifest also holds a random ``requests`` token: request ids are the
+token and the input index (:func:`request_id`), so a resumed run names the
+requests an interrupted one left in the queue and reuses them.
+
 A failed input does not stop the run: its row is NaN in ``.npy`` output (its
 error goes to ``OUTPUT.errors.jsonl``), or carries ``error`` in ``.jsonl``.
 """
@@ -34,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,9 +60,9 @@ _MANIFEST = "manifest.json"
 _DONE = ".done"
 _PART = ".part.jsonl"
 """Suffix of an unfinished chunk's saved rows."""
-_UNCHECKED = ("dim", "model")
-"""Manifest keys not compared as they are: learned during a run (``dim``), or checked
-with their own message (``model``)."""
+_UNCHECKED = ("dim", "model", "requests")
+"""Manifest keys not compared as they are: learned during a run (``dim``), checked
+with their own message (``model``), or chosen by the first run (``requests``)."""
 
 
 class ResumeMismatch(Exception):
@@ -82,12 +94,15 @@ class IncompleteOutput(CommandFailed):
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One input: its text, or why it has none (blank line, bad JSON, missing field)."""
+    """One input: its text, or why it has none (blank line, bad JSON, missing field).
+
+    ``blank``: no text but whitespace (skipped under ``--blank skip``)."""
 
     index: int
     text: str | None
     id: Any = None
     problem: str | None = None
+    blank: bool = False
 
 
 @dataclass(slots=True)
@@ -129,9 +144,9 @@ def _item(index: int, raw: bytes, fmt: str, field: str, id_field: str) -> Item:
         line = raw.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as exc:
         return Item(index, None, problem=f"line is not UTF-8: {exc}")
+    if not line.strip():
+        return Item(index, None, problem="blank line", blank=True)
     if fmt == "text":
-        if not line.strip():
-            return Item(index, None, problem="blank line")
         return Item(index, line)
     try:
         record = json.loads(line)
@@ -140,9 +155,18 @@ def _item(index: int, raw: bytes, fmt: str, field: str, id_field: str) -> Item:
     if not isinstance(record, dict):
         return Item(index, None, problem="JSON line is not an object")
     text, item_id = record.get(field), record.get(id_field)
-    if not isinstance(text, str) or not text.strip():
+    if isinstance(text, str) and not text.strip():
+        return Item(index, None, item_id, problem=f"blank field {field!r}", blank=True)
+    if not isinstance(text, str):
         return Item(index, None, item_id, problem=f"no non-empty string field {field!r}")
     return Item(index, text, item_id)
+
+
+def request_id(token: str, index: int) -> str:
+    """The request id of input ``index`` in the run whose manifest holds ``token``:
+    32 hex digits, the same in every run that resumes it (the enqueue's dedupe then
+    writes a resent request once, and its reply is read where the first run left it)."""
+    return f"{token}{index:016x}"
 
 
 def count_lines(path: str) -> int | None:
@@ -225,9 +249,12 @@ class Checkpoint:
             self._check_model(found.get("model"))
             if found.get("dim") is not None:
                 self.manifest["dim"] = found["dim"]
-            if self.manifest.get("model") != found.get("model"):
+            self.manifest["requests"] = found.get("requests") or _new_token()
+            if (self.manifest.get("model"), self.manifest["requests"]) != (
+                    found.get("model"), found.get("requests")):
                 self._write_manifest()  # the first run did not know its model: now pinned
         else:
+            self.manifest["requests"] = _new_token()
             self._write_manifest()
         return {int(p.name[6:12]) for p in self.directory.glob("chunk-??????" + _DONE)}
 
@@ -285,6 +312,11 @@ class Checkpoint:
         if self._lock_file is not None:
             self._lock_file.close()
             self._lock_file = None
+
+    @property
+    def token(self) -> str:
+        """This run's part of every request id (:func:`request_id`)."""
+        return str(self.manifest["requests"])
 
     @property
     def dim(self) -> int | None:
@@ -372,6 +404,18 @@ class Checkpoint:
         _remove_tree(self.removing, complete=True)
         return failed
 
+    def write_skipped(self, skipped: list[int]) -> None:
+        """OUTPUT.skipped.txt for a ``.npy`` output (whose rows carry no index): the
+        indexes of the blank inputs that have no row, one a line; none skipped, no file.
+        Written before :meth:`assemble`, so a complete OUTPUT never has a stale one."""
+        if self.format != "npy":
+            return
+        path = self.output.with_name(self.output.name + ".skipped.txt")
+        if skipped:
+            _atomic_write(path, "".join(f"{index}\n" for index in skipped).encode())
+        else:
+            path.unlink(missing_ok=True)
+
     def _chunk(self, number: int, suffix: str) -> Path:
         return self.directory / f"chunk-{number:06d}{suffix}"
 
@@ -414,6 +458,10 @@ class Checkpoint:
                 # A chunk whose every input failed before the width was known is (n, 0).
                 block = part if part.shape[1] == dim else np.full((part.shape[0], dim), np.nan)
                 out.write(np.ascontiguousarray(block, dtype="<f4").tobytes())
+
+
+def _new_token() -> str:
+    return secrets.token_hex(8)
 
 
 def _npy_bytes(rows: list[Row], dim: int | None) -> bytes:

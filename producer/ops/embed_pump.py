@@ -5,8 +5,17 @@ one reply key per group) from a small thread pool, so at most
 ``--max-in-flight`` inputs are enqueued and unanswered at any time: the
 queue never floods, other producers keep their share, and the workers' token
 budget (not this command) decides how requests are batched on the device.
-An input that cannot be sent (a blank line, bad JSON, no ``--field``) is an
-error row at once, without a request.
+An input that cannot be sent (bad JSON, no ``--field``, a blank line under
+``--blank error``) is an error row at once, without a request; a blank input
+under ``--blank skip`` has no row at all (:attr:`Tally.blank` counts it).
+
+Request ids are the checkpoint's token and the input index
+(:func:`~tokenq.producer.ops.embed_io.request_id`), so a resumed run names
+the requests an interrupted one left behind: the enqueue's dedupe writes
+each once, and its reply is read from the key the workers pushed it to.
+Replies are read with ``keep`` and deleted only once their chunk is on disk,
+so a reply an interrupted run read but did not save is still there for the
+next run.
 
 Groups are collected in the order they finish, not the order they were
 sent, so the progress bar moves as results arrive. A chunk of
@@ -44,7 +53,7 @@ from tokenq.producer import (
     ReplyTimeout,
     Result,
 )
-from tokenq.producer.ops.embed_io import Checkpoint, Item, Row, read_items
+from tokenq.producer.ops.embed_io import Checkpoint, Item, Row, read_items, request_id
 from tokenq.producer.ops.progress import Progress
 from tokenq.shared.failures import CommandFailed
 from tokenq.shared.settings import EmbedSettings
@@ -65,6 +74,8 @@ class Tally:
     ok: int = 0
     tokens: int = 0
     skipped: int = 0
+    blank: list[int] = field(default_factory=list)
+    """The indexes of the blank inputs skipped (the whole input's, done chunks included)."""
     failures: Counter[str] = field(default_factory=Counter)
     example: dict[str, Row] = field(default_factory=dict)
     """The first failed row of each error code, to show what went wrong."""
@@ -105,7 +116,12 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
     """
     threads = max(1, settings.max_in_flight // settings.batch_size)
     outstanding: dict[Future[list[Row]], int] = {}
-    chunks = _Chunks(checkpoint, saved, settings.chunk_size)
+    token = checkpoint.token
+
+    def forget(indexes: list[int]) -> None:
+        client.forget([request_id(token, index) for index in indexes])
+
+    chunks = _Chunks(checkpoint, saved, settings.chunk_size, forget)
     items = read_items(settings.file, fmt, settings.field, settings.id_field)
     pool = ThreadPoolExecutor(threads, thread_name_prefix=THREAD_PREFIX)
 
@@ -129,6 +145,11 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
         for number, group in _groups(items, settings.chunk_size, settings.batch_size):
             with held():
                 chunks.reached(number)
+                if settings.blank == "skip":
+                    blank = [item.index for item in group if item.blank]
+                    tally.blank.extend(blank)
+                    progress.advance(len(blank))
+                    group = [item for item in group if not item.blank]
                 if number in done:
                     tally.skipped += len(group)
                     progress.advance(len(group))
@@ -145,7 +166,8 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
             while len(outstanding) >= threads:
                 settle(block=True)
             if sendable:
-                outstanding[pool.submit(_infer_group, client, sendable, settings)] = number
+                outstanding[pool.submit(_infer_group, client, sendable, token,
+                                        settings)] = number
         with held():
             chunks.reached(None)
         while outstanding:
@@ -177,8 +199,10 @@ class _Chunks:
     moved past it and every one of its rows is back."""
 
     def __init__(self, checkpoint: Checkpoint, saved: dict[int, dict[int, Row]],
-                 chunk_size: int) -> None:
+                 chunk_size: int, forget: Callable[[list[int]], None]) -> None:
         self.checkpoint = checkpoint
+        self.forget = forget
+        """Delete the kept replies of these inputs (once their rows are on disk)."""
         self.chunk_size = chunk_size
         self.rows: dict[int, dict[int, Row]] = {n: dict(rows) for n, rows in saved.items()}
         self.expected: dict[int, int] = {n: len(rows) for n, rows in saved.items()}
@@ -234,6 +258,7 @@ class _Chunks:
         rows = sorted(self.rows[number].values(), key=lambda row: row.index)
         _learn_dim(self.checkpoint, rows)
         self.checkpoint.write_chunk(number, rows)
+        self.forget([row.index for row in rows])
         del self.rows[number], self.expected[number]
 
     def _judge(self, number: int, *, only_known: bool) -> None:
@@ -310,33 +335,38 @@ def _bad_row(item: Item) -> Row:
     return Row(item.index, item.id, error_code="bad_input", error_message=item.problem)
 
 
-def _infer_group(client: Client, items: list[Item], settings: EmbedSettings) -> list[Row]:
+def _infer_group(client: Client, items: list[Item], token: str,
+                 settings: EmbedSettings) -> list[Row]:
     """One enqueue call for the group; per-input rows, never an exception for a single bad
     input (only Redis being down propagates).
 
-    Each request carries the rest of ``--timeout-s`` as its deadline (the
-    client's default for ``infer_many``), so after an interruption the
-    workers drop, unrun, whatever they have not reached by then.
+    Each request carries ``--timeout-s`` as its deadline, so after an
+    interruption the workers drop, unrun, whatever they have not reached by then.
     """
-    outcomes = _infer_many(client, [item.text or "" for item in items], settings)
+    sent = [(request_id(token, item.index), item.text or "") for item in items]
+    outcomes = _infer_many(client, sent, settings)
     return [_row(item, outcome) for item, outcome in zip(items, outcomes, strict=True)]
 
 
-def _infer_many(client: Client, texts: list[str], settings: EmbedSettings) -> list[Any]:
-    """infer_many, waiting out QueueFull, isolating inputs the client refuses."""
+def _infer_many(client: Client, sent: list[tuple[str, str]],
+                settings: EmbedSettings) -> list[Any]:
+    """Enqueue (request id, text) pairs and wait for their replies (kept on their keys:
+    see the module's docstring), waiting out QueueFull, isolating inputs the client refuses."""
+    ids = [request_id for request_id, _ in sent]
     pause = _QUEUE_FULL_PAUSE_S
     while True:
         try:
-            return client.infer_many(texts, timeout_s=settings.timeout_s,
-                                     return_exceptions=True)
+            client.submit_many([text for _, text in sent], unique=ids,
+                               deadline_s=settings.timeout_s)
+            break
         except QueueFull:
             time.sleep(pause)  # other producers filled it: wait for the workers
             pause = min(pause * 2, 5.0)
         except BadRequest as exc:
-            if len(texts) == 1:
+            if len(sent) == 1:
                 return [exc]
-            return [outcome for text in texts
-                    for outcome in _infer_many(client, [text], settings)]
+            return [outcome for one in sent for outcome in _infer_many(client, [one], settings)]
+    return client.results(ids, settings.timeout_s, return_exceptions=True, keep=True)
 
 
 def _row(item: Item, outcome: Any) -> Row:

@@ -5,6 +5,8 @@ client's exact requests):
 
 * ``POST /v1/embeddings`` — OpenAI's embeddings API; ``POST /embeddings``,
   the same, where Infinity serves it;
+* ``POST /v1/rerank``, ``GET /v1/models`` — :mod:`.openai_api`; ``POST
+  /v2/rerank`` — Cohere's v2, :mod:`.cohere_api`;
 * ``POST /embed``, ``POST /rerank``, ``POST /predict`` — TEI's; ``GET
   /info`` — TEI's model info, from the default queue's config hash;
 * ``GET /health`` — 200 while Redis answers (the gateway can work), else 503;
@@ -51,6 +53,7 @@ from prometheus_client.registry import Collector
 
 from tokenq.producer import AsyncClient, Result
 from tokenq.producer.serve import (
+    cohere_api,
     delivery,
     edge,
     idempotency,
@@ -273,15 +276,19 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
     app.state.answer = answer  # for the routes of other modules (openai_api)
     app.include_router(openai_api.router)
+    app.include_router(cohere_api.router)
     app.include_router(sparse_api.router(gateway, answer))
 
     async def openai_embeddings(request: Request, route: str) -> Response:
-        async def work() -> render.Later:
+        async def work() -> Response:
             body, job = await gateway.read(request, schemas.openai_request)
             queue = gateway.queue_of(body.model)
             schemas.require_embeddings(await gateway.config(queue), body.model)
             results = await gateway.infer(request, queue, job)
-            return render.Later(schemas.openai_answer, results, body.model, body.encoding_format)
+            response = await render.respond(render.Later(
+                schemas.openai_answer, results, body.model, body.encoding_format))
+            response.headers.update(schemas.truncation_headers(results))
+            return response
         return await answer(route, ApiError.openai_body, work, admit=True)
 
     @app.post("/v1/embeddings")

@@ -20,6 +20,11 @@ docs/SECURITY.md, "The gateway", is the operator's view. In order, outermost fir
 4. **Leaving clients**: a request answered 499 (the client went away, mid
    body or while waiting) is logged as one WARNING line (uvicorn's setup shows no
    INFO of other loggers), never a traceback.
+5. **Unknown paths and methods**: a path no route serves (404) or a method
+   its route does not answer (405, with ``Allow``) is answered in the error
+   shape of the API family its prefix belongs to (:func:`.errors.body_for`:
+   OpenAI's under ``/v1/``, Cohere's under ``/v2/``, TEI's elsewhere), as a
+   client of that API parses it; never the framework's ``{"detail": ...}``.
 
 Header timeouts are uvicorn's part (:class:`HeaderTimeout`); body timeouts
 are :func:`.bounds.read_body`'s.
@@ -31,14 +36,14 @@ import asyncio
 import hmac
 import logging
 import time
-from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenq.producer.serve.errors import ApiError
+from tokenq.producer.serve.errors import ApiError, body_for
 from tokenq.shared.settings import ServeSettings
 
 log = logging.getLogger("tokenq.serve")
@@ -46,13 +51,25 @@ log = logging.getLogger("tokenq.serve")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping"})
 """Routes answered without ``--api-key``: probes and the Prometheus scrape."""
 
-OPENAI_PREFIXES = ("/v1/", "/embeddings")
-"""Paths whose errors are written in OpenAI's shape (the rest in TEI's)."""
+def error_response(path: str, error: ApiError) -> JSONResponse:
+    """``error`` in the shape of the API family ``path`` belongs to."""
+    return JSONResponse(body_for(path)(error), status_code=error.status, headers=error.headers)
 
 
-def error_body(path: str, error: ApiError) -> dict[str, Any]:
-    """``error`` in the shape of the API ``path`` belongs to."""
-    return error.openai_body() if path.startswith(OPENAI_PREFIXES) else error.tei_body()
+async def unrouted(request: Request, exc: HTTPException) -> JSONResponse:
+    """The router's 404 (no route has the path) and 405 (its route takes other methods)."""
+    method, path = request.method, request.url.path
+    headers = dict(exc.headers or {})
+    if exc.status_code == 404:
+        error = ApiError(404, f"Invalid URL ({method} {path}): no route of this gateway "
+                         "serves it; GET /openapi.json lists them", code="not_found")
+    elif exc.status_code == 405:
+        error = ApiError(405, f"Method {method} is not allowed on {path}; it answers "
+                         f"{headers.get('Allow', 'other methods')}",
+                         code="method_not_allowed", headers=headers)
+    else:
+        error = ApiError(exc.status_code, str(exc.detail), headers=headers)
+    return error_response(path, error)
 
 
 def is_json(content_type: str) -> bool:
@@ -75,9 +92,7 @@ class Edge:
             return
         refusal = self.refusal(scope)
         if refusal is not None:
-            response = JSONResponse(error_body(scope["path"], refusal),
-                                    status_code=refusal.status, headers=refusal.headers)
-            await response(scope, receive, send)
+            await error_response(scope["path"], refusal)(scope, receive, send)
             return
         started = time.monotonic()
         status = 0
@@ -112,7 +127,9 @@ class Edge:
 
 
 def install(app: FastAPI, settings: ServeSettings) -> None:
-    """The edge's middleware on ``app`` (added last runs first: CORS is outermost)."""
+    """The edge's middleware and unknown-route answers on ``app`` (added last runs first:
+    CORS is outermost)."""
+    app.add_exception_handler(HTTPException, unrouted)  # type: ignore[arg-type]
     app.add_middleware(Edge, api_key=settings.api_key)
     origins = [item.strip() for item in settings.cors_allow_origin.split(",") if item.strip()]
     if origins:

@@ -35,6 +35,9 @@ a route the queue's model does not answer   424     ``not_an_embedding_model``,
 (embeddings from a classifier, ``/rerank``          ``not_a_reranker``, TEI's
 on an embedder)                                     ``Backend``; before enqueueing
 unknown model name                          404     OpenAI's ``model_not_found``
+a path no route serves                      404     ``not_found``; edge.py
+a method the path's route does not answer   405     ``method_not_allowed``, ``Allow``;
+                                                    edge.py
 an ``Idempotency-Key`` used before with     422     ``idempotency_key_reused``;
 another route or body                               idempotency.py
 an ``Idempotency-Key`` whose first attempt  409     ``idempotency_key_in_flight``,
@@ -53,14 +56,17 @@ answers 400: it is a client error either way (the SDK raises an
 cannot be served as asked" on both routes is what TEI's own
 OpenAI-compatible route does.
 
-Bodies: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` and
-TEI's ``{"error": message, "error_type": kind}``.
+Bodies: OpenAI's ``{"error": {"message", "type", "param", "code"}}``,
+TEI's ``{"error": message, "error_type": kind}`` and Cohere's
+``{"message": message}`` (its v2 API; its SDK raises a typed error by
+status and keeps the body as it came). Which one a path gets is
+:func:`body_for`'s choice, by the API family its prefix belongs to.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +96,7 @@ _OPENAI_TYPES = {
     401: "invalid_request_error",
     415: "invalid_request_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -102,6 +109,7 @@ _TEI_TYPES = {
     401: "Validation",
     415: "Validation",
     404: "Validation",
+    405: "Validation",
     413: "Validation",
     422: "Validation",
     429: "Overloaded",
@@ -134,6 +142,25 @@ class ApiError(Exception):
     def tei_body(self) -> dict[str, Any]:
         kind = "Validation" if self.code == "invalid_json" else _TEI_TYPES.get(self.status)
         return {"error": self.message, "error_type": kind or "Backend"}
+
+    def cohere_body(self) -> dict[str, Any]:
+        return {"message": self.message}
+
+
+OPENAI_PREFIXES = ("/v1/", "/embeddings")
+"""Paths whose errors are written in OpenAI's shape (Cohere's v1 rerank included)."""
+
+COHERE_PREFIXES = ("/v2/",)
+"""Paths whose errors are written in Cohere's shape (its v2 API); every other path is TEI's."""
+
+
+def body_for(path: str) -> Callable[[ApiError], dict[str, Any]]:
+    """The error body of the API family ``path`` belongs to, by its prefix."""
+    if path.startswith(OPENAI_PREFIXES):
+        return ApiError.openai_body
+    if path.startswith(COHERE_PREFIXES):
+        return ApiError.cohere_body
+    return ApiError.tei_body
 
 
 def invalid(param: str, message: str) -> ApiError:
@@ -177,7 +204,8 @@ def from_exception(
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, BadRequest):
-        return _client_fault(str(exc), "bad_request", _param(exc), options, items)
+        code = getattr(exc, "code", ErrorCode.BAD_REQUEST.value)  # InputTooLong: too_long
+        return _client_fault(str(exc), code, _param(exc), options, items)
     if isinstance(exc, QueueFull):
         return ApiError(429, f"the queue is full, retry later: {exc}", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})

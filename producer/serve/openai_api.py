@@ -4,7 +4,7 @@
   names ``--models`` serves (or the default queue's name), so clients that
   list models before calling (LibreChat, Open WebUI, LiteLLM's health
   check) find them.
-* ``POST /v1/rerank``: the Cohere and Jina shape RAG frameworks call
+* ``POST /v1/rerank``: the Cohere (v1) and Jina shape RAG frameworks call
   (LlamaIndex's and LangChain's Cohere/Jina rerankers, LiteLLM):
   ``{query, documents, top_n?, return_documents?, model?}`` where each
   document is a string or ``{"text": ...}``; the answer is
@@ -12,7 +12,8 @@
   first. It is TEI's ``/rerank`` underneath (one (query, document) pair
   per document, the reranker's activation as the score), refused before
   anything is queued unless the queue's model is a reranker. Errors are in
-  OpenAI's shape.
+  OpenAI's shape. :func:`serve_rerank` is every rerank route's work;
+  :mod:`.cohere_api`'s ``/v2/rerank`` is the same with Cohere's v2 shapes.
 
 The routes run through the app's ``answer`` (``app.state.answer``): the same
 admission, metrics and error mapping as every route.
@@ -20,6 +21,7 @@ admission, metrics and error mapping as every route.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -60,8 +62,9 @@ class TextObject(TypedDict):
     text: str
 
 
-class Rerank(Body):
-    """``POST /v1/rerank`` (Cohere v1/v2, Jina); unknown fields refused, as on /v1/embeddings."""
+class RerankBody(Body):
+    """What Cohere's v1 and v2 rerank bodies share (and Jina's); unknown fields refused, as
+    on /v1/embeddings."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -69,33 +72,71 @@ class Rerank(Body):
     documents: Annotated[list[str], PlainValidator(
         documents_only, json_schema_input_type=list[str | TextObject])]
     top_n: Annotated[int, Field(ge=1)] | None = None
-    return_documents: bool = False
     model: str | None = None
+
+
+class Rerank(RerankBody):
+    """``POST /v1/rerank`` (Cohere v1, Jina)."""
+
+    return_documents: bool = False
     max_chunks_per_doc: Annotated[int, Field(ge=1)] | None = None
     """Cohere's; accepted and unused: a document longer than the model's input is truncated
     or refused by the queue's policy, never split."""
 
 
+def rerank_job(body: RerankBody) -> Job:
+    """One (query, document) pair per document."""
+    if not body.documents:
+        raise empty("documents")
+    return Job([(body.query, text) for text in body.documents], {}, "documents")
+
+
 def rerank_request(raw: bytes) -> tuple[Rerank, Job]:
     """The body and its job (module level: bounds.Parser pickles it by name)."""
     body = parse(Rerank, raw)
-    if not body.documents:
-        raise empty("documents")
-    return body, Job([(body.query, text) for text in body.documents], {}, "documents")
+    return body, rerank_job(body)
 
 
-def rerank_answer(body: Rerank, model: str, results: list[Any]) -> dict[str, Any]:
-    """Cohere's answer: the best ``top_n`` documents, best first (ties in input order)."""
-    ranks = scores.rerank_answer(results, body.documents, body.return_documents)
+def ranked(body: RerankBody, results: list[Any], return_documents: bool = False
+           ) -> list[dict[str, Any]]:
+    """Cohere's ``results``: the best ``top_n`` documents, best first (ties in input order)."""
+    ranks = scores.rerank_answer(results, body.documents, return_documents)
     out = []
     for rank in ranks[:body.top_n]:
         entry: dict[str, Any] = {"index": rank["index"], "relevance_score": rank["score"]}
-        if body.return_documents:
+        if return_documents:
             entry["document"] = {"text": rank["text"]}
         out.append(entry)
-    tokens = sum(result.tokens or 0 for result in results)
-    return {"object": "list", "results": out, "model": model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return out
+
+
+def tokens_of(results: list[Any]) -> int:
+    """The tokens the workers counted for the request's pairs."""
+    return sum(result.tokens or 0 for result in results)
+
+
+def rerank_answer(body: Rerank, model: str, results: list[Any]) -> dict[str, Any]:
+    """Cohere's v1 answer, with OpenAI's ``object``, ``model`` and ``usage`` beside it."""
+    tokens = tokens_of(results)
+    return {"object": "list", "results": ranked(body, results, body.return_documents),
+            "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def serve_rerank(request: Request, route: str, read: Callable[[bytes], tuple[Any, Job]],
+                       answer: Callable[..., Any], shape: Callable[[ApiError], Any]
+                       ) -> Response:
+    """A Cohere-style rerank route: ``read`` parses the body, ``answer(body, model,
+    results)`` writes the answer, ``shape`` the errors; refused before anything is queued
+    unless the queue's model is a reranker."""
+    gateway = request.app.state.gateway
+
+    async def work() -> render.Later:
+        body, job = await gateway.read(request, read)
+        queue = gateway.queue_of(body.model)
+        scores.require_reranker(await gateway.config(queue))
+        results = await gateway.infer(request, queue, job)
+        return render.Later(answer, body, body.model or gateway.default_model(), results)
+    return await request.app.state.answer(route, shape, work, admit=True)
 
 
 def model_card(name: str) -> dict[str, Any]:
@@ -124,15 +165,8 @@ async def get_model(request: Request, model: str) -> Response:
 
 @router.post("/v1/rerank")
 async def rerank(request: Request) -> Response:
-    gateway = request.app.state.gateway
-
-    async def work() -> render.Later:
-        body, job = await gateway.read(request, rerank_request)
-        queue = gateway.queue_of(body.model)
-        scores.require_reranker(await gateway.config(queue))
-        results = await gateway.infer(request, queue, job)
-        return render.Later(rerank_answer, body, body.model or gateway.default_model(), results)
-    return await request.app.state.answer("/v1/rerank", ApiError.openai_body, work, admit=True)
+    return await serve_rerank(request, "/v1/rerank", rerank_request, rerank_answer,
+                              ApiError.openai_body)
 
 
 openapi.describe_route("post", "/v1/rerank", Rerank, openapi.RerankList, openapi.OpenAIError,

@@ -28,11 +28,12 @@ from pydantic import BaseModel, TypeAdapter
 from typing_extensions import NotRequired, TypedDict
 
 from tokenq.producer.serve import schemas, scores, tei_api
+from tokenq.producer.serve.errors import ApiError, body_for
 
 ERROR_STATUSES = {
     400: "the batch is empty, or the body is not JSON",
     401: "no or a wrong API key (--api-key)",
-    404: "an unknown model name",
+    404: "an unknown model name (or path)",
     408: "the body was not received within --timeout-s",
     413: "the body or the batch is too large",
     415: "the body is not JSON",
@@ -63,6 +64,18 @@ class OpenAIError(TypedDict):
     """OpenAI's error body."""
 
     error: OpenAIErrorDetail
+
+
+class CohereError(TypedDict):
+    """Cohere's error body (its v2 API)."""
+
+    message: str
+
+
+ERROR_BODIES: dict[Any, type] = {ApiError.openai_body: OpenAIError,
+                                  ApiError.cohere_body: CohereError,
+                                  ApiError.tei_body: TEIError}
+"""Each error shape's schema, by the ApiError method that writes it."""
 
 
 class Rank(TypedDict, total=False):
@@ -129,6 +142,32 @@ class RerankList(TypedDict):
     results: list[RerankResult]
     model: str
     usage: OpenAIUsage
+
+
+class RerankV2Result(TypedDict):
+    index: int
+    relevance_score: float
+
+
+class CohereVersion(TypedDict):
+    version: str
+
+
+class CohereBilled(TypedDict):
+    input_tokens: int
+
+
+class CohereMeta(TypedDict):
+    api_version: CohereVersion
+    billed_units: CohereBilled
+
+
+class RerankV2Answer(TypedDict):
+    """``POST /v2/rerank``'s answer: Cohere's ``V2RerankResponse``, best first."""
+
+    id: str
+    results: list[RerankV2Result]
+    meta: CohereMeta
 
 
 class ModelCard(TypedDict):
@@ -241,8 +280,7 @@ def _complete(spec: dict[str, Any]) -> None:
             name = path.strip("/").replace("/", "_").replace("{", "").replace("}", "")
             operation["operationId"] = f"{method}_{name or 'root'}"
             route = ROUTES.get((method, path))
-            error = route.error if route else (OpenAIError if path.startswith("/v1/")
-                                               else TEIError)
+            error = route.error if route else ERROR_BODIES[body_for(path)]
             if path == "/metrics":
                 operation["responses"] = {"200": {
                     "description": "Prometheus text",

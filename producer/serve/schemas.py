@@ -94,6 +94,9 @@ class OpenAIEmbeddings(Body):
     """Infinity's: ``image`` and ``audio`` inputs are refused, only text is served."""
     prompt_name: str | None = None
     """Not OpenAI's (send it in ``extra_body``): the model's named prompt, as TEI's ``/embed``."""
+    truncate: bool | None = None
+    """Not OpenAI's (send it in ``extra_body``), TEI's: false refuses an input over the
+    model's limit (422 naming it) instead of cutting it; None: the queue's policy."""
 
 
 class TEIEmbed(Body):
@@ -148,6 +151,8 @@ def openai_job(body: OpenAIEmbeddings) -> Job:
     options: dict[str, Any] = {"dimensions": body.dimensions} if body.dimensions else {}
     if body.prompt_name is not None:
         options["prompt_name"] = body.prompt_name
+    if body.truncate is not None:
+        options["truncate"] = body.truncate
     return Job(list(texts), options)  # type: ignore[arg-type]
 
 
@@ -257,6 +262,15 @@ def openai_answer(
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+TRUNCATED_HEADER = "x-tokenq-truncated"
+"""How many of a request's inputs the workers cut to the model's limit (``/v1/embeddings``)."""
+
+
+def truncation_headers(results: Sequence[Result]) -> dict[str, str]:
+    """:data:`TRUNCATED_HEADER`: the inputs whose replies say the model read them cut."""
+    return {TRUNCATED_HEADER: str(sum(1 for result in results if result.truncated))}
 
 
 def _base64_le(vector: array.array) -> str:

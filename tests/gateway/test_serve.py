@@ -37,6 +37,7 @@ import redis
 
 from tests.cli_support import DIM, MAX_INPUT
 from tests.redis_server import RedisServer, free_port
+from tests.serve_process import README, README_URL, doc_code, run_doc_code, start_gateway
 from tests.workers import WorkerProcess
 from tokenq.producer import AsyncClient, Result
 from tokenq.shared.settings import ServeSettings
@@ -126,6 +127,66 @@ def test_tei_embed_info_health_and_ready(sim_worker, redis_url, queue_name):
         assert 'tokenq_serve_requests_total{route="/embed",status="200"} 3.0' in metrics
         assert 'tokenq_serve_requests_total{route="/embed",status="422"} 5.0' in metrics
         assert 'tokenq_serve_requests_total{route="/embed",status="400"} 1.0' in metrics
+
+
+def test_the_readmes_first_gateway_example_runs_as_written_offline(
+    sim_worker, redis_url, queue_name, spawn, tmp_path, monkeypatch
+):
+    pytest.importorskip("langchain_openai")
+    import tiktoken
+
+    def download(*args, **kwargs):
+        raise AssertionError("the README's example must not need tiktoken's tables")
+    monkeypatch.setattr(tiktoken, "get_encoding", download)  # what an offline machine gets
+    monkeypatch.setattr(tiktoken, "encoding_for_model", download)
+    sim_worker()
+    url = start_gateway(spawn, redis_url, queue_name, tmp_path / "serve.log")
+    code = doc_code(README, "Using it", containing="base_url=")  # its block of gateway calls
+    names = run_doc_code(code, {README_URL: url}, "README.md (the gateway's example)")
+    assert_vectors([item.embedding for item in names["vectors"].data], ["hello", "world"])
+    assert_vectors(names["documents"], ["hello", "world"])
+
+
+def test_over_length_input_is_cut_and_said_so_or_refused_when_asked(
+    sim_worker, redis_url, queue_name
+):
+    limit = 16
+    sim_worker("--sim-max-input-tokens", str(limit), "--policy", "truncate")
+    short, long, over = "a short one", "word " * 40, "w " * (limit - 1)  # 42 and 17 tokens
+    exact = "w " * (limit - 2)  # the limit's length: read whole, not cut
+    assert encode(long).length > encode(over).length > limit == encode(exact).length
+    with gateway(redis_url, queue_name) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                               http_client=http, max_retries=0)
+        texts = [short, long, exact, over]
+        raw = client.embeddings.with_raw_response.create(model="m", input=texts)
+        assert raw.headers["x-tokenq-truncated"] == "2"  # long and over
+        created = raw.parse()
+        for item, text in zip(created.data, texts, strict=True):
+            np.testing.assert_allclose(item.embedding, expected_vector(text, DIM, limit),
+                                       atol=1e-6)
+        read = encode(short).length + 3 * limit  # the tokens the model read: two cut
+        assert created.usage.prompt_tokens == created.usage.total_tokens == read
+        whole = client.embeddings.with_raw_response.create(model="m", input=[short, exact])
+        assert whole.headers["x-tokenq-truncated"] == "0"
+        # truncate: false (TEI's field, in extra_body) refuses instead, naming the limit:
+        # far over, the gateway's estimate refuses it with its index before queueing ...
+        with pytest.raises(openai.UnprocessableEntityError) as far:
+            client.embeddings.create(model="m", input=[short, long],
+                                     extra_body={"truncate": False})
+        assert far.value.body["code"] == "too_long" and far.value.body["param"] == "input"
+        assert "[1]" in far.value.message and f"limit of {limit}" in far.value.message
+        assert "truncate: false" in far.value.message
+        # ... and just over, the worker's exact count does
+        with pytest.raises(openai.UnprocessableEntityError) as near:
+            client.embeddings.create(model="m", input=[over], extra_body={"truncate": False})
+        assert near.value.body["code"] == "too_long"
+        assert f"{encode(over).length} tokens, over the model's limit of {limit}" in \
+            near.value.message
+        kept = client.embeddings.with_raw_response.create(
+            model="m", input=[short, exact], extra_body={"truncate": False})
+        assert kept.headers["x-tokenq-truncated"] == "0"
+        assert kept.parse().usage.prompt_tokens == encode(short).length + limit
 
 
 def test_each_error_status_comes_from_its_real_condition(sim_worker, redis_url, queue_name):

@@ -216,6 +216,7 @@ def test_rerank_answers_are_bounded_by_the_body(sim_worker, gateway):
     for path, body in [
         ("/rerank", _body(query="a", texts=texts, return_text=True)),
         ("/v1/rerank", _body(query="a", documents=texts, model="m", return_documents=True)),
+        ("/v2/rerank", _body(query="a", documents=texts, model="m")),
     ]:
         assert len(body) <= MAX_BODY
         measured = served.measure(path, body)

@@ -18,6 +18,8 @@ pytest_plugins = ("tests.cli_fixtures",)
 testclient = pytest.importorskip("fastapi.testclient")
 pytest.importorskip("schemathesis")
 from tokenq.producer.serve.app import create_app  # noqa: E402  (after the skips)
+from tokenq.producer.serve.errors import body_for  # noqa: E402
+from tokenq.producer.serve.openapi import ERROR_BODIES  # noqa: E402
 
 EMBEDDER_ROUTES = ("/embed", "/similarity", "/tokenize", "/decode", "/", "/info", "/health",
                    "/metrics", "/embed_all")
@@ -49,10 +51,12 @@ def test_every_route_declares_its_body_its_answer_and_its_errors():
             for status, response in responses.items():
                 if status != "200":
                     schema = response["content"]["application/json"]["schema"]
-                    assert schema.get("$ref", "").endswith(("TEIError", "OpenAIError")), where
+                    family = ERROR_BODIES[body_for(path)].__name__  # by the path's prefix
+                    assert schema.get("$ref", "") == f"#/components/schemas/{family}", where
     schemas = spec["components"]["schemas"]
     assert schemas["TEIError"]["required"] == ["error", "error_type"]
     assert set(schemas["OpenAIErrorDetail"]["required"]) == {"message", "type", "param", "code"}
+    assert schemas["CohereError"]["required"] == ["message"]
     assert schemas["TEIEmbed"]["properties"]["inputs"].get("anyOf"), "inputs has no shape"
 
 

@@ -58,7 +58,24 @@ def test_openai_bodies_become_texts_and_dimensions():
     assert schemas.openai_job(whole).options == {}
 
 
+def test_openai_truncate_is_sent_only_when_given():
+    refuse = body(schemas.OpenAIEmbeddings, {"model": "m", "input": "a", "truncate": False})
+    assert schemas.openai_job(refuse).options == {"truncate": False}
+    cut = body(schemas.OpenAIEmbeddings, {"model": "m", "input": "a", "truncate": True})
+    assert schemas.openai_job(cut).options == {"truncate": True}
+    assert "truncate" not in schemas.openai_job(
+        body(schemas.OpenAIEmbeddings, {"model": "m", "input": "a"})).options
+
+
+def test_the_truncated_header_counts_the_replies_that_say_cut():
+    results = [Result(id=str(n), embedding=None, dim=None, scores=None, tokens=8, truncated=cut)
+               for n, cut in enumerate((False, True, True))]
+    assert schemas.truncation_headers(results) == {schemas.TRUNCATED_HEADER: "2"}
+    assert schemas.truncation_headers(results[:1]) == {schemas.TRUNCATED_HEADER: "0"}
+
+
 @pytest.mark.parametrize(("value", "field"), [
+    ({"model": "m", "input": "a", "truncate": "no"}, "truncate"),
     ({"model": "m", "input": "a", "dimensions": -1}, "dimensions"),
     ({"model": "m", "input": "a", "dimensions": True}, "dimensions"),
     ({"model": "m", "input": "a", "dimensions": 8.5}, "dimensions"),

@@ -185,6 +185,21 @@ def test_truncation_keeps_the_special_tokens(embed: HFBackend, reference: Simple
         embed.tokenize(texts([long_text]), 2)
 
 
+def test_an_encoding_says_whether_truncation_cut_it(
+    embed: HFBackend, dirs: SimpleNamespace,
+) -> None:
+    """Under, exactly at and over the limit: only the input that lost tokens is ``truncated``,
+    from the tokenizer's own call (the worker never tokenizes it again to tell)."""
+    under, at, over = (" ".join(["fox"] * n) for n in (5, 8, 9))  # 2 special tokens each
+    encodings = embed.tokenize(texts([under, at, over]), 10)
+    assert [e.length for e in encodings] == [7, 10, 10]
+    assert [e.truncated for e in encodings] == [False, False, True]
+    assert not any(e.truncated for e in embed.tokenize(texts([over]), None))
+    pair = load(dirs.rerank, task="rerank").tokenize(
+        [TextInput("hello", " ".join(["fox"] * 80)), TextInput("hello", "fox")], 16)
+    assert [e.truncated for e in pair] == [True, False]
+
+
 def test_run_refuses_rows_longer_than_the_model(embed: HFBackend) -> None:
     too_long = embed.tokenize(texts([" ".join(["fox"] * 100)]), None)[0]
     with pytest.raises(ValueError, match="row 1 has 102 tokens"):

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from tests.cli_support import tokenq
+from tests.cli_support import interrupted_at, tokenq
 from tests.faults.test_acl import documented_rules
 from tests.support import DIM, MAX_INPUT, wait_for
 from tokenq.producer import Result
@@ -107,7 +107,8 @@ def test_failed_rows_are_nan_in_npy_with_an_errors_file(
     source = tmp_path / "in.txt"
     source.write_text("first line\n\n   \nlast line\n")
     out = tmp_path / "out.npy"
-    code, _ = embed(capsys, redis_url, queue_name, str(source), "--output", str(out))
+    code, _ = embed(capsys, redis_url, queue_name, str(source), "--output", str(out),
+                    "--blank", "error")
     assert code == 1
     matrix = np.load(out)
     assert matrix.shape == (4, DIM)
@@ -152,22 +153,17 @@ def test_interruptions_at_any_point_lose_nothing_and_double_nothing(
 
     def interrupted(sig: signal.Signals, ready: object, settle_s: float = 0.0) -> str:
         started = rows_run()
-        process = subprocess.Popen([sys.executable, "-m", "tokenq.shared.cli", *args],
-                                   env=env, stderr=subprocess.PIPE, text=True)
-        try:
+
+        def when() -> None:
             # ``ready`` sees how many rows the worker ran since this run started.
             wait_for(lambda: partial.exists() and ready(rows_run() - started), timeout=30,
                      what="the point to interrupt at")
             # Rows the worker ran are published at once, but the client takes them a
             # moment later: on a loaded machine, give it that moment (about two batches).
             time.sleep(settle_s)
-            process.send_signal(sig)
-            _, err = process.communicate(timeout=30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
-        assert process.returncode == 130, err
+
+        code, err = interrupted_at(args, env, sig, when)
+        assert code == 130, err
         assert "run the same command again to resume" in err and "Traceback" not in err
         assert not out.exists()
         return err
@@ -207,7 +203,7 @@ def test_a_resume_sends_only_what_no_earlier_run_saved(
     # What an interrupted run leaves: chunk 0 finished, and rows 20-24 of chunk 1.
     checkpoint = Checkpoint(out, {"version": 1, **Checkpoint.describe_input(str(source)),
                                   "format": "text", "field": None, "chunk_size": 20,
-                                  "queue": queue_name, "prefix": "tokenq"})
+                                  "blank": "skip", "queue": queue_name, "prefix": "tokenq"})
     checkpoint.open(restart=False)
     checkpoint.set_dim(DIM)
     checkpoint.write_chunk(0, [Row(i, None, vector=whole[i].tolist(), tokens=1) for i in range(20)])
@@ -356,19 +352,28 @@ def test_progress_goes_to_stderr(sim_worker, queue_name, tmp_path, worker_env):
 
 
 class _Gated:
-    """A client whose ``infer_many`` answers a group only once the test opens its gate."""
+    """A client whose ``results`` answers a group only once the test opens its gate."""
 
     def __init__(self) -> None:
         self.gates: dict[str, threading.Event] = {}
+        self.texts: dict[str, str] = {}
         self.lock = threading.Lock()
 
     def gate(self, first_text: str) -> threading.Event:
         with self.lock:
             return self.gates.setdefault(first_text, threading.Event())
 
-    def infer_many(self, texts: list[str], **_: object) -> list[Result]:
-        assert self.gate(texts[0]).wait(30), "the test never opened this group's gate"
-        return [Result(text, array.array("f", [1.0, 0.0]), 2, None, 1) for text in texts]
+    def submit_many(self, texts: list[str], *, unique: list[str], **_: object) -> list[str]:
+        with self.lock:
+            self.texts.update(zip(unique, texts, strict=True))
+        return unique
+
+    def results(self, ids: list[str], *_: object, **__: object) -> list[Result]:
+        assert self.gate(self.texts[ids[0]]).wait(30), "the test never opened this group's gate"
+        return [Result(i, array.array("f", [1.0, 0.0]), 2, None, 1) for i in ids]
+
+    def forget(self, ids: list[str]) -> None:
+        pass
 
 
 class _Seen:
@@ -588,7 +593,7 @@ def test_a_crash_at_any_step_of_completion_leaves_what_a_rerun_finishes(
     status (one input failed), and leaves nothing behind."""
     sim_worker()
     lines = texts(10, seed=9)
-    lines[1] = ""  # one bad_input row: the errors file is part of the output
+    lines[1] = ""  # one bad_input row (--blank error): the errors file is part of the output
     source = tmp_path / "in.txt"
     source.write_text("\n".join(lines) + "\n")
     assemble = embed_io.Checkpoint.assemble
@@ -605,7 +610,7 @@ def test_a_crash_at_any_step_of_completion_leaves_what_a_rerun_finishes(
             patch.setattr(embed_io.Checkpoint, "assemble", armed)
             try:
                 code, err = embed(capsys, redis_url, queue_name, str(source), "--output",
-                                  str(out), "--chunk-size", "4")
+                                  str(out), "--chunk-size", "4", "--blank", "error")
             except Crash:
                 capsys.readouterr()
             else:
@@ -621,7 +626,7 @@ def test_a_crash_at_any_step_of_completion_leaves_what_a_rerun_finishes(
         out = folder / "out.npy"
         assert crashing_run(at, out).armed
         code, err = embed(capsys, redis_url, queue_name, str(source), "--output", str(out),
-                          "--chunk-size", "4")
+                          "--chunk-size", "4", "--blank", "error")
         assert code == 1, (at, err)
         assert ("already complete" in err and "1 input failed" in err) or "wrote" in err, err
         said.append("complete" if "already complete" in err else "wrote")

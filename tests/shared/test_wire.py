@@ -10,6 +10,7 @@ cannot drift apart silently.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import struct
 from collections.abc import Mapping
@@ -304,6 +305,13 @@ def test_validate_text_accepts_real_text(text: str) -> None:
 
 @st.composite
 def replies(draw: st.DrawFn) -> Reply:
+    reply = draw(plain_replies())
+    return dataclasses.replace(reply, truncated=True) if reply.ok and draw(st.booleans()) \
+        else reply
+
+
+@st.composite
+def plain_replies(draw: st.DrawFn) -> Reply:
     request_id = draw(ids)
     tokens = draw(st.none() | st.integers(min_value=0, max_value=2**32))
     kind = draw(st.sampled_from(["embedding", "scores", "sparse", "tokens", "error"]))
@@ -416,6 +424,11 @@ def test_reply_map_layout_is_what_the_protocol_documents() -> None:
         packed = msgpack.packb({"id": "b", "ok": True, "scores": [0.5, 0.5], "labels": bad})
         with pytest.raises(DecodeError, match="one string per score"):
             wire.decode_reply(packed)
+    cut = wire.encode_embedding_reply("a", embedding, 2, tokens=3, truncated=True)
+    assert msgpack.unpackb(cut) == {"id": "a", "ok": True, "embedding": embedding, "dim": 2,
+                                    "tokens": 3, "truncated": True}  # sent only when true
+    assert wire.decode_reply(cut).truncated and not wire.decode_reply(
+        wire.encode_embedding_reply("a", embedding, 2, tokens=3)).truncated
     body = msgpack.unpackb(wire.encode_reply(wire.error_reply("c", "too_long", "5000 > 512")))
     assert body == {"id": "c", "ok": False, "error": {"code": "too_long", "message": "5000 > 512"}}
 
@@ -477,6 +490,7 @@ def test_random_msgpack_only_raises_decode_error(body: Any) -> None:
         {"id": "a", "ok": True, "embedding": b"\x00" * 4},
         {"id": "a", "ok": True, "scores": [1.0], "tokens": "lots"},
         {"id": "a", "ok": True, "scores": [1.0], "tokens": -1},
+        {"id": "a", "ok": True, "scores": [1.0], "truncated": 1},
     ],
 )
 def test_malformed_replies_are_decode_errors(body: Any) -> None:

@@ -122,6 +122,37 @@ def test_vector_follows_the_tokens_kept_after_truncation() -> None:
     assert not np.allclose(truncated, expected_vector(long_text, 16))
 
 
+@given(st.integers(0, 40), st.integers(0, 40), st.integers(4, 30), st.booleans())
+def test_an_encoding_is_truncated_exactly_when_tokens_were_cut(
+    first: int, second: int, max_length: int, paired: bool,
+) -> None:
+    text = " ".join(f"w{i}" for i in range(first))
+    pair = " ".join(f"p{i}" for i in range(second)) if paired else None
+    whole, cut = sim.encode(text, pair), sim.encode(text, pair, max_length)
+    assert cut.truncated == (whole.length > max_length) and not whole.truncated
+
+
+def test_the_pipeline_asks_the_tokenizer_again_only_when_an_encoding_cannot_tell() -> None:
+    """``truncated`` from the backend is taken as it is; an encoding without it, at the
+    limit, is tokenized again whole (once, for those only) to tell."""
+    from types import SimpleNamespace
+
+    from tokenq.worker.pipeline.pipeline import Pipeline
+
+    calls: list[int] = []
+
+    def tokenize(inputs, max_length):
+        calls.append(len(inputs))
+        return [SimpleNamespace(length=len(item.text.split()) + 2) for item in inputs]
+
+    stub = SimpleNamespace(tokenizer=SimpleNamespace(tokenize=tokenize))
+    inputs = [TextInput(" ".join(["w"] * n)) for n in (3, 8, 8, 9)]
+    told = [sim.encode(item.text, None, 10) for item in inputs]
+    assert Pipeline._cut(stub, inputs, told, 10) == {3} and calls == []
+    bare = [SimpleNamespace(length=min(e.length, 10)) for e in told]
+    assert Pipeline._cut(stub, inputs, bare, 10) == {3} and calls == [3]  # the three at 10
+
+
 def test_run_returns_expected_vectors_in_order() -> None:
     backend = SimBackend(dim=24, max_input_tokens=16)
     inputs = [TextInput(t) for t in ["short", "a somewhat longer text here", "日本語", "x " * 50]]

@@ -114,7 +114,11 @@ class TextInput:
 
 
 class Encoding(Protocol):
-    """A tokenized input; only its length matters to the worker."""
+    """A tokenized input; only its length matters to the worker.
+
+    It may also carry ``truncated`` (bool): whether ``max_length`` cut it.
+    Without it the worker tokenizes an input at the limit again to tell.
+    """
 
     @property
     def length(self) -> int:

@@ -220,6 +220,8 @@ class SimEncoding:
     """The original input carried :data:`SIM_NAN_MARKER`."""
     hang: bool = False
     """The original input carried :data:`SIM_HANG_MARKER`."""
+    truncated: bool = False
+    """``max_length`` cut the input."""
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -296,6 +298,7 @@ def encode(text: str, text_pair: str | None = None, max_length: int | None = Non
         fail=any(SIM_FAIL_MARKER in t for t in texts),
         nan=any(SIM_NAN_MARKER in t for t in texts),
         hang=any(SIM_HANG_MARKER in t for t in texts),
+        truncated=keep + keep_pair < tokens.count + (0 if pair is None else pair.count),
     )
 
 

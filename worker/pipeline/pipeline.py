@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, Literal, TypeVar
 
 import numpy as np
@@ -113,6 +113,8 @@ class Job(Generic[K]):
     chunk: ChunkGroup | None = None
     chunk_index: int = 0
     options: RequestOptions = NO_OPTIONS
+    truncated: bool = False
+    """The encoding is the input cut to the model's limit (the reply says so)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -123,6 +125,7 @@ class Outcome(Generic[K]):
     request: wire.Request
     result: np.ndarray | Failure
     tokens: int = 0
+    truncated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -310,11 +313,43 @@ class Pipeline(Generic[K]):
                 return
             out.answered.append(self._failed(items[0][0], *_tokenizer_failure(exc)))
             return
-        for (item, options), encoding in zip(items, encodings, strict=True):
-            self._place(item, options, encoding, out)
+        cut = self._cut(inputs, encodings, max_length)
+        for index, ((item, options), encoding) in enumerate(zip(items, encodings, strict=True)):
+            self._place(item, options, encoding, out, truncated=index in cut)
+
+    def _cut(self, inputs: Sequence[TextInput], encodings: Sequence[Encoding],
+             max_length: int | None) -> set[int]:
+        """The indices of the inputs ``max_length`` cut.
+
+        A backend's encoding may say so itself (``truncated``); one that does
+        not is tokenized again whole, if it is at the limit (one call for
+        those only), to tell a cut input from one exactly the limit's length.
+        If that fails, each of them counts as cut.
+        """
+        if max_length is None:
+            return set()
+        cut: set[int] = set()
+        unknown: list[int] = []
+        for index, encoding in enumerate(encodings):
+            if getattr(encoding, "length", 0) < max_length:
+                continue
+            known = getattr(encoding, "truncated", None)
+            if known is None:
+                unknown.append(index)
+            elif known:
+                cut.add(index)
+        if not unknown:
+            return cut
+        try:
+            whole = self.tokenizer.tokenize([inputs[index] for index in unknown], None)
+            return cut | {index for index, encoding in zip(unknown, whole, strict=True)
+                          if encoding.length > max_length}
+        except Exception:  # a backend's tokenizer failing here must not fail the request
+            return cut | set(unknown)
 
     def _place(
-        self, item: Admit[K], options: RequestOptions, encoding: Encoding, out: Admitted[K]
+        self, item: Admit[K], options: RequestOptions, encoding: Encoding, out: Admitted[K],
+        truncated: bool = False,
     ) -> None:
         """Apply the over-length policy to one tokenized request."""
         length = getattr(encoding, "length", None)
@@ -331,7 +366,7 @@ class Pipeline(Generic[K]):
                     f"reply's limit of {wire.MAX_TOKEN_EMBEDDING_FLOATS} floats: send less text",
                 ))
                 return
-            out.jobs.append(self._job(item, options, encoding))
+            out.jobs.append(self._job(item, options, encoding, truncated=truncated))
             return
         if self._windowing is not None and self.policy == "chunk" and not options.output_tokens \
                 and item.request.text_pair is None and options.truncate is not True:
@@ -357,9 +392,10 @@ class Pipeline(Generic[K]):
 
     @staticmethod
     def _job(item: Admit[K], options: RequestOptions, encoding: Encoding,
-             chunk: ChunkGroup | None = None, chunk_index: int = 0) -> Job[K]:
+             chunk: ChunkGroup | None = None, chunk_index: int = 0,
+             truncated: bool = False) -> Job[K]:
         return Job(item.ref, item.request, encoding, item.deadline_ms, item.arrived_ms,
-                   chunk, chunk_index, options)
+                   chunk, chunk_index, options, truncated)
 
     @staticmethod
     def _failed(
@@ -407,7 +443,7 @@ class Pipeline(Generic[K]):
                  if job.chunk is None and not isinstance(result, Failure)]
         if len(whole) == len(jobs):  # the common case: every request whole and answered
             rows = self.finisher.finish(results, [job.options for job in jobs])  # type: ignore[arg-type]
-            return [Outcome(job.ref, job.request, row, job.encoding.length)
+            return [Outcome(job.ref, job.request, row, job.encoding.length, job.truncated)
                     for job, row in zip(jobs, rows, strict=True)]
         finished: dict[int, np.ndarray] = {}
         if whole:
@@ -421,7 +457,8 @@ class Pipeline(Generic[K]):
             group = job.chunk
             if group is None:
                 answer = finished.get(index, result)
-                out.append(Outcome(job.ref, job.request, answer, job.encoding.length))
+                out.append(Outcome(job.ref, job.request, answer, job.encoding.length,
+                                   job.truncated))
                 continue
             if group.complete:
                 continue  # an earlier window already failed the request
@@ -450,7 +487,8 @@ class Pipeline(Generic[K]):
             by_width: dict[int, list[int]] = {}
             for index, outcome in enumerate(outcomes):
                 result = outcome.result
-                if isinstance(result, np.ndarray) and result.ndim == 1 and result.shape[0]:
+                if isinstance(result, np.ndarray) and result.ndim == 1 and result.shape[0] \
+                        and not outcome.truncated:  # a cut input's reply says so: one by one
                     by_width.setdefault(result.shape[0], []).append(index)
             for indices in by_width.values():
                 if len(indices) == len(outcomes):  # one width for all: nothing to scatter
@@ -484,12 +522,18 @@ class Pipeline(Generic[K]):
         if self.info.embeds and not isinstance(result, Failure) and result.ndim == 1:
             vector = np.ascontiguousarray(result, dtype="<f4")
             return wire.encode_embedding_reply(
-                outcome.request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens
+                outcome.request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens,
+                truncated=outcome.truncated,
             ), True
         reply = self.reply(outcome)
         return wire.encode_reply(reply), reply.ok
 
     def reply(self, outcome: Outcome[K]) -> wire.Reply:
+        """The wire reply for a finished request, saying whether its input was cut."""
+        reply = self._reply(outcome)
+        return replace(reply, truncated=True) if outcome.truncated and reply.ok else reply
+
+    def _reply(self, outcome: Outcome[K]) -> wire.Reply:
         """The wire reply for a finished request: an embedding or scores, or the error."""
         request, result = outcome.request, outcome.result
         if isinstance(result, Failure):

@@ -242,11 +242,13 @@ class HFBackend:
                 )
                 # Measured under the same lock: it tokenizes with truncation too.
                 prompts = {p: self._prompt_lengths(p) for p in {inputs[i].prompt for i in indices}}
+            rust = batch.encodings  # None for a slow tokenizer: then truncation is unknown
             for row, i in enumerate(indices):
                 type_ids = tuple(batch["token_type_ids"][row]) if is_pair else None
                 prompt_length = prompts[inputs[i].prompt]
-                out[i] = HFEncoding(tuple(batch["input_ids"][row]), type_ids, prompt_length,
-                                    tokens=inputs[i].tokens)
+                ids = tuple(batch["input_ids"][row])
+                out[i] = HFEncoding(ids, type_ids, prompt_length, tokens=inputs[i].tokens,
+                                    truncated=_cut(rust, row, len(ids), max_length))
         return [enc for enc in out if enc is not None]
 
     def windows(self, encoding: HFEncoding, max_length: int, overlap: int) -> list[HFEncoding]:
@@ -535,3 +537,10 @@ def is_device_lost(exc: BaseException) -> bool:
     """Whether ``exc`` is a CUDA error no later call on this process can recover from."""
     message = str(exc)
     return "CUDA error" in message and any(part in message for part in _STICKY_CUDA_ERRORS)
+
+
+def _cut(rust: list | None, row: int, length: int, max_length: int | None) -> bool | None:
+    """Whether truncation cut row ``row``: the Rust encoding keeps what it cut as overflow."""
+    if max_length is None or length < max_length:
+        return False
+    return None if rust is None else bool(rust[row].overflowing)

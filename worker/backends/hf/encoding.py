@@ -28,6 +28,8 @@ class HFEncoding:
     ``include_prompt: false`` pools without them; a window repeats them."""
     tokens: bool = False
     """Answer the last hidden state of every token, not the pooled vector (``output: tokens``)."""
+    truncated: bool | None = False
+    """The tokenizer cut the input to ``max_length``; None where it cannot tell (a slow one)."""
 
     @property
     def length(self) -> int:
