@@ -63,7 +63,6 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         "an HTTP gateway: OpenAI and TEI APIs over queues", "serve"),
 }
 
-
 S = TypeVar("S")
 
 
