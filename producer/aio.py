@@ -54,6 +54,7 @@ from tokenq.producer.core import (
 from tokenq.producer.tokenizer import TokenizerEstimator, load_estimator
 from tokenq.shared import functions
 from tokenq.shared.errors import TokenqError
+from tokenq.shared.failures import error_text
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -131,13 +132,8 @@ class AsyncClient(ProducerBase):
         await self._redis.aclose()
 
     async def _stop_listener(self, key: str, listener: asyncio.Task[None]) -> None:
-        """End a listener without cutting short its removal of replies it delivered.
-
-        A listener between delivering replies and their ``LTRIM`` is left to
-        finish (it then sees ``_closing`` and ends): cancelling it there
-        would leave answered replies on Redis until their TTL. Anywhere else
-        it has removed nothing it holds, so it is cancelled at once.
-        """
+        """End a listener, letting one between delivering replies and their ``LTRIM`` finish
+        (cancelled there, answered replies would stay on Redis until their TTL)."""
         if listener.done():
             return
         if key in self._trimming:
@@ -157,7 +153,7 @@ class AsyncClient(ProducerBase):
         try:
             await self._attempt(time.monotonic() + _WAKE_WAIT_S, self._push_wake, key)
         except redis.RedisError as exc:  # down, or an ACL without RPUSH: closing must not fail
-            log.debug("could not wake the reply listener (%s); it stops after its wait", exc)
+            log.debug("reply listener not woken (%s); it stops after its wait", error_text(exc))
 
     async def _push_wake(self, key: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -208,11 +204,7 @@ class AsyncClient(ProducerBase):
         self, request_ids: Sequence[str], timeout_s: float | None = None, *,
         return_exceptions: bool = False, keep: bool = False,
     ) -> list[Any]:
-        """Wait for several submitted requests' replies (one pooled connection while waiting).
-
-        ``keep``: leave the replies on their keys for another reader of the
-        same ids (they expire with the worker's ``reply_ttl_s``; :meth:`forget` drops them).
-        """
+        """Wait for several requests' replies; ``keep`` leaves them for :meth:`forget` (or TTL)."""
         call = calls.results(self._core, request_ids, timeout_s, return_exceptions, keep)
         return await self._run(call)
 
@@ -221,8 +213,7 @@ class AsyncClient(ProducerBase):
         await self._run(calls.forget_replies(self._core, request_ids))
 
     async def command(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """One Redis command (a redis-py method's name) on this client's pool, bounded by
-        ``settings.timeout_s``: for keys a caller keeps beside the queue's (the gateway's)."""
+        """One redis-py command by name, bounded by ``timeout_s`` (keys kept beside the queue's)."""
         return await self._run(calls.command(self._core, self._core.deadline(), name, *args,
                                              **kwargs))
 

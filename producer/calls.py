@@ -47,6 +47,7 @@ from tokenq.producer.replies import Outcome, Result
 from tokenq.producer.shards import ShardRetired, is_retired, shard_for
 from tokenq.shared import keys
 from tokenq.shared.errors import BrokerUnavailable
+from tokenq.shared.failures import error_text
 
 T = TypeVar("T")
 
@@ -483,7 +484,7 @@ def why_unanswered(core: ClientCore, missing: Sequence[str]) -> Call[str | None]
     try:
         alive = yield from live_workers(core, Deadline.after(LIVENESS_CHECK_S))
     except Exception as exc:  # a timeout's message must not become another error
-        log.debug("could not tell whether any worker is alive: %s", exc)
+        log.debug("could not tell whether any worker is alive: %s", error_text(exc))
         return None
     return None if alive else core.no_live_worker()
 
@@ -721,7 +722,8 @@ def retired_shards_named(
             if (yield from command(lane, deadline, "exists", keys.retired(lane.queue))):
                 retired.add(shard)
         except (ErrorReply, BrokerUnavailable) as exc:
-            log.debug("cannot tell whether shard %d is retired (%s): taken as not", shard, exc)
+            log.debug("cannot tell whether shard %d is retired (%s): taken as not", shard,
+                      error_text(exc))
     return frozenset(retired)
 
 

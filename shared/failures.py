@@ -68,6 +68,14 @@ _SCRIPT_NOISE = re.compile(
 """What Redis appends to an error raised inside a Lua script: the sha and the line."""
 
 
+def error_text(exc: BaseException) -> str:
+    """``Type: message`` on one line, or the exception's repr (``TimeoutError()``) when its
+    message is empty: what every log line and message that reports a caught exception says,
+    so none ends in a bare colon."""
+    text = one_line(str(exc))
+    return f"{type(exc).__name__}: {text}" if text else repr(exc)
+
+
 def is_wrong_type(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis's WRONGTYPE (also when a pipeline wrapped it)."""
     from redis import exceptions as redis

@@ -30,6 +30,7 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``updated_at``       Unix seconds of the last write (the worker's clock)
 ``dtype``            the weights' dtype as the backend runs them (``float32``, ``float16``, ...)
 ``tokenize_processes`` tokenizer child processes per worker (``--tokenize-processes``; 0: a thread)
+``pooling``          an embedding model's pooling (``mean``, ``cls``, ``mean+max``); absent: unknown
 ==================== ==================================================
 
 One derivation each way, so the worker and the producer cannot disagree on
@@ -83,6 +84,7 @@ class QueueConfig:
     tokenize_processes: int | None = None
     token_dim: int | None = None
     raw_vectors: bool | None = None
+    pooling: str | None = None
 
     @classmethod
     def parse(cls, raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
@@ -134,6 +136,7 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         tokenize_processes=_int(text, "tokenize_processes", minimum=0),
         token_dim=_int(text, "token_dim", minimum=1),
         raw_vectors=_FLAGS.get(text.get("raw_vectors", "").strip()),
+        pooling=text.get("pooling") or None,
     )
 
 
@@ -185,6 +188,8 @@ class ModelDescription(Protocol):
     def default_prompt_name(self) -> str | None: ...
     @property
     def token_dim(self) -> int | None: ...
+    @property
+    def pooling(self) -> str | None: ...
 
 
 def describe(
@@ -219,6 +224,7 @@ def describe(
         dtype=info.dtype,
         tokenize_processes=tokenize_processes,
         token_dim=info.token_dim,
+        pooling=info.pooling if embeds else None,
     )
 
 

@@ -15,6 +15,17 @@ def plural(n: int, word: str, words: str | None = None) -> str:
     return f"{n:,} {words}"
 
 
+def ratio(part: float, whole: float) -> float | None:
+    """``part / whole`` to four places; None over a zero ``whole``: padding over no batch
+    yet is not 100%, it is nothing to report."""
+    return round(part / whole, 4) if whole else None
+
+
+def percent(value: float | None) -> str:
+    """``91.3%``, or ``-`` for a :func:`ratio` that has nothing under it yet."""
+    return "-" if value is None else f"{value:.1%}"
+
+
 def one_line(text: str) -> str:
     """``text`` with its lines joined, for one-line reports."""
     return " ".join(part.strip() for part in text.splitlines() if part.strip())

@@ -5,7 +5,7 @@ thread, always, so a slow tokenizer never held the event loop. With a cheap
 tokenizer and short text that hop is most of the cost: the thread and the
 loop take turns at the GIL, and the loop, interrupted in smaller steps,
 publishes and hands the device smaller batches. Measured with the null
-backend (docs/BENCHMARKS.md §14, eighth round), admitting on the loop took
+backend (docs/BENCHMARKS.md, "cpu"), admitting on the loop took
 about a tenth off the worker's CPU per request.
 
 So each read goes where its predicted cost says: on the loop when the

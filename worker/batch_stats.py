@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tokenq.shared.text import plural
+from tokenq.shared.text import plural, ratio
 
 log = logging.getLogger("tokenq.worker")
 
@@ -93,12 +93,16 @@ class WorkerStats:
             "batches": self.batches,
             "tokens": self.tokens,
             "padded_tokens": self.padded_tokens,
-            "padding_efficiency": round(self.padding_efficiency, 4),
+            "padding_efficiency": ratio(self.tokens, self.padded_tokens),  # None: no batch
             "device_s": round(self.device_ms / 1000.0, 3),
             "oom_splits": self.oom_splits,
             "reclaimed": self.reclaimed,
             "dead_lettered": self.dead_lettered,
         }
+
+
+def _two_places(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def exit_line(fields: dict[str, Any]) -> str:
@@ -107,7 +111,7 @@ def exit_line(fields: dict[str, Any]) -> str:
         f"worker {fields['worker']} stopped after {_duration(fields['uptime_s'])}: "
         f"{plural(fields['requests_ok'], 'request')} ok, {fields['requests_failed']:,} failed, "
         f"{plural(fields['batches'], 'batch')}, {plural(fields['tokens'], 'token')} "
-        f"(padding efficiency {fields['padding_efficiency']:.2f}), "
+        f"(padding efficiency {_two_places(fields['padding_efficiency'])}), "
         f"{fields['device_s']:,.1f}s on the device, {plural(fields['oom_splits'], 'OOM split')}, "
         f"{fields['reclaimed']:,} reclaimed, {fields['dead_lettered']:,} dead-lettered"
     )

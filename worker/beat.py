@@ -19,6 +19,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from tokenq.shared import keys
+from tokenq.shared.failures import error_text
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.worker import depth_probe, presence
 from tokenq.worker.clock import RedisClock
@@ -68,7 +69,7 @@ class Beat:
                 self._health.beat_finished()
             except RedisError as exc:
                 self._health.beat_finished(exc)
-                log.warning("heartbeat failed: %s", exc)
+                log.warning("heartbeat failed: %s", error_text(exc))
             except Exception:
                 # A heartbeat that stops lets other workers take this one's work;
                 # whatever went wrong, log it and keep beating.
@@ -91,7 +92,7 @@ class Beat:
         except RedisError as exc:
             if not self._depth_failed:
                 log.warning("queue depth metrics unavailable (%s); needs XLEN and "
-                            "XINFO GROUPS on %s", exc, streams_of(self.lanes))
+                            "XINFO GROUPS on %s", error_text(exc), streams_of(self.lanes))
             self._depth_failed = True
             return
         self._depth_failed = False
@@ -119,9 +120,9 @@ class Beat:
         for lane, exc in failed:
             if not isinstance(exc, (RedisError, asyncio.TimeoutError)):
                 raise exc
-            log.warning("heartbeat on %s failed: %s", lane.stream, exc or "no answer in time")
+            log.warning("heartbeat on %s failed: %s", lane.stream, error_text(exc))
         if len(failed) == len(self.lanes):
-            raise RedisError(f"no stream took the heartbeat: {failed[0][1] or 'no answer'}")
+            raise RedisError(f"no stream took the heartbeat: {error_text(failed[0][1])}")
 
     async def _beat_lane(
         self, lane: Lane, status: Heartbeat, ttl_ms: int, held: list[bytes]

@@ -12,7 +12,8 @@ Routes (anything else is 404):
 * ``GET /metrics`` — the Prometheus text (prometheus-client's own WSGI app:
   content negotiation, gzip); 404 when prometheus-client is not installed;
 * ``GET /livez``, ``GET /readyz`` — 200 ``ok``, or 503 with the reasons in
-  one plain-text line; the rules are :mod:`tokenq.worker.health`'s.
+  one plain-text line; the rules are :mod:`tokenq.worker.health`'s. ``/health``
+  and ``/ready`` (the gateway's names) answer the same.
 
 Port 0 (the default) means no endpoint at all.
 """
@@ -32,6 +33,12 @@ from tokenq.shared.errors import ConfigError
 from tokenq.worker.health import Health, Verdict
 
 log = logging.getLogger("tokenq.worker")
+
+LIVE_PATHS = ("/livez", "/health")
+"""Liveness, by the worker's name and the gateway's (``tokenq serve``), so one probe
+configuration fits both."""
+READY_PATHS = ("/readyz", "/ready")
+"""Readiness, likewise."""
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -62,9 +69,9 @@ def app(health: Health, metrics_app: WsgiApp | None) -> WsgiApp:
 
     def route(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
-        if path == "/livez":
+        if path in LIVE_PATHS:
             return probe(health.live(time.monotonic()), start_response)
-        if path == "/readyz":
+        if path in READY_PATHS:
             return probe(health.ready(time.monotonic()), start_response)
         if path == "/metrics" and metrics_app is not None:
             return metrics_app(environ, start_response)

@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from tokenq.shared import functions, keys, lua_scripts, redis_refusal
+from tokenq.shared.failures import error_text
 from tokenq.shared.redis_text import as_text
 
 log = logging.getLogger("tokenq.worker")
@@ -189,7 +190,8 @@ class Retirement:
         if q not in self._unremovable:
             self._unremovable.add(q)
             log.warning("cannot remove the drained retired shard %s (%s); it is still read, "
-                        "and stays until an operator fixes its keys", keys.requests(q), exc)
+                        "and stays until an operator fixes its keys", keys.requests(q),
+                        error_text(exc))
 
     async def _served(self, client: aioredis.Redis) -> int | None:
         """The highest shard count on record: ``shards_served``, or the config hash's count.
@@ -202,7 +204,7 @@ class Retirement:
             published = await client.hget(keys.config(self.queue), "shards")
         except NoPermissionError as exc:
             log.warning("cannot read %s (%s): retired shards of %r are not drained by this "
-                        "worker", keys.shards_served(self.queue), exc, self.queue.name)
+                        "worker", keys.shards_served(self.queue), error_text(exc), self.queue.name)
             return None
         return max(_count(recorded), _count(published))
 

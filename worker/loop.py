@@ -67,7 +67,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tokenq.shared import keys, wire
-from tokenq.shared.failures import failure_message
+from tokenq.shared.failures import error_text, failure_message
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
 from tokenq.worker import host_memory, presence, read_ahead
@@ -306,7 +306,7 @@ class Worker:
             try:
                 await asyncio.wait_for(self._leave(), STOP_GRACE_S)
             except (RedisError, asyncio.TimeoutError) as exc:
-                log.warning("could not deregister: %s", exc or "Redis did not answer")
+                log.warning("could not deregister: %s", error_text(exc))
             self._recorder.close()
             self._close_tokenizer_pool()
             if self._own_client and self._client is not None:
@@ -404,7 +404,7 @@ class Worker:
                     if stopping.is_set():
                         break
                     why = failure_message(exc, self.settings.redis_url,
-                                          self.settings.socket_timeout_s) or str(exc)
+                                          self.settings.socket_timeout_s) or error_text(exc)
                     log.warning("%s; retrying in %.1fs (a worker waits for Redis)",
                                 why.rstrip("."), delay)
                     await wait_event(stopping, delay)
@@ -437,12 +437,13 @@ class Worker:
         budget = self.plan.budget
         log.info(
             "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
-            "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s read_ahead=%d MiB",
+            "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s read_ahead=%d MiB%s",
             self.consumer, streams_of(self.lanes), info.model, info.task,
             info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
             self.plan.budget_reason, budget.max_batch_size, self.settings.linger_ms,
             self.plan.policy, self._intake.bytes.limit // (1024 * 1024),
+            f" pooling={info.pooling}" if info.pooling else "",
         )
 
     # ------------------------------------------------------------------------ run

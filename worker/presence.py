@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError
 
 from tokenq.shared import functions, keys, lua_scripts, redis_refusal
+from tokenq.shared.failures import error_text
 from tokenq.shared.heartbeat import Heartbeat, encode_heartbeat
 from tokenq.shared.queue_config import describe, encode_config
 from tokenq.worker.backends.base import BackendInfo
@@ -67,7 +68,7 @@ async def load_functions(client: aioredis.Redis) -> bool:
     except NoPermissionError as exc:
         log.warning("cannot load tokenq's Redis functions (%s): producers whose ACL allows "
                     "only FCALL will fail until an admin runs `tokenq functions load` or this "
-                    "worker's ACL gets +function|load (docs/SECURITY.md)", exc)
+                    "worker's ACL gets +function|load (docs/SECURITY.md)", error_text(exc))
         return False
 
 

@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
 
 from tokenq.shared import functions, redis_refusal
+from tokenq.shared.failures import error_text
 from tokenq.shared.packing import PackedArgs, bulk, bulk_format, takes_packed
 from tokenq.worker.pipeline.jobs import Answer
 
@@ -189,7 +190,7 @@ class Publisher:
                 if give_up():
                     log.warning(
                         "could not publish %d answers (%s) while stopping; leaving their "
-                        "entries pending for another worker", len(answers), exc,
+                        "entries pending for another worker", len(answers), error_text(exc),
                     )
                     return 0
                 failed += 1
@@ -221,7 +222,7 @@ class Publisher:
         log.log(
             logging.WARNING if first else logging.DEBUG,
             "could not publish %d answers: %s (%s); keeping them and their entries "
-            "pending, retrying with backoff until Redis takes them", n, what, exc,
+            "pending, retrying with backoff until Redis takes them", n, what, error_text(exc),
         )
 
 

@@ -40,7 +40,7 @@ room over 1 MiB entries allows about 240 a read, whatever their real size).
 Each read's round trip, admission and batches cost the worker per read, not
 per request, so the room is the lever on CPU per request with a fast model:
 60 entries a read cost a null worker a third more than 240, and 240 a fifth
-more than 960 (docs/BENCHMARKS.md §14). Hence the default room is a share of
+more than 960 (docs/BENCHMARKS.md, "cpu"). Hence the default room is a share of
 the memory the worker may use (:func:`auto_limit`), not a constant: a host
 with 32 GiB or more reads about 960 at a time, a small pod keeps a small
 bound. The count cap and ``read_ahead_budgets`` (tokens) bound reads anyway.

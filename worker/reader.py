@@ -36,6 +36,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import ErrorCode
+from tokenq.shared.failures import error_text
 from tokenq.worker import excess, presence
 from tokenq.worker.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
 from tokenq.worker.health import Health
@@ -252,7 +253,7 @@ class Reader:
                 raise
             log.warning("cannot check %s against max_queue_length (%s): entries written "
                         "around enqueue's limit are not refused by this worker",
-                        lane.stream, exc)
+                        lane.stream, error_text(exc))
             self._length_limit = 0
             return
         if not entries:
@@ -317,7 +318,7 @@ class Reader:
                 return
             except RedisError:
                 pass
-        log.warning("read failed (%s); retrying in %.1fs", exc, backoff)
+        log.warning("read failed (%s); retrying in %.1fs", error_text(exc), backoff)
         await wait_event(self._lifecycle.stopping, backoff)
 
     def _idle_expired(self) -> bool:

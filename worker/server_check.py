@@ -15,6 +15,8 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tokenq.shared.failures import error_text
+
 log = logging.getLogger("tokenq.worker")
 
 
@@ -24,7 +26,7 @@ async def check_server(client: aioredis.Redis) -> list[str]:
         policy = await client.config_get("maxmemory-policy")
         persistence = await client.config_get("appendonly")
     except RedisError as exc:
-        log.debug("cannot read the server's settings (%s); skipping the check", exc)
+        log.debug("cannot read the server's settings (%s); skipping the check", error_text(exc))
         return []
     warnings = []
     value = _value(policy, "maxmemory-policy")

@@ -53,7 +53,7 @@ from tokenq.shared.interrupts import unwrapped
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.queue_config import model_identity, parse_config
 from tokenq.shared.settings import EmbedSettings
-from tokenq.shared.text import one_line, plural
+from tokenq.shared.text import one_line, percent, plural
 
 _HEARTBEAT_WAIT_S = 3.0
 _BLANK_SHOWN = 5
@@ -359,7 +359,7 @@ def _summary(settings: EmbedSettings, tally: Tally, elapsed: float,
         lines.append(
             f"  workers (heartbeat deltas): {plural(round(workers['batches']), 'batch')}, "
             f"{plural(round(workers['tokens']), 'token')}, padding efficiency "
-            f"{workers['padding_efficiency']:.1%}, device {workers['device_ms'] / 1000:.2f}s")
+            f"{percent(workers['padding_efficiency'])}, device {workers['device_ms'] / 1000:.2f}s")
     if tally.failures or failed_rows:
         codes = ", ".join(f"{code} {n}" for code, n in tally.failures.most_common())
         where = (f"{settings.output}.errors.jsonl" if settings.output.suffix == ".npy"

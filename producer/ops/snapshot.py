@@ -32,7 +32,7 @@ from tokenq.shared.queue_config import parse_config
 from tokenq.shared.queue_depth import Depth, depth, total
 from tokenq.shared.redis_text import as_text
 from tokenq.shared.redis_url import redact as redact_url
-from tokenq.shared.text import plural
+from tokenq.shared.text import plural, ratio
 
 SNAPSHOT_VERSION = 1
 
@@ -423,7 +423,7 @@ def _worker_view(name: str, beat: Heartbeat, now: float) -> dict[str, Any]:
         "padded_tokens": beat.padded_tokens,
         "device_ms": round(beat.device_ms, 3),
         "oom_splits": beat.oom_splits,
-        "padding_efficiency": beat.padding_efficiency,
+        "padding_efficiency": ratio(beat.tokens, beat.padded_tokens),
         "uptime_s": round(max(at - started, 0.0), 3),
         "requests_per_s": round(beat.requests / uptime, 3) if running else 0.0,
         "tokens_per_s": round(beat.tokens / uptime, 3) if running else 0.0,
@@ -444,8 +444,7 @@ def _totals(workers: list[dict[str, Any]]) -> dict[str, Any]:
     totals["workers"] = len(workers)
     totals["requests_per_s"] = round(totals["requests_per_s"], 3)
     totals["tokens_per_s"] = round(totals["tokens_per_s"], 3)
-    padded = totals["padded_tokens"]
-    totals["padding_efficiency"] = round(totals["tokens"] / padded, 4) if padded else 1.0
+    totals["padding_efficiency"] = ratio(totals["tokens"], totals["padded_tokens"])
     return totals
 
 
@@ -472,7 +471,7 @@ def heartbeat_counters(r: redis.Redis, q: keys.QueueRef) -> dict[str, dict[str, 
 
 def counter_delta(
     before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Summed counter increase between two :func:`heartbeat_counters` readings.
 
     A worker that appeared in between counts from zero; one that left (its
@@ -484,9 +483,7 @@ def counter_delta(
         base = before.get(name, {})
         for field in _COUNTERS:
             total[field] += max(0.0, counters[field] - base.get(field, 0.0))
-    padded = total["padded_tokens"]
-    total["padding_efficiency"] = round(total["tokens"] / padded, 4) if padded else 1.0
-    return total
+    return {**total, "padding_efficiency": ratio(total["tokens"], total["padded_tokens"])}
 
 
 class Unreachable(CommandFailed):

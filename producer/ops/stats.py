@@ -22,6 +22,7 @@ from tokenq.producer.ops.snapshot import (
 )
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import StatsSettings
+from tokenq.shared.text import percent
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,9 +69,11 @@ def in_display_order(doc: dict[str, Any]) -> Iterator[tuple[bool, dict[str, Any]
 def _head(q: dict[str, Any]) -> str:
     """A queue's first line: backlog, workers, and what its live workers do together."""
     totals = q["totals"]
-    return (f"queue {q['label']}: {backlog(q)}  "
+    head = (f"queue {q['label']}: {backlog(q)}  "
             f"{totals['requests_per_s']:.1f} req/s  {totals['tokens_per_s']:.0f} tok/s  "
-            f"padding {totals['padding_efficiency']:.1%}")
+            f"padding {percent(totals['padding_efficiency'])}")
+    unserved = unserved_line(q)
+    return head if unserved is None else f"{head}\n  {unserved}"
 
 
 def _queue_block(q: dict[str, Any]) -> str:
@@ -97,6 +100,15 @@ def backlog(q: dict[str, Any]) -> str:
             f"dead {q['dead']}  workers {q['totals']['workers']}{gone}")
 
 
+def unserved_line(q: dict[str, Any]) -> str | None:
+    """``no live worker: N waiting`` for a queue (lane) holding requests with no live worker;
+    else None. Live is the producer's rule (a workers-hash row whose liveness key is set),
+    the one behind a timeout's "no live worker serves queue ..."."""
+    if q["length"] and not q["totals"]["workers"]:
+        return f"no live worker: {q['length']:,} waiting"
+    return None
+
+
 def gone_line(q: dict[str, Any]) -> str:
     """The gone workers by name: rows of the workers hash whose liveness key expired."""
     return (f"gone (heartbeat row without a liveness key, or unreadable; not counted): "
@@ -115,7 +127,7 @@ def worker_row(w: dict[str, Any]) -> tuple[str, ...]:
     return (
         w["consumer"], str(w["host"] or ""), budget, str(w["max_batch_size"] or ""),
         str(w["buffered"]), f"{w['requests_per_s']:.1f}", f"{w['tokens_per_s']:.0f}",
-        f"{w['padding_efficiency']:.1%}", str(w["requests_ok"]), str(w["requests_failed"]),
+        percent(w["padding_efficiency"]), str(w["requests_ok"]), str(w["requests_failed"]),
         str(w["batches"]), str(w["oom_splits"]), f"{w['heartbeat_age_s']:.1f}s",
     )
 

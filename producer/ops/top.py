@@ -37,6 +37,7 @@ from tokenq.producer.ops.stats import (
     backlog,
     gone_line,
     in_display_order,
+    unserved_line,
     worker_row,
 )
 from tokenq.shared.cli import run_command, silence_stdout
@@ -105,6 +106,10 @@ def _table(settings: TopSettings, snapshot: Callable[[], tuple[dict[str, Any], R
             time.sleep(settings.interval_s)
             live.update(render(*snapshot()), refresh=True)
 
+
+UNSERVED_STYLE = "bold yellow"
+"""How ``top`` marks a queue with requests waiting and no live worker (red is for the
+queues Redis refused to read)."""
 
 _UNBOUNDED = 100_000
 """The width "no limit" is drawn at: rich lays a table out at its own width within it."""
@@ -182,8 +187,11 @@ def render(doc: dict[str, Any], rates: Rates, *, with_unreadable: bool = True) -
         parts.append(Text("no tokenq queues found"))
     for whole, q in in_display_order(doc):
         head = f"queue {q['label']}  {backlog(q)}"
+        unserved = unserved_line(q)
         if whole:  # a sharded queue's sum: its workers are in its lanes' tables
             parts.append(Text(head, style="bold"))
+            if unserved is not None:
+                parts.append(Text(unserved, style=UNSERVED_STYLE))
             continue
         table = Table(title=head, title_justify="left", expand=False)
         for column in WORKER_COLUMNS:
@@ -198,6 +206,8 @@ def render(doc: dict[str, Any], rates: Rates, *, with_unreadable: bool = True) -
                 cells[5], cells[6] = f"{recent[0]:.1f}", f"{recent[1]:.0f}"
             table.add_row(*cells)
         parts.append(table)
+        if unserved is not None:
+            parts.append(Text(unserved, style=UNSERVED_STYLE))
         if q["stale_workers"]:
             parts.append(Text(gone_line(q), style="dim"))
     return Group(*parts)

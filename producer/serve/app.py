@@ -9,9 +9,10 @@ client's exact requests):
   /v2/rerank`` — Cohere's v2, :mod:`.cohere_api`;
 * ``POST /embed``, ``POST /rerank``, ``POST /predict`` — TEI's; ``GET
   /info`` — TEI's model info, from the default queue's config hash;
-* ``GET /health`` — 200 while Redis answers (the gateway can work), else 503;
-* ``GET /ready`` — 200 while every queue it serves has a live worker (from
-  the workers' liveness keys), else 503 naming the queues without one;
+* ``GET /health`` (also ``/livez``) — 200 while Redis answers (the gateway can work),
+  else 503;
+* ``GET /ready`` (also ``/readyz``) — 200 while every queue it serves has a live worker
+  (from the workers' liveness keys), else 503 naming the queues without one;
 * ``GET /metrics`` — Prometheus text: requests by route and status, inputs,
   latency;
 * ``POST /`` (by the model's kind), ``/similarity``, ``/tokenize``,
@@ -356,6 +357,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
         return await answer("/info", ApiError.tei_body, work)
 
     @app.get("/health")
+    @app.get("/livez")  # the worker's name for its liveness probe: one probe config for both
     async def health() -> Response:
         async def work() -> dict[str, Any]:
             lengths = {q: await gateway.clients[q].queue_length() for q in gateway.queues}
@@ -363,6 +365,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
         return await answer("/health", ApiError.tei_body, work)
 
     @app.get("/ready")
+    @app.get("/readyz")  # the worker's name
     async def ready() -> Response:
         async def work() -> dict[str, Any]:
             alive = {q: await gateway.clients[q].workers_alive() for q in gateway.queues}

@@ -48,7 +48,7 @@ from tokenq.shared.settings import ServeSettings
 
 log = logging.getLogger("tokenq.serve")
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping"})
+OPEN_PATHS = frozenset({"/health", "/livez", "/ready", "/readyz", "/metrics", "/ping"})
 """Routes answered without ``--api-key``: probes and the Prometheus scrape."""
 
 def error_response(path: str, error: ApiError) -> JSONResponse:

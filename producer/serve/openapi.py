@@ -230,6 +230,8 @@ _GET = {
     "/": Route(None, dict[str, Any], summary="TEI's health alias"),
     "/ping": Route(None, dict[str, Any], summary="TEI's (SageMaker's) health alias"),
     "/ready": Route(None, dict[str, Any], summary="200 while every queue has a live worker"),
+    "/livez": Route(None, dict[str, Any], summary="the worker's name for /health"),
+    "/readyz": Route(None, dict[str, Any], summary="the worker's name for /ready"),
 }
 
 ROUTES: dict[tuple[str, str], Route] = {

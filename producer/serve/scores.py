@@ -209,8 +209,8 @@ def _predictions(result: Result, labels: Sequence[str] | None) -> list[dict[str,
 def tei_model_type(config: QueueConfig) -> dict[str, Any]:
     """TEI's ``model_type``: ``embedding``, ``classifier`` (with ``id2label``) or ``reranker``."""
     if config.task in (None, "embed"):
-        # TEI's spec requires ``pooling``; the workers do not publish theirs, so it says so
-        return {"embedding": {"pooling": "unknown"}}
+        # TEI's spec requires ``pooling``: the workers' own, "unknown" where they publish none
+        return {"embedding": {"pooling": config.pooling or "unknown"}}
     if config.task == "sparse":
         return {"embedding": {"pooling": "splade"}}  # as TEI describes a SPLADE model
     kind = "reranker" if config.task == "rerank" else "classifier"

@@ -15,7 +15,7 @@ answer the question issue 25 asks of a GPU: are short queries waiting on
 Python? A busy figure well under 1 says the device waited for the worker.
 Busy counts each batch's wall time in the worker's device thread, waits for
 the interpreter lock included, so a mean batch time well above the forward
-timed alone says the same from the other side (docs/BENCHMARKS.md §15).
+timed alone says the same from the other side (docs/BENCHMARKS.md, "gpu").
 
 Without a CUDA device it prints "no CUDA device; skipped" and exits 0, like
 ``scripts/gpu_check.py``. Run it where ``python -m tokenq.worker`` works::

@@ -12,7 +12,7 @@ worker's own forward path) over ``--shapes`` distinct shapes drawn from rows
 
 It prints the growth of resident memory over the process's size after the
 load at each quarter of the run, the seconds the forwards took and how many
-trims ran (docs/BENCHMARKS.md §17)::
+trims ran (docs/BENCHMARKS.md, "host memory")::
 
     python scripts/bench/host_memory.py [--shapes 500] [--dtype fp32 bf16-mixed]
 """

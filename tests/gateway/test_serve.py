@@ -22,6 +22,7 @@ import base64
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -97,9 +98,12 @@ def test_tei_embed_info_health_and_ready(sim_worker, redis_url, queue_name):
     with gateway(redis_url, queue_name) as http:
         not_ready = http.get("/ready")
         assert not_ready.status_code == 503 and queue_name in not_ready.json()["error"]
+        assert http.get("/readyz").json() == not_ready.json()  # the worker's names too
         assert http.get("/health").status_code == 200
+        assert http.get("/livez").json() == http.get("/health").json()
         sim_worker()
         assert http.get("/ready").status_code == 200
+        assert http.get("/readyz").json() == http.get("/ready").json()
         vectors = http.post("/embed", json={"inputs": TEXTS, "normalize": True})
         assert vectors.status_code == 200, vectors.text
         assert_vectors(vectors.json(), TEXTS)
@@ -364,7 +368,8 @@ def hf(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
     try:
         for worker, queue in zip(workers, queues.values(), strict=True):
             worker.wait_ready(client, queue, timeout=120)
-        yield SimpleNamespace(url=redis_server.url, **queues)
+        yield SimpleNamespace(url=redis_server.url, workers=dict(zip(flags, workers, strict=True)),
+                              **queues)
     finally:
         client.close()
         for worker in workers:
@@ -447,6 +452,18 @@ def test_predict_answers_the_queues_labels_and_scores(hf):
         info = http.get("/info").json()["model_type"]
         assert info == {"classifier": {"id2label": dict(zip("012", CLASS_NAMES, strict=True)),
                                        "label2id": {n: i for i, n in enumerate(CLASS_NAMES)}}}
+
+
+@pytest.mark.slow  # three hf workers: about a minute to start
+def test_info_reports_the_pooling_the_hf_worker_logs(hf):
+    """The tiny embedder's sentence-transformers folder says mean pooling: the worker logs
+    it at start, publishes it, and ``/info`` reports the same."""
+    logged = re.search(r" pooling=(\S+)", hf.workers["embed"].output())
+    assert logged is not None, hf.workers["embed"].output()
+    with gateway(hf.url, hf.embed, timeout_s=HF_TIMEOUT_S) as http:
+        info = http.get("/info").json()
+    assert info["model_type"] == {"embedding": {"pooling": logged.group(1)}}
+    assert logged.group(1) == "mean"  # what the fixture's folder configured
 
 
 @pytest.mark.slow  # three hf workers: about a minute to start

@@ -358,6 +358,7 @@ POSTS = [
     ("POST", "/v1/rerank", {"query": "q", "documents": ["a"]}),
 ]
 ROUTES = [*POSTS, ("GET", "/health", None), ("GET", "/ready", None), ("GET", "/info", None),
+          ("GET", "/livez", None), ("GET", "/readyz", None),
           ("POST", "/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"]}}),
           ("POST", "/tokenize", {"inputs": "x"}), ("POST", "/decode", {"ids": [1]}),
           ("POST", "/embed_all", {"inputs": "x"}), ("POST", "/embed_sparse", {"inputs": "x"}),
@@ -403,7 +404,7 @@ def test_api_key_cors_and_open_probes(sim_worker, redis_url, queue_name):
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="s3cret",
                                http_client=http)
         assert len(client.embeddings.create(model="m", input=TEXTS).data) == 3
-        for probe in ("/health", "/ready", "/metrics"):
+        for probe in ("/health", "/livez", "/ready", "/readyz", "/metrics"):
             assert http.get(probe).status_code == 200, probe
         preflight = http.options("/v1/embeddings", headers={
             "Origin": "https://app.example", "Access-Control-Request-Method": "POST",

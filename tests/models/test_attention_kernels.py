@@ -1,6 +1,6 @@
 """The torch runtime's forward on CUDA runs without cuDNN's fused attention.
 
-Why it matters (measured on an H200, docs/BENCHMARKS.md §15): cuDNN builds
+Why it matters (measured on an H200, docs/BENCHMARKS.md, "gpu"): cuDNN builds
 an execution plan for each new (rows, length) shape, and a worker's
 token-budget batches are nearly all new shapes, so each batch paid ~50 ms
 of planning for a 4-7 ms forward. These tests run without a GPU: entering

@@ -106,7 +106,7 @@ def test_info_describes_the_model(embed: HFBackend, dirs: SimpleNamespace) -> No
     assert (info.name, info.task, info.dim, info.max_input_tokens) == ("hf", "embed", 32, 64)
     assert (info.device, info.dtype, info.pairs, info.padded) == ("cpu", "float32", False, True)
     assert info.tokenizer == str(dirs.plain / "tokenizer.json")
-    assert info.extra["pooling"] == "mean" and info.extra["normalize"] is False
+    assert info.pooling == "mean" and info.extra["normalize"] is False
     assert (info.raw_vectors, info.normalized, info.activation) == (True, False, "none")
     # a SentenceTransformer's own defaults: empty query and document prompts, none chosen
     assert (dict(info.prompts), info.default_prompt_name) == ({"query": "", "document": ""}, None)

@@ -313,3 +313,31 @@ def test_a_sharded_queue_counts_as_there_by_any_lane(redis_url, r, queue_name, c
     r.xadd(keys.requests(keys.shards_of(q, 2)[1]), {"v": "1"})
     doc = stats_json(capsys, redis_url, "--queue", queue_name)
     assert {row["queue"] for row in doc["queues"]} == {queue_name}
+
+
+def test_no_batches_yet_reads_as_a_dash_and_waiting_requests_without_a_worker_are_flagged(
+    sim_worker, redis_url, queue_name, r, capsys
+):
+    """A worker that has run no batch has no padding ratio (``-``, null), not 100%; once it
+    is gone, the requests left waiting are flagged in ``stats`` and ``top``."""
+    q = QueueRef(queue_name)
+    worker = sim_worker(name="idle")
+    [queue] = stats_json(capsys, redis_url, "--queue", queue_name)["queues"]
+    [idle] = queue["workers"]
+    assert idle["batches"] == 0
+    assert idle["padding_efficiency"] is None and queue["totals"]["padding_efficiency"] is None
+    assert stats_main(["--redis-url", redis_url, "--queue", queue_name]) == 0
+    text = capsys.readouterr().out
+    assert "padding -" in text and "%" not in text and "no live worker" not in text
+    [row] = [line for line in text.splitlines() if line.strip().startswith("idle")]
+    assert " - " in row
+    assert top_main(["--redis-url", redis_url, "--queue", queue_name, "--once"]) == 0
+    assert "%" not in capsys.readouterr().out
+
+    worker.terminate()
+    for i in range(3):
+        r.xadd(keys.requests(q), {"v": "1", "id": f"r{i}", "text": "hello"})
+    assert stats_main(["--redis-url", redis_url, "--queue", queue_name]) == 0
+    assert "no live worker: 3 waiting" in capsys.readouterr().out
+    assert top_main(["--redis-url", redis_url, "--queue", queue_name, "--once"]) == 0
+    assert "no live worker: 3 waiting" in capsys.readouterr().out

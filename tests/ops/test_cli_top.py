@@ -13,7 +13,10 @@ import pytest
 
 from tests.cli_support import tokenq
 from tokenq.producer import Client
+from tokenq.producer.ops.snapshot import connect, read_snapshot
+from tokenq.producer.ops.top import UNSERVED_STYLE, render
 from tokenq.producer.ops.top import main as top_main
+from tokenq.shared import keys
 
 pytest_plugins = ("tests.cli_fixtures",)
 
@@ -69,6 +72,21 @@ def test_without_a_terminal_top_draws_one_frame_and_exits(sim_worker, redis_url,
         pytest.fail("tokenq top with its stdout on a pipe never exited")
     assert process.returncode == 0, err
     assert f"queue {queue_name}" in out and "shown" in out and "budget" in out
+
+
+def test_a_queue_with_requests_and_no_live_worker_is_marked_in_its_own_style(
+    sim_worker, redis_url, queue_name, r
+):
+    sim_worker(name="gone").terminate()
+    r.xadd(keys.requests(keys.QueueRef(queue_name)), {"v": "1", "id": "a", "text": "hello"})
+    client = connect(redis_url)
+    try:
+        frame = render(read_snapshot(client, "tokenq", queue_name, redis_url), {})
+    finally:
+        client.close()
+    marked = [str(part) for part in frame.renderables
+              if getattr(part, "style", None) == UNSERVED_STYLE]
+    assert marked == ["no live worker: 1 waiting"]
 
 
 def test_json_needs_no_terminal_and_reports_redis_failures_in_one_line():

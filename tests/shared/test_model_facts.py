@@ -35,6 +35,7 @@ def infos(draw: st.DrawFn) -> BackendInfo:
         prompts=prompts,
         default_prompt_name=default,
         token_dim=draw(st.none() | st.integers(1, 4096)),
+        pooling=draw(st.none() | st.sampled_from(["mean", "cls", "mean+max", "lasttoken"])),
     )
 
 
@@ -55,6 +56,15 @@ def test_each_fact_keeps_its_name_and_value_through_the_hash(info: BackendInfo) 
         assert (facts.dim, facts.normalized, facts.raw_vectors) == (
             info.dim, info.normalized, info.raw_vectors)
         assert facts.can_output_tokens == (info.token_dim is not None)
+
+
+@given(infos())
+def test_an_embedders_pooling_reaches_the_config_and_no_other_kind_claims_one(
+    info: BackendInfo,
+) -> None:
+    config = parse_config(encode_config(describe(info)))
+    assert config is not None
+    assert config.pooling == (info.pooling if info.task == "embed" else None)
 
 
 def test_a_hash_from_an_older_worker_is_read_under_its_old_names() -> None:

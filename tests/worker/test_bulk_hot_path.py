@@ -15,7 +15,7 @@
 * an integer field is checked without the regex when it is plain digits: the
   same fields are taken and refused as before.
 
-Behaviour only, never timings (docs/BENCHMARKS.md §11 has the figures).
+Behaviour only, never timings (docs/BENCHMARKS.md, "cpu", has the figures).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The worker's probes, ``/livez`` and ``/readyz`` on ``--metrics-port``.
+"""The worker's probes, ``/livez`` and ``/readyz`` on ``--metrics-port`` (``/health`` and
+``/ready``, the gateway's names, answer the same).
 
 Over real HTTP against real worker processes: the endpoint answers while
 the model is still loading (a plugin whose load waits for a file the test
@@ -75,19 +76,20 @@ def test_probes_answer_while_the_model_loads_and_readyz_turns_200_once_joined(
         "--metrics-port", str(port), *LOCAL, env=env,
     )
     wait_for(lambda: get(port, "/livez")[0] == 200, 30, "the endpoint to listen")
-    assert get(port, "/livez") == (200, "ok\n")
+    assert get(port, "/livez") == get(port, "/health") == (200, "ok\n")
     status, body = get(port, "/readyz")
     assert (status, body.strip()) == (503, MODEL_LOADING)
+    assert get(port, "/ready") == (status, body)  # the gateway's names answer the same
     assert get(port, "/metrics")[0] == 200  # scrapes work during the load too
-    for path in ("/", "/health", "/livez/x", "/metrics2"):
+    for path in ("/", "/healthz", "/livez/x", "/ready/", "/metrics2"):
         assert get(port, path)[0] == 404, path
     assert worker.process.poll() is None and not gate.exists()
 
     gate.touch()
     worker.wait_ready(r, queue_name)
     wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to turn 200")
-    assert get(port, "/readyz") == (200, "ok\n")
-    assert get(port, "/livez") == (200, "ok\n")
+    assert get(port, "/readyz") == get(port, "/ready") == (200, "ok\n")
+    assert get(port, "/livez") == get(port, "/health") == (200, "ok\n")
     assert worker.terminate() == 0
 
 
@@ -132,6 +134,25 @@ def test_livez_fails_once_the_watchdog_fires_and_not_because_redis_froze(
     assert worker.process.wait(timeout=30) == 3
 
 
+def test_a_deregistration_that_fails_without_a_message_logs_the_error_s_type(
+    fleet: Fleet, worker_env: dict[str, str], frozen_redis: RedisServer, queue_name: str,
+):
+    """Redis frozen at SIGTERM: the last calls time out with an empty-message
+    ``TimeoutError``, and the warning names it rather than ending in a bare colon."""
+    env = {**worker_env, "TOKENQ_REDIS_URL": frozen_redis.url}
+    worker = fleet.start(*SIM_FLAGS, *FAST_BEAT, env=env)
+    with redis.Redis.from_url(frozen_redis.url) as admin:
+        worker.wait_ready(admin, queue_name)
+    assert frozen_redis.process is not None
+    os.kill(frozen_redis.process.pid, signal.SIGSTOP)
+    try:
+        worker.terminate(timeout=60)
+    finally:
+        os.kill(frozen_redis.process.pid, signal.SIGCONT)
+    line = next(x for x in worker.output().splitlines() if "could not deregister" in x)
+    assert "could not deregister: TimeoutError()" in line, line
+
+
 def test_readyz_fails_while_every_read_fails_and_recovers_when_one_succeeds(
     fleet: Fleet, r: redis.Redis, redis_url: str, queue_name: str,
 ):
@@ -158,9 +179,10 @@ def test_readyz_fails_while_every_read_fails_and_recovers_when_one_succeeds(
 def test_readyz_fails_while_the_acl_denies_xreadgroup_and_recovers_when_it_allows_it(
     fleet: Fleet, worker_env: dict[str, str], tmp_path: Path, queue_name: str,
 ):
-    """The documented worker user, then ``-xreadgroup``: the heartbeat still passes, reads
-    fail NOPERM, ``/readyz`` says so; ``+xreadgroup`` and it is ready again."""
-    from tests.faults.test_acl import create_users, user_url
+    """The documented worker user, then the same rules without ``+xreadgroup`` (it lives in
+    a selector, so the user is set again whole): the heartbeat still passes, reads fail
+    NOPERM, ``/readyz`` says so; the documented rules again and it is ready again."""
+    from tests.faults.test_acl import create_users, documented_rules, user_url
 
     server = RedisServer(tmp_path / "acl")
     server.start()
@@ -173,7 +195,8 @@ def test_readyz_fails_while_the_acl_denies_xreadgroup_and_recovers_when_it_allow
         fleet.start(*SIM_FLAGS, *FAST_BEAT, "--metrics-port", str(port), *LOCAL, env=env,
                     ready=admin, queue=queue_name)
         wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to turn 200")
-        admin.execute_command("ACL", "SETUSER", user, "-xreadgroup")
+        rules = documented_rules(queue_name, "pw")["worker"]
+        admin.execute_command(*[word.replace(" +xreadgroup", "") for word in rules])
         # Waited for by its reason: on a loaded machine a late heartbeat can make /readyz
         # 503 for a moment for another one, and that is not what this test is about.
         seen: list[tuple[int, str]] = []
@@ -185,7 +208,7 @@ def test_readyz_fails_while_the_acl_denies_xreadgroup_and_recovers_when_it_allow
         wait_for(reads_failing, 30, "/readyz to fail on the reads")
         assert "xreadgroup" in seen[-1][1].lower(), seen[-3:]
         assert get(port, "/livez") == (200, "ok\n")
-        admin.execute_command("ACL", "SETUSER", user, "+xreadgroup")
+        admin.execute_command(*rules)
         wait_for(lambda: get(port, "/readyz")[0] == 200, 30, "/readyz to recover")
         admin.close()
     finally:

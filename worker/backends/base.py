@@ -83,6 +83,11 @@ class BackendInfo:
     """Size of each token's vector when the backend answers ``output: tokens`` (an input
     with ``TextInput.tokens``: ``run`` returns its ``length x token_dim`` vectors
     flattened into the row); None: it does not, and such a request is refused."""
+    pooling: str | None = None
+    """How an embedding model makes one vector of its token states (``mean``, ``cls``,
+    ``mean+max``: sentence-transformers' modes joined by ``+``); None: the backend does not
+    say (the sim hashes its tokens). Logged at start and published as the config's
+    ``pooling``, which the gateway's ``/info`` reports."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Backend-specific facts for logs and the config hash; the worker never reads them."""
 

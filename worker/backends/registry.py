@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+from tokenq.shared.failures import error_text
 from tokenq.shared.settings import BackendSettings
 
 log = logging.getLogger("tokenq.worker")
@@ -87,7 +88,7 @@ def registered() -> tuple[BackendEntry, ...]:
         try:
             entry = point.load()
         except Exception as exc:  # a broken third-party package: say so, go on
-            log.warning("backend entry point %r failed to load: %s", point.name, exc)
+            log.warning("backend entry point %r failed to load: %s", point.name, error_text(exc))
             continue
         if isinstance(entry, BackendEntry):
             found.append(entry)

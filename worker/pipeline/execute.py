@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from tokenq.shared.errors import DeviceLost, ErrorCode
+from tokenq.shared.failures import error_text
 from tokenq.shared.packer import AdaptiveBudget, CostModel, Packer
 from tokenq.shared.wire import ErrorInfo
 from tokenq.worker.backends.base import Backend, Encoding
@@ -80,7 +81,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def describe(exc: BaseException) -> str:
     """``TypeName: message``, capped so an error reply stays small."""
-    text = f"{type(exc).__name__}: {exc}"
+    text = error_text(exc)
     if len(text) > MAX_MESSAGE_CHARS:
         text = text[: MAX_MESSAGE_CHARS - 3] + "..."
     return text

@@ -29,7 +29,7 @@ Rules it keeps:
   its way. Why: each wake-up is a write to the loop's self-pipe and, since
   the write lets go of the GIL, a hand-over of the interpreter to the loop
   and back; with a fast model that was two per batch, and batches cost a
-  null worker about 150 µs of CPU each (issue 25, docs/BENCHMARKS.md §14).
+  null worker about 150 µs of CPU each (docs/BENCHMARKS.md, "cpu").
 """
 
 from __future__ import annotations

@@ -462,6 +462,7 @@ def _describe(
         default_prompt_name=st.default_prompt_name,
         # The encoder's hidden states are what an embedder's output: tokens answers.
         token_dim=int(config.hidden_size) if head is not None else None,
+        pooling="+".join(head.modes) if head is not None else None,
         extra=extra,
     )
 

@@ -50,9 +50,8 @@ class EmbeddingHead:
         return vectors if self.dense is None else self.dense(vectors)
 
     def describe(self) -> dict[str, Any]:
-        """The head for logs and the queue's config hash."""
+        """The head for logs (its pooling is ``BackendInfo.pooling``, published on its own)."""
         facts: dict[str, Any] = {
-            "pooling": "+".join(self.modes),
             "normalize": self.normalize,
             "include_prompt": self.include_prompt,
         }

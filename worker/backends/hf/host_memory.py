@@ -2,7 +2,7 @@
 
 Why this exists: token-budget packing hands the forward a new (rows, length)
 shape almost every batch, and on the CPU two things grow with the number of
-distinct shapes a process has run (docs/BENCHMARKS.md §17, all-MiniLM-L6-v2):
+distinct shapes a process has run (docs/BENCHMARKS.md, "host memory", all-MiniLM-L6-v2):
 
 * **The oneDNN caches** (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, and torch's own
   ``LRU_CACHE_CAPACITY`` for ideep): 1,024 entries each by default, and with

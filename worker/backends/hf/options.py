@@ -104,7 +104,7 @@ def resolve_autocast(requested: str, device: torch.device) -> torch.dtype | None
     residual stream and LayerNorm inputs in bf16 too, and on
     all-MiniLM-L6-v2 that moves vectors to a lowest cosine of 0.99986 from
     fp32's; autocast keeps those in fp32 and rounds only the matrix products'
-    inputs (0.99994), at most of bf16's speed (docs/BENCHMARKS.md, §16).
+    inputs (0.99994), at most of bf16's speed (docs/BENCHMARKS.md, "bf16-mixed").
 
     Refused where it would not pay: on a CPU without bf16 instructions torch
     emulates bf16 products, slower than fp32, and a setting chosen for speed

@@ -103,7 +103,7 @@ def attention_kernels(device: torch.device) -> Callable[[], AbstractContextManag
     worker's batches are cut by a token budget, so nearly every batch is a
     new shape: measured there, all-MiniLM-L6-v2 batches took ~50 ms where
     the same forward on a shape seen before took 4-7 ms (scripts/bench/
-    gpu_seed.py, docs/BENCHMARKS.md). The memory-efficient and flash
+    gpu_seed.py, docs/BENCHMARKS.md, "gpu"). The memory-efficient and flash
     kernels need no plan. On the CPU, and on a torch without
     ``torch.nn.attention``, nothing changes.
     """
