@@ -35,7 +35,7 @@ from redis.retry import Retry
 
 from tokenq.shared import keys, redis_client
 from tokenq.shared.cli import run_command
-from tokenq.shared.failures import failure_message
+from tokenq.shared.failures import error_text, failure_message
 from tokenq.shared.redis_url import parse_redis_url
 from tokenq.shared.settings import UpSettings, flag
 from tokenq.shared.text import plural
@@ -172,7 +172,7 @@ def _say_if_unreachable(url: str) -> None:
         client.ping()
     except redis.RedisError as exc:
         log.warning("%s; starting the workers, which wait for it",
-                    (failure_message(exc, url, _PING_S) or str(exc)).rstrip("."))
+                    (failure_message(exc, url, _PING_S) or error_text(exc)).rstrip("."))
     finally:
         client.close()
 
