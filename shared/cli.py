@@ -27,6 +27,7 @@ import importlib
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from tokenq.shared.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
@@ -34,15 +35,32 @@ from tokenq.shared.failures import failure_message
 from tokenq.shared.flags import UsageError, parse_settings
 from tokenq.shared.interrupts import InterruptRecord, unwrapped
 
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "worker": ("tokenq.worker.cli", "run one worker process on a queue (--devices: one per GPU)"),
-    "up": ("tokenq.worker.tooling.up", "start a local Redis and N workers (development, demos)"),
-    "embed": ("tokenq.producer.ops.embed", "embed a file of texts through a queue, resumably"),
-    "stats": ("tokenq.producer.ops.stats", "queue lengths, pending, lag, workers, dead letters"),
-    "top": ("tokenq.producer.ops.top", "tokenq stats, refreshed live"),
-    "dlq": ("tokenq.producer.ops.dlq", "list, retry or purge a queue's dead letters"),
-    "functions": ("tokenq.producer.ops.functions", "load tokenq's Lua functions (Redis 7+)"),
-    "serve": ("tokenq.producer.serve.cli", "an HTTP gateway: OpenAI and TEI APIs over queues"),
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``tokenq`` subcommand: where its ``main`` lives, what it does, what it needs."""
+
+    module: str
+    summary: str
+    extra: str | None = None
+    """The pip extra that running it needs (its ``--help`` never does), or None."""
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "worker": Subcommand("tokenq.worker.cli",
+                         "run one worker process on a queue (--devices: one per GPU)", "worker"),
+    "up": Subcommand("tokenq.worker.tooling.up",
+                     "start a local Redis and N workers (development, demos)", "worker"),
+    "embed": Subcommand("tokenq.producer.ops.embed",
+                        "embed a file of texts through a queue, resumably", "cli"),
+    "stats": Subcommand("tokenq.producer.ops.stats",
+                        "queue lengths, pending, lag, workers, dead letters"),
+    "top": Subcommand("tokenq.producer.ops.top", "tokenq stats, refreshed live", "cli"),
+    "dlq": Subcommand("tokenq.producer.ops.dlq", "list, retry or purge a queue's dead letters"),
+    "functions": Subcommand("tokenq.producer.ops.functions",
+                            "load tokenq's Lua functions (Redis 7+)"),
+    "serve": Subcommand("tokenq.producer.serve.cli",
+                        "an HTTP gateway: OpenAI and TEI APIs over queues", "serve"),
 }
 
 S = TypeVar("S")
@@ -51,7 +69,7 @@ S = TypeVar("S")
 def usage() -> str:
     lines = ["usage: tokenq SUBCOMMAND [options]   (tokenq SUBCOMMAND --help)",
              "       tokenq --version", "", "subcommands:"]
-    lines += [f"  {name:<10} {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<10} {command.summary}" for name, command in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -81,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"tokenq {name}"
     # The last line of defence for subcommands that do not go through
     # run_command (``tokenq worker``): same one-line report, without the URL.
-    return _guarded(prog, None, lambda: importlib.import_module(SUBCOMMANDS[name][0]).main(rest))
+    module = SUBCOMMANDS[name].module
+    return _guarded(prog, None, lambda: importlib.import_module(module).main(rest))
 
 
 def run_command(
@@ -116,6 +135,8 @@ def _guarded(prog: str, settings: object, call: object) -> int:
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except ModuleNotFoundError as exc:
+        return report_missing_extra(prog, exc)
     except BrokenPipeError:
         # stdout went away (``tokenq dlq list | head``): nothing left to tell anyone.
         silence_stdout()
@@ -127,6 +148,22 @@ def _guarded(prog: str, settings: object, call: object) -> int:
             raise  # a bug: its traceback is the report
         print(f"{prog}: {message}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def report_missing_extra(prog: str, exc: ModuleNotFoundError) -> int:
+    """Say which extra ``prog`` needs, in one line, and return :data:`EXIT_USAGE`.
+
+    ``tokenq worker needs the worker extra (no module named 'numpy'): pip install
+    'tokenq[worker]'``. Re-raises ``exc`` when the missing module is tokenq's own
+    (a bug, whose traceback is the report) or the command declares no extra.
+    """
+    command = SUBCOMMANDS.get(prog.removeprefix("tokenq "))
+    missing = (exc.name or "").partition(".")[0]
+    if command is None or command.extra is None or missing in ("", "tokenq"):
+        raise exc
+    print(f"{prog} needs the {command.extra} extra (no module named {missing!r}): "
+          f"pip install 'tokenq[{command.extra}]'", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _print_usage_error(prog: str, exc: UsageError) -> None:

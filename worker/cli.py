@@ -1,4 +1,4 @@
-"""``tokenq worker``: parse settings, load the backend, serve until a signal.
+"""``tokenq worker``: parse settings, then run one worker process (:mod:`.process`) or one per GPU.
 
 Exit codes (defined in :mod:`tokenq.worker.tooling.children`, whose supervisors act
 on them; docs/OPERATIONS.md lists them):
@@ -17,81 +17,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
+from tokenq.shared.cli import report_missing_extra
 from tokenq.shared.errors import ConfigError
-from tokenq.shared.exit_codes import EXIT_FATAL, EXIT_HUNG, EXIT_OK, EXIT_USAGE
+from tokenq.shared.exit_codes import EXIT_FATAL, EXIT_OK, EXIT_USAGE
 from tokenq.shared.flags import UsageError, parse_settings
-from tokenq.worker import collector, endpoint, logs, metrics
-from tokenq.worker.backends.plugins import load_backend
-from tokenq.worker.health import Health
-from tokenq.worker.loop import Worker, WorkerHung, watchdog_period_s
-from tokenq.worker.settings import WorkerSettings, settings_class_for
-from tokenq.worker.stages import Overdue
+from tokenq.worker import logs
+from tokenq.worker.settings import settings_class_for
 from tokenq.worker.tooling.supervise import run_per_device
 
 log = logging.getLogger("tokenq.worker")
 
 PROG = "tokenq worker"
-
-
-async def serve(settings: WorkerSettings) -> None:
-    """Open the endpoint, load the backend, run the worker until a signal.
-
-    The endpoint comes first, so probes answer (``/readyz``: ``model
-    loading``) while a model of gigabytes loads; it closes last.
-    """
-    health = Health(settings.heartbeat_s, watchdog_period_s(settings))
-    worker_metrics = metrics.create(settings)
-    served = endpoint.serve(settings.metrics_host, settings.metrics_port, health,
-                            worker_metrics.wsgi_app())
-    try:
-        await _load_and_run(settings, health, worker_metrics)
-    finally:
-        if served is not None:
-            served.close()
-
-
-async def _load_and_run(
-    settings: WorkerSettings, health: Health, worker_metrics: metrics.NullMetrics
-) -> None:
-    backend = await asyncio.to_thread(load_backend, settings)
-    try:
-        worker = Worker(settings, backend, metrics=worker_metrics, health=health,
-                        on_stuck=_exit_stuck)
-    except BaseException:
-        backend.close()
-        raise
-    info = backend.info
-    collector.settle_after_startup()  # the model and the worker are built: freeze them
-    worker_metrics.describe(
-        consumer=worker.consumer, model=info.model, backend=info.name, device=info.device
-    )
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop)
-    try:
-        await worker.run()
-    except WorkerHung as exc:
-        # The hung batch's thread cannot be stopped, and interpreter shutdown
-        # would wait for it forever: leave at once, as a crash would.
-        _exit_hung(str(exc))
-    finally:
-        backend.close()
-
-
-def _exit_stuck(late: Overdue) -> None:
-    """The loop guard's way out: the event loop itself is stuck in ``late``'s stage."""
-    _exit_hung(f"{late.stage.name} hung on the event loop: {late.reason}")
-
-
-def _exit_hung(why: str) -> None:
-    log.critical("exiting %d: %s", EXIT_HUNG, why)
-    logging.shutdown()
-    sys.stderr.flush()
-    os._exit(EXIT_HUNG)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,10 +45,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
     logs.configure(settings.log_level, json_lines=settings.logs_json)
+    try:
+        # Past --help and the settings: the worker extra is needed from here on,
+        # also under --devices (before any child starts).
+        from tokenq.worker import process
+    except ModuleNotFoundError as exc:
+        return report_missing_extra(PROG, exc)
     if settings.devices is not None:
         return run_per_device(settings, args)
     try:
-        asyncio.run(serve(settings))
+        asyncio.run(process.serve(settings))
     except ConfigError as exc:
         log.error("%s", exc)
         print(f"{PROG}: {exc}", file=sys.stderr)

@@ -9,8 +9,9 @@ by all of them keeps the parts from reaching into each other or the Worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 STOP_GRACE_S = 5.0
 """How long a stopping worker keeps trying to publish and deregister while Redis is down."""
@@ -40,6 +41,27 @@ class Lifecycle:
         self.stopping.set()
         self.room_made.set()
         return first
+
+    async def unless_stopping(self, work: Awaitable[object]) -> bool:
+        """Run ``work`` to its end (True), or abandon it once a stop comes (False).
+
+        For calls a stop must not wait on, such as the start-up join while
+        Redis is absent and redis-py spends its retries. The abandoned call is
+        cancelled; a cancel redis-py swallows is waited on for a second at most.
+        """
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            task.result()  # its error, if it failed
+            return True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(task, 1.0)
+        return False
 
     def reading(self) -> bool:
         return not (self.stopping.is_set() or self.hung)

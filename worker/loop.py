@@ -67,7 +67,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from tokenq.shared import keys, wire
-from tokenq.shared.failures import error_text
+from tokenq.shared.failures import error_text, failure_message
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
 from tokenq.worker import host_memory, presence, read_ahead
@@ -388,27 +388,44 @@ class Worker:
         """Create the group and publish the config, waiting for Redis if it is not up yet.
 
         A worker may start before Redis does (compose, Kubernetes); it retries
-        with backoff until Redis answers or it is told to stop (False).
+        with backoff until Redis answers or it is told to stop (False). Each try
+        first pings once without redis-py's retries, so an absent Redis is
+        named (URL, error) within a second of the try, not after the client's
+        retries; a stop abandons the try at once.
         """
         delay = 0.5
-        while not self._lifecycle.stopping.is_set():
-            try:
-                self._add_retired(await self._retirement.join(self.client))
-                for lane in self.lanes:
-                    await reader.ensure_group(lane)
-                await check_server(self.client)
-                await self._clock.sync(self.client)
-                for lane in self.lanes:
-                    await presence.write_config(self.client, lane.queue, self._config_fields())
-                self.health.redis_answered()
-                return True
-            except RedisError as exc:
-                self.health.redis_answered(exc)
-                log.warning("Redis not reachable at start (%s); retrying in %.1fs",
-                            error_text(exc), delay)
-                await wait_event(self._lifecycle.stopping, delay)
-                delay = min(delay * 2, 5.0)
-        return False
+        probe = connect(self.settings.model_copy(update={"retries": 0}))
+        stopping = self._lifecycle.stopping
+        try:
+            while not stopping.is_set():
+                try:
+                    if await self._lifecycle.unless_stopping(self._join_once(reader, probe)):
+                        self.health.redis_answered()
+                        return True
+                except RedisError as exc:
+                    self.health.redis_answered(exc)
+                    if stopping.is_set():
+                        break
+                    why = failure_message(exc, self.settings.redis_url,
+                                          self.settings.socket_timeout_s) or error_text(exc)
+                    log.warning("%s; retrying in %.1fs (a worker waits for Redis)",
+                                why.rstrip("."), delay)
+                    await wait_event(stopping, delay)
+                    delay = min(delay * 2, 5.0)
+            return False
+        finally:
+            await probe.aclose()
+
+    async def _join_once(self, reader: Reader, probe: aioredis.Redis) -> None:
+        """One try at the join: a ping without retries, then the join's writes."""
+        await probe.ping()
+        self._add_retired(await self._retirement.join(self.client))
+        for lane in self.lanes:
+            await reader.ensure_group(lane)
+        await check_server(self.client)
+        await self._clock.sync(self.client)
+        for lane in self.lanes:
+            await presence.write_config(self.client, lane.queue, self._config_fields())
 
     def _config_fields(self) -> dict[str, str]:
         return presence.config_fields(

@@ -74,7 +74,7 @@ def embed(settings: EmbedSettings) -> int:
         try:
             import numpy  # noqa: F401
         except ImportError:
-            print("tokenq embed: .npy output needs numpy (pip install numpy), "
+            print("tokenq embed: .npy output needs numpy: pip install 'tokenq[cli]', "
                   "or write .jsonl instead", file=sys.stderr)
             return 2
     if settings.output.is_dir():

@@ -233,6 +233,8 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 client = AsyncClient(settings=settings.model_copy(update={"queue": queue}))
                 gateway.clients[queue] = await stack.enter_async_context(client)
             stack.callback(gateway.parser.close)
+            announce = asyncio.ensure_future(gateway.reachability.announce(gateway.clients))
+            stack.callback(announce.cancel)
             yield
 
     app = FastAPI(title="tokenq serve", version=version(), lifespan=lifespan,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenq.shared.cli import run_command
-from tokenq.shared.flags import UsageError
 from tokenq.shared.settings import ServeSettings
 
 
@@ -14,15 +13,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: ServeSettings) -> int:
-    try:
-        import uvicorn
+    # The serve extra; without it the dispatcher says so in one line (shared/cli.py).
+    import uvicorn
 
-        from tokenq.producer.serve.app import create_app
-        from tokenq.producer.serve.edge import header_timeout_protocol
-    except ModuleNotFoundError as exc:
-        raise UsageError(
-            f"tokenq serve needs {exc.name!r}: pip install 'tokenq[serve]'"
-        ) from None
+    from tokenq.producer.serve.app import create_app
+    from tokenq.producer.serve.edge import header_timeout_protocol
+
     # Slow clients: a request head within --header-timeout-s (h11 refuses one
     # over 16 KiB), an idle kept-alive connection closed after as long, the
     # body within --timeout-s (bounds.read_body).

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from typing import Any, TypeVar
 
@@ -49,6 +50,7 @@ from tokenq.producer import AsyncClient, BrokerUnavailable, DeadlineExceeded, Re
 from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.producer.serve.schemas import Job
 
+log = logging.getLogger("tokenq.serve")
 T = TypeVar("T")
 
 ALIVE_CACHE_S = 1.0
@@ -133,6 +135,22 @@ class Reachability:
         down = await asyncio.shield(probe)  # a waiter that leaves does not end the others' probe
         if down is not None:
             raise down
+
+    async def announce(self, clients: dict[str, AsyncClient]) -> None:
+        """At start, say once, in one line per Redis, when a queue's Redis does not answer.
+
+        The gateway keeps running (every route answers 503 until Redis does), so an
+        operator who started it against a wrong URL would otherwise see nothing.
+        """
+        said = set()
+        for queue, client in clients.items():
+            try:
+                await self.check(queue, client)
+            except BrokerUnavailable as down:
+                why = str(down).rstrip(".")
+                if why not in said:
+                    said.add(why)
+                    log.warning("tokenq serve: %s; every route answers 503 until it answers", why)
 
     async def watch(self, queue: str, client: AsyncClient, work: asyncio.Future[T]) -> T:
         """``work``'s result, or the queue's outage as soon as a probe finds Redis gone

@@ -247,20 +247,25 @@ def needs_table() -> dict[str, tuple[str, str]]:
 
 
 def test_the_needs_table_lists_every_subcommand_with_its_side_and_extra():
-    """Derived from the dispatcher: every subcommand, the side its module lives on, and
-    every extra its own module's error messages tell the user to install."""
+    """Derived from the dispatcher: every subcommand, the side its module lives on, the
+    extra the dispatcher names when it is missing, and every extra its own module's
+    error messages tell the user to install."""
     table = needs_table()
     assert set(table) == set(SUBCOMMANDS), (
         f"missing: {sorted(set(SUBCOMMANDS) - set(table))}, "
         f"not a subcommand: {sorted(set(table) - set(SUBCOMMANDS))}")
     wrong = []
-    for name, (module, _) in SUBCOMMANDS.items():
+    for name, command in SUBCOMMANDS.items():
+        module = command.module
         side, needs = table[name]
         if side != module.split(".")[1]:
             wrong.append(f"tokenq {name}: side {side!r}, its module is {module}")
         named = set(re.findall(r"tokenq\[(\w+)\]", needs))
         if named - extras():
             wrong.append(f"tokenq {name}: no extra {sorted(named - extras())}")
+        if command.extra is not None and command.extra not in named:
+            wrong.append(f"tokenq {name}: the dispatcher says it needs tokenq[{command.extra}], "
+                         f"the table {needs!r}")
         source = Path(importlib.util.find_spec(module).origin).read_text(encoding="utf-8")
         told = set(re.findall(r"pip install '?tokenq\[(\w+)\]", source))
         if told - named:

@@ -264,7 +264,7 @@ def test_worker_started_before_redis_waits_for_it(worker_env, tmp_path, queue_na
         worker.wait_ready(client, queue_name, timeout=30)
         with Client(redis_url=server.url, queue=queue_name) as producer:
             assert_vector(list(producer.infer("finally", timeout_s=30).embedding), "finally")
-        assert "not reachable at start" in worker.output()
+        assert f"cannot reach Redis at {server.url}" in worker.output()
     finally:
         worker.close()
         server.stop()

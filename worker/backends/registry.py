@@ -36,7 +36,7 @@ ENTRY_POINT_GROUP = "tokenq.backends"
 
 BUILT_IN: tuple[str, ...] = (
     "tokenq.worker.backends.hf.settings:BACKEND",
-    "tokenq.worker.backends.sim:BACKEND",
+    "tokenq.worker.backends.sim_settings:BACKEND",
 )
 """The in-tree backends' registrations, as ``module:attribute``."""
 

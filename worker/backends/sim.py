@@ -38,16 +38,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import numpy as np
-from pydantic import Field
 
 from tokenq.shared.errors import ConfigError, DeviceOutOfMemory
-from tokenq.shared.settings import BackendSettings
 from tokenq.worker.backends.base import BackendInfo, Encoding, TextInput
 from tokenq.worker.backends.chunks import combine_chunks, sliding_windows
-from tokenq.worker.backends.registry import BackendEntry
 
 SIM_FAIL_MARKER = "<<tokenq-sim-fail>>"
 """A text containing this makes any batch it is in raise ``ValueError``."""
@@ -554,31 +551,3 @@ def build_sim_backend(settings: Any) -> SimBackend:
         for name in type(settings).model_fields if name.startswith(prefix)
     }
     return SimBackend(**knobs)
-
-
-class SimSettings(BackendSettings):
-    """The simulated GPU's options (``--backend sim``): a time and memory model for tests."""
-
-    heading: ClassVar[str] = "--backend sim (a simulated GPU)"
-
-    sim_dim: int = Field(32, ge=1, description="embedding dimension")
-    sim_max_input_tokens: int = Field(2048, ge=1, description="the model's max input length")
-    sim_batch_ms: float = Field(0.5, ge=0, description="fixed time per batch, ms")
-    sim_token_us: float = Field(0.05, ge=0, description="time per padded token, us")
-    sim_bytes_per_token: int = Field(
-        4096, ge=1, description="device memory per padded token, bytes"
-    )
-    sim_capacity_bytes: int = Field(
-        1 << 30, ge=1, description="device memory; a larger batch raises out-of-memory"
-    )
-    sim_ragged: bool = Field(False, description="behave as a varlen (ragged) model")
-    sim_pairs: bool = Field(False, description="take (text, text_pair) inputs like a reranker")
-    sim_hang_s: float = Field(
-        0.0, ge=0,
-        description="a batch holding the text <<tokenq-sim-hang>> sleeps this long "
-        "(a hung device, for tests of --batch-timeout-s); 0: the marker is plain text",
-    )
-
-
-BACKEND = BackendEntry(name="sim", settings=SimSettings, build=build_sim_backend)
-"""``--backend sim``: registered in :data:`tokenq.worker.backends.registry.BUILT_IN`."""

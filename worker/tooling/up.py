@@ -18,6 +18,7 @@ directory. Flags after ``--`` go to every worker unchanged
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import shutil
@@ -29,9 +30,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from tokenq.shared import keys
+from tokenq.shared import keys, redis_client
 from tokenq.shared.cli import run_command
+from tokenq.shared.failures import error_text, failure_message
+from tokenq.shared.redis_url import parse_redis_url
 from tokenq.shared.settings import UpSettings, flag
 from tokenq.shared.text import plural
 from tokenq.worker import logs
@@ -44,6 +49,8 @@ log = logging.getLogger("tokenq.worker")
 
 _REDIS_START_S = 10.0
 _REDIS_STOP_S = 10.0
+_PING_S = 1.0
+"""How long the check of a ``--redis-url`` waits for its answer."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,6 +88,8 @@ def redis_command(directory: Path, port: int) -> list[str]:
 
 
 def up(settings: UpSettings, worker_flags: Sequence[str]) -> int:
+    # Its workers need the worker extra: say so now, in one line, before Redis starts.
+    importlib.import_module("tokenq.worker.process")
     logs.configure("INFO", json_lines=False)
     temp_dir: str | None = None
     supervisor = Supervisor(stop_timeout_s=settings.stop_timeout_s)
@@ -105,6 +114,8 @@ def up(settings: UpSettings, worker_flags: Sequence[str]) -> int:
             if not _wait_for_redis(supervisor, server, redis_url):
                 return 0 if supervisor.stopping else 1  # a stop during start is clean
             log.info("redis-server on %s (AOF on, data in %s)", redis_url, directory)
+        else:
+            _say_if_unreachable(redis_url)
         # Worker settings pass through as TOKENQ_*; names, ports and devices are per worker.
         env = {k: v for k, v in os.environ.items() if k not in PER_CHILD_ENV}
         env.setdefault("PYTHONUNBUFFERED", "1")
@@ -143,6 +154,25 @@ def _wait_for_redis(supervisor: Supervisor, server: Child, url: str) -> bool:
         if not supervisor.stopping:
             log.error("redis-server did not answer on %s within %.0fs", url, _REDIS_START_S)
         return False
+    finally:
+        client.close()
+
+
+def _say_if_unreachable(url: str) -> None:
+    """Warn at once, naming the URL and the error, when ``--redis-url`` does not answer a ping.
+
+    The workers start all the same and wait for Redis (each says so too, once its
+    model is loaded); this line comes first, before any of them has started.
+    """
+    client = redis_client.sync_client(parse_redis_url(url), {
+        "socket_timeout": _PING_S, "socket_connect_timeout": _PING_S,
+        "retry": Retry(NoBackoff(), 0),
+    })
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        log.warning("%s; starting the workers, which wait for it",
+                    (failure_message(exc, url, _PING_S) or error_text(exc)).rstrip("."))
     finally:
         client.close()
 

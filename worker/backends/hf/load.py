@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenq.shared.errors import ConfigError
+from tokenq.worker.backends.hf import hub
 
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 """What ``info.model`` says for the bundled default, the same on every machine."""
@@ -99,12 +100,41 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource(model, str(path.resolve()), local=True)
     if not _HUB_ID.match(model):
         raise ConfigError(f"model path {model!r} does not exist")
+    _check_hub_reachable(model)
     if _cached_file(model, "config.json") is None and _cached_file(model, "modules.json") is None:
         raise ConfigError(
             f"model {model!r}: no such directory, and not found as a Hugging Face model "
             "(with HF_HUB_OFFLINE=1 it must already be in the local cache)"
         )
     return ModelSource(model, model, local=False)
+
+
+def _check_hub_reachable(model: str) -> None:
+    """Refuse at once a hub model that is not cached while the Hub cannot be reached.
+
+    Otherwise huggingface_hub spends about a minute in retries and the model
+    is then reported "not found"; offline mode (``HF_HUB_OFFLINE=1``) never
+    asks the Hub, so it is not checked.
+    """
+    if hub.offline() or _in_cache(model):
+        return
+    why = hub.unreachable(hub.endpoint())
+    if why is not None:
+        raise ConfigError(
+            f"model {model!r} is not in the local Hugging Face cache and the Hub "
+            f"({hub.endpoint()}) cannot be reached: {why}. Download it where the Hub can "
+            f"be reached (hf download {model}, or huggingface-cli download {model}) into "
+            "this machine's cache (HF_HOME) and set HF_HUB_OFFLINE=1 to load it from "
+            "there, or pass --model a local directory"
+        )
+
+
+def _in_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds the model's config (asks no server)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return any(isinstance(try_to_load_from_cache(repo_id, name), str)
+               for name in ("config.json", "modules.json"))
 
 
 def find_file(source: ModelSource, filename: str) -> str | None:

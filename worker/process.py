@@ -1,0 +1,81 @@
+"""One worker process's life: open the endpoint, load the backend, run the loop until a signal.
+
+Imported by ``tokenq worker`` (:mod:`tokenq.worker.cli`) only once the settings
+are parsed: it needs numpy and the worker's modules (the worker extra), which
+``tokenq worker --help`` must not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from tokenq.shared.exit_codes import EXIT_HUNG
+from tokenq.worker import collector, endpoint, metrics
+from tokenq.worker.backends.plugins import load_backend
+from tokenq.worker.health import Health
+from tokenq.worker.loop import Worker, WorkerHung, watchdog_period_s
+from tokenq.worker.settings import WorkerSettings
+from tokenq.worker.stages import Overdue
+
+log = logging.getLogger("tokenq.worker")
+
+
+async def serve(settings: WorkerSettings) -> None:
+    """Open the endpoint, load the backend, run the worker until a signal.
+
+    The endpoint comes first, so probes answer (``/readyz``: ``model
+    loading``) while a model of gigabytes loads; it closes last.
+    """
+    health = Health(settings.heartbeat_s, watchdog_period_s(settings))
+    worker_metrics = metrics.create(settings)
+    served = endpoint.serve(settings.metrics_host, settings.metrics_port, health,
+                            worker_metrics.wsgi_app())
+    try:
+        await _load_and_run(settings, health, worker_metrics)
+    finally:
+        if served is not None:
+            served.close()
+
+
+async def _load_and_run(
+    settings: WorkerSettings, health: Health, worker_metrics: metrics.NullMetrics
+) -> None:
+    backend = await asyncio.to_thread(load_backend, settings)
+    try:
+        worker = Worker(settings, backend, metrics=worker_metrics, health=health,
+                        on_stuck=_exit_stuck)
+    except BaseException:
+        backend.close()
+        raise
+    info = backend.info
+    collector.settle_after_startup()  # the model and the worker are built: freeze them
+    worker_metrics.describe(
+        consumer=worker.consumer, model=info.model, backend=info.name, device=info.device
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stop)
+    try:
+        await worker.run()
+    except WorkerHung as exc:
+        # The hung batch's thread cannot be stopped, and interpreter shutdown
+        # would wait for it forever: leave at once, as a crash would.
+        _exit_hung(str(exc))
+    finally:
+        backend.close()
+
+
+def _exit_stuck(late: Overdue) -> None:
+    """The loop guard's way out: the event loop itself is stuck in ``late``'s stage."""
+    _exit_hung(f"{late.stage.name} hung on the event loop: {late.reason}")
+
+
+def _exit_hung(why: str) -> None:
+    log.critical("exiting %d: %s", EXIT_HUNG, why)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(EXIT_HUNG)
