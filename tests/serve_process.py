@@ -75,10 +75,10 @@ README_URL = "http://localhost:8080"
 """The gateway's base URL in README.md's code."""
 
 
-def doc_code(path: Path, heading: str, containing: str = "") -> str:
-    """The Python blocks of ``path`` under the heading that starts with ``heading`` (those
-    that contain ``containing``), joined: the exact code the docs show, for a test to run
-    against a live gateway."""
+def doc_code(path: Path, heading: str, containing: str = "", language: str = "python") -> str:
+    """The ``language`` blocks of ``path`` under the heading that starts with ``heading``
+    (those that contain ``containing``), joined: the exact code the docs show, for a test
+    to run against a live gateway."""
     blocks: list[str] = []
     current, block, python = "", None, False
     for line in path.read_text().splitlines():
@@ -91,11 +91,11 @@ def doc_code(path: Path, heading: str, containing: str = "") -> str:
             else:
                 block.append(line)
         elif line.startswith("```"):  # any fence: a ``# comment`` in a bash block is no heading
-            block, python = [], line.strip() == "```python"
+            block, python = [], line.strip() == f"```{language}"
         elif line.startswith("#"):
             current = line.lstrip("#").strip()
     if not blocks:
-        raise AssertionError(f"{path.name} has no Python block under {heading!r}")
+        raise AssertionError(f"{path.name} has no {language} block under {heading!r}")
     return "\n".join(blocks)
 
 

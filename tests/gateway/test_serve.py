@@ -38,7 +38,15 @@ import redis
 
 from tests.cli_support import DIM, MAX_INPUT
 from tests.redis_server import RedisServer, free_port
-from tests.serve_process import README, README_URL, doc_code, run_doc_code, start_gateway
+from tests.serve_process import (
+    DOC_URL,
+    MIGRATING,
+    README,
+    README_URL,
+    doc_code,
+    run_doc_code,
+    start_gateway,
+)
 from tests.workers import WorkerProcess
 from tokenq.producer import AsyncClient, Result
 from tokenq.shared.settings import ServeSettings
@@ -149,6 +157,17 @@ def test_the_readmes_first_gateway_example_runs_as_written_offline(
     names = run_doc_code(code, {README_URL: url}, "README.md (the gateway's example)")
     assert_vectors([item.embedding for item in names["vectors"].data], ["hello", "world"])
     assert_vectors(names["documents"], ["hello", "world"])
+
+
+def test_migratings_curl_to_vectors_runs_as_written(sim_worker, redis_url, queue_name, spawn,
+                                                    tmp_path):
+    """docs/MIGRATING.md's ``curl`` to ``POST /embed``, run by curl itself, host swapped."""
+    sim_worker()
+    url = start_gateway(spawn, redis_url, queue_name, tmp_path / "serve.log")
+    command = doc_code(MIGRATING, "`POST /embed`", containing="curl", language="bash")
+    done = subprocess.run(["bash", "-c", command.replace(DOC_URL, url)], capture_output=True,
+                          text=True, timeout=60, check=True)
+    assert_vectors(json.loads(done.stdout), ["hello", "world"])
 
 
 def test_over_length_input_is_cut_and_said_so_or_refused_when_asked(
