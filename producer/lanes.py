@@ -33,8 +33,8 @@ _IDS_PER_DRAW = 256
 class _IdSource:
     """Fresh uuid4 hex ids, drawn from the OS in blocks.
 
-    Why blocks: an id is made once per request (issue 25), and one
-    ``os.urandom`` call per id was a system call per request; one per 256
+    Why blocks: an id is made once per request, and one
+    ``os.urandom`` call per id would be a system call per request; one per 256
     costs the same randomness (every id is still 122 random bits from the
     OS's CSPRNG, never derived from another). Safe across threads: each id
     leaves the block by one ``list.pop``, atomic under the GIL, and a block

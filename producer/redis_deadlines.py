@@ -235,7 +235,7 @@ def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> ty
 
     It also packs commands in C (:class:`~tokenq.shared.packing.HiredisPacking`):
     an enqueue carries a dozen arguments per request, which redis-py's own
-    packer walks in Python (issue 25).
+    packer walks in Python.
     """
     if issubclass(connection_class, mixin):
         return connection_class

@@ -3,8 +3,8 @@
 Rule 1 of ``packer.py`` orders requests by (virtual arrival, sequence); the
 packer reads the head and scans a little way down from it. A batch's rows
 are chosen by length, so they lie scattered along the line, and taking
-each out of a sorted list cost a bisection and a ``del`` (a memmove of the
-rest of the list) per row: 13 % of a null worker's device thread (issue 25).
+each out of a sorted list costs a bisection and a ``del`` (a memmove of the
+rest of the list) per row: 13 % of a null worker's device thread.
 
 Here a request taken out only counts as removed: its entry stays in the
 list, skipped by every read, until the head passes it or until removed

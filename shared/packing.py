@@ -3,9 +3,8 @@
 Why: redis-py packs every argument in Python (its asyncio connection
 entirely; its sync one passes each argument through a generator before
 hiredis), and a batch's script call carries four to fifteen arguments per
-request, so packing was the largest single cost per request on both sides
-(issue 11 for the worker, issue 25 for the producer). Without hiredis
-installed the mixin steps aside and redis-py packs as before. Both mixins
+request, so packing is the largest single cost per request on both sides.
+Without hiredis installed the mixin steps aside and redis-py packs itself. Both mixins
 also turn a connection closed under a command into the ``ConnectionError``
 it is (:class:`AsyncHiredisPacking` says why): every connection class tokenq
 makes passes through :func:`packing_mixin`, so this is its one place.

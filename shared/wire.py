@@ -88,7 +88,7 @@ def pack(value: object) -> bytes:
     """``msgpack.packb(value, use_bin_type=True)``, through this thread's own Packer.
 
     Why: ``packb`` builds a Packer per call, half of what packing a reply
-    costs; replies are packed once per request (issue 25). One Packer per
+    costs; replies are packed once per request. One Packer per
     thread, since a Packer's buffer must not be shared by two threads.
     """
     return _thread_packer().pack(value)
@@ -361,7 +361,7 @@ def decode_fields(
 ) -> Request:
     """:func:`decode_request` of fields as Redis returns them: bytes names and values.
 
-    The worker's hot path (once per request, issue 25): the fields are
+    The worker's hot path (once per request): the fields are
     looked up by their byte names as they came, with no normalised copy of
     the entry first, and the one protocol version there is is compared as
     bytes before any integer is parsed. Every rule lives here;
@@ -614,7 +614,7 @@ def encode_embedding_reply(
 ) -> bytes:
     """``encode_reply(embedding_reply(...))``, byte for byte, without the Reply in between.
 
-    Why: it runs once per request on the worker's hot path (issue 25), where
+    Why: it runs once per request on the worker's hot path, where
     the dataclass and its checks cost as much as the packing; the checks that
     matter (the length) stay.
     """
@@ -638,8 +638,7 @@ def encode_embedding_replies(
     count. The map's header, its keys, ``ok`` and the row's bin header are
     the same for all of them, so they are packed once (by msgpack, from the
     same dict layout as :func:`encode_embedding_reply`) and each reply is
-    joined from them: two small packs per row instead of a dict and a pack
-    (issue 25).
+    joined from them: two small packs per row instead of a dict and a pack.
     """
     width = 4 * dim
     if dim < 1 or len(rows) != width * len(request_ids) or len(tokens) != len(request_ids):

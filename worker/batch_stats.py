@@ -40,7 +40,7 @@ class BatchRecord:
 
         Why not ``json.dumps(asdict(record))``: ``asdict`` deep-copies each
         field through a recursive walk, two thirds of the line's cost (9.7 µs
-        a line against 3.0 here; a line per batch, issue 25).
+        a line against 3.0 here; a line per batch).
         """
         return json.dumps({name: getattr(self, name) for name in _RECORD_FIELDS})
 

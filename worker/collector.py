@@ -1,4 +1,4 @@
-"""Python's garbage collector, set for a worker's steady state (issue 25).
+"""Python's garbage collector, set for a worker's steady state.
 
 Why it matters: a worker keeps every request it has read alive until its
 answer is published: a read of 240 short entries makes some 3,000 container

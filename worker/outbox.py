@@ -38,7 +38,7 @@ def answers_by_lane(
 
     One loop for a whole batch, its replies encoded together
     (:meth:`Pipeline.encoded_replies`): this runs once per request, where a
-    call per answer was a tenth of what answering cost (issue 25).
+    call per answer would be a tenth of what answering costs.
     """
     owed: dict[int, list[Answer]] = {}
     outcomes = list(outcomes)

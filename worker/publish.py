@@ -82,8 +82,8 @@ class Publisher:
 
         The per-answer arguments end ARGV as one :class:`PackedArgs`, written
         in bulk: an answer without dead-letter fields is one format operation,
-        where a list of four arguments cost the loop and then the packer a
-        step each (issue 25). The bytes Redis receives are the same.
+        where a list of four arguments would cost the loop and then the packer a
+        step each. The bytes Redis receives are the same.
         """
         keys = [self._stream, self._dead]
         index: dict[str, bytes] = {}

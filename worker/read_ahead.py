@@ -48,7 +48,7 @@ Pure: no I/O, no clock.
 
 What is held is kept per lane, by entry id (two lanes' streams can hand out
 the same id), so a read's entries are held and an answer's released in one
-C-level call each, not a tuple made and hashed per entry (issue 25).
+C-level call each, not a tuple made and hashed per entry.
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ class Reader:
         """One future per reader that ends when the worker is told to stop.
 
         Shared by every read, instead of a task made and cancelled around each one
-        (issue 25: the loop's work per read); the last reader to end cancels it.
+        (the loop's work per read); the last reader to end cancels it.
         """
         waiter = self._stopped
         if waiter is None or waiter.get_loop() is not asyncio.get_running_loop():

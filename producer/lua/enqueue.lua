@@ -37,7 +37,7 @@
 -- Why one seen key for a call: a request id the client made up itself comes
 -- again only in the retry of the very call that made it, so one key for the
 -- call, holding its n stream ids, answers that retry, at a fraction of the
--- Redis time and memory of n keys (issue 25). Its name digests the call's
+-- Redis time and memory of n keys. Its name digests the call's
 -- request ids (tokenq.shared.keys.seen_call); a call whose key is found
 -- writes nothing and answers the ids it holds, checked to number n. Ids the
 -- caller chose (an Idempotency-Key) take a key each, because their retry
@@ -181,7 +181,7 @@ for i = 1, n do
   if same_as[i] ~= nil then
     ids[i] = ids[same_as[i]]
   elseif ids[i] == nil then
-    -- The fields straight from ARGV: no table built per entry (issue 25).
+    -- The fields straight from ARGV: no table built per entry.
     local at = starts[i]
     ids[i] = redis.call("XADD", stream, "*", unpack(ARGV, at + 1, at + 2 * tonumber(ARGV[at])))
     if per_entry then

@@ -24,7 +24,7 @@ is what REV's users saw; the notes name them. The baseline runs its
 the suite is newer than REV: then it runs this tree's suite on REV's package
 (said in the notes). The current side runs this working tree's, with the
 environment as it is. Before
-the first round, each side's environment is asked where ``tokenq`` resolves
+anything runs, each side's environment is asked where ``tokenq`` resolves
 and the comparison stops if a side would import the other's tree. The
 worktree is removed at the end, on error and on Ctrl-C or SIGTERM too.
 

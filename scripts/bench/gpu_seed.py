@@ -11,7 +11,7 @@ Per setting it prints requests/s and useful tokens/s end to end, device busy
 (the worker's summed forward time over the makespan: how much of the run the
 GPU was given work), mean rows and padding per batch, and the CPU each
 process spent per request (worker, this producer, redis-server). Those
-answer the question issue 25 asks of a GPU: are short queries waiting on
+answer the question to ask of a GPU: are short queries waiting on
 Python? A busy figure well under 1 says the device waited for the worker.
 Busy counts each batch's wall time in the worker's device thread, waits for
 the interpreter lock included, so a mean batch time well above the forward

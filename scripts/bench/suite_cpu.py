@@ -1,6 +1,6 @@
 """Suite ``cpu``: CPU per request of the producer, the worker and redis-server, each alone.
 
-What issue 25 measures instead of requests/s: on this machine's two cores,
+Why CPU per request rather than requests/s: on this machine's two cores,
 requests/s end to end says how producer, worker and Redis shared the cores;
 CPU per request says what each one costs, whatever the core count. The
 ``overhead`` suite has the same two rows among many short phases; this suite
@@ -21,7 +21,7 @@ less:
   packed (``wire.encode_embedding_reply``) and the read answered by one
   ``publish.lua`` call, one step after another with no batching, packing,
   tokenizing, threads or metrics. The worker row can come near it, never
-  below it: it is the evidence for what issue 25's worker figure may ask.
+  below it: it is the floor the worker's figure is judged against.
 
 Each size runs ``REPEATS`` backlogs on one private redis-server and reports
 the median and the lowest of each figure: interference from other work only

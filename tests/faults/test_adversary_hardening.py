@@ -1,10 +1,10 @@
-"""Issue 22, tried by an adversary: the promises of its fixes, attacked where the
-existing tests do not reach.
+"""The hardening promises, tried by an adversary where the other tests do not
+reach.
 
 Each test here attacks one promise of docs/RELIABILITY.md or docs/SECURITY.md
 with a fault injected into a real redis-server (frozen by SIGSTOP, filled to
-``maxmemory``, running a long script) or a hostile caller, where the tests
-of the fix itself did not try it:
+``maxmemory``, running a long script) or a hostile caller, where no other
+test tries it:
 
 * a Redis frozen for longer than the Redis stages' deadline must not make a
   worker "hung" (RELIABILITY: Redis being away is not a liveness failure);
@@ -332,8 +332,8 @@ def test_a_producer_calling_the_workers_functions_with_its_own_keys_gains_nothin
 def test_a_time_redis_would_get_as_zero_milliseconds_is_refused_where_it_enters(
     settings_cls, name
 ) -> None:
-    """Issue 22 §9: every setting is bounded where it enters. These three reach Redis as
-    whole milliseconds (``int(s * 1000)``), and ``gt=0`` let 0.0004 through as 0 ms:
+    """Every setting is bounded where it enters. These three reach Redis as
+    whole milliseconds (``int(s * 1000)``), and ``gt=0`` would let 0.0004 through as 0 ms:
     a ``reply_ttl_s`` of 0 ms makes ``publish.lua`` refuse every call, which the worker
     reads as "Redis refuses writes now" and retries for ever (no answer is ever
     published); a ``claim_idle_s`` of 0 ms claims every peer's pending entry at each

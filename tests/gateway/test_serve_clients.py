@@ -1,4 +1,4 @@
-"""``tokenq serve`` as the client libraries people run see it (issue 24: items 2-4).
+"""``tokenq serve`` as the client libraries people run see it.
 
 Real clients (the OpenAI SDK, langchain-openai with its defaults and with
 ``check_embedding_ctx_length=False``, llama-index-embeddings-openai, a

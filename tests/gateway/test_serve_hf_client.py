@@ -1,4 +1,4 @@
-"""Issue 24: ``huggingface_hub``'s ``InferenceClient(base_url=gateway)`` gets the reference
+"""``huggingface_hub``'s ``InferenceClient(base_url=gateway)`` gets the reference
 library's numbers, and TEI's spec holds for every model kind.
 
 Three tiny random BERTs, each run by an hf worker on its own queue with a ``tokenq serve``

@@ -228,7 +228,7 @@ def test_the_type_pass_finds_the_same_first_misfit_as_checking_each_item(items, 
 ])
 def test_a_body_that_is_not_a_json_object_is_a_422_naming_body(raw):
     """JSON of another shape is a 422; a body that is not JSON at all a 400, as OpenAI and
-    TEI answer (issue 24)."""
+    TEI answer."""
     status = 422 if raw in (b"[1]", b'"text"') else 400
     for model in MODELS:
         error = refused(model, raw)

@@ -1,4 +1,4 @@
-"""Issue 24, items 1 and 5: the gateway's ``/openapi.json`` is complete, ``/docs`` answers, and
+"""The gateway's ``/openapi.json`` is complete, ``/docs`` answers, and
 schemathesis finds no 5xx or schema violation, against tokenq's own document (``--checks all``)
 and against TEI's published spec (tests/data/tei_openapi.json) on the routes an embedder queue
 serves (sim workers). The classifier and reranker kinds, and the tokenizer routes with a real

@@ -1,4 +1,4 @@
-"""Issue 24, item 1: TEI's ``POST /``, ``/similarity``, ``/tokenize``, ``/decode``, ``GET /`` and
+"""TEI's ``POST /``, ``/similarity``, ``/tokenize``, ``/decode``, ``GET /`` and
 ``/ping`` against sim workers (fast); the hf model's numbers, the tokenizer's own ids and each
 kind of queue are in tests/gateway/test_serve_hf_client.py."""
 

@@ -1,4 +1,4 @@
-"""Issue 3, "Real models", end to end: producer -> real Redis -> real worker processes.
+"""Real models end to end: producer -> real Redis -> real worker processes.
 
 Every result that comes back through the queue is compared with the same
 model run *directly*, one input at a time and without padding, by plain

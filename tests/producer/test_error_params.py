@@ -1,4 +1,4 @@
-"""Every refusal names its parameter, and the gateway answers with that name (issue 23).
+"""Every refusal names its parameter, and the gateway answers with that name.
 
 A table over each ``BadRequest`` the public client API can raise: each
 carries ``param`` (the argument at fault, set where it is raised), and the

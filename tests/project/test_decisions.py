@@ -4,7 +4,8 @@ Each record is ``NNNN-slug.md`` (numbers in order from 0001) with a title, a sta
 (``accepted`` or ``superseded by`` an existing, later record), context, decision and
 consequences, and no work-log references; the README's index lists each record once with
 its title and status. Any ``docs/decisions/NNNN-*.md`` named in the code or the docs exists,
-and nothing names the notebook the records replaced.
+and nothing names the notebook the records replaced. Nothing but CHANGELOG.md says which
+issue, stop or round produced something: that history belongs in commit messages.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ FOLDER = REPO / "docs" / "decisions"
 NAME = re.compile(r"(\d{4})-[a-z0-9]+(?:-[a-z0-9]+)*\.md")
 STATUS = re.compile(r"Status: (accepted|superseded by \[(\d{4})\]\((\d{4}-[a-z0-9-]+\.md)\))$")
 WORK_LOG = re.compile(
-    r"\bissue \d+|\bstop \d+|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth"
-    r"|tenth|eleventh|hardening|adversary's) round\b|\b\d{1,2} (?:November|December)\b",
+    r"\bissues? \d+|\bstop \d+|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth"
+    r"|tenth|eleventh|twelfth|hardening|adversary's) round\b|\bround (?:one|two|three|four|five)\b"
+    r"|\(round \d|\b\d{1,2} (?:November|December)\b",
     re.IGNORECASE,
 )
 SOURCES = ("*.py", "*.md", "*.sh", "*.lua", "*.toml", "*.yaml")
@@ -88,3 +90,19 @@ def test_every_reference_to_a_record_resolves() -> None:
     assert named, "no code or doc names a record: the pattern broke"
     assert sorted(n for n in named if not (FOLDER / n).exists()) == []
     assert stale == []
+
+
+def test_no_work_log_reference_outside_the_changelog() -> None:
+    """Code, tests, scripts and docs say what and why; which piece of work made them is history."""
+    # Spelt in pieces so this file passes its own test.
+    samples = ("as issue" + " 25", "the third" + " round", "stop" + " 4")
+    assert all(WORK_LOG.search(sample) for sample in samples)
+    assert not WORK_LOG.search("filled around one request; preStop 5 s; rounds of runs")
+    texts = repository_texts()
+    assert len(texts) > 100, "the walk found too few files: the pattern broke"
+    found = []
+    for path in texts:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        found += [f"{path.relative_to(REPO)}:{number}: {line.strip()}"
+                  for number, line in enumerate(lines, 1) if WORK_LOG.search(line)]
+    assert found == []

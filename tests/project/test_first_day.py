@@ -1,11 +1,11 @@
-"""Issue 24, "a first day that works as written": what README.md tells a newcomer to run, runs.
+"""A first day that works as written: what README.md tells a newcomer to run, runs.
 
 - The worker example's ``--model sentence-transformers/all-MiniLM-L6-v2`` is
   the id the bundled model reports; it must load the bundled files, offline
-  or with the network unreachable, within seconds (it spent ~55 s in hub
-  retries and then failed).
+  or with the network unreachable, within seconds, not stuck in
+  hub retries.
 - Every ``tokenq …`` command line in README.md and docs/*.md parses with the
-  real argument parser (``tokenq dlq retry --queue embed`` exited 2).
+  real argument parser.
 - The metrics endpoint binds loopback unless told otherwise.
 """
 

@@ -1,4 +1,4 @@
-"""Every id, option and setting is bounded where it enters (issue 22, item 9).
+"""Every id, option and setting is bounded where it enters.
 
 Settings: every int and float of every command's settings is walked, so a
 setting added later is tried too; a value is either refused with one line

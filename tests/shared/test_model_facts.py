@@ -1,4 +1,4 @@
-"""One derivation per model fact (issue 23): BackendInfo → config hash → ModelFacts.
+"""One derivation per model fact: BackendInfo → config hash → ModelFacts.
 
 The worker checks a request's options with the facts of the config it
 publishes, and the producer with the facts of the hash it reads; these pin

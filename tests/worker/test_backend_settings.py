@@ -1,4 +1,4 @@
-"""A backend owns its settings (issue 23): a plugin declares a flag, and ``tokenq worker`` has it.
+"""A backend owns its settings: a plugin declares a flag, and ``tokenq worker`` has it.
 
 The plugin is ``tests.plugins_for_tests:greeter``, a ``BackendEntry`` whose
 ``GreeterSettings`` declare ``--greeter-dim``; nothing in ``shared/`` names

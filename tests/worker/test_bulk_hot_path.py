@@ -1,4 +1,4 @@
-"""The per-request paths made cheaper in bulk (issue 25) keep their behaviour.
+"""The per-request paths made cheaper in bulk keep their behaviour.
 
 * publish.lua asks which answers are still its own with one XPENDING over
   the call's id range, and acks and deletes a call's answered entries with

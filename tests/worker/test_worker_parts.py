@@ -1,4 +1,4 @@
-"""The worker's parts, each driven on its own (issue 23).
+"""The worker's parts, each driven on its own.
 
 * :class:`~tokenq.worker.intake.Intake` is pure: hypothesis drives it with
   plain numbers (the byte bound over any sequence of reads and publishes,
@@ -357,7 +357,7 @@ def test_entry_bytes_are_the_raw_size_of_the_fields() -> None:
 
 @pytest.mark.parametrize("package", ["worker", "producer", "shared"])
 def test_no_class_is_longer_than_400_lines(package: str) -> None:
-    """Issue 23's bound: a class that outgrows it owns too much state for one part."""
+    """A class that outgrows 400 lines owns too much state for one part."""
     import ast
     from pathlib import Path
 

@@ -113,7 +113,7 @@ local function undeliverable_letter(entry_id, deliveries, why)
 end
 
 -- The answered entries are acked and deleted together, one XACK and one XDEL
--- for the whole call rather than two commands per answer (issue 25: Redis CPU
+-- for the whole call rather than two commands per answer (Redis CPU
 -- per request). An answer settled earlier in the call is no longer pending
 -- when a later one is checked, because the check goes through `settled` as
 -- well as XPENDING, so an entry named twice is still answered once. Every
@@ -136,8 +136,8 @@ local function refuse(text)
 end
 
 -- Which answers are still this consumer's: one XPENDING over the range of
--- the call's entry ids rather than one per answer (issue 25). An entry that
--- range did not show is asked about alone, as every entry was before: so the
+-- the call's entry ids rather than one per answer. An entry that
+-- range did not show is asked about alone: so the
 -- range only saves work and can never drop an answer, whatever the ids are
 -- (not canonical, past 2^53 where a Lua number rounds, or the reply cut at
 -- `limit` before reaching them), and a range Redis cannot parse just asks
@@ -204,7 +204,7 @@ local function unanswerable(entry_id, deliveries, k, why)
 end
 
 -- Replies are pushed one RPUSH per reply key and up to SLICE payloads, not one
--- per answer (issue 25: Redis CPU per request): a client's answers share its
+-- per answer (Redis CPU per request): a client's answers share its
 -- key (a gateway, embed_many). Answers to one key stay in the call's order. An
 -- answer is settled only once its reply is pushed, so an error returned while
 -- a later key is pushed leaves it pending, for the retry.

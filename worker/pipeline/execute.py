@@ -146,7 +146,7 @@ def _checked_rows(outputs: Sequence[object]) -> list[np.ndarray | Failure]:
     """:func:`_checked` for every row of a run, the finiteness test in one numpy call.
 
     Why: three numpy calls per row cost more than the null backend's whole
-    run (issue 25). When every row is already a 1-D float32 array of one
+    run. When every row is already a 1-D float32 array of one
     length, which is what the built-in backends return, the rows are
     stacked and tested at once; a row that is not finite gets the same
     Failure it would alone. Anything else goes row by row.

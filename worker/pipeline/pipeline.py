@@ -480,7 +480,7 @@ class Pipeline(Generic[K]):
         The embeddings of one width go together: one conversion of their
         joined rows to little-endian float32 and one
         :func:`~tokenq.shared.wire.encode_embedding_replies`, instead of a
-        conversion and a packed dict per row (issue 25). The bytes are the same.
+        conversion and a packed dict per row. The bytes are the same.
         """
         replies: list[tuple[bytes, bool] | None] = [None] * len(outcomes)
         if self.info.embeds:
