@@ -1,19 +1,9 @@
 """Run one batch on a backend so that one bad row, or one too-big batch, fails alone.
 
-Both the Redis worker loop and the in-process :class:`~tokenq.worker.local.batcher.Batcher`
-call :func:`run_isolated`; it knows nothing about Redis or asyncio and is
-synchronous, because the caller runs it in a thread next to its event loop.
-
-docs/RELIABILITY.md promises that an input which makes a batch raise is isolated by
-splitting the batch, and that no request fails because of an out-of-memory
-error unless it alone does not fit. Both come down to the same move: when
-``backend.run`` raises, run the two halves separately, recursively. A batch of
-``n`` rows with one bad row costs about ``2 log2(n)`` extra runs; every healthy
-row is answered.
-
-What this module does *not* decide is the budget: it reports each failed run
-(:class:`FailedRun`) through callbacks, and the caller lowers its packer's
-budget after an OOM and exports the counts as metrics.
+When ``backend.run`` raises, the halves run separately, recursively (about
+``2 log2(n)`` extra runs for one bad row), keeping docs/RELIABILITY.md's promise
+that only an input that fails alone fails. Synchronous, no Redis or asyncio;
+failed runs are reported (:class:`FailedRun`) so the caller lowers its budget.
 """
 
 from __future__ import annotations
@@ -44,10 +34,8 @@ Failure = ErrorInfo
 
 @dataclass(frozen=True, slots=True)
 class FailedRun:
-    """One ``backend.run`` call that raised, reported to the caller's callback.
-
-    ``rows > 1`` means the batch was split and its halves retried; ``rows == 1``
-    means that row now fails for good.
+    """One ``backend.run`` call that raised: ``rows > 1`` was split and retried, ``rows == 1``
+    fails for good.
     """
 
     reason: Literal["oom", "error"]
@@ -69,10 +57,8 @@ OnFailedRun = Callable[[FailedRun], None]
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for any framework's "device out of memory" error.
 
-    Matches :class:`~tokenq.shared.errors.DeviceOutOfMemory` and ``MemoryError``
-    (a CPU backend's device memory is host memory), and any exception class
-    named ``OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``,
-    ``torch.OutOfMemoryError``) by name, so this module never imports torch.
+    :class:`~tokenq.shared.errors.DeviceOutOfMemory`, ``MemoryError``, or any class
+    named ``OutOfMemoryError`` (matched by name, so torch is never imported).
     """
     if isinstance(exc, MemoryError):
         return True
@@ -96,12 +82,9 @@ def run_isolated(
 ) -> list[np.ndarray | Failure]:
     """Run ``encodings`` as one batch; answer every row with a vector or a Failure.
 
-    On an out-of-memory error (see :func:`is_out_of_memory`) or any other
-    exception, the batch is split into halves and each is retried, down to
-    single rows; a single row that still fails gets ``out_of_memory`` or
-    ``inference_failed``. ``on_oom`` / ``on_error`` hear about every failed
-    run, so the caller can count splits and lower its budget. A row whose
-    output is not a finite 1-D array fails with ``inference_failed``.
+    A failing batch is halved down to single rows; a row that still fails gets
+    ``out_of_memory`` or ``inference_failed`` (so does a non-finite or non-1-D row).
+    ``on_oom`` / ``on_error`` hear of every failed run.
     """
     results: list[np.ndarray | Failure | None] = [None] * len(encodings)
     # An explicit stack instead of recursion: the depth is only log2(n), but
@@ -143,13 +126,8 @@ def run_isolated(
 
 
 def _checked_rows(outputs: Sequence[object]) -> list[np.ndarray | Failure]:
-    """:func:`_checked` for every row of a run, the finiteness test in one numpy call.
-
-    Why: three numpy calls per row cost more than the null backend's whole
-    run. When every row is already a 1-D float32 array of one
-    length, which is what the built-in backends return, the rows are
-    stacked and tested at once; a row that is not finite gets the same
-    Failure it would alone. Anything else goes row by row.
+    """:func:`_checked` for every row, with one stacked numpy finiteness test when all rows
+    are 1-D float32 of one length (per-row calls cost more than a fast model's run).
     """
     rows = list(outputs)
     if len(rows) > 1 and all(
@@ -198,11 +176,8 @@ def _missing() -> Failure:
 def adapt_budget(
     adaptive: AdaptiveBudget, packer: Packer[Any], ooms: Sequence[FailedRun], who: str
 ) -> None:
-    """Feed one batch's out-of-memory events to the adaptive budget and the packer.
-
-    After an OOM the budget drops below the failed batch's cost (padded or
-    ragged, as the packer counts); after clean batches it climbs back slowly.
-    Shared by the Redis worker and the in-process batcher.
+    """Feed one batch's OOM events to the adaptive budget and the packer: it drops below the
+    failed cost, and climbs back slowly after clean batches.
     """
     before = adaptive.current
     if ooms:

@@ -1,35 +1,15 @@
 """Keeping the device fed: the packer behind a lock, and the thread that runs its batches.
 
-Both batching loops (the Redis worker and the in-process batcher) run their
-device through a :class:`DeviceFeed`. A dedicated device thread asks the
-packer for the next batch the moment the last one finishes, runs it, hands
-the result to the event loop, and asks again. Why a thread that picks for
-itself, rather than the event loop picking and handing each batch to a
-thread: that hand-off costs two thread switches and a turn of the event
-loop per batch (a millisecond or more between batches when the loop is
-busy reading and publishing), and during it the device waits. Here the
-event loop only adds input and settles results; the device thread never
-waits for it.
+A device thread picks the packer's next batch the moment the last finishes,
+rather than the event loop handing each over (two thread switches and a loop
+turn per batch, while the device waits). Rules it keeps:
 
-Rules it keeps:
-
-* one batch on the device at a time (the budget is the memory bound: two in
-  flight would double it);
-* the packer still chooses as late as possible: the pick happens when the
-  device frees, under the lock, with everything added up to that instant;
-* an unsealed batch lingers until the packer's ``ready_at``, or until new
-  input or a flush wakes the thread (a condition variable: no selector
-  rounding on the linger);
-* results are settled on the event loop, in order; at most
-  ``max_unsettled`` wait there, so a stalled loop stalls the device rather
-  than piling up results;
-* what the thread tells the loop (a batch taken, a result, that it stopped)
-  goes through one inbox with at most one wake-up pending: a message sent
-  before the loop has read the last ones rides on the wake-up already on
-  its way. Why: each wake-up is a write to the loop's self-pipe and, since
-  the write lets go of the GIL, a hand-over of the interpreter to the loop
-  and back; with a fast model that was two per batch, and batches cost a
-  null worker about 150 µs of CPU each (docs/BENCHMARKS.md, "cpu").
+* one batch on the device at a time (the budget is the memory bound);
+* the pick happens as late as possible, under the lock;
+* an unsealed batch lingers until ``ready_at``, new input or a flush;
+* results settle on the event loop in order, at most ``max_unsettled`` waiting;
+* messages to the loop share one inbox with at most one wake-up pending
+  (each wake-up costs a GIL hand-over: docs/BENCHMARKS.md, "cpu").
 """
 
 from __future__ import annotations
@@ -68,11 +48,8 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
 class Aborted(RuntimeError):
     """A thread's or task's work raised a BaseException that is not an ``Exception``.
 
-    A plugin's ``asyncio.CancelledError``, a ``KeyboardInterrupt`` or ``SystemExit``
-    raised inside ``run``, a custom ``BaseException``: on the event loop each
-    would read as a cancel (ignored by whoever waits on the task) or end the
-    interpreter, so the loop gets this ordinary error instead, the original
-    as its ``__cause__``: a worker failure, and the batch's callers are answered.
+    A plugin's CancelledError, KeyboardInterrupt or SystemExit would read as a cancel
+    or end the interpreter; the loop gets this instead (the original as ``__cause__``).
     """
 
 
@@ -112,16 +89,11 @@ class _Done:
 class DeviceFeed(Generic[T, R]):
     """A packer shared by the event loop (which adds) and a device thread (which takes).
 
-    ``execute(batch)`` runs in the device thread and returns what ``settle``
-    then receives on the event loop. ``flushing()`` lets an unsealed batch go
-    without lingering (stopping, closing); ``finished()`` says no more input
-    will come, so the thread ends once the packer has nothing ready; ``prune()``
-    drops abandoned input before each pick (under the lock). All three are
-    called from the device thread and must only read plain flags.
-    ``on_take()`` runs on the event loop each time a batch leaves the packer
-    (the buffer has room again). ``may_take()`` (device thread, a plain read)
-    holds batches back while False, e.g. while the results waiting to be
-    published fill their room; :meth:`wake` the thread when it turns True.
+    ``execute(batch)`` runs in the device thread; ``settle`` gets its result on the
+    loop. Device-thread callbacks that only read flags: ``flushing()`` (no lingering),
+    ``finished()`` (no more input), ``prune()`` (drop abandoned input), ``may_take()``
+    (hold batches back; :meth:`wake` when it turns True). ``on_take()`` runs on the
+    loop when a batch leaves the packer.
     """
 
     def __init__(
@@ -179,10 +151,8 @@ class DeviceFeed(Generic[T, R]):
             return [item.payload for item in self.packer.remove_where(predicate)]
 
     def held(self) -> list[T]:
-        """Every payload buffered, on the device, or ran and not settled (a snapshot).
-
-        A batch whose result a cancel dropped, or whose run raised, stays
-        here: it was never answered, and whoever stops the feed answers it.
+        """Every payload buffered, on the device, or ran and not settled (a snapshot); whoever
+        stops the feed answers them.
         """
         with self._lock:
             held = [item.payload for item in self.packer]
@@ -202,11 +172,8 @@ class DeviceFeed(Generic[T, R]):
     async def run(self, settle: Callable[[Batch[T], R], Awaitable[None]]) -> None:
         """Start the device thread and settle its results until it finishes.
 
-        Raises what ``execute`` raised (the device thread stops at once), as
-        an ordinary exception (:func:`ordinary`), its batch still
-        :meth:`held`. When
-        this coroutine is cancelled the thread stops after the batch it is
-        running, whose result is dropped, as a cancelled caller's would be.
+        Raises what ``execute`` raised (:func:`ordinary`), its batch still :meth:`held`.
+        Cancelled: the thread stops after its running batch, whose result is dropped.
         """
         self._loop = asyncio.get_running_loop()
         self._results = asyncio.Queue()

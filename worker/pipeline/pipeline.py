@@ -1,24 +1,12 @@
 """One request pipeline for both batching loops: requests in, jobs, batch outcomes out.
 
 The Redis worker (``worker/loop.py``) and the in-process batcher
-(``worker/local/batcher.py``) differ only in where a request comes from (a
-stream entry, a ``submit`` call) and where its answer goes (a reply key, a
-future). Everything between is here, once:
-
-* :meth:`Pipeline.admit` turns requests into jobs the packer can cost:
-  deadline check, the pairs check, exact tokenization (a failing tokenizer is
-  isolated to the input it fails on), and the over-length policy
-  (``truncate``, ``reject``, ``chunk`` into windows);
-* :meth:`Pipeline.run_batch` runs one packed batch: drops what expired while
-  it waited, runs the rest with :func:`run_isolated` (one bad row or an
-  out-of-memory error fails alone), and settles chunked requests when their
-  last window is back;
-* :meth:`Pipeline.reply` is the wire reply for a finished request.
-
-A job's ``ref`` is the caller's handle (a stream entry id, a pending
-future); the pipeline never looks inside it. Nothing here does I/O or
-touches asyncio: the callers run :meth:`admit` and :meth:`run_batch` in a
-thread, next to their event loop.
+(``worker/local/batcher.py``) differ only in where requests come from and
+answers go; the rest is here: :meth:`Pipeline.admit` (deadline, pairs check,
+exact tokenization isolated per input, over-length policy), :meth:`Pipeline.run_batch`
+(expired dropped, :func:`run_isolated`, chunked requests settled) and
+:meth:`Pipeline.reply`. A job's ``ref`` is the caller's opaque handle. No I/O,
+no asyncio: callers run it in a thread.
 """
 
 from __future__ import annotations
@@ -58,9 +46,8 @@ from tokenq.worker.pipeline.finisher import Finisher, facts_of, sparse_entries
 
 K = TypeVar("K")
 
-# Admit, Job and Outcome are made per request on the hot path, so they are
-# plain slotted classes: a frozen dataclass's __init__ costs a setattr call
-# per field. Nothing mutates them after construction.
+# Admit, Job and Outcome are made per request on the hot path: plain slotted
+# classes, not frozen dataclasses. Nothing mutates them after construction.
 
 OverLength = Literal["truncate", "reject", "chunk"]
 """What happens to an input longer than the model takes (``--policy``)."""
@@ -71,9 +58,8 @@ OverLength = Literal["truncate", "reject", "chunk"]
 class ChunkGroup:
     """The windows of one over-long request under the ``chunk`` policy.
 
-    Each window is packed as its own sequence (possibly into different
-    batches); the request is answered only when every window has a result,
-    with their length-weighted mean.
+    Windows may ride in different batches; the request is answered, with their
+    length-weighted mean, when every window is back.
     """
 
     lengths: list[int]
@@ -176,7 +162,7 @@ def budget_for(
 ) -> Budget:
     """The batch budget both loops run under; a ConfigError for one the model cannot honour.
 
-    ``cost_model`` None or ``auto`` follows ``info.padded`` (TEI's ``is_padded``).
+    ``cost_model`` None or ``auto`` follows ``info.padded``.
     """
     if max_batch_tokens < info.max_input_tokens:
         raise ConfigError(
@@ -237,11 +223,9 @@ class Pipeline(Generic[K]):
     def admit(self, items: Sequence[Admit[K]], now_epoch_ms: int) -> Admitted[K]:
         """Jobs for the requests worth running; an answer now for the rest.
 
-        Raises nothing for what a request holds: a tokenizer that fails on a
-        read is retried input by input, so only the input it fails on is
-        answered (``bad_request`` when the backend refuses it with
-        ``ValueError``, as the Backend contract says; ``inference_failed``
-        otherwise), and an encoding no packer can cost lands in ``broken``.
+        Raises nothing for what a request holds: a failing tokenizer is retried input by
+        input (``bad_request`` on ``ValueError``, else ``inference_failed``); an encoding
+        no packer can cost lands in ``broken``.
         """
         out: Admitted[K] = Admitted()
         valid: list[tuple[Admit[K], RequestOptions]] = []
@@ -321,10 +305,8 @@ class Pipeline(Generic[K]):
              max_length: int | None) -> set[int]:
         """The indices of the inputs ``max_length`` cut.
 
-        A backend's encoding may say so itself (``truncated``); one that does
-        not is tokenized again whole, if it is at the limit (one call for
-        those only), to tell a cut input from one exactly the limit's length.
-        If that fails, each of them counts as cut.
+        From the encoding's ``truncated`` if it has one; otherwise inputs at the limit
+        are tokenized again whole (one call), and all count as cut if that fails.
         """
         if max_length is None:
             return set()
@@ -409,9 +391,8 @@ class Pipeline(Generic[K]):
     def run_batch(self, jobs: Sequence[Job[K]], now_epoch_ms: int) -> BatchOutcome[K]:
         """Run one packed batch and settle what it finishes (synchronous: call it in a thread).
 
-        Jobs whose deadline passed while they waited are answered
-        ``deadline_exceeded`` without running; the rest run together, split
-        and retried on failure by :func:`run_isolated`.
+        Jobs whose deadline passed are answered ``deadline_exceeded`` without running;
+        the rest run under :func:`run_isolated`.
         """
         expired: list[Job[K]] = []
         live: list[Job[K]] = []
@@ -435,9 +416,7 @@ class Pipeline(Generic[K]):
                results: Sequence[np.ndarray | Failure]) -> list[Outcome[K]]:
         """Outcomes for finished jobs; a chunked request finishes with its last window.
 
-        Whole requests' rows are shaped into their answers together (one numpy
-        operation for all that take the model's defaults); a chunked request's
-        windows stay raw until its last one is back.
+        Whole requests are shaped together in one numpy operation; windows stay raw.
         """
         whole = [i for i, (job, result) in enumerate(zip(jobs, results, strict=True))
                  if job.chunk is None and not isinstance(result, Failure)]
@@ -475,12 +454,8 @@ class Pipeline(Generic[K]):
     # ------------------------------------------------------------------ reply
 
     def encoded_replies(self, outcomes: Sequence[Outcome[K]]) -> list[tuple[bytes, bool]]:
-        """:meth:`encoded_reply` of each outcome, in order: a batch's replies at once.
-
-        The embeddings of one width go together: one conversion of their
-        joined rows to little-endian float32 and one
-        :func:`~tokenq.shared.wire.encode_embedding_replies`, instead of a
-        conversion and a packed dict per row. The bytes are the same.
+        """:meth:`encoded_reply` of each outcome, in order, with one float32 conversion and
+        one :func:`~tokenq.shared.wire.encode_embedding_replies` per embedding width.
         """
         replies: list[tuple[bytes, bool] | None] = [None] * len(outcomes)
         if self.info.embeds:
@@ -514,9 +489,8 @@ class Pipeline(Generic[K]):
     def encoded_reply(self, outcome: Outcome[K]) -> tuple[bytes, bool]:
         """The reply's msgpack bytes, and whether it is a success.
 
-        An embedding is packed straight from the vector (no :class:`wire.Reply`
-        in between: this runs per request); anything else goes through
-        :meth:`reply`. The bytes are the same either way.
+        An embedding is packed straight from the vector (this runs per request);
+        anything else goes through :meth:`reply`. Same bytes either way.
         """
         result = outcome.result
         if self.info.embeds and not isinstance(result, Failure) and result.ndim == 1:

@@ -1,39 +1,19 @@
 """Tokenizing in child processes, for backends whose tokenizer holds the GIL.
 
-The pipeline tokenizes each read off the event loop, in a thread. A fast
-(Rust) tokenizer releases the GIL for its batch call, so the loop keeps
-reading and publishing and the device thread keeps feeding the device while
-it works. A tokenizer written in Python holds the GIL for the whole call: a
-read of long passages then stalls the loop and, worse, the device thread,
-whose next batch waits for the interpreter. ``--tokenize-processes N`` moves
-that work into N child processes, each holding its own copy of the tokenizer
-(built from the backend's :class:`~tokenq.worker.backends.base.TokenizerSource`
-factory): a read is cut into up to N contiguous slices tokenized side by
-side, and the encodings come back in input order.
+A Python tokenizer holds the GIL for a whole read, stalling the event loop and the
+device thread. ``--tokenize-processes N`` cuts each read into up to N slices
+tokenized by children built from the backend's
+:class:`~tokenq.worker.backends.base.TokenizerSource`, encodings back in order
+(docs/decisions/0015-tokenizing-in-child-processes.md). Rules:
 
-Decisions:
-
-* **spawn, not fork**: the worker process holds threads (the device's, redis
-  connections) and maybe a CUDA context, neither of which survives a fork.
-* **Started and checked at worker start** (:meth:`TokenizerPool.start`): a
-  factory that fails in a child fails the start with the reason, not the
-  first read.
-* **A child that dies** (the OOM killer, a crash in native code) breaks the
-  pool; the call is retried once on a fresh pool, so one lost process costs
-  one retry, not every request of the read. A second failure is raised.
-* **Errors keep their type**: a ``ValueError`` for a bad input comes back as
-  a ``ValueError``, so the pipeline's rule (retry input by input, answer
-  ``bad_request`` for the one refused) is unchanged.
-* **Small reads stay in one slice**: below :data:`MIN_SLICE` inputs per
-  child, the cost of shipping inputs across is more than the split saves.
-* **Children never outlive the worker**: each child asks, as it starts, to
-  be SIGKILLed when the worker exits (``PR_SET_PDEATHSIG`` on Linux, a thread
-  polling the parent's pid elsewhere: ``tooling.children.die_with_parent``),
-  so a worker SIGKILLed while a child hangs leaves no child behind; and
-  :meth:`TokenizerPool.close` kills a child still busy after
-  :data:`CLOSE_GRACE_S` instead of waiting for it (a hung tokenizer would hold
-  the worker's exit forever). A tokenizing call that never returns is the
-  worker's watchdog's (``worker/stages.py``): the worker exits 3.
+* **spawn, not fork** (threads and a CUDA context do not survive a fork);
+* started and checked at worker start, so a failing factory fails the start;
+* a dead child breaks the pool: retried once on a fresh one;
+* errors keep their type (``ValueError`` stays ``bad_request`` for its input);
+* below :data:`MIN_SLICE` inputs per child a read stays one slice;
+* children die with the worker (``tooling.children.die_with_parent``), and
+  :meth:`TokenizerPool.close` kills one still busy after :data:`CLOSE_GRACE_S`;
+  a call that never returns is the watchdog's (``worker/stages.py``).
 """
 
 from __future__ import annotations
@@ -137,10 +117,8 @@ class TokenizerPool:
             return self._tokenize_on(self._replace(executor), inputs, max_length)
 
     def close(self) -> None:
-        """Stop the children (what they were doing is dropped); safe to call twice.
-
-        A child still busy after :data:`CLOSE_GRACE_S` is killed: the worker
-        closes the pool on its way out, and a hung tokenizer must not hold that.
+        """Stop the children (what they were doing is dropped); safe to call twice. A child
+        still busy after :data:`CLOSE_GRACE_S` is killed.
         """
         with self._lock:
             executor, self._executor = self._executor, None
@@ -168,11 +146,8 @@ class TokenizerPool:
         return [encoding for future in futures for encoding in future.result()]
 
     def _replace(self, broken: ProcessPoolExecutor) -> ProcessPoolExecutor:
-        """A fresh pool in place of ``broken``, unless the pool was closed or replaced meanwhile.
-
-        Why compare: a call that finds the pool broken after :meth:`close`
-        must not start children nobody will stop, and two calls that broke
-        on the same pool must not both replace it.
+        """A fresh pool in place of ``broken``, unless the pool was closed or replaced meanwhile
+        (no orphan children after :meth:`close`, no double replacement).
         """
         with self._lock:
             if self._executor is broken:
@@ -189,11 +164,8 @@ class TokenizerPool:
 
 
 def _stop(executor: ProcessPoolExecutor) -> None:
-    """Shut ``executor`` down, killing a child that has not finished in :data:`CLOSE_GRACE_S`.
-
-    ``ProcessPoolExecutor.shutdown`` waits for the calls children are running
-    and has no time-out (Python 3.14 adds ``kill_workers``); hence the
-    children, taken before the shutdown forgets them, are joined and killed here.
+    """Shut ``executor`` down, killing a child not finished in :data:`CLOSE_GRACE_S`
+    (``shutdown`` has no time-out before Python 3.14).
     """
     children = list((executor._processes or {}).values())
     executor.shutdown(wait=False, cancel_futures=True)
