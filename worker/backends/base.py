@@ -1,19 +1,12 @@
 """The small interface every model backend implements.
 
-A backend owns a tokenizer and a model. The worker asks it for exact token
-lengths (``tokenize``), hands it token-budgeted batches (``run``), and reads
-its limits from ``info``; ``info.padded`` feeds the packer's cost model, as
-TEI's ``is_padded`` does. Backends are plain objects; a plugin is any
-``factory(settings) -> Backend`` named as ``package.module:factory``, or a
-:class:`~tokenq.worker.backends.registry.BackendEntry` that brings its own
-settings (flags and ``TOKENQ_*`` variables) too.
-
-What a backend can do beyond the four members is declared, never probed:
-facts about its outputs are fields of :class:`BackendInfo` (``normalized``,
-``labels``), and each optional method is a protocol looked up once:
-``windows`` (the ``chunk`` policy) is :class:`Windowing`, found by
-:func:`windowing_of`; ``tokenizer_factory`` (``--tokenize-processes``) is
-:class:`TokenizerSource`, found by :func:`tokenizer_source_of`.
+A backend owns a tokenizer and a model: the worker asks it for exact token
+lengths (``tokenize``), runs token-budgeted batches (``run``) and reads its
+limits from ``info`` (``info.padded`` feeds the packer's cost model, as TEI's
+``is_padded`` does). A plugin is ``package.module:factory`` or a
+:class:`~tokenq.worker.backends.registry.BackendEntry` with its own settings.
+Optional abilities are declared, never probed: fields of :class:`BackendInfo`,
+and protocols looked up once (:func:`windowing_of`, :func:`tokenizer_source_of`).
 """
 
 from __future__ import annotations
@@ -25,18 +18,15 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 Task = Literal["embed", "classify", "rerank", "sparse"]
-"""What the model does, named as ``--task`` names it: ``embed`` replies carry an
-embedding; ``classify`` (one score per label) and ``rerank`` (a cross-encoder's
-score for a (query, passage) pair) replies carry scores; ``sparse`` (SPLADE) replies
-carry the nonzero (token id, weight) pairs of a vocabulary-sized row that ``run``
-returns dense."""
+"""What the model does, as ``--task`` names it: ``embed`` replies carry an embedding;
+``classify`` and ``rerank`` carry scores; ``sparse`` (SPLADE) carries the nonzero
+(token id, weight) pairs of the dense row ``run`` returns."""
 
 TASKS: tuple[Task, ...] = ("embed", "classify", "rerank", "sparse")
 
 Activation = Literal["none", "sigmoid", "softmax"]
-"""A scoring model's activation over its logits: ``sigmoid`` per score (a single-logit
-cross-encoder, a multi-label classifier), ``softmax`` across them (a single-label
-classifier), or ``none`` (regression, or logits by design)."""
+"""A scoring model's activation over its logits: ``sigmoid`` per score, ``softmax``
+across them, or ``none`` (regression, or logits by design)."""
 ACTIVATIONS: tuple[Activation, ...] = ("none", "sigmoid", "softmax")
 
 
@@ -67,11 +57,9 @@ class BackendInfo:
     labels: tuple[str, ...] = ()
     """A classifier's name for each score, in order (empty when it has none)."""
     raw_vectors: bool = False
-    """``run`` returns embeddings *before* the final L2 normalisation; the worker then
-    normalises per request (``normalized`` is the default, the ``normalize`` option
-    overrides it). False: ``run`` returns the queue's answer as is, so a request for
-    ``normalize: false`` on a ``normalized`` queue is refused (by the producer too: the
-    config hash publishes it, and both sides read it as ``ModelFacts.raw_vectors``)."""
+    """``run`` returns embeddings before L2 normalisation, so the worker normalises per
+    request. False: a ``normalize: false`` request on a ``normalized`` queue is refused
+    (both sides read it as ``ModelFacts.raw_vectors``)."""
     activation: Activation = "none"
     """What turns a row's raw scores (``run`` always returns the logits) into the scores
     a reply carries by default; a request with ``raw_scores: true`` gets the logits."""
@@ -80,14 +68,11 @@ class BackendInfo:
     default_prompt_name: str | None = None
     """The prompt a request gets when it names none (sentence-transformers' default)."""
     token_dim: int | None = None
-    """Size of each token's vector when the backend answers ``output: tokens`` (an input
-    with ``TextInput.tokens``: ``run`` returns its ``length x token_dim`` vectors
-    flattened into the row); None: it does not, and such a request is refused."""
+    """Size of each token's vector for ``output: tokens`` (``run`` returns ``length x
+    token_dim`` flattened); None: such a request is refused."""
     pooling: str | None = None
-    """How an embedding model makes one vector of its token states (``mean``, ``cls``,
-    ``mean+max``: sentence-transformers' modes joined by ``+``); None: the backend does not
-    say (the sim hashes its tokens). Logged at start and published as the config's
-    ``pooling``, which the gateway's ``/info`` reports."""
+    """How an embedding model pools its token states (``mean``, ``cls``, ``mean+max``);
+    None: not said. Published as the config's ``pooling`` (the gateway's ``/info``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Backend-specific facts for logs and the config hash; the worker never reads them."""
 
@@ -101,19 +86,15 @@ class BackendInfo:
 class TextInput:
     """One input sequence, or a (query, passage) pair for a cross-encoder.
 
-    Not frozen, though nothing changes one once made: one is made per request on the
-    worker's hot path, and a frozen dataclass's ``__init__`` sets every field through
-    ``object.__setattr__``, 2.5 times the cost
+    Not frozen: it is made per request on the hot path
     (docs/decisions/0024-per-request-records-not-frozen.md).
     """
 
     text: str
     text_pair: str | None = None
     prompt: str = ""
-    """Text put before ``text`` (a resolved sentence-transformers prompt). A backend
-    tokenizes ``prompt + text`` as one sequence, so the prompt's tokens count in the
-    length the packer costs; it is separate so a model whose pooling leaves the
-    prompt out (``include_prompt: false``) can tell where it ends."""
+    """Text put before ``text`` (a resolved prompt), tokenized with it so its tokens are
+    costed; separate so pooling with ``include_prompt: false`` can tell where it ends."""
     tokens: bool = False
     """Answer this input's token embeddings (``BackendInfo.token_dim``), not its pooled one."""
 
@@ -121,8 +102,8 @@ class TextInput:
 class Encoding(Protocol):
     """A tokenized input; only its length matters to the worker.
 
-    It may also carry ``truncated`` (bool): whether ``max_length`` cut it.
-    Without it the worker tokenizes an input at the limit again to tell.
+    It may carry ``truncated`` (bool); without it the worker re-tokenizes an input at
+    the limit to tell.
     """
 
     @property
@@ -140,19 +121,16 @@ class Backend(Protocol):
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
         """Tokenize inputs; truncate each to ``max_length`` tokens when it is given.
 
-        Called off the Redis I/O path (in a thread), on the read-ahead buffer
-        in batches. Must not raise for one bad input without saying which:
-        raise ``ValueError`` only for inputs the backend cannot take at all.
+        Runs in a thread, on read-ahead batches. Raise ``ValueError`` only for inputs
+        the backend cannot take at all.
         """
         ...
 
     def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
         """Run one batch; return one float32 1-D array per row, in order.
 
-        For task 'embed' the array is the embedding; for 'score' the scores.
-        Raise :class:`tokenq.shared.errors.DeviceOutOfMemory` (or the
-        framework's own OOM error) when the batch does not fit; the worker
-        splits it and retries.
+        Raise :class:`tokenq.shared.errors.DeviceOutOfMemory` (or the framework's OOM)
+        when it does not fit; the worker splits it and retries.
         """
         ...
 
@@ -189,14 +167,12 @@ class Tokenizer(Protocol):
 class TokenizerSource(Protocol):
     """The optional capability behind ``--tokenize-processes``: a tokenizer that travels.
 
-    For a backend whose tokenizer is Python code and holds the GIL while it
-    works (a fast, Rust tokenizer releases it and needs none of this): the
-    worker builds one copy per child process and tokenizes there, so the
-    event loop and the device thread keep the interpreter.
+    For a GIL-holding Python tokenizer: one copy per child process keeps the event
+    loop and device thread free.
     """
 
     def tokenizer_factory(self) -> Callable[[], Tokenizer]:
-        """A picklable callable that builds, in another process, a tokenizer equal to this one.
+        """A picklable callable that builds an equal tokenizer in another process.
 
         Its encodings must pickle too, and be what :meth:`Backend.run` takes.
         """

@@ -1,18 +1,11 @@
 """Choosing a worker's token budget (``max_batch_tokens``) from the device it has.
 
-On CUDA the budget is measured: batches of ``rows x max_input_tokens``
-synthetic tokens, doubling the rows, are run through the real backend while
-the allocator's peak is recorded, until a probe would pass the free memory
-times a safety margin, an out-of-memory error stops it, or ``max_rows`` is
-reached. The peak grows linearly in rows at a fixed length, so a straight
-line through the last two probes gives the budget. Probing at the model's
-longest input is the worst case per token (attention grows with length), so
-a batch of shorter rows under the same budget uses less memory.
-
-On CPU there is no device memory to probe; the budget is a documented
-default. The arithmetic is :func:`plan_budget`, a pure function, and the
-probing loop is :func:`probe_budget`, driven by a ``measure`` callable, so
-both are tested without a GPU.
+On CUDA, full-length probes (``rows x max_input_tokens``, doubling the rows) run
+through the backend until the allocator's peak nears the free memory times a
+margin, an OOM, or ``max_rows``; a line through the last two probes gives the
+budget (full length is the worst case per token). On CPU it is a documented
+default. :func:`plan_budget` is pure and :func:`probe_budget` takes a ``measure``
+callable, so both are tested without a GPU.
 """
 
 from __future__ import annotations
@@ -31,12 +24,8 @@ def calibrate_budget(
 ) -> tuple[int, str]:
     """A token budget for ``backend`` and a sentence saying how it was chosen.
 
-    ``max_rows`` caps the probe (pass the worker's ``max_batch_size``): a
-    budget far beyond what the row limit can ever fill would only make the
-    worker read further ahead than it can use. ``share`` is this process's
-    part of the device (``--device-share``; the parent's share over N under
-    ``--processes-per-device N``): N workers that each planned on all the free memory would run out
-    of it together. The CPU default ignores it (no device memory to share).
+    ``max_rows`` caps the probe (the worker's ``max_batch_size``); ``share`` is this
+    process's part of the device (``--device-share``, ``--processes-per-device``).
     """
     if not 0 < safety <= 1:
         raise ValueError(f"safety must be in (0, 1]: {safety}")
@@ -89,11 +78,8 @@ def _calibrate_cuda(backend: Any, *, safety: float, max_rows: int) -> tuple[int,
 def probe_budget(
     measure: Callable[[int], int], *, usable_bytes: int, row_tokens: int, max_rows: int
 ) -> tuple[int, str]:
-    """Double the rows of full-length probes until memory or ``max_rows`` says stop.
-
-    ``measure(rows)`` runs one probe and returns its peak bytes above what
-    was allocated before it, raising :class:`DeviceOutOfMemory` (or torch's
-    OOM error) when it does not fit.
+    """Double the rows of full-length probes until memory or ``max_rows`` says stop;
+    ``measure(rows)`` returns a probe's peak bytes or raises an OOM.
     """
     samples: list[tuple[int, int]] = []
     oom_tokens: int | None = None

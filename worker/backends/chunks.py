@@ -1,10 +1,8 @@
 """The 'chunk' over-length policy's arithmetic, shared by every backend.
 
-docs/ARCHITECTURE.md, "Over-long input": an input longer than the model's limit is cut
-into overlapping windows, each packed as its own sequence, and the window
-embeddings are combined per request with a length-weighted mean. These are
-pure functions over token ids and vectors (numpy only), so the sim and the
-Hugging Face backend cut windows the same way and tests need no model.
+Over-long input is cut into overlapping windows combined by a length-weighted
+mean (docs/ARCHITECTURE.md, "Over-long input"); pure numpy, so the sim and hf
+cut alike and tests need no model.
 """
 
 from __future__ import annotations
@@ -19,12 +17,9 @@ def sliding_windows(
 ) -> list[tuple[int, ...]]:
     """Split one single-sequence input into windows of at most ``max_length`` tokens.
 
-    ``ids`` is ``prefix + content + suffix`` where the prefix and suffix are
-    the model's special tokens (``[CLS]`` and ``[SEP]`` for BERT). The
-    content is cut into windows of ``max_length - n_prefix - n_suffix``
-    tokens, consecutive windows sharing ``overlap`` tokens, and the special
-    tokens are put back around each window, so each window is a sequence the
-    model was trained on. An input that already fits comes back whole.
+    ``ids`` is ``prefix + content + suffix`` (the special tokens); the content is cut
+    with ``overlap`` shared tokens and the specials put back around each window. An
+    input that fits comes back whole.
     """
     if n_prefix < 0 or n_suffix < 0 or n_prefix + n_suffix > len(ids):
         raise ValueError(f"bad special-token counts {n_prefix}+{n_suffix} for {len(ids)} ids")
@@ -54,12 +49,8 @@ def sliding_windows(
 def combine_chunks(
     vectors: Sequence[np.ndarray], lengths: Sequence[int], normalize: bool
 ) -> np.ndarray:
-    """Combine the embeddings of one input's windows into one embedding.
-
-    A length-weighted mean, so a short tail window counts for less than a
-    full one; re-normalised to unit length when the model's own embeddings
-    are normalised (a mean of unit vectors is shorter than one). ``lengths``
-    are the windows' token counts (``HFEncoding.length``).
+    """Combine one input's window embeddings by a length-weighted mean, re-normalised
+    when the model's embeddings are; ``lengths`` are the windows' token counts.
     """
     if len(vectors) == 0:
         raise ValueError("combine_chunks needs at least one vector")

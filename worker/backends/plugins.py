@@ -1,14 +1,9 @@
 """Turn the ``backend`` setting into a Backend object, or a ConfigError that says why not.
 
-``backend`` is a registered backend's name (:mod:`.registry`: ``sim``, the
-simulated GPU; ``hf``, Hugging Face transformers, whose builder is imported
-only when asked for, so a sim worker never loads torch), or a plugin named as
-``package.module:factory``; a plugin factory takes the worker's settings
-(``tokenq.worker.settings.WorkerSettings``) and returns any object with the
-:class:`~tokenq.worker.backends.base.Backend` members. Every way this can go wrong
-at start-up (a typo, a missing module, a factory that raises or returns the
-wrong thing) ends as one :class:`ConfigError` naming the spec, so the worker
-exits with one readable line instead of a traceback from inside importlib.
+``backend`` is a registered name (:mod:`.registry`: ``sim``, ``hf``, imported
+only when asked for) or ``package.module:factory``, a factory taking
+``WorkerSettings``. Every failure (typo, missing module, a factory that raises
+or returns the wrong thing) is one :class:`ConfigError` naming the spec.
 """
 
 from __future__ import annotations

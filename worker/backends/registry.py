@@ -1,20 +1,10 @@
 """Which backends exist and what each brings: its name, its settings and its builder.
 
-A backend is registered by a :class:`BackendEntry` its own module exports:
-
-* an in-tree backend is one line of :data:`BUILT_IN` (its module path);
-* an installed package registers one under the ``tokenq.backends`` entry-point
-  group (``[project.entry-points."tokenq.backends"] name = "pkg.mod:BACKEND"``);
-* a plugin named on the command line, ``--backend pkg.mod:attr``, is one when
-  ``attr`` is a ``BackendEntry`` (a plain ``factory(settings)`` still works,
-  declaring no settings).
-
-The worker's settings class is composed from these entries
-(:mod:`tokenq.worker.settings`), so a backend's flags and ``TOKENQ_*``
-variables exist, are listed under its heading in ``--help`` and are refused
-under another backend, without an edit to ``shared/``. Modules are imported
-when the registry is first read; a builder named as ``"module:function"`` is
-imported only when the backend is built (hf's pulls in torch).
+A :class:`BackendEntry` is one line of :data:`BUILT_IN`, a ``tokenq.backends``
+entry point, or a ``--backend pkg.mod:attr`` naming one (a plain factory still
+works, with no settings). The worker's settings are composed from them, so a
+backend's flags need no edit to ``shared/``. A ``"module:function"`` builder is
+imported only when built (hf's pulls in torch).
 """
 
 from __future__ import annotations
@@ -75,10 +65,8 @@ def _resolve(path: str) -> Any:
 
 @functools.cache
 def registered() -> tuple[BackendEntry, ...]:
-    """Every registered backend: the built-in ones, then installed entry points.
-
-    An entry point that fails to load is logged and left out, so one broken
-    package cannot stop a worker that does not use it.
+    """Every registered backend: built-in, then entry points (one that fails to load is
+    logged and left out).
     """
     found = [_resolve(path) for path in BUILT_IN]
     names = {entry.name for entry in found}
@@ -103,10 +91,8 @@ def by_name(name: str) -> BackendEntry | None:
 
 @functools.cache
 def plugin_entry(spec: str) -> BackendEntry | None:
-    """The :class:`BackendEntry` a ``pkg.mod:attr`` spec names, or None.
-
-    None also when the spec does not import or names a plain factory:
-    ``load_backend`` reports the former, and the latter declares no settings.
+    """The :class:`BackendEntry` a ``pkg.mod:attr`` spec names, or None (it does not
+    import, or names a plain factory).
     """
     if ":" not in spec:
         return None

@@ -1,30 +1,18 @@
 """A simulated GPU backend (``--backend sim``): exact tokens, modelled time and memory.
 
-Why it exists: every part of tokenq above the backend (packer, worker loop,
-out-of-memory recovery, end-to-end tests, benchmarks) should be exercised
-without a GPU or a model download, and with results a test can check. So the
-sim behaves like a padded (or varlen) encoder in the ways that matter to a
-batcher, and in no others:
+It lets everything above the backend (packer, loop, OOM recovery, tests,
+benchmarks) run without a GPU, with results a test can check:
 
-* **Tokens** are deterministic and cheap: each CJK ideograph, kana or hangul
-  character is one token, every other run of ``\\w`` characters is one token,
-  every other non-space character is one token; plus 2 special tokens (3 for a
-  ``text_pair``), as a BERT-style tokenizer adds ``[CLS] a [SEP]`` /
-  ``[CLS] a [SEP] b [SEP]``.
-* **Time** of a batch is ``sim_batch_ms + sim_token_us x cost`` where cost is
-  ``rows x longest`` (padded) or the sum of lengths (``sim_ragged``); it is
-  spent in ``time.sleep`` so it releases the GIL like a real kernel launch.
-* **Memory** of a batch is ``cost x sim_bytes_per_token``; above
-  ``sim_capacity_bytes`` the batch raises :class:`DeviceOutOfMemory`.
-* **Results** are unit float32 vectors derived from the tokens actually kept
-  (after truncation), so :func:`expected_vector` tells a test exactly what a
-  request's reply must hold, whichever batch it rode in.
-* **Chunks**: :meth:`SimBackend.windows` splits an over-long input into
-  overlapping windows exactly as the hf backend does (the 'chunk' policy),
-  and :func:`expected_chunked_vector` is the answer such a request must get.
-* **Poison**: any batch holding a text with :data:`SIM_FAIL_MARKER` raises
-  ``ValueError``, and a text with :data:`SIM_NAN_MARKER` yields a NaN vector,
-  so tests can check that the worker isolates bad inputs.
+* **Tokens**: one per CJK/kana/hangul character, per run of ``\\w``, per other
+  non-space character; plus 2 specials (3 for a ``text_pair``), as BERT adds.
+* **Time**: ``sim_batch_ms + sim_token_us x cost`` (cost ``rows x longest``, or
+  the sum of lengths with ``sim_ragged``), slept so the GIL is released.
+* **Memory**: ``cost x sim_bytes_per_token``; above ``sim_capacity_bytes`` the
+  batch raises :class:`DeviceOutOfMemory`.
+* **Results**: unit vectors from the kept tokens, so :func:`expected_vector`
+  (and :func:`expected_chunked_vector` for the 'chunk' policy) is the answer.
+* **Poison**: :data:`SIM_FAIL_MARKER` fails its batch, :data:`SIM_NAN_MARKER`
+  gives a NaN vector, so tests see bad inputs isolated.
 """
 
 from __future__ import annotations
@@ -83,9 +71,8 @@ _TOKEN = re.compile(rf"[{_CJK}]|(?:(?![{_CJK}])\w)+|[^\w\s]")
 
 
 _WORD, _IDEOGRAPH, _SPACE, _MARK = 0, 1, 2, 3
-"""Character classes of the sim's tokenizer: a run of word characters is one token,
-an ideograph (any :data:`_CJK` character) is one token, a space is no token, and any
-other character (a mark) is one token."""
+"""Character classes of the sim's tokenizer: a word run, an ideograph (:data:`_CJK`)
+and a mark are one token each; a space is none."""
 
 _SCAN_FROM_CHARS = 256
 """Texts this long are tokenized by :class:`_ScannedTokens`, shorter ones by the regex."""
@@ -147,10 +134,8 @@ class _MatchedTokens:
 class _ScannedTokens:
     """Tokens found by classifying every code point at once (numpy).
 
-    Why not the regex for long texts: it makes a Python string per token
-    (~0.4 µs each, most of a millisecond per passage, all of it holding the
-    GIL that the device thread needs); classifying the code points in bulk
-    costs a tenth of that. The tests hold the two to each other.
+    For long texts the regex's string per token costs ~10x more GIL-held time;
+    the tests hold the two to each other.
     """
 
     codes: np.ndarray
@@ -237,11 +222,7 @@ class SimEncoding:
 
 
 def split_tokens(text: str) -> list[str]:
-    """The sim's content tokens of a text, without special tokens or truncation.
-
-    The reference definition (one regex); long texts are counted in bulk by
-    :class:`_ScannedTokens`, to the same tokens.
-    """
+    """The sim's content tokens of a text (the reference regex), no specials or truncation."""
     return _TOKEN.findall(text)
 
 
@@ -255,8 +236,7 @@ def count_tokens(text: str, text_pair: str | None = None) -> int:
 def _truncated_pair_lengths(first: int, second: int, room: int) -> tuple[int, int]:
     """How many content tokens of each side a pair keeps within ``room`` tokens.
 
-    Closed form of Hugging Face's ``longest_first`` strategy: drop one token at
-    a time from the longer side (the second on a tie) until the pair fits.
+    Closed form of Hugging Face's ``longest_first``: trim the longer side (the second on a tie).
     """
     if first + second <= room:
         return first, second
@@ -315,9 +295,7 @@ def _digest(canonical_sides: Iterable[bytes]) -> bytes:
 def vector_of(encoding: SimEncoding, dim: int) -> np.ndarray:
     """The unit float32 vector the sim computes for an encoding.
 
-    The encoding's digest seeds SHAKE-256, whose bytes become uniform values
-    in [-1, 1). Hash-derived rather than numpy-RNG-derived so a vector is the
-    same on every numpy version and platform.
+    Seeded by the digest through SHAKE-256, not numpy's RNG, so it is the same everywhere.
     """
     stream = hashlib.shake_256(encoding.digest).digest(4 * dim)
     values = np.frombuffer(stream, dtype="<u4").astype(np.float64) / 2.0**31 - 1.0
@@ -333,19 +311,15 @@ def expected_vector(
     max_input_tokens: int | None = None,
     text_pair: str | None = None,
 ) -> np.ndarray:
-    """What the sim backend answers for this input (truncated to ``max_input_tokens``).
-
-    Pure, so a test can check any reply end-to-end without knowing which batch
-    carried the request.
-    """
+    """What the sim backend answers for this input (pure: a test checks any reply with it)."""
     return vector_of(encode(text, text_pair, max_input_tokens), dim)
 
 
 def expected_chunked_vector(text: str, dim: int, max_input_tokens: int, overlap: int) -> np.ndarray:
-    """What a worker with the 'chunk' policy answers for ``text`` on the sim backend.
+    """What the 'chunk' policy answers for ``text`` on the sim backend.
 
-    An input that fits is answered whole (as :func:`expected_vector`); a longer
-    one is the re-normalised, length-weighted mean of its windows' vectors.
+    An input that fits is answered whole; a longer one is the re-normalised,
+    length-weighted mean of its windows' vectors.
     """
     windows = _windows(encode(text), max_input_tokens, overlap)
     if len(windows) == 1:
@@ -467,9 +441,8 @@ class SimBackend:
     def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
         """Sleep for the modelled time and return one unit vector per row.
 
-        Raises DeviceOutOfMemory when the batch would not fit (before spending
-        any time, as an allocation failure would), ValueError for a poisoned
-        batch or a row longer than the model takes.
+        Raises DeviceOutOfMemory before spending time, as an allocation would; ValueError
+        for a poisoned batch or an over-long row.
         """
         if self.closed:
             raise RuntimeError("sim backend is closed")
@@ -518,13 +491,8 @@ class SimBackend:
     def _hold(self, until: float) -> None:
         """Keep the device busy until ``until`` (``perf_counter`` seconds), GIL released.
 
-        Hashing the vectors counts toward the modelled time rather than adding
-        to it. ``time.sleep`` returns late by the scheduler's wake-up latency
-        (about 0.2 ms on a shared VM, per sleep), which no GPU adds to a batch;
-        left alone it would make every batch longer than modelled, the more so
-        the more batches a policy runs. So each sleep is shortened by the
-        running mean of that lateness, and a batch lasts its modelled time on
-        average.
+        Each sleep is shortened by the running mean of its wake-up lateness, which no GPU
+        adds, so a batch lasts its modelled time on average.
         """
         remaining = until - time.perf_counter()
         if remaining <= 0:
@@ -540,11 +508,7 @@ class SimBackend:
 
 
 def build_sim_backend(settings: Any) -> SimBackend:
-    """The sim backend configured by the ``sim_*`` settings.
-
-    Each ``sim_<name>`` setting is the constructor's keyword ``<name>``, so a
-    new sim knob is a setting and a keyword, nothing in between.
-    """
+    """The sim backend from the ``sim_*`` settings: ``sim_<name>`` is the keyword ``<name>``."""
     prefix = "sim_"
     knobs = {
         name.removeprefix(prefix): getattr(settings, name)

@@ -1,9 +1,5 @@
-"""The simulated GPU's settings and its registration; importing this needs no numpy.
-
-:class:`SimSettings` is what ``tokenq worker`` parses for ``--backend sim``
-(``--sim-dim``, ``--sim-batch-ms`` ...), composed into the worker's settings
-by :mod:`tokenq.worker.settings`. The builder is named by module path, so
-``tokenq worker --help`` works on an install without the worker extra.
+"""The simulated GPU's settings and its registration; importing this needs no numpy,
+so ``tokenq worker --help`` works without the worker extra.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Which activation turns a scoring model's logits into the scores its replies carry.
 
-The backend's ``run`` always returns logits; the worker's pipeline applies
-``info.activation`` unless a request asks for raw scores. Two reference
-libraries decide it, one per task, and this module follows each exactly:
-
-- ``rerank``: sentence-transformers' ``CrossEncoder``. Its saved
-  ``activation_fn`` (config_sentence_transformers.json, as release 6
-  writes it), else ``sentence_transformers.activation_fn`` in config.json
-  (releases 4 and 5), else the legacy ``sbert_ce_default_activation_function``;
-  with none of them, sigmoid for one logit and none for several.
-- ``classify``: the transformers ``text-classification`` pipeline. None for
-  ``problem_type: regression``; sigmoid for multi-label or a single logit;
-  softmax otherwise.
-
-A cross-encoder naming any other class is refused: sentence-transformers
-would run it (or, for a class outside torch, fall back to its default with
-a warning), and tokenq cannot compute either under the model's name.
+``rerank`` follows sentence-transformers' ``CrossEncoder``: the saved
+``activation_fn`` (release 6 file, then config.json, then the legacy key), else
+sigmoid for one logit and none for several. ``classify`` follows transformers'
+``text-classification`` pipeline: none for regression, sigmoid for multi-label or
+one logit, else softmax. Any other class is refused.
 """
 
 from __future__ import annotations

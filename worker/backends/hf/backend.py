@@ -1,37 +1,15 @@
 """The Hugging Face transformers backend: embeddings, classification and reranking.
 
-``build_hf_backend(settings)`` is the factory the worker calls for
-``--backend hf``. The backend tokenizes with the model's fast tokenizer (one
-batch call per list), pads each batch only to its own longest row (right
-padding plus an attention mask, so padding never changes a result), runs the
-transformer (eager torch, or ONNX Runtime with ``--runtime onnx``:
-:mod:`~tokenq.worker.backends.hf.runtime`) under ``torch.inference_mode()``
-and returns float32 numpy rows.
-
-Tasks (docs/MODELS.md lists what each supports and refuses):
-
-- ``embed``: ``AutoModel`` then the :class:`~tokenq.worker.backends.hf.head.EmbeddingHead`
-  the model's sentence-transformers files describe (pooling, Dense
-  modules). Rows are the vectors *before* the final L2 normalisation
-  (``info.raw_vectors``); ``info.normalized`` says whether the model's
-  default answer is unit length, and the worker's pipeline normalises.
-  Encoder and decoder (Qwen2, Llama-style) models alike: with right padding
-  and a causal mask a padded row equals the row alone.
-- ``classify``: ``AutoModelForSequenceClassification``; a row is the logits,
-  one per label (``info.labels``); ``info.activation`` is what the
-  transformers text-classification pipeline would apply.
-- ``rerank``: a cross-encoder; each (query, passage) pair is one sequence and
-  its row is the logit(s); ``info.activation`` is sentence-transformers'
-  CrossEncoder default.
-- ``sparse``: a SPLADE SparseEncoder (``AutoModelForMaskedLM`` then
-  :class:`~tokenq.worker.backends.hf.sparse.SparseHead`); a row is one weight
-  per vocabulary token, dense here, made sparse in the reply. Torch only:
-  the ONNX export does not take the MLM head.
-
-A resolved prompt (``TextInput.prompt``) is tokenized as ``prompt + text``,
-as sentence-transformers does, so its tokens count in the length the packer
-costs; each encoding records the prompt's length for models that pool
-without it. Only this package imports torch; the producer never does.
+``build_hf_backend(settings)`` is the ``--backend hf`` factory. It tokenizes
+with the fast tokenizer, right-pads each batch to its own longest row (with a
+mask, so padding never changes a result), runs eager torch or ONNX Runtime
+(:mod:`~tokenq.worker.backends.hf.runtime`) and returns float32 rows. Tasks
+(docs/MODELS.md): ``embed`` (rows before L2 normalisation, pooled by
+:class:`~tokenq.worker.backends.hf.head.EmbeddingHead`; decoders too),
+``classify`` and ``rerank`` (logits; ``info.activation`` as transformers /
+sentence-transformers default), ``sparse`` (SPLADE via
+:class:`~tokenq.worker.backends.hf.sparse.SparseHead`, torch only). A prompt is
+tokenized as ``prompt + text``. Only this package imports torch.
 """
 
 from __future__ import annotations
@@ -105,9 +83,8 @@ class HFBackend:
         self.sparse = sparse
         self._encoder: Encoder | None = encoder
         self._tokenizer = tokenizer
-        # The transformers wrapper sets truncation on the shared Rust tokenizer
-        # before each call, so two threads tokenizing at once could truncate
-        # each other's inputs with the wrong max_length.
+        # The transformers wrapper sets truncation on the shared Rust tokenizer before
+        # each call, so concurrent calls could truncate with each other's max_length.
         self._tokenizer_lock = threading.Lock()
         self._lowercase = lowercase
         self._hf_task: HFTask = info.extra["hf_task"]
@@ -209,11 +186,8 @@ class HFBackend:
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[HFEncoding]:
         """Tokenize with the fast tokenizer in one batch call per kind of input.
 
-        A prompt goes in front of the text (the first text of a pair), as
-        sentence-transformers' ``prepend_prompt_to_texts`` puts it.
-        Truncation keeps the special tokens (the tokenizer's own truncation);
-        pairs are cut 'longest_first'. ``max_length=None`` means no
-        truncation, for the 'chunk' and 'reject' policies.
+        A prompt goes before the text (the first of a pair); truncation keeps the special
+        tokens, pairs are cut 'longest_first'; ``max_length=None`` means none.
         """
         self._check_inputs(inputs)
         singles = [i for i, item in enumerate(inputs) if item.text_pair is None]
@@ -252,11 +226,8 @@ class HFBackend:
         return [enc for enc in out if enc is not None]
 
     def windows(self, encoding: HFEncoding, max_length: int, overlap: int) -> list[HFEncoding]:
-        """Sliding windows of an over-long embedding input (the 'chunk' policy).
-
-        Special tokens are put back around each window, and so is the
-        prompt: every window is embedded as ``prompt + piece``, the input a
-        model with a prompt was trained on.
+        """Sliding windows of an over-long embedding input (the 'chunk' policy); each is
+        embedded as ``prompt + piece`` with its special tokens put back.
         """
         if self._hf_task != "embed":
             raise ValueError("chunking applies to embeddings only; this model scores inputs")
@@ -292,10 +263,7 @@ class HFBackend:
         return text.lower() if self._lowercase else text
 
     def _prompt_ids(self, prompt: str) -> list[int]:
-        """The prompt alone, special tokens included, as sentence-transformers measures it.
-
-        Called with the tokenizer lock held (from :meth:`tokenize`), and only
-        for a prompt the cache has not seen.
+        """The prompt alone, special tokens included (tokenizer lock held; uncached prompts only).
         """
         ids = self._tokenizer(
             self._prepare(prompt),
@@ -313,9 +281,7 @@ class HFBackend:
     def run(self, batch: Sequence[HFEncoding]) -> list[np.ndarray]:
         """Pad to the batch's longest row, run the model, return one float32 row each.
 
-        Embeddings come back before the final L2 normalisation, scores as
-        logits. A CUDA out-of-memory error becomes :class:`DeviceOutOfMemory`
-        after the cache is emptied, so the worker can split the batch and retry.
+        A CUDA OOM becomes :class:`DeviceOutOfMemory` after the cache is emptied.
         """
         if not batch:
             return []
@@ -335,9 +301,8 @@ class HFBackend:
             if self._heap is not None:
                 self._heap.after_forward()
             return result
-        # Outside the except block: the exception's traceback (and with it the
-        # activations in the failed forward's frames) is gone, so the cache
-        # can really be emptied before the worker retries smaller halves.
+        # Outside the except block, so the traceback (and the failed forward's
+        # activations) is gone and the cache can really be emptied.
         torch.cuda.empty_cache()
         shape = tuple(tensors[0].shape)
         raise DeviceOutOfMemory(f"batch of {shape[0]} rows x {shape[1]} tokens: {message}")
@@ -418,10 +383,7 @@ def _describe(
     sparse: SparseHead | None = None,
     runtime_facts: dict[str, Any] | None = None,
 ) -> BackendInfo:
-    """The model's :class:`BackendInfo`: its outputs, limits, prompts and activation.
-
-    ``runtime_facts`` is what the runtime measured at start (``--quantize``'s gate).
-    """
+    """The model's :class:`BackendInfo`; ``runtime_facts`` is what the runtime measured at start."""
     task = options.task
     extra: dict[str, Any] = {
         "hf_task": task,
@@ -477,11 +439,7 @@ def _dim(head: EmbeddingHead | None, sparse: SparseHead | None, config: Any) -> 
 def _sparse_layout(
     source: ModelSource, options: HFOptions
 ) -> tuple[SentenceTransformerConfig, SparseHead]:
-    """A SPLADE model's layout as the fields the loader shares with the other tasks.
-
-    ``--runtime onnx`` is refused by name: the exporter takes the encoder's
-    hidden states or a classifier's logits, not a masked-LM head's.
-    """
+    """A SPLADE model's layout; ``--runtime onnx`` is refused (the export takes no MLM head)."""
     if options.runtime == "onnx":
         raise ConfigError(
             f"model {source.name!r}: --task sparse runs on --runtime torch only "
@@ -508,11 +466,7 @@ def _labels(config: Any, task: HFTask) -> tuple[str, ...]:
 
 
 def _special_token_layout(tokenizer: Any) -> tuple[int, int] | None:
-    """How many special tokens the tokenizer puts before and after one sequence.
-
-    Found by tokenizing a probe with and without them rather than by
-    assuming BERT's [CLS] ... [SEP], so windows work for any template.
-    """
+    """How many special tokens go before and after one sequence, found by a probe (any template)."""
     bare = tokenizer("hello world", add_special_tokens=False)["input_ids"]
     full = tokenizer("hello world", add_special_tokens=True)["input_ids"]
     for start in range(len(full) - len(bare) + 1):

@@ -1,11 +1,8 @@
 """The calibration set and the measurement behind ``--quantize int8``'s gate.
 
-A candidate int8 graph is compared with the fp32 graph it came from as the
-worker would return its rows (docs/MODELS.md, "Runtimes"): embeddings after
-the model's own head, cosine per row, the lowest over the set; scores
-(classify, rerank) per label over the whole set, centred. :class:`Calibration`
-runs the fp32 graph once and measures each candidate against it;
-:mod:`~tokenq.worker.backends.hf.quantize` decides what to serve.
+:class:`Calibration` runs the fp32 graph once and measures each candidate as the
+worker returns rows (docs/MODELS.md, "Runtimes"); :mod:`~tokenq.worker.backends.hf.quantize`
+decides what to serve.
 """
 
 from __future__ import annotations

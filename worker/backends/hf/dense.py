@@ -1,12 +1,9 @@
 """sentence-transformers Dense modules: the projection some embedding models put after pooling.
 
-Each module is ``activation(linear(x))``, plus ``x`` (or a bias-free
-``residual(x)`` when the sizes differ) with ``use_residual``, as
-sentence-transformers 6's ``Dense.forward`` computes it. Weights come from
-the module folder's ``model.safetensors`` or, failing that,
-``pytorch_model.bin`` read with ``weights_only=True`` (a pickle that is
-not plain tensors is refused, not run). The head runs in float32, as
-sentence-transformers runs it when only the transformer has a lower dtype.
+``activation(linear(x))``, plus ``x`` (or a bias-free ``residual(x)``) with
+``use_residual``, as sentence-transformers 6 computes it. Weights from
+``model.safetensors`` or ``pytorch_model.bin`` with ``weights_only=True``; run in
+float32.
 """
 
 from __future__ import annotations
@@ -45,11 +42,8 @@ class Dense(torch.nn.Module):
 def load_dense_head(
     source: ModelSource, configs: Sequence[DenseConfig], in_features: int
 ) -> tuple[torch.nn.Sequential | None, int]:
-    """The Dense modules in order and the size they end with; None when the model has none.
-
-    Each module must take what the one before gives (``in_features`` is the
-    pooled size), so a mismatch is a ConfigError at start-up, not a shape
-    error on the first batch.
+    """The Dense modules in order and the size they end with (None: none); a size
+    mismatch is a ConfigError at start-up.
     """
     if not configs:
         return None, in_features

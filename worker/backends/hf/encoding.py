@@ -1,10 +1,5 @@
-"""Token-level pieces of the Hugging Face backend that need neither torch nor a model.
-
-:class:`HFEncoding` is what ``HFBackend.tokenize`` hands the worker: the ids
-and nothing else it does not need, so the read-ahead buffer stays small.
-:class:`PromptLengths` measures prompts the way sentence-transformers does.
-The window arithmetic of the 'chunk' policy lives in
-:mod:`tokenq.worker.backends.chunks`.
+"""Token-level pieces of the Hugging Face backend that need neither torch nor a model:
+:class:`HFEncoding` (just the ids, to keep read-ahead small) and :class:`PromptLengths`.
 """
 
 from __future__ import annotations
@@ -23,9 +18,8 @@ class HFEncoding:
     type_ids: tuple[int, ...] | None = None
     """Segment ids of a (text, text_pair) input; None means all zeros (one sequence)."""
     prompt_length: int = 0
-    """Leading tokens that are the prompt, the special tokens before it included
-    (sentence-transformers' prompt length). A model whose Pooling has
-    ``include_prompt: false`` pools without them; a window repeats them."""
+    """Leading tokens that are the prompt, specials before it included; pooling with
+    ``include_prompt: false`` leaves them out, and a window repeats them."""
     tokens: bool = False
     """Answer the last hidden state of every token, not the pooled vector (``output: tokens``)."""
     truncated: bool | None = False
@@ -44,11 +38,8 @@ class HFEncoding:
 class PromptLengths:
     """sentence-transformers' prompt length, one measurement per prompt text.
 
-    ``measure(prompt)`` gives the ids of the prompt tokenized alone, special
-    tokens included; its length counts, less one when the last id is a
-    special token (the [SEP] or EOS a template closes a sequence with), as
-    ``Transformer._get_prompt_length`` computes it. Prompts are request
-    data, so the cache keeps only the ``size`` most recently used.
+    The prompt's ids tokenized alone, less one when the last is a special token (as
+    ``Transformer._get_prompt_length``). Keeps the ``size`` most recently used.
     """
 
     def __init__(

@@ -1,23 +1,11 @@
 """Exporting a loaded transformer to ONNX once, and finding that export again.
 
-Only the transformer goes into the graph: its last hidden states for an
-embedding model, its logits for a classifier or reranker. Pooling, the Dense
-modules and the activations stay in torch, in the very code the torch
-runtime runs (:mod:`~tokenq.worker.backends.hf.head`), so the two runtimes
-can differ only in the transformer's arithmetic.
-
-The export is cached on disk under a key made of the model's files and
-everything that changes the graph (task, inputs, opset, torch and
-transformers versions, this module's format number). Why a hash of the
-files and not of the model's name: a local folder can be rewritten in
-place, and a hub snapshot is named by its revision anyway. A file that is a
-link into the Hugging Face cache's ``blobs/`` counts by the blob's name,
-which is already its hash, so a large hub model is not read twice.
-
-Two workers starting together may both export: each writes into a private
-temporary folder and renames it into place (``os.rename`` of a folder is
-atomic on one file system), so a reader sees a whole export or none; the
-loser of the race discards its own copy.
+Only the transformer is in the graph (hidden states or logits); pooling, Dense
+and activations stay in the shared torch code
+(:mod:`~tokenq.worker.backends.hf.head`). The export is cached under a hash of
+the model's files (hub blobs by name) and everything that changes the graph;
+it is written to a private folder and renamed into place, so concurrent
+workers see a whole export or none.
 """
 
 from __future__ import annotations
@@ -104,10 +92,8 @@ class _Exportable(torch.nn.Module):
 def export(model: torch.nn.Module, folder: Path, inputs: tuple[str, ...], *, logits: bool) -> Path:
     """``folder/model.onnx``, exported now unless a whole export is already there.
 
-    The example batch has two rows of different lengths, so that the traced
-    graph takes the padded path of the model's attention mask (a model may
-    skip its mask when a batch has no padding, and a trace would keep that
-    shortcut); the batch and sequence axes are dynamic.
+    The example batch has two rows of different lengths, so the trace keeps the
+    attention mask's padded path; batch and sequence axes are dynamic.
     """
     done = folder / MODEL_FILE
     if done.is_file():
@@ -165,13 +151,8 @@ def _write(model: torch.nn.Module, path: Path, inputs: tuple[str, ...], *, logit
 
 
 def _eager_attention(model: torch.nn.Module) -> str | None:
-    """Switch to transformers' eager attention for the trace; the implementation it replaced.
-
-    Why: the SDPA path traces into a graph with NaN guards that ONNX Runtime
-    cannot fuse, while the eager path's MatMul-Softmax-MatMul is the pattern
-    its attention fusion knows; measured ~10% faster on all-MiniLM-L6-v2
-    (docs/decisions/0040-onnx-runtime.md). None: the model cannot switch (its own code), and
-    is traced as it is.
+    """Switch to eager attention for the trace (ONNX Runtime fuses its pattern, not SDPA's:
+    docs/decisions/0040-onnx-runtime.md); the one it replaced, or None if it cannot switch.
     """
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
@@ -188,11 +169,8 @@ def _eager_attention(model: torch.nn.Module) -> str | None:
 def _fuse(path: Path, config: Any) -> None:
     """Rewrite ``path`` with ONNX Runtime's transformer fusions, for the families they fit.
 
-    Only an encoder family in :data:`FUSED_FAMILIES` is fused, and only a
-    one-file export (under protobuf's 2 GB); every other graph is left to
-    the session's own optimisations. Correctness does not rest on the
-    pattern matcher: the session is checked against torch before any
-    request (``onnx_runtime._check_against_torch``).
+    Only :data:`FUSED_FAMILIES`, one-file exports; correctness is checked against
+    torch anyway (``onnx_runtime._check_against_torch``).
     """
     family = getattr(config, "model_type", None)
     heads = getattr(config, "num_attention_heads", None)

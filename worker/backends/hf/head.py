@@ -1,11 +1,8 @@
 """From token states to an embedding model's raw vector: pooling, then any Dense modules.
 
-:class:`EmbeddingHead` is everything an embedding model does after its
-transformer, except the final L2 normalisation: the worker's pipeline does
-that per request (``info.raw_vectors``), so ``normalize: false`` can be
-answered and ``dimensions`` can truncate before normalising. The head's
-settings come from the model's sentence-transformers files, with
-``--pooling`` and ``--normalize`` as overrides.
+:class:`EmbeddingHead` stops before L2 normalisation, which the pipeline does per
+request (``info.raw_vectors``). Settings come from the sentence-transformers
+files, ``--pooling`` and ``--normalize`` overriding.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """A CPU worker's resident memory, kept bounded whatever batch shapes it is given.
 
-Why this exists: token-budget packing hands the forward a new (rows, length)
-shape almost every batch, and on the CPU two things grow with the number of
-distinct shapes a process has run (docs/BENCHMARKS.md, "host memory", all-MiniLM-L6-v2):
-
-* **The oneDNN caches** (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, and torch's own
-  ``LRU_CACHE_CAPACITY`` for ideep): 1,024 entries each by default, and with
-  ``--dtype bf16``/``bf16-mixed`` an entry held about a megabyte here.
-  Measured: +4.8 GB after 1,500 shapes under ``bf16-mixed``, still rising.
-* **glibc's heap**: freed activations are kept for reuse, and long-lived
-  allocations between them stop the heap from shrinking. Measured: +0.9 GB
-  after 500 shapes in fp32; ``malloc_trim`` gave all but 0.1 GB of it back.
-
-So a CPU worker caps both caches (an operator's own setting of either
-variable wins) and, after a forward, asks glibc to return its free pages when
-the process has grown more than a slack above where the last trim left it.
-The bound: resident memory stays under the last trim's level plus the slack
-plus one forward's working set. Even when every batch is a shape never seen,
-a trim came once every 12-17 forwards.
+Each new (rows, length) shape grows the oneDNN caches and glibc's heap
+(docs/BENCHMARKS.md, "host memory";
+docs/decisions/0042-cpu-memory-over-batch-shapes.md). So a CPU worker caps both
+caches (an operator's setting wins) and trims the heap after a forward once it
+grew a slack past the last trim: resident memory stays under the last trim's
+level plus the slack plus one forward's working set.
 """
 
 from __future__ import annotations
@@ -35,10 +23,7 @@ __all__ = [
 ]
 
 LIBRARY_CACHE_CAPACITY = 256
-"""Entries kept by each oneDNN cache. A batch shape takes a handful of entries
-(its layers share them), so 256 keeps the last few dozen shapes: a pass over
-shapes already seen ran as fast as with 1,024 entries, where 64 was 25 %
-slower and 0 half as fast (every product compiled anew)."""
+"""Entries kept by each oneDNN cache: the last few dozen shapes (64 was 25 % slower)."""
 
 _CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
@@ -51,11 +36,8 @@ a large model's process may leave more behind per batch without fragmenting."""
 
 
 def bound_library_caches(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Cap the oneDNN caches before the first forward creates them; what is in effect.
-
-    The libraries read these variables when their caches are first used, not
-    when torch is imported, so setting them at load time works. An operator's
-    own value is kept.
+    """Cap the oneDNN caches before the first forward creates them (read at first use, an
+    operator's value kept); what is in effect.
     """
     env = os.environ if environ is None else environ
     for name in _CACHE_VARIABLES:
@@ -88,8 +70,7 @@ def _glibc_trim() -> Callable[[], object] | None:
 class HeapTrimmer:
     """Returns the heap's free pages to the OS when the process has grown by a slack.
 
-    Inert (``active`` False) where resident memory cannot be read or the C
-    library has no ``malloc_trim``; called from the device thread only.
+    Inert where resident memory or ``malloc_trim`` is unavailable; device thread only.
     """
 
     def __init__(

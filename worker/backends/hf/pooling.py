@@ -1,24 +1,11 @@
 """Turning a transformer's token states into one vector per row, as sentence-transformers pools.
 
-Every mode reads the attention mask, so pad tokens never reach a result: a
-row's embedding is the same alone or padded into any batch. The backend
-pads on the right, so a row's real tokens are its first ``length`` ones.
-Modes and their order follow sentence-transformers 6's ``Pooling``:
-
-- ``cls``: the first token pooling sees (the first after the prompt when it
-  is left out); ``max``, ``mean``, ``mean_sqrt_len_tokens`` (sum over the
-  square root of the count), ``weightedmean`` (token ``i`` weighs ``i + 1``,
-  positions counted from the row's start even when a prompt is left out);
-  ``lasttoken``: the row's last real token.
-- several modes are concatenated in the order given.
-- ``include_prompt: false``: the first ``skip[row]`` tokens are masked out
-  before pooling, as sentence-transformers does with its prompt length.
-
-One deliberate difference: a row with no token left to pool (a prompt that
-fills the whole truncated input) gives zeros in ``max`` mode, as it does in
-``mean`` and ``lasttoken``, where sentence-transformers gives ``-inf``.
-Pooling runs in float32 whatever the model's dtype, so a half-precision
-model loses nothing more in the sum.
+Every mode reads the attention mask (right padding), so a row pools the same
+alone or batched. Modes follow sentence-transformers 6's ``Pooling`` (``cls``,
+``max``, ``mean``, ``mean_sqrt_len_tokens``, ``weightedmean``, ``lasttoken``),
+concatenated in the order given; ``include_prompt: false`` masks the first
+``skip[row]`` tokens. One difference: a row with nothing left to pool gives zeros
+in ``max`` mode, not ``-inf``. Pooling runs in float32.
 """
 
 from __future__ import annotations
@@ -38,10 +25,8 @@ def pool(
     modes: Sequence[PoolingMode],
     skip: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Pool ``hidden`` (rows x tokens x dim) under ``mask`` (rows x tokens, 1 = real token).
-
-    ``skip`` (one count per row) leaves each row's leading tokens out: its
-    prompt, for a model whose Pooling has ``include_prompt: false``.
+    """Pool ``hidden`` (rows x tokens x dim) under ``mask`` (1 = real token); ``skip`` leaves
+    each row's leading prompt tokens out.
     """
     hidden = hidden.float()
     weights = mask.to(torch.float32)

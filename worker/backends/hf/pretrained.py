@@ -1,10 +1,8 @@
 """Loading a model and its tokenizer through transformers, and the limits they state.
 
-Every refusal at load time that needs transformers lives here: a slow
-(Python) tokenizer, an empty vocabulary, a classification head the
-checkpoint lacks (transformers would initialise it randomly), code the
-model ships without ``--trust-remote-code``. ``trust_remote_code`` reaches
-AutoConfig, AutoTokenizer and AutoModel alike, and is off by default.
+Every load-time refusal that needs transformers lives here: a slow tokenizer,
+an empty vocabulary, a missing classification head, remote code without
+``--trust-remote-code`` (off by default, passed to every Auto class).
 """
 
 from __future__ import annotations
@@ -65,8 +63,8 @@ def load_pretrained(
         raise ConfigError(f"model {source.name!r} has no fast (Rust) tokenizer")
     if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
         raise ConfigError(f"model {source.name!r} has a tokenizer with no vocabulary")
-    # Weights the checkpoint lacks are randomly initialised by transformers,
-    # which for a classification head means scores that look fine and mean nothing.
+    # transformers initialises missing weights randomly: a head's scores would look
+    # fine and mean nothing.
     missing = sorted(k for k in loading.get("missing_keys", ()) if not k.endswith("position_ids"))
     if options.task != "embed" and missing:
         raise ConfigError(
@@ -79,11 +77,8 @@ def load_pretrained(
 
 
 def pad_token_id(tokenizer: Any) -> int:
-    """What pads a batch: the pad token, else EOS (decoders often have no pad), else 0.
-
-    Any id will do, since the attention mask hides padding from every real
-    token and pooling never reads it; one inside the vocabulary keeps the
-    embedding lookup in range.
+    """What pads a batch: the pad token, else EOS, else 0 (the mask hides it; an id in
+    the vocabulary keeps the lookup in range).
     """
     for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if isinstance(candidate, int):

@@ -1,65 +1,20 @@
 """int8 weights for ``--runtime onnx`` (``--quantize int8``), offered only behind a measured gate.
 
-Dynamic int8 quantisation trades accuracy for speed by an amount no one can
-promise for a model in advance: whole-graph ``quantize_dynamic`` moved
-all-MiniLM-L6-v2's vectors to a lowest cosine of 0.84. So it is never
-trusted: on every start the int8 graph and the fp32 graph it came from
-answer a fixed calibration set (:data:`CALIBRATION_TEXTS`, or
-:data:`CALIBRATION_PAIRS` for a reranker), the answers are compared as the
-worker returns them, and a model that moved further than
-``--quantize-min-cosine`` is refused with the number measured.
+int8's accuracy loss cannot be promised in advance, so on every start (the kernels
+differ by CPU) the int8 and fp32 graphs answer a calibration set
+(:data:`CALIBRATION_TEXTS`, :data:`CALIBRATION_PAIRS`), and a model that moved
+further than ``--quantize-min-cosine`` is refused with the number measured.
+``embed`` compares the rows after the model's head (lowest cosine);
+``classify``/``rerank`` compare each label's logits over the set (Pearson), the
+largest absolute difference logged beside it.
 
-What is compared:
-
-- ``embed``: the rows after the model's own head (pooling, Dense:
-  :class:`~tokenq.worker.backends.hf.head.EmbeddingHead`), the vectors the
-  worker returns; the cosine of each row with its fp32 twin, the lowest
-  over the set. L2 normalisation does not change a cosine, and
-  ``output: tokens`` answers are not gated.
-- ``classify`` and ``rerank``: the logits. A row's cosine means nothing for
-  a one-logit reranker, so each label's column of logits over the whole set
-  is compared instead, centred (the Pearson correlation): it passes when
-  the int8 scores order and spread the calibration inputs as fp32 does. It
-  does not see a shift common to every row; the largest absolute logit
-  difference is logged next to it for that.
-
-Why measured on every start and not cached with the file: the int8
-kernels differ by CPU (VNNI or not), and so does their error.
-
-The recipe (:data:`RECIPE`) is the best uniform one measured on
-all-MiniLM-L6-v2 (docs/decisions/0043-int8-behind-a-gate.md): MatMul weights only, one scale per
-output channel, 7-bit range (``reduce_range``, so AVX2 without VNNI cannot
-saturate its 16-bit sums).
-
-When the uniform graph misses the gate, some nodes stay fp32 (a mixed
-graph), chosen on the first start:
-
-1. the sensitivity pass quantises each quantisable node (a MatMul whose
-   weight is an initializer) alone and measures its loss on the
-   calibration set. Cheaper proxies (each node's weight or activation
-   rounding error, through the calibration activations, in numpy) ranked
-   MiniLM's nodes poorly (Spearman 0.75 at best, the weight error
-   anti-correlated), so the real loss is measured: at most
-   :data:`SENSITIVITY_MAX_NODES` nodes and about
-   :data:`SENSITIVITY_SECONDS`;
-2. the greedy steps leave the 1, 2, 3, 4, 6, 9, ... most sensitive nodes in
-   fp32 (:func:`exclusion_steps`), one quantisation and one measurement
-   each, until the gate passes, never more than half the nodes: past that
-   int8 is not worth it, and the worker is refused with the best cosine
-   tried and how many nodes it left in fp32.
-
-So a first start costs at most 1 + min(n, 48) + len(exclusion_steps(n))
-quantisations and as many measurements (n quantisable nodes;
-all-MiniLM-L6-v2: 18 nodes, 25 at most, ~1.5 s each on 2 cores); the log
-says how many it took and how long.
-
-The int8 graphs are cached in the fp32 export's folder under a key of the
-recipe, the nodes left fp32 and the onnxruntime version, written as the
-export is (a private folder renamed into place); only the graph served is
-kept. The chosen list is cached beside them (``int8-choice-<key>.json``,
-keyed by the gate, the recipe and the calibration set), so a later start
-quantises nothing and only measures the gate; if the cached choice misses
-the gate on this machine, the choice is made again.
+:data:`RECIPE`: MatMul weights, per-channel scales, ``reduce_range``
+(docs/decisions/0043-int8-behind-a-gate.md). When the uniform graph misses the
+gate, a sensitivity pass measures each node alone (at most
+:data:`SENSITIVITY_MAX_NODES`, about :data:`SENSITIVITY_SECONDS`) and greedy
+steps (:func:`exclusion_steps`) leave the most sensitive in fp32, never over
+half of them. Graphs and the chosen list (``int8-choice-<key>.json``) are cached
+in the export's folder, so a later start only measures the gate.
 """
 
 from __future__ import annotations
@@ -123,9 +78,8 @@ def int8_encoder(
 ) -> tuple[E, GateReport]:
     """The int8 twin of ``fp32`` (the session on ``fp32_path``), if it passes the gate.
 
-    The graph served is the cached choice's, else the uniform one, else the
-    mixed one the sensitivity pass finds (:func:`_choose`). A ConfigError
-    names the model, the lowest cosine measured and the gate when none passes.
+    Cached choice, else uniform, else :func:`_choose`'s mixed graph; a ConfigError
+    names the model, the lowest cosine and the gate when none passes.
     """
     calibration = Calibration(fp32, request)
     choice_file = _choice_file(fp32_path, request)
@@ -167,11 +121,7 @@ def _choose(
 ) -> tuple[Path, E, GateReport, list[str]]:
     """The uniform int8 graph if it passes; else the fewest most sensitive nodes left fp32.
 
-    Bounded: one quantisation for the uniform graph, at most
-    :data:`SENSITIVITY_MAX_NODES` (and about :data:`SENSITIVITY_SECONDS`)
-    for the sensitivity pass, at most ``len(exclusion_steps(n))`` for the
-    greedy steps; graphs that fail are quantised in a scratch folder and
-    dropped, only the one served is cached.
+    Failing graphs are made in a scratch folder and dropped; only the one served is cached.
     """
     request = calibration.request
     started = time.monotonic()
@@ -242,10 +192,8 @@ def _refuse_unless_passed(report: GateReport, request: Int8Request) -> None:
 
 
 def exclusion_steps(nodes: int) -> list[int]:
-    """How many of the most sensitive nodes each greedy round leaves in fp32.
-
-    1, 2, 3, 4, then growing by half, never past half the nodes (where int8
-    is no longer worth it), so a model of ``n`` nodes costs O(log n) rounds.
+    """How many of the most sensitive nodes each greedy round leaves in fp32: 1, 2, 3, 4,
+    then growing by half up to half the nodes, so O(log n) rounds.
     """
     cap, steps, count = nodes // 2, [], 1
     while count < cap:
@@ -263,13 +211,9 @@ def _sensitivity(
 ) -> tuple[list[str], int]:
     """``nodes``, the most sensitive first, and how many were measured.
 
-    Each is quantised alone and its calibration loss measured.
-
-    Cheaper proxies were measured on all-MiniLM-L6-v2 and did not rank the
-    nodes as their real loss does
-    (docs/decisions/0043-int8-behind-a-gate.md), so each node is really
-    quantised alone; at most :data:`SENSITIVITY_MAX_NODES`, stopping after
-    :data:`SENSITIVITY_SECONDS`. A node not measured counts as harmless.
+    Each is quantised alone and measured (cheaper proxies ranked poorly:
+    docs/decisions/0043-int8-behind-a-gate.md); at most :data:`SENSITIVITY_MAX_NODES`,
+    within :data:`SENSITIVITY_SECONDS`. A node not measured counts as harmless.
     """
     started = time.monotonic()
     tried = nodes[:SENSITIVITY_MAX_NODES]

@@ -1,28 +1,11 @@
 """Which runtime runs the transformer (``--runtime``), and the one call both answer.
 
-An :data:`Encoder` takes the padded batch (ids, attention mask, type ids)
-and returns the transformer's output the backend reads: the last hidden
-states of an embedding model, the logits of a classifier or reranker.
-Everything after it (pooling, Dense, activations) is the same torch code
-whichever runtime ran the transformer.
-
-The choice, one rule for every worker:
-
-- ``torch`` (the default): eager torch, on any device and dtype, and the
-  only runtime for ``--dtype bf16-mixed`` (torch's autocast);
-- ``onnx``: ONNX Runtime's CPU provider, fp32 only; refused on CUDA, where
-  ONNX Runtime's CUDA provider has not been measured against torch fp16
-  (docs/decisions/0040-onnx-runtime.md), and refused by name without the ``onnx`` extra;
-- ``auto``: onnx on the CPU in fp32 when the extra is installed, torch
-  otherwise (so torch on CUDA).
-
-``--quantize int8`` (the int8 graph, behind a calibration gate:
-:mod:`~tokenq.worker.backends.hf.quantize`) needs onnx: with torch, chosen
-or the one ``auto`` came to, it is refused by name rather than ignored.
-
-Why torch is the default and not ``auto``: the first start with onnx spends
-seconds exporting and writes the export to disk, which an operator should
-ask for, and the exporter cannot take every model's own code.
+An :data:`Encoder` takes the padded batch and returns hidden states or logits;
+everything after it is the same torch code. ``torch`` (default): any device and
+dtype, the only one for ``bf16-mixed``. ``onnx``: CPU, fp32, needs the ``onnx``
+extra; refused on CUDA (docs/decisions/0040-onnx-runtime.md). ``auto``: onnx
+where it can run, else torch. ``--quantize int8`` needs onnx and is refused by
+name otherwise. torch is the default because onnx's first start exports to disk.
 """
 
 from __future__ import annotations
@@ -97,15 +80,9 @@ class TorchEncoder:
 def attention_kernels(device: torch.device) -> Callable[[], AbstractContextManager[Any]]:
     """What a forward runs under: on CUDA, every fused attention kernel but cuDNN's.
 
-    Why: torch (2.11 with CUDA 13, on an H200) picks cuDNN's fused attention
-    for ``scaled_dot_product_attention`` with a padding mask, and cuDNN
-    builds an execution plan for each new (rows, length) shape it sees. A
-    worker's batches are cut by a token budget, so nearly every batch is a
-    new shape: measured there, all-MiniLM-L6-v2 batches took ~50 ms where
-    the same forward on a shape seen before took 4-7 ms (scripts/bench/
-    gpu_seed.py, docs/BENCHMARKS.md, "gpu"). The memory-efficient and flash
-    kernels need no plan. On the CPU, and on a torch without
-    ``torch.nn.attention``, nothing changes.
+    cuDNN plans per new (rows, length) shape, and token-budget batches are nearly
+    all new shapes (docs/decisions/0044-cudnn-fused-attention-left-out.md;
+    docs/BENCHMARKS.md, "gpu"). CPU, or no ``torch.nn.attention``: nothing changes.
     """
     if device.type != "cuda":
         return contextlib.nullcontext
@@ -177,11 +154,8 @@ def build_encoder(
 ) -> tuple[Encoder, dict[str, Any]]:
     """The encoder ``runtime`` names, for a model already loaded in torch, and its facts.
 
-    ``finish`` is the embedding head (what the worker makes of the output),
-    which the ``--quantize`` gate compares through; the facts (what the gate
-    measured) go into the backend's info. ``autocast``: what the torch
-    encoder's products run in (``resolve_autocast``, which the caller ran
-    before the load so that a refusal comes first).
+    ``finish`` is the embedding head the ``--quantize`` gate compares through;
+    ``autocast`` is from ``resolve_autocast``, run before the load.
     """
     check_quantize(options, runtime)
     uses_type_ids = "token_type_ids" in tokenizer.model_input_names

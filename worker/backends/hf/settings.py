@@ -1,9 +1,6 @@
 """The Hugging Face backend's settings and its registration; importing this needs no torch.
 
-:class:`HFSettings` is what ``tokenq worker`` parses for ``--backend hf``
-(``--model``, ``--task``, ``--dtype`` ...), composed into the worker's
-settings by :mod:`tokenq.worker.settings`; the backend's own
-:class:`~tokenq.worker.backends.hf.options.HFOptions` extends it. The
+:class:`HFSettings` is what ``tokenq worker`` parses for ``--backend hf``; the
 builder is named by module path, so torch loads only when hf is chosen.
 """
 

@@ -1,11 +1,8 @@
 """SPLADE pooling: a masked-LM's logits to one weight per vocabulary token.
 
-sentence-transformers' ``SpladePooling`` (the SparseEncoder layout read by
-:func:`~tokenq.worker.backends.hf.layout.read_sparse_config`), reproduced in
-torch: padding's logits are zeroed by the attention mask, then
-``log1p(relu(x))`` (``log1p_relu``: log1p once more), then the max (or sum)
-over the sequence. Every value is >= 0, so a zeroed padding position can
-never win the max: a padded row equals the row alone.
+sentence-transformers' ``SpladePooling`` in torch: padding zeroed by the mask,
+``log1p(relu(x))`` (``log1p_relu``: once more), then max (or sum) over the
+sequence. Values are >= 0, so a padded row equals the row alone.
 """
 
 from __future__ import annotations
