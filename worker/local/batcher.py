@@ -1,30 +1,13 @@
 """Token-budgeted batching inside one asyncio process, with no Redis in between.
 
-For an app that hosts the model in its own process (a FastAPI server with a
-GPU, a notebook, a batch job): ``await batcher.submit(text)`` from as many
-coroutines as you like, and the batcher packs them with the same
-:class:`~tokenq.shared.packer.Packer` the Redis worker uses and runs them
-through the same :class:`~tokenq.worker.pipeline.pipeline.Pipeline`: the
-over-length policy (truncate, reject, chunk), deadlines, the padding guard,
-OOM splitting and failure isolation are one implementation, so a request
-gets the same batching, error codes and exceptions whether it went through
-Redis or not.
-
-Two tasks, as in the worker (and TEI's ``infer.rs``), joined by the packer:
-
-* the *tokenizer* task takes what ``submit`` queued, tokenizes it in a thread
-  (in chunks, so tokenizing a large ``submit_many`` does not hold up the first
-  batch) and adds it to the packer with its exact length;
-* the *device* task runs a :class:`~tokenq.worker.pipeline.feed.DeviceFeed`:
-  its device thread takes the packer's next batch the moment the last one
-  finishes, and the task resolves each caller's future. While the device is
-  busy, input accumulates in the packer, so the next batch is full; while it
-  is idle, an unsealed batch waits until ``packer.ready_at()`` (the head of
-  the line's arrival plus ``linger_ms``) for company. ``priority`` orders the
-  line as it does on a queue (``tokenq.shared.packer``, rule 1).
-
-The batcher does not own the backend: ``aclose`` drains what was submitted but
-does not close the backend.
+For an app that hosts the model itself: ``await batcher.submit(text)`` from any
+number of coroutines. It packs with the Redis worker's
+:class:`~tokenq.shared.packer.Packer` and runs the same
+:class:`~tokenq.worker.pipeline.pipeline.Pipeline`, so batching, error codes and
+exceptions are the same with or without Redis. Two tasks joined by the packer
+(as TEI's ``infer.rs``): a *tokenizer* task (in a thread, in chunks) and a
+*device* task running a :class:`~tokenq.worker.pipeline.feed.DeviceFeed`.
+``aclose`` drains what was submitted but does not close the backend.
 """
 
 from __future__ import annotations
@@ -189,16 +172,10 @@ class Batcher:
     ) -> np.ndarray:
         """The model's output for one input.
 
-        Raises BadRequest at once for an input tokenq refuses (not a string,
-        empty, too large, a pair for a single-text model), and a RemoteError
-        with the request's code when it fails: ``too_long`` under the reject
-        policy, ``deadline_exceeded`` when ``timeout_s`` passes before it
-        runs, or the backend's failure on this input (other requests are not
-        affected). ``priority`` (0-9) puts it ahead of lower classes, as a
-        request's ``priority`` field does on a queue. ``options`` are the
-        per-request options a queue's request carries in ``opts``
-        (``dimensions``, ``prompt_name``... docs/PROTOCOL.md); a bad one is a
-        BadRequest at once.
+        Raises BadRequest at once for an input tokenq refuses (or a bad ``options``
+        entry: docs/PROTOCOL.md), and RemoteError with the request's code when it
+        fails (``too_long``, ``deadline_exceeded`` after ``timeout_s``, the backend's
+        failure on this input). ``priority`` (0-9) orders it as on a queue.
         """
         self._check(text, text_pair)
         opts = self._opts(options)
@@ -242,10 +219,9 @@ class Batcher:
     ) -> list[np.ndarray] | list[np.ndarray | BaseException]:
         """Outputs for many inputs, in order; batched together with everyone else's.
 
-        Every input is checked before any is queued, so a BadRequest means
-        nothing was submitted. With ``return_exceptions`` a failed input's
-        RemoteError takes its place in the list; otherwise the first one is
-        raised once all inputs are done.
+        All inputs are checked first, so a BadRequest means nothing was submitted. With
+        ``return_exceptions`` a failed input's RemoteError takes its place; otherwise the
+        first is raised once all are done.
         """
         if isinstance(texts, str):
             raise BadRequest("submit_many takes a sequence of texts, not one string")
@@ -396,11 +372,7 @@ class Batcher:
             raise
 
     def _prune(self) -> None:
-        """Drop what callers gave up on (cancelled, timed out) before costing a batch.
-
-        Runs in the device thread, under the feed's lock: it only reads the
-        futures' state.
-        """
+        """Drop what callers gave up on before costing a batch (device thread, feed's lock held)."""
         if self._abandoned:
             self._abandoned = False
             self._packer.remove_where(lambda job: job.ref.future.done())

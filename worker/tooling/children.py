@@ -1,28 +1,17 @@
 """Child processes that are restarted when they fail and die with their parent.
 
-``tokenq worker --devices 0,1`` (one worker per GPU) and ``tokenq up`` (a
-private redis-server and N workers) are both small supervisors built on
+``tokenq worker --devices`` and ``tokenq up`` are small supervisors built on
 :class:`Supervisor`:
 
-- **Restarts.** A child that exits non-zero is started again after a backoff
-  (:class:`RestartPolicy`: 1 s doubling to 30 s, back to 1 s once a child has
-  run 60 s). Exit code 0 (a clean stop, e.g. ``exit_when_idle_s``) and 2 (a
-  configuration or usage error, which a restart cannot fix) are final. Each
-  exit and restart is logged with its code.
-- **Stop.** The first SIGTERM/SIGINT stops the supervisor: children get
-  SIGTERM (a worker then finishes and answers what it read), up to a stop
-  timeout, then SIGKILL. A second signal (more than a second later: one stop
-  sent to a whole process group arrives twice) SIGKILLs them at once.
-- **Death of the parent.** Children never outlive the supervisor, even when
-  it is SIGKILLed: on Linux each child is started with
-  ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (kept across ``exec``); elsewhere it
-  runs under a small guard process (``python -m tokenq.worker.tooling.children``) that
-  polls its parent's pid and SIGTERMs the child when the parent is gone.
+- **Restarts**: a non-zero exit restarts after a backoff (:class:`RestartPolicy`);
+  exit 0 (a clean stop) and 2 (a configuration error) are final.
+- **Stop**: the first SIGTERM/SIGINT sends children SIGTERM, then SIGKILL after a
+  timeout; a second signal (over a second later) SIGKILLs at once.
+- **Parent death**: on Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``; elsewhere a
+  guard process (``python -m tokenq.worker.tooling.children``) polls the parent.
 
-``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not
-the process: start and restart children from the thread that lives as long
-as the supervisor does (the main thread; :meth:`Supervisor.run` restarts from
-the thread that calls it).
+``PR_SET_PDEATHSIG`` fires when the forking *thread* exits: start and restart
+children from the main thread.
 """
 
 from __future__ import annotations
@@ -79,10 +68,8 @@ def shell_status(code: int) -> int:
 class RestartPolicy:
     """When a child that exited is started again: pure, no clock, no I/O.
 
-    The first restart waits ``initial_s``; each further one doubles the wait,
-    up to ``max_s``. A child that ran at least ``reset_after_s`` before it
-    exited is back at ``initial_s`` (it was healthy; this is a new failure).
-    Exit codes in ``final_codes`` are never restarted.
+    The wait starts at ``initial_s`` and doubles up to ``max_s``; a child that ran
+    ``reset_after_s`` starts over. Codes in ``final_codes`` are never restarted.
     """
 
     initial_s: float = 1.0
@@ -91,11 +78,8 @@ class RestartPolicy:
     final_codes: frozenset[int] = frozenset({EXIT_OK, EXIT_USAGE})
 
     def delay(self, code: int, ran_s: float, previous_s: float | None) -> float | None:
-        """Seconds to wait before restarting, or None: do not restart.
-
-        ``code`` is the child's return code (negative: killed by that signal),
-        ``ran_s`` how long it ran, ``previous_s`` the delay before its last
-        restart (None if it has not been restarted yet).
+        """Seconds to wait before restarting (None: do not); ``code`` negative is a signal,
+        ``previous_s`` the last delay (None before any restart).
         """
         if code in self.final_codes:
             return None
@@ -153,12 +137,9 @@ def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
 def die_with_parent(parent: int, signum: int = signal.SIGKILL, *, use_prctl: bool = True) -> str:
     """Called in a child process: end it (``signum``) once ``parent`` has exited.
 
-    For children the worker starts itself (the tokenizer pool's, which
-    multiprocessing spawns, so no ``preexec_fn`` can be given): on Linux
-    ``prctl(PR_SET_PDEATHSIG)``; elsewhere, or if that fails, a daemon thread
-    that polls the parent's pid, as the guard does (``use_prctl=False``: only
-    that, which tests use). Returns which ("prctl" or "poll"). A parent
-    already gone when this runs ends the child at once.
+    For children spawned by multiprocessing (no ``preexec_fn``): ``prctl`` on Linux,
+    else a thread polling the parent (``use_prctl=False`` forces it). Returns
+    "prctl" or "poll".
     """
     how = "prctl" if use_prctl and prctl(_PR_SET_PDEATHSIG, signum) else "poll"
     if how == "poll":
@@ -184,9 +165,8 @@ def guarded(argv: Sequence[str], parent: int | None = None) -> list[str]:
 def _guard_main(args: Sequence[str]) -> int:
     """``python -m tokenq.worker.tooling.children PARENT_PID COMMAND...``.
 
-    Runs COMMAND, forwards SIGTERM/SIGINT/SIGHUP to it, exits as it exits
-    (the same code, or the same signal), and SIGTERMs it (SIGKILL 30 s later)
-    once PARENT_PID is no longer this process's parent.
+    Runs COMMAND, forwards signals, exits as it does, and SIGTERMs it (SIGKILL 30 s
+    later) once PARENT_PID is gone.
     """
     if len(args) < 2 or not args[0].isdigit():
         print(
@@ -275,10 +255,8 @@ class Child:
 class Supervisor:
     """Children, restarted by a :class:`RestartPolicy`, stopped together, never orphaned.
 
-    Drive it from the main thread: :meth:`start` the children, then
-    :meth:`run` (or call :meth:`poll` in a loop of your own), then
-    :meth:`stop` in a ``finally``. Signal handlers only record the stop;
-    the loop acts on it within ``poll_s``.
+    From the main thread: :meth:`start`, :meth:`run` (or :meth:`poll`), then
+    :meth:`stop` in a ``finally``. Signal handlers only record the stop.
     """
 
     def __init__(
@@ -307,11 +285,7 @@ class Supervisor:
         self, name: str, argv: Sequence[str], env: Mapping[str, str], *,
         restart: bool = True, new_session: bool = False, **popen: Any,
     ) -> Child:
-        """Start ``argv`` as child ``name``; ``popen`` goes to :class:`subprocess.Popen`.
-
-        ``new_session``: its own session, so a Ctrl-C at the terminal does not
-        reach it directly (``tokenq up``'s redis-server is stopped last).
-        """
+        """Start ``argv`` as child ``name``; ``new_session`` keeps a terminal's Ctrl-C from it."""
         if new_session:
             popen["start_new_session"] = True
         child = Child(name, list(argv), dict(env), restart=restart, popen=popen)
@@ -460,8 +434,7 @@ class Supervisor:
              timeout_s: float | None = None) -> None:
         """SIGTERM ``children`` (default all), wait the stop timeout, SIGKILL whoever is left.
 
-        The supervisor is stopping from then on: nothing is restarted any more
-        (``tokenq up`` stops its workers first, then Redis).
+        Nothing is restarted after this.
         """
         self._stop_requested = True
         chosen = list(self.children if children is None else children)

