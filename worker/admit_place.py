@@ -1,32 +1,12 @@
 """Where a read is admitted: on the event loop when that costs less than a thread hop.
 
-Admitting a read (the pipeline's checks, the tokenizer, the jobs) ran in a
-thread, always, so a slow tokenizer never held the event loop. With a cheap
-tokenizer and short text that hop is most of the cost: the thread and the
-loop take turns at the GIL, and the loop, interrupted in smaller steps,
-publishes and hands the device smaller batches. Measured with the null
-backend (docs/BENCHMARKS.md, "cpu"), admitting on the loop took
-about a tenth off the worker's CPU per request.
-
-So each read goes where its predicted cost says: on the loop when the
-prediction is at most ``budget_s`` (``--admit-inline-ms``, 2 ms by default:
-a read held that long delays a publish by no more than one Redis round
-trip under load would), in a thread otherwise, and always in a thread
-before anything was learned, with ``--tokenize-processes`` (the wait is for
-the children), or with a budget of 0.
-
-The prediction is a rate per unit of work times the read's units (each
-request counts :data:`REQUEST_UNITS` plus the characters of its text and
-pair: a tokenizer's cost grows with both). The rate rises at once to a read
-that cost more and falls slowly (a tenth of the way per read), so one
-expensive read sends the next ones back to the thread at once, and the
-cheap ones must show it many times over before the loop is used again.
-
-A read admitted on the loop that never returns (a tokenizer stuck in a
-loop) blocks the very watchdog that would notice it; the worker command's
-:class:`~tokenq.worker.loop_guard.LoopGuard` thread ends the process then.
-
-Pure: no clock and no asyncio; times are passed in.
+With a cheap tokenizer the thread hop is most of admission's cost
+(docs/decisions/0016-admit-cheap-reads-on-the-event-loop.md). A read goes on the
+loop when its predicted cost is at most ``budget_s`` (``--admit-inline-ms``), in a
+thread otherwise, before anything is learned, or with ``--tokenize-processes``.
+Prediction: a rate times units (:data:`REQUEST_UNITS` plus characters per
+request), rising at once and falling a tenth a read. A stuck inline read is the
+:class:`~tokenq.worker.loop_guard.LoopGuard`'s. Pure: times are passed in.
 """
 
 from __future__ import annotations
@@ -36,8 +16,8 @@ REQUEST_UNITS = 64
 FALL = 0.1
 """How far the rate moves down towards a cheaper read's, per read."""
 INLINE_LIMIT_S = 10.0
-"""A read admitted on the loop is hung after this long (or ``batch_timeout_s``, if shorter):
-it was predicted to take ``budget_s``, and it holds the whole loop while it runs."""
+"""A read admitted on the loop is hung after this long (or ``batch_timeout_s``, if
+shorter): it holds the whole loop while it runs."""
 INLINE_LIMIT_NAME = "the limit of a read admitted on the event loop"
 """How that deadline is named in ``/livez`` and the log."""
 

@@ -1,11 +1,8 @@
 """The heartbeat: presence on every lane, fresh claims on what the worker holds, depth.
 
-Once every ``heartbeat_s`` the worker writes its heartbeat and liveness key
-on each lane (``presence.py``), resets the idle time of every entry it holds
-(so no peer's reclaim scan takes them), tends the retired lanes it drains
-(``lanes.Retirement``), syncs the Redis clock, and, with metrics on,
-measures the queue depth. A hung worker stops beating (its peers must take
-its entries); a failing beat is reported to :class:`~tokenq.worker.health.Health`.
+Each ``heartbeat_s``: heartbeat and liveness key per lane (``presence.py``), idle
+times of held entries reset, retired lanes tended, the Redis clock synced, the
+depth measured (metrics on). A hung worker stops beating so peers take its entries.
 """
 
 from __future__ import annotations
@@ -99,12 +96,8 @@ class Beat:
         self._recorder.queue_depth(found.length, found.pending, found.lag)
 
     async def _beat_lanes(self, status: Heartbeat, ttl_ms: int) -> None:
-        """Beat, and keep held entries' claims fresh, on every lane.
-
-        With several lanes each goes at once and is bounded by the liveness
-        TTL, so a shard whose node is down or frozen cannot let the worker's
-        liveness lapse on the others (peers would take over its work there).
-        Raises when no lane took the beat.
+        """Beat, and keep held entries' claims fresh, on every lane at once, each bounded by
+        the liveness TTL (a down shard cannot lapse the others); raises if no lane took it.
         """
         held = self._intake.held_by_lane()
         if len(self.lanes) == 1:
@@ -131,10 +124,8 @@ class Beat:
         await self._keep_claims_fresh(lane, held)
 
     async def _keep_claims_fresh(self, lane: Lane, held: list[bytes]) -> None:
-        """Reset the idle time of entries this worker holds, so nobody claims them.
-
-        Never while a batch is hung: a worker whose device does not come back
-        must let its entries go (the watchdog ends it soon after).
+        """Reset the idle time of held entries so nobody claims them; never while a batch is
+        hung (that worker must let them go).
         """
         for start in range(0, len(held), CLAIM_CHUNK):
             if self._lifecycle.hung:

@@ -1,15 +1,9 @@
 """``tokenq worker``: parse settings, then run one worker process (:mod:`.process`) or one per GPU.
 
-Exit codes (defined in :mod:`tokenq.worker.tooling.children`, whose supervisors act
-on them; docs/OPERATIONS.md lists them):
-
-* 0 — stopped cleanly (a signal, or ``--exit-when-idle-s``);
-* 2 — bad settings or a model the settings cannot serve: restarting cannot help;
-* 3 — a stage holding entries hung past its deadline (the watchdog: a batch
-  on the device or a tokenizer past ``--batch-timeout-s``; the loop guard: an
-  event loop stuck in a stage): restart the process, peers take its requests;
-* 4 — the worker itself failed (the device was lost, an internal error):
-  restart it; its requests are claimed by peers.
+Exit codes (defined in :mod:`tokenq.worker.tooling.children`; docs/OPERATIONS.md):
+0 stopped cleanly; 2 bad settings or a model they cannot serve (final); 3 a
+stage holding entries hung (watchdog or loop guard): restart; 4 the worker
+itself failed: restart. Peers claim the requests of 3 and 4.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The worker's estimate of Redis's clock.
 
-Deadlines (``timeout_ms`` after an entry's stream id) and queue-wait times
-are measured on Redis's clock, which stamped every stream id, so that a
-producer's or a worker's skewed wall clock cannot answer everything
-``deadline_exceeded`` or run everything late. The worker reads ``TIME`` at
-start and with every heartbeat and keeps the offset from its own clock,
-corrected by half the round trip; between reads it adds its own clock's
-progress, so the estimate is as good as one round trip plus the drift of a
-few seconds.
+Deadlines and queue waits are measured on Redis's clock, which stamped the
+stream ids, so a skewed host clock cannot expire or delay everything
+(docs/decisions/0011-deadlines-on-redis-clock.md). ``TIME`` is read at start and
+each heartbeat, corrected by half the round trip, and advanced by the local clock.
 """
 
 from __future__ import annotations

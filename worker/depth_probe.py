@@ -1,12 +1,8 @@
 """How deep the queue is, as the worker reports it for autoscalers (KEDA, an HPA).
 
-Two commands in one round trip, once a heartbeat (not per batch): ``XLEN``
-of the request stream and the group's row of ``XINFO GROUPS``; for a
-sharded queue, that for each of its streams (one round trip each: in a
-Cluster they live on different nodes), summed. Every
-worker of a queue reports the same numbers; a dashboard or a scaler takes
-``max by (queue)``. What length, pending and lag mean, and how lag is
-derived when Redis gives none, is :mod:`tokenq.shared.queue_depth`.
+``XLEN`` and the group's ``XINFO GROUPS`` row once a heartbeat, per stream, summed;
+every worker reports the same (take ``max by (queue)``). Meanings:
+:mod:`tokenq.shared.queue_depth`.
 """
 
 from __future__ import annotations

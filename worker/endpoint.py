@@ -1,21 +1,11 @@
 """The worker's HTTP endpoint on ``--metrics-port``: ``/metrics``, ``/livez``, ``/readyz``.
 
-It listens from the moment the process starts, before the model loads, so
-an orchestrator's probes have an answer during a load of minutes: ``/livez``
-200 and ``/readyz`` 503 ``model loading``. It runs in threads of its own
-(the standard library's WSGI server, one thread per request), never on the
-event loop, so it answers while a long batch holds the device thread or the
-event loop is busy; that is also what lets ``/livez`` notice a stalled loop.
-
-Routes (anything else is 404):
-
-* ``GET /metrics`` — the Prometheus text (prometheus-client's own WSGI app:
-  content negotiation, gzip); 404 when prometheus-client is not installed;
-* ``GET /livez``, ``GET /readyz`` — 200 ``ok``, or 503 with the reasons in
-  one plain-text line; the rules are :mod:`tokenq.worker.health`'s. ``/health``
-  and ``/ready`` (the gateway's names) answer the same.
-
-Port 0 (the default) means no endpoint at all.
+It listens before the model loads (``/readyz`` 503 ``model loading``) and runs
+in its own threads, never on the event loop, so it answers while the loop is
+busy and ``/livez`` can see it stall. ``/metrics``: prometheus-client's WSGI app
+(404 without it); ``/livez``, ``/readyz`` (and the gateway's ``/health``,
+``/ready``): 200 ``ok`` or 503 with reasons (:mod:`tokenq.worker.health`).
+Anything else 404; port 0 means no endpoint.
 """
 
 from __future__ import annotations

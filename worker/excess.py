@@ -1,15 +1,10 @@
 """Entries written around enqueue's length limit: refused as an enqueue past it would be.
 
-A producer's ACL must grant ``XADD`` on the request stream (``enqueue.lua``
-runs under it), so a producer can append with a plain ``XADD``, or call the
-enqueue function with a larger limit, and skip ``max_queue_length``. Through
-``enqueue.lua`` the stream never holds more than the limit, so the newest
-entries beyond it were written around it (``worker/lua/claim_excess.lua``
-says why). Before each read a worker takes up to :data:`TAKE_AT_MOST` of
-those not yet delivered and answers each with ``queue_full`` as a dead
-letter; while the stream is within the limit the check is one ``XLEN``
-inside the function call (docs/SECURITY.md, "What a producer can still do
-with XADD").
+A producer may ``XADD`` directly and skip ``max_queue_length``; the newest entries
+beyond the limit were written around it (``worker/lua/claim_excess.lua``). Before
+each read a worker answers up to :data:`TAKE_AT_MOST` undelivered ones with
+``queue_full`` as dead letters; within the limit it costs one ``XLEN``
+(docs/SECURITY.md, "What a producer can still do with XADD").
 """
 
 from __future__ import annotations

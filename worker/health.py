@@ -1,36 +1,15 @@
 """Every rule behind the worker's ``/livez`` and ``/readyz`` answers, and nothing else.
 
-The loop and the command report facts here (the model loaded, Redis answered
-or not, a tick of the event loop, the watchdog fired); the HTTP endpoint
-(:mod:`tokenq.worker.endpoint`) asks :meth:`Health.live` and
-:meth:`Health.ready` from its own thread. Nothing here does I/O or reads a
-clock: every timestamp is monotonic seconds passed in by the caller.
+The loop reports facts; the endpoint (:mod:`tokenq.worker.endpoint`) asks
+:meth:`Health.live` and :meth:`Health.ready` from its thread. No I/O, no clock.
 
-**Live** means "restarting this process would not help anything": it fails
-only for what the process itself cannot recover from —
+**Live** fails only for what a restart fixes: the watchdog fired
+(``worker/stages.py``), or the event loop stalled for
+``3 × max(heartbeat_s, watchdog period)``. Redis down is not a liveness failure.
 
-* the watchdog fired: a stage that holds entries ran past its deadline (a
-  batch on the device past ``batch_timeout_s``, a read being tokenized, a
-  Redis read or a publish attempt: ``worker/stages.py``);
-* the event loop stalled: neither the heartbeat nor the watchdog, which
-  tick it at least every heartbeat and every second, has run for
-  ``3 × max(heartbeat_s, watchdog period)`` (the three beats after which
-  peers presume a worker dead).
-
-Redis being down is *not* a liveness failure: every worker would restart
-at once, reload its model, and find Redis still down.
-
-**Ready** means "this worker is taking work": the model loaded, the
-consumer group joined, Redis answered the last check (the heartbeat's, or
-the join's) and the heartbeat in flight has not waited more than three
-beats for an answer, reads are not failing on every lane (a stream key of
-the wrong type, an ACL that denies ``XREADGROUP``: the heartbeat may pass
-while no work is taken), Redis did not refuse the last try to publish answers
-(``OOM`` at ``maxmemory``, ``READONLY``: the worker holds its answers until
-Redis takes them, so more work would only pile up), the worker is not
-stopping, and it is live. Loading
-and joining count as live: ``/livez`` is 200 while ``/readyz`` says
-``model loading``.
+**Ready**: model loaded, group joined, Redis answered the last check and the
+beat in flight waited under three beats, reads not failing on every lane, the
+last publish not refused (``OOM``, ``READONLY``), not stopping, and live.
 """
 
 from __future__ import annotations
@@ -58,11 +37,8 @@ class Verdict:
 
 
 class Health:
-    """What the probes know about one worker process.
-
-    Plain attributes, written by the event loop and read by the endpoint's
-    thread: each write is one atomic store, and a probe that reads a value
-    one beat old is still right.
+    """What the probes know about one worker process: plain attributes written by the loop
+    and read by the endpoint's thread (atomic stores).
     """
 
     def __init__(self, heartbeat_s: float, watchdog_period_s: float = 1.0) -> None:

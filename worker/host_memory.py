@@ -1,13 +1,9 @@
 """How much memory this worker process may use: its cgroups' limits, else the machine's.
 
-Read once at start to size defaults that are a share of memory (the
-read-ahead byte bound: :func:`tokenq.worker.read_ahead.auto_limit`). A
-cgroup's limit is what the kernel enforces, so it wins over the machine's
-memory when smaller: a container's own (its namespace shows it at the
-root), and a service's under systemd (its own cgroup and every parent,
-found through ``/proc/self/cgroup``), for cgroup v2 and v1 alike. An
-unreadable, unlimited (``max``) or nonsensical file counts as no limit,
-never as an error: a default must not stop a worker.
+Read once at start to size shares of memory
+(:func:`tokenq.worker.read_ahead.auto_limit`); the smallest limit of the
+container's and every parent cgroup (v1 and v2) wins. An unreadable or
+unlimited file counts as no limit, never as an error.
 """
 
 from __future__ import annotations
@@ -23,10 +19,8 @@ V1_DIR, V1_FILE = "memory", "memory.limit_in_bytes"
 
 
 def limit_in(path: Path) -> int | None:
-    """The byte limit a cgroup file states, or None (no file, no limit, or not a number).
-
-    cgroup v1 states "no limit" as a huge number (about 2**63); any value
-    beyond a pebibyte is read as none.
+    """The byte limit a cgroup file states, or None (no file, no limit, not a number, or
+    beyond a pebibyte: cgroup v1's "no limit").
     """
     try:
         text = path.read_text(encoding="ascii", errors="replace").strip()

@@ -1,18 +1,10 @@
 """How much the worker may read ahead: the read-ahead room, in tokens and in bytes.
 
-Everything the worker holds counts against it: entries buffered in the
-packer, a read being tokenized (by the producers' estimates, until it is
-admitted), answers waiting to be published (each at the running mean of
-tokens per entry), and in bytes (:class:`~tokenq.worker.read_ahead.ByteRoom`,
-the one bound that holds whatever the sizes) every entry read and not yet
-answered on Redis: its raw bytes, its encoding while it is buffered
-(:data:`TOKEN_BYTES` a token), then its packed reply until that is
-published. The reader asks :meth:`Intake.read_count` before each read; the
-outbox gives room back as answers are published.
-
-Pure: no asyncio, no Redis, no clock. What the packer holds (its budget and
-buffered tokens) is passed in, so tests drive every rule with plain numbers
-(``tests/worker/test_worker_parts.py``).
+Everything held counts: entries in the packer, a read being tokenized (at the
+producers' estimates), answers awaiting publish; in bytes
+(:class:`~tokenq.worker.read_ahead.ByteRoom`) each entry's raw bytes, its
+encoding (:data:`TOKEN_BYTES` a token), then its packed reply. Pure: what the
+packer holds is passed in (``tests/worker/test_worker_parts.py``).
 """
 
 from __future__ import annotations
@@ -45,10 +37,8 @@ class Intake:
         self.avg_estimate = float(max(1, max_input_tokens))
         """Estimated tokens per request, which turns the token room into a read's count.
 
-        It starts at the longest input the model takes, so the first read
-        cannot overshoot the room however long the requests are (from 64, one
-        idle worker took a whole burst while its peers idled); each request
-        read then counts as one step of a 0.1 EMA (:meth:`learn`)."""
+        Starts at the longest input the model takes, so a first read cannot overshoot;
+        then a 0.1 EMA per request (:meth:`learn`)."""
         self.inflight_estimate = 0
         """The producers' token estimates of the reads being tokenized now."""
         self.unpublished_answers = 0
@@ -69,13 +59,9 @@ class Intake:
     ) -> int:
         """How many entries the next read may take (0: no room now).
 
-        Bounded by both rooms. Tokens: from the exact lengths of what was read
-        lately (not the producers' claims), about ``read_ahead_budgets``
-        budgets, each reader its share. Bytes: a bound, not an estimate
-        (``read_ahead.py``): the room left by the entries, answers and buffered
-        encodings held, over the largest entry, reserved while the read runs
-        (:meth:`reserving`), so the entries held stay below ``read_ahead_bytes``
-        plus one largest entry whatever the sizes.
+        Bounded by both rooms: tokens from recent exact lengths (about
+        ``read_ahead_budgets``, each reader its share), and bytes by the bound in
+        ``read_ahead.py`` (reserved while the read runs: :meth:`reserving`).
         """
         tokens = self.room(max_batch_tokens, buffered_tokens)
         # Every lane reads at once, so each takes its share of both rooms.
@@ -86,11 +72,9 @@ class Intake:
         return int(min(by_bytes, max(1, share)))
 
     def learn(self, requests: int, exact_tokens: int) -> None:
-        """Move the running mean of tokens per entry towards one read's.
+        """Move the running mean of tokens per entry towards one read's (0.1 EMA per entry).
 
-        Exact lengths, not the producers' ``tokens`` claims: a claim is only a
-        hint, and a lying one must not make the next read huge. Each entry
-        counts as one step of a 0.1 EMA. (Bytes need no mean: ``read_ahead.py``.)
+        Exact lengths, not the producers' claims: a lying claim must not make reads huge.
         """
         if requests <= 0:
             return
@@ -116,9 +100,9 @@ class Intake:
     def hold(
         self, lane: int, entries: Iterable[tuple[bytes, Mapping[bytes, bytes] | None]]
     ) -> None:
-        """Count a read's entries as held (before its reservation ends: the room they take
-        is never free in between); an entry deleted meanwhile (no fields: None or ``{}``)
-        holds nothing."""
+        """Count a read's entries as held, before its reservation ends; a deleted entry (no
+        fields) holds nothing.
+        """
         present = [(entry_id, fields) for entry_id, fields in entries if fields]
         self.bytes.hold_all(lane, [entry_id for entry_id, _ in present],
                             [entry_bytes(fields) for _, fields in present])
@@ -135,22 +119,15 @@ class Intake:
         self.unpublished_answers -= len(entry_ids)
 
     def answers_fit(self) -> bool:
-        """Whether the device may take another batch: the answers waiting to be published
-        fill less than the byte room.
+        """Whether the device may take another batch: the answers awaiting publish fill less
+        than the byte room.
 
-        While Redis refuses replies, what stays in the packer keeps its small
-        request size instead of becoming replies beyond the room; with no
-        answer waiting a batch always goes, whatever its replies weigh (no
-        deadlock on an answer larger than the room).
+        With no answer waiting a batch always goes (no deadlock on one huge answer).
         """
         return self.answer_bytes < self.bytes.limit
 
     def held_by_lane(self) -> dict[int, list[bytes]]:
-        """The entry ids the worker holds (read, not yet answered on Redis), by lane.
-
-        Buffered, on the device, and answered but waiting to be published
-        alike: each is pending to this worker until its answer is published.
-        """
+        """The entry ids the worker holds (read, not yet answered on Redis), by lane."""
         return self.bytes.held()
 
     def busy(self) -> bool:

@@ -1,26 +1,12 @@
 """The streams one worker reads, and how an entry's reference says which it came from.
 
-A queue of one shard is one stream, ``{q}``. A queue of K shards is served
-on ``{q:0}`` … ``{q:K-1}`` plus ``{q}`` (:func:`tokenq.shared.keys.lanes_of`);
-each of these is a *lane* here, a full queue of its own (stream, group,
-dead letters, heartbeats, replies), because in a Redis Cluster a script may
-only touch keys of one slot. The worker reads every lane into one packer,
-so its token budget and batches span shards, and answers each entry on the
-lane it came from.
-
-Two lanes' streams can hand out the same entry id (ids are per stream), so
-wherever the worker holds an entry (the packer, the held-bytes table) it
-names it by a :class:`Ref`: its lane and its entry id, a type rather than a
-byte prefix, so nothing parses a name and one lane costs nothing extra.
-Refs never reach Redis: answers leave named by their bare entry id, grouped
-by lane (one outbox per lane), so the keys and bytes on Redis are the same
-whatever the number of lanes.
-
-When a queue's shard count shrinks, the shards beyond it are *retired*
-(:class:`Retirement`): the worker reads them too, as extra lanes after its
-own, until each is empty, nothing is pending on it, no dead letter is left
-on it, and (by its marker) no producer can add to it; then it removes the
-lane (``remove_retired.lua``), keeping the marker.
+A queue of K shards is served on ``{q:0}`` … ``{q:K-1}`` plus ``{q}``
+(:func:`tokenq.shared.keys.lanes_of`); each is a *lane*, a full queue of its own
+because a Cluster script may only touch one slot. All lanes feed one packer, and
+each entry is answered on its own lane. Ids are per stream, so the worker names
+a held entry by a :class:`Ref` (lane, id); answers leave by bare id, one outbox
+per lane. Shards beyond a shrunk count are *retired* (:class:`Retirement`): read
+until drained, then removed (``remove_retired.lua``), the marker kept.
 """
 
 from __future__ import annotations
@@ -46,11 +32,7 @@ if TYPE_CHECKING:
 
 
 class Ref(NamedTuple):
-    """The worker's name for an entry it holds: the lane it came from and its entry id.
-
-    A tuple, so it hashes (the held-bytes table, the reclaim scan's exclusions)
-    and compares by value; the lane is an index into the worker's lanes.
-    """
+    """The worker's name for an entry it holds: its lane's index and its entry id (hashable)."""
 
     lane: int
     entry_id: bytes
@@ -100,11 +82,8 @@ class Retirement:
     """The shards a queue served beyond its count today: found at a worker's join, drained,
     then removed (docs/OPERATIONS.md, "Changing K").
 
-    Found without a SCAN: ``keys.shards_served`` records the highest count
-    served while a retired shard remains, and the config hash the count the
-    workers served before this one joined (a queue resharded by a version
-    without the record). Each retired shard gets its marker before anything
-    else, so from then on it only shrinks (enqueue.lua refuses to add to it).
+    Found without a SCAN, from ``keys.shards_served`` or the config hash's count. Each
+    is marked first, so it only shrinks from then on (enqueue.lua refuses it).
     """
 
     def __init__(self, queue: keys.QueueRef, shards: int) -> None:
@@ -118,9 +97,7 @@ class Retirement:
         """Mark the retired shards and unmark this worker's own; the retired shards with a
         stream not returned before (a join is retried until Redis answers).
 
-        Runs before the worker publishes its count in the config hash, so a
-        producer that learns a grown count finds the shards unmarked, and one
-        holding a shrunk count is refused from the moment it could be stale.
+        Runs before the worker publishes its count, so no producer writes to a stale shard.
         """
         recorded = await self._served(client)
         if recorded is None:
@@ -143,12 +120,10 @@ class Retirement:
     async def tend(
         self, client: aioredis.Redis, lanes: list[Lane], consumer: str
     ) -> list[Lane]:
-        """Remove the retired lanes that are drained; those nobody reads any more.
+        """Remove the retired lanes that are drained (or ``gone``); those nobody reads any more.
 
-        A lane another worker removed (``gone``) is given up the same way;
-        this worker's heartbeat row and liveness key on it go too (a beat may
-        have written them after the removal). When no retired lane is left the
-        record goes, once no retired shard has a stream.
+        This worker's heartbeat row and liveness key on them go too; the record goes once
+        no retired shard has a stream.
         """
         retired = [lane for lane in lanes if lane.retired]
         if not retired:
@@ -181,11 +156,8 @@ class Retirement:
         return done
 
     def _cannot_remove(self, q: keys.QueueRef, exc: ResponseError) -> None:
-        """A lane whose removal Redis refuses for good (a key of another type, outside the
-        ACL): logged once, and read on, rather than failing every heartbeat.
-
-        Why not let the beat fail: a failed beat makes ``/readyz`` say Redis is
-        unreachable, for ever, while the worker takes work on its own lanes.
+        """A lane whose removal Redis refuses for good (wrong key type, ACL): logged once and
+        read on, rather than a failing beat turning ``/readyz`` red for ever.
         """
         if q not in self._unremovable:
             self._unremovable.add(q)
@@ -196,8 +168,7 @@ class Retirement:
     async def _served(self, client: aioredis.Redis) -> int | None:
         """The highest shard count on record: ``shards_served``, or the config hash's count.
 
-        None when an ACL denies the reads (docs/SECURITY.md lists them): the
-        worker then serves its own lanes as before and drains nothing retired.
+        None when an ACL denies the reads (docs/SECURITY.md): nothing retired is drained.
         """
         try:
             recorded = await client.get(keys.shards_served(self.queue))

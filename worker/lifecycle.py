@@ -1,9 +1,7 @@
 """Where a worker is in its life: running, stopping, hung, closing.
 
-The worker's tasks (the readers, the publishers, the beat, the watchdog)
-each ask these questions, and only :class:`~tokenq.worker.loop.Worker` (a
-stop) and the watchdog (a hang) change the answers; one small object shared
-by all of them keeps the parts from reaching into each other or the Worker.
+Every task asks; only :class:`~tokenq.worker.loop.Worker` (a stop) and the
+watchdog (a hang) change the answers.
 """
 
 from __future__ import annotations
@@ -43,11 +41,8 @@ class Lifecycle:
         return first
 
     async def unless_stopping(self, work: Awaitable[object]) -> bool:
-        """Run ``work`` to its end (True), or abandon it once a stop comes (False).
-
-        For calls a stop must not wait on, such as the start-up join while
-        Redis is absent and redis-py spends its retries. The abandoned call is
-        cancelled; a cancel redis-py swallows is waited on for a second at most.
+        """Run ``work`` to its end (True), or abandon it once a stop comes (False); a cancel
+        redis-py swallows is waited on for a second at most.
         """
         task = asyncio.ensure_future(work)
         stop = asyncio.ensure_future(self.stopping.wait())

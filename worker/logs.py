@@ -1,10 +1,7 @@
 """Logging set-up for the worker process: plain text, or JSON lines for log shippers.
 
-A record may carry structured fields (``log.info(line, extra={"fields":
-{...}})``, as the exit line does): plain text shows only the line, JSON
-adds each field to the object beside ``message``, so a log shipper can
-index them without parsing the sentence. A field never replaces one of the
-four every object has (``time``, ``level``, ``logger``, ``message``).
+A record's ``extra={"fields": {...}}`` shows only in JSON, beside ``message``,
+never replacing ``time``, ``level``, ``logger`` or ``message``.
 """
 
 from __future__ import annotations

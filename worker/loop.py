@@ -1,54 +1,22 @@
 """The worker process: the Redis I/O and scheduling around the request pipeline.
 
-Every per-request rule (deadlines, the over-length policy, tokenizer and row
-isolation, OOM splitting, chunk settlement, reply encoding) is the
-pipeline's (``worker/pipeline``), shared with the in-process batcher; every
-batching decision is the packer's. What is left here is reading, holding,
-claiming and publishing.
+Per-request rules are the pipeline's (``worker/pipeline``), batching decisions
+the packer's; this module reads, holds, claims and publishes with small tasks
+joined by bounded hand-offs (TEI's shape):
 
-Four small tasks joined by bounded hand-offs (TEI's shape):
+* **read**: XREADGROUP ``read_ahead_budgets`` ahead, admit in a thread, buffer
+  in the packer (one task per stream: ``lanes.py``);
+* **run**: :class:`~tokenq.worker.pipeline.feed.DeviceFeed` runs the next batch
+  the moment the device frees;
+* **publish**: each batch's answers in one script, retried until Redis takes it
+  (one task per stream);
+* **beat**: heartbeat and keep buffered entries' idle time fresh;
+* **watchdog**: a stage past its deadline (``worker/stages.py``) stops the worker
+  with :class:`WorkerHung` (exit 3; peers claim its entries).
 
-* **read**   XREADGROUP about ``read_ahead_budgets`` budgets of estimated tokens
-  ahead, decode, admit through the pipeline in a thread, and buffer the jobs
-  in the packer (one read task per stream of a sharded queue: ``lanes.py``);
-* **run**    :class:`~tokenq.worker.pipeline.feed.DeviceFeed`: a device
-  thread takes the packer's next batch the moment the device frees, runs it
-  through the pipeline (one batch on the device at a time) and hands the
-  outcome back to the event loop, which accounts for it and builds the
-  answers;
-* **publish** answer each batch in one script (reply, XACK, XDEL), retrying
-  until Redis takes it (one publish task per stream, so a shard whose node
-  is down holds back only its own answers; an answer holds its entry's
-  read-ahead room until it is published);
-* **beat**   heartbeat, and keep the buffered entries' idle time fresh so no
-  other worker claims them;
-* **watchdog** a stage that holds entries past its deadline is hung (a batch
-  on the device or a read being tokenized past ``batch_timeout_s``, a Redis
-  read or publish attempt past :func:`redis_call_deadline_s`; the rules:
-  ``worker/stages.py``): stop reading and refreshing claims, publish what is
-  done, and raise :class:`WorkerHung` (the command exits 3 and its supervisor
-  restarts it; peers claim and answer its entries).
-
-Each task is a part that owns its state (docs/ARCHITECTURE.md lists them):
-:class:`~tokenq.worker.reader.Reader` (reads, history, reclaim, poison
-containment), :class:`~tokenq.worker.outbox.Outbox` (outboxes and publish
-tasks), :class:`~tokenq.worker.beat.Beat`, :class:`~tokenq.worker.watchdog.Watchdog`;
-the read-ahead room is :class:`~tokenq.worker.intake.Intake`'s (pure), the
-run state :class:`~tokenq.worker.lifecycle.Lifecycle`'s, and every stat,
-metric and batch-log line goes through one
-:class:`~tokenq.worker.recorder.Recorder`. :class:`Worker` only wires them
-and runs their tasks (and the join, the device's batches and the stop).
-
-The beat, the watchdog, the join and the stop report to
-:class:`~tokenq.worker.health.Health`, which the ``/livez`` and ``/readyz``
-probes read (``worker/endpoint.py``).
-
-Reading and tokenizing the next batch and publishing the last one overlap
-with the device's work.
-
-Containment: nothing one stream entry contains can end the process
-(``reader.py``). Only a failure of the worker itself (the device lost, a bug
-in the loop) ends :meth:`Worker.run` with an exception.
+The parts own their state (docs/ARCHITECTURE.md); :class:`Worker` wires them
+and reports to :class:`~tokenq.worker.health.Health` for ``/livez`` and
+``/readyz``. Nothing one entry contains can end the process (``reader.py``).
 """
 
 from __future__ import annotations
@@ -156,9 +124,9 @@ class Worker:
         health: Health | None = None,
         on_stuck: Callable[[Overdue], None] | None = None,
     ) -> None:
-        """``on_stuck``: given, a :class:`~tokenq.worker.loop_guard.LoopGuard` thread calls it
-        when the event loop is stuck in an overdue stage (the command exits 3); tests that
-        run a worker in their own process leave it out."""
+        """``on_stuck``: called by a :class:`~tokenq.worker.loop_guard.LoopGuard` thread when
+        the event loop is stuck in an overdue stage; None in tests that run in-process.
+        """
         self.settings = settings
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.health = health if health is not None else Health(
@@ -387,11 +355,8 @@ class Worker:
     async def _join(self, reader: Reader) -> bool:
         """Create the group and publish the config, waiting for Redis if it is not up yet.
 
-        A worker may start before Redis does (compose, Kubernetes); it retries
-        with backoff until Redis answers or it is told to stop (False). Each try
-        first pings once without redis-py's retries, so an absent Redis is
-        named (URL, error) within a second of the try, not after the client's
-        retries; a stop abandons the try at once.
+        Retries with backoff until Redis answers or a stop (False); each try pings first
+        without redis-py's retries, so an absent Redis is named within a second.
         """
         delay = 0.5
         probe = connect(self.settings.model_copy(update={"retries": 0}))
@@ -456,11 +421,7 @@ class Worker:
         self._outbox.close()
 
     def _execute(self, batch: Batch[Job[Ref]]) -> _Ran:
-        """Run one batch through the pipeline and adapt the budget (in the device thread).
-
-        Only this thread changes the packer's budget, and it picks the next
-        batch itself, so the new budget holds from that pick on.
-        """
+        """Run one batch and adapt the budget (device thread: the only one that changes it)."""
         # What the pick used: only this thread picks and teaches the time model,
         # and it does so after the batch, so the cap has not moved since.
         packed_under = self.packer.budget_now()
@@ -514,9 +475,8 @@ async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task
     while not all(task.done() for task in tasks):
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            # Only run() cancels these tasks, after this returns: one that ended
-            # cancelled met a CancelledError raised inside it (a plugin's), and
-            # a worker that went on without it would hang with its entries held.
+            # Only run() cancels these: one that ended cancelled met a plugin's
+            # CancelledError, and going on without it would hang its entries.
             if task.cancelled():
                 raise Aborted(f"task {task.get_name()} stopped on CancelledError")
             if task.exception() is not None:

@@ -1,29 +1,11 @@
 """The guard behind the watchdog: a thread that ends a worker whose event loop is stuck.
 
-The watchdog (``worker/watchdog.py``) is a task on the event loop, so it can
-only act while the loop runs. A stage that holds the loop itself, a read
-admitted on the loop (``worker/admit_place.py``) whose tokenizer never
-returns, blocks the watchdog with it: no exit 3, no ``/livez`` answer, the
-entries held until someone kills the process.
-
-So the ``tokenq worker`` command also starts this thread. Once a period it
-asks the same :class:`~tokenq.worker.stages.Stages` which stage is past its
-deadline; a stage still overdue ``patience_s`` later, by which time the
-watchdog, had the loop run, would long since have published what was done
-and ended the process, means the loop is stuck. The guard then logs which
-stage, and calls ``on_stuck`` (the command: ``os._exit(3)``, as for any
-hang). What the worker held stays pending to it, and peers claim it once its
-liveness key expires (the beat, on the same loop, stopped refreshing it).
-
-The guard's thread also ticks the stages' clock
-(:class:`~tokenq.worker.stage_clock.StageClock`): a process stopped (SIGSTOP)
-longer than a deadline stops this thread too, so the stopped time is left
-out and the continued worker is not called hung; a loop stuck for real
-leaves this thread ticking, so its time counts.
-
-A thread, not a signal or ``faulthandler``: it needs no handler in the main
-thread (which is the one stuck) and nothing process-wide that tests or
-embedders also use.
+The watchdog runs on the event loop, so a stage that blocks the loop (a read
+admitted on it: ``worker/admit_place.py``) blocks it too. This thread asks the
+same :class:`~tokenq.worker.stages.Stages`; a stage still overdue ``patience_s``
+later means the loop is stuck: it logs the stage and calls ``on_stuck``
+(``os._exit(3)``). It also ticks the :class:`~tokenq.worker.stage_clock.StageClock`.
+A thread, not a signal: the main thread is the stuck one.
 """
 
 from __future__ import annotations
@@ -41,8 +23,8 @@ log = logging.getLogger("tokenq.worker")
 
 def patience_s(period_s: float) -> float:
     """How long a stage may stay overdue before the guard calls the loop stuck: the
-    watchdog's period, its grace to publish, the worker's two stop graces (tasks, then
-    deregistering) and a margin, so a loop that runs always gets there first."""
+    watchdog's period, its grace, both stop graces and a margin, so the watchdog wins.
+    """
     return period_s + 3 * STOP_GRACE_S + 2.0
 
 

@@ -1,19 +1,10 @@
 """Prometheus metrics of one worker process (``--metrics-port``; off by default).
 
-Each :class:`Metrics` owns its own ``CollectorRegistry``, so two workers in
-one process (tests, an embedding app) never collide on metric names, and
-the endpoint (:mod:`tokenq.worker.endpoint`) serves exactly that worker's
-numbers plus the process's own (``process_*``, ``python_*``). The loop calls
-the hooks right beside the code they measure (TEI's habit); with metrics
-off it holds a :class:`NullMetrics` whose hooks do nothing and which never
-imports ``prometheus_client``.
-
-Hot-path cost: each hook is called once per read, batch, publish or
-heartbeat, never per request; what is observed per request goes into a
-:class:`~tokenq.worker.histograms.BatchHistogram` in one call.
-
-Every tokenq name starts with ``tokenq_`` and carries a ``queue`` label; the
-list, with units, TEI's equivalents and how to read them, is docs/METRICS.md.
+Each :class:`Metrics` owns its ``CollectorRegistry`` (two workers in one process
+never collide), served by :mod:`tokenq.worker.endpoint` with ``process_*`` and
+``python_*``. With metrics off the loop holds a :class:`NullMetrics` that never
+imports ``prometheus_client``. Hooks run once per read, batch, publish or beat,
+never per request. Names and units: docs/METRICS.md.
 """
 
 from __future__ import annotations
@@ -102,9 +93,8 @@ class Metrics(NullMetrics):
 
         from tokenq.worker.histograms import BatchHistogram
 
-        # Process-wide and read at each scrape (the environment variable is
-        # read once at import, which an embedding app may already have done).
-        # prometheus-client < 0.20 has no switch and keeps the series.
+        # Process-wide and read at each scrape (the variable is read once at import,
+        # maybe already done). prometheus-client < 0.20 has no switch.
         disable = getattr(prometheus_client, "disable_created_metrics", None)
         if disable is not None:
             disable()
@@ -271,11 +261,8 @@ def create(settings: WorkerSettings) -> NullMetrics:
 
 
 def _ages_s(entry_ids: Iterable[bytes], now_epoch_ms: int) -> list[float]:
-    """Seconds from each entry's enqueue (its stream id, on Redis's clock) to ``now``.
-
-    ``now`` is the worker's estimate of Redis's clock (:class:`~tokenq.worker.
-    clock.RedisClock`), good to about one round trip; a difference that comes
-    out negative is clipped to 0. Ids that are not ``<ms>-<seq>`` are skipped.
+    """Seconds from each entry's enqueue (its stream id, Redis's clock) to ``now`` (the
+    worker's estimate of that clock); negatives clip to 0, malformed ids are skipped.
     """
     ages = []
     for entry_id in entry_ids:

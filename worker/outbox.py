@@ -1,14 +1,11 @@
 """The worker's answers on their way to Redis: one outbox and one publish task per lane.
 
-A shard whose node is down holds back only its own answers. The outboxes are
-unbounded: what waits in them still counts as held (bytes, each answer at its
-packed reply's size, and tokens at the running mean:
-:class:`~tokenq.worker.intake.Intake`), so the read-ahead room is what bounds
-them, as it bounds everything the worker holds: while they fill it, the
-worker reads nothing and its device takes no batch. Each task
-publishes in bulk (whatever queued up meanwhile goes in one script call,
-:class:`~tokenq.worker.publish.Publisher`), and retries until Redis takes it
-or the worker, stopping or hung, is past its grace.
+A shard whose node is down holds back only its own answers. Outboxes are
+unbounded, but what waits in them counts as held
+(:class:`~tokenq.worker.intake.Intake`), so the read-ahead room bounds them.
+Each task publishes whatever queued up in one call
+(:class:`~tokenq.worker.publish.Publisher`), retrying until Redis takes it or the
+worker is past its grace.
 """
 
 from __future__ import annotations
@@ -33,12 +30,8 @@ PUBLISH_CHUNK = 2048
 def answers_by_lane(
     pipeline: Pipeline[Any], outcomes: Iterable[Outcome[Ref]]
 ) -> dict[int, list[Answer]]:
-    """The answers finished requests' entries are owed, by the lane each entry came from
-    (its outbox), each named by its bare entry id.
-
-    One loop for a whole batch, its replies encoded together
-    (:meth:`Pipeline.encoded_replies`): this runs once per request, where a
-    call per answer would be a tenth of what answering costs.
+    """The answers finished requests' entries are owed, by lane, each named by its bare
+    entry id; one loop per batch, replies encoded together (this runs per request).
     """
     owed: dict[int, list[Answer]] = {}
     outcomes = list(outcomes)
@@ -110,13 +103,8 @@ class Outbox:
         return bool(self._publishing) or any(not queue.empty() for queue in self._queues)
 
     async def run(self, lane: Lane) -> None:
-        """Publish one lane's answers as they come, in bulk: whatever queued up meanwhile
-        goes in one call.
-
-        One script call carries every answer waiting (up to ``PUBLISH_CHUNK``),
-        so when batches finish faster than Redis answers a round trip, the
-        round trips do not add up. Once published (or given up on), the
-        entries stop counting as held, which makes room to read more.
+        """Publish one lane's answers in bulk (up to ``PUBLISH_CHUNK`` a call), so round trips
+        do not add up; published entries stop counting as held.
         """
         queue = self._queues[lane.index]
         assert lane.publisher is not None
@@ -147,11 +135,8 @@ class Outbox:
             self._recorder.published(answers, self._now_epoch_ms())
 
     def _retrying(self, restart: Callable[[], None]) -> bool:
-        """Asked by the publisher before each retry: give up (past the stop grace)?
-
-        The attempt that failed has ended, so the publish stage's clock starts
-        again: its deadline bounds one attempt, since a publish retried while
-        Redis is away is waiting for Redis, not hung.
+        """Asked before each retry: give up (past the stop grace)? Restarts the publish stage's
+        clock, since its deadline bounds one attempt (waiting for Redis is not a hang).
         """
         restart()
         return self._lifecycle.past_grace()

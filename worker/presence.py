@@ -1,17 +1,11 @@
 """How a worker makes itself known: the queue's config hash and heartbeats.
 
-At start a worker writes the model's limits to ``keys.config(q)`` so that
-producers can refuse over-long input early and load the same tokenizer. Every
-heartbeat refreshes a liveness key with a TTL (``keys.worker_alive``) and
-writes its totals to the ``keys.workers(q)`` hash, which ``tokenq stats``
-reads. At a clean exit both are removed. The formats of both records live in
-:mod:`tokenq.shared.queue_config` and :mod:`tokenq.shared.heartbeat`.
-
-Writing the config also loads tokenq's Lua functions (Redis 7): producers
-under the documented ACL may ``FCALL`` them but not load them, so the worker,
-which is trusted to, loads them whenever it (re)publishes the config: at
-start and after Redis came back empty. The hash names the enqueue function
-for producers in other languages (docs/PROTOCOL.md).
+At start it writes the model's limits to ``keys.config(q)`` (producers refuse
+over-long input early) and loads tokenq's Lua functions, which producers may
+``FCALL`` but not load (again after Redis came back empty). Each heartbeat
+refreshes ``keys.worker_alive`` and writes totals to ``keys.workers(q)``; a clean
+exit removes both. Formats: :mod:`tokenq.shared.queue_config`,
+:mod:`tokenq.shared.heartbeat`.
 """
 
 from __future__ import annotations
@@ -60,9 +54,9 @@ async def write_config(client: aioredis.Redis, q: keys.QueueRef, fields: dict[st
 
 
 async def load_functions(client: aioredis.Redis) -> bool:
-    """``FUNCTION LOAD`` tokenq's library; False on Redis < 7 (scripts by EVALSHA there)
-    or when this worker's ACL may not load it (one written before Functions: it logs how
-    producers under the documented ACL get them)."""
+    """``FUNCTION LOAD`` tokenq's library; False on Redis < 7 (EVALSHA there) or when this
+    worker's ACL may not load it (it logs how producers get them).
+    """
     try:
         return await functions.async_load(client) is not None
     except NoPermissionError as exc:
@@ -77,12 +71,8 @@ async def beat(
 ) -> None:
     """Refresh liveness and publish this worker's totals, in one MULTI.
 
-    Redis at ``maxmemory`` refuses both writes (they may grow memory), which
-    would let the liveness key lapse while the worker holds answers it cannot
-    publish yet: peers would take its entries and compute them again. So on
-    OOM the liveness key's TTL is renewed with PEXPIRE, which Redis allows
-    when full (the totals wait for the next beat). Raises when the key is
-    already gone.
+    At ``maxmemory`` both writes are refused, so the key's TTL is renewed with PEXPIRE
+    (allowed when full) lest peers take held entries. Raises when the key is gone.
     """
     try:
         async with client.pipeline(transaction=True) as pipe:
@@ -103,10 +93,8 @@ async def leave(client: aioredis.Redis, q: keys.QueueRef, consumer: str) -> None
 
 
 async def drop_consumer(client: aioredis.Redis, q: keys.QueueRef, consumer: str) -> bool:
-    """Remove a gone consumer's heartbeat row, and it from the group if it holds nothing.
-
-    One script (``drop_consumer.lua``) does every removal, re-checking liveness
-    and pending entries at the moment it acts. True when it left the group.
+    """Remove a gone consumer's heartbeat row, and it from the group if it holds nothing
+    (``drop_consumer.lua`` re-checks atomically); True when it left the group.
     """
     script = functions.AsyncFunction(client, "drop_consumer")  # drop_consumer.lua, by FCALL
     removed = await script(

@@ -1,8 +1,6 @@
 """One worker process's life: open the endpoint, load the backend, run the loop until a signal.
 
-Imported by ``tokenq worker`` (:mod:`tokenq.worker.cli`) only once the settings
-are parsed: it needs numpy and the worker's modules (the worker extra), which
-``tokenq worker --help`` must not.
+Imported by :mod:`tokenq.worker.cli` only after parsing, so ``--help`` needs no numpy.
 """
 
 from __future__ import annotations
@@ -25,10 +23,8 @@ log = logging.getLogger("tokenq.worker")
 
 
 async def serve(settings: WorkerSettings) -> None:
-    """Open the endpoint, load the backend, run the worker until a signal.
-
-    The endpoint comes first, so probes answer (``/readyz``: ``model
-    loading``) while a model of gigabytes loads; it closes last.
+    """Open the endpoint, load the backend, run the worker until a signal; the endpoint
+    opens first (``/readyz``: ``model loading``) and closes last.
     """
     health = Health(settings.heartbeat_s, watchdog_period_s(settings))
     worker_metrics = metrics.create(settings)

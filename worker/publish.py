@@ -1,26 +1,12 @@
 """Publishing answers: each request's reply, XACK and XDEL in one atomic step.
 
-A request is either still pending in the stream or answered, never both and
-never neither: ``publish.lua`` pushes the reply, acks and deletes the entry
-(and, for a dead letter, copies it to the dead stream) in one script, and
-only while the entry is still pending to this worker, so a worker that was
-presumed dead and lost its entries to another cannot answer them a second
-time. If Redis is unreachable, the answers are kept and retried with backoff
-until they land: a computed result is never thrown away for a network blip.
-A ``reply_to`` that refuses the push (a key of another type, or one outside
-the worker's ACL) dead-letters that one entry instead of failing the batch,
-which would otherwise be retried forever.
-
-Which refusal is which is :mod:`tokenq.shared.redis_refusal`'s rule: only a
-key that can never take the write is settled without it. When Redis refuses
-writes right now (``OOM`` at ``maxmemory``, ``READONLY``, ``MASTERDOWN``,
-``LOADING``, ``BUSY``, or an error not known), the whole call fails and is
-retried with backoff, the answers kept and their entries pending (the
-heartbeat keeps their claims fresh), so nothing is dropped or dead-lettered
-because Redis was full. Such an episode is logged once when it starts and
-once when it ends, and reported to ``on_refused`` at every refused try (the
-loop counts it in ``tokenq_redis_refusals_total`` and turns ``/readyz`` red)
-and to ``on_published`` when a call goes through again.
+``publish.lua`` does it only while the entry is still pending to this worker, so
+an entry is answered exactly once (docs/decisions/0013-exactly-one-reply.md).
+Unreachable Redis: answers are kept and retried with backoff. A ``reply_to``
+that can never take the write dead-letters that entry alone; a refusal of writes
+now (``OOM``, ``READONLY``, ``LOADING``..., :mod:`tokenq.shared.redis_refusal`)
+fails the call, retried with the entries left pending, logged once per episode
+and reported to ``on_refused`` / ``on_published``.
 """
 
 from __future__ import annotations
@@ -77,13 +63,9 @@ class Publisher:
     ) -> tuple[list[str], list[object]]:
         """KEYS and ARGV for one call (pure; tested without Redis).
 
-        ``refused`` maps entry ids whose ``reply_to`` Redis refused to the
-        reason: their key is left out and the script dead-letters them.
-
-        The per-answer arguments end ARGV as one :class:`PackedArgs`, written
-        in bulk: an answer without dead-letter fields is one format operation,
-        where a list of four arguments would cost the loop and then the packer a
-        step each. The bytes Redis receives are the same.
+        ``refused`` maps entry ids whose ``reply_to`` Redis refused to the reason: their
+        key is left out and the script dead-letters them. Per-answer arguments end ARGV
+        as one :class:`PackedArgs`, written in bulk (same bytes).
         """
         keys = [self._stream, self._dead]
         index: dict[str, bytes] = {}
@@ -114,10 +96,8 @@ class Publisher:
     async def publish_once(self, answers: Sequence[Answer]) -> int:
         """One script call; returns how many answers were still ours to publish.
 
-        Redis checks a script's KEYS against the ACL (and, in a Cluster, their
-        slot) before running it, so one ``reply_to`` outside the worker's keys
-        refuses the whole call. Then each answer goes alone, and the one whose
-        own call is refused is dead-lettered without its reply.
+        One ``reply_to`` outside the ACL or slot refuses the whole call, so then each
+        answer goes alone and the refused one is dead-lettered without its reply.
         """
         if not answers:
             return 0
@@ -127,11 +107,8 @@ class Publisher:
         except ResponseError as exc:
             if redis_refusal.refused_now(exc):
                 raise
-            # Something in this batch makes Redis refuse the whole call: a
-            # reply key outside the ACL or the slot, or anything else an answer
-            # carries. Retrying the same call would refuse it again forever, so
-            # each answer goes alone and the one that is refused on its own is
-            # settled without its reply (acked and dead-lettered).
+            # Retrying a call Redis refuses as a whole would fail forever: each answer goes
+            # alone, and the one refused alone is acked and dead-lettered without its reply.
             if len(answers) > 1:
                 return sum([await self.publish_once([answer]) for answer in answers])
             answer = answers[0]
@@ -143,9 +120,8 @@ class Publisher:
             except ResponseError as again:
                 if redis_refusal.refused_now(again):
                     raise
-                # Not even the bare ack goes through: leave the entry pending
-                # rather than wedge the worker; redelivery counts it towards
-                # max_deliveries like any entry that cannot be answered.
+                # Not even the bare ack goes through: leave it pending (it counts towards
+                # max_deliveries) rather than wedge the worker.
                 log.error("could not settle entry %r (%s); leaving it pending",
                           answer.entry_id, again)
                 return 0
@@ -175,11 +151,8 @@ class Publisher:
         max_backoff_s: float = 5.0,
         give_up: Callable[[], bool] = lambda: False,
     ) -> int:
-        """Publish, retrying while Redis is unreachable (results are not dropped for a blip).
-
-        ``give_up`` is asked before each retry: a worker that is stopping
-        while Redis is down stops retrying after a grace period, leaving the
-        entries pending (another worker claims and answers them later).
+        """Publish, retrying while Redis is unreachable; ``give_up`` is asked before each retry
+        (a stopping worker leaves the entries pending after a grace).
         """
         delay = 0.1
         failed, since = 0, time.monotonic()

@@ -1,54 +1,19 @@
 """The byte bound on read-ahead: how many entries the next read may ask for.
 
-``XREADGROUP COUNT n`` returns up to ``n`` entries whose sizes are unknown
-until they arrive, so no running mean of past sizes can bound what one read
-brings: after many small entries, a read counted from their mean took 120
-entries of 96 KB against a 1 MiB bound. The only count that is safe whatever
-arrives is the room divided by the largest entry that can arrive
-(``max_entry``: :func:`tokenq.shared.wire.max_entry_bytes`), and a read asks
-for at least one entry whenever any room is left (or a queue of entries
-larger than the room would never be read).
-
-A read's room is *reserved* (``count × max_entry``) from the moment it is
-asked for until its entries are held, so reads running at once on several
-lanes (or a reclaim scan) cannot each count the same room. Hence the bound on
-the entries held (read, not yet answered), proved by
-``tests/worker/test_read_ahead_bound.py`` over sequences of sizes:
+Entry sizes are unknown until they arrive, so a read asks for the room divided
+by the largest entry that can arrive (``max_entry``:
+:func:`tokenq.shared.wire.max_entry_bytes`), at least one while any room is
+left, and reserves ``count × max_entry`` until its entries are held. Bounds,
+held by ``tests/worker/test_read_ahead_bound.py``:
 
     held + reserved  <  limit + max_entry         (so held < limit + max_entry)
-
-A read is asked for only while ``held + reserved < limit``; it reserves
-either at most the room, or (the at-least-one rule) one ``max_entry``; the
-entries it brings are each at most ``max_entry``, so holding them in place
-of the reservation never adds. Entries larger than ``max_entry`` can only be
-written by a raw ``XADD`` (the producer refuses them): each exceeds the bound
-by its own excess, once, until it is dead-lettered.
-
-Entries are not all the worker holds for them: once answered, an entry counts
-for its packed reply instead (an embedding of 4,096 floats is 16 KB where its
-request was 175 B) until the reply is published or dead-lettered
-(:meth:`ByteRoom.charge_all`), and its encoding
-counts while it is buffered (``Intake``). All of it takes the same room, so a
-worker whose replies Redis refuses stops reading once its answers fill it;
-and its device stops taking batches then too (``Intake.answers_fit``), so the
-entries already read cannot turn into replies beyond it:
-
     answers held  <  limit + one batch's replies
 
-The price: many tiny entries are read in more, smaller reads (256 MiB of
-room over 1 MiB entries allows about 240 a read, whatever their real size).
-Each read's round trip, admission and batches cost the worker per read, not
-per request, so the room is the lever on CPU per request with a fast model:
-60 entries a read cost a null worker a third more than 240, and 240 a fifth
-more than 960 (docs/BENCHMARKS.md, "cpu"). Hence the default room is a share of
-the memory the worker may use (:func:`auto_limit`), not a constant: a host
-with 32 GiB or more reads about 960 at a time, a small pod keeps a small
-bound. The count cap and ``read_ahead_budgets`` (tokens) bound reads anyway.
-Pure: no I/O, no clock.
-
-What is held is kept per lane, by entry id (two lanes' streams can hand out
-the same id), so a read's entries are held and an answer's released in one
-C-level call each, not a tuple made and hashed per entry.
+An answered entry counts for its packed reply until published
+(:meth:`ByteRoom.charge_all`). The default room is a share of memory
+(:func:`auto_limit`): the room trades CPU per request (docs/BENCHMARKS.md, "cpu";
+docs/decisions/0008-read-ahead-bytes-share-of-memory.md). Held bytes are kept per
+lane by entry id. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -58,9 +23,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 AUTO_SHARE = 32
-"""The default room is this fraction (1/32) of the memory the worker may use. Small on
-purpose: the bound counts raw entry bytes, and Python's copies of a held entry (the read's
-bytes while it is decoded, then its text) take more than that."""
+"""The default room is 1/32 of the memory the worker may use: small, since Python's
+copies of a held entry take more than its raw bytes."""
 AUTO_MIN = 64 * 1024 * 1024
 AUTO_MAX = 1024 * 1024 * 1024
 """The default room's range: at least 64 MiB (60 entries a read at the default 1 MiB
@@ -105,10 +69,8 @@ class ByteRoom:
     def count(self, cap: int, readers: int = 1, also: int = 0) -> int:
         """How many entries the next read may ask for: 0 while there is no room.
 
-        ``readers`` reading at once (a sharded queue's lanes) each ask for their
-        share, so a blocking read on an empty lane does not reserve the room
-        the others need (the bound holds for any share). ``also``: bytes held
-        elsewhere that take room too (the buffered entries' encodings).
+        ``readers`` reading at once each ask for their share; ``also``: bytes held
+        elsewhere (the buffered encodings).
         """
         room = self.limit - self.used() - also
         if room <= 0:
@@ -117,10 +79,8 @@ class ByteRoom:
 
     @contextmanager
     def reserving(self, count: int) -> Iterator[None]:
-        """Reserve ``count`` maximum-size entries for the ``with`` block (one read).
-
-        Hold what the read brought (:meth:`hold`) before the block ends, so
-        the room is never free in between.
+        """Reserve ``count`` maximum-size entries for the ``with`` block (one read); :meth:`hold`
+        what it brought before the block ends.
         """
         reserved = count * self.max_entry
         self.reserved += reserved
@@ -140,12 +100,9 @@ class ByteRoom:
         self._charged += sum(sizes) - before
 
     def charge_all(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> int:
-        """Make held entries of ``lane`` count for ``sizes`` from now on (their answers':
-        what the worker holds for them until published), in a few C-level calls; the bytes
-        now charged for them.
+        """Make held entries of ``lane`` count for their answers' ``sizes``; the bytes now charged.
 
-        Ids not held are skipped (an entry deleted while pending, answered with
-        nothing: holding it would have the heartbeat claim it again).
+        Ids not held are skipped (an entry deleted while pending).
         """
         held = self._held.get(lane)
         if not held:

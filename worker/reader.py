@@ -1,25 +1,14 @@
 """Reading the worker's lanes: one task per lane, into the one packer.
 
-Each task first re-reads the entries this consumer already owns (a restart
-under the same name), then XREADGROUPs as much as the read-ahead room allows
-(:class:`~tokenq.worker.intake.Intake`), and once a heartbeat interval takes
-over dead workers' entries (:class:`~tokenq.worker.recovery.Reclaimer`).
+Each task re-reads what this consumer already owns, then XREADGROUPs as far as
+the read-ahead room allows (:class:`~tokenq.worker.intake.Intake`), reclaims
+dead workers' entries (:class:`~tokenq.worker.recovery.Reclaimer`) and refuses
+entries past the length limit (:mod:`~tokenq.worker.excess`).
 
-Containment: nothing one stream entry contains can end the process. Every
-read is decoded, tokenized and buffered as a unit; if that raises anything,
-the read is split and retried one entry at a time, and the entry that still
-fails is dead-lettered naming the error, so a poison entry costs its own
-answer, never the worker or its neighbours.
-
-Before each read it refuses what was written around enqueue's length limit
-(:mod:`~tokenq.worker.excess`: one function call, an ``XLEN`` while the
-stream is within it).
-
-The stream commands it sends are ``XREADGROUP`` and ``XGROUP CREATE`` (plus
-the config hash when a group must be made again, and the length check when
-``max_queue_length`` is set), so a small fake of them drives it in tests
-(``tests/worker/test_worker_parts.py``, the length check off) as a real Redis
-does.
+Containment: a read that raises is retried entry by entry, and an entry that
+still fails is dead-lettered naming the error, so a poison entry costs only its
+own answer. Commands sent: ``XREADGROUP``, ``XGROUP CREATE`` (and the config
+hash, the length check), so a small fake drives it in tests.
 """
 
 from __future__ import annotations
@@ -61,18 +50,11 @@ MAX_READ_COUNT = 1024
 Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
 """What XREADGROUP and XCLAIM return: entry ids and fields.
 
-An entry deleted while pending comes back from a history read with no fields:
-Redis sends nil, redis-py turns it into ``{}`` (a fake may say None). No live
-entry has none (``XADD`` needs a field), so empty fields mean deleted.
-"""
+Empty fields (``{}`` or None) mean an entry deleted while pending."""
 
 
 def stream_entries(reply: Any) -> Entries:
-    """The entries of an XREADGROUP reply on one stream, whichever protocol carried it.
-
-    RESP2 gives ``[[stream, entries]]``; RESP3 gives ``{stream: [entries]}``;
-    nothing read is None (or empty).
-    """
+    """The entries of an XREADGROUP reply on one stream, RESP2 or RESP3; None or empty: nothing."""
     if not reply:
         return []
     if isinstance(reply, dict):
@@ -187,13 +169,9 @@ class Reader:
     async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
         """Run one read; once the worker is told to stop, give it only a short grace.
 
-        A read that Redis answers (a blocking XREADGROUP returns within
-        ``block_ms``) is let finish and its entries are taken and answered: an
-        abandoned read may already have delivered entries to this consumer.
-        Only a read still unanswered after the grace — Redis down or frozen,
-        redis-py spending its retries — is abandoned (None), so a stop never
-        waits for that; whatever it delivered stays pending to this consumer
-        and the safety net (or a restart's history read) hands it out again.
+        A read Redis answers is let finish (it may already have delivered entries); one
+        still unanswered after the grace is abandoned (None), its entries left pending
+        for the safety net or a restart.
         """
         task = asyncio.ensure_future(read)
         await asyncio.wait({task, self._stop_waiter()}, return_when=asyncio.FIRST_COMPLETED)
@@ -207,10 +185,7 @@ class Reader:
         return None
 
     def _stop_waiter(self) -> asyncio.Future[Any]:
-        """One future per reader that ends when the worker is told to stop.
-
-        Shared by every read, instead of a task made and cancelled around each one
-        (the loop's work per read); the last reader to end cancels it.
+        """One future per reader that ends at the stop, shared by every read (not a task per read).
         """
         waiter = self._stopped
         if waiter is None or waiter.get_loop() is not asyncio.get_running_loop():
@@ -236,10 +211,8 @@ class Reader:
         return True
 
     async def _refuse_excess(self, lane: Lane) -> None:
-        """Refuse the entries written past the queue's length limit (:mod:`excess`).
-
-        A Redis that refuses the check for good (an ACL written before it,
-        without ``+xrevrange``) turns it off with one warning: reading goes on.
+        """Refuse the entries past the queue's length limit (:mod:`excess`); a Redis that
+        refuses the check for good (ACL) turns it off with one warning.
         """
         if not self._length_limit:
             return
@@ -271,9 +244,8 @@ class Reader:
     async def _read_history(self, lane: Lane) -> None:
         """Re-read entries this consumer already owns (a restart under the same name).
 
-        Each history read counts as a delivery, and the counts are looked up
-        and honoured, so an entry that crashed the previous process under
-        this name is dead-lettered after ``max_deliveries`` like any other.
+        Each counts as a delivery, so one that crashed the last process is dead-lettered
+        after ``max_deliveries``.
         """
         last = "0"
         while self._lifecycle.reading():
@@ -300,9 +272,8 @@ class Reader:
         return stream_entries(reply)
 
     async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
-        # A retired lane's stream goes once it is drained: never made again here.
-        # NOGROUP from XREADGROUP, "no such key" from the reclaim scan's XINFO: the
-        # stream is gone (Redis restarted empty, or someone deleted it).
+        # A retired lane's stream is never made again here. NOGROUP or "no such key":
+        # the stream is gone (Redis restarted empty, or it was deleted).
         missing = isinstance(exc, ResponseError) and any(
             sign in str(exc) for sign in ("NOGROUP", "no such key"))
         if missing and not lane.retired:
@@ -335,13 +306,9 @@ class Reader:
     ) -> None:
         """Decode, tokenize and buffer one read; no entry can make this raise.
 
-        ``held``: the read already counted its entries as held (inside its
-        reservation), so they are not sized a second time here.
-
-        The read is prepared as a unit (:meth:`_prepare`: decoding and
-        tokenizing, with no side effects) and only then buffered. If preparing
-        raises anything, the read is split into single entries, and an entry
-        that still fails alone is dead-lettered naming the error.
+        ``held``: the read's entries are already counted inside its reservation. A read
+        whose :meth:`_prepare` raises is split into entries; one that still fails is
+        dead-lettered.
         """
         self._last_activity = time.monotonic()
         deliveries = deliveries or {}
@@ -384,10 +351,8 @@ class Reader:
     ) -> tuple[list[Job[Ref]], list[Answer]]:
         """Jobs to buffer and answers owed for one read, with no effect on the buffer.
 
-        It moves only the in-flight estimate (restored on the way out) and the
-        running means (by finite, bounded amounts), so a read that raises here
-        can be retried entry by entry. Answers are named by bare entry ids
-        (they go to this lane's outbox); jobs by the lane's references.
+        Only the in-flight estimate (restored) and the running means move, so a read
+        that raises can be retried entry by entry.
         """
         now = self._now_epoch_ms()
         decoded = decode_entries(

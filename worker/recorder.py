@@ -1,10 +1,5 @@
-"""What the worker reports about its work, recorded in one call per event.
-
-Three sinks follow the same events: the totals a heartbeat publishes
-(:class:`~tokenq.worker.batch_stats.WorkerStats`), the Prometheus metrics (a
-:class:`~tokenq.worker.metrics.NullMetrics` when off) and the batch log
-(``--batch-log``). Each event is one method here, so no call site updates
-one sink and forgets another.
+"""What the worker reports about its work, recorded in one call per event, so no call
+site updates one sink (heartbeat totals, metrics, batch log) and forgets another.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """Taking over the work of workers that died, and of entries nobody touches.
 
-A live worker keeps every entry it holds fresh (``XCLAIM … JUSTID`` with
-min-idle 0 at each heartbeat), so an entry's idle time only grows when its
-holder stopped beating. Two ways to find such entries, both ending in an
-``XCLAIM`` with a min-idle guard (so an entry its holder refreshed in the
-meantime is left alone, and no lock is ever held):
-
-* **dead consumers** — a consumer whose liveness key expired (no heartbeat for
-  three intervals) and whose entries have been idle as long: claimed within a
-  few seconds of its death;
-* **forgotten entries** — this worker's own entries that it does not hold:
-  Redis delivered them but the worker never learnt it (an ``XREADGROUP`` or
-  ``XCLAIM`` whose reply was lost with its connection), or they came back
-  after the worker had answered them (a failover to a replica that had the
-  read but not the answer). Nobody else claims from a live worker, so the
-  worker takes them back itself once idle as long as a dead consumer's
-  (it refreshes everything it holds every heartbeat, so nothing it holds is
-  that idle), found with ``XPENDING … IDLE … <this consumer>``;
-* **the safety net** — any entry idle past ``claim_idle_s``, whoever holds it,
-  found with ``XPENDING … IDLE`` from a cursor that walks the whole pending
-  list over successive scans.
-
-``XPENDING`` is used rather than ``XAUTOCLAIM`` because it reports each
-entry's delivery count before the claim, which decides dead-lettering.
-Consumers that are dead and hold nothing are removed from the group, by a
-script that checks both again at the moment of removal (``drop_consumer.lua``:
-``XGROUP DELCONSUMER`` discards pending entries, and a stalled worker may wake
-up and read some after this worker looked); the same script drops the
-heartbeat rows of workers that are gone, so ``tokenq:{q}:workers`` holds one
-row per live worker, not one per worker that ever ran.
+A live worker refreshes what it holds each heartbeat, so only a stopped holder's
+entries grow idle. Three ways to find them, each ending in a min-idle ``XCLAIM``
+(no lock): **dead consumers** (liveness key expired); **forgotten entries**
+(this worker's own pending entries it does not hold: a lost reply, a failover;
+docs/decisions/0028-worker-reclaims-what-it-forgot.md); **the safety net** (any
+entry idle past ``claim_idle_s``, by a cursor over the pending list).
+``XPENDING`` rather than ``XAUTOCLAIM``: its delivery count decides
+dead-lettering. Dead consumers holding nothing, and heartbeat rows of gone
+workers, are removed by ``drop_consumer.lua``, which checks again atomically.
 """
 
 from __future__ import annotations
@@ -75,10 +55,8 @@ class Reclaimer:
         self._cursor = "-"
 
     async def scan(self, limit: int, held: Container[bytes]) -> Claimed:
-        """Claim at most ``limit`` entries: dead consumers', forgotten ones, then long-idle ones.
-
-        ``held`` is every entry id of this stream the worker holds (read and
-        not yet answered); none of them is claimed.
+        """Claim at most ``limit`` entries: dead consumers', forgotten ones, then long-idle ones;
+        none in ``held``.
         """
         claimed = Claimed()
         if limit <= 0:
@@ -99,11 +77,8 @@ class Reclaimer:
     async def own_deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
         """How often each of this consumer's own pending entries has been delivered.
 
-        A restarted worker that keeps its name (``--consumer``, ``--devices``,
-        PID 1 in a container) re-reads its history with ``XREADGROUP … 0``,
-        which counts as a delivery but does not report the count; without it,
-        an entry that crashes the worker would be re-read after every restart
-        forever instead of being dead-lettered after ``max_deliveries``.
+        A history read (``XREADGROUP … 0``) counts a delivery but does not report it;
+        without this, an entry that crashes the worker would be re-read forever.
         """
         if not entry_ids:
             return {}
@@ -114,11 +89,8 @@ class Reclaimer:
         return {p["message_id"]: int(p["times_delivered"]) for p in pending}
 
     async def _prune_heartbeats(self, members: set[str]) -> None:
-        """Drop heartbeat rows of workers that are gone and no longer in the group.
-
-        Rows of consumers still in the group are handled with them; a row can
-        outlive its consumer when the group itself was recreated (an empty
-        Redis) or the consumer was removed by hand.
+        """Drop heartbeat rows of workers gone from the group (the group was recreated, or the
+        consumer removed by hand).
         """
         rows = await self._client.hkeys(keys.workers(self._queue))
         for name in {as_text(row) for row in rows} - members - {self._consumer}:

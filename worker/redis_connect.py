@@ -1,24 +1,11 @@
 """One place that turns settings into a resilient asyncio Redis client.
 
-Every command retries with exponential backoff on connection errors and
-timeouts (redis-py's own Retry), TLS and ACL credentials come from the URL
-(``rediss://user:password@host``), and the socket timeout is longer than any
-blocking read the worker issues, so a dead server surfaces as an error
-instead of a hang.
-
-The URL (:mod:`tokenq.shared.redis_url`) may also name a Redis Cluster
-(``redis+cluster://``: an asyncio ``RedisCluster``, which follows MOVED/ASK
-and re-reads the topology itself, retrying ``retries`` times at cluster
-level) or a Sentinel-watched master (``redis+sentinel://``: a master client
-that asks the sentinels where the master is whenever it reconnects, a
-reconnect inside a command's retries included: ``shared/sentinel_connection.py``).
-:mod:`tokenq.shared.redis_client` builds all three; this module gives it the
-worker's options and hooks (:data:`HOOKS`).
-
-Commands are packed by hiredis's C packer when hiredis is installed (it is
-in the worker extra): redis-py's asyncio connection packs every argument in
-Python, about 1.5 µs each, and a batch's publish script carries four
-arguments per answer, so packing alone cost ~6 µs per request.
+Commands retry with backoff on connection errors; TLS and credentials come from
+the URL; the socket timeout outlasts any blocking read, so a dead server is an
+error, not a hang. Cluster and Sentinel URLs too (:mod:`tokenq.shared.redis_url`,
+:mod:`tokenq.shared.redis_client` builds all three; this gives it the worker's
+:data:`HOOKS`). hiredis packs commands when installed (Python packing cost ~6 µs
+a request).
 """
 
 from __future__ import annotations
@@ -75,11 +62,8 @@ def stream_read_keys(args: tuple[Any, ...]) -> list[Any] | None:
 class _StreamKeysParser(AsyncCommandsParser):
     """redis-py's cluster command parser, finding a stream read's keys without asking Redis.
 
-    ``XREADGROUP`` has "movable" keys, so redis-py sends ``COMMAND GETKEYS``
-    (twice) to its default node before every read to learn which slot to
-    send it to: two round trips per read, to a node that may hold nothing of
-    the queue (``scripts/bench/run.py shards`` counted 126 of 705). The keys
-    are simply the first half of what follows ``STREAMS``.
+    ``XREADGROUP``'s keys are "movable", so redis-py would send ``COMMAND GETKEYS``
+    twice before every read; they are the first half after ``STREAMS``.
     """
 
     async def _get_moveable_keys(self, *args: Any) -> Any:

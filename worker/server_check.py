@@ -1,11 +1,6 @@
-"""Start-up check that the Redis server is configured the way tokenq assumes.
-
-tokenq's guarantees lean on two server settings (docs/RELIABILITY.md):
-``maxmemory-policy noeviction`` — any other policy lets Redis silently evict
-pending requests or replies under memory pressure — and an append-only file
-(``appendonly yes``, ``appendfsync everysec``) so a restart does not forget
-enqueued work. A worker warns (it does not refuse: a dev server is fine
-without AOF) and carries on; an ACL user without CONFIG rights skips the check.
+"""Start-up check that the Redis server is configured the way tokenq assumes
+(docs/RELIABILITY.md): ``maxmemory-policy noeviction`` and an append-only file.
+A worker warns and carries on; an ACL user without CONFIG rights skips the check.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """``WorkerSettings``: the worker's own settings composed with every backend's.
 
-:class:`~tokenq.shared.settings_worker.BaseWorkerSettings` holds what every
-worker reads; each registered backend (:mod:`tokenq.worker.backends.registry`)
-adds its own :class:`~tokenq.shared.settings.BackendSettings`. So
-``--sim-dim`` exists, ``TOKENQ_SIM_DIM`` is read and ``--help`` lists both
-under ``--backend sim``, because the sim says so in its own module.
-
-A plugin named ``--backend pkg.mod:attr`` whose ``attr`` is a ``BackendEntry``
-brings its settings too: :func:`settings_class` composes them in, and
-:func:`chosen_backend` finds the ``--backend`` value before the command line is
-parsed (the flags a command accepts depend on it).
+:class:`~tokenq.shared.settings_worker.BaseWorkerSettings` plus each registered
+backend's :class:`~tokenq.shared.settings.BackendSettings`
+(:mod:`tokenq.worker.backends.registry`), so a backend's flags exist because its
+own module says so. A ``--backend pkg.mod:attr`` ``BackendEntry`` brings its
+settings too; :func:`chosen_backend` finds ``--backend`` before parsing.
 """
 
 from __future__ import annotations
@@ -31,12 +26,8 @@ class _RefusesOtherBackends(BaseWorkerSettings):
 
     @model_validator(mode="after")
     def _no_options_of_another_backend(self) -> Any:
-        """Refuse another backend's options, so none is silently ignored.
-
-        Why: ``--model BAAI/bge-small-en-v1.5 --backend sim`` would otherwise
-        serve simulated vectors under a real model's name. A plugin that
-        declares no settings (a plain factory) may read any setting, so it is
-        not checked.
+        """Refuse another backend's options, so none is silently ignored (``--model X --backend
+        sim`` would serve simulated vectors under X's name); a plain factory reads any.
         """
         backend = self.backend.strip()
         chosen = entry_for(backend)

@@ -1,22 +1,10 @@
 """The clock of stage deadlines: monotonic seconds, less the time the process was stopped.
 
-``time.monotonic`` keeps counting while the whole process is stopped (SIGSTOP,
-a frozen cgroup, a paused container), and every thread stands still with it:
-the device's, the event loop's, the watchdog's and the loop guard's. Measured
-on that clock, a stage running at the stop (an XREADGROUP, a batch on the
-device) is overdue once the process continues, and the worker would exit 3
-(hung) although nothing in it was stuck, as would every stopped worker of a
-supervisor, each restart losing its buffered work.
-
-So the loop guard's thread ticks this clock once a period, and of the time
-between two ticks at most :data:`COUNTED_PERIODS` periods count. The guard's thread only
-sleeps and reads a table, so a tick much later than its period means the
-process was not running (or a C call held the GIL that long: the guard could
-not have acted either). A stuck stage, on the loop or in a thread, leaves the
-guard ticking, so its time counts in full. Read between ticks, the clock
-counts at most as much past the last one, so the watchdog, which may
-look before the guard ticks again, sees the same time. Unticked (no guard,
-or once it has stopped) it is the monotonic clock less what it left out.
+A stopped process (SIGSTOP, a frozen cgroup) would find every running stage
+overdue when it continues. So the loop guard ticks this clock each period and at
+most :data:`COUNTED_PERIODS` of a gap counts; a stuck stage leaves the guard
+ticking, so its time counts in full. Unticked, it is the monotonic clock less
+what it left out.
 """
 
 from __future__ import annotations
@@ -28,10 +16,7 @@ from collections.abc import Callable
 __all__ = ["COUNTED_PERIODS", "StageClock"]
 
 COUNTED_PERIODS = 1.5
-"""The most of one gap between two ticks that counts, in tick periods: the period and
-half of one more for a busy machine's scheduling. So a stop of any length adds at most
-1.5 periods to a stage's time (the watchdog's period: at most a quarter of
-``batch_timeout_s``, and 1 s)."""
+"""The most of one gap between ticks that counts, in periods (one plus scheduling slack)."""
 
 
 class StageClock:

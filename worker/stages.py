@@ -1,29 +1,13 @@
 """Deadlines of the worker's stages that hold entries: every rule of "hung", and nothing else.
 
-A stage is one step that holds read entries while it runs: a batch on the
-device, a read being tokenized (in a thread, or in ``--tokenize-processes``
-children), one Redis read (XREADGROUP, the reclaim scan) and one publish
-attempt. While any of them runs, the heartbeat keeps the entries' claims
-fresh, so peers leave them alone; a stage that never returns would hold them
-forever. So each stage registers here with its deadline, and the worker's
-watchdog asks :meth:`Stages.overdue` once a period: the first stage past its
-deadline makes the worker hung (it stops refreshing claims, fails
-``/livez`` and exits 3, as for the device).
-
-Why one registry rather than a timer per stage: a thread (the device's, the
-tokenizer's) cannot be interrupted from Python, so the only safe answer to a
-stuck stage is to give its entries up and end the process; one watchdog
-reading one table is the one place that decides it.
-
-A stop shortens the deadline of tokenizing: once the worker is told to
-stop, a read being tokenized gets ``stop_grace_s`` more (it is let finish; a
-hung tokenizer is not waited for: SIGTERM must end the worker). A batch on
-the device keeps its ``batch_timeout_s`` (finishing it on a stop is a
-promise: docs/RELIABILITY.md), and Redis calls end by their own time-outs
-(a stopping worker abandons reads and gives up publishing after its grace).
-
-Pure: the clock is passed in (a callable at construction, ``now`` to
-:meth:`Stages.overdue`), so tests drive it without sleeping.
+A stage holds read entries while it runs (a batch on the device, a read being
+tokenized, one Redis read, one publish attempt), and the heartbeat keeps their
+claims fresh, so a stage that never returns would hold them forever. Each
+registers its deadline; the watchdog asks :meth:`Stages.overdue`, and the first
+overdue stage makes the worker hung (exit 3): a thread cannot be interrupted
+(docs/decisions/0057-stage-deadlines.md). After a stop, tokenizing gets
+``stop_grace_s``; a batch keeps ``batch_timeout_s`` (docs/RELIABILITY.md).
+Pure: the clock is passed in.
 """
 
 from __future__ import annotations
@@ -113,11 +97,8 @@ class Stages:
     def overdue(
         self, now: float, stopped_at: float | None = None, stop_grace_s: float = 0.0
     ) -> Overdue | None:
-        """The running stage furthest past its deadline, or None if none is.
-
-        ``stopped_at`` is when the worker was told to stop (None: it was not):
-        from then on a stage shortened by a stop must end within
-        ``stop_grace_s`` of the later of its start and the stop.
+        """The running stage furthest past its deadline, or None; after ``stopped_at`` a stage a
+        stop shortens must end within ``stop_grace_s`` of the later of its start and the stop.
         """
         worst: tuple[float, Overdue] | None = None
         for stage in self.now_running():
@@ -142,11 +123,9 @@ REDIS_CALL_BOUND = "twice the Redis call bound"
 def redis_call_deadline_s(settings: WorkerSettings) -> float:
     """The deadline of one Redis read or publish attempt: twice what redis-py can take.
 
-    Each of its ``retries + 1`` attempts connects (at most 5 s), sends and
-    waits up to ``socket_timeout_s`` (a blocking read ``block_ms`` more),
-    with at most 2 s of backoff between: a Redis that is down or frozen makes
-    the call fail by then (not a hang: Redis away is not the worker's fault),
-    so a call still running at twice that is stuck in the worker itself.
+    That is ``retries + 1`` attempts of connect (5 s), ``socket_timeout_s`` (plus
+    ``block_ms``) and up to 2 s backoff; a call still running at twice that is stuck
+    in the worker, not waiting on Redis.
     """
     attempt = settings.block_ms / 1000 + settings.socket_timeout_s + min(
         5.0, settings.socket_timeout_s)

@@ -1,14 +1,9 @@
 """The watchdog: the one task that decides the worker is hung, and what it does then.
 
-Which stage is late is :class:`~tokenq.worker.stages.Stages`' rule (a batch
-on the device or a read being tokenized past ``batch_timeout_s``, a Redis
-read or publish attempt past twice the Redis call bound). Once one is, the
-worker reads nothing and refreshes no claims (:attr:`Lifecycle.hung`),
-publishes what is already done within a grace period, deletes its liveness
-keys so peers may claim its entries as soon as they have been idle three
-heartbeats, and raises :class:`WorkerHung` (the command exits 3 and its
-supervisor restarts it). Each turn is also a tick of the event loop's
-liveness (``/livez``).
+Which stage is late is :class:`~tokenq.worker.stages.Stages`' rule. Once one is,
+the worker stops reading and refreshing claims (:attr:`Lifecycle.hung`),
+publishes what is done within a grace, deletes its liveness keys and raises
+:class:`WorkerHung` (exit 3). Each turn also ticks the loop's liveness (``/livez``).
 """
 
 from __future__ import annotations
@@ -31,11 +26,9 @@ log = logging.getLogger("tokenq.worker")
 
 
 class WorkerHung(TokenqError):
-    """A stage holding entries ran past its deadline (a batch on the device past
-    ``batch_timeout_s``, a tokenizer that never returns); the process must be restarted.
+    """A stage holding entries ran past its deadline; the process must be restarted.
 
-    The thread running it cannot be stopped from Python, so the command that
-    catches this exits the process (``os._exit``) with code 3.
+    Its thread cannot be stopped from Python, so the command exits (``os._exit(3)``).
     """
 
 

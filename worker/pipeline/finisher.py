@@ -1,21 +1,10 @@
 """What a request's options and the model's defaults do to its result: the worker's one home.
 
-The options themselves (names, types, when each is valid) are
-:mod:`tokenq.shared.request_options`, shared with the producer. This module
-turns the rows a backend's ``run`` returned into the answers the requests
-asked for:
-
-* embeddings: ``dimensions`` keeps the first N values (Matryoshka), then the
-  vector is L2-normalised when the answer is normalised (``normalize``, else
-  the model's default). A backend with ``raw_vectors`` returns vectors before
-  normalisation, so this is where its Normalize module runs, once per batch;
-* scores: the model's activation (``sigmoid`` per score, ``softmax`` across
-  them) unless the request asked for ``raw_scores``;
-* sparse (SPLADE) rows pass as they are (they take no option), and
-  :func:`sparse_entries` keeps only their nonzero entries for the reply.
-
-Rows that take the default are finished together in one numpy operation per
-batch, so the common case costs a fraction of a microsecond per row.
+The options are :mod:`tokenq.shared.request_options`. Embeddings: ``dimensions``
+truncates, then L2 normalisation if asked (or by default; ``raw_vectors``
+backends are normalised here). Scores: the model's activation unless
+``raw_scores``. Sparse rows pass as they are; :func:`sparse_entries` packs them.
+Rows that take the defaults are finished in one numpy operation per batch.
 """
 
 from __future__ import annotations
@@ -69,10 +58,8 @@ class Finisher:
         return out
 
     def one(self, row: np.ndarray, option: RequestOptions, *, combined: bool = False) -> np.ndarray:
-        """One request's answer; a ``combined`` row (a chunked input's mean) is not unit length.
-
-        ``output: tokens``: the row is the input's token vectors, flattened by
-        the backend; they come back as they are, one row per token (2-D).
+        """One request's answer; a ``combined`` row (a chunked mean) is not unit length.
+        ``output: tokens`` rows come back one row per token (2-D).
         """
         if option.output_tokens:
             assert self.info.token_dim is not None  # parse_options refused it otherwise
@@ -92,10 +79,8 @@ class Finisher:
     def combine(
         self, windows: Sequence[np.ndarray], lengths: Sequence[int], option: RequestOptions
     ) -> np.ndarray:
-        """A chunked input's answer from its windows' rows (the 'chunk' policy).
-
-        When the answer is normalised each window is made unit length first,
-        so every window counts by its length alone, not by its norm.
+        """A chunked input's answer from its windows' rows; normalised windows are made unit
+        length first, so each counts by its length alone.
         """
         normalize = self.info.normalized if option.normalize is None else option.normalize
         if normalize and self.info.raw_vectors:
@@ -113,9 +98,7 @@ class Finisher:
 def sparse_entries(row: np.ndarray) -> tuple[bytes, bytes]:
     """A dense sparse-model row's nonzero entries: (uint32 indices, float32 values), LE.
 
-    Why not the dense row: a SPLADE row is vocabulary-long (30,522 floats,
-    122 KB, for BERT) and has a few hundred nonzero values; the pairs cost 8
-    bytes each, so a reply is at most ``8 * vocab`` bytes and usually ~2 KB.
+    A SPLADE row is vocabulary-long but has a few hundred nonzeros (~2 KB as pairs).
     """
     flat = np.ravel(row)
     nonzero = np.flatnonzero(flat)

@@ -1,10 +1,8 @@
 """Stream entries in, answers out: the Redis side of the request pipeline.
 
-For each entry read from the stream this module decides whether it becomes
-a request for :class:`~tokenq.worker.pipeline.pipeline.Pipeline` or an
-immediate answer (undecodable, delivered too often: a dead letter), and it
-defines the :class:`Answer` that ``publish.lua`` takes (the outbox turns the
-pipeline's outcomes into answers: ``worker/outbox.py``). It does no Redis I/O.
+Each entry becomes a request for :class:`~tokenq.worker.pipeline.pipeline.Pipeline`
+or an immediate answer (undecodable, over-delivered: a dead letter);
+:class:`Answer` is what ``publish.lua`` takes. No Redis I/O.
 """
 
 from __future__ import annotations
@@ -25,10 +23,7 @@ log = logging.getLogger("tokenq.worker")
 class Answer:
     """A reply the worker owes for one stream entry, ready to publish.
 
-    Not frozen, though nothing changes one once made: one is made per request on the
-    worker's hot path, and a frozen dataclass's ``__init__`` sets every field through
-    ``object.__setattr__``, three times the cost
-    (docs/decisions/0024-per-request-records-not-frozen.md).
+    Not frozen: made per request (docs/decisions/0024-per-request-records-not-frozen.md).
     """
 
     entry_id: bytes
@@ -78,10 +73,8 @@ def dead_answer(
     deliveries: int,
     now_epoch_ms: int,
 ) -> Answer:
-    """Answer an entry with an error and move it to the dead stream, fields and all.
-
-    The dead entry keeps the original fields (so ``tokenq dlq retry`` can
-    re-enqueue it as it was) plus ``dead_*`` fields saying why, who and when.
+    """Answer an entry with an error and move it to the dead stream, original fields
+    (for ``tokenq dlq retry``) plus ``dead_*`` fields saying why, who and when.
     """
     known_id = wire.request_id_of(fields)
     request_id = known_id or entry_id.decode()
@@ -114,12 +107,9 @@ def decode_entries(
 ) -> Decoded:
     """Decode raw entries; dead-letter the broken and the over-delivered.
 
-    ``deliveries`` gives, for entries claimed from another worker, how many
-    times each has now been delivered (entries read fresh are on their first).
-    An entry delivered more than ``policy.max_deliveries`` times has been in
-    the hands of workers that died on it, so it is not tried again. Nothing
-    an entry contains can make this raise: every entry ends as a request or
-    an answer.
+    ``deliveries``: counts for entries claimed from others (fresh reads are first
+    deliveries); over ``policy.max_deliveries`` an entry is not tried again. Never
+    raises for what an entry holds.
     """
     out = Decoded(requests=[], answers=[])
     # One helper for the read, not one per entry: a good entry costs no object here.
