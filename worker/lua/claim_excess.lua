@@ -6,23 +6,13 @@
 --
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] max_len (at least 1)   ARGV[4] most to take
 --
--- Why the newest entries beyond max_len were all written around enqueue.lua:
--- enqueue.lua appends only while the stream then holds at most max_len
--- entries, and entries are only ever appended after the newest, so the count
--- of entries at or before one it appended never grows past max_len. While
--- XLEN - max_len > 0, the newest XLEN - max_len entries were therefore added
--- by a plain XADD, or by enqueue given a larger limit than the workers'.
---
--- It takes the newest of them that no consumer was delivered yet (at most
--- ARGV[4]): each is made pending to this consumer (XCLAIM FORCE) and deleted
--- from the stream (XDEL), so no XREADGROUP hands it out again and XLEN is back
--- under the limit at once; the worker answers each as a dead letter
--- (queue_full) through publish.lua, which finds it pending. The worker does not
--- refresh such a claim (on Redis 7, XCLAIM drops a deleted entry from the
--- pending list), and a worker that dies before answering leaves the caller
--- unanswered: the entry is gone either way. Returns the taken entries, newest
--- first, as XREVRANGE gives them; nothing while the stream is within max_len
--- or the group does not exist.
+-- The newest XLEN - max_len entries were all written around enqueue.lua (which
+-- appends only while the stream then holds at most max_len): a plain XADD, or
+-- enqueue given a larger limit. Of those, the newest not yet delivered (at most
+-- ARGV[4]) are made pending to this consumer (XCLAIM FORCE) and deleted (XDEL),
+-- so none is handed out again; the worker answers each as a queue_full dead
+-- letter through publish.lua. Returns the taken entries, newest first; nothing
+-- within max_len or without the group.
 
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local max_len, most = tonumber(ARGV[3]), tonumber(ARGV[4])

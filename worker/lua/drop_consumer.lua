@@ -9,16 +9,10 @@
 --
 -- ARGV[1] group   ARGV[2] consumer name
 --
--- Every removal of a consumer goes through here: a worker leaving cleanly
--- (after deleting its own liveness key) and a worker tidying up after a dead
--- peer. Why a script: XGROUP DELCONSUMER throws away the consumer's pending
--- entries, which then stay in the stream and are never delivered or claimed
--- again. A worker presumed dead (stalled, not gone) can wake up and read new
--- entries between another worker's XINFO CONSUMERS and its DELCONSUMER;
--- checking and deleting in one script closes that window. The heartbeat row
--- of a consumer whose liveness key expired is stale (a live worker rewrites
--- both in one MULTI each beat), so it goes even while entries are pending:
--- otherwise rows of crashed workers would pile up in the hash forever.
+-- Every removal of a consumer goes through here. Why a script: XGROUP
+-- DELCONSUMER throws away pending entries, and a presumed-dead worker may read
+-- some between a peer's check and its DELCONSUMER. A heartbeat row whose
+-- liveness key expired is stale, so it goes even while entries are pending.
 -- Returns 1 when the consumer was removed from the group, 0 otherwise.
 
 if redis.call("EXISTS", KEYS[2]) == 1 then

@@ -19,46 +19,20 @@
 -- was already answered, the answer is dropped here: the owner answers, so the
 -- caller sees exactly one reply.
 --
--- A reply_to that refuses the reply (a key of another type, such as the
--- stream itself, or one the worker's ACL user may not write) must not fail
--- the script: the batch would be retried forever and the worker would never
--- answer anything again. Such an entry is acked and moved to the dead stream
--- with its original fields and dead_error_code bad_request; its caller named
--- a key that cannot be told. A key of another type fails RPUSH (caught with
--- pcall); a key outside the ACL makes Redis refuse the whole call before it
--- runs, so publish.py retries such a batch one answer at a time and passes
--- reply -1 for the answer whose key was refused.
+-- A reply_to that can never take the reply (WRONGTYPE caught with pcall; NOPERM
+-- or CROSSSLOT refuse the whole call, so publish.py retries one answer at a time
+-- and passes reply -1) is acked and dead-lettered as bad_request rather than
+-- failing the batch forever. A dead key that refuses its letter is counted, not
+-- fatal. When Redis refuses writes now (OOM, READONLY, MASTERDOWN: key_refuses
+-- in shared/lua/refusal.lua tells them apart), the script returns the error at
+-- once and publish.py retries the whole call; every argument is checked before
+-- the first write, and numbers pass as their digits (a Lua number would be
+-- written 1e+15).
 --
--- The dead-letter write itself can fail only if someone made the dead key
--- something other than a stream (workers never write a producer-chosen key
--- there: reply_to is confined to the reply namespace before this runs). It
--- is made with pcall, so even then the answers are still settled; the
--- letters that could not be written are counted and the worker logs them.
---
--- Only a key that can never take the write is settled that way (WRONGTYPE,
--- NOPERM, CROSSSLOT: key_refuses, shared/lua/refusal.lua). When Redis
--- refuses writes right now (OOM at maxmemory with noeviction, READONLY,
--- MASTERDOWN, anything else), the script returns that error at once and
--- publish.py keeps the answers and retries the whole call: an answer is never
--- dropped, nor dead-lettered, because Redis was full. Nothing was written
--- when that happens for lack of memory, because Redis denies a script memory
--- only at its first write that grows memory; and what an earlier answer of
--- the call did write is safe to leave, since the retry skips answers whose
--- entries are no longer pending. For the same reason every argument is
--- checked before the first write (a TTL Redis would refuse in PEXPIRE would
--- otherwise leave a reply pushed, its entry pending and the reply without a
--- TTL), and the numbers go to Redis as the digits they came as (a Lua number
--- would be written 1e+15, which Redis refuses).
---
--- Returns {published, undeliverable, unwritten}: answers settled by this
--- call, how many of those were dead-lettered because their reply_to refused
--- the push, and how many dead letters the dead key refused.
---
--- A letter written here follows the same format and caps as one the worker
--- builds in Python (tokenq.shared.dead_letter): each tokenq:include line is
--- replaced, when tokenq.shared.lua_scripts loads this file, by that fragment of
--- shared/lua/, which holds the Lua side of the format (is_dead_field,
--- copy_capped, append_death).
+-- Returns {published, undeliverable, unwritten}: answers settled, those
+-- dead-lettered because reply_to refused, and dead letters the dead key refused.
+-- Letters follow tokenq.shared.dead_letter's format: each tokenq:include line is
+-- replaced by that fragment of shared/lua/ when the script is loaded.
 
 -- tokenq:include dead_fields.lua
 -- tokenq:include dead_letter.lua
@@ -112,13 +86,9 @@ local function undeliverable_letter(entry_id, deliveries, why)
   return write_letter(record)
 end
 
--- The answered entries are acked and deleted together, one XACK and one XDEL
--- for the whole call rather than two commands per answer (Redis CPU
--- per request). An answer settled earlier in the call is no longer pending
--- when a later one is checked, because the check goes through `settled` as
--- well as XPENDING, so an entry named twice is still answered once. Every
--- way out settles first: an error returned half way leaves what was pushed
--- acked, as it was when each answer acked itself, so the retry skips it.
+-- One XACK and one XDEL for the whole call. The ownership check also reads
+-- `settled`, so an entry named twice is answered once; every way out settles
+-- first, so a retry after an error skips what was pushed.
 -- Most values one unpack hands a command: Lua's C stack takes about 8,000.
 local SLICE = 1000
 local settled, settled_at = {}, {}
@@ -135,15 +105,9 @@ local function refuse(text)
   return redis.error_reply(text)
 end
 
--- Which answers are still this consumer's: one XPENDING over the range of
--- the call's entry ids rather than one per answer. An entry that
--- range did not show is asked about alone: so the
--- range only saves work and can never drop an answer, whatever the ids are
--- (not canonical, past 2^53 where a Lua number rounds, or the reply cut at
--- `limit` before reaching them), and a range Redis cannot parse just asks
--- every entry alone. Found alone: entries settled by an earlier call (its
--- retry) or claimed by another worker, which are rare. The range is found by
--- comparing the ids' two parts as numbers, with no pattern matched per id.
+-- Which answers are still this consumer's: one XPENDING over the range of the
+-- call's ids; an entry the range did not show is asked about alone, so the range
+-- only saves work and can never drop an answer (odd ids, a cut reply).
 local find, sub = string.find, string.sub
 local low, low_ms, low_seq, high, high_ms, high_seq = nil, 0, 0, nil, 0, 0
 local pos = 7
@@ -203,11 +167,8 @@ local function unanswerable(entry_id, deliveries, k, why)
   return nil
 end
 
--- Replies are pushed one RPUSH per reply key and up to SLICE payloads, not one
--- per answer (Redis CPU per request): a client's answers share its
--- key (a gateway, embed_many). Answers to one key stay in the call's order. An
--- answer is settled only once its reply is pushed, so an error returned while
--- a later key is pushed leaves it pending, for the retry.
+-- One RPUSH per reply key and up to SLICE payloads (a client's answers share a
+-- key), in call order; an answer is settled only once its reply is pushed.
 local replies, reply_order = {}, {}
 local function push_all(reply, group)
   local key = KEYS[reply]

@@ -14,13 +14,10 @@
 -- count back), "gone" (no stream: removed already), "draining" (requests,
 -- pending entries or dead letters remain) or "removed".
 --
--- Why the marker decides and stays: enqueue.lua refuses a shard with the
--- marker atomically, so once it is set the stream only shrinks, and an empty
--- stream with nothing pending stays empty; a producer holding the old shard
--- count for any time after the removal is still refused (and chooses a
--- current shard), never writing where nobody reads. Why dead letters keep
--- the lane: `tokenq dlq` must still find them, and a retried letter must
--- land on a stream the workers still read.
+-- Why the marker decides and stays: enqueue.lua refuses a marked shard
+-- atomically, so its stream only shrinks and a producer with a stale shard count
+-- is refused, never writing where nobody reads. Dead letters keep the lane for
+-- `tokenq dlq`.
 
 if redis.call("EXISTS", KEYS[3]) == 0 then
   return "active"
