@@ -68,8 +68,7 @@ class Beat:
                 self._health.beat_finished(exc)
                 log.warning("heartbeat failed: %s", error_text(exc))
             except Exception:
-                # A heartbeat that stops lets other workers take this one's work;
-                # whatever went wrong, log it and keep beating.
+                # A stopped heartbeat lets peers take this worker's work: log and keep beating.
                 self._health.beat_finished()
                 log.exception("heartbeat failed unexpectedly")
             if self._recorder.metrics.enabled and self._health.redis_error is None:

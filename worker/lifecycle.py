@@ -25,8 +25,7 @@ class Lifecycle:
         self.closing = asyncio.Event()
         """Set once the tasks are being cancelled (redis-py can swallow a cancel)."""
         self.room_made = asyncio.Event()
-        """Set when read-ahead room may have come free (a take, a publish, a stop):
-        readers waiting for room look again."""
+        """Set when read-ahead room may have come free: readers waiting for room look again."""
         self.stop_started: float | None = None
         self.hung = False
         """Set by the watchdog: read nothing, refresh no claims, give up on Redis soon."""

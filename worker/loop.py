@@ -1,22 +1,13 @@
 """The worker process: the Redis I/O and scheduling around the request pipeline.
 
 Per-request rules are the pipeline's (``worker/pipeline``), batching decisions
-the packer's; this module reads, holds, claims and publishes with small tasks
-joined by bounded hand-offs (TEI's shape):
-
-* **read**: XREADGROUP ``read_ahead_budgets`` ahead, admit in a thread, buffer
-  in the packer (one task per stream: ``lanes.py``);
-* **run**: :class:`~tokenq.worker.pipeline.feed.DeviceFeed` runs the next batch
-  the moment the device frees;
-* **publish**: each batch's answers in one script, retried until Redis takes it
-  (one task per stream);
-* **beat**: heartbeat and keep buffered entries' idle time fresh;
-* **watchdog**: a stage past its deadline (``worker/stages.py``) stops the worker
-  with :class:`WorkerHung` (exit 3; peers claim its entries).
-
-The parts own their state (docs/ARCHITECTURE.md); :class:`Worker` wires them
-and reports to :class:`~tokenq.worker.health.Health` for ``/livez`` and
-``/readyz``. Nothing one entry contains can end the process (``reader.py``).
+the packer's. Tasks joined by bounded hand-offs (TEI's shape): **read** (one per
+stream: ``reader.py``), **run** (:class:`~tokenq.worker.pipeline.feed.DeviceFeed`,
+the next batch the moment the device frees), **publish** (``outbox.py``), **beat**
+(``beat.py``) and **watchdog** (``watchdog.py``; a stage past its deadline,
+``worker/stages.py``, exits 3). Each part owns its state (docs/ARCHITECTURE.md);
+:class:`Worker` wires them and reports to :class:`~tokenq.worker.health.Health`.
+Nothing one entry contains can end the process.
 """
 
 from __future__ import annotations
@@ -422,8 +413,8 @@ class Worker:
 
     def _execute(self, batch: Batch[Job[Ref]]) -> _Ran:
         """Run one batch and adapt the budget (device thread: the only one that changes it)."""
-        # What the pick used: only this thread picks and teaches the time model,
-        # and it does so after the batch, so the cap has not moved since.
+        # Only this thread picks and teaches the time model, after the batch, so the cap
+        # the pick used has not moved.
         packed_under = self.packer.budget_now()
         now = self._clock.now_ms()
         with self._stages.running(

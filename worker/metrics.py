@@ -48,8 +48,8 @@ class NullMetrics:
         self, record: BatchRecord, entry_ids: Iterable[bytes], *,
         input_tokens: Sequence[int], started_epoch_ms: int, budget: int,
     ) -> None:
-        """One batch ran: its size, tokens, padding, queue wait and device time, and
-        the tokens of each request it finished (``input_tokens``)."""
+        """One batch ran: its size, tokens, padding, queue wait, device time and ``input_tokens``.
+        """
 
     def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int) -> None:
         """Replies published, counted by outcome, and each one's time since enqueue."""

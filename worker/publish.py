@@ -184,8 +184,7 @@ class Publisher:
             return published
 
     def _failed(self, exc: RedisError, n: int, *, first: bool) -> None:
-        """One failed try: reported to ``on_refused`` when Redis answered with a refusal;
-        logged at warning level once per episode (the first try), then at debug."""
+        """One failed try: a refusal goes to ``on_refused``; logged once per episode at warning."""
         refusal = isinstance(exc, ResponseError) or redis_refusal.error_code(exc) != ""
         if refusal:
             self._on_refused(redis_refusal.reason(exc), str(exc))
@@ -200,8 +199,7 @@ class Publisher:
 
 
 def spelled_out(args: Sequence[object]) -> list[object]:
-    """:meth:`Publisher.arguments`' ARGV with its packed tail as separate arguments, as a
-    client that cannot take :class:`PackedArgs` (or a script run by hand) needs them."""
+    """:meth:`Publisher.arguments`' ARGV with the packed tail spelled out as separate arguments."""
     if args and isinstance(args[-1], PackedArgs):
         return [*args[:-1], *args[-1].values()]
     return list(args)

@@ -32,8 +32,7 @@ AUTO_MAX = 1024 * 1024 * 1024
 
 
 def auto_limit(memory_bytes: int | None) -> int:
-    """The default read-ahead room for a worker that may use ``memory_bytes`` (None: not
-    known, the smallest room): a 32nd of it, from 64 MiB to 1 GiB."""
+    """The default read-ahead room for ``memory_bytes`` (None: unknown): a 32nd, 64 MiB to 1 GiB."""
     if memory_bytes is None:
         return AUTO_MIN
     return max(AUTO_MIN, min(AUTO_MAX, memory_bytes // AUTO_SHARE))
@@ -119,8 +118,7 @@ class ByteRoom:
         return charged
 
     def release_all(self, lane: int, entry_ids: Iterable[bytes]) -> int:
-        """Stop holding entries of ``lane`` (ids not held are skipped), in one call; the
-        bytes they counted for."""
+        """Stop holding entries of ``lane`` (unheld ids skipped); the bytes they counted for."""
         held = self._held.get(lane)
         if not held:
             return 0

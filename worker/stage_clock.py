@@ -23,8 +23,8 @@ class StageClock:
     """Monotonic seconds that leave out what the ticks could not cover; any thread reads it."""
 
     def __init__(self, tick_period_s: float, raw: Callable[[], float] = time.monotonic) -> None:
-        """``tick_period_s``: how often the ticking thread ticks (``math.inf``: every gap
-        counts in full)."""
+        """``tick_period_s``: the ticking thread's period (``math.inf``: every gap counts in full).
+        """
         self._max_gap_s = COUNTED_PERIODS * tick_period_s
         self._raw = raw
         self._lock = threading.Lock()

@@ -67,8 +67,7 @@ class Stages:
         self, name: str, what: str, limit_s: float, limit_name: str, *,
         shortened_by_stop: bool = False,
     ) -> Iterator[Callable[[], None]]:
-        """Register a stage for the ``with`` block; it yields ``restart``, which starts
-        the stage's clock again (a publisher's next attempt after a failed one)."""
+        """Register a stage for the ``with`` block; yields ``restart`` (a publisher's next try)."""
         stage = Stage(name, what, self._clock(), limit_s, limit_name, shortened_by_stop)
         with self._lock:
             key = next(self._ids)

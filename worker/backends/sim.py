@@ -38,8 +38,7 @@ SIM_FAIL_MARKER = "<<tokenq-sim-fail>>"
 """A text containing this makes any batch it is in raise ``ValueError``."""
 
 SIM_HANG_MARKER = "<<tokenq-sim-hang>>"
-"""A text containing this makes its batch sleep ``hang_s`` seconds (a hung device), when
-the backend was built with ``hang_s > 0``; otherwise it is ordinary text."""
+"""A text with this makes its batch sleep ``hang_s`` seconds (when ``hang_s > 0``)."""
 
 SIM_NAN_MARKER = "<<tokenq-sim-nan>>"
 """A text containing this gets an all-NaN vector (the rest of its batch is fine)."""
@@ -197,8 +196,7 @@ class SimEncoding:
     pair_kept: int
     """How many of ``pair_text``'s content tokens were kept (0 without a pair)."""
     digest: bytes = field(repr=False)
-    """Hash of the kept tokens, the seed of the vector; computed when tokenizing,
-    off the device's path, so ``run`` time stays close to the modelled time."""
+    """Hash of the kept tokens, the vector's seed; computed off the device's path."""
     fail: bool = False
     """The original input carried :data:`SIM_FAIL_MARKER`."""
     nan: bool = False
@@ -395,8 +393,7 @@ class SimBackend:
         self.batch_ms, self.token_us, self.hang_s = batch_ms, token_us, hang_s
         self.bytes_per_token, self.capacity_bytes = bytes_per_token, capacity_bytes
         self.ragged = ragged
-        # Counters for benchmarks and tests; a lock because the worker may read
-        # them from another thread while a batch runs.
+        # Counters for benchmarks and tests, locked: read from another thread mid-batch.
         self._lock = threading.Lock()
         self.batches = 0
         """Batches that ran to completion."""

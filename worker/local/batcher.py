@@ -132,8 +132,7 @@ class Batcher:
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        # Lowered after an out-of-memory error, raised slowly after clean
-        # batches, never below one full-length input (docs/ARCHITECTURE.md).
+        # Lowered after an OOM, raised slowly, never below one full-length input.
         self._adaptive = AdaptiveBudget(max_batch_tokens, info.max_input_tokens)
         self._feed: DeviceFeed[Job[_Pending], BatchOutcome[_Pending]] = DeviceFeed(
             self._packer, self._execute,
@@ -306,8 +305,7 @@ class Batcher:
         return pending
 
     def _on_future_done(self, future: asyncio.Future[np.ndarray]) -> None:
-        # A caller that gave up (cancelled, timed out) leaves its entry behind;
-        # the device task drops such entries before costing the next batch.
+        # A caller that gave up leaves its entry; the device task drops it before the next pick.
         if future.cancelled():
             self._abandoned = True
 

@@ -87,8 +87,7 @@ def run_isolated(
     ``on_oom`` / ``on_error`` hear of every failed run.
     """
     results: list[np.ndarray | Failure | None] = [None] * len(encodings)
-    # An explicit stack instead of recursion: the depth is only log2(n), but
-    # an iterative walk keeps tracebacks of backend errors short.
+    # An explicit stack, not recursion, keeps backend tracebacks short.
     pending: list[tuple[int, int]] = [(0, len(encodings))] if encodings else []
     while pending:
         start, stop = pending.pop()

@@ -24,8 +24,7 @@ _EPS = 1e-12  # sentence-transformers' epsilon: a zero vector stays zero
 
 
 def facts_of(info: BackendInfo) -> ModelFacts:
-    """The facts option checks read: those of the config this backend publishes, as the
-    producer reads them (one derivation for both sides)."""
+    """The facts option checks read, derived as the producer derives them from the config."""
     return model_facts(describe(info))
 
 

@@ -125,8 +125,7 @@ class Outcome(Generic[K]):
 
 @dataclass(slots=True)
 class Admitted(Generic[K]):
-    """What :meth:`Pipeline.admit` made of a read: jobs, requests answered at once, and
-    requests it could not take (the caller's containment rule decides their fate)."""
+    """What :meth:`Pipeline.admit` made of a read: jobs, answers now, and what it could not take."""
 
     jobs: list[Job[K]] = field(default_factory=list)
     answered: list[Outcome[K]] = field(default_factory=list)
@@ -190,8 +189,7 @@ class Pipeline(Generic[K]):
 
     def __init__(self, backend: Backend, *, policy: OverLength = "truncate",
                  chunk_overlap: int = 0, tokenizer: Tokenizer | None = None) -> None:
-        """``tokenizer`` tokenizes in the backend's place (a
-        :class:`~tokenq.worker.pipeline.tokenizing.TokenizerPool`); by default the backend."""
+        """``tokenizer`` tokenizes in the backend's place (a ``TokenizerPool``); default: it."""
         info = backend.info
         self.backend = backend
         self.tokenizer: Tokenizer = backend if tokenizer is None else tokenizer

@@ -1,19 +1,13 @@
 """Tokenizing in child processes, for backends whose tokenizer holds the GIL.
 
-A Python tokenizer holds the GIL for a whole read, stalling the event loop and the
-device thread. ``--tokenize-processes N`` cuts each read into up to N slices
-tokenized by children built from the backend's
-:class:`~tokenq.worker.backends.base.TokenizerSource`, encodings back in order
-(docs/decisions/0015-tokenizing-in-child-processes.md). Rules:
-
-* **spawn, not fork** (threads and a CUDA context do not survive a fork);
-* started and checked at worker start, so a failing factory fails the start;
-* a dead child breaks the pool: retried once on a fresh one;
-* errors keep their type (``ValueError`` stays ``bad_request`` for its input);
-* below :data:`MIN_SLICE` inputs per child a read stays one slice;
-* children die with the worker (``tooling.children.die_with_parent``), and
-  :meth:`TokenizerPool.close` kills one still busy after :data:`CLOSE_GRACE_S`;
-  a call that never returns is the watchdog's (``worker/stages.py``).
+``--tokenize-processes N`` cuts each read into up to N slices tokenized by
+children built from the backend's
+:class:`~tokenq.worker.backends.base.TokenizerSource`, so a Python tokenizer does
+not stall the loop and device thread
+(docs/decisions/0015-tokenizing-in-child-processes.md). Spawned, not forked;
+checked at start; a dead child's pool is replaced once; errors keep their type;
+reads under :data:`MIN_SLICE` per child stay whole; children die with the worker
+and are killed after :data:`CLOSE_GRACE_S` at close.
 """
 
 from __future__ import annotations
@@ -94,8 +88,7 @@ class TokenizerPool:
         with self._lock:
             self._executor = self._new_executor()
         try:
-            # One call per child: the pool starts a process per pending call
-            # while it has fewer than ``processes``, so all of them get built.
+            # One call per child, so the pool builds all of them.
             checks = [self._executor.submit(_ready) for _ in range(self.processes)]
             for check in checks:
                 check.result()

@@ -1,17 +1,11 @@
 """Child processes that are restarted when they fail and die with their parent.
 
-``tokenq worker --devices`` and ``tokenq up`` are small supervisors built on
-:class:`Supervisor`:
-
-- **Restarts**: a non-zero exit restarts after a backoff (:class:`RestartPolicy`);
-  exit 0 (a clean stop) and 2 (a configuration error) are final.
-- **Stop**: the first SIGTERM/SIGINT sends children SIGTERM, then SIGKILL after a
-  timeout; a second signal (over a second later) SIGKILLs at once.
-- **Parent death**: on Linux ``prctl(PR_SET_PDEATHSIG, SIGTERM)``; elsewhere a
-  guard process (``python -m tokenq.worker.tooling.children``) polls the parent.
-
-``PR_SET_PDEATHSIG`` fires when the forking *thread* exits: start and restart
-children from the main thread.
+:class:`Supervisor` (``tokenq worker --devices``, ``tokenq up``) restarts a child
+that exits non-zero after a :class:`RestartPolicy` backoff (0 and 2 are final);
+the first SIGTERM/SIGINT sends SIGTERM then SIGKILL, a second SIGKILLs at once.
+Children die with the parent via ``PR_SET_PDEATHSIG`` on Linux (it fires when the
+forking *thread* exits: start children from the main thread), else a guard
+process (``python -m tokenq.worker.tooling.children``).
 """
 
 from __future__ import annotations
@@ -387,8 +381,7 @@ class Supervisor:
         log.warning("%s; restarting in %.1fs", what, delay)
 
     def run(self, until: Callable[[], object] | None = None) -> None:
-        """Poll until a stop is requested, ``until()`` is true, or (without
-        ``until``) no child is running or due to restart."""
+        """Poll until a stop, ``until()``, or (without it) no child running or due to restart."""
         while True:
             self.poll()
             if self.stopping:
@@ -453,8 +446,7 @@ class Supervisor:
             self.wait(chosen, _KILL_WAIT_S)
 
     def exit_code(self) -> int:
-        """The parent's exit status: 0 when every child ended cleanly (a stop
-        signal counts), else the first child's failure (as a shell status)."""
+        """The parent's exit status: 0 when every child ended cleanly, else the first failure's."""
         for child in self.children:
             code = child.returncode
             if code not in (None, 0, -signal.SIGTERM, -signal.SIGINT):

@@ -171,8 +171,7 @@ def _say_if_unreachable(url: str) -> None:
 
 def _watch(supervisor: Supervisor, server: Child | None, workers: list[Child],
            redis_url: str, settings: UpSettings) -> None:
-    """Report when the workers are ready; return on a stop signal, when every worker
-    is done (exited and not to be restarted), or when the private Redis is."""
+    """Report when the workers are ready; return on a stop, when all are done, or Redis is."""
     q = keys.QueueRef(settings.queue, settings.prefix)
     ready = not workers
     client = redis.Redis.from_url(redis_url, socket_timeout=2.0)

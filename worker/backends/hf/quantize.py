@@ -1,20 +1,14 @@
 """int8 weights for ``--runtime onnx`` (``--quantize int8``), offered only behind a measured gate.
 
-int8's accuracy loss cannot be promised in advance, so on every start (the kernels
-differ by CPU) the int8 and fp32 graphs answer a calibration set
-(:data:`CALIBRATION_TEXTS`, :data:`CALIBRATION_PAIRS`), and a model that moved
-further than ``--quantize-min-cosine`` is refused with the number measured.
-``embed`` compares the rows after the model's head (lowest cosine);
-``classify``/``rerank`` compare each label's logits over the set (Pearson), the
-largest absolute difference logged beside it.
-
-:data:`RECIPE`: MatMul weights, per-channel scales, ``reduce_range``
-(docs/decisions/0043-int8-behind-a-gate.md). When the uniform graph misses the
-gate, a sensitivity pass measures each node alone (at most
-:data:`SENSITIVITY_MAX_NODES`, about :data:`SENSITIVITY_SECONDS`) and greedy
-steps (:func:`exclusion_steps`) leave the most sensitive in fp32, never over
-half of them. Graphs and the chosen list (``int8-choice-<key>.json``) are cached
-in the export's folder, so a later start only measures the gate.
+On every start (int8 kernels differ by CPU) the int8 and fp32 graphs answer a
+calibration set, compared as the worker returns rows (lowest cosine for
+``embed``; per-label Pearson for scores); a model that moved past
+``--quantize-min-cosine`` is refused with the number. :data:`RECIPE` and the
+choice are docs/decisions/0043-int8-behind-a-gate.md: when the uniform graph
+misses, a sensitivity pass (at most :data:`SENSITIVITY_MAX_NODES`, about
+:data:`SENSITIVITY_SECONDS`) and :func:`exclusion_steps` leave the most
+sensitive nodes in fp32, never over half. Graphs and the choice
+(``int8-choice-<key>.json``) are cached beside the export.
 """
 
 from __future__ import annotations
