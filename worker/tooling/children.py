@@ -2,7 +2,8 @@
 
 :class:`Supervisor` (``tokenq worker --devices``, ``tokenq up``) restarts a child
 that exits non-zero after a :class:`RestartPolicy` backoff (0 and 2 are final);
-the first SIGTERM/SIGINT sends SIGTERM then SIGKILL, a second SIGKILLs at once.
+the first SIGTERM/SIGINT sends SIGTERM then SIGKILL, a second (over a second
+later) SIGKILLs at once.
 Children die with the parent via ``PR_SET_PDEATHSIG`` on Linux (it fires when the
 forking *thread* exits: start children from the main thread), else a guard
 process (``python -m tokenq.worker.tooling.children``).
