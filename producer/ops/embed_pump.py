@@ -117,9 +117,10 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
     threads = max(1, settings.max_in_flight // settings.batch_size)
     outstanding: dict[Future[list[Row]], int] = {}
     token = checkpoint.token
+    written_as: dict[int, str] = {}  # each input's id as enqueued: a shard's names the shard
 
     def forget(indexes: list[int]) -> None:
-        client.forget([request_id(token, index) for index in indexes])
+        client.forget([written_as.pop(index, request_id(token, index)) for index in indexes])
 
     chunks = _Chunks(checkpoint, saved, settings.chunk_size, forget)
     items = read_items(settings.file, fmt, settings.field, settings.id_field)
@@ -167,7 +168,7 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
                 settle(block=True)
             if sendable:
                 outstanding[pool.submit(_infer_group, client, sendable, token,
-                                        settings)] = number
+                                        settings, written_as)] = number
         with held():
             chunks.reached(None)
         while outstanding:
@@ -336,7 +337,7 @@ def _bad_row(item: Item) -> Row:
 
 
 def _infer_group(client: Client, items: list[Item], token: str,
-                 settings: EmbedSettings) -> list[Row]:
+                 settings: EmbedSettings, written_as: dict[int, str]) -> list[Row]:
     """One enqueue call for the group; per-input rows, never an exception for a single bad
     input (only Redis being down propagates).
 
@@ -344,29 +345,34 @@ def _infer_group(client: Client, items: list[Item], token: str,
     interruption the workers drop, unrun, whatever they have not reached by then.
     """
     sent = [(request_id(token, item.index), item.text or "") for item in items]
-    outcomes = _infer_many(client, sent, settings)
+    ids, outcomes = _infer_many(client, sent, settings)
+    written_as.update((item.index, written) for item, written in zip(items, ids, strict=True))
     return [_row(item, outcome) for item, outcome in zip(items, outcomes, strict=True)]
 
 
 def _infer_many(client: Client, sent: list[tuple[str, str]],
-                settings: EmbedSettings) -> list[Any]:
+                settings: EmbedSettings) -> tuple[list[str], list[Any]]:
     """Enqueue (request id, text) pairs and wait for their replies (kept on their keys:
-    see the module's docstring), waiting out QueueFull, isolating inputs the client refuses."""
+    see the module's docstring), waiting out QueueFull, isolating inputs the client refuses.
+
+    Returns the ids as enqueued (on a sharded queue, ``<shard>.<id>``) and the outcomes.
+    """
     ids = [request_id for request_id, _ in sent]
     pause = _QUEUE_FULL_PAUSE_S
     while True:
         try:
-            client.submit_many([text for _, text in sent], unique=ids,
-                               deadline_s=settings.timeout_s)
+            ids = client.submit_many([text for _, text in sent], unique=ids,
+                                     deadline_s=settings.timeout_s)
             break
         except QueueFull:
             time.sleep(pause)  # other producers filled it: wait for the workers
             pause = min(pause * 2, 5.0)
         except BadRequest as exc:
             if len(sent) == 1:
-                return [exc]
-            return [outcome for one in sent for outcome in _infer_many(client, [one], settings)]
-    return client.results(ids, settings.timeout_s, return_exceptions=True, keep=True)
+                return ids, [exc]
+            each = [_infer_many(client, [one], settings) for one in sent]
+            return [i for one, _ in each for i in one], [o for _, got in each for o in got]
+    return ids, client.results(ids, settings.timeout_s, return_exceptions=True, keep=True)
 
 
 def _row(item: Item, outcome: Any) -> Row:
