@@ -11,6 +11,7 @@ imports these hooks.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.util
 import os
 import socket
 import subprocess
@@ -55,6 +56,7 @@ def _no_processes() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "__init__", _refuse("start a subprocess"))
         patch.setattr(os, "fork", _refuse("fork"))
+        patch.setattr(multiprocessing.util, "spawnv_passfds", _refuse("start a process"))
         patch.setattr(socket.socket, "connect", _tcp_refused(socket.socket.connect))
         yield
 

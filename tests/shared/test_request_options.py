@@ -23,6 +23,8 @@ from tokenq.worker.backends.base import BackendInfo
 from tokenq.worker.backends.chunks import combine_chunks
 from tokenq.worker.pipeline.finisher import Finisher, facts_of
 
+pytestmark = pytest.mark.unit
+
 EMBED = ModelFacts(embeds=True, dim=8, normalized=True, raw_vectors=True,
                    prompts={"query": "query: ", "document": "passage: "},
                    default_prompt_name="query")
