@@ -4,13 +4,19 @@ producer tests collect on an install without the model libraries."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import redis
+
 from tests.blocked_imports import blocking_env
 from tests.conftest import REPO_ROOT
+from tests.redis_server import free_ports
+from tokenq.worker.tooling import embedded
 
 MODEL_LIBRARIES = ("torch", "transformers", "tokenizers")
 
@@ -33,6 +39,7 @@ def test_shared_and_producer_tests_collect_without_the_model_libraries(tmp_path:
 
 _UNIT_TESTS = '''
 import re
+import socket
 import subprocess
 import sys
 
@@ -87,3 +94,26 @@ def test_the_unit_guard_fails_a_unit_test_that_starts_a_process(tmp_path: Path) 
     assert "may not connect over TCP" in out, out
     assert "PASSED test_guarded.py::test_pure" in out, out
     assert "PASSED test_guarded.py::test_not_unit_may_start_one" in out, out
+
+
+def test_a_redis_server_whose_chosen_port_is_taken_starts_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two test processes may pick the same free port: the server that finds it taken
+    starts again on another (and answers with its own pid there)."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        ports = iter([taken, free_ports()])
+        monkeypatch.setattr(embedded, "free_port", lambda: next(ports))
+        server = embedded.RedisServer(tmp_path / "moved")
+        assert server.port == taken
+        server.start()
+        try:
+            assert server.port != taken
+            with redis.Redis(port=server.port) as client:
+                assert server.process is not None
+                assert int(client.info("server")["process_id"]) == server.process.pid
+        finally:
+            server.stop()
