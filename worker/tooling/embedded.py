@@ -117,15 +117,15 @@ class RedisServer:
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                with redis.Redis(port=self.port, socket_timeout=0.5) as client:
+            if self.process.poll() is not None:
+                return False
+            try:  # no retries: a port that does not answer is asked again after a poll
+                with redis.Redis(port=self.port, socket_timeout=0.5, retry=None) as client:
                     answering = int(client.info("server")["process_id"])
                 if answering == self.process.pid:  # not another process's server on the port
                     return True
             except redis.RedisError:
                 pass
-            if self.process.poll() is not None:
-                return False
             time.sleep(0.05)
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 
