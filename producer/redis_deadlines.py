@@ -239,7 +239,9 @@ def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> ty
     """
     if issubclass(connection_class, mixin):
         return connection_class
-    return with_mixins(connection_class, mixin, packing_mixin(connection_class))
+    return with_mixins(
+        connection_class,  # type: ignore[arg-type]  # a class is hashable
+        mixin, packing_mixin(connection_class))
 
 
 def _sync_bound(connection_class: type) -> type:

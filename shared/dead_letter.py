@@ -63,7 +63,9 @@ Field = tuple[bytes | str, bytes | str]
 
 def is_dead_field(name: bytes | str) -> bool:
     """Whether a field is the letter's own (``dead_*``) rather than the request's."""
-    return name.startswith(_PREFIX_BYTES if isinstance(name, bytes) else PREFIX)
+    if isinstance(name, bytes):
+        return name.startswith(_PREFIX_BYTES)
+    return name.startswith(PREFIX)
 
 
 @dataclass(frozen=True, slots=True)

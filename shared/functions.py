@@ -233,7 +233,7 @@ def route_by_keys(client: T) -> T:
     The keys are simply the ``numkeys`` arguments after the function's name.
     """
     parser = client.commands_parser  # type: ignore[attr-defined]
-    parser.__class__ = _keys_parser(type(parser))
+    parser.__class__ = _keys_parser(type(parser))  # type: ignore[arg-type]  # a class is hashable
     return client
 
 

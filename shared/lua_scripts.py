@@ -61,7 +61,7 @@ class StaleFragment(RuntimeError):
 
 def fragment(name: str) -> str:
     """The text of ``shared/lua/<name>``, ending in one newline."""
-    text = resources.files("tokenq.shared").joinpath("lua", name).read_text("utf-8")
+    text = resources.files("tokenq.shared").joinpath("lua").joinpath(name).read_text("utf-8")
     return text.rstrip("\n") + "\n"
 
 
@@ -114,7 +114,7 @@ def load(package: str, name: str) -> str:
     so this module imports neither side. Raises :class:`StaleFragment` when
     the file carries an out-of-date copy of a fragment.
     """
-    source = resources.files(package).joinpath("lua", name).read_text("utf-8")
+    source = resources.files(package).joinpath("lua").joinpath(name).read_text("utf-8")
     stale = copies_stale(source)
     if stale:
         raise StaleFragment(

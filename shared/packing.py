@@ -29,7 +29,7 @@ from tokenq.shared.redis_client import with_mixins
 try:
     from hiredis import pack_command as _hiredis_pack
 except ImportError:  # pragma: no cover - hiredis: the worker extra, tokenq[fast]
-    _hiredis_pack = None
+    _hiredis_pack = None  # type: ignore[assignment]  # None: hiredis is not installed
 
 
 def bulk_format(count: int) -> bytes:

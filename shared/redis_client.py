@@ -112,7 +112,7 @@ class _HookedPool:
 
 
 @functools.cache
-def pool_class(hooks: ClientHooks, *, asyncio: bool, sentinel: bool, capped: bool) -> type:
+def pool_class(hooks: ClientHooks, *, asyncio: bool, sentinel: bool, capped: bool) -> type[Any]:
     """The pool class for one side, twin, topology and cap; made once."""
     lib: Any = redis.asyncio if asyncio else redis
     bases: list[type] = []
@@ -334,7 +334,7 @@ class LazyCluster:
 
     def register_script(self, script: str) -> Any:
         """A script bound to this stand-in, so registering one connects nothing."""
-        return redis.commands.core.Script(self, script)
+        return redis.commands.core.Script(self, script)  # type: ignore[arg-type]  # duck-typed
 
     def close(self) -> None:
         """Close the cluster's connections, if it was ever made."""
@@ -349,7 +349,7 @@ class SentinelMaster(redis.Redis):
         try:
             super().close()
         finally:
-            self.connection_pool.sentinel_manager.close()
+            self.connection_pool.sentinel_manager.close()  # type: ignore[attr-defined]
 
 
 class AsyncSentinelMaster(redis.asyncio.Redis):
@@ -359,4 +359,4 @@ class AsyncSentinelMaster(redis.asyncio.Redis):
         try:
             await super().aclose(close_connection_pool)
         finally:
-            await self.connection_pool.sentinel_manager.aclose()
+            await self.connection_pool.sentinel_manager.aclose()  # type: ignore[attr-defined]

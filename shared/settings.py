@@ -41,6 +41,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonDict
 from pydantic_settings import BaseSettings, CliPositionalArg, SettingsConfigDict
 
 from tokenq.shared.keys import DEFAULT_PREFIX, MAX_SHARDS, QueueRef
@@ -195,7 +196,7 @@ def _allows_inf(settings_cls: type[BaseModel], name: str) -> bool:
     return _marked(settings_cls, name, "inf")
 
 
-REDIS_MS = {"redis_ms": True}
+REDIS_MS: JsonDict = {"redis_ms": True}
 """``json_schema_extra`` of a seconds setting Redis gets in whole milliseconds
 (``int(s * 1000)``: a TTL, an idle time): :func:`check_redis_ms` holds it to them."""
 

@@ -725,8 +725,8 @@ def decode_reply(packed: bytes) -> Reply:
     embedding = body.get("embedding")
     if embedding is not None:
         dim = body.get("dim")
-        well_formed = isinstance(embedding, bytes) and isinstance(dim, int)
-        if not well_formed or len(embedding) != 4 * dim:
+        if not (isinstance(embedding, bytes) and isinstance(dim, int)) \
+                or len(embedding) != 4 * dim:
             raise DecodeError("reply 'embedding' must be 4*dim bytes of float32")
         return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens,
                      truncated=truncated)

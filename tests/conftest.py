@@ -23,6 +23,7 @@ from tests.redis_server import (
     reap,
     wait_gone,
 )
+from tests.unit_tier import pytest_runtest_call, pytest_runtest_setup  # noqa: F401  (the guard)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

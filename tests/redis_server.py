@@ -4,7 +4,8 @@ Ports: :func:`free_ports` finds ``count`` consecutive ports that nothing
 holds, below the kernel's ephemeral range, so no outgoing connection (a
 Redis client's) takes one between the check and the bind of the process
 under test — the race that made ``--metrics-port P`` with ``--devices``
-(child *i* on ``P + i``) flaky when P came from the ephemeral range.
+(child *i* on ``P + i``) flaky when P came from the ephemeral range. Under
+pytest-xdist each worker picks from its own slice of that range.
 
 Processes: :func:`descendants` walks ``/proc/<pid>/stat`` parent links;
 :func:`kill_tree` SIGKILLs a process and every descendant it had, and reaps
@@ -53,15 +54,28 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _window() -> tuple[int, int]:
+    """The ports this process picks from: 10000 up to the ephemeral range, and under
+    pytest-xdist only worker *i*'s *i*-th slice of it, so two workers never pick alike."""
+    low, high = 10000, min(_ephemeral_low(), 65536)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and workers > 1:
+        span = (high - low) // workers
+        low += int(worker[2:]) % workers * span
+        high = low + span
+    return low, high
+
+
 def free_ports(count: int = 1) -> int:
     """The first of ``count`` consecutive TCP ports that nothing uses right now.
 
-    Picked at random below the ephemeral range (10000 up to it), where only
-    explicit binds go.
+    Picked at random from :func:`_window`, below the ephemeral range, where
+    only explicit binds go.
     """
-    high = min(_ephemeral_low(), 65536) - count
+    low, high = _window()
     for _ in range(200):
-        base = random.randrange(10000, max(high, 10001))
+        base = random.randrange(low, max(high - count, low + 1))
         if all(_bindable(port) for port in range(base, base + count)):
             return base
     raise RuntimeError(f"no {count} consecutive free ports found")

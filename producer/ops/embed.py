@@ -21,8 +21,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 import redis
 
@@ -338,7 +339,7 @@ def _settled_counters(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, floa
 
 
 def _summary(settings: EmbedSettings, tally: Tally, elapsed: float,
-             workers: dict[str, float] | None, failed_rows: int) -> None:
+             workers: Mapping[str, Any] | None, failed_rows: int) -> None:
     """What the run did. Throughput counts the inputs that succeeded: a file whose every
     line fails is not fast."""
     done = tally.ok + sum(tally.failures.values())

@@ -222,7 +222,7 @@ class _Chunks:
         if number == self.current:
             return
         left, self.current = self.current, number
-        if left == self.first and number is not None:
+        if left is not None and left == self.first and number is not None:
             self._judge(left, only_known=True)
         for earlier in sorted(self.rows):
             self._maybe_finish(earlier)

@@ -246,7 +246,9 @@ def list_letters(
     """The oldest ``limit`` dead letters, or the ones named by ``ids`` (complete ids)."""
     if ids:
         return [letter for _, letter in read_letters(r, [(q, one) for one in ids])]
-    return [parse_letter(i, f) for i, f in r.xrange(keys.dead(q), "-", "+", count=limit)]
+    entries: list[tuple[bytes, Any]] = r.xrange(  # type: ignore[assignment]
+        keys.dead(q), "-", "+", count=limit)  # redis-py: bytes | str | None; these are bytes
+    return [parse_letter(i, f) for i, f in entries]
 
 
 def read_letters(
@@ -320,7 +322,8 @@ def place(r: redis.Redis, lanes: Lanes, targets: Sequence[Target]) -> Placed:
 
 def last_id(r: redis.Redis, q: keys.QueueRef) -> str | None:
     """The dead stream's newest entry id, or None when it is empty."""
-    newest = r.xrevrange(keys.dead(q), "+", "-", count=1)
+    newest: list[tuple[bytes, Any]] = r.xrevrange(  # type: ignore[assignment]  # as in _pages
+        keys.dead(q), "+", "-", count=1)
     return newest[0][0].decode() if newest else None
 
 
@@ -328,7 +331,9 @@ def _pages(r: redis.Redis, q: keys.QueueRef, end: str) -> Iterator[list[str]]:
     """Dead entry ids up to ``end``, a page at a time (each handled before the next read)."""
     start = "-"
     while True:
-        entries = r.xrange(keys.dead(q), start, end, count=_PAGE)
+        # redis-py types ids bytes | str | None: this client's replies are bytes
+        entries: list[tuple[bytes, Any]] = r.xrange(  # type: ignore[assignment]
+            keys.dead(q), start, end, count=_PAGE)
         if not entries:
             return
         yield [one.decode() for one, _ in entries]
@@ -423,7 +428,7 @@ def purge(
             pipe.xlen(dead)
             pipe.delete(dead)
 
-        removed, _ = r.transaction(drop, dead)
+        removed, _ = r.transaction(drop, dead)  # type: ignore[misc]  # redis-py: list | None
         return int(removed), []
     wanted, missing = resolve_ids(ids)
     removed = 0

@@ -46,7 +46,7 @@ def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
     and a cluster that does not answer is a :class:`CommandFailed`.
     """
     try:
-        return sync_client_for(
+        return sync_client_for(  # type: ignore[return-value]  # a cluster answers the same
             redis_url,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
@@ -150,12 +150,12 @@ def queue_lanes(r: redis.Redis, q: keys.QueueRef) -> tuple[keys.QueueRef, ...]:
 def _count(r: redis.Redis, key: str, field: str | None = None) -> int | None:
     """A shard count stored at ``key`` (a hash's ``field``), None when absent or not one."""
     try:
-        raw = r.get(key) if field is None else r.hget(key, field)
+        raw = r.get(key) if field is None else r.hget(key, field)  # bytes (redis-py: or str)
     except redis.ResponseError as exc:
         if not is_wrong_type(exc):
             raise  # NOPERM: a sharded queue must not quietly look unsharded
         raw = None
-    config = None if raw is None else parse_config({b"shards": raw})
+    config = None if raw is None else parse_config({b"shards": raw})  # type: ignore[arg-type]
     shards = config.shards if config is not None else None
     return shards if shards is not None and shards <= keys.MAX_SHARDS else None
 
@@ -304,7 +304,7 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
         "workers": workers,
         "stale_workers": stale,
         "totals": _totals(workers),
-        "config": {k.decode(): v.decode(errors="replace")
+        "config": {k.decode(): v.decode(errors="replace")  # type: ignore[union-attr]  # bytes
                    for k, v in r.hgetall(keys.config(q)).items()},
     }
 
@@ -389,9 +389,9 @@ def live_names(r: redis.Redis, q: keys.QueueRef, names: Iterable[str]) -> set[st
     return {name for name, is_alive in zip(names, alive, strict=True) if is_alive}
 
 
-def _decode_beat(raw: bytes | None) -> Heartbeat | None:
+def _decode_beat(raw: object) -> Heartbeat | None:
     """A heartbeat row, or None when it is missing or no tokenq worker wrote it."""
-    if raw is None:
+    if not isinstance(raw, bytes):
         return None
     try:
         return decode_heartbeat(raw)

@@ -118,15 +118,19 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large("body", f"{declared} bytes, over the limit of {limit}")
-    chunks, size = [], 0
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large("body", f"over the limit of {limit} bytes")
+            chunks.append(chunk)
+
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large("body", f"over the limit of {limit} bytes")
-                chunks.append(chunk)
-    except TimeoutError:
+        await asyncio.wait_for(read(), timeout_s)  # asyncio.timeout: Python 3.11 on
+    except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
         raise ApiError(408, f"body: not received within {timeout_s} s (--timeout-s)",
                        param="body", code="timeout") from None
     except ClientDisconnect:
@@ -318,7 +322,7 @@ def check_each(items: list[Any], where: str, variant: Variant) -> None:
                       f"{kind(items[index])} (a list holds inputs of one kind, its first's)")
 
 
-def text_bytes(items: list[TextItem]) -> int:
+def text_bytes(items: Sequence[TextItem]) -> int:
     """UTF-8 bytes of every text and pair; a text shared by many items is measured once."""
     sizes: dict[int, int] = {}
 

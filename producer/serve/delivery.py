@@ -162,7 +162,8 @@ class Reachability:
                     return work.result()
                 check = asyncio.ensure_future(self.check(queue, client))
                 try:
-                    await asyncio.wait({work, check}, return_when=asyncio.FIRST_COMPLETED)
+                    either: set[asyncio.Future[Any]] = {work, check}
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                     if work.done():
                         return work.result()
                     check.result()  # BrokerUnavailable when Redis is gone

@@ -184,8 +184,10 @@ class TEIBody(Protocol):
 
     inputs: TEIShape
     truncate: bool | None
-    truncation_direction: str
     prompt_name: str | None
+
+    @property
+    def truncation_direction(self) -> str: ...  # read-only: a body's is a narrower Literal
 
 
 def tei_job(body: TEIBody, options: dict[str, Any]) -> Job:

@@ -201,7 +201,7 @@ def _predictions(result: Result, labels: Sequence[str] | None) -> list[dict[str,
     scores = scores_of(result)
     names = label_names(len(scores), result.labels or labels)
     pairs = zip(names, scores, strict=True)
-    predictions = [{"label": name, "score": score} for name, score in pairs]
+    predictions: list[dict[str, Any]] = [{"label": name, "score": score} for name, score in pairs]
     predictions.sort(key=lambda prediction: -prediction["score"])
     return predictions
 

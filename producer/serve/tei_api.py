@@ -33,7 +33,7 @@ import functools
 import inspect
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -277,7 +277,7 @@ async def _call(endpoint: Callable[..., Awaitable[Response]], request: Request) 
 def _endpoint(request: Request, path: str, method: str) -> Callable[..., Awaitable[Response]]:
     """The app's own endpoint for ``method path``: ``POST /`` answers exactly as it does."""
     for route in request.app.router.routes:
-        if isinstance(route, APIRoute) and route.path == path and method in route.methods:
+        if isinstance(route, APIRoute) and route.path == path and method in (route.methods or ()):
             return route.endpoint
     raise LookupError(f"no {method} {path} route")  # a bug: the app always has them
 
@@ -350,7 +350,8 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
     async def decode(request: Request) -> Response:
         async def work() -> list[str]:
             body = await gateway.read(request, decode_request)
-            rows = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
+            nested = body.ids and isinstance(body.ids[0], list)
+            rows = cast("list[list[int]]", body.ids if nested else [body.ids])
             _check_count(len(rows), "ids", limit)
             tokenizer = await tokenizers.of(await gateway.config(gateway.queue_of(body.model)))
             check_decode(rows, await tokenizers.longest(tokenizer))

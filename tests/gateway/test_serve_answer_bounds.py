@@ -237,6 +237,7 @@ def test_predict_answers_a_score_per_label_per_input(sim_worker, gateway):
     assert measured.slowest_health_s <= HEALTH_S
 
 
+@pytest.mark.unit
 def test_encoding_a_piece_at_a_time_spells_what_one_json_dumps_spells():
     from array import array
 
@@ -250,6 +251,7 @@ def test_encoding_a_piece_at_a_time_spells_what_one_json_dumps_spells():
     assert encode(plain) == json.dumps(plain, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+@pytest.mark.unit
 def test_a_sparse_answer_over_its_weight_cap_is_refused_before_it_is_written(monkeypatch):
     from tokenq.producer import Result
     from tokenq.producer.serve import sparse_api

@@ -420,6 +420,7 @@ def test_api_key_cors_and_open_probes(sim_worker, redis_url, queue_name):
         assert "access-control-allow-origin" not in other.headers
 
 
+@pytest.mark.unit
 def test_the_gateway_binds_to_loopback_unless_told():
     assert ServeSettings.model_fields["host"].default == "127.0.0.1"
     yaml = pytest.importorskip("yaml")
@@ -491,6 +492,7 @@ def test_slow_heads_are_closed_and_a_leaving_client_is_one_log_line(served):
     assert "Traceback" not in log and "ERROR" not in log, log
 
 
+@pytest.mark.unit
 def test_a_key_names_the_same_requests_only_for_the_same_body():
     from tokenq.producer.serve.delivery import body_digest, idempotent_ids
 

@@ -183,6 +183,7 @@ def test_the_shapes_the_issue_names_are_linear_at_a_megabyte(model, shape):
     assert_bounded(model, raw)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("value", "param"), [
     (["a", "b", 3], "input[2]"),
     ([[1], [2], "c"], "input[2]"),
@@ -206,6 +207,7 @@ json_items = st.recursive(
 )
 
 
+@pytest.mark.unit
 @settings(max_examples=300, deadline=None)
 @given(st.lists(json_items, max_size=12),
        st.sampled_from([bounds.TEXT, bounds.TOKEN, bounds.TEXTS, bounds.TOKENS,
@@ -222,6 +224,7 @@ def test_the_type_pass_finds_the_same_first_misfit_as_checking_each_item(items, 
     assert variant.first_misfit(items) == expected
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("raw", [
     b"[1]", b'"text"', b"nope", b"\xff\xfe{}", b"[" * 100_000, b'{"input": [' * 50_000,
     b'{"model": "m", "input": ' + b"1" * 5000 + b"}", b'{"model": "m", "input": "a"',

@@ -31,6 +31,7 @@ def document(redis_url: str = "redis://127.0.0.1:1") -> dict:
     return testclient.TestClient(app).get("/openapi.json").json()
 
 
+@pytest.mark.unit
 def test_every_route_declares_its_body_its_answer_and_its_errors():
     spec = document()
     assert spec["paths"], spec
@@ -60,6 +61,7 @@ def test_every_route_declares_its_body_its_answer_and_its_errors():
     assert schemas["TEIEmbed"]["properties"]["inputs"].get("anyOf"), "inputs has no shape"
 
 
+@pytest.mark.unit
 def test_docs_answers_swagger_ui():
     app = create_app(ServeSettings(redis_url="redis://127.0.0.1:1", queue="q"))
     docs = testclient.TestClient(app).get("/docs")

@@ -24,6 +24,8 @@ from tokenq.producer.serve import schemas, scores
 from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.shared.queue_config import QueueConfig
 
+pytestmark = pytest.mark.unit
+
 PROPERTY = settings(max_examples=200, deadline=None)
 
 

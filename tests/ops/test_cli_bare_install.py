@@ -1,8 +1,8 @@
 """``tokenq`` on an install without extras: every ``--help`` works, a missing extra is one line.
 
 A fresh venv without extras is slow to build, so a bare install is simulated
-in each subprocess: a ``sitecustomize`` on ``PYTHONPATH`` puts a finder first
-on ``sys.meta_path`` that refuses every installed distribution outside
+in each subprocess (:mod:`tests.blocked_imports`): a finder first on
+``sys.meta_path`` refuses every installed distribution outside
 tokenq's own requirements (its installed metadata's, less the extras, and
 what they require), so a dependency added to an extra is blocked without an edit
 here. The commands come from the dispatcher's table, so a new one is covered.
@@ -10,7 +10,6 @@ here. The commands come from the dispatcher's table, so a new one is covered.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -20,31 +19,13 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from tests.blocked_imports import blocking_env
 from tests.redis_server import free_ports
 from tokenq.shared.cli import SUBCOMMANDS
 from tokenq.shared.exit_codes import EXIT_FAILED, EXIT_USAGE
 
 ALWAYS_THERE = ("pip", "setuptools", "wheel")
 """Distributions a bare install has too: the installers."""
-
-_BLOCKER = """
-import sys
-
-BLOCKED = frozenset({blocked!r})
-
-
-class _Bare:
-    \"\"\"Refuse the modules a bare install of tokenq would not have.\"\"\"
-
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        return None
-
-
-sys.meta_path.insert(0, _Bare())
-"""
-
 
 def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -77,11 +58,7 @@ def bare_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     blocked = _blocked_modules()
     assert {"numpy", "torch", "rich", "uvicorn"} <= blocked  # the premise: extras are out
     assert not {"redis", "msgpack", "pydantic", "pydantic_settings"} & blocked
-    folder = tmp_path_factory.mktemp("bare")
-    (folder / "sitecustomize.py").write_text(_BLOCKER.format(blocked=sorted(blocked)))
-    env = {name: value for name, value in os.environ.items()
-           if not name.startswith(("TOKENQ_", "PYTHON"))}
-    return {**env, "PYTHONPATH": str(folder), "PYTHONUNBUFFERED": "1"}
+    return blocking_env(tmp_path_factory.mktemp("bare"), blocked)
 
 
 def _tokenq(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -152,6 +152,7 @@ def test_list_shows_the_reason_as_text_in_the_table_and_in_json(
     assert out.startswith(f"1 dead letter in {keys.dead(q)}\n")
 
 
+@pytest.mark.unit
 def test_help_lists_every_action_and_variable(capsys):
     with pytest.raises(SystemExit):
         dlq_main(["--help"])
@@ -172,6 +173,7 @@ def test_retry_and_purge_need_a_target(redis_url, queue_name, capsys):
     assert code == 2
 
 
+@pytest.mark.unit
 def test_spread_ids_accepts_a_run_of_ids():
     assert spread_ids(["retry", "--id", "1-0", "2-0", "3", "--all"]) == [
         "retry", "--id", "1-0", "--id", "2-0", "--id", "3", "--all"]

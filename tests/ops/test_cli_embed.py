@@ -389,6 +389,7 @@ class _Seen:
         pass
 
 
+@pytest.mark.unit
 def test_progress_moves_as_groups_finish_in_any_order(tmp_path):
     source = tmp_path / "in.txt"
     source.write_text("a\nb\nc\nd\n")
@@ -478,6 +479,7 @@ def test_throughput_counts_only_what_succeeded(sim_worker, redis_url, queue_name
     assert "e.g. line 1: bad_input: no non-empty string field 'text'" in err
 
 
+@pytest.mark.unit
 def test_a_result_prints_short():
     vector = Result("r1", array.array("f", [0.5, -0.25, 0.125] * 128), 384, None, 7)
     assert repr(vector) == (
@@ -488,6 +490,7 @@ def test_a_result_prints_short():
     assert repr(many) == "Result(id='r3', scores=[0, 1, 2, … 10 values], tokens=None)"
 
 
+@pytest.mark.unit
 def test_an_interruption_keeps_what_finished_among_cancelled_and_failed_groups():
     """What an interruption saves: groups that finished with rows, whatever else the pool
     holds; a group cancelled before it was sent (``cancel_futures``) must not raise."""
@@ -674,6 +677,7 @@ def test_a_resume_under_another_model_is_refused_naming_both(
     assert np.load(out).shape == (6, DIM)
 
 
+@pytest.mark.unit
 def test_vectors_of_another_width_in_one_checkpoint_are_refused(tmp_path):
     """When no config could be compared, a chunk of another width is still refused."""
     checkpoint = Checkpoint(tmp_path / "out.npy", {"version": 1, "chunk_size": 2, "queue": "q"})

@@ -204,6 +204,7 @@ def test_a_url_redis_py_cannot_parse_is_a_usage_error(url, queue_name):
         assert "--redis-url" in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.unit
 def test_failure_messages_by_kind():
     url = f"redis://ops:{SECRET}@h:6379/0"
     cases: list[tuple[BaseException, str | None]] = [
@@ -230,6 +231,7 @@ def test_failure_messages_by_kind():
         assert "\n" not in message and SECRET not in message and "user_script" not in message
 
 
+@pytest.mark.unit
 def test_redact_url_masks_every_password():
     assert redact_url(f"redis://u:{SECRET}@h:1/0") == "redis://u:***@h:1/0"
     assert redact_url(f"redis://:{SECRET}@h:1/0") == "redis://:***@h:1/0"
@@ -255,6 +257,7 @@ def _main(name: str) -> Callable[[list[str]], int]:
     return importlib.import_module(SUBCOMMAND_MAINS[name]).main
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("name", "argv", "named"), [
     ("worker", ["--socket-timeout-s", "0"], "--socket-timeout-s / TOKENQ_SOCKET_TIMEOUT_S: "),
     ("up", ["--queue", "bad q"], "--queue / TOKENQ_QUEUE: queue name 'bad q' is invalid"),
@@ -281,6 +284,7 @@ def test_the_worker_blames_the_setting_at_fault_not_a_made_up_flag():
     ]
 
 
+@pytest.mark.unit
 def test_the_worker_refuses_a_bad_hf_option_before_loading_anything(capsys):
     assert _main("worker")(["--backend", "hf", "--dtype", "int8"]) == 2
     assert "--dtype / TOKENQ_DTYPE: " in capsys.readouterr().err
@@ -290,6 +294,7 @@ LEFTOVERS = ("null", "{str", "--as-json", "--no-json", "--no-once", "--no-all", 
              "(default: )", "(default: False)", "``", "list[")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(SUBCOMMAND_MAINS))
 def test_help_of_every_subcommand_is_clean(name, capsys):
     with pytest.raises(SystemExit) as done:
@@ -313,6 +318,7 @@ SETTINGS_OF = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(SUBCOMMAND_MAINS))
 def test_help_lists_every_variable_the_subcommand_reads(name, capsys, monkeypatch):
     settings_cls = SETTINGS_OF[name]
@@ -335,6 +341,7 @@ def test_help_lists_every_variable_the_subcommand_reads(name, capsys, monkeypatc
         assert all(env_var(field) in err for field in numeric), err
 
 
+@pytest.mark.unit
 def test_a_flag_that_does_not_exist_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as done:
         _main("stats")(["--as-json"])

@@ -52,12 +52,14 @@ class Failing(pydantic.BaseModel):
         raise RuntimeError("a serializer bug")
 
 
+@pytest.mark.unit
 def test_pydantic_really_wraps_the_interrupt():
     """The premise: without the record, the Ctrl-C comes out as pydantic's own error."""
     with pytest.raises(PydanticSerializationError, match="KeyboardInterrupt"):
         Signalled().model_dump()
 
 
+@pytest.mark.unit
 def test_a_wrapped_interrupt_exits_130_from_any_command(capsys):
     code = run_command(StatsSettings, [], "tokenq stats", lambda settings: Signalled().model_dump())
     assert code == EXIT_INTERRUPTED
@@ -67,11 +69,13 @@ def test_a_wrapped_interrupt_exits_130_from_any_command(capsys):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.unit
 def test_an_error_with_no_interrupt_behind_it_is_not_mistaken_for_one():
     with pytest.raises(PydanticSerializationError, match="a serializer bug"):
         run_command(StatsSettings, [], "tokenq stats", lambda settings: Failing().model_dump())
 
 
+@pytest.mark.unit
 def test_the_record_leaves_a_handler_someone_else_installed_alone():
     def own(signum, frame):
         raise KeyboardInterrupt

@@ -136,6 +136,7 @@ def test_list_by_name_and_by_bare_id(sharded, redis_url, queue_name, capsys):
                            "1/9-0, 4-0")
 
 
+@pytest.mark.unit
 def test_spread_ids_takes_a_run_of_letter_names():
     assert spread_ids(["retry", "--id", "0/1-0", "2/3-0", "plain/4-0", "5-0", "--all"]) == [
         "retry", "--id", "0/1-0", "--id", "2/3-0", "--id", "plain/4-0", "--id", "5-0", "--all"]

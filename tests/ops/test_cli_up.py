@@ -361,6 +361,7 @@ def test_worker_devices_exit_0_is_final(redis_url, queue_name, spawn, tmp_path):
     assert text.count("exited with exit code 0") == 2 and "restarted" not in text
 
 
+@pytest.mark.unit
 def test_device_commands_strip_per_child_flags():
     settings = WorkerSettings(devices="0, 3", consumer="n", metrics_port=9100)
     argv = ["--devices", "0,3", "--consumer=n", "--device", "cuda", "--metrics-port", "9100",
@@ -382,6 +383,7 @@ def test_device_commands_strip_per_child_flags():
         WorkerSettings(devices=",")
 
 
+@pytest.mark.unit
 def test_processes_per_device_names_each_child_and_shares_the_device():
     settings = WorkerSettings(devices="0,3", processes_per_device=2, consumer="n",
                               metrics_port=9100, device_share=0.9)
@@ -412,6 +414,7 @@ def test_processes_per_device_names_each_child_and_shares_the_device():
         assert child_argv[child_argv.index("--device-share") + 1] == "0.5"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("given", "refusal"), [
     ({"devices": "0,1,0"}, "devices lists 0 more than once"),
     ({"devices": "GPU-a, GPU-a"}, "devices lists GPU-a more than once"),
@@ -440,6 +443,7 @@ def test_the_cli_refuses_a_repeated_device_with_exit_2(redis_url, queue_name):
     assert "--processes-per-device" in done.stderr
 
 
+@pytest.mark.unit
 def test_up_passes_its_settings_on_as_the_worker_flags_they_are(monkeypatch):
     for name in [n for n in os.environ if n.upper().startswith("TOKENQ_")]:
         monkeypatch.delenv(name)
@@ -451,6 +455,7 @@ def test_up_passes_its_settings_on_as_the_worker_flags_they_are(monkeypatch):
             worker.sim_dim) == ("redis://127.0.0.1:1/0", "q1", "p", "sim", 9102, 5)
 
 
+@pytest.mark.unit
 def test_up_refuses_bad_settings_before_starting_anything(capsys):
     assert up_main(["--workers", "-1", "--queue", "bad q"]) == 2
     err = capsys.readouterr().err.splitlines()

@@ -137,6 +137,7 @@ def test_redis_cli_enqueue_script_refuses_a_full_queue(redis_server, queue_name,
     assert r.xlen(keys.requests(q)) == 1
 
 
+@pytest.mark.unit
 def test_the_documented_script_file_is_what_the_python_client_runs():
     """Other languages run producer/lua/enqueue.lua as it is: it is complete, fragments and all."""
     source = (REPO_ROOT / "producer" / "lua" / "enqueue.lua").read_text(encoding="utf-8")

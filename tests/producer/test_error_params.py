@@ -184,6 +184,7 @@ OPTION_REFUSALS: list[tuple[dict[str, Any], ModelFacts, str]] = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("opts", "facts", "param"), OPTION_REFUSALS)
 def test_a_worker_refusal_travels_with_its_param(opts: dict, facts: ModelFacts, param: str):
     """What the worker refuses names the option, in the reply and in the gateway's body."""
@@ -198,6 +199,7 @@ def test_a_worker_refusal_travels_with_its_param(opts: dict, facts: ModelFacts, 
     assert body["param"] == param and body["code"] == "bad_request"
 
 
+@pytest.mark.unit
 def test_a_reply_without_param_still_decodes():
     """Replies of workers that predate ``param`` (and bad ``param`` values) read as None."""
     for extra in ({}, {"param": 5}, {"param": "x" * (wire.MAX_PARAM_CHARS + 1)}):

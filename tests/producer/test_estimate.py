@@ -14,6 +14,8 @@ from tokenq.producer import estimate as est
 from tokenq.producer import estimate_tokens
 from tokenq.producer.estimate import SPECIAL_TOKENS, SPECIAL_TOKENS_PAIR
 
+pytestmark = pytest.mark.unit
+
 ENGLISH = (
     "A batcher that always takes 32 requests idles the GPU when all 32 are short "
     "queries and runs out of memory when all of them are long passages. Memory and "

@@ -27,6 +27,8 @@ from tokenq.producer.redis_deadlines import failure
 from tokenq.shared import wire
 from tokenq.shared.settings import ClientSettings
 
+pytestmark = pytest.mark.unit
+
 
 def fresh_core(**settings: Any) -> ClientCore:
     """A core whose config copy is fresh (read, empty), so calls go straight to the enqueue."""

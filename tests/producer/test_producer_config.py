@@ -394,6 +394,7 @@ def test_config_is_read_once_per_ttl(
     assert reads == 2 and xlen(r, queue_name) == 6
 
 
+@pytest.mark.unit
 def test_config_cache_rereads_after_the_ttl() -> None:
     cache = ConfigCache("heuristic", ttl_s=30)
     assert cache.due(100.0)
@@ -402,6 +403,7 @@ def test_config_cache_rereads_after_the_ttl() -> None:
     assert cache.current().config == QueueConfig(5, "reject", None, None, None)
 
 
+@pytest.mark.unit
 def test_a_tokenizer_load_that_never_finished_is_redone() -> None:
     cache = ConfigCache("auto", ttl_s=30)
     fields = {"tokenizer": "/models/t.json"}
@@ -413,6 +415,7 @@ def test_a_tokenizer_load_that_never_finished_is_redone() -> None:
     assert cache.take(fields, 31.0) is None  # loaded once per path
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [
@@ -509,6 +512,7 @@ def test_async_heuristic_margin_and_fallback(
 # ------------------------------------------------------------------ what the margin relies on
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("text", "tokens"),
     [
@@ -527,6 +531,7 @@ def test_heuristic_does_not_count_glued_symbols_one_by_one(text: str, tokens: in
     assert estimate_tokens(text) == tokens + 2
 
 
+@pytest.mark.unit
 def test_heuristic_stays_within_the_margin_on_symbol_heavy_text(count) -> None:
     box = "╭─ Commands ─────────────────────────╮\n│ hello    Say hello.                │\n" * 20
     tweets = "Loved it!!! 😍😍😍 #best #food 🍕🍕 see you soon 👋👋\n" * 20

@@ -17,6 +17,8 @@ from tokenq.shared import keys, wire
 from tokenq.shared.errors import QueueFull
 from tokenq.shared.settings import ClientSettings
 
+pytestmark = pytest.mark.unit
+
 NOW_MS = 1_700_000_000_000
 
 

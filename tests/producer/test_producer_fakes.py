@@ -15,6 +15,7 @@ import struct
 import threading
 from collections.abc import Callable
 
+import pytest
 import redis
 
 from tokenq.shared import keys, wire
@@ -97,6 +98,7 @@ def test_fake_worker_answers_on_reply_to(redis_url: str, queue_name: str, r: red
     assert r.xlen(worker.stream) == 0
 
 
+@pytest.mark.unit
 def test_fake_worker_error_answer() -> None:
     request = wire.Request(id="x", text="ERR:too_long", tokens=1, reply_to="k")
     reply = embed_answer(request)

@@ -7,9 +7,12 @@ import concurrent.futures
 import os
 import uuid
 
+import pytest
+
 from tokenq.producer.lanes import uuid4_hex
 
 
+@pytest.mark.unit
 def test_ids_are_uuid4_hex() -> None:
     for value in (uuid4_hex() for _ in range(1000)):
         parsed = uuid.UUID(value)
@@ -17,6 +20,7 @@ def test_ids_are_uuid4_hex() -> None:
         assert parsed.version == 4 and parsed.variant == uuid.RFC_4122
 
 
+@pytest.mark.unit
 def test_threads_drawing_at_once_never_share_an_id() -> None:
     """Eight threads take ids across many block refills: none appears twice."""
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -55,18 +55,21 @@ def check_vector(embedding: object, text: str) -> None:
 # ------------------------------------------------------------------ the rules, sans-I/O
 
 
+@pytest.mark.unit
 @given(st.integers(0, keys.MAX_SHARDS - 1), st.text("0123456789abcdef", min_size=1, max_size=40))
 def test_a_request_id_names_its_shard(shard: int, unique: str) -> None:
     assert keys.shard_in_id(keys.id_on_shard(shard, unique)) == shard
     assert keys.shard_in_id(keys.id_on_shard(None, unique)) is None
 
 
+@pytest.mark.unit
 @given(st.text(max_size=40))
 def test_any_other_id_names_no_shard_or_a_valid_one(request_id: str) -> None:
     shard = keys.shard_in_id(request_id)
     assert shard is None or 0 <= shard < keys.MAX_SHARDS
 
 
+@pytest.mark.unit
 @given(st.integers(1, 64))
 def test_lanes_are_the_shards_then_the_plain_queue(shards: int) -> None:
     q = keys.QueueRef("q")
@@ -79,6 +82,7 @@ def test_lanes_are_the_shards_then_the_plain_queue(shards: int) -> None:
     assert all(keys.queue_of(keys.requests(lane)) == lane for lane in lanes)
 
 
+@pytest.mark.unit
 @given(st.integers(1, 64), st.integers(0, keys.MAX_SHARDS + 8))
 def test_retired_shards_are_exactly_the_served_ones_no_lane_reads(shards: int, served: int) -> None:
     """After any change of K, every numbered shard ever served is read or retired, not both."""
@@ -94,12 +98,14 @@ def test_retired_shards_are_exactly_the_served_ones_no_lane_reads(shards: int, s
         assert retired == ()
 
 
+@pytest.mark.unit
 def test_bad_shard_counts_are_refused_by_name() -> None:
     for bad in (0, -1, keys.MAX_SHARDS + 1, 2.0, True):
         with pytest.raises(ValueError, match="shards must be an integer"):
             keys.shards_of(keys.QueueRef("q"), bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 @given(st.lists(st.tuples(st.integers(0, 7), st.binary(min_size=1, max_size=20).filter(
     lambda b: b"/" not in b)), max_size=30))
 def test_references_undo_to_their_lane_and_entry(entries: list[tuple[int, bytes]]) -> None:
@@ -108,6 +114,7 @@ def test_references_undo_to_their_lane_and_entry(entries: list[tuple[int, bytes]
         assert (ref.lane, ref.entry_id) == (lane, entry_id)
 
 
+@pytest.mark.unit
 @given(st.integers(2, 16), st.integers(1, 500))
 def test_round_robin_spreads_calls_evenly(shards: int, calls: int) -> None:
     chooser = ShardChooser("round_robin")
@@ -115,6 +122,7 @@ def test_round_robin_spreads_calls_evenly(shards: int, calls: int) -> None:
     assert max(counts.values()) - min(counts.get(k, 0) for k in range(shards)) <= 1
 
 
+@pytest.mark.unit
 @given(st.lists(st.integers(0, 1000), min_size=2, max_size=8), st.integers(1, 50))
 def test_shortest_goes_to_the_shortest_and_counts_what_it_added(
     lengths: list[int], batch: int
@@ -131,6 +139,7 @@ def test_shortest_goes_to_the_shortest_and_counts_what_it_added(
         seen[shard] += batch
 
 
+@pytest.mark.unit
 def test_the_shard_count_comes_from_the_workers_and_a_contradiction_is_refused() -> None:
     assert shard_count(None, None, "q") == 1
     assert shard_count(3, None, "q") == 3  # nothing published yet: the setting
@@ -140,6 +149,7 @@ def test_the_shard_count_comes_from_the_workers_and_a_contradiction_is_refused()
         shard_count(3, QueueConfig(shards=4), "q")
 
 
+@pytest.mark.unit
 def test_answers_go_back_to_their_lane_under_their_bare_id() -> None:
     from tokenq.worker.outbox import answers_by_lane
     from tokenq.worker.pipeline.pipeline import Failure, Outcome

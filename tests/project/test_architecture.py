@@ -65,11 +65,13 @@ def package_of(module: str) -> str:
     return module if path.is_dir() else module.rsplit(".", 1)[0]
 
 
+@pytest.mark.unit
 def test_the_source_tree_is_found() -> None:
     found = {name for name, _, _ in modules()}
     assert {"tokenq.producer.client", "tokenq.worker.loop", "tokenq.shared.wire"} <= found
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("importer", "forbidden"), [
     ("producer", {"worker"}), ("worker", {"producer"}), ("shared", {"producer", "worker"}),
 ])
@@ -106,6 +108,7 @@ LAYERS = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("lower", "side", "allowed"), LAYERS)
 def test_lower_layers_do_not_import_upward(lower: str, side: str, allowed: str) -> None:
     upward = [
@@ -117,6 +120,7 @@ def test_lower_layers_do_not_import_upward(lower: str, side: str, allowed: str) 
     assert upward == []
 
 
+@pytest.mark.unit
 def test_no_module_imports_a_private_name_of_another_package() -> None:
     private = []
     for _, package, path in modules():
@@ -134,6 +138,7 @@ def test_no_module_imports_a_private_name_of_another_package() -> None:
 
 
 
+@pytest.mark.unit
 def test_exit_codes_are_defined_only_in_their_home() -> None:
     """``EXIT_*`` numbers live in ``shared/exit_codes.py``; a second copy drifts from it."""
     home = REPO / "shared" / "exit_codes.py"
@@ -168,6 +173,7 @@ def named_paths(text: str) -> list[str]:
     return paths
 
 
+@pytest.mark.unit
 def test_the_architecture_page_holds_both_recipes() -> None:
     text = ARCHITECTURE.read_text(encoding="utf-8")
     assert [recipe for recipe in RECIPES if recipe not in text] == []
@@ -177,6 +183,7 @@ def test_the_architecture_page_holds_both_recipes() -> None:
     assert "`tests/worker/test_backend_settings.py`" in backend
 
 
+@pytest.mark.unit
 def test_every_path_the_architecture_page_names_exists() -> None:
     named = named_paths(ARCHITECTURE.read_text(encoding="utf-8"))
     assert len(named) > 50  # the map names files; an empty list means the pattern broke

@@ -45,11 +45,13 @@ def worktrees() -> set[str]:
 # ------------------------------------------------------------------ pure part
 
 
+@pytest.mark.unit
 def test_ratio_is_current_over_baseline() -> None:
     assert compare.ratio(200.0, 250.0) == 1.25
     assert compare.ratio(4, 2) == 0.5
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("baseline", "current"),
     [(0, 5.0), (0.0, 0.0), (None, 5.0), (5.0, None), ("fast", 5.0), (True, 1.0),
@@ -61,12 +63,14 @@ def test_no_ratio_without_two_numbers_and_a_nonzero_baseline(
     assert compare.ratio(baseline, current) is None  # type: ignore[arg-type]
 
 
+@pytest.mark.unit
 def test_only_finite_non_bool_numbers_are_figures() -> None:
     assert compare.is_figure(3) and compare.is_figure(0.5) and compare.is_figure(0)
     for value in (None, True, False, "3", [1], {"a": 1}, float("nan"), float("inf")):
         assert not compare.is_figure(value), value
 
 
+@pytest.mark.unit
 def test_each_side_is_the_median_of_its_rounds() -> None:
     base = [result({"setting": "a", "rps": v, "p99_ms": 10.0}) for v in (100.0, 300.0, 110.0)]
     current = [result({"setting": "a", "rps": v, "p99_ms": 8.0}) for v in (120.0, 121.0)]
@@ -77,6 +81,7 @@ def test_each_side_is_the_median_of_its_rounds() -> None:
     assert rows["a", "p99_ms"]["ratio"] == 0.8
 
 
+@pytest.mark.unit
 def test_rows_are_matched_by_setting_not_by_position() -> None:
     base = [result({"setting": "x", "rps": 10.0}, {"setting": "y", "rps": 20.0})]
     current = [result({"setting": "y", "rps": 40.0}, {"setting": "x", "rps": 5.0})]
@@ -86,6 +91,7 @@ def test_rows_are_matched_by_setting_not_by_position() -> None:
     assert [row["setting"] for row in compare.compare(base, current)] == ["y", "x"]
 
 
+@pytest.mark.unit
 def test_rows_are_keyed_by_the_first_column_whatever_its_name() -> None:
     base = [result({"workers": 1, "rps": 10.0}, {"workers": 2, "rps": 18.0},
                    columns=["workers", "rps"])]
@@ -95,11 +101,13 @@ def test_rows_are_keyed_by_the_first_column_whatever_its_name() -> None:
     assert "workers" not in {figure for _, figure in rows}  # the key is not a figure
 
 
+@pytest.mark.unit
 def test_a_repeated_setting_is_told_apart_not_merged() -> None:
     run = result({"setting": "a", "rps": 1.0}, {"setting": "a", "rps": 2.0})
     assert list(compare.keyed_rows(run)) == ["a", "a #2"]
 
 
+@pytest.mark.unit
 def test_a_setting_on_one_side_only_is_listed_without_a_ratio_and_noted() -> None:
     base = [result({"setting": "old", "rps": 10.0}, {"setting": "both", "rps": 1.0})]
     current = [result({"setting": "new", "rps": 12.0}, {"setting": "both", "rps": 1.0})]
@@ -110,6 +118,7 @@ def test_a_setting_on_one_side_only_is_listed_without_a_ratio_and_noted() -> Non
     assert compare.unmatched(base, current) == ["only in baseline: old", "only in current: new"]
 
 
+@pytest.mark.unit
 def test_missing_and_non_numeric_values_are_skipped_not_counted_as_zero() -> None:
     base = [
         result({"setting": "a", "rps": 10.0, "p99_ms": None, "note": "warm", "ok": True,
@@ -125,6 +134,7 @@ def test_missing_and_non_numeric_values_are_skipped_not_counted_as_zero() -> Non
     assert {figure for _, figure in rows} == {"rps", "p99_ms"}
 
 
+@pytest.mark.unit
 def test_a_zero_baseline_keeps_both_values_and_gives_no_ratio() -> None:
     base = [result({"setting": "a", "failed": 0})]
     current = [result({"setting": "a", "failed": 3})]
@@ -133,6 +143,7 @@ def test_a_zero_baseline_keeps_both_values_and_gives_no_ratio() -> None:
     ]
 
 
+@pytest.mark.unit
 def test_figures_follow_the_suite_columns_then_the_other_keys() -> None:
     run = result({"setting": "a", "extra": 1.0, "p99_ms": 2.0, "rps": 3.0},
                  columns=["setting", "rps", "p99_ms"])
@@ -140,6 +151,7 @@ def test_figures_follow_the_suite_columns_then_the_other_keys() -> None:
     assert figures == ["rps", "p99_ms", "extra"]
 
 
+@pytest.mark.unit
 def test_the_table_writes_each_setting_once_and_dashes_for_nothing() -> None:
     rows = compare.compare(
         [result({"setting": "a", "rps": 1000.0, "p99_ms": 0})],
@@ -242,6 +254,7 @@ worker = ["torch>=2.1", "Zope.Interface[extra]"]
 """
 
 
+@pytest.mark.unit
 def test_the_libraries_only_the_current_tree_declares_are_found_by_import_name() -> None:
     assert compare.declared_libraries(BASELINE_PYPROJECT) == {"redis", "pydantic_settings", "torch"}
     assert compare.newly_declared(BASELINE_PYPROJECT, CURRENT_PYPROJECT) == [

@@ -20,6 +20,8 @@ from tests.settings_env import settings_from
 from tokenq.shared.settings import ENV_PREFIX, ServeSettings, env_var
 from tokenq.worker.settings import WorkerSettings
 
+pytestmark = pytest.mark.unit
+
 DOCKER = REPO_ROOT / "docker"
 WORKERS = ("worker", "worker-allgpus", "worker-cpu")
 INTERPOLATION = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")

@@ -19,6 +19,7 @@ import shlex
 from functools import cache
 from pathlib import Path
 
+import pytest
 from pydantic_settings import BaseSettings
 
 from tests.conftest import REPO_ROOT
@@ -27,6 +28,8 @@ from tokenq.shared import settings as shared_settings
 from tokenq.shared.cli import SUBCOMMANDS
 from tokenq.shared.settings import env_var
 from tokenq.worker.settings import WorkerSettings
+
+pytestmark = pytest.mark.unit
 
 GUIDES = (REPO_ROOT / "README.md", REPO_ROOT / "docs" / "PRODUCTION.md")
 SHELL_LANGUAGES = {"bash", "sh", "shell"}

@@ -134,6 +134,7 @@ def quantity_bytes(quantity: str) -> int:
 # ----------------------------------------------------------------- the set of files
 
 
+@pytest.mark.unit
 def test_the_kustomization_lists_every_manifest(manifests):
     on_disk = {path.name for path in K8S.glob("*.yaml")} - {"kustomization.yaml"}
     assert set(kustomization()["resources"]) == on_disk
@@ -145,6 +146,7 @@ def test_the_kustomization_lists_every_manifest(manifests):
     assert find(manifests, "Namespace")["metadata"]["name"] == kustomization()["namespace"]
 
 
+@pytest.mark.unit
 def test_kustomize_sets_every_tokenq_image(worker, gateway):
     images = {entry["name"] for entry in kustomization()["images"]}
     for workload in (worker, gateway):
@@ -154,6 +156,7 @@ def test_kustomize_sets_every_tokenq_image(worker, gateway):
 # ----------------------------------------------------------------- settings
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("name", "settings_cls"), [
     ("worker", WorkerSettings), ("gateway", ServeSettings),
 ])
@@ -168,6 +171,7 @@ def test_every_tokenq_variable_is_a_real_setting(name, settings_cls, request, mo
     assert urlsplit(settings.redis_url).password == SECRET_STANDIN
 
 
+@pytest.mark.unit
 def test_no_service_link_can_reach_a_tokenq_setting(manifests):
     """Service links would define <SERVICE>_PORT and the like in every pod: tokenq reads
     TOKENQ_*, so they are off, and no Service's variables would name a setting anyway."""
@@ -186,6 +190,7 @@ def test_no_service_link_can_reach_a_tokenq_setting(manifests):
 # ----------------------------------------------------------------- the worker
 
 
+@pytest.mark.unit
 def test_worker_probes_hit_its_metrics_port(worker):
     box = container(worker)
     port = int(tokenq_env(box)["TOKENQ_METRICS_PORT"])
@@ -201,6 +206,7 @@ def test_worker_probes_hit_its_metrics_port(worker):
     assert startup["failureThreshold"] * startup["periodSeconds"] >= 600
 
 
+@pytest.mark.unit
 def test_the_probes_reach_the_worker_metrics_host(worker, monkeypatch):
     """The kubelet probes the pod's IP, which the worker's default loopback bind refuses."""
     settings = settings_from(tokenq_env(container(worker)), WorkerSettings, monkeypatch)
@@ -208,6 +214,7 @@ def test_the_probes_reach_the_worker_metrics_host(worker, monkeypatch):
     assert WorkerSettings.model_fields["metrics_host"].default == "127.0.0.1"  # so it must be set
 
 
+@pytest.mark.unit
 def test_the_worker_serves_the_probe_paths():
     """/livez and /readyz are the worker's (on its metrics port), not only this file's."""
     source = "\n".join(path.read_text() for path in (REPO_ROOT / "worker").rglob("*.py"))
@@ -216,12 +223,14 @@ def test_the_worker_serves_the_probe_paths():
     assert missing == [], f"no code under worker/ serves {missing}"
 
 
+@pytest.mark.unit
 def test_the_worker_holds_one_gpu_and_the_gateway_none(worker, gateway):
     assert container(worker)["resources"]["limits"]["nvidia.com/gpu"] == 1
     for part in ("limits", "requests"):
         assert "nvidia.com/gpu" not in container(gateway)["resources"].get(part, {})
 
 
+@pytest.mark.unit
 def test_the_grace_period_covers_the_drain(worker):
     """SIGTERM: the batch on the device finishes or the watchdog ends it at
     batch_timeout_s; then publishing, winding down and deregistering each get a
@@ -238,6 +247,7 @@ def test_the_grace_period_covers_the_drain(worker):
     assert "preStop" not in box.get("lifecycle", {})
 
 
+@pytest.mark.unit
 def test_the_worker_deployment_leaves_its_replicas_to_keda(worker, manifests):
     assert "replicas" not in worker["spec"]
     scaled = find(manifests, "ScaledObject")
@@ -251,6 +261,7 @@ def test_the_worker_deployment_leaves_its_replicas_to_keda(worker, manifests):
 # ----------------------------------------------------------------- the gateway
 
 
+@pytest.mark.unit
 def test_gateway_probes_match_its_routes_and_port(gateway, manifests, monkeypatch):
     from tokenq.producer.serve.app import create_app
 
@@ -273,6 +284,7 @@ def test_gateway_probes_match_its_routes_and_port(gateway, manifests, monkeypatc
         "labels"].items()
 
 
+@pytest.mark.unit
 def test_the_gateway_grace_covers_its_longest_request(gateway, monkeypatch):
     box = container(gateway)
     settings = settings_from(tokenq_env(box), ServeSettings, monkeypatch)
@@ -285,6 +297,7 @@ def test_the_gateway_grace_covers_its_longest_request(gateway, monkeypatch):
 # ----------------------------------------------------------------- Redis
 
 
+@pytest.mark.unit
 def test_redis_is_durable_and_never_evicts(manifests, redis_set):
     conf = redis_conf(manifests)
     assert conf["appendonly"] == "yes"
@@ -303,6 +316,7 @@ def test_redis_is_durable_and_never_evicts(manifests, redis_set):
     assert claim["metadata"]["name"] == "data"
 
 
+@pytest.mark.unit
 def test_every_redis_url_points_at_the_redis_service(manifests, worker, gateway, redis_set):
     service = find(manifests, "Service", "tokenq-redis")
     [port] = service["spec"]["ports"]
@@ -316,6 +330,7 @@ def test_every_redis_url_points_at_the_redis_service(manifests, worker, gateway,
                                                      "/0")
 
 
+@pytest.mark.unit
 def test_every_password_comes_from_one_secret(manifests):
     refs = set()
     for doc in manifests:
@@ -332,6 +347,7 @@ def test_every_password_comes_from_one_secret(manifests):
 # ----------------------------------------------------------------- KEDA
 
 
+@pytest.mark.unit
 def test_keda_scales_the_worker_on_its_queue_length(trigger, worker, manifests):
     meta = trigger["metadata"]
     assert trigger["type"] == "redis-streams"
@@ -395,6 +411,7 @@ def test_the_stream_length_is_every_unanswered_request(redis_url, queue_name):
 # ----------------------------------------------------------------- docs
 
 
+@pytest.mark.unit
 def test_operations_walks_through_these_manifests():
     text = (REPO_ROOT / "docs" / "OPERATIONS.md").read_text()
     section = text[text.index("## Kubernetes and KEDA"):]

@@ -8,10 +8,13 @@ live ones plus ``SLACK`` (each removal is O(1) amortised, each walk bounded).
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenq.shared.arrival_line import SLACK, ArrivalLine
+
+pytestmark = pytest.mark.unit
 
 steps = st.lists(
     st.one_of(

@@ -79,6 +79,7 @@ numbers = st.one_of(
 )
 
 
+@pytest.mark.unit
 def test_every_command_has_numeric_settings_to_walk() -> None:
     names = {name for _, name in FIELDS}
     for expected in ("dedupe_ttl_s", "reply_ttl_s", "heartbeat_s", "claim_idle_s",
@@ -86,6 +87,7 @@ def test_every_command_has_numeric_settings_to_walk() -> None:
         assert expected in names
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("settings_cls", "name"), FIELDS,
                          ids=[f"{cls.__name__}.{name}" for cls, name in FIELDS])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -122,6 +124,7 @@ def test_a_numeric_setting_is_refused_in_one_line_or_taken_by_redis_and_python(
         assert abs(kept) <= MAX_EXACT_INT
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(("argv", "line"), [
     (["--backend", "sim", "--reply-ttl-s", "inf"],
      "  --reply-ttl-s / TOKENQ_REPLY_TTL_S: reply_ttl_s must be finite, got inf"),
@@ -140,6 +143,7 @@ def test_a_bad_ttl_is_the_one_line_exit_2_of_a_bad_setting(
     assert err.splitlines() == ["tokenq worker: invalid settings:", line], err
 
 
+@pytest.mark.unit
 def test_a_bad_ttl_in_the_environment_is_refused_by_the_producer_too(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -175,6 +179,7 @@ option_values = st.one_of(
 OPTIONS = ["dimensions", "priority", "deadline_s", "deadline_ms"]
 
 
+@pytest.mark.unit
 @settings(max_examples=400, deadline=None)
 @given(name=st.sampled_from(OPTIONS), value=option_values,
        timeout_s=st.one_of(st.none(), option_values))
@@ -193,6 +198,7 @@ def test_every_numeric_option_is_a_bad_request_or_a_request_the_worker_reads(
     assert parse_options(request.opts, ModelFacts()).dimensions in (None, value)
 
 
+@pytest.mark.unit
 @given(st.one_of(st.integers(), st.sampled_from([10**30, 2**64, -(2**64)])))
 def test_dimensions_are_bounded_even_when_the_model_is_unknown(value: int) -> None:
     try:

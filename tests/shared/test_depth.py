@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenq.shared.queue_depth import depth
+
+pytestmark = pytest.mark.unit
 
 
 @given(st.integers(0, 10**6), st.integers(0, 10**6), st.booleans(),

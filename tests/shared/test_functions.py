@@ -131,6 +131,7 @@ def test_two_versions_load_side_by_side(server: RedisServer) -> None:
         assert admin.fcall_ro(version.functions["peek_replies"], 2, "k", "none") == [b"r", None]
 
 
+@pytest.mark.unit
 def test_an_fcall_names_its_keys_for_cluster_routing() -> None:
     assert functions.call_keys(("FCALL", "f", 2, "a", "b", "x")) == ["a", "b"]
     assert functions.call_keys((b"fcall_ro", b"f", b"1", b"a")) == [b"a"]
@@ -311,6 +312,7 @@ def test_redis_6_runs_the_scripts_by_evalsha(
         old.stop()
 
 
+@pytest.mark.unit
 def test_fakeredis_falls_back_to_scripts() -> None:
     """fakeredis has no FCALL: a unit test built on it gets the same scripts by EVALSHA
     (which fakeredis runs when ``lupa`` is installed, and refuses by name otherwise)."""

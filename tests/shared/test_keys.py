@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
 
+pytestmark = pytest.mark.unit
+
 PROPERTY = settings(max_examples=200, deadline=None)
 NAME_ALPHABET = string.ascii_letters + string.digits + "_.-"
 names = st.text(alphabet=NAME_ALPHABET, min_size=1, max_size=128)

@@ -28,6 +28,7 @@ PATHS = [REPO_ROOT / package.split(".")[1] / "lua" / name
 REGION = re.compile(r"^-- tokenq:include .*?^-- tokenq:end \S+$", re.MULTILINE | re.DOTALL)
 
 
+@pytest.mark.unit
 def test_every_script_loads_with_its_fragments_in_place() -> None:
     for path in PATHS:
         package = f"tokenq.{path.parent.parent.name}"
@@ -39,6 +40,7 @@ def test_every_script_loads_with_its_fragments_in_place() -> None:
     assert lua_scripts.main(["--check", *map(str, PATHS)]) == 0
 
 
+@pytest.mark.unit
 def test_a_stale_copy_is_refused_and_rewritten(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -59,6 +61,7 @@ def test_a_stale_copy_is_refused_and_rewritten(
     assert lua_scripts.main(["--check", str(copy)]) == 0
 
 
+@pytest.mark.unit
 def test_shared_rules_live_only_in_fragments() -> None:
     for path in PATHS:
         code = [line for line in REGION.sub("", path.read_text()).splitlines()
@@ -67,6 +70,7 @@ def test_shared_rules_live_only_in_fragments() -> None:
         assert "QUEUEFULL" not in text and '"dead_' not in text, path
 
 
+@pytest.mark.unit
 def test_queue_full_replies_parse_in_one_place() -> None:
     reply = lua_scripts.QueueFullReply
     assert lua_scripts.parse_queue_full("QUEUEFULL 9 10 2") == reply("9", "10", "2")
@@ -98,6 +102,7 @@ def test_both_scripts_that_add_to_a_queue_refuse_alike(r: redis.Redis, queue_nam
 # ------------------------------------------------------ the functions library
 
 
+@pytest.mark.unit
 def test_every_script_file_is_a_function_of_the_library() -> None:
     """A script added to producer/lua or worker/lua and not to lua_scripts.SCRIPTS would run by
     EVALSHA, which the documented ACLs no longer grant: every file is in the library."""
@@ -112,6 +117,7 @@ def test_every_script_file_is_a_function_of_the_library() -> None:
         assert library.functions[short] == f"{library.name}_{short}"
 
 
+@pytest.mark.unit
 def test_the_library_is_named_by_its_code() -> None:
     """Another version (any script changed) has other names, so both can be loaded at once;
     the same scripts always give the same names."""

@@ -7,12 +7,15 @@ that the two are the same facts, under the same names.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenq.shared.queue_config import describe, encode_config, model_facts, parse_config
 from tokenq.worker.backends.base import TASKS, BackendInfo
 from tokenq.worker.pipeline.finisher import facts_of
+
+pytestmark = pytest.mark.unit
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=8)
 

@@ -25,6 +25,8 @@ from hypothesis.stateful import (
 
 from tokenq.shared.packer import MAX_PRIORITY, Batch, BatchTimer, Budget, CostModel, Item, Packer
 
+pytestmark = pytest.mark.unit
+
 PROPERTY = settings(max_examples=200, deadline=None)
 
 lengths = st.integers(min_value=1, max_value=4096)

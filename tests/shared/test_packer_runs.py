@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import bisect
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenq.shared.packer import Batch, Budget, Candidate, CostModel, Item, Packer
+
+pytestmark = pytest.mark.unit
 
 BELOW, ABOVE = 0, 1
 """The two sides of the anchor, ordered so that a tie goes below."""

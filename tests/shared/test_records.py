@@ -49,6 +49,7 @@ configs = st.builds(
 )
 
 
+@pytest.mark.unit
 @PROPERTY
 @given(configs)
 def test_a_config_hash_reads_back_as_written(config: QueueConfig) -> None:
@@ -59,6 +60,7 @@ def test_a_config_hash_reads_back_as_written(config: QueueConfig) -> None:
     assert parse_config(fields) == expected and parse_config(raw) == expected
 
 
+@pytest.mark.unit
 @PROPERTY
 @given(st.dictionaries(st.text(max_size=20), st.text(max_size=30)))
 def test_any_config_hash_parses_without_raising(fields: dict[str, str]) -> None:
@@ -66,6 +68,7 @@ def test_any_config_hash_parses_without_raising(fields: dict[str, str]) -> None:
     assert (config is None) == (not fields)
 
 
+@pytest.mark.unit
 def test_the_worker_side_writes_the_fields_producers_read() -> None:
     fields = encode_config(QueueConfig(max_input_tokens=512, policy="reject", pairs=False,
                                        padded=True, dim=384, protocol=1))
@@ -73,6 +76,7 @@ def test_the_worker_side_writes_the_fields_producers_read() -> None:
                       "padded": "1", "dim": "384", "protocol": "1"}
 
 
+@pytest.mark.unit
 @PROPERTY
 @given(st.dictionaries(st.text(max_size=10), st.text(max_size=20), max_size=4),
        st.none() | st.lists(st.text(max_size=10), max_size=4), st.text(max_size=10))
@@ -113,6 +117,7 @@ heartbeats = st.builds(
 )
 
 
+@pytest.mark.unit
 @PROPERTY
 @given(heartbeats)
 def test_a_heartbeat_reads_back_as_written(beat: Heartbeat) -> None:
@@ -130,6 +135,7 @@ beat_names = st.sampled_from(["at", "started_at", "host", "pid", "requests_ok", 
                               "device_ms", "model", "other"])
 
 
+@pytest.mark.unit
 @PROPERTY
 @given(st.binary(max_size=64) | st.dictionaries(beat_names, msgpack_values).map(msgpack.packb))
 def test_any_heartbeat_row_decodes_or_raises_decode_error(raw: bytes) -> None:
@@ -140,6 +146,7 @@ def test_any_heartbeat_row_decodes_or_raises_decode_error(raw: bytes) -> None:
     assert isinstance(beat, Heartbeat)
 
 
+@pytest.mark.unit
 def test_a_row_from_an_older_worker_reads_with_defaults() -> None:
     beat = decode_heartbeat(msgpack.packb({"requests_ok": 5, "at": 10.0, "future": [1]}))
     assert beat == Heartbeat(requests_ok=5, at=10.0) and beat.requests == 5
@@ -165,6 +172,7 @@ request_fields = st.dictionaries(
 )
 
 
+@pytest.mark.unit
 @PROPERTY
 @given(request_fields, deaths)
 def test_a_letter_within_its_cap_reads_back_as_the_request_and_its_death(
@@ -178,6 +186,7 @@ def test_a_letter_within_its_cap_reads_back_as_the_request_and_its_death(
     assert set(letter.dead) == set(dead_letter.DEATH_FIELDS)
 
 
+@pytest.mark.unit
 @PROPERTY
 @given(request_fields, deaths, st.integers(min_value=0, max_value=300))
 def test_a_capped_letter_names_what_it_cut(
@@ -196,6 +205,7 @@ def size(fields: dict[str, str] | dict[str, str | bytes]) -> int:
                for k, v in fields.items())
 
 
+@pytest.mark.unit
 def test_the_dead_prefix_rule() -> None:
     assert is_dead_field("dead_error") and is_dead_field(b"dead_truncated")
     assert not is_dead_field("text") and not is_dead_field(b"deadline_ms")

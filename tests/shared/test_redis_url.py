@@ -18,6 +18,8 @@ from tokenq.producer.core import redact_url as core_redact_url
 from tokenq.shared.redis_url import RedisTarget, parse_redis_url, redact
 from tokenq.shared.redis_url import redact as cli_redact_url
 
+pytestmark = pytest.mark.unit
+
 # ----------------------------------------------------------------- strategies
 
 hostnames = st.from_regex(r"\A[a-z0-9]([a-z0-9\-]{0,10}[a-z0-9])?(\.[a-z0-9]{1,8}){0,3}\Z")

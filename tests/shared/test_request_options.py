@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +22,8 @@ from tokenq.shared.request_options import (
 from tokenq.worker.backends.base import BackendInfo
 from tokenq.worker.backends.chunks import combine_chunks
 from tokenq.worker.pipeline.finisher import Finisher, facts_of
+
+pytestmark = pytest.mark.unit
 
 EMBED = ModelFacts(embeds=True, dim=8, normalized=True, raw_vectors=True,
                    prompts={"query": "query: ", "document": "passage: "},
@@ -126,6 +127,7 @@ def test_normalize_false_is_refused_where_the_backend_cannot_honour_it() -> None
                 min_size=1, max_size=8))
 @pytest.mark.parametrize("activation", ["sigmoid", "softmax"])
 def test_activations_equal_torch(activation: str, raw: list[list[float]]) -> None:
+    torch = pytest.importorskip("torch")  # the reference only: a producer install has none
     finisher = Finisher(info(task="classify", dim=3, activation=activation))
     rows = [np.asarray(row, dtype=np.float32) for row in raw]
     logits = torch.tensor(np.stack(rows))

@@ -30,6 +30,8 @@ from tokenq.shared.settings import (
 from tokenq.worker.backends.hf.settings import HFSettings
 from tokenq.worker.settings import WorkerSettings
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:

@@ -26,6 +26,8 @@ from tokenq.shared import keys, wire
 from tokenq.shared.errors import DecodeError, ErrorCode
 from tokenq.shared.wire import Reply, Request
 
+pytestmark = pytest.mark.unit
+
 PROPERTY = settings(max_examples=200, deadline=None)
 PROTOCOL_MD = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 FIELD_NAMES = [

@@ -25,6 +25,8 @@ from tokenq.worker.loop_guard import LoopGuard, patience_s
 from tokenq.worker.stage_clock import StageClock
 from tokenq.worker.stages import TOKENIZING, Overdue, Stages
 
+pytestmark = pytest.mark.unit
+
 MS = 0.001
 
 

@@ -22,6 +22,8 @@ from tokenq.worker.backends.plugins import load_backend
 from tokenq.worker.backends.registry import registered
 from tokenq.worker.settings import WorkerSettings, chosen_backend, settings_class_for
 
+pytestmark = pytest.mark.unit
+
 PROG = "tokenq worker"
 
 

@@ -17,6 +17,8 @@ from tokenq.worker.backends.base import Encoding, TextInput
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER, SimBackend, expected_vector
 from tokenq.worker.local.batcher import Batcher
 
+pytestmark = pytest.mark.unit
+
 T = TypeVar("T")
 DIM = 16
 

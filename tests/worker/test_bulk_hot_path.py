@@ -212,6 +212,7 @@ def _layout(answers: list[Answer], refused: dict[bytes, str]) -> tuple[list[str]
 _texts = st.one_of(st.binary(max_size=40), st.text(max_size=20))
 
 
+@pytest.mark.unit
 @settings(max_examples=200)
 @given(st.lists(st.tuples(
     st.binary(min_size=1, max_size=24), st.one_of(st.none(), st.sampled_from(["k1", "k2", "é"])),
@@ -235,6 +236,7 @@ def test_a_calls_packed_arguments_are_the_layout_the_script_reads(rows: list) ->
         a if isinstance(a, bytes) else str(a).encode() for a in expected]
 
 
+@pytest.mark.unit
 @given(
     request_id=st.text(min_size=1, max_size=40),
     vector=st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64),
@@ -251,6 +253,7 @@ def test_the_embedding_reply_packed_directly_is_the_same_bytes(
     assert wire.decode_reply(direct).embedding == embedding
 
 
+@pytest.mark.unit
 @settings(max_examples=60)
 @given(
     request_ids=st.lists(st.text(min_size=1, max_size=130), min_size=1, max_size=5),
@@ -277,6 +280,7 @@ _RESULT_KINDS = st.sampled_from(
     ["vector", "vector", "narrow", "float64", "tokens", "failure", "empty"])
 
 
+@pytest.mark.unit
 @settings(max_examples=80)
 @given(kinds=st.lists(_RESULT_KINDS, min_size=1, max_size=12), seed=st.integers(0, 99))
 def test_a_batchs_replies_are_the_bytes_each_would_get_alone(kinds: list[str], seed: int) -> None:
@@ -304,6 +308,7 @@ def test_a_batchs_replies_are_the_bytes_each_would_get_alone(kinds: list[str], s
     assert pipeline.encoded_replies(outcomes) == [pipeline.encoded_reply(o) for o in outcomes]
 
 
+@pytest.mark.unit
 def test_a_batch_of_embedding_replies_checks_its_sizes() -> None:
     with pytest.raises(ValueError, match="need 16 bytes"):
         wire.encode_embedding_replies(["a", "b"], b"\0" * 15, 2, [1, 1])
@@ -311,6 +316,7 @@ def test_a_batch_of_embedding_replies_checks_its_sizes() -> None:
         wire.encode_embedding_replies(["a", "b"], b"\0" * 16, 2, [1])
 
 
+@pytest.mark.unit
 def test_the_embedding_reply_packed_directly_still_checks_its_length() -> None:
     with pytest.raises(ValueError, match="expected 4"):
         wire.encode_embedding_reply("a", b"\0" * 7, 2)
@@ -319,6 +325,7 @@ def test_the_embedding_reply_packed_directly_still_checks_its_length() -> None:
 _DIGITS = re.compile(rb"[0-9]{1,19}")
 
 
+@pytest.mark.unit
 @given(raw=st.one_of(
     st.binary(max_size=24),
     st.text(alphabet="0123456789٣۴ -+_", max_size=24).map(lambda t: t.encode()),
@@ -342,6 +349,7 @@ _TEXTS = st.one_of(
 )
 
 
+@pytest.mark.unit
 @example(value="a b")
 @example(value="a\x7fb")
 @example(value="a\u2028")
@@ -358,6 +366,7 @@ def test_a_request_id_is_refused_exactly_when_the_regex_refuses_it(value: str) -
     assert got == expected
 
 
+@pytest.mark.unit
 @given(key=_TEXTS, extra=st.sampled_from([(), ("app:",), ("", "tokenq:{q}:")]),
        name=st.sampled_from(["q", "qq", "a.b"]))
 def test_the_reply_to_check_answers_as_the_full_rule_does(
@@ -370,6 +379,7 @@ def test_the_reply_to_check_answers_as_the_full_rule_does(
             keys.reply_to_refusal(q, candidate, extra), candidate
 
 
+@pytest.mark.unit
 @given(raw=st.one_of(
     st.binary(max_size=12),
     st.integers(0, 10**12).map(lambda n: str(n).encode()),
@@ -390,6 +400,7 @@ def test_a_token_count_is_read_as_the_integer_rule_reads_it(raw: bytes) -> None:
     assert got == expected
 
 
+@pytest.mark.unit
 @given(raw=st.binary(min_size=16, max_size=16))
 def test_a_request_id_is_uuid4_hex_digit_for_digit(raw: bytes) -> None:
     """The producer's ids without UUID objects are what ``uuid.UUID(bytes, version=4)``
@@ -404,6 +415,7 @@ def test_a_request_id_is_uuid4_hex_digit_for_digit(raw: bytes) -> None:
                                   for at in (0, 16, 32)]
 
 
+@pytest.mark.unit
 @given(rows=st.lists(
     st.one_of(
         st.lists(st.floats(width=32), min_size=3, max_size=3).map(

@@ -18,6 +18,8 @@ import pytest
 
 from tokenq.worker import metrics
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docker" / "grafana" / "tokenq-dashboard.json"
 METRICS_MD = ROOT / "docs" / "METRICS.md"

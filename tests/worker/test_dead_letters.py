@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenq.shared.dead_letter import MAX_LETTER_FIELDS, MAX_TRUNCATED_NAMES, capped_fields
+
+pytestmark = pytest.mark.unit
 
 names = st.binary(min_size=1, max_size=80)
 fields = st.dictionaries(names, st.binary(max_size=5000), max_size=400)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 
@@ -72,6 +73,7 @@ def test_at_most_a_page_is_taken_at_once(
     assert r.xlen(stream) == 1
 
 
+@pytest.mark.unit
 def test_a_refusal_is_a_queue_full_dead_letter_answered_on_the_callers_key(
     queue_name: str,
 ) -> None:

@@ -21,6 +21,8 @@ from tokenq.worker.backends.sim import (
 )
 from tokenq.worker.pipeline.execute import FailedRun, Failure, is_out_of_memory, run_isolated
 
+pytestmark = pytest.mark.unit
+
 DIM = 8
 
 

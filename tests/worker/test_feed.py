@@ -20,6 +20,8 @@ import pytest
 from tokenq.shared.packer import Batch, Budget, Packer
 from tokenq.worker.pipeline.feed import Aborted, DeviceFeed, monotonic_ms
 
+pytestmark = pytest.mark.unit
+
 
 def job(name: str, length: int = 10, priority: int = 0) -> Any:
     """What the feed reads of a pipeline job: its encoding's length, arrival and priority."""

@@ -219,6 +219,7 @@ def test_readyz_fails_while_the_acl_denies_xreadgroup_and_recovers_when_it_allow
 # ------------------------------------------------------------------ the rules
 
 
+@pytest.mark.unit
 def test_reads_failing_on_every_lane_fail_readiness_and_one_answer_restores_it():
     health = Health(heartbeat_s=1.0)
     health.loaded()
@@ -243,6 +244,7 @@ def test_reads_failing_on_every_lane_fail_readiness_and_one_answer_restores_it()
     assert health.ready(1.0).text.startswith("reads failing: NOPERM")
 
 
+@pytest.mark.unit
 def test_a_new_worker_is_live_but_not_ready_until_loaded_and_joined():
     health = Health(heartbeat_s=1.0)
     assert health.live(1000.0).ok
@@ -258,6 +260,7 @@ def test_a_new_worker_is_live_but_not_ready_until_loaded_and_joined():
     assert not health.live(1003.1).ok
 
 
+@pytest.mark.unit
 def test_a_stalled_event_loop_fails_liveness_and_ticks_keep_it_alive():
     health = Health(heartbeat_s=0.5, watchdog_period_s=1.0)  # the slower of the two counts
     health.loaded()
@@ -272,6 +275,7 @@ def test_a_stalled_event_loop_fails_liveness_and_ticks_keep_it_alive():
     assert health.live(100.0).ok and health.ready(100.0).reasons == (STOPPING,)
 
 
+@pytest.mark.unit
 def test_a_heartbeat_waiting_on_redis_fails_readiness_not_liveness():
     health = Health(heartbeat_s=1.0)
     health.loaded()
@@ -289,6 +293,7 @@ def test_a_heartbeat_waiting_on_redis_fails_readiness_not_liveness():
     assert health.ready(14.1).ok
 
 
+@pytest.mark.unit
 def test_the_watchdog_and_a_stop_fail_the_right_probes():
     health = Health(heartbeat_s=1.0)
     health.loaded()

@@ -20,6 +20,8 @@ from tokenq.worker.loop import Worker
 from tokenq.worker.read_ahead import AUTO_MAX, AUTO_MIN, AUTO_SHARE, auto_limit
 from tokenq.worker.settings import WorkerSettings
 
+pytestmark = pytest.mark.unit
+
 GIB = 1 << 30
 
 

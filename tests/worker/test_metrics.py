@@ -121,6 +121,7 @@ def test_metrics_endpoint_after_a_run(sim_worker, redis_url, queue_name):
             ] == [0, 0, 0]
 
 
+@pytest.mark.unit
 def test_worker_registries_do_not_collide():
     first, second = metrics.Metrics("a"), metrics.Metrics("b")
     record = BatchRecord(worker="w", rows=2, tokens=30, padded_tokens=40, cost=40,
@@ -158,6 +159,7 @@ def test_worker_registries_do_not_collide():
     assert "_created" not in text and "process_cpu_seconds_total" in text
 
 
+@pytest.mark.unit
 def test_a_batch_histogram_matches_the_librarys_buckets():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
@@ -194,6 +196,7 @@ def test_queue_depth_reads_length_pending_and_lag(r: redis.Redis, redis_url: str
     assert asyncio.run(measure()) == depth_probe.Depth(length=4, pending=2, lag=2, lag_exact=False)
 
 
+@pytest.mark.unit
 def test_metrics_are_off_by_default_and_a_taken_port_is_a_config_error():
     assert not metrics.create(WorkerSettings()).enabled
     assert endpoint.serve("127.0.0.1", 0, Health(1.0), None) is None
@@ -261,6 +264,7 @@ def test_worker_exit_line_is_one_sentence(sim_worker, redis_url, queue_name):
     assert "{" not in line
 
 
+@pytest.mark.unit
 def test_exit_line_reads_large_numbers_with_separators():
     stats = WorkerStats(started_at=0.0, requests_ok=1204, requests_failed=3, batches=87,
                         tokens=1_234_567, padded_tokens=1_300_000, device_ms=12_345.0)

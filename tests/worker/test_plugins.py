@@ -18,6 +18,8 @@ from tokenq.worker.backends.plugins import load_backend
 from tokenq.worker.backends.sim import SimBackend
 from tokenq.worker.settings import WorkerSettings
 
+pytestmark = pytest.mark.unit
+
 WritePlugin = Callable[[str], str]
 
 

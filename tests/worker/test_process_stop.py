@@ -115,6 +115,7 @@ def test_a_worker_stopped_past_the_guards_patience_serves_on_and_the_guard_still
 # ------------------------------------------------------------------ the clock
 
 
+@pytest.mark.unit
 def test_the_stage_clock_leaves_out_what_the_ticks_could_not_cover():
     raw = FakeClock()
     clock = StageClock(1.0, raw)
@@ -138,6 +139,7 @@ def test_the_stage_clock_leaves_out_what_the_ticks_could_not_cover():
     assert clock() == 147.5
 
 
+@pytest.mark.unit
 def test_a_stage_clock_with_no_gap_bound_counts_everything():
     raw = FakeClock()
     clock = StageClock(math.inf, raw)
@@ -148,6 +150,7 @@ def test_a_stage_clock_with_no_gap_bound_counts_everything():
 
 
 
+@pytest.mark.unit
 def test_the_guard_thread_leaves_out_a_stop_it_could_not_tick_through():
     """A jump of the clock between two of the guard's ticks is a stop, however long: the
     stage running across it is not overdue, to the guard or to a watchdog reading later."""

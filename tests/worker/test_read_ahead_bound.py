@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -96,6 +97,7 @@ TestReadAheadBound = ReadAheadMachine.TestCase
 TestReadAheadBound.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 
 
+@pytest.mark.unit
 @given(st.integers(1, 10**9), st.integers(1, 10**7), st.integers(0, 10**9), st.integers(1, 4096),
        st.integers(1, 64))
 def test_a_read_is_asked_for_whenever_there_is_room_and_never_beyond_it(
@@ -111,6 +113,7 @@ def test_a_read_is_asked_for_whenever_there_is_room_and_never_beyond_it(
         assert count == 1 or used + readers * count * max_entry <= limit
 
 
+@pytest.mark.unit
 def test_the_largest_entry_counts_every_field_a_producer_can_write() -> None:
     request = wire.Request(
         id="й" * wire.MAX_ID_CHARS, text="é" * 250, text_pair="é" * 250, tokens=wire.MAX_TOKENS,

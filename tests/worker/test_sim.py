@@ -27,6 +27,8 @@ from tokenq.worker.backends.sim import (
 )
 from tokenq.worker.settings import WorkerSettings
 
+pytestmark = pytest.mark.unit
+
 # Letters, digits, punctuation, spaces of several kinds, CJK, kana, hangul, emoji.
 texts = st.text(
     alphabet=st.sampled_from(list("ab zé9_,.!?-'\t\n\u00a0\u3000日本語テキスト한국어😀")),

@@ -224,6 +224,7 @@ class FakeClock:
         return self.now
 
 
+@pytest.mark.unit
 def test_a_stage_is_overdue_only_past_its_own_deadline_and_the_latest_is_named():
     clock = FakeClock()
     stages = Stages(clock)
@@ -247,6 +248,7 @@ def test_a_stage_is_overdue_only_past_its_own_deadline_and_the_latest_is_named()
     assert stages.overdue(1e9) is None and stages.now_running() == []
 
 
+@pytest.mark.unit
 def test_a_stop_shortens_tokenizing_to_the_grace_but_not_the_device():
     clock = FakeClock()
     stages = Stages(clock)

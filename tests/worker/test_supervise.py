@@ -45,6 +45,7 @@ SLEEPS = python("import time; time.sleep(120)")
 # ------------------------------------------------------------------ the policy
 
 
+@pytest.mark.unit
 def test_backoff_doubles_from_1s_to_30s():
     policy = RestartPolicy()
     delays: list[float] = []
@@ -56,6 +57,7 @@ def test_backoff_doubles_from_1s_to_30s():
     assert delays == [1, 2, 4, 8, 16, 30, 30, 30]
 
 
+@pytest.mark.unit
 def test_backoff_resets_after_a_child_ran_60s():
     policy = RestartPolicy()
     assert policy.delay(1, ran_s=59.9, previous_s=16) == 30
@@ -63,12 +65,14 @@ def test_backoff_resets_after_a_child_ran_60s():
     assert policy.delay(1, ran_s=3600, previous_s=None) == 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("code", [1, EXIT_HUNG, EXIT_FATAL, 137, -signal.SIGKILL,
                                   -signal.SIGSEGV, -signal.SIGTERM])
 def test_failures_are_restarted(code: int):
     assert RestartPolicy().delay(code, ran_s=0, previous_s=None) == 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("code", [0, EXIT_USAGE])
 def test_clean_stops_and_usage_errors_are_final(code: int):
     policy = RestartPolicy()
@@ -76,6 +80,7 @@ def test_clean_stops_and_usage_errors_are_final(code: int):
     assert policy.delay(code, ran_s=1000, previous_s=30) is None
 
 
+@pytest.mark.unit
 def test_policy_is_configurable():
     policy = RestartPolicy(initial_s=0.5, max_s=1.5, reset_after_s=5,
                            final_codes=frozenset({0, 2, 3}))
@@ -83,6 +88,7 @@ def test_policy_is_configurable():
     assert [policy.delay(4, 0, p) for p in (None, 0.5, 1.0, 1.5)] == [0.5, 1.0, 1.5, 1.5]
 
 
+@pytest.mark.unit
 def test_exits_are_described_with_their_meaning():
     assert describe_exit(3) == "exit code 3 (a batch hung past batch_timeout_s)"
     assert describe_exit(2) == "exit code 2 (configuration or usage error)"

@@ -23,6 +23,7 @@ class Packed(HiredisPacking, Connection):
     pass
 
 
+@pytest.mark.unit
 @given(st.sampled_from(["EVALSHA", "XREADGROUP", "SCRIPT LOAD", b"XACK", b"CLIENT SETNAME"]),
        st.lists(arguments, max_size=12))
 def test_hiredis_packing_is_byte_for_byte_redis_pys(command: str | bytes, args: list) -> None:
@@ -34,6 +35,7 @@ packable = st.one_of(st.binary(max_size=64), st.text(max_size=32),
                      st.integers(-(2**63), 2**63 - 1))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("in_c", [True, False], ids=["hiredis", "redis-py"])
 @given(command=st.sampled_from(["FCALL", "EVALSHA", "SCRIPT LOAD", b"XACK"]),
        head=st.lists(arguments, max_size=6), tail=st.lists(packable, max_size=40))
@@ -54,6 +56,7 @@ def test_packed_arguments_are_sent_as_the_same_bytes(
     assert tail_packed.values() == [Connection().encoder.encode(value) for value in tail]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("data", [b"$3\r\nab\r\n", b"x1\r\na\r\n", b"$1\r\na\r\nextra",
                                   b"$-5\r\n\r\n", b"$9\r\nab\r\n"])
 def test_packed_arguments_that_are_not_resp_are_refused_when_read_back(data: bytes) -> None:
@@ -63,6 +66,7 @@ def test_packed_arguments_that_are_not_resp_are_refused_when_read_back(data: byt
         PackedArgs(1, data).values()
 
 
+@pytest.mark.unit
 def test_what_cannot_be_sent_is_refused_by_the_bulk_packer_by_name() -> None:
     from tokenq.shared.packing import bulk
 
@@ -84,11 +88,13 @@ def test_only_clients_tokenq_made_are_handed_packed_arguments(redis_url: str) ->
     assert not takes_packed(object())
 
 
+@pytest.mark.unit
 def test_what_hiredis_refuses_gets_redis_pys_error() -> None:
     with pytest.raises(DataError):
         Packed().pack_command("SET", "key", True)
 
 
+@pytest.mark.unit
 def test_the_workers_client_packs_in_c_whatever_the_url_scheme() -> None:
     for url in ("redis://127.0.0.1:6379/0", "rediss://127.0.0.1:6380/0", "unix:///tmp/r.sock"):
         client = connect(WorkerSettings(redis_url=url, queue="q", backend="sim"))
@@ -99,6 +105,7 @@ def test_the_workers_client_packs_in_c_whatever_the_url_scheme() -> None:
         assert first_redis.__name__.endswith("Connection"), url
 
 
+@pytest.mark.unit
 @given(
     st.lists(st.text(st.characters(codec="ascii", exclude_categories=("Cc",)), min_size=1,
                      max_size=12), min_size=1, max_size=4),

