@@ -21,10 +21,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import numpy as np
@@ -507,6 +509,34 @@ WAITING = [("/embed", {"inputs": "x"}), ("/v1/embeddings", {"model": "m", "input
            ("/rerank", {"query": "q", "texts": ["a"]})]
 
 
+def ghost_worker(r: redis.Redis, queue: str) -> None:
+    """A liveness key with no process behind it: routes wait as for a live worker."""
+    ref = keys.QueueRef(queue)
+    r.hset(keys.workers(ref), "ghost", "{}")
+    r.set(keys.worker_alive(ref, "ghost"), "1")
+
+
+def assert_waiting_requests_fail_fast(
+    http: Any, r: redis.Redis, queue: str, outage: Callable[[], AbstractContextManager[Any]],
+) -> None:
+    """:data:`WAITING` posted and queued, then within ``outage()``: each a 503 naming Redis
+    within 3 s, ``x-should-retry: false`` (its entry stays queued)."""
+    with ThreadPoolExecutor(len(WAITING)) as pool:
+        calls = {path: pool.submit(http.post, path, json=body) for path, body in WAITING}
+        while added(r, queue) < len(WAITING):  # every request queued
+            assert not any(call.done() for call in calls.values()), {
+                path: call.result().text for path, call in calls.items() if call.done()}
+            time.sleep(0.05)
+        with outage():
+            started = time.monotonic()
+            for path, call in calls.items():
+                answer = call.result(timeout=60)
+                took = time.monotonic() - started
+                assert answer.status_code == 503, (path, answer.text)
+                assert "Redis" in answer.text and took < 3, (path, took, answer.text)
+                assert answer.headers["x-should-retry"] == "false"
+
+
 @pytest.mark.parametrize("nobody", ["cold_start", "ghost_worker"])
 def test_redis_killed_while_requests_wait_is_503_on_every_route_within_3_s(
     tmp_path, queue_name, nobody
@@ -519,25 +549,16 @@ def test_redis_killed_while_requests_wait_is_503_on_every_route_within_3_s(
     server.start()
     client = redis.Redis.from_url(server.url)
     if nobody == "ghost_worker":
-        ref = keys.QueueRef(queue_name)
-        client.hset(keys.workers(ref), "ghost", "{}")
-        client.set(keys.worker_alive(ref, "ghost"), "1")
+        ghost_worker(client, queue_name)
+
+    @contextmanager
+    def killed() -> Iterator[None]:
+        server.stop()
+        yield
+
     try:
-        with gateway(server.url, queue_name, timeout_s=60, cold_start_s=60) as http, \
-                ThreadPoolExecutor(len(WAITING)) as pool:
-            calls = {path: pool.submit(http.post, path, json=body) for path, body in WAITING}
-            while added(client, queue_name) < len(WAITING):  # every request queued
-                assert not any(call.done() for call in calls.values()), {
-                    path: call.result().text for path, call in calls.items() if call.done()}
-                time.sleep(0.05)
-            server.stop()
-            started = time.monotonic()
-            for path, call in calls.items():
-                answer = call.result(timeout=60)
-                took = time.monotonic() - started
-                assert answer.status_code == 503, (path, answer.text)
-                assert "Redis" in answer.text and took < 3, (path, took, answer.text)
-                assert answer.headers["x-should-retry"] == "false"  # the entry stays queued
+        with gateway(server.url, queue_name, timeout_s=60, cold_start_s=60) as http:
+            assert_waiting_requests_fail_fast(http, client, queue_name, killed)
     finally:
         client.close()
         server.stop()

@@ -24,11 +24,14 @@ import numpy as np
 import pytest
 import redis
 
-from tests.gateway.test_serve_clients import WAITING, added, gateway
+from tests.gateway.test_serve_clients import (
+    assert_waiting_requests_fail_fast,
+    gateway,
+    ghost_worker,
+)
 from tests.redis_server import RedisServer, freezable_server, frozen
 from tests.support import SIM_FLAGS, SimModel
 from tests.workers import Fleet
-from tokenq.shared import keys
 
 ROUTES = [
     ("GET", "/health", None), ("GET", "/", None), ("GET", "/ping", None),
@@ -109,25 +112,10 @@ def test_requests_waiting_when_redis_freezes_are_503_within_3_s(
     """Queued with nobody to answer them (a liveness key with no worker behind it), then
     Redis freezes: each wait learns it from the probe, not at ``--timeout-s``."""
     check = redis.Redis.from_url(server.url)
-    ref = keys.QueueRef(queue_name)
-    check.hset(keys.workers(ref), "ghost", "{}")
-    check.set(keys.worker_alive(ref, "ghost"), "1")
+    ghost_worker(check, queue_name)
     try:
-        with gateway(server.url, queue_name, timeout_s=60) as http, \
-                ThreadPoolExecutor(len(WAITING)) as pool:
-            calls = {path: pool.submit(http.post, path, json=body) for path, body in WAITING}
-            while added(check, queue_name) < len(WAITING):  # every request queued
-                assert not any(call.done() for call in calls.values()), {
-                    path: call.result().text for path, call in calls.items() if call.done()}
-                time.sleep(0.05)
-            with frozen(server):
-                started = time.monotonic()
-                for path, call in calls.items():
-                    answer = call.result(timeout=60)
-                    took = time.monotonic() - started
-                    assert answer.status_code == 503, (path, answer.text)
-                    assert "Redis" in answer.text and took < BOUND_S, (path, took, answer.text)
-                    assert answer.headers["x-should-retry"] == "false"  # the entry stays queued
+        with gateway(server.url, queue_name, timeout_s=60) as http:
+            assert_waiting_requests_fail_fast(http, check, queue_name, lambda: frozen(server))
             assert http.get("/health").status_code == 200
     finally:
         check.close()
