@@ -1,19 +1,6 @@
-"""``tokenq dlq list|retry|purge``: the operator's handle on dead letters.
-
-``list`` shows the oldest letters (or ``--id`` ones) with why they died
-(the code and the reason, as text);
-``retry`` puts them back on the queue exactly as their producer wrote them
-(one atomic script per page of 100), so a worker answers them on their
-original ``reply_to``; ``purge`` deletes them. ``retry`` and ``purge`` need
-``--id ENTRY_ID ...`` or ``--all``. Ids not found, and letters ``retry``
-skips because the worker truncated them, are named on stderr and make the
-exit status 1; Redis failures are one line (shared/cli.py).
-
-A sharded queue (``shards`` in its ``{q}`` config hash) is every lane's dead
-stream at once: letters are named ``<shard>/<entry id>`` (``plain/<entry
-id>`` on the plain ``{q}``), a bare id is looked up in every lane and must
-be in one, and each letter is retried onto its own lane (letters.py).
-"""
+"""``tokenq dlq list|retry|purge``: show, re-enqueue (as written, onto each letter's own lane)
+or delete dead letters; a sharded queue's letters are named ``<shard>/<id>`` or ``plain/<id>``.
+Named letters not found, or skipped, are named on stderr and make the exit status 1."""
 
 from __future__ import annotations
 
@@ -25,15 +12,7 @@ from typing import Any
 import redis
 
 from tokenq.producer.ops import letters as dlq
-from tokenq.producer.ops.snapshot import (
-    UnknownQueue,
-    connection,
-    entry_ms,
-    has_keys,
-    queue_lanes,
-    redis_now,
-    unknown_queue_message,
-)
+from tokenq.producer.ops.snapshot import connection, entry_ms, known_lanes, redis_now
 from tokenq.producer.ops.stats import format_table
 from tokenq.shared import keys
 from tokenq.shared.cli import run_command
@@ -48,7 +27,6 @@ ACTIONS = {
     "retry": "put letters back on the queue as their producer wrote them (--id ... or --all)",
     "purge": "delete letters (--id ... or --all)",
 }
-"""What each ACTION does, for ``--help`` (the names are DlqSettings.action's)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,26 +34,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def spread_ids(argv: list[str]) -> list[str]:
-    """Let ``--id A B C`` mean ``--id A --id B --id C`` (the settings parser takes one value).
-
-    Only words shaped like stream ids (``1718000000000-0``), or a sharded
-    queue's letter names (``2/1718000000000-0``, ``plain/…``), are taken, so
-    the ACTION positional may still follow.
-    """
+    """Let ``--id A B C`` mean ``--id A --id B --id C``; only words shaped like ids or letter
+    names (``2/1718000000000-0``) are taken, so the ACTION positional may still follow."""
     out: list[str] = []
-    state = "other"  # "value": the word right after --id; "more": later words of the run
     for arg in argv:
-        if arg == "--id":
-            out.append(arg)
-            state = "value"
-        elif state == "value":
-            out.append(arg)
-            state = "more"
-        elif state == "more" and _looks_like_id(arg):
-            out += ["--id", arg]
-        else:
-            out.append(arg)
-            state = "other"
+        after_id = len(out) >= 2 and out[-2] == "--id" and out[-1] != "--id"  # an --id's value
+        if after_id and _looks_like_id(arg):
+            out.append("--id")
+        out.append(arg)
     return out
 
 
@@ -87,17 +53,26 @@ def _looks_like_id(arg: str) -> bool:
     return ms.isdigit() and (seq == "" or seq.isdigit())
 
 
+Work = list[tuple[keys.QueueRef, list[str] | None]]  # by lane: entry ids, or None for all
+
+
 def run(settings: DlqSettings) -> int:
     q = keys.QueueRef(settings.queue, settings.prefix)
     checked = [q]  # whose keys a WRONGTYPE is looked for in: every lane, once they are known
     with connection(settings.redis_url, settings.socket_timeout_s, checked) as r:
-        lanes = dlq.Lanes(q, queue_lanes(r, q))
+        lanes = dlq.Lanes(q, known_lanes(r, q))
         checked[:] = lanes.all
-        if not any(has_keys(r, lane) for lane in lanes.all):  # a misspelt --queue
-            raise UnknownQueue(unknown_queue_message(r, q.name, q.prefix))
         if settings.action == "list":
             return _list(r, lanes, settings)
-        work, missing, ambiguous = _work(r, lanes, settings)
+        work: Work = [(lane, None) for lane in lanes.all]
+        missing: list[str] = []
+        ambiguous: dict[str, list[str]] = {}
+        if not settings.all:
+            targets, missing = lanes.targets(settings.id)
+            bare = [one for t in targets if t.lane is None for one in lanes.candidates(t)]
+            found = {(lane, letter.entry_id) for lane, letter in dlq.read_letters(r, bare)}
+            by_lane, unfound, ambiguous = dlq.place(lanes, targets, found, named_found=True)
+            work, missing = list(by_lane.items()), missing + unfound
         if settings.action == "retry":
             failed = _retry(r, lanes, work, missing, settings)
         else:
@@ -105,21 +80,6 @@ def run(settings: DlqSettings) -> int:
         verb = "retried" if settings.action == "retry" else "purged"
         _report_ambiguous(ambiguous, f"not {verb}; name the one you mean")
         return 1 if failed or ambiguous else 0
-
-
-Work = list[tuple[keys.QueueRef, list[str] | None]]
-"""What retry or purge acts on, lane by lane: the entry ids, or None for every letter."""
-
-
-def _work(
-    r: redis.Redis, lanes: dlq.Lanes, settings: DlqSettings
-) -> tuple[Work, list[str], dict[str, list[str]]]:
-    """(the letters to act on by lane; the named ones not there; bare ids in several lanes)."""
-    if settings.all:
-        return [(lane, None) for lane in lanes.all], [], {}
-    targets, invalid = lanes.targets(settings.id)
-    placed = dlq.place(r, lanes, targets)
-    return list(placed.ids.items()), invalid + placed.missing, placed.ambiguous
 
 
 def _report_missing(lanes: dlq.Lanes, missing: list[str]) -> None:
@@ -147,7 +107,8 @@ def _list(r: redis.Redis, lanes: dlq.Lanes, settings: DlqSettings) -> int:
         letters = dlq.read_letters(r, [one for t in targets for one in lanes.candidates(t)])
     else:
         letters = dlq.oldest(r, lanes, settings.count)
-    unfound, ambiguous = _unmatched(lanes, targets, letters)
+    found = {(lane, letter.entry_id) for lane, letter in letters}
+    _, unfound, ambiguous = dlq.place(lanes, targets, found)
     missing += unfound
     if settings.as_json:
         for lane, letter in letters:
@@ -166,28 +127,6 @@ def _list(r: redis.Redis, lanes: dlq.Lanes, settings: DlqSettings) -> int:
     return 1 if missing else 0
 
 
-def _unmatched(
-    lanes: dlq.Lanes, targets: list[dlq.Target],
-    letters: list[tuple[keys.QueueRef, DeadLetter]],
-) -> tuple[list[str], dict[str, list[str]]]:
-    """(the named letters ``letters`` lacks; bare ids it holds in several lanes, by name).
-
-    ``list`` shows every lane's letter a bare id matches: that is harmless,
-    and the names in the table tell them apart.
-    """
-    found = {(lane, letter.entry_id) for lane, letter in letters}
-    missing: list[str] = []
-    ambiguous: dict[str, list[str]] = {}
-    for target in targets:
-        holders = [one for one in lanes.candidates(target) if one in found]
-        if not holders:
-            missing.append(target.entry_id if target.lane is None
-                           else lanes.name(target.lane, target.entry_id))
-        elif len(holders) > 1:
-            ambiguous[target.entry_id] = [lanes.name(*one) for one in holders]
-    return missing, ambiguous
-
-
 def _letter_json(lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter) -> dict[str, Any]:
     """A letter's ``--json`` line; a sharded queue's also says its lane and its name."""
     doc = dlq.letter_json(letter)
@@ -196,9 +135,7 @@ def _letter_json(lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter) -> d
     return {"shard": lane.shard, "entry": lanes.name(lane, letter.entry_id), **doc}
 
 
-def _row(
-    lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter, now_ms: int
-) -> tuple[str, ...]:
+def _row(lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter, now_ms: int) -> tuple[str, ...]:
     """One letter as table cells; its age is from its entry id against Redis's clock."""
     age = f"{max(0, now_ms - entry_ms(letter.entry_id)) / 1000:.0f}s"
     text = letter.request.get("text", "")
@@ -218,12 +155,9 @@ def _preview(text: str) -> str:
     return text[:_PREVIEW - 1] + "…" if len(text) > _PREVIEW else text
 
 
-def _done(
-    lanes: dlq.Lanes, verb: str, done: dict[keys.QueueRef, int],
-    key: Callable[[keys.QueueRef], str], preposition: str,
-) -> str:
-    """``retried N dead letters onto KEY`` (or purged ... from); a sharded queue's says how
-    many each lane's own stream took."""
+def _done(lanes: dlq.Lanes, verb: str, done: dict[keys.QueueRef, int],
+          key: Callable[[keys.QueueRef], str], preposition: str) -> str:
+    """``retried N dead letters onto KEY`` (or purged ... from), per lane when sharded."""
     head = f"{verb} {plural(sum(done.values()), 'dead letter')}"
     parts = [f"{n} {preposition} {key(lane)}" for lane, n in done.items() if n]
     if lanes.sharded and parts:
@@ -231,19 +165,15 @@ def _done(
     return f"{head} {preposition} {lanes.where(key)}"
 
 
-def _retry(
-    r: redis.Redis, lanes: dlq.Lanes, work: Work, missing: list[str], settings: DlqSettings
-) -> bool:
-    """Retry lane by lane, each onto its own request stream; True when something failed.
-
-    A lane that is full (``--max-queue-length`` holds per lane) does not stop
-    the others in a sharded queue: each has room of its own.
-    """
+def _retry(r: redis.Redis, lanes: dlq.Lanes, work: Work, missing: list[str],
+           settings: DlqSettings) -> bool:
+    """Retry lane by lane, each onto its own stream (a full lane does not stop the others);
+    True when something failed."""
     outcomes = [(lane, dlq.retry(r, lane, ids, drop_deadline=settings.drop_deadline,
                                  max_queue_length=settings.max_queue_length, until_full=True))
                 for lane, ids in work]
     full = [outcome.full for _, outcome in outcomes if outcome.full is not None]
-    if full and not lanes.sharded:  # the one line it always was
+    if full and not lanes.sharded:
         print(f"tokenq dlq: {full[0]}", file=sys.stderr)
         return True
     moved = {lane: len(outcome.moved) for lane, outcome in outcomes}

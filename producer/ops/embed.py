@@ -1,17 +1,6 @@
-"""``tokenq embed FILE --output OUT``: a file of texts through the queue, in input order.
-
-This module is the command around the loop: it checks the flags, opens the
-checkpoint (:mod:`tokenq.producer.ops.embed_io`), runs the inputs through
-the queue (:mod:`tokenq.producer.ops.embed_pump`) and prints the summary:
-throughput of the inputs that succeeded, and batches and padding efficiency
-as the workers' heartbeats counted them over the run.
-
-Stopped for any reason, the same command resumes where it stopped. Ctrl-C
-and SIGTERM become one ``KeyboardInterrupt`` (:class:`_Signals`), which is
-held back while a checkpoint file is being written, so an interruption never
-lands in the middle of one; on its way out the run saves every row that is
-back (finished chunks and the finished part of unfinished ones).
-"""
+"""``tokenq embed FILE --output OUT``: a file of texts through the queue, in input order,
+resumable: Ctrl-C and SIGTERM are one ``KeyboardInterrupt``, held back while a checkpoint
+file is written, after which every row that is back is saved; then a summary."""
 
 from __future__ import annotations
 
@@ -50,6 +39,7 @@ from tokenq.producer.ops.snapshot import (
 from tokenq.shared import keys
 from tokenq.shared.cli import run_command
 from tokenq.shared.failures import CommandFailed
+from tokenq.shared.flags import UsageError
 from tokenq.shared.interrupts import unwrapped
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.queue_config import model_identity, parse_config
@@ -57,8 +47,7 @@ from tokenq.shared.settings import EmbedSettings
 from tokenq.shared.text import one_line, percent, plural
 
 _HEARTBEAT_WAIT_S = 3.0
-_BLANK_SHOWN = 5
-"""How many skipped blank lines the summary names."""
+_BLANK_SHOWN = 5  # how many skipped blank lines the summary names
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,38 +58,27 @@ def embed(settings: EmbedSettings) -> int:
     try:
         out_format = output_format(settings.output)
     except ValueError as exc:
-        print(f"tokenq embed: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from None
     if out_format == "npy":
         try:
             import numpy  # noqa: F401
         except ImportError:
-            print("tokenq embed: .npy output needs numpy: pip install 'tokenq[cli]', "
-                  "or write .jsonl instead", file=sys.stderr)
-            return 2
+            raise UsageError(".npy output needs numpy: pip install 'tokenq[cli]', or write "
+                             ".jsonl instead") from None
     if settings.output.is_dir():
-        print(f"tokenq embed: --output {settings.output} is a directory; name a .npy or "
-              ".jsonl file", file=sys.stderr)
-        return 2
+        raise UsageError(f"--output {settings.output} is a directory; name a .npy or .jsonl "
+                         "file")
     fmt = input_format(settings.file, settings.input_format)
     if settings.file != "-" and not _readable(settings.file):
-        print(f"tokenq embed: cannot read {settings.file}", file=sys.stderr)
-        return 2
+        raise UsageError(f"cannot read {settings.file}")
     q = QueueRef(settings.queue, settings.prefix)
-    # A Redis failure before the run (or outside the client) ends as one line naming the URL.
     with connection(settings.redis_url, settings.socket_timeout_s, [q]) as ops:
         return _embed(settings, ops, q, fmt)
 
 
 class _Signals:
-    """SIGINT and SIGTERM as one ``KeyboardInterrupt``, never inside a :meth:`held` block.
-
-    Why: the run saves what is back on its way out, and a second Ctrl-C (or
-    the first one landing halfway through writing a chunk) must not cut that
-    short. A signal that comes inside :meth:`held` is raised when the block
-    ends; after the first one, later signals are ignored while the run
-    saves and leaves (SIGKILL still ends it at once).
-    """
+    """SIGINT and SIGTERM as one ``KeyboardInterrupt``, raised after a :meth:`held` block
+    rather than inside it; later ones are ignored while the run saves and leaves."""
 
     def __init__(self) -> None:
         self._holding = 0
@@ -109,8 +87,6 @@ class _Signals:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
-        # Also where a shell started us with SIGINT ignored; restored after, for callers
-        # in-process.
         self._previous = {sig: signal.signal(sig, self._on_signal)
                           for sig in (signal.SIGINT, signal.SIGTERM)}
 
@@ -140,9 +116,7 @@ class _Signals:
 
 
 def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> int:
-    # Read the heartbeats first: an unreachable Redis or a refused login is
-    # reported before anything is written next to the output.
-    before = _heartbeats(ops, q)
+    before = _heartbeats(ops, q)  # first: a Redis failure is told before anything is written
     if before is not None and not before:
         print(f"tokenq embed: no worker has a heartbeat on queue {settings.queue!r} yet; "
               "requests wait until one starts", file=sys.stderr)
@@ -152,14 +126,10 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
         "blank": settings.blank, "queue": settings.queue, "prefix": settings.prefix,
     }
     checkpoint = Checkpoint(settings.output, manifest)
-    run = _Run(settings, checkpoint)
-    # From the moment the checkpoint exists, a Ctrl-C is this function's to answer (with
-    # the resume hint): one landing while it opens is held until it is open.
-    signals = _Signals()
+    resume = f"progress is saved in {checkpoint.directory}: run the same command again to resume"
+    signals = _Signals()  # from here a Ctrl-C is answered with the resume hint
     signals.install()
     try:
-        # A signal pydantic (or another library) wrapped in its own error is still the
-        # interruption, answered below with the resume hint.
         with unwrapped(lambda: signals.stopping), Client(settings=settings) as client:
             manifest["model"] = _model(client)
             with signals.held():
@@ -176,12 +146,12 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
                 print(f"tokenq embed: resuming: {plural(len(done), 'chunk')} of "
                       f"{settings.chunk_size} and {plural(rows, 'more input')} already done in "
                       f"{checkpoint.directory}", file=sys.stderr)
-            return run.run(client, ops, q, before, done, saved, fmt, signals)
+            return _run(settings, checkpoint, client, ops, q, before, done, saved, fmt, signals)
     except ResumeMismatch as exc:
         print(f"tokenq embed: {exc}", file=sys.stderr)
         return _exit(2)
     except WriteFailed as exc:
-        hint = "" if run.written else f"; {run.resume_hint()} once it can be written"
+        hint = "" if checkpoint.complete else f"; {resume} once it can be written"
         print(f"tokenq embed: {exc}{hint}", file=sys.stderr)
         return _exit(1)
     except (BrokerUnavailable, redis.RedisError) as exc:
@@ -189,7 +159,7 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
             message = one_line(str(exc))
         else:
             message = str(explain(exc, ops, [q], settings.redis_url, settings.socket_timeout_s))
-        print(f"tokenq embed: {message}; {run.resume_hint()}", file=sys.stderr)
+        print(f"tokenq embed: {message}; {resume}", file=sys.stderr)
         return _exit(1)
     except StoppedEarly as exc:
         if not done and not saved:  # both set before anything could stop early
@@ -197,11 +167,11 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
         print(f"tokenq embed: {exc}", file=sys.stderr)
         return _exit(1)
     except KeyboardInterrupt:
-        if run.written:
+        if checkpoint.complete:
             print(f"\ntokenq embed: interrupted after writing {settings.output} (the summary "
                   "is left out)", file=sys.stderr)
         else:
-            print(f"\ntokenq embed: interrupted; {run.resume_hint()}", file=sys.stderr)
+            print(f"\ntokenq embed: interrupted; {resume}", file=sys.stderr)
         _leave(130)
     finally:
         checkpoint.close()
@@ -218,20 +188,15 @@ def _exit(code: int) -> int:
 
 
 def _leave(code: int) -> None:
-    """Exit now, without waiting for the threads of groups still out: they may sit in a
-    blocking read (or retry a Redis that is gone) until ``--timeout-s``, and the
-    interpreter would wait for them. Everything worth keeping is on disk (atomically)."""
+    """Exit now, not waiting for the threads of groups still out (in a read until
+    ``--timeout-s``); everything worth keeping is on disk."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
 def _heartbeats(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, float]] | None:
-    """The workers' heartbeat counters, or None when this ACL user may not read them.
-
-    A producer's ACL user has no access to the workers' hash (docs/SECURITY.md):
-    the run goes on without the workers' part of the summary.
-    """
+    """The workers' heartbeat counters, or None when this ACL user may not read them."""
     try:
         return heartbeat_counters(ops, q)
     except redis.exceptions.NoPermissionError:
@@ -248,52 +213,36 @@ def _readable(path: str) -> bool:
         return False
 
 
-class _Run:
-    """One run: the loop, the output, the summary."""
-
-    def __init__(self, settings: EmbedSettings, checkpoint: Checkpoint) -> None:
-        self.settings = settings
-        self.checkpoint = checkpoint
-        self.written = False
-        """Whether OUT is complete (an interruption after it has nothing to resume)."""
-
-    def resume_hint(self) -> str:
-        return (f"progress is saved in {self.checkpoint.directory}: run the same command "
-                "again to resume")
-
-    def run(self, client: Client, ops: redis.Redis, q: QueueRef,
-            before: dict[str, dict[str, float]] | None, done: set[int],
-            saved: dict[int, dict[int, Row]], fmt: str, signals: _Signals) -> int:
-        settings = self.settings
-        tally = Tally()
-        progress = progress_bar(count_lines(settings.file), settings.progress)
-        started = time.monotonic()
+def _run(settings: EmbedSettings, checkpoint: Checkpoint, client: Client, ops: redis.Redis,
+         q: QueueRef, before: dict[str, dict[str, float]] | None, done: set[int],
+         saved: dict[int, dict[int, Row]], fmt: str, signals: _Signals) -> int:
+    """The loop, the output, the summary."""
+    tally = Tally()
+    progress = progress_bar(count_lines(settings.file), settings.progress)
+    started = time.monotonic()
+    try:
+        pump(settings, client, checkpoint, done, saved, fmt, tally, progress, signals.held)
+    finally:
+        progress.close()
+    elapsed = max(time.monotonic() - started, 1e-9)
+    with signals.held():
+        if checkpoint.format == "npy" and checkpoint.dim is None:
+            checkpoint.set_dim(_queue_dim(client, settings))
+        checkpoint.write_skipped(tally.blank)
+        failed = checkpoint.assemble()
+    workers = None
+    if before is not None:
         try:
-            pump(settings, client, self.checkpoint, done, saved, fmt, tally, progress,
-                 signals.held)
-        finally:
-            progress.close()
-        elapsed = max(time.monotonic() - started, 1e-9)
-        with signals.held():
-            if self.checkpoint.format == "npy" and self.checkpoint.dim is None:
-                self.checkpoint.set_dim(_queue_dim(client, settings))
-            self.checkpoint.write_skipped(tally.blank)
-            failed = self.checkpoint.assemble()
-            self.written = True
-        workers = None
-        if before is not None:
-            try:
-                workers = counter_delta(before, _settled_counters(ops, q))
-            except redis.RedisError as exc:  # the output is written: only the summary loses a line
-                print(f"tokenq embed: could not read the workers' heartbeats after the run: "
-                      f"{one_line(str(exc))}", file=sys.stderr)
-        _summary(settings, tally, elapsed, workers, failed)
-        return 1 if failed else 0
+            workers = counter_delta(before, _settled_counters(ops, q))
+        except redis.RedisError as exc:  # the output is written: only the summary loses a line
+            print(f"tokenq embed: could not read the workers' heartbeats after the run: "
+                  f"{one_line(str(exc))}", file=sys.stderr)
+    _summary(settings, tally, elapsed, workers, failed)
+    return 1 if failed else 0
 
 
 def _model(client: Client) -> dict[str, str | int | None] | None:
-    """The model the queue serves (``queue_config.model_identity``), for the checkpoint;
-    None when no worker has published a config yet or this Redis user may not read it."""
+    """The model the queue serves, for the checkpoint; None when unknown or unreadable."""
     try:
         return model_identity(parse_config(client.config()))
     except redis.exceptions.NoPermissionError:
@@ -301,11 +250,8 @@ def _model(client: Client) -> dict[str, str | int | None] | None:
 
 
 def _queue_dim(client: Client, settings: EmbedSettings) -> int:
-    """The width of an .npy output no input gave a vector for: the queue config's ``dim``.
-
-    Why: an empty input (or one whose every line failed) is still a
-    ``(rows, dim)`` matrix, which a program stacking outputs relies on.
-    """
+    """The queue config's ``dim``, for an .npy output no input gave a vector for (still a
+    ``(rows, dim)`` matrix)."""
     config = parse_config(client.config())
     if config is None or config.dim is None:
         why = ("has no config hash (no worker has started on it yet)" if config is None
@@ -318,13 +264,8 @@ def _queue_dim(client: Client, settings: EmbedSettings) -> int:
 
 
 def _settled_counters(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, float]]:
-    """Heartbeat counters once every live worker has beaten again since the run ended.
-
-    Clock-free: a worker's ``at`` (its own clock) is only compared with an
-    earlier ``at`` of the same worker, never with this host's clock; rows of
-    workers that are gone (no liveness key) are not waited for. Gives up after
-    a few seconds (the delta is then a lower bound).
-    """
+    """Heartbeat counters once every live worker has beaten again since the run ended (each
+    ``at`` compared with the same worker's; gives up after a few seconds)."""
     deadline = time.monotonic() + _HEARTBEAT_WAIT_S
     at_end = heartbeat_counters(ops, q)
     waiting = {name: c["at"] for name, c in at_end.items()
@@ -340,8 +281,7 @@ def _settled_counters(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, floa
 
 def _summary(settings: EmbedSettings, tally: Tally, elapsed: float,
              workers: Mapping[str, Any] | None, failed_rows: int) -> None:
-    """What the run did. Throughput counts the inputs that succeeded: a file whose every
-    line fails is not fast."""
+    """What the run did; throughput counts only the inputs that succeeded."""
     done = tally.ok + sum(tally.failures.values())
     lines = [
         f"tokenq embed: wrote {settings.output} "

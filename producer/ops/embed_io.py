@@ -1,44 +1,6 @@
-"""Files for ``tokenq embed``: reading inputs, checkpointing chunks, assembling the output.
-
-Why checkpoints: a few million lines take hours, and a laptop sleeps, a
-network drops, an operator presses Ctrl-C. Inputs are numbered in file order
-and cut into chunks of ``chunk_size``; each finished chunk is written
-atomically (temp file + rename) into ``OUTPUT.partial/`` beside a
-``manifest.json`` that pins what the run was (input, its size and mtime,
-format, field, chunk size). A run that stops before a chunk is finished
-(Ctrl-C, SIGTERM, Redis gone) saves the rows of that chunk that are back in
-``chunk-NNNNNN.part.jsonl``, so even a file smaller than one chunk loses
-nothing. Running the same command again skips the chunks already there and
-the saved rows, and sends only the rest. When every chunk is in, they are
-joined into OUTPUT (streamed, never all in memory) and the directory is
-removed.
-
-The manifest also names the model the queue serves (its config hash:
-:func:`~tokenq.shared.queue_config.model_identity`), so a resume against
-another model is refused rather than mixing two models' vectors.
-
-Crash-safe at every step: every file is written to a temporary name, synced
-and renamed; a write that fails (a full disk) removes its temporary file and
-says which file (:class:`WriteFailed`). Removing the directory first renames
-it to ``OUTPUT.removing`` (one atomic step that says "OUTPUT is complete"),
-and any removal takes a chunk's ``.done`` marker before its data, so a crash
-at any point leaves either a resumable checkpoint or a complete output that
-a rerun recognises (:class:`AlreadyComplete`).
-
-Blank inputs (an empty or whitespace-only line, or a JSONL line whose text
-field is empty or whitespace-only) are skipped under ``--blank skip`` (the
-default): they get no row, ``.jsonl`` rows keep their input ``index``, and a
-``.npy`` output lists the skipped indexes in ``OUTPUT.skipped.txt``. The
-manifest records the policy, so a resumed run skips the same lines.
-``--blank error`` makes each one an error row instead.
-
-The manifest also holds a random ``requests`` token: request ids are the
-token and the input index (:func:`request_id`), so a resumed run names the
-requests an interrupted one left in the queue and reuses them.
-
-A failed input does not stop the run: its row is NaN in ``.npy`` output (its
-error goes to ``OUTPUT.errors.jsonl``), or carries ``error`` in ``.jsonl``.
-"""
+"""``tokenq embed``'s files: inputs read, chunks checkpointed atomically in ``OUTPUT.partial/``
+(its manifest pins the input, settings, model and request-id token), joined into OUTPUT by
+streaming; a crash at any step leaves a resumable checkpoint or a complete output."""
 
 from __future__ import annotations
 
@@ -47,8 +9,8 @@ import json
 import os
 import secrets
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -58,11 +20,8 @@ MANIFEST_VERSION = 1
 _LOCK = "lock"
 _MANIFEST = "manifest.json"
 _DONE = ".done"
-_PART = ".part.jsonl"
-"""Suffix of an unfinished chunk's saved rows."""
-_UNCHECKED = ("dim", "model", "requests")
-"""Manifest keys not compared as they are: learned during a run (``dim``), checked
-with their own message (``model``), or chosen by the first run (``requests``)."""
+_PART = ".part.jsonl"  # an unfinished chunk's saved rows
+_UNCHECKED = ("dim", "model", "requests")  # manifest keys learned, checked alone, or chosen
 
 
 class ResumeMismatch(Exception):
@@ -70,10 +29,8 @@ class ResumeMismatch(Exception):
 
 
 class AlreadyComplete(Exception):
-    """OUTPUT was written by an earlier run, which stopped while removing its checkpoint.
-
-    ``failed`` is how many of its rows are errors (the earlier run's exit status follows).
-    """
+    """OUTPUT was written by an earlier run, which stopped while removing its checkpoint;
+    ``failed`` of its rows are errors."""
 
     def __init__(self, output: Path, failed: int) -> None:
         super().__init__(f"{output} is already complete: an earlier run wrote it and stopped "
@@ -82,10 +39,7 @@ class AlreadyComplete(Exception):
 
 
 class WriteFailed(CommandFailed):
-    """A file could not be written (a full disk, a file-size limit, a read-only directory).
-
-    The message names the file and the system's error; no temporary file is left (exit 1).
-    """
+    """A file could not be written (full disk, size limit, read-only): named, no temp left."""
 
 
 class IncompleteOutput(CommandFailed):
@@ -94,9 +48,7 @@ class IncompleteOutput(CommandFailed):
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One input: its text, or why it has none (blank line, bad JSON, missing field).
-
-    ``blank``: no text but whitespace (skipped under ``--blank skip``)."""
+    """One input: its text, or why it has none (``blank``: only whitespace)."""
 
     index: int
     text: str | None
@@ -124,19 +76,12 @@ def input_format(path: str, chosen: str) -> str:
     return "jsonl" if path.endswith((".jsonl", ".ndjson")) else "text"
 
 
-def _open_input(path: str) -> BinaryIO:
-    return sys.stdin.buffer if path == "-" else open(path, "rb")
-
-
 def read_items(path: str, fmt: str, field: str, id_field: str) -> Iterator[Item]:
     """Every input in file order, numbered from 0; one line is one input."""
-    stream = _open_input(path)
-    try:
+    with (contextlib.nullcontext(sys.stdin.buffer) if path == "-"
+          else open(path, "rb")) as stream:
         for index, raw in enumerate(stream):
             yield _item(index, raw, fmt, field, id_field)
-    finally:
-        if stream is not sys.stdin.buffer:
-            stream.close()
 
 
 def _item(index: int, raw: bytes, fmt: str, field: str, id_field: str) -> Item:
@@ -163,9 +108,8 @@ def _item(index: int, raw: bytes, fmt: str, field: str, id_field: str) -> Item:
 
 
 def request_id(token: str, index: int) -> str:
-    """The request id of input ``index`` in the run whose manifest holds ``token``:
-    32 hex digits, the same in every run that resumes it (the enqueue's dedupe then
-    writes a resent request once, and its reply is read where the first run left it)."""
+    """Input ``index``'s request id, 32 hex digits, the same in every run that resumes it (the
+    enqueue's dedupe writes a resent request once; its reply is where the first run left it)."""
     return f"{token}{index:016x}"
 
 
@@ -194,6 +138,7 @@ class Checkpoint:
         self.format = output_format(output)
         self.directory = output.with_name(output.name + ".partial")
         self.manifest = manifest
+        self.complete = False  # OUTPUT is written: an interruption has nothing to resume
         self._lock_file: BinaryIO | None = None
 
     @staticmethod
@@ -210,13 +155,8 @@ class Checkpoint:
         return self.output.with_name(self.output.name + ".removing")
 
     def open(self, *, restart: bool) -> set[int]:
-        """Create or reuse the directory; return the chunks already done.
-
-        Holds a lock on the directory until :meth:`assemble` or :meth:`close`,
-        so two runs can never write the same output at once. Raises
-        :class:`AlreadyComplete` when an earlier run of this command wrote
-        OUTPUT and stopped while removing its checkpoint (it finishes that).
-        """
+        """Create or reuse the directory, locked until :meth:`assemble` or :meth:`close`;
+        return the chunks already done (:class:`AlreadyComplete`: OUTPUT already is)."""
         manifest_path = self.directory / _MANIFEST
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock()
@@ -235,36 +175,29 @@ class Checkpoint:
             except (ValueError, UnicodeDecodeError):
                 found = None
             if not isinstance(found, dict):
-                raise ResumeMismatch(
-                    f"{manifest_path} is not a tokenq embed manifest; "
-                    "re-run with --restart to discard the partial results"
-                )
+                raise ResumeMismatch(f"{manifest_path} is not a tokenq embed manifest; re-run "
+                                     "with --restart to discard the partial results")
             if _compared(found) != _compared(self.manifest):
                 changed = sorted(k for k in set(found) | set(self.manifest)
                                  if k not in _UNCHECKED and found.get(k) != self.manifest.get(k))
                 raise ResumeMismatch(
                     f"{self.directory} is from a different run ({', '.join(changed)} changed); "
-                    "re-run with --restart to discard it"
-                )
+                    "re-run with --restart to discard it")
             self._check_model(found.get("model"))
             if found.get("dim") is not None:
                 self.manifest["dim"] = found["dim"]
-            self.manifest["requests"] = found.get("requests") or _new_token()
+            self.manifest["requests"] = found.get("requests") or secrets.token_hex(8)
             if (self.manifest.get("model"), self.manifest["requests"]) != (
                     found.get("model"), found.get("requests")):
                 self._write_manifest()  # the first run did not know its model: now pinned
         else:
-            self.manifest["requests"] = _new_token()
+            self.manifest["requests"] = secrets.token_hex(8)
             self._write_manifest()
-        return {int(p.name[6:12]) for p in self.directory.glob("chunk-??????" + _DONE)}
+        return set(self._numbers(_DONE))
 
     def _check_model(self, stored: dict[str, Any] | None) -> None:
-        """Refuse to resume with another model than the one the saved rows came from.
-
-        Unknown on either side (no config hash yet, or one this user may not
-        read) is not a refusal: the known one is kept, and a vector of another
-        width is still refused when a chunk is written (:func:`_check_widths`).
-        """
+        """Refuse to resume with another model than the saved rows'; unknown on either side
+        keeps the known one (a width change is still refused: :func:`_check_widths`)."""
         current = self.manifest.get("model")
         if stored is None or current is None:
             self.manifest["model"] = current or stored
@@ -304,8 +237,7 @@ class Checkpoint:
             self._lock_file.close()
             self._lock_file = None
             raise ResumeMismatch(
-                f"another tokenq embed is writing {self.output} right now"
-            ) from None
+                f"another tokenq embed is writing {self.output} right now") from None
 
     def close(self) -> None:
         """Release the lock (the directory stays, for a later run to resume)."""
@@ -328,26 +260,20 @@ class Checkpoint:
             self._write_manifest()
 
     def _write_manifest(self) -> None:
-        _atomic_write(self.directory / "manifest.json",
+        _atomic_write(self.directory / _MANIFEST,
                       json.dumps(self.manifest, indent=2).encode())
 
     def write_partial(self, number: int, rows: list[Row]) -> None:
-        """Save the rows of unfinished chunk ``number`` that are back (replacing any
-        saved before), so a resumed run sends only the others."""
-        body = "".join(json.dumps(_row_record(row), ensure_ascii=False) + "\n" for row in rows)
-        _atomic_write(self._chunk(number, _PART), body.encode())
+        """Save the rows of unfinished chunk ``number`` that are back (replacing any before)."""
+        _atomic_write(self._chunk(number, _PART), _json_lines(map(asdict, rows)))
 
     def partial_rows(self, done: set[int]) -> dict[int, dict[int, Row]]:
-        """The rows saved for unfinished chunks, by chunk and input index.
-
-        A saved row that does not belong to its chunk, or cannot be read, is
-        left out (its input is simply sent again); rows saved for a chunk
-        that is done are removed.
-        """
+        """The rows saved for unfinished chunks, by chunk and index (an unreadable or stray
+        row is left out, to be sent again; those of done chunks are removed)."""
         chunk_size = int(self.manifest["chunk_size"])
         out: dict[int, dict[int, Row]] = {}
-        for path in sorted(self.directory.glob("chunk-??????" + _PART)):
-            number = int(path.name[6:12])
+        for number in self._numbers(_PART):
+            path = self._chunk(number, _PART)
             if number in done:
                 path.unlink(missing_ok=True)
                 continue
@@ -366,29 +292,21 @@ class Checkpoint:
         _remove_tree(self.directory)
 
     def write_chunk(self, number: int, rows: list[Row]) -> None:
-        """Store one finished chunk; its ``.done`` marker is written last, then the rows
-        saved for it at an interruption are dropped."""
-        base = self.directory / f"chunk-{number:06d}"
+        """Store one finished chunk, its ``.done`` marker last, then drop its saved rows."""
         _check_widths(rows, self.dim, self.manifest.get("queue"))
-        errors = [_row_json(row) for row in rows if row.error_code is not None]
         if self.format == "npy":
-            _atomic_write(base.with_suffix(".npy"), _npy_bytes(rows, self.dim))
+            _atomic_write(self._chunk(number, ".npy"), _npy_bytes(rows, self.dim))
         else:
-            body = "".join(json.dumps(_row_json(row), ensure_ascii=False) + "\n" for row in rows)
-            _atomic_write(base.with_suffix(".jsonl"), body.encode())
-        _atomic_write(base.with_suffix(".errors.jsonl"),
-                      "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in errors).encode())
-        _atomic_write(base.with_suffix(_DONE), str(len(rows)).encode())
+            _atomic_write(self._chunk(number, ".jsonl"), _json_lines(map(_row_json, rows)))
+        _atomic_write(self._chunk(number, ".errors.jsonl"), _json_lines(
+            _row_json(row) for row in rows if row.error_code is not None))
+        _atomic_write(self._chunk(number, _DONE), str(len(rows)).encode())
         self._chunk(number, _PART).unlink(missing_ok=True)
 
     def assemble(self) -> int:
-        """Join every chunk into OUTPUT (and OUTPUT.errors.jsonl); remove the directory.
-
-        Returns the number of failed rows. The directory is first renamed to
-        :attr:`removing` (atomically: from then on OUTPUT is complete), then
-        removed; a crash anywhere leaves what a rerun finishes.
-        """
-        numbers = sorted(int(p.name[6:12]) for p in self.directory.glob("chunk-??????" + _DONE))
+        """Join every chunk into OUTPUT (and OUTPUT.errors.jsonl); rename the directory to
+        :attr:`removing` (OUTPUT is complete), remove it; return the number of failed rows."""
+        numbers = self._numbers(_DONE)
         if numbers != list(range(len(numbers))):
             raise IncompleteOutput(f"{self.directory} is missing chunks; re-run the same "
                                    "command to finish them")
@@ -402,12 +320,12 @@ class Checkpoint:
             _remove_tree(self.removing, complete=True)
         os.replace(self.directory, self.removing)
         _remove_tree(self.removing, complete=True)
+        self.complete = True
         return failed
 
     def write_skipped(self, skipped: list[int]) -> None:
-        """OUTPUT.skipped.txt for a ``.npy`` output (whose rows carry no index): the
-        indexes of the blank inputs that have no row, one a line; none skipped, no file.
-        Written before :meth:`assemble`, so a complete OUTPUT never has a stale one."""
+        """OUTPUT.skipped.txt for ``.npy`` (rows carry no index): the skipped blank inputs'
+        indexes, one a line (none: no file); before :meth:`assemble`, so never stale."""
         if self.format != "npy":
             return
         path = self.output.with_name(self.output.name + ".skipped.txt")
@@ -418,6 +336,10 @@ class Checkpoint:
 
     def _chunk(self, number: int, suffix: str) -> Path:
         return self.directory / f"chunk-{number:06d}{suffix}"
+
+    def _numbers(self, suffix: str) -> list[int]:
+        """The chunks with a ``suffix`` file, in order."""
+        return sorted(int(p.name[6:12]) for p in self.directory.glob("chunk-??????" + suffix))
 
     def _join_errors(self, numbers: list[int]) -> int:
         errors_path = self.output.with_name(self.output.name + ".errors.jsonl")
@@ -439,12 +361,8 @@ class Checkpoint:
         return lines
 
     def _join_npy(self, numbers: list[int]) -> None:
-        """Stream the chunks into one ``(rows, dim)`` matrix with plain writes.
-
-        Why not a memory map: a full disk under a mapped page is a SIGBUS
-        that kills the process without a word; a plain write fails with
-        ENOSPC, which :func:`_writing` reports.
-        """
+        """Stream the chunks into one ``(rows, dim)`` matrix with plain writes (a full disk
+        under a memory map is a silent SIGBUS; a write's ENOSPC is reported)."""
         import numpy as np
 
         parts = [np.load(self._chunk(n, ".npy"), mmap_mode="r") for n in numbers]
@@ -458,10 +376,6 @@ class Checkpoint:
                 # A chunk whose every input failed before the width was known is (n, 0).
                 block = part if part.shape[1] == dim else np.full((part.shape[0], dim), np.nan)
                 out.write(np.ascontiguousarray(block, dtype="<f4").tobytes())
-
-
-def _new_token() -> str:
-    return secrets.token_hex(8)
 
 
 def _npy_bytes(rows: list[Row], dim: int | None) -> bytes:
@@ -492,15 +406,12 @@ def _row_json(row: Row) -> dict[str, Any]:
     return body
 
 
-def _row_record(row: Row) -> dict[str, Any]:
-    """Every field of a row, for a ``.part.jsonl`` file (read back by :func:`_row_from_record`)."""
-    return {"index": row.index, "id": row.id, "vector": row.vector, "kind": row.kind,
-            "tokens": row.tokens, "error_code": row.error_code,
-            "error_message": row.error_message}
+def _json_lines(records: Iterable[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
 
 
 def _row_from_record(line: bytes) -> Row | None:
-    """A saved row, or None for a line that is not one."""
+    """A ``.part.jsonl`` line's row (written by ``asdict``), or None for a line that is not one."""
     try:
         record = json.loads(line)
         row = Row(int(record["index"]), record.get("id"), record.get("vector"),
@@ -521,8 +432,7 @@ def model_words(identity: dict[str, Any]) -> str:
 
 
 def _check_widths(rows: list[Row], dim: int | None, queue: object) -> None:
-    """Refuse a chunk whose vectors are not all ``dim`` wide: another model answered part of
-    the run (one whose config hash could not be compared)."""
+    """Refuse a chunk whose vectors are not all ``dim`` wide: another model answered."""
     widths = {len(row.vector) for row in rows if row.vector is not None}
     if dim is not None and widths - {dim}:
         raise ResumeMismatch(
@@ -537,14 +447,9 @@ def _compared(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _remove_tree(directory: Path, keep: str | None = None, *, complete: bool = False) -> None:
-    """Remove a checkpoint directory's files (all but ``keep``), then the directory itself.
-
-    The order makes each step safe to stop after: ``.done`` markers first (a
-    chunk's data is never gone while its marker says it is done), then saved
-    rows and the manifest (no stale row outlives the manifest it belongs
-    to), then the rest. In a ``complete`` run's directory (``OUTPUT.removing``)
-    the manifest goes last: while it is there a rerun knows the run is done.
-    """
+    """Remove a checkpoint directory's files (all but ``keep``), then itself, in an order safe
+    to stop after: ``.done`` markers, saved rows, the manifest (last if ``complete``: while
+    it is there a rerun knows the run is done), the rest."""
     def rank(path: Path) -> int:
         name = path.name
         if name == _MANIFEST:
@@ -566,11 +471,8 @@ def _remove_tree(directory: Path, keep: str | None = None, *, complete: bool = F
 
 @contextlib.contextmanager
 def _writing(target: Path, temp: Path) -> Iterator[BinaryIO]:
-    """``temp`` open for writing; synced and renamed to ``target`` when the block ends.
-
-    On any failure ``temp`` is removed, and an OSError (a full disk: ENOSPC,
-    a size limit: EFBIG) becomes :class:`WriteFailed` naming ``target``.
-    """
+    """``temp`` open for writing, synced and renamed to ``target`` at the end; on failure
+    removed, an OSError becoming :class:`WriteFailed` naming ``target``."""
     try:
         with temp.open("wb") as out:
             yield out

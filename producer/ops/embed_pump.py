@@ -1,36 +1,6 @@
-"""The inner loop of ``tokenq embed``: inputs out in groups, rows back into chunks.
-
-Inputs go out in groups of ``--batch-size`` (one ``Client.infer_many`` each,
-one reply key per group) from a small thread pool, so at most
-``--max-in-flight`` inputs are enqueued and unanswered at any time: the
-queue never floods, other producers keep their share, and the workers' token
-budget (not this command) decides how requests are batched on the device.
-An input that cannot be sent (bad JSON, no ``--field``, a blank line under
-``--blank error``) is an error row at once, without a request; a blank input
-under ``--blank skip`` has no row at all (:attr:`Tally.blank` counts it).
-
-Request ids are the checkpoint's token and the input index
-(:func:`~tokenq.producer.ops.embed_io.request_id`), so a resumed run names
-the requests an interrupted one left behind: the enqueue's dedupe writes
-each once, and its reply is read from the key the workers pushed it to.
-Replies are read with ``keep`` and deleted only once their chunk is on disk,
-so a reply an interrupted run read but did not save is still there for the
-next run.
-
-Groups are collected in the order they finish, not the order they were
-sent, so the progress bar moves as results arrive. A chunk of
-``--chunk-size`` inputs is written as soon as the input has moved past it and
-all its rows are back, whatever order they came in. Rows are kept by input
-index, so no input can be written twice, and every state change happens
-inside ``held()``: an interruption (which the caller turns into
-``KeyboardInterrupt``) lands between two of them, never in the middle of
-one, and :meth:`_Chunks.save` can then write what is back.
-
-The first chunk this run works on is checked (:func:`same_failure`): when
-more than half its inputs failed the same way and there is input after it,
-the run stops (:class:`StoppedEarly`) instead of failing the same way a
-million times.
-"""
+"""``tokenq embed``'s loop: inputs out in groups (at most ``--max-in-flight`` unanswered) with
+request ids a resumed run repeats, replies kept until their chunk is on disk, every state
+change inside ``held()`` so an interruption lands between two; a chunk is written once done."""
 
 from __future__ import annotations
 
@@ -40,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from itertools import groupby, islice
 from typing import Any, TypeVar
 
 import redis
@@ -63,8 +34,7 @@ T = TypeVar("T")
 
 _QUEUE_FULL_PAUSE_S = 0.5
 
-Held = Callable[[], AbstractContextManager[None]]
-"""A context in which an interruption waits until the block is done (see embed.py)."""
+Held = Callable[[], AbstractContextManager[None]]  # an interruption waits for the block
 
 
 @dataclass
@@ -74,11 +44,9 @@ class Tally:
     ok: int = 0
     tokens: int = 0
     skipped: int = 0
-    blank: list[int] = field(default_factory=list)
-    """The indexes of the blank inputs skipped (the whole input's, done chunks included)."""
+    blank: list[int] = field(default_factory=list)  # skipped blank inputs, done chunks' too
     failures: Counter[str] = field(default_factory=Counter)
-    example: dict[str, Row] = field(default_factory=dict)
-    """The first failed row of each error code, to show what went wrong."""
+    example: dict[str, Row] = field(default_factory=dict)  # the first failed row of each code
 
     def count(self, rows: Sequence[Row]) -> None:
         for row in rows:
@@ -90,16 +58,10 @@ class Tally:
                 self.example.setdefault(row.error_code, row)
 
 
-THREAD_PREFIX = "tokenq-embed"
-"""The names of the threads that wait for the groups' replies."""
+THREAD_PREFIX = "tokenq-embed"  # the threads that wait for the groups' replies
 SIGNAL_CHECK_S = 0.25
-"""The longest the run waits for a request without returning to Python.
-
-Why not one untimed wait: the kernel may hand Ctrl-C (or SIGTERM) to any
-thread, a request thread or a library's, and Python runs the handler only
-when the main thread next runs bytecode; an untimed wait there is not
-interrupted by a signal another thread took, and the stop waited a
-request's whole --timeout-s (tests/ops/test_signals_any_thread.py)."""
+"""The longest the main thread waits without running Python: a signal another thread took
+runs its handler only then (tests/ops/test_signals_any_thread.py)."""
 
 
 class StoppedEarly(CommandFailed):
@@ -109,11 +71,8 @@ class StoppedEarly(CommandFailed):
 def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: set[int],
          saved: dict[int, dict[int, Row]], fmt: str, tally: Tally, progress: Progress,
          held: Held) -> None:
-    """Send every input not done yet; write each chunk once it is complete.
-
-    On any exception (an interruption, Redis gone) the rows that are back
-    are saved before it propagates, except for :class:`StoppedEarly`.
-    """
+    """Send every input not done yet; write each chunk once complete. On an exception other
+    than :class:`StoppedEarly` (Ctrl-C, Redis gone) the rows back are saved first."""
     threads = max(1, settings.max_in_flight // settings.batch_size)
     outstanding: dict[Future[list[Row]], int] = {}
     token = checkpoint.token
@@ -158,7 +117,8 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
                 new = chunks.sent(number, group)
                 tally.skipped += len(group) - len(new)
                 progress.advance(len(group) - len(new))
-                bad = [_bad_row(item) for item in new if item.text is None]
+                bad = [Row(item.index, item.id, error_code="bad_input", error_message=item.problem)
+                       for item in new if item.text is None]
                 tally.count(bad)
                 progress.advance(len(bad))
                 chunks.received(number, bad)
@@ -189,9 +149,8 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
 
 
 def answered(futures: Iterable[Future[T]]) -> list[Future[T]]:
-    """The futures that finished with a result: not running, not failed, and not
-    cancelled (an interruption cancels the groups not yet sent, and asking a
-    cancelled future for its exception raises)."""
+    """The futures that finished with a result (asking a cancelled one for its exception
+    raises)."""
     return [f for f in futures if f.done() and not f.cancelled() and f.exception() is None]
 
 
@@ -202,23 +161,17 @@ class _Chunks:
     def __init__(self, checkpoint: Checkpoint, saved: dict[int, dict[int, Row]],
                  chunk_size: int, forget: Callable[[list[int]], None]) -> None:
         self.checkpoint = checkpoint
-        self.forget = forget
-        """Delete the kept replies of these inputs (once their rows are on disk)."""
+        self.forget = forget  # delete the kept replies of inputs whose rows are on disk
         self.chunk_size = chunk_size
         self.rows: dict[int, dict[int, Row]] = {n: dict(rows) for n, rows in saved.items()}
         self.expected: dict[int, int] = {n: len(rows) for n, rows in saved.items()}
-        self.current: int | None = -1
-        """The chunk the input is at: -1 before the first line, None past the last."""
-        self.first: int | None = None
-        """The first chunk this run works on: the one :func:`same_failure` judges."""
+        self.current: int | None = -1  # the input's chunk: -1 before the first, None past
+        self.first: int | None = None  # this run's first chunk, the one judged
         self.judged = False
 
     def reached(self, number: int | None) -> None:
-        """The input is now at chunk ``number`` (None: at its end); earlier ones are closed.
-
-        Leaving the first chunk with input still to come judges what is known
-        of it already: the inputs that could not even be sent.
-        """
+        """The input is now at chunk ``number`` (None: its end); earlier ones are closed, and
+        leaving the first with input to come judges the inputs that could not be sent."""
         if number == self.current:
             return
         left, self.current = self.current, number
@@ -280,32 +233,21 @@ class _Chunks:
 
 
 def same_failure(rows: Sequence[Row], size: int) -> tuple[int, Row] | None:
-    """(how many, the first of them) when more than half of a chunk of ``size`` inputs
-    failed the same way; else None.
-
-    "The same way" is the error code, and for ``bad_input`` the kind of
-    problem (``no non-empty string field 'text'``, ``not JSON``, ...),
-    whose details differ from line to line.
-    """
+    """(how many, the first of them) when more than half of a chunk of ``size`` inputs failed
+    the same way (the error code; for ``bad_input`` the problem's kind); else None."""
     kinds: Counter[tuple[str, str]] = Counter()
     first: dict[tuple[str, str], Row] = {}
     for row in sorted(rows, key=lambda row: row.index):
         if row.error_code is None:
             continue
-        kind = (row.error_code, _problem_kind(row))
+        problem = (row.error_message or "").split(":", 1)[0]  # its kind, without details
+        kind = (row.error_code, problem if row.error_code == "bad_input" else "")
         kinds[kind] += 1
         first.setdefault(kind, row)
     if not kinds:
         return None
     kind, failed = kinds.most_common(1)[0]
     return (failed, first[kind]) if failed * 2 > size else None
-
-
-def _problem_kind(row: Row) -> str:
-    """What kind of ``bad_input`` a row is (its message up to any detail), else ""."""
-    if row.error_code != "bad_input":
-        return ""
-    return (row.error_message or "").split(":", 1)[0]
 
 
 def _learn_dim(checkpoint: Checkpoint, rows: Any) -> None:
@@ -319,31 +261,15 @@ def _learn_dim(checkpoint: Checkpoint, rows: Any) -> None:
 def _groups(items: Iterator[Item], chunk_size: int,
             batch_size: int) -> Iterator[tuple[int, list[Item]]]:
     """(chunk number, group) in input order; a group never spans two chunks."""
-    group: list[Item] = []
-    number = 0
-    for item in items:
-        item_chunk = item.index // chunk_size
-        if group and (item_chunk != number or len(group) >= batch_size):
+    for number, chunk in groupby(items, lambda item: item.index // chunk_size):
+        while group := list(islice(chunk, batch_size)):
             yield number, group
-            group = []
-        number = item_chunk
-        group.append(item)
-    if group:
-        yield number, group
-
-
-def _bad_row(item: Item) -> Row:
-    return Row(item.index, item.id, error_code="bad_input", error_message=item.problem)
 
 
 def _infer_group(client: Client, items: list[Item], token: str,
                  settings: EmbedSettings, written_as: dict[int, str]) -> list[Row]:
-    """One enqueue call for the group; per-input rows, never an exception for a single bad
-    input (only Redis being down propagates).
-
-    Each request carries ``--timeout-s`` as its deadline, so after an
-    interruption the workers drop, unrun, whatever they have not reached by then.
-    """
+    """One enqueue for the group (each with ``--timeout-s`` as its deadline); a row per input,
+    an exception only for Redis being down."""
     sent = [(request_id(token, item.index), item.text or "") for item in items]
     ids, outcomes = _infer_many(client, sent, settings)
     written_as.update((item.index, written) for item, written in zip(items, ids, strict=True))
@@ -352,11 +278,8 @@ def _infer_group(client: Client, items: list[Item], token: str,
 
 def _infer_many(client: Client, sent: list[tuple[str, str]],
                 settings: EmbedSettings) -> tuple[list[str], list[Any]]:
-    """Enqueue (request id, text) pairs and wait for their replies (kept on their keys:
-    see the module's docstring), waiting out QueueFull, isolating inputs the client refuses.
-
-    Returns the ids as enqueued (on a sharded queue, ``<shard>.<id>``) and the outcomes.
-    """
+    """Enqueue (request id, text) pairs, waiting out QueueFull and isolating inputs the client
+    refuses; (the ids as enqueued, ``<shard>.<id>`` when sharded; the kept replies)."""
     ids = [request_id for request_id, _ in sent]
     pause = _QUEUE_FULL_PAUSE_S
     while True:
@@ -381,13 +304,13 @@ def _row(item: Item, outcome: Any) -> Row:
             return Row(item.index, item.id, vector=list(outcome.embedding), tokens=outcome.tokens)
         return Row(item.index, item.id, vector=list(outcome.scores or ()), kind="scores",
                    tokens=outcome.tokens)
-    if isinstance(outcome, RemoteError):
-        return Row(item.index, item.id, error_code=outcome.code, error_message=str(outcome))
-    if isinstance(outcome, ReplyTimeout):
-        return Row(item.index, item.id, error_code="timeout", error_message=str(outcome))
     if isinstance(outcome, (BrokerUnavailable, redis.RedisError)):
         raise outcome  # Redis itself failing stops the run (resumable), not one input
-    if isinstance(outcome, BadRequest):  # refused before enqueueing (InputTooLong: too_long)
+    if isinstance(outcome, RemoteError):
+        code = outcome.code
+    elif isinstance(outcome, ReplyTimeout):
+        code = "timeout"
+    elif isinstance(outcome, BadRequest):  # refused before enqueueing (InputTooLong: too_long)
         code = str(getattr(outcome, "code", "bad_request"))
     else:
         code = type(outcome).__name__

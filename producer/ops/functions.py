@@ -1,18 +1,11 @@
-"""``tokenq functions load``: put tokenq's Lua functions on a Redis where producers start first.
-
-A producer under the documented ACL (docs/SECURITY.md) may ``FCALL`` tokenq's
-functions but not load them, so someone trusted must: a worker does at
-start; this command does it for deployments whose producers start before any
-worker, and before a rolling upgrade's new producers (each version's library
-has its own name, so the old one keeps serving the old producers). ``show``
-prints the names, for other languages' producers and for ACL reviews.
-"""
+"""``tokenq functions load``: load tokenq's Lua functions where producers start before any
+worker (an ACL'd producer may FCALL but not load them); ``show`` prints their names."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenq.producer.ops.snapshot import connect
+from tokenq.producer.ops.snapshot import connection
 from tokenq.shared import functions, lua_scripts
 from tokenq.shared.cli import run_command
 from tokenq.shared.failures import CommandFailed
@@ -35,11 +28,8 @@ def run(settings: FunctionsSettings) -> int:
         for short, name in library.functions.items():
             print(f"{short}\t{name}")
         return 0
-    client = connect(settings.redis_url, settings.socket_timeout_s)
-    try:
+    with connection(settings.redis_url, settings.socket_timeout_s, []) as client:
         loaded = functions.load(client, missing_ok=True)
-    finally:
-        client.close()
     if loaded is None:
         raise CommandFailed("this Redis has no Functions (Redis < 7): tokenq runs its "
                             "scripts by EVALSHA there, and there is nothing to load")

@@ -1,27 +1,6 @@
-"""Dead letters: read them, put them back on the queue, or delete them.
-
-A worker moves a request it could not answer after ``max_deliveries`` to
-``keys.dead(q)`` with its original fields plus ``dead_error_code``,
-``dead_error``, ``dead_worker``, ``dead_deliveries``, ``dead_at_ms`` and
-``dead_source_id`` (the format is :mod:`tokenq.shared.dead_letter`'s).
-Retrying re-adds the original fields to the request stream and deletes the
-letter in one Lua script (``dlq_retry.lua``), so a letter is never lost or
-doubled, and the queue's length limit still holds.
-
-A letter whose fields the worker cut to its byte cap carries
-``dead_truncated`` (the names cut, comma-separated): it is no longer the
-request its producer wrote, so retrying skips it and leaves it in place.
-
-``retry(ids=None)`` works on a snapshot: it stops at the dead stream's last
-id as of its start, so letters that die again while it runs (or any written
-meanwhile) are left for the next retry instead of being re-read forever.
-
-A sharded queue's letters are in each lane's own dead stream
-(``tokenq:{q:k}:dead``, and the plain ``tokenq:{q}:dead``), and each goes
-back onto its own lane's request stream, where its ``reply_to`` and id
-belong. Entry ids are per stream, so there a letter is named with its lane
-(:class:`Lanes`): ``<shard>/<entry id>``, or ``plain/<entry id>``.
-"""
+"""Dead letters: read, retry (``dlq_retry.lua``: re-add the request's own fields and delete
+the letter atomically, within the length limit; truncated letters stay) or delete them, lane
+by lane; ``retry(ids=None)`` stops at the dead stream's last id as of its start."""
 
 from __future__ import annotations
 
@@ -33,26 +12,22 @@ from typing import Any
 
 import redis
 
+from tokenq.producer.ops.snapshot import pipelined
 from tokenq.shared import functions, keys, lua_scripts
 from tokenq.shared.dead_letter import DeadLetter, parse_letter
 from tokenq.shared.errors import QueueFull
+from tokenq.shared.redis_text import as_text
 from tokenq.shared.text import plural
 
 _PAGE = 100
 _MAX_U64 = (1 << 64) - 1
-
-
+# A Python bytes literal (``b'9'``, ``b"\\xff"``), as some workers' messages quote a field.
 _BYTES_LITERAL = re.compile(r"""(?<![\w'"])b('(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*")""")
-"""A Python bytes literal (``b'9'``, ``b"\\xff"``), as some workers' messages quote a field."""
 
 
 def reason_text(reason: str | None) -> str | None:
-    """Why a letter died, as text a person reads: every bytes literal in it becomes its
-    UTF-8 text (``b'9'`` becomes ``'9'``, undecodable bytes U+FFFD).
-
-    Why here: a worker's message may quote a raw field with Python's repr,
-    and an operator should not have to decode ``b'\\xe2\\x80\\xa6'`` by hand.
-    """
+    """Why a letter died, each bytes literal in it as its UTF-8 text (``b'9'`` becomes
+    ``'9'``, undecodable bytes U+FFFD), so no one decodes ``b'\\xe2\\x80\\xa6'`` by hand."""
     if reason is None:
         return None
 
@@ -91,25 +66,16 @@ class RetryOutcome:
     """What :func:`retry` did, letter by letter (dead-stream entry ids)."""
 
     moved: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    """Named ids the dead stream does not hold (or that are not stream ids at all)."""
-    vanished: list[str] = field(default_factory=list)
-    """``--all`` only: letters deleted by someone else between being listed and moved."""
-    skipped: dict[str, str] = field(default_factory=dict)
-    """Letters left in the dead stream, id -> why: truncated (fields cut), or no fields."""
-    last_id: str | None = None
-    """``--all``: the snapshot's end, the dead stream's last id when the retry started."""
-    full: str | None = None
-    """Why it stopped early: a page would have overfilled the queue (pages before it moved)."""
+    missing: list[str] = field(default_factory=list)  # named ids not there (or not ids)
+    vanished: list[str] = field(default_factory=list)  # --all: deleted by someone meanwhile
+    skipped: dict[str, str] = field(default_factory=dict)  # left in place, id -> why
+    last_id: str | None = None  # --all: the dead stream's last id when the retry started
+    full: str | None = None  # why it stopped early: a page would have overfilled the queue
 
 
 def entry_id(text: str) -> str | None:
-    """``text`` as a complete stream id (``ms-seq``; a bare ``ms`` means ``ms-0``), or None.
-
-    Only complete ids are sent to Redis: ``XRANGE`` reads a bare ``ms`` as a
-    range of entries while ``XDEL`` reads it as ``ms-0``, and anything else is
-    an error reply.
-    """
+    """``text`` as a complete stream id (a bare ``ms`` means ``ms-0``), or None: XRANGE
+    would read a bare ``ms`` as a range, XDEL as ``ms-0``."""
     ms, dash, seq = text.strip().partition("-")
     if not dash:
         seq = "0"
@@ -133,12 +99,7 @@ def resolve_ids(ids: Sequence[str]) -> tuple[list[str], list[str]]:
     return wanted, invalid
 
 
-PLAIN = "plain"
-"""The lane part of a letter's name on the plain ``{q}`` of a sharded queue (``plain/<id>``).
-
-Not ``-`` (the table's shard column for it): a word starting with ``-``
-after ``--id`` would be read as a flag.
-"""
+PLAIN = "plain"  # a letter's lane on a sharded queue's plain {q} (``-`` would read as a flag)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,14 +112,8 @@ class Target:
 
 @dataclass(frozen=True, slots=True)
 class Lanes:
-    """A queue's lanes (:func:`tokenq.shared.keys.lanes_of`), and how ``tokenq dlq`` names
-    the letters in them.
-
-    Why names: entry ids are per stream, so two lanes may each hold a letter
-    ``1700000000000-0``. In a sharded queue a letter is ``<shard>/<entry id>``
-    (``plain/<entry id>`` on the plain ``{q}``); in an unsharded one it is
-    its entry id, as it always was.
-    """
+    """A queue's lanes, and the letters' names: entry ids are per stream, so in a sharded
+    queue a letter is ``<shard>/<entry id>`` (``plain/<entry id>``), else its entry id."""
 
     queue: keys.QueueRef
     all: tuple[keys.QueueRef, ...]
@@ -174,8 +129,8 @@ class Lanes:
         return f"{PLAIN if lane.shard is None else lane.shard}/{entry}"
 
     def where(self, key: Callable[[keys.QueueRef], str]) -> str:
-        """The lanes' ``key`` (``keys.dead``, ...) for a summary line: ``tokenq:{q}:dead``,
-        or ``tokenq:{q:0}:dead … tokenq:{q:2}:dead and tokenq:{q}:dead``."""
+        """The lanes' ``key`` for a summary: ``tokenq:{q:0}:dead … tokenq:{q:2}:dead and
+        tokenq:{q}:dead``, or the one key."""
         if not self.sharded:
             return key(self.queue)
         *shards, plain = self.all
@@ -183,20 +138,15 @@ class Lanes:
         return f"{key(shards[0])}{between}{key(shards[-1])} and {key(plain)}"
 
     def target(self, word: str) -> Target | str:
-        """The letter ``word`` names, or ``word`` with why it names none (for the report).
-
-        In a sharded queue a bare entry id names whichever lane holds it
-        (:func:`place` looks); ``<shard>/<id>`` and ``plain/<id>`` name one lane.
-        """
+        """The letter ``word`` names (a bare id in a sharded queue: lane None, whichever
+        holds it), or ``word`` with why it names none."""
         head, slash, tail = word.partition("/")
-        if not (self.sharded and slash):
-            normal = entry_id(word)
-            if normal is None:
-                return f"{word} (not a stream entry id)"
-            return Target(None if self.sharded else self.queue, normal)
-        normal = entry_id(tail)
+        named = self.sharded and slash
+        normal = entry_id(tail if named else word)
         if normal is None:
             return f"{word} (not a stream entry id)"
+        if not named:
+            return Target(None if self.sharded else self.queue, normal)
         lane = self._lane(head.strip())
         if lane is None:
             return f"{word} (no such shard: the queue has shards 0-{len(self.all) - 2} and plain)"
@@ -227,50 +177,26 @@ class Lanes:
         return self.all[int(text)]
 
 
-def count(r: redis.Redis, q: keys.QueueRef) -> int:
-    return int(r.xlen(keys.dead(q)))
-
-
 def counts(r: redis.Redis, lanes: Lanes) -> dict[keys.QueueRef, int]:
     """Each lane's number of dead letters (one pipeline)."""
-    with r.pipeline(transaction=False) as pipe:
-        for lane in lanes.all:
-            pipe.xlen(keys.dead(lane))
-        found = pipe.execute()
+    found = pipelined(r, lambda pipe, lane: pipe.xlen(keys.dead(lane)), lanes.all)
     return {lane: int(n) for lane, n in zip(lanes.all, found, strict=True)}
 
 
-def list_letters(
-    r: redis.Redis, q: keys.QueueRef, *, limit: int, ids: Sequence[str] = ()
-) -> list[DeadLetter]:
-    """The oldest ``limit`` dead letters, or the ones named by ``ids`` (complete ids)."""
-    if ids:
-        return [letter for _, letter in read_letters(r, [(q, one) for one in ids])]
-    entries: list[tuple[bytes, Any]] = r.xrange(  # type: ignore[assignment]
-        keys.dead(q), "-", "+", count=limit)  # redis-py: bytes | str | None; these are bytes
-    return [parse_letter(i, f) for i, f in entries]
-
-
-def read_letters(
-    r: redis.Redis, where: Sequence[tuple[keys.QueueRef, str]]
-) -> list[tuple[keys.QueueRef, DeadLetter]]:
+def read_letters(r: redis.Redis, where: Sequence[tuple[keys.QueueRef, str]]
+                 ) -> list[tuple[keys.QueueRef, DeadLetter]]:
     """The letters at each ``(lane, complete entry id)`` that holds one, in order (one pipeline)."""
     if not where:
         return []
-    with r.pipeline(transaction=False) as pipe:
-        for lane, one in where:
-            pipe.xrange(keys.dead(lane), one, one)
-        found = pipe.execute()
+    found = pipelined(r, lambda pipe, at: pipe.xrange(keys.dead(at[0]), at[1], at[1]), where)
     return [(lane, parse_letter(i, f))
             for (lane, _), entries in zip(where, found, strict=True) for i, f in entries]
 
 
 def oldest(r: redis.Redis, lanes: Lanes, limit: int) -> list[tuple[keys.QueueRef, DeadLetter]]:
     """The ``limit`` oldest letters of all the lanes together (by entry id time; then lane)."""
-    with r.pipeline(transaction=False) as pipe:
-        for lane in lanes.all:
-            pipe.xrange(keys.dead(lane), "-", "+", count=limit)
-        found = pipe.execute()
+    found = pipelined(r, lambda pipe, lane: pipe.xrange(keys.dead(lane), "-", "+", count=limit),
+                      lanes.all)
     merged = [(_id_order(i), at, lane, parse_letter(i, f))
               for at, (lane, entries) in enumerate(zip(lanes.all, found, strict=True))
               for i, f in entries]
@@ -283,48 +209,28 @@ def _id_order(raw: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-@dataclass(slots=True)
-class Placed:
-    """The named letters by lane (:func:`place`), and the bare ids that name no one letter."""
-
-    ids: dict[keys.QueueRef, list[str]] = field(default_factory=dict)
-    missing: list[str] = field(default_factory=list)
-    """Bare ids no lane holds."""
-    ambiguous: dict[str, list[str]] = field(default_factory=dict)
-    """Bare id -> the names of the letters (one per lane) it could mean."""
+Placed = tuple[dict[keys.QueueRef, list[str]], list[str], dict[str, list[str]]]
 
 
-def place(r: redis.Redis, lanes: Lanes, targets: Sequence[Target]) -> Placed:
-    """Each target's lane: a bare id (sharded queues only) is looked up in every lane.
-
-    One found in several lanes is ambiguous and placed nowhere: retrying or
-    purging a letter the operator did not mean cannot be undone.
-    """
-    bare = [pair for target in targets if target.lane is None
-            for pair in lanes.candidates(target)]
-    holders: dict[str, list[keys.QueueRef]] = {}
-    for lane, letter in read_letters(r, bare):
-        holders.setdefault(letter.entry_id, []).append(lane)
-    placed = Placed()
+def place(lanes: Lanes, targets: Sequence[Target], found: set[tuple[keys.QueueRef, str]], *,
+          named_found: bool = False) -> Placed:
+    """Each target's lane among the ``found`` (lane, entry id) pairs (``named_found``: a
+    target with a lane is there): (ids by lane; names found nowhere; bare id -> the names
+    of the letters in several lanes, placed nowhere: a wrong letter cannot be undone)."""
     by_lane: dict[keys.QueueRef, list[str]] = {}
+    missing: list[str] = []
+    ambiguous: dict[str, list[str]] = {}
     for target in targets:
-        where = [target.lane] if target.lane is not None else holders.get(target.entry_id, [])
+        where = [lane for lane, one in lanes.candidates(target)
+                 if (named_found and target.lane is not None) or (lane, one) in found]
         if not where:
-            placed.missing.append(target.entry_id)
+            missing.append(target.entry_id if target.lane is None
+                           else lanes.name(target.lane, target.entry_id))
         elif len(where) > 1:
-            placed.ambiguous[target.entry_id] = [lanes.name(one, target.entry_id)
-                                                 for one in where]
+            ambiguous[target.entry_id] = [lanes.name(lane, target.entry_id) for lane in where]
         else:
             by_lane.setdefault(where[0], []).append(target.entry_id)
-    placed.ids = {lane: by_lane[lane] for lane in lanes.all if lane in by_lane}
-    return placed
-
-
-def last_id(r: redis.Redis, q: keys.QueueRef) -> str | None:
-    """The dead stream's newest entry id, or None when it is empty."""
-    newest: list[tuple[bytes, Any]] = r.xrevrange(  # type: ignore[assignment]  # as in _pages
-        keys.dead(q), "+", "-", count=1)
-    return newest[0][0].decode() if newest else None
+    return {lane: by_lane[lane] for lane in lanes.all if lane in by_lane}, missing, ambiguous
 
 
 def _pages(r: redis.Redis, q: keys.QueueRef, end: str) -> Iterator[list[str]]:
@@ -342,27 +248,17 @@ def _pages(r: redis.Redis, q: keys.QueueRef, end: str) -> Iterator[list[str]]:
         start = "(" + entries[-1][0].decode()
 
 
-def retry(
-    r: redis.Redis,
-    q: keys.QueueRef,
-    ids: Sequence[str] | None,
-    *,
-    max_queue_length: int,
-    drop_deadline: bool = False,
-    until_full: bool = False,
-) -> RetryOutcome:
-    """Re-enqueue the named letters (``ids=None``: every letter there when it starts).
-
-    Truncated letters are skipped and stay in the dead stream. Raises
-    :class:`QueueFull` when a page would push the queue past
-    ``max_queue_length``; pages already moved stay moved. With ``until_full``
-    a full queue ends it with ``outcome.full`` set instead of raising, so a
-    sharded queue's retry still counts what that lane moved before it filled.
-    """
+def retry(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None, *, max_queue_length: int,
+          drop_deadline: bool = False, until_full: bool = False) -> RetryOutcome:
+    """Re-enqueue the named letters (``ids=None``: every letter there when it starts); a page
+    that would pass ``max_queue_length`` raises :class:`QueueFull` (earlier pages stay moved),
+    or with ``until_full`` ends it with ``outcome.full`` set."""
     script = functions.Function(r, "dlq_retry")  # dlq_retry.lua, by FCALL
     outcome = RetryOutcome()
     if ids is None:
-        outcome.last_id = last_id(r, q)
+        newest: list[tuple[bytes, Any]] = r.xrevrange(  # type: ignore[assignment]  # as in _pages
+            keys.dead(q), "+", "-", count=1)
+        outcome.last_id = newest[0][0].decode() if newest else None
         pages: Iterator[list[str]] = iter(()) if outcome.last_id is None else _pages(
             r, q, outcome.last_id)
     else:
@@ -376,9 +272,10 @@ def retry(
             full = lua_scripts.parse_queue_full(str(exc))
             if full is None:
                 raise
-            outcome.full = (
-                f"{_lane_words(q)} holds {full.length} of at most {full.limit} requests; "
-                f"moved {plural(len(outcome.moved), 'dead letter')} before it filled")
+            lane = "" if q.shard is None else f"shard {q.shard} of "  # the limit is per lane
+            outcome.full = (f"{lane}queue {q.name!r} holds {full.length} of at most "
+                            f"{full.limit} requests; moved "
+                            f"{plural(len(outcome.moved), 'dead letter')} before it filled")
             if not until_full:
                 raise QueueFull(outcome.full) from None
             return outcome
@@ -394,11 +291,6 @@ def retry(
     return outcome
 
 
-def _lane_words(q: keys.QueueRef) -> str:
-    """``queue 'q'``, or ``shard 2 of queue 'q'``: the limit holds per lane."""
-    return f"queue {q.name!r}" if q.shard is None else f"shard {q.shard} of queue {q.name!r}"
-
-
 def _skip_reason(answer: list[bytes]) -> str:
     kind = answer[0].decode(errors="replace") if answer else ""
     detail = answer[1].decode(errors="replace") if len(answer) > 1 else ""
@@ -408,19 +300,14 @@ def _skip_reason(answer: list[bytes]) -> str:
     return "it holds no request fields, only dead_* ones: nothing to put back"
 
 
-def purge(
-    r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None
-) -> tuple[int, list[str]]:
-    """Delete the named letters (``ids=None``: the whole dead stream).
-
-    Returns how many were deleted and the named ids that were not there.
-    """
+def purge(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None) -> tuple[int, list[str]]:
+    """Delete the named letters (``ids=None``: the whole dead stream): (how many, the named
+    ids not there)."""
     if ids is None:
         dead = keys.dead(q)
 
         def drop(pipe: redis.client.Pipeline) -> None:
-            kind = pipe.type(dead)
-            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            kind = as_text(pipe.type(dead))
             if kind not in ("stream", "none"):  # never DEL what is not a dead stream
                 raise redis.ResponseError(
                     f"WRONGTYPE {dead} is a {kind}, not a stream: not deleted")

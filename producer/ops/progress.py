@@ -1,79 +1,59 @@
-"""The progress bar of ``tokenq embed``: rich if installed, else tqdm, else none.
-
-It always draws on **stderr**: stdout stays free for whatever a script pipes
-on, and the bar never lands in a file the operator redirected stdout to.
-The caller advances it as results arrive, whichever group they belong to.
-"""
+"""``tokenq embed``'s progress bar, on stderr (stdout stays free for pipes): rich if
+installed, else tqdm, else none."""
 
 from __future__ import annotations
 
 import sys
-from typing import Protocol
+from collections.abc import Callable
 
 
-class Progress(Protocol):
-    """What ``embed`` needs of a bar: count inputs done, and stop drawing."""
+class Progress:
+    """Counts inputs done into a bar's ``update``; without one it draws nothing."""
 
-    def advance(self, n: int) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class _NoProgress:
-    def advance(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _RichProgress:
-    def __init__(self, total: int | None) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-        from rich.progress import Progress as Bar
-
-        self._bar = Bar(TextColumn("embed"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), TimeRemainingColumn(), transient=False,
-                        console=Console(stderr=True))
-        self._task = self._bar.add_task("embed", total=total)
-        self._bar.start()
+    def __init__(self, update: Callable[[int], object] | None = None,
+                 close: Callable[[], object] | None = None) -> None:
+        self._update, self._close = update, close
 
     def advance(self, n: int) -> None:
-        if n:
-            self._bar.advance(self._task, n)
+        if n and self._update is not None:
+            self._update(n)
 
     def close(self) -> None:
-        self._bar.stop()
+        if self._close is not None:
+            self._close()
 
 
-class _TqdmProgress:
-    def __init__(self, total: int | None) -> None:
-        from tqdm import tqdm
+def _rich(total: int | None) -> Progress:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+    from rich.progress import Progress as Bar
 
-        self._bar = tqdm(total=total, unit="input", desc="embed", file=sys.stderr)
+    bar = Bar(TextColumn("embed"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+              TimeRemainingColumn(), transient=False, console=Console(stderr=True))
+    task = bar.add_task("embed", total=total)
+    bar.start()
+    return Progress(lambda n: bar.advance(task, n), bar.stop)
 
-    def advance(self, n: int) -> None:
-        if n:
-            self._bar.update(n)
 
-    def close(self) -> None:
-        self._bar.close()
+def _tqdm(total: int | None) -> Progress:
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="input", desc="embed", file=sys.stderr)
+    return Progress(bar.update, bar.close)
 
 
 def progress_bar(total: int | None, enabled: bool) -> Progress:
     """A bar over ``total`` inputs (None: unknown, as for stdin); ``--no-progress``: none."""
-    if not enabled:
-        return _NoProgress()
-    for kind in (_RichProgress, _TqdmProgress):
-        try:
-            return kind(total)
-        except ImportError:
-            continue
-    return _NoProgress()
+    if enabled:
+        for kind in (_rich, _tqdm):
+            try:
+                return kind(total)
+            except ImportError:
+                continue
+    return Progress()

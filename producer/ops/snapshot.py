@@ -1,22 +1,13 @@
-"""What ``tokenq stats`` and ``tokenq top`` see: one read-only snapshot of the queues.
-
-Everything here is plain Redis reads (SCAN, XLEN, XINFO, XPENDING, HGETALL,
-EXISTS) turned into JSON-ready dicts, so the text view, the live view and
-``--json`` all show the same numbers, and a test can assert on them. The
-document's fields are listed in docs/OPERATIONS.md; keep the two in step
-(``SNAPSHOT_VERSION`` goes up when a field changes meaning or goes away).
-
-Each lane of a sharded queue (``{q:0}`` …, and the plain ``{q}``) is a row
-of its own; the document's ``totals`` adds one aggregate per sharded queue
-(:func:`queue_totals`), and is left out when no queue is sharded.
-"""
+"""What ``tokenq stats`` and ``top`` see: one read-only snapshot of the queues as JSON-ready
+dicts (fields in docs/OPERATIONS.md: keep in step, bump ``SNAPSHOT_VERSION`` when one changes
+meaning). Each lane is a row; ``totals`` sums each sharded queue (absent when none is)."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import redis
@@ -38,13 +29,9 @@ SNAPSHOT_VERSION = 1
 
 
 def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
-    """A bytes-in, bytes-out client for operator commands (short timeouts, no retries).
-
-    A URL that cannot be parsed (a port that is not a number, ...) is a
-    :class:`UsageError` naming the flag. A single server or Sentinel is not
-    connected until the first command; a cluster is, to learn its topology,
-    and a cluster that does not answer is a :class:`CommandFailed`.
-    """
+    """A bytes client for operator commands (short timeouts, no retries). A bad URL is a
+    :class:`UsageError`; a cluster connects at once, and one that does not answer is a
+    :class:`CommandFailed`."""
     try:
         return sync_client_for(  # type: ignore[return-value]  # a cluster answers the same
             redis_url,
@@ -61,9 +48,8 @@ def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
 
 
 @contextlib.contextmanager
-def connection(
-    redis_url: str, socket_timeout_s: float, queues: Iterable[keys.QueueRef]
-) -> Iterator[redis.Redis]:
+def connection(redis_url: str, socket_timeout_s: float,
+               queues: Iterable[keys.QueueRef]) -> Iterator[redis.Redis]:
     """:func:`connect` for one command: closed at the end, and a Redis failure inside
     leaves as the operator's one line (:func:`explain`; a WRONGTYPE names the key)."""
     r = connect(redis_url, socket_timeout_s)
@@ -76,12 +62,8 @@ def connection(
 
 
 def redis_now(r: redis.Redis) -> float:
-    """Redis's clock (``TIME``), in Unix seconds.
-
-    Stream ids and the times Redis stamps are on this clock, so ages computed
-    from them are right even when the operator's host clock is off. A user
-    whose ACL refuses ``TIME`` falls back to the local clock.
-    """
+    """Redis's clock (``TIME``, the one stream ids are on), in Unix seconds; the local
+    clock where the ACL refuses ``TIME``."""
     try:
         seconds, micros = r.time()
     except redis.ResponseError:
@@ -89,25 +71,25 @@ def redis_now(r: redis.Redis) -> float:
     return int(seconds) + int(micros) / 1e6
 
 
-# The type each of a queue's keys must have (for naming the culprit of a WRONGTYPE).
-def queue_key_types(q: keys.QueueRef) -> dict[str, str]:
-    return {keys.requests(q): "stream", keys.dead(q): "stream", keys.workers(q): "hash",
-            keys.config(q): "hash"}
-
-
 def wrong_type_keys(r: redis.Redis, queues: Iterable[keys.QueueRef]) -> list[str]:
     """``"KEY is a T, not a U"`` for each of the queues' keys that has the wrong type."""
     expected: dict[str, str] = {}
     for q in queues:
-        expected.update(queue_key_types(q))
+        expected.update({keys.requests(q): "stream", keys.dead(q): "stream",
+                         keys.workers(q): "hash", keys.config(q): "hash"})
     names = list(expected)
-    with r.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.type(name)
-        found = [as_text(kind) for kind in pipe.execute()]
+    found = [as_text(kind) for kind in pipelined(r, lambda pipe, name: pipe.type(name), names)]
     return [f"{name} is a {kind}, not a {expected[name]}"
             for name, kind in zip(names, found, strict=True)
             if kind not in ("none", expected[name])]
+
+
+def pipelined(r: redis.Redis, call: Callable[[Any, Any], object], items: Iterable[Any]) -> list:
+    """``call(pipe, item)`` for each item, in one round trip: the replies, in order."""
+    with r.pipeline(transaction=False) as pipe:
+        for item in items:
+            call(pipe, item)
+        return pipe.execute()
 
 
 def explain(exc: redis.RedisError, r: redis.Redis, queues: Iterable[keys.QueueRef],
@@ -127,16 +109,9 @@ def explain(exc: redis.RedisError, r: redis.Redis, queues: Iterable[keys.QueueRe
 
 
 def queue_lanes(r: redis.Redis, q: keys.QueueRef) -> tuple[keys.QueueRef, ...]:
-    """Every lane queue ``q`` is served on: ``(q,)``, or its shards and then the plain ``{q}``.
-
-    The shard count is the one its workers publish as ``shards`` in the
-    plain ``{q}``'s config hash, where producers learn it too; absent or
-    unreadable (not a count, or the key not a hash) means 1. Shards retired
-    by a smaller count that still have a stream (draining, or holding dead
-    letters) are lanes too, up to the count ``shards_served`` records
-    (docs/OPERATIONS.md, "Changing K"). The one place the operator commands
-    look them up.
-    """
+    """Every lane ``q`` is served on: ``(q,)``, or its shards then the plain ``{q}``, by the
+    ``shards`` its workers publish (absent or unreadable: 1), plus retired shards that still
+    have a stream, up to ``shards_served`` (docs/OPERATIONS.md, "Changing K")."""
     shards = _count(r, keys.config(q), "shards") or 1
     lanes = keys.lanes_of(q, shards)
     served = _count(r, keys.shards_served(q))
@@ -182,18 +157,10 @@ def queue_label(q: keys.QueueRef) -> str:
 
 
 def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str = "") -> dict:
-    """The whole ``tokenq stats --json`` document for ``queues``.
+    """The whole ``tokenq stats --json`` document for ``queues``, timed on Redis's clock.
 
-    Ages (oldest pending entry, heartbeat age) and ``at`` are on Redis's
-    clock (``TIME``), never the operator's: see :func:`redis_now`.
-
-    A queue (lane) that Redis refuses to read — a key of the wrong type,
-    written by another program under tokenq's prefix, or an ACL that denies
-    its keys — is listed under ``unreadable`` with the operator's message
-    naming the key, and every other queue is still shown: one stray key
-    must not hide the whole deployment. A Redis that cannot be reached at
-    all still fails the whole command.
-    """
+    A lane Redis refuses to read (a wrong-type key, an ACL) goes under ``unreadable``,
+    naming the key, and the rest are still shown; an unreachable Redis fails it all."""
     now = redis_now(r)
     rows: list[dict[str, Any]] = []
     unreadable: list[dict[str, Any]] = []
@@ -211,7 +178,6 @@ def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str 
         "redis_url": redact_url(redis_url) if redis_url else "",
         "queues": rows,
     }
-    # Each left out when empty, so a plain snapshot reads as it always did.
     sharded = queue_totals(rows)
     if sharded:
         doc["totals"] = sharded
@@ -226,8 +192,7 @@ def unreadable_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def report_unreadable(prog: str, doc: dict[str, Any]) -> int:
-    """After the readable queues were shown: name each unreadable one on stderr; the
-    command's status (1 if there was any, else 0)."""
+    """Name each unreadable queue on stderr; the status: 1 if there was any, else 0."""
     lines = unreadable_lines(doc)
     for line in lines:
         print(f"{prog}: {line}", file=sys.stderr)
@@ -244,8 +209,7 @@ def queue_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
-    """A sharded queue as a whole: its lanes' depths and dead letters summed, and its
-    workers counted once each, however many lanes' heartbeat hashes list them."""
+    """A sharded queue as a whole: its lanes summed, each worker counted once."""
     measured = total([Depth(lane["length"], lane["pending"], lane["lag"], lane["lag_exact"])
                       for lane in lanes])
     workers = _distinct_workers(lanes)
@@ -352,16 +316,10 @@ def _consumers(r: redis.Redis, stream: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda c: c["name"])
 
 
-def _workers(
-    r: redis.Redis, q: keys.QueueRef, now: float
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Live workers (heartbeat entry and liveness key) and the names of gone ones.
-
-    A heartbeat row whose liveness key ``tokenq:{q}:worker:<name>`` is gone
-    (its worker died without deregistering; live workers prune such rows) is
-    not a worker: it is left out of ``workers`` and the totals and listed by
-    name in ``stale_workers``, as is a row that cannot be decoded.
-    """
+def _workers(r: redis.Redis, q: keys.QueueRef,
+             now: float) -> tuple[list[dict[str, Any]], list[str]]:
+    """Live workers (heartbeat row and liveness key) and the names of the rest: rows whose
+    liveness key expired (died without deregistering) or that cannot be decoded."""
     beats = r.hgetall(keys.workers(q))
     names = sorted(as_text(name) for name in beats)
     if not names:
@@ -382,10 +340,7 @@ def live_names(r: redis.Redis, q: keys.QueueRef, names: Iterable[str]) -> set[st
     names = list(names)
     if not names:
         return set()
-    with r.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.exists(keys.worker_alive(q, name))
-        alive = pipe.execute()
+    alive = pipelined(r, lambda pipe, name: pipe.exists(keys.worker_alive(q, name)), names)
     return {name for name, is_alive in zip(names, alive, strict=True) if is_alive}
 
 
@@ -399,30 +354,21 @@ def _decode_beat(raw: object) -> Heartbeat | None:
         return None
 
 
+_COPIED = ("host", "pid", "model", "max_batch_tokens", "configured_batch_tokens",
+           "max_batch_size", "buffered", "requests_ok", "requests_failed", "batches", "tokens",
+           "padded_tokens", "oom_splits")
+
+
 def _worker_view(name: str, beat: Heartbeat, now: float) -> dict[str, Any]:
-    """One live worker's entry of the snapshot."""
-    # ``at`` is the worker's own clock: heartbeat_age_s is only as right as the
-    # worker's clock agrees with Redis's (``now``).
+    """One live worker's entry (``at`` is on the worker's clock, ``now`` on Redis's)."""
     at = beat.at or now
     started = beat.started_at or at
     uptime = max(at - started, 1e-9)
     running = at > started
     return {
         "consumer": name,
-        "host": beat.host,
-        "pid": beat.pid,
-        "model": beat.model,
-        "max_batch_tokens": beat.max_batch_tokens,
-        "configured_batch_tokens": beat.configured_batch_tokens,
-        "max_batch_size": beat.max_batch_size,
-        "buffered": beat.buffered,
-        "requests_ok": beat.requests_ok,
-        "requests_failed": beat.requests_failed,
-        "batches": beat.batches,
-        "tokens": beat.tokens,
-        "padded_tokens": beat.padded_tokens,
+        **{field: getattr(beat, field) for field in _COPIED},
         "device_ms": round(beat.device_ms, 3),
-        "oom_splits": beat.oom_splits,
         "padding_efficiency": ratio(beat.tokens, beat.padded_tokens),
         "uptime_s": round(max(at - started, 0.0), 3),
         "requests_per_s": round(beat.requests / uptime, 3) if running else 0.0,
@@ -437,15 +383,11 @@ _SUMMED = ("requests_ok", "requests_failed", "batches", "tokens", "padded_tokens
 
 
 def _totals(workers: list[dict[str, Any]]) -> dict[str, Any]:
-    totals: dict[str, Any] = {name: 0 for name in _SUMMED}
-    for worker in workers:
-        for name in _SUMMED:
-            totals[name] += worker[name]
-    totals["workers"] = len(workers)
+    totals: dict[str, Any] = {name: sum(w[name] for w in workers) for name in _SUMMED}
     totals["requests_per_s"] = round(totals["requests_per_s"], 3)
     totals["tokens_per_s"] = round(totals["tokens_per_s"], 3)
-    totals["padding_efficiency"] = ratio(totals["tokens"], totals["padded_tokens"])
-    return totals
+    return {**totals, "workers": len(workers),
+            "padding_efficiency": ratio(totals["tokens"], totals["padded_tokens"])}
 
 
 _COUNTERS = ("requests_ok", "requests_failed", "batches", "tokens", "padded_tokens",
@@ -453,11 +395,7 @@ _COUNTERS = ("requests_ok", "requests_failed", "batches", "tokens", "padded_toke
 
 
 def heartbeat_counters(r: redis.Redis, q: keys.QueueRef) -> dict[str, dict[str, float]]:
-    """Each heartbeat entry's cumulative counters (and ``at``), by consumer name.
-
-    ``tokenq embed`` and ``tokenq top`` subtract two of these to report what
-    the workers did in between.
-    """
+    """Each heartbeat's cumulative counters (and ``at``) by consumer, for deltas."""
     out: dict[str, dict[str, float]] = {}
     for name, raw in r.hgetall(keys.workers(q)).items():
         beat = _decode_beat(raw)
@@ -469,15 +407,10 @@ def heartbeat_counters(r: redis.Redis, q: keys.QueueRef) -> dict[str, dict[str, 
     return out
 
 
-def counter_delta(
-    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
-) -> dict[str, float | None]:
-    """Summed counter increase between two :func:`heartbeat_counters` readings.
-
-    A worker that appeared in between counts from zero; one that left (its
-    entry is deleted at a clean exit) is missing from ``after`` and its last
-    part is lost, so the delta is a lower bound.
-    """
+def counter_delta(before: dict[str, dict[str, float]], after: dict[str,
+                  dict[str, float]]) -> dict[str, float | None]:
+    """Summed counter increase between two :func:`heartbeat_counters` readings; a lower
+    bound (a new worker counts from zero, a worker that left is lost)."""
     total = {field: 0.0 for field in _COUNTERS}
     for name, counters in after.items():
         base = before.get(name, {})
@@ -486,47 +419,31 @@ def counter_delta(
     return {**total, "padding_efficiency": ratio(total["tokens"], total["padded_tokens"])}
 
 
-class Unreachable(CommandFailed):
-    """Redis could not be reached or refused a read; the message is for the operator."""
-
-
-class UnknownQueue(CommandFailed):
-    """``--queue`` names a queue that has no key at all: most likely a typo."""
-
-
 def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str,
                   socket_timeout_s: float | None = None) -> dict:
-    """Discover (or take, with every lane) the queues and snapshot them; a failure is one
-    operator-facing error, and a named queue with no keys is :class:`UnknownQueue`."""
+    """Discover (or take, with every lane) the queues and snapshot them; a failure is the
+    operator's one-line :class:`CommandFailed`."""
     queues: list[keys.QueueRef] = [keys.QueueRef(queue, prefix)] if queue else []
     try:
         if queue:  # every lane of a sharded queue, as SCAN would find them
-            queues = sorted(queue_lanes(r, queues[0]), key=lane_order)
-            if not any(has_keys(r, lane) for lane in queues):
-                raise UnknownQueue(unknown_queue_message(r, queues[0].name, prefix))
+            queues = sorted(known_lanes(r, queues[0]), key=lane_order)
         else:
             queues = discover_queues(r, prefix)
         return snapshot(r, queues, redis_url=redis_url)
     except redis.RedisError as exc:
-        raise Unreachable(str(explain(exc, r, queues, redis_url, socket_timeout_s))) from exc
+        raise explain(exc, r, queues, redis_url, socket_timeout_s) from exc
 
 
-def has_keys(r: redis.Redis, lane: keys.QueueRef) -> bool:
-    """Whether any key tokenq keeps for a queue exists: its stream (a worker's consumer
-    group makes it, empty), config hash, heartbeat hash or dead letters.
-
-    Why ask at all: the snapshot of a queue with no keys is an empty queue,
-    which is also what a misspelt ``--queue`` looks like. One EXISTS per lane,
-    its keys in one slot, so it works on a Cluster.
-    """
-    return bool(r.exists(keys.requests(lane), keys.config(lane), keys.workers(lane),
-                         keys.dead(lane)))
-
-
-def unknown_queue_message(r: redis.Redis, name: str, prefix: str) -> str:
-    """The operator's line for a queue with no keys, naming the queues that do exist."""
-    known = sorted({q.name for q in discover_queues(r, prefix)})
+def known_lanes(r: redis.Redis, q: keys.QueueRef) -> tuple[keys.QueueRef, ...]:
+    """:func:`queue_lanes`; a :class:`CommandFailed` naming the queues there are when no lane
+    has a key (else a misspelt ``--queue`` would look like an empty queue)."""
+    lanes = queue_lanes(r, q)
+    if any(r.exists(keys.requests(lane), keys.config(lane), keys.workers(lane), keys.dead(lane))
+           for lane in lanes):  # one EXISTS per lane, its keys in one slot
+        return lanes
+    known = sorted({found.name for found in discover_queues(r, q.prefix)})
     there = f"queues under it: {', '.join(known)}" if known else "no queue has keys under it"
-    return (f"queue {name!r} has no keys under prefix {prefix!r} (no request stream, config, "
-            f"workers or dead letters; nothing has served or enqueued to it): check --queue "
-            f"and --prefix; {there}")
+    raise CommandFailed(
+        f"queue {q.name!r} has no keys under prefix {q.prefix!r} (no request stream, config, "
+        f"workers or dead letters; nothing has served or enqueued to it): check --queue and "
+        f"--prefix; {there}")

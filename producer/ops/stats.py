@@ -1,25 +1,14 @@
-"""``tokenq stats``: one look at every queue: backlog, workers, dead letters.
-
-The numbers come from :mod:`tokenq.producer.ops.snapshot`; this module only
-prints them, as aligned text or (``--json``) the stable document described
-in docs/OPERATIONS.md. A sharded queue is a block per lane, then one that
-sums them (:func:`in_display_order`). A queue Redis refuses to read is named
-on stderr, after the others are shown, and the command exits 1.
-"""
+"""``tokenq stats``: every queue's backlog, workers and dead letters, as aligned text or
+(``--json``) the document of docs/OPERATIONS.md; a sharded queue is a block per lane, then
+their sum. Queues Redis refuses to read are named on stderr after the rest (exit 1)."""
 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tokenq.producer.ops.snapshot import (
-    Unreachable,
-    connect,
-    read_snapshot,
-    report_unreadable,
-)
+from tokenq.producer.ops.snapshot import connection, read_snapshot, report_unreadable
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import StatsSettings
 from tokenq.shared.text import percent
@@ -30,15 +19,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def stats(settings: StatsSettings) -> int:
-    r = connect(settings.redis_url, settings.socket_timeout_s)
-    try:
+    with connection(settings.redis_url, settings.socket_timeout_s, []) as r:
         doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url,
                             settings.socket_timeout_s)
-    except Unreachable as exc:
-        print(f"tokenq stats: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        r.close()
     if settings.as_json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     elif doc["queues"] or not doc.get("unreadable"):
@@ -55,8 +38,8 @@ def render_text(doc: dict[str, Any]) -> str:
 
 
 def in_display_order(doc: dict[str, Any]) -> Iterator[tuple[bool, dict[str, Any]]]:
-    """(whether it is a whole sharded queue, its entry): each lane's row, and after the
-    last lane of a sharded queue its entry of ``totals``."""
+    """(whether it is a sharded queue's sum, its entry): each lane's row, each sharded
+    queue's ``totals`` entry after its last lane."""
     wholes = {whole["queue"]: whole for whole in doc.get("totals", [])}
     rows = doc["queues"]
     for at, row in enumerate(rows):
@@ -101,9 +84,8 @@ def backlog(q: dict[str, Any]) -> str:
 
 
 def unserved_line(q: dict[str, Any]) -> str | None:
-    """``no live worker: N waiting`` for a queue (lane) holding requests with no live worker;
-    else None. Live is the producer's rule (a workers-hash row whose liveness key is set),
-    the one behind a timeout's "no live worker serves queue ..."."""
+    """``no live worker: N waiting`` for a queue (lane) holding requests and no live worker
+    (the producer's rule: a workers-hash row whose liveness key is set); else None."""
     if q["length"] and not q["totals"]["workers"]:
         return f"no live worker: {q['length']:,} waiting"
     return None

@@ -1,20 +1,6 @@
-"""``tokenq top``: ``tokenq stats`` redrawn every ``--interval-s`` until Ctrl-C.
-
-Where ``stats`` shows each worker's lifetime averages, ``top`` shows rates
-over the last refresh (from the difference of two heartbeats), which is what
-an operator watching a backlog drain wants.
-
-Three ways out, for three kinds of reader:
-
-* a terminal: the live table (needs ``rich``: ``pip install 'tokenq[cli]'``);
-* ``--once``, or a stdout that is not a terminal (``tokenq top | less``, a
-  script, a log): one frame of the table and exit, since a redraw means
-  nothing to a pipe and nothing would ever be shown;
-* ``--json``: one snapshot per refresh, each a line of JSON (the ``stats
-  --json`` document, each worker with its recent rates) flushed as it is
-  written, until Ctrl-C or the reader goes away; with ``--once``, one line
-  and exit. Needs no ``rich``.
-"""
+"""``tokenq top``: ``tokenq stats`` with each worker's rates over the last refresh, redrawn
+every ``--interval-s`` on a terminal (needs rich); ``--once`` or a pipe: one frame;
+``--json``: one snapshot a line, flushed, until Ctrl-C (needs no rich)."""
 
 from __future__ import annotations
 
@@ -26,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokenq.producer.ops.snapshot import (
-    Unreachable,
     connect,
     read_snapshot,
     report_unreadable,
@@ -41,6 +26,7 @@ from tokenq.producer.ops.stats import (
     worker_row,
 )
 from tokenq.shared.cli import run_command, silence_stdout
+from tokenq.shared.flags import UsageError
 from tokenq.shared.settings import TopSettings
 
 Rates = dict[tuple[str, str], tuple[float, float]]
@@ -63,9 +49,6 @@ def top(settings: TopSettings) -> int:
         if settings.as_json:
             return _json_lines(settings, snapshot)
         return _table(settings, snapshot)
-    except Unreachable as exc:
-        print(f"tokenq top: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 0
     finally:
@@ -92,13 +75,13 @@ def _table(settings: TopSettings, snapshot: Callable[[], tuple[dict[str, Any], R
         from rich.console import Console
         from rich.live import Live
     except ImportError:
-        print("tokenq top: needs the rich package: pip install 'tokenq[cli]' (or use --json)",
-              file=sys.stderr)
-        return 2
-    terminal = sys.stdout.isatty()
-    console = Console(width=frame_width())
+        raise UsageError("needs the rich package: pip install 'tokenq[cli]' "
+                         "(or use --json)") from None
+    # COLUMNS, else the terminal's width; neither (a pipe, a terminal reporting no size):
+    # unbounded, where rich lays a table out at its own width, not cropped to a guess of 80.
+    console = Console(width=shutil.get_terminal_size(fallback=(0, 0)).columns or 100_000)
     doc, rates = snapshot()
-    if settings.once or not terminal:
+    if settings.once or not sys.stdout.isatty():
         console.print(render(doc, rates, with_unreadable=False))
         return report_unreadable("tokenq top", doc)
     with Live(render(doc, rates), console=console, auto_refresh=False) as live:
@@ -107,24 +90,7 @@ def _table(settings: TopSettings, snapshot: Callable[[], tuple[dict[str, Any], R
             live.update(render(*snapshot()), refresh=True)
 
 
-UNSERVED_STYLE = "bold yellow"
-"""How ``top`` marks a queue with requests waiting and no live worker (red is for the
-queues Redis refused to read)."""
-
-_UNBOUNDED = 100_000
-"""The width "no limit" is drawn at: rich lays a table out at its own width within it."""
-
-
-def frame_width() -> int:
-    """The width to draw at: ``COLUMNS`` when set, else the terminal's own width.
-
-    Where neither says (a pipe: ``tokenq top | less``; a terminal that reports
-    no size, as some ``docker exec -t`` sessions do), nothing is there to fit,
-    so the table keeps its own width rather than being cropped to a guess
-    (rich's fallback is 80).
-    """
-    columns = shutil.get_terminal_size(fallback=(0, 0)).columns
-    return columns if columns > 0 else _UNBOUNDED
+UNSERVED_STYLE = "bold yellow"  # requests waiting, no live worker (red: unreadable queues)
 
 
 class RecentRates:
@@ -155,26 +121,18 @@ class RecentRates:
 def with_rates(doc: dict[str, Any], rates: Rates) -> dict[str, Any]:
     """The snapshot with each worker's ``recent_requests_per_s`` and ``recent_tokens_per_s``
     (null until two of its heartbeats have been seen)."""
-    queues = []
-    for q in doc["queues"]:
-        workers = []
-        for w in q["workers"]:
-            recent = rates.get((q["label"], w["consumer"]))
-            workers.append({
-                **w,
-                "recent_requests_per_s": None if recent is None else round(recent[0], 3),
-                "recent_tokens_per_s": None if recent is None else round(recent[1], 3),
-            })
-        queues.append({**q, "workers": workers})
-    return {**doc, "queues": queues}
+    def recent(q: dict[str, Any], w: dict[str, Any]) -> dict[str, Any]:
+        rate = rates.get((q["label"], w["consumer"]))
+        return {**w, "recent_requests_per_s": None if rate is None else round(rate[0], 3),
+                "recent_tokens_per_s": None if rate is None else round(rate[1], 3)}
+
+    return {**doc, "queues": [{**q, "workers": [recent(q, w) for w in q["workers"]]}
+                              for q in doc["queues"]]}
 
 
 def render(doc: dict[str, Any], rates: Rates, *, with_unreadable: bool = True) -> Any:
-    """One frame: a table per queue (per lane), and a line summing each sharded queue.
-
-    The live view shows the queues Redis refused to read in the frame
-    itself; a single frame leaves them to stderr (``with_unreadable=False``).
-    """
+    """One frame: a table per queue (lane), a line summing each sharded queue, and (unless
+    ``with_unreadable`` is False: a single frame leaves them to stderr) unreadable queues."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -187,28 +145,24 @@ def render(doc: dict[str, Any], rates: Rates, *, with_unreadable: bool = True) -
         parts.append(Text("no tokenq queues found"))
     for whole, q in in_display_order(doc):
         head = f"queue {q['label']}  {backlog(q)}"
-        unserved = unserved_line(q)
         if whole:  # a sharded queue's sum: its workers are in its lanes' tables
             parts.append(Text(head, style="bold"))
-            if unserved is not None:
-                parts.append(Text(unserved, style=UNSERVED_STYLE))
-            continue
-        table = Table(title=head, title_justify="left", expand=False)
-        for column in WORKER_COLUMNS:
-            table.add_column(
-                column, justify="left" if column in {"worker", "host"} else "right",
-                no_wrap=True, min_width=len(column),
-            )
-        for w in q["workers"]:
-            cells = list(worker_row(w))
-            recent = rates.get((q["label"], w["consumer"]))
-            if recent is not None:  # recent rates instead of lifetime averages
-                cells[5], cells[6] = f"{recent[0]:.1f}", f"{recent[1]:.0f}"
-            table.add_row(*cells)
-        parts.append(table)
+        else:
+            table = Table(title=head, title_justify="left", expand=False)
+            for column in WORKER_COLUMNS:
+                table.add_column(column, justify="left" if column in {"worker", "host"}
+                                 else "right", no_wrap=True, min_width=len(column))
+            for w in q["workers"]:
+                cells = list(worker_row(w))
+                recent = rates.get((q["label"], w["consumer"]))
+                if recent is not None:  # recent rates instead of lifetime averages
+                    cells[5], cells[6] = f"{recent[0]:.1f}", f"{recent[1]:.0f}"
+                table.add_row(*cells)
+            parts.append(table)
+        unserved = unserved_line(q)
         if unserved is not None:
             parts.append(Text(unserved, style=UNSERVED_STYLE))
-        if q["stale_workers"]:
+        if not whole and q["stale_workers"]:
             parts.append(Text(gone_line(q), style="dim"))
     return Group(*parts)
 
