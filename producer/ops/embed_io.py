@@ -42,10 +42,6 @@ class WriteFailed(CommandFailed):
     """A file could not be written (full disk, size limit, read-only): named, no temp left."""
 
 
-class IncompleteOutput(CommandFailed):
-    """Chunks are missing from the partial results when they should all be there (exit 1)."""
-
-
 @dataclass(frozen=True, slots=True)
 class Item:
     """One input: its text, or why it has none (``blank``: only whitespace)."""
@@ -308,7 +304,7 @@ class Checkpoint:
         :attr:`removing` (OUTPUT is complete), remove it; return the number of failed rows."""
         numbers = self._numbers(_DONE)
         if numbers != list(range(len(numbers))):
-            raise IncompleteOutput(f"{self.directory} is missing chunks; re-run the same "
+            raise CommandFailed(f"{self.directory} is missing chunks; re-run the same "
                                    "command to finish them")
         failed = self._join_errors(numbers)
         if self.format == "npy":

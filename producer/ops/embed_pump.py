@@ -85,7 +85,12 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
     items = read_items(settings.file, fmt, settings.field, settings.id_field)
     pool = ThreadPoolExecutor(threads, thread_name_prefix=THREAD_PREFIX)
 
-    def take(finished: set[Future[list[Row]]]) -> None:
+    def settle(block: bool) -> None:
+        finished = {future for future in outstanding if future.done()}
+        while block and outstanding and not finished:
+            finished, _ = wait(outstanding, timeout=SIGNAL_CHECK_S, return_when=FIRST_COMPLETED)
+        if not finished:
+            return
         with held():
             for future in finished:
                 number = outstanding.pop(future)
@@ -93,13 +98,6 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
                 tally.count(rows)
                 progress.advance(len(rows))
                 chunks.received(number, rows)
-
-    def settle(block: bool) -> None:
-        finished = {future for future in outstanding if future.done()}
-        while block and outstanding and not finished:
-            finished, _ = wait(outstanding, timeout=SIGNAL_CHECK_S, return_when=FIRST_COMPLETED)
-        if finished:
-            take(finished)
 
     try:
         for number, group in _groups(items, settings.chunk_size, settings.batch_size):
@@ -133,17 +131,14 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
             chunks.reached(None)
         while outstanding:
             settle(block=True)
-    except StoppedEarly:
+    except BaseException as exc:
         pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    except BaseException:
-        # Ctrl-C, SIGTERM or Redis gone: keep what is back, leave the rest out there.
-        pool.shutdown(wait=False, cancel_futures=True)
-        with held():
-            chunks.judged = True  # no verdict now: what is back is saved, whatever it is
-            for future in answered(outstanding):
-                chunks.received(outstanding.pop(future), future.result())
-            chunks.save()
+        if not isinstance(exc, StoppedEarly):  # Ctrl-C, SIGTERM, Redis gone: keep what is back
+            with held():
+                chunks.judged = True  # no verdict now: what is back is saved, whatever it is
+                for future in answered(outstanding):
+                    chunks.received(outstanding.pop(future), future.result())
+                chunks.save()
         raise
     pool.shutdown()
 

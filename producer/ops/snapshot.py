@@ -34,11 +34,8 @@ def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
     :class:`CommandFailed`."""
     try:
         return sync_client_for(  # type: ignore[return-value]  # a cluster answers the same
-            redis_url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            client_name="tokenq-ops",
-        )
+            redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+            client_name="tokenq-ops")
     except ValueError as exc:
         raise UsageError(f"--redis-url (TOKENQ_REDIS_URL) {redact_url(redis_url)}: {exc}") from None
     except (redis.RedisError, redis.RedisClusterException) as exc:
@@ -304,15 +301,10 @@ def entry_ms(entry_id: bytes | str) -> int:
 
 
 def _consumers(r: redis.Redis, stream: str) -> list[dict[str, Any]]:
-    out = []
-    for consumer in r.xinfo_consumers(stream, keys.GROUP):
-        inactive = consumer.get("inactive")
-        out.append({
-            "name": as_text(consumer.get("name")),
-            "pending": int(consumer.get("pending") or 0),
-            "idle_ms": int(consumer.get("idle") or 0),
-            "inactive_ms": None if inactive is None else int(inactive),
-        })
+    out = [{"name": as_text(c.get("name")), "pending": int(c.get("pending") or 0),
+            "idle_ms": int(c.get("idle") or 0),
+            "inactive_ms": None if c.get("inactive") is None else int(c["inactive"])}
+           for c in r.xinfo_consumers(stream, keys.GROUP)]
     return sorted(out, key=lambda c: c["name"])
 
 
