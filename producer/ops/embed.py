@@ -267,10 +267,9 @@ def _settled_counters(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, floa
     """Heartbeat counters once every live worker has beaten again since the run ended (each
     ``at`` compared with the same worker's; gives up after a few seconds)."""
     deadline = time.monotonic() + _HEARTBEAT_WAIT_S
-    at_end = heartbeat_counters(ops, q)
-    waiting = {name: c["at"] for name, c in at_end.items()
-               if name in live_names(ops, q, at_end)}
-    after = at_end
+    after = heartbeat_counters(ops, q)
+    alive = live_names(ops, q, after)
+    waiting = {name: c["at"] for name, c in after.items() if name in alive}
     while waiting and time.monotonic() < deadline:
         time.sleep(0.2)
         after = heartbeat_counters(ops, q)

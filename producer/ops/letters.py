@@ -48,16 +48,10 @@ def letter_json(letter: DeadLetter) -> dict[str, Any]:
         for name, value in letter.request.items()
     }
     return {
-        "entry_id": letter.entry_id,
-        "request_id": letter.request_id,
-        "error_code": letter.error_code,
-        "error": reason_text(letter.error),
-        "worker": letter.worker,
-        "deliveries": letter.deliveries,
-        "at_ms": letter.at_ms,
-        "source_id": letter.source_id,
-        "truncated": letter.truncated,
-        "request": request,
+        "entry_id": letter.entry_id, "request_id": letter.request_id,
+        "error_code": letter.error_code, "error": reason_text(letter.error),
+        "worker": letter.worker, "deliveries": letter.deliveries, "at_ms": letter.at_ms,
+        "source_id": letter.source_id, "truncated": letter.truncated, "request": request,
     }
 
 
@@ -183,8 +177,10 @@ def counts(r: redis.Redis, lanes: Lanes) -> dict[keys.QueueRef, int]:
     return {lane: int(n) for lane, n in zip(lanes.all, found, strict=True)}
 
 
-def read_letters(r: redis.Redis, where: Sequence[tuple[keys.QueueRef, str]]
-                 ) -> list[tuple[keys.QueueRef, DeadLetter]]:
+Letters = list[tuple[keys.QueueRef, DeadLetter]]  # each with its lane
+
+
+def read_letters(r: redis.Redis, where: Sequence[tuple[keys.QueueRef, str]]) -> Letters:
     """The letters at each ``(lane, complete entry id)`` that holds one, in order (one pipeline)."""
     if not where:
         return []
@@ -193,7 +189,7 @@ def read_letters(r: redis.Redis, where: Sequence[tuple[keys.QueueRef, str]]
             for (lane, _), entries in zip(where, found, strict=True) for i, f in entries]
 
 
-def oldest(r: redis.Redis, lanes: Lanes, limit: int) -> list[tuple[keys.QueueRef, DeadLetter]]:
+def oldest(r: redis.Redis, lanes: Lanes, limit: int) -> Letters:
     """The ``limit`` oldest letters of all the lanes together (by entry id time; then lane)."""
     found = pipelined(r, lambda pipe, lane: pipe.xrange(keys.dead(lane), "-", "+", count=limit),
                       lanes.all)

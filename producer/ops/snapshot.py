@@ -169,12 +169,8 @@ def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str 
                 raise  # Redis's own state (loading, busy): the whole command's failure
             unreadable.append({"queue": q.name, "shard": q.shard, "label": queue_label(q),
                                "error": str(explain(exc, r, [q], redis_url))})
-    doc = {
-        "version": SNAPSHOT_VERSION,
-        "at": round(now, 3),
-        "redis_url": redact_url(redis_url) if redis_url else "",
-        "queues": rows,
-    }
+    doc = {"version": SNAPSHOT_VERSION, "at": round(now, 3),
+           "redis_url": redact_url(redis_url) if redis_url else "", "queues": rows}
     sharded = queue_totals(rows)
     if sharded:
         doc["totals"] = sharded
@@ -214,15 +210,11 @@ def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
     oldest = [lane["oldest_pending_ms"] for lane in lanes if lane["oldest_pending_ms"] is not None]
     shards = sum(1 for lane in lanes if lane["shard"] is not None)
     return {
-        "queue": name,
-        "label": f"{name} ({plural(shards, 'shard')})",
-        "shards": shards,
+        "queue": name, "label": f"{name} ({plural(shards, 'shard')})", "shards": shards,
         "lanes": [lane["label"] for lane in lanes],
-        "length": measured.length,
-        "pending": measured.pending,
+        "length": measured.length, "pending": measured.pending,
         "oldest_pending_ms": max(oldest) if oldest else None,
-        "lag": measured.lag,
-        "lag_exact": measured.lag_exact,
+        "lag": measured.lag, "lag_exact": measured.lag_exact,
         "dead": sum(lane["dead"] for lane in lanes),
         "stale_workers": sorted({n for lane in lanes for n in lane["stale_workers"]} - live),
         "totals": _totals(workers),
@@ -250,21 +242,13 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
                      reported_lag=group.get("lag") if group else None)
     workers, stale = _workers(r, q, now)
     return {
-        "queue": q.name,
-        "shard": q.shard,
-        "label": queue_label(q),
-        "stream": stream,
-        "length": length,
-        "pending": pending,
-        "oldest_pending_ms": oldest_pending_ms,
-        "lag": measured.lag,
-        "lag_exact": measured.lag_exact,
+        "queue": q.name, "shard": q.shard, "label": queue_label(q), "stream": stream,
+        "length": length, "pending": pending, "oldest_pending_ms": oldest_pending_ms,
+        "lag": measured.lag, "lag_exact": measured.lag_exact,
         "dead": int(r.xlen(keys.dead(q))),
         "group": group is not None,
         "consumers": _consumers(r, stream) if group is not None else [],
-        "workers": workers,
-        "stale_workers": stale,
-        "totals": _totals(workers),
+        "workers": workers, "stale_workers": stale, "totals": _totals(workers),
         "config": {k.decode(): v.decode(errors="replace")  # type: ignore[union-attr]  # bytes
                    for k, v in r.hgetall(keys.config(q)).items()},
     }

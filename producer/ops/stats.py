@@ -67,9 +67,8 @@ def _queue_block(q: dict[str, Any]) -> str:
     if q["stale_workers"]:
         lines.append(f"  {gone_line(q)}")
     if q["consumers"]:
-        consumers = ", ".join(
-            f"{c['name']} (pending {c['pending']}, idle {c['idle_ms']}ms)" for c in q["consumers"]
-        )
+        consumers = ", ".join(f"{c['name']} (pending {c['pending']}, idle {c['idle_ms']}ms)"
+                              for c in q["consumers"])
         lines.append(f"  consumers: {consumers}")
     return "\n".join(lines)
 
@@ -116,6 +115,6 @@ def worker_row(w: dict[str, Any]) -> tuple[str, ...]:
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> str:
     widths = [max(len(str(c)), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True))
+             for r in (columns, *rows)]
     return f"\n{indent}".join(line.rstrip() for line in lines)
