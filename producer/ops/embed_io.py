@@ -256,8 +256,7 @@ class Checkpoint:
             self._write_manifest()
 
     def _write_manifest(self) -> None:
-        _atomic_write(self.directory / _MANIFEST,
-                      json.dumps(self.manifest, indent=2).encode())
+        _atomic_write(self.directory / _MANIFEST, json.dumps(self.manifest, indent=2).encode())
 
     def write_partial(self, number: int, rows: list[Row]) -> None:
         """Save the rows of unfinished chunk ``number`` that are back (replacing any before)."""
@@ -305,7 +304,7 @@ class Checkpoint:
         numbers = self._numbers(_DONE)
         if numbers != list(range(len(numbers))):
             raise CommandFailed(f"{self.directory} is missing chunks; re-run the same "
-                                   "command to finish them")
+                                "command to finish them")
         failed = self._join_errors(numbers)
         if self.format == "npy":
             self._join_npy(numbers)
