@@ -10,7 +10,6 @@ from collections.abc import Collection, Iterator
 
 Entry = tuple[float, int]
 """(virtual arrival, sequence): the line's order; sequences are unique."""
-
 SLACK = 64
 """Removed entries tolerated beyond the live count before the list is rebuilt."""
 

@@ -12,7 +12,6 @@ from tokenq.shared.redis_text import as_text
 
 PREFIX = "dead_"
 """Every field a letter adds to the request's starts with this, and no other does."""
-
 ERROR_CODE = "dead_error_code"
 ERROR = "dead_error"
 WORKER = "dead_worker"
@@ -21,19 +20,14 @@ AT_MS = "dead_at_ms"
 SOURCE_ID = "dead_source_id"
 DEATH_FIELDS = (ERROR_CODE, ERROR, WORKER, DELIVERIES, AT_MS, SOURCE_ID)
 """The fields every letter carries, in the order they are written."""
-
 TRUNCATED = "dead_truncated"
 """Names the fields a letter cut to stay within its caps (comma-separated)."""
-
 MAX_LETTER_FIELDS = 256
 """Most of an entry's own fields a dead letter keeps (publish.lua's XADD is on Lua's stack)."""
-
 MAX_TRUNCATED_NAMES = 16
 """Most field names ``dead_truncated`` lists; any further cut is counted as ``+N more``."""
-
 _MAX_NAME_BYTES = 64
 _PREFIX_BYTES = PREFIX.encode()
-
 Field = tuple[bytes | str, bytes | str]
 
 

@@ -15,7 +15,6 @@ EXIT_FATAL = 4
 """The worker itself failed: the device was lost (a sticky CUDA error) or an internal error."""
 EXIT_INTERRUPTED = 130
 """Interrupted (Ctrl-C): the shell's 128 + SIGINT."""
-
 MEANINGS: dict[int, str] = {
     EXIT_OK: "clean stop",
     EXIT_FAILED: "error",

@@ -21,10 +21,8 @@ import redis.cluster
 from tokenq.shared import lua_scripts
 
 T = TypeVar("T")
-
 ENQUEUE_FUNCTION_FIELD = "enqueue_function"
 """The config hash field in which workers name the enqueue function (docs/PROTOCOL.md)."""
-
 _NOT_FOUND = "Function not found"
 _NO_FCALL = re.compile(r"unknown command [`']fcall|no permissions to run the 'fcall(_ro)?' command",
                        re.IGNORECASE)

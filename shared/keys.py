@@ -35,12 +35,9 @@ from dataclasses import dataclass
 
 GROUP = "workers"
 """The consumer group every worker of a queue reads through."""
-
 DEFAULT_PREFIX = "tokenq"
-
 MAX_SHARDS = 256
 """The most shards a queue may have (a Cluster has 16384 slots; far more than nodes)."""
-
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 

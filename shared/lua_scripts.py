@@ -20,7 +20,6 @@ from pathlib import Path
 
 QUEUE_FULL = "QUEUEFULL"
 """First word of the error a script answers when entries would not fit in the queue."""
-
 _INCLUDE = re.compile(r"-- tokenq:include (?P<name>[\w.-]+\.lua)\b.*")
 
 
@@ -38,11 +37,6 @@ def assemble(source: str) -> str:
     """``source`` with every fragment in place: spliced at each include line, and each
     copy (an include line … ``-- tokenq:end <name>``) replaced by the current fragment."""
     return _expand(source, splice=True)[0]
-
-
-def copies_stale(source: str) -> list[str]:
-    """The fragments ``source`` carries copies of that are not those fragments."""
-    return _expand(source, splice=False)[1]
 
 
 def _expand(source: str, *, splice: bool) -> tuple[str, list[str]]:
@@ -84,7 +78,7 @@ def load(package: str, name: str) -> str:
     the file carries an out-of-date copy of a fragment.
     """
     source = resources.files(package).joinpath("lua").joinpath(name).read_text("utf-8")
-    stale = copies_stale(source)
+    stale = _expand(source, splice=False)[1]
     if stale:
         raise StaleFragment(
             f"{package} lua/{name} holds an old copy of shared/lua/{', '.join(stale)}; "
@@ -115,7 +109,6 @@ SCRIPTS: Mapping[str, Script] = {
 }
 """Every script tokenq runs, by its short name; ``enqueue_seen`` is enqueue.lua read-only,
 which still answers a retry at ``maxmemory``."""
-
 FUNCTION_FLAGS = frozenset({"no-writes", "allow-oom", "allow-stale", "no-cluster",
                             "allow-cross-slot-keys"})
 """The flags Redis 7 accepts on a function."""
@@ -137,7 +130,6 @@ class Library:
 
 LIBRARY_PREFIX = "tokenq_"
 """Every tokenq library's name starts so (``FUNCTION LIST LIBRARYNAME tokenq_``)."""
-
 _HASH_CHARS = 12
 
 

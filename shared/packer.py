@@ -74,15 +74,11 @@ class Budget:
 
 DEFAULT_AGING_MS = 1000.0
 """How much earlier each priority class stands in line, and the aging bound (rules 1, 6)."""
-
 MAX_PRIORITY = wire.MAX_PRIORITY
-
 _CANDIDATES = 3
 """Batches weighed against each other per pick: the head's and up to two others."""
-
 _CANDIDATE_SCAN = 64
 """How far down the line the packer looks for other anchors (a bound on pick cost)."""
-
 _LENGTH_ORDER = operator.attrgetter("length", "seq")
 """The length view's order, as a sort key for items (a batch's rows go out in it)."""
 

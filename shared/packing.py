@@ -121,8 +121,6 @@ class SyncHiredisPacking(HiredisPacking):
         try:
             super().send_packed_command(command, check_health)  # type: ignore[misc]
         except AttributeError as exc:
-            if not _closed_under(exc):
-                raise
             raise _lost(exc) from exc
 
 
@@ -134,18 +132,14 @@ class AsyncHiredisPacking(HiredisPacking):
         try:
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
         except AttributeError as exc:
-            if not _closed_under(exc):
-                raise
             raise _lost(exc) from exc
 
 
-def _closed_under(exc: AttributeError) -> bool:
-    """Whether an ``AttributeError`` from redis-py's send means the connection closed under
-    it (an attribute of ``None``: its writer or socket); anything else is a bug."""
-    return "'NoneType' object" in str(exc)
-
-
 def _lost(exc: AttributeError) -> redis.exceptions.ConnectionError:
+    """The ``ConnectionError`` an ``AttributeError`` on ``None`` (the writer or socket, closed
+    under the send) is; any other ``AttributeError`` is a bug, raised as it is."""
+    if "'NoneType' object" not in str(exc):
+        raise exc
     return redis.exceptions.ConnectionError(
         f"the connection was closed while a command was being sent ({exc})"
     )

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 KEY_REFUSES = frozenset({"WRONGTYPE", "NOPERM", "CROSSSLOT"})
 """Error codes that mean this key can never take this write (retrying will not help)."""
-
 KNOWN_NOW = ("OOM", "READONLY", "MASTERDOWN", "LOADING", "BUSY", "MISCONF", "TRYAGAIN",
              "CLUSTERDOWN", "NOREPLICAS")
 """Codes of "Redis refuses writes right now" that get their own metric label; any other
 error is of that kind too, labelled ``other``."""
-
 _BY_CLASS = {
     "NoPermissionError": "NOPERM",
     "OutOfMemoryError": "OOM",

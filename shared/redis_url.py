@@ -17,7 +17,6 @@ from typing import Literal
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 Kind = Literal["single", "cluster", "sentinel"]
-
 _SCHEMES: dict[str, tuple[Kind, bool]] = {
     "redis+cluster": ("cluster", False),
     "rediss+cluster": ("cluster", True),
@@ -25,25 +24,20 @@ _SCHEMES: dict[str, tuple[Kind, bool]] = {
     "rediss+sentinel": ("sentinel", True),
 }
 """Scheme -> (kind, TLS); any scheme without a ``+`` is a single-server URL for redis-py."""
-
 CLUSTER_FORM = "redis+cluster://[user[:password]@]host:port[,host:port...][/][?query]"
 SENTINEL_FORM = (
     "redis+sentinel://[user[:password]@]host:port[,host:port...]/service_name[/db]"
     "[?sentinel_username=...&sentinel_password=...]"
 )
-
 TLS_OPTIONS = frozenset({
     "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile",
     "ssl_password", "ssl_check_hostname",
 })
 """Query keys passed through to redis-py's connections (TLS URLs only)."""
-
 SENTINEL_OPTIONS = frozenset({"sentinel_username", "sentinel_password"})
-
 _CERT_REQS = ("none", "optional", "required")
 _TRUE = ("true", "yes", "1")
 _FALSE = ("false", "no", "0")
-
 _UNSAFE = re.compile(r"[\x00-\x20\x7f]")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _IPV6 = re.compile(r"^\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.\-~]+)?\]$")
@@ -171,18 +165,14 @@ def _query(query: str, scheme: str, tls: bool, kind: Kind) -> dict[str, str]:
         value = unquote(value.replace("+", " "))
         if not value and name in TLS_OPTIONS:
             raise ValueError(f"query option {name!r} of the {scheme}:// URL has no value")
-        options[name] = _checked(name, value, scheme)
+        if name == "ssl_cert_reqs" and value not in _CERT_REQS:
+            raise ValueError(f"ssl_cert_reqs in the {scheme}:// URL is {value!r}, not one of "
+                             f"{', '.join(_CERT_REQS)}")
+        if name == "ssl_check_hostname" and value.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"ssl_check_hostname in the {scheme}:// URL is {value!r}, not "
+                             "true or false")
+        options[name] = value
     return options
-
-
-def _checked(name: str, value: str, scheme: str) -> str:
-    if name == "ssl_cert_reqs" and value not in _CERT_REQS:
-        raise ValueError(f"ssl_cert_reqs in the {scheme}:// URL is {value!r}, not one of "
-                         f"{', '.join(_CERT_REQS)}")
-    if name == "ssl_check_hostname" and value.lower() not in _TRUE + _FALSE:
-        raise ValueError(f"ssl_check_hostname in the {scheme}:// URL is {value!r}, not "
-                         "true or false")
-    return value
 
 
 def _cluster_path(path: str, scheme: str) -> None:

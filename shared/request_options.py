@@ -10,7 +10,6 @@ from typing import Any, TypedDict
 
 MAX_PROMPT_CHARS = 4096
 """Longest literal ``prompt`` a request may carry."""
-
 MAX_DIMENSIONS = 65_536
 """Most ``dimensions`` a request may ask for, whatever the model (checked even unknown)."""
 
@@ -105,14 +104,10 @@ def parse_options(opts: Mapping[str, Any], facts: ModelFacts) -> RequestOptions:
                 "normalize false: this queue's backend only answers unit-length embeddings",
             )
     raw_scores = _flag(opts, "raw_scores")
-    if raw_scores is not None and facts.sparse:
+    if raw_scores is not None and (facts.sparse or facts.embeds):
+        kind = "is sparse" if facts.sparse else "embeds"
         raise OptionError(
-            "raw_scores", "raw_scores applies to classifiers and rerankers; this model is sparse"
-        )
-    if raw_scores is not None and facts.embeds:
-        raise OptionError(
-            "raw_scores", "raw_scores applies to classifiers and rerankers; this model embeds"
-        )
+            "raw_scores", f"raw_scores applies to classifiers and rerankers; this model {kind}")
     output_tokens = _output_tokens(opts.get("output"), facts)
     if output_tokens and (dimensions is not None or normalize is not None):
         raise OptionError(

@@ -30,11 +30,9 @@ from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ENV_PREFIX = "TOKENQ_"
-
 Task = Literal["embed", "classify", "rerank", "sparse"]
 """What a model computes: vectors, a score per label, one score per (query, passage), or
 a sparse (SPLADE) vector over the vocabulary."""
-
 _POSITIONAL = get_args(CliPositionalArg[str])[1]
 """The marker pydantic-settings puts on a positional argument's field."""
 
@@ -47,9 +45,9 @@ def is_positional(settings_cls: type[BaseModel], name: str) -> bool:
 
 def flag(settings_cls: type[BaseModel], name: str) -> str:
     """The command-line spelling of setting ``name``: ``--max-batch-tokens``, ``ACTION``."""
-    info = settings_cls.model_fields.get(name)
-    if info is not None and _POSITIONAL in info.metadata:
+    if is_positional(settings_cls, name):
         return name.upper()
+    info = settings_cls.model_fields.get(name)
     extra = info.json_schema_extra if info is not None else None
     if isinstance(extra, dict) and isinstance(extra.get("flag"), str):
         return str(extra["flag"])
@@ -108,11 +106,9 @@ def _key_prefix(value: str) -> str:
 
 MAX_EXACT_INT = 2**53
 """The largest whole number any setting may be (exact as a Lua double in a Redis script)."""
-
 MAX_SECONDS = 10**9
 """The longest time any ``*_s``/``*_ms``/``*_us`` setting may name, about 31 years: what
 Python's waits and Redis's TTLs all take (docs/decisions/0060-numeric-settings-bounded.md)."""
-
 _UNIT_SCALE = {"_s": 1, "_ms": 1_000, "_us": 1_000_000}
 
 

@@ -18,7 +18,6 @@ import msgpack
 from tokenq.shared.errors import DecodeError
 
 PROTOCOL_VERSION = 1
-
 MAX_ID_CHARS = 128
 MAX_REPLY_TO_CHARS = 512
 MAX_OPTS_BYTES = 64 * 1024
@@ -26,26 +25,18 @@ MAX_PARAM_CHARS = 64
 """Longest field name an error reply's ``param`` may carry (an option's name, never a value)."""
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 """Default cap on the UTF-8 size of ``text`` plus ``text_pair`` in one request."""
-
 MAX_REPLY_BYTES = 64 * 1024 * 1024
-
 MAX_TOKEN_EMBEDDING_FLOATS = 4 * 1024 * 1024
 """Most floats one ``output: tokens`` reply may carry (16 MiB of float32)."""
-
 MAX_TOKENS = 1 << 24
 """Largest ``tokens`` estimate accepted: past any model's input, no sum of them overflows."""
-
 MAX_EPOCH_MS = 253_402_300_799_999
 """Largest absolute ``deadline_ms``: the last millisecond of the year 9999."""
-
 MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
 """Largest relative ``timeout_ms``: 30 days."""
-
 MAX_PRIORITY = 9
 """Largest ``priority``; 0 (the default) is the lowest class."""
-
 _MAX_VERSION = 1_000_000
-
 _FIELD_OVERHEAD_BYTES = 512
 """Room for the field names and numeric fields of one entry."""
 
@@ -58,12 +49,9 @@ def max_entry_bytes(max_request_bytes: int) -> int:
 
 _MAX_INT_DIGITS = 19
 """A numeric field longer than this is refused before it is parsed (no bignum work)."""
-
 _DECIMAL = re.compile(rb"[0-9]{1,19}")
-
 _SHORT_DIGITS = 10
 """A token count of fewer ASCII digits is parsed inline, without :func:`_int_field`."""
-
 _packers = threading.local()
 
 
@@ -82,7 +70,6 @@ def _thread_packer() -> msgpack.Packer:
 
 
 _VERSION_BYTES = str(PROTOCOL_VERSION).encode()
-
 _ID_REFUSED = re.compile(r"[\s\x00-\x1f]")
 """Characters an id may not hold: whitespace (as ``str.isspace`` sees it) and controls."""
 
