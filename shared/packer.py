@@ -17,9 +17,9 @@ Rules:
 5. **Linger.** Asked only when the device is idle; an unsealed batch waits until
    ``linger_ms`` after its anchor arrived, a sealed one goes at once.
 6. **Choice.** The head's batch goes next, unless one anchored at the same or a higher
-   priority is (a) sealed while the head's lingers, or (b) ready with a higher response
-   ratio ``(wait + estimate) / estimate``. (b) never passes over a head that has waited
-   ``aging_ms``: the aging bound.
+   priority is (a) sealed while the head's lingers, or (b) both ready, it with the higher
+   response ratio ``(wait + estimate) / estimate``. (b) never passes over a head that has
+   waited ``aging_ms``: the aging bound.
 7. **Oversize.** A request whose length alone breaks the budget goes alone.
 """
 
