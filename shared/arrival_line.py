@@ -1,21 +1,6 @@
-"""The packer's line: buffered requests in line order, taken out lazily.
-
-Rule 1 of ``packer.py`` orders requests by (virtual arrival, sequence); the
-packer reads the head and scans a little way down from it. A batch's rows
-are chosen by length, so they lie scattered along the line, and taking
-each out of a sorted list costs a bisection and a ``del`` (a memmove of the
-rest of the list) per row: 13 % of a null worker's device thread.
-
-Here a request taken out only counts as removed: its entry stays in the
-list, skipped by every read, until the head passes it or until removed
-entries outnumber live ones (plus :data:`SLACK`), when the list is rebuilt
-without them. So each entry costs O(1) to remove, amortised, and a walk
-from the head skips at most as many removed entries as there are live
-ones, plus ``SLACK``. Whether an entry is live is the packer's to say: the
-line reads the packer's own mapping of buffered requests by sequence.
-
-Pure: no I/O, no clock, no locking (the packer's caller holds its lock).
-"""
+"""The packer's line (rule 1's order), with requests taken out lazily: a removed entry stays,
+skipped, until the head passes it or removed ones outnumber live ones plus :data:`SLACK`.
+Which sequences are live is the packer's mapping to say."""
 
 from __future__ import annotations
 
@@ -25,7 +10,6 @@ from collections.abc import Collection, Iterator
 
 Entry = tuple[float, int]
 """(virtual arrival, sequence): the line's order; sequences are unique."""
-
 SLACK = 64
 """Removed entries tolerated beyond the live count before the list is rebuilt."""
 
@@ -55,8 +39,7 @@ class ArrivalLine:
             self._start = 0
 
     def removed(self, count: int) -> None:
-        """``count`` requests left the buffer (no longer live); rebuild when removed
-        entries outnumber live ones by more than :data:`SLACK`."""
+        """``count`` requests left the buffer; rebuild when removed ones are too many."""
         self._removed += count
         if self._removed > len(self._live) + SLACK:
             live = self._live

@@ -1,24 +1,6 @@
-"""The ``tokenq`` command: a thin dispatcher that imports a side only when needed.
-
-``tokenq worker`` and ``tokenq up`` load the worker (and, for real models,
-torch); every other subcommand stays on the light producer side, so
-``tokenq stats`` on an operator's laptop never imports torch. Subcommands are
-looked up by module path so this module imports neither side (``shared``
-never does).
-
-Exit status, for every subcommand (docs/OPERATIONS.md, "Exit status";
-the numbers live in ``shared/exit_codes.py``):
-``0`` done; ``1`` (:data:`EXIT_FAILED`) an operational failure: Redis
-unreachable, refusing the login or a command, a key of the wrong type, ids
-not found, letters skipped, inputs that failed; ``2`` (:data:`EXIT_USAGE`)
-bad flags, environment or arguments; ``130`` interrupted (also where a
-library wrapped the ``KeyboardInterrupt`` in an error of its own). A failure is
-reported as one line, ``tokenq <cmd>: <message>``, never a traceback:
-:func:`run_command` turns every ``TokenqError``, ``redis.RedisError`` and
-``OSError`` a subcommand lets escape into that line, naming the Redis URL
-with its password masked (``shared/failures.py`` words it). Parsing the
-settings and ``--help`` are ``shared/flags.py``'s; this module only
-dispatches and guards.
+"""The ``tokenq`` command: a thin dispatcher that imports a side only when needed (no torch for
+``tokenq stats``); every failure is one line ``tokenq <cmd>: <message>`` and an exit status
+(``shared/exit_codes.py``).
 """
 
 from __future__ import annotations
@@ -97,8 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenq: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
         return EXIT_USAGE
     prog = f"tokenq {name}"
-    # The last line of defence for subcommands that do not go through
-    # run_command (``tokenq worker``): same one-line report, without the URL.
+    # The last defence for subcommands without run_command (``tokenq worker``).
     module = SUBCOMMANDS[name].module
     return _guarded(prog, None, lambda: importlib.import_module(module).main(rest))
 
@@ -107,13 +88,8 @@ def run_command(
     settings_cls: type[S], argv: Sequence[str], prog: str, body: object,
     actions: Mapping[str, str] | None = None,
 ) -> int:
-    """Parse settings and run ``body(settings)``; every failure becomes one line and a status.
-
-    Usage errors exit 2; a ``TokenqError``, ``redis.RedisError`` or ``OSError``
-    that escapes ``body`` is printed as ``<prog>: <message>`` (naming the
-    password-masked Redis URL for Redis failures) and exits 1. ``actions``
-    describes each value of the command's ACTION for ``--help``.
-    """
+    """Parse settings and run ``body(settings)``: usage errors exit 2, an operational failure is
+    ``<prog>: <message>`` and exit 1. ``actions`` describes each ACTION value for ``--help``."""
     try:
         settings = parse_settings(settings_cls, argv, prog, actions)
     except UsageError as exc:
@@ -123,8 +99,6 @@ def run_command(
 
 
 def _guarded(prog: str, settings: object, call: object) -> int:
-    # A Ctrl-C a library turned into its own error is still an interruption
-    # (shared/interrupts.py).
     record = InterruptRecord()
     try:
         with record.recording(), unwrapped(lambda: record.seen):
@@ -151,12 +125,8 @@ def _guarded(prog: str, settings: object, call: object) -> int:
 
 
 def report_missing_extra(prog: str, exc: ModuleNotFoundError) -> int:
-    """Say which extra ``prog`` needs, in one line, and return :data:`EXIT_USAGE`.
-
-    ``tokenq worker needs the worker extra (no module named 'numpy'): pip install
-    'tokenq[worker]'``. Re-raises ``exc`` when the missing module is tokenq's own
-    (a bug, whose traceback is the report) or the command declares no extra.
-    """
+    """Say in one line which pip extra ``prog`` needs and return :data:`EXIT_USAGE`; re-raise a
+    missing module of tokenq's own or of a command with no extra."""
     command = SUBCOMMANDS.get(prog.removeprefix("tokenq "))
     missing = (exc.name or "").partition(".")[0]
     if command is None or command.extra is None or missing in ("", "tokenq"):

@@ -1,29 +1,6 @@
-"""Dead letters: one entry of ``keys.dead(q)``, the request that could not be answered.
-
-A letter is the request's own stream fields, capped, followed by the
-``dead_*`` fields that say why, who and when (every name in
-:data:`DEATH_FIELDS`, plus :data:`TRUNCATED` when the cap cut something).
-The rules, all here:
-
-* **The prefix.** A field is the letter's own when its name starts with
-  ``dead_`` (:func:`is_dead_field`); every other field is the request's.
-  A request's own ``dead_*`` fields (a letter retried and dead again) are
-  left out of a new letter, whose fields replace them.
-* **The cap.** At most ``max_bytes`` of names and values and
-  :data:`MAX_LETTER_FIELDS` fields of the request are kept, in order; the
-  value that does not fit is cut to what is left (a huge ``text`` keeps its
-  beginning, enough to recognise it) and later fields are dropped.
-  :data:`TRUNCATED` names what was cut (each name at most 64 bytes, at most
-  :data:`MAX_TRUNCATED_NAMES` names, then ``+N more``), so a letter's size
-  is bounded whatever the entry holds.
-* **Retry.** A truncated letter is not the request as written, so ``tokenq
-  dlq retry`` leaves it in place.
-
-Sans-I/O: :func:`encode_letter` builds the fields the worker XADDs and
-:func:`parse_letter` splits a letter read back for ``tokenq dlq``.
-``worker/lua/publish.lua`` writes letters inside its script too, with the
-same rules in ``shared/lua/dead_letter.lua``; tests/shared/test_records.py checks
-the two agree.
+"""Dead letters (``keys.dead(q)``): the request's own fields, capped, then the ``dead_*`` fields
+saying why, who and when (docs/PROTOCOL.md). Sans-I/O; ``shared/lua/dead_letter.lua`` is the
+Lua twin of these rules.
 """
 
 from __future__ import annotations
@@ -35,7 +12,6 @@ from tokenq.shared.redis_text import as_text
 
 PREFIX = "dead_"
 """Every field a letter adds to the request's starts with this, and no other does."""
-
 ERROR_CODE = "dead_error_code"
 ERROR = "dead_error"
 WORKER = "dead_worker"
@@ -44,20 +20,14 @@ AT_MS = "dead_at_ms"
 SOURCE_ID = "dead_source_id"
 DEATH_FIELDS = (ERROR_CODE, ERROR, WORKER, DELIVERIES, AT_MS, SOURCE_ID)
 """The fields every letter carries, in the order they are written."""
-
 TRUNCATED = "dead_truncated"
 """Names the fields a letter cut to stay within its caps (comma-separated)."""
-
 MAX_LETTER_FIELDS = 256
-"""Most of an entry's own fields a dead letter keeps (a stream entry may have thousands;
-``publish.lua`` builds its XADD on Lua's stack, which holds about 8,000 values)."""
-
+"""Most of an entry's own fields a dead letter keeps (publish.lua's XADD is on Lua's stack)."""
 MAX_TRUNCATED_NAMES = 16
 """Most field names ``dead_truncated`` lists; any further cut is counted as ``+N more``."""
-
 _MAX_NAME_BYTES = 64
 _PREFIX_BYTES = PREFIX.encode()
-
 Field = tuple[bytes | str, bytes | str]
 
 

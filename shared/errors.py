@@ -1,11 +1,5 @@
-"""Errors, split by who is at fault.
-
-``BadRequest`` and its children: the caller sent something tokenq refuses
-(empty text, oversize text, a bad setting). ``RemoteError`` and its children:
-a worker answered the request with an error reply. ``BrokerUnavailable``:
-Redis could not be reached in time. Every error reply carries a stable
-``code`` (see :class:`ErrorCode`) so callers in any language can branch on it.
-"""
+"""Errors, split by who is at fault: the caller (``BadRequest``), a worker's error reply
+(``RemoteError``, with a stable :class:`ErrorCode`), or Redis (``BrokerUnavailable``)."""
 
 from __future__ import annotations
 
@@ -30,13 +24,8 @@ class TokenqError(Exception):
 
 
 class BadRequest(TokenqError, ValueError):
-    """The caller passed something tokenq cannot accept; nothing was enqueued.
-
-    ``param`` names the argument at fault (``texts``, ``deadline_s``, an
-    option such as ``dimensions``), set where the error is raised, so a
-    caller that must say which field was wrong (the HTTP gateway's
-    ``param``) never reads it out of the message.
-    """
+    """The caller passed something tokenq cannot accept; nothing was enqueued. ``param`` names
+    the argument at fault (``texts``, ``dimensions``)."""
 
     def __init__(self, message: str = "", *, param: str | None = None) -> None:
         super().__init__(message)
@@ -56,12 +45,8 @@ class QueueFull(TokenqError):
 
 
 class BrokerOutOfMemory(QueueFull):
-    """Redis is at its ``maxmemory`` (``noeviction``) and refused the write; nothing was written.
-
-    A :class:`QueueFull` (the same backpressure: retry later, or shed load),
-    named for its cause so a caller or an operator can tell a full Redis from
-    a queue at its length limit.
-    """
+    """Redis is at its ``maxmemory`` and refused the write; nothing was written (a
+    :class:`QueueFull`: the same backpressure)."""
 
 
 class BrokerUnavailable(TokenqError, ConnectionError):
@@ -69,12 +54,8 @@ class BrokerUnavailable(TokenqError, ConnectionError):
 
 
 class NotReplicated(TokenqError):
-    """A durable enqueue was written on the primary, but too few replicas confirmed it in time.
-
-    The requests *are* in the queue and will be answered unless the primary
-    fails before its replicas catch up; ``request_ids`` names them, so a
-    caller can wait for their results or decide to give up on them.
-    """
+    """A durable enqueue was written on the primary, but too few replicas confirmed it in time;
+    the requests (``request_ids``) are queued all the same."""
 
     def __init__(self, message: str, request_ids: tuple[str, ...] = ()) -> None:
         super().__init__(message)
@@ -86,11 +67,8 @@ class DeviceOutOfMemory(TokenqError, MemoryError):
 
 
 class DeviceLost(TokenqError, RuntimeError):
-    """The device can run nothing more (a sticky CUDA error): the worker process must end.
-
-    Not retried and not answered as a failure: the requests of the batch are
-    left pending, and other workers claim them once this one has exited.
-    """
+    """The device can run nothing more (a sticky CUDA error): the worker process must end, its
+    batch left pending for other workers."""
 
 
 class RemoteError(TokenqError):
@@ -104,7 +82,6 @@ class RemoteError(TokenqError):
         self.message = message
         self.request_id = request_id
         self.param = param
-        """The request field the worker refused (an option's name), when its reply names one."""
 
 
 class DeadlineExceeded(RemoteError, TimeoutError):
@@ -112,8 +89,7 @@ class DeadlineExceeded(RemoteError, TimeoutError):
 
 
 class QueueFullRefused(RemoteError, QueueFull):
-    """A worker refused the request as written past the queue's maximum length (around
-    tokenq's enqueue, which would have raised :class:`QueueFull`); it never ran."""
+    """A worker refused the request as written past the queue's maximum length; it never ran."""
 
 
 _REMOTE_ERRORS: dict[str, type[RemoteError]] = {

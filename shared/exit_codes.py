@@ -1,11 +1,5 @@
-"""Every exit status a tokenq command or worker process ends with, and what each means.
-
-One home for the numbers: the dispatcher (``shared/cli.py``), the worker
-(``worker/cli.py``), and the supervisors that restart workers and report
-their exits (``worker/tooling/children.py``) all read them here, so a
-supervisor never disagrees with the worker about which exit is final.
-docs/OPERATIONS.md, "Exit status", documents them for operators.
-"""
+"""Every exit status a tokenq command or worker process ends with (docs/OPERATIONS.md, "Exit
+status"): one home, so a supervisor never disagrees with the worker."""
 
 from __future__ import annotations
 
@@ -16,13 +10,11 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 """Bad flags, environment or arguments: nothing was done, and restarting cannot help."""
 EXIT_HUNG = 3
-"""A stage holding entries hung past its deadline (the worker's watchdog: a batch on the
-device, or a read being tokenized, past ``batch_timeout_s``; ``worker/stages.py``)."""
+"""A stage holding entries hung past ``batch_timeout_s`` (the worker's watchdog)."""
 EXIT_FATAL = 4
 """The worker itself failed: the device was lost (a sticky CUDA error) or an internal error."""
 EXIT_INTERRUPTED = 130
 """Interrupted (Ctrl-C): the shell's 128 + SIGINT."""
-
 MEANINGS: dict[int, str] = {
     EXIT_OK: "clean stop",
     EXIT_FAILED: "error",

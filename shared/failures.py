@@ -1,10 +1,5 @@
-"""What an operational failure reads as: the one line ``tokenq <cmd>: <message>``.
-
-The dispatcher (``shared/cli.py``) prints it for every ``TokenqError``,
-``redis.RedisError`` and ``OSError`` a subcommand lets escape; commands
-that report several failures (``tokenq stats`` across shards) word each one
-the same way. A Redis failure names the Redis URL with its password masked.
-"""
+"""What an operational failure reads as: the one line ``tokenq <cmd>: <message>``, naming the
+Redis URL with its password masked."""
 
 from __future__ import annotations
 
@@ -21,10 +16,7 @@ class CommandFailed(Exception):
 def failure_message(
     exc: BaseException, redis_url: str | None = None, socket_timeout_s: float | None = None
 ) -> str | None:
-    """The one-line report of an operational failure, or None when ``exc`` is not one.
-
-    Redis failures name ``redis_url`` with its password masked.
-    """
+    """The one-line report of an operational failure, or None when ``exc`` is not one."""
     from redis import exceptions as redis
 
     from tokenq.shared import redis_refusal
@@ -69,9 +61,7 @@ _SCRIPT_NOISE = re.compile(
 
 
 def error_text(exc: BaseException) -> str:
-    """``Type: message`` on one line, or the exception's repr (``TimeoutError()``) when its
-    message is empty: what every log line and message that reports a caught exception says,
-    so none ends in a bare colon."""
+    """``Type: message`` on one line, or the repr (``TimeoutError()``) when the message is empty."""
     text = one_line(str(exc))
     return f"{type(exc).__name__}: {text}" if text else repr(exc)
 

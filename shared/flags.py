@@ -1,11 +1,5 @@
-"""Settings from the command line: flags over ``TOKENQ_*`` over defaults, and ``--help``.
-
-Every subcommand's options are a pydantic-settings class (``shared/settings.py``);
-this module turns one into an argparse parser with tokenq's flag names, help
-and environment paragraph, and a bad value into one :class:`UsageError`
-naming each bad setting. The dispatcher (``shared/cli.py``) turns that error
-into exit status 2.
-"""
+"""Settings from the command line: a settings class as an argparse parser with tokenq's flag
+names, help and environment paragraph; a bad value is one :class:`UsageError` (exit 2)."""
 
 from __future__ import annotations
 
@@ -27,12 +21,7 @@ def parse_settings(
     actions: Mapping[str, str] | None = None,
 ) -> S:
     """Flags over ``TOKENQ_*`` over defaults; :class:`UsageError` naming each bad setting.
-
-    ``--help`` prints the settings with their defaults, the ``actions`` (what
-    each value of the command's ACTION does) and every environment variable
-    the command reads, then exits (argparse's SystemExit), as does a flag
-    that does not exist (status 2).
-    """
+    ``actions`` says what each value of the command's ACTION does, for ``--help``."""
     from pydantic import ValidationError
     from pydantic_settings import CliApp, CliSettingsSource, SettingsError
 
@@ -74,12 +63,8 @@ def _root_parser(
 
 
 def environment_help(settings_cls: Any) -> str:
-    """The ``--help`` paragraph listing every ``TOKENQ_*`` variable the command reads.
-
-    Generated from the settings class (a positional argument has no
-    variable), so a new setting is listed without anyone writing it down;
-    a variable whose flag is spelt apart names its flag.
-    """
+    """The ``--help`` paragraph listing every ``TOKENQ_*`` variable the command reads (with
+    its flag where that is spelt apart)."""
     from tokenq.shared.settings import env_var, flag, is_positional
 
     names = []
@@ -101,13 +86,8 @@ def environment_help(settings_cls: Any) -> str:
 
 
 def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
-    """pydantic-settings' ``add_argument`` with tokenq's flag names, metavars and help.
-
-    Each option's help is its field's description and its default when it
-    has one worth saying (never ``(default: null)``); a boolean is one
-    switch away from its default; the settings of one backend go under that
-    backend's heading.
-    """
+    """pydantic-settings' ``add_argument`` with tokenq's flag names, metavars and help: a
+    boolean is one switch away from its default, a backend's settings go under its heading."""
     from tokenq.shared.settings import flag, group_environment, help_group
 
     fields = settings_cls.model_fields
@@ -146,14 +126,8 @@ def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
 
 
 def off_help(info: Any) -> str:
-    """What a default-on switch's ``--no-X`` does, for ``--help``.
-
-    A field's description says what the setting *is* ("show a progress bar
-    on stderr"), which read as the help of ``--no-progress`` says the
-    opposite of what the flag does; so such a field names its off state in
-    ``json_schema_extra={"off_help": ...}`` (tests/project/test_first_day.py holds
-    every default-on switch to it).
-    """
+    """What a default-on switch's ``--no-X`` does: ``json_schema_extra["off_help"]``, since the
+    description says what the setting *is*."""
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
     said = extra.get("off_help")
     return str(said) if said else f"turn off (on by default): {info.description}"

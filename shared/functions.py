@@ -1,29 +1,6 @@
-"""Loading and calling tokenq's Lua: ``FCALL`` of its function library, ``EVALSHA`` before Redis 7.
-
-:func:`tokenq.shared.lua_scripts.library` builds the library; this module is the
-one place that talks to Redis about it, for the producer, the worker and the
-operator commands alike, sync (:class:`Function`) and asyncio
-(:class:`AsyncFunction`). Each mimics redis-py's ``Script``
-(``fn(keys=..., args=..., client=...)``), so a call site changes only where
-it makes one. A call is one command, ``FCALL`` (round trips as with
-``EVALSHA``), and what goes wrong is handled once per client:
-
-* ``Function not found`` (nobody loaded this version yet, ``FUNCTION
-  FLUSH``, a Redis that came back empty): the library is loaded with this
-  client's user and the call sent again, as redis-py does on ``NOSCRIPT``.
-  A user that may not load (the documented producer ACL) gets
-  :class:`FunctionsMissing`, which names the fix.
-* ``FCALL`` unknown (Redis < 7, fakeredis) or refused as a command (an ACL
-  written before Functions, with ``+evalsha +script|load``): the client
-  falls back to the scripts by ``EVALSHA`` for good, as before.
-
-Workers load the library when they publish the queue's config
-(``worker/presence.py``), operators with ``tokenq functions load``
-(``producer/ops/functions.py``). In a Cluster, redis-py sends ``FUNCTION LOAD`` to every
-primary (replicas get it by replication and keep it through a failover);
-:func:`call_keys` lets a cluster client route ``FCALL`` by its keys without
-asking Redis (``COMMAND GETKEYS``: one more round trip, and a right the
-producer's ACL does not grant).
+"""Loading and calling tokenq's Lua: ``FCALL`` of its function library, ``EVALSHA`` before Redis 7
+(docs/decisions/0058-redis-functions.md). A function not found is loaded and called again; a
+Redis or user without ``FCALL`` falls back to scripts for good.
 """
 
 from __future__ import annotations
@@ -44,10 +21,8 @@ import redis.cluster
 from tokenq.shared import lua_scripts
 
 T = TypeVar("T")
-
 ENQUEUE_FUNCTION_FIELD = "enqueue_function"
 """The config hash field in which workers name the enqueue function (docs/PROTOCOL.md)."""
-
 _NOT_FOUND = "Function not found"
 _NO_FCALL = re.compile(r"unknown command [`']fcall|no permissions to run the 'fcall(_ro)?' command",
                        re.IGNORECASE)
@@ -56,11 +31,8 @@ _NO_FUNCTION_CMD = re.compile(r"unknown command [`']function", re.IGNORECASE)
 
 
 class FunctionsMissing(redis.exceptions.ResponseError):
-    """tokenq's library is not on this Redis and this user may not load it.
-
-    A ``ResponseError`` (not ``NOPERM``): nothing about a key is refused, and
-    a worker retries it like any refusal it does not know.
-    """
+    """tokenq's library is not on this Redis and this user may not load it (a ResponseError:
+    no key is refused)."""
 
 
 def _missing(cause: BaseException) -> FunctionsMissing:
@@ -200,12 +172,8 @@ def _load_failed(exc: redis.exceptions.ResponseError, missing_ok: bool) -> None:
 
 
 def load(client: Any, *, missing_ok: bool = True) -> str | None:
-    """``FUNCTION LOAD REPLACE`` tokenq's library (every primary of a Cluster); its name.
-
-    None when Redis has no Functions (< 7) and ``missing_ok``. REPLACE: the
-    name is the code's hash, so what it replaces is the same code (or a
-    tampered copy, healed).
-    """
+    """``FUNCTION LOAD REPLACE`` tokenq's library (every primary of a Cluster); its name, or
+    None when Redis has no Functions and ``missing_ok``."""
     try:
         client.function_load(lua_scripts.library().code, replace=True)
     except redis.exceptions.ResponseError as exc:
@@ -225,13 +193,8 @@ async def async_load(client: Any, *, missing_ok: bool = True) -> str | None:
 
 
 def route_by_keys(client: T) -> T:
-    """``client`` (a sync or asyncio ``RedisCluster``) routing ``FCALL`` by its own keys.
-
-    redis-py asks Redis (``COMMAND GETKEYS``) for the keys of a command with
-    "movable" keys, ``FCALL`` among them, before sending it: one more round
-    trip per call, and a right (``+command|getkeys``) no tokenq ACL grants.
-    The keys are simply the ``numkeys`` arguments after the function's name.
-    """
+    """``client`` (a sync or asyncio ``RedisCluster``) routing ``FCALL`` by its own keys, not by
+    ``COMMAND GETKEYS`` (a round trip, and a right no tokenq ACL grants)."""
     parser = client.commands_parser  # type: ignore[attr-defined]
     parser.__class__ = _keys_parser(type(parser))  # type: ignore[arg-type]  # a class is hashable
     return client
@@ -253,10 +216,7 @@ def _keys_parser(base: type) -> type:
 
 
 def call_keys(args: Sequence[Any]) -> list[Any] | None:
-    """The keys of an ``FCALL``/``FCALL_RO`` command line, or None when it is not one.
-
-    For a cluster client's command parser: ``FCALL name numkeys key...``.
-    """
+    """The keys of an ``FCALL``/``FCALL_RO`` command line, or None when it is not one."""
     if len(args) < 3:
         return None
     first = args[0].decode() if isinstance(args[0], bytes) else str(args[0])

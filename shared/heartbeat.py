@@ -1,16 +1,5 @@
-"""The heartbeat: one worker's row in ``keys.workers(q)``, a msgpack map.
-
-A worker writes it every heartbeat interval (with its liveness key, in one
-MULTI); ``tokenq stats``, ``top`` and ``embed`` read it. Sans-I/O:
-:func:`encode_heartbeat` takes a :class:`Heartbeat` (the worker passes its
-own host, pid and clock) and :func:`decode_heartbeat` gives one back, or
-raises :class:`DecodeError` naming the field at fault, for a row no tokenq
-worker wrote (not msgpack, not a map, a number that is not a number).
-
-The map's keys are the field names of :class:`Heartbeat`. A key that is
-missing reads as its default, so a row written by an older worker still
-counts; readers ignore keys they do not know.
-"""
+"""The heartbeat: one worker's row in ``keys.workers(q)``, a msgpack map of :class:`Heartbeat`'s
+fields (missing ones read as their default, unknown ones are ignored). Sans-I/O."""
 
 from __future__ import annotations
 
@@ -23,7 +12,6 @@ import msgpack
 from tokenq.shared.errors import DecodeError
 
 _LIMITS = {"max_str_len": 1 << 16, "max_bin_len": 1 << 16, "max_map_len": 256}
-"""Far above any row a worker writes: a hostile row cannot make a reader allocate much."""
 
 
 @dataclass(frozen=True, slots=True)

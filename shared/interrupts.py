@@ -1,14 +1,5 @@
-"""Ctrl-C as a recorded fact, not only as an exception.
-
-Why: a ``KeyboardInterrupt`` raised while a library is running one of its
-callbacks can come out as that library's own error. pydantic's serializer
-does this: a Ctrl-C landing inside ``model_dump`` surfaces as
-``PydanticSerializationError: Error calling function ...: KeyboardInterrupt``,
-and a command that only catches ``KeyboardInterrupt`` then prints a traceback
-and exits 1 instead of 130 (``tokenq embed`` did, in CI). So a command
-records that the signal came (:class:`InterruptRecord`) and, inside
-:func:`unwrapped`, any error raised after it is the interruption.
-"""
+"""Ctrl-C as a recorded fact: a library may wrap a ``KeyboardInterrupt`` in its own error
+(pydantic's serializer does), so after a recorded SIGINT any error is the interruption."""
 
 from __future__ import annotations
 
@@ -33,12 +24,8 @@ class InterruptRecord:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Handle SIGINT with :meth:`interrupt` for the block, where Python's default handles it.
-
-        Only from the main thread (the only one that may set handlers), and
-        never over a handler someone else installed: a command with its own
-        (``tokenq worker``, ``tokenq embed``) installs it inside the block.
-        """
+        """Handle SIGINT with :meth:`interrupt` for the block, from the main thread and only
+        over Python's default handler."""
         if (threading.current_thread() is not threading.main_thread()
                 or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
             yield
@@ -52,12 +39,7 @@ class InterruptRecord:
 
 @contextlib.contextmanager
 def unwrapped(interrupted: Callable[[], bool]) -> Iterator[None]:
-    """Any error escaping the block once ``interrupted()`` holds is re-raised as the interrupt.
-
-    The original error is kept as the cause, for a debugger; the command's
-    answer is the interrupted one (exit 130, its resume hint), whatever a
-    library turned the ``KeyboardInterrupt`` into on its way out.
-    """
+    """Any error escaping the block once ``interrupted()`` holds is re-raised as the interrupt."""
     try:
         yield
     except Exception as exc:

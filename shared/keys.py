@@ -20,27 +20,10 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
     tokenq:{q}:idem:<h>:lease  string   which gateway request computes that answer now; TTL
                                         its --timeout-s and a grace
 
-The queue name sits in braces, which makes it a Redis Cluster hash tag: every
-key of one queue lands in one slot, so a MULTI or a Lua script may touch them
-together. A shard of a queue is addressed as ``QueueRef(name, shard=k)`` and
-renders as ``{q:k}``; nothing outside this module builds a key by hand, so
-adding shards changes no call site.
-
-A queue of K > 1 shards (``--shards K``) is served on the streams ``{q:0}``
-… ``{q:K-1}`` (:func:`shards_of`), each with every key above, so each
-shard's scripts stay within one slot and shards spread over a Cluster's
-nodes. Its workers also serve the plain ``{q}`` (:func:`lanes_of`): a
-producer that has not yet learned K writes there and is still answered, and
-its ``{q}:config`` is where producers learn K. A request id names its
-shard (:func:`shard_in_id`), so any process can find its reply key.
-
-When K shrinks, the shards beyond the new K are *retired*, not dropped
-(:func:`retired_shards`): each gets a ``retired`` marker, which the enqueue
-script checks atomically in the shard's own slot, so no producer still
-holding the old K can add to it; the workers keep reading it until it is
-empty and then remove it, keeping the marker. ``shards_served`` records
-the highest K while any retired shard remains, so workers and operator
-commands find them without a SCAN.
+The braces are a Redis Cluster hash tag: one queue's keys share a slot. A queue of K > 1
+shards is served on ``{q:0}`` … ``{q:K-1}``, each with every key above, plus the plain
+``{q}``; shards beyond a shrunk K are retired and drained
+(docs/decisions/0026-a-shard-is-a-whole-queue.md, 0029-drain-retired-shards.md).
 """
 
 from __future__ import annotations
@@ -52,12 +35,9 @@ from dataclasses import dataclass
 
 GROUP = "workers"
 """The consumer group every worker of a queue reads through."""
-
 DEFAULT_PREFIX = "tokenq"
-
 MAX_SHARDS = 256
 """The most shards a queue may have (a Cluster has 16384 slots; far more than nodes)."""
-
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
@@ -97,22 +77,15 @@ def shards_of(q: QueueRef, shards: int) -> tuple[QueueRef, ...]:
 
 
 def lanes_of(q: QueueRef, shards: int) -> tuple[QueueRef, ...]:
-    """Every stream a worker of a queue of ``shards`` shards reads: the shards, then ``{q}``.
-
-    The plain ``{q}`` is read too when the queue is sharded, so nothing a
-    producer wrote before it learned the shard count (or before the queue
-    was resharded) is left unanswered.
-    """
+    """Every stream a worker of a queue of ``shards`` shards reads: the shards, then ``{q}``
+    (where a producer that has not learned the shard count writes)."""
     spread = shards_of(q, shards)
     return spread if shards == 1 else (*spread, q)
 
 
 def retired_shards(q: QueueRef, shards: int, served: int) -> tuple[QueueRef, ...]:
-    """The shards a queue of ``shards`` shards once served up to ``served`` and serves no more.
-
-    ``{q:shards}`` … ``{q:served-1}``; every ``{q:k}`` below ``served`` when the
-    queue is now unsharded (``shards`` 1 is served on the plain ``{q}`` alone).
-    """
+    """The shards once served up to ``served`` and no more: ``{q:shards}`` … ``{q:served-1}``,
+    or every ``{q:k}`` below ``served`` when the queue is now unsharded."""
     if served <= shards:
         return ()
     first = 0 if shards == 1 else shards
@@ -123,22 +96,13 @@ _SHARDED_ID = re.compile(r"^(0|[1-9][0-9]{0,2})\.[0-9A-Za-z_-]+$")
 
 
 def id_on_shard(shard: int | None, unique: str) -> str:
-    """The request id a producer gives a request it writes to ``shard``: ``<shard>.<unique>``.
-
-    A request on the plain ``{q}`` (``shard`` None) keeps ``unique`` as it is.
-    """
+    """The request id for ``shard``: ``<shard>.<unique>``, or ``unique`` on the plain ``{q}``."""
     return unique if shard is None else f"{shard}.{unique}"
 
 
 def shard_in_id(request_id: str) -> int | None:
-    """The shard a request id names (:func:`id_on_shard` undone), None for a plain id.
-
-    So any process finds a request's reply key from its id and the queue's
-    shard count. The form alone does not make it a shard: only where the
-    queue has (or had) shard ``k`` is ``k.<unique>`` that shard's id; on a
-    queue of one shard ``7.order-42`` is a plain id (the producer's check:
-    ``ClientCore.shard_of_id``).
-    """
+    """The shard a request id names (:func:`id_on_shard` undone), None for a plain id; only a
+    queue that has (or had) shard ``k`` reads ``k.<unique>`` as that shard's."""
     match = _SHARDED_ID.match(request_id)
     if match is None:
         return None
@@ -215,16 +179,8 @@ def shard_of_reply_key(q: QueueRef, shards: int, key: str) -> int | None:
 def reply_to_refusal(
     q: QueueRef, reply_to: str, extra_prefixes: tuple[str, ...] = ()
 ) -> str | None:
-    """Why a worker must not push a reply onto ``reply_to``; None when it may.
-
-    The protocol rule (docs/PROTOCOL.md): a reply goes only to a key in the
-    queue's reply namespace, ``<prefix>:{q}:reply:<something>``, so no
-    producer can aim a worker's RPUSH/PEXPIRE at tokenq's own keys (the dead
-    stream, the config hash, another request's dedupe key) or at another
-    application's data. An operator may widen the rule with
-    ``extra_prefixes`` (``--reply-to-prefixes``); even then, a key under
-    tokenq's prefix that is not some queue's reply key is refused.
-    """
+    """Why a worker must not push a reply onto ``reply_to`` (None: it may): only the queue's
+    reply namespace, or ``extra_prefixes``, and never another tokenq key (docs/PROTOCOL.md)."""
     own = reply_prefix(q)
     if reply_to.startswith(own):
         return None if len(reply_to) > len(own) else "it names no reply id after the prefix"
@@ -238,13 +194,8 @@ def reply_to_refusal(
 def reply_to_check(
     q: QueueRef, extra_prefixes: tuple[str, ...] = ()
 ) -> Callable[[str], str | None]:
-    """:func:`reply_to_refusal` for one queue, as a function of the key alone.
-
-    Why: a worker checks every entry's ``reply_to`` (once per request), and
-    nearly all of them are in the queue's own namespace; this answers those
-    with one ``startswith`` against the prefix worked out once, and hands
-    anything else to the full rule.
-    """
+    """:func:`reply_to_refusal` for one queue, answering its own reply keys with one
+    ``startswith`` (it runs once per request)."""
     own = reply_prefix(q)
     shortest = len(own) + 1
 
@@ -278,12 +229,8 @@ def seen(q: QueueRef, request_id: str) -> str:
 
 
 def seen_call(q: QueueRef, request_ids: Iterable[str]) -> str:
-    """Marks one enqueue call as written, so its retry after a lost reply adds nothing.
-
-    Named by a digest of the call's request ids in order: the retry of a call
-    sends the same ids, and no other call does (fresh ids are random, so no
-    caller can name one that collides).
-    """
+    """Marks one enqueue call as written, so its retry adds nothing; named by a digest of the
+    call's request ids in order."""
     digest = hashlib.blake2b("\n".join(request_ids).encode(), digest_size=16).hexdigest()
     return f"{q.tag}:seen:call.{digest}"
 

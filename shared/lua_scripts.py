@@ -1,41 +1,10 @@
-"""The one loader of tokenq's Lua scripts, their shared fragments, and the QUEUEFULL reply.
+"""The one loader of tokenq's Lua scripts, their fragments (``shared/lua/``) and QUEUEFULL reply.
 
-Every script lives in its side's ``lua/`` folder (``producer/lua/enqueue.lua``,
-``dlq_retry.lua``; ``worker/lua/publish.lua``, ``drop_consumer.lua``) and is
-read through :func:`load`. What two scripts need alike is written once, as a
-fragment in ``shared/lua/``:
-
-* ``queue_full.lua`` — the length limit of every script that adds to a
-  request stream, and its refusal ``QUEUEFULL <xlen> <max_len> <adding>``,
-  parsed here by :func:`parse_queue_full` and nowhere else;
-* ``dead_fields.lua`` — the ``dead_`` prefix rule of dead letters;
-* ``dead_letter.lua`` — the dead-letter cap and record, the Lua twin of
-  :mod:`tokenq.shared.dead_letter`.
-
-A script names a fragment on a line of its own::
-
-    -- tokenq:include dead_letter.lua
-
-and :func:`load` puts the fragment there, as BullMQ's loader does with its
-``includes/``. One script is different: other languages run
-``producer/lua/enqueue.lua`` as it is (``redis-cli --eval``,
-docs/PROTOCOL.md), so it must stay a complete script on disk. It carries a
-*copy* of its fragment, closed by a ``-- tokenq:end queue_full.lua`` line;
-:func:`load` refuses a copy that is not the fragment (so what Redis runs,
-what the file says and what the fragment says never drift apart), and
-``python -m tokenq.shared.lua_scripts producer/lua/enqueue.lua`` refreshes it after
-the fragment changed.
-
-The same scripts run as one Redis Functions library on Redis 7
-(:func:`library`): each script's text becomes the body of a function, so a
-producer needs ``FCALL`` and never ``EVAL``/``SCRIPT LOAD``, which would let
-it run Lua of its own (docs/SECURITY.md, docs/decisions/0058-redis-functions.md).
-Names carry a hash of the library's code, so two tokenq versions
-can be loaded side by side during a rolling upgrade.
-:mod:`tokenq.shared.functions` loads and calls them.
-
-Sans-I/O but for reading the package's own files (and that command, which
-rewrites the files it is given); no Redis, no clock.
+A script names a fragment on a line ``-- tokenq:include <name>.lua``, spliced in at load.
+``producer/lua/enqueue.lua`` must run as it is, so it carries a *copy* closed by
+``-- tokenq:end <name>.lua``: :func:`load` refuses a stale copy, and
+``python -m tokenq.shared.lua_scripts FILE`` refreshes it. :func:`library` is every script as
+one Redis Functions library, named by its code's hash (docs/decisions/0058-redis-functions.md).
 """
 
 from __future__ import annotations
@@ -51,7 +20,6 @@ from pathlib import Path
 
 QUEUE_FULL = "QUEUEFULL"
 """First word of the error a script answers when entries would not fit in the queue."""
-
 _INCLUDE = re.compile(r"-- tokenq:include (?P<name>[\w.-]+\.lua)\b.*")
 
 
@@ -69,11 +37,6 @@ def assemble(source: str) -> str:
     """``source`` with every fragment in place: spliced at each include line, and each
     copy (an include line … ``-- tokenq:end <name>``) replaced by the current fragment."""
     return _expand(source, splice=True)[0]
-
-
-def copies_stale(source: str) -> list[str]:
-    """The fragments ``source`` carries copies of that are not those fragments."""
-    return _expand(source, splice=False)[1]
 
 
 def _expand(source: str, *, splice: bool) -> tuple[str, list[str]]:
@@ -115,7 +78,7 @@ def load(package: str, name: str) -> str:
     the file carries an out-of-date copy of a fragment.
     """
     source = resources.files(package).joinpath("lua").joinpath(name).read_text("utf-8")
-    stale = copies_stale(source)
+    stale = _expand(source, splice=False)[1]
     if stale:
         raise StaleFragment(
             f"{package} lua/{name} holds an old copy of shared/lua/{', '.join(stale)}; "
@@ -126,15 +89,8 @@ def load(package: str, name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Script:
-    """One of tokenq's scripts: where its file lives and how Redis may run it as a function.
-
-    ``flags`` are Redis's function flags: ``no-writes`` for a script that
-    only reads (it may also run at ``maxmemory`` and as ``FCALL_RO``);
-    ``allow-oom`` only for one that never grows memory, so a worker can
-    still tidy up at ``maxmemory``. Every other script gets none, so Redis
-    refuses it *before* it runs when memory is full (``OOM``): all or
-    nothing, as the legacy ``EVAL`` was only up to its first write.
-    """
+    """One of tokenq's scripts: its file and its function flags (``no-writes``: reads only;
+    ``allow-oom``: never grows memory; none: refused before it runs at ``maxmemory``)."""
 
     package: str
     file: str
@@ -151,10 +107,8 @@ SCRIPTS: Mapping[str, Script] = {
     "remove_retired": Script("tokenq.worker", "remove_retired.lua", ("allow-oom",)),
     "claim_excess": Script("tokenq.worker", "claim_excess.lua", ("allow-oom",)),
 }
-"""Every script tokenq runs, by its short name: the functions of the library.
-``enqueue_seen`` is enqueue.lua read-only: at ``maxmemory`` it still answers the retry of
-a batch already written (``producer/calls.py``, ``_written_before``)."""
-
+"""Every script tokenq runs, by its short name; ``enqueue_seen`` is enqueue.lua read-only,
+which still answers a retry at ``maxmemory``."""
 FUNCTION_FLAGS = frozenset({"no-writes", "allow-oom", "allow-stale", "no-cluster",
                             "allow-cross-slot-keys"})
 """The flags Redis 7 accepts on a function."""
@@ -176,18 +130,12 @@ class Library:
 
 LIBRARY_PREFIX = "tokenq_"
 """Every tokenq library's name starts so (``FUNCTION LIST LIBRARYNAME tokenq_``)."""
-
 _HASH_CHARS = 12
 
 
 def function_body(name: str, source: str, flags: Sequence[str]) -> str:
-    """``source`` (a complete script) as the registration of the function ``name``.
-
-    The script's text goes in unchanged as the callback's body, whose
-    parameters are named ``KEYS`` and ``ARGV``, so the script reads its keys
-    and arguments as it does under ``EVAL``; its locals (fragments included)
-    are the callback's, with Lua's limit of 200 each, as they were the chunk's.
-    """
+    """``source`` (a complete script) as the registration of the function ``name``: the body
+    of a callback whose parameters are ``KEYS`` and ``ARGV``, as under ``EVAL``."""
     unknown = set(flags) - FUNCTION_FLAGS
     if unknown:
         raise ValueError(f"unknown function flags for {name}: {sorted(unknown)}")

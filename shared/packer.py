@@ -1,54 +1,26 @@
 """Every batching decision tokenq makes lives in this module.
 
-The packer is sans-I/O: it holds the worker's buffer of requests (each with its
-exact token length, the time it arrived and its priority), and when asked for
-a batch it returns one or nothing. It never reads a clock, never awaits, never
-touches Redis; the caller passes ``now_ms`` and reports how long each batch
-took. That makes every rule below testable with hypothesis.
+Sans-I/O: it buffers requests (exact token length, arrival time, priority) and, asked for a
+batch, returns one or nothing; the caller passes ``now_ms`` and reports each batch's time.
 
-Rules (the packer's part of docs/ARCHITECTURE.md, in full):
+Rules:
 
-1. **Line.** Requests stand in line by *virtual arrival*: arrival time minus
-   ``priority x aging_ms``. A request of priority 1 stands as if it had come
-   ``aging_ms`` earlier than it did, so it goes before priority-0 requests
-   that arrived less than ``aging_ms`` before it, and after older ones: a
-   higher class goes first, a lower class ages into the front, nothing
-   starves. With every priority 0 (the default) the line is arrival order.
-2. **Anchor.** A batch is built around one request, its anchor, filled from
-   the anchor's neighbours in a length-sorted view of the buffer, always
-   taking the neighbour that adds the least padding; so similar lengths ride
-   together without fixed buckets.
-3. **Padding guard.** A candidate that would add more padding than
-   ``max_padding_ratio`` times its own length is left for a later batch of its
-   own kind (a 20-token query does not ride in a batch padded to 1,500, nor a
-   passage join 30 queries): mixing them costs the device more than running
-   them apart.
-4. **Seal.** A batch is *sealed* when the next candidate would break the token
-   budget or the row limit. Cost is ``rows x longest`` for a padded model and
-   the sum of lengths for a ragged (varlen) one. With ``max_batch_ms`` set, the
-   budget is also capped at the cost the learned time model (:class:`BatchTimer`)
-   says runs within that many milliseconds, so no batch is planned to hold the
-   device longer while other work waits.
-5. **Linger.** The packer is only asked for a batch when the device is idle. A
-   batch that is not sealed (the buffer ran out before the budget did) is held
-   back until ``linger_ms`` after its anchor arrived, hoping for company; a
-   sealed batch goes at once. While the device is busy nobody asks, so input
-   accumulates and the next batch is full.
-6. **Choice.** The next batch is the one anchored at the head of the line,
-   except that another batch may go first when it is anchored at a request of
-   the same or a higher priority and either
-   (a) the head's batch is still lingering and the other one is sealed (the
-   device never idles while a full batch waits), or
-   (b) both are ready and the other has the higher *response ratio*
-   ``(wait + estimate) / estimate`` (wait counted from the virtual arrival,
-   estimate from the time model): a cheap batch of short requests does not
-   wait long behind an expensive one, and every wait grows until it wins.
-   Rule (b) never passes over a head that has waited ``aging_ms`` or more:
-   that head goes in the next batch. This is the aging bound.
-7. **Oversize.** A request whose length alone breaks the budget goes alone
-   (the worker refuses budgets below the model's maximum input length, so this
-   only happens after an out-of-memory error has lowered the budget, or under a
-   ``max_batch_ms`` cap).
+1. **Line.** Requests stand in line by *virtual arrival*: arrival minus ``priority x
+   aging_ms``; a higher class goes first, a lower one ages into the front, none starves.
+2. **Anchor.** A batch is built around one request, filled from its neighbours in a
+   length-sorted view, always taking the one that adds the least padding.
+3. **Padding guard.** A candidate adding more padding than ``max_padding_ratio`` times its
+   own length is left for a later batch of its own kind.
+4. **Seal.** A batch is *sealed* when the next candidate would break the token budget or the
+   row limit. Cost is ``rows x longest`` (padded) or the sum of lengths (ragged); with
+   ``max_batch_ms``, the budget is capped at what :class:`BatchTimer` says runs that long.
+5. **Linger.** Asked only when the device is idle; an unsealed batch waits until
+   ``linger_ms`` after its anchor arrived, a sealed one goes at once.
+6. **Choice.** The head's batch goes next, unless one anchored at the same or a higher
+   priority is (a) sealed while the head's lingers, or (b) both ready, it with the higher
+   response ratio ``(wait + estimate) / estimate``. (b) never passes over a head that has
+   waited ``aging_ms``: the aging bound.
+7. **Oversize.** A request whose length alone breaks the budget goes alone.
 """
 
 from __future__ import annotations
@@ -101,31 +73,20 @@ class Budget:
 
 
 DEFAULT_AGING_MS = 1000.0
-"""How much earlier each priority class stands in line, and the wait after which the
-head of the line is never passed over (rules 1 and 6)."""
-
+"""How much earlier each priority class stands in line, and the aging bound (rules 1, 6)."""
 MAX_PRIORITY = wire.MAX_PRIORITY
-"""Priorities run from 0 (the default) to this (the wire format's limit)."""
-
 _CANDIDATES = 3
 """Batches weighed against each other per pick: the head's and up to two others."""
-
 _CANDIDATE_SCAN = 64
 """How far down the line the packer looks for other anchors (a bound on pick cost)."""
-
 _LENGTH_ORDER = operator.attrgetter("length", "seq")
 """The length view's order, as a sort key for items (a batch's rows go out in it)."""
 
 
 @dataclass(slots=True)
 class Item(Generic[T]):
-    """One buffered request: its exact token length, arrival time, priority and payload.
-
-    Not frozen, though nothing changes one once made: one is made per request on the
-    worker's hot path, and a frozen dataclass's ``__init__`` sets every field through
-    ``object.__setattr__``, three times the cost
-    (docs/decisions/0024-per-request-records-not-frozen.md).
-    """
+    """One buffered request. Not frozen: made per request on the hot path
+    (docs/decisions/0024-per-request-records-not-frozen.md)."""
 
     length: int
     arrived_ms: float
@@ -168,12 +129,8 @@ class Batch(Generic[T]):
 
 @dataclass(slots=True)
 class Candidate(Generic[T]):
-    """A batch weighed in a pick: its anchor, its rows as the length view names them
-    ((length, seq), ascending, the anchor's included), its cost and whether it is sealed.
-
-    Why not a :class:`Batch`: a pick weighs up to three, and looking up the
-    items of the ones not chosen was a pass per row for nothing.
-    """
+    """A batch weighed in a pick: its anchor and its rows as (length, seq), ascending; its
+    items are looked up only if it is chosen."""
 
     anchor: Item[T]
     rows: list[tuple[int, int]]
@@ -187,14 +144,8 @@ class Candidate(Generic[T]):
 
 
 class BatchTimer:
-    """How long a batch of a given cost runs on this device, learned from the batches that ran.
-
-    A straight line ``ms = fixed + per_token x cost``, fitted by least squares
-    with exponential forgetting (each new batch weighs ``1 / (1 - decay)``
-    batches' worth), so it follows a device that warms up or is shared. Until
-    ``min_batches`` have been seen it answers from a prior (1 ms + 1 µs per
-    token) and :meth:`cost_within` declines to cap anything.
-    """
+    """``ms = fixed + per_token x cost``, fitted by least squares with exponential forgetting
+    to the batches that ran; until ``min_batches`` it answers from a prior and caps nothing."""
 
     def __init__(self, *, decay: float = 0.95, min_batches: int = 8) -> None:
         if not 0 < decay < 1:
@@ -275,22 +226,13 @@ class Packer(Generic[T]):
         self._seq = itertools.count()
         self._tokens = 0
 
-    # ------------------------------------------------------------------ buffer
-
     def add(self, length: int, arrived_ms: float, payload: T, priority: int = 0) -> Item[T]:
         """Buffer one request whose exact token length is known."""
         return self.add_all([(length, arrived_ms, payload, priority)])[0]
 
     def add_all(self, requests: Iterable[tuple[int, float, T, int]]) -> list[Item[T]]:
-        """Buffer many requests at once: (exact length, arrival ms, payload, priority) each.
-
-        Why not :meth:`add` in a loop: the worker buffers a whole read at a
-        time, and inserting one by one cost two ``insort`` calls and a method
-        call per request (1.1-1.7 µs; 0.54 here: the new entries are appended
-        and each view sorted once, which Timsort does in about one pass over
-        the already sorted buffer). Every request is checked before any is
-        buffered, so a bad one adds nothing.
-        """
+        """Buffer a whole read: (exact length, arrival ms, payload, priority) each, appended and
+        sorted once (docs/decisions/0005-packer-takes-whole-reads.md); a bad one adds nothing."""
         seq = self._seq
         made = [Item(length, arrived_ms, payload, next(seq), priority)
                 for length, arrived_ms, payload, priority in requests]
@@ -348,13 +290,8 @@ class Packer(Generic[T]):
         """A batch of ``cost`` tokens took ``ms`` on the device (feeds the time model)."""
         self.timer.observe(cost, ms)
 
-    # ----------------------------------------------------------------- batching
-
     def next_batch(self, now_ms: float, *, flush: bool = False) -> Batch[T] | None:
-        """The next batch for an idle device, or None to wait for more input.
-
-        ``flush`` skips the linger (used when draining on shutdown).
-        """
+        """The next batch for an idle device, or None to wait; ``flush`` skips the linger."""
         chosen = self._choose(now_ms, flush)
         if chosen is None:
             return None
@@ -364,11 +301,7 @@ class Packer(Generic[T]):
         return Batch(items=items, cost=chosen.cost, sealed=chosen.sealed)
 
     def peek(self, now_ms: float) -> Batch[T] | None:
-        """The head's batch (rules 2-4), without removing it; ready or not.
-
-        ``items[0]`` is the head (the anchor); the caller's linger check reads
-        its arrival time.
-        """
+        """The head's batch (rules 2-4), ready or not, without removing it; the head first."""
         del now_ms  # the head's batch does not depend on time; kept for symmetry
         head = self.head()
         if head is None:
@@ -396,13 +329,8 @@ class Packer(Generic[T]):
         return max(ready, key=lambda b: self._ratio(b, now_ms))  # ties keep the head's
 
     def _other_candidates(self, first: Candidate[T], budget: Budget) -> list[Candidate[T]]:
-        """Batches anchored further down the line, at requests of the head's priority or more.
-
-        An anchor whose length lies within a batch already built is skipped:
-        it is of that batch's kind and was left out only by the budget or the
-        row limit, so a batch around it would cost about the same and weigh
-        nothing new (and uniform traffic costs one build per pick, not three).
-        """
+        """Batches anchored further down the line, at requests of the head's priority or more;
+        an anchor whose length lies within a batch already built would weigh nothing new."""
         head = first.anchor
         spans = [first.span]
         found: list[Candidate[T]] = []
@@ -439,13 +367,7 @@ class Packer(Generic[T]):
         return replace(self.budget, max_batch_tokens=cap)
 
     def _build(self, anchor: Item[T], budget: Budget) -> Candidate[T]:
-        """Rules 2-4 and 7: the batch around ``anchor``.
-
-        The rows come from :meth:`_padded_rows` or :func:`_ragged_rows`, by
-        the budget's cost model; both take, one step at a time, the side whose
-        next request adds the least padding (ties: the shorter). Its items are
-        looked up only if it is chosen (most candidates of a pick are not).
-        """
+        """Rules 2-4 and 7: the batch around ``anchor``, by the budget's cost model."""
         order = self._by_length
         position = bisect.bisect_left(order, (anchor.length, anchor.seq))
         if budget.cost_model is CostModel.PADDED:
@@ -457,33 +379,19 @@ class Packer(Generic[T]):
             total = sum(length for length, _ in rows)
         longest = rows[-1][0]
         if not sealed and not budget.fits(len(rows) + 1, longest, total + 1):
-            # Not even a 1-token request could join (a full budget, or a lone
-            # oversize request): lingering for company would only waste time.
+            # Not even a 1-token request could join: lingering would only waste time.
             sealed = True
         return Candidate(anchor, rows, budget.cost(len(rows), longest, total), sealed)
 
     def _padded_rows(
         self, order: list[tuple[int, int]], position: int, budget: Budget
     ) -> tuple[int, int, bool]:
-        """The padded batch around ``order[position]``: ``order[low:high]``, and whether
-        the budget or the row limit sealed it.
+        """The padded batch around ``order[position]``: ``order[low:high]``, and whether sealed.
 
-        Each step takes the side whose next request adds the least padding
-        (ties: the shorter). A side closes for good when its next request
-        would add more padding than it brings tokens (further out it only gets
-        worse; the batch is not sealed, since similar input may come), or when
-        it does not fit (sealed: a longer one costs more, and a shorter one
-        costs the longest all the same).
-
-        A step takes that request's whole run of equal lengths, as far as the
-        budget and the row limit allow, which picks exactly the rows one
-        request at a time would, at a cost per distinct length instead of per
-        row. Why nothing else can end a run: below, the run's padding
-        (``longest - length``) stays the same while the other side's
-        (``rows x (up - longest)``) only grows with the rows; above, once the
-        run's first request is in it is the longest, so the rest add no
-        padding against a positive padding below (at a tie of zero padding
-        below goes first, and then all of its run does).
+        Each step takes the side whose next request adds the least padding (ties: the
+        shorter), and all of that length's run the budget allows: exactly the rows one request
+        at a time would pick. A side closes when its next request breaks the padding guard
+        (unsealed) or does not fit (sealed).
         """
         max_rows, max_tokens = budget.max_batch_size, budget.max_batch_tokens
         ratio = self.max_padding_ratio
@@ -534,12 +442,8 @@ class Packer(Generic[T]):
                 above_open = high < end
 
     def _discard_all(self, items: Sequence[Item[T]]) -> None:
-        """Take ``items`` (in ascending (length, seq) order) out of the buffer and both views.
-
-        A padded batch is one slice of the length view, removed in one step;
-        anything else goes one bisection at a time. The line drops them lazily
-        (:class:`~tokenq.shared.arrival_line.ArrivalLine`).
-        """
+        """Take ``items`` (ascending (length, seq)) out of the buffer and both views: one slice
+        when they are adjacent in the length view, else one bisection each."""
         order = self._by_length
         first = bisect.bisect_left(order, (items[0].length, items[0].seq))
         last = first + len(items) - 1
@@ -558,14 +462,8 @@ class Packer(Generic[T]):
 def _ragged_rows(
     order: list[tuple[int, int]], position: int, budget: Budget
 ) -> tuple[list[tuple[int, int]], bool]:
-    """The ragged batch around ``order[position]``, ascending, and whether it is sealed.
-
-    A ragged row adds no padding, so the shorter side always goes first (rule
-    2's tie): every request below, longest first, then every one above,
-    shortest first. The budget counts each row's own length, so below, a
-    request that does not fit is passed over (a shorter one further down
-    may); above, the first that does not fit ends the batch.
-    """
+    """The ragged batch around ``order[position]``, ascending, and whether it is sealed: every
+    request below (longest first, skipping what does not fit), then above until one does not."""
     max_rows, max_tokens = budget.max_batch_size, budget.max_batch_tokens
     total = order[position][0]
     below: list[tuple[int, int]] = []
@@ -590,16 +488,8 @@ def _ragged_rows(
 
 
 class AdaptiveBudget:
-    """The token budget after out-of-memory errors: down fast, back up slowly.
-
-    After an OOM the budget drops to ``backoff`` x the cost of the batch that
-    failed (never below ``floor``, the model's max input length, so one
-    full-length input still fits); after ``recover_after`` batches in a row
-    without an OOM it climbs by ``growth`` x, never above the configured
-    ``ceiling``. The same multiplicative-decrease / slow-increase shape TCP
-    uses, for the same reason: a memory limit that moves (fragmentation,
-    another process on the GPU) is found again without oscillating.
-    """
+    """The token budget after out-of-memory errors: ``backoff`` x the failed cost (not below
+    ``floor``), then ``growth`` x after ``recover_after`` clean batches, up to ``ceiling``."""
 
     def __init__(
         self,

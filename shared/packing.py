@@ -1,19 +1,6 @@
-"""Redis commands packed by hiredis's C packer, for the worker's and the producer's connections.
-
-Why: redis-py packs every argument in Python (its asyncio connection
-entirely; its sync one passes each argument through a generator before
-hiredis), and a batch's script call carries four to fifteen arguments per
-request, so packing is the largest single cost per request on both sides.
-Without hiredis installed the mixin steps aside and redis-py packs itself. Both mixins
-also turn a connection closed under a command into the ``ConnectionError``
-it is (:class:`AsyncHiredisPacking` says why): every connection class tokenq
-makes passes through :func:`packing_mixin`, so this is its one place.
-
-Arguments can also arrive already packed (:class:`PackedArgs`): a caller
-that sends thousands of arguments of a known shape (the worker's publish
-call, four per answer) writes them as RESP itself, one format operation per
-answer, instead of a list the packer walks one argument at a time. This
-module is the one home of that byte format too (:func:`bulk_format`).
+"""Redis commands packed by hiredis's C packer (redis-py's is per argument, in Python), or
+already packed by the caller (:class:`PackedArgs`); a connection closed under a command
+fails as the ``ConnectionError`` it is (docs/decisions/0023-connection-mixins.md).
 """
 
 from __future__ import annotations
@@ -38,12 +25,8 @@ def bulk_format(count: int) -> bytes:
 
 
 def bulk(value: bytes | str | int) -> bytes:
-    """One argument as a RESP bulk string, as redis-py's encoder would send it.
-
-    A str is UTF-8 (a lone surrogate becomes ``?``: this never raises for
-    text, where redis-py would); an int its decimal digits. A bool or any
-    other type is refused with ``TypeError``, as redis-py refuses it.
-    """
+    """One argument as a RESP bulk string, as redis-py would send it (a lone surrogate is
+    ``?``); a bool or another type is a ``TypeError``."""
     if isinstance(value, str):
         value = value.encode("utf-8", "replace")
     elif isinstance(value, int) and not isinstance(value, bool):
@@ -58,11 +41,8 @@ _ONE_BULK = bulk_format(1)
 
 @dataclass(frozen=True, slots=True)
 class PackedArgs:
-    """The last arguments of a command, already RESP bulk strings: ``count`` of them.
-
-    Only a connection with the packing mixin takes it (:func:`takes_packed`);
-    :meth:`values` gives them back, one by one, for any other.
-    """
+    """The last ``count`` arguments of a command, already RESP bulk strings (only for a
+    connection that :func:`takes_packed`)."""
 
     count: int
     data: bytes
@@ -104,12 +84,8 @@ def _joined(chunks: list[bytes], packed: PackedArgs) -> list[bytes]:
 
 
 class HiredisPacking:
-    """Connection mixin: ``pack_command`` in C (hiredis), byte-for-byte redis-py's output.
-
-    What hiredis refuses (a bool, an unknown type) goes to redis-py's own
-    packer, so the errors a caller sees are redis-py's. A :class:`PackedArgs`
-    last argument is sent as it is, after the others.
-    """
+    """Connection mixin: ``pack_command`` in C, byte for byte redis-py's; what hiredis refuses
+    goes to redis-py's packer, so the errors are redis-py's."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
         if args and isinstance(args[-1], PackedArgs):
@@ -132,15 +108,8 @@ class HiredisPacking:
 
 
 class SyncHiredisPacking(HiredisPacking):
-    """The sync connection's mixin: its ``send_command`` packs through :meth:`pack_command`.
-
-    Why: redis-py's sync ``send_command`` (every command outside a pipeline,
-    the producer's enqueue included) calls its own serializer directly, not
-    ``pack_command``, so the mixin alone left the producer's enqueue packed
-    by redis-py's per-argument generator (the async connection goes through
-    ``pack_command``). The async ``send_command`` is a coroutine, hence a
-    class of its own.
-    """
+    """The sync connection's mixin: its ``send_command`` packs through :meth:`pack_command`
+    (redis-py's calls its own serializer directly)."""
 
     def send_command(self, *args: Any, **kwargs: Any) -> None:
         self.send_packed_command(
@@ -148,46 +117,29 @@ class SyncHiredisPacking(HiredisPacking):
         )
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        """redis-py's, with a socket closed under it (another thread's ``disconnect``)
-        failing as ``ConnectionError``: see :class:`AsyncHiredisPacking`."""
+        """redis-py's, with a socket closed under it failing as ``ConnectionError``."""
         try:
             super().send_packed_command(command, check_health)  # type: ignore[misc]
         except AttributeError as exc:
-            if not _closed_under(exc):
-                raise
             raise _lost(exc) from exc
 
 
 class AsyncHiredisPacking(HiredisPacking):
-    """The asyncio connection's mixin: C packing, and a connection closed under a command
-    fails it with ``ConnectionError``, as any lost connection does.
-
-    Why: redis-py's asyncio ``send_packed_command`` awaits (connecting, the
-    health check) before it writes, and a concurrent ``disconnect`` (a Cluster
-    client drops a node's connections on a failover, while the worker's
-    readers, publishers and heartbeat use them) leaves it writing to
-    ``None``: ``AttributeError``, which no retry and no ``except RedisError``
-    takes for a connection failure. One failover test lost a worker to it
-    (tests/faults/test_cluster.py). Only an ``AttributeError`` on ``None``
-    (the writer or socket gone) is converted: any other is a bug and stays one.
-    """
+    """The asyncio connection's mixin: C packing, and a connection closed under a command (a
+    concurrent ``disconnect`` leaves redis-py writing to ``None``) fails as ``ConnectionError``."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
             await super().send_packed_command(command, check_health)  # type: ignore[misc]
         except AttributeError as exc:
-            if not _closed_under(exc):
-                raise
             raise _lost(exc) from exc
 
 
-def _closed_under(exc: AttributeError) -> bool:
-    """Whether an ``AttributeError`` from redis-py's send means the connection closed under
-    it (an attribute of ``None``: its writer or socket); anything else is a bug."""
-    return "'NoneType' object" in str(exc)
-
-
 def _lost(exc: AttributeError) -> redis.exceptions.ConnectionError:
+    """The ``ConnectionError`` an ``AttributeError`` on ``None`` (the writer or socket, closed
+    under the send) is; any other ``AttributeError`` is a bug, raised as it is."""
+    if "'NoneType' object" not in str(exc):
+        raise exc
     return redis.exceptions.ConnectionError(
         f"the connection was closed while a command was being sent ({exc})"
     )

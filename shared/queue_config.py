@@ -1,9 +1,5 @@
-"""The config hash (``keys.config(q)``): what a queue's workers tell its producers.
-
-Sans-I/O, like :mod:`tokenq.shared.wire`: :func:`encode_config` turns the
-worker's values into the hash's fields, :func:`parse_config` turns an
-HGETALL back into a :class:`QueueConfig`. Every field is a readable string
-(``redis-cli HGETALL`` shows it; any language can read it):
+"""The config hash (``keys.config(q)``): what a queue's workers tell its producers, every
+field a readable string. Sans-I/O; parsing never raises (a bad field reads as None):
 
 ==================== ==================================================
 ``protocol``         wire protocol version the workers speak
@@ -32,16 +28,6 @@ HGETALL back into a :class:`QueueConfig`. Every field is a readable string
 ``tokenize_processes`` tokenizer child processes per worker (``--tokenize-processes``; 0: a thread)
 ``pooling``          an embedding model's pooling (``mean``, ``cls``, ``mean+max``); absent: unknown
 ==================== ==================================================
-
-One derivation each way, so the worker and the producer cannot disagree on
-a fact: :func:`describe` is the config of a backend's ``BackendInfo`` (any
-:class:`ModelDescription`), the only way the worker writes one, and
-:func:`model_facts` the :class:`~tokenq.shared.request_options.ModelFacts`
-of a config, the only way either side checks a request's options.
-
-Parsing never raises: a field that is missing or does not parse is None, so
-a malformed hash disables the producer check that needs it rather than
-refusing everything.
 """
 
 from __future__ import annotations
@@ -140,19 +126,11 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
     )
 
 
-_OLD_DEFAULT_PROMPT = "default_prompt"
-"""``default_prompt_name``'s field name in hashes written before it was renamed."""
-
-
 def _default_prompt_name(text: Mapping[str, str]) -> str | None:
-    """The field under its name, else its old name (a hash an older worker wrote).
-
-    The new name wins even when empty: HSET leaves an old worker's field in
-    place, and a model without a default prompt must not inherit its value.
-    """
+    """The field, else its old name ``default_prompt``; the new name wins even when empty."""
     if "default_prompt_name" in text:
         return text["default_prompt_name"] or None
-    return text.get(_OLD_DEFAULT_PROMPT) or None
+    return text.get("default_prompt") or None
 
 
 class ModelDescription(Protocol):
@@ -196,11 +174,8 @@ def describe(
     info: ModelDescription, *, policy: str | None = None, max_batch_tokens: int | None = None,
     shards: int = 1, tokenize_processes: int | None = None, updated_at: int | None = None,
 ) -> QueueConfig:
-    """The config a worker with backend ``info`` publishes: every fact producers may check.
-
-    The queue's own values (``policy``, ...) are the worker's settings; left
-    out, they are absent (the worker's :func:`model_facts` needs none of them).
-    """
+    """The config a worker with backend ``info`` publishes (the only way it makes one); the
+    queue's own values (``policy``, ...) are its settings, absent when left out."""
     embeds = info.task == "embed"
     return QueueConfig(
         protocol=PROTOCOL_VERSION,
@@ -229,29 +204,20 @@ def describe(
 
 
 MODEL_IDENTITY = ("backend", "model", "task", "dim")
-"""The config fields that say which model answers a queue (the hash holds no revision or
-weights hash: a model id or path names the weights)."""
+"""The config fields that say which model answers a queue."""
 
 
 def model_identity(config: QueueConfig | None) -> dict[str, str | int | None] | None:
-    """Which model answers the queue, as its config says; None with no config or no model.
-
-    Results stored under one identity must not be mixed with another's:
-    ``tokenq embed`` keeps it in its checkpoint and refuses to resume under another.
-    """
+    """Which model answers the queue, as its config says; None with no config or no model
+    (``tokenq embed`` refuses to resume under another)."""
     if config is None or config.model is None:
         return None
     return {name: getattr(config, name) for name in MODEL_IDENTITY}
 
 
 def model_facts(config: QueueConfig | None) -> ModelFacts:
-    """What a config tells the request-option checks (None where it says nothing).
-
-    The worker reads its own config through here too, so both sides check
-    the same facts. A hash with ``raw_vectors`` comes from a worker that
-    publishes ``token_dim`` whenever it answers ``output: tokens``, so there
-    its absence means "not offered"; in an older hash it means "unknown".
-    """
+    """What a config tells the request-option checks (None where it says nothing); both
+    sides read it here. Without ``raw_vectors`` (an older hash), no ``token_dim`` is unknown."""
     if config is None:
         return ModelFacts()
     embeds = None if config.task is None else config.task == "embed"

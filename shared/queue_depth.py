@@ -1,14 +1,5 @@
-"""How deep a queue is: the one rule ``tokenq stats``/``top`` and the worker's gauges share.
-
-* **length** — entries in the request stream: waiting, and held by workers
-  (they are deleted once answered);
-* **pending** — delivered to a worker and not yet answered;
-* **lag** — not yet delivered to anyone. Before any worker made the group,
-  everything is lag. Redis cannot count lag across deleted entries (it
-  reports none), and workers delete what they answer, so then the stream
-  holds exactly what is pending plus what no one has read: ``length −
-  pending``, marked not exact.
-"""
+"""How deep a queue is (length, pending, lag): the one rule ``tokenq stats`` and the worker's
+gauges share. Where Redis reports no lag, it is ``length - pending``, marked not exact."""
 
 from __future__ import annotations
 
@@ -35,11 +26,7 @@ def depth(length: int, pending: int, *, group_exists: bool, reported_lag: object
 
 
 def total(parts: Sequence[Depth]) -> Depth:
-    """The depth of a queue whose lanes have ``parts``: sums, exact only if every part is.
-
-    Why here: a sharded queue is several streams, and ``tokenq stats`` and the
-    worker's gauges must add them up the same way.
-    """
+    """The depth of a queue whose lanes have ``parts``: sums, exact only if every part is."""
     if len(parts) == 1:
         return parts[0]
     return Depth(

@@ -1,34 +1,6 @@
-"""Every redis-py client tokenq makes, for every topology, built in one place.
-
-A Redis URL (:mod:`tokenq.shared.redis_url`) names one server, a Redis
-Cluster or a Sentinel-watched master; this module turns it into a redis-py
-client, sync (:func:`sync_client`) or asyncio (:func:`async_client`), so the
-branching on the topology, the Sentinel master classes and the Cluster's TLS
-patch are written once. What differs between the sides is plugged in, not
-branched on (:class:`ClientHooks`):
-
-* the producer bounds every wait by its caller's deadline: its connection
-  classes, its capped pools' wait for a free connection, the connections to
-  the sentinels and the retry a cluster counts down are its own
-  (:mod:`tokenq.producer.redis_deadlines`);
-* the worker packs commands in C (:mod:`tokenq.shared.packing`) and finds a
-  stream read's keys itself in a cluster (:mod:`tokenq.worker.redis_connect`);
-* the operator commands take redis-py's classes as they are.
-
-What each topology gets:
-
-* **single** (``redis://``, ``rediss://``, ``unix://``): redis-py reads the
-  URL, which picks the connection class (TCP, TLS, Unix socket); the hook
-  wraps whichever it picked.
-* **cluster**: a ``RedisCluster`` whose node connections are the hooked
-  ones, routing ``FCALL`` by its own keys (:func:`tokenq.shared.functions.route_by_keys`).
-* **sentinel**: a master client that finds the master on every reconnect
-  (:mod:`tokenq.shared.sentinel_connection`) and, closed, closes its
-  connections to the sentinels too.
-
-``max_connections`` None is a pool without a cap (as redis-py's default
-pool); a number is a blocking pool of that many (per node, in a cluster)
-whose wait for a free connection ends after ``wait_s``.
+"""Every redis-py client tokenq makes, sync or asyncio, for one server, a Cluster or a
+Sentinel master; what differs between the sides is plugged in (:class:`ClientHooks`), not
+branched on (docs/decisions/0052-one-redis-client-factory.md).
 """
 
 from __future__ import annotations
@@ -61,14 +33,10 @@ def as_is(connection_class: type) -> type:
 
 @dataclass(frozen=True, slots=True)
 class ClientHooks:
-    """What one side plugs into every client the factory makes (made once per side: the
-    classes built from it are cached by it).
+    """What one side plugs into every client (made once per side: classes are cached by it).
 
-    ``connection`` wraps every command connection class redis-py would use;
-    ``sentinels`` the classes of the connections to the sentinels themselves;
-    ``pool_wait`` is a mixin put in front of a capped pool (its ``timeout``);
-    ``cluster_parser`` replaces a cluster client's command parser class
-    before ``FCALL`` routing is added to it.
+    ``connection`` wraps every command connection class, ``sentinels`` those to the sentinels;
+    ``pool_wait`` is a mixin in front of a capped pool; ``cluster_parser`` a cluster's parser.
     """
 
     connection: Callable[[type], type] = as_is
@@ -88,9 +56,6 @@ def with_mixins(connection_class: type, *mixins: type) -> type:
     if not missing:
         return connection_class
     return type(f"Tokenq{connection_class.__name__}", (*missing, connection_class), {})
-
-
-# --------------------------------------------------------------------- pools
 
 
 class _HookedPool:
@@ -134,20 +99,14 @@ def _cap(max_connections: int | None, wait_s: float | None) -> dict[str, Any]:
     return {"max_connections": max_connections, "timeout": wait_s}
 
 
-# ------------------------------------------------------------------- clients
-
-
 def sync_client(
     target: RedisTarget, options: dict[str, Any], hooks: ClientHooks = PLAIN, *,
     max_connections: int | None = None, wait_s: float | None = None,
     cluster_retry: Any = None, lazy: bool = False,
 ) -> redis.Redis | redis.RedisCluster:
-    """A sync client of ``target`` with redis-py's client ``options``.
-
-    ``cluster_retry``: the retry a cluster client counts down itself (it
-    re-reads the topology between tries), instead of ``options["retry"]``.
-    ``lazy``: a cluster is made at its first command (:class:`LazyCluster`).
-    """
+    """A sync client of ``target`` with redis-py's client ``options``; ``max_connections``
+    caps a blocking pool (per node) that waits ``wait_s``. ``cluster_retry``: the retry a
+    cluster counts down itself; ``lazy``: a cluster is made at its first command."""
     capped = max_connections is not None
     if target.kind == "cluster":
         def make() -> redis.RedisCluster:
@@ -166,12 +125,8 @@ def async_client(
     max_connections: int | None = None, wait_s: float | None = None,
     cluster_retry: Any = None, one_connection: bool = False,
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-    """The asyncio twin of :func:`sync_client` (an asyncio cluster is lazy by itself).
-
-    ``one_connection``: a client of one connection, for one blocking reader:
-    redis-py's single-connection client on one server, a pool of one per node
-    (or behind Sentinel) otherwise.
-    """
+    """The asyncio twin of :func:`sync_client`; ``one_connection``: a client of one
+    connection (per node), for one blocking reader."""
     if one_connection:
         max_connections, wait_s = (None, None) if target.kind == "single" else (1, None)
     if target.kind == "cluster":
@@ -187,9 +142,6 @@ def async_client(
     )
     client.auto_close_connection_pool = True  # as Redis.from_url and from_pool: it owns the pool
     return client
-
-
-# ------------------------------------------------------- cluster and sentinel
 
 
 def master_kwargs(target: RedisTarget) -> dict[str, Any]:
@@ -247,14 +199,8 @@ def _sync_cluster(
     target: RedisTarget, options: dict[str, Any], hooks: ClientHooks,
     max_connections: int | None, wait_s: float | None, cluster_retry: Any,
 ) -> redis.RedisCluster:
-    """A ``RedisCluster`` whose node pools are the hooked ones.
-
-    redis-py builds a node's pool from ``connection_pool_class`` only when
-    the client was given a URL (its ``from_url`` mode; otherwise it makes a
-    plain ``Redis`` per node, which takes no connection class), so the first
-    node goes in as a bare URL and the rest as startup nodes; credentials and
-    TLS, passed as kwargs, are not overridden by a URL that has none.
-    """
+    """A ``RedisCluster`` whose node pools are the hooked ones: redis-py takes a
+    ``connection_pool_class`` only with a URL, so the first node goes in as one."""
     (host, port), *others = target.nodes
     kwargs = _cluster_options(options, cluster_retry)
     kwargs.update(master_kwargs(target))
@@ -274,15 +220,8 @@ def _async_cluster(
     target: RedisTarget, options: dict[str, Any], hooks: ClientHooks,
     max_connections: int | None, cluster_retry: Any,
 ) -> redis.asyncio.RedisCluster:
-    """An asyncio ``RedisCluster`` whose node connections are the hooked ones.
-
-    Its constructor takes no connection class (it picks plain or TLS from
-    ``ssl``) nor every TLS option, but every node it ever makes, the startup
-    nodes aside, is built from the one ``connection_kwargs`` dict it keeps;
-    so both are set there, and on the startup nodes, before anything connects.
-    A cluster never waits for a free connection: a node with none free fails
-    the command at once (``MaxConnectionsError``).
-    """
+    """An asyncio ``RedisCluster`` whose node connections are the hooked ones: set in its
+    ``connection_kwargs`` and on the startup nodes, the only places it makes nodes from."""
     master = master_kwargs(target)
     tls = {name: master.pop(name) for name in target.options}
     client = redis.asyncio.RedisCluster(
@@ -299,16 +238,8 @@ def _async_cluster(
 
 
 class LazyCluster:
-    """A sync ``RedisCluster``, made at its first use rather than with the client.
-
-    redis-py's sync ``RedisCluster`` reads the topology in its constructor,
-    so a cluster whose nodes were all unreachable made ``Client(...)`` raise
-    redis-py's ``RedisClusterException``, unbounded by any deadline. Made at
-    the first command instead, it is read inside that caller's deadline (the
-    node connections are deadline-bound) and a failure is that call's
-    ``BrokerUnavailable``; the next call tries again. The asyncio
-    ``RedisCluster`` is lazy by itself.
-    """
+    """A sync ``RedisCluster`` made at its first command, so reading the topology happens
+    inside that caller's deadline instead of in the client's constructor."""
 
     def __init__(self, make: Callable[[], redis.RedisCluster]) -> None:
         self._make = make

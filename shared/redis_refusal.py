@@ -1,39 +1,16 @@
-"""Rule: which Redis errors mean "this key can never take this write" and which mean
-"Redis refuses writes right now". Every decision of that kind, Python or Lua, is made here.
-
-Two kinds of refusal, and what each must lead to:
-
-* **The key refuses** (:data:`KEY_REFUSES`: ``WRONGTYPE``, ``NOPERM``,
-  ``CROSSSLOT``): the key is of another type, outside the ACL user's keys, or
-  in another slot. Asking again will never help, so the one write that named
-  that key is settled without it (a reply_to that refuses its reply is
-  dead-lettered) and everything else goes on.
-* **Redis refuses now** (everything else: ``OOM`` at ``maxmemory`` with
-  ``noeviction``, ``READONLY`` after a failover, ``MASTERDOWN``, ``LOADING``,
-  ``BUSY``, ``MISCONF``, ``TRYAGAIN``, ``CLUSTERDOWN``, and any error this
-  module does not know): the whole call fails, nothing is settled, and the
-  caller retries it later with backoff. Reading an unknown error as "the key
-  refuses" would drop a computed answer into the dead stream (or, before this
-  module, nowhere) for a state Redis is merely passing through; reading it as
-  "refused now" at worst retries a call that cannot succeed, which is loud
-  (a log line, a metric, readiness) and loses nothing.
-
-The Lua twin is ``shared/lua/refusal.lua`` (``key_refuses``); the two lists
-are checked against each other in ``tests/faults/test_redis_refuses.py``.
-
-No I/O, no redis import: an error is judged by its class name and its text.
+"""Which Redis errors mean "this key can never take this write" (settle without it, go on) and
+which "Redis refuses writes right now" (everything else: fail the call, retry it later).
+The Lua twin is ``shared/lua/refusal.lua`` (docs/decisions/0059-refused-write-is-a-failure.md).
 """
 
 from __future__ import annotations
 
 KEY_REFUSES = frozenset({"WRONGTYPE", "NOPERM", "CROSSSLOT"})
 """Error codes that mean this key can never take this write (retrying will not help)."""
-
 KNOWN_NOW = ("OOM", "READONLY", "MASTERDOWN", "LOADING", "BUSY", "MISCONF", "TRYAGAIN",
              "CLUSTERDOWN", "NOREPLICAS")
 """Codes of "Redis refuses writes right now" that get their own metric label; any other
 error is of that kind too, labelled ``other``."""
-
 _BY_CLASS = {
     "NoPermissionError": "NOPERM",
     "OutOfMemoryError": "OOM",
@@ -48,13 +25,8 @@ _BY_CLASS = {
 
 
 def error_code(error: BaseException | str) -> str:
-    """The Redis error code of ``error`` (``"OOM"``, ``"WRONGTYPE"``, ...), or ``""``.
-
-    Taken from redis-py's ``status_code`` or class when it names a known
-    code, else the message's first word; an error a Lua script raised
-    (``Error running script ... @user_script: 9: -OOM ...`` on Redis 6, whose
-    ``status_code`` is ``ERR``) is searched for a known code too.
-    """
+    """The Redis error code of ``error`` (``"OOM"``, ``"WRONGTYPE"``, ...), or ``""``: from
+    redis-py's ``status_code`` or class, else the message (a script's error is searched)."""
     if not isinstance(error, str):
         code = getattr(error, "status_code", None)
         if code in KEY_REFUSES or code in KNOWN_NOW:

@@ -1,11 +1,5 @@
-"""What Redis hands back as bytes (names, ids, config values), read as text.
-
-Redis strings are bytes, and a client may be set to decode them or not; an
-operator's view, a log line or a comparison with a name wants ``str``
-either way. Bytes that are not UTF-8 are shown with replacement characters
-rather than refused: these are names and ids to show or compare, never
-request payloads (those are decoded strictly, by ``shared/wire.py``).
-"""
+"""What Redis hands back as bytes (names, ids, config values), read as text to show or compare
+(never payloads: ``shared/wire.py`` decodes those strictly)."""
 
 from __future__ import annotations
 

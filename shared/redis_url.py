@@ -1,42 +1,12 @@
-"""What a tokenq Redis URL names: one server, a Redis Cluster, or a Sentinel-watched master.
+"""What a tokenq Redis URL names (sans-I/O); a bad one is a ValueError that never repeats a
+password. Single-server URLs (redis://, rediss://, unix://) are redis-py's, unparsed here::
 
-Every decision about the text of a Redis URL lives here (sans-I/O: no
-socket, no redis import); :mod:`tokenq.shared.redis_client` turns a
-:class:`RedisTarget` into a client, for the producer, the worker and the
-operator commands alike.
-
-Three kinds of URL are accepted::
-
-    redis://…  rediss://…  unix://…                  single: redis-py's own URLs
     redis+cluster://[user[:password]@]host:port[,host:port...][/][?query]
     redis+sentinel://[user[:password]@]host:port[,host:port...]/service_name[/db][?query]
 
-* **single** URLs are not parsed here at all: redis-py reads them exactly as
-  it always has, so their behaviour is unchanged (``RedisTarget.url`` is the
-  URL as given).
-* **cluster** (``rediss+cluster://`` for TLS): the hosts are startup nodes of
-  a ``RedisCluster``, which discovers the rest and follows MOVED/ASK itself.
-  A Cluster has only database 0, so the path is empty, ``/`` or ``/0``.
-* **sentinel** (``rediss+sentinel://`` for TLS to the master and its
-  replicas; the sentinels themselves are spoken to in plain TCP): the hosts
-  are sentinels, the first path segment is the monitored service (master)
-  name and an optional second one the database number. The user and
-  password before ``@`` are the *master's*; the sentinels' own credentials,
-  when they have any, come from the query as ``sentinel_username`` and
-  ``sentinel_password``.
-
-Every host is written ``host:port`` (an IPv6 address in brackets,
-``[::1]:7000``); user names, passwords and the service name are
-percent-encoded (``%40`` for ``@``). The query may also carry these TLS
-options, passed to redis-py's connections as given (so on a ``rediss+``
-URL only): ``ssl_cert_reqs`` (none, optional or required), ``ssl_ca_certs``,
-``ssl_ca_path``, ``ssl_certfile``, ``ssl_keyfile``, ``ssl_password`` and
-``ssl_check_hostname`` (true or false). Any other query key is refused,
-named, rather than silently ignored.
-
-A URL that does not fit is a :class:`ValueError` that names what is wrong
-and never repeats a password. :func:`redact` masks the passwords of any
-URL for logs and error messages.
+``rediss+`` for TLS (to the master, not the sentinels); user, password and service are
+percent-encoded; the query takes the TLS options of :data:`TLS_OPTIONS` (TLS URLs only) and,
+for Sentinel, the sentinels' own ``sentinel_username`` and ``sentinel_password``.
 """
 
 from __future__ import annotations
@@ -47,7 +17,6 @@ from typing import Literal
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 Kind = Literal["single", "cluster", "sentinel"]
-
 _SCHEMES: dict[str, tuple[Kind, bool]] = {
     "redis+cluster": ("cluster", False),
     "rediss+cluster": ("cluster", True),
@@ -55,25 +24,20 @@ _SCHEMES: dict[str, tuple[Kind, bool]] = {
     "rediss+sentinel": ("sentinel", True),
 }
 """Scheme -> (kind, TLS); any scheme without a ``+`` is a single-server URL for redis-py."""
-
 CLUSTER_FORM = "redis+cluster://[user[:password]@]host:port[,host:port...][/][?query]"
 SENTINEL_FORM = (
     "redis+sentinel://[user[:password]@]host:port[,host:port...]/service_name[/db]"
     "[?sentinel_username=...&sentinel_password=...]"
 )
-
 TLS_OPTIONS = frozenset({
     "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile",
     "ssl_password", "ssl_check_hostname",
 })
 """Query keys passed through to redis-py's connections (TLS URLs only)."""
-
 SENTINEL_OPTIONS = frozenset({"sentinel_username", "sentinel_password"})
-
 _CERT_REQS = ("none", "optional", "required")
 _TRUE = ("true", "yes", "1")
 _FALSE = ("false", "no", "0")
-
 _UNSAFE = re.compile(r"[\x00-\x20\x7f]")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _IPV6 = re.compile(r"^\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.\-~]+)?\]$")
@@ -201,18 +165,14 @@ def _query(query: str, scheme: str, tls: bool, kind: Kind) -> dict[str, str]:
         value = unquote(value.replace("+", " "))
         if not value and name in TLS_OPTIONS:
             raise ValueError(f"query option {name!r} of the {scheme}:// URL has no value")
-        options[name] = _checked(name, value, scheme)
+        if name == "ssl_cert_reqs" and value not in _CERT_REQS:
+            raise ValueError(f"ssl_cert_reqs in the {scheme}:// URL is {value!r}, not one of "
+                             f"{', '.join(_CERT_REQS)}")
+        if name == "ssl_check_hostname" and value.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"ssl_check_hostname in the {scheme}:// URL is {value!r}, not "
+                             "true or false")
+        options[name] = value
     return options
-
-
-def _checked(name: str, value: str, scheme: str) -> str:
-    if name == "ssl_cert_reqs" and value not in _CERT_REQS:
-        raise ValueError(f"ssl_cert_reqs in the {scheme}:// URL is {value!r}, not one of "
-                         f"{', '.join(_CERT_REQS)}")
-    if name == "ssl_check_hostname" and value.lower() not in _TRUE + _FALSE:
-        raise ValueError(f"ssl_check_hostname in the {scheme}:// URL is {value!r}, not "
-                         "true or false")
-    return value
 
 
 def _cluster_path(path: str, scheme: str) -> None:
@@ -244,21 +204,14 @@ def _sentinel_path(path: str, scheme: str) -> tuple[str, int]:
                      f"at most a database number ({SENTINEL_FORM})")
 
 
-# ------------------------------------------------------------------ redaction
-
-
 def _is_secret(name: str) -> bool:
     """``password``, ``sentinel_password``, ``ssl_password``: any query key naming one."""
     return name.lower().endswith("password")
 
 
 def redact(url: str) -> str:
-    """``url`` with every password masked: the user part's and any ``…password=`` query value.
-
-    A URL too broken to tell where its password is (one that cannot be
-    parsed, or with an ``@`` past its host part, i.e. an unencoded ``/``,
-    ``?`` or ``#`` in the password) shows only its scheme.
-    """
+    """``url`` with every password masked (user part, ``…password=`` query values); a URL too
+    broken to tell where its password is shows only its scheme."""
     scheme = url.split("://", 1)[0]
     try:
         parts = urlsplit(url)

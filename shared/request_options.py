@@ -1,28 +1,5 @@
-"""Per-request options (a request's ``opts`` map): what each one means and when it is valid.
-
-docs/PROTOCOL.md, "Request options", is the contract; this module is its one
-home. It is sans-I/O and needs neither numpy nor torch, so the worker (which
-answers a bad option ``bad_request``) and the producer (which resolves a
-request's prompt to estimate its tokens, and refuses early what the config
-hash says the worker would refuse) read the same rules.
-
-=============== ======== ==========================================================
-key             type     meaning
-=============== ======== ==========================================================
-``prompt_name`` str      one of the model's named prompts, put before the text
-``prompt``      str      literal text put before the text ("" for no prompt at all)
-``dimensions``  int      keep the first N values of the embedding (Matryoshka), 1-65536
-``normalize``   bool     unit-length embedding or not (default: the model's)
-``truncate``    bool     cut an over-long input (true) or refuse / chunk it (false)
-``raw_scores``  bool     a scoring model's logits, without its activation
-``output``      str      ``tokens``: one vector per token (TEI's ``/embed_all``), not pooled
-=============== ======== ==========================================================
-
-Unknown keys are ignored, as the protocol promises, so an old worker serves a
-newer producer. Adding an option: a field of :class:`RequestOptions`, its
-check in :func:`parse_options`, its keyword in ``tokenq.producer.call_options``,
-and its effect where the worker reads it (``worker/pipeline/finisher.py`` for
-what it does to a result, the pipeline for what it does to an input).
+"""Per-request options (a request's ``opts`` map): their meaning and checks, one home for the
+worker and the producer (docs/PROTOCOL.md, "Request options"). Unknown keys are ignored.
 """
 
 from __future__ import annotations
@@ -32,57 +9,35 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 MAX_PROMPT_CHARS = 4096
-"""Longest literal ``prompt`` a request may carry (a prompt is an instruction, not a document)."""
-
+"""Longest literal ``prompt`` a request may carry."""
 MAX_DIMENSIONS = 65_536
-"""Most ``dimensions`` a request may ask for, whatever the model (the largest embedding
-models give a few thousand). Checked even when the model's own size is unknown (a
-producer without the config hash), so a huge number is a ``BadRequest`` at the
-enqueue, never an ``OverflowError`` from msgpack (whose ints are 64-bit)."""
+"""Most ``dimensions`` a request may ask for, whatever the model (checked even unknown)."""
 
 
 class WorkerOptions(TypedDict, total=False):
-    """Per-request options the worker reads from the request's ``opts`` map.
-
-    The keyword arguments of every enqueueing call of both producer clients
-    and of the in-process ``Batcher``: each is sent in ``opts`` under its own
-    name when given and not None (giving it in ``opts`` as well is a
-    :class:`~tokenq.shared.errors.BadRequest`). Add a new one here, as
-    ``name: type | None``, and its check in :func:`parse_options`.
-    """
+    """The per-request options: keyword arguments of every enqueueing call, sent in ``opts``.
+    A new one is added here and checked in :func:`parse_options`."""
 
     prompt_name: str | None
-    """One of the model's named prompts (sentence-transformers' ``prompts``, e.g.
-    ``query``), put before the text; its tokens count toward the input's length."""
+    """One of the model's named prompts, put before the text."""
     prompt: str | None
-    """Literal text put before the text, instead of a named prompt ("" for none at all,
-    overriding the model's default prompt)."""
+    """Literal text put before the text ("" for none, overriding the model's default)."""
     dimensions: int | None
-    """Keep the embedding's first ``dimensions`` values (Matryoshka truncation),
-    re-normalised when the answer is normalised."""
+    """Keep the embedding's first ``dimensions`` values (Matryoshka truncation)."""
     normalize: bool | None
     """Unit-length embedding or not; by default what the model does."""
     truncate: bool | None
-    """True: cut an over-long input to the model's limit; False: refuse it
-    (``too_long``), or chunk it on a ``chunk`` queue. By default the queue's policy."""
+    """True: cut an over-long input; False: refuse or chunk it; None: the queue's policy."""
     raw_scores: bool | None
     """A classifier's or reranker's logits, without the model's activation."""
     output: str | None
-    """``"tokens"``: the transformer's last hidden state for every token of the input
-    (special and prompt tokens included), not the pooled embedding: TEI's ``/embed_all``.
-    An embedding queue's only; it takes no ``dimensions`` or ``normalize``, and an
-    over-long input is truncated or refused, never chunked."""
+    """``"tokens"``: one vector per token, not pooled (TEI's ``/embed_all``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
-    """What option checks need to know about the queue's model.
-
-    Both sides build it one way, from the queue's config
-    (:func:`tokenq.shared.queue_config.model_facts`): the worker from the
-    config it publishes, the producer from the hash it reads, where a fact the
-    hash does not give is None and the check that needs it is left to the worker.
-    """
+    """What option checks need to know about the queue's model (None: unknown, the worker
+    checks); built by :func:`tokenq.shared.queue_config.model_facts`."""
 
     embeds: bool | None = None
     """True: replies carry embeddings; False: scores; None: unknown."""
@@ -90,15 +45,13 @@ class ModelFacts:
     normalized: bool | None = None
     """The model's default answer is unit length."""
     raw_vectors: bool | None = None
-    """The worker can answer ``normalize: false``: its backend returns vectors before the
-    final normalisation (``BackendInfo.raw_vectors``)."""
+    """The worker can answer ``normalize: false``."""
     prompts: Mapping[str, str] | None = None
     default_prompt_name: str | None = None
     sparse: bool | None = None
     """True: replies carry a sparse (SPLADE) model's weights, which take no output option."""
     token_dim: int | None = None
-    """Size of each token's vector for ``output: tokens``; None: unknown (the producer
-    without a config hash that says) or, on a worker, not offered by its backend."""
+    """Size of each token's vector for ``output: tokens``; None: unknown or not offered."""
     can_output_tokens: bool | None = None
     """The queue's backend answers ``output: tokens`` (None: unknown)."""
 
@@ -127,12 +80,7 @@ NO_OPTIONS = RequestOptions()
 
 
 class OptionError(ValueError):
-    """An option the model refuses; ``param`` names it (the ``opts`` key at fault).
-
-    A ``ValueError``, as before, so callers catching that still do; the
-    producer turns it into a ``BadRequest`` and the worker into a
-    ``bad_request`` reply, both carrying ``param``.
-    """
+    """An option the model refuses; ``param`` names the ``opts`` key at fault."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -156,14 +104,10 @@ def parse_options(opts: Mapping[str, Any], facts: ModelFacts) -> RequestOptions:
                 "normalize false: this queue's backend only answers unit-length embeddings",
             )
     raw_scores = _flag(opts, "raw_scores")
-    if raw_scores is not None and facts.sparse:
+    if raw_scores is not None and (facts.sparse or facts.embeds):
+        kind = "is sparse" if facts.sparse else "embeds"
         raise OptionError(
-            "raw_scores", "raw_scores applies to classifiers and rerankers; this model is sparse"
-        )
-    if raw_scores is not None and facts.embeds:
-        raise OptionError(
-            "raw_scores", "raw_scores applies to classifiers and rerankers; this model embeds"
-        )
+            "raw_scores", f"raw_scores applies to classifiers and rerankers; this model {kind}")
     output_tokens = _output_tokens(opts.get("output"), facts)
     if output_tokens and (dimensions is not None or normalize is not None):
         raise OptionError(

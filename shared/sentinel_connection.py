@@ -1,23 +1,5 @@
-"""Sentinel-managed connections that ask the sentinels where the master is on every reconnect.
-
-redis-py's managed connection looks the master up in ``connect()``, which a
-pool calls for a fresh connection. But a connection that drops in the middle
-of a command (its master died) is reconnected by that command's own retry,
-through ``send_packed_command`` → ``connect_check_health``: the plain
-connection's method, which connects to the address the connection already
-had, and retries *that* under the whole retry policy (redis-py issue #3874,
-open as of redis-py 8.1). After a failover that address is the dead master:
-a worker's read spent its ten retries, ~13 s, on it while the promoted
-replica served everyone else, and every caller waited
-(``tests/faults/test_cluster_connections.py::test_a_command_begun_during_a_sentinel_failover_…``).
-
-Here every way into a connection goes through the lookup: a reconnect made
-inside a command is one lookup and one connect attempt, and the command's
-own retry (which wraps every send) does the retrying, each attempt asking
-the sentinels afresh (retrying inside it as well would nest one retry
-policy in another). :func:`managed_connection` gives the class for each of
-tokenq's Sentinel pools (:mod:`tokenq.shared.redis_client`), sync or asyncio,
-plain or TLS.
+"""Sentinel-managed connections that ask the sentinels where the master is on every reconnect,
+also one made inside a command's retry (redis-py reconnects those to the old address).
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
 """Every setting tokenq has, each defined once, with its default, bounds and help.
 
-Settings come from (highest first) CLI flags, ``TOKENQ_*`` environment
-variables, then the defaults below. A setting's flag is its field name in
-kebab-case and its variable the name in capitals (``max_batch_tokens`` is
-``--max-batch-tokens`` and ``TOKENQ_MAX_BATCH_TOKENS``); :func:`flag` and
-:func:`env_var` say so for every field, including the two whose flags are
-spelt differently (``as_json`` is ``--json``, ``input_format`` is
-``--format``). ``tokenq <command> --help`` prints a command's settings.
-
-A setting two commands share is written once, in one of the small bases
-below (the Redis connection, the queue, what a worker process runs); a
-command's class only lists what is its own. Two values differ by role and
-are declared again with the same type, only the default changing: a
-worker waits longer on Redis and retries more than a caller
-(``socket_timeout_s``, ``retries``), and ``tokenq embed`` waits longer for
-its replies than a single call (``timeout_s``). The Hugging Face backend's
-A backend's own options are not here: each backend declares them in its
-folder (a :class:`BackendSettings`), and ``tokenq.worker.settings`` composes
-them with :class:`~tokenq.shared.settings_worker.BaseWorkerSettings`.
-
-:func:`describe_errors` is the one place a ``ValidationError`` is turned
-into text for a person: one line per bad setting, naming its flag and its
-variable.
+Flags over ``TOKENQ_*`` variables over defaults; a setting shared by two commands lives in
+one of the small bases below. A backend's own settings live in its folder (BackendSettings).
 """
 
 from __future__ import annotations
@@ -50,16 +30,11 @@ from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ENV_PREFIX = "TOKENQ_"
-
 Task = Literal["embed", "classify", "rerank", "sparse"]
 """What a model computes: vectors, a score per label, one score per (query, passage), or
 a sparse (SPLADE) vector over the vocabulary."""
-
 _POSITIONAL = get_args(CliPositionalArg[str])[1]
 """The marker pydantic-settings puts on a positional argument's field."""
-
-
-# ----------------------------------------------------------------- names and messages
 
 
 def is_positional(settings_cls: type[BaseModel], name: str) -> bool:
@@ -70,9 +45,9 @@ def is_positional(settings_cls: type[BaseModel], name: str) -> bool:
 
 def flag(settings_cls: type[BaseModel], name: str) -> str:
     """The command-line spelling of setting ``name``: ``--max-batch-tokens``, ``ACTION``."""
-    info = settings_cls.model_fields.get(name)
-    if info is not None and _POSITIONAL in info.metadata:
+    if is_positional(settings_cls, name):
         return name.upper()
+    info = settings_cls.model_fields.get(name)
     extra = info.json_schema_extra if info is not None else None
     if isinstance(extra, dict) and isinstance(extra.get("flag"), str):
         return str(extra["flag"])
@@ -87,13 +62,8 @@ def env_var(name: str) -> str:
 def describe_errors(
     exc: ValidationError, settings_cls: type[BaseModel], *, flags: bool = True
 ) -> list[str]:
-    """One line per bad setting: ``--socket-timeout-s / TOKENQ_SOCKET_TIMEOUT_S: <why>``.
-
-    ``flags=False`` names the field instead of the flag (``queue /
-    TOKENQ_QUEUE: ...``), for settings built in code. A check that spans
-    settings and belongs to none (``dlq retry`` without ``--id`` or
-    ``--all``) is its message alone; that message names the flags.
-    """
+    """One line per bad setting: ``--socket-timeout-s / TOKENQ_SOCKET_TIMEOUT_S: <why>``
+    (``flags=False``: the field's name for the flag); a check of no one field is its message."""
     problems: dict[str, list[str]] = {}
     for error in exc.errors():
         message = error["msg"].removeprefix("Value error, ")
@@ -109,9 +79,6 @@ def describe_errors(
             seen.append(message)
     return [f"{label}: {'; '.join(messages)}" if label else "; ".join(messages)
             for label, messages in problems.items()]
-
-
-# ----------------------------------------------------------------- checks used by several
 
 
 def _redis_url(value: str) -> str:
@@ -138,34 +105,16 @@ def _key_prefix(value: str) -> str:
 
 
 MAX_EXACT_INT = 2**53
-"""The largest whole number any setting may be. Redis scripts hold numbers as Lua
-doubles, exact up to 2**53 (past about 1e16 a script's ``SET ... PX`` is refused
-as "not an integer"); msgpack and JSON readers in any language take it too."""
-
+"""The largest whole number any setting may be (exact as a Lua double in a Redis script)."""
 MAX_SECONDS = 10**9
-"""The longest time any setting may name, about 31 years: one home for every
-``*_s``, ``*_ms`` and ``*_us`` setting's ceiling (:func:`check_number`).
-
-Why this number: Python's sleeps, socket timeouts and ``threading`` waits take
-at most 2**63 ns (292 years; past it they raise ``OverflowError``), and in
-milliseconds, even times 3000 (a worker's liveness key lives three heartbeats),
-it stays under :data:`MAX_EXACT_INT`, so every TTL a setting becomes is one
-``SET PX`` / ``PEXPIRE`` Redis takes, in a script or not (a plain ``SET PX`` is
-refused past 2**63 - 1 less the current time in ms)."""
-
+"""The longest time any ``*_s``/``*_ms``/``*_us`` setting may name, about 31 years: what
+Python's waits and Redis's TTLs all take (docs/decisions/0060-numeric-settings-bounded.md)."""
 _UNIT_SCALE = {"_s": 1, "_ms": 1_000, "_us": 1_000_000}
-"""A setting's unit, by the end of its name: its ceiling is MAX_SECONDS in that unit."""
 
 
 def check_number(value: object, name: str, *, allow_inf: bool = False) -> object:
-    """``value`` if it is a number a setting may hold, else ValueError saying why.
-
-    Every int and float setting passes here (``_Settings``' validator), so a
-    new setting is bounded without a line of its own: never NaN, infinite only
-    where the setting says what infinity means (``allow_inf``), a time at most
-    :data:`MAX_SECONDS` in its unit, anything else at most :data:`MAX_EXACT_INT`.
-    Lower bounds are each field's own (``ge``, ``gt``).
-    """
+    """``value`` if a setting may hold it, else ValueError: never NaN, infinite only with
+    ``allow_inf``, a time at most :data:`MAX_SECONDS` in its unit, else :data:`MAX_EXACT_INT`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
     if isinstance(value, float) and math.isnan(value):
@@ -191,25 +140,13 @@ def _marked(settings_cls: type[BaseModel], name: str, mark: str) -> bool:
     return isinstance(extra, dict) and extra.get(mark) is True
 
 
-def _allows_inf(settings_cls: type[BaseModel], name: str) -> bool:
-    """Whether setting ``name`` gives infinity a meaning (``json_schema_extra={"inf": True}``)."""
-    return _marked(settings_cls, name, "inf")
-
-
 REDIS_MS: JsonDict = {"redis_ms": True}
-"""``json_schema_extra`` of a seconds setting Redis gets in whole milliseconds
-(``int(s * 1000)``: a TTL, an idle time): :func:`check_redis_ms` holds it to them."""
+"""``json_schema_extra`` of a seconds setting Redis gets in whole milliseconds (a TTL)."""
 
 
 def check_redis_ms(value: object, name: str) -> object:
-    """``value`` unless it is a positive time under 1 ms, which Redis would get as 0 ms.
-
-    Why: 0 is not "a very short time" to Redis. A 0 ms reply TTL makes
-    ``publish.lua`` refuse every call (the worker retries it for ever and
-    answers nothing), a 0 ms idle time claims every peer's pending entry at
-    each scan, a 0 ms dedupe TTL turns dedupe off, a 0 ms liveness TTL
-    (``heartbeat_s`` × 3) fails every beat: each must be said at start.
-    """
+    """``value`` unless it is a positive time under 1 ms, which Redis would get as 0 ms (a
+    refused TTL, dedupe off, every entry claimed): said at start instead."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 0.001:
         raise ValueError(f"{name} must be 0.001 (1 ms) or more: Redis takes it in whole "
                          f"milliseconds, and {value:g}s would be 0 ms")
@@ -241,9 +178,6 @@ def _shards(default: int | None) -> Any:
 ShardChoice = Literal["round_robin", "shortest"]
 
 
-# ----------------------------------------------------------------- the shared bases
-
-
 class _Settings(BaseSettings):
     """Reaching Redis and naming tokenq's keys: every command needs these."""
 
@@ -258,14 +192,11 @@ class _Settings(BaseSettings):
     )
 
     redis_url: RedisUrl = Field(
-        DEFAULT_REDIS_URL,
-        description="Redis URL; rediss:// for TLS, user:password@ for ACL users; "
-        "redis+cluster://host:port,... for a Redis Cluster, "
-        "redis+sentinel://host:port,.../service for a Sentinel-watched master",
-    )
+        DEFAULT_REDIS_URL, description="Redis URL; rediss:// for TLS, user:password@ for ACL "
+        "users; redis+cluster://host:port,... for a Redis Cluster, "
+        "redis+sentinel://host:port,.../service for a Sentinel-watched master")
     prefix: Annotated[str, AfterValidator(_key_prefix)] = Field(
-        DEFAULT_PREFIX, description="key prefix of every tokenq key"
-    )
+        DEFAULT_PREFIX, description="key prefix of every tokenq key")
     socket_timeout_s: SocketTimeout = 5.0
 
     @field_validator("*", mode="after")
@@ -273,7 +204,7 @@ class _Settings(BaseSettings):
     def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
         """Every number of every command's settings within what Redis and Python take."""
         name = info.field_name or ""
-        value = check_number(value, name, allow_inf=_allows_inf(cls, name))
+        value = check_number(value, name, allow_inf=_marked(cls, name, "inf"))
         return check_redis_ms(value, name) if _marked(cls, name, "redis_ms") else value
 
 
@@ -291,64 +222,46 @@ class _Requests(_QueueSettings):
     """Settings both sides of the queue share: a producer and a worker must agree on these."""
 
     max_request_bytes: int = Field(
-        DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest UTF-8 text accepted per request"
-    )
+        DEFAULT_MAX_REQUEST_BYTES, ge=1, description="largest UTF-8 text accepted per request")
 
 
 class _QueueLimit(BaseModel):
     max_queue_length: int = Field(
-        100_000,
-        ge=0,
-        description="the most requests the queue may hold: past it an enqueue fails with "
-        "QueueFull and dlq retry moves nothing; a worker refuses (queue_full) the entries "
-        "written around that limit (0: no limit)",
-    )
+        100_000, ge=0, description="the most requests the queue may hold: past it an enqueue fails "
+        "with QueueFull and dlq retry moves nothing; a worker refuses (queue_full) the entries "
+        "written around that limit (0: no limit)")
 
 
 class _JsonOutput(BaseModel):
     as_json: bool = Field(
-        False,
-        description="print JSON instead of text (the format is in docs/OPERATIONS.md)",
-        json_schema_extra={"flag": "--json"},
-    )
+        False, description="print JSON instead of text (the format is in docs/OPERATIONS.md)",
+        json_schema_extra={"flag": "--json"})
 
 
 class _WorkerProcess(BaseModel):
     """What each worker process runs: ``tokenq worker`` flags, passed on by ``tokenq up``."""
 
     backend: str = Field(
-        "hf",
-        description="'hf' (the real model; the bundled all-MiniLM-L6-v2 without --model), "
+        "hf", description="'hf' (the real model; the bundled all-MiniLM-L6-v2 without --model), "
         "'sim' (a simulated GPU, for tests and benchmarks), or a plugin as "
-        "'package.module:factory'",
-    )
+        "'package.module:factory'")
     shards: Shards | None = _shards(1)
     metrics_port: Port = Field(
-        0,
-        description="serve Prometheus metrics on this port (0: off); worker i of tokenq up "
-        "or --devices uses port + i",
-    )
+        0, description="serve Prometheus metrics on this port (0: off); worker i of tokenq up or "
+        "--devices uses port + i")
 
 
 class BackendSettings(BaseModel):
-    """The base of a backend's own settings: its flags, listed in ``--help`` under ``heading``.
-
-    Each backend declares its settings in its own folder as a subclass of
-    this (``worker/backends/hf/settings.py``, a plugin's module), and the
-    worker composes them into its ``WorkerSettings``; nothing here names a
-    backend, so adding one never edits ``shared/``.
-    """
+    """The base of a backend's own settings (declared in its folder, composed by the worker),
+    listed in ``--help`` under ``heading``."""
 
     heading: ClassVar[str] = ""
     """The ``--help`` heading its flags go under, e.g. ``--backend sim (a simulated GPU)``."""
 
 
 def help_group(settings_cls: type[BaseModel], name: str) -> str | None:
-    """The heading ``--help`` lists setting ``name`` under, or None for the command's own.
-
-    The first class in ``settings_cls``' MRO that declares its own ``heading``
-    and has the field: a backend's settings, composed into a command's class.
-    """
+    """The ``heading`` of the first class in the MRO that has field ``name`` (a backend's
+    settings), or None for the command's own."""
     for base in settings_cls.__mro__:
         title = base.__dict__.get("heading")
         if isinstance(title, str) and title and name in getattr(base, "model_fields", {}):
@@ -357,16 +270,11 @@ def help_group(settings_cls: type[BaseModel], name: str) -> str | None:
 
 
 def group_environment(settings_cls: type[BaseModel], title: str) -> str:
-    """The ``TOKENQ_*`` variables of the settings ``--help`` lists under ``title``.
-
-    Labelled "variables:" so that the one "environment:" paragraph, at the end,
-    stays the complete list in field order (what scripts and tests read).
-    """
+    """The ``TOKENQ_*`` variables ``--help`` lists under ``title`` ("variables:": the one
+    "environment:" paragraph stays the complete list)."""
     names = [env_var(name) for name in settings_cls.model_fields
              if help_group(settings_cls, name) == title]
     return textwrap.fill("variables: " + ", ".join(names), 77) if names else ""
-
-# ----------------------------------------------------------------- the two sides
 
 
 class ClientSettings(_QueueLimit, _Requests):
@@ -375,45 +283,27 @@ class ClientSettings(_QueueLimit, _Requests):
     timeout_s: ReplyTimeout = 30.0
     retries: Retries = 5
     dedupe_ttl_s: float = Field(
-        60.0,
-        ge=0,
-        description="remember enqueued request ids this long, so a retried enqueue "
-        "cannot add a request twice (0: off)",
-        json_schema_extra=REDIS_MS,
-    )
+        60.0, ge=0, description="remember enqueued request ids this long, so a retried enqueue "
+        "cannot add a request twice (0: off)", json_schema_extra=REDIS_MS)
     durable_replicas: int = Field(
-        0,
-        ge=0,
-        le=64,
-        description="durable enqueue: each enqueue returns only once this many replicas have "
-        "it (Redis WAIT, on the connection that wrote it), so an accepted request survives a "
-        "failover; fewer in time: a submit raises NotReplicated, an infer waits for its results "
-        "as usual (logged, counted) (0: off, return once the primary has it)",
-    )
+        0, ge=0, le=64, description="durable enqueue: each enqueue returns only once this many "
+        "replicas have it (Redis WAIT, on the connection that wrote it), so an accepted request "
+        "survives a failover; fewer in time: a submit raises NotReplicated, an infer waits for its "
+        "results as usual (logged, counted) (0: off, return once the primary has it)")
     durable_timeout_ms: int = Field(
-        1000,
-        ge=1,
-        le=600_000,
-        description="longest a durable enqueue waits for its replicas (never past the call's "
-        "own timeout; it may be longer than --socket-timeout-s)",
-    )
+        1000, ge=1, le=600_000, description="longest a durable enqueue waits for its replicas "
+        "(never past the call's own timeout; it may be longer than --socket-timeout-s)")
     shards: Shards | None = _shards(None)
     shard_choice: ShardChoice = Field(
-        "round_robin",
-        description="which shard each enqueueing call writes to: round_robin, or shortest (the "
-        "shortest stream by lengths read at most once a second)",
-    )
-
-
-# ----------------------------------------------------------------- operator commands
+        "round_robin", description="which shard each enqueueing call writes to: round_robin, or "
+        "shortest (the shortest stream by lengths read at most once a second)")
 
 
 class _Survey(_Settings):
     """What tokenq stats and tokenq top look at."""
 
     queue: QueueName | None = Field(
-        None, description="only this queue (default: every queue found by SCAN under the prefix)"
-    )
+        None, description="only this queue (default: every queue found by SCAN under the prefix)")
 
 
 class StatsSettings(_JsonOutput, _Survey):
@@ -431,25 +321,21 @@ class FunctionsSettings(_Settings):
     """Load tokenq's Lua functions (Redis 7+) with an admin's rights (docs/SECURITY.md)."""
 
     action: CliPositionalArg[Literal["load", "show"]] = Field(
-        description="load the library (every primary of a Cluster), or show its names"
-    )
+        description="load the library (every primary of a Cluster), or show its names")
 
 
 class DlqSettings(_QueueLimit, _JsonOutput, _QueueSettings):
     """Look at, retry or purge a queue's dead letters (docs/OPERATIONS.md)."""
 
     action: CliPositionalArg[Literal["list", "retry", "purge"]] = Field(
-        description="list the dead letters, retry them (back onto the queue), or purge them"
-    )
+        description="list the dead letters, retry them (back onto the queue), or purge them")
     id: list[str] = Field(
-        default_factory=list,
-        description="dead-stream entry ids to act on (--id A B, --id A --id B or --id A,B)",
-    )
+        default_factory=list, description="dead-stream entry ids to act on (--id A B, --id A --id "
+        "B or --id A,B)")
     all: bool = Field(False, description="act on every dead letter")
     count: int = Field(100, ge=1, description="list: show at most this many (oldest first)")
     drop_deadline: bool = Field(
-        False, description="retry: remove the request's deadline_ms so it runs even if late"
-    )
+        False, description="retry: remove the request's deadline_ms so it runs even if late")
 
     @model_validator(mode="after")
     def _check_target(self) -> DlqSettings:
@@ -464,38 +350,29 @@ class EmbedSettings(ClientSettings):
     """Embed a file through the queue, in input order; run it again to resume."""
 
     file: CliPositionalArg[str] = Field(
-        description="input: lines of text, or JSONL ('-' reads standard input)"
-    )
+        description="input: lines of text, or JSONL ('-' reads standard input)")
     output: Path = Field(
-        description="where the vectors go: .npy (a float32 matrix, needs numpy) or .jsonl"
-    )
+        description="where the vectors go: .npy (a float32 matrix, needs numpy) or .jsonl")
     input_format: Literal["auto", "text", "jsonl"] = Field(
-        "auto",
-        description="input format; auto: jsonl for .jsonl/.ndjson files, else one text per line",
-        json_schema_extra={"flag": "--format"},
-    )
+        "auto", description="input format; auto: jsonl for .jsonl/.ndjson files, else one text per "
+        "line", json_schema_extra={"flag": "--format"})
     field: str = Field("text", description="jsonl input: the field holding the text")
     id_field: str = Field(
-        "id", description="jsonl input: copy this field (when present) into .jsonl output as id"
-    )
+        "id", description="jsonl input: copy this field (when present) into .jsonl output as id")
     blank: Literal["skip", "error"] = Field(
         "skip", description="blank inputs (a whitespace-only line or text field): skip: no row "
         "(.jsonl rows keep their input index; .npy lists the skipped in OUTPUT.skipped.txt); "
-        "error: an error row each"
-    )
+        "error: an error row each")
     chunk_size: int = Field(
-        2048, ge=1, description="inputs per checkpoint: a re-run resumes after the last one"
-    )
+        2048, ge=1, description="inputs per checkpoint: a re-run resumes after the last one")
     batch_size: int = Field(64, ge=1, description="inputs per enqueue call (one reply key)")
     max_in_flight: int = Field(
-        1024, ge=1, description="most inputs enqueued and not yet answered at any time"
-    )
+        1024, ge=1, description="most inputs enqueued and not yet answered at any time")
     timeout_s: ReplyTimeout = 300.0  # one enqueue call of --batch-size inputs
     restart: bool = Field(False, description="discard progress from an earlier run and start over")
     progress: bool = Field(
         True, description="show a progress bar on stderr",
-        json_schema_extra={"off_help": "no progress bar on stderr (logs, scripts, CI)"},
-    )
+        json_schema_extra={"off_help": "no progress bar on stderr (logs, scripts, CI)"})
 
 
 class ServeSettings(ClientSettings):
@@ -504,38 +381,29 @@ class ServeSettings(ClientSettings):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: Port = Field(8080, description="port to listen on")
     models: str = Field(
-        "",
-        description="model names and their queues, 'name=queue,name=queue'; the first is the "
-        "default; empty: every model name is served by --queue",
-    )
+        "", description="model names and their queues, 'name=queue,name=queue'; the first is the "
+        "default; empty: every model name is served by --queue")
     max_client_batch_size: int = Field(
-        2048, ge=1, description="most inputs one HTTP request may carry (more: 413)"
-    )
+        2048, ge=1, description="most inputs one HTTP request may carry (more: 413)")
     max_body_bytes: int = Field(
-        16 << 20, ge=1024, description="largest request body accepted (more: 413)"
-    )
+        16 << 20, ge=1024, description="largest request body accepted (more: 413)")
     max_concurrent_requests: int = Field(
-        512, ge=1, description="most POST requests in flight at once, bodies being read "
-        "included (more: 429 at once, as TEI's --max-concurrent-requests)"
-    )
+        512, ge=1, description="most POST requests in flight at once, bodies being read included "
+        "(more: 429 at once, as TEI's --max-concurrent-requests)")
     api_key: str | None = Field(
         None, description="require 'Authorization: Bearer <key>' on every route but /health, "
-        "/ready and /metrics (401 without it), as TEI's --api-key; better given as "
-        "TOKENQ_API_KEY than on a command line others can read"
-    )
+        "/ready and /metrics (401 without it), as TEI's --api-key; better given as TOKENQ_API_KEY "
+        "than on a command line others can read")
     cors_allow_origin: str = Field(
-        "", description="origins a browser may call from, comma-separated ('*': any); empty: "
-        "no CORS headers, so browsers refuse cross-origin calls"
-    )
+        "", description="origins a browser may call from, comma-separated ('*': any); empty: no "
+        "CORS headers, so browsers refuse cross-origin calls")
     cold_start_s: float = Field(
-        0.0, ge=0, description="with no live worker on the queue: 0 answers 503 'no live "
-        "worker' at once and writes nothing; N > 0 queues the request (a KEDA-scaled fleet "
-        "at zero sees it) and waits up to N s for a worker to start, else 503"
-    )
+        0.0, ge=0, description="with no live worker on the queue: 0 answers 503 'no live worker' "
+        "at once and writes nothing; N > 0 queues the request (a KEDA-scaled fleet at zero sees "
+        "it) and waits up to N s for a worker to start, else 503")
     header_timeout_s: float = Field(
-        10.0, gt=0, description="a connection must send a request's headers within this long "
-        "of opening or of its last answer, else it is closed (the body has --timeout-s: 408)"
-    )
+        10.0, gt=0, description="a connection must send a request's headers within this long of "
+        "opening or of its last answer, else it is closed (the body has --timeout-s: 408)")
 
     @field_validator("models")
     @classmethod
@@ -571,10 +439,8 @@ class UpSettings(_WorkerProcess, _QueueSettings):
     )
     workers: int = Field(2, ge=0, description="worker processes to start")
     data_dir: Path | None = Field(
-        None, description="the private Redis's data directory (default: a temporary one, "
-        "removed at exit)"
-    )
+        None, description="the private Redis's data directory (default: a temporary one, removed "
+        "at exit)")
     port: Port = Field(0, description="the private Redis's port (0: a free one)")
     stop_timeout_s: float = Field(
-        30.0, gt=0, description="how long workers get to finish after Ctrl-C before SIGKILL"
-    )
+        30.0, gt=0, description="how long workers get to finish after Ctrl-C before SIGKILL")

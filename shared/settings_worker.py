@@ -1,10 +1,5 @@
-"""The worker's own settings, whatever its backend: batching, reading, delivery, logs.
-
-A worker's full settings class is this composed with the settings of every
-backend (``tokenq.worker.settings.WorkerSettings``): the backends live on the
-worker's side, so ``shared/`` never names one. The definitions, defaults,
-bounds and messages follow :mod:`tokenq.shared.settings`.
-"""
+"""The worker's own settings, whatever its backend (``tokenq.worker.settings`` adds the
+backends'): batching, reading, delivery, logs."""
 
 from __future__ import annotations
 
@@ -23,11 +18,9 @@ from tokenq.shared.settings import (
 )
 
 MAX_DEVICES = 64
-"""Most GPUs ``--devices`` lists (eight GPUs of seven MIG slices each fit): each is at least
-one child process, so a mistyped list must not start thousands."""
+"""Most GPUs ``--devices`` lists (8 GPUs of 7 MIG slices fit), so a typo starts no thousands."""
 MAX_PROCESSES_PER_DEVICE = 8
-"""Most worker processes ``--processes-per-device`` starts on one GPU: each holds a copy of
-the model and a CUDA context, so past a few the device's memory, not Python, is what runs out."""
+"""Most worker processes per GPU: each holds a copy of the model and a CUDA context."""
 
 
 class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
@@ -38,64 +31,41 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
     retries: Retries = 10
 
     consumer: str | None = Field(
-        None, description="consumer name in the group (default: host-pid-random)"
-    )
+        None, description="consumer name in the group (default: host-pid-random)")
     max_batch_tokens: int | Literal["auto"] = Field(
-        16384,
-        description="token budget of one batch; 'auto' calibrates it on CUDA against free "
-        "memory (on CPU: max(8 x max input, 16384))",
-    )
+        16384, description="token budget of one batch; 'auto' calibrates it on CUDA against free "
+        "memory (on CPU: max(8 x max input, 16384))")
     max_batch_size: int = Field(256, ge=1, description="most rows in one batch")
     linger_ms: float = Field(
-        2.0, ge=0, description="how long an idle device waits to fill an unsealed batch"
-    )
+        2.0, ge=0, description="how long an idle device waits to fill an unsealed batch")
     max_padding_ratio: float = Field(
-        1.0,
-        ge=0,
-        description="a request joins a batch only if the padding it adds is at most this "
-        "times its own length (inf: always)",
-        json_schema_extra={"inf": True},
-    )
+        1.0, ge=0, description="a request joins a batch only if the padding it adds is at most "
+        "this times its own length (inf: always)", json_schema_extra={"inf": True})
     aging_ms: float = Field(
-        1000.0,
-        gt=0,
-        description="each priority class stands this much earlier in line; a request at the "
-        "head of the line this long is never passed over",
-    )
+        1000.0, gt=0, description="each priority class stands this much earlier in line; a request "
+        "at the head of the line this long is never passed over")
     max_batch_ms: float | None = Field(
-        None,
-        gt=0,
-        description="latency target: no batch is planned to hold the device longer than this "
-        "(learned from measured batch times; default: no cap)",
-    )
+        None, gt=0, description="latency target: no batch is planned to hold the device longer "
+        "than this (learned from measured batch times; default: no cap)")
     cost_model: Literal["auto", "padded", "ragged"] = Field(
-        "auto",
-        description="batch cost: rows x longest (padded) or sum (ragged); auto asks the backend",
-    )
+        "auto", description="batch cost: rows x longest (padded) or sum (ragged); auto asks the "
+        "backend")
     policy: Literal["truncate", "reject", "chunk"] = Field(
-        "truncate",
-        description="over-long input: truncate to the model's limit, reject with an error, "
-        "or chunk into overlapping windows",
-    )
+        "truncate", description="over-long input: truncate to the model's limit, reject with an "
+        "error, or chunk into overlapping windows")
     chunk_overlap: int = Field(
-        32, ge=0, description="chunk policy: tokens shared by consecutive windows"
-    )
+        32, ge=0, description="chunk policy: tokens shared by consecutive windows")
     tokenize_processes: int = Field(
-        0, ge=0, le=256,
-        description="tokenize in this many child processes, for a backend whose tokenizer "
-        "holds the GIL (it must offer a tokenizer factory); 0: in a thread of the worker",
-    )
+        0, ge=0, le=256, description="tokenize in this many child processes, for a backend whose "
+        "tokenizer holds the GIL (it must offer a tokenizer factory); 0: in a thread of the worker")
     admit_inline_ms: float = Field(
-        2.0, ge=0, le=1000,
-        description="a read predicted to take at most this long to tokenize and admit runs "
-        "on the event loop instead of a thread (cheaper for short text; 0: always a thread)",
-    )
+        2.0, ge=0, le=1000, description="a read predicted to take at most this long to tokenize "
+        "and admit runs on the event loop instead of a thread (cheaper for short text; 0: always a "
+        "thread)")
     read_ahead_budgets: float = Field(
-        4.0, gt=0, description="read at most this many budgets of estimated tokens ahead"
-    )
+        4.0, gt=0, description="read at most this many budgets of estimated tokens ahead")
     block_ms: int = Field(
-        1000, ge=1, description="XREADGROUP BLOCK time; kept below --socket-timeout-s"
-    )
+        1000, ge=1, description="XREADGROUP BLOCK time; kept below --socket-timeout-s")
     reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push",
                                json_schema_extra=REDIS_MS)
     heartbeat_s: float = Field(
@@ -103,77 +73,52 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
         json_schema_extra=REDIS_MS,  # its liveness key lives int(3 × heartbeat_s × 1000) ms
     )
     claim_idle_s: float = Field(
-        300.0,
-        gt=0,
-        description="entries idle this long are claimed whoever holds them (the safety net "
-        "behind heartbeats; longer than any batch can take)",
-        json_schema_extra=REDIS_MS,
-    )
+        300.0, gt=0, description="entries idle this long are claimed whoever holds them (the "
+        "safety net behind heartbeats; longer than any batch can take)", json_schema_extra=REDIS_MS)
     max_deliveries: int = Field(
-        3, ge=1, description="an entry delivered more often goes to the dead stream"
-    )
+        3, ge=1, description="an entry delivered more often goes to the dead stream")
     dead_max_len: int = Field(
-        10_000, ge=1, description="the dead stream is trimmed (approximately) to this many"
-    )
+        10_000, ge=1, description="the dead stream is trimmed (approximately) to this many")
     dead_max_letter_bytes: int = Field(
-        16 * 1024, ge=1024,
-        description="a dead letter keeps at most this many bytes of the entry's fields "
-        "(longer ones are cut and named in dead_truncated)",
-    )
+        16 * 1024, ge=1024, description="a dead letter keeps at most this many bytes of the "
+        "entry's fields (longer ones are cut and named in dead_truncated)")
     read_ahead_bytes: int | None = Field(
-        None, ge=1,
-        description="hold at most about this many bytes of what was read and not yet "
+        None, ge=1, description="hold at most about this many bytes of what was read and not yet "
         "answered on Redis: requests, their encodings, replies waiting to be published (with "
-        "--read-ahead-budgets: whichever is reached first); a read asks for this over the "
-        "largest entry (--max-request-bytes + 67 KiB). Default: a 32nd of the memory the "
-        "worker may use (the least of the machine's memory and its cgroup limits), from "
-        "64 MiB to 1 GiB",
-    )
+        "--read-ahead-budgets: whichever is reached first); a read asks for this over the largest "
+        "entry (--max-request-bytes + 67 KiB). Default: a 32nd of the memory the worker may use "
+        "(the least of the machine's memory and its cgroup limits), from 64 MiB to 1 GiB")
     batch_timeout_s: float = Field(
-        300.0, gt=0,
-        description="a batch still on the device after this long is hung: the worker stops "
-        "reading and refreshing its claims, and exits 3 so its supervisor restarts it",
-    )
+        300.0, gt=0, description="a batch still on the device after this long is hung: the worker "
+        "stops reading and refreshing its claims, and exits 3 so its supervisor restarts it")
     reply_to_prefixes: str = Field(
-        "",
-        description="comma-separated key prefixes a request's reply_to may name besides the "
-        "queue's own reply keys (default: none; tokenq's other keys are always refused)",
-    )
+        "", description="comma-separated key prefixes a request's reply_to may name besides the "
+        "queue's own reply keys (default: none; tokenq's other keys are always refused)")
     batch_log: Path | None = Field(
-        None, description="append one JSON line per batch to this file (rows, tokens, cost)"
-    )
+        None, description="append one JSON line per batch to this file (rows, tokens, cost)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["text", "json"] = Field(
-        "text", description="text lines, or one JSON object per line (for log shippers)"
-    )
+        "text", description="text lines, or one JSON object per line (for log shippers)")
     log_json: bool = Field(False, description="the same as --log-format json")
     exit_when_idle_s: float | None = Field(
-        None, gt=0, description="exit after the queue has been empty this long (batch jobs)"
-    )
+        None, gt=0, description="exit after the queue has been empty this long (batch jobs)")
     # Loopback by default, like `tokenq serve`'s --host: /metrics names the queue,
     # the model and the consumers, so another machine sees it only when asked.
     metrics_host: str = Field(
-        "127.0.0.1",
-        description="address the metrics endpoint binds to (0.0.0.0: every interface, "
-        "as a container needs for a probe or Prometheus from outside it)",
-    )
+        "127.0.0.1", description="address the metrics endpoint binds to (0.0.0.0: every interface, "
+        "as a container needs for a probe or Prometheus from outside it)")
     devices: str | None = Field(
-        None,
-        description="run one worker process per GPU, e.g. '0,1' (each child gets "
-        "CUDA_VISIBLE_DEVICES=N, --device cuda:0 and a consumer name suffixed -gpuN)",
-    )
+        None, description="run one worker process per GPU, e.g. '0,1' (each child gets "
+        "CUDA_VISIBLE_DEVICES=N, --device cuda:0 and a consumer name suffixed -gpuN)")
     processes_per_device: int = Field(
-        1, ge=1, le=MAX_PROCESSES_PER_DEVICE,
-        description="with --devices: worker processes on each GPU (Triton's instance count): "
-        "each adds a core's worth of Python per request and a copy of the model in the "
-        "GPU's memory, and plans its auto budget on 1/N of the --device-share",
-    )
+        1, ge=1, le=MAX_PROCESSES_PER_DEVICE, description="with --devices: worker processes on "
+        "each GPU (Triton's instance count): each adds a core's worth of Python per request and a "
+        "copy of the model in the GPU's memory, and plans its auto budget on 1/N of the "
+        "--device-share")
     device_share: float = Field(
-        1.0, gt=0.0, le=1.0,
-        description="the share of the device's free memory this worker's auto budget plans "
-        "for (with --devices, the share of each GPU: --processes-per-device N gives each "
-        "child share/N)",
-    )
+        1.0, gt=0.0, le=1.0, description="the share of the device's free memory this worker's auto "
+        "budget plans for (with --devices, the share of each GPU: --processes-per-device N gives "
+        "each child share/N)")
 
     # Checks that span two settings sit on the later one, so the message names it.
 
@@ -236,8 +181,7 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
             raise ValueError(f"devices lists {len(parts)} GPUs; at most {MAX_DEVICES}")
         twice = sorted({part for part in parts if parts.count(part) > 1})
         if twice:
-            # Both children would be one consumer: each would take the other's entries
-            # for its own on a restart, and one alive key would hide the other's death.
+            # Both children would be one consumer, each taking the other's entries as its own.
             raise ValueError(
                 f"devices lists {', '.join(twice)} more than once; for more than one worker "
                 "process on a GPU use --processes-per-device"

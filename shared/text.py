@@ -4,10 +4,8 @@ from __future__ import annotations
 
 
 def plural(n: int, word: str, words: str | None = None) -> str:
-    """``n`` and the noun that agrees with it: "1 dead letter", "2 dead letters", "1,204 batches".
-
-    ``words`` is the plural when adding "s" (or "es" after s, x, ch, sh) is wrong.
-    """
+    """``n`` and the noun that agrees with it: "1 dead letter", "1,204 batches"; ``words`` is
+    the plural when adding "s" (or "es") is wrong."""
     if n == 1:
         return f"{n} {word}"
     if words is None:
@@ -16,8 +14,7 @@ def plural(n: int, word: str, words: str | None = None) -> str:
 
 
 def ratio(part: float, whole: float) -> float | None:
-    """``part / whole`` to four places; None over a zero ``whole``: padding over no batch
-    yet is not 100%, it is nothing to report."""
+    """``part / whole`` to four places; None over a zero ``whole`` (nothing to report)."""
     return round(part / whole, 4) if whole else None
 
 
@@ -32,7 +29,6 @@ def one_line(text: str) -> str:
 
 
 def exception_headline(exc: BaseException) -> str:
-    """``Type: first line of the message``: what a refusal says of a third-party failure
-    (an exporter's or a quantizer's message can run to pages)."""
+    """``Type: first line of the message`` (a third-party message can run to pages)."""
     text = str(exc)
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

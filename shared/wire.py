@@ -1,17 +1,11 @@
-"""The wire format: stream entries in, typed messages out, and back.
-
-Sans-I/O: this module never talks to Redis. A request is one stream entry with
-readable fields (so ``redis-cli XRANGE`` shows it and any language can write it
-with a plain XADD); a reply is one msgpack map pushed on the request's
-``reply_to`` list. docs/PROTOCOL.md is the normative description; this module
-is its Python implementation. Every problem raises :class:`DecodeError` naming
-the field at fault.
+"""The wire format (docs/PROTOCOL.md): a request is one stream entry of readable fields, a reply
+one msgpack map on its ``reply_to`` list. Sans-I/O; every problem is a :class:`DecodeError`
+naming the field at fault.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import re
 import sys
 import threading
@@ -24,7 +18,6 @@ import msgpack
 from tokenq.shared.errors import DecodeError
 
 PROTOCOL_VERSION = 1
-
 MAX_ID_CHARS = 128
 MAX_REPLY_TO_CHARS = 512
 MAX_OPTS_BYTES = 64 * 1024
@@ -32,70 +25,44 @@ MAX_PARAM_CHARS = 64
 """Longest field name an error reply's ``param`` may carry (an option's name, never a value)."""
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 """Default cap on the UTF-8 size of ``text`` plus ``text_pair`` in one request."""
-
 MAX_REPLY_BYTES = 64 * 1024 * 1024
-
 MAX_TOKEN_EMBEDDING_FLOATS = 4 * 1024 * 1024
-"""Most floats one ``output: tokens`` reply may carry (tokens x token_dim: 16 MiB of
-float32, a quarter of :data:`MAX_REPLY_BYTES`); a worker refuses a longer input
-``bad_request`` before it runs (512 tokens x 4,096 dims is 2 Mi)."""
-
+"""Most floats one ``output: tokens`` reply may carry (16 MiB of float32)."""
 MAX_TOKENS = 1 << 24
-"""Largest ``tokens`` estimate accepted (16,777,216: far past any model's input,
-and small enough that no sum or mean of estimates can overflow a float)."""
-
+"""Largest ``tokens`` estimate accepted: past any model's input, no sum of them overflows."""
 MAX_EPOCH_MS = 253_402_300_799_999
 """Largest absolute ``deadline_ms``: the last millisecond of the year 9999."""
-
 MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
 """Largest relative ``timeout_ms``: 30 days."""
-
 MAX_PRIORITY = 9
 """Largest ``priority``; 0 (the default) is the lowest class."""
-
 _MAX_VERSION = 1_000_000
-
 _FIELD_OVERHEAD_BYTES = 512
-"""Room for the field names and numeric fields of one entry (about 150 bytes in all)."""
+"""Room for the field names and numeric fields of one entry."""
 
 
 def max_entry_bytes(max_request_bytes: int) -> int:
-    """The largest stream entry a producer can write (its fields' names and values, raw).
-
-    The text and its pair within ``max_request_bytes``, ``opts`` within
-    :data:`MAX_OPTS_BYTES`, the id and ``reply_to`` within their characters
-    (4 UTF-8 bytes at most each), and the names and numbers. The worker's
-    read-ahead counts every entry it may read as this large
-    (``worker/read_ahead.py``); only a raw ``XADD`` can write a larger one,
-    which decoding then refuses.
-    """
+    """The largest stream entry a producer can write (names and values, raw bytes); the
+    worker's read-ahead counts every entry as this large. Decoding refuses a larger one."""
     return (max_request_bytes + MAX_OPTS_BYTES + 4 * (MAX_ID_CHARS + MAX_REPLY_TO_CHARS)
             + _FIELD_OVERHEAD_BYTES)
 
 _MAX_INT_DIGITS = 19
 """A numeric field longer than this is refused before it is parsed (no bignum work)."""
-
 _DECIMAL = re.compile(rb"[0-9]{1,19}")
-
 _SHORT_DIGITS = 10
-"""A token count of fewer digits, all ASCII, is parsed inline (no bignum is possible):
-the common case of :func:`_int_field` without the call."""
-
+"""A token count of fewer ASCII digits is parsed inline, without :func:`_int_field`."""
 _packers = threading.local()
 
 
 def pack(value: object) -> bytes:
-    """``msgpack.packb(value, use_bin_type=True)``, through this thread's own Packer.
-
-    Why: ``packb`` builds a Packer per call, half of what packing a reply
-    costs; replies are packed once per request. One Packer per
-    thread, since a Packer's buffer must not be shared by two threads.
-    """
+    """``msgpack.packb(value, use_bin_type=True)`` through this thread's own Packer
+    (``packb`` builds one per call: half the cost of packing a reply)."""
     return _thread_packer().pack(value)
 
 
 def _thread_packer() -> msgpack.Packer:
-    """This thread's own msgpack Packer (a Packer's buffer must not be shared by two)."""
+    """This thread's own msgpack Packer (its buffer must not be shared by two threads)."""
     packer = getattr(_packers, "packer", None)
     if packer is None:
         packer = _packers.packer = msgpack.Packer(use_bin_type=True)
@@ -103,28 +70,20 @@ def _thread_packer() -> msgpack.Packer:
 
 
 _VERSION_BYTES = str(PROTOCOL_VERSION).encode()
-"""The version field as producers write it: compared as bytes before any parsing."""
-
 _ID_REFUSED = re.compile(r"[\s\x00-\x1f]")
-"""Characters an id may not hold: whitespace (as ``str.isspace`` sees it) and controls.
-One regex search instead of a Python test per character (ids are read per request)."""
+"""Characters an id may not hold: whitespace (as ``str.isspace`` sees it) and controls."""
 
 @dataclass(slots=True)
 class Request:
-    """One input sequence (or one query/passage pair) to run through the model.
-
-    Not frozen, though nothing changes one once made: one is made per request on the
-    worker's hot path, and a frozen dataclass's ``__init__`` sets every field through
-    ``object.__setattr__``, three times the cost
-    (docs/decisions/0024-per-request-records-not-frozen.md).
-    """
+    """One input sequence (or query/passage pair) to run through the model. Not frozen: made
+    per request on the hot path (docs/decisions/0024-per-request-records-not-frozen.md)."""
 
     id: str
     text: str
     tokens: int
     reply_to: str
     deadline_ms: int | None = None
-    """Absolute deadline on the *producer's* clock (epoch ms); kept for old producers."""
+    """Absolute deadline on the *producer's* clock (epoch ms)."""
     text_pair: str | None = None
     opts: Mapping[str, Any] = field(default_factory=dict)
     timeout_ms: int | None = None
@@ -147,8 +106,7 @@ class ErrorInfo:
     code: str
     message: str
     param: str | None = None
-    """The request field at fault (an option's name, ``opts`` key), when the worker knows it;
-    sent only when set, and ignored by readers that predate it."""
+    """The request field at fault (an ``opts`` key), when the worker knows it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +129,7 @@ class Reply:
     token_embeddings: bytes | None = None
     """``output: tokens``: one ``dim``-long vector per token, little-endian float32, in order."""
     truncated: bool = False
-    """The input was cut to the model's limit (``tokens`` counts what was read); sent only
-    when true, and ignored by readers that predate it."""
+    """The input was cut to the model's limit (``tokens`` counts what was read)."""
 
     def embedding_floats(self) -> list[float]:
         """The embedding as Python floats (decoded from little-endian float32)."""
@@ -209,9 +166,6 @@ def _le_array(typecode: str, data: bytes) -> Any:
     return values
 
 
-# --------------------------------------------------------------------- requests
-
-
 def validate_text(value: object, field_name: str, max_bytes: int) -> str:
     """Check a text the caller wants to enqueue; raise DecodeError naming the problem."""
     if not isinstance(value, str):
@@ -232,13 +186,7 @@ def validate_text(value: object, field_name: str, max_bytes: int) -> str:
 
 def validate_priority(value: object, field_name: str = "priority") -> int:
     """A caller's priority: an int from 0 to :data:`MAX_PRIORITY` (None means 0)."""
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PRIORITY:
-        raise DecodeError(
-            f"{field_name} must be an integer from 0 to {MAX_PRIORITY}, got {value!r}"
-        )
-    return value
+    return 0 if value is None else _check_range(field_name, value, 0, MAX_PRIORITY)
 
 
 def validate_id(value: object, field_name: str = "id") -> str:
@@ -286,9 +234,10 @@ def encode_request(request: Request) -> dict[str, str | bytes]:
     return fields
 
 
-def _check_range(name: str, value: int, minimum: int, maximum: int) -> None:
+def _check_range(name: str, value: object, minimum: int, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise DecodeError(f"{name} must be an integer from {minimum} to {maximum}, got {value!r}")
+    return value
 
 
 def _text_field(raw: bytes, name: str) -> str:
@@ -299,13 +248,8 @@ def _text_field(raw: bytes, name: str) -> str:
 
 
 def _int_field(raw: bytes, name: str, *, minimum: int, maximum: int) -> int:
-    """A decimal ASCII integer in ``[minimum, maximum]``, or a DecodeError naming the limit.
-
-    Only plain digits are taken (no sign, spaces, underscores or other
-    scripts' digits, all of which ``int()`` would accept), and a field too
-    long to be in range is refused before it is parsed, so no entry can make
-    a worker do bignum arithmetic or overflow a float later.
-    """
+    """Plain ASCII digits in ``[minimum, maximum]`` (no sign, space or ``_``), else a DecodeError
+    naming the limit; a field too long to be in range is refused before any bignum work."""
     if len(raw) > _MAX_INT_DIGITS and raw.lstrip(b"0").isdigit():
         raise DecodeError(
             f"field {name!r} is out of range: at most {maximum}, got a {len(raw)}-digit number"
@@ -329,15 +273,10 @@ def decode_request(
     default_reply_to: Callable[[str], str] | None = None,
     check_reply_to: Callable[[str], str | None] | None = None,
 ) -> Request:
-    """Parse the fields of one stream entry into a :class:`Request`.
+    """Parse one stream entry's fields (str or bytes) into a :class:`Request`.
 
-    Names and values may be str or bytes (a producer's own fields, what
-    redis-py returns); they are made bytes and :func:`decode_fields` parses
-    them. ``default_reply_to`` maps a request id to its reply key when the
-    entry names no ``reply_to`` (the caller passes ``lambda id: keys.reply(q, id)``,
-    so this module stays free of key knowledge). ``check_reply_to`` returns
-    why a named ``reply_to`` may not be written (None when it may): the
-    worker passes its reply namespace rule (see :mod:`tokenq.shared.keys`).
+    ``default_reply_to`` maps an id to its reply key when the entry names none;
+    ``check_reply_to`` says why a named ``reply_to`` may not be written (None: it may).
     """
     return decode_fields(
         {_as_bytes(key): _as_bytes(value) for key, value in fields.items()},
@@ -347,8 +286,7 @@ def decode_request(
 
 
 def _as_bytes(value: bytes | str) -> bytes:
-    # surrogatepass: a str with a lone surrogate becomes bytes that fail the
-    # UTF-8 check of decoding with a DecodeError instead of escaping here.
+    # surrogatepass: a lone surrogate fails decoding's UTF-8 check instead of raising here.
     return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
 
 
@@ -359,14 +297,8 @@ def decode_fields(
     default_reply_to: Callable[[str], str] | None = None,
     check_reply_to: Callable[[str], str | None] | None = None,
 ) -> Request:
-    """:func:`decode_request` of fields as Redis returns them: bytes names and values.
-
-    The worker's hot path (once per request): the fields are
-    looked up by their byte names as they came, with no normalised copy of
-    the entry first, and the one protocol version there is is compared as
-    bytes before any integer is parsed. Every rule lives here;
-    :func:`decode_request` only converts what it is given.
-    """
+    """:func:`decode_request` of bytes names and values, as Redis returns them: the hot path,
+    with no normalised copy of the entry. Every decoding rule lives here."""
     get = raw.get
     version = get(b"v")
     if version is None:
@@ -382,8 +314,7 @@ def decode_fields(
         raise DecodeError("missing field 'id'")
     if text_raw is None:
         raise DecodeError("missing field 'text'")
-    # Each UTF-8 field is decoded inline; only a failure goes through _text_field,
-    # which raises naming the field (a call per field was a tenth of decoding).
+    # Decoded inline; only a failure goes through _text_field, which names the field.
     try:
         request_id = id_raw.decode()
     except UnicodeDecodeError:
@@ -449,11 +380,7 @@ def decode_fields(
 
 
 def stream_id_ms(entry_id: bytes | str) -> int | None:
-    """The milliseconds part of a stream id: Redis's clock when ``XADD … *`` ran.
-
-    None for an id that is not ``<ms>-<seq>`` (never the case for ids Redis
-    returns; tests and odd callers pass other things).
-    """
+    """The ms part of a stream id (Redis's clock at the XADD); None if not ``<ms>-<seq>``."""
     text = entry_id.decode("ascii", "replace") if isinstance(entry_id, bytes) else entry_id
     ms, _, seq = text.partition("-")
     if not ms.isdigit() or len(ms) > _MAX_INT_DIGITS or (seq and not seq.isdigit()):
@@ -462,13 +389,10 @@ def stream_id_ms(entry_id: bytes | str) -> int | None:
 
 
 def deadline_of(request: Request, entry_id: bytes | str) -> int | None:
-    """When a request stops being worth running, in epoch ms on **Redis's** clock.
+    """When a request stops being worth running, in epoch ms on Redis's clock.
 
-    ``timeout_ms`` counts from the entry's stream id, which Redis stamped with
-    its own clock, so no producer's clock enters it; a worker compares it with
-    its estimate of Redis's clock (never its own wall clock). An absolute
-    ``deadline_ms`` (older producers, hand-written XADDs) is the producer's
-    clock and is taken as it is; with both, the earlier one wins.
+    ``timeout_ms`` counts from the entry's stream id (stamped by Redis); an absolute
+    ``deadline_ms`` is the producer's clock, taken as it is; with both, the earlier wins.
     """
     if request.deadline_ms is None and request.timeout_ms is None:
         return None  # most requests: nothing to look at (this runs once per request)
@@ -530,9 +454,6 @@ def _text_of(fields: Mapping[bytes | str, bytes | str], wanted: str) -> str | No
     return None
 
 
-# ---------------------------------------------------------------------- replies
-
-
 def embedding_reply(
     request_id: str, embedding: bytes, dim: int, tokens: int | None = None
 ) -> Reply:
@@ -560,12 +481,8 @@ def scores_reply(
 def sparse_reply(
     request_id: str, indices: bytes, values: bytes, dim: int, tokens: int | None = None
 ) -> Reply:
-    """A successful sparse (SPLADE) reply: the nonzero entries of a ``dim``-long row.
-
-    ``indices`` are little-endian uint32 and ``values`` little-endian float32,
-    one each per nonzero entry: 8 bytes a nonzero, at most ``8 * dim`` bytes
-    (docs/PROTOCOL.md), so the reply is bounded by the vocabulary's size.
-    """
+    """A successful sparse (SPLADE) reply: the nonzeros of a ``dim``-long row, ``indices``
+    little-endian uint32 and ``values`` little-endian float32, one each per nonzero."""
     _check_sparse(indices, values, dim, ValueError)
     return Reply(id=request_id, ok=True, dim=dim, tokens=tokens,
                  sparse_indices=indices, sparse_values=values)
@@ -589,7 +506,7 @@ def _check_token_embeddings(vectors: object, dim: object, error: type[Exception]
 
 
 def _check_sparse(indices: object, values: object, dim: object, error: type[Exception]) -> None:
-    """Raise ``error`` unless the pair is a well-formed sparse row of ``dim`` (one home)."""
+    """Raise ``error`` unless the pair is a well-formed sparse row of ``dim``."""
     if not (isinstance(indices, bytes) and isinstance(values, bytes)
             and type(dim) is int and dim > 0):
         raise error("sparse reply needs 'sparse_indices', 'sparse_values' bytes and 'dim'")
@@ -612,12 +529,7 @@ def encode_embedding_reply(
     request_id: str, embedding: bytes, dim: int, tokens: int | None = None,
     truncated: bool = False,
 ) -> bytes:
-    """``encode_reply(embedding_reply(...))``, byte for byte, without the Reply in between.
-
-    Why: it runs once per request on the worker's hot path, where
-    the dataclass and its checks cost as much as the packing; the checks that
-    matter (the length) stay.
-    """
+    """``encode_reply(embedding_reply(...))``, byte for byte, without the Reply (hot path)."""
     if len(embedding) != 4 * dim:
         raise ValueError(f"embedding has {len(embedding)} bytes, expected 4 * {dim}")
     body: dict[str, Any] = {"id": request_id, "ok": True, "embedding": embedding, "dim": dim}
@@ -631,15 +543,9 @@ def encode_embedding_reply(
 def encode_embedding_replies(
     request_ids: Sequence[str], rows: bytes, dim: int, tokens: Sequence[int]
 ) -> list[bytes]:
-    """``encode_embedding_reply(id, row, dim, tokens)`` for many rows of one width, in order,
-    byte for byte; ``rows`` is their float32 little-endian values end to end.
-
-    Why: a batch's replies differ only in the id, the row and the token
-    count. The map's header, its keys, ``ok`` and the row's bin header are
-    the same for all of them, so they are packed once (by msgpack, from the
-    same dict layout as :func:`encode_embedding_reply`) and each reply is
-    joined from them: two small packs per row instead of a dict and a pack.
-    """
+    """``encode_embedding_reply(id, row, dim, tokens)`` for many rows of one width, byte for
+    byte; ``rows`` is their float32 little-endian values end to end. The parts all replies
+    share are packed once, so each reply is two small packs and a join."""
     width = 4 * dim
     if dim < 1 or len(rows) != width * len(request_ids) or len(tokens) != len(request_ids):
         raise ValueError(
@@ -757,8 +663,3 @@ def decode_reply(packed: bytes) -> Reply:
         )
     raise DecodeError("successful reply carries none of 'embedding', 'token_embeddings', "
                       "'sparse_indices', 'scores'")
-
-
-def finite(values: Sequence[float]) -> bool:
-    """True when every value is a finite float (NaN/inf results are reported as errors)."""
-    return all(math.isfinite(v) for v in values)

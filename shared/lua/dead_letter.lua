@@ -1,17 +1,8 @@
--- The dead-letter record built inside a script, the Lua twin of
--- tokenq.shared.dead_letter (capped_fields, encode_letter); the two are
--- tested against each other in tests/shared/test_records.py. Include dead_fields.lua
--- before it.
---
--- copy_capped(fields, letter_bytes, record): append an entry's own fields
--- (a flat name/value array) to record within letter_bytes and
--- MAX_LETTER_FIELDS: in order, the value that does not fit cut to what is
--- left, the rest dropped, old dead_* fields left out; dead_truncated names
--- what was cut (at most MAX_TRUNCATED_NAMES names of 64 bytes, then
--- "+N more"), so a letter's size and its XADD's length are bounded whatever
--- the entry holds.
--- append_death(record, code, why, worker, deliveries, at_ms, source_id):
--- append the dead_* fields saying why, who and when.
+-- The dead-letter record built inside a script: the Lua twin of tokenq.shared.dead_letter
+-- (capped_fields, encode_letter), after dead_fields.lua.
+-- copy_capped(fields, letter_bytes, record): an entry's own fields (a flat name/value
+-- array) appended to record within the caps, dead_truncated naming what was cut.
+-- append_death(record, code, why, worker, deliveries, at_ms, source_id): the dead_* fields.
 local MAX_LETTER_FIELDS, MAX_TRUNCATED_NAMES, MAX_NAME_BYTES = 256, 16, 64
 
 local function copy_capped(fields, letter_bytes, record)

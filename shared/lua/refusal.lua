@@ -1,16 +1,7 @@
--- The Lua twin of tokenq.shared.redis_refusal: which errors a redis.pcall
--- hands back mean "this key can never take this write" (the key is of another
--- type, outside the ACL, in another slot: settle without it) and which mean
--- "Redis refuses writes right now" (OOM at maxmemory, READONLY, MASTERDOWN,
--- LOADING, BUSY, and anything not known: the script returns the error at
--- once, the caller keeps its work and retries the whole call later).
--- Redis refuses a script for lack of memory only at its first write that
--- grows memory, so a script that returns such an error at once has written
--- nothing when the error is OOM.
---
--- refusal_text(err): the error's text as Redis 7 gives it, fit for
--- redis.error_reply (Redis 6 hands back "@user_script: <line>: -OOM ...\r\n").
--- key_refuses(err): true for WRONGTYPE, NOPERM and CROSSSLOT.
+-- The Lua twin of tokenq.shared.redis_refusal: key_refuses(err) is true when the key can
+-- never take this write (settle without it); any other error means Redis refuses writes now
+-- (return it at once; the caller retries the whole call later).
+-- refusal_text(err): the error's text as Redis 7 gives it, fit for redis.error_reply.
 local KEY_REFUSES = {WRONGTYPE = true, NOPERM = true, CROSSSLOT = true}
 local function refusal_text(err)
   local text = tostring(err)
