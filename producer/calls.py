@@ -65,10 +65,7 @@ log = logging.getLogger("tokenq.producer")
 
 
 class CommandFailed(Exception):
-    """A Redis command failed (``error``: redis-py's exception); thrown into the call.
-
-    One the call does not handle reaches the caller as ``error`` itself.
-    """
+    """A Redis command failed (``error``: redis-py's exception); thrown into the call."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
@@ -80,7 +77,7 @@ class Unreachable(CommandFailed):
 
 
 class ErrorReply(CommandFailed):
-    """Redis answered with an error reply (the enqueue script's QUEUEFULL, an ACL's NOPERM, ...)."""
+    """Redis answered with an error reply (the script's QUEUEFULL, an ACL's NOPERM, ...)."""
 
 
 class OutOfMemory(ErrorReply):
@@ -111,10 +108,8 @@ class Sleep:
 
 @dataclass(frozen=True, slots=True)
 class ShareConfigRead:
-    """Run :func:`read_config` (not strict), or join the read in flight, until ``deadline``.
-
-    Only the caller whose read it is sees its failure. Answer: None.
-    """
+    """Run :func:`read_config` (not strict), or join the read in flight, until ``deadline``;
+    only the caller whose read it is sees its failure. Answer: None."""
 
     deadline: Deadline
 
@@ -165,10 +160,7 @@ def resume(
     call: Call[T], answer: Any = None, failure: BaseException | None = None
 ) -> Step | Done[T]:
     """The call's next step, given the last step's ``answer`` or ``failure``; Done at its end.
-
-    A :class:`CommandFailed` the call does not handle reaches the caller as redis-py's own
-    exception.
-    """
+    A :class:`CommandFailed` it does not handle reaches the caller as redis-py's exception."""
     try:
         return call.send(answer) if failure is None else call.throw(failure)
     except StopIteration as stop:
@@ -203,10 +195,8 @@ def command(
 
 
 def read_config(core: ClientCore, deadline: Deadline, *, strict: bool) -> Call[dict[str, str]]:
-    """HGETALL the config hash into the cache, loading a tokenizer it newly names.
-
-    Not ``strict``: a refused read (an ACL) leaves the client without early checks.
-    """
+    """HGETALL the config hash into the cache, loading a tokenizer it newly names; not
+    ``strict``, a refused read (an ACL) leaves the client without early checks."""
     try:
         raw = yield from command(core, deadline, "hgetall", core.config.key)
     except ErrorReply as refused:
@@ -284,11 +274,8 @@ def on_current_shard(
 
 
 def enqueue_arguments(core: ClientCore, lane: Lane, batch: Sequence[Prepared]) -> dict[str, Any]:
-    """``keys`` and ``args`` of enqueue.lua for ``batch`` (see its header).
-
-    Fresh ids share one seen key for the call, since only its retry sends them again; ids the
-    caller named get one each (docs/decisions/0021-one-seen-key-per-call.md).
-    """
+    """``keys`` and ``args`` of enqueue.lua for ``batch``: fresh ids share one seen key for
+    the call, ids the caller named get one each (docs/decisions/0021-one-seen-key-per-call.md)."""
     queue = lane.queue
     ttl_ms = int(core.settings.dedupe_ttl_s * 1000)
     dedupe: str | int = ttl_ms
@@ -401,12 +388,8 @@ def workers_alive(core: ClientCore) -> Call[int]:
 
 
 def _poll(
-    core: ClientCore,
-    deadline: Deadline,
-    pending: Sized,
-    pop: Callable[[float, list[Any]], Call[None]],
-    take: Callable[[Any], None],
-    *,
+    core: ClientCore, deadline: Deadline, pending: Sized,
+    pop: Callable[[float, list[Any]], Call[None]], take: Callable[[Any], None], *,
     at_least_once: bool = False,
 ) -> Call[BaseException | None]:
     """Pop replies with ``pop`` and hand each to ``take`` until none is ``pending`` or the
@@ -450,11 +433,8 @@ def live_workers(core: ClientCore, lane: Lane, deadline: Deadline) -> Call[int]:
 
 
 def why_unanswered(core: ClientCore, lane: Lane) -> Call[str | None]:
-    """After a wait that timed out: why, if no worker is alive.
-
-    Best effort: a Redis that does not answer, or an ACL without these optional reads
-    (docs/SECURITY.md), gives no reason rather than another error.
-    """
+    """After a wait that timed out: why, if no worker is alive; best effort (an ACL may not
+    allow these reads: docs/SECURITY.md)."""
     try:
         alive = yield from live_workers(core, lane, Deadline.after(LIVENESS_CHECK_S))
     except Exception as exc:  # a timeout's message must not become another error
@@ -541,11 +521,8 @@ def drain(
     core: ClientCore, lane: Lane, reply_key: str, pending: set[str], deadline: Deadline,
     started: float,
 ) -> Call[Outcomes]:
-    """Outcomes of the ``pending`` ids, whose replies all land on ``reply_key``.
-
-    ``LRANGE`` reads what has landed and only then ``LTRIM`` drops it (workers only append);
-    with nothing there ``BLMOVE key key`` waits. A reply read twice is matched once.
-    """
+    """Outcomes of the ``pending`` ids, whose replies land on ``reply_key``: ``LRANGE``, then
+    ``LTRIM`` what was read (workers only append); ``BLMOVE key key`` waits when empty."""
     outcomes: Outcomes = {}
 
     def pop(block_s: float, popped: list[Any]) -> Call[None]:
@@ -592,11 +569,7 @@ def retired_shards_named(
     core: ClientCore, request_ids: Sequence[str], deadline: Deadline
 ) -> Call[frozenset[int]]:
     """Of the shards ``request_ids`` name that the queue does not have now, the retired ones
-    (a retired shard keeps its marker; an id of another is a plain id of ``{q}``).
-
-    Read only when an id names a shard. Best effort: a refused or unanswered read counts as
-    not retired.
-    """
+    (their markers stay); best effort: a read refused or unanswered counts as not retired."""
     if all(keys.shard_in_id(request_id) is None for request_id in request_ids):
         return frozenset()
     try:
@@ -668,12 +641,8 @@ def results(
     core: ClientCore, request_ids: Sequence[str], timeout_s: float | None, return_exceptions: bool,
     keep: bool = False,
 ) -> Call[list[Any]]:
-    """Wait for submitted requests' replies on their own keys; outcomes in input order.
-
-    A sharded queue's are read shard by shard (a script reads one slot), within the one
-    deadline. ``keep`` leaves the replies read for another reader (until their TTL, or
-    :func:`forget_replies`).
-    """
+    """Wait for submitted requests' replies on their own keys (shard by shard); outcomes in
+    input order. ``keep`` leaves them for another reader (until their TTL, or forget)."""
     started = time.monotonic()
     deadline = Deadline(started + _timeout(core, timeout_s))
     check_ids(request_ids)
@@ -693,12 +662,8 @@ def results(
 
 
 def infer(
-    core: ClientCore,
-    text: str,
-    text_pair: str | None,
-    timeout_s: float | None,
-    options: RequestOptions,
-    listener: Listener | None,
+    core: ClientCore, text: str, text_pair: str | None, timeout_s: float | None,
+    options: RequestOptions, listener: Listener | None,
 ) -> Call[Result]:
     """Enqueue one text and wait for its result (``listener``: the client's listened key)."""
     refuse_unknown(options, RequestOptions, "infer")
@@ -725,12 +690,8 @@ def infer(
 
 
 def infer_many(
-    core: ClientCore,
-    texts: Iterable[TextItem],
-    timeout_s: float | None,
-    return_exceptions: bool,
-    options: RequestOptions,
-    listener: Listener | None,
+    core: ClientCore, texts: Iterable[TextItem], timeout_s: float | None,
+    return_exceptions: bool, options: RequestOptions, listener: Listener | None,
 ) -> Call[list[Any]]:
     """Enqueue a batch all or nothing and wait for every result, in input order."""
     refuse_unknown(options, RequestOptions, "infer_many")
