@@ -366,11 +366,9 @@ class AsyncClient(ProducerBase):
             )
 
     async def _listen(self, key: str) -> None:
-        """Read a reply key while anyone waits; resolve futures by id.
-
-        As :func:`~.calls.drain` does: LRANGE, deliver, only then LTRIM (docs/RELIABILITY.md);
-        ``BLMOVE key key`` waits. A reply read twice finds its future done and is dropped.
-        """
+        """Read a reply key while anyone waits; resolve futures by id. As :func:`~.calls.drain`
+        does: LRANGE, deliver, only then LTRIM (docs/RELIABILITY.md); ``BLMOVE key key`` waits. A
+        reply read twice finds its future done and is dropped."""
         failures = 0
         redis_ = self._listen_clients[key]
         while self._waiters and not self._closing:

@@ -176,11 +176,9 @@ def resume(
 def command(
     core: ClientCore, deadline: Deadline, name: str, *args: Any, **kwargs: Any
 ) -> Call[Any]:
-    """One command for a caller; BrokerUnavailable when Redis stays unreachable.
-
-    With ``deadline.persist`` an outage is tried again, with backoff, until the deadline (a
-    retried enqueue is deduplicated by the script); without it redis-py's retries are all.
-    """
+    """One command for a caller; BrokerUnavailable when Redis stays unreachable. With
+    ``deadline.persist`` an outage is tried again, with backoff, until the deadline (a retried
+    enqueue is deduplicated by the script); without it redis-py's retries are all."""
     failures = 0
     while True:
         try:

@@ -100,29 +100,23 @@ class Client(ProducerBase):
         **options: Unpack[SubmitOptions],
     ) -> list[str]:
         """Enqueue a batch (texts or ``(text, text_pair)`` tuples) all or nothing; the ids.
-
-        ``unique``: the requests' ids (32 hex digits each) instead of fresh ones: a retry that
-        names the same ids is written once (``dedupe_ttl_s``).
-        """
+        ``unique``: the requests' ids (32 hex digits each) instead of fresh ones: a retry that names
+        the same ids is written once (``dedupe_ttl_s``)."""
         return self._run(calls.submit_many(self._core, texts, options, unique))
 
     def result(self, request_id: str, timeout_s: float | None = None) -> Result:
-        """Wait for the reply to ``request_id`` (from this or any other process).
-
-        Raises the worker's error as RemoteError (or DeadlineExceeded), ReplyTimeout when no
-        reply comes in time. The first caller to fetch a reply consumes it.
-        """
+        """Wait for the reply to ``request_id`` (from this or any other process). Raises the
+        worker's error as RemoteError (or DeadlineExceeded), ReplyTimeout when no reply comes in
+        time. The first caller to fetch a reply consumes it."""
         return self.results([request_id], timeout_s)[0]
 
     def results(
         self, request_ids: Sequence[str], timeout_s: float | None = None, *,
         return_exceptions: bool = False, keep: bool = False,
     ) -> list[Any]:
-        """Wait for several submitted requests' replies; results in input order.
-
-        Keys are deleted once their replies are in hand, unless ``keep`` (then :meth:`forget`
-        or the worker's ``reply_ttl_s`` does). ``return_exceptions``: errors in place.
-        """
+        """Wait for several submitted requests' replies; results in input order. Keys are deleted
+        once their replies are in hand, unless ``keep`` (then :meth:`forget` or the worker's
+        ``reply_ttl_s`` does). ``return_exceptions``: errors in place."""
         return self._run(calls.results(self._core, request_ids, timeout_s, return_exceptions,
                                        keep))
 
@@ -146,11 +140,9 @@ class Client(ProducerBase):
         self, texts: Iterable[TextItem], *, timeout_s: float | None = None,
         return_exceptions: bool = False, **options: Unpack[RequestOptions],
     ) -> list[Any]:
-        """Enqueue a batch all or nothing and wait for every result, in input order.
-
-        The replies land on one key of the call's. Without ``return_exceptions`` the first
-        failed item is raised once every reply is in or the timeout has passed.
-        """
+        """Enqueue a batch all or nothing and wait for every result, in input order. The replies
+        land on one key of the call's. Without ``return_exceptions`` the first failed item is raised
+        once every reply is in or the timeout has passed."""
         call = calls.infer_many(self._core, texts, timeout_s, return_exceptions, options, None)
         return self._run(call)
 

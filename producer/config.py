@@ -52,11 +52,9 @@ EstimatorChoice = EstimatorMode | Estimator | None
 
 
 class InputTooLong(BadRequest):
-    """An input is over the queue's ``max_input_tokens`` and the queue rejects such input.
-
-    Raised before enqueueing (nothing was written); the worker would answer ``too_long``.
-    ``exact``: whether ``tokens`` is the queue tokenizer's count or the heuristic's.
-    """
+    """An input is over the queue's ``max_input_tokens`` and the queue rejects such input. Raised
+    before enqueueing (nothing was written); the worker would answer ``too_long``. ``exact``:
+    whether ``tokens`` is the queue tokenizer's count or the heuristic's."""
 
     code = ErrorCode.TOO_LONG.value
 
@@ -113,9 +111,7 @@ class Estimating:
         truncate: bool | None = None, param: str = "text",
     ) -> None:
         """Refuse what the worker would refuse, when the producer can tell (see the module).
-
-        ``truncate``, the request's own option, overrides the queue's policy (but ``chunk``).
-        """
+        ``truncate``, the request's own option, overrides the queue's policy (but ``chunk``)."""
         config = self.config
         if config is None:
             return
@@ -167,11 +163,9 @@ class ConfigCache:
         return self._read_at is None or now_s - self._read_at >= self.ttl_s
 
     def take(self, fields: Mapping[str, str] | None, now_s: float) -> str | None:
-        """Adopt a fresh read (None: unreadable); the path of a tokenizer to load, or None.
-
-        Until :meth:`take_tokenizer` has that path the read does not count (:meth:`due`
-        stays true), so a load cut short by a cancelled caller is redone by the next one.
-        """
+        """Adopt a fresh read (None: unreadable); the path of a tokenizer to load, or None. Until
+        :meth:`take_tokenizer` has that path the read does not count (:meth:`due` stays true), so a
+        load cut short by a cancelled caller is redone by the next one."""
         config = QueueConfig.parse(fields or {})
         path = config.tokenizer if config is not None else None
         with self._lock:

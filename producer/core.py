@@ -48,11 +48,9 @@ class Unconfirmed:
 
 
 def make_settings(settings: ClientSettings | None, **overrides: Any) -> ClientSettings:
-    """Settings from ``TOKENQ_*`` (or ``settings``), with non-None keyword overrides on top.
-
-    An invalid value is a :class:`BadRequest` naming the first setting at fault, before any
-    connection is made.
-    """
+    """Settings from ``TOKENQ_*`` (or ``settings``), with non-None keyword overrides on top. An
+    invalid value is a :class:`BadRequest` naming the first setting at fault, before any connection
+    is made."""
     given = {name: value for name, value in overrides.items() if value is not None}
     try:
         if settings is None:

@@ -276,12 +276,9 @@ def _pieces(words: Sequence[bytes], piece: int) -> int:
 
 
 class _Classes(dict[int, str]):
-    """Code point -> its one-letter class, computed once per character (bounded).
-
-    ``c`` CJK; ``a`` a Latin letter (or mark), ``o`` another script's, ``D`` one that is also
-    a digit; ``0`` a digit; ``p`` punctuation; ``s`` a symbol; ``x`` a control or format
-    character; `` `` anything else.
-    """
+    """Code point -> its one-letter class, computed once per character (bounded). ``c`` CJK; ``a`` a
+    Latin letter (or mark), ``o`` another script's, ``D`` one that is also a digit; ``0`` a digit;
+    ``p`` punctuation; ``s`` a symbol; ``x`` a control or format character; `` `` anything else."""
 
     LIMIT = 1 << 16
 

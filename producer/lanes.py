@@ -22,11 +22,9 @@ _IDS_PER_DRAW = 256
 
 
 class _IdSource:
-    """Fresh uuid4 hex ids, drawn from the OS in blocks: one system call per 256 ids.
-
-    Thread-safe (each id leaves by one atomic ``list.pop``); a forked child drops the block it
-    inherited, else parent and child would hand out the same ids.
-    """
+    """Fresh uuid4 hex ids, drawn from the OS in blocks: one system call per 256 ids. Thread-safe
+    (each id leaves by one atomic ``list.pop``); a forked child drops the block it inherited, else
+    parent and child would hand out the same ids."""
 
     def __init__(self) -> None:
         self._block: list[str] = []
@@ -91,11 +89,9 @@ def lane_of(queue: keys.QueueRef, shard: int | None) -> Lane:
 
 
 class Lanes:
-    """A client's lanes, made once each, and which lane an id's reply is on.
-
-    ``config`` gives the config hash last read (None: none), whose shard count counts unless
-    ``wanted`` (``settings.shards``) names one.
-    """
+    """A client's lanes, made once each, and which lane an id's reply is on. ``config`` gives the
+    config hash last read (None: none), whose shard count counts unless ``wanted``
+    (``settings.shards``) names one."""
 
     def __init__(
         self, queue: keys.QueueRef, wanted: int | None,
@@ -127,10 +123,8 @@ class Lanes:
 
     def shard_of_id(self, request_id: str, retired: Collection[int] = ()) -> int | None:
         """The shard whose reply namespace holds ``request_id``'s reply; None: ``{q}``.
-
         ``k.<unique>`` names shard ``k`` only where the queue has it now or had it (``retired``);
-        elsewhere it is a plain id another producer chose (docs/PROTOCOL.md, "K = 1").
-        """
+        elsewhere it is a plain id another producer chose (docs/PROTOCOL.md, "K = 1")."""
         shard = keys.shard_in_id(request_id)
         if shard is None:
             return None

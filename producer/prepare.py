@@ -172,27 +172,19 @@ class Preparer:
         self.refuse_early = refuse_early
 
     def prepare(
-        self,
-        lane: Lane,
-        item: object,
-        *,
-        now_ms: int,
-        text_pair: object = None,
-        index: int | None = None,
+        self, lane: Lane, text: object, *, now_ms: int, text_pair: object = None,
         **options: Unpack[SubmitOptions],
     ) -> Prepared:
         """One checked request for ``lane``; ``reply_to`` defaults to its own reply key."""
-        return self._prepare(lane, item, text_pair, index, self._call(options, now_ms))
+        return self._prepare(lane, text, text_pair, None, self._call(options, now_ms))
 
     def prepare_many(
         self, lane: Lane, texts: Iterable[TextItem], *, now_ms: int,
         unique: Sequence[str] | None = None, **options: Unpack[SubmitOptions],
     ) -> list[Prepared]:
         """A whole batch checked before anything is written (texts or ``(text, text_pair)``).
-
-        ``unique``: each request's id (before its shard prefix) instead of a fresh one, so a
-        retry names the same requests and the dedupe writes them once (``Idempotency-Key``).
-        """
+        ``unique``: each request's id (before its shard prefix) instead of a fresh one, so a retry
+        names the same requests and the dedupe writes them once (``Idempotency-Key``)."""
         if isinstance(texts, (str, bytes)):
             raise BadRequest(
                 "texts must be a sequence of strings, not a single string "

@@ -97,10 +97,8 @@ class for_caller(_Setting):
 
 def failure(exc: Exception) -> Exception:
     """What to throw into a call for ``exc``: the calls' name for a command failure, else ``exc``.
-
-    :data:`REFUSED_NOW_RETRIED` and :data:`CLUSTER_UNAVAILABLE` count as Redis being down:
-    the command did not run, so it is as safe to retry as a refused connection.
-    """
+    :data:`REFUSED_NOW_RETRIED` and :data:`CLUSTER_UNAVAILABLE` count as Redis being down: the
+    command did not run, so it is as safe to retry as a refused connection."""
     if isinstance(exc, REDIS_DOWN):
         return Unreachable(exc)
     if isinstance(exc, CLUSTER_UNAVAILABLE) or (

@@ -29,11 +29,9 @@ BAD_REPLY = ErrorCode.BAD_REPLY.value
 
 
 class ReplyTimeout(TokenqError, TimeoutError):
-    """No reply came before the caller's timeout (Redis itself was reachable).
-
-    A builtin ``TimeoutError`` too. The request may still run; ``Client.result(id)`` can
-    fetch its reply later, until it expires.
-    """
+    """No reply came before the caller's timeout (Redis itself was reachable). A builtin
+    ``TimeoutError`` too. The request may still run; ``Client.result(id)`` can fetch its reply
+    later, until it expires."""
 
     def __init__(self, request_ids: Sequence[str], waited_s: float, why: str | None = None) -> None:
         shown = ", ".join(request_ids[:5])
@@ -51,11 +49,9 @@ class ReplyTimeout(TokenqError, TimeoutError):
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A worker's successful answer to one request.
-
-    ``embedding``: an ``array.array('f')`` (``numpy.frombuffer(e, numpy.float32)`` views it);
-    ``scores``: a classifier's or reranker's; ``tokens``: what the worker ran, when it says.
-    """
+    """A worker's successful answer to one request. ``embedding``: an ``array.array('f')``
+    (``numpy.frombuffer(e, numpy.float32)`` views it); ``scores``: a classifier's or reranker's;
+    ``tokens``: what the worker ran, when it says."""
 
     id: str
     embedding: array.array | None  # typecode "f"; not subscriptable at runtime before 3.12

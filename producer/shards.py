@@ -28,11 +28,9 @@ LENGTHS_TTL_S = 1.0
 
 
 class ShardRetired(ConfigError):
-    """The shard a call chose is retired: nothing was written.
-
-    The calls choose again once the config names fewer shards; a caller sees it only when
-    its count still includes the shard (a ``shards`` setting, a config it may not read).
-    """
+    """The shard a call chose is retired: nothing was written. The calls choose again once the
+    config names fewer shards; a caller sees it only when its count still includes the shard (a
+    ``shards`` setting, a config it may not read)."""
 
     def __init__(self, queue: str, shard: int) -> None:
         super().__init__(
@@ -49,11 +47,9 @@ def is_retired(message: str) -> bool:
 
 
 def shard_count(wanted: int | None, config: QueueConfig | None, queue: str) -> int:
-    """The queue's shard count: the workers' when published, else the setting, else 1.
-
-    A setting that contradicts the published count is a ConfigError: writing to shards no
-    worker reads would strand every request.
-    """
+    """The queue's shard count: the workers' when published, else the setting, else 1. A setting
+    that contradicts the published count is a ConfigError: writing to shards no worker reads would
+    strand every request."""
     if config is None:
         return wanted or 1
     published = config.shards or 1
