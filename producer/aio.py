@@ -1,11 +1,5 @@
-"""The asyncio producer client, twin of :mod:`tokenq.producer.client`: the driver that awaits
-the steps of :mod:`tokenq.producer.calls`.
-
-``infer`` and ``infer_many`` hold no connection per caller: every request of one client names
-the client's own reply key, and one listener task per key resolves each caller's future by
-request id, while anyone waits. Each command for a caller runs as a task the caller stops
-waiting for at its deadline plus ``DEADLINE_GRACE_S`` (then cancelled, which disconnects it).
-"""
+"""The asyncio producer client, driver of :mod:`tokenq.producer.calls`: one listener task per
+reply key resolves every caller's future, so waiting callers hold no connection each."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
 """The keyword options of the producer's constructors and enqueueing calls, declared once for
-both clients.
-
-A new per-request option the worker reads from ``opts`` is one line in
-:class:`~tokenq.shared.request_options.WorkerOptions`: every enqueueing call then takes it as
-a keyword. Python checks no keyword against a ``TypedDict``, hence :func:`refuse_unknown`.
-"""
+both clients; a new worker option is one line in ``WorkerOptions``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Every call of a producer as the steps it takes, once for both clients: no I/O here.
-
-Which Redis commands a call sends, in which order, what it retries, how long it waits and what
-it makes of each answer lives here (the shape of h11). A call is a generator that yields a
-:data:`Step` and is resumed with its answer, or has its failure thrown in; ``Client._run``
-performs the steps by blocking, ``AsyncClient._run`` by awaiting (:func:`resume`).
-"""
+"""Every call of a producer as the steps it takes, once for both clients (h11's shape): a
+generator that yields a :data:`Step` and is resumed with its answer or its failure; the
+clients only perform the steps (:func:`resume`). No I/O here."""
 
 from __future__ import annotations
 

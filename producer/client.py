@@ -1,11 +1,5 @@
-"""The synchronous producer client: the blocking driver of :mod:`tokenq.producer.calls`.
-
-Each Redis command runs in the calling thread with the caller's deadline in
-:data:`~tokenq.producer.redis_deadlines.CALLER_DEADLINE`, so no socket wait, pool wait,
-reconnect or retry outlasts the caller by more than ``DEADLINE_GRACE_S``. One ``Client`` may
-be shared by threads; of those that find the config copy stale one reads it and the others
-wait for that read, each until its own deadline.
-"""
+"""The synchronous producer client: the blocking driver of :mod:`tokenq.producer.calls`, each
+command run in the calling thread under the caller's deadline (:mod:`.redis_deadlines`)."""
 
 from __future__ import annotations
 

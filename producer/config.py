@@ -1,14 +1,6 @@
-"""What a queue's config hash lets a producer refuse before it enqueues, and how it counts.
-
-Workers write ``keys.config(q)`` at start; a client reads it at most once per ``config_ttl_s``
-into its :class:`ConfigCache`. No I/O and no clock: the calls read the hash, load tokenizer
-files and pass the time. The rules (no config, or an unreadable one: nothing is refused):
-
-* ``pairs=0``: a request with a ``text_pair`` is refused.
-* ``policy=reject`` with ``max_input_tokens``: an input over the limit is :class:`InputTooLong`;
-  with the heuristic only past ``limit * HEURISTIC_MARGIN`` (it overestimates some texts).
-* ``truncate`` and ``chunk`` take input of any length.
-"""
+"""What a queue's config hash lets a producer refuse before it enqueues (a pair when
+``pairs=0``; past ``max_input_tokens`` under ``policy=reject``), how it counts tokens, and the
+client's copy of the hash; no I/O and no clock (docs/ESTIMATES.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""One client's state, shared by all its calls and lanes (no I/O, no redis, no asyncio).
-
-The calls (:mod:`.calls`) take the parts from it directly: its settings, its copy of the
-config hash (:class:`~.config.ConfigCache`), its lanes (:class:`~.lanes.Lanes`), the
-:class:`~.prepare.Preparer` and the :class:`~.shards.ShardChooser`.
-"""
+"""One client's state, shared by all its calls and lanes (no I/O): the calls take its parts
+directly (settings, config cache, lanes, preparer, shard chooser)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""A fast, dependency-free guess of how many tokens a text costs, by BERT WordPiece's rules.
-
-The worker tokenizes exactly before packing; this count steers its read-ahead and the
-producer's early refusal, so it must be cheap, roughly right and never zero. Per
-``bert-base-uncased`` (docs/ESTIMATES.md): CJK, kana, hangul and punctuation one token a
-character; a Latin word one plus one per further 7 characters, other scripts' per 3, a number
-per 4; a glued run of symbols one; a word over 100 characters one ``[UNK]``; control and
-format characters none; plus ``[CLS]``/``[SEP]`` (3 for a pair).
-
-No Python runs per character: each view of a text is one ``bytes.translate``, and words are
-counted with ``bytes.replace`` and ``bytes.count``. Characters the byte tables cannot see as
-they are get ASCII stand-ins of their class; past 32 distinct ones the text is mapped to a
-string of one-letter classes instead (the slowest path).
-"""
+"""A fast, dependency-free token count by BERT WordPiece's rules (docs/ESTIMATES.md): CJK and
+punctuation one a character; a word one plus one per further 7 letters (3 in other scripts, 4
+digits); a glued symbol run one; with no Python per character (``bytes.translate`` views)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Request ids and the streams a producer writes to: one :class:`Lane` per shard.
-
-All that differs between two lanes of a client (the keys it writes, the namespace of its ids
-and reply keys) is its :class:`Lane`; an id on shard ``k`` reads ``k.<32 hex digits>``.
-"""
+"""Request ids and the streams a producer writes to: one :class:`Lane` per shard, all that differs
+between shards; an id on shard ``k`` reads ``k.<32 hex digits>``."""
 
 from __future__ import annotations
 

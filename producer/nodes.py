@@ -1,10 +1,6 @@
-"""What must run on one node's connection in a Redis Cluster: the durable enqueue.
-
-``WAIT`` counts the writes of its own connection and has no key to route by, so the durable
-enqueue goes through a plain client of the node owning the shard's slot. That bypasses the
-cluster client's reaction to a failover, so :func:`run_pinned` reacts for it: on ``MOVED``,
-or a lost connection, it re-reads the topology and tries once more on the slot's new owner.
-"""
+"""The durable enqueue pinned to one Cluster node: ``WAIT`` counts its own connection's writes
+and has no key to route by, so it runs on a plain client of the slot's owner, following a
+failover once (:func:`run_pinned`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""A call's arguments into the requests the enqueue script writes: every early refusal.
-
-A refusal is a :class:`BadRequest` whose ``param`` names the argument at fault. No I/O, no
-clock: the time comes in as ``now_ms``, the lane a call writes to as a :class:`Lane`.
-"""
+"""A call's arguments into the requests the enqueue script writes: every early refusal, as a
+:class:`BadRequest` naming the argument. No I/O, no clock (``now_ms`` comes in)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""How the producer plugs into redis-py: no wait redis-py makes outlasts the caller.
-
-A client runs each command for a caller inside :class:`for_caller`, which puts the caller's
-monotonic deadline in :data:`CALLER_DEADLINE` (per thread, or per task). The hooks read it:
-connections (every socket wait ends by the deadline plus ``DEADLINE_GRACE_S``), pools (the
-wait for a free connection), retries (none starts, no backoff sleeps, past it), for a single
-server, a Cluster and Sentinel alike (:mod:`tokenq.shared.redis_client` builds them).
-Outside a caller's command the configured timeouts apply unchanged.
-"""
+"""How the producer plugs into redis-py so that no socket wait, pool wait or retry outlasts the
+caller: each command runs under :class:`for_caller`, and the connection, pool and retry hooks
+handed to :mod:`tokenq.shared.redis_client` read :data:`CALLER_DEADLINE`."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What a reply means to a producer: reply bytes into a :class:`Result` or an exception.
-
-A reply that does not decode is dropped when read from a key many requests share, and is the
-request's own ``bad_reply`` :class:`RemoteError` when read from its own key.
-"""
+"""Reply bytes into a :class:`Result` or an exception; one that does not decode is dropped from a
+shared key and is the request's own ``bad_reply`` error from its own key."""
 
 from __future__ import annotations
 

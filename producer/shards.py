@@ -1,12 +1,5 @@
-"""Which shard of a sharded queue a producer writes to: the count, and the choice.
-
-A queue of K shards takes requests on ``{q:0}`` … ``{q:K-1}``; its workers publish K in the
-config hash, and ``settings.shards`` names it for a producer that may not read the hash. Each
-call writes to one shard (a batch stays one script call): ``round_robin`` takes them in turn,
-``shortest`` the one whose stream was shortest at the last ``XLEN`` reading. A retired shard
-refuses new requests (``RETIRED``) and the call chooses again (``calls.on_current_shard``).
-No I/O: the calls read the lengths and hand them over with the time.
-"""
+"""Which shard of a sharded queue a producer writes to: the count (the workers' published K, or
+``settings.shards``) and each call's choice (``round_robin`` or ``shortest``); no I/O."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Exact token counts with the queue's own tokenizer.json, when the producer can load one.
-
-``tokenizers`` (a small Rust wheel, no torch) is optional and imported only when a load is
-attempted, so ``import tokenq.producer`` stays cheap.
-"""
+"""Exact token counts with the queue's own tokenizer.json, when the optional ``tokenizers``
+package (imported only then) can load it."""
 
 from __future__ import annotations
 
