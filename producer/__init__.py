@@ -1,7 +1,6 @@
 """tokenq's producer side: what a web backend imports to enqueue texts and get results.
 
-Needs only redis, msgpack and pydantic-settings; never imports torch,
-transformers or numpy, so importing it costs a web process next to nothing.
+Needs only redis, msgpack and pydantic-settings (no torch, transformers or numpy):
 
     from tokenq.producer import Client
 
@@ -9,19 +8,13 @@ transformers or numpy, so importing it costs a web process next to nothing.
         result = client.infer("hello world")          # Result(embedding=array('f', ...))
         ids = client.submit_many(["a", "b"])          # fire now ...
         results = client.results(ids, timeout_s=10)   # ... collect later, anywhere
-
-Once a worker has published the queue's config, the client refuses what the
-workers would refuse before writing anything (:class:`InputTooLong` on a
-``policy=reject`` queue, a ``text_pair`` on a single-text model), counting
-tokens exactly with the queue's tokenizer.json when the optional
-``tokenizers`` package can load it (see docs/ESTIMATES.md).
 """
 
 from tokenq.producer.aio import AsyncClient
 from tokenq.producer.client import Client
-from tokenq.producer.config import HEURISTIC_MARGIN, InputTooLong
-from tokenq.producer.core import Estimator, ReplyTimeout, Result
+from tokenq.producer.config import HEURISTIC_MARGIN, Estimator, InputTooLong
 from tokenq.producer.estimate import estimate_tokens
+from tokenq.producer.replies import ReplyTimeout, Result
 from tokenq.producer.tokenizer import TokenizerEstimator
 from tokenq.shared.errors import (
     BadRequest,

@@ -1,32 +1,5 @@
-"""The asyncio producer client, twin of :mod:`tokenq.producer.client`.
-
-Both clients take the same steps, written once in
-:mod:`tokenq.producer.calls`; this module is the driver that awaits them
-(:meth:`AsyncClient._run`). What differs is how it waits for ``infer`` and
-``infer_many``: they do not block a connection per caller. Every request of
-one ``AsyncClient`` names the same reply key (``keys.reply(q, <client
-id>)``), one background task reads that key on its own connection and
-resolves each caller's future by request id (the calls' ``Listen`` and
-``Collect`` steps). So a thousand concurrent ``infer`` calls use at most
-``max_connections`` pooled connections for enqueueing plus one for
-listening. The listener runs only while someone waits, and replies for ids
-nobody waits for any more (a caller that timed out) are dropped.
-
-A caller's timeout is a promise here too. Each Redis command made for a
-caller runs as a task of its own that the caller stops waiting for at its
-deadline plus ``DEADLINE_GRACE_S`` (the task is then cancelled, which
-disconnects its connection: a reply that arrives later can never be read as
-another command's). Inside that task the caller's deadline also bounds
-redis-py's socket and pool waits and its retries (see
-:mod:`tokenq.producer.redis_deadlines`), so an abandoned command does not linger.
-
-The config hash is re-read as by the sync client: the first caller that
-finds the cached copy stale starts one read as a task of its own (shielded:
-cancelling that caller does not cancel it), and every caller that needs the
-copy meanwhile waits for that task, each only until its own deadline. A
-tokenizer it names is loaded in a worker thread, once, so the event loop
-never parses a tokenizer.json.
-"""
+"""The asyncio producer client, driver of :mod:`tokenq.producer.calls`: one listener task per
+reply key resolves every caller's future, so waiting callers hold no connection each."""
 
 from __future__ import annotations
 
@@ -42,15 +15,10 @@ import redis
 from tokenq.producer import calls, nodes, redis_deadlines
 from tokenq.producer.base import ProducerBase
 from tokenq.producer.call_options import RequestOptions, SubmitOptions
-from tokenq.producer.core import (
-    DEADLINE_GRACE_S,
-    ClientCore,
-    Deadline,
-    Outcome,
-    Result,
-    TextItem,
-    backoff_s,
-)
+from tokenq.producer.deadline import DEADLINE_GRACE_S, Deadline, backoff_s, block_s
+from tokenq.producer.lanes import Lane
+from tokenq.producer.prepare import TextItem
+from tokenq.producer.replies import Outcome, Result, decode, outcome
 from tokenq.producer.tokenizer import TokenizerEstimator, load_estimator
 from tokenq.shared import functions
 from tokenq.shared.errors import TokenqError
@@ -87,28 +55,22 @@ def _forget(task: asyncio.Future[Any]) -> None:
 
 
 class AsyncClient(ProducerBase):
-    """An asyncio producer for one queue; see :class:`tokenq.producer.Client` for the API.
-
-    Use it from one event loop. ``max_connections`` bounds the command pool
-    (default :data:`DEFAULT_MAX_CONNECTIONS`; the listener has one more
-    connection of its own). The other arguments work as for the sync client.
-    """
+    """An asyncio producer for one queue, used from one event loop; the arguments and calls of
+    :class:`tokenq.producer.Client`. ``max_connections`` bounds the command pool (default
+    :data:`DEFAULT_MAX_CONNECTIONS`; each listener has a connection of its own)."""
 
     def _connect(self, max_connections: int | None) -> None:
-        self._reply_key = self._core.reply_key(self.client_id)
+        self._reply_key = self._listen_key(self._core.lanes.home)
         self._redis, self._listen_redis = redis_deadlines.async_redis(
             self.settings,
             self.client_id,
             DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
         )
-        # One listener per reply key: a sharded queue's replies land in each
-        # shard's slot, so each shard has a key (and a connection) of its own.
+        # One listener per reply key: each shard's replies land in its own slot.
         self._listen_clients: dict[str, Any] = {self._reply_key: self._listen_redis}
         self._listeners: dict[str, asyncio.Task[None]] = {}
-        self._trimming: set[str] = set()
-        """Keys whose listener is removing replies it has delivered (aclose lets it finish)."""
-        self._node_clients: dict[str, Any] = {}
-        """Plain clients of Cluster nodes, for what must run on one connection (durable)."""
+        self._trimming: set[str] = set()  # keys whose listener trims what it delivered
+        self._node_clients: dict[str, Any] = {}  # Cluster nodes' plain clients (durable)
         self._scripts = {name: functions.AsyncFunction(self._redis, name) for name in calls.SCRIPTS}
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
         self._unreachable: BaseException | None = None
@@ -132,8 +94,7 @@ class AsyncClient(ProducerBase):
         await self._redis.aclose()
 
     async def _stop_listener(self, key: str, listener: asyncio.Task[None]) -> None:
-        """End a listener, letting one between delivering replies and their ``LTRIM`` finish
-        (cancelled there, answered replies would stay on Redis until their TTL)."""
+        """End a listener, letting one between delivering replies and their ``LTRIM`` finish."""
         if listener.done():
             return
         if key in self._trimming:
@@ -161,9 +122,9 @@ class AsyncClient(ProducerBase):
             pipe.pexpire(key, _WAKE_TTL_MS)
             await pipe.execute()
 
-    def _listen_key(self, core: ClientCore) -> str:
-        """The reply key this client's listener reads for requests written through ``core``."""
-        return core.reply_key(self.client_id)
+    def _listen_key(self, lane: Lane) -> str:
+        """The reply key this client's listener reads for requests written to ``lane``."""
+        return lane.reply_key(self.client_id)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -176,23 +137,14 @@ class AsyncClient(ProducerBase):
     async def submit(
         self, text: str, *, text_pair: str | None = None, **options: Unpack[SubmitOptions]
     ) -> str:
-        """Enqueue one text; its reply goes to its own key, for :meth:`result`.
-
-        Returns or raises within ``settings.timeout_s`` (plus a fraction of a second).
-        """
+        """Enqueue one text; its reply goes to its own key, for :meth:`result`."""
         return await self._run(calls.submit(self._core, text, text_pair, options))
 
     async def submit_many(
         self, texts: Iterable[TextItem], *, unique: Sequence[str] | None = None,
         **options: Unpack[SubmitOptions],
     ) -> list[str]:
-        """Enqueue a batch all or nothing; ids in input order.
-
-        ``unique``: the requests' ids (32 hex digits each, before a shard's
-        prefix) instead of fresh ones: a retry that names the same ids is
-        written once (``dedupe_ttl_s``) and :meth:`results` reads the first
-        write's replies.
-        """
+        """Enqueue a batch all or nothing; ids in input order (``unique``: see ``Client``)."""
         return await self._run(calls.submit_many(self._core, texts, options, unique))
 
     async def result(self, request_id: str, timeout_s: float | None = None) -> Result:
@@ -214,19 +166,14 @@ class AsyncClient(ProducerBase):
 
     async def command(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """One redis-py command by name, bounded by ``timeout_s`` (keys kept beside the queue's)."""
-        return await self._run(calls.command(self._core, self._core.deadline(), name, *args,
-                                             **kwargs))
+        deadline = Deadline.after(self.settings.timeout_s)
+        return await self._run(calls.command(self._core, deadline, name, *args, **kwargs))
 
     async def infer(
         self, text: str, *, text_pair: str | None = None, timeout_s: float | None = None,
         **options: Unpack[RequestOptions],
     ) -> Result:
-        """Enqueue one text and wait for its result on the client's shared reply key.
-
-        Bounded by ``timeout_s`` and, unless a deadline is given, carrying
-        what is left of it as the request's deadline (see
-        :meth:`tokenq.producer.Client.infer`).
-        """
+        """Enqueue one text and wait for its result on the client's listened reply key."""
         self._check_open()
         call = calls.infer(self._core, text, text_pair, timeout_s, options, self._listen_key)
         return await self._run(call)
@@ -243,22 +190,17 @@ class AsyncClient(ProducerBase):
         return await self._run(call)
 
     async def workers_alive(self) -> int:
-        """How many workers of the queue are alive now (0: nobody would answer).
-
-        A worker is alive while its liveness key is set: it expires three
-        heartbeats after the worker's last beat. Needs the optional reads of
-        docs/SECURITY.md (``HKEYS`` of the workers hash, ``EXISTS``).
-        """
+        """How many workers of the queue are alive now (see ``Client.workers_alive``)."""
         return await self._run(calls.workers_alive(self._core))
 
     async def queue_length(self, timeout_s: float | None = None) -> int:
-        """How many requests the queue's stream holds (pending and in flight); raises
-        ``BrokerUnavailable`` past ``timeout_s`` (default ``settings.timeout_s``)."""
+        """How many requests the queue's stream holds (see ``Client.queue_length``)."""
         return await self._run(calls.queue_length(self._core, timeout_s))
 
     async def config(self) -> dict[str, str]:
         """The queue's config hash; refreshes the cached copy (see ``Client.config``)."""
-        return await self._run(calls.read_config(self._core, self._core.deadline(), strict=True))
+        deadline = Deadline.after(self.settings.timeout_s)
+        return await self._run(calls.read_config(self._core, deadline, strict=True))
 
     def _check_open(self) -> None:
         if self._closing:
@@ -267,11 +209,8 @@ class AsyncClient(ProducerBase):
     # --------------------------------------------------------------- driver
 
     async def _run(self, call: calls.Call[T]) -> T:
-        """Await ``call``'s steps one after the other until it returns.
-
-        The ids it had the listener keep are forgotten when it ends, however
-        it ends (a result, an error, the caller's cancellation).
-        """
+        """Await ``call``'s steps until it returns; the ids it had the listener keep are
+        forgotten however it ends."""
         listening: list[str] = []
         try:
             step = calls.resume(call)
@@ -327,13 +266,8 @@ class AsyncClient(ProducerBase):
     async def _attempt(
         self, deadline: float, command: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any
     ) -> T:
-        """One Redis command (with redis-py's retries) for a caller, bounded by its deadline.
-
-        The command runs as a task that carries the deadline in its context
-        (for the socket, pool and retry bounds); the caller waits for it
-        until the deadline plus the grace, and past that cancels it and
-        raises redis-py's TimeoutError, whether or not the cancel lands.
-        """
+        """One Redis command for a caller, as a task carrying its deadline (for the socket, pool
+        and retry bounds); past the deadline plus the grace it is cancelled, TimeoutError."""
         with redis_deadlines.for_caller(deadline):
             task = asyncio.ensure_future(command(*args, **kwargs))
         wait = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S + _BACKSTOP_S
@@ -350,11 +284,8 @@ class AsyncClient(ProducerBase):
     # --------------------------------------------------------------- config
 
     async def _share_config_read(self, deadline: Deadline) -> None:
-        """Start the one config read as a task, or join it; wait for it until the deadline.
-
-        Only the caller that started the read sees its failure
-        (BrokerUnavailable); the cache stays stale, so the next call reads again.
-        """
+        """Start the one config read as a task (cancelling its caller does not cancel it), or
+        join it; wait until the deadline. Only the caller that started it sees its failure."""
         loop = asyncio.get_running_loop()
         task = self._config_task
         leading = task is None or task.get_loop() is not loop
@@ -390,7 +321,7 @@ class AsyncClient(ProducerBase):
         if self._loading.get(path) is loading:
             del self._loading[path]
         if not loading.cancelled():
-            self._core.take_tokenizer(path, loading.exception() or loading.result())
+            self._core.config.take_tokenizer(path, loading.exception() or loading.result())
 
     # ------------------------------------------------------------- listener
 
@@ -429,14 +360,9 @@ class AsyncClient(ProducerBase):
             )
 
     async def _listen(self, key: str) -> None:
-        """Read the client's reply key while anyone waits; resolve futures by id.
-
-        Nothing is removed before it is in hand (docs/RELIABILITY.md): LRANGE
-        reads what has landed, the replies are delivered, and only then LTRIM
-        drops what was read (the workers only append). With nothing there,
-        ``BLMOVE key key`` waits without removing anything. A reply read
-        twice (its LTRIM failed) finds its future done and is dropped.
-        """
+        """Read a reply key while anyone waits; resolve futures by id. As :func:`~.calls.drain`
+        does: LRANGE, deliver, only then LTRIM (docs/RELIABILITY.md); ``BLMOVE key key`` waits. A
+        reply read twice finds its future done and is dropped."""
         failures = 0
         redis_ = self._listen_clients[key]
         while self._waiters and not self._closing:
@@ -445,8 +371,8 @@ class AsyncClient(ProducerBase):
             try:
                 landed = await redis_.lrange(key, 0, -1)
                 if not landed:
-                    block_s = self._core.block_s(_LISTEN_FOREVER_S)
-                    if await redis_.blmove(key, key, block_s, "LEFT", "RIGHT") is not None:
+                    wait_s = block_s(_LISTEN_FOREVER_S, self.settings.socket_timeout_s)
+                    if await redis_.blmove(key, key, wait_s, "LEFT", "RIGHT") is not None:
                         landed = await redis_.lrange(key, 0, -1)
                 failed = False
             except Exception as exc:  # never let one odd error strand every waiter
@@ -477,11 +403,11 @@ class AsyncClient(ProducerBase):
             log.exception("tokenq reply listener failed; retrying")
 
     def _deliver(self, raw: bytes) -> None:
-        reply = self._core.decode(raw)
+        reply = decode(raw)
         if reply is None:
             return
         future = self._waiters.get(reply.id)
         if future is None or future.done():
             log.debug("dropping a reply for request %s: nobody waits for it", reply.id)
             return
-        future.set_result(self._core.outcome(reply))
+        future.set_result(outcome(reply))

@@ -1,60 +1,51 @@
 """What :class:`~tokenq.producer.Client` and :class:`~tokenq.producer.AsyncClient` share
-besides their calls: how they are made (settings, core, id) and how a :class:`Send` names
-what it runs. Each twin adds its connection (:meth:`ProducerBase._connect`) and its driver.
-"""
+besides their calls: how they are made, and how a :class:`~.calls.Send` names what it runs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tokenq.producer.call_options import ClientOptions, refuse_unknown
 from tokenq.producer.calls import DURABLE_ENQUEUE
 from tokenq.producer.config import DEFAULT_CONFIG_TTL_S
-from tokenq.producer.core import ClientCore, EstimatorChoice, make_settings
+from tokenq.producer.core import ClientCore, make_settings
 from tokenq.shared.settings import ClientSettings
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class ProducerBase:
-    """Settings, the :class:`ClientCore` and the client id (arguments: see ``Client``)."""
+    """Settings, the :class:`ClientCore` and the client id; each twin adds its connection
+    (:meth:`_connect`) and its driver."""
 
     _redis: Any
     _scripts: dict[str, Any]
-    """The functions a :class:`Send` may name (:data:`~tokenq.producer.calls.SCRIPTS`):
-    :class:`tokenq.shared.functions.Function` or its asyncio twin."""
+    """The functions a Send may name (:data:`~.calls.SCRIPTS`), sync or asyncio."""
 
     def __init__(
-        self,
-        redis_url: str | None = None,
-        queue: str | None = None,
-        *,
-        prefix: str | None = None,
-        max_queue_length: int | None = None,
-        timeout_s: float | None = None,
-        estimator: EstimatorChoice = "auto",
-        settings: ClientSettings | None = None,
-        max_connections: int | None = None,
-        config_ttl_s: float = DEFAULT_CONFIG_TTL_S,
-        refuse_early: bool = True,
+        self, redis_url: str | None = None, queue: str | None = None, *,
+        settings: ClientSettings | None = None, **options: Unpack[ClientOptions],
     ) -> None:
+        refuse_unknown(options, ClientOptions, type(self).__name__)
         self.settings = make_settings(
-            settings,
-            redis_url=redis_url,
-            queue=queue,
-            prefix=prefix,
-            max_queue_length=max_queue_length,
-            timeout_s=timeout_s,
+            settings, redis_url=redis_url, queue=queue, prefix=options.get("prefix"),
+            max_queue_length=options.get("max_queue_length"), timeout_s=options.get("timeout_s"),
         )
-        self._core = ClientCore(self.settings, estimator, config_ttl_s, refuse_early)
-        self.client_id = self._core.new_id()
-        self._connect(max_connections)
+        self._core = ClientCore(
+            self.settings, options.get("estimator", "auto"),
+            options.get("config_ttl_s", DEFAULT_CONFIG_TTL_S), options.get("refuse_early", True),
+        )
+        self.client_id = self._core.lanes.home.new_id()
+        self._connect(options.get("max_connections"))
 
     def _connect(self, max_connections: int | None) -> None:
         """Make the Redis client(s) and the functions they call; connections open lazily."""
         raise NotImplementedError
 
     def _command(self, name: str) -> Callable[..., Any]:
-        """What a :class:`~tokenq.producer.calls.Send` named: a redis-py method, a script,
-        or :data:`~tokenq.producer.calls.DURABLE_ENQUEUE`."""
+        """What a Send named: a redis-py method, a script, or the durable enqueue."""
         if name == DURABLE_ENQUEUE:
             return self._durable_enqueue
         script = self._scripts.get(name)
@@ -69,14 +60,13 @@ class ProducerBase:
     @property
     def unreplicated(self) -> int:
         """How many requests this client's durable enqueues wrote that too few replicas
-        confirmed in time (``durable_replicas``): raised as NotReplicated by the submits,
-        logged by ``infer`` and ``infer_many``, which wait for the replies as usual."""
-        return self._core.unconfirmed_requests.count
+        confirmed in time: raised as NotReplicated by the submits, logged by the infers."""
+        return self._core.unconfirmed.count
 
     @property
     def queue(self) -> str:
         """The queue's name."""
-        return self._core.queue.name
+        return self.settings.queue
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._core.url!r}, queue={self._core.queue.name!r})"
+        return f"{type(self).__name__}({self._core.url!r}, queue={self.settings.queue!r})"

@@ -1,44 +1,40 @@
-"""The keyword options a producer's enqueueing calls take, declared once for both clients.
-
-``submit``, ``submit_many``, ``infer`` and ``infer_many`` of
-:class:`~tokenq.producer.Client` and :class:`~tokenq.producer.AsyncClient`
-all take ``**options: Unpack[...]`` of the dicts below, and
-:meth:`~tokenq.producer.prepare.Preparer.prepare` turns them into a request.
-So a new per-request option the worker reads from a request's ``opts`` map
-is one line in :class:`~tokenq.shared.request_options.WorkerOptions`: every
-enqueueing call of both clients then accepts it as a keyword and sends it in
-``opts`` under its own name (the worker validates it, see docs/PROTOCOL.md).
-
-Python checks no keyword against a ``TypedDict``, so each call first passes
-what it was given to :func:`refuse_unknown`, which raises the ``TypeError``
-a fixed signature would for a name it does not declare.
-"""
+"""The keyword options of the producer's constructors and enqueueing calls, declared once for
+both clients; a new worker option is one line in ``WorkerOptions``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
+from tokenq.producer.config import EstimatorChoice
 from tokenq.shared.request_options import WorkerOptions
+
+
+class ClientOptions(TypedDict, total=False):
+    """The keyword options of ``Client`` and ``AsyncClient`` (see ``Client``)."""
+
+    prefix: str | None
+    max_queue_length: int | None
+    timeout_s: float | None
+    estimator: EstimatorChoice
+    max_connections: int | None
+    config_ttl_s: float
+    refuse_early: bool
 
 
 class RequestOptions(WorkerOptions, total=False):
     """The keyword options of ``infer`` and ``infer_many``, and of the submits."""
 
     deadline_s: float | None
-    """When the answer stops being useful, in seconds from now; travels as ``timeout_ms``.
-
-    Counted on Redis's clock, so no producer clock skew reaches the workers.
-    ``infer`` and ``infer_many`` send what is left of their ``timeout_s``
-    when no deadline is given.
-    """
+    """When the answer stops being useful, in seconds from now; travels as ``timeout_ms``
+    (Redis's clock). ``infer`` sends what is left of its ``timeout_s`` when none is given."""
     deadline_ms: int | None
     """The same as an absolute epoch-milliseconds time, converted with this machine's clock."""
     opts: Mapping[str, Any] | None
     """The request's ``opts`` map as is: string keys, msgpack-encodable values."""
     priority: int | None
-    """Scheduling class from 0 (the default) to 9: a worker puts a higher class into its
-    next batch first, and lower classes age into the front (docs/PROTOCOL.md)."""
+    """Scheduling class from 0 (the default) to 9: a worker batches a higher class first, and
+    lower classes age into the front (docs/PROTOCOL.md)."""
 
 
 class SubmitOptions(RequestOptions, total=False):

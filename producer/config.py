@@ -1,67 +1,31 @@
-"""What a queue's config hash lets a producer decide before it enqueues anything.
-
-Every early refusal, and the choice between the exact and the heuristic
-token estimate, lives here. Workers write ``keys.config(q)`` at start
-(``max_input_tokens``, ``policy``, ``pairs``, ``tokenizer``, ...); the
-clients read it at most once per ``config_ttl_s`` and hand it to a
-:class:`ConfigCache`, so an enqueue stays one round trip. Like the rest of
-the core this module does no I/O and reads no clock: the clients pass the
-time, fetch the hash and load tokenizer files themselves (the async client
-in a thread).
-
-The rules:
-
-* No config hash (no worker has started yet), or one the producer may not
-  read: nothing is refused.
-* ``pairs=0``: a request with a ``text_pair`` is refused; the worker would
-  answer ``bad_request``.
-* ``policy=reject`` with ``max_input_tokens``: an input over the limit is
-  refused with :class:`InputTooLong` when the producer can tell. With an
-  exact count (the queue's own tokenizer) that is ``tokens > limit``, the
-  worker's own test. With the heuristic it is ``tokens > limit *
-  HEURISTIC_MARGIN``: the heuristic overestimates some texts (by up to a
-  third on the demo corpus), and refusing a request the worker would have
-  run is worse than letting a borderline one through, which the worker
-  answers with ``too_long`` a moment later.
-* ``truncate`` and ``chunk`` accept input of any length, so nothing is
-  refused for length.
-"""
+"""What a queue's config hash lets a producer refuse before it enqueues (a pair when
+``pairs=0``; past ``max_input_tokens`` under ``policy=reject``), how it counts tokens, and the
+client's copy of the hash; no I/O and no clock (docs/ESTIMATES.md)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from tokenq.producer.estimate import estimate_tokens
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode
-from tokenq.shared.queue_config import QueueConfig
-from tokenq.shared.queue_config import model_facts as model_facts  # its one home is shared
+from tokenq.shared.queue_config import QueueConfig, model_facts
+from tokenq.shared.request_options import ModelFacts
 
 log = logging.getLogger("tokenq.producer")
 
 HEURISTIC_MARGIN = 1.5
-"""The heuristic estimate must exceed the limit by this factor before the producer refuses.
-
-Measured against all-MiniLM-L6-v2's tokenizer the heuristic overestimates
-ordinary English by at most 1.33x (a short text; long ones at most 1.2x,
-docs/ESTIMATES.md); 1.5 leaves room for text unlike the corpus. Texts made
-almost only of long common words can still be overestimated more, which is
-why an exact tokenizer is preferred whenever the producer can load one.
-"""
+"""The heuristic estimate must exceed the limit by this factor before the producer refuses:
+it overestimates ordinary English by at most 1.33x (docs/ESTIMATES.md)."""
 
 AUTO_EXACT_MAX_CHARS = 50_000
-"""With ``estimator="auto"``, longer inputs get the heuristic even when a tokenizer is loaded.
-
-An exact count costs the caller's thread (the event loop, for AsyncClient)
-about 1.4 s per MiB of text against the heuristic's 0.2 s (30 ms for
-50,000 characters). 50,000 characters is about 10,000 tokens of English,
-past most models' limits: under ``reject`` the margin still refuses such an
-input for any limit up to about 7,000 tokens, and the worker's own check
-catches the rest. ``estimator="exact"`` counts everything exactly.
-"""
+"""With ``estimator="auto"``, longer inputs get the heuristic even with a tokenizer loaded:
+an exact count costs the caller about 1.4 s per MiB (docs/ESTIMATES.md)."""
 
 DEFAULT_CONFIG_TTL_S = 30.0
 """How long a read of the config hash is trusted before the next enqueue re-reads it."""
@@ -71,14 +35,18 @@ ESTIMATOR_MODES: tuple[EstimatorMode, ...] = ("auto", "heuristic", "exact")
 
 PairEstimate = Callable[[str, str | None], int]
 
+Estimator = Callable[[str], int] | Callable[[str, str | None], int]
+"""Token estimator: ``f(text)`` or ``f(text, text_pair)``; one with ``exact = True`` is
+compared with the queue's limit without the heuristic's margin."""
+
+EstimatorChoice = EstimatorMode | Estimator | None
+"""A client's ``estimator=``: a mode (None: ``"auto"``) or a callable."""
+
 
 class InputTooLong(BadRequest):
-    """An input is over the queue's ``max_input_tokens`` and the queue rejects such input.
-
-    Raised before enqueueing, so nothing was written. The worker would have
-    answered ``too_long`` (``code``). ``exact`` says whether ``tokens`` is
-    the queue tokenizer's count or the heuristic's estimate.
-    """
+    """An input is over the queue's ``max_input_tokens`` and the queue rejects such input. Raised
+    before enqueueing (nothing was written); the worker would answer ``too_long``. ``exact``:
+    whether ``tokens`` is the queue tokenizer's count or the heuristic's."""
 
     code = ErrorCode.TOO_LONG.value
 
@@ -114,7 +82,7 @@ class Estimating:
     exact_problem: str | None = None
     """Why there is no exact count, when ``estimator="exact"`` asked for one."""
     exact_max_chars: int | None = None
-    """Inputs longer than this are estimated with the heuristic (see AUTO_EXACT_MAX_CHARS)."""
+    """Inputs longer than this are estimated with the heuristic (AUTO_EXACT_MAX_CHARS)."""
 
     def for_length(self, chars: int) -> Estimating:
         """This view, or the heuristic one for an input too long to count exactly here."""
@@ -135,11 +103,7 @@ class Estimating:
         truncate: bool | None = None, param: str = "text",
     ) -> None:
         """Refuse what the worker would refuse, when the producer can tell (see the module).
-
-        ``truncate`` is the request's own option, which overrides the queue's
-        policy: true is never refused for length, false is on a truncate queue.
-        ``param`` names the argument the input came in (``text``, ``texts``).
-        """
+        ``truncate``, the request's own option, overrides the queue's policy (but ``chunk``)."""
         config = self.config
         if config is None:
             return
@@ -164,70 +128,87 @@ class Estimating:
 
 @dataclass
 class ConfigCache:
-    """The last config read, the estimator it selects, and when to read again.
+    """One client's copy of the config hash, the estimator it selects, and when to read again.
 
-    ``mode`` is the client's ``estimator`` choice: ``auto`` counts exactly
-    when the config names a tokenizer the producer can load and falls back
-    to the heuristic otherwise; ``heuristic`` never loads one; ``exact``
-    refuses to enqueue without one. A caller's own estimator (``custom``)
-    is exact only if it says so with an ``exact = True`` attribute.
-    Tokenizer loads are remembered per path (success or failure), so a
-    refresh never reloads a file and a bad path is tried once.
+    ``mode``: ``auto`` counts exactly when the config names a tokenizer the producer can load,
+    ``heuristic`` never loads one, ``exact`` refuses to enqueue without one, ``custom`` is the
+    caller's estimator. Tokenizer loads are remembered per path, success or failure. Changes
+    are made whole under a lock: callers and the tokenizer's loader change it.
     """
 
     mode: EstimatorMode | Literal["custom"]
     custom: PairEstimate | None = None
     custom_exact: bool = False
     ttl_s: float = DEFAULT_CONFIG_TTL_S
+    key: str = ""
+    """The config hash's key, named when it cannot be read."""
     _read_at: float | None = field(default=None, init=False)
     _pending_at: float | None = field(default=None, init=False)
     _loaded: dict[str, PairEstimate | str] = field(default_factory=dict, init=False)
     _view: Estimating | None = field(default=None, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _warned: bool = field(default=False, init=False)
+    _facts_of: tuple[QueueConfig | None, ModelFacts] | None = field(default=None, init=False)
 
     def due(self, now_s: float) -> bool:
-        """Whether the next enqueue should read the config hash first."""
+        """Whether the next enqueue should read the config hash first (monotonic ``now_s``)."""
         return self._read_at is None or now_s - self._read_at >= self.ttl_s
 
     def take(self, fields: Mapping[str, str] | None, now_s: float) -> str | None:
-        """Adopt a fresh read (None: unreadable, treated as missing).
-
-        Returns the path of a tokenizer the client should load and hand to
-        :meth:`take_tokenizer` before the next request, or None. Until it
-        does, the read does not count (:meth:`due` stays true), so a load
-        cut short by a cancelled caller is redone by the next one.
-        """
+        """Adopt a fresh read (None: unreadable); the path of a tokenizer to load, or None. Until
+        :meth:`take_tokenizer` has that path the read does not count (:meth:`due` stays true), so a
+        load cut short by a cancelled caller is redone by the next one."""
         config = QueueConfig.parse(fields or {})
         path = config.tokenizer if config is not None else None
-        wants_tokenizer = self.mode in ("auto", "exact") and path is not None
-        if wants_tokenizer and path not in self._loaded:
-            self._view = self._select(config, None)
-            self._pending_at = now_s
-            return path
-        self._view = self._select(config, self._loaded.get(path) if path else None)
-        self._read_at = now_s
-        return None
+        with self._lock:
+            if self.mode in ("auto", "exact") and path is not None and path not in self._loaded:
+                self._view = self._select(config, None)
+                self._pending_at = now_s
+                return path
+            self._view = self._select(config, self._loaded.get(path) if path else None)
+            self._read_at = now_s
+            return None
 
-    def take_tokenizer(self, path: str, loaded: PairEstimate | str) -> None:
-        """Adopt the result of loading ``path``: an estimator, or why it failed."""
-        self._loaded[path] = loaded
+    def take_tokenizer(self, path: str, loaded: PairEstimate | str | BaseException) -> None:
+        """Adopt the result of loading ``path``: an estimator, or why (or how) it failed."""
+        if isinstance(loaded, BaseException):
+            loaded = f"cannot load {path}: {loaded}"
         if isinstance(loaded, str):
-            log.debug(
-                "tokenizer %s named by the queue config is unusable (%s); "
-                "using the heuristic estimate",
-                path,
-                loaded,
-            )
-        view = self._view
-        if view is not None and view.config is not None and view.config.tokenizer == path:
-            self._view = self._select(view.config, loaded)
-            if self._pending_at is not None:
-                self._read_at, self._pending_at = self._pending_at, None
+            log.debug("tokenizer %s named by the queue config is unusable (%s); "
+                      "using the heuristic estimate", path, loaded)
+        with self._lock:
+            self._loaded[path] = loaded
+            view = self._view
+            if view is not None and view.config is not None and view.config.tokenizer == path:
+                self._view = self._select(view.config, loaded)
+                if self._pending_at is not None:
+                    self._read_at, self._pending_at = self._pending_at, None
+
+    def unreadable(self, error: Exception, now_s: float) -> None:
+        """Carry on without early checks when Redis refuses the read (an ACL, a wrong type):
+        a producer's minimal ACL need not allow it (docs/PROTOCOL.md); warned once."""
+        level = logging.DEBUG if self._warned else logging.WARNING
+        log.log(level, "cannot read %s (%s); enqueueing without early checks", self.key, error)
+        self._warned = True
+        self.take(None, now_s)
 
     def current(self) -> Estimating:
         """The view a request is estimated and checked with."""
         if self._view is None:
             self._view = self._select(None, None)
         return self._view
+
+    def config(self) -> QueueConfig | None:
+        """The config hash last read (None: none, or none readable)."""
+        return self.current().config
+
+    def facts(self) -> ModelFacts:
+        """What the config says of the model, made once per config read."""
+        config = self.config()
+        made = self._facts_of
+        if made is None or made[0] is not config:
+            made = self._facts_of = (config, model_facts(config))
+        return made[1]
 
     def _select(self, config: QueueConfig | None, loaded: PairEstimate | str | None) -> Estimating:
         if self.mode == "custom" and self.custom is not None:
@@ -244,3 +225,56 @@ class ConfigCache:
             else:
                 problem = loaded if isinstance(loaded, str) else "the tokenizer is not loaded yet"
         return Estimating(estimate_tokens, False, config, problem)
+
+
+def config_cache(estimator: EstimatorChoice, config_ttl_s: float, key: str = "") -> ConfigCache:
+    """The config cache for a client's ``estimator=`` and ``config_ttl_s=`` arguments."""
+    if isinstance(config_ttl_s, bool) or not isinstance(config_ttl_s, (int, float)):
+        raise BadRequest(f"config_ttl_s must be a number of seconds, got {config_ttl_s!r}",
+                         param="config_ttl_s")
+    if not math.isfinite(config_ttl_s) or config_ttl_s < 0:
+        raise BadRequest(f"config_ttl_s must be a finite number >= 0, got {config_ttl_s!r}",
+                         param="config_ttl_s")
+    ttl_s = float(config_ttl_s)
+    if estimator is None:
+        return ConfigCache("auto", ttl_s=ttl_s, key=key)
+    if isinstance(estimator, str):
+        if estimator not in ESTIMATOR_MODES:
+            raise BadRequest(
+                f"estimator must be one of {', '.join(map(repr, ESTIMATOR_MODES))} "
+                f"or a callable, got {estimator!r}",
+                param="estimator",
+            )
+        return ConfigCache(estimator, ttl_s=ttl_s, key=key)  # type: ignore[arg-type]
+    if not callable(estimator):
+        raise BadRequest(f"estimator must be a mode name or a callable, got {estimator!r}",
+                         param="estimator")
+    exact = getattr(estimator, "exact", False) is True
+    return ConfigCache("custom", _pair_aware(estimator), exact, ttl_s, key)
+
+
+def _pair_aware(estimator: Estimator) -> PairEstimate:
+    """``estimator`` callable as ``f(text, text_pair)``; a one-argument one counts each text
+    and the sums are added (it cannot know the pair's extra separator)."""
+    try:
+        params = inspect.signature(estimator).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature
+        return lambda text, pair: estimator(text)  # type: ignore[call-arg]
+    positional = [
+        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return estimator  # type: ignore[return-value]
+
+    def one_at_a_time(text: str, pair: str | None) -> int:
+        total = estimator(text)  # type: ignore[call-arg]
+        return total if pair is None else total + estimator(pair)  # type: ignore[call-arg]
+
+    return one_at_a_time
+
+
+def decode_config(raw: Mapping[bytes, bytes]) -> dict[str, str]:
+    """The config hash as text (undecodable bytes replaced, never an exception)."""
+    return {
+        k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()
+    }

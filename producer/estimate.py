@@ -1,67 +1,6 @@
-"""A fast, dependency-free guess of how many tokens a text will cost.
-
-Why a guess at all: the producer runs in a web backend that must not load a
-tokenizer (no torch, no transformers, no 500 MB of vocabulary per process),
-yet the worker wants a token count with every request so it can read "about
-four budgets of estimated tokens ahead" without tokenizing what it may never
-run. The worker tokenizes exactly before packing, so this number only steers
-read-ahead; it must be cheap, roughly right, and never zero.
-
-The rules follow what BERT's WordPiece tokenizer (the family most embedding
-and reranking models use) does to text, calibrated against
-``bert-base-uncased``:
-
-* **CJK** ideographs, kana and hangul: BERT's basic tokenizer puts spaces
-  around every CJK ideograph, so each becomes its own token; kana and hangul
-  syllables come out at about one token per character in multilingual
-  vocabularies too. One token each.
-* **Latin words** (accents included): common words are one vocabulary
-  entry; long, rare words split into a stem and ``##`` suffixes of several
-  characters each. One token per word plus one per further 7 characters
-  (``tokenization`` -> 2).
-* **Other letters** (Cyrillic, Greek, Arabic, Hebrew, Indic, Thai, ...):
-  vocabularies hold far fewer whole words of these scripts, so pieces are
-  shorter: one token plus one per further 3 characters.
-* **Digits**: numbers split into pieces of a few digits: one plus one per
-  further 4 digits.
-* **Punctuation**: the basic tokenizer splits every punctuation character
-  (all ASCII punctuation and symbols, and Unicode's ``P*`` categories) off
-  as its own token. One token each.
-* **Other symbols** (emoji, box drawing, arrows, currency signs outside
-  ASCII): these are *not* split off, so a glued run such as ``😀😀😀`` or
-  ``╭───╮`` is one word, which WordPiece turns into a single ``[UNK]`` when
-  any piece is missing from the vocabulary (or one piece per symbol when
-  all are present). One token per run: counting each symbol made CLI help
-  text with box drawing come out at 3-4x the real count, enough to
-  refuse a request the worker would accept (see docs/ESTIMATES.md).
-  Control and format characters (zero-width joiners) are dropped, as BERT's
-  text cleaning drops them.
-* **Very long words**: WordPiece gives up on a word over 100 characters and
-  emits one ``[UNK]``; a letter or digit run that long (a hash, a blob)
-  counts 1.
-* **Special tokens**: ``[CLS] ... [SEP]`` adds 2; a pair adds a second
-  ``[SEP]``, so 3.
-
-How it counts, fast: no Python code runs per character, nor per word but,
-in a text with letters of non-Latin scripts, to find the words that hold
-them. Each view of a text (its Latin letters, its digits) is one
-``bytes.translate`` of its bytes (UTF-8, or one ``?`` a character when it
-is mostly CJK), and words are counted by deleting every group of 7 letters
-(4 digits) with ``bytes.replace`` and counting the groups deleted and the
-words left with ``bytes.count``; deleting the rest of ASCII leaves the
-one-token characters (punctuation, CJK). Characters no byte table can see
-as they are (an ``ã``, a ``〇``, an emoji) are looked for in that short
-remainder, not in the text, and each distinct one is replaced all through
-the text by an ASCII stand-in of its class (``str.replace``). A text with
-more than 32 distinct ones (Russian, Greek, Hindi prose) is instead mapped
-to a string of one-letter classes first (one ``str.translate`` through a
-cached table, the slowest path). On the benchmark's seed mix this costs a
-quarter of what counting word lengths did, and a ``〇`` beside Chinese no
-longer makes a text five times dearer (docs/ESTIMATES.md). The rules
-themselves are checked word by word against every path in the tests. A
-caller whose model tokenizes very differently (a SentencePiece model, a
-byte-level BPE) plugs its own estimator into the client.
-"""
+"""A fast, dependency-free token count by BERT WordPiece's rules (docs/ESTIMATES.md): CJK and
+punctuation one a character; a word one plus one per further 7 letters (3 in other scripts, 4
+digits); a glued symbol run one; with no Python per character (``bytes.translate`` views)."""
 
 from __future__ import annotations
 
@@ -113,11 +52,7 @@ _DIGIT_PIECE = 4
 
 
 def estimate_tokens(text: str, text_pair: str | None = None) -> int:
-    """Estimated token count of ``text`` (and ``text_pair``), special tokens included.
-
-    Pure and deterministic; see the module docstring for why each rule is
-    what it is. Always at least the number of special tokens.
-    """
+    """Estimated token count of ``text`` (and ``text_pair``), special tokens included."""
     total = _count(text)
     if text_pair is None:
         return total + SPECIAL_TOKENS
@@ -142,11 +77,8 @@ def _count(text: str) -> int:
 
 
 class _Views(NamedTuple):
-    """``bytes.translate`` tables that turn one alphabet into the runs the rules count.
-
-    Each table maps the bytes of its kind to one letter and every other byte
-    to a space, so that a run of that letter is a word of that kind.
-    """
+    """``bytes.translate`` tables mapping the bytes of one kind to a letter and every other
+    byte to a space, so that a run of that letter is a word of that kind."""
 
     latin: bytes
     """Latin letters to ``a``: letters of other scripts end a run here."""
@@ -177,9 +109,8 @@ _NOT_ONE_EACH = bytes(c for c in range(0x80) if c not in _PUNCTUATION)
 (ASCII punctuation) and the non-ASCII characters whole."""
 _ASCII_LETTERS = bytes(range(ord("a"), ord("z") + 1)) + bytes(range(ord("A"), ord("Z") + 1))
 
-# Stand-ins for the classes of characters that ASCII has no example of. They
-# are control characters, which the rules count as spaces, so a text holding
-# one already cannot use them (it takes the class path instead).
+# Stand-ins for the classes ASCII has no example of: control characters, which the rules
+# count as spaces (a text holding one takes the class path instead).
 _OTHER_LETTER = "\x01"
 _SYMBOL = "\x02"
 _INVISIBLE = "\x03"
@@ -187,9 +118,8 @@ _STAND_INS = {
     "a": "a", "0": "0", " ": " ", "p": "!", "c": "!",
     "o": _OTHER_LETTER, "s": _SYMBOL, "x": _INVISIBLE,
 }
-"""ASCII stand-in of each class of :class:`_Classes` but ``D``, a letter that is
-also a digit: its stand-in would have to be a digit in the digit view, which
-every text shares and where control characters are spaces."""
+"""ASCII stand-in of each class of :class:`_Classes` but ``D`` (a letter that is also a
+digit, which no control character can stand in for in the digit view)."""
 _CONTROL_STAND_INS = (_OTHER_LETTER, _SYMBOL, _INVISIBLE)
 
 _TEXT_VIEWS = _Views(
@@ -214,27 +144,16 @@ _CLASS_VIEWS = _Views(
 """Views of a class string (see :class:`_Classes`)."""
 
 _MAX_STAND_INS = 32
-"""Most distinct characters a text may have replaced by stand-ins; past it, the
-class path. Each costs about two passes over the text, so stand-ins cost as
-much as the class string at about 50 distinct characters of 6,000 (measured
-on Cyrillic words); at 32, French, Portuguese and Vietnamese prose come out
-4-6x cheaper than through the class string, and a text past the bound (Russian,
-Greek, Hindi prose) pays about a third more than the class path alone for
-having looked."""
+"""Most distinct characters a text may have replaced by stand-ins (two passes each); past
+it, the class path, which costs as much at about 50 (docs/ESTIMATES.md)."""
 
 
 def _count_standing_in(text: str, haystack: str) -> int:
     """:func:`_count` of a text that may hold characters the byte views cannot see as they are.
 
-    ``haystack`` holds every non-ASCII character of ``text`` (it is the text,
-    or just those and ASCII punctuation). Each distinct character outside
-    ASCII, CJK and one-token punctuation is replaced, all through the text,
-    by the ASCII stand-in of its class, and what is left outside ASCII
-    counts one token a character, like the ``?`` it is encoded as. Few
-    distinct ones (an accented name, a ``〇`` in Chinese) make a few
-    ``str.replace`` passes, far cheaper than classifying every character.
-    They are all found, in ``haystack`` (which shrinks as they go), before
-    any is replaced, so a text with too many pays for finding them only.
+    Each distinct one (found in ``haystack``, which holds every non-ASCII character of the
+    text) is replaced all through the text by the ASCII stand-in of its class; what is left
+    outside ASCII (CJK, punctuation) counts one token a character, like its ``?``.
     """
     stand_ins: dict[str, str] = {}
     found = _BEYOND_ONE_EACH.search(haystack)
@@ -274,16 +193,10 @@ def _count_classes(text: str) -> int:
 def _tally(
     data: bytes, views: _Views, one_each: int, *, other: bool = False, symbols: bool = False,
 ) -> int:
-    """Tokens of a text given as ``data`` in the alphabet of ``views``.
-
-    ``one_each`` is the number of characters that are one token each (CJK,
-    punctuation); ``other`` says whether there are letters of non-Latin
-    scripts, ``symbols`` whether there are symbols, so that a text without
-    them skips their passes.
-    """
+    """Tokens of a text given as ``data`` in the alphabet of ``views``; ``one_each``: its
+    one-token characters; ``other``, ``symbols``: whether their passes are needed."""
     tokens = one_each + _run_tokens(data.translate(views.latin), _LATIN_PIECE)
-    # Numbers are sparse: most texts have none (one deletion says so), and the
-    # rest are joined first and counted on a short string.
+    # Most texts have no number (one deletion says so); numbers are counted joined.
     if data.translate(None, views.not_digits):
         tokens += _run_tokens(b" ".join(data.translate(views.digits).split()), _DIGIT_PIECE)
     if other:
@@ -297,16 +210,9 @@ _TOO_LONG = b"a" * (_MAX_WORD_CHARS + 1)
 
 
 def _run_tokens(runs: bytes, piece: int) -> int:
-    """Tokens of the runs of ``a`` in ``runs`` (every other byte a space) as words that
-    split into a first piece and one per further ``piece`` characters.
-
-    A word of n letters is ceil(n / piece) tokens. Deleting every group of
-    ``piece`` letters (``bytes.replace``, left to right) leaves each word's
-    remainder, so the groups deleted plus the runs left is the count: no
-    Python per word, and no word objects (splitting into words and counting
-    their lengths cost twice as much). A text with a word over the WordPiece
-    limit (rare: a hash, a blob) is counted word by word instead.
-    """
+    """Tokens of the runs of ``a`` in ``runs`` as words of ceil(n / ``piece``) tokens: the
+    groups of ``piece`` letters deleted plus the runs left (no Python per word). A text with
+    a word over the WordPiece limit is counted word by word instead."""
     if _TOO_LONG in runs:
         return _pieces(runs.split(), piece)
     rest = runs.replace(b"a" * piece, b"")
@@ -315,19 +221,13 @@ def _run_tokens(runs: bytes, piece: int) -> int:
 
 
 _FEW_OTHER_LETTERS = 16
-"""Up to this many letters of other scripts, their words are found from each
-letter (Python per such word); past it, by splitting the text into words (C
-per word of the text), cheaper once such words are many."""
+"""Up to this many letters of other scripts, their words are found from each letter;
+past it, by splitting the text into words."""
 
 
 def _other_script_tokens(scripts: bytes) -> int:
-    """What words holding letters of non-Latin scripts add to the Latin count.
-
-    ``scripts`` shows Latin letters as ``a`` and others as ``o``. Such a word
-    costs one token per 3 characters, not 7, over its whole length, while
-    the Latin count (which sees ``o`` as a space) counted its Latin
-    fragments: this is the difference.
-    """
+    """What words holding letters of non-Latin scripts (``o``; Latin ``a``) add to the Latin
+    count: a token per 3 characters of the whole word, less what its Latin fragments got."""
     if scripts.count(b"o") > _FEW_OTHER_LETTERS:
         words = [word for word in scripts.split() if _O in word]
     else:
@@ -356,11 +256,8 @@ def _words_around(runs: bytes, letter: bytes) -> Iterable[bytes]:
 
 
 def _pieces(words: Sequence[bytes], piece: int) -> int:
-    """Tokens of words that split into a first piece and one per further ``piece`` characters.
-
-    A word over :data:`_MAX_WORD_CHARS` is one ``[UNK]``. Python per word, so
-    only for the rare text with such a word (see :func:`_run_tokens`).
-    """
+    """Tokens of words of one piece and one per further ``piece`` characters, one ``[UNK]``
+    past :data:`_MAX_WORD_CHARS`."""
     return sum(
         1 if length > _MAX_WORD_CHARS else 1 + (length - 1) // piece
         for length in map(len, words)
@@ -368,16 +265,9 @@ def _pieces(words: Sequence[bytes], piece: int) -> int:
 
 
 class _Classes(dict[int, str]):
-    """Code point -> its one-letter class under the rules, computed once per character.
-
-    ``c`` CJK; ``a`` a letter (or mark) of the Latin range, ``o`` of another
-    script, ``D`` such a letter that is also a decimal digit (Devanagari,
-    Thai: the rules count it as both); ``0`` a digit; ``p`` punctuation (one
-    token each); ``s`` a symbol (glued runs count once); ``x`` a control or
-    format character (dropped: it ends words but not a glued run); `` ``
-    anything else (spaces, ``_``). Bounded, so hostile text cannot grow it
-    without end; past the bound a character is classified each time.
-    """
+    """Code point -> its one-letter class, computed once per character (bounded). ``c`` CJK; ``a`` a
+    Latin letter (or mark), ``o`` another script's, ``D`` one that is also a digit; ``0`` a digit;
+    ``p`` punctuation; ``s`` a symbol; ``x`` a control or format character; `` `` anything else."""
 
     LIMIT = 1 << 16
 
@@ -410,12 +300,8 @@ _CLASSES = _Classes()
 
 
 def _one_token_punctuation() -> str:
-    """Non-ASCII punctuation (``P*``) of the common blocks, as a character-class body.
-
-    Each such character is split off as one token and ends any word it
-    touches, exactly like a CJK character, so the byte tables need no stand-in
-    for it.
-    """
+    """Non-ASCII punctuation (``P*``) of the common blocks, as a character-class body: one
+    token each that ends any word it touches, like a CJK character."""
     blocks = [(0x00A0, 0x00FF), (0x2000, 0x206F), (0x3000, 0x303F), (0xFE30, 0xFE4F),
               (0xFF00, 0xFFEF)]
     chars = [

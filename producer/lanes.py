@@ -1,17 +1,5 @@
-"""Request ids and the streams a producer writes to: one :class:`Lane` per shard.
-
-A queue's lanes are its shards ``{q:0}`` … ``{q:K-1}`` and the plain
-``{q}`` (:mod:`tokenq.producer.shards` says how many there are and which one
-a call takes). Everything that differs between two lanes of one client is in
-its :class:`Lane`, made by :func:`lane_of` alone: the keys it writes and the
-namespace its ids and reply keys live in. Everything else (settings, config,
-tokenizer, shard choice) is the client's, shared by all its lanes, so no
-per-shard field can be forgotten when a lane is made.
-
-An id on shard ``k`` reads ``k.<32 hex digits>`` (:func:`keys.id_on_shard`), so
-the id alone leads any process to its reply key; :class:`Lanes` turns ids
-back into the lane whose reply namespace holds them.
-"""
+"""Request ids and the streams a producer writes to: one :class:`Lane` per shard, all that differs
+between shards; an id on shard ``k`` reads ``k.<32 hex digits>``."""
 
 from __future__ import annotations
 
@@ -31,17 +19,9 @@ _IDS_PER_DRAW = 256
 
 
 class _IdSource:
-    """Fresh uuid4 hex ids, drawn from the OS in blocks.
-
-    Why blocks: an id is made once per request, and one
-    ``os.urandom`` call per id would be a system call per request; one per 256
-    costs the same randomness (every id is still 122 random bits from the
-    OS's CSPRNG, never derived from another). Safe across threads: each id
-    leaves the block by one ``list.pop``, atomic under the GIL, and a block
-    two threads refill at once only wastes one. Safe across ``fork``: a
-    child drops the block it inherited (``os.register_at_fork``), else
-    parent and child would hand out the same ids.
-    """
+    """Fresh uuid4 hex ids, drawn from the OS in blocks: one system call per 256 ids. Thread-safe
+    (each id leaves by one atomic ``list.pop``); a forked child drops the block it inherited, else
+    parent and child would hand out the same ids."""
 
     def __init__(self) -> None:
         self._block: list[str] = []
@@ -59,15 +39,14 @@ class _IdSource:
 
 
 def _draw(n: int) -> list[str]:
-    """``n`` ids, ``uuid.uuid4().hex`` digit for digit (RFC 4122 variant and version 4
-    bits), without the UUID objects."""
+    """``n`` ids, ``uuid.uuid4().hex`` digit for digit, without the UUID objects."""
     raw, from_bytes = os.urandom(16 * n), int.from_bytes
     return ["%032x" % (from_bytes(raw[at:at + 16], "big") & _UUID4_CLEAR | _UUID4_SET)
             for at in range(0, 16 * n, 16)]
 
 
 uuid4_hex = _IdSource().next
-"""A fresh id: 32 hex digits of uuid4 (:class:`_IdSource`)."""
+"""A fresh id: 32 hex digits of uuid4."""
 
 
 def check_ids(request_ids: Sequence[str]) -> None:
@@ -84,10 +63,9 @@ def check_ids(request_ids: Sequence[str]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Lane:
-    """One stream a client writes to (a shard, or the plain queue): all that is per shard."""
+    """One stream a client writes to: a shard, or the plain queue ``{q}`` (``shard`` None)."""
 
     shard: int | None
-    """The shard; None for the plain queue ``{q}``."""
     queue: keys.QueueRef
     stream_key: str
     workers_key: str
@@ -102,17 +80,15 @@ class Lane:
 
 
 def lane_of(queue: keys.QueueRef, shard: int | None) -> Lane:
-    """The lane of ``queue`` for ``shard`` (None: the plain ``{q}``); the one place one is made."""
+    """The lane of ``queue`` for ``shard`` (None: the plain ``{q}``)."""
     on = keys.QueueRef(queue.name, queue.prefix, shard)
     return Lane(shard, on, keys.requests(on), keys.workers(on))
 
 
 class Lanes:
-    """A client's lanes, made once each, and which lane an id's reply is on.
-
-    ``config`` gives the config hash the client last read (None: none), which
-    names the workers' shard count unless ``wanted`` (``settings.shards``) does.
-    """
+    """A client's lanes, made once each, and which lane an id's reply is on. ``config`` gives the
+    config hash last read (None: none), whose shard count counts unless ``wanted``
+    (``settings.shards``) names one."""
 
     def __init__(
         self, queue: keys.QueueRef, wanted: int | None,
@@ -121,14 +97,15 @@ class Lanes:
         self._queue = queue
         self._wanted = wanted
         self._config = config
-        self._made: dict[int | None, Lane] = {None: lane_of(queue, None)}
+        self.home = lane_of(queue, None)
+        """The plain ``{q}``: where an unsharded queue's requests go."""
+        self._made: dict[int | None, Lane] = {None: self.home}
 
     def count(self) -> int:
-        """The queue's shard count as this client knows it (see :mod:`.shards`)."""
+        """The queue's shard count as this client knows it (:func:`.shards.shard_count`)."""
         return shard_count(self._wanted, self._config(), self._queue.name)
 
     def lane(self, shard: int | None) -> Lane:
-        """The lane that writes to ``shard`` (None: the plain ``{q}``)."""
         made = self._made.get(shard)
         if made is None:
             made = self._made.setdefault(shard, lane_of(self._queue, shard))
@@ -138,18 +115,13 @@ class Lanes:
         """Every stream the queue's workers read: the shards, then the plain ``{q}``."""
         count = self.count()
         if count == 1:
-            return [self.lane(None)]
-        return [*(self.lane(k) for k in range(count)), self.lane(None)]
+            return [self.home]
+        return [*(self.lane(k) for k in range(count)), self.home]
 
     def shard_of_id(self, request_id: str, retired: Collection[int] = ()) -> int | None:
-        """The shard whose reply namespace ``request_id``'s reply lands in; None: ``{q}``.
-
-        An id ``k.<unique>`` names shard ``k`` only where the queue has one:
-        one of its K shards now, or one of the ``retired`` shards (it had it,
-        and answers its requests there while it drains). Anywhere else it is
-        a plain id of ``{q}``: on a queue of one shard ``7.order-42`` is just
-        an id a producer in another language chose (docs/PROTOCOL.md, "K = 1").
-        """
+        """The shard whose reply namespace holds ``request_id``'s reply; None: ``{q}``.
+        ``k.<unique>`` names shard ``k`` only where the queue has it now or had it (``retired``);
+        elsewhere it is a plain id another producer chose (docs/PROTOCOL.md, "K = 1")."""
         shard = keys.shard_in_id(request_id)
         if shard is None:
             return None
@@ -165,9 +137,7 @@ class Lanes:
     def reply_keys(
         self, request_ids: Sequence[str], retired: Collection[int] = ()
     ) -> dict[int | None, dict[str, str]]:
-        """Reply key -> request id for ids the caller wants to fetch, checked first, by the
-        shard each id's reply is on (:meth:`shard_of_id`; None: the plain queue)."""
-        check_ids(request_ids)
+        """Reply key -> request id, by the shard each (checked) id's reply is on."""
         by_shard: dict[int | None, dict[str, str]] = {}
         for request_id in request_ids:
             lane = self.lane(self.shard_of_id(request_id, retired))

@@ -1,29 +1,6 @@
-"""What must run on one node's connection in a Redis Cluster: the durable enqueue.
-
-``WAIT`` counts the replicas that have the writes *of its own connection*,
-so it must follow the enqueue script on the connection that ran it. A
-cluster client routes each command of a pipeline by its keys, and ``WAIT``
-has none; so the durable enqueue goes through a plain client of the node
-that owns the shard's slot, made from the cluster's own connection settings
-(timeouts, retries, the caller-deadline hooks).
-
-A plain client bypasses the cluster client's routing, and with it the
-cluster client's own reaction to a failover (it re-reads the topology when
-one of *its* commands fails), so :func:`run_pinned` reacts for it:
-
-* ``MOVED`` (the slot has a new owner): the topology is re-read and the
-  enqueue tried once more on the new owner; a second ``MOVED`` is reported
-  as Redis being unreachable, which the call's retries handle;
-* a connection that fails or times out (the owner died, or is frozen): the
-  topology is re-read too, and the enqueue tried once more if the slot has
-  a new owner by then; otherwise the error goes to the caller's retries,
-  whose next try starts from the fresh topology. Without this a producer
-  kept the dead node as the slot's owner for good and every durable
-  enqueue to that shard failed after the failover
-  (``tests/faults/test_cluster.py::test_a_cluster_master_killed_under_load_…``).
-
-For a client that is not a cluster client the operation runs once, on it.
-"""
+"""The durable enqueue pinned to one Cluster node: ``WAIT`` counts its own connection's writes
+and has no key to route by, so it runs on a plain client of the slot's owner, following a
+failover once (:func:`run_pinned`)."""
 
 from __future__ import annotations
 
@@ -37,8 +14,6 @@ import redis.asyncio
 T = TypeVar("T")
 
 _LOST = (redis.ConnectionError, redis.TimeoutError)
-"""What a command on a dead or frozen node raises."""
-
 _UNREAD = (redis.RedisError, redis.exceptions.RedisClusterException)
 """What re-reading the topology raises when no node answers (the first error then stands)."""
 
@@ -48,7 +23,8 @@ def _moved_twice() -> redis.ConnectionError:
 
 
 def run_pinned(client: Any, key: str, operation: Callable[[Any], T]) -> T:
-    """``operation`` on the client of the node owning ``key``, following a failover once."""
+    """``operation`` on the client of the node owning ``key``, following a failover once; on
+    a client that is not a cluster's, once on it."""
     resolve = getattr(client, "resolve", None)  # a LazyCluster: the RedisCluster it stands for
     if resolve is not None:
         client = resolve()

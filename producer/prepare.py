@@ -1,16 +1,5 @@
-"""Turning what a caller passed into requests the enqueue script writes: every early refusal.
-
-:class:`Preparer` checks each argument of an enqueueing call where the
-worker would refuse it (texts, pairs, sizes, deadlines, priority,
-``reply_to``, ``opts`` and the worker options, the token estimate and, as
-far as the config hash tells, the queue's length limit), and builds each
-request's stream fields (:func:`tokenq.shared.wire.encode_request`). A
-refusal is a :class:`BadRequest` whose ``param`` names the argument at
-fault (``text``, ``texts``, ``text_pair``, ``deadline_s``, an option's
-name), so a caller never reads it out of the message. No I/O, no clock: the
-time comes in as ``now_ms``; the lane a call writes to (its ids and reply
-keys) as a :class:`~tokenq.producer.lanes.Lane`.
-"""
+"""A call's arguments into the requests the enqueue script writes: every early refusal, as a
+:class:`BadRequest` naming the argument. No I/O, no clock (``now_ms`` comes in)."""
 
 from __future__ import annotations
 
@@ -20,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenq.producer.call_options import SubmitOptions, worker_options
-from tokenq.producer.config_state import ConfigState
+from tokenq.producer.config import ConfigCache
 from tokenq.producer.deadline import check_seconds
 from tokenq.producer.lanes import Lane, check_ids
 from tokenq.shared import keys, wire
@@ -49,14 +38,13 @@ class Prepared:
     reply_to: str
     fields: dict[str, str | bytes]
     named: bool = False
-    """Whether the caller chose the id (``unique``): such a request is remembered by its
-    own seen key, since a retry may come in another call; a fresh id only ever comes
-    again in the very call that made it, which one key for the call remembers."""
+    """Whether the caller chose the id (``unique``): its retry may come in another call, so
+    it gets a seen key of its own; fresh ids share one key for the call."""
 
 
 @dataclass(frozen=True, slots=True)
 class CallOptions:
-    """The parts of a request that one call's options decide for all its requests."""
+    """What one call's options decide for all its requests."""
 
     reply_to: str | None
     timeout_ms: int | None
@@ -65,7 +53,6 @@ class CallOptions:
     prompt: str = ""
     """The prompt the worker will put before each text, as far as the config says."""
     truncate: bool | None = None
-    """The request's ``truncate`` option, which decides what the early length check does."""
 
 
 def utf8_size(text: str) -> int:
@@ -76,12 +63,8 @@ def utf8_size(text: str) -> int:
 def infer_deadline(
     remaining_s: float, deadline_s: float | None, deadline_ms: int | None
 ) -> tuple[float | None, int | None]:
-    """An infer call's deadline: the caller's own, else the rest of its timeout.
-
-    Nobody waits for the answer after the timeout, so no worker should
-    spend device time on it later. (A timeout longer than the protocol's
-    largest ``timeout_ms`` is sent as that largest value.)
-    """
+    """An infer call's deadline: the caller's own, else the rest of its timeout (capped at
+    the protocol's largest), so no worker spends device time on an answer nobody awaits."""
     if deadline_s is None and deadline_ms is None:
         ceiling = wire.MAX_TIMEOUT_MS / 1000
         return min(max(remaining_s, 0.001), ceiling), None
@@ -89,13 +72,8 @@ def infer_deadline(
 
 
 def timeout_ms(deadline_s: float | None, deadline_ms: int | None, now_ms: int) -> int | None:
-    """The relative ``timeout_ms`` field from a relative or an absolute deadline.
-
-    ``timeout_ms`` counts from the entry's stream id, which Redis stamps
-    with its own clock, so no producer's clock skew reaches the workers.
-    An absolute ``deadline_ms`` is turned into one with the caller's own
-    clock (``now_ms``), the only place that clock is used.
-    """
+    """The relative ``timeout_ms`` field (counted on Redis's clock from the entry's id) from a
+    relative or an absolute deadline; only ``deadline_ms`` uses the caller's clock."""
     if deadline_s is not None and deadline_ms is not None:
         raise BadRequest("give deadline_s (relative) or deadline_ms (absolute), not both",
                          param="deadline_ms")
@@ -182,43 +160,28 @@ def _tokens(
 
 
 class Preparer:
-    """Checks a call's arguments and builds its requests (see the module)."""
+    """Checks a call's arguments and builds its requests; ``refuse_early=False`` leaves what
+    the config says the worker would refuse to the worker."""
 
-    def __init__(self, settings: ClientSettings, config: ConfigState, refuse_early: bool) -> None:
+    def __init__(self, settings: ClientSettings, config: ConfigCache, refuse_early: bool) -> None:
         self.settings = settings
         self.config = config
         self.refuse_early = refuse_early
-        """Refuse what the config says the worker would (else the worker decides alone)."""
 
     def prepare(
-        self,
-        lane: Lane,
-        item: object,
-        *,
-        now_ms: int,
-        text_pair: object = None,
-        index: int | None = None,
+        self, lane: Lane, text: object, *, now_ms: int, text_pair: object = None,
         **options: Unpack[SubmitOptions],
     ) -> Prepared:
-        """Validate one input and build its stream fields, for ``lane``.
-
-        ``item`` is a text, or (in batches) a ``(text, text_pair)`` tuple.
-        ``index`` names the item's position in a batch in error messages.
-        ``options`` are the caller's (:class:`~tokenq.producer.call_options.SubmitOptions`);
-        ``reply_to`` defaults to the request's own reply key.
-        """
-        return self._prepare(lane, item, text_pair, index, self._call(options, now_ms))
+        """One checked request for ``lane``; ``reply_to`` defaults to its own reply key."""
+        return self._prepare(lane, text, text_pair, None, self._call(options, now_ms))
 
     def prepare_many(
         self, lane: Lane, texts: Iterable[TextItem], *, now_ms: int,
         unique: Sequence[str] | None = None, **options: Unpack[SubmitOptions],
     ) -> list[Prepared]:
-        """Validate a whole batch before anything is written (all or nothing).
-
-        ``unique``: each request's id (before its shard prefix) instead of a
-        fresh one, so a caller retrying a call names the same requests and the
-        enqueue's dedupe writes them once (the gateway's ``Idempotency-Key``).
-        """
+        """A whole batch checked before anything is written (texts or ``(text, text_pair)``).
+        ``unique``: each request's id (before its shard prefix) instead of a fresh one, so a retry
+        names the same requests and the dedupe writes them once (``Idempotency-Key``)."""
         if isinstance(texts, (str, bytes)):
             raise BadRequest(
                 "texts must be a sequence of strings, not a single string "
@@ -257,11 +220,8 @@ class Preparer:
         )
 
     def _worker_options(self, opts: Mapping[str, Any]) -> RequestOptions:
-        """The request options as the worker will read them, checked against the config.
-
-        A value the worker would refuse is a BadRequest here when ``refuse_early``
-        (the config may be stale, so without it the worker decides alone).
-        """
+        """The request options as the worker will read them; BadRequest for a value it would
+        refuse, when ``refuse_early``."""
         try:
             return parse_options(opts, self.config.facts())
         except ValueError as exc:
@@ -271,7 +231,7 @@ class Preparer:
             return NO_OPTIONS
 
     def _text(self, value: object, where: str, param: str) -> str:
-        """``value`` if the worker would take it as a text (the wire's own check)."""
+        """``value`` if the worker would take it as a text."""
         try:
             return wire.validate_text(value, where, self.settings.max_request_bytes)
         except DecodeError as exc:

@@ -1,35 +1,6 @@
-"""How the producer plugs into redis-py: no wait redis-py makes outlasts the caller.
-
-Every place tokenq hooks into redis-py lives here, for both clients. A
-client runs each command for a caller inside :func:`for_caller`, which puts
-the caller's ``time.monotonic()`` deadline in :data:`CALLER_DEADLINE` (per
-thread for ``Client``, per task for ``AsyncClient``). The hooks below read
-it:
-
-* connection classes (:class:`DeadlineTimeouts`): every socket wait, the
-  connect and the handshake included, ends by the deadline plus
-  ``DEADLINE_GRACE_S``; the sync connection also re-arms a pooled socket's
-  timeout before each command, since a socket keeps the last one set;
-* pools (:class:`DeadlinePoolWait`): waiting for a free connection ends by
-  then too;
-* retries (:class:`DeadlineRetry`, :class:`AsyncDeadlineRetry`): no retry
-  starts after the deadline and no backoff sleeps past it.
-
-The URL (:mod:`tokenq.shared.redis_url`) picks the client: a single server
-(``redis://``, ``rediss://``, ``unix://``), a ``RedisCluster``
-(``redis+cluster://``) or a Sentinel-watched master (``redis+sentinel://``),
-all built by :mod:`tokenq.shared.redis_client`; this module only hands it the
-hooks (:data:`SYNC_HOOKS`, :data:`ASYNC_HOOKS`), which sit in all three: in a
-cluster the node pools are built from the bounded classes, and the cluster's
-own retry loop (which re-reads the topology instead of backing off) stops at
-the deadline (:class:`ClusterDeadlineRetry`); behind Sentinel the managed
-connections are bounded and so are the sentinels' own.
-
-A connection cut off that way is disconnected by redis-py, never reused
-mid-reply. Outside a caller's command (``CALLER_DEADLINE`` None) the
-configured timeouts apply unchanged. :func:`failure` names redis-py's
-exceptions the way the calls (:mod:`tokenq.producer.calls`) handle them.
-"""
+"""How the producer plugs into redis-py so that no socket wait, pool wait or retry outlasts the
+caller: each command runs under :class:`for_caller`, and the connection, pool and retry hooks
+handed to :mod:`tokenq.shared.redis_client` read :data:`CALLER_DEADLINE`."""
 
 from __future__ import annotations
 
@@ -45,7 +16,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from tokenq.producer.calls import ErrorReply, OutOfMemory, Unreachable
-from tokenq.producer.core import BACKOFF_BASE_S, BACKOFF_CAP_S, DEADLINE_GRACE_S
+from tokenq.producer.deadline import BACKOFF_BASE_S, BACKOFF_CAP_S, DEADLINE_GRACE_S
 from tokenq.shared import redis_client, redis_refusal
 from tokenq.shared.packing import packing_mixin
 from tokenq.shared.redis_client import ClientHooks, with_mixins
@@ -68,9 +39,8 @@ REFUSED_NOW_RETRIED = {
     "READONLY": "Redis is a read-only replica (a failover may be under way)",
     "MASTERDOWN": "Redis is a replica that lost its master",
 }
-"""Error replies for a command Redis did not run because of its own state, not the
-command's (:mod:`tokenq.shared.redis_refusal`): retried within the call's deadline, then
-``BrokerUnavailable`` naming the reason, like a refused connection."""
+"""Error replies for a command Redis did not run because of its own state: retried within the
+call's deadline, then ``BrokerUnavailable`` naming the reason, like a refused connection."""
 
 MIN_SOCKET_TIMEOUT_S = 0.01
 """Floor of a deadline-bound socket timeout (0 would put the socket in non-blocking mode)."""
@@ -78,88 +48,66 @@ MIN_SOCKET_TIMEOUT_S = 0.01
 CALLER_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "tokenq_caller_deadline", default=None
 )
-"""The ``time.monotonic()`` deadline of the caller on whose behalf Redis is being called.
-
-Set by :func:`for_caller` around each command (in the calling thread, or in
-the task that runs one command for an async caller) and read by the hooks
-below; None outside a caller's command.
-"""
+"""The monotonic deadline of the caller on whose behalf Redis is called (None: no caller)."""
 
 
 SLOW_REPLY_S: contextvars.ContextVar[float] = contextvars.ContextVar(
     "tokenq_slow_reply_s", default=0.0
 )
-"""How long Redis itself may take to answer the command being run, beyond the socket timeout.
-
-Set by :class:`slow_reply` around a command that waits on the server by design
-(the durable enqueue's ``WAIT``); 0 otherwise. The socket timeout is then this
-plus ``socket_timeout_s`` (still ended by the caller's deadline plus the grace),
-so a ``durable_timeout_ms`` longer than ``socket_timeout_s`` is waited for, not
-reported as Redis being unreachable.
-"""
+"""How long Redis itself may take to answer, on top of the socket timeout (still ended by the
+caller's deadline): the durable enqueue's ``WAIT``, which waits on the server by design."""
 
 
-class slow_reply:
-    """Run the block's commands with ``seconds`` of server-side waiting allowed on top of
-    the socket timeout (see :data:`SLOW_REPLY_S`)."""
+class _Setting:
+    """Sets its context variable for the block; a class, not ``@contextmanager``, which costs
+    a microsecond more on every command."""
 
-    __slots__ = ("_seconds", "_token")
+    __slots__ = ("_token", "_value")
+    _variable: contextvars.ContextVar[Any]
 
-    def __init__(self, seconds: float) -> None:
-        self._seconds = seconds
+    def __init__(self, value: float) -> None:
+        self._value = value
 
     def __enter__(self) -> None:
-        self._token = SLOW_REPLY_S.set(self._seconds)
+        self._token = self._variable.set(self._value)
 
     def __exit__(self, *exc_info: object) -> None:
-        SLOW_REPLY_S.reset(self._token)
+        self._variable.reset(self._token)
 
 
-class for_caller:
-    """Run what the block starts (a command, or a task it creates) under ``deadline``.
+class slow_reply(_Setting):
+    """Run the block's commands with ``seconds`` of :data:`SLOW_REPLY_S`."""
 
-    A class rather than ``@contextmanager``: it wraps every command a client
-    sends, and a generator-based context manager costs a microsecond more.
-    """
+    __slots__ = ()
+    _variable = SLOW_REPLY_S
 
-    __slots__ = ("_deadline", "_token")
 
-    def __init__(self, deadline: float) -> None:
-        self._deadline = deadline
+class for_caller(_Setting):
+    """Run what the block starts (a command, or a task it creates) under ``deadline``."""
 
-    def __enter__(self) -> None:
-        self._token = CALLER_DEADLINE.set(self._deadline)
-
-    def __exit__(self, *exc_info: object) -> None:
-        CALLER_DEADLINE.reset(self._token)
+    __slots__ = ()
+    _variable = CALLER_DEADLINE
 
 
 def failure(exc: Exception) -> Exception:
     """What to throw into a call for ``exc``: the calls' name for a command failure, else ``exc``.
-
-    A ``BUSY``, ``READONLY`` or ``MASTERDOWN`` error reply counts as Redis
-    being down (:data:`REFUSED_NOW_RETRIED`): Redis answers it before running
-    the command (a script past ``busy-reply-threshold``; a write sent to a
-    replica, as after a failover behind a DNS name), so the command was not
-    run and is as safe to retry as a refused connection.
-    So do a cluster's ``CLUSTERDOWN`` and ``TRYAGAIN`` (:data:`CLUSTER_UNAVAILABLE`).
-    """
+    :data:`REFUSED_NOW_RETRIED` and :data:`CLUSTER_UNAVAILABLE` count as Redis being down: the
+    command did not run, so it is as safe to retry as a refused connection."""
     if isinstance(exc, REDIS_DOWN):
         return Unreachable(exc)
     if isinstance(exc, CLUSTER_UNAVAILABLE) or (
         isinstance(exc, redis.RedisClusterException) and isinstance(exc.__cause__, REDIS_DOWN)
     ):  # the second: no startup node of a cluster answered
-        down = redis.ConnectionError(f"Redis Cluster could not serve the command: {exc}")
-        down.__cause__ = exc
-        return Unreachable(down)
-    if redis_refusal.is_out_of_memory(exc):
+        why: str | None = "Redis Cluster could not serve the command"
+    elif redis_refusal.is_out_of_memory(exc):
         return OutOfMemory(exc)
-    if not isinstance(exc, redis.ResponseError):
+    elif not isinstance(exc, redis.ResponseError):
         return exc
-    code = redis_refusal.error_code(exc)
-    if code not in REFUSED_NOW_RETRIED:
-        return ErrorReply(exc)
-    down = redis.ConnectionError(f"{REFUSED_NOW_RETRIED[code]}: {exc}")
+    else:
+        why = REFUSED_NOW_RETRIED.get(redis_refusal.error_code(exc))
+        if why is None:
+            return ErrorReply(exc)
+    down = redis.ConnectionError(f"{why}: {exc}")
     down.__cause__ = exc
     return Unreachable(down)
 
@@ -168,10 +116,8 @@ def failure(exc: Exception) -> Exception:
 
 
 def bounded_timeout(configured: float | None, *, reads: bool = False) -> float | None:
-    """A socket (or pool) timeout cut down to the current caller's deadline plus the grace.
-
-    ``reads``: the timeout of waiting for a reply, which :class:`slow_reply` lengthens.
-    """
+    """A socket (or pool) timeout cut down to the current caller's deadline plus the grace;
+    ``reads``: a wait for a reply, which :class:`slow_reply` lengthens."""
     slow = SLOW_REPLY_S.get() if reads else 0.0
     if slow and configured is not None:
         configured += slow
@@ -201,13 +147,8 @@ class _Bounded:
 
 
 class DeadlineTimeouts:
-    """Mixin for a redis-py connection class: socket waits end at the caller's deadline.
-
-    redis-py reads ``socket_timeout`` and ``socket_connect_timeout`` when it
-    connects, runs the handshake and (asyncio) reads each reply. The
-    configured values stay where redis-py keeps them (its sync connection
-    writes ``_socket_timeout`` itself, past the property).
-    """
+    """Mixin for a redis-py connection class: socket waits (connect, handshake, replies) end
+    at the caller's deadline; the configured values stay where redis-py keeps them."""
 
     socket_timeout = _Bounded("_socket_timeout", reads=True)
     socket_connect_timeout = _Bounded("_socket_connect_timeout")
@@ -231,12 +172,8 @@ class _BoundedSockets(DeadlineTimeouts):
 
 
 def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> type:
-    """``connection_class`` (plain, TLS or Unix socket) with ``mixin`` in front; made once.
-
-    It also packs commands in C (:class:`~tokenq.shared.packing.HiredisPacking`):
-    an enqueue carries a dozen arguments per request, which redis-py's own
-    packer walks in Python.
-    """
+    """``connection_class`` (plain, TLS or Unix socket) with ``mixin`` in front, packing
+    commands in C (an enqueue carries a dozen arguments per request); made once."""
     if issubclass(connection_class, mixin):
         return connection_class
     return with_mixins(
@@ -263,14 +200,8 @@ class DeadlineBackoff(ExponentialBackoff):
 
 
 class DeadlineRetries:
-    """Mixin for redis-py's ``Retry`` (sync or asyncio): no retry starts after the deadline.
-
-    After each failure ``call_with_retry`` compares the count with
-    ``_retries`` and sleeps what its backoff (a :class:`DeadlineBackoff`)
-    computes; past the caller's deadline ``_retries`` reads as 0, so the
-    failure is raised instead. One class serves both twins because neither
-    ``call_with_retry`` has to be rewritten.
-    """
+    """Mixin for redis-py's ``Retry`` (sync or asyncio): past the caller's deadline
+    ``_retries`` reads as 0, so no retry starts and the failure is raised."""
 
     @property
     def _retries(self) -> int:
@@ -293,13 +224,8 @@ class AsyncDeadlineRetry(DeadlineRetries, AsyncRetry):
 
 
 class _RetriesLeft(int):
-    """A retry count that reads as none left (``> 0`` is False) once the caller's deadline passed.
-
-    redis-py's cluster client takes ``retry.get_retries()`` once and counts
-    it down itself (``while``/``for`` loops around ``if left > 0: left -= 1``,
-    re-reading the topology between tries instead of backing off), so a
-    plain number would let it retry past the deadline.
-    """
+    """A retry count that reads as none left (``> 0`` is False) once the caller's deadline
+    passed: redis-py's cluster client counts ``get_retries()`` down itself."""
 
     def __gt__(self, other: object) -> bool:
         deadline = CALLER_DEADLINE.get()
@@ -350,22 +276,15 @@ def _options(settings: ClientSettings, retry_class: type, client_id: str) -> dic
 
 
 SYNC_HOOKS = ClientHooks(connection=_sync_bound, sentinels=_sync_bound, pool_wait=DeadlinePoolWait)
-"""What the sync client plugs into the factory: deadline-bound connections (which re-arm a
-pooled socket's timeout before each command, the sentinels' too) and pool waits."""
-
 ASYNC_HOOKS = ClientHooks(connection=deadline_bound, sentinels=deadline_bound,
                           pool_wait=DeadlinePoolWait)
-"""The same for the asyncio clients."""
 
 
 def sync_redis(
     settings: ClientSettings, client_id: str, max_connections: int | None
 ) -> redis.Redis | redis.RedisCluster:
-    """The sync client's Redis: a pooled socket per thread, or at most ``max_connections``.
-
-    In a cluster the cap is per node, and the ``RedisCluster`` is made at the
-    first command (:class:`LazyCluster`), as every other client connects.
-    """
+    """The sync client's Redis: a pooled socket per thread, or at most ``max_connections``
+    (per node of a cluster, made at the first command: :class:`LazyCluster`)."""
     return redis_client.sync_client(
         parse_redis_url(settings.redis_url), _options(settings, DeadlineRetry, client_id),
         SYNC_HOOKS, max_connections=max_connections, wait_s=settings.timeout_s,
@@ -377,15 +296,8 @@ def async_redis(
     settings: ClientSettings, client_id: str, max_connections: int
 ) -> tuple[redis.asyncio.Redis | redis.asyncio.RedisCluster,
            redis.asyncio.Redis | redis.asyncio.RedisCluster]:
-    """The async client's command pool, and its listener's connection of its own.
-
-    In a cluster both are ``RedisCluster`` clients, the command one with
-    ``max_connections`` per node (redis-py's cluster fails a command at once
-    with ``MaxConnectionsError`` when a node has none free, where the single
-    and Sentinel pools wait for one until the deadline), the listener's with
-    one connection per node. Behind Sentinel both are master clients, each of
-    its own Sentinel, the listener's with a pool of one.
-    """
+    """The async client's command pool (``max_connections``, per node in a cluster, where a
+    command fails at once when a node has none free), and its listener's connection."""
     command = _async_client(settings, client_id, max_connections=max_connections,
                             wait_s=settings.timeout_s)
     return command, async_listener(settings, client_id)
@@ -394,11 +306,7 @@ def async_redis(
 def async_listener(
     settings: ClientSettings, client_id: str
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-    """A listener's client of one connection (per node, in a cluster), for one reply key.
-
-    A sharded queue's replies land in each shard's slot, so an
-    ``AsyncClient`` makes one of these per shard it listens on.
-    """
+    """A listener's client of one connection (per node, in a cluster), for one reply key."""
     return _async_client(settings, client_id, one_connection=True)
 
 
@@ -406,9 +314,8 @@ def _async_client(
     settings: ClientSettings, client_id: str, *, max_connections: int | None = None,
     wait_s: float | None = None, one_connection: bool = False,
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-    """A pool of ``max_connections`` (per node, in a cluster), waiting at most ``wait_s`` for a
-    free one (and never past a caller's deadline; a cluster does not wait); or a client of
-    ``one_connection``."""
+    """A pool of ``max_connections`` waiting at most ``wait_s`` (and never past a caller's
+    deadline) for a free one; or a client of ``one_connection``."""
     return redis_client.async_client(
         parse_redis_url(settings.redis_url), _options(settings, AsyncDeadlineRetry, client_id),
         ASYNC_HOOKS, max_connections=max_connections, wait_s=wait_s,
@@ -418,10 +325,6 @@ def _async_client(
 
 
 def sync_client_for(url: str, **kwargs: Any) -> redis.Redis | redis.RedisCluster:
-    """A plain sync client for ``url`` of any kind, with redis-py's client ``kwargs``.
-
-    For the operator commands (``tokenq stats``, ``top``, ``dlq``), which want
-    short timeouts and no caller deadlines. A single-server URL is built as
-    ``redis.Redis.from_url(url, **kwargs)`` builds it; a malformed URL is a ValueError.
-    """
+    """A plain sync client for ``url`` of any kind, with redis-py's ``kwargs``, for the
+    operator commands (no caller deadlines); a malformed URL is a ValueError."""
     return redis_client.sync_client(parse_redis_url(url), kwargs)

@@ -1,13 +1,5 @@
-"""What a reply means to a producer: reply bytes into a :class:`Result` or an exception.
-
-No I/O: :mod:`tokenq.producer.calls` reads the reply keys and hands each
-raw reply here. A reply that does not decode is logged and dropped when it
-was read from a key many requests share (it may be anybody's), and becomes
-the request's own :class:`RemoteError` (``bad_reply``) when it was read from
-the request's own key. A request still unanswered at the deadline gets a
-:class:`ReplyTimeout` (the caller's error text is the core's: it names the
-Redis URL).
-"""
+"""Reply bytes into a :class:`Result` or an exception; one that does not decode is dropped from a
+shared key and is the request's own ``bad_reply`` error from its own key."""
 
 from __future__ import annotations
 
@@ -31,16 +23,12 @@ from tokenq.shared.text import plural
 log = logging.getLogger("tokenq.producer")
 
 BAD_REPLY = ErrorCode.BAD_REPLY.value
-"""Error code of a :class:`RemoteError` raised for a reply that does not decode."""
 
 
 class ReplyTimeout(TokenqError, TimeoutError):
-    """No reply came before the caller's timeout (Redis itself was reachable).
-
-    A builtin ``TimeoutError``, so ``except TimeoutError`` catches it. The
-    request may still be running; its reply lands on its reply key later and
-    expires there, and ``Client.result(id)`` can still fetch it.
-    """
+    """No reply came before the caller's timeout (Redis itself was reachable). A builtin
+    ``TimeoutError`` too. The request may still run; ``Client.result(id)`` can fetch its reply
+    later, until it expires."""
 
     def __init__(self, request_ids: Sequence[str], waited_s: float, why: str | None = None) -> None:
         shown = ", ".join(request_ids[:5])
@@ -53,19 +41,14 @@ class ReplyTimeout(TokenqError, TimeoutError):
         self.request_ids = tuple(request_ids)
         self.waited_s = waited_s
         self.why = why
-        """What the client saw when it gave up (no live worker serves the queue), if anything."""
+        """Why, when the client could tell (no live worker serves the queue)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A worker's successful answer to one request.
-
-    ``embedding`` is an ``array.array('f')`` (no numpy needed;
-    ``numpy.frombuffer(result.embedding, numpy.float32)`` views it without a
-    copy) for embedding models; ``scores`` is set for classifiers and
-    rerankers. ``tokens`` is the exact token count the worker ran, when it
-    says so.
-    """
+    """A worker's successful answer to one request. ``embedding``: an ``array.array('f')``
+    (``numpy.frombuffer(e, numpy.float32)`` views it); ``scores``: a classifier's or reranker's;
+    ``tokens``: what the worker ran, when it says."""
 
     id: str
     embedding: array.array | None  # typecode "f"; not subscriptable at runtime before 3.12
@@ -75,19 +58,14 @@ class Result:
     labels: tuple[str, ...] | None = None
     """A classifier's label for each score, in order, when the model names them."""
     sparse: tuple[tuple[int, float], ...] | None = None
-    """A sparse (SPLADE, ``--task sparse``) model's nonzero (token id, weight) pairs, in
-    increasing token id; ``dim`` is then the vocabulary's size."""
+    """A sparse model's nonzero (token id, weight) pairs by token id; ``dim``: the vocabulary."""
     token_embeddings: tuple[array.array, ...] | None = None
     """``output="tokens"``: one ``array('f')`` of ``dim`` values per token, in order."""
     truncated: bool = False
     """The worker cut the input to the model's limit; ``tokens`` counts what it read."""
 
     def __repr__(self) -> str:
-        """A short summary: a 384-float vector printed whole buries everything else.
-
-        ``Result(id='r1', dim=384, embedding=[0.0123, -0.04, 0.0781, … 384 values],
-        tokens=7)``; a classifier's scores are shown with their labels.
-        """
+        """A short summary (the first values of a vector, scores with their labels)."""
         def head(values: Sequence[Any], show: Callable[[Any], str] = "{:.4g}".format,
                  brackets: str = "[]") -> str:
             shown = ", ".join(show(value) for value in values[:3])
@@ -172,11 +150,8 @@ def own_key_reply(wanted: dict[str, str], key: str, raw: bytes, outcomes: dict[s
 
 
 def shared_key_reply(pending: set[str], raw: bytes, outcomes: dict[str, Any]) -> None:
-    """Record one reply read from a key many requests share (``pending``: ids still due).
-
-    A reply that does not decode (logged) or names no pending id (a
-    duplicate, or one for nobody) is dropped.
-    """
+    """Record one reply read from a key many requests share (``pending``: ids still due);
+    one that does not decode or names no pending id is dropped."""
     reply = decode(raw)
     if reply is None or reply.id not in pending:
         return

@@ -1,17 +1,5 @@
-"""Exact token counts with the queue's own tokenizer, when the producer can load one.
-
-Why: the heuristic in :mod:`tokenq.producer.estimate` is off by up to a
-third on ordinary prose (docs/ESTIMATES.md), so it can refuse an over-long
-input only past a wide margin. Workers publish the path of their
-``tokenizer.json`` in the queue's config hash; a producer on the same
-machine (or with the same files mounted) and with the ``tokenizers``
-package installed counts exactly what the worker will count, and can then
-refuse exactly what the worker would refuse.
-
-``tokenizers`` is optional and imported only here, only when a load is
-attempted, so ``import tokenq.producer`` stays cheap. It is a small Rust
-wheel; it does not pull in torch, transformers or numpy.
-"""
+"""Exact token counts with the queue's own tokenizer.json, when the optional ``tokenizers``
+package (imported only then) can load it."""
 
 from __future__ import annotations
 
@@ -19,29 +7,22 @@ import os
 from typing import Any, ClassVar
 
 MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
-"""Largest tokenizer.json the producer will read. The path comes from Redis;
-it must not be able to make a web process parse a file of any size."""
+"""Largest tokenizer.json the producer reads: the path comes from Redis."""
 
 
 class TokenizerEstimator:
     """Counts tokens exactly as a Hugging Face fast tokenizer does, special tokens included.
 
-    A pair is encoded as a pair (``[CLS] a [SEP] b [SEP]`` for BERT), as the
-    worker encodes it. ``exact = True`` tells the client to compare its count
-    with the queue's limit without a safety margin; any estimator callable
-    may carry that attribute.
-
-    Build one with :meth:`from_file` to pass as ``estimator=`` when the
-    producer has its own copy of the model's tokenizer.json (the path a
-    worker publishes is a path on the worker's machine).
+    A pair is encoded as a pair, as the worker encodes it. ``exact = True`` has the client
+    compare the count with the queue's limit without a margin. Pass one made with
+    :meth:`from_file` as ``estimator=`` when the producer has its own copy of the file.
     """
 
     exact: ClassVar[bool] = True
 
     def __init__(self, tokenizer: Any, source: str) -> None:
-        # tokenizer.json files often carry the training setup, e.g.
-        # all-MiniLM-L6-v2's ships truncation and padding to 128 tokens: left
-        # on, every count would be 128. The worker tokenizes without either.
+        # A tokenizer.json may carry its training's truncation and padding (all-MiniLM-L6-v2:
+        # 128 tokens); the worker tokenizes without either.
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self._tokenizer = tokenizer
@@ -66,8 +47,7 @@ class TokenizerEstimator:
 
     @property
     def tokenizer(self) -> Any:
-        """The loaded ``tokenizers.Tokenizer`` (no truncation, no padding): the gateway's
-        ``/tokenize`` and ``/decode`` answer with it."""
+        """The loaded ``tokenizers.Tokenizer`` (the gateway's ``/tokenize`` and ``/decode``)."""
         return self._tokenizer
 
     def __call__(self, text: str, text_pair: str | None = None) -> int:
@@ -79,11 +59,7 @@ class TokenizerEstimator:
 
 
 def load_estimator(path: str) -> TokenizerEstimator | str:
-    """The exact estimator for ``path``, or why it cannot be had (never raises).
-
-    The clients call this when a queue's config names a tokenizer; a string
-    answer makes them fall back to the heuristic.
-    """
+    """The exact estimator for ``path``, or why it cannot be had (never raises)."""
     try:
         return TokenizerEstimator.from_file(path)
     except ImportError:

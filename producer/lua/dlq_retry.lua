@@ -8,31 +8,18 @@
 -- ARGV[2]   drop_deadline: "1" leaves the request's deadline_ms field out
 -- ARGV[3..] dead-stream entry ids, complete ("<ms>-<seq>"; the caller checks)
 --
--- A dead letter's fields are the original request's fields plus the worker's
--- dead_* fields (dead_error_code, dead_error, dead_worker, dead_deliveries,
--- dead_at_ms, dead_source_id); every field whose name starts with "dead_" is
--- left out, so the request goes back exactly as its producer wrote it.
+-- A letter goes back exactly as its producer wrote it: every dead_* field is left out.
+-- A letter with dead_truncated (the worker cut fields to fit its byte cap) is left in place.
 --
--- A letter with a dead_truncated field had fields cut by the worker to fit
--- its byte cap: it is not the request as written, so it is left where it is.
+-- Returns, per id in order: the new request stream id; false when the dead stream has
+-- no such entry; or, for a letter left in place, {"truncated", <dead_truncated value>}
+-- or {"empty", ""} (no request fields). When XLEN + movable > max_len it moves nothing
+-- and answers "QUEUEFULL <xlen> <max_len> <movable>", as enqueue.lua does.
 --
--- Returns, per id in order: the new request stream id; false when the dead
--- stream has no such entry; or, for a letter skipped and left in place,
--- {"truncated", <dead_truncated value>} or {"empty", ""} (no request fields
--- at all: nothing to put back). When XLEN + movable > max_len it moves nothing
--- and answers the error "QUEUEFULL <xlen> <max_len> <movable>", as the enqueue
--- script does (the same check, shared/lua/queue_full.lua).
---
--- Why a script: the XADD and the XDEL must happen together, or a crash in
--- between would lose the letter or run the request twice.
--- At maxmemory (noeviction) Redis refuses the first XADD with OOM, before
--- anything was written (it denies a script memory only at its first write
--- that grows memory), and the error reaches the caller: nothing moves.
--- Every write after the first goes through, so it is all or nothing.
---
--- Each tokenq:include line is replaced, when tokenq.shared.lua_scripts loads this
--- file, by that fragment of shared/lua/: the queue's length check (shared
--- with enqueue.lua) and the dead_ prefix rule (shared with publish.lua).
+-- Why a script: the XADD and the XDEL happen together, or a crash between them would
+-- lose the letter or run the request twice. At maxmemory Redis refuses the first XADD
+-- (OOM) before anything is written, and every later write goes through: all or nothing.
+-- Each tokenq:include line is replaced by that fragment of shared/lua/ when loaded.
 
 -- tokenq:include queue_full.lua
 -- tokenq:include dead_fields.lua

@@ -16,63 +16,24 @@
 --           seen key per entry, call:<ms> with one seen key for the call; 0 turns it off
 -- ARGV[4..] for each entry: k, its number of fields (1 to 1,000), then k field/value pairs
 --
--- Returns the n entry ids, in order: for an entry seen before, the id its
--- first enqueue got. Only new entries count against the limit: when
--- XLEN + <new entries> > max_len it writes nothing and answers the error
--- "QUEUEFULL <xlen> <max_len> <new entries>", which producers turn into
--- QueueFull. A batch whose entries were all seen before is never refused.
+-- Returns the n entry ids, in order: for an entry seen before, the id its first
+-- enqueue got. Only new entries count against the limit: when XLEN + <new entries>
+-- > max_len it writes nothing and answers "QUEUEFULL <xlen> <max_len> <new entries>";
+-- a batch whose entries were all seen before is never refused. An id twice in one
+-- batch is added once. On a retired shard new entries are refused with "RETIRED ...".
 --
--- Why the seen keys: a client that retries this script after a lost reply
--- (a timeout after Redis ran it) would otherwise enqueue the same request
--- twice and get two answers. An entry whose id was seen within
--- dedupe_ttl_ms is not added again; its first stream id is returned.
--- Why they are looked up before the length check: the retry of a batch that
--- the lost attempt wrote in full must answer that attempt's ids. Counting
--- those entries again would refuse it with QUEUEFULL whenever the first
--- attempt filled the queue; the caller, told nothing was written, would
--- submit the work again and it would run twice.
--- An id that appears twice in one batch is added once (the second gets the
--- first's stream id), as if the two had come in separate calls.
+-- Why: the seen keys make a retry after a lost reply write nothing twice; they are read
+-- before the length check so that retry is not refused either
+-- (docs/decisions/0020-seen-key-per-request.md, 0021-one-seen-key-per-call.md). The
+-- retired marker keeps a producer holding an old shard count off a draining shard
+-- (docs/decisions/0029-drain-retired-shards.md). One script makes the check and the
+-- writes atomic, and never trims (docs/decisions/0019-enqueue-script.md).
+-- All or nothing holds because everything is checked before the first write, and Redis
+-- refuses a script for memory only at its first write ("OOM ...").
 --
--- Why one seen key for a call: a request id the client made up itself comes
--- again only in the retry of the very call that made it, so one key for the
--- call, holding its n stream ids, answers that retry, at a fraction of the
--- Redis time and memory of n keys. Its name digests the call's
--- request ids (tokenq.shared.keys.seen_call); a call whose key is found
--- writes nothing and answers the ids it holds, checked to number n. Ids the
--- caller chose (an Idempotency-Key) take a key each, because their retry
--- may come grouped differently.
---
--- Why the retired marker: a shard beyond a shrunk shard count still drains
--- (producer/shards.py, worker/lanes.py), and a producer still holding the old
--- count must add nothing to it, or what it adds after the shard is removed
--- would wait forever. When the marker key is given and exists, new entries are
--- refused with "RETIRED ..." before anything is written; producers read the
--- config again and choose a current shard. Entries all seen before are
--- answered, as with the length limit. Without the key nothing is checked.
---
--- Why a script: XLEN then XADD from the client would race with every other
--- producer; here the lookups, the check and the writes are one atomic step.
--- Why no MAXLEN/MINID: trimming would silently drop someone else's pending
--- work; backpressure means refusing the newcomer, never evicting.
--- Why all or nothing holds: the arguments are checked and the seen keys
--- read before the first write, and Redis refuses a script for lack of
--- memory only at its first write (it never cuts a script off once it has
--- written), so either no XADD runs or all of the new entries' do. That
--- includes the seen keys' SET PX: dedupe_ttl_ms must be digits (at most 15)
--- and goes to Redis as those digits, because a TTL Redis refuses (a
--- fraction, or a Lua number it would get as 1e+15) would fail the script
--- after its first XADD and leave the batch half written. An OOM answers
--- the error "OOM ...", which producers turn into an out-of-memory QueueFull.
---
--- The block between the tokenq:include and tokenq:end lines is a copy of
--- shared/lua/queue_full.lua, the length check dlq_retry.lua shares. Other
--- scripts name their fragments on a tokenq:include line alone, spliced in
--- when tokenq.shared.lua_scripts loads them; this one carries its copy so that the
--- file stays a complete script any language can run as it is (see
--- docs/PROTOCOL.md). tokenq.shared.lua_scripts refuses to load it if the copy is not
--- the fragment; `python -m tokenq.shared.lua_scripts producer/lua/enqueue.lua`
--- refreshes it.
+-- The block between tokenq:include and tokenq:end is a copy of shared/lua/queue_full.lua,
+-- so this file stays a complete script any language can run (docs/PROTOCOL.md);
+-- `python -m tokenq.shared.lua_scripts producer/lua/enqueue.lua` refreshes it.
 
 -- tokenq:include queue_full.lua (a copy: edit shared/lua/queue_full.lua)
 -- queue_full(stream, max_len, adding): the queue's length limit, for every
@@ -99,6 +60,8 @@ local dedupe = ARGV[3] or ""
 local per_call = string.sub(dedupe, 1, 5) == "call:"
 local ttl_text = per_call and string.sub(dedupe, 6) or dedupe
 local dedupe_ttl_ms = tonumber(ttl_text)
+-- The TTL goes to SET PX as its digits: one Redis refuses (a fraction, 1e+15) would fail
+-- the script after its first XADD.
 if max_len == nil or n == nil or dedupe_ttl_ms == nil
     or max_len < 0 or n < 0 or dedupe_ttl_ms < 0 or (per_call and dedupe_ttl_ms == 0)
     or #ttl_text > 15 or not string.match(ttl_text, "^%d+$") then
@@ -114,10 +77,9 @@ if dedupe_ttl_ms > 0 and #KEYS ~= seen_keys + 1 and #KEYS ~= seen_keys + 2 then
     or "ERR tokenq enqueue: dedupe needs one seen key per entry")
 end
 
--- Walk the arguments once to check their shape before writing anything. An
--- entry's fields go to XADD by one unpack, and Lua's C stack takes about
--- 8,000 values at once: an entry of more fields than MAX_FIELDS is refused
--- here, or its unpack would fail the script half way through the batch.
+-- Check the arguments' shape before writing anything. An entry's fields go to XADD by
+-- one unpack, and Lua's C stack takes about 8,000 values: more than MAX_FIELDS would
+-- fail the script half way through the batch.
 local MAX_FIELDS = 1000
 local starts = {}
 local pos = 4

@@ -8,13 +8,9 @@
 -- Returns n values, in KEYS order: the reply found on each key, or false
 -- (nil to the caller) where none has landed yet.
 --
--- Why read without removing: a reply popped (BLPOP, LPOP) is gone from Redis
--- the moment the server sends it, so one lost on its way to the caller (Redis
--- stopping, a connection dropped) would be lost for good. The producer reads
--- a reply here (or waits for one with BLMOVE key key, a rotation that removes
--- nothing), and deletes the key only once the reply is in its hands; a read
--- that never arrived is simply read again. Why a script: it reads every key
--- still missing in one round trip, where LINDEX would take one per key.
+-- Why read without removing: a popped reply lost on its way (Redis stopping, a connection
+-- dropped) would be lost for good; the producer deletes the key once the reply is in hand
+-- (docs/RELIABILITY.md). Why a script: every key still missing in one round trip.
 local found = {}
 for i = 1, #KEYS do
   local reply = redis.call("LINDEX", KEYS[i], 0)

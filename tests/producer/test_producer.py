@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -30,11 +31,17 @@ from tokenq.producer import (
     calls,
     estimate_tokens,
 )
-from tokenq.producer.core import ENQUEUE_SCRIPT
+from tokenq.producer.calls import ENQUEUE_SCRIPT
+from tokenq.producer.prepare import Prepared
 from tokenq.shared import keys, wire
 from tokenq.shared.settings import ClientSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def prepare_many(client: Client, texts: list[str], **options: Any) -> list[Prepared]:
+    """Requests prepared as the client's unsharded calls prepare them."""
+    return client._core.preparer.prepare_many(client._core.lanes.home, texts, **options)
 
 
 @pytest.fixture
@@ -348,7 +355,7 @@ def test_a_retried_enqueue_does_not_add_a_request_twice(
     # retry after a lost reply does) leaves one entry per request.
     url = f"redis://127.0.0.1:{r.connection_pool.connection_kwargs['port']}/0"
     with Client(url, queue_name, max_queue_length=0) as client:
-        batch = [client._core.prepare(f"text {i}", now_ms=0) for i in range(3)]
+        batch = prepare_many(client, [f"text {i}" for i in range(3)], now_ms=0)
         client._enqueue(batch)
         client._enqueue(batch)
     assert r.xlen(stream(queue_name)) == 2 + 3
@@ -369,10 +376,9 @@ def test_a_retry_of_an_enqueue_that_filled_the_queue_is_not_queue_full(
     limit = 3
     with Client(redis_url, queue_name, max_queue_length=limit) as client:
         unique = [uuid.uuid4().hex for _ in range(limit)] if named else None
-        batch = client._core.prepare_many(
-            [f"text {i}" for i in range(limit)], now_ms=0, unique=unique)
+        batch = prepare_many(client, [f"text {i}" for i in range(limit)], now_ms=0, unique=unique)
         script = client._scripts[calls.ENQUEUE]
-        call = {"keys": client._core.script_keys(batch), "args": client._core.script_args(batch)}
+        call = calls.enqueue_arguments(client._core, client._core.lanes.home, batch)
         assert len(call["keys"]) == 1 + (limit if named else 1)
         first = script(**call)
         assert r.xlen(stream(queue_name)) == limit
@@ -382,8 +388,8 @@ def test_a_retry_of_an_enqueue_that_filled_the_queue_is_not_queue_full(
         assert r.xlen(stream(queue_name)) == limit
         if named:
             # One new entry among seen ones still counts, and still writes nothing.
-            extra = client._core.prepare_many(["one too many"], now_ms=0,
-                                              unique=[uuid.uuid4().hex])[0]
+            extra = prepare_many(client, ["one too many"], now_ms=0,
+                                 unique=[uuid.uuid4().hex])[0]
             with pytest.raises(QueueFull, match="1 more would not fit"):
                 client._enqueue([*batch, extra])
             assert r.xlen(stream(queue_name)) == limit and not r.exists(

@@ -24,7 +24,7 @@ from tokenq.producer import (
 )
 from tokenq.producer.core import ClientCore
 from tokenq.producer.redis_deadlines import failure
-from tokenq.shared import wire
+from tokenq.shared import keys, wire
 from tokenq.shared.settings import ClientSettings
 
 pytestmark = pytest.mark.unit
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.unit
 def fresh_core(**settings: Any) -> ClientCore:
     """A core whose config copy is fresh (read, empty), so calls go straight to the enqueue."""
     core = ClientCore(ClientSettings(queue="q", **settings))
-    core.take_config({}, time.monotonic())
+    core.config.take({}, time.monotonic())
     return core
 
 
@@ -120,19 +120,19 @@ def test_submit_gives_up_after_redis_pys_own_retries(error: Exception, shown: st
 
 def test_results_wait_on_own_keys_until_the_deadline() -> None:
     core = fresh_core()
-    request_id = core.new_id()
+    request_id = core.lanes.home.new_id()
     call = calls.results(core, [request_id], 0.05, False)
     step = calls.resume(call)
-    key = core.reply_key(request_id)
+    key = core.lanes.home.reply_key(request_id)
     assert isinstance(step, calls.Send) and step.command == "blmove"
     assert step.args[:2] == (key, key) and step.kwargs == {"src": "LEFT", "dest": "RIGHT"}
     time.sleep(0.06)
     check = answer(call, None)  # nothing read, so nothing to delete; then: is anyone alive?
     assert isinstance(check, calls.Send) and check.command == "hkeys"
-    assert check.args == (core.workers_key,)
+    assert check.args == (core.lanes.home.workers_key,)
     alive = answer(call, [b"w1", b"w2"])
     assert isinstance(alive, calls.Send) and alive.command == "exists"
-    assert alive.args == tuple(core.alive_keys(["w1", "w2"]))
+    assert alive.args == tuple(keys.worker_alive(keys.QueueRef("q"), w) for w in ["w1", "w2"])
     with pytest.raises(ReplyTimeout) as raised:
         answer(call, 1)  # one of them is: the timeout gives no reason
     assert raised.value.why is None and "no live worker" not in str(raised.value)
@@ -141,7 +141,7 @@ def test_results_wait_on_own_keys_until_the_deadline() -> None:
 @pytest.mark.parametrize("workers", [[], [b"w1"]])
 def test_a_timeout_with_no_live_worker_says_so(workers: list[bytes]) -> None:
     core = fresh_core()
-    call = calls.results(core, [core.new_id()], 0.01, False)
+    call = calls.results(core, [core.lanes.home.new_id()], 0.01, False)
     calls.resume(call)
     time.sleep(0.02)
     check = answer(call, None)
@@ -158,7 +158,7 @@ def test_a_timeout_with_no_live_worker_says_so(workers: list[bytes]) -> None:
 
 def test_a_liveness_check_that_fails_gives_the_plain_timeout() -> None:
     core = fresh_core()
-    call = calls.results(core, [core.new_id()], 0.01, False)
+    call = calls.results(core, [core.lanes.home.new_id()], 0.01, False)
     calls.resume(call)
     time.sleep(0.02)
     answer(call, None)
@@ -169,8 +169,8 @@ def test_a_liveness_check_that_fails_gives_the_plain_timeout() -> None:
 
 def test_results_delete_a_reply_key_only_once_its_reply_is_in_hand() -> None:
     core = fresh_core()
-    request_id = core.new_id()
-    key = core.reply_key(request_id)
+    request_id = core.lanes.home.new_id()
+    key = core.lanes.home.reply_key(request_id)
     call = calls.results(core, [request_id], 5.0, False)
     calls.resume(call)
     raw = wire.encode_reply(wire.scores_reply(request_id, [0.5]))
@@ -186,8 +186,8 @@ def test_results_delete_a_reply_key_only_once_its_reply_is_in_hand() -> None:
 def test_a_read_lost_on_its_way_is_read_again_since_nothing_was_removed() -> None:
     """The class of failure: Redis answered, the answer never arrived (restart, reset)."""
     core = fresh_core()
-    request_id = core.new_id()
-    key = core.reply_key(request_id)
+    request_id = core.lanes.home.new_id()
+    key = core.lanes.home.reply_key(request_id)
     call = calls.results(core, [request_id], 5.0, False)
     first = calls.resume(call)
     pause = fail(call, redis.ConnectionError("reset after the reply was sent"))
@@ -204,8 +204,8 @@ def test_a_read_lost_on_its_way_is_read_again_since_nothing_was_removed() -> Non
 
 def test_results_of_many_read_every_missing_key_at_once_then_wait_on_one() -> None:
     core = fresh_core()
-    ids = [core.new_id() for _ in range(3)]
-    reply_keys = [core.reply_key(i) for i in ids]
+    ids = [core.lanes.home.new_id() for _ in range(3)]
+    reply_keys = [core.lanes.home.reply_key(i) for i in ids]
     raws = [wire.encode_reply(wire.scores_reply(i, [float(n)])) for n, i in enumerate(ids)]
     call = calls.results(core, ids, 5.0, False)
     peek = calls.resume(call)
@@ -278,7 +278,7 @@ def test_an_unknown_keyword_is_a_type_error() -> None:
 
 @pytest.mark.parametrize("module", ["core.py", "calls.py", "call_options.py", "config.py",
                                     "shards.py", "lanes.py", "prepare.py", "replies.py",
-                                    "config_state.py", "deadline.py"])
+                                    "deadline.py"])
 def test_the_sans_io_modules_import_no_redis_and_no_asyncio(module: str) -> None:
     path = Path(__file__).resolve().parents[2] / "producer" / module
     imported = set()

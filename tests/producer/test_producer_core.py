@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import struct
+import time
+from typing import Any
 
 import pytest
+import redis
 
-from tokenq.producer import BadRequest, DeadlineExceeded, RemoteError, ReplyTimeout, Result
-from tokenq.producer.core import (
-    BLOCK_FLOOR_S,
-    ClientCore,
-    make_settings,
-    redact_url,
+from tokenq.producer import (
+    BadRequest,
+    DeadlineExceeded,
+    RemoteError,
+    ReplyTimeout,
+    Result,
+    calls,
 )
+from tokenq.producer.core import ClientCore, make_settings
+from tokenq.producer.deadline import BLOCK_FLOOR_S, block_s
+from tokenq.producer.prepare import Prepared, infer_deadline
+from tokenq.producer.redis_deadlines import failure
+from tokenq.producer.replies import decode, outcome, settle
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import QueueFull
 from tokenq.shared.settings import ClientSettings
@@ -27,8 +36,17 @@ def core() -> ClientCore:
     return ClientCore(ClientSettings(queue="q", max_queue_length=10, socket_timeout_s=4))
 
 
+def prepare(core: ClientCore, text: str, **options: Any) -> Prepared:
+    """One request prepared for the plain queue, as an unsharded call prepares it."""
+    return core.preparer.prepare(core.lanes.home, text, **options)
+
+
+def prepare_many(core: ClientCore, texts: list[Any], **options: Any) -> list[Prepared]:
+    return core.preparer.prepare_many(core.lanes.home, texts, **options)
+
+
 def test_prepare_builds_wire_fields(core: ClientCore) -> None:
-    prepared = core.prepare("hello", now_ms=NOW_MS, deadline_s=1.5, opts={"a": 1})
+    prepared = prepare(core, "hello", now_ms=NOW_MS, deadline_s=1.5, opts={"a": 1})
     request = wire.decode_request(prepared.fields)
     assert request.id == prepared.id and len(prepared.id) == 32
     assert request.reply_to == prepared.reply_to == keys.reply(keys.QueueRef("q"), prepared.id)
@@ -42,7 +60,7 @@ def test_deadlines_become_relative_timeout_ms(core: ClientCore) -> None:
     """timeout_ms counts on Redis's clock; only an absolute deadline uses the caller's."""
 
     def timeout_ms(**deadline: object) -> int | None:
-        fields = core.prepare("x", now_ms=NOW_MS, **deadline).fields  # type: ignore[arg-type]
+        fields = prepare(core, "x", now_ms=NOW_MS, **deadline).fields  # type: ignore[arg-type]
         return wire.decode_request(fields).timeout_ms
 
     assert timeout_ms(deadline_s=0.0001) == 1  # rounded up, never 0
@@ -59,39 +77,40 @@ def test_deadlines_become_relative_timeout_ms(core: ClientCore) -> None:
     with pytest.raises(BadRequest, match="out of range"):
         timeout_ms(deadline_s=wire.MAX_TIMEOUT_MS / 1000 + 1)
     # infer's own deadline: what is left of its timeout, capped at the protocol's largest.
-    assert core.infer_deadline(2.5, None, None) == (2.5, None)
-    assert core.infer_deadline(-1.0, None, None) == (0.001, None)
-    assert core.infer_deadline(1e12, None, None) == (wire.MAX_TIMEOUT_MS / 1000, None)
-    assert core.infer_deadline(2.5, 9.0, None) == (9.0, None)
-    assert core.infer_deadline(2.5, None, NOW_MS) == (None, NOW_MS)
+    assert infer_deadline(2.5, None, None) == (2.5, None)
+    assert infer_deadline(-1.0, None, None) == (0.001, None)
+    assert infer_deadline(1e12, None, None) == (wire.MAX_TIMEOUT_MS / 1000, None)
+    assert infer_deadline(2.5, 9.0, None) == (9.0, None)
+    assert infer_deadline(2.5, None, NOW_MS) == (None, NOW_MS)
 
 
 def test_token_estimates_past_the_protocol_limit_are_refused() -> None:
     core = ClientCore(ClientSettings(), lambda text: wire.MAX_TOKENS + 1)
     with pytest.raises(BadRequest, match="over the protocol's limit"):
-        core.prepare("a", now_ms=NOW_MS)
+        prepare(core, "a", now_ms=NOW_MS)
     at_limit = ClientCore(ClientSettings(), lambda text: wire.MAX_TOKENS)
-    assert at_limit.prepare("a", now_ms=NOW_MS).fields["tokens"] == str(wire.MAX_TOKENS)
+    assert prepare(at_limit, "a", now_ms=NOW_MS).fields["tokens"] == str(wire.MAX_TOKENS)
 
 
 def test_ids_are_unique(core: ClientCore) -> None:
-    batch = core.prepare_many(["a"] * 100, now_ms=NOW_MS)
+    batch = prepare_many(core, ["a"] * 100, now_ms=NOW_MS)
     assert len({p.id for p in batch}) == 100
 
 
 def test_script_args_layout(core: ClientCore) -> None:
-    batch = core.prepare_many(["a", ("b", "c")], now_ms=NOW_MS, reply_to="k")
-    args = core.script_args(batch)
+    batch = prepare_many(core, ["a", ("b", "c")], now_ms=NOW_MS, reply_to="k")
+    lane = core.lanes.home
+    arguments = calls.enqueue_arguments(core, lane, batch)
+    args = arguments["args"]
     # max_len, n, dedupe TTL (ms) of one seen key for this call of fresh ids
     assert args[:3] == [10, 2, "call:60000"]
-    assert core.script_keys(batch) == [
-        core.stream_key, keys.seen_call(core.queue, [p.id for p in batch])
+    assert arguments["keys"] == [
+        lane.stream_key, keys.seen_call(lane.queue, [p.id for p in batch])
     ]
-    named = core.prepare_many(["a", "b"], now_ms=NOW_MS, unique=["1" * 32, "2" * 32])
-    assert core.script_args(named)[:3] == [10, 2, 60_000]  # the caller's ids: a key each
-    assert core.script_keys(named) == [
-        core.stream_key, *(keys.seen(core.queue, p.id) for p in named)
-    ]
+    named = prepare_many(core, ["a", "b"], now_ms=NOW_MS, unique=["1" * 32, "2" * 32])
+    arguments = calls.enqueue_arguments(core, lane, named)
+    assert arguments["args"][:3] == [10, 2, 60_000]  # the caller's ids: a key each
+    assert arguments["keys"] == [lane.stream_key, *(keys.seen(lane.queue, p.id) for p in named)]
     first = args[3]
     assert first == len(batch[0].fields)
     second_at = 4 + 2 * first
@@ -100,48 +119,53 @@ def test_script_args_layout(core: ClientCore) -> None:
     assert "text_pair" in args[second_at + 1 :]
 
 
-def test_queue_full_message(core: ClientCore) -> None:
-    full = core.queue_full("QUEUEFULL 9 10 2", 3)  # 2 of the 3 were new to the script
-    assert isinstance(full, QueueFull)
-    assert "holds 9 of at most 10" in str(full) and "2 more" in str(full)
-    assert "3 more" in str(core.queue_full("QUEUEFULL 9 10", 3))  # an older script's answer
-    assert core.queue_full("ERR something else", 1) is None
+@pytest.mark.parametrize(("refusal", "shown"), [
+    ("QUEUEFULL 9 10 2", "2 more"),  # 2 of the 3 were new to the script
+    ("QUEUEFULL 9 10", "3 more"),  # an older script's answer
+])
+def test_queue_full_message(core: ClientCore, refusal: str, shown: str) -> None:
+    core.config.take({}, time.monotonic())
+    call = calls.submit_many(core, ["a", "b", "c"], {})
+    calls.resume(call)
+    with pytest.raises(QueueFull, match="holds 9 of at most 10") as full:
+        calls.resume(call, failure=failure(redis.ResponseError(refusal)))
+    assert shown in str(full.value)
 
 
-def test_block_stays_under_the_socket_timeout(core: ClientCore) -> None:
-    assert core.block_s(100) == 2.0
-    assert core.block_s(0.5) == 0.5
-    assert core.block_s(0) == BLOCK_FLOOR_S  # never BLPOP 0, which blocks forever
+def test_block_stays_under_the_socket_timeout() -> None:
+    assert block_s(100, 4) == 2.0
+    assert block_s(0.5, 4) == 0.5
+    assert block_s(0, 4) == BLOCK_FLOOR_S  # never BLPOP 0, which blocks forever
 
 
-def test_outcome_of_an_embedding(core: ClientCore) -> None:
+def test_outcome_of_an_embedding() -> None:
     reply = wire.decode_reply(
         wire.encode_reply(wire.embedding_reply("r", struct.pack("<2f", 0.5, -1.0), 2, tokens=7))
     )
-    result = core.outcome(reply)
+    result = outcome(reply)
     assert isinstance(result, Result)
     assert list(result.embedding) == [0.5, -1.0] and result.dim == 2 and result.tokens == 7
 
 
-def test_outcome_of_errors(core: ClientCore) -> None:
-    late = core.outcome(wire.error_reply("r", "deadline_exceeded", "too late"))
+def test_outcome_of_errors() -> None:
+    late = outcome(wire.error_reply("r", "deadline_exceeded", "too late"))
     assert isinstance(late, DeadlineExceeded) and late.request_id == "r"
-    failed = core.outcome(wire.error_reply("r", "out_of_memory", "too big"))
+    failed = outcome(wire.error_reply("r", "out_of_memory", "too big"))
     assert type(failed) is RemoteError and failed.code == "out_of_memory"
 
 
-def test_decode_drops_garbage(core: ClientCore) -> None:
-    assert core.decode(b"\x00garbage") is None
+def test_decode_drops_garbage() -> None:
+    assert decode(b"\x00garbage") is None
 
 
-def test_settle_orders_and_raises_first_error(core: ClientCore) -> None:
+def test_settle_orders_and_raises_first_error() -> None:
     ok = Result(id="a", embedding=None, dim=None, scores=(1.0,), tokens=None)
     boom = RemoteError("too_long", "x", "b")
     late = ReplyTimeout(["c"], 1.0)
     outcomes = {"a": ok, "b": boom, "c": late}
-    assert core.settle(["c", "a"], outcomes, True) == [late, ok]
+    assert settle(["c", "a"], outcomes, True) == [late, ok]
     with pytest.raises(ReplyTimeout):
-        core.settle(["a", "c", "b"], outcomes, False)
+        settle(["a", "c", "b"], outcomes, False)
 
 
 def test_reply_timeout_names_ids_and_seconds() -> None:
@@ -156,12 +180,12 @@ def test_estimator_exceptions_are_not_swallowed() -> None:
 
     core = ClientCore(ClientSettings(), broken)
     with pytest.raises(RuntimeError, match="estimator bug"):
-        core.prepare("a", now_ms=NOW_MS)
+        prepare(core, "a", now_ms=NOW_MS)
 
 
 def test_builtin_estimator_is_accepted() -> None:
     core = ClientCore(ClientSettings(), len)
-    prepared = core.prepare("abcd", now_ms=NOW_MS, text_pair="ef")
+    prepared = prepare(core, "abcd", now_ms=NOW_MS, text_pair="ef")
     assert prepared.fields["tokens"] == "6"
 
 
@@ -173,25 +197,13 @@ def test_make_settings_overrides_only_what_is_given() -> None:
         make_settings(base, queue="no spaces allowed")
 
 
-@pytest.mark.parametrize(
-    ("url", "shown"),
-    [
-        ("redis://localhost:6379/0", "redis://localhost:6379/0"),
-        ("redis://:pw@host:1/0", "redis://:***@host:1/0"),
-        ("rediss://user:p%40ss@host/0", "rediss://user:***@host/0"),
-    ],
-)
-def test_redact_url(url: str, shown: str) -> None:
-    assert redact_url(url) == shown
-
-
 def test_priority_travels_and_bad_priorities_are_refused(core: ClientCore) -> None:
-    prepared = core.prepare("hello", now_ms=NOW_MS, priority=3)
+    prepared = prepare(core, "hello", now_ms=NOW_MS, priority=3)
     assert prepared.fields["priority"] == "3"
     assert wire.decode_request(prepared.fields).priority == 3
-    default = core.prepare("hello", now_ms=NOW_MS)
+    default = prepare(core, "hello", now_ms=NOW_MS)
     assert "priority" not in default.fields  # 0 is the default: today's entries unchanged
     assert wire.decode_request(default.fields).priority == 0
     for bad in (-1, wire.MAX_PRIORITY + 1, True, 1.5, "2"):
         with pytest.raises(BadRequest, match="priority must be an integer from 0 to 9"):
-            core.prepare("hello", now_ms=NOW_MS, priority=bad)
+            prepare(core, "hello", now_ms=NOW_MS, priority=bad)

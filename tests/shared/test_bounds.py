@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 from tests.redis_server import free_ports
 from tokenq.producer import AsyncClient, BadRequest, BrokerUnavailable, Client, ReplyTimeout
 from tokenq.producer.core import ClientCore
+from tokenq.producer.deadline import check_seconds
 from tokenq.shared import keys, wire
 from tokenq.shared.request_options import MAX_DIMENSIONS, ModelFacts, parse_options
 from tokenq.shared.settings import (
@@ -190,8 +191,9 @@ def test_every_numeric_option_is_a_bad_request_or_a_request_the_worker_reads(
     now_ms = int(time.time() * 1000)
     try:
         if timeout_s is not None:  # a wait Python's threads and sockets can hold
-            assert 0 < core.timeout(timeout_s) <= threading.TIMEOUT_MAX  # type: ignore[arg-type]
-        prepared = core.prepare("text", now_ms=now_ms, **{name: value})  # type: ignore[misc]
+            assert 0 < check_seconds(timeout_s, "timeout_s") <= threading.TIMEOUT_MAX
+        prepared = core.preparer.prepare(core.lanes.home, "text", now_ms=now_ms,
+                                         **{name: value})  # type: ignore[misc]
     except BadRequest:
         return
     request = wire.decode_request(prepared.fields)  # what a worker reads

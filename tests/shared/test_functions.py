@@ -250,13 +250,15 @@ def test_at_maxmemory_the_retry_of_a_written_batch_is_answered_not_refused(
     admin = admin_of(server)
     queue = f"fn{uuid.uuid4().hex[:6]}"
     with Client(server.url, queue, max_queue_length=0) as client:
-        batch = [client._core.prepare(f"text {i}", now_ms=0) for i in range(3)]
+        core = client._core
+        batch = core.preparer.prepare_many(core.lanes.home, [f"text {i}" for i in range(3)],
+                                           now_ms=0)
         client._enqueue(batch)
         admin.config_set("maxmemory", "1")
         try:
             client._enqueue(batch)  # what a retry after a lost reply sends
             with pytest.raises(QueueFull, match="out of memory"):
-                client._enqueue([*batch, client._core.prepare("new", now_ms=0)])
+                client._enqueue([*batch, core.preparer.prepare(core.lanes.home, "new", now_ms=0)])
         finally:
             admin.config_set("maxmemory", "0")
     assert admin.xlen(keys.requests(keys.QueueRef(queue))) == 3

@@ -14,9 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokenq.producer.core import redact_url as core_redact_url
 from tokenq.shared.redis_url import RedisTarget, parse_redis_url, redact
-from tokenq.shared.redis_url import redact as cli_redact_url
 
 pytestmark = pytest.mark.unit
 
@@ -240,17 +238,6 @@ def test_redact_masks_every_password(hosts_, user, password, sentinel_password, 
     for secret in filter(None, (password, sentinel_password)):
         assert quote(secret, safe="") not in shown
     assert "***" in shown
-
-
-@pytest.mark.parametrize("url", [
-    "redis://localhost:6379/0", "redis://:pw@host:1/0", "rediss://user:p%40ss@host/0",
-    "redis://u:s3cret@h:1/0", "rediss://h:1/0?password=s3cret&ssl_cert_reqs=none",
-    "redis://h:1/0", "redis://[::1:6379/0",
-])
-def test_redact_is_what_both_redact_urls_show(url: str) -> None:
-    assert redact(url) == cli_redact_url(url)
-    if "?" not in url and "[" not in url:
-        assert redact(url) == core_redact_url(url)
 
 
 def test_a_targets_repr_shows_no_password() -> None:

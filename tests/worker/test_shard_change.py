@@ -26,7 +26,7 @@ import redis
 from tests.support import SimModel, fleet_fixture, wait_for
 from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import AsyncClient, Client
-from tokenq.producer.core import ENQUEUE_SCRIPT
+from tokenq.producer.calls import ENQUEUE_SCRIPT
 from tokenq.producer.shards import ShardRetired
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
