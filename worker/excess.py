@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenq.shared import functions, keys
 from tokenq.shared.errors import ErrorCode
-from tokenq.shared.redis_refusal import key_refuses
+from tokenq.shared.redis_refusal import error_code
 from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy, dead_answer
 
 TAKE_AT_MOST = 256
@@ -45,5 +45,5 @@ def refusals(
 
 def acl_refused(error: Exception) -> bool:
     """Whether Redis refused the check to this ACL user (FCALL's key, or a command the
-    function runs): it will refuse it every time."""
-    return key_refuses(error) or "executing the script can't" in str(error)
+    function runs): it will refuse it every time. A WRONGTYPE stream fails the read instead."""
+    return error_code(error) == "NOPERM" or "executing the script can't" in str(error)

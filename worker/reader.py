@@ -119,30 +119,36 @@ class Reader:
             budget, self._feed.packer.buffered_tokens, readers=len(self.lanes), cap=cap)
 
     async def run(self, lane: Lane) -> None:
-        """Read one lane until the worker stops (or the lane is drained and removed)."""
+        """Read one lane, its own history first, until the worker stops or the lane is removed;
+        a failed read (history ones too) is counted for ``/readyz`` and retried."""
         self._health.reader_started(lane.index)
+        history: str | None = "0"  # where the next history read starts; None: all read
         try:
-            await self._until_stopped(self._read_history(lane))
             backoff = 0.1
             while self._lifecycle.reading() and not lane.drained:
-                if self._idle_expired():
+                if history is None and self._idle_expired():
                     log.info("queue idle for %.1fs; exiting", self.settings.exit_when_idle_s)
                     self._on_idle()
                     break
-                count = self._read_count()
+                count = self._read_count(MAX_READ_COUNT if history is None else HISTORY_COUNT)
                 if count == 0:
                     await self._wait_for_room()
                     continue
+                entries = None
                 try:
-                    with self._intake.reserving(count):
-                        if await self._until_stopped(self._reclaim(lane, count)):
-                            self._health.read_ok(lane.index)
-                            continue
-                        await self._until_stopped(self._refuse_excess(lane))
-                        entries = await self._until_stopped(
-                            self._xread(lane, ">", count, self.settings.block_ms)
-                        )
-                        self._intake.hold(lane.index, entries or [])
+                    if history is not None:
+                        history = await self._until_stopped(
+                            self._read_history(lane, history, count))
+                    else:
+                        with self._intake.reserving(count):
+                            if await self._until_stopped(self._reclaim(lane, count)):
+                                self._health.read_ok(lane.index)
+                                continue
+                            await self._until_stopped(self._refuse_excess(lane))
+                            entries = await self._until_stopped(
+                                self._xread(lane, ">", count, self.settings.block_ms)
+                            )
+                            self._intake.hold(lane.index, entries or [])
                     self._health.read_ok(lane.index)
                     backoff = 0.1
                 except RedisError as exc:
@@ -241,27 +247,19 @@ class Reader:
         self._recorder.refused_at_intake(answers)
         self._outbox.emit(lane.index, answers)
 
-    async def _read_history(self, lane: Lane) -> None:
-        """Re-read entries this consumer already owns (a restart under the same name).
-
-        Each counts as a delivery, so one that crashed the last process is dead-lettered
-        after ``max_deliveries``.
-        """
-        last = "0"
-        while self._lifecycle.reading():
-            count = self._read_count(HISTORY_COUNT)
-            if count == 0:
-                await self._wait_for_room()
-                continue
-            with self._intake.reserving(count):
-                entries = await self._xread(lane, last, count, None)
-                self._intake.hold(lane.index, entries)
-            if not entries:
-                return
-            assert lane.reclaimer is not None
-            deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
-            await self.take(lane, entries, deliveries, held=True)
-            last = entries[-1][0].decode()
+    async def _read_history(self, lane: Lane, last: str, count: int) -> str | None:
+        """Re-read entries this consumer already owns after ``last`` (a restart under the same
+        name); the next start, or None once all are read. Each counts as a delivery, so one
+        that crashed the last process is dead-lettered after ``max_deliveries``."""
+        with self._intake.reserving(count):
+            entries = await self._xread(lane, last, count, None)
+            self._intake.hold(lane.index, entries)
+        if not entries:
+            return None
+        assert lane.reclaimer is not None
+        deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
+        await self.take(lane, entries, deliveries, held=True)
+        return entries[-1][0].decode()
 
     async def _xread(self, lane: Lane, last_id: str, count: int, block_ms: int | None) -> Entries:
         with self._stages.running(READ, f"an XREADGROUP on {lane.stream}",

@@ -28,7 +28,7 @@ from redis.exceptions import ResponseError
 from tokenq.shared import keys, wire
 from tokenq.shared.packer import Budget, Packer
 from tokenq.worker.backends.sim import SimBackend
-from tokenq.worker.health import Health
+from tokenq.worker.health import READ_FAILURES_BEFORE_UNREADY, Health
 from tokenq.worker.intake import Intake, entry_bytes
 from tokenq.worker.lanes import Lane, Ref
 from tokenq.worker.lifecycle import Lifecycle
@@ -132,6 +132,8 @@ class FakeStreams:
         self.entries: dict[str, list[tuple[bytes, dict[bytes, bytes]]]] = {}
         self.delivered: dict[str, int] = {}
         self.groups: set[str] = set()
+        self.failing_history = 0
+        """How many history reads (``XREADGROUP ... 0``) fail WRONGTYPE before one goes."""
 
     def xadd(self, stream: str, fields: dict[str, str | bytes] | dict[bytes, bytes]) -> bytes:
         held = self.entries.setdefault(stream, [])
@@ -149,6 +151,9 @@ class FakeStreams:
     async def xreadgroup(self, groupname: str, consumername: str, streams: dict[str, str],
                          count: int | None = None, block: int | None = None) -> Any:
         ((stream, last),) = streams.items()
+        if last != ">" and self.failing_history:
+            self.failing_history -= 1
+            raise ResponseError("WRONGTYPE Operation against a key holding the wrong kind")
         if stream not in self.groups:
             raise ResponseError("NOGROUP No such key or consumer group")
         held = self.entries.get(stream, [])
@@ -289,6 +294,17 @@ def test_a_restart_reads_its_own_history_first() -> None:
     parts.client.delivered[parts.lanes[0].stream] = 3  # delivered to "me" before a crash
     asyncio.run(parts.serve_until(jobs=3))
     assert sorted(item.payload.ref for item in parts.packer) == [Ref(0, i) for i in ids]
+
+
+def test_a_failed_history_read_is_counted_and_retried_not_fatal() -> None:
+    parts = Parts(shards=1)
+    ids = [parts.add(0, f"again {k}") for k in range(2)]
+    parts.client.groups.add(parts.lanes[0].stream)
+    parts.client.delivered[parts.lanes[0].stream] = 2
+    parts.client.failing_history = READ_FAILURES_BEFORE_UNREADY
+    asyncio.run(parts.serve_until(jobs=2))
+    assert sorted(item.payload.ref for item in parts.packer) == [Ref(0, i) for i in ids]
+    assert parts.client.failing_history == 0
 
 
 def test_a_poison_entry_costs_only_its_own_dead_letter() -> None:
