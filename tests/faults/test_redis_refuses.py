@@ -35,8 +35,8 @@ from tokenq.producer.ops import letters
 from tokenq.shared import keys, lua_scripts, redis_refusal, wire
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.health import Health
+from tokenq.worker.loop.publish import Publisher, spelled_out
 from tokenq.worker.pipeline.jobs import Answer
-from tokenq.worker.publish import Publisher, spelled_out
 
 ROOT = Path(__file__).resolve().parents[2]
 full = full_fixture()

@@ -23,8 +23,8 @@ from tests.redis_full import fill, free, full_fixture
 from tests.support import SimModel, wait_for
 from tests.workers import Fleet
 from tokenq.shared import keys
-from tokenq.worker.intake import Intake
-from tokenq.worker.outbox import Outbox
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.pipeline.jobs import Answer
 
 full = full_fixture()

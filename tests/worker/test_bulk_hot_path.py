@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import DecodeError
 from tokenq.shared.packing import PackedArgs, takes_packed
+from tokenq.worker.loop.publish import Publisher, spelled_out
 from tokenq.worker.pipeline.jobs import Answer
-from tokenq.worker.publish import Publisher, spelled_out
 from tokenq.worker.redis_connect import connect
 from tokenq.worker.settings import WorkerSettings
 

@@ -20,11 +20,12 @@ from tests.worker.test_dashboard import documented_metrics
 from tokenq.producer import Client
 from tokenq.shared import keys
 from tokenq.shared.errors import ConfigError, ErrorCode
-from tokenq.worker import depth_probe, endpoint, metrics
+from tokenq.worker import endpoint, metrics
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER
 from tokenq.worker.batch_stats import BatchRecord, WorkerStats, exit_line
 from tokenq.worker.health import Health
 from tokenq.worker.histograms import BatchHistogram
+from tokenq.worker.loop import depth_probe
 from tokenq.worker.pipeline.jobs import Answer, error_answer
 from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling.embedded import free_port

@@ -35,7 +35,7 @@ from tokenq.shared.errors import (
 from tokenq.worker.backends.base import Encoding, TextInput
 from tokenq.worker.backends.sim import SimBackend, expected_chunked_vector, expected_vector
 from tokenq.worker.local import Batcher
-from tokenq.worker.loop import Worker
+from tokenq.worker.loop.worker import Worker
 from tokenq.worker.pipeline.feed import Aborted
 from tokenq.worker.settings import WorkerSettings
 

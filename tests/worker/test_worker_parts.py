@@ -1,12 +1,12 @@
 """The worker's parts, each driven on its own.
 
-* :class:`~tokenq.worker.intake.Intake` is pure: hypothesis drives it with
+* :class:`~tokenq.worker.loop.intake.Intake` is pure: hypothesis drives it with
   plain numbers (the byte bound over any sequence of reads and publishes,
   the token room, the running mean).
-* :class:`~tokenq.worker.reader.Reader` and :class:`~tokenq.worker.outbox.Outbox`
+* :class:`~tokenq.worker.loop.reader.Reader` and :class:`~tokenq.worker.loop.outbox.Outbox`
   run against a small in-memory fake of the stream commands they send
   (XREADGROUP, XGROUP CREATE, the publisher's call), no Redis: entries become
-  jobs named by their lane (:class:`~tokenq.worker.lanes.Ref`), a poison entry
+  jobs named by their lane (:class:`~tokenq.worker.loop.lanes.Ref`), a poison entry
   costs only its own dead letter, and answers leave on their own lane under
   their bare entry id, giving their read-ahead room back.
 
@@ -29,19 +29,19 @@ from tokenq.shared import keys, wire
 from tokenq.shared.packer import Budget, Packer
 from tokenq.worker.backends.sim import SimBackend
 from tokenq.worker.health import READ_FAILURES_BEFORE_UNREADY, Health
-from tokenq.worker.intake import Intake, entry_bytes
-from tokenq.worker.lanes import Lane, Ref
-from tokenq.worker.lifecycle import Lifecycle
+from tokenq.worker.loop.intake import Intake, entry_bytes
+from tokenq.worker.loop.lanes import Lane, Ref
+from tokenq.worker.loop.lifecycle import Lifecycle
+from tokenq.worker.loop.outbox import Outbox
+from tokenq.worker.loop.reader import Reader
+from tokenq.worker.loop.recorder import Recorder
+from tokenq.worker.loop.recovery import Claimed
+from tokenq.worker.loop.stages import Stages
 from tokenq.worker.metrics import NullMetrics
-from tokenq.worker.outbox import Outbox
 from tokenq.worker.pipeline.feed import DeviceFeed
 from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy
 from tokenq.worker.pipeline.pipeline import Failure, Outcome, Pipeline
-from tokenq.worker.reader import Reader
-from tokenq.worker.recorder import Recorder
-from tokenq.worker.recovery import Claimed
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.stages import Stages
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """One request pipeline for both batching loops: requests in, jobs, batch outcomes out.
 
-The Redis worker (``worker/loop.py``) and the in-process batcher
+The Redis worker (``worker/loop/worker.py``) and the in-process batcher
 (``worker/local/batcher.py``) differ only in where requests come from and
 answers go; the rest is here: :meth:`Pipeline.admit` (deadline, pairs check,
 exact tokenization isolated per input, over-length policy), :meth:`Pipeline.run_batch`

@@ -6,7 +6,7 @@ loop when its predicted cost is at most ``budget_s`` (``--admit-inline-ms``), in
 thread otherwise, before anything is learned, or with ``--tokenize-processes``.
 Prediction: a rate times units (:data:`REQUEST_UNITS` plus characters per
 request), rising at once and falling a tenth a read. A stuck inline read is the
-:class:`~tokenq.worker.loop_guard.LoopGuard`'s. Pure: times are passed in.
+:class:`~tokenq.worker.loop.loop_guard.LoopGuard`'s. Pure: times are passed in.
 """
 
 from __future__ import annotations

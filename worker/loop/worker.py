@@ -5,7 +5,7 @@ the packer's. Tasks joined by bounded hand-offs (TEI's shape): **read** (one per
 stream: ``reader.py``), **run** (:class:`~tokenq.worker.pipeline.feed.DeviceFeed`,
 the next batch the moment the device frees), **publish** (``outbox.py``), **beat**
 (``beat.py``) and **watchdog** (``watchdog.py``; a stage past its deadline,
-``worker/stages.py``, exits 3). Each part owns its state (docs/ARCHITECTURE.md);
+``worker/loop/stages.py``, exits 3). Each part owns its state (docs/ARCHITECTURE.md);
 :class:`Worker` wires them and reports to :class:`~tokenq.worker.health.Health`.
 Nothing one entry contains can end the process.
 """
@@ -29,49 +29,46 @@ from tokenq.shared import keys, wire
 from tokenq.shared.failures import error_text, failure_message
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
-from tokenq.worker import host_memory, presence, read_ahead
+from tokenq.worker import host_memory
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.batch_stats import exit_line
-from tokenq.worker.beat import Beat, streams_of
-from tokenq.worker.clock import RedisClock
 from tokenq.worker.health import Health
-from tokenq.worker.intake import Intake
-from tokenq.worker.lanes import Lane, Ref, Retirement
-from tokenq.worker.lifecycle import STOP_GRACE_S, Lifecycle
 from tokenq.worker.logs import FIELDS
-from tokenq.worker.loop_guard import LoopGuard
+from tokenq.worker.loop import presence, read_ahead
+from tokenq.worker.loop.beat import Beat, streams_of
+from tokenq.worker.loop.clock import RedisClock
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Lane, Ref, Retirement
+from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle
+from tokenq.worker.loop.loop_guard import LoopGuard
+from tokenq.worker.loop.outbox import Outbox
+from tokenq.worker.loop.publish import Publisher
+from tokenq.worker.loop.reader import Reader
+from tokenq.worker.loop.recorder import Recorder
+from tokenq.worker.loop.recovery import Reclaimer
+from tokenq.worker.loop.stages import (
+    DEVICE,
+    REDIS_CALL_BOUND,
+    Overdue,
+    StageClock,
+    Stages,
+    redis_call_deadline_s,
+)
+from tokenq.worker.loop.watchdog import Watchdog, WorkerHung, watchdog_period_s
 from tokenq.worker.metrics import NullMetrics
-from tokenq.worker.outbox import Outbox
 from tokenq.worker.pipeline.execute import adapt_budget
 from tokenq.worker.pipeline.feed import Aborted, DeviceFeed, ordinary, wait_event
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
 from tokenq.worker.pipeline.pipeline import BatchOutcome, Job, Pipeline, budget_for
 from tokenq.worker.pipeline.tokenizing import pool_for
-from tokenq.worker.publish import Publisher
-from tokenq.worker.reader import Reader
-from tokenq.worker.recorder import Recorder
-from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.redis_connect import connect
 from tokenq.worker.server_check import check_server
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.stage_clock import StageClock
-from tokenq.worker.stages import (
-    DEVICE,
-    REDIS_CALL_BOUND,
-    Overdue,
-    Stages,
-    redis_call_deadline_s,
-)
-from tokenq.worker.watchdog import Watchdog, WorkerHung, watchdog_period_s
 
 __all__ = ["Plan", "Worker", "WorkerHung", "default_consumer_name", "plan",
            "redis_call_deadline_s", "watchdog_period_s"]
 
 log = logging.getLogger("tokenq.worker")
-
-_STOP_GRACE_S = STOP_GRACE_S
-"""How long a stopping worker keeps trying to publish and deregister (``lifecycle.py``)."""
-
 
 def default_consumer_name() -> str:
     """host-pid-random: unique per process, readable in XINFO CONSUMERS."""
@@ -115,7 +112,7 @@ class Worker:
         health: Health | None = None,
         on_stuck: Callable[[Overdue], None] | None = None,
     ) -> None:
-        """``on_stuck``: called by a :class:`~tokenq.worker.loop_guard.LoopGuard` thread when
+        """``on_stuck``: called by a :class:`~tokenq.worker.loop.loop_guard.LoopGuard` thread when
         the event loop is stuck in an overdue stage; None in tests that run in-process.
         """
         self.settings = settings

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 
 from tokenq.shared import keys
 from tokenq.shared.redis_text import as_text
-from tokenq.worker import presence
+from tokenq.worker.loop import presence
 
 log = logging.getLogger("tokenq.worker")
 

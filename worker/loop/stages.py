@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -113,6 +114,45 @@ class Stages:
             if late >= 0 and (worst is None or late > worst[0]):
                 worst = (late, Overdue(stage, reason))
         return None if worst is None else worst[1]
+
+
+COUNTED_PERIODS = 1.5
+"""The most of one gap between ticks that counts, in periods (one plus scheduling slack)."""
+
+
+class StageClock:
+    """Monotonic seconds less the time the process was stopped (SIGSTOP, a frozen cgroup): the
+    loop guard ticks it each period and at most :data:`COUNTED_PERIODS` of a gap counts."""
+
+    def __init__(self, tick_period_s: float, raw: Callable[[], float] = time.monotonic) -> None:
+        self._max_gap_s = COUNTED_PERIODS * tick_period_s
+        self._raw = raw
+        self._lock = threading.Lock()
+        self._last_tick: float | None = None
+        self._left_out = 0.0
+
+    def _uncounted(self, raw_now: float) -> float:
+        if self._last_tick is None:
+            return 0.0
+        return max(0.0, raw_now - self._last_tick - self._max_gap_s)
+
+    def __call__(self) -> float:
+        with self._lock:
+            raw_now = self._raw()
+            return raw_now - self._left_out - self._uncounted(raw_now)
+
+    def tick(self) -> None:
+        """The ticking thread ran: what it could not cover since its last tick is left out."""
+        with self._lock:
+            raw_now = self._raw()
+            self._left_out += self._uncounted(raw_now)
+            self._last_tick = raw_now
+
+    def stop_ticking(self) -> None:
+        """No more ticks: from now on every second counts."""
+        self.tick()
+        with self._lock:
+            self._last_tick = None
 
 
 REDIS_CALL_BOUND = "twice the Redis call bound"

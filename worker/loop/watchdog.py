@@ -1,6 +1,6 @@
 """The watchdog: the one task that decides the worker is hung, and what it does then.
 
-Which stage is late is :class:`~tokenq.worker.stages.Stages`' rule. Once one is,
+Which stage is late is :class:`~tokenq.worker.loop.stages.Stages`' rule. Once one is,
 the worker stops reading and refreshing claims (:attr:`Lifecycle.hung`),
 publishes what is done within a grace, deletes its liveness keys and raises
 :class:`WorkerHung` (exit 3). Each turn also ticks the loop's liveness (``/livez``).
@@ -18,9 +18,9 @@ from redis.exceptions import RedisError
 
 from tokenq.shared.errors import TokenqError
 from tokenq.worker.health import Health
-from tokenq.worker.lifecycle import STOP_GRACE_S, Lifecycle
+from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle
+from tokenq.worker.loop.stages import Stages
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.stages import Stages
 
 log = logging.getLogger("tokenq.worker")
 

@@ -2,9 +2,9 @@
 
 A shard whose node is down holds back only its own answers. Outboxes are
 unbounded, but what waits in them counts as held
-(:class:`~tokenq.worker.intake.Intake`), so the read-ahead room bounds them.
+(:class:`~tokenq.worker.loop.intake.Intake`), so the read-ahead room bounds them.
 Each task publishes whatever queued up in one call
-(:class:`~tokenq.worker.publish.Publisher`), retrying until Redis takes it or the
+(:class:`~tokenq.worker.loop.publish.Publisher`), retrying until Redis takes it or the
 worker is past its grace.
 """
 
@@ -15,13 +15,13 @@ import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from tokenq.worker.intake import Intake
-from tokenq.worker.lanes import Lane, Ref
-from tokenq.worker.lifecycle import Lifecycle
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Lane, Ref
+from tokenq.worker.loop.lifecycle import Lifecycle
+from tokenq.worker.loop.recorder import Recorder
+from tokenq.worker.loop.stages import PUBLISH, Stages
 from tokenq.worker.pipeline.jobs import Answer
 from tokenq.worker.pipeline.pipeline import Outcome, Pipeline
-from tokenq.worker.recorder import Recorder
-from tokenq.worker.stages import PUBLISH, Stages
 
 PUBLISH_CHUNK = 2048
 """Most answers one publish call carries when several batches' answers are waiting."""

@@ -2,7 +2,7 @@
 
 Everything held counts: entries in the packer, a read being tokenized (at the
 producers' estimates), answers awaiting publish; in bytes
-(:class:`~tokenq.worker.read_ahead.ByteRoom`) each entry's raw bytes, its
+(:class:`~tokenq.worker.loop.read_ahead.ByteRoom`) each entry's raw bytes, its
 encoding (:data:`TOKEN_BYTES` a token), then its packed reply. Pure: what the
 packer holds is passed in (``tests/worker/test_worker_parts.py``).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 
-from tokenq.worker.read_ahead import ByteRoom
+from tokenq.worker.loop.read_ahead import ByteRoom
 
 TOKEN_BYTES = 40
 """What one token of a buffered encoding holds: the Hugging Face backend's ids are a

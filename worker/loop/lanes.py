@@ -26,9 +26,9 @@ from tokenq.shared.redis_text import as_text
 log = logging.getLogger("tokenq.worker")
 
 if TYPE_CHECKING:
+    from tokenq.worker.loop.publish import Publisher
+    from tokenq.worker.loop.recovery import Reclaimer
     from tokenq.worker.pipeline.jobs import DeadLetterPolicy
-    from tokenq.worker.publish import Publisher
-    from tokenq.worker.recovery import Reclaimer
 
 
 class Ref(NamedTuple):

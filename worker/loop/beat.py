@@ -18,14 +18,14 @@ from redis.exceptions import RedisError
 from tokenq.shared import keys
 from tokenq.shared.failures import error_text
 from tokenq.shared.heartbeat import Heartbeat
-from tokenq.worker import depth_probe, presence
-from tokenq.worker.clock import RedisClock
 from tokenq.worker.health import Health
-from tokenq.worker.intake import Intake
-from tokenq.worker.lanes import Lane, Retirement
-from tokenq.worker.lifecycle import Lifecycle
+from tokenq.worker.loop import depth_probe, presence
+from tokenq.worker.loop.clock import RedisClock
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Lane, Retirement
+from tokenq.worker.loop.lifecycle import Lifecycle
+from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.pipeline.feed import wait_event
-from tokenq.worker.recorder import Recorder
 
 log = logging.getLogger("tokenq.worker")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenq.shared.packer import Batch, Budget
 from tokenq.worker.batch_stats import BatchLog, BatchRecord, WorkerStats
-from tokenq.worker.lanes import Ref, entry_ids
+from tokenq.worker.loop.lanes import Ref, entry_ids
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.jobs import Answer
 from tokenq.worker.pipeline.pipeline import BatchOutcome, Job

@@ -1,9 +1,9 @@
 """Reading the worker's lanes: one task per lane, into the one packer.
 
 Each task re-reads what this consumer already owns, then XREADGROUPs as far as
-the read-ahead room allows (:class:`~tokenq.worker.intake.Intake`), reclaims
-dead workers' entries (:class:`~tokenq.worker.recovery.Reclaimer`) and refuses
-entries past the length limit (:mod:`~tokenq.worker.excess`).
+the read-ahead room allows (:class:`~tokenq.worker.loop.intake.Intake`), reclaims
+dead workers' entries (:class:`~tokenq.worker.loop.recovery.Reclaimer`) and refuses
+entries past the length limit (:mod:`~tokenq.worker.loop.excess`).
 
 Containment: a read that raises is retried entry by entry, and an entry that
 still fails is dead-lettered naming the error, so a poison entry costs only its
@@ -26,19 +26,19 @@ from redis.exceptions import RedisError, ResponseError
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import ErrorCode
 from tokenq.shared.failures import error_text
-from tokenq.worker import excess, presence
-from tokenq.worker.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
 from tokenq.worker.health import Health
-from tokenq.worker.intake import Intake
-from tokenq.worker.lanes import Lane, Ref
-from tokenq.worker.lifecycle import Lifecycle
-from tokenq.worker.outbox import Outbox, answers_by_lane
+from tokenq.worker.loop import excess, presence
+from tokenq.worker.loop.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Lane, Ref
+from tokenq.worker.loop.lifecycle import Lifecycle
+from tokenq.worker.loop.outbox import Outbox, answers_by_lane
+from tokenq.worker.loop.recorder import Recorder
+from tokenq.worker.loop.stages import READ, TOKENIZING, Stages
 from tokenq.worker.pipeline.feed import DeviceFeed, monotonic_ms, wait_event
 from tokenq.worker.pipeline.jobs import Answer, dead_answer, decode_entries
 from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job, Pipeline
-from tokenq.worker.recorder import Recorder
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.stages import READ, TOKENIZING, Stages
 
 log = logging.getLogger("tokenq.worker")
 
@@ -390,8 +390,8 @@ class Reader:
         self, lane: Lane, requests: list[tuple[bytes, wire.Request]], read_ms: float,
         now_epoch_ms: int,
     ) -> tuple[Admitted[Ref], float]:
-        """The pipeline's admission of one read, and the seconds it took (in a thread, or on
-        the event loop when :class:`~tokenq.worker.admit_place.AdmitPlace` says it is cheap)."""
+        """The pipeline's admission of one read and the seconds it took (in a thread, or on the
+        event loop when ``AdmitPlace`` says it is cheap)."""
         deadline_of = wire.deadline_of
         items = [
             Admit(ref, request, deadline_of(request, entry_id), read_ms)
