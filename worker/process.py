@@ -1,7 +1,4 @@
-"""One worker process's life: open the endpoint, load the backend, run the loop until a signal.
-
-Imported by :mod:`tokenq.worker.cli` only after parsing, so ``--help`` needs no numpy.
-"""
+"""One worker process's life: open the endpoint, load the backend, run the loop until a signal."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ from tokenq.worker import collector
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Lane
 from tokenq.worker.loop.outbox import answers_by_lane
-from tokenq.worker.loop.publish import Publisher
+from tokenq.worker.loop.publish import Publisher, Target
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy, decode_entries
 from tokenq.worker.pipeline.pipeline import Admit, Pipeline
 
@@ -88,7 +88,7 @@ def measure(reads: int) -> dict[str, Any]:
     )
     lane = Lane(0, queue, policy)
     pipeline: Pipeline[Any] = Pipeline(NullBackend())
-    publisher = Publisher(aioredis.Redis(), stream="s", dead="d", group="g", consumer="c",
+    publisher = Publisher(aioredis.Redis(), Target("s", "d", "g", "c"),
                           reply_ttl_ms=60_000, dead_max_len=10, dead_max_letter_bytes=10)
     pack_command = packing.HiredisPacking().pack_command
     read = stream_read(queue, READ)

@@ -46,7 +46,7 @@ from texts import uniform_mix
 
 from tokenq.producer import Client
 from tokenq.shared import keys, wire
-from tokenq.worker.loop.publish import Publisher
+from tokenq.worker.loop.publish import Publisher, Target
 from tokenq.worker.pipeline.jobs import Answer
 
 SIZES = {"tiny": 1000, "small": 10_000, "full": 20_000}
@@ -127,7 +127,7 @@ async def _floor(url: str, queue: str, requests: int) -> tuple[float, float, flo
     try:
         await client.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
         publisher = Publisher(
-            client, stream=stream, dead=keys.dead(ref), group=keys.GROUP, consumer="floor",
+            client, Target(stream, keys.dead(ref), keys.GROUP, "floor"),
             reply_ttl_ms=600_000, dead_max_len=1000, dead_max_letter_bytes=1000,
         )
         vector = bytes(4 * FLOOR_DIM)

@@ -377,7 +377,7 @@ def test_the_stream_length_is_every_unanswered_request(redis_url, queue_name):
     so XLEN = unread + held by workers, whatever order they answer in; the group's
     lag (XINFO GROUPS) counts only the unread, and Redis often cannot count it at all
     once answered entries are deleted out of order."""
-    from tokenq.worker.loop.publish import Publisher
+    from tokenq.worker.loop.publish import Publisher, Target
     from tokenq.worker.pipeline.jobs import Answer
 
     queue = QueueRef(queue_name)
@@ -389,8 +389,8 @@ def test_the_stream_length_is_every_unanswered_request(redis_url, queue_name):
 
     async def answer(entry_ids: list[bytes]) -> None:
         client = aioredis.Redis.from_url(redis_url)
-        publisher = Publisher(client, stream=stream, dead=keys.dead(queue), group=keys.GROUP,
-                              consumer="w1", reply_ttl_ms=1000, dead_max_len=10,
+        publisher = Publisher(client, Target(stream, keys.dead(queue), keys.GROUP, "w1"),
+                              reply_ttl_ms=1000, dead_max_len=10,
                               dead_max_letter_bytes=1024)
         answers = [Answer(i, keys.reply(queue, i.decode()), b"x", ok=True) for i in entry_ids]
         assert await publisher.publish_once(answers) == len(entry_ids)

@@ -1,7 +1,4 @@
-"""In-process batching: the worker's pipeline and packer without Redis in between.
-
-    from tokenq.worker.local import Batcher
-"""
+"""In-process batching: the worker's pipeline and packer without Redis in between."""
 
 from tokenq.worker.local.batcher import Batcher, BatcherStats
 

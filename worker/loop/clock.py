@@ -1,10 +1,5 @@
-"""The worker's estimate of Redis's clock.
-
-Deadlines and queue waits are measured on Redis's clock, which stamped the
-stream ids, so a skewed host clock cannot expire or delay everything
-(docs/decisions/0011-deadlines-on-redis-clock.md). ``TIME`` is read at start and
-each heartbeat, corrected by half the round trip, and advanced by the local clock.
-"""
+"""Redis's clock, estimated (deadlines and queue waits are on it: a skewed host cannot expire
+everything; docs/decisions/0011-deadlines-on-redis-clock.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""How deep the queue is, as the worker reports it for autoscalers (KEDA, an HPA).
-
-``XLEN`` and the group's ``XINFO GROUPS`` row once a heartbeat, per stream, summed;
-every worker reports the same (take ``max by (queue)``). Meanings:
-:mod:`tokenq.shared.queue_depth`.
-"""
+"""How deep the queue is, as the worker reports it for autoscalers (KEDA, an HPA)."""
 
 from __future__ import annotations
 

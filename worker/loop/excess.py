@@ -1,11 +1,4 @@
-"""Entries written around enqueue's length limit: refused as an enqueue past it would be.
-
-A producer may ``XADD`` directly and skip ``max_queue_length``; the newest entries
-beyond the limit were written around it (``worker/lua/claim_excess.lua``). Before
-each read a worker answers up to :data:`TAKE_AT_MOST` undelivered ones with
-``queue_full`` as dead letters; within the limit it costs one ``XLEN``
-(docs/SECURITY.md, "What a producer can still do with XADD").
-"""
+"""Entries written around enqueue's length limit: refused as an enqueue past it would be."""
 
 from __future__ import annotations
 

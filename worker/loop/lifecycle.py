@@ -1,7 +1,5 @@
-"""Where a worker is in its life: running, stopping, hung, closing.
-
-Every task asks; only :class:`~tokenq.worker.loop.Worker` (a stop) and the
-watchdog (a hang) change the answers.
+"""Where a worker is in its life (running, stopping, hung, closing), and the wiring its parts
+share: the client, the settings and the hooks every part calls (deadlines, recorder, health).
 """
 
 from __future__ import annotations
@@ -10,13 +8,21 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenq.worker.health import Health
+from tokenq.worker.loop.clock import RedisClock
+from tokenq.worker.loop.recorder import Recorder
+from tokenq.worker.loop.stages import REDIS_CALL_BOUND, Stages, redis_call_deadline_s
+from tokenq.worker.settings import WorkerSettings
 
 STOP_GRACE_S = 5.0
 """How long a stopping worker keeps trying to publish and deregister while Redis is down."""
 
 
 class Lifecycle:
-    """The run state the worker's tasks share."""
+    """The run state the worker's tasks share: a stop or the watchdog changes it."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -29,6 +35,8 @@ class Lifecycle:
         self.stop_started: float | None = None
         self.hung = False
         """Set by the watchdog: read nothing, refresh no claims, give up on Redis soon."""
+        self.on_stop: list[Callable[[], None]] = []
+        """Called once, at the first stop (whoever asks for it: a signal, the idle timeout)."""
 
     def stop(self) -> bool:
         """Mark the stop (True the first time)."""
@@ -37,12 +45,14 @@ class Lifecycle:
             self.stop_started = self._clock()
         self.stopping.set()
         self.room_made.set()
+        if first:
+            for hook in self.on_stop:
+                hook()
         return first
 
     async def unless_stopping(self, work: Awaitable[object]) -> bool:
         """Run ``work`` to its end (True), or abandon it once a stop comes (False); a cancel
-        redis-py swallows is waited on for a second at most.
-        """
+        redis-py swallows is waited on for a second at most."""
         task = asyncio.ensure_future(work)
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
@@ -66,3 +76,31 @@ class Lifecycle:
             return True
         started = self.stop_started
         return started is not None and self._clock() - started > STOP_GRACE_S
+
+
+@dataclass(slots=True)
+class Wiring:
+    """What every part of the loop shares; ``client`` is set once the worker runs."""
+
+    consumer: str
+    settings: WorkerSettings
+    lifecycle: Lifecycle
+    stages: Stages
+    recorder: Recorder
+    health: Health
+    clock: RedisClock = field(init=False, default_factory=RedisClock)
+    client: Any = field(init=False, default=None)
+    call_deadline: tuple[float, str] = field(init=False)
+    """The deadline of one Redis read or publish attempt, and the rule it comes from."""
+
+    def __post_init__(self) -> None:
+        self.call_deadline = (redis_call_deadline_s(self.settings), REDIS_CALL_BOUND)
+
+    def refused(self, reason: str, error: str) -> None:
+        """Redis refused a publish call (OOM, READONLY, ...): counted, and /readyz says why."""
+        self.recorder.redis_refused(reason)
+        self.health.publish_refused(f"{reason}: {error}"[:200])
+
+    def published(self) -> None:
+        """A publish call went through: Redis takes writes again."""
+        self.health.publish_ok()

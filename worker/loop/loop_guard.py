@@ -1,12 +1,5 @@
-"""The guard behind the watchdog: a thread that ends a worker whose event loop is stuck.
-
-The watchdog runs on the event loop, so a stage that blocks the loop (a read
-admitted on it: ``worker/loop/admit_place.py``) blocks it too. This thread asks the
-same :class:`~tokenq.worker.loop.stages.Stages`; a stage still overdue ``patience_s``
-later means the loop is stuck: it logs the stage and calls ``on_stuck``
-(``os._exit(3)``). It also ticks the :class:`~tokenq.worker.loop.stages.StageClock`.
-A thread, not a signal: the main thread is the stuck one.
-"""
+"""A thread that ends a worker whose event loop is stuck in an overdue stage (the watchdog runs
+on that loop); it also ticks the :class:`~tokenq.worker.loop.stages.StageClock`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""The clock of stage deadlines: monotonic seconds, less the time the process was stopped.
-
-A stopped process (SIGSTOP, a frozen cgroup) would find every running stage
-overdue when it continues. So the loop guard ticks this clock each period and at
-most :data:`COUNTED_PERIODS` of a gap counts; a stuck stage leaves the guard
-ticking, so its time counts in full. Unticked, it is the monotonic clock less
-what it left out.
-"""
+"""The clock of stage deadlines: monotonic seconds, less the time the process was stopped."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""Deadlines of the worker's stages that hold entries: every rule of "hung", and nothing else.
-
-A stage holds read entries while it runs (a batch on the device, a read being
-tokenized, one Redis read, one publish attempt), and the heartbeat keeps their
-claims fresh, so a stage that never returns would hold them forever. Each
-registers its deadline; the watchdog asks :meth:`Stages.overdue`, and the first
-overdue stage makes the worker hung (exit 3): a thread cannot be interrupted
-(docs/decisions/0057-stage-deadlines.md). After a stop, tokenizing gets
-``stop_grace_s``; a batch keeps ``batch_timeout_s`` (docs/RELIABILITY.md).
-Pure: the clock is passed in.
-"""
+"""Deadlines of the stages that hold entries (device, tokenizing, read, publish): every rule of
+"hung" (docs/decisions/0057-stage-deadlines.md), on a clock that leaves out a stopped process."""
 
 from __future__ import annotations
 
@@ -160,12 +151,7 @@ REDIS_CALL_BOUND = "twice the Redis call bound"
 
 
 def redis_call_deadline_s(settings: WorkerSettings) -> float:
-    """The deadline of one Redis read or publish attempt: twice what redis-py can take.
-
-    That is ``retries + 1`` attempts of connect (5 s), ``socket_timeout_s`` (plus
-    ``block_ms``) and up to 2 s backoff; a call still running at twice that is stuck
-    in the worker, not waiting on Redis.
-    """
+    """The deadline of one Redis read or publish attempt: twice what redis-py can take."""
     attempt = settings.block_ms / 1000 + settings.socket_timeout_s + min(
         5.0, settings.socket_timeout_s)
     return 2 * ((settings.retries + 1) * attempt + settings.retries * 2.0)
