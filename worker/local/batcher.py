@@ -82,35 +82,36 @@ class BatcherStats:
     """The last few failed runs, newest last (at most 100)."""
 
 
+@dataclass(frozen=True, slots=True)
+class BatcherOptions:
+    """The rest of ``tokenq worker``'s knobs of the same names, with the same defaults
+    (``cost_model`` None or 'auto' follows ``backend.info.padded``)."""
+
+    cost_model: CostModel | str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    policy: OverLength = "truncate"
+    chunk_overlap: int = 0
+    max_padding_ratio: float = 1.0
+    aging_ms: float = DEFAULT_AGING_MS
+    max_batch_ms: float | None = None
+
+
 class Batcher:
     """Packs concurrent ``submit`` calls into token-budgeted batches for one backend."""
 
     def __init__(
-        self,
-        backend: Backend,
-        *,
-        max_batch_tokens: int,
-        max_batch_size: int,
-        linger_ms: float,
-        cost_model: CostModel | str | None = None,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        policy: OverLength = "truncate",
-        chunk_overlap: int = 0,
-        max_padding_ratio: float = 1.0,
-        aging_ms: float = DEFAULT_AGING_MS,
-        max_batch_ms: float | None = None,
+        self, backend: Backend, *, max_batch_tokens: int, max_batch_size: int, linger_ms: float,
+        options: BatcherOptions = BatcherOptions(),
     ) -> None:
-        """The same knobs as ``tokenq worker``'s flags of the same names."""
         info = backend.info
-        budget = budget_for(info, max_batch_tokens, max_batch_size, cost_model,
+        budget = budget_for(info, max_batch_tokens, max_batch_size, options.cost_model,
                             "set by max_batch_tokens")
         self._pipeline: Pipeline[_Pending] = Pipeline(
-            backend, policy=policy, chunk_overlap=chunk_overlap
-        )
+            backend, policy=options.policy, chunk_overlap=options.chunk_overlap)
         try:
             self._packer: Packer[Job[_Pending]] = Packer(
-                budget, linger_ms, max_padding_ratio=max_padding_ratio,
-                aging_ms=aging_ms, max_batch_ms=max_batch_ms,
+                budget, linger_ms, max_padding_ratio=options.max_padding_ratio,
+                aging_ms=options.aging_ms, max_batch_ms=options.max_batch_ms,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -119,7 +120,7 @@ class Batcher:
         self._feed: DeviceFeed[Job[_Pending], BatchOutcome[_Pending]] = DeviceFeed(
             self._packer, self._execute, _Rules(self), name="tokenq-batcher-device")
         self.backend = backend
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes = options.max_request_bytes
         self.stats = BatcherStats()
         self._incoming: deque[_Pending] = deque()
         self._tokenizing: list[_Pending] = []
