@@ -68,7 +68,7 @@ def test_what_the_intake_holds_stays_under_the_byte_bound(
         room = intake.bytes.limit - intake.bytes.used()
         assert (count == 0) == (room <= 0)
         if count:
-            with intake.reserving(count):
+            with intake.bytes.reserving(count):
                 entries = []
                 for size in sizes[:count]:
                     serial += 1

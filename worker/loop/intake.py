@@ -4,7 +4,7 @@ answers awaiting publish all count. Pure: what the packer holds is passed in."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
 from tokenq.worker.loop.read_ahead import ByteRoom
 
@@ -78,10 +78,6 @@ class Intake:
             self.inflight_estimate -= claimed
 
     # ------------------------------------------------------------------- bytes
-
-    def reserving(self, count: int) -> AbstractContextManager[None]:
-        """Reserve the bytes of ``count`` largest entries for one read (``read_ahead.py``)."""
-        return self.bytes.reserving(count)
 
     def hold(
         self, lane: int, entries: Iterable[tuple[bytes, Mapping[bytes, bytes] | None]]

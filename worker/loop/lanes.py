@@ -90,11 +90,6 @@ class LaneSet:
         return ", ".join(lane.stream for lane in self._lanes)
 
 
-def entry_ids(refs: Iterable[Ref]) -> list[bytes]:
-    """The stream entry ids of references (for what reads an id's time: metrics)."""
-    return [ref.entry_id for ref in refs]
-
-
 REMOVE_RETIRED_SCRIPT = lua_scripts.load("tokenq.worker", "remove_retired.lua")
 
 _GONE = ("removed", "gone")

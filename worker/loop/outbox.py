@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from tokenq.worker.loop.intake import Intake
@@ -72,10 +72,7 @@ class Outbox:
 
     def emit_outcomes(self, pipeline: Pipeline[Any], outcomes: Sequence[Outcome[Ref]]) -> None:
         """Answer finished requests, each on the lane its entry came from."""
-        self.emit_all(answers_by_lane(pipeline, outcomes))
-
-    def emit_all(self, owed: Mapping[int, list[Answer]]) -> None:
-        for lane, answers in owed.items():
+        for lane, answers in answers_by_lane(pipeline, outcomes).items():
             self.emit(lane, answers)
 
     def close(self) -> None:

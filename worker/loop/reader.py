@@ -122,7 +122,7 @@ class Reader:
                         history = await self._until_stopped(
                             self._read_history(lane, history, count))
                     else:
-                        with self._intake.reserving(count):
+                        with self._intake.bytes.reserving(count):
                             if await self._until_stopped(self._reclaim(lane, count)):
                                 self._health.read_ok(lane.index)
                                 continue
@@ -228,7 +228,7 @@ class Reader:
         """Re-read entries this consumer already owns after ``last`` (a restart under the same
         name); the next start, or None once all are read. Each counts as a delivery, so one
         that crashed the last process is dead-lettered after ``max_deliveries``."""
-        with self._intake.reserving(count):
+        with self._intake.bytes.reserving(count):
             entries = await self._xread(lane, last, count, None)
             self._intake.hold(lane.index, entries)
         if not entries:

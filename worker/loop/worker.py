@@ -195,9 +195,7 @@ class Worker:
         if self._tokenizer_pool is not None:
             await asyncio.to_thread(self._tokenizer_pool.start)
         if not await self._join(reader):  # stopped before Redis ever answered
-            self._close_tokenizer_pool()
-            if self._own_client and self._client is not None:
-                await self._client.aclose()
+            await self._close()
             return
         self._log_start()
         self.health.running(time.monotonic())
@@ -234,9 +232,7 @@ class Worker:
             except (RedisError, asyncio.TimeoutError) as exc:
                 log.warning("could not deregister: %s", error_text(exc))
             self._recorder.close()
-            self._close_tokenizer_pool()
-            if self._own_client and self._client is not None:
-                await self._client.aclose()
+            await self._close()
             fields = self._recorder.exit_fields(time.time())
             log.info(exit_line(fields), extra={FIELDS: fields})
 
@@ -264,9 +260,11 @@ class Worker:
         for lane in self.lanes:
             await presence.leave(self.client, lane.queue, self.consumer)
 
-    def _close_tokenizer_pool(self) -> None:
+    async def _close(self) -> None:
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.close()
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
 
     async def _join(self, reader: Reader) -> bool:
         """Create the group and publish the config, waiting for Redis if it is not up yet."""

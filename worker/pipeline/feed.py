@@ -59,7 +59,7 @@ def in_thread(call: Callable[..., R], *args: Any) -> R:
 
 
 _TAKEN = object()
-"""The inbox's message that a batch left the packer (the loop then calls ``on_take``)."""
+"""The inbox's message that a batch left the packer (the loop then calls ``Rules.taken``)."""
 
 
 class _Done:
