@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from tokenq.shared import functions, keys, lua_scripts, redis_refusal
+from tokenq.shared import functions, keys, redis_refusal
 from tokenq.shared.failures import error_text
 from tokenq.shared.redis_text import as_text
 
@@ -89,8 +89,6 @@ class LaneSet:
         """The streams read, for log lines."""
         return ", ".join(lane.stream for lane in self._lanes)
 
-
-REMOVE_RETIRED_SCRIPT = lua_scripts.load("tokenq.worker", "remove_retired.lua")
 
 _GONE = ("removed", "gone")
 """What remove_retired.lua answers for a lane nobody reads any more."""
