@@ -9,13 +9,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from redis.exceptions import RedisError
 
 from tokenq.shared import keys
 from tokenq.shared.failures import error_text
 from tokenq.shared.heartbeat import Heartbeat
-from tokenq.worker.loop import depth_probe, presence
+from tokenq.shared.queue_depth import Depth, depth, total
+from tokenq.shared.redis_text import as_text
+from tokenq.worker.loop import presence
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Lane, LaneSet, Retirement
 from tokenq.worker.loop.lifecycle import Wiring
@@ -69,7 +72,7 @@ class Beat:
     async def _measure_depth(self) -> None:
         """Refresh the queue-depth gauges; a failure (an ACL without XLEN) is logged once."""
         try:
-            found = await depth_probe.measure(self._wiring.client,
+            found = await measure(self._wiring.client,
                                               [lane.stream for lane in self._lanes])
         except RedisError as exc:
             if not self._depth_failed:
@@ -122,3 +125,19 @@ class Beat:
                 justid=True,
             )
 
+
+async def measure(client: Any, streams: list[str]) -> Depth:
+    """The queue's depth now, over all its streams (raises RedisError, e.g. NOPERM without
+    ``+xlen +xinfo|groups``)."""
+    return total([await _measure_one(client, stream) for stream in streams])
+
+
+async def _measure_one(client: Any, stream: str) -> Depth:
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.xlen(stream)
+        pipe.xinfo_groups(stream)
+        length, groups = await pipe.execute()
+    group = next((g for g in groups if as_text(g.get("name")) == keys.GROUP), None)
+    pending = int(group.get("pending") or 0) if group else 0
+    return depth(int(length), pending, group_exists=group is not None,
+                 reported_lag=group.get("lag") if group else None)

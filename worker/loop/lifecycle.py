@@ -1,6 +1,6 @@
-"""Where a worker is in its life (running, stopping, hung, closing), and the wiring its parts
-share: the client, the settings and the hooks every part calls (deadlines, recorder, health).
-"""
+"""Where a worker is in its life (running, stopping, hung, closing), Redis's clock as the worker
+estimates it (docs/decisions/0011-deadlines-on-redis-clock.md), and the wiring its parts share:
+the client, the settings and the hooks every part calls (deadlines, recorder, health)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenq.worker.health import Health
-from tokenq.worker.loop.clock import RedisClock
 from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.stages import REDIS_CALL_BOUND, Stages, redis_call_deadline_s
 from tokenq.worker.settings import WorkerSettings
@@ -76,6 +75,26 @@ class Lifecycle:
             return True
         started = self.stop_started
         return started is not None and self._clock() - started > STOP_GRACE_S
+
+
+class RedisClock:
+    """Epoch milliseconds on Redis's clock, estimated from the local clock and an offset."""
+
+    def __init__(self) -> None:
+        self.offset_ms = 0.0
+        """Redis's clock minus ours; 0 until the first :meth:`sync`."""
+
+    async def sync(self, client: Any) -> None:
+        """Measure the offset once (one ``TIME`` round trip)."""
+        before = time.time()
+        seconds, micros = await client.time()
+        after = time.time()
+        redis_ms = int(seconds) * 1000 + int(micros) / 1000
+        self.offset_ms = redis_ms - (before + after) * 500.0
+
+    def now_ms(self) -> int:
+        """Now, in epoch milliseconds on Redis's clock."""
+        return int(time.time() * 1000 + self.offset_ms)
 
 
 @dataclass(slots=True)
