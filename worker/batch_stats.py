@@ -1,9 +1,4 @@
-"""What a worker reports about itself: per-batch records and rolling totals.
-
-Each batch is one :class:`BatchRecord`, logged at debug, written to ``--batch-log``
-(JSON lines that tests and benchmarks check the budget with) and totalled for the
-heartbeat.
-"""
+"""What a worker reports about itself: per-batch records and rolling totals."""
 
 from __future__ import annotations
 

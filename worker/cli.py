@@ -1,9 +1,4 @@
 """``tokenq worker``: parse settings, then run one worker process (:mod:`.process`) or one per GPU.
-
-Exit codes (defined in :mod:`tokenq.worker.tooling.children`; docs/OPERATIONS.md):
-0 stopped cleanly; 2 bad settings or a model they cannot serve (final); 3 a
-stage holding entries hung (watchdog or loop guard): restart; 4 the worker
-itself failed: restart. Peers claim the requests of 3 and 4.
 """
 
 from __future__ import annotations

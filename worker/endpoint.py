@@ -1,12 +1,4 @@
-"""The worker's HTTP endpoint on ``--metrics-port``: ``/metrics``, ``/livez``, ``/readyz``.
-
-It listens before the model loads (``/readyz`` 503 ``model loading``) and runs
-in its own threads, never on the event loop, so it answers while the loop is
-busy and ``/livez`` can see it stall. ``/metrics``: prometheus-client's WSGI app
-(404 without it); ``/livez``, ``/readyz`` (and the gateway's ``/health``,
-``/ready``): 200 ``ok`` or 503 with reasons (:mod:`tokenq.worker.health`).
-Anything else 404; port 0 means no endpoint.
-"""
+"""The worker's HTTP endpoint on ``--metrics-port``: ``/metrics``, ``/livez``, ``/readyz``."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""Every rule behind the worker's ``/livez`` and ``/readyz`` answers, and nothing else.
-
-The loop reports facts; the endpoint (:mod:`tokenq.worker.endpoint`) asks
-:meth:`Health.live` and :meth:`Health.ready` from its thread. No I/O, no clock.
-
-**Live** fails only for what a restart fixes: the watchdog fired
-(``worker/stages.py``), or the event loop stalled for
-``3 × max(heartbeat_s, watchdog period)``. Redis down is not a liveness failure.
-
-**Ready**: model loaded, group joined, Redis answered the last check and the
-beat in flight waited under three beats, reads not failing on every lane, the
-last publish not refused (``OOM``, ``READONLY``), not stopping, and live.
-"""
+"""Every rule behind the worker's ``/livez`` and ``/readyz`` answers, and nothing else."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""How much memory this worker process may use: its cgroups' limits, else the machine's.
-
-Read once at start to size shares of memory
-(:func:`tokenq.worker.read_ahead.auto_limit`); the smallest limit of the
-container's and every parent cgroup (v1 and v2) wins. An unreadable or
-unlimited file counts as no limit, never as an error.
-"""
+"""How much memory this worker process may use: its cgroups' limits, else the machine's."""
 
 from __future__ import annotations
 

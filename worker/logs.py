@@ -1,8 +1,4 @@
-"""Logging set-up for the worker process: plain text, or JSON lines for log shippers.
-
-A record's ``extra={"fields": {...}}`` shows only in JSON, beside ``message``,
-never replacing ``time``, ``level``, ``logger`` or ``message``.
-"""
+"""Logging set-up for the worker process: plain text, or JSON lines for log shippers."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Prometheus metrics of one worker process (``--metrics-port``; off by default).
-
-Each :class:`Metrics` owns its ``CollectorRegistry`` (two workers in one process
-never collide), served by :mod:`tokenq.worker.endpoint` with ``process_*`` and
-``python_*``. With metrics off the loop holds a :class:`NullMetrics` that never
-imports ``prometheus_client``. Hooks run once per read, batch, publish or beat,
-never per request. Names and units: docs/METRICS.md.
-"""
+"""Prometheus metrics of one worker process (``--metrics-port``; off by default)."""
 
 from __future__ import annotations
 

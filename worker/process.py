@@ -1,7 +1,4 @@
-"""One worker process's life: open the endpoint, load the backend, run the loop until a signal.
-
-Imported by :mod:`tokenq.worker.cli` only after parsing, so ``--help`` needs no numpy.
-"""
+"""One worker process's life: open the endpoint, load the backend, run the loop until a signal."""
 
 from __future__ import annotations
 
@@ -15,9 +12,9 @@ from tokenq.shared.exit_codes import EXIT_HUNG
 from tokenq.worker import collector, endpoint, metrics
 from tokenq.worker.backends.plugins import load_backend
 from tokenq.worker.health import Health
-from tokenq.worker.loop import Worker, WorkerHung, watchdog_period_s
+from tokenq.worker.loop.stages import Overdue
+from tokenq.worker.loop.worker import Worker, WorkerHung, watchdog_period_s
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.stages import Overdue
 
 log = logging.getLogger("tokenq.worker")
 

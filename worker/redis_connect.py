@@ -1,12 +1,4 @@
-"""One place that turns settings into a resilient asyncio Redis client.
-
-Commands retry with backoff on connection errors; TLS and credentials come from
-the URL; the socket timeout outlasts any blocking read, so a dead server is an
-error, not a hang. Cluster and Sentinel URLs too (:mod:`tokenq.shared.redis_url`,
-:mod:`tokenq.shared.redis_client` builds all three; this gives it the worker's
-:data:`HOOKS`). hiredis packs commands when installed (Python packing cost ~6 µs
-a request).
-"""
+"""One place that turns settings into a resilient asyncio Redis client."""
 
 from __future__ import annotations
 
@@ -60,11 +52,7 @@ def stream_read_keys(args: tuple[Any, ...]) -> list[Any] | None:
 
 
 class _StreamKeysParser(AsyncCommandsParser):
-    """redis-py's cluster command parser, finding a stream read's keys without asking Redis.
-
-    ``XREADGROUP``'s keys are "movable", so redis-py would send ``COMMAND GETKEYS``
-    twice before every read; they are the first half after ``STREAMS``.
-    """
+    """redis-py's cluster command parser, finding a stream read's keys without asking Redis."""
 
     async def _get_moveable_keys(self, *args: Any) -> Any:
         keys = stream_read_keys(args)

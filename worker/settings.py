@@ -1,11 +1,4 @@
-"""``WorkerSettings``: the worker's own settings composed with every backend's.
-
-:class:`~tokenq.shared.settings_worker.BaseWorkerSettings` plus each registered
-backend's :class:`~tokenq.shared.settings.BackendSettings`
-(:mod:`tokenq.worker.backends.registry`), so a backend's flags exist because its
-own module says so. A ``--backend pkg.mod:attr`` ``BackendEntry`` brings its
-settings too; :func:`chosen_backend` finds ``--backend`` before parsing.
-"""
+"""``WorkerSettings``: the worker's own settings composed with every backend's."""
 
 from __future__ import annotations
 

@@ -44,12 +44,12 @@ from texts import uniform_mix
 from tokenq.shared import keys, packing, wire
 from tokenq.shared.packer import Budget, CostModel, Packer
 from tokenq.worker import collector
-from tokenq.worker.intake import Intake
-from tokenq.worker.lanes import Lane
-from tokenq.worker.outbox import answers_by_lane
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Lane
+from tokenq.worker.loop.outbox import answers_by_lane
+from tokenq.worker.loop.publish import Publisher, Target
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy, decode_entries
 from tokenq.worker.pipeline.pipeline import Admit, Pipeline
-from tokenq.worker.publish import Publisher
 
 READ = 1024
 """Entries per read: the worker's most (``reader.MAX_READ_COUNT``)."""
@@ -88,7 +88,7 @@ def measure(reads: int) -> dict[str, Any]:
     )
     lane = Lane(0, queue, policy)
     pipeline: Pipeline[Any] = Pipeline(NullBackend())
-    publisher = Publisher(aioredis.Redis(), stream="s", dead="d", group="g", consumer="c",
+    publisher = Publisher(aioredis.Redis(), Target("s", "d", "g", "c"),
                           reply_ttl_ms=60_000, dead_max_len=10, dead_max_letter_bytes=10)
     pack_command = packing.HiredisPacking().pack_command
     read = stream_read(queue, READ)

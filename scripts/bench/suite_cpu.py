@@ -46,8 +46,8 @@ from texts import uniform_mix
 
 from tokenq.producer import Client
 from tokenq.shared import keys, wire
+from tokenq.worker.loop.publish import Publisher, Target
 from tokenq.worker.pipeline.jobs import Answer
-from tokenq.worker.publish import Publisher
 
 SIZES = {"tiny": 1000, "small": 10_000, "full": 20_000}
 REPEATS = {"tiny": 1, "small": 3, "full": 5}
@@ -105,8 +105,8 @@ def drain(server: Any, workdir: Path, queue: str, name: str, reply_key: str,
 def has_floor() -> bool:
     """Whether the tokenq measured has the floor's steps (``--baseline`` runs this suite on
     trees older than it: one without the bytes decoder gets no floor row)."""
-    try:  # worker/reader.py is newer than 3ca6105
-        from tokenq.worker.reader import stream_entries  # noqa: F401
+    try:  # worker/loop/reader.py is newer than 3ca6105
+        from tokenq.worker.loop.reader import stream_entries  # noqa: F401
     except ImportError:
         return False
     return hasattr(wire, "decode_fields") and hasattr(wire, "encode_embedding_reply")
@@ -118,7 +118,7 @@ def floor(url: str, queue: str, requests: int) -> tuple[float, float, float]:
 
 
 async def _floor(url: str, queue: str, requests: int) -> tuple[float, float, float]:
-    from tokenq.worker.reader import stream_entries  # here: has_floor() said it exists
+    from tokenq.worker.loop.reader import stream_entries  # here: has_floor() said it exists
 
     ref = keys.QueueRef(queue)
     stream = keys.requests(ref)
@@ -127,7 +127,7 @@ async def _floor(url: str, queue: str, requests: int) -> tuple[float, float, flo
     try:
         await client.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
         publisher = Publisher(
-            client, stream=stream, dead=keys.dead(ref), group=keys.GROUP, consumer="floor",
+            client, Target(stream, keys.dead(ref), keys.GROUP, "floor"),
             reply_ttl_ms=600_000, dead_max_len=1000, dead_max_letter_bytes=1000,
         )
         vector = bytes(4 * FLOOR_DIM)

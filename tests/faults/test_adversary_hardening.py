@@ -54,7 +54,7 @@ from tokenq.producer import BrokerOutOfMemory, Client
 from tokenq.producer.ops import functions as functions_cli
 from tokenq.shared import functions, keys
 from tokenq.shared.settings import ClientSettings
-from tokenq.worker.lanes import Lane, Retirement
+from tokenq.worker.loop.lanes import Lane, Retirement
 from tokenq.worker.settings import WorkerSettings
 
 # ---------------------------------------------- a frozen Redis is not a hung worker

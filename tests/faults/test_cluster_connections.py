@@ -298,7 +298,7 @@ def test_the_workers_client_runs_what_the_worker_sends(target: Target) -> None:
             else:
                 classes = [client.connection_pool.connection_class]
             assert classes and all(issubclass(c, HiredisPacking) for c in classes)
-            assert takes_packed(client)  # so its publish calls go packed (worker/publish.py)
+            assert takes_packed(client)  # so its publish calls go packed (worker/loop/publish.py)
             assert await client.client_getname() == "tokenq-worker"
         finally:
             await client.aclose()

@@ -46,7 +46,7 @@ from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import BrokerUnavailable, RemoteError
 from tokenq.shared.settings import ClientSettings
-from tokenq.worker.recovery import Reclaimer
+from tokenq.worker.loop.recovery import Reclaimer
 from tokenq.worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.fault

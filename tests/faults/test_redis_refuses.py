@@ -35,8 +35,8 @@ from tokenq.producer.ops import letters
 from tokenq.shared import keys, lua_scripts, redis_refusal, wire
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.health import Health
+from tokenq.worker.loop.publish import Publisher, Target, spelled_out
 from tokenq.worker.pipeline.jobs import Answer
-from tokenq.worker.publish import Publisher, spelled_out
 
 ROOT = Path(__file__).resolve().parents[2]
 full = full_fixture()
@@ -127,10 +127,23 @@ def _pending_answers(r: redis.Redis, q: keys.QueueRef, n: int, kind: str) -> lis
 def _publisher(client: aioredis.Redis, q: keys.QueueRef, reply_ttl_ms: int = 60_000,
                refused: list[str] | None = None) -> Publisher:
     return Publisher(
-        client, stream=keys.requests(q), dead=keys.dead(q), group=keys.GROUP, consumer="c1",
+        client, Target(keys.requests(q), keys.dead(q), keys.GROUP, "c1"),
         reply_ttl_ms=reply_ttl_ms, dead_max_len=1000, dead_max_letter_bytes=4096,
-        on_refused=lambda reason, error: (refused if refused is not None else []).append(reason),
+        hooks=Refusals(refused if refused is not None else []),
     )
+
+
+class Refusals:
+    """Publish hooks that keep the reason of each refusal."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        self.reasons = reasons
+
+    def refused(self, reason: str, error: str) -> None:
+        self.reasons.append(reason)
+
+    def published(self) -> None:
+        pass
 
 
 @pytest.mark.fault

@@ -23,8 +23,8 @@ from tests.redis_full import fill, free, full_fixture
 from tests.support import SimModel, wait_for
 from tests.workers import Fleet
 from tokenq.shared import keys
-from tokenq.worker.intake import Intake
-from tokenq.worker.outbox import Outbox
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.pipeline.jobs import Answer
 
 full = full_fixture()
@@ -58,9 +58,7 @@ class _Outboxes(Outbox):
     """An outbox with nothing wired but the intake (``emit`` only reads it)."""
 
     def __init__(self, intake: Intake) -> None:
-        super().__init__(intake=intake, lifecycle=None, stages=None,  # type: ignore[arg-type]
-                         recorder=None, now_epoch_ms=lambda: 0,  # type: ignore[arg-type]
-                         call_deadline=(1.0, "test"), room_made=lambda: None)
+        super().__init__(None, intake, lambda: None)  # type: ignore[arg-type]
         self.add_lane()
 
 

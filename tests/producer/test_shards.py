@@ -29,7 +29,7 @@ from tokenq.shared.errors import ConfigError
 from tokenq.shared.queue_config import QueueConfig, parse_config
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.backends.sim import expected_vector
-from tokenq.worker.lanes import Ref
+from tokenq.worker.loop.lanes import Ref
 
 DIM = 16
 MAX_INPUT = 512
@@ -151,7 +151,7 @@ def test_the_shard_count_comes_from_the_workers_and_a_contradiction_is_refused()
 
 @pytest.mark.unit
 def test_answers_go_back_to_their_lane_under_their_bare_id() -> None:
-    from tokenq.worker.outbox import answers_by_lane
+    from tokenq.worker.loop.outbox import answers_by_lane
     from tokenq.worker.pipeline.pipeline import Failure, Outcome
 
     class Encoder:

@@ -68,7 +68,7 @@ def package_of(module: str) -> str:
 @pytest.mark.unit
 def test_the_source_tree_is_found() -> None:
     found = {name for name, _, _ in modules()}
-    assert {"tokenq.producer.client", "tokenq.worker.loop", "tokenq.shared.wire"} <= found
+    assert {"tokenq.producer.client", "tokenq.worker.loop.worker", "tokenq.shared.wire"} <= found
 
 
 @pytest.mark.unit

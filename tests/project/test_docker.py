@@ -197,9 +197,9 @@ def test_redis_is_healthy_before_anything_starts_on_it(compose):
 def test_the_stop_grace_covers_the_worker_drain(compose):
     """The batch on the device finishes or the watchdog ends it (batch_timeout_s),
     then the worker's three stop graces (publish, wind down, deregister)."""
-    from tokenq.worker.loop import _STOP_GRACE_S  # the worker's own stop graces
+    from tokenq.worker.loop.lifecycle import STOP_GRACE_S  # the worker's own stop graces
 
-    drain = WorkerSettings.model_fields["batch_timeout_s"].default + 3 * _STOP_GRACE_S
+    drain = WorkerSettings.model_fields["batch_timeout_s"].default + 3 * STOP_GRACE_S
     for name in WORKERS:
         assert seconds(compose["services"][name]["stop_grace_period"]) >= drain, name
     gateway = compose["services"]["gateway"]

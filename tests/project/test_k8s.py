@@ -235,13 +235,13 @@ def test_the_grace_period_covers_the_drain(worker):
     """SIGTERM: the batch on the device finishes or the watchdog ends it at
     batch_timeout_s; then publishing, winding down and deregistering each get a
     stop grace. Kubernetes must not SIGKILL the worker before that."""
-    from tokenq.worker.loop import _STOP_GRACE_S  # the worker's own stop graces
+    from tokenq.worker.loop.lifecycle import STOP_GRACE_S  # the worker's own stop graces
 
     box = container(worker)
     env = tokenq_env(box)
     batch_timeout = float(env.get("TOKENQ_BATCH_TIMEOUT_S",
                                   WorkerSettings.model_fields["batch_timeout_s"].default))
-    drain = batch_timeout + 3 * _STOP_GRACE_S
+    drain = batch_timeout + 3 * STOP_GRACE_S
     assert pod_spec(worker)["terminationGracePeriodSeconds"] >= drain
     # A preStop sleep would delay the SIGTERM and keep the worker reading new work.
     assert "preStop" not in box.get("lifecycle", {})
@@ -377,8 +377,8 @@ def test_the_stream_length_is_every_unanswered_request(redis_url, queue_name):
     so XLEN = unread + held by workers, whatever order they answer in; the group's
     lag (XINFO GROUPS) counts only the unread, and Redis often cannot count it at all
     once answered entries are deleted out of order."""
+    from tokenq.worker.loop.publish import Publisher, Target
     from tokenq.worker.pipeline.jobs import Answer
-    from tokenq.worker.publish import Publisher
 
     queue = QueueRef(queue_name)
     stream = keys.requests(queue)
@@ -389,8 +389,8 @@ def test_the_stream_length_is_every_unanswered_request(redis_url, queue_name):
 
     async def answer(entry_ids: list[bytes]) -> None:
         client = aioredis.Redis.from_url(redis_url)
-        publisher = Publisher(client, stream=stream, dead=keys.dead(queue), group=keys.GROUP,
-                              consumer="w1", reply_ttl_ms=1000, dead_max_len=10,
+        publisher = Publisher(client, Target(stream, keys.dead(queue), keys.GROUP, "w1"),
+                              reply_ttl_ms=1000, dead_max_len=10,
                               dead_max_letter_bytes=1024)
         answers = [Answer(i, keys.reply(queue, i.decode()), b"x", ok=True) for i in entry_ids]
         assert await publisher.publish_once(answers) == len(entry_ids)

@@ -35,7 +35,7 @@ from tokenq.shared.errors import QueueFull
 from tokenq.shared.failures import failure_message
 from tokenq.shared.queue_config import parse_config
 from tokenq.shared.settings import ClientSettings
-from tokenq.worker import presence
+from tokenq.worker.loop import presence
 from tokenq.worker.redis_connect import connect
 from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling import embedded

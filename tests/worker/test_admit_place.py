@@ -1,9 +1,9 @@
-"""Where a read is admitted (``worker/admit_place.py``) and the guard behind a stuck loop.
+"""Where a read is admitted (``worker/loop/admit_place.py``) and the guard behind a stuck loop.
 
 The rule is pure, so it is driven with plain numbers: nothing before a read
 was measured, a cheap tokenizer moves to the loop, one expensive read sends
 the next ones back to a thread at once, and cheap reads bring them back
-only slowly. The guard (``worker/loop_guard.py``) runs with a fake clock and
+only slowly. The guard (``worker/loop/loop_guard.py``) runs with a fake clock and
 a fake exit; the whole path, a real worker whose tokenizer hangs on the
 loop, is in ``test_stage_deadlines.py``.
 """
@@ -19,11 +19,10 @@ from hypothesis import strategies as st
 
 from tests.worker.test_stage_deadlines import FakeClock
 from tokenq.shared.settings_worker import BaseWorkerSettings
-from tokenq.worker.admit_place import FALL, REQUEST_UNITS, AdmitPlace
-from tokenq.worker.lifecycle import Lifecycle
-from tokenq.worker.loop_guard import LoopGuard, patience_s
-from tokenq.worker.stage_clock import StageClock
-from tokenq.worker.stages import TOKENIZING, Overdue, Stages
+from tokenq.worker.loop.admit_place import FALL, REQUEST_UNITS, AdmitPlace
+from tokenq.worker.loop.lifecycle import Lifecycle
+from tokenq.worker.loop.loop_guard import LoopGuard, patience_s
+from tokenq.worker.loop.stages import TOKENIZING, Overdue, StageClock, Stages
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, ErrorCode,
 from tokenq.shared.packer import CostModel
 from tokenq.worker.backends.base import Encoding, TextInput
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER, SIM_NAN_MARKER, SimBackend, expected_vector
-from tokenq.worker.local.batcher import Batcher
+from tokenq.worker.local.batcher import Batcher, BatcherOptions
 
 pytestmark = pytest.mark.unit
 
@@ -220,7 +220,8 @@ def test_budget_below_max_input_is_a_config_error() -> None:
     with pytest.raises(ConfigError):
         Batcher(SpySim(), max_batch_tokens=4096, max_batch_size=0, linger_ms=1)
     with pytest.raises(ConfigError):
-        Batcher(SpySim(), max_batch_tokens=4096, max_batch_size=8, linger_ms=1, cost_model="flat")
+        Batcher(SpySim(), max_batch_tokens=4096, max_batch_size=8, linger_ms=1,
+                options=BatcherOptions(cost_model="flat"))
 
 
 @pytest.mark.parametrize("bad", [None, 42, b"bytes", "", "   \n"])

@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import DecodeError
 from tokenq.shared.packing import PackedArgs, takes_packed
+from tokenq.worker.loop.publish import Publisher, Target, spelled_out
 from tokenq.worker.pipeline.jobs import Answer
-from tokenq.worker.publish import Publisher, spelled_out
 from tokenq.worker.redis_connect import connect
 from tokenq.worker.settings import WorkerSettings
 
@@ -56,9 +56,8 @@ def _client(redis_url: str, workers_own: bool) -> aioredis.Redis:
 
 def _publisher(client: aioredis.Redis, q: keys.QueueRef) -> Publisher:
     return Publisher(
-        client, stream=keys.requests(q), dead=keys.dead(q), group=keys.GROUP, consumer="c1",
+        client, Target(keys.requests(q), keys.dead(q), keys.GROUP, "c1"),
         reply_ttl_ms=60_000, dead_max_len=1000, dead_max_letter_bytes=4096,
-        on_refused=lambda reason, error: None,
     )
 
 
@@ -225,8 +224,8 @@ def test_a_calls_packed_arguments_are_the_layout_the_script_reads(rows: list) ->
     answers = [Answer(entry_id, reply_to, payload, ok=not dead, dead_fields=tuple(dead))
                for entry_id, reply_to, payload, dead, _ in rows]
     refused = {row[0]: f"refused {i} ✓" for i, row in enumerate(rows) if row[4]}
-    publisher = Publisher(aioredis.Redis(), stream="stream", dead="dead", group="group",
-                          consumer="c1", reply_ttl_ms=60_000, dead_max_len=1000,
+    publisher = Publisher(aioredis.Redis(), Target("stream", "dead", "group", "c1"),
+                          reply_ttl_ms=60_000, dead_max_len=1000,
                           dead_max_letter_bytes=4096)
     names, args = publisher.arguments(answers, refused)
     assert isinstance(args[-1], PackedArgs)

@@ -1,4 +1,4 @@
-"""``claim_excess.lua`` (:mod:`tokenq.worker.excess`) on a real Redis: which entries a
+"""``claim_excess.lua`` (:mod:`tokenq.worker.loop.excess`) on a real Redis: which entries a
 worker takes as written past the queue's length limit, and which it leaves.
 
 The end-to-end path, under the documented ACL users, is
@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from tokenq.shared import keys
 from tokenq.shared.errors import ErrorCode
-from tokenq.worker import excess
+from tokenq.worker.loop import excess
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tokenq.shared.packer import Batch, Budget, Packer
-from tokenq.worker.pipeline.feed import Aborted, DeviceFeed, monotonic_ms
+from tokenq.worker.pipeline.feed import Aborted, DeviceFeed, Rules, monotonic_ms
 
 pytestmark = pytest.mark.unit
 
@@ -61,10 +61,16 @@ class Device:
 def feed_for(device: Device, *, rows: int = 64, linger_ms: float = 0.0,
              done: list[bool] | None = None) -> DeviceFeed[Any, list[str]]:
     state = done if done is not None else [False]
-    return DeviceFeed(
-        Packer(Budget(10_000, rows), linger_ms), device,
-        flushing=lambda: state[0], finished=lambda: state[0] and True,
-    )
+    return DeviceFeed(Packer(Budget(10_000, rows), linger_ms), device,
+                      rules(flushing=lambda: state[0], finished=lambda: state[0]))
+
+
+def rules(**calls: Any) -> Rules:
+    """Rules whose questions are the given callables (the rest: the defaults)."""
+    made = Rules()
+    for name, call in calls.items():
+        setattr(made, name, call)
+    return made
 
 
 def run(coroutine: Any) -> Any:
@@ -194,8 +200,7 @@ def test_a_device_failure_reaches_the_caller_and_its_batch_stays_held(
             raise raised
 
         feed: DeviceFeed[Any, None] = DeviceFeed(
-            Packer(Budget(100, 8)), broken, flushing=lambda: False, finished=lambda: False
-        )
+            Packer(Budget(100, 8)), broken, Rules())
 
         async def settle(batch: Batch[Any], result: None) -> None:
             raise AssertionError("nothing ran")
@@ -247,8 +252,8 @@ def test_a_stalled_loop_stalls_the_device_instead_of_piling_up_results() -> None
     async def main() -> None:
         device, done = Device(), [False]
         feed: DeviceFeed[Any, list[str]] = DeviceFeed(
-            Packer(Budget(10_000, 1)), device, flushing=lambda: done[0],
-            finished=lambda: done[0], max_unsettled=2,
+            Packer(Budget(10_000, 1)), device,
+            rules(flushing=lambda: done[0], finished=lambda: done[0]), max_unsettled=2,
         )
         release = asyncio.Event()
 
@@ -294,8 +299,9 @@ def test_messages_sent_while_the_loop_is_busy_share_one_wake_up_and_keep_their_o
         device, done = Device(), [False]
         events: list[str] = []
         feed: DeviceFeed[Any, list[str]] = DeviceFeed(
-            Packer(Budget(10_000, 1)), device, flushing=lambda: done[0],
-            finished=lambda: done[0], on_take=lambda: events.append("take"),
+            Packer(Budget(10_000, 1)), device, rules(
+                flushing=lambda: done[0], finished=lambda: done[0],
+                taken=lambda: events.append("take")),
         )
         loop = asyncio.get_running_loop()
         wakes = [0]
@@ -334,8 +340,8 @@ def test_no_batch_is_taken_while_may_take_says_no_and_one_is_once_woken() -> Non
     async def main() -> None:
         device, room = Device(), [False]
         feed: DeviceFeed[Any, list[str]] = DeviceFeed(
-            Packer(Budget(10_000, 64), 0.0), device, flushing=lambda: True,
-            finished=lambda: False, may_take=lambda: room[0])
+            Packer(Budget(10_000, 64), 0.0), device,
+            rules(flushing=lambda: True, may_take=lambda: room[0]))
         settled: list[list[str]] = []
 
         async def settle(batch: Batch[Any], result: list[str]) -> None:

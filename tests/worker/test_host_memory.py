@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from tokenq.worker import host_memory
 from tokenq.worker.backends.sim import SimBackend
-from tokenq.worker.loop import Worker
-from tokenq.worker.read_ahead import AUTO_MAX, AUTO_MIN, AUTO_SHARE, auto_limit
+from tokenq.worker.loop.read_ahead import AUTO_MAX, AUTO_MIN, AUTO_SHARE, auto_limit
+from tokenq.worker.loop.worker import Worker
 from tokenq.worker.settings import WorkerSettings
 
 pytestmark = pytest.mark.unit

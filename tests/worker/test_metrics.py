@@ -20,11 +20,13 @@ from tests.worker.test_dashboard import documented_metrics
 from tokenq.producer import Client
 from tokenq.shared import keys
 from tokenq.shared.errors import ConfigError, ErrorCode
-from tokenq.worker import depth_probe, endpoint, metrics
+from tokenq.shared.queue_depth import Depth
+from tokenq.worker import endpoint, metrics
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER
 from tokenq.worker.batch_stats import BatchRecord, WorkerStats, exit_line
 from tokenq.worker.health import Health
 from tokenq.worker.histograms import BatchHistogram
+from tokenq.worker.loop import beat
 from tokenq.worker.pipeline.jobs import Answer, error_answer
 from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling.embedded import free_port
@@ -184,16 +186,16 @@ def test_queue_depth_reads_length_pending_and_lag(r: redis.Redis, redis_url: str
     ids = [r.xadd(stream, {"n": str(i)}) for i in range(5)]
     r.xreadgroup(keys.GROUP, "c", {stream: ">"}, count=2)
 
-    async def measure() -> depth_probe.Depth:
+    async def measure() -> Depth:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            return await depth_probe.measure(client, [stream])
+            return await beat.measure(client, [stream])
         finally:
             await client.aclose()
 
-    assert asyncio.run(measure()) == depth_probe.Depth(length=5, pending=2, lag=3, lag_exact=True)
+    assert asyncio.run(measure()) == Depth(length=5, pending=2, lag=3, lag_exact=True)
     r.xdel(stream, ids[3])  # an unread entry deleted: Redis can no longer count the lag
-    assert asyncio.run(measure()) == depth_probe.Depth(length=4, pending=2, lag=2, lag_exact=False)
+    assert asyncio.run(measure()) == Depth(length=4, pending=2, lag=2, lag_exact=False)
 
 
 @pytest.mark.unit

@@ -34,8 +34,8 @@ from tokenq.shared.errors import (
 )
 from tokenq.worker.backends.base import Encoding, TextInput
 from tokenq.worker.backends.sim import SimBackend, expected_chunked_vector, expected_vector
-from tokenq.worker.local import Batcher
-from tokenq.worker.loop import Worker
+from tokenq.worker.local import Batcher, BatcherOptions
+from tokenq.worker.loop.worker import Worker
 from tokenq.worker.pipeline.feed import Aborted
 from tokenq.worker.settings import WorkerSettings
 
@@ -154,8 +154,9 @@ class RedisLoop:
 async def batcher_loop(backend: Recording, knobs: Knobs, redis_url: str) -> AsyncIterator[Loop]:
     async with Batcher(
         backend, max_batch_tokens=knobs.max_batch_tokens, max_batch_size=knobs.max_batch_size,
-        linger_ms=knobs.linger_ms, policy=knobs.policy, chunk_overlap=knobs.chunk_overlap,
-        max_padding_ratio=knobs.max_padding_ratio,
+        linger_ms=knobs.linger_ms, options=BatcherOptions(
+            policy=knobs.policy, chunk_overlap=knobs.chunk_overlap,
+            max_padding_ratio=knobs.max_padding_ratio),
     ) as batcher:
         yield BatcherLoop(batcher)
 

@@ -4,7 +4,7 @@ A stopped process's threads all stand still, the watchdog's and the loop
 guard's too, while ``time.monotonic`` keeps counting; so the stages running
 at the stop (an XREADGROUP, a batch on the device) looked overdue on
 SIGCONT and the worker exited 3 although nothing in it was stuck. The
-stages' clock (:class:`~tokenq.worker.stage_clock.StageClock`) leaves out
+stages' clock (:class:`~tokenq.worker.loop.stages.StageClock`) leaves out
 what the guard thread could not tick through. Here, a real worker process
 (sim backend, real Redis) stopped for several times its deadlines keeps
 serving, and a real hang after the continue still ends it with exit 3;
@@ -29,10 +29,9 @@ from tests.worker.test_stage_deadlines import FakeClock
 from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import Client
 from tokenq.worker.backends.sim import SIM_HANG_MARKER
-from tokenq.worker.lifecycle import Lifecycle
-from tokenq.worker.loop_guard import LoopGuard
-from tokenq.worker.stage_clock import StageClock
-from tokenq.worker.stages import TOKENIZING, Overdue, Stages
+from tokenq.worker.loop.lifecycle import Lifecycle
+from tokenq.worker.loop.loop_guard import LoopGuard
+from tokenq.worker.loop.stages import TOKENIZING, Overdue, StageClock, Stages
 
 MODEL = SimModel()
 BATCH_TIMEOUT_S = 3.0

@@ -1,4 +1,4 @@
-"""Which entries a worker's scan takes over, on a real Redis: the rule of worker/recovery.py.
+"""Which entries a worker's scan takes over, on a real Redis: the rule of worker/loop/recovery.py.
 
 Every pending entry is given an owner (this worker, a live peer, a dead
 peer), an idle time (fresh, past a dead worker's three heartbeats, past the
@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenq.shared import keys
-from tokenq.worker.recovery import Reclaimer
+from tokenq.worker.loop.recovery import Reclaimer
 
 ME, LIVE, DEAD = "me", "live-peer", "dead-peer"
 DEAD_AFTER_MS = 5_000

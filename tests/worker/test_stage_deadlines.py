@@ -8,7 +8,7 @@ child running. Here, against real worker processes and a real Redis: the
 watchdog ends the worker (exit 3, ``/livez`` naming the stage) and a peer
 answers every request of the hung read; SIGTERM ends it within the stop
 grace; SIGKILL of the worker takes its children with it (``prctl`` and the
-portable parent-pid poll both). The rules (:class:`~tokenq.worker.stages.Stages`)
+portable parent-pid poll both). The rules (:class:`~tokenq.worker.loop.stages.Stages`)
 are driven directly with the clock as an argument.
 """
 
@@ -33,7 +33,7 @@ from tests.worker.test_health import LOCAL, get
 from tests.workers import Fleet
 from tokenq.producer import Client
 from tokenq.shared import keys
-from tokenq.worker.stages import DEVICE, PUBLISH, TOKENIZING, Stages
+from tokenq.worker.loop.stages import DEVICE, PUBLISH, TOKENIZING, Stages
 
 HANGING = SimModel().flags(backend="tests.plugins_for_tests:sim_hanging_tokenizer")
 
@@ -125,7 +125,7 @@ def test_a_hung_tokenizer_fails_livez_exits_3_and_a_peer_answers_its_read(
 def test_a_tokenizer_hung_on_the_event_loop_is_ended_by_the_guard_and_a_peer_answers(
     fleet: Fleet, r: redis.Redis, redis_url: str, queue_name: str, pids: Path,
 ):
-    """A read predicted cheap is admitted on the event loop (``worker/admit_place.py``), so
+    """A read predicted cheap is admitted on the event loop (``worker/loop/admit_place.py``), so
     a tokenizer that hangs there blocks the watchdog too: the loop guard's thread ends the
     worker (exit 3, naming the stage), and a peer answers the hung read."""
     worker = fleet.start(*HANGING, *FAST_BEAT, "--batch-timeout-s", "2",

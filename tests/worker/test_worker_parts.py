@@ -1,12 +1,12 @@
 """The worker's parts, each driven on its own.
 
-* :class:`~tokenq.worker.intake.Intake` is pure: hypothesis drives it with
+* :class:`~tokenq.worker.loop.intake.Intake` is pure: hypothesis drives it with
   plain numbers (the byte bound over any sequence of reads and publishes,
   the token room, the running mean).
-* :class:`~tokenq.worker.reader.Reader` and :class:`~tokenq.worker.outbox.Outbox`
+* :class:`~tokenq.worker.loop.reader.Reader` and :class:`~tokenq.worker.loop.outbox.Outbox`
   run against a small in-memory fake of the stream commands they send
   (XREADGROUP, XGROUP CREATE, the publisher's call), no Redis: entries become
-  jobs named by their lane (:class:`~tokenq.worker.lanes.Ref`), a poison entry
+  jobs named by their lane (:class:`~tokenq.worker.loop.lanes.Ref`), a poison entry
   costs only its own dead letter, and answers leave on their own lane under
   their bare entry id, giving their read-ahead room back.
 
@@ -28,20 +28,20 @@ from redis.exceptions import ResponseError
 from tokenq.shared import keys, wire
 from tokenq.shared.packer import Budget, Packer
 from tokenq.worker.backends.sim import SimBackend
-from tokenq.worker.health import Health
-from tokenq.worker.intake import Intake, entry_bytes
-from tokenq.worker.lanes import Lane, Ref
-from tokenq.worker.lifecycle import Lifecycle
+from tokenq.worker.health import READ_FAILURES_BEFORE_UNREADY, Health
+from tokenq.worker.loop.device import Device
+from tokenq.worker.loop.intake import Intake, entry_bytes
+from tokenq.worker.loop.lanes import LaneSet, Ref
+from tokenq.worker.loop.lifecycle import Lifecycle, Wiring
+from tokenq.worker.loop.outbox import Outbox
+from tokenq.worker.loop.reader import Reader
+from tokenq.worker.loop.recorder import Recorder
+from tokenq.worker.loop.recovery import Claimed
+from tokenq.worker.loop.stages import Stages
 from tokenq.worker.metrics import NullMetrics
-from tokenq.worker.outbox import Outbox
-from tokenq.worker.pipeline.feed import DeviceFeed
 from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy
 from tokenq.worker.pipeline.pipeline import Failure, Outcome, Pipeline
-from tokenq.worker.reader import Reader
-from tokenq.worker.recorder import Recorder
-from tokenq.worker.recovery import Claimed
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.stages import Stages
 
 pytestmark = pytest.mark.unit
 
@@ -68,7 +68,7 @@ def test_what_the_intake_holds_stays_under_the_byte_bound(
         room = intake.bytes.limit - intake.bytes.used()
         assert (count == 0) == (room <= 0)
         if count:
-            with intake.reserving(count):
+            with intake.bytes.reserving(count):
                 entries = []
                 for size in sizes[:count]:
                     serial += 1
@@ -132,6 +132,8 @@ class FakeStreams:
         self.entries: dict[str, list[tuple[bytes, dict[bytes, bytes]]]] = {}
         self.delivered: dict[str, int] = {}
         self.groups: set[str] = set()
+        self.failing_history = 0
+        """How many history reads (``XREADGROUP ... 0``) fail WRONGTYPE before one goes."""
 
     def xadd(self, stream: str, fields: dict[str, str | bytes] | dict[bytes, bytes]) -> bytes:
         held = self.entries.setdefault(stream, [])
@@ -149,6 +151,9 @@ class FakeStreams:
     async def xreadgroup(self, groupname: str, consumername: str, streams: dict[str, str],
                          count: int | None = None, block: int | None = None) -> Any:
         ((stream, last),) = streams.items()
+        if last != ">" and self.failing_history:
+            self.failing_history -= 1
+            raise ResponseError("WRONGTYPE Operation against a key holding the wrong kind")
         if stream not in self.groups:
             raise ResponseError("NOGROUP No such key or consumer group")
         held = self.entries.get(stream, [])
@@ -206,29 +211,23 @@ class Parts:
         self.intake = Intake(read_ahead_budgets=4.0, read_ahead_bytes=1 << 20,
                              max_entry_bytes=wire.max_entry_bytes(1 << 16), max_input_tokens=64)
         self.lifecycle = Lifecycle()
-        self.stages = Stages(time.monotonic)
         self.recorder = Recorder("me", NullMetrics(), None)
+        self.wiring = Wiring("me", self.settings, self.lifecycle, Stages(time.monotonic),
+                             self.recorder, Health(60.0))
+        self.wiring.client = self.client
         self.pipeline: Pipeline[Ref] = Pipeline(self.backend)
         self.packer: Packer[Any] = Packer(Budget(4096, 64))
-        self.feed: DeviceFeed[Any, Any] = DeviceFeed(
-            self.packer, lambda batch: None, flushing=lambda: False, finished=lambda: False)
-        self.outbox = Outbox(intake=self.intake, lifecycle=self.lifecycle, stages=self.stages,
-                             recorder=self.recorder, now_epoch_ms=lambda: 0,
-                             call_deadline=(30.0, "a test bound"),
-                             room_made=self.lifecycle.room_made.set)
-        self.lanes: list[Lane] = []
-        for index, queue in enumerate(keys.lanes_of(keys.QueueRef("parts"), shards)):
-            lane = Lane(index, queue, self._policy(queue), reclaimer=FakeReclaimer(),  # type: ignore[arg-type]
-                        publisher=FakePublisher())  # type: ignore[arg-type]
-            self.lanes.append(lane)
+        self.outbox = Outbox(self.wiring, self.intake, self.lifecycle.room_made.set)
+        self.device = Device(self.wiring, self.pipeline, self.packer, self.intake, self.outbox)
+        self.lanes = LaneSet(self._policy)
+        for queue in keys.lanes_of(keys.QueueRef("parts"), shards):
+            lane = self.lanes.add(queue)
+            lane.reclaimer = FakeReclaimer()  # type: ignore[assignment]
+            lane.publisher = FakePublisher()  # type: ignore[assignment]
             self.outbox.add_lane()
-        self.reader = Reader(
-            self.client, consumer="me", settings=self.settings, lanes=self.lanes,
-            intake=self.intake, lifecycle=self.lifecycle, stages=self.stages, feed=self.feed,
-            pipeline=self.pipeline, outbox=self.outbox, recorder=self.recorder,
-            health=Health(60.0), now_epoch_ms=lambda: int(time.time() * 1000),
-            config_fields=dict, on_idle=self.lifecycle.stop, call_deadline=(30.0, "a test bound"),
-        )
+        self.lane_list = list(self.lanes)
+        self.reader = Reader(self.wiring, self.lanes, self.intake, self.device, self.outbox,
+                             dict)
 
     def _policy(self, queue: keys.QueueRef) -> DeadLetterPolicy:
         return DeadLetterPolicy(
@@ -239,13 +238,13 @@ class Parts:
         )
 
     def add(self, lane: int, text: str) -> bytes:
-        queue = self.lanes[lane].queue
-        request_id = f"r-{len(self.client.entries.get(self.lanes[lane].stream, []))}"
+        queue = self.lane_list[lane].queue
+        request_id = f"r-{len(self.client.entries.get(self.lane_list[lane].stream, []))}"
         request = wire.Request(request_id, text, 0, keys.reply(queue, request_id))
-        return self.client.xadd(self.lanes[lane].stream, wire.encode_request(request))
+        return self.client.xadd(self.lane_list[lane].stream, wire.encode_request(request))
 
     def published(self, lane: int) -> list[Answer]:
-        return self.lanes[lane].publisher.published  # type: ignore[union-attr]
+        return self.lane_list[lane].publisher.published  # type: ignore[union-attr]
 
     async def serve_until(self, jobs: int) -> None:
         """Run the read and publish tasks until ``jobs`` are buffered, then stop them."""
@@ -267,7 +266,7 @@ class Parts:
 def test_the_reader_buffers_each_lanes_entries_under_their_lane_on_fake_streams() -> None:
     parts = Parts(shards=2)
     first = [parts.add(0, f"zero {k}") for k in range(3)]
-    garbage = parts.client.xadd(parts.lanes[0].stream, {b"v": b"1", b"nonsense": b"x"})
+    garbage = parts.client.xadd(parts.lane_list[0].stream, {b"v": b"1", b"nonsense": b"x"})
     second = [parts.add(1, f"one {k}") for k in range(2)]
     asyncio.run(parts.serve_until(jobs=5))
 
@@ -279,16 +278,27 @@ def test_the_reader_buffers_each_lanes_entries_under_their_lane_on_fake_streams(
     # ... and its room is given back, while what is buffered still holds its bytes.
     assert _held_refs(parts) == refs
     assert parts.intake.unpublished_answers == 0
-    assert parts.reader.done and parts.recorder.stats.dead_lettered == 1
+    assert parts.device.input_ended and parts.recorder.stats.dead_lettered == 1
 
 
 def test_a_restart_reads_its_own_history_first() -> None:
     parts = Parts(shards=1)
     ids = [parts.add(0, f"again {k}") for k in range(3)]
-    parts.client.groups.add(parts.lanes[0].stream)
-    parts.client.delivered[parts.lanes[0].stream] = 3  # delivered to "me" before a crash
+    parts.client.groups.add(parts.lane_list[0].stream)
+    parts.client.delivered[parts.lane_list[0].stream] = 3  # delivered to "me" before a crash
     asyncio.run(parts.serve_until(jobs=3))
     assert sorted(item.payload.ref for item in parts.packer) == [Ref(0, i) for i in ids]
+
+
+def test_a_failed_history_read_is_counted_and_retried_not_fatal() -> None:
+    parts = Parts(shards=1)
+    ids = [parts.add(0, f"again {k}") for k in range(2)]
+    parts.client.groups.add(parts.lane_list[0].stream)
+    parts.client.delivered[parts.lane_list[0].stream] = 2
+    parts.client.failing_history = READ_FAILURES_BEFORE_UNREADY
+    asyncio.run(parts.serve_until(jobs=2))
+    assert sorted(item.payload.ref for item in parts.packer) == [Ref(0, i) for i in ids]
+    assert parts.client.failing_history == 0
 
 
 def test_a_poison_entry_costs_only_its_own_dead_letter() -> None:

@@ -1,8 +1,5 @@
-"""In-process batching: the worker's pipeline and packer without Redis in between.
+"""In-process batching: the worker's pipeline and packer without Redis in between."""
 
-    from tokenq.worker.local import Batcher
-"""
+from tokenq.worker.local.batcher import Batcher, BatcherOptions, BatcherStats
 
-from tokenq.worker.local.batcher import Batcher, BatcherStats
-
-__all__ = ["Batcher", "BatcherStats"]
+__all__ = ["Batcher", "BatcherOptions", "BatcherStats"]

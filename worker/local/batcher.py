@@ -1,14 +1,4 @@
-"""Token-budgeted batching inside one asyncio process, with no Redis in between.
-
-For an app that hosts the model itself: ``await batcher.submit(text)`` from any
-number of coroutines. It packs with the Redis worker's
-:class:`~tokenq.shared.packer.Packer` and runs the same
-:class:`~tokenq.worker.pipeline.pipeline.Pipeline`, so batching, error codes and
-exceptions are the same with or without Redis. Two tasks joined by the packer
-(as TEI's ``infer.rs``): a *tokenizer* task (in a thread, in chunks) and a
-*device* task running a :class:`~tokenq.worker.pipeline.feed.DeviceFeed`.
-``aclose`` drains what was submitted but does not close the backend.
-"""
+"""Token-budgeted batching inside one asyncio process, with no Redis in between."""
 
 from __future__ import annotations
 
@@ -37,7 +27,7 @@ from tokenq.shared.request_options import WorkerOptions, parse_options
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_priority, validate_text
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.pipeline.execute import FailedRun, Failure, adapt_budget, describe
-from tokenq.worker.pipeline.feed import DeviceFeed, in_thread, monotonic_ms
+from tokenq.worker.pipeline.feed import DeviceFeed, Rules, in_thread, monotonic_ms
 from tokenq.worker.pipeline.pipeline import (
     Admit,
     BatchOutcome,
@@ -92,59 +82,45 @@ class BatcherStats:
     """The last few failed runs, newest last (at most 100)."""
 
 
+@dataclass(frozen=True, slots=True)
+class BatcherOptions:
+    """The rest of ``tokenq worker``'s knobs of the same names, with the same defaults
+    (``cost_model`` None or 'auto' follows ``backend.info.padded``)."""
+
+    cost_model: CostModel | str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    policy: OverLength = "truncate"
+    chunk_overlap: int = 0
+    max_padding_ratio: float = 1.0
+    aging_ms: float = DEFAULT_AGING_MS
+    max_batch_ms: float | None = None
+
+
 class Batcher:
     """Packs concurrent ``submit`` calls into token-budgeted batches for one backend."""
 
     def __init__(
-        self,
-        backend: Backend,
-        *,
-        max_batch_tokens: int,
-        max_batch_size: int,
-        linger_ms: float,
-        cost_model: CostModel | str | None = None,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        policy: OverLength = "truncate",
-        chunk_overlap: int = 0,
-        max_padding_ratio: float = 1.0,
-        aging_ms: float = DEFAULT_AGING_MS,
-        max_batch_ms: float | None = None,
+        self, backend: Backend, *, max_batch_tokens: int, max_batch_size: int, linger_ms: float,
+        options: BatcherOptions = BatcherOptions(),
     ) -> None:
-        """The same knobs as ``tokenq worker``'s flags of the same names.
-
-        ``cost_model`` None (or 'auto') follows ``backend.info.padded``;
-        ``policy`` is what happens to an over-long input (truncate, reject, or
-        chunk into windows, for embedding backends that can);
-        ``max_padding_ratio`` is the packer's padding guard; ``aging_ms`` and
-        ``max_batch_ms`` are its priority aging and latency target (rules 1, 4
-        and 6 of ``tokenq.shared.packer``).
-        """
         info = backend.info
-        budget = budget_for(info, max_batch_tokens, max_batch_size, cost_model,
+        budget = budget_for(info, max_batch_tokens, max_batch_size, options.cost_model,
                             "set by max_batch_tokens")
         self._pipeline: Pipeline[_Pending] = Pipeline(
-            backend, policy=policy, chunk_overlap=chunk_overlap
-        )
+            backend, policy=options.policy, chunk_overlap=options.chunk_overlap)
         try:
             self._packer: Packer[Job[_Pending]] = Packer(
-                budget, linger_ms, max_padding_ratio=max_padding_ratio,
-                aging_ms=aging_ms, max_batch_ms=max_batch_ms,
+                budget, linger_ms, max_padding_ratio=options.max_padding_ratio,
+                aging_ms=options.aging_ms, max_batch_ms=options.max_batch_ms,
             )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         # Lowered after an OOM, raised slowly, never below one full-length input.
         self._adaptive = AdaptiveBudget(max_batch_tokens, info.max_input_tokens)
         self._feed: DeviceFeed[Job[_Pending], BatchOutcome[_Pending]] = DeviceFeed(
-            self._packer, self._execute,
-            flushing=lambda: self._closing,
-            finished=lambda: self._closing and not (
-                self._incoming or self._tokenizing or self._packer
-            ),
-            prune=self._prune,
-            name="tokenq-batcher-device",
-        )
+            self._packer, self._execute, _Rules(self), name="tokenq-batcher-device")
         self.backend = backend
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes = options.max_request_bytes
         self.stats = BatcherStats()
         self._incoming: deque[_Pending] = deque()
         self._tokenizing: list[_Pending] = []
@@ -169,13 +145,7 @@ class Batcher:
         self, text: str, text_pair: str | None = None, *, timeout_s: float | None = None,
         priority: int = 0, **options: Unpack[WorkerOptions],
     ) -> np.ndarray:
-        """The model's output for one input.
-
-        Raises BadRequest at once for an input tokenq refuses (or a bad ``options``
-        entry: docs/PROTOCOL.md), and RemoteError with the request's code when it
-        fails (``too_long``, ``deadline_exceeded`` after ``timeout_s``, the backend's
-        failure on this input). ``priority`` (0-9) orders it as on a queue.
-        """
+        """The model's output for one input."""
         self._check(text, text_pair)
         opts = self._opts(options)
         return await self._enqueue(
@@ -216,12 +186,7 @@ class Batcher:
         priority: int = 0,
         **options: Unpack[WorkerOptions],
     ) -> list[np.ndarray] | list[np.ndarray | BaseException]:
-        """Outputs for many inputs, in order; batched together with everyone else's.
-
-        All inputs are checked first, so a BadRequest means nothing was submitted. With
-        ``return_exceptions`` a failed input's RemoteError takes its place; otherwise the
-        first is raised once all are done.
-        """
+        """Outputs for many inputs, in order; batched together with everyone else's."""
         if isinstance(texts, str):
             raise BadRequest("submit_many takes a sequence of texts, not one string")
         texts = list(texts)
@@ -440,3 +405,20 @@ def _request(
     return wire.Request(id=request_id, text=text, tokens=0, reply_to="", text_pair=text_pair,
                         priority=priority, opts=opts)
 
+
+class _Rules(Rules):
+    """What the device thread asks a :class:`Batcher`."""
+
+    def __init__(self, batcher: Batcher) -> None:
+        self._batcher = batcher
+
+    def flushing(self) -> bool:
+        return self._batcher._closing
+
+    def finished(self) -> bool:
+        batcher = self._batcher
+        return batcher._closing and not (
+            batcher._incoming or batcher._tokenizing or batcher._packer)
+
+    def prune(self) -> None:
+        self._batcher._prune()

@@ -1,10 +1,4 @@
-"""Run one batch on a backend so that one bad row, or one too-big batch, fails alone.
-
-When ``backend.run`` raises, the halves run separately, recursively (about
-``2 log2(n)`` extra runs for one bad row), keeping docs/RELIABILITY.md's promise
-that only an input that fails alone fails. Synchronous, no Redis or asyncio;
-failed runs are reported (:class:`FailedRun`) so the caller lowers its budget.
-"""
+"""Run one batch on a backend so that one bad row, or one too-big batch, fails alone."""
 
 from __future__ import annotations
 
@@ -55,11 +49,7 @@ OnFailedRun = Callable[[FailedRun], None]
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True for any framework's "device out of memory" error.
-
-    :class:`~tokenq.shared.errors.DeviceOutOfMemory`, ``MemoryError``, or any class
-    named ``OutOfMemoryError`` (matched by name, so torch is never imported).
-    """
+    """True for any framework's "device out of memory" error."""
     if isinstance(exc, MemoryError):
         return True
     return any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__)
@@ -80,12 +70,7 @@ def run_isolated(
     on_oom: OnFailedRun | None = None,
     on_error: OnFailedRun | None = None,
 ) -> list[np.ndarray | Failure]:
-    """Run ``encodings`` as one batch; answer every row with a vector or a Failure.
-
-    A failing batch is halved down to single rows; a row that still fails gets
-    ``out_of_memory`` or ``inference_failed`` (so does a non-finite or non-1-D row).
-    ``on_oom`` / ``on_error`` hear of every failed run.
-    """
+    """Run ``encodings`` as one batch; answer every row with a vector or a Failure."""
     results: list[np.ndarray | Failure | None] = [None] * len(encodings)
     # An explicit stack, not recursion, keeps backend tracebacks short.
     pending: list[tuple[int, int]] = [(0, len(encodings))] if encodings else []

@@ -1,16 +1,5 @@
-"""Keeping the device fed: the packer behind a lock, and the thread that runs its batches.
-
-A device thread picks the packer's next batch the moment the last finishes,
-rather than the event loop handing each over (two thread switches and a loop
-turn per batch, while the device waits). Rules it keeps:
-
-* one batch on the device at a time (the budget is the memory bound);
-* the pick happens as late as possible, under the lock;
-* an unsealed batch lingers until ``ready_at``, new input or a flush;
-* results settle on the event loop in order, at most ``max_unsettled`` waiting;
-* messages to the loop share one inbox with at most one wake-up pending
-  (each wake-up costs a GIL hand-over: docs/BENCHMARKS.md, "cpu").
-"""
+"""Keeping the device fed: the packer behind a lock, and a thread that takes the next batch the
+moment the last finishes; results settle on the loop in order, one wake-up pending at a time."""
 
 from __future__ import annotations
 
@@ -46,11 +35,7 @@ async def wait_event(event: asyncio.Event, timeout: float | None) -> None:
 
 
 class Aborted(RuntimeError):
-    """A thread's or task's work raised a BaseException that is not an ``Exception``.
-
-    A plugin's CancelledError, KeyboardInterrupt or SystemExit would read as a cancel
-    or end the interpreter; the loop gets this instead (the original as ``__cause__``).
-    """
+    """A thread's or task's work raised a BaseException that is not an ``Exception``."""
 
 
 def ordinary(exc: BaseException, who: str = "the device thread") -> Exception:
@@ -74,7 +59,7 @@ def in_thread(call: Callable[..., R], *args: Any) -> R:
 
 
 _TAKEN = object()
-"""The inbox's message that a batch left the packer (the loop then calls ``on_take``)."""
+"""The inbox's message that a batch left the packer (the loop then calls ``Rules.taken``)."""
 
 
 class _Done:
@@ -86,36 +71,41 @@ class _Done:
         self.error = error
 
 
-class DeviceFeed(Generic[T, R]):
-    """A packer shared by the event loop (which adds) and a device thread (which takes).
+class Rules:
+    """What the device thread asks the feed's owner (reads of flags only); the defaults: linger,
+    never finish, always take. ``taken``, when set, runs on the loop as a batch leaves the packer.
+    """
 
-    ``execute(batch)`` runs in the device thread; ``settle`` gets its result on the
-    loop. Device-thread callbacks that only read flags: ``flushing()`` (no lingering),
-    ``finished()`` (no more input), ``prune()`` (drop abandoned input), ``may_take()``
-    (hold batches back; :meth:`wake` when it turns True). ``on_take()`` runs on the
-    loop when a batch leaves the packer.
+    taken: Callable[[], None] | None = None
+
+    def flushing(self) -> bool:
+        """No lingering: every batch goes as soon as it is packed."""
+        return False
+
+    def finished(self) -> bool:
+        """No more input comes: the thread ends once nothing is left to take."""
+        return False
+
+    def may_take(self) -> bool:
+        """Take the next batch now (False: hold back until :meth:`DeviceFeed.wake`)."""
+        return True
+
+    def prune(self) -> None:
+        """Drop abandoned input from the packer (under the feed's lock)."""
+
+
+class DeviceFeed(Generic[T, R]):
+    """A packer shared by the event loop (which adds) and a device thread (which takes):
+    ``execute(batch)`` runs in the thread, :meth:`run`'s ``settle`` gets its result on the loop.
     """
 
     def __init__(
-        self,
-        packer: Packer[T],
-        execute: Callable[[Batch[T]], R],
-        *,
-        flushing: Callable[[], bool],
-        finished: Callable[[], bool],
-        prune: Callable[[], None] | None = None,
-        on_take: Callable[[], None] | None = None,
-        may_take: Callable[[], bool] | None = None,
-        max_unsettled: int = 4,
-        name: str = "tokenq-device",
+        self, packer: Packer[T], execute: Callable[[Batch[T]], R], rules: Rules, *,
+        max_unsettled: int = 4, name: str = "tokenq-device",
     ) -> None:
         self.packer = packer
         self._execute = execute
-        self._flushing = flushing
-        self._finished = finished
-        self._prune = prune
-        self._on_take = on_take
-        self._may_take = may_take
+        self._rules = rules
         self._name = name
         self._lock = threading.Condition()
         self._unsettled = threading.Semaphore(max_unsettled)
@@ -170,11 +160,7 @@ class DeviceFeed(Generic[T, R]):
         return len(self.packer)
 
     async def run(self, settle: Callable[[Batch[T], R], Awaitable[None]]) -> None:
-        """Start the device thread and settle its results until it finishes.
-
-        Raises what ``execute`` raised (:func:`ordinary`), its batch still :meth:`held`.
-        Cancelled: the thread stops after its running batch, whose result is dropped.
-        """
+        """Start the device thread and settle its results until it finishes."""
         self._loop = asyncio.get_running_loop()
         self._results = asyncio.Queue()
         self._cancelled = False
@@ -213,7 +199,7 @@ class DeviceFeed(Generic[T, R]):
                 batch = self._next()
                 if batch is None:
                     break
-                if self._on_take is not None:
+                if self._rules.taken is not None:
                     self._send(_TAKEN)
                 started = time.perf_counter()
                 try:
@@ -236,21 +222,21 @@ class DeviceFeed(Generic[T, R]):
 
     def _next(self) -> Batch[T] | None:
         """Wait for the packer's next batch; None once finished (or cancelled)."""
+        rules = self._rules
         with self._lock:
             while not self._cancelled:
-                if self._prune is not None:
-                    self._prune()
-                if self._may_take is not None and not self._may_take():
-                    if self._finished():
+                rules.prune()
+                if not rules.may_take():
+                    if rules.finished():
                         return None
                     self._lock.wait()  # until wake(): room made
                     continue
                 now = monotonic_ms()
-                batch = self.packer.next_batch(now, flush=self._flushing())
+                batch = self.packer.next_batch(now, flush=rules.flushing())
                 if batch is not None:
                     self._running = batch
                     return batch
-                if self._finished():
+                if rules.finished():
                     return None
                 ready = self.packer.ready_at()
                 self._lock.wait(None if ready is None else max(0.0, (ready - now) / 1000.0))
@@ -286,7 +272,7 @@ class DeviceFeed(Generic[T, R]):
         results = self._results
         for message in messages:
             if message is _TAKEN:
-                if self._on_take is not None:
-                    self._on_take()
+                if self._rules.taken is not None:
+                    self._rules.taken()
             elif results is not None:
                 results.put_nowait(message)  # type: ignore[arg-type]

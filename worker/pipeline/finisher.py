@@ -1,11 +1,4 @@
-"""What a request's options and the model's defaults do to its result: the worker's one home.
-
-The options are :mod:`tokenq.shared.request_options`. Embeddings: ``dimensions``
-truncates, then L2 normalisation if asked (or by default; ``raw_vectors``
-backends are normalised here). Scores: the model's activation unless
-``raw_scores``. Sparse rows pass as they are; :func:`sparse_entries` packs them.
-Rows that take the defaults are finished in one numpy operation per batch.
-"""
+"""What a request's options and the model's defaults do to its result: the worker's one home."""
 
 from __future__ import annotations
 
@@ -95,10 +88,7 @@ class Finisher:
 
 
 def sparse_entries(row: np.ndarray) -> tuple[bytes, bytes]:
-    """A dense sparse-model row's nonzero entries: (uint32 indices, float32 values), LE.
-
-    A SPLADE row is vocabulary-long but has a few hundred nonzeros (~2 KB as pairs).
-    """
+    """A dense sparse-model row's nonzero entries: (uint32 indices, float32 values), LE."""
     flat = np.ravel(row)
     nonzero = np.flatnonzero(flat)
     return nonzero.astype("<u4").tobytes(), flat[nonzero].astype("<f4").tobytes()

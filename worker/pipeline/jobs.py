@@ -1,9 +1,4 @@
-"""Stream entries in, answers out: the Redis side of the request pipeline.
-
-Each entry becomes a request for :class:`~tokenq.worker.pipeline.pipeline.Pipeline`
-or an immediate answer (undecodable, over-delivered: a dead letter);
-:class:`Answer` is what ``publish.lua`` takes. No Redis I/O.
-"""
+"""Stream entries in, answers out: the Redis side of the request pipeline."""
 
 from __future__ import annotations
 
@@ -21,10 +16,7 @@ log = logging.getLogger("tokenq.worker")
 
 @dataclass(slots=True)
 class Answer:
-    """A reply the worker owes for one stream entry, ready to publish.
-
-    Not frozen: made per request (docs/decisions/0024-per-request-records-not-frozen.md).
-    """
+    """A reply the worker owes for one stream entry, ready to publish."""
 
     entry_id: bytes
     reply_to: str | None
@@ -105,12 +97,7 @@ def decode_entries(
     deliveries: Mapping[bytes, int],
     now_epoch_ms: int,
 ) -> Decoded:
-    """Decode raw entries; dead-letter the broken and the over-delivered.
-
-    ``deliveries``: counts for entries claimed from others (fresh reads are first
-    deliveries); over ``policy.max_deliveries`` an entry is not tried again. Never
-    raises for what an entry holds.
-    """
+    """Decode raw entries; dead-letter the broken and the over-delivered."""
     out = Decoded(requests=[], answers=[])
     # One helper for the read, not one per entry: a good entry costs no object here.
     dead_letter = functools.partial(dead_answer, policy=policy, now_epoch_ms=now_epoch_ms)

@@ -1,13 +1,5 @@
-"""One request pipeline for both batching loops: requests in, jobs, batch outcomes out.
-
-The Redis worker (``worker/loop.py``) and the in-process batcher
-(``worker/local/batcher.py``) differ only in where requests come from and
-answers go; the rest is here: :meth:`Pipeline.admit` (deadline, pairs check,
-exact tokenization isolated per input, over-length policy), :meth:`Pipeline.run_batch`
-(expired dropped, :func:`run_isolated`, chunked requests settled) and
-:meth:`Pipeline.reply`. A job's ``ref`` is the caller's opaque handle. No I/O,
-no asyncio: callers run it in a thread.
-"""
+"""One request pipeline for both batching loops: admission (deadline, pairs, exact tokenization,
+over-length policy), a batch run with failures isolated, replies. No I/O: callers use a thread."""
 
 from __future__ import annotations
 
@@ -56,11 +48,7 @@ OverLength = Literal["truncate", "reject", "chunk"]
 
 @dataclass(slots=True)
 class ChunkGroup:
-    """The windows of one over-long request under the ``chunk`` policy.
-
-    Windows may ride in different batches; the request is answered, with their
-    length-weighted mean, when every window is back.
-    """
+    """The windows of one over-long request under the ``chunk`` policy."""
 
     lengths: list[int]
     results: dict[int, np.ndarray] = field(default_factory=dict)
@@ -159,10 +147,7 @@ def budget_for(
     cost_model: CostModel | str | None,
     reason: str,
 ) -> Budget:
-    """The batch budget both loops run under; a ConfigError for one the model cannot honour.
-
-    ``cost_model`` None or ``auto`` follows ``info.padded``.
-    """
+    """The batch budget both loops run under; a ConfigError for one the model cannot honour."""
     if max_batch_tokens < info.max_input_tokens:
         raise ConfigError(
             f"max_batch_tokens ({max_batch_tokens}) is below the model's maximum input length "
@@ -219,12 +204,7 @@ class Pipeline(Generic[K]):
         )
 
     def admit(self, items: Sequence[Admit[K]], now_epoch_ms: int) -> Admitted[K]:
-        """Jobs for the requests worth running; an answer now for the rest.
-
-        Raises nothing for what a request holds: a failing tokenizer is retried input by
-        input (``bad_request`` on ``ValueError``, else ``inference_failed``); an encoding
-        no packer can cost lands in ``broken``.
-        """
+        """Jobs for the requests worth running; an answer now for the rest."""
         out: Admitted[K] = Admitted()
         valid: list[tuple[Admit[K], RequestOptions]] = []
         for item in items:
@@ -301,11 +281,7 @@ class Pipeline(Generic[K]):
 
     def _cut(self, inputs: Sequence[TextInput], encodings: Sequence[Encoding],
              max_length: int | None) -> set[int]:
-        """The indices of the inputs ``max_length`` cut.
-
-        From the encoding's ``truncated`` if it has one; otherwise inputs at the limit
-        are tokenized again whole (one call), and all count as cut if that fails.
-        """
+        """The indices of the inputs ``max_length`` cut."""
         if max_length is None:
             return set()
         cut: set[int] = set()
@@ -387,11 +363,7 @@ class Pipeline(Generic[K]):
     # -------------------------------------------------------------- run a batch
 
     def run_batch(self, jobs: Sequence[Job[K]], now_epoch_ms: int) -> BatchOutcome[K]:
-        """Run one packed batch and settle what it finishes (synchronous: call it in a thread).
-
-        Jobs whose deadline passed are answered ``deadline_exceeded`` without running;
-        the rest run under :func:`run_isolated`.
-        """
+        """Run one packed batch and settle what it finishes (synchronous: call it in a thread)."""
         expired: list[Job[K]] = []
         live: list[Job[K]] = []
         for job in jobs:
@@ -412,10 +384,7 @@ class Pipeline(Generic[K]):
 
     def settle(self, jobs: Sequence[Job[K]],
                results: Sequence[np.ndarray | Failure]) -> list[Outcome[K]]:
-        """Outcomes for finished jobs; a chunked request finishes with its last window.
-
-        Whole requests are shaped together in one numpy operation; windows stay raw.
-        """
+        """Outcomes for finished jobs; a chunked request finishes with its last window."""
         whole = [i for i, (job, result) in enumerate(zip(jobs, results, strict=True))
                  if job.chunk is None and not isinstance(result, Failure)]
         if len(whole) == len(jobs):  # the common case: every request whole and answered
@@ -485,11 +454,7 @@ class Pipeline(Generic[K]):
         )
 
     def encoded_reply(self, outcome: Outcome[K]) -> tuple[bytes, bool]:
-        """The reply's msgpack bytes, and whether it is a success.
-
-        An embedding is packed straight from the vector (this runs per request);
-        anything else goes through :meth:`reply`. Same bytes either way.
-        """
+        """The reply's msgpack bytes, and whether it is a success."""
         result = outcome.result
         if self.info.embeds and not isinstance(result, Failure) and result.ndim == 1:
             vector = np.ascontiguousarray(result, dtype="<f4")

@@ -1,14 +1,5 @@
-"""Tokenizing in child processes, for backends whose tokenizer holds the GIL.
-
-``--tokenize-processes N`` cuts each read into up to N slices tokenized by
-children built from the backend's
-:class:`~tokenq.worker.backends.base.TokenizerSource`, so a Python tokenizer does
-not stall the loop and device thread
-(docs/decisions/0015-tokenizing-in-child-processes.md). Spawned, not forked;
-checked at start; a dead child's pool is replaced once; errors keep their type;
-reads under :data:`MIN_SLICE` per child stay whole; children die with the worker
-and are killed after :data:`CLOSE_GRACE_S` at close.
-"""
+"""Tokenizing in child processes (``--tokenize-processes``), for backends whose tokenizer holds
+the GIL (docs/decisions/0015-tokenizing-in-child-processes.md)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""Taking over the work of workers that died, and of entries nobody touches.
-
-A live worker refreshes what it holds each heartbeat, so only a stopped holder's
-entries grow idle. Three ways to find them, each ending in a min-idle ``XCLAIM``
-(no lock): **dead consumers** (liveness key expired); **forgotten entries**
-(this worker's own pending entries it does not hold: a lost reply, a failover;
-docs/decisions/0028-worker-reclaims-what-it-forgot.md); **the safety net** (any
-entry idle past ``claim_idle_s``, by a cursor over the pending list).
-``XPENDING`` rather than ``XAUTOCLAIM``: its delivery count decides
-dead-lettering. Dead consumers holding nothing, and heartbeat rows of gone
-workers, are removed by ``drop_consumer.lua``, which checks again atomically.
-"""
+"""Taking over the entries of workers that died, of this one's own forgotten entries, and of any
+entry idle past ``claim_idle_s`` (``XPENDING`` then a min-idle ``XCLAIM``: no lock)."""
 
 from __future__ import annotations
 
@@ -21,7 +11,7 @@ import redis.asyncio as aioredis
 
 from tokenq.shared import keys
 from tokenq.shared.redis_text import as_text
-from tokenq.worker import presence
+from tokenq.worker.loop import presence
 
 log = logging.getLogger("tokenq.worker")
 
@@ -75,11 +65,7 @@ class Reclaimer:
         return claimed
 
     async def own_deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
-        """How often each of this consumer's own pending entries has been delivered.
-
-        A history read (``XREADGROUP … 0``) counts a delivery but does not report it;
-        without this, an entry that crashes the worker would be re-read forever.
-        """
+        """How often each of this consumer's own pending entries has been delivered."""
         if not entry_ids:
             return {}
         pending = await self._client.xpending_range(

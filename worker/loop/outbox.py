@@ -1,27 +1,21 @@
-"""The worker's answers on their way to Redis: one outbox and one publish task per lane.
-
-A shard whose node is down holds back only its own answers. Outboxes are
-unbounded, but what waits in them counts as held
-(:class:`~tokenq.worker.intake.Intake`), so the read-ahead room bounds them.
-Each task publishes whatever queued up in one call
-(:class:`~tokenq.worker.publish.Publisher`), retrying until Redis takes it or the
-worker is past its grace.
+"""The worker's answers on their way to Redis: one outbox and one publish task per lane (a
+shard whose node is down holds back only its own). What waits counts as held in the
+read-ahead room (:class:`~tokenq.worker.loop.intake.Intake`), which bounds the outboxes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from tokenq.worker.intake import Intake
-from tokenq.worker.lanes import Lane, Ref
-from tokenq.worker.lifecycle import Lifecycle
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Lane, Ref
+from tokenq.worker.loop.lifecycle import Wiring
+from tokenq.worker.loop.stages import PUBLISH
 from tokenq.worker.pipeline.jobs import Answer
 from tokenq.worker.pipeline.pipeline import Outcome, Pipeline
-from tokenq.worker.recorder import Recorder
-from tokenq.worker.stages import PUBLISH, Stages
 
 PUBLISH_CHUNK = 2048
 """Most answers one publish call carries when several batches' answers are waiting."""
@@ -54,20 +48,11 @@ def letter_bytes(fields: Iterable[tuple[bytes | str, bytes | str]]) -> int:
 class Outbox:
     """The answers owed on each lane, and the tasks that publish them."""
 
-    def __init__(
-        self, *, intake: Intake, lifecycle: Lifecycle, stages: Stages, recorder: Recorder,
-        now_epoch_ms: Callable[[], int], call_deadline: tuple[float, str],
-        room_made: Callable[[], None],
-    ) -> None:
+    def __init__(self, wiring: Wiring, intake: Intake, room_made: Callable[[], None]) -> None:
         """``room_made``: called once published answers gave their room back (the readers
         and the device, which wait for it while answers fill the room, look again)."""
+        self._wiring = wiring
         self._intake = intake
-        self._lifecycle = lifecycle
-        self._stages = stages
-        self._recorder = recorder
-        self._now_epoch_ms = now_epoch_ms
-        self._call_deadline = call_deadline
-        """The deadline of one publish attempt and the rule it comes from (the watchdog's)."""
         self._room_made = room_made
         self._queues: list[asyncio.Queue[list[Answer] | None]] = []
         self._publishing = 0
@@ -87,10 +72,7 @@ class Outbox:
 
     def emit_outcomes(self, pipeline: Pipeline[Any], outcomes: Sequence[Outcome[Ref]]) -> None:
         """Answer finished requests, each on the lane its entry came from."""
-        self.emit_all(answers_by_lane(pipeline, outcomes))
-
-    def emit_all(self, owed: Mapping[int, list[Answer]]) -> None:
-        for lane, answers in owed.items():
+        for lane, answers in answers_by_lane(pipeline, outcomes).items():
             self.emit(lane, answers)
 
     def close(self) -> None:
@@ -108,7 +90,7 @@ class Outbox:
         """
         queue = self._queues[lane.index]
         assert lane.publisher is not None
-        limit_s, limit_name = self._call_deadline
+        limit_s, limit_name = self._wiring.call_deadline
         last = False
         while not last:
             answers = await queue.get()
@@ -122,7 +104,7 @@ class Outbox:
                 answers = [*answers, *more]
             self._publishing += 1
             try:
-                with self._stages.running(
+                with self._wiring.stages.running(
                     PUBLISH, f"publishing {len(answers)} answers on {lane.stream}",
                     limit_s, limit_name,
                 ) as restart:
@@ -132,11 +114,11 @@ class Outbox:
                 self._publishing -= 1
                 self._intake.published(lane.index, [answer.entry_id for answer in answers])
                 self._room_made()
-            self._recorder.published(answers, self._now_epoch_ms())
+            self._wiring.recorder.published(answers, self._wiring.clock.now_ms())
 
     def _retrying(self, restart: Callable[[], None]) -> bool:
         """Asked before each retry: give up (past the stop grace)? Restarts the publish stage's
         clock, since its deadline bounds one attempt (waiting for Redis is not a hang).
         """
         restart()
-        return self._lifecycle.past_grace()
+        return self._wiring.lifecycle.past_grace()

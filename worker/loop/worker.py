@@ -1,14 +1,6 @@
-"""The worker process: the Redis I/O and scheduling around the request pipeline.
-
-Per-request rules are the pipeline's (``worker/pipeline``), batching decisions
-the packer's. Tasks joined by bounded hand-offs (TEI's shape): **read** (one per
-stream: ``reader.py``), **run** (:class:`~tokenq.worker.pipeline.feed.DeviceFeed`,
-the next batch the moment the device frees), **publish** (``outbox.py``), **beat**
-(``beat.py``) and **watchdog** (``watchdog.py``; a stage past its deadline,
-``worker/stages.py``, exits 3). Each part owns its state (docs/ARCHITECTURE.md);
-:class:`Worker` wires them and reports to :class:`~tokenq.worker.health.Health`.
-Nothing one entry contains can end the process.
-"""
+"""The worker's loop over one queue: read (a task per lane) -> device (the packer, bounded by the
+read-ahead room, and the device thread) -> publish (a task per lane), with beat and watchdog beside
+them; :class:`Worker` wires the parts. Nothing one entry contains can end the process."""
 
 from __future__ import annotations
 
@@ -28,50 +20,39 @@ from redis.exceptions import RedisError
 from tokenq.shared import keys, wire
 from tokenq.shared.failures import error_text, failure_message
 from tokenq.shared.heartbeat import Heartbeat
-from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
-from tokenq.worker import host_memory, presence, read_ahead
+from tokenq.shared.packer import Budget, Packer
+from tokenq.worker import host_memory
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.batch_stats import exit_line
-from tokenq.worker.beat import Beat, streams_of
-from tokenq.worker.clock import RedisClock
 from tokenq.worker.health import Health
-from tokenq.worker.intake import Intake
-from tokenq.worker.lanes import Lane, Ref, Retirement
-from tokenq.worker.lifecycle import STOP_GRACE_S, Lifecycle
 from tokenq.worker.logs import FIELDS
-from tokenq.worker.loop_guard import LoopGuard
+from tokenq.worker.loop import presence, read_ahead
+from tokenq.worker.loop.beat import Beat
+from tokenq.worker.loop.device import Device
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Lane, LaneSet, Ref, Retirement
+from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Wiring
+from tokenq.worker.loop.loop_guard import LoopGuard
+from tokenq.worker.loop.outbox import Outbox
+from tokenq.worker.loop.publish import Publisher, Target
+from tokenq.worker.loop.reader import Reader
+from tokenq.worker.loop.recorder import Recorder
+from tokenq.worker.loop.recovery import Reclaimer
+from tokenq.worker.loop.stages import Overdue, StageClock, Stages, redis_call_deadline_s
+from tokenq.worker.loop.watchdog import Watchdog, WorkerHung, watchdog_period_s
 from tokenq.worker.metrics import NullMetrics
-from tokenq.worker.outbox import Outbox
-from tokenq.worker.pipeline.execute import adapt_budget
-from tokenq.worker.pipeline.feed import Aborted, DeviceFeed, ordinary, wait_event
+from tokenq.worker.pipeline.feed import Aborted, ordinary, wait_event
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
-from tokenq.worker.pipeline.pipeline import BatchOutcome, Job, Pipeline, budget_for
+from tokenq.worker.pipeline.pipeline import Job, Pipeline, budget_for
 from tokenq.worker.pipeline.tokenizing import pool_for
-from tokenq.worker.publish import Publisher
-from tokenq.worker.reader import Reader
-from tokenq.worker.recorder import Recorder
-from tokenq.worker.recovery import Reclaimer
 from tokenq.worker.redis_connect import connect
 from tokenq.worker.server_check import check_server
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.stage_clock import StageClock
-from tokenq.worker.stages import (
-    DEVICE,
-    REDIS_CALL_BOUND,
-    Overdue,
-    Stages,
-    redis_call_deadline_s,
-)
-from tokenq.worker.watchdog import Watchdog, WorkerHung, watchdog_period_s
 
 __all__ = ["Plan", "Worker", "WorkerHung", "default_consumer_name", "plan",
            "redis_call_deadline_s", "watchdog_period_s"]
 
 log = logging.getLogger("tokenq.worker")
-
-_STOP_GRACE_S = STOP_GRACE_S
-"""How long a stopping worker keeps trying to publish and deregister (``lifecycle.py``)."""
-
 
 def default_consumer_name() -> str:
     """host-pid-random: unique per process, readable in XINFO CONSUMERS."""
@@ -115,80 +96,58 @@ class Worker:
         health: Health | None = None,
         on_stuck: Callable[[Overdue], None] | None = None,
     ) -> None:
-        """``on_stuck``: called by a :class:`~tokenq.worker.loop_guard.LoopGuard` thread when
-        the event loop is stuck in an overdue stage; None in tests that run in-process.
-        """
+        """``on_stuck``: called by a :class:`~tokenq.worker.loop.loop_guard.LoopGuard` thread
+        when the event loop is stuck in an overdue stage; None in tests that run in-process."""
         self.settings = settings
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.health = health if health is not None else Health(
-            settings.heartbeat_s, watchdog_period_s(settings)
-        )
+            settings.heartbeat_s, watchdog_period_s(settings))
         self.backend = backend
         self.queue = settings.queue_ref
         self.consumer = settings.consumer or default_consumer_name()
         self._retirement = Retirement(self.queue, settings.shards or 1)
         self.plan = plan(settings, backend)
         self._tokenizer_pool = pool_for(backend, settings.tokenize_processes)
-        self.pipeline: Pipeline[Ref] = Pipeline(
-            backend, policy=settings.policy, chunk_overlap=settings.chunk_overlap,
-            tokenizer=self._tokenizer_pool,
-        )
-        self.packer: Packer[Job[Ref]] = Packer(
-            self.plan.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio,
-            aging_ms=settings.aging_ms, max_batch_ms=settings.max_batch_ms,
-        )
-        self.adaptive = AdaptiveBudget(
-            self.plan.budget.max_batch_tokens, backend.info.max_input_tokens
-        )
         period_s = watchdog_period_s(settings)
         stage_clock = StageClock(period_s)  # ticked by the guard: a stopped process's time left out
-        self._lifecycle = Lifecycle(stage_clock)
-        self._feed: DeviceFeed[Job[Ref], _Ran] = DeviceFeed(
-            self.packer, self._execute,
-            flushing=lambda: self._lifecycle.stopping.is_set(),
-            finished=lambda: self._readers_done() and not self.packer,
-            on_take=lambda: self._lifecycle.room_made.set(),
-            may_take=lambda: self._intake.answers_fit(),
-            name="tokenq-device",
-        )
-        self._client = client
-        self._own_client = client is None
+        self._lifecycle = lifecycle = Lifecycle(stage_clock)
+        lifecycle.on_stop.append(self._stopped)
         self._recorder = Recorder(self.consumer, self.metrics, settings.batch_log)
         self.stats = self._recorder.stats
-        self._stages = Stages(stage_clock)
-        """The stages holding entries now, each with its deadline (the watchdog reads it)."""
-        self._call_deadline = (redis_call_deadline_s(settings), REDIS_CALL_BOUND)
-        self._clock = RedisClock()
+        self._wiring = Wiring(self.consumer, settings, lifecycle, Stages(stage_clock),
+                              self._recorder, self.health)
+        self._client = client
+        self._own_client = client is None
         room = settings.read_ahead_bytes
         if room is None:  # not set: a share of the memory this worker may use
             room = read_ahead.auto_limit(host_memory.usable_bytes())
         self._intake = Intake(
-            read_ahead_budgets=settings.read_ahead_budgets,
-            read_ahead_bytes=room,
+            read_ahead_budgets=settings.read_ahead_budgets, read_ahead_bytes=room,
             max_entry_bytes=wire.max_entry_bytes(settings.max_request_bytes),
             max_input_tokens=backend.info.max_input_tokens,
         )
-        self._outbox = Outbox(
-            intake=self._intake, lifecycle=self._lifecycle, stages=self._stages,
-            recorder=self._recorder, now_epoch_ms=self._clock.now_ms,
-            call_deadline=self._call_deadline, room_made=self._room_made,
+        self._outbox = Outbox(self._wiring, self._intake, self._room_made)
+        packer: Packer[Job[Ref]] = Packer(
+            self.plan.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio,
+            aging_ms=settings.aging_ms, max_batch_ms=settings.max_batch_ms,
         )
-        self.lanes: list[Lane] = []
+        pipeline: Pipeline[Ref] = Pipeline(backend, policy=settings.policy,
+                                           chunk_overlap=settings.chunk_overlap,
+                                           tokenizer=self._tokenizer_pool)
+        self._device = Device(self._wiring, pipeline, packer, self._intake, self._outbox)
+        self.packer = packer
+        self.lanes = LaneSet(self._dead_letter_policy)
         for queue in keys.lanes_of(self.queue, settings.shards or 1):
             self._add_lane(queue)
-        self._reader: Reader | None = None
-        """Built with the client, when the worker runs."""
-        self._reply_ttl_ms = int(settings.reply_ttl_s * 1000)
         self._guard = None if on_stuck is None else LoopGuard(
-            stages=self._stages, lifecycle=self._lifecycle,
+            stages=self._wiring.stages, lifecycle=lifecycle,
             period_s=period_s, on_stuck=on_stuck, clock=stage_clock,
         )
         self.health.loaded()  # the backend is built and the plan holds: the model is in
 
     def _add_lane(self, queue: keys.QueueRef, *, retired: bool = False) -> Lane:
         """A lane read into the packer, with its own outbox (its index: its number)."""
-        lane = Lane(len(self.lanes), queue, self._dead_letter_policy(queue), retired=retired)
-        self.lanes.append(lane)
+        lane = self.lanes.add(queue, retired=retired)
         self._outbox.add_lane()
         return lane
 
@@ -212,45 +171,48 @@ class Worker:
 
     def stop(self) -> None:
         """Stop reading; finish and answer what was read; then return from run()."""
-        if self._lifecycle.stop():
-            log.info("stopping: finishing %d buffered requests", len(self.packer))
+        self._lifecycle.stop()
+
+    def _stopped(self) -> None:
+        log.info("stopping: finishing %d buffered requests", len(self.packer))
         self.health.stopping = True
-        self._feed.wake()
+        self._device.wake()
 
     def _room_made(self) -> None:
         """Answers were published: the readers and the device may take more."""
         self._lifecycle.room_made.set()
-        self._feed.wake()
-
-    def _readers_done(self) -> bool:
-        return self._reader is not None and self._reader.done
+        self._device.wake()
 
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self) -> None:
         """Serve the queue until stop() is called (or the idle timeout passes)."""
-        reader = self._reader = self._wire_reader()
+        self._wiring.client = self.client
+        reader = Reader(self._wiring, self.lanes, self._intake, self._device, self._outbox,
+                        self._config_fields)
         for lane in self.lanes:
             self._equip(lane)
         if self._tokenizer_pool is not None:
             await asyncio.to_thread(self._tokenizer_pool.start)
         if not await self._join(reader):  # stopped before Redis ever answered
-            self._close_tokenizer_pool()
-            if self._own_client and self._client is not None:
-                await self._client.aclose()
+            await self._close()
             return
         self._log_start()
         self.health.running(time.monotonic())
-        beat = asyncio.create_task(self._wire_beat().run(), name="tokenq-beat")
+        beat = asyncio.create_task(
+            Beat(self._wiring, self.lanes, self._intake, self._retirement, self.status).run(),
+            name="tokenq-beat")
         reader.starting()
         tasks = [
             *(asyncio.create_task(reader.run(lane), name=f"tokenq-read-{lane.index}")
               for lane in self.lanes),
-            asyncio.create_task(self._run_loop(), name="tokenq-run"),
+            asyncio.create_task(self._device.run(), name="tokenq-run"),
             *(asyncio.create_task(self._outbox.run(lane), name=f"tokenq-publish-{lane.index}")
               for lane in self.lanes),
         ]
-        watchdog = asyncio.create_task(self._wire_watchdog().run(), name="tokenq-watchdog")
+        watchdog = asyncio.create_task(
+            Watchdog(self._wiring, self.lanes, self._device, self._outbox).run(),
+            name="tokenq-watchdog")
         if self._guard is not None:
             self._guard.start()
         try:
@@ -270,40 +232,9 @@ class Worker:
             except (RedisError, asyncio.TimeoutError) as exc:
                 log.warning("could not deregister: %s", error_text(exc))
             self._recorder.close()
-            self._close_tokenizer_pool()
-            if self._own_client and self._client is not None:
-                await self._client.aclose()
+            await self._close()
             fields = self._recorder.exit_fields(time.time())
             log.info(exit_line(fields), extra={FIELDS: fields})
-
-    def _wire_reader(self) -> Reader:
-        return Reader(
-            self.client, consumer=self.consumer, settings=self.settings, lanes=self.lanes,
-            intake=self._intake, lifecycle=self._lifecycle, stages=self._stages,
-            feed=self._feed, pipeline=self.pipeline, outbox=self._outbox,
-            recorder=self._recorder, health=self.health, now_epoch_ms=self._clock.now_ms,
-            config_fields=self._config_fields, on_idle=self.stop,
-            call_deadline=self._call_deadline,
-        )
-
-    def _wire_beat(self) -> Beat:
-        return Beat(
-            self.client, consumer=self.consumer, heartbeat_s=self.settings.heartbeat_s,
-            lanes=self.lanes, intake=self._intake, lifecycle=self._lifecycle,
-            health=self.health, recorder=self._recorder, clock=self._clock,
-            retirement=self._retirement, status=self.status,
-        )
-
-    def _wire_watchdog(self) -> Watchdog:
-        def wake() -> None:
-            self._feed.wake()
-            self._lifecycle.room_made.set()
-
-        return Watchdog(
-            period_s=watchdog_period_s(self.settings), stages=self._stages,
-            lifecycle=self._lifecycle, health=self.health, wake=wake,
-            unpublished=self._outbox.unpublished, drop_liveness=self._drop_liveness,
-        )
 
     def _equip(self, lane: Lane) -> None:
         """Give a lane what reclaims and publishes on it."""
@@ -313,11 +244,10 @@ class Worker:
             claim_idle_ms=int(self.settings.claim_idle_s * 1000),
         )
         lane.publisher = Publisher(
-            self.client, stream=lane.stream, dead=keys.dead(lane.queue), group=keys.GROUP,
-            consumer=self.consumer, reply_ttl_ms=self._reply_ttl_ms,
+            self.client, Target(lane.stream, keys.dead(lane.queue), keys.GROUP, self.consumer),
+            reply_ttl_ms=int(self.settings.reply_ttl_s * 1000),
             dead_max_len=self.settings.dead_max_len,
-            dead_max_letter_bytes=self.settings.dead_max_letter_bytes,
-            on_refused=self._publish_refused, on_published=self.health.publish_ok,
+            dead_max_letter_bytes=self.settings.dead_max_letter_bytes, hooks=self._wiring,
         )
 
     def _add_retired(self, queues: list[keys.QueueRef]) -> None:
@@ -326,29 +256,18 @@ class Worker:
         for queue in queues:
             self._equip(self._add_lane(queue, retired=True))
 
-    def _publish_refused(self, reason: str, error: str) -> None:
-        """Redis refused a publish call (OOM, READONLY, ...): count it, and /readyz says why."""
-        self._recorder.redis_refused(reason)
-        self.health.publish_refused(f"{reason}: {error}"[:200])
-
     async def _leave(self) -> None:
         for lane in self.lanes:
             await presence.leave(self.client, lane.queue, self.consumer)
 
-    async def _drop_liveness(self) -> None:
-        for lane in self.lanes:
-            await self.client.delete(keys.worker_alive(lane.queue, self.consumer))
-
-    def _close_tokenizer_pool(self) -> None:
+    async def _close(self) -> None:
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.close()
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
 
     async def _join(self, reader: Reader) -> bool:
-        """Create the group and publish the config, waiting for Redis if it is not up yet.
-
-        Retries with backoff until Redis answers or a stop (False); each try pings first
-        without redis-py's retries, so an absent Redis is named within a second.
-        """
+        """Create the group and publish the config, waiting for Redis if it is not up yet."""
         delay = 0.5
         probe = connect(self.settings.model_copy(update={"retries": 0}))
         stopping = self._lifecycle.stopping
@@ -379,7 +298,7 @@ class Worker:
         for lane in self.lanes:
             await reader.ensure_group(lane)
         await check_server(self.client)
-        await self._clock.sync(self.client)
+        await self._wiring.clock.sync(self.client)
         for lane in self.lanes:
             await presence.write_config(self.client, lane.queue, self._config_fields())
 
@@ -397,44 +316,13 @@ class Worker:
         log.info(
             "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
             "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s read_ahead=%d MiB%s",
-            self.consumer, streams_of(self.lanes), info.model, info.task,
+            self.consumer, self.lanes.streams(), info.model, info.task,
             info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
             self.plan.budget_reason, budget.max_batch_size, self.settings.linger_ms,
             self.plan.policy, self._intake.bytes.limit // (1024 * 1024),
             f" pooling={info.pooling}" if info.pooling else "",
         )
-
-    # ------------------------------------------------------------------------ run
-
-    async def _run_loop(self) -> None:
-        await self._feed.run(self._settle)
-        self._outbox.close()
-
-    def _execute(self, batch: Batch[Job[Ref]]) -> _Ran:
-        """Run one batch and adapt the budget (device thread: the only one that changes it)."""
-        # Only this thread picks and teaches the time model, after the batch, so the cap
-        # the pick used has not moved.
-        packed_under = self.packer.budget_now()
-        now = self._clock.now_ms()
-        with self._stages.running(
-            DEVICE, f"a batch of {len(batch.payloads)} requests on the device",
-            self.settings.batch_timeout_s, "batch_timeout_s",
-        ):
-            outcome = self.pipeline.run_batch(batch.payloads, now)
-        adapt_budget(self.adaptive, self.packer, outcome.ooms, "worker")
-        return _Ran(outcome, packed_under, now)
-
-    async def _settle(self, batch: Batch[Job[Ref]], ran: _Ran) -> None:
-        """Account for and answer one batch the device thread ran (on the event loop)."""
-        self._recorder.batch(
-            batch, ran.outcome, packed_under=ran.packed_under,
-            started_epoch_ms=ran.started_epoch_ms,
-            budget_now=self.packer.budget.max_batch_tokens,
-        )
-        self._outbox.emit_outcomes(self.pipeline, ran.outcome.answered)
-
-    # ---------------------------------------------------------------------- beat
 
     def status(self) -> Heartbeat:
         """What the heartbeat publishes (``tokenq stats`` reads it)."""
@@ -449,15 +337,6 @@ class Worker:
             max_batch_size=self.plan.budget.max_batch_size,
             buffered=len(self.packer),
         )
-
-
-@dataclass(frozen=True, slots=True)
-class _Ran:
-    """What the device thread hands the event loop for one batch."""
-
-    outcome: BatchOutcome[Ref]
-    packed_under: Budget
-    started_epoch_ms: int
 
 
 async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task[None]) -> None:

@@ -1,20 +1,12 @@
-"""Deadlines of the worker's stages that hold entries: every rule of "hung", and nothing else.
-
-A stage holds read entries while it runs (a batch on the device, a read being
-tokenized, one Redis read, one publish attempt), and the heartbeat keeps their
-claims fresh, so a stage that never returns would hold them forever. Each
-registers its deadline; the watchdog asks :meth:`Stages.overdue`, and the first
-overdue stage makes the worker hung (exit 3): a thread cannot be interrupted
-(docs/decisions/0057-stage-deadlines.md). After a stop, tokenizing gets
-``stop_grace_s``; a batch keeps ``batch_timeout_s`` (docs/RELIABILITY.md).
-Pure: the clock is passed in.
-"""
+"""Deadlines of the stages that hold entries (device, tokenizing, read, publish): every rule of
+"hung" (docs/decisions/0057-stage-deadlines.md), on a clock that leaves out a stopped process."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -115,17 +107,51 @@ class Stages:
         return None if worst is None else worst[1]
 
 
+COUNTED_PERIODS = 1.5
+"""The most of one gap between ticks that counts, in periods (one plus scheduling slack)."""
+
+
+class StageClock:
+    """Monotonic seconds less the time the process was stopped (SIGSTOP, a frozen cgroup): the
+    loop guard ticks it each period and at most :data:`COUNTED_PERIODS` of a gap counts."""
+
+    def __init__(self, tick_period_s: float, raw: Callable[[], float] = time.monotonic) -> None:
+        self._max_gap_s = COUNTED_PERIODS * tick_period_s
+        self._raw = raw
+        self._lock = threading.Lock()
+        self._last_tick: float | None = None
+        self._left_out = 0.0
+
+    def _uncounted(self, raw_now: float) -> float:
+        if self._last_tick is None:
+            return 0.0
+        return max(0.0, raw_now - self._last_tick - self._max_gap_s)
+
+    def __call__(self) -> float:
+        with self._lock:
+            raw_now = self._raw()
+            return raw_now - self._left_out - self._uncounted(raw_now)
+
+    def tick(self) -> None:
+        """The ticking thread ran: what it could not cover since its last tick is left out."""
+        with self._lock:
+            raw_now = self._raw()
+            self._left_out += self._uncounted(raw_now)
+            self._last_tick = raw_now
+
+    def stop_ticking(self) -> None:
+        """No more ticks: from now on every second counts."""
+        self.tick()
+        with self._lock:
+            self._last_tick = None
+
+
 REDIS_CALL_BOUND = "twice the Redis call bound"
 """How the deadline of a Redis read or publish attempt is named in the probe and the log."""
 
 
 def redis_call_deadline_s(settings: WorkerSettings) -> float:
-    """The deadline of one Redis read or publish attempt: twice what redis-py can take.
-
-    That is ``retries + 1`` attempts of connect (5 s), ``socket_timeout_s`` (plus
-    ``block_ms``) and up to 2 s backoff; a call still running at twice that is stuck
-    in the worker, not waiting on Redis.
-    """
+    """The deadline of one Redis read or publish attempt: twice what redis-py can take."""
     attempt = settings.block_ms / 1000 + settings.socket_timeout_s + min(
         5.0, settings.socket_timeout_s)
     return 2 * ((settings.retries + 1) * attempt + settings.retries * 2.0)

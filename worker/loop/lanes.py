@@ -1,34 +1,25 @@
-"""The streams one worker reads, and how an entry's reference says which it came from.
-
-A queue of K shards is served on ``{q:0}`` … ``{q:K-1}`` plus ``{q}``
-(:func:`tokenq.shared.keys.lanes_of`); each is a *lane*, a full queue of its own
-because a Cluster script may only touch one slot. All lanes feed one packer, and
-each entry is answered on its own lane. Ids are per stream, so the worker names
-a held entry by a :class:`Ref` (lane, id); answers leave by bare id, one outbox
-per lane. Shards beyond a shrunk count are *retired* (:class:`Retirement`): read
-until drained, then removed (``remove_retired.lua``), the marker kept.
-"""
+"""The streams one worker reads (its lanes) and :class:`Ref`, an entry's lane and id."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from tokenq.shared import functions, keys, lua_scripts, redis_refusal
+from tokenq.shared import functions, keys, redis_refusal
 from tokenq.shared.failures import error_text
 from tokenq.shared.redis_text import as_text
 
 log = logging.getLogger("tokenq.worker")
 
 if TYPE_CHECKING:
+    from tokenq.worker.loop.publish import Publisher
+    from tokenq.worker.loop.recovery import Reclaimer
     from tokenq.worker.pipeline.jobs import DeadLetterPolicy
-    from tokenq.worker.publish import Publisher
-    from tokenq.worker.recovery import Reclaimer
 
 
 class Ref(NamedTuple):
@@ -67,12 +58,37 @@ class Lane:
 _new_ref = tuple.__new__
 
 
-def entry_ids(refs: Iterable[Ref]) -> list[bytes]:
-    """The stream entry ids of references (for what reads an id's time: metrics)."""
-    return [ref.entry_id for ref in refs]
+class LaneSet:
+    """The worker's lanes, owned here: the worker adds, the beat removes drained retired ones,
+    every other part asks (iterating a snapshot)."""
 
+    def __init__(self, policy: Callable[[keys.QueueRef], DeadLetterPolicy]) -> None:
+        self._policy = policy
+        self._lanes: list[Lane] = []
+        self._count = 0
 
-REMOVE_RETIRED_SCRIPT = lua_scripts.load("tokenq.worker", "remove_retired.lua")
+    def add(self, queue: keys.QueueRef, *, retired: bool = False) -> Lane:
+        """A lane for ``queue``, numbered in the order added (its outbox's index)."""
+        lane = Lane(self._count, queue, self._policy(queue), retired=retired)
+        self._count += 1
+        self._lanes.append(lane)
+        return lane
+
+    def remove(self, lane: Lane) -> None:
+        """A drained retired lane: nothing reads, beats or answers on it any more."""
+        lane.drained = True
+        self._lanes.remove(lane)
+
+    def __iter__(self) -> Iterator[Lane]:
+        return iter(tuple(self._lanes))
+
+    def __len__(self) -> int:
+        return len(self._lanes)
+
+    def streams(self) -> str:
+        """The streams read, for log lines."""
+        return ", ".join(lane.stream for lane in self._lanes)
+
 
 _GONE = ("removed", "gone")
 """What remove_retired.lua answers for a lane nobody reads any more."""
@@ -80,11 +96,7 @@ _GONE = ("removed", "gone")
 
 class Retirement:
     """The shards a queue served beyond its count today: found at a worker's join, drained,
-    then removed (docs/OPERATIONS.md, "Changing K").
-
-    Found without a SCAN, from ``keys.shards_served`` or the config hash's count. Each
-    is marked first, so it only shrinks from then on (enqueue.lua refuses it).
-    """
+    then removed (docs/OPERATIONS.md, "Changing K")."""
 
     def __init__(self, queue: keys.QueueRef, shards: int) -> None:
         self.queue = queue
@@ -95,10 +107,7 @@ class Retirement:
 
     async def join(self, client: aioredis.Redis) -> list[keys.QueueRef]:
         """Mark the retired shards and unmark this worker's own; the retired shards with a
-        stream not returned before (a join is retried until Redis answers).
-
-        Runs before the worker publishes its count, so no producer writes to a stale shard.
-        """
+        stream not returned before (a join is retried until Redis answers)."""
         recorded = await self._served(client)
         if recorded is None:
             return []
@@ -118,13 +127,9 @@ class Retirement:
         return new
 
     async def tend(
-        self, client: aioredis.Redis, lanes: list[Lane], consumer: str
+        self, client: aioredis.Redis, lanes: Iterable[Lane], consumer: str
     ) -> list[Lane]:
-        """Remove the retired lanes that are drained (or ``gone``); those nobody reads any more.
-
-        This worker's heartbeat row and liveness key on them go too; the record goes once
-        no retired shard has a stream.
-        """
+        """Remove the retired lanes that are drained (or ``gone``); those nobody reads any more."""
         retired = [lane for lane in lanes if lane.retired]
         if not retired:
             return []
@@ -166,10 +171,7 @@ class Retirement:
                         error_text(exc))
 
     async def _served(self, client: aioredis.Redis) -> int | None:
-        """The highest shard count on record: ``shards_served``, or the config hash's count.
-
-        None when an ACL denies the reads (docs/SECURITY.md): nothing retired is drained.
-        """
+        """The highest shard count on record: ``shards_served``, or the config hash's count."""
         try:
             recorded = await client.get(keys.shards_served(self.queue))
             published = await client.hget(keys.config(self.queue), "shards")

@@ -1,18 +1,12 @@
-"""How much the worker may read ahead: the read-ahead room, in tokens and in bytes.
-
-Everything held counts: entries in the packer, a read being tokenized (at the
-producers' estimates), answers awaiting publish; in bytes
-(:class:`~tokenq.worker.read_ahead.ByteRoom`) each entry's raw bytes, its
-encoding (:data:`TOKEN_BYTES` a token), then its packed reply. Pure: what the
-packer holds is passed in (``tests/worker/test_worker_parts.py``).
-"""
+"""The read-ahead room, in tokens and bytes: entries in the packer, reads being tokenized and
+answers awaiting publish all count. Pure: what the packer holds is passed in."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
-from tokenq.worker.read_ahead import ByteRoom
+from tokenq.worker.loop.read_ahead import ByteRoom
 
 TOKEN_BYTES = 40
 """What one token of a buffered encoding holds: the Hugging Face backend's ids are a
@@ -57,12 +51,7 @@ class Intake:
     def read_count(
         self, max_batch_tokens: int, buffered_tokens: int, *, readers: int, cap: int
     ) -> int:
-        """How many entries the next read may take (0: no room now).
-
-        Bounded by both rooms: tokens from recent exact lengths (about
-        ``read_ahead_budgets``, each reader its share), and bytes by the bound in
-        ``read_ahead.py`` (reserved while the read runs: :meth:`reserving`).
-        """
+        """How many entries the next read may take (0: no room now)."""
         tokens = self.room(max_batch_tokens, buffered_tokens)
         # Every lane reads at once, so each takes its share of both rooms.
         by_bytes = self.bytes.count(cap, readers=readers, also=buffered_tokens * TOKEN_BYTES)
@@ -72,10 +61,7 @@ class Intake:
         return int(min(by_bytes, max(1, share)))
 
     def learn(self, requests: int, exact_tokens: int) -> None:
-        """Move the running mean of tokens per entry towards one read's (0.1 EMA per entry).
-
-        Exact lengths, not the producers' claims: a lying claim must not make reads huge.
-        """
+        """Move the running mean of tokens per entry towards one read's (0.1 EMA per entry)."""
         if requests <= 0:
             return
         weight = 1.0 - 0.9 ** requests
@@ -92,10 +78,6 @@ class Intake:
             self.inflight_estimate -= claimed
 
     # ------------------------------------------------------------------- bytes
-
-    def reserving(self, count: int) -> AbstractContextManager[None]:
-        """Reserve the bytes of ``count`` largest entries for one read (``read_ahead.py``)."""
-        return self.bytes.reserving(count)
 
     def hold(
         self, lane: int, entries: Iterable[tuple[bytes, Mapping[bytes, bytes] | None]]
@@ -120,10 +102,7 @@ class Intake:
 
     def answers_fit(self) -> bool:
         """Whether the device may take another batch: the answers awaiting publish fill less
-        than the byte room.
-
-        With no answer waiting a batch always goes (no deadlock on one huge answer).
-        """
+        than the byte room."""
         return self.answer_bytes < self.bytes.limit
 
     def held_by_lane(self) -> dict[int, list[bytes]]:

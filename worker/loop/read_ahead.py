@@ -1,20 +1,4 @@
-"""The byte bound on read-ahead: how many entries the next read may ask for.
-
-Entry sizes are unknown until they arrive, so a read asks for the room divided
-by the largest entry that can arrive (``max_entry``:
-:func:`tokenq.shared.wire.max_entry_bytes`), at least one while any room is
-left, and reserves ``count × max_entry`` until its entries are held. Bounds,
-held by ``tests/worker/test_read_ahead_bound.py``:
-
-    held + reserved  <  limit + max_entry         (so held < limit + max_entry)
-    answers held  <  limit + one batch's replies
-
-An answered entry counts for its packed reply until published
-(:meth:`ByteRoom.charge_all`). The default room is a share of memory
-(:func:`auto_limit`): the room trades CPU per request (docs/BENCHMARKS.md, "cpu";
-docs/decisions/0008-read-ahead-bytes-share-of-memory.md). Held bytes are kept per
-lane by entry id. Pure: no I/O, no clock.
-"""
+"""The byte bound on read-ahead: how many entries the next read may ask for."""
 
 from __future__ import annotations
 
@@ -66,11 +50,7 @@ class ByteRoom:
         return self._held.get(lane, {}).get(entry_id)
 
     def count(self, cap: int, readers: int = 1, also: int = 0) -> int:
-        """How many entries the next read may ask for: 0 while there is no room.
-
-        ``readers`` reading at once each ask for their share; ``also``: bytes held
-        elsewhere (the buffered encodings).
-        """
+        """How many entries the next read may ask for: 0 while there is no room."""
         room = self.limit - self.used() - also
         if room <= 0:
             return 0
@@ -100,8 +80,6 @@ class ByteRoom:
 
     def charge_all(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> int:
         """Make held entries of ``lane`` count for their answers' ``sizes``; the bytes now charged.
-
-        Ids not held are skipped (an entry deleted while pending).
         """
         held = self._held.get(lane)
         if not held:

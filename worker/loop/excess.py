@@ -1,11 +1,4 @@
-"""Entries written around enqueue's length limit: refused as an enqueue past it would be.
-
-A producer may ``XADD`` directly and skip ``max_queue_length``; the newest entries
-beyond the limit were written around it (``worker/lua/claim_excess.lua``). Before
-each read a worker answers up to :data:`TAKE_AT_MOST` undelivered ones with
-``queue_full`` as dead letters; within the limit it costs one ``XLEN``
-(docs/SECURITY.md, "What a producer can still do with XADD").
-"""
+"""Entries written around enqueue's length limit: refused as an enqueue past it would be."""
 
 from __future__ import annotations
 
@@ -13,7 +6,7 @@ from typing import Any
 
 from tokenq.shared import functions, keys
 from tokenq.shared.errors import ErrorCode
-from tokenq.shared.redis_refusal import key_refuses
+from tokenq.shared.redis_refusal import error_code
 from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy, dead_answer
 
 TAKE_AT_MOST = 256
@@ -45,5 +38,5 @@ def refusals(
 
 def acl_refused(error: Exception) -> bool:
     """Whether Redis refused the check to this ACL user (FCALL's key, or a command the
-    function runs): it will refuse it every time."""
-    return key_refuses(error) or "executing the script can't" in str(error)
+    function runs): it will refuse it every time. A WRONGTYPE stream fails the read instead."""
+    return error_code(error) == "NOPERM" or "executing the script can't" in str(error)

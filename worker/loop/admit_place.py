@@ -1,13 +1,4 @@
-"""Where a read is admitted: on the event loop when that costs less than a thread hop.
-
-With a cheap tokenizer the thread hop is most of admission's cost
-(docs/decisions/0016-admit-cheap-reads-on-the-event-loop.md). A read goes on the
-loop when its predicted cost is at most ``budget_s`` (``--admit-inline-ms``), in a
-thread otherwise, before anything is learned, or with ``--tokenize-processes``.
-Prediction: a rate times units (:data:`REQUEST_UNITS` plus characters per
-request), rising at once and falling a tenth a read. A stuck inline read is the
-:class:`~tokenq.worker.loop_guard.LoopGuard`'s. Pure: times are passed in.
-"""
+"""Where a read is admitted: on the event loop when that costs less than a thread hop."""
 
 from __future__ import annotations
 

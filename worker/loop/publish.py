@@ -1,13 +1,5 @@
-"""Publishing answers: each request's reply, XACK and XDEL in one atomic step.
-
-``publish.lua`` does it only while the entry is still pending to this worker, so
-an entry is answered exactly once (docs/decisions/0013-exactly-one-reply.md).
-Unreachable Redis: answers are kept and retried with backoff. A ``reply_to``
-that can never take the write dead-letters that entry alone; a refusal of writes
-now (``OOM``, ``READONLY``, ``LOADING``..., :mod:`tokenq.shared.redis_refusal`)
-fails the call, retried with the entries left pending, logged once per episode
-and reported to ``on_refused`` / ``on_published``.
-"""
+"""Publishing answers: each request's reply, XACK and XDEL in one atomic step (``publish.lua``,
+only while the entry is still pending to this worker: docs/decisions/0013-exactly-one-reply.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple, Protocol
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError, ResponseError
@@ -30,43 +23,43 @@ _ANSWER = bulk_format(4)
 """One answer with no dead-letter fields: entry id, reply key slot, payload, ``0``."""
 
 
+class Target(NamedTuple):
+    """Where one lane's answers go: its stream, its dead stream, the group, this consumer."""
+
+    stream: str
+    dead: str
+    group: str
+    consumer: str
+
+
+class PublishHooks(Protocol):
+    def refused(self, reason: str, error: str) -> None:
+        """Redis answered a call with a refusal of writes now."""
+
+    def published(self) -> None:
+        """A call went through (after refusals: the episode is over)."""
+
+
 class Publisher:
     """Answers one queue's requests through ``publish.lua``."""
 
     def __init__(
-        self,
-        client: aioredis.Redis,
-        *,
-        stream: str,
-        dead: str,
-        group: str,
-        consumer: str,
-        reply_ttl_ms: int,
-        dead_max_len: int,
-        dead_max_letter_bytes: int,
-        on_refused: Callable[[str, str], None] = lambda reason, error: None,
-        on_published: Callable[[], None] = lambda: None,
+        self, client: aioredis.Redis, target: Target, *, reply_ttl_ms: int, dead_max_len: int,
+        dead_max_letter_bytes: int, hooks: PublishHooks | None = None,
     ) -> None:
-        self._on_refused = on_refused
-        """Called with (reason, error) each time Redis answers a call with a refusal."""
-        self._on_published = on_published
-        """Called when a call went through (after refusals: the episode is over)."""
+        self._hooks = hooks
         self._script = functions.AsyncFunction(client, "publish")  # publish.lua, by FCALL
         self._packed = takes_packed(client)
         """Whether the client sends :class:`PackedArgs` as they are (one tokenq made)."""
-        self._stream = stream
-        self._dead = dead
-        self._head = [group, consumer, reply_ttl_ms, dead_max_len, dead_max_letter_bytes]
+        self._stream = target.stream
+        self._dead = target.dead
+        self._head = [target.group, target.consumer, reply_ttl_ms, dead_max_len,
+                      dead_max_letter_bytes]
 
     def arguments(
         self, answers: Sequence[Answer], refused: Mapping[bytes, str] | None = None
     ) -> tuple[list[str], list[object]]:
-        """KEYS and ARGV for one call (pure; tested without Redis).
-
-        ``refused`` maps entry ids whose ``reply_to`` Redis refused to the reason: their
-        key is left out and the script dead-letters them. Per-answer arguments end ARGV
-        as one :class:`PackedArgs`, written in bulk (same bytes).
-        """
+        """KEYS and ARGV for one call (pure; tested without Redis)."""
         keys = [self._stream, self._dead]
         index: dict[str, bytes] = {}
         parts: list[bytes] = []
@@ -94,11 +87,7 @@ class Publisher:
         return keys, [*self._head, len(answers), PackedArgs(count, b"".join(parts))]
 
     async def publish_once(self, answers: Sequence[Answer]) -> int:
-        """One script call; returns how many answers were still ours to publish.
-
-        One ``reply_to`` outside the ACL or slot refuses the whole call, so then each
-        answer goes alone and the refused one is dead-lettered without its reply.
-        """
+        """One script call; returns how many answers were still ours to publish."""
         if not answers:
             return 0
         keys, args = self.arguments(answers)
@@ -174,7 +163,8 @@ class Publisher:
             if failed:
                 log.warning("published %d answers after %d failed tries over %.1fs",
                             len(answers), failed, time.monotonic() - since)
-            self._on_published()
+            if self._hooks is not None:
+                self._hooks.published()
             if published < len(answers):
                 log.warning(
                     "%d of %d answers were no longer ours (claimed by another worker "
@@ -184,10 +174,10 @@ class Publisher:
             return published
 
     def _failed(self, exc: RedisError, n: int, *, first: bool) -> None:
-        """One failed try: a refusal goes to ``on_refused``; logged once per episode at warning."""
+        """One failed try: a refusal goes to the hooks; logged once per episode at warning."""
         refusal = isinstance(exc, ResponseError) or redis_refusal.error_code(exc) != ""
-        if refusal:
-            self._on_refused(redis_refusal.reason(exc), str(exc))
+        if refusal and self._hooks is not None:
+            self._hooks.refused(redis_refusal.reason(exc), str(exc))
         what = "Redis refuses writes" if refusal else "Redis is unreachable"
         if redis_refusal.is_out_of_memory(exc):
             what = "Redis is out of memory (maxmemory) and refuses writes"

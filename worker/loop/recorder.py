@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenq.shared.packer import Batch, Budget
 from tokenq.worker.batch_stats import BatchLog, BatchRecord, WorkerStats
-from tokenq.worker.lanes import Ref, entry_ids
+from tokenq.worker.loop.lanes import Ref
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.jobs import Answer
 from tokenq.worker.pipeline.pipeline import BatchOutcome, Job
@@ -34,7 +34,7 @@ class Recorder:
         self.stats.record(record)
         if self.metrics.enabled:
             self.metrics.batch(
-                record, entry_ids(job.ref for job in batch.payloads),
+                record, [job.ref.entry_id for job in batch.payloads],
                 input_tokens=[done.tokens for done in outcome.answered if done.tokens],
                 started_epoch_ms=started_epoch_ms, budget=budget_now,
             )

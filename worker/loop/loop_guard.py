@@ -1,12 +1,5 @@
-"""The guard behind the watchdog: a thread that ends a worker whose event loop is stuck.
-
-The watchdog runs on the event loop, so a stage that blocks the loop (a read
-admitted on it: ``worker/admit_place.py``) blocks it too. This thread asks the
-same :class:`~tokenq.worker.stages.Stages`; a stage still overdue ``patience_s``
-later means the loop is stuck: it logs the stage and calls ``on_stuck``
-(``os._exit(3)``). It also ticks the :class:`~tokenq.worker.stage_clock.StageClock`.
-A thread, not a signal: the main thread is the stuck one.
-"""
+"""A thread that ends a worker whose event loop is stuck in an overdue stage (the watchdog runs
+on that loop); it also ticks the :class:`~tokenq.worker.loop.stages.StageClock`."""
 
 from __future__ import annotations
 
@@ -14,9 +7,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from tokenq.worker.lifecycle import STOP_GRACE_S, Lifecycle
-from tokenq.worker.stage_clock import StageClock
-from tokenq.worker.stages import Overdue, Stages
+from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle
+from tokenq.worker.loop.stages import Overdue, StageClock, Stages
 
 log = logging.getLogger("tokenq.worker")
 

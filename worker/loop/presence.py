@@ -1,12 +1,4 @@
-"""How a worker makes itself known: the queue's config hash and heartbeats.
-
-At start it writes the model's limits to ``keys.config(q)`` (producers refuse
-over-long input early) and loads tokenq's Lua functions, which producers may
-``FCALL`` but not load (again after Redis came back empty). Each heartbeat
-refreshes ``keys.worker_alive`` and writes totals to ``keys.workers(q)``; a clean
-exit removes both. Formats: :mod:`tokenq.shared.queue_config`,
-:mod:`tokenq.shared.heartbeat`.
-"""
+"""How a worker makes itself known: the queue's config hash and heartbeats."""
 
 from __future__ import annotations
 
@@ -69,11 +61,7 @@ async def load_functions(client: aioredis.Redis) -> bool:
 async def beat(
     client: aioredis.Redis, q: keys.QueueRef, consumer: str, status: Heartbeat, ttl_ms: int
 ) -> None:
-    """Refresh liveness and publish this worker's totals, in one MULTI.
-
-    At ``maxmemory`` both writes are refused, so the key's TTL is renewed with PEXPIRE
-    (allowed when full) lest peers take held entries. Raises when the key is gone.
-    """
+    """Refresh liveness and publish this worker's totals, in one MULTI."""
     try:
         async with client.pipeline(transaction=True) as pipe:
             pipe.set(keys.worker_alive(q, consumer), b"1", px=ttl_ms)

@@ -1,15 +1,4 @@
-"""Reading the worker's lanes: one task per lane, into the one packer.
-
-Each task re-reads what this consumer already owns, then XREADGROUPs as far as
-the read-ahead room allows (:class:`~tokenq.worker.intake.Intake`), reclaims
-dead workers' entries (:class:`~tokenq.worker.recovery.Reclaimer`) and refuses
-entries past the length limit (:mod:`~tokenq.worker.excess`).
-
-Containment: a read that raises is retried entry by entry, and an entry that
-still fails is dead-lettered naming the error, so a poison entry costs only its
-own answer. Commands sent: ``XREADGROUP``, ``XGROUP CREATE`` (and the config
-hash, the length check), so a small fake drives it in tests.
-"""
+"""Reading the worker's lanes: one task per lane, into the device's packer."""
 
 from __future__ import annotations
 
@@ -26,19 +15,17 @@ from redis.exceptions import RedisError, ResponseError
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import ErrorCode
 from tokenq.shared.failures import error_text
-from tokenq.worker import excess, presence
-from tokenq.worker.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
-from tokenq.worker.health import Health
-from tokenq.worker.intake import Intake
-from tokenq.worker.lanes import Lane, Ref
-from tokenq.worker.lifecycle import Lifecycle
-from tokenq.worker.outbox import Outbox, answers_by_lane
-from tokenq.worker.pipeline.feed import DeviceFeed, monotonic_ms, wait_event
+from tokenq.worker.loop import excess, presence
+from tokenq.worker.loop.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
+from tokenq.worker.loop.device import Device
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Lane, LaneSet, Ref
+from tokenq.worker.loop.lifecycle import Wiring
+from tokenq.worker.loop.outbox import Outbox, answers_by_lane
+from tokenq.worker.loop.stages import READ, TOKENIZING
+from tokenq.worker.pipeline.feed import monotonic_ms, wait_event
 from tokenq.worker.pipeline.jobs import Answer, dead_answer, decode_entries
-from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job, Pipeline
-from tokenq.worker.recorder import Recorder
-from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.stages import READ, TOKENIZING, Stages
+from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job
 
 log = logging.getLogger("tokenq.worker")
 
@@ -66,32 +53,27 @@ class Reader:
     """Reads every lane into the packer, within the read-ahead room."""
 
     def __init__(
-        self, client: Any, *, consumer: str, settings: WorkerSettings, lanes: list[Lane],
-        intake: Intake, lifecycle: Lifecycle, stages: Stages, feed: DeviceFeed[Job[Ref], Any],
-        pipeline: Pipeline[Ref], outbox: Outbox, recorder: Recorder, health: Health,
-        now_epoch_ms: Callable[[], int], config_fields: Callable[[], dict[str, str]],
-        on_idle: Callable[[], None], call_deadline: tuple[float, str],
+        self, wiring: Wiring, lanes: LaneSet, intake: Intake, device: Device, outbox: Outbox,
+        config_fields: Callable[[], dict[str, str]],
     ) -> None:
-        self.client = client
-        self.consumer = consumer
-        self.settings = settings
-        self.lanes = lanes
-        """The worker's lanes (shared: the beat removes the drained retired ones)."""
+        """``config_fields``: the queue's config hash, written again when Redis lost it."""
+        self._wiring = wiring
+        self.client = wiring.client
+        self.consumer = wiring.consumer
+        self.settings = settings = wiring.settings
+        self._lanes = lanes
         self._intake = intake
-        self._lifecycle = lifecycle
-        self._stages = stages
-        self._feed = feed
-        self._pipeline = pipeline
+        self._device = device
         self._outbox = outbox
-        self._recorder = recorder
-        self._health = health
-        self._now_epoch_ms = now_epoch_ms
         self._config_fields = config_fields
-        self._on_idle = on_idle
-        self._call_deadline = call_deadline
+        self._lifecycle = wiring.lifecycle
+        self._stages = wiring.stages
+        self._recorder = wiring.recorder
+        self._health = wiring.health
+        self._now_epoch_ms = wiring.clock.now_ms
+        self._call_deadline = wiring.call_deadline
+        self._pipeline = device.pipeline
         self._readers_left = 0
-        self.done = False
-        """Every read task has ended: nothing more comes into the packer."""
         self._last_activity = time.monotonic()
         self._stopped: asyncio.Future[Any] | None = None
         """What :meth:`_until_stopped` waits on besides the read (:meth:`_stop_waiter`)."""
@@ -102,7 +84,7 @@ class Reader:
 
     def starting(self) -> None:
         """Called once, as the read tasks (one per lane) are started."""
-        self._readers_left = len(self.lanes)
+        self._readers_left = len(self._lanes)
 
     async def ensure_group(self, lane: Lane) -> None:
         try:
@@ -114,35 +96,41 @@ class Reader:
     # ---------------------------------------------------------------- reading
 
     def _read_count(self, cap: int = MAX_READ_COUNT) -> int:
-        budget = self._feed.packer.budget.max_batch_tokens
-        return self._intake.read_count(
-            budget, self._feed.packer.buffered_tokens, readers=len(self.lanes), cap=cap)
+        packer = self._device.packer
+        return self._intake.read_count(packer.budget.max_batch_tokens, packer.buffered_tokens,
+                                       readers=len(self._lanes), cap=cap)
 
     async def run(self, lane: Lane) -> None:
-        """Read one lane until the worker stops (or the lane is drained and removed)."""
+        """Read one lane, its own history first, until the worker stops or the lane is removed;
+        a failed read (history ones too) is counted for ``/readyz`` and retried."""
         self._health.reader_started(lane.index)
+        history: str | None = "0"  # where the next history read starts; None: all read
         try:
-            await self._until_stopped(self._read_history(lane))
             backoff = 0.1
             while self._lifecycle.reading() and not lane.drained:
-                if self._idle_expired():
+                if history is None and self._idle_expired():
                     log.info("queue idle for %.1fs; exiting", self.settings.exit_when_idle_s)
-                    self._on_idle()
+                    self._lifecycle.stop()
                     break
-                count = self._read_count()
+                count = self._read_count(MAX_READ_COUNT if history is None else HISTORY_COUNT)
                 if count == 0:
                     await self._wait_for_room()
                     continue
+                entries = None
                 try:
-                    with self._intake.reserving(count):
-                        if await self._until_stopped(self._reclaim(lane, count)):
-                            self._health.read_ok(lane.index)
-                            continue
-                        await self._until_stopped(self._refuse_excess(lane))
-                        entries = await self._until_stopped(
-                            self._xread(lane, ">", count, self.settings.block_ms)
-                        )
-                        self._intake.hold(lane.index, entries or [])
+                    if history is not None:
+                        history = await self._until_stopped(
+                            self._read_history(lane, history, count))
+                    else:
+                        with self._intake.bytes.reserving(count):
+                            if await self._until_stopped(self._reclaim(lane, count)):
+                                self._health.read_ok(lane.index)
+                                continue
+                            await self._until_stopped(self._refuse_excess(lane))
+                            entries = await self._until_stopped(
+                                self._xread(lane, ">", count, self.settings.block_ms)
+                            )
+                            self._intake.hold(lane.index, entries or [])
                     self._health.read_ok(lane.index)
                     backoff = 0.1
                 except RedisError as exc:
@@ -155,11 +143,11 @@ class Reader:
         finally:
             self._health.reader_ended(lane.index)
             self._readers_left -= 1
-            self.done = self._readers_left == 0
-            if self._readers_left <= 0 and self._stopped is not None:
-                self._stopped.cancel()
-                self._stopped = None
-            self._feed.wake()
+            if self._readers_left <= 0:
+                if self._stopped is not None:
+                    self._stopped.cancel()
+                    self._stopped = None
+                self._device.end_input()
 
     async def _wait_for_room(self) -> None:
         """Wait until something read was answered (or a second passed): room to read more."""
@@ -167,12 +155,7 @@ class Reader:
         await wait_event(self._lifecycle.room_made, 1.0)
 
     async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
-        """Run one read; once the worker is told to stop, give it only a short grace.
-
-        A read Redis answers is let finish (it may already have delivered entries); one
-        still unanswered after the grace is abandoned (None), its entries left pending
-        for the safety net or a restart.
-        """
+        """Run one read; once the worker is told to stop, give it only a short grace."""
         task = asyncio.ensure_future(read)
         await asyncio.wait({task, self._stop_waiter()}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
@@ -241,27 +224,19 @@ class Reader:
         self._recorder.refused_at_intake(answers)
         self._outbox.emit(lane.index, answers)
 
-    async def _read_history(self, lane: Lane) -> None:
-        """Re-read entries this consumer already owns (a restart under the same name).
-
-        Each counts as a delivery, so one that crashed the last process is dead-lettered
-        after ``max_deliveries``.
-        """
-        last = "0"
-        while self._lifecycle.reading():
-            count = self._read_count(HISTORY_COUNT)
-            if count == 0:
-                await self._wait_for_room()
-                continue
-            with self._intake.reserving(count):
-                entries = await self._xread(lane, last, count, None)
-                self._intake.hold(lane.index, entries)
-            if not entries:
-                return
-            assert lane.reclaimer is not None
-            deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
-            await self.take(lane, entries, deliveries, held=True)
-            last = entries[-1][0].decode()
+    async def _read_history(self, lane: Lane, last: str, count: int) -> str | None:
+        """Re-read entries this consumer already owns after ``last`` (a restart under the same
+        name); the next start, or None once all are read. Each counts as a delivery, so one
+        that crashed the last process is dead-lettered after ``max_deliveries``."""
+        with self._intake.bytes.reserving(count):
+            entries = await self._xread(lane, last, count, None)
+            self._intake.hold(lane.index, entries)
+        if not entries:
+            return None
+        assert lane.reclaimer is not None
+        deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
+        await self.take(lane, entries, deliveries, held=True)
+        return entries[-1][0].decode()
 
     async def _xread(self, lane: Lane, last_id: str, count: int, block_ms: int | None) -> Entries:
         with self._stages.running(READ, f"an XREADGROUP on {lane.stream}",
@@ -294,7 +269,7 @@ class Reader:
 
     def _idle_expired(self) -> bool:
         limit = self.settings.exit_when_idle_s
-        if limit is None or self._feed.held() or self._intake.busy():
+        if limit is None or self._device.feed.held() or self._intake.busy():
             return False
         return time.monotonic() - self._last_activity >= limit
 
@@ -304,12 +279,7 @@ class Reader:
         self, lane: Lane, entries: Entries, deliveries: dict[bytes, int] | None = None, *,
         held: bool = False,
     ) -> None:
-        """Decode, tokenize and buffer one read; no entry can make this raise.
-
-        ``held``: the read's entries are already counted inside its reservation. A read
-        whose :meth:`_prepare` raises is split into entries; one that still fails is
-        dead-lettered.
-        """
+        """Decode, tokenize and buffer one read; no entry can make this raise."""
         self._last_activity = time.monotonic()
         deliveries = deliveries or {}
         present = [(entry_id, fields) for entry_id, fields in entries if fields]
@@ -319,7 +289,7 @@ class Reader:
         if not held:
             self._intake.hold(lane.index, entries)
         await self._take_present(lane, present, deliveries)
-        self._feed.wake()
+        self._device.wake()
 
     async def _take_present(
         self, lane: Lane, present: list[tuple[bytes, dict[bytes, bytes]]],
@@ -340,7 +310,7 @@ class Reader:
             jobs, answers = [], [
                 _untakable(lane, entry_id, fields, why, deliveries, self._now_epoch_ms())
             ]
-        self._feed.add(jobs)
+        self._device.add(jobs)
         if answers:
             self._recorder.refused_at_intake(answers)
             self._outbox.emit(lane.index, answers)
@@ -349,11 +319,7 @@ class Reader:
         self, lane: Lane, present: list[tuple[bytes, dict[bytes, bytes]]],
         deliveries: dict[bytes, int],
     ) -> tuple[list[Job[Ref]], list[Answer]]:
-        """Jobs to buffer and answers owed for one read, with no effect on the buffer.
-
-        Only the in-flight estimate (restored) and the running means move, so a read
-        that raises can be retried entry by entry.
-        """
+        """Jobs to buffer and answers owed for one read, with no effect on the buffer."""
         now = self._now_epoch_ms()
         decoded = decode_entries(
             present, policy=lane.dead_letters, deliveries=deliveries, now_epoch_ms=now
@@ -392,8 +358,8 @@ class Reader:
         self, lane: Lane, requests: list[tuple[bytes, wire.Request]], read_ms: float,
         now_epoch_ms: int,
     ) -> tuple[Admitted[Ref], float]:
-        """The pipeline's admission of one read, and the seconds it took (in a thread, or on
-        the event loop when :class:`~tokenq.worker.admit_place.AdmitPlace` says it is cheap)."""
+        """The pipeline's admission of one read and the seconds it took (in a thread, or on the
+        event loop when ``AdmitPlace`` says it is cheap)."""
         deadline_of = wire.deadline_of
         items = [
             Admit(ref, request, deadline_of(request, entry_id), read_ms)

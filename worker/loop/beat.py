@@ -1,0 +1,143 @@
+"""The heartbeat: each ``heartbeat_s``, presence on every lane (``presence.py``), held entries'
+claims kept fresh, retired lanes tended, the Redis clock synced, the depth measured (metrics
+on). A hung worker stops beating so peers take its entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from tokenq.shared import keys
+from tokenq.shared.failures import error_text
+from tokenq.shared.heartbeat import Heartbeat
+from tokenq.shared.queue_depth import Depth, depth, total
+from tokenq.shared.redis_text import as_text
+from tokenq.worker.loop import presence
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Lane, LaneSet, Retirement
+from tokenq.worker.loop.lifecycle import Wiring
+from tokenq.worker.pipeline.feed import wait_event
+
+log = logging.getLogger("tokenq.worker")
+
+CLAIM_CHUNK = 512
+"""Most entry ids one XCLAIM refreshes."""
+
+
+class Beat:
+    """The worker's heartbeat task and what it keeps fresh."""
+
+    def __init__(
+        self, wiring: Wiring, lanes: LaneSet, intake: Intake, retirement: Retirement,
+        status: Callable[[], Heartbeat],
+    ) -> None:
+        self._wiring = wiring
+        self._lanes = lanes
+        self._intake = intake
+        self._retirement = retirement
+        self._status = status
+        self._depth_failed = False
+
+    async def run(self) -> None:
+        wiring = self._wiring
+        health, lifecycle = wiring.health, wiring.lifecycle
+        heartbeat_s = wiring.settings.heartbeat_s
+        ttl_ms = int(heartbeat_s * 3000)
+        while not (lifecycle.hung or lifecycle.closing.is_set()):
+            health.beat_started(time.monotonic())
+            try:
+                await self._beat_lanes(self._status(), ttl_ms)
+                for lane in await self._retirement.tend(wiring.client, self._lanes,
+                                                        wiring.consumer):
+                    self._lanes.remove(lane)  # drained and removed: read no more
+                await wiring.clock.sync(wiring.client)
+                health.beat_finished()
+            except RedisError as exc:
+                health.beat_finished(exc)
+                log.warning("heartbeat failed: %s", error_text(exc))
+            except Exception:
+                # A stopped heartbeat lets peers take this worker's work: log and keep beating.
+                health.beat_finished()
+                log.exception("heartbeat failed unexpectedly")
+            if wiring.recorder.metrics.enabled and health.redis_error is None:
+                await self._measure_depth()  # not after a failed beat: Redis is away
+            await wait_event(lifecycle.closing, heartbeat_s)
+
+    async def _measure_depth(self) -> None:
+        """Refresh the queue-depth gauges; a failure (an ACL without XLEN) is logged once."""
+        try:
+            found = await measure(self._wiring.client,
+                                              [lane.stream for lane in self._lanes])
+        except RedisError as exc:
+            if not self._depth_failed:
+                log.warning("queue depth metrics unavailable (%s); needs XLEN and "
+                            "XINFO GROUPS on %s", error_text(exc), self._lanes.streams())
+            self._depth_failed = True
+            return
+        self._depth_failed = False
+        self._wiring.recorder.queue_depth(found.length, found.pending, found.lag)
+
+    async def _beat_lanes(self, status: Heartbeat, ttl_ms: int) -> None:
+        """Beat, and keep held entries' claims fresh, on every lane at once, each bounded by
+        the liveness TTL (a down shard cannot lapse the others); raises if no lane took it.
+        """
+        held = self._intake.held_by_lane()
+        lanes = list(self._lanes)
+        if len(lanes) == 1:
+            await self._beat_lane(lanes[0], status, ttl_ms, held.get(lanes[0].index, []))
+            return
+        results = await asyncio.gather(*(
+            asyncio.wait_for(self._beat_lane(lane, status, ttl_ms, held.get(lane.index, [])),
+                             ttl_ms / 1000)
+            for lane in lanes
+        ), return_exceptions=True)
+        failed = [(lane, outcome) for lane, outcome in zip(lanes, results, strict=True)
+                  if isinstance(outcome, BaseException)]
+        for lane, exc in failed:
+            if not isinstance(exc, (RedisError, asyncio.TimeoutError)):
+                raise exc
+            log.warning("heartbeat on %s failed: %s", lane.stream, error_text(exc))
+        if len(failed) == len(lanes):
+            raise RedisError(f"no stream took the heartbeat: {error_text(failed[0][1])}")
+
+    async def _beat_lane(
+        self, lane: Lane, status: Heartbeat, ttl_ms: int, held: list[bytes]
+    ) -> None:
+        await presence.beat(self._wiring.client, lane.queue, self._wiring.consumer, status,
+                            ttl_ms)
+        await self._keep_claims_fresh(lane, held)
+
+    async def _keep_claims_fresh(self, lane: Lane, held: list[bytes]) -> None:
+        """Reset the idle time of held entries so nobody claims them; never while a batch is
+        hung (that worker must let them go).
+        """
+        for start in range(0, len(held), CLAIM_CHUNK):
+            if self._wiring.lifecycle.hung:
+                return
+            await self._wiring.client.xclaim(
+                lane.stream, keys.GROUP, self._wiring.consumer, 0, held[start:start + CLAIM_CHUNK],
+                justid=True,
+            )
+
+
+async def measure(client: Any, streams: list[str]) -> Depth:
+    """The queue's depth now, over all its streams (raises RedisError, e.g. NOPERM without
+    ``+xlen +xinfo|groups``)."""
+    return total([await _measure_one(client, stream) for stream in streams])
+
+
+async def _measure_one(client: Any, stream: str) -> Depth:
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.xlen(stream)
+        pipe.xinfo_groups(stream)
+        length, groups = await pipe.execute()
+    group = next((g for g in groups if as_text(g.get("name")) == keys.GROUP), None)
+    pending = int(group.get("pending") or 0) if group else 0
+    return depth(int(length), pending, group_exists=group is not None,
+                 reported_lag=group.get("lag") if group else None)

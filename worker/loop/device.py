@@ -1,0 +1,100 @@
+"""The device part: the packer's batches run in the device thread (``DeviceFeed``), then
+settled on the loop: recorded, the budget adapted, their answers handed to the outbox."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
+from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.lanes import Ref
+from tokenq.worker.loop.lifecycle import Wiring
+from tokenq.worker.loop.outbox import Outbox
+from tokenq.worker.loop.stages import DEVICE
+from tokenq.worker.pipeline.execute import adapt_budget
+from tokenq.worker.pipeline.feed import DeviceFeed, Rules
+from tokenq.worker.pipeline.pipeline import BatchOutcome, Job, Pipeline
+
+
+@dataclass(frozen=True, slots=True)
+class Ran:
+    """What the device thread hands the event loop for one batch."""
+
+    outcome: BatchOutcome[Ref]
+    packed_under: Budget
+    started_epoch_ms: int
+
+
+class Device(Rules):
+    """Takes jobs from the readers, runs them in batches, hands their answers to the outbox."""
+
+    def __init__(
+        self, wiring: Wiring, pipeline: Pipeline[Ref], packer: Packer[Job[Ref]], intake: Intake,
+        outbox: Outbox,
+    ) -> None:
+        self._wiring = wiring
+        self.pipeline = pipeline
+        self.packer = packer
+        self._intake = intake
+        self._outbox = outbox
+        self.adaptive = AdaptiveBudget(packer.budget.max_batch_tokens,
+                                       pipeline.info.max_input_tokens)
+        self.input_ended = False
+        self.feed: DeviceFeed[Job[Ref], Ran] = DeviceFeed(packer, self._execute, self)
+
+    # ------------------------------------------------- the readers' side (event loop)
+
+    def add(self, jobs: Iterable[Job[Ref]]) -> None:
+        self.feed.add(jobs)
+
+    def end_input(self) -> None:
+        """Every reader has ended: run what is buffered, then finish."""
+        self.input_ended = True
+        self.feed.wake()
+
+    def wake(self) -> None:
+        """Make the device thread look again (a stop, room made, a hang)."""
+        self.feed.wake()
+
+    async def run(self) -> None:
+        await self.feed.run(self._settle)
+        self._outbox.close()
+
+    # ----------------------------------------------- rules the device thread asks
+
+    def flushing(self) -> bool:
+        return self._wiring.lifecycle.stopping.is_set()
+
+    def finished(self) -> bool:
+        return self.input_ended and not self.packer
+
+    def may_take(self) -> bool:
+        return self._intake.answers_fit()
+
+    def taken(self) -> None:  # type: ignore[override]
+        self._wiring.lifecycle.room_made.set()
+
+    # ------------------------------------------------------------------ batches
+
+    def _execute(self, batch: Batch[Job[Ref]]) -> Ran:
+        """Run one batch and adapt the budget (device thread: the only one that changes it,
+        after the batch, so the cap the pick used has not moved)."""
+        packed_under = self.packer.budget_now()
+        now = self._wiring.clock.now_ms()
+        with self._wiring.stages.running(
+            DEVICE, f"a batch of {len(batch.payloads)} requests on the device",
+            self._wiring.settings.batch_timeout_s, "batch_timeout_s",
+        ):
+            outcome = self.pipeline.run_batch(batch.payloads, now)
+        adapt_budget(self.adaptive, self.packer, outcome.ooms, "worker")
+        return Ran(outcome, packed_under, now)
+
+    async def _settle(self, batch: Batch[Job[Ref]], ran: Ran) -> None:
+        """Account for and answer one batch the device thread ran (on the event loop)."""
+        self._wiring.recorder.batch(
+            batch, ran.outcome, packed_under=ran.packed_under,
+            started_epoch_ms=ran.started_epoch_ms,
+            budget_now=self.packer.budget.max_batch_tokens,
+        )
+        self._outbox.emit_outcomes(self.pipeline, ran.outcome.answered)

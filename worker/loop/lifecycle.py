@@ -1,0 +1,125 @@
+"""Where a worker is in its life (running, stopping, hung, closing), Redis's clock as the worker
+estimates it (docs/decisions/0011-deadlines-on-redis-clock.md), and the wiring its parts share:
+the client, the settings and the hooks every part calls (deadlines, recorder, health)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenq.worker.health import Health
+from tokenq.worker.loop.recorder import Recorder
+from tokenq.worker.loop.stages import REDIS_CALL_BOUND, Stages, redis_call_deadline_s
+from tokenq.worker.settings import WorkerSettings
+
+STOP_GRACE_S = 5.0
+"""How long a stopping worker keeps trying to publish and deregister while Redis is down."""
+
+
+class Lifecycle:
+    """The run state the worker's tasks share: a stop or the watchdog changes it."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.stopping = asyncio.Event()
+        """Set by a stop: read nothing more, finish and answer what was read."""
+        self.closing = asyncio.Event()
+        """Set once the tasks are being cancelled (redis-py can swallow a cancel)."""
+        self.room_made = asyncio.Event()
+        """Set when read-ahead room may have come free: readers waiting for room look again."""
+        self.stop_started: float | None = None
+        self.hung = False
+        """Set by the watchdog: read nothing, refresh no claims, give up on Redis soon."""
+        self.on_stop: list[Callable[[], None]] = []
+        """Called once, at the first stop (whoever asks for it: a signal, the idle timeout)."""
+
+    def stop(self) -> bool:
+        """Mark the stop (True the first time)."""
+        first = not self.stopping.is_set()
+        if first:
+            self.stop_started = self._clock()
+        self.stopping.set()
+        self.room_made.set()
+        if first:
+            for hook in self.on_stop:
+                hook()
+        return first
+
+    async def unless_stopping(self, work: Awaitable[object]) -> bool:
+        """Run ``work`` to its end (True), or abandon it once a stop comes (False); a cancel
+        redis-py swallows is waited on for a second at most."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if task.done():
+            task.result()  # its error, if it failed
+            return True
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(task, 1.0)
+        return False
+
+    def reading(self) -> bool:
+        return not (self.stopping.is_set() or self.hung)
+
+    def past_grace(self) -> bool:
+        """A stopping (or hung) worker gives up on an unreachable Redis after a grace."""
+        if self.hung:
+            return True
+        started = self.stop_started
+        return started is not None and self._clock() - started > STOP_GRACE_S
+
+
+class RedisClock:
+    """Epoch milliseconds on Redis's clock, estimated from the local clock and an offset."""
+
+    def __init__(self) -> None:
+        self.offset_ms = 0.0
+        """Redis's clock minus ours; 0 until the first :meth:`sync`."""
+
+    async def sync(self, client: Any) -> None:
+        """Measure the offset once (one ``TIME`` round trip)."""
+        before = time.time()
+        seconds, micros = await client.time()
+        after = time.time()
+        redis_ms = int(seconds) * 1000 + int(micros) / 1000
+        self.offset_ms = redis_ms - (before + after) * 500.0
+
+    def now_ms(self) -> int:
+        """Now, in epoch milliseconds on Redis's clock."""
+        return int(time.time() * 1000 + self.offset_ms)
+
+
+@dataclass(slots=True)
+class Wiring:
+    """What every part of the loop shares; ``client`` is set once the worker runs."""
+
+    consumer: str
+    settings: WorkerSettings
+    lifecycle: Lifecycle
+    stages: Stages
+    recorder: Recorder
+    health: Health
+    clock: RedisClock = field(init=False, default_factory=RedisClock)
+    client: Any = field(init=False, default=None)
+    call_deadline: tuple[float, str] = field(init=False)
+    """The deadline of one Redis read or publish attempt, and the rule it comes from."""
+
+    def __post_init__(self) -> None:
+        self.call_deadline = (redis_call_deadline_s(self.settings), REDIS_CALL_BOUND)
+
+    def refused(self, reason: str, error: str) -> None:
+        """Redis refused a publish call (OOM, READONLY, ...): counted, and /readyz says why."""
+        self.recorder.redis_refused(reason)
+        self.health.publish_refused(f"{reason}: {error}"[:200])
+
+    def published(self) -> None:
+        """A publish call went through: Redis takes writes again."""
+        self.health.publish_ok()
