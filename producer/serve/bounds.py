@@ -389,7 +389,7 @@ the tokenizer runs, whose own working memory is up to 500 bytes a token (TEI's
 
 MAX_TOKENIZE_TOKENS = 1 << 17
 """Most tokens one ``/tokenize`` answers (about 65 bytes of JSON each, 8.5 MB in all):
-checked after tokenizing, before any record is built."""
+counted in pieces, then exactly, before any record is built (``tei_api.count_tokens``)."""
 
 MAX_DECODE_BYTES = 16 << 20
 """Most UTF-8 bytes of text one ``/decode`` may answer, counting each id at the longest token

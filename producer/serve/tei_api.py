@@ -32,7 +32,8 @@ import asyncio
 import functools
 import inspect
 import math
-from collections.abc import Awaitable, Callable, Sequence
+import re
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 from fastapi import APIRouter, Request
@@ -179,11 +180,58 @@ def similarity_answer(results: Sequence[Result], model: str) -> list[float]:
 def tokenize_answer(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[Raw]:
     """Each text's ``SimpleToken`` list (:func:`token_answer`); a 413 beyond
     :data:`.bounds.MAX_TOKENIZE_TOKENS` in all, before any record is built (in a thread)."""
+    count_tokens(tokenizer, texts, add_special_tokens)
     encodings = tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
     check_count(sum(map(len, encodings)), MAX_TOKENIZE_TOKENS, "tokens", "inputs",
                 "send fewer or shorter texts")
     encodings.reverse()  # each encoding is let go once its records are written
     return [token_answer(encodings.pop(), text) for text in texts]
+
+
+PIECE = 1 << 14
+"""Most characters ``count_tokens`` encodes at once (at most 64 KiB of UTF-8)."""
+
+CUT_SLACK = 16
+"""Tokens a cut may add to the whole text's count (a split word, a stripped space): forgiven."""
+
+_BEFORE_SPACE = re.compile(r"\s(?=\S)")
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """``text`` in pieces of at most :data:`PIECE` characters, each cut just before a run of
+    whitespace where one starts in the piece's second half."""
+    start = 0
+    while len(text) - start > PIECE:
+        window = text[start + PIECE // 2:start + PIECE]
+        found = _BEFORE_SPACE.search(window[::-1])  # the last run's first whitespace
+        stop = start + PIECE - (found.start() + 1 if found else 0)
+        yield text[start:stop]
+        start = stop
+    yield text[start:]
+
+
+def count_tokens(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> None:
+    """413 as soon as ``texts`` surely pass :data:`.bounds.MAX_TOKENIZE_TOKENS`, counted a
+    group of pieces at a time so a request far over is refused without all its encodings.
+
+    A cut can change the count near it (a split word, a ``Strip`` normalizer), so each cut
+    forgives :data:`CUT_SLACK` tokens; what passes is counted exactly by ``tokenize_answer``.
+    """
+    count = len(texts) * tokenizer.num_special_tokens_to_add(False) if add_special_tokens else 0
+    cuts = 0
+    group: list[str] = []
+    size = 0
+    for text in texts:
+        for index, piece in enumerate(_pieces(text)):
+            cuts += index > 0
+            group.append(piece)
+            size += len(piece)
+            if size < PIECE:
+                continue
+            count += sum(map(len, tokenizer.encode_batch(group, add_special_tokens=False)))
+            check_count(count - cuts * CUT_SLACK, MAX_TOKENIZE_TOKENS, "tokens or more",
+                        "inputs", "send fewer or shorter texts")
+            group, size = [], 0
 
 
 def token_answer(encoding: Any, text: str) -> Raw:
