@@ -1,13 +1,5 @@
-"""Cohere's v2 API: ``POST /v2/rerank``, ``cohere.ClientV2``'s rerank, over ``/v1/rerank``'s work.
-
-The body is ``{model, query, documents, top_n?, max_tokens_per_doc?,
-relevant_spans?, priority?}`` (``documents`` are strings; ``{"text": ...}``
-is taken too, as on ``/v1/rerank``); the answer is ``{id, results: [{index,
-relevance_score}], meta: {api_version, billed_units}}``, best first, as the
-SDK's ``V2RerankResponse`` reads it. Only the shapes are this module's: the
-parsing of documents, the ranking and the reranker check are
-:func:`.openai_api.serve_rerank`'s, as for ``/v1/rerank``. Errors are in
-Cohere's shape, ``{"message": ...}`` (:func:`.errors.body_for`).
+"""Cohere's v2 API: ``POST /v2/rerank``, ``cohere.ClientV2``'s rerank, over ``/v1/rerank``'s work
+(:func:`.openai_api.serve_rerank`), with Cohere's v2 shapes and error bodies.
 """
 
 from __future__ import annotations
@@ -42,12 +34,9 @@ class RelevantSpans(TypedDict):
 class RerankV2(RerankBody):
     """``POST /v2/rerank``."""
 
-    max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = None
-    """Accepted and unused: a document longer than the model's input is truncated or refused
-    by the queue's policy (``--policy``), whatever this says."""
+    max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = None  # accepted; --policy decides
     relevant_spans: RelevantSpans | None = None
-    priority: Annotated[int, Field(ge=0)] | None = None
-    """Accepted and unused: Cohere's scale (lower first) is not tokenq's priority classes."""
+    priority: Annotated[int, Field(ge=0)] | None = None  # accepted, unused: not tokenq's classes
 
 
 def rerank_v2_request(raw: bytes) -> tuple[RerankV2, Job]:

@@ -1,22 +1,7 @@
 """The OpenAI-style routes beside ``/v1/embeddings``: ``GET /v1/models`` and ``POST /v1/rerank``.
 
-* ``GET /v1/models`` (and ``/v1/models/{id}``): OpenAI's list of models, the
-  names ``--models`` serves (or the default queue's name), so clients that
-  list models before calling (LibreChat, Open WebUI, LiteLLM's health
-  check) find them.
-* ``POST /v1/rerank``: the Cohere (v1) and Jina shape RAG frameworks call
-  (LlamaIndex's and LangChain's Cohere/Jina rerankers, LiteLLM):
-  ``{query, documents, top_n?, return_documents?, model?}`` where each
-  document is a string or ``{"text": ...}``; the answer is
-  ``{results: [{index, relevance_score, document?}], model, usage}``, best
-  first. It is TEI's ``/rerank`` underneath (one (query, document) pair
-  per document, the reranker's activation as the score), refused before
-  anything is queued unless the queue's model is a reranker. Errors are in
-  OpenAI's shape. :func:`serve_rerank` is every rerank route's work;
-  :mod:`.cohere_api`'s ``/v2/rerank`` is the same with Cohere's v2 shapes.
-
-The routes run through the app's ``answer`` (``app.state.answer``): the same
-admission, metrics and error mapping as every route.
+``/v1/rerank`` is the Cohere (v1) and Jina shape RAG frameworks call, TEI's ``/rerank``
+underneath; :func:`serve_rerank` is every rerank route's work (:mod:`.cohere_api` too).
 """
 
 from __future__ import annotations
@@ -79,9 +64,7 @@ class Rerank(RerankBody):
     """``POST /v1/rerank`` (Cohere v1, Jina)."""
 
     return_documents: bool = False
-    max_chunks_per_doc: Annotated[int, Field(ge=1)] | None = None
-    """Cohere's; accepted and unused: a document longer than the model's input is truncated
-    or refused by the queue's policy, never split."""
+    max_chunks_per_doc: Annotated[int, Field(ge=1)] | None = None  # accepted, unused: never split
 
 
 def rerank_job(body: RerankBody) -> Job:
