@@ -27,7 +27,6 @@ from prometheus_client.registry import Collector
 
 from tokenq.producer import AsyncClient, Result
 from tokenq.producer.serve import (
-    cohere_api,
     delivery,
     edge,
     idempotency,
@@ -227,7 +226,6 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
     app.state.answer = answer  # for the routes of other modules (openai_api)
     app.include_router(openai_api.router)
-    app.include_router(cohere_api.router)
     app.include_router(sparse_api.router(gateway, answer))
 
     async def openai_embeddings(request: Request, route: str) -> Response:

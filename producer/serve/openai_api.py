@@ -1,18 +1,20 @@
-"""The OpenAI-style routes beside ``/v1/embeddings``: ``GET /v1/models`` and ``POST /v1/rerank``.
+"""The OpenAI-style routes beside ``/v1/embeddings`` (``GET /v1/models``, ``POST /v1/rerank``)
+and Cohere's v2 ``POST /v2/rerank``.
 
-``/v1/rerank`` is the Cohere (v1) and Jina shape RAG frameworks call, TEI's ``/rerank``
-underneath; :func:`serve_rerank` is every rerank route's work (:mod:`.cohere_api` too).
+``/v1/rerank`` is the Cohere (v1) and Jina shape RAG frameworks call, ``/v2/rerank``
+``cohere.ClientV2``'s: both TEI's ``/rerank`` underneath (:func:`serve_rerank`).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ConfigDict, Field, PlainValidator
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from tokenq.producer.serve import openapi, render, scores
 from tokenq.producer.serve.bounds import kind
@@ -23,6 +25,9 @@ router = APIRouter()
 
 CREATED = 0
 """``created`` of every model: the gateway does not know when a model was made."""
+
+API_VERSION = "2"
+"""``meta.api_version.version`` of every Cohere v2 answer."""
 
 
 def documents_only(value: Any) -> list[str]:
@@ -152,9 +157,49 @@ async def rerank(request: Request) -> Response:
                               ApiError.openai_body)
 
 
+class RelevantSpans(TypedDict):
+    """Cohere's ``relevant_spans``; only ``mode: "disabled"`` is served."""
+
+    mode: Literal["enabled", "disabled"]
+    threshold: NotRequired[float]
+    max_spans: NotRequired[int]
+
+
+class RerankV2(RerankBody):
+    """``POST /v2/rerank``."""
+
+    max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = None  # accepted; --policy decides
+    relevant_spans: RelevantSpans | None = None
+    priority: Annotated[int, Field(ge=0)] | None = None  # accepted, unused: not tokenq's classes
+
+
+def rerank_v2_request(raw: bytes) -> tuple[RerankV2, Job]:
+    """The body and its job (module level: bounds.Parser pickles it by name)."""
+    body = parse(RerankV2, raw)
+    if body.relevant_spans is not None and body.relevant_spans["mode"] == "enabled":
+        raise invalid("relevant_spans", "not served: a cross-encoder scores whole documents "
+                      "and finds no spans; leave it out or send mode 'disabled'")
+    return body, rerank_job(body)
+
+
+def rerank_v2_answer(body: RerankV2, model: str, results: list[Any]) -> dict[str, Any]:
+    """Cohere's v2 answer (``model`` is not part of it)."""
+    return {"id": str(uuid.uuid4()), "results": ranked(body, results), "meta": {
+        "api_version": {"version": API_VERSION},
+        "billed_units": {"input_tokens": tokens_of(results)}}}
+
+
+@router.post("/v2/rerank")
+async def rerank_v2(request: Request) -> Response:
+    return await serve_rerank(request, "/v2/rerank", rerank_v2_request, rerank_v2_answer,
+                              ApiError.cohere_body)
+
+
 openapi.describe_route("post", "/v1/rerank", Rerank, openapi.RerankList, openapi.OpenAIError,
                        "Cohere/Jina-style rerank")
 openapi.describe_route("get", "/v1/models", None, openapi.ModelList, openapi.OpenAIError,
                        "OpenAI: the models served")
 openapi.describe_route("get", "/v1/models/{model}", None, openapi.ModelCard,
                        openapi.OpenAIError, "OpenAI: one model", statuses=(401, 404, 503))
+openapi.describe_route("post", "/v2/rerank", RerankV2, openapi.RerankV2Answer,
+                       openapi.CohereError, "Cohere v2 rerank")
