@@ -1,8 +1,5 @@
-"""The gateway's app: OpenAI, TEI, Cohere and probe routes over one AsyncClient per queue.
-
-Routes and their bounds: docs/OPERATIONS.md ("tokenq serve") and docs/SECURITY.md; a client
-that goes away cancels its request's wait (the workers still answer; the reply expires).
-"""
+"""The gateway's app: OpenAI, TEI, Cohere and probe routes over one AsyncClient per queue
+(docs/OPERATIONS.md, "tokenq serve"); a client that leaves cancels its request's wait."""
 
 from __future__ import annotations
 

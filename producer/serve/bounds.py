@@ -1,8 +1,5 @@
-"""What one HTTP request may cost the gateway and Redis: every such bound lives here.
-
-Admission, body size and time, a linear JSON decode (in a child process when big), the
-amplification cap and the answer caps; docs/SECURITY.md states the numbers and their tests.
-"""
+"""What one HTTP request may cost the gateway and Redis: admission, body size and time, a linear
+JSON decode (in a child process when big), the amplification and answer caps (docs/SECURITY.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""How a route's job reaches its queue: no live worker, scale-from-zero, retried requests.
-
-Rules: docs/OPERATIONS.md ("No live worker") and docs/decisions/0033-gateway-503s.md: no
-worker is a 503 at once (or after ``--cold-start-s``, the request queued); an
-``Idempotency-Key`` derives the request ids; a Redis gone ends every wait within ~1.5 s.
-"""
+"""How a route's job reaches its queue: no live worker (503, or ``--cold-start-s``), retried
+requests (``Idempotency-Key``), a Redis gone (every wait ends within ~1.5 s). 0033-gateway-503s."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The gateway's edge: what is checked of a request before any route sees it.
-
-Outermost first (docs/SECURITY.md, "The gateway"): CORS (``--cors-allow-origin``); the key
-(``--api-key``: 401 but for :data:`OPEN_PATHS`); a POST's ``Content-Type`` (415 unless JSON;
-none is taken as JSON); a 499 logged in one line; unknown paths and methods (404, 405 with
-``Allow``) in the error shape of the path's API family. Header timeouts: :class:`HeaderTimeout`.
-"""
+"""What is checked of a request before any route sees it, outermost first: CORS, ``--api-key``,
+a POST's ``Content-Type``, 499s logged, unknown paths and methods in their API's shape; and
+uvicorn's header timeout (docs/SECURITY.md, "The gateway")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Every failure of the gateway as one :class:`ApiError`, and how each API family writes it.
-
-One mapping from what went wrong to a status, TEI's statuses the reference (the list:
-``openapi.ERROR_STATUSES``); a refused option is 422 on the OpenAI routes too, as TEI's
-own OpenAI route answers. Bodies: OpenAI's ``{"error": {...}}``, TEI's ``{"error",
-"error_type"}``, Cohere's ``{"message"}``, chosen by :func:`body_for`.
-"""
+"""Every failure of the gateway as one :class:`ApiError` (TEI's statuses the reference, listed in
+``openapi.ERROR_STATUSES``), and its body in each API family's shape, by :func:`body_for`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""One answer per ``Idempotency-Key``: the first attempt's, kept in Redis for any replica's retry.
-
-A record (the fingerprint, then the answer) for ``--dedupe-ttl-s`` and a lease (who computes
-now); a retry replays, waits (409 after ``--timeout-s``) or takes over. docs/RELIABILITY.md,
-"Idempotent retries"; a Redis that refuses the store costs the guarantee, nothing else.
-"""
+"""One answer per ``Idempotency-Key``: the first attempt's, kept in Redis for any replica's retry;
+a record and a lease per key (docs/RELIABILITY.md, "Idempotent retries")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The OpenAI-style routes beside ``/v1/embeddings`` (``GET /v1/models``, ``POST /v1/rerank``)
-and Cohere's v2 ``POST /v2/rerank``.
-
-``/v1/rerank`` is the Cohere (v1) and Jina shape RAG frameworks call, ``/v2/rerank``
-``cohere.ClientV2``'s: both TEI's ``/rerank`` underneath (:func:`serve_rerank`).
-"""
+"""The OpenAI-style routes beside ``/v1/embeddings`` (``GET /v1/models``, the Cohere v1 and Jina
+``POST /v1/rerank``) and Cohere's v2 ``POST /v2/rerank``, both TEI's ``/rerank`` underneath."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The gateway's ``/openapi.json`` and ``/docs`` (Swagger UI, its assets from a CDN).
-
-The routes read their raw body themselves (:mod:`.bounds`), so FastAPI cannot see it: each
-route is described in :data:`ROUTES` by the pydantic models that parse it, merged in here.
-"""
+"""The gateway's ``/openapi.json`` and ``/docs``: the routes read their own bodies, so each is
+described in :data:`ROUTES` by the pydantic models that parse it, merged into FastAPI's."""
 
 from __future__ import annotations
 

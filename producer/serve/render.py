@@ -1,8 +1,5 @@
-"""Answers as JSON bytes, built in a thread and a piece at a time, so ``/health`` keeps answering.
-
-One ``json.dumps`` holds the GIL throughout; here a list of containers is encoded an item at
-a time (the GIL passes back between items), a vector or a list of numbers in one call.
-"""
+"""Answers as JSON bytes, built in a thread a piece at a time (the GIL passes back to the loop
+between items), so ``/health`` keeps answering."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Embedding request bodies and answers, as OpenAI, TEI and Infinity clients send and expect them.
-
-Our parsing, not FastAPI's: a 422 in the API's own shape names the field. A body becomes a
-:class:`Job` (inputs and per-request options); only what no worker can serve is refused here.
-"""
+"""Embedding request bodies and answers, as OpenAI, TEI and Infinity clients send and expect them:
+a body becomes a :class:`Job`, a field that does not validate a 422 in the API's own shape."""
 
 from __future__ import annotations
 

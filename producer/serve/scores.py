@@ -1,8 +1,5 @@
-"""TEI's scoring routes, ``POST /rerank`` and ``POST /predict``: bodies in, answers out.
-
-Sans-I/O like :mod:`.schemas`; whether a queue can answer a route is its config hash's say
-(``task``, ``pairs``, ``labels``). Scores are the model's activation unless ``raw_scores``.
-"""
+"""TEI's scoring routes, ``POST /rerank`` and ``POST /predict``: bodies in, answers out (whether a
+queue can answer is its config hash's ``task``, ``pairs``, ``labels``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The rest of TEI's router: ``POST /`` by the model's kind, ``/similarity``, ``/tokenize``,
-``/decode``, and ``GET /`` / ``GET /ping`` (TEI's health aliases).
-
-TEI's published ``docs/openapi.json`` is the contract (0037-tei-routes-and-openapi.md);
-``/tokenize`` and ``/decode`` use the queue's own published ``tokenizer.json`` (else a 422).
-"""
+"""TEI's router (its ``docs/openapi.json`` the contract, 0037-tei-routes-and-openapi.md): /embed,
+/rerank, /predict, ``POST /`` by the model's kind, /similarity, /tokenize, /decode, aliases."""
 
 from __future__ import annotations
 
