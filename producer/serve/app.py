@@ -43,8 +43,7 @@ from tokenq.shared.keys import QueueRef
 from tokenq.shared.queue_config import QueueConfig
 from tokenq.shared.settings import ServeSettings
 
-DISCONNECT_POLL_S = 0.1
-"""How often a waiting route checks whether its client is still there."""
+DISCONNECT_POLL_S = 0.1  # how often a waiting route checks whether its client is still there
 
 Shape = Callable[[ApiError], dict[str, Any]]
 T = TypeVar("T")

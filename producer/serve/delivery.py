@@ -16,14 +16,11 @@ from tokenq.producer.serve.schemas import Job
 log = logging.getLogger("tokenq.serve")
 T = TypeVar("T")
 
-ALIVE_CACHE_S = 1.0
-"""How long a queue seen with a live worker is taken to still have one."""
+ALIVE_CACHE_S = 1.0  # how long a queue seen with a live worker is taken to still have one
 
-WORKER_POLL_S = 0.25
-"""How often a cold start asks whether a worker has come alive."""
+WORKER_POLL_S = 0.25  # how often a cold start asks whether a worker has come alive
 
-PROBE_S = 0.25
-"""How often a waiting request's queue is asked whether its Redis still answers."""
+PROBE_S = 0.25  # how often a waiting request's queue is asked whether its Redis still answers
 
 PROBE_TIMEOUT_S = 1.0
 """How long a probe waits for ``XLEN``: a Redis silent that long is gone or frozen."""
@@ -31,8 +28,7 @@ PROBE_TIMEOUT_S = 1.0
 IDEMPOTENCY_HEADER = "idempotency-key"
 """The header OpenAI's API and Stripe-style clients name a retried request with."""
 
-MAX_KEY_CHARS = 255
-"""The longest ``Idempotency-Key`` taken (OpenAI's and Stripe's own limit)."""
+MAX_KEY_CHARS = 255  # the longest ``Idempotency-Key`` taken (OpenAI's and Stripe's own limit)
 
 
 def body_digest(body: bytes) -> bytes:

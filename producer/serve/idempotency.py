@@ -19,8 +19,7 @@ from tokenq.producer.serve.errors import ApiError
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
 
-POLL_S = 0.1
-"""How often a retry asks whether the attempt it waits on has stored its answer."""
+POLL_S = 0.1  # how often a retry asks whether the attempt it waits on has stored its answer
 
 SETTLE_TIMEOUT_S = 1.0
 """How long storing an answer or dropping a lease may hold up the answer (a hung Redis)."""
@@ -28,8 +27,7 @@ SETTLE_TIMEOUT_S = 1.0
 LEASE_GRACE_S = 2.0
 """How long past ``--timeout-s`` a computing request's lease lasts (its store, its cleanup)."""
 
-HEADER = "Idempotency-Key"
-"""The header's name as errors name it (``param``)."""
+HEADER = "Idempotency-Key"  # the header's name as errors name it (``param``)
 
 log = logging.getLogger("tokenq.serve")
 

@@ -22,8 +22,7 @@ router = APIRouter()
 CREATED = 0
 """``created`` of every model: the gateway does not know when a model was made."""
 
-API_VERSION = "2"
-"""``meta.api_version.version`` of every Cohere v2 answer."""
+API_VERSION = "2"  # ``meta.api_version.version`` of every Cohere v2 answer
 
 
 def documents_only(value: Any) -> list[str]:

@@ -33,8 +33,7 @@ from tokenq.shared.queue_config import QueueConfig
 if TYPE_CHECKING:
     from tokenq.producer.serve.app import Gateway
 
-SPARSE_TASK = "sparse"
-"""The ``task`` a sparse queue's workers publish in its config hash."""
+SPARSE_TASK = "sparse"  # the ``task`` a sparse queue's workers publish in its config hash
 
 
 class TEIPerToken(Body):

@@ -149,8 +149,7 @@ def tokenize_answer(tokenizer: Any, texts: list[str], add_special_tokens: bool) 
     return [token_answer(encodings.pop(), text) for text in texts]
 
 
-PIECE = 1 << 14
-"""Most characters ``count_tokens`` encodes at once (at most 64 KiB of UTF-8)."""
+PIECE = 1 << 14  # most characters ``count_tokens`` encodes at once (at most 64 KiB of UTF-8)
 
 CUT_SLACK = 16
 """Tokens a cut may add to the whole text's count (a split word, a stripped space): forgiven."""
