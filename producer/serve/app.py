@@ -1,35 +1,5 @@
-"""The gateway's routes, over one shared AsyncClient per queue.
-
-Routes (docs/OPERATIONS.md, "tokenq serve"; docs/MIGRATING.md has each
-client's exact requests):
-
-* ``POST /v1/embeddings`` — OpenAI's embeddings API; ``POST /embeddings``,
-  the same, where Infinity serves it;
-* ``POST /v1/rerank``, ``GET /v1/models`` — :mod:`.openai_api`; ``POST
-  /v2/rerank`` — Cohere's v2, :mod:`.cohere_api`;
-* ``POST /embed``, ``POST /rerank``, ``POST /predict`` — TEI's; ``GET
-  /info`` — TEI's model info, from the default queue's config hash;
-* ``GET /health`` (also ``/livez``) — 200 while Redis answers (the gateway can work),
-  else 503;
-* ``GET /ready`` (also ``/readyz``) — 200 while every queue it serves has a live worker
-  (from the workers' liveness keys), else 503 naming the queues without one;
-* ``GET /metrics`` — Prometheus text: requests by route and status, inputs,
-  latency;
-* ``POST /`` (by the model's kind), ``/similarity``, ``/tokenize``,
-  ``/decode``, ``GET /``, ``/ping`` — the rest of TEI's router, :mod:`.tei_api`;
-* ``GET /openapi.json``, ``/docs`` — every route's schemas, :mod:`.openapi`.
-
-A POST is admitted if fewer than ``--max-concurrent-requests`` are in
-flight (else 429); its body is read whole (up to ``--max-body-bytes``, else
-413; within ``--timeout-s``, else 408) and parsed by :mod:`.schemas` or
-:mod:`.scores` into a job, off the event loop when it is big; the job is
-refused if it would send the queue more than :mod:`.bounds` allows. The
-work is one ``infer_many`` with the job's options, bounded by
-``--timeout-s``. While it
-waits, the route watches the connection: a client that goes away cancels
-its wait, so the gateway stops holding what nobody will read (the workers
-still answer the request; its reply expires).
-"""
+"""The gateway's app: OpenAI, TEI, Cohere and probe routes over one AsyncClient per queue
+(docs/OPERATIONS.md, "tokenq serve"); a client that leaves cancels its request's wait."""
 
 from __future__ import annotations
 
@@ -54,7 +24,6 @@ from prometheus_client.registry import Collector
 
 from tokenq.producer import AsyncClient, Result
 from tokenq.producer.serve import (
-    cohere_api,
     delivery,
     edge,
     idempotency,
@@ -74,8 +43,7 @@ from tokenq.shared.keys import QueueRef
 from tokenq.shared.queue_config import QueueConfig
 from tokenq.shared.settings import ServeSettings
 
-DISCONNECT_POLL_S = 0.1
-"""How often a waiting route checks whether its client is still there."""
+DISCONNECT_POLL_S = 0.1  # how often a waiting route checks whether its client is still there
 
 Shape = Callable[[ApiError], dict[str, Any]]
 T = TypeVar("T")
@@ -94,18 +62,12 @@ class Gateway:
         self.liveness = delivery.Liveness()
         self.reachability = delivery.Reachability()
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "tokenq_serve_requests", "HTTP requests answered, by route and status",
-            ["route", "status"], registry=self.registry,
-        )
-        self.inputs = Counter(
-            "tokenq_serve_inputs", "texts sent to queues, by queue", ["queue"],
-            registry=self.registry,
-        )
-        self.seconds = Histogram(
-            "tokenq_serve_request_seconds", "time to answer an HTTP request, by route",
-            ["route"], registry=self.registry,
-        )
+        self.requests = Counter("tokenq_serve_requests", "HTTP requests answered, by route and "
+                                "status", ["route", "status"], registry=self.registry)
+        self.inputs = Counter("tokenq_serve_inputs", "texts sent to queues, by queue", ["queue"],
+                              registry=self.registry)
+        self.seconds = Histogram("tokenq_serve_request_seconds", "time to answer an HTTP request, "
+                                 "by route", ["route"], registry=self.registry)
         Gauge("tokenq_serve_in_flight", "POST requests in flight (at most "
               "--max-concurrent-requests)", registry=self.registry,
               ).set_function(lambda: self.admission.in_flight)
@@ -119,10 +81,8 @@ class Gateway:
             return next(iter(self.models.values()))
         queue = self.models.get(model)
         if queue is None:
-            raise ApiError(
-                404, f"The model {model!r} does not exist; served: {', '.join(self.models)}",
-                param="model", code="model_not_found",
-            )
+            raise ApiError(404, f"The model {model!r} does not exist; served: "
+                           f"{', '.join(self.models)}", param="model", code="model_not_found")
         return queue
 
     def default_model(self) -> str:
@@ -139,12 +99,8 @@ class Gateway:
         return QueueConfig.parse(await self.ask(queue, AsyncClient.config))
 
     async def read(self, request: Request, prepare: Callable[[bytes], T]) -> T:
-        """The request's body, read within the bounds, made into what ``prepare`` returns.
-
-        ``prepare`` (parse and build a job: a module-level function) runs in
-        a child process when the body is big (bounds.Parser). The body's size is kept on the request
-        for :meth:`infer`, which measures the job against it.
-        """
+        """The request's body, read within the bounds, made into what ``prepare`` (module-level:
+        it may run in a child process) returns; its size is kept for :meth:`infer`."""
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.timeout_s)
         request.state.body_bytes = len(raw)
         if delivery.IDEMPOTENCY_HEADER in request.headers:
@@ -152,15 +108,8 @@ class Gateway:
         return await self.parser.run(raw, prepare)
 
     async def infer(self, request: Request, queue: str, job: Job) -> list[Result]:
-        """``infer_many`` of ``job`` on ``queue``, cancelled if the HTTP client goes away.
-
-        A refusal that names one of the job's options comes back naming it
-        (errors.from_exception). A job over the batch size, or that would
-        send more than its body's share (bounds.check_job), is a 413 and
-        sends nothing. Under an ``Idempotency-Key`` it first claims the
-        key's answer (:mod:`.idempotency`): a stored one is replayed by the
-        route's ``answer``, which also stores this one.
-        """
+        """``infer_many`` of ``job`` on ``queue`` within the bounds, cancelled if the client goes
+        away; under an ``Idempotency-Key`` it first claims its answer (:mod:`.idempotency`)."""
         check_job(job.items, job.options, job.where, request.state.body_bytes,
                   self.settings.max_client_batch_size)
         self.inputs.labels(queue).inc(len(job.items))
@@ -200,23 +149,16 @@ async def watched(request: Request, work: Awaitable[T]) -> T:
 
 
 class _Unreplicated(Collector):
-    """``tokenq_serve_unreplicated_requests_total``: requests queued by durable enqueues
-    (``--durable-replicas``) that too few replicas confirmed in time, by queue.
-
-    Such a request is still answered as usual (200, one warning line a
-    minute in the log), since it is queued and computed; the count is the
-    clients' own (``AsyncClient.unreplicated``), read at each scrape.
-    """
+    """``tokenq_serve_unreplicated_requests_total``: durable enqueues (``--durable-replicas``)
+    too few replicas confirmed, by queue (still answered 200); read at each scrape."""
 
     def __init__(self, clients: dict[str, AsyncClient]) -> None:
         self._clients = clients
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(
-            "tokenq_serve_unreplicated_requests",
-            "requests written by a durable enqueue that too few replicas confirmed, by queue",
-            labels=["queue"],
-        )
+        family = CounterMetricFamily("tokenq_serve_unreplicated_requests", "requests written by a "
+                                     "durable enqueue that too few replicas confirmed, by queue",
+                                     labels=["queue"])
         for queue, client in self._clients.items():
             family.add_metric([queue], client.unreplicated)
         yield family
@@ -245,11 +187,8 @@ def create_app(settings: ServeSettings) -> FastAPI:
     async def answer(
         route: str, shape: Shape, work: Callable[[], Awaitable[Any]], admit: bool = False
     ) -> Response:
-        """Run a route's work; every failure in the route's own error shape.
-
-        ``admit``: the work counts against ``--max-concurrent-requests`` (the
-        POST routes; never the probes, which must answer while it is full).
-        """
+        """Run a route's work; every failure in the route's own error shape. ``admit``: it counts
+        against ``--max-concurrent-requests`` (POST routes; never the probes)."""
         started = time.perf_counter()
         claimed = idempotency.current.set(None)
         try:
@@ -283,7 +222,6 @@ def create_app(settings: ServeSettings) -> FastAPI:
 
     app.state.answer = answer  # for the routes of other modules (openai_api)
     app.include_router(openai_api.router)
-    app.include_router(cohere_api.router)
     app.include_router(sparse_api.router(gateway, answer))
 
     async def openai_embeddings(request: Request, route: str) -> Response:
@@ -305,39 +243,6 @@ def create_app(settings: ServeSettings) -> FastAPI:
     @app.post("/embeddings")
     async def infinity_route(request: Request) -> Response:
         return await openai_embeddings(request, "/embeddings")
-
-    @app.post("/embed")
-    async def tei_embed(request: Request) -> Response:
-        async def work() -> render.Later:
-            body, job = await gateway.read(request, schemas.tei_embed_request)
-            queue = gateway.queue_of(body.model)
-            model = body.model or gateway.default_model()
-            schemas.require_embeddings(await gateway.config(queue), model)
-            return render.Later(schemas.tei_answer, await gateway.infer(request, queue, job),
-                                model)
-        return await answer("/embed", ApiError.tei_body, work, admit=True)
-
-    @app.post("/rerank")
-    async def tei_rerank(request: Request) -> Response:
-        async def work() -> render.Later:
-            body, job = await gateway.read(request, scores.rerank_request)
-            queue = gateway.queue_of(body.model)
-            scores.require_reranker(await gateway.config(queue))
-            results = await gateway.infer(request, queue, job)
-            return render.Later(scores.rerank_answer, results, body.texts, body.return_text)
-        return await answer("/rerank", ApiError.tei_body, work, admit=True)
-
-    @app.post("/predict")
-    async def tei_predict(request: Request) -> Response:
-        async def work() -> render.Later:
-            body, (job, batched) = await gateway.read(request, scores.predict_request)
-            queue = gateway.queue_of(body.model)
-            config = await gateway.config(queue)
-            scores.require_classifier(config, job)
-            results = await gateway.infer(request, queue, job)
-            return render.Later(scores.predict_answer, results, batched,
-                                config.labels if config else None)
-        return await answer("/predict", ApiError.tei_body, work, admit=True)
 
     @app.get("/info")
     async def info() -> Response:
@@ -386,7 +291,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(tei_api.router(gateway, answer))  # POST /, /similarity, /tokenize ...
+    app.include_router(tei_api.router(gateway, answer, health))  # /embed, POST /, /tokenize ...
     openapi.describe(app)
     return app
 

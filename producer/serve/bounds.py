@@ -1,39 +1,5 @@
-"""What one HTTP request may cost the gateway and Redis: every such bound lives here.
-
-A route's body goes through these steps, each bounded (docs/SECURITY.md,
-"The gateway: what one HTTP request may cost", states the numbers and the
-tests that try to break them, tests/gateway/test_serve_hostile.py):
-
-1. **Admission** (:class:`Admission`): at most ``--max-concurrent-requests``
-   POST requests in flight, from the first byte of the body to the answer;
-   the next is a 429 at once, as TEI's ``--max-concurrent-requests`` answers,
-   rather than a wait that would pile up bodies in memory.
-2. **The body** (:func:`read_body`): read whole, up to ``--max-body-bytes``
-   (413), within ``--timeout-s`` (408: a client that trickles its body does
-   not hold a place forever); a client that leaves mid-body is a 499.
-3. **Decoding and shapes** (:func:`decode_json`, :func:`check_each`): the
-   stdlib's C JSON decoder, once, then one linear pass over the input field
-   that decides its variant from its elements. No union of list types is
-   tried in turn: pydantic's smart union tried each variant over the whole
-   list and built an error per element, so a megabyte of strings ending in an
-   integer took seconds and hundreds of megabytes. Peak memory is at most
-   :data:`PARSE_MEMORY_FACTOR` times the body (Python objects are larger
-   than the JSON spelling them); bodies over :data:`OFFLOAD_BYTES` are decoded
-   in one of :data:`PARSE_PROCESSES` child processes (:class:`Parser`), so the
-   event loop keeps answering ``/health`` and the gateway's own memory never
-   holds the expanded objects.
-4. **Amplification** (:func:`check_job`): what the queue would be given is
-   at most :data:`MAX_AMPLIFICATION` times the body. Only a route that
-   shares one field across many requests can exceed it (``/rerank`` sends
-   its ``query`` with every text; the wire has no shared field), so that one
-   is refused with a 413 naming the limit instead of copying a 30 KB query
-   into a thousand requests.
-5. **The answer**: built and encoded in a thread (:mod:`.render`); an answer
-   that is not small by nature is capped (:data:`MAX_TOKENIZE_TOKENS`,
-   :data:`MAX_DECODE_BYTES`, :data:`MAX_TOKEN_ANSWER_FLOATS`), a 413 naming
-   the cap, checked before the work where it can be (docs/SECURITY.md, "What
-   one HTTP request may cost, per route").
-"""
+"""What one HTTP request may cost the gateway and Redis: admission, body size and time, a linear
+JSON decode (in a child process when big), the amplification and answer caps (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
@@ -65,19 +31,14 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 MAX_AMPLIFICATION = 32
-"""Most bytes of text and options one request may send to its queue, per byte of its body.
-
-Text sent as JSON is never shorter than its UTF-8, so only a field copied
-into many requests can exceed 1; 32 leaves room for a reranking query of a
-few hundred bytes over short passages."""
+"""Most bytes of text and options one request may send to its queue, per byte of its body
+(only a field copied into every input, a rerank's query, can exceed 1)."""
 
 PARSE_MEMORY_FACTOR = 40
-"""Peak memory of decoding and validating a body, per byte of it (measured worst: 25, for
-``[{},{},...]``: an empty dict is 64 bytes plus its GC header and a pointer, spelled in 3)."""
+"""Peak memory of decoding and validating a body, per byte of it (worst: ``[{},{},...]``)."""
 
 OFFLOAD_BYTES = 256 * 1024
-"""Bodies larger than this are decoded in a child process (a smaller one stops the loop
-for at most tens of milliseconds; sending it to a child would cost about as much)."""
+"""Bodies larger than this are decoded in a child process, so the event loop keeps going."""
 
 PARENT_POLL_S = 1.0
 """How often a parser process checks that the gateway that started it is still there."""
@@ -87,11 +48,7 @@ PARSE_PROCESSES = 2
 
 
 class Admission:
-    """At most ``limit`` requests in flight; one over it is refused, not queued (TEI's rule).
-
-    A plain counter: the event loop is one thread, and the count changes only
-    between awaits.
-    """
+    """At most ``limit`` requests in flight; one over it is a 429, not queued (TEI's rule)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -139,18 +96,9 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 
 class Parser:
-    """Makes a body into a job: inline when small, else in one of a few child processes.
-
-    Why processes, not threads: the stdlib's JSON decoder is one C call that
-    holds the GIL throughout (about 0.1 s a megabyte, more for many small
-    containers), so in a thread it would still stop the event loop, and
-    ``/health`` with it, for seconds at 16 MB. In a child the gateway's loop
-    never waits and its memory never holds the decoded objects (up to
-    :data:`PARSE_MEMORY_FACTOR` times the body); only the job comes back,
-    pickled. ``prepare`` must be a module-level function (it is pickled by
-    name). The pool starts with the first big body and is ``spawn``ed, so no
-    child inherits the loop's sockets or threads.
-    """
+    """Makes a body into a job: inline when small, else in a ``spawn``ed child process (the
+    C JSON decoder holds the GIL; a thread would stop the loop). ``prepare`` must be
+    module-level (pickled by name)."""
 
     def __init__(self, processes: int = PARSE_PROCESSES) -> None:
         self.processes = processes
@@ -180,12 +128,8 @@ class Parser:
 
 
 def _parser_started(gateway: int) -> None:
-    """In each parser process: leave Ctrl-C to the gateway, and end when the gateway does.
-
-    A pool's process never sees its parent go (it holds both ends of its
-    task pipe), so without the watch a gateway killed with SIGKILL would
-    leave its parsers running for ever.
-    """
+    """In each parser process: leave Ctrl-C to the gateway, and end when the gateway does
+    (a pool's process never sees its parent go, even a SIGKILLed one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
@@ -198,8 +142,7 @@ def _parser_started(gateway: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Refused:
-    """An ApiError as it crosses from a parser process (its fields; an exception pickles only
-    its positional arguments, and ApiError's keywords would be lost)."""
+    """An ApiError's fields, as they cross from a parser process (keywords do not pickle)."""
 
     fields: dict[str, Any]
 
@@ -213,11 +156,7 @@ def _prepare_apart(prepare: Callable[[bytes], T], raw: bytes) -> T | _Refused:
 
 def decode_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object (an empty body is ``{}``); 400 naming ``body`` for one that
-    is not JSON (as OpenAI and TEI answer), 422 for JSON that is not an object.
-
-    The stdlib's decoder is C and linear; nesting deeper than Python's
-    recursion limit is refused by it (RecursionError), not followed.
-    """
+    is not JSON (as OpenAI and TEI answer), 422 for JSON that is not an object."""
     try:
         document = json.loads(raw) if raw else {}
     except RecursionError:
@@ -242,18 +181,12 @@ def kind(value: object) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """What the items of an input list may be: one kind of a union of list types.
-
-    An item fits if its type is one of ``flat``, or if it is a list and
-    ``nested`` is given and holds the type of each of its items. Checked by
-    types alone, with C-level passes (``map(type, ...)`` into a set), so a
-    list of millions of items costs tens of milliseconds, not seconds.
-    """
+    """What the items of an input list may be: a type in ``flat``, or a list of types in
+    ``nested``; checked by types alone in C-level passes, linear in the list."""
 
     flat: frozenset[type]
     nested: frozenset[type] | None
     expected: str
-    """What the check wants, in words, for the 422."""
 
     def fits(self, item: object) -> bool:
         if type(item) in self.flat:
@@ -297,13 +230,8 @@ TEXT_OR_TOKENS = Variant(frozenset({str}), frozenset({int}), "a string or a list
 
 
 def text_or_list(value: Any, where: str, variants: Sequence[Variant]) -> Any:
-    """``value`` if it is a string, or a list whose items are all of one variant; else a 422.
-
-    The variant is the first of ``variants`` that the list's first item
-    fits (or the last, if it fits none); then every item is checked against
-    that one alone: what a union of list types decides, without trying each
-    type over the whole list.
-    """
+    """``value`` if it is a string, or a list whose items all fit the variant its first item
+    fits (else the last); else a 422. A union of list types, without trying each in turn."""
     if type(value) is str:
         return value
     if type(value) is not list:
@@ -359,19 +287,13 @@ def check_job(items: list[TextItem], options: dict[str, Any], where: str, body_b
 
 MAX_TOKEN_ANSWER_FLOATS = 4 * 1024 * 1024
 """Most floats one ``/embed_all`` answer may hold (inputs x tokens x token_dim): 16 MiB
-as float32, about 80 MB as JSON. Checked before anything is sent, from the worst case
-the queue's config hash allows (every input at the model's input limit)."""
+as float32; checked before sending, for every input at the model's input limit."""
 
 
 def check_token_answer(count: int, max_input_tokens: int | None, token_dim: int | None,
                        where: str) -> None:
-    """413 when ``count`` inputs' token embeddings could exceed :data:`MAX_TOKEN_ANSWER_FLOATS`.
-
-    Why the worst case and not the real lengths: the gateway must refuse
-    before the workers spend the device and the reply keys hold the answer.
-    Without the model's limits (no config hash yet) each worker still bounds
-    its own reply (``wire.MAX_TOKEN_EMBEDDING_FLOATS``).
-    """
+    """413 when ``count`` inputs' token embeddings could exceed :data:`MAX_TOKEN_ANSWER_FLOATS`
+    (without the model's limits, each worker bounds its own reply)."""
     if not max_input_tokens or not token_dim:
         return
     each = min(max_input_tokens * token_dim, MAX_TOKEN_EMBEDDING_FLOATS)  # a worker's own cap
@@ -383,13 +305,12 @@ def check_token_answer(count: int, max_input_tokens: int | None, token_dim: int 
 
 
 MAX_TOKENIZE_BYTES = 512 << 10
-"""Most UTF-8 bytes of text (prompts included) one ``/tokenize`` may tokenize: checked before
-the tokenizer runs, whose own working memory is up to 500 bytes a token (TEI's
-``/tokenize`` has no ``truncate``, so a longer text is refused, not cut)."""
+"""Most UTF-8 bytes of text (prompts included) one ``/tokenize`` may tokenize; checked before
+the tokenizer runs (TEI's ``/tokenize`` has no ``truncate``: more is refused)."""
 
 MAX_TOKENIZE_TOKENS = 1 << 17
 """Most tokens one ``/tokenize`` answers (about 65 bytes of JSON each, 8.5 MB in all):
-checked after tokenizing, before any record is built."""
+counted in pieces, then exactly, before any record is built (``tei_api.count_tokens``)."""
 
 MAX_DECODE_BYTES = 16 << 20
 """Most UTF-8 bytes of text one ``/decode`` may answer, counting each id at the longest token

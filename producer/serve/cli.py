@@ -13,15 +13,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: ServeSettings) -> int:
-    # The serve extra; without it the dispatcher says so in one line (shared/cli.py).
-    import uvicorn
+    import uvicorn  # the serve extra
 
     from tokenq.producer.serve.app import create_app
     from tokenq.producer.serve.edge import header_timeout_protocol
 
-    # Slow clients: a request head within --header-timeout-s (h11 refuses one
-    # over 16 KiB), an idle kept-alive connection closed after as long, the
-    # body within --timeout-s (bounds.read_body).
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level="info", access_log=False,
                 http=header_timeout_protocol(settings.header_timeout_s),

@@ -1,42 +1,5 @@
-"""How a route's job reaches its queue: no live worker, scale-from-zero, and retried requests.
-
-Three questions every POST route asks before and while it waits (docs/OPERATIONS.md,
-"No live worker"; docs/decisions/0033-gateway-503s.md):
-
-* **Is anyone there?** The workers' liveness keys (what ``/ready`` reads)
-  say whether a worker serves the queue. With none and ``--cold-start-s 0``
-  (the default) the answer is a 503 naming "no live worker" at once, and
-  nothing is written: a client and its retries learn it in milliseconds
-  instead of waiting ``--timeout-s`` each. With ``--cold-start-s N`` the
-  request is queued (so a KEDA-scaled fleet at zero sees the stream grow
-  and starts a worker) and the route waits up to N s for a worker to come
-  alive, then as usual for the answer; no worker by then is the same 503
-  (the entry stays queued until its deadline, so without an
-  ``Idempotency-Key`` the answer carries ``x-should-retry: false``, which
-  keeps the OpenAI SDK from queueing it again: :func:`left_queued`). A positive answer is
-  remembered for :data:`ALIVE_CACHE_S`, so a busy gateway asks Redis about
-  once a second per queue, not once a request.
-* **Was this asked before?** A request carrying ``Idempotency-Key`` gets
-  request ids derived from the key, the queue, the body's digest and each
-  input's index (:func:`idempotent_ids`), each input's own reply key, and
-  the enqueue script's dedupe (``--dedupe-ttl-s``): a retry of the same body
-  with the same key writes nothing new and reads the first attempt's
-  replies; :mod:`.idempotency` keeps the first attempt's answer for it.
-* **Is Redis still there?** A queued request's wait rides out an outage by
-  itself (the client's reply listener reconnects until the deadline), which
-  suits a library call and not an HTTP caller, who would learn of the outage
-  only at ``--timeout-s``. So while a route waits, the queue's Redis is
-  asked (``XLEN``, what ``/health`` reads) every :data:`PROBE_S`, one probe
-  per queue however many requests wait (:class:`Reachability`); a probe
-  that redis-py's retries give up on ends every wait on that queue with the
-  503 a route gives when Redis is down before anything is queued, within
-  about 1.5 s. The queued entries stay (``x-should-retry: false`` as
-  above); a client that retries with its ``Idempotency-Key`` once Redis is
-  back reads their replies. A Redis that hangs rather than dies (SIGSTOP, a
-  partition: connections open, nothing answered) fails the probe by its own
-  bound, :data:`PROBE_TIMEOUT_S`, and every other Redis read of a route runs
-  under the same probe (``Gateway.ask``), so no route waits out ``--timeout-s``.
-"""
+"""How a route's job reaches its queue: no live worker (503, or ``--cold-start-s``), retried
+requests (``Idempotency-Key``), a Redis gone (every wait ends within ~1.5 s). 0033-gateway-503s."""
 
 from __future__ import annotations
 
@@ -53,27 +16,19 @@ from tokenq.producer.serve.schemas import Job
 log = logging.getLogger("tokenq.serve")
 T = TypeVar("T")
 
-ALIVE_CACHE_S = 1.0
-"""How long a queue seen with a live worker is taken to still have one."""
+ALIVE_CACHE_S = 1.0  # how long a queue seen with a live worker is taken to still have one
 
-WORKER_POLL_S = 0.25
-"""How often a cold start asks whether a worker has come alive."""
+WORKER_POLL_S = 0.25  # how often a cold start asks whether a worker has come alive
 
-PROBE_S = 0.25
-"""How often a waiting request's queue is asked whether its Redis still answers; with
-redis-py's retries (about 1.1 s) an outage ends a wait within about 1.5 s."""
+PROBE_S = 0.25  # how often a waiting request's queue is asked whether its Redis still answers
 
 PROBE_TIMEOUT_S = 1.0
-"""How long a probe waits for Redis's answer. ``XLEN`` takes a live Redis well under a
-millisecond, so one that has not answered by then is gone or frozen (SIGSTOP, a
-partition: the connection stays open and nothing comes back), and the wait ends as
-for a Redis that refuses connections, rather than at the socket's timeout."""
+"""How long a probe waits for ``XLEN``: a Redis silent that long is gone or frozen."""
 
 IDEMPOTENCY_HEADER = "idempotency-key"
 """The header OpenAI's API and Stripe-style clients name a retried request with."""
 
-MAX_KEY_CHARS = 255
-"""The longest ``Idempotency-Key`` taken (OpenAI's and Stripe's own limit)."""
+MAX_KEY_CHARS = 255  # the longest ``Idempotency-Key`` taken (OpenAI's and Stripe's own limit)
 
 
 def body_digest(body: bytes) -> bytes:
@@ -82,13 +37,8 @@ def body_digest(body: bytes) -> bytes:
 
 
 def idempotent_ids(key: str, queue: str, digest: bytes, count: int) -> list[str]:
-    """``count`` request ids (32 hex digits) that only this key, queue and body produce.
-
-    Hashed rather than used as is: the key is the client's text, of any
-    characters; the ids must be the wire's. The body's digest is in the
-    hash so that a key reused for other input is other work, not the
-    first answer given again.
-    """
+    """``count`` request ids (32 hex digits) that only this key, queue and body produce (a key
+    reused for another body is other work)."""
     if not 0 < len(key) <= MAX_KEY_CHARS:
         raise ApiError(400, f"Idempotency-Key: 1 to {MAX_KEY_CHARS} characters",
                        param="Idempotency-Key", code="invalid_idempotency_key")
@@ -137,11 +87,7 @@ class Reachability:
             raise down
 
     async def announce(self, clients: dict[str, AsyncClient]) -> None:
-        """At start, say once, in one line per Redis, when a queue's Redis does not answer.
-
-        The gateway keeps running (every route answers 503 until Redis does), so an
-        operator who started it against a wrong URL would otherwise see nothing.
-        """
+        """At start, log one line per Redis that does not answer (routes answer 503 till then)."""
         said = set()
         for queue, client in clients.items():
             try:
@@ -226,26 +172,16 @@ async def _cold_start(queue: str, client: AsyncClient, work: asyncio.Future[Any]
 
 
 def left_queued(error: ApiError, unique: list[str] | None) -> ApiError:
-    """``error`` for a request whose entries may stay queued until their deadline.
-
-    Without an ``Idempotency-Key`` a retry would queue every input again, so
-    the answer asks the OpenAI SDK not to retry (``x-should-retry: false``,
-    which it obeys before its own rules); with a key a retry is safe (it
-    reads the first attempt's replies) and left to the client.
-    """
+    """``error`` for a request whose entries may stay queued: without an ``Idempotency-Key`` a
+    retry would queue them again, so ``x-should-retry: false`` (the OpenAI SDK obeys it)."""
     if unique is None and error.status >= 500:
         error.headers = {**error.headers, "x-should-retry": "false"}
     return error
 
 
 def too_late(error: ApiError, unique: list[str] | None) -> ApiError:
-    """``error`` for requests whose replies were ``deadline_exceeded``.
-
-    Under an ``Idempotency-Key`` a retry names the same requests and reads
-    the same replies (kept for it, :mod:`.idempotency`), so it cannot fix
-    this: ``x-should-retry: false``. Without one a retry is new work with
-    a fresh deadline, left to the client.
-    """
+    """``error`` for replies ``deadline_exceeded``: under an ``Idempotency-Key`` a retry reads
+    the same replies, so ``x-should-retry: false``."""
     if unique is not None:
         error.headers = {**error.headers, "x-should-retry": "false"}
     return error

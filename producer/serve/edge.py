@@ -1,34 +1,6 @@
-"""The gateway's edge: what is checked of a request before any route sees it.
-
-docs/SECURITY.md, "The gateway", is the operator's view. In order, outermost first:
-
-1. **CORS** (``--cors-allow-origin``): Starlette's ``CORSMiddleware``
-   answers a browser's preflight (``OPTIONS``) itself and marks answers for
-   the origins allowed; with the setting empty nothing is added, and a
-   browser refuses every cross-origin call. Outermost, so a preflight needs
-   no key (browsers send none with it) and a 401 still carries the headers
-   the browser needs to read it.
-2. **The key** (``--api-key``): every route but :data:`OPEN_PATHS` wants
-   ``Authorization: Bearer <key>`` (compared in constant time), else 401
-   in the route's API's error shape with ``WWW-Authenticate: Bearer``, as
-   TEI's ``--api-key`` answers. The probes and ``/metrics`` stay open: an
-   orchestrator's probe and a Prometheus scrape carry no secrets, and
-   neither reveals input or output.
-3. **The content type**: a POST whose ``Content-Type`` is given and is not
-   JSON is a 415 naming it (a form post would otherwise be read as JSON).
-   A missing one is taken as JSON, since some clients send none.
-4. **Leaving clients**: a request answered 499 (the client went away, mid
-   body or while waiting) is logged as one WARNING line (uvicorn's setup shows no
-   INFO of other loggers), never a traceback.
-5. **Unknown paths and methods**: a path no route serves (404) or a method
-   its route does not answer (405, with ``Allow``) is answered in the error
-   shape of the API family its prefix belongs to (:func:`.errors.body_for`:
-   OpenAI's under ``/v1/``, Cohere's under ``/v2/``, TEI's elsewhere), as a
-   client of that API parses it; never the framework's ``{"detail": ...}``.
-
-Header timeouts are uvicorn's part (:class:`HeaderTimeout`); body timeouts
-are :func:`.bounds.read_body`'s.
-"""
+"""What is checked of a request before any route sees it, outermost first: CORS, ``--api-key``,
+a POST's ``Content-Type``, 499s logged, unknown paths and methods in their API's shape; and
+uvicorn's header timeout (docs/SECURITY.md, "The gateway")."""
 
 from __future__ import annotations
 
@@ -139,12 +111,7 @@ def install(app: FastAPI, settings: ServeSettings) -> None:
 
 def header_timeout_protocol(timeout_s: float) -> type:
     """uvicorn's h11 protocol, closing a connection that sends no complete request head within
-    ``timeout_s`` of opening or of its last answer.
-
-    uvicorn times out only an idle kept-alive connection (``timeout_keep_alive``) and
-    only once a first request was answered; a client that connects and sends its headers
-    a byte at a time (slowloris) would hold a connection, and a file descriptor, forever.
-    """
+    ``timeout_s`` of opening or of its last answer (slowloris; uvicorn times out only idle ones)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderTimeout(H11Protocol):

@@ -1,67 +1,5 @@
-"""Every failure of the gateway as one :class:`ApiError`, and how each API writes it.
-
-One mapping from what went wrong to an HTTP status, kept here so the OpenAI
-and TEI routes cannot disagree (TEI's statuses are the reference: 400 for an
-empty batch, 413 for a body or batch too large, 422 for validation, 424 for
-a model error, 429 when overloaded):
-
-==========================================  ======  ===============================
-what                                        status  note
-==========================================  ======  ===============================
-an empty batch on a TEI route (``inputs:    400     TEI's ``Empty``
-[]``, ``texts: []``)
-a body that is not JSON at all              400     ``invalid_json`` (as OpenAI and TEI)
-no or a wrong ``--api-key``                 401     ``invalid_api_key``; edge.py
-a POST whose ``Content-Type`` is not JSON   415     edge.py
-no live worker (``--cold-start-s``)         503     ``no_worker``; delivery.py
-body over ``--max-body-bytes``, batch over  413
-``--max-client-batch-size``, or more to
-send than ``bounds.MAX_AMPLIFICATION``
-times the body (a rerank's long query)
-the body not all sent within                408     ``timeout``
-``--timeout-s``
-over ``--max-concurrent-requests`` in       429     ``overloaded``, ``Retry-After``
-flight
-the client went away (mid-body or waiting)  499     ``client_closed`` (metrics only)
-a field that does not validate; what no     422     names the field, or the option
-worker can serve (token ids, left
-truncation); input or an option the queue
-refuses (empty text, over-long, a pair to a
-single-text model, an unknown prompt, more
-dimensions than the model has): the
-producer's ``BadRequest``, the worker's
-``bad_request`` / ``too_long``
-a route the queue's model does not answer   424     ``not_an_embedding_model``,
-(embeddings from a classifier, ``/rerank``          ``not_a_reranker``, TEI's
-on an embedder)                                     ``Backend``; before enqueueing
-unknown model name                          404     OpenAI's ``model_not_found``
-a path no route serves                      404     ``not_found``; edge.py
-a method the path's route does not answer   405     ``method_not_allowed``, ``Allow``;
-                                                    edge.py
-an ``Idempotency-Key`` used before with     422     ``idempotency_key_reused``;
-another route or body                               idempotency.py
-an ``Idempotency-Key`` whose first attempt  409     ``idempotency_key_in_flight``,
-still runs past ``--timeout-s``                     ``Retry-After``
-the queue is full                           429     ``Retry-After`` (seconds)
-Redis unreachable                           503
-no answer by the deadline; the request's    504
-deadline passed before a worker ran it
-the worker's other errors (``inference_     424     the worker's code in the body
-failed``, ``out_of_memory``, a NaN score)
-==========================================  ======  ===============================
-
-Why a refused option is 422 on the OpenAI route too, where OpenAI itself
-answers 400: it is a client error either way (the SDK raises an
-``APIStatusError`` and does not retry), and one status for "this request
-cannot be served as asked" on both routes is what TEI's own
-OpenAI-compatible route does.
-
-Bodies: OpenAI's ``{"error": {"message", "type", "param", "code"}}``,
-TEI's ``{"error": message, "error_type": kind}`` and Cohere's
-``{"message": message}`` (its v2 API; its SDK raises a typed error by
-status and keeps the body as it came). Which one a path gets is
-:func:`body_for`'s choice, by the API family its prefix belongs to.
-"""
+"""Every failure of the gateway as one :class:`ApiError` (TEI's statuses the reference, listed in
+``openapi.ERROR_STATUSES``), and its body in each API family's shape, by :func:`body_for`."""
 
 from __future__ import annotations
 
@@ -85,38 +23,17 @@ RETRY_AFTER_S = 1
 """What ``Retry-After`` says when the queue is full: about one batch's time is plenty."""
 
 _OPTION_PREFIX = "opts: "
-"""How the producer's and the worker's messages mark an option's refusal; the field's name
-follows it, so it is not repeated in the answer."""
+"""How the producer's and the worker's messages mark an option's refusal (its name follows)."""
 
 
 _VALIDATION_CODES = {ErrorCode.BAD_REQUEST.value, ErrorCode.TOO_LONG.value}
 
-_OPENAI_TYPES = {
-    400: "invalid_request_error",
-    401: "invalid_request_error",
-    415: "invalid_request_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-    504: "timeout",
-    424: "api_error",
-}
-_TEI_TYPES = {
-    400: "Empty",
-    401: "Validation",
-    415: "Validation",
-    404: "Validation",
-    405: "Validation",
-    413: "Validation",
-    422: "Validation",
-    429: "Overloaded",
-    503: "Unhealthy",
-    504: "Backend",
-    424: "Backend",
-}
+_CLIENT_STATUSES = (401, 404, 405, 413, 415, 422)
+_OPENAI_TYPES = {400: "invalid_request_error", 429: "rate_limit_error",
+                 503: "service_unavailable", 504: "timeout", 424: "api_error",
+                 **dict.fromkeys(_CLIENT_STATUSES, "invalid_request_error")}
+_TEI_TYPES = {400: "Empty", 429: "Overloaded", 503: "Unhealthy", 504: "Backend",
+              424: "Backend", **dict.fromkeys(_CLIENT_STATUSES, "Validation")}
 
 
 @dataclass
@@ -125,10 +42,8 @@ class ApiError(Exception):
 
     status: int
     message: str
-    param: str | None = None
-    """The request field at fault (OpenAI's ``param``), when one is."""
-    code: str | None = None
-    """A stable code: the worker's error code, or OpenAI's (``model_not_found``)."""
+    param: str | None = None  # the request field at fault (OpenAI's ``param``)
+    code: str | None = None  # a stable code: the worker's, or OpenAI's (``model_not_found``)
     headers: dict[str, str] = field(default_factory=dict)
 
     def openai_body(self) -> dict[str, Any]:
@@ -178,29 +93,17 @@ def too_large(param: str, message: str) -> ApiError:
 
 
 def wrong_model(code: str, message: str) -> ApiError:
-    """424: the queue's model does not answer what this route asks (named by ``code``).
-
-    TEI's status and body for it on every route (``/embed`` on a classifier,
-    ``/rerank`` on an embedder, ``/embed_sparse`` on a dense model, and its
-    OpenAI route): its router answers a ``Backend`` error, 424, before any
-    inference; its published spec lists no other status for it. The OpenAI
-    body carries ``code`` (``not_an_embedding_model``, ...).
-    """
+    """424 (TEI's ``Backend``, before any inference): the queue's model does not answer what
+    this route asks (``code``: ``not_an_embedding_model``, ...)."""
     return ApiError(424, message, param="model", code=code)
 
 
 def from_exception(
     exc: Exception, options: Collection[str] = (), items: str = "input"
 ) -> ApiError:
-    """The answer for what the client raised (anything else is a bug: re-raised).
-
-    ``options`` are the request options the call sent. A refusal carries the
-    parameter at fault (``BadRequest.param``, the worker's ``param``): when
-    that is one of ``options`` it is the request field of the same name and
-    is answered as the field at fault; any other refusal names ``items``,
-    the field holding the inputs (``text``, ``texts``, ``text_pair`` and
-    the rest are the client's argument names, not this route's fields).
-    """
+    """The answer for what the client raised (anything else is a bug: re-raised). A refusal
+    names its parameter when it is one of the sent ``options``, else ``items`` (the field
+    holding the inputs)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, BadRequest):
@@ -221,8 +124,7 @@ def from_exception(
 
 
 def _param(exc: BadRequest | RemoteError, message: str | None = None) -> str | None:
-    """The parameter ``exc`` names. Only a reply from a worker that predates ``param``
-    (``message``: a RemoteError's) has its field read from the text, as before."""
+    """The parameter ``exc`` names; a worker's reply without ``param`` names it in the text."""
     if exc.param is not None or message is None:
         return exc.param
     return _named_option_of_old_worker(message.removeprefix(_OPTION_PREFIX))
@@ -241,7 +143,6 @@ def _client_fault(
 
 
 def _named_option_of_old_worker(message: str) -> str | None:
-    """The option an error reply without ``param`` names: the first word of ``message``, when
-    that is an option's name (a worker from before ``param`` sent only the message)."""
+    """The first word of ``message`` when that is an option's name."""
     match = re.match(r"(\w+)", message)
     return match.group(1) if match and match.group(1) in WORKER_OPTIONS else None

@@ -1,36 +1,5 @@
-"""One answer per ``Idempotency-Key``: the first attempt's, kept in Redis for any replica's retry.
-
-A POST with the header gets request ids derived from its key and body
-(:func:`tokenq.producer.serve.delivery.idempotent_ids`), which the enqueue
-dedupe keeps from being queued twice. This module keeps what the first
-attempt answered, so a retry (the 200 lost on its way back, a retry sent
-while the first still runs, a retry on another gateway replica) is
-answered with the same bytes (docs/RELIABILITY.md, "Idempotent retries"):
-
-* **record** ``{q}:idem:<h>`` (:func:`tokenq.shared.keys.idempotent_answer`):
-  set ``NX`` by the first attempt, holding its route and body digest
-  (the *fingerprint*), then replaced by the finished answer (status and
-  body bytes, if at most ``--max-body-bytes``); its TTL is the dedupe
-  window (``--dedupe-ttl-s``), from the claim and again from the store;
-* **lease** ``{q}:idem:<h>:lease`` (:func:`tokenq.shared.keys.idempotent_lease`):
-  which request computes the answer now, for ``--timeout-s`` plus
-  :data:`LEASE_GRACE_S`, dropped when it ends either way.
-
-A retry finds the answer and replays it; finds the record pending and the
-lease held, and waits (polling every :data:`POLL_S`, up to ``--timeout-s``:
-then a 409 that invites a later retry); or finds the lease free (the first
-attempt gave up, died, or lost its client) and takes over: the same ids
-are deduplicated, and the first attempt's replies are still on their keys
-(the gateway reads them with ``keep`` and deletes them only once the answer
-is stored). The lease is taken ``NX`` by whoever computes, the first
-attempt included, so one request at a time computes a key's answer. A key
-used again with another route or body is a 422 naming the header.
-
-Redis refusing the claim or the store (``maxmemory``, ``READONLY``, an ACL
-without the ``idem`` keys) costs the guarantee and nothing else: the request
-is answered as without the store, and a retry recomputes its answer from the
-kept replies (never a second inference while they live).
-"""
+"""One answer per ``Idempotency-Key``: the first attempt's, kept in Redis for any replica's retry;
+a record and a lease per key (docs/RELIABILITY.md, "Idempotent retries")."""
 
 from __future__ import annotations
 
@@ -50,8 +19,7 @@ from tokenq.producer.serve.errors import ApiError
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
 
-POLL_S = 0.1
-"""How often a retry asks whether the attempt it waits on has stored its answer."""
+POLL_S = 0.1  # how often a retry asks whether the attempt it waits on has stored its answer
 
 SETTLE_TIMEOUT_S = 1.0
 """How long storing an answer or dropping a lease may hold up the answer (a hung Redis)."""
@@ -59,8 +27,7 @@ SETTLE_TIMEOUT_S = 1.0
 LEASE_GRACE_S = 2.0
 """How long past ``--timeout-s`` a computing request's lease lasts (its store, its cleanup)."""
 
-HEADER = "Idempotency-Key"
-"""The header's name as errors name it (``param``)."""
+HEADER = "Idempotency-Key"  # the header's name as errors name it (``param``)
 
 log = logging.getLogger("tokenq.serve")
 
@@ -68,13 +35,12 @@ current: ContextVar[Claim | None] = ContextVar("tokenq_idempotency_claim", defau
 """The claim of the request being answered, for the route's answer to store (app.answer)."""
 
 
+@dataclass
 class Replay(Exception):
     """The stored answer of an earlier attempt, to send as it is."""
 
-    def __init__(self, status: int, body: bytes) -> None:
-        super().__init__(f"replay of a stored {status} answer")
-        self.status = status
-        self.body = body
+    status: int
+    body: bytes
 
 
 @dataclass(slots=True)
@@ -91,12 +57,8 @@ class Claim:
     stored: bool = False
 
     async def store(self, status: int, body: bytes) -> None:
-        """Keep the answer for the window, then drop the replies it was made of.
-
-        An answer over ``max_bytes`` (``--max-body-bytes``) is not kept, nor is
-        one Redis refuses (OOM, READONLY, NOPERM, an outage: logged): the
-        caller still gets it, and the replies stay for a retry to rebuild it.
-        """
+        """Keep the answer for the window, then drop the replies it was made of; one over
+        ``max_bytes`` or refused by Redis is not kept (the replies stay for a retry)."""
         if len(body) > self.max_bytes:
             log.info("an Idempotency-Key's answer of %d bytes is over --max-body-bytes; "
                      "a retry rebuilds it from the kept replies", len(body))
@@ -137,11 +99,8 @@ async def claim(
     client: AsyncClient, queue: QueueRef, key: str, fp: bytes, unique: list[str], *,
     window_s: float, timeout_s: float, max_bytes: int,
 ) -> Claim | None:
-    """This request's claim on ``key``'s answer; raises :class:`Replay` when it is stored.
-
-    Waits while another request holds the lease, up to ``timeout_s`` (then
-    409). None when Redis refuses the claim: the request goes on unguarded.
-    """
+    """This request's claim on ``key``'s answer, :class:`Replay` when stored; waits for another
+    holder's lease up to ``timeout_s`` (then 409); None when Redis refuses the claim."""
     digest = key_digest(key)
     record = keys.idempotent_answer(queue, digest)
     lease = keys.idempotent_lease(queue, digest)

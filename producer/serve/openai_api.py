@@ -1,33 +1,16 @@
-"""The OpenAI-style routes beside ``/v1/embeddings``: ``GET /v1/models`` and ``POST /v1/rerank``.
-
-* ``GET /v1/models`` (and ``/v1/models/{id}``): OpenAI's list of models, the
-  names ``--models`` serves (or the default queue's name), so clients that
-  list models before calling (LibreChat, Open WebUI, LiteLLM's health
-  check) find them.
-* ``POST /v1/rerank``: the Cohere (v1) and Jina shape RAG frameworks call
-  (LlamaIndex's and LangChain's Cohere/Jina rerankers, LiteLLM):
-  ``{query, documents, top_n?, return_documents?, model?}`` where each
-  document is a string or ``{"text": ...}``; the answer is
-  ``{results: [{index, relevance_score, document?}], model, usage}``, best
-  first. It is TEI's ``/rerank`` underneath (one (query, document) pair
-  per document, the reranker's activation as the score), refused before
-  anything is queued unless the queue's model is a reranker. Errors are in
-  OpenAI's shape. :func:`serve_rerank` is every rerank route's work;
-  :mod:`.cohere_api`'s ``/v2/rerank`` is the same with Cohere's v2 shapes.
-
-The routes run through the app's ``answer`` (``app.state.answer``): the same
-admission, metrics and error mapping as every route.
-"""
+"""The OpenAI-style routes beside ``/v1/embeddings`` (``GET /v1/models``, the Cohere v1 and Jina
+``POST /v1/rerank``) and Cohere's v2 ``POST /v2/rerank``, both TEI's ``/rerank`` underneath."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ConfigDict, Field, PlainValidator
-from typing_extensions import TypedDict
+from typing_extensions import NotRequired, TypedDict
 
 from tokenq.producer.serve import openapi, render, scores
 from tokenq.producer.serve.bounds import kind
@@ -38,6 +21,8 @@ router = APIRouter()
 
 CREATED = 0
 """``created`` of every model: the gateway does not know when a model was made."""
+
+API_VERSION = "2"  # ``meta.api_version.version`` of every Cohere v2 answer
 
 
 def documents_only(value: Any) -> list[str]:
@@ -79,9 +64,7 @@ class Rerank(RerankBody):
     """``POST /v1/rerank`` (Cohere v1, Jina)."""
 
     return_documents: bool = False
-    max_chunks_per_doc: Annotated[int, Field(ge=1)] | None = None
-    """Cohere's; accepted and unused: a document longer than the model's input is truncated
-    or refused by the queue's policy, never split."""
+    max_chunks_per_doc: Annotated[int, Field(ge=1)] | None = None  # accepted, unused: never split
 
 
 def rerank_job(body: RerankBody) -> Job:
@@ -169,9 +152,49 @@ async def rerank(request: Request) -> Response:
                               ApiError.openai_body)
 
 
+class RelevantSpans(TypedDict):
+    """Cohere's ``relevant_spans``; only ``mode: "disabled"`` is served."""
+
+    mode: Literal["enabled", "disabled"]
+    threshold: NotRequired[float]
+    max_spans: NotRequired[int]
+
+
+class RerankV2(RerankBody):
+    """``POST /v2/rerank``."""
+
+    max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = None  # accepted; --policy decides
+    relevant_spans: RelevantSpans | None = None
+    priority: Annotated[int, Field(ge=0)] | None = None  # accepted, unused: not tokenq's classes
+
+
+def rerank_v2_request(raw: bytes) -> tuple[RerankV2, Job]:
+    """The body and its job (module level: bounds.Parser pickles it by name)."""
+    body = parse(RerankV2, raw)
+    if body.relevant_spans is not None and body.relevant_spans["mode"] == "enabled":
+        raise invalid("relevant_spans", "not served: a cross-encoder scores whole documents "
+                      "and finds no spans; leave it out or send mode 'disabled'")
+    return body, rerank_job(body)
+
+
+def rerank_v2_answer(body: RerankV2, model: str, results: list[Any]) -> dict[str, Any]:
+    """Cohere's v2 answer (``model`` is not part of it)."""
+    return {"id": str(uuid.uuid4()), "results": ranked(body, results), "meta": {
+        "api_version": {"version": API_VERSION},
+        "billed_units": {"input_tokens": tokens_of(results)}}}
+
+
+@router.post("/v2/rerank")
+async def rerank_v2(request: Request) -> Response:
+    return await serve_rerank(request, "/v2/rerank", rerank_v2_request, rerank_v2_answer,
+                              ApiError.cohere_body)
+
+
 openapi.describe_route("post", "/v1/rerank", Rerank, openapi.RerankList, openapi.OpenAIError,
                        "Cohere/Jina-style rerank")
 openapi.describe_route("get", "/v1/models", None, openapi.ModelList, openapi.OpenAIError,
                        "OpenAI: the models served")
 openapi.describe_route("get", "/v1/models/{model}", None, openapi.ModelCard,
                        openapi.OpenAIError, "OpenAI: one model", statuses=(401, 404, 503))
+openapi.describe_route("post", "/v2/rerank", RerankV2, openapi.RerankV2Answer,
+                       openapi.CohereError, "Cohere v2 rerank")

@@ -1,18 +1,5 @@
-"""The gateway's ``/openapi.json``: every route's request and response schemas, every error status.
-
-Why it is assembled here rather than from the route signatures: the routes
-read their raw body themselves (:mod:`.bounds`: size, time, a linear parse,
-big bodies in child processes), so FastAPI sees no body parameter and would
-publish ``schema: {}``. Each route is described in :data:`ROUTES` by the
-same pydantic models that parse its body (one home for a field) and by the
-shape of its answer; :func:`describe` merges that into FastAPI's generated
-document. A route nobody described still gets its error statuses; the test
-(tests/gateway/test_serve_openapi.py) fails for a POST without a request schema.
-
-``/docs`` is FastAPI's Swagger UI page: HTML that loads its script and CSS
-from a CDN (jsdelivr), so the browser needs the internet; the gateway does
-not.
-"""
+"""The gateway's ``/openapi.json`` and ``/docs``: the routes read their own bodies, so each is
+described in :data:`ROUTES` by the pydantic models that parse it, merged into FastAPI's."""
 
 from __future__ import annotations
 
@@ -194,15 +181,11 @@ Predictions = list[Prediction] | list[list[Prediction]]
 class Route:
     """What one route takes and answers, for the document."""
 
-    body: Any
-    """The request body's pydantic model (or a union of them); None for a GET."""
-    answer: Any
-    """The 200 answer's type (a TypedDict, list, dict ...)."""
+    body: Any  # the body's pydantic model (or a union); None for a GET
+    answer: Any  # the 200 answer's type
     error: type = TEIError
     summary: str = ""
-    statuses: tuple[int, ...] | None = None
-    """Its error statuses; None: every one of :data:`ERROR_STATUSES` for a POST,
-    :data:`_GET_STATUSES` for a GET."""
+    statuses: tuple[int, ...] | None = None  # None: ERROR_STATUSES for a POST, else GET's
 
 
 _TEI_POST = {
@@ -239,14 +222,12 @@ ROUTES: dict[tuple[str, str], Route] = {
        for path, route in {**_TEI_POST, **_OPENAI_POST}.items()},
     **{("get", path): route for path, route in _GET.items()},
 }
-"""Each described route by (method, path); a route of another module adds itself with
-:func:`describe_route`."""
+"""Each described route by (method, path); other modules add theirs with :func:`describe_route`."""
 
 
 def describe_route(method: str, path: str, body: Any, answer: Any, error: type = TEIError,
                    summary: str = "", statuses: tuple[int, ...] | None = None) -> None:
-    """Publish ``method path``'s body model (None for a GET), answer type and error statuses
-    (default: as :class:`Route` says) in the document."""
+    """Publish ``method path``'s body model, answer type and error statuses in the document."""
     ROUTES[(method.lower(), path)] = Route(body, answer, error, summary, statuses)
 
 

@@ -1,27 +1,20 @@
-"""Answers as JSON bytes, built in a thread and a piece at a time, so ``/health`` keeps answering.
-
-starlette's ``JSONResponse`` encodes a whole answer in one ``json.dumps``
-on the event loop: one C call that holds the GIL throughout, so 2,048
-vectors or a quarter of a million ``/tokenize`` records stopped every other
-route for a second or more. Here the encoding runs in a thread, and a list
-of containers or strings (or an object holding one) is encoded one item at a
-time: between items the GIL passes back to the loop. A list of numbers, or a
-vector (``array('f')``, as a Result holds it: its floats become Python
-objects one vector at a time), is a leaf, encoded in one call of at most a few
-milliseconds.
-"""
+"""Answers as JSON bytes, built in a thread a piece at a time (the GIL passes back to the loop
+between items), so ``/health`` keeps answering."""
 
 from __future__ import annotations
 
 import array
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import Response
 
 MEDIA_TYPE = "application/json"
+
+Answer = Callable[..., Awaitable[Response]]
+"""``create_app``'s ``answer(route, shape, work, admit)``: metrics, admission, error bodies."""
 
 
 class Raw:

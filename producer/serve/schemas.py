@@ -1,18 +1,5 @@
-"""Embedding request bodies and answers, as OpenAI, TEI and Infinity clients send and expect them.
-
-Parsing is ours rather than FastAPI's, so a field that does not validate is
-a 422 in the API's own error shape naming the field (``input``,
-``encoding_format``), not FastAPI's generic body. A body becomes a
-:class:`Job`: the inputs for one ``infer_many`` and the per-request options
-(the keywords of :mod:`tokenq.producer.call_options`) the queue's workers apply
-and check. Only what no worker can serve is refused here, by name: token-id
-input (workers take text), left truncation (they keep the start of a text),
-Infinity's image and audio modalities.
-
-A body is decoded and checked by :mod:`.bounds` (one linear pass; no union of
-list types is tried in turn): each field that takes several shapes is a
-:func:`~.bounds.text_or_list` validator, not a pydantic union.
-"""
+"""Embedding request bodies and answers, as OpenAI, TEI and Infinity clients send and expect them:
+a body becomes a :class:`Job`, a field that does not validate a 422 in the API's own shape."""
 
 from __future__ import annotations
 
@@ -58,30 +45,19 @@ class Job:
 
     items: list[TextItem]
     options: dict[str, Any] = field(default_factory=dict)
-    where: str = "input"
-    """The body's field that holds the items, named when they are refused."""
+    where: str = "input"  # the body's field holding the items
 
 
 class Body(BaseModel):
-    """A request body: unknown fields ignored, as TEI does; no value coerced into another type.
-
-    Strict, because a coerced value is a silent wrong answer: ``"normalize":
-    "no"`` read as true, ``"return_text": 0`` as false. OpenAI's and TEI's
-    own servers refuse both; so does this (422 naming the field).
-    """
+    """A request body: unknown fields ignored, as TEI does; strict (``"normalize": "no"`` is a
+    422, not a silent true)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
 
 class OpenAIEmbeddings(Body):
-    """``POST /v1/embeddings`` (OpenAI) and ``POST /embeddings`` (Infinity).
-
-    Unknown fields are refused (422 naming the field), unlike TEI's bodies:
-    the OpenAI SDK sends only the fields below, and anything else comes from
-    ``extra_body``, written by a person, where a misspelt ``prompt_name``
-    must not pass as a request without a prompt (OpenAI's API refuses an
-    unknown argument too).
-    """
+    """``POST /v1/embeddings`` (OpenAI) and ``POST /embeddings`` (Infinity); unknown fields are
+    refused, as OpenAI does (a misspelt ``extra_body`` field must not pass)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -90,13 +66,9 @@ class OpenAIEmbeddings(Body):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Dimensions | None = None
     user: str | None = None
-    modality: str = "text"
-    """Infinity's: ``image`` and ``audio`` inputs are refused, only text is served."""
-    prompt_name: str | None = None
-    """Not OpenAI's (send it in ``extra_body``): the model's named prompt, as TEI's ``/embed``."""
-    truncate: bool | None = None
-    """Not OpenAI's (send it in ``extra_body``), TEI's: false refuses an input over the
-    model's limit (422 naming it) instead of cutting it; None: the queue's policy."""
+    modality: str = "text"  # Infinity's: only text is served
+    prompt_name: str | None = None  # TEI's, in ``extra_body``
+    truncate: bool | None = None  # TEI's, in ``extra_body``: false refuses an over-long input
 
 
 class TEIEmbed(Body):
@@ -108,16 +80,11 @@ class TEIEmbed(Body):
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
     dimensions: Dimensions | None = None
-    model: str | None = None
-    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
+    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 def parse(model: type[Body], raw: bytes) -> Any:
-    """The body as ``model``, or a 422 naming the first field that does not validate.
-
-    Time and memory linear in ``raw`` (:mod:`.bounds`): decoded once by the
-    stdlib, then validated from the Python objects.
-    """
+    """The body as ``model``, or a 422 naming the first field that does not validate."""
     document = bounds.decode_json(raw)
     try:
         return model.model_validate(document)
@@ -148,11 +115,8 @@ def openai_job(body: OpenAIEmbeddings) -> Job:
         raise invalid("input", "must not be empty")
     if not all(isinstance(text, str) for text in texts):
         raise invalid("input", TOKEN_IDS_REFUSED)
-    options: dict[str, Any] = {"dimensions": body.dimensions} if body.dimensions else {}
-    if body.prompt_name is not None:
-        options["prompt_name"] = body.prompt_name
-    if body.truncate is not None:
-        options["truncate"] = body.truncate
+    options = given(dimensions=body.dimensions or None, prompt_name=body.prompt_name,
+                    truncate=body.truncate)
     return Job(list(texts), options)  # type: ignore[arg-type]
 
 
@@ -160,19 +124,11 @@ TOKEN_IDS_REFUSED = (
     "token-id input is not supported: send text. LangChain's OpenAIEmbeddings sends "
     "tiktoken ids by default: construct it with check_embedding_ctx_length=False"
 )
-"""Why token ids are refused, and the one switch that makes LangChain send text.
-
-The ids a client sends are of its own tokenizer (LangChain's are tiktoken's
-cl100k), which is not the model's, and nothing in the request says which
-one it was: decoding them would be a guess (docs/decisions/0032-strict-bodies.md)."""
+"""Ids of the client's own tokenizer cannot be decoded for the model's (0032-strict-bodies)."""
 
 
 def tei_embed_job(body: TEIEmbed) -> Job:
-    """The texts of a TEI request and the options it asks for.
-
-    ``normalize`` is always sent, since TEI's default (true) normalises
-    whatever the model does; the rest as :func:`tei_job` says.
-    """
+    """The texts of a TEI request and its options (``normalize`` always: TEI's default is true)."""
     job = tei_job(body, {"normalize": body.normalize})
     if body.dimensions:
         job.options["dimensions"] = body.dimensions
@@ -191,24 +147,21 @@ class TEIBody(Protocol):
 
 
 def tei_job(body: TEIBody, options: dict[str, Any]) -> Job:
-    """A TEI body's texts, with ``options`` and what every TEI route takes alike.
-
-    Token ids and an empty list are refused, and so is ``truncation_direction:
-    Left``. ``truncate`` is sent only when given, so the queue's policy decides
-    otherwise, as TEI's ``auto_truncate`` does; ``prompt_name`` only when given.
-    """
+    """A TEI body's texts, with ``options`` and ``truncate`` and ``prompt_name`` when given;
+    token ids, an empty list and ``truncation_direction: Left`` are refused."""
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not all(isinstance(item, str) for item in texts):
         raise invalid("inputs", "token-id input is not supported: send text")
     if not texts:
         raise empty("inputs")
     refuse_left(body.truncation_direction)
-    options = dict(options)
-    if body.truncate is not None:
-        options["truncate"] = body.truncate
-    if body.prompt_name is not None:
-        options["prompt_name"] = body.prompt_name
+    options = {**options, **given(truncate=body.truncate, prompt_name=body.prompt_name)}
     return Job(list(texts), options, "inputs")  # type: ignore[arg-type]
+
+
+def given(**options: Any) -> dict[str, Any]:
+    """The ``options`` that were given (not None)."""
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def refuse_left(direction: str) -> None:
@@ -248,22 +201,11 @@ def openai_answer(
     """OpenAI's list of embeddings, with usage from the workers' exact token counts."""
     vectors = embeddings_of(results, model)
     tokens = sum(result.tokens or 0 for result in results)
-    data = [
-        {
-            "object": "embedding",
-            "index": index,
-            "embedding": (
-                _base64_le(vector) if encoding_format == "base64" else vector
-            ),
-        }
-        for index, vector in enumerate(vectors)
-    ]
-    return {
-        "object": "list",
-        "data": data,
-        "model": model,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    }
+    data = [{"object": "embedding", "index": index,
+             "embedding": _base64_le(vector) if encoding_format == "base64" else vector}
+            for index, vector in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 TRUNCATED_HEADER = "x-tokenq-truncated"

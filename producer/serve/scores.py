@@ -1,21 +1,5 @@
-"""TEI's scoring routes, ``POST /rerank`` and ``POST /predict``: bodies in, answers out.
-
-Sans-I/O like :mod:`.schemas`: a body becomes a :class:`~.schemas.Job` (one
-request per (query, text) pair, or per input), the queue's results become
-TEI's answer. What decides whether a queue can answer a route is its config
-hash (``task``, ``pairs``, ``labels``), read by the route and passed in.
-
-* ``/rerank``: ``[{index, score, text?}]``, best first, ``index`` being the
-  text's place in ``texts``; ``score`` is the model's first score for the
-  pair (a reranker has one).
-* ``/predict``: per input ``[{label, score}]``, best first; a single input
-  (a string, or one pair ``[a, b]``) gets one such list, a batch
-  (``[[a], [a, b], ...]``) a list of them, as TEI answers.
-
-Scores are the model's activation (sigmoid for a one-logit reranker,
-softmax across a classifier's labels) unless ``raw_scores`` asks for the
-logits; the workers apply both.
-"""
+"""TEI's scoring routes, ``POST /rerank`` and ``POST /predict``: bodies in, answers out (whether a
+queue can answer is its config hash's ``task``, ``pairs``, ``labels``)."""
 
 from __future__ import annotations
 
@@ -33,6 +17,7 @@ from tokenq.producer.serve.schemas import (
     Body,
     Direction,
     Job,
+    given,
     one_kind,
     parse,
     refuse_left,
@@ -41,8 +26,7 @@ from tokenq.shared.queue_config import QueueConfig
 
 
 def texts_only(value: Any) -> list[str]:
-    """``texts``: a list of strings, checked in one pass that stops at the first that is not
-    (pydantic's ``list[str]`` would build an error for every item that is not)."""
+    """``texts``: a list of strings, checked in one pass that stops at the first that is not."""
     if type(value) is not list:
         raise invalid("texts", f"expected a list of strings, got {kind(value)}")
     check_each(value, "texts", TEXT)
@@ -58,8 +42,7 @@ class TEIRerank(Body):
     truncation_direction: Direction = "Right"
     raw_scores: bool = False
     return_text: bool = False
-    model: str | None = None
-    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
+    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 class TEIPredict(Body):
@@ -70,18 +53,12 @@ class TEIPredict(Body):
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
     raw_scores: bool = False
-    model: str | None = None
-    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
+    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 def _options(body: TEIRerank | TEIPredict) -> dict[str, Any]:
     refuse_left(body.truncation_direction)
-    options: dict[str, Any] = {}
-    if body.truncate is not None:
-        options["truncate"] = body.truncate
-    if body.raw_scores:
-        options["raw_scores"] = True
-    return options
+    return given(truncate=body.truncate, raw_scores=body.raw_scores or None)
 
 
 def rerank_job(body: TEIRerank) -> Job:
@@ -104,12 +81,8 @@ def predict_request(raw: bytes) -> tuple[TEIPredict, tuple[Job, bool]]:
 
 
 def predict_job(body: TEIPredict) -> tuple[Job, bool]:
-    """The inputs of a predict request, and whether it is a batch (answered as a list of lists).
-
-    As TEI reads ``inputs``: a string is one input; a flat list is one
-    input too, ``[text]`` or a pair ``[text, text_pair]``; a list of lists
-    is a batch of such inputs.
-    """
+    """The inputs of a predict request, and whether it is a batch: as TEI reads ``inputs``, a
+    string or a flat list (``[text]``, ``[text, text_pair]``) is one input."""
     inputs = body.inputs
     if isinstance(inputs, str):
         return Job([inputs], _options(body), "inputs"), False
@@ -157,10 +130,7 @@ def require_classifier(config: QueueConfig | None, job: Job) -> None:
 
 
 def label_names(count: int, labels: Sequence[str] | None) -> list[str]:
-    """The name of each of ``count`` scores: ``labels`` when they fit, else ``LABEL_i``.
-
-    ``LABEL_i`` is what transformers calls a label its config does not name.
-    """
+    """The name of each of ``count`` scores: ``labels`` when they fit, else ``LABEL_i``."""
     if labels is not None and len(labels) == count:
         return list(labels)
     return [f"LABEL_{index}" for index in range(count)]

@@ -1,29 +1,12 @@
-"""TEI's ``POST /embed_sparse`` and ``POST /embed_all``: answers that are not one vector.
-
-TEI's published ``docs/openapi.json`` is the contract. Both bodies are
-``inputs`` in TEI's forms, ``truncate``, ``truncation_direction`` and
-``prompt_name`` (``EmbedSparseRequest``, ``EmbedAllRequest``).
-
-* ``/embed_sparse`` (``EmbedSparseResponse``): per input,
-  ``[{"index": token_id, "value": weight}]`` for the nonzero weights, in
-  increasing ``index``. The queue's workers run a SPLADE model
-  (``--task sparse``); a queue whose config hash says it serves another kind
-  is refused with 424 ``not_a_sparse_model`` before anything is enqueued
-  (TEI's status for a route its model does not serve).
-* ``/embed_all`` (``EmbedAllResponse``): per input, one vector per token
-  (special and prompt tokens included): the request option ``output:
-  "tokens"`` on an embedding queue. The answer is bounded before anything is
-  sent (:func:`.bounds.check_token_answer`): 413 beyond
-  :data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` floats in the worst case.
-
-The bodies go through the same bounds as ``/embed`` (:mod:`.bounds`:
-admission, body size and time, the linear parse, the batch size).
+"""TEI's ``POST /embed_sparse`` (a SPLADE queue's nonzero weights per input, else 424) and
+``POST /embed_all`` (every token's vector: the option ``output: "tokens"``, 413 beyond
+:data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` in the worst case, checked before sending).
 """
 
 from __future__ import annotations
 
 import array
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
@@ -37,7 +20,7 @@ from tokenq.producer.serve.bounds import (
     check_token_answer,
 )
 from tokenq.producer.serve.errors import ApiError, wrong_model
-from tokenq.producer.serve.render import Raw, encode
+from tokenq.producer.serve.render import Answer, Raw, encode
 from tokenq.producer.serve.schemas import (
     Body,
     Direction,
@@ -50,11 +33,7 @@ from tokenq.shared.queue_config import QueueConfig
 if TYPE_CHECKING:
     from tokenq.producer.serve.app import Gateway
 
-Answer = Callable[..., Awaitable[Response]]
-"""``create_app``'s ``answer(route, shape, work, admit)``: metrics, admission, error bodies."""
-
-SPARSE_TASK = "sparse"
-"""The ``task`` a sparse queue's workers publish in its config hash."""
+SPARSE_TASK = "sparse"  # the ``task`` a sparse queue's workers publish in its config hash
 
 
 class TEIPerToken(Body):
@@ -65,8 +44,7 @@ class TEIPerToken(Body):
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
-    model: str | None = None
-    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
+    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 def sparse_request(raw: bytes) -> tuple[TEIPerToken, Job]:
@@ -80,11 +58,7 @@ def all_request(raw: bytes) -> tuple[TEIPerToken, Job]:
 
 
 def _request(raw: bytes, options: dict[str, Any]) -> tuple[TEIPerToken, Job]:
-    """The body, and its job with ``options``.
-
-    The rest as :func:`~tokenq.producer.serve.schemas.tei_job` says; neither
-    route takes ``normalize`` or ``dimensions``.
-    """
+    """The body, and its job with ``options`` (:func:`.schemas.tei_job`)."""
     body = parse(TEIPerToken, raw)
     return body, schemas.tei_job(body, options)
 
@@ -96,12 +70,8 @@ def require_sparse(config: QueueConfig | None, model: str) -> None:
 
 
 def sparse_answer(results: Sequence[Result], model: str) -> list[Raw]:
-    """TEI's ``EmbedSparseResponse``: each input's nonzero ``{index, value}`` pairs.
-
-    A 413 beyond :data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` weights in all, counted
-    before any is written; each input's pairs are written straight to JSON
-    (a dict per weight cost about 250 bytes for about 30 of answer).
-    """
+    """TEI's ``EmbedSparseResponse``: each input's nonzero ``{index, value}`` pairs, written
+    straight to JSON; 413 beyond :data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` weights in all."""
     for result in results:
         if result.sparse is None:
             raise _not_sparse(model, "embed" if result.embedding is not None else "score")

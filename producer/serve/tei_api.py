@@ -1,47 +1,21 @@
-"""The rest of TEI's router: ``POST /`` by the model's kind, ``/similarity``, ``/tokenize``,
-``/decode``, and ``GET /`` / ``GET /ping`` (TEI's health aliases).
-
-TEI's published ``docs/openapi.json`` is the contract (a copy in
-tests/data/, checked by schemathesis in tests/gateway/test_serve_openapi.py):
-
-* ``POST /`` answers as the route of the queue's kind does, as TEI routes
-  it: a classifier's ``/predict``, a reranker's ``/rerank``; an embedder's
-  ``/embed`` — or ``/similarity`` when ``inputs`` is an object
-  (``{"source_sentence", "sentences"}``), which is what ``huggingface_hub``'s
-  ``InferenceClient.sentence_similarity`` posts to a base URL. TEI chooses
-  similarity for the whole server with ``TASK=sentence-similarity``; the
-  body's shape tells the two apart without a setting
-  (docs/decisions/0037-tei-routes-and-openapi.md).
-* ``/similarity``: the cosine of ``source_sentence`` with each of
-  ``sentences``, from their embeddings, computed in one ``infer_many``.
-* ``/tokenize`` and ``/decode``: the queue's own tokenizer (the
-  ``tokenizer.json`` its workers publish in the config hash, loaded once per
-  path with :class:`~tokenq.producer.tokenizer.TokenizerEstimator`, off the
-  event loop). A queue whose tokenizer the gateway cannot load (no path
-  published, as the sim's; another machine's path; no ``tokenizers``
-  package) is a 422 ``Tokenizer`` error naming why.
-
-Every POST goes through the gateway's bounds (:mod:`.bounds`): admission,
-body size and time, the linear parse (in a child process when big), and
-``--max-client-batch-size`` on the number of inputs.
-"""
+"""TEI's router (its ``docs/openapi.json`` the contract, 0037-tei-routes-and-openapi.md): /embed,
+/rerank, /predict, ``POST /`` by the model's kind, /similarity, /tokenize, /decode, aliases."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import math
-from collections.abc import Awaitable, Callable, Sequence
+import re
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
 
 from tokenq.producer import Result
-from tokenq.producer.serve import render, schemas
+from tokenq.producer.serve import render, schemas, scores
 from tokenq.producer.serve.bounds import (
     MAX_DECODE_BYTES,
     MAX_TOKENIZE_BYTES,
@@ -55,16 +29,13 @@ from tokenq.producer.serve.bounds import (
     text_or_list,
 )
 from tokenq.producer.serve.errors import ApiError, empty, invalid, too_large
-from tokenq.producer.serve.render import Raw, encode
-from tokenq.producer.serve.schemas import Body, Direction, Job, parse, refuse_left
+from tokenq.producer.serve.render import Answer, Raw, encode
+from tokenq.producer.serve.schemas import Body, Direction, Job, given, parse, refuse_left
 from tokenq.producer.tokenizer import TokenizerEstimator
 from tokenq.shared.queue_config import QueueConfig
 
 if TYPE_CHECKING:
     from tokenq.producer.serve.app import Gateway
-
-Answer = Callable[..., Awaitable[Response]]
-"""``create_app``'s ``answer(route, shape, work, admit)``: metrics, admission, error bodies."""
 
 MAX_TOKEN_ID = 2**32 - 1
 """TEI's ids are ``uint32``; a larger (or negative) one is a 422, not the tokenizer's overflow."""
@@ -87,8 +58,7 @@ class TEISimilarity(Body):
 
     inputs: SimilarityInput
     parameters: SimilarityParameters | None = None
-    model: str | None = None
-    """Not TEI's: which of ``--models`` serves the request (default: the first)."""
+    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 def _texts(value: Any) -> Any:
@@ -125,6 +95,10 @@ class TEIDecode(Body):
     model: str | None = None
 
 
+tokenize_request = functools.partial(parse, TEITokenize)
+decode_request = functools.partial(parse, TEIDecode)
+
+
 def similarity_request(raw: bytes) -> tuple[TEISimilarity, Job]:
     """``/similarity``'s body and job: the source first, then each sentence."""
     body = parse(TEISimilarity, raw)
@@ -136,11 +110,7 @@ def similarity_job(body: TEISimilarity) -> Job:
         raise empty("inputs.sentences")
     parameters = body.parameters or SimilarityParameters()
     refuse_left(parameters.truncation_direction)
-    options: dict[str, Any] = {}
-    if parameters.truncate is not None:
-        options["truncate"] = parameters.truncate
-    if parameters.prompt_name is not None:
-        options["prompt_name"] = parameters.prompt_name
+    options = given(truncate=parameters.truncate, prompt_name=parameters.prompt_name)
     items = [body.inputs.source_sentence, *body.inputs.sentences]
     return Job(items, options, "inputs")  # type: ignore[arg-type]
 
@@ -152,14 +122,6 @@ def root_embed_request(raw: bytes) -> tuple[Any, Job]:
     if isinstance(document.get("inputs"), dict):
         return similarity_request(raw)
     return schemas.tei_embed_request(raw)
-
-
-def tokenize_request(raw: bytes) -> TEITokenize:
-    return parse(TEITokenize, raw)
-
-
-def decode_request(raw: bytes) -> TEIDecode:
-    return parse(TEIDecode, raw)
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:
@@ -179,6 +141,7 @@ def similarity_answer(results: Sequence[Result], model: str) -> list[float]:
 def tokenize_answer(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[Raw]:
     """Each text's ``SimpleToken`` list (:func:`token_answer`); a 413 beyond
     :data:`.bounds.MAX_TOKENIZE_TOKENS` in all, before any record is built (in a thread)."""
+    count_tokens(tokenizer, texts, add_special_tokens)
     encodings = tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
     check_count(sum(map(len, encodings)), MAX_TOKENIZE_TOKENS, "tokens", "inputs",
                 "send fewer or shorter texts")
@@ -186,12 +149,54 @@ def tokenize_answer(tokenizer: Any, texts: list[str], add_special_tokens: bool) 
     return [token_answer(encodings.pop(), text) for text in texts]
 
 
-def token_answer(encoding: Any, text: str) -> Raw:
-    """TEI's ``SimpleToken`` list, as JSON: a special token has no span in the text.
+PIECE = 1 << 14  # most characters ``count_tokens`` encodes at once (at most 64 KiB of UTF-8)
 
-    Written straight to bytes, a record at a time: a dict per token cost
-    about 400 bytes of memory for about 70 of answer.
+CUT_SLACK = 16
+"""Tokens a cut may add to the whole text's count (a split word, a stripped space): forgiven."""
+
+_BEFORE_SPACE = re.compile(r"\s(?=\S)")
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """``text`` in pieces of at most :data:`PIECE` characters, each cut just before a run of
+    whitespace where one starts in the piece's second half."""
+    start = 0
+    while len(text) - start > PIECE:
+        window = text[start + PIECE // 2:start + PIECE]
+        found = _BEFORE_SPACE.search(window[::-1])  # the last run's first whitespace
+        stop = start + PIECE - (found.start() + 1 if found else 0)
+        yield text[start:stop]
+        start = stop
+    yield text[start:]
+
+
+def count_tokens(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> None:
+    """413 as soon as ``texts`` surely pass :data:`.bounds.MAX_TOKENIZE_TOKENS`, counted a
+    group of pieces at a time so a request far over is refused without all its encodings.
+
+    A cut can change the count near it (a split word, a ``Strip`` normalizer), so each cut
+    forgives :data:`CUT_SLACK` tokens; what passes is counted exactly by ``tokenize_answer``.
     """
+    count = len(texts) * tokenizer.num_special_tokens_to_add(False) if add_special_tokens else 0
+    cuts = 0
+    group: list[str] = []
+    size = 0
+    for text in texts:
+        for index, piece in enumerate(_pieces(text)):
+            cuts += index > 0
+            group.append(piece)
+            size += len(piece)
+            if size < PIECE:
+                continue
+            count += sum(map(len, tokenizer.encode_batch(group, add_special_tokens=False)))
+            check_count(count - cuts * CUT_SLACK, MAX_TOKENIZE_TOKENS, "tokens or more",
+                        "inputs", "send fewer or shorter texts")
+            group, size = [], 0
+
+
+def token_answer(encoding: Any, text: str) -> Raw:
+    """TEI's ``SimpleToken`` list, written straight to JSON bytes (a dict per token would cost
+    400 bytes a token); a special token has no span in the text."""
     records = []
     for token_id, token, special, (start, stop) in zip(
         encoding.ids, encoding.tokens, encoding.special_tokens_mask, encoding.offsets, strict=True
@@ -268,22 +273,10 @@ def _check_count(count: int, where: str, limit: int) -> None:
         raise too_large(where, f"{count} inputs, over --max-client-batch-size {limit}")
 
 
-async def _call(endpoint: Callable[..., Awaitable[Response]], request: Request) -> Response:
-    """Call another route's endpoint, with the request if it takes one."""
-    takes_request = bool(inspect.signature(endpoint).parameters)
-    return await (endpoint(request) if takes_request else endpoint())
-
-
-def _endpoint(request: Request, path: str, method: str) -> Callable[..., Awaitable[Response]]:
-    """The app's own endpoint for ``method path``: ``POST /`` answers exactly as it does."""
-    for route in request.app.router.routes:
-        if isinstance(route, APIRoute) and route.path == path and method in (route.methods or ()):
-            return route.endpoint
-    raise LookupError(f"no {method} {path} route")  # a bug: the app always has them
-
-
-def router(gateway: Gateway, answer: Answer) -> APIRouter:
-    """TEI's remaining routes over ``gateway``, answered through ``answer``."""
+def router(gateway: Gateway, answer: Answer, health: Callable[[], Awaitable[Response]]
+           ) -> APIRouter:
+    """TEI's routes but ``/info`` and ``/health`` over ``gateway``, answered through ``answer``;
+    ``health`` answers ``GET /`` and ``/ping`` too."""
     api = APIRouter()
     tokenizers = Tokenizers()
     limit = gateway.settings.max_client_batch_size
@@ -301,6 +294,32 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
             return render.Later(schemas.tei_answer, results, model)
         return await answer(route, ApiError.tei_body, work, admit=True)
 
+    @api.post("/embed")
+    async def embed(request: Request) -> Response:
+        return await embed_or_similarity(request, "/embed", schemas.tei_embed_request)
+
+    @api.post("/rerank")
+    async def rerank(request: Request) -> Response:
+        async def work() -> render.Later:
+            body, job = await gateway.read(request, scores.rerank_request)
+            queue = gateway.queue_of(body.model)
+            scores.require_reranker(await gateway.config(queue))
+            results = await gateway.infer(request, queue, job)
+            return render.Later(scores.rerank_answer, results, body.texts, body.return_text)
+        return await answer("/rerank", ApiError.tei_body, work, admit=True)
+
+    @api.post("/predict")
+    async def predict(request: Request) -> Response:
+        async def work() -> render.Later:
+            body, (job, batched) = await gateway.read(request, scores.predict_request)
+            queue = gateway.queue_of(body.model)
+            config = await gateway.config(queue)
+            scores.require_classifier(config, job)
+            results = await gateway.infer(request, queue, job)
+            return render.Later(scores.predict_answer, results, batched,
+                                config.labels if config else None)
+        return await answer("/predict", ApiError.tei_body, work, admit=True)
+
     @api.post("/similarity")
     async def similarity(request: Request) -> Response:
         return await embed_or_similarity(request, "/similarity", similarity_request)
@@ -309,20 +328,20 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
     async def root(request: Request) -> Response:
         """TEI's ``POST /``: the route of the default queue's kind; ``GET /``: its health."""
         if request.method == "GET":
-            return await health(request)
+            return await health()
         try:
             config = await gateway.config(gateway.queue_of(None))
         except Exception as exc:  # Redis down: answered as /embed answers it
             return await answer("/", ApiError.tei_body, functools.partial(_reraise, exc))
         task = config.task if config is not None else None
         if task == "rerank" or (task is None and config is not None and config.pairs):
-            return await _call(_endpoint(request, "/rerank", "POST"), request)
+            return await rerank(request)
         if task == "sparse":  # TEI: a SPLADE model's POST / is /embed_sparse
             from tokenq.producer.serve import sparse_api  # here: sparse_api -> openapi -> us
 
             return await sparse_api.embed_sparse(gateway, answer, request, "/")
         if task not in (None, "embed"):
-            return await _call(_endpoint(request, "/predict", "POST"), request)
+            return await predict(request)
         return await embed_or_similarity(request, "/", root_embed_request)
 
     @api.post("/tokenize")
@@ -358,10 +377,6 @@ def router(gateway: Gateway, answer: Answer) -> APIRouter:
             return await asyncio.to_thread(tokenizer.decode_batch, rows,
                                            skip_special_tokens=body.skip_special_tokens)
         return await answer("/decode", ApiError.tei_body, work, admit=True)
-
-    async def health(request: Request) -> Response:
-        """TEI serves its health check at ``/`` and ``/ping`` (SageMaker's) as well."""
-        return await _call(_endpoint(request, "/health", "GET"), request)
 
     api.add_api_route("/ping", health, methods=["GET"], name="ping")
     return api

@@ -166,6 +166,55 @@ def test_tokenize_answers_at_most_its_token_cap_and_refuses_beyond(tokenizer_que
     assert biggest.slowest_health_s <= HEALTH_S
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("family", ["wordpiece", "unigram", "byte-level-bpe"])
+def test_tokenize_counts_a_long_text_in_pieces_as_the_whole_text_counts(family, monkeypatch):
+    """Pieces cut before whitespace count no more than the whole text does (a ``Strip``
+    normalizer counts fewer), so the pieces' count refuses nothing the whole
+    text's count would answer; what passes is counted whole."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+    from tokenq.producer.serve import tei_api
+    from tokenq.producer.serve.errors import ApiError
+
+    words = ["hello", "world", "éclair", "日本語", "naïve", "don't", "3.14", "🙂", "\n", "a"]
+    text = " ".join(words[i * 7 % len(words)] + " " * (i % 3) for i in range(3000))
+    if family == "wordpiece":
+        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer()
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer: object = trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]"])
+    elif family == "unigram":
+        tokenizer = Tokenizer(models.Unigram())
+        tokenizer.normalizer = normalizers.Strip()
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=200, unk_token="[UNK]",
+                                          special_tokens=["[UNK]"])
+    else:
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=300,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[UNK] $A [UNK]", special_tokens=[("[UNK]", 0)])
+    monkeypatch.setattr(tei_api, "PIECE", 256)
+    pieces = list(tei_api._pieces(text))
+    assert "".join(pieces) == text and len(pieces) > 50
+    whole = len(tokenizer.encode(text))
+    counted = sum(map(len, tokenizer.encode_batch(pieces, add_special_tokens=False))) + 2
+    assert counted <= whole
+
+    monkeypatch.setattr(tei_api, "MAX_TOKENIZE_TOKENS", whole - 1)
+    with pytest.raises(ApiError, match=f"{whole} tokens, over the limit"):  # the exact count
+        tei_api.tokenize_answer(tokenizer, [text], True)
+    monkeypatch.setattr(tei_api, "MAX_TOKENIZE_TOKENS", whole // 2)
+    with pytest.raises(ApiError, match="tokens or more, over the limit"):  # refused in pieces
+        tei_api.count_tokens(tokenizer, [text], True)
+    monkeypatch.setattr(tei_api, "MAX_TOKENIZE_TOKENS", whole)
+    assert len(json.loads(tei_api.tokenize_answer(tokenizer, [text], True)[0].data)) == whole
+
+
 def test_decode_answers_at_most_its_text_cap_and_refuses_beyond(tokenizer_queue, gateway):
     served = gateway()
     served.measure("/decode", _body(ids=[3] * 200_000))  # parsers started (a 413: over the cap)
