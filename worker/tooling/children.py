@@ -311,10 +311,7 @@ class Supervisor:
         delay = self.policy.delay(code, ran, child.delay_s) if child.restart else None
         if delay is None:
             child.finished = True
-            if code == 0:
-                log.info("%s; not restarting", what)
-            else:
-                log.error("%s; not restarting", what)
+            log.log(logging.INFO if code == 0 else logging.ERROR, "%s; not restarting", what)
             return
         child.delay_s = delay
         child.restart_at = now + delay
