@@ -150,12 +150,9 @@ class SimEncoding:
 
     length: int
     text: str
-    kept: tuple[int, int]
-    """The run of ``text``'s content tokens this sequence holds (after truncation, or one
-    window of a chunked input): ``text``'s tokens ``kept[0]`` to ``kept[1] - 1``."""
+    kept: tuple[int, int]  # text's content tokens kept[0] to kept[1] - 1 (truncated, a window)
     pair_text: str | None
-    pair_kept: int
-    """How many of ``pair_text``'s content tokens were kept (0 without a pair)."""
+    pair_kept: int  # how many of pair_text's content tokens were kept (0 without a pair)
     digest: bytes = field(repr=False)
     """Hash of the kept tokens, the vector's seed; computed off the device's path."""
     fail: bool = False  # the input carried a marker: SIM_FAIL_MARKER, _NAN_, _HANG_

@@ -323,10 +323,7 @@ class Supervisor:
             self.poll()
             if self.stopping:
                 return
-            if until is not None:
-                if until():
-                    return
-            elif not any(child.live for child in self.children):
+            if until() if until is not None else not any(c.live for c in self.children):
                 return
             time.sleep(self.poll_s)
 

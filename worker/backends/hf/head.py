@@ -92,12 +92,8 @@ def _last_token(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 _POOLERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "cls": _cls,
-    "max": _max,
-    "mean": _mean,
-    "mean_sqrt_len_tokens": _mean_sqrt_len,
-    "weightedmean": _weighted_mean,
-    "lasttoken": _last_token,
+    "cls": _cls, "max": _max, "mean": _mean, "mean_sqrt_len_tokens": _mean_sqrt_len,
+    "weightedmean": _weighted_mean, "lasttoken": _last_token,
 }
 
 

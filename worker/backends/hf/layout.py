@@ -22,21 +22,16 @@ POOLING_MODES: tuple[PoolingMode, ...] = (
 """Every mode, in the order sentence-transformers concatenates the legacy boolean keys."""
 
 _LEGACY_POOLING_KEYS: dict[str, PoolingMode] = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean",
-    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken",
 }
 
-DENSE_ACTIVATIONS = frozenset(
-    {
-        "Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU", "LeakyReLU", "ELU", "SELU",
-        "CELU", "Softplus", "Softsign", "Mish", "Hardtanh", "Hardswish", "Hardsigmoid",
-        "ReLU6", "LogSigmoid", "Tanhshrink",
-    }
-)
+DENSE_ACTIVATIONS = frozenset({
+    "Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU", "LeakyReLU", "ELU", "SELU", "CELU",
+    "Softplus", "Softsign", "Mish", "Hardtanh", "Hardswish", "Hardsigmoid", "ReLU6", "LogSigmoid",
+    "Tanhshrink",
+})
 """Elementwise ``torch.nn`` activations without parameters a Dense module may name."""
 
 # Transformer-module config files, newest name first (sentence-transformers tries them in order).
