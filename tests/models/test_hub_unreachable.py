@@ -20,34 +20,34 @@ import pytest
 
 from tests.redis_server import free_ports
 from tokenq.shared.exit_codes import EXIT_USAGE
-from tokenq.worker.backends.hf import hub
+from tokenq.worker.backends.hf.load import unreachable
 
 NEVER_RESOLVES = "https://tokenq-hub-check.invalid"
 """A Hub endpoint no DNS answers (RFC 2606 reserves ``.invalid``)."""
 
 
 def test_a_host_no_dns_knows_is_named() -> None:
-    why = hub.unreachable(NEVER_RESOLVES)
+    why = unreachable(NEVER_RESOLVES)
     assert why is not None and why.startswith("the DNS lookup of tokenq-hub-check.invalid failed")
 
 
 def test_a_refused_connection_is_named() -> None:
     port = free_ports()
-    why = hub.unreachable(f"http://127.0.0.1:{port}")
+    why = unreachable(f"http://127.0.0.1:{port}")
     assert why is not None and f"connecting to 127.0.0.1:{port} failed" in why
 
 
 def test_a_host_that_answers_is_reachable() -> None:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        assert hub.unreachable(f"http://127.0.0.1:{port}") is None
+        assert unreachable(f"http://127.0.0.1:{port}") is None
 
 
 def test_behind_a_proxy_nothing_is_concluded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("https_proxy", "http://proxy.example:3128")
     monkeypatch.delenv("no_proxy", raising=False)
     monkeypatch.delenv("NO_PROXY", raising=False)
-    assert hub.unreachable(NEVER_RESOLVES) is None
+    assert unreachable(NEVER_RESOLVES) is None
 
 
 def test_a_worker_asked_for_an_uncached_hub_model_says_the_hub_cannot_be_reached(
@@ -57,7 +57,7 @@ def test_a_worker_asked_for_an_uncached_hub_model_says_the_hub_cannot_be_reached
     env = {name: value for name, value in os.environ.items()
            if not name.startswith(("TOKENQ_", "HF_", "TRANSFORMERS_", "HUGGINGFACE_"))}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="0", PYTHONUNBUFFERED="1")
-    if hub.unreachable("https://huggingface.co") is None:  # this machine has network
+    if unreachable("https://huggingface.co") is None:  # this machine has network
         env["HF_ENDPOINT"] = NEVER_RESOLVES
     started = time.monotonic()
     done = subprocess.run(

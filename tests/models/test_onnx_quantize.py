@@ -36,7 +36,6 @@ from tests.tiny_bert import SAMPLE_TEXTS, write_tiny_bert  # noqa: E402
 from tokenq.shared.errors import ConfigError  # noqa: E402
 from tokenq.shared.flags import parse_settings  # noqa: E402
 from tokenq.worker.backends.base import TextInput  # noqa: E402
-from tokenq.worker.backends.hf import int8_files  # noqa: E402
 from tokenq.worker.backends.hf import quantize as quantize_module  # noqa: E402
 from tokenq.worker.backends.hf.backend import HFBackend, HFOptions  # noqa: E402
 from tokenq.worker.settings import WorkerSettings, settings_class_for  # noqa: E402
@@ -69,13 +68,13 @@ def unit_rows(backend: HFBackend) -> np.ndarray:
 def count_quantizations(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Record every real quantisation (``_quantize``) from now on."""
     written: list[Path] = []
-    real = int8_files._quantize
+    real = quantize_module._quantize
 
     def recording(source: Path, target: Path, **which: object) -> None:
         written.append(target)
         real(source, target, **which)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(int8_files, "_quantize", recording)
+    monkeypatch.setattr(quantize_module, "_quantize", recording)
     return written
 
 
@@ -148,7 +147,7 @@ def test_a_quantizer_failure_is_refused_by_name_and_leaves_no_int8_entry(
     def refuse(source: Path, target: Path, **which: object) -> None:
         raise RuntimeError("Unable to find data type for weight_name='x'")
 
-    monkeypatch.setattr(int8_files, "_quantize", refuse)
+    monkeypatch.setattr(quantize_module, "_quantize", refuse)
     with pytest.raises(ConfigError, match=r"quantizer cannot take model .*--quantize none"):
         load(bert, tmp_path, quantize="int8")
     assert not list(tmp_path.glob("*/*int8-*"))

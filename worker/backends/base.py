@@ -1,12 +1,6 @@
-"""The small interface every model backend implements.
-
-A backend owns a tokenizer and a model: the worker asks it for exact token
-lengths (``tokenize``), runs token-budgeted batches (``run``) and reads its
-limits from ``info`` (``info.padded`` feeds the packer's cost model, as TEI's
-``is_padded`` does). A plugin is ``package.module:factory`` or a
-:class:`~tokenq.worker.backends.registry.BackendEntry` with its own settings.
-Optional abilities are declared, never probed: fields of :class:`BackendInfo`,
-and protocols looked up once (:func:`windowing_of`, :func:`tokenizer_source_of`).
+"""The interface every model backend implements: exact token lengths (``tokenize``),
+token-budgeted batches (``run``) and its limits (``info``); optional abilities are declared
+(:class:`BackendInfo` fields, protocols looked up once), never probed.
 """
 
 from __future__ import annotations
@@ -34,28 +28,22 @@ ACTIVATIONS: tuple[Activation, ...] = ("none", "sigmoid", "softmax")
 class BackendInfo:
     """What the worker and the queue's config hash need to know about a model."""
 
-    name: str
-    """Backend kind: 'sim', 'hf', or a plugin's own name."""
-    model: str
-    """Model id or path, for the config hash and logs."""
+    name: str  # 'sim', 'hf', or a plugin's own name
+    model: str  # id or path, for the config hash and logs
     task: Task
-    """See :data:`Task`; it decides whether replies carry an embedding or scores."""
     max_input_tokens: int
     """Longest sequence the model accepts, special tokens included."""
     padded: bool = True
     """True when a batch costs rows x longest; False for varlen (ragged) kernels."""
-    dim: int | None = None
-    """Embedding size (embed) or number of scores (score)."""
+    dim: int | None = None  # embedding size, or number of scores
     device: str = "cpu"
     dtype: str = "float32"
     tokenizer: str | None = None
     """Path of a tokenizer.json producers may load for exact estimates, if any."""
-    pairs: bool = False
-    """True when the model takes (text, text_pair) inputs (cross-encoders)."""
+    pairs: bool = False  # takes (text, text_pair) inputs (cross-encoders)
     normalized: bool = False
     """Its embeddings are unit length, so a chunked input's combined vector is re-normalised."""
-    labels: tuple[str, ...] = ()
-    """A classifier's name for each score, in order (empty when it has none)."""
+    labels: tuple[str, ...] = ()  # a classifier's name for each score, in order
     raw_vectors: bool = False
     """``run`` returns embeddings before L2 normalisation, so the worker normalises per
     request. False: a ``normalize: false`` request on a ``normalized`` queue is refused
@@ -100,11 +88,8 @@ class TextInput:
 
 
 class Encoding(Protocol):
-    """A tokenized input; only its length matters to the worker.
-
-    It may carry ``truncated`` (bool); without it the worker re-tokenizes an input at
-    the limit to tell.
-    """
+    """A tokenized input; only its length matters to the worker. It may carry ``truncated``
+    (bool); without it the worker re-tokenizes an input at the limit to tell."""
 
     @property
     def length(self) -> int:
@@ -119,19 +104,13 @@ class Backend(Protocol):
     info: BackendInfo
 
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
-        """Tokenize inputs; truncate each to ``max_length`` tokens when it is given.
-
-        Runs in a thread, on read-ahead batches. Raise ``ValueError`` only for inputs
-        the backend cannot take at all.
-        """
+        """Tokenize inputs, truncated to ``max_length`` when given (in a thread, on read-ahead
+        batches); ``ValueError`` only for inputs the backend cannot take at all."""
         ...
 
     def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
-        """Run one batch; return one float32 1-D array per row, in order.
-
-        Raise :class:`tokenq.shared.errors.DeviceOutOfMemory` (or the framework's OOM)
-        when it does not fit; the worker splits it and retries.
-        """
+        """One float32 1-D array per row, in order; :class:`~tokenq.shared.errors.DeviceOutOfMemory`
+        (or the framework's OOM) when it does not fit: the worker splits it and retries."""
         ...
 
     def close(self) -> None:
@@ -144,10 +123,8 @@ class Windowing(Protocol):
     """The optional capability behind the ``chunk`` policy: split an over-long input."""
 
     def windows(self, encoding: Encoding, max_length: int, overlap: int) -> list[Encoding]:
-        """Overlapping windows of at most ``max_length`` tokens, special tokens put back.
-
-        Raise ``ValueError`` for an input that cannot be split (a pair, say).
-        """
+        """Overlapping windows of at most ``max_length`` tokens, special tokens put back;
+        ``ValueError`` for an input that cannot be split (a pair, say)."""
         ...
 
 
@@ -165,17 +142,12 @@ class Tokenizer(Protocol):
 
 @runtime_checkable
 class TokenizerSource(Protocol):
-    """The optional capability behind ``--tokenize-processes``: a tokenizer that travels.
-
-    For a GIL-holding Python tokenizer: one copy per child process keeps the event
-    loop and device thread free.
-    """
+    """The optional capability behind ``--tokenize-processes``: a (GIL-holding) tokenizer
+    copied into child processes, keeping the event loop and device thread free."""
 
     def tokenizer_factory(self) -> Callable[[], Tokenizer]:
-        """A picklable callable that builds an equal tokenizer in another process.
-
-        Its encodings must pickle too, and be what :meth:`Backend.run` takes.
-        """
+        """A picklable callable that builds an equal tokenizer in another process; its
+        encodings must pickle too, and be what :meth:`Backend.run` takes."""
         ...
 
 

@@ -1,11 +1,6 @@
-"""Choosing a worker's token budget (``max_batch_tokens``) from the device it has.
-
-On CUDA, full-length probes (``rows x max_input_tokens``, doubling the rows) run
-through the backend until the allocator's peak nears the free memory times a
-margin, an OOM, or ``max_rows``; a line through the last two probes gives the
-budget (full length is the worst case per token). On CPU it is a documented
-default. :func:`plan_budget` is pure and :func:`probe_budget` takes a ``measure``
-callable, so both are tested without a GPU.
+"""A worker's token budget (``max_batch_tokens``) from its device: on CUDA, full-length probes
+of doubling rows until memory, an OOM or ``max_rows`` stops them, and a line through the last
+two; on CPU a documented default.
 """
 
 from __future__ import annotations
@@ -13,20 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-CPU_DEFAULT_TOKENS = 16384
-"""CPU budget floor; a CPU batch is compute-bound long before memory matters."""
-CPU_ROWS_AT_MAX_LENGTH = 8
-"""On CPU the budget also admits this many full-length rows."""
+CPU_DEFAULT_TOKENS = 16384  # a CPU batch is compute-bound long before memory matters
+CPU_ROWS_AT_MAX_LENGTH = 8  # and the CPU budget admits this many full-length rows
 
 
 def calibrate_budget(
     backend: Any, *, safety: float = 0.8, max_rows: int = 256, share: float = 1.0
 ) -> tuple[int, str]:
-    """A token budget for ``backend`` and a sentence saying how it was chosen.
-
-    ``max_rows`` caps the probe (the worker's ``max_batch_size``); ``share`` is this
-    process's part of the device (``--device-share``, ``--processes-per-device``).
-    """
+    """A token budget for ``backend`` and a sentence saying how it was chosen; ``share`` is this
+    process's part of the device (``--device-share``, ``--processes-per-device``)."""
     if not 0 < safety <= 1:
         raise ValueError(f"safety must be in (0, 1]: {safety}")
     if not 0 < share <= 1:
@@ -51,8 +41,7 @@ def _calibrate_cuda(backend: Any, *, safety: float, max_rows: int) -> tuple[int,
 
     device = torch.device(backend.info.device)
     max_len = int(backend.info.max_input_tokens)
-    # A real encoding of the longest length, made by the backend's own tokenizer
-    # (a cross-encoder takes only pairs).
+    # A real full-length encoding by the backend's own tokenizer (a cross-encoder takes pairs).
     filler = "x " * max_len
     probe = TextInput(filler, filler) if backend.info.pairs else TextInput(filler)
     row = backend.tokenize([probe], max_len)[0]
@@ -79,19 +68,15 @@ def probe_budget(
     measure: Callable[[int], int], *, usable_bytes: int, row_tokens: int, max_rows: int
 ) -> tuple[int, str]:
     """Double the rows of full-length probes until memory or ``max_rows`` says stop;
-    ``measure(rows)`` returns a probe's peak bytes or raises an OOM.
-    """
+    ``measure(rows)`` returns a probe's peak bytes or raises an OOM."""
     samples: list[tuple[int, int]] = []
     oom_tokens: int | None = None
     rows = 1
     while rows <= max_rows:
         try:
             peak = measure(rows)
-        except MemoryError:  # DeviceOutOfMemory, as HFBackend.run raises it
-            oom_tokens = rows * row_tokens
-            break
-        except RuntimeError as exc:  # torch's own OOM, from a backend that lets it through
-            if "out of memory" not in str(exc):
+        except (MemoryError, RuntimeError) as exc:  # DeviceOutOfMemory, or torch's own OOM
+            if not isinstance(exc, MemoryError) and "out of memory" not in str(exc):
                 raise
             oom_tokens = rows * row_tokens
             break
@@ -99,21 +84,12 @@ def probe_budget(
         if peak * 2 > usable_bytes:
             break
         rows *= 2
-    return plan_budget(
-        samples,
-        usable_bytes=usable_bytes,
-        row_tokens=row_tokens,
-        max_rows=max_rows,
-        oom_tokens=oom_tokens,
-    )
+    return plan_budget(samples, usable_bytes=usable_bytes, row_tokens=row_tokens,
+                       max_rows=max_rows, oom_tokens=oom_tokens)
 
 
 def plan_budget(
-    samples: list[tuple[int, int]],
-    *,
-    usable_bytes: int,
-    row_tokens: int,
-    max_rows: int,
+    samples: list[tuple[int, int]], *, usable_bytes: int, row_tokens: int, max_rows: int,
     oom_tokens: int | None = None,
 ) -> tuple[int, str]:
     """The budget a line through the probes (tokens, peak bytes) allows within ``usable_bytes``."""

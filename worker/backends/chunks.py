@@ -1,8 +1,5 @@
-"""The 'chunk' over-length policy's arithmetic, shared by every backend.
-
-Over-long input is cut into overlapping windows combined by a length-weighted
-mean (docs/ARCHITECTURE.md, "Over-long input"); pure numpy, so the sim and hf
-cut alike and tests need no model.
+"""The 'chunk' over-length policy's arithmetic, shared by every backend: overlapping windows
+combined by a length-weighted mean (docs/ARCHITECTURE.md, "Over-long input").
 """
 
 from __future__ import annotations
@@ -15,12 +12,8 @@ import numpy as np
 def sliding_windows(
     ids: Sequence[int], n_prefix: int, n_suffix: int, max_length: int, overlap: int
 ) -> list[tuple[int, ...]]:
-    """Split one single-sequence input into windows of at most ``max_length`` tokens.
-
-    ``ids`` is ``prefix + content + suffix`` (the special tokens); the content is cut
-    with ``overlap`` shared tokens and the specials put back around each window. An
-    input that fits comes back whole.
-    """
+    """Windows of at most ``max_length`` tokens of ``ids`` (``prefix + content + suffix``):
+    the content cut with ``overlap`` shared tokens, the specials around each; whole if it fits."""
     if n_prefix < 0 or n_suffix < 0 or n_prefix + n_suffix > len(ids):
         raise ValueError(f"bad special-token counts {n_prefix}+{n_suffix} for {len(ids)} ids")
     width = max_length - n_prefix - n_suffix
@@ -49,9 +42,8 @@ def sliding_windows(
 def combine_chunks(
     vectors: Sequence[np.ndarray], lengths: Sequence[int], normalize: bool
 ) -> np.ndarray:
-    """Combine one input's window embeddings by a length-weighted mean, re-normalised
-    when the model's embeddings are; ``lengths`` are the windows' token counts.
-    """
+    """One input's window embeddings combined by a length-weighted mean (``lengths``: their
+    token counts), re-normalised when the model's embeddings are."""
     if len(vectors) == 0:
         raise ValueError("combine_chunks needs at least one vector")
     if len(vectors) != len(lengths):

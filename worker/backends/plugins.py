@@ -1,9 +1,5 @@
-"""Turn the ``backend`` setting into a Backend object, or a ConfigError that says why not.
-
-``backend`` is a registered name (:mod:`.registry`: ``sim``, ``hf``, imported
-only when asked for) or ``package.module:factory``, a factory taking
-``WorkerSettings``. Every failure (typo, missing module, a factory that raises
-or returns the wrong thing) is one :class:`ConfigError` naming the spec.
+"""Turn the ``backend`` setting (a registered name, or ``package.module:factory`` taking the
+settings) into a Backend, or one :class:`ConfigError` naming the spec and why not.
 """
 
 from __future__ import annotations
@@ -29,9 +25,8 @@ def load_backend(settings: Any) -> Backend:
     """Build the backend ``settings.backend`` names; ConfigError if it cannot."""
     spec = settings.backend.strip()
     entry = by_name(spec)
-    if entry is not None:
-        return _checked(_call(_builder(entry), settings, spec), spec)
-    return _checked(_call(_plugin_factory(spec), settings, spec), spec)
+    factory = _plugin_factory(spec) if entry is None else _builder(entry)
+    return _checked(_call(factory, settings, spec), spec)
 
 
 def _builder(entry: BackendEntry) -> Callable[[Any], Any]:
@@ -53,15 +48,16 @@ def _plugin_factory(spec: str) -> Callable[[Any], Any]:
     """The callable a ``package.module:factory`` spec names."""
     match = _PLUGIN_SPEC.match(spec)
     if match is None:
+        names = ", ".join(repr(entry.name) for entry in registered())
         raise ConfigError(
-            f"backend {spec!r} is not {_registered_names()} or a plugin as "
-            "'package.module:factory'"
+            f"backend {spec!r} is not {names} or a plugin as 'package.module:factory'"
         )
     module_name, attr_path = match["module"], match["attr"]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name is not None and _is_prefix(exc.name, module_name):
+        missing = exc.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
             raise ConfigError(
                 f"backend {spec!r}: module {module_name!r} not found (is it installed, "
                 "or on PYTHONPATH?)"
@@ -132,13 +128,3 @@ def _checked(backend: Any, spec: str) -> Backend:
             f"got {backend.info.max_input_tokens}"
         )
     return cast(Backend, backend)
-
-
-def _is_prefix(missing: str, module_name: str) -> bool:
-    """True when ``missing`` is ``module_name`` or one of its parent packages."""
-    return module_name == missing or module_name.startswith(missing + ".")
-
-
-def _registered_names() -> str:
-    """The registered backends' names, for a message: ``'hf', 'sim'``."""
-    return ", ".join(repr(entry.name) for entry in registered())

@@ -1,10 +1,6 @@
-"""Which backends exist and what each brings: its name, its settings and its builder.
-
-A :class:`BackendEntry` is one line of :data:`BUILT_IN`, a ``tokenq.backends``
-entry point, or a ``--backend pkg.mod:attr`` naming one (a plain factory still
-works, with no settings). The worker's settings are composed from them, so a
-backend's flags need no edit to ``shared/``. A ``"module:function"`` builder is
-imported only when built (hf's pulls in torch).
+"""Which backends exist: :class:`BackendEntry` (name, settings, builder) from
+:data:`BUILT_IN`, ``tokenq.backends`` entry points, or a ``--backend pkg.mod:attr`` naming
+one; the worker's settings are composed from them. A builder path is imported when built.
 """
 
 from __future__ import annotations
@@ -28,26 +24,20 @@ BUILT_IN: tuple[str, ...] = (
     "tokenq.worker.backends.hf.settings:BACKEND",
     "tokenq.worker.backends.sim_settings:BACKEND",
 )
-"""The in-tree backends' registrations, as ``module:attribute``."""
 
 
 @dataclass(frozen=True, slots=True)
 class BackendEntry:
     """One backend: what ``--backend`` calls it, its settings and how it is built."""
 
-    name: str
-    """The ``--backend`` value of a registered backend (``hf``, ``sim``); a plugin's label."""
-    settings: type[BackendSettings]
-    """Its own settings (flags, ``TOKENQ_*`` variables, ``--help`` heading)."""
+    name: str  # the --backend value of a registered backend; a plugin's label
+    settings: type[BackendSettings]  # its own flags, TOKENQ_* variables, --help heading
     build: Callable[[Any], Any] | str
     """``builder(settings) -> Backend``, or its ``"module:function"`` path, imported when used."""
 
     def builder(self) -> Callable[[Any], Any]:
         """The builder itself, importing its module when it was named by path."""
-        if not isinstance(self.build, str):
-            return self.build
-        module, _, attr = self.build.partition(":")
-        return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+        return _resolve(self.build) if isinstance(self.build, str) else self.build
 
     def __call__(self, settings: Any) -> Any:
         """Build the backend: an entry is also the ``factory(settings)`` a plugin names."""
@@ -66,8 +56,7 @@ def _resolve(path: str) -> Any:
 @functools.cache
 def registered() -> tuple[BackendEntry, ...]:
     """Every registered backend: built-in, then entry points (one that fails to load is
-    logged and left out).
-    """
+    logged and left out)."""
     found = [_resolve(path) for path in BUILT_IN]
     names = {entry.name for entry in found}
     for point in entry_points(group=ENTRY_POINT_GROUP):
@@ -92,8 +81,7 @@ def by_name(name: str) -> BackendEntry | None:
 @functools.cache
 def plugin_entry(spec: str) -> BackendEntry | None:
     """The :class:`BackendEntry` a ``pkg.mod:attr`` spec names, or None (it does not
-    import, or names a plain factory).
-    """
+    import, or names a plain factory)."""
     if ":" not in spec:
         return None
     try:

@@ -1,18 +1,6 @@
-"""A simulated GPU backend (``--backend sim``): exact tokens, modelled time and memory.
-
-It lets everything above the backend (packer, loop, OOM recovery, tests,
-benchmarks) run without a GPU, with results a test can check:
-
-* **Tokens**: one per CJK/kana/hangul character, per run of ``\\w``, per other
-  non-space character; plus 2 specials (3 for a ``text_pair``), as BERT adds.
-* **Time**: ``sim_batch_ms + sim_token_us x cost`` (cost ``rows x longest``, or
-  the sum of lengths with ``sim_ragged``), slept so the GIL is released.
-* **Memory**: ``cost x sim_bytes_per_token``; above ``sim_capacity_bytes`` the
-  batch raises :class:`DeviceOutOfMemory`.
-* **Results**: unit vectors from the kept tokens, so :func:`expected_vector`
-  (and :func:`expected_chunked_vector` for the 'chunk' policy) is the answer.
-* **Poison**: :data:`SIM_FAIL_MARKER` fails its batch, :data:`SIM_NAN_MARKER`
-  gives a NaN vector, so tests see bad inputs isolated.
+"""A simulated GPU (``--backend sim``): exact tokens (one per CJK character, ``\\w`` run or
+other mark, plus BERT's specials), modelled time and memory (OOM past capacity), and unit
+vectors from the kept tokens that :func:`expected_vector` predicts; marker texts poison.
 """
 
 from __future__ import annotations
@@ -26,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -43,42 +31,26 @@ SIM_HANG_MARKER = "<<tokenq-sim-hang>>"
 SIM_NAN_MARKER = "<<tokenq-sim-nan>>"
 """A text containing this gets an all-NaN vector (the rest of its batch is fine)."""
 
-SPECIAL_TOKENS = 2
-"""``[CLS] text [SEP]``."""
+SPECIAL_TOKENS = 2  # [CLS] text [SEP]
+PAIR_SPECIAL_TOKENS = 3  # [CLS] text [SEP] text_pair [SEP]
 
-PAIR_SPECIAL_TOKENS = 3
-"""``[CLS] text [SEP] text_pair [SEP]``."""
-
-# Scripts written without spaces between words: one character, one token (as
-# WordPiece/SentencePiece vocabularies mostly do for them).
+# Scripts written without spaces between words: one character, one token.
 _CJK = (
-    "\u1100-\u11ff"  # Hangul Jamo
-    "\u3040-\u309f"  # Hiragana
-    "\u30a0-\u30ff"  # Katakana
-    "\u3130-\u318f"  # Hangul compatibility Jamo
-    "\u31f0-\u31ff"  # Katakana phonetic extensions
-    "\u3400-\u4dbf"  # CJK extension A
-    "\u4e00-\u9fff"  # CJK unified ideographs
-    "\ua960-\ua97f"  # Hangul Jamo extended A
-    "\uac00-\ud7af"  # Hangul syllables
-    "\ud7b0-\ud7ff"  # Hangul Jamo extended B
-    "\uf900-\ufaff"  # CJK compatibility ideographs
-    "\uff66-\uff9f"  # Halfwidth katakana
+    "\u1100-\u11ff\u3040-\u309f\u30a0-\u30ff\u3130-\u318f\u31f0-\u31ff"  # Jamo, kana
+    "\u3400-\u4dbf\u4e00-\u9fff"  # CJK unified ideographs and extension A
+    "\ua960-\ua97f\uac00-\ud7af\ud7b0-\ud7ff"  # Hangul
+    "\uf900-\ufaff\uff66-\uff9f"  # CJK compatibility ideographs, halfwidth katakana
     "\U00020000-\U0003134f"  # CJK extensions B-G and the compatibility supplement
 )
 _TOKEN = re.compile(rf"[{_CJK}]|(?:(?![{_CJK}])\w)+|[^\w\s]")
 
 
-_WORD, _IDEOGRAPH, _SPACE, _MARK = 0, 1, 2, 3
-"""Character classes of the sim's tokenizer: a word run, an ideograph (:data:`_CJK`)
-and a mark are one token each; a space is none."""
-
+_WORD, _IDEOGRAPH, _SPACE, _MARK = 0, 1, 2, 3  # character classes, as _TOKEN sees them
 _SCAN_FROM_CHARS = 256
 """Texts this long are tokenized by :class:`_ScannedTokens`, shorter ones by the regex."""
 
 
 def _class_of(char: str) -> int:
-    """The class of one character, as ``_TOKEN`` sees it (``\\w`` is alnum or ``_``)."""
     if _IDEOGRAPH_RE.match(char):
         return _IDEOGRAPH
     if char.isalnum() or char == "_":
@@ -91,25 +63,13 @@ _IDEOGRAPH_RE = re.compile(rf"[{_CJK}]")
 
 @functools.cache
 def _bmp_classes() -> np.ndarray:
-    """The class of every character of the Basic Multilingual Plane (built once, ~30 ms)."""
+    """The class of every character of the Basic Multilingual Plane (built once)."""
     return np.fromiter((_class_of(chr(code)) for code in range(0x10000)), np.uint8, 0x10000)
 
 
 @functools.cache
 def _astral_class(code: int) -> int:
     return _class_of(chr(code))
-
-
-class _Tokens(Protocol):
-    """The sim tokens of one text: how many, and a canonical form of any run of them."""
-
-    @property
-    def count(self) -> int: ...
-
-    def canonical(self, first: int, last: int) -> bytes:
-        """Tokens ``first`` to ``last - 1`` as bytes that depend on those tokens alone:
-        their characters (UTF-32), then where each starts among them (uint32)."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +83,8 @@ class _MatchedTokens:
         return len(self.tokens)
 
     def canonical(self, first: int, last: int) -> bytes:
+        """Tokens ``first`` to ``last - 1`` as bytes that depend on those tokens alone:
+        their characters (UTF-32), then where each starts among them (uint32)."""
         run = self.tokens[first:last]
         starts = itertools.accumulate(map(len, run[:-1]), initial=0) if run else ()
         chars = "".join(run).encode("utf-32-le", "surrogatepass")
@@ -131,11 +93,8 @@ class _MatchedTokens:
 
 @dataclass(frozen=True, slots=True)
 class _ScannedTokens:
-    """Tokens found by classifying every code point at once (numpy).
-
-    For long texts the regex's string per token costs ~10x more GIL-held time;
-    the tests hold the two to each other.
-    """
+    """Tokens found by classifying every code point at once (numpy): for long texts the regex
+    holds the GIL far longer; the tests hold the two to each other."""
 
     codes: np.ndarray
     classes: np.ndarray
@@ -172,6 +131,9 @@ class _ScannedTokens:
         return _framed(kept.tobytes(), (starts - spaces[starts]).astype("<u4").tobytes())
 
 
+_Tokens = _MatchedTokens | _ScannedTokens
+
+
 def _framed(chars: bytes, starts: bytes) -> bytes:
     return len(chars).to_bytes(8, "little") + chars + starts
 
@@ -184,27 +146,19 @@ def _tokens_of(text: str) -> _Tokens:
 
 @dataclass(frozen=True, slots=True)
 class SimEncoding:
-    """One tokenized input: its length and which tokens of its text(s) it kept."""
+    """One tokenized input: its length (specials included) and which tokens it kept."""
 
     length: int
-    """Tokens the sequence occupies, special tokens included."""
     text: str
-    kept: tuple[int, int]
-    """The run of ``text``'s content tokens this sequence holds (after truncation, or one
-    window of a chunked input): ``text``'s tokens ``kept[0]`` to ``kept[1] - 1``."""
+    kept: tuple[int, int]  # text's content tokens kept[0] to kept[1] - 1 (truncated, a window)
     pair_text: str | None
-    pair_kept: int
-    """How many of ``pair_text``'s content tokens were kept (0 without a pair)."""
+    pair_kept: int  # how many of pair_text's content tokens were kept (0 without a pair)
     digest: bytes = field(repr=False)
     """Hash of the kept tokens, the vector's seed; computed off the device's path."""
-    fail: bool = False
-    """The original input carried :data:`SIM_FAIL_MARKER`."""
+    fail: bool = False  # the input carried a marker: SIM_FAIL_MARKER, _NAN_, _HANG_
     nan: bool = False
-    """The original input carried :data:`SIM_NAN_MARKER`."""
     hang: bool = False
-    """The original input carried :data:`SIM_HANG_MARKER`."""
     truncated: bool = False
-    """``max_length`` cut the input."""
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -232,10 +186,8 @@ def count_tokens(text: str, text_pair: str | None = None) -> int:
 
 
 def _truncated_pair_lengths(first: int, second: int, room: int) -> tuple[int, int]:
-    """How many content tokens of each side a pair keeps within ``room`` tokens.
-
-    Closed form of Hugging Face's ``longest_first``: trim the longer side (the second on a tie).
-    """
+    """Content tokens each side of a pair keeps within ``room``: Hugging Face's
+    ``longest_first`` in closed form (trim the longer side, the second on a tie)."""
     if first + second <= room:
         return first, second
     shorter = min(first, second)
@@ -267,15 +219,9 @@ def encode(text: str, text_pair: str | None = None, max_length: int | None = Non
         sides.append(pair.canonical(0, keep_pair))
     texts = (text,) if text_pair is None else (text, text_pair)
     return SimEncoding(
-        length=keep + keep_pair + specials,
-        text=text,
-        kept=(0, keep),
-        pair_text=text_pair,
-        pair_kept=keep_pair,
-        digest=_digest(sides),
-        fail=any(SIM_FAIL_MARKER in t for t in texts),
-        nan=any(SIM_NAN_MARKER in t for t in texts),
-        hang=any(SIM_HANG_MARKER in t for t in texts),
+        length=keep + keep_pair + specials, text=text, kept=(0, keep), pair_text=text_pair,
+        pair_kept=keep_pair, digest=_digest(sides), fail=any(SIM_FAIL_MARKER in t for t in texts),
+        nan=any(SIM_NAN_MARKER in t for t in texts), hang=any(SIM_HANG_MARKER in t for t in texts),
         truncated=keep + keep_pair < tokens.count + (0 if pair is None else pair.count),
     )
 
@@ -291,10 +237,8 @@ def _digest(canonical_sides: Iterable[bytes]) -> bytes:
 
 
 def vector_of(encoding: SimEncoding, dim: int) -> np.ndarray:
-    """The unit float32 vector the sim computes for an encoding.
-
-    Seeded by the digest through SHAKE-256, not numpy's RNG, so it is the same everywhere.
-    """
+    """The unit float32 vector of an encoding, from its digest through SHAKE-256 (the same
+    everywhere, unlike numpy's RNG)."""
     stream = hashlib.shake_256(encoding.digest).digest(4 * dim)
     values = np.frombuffer(stream, dtype="<u4").astype(np.float64) / 2.0**31 - 1.0
     norm = float(np.linalg.norm(values))
@@ -304,21 +248,14 @@ def vector_of(encoding: SimEncoding, dim: int) -> np.ndarray:
 
 
 def expected_vector(
-    text: str,
-    dim: int,
-    max_input_tokens: int | None = None,
-    text_pair: str | None = None,
+    text: str, dim: int, max_input_tokens: int | None = None, text_pair: str | None = None
 ) -> np.ndarray:
     """What the sim backend answers for this input (pure: a test checks any reply with it)."""
     return vector_of(encode(text, text_pair, max_input_tokens), dim)
 
 
 def expected_chunked_vector(text: str, dim: int, max_input_tokens: int, overlap: int) -> np.ndarray:
-    """What the 'chunk' policy answers for ``text`` on the sim backend.
-
-    An input that fits is answered whole; a longer one is the re-normalised,
-    length-weighted mean of its windows' vectors.
-    """
+    """What the 'chunk' policy answers for ``text`` on the sim backend."""
     windows = _windows(encode(text), max_input_tokens, overlap)
     if len(windows) == 1:
         return vector_of(windows[0], dim)
@@ -331,8 +268,7 @@ def _windows(encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEn
         raise ValueError("a (text, text_pair) input cannot be chunked")
     if encoding.length <= max_length:
         return [encoding]
-    # The hf backend's own window rule, over content tokens (the specials go
-    # back around each window), so both backends chunk alike.
+    # The hf backend's window rule over content tokens, so both backends chunk alike.
     tokens = _tokens_of(encoding.text)
     begin, end = encoding.kept
     parts = sliding_windows(range(begin, end), 0, 0, max_length - SPECIAL_TOKENS, overlap)
@@ -360,60 +296,36 @@ class SimBackend:
     """A simulated encoder on a simulated device; see the module docstring."""
 
     def __init__(
-        self,
-        *,
-        dim: int = 32,
-        max_input_tokens: int = 2048,
-        batch_ms: float = 0.5,
-        token_us: float = 0.05,
-        bytes_per_token: int = 4096,
-        capacity_bytes: int = 1 << 30,
-        ragged: bool = False,
-        pairs: bool = False,
-        hang_s: float = 0.0,
+        self, *, dim: int = 32, max_input_tokens: int = 2048, batch_ms: float = 0.5,
+        token_us: float = 0.05, bytes_per_token: int = 4096, capacity_bytes: int = 1 << 30,
+        ragged: bool = False, pairs: bool = False, hang_s: float = 0.0,
     ) -> None:
-        """``pairs`` makes it claim to be a cross-encoder (``info.pairs``), for tests;
-        ``hang_s`` is how long a batch holding :data:`SIM_HANG_MARKER` sleeps."""
+        """The ``sim_*`` settings; ``pairs`` claims a cross-encoder's ``info.pairs``, for tests."""
         if dim < 1 or max_input_tokens <= SPECIAL_TOKENS:
             raise ConfigError(
                 f"sim needs dim >= 1 and max_input_tokens > {SPECIAL_TOKENS} (its special "
                 f"tokens), got dim={dim} and max_input_tokens={max_input_tokens}"
             )
         self.info = BackendInfo(
-            name="sim",
-            model="sim",
-            task="embed",
-            max_input_tokens=max_input_tokens,
-            padded=not ragged,
-            dim=dim,
-            pairs=pairs,
-            normalized=True,
+            name="sim", model="sim", task="embed", max_input_tokens=max_input_tokens,
+            padded=not ragged, dim=dim, pairs=pairs, normalized=True,
         )
-        # The device model: time per batch and per token, memory, layout.
         self.batch_ms, self.token_us, self.hang_s = batch_ms, token_us, hang_s
         self.bytes_per_token, self.capacity_bytes = bytes_per_token, capacity_bytes
         self.ragged = ragged
-        # Counters for benchmarks and tests, locked: read from another thread mid-batch.
+        # Counters of completed (or refused) batches, locked: read from another thread.
         self._lock = threading.Lock()
         self.batches = 0
-        """Batches that ran to completion."""
         self.rows = 0
-        """Rows in the batches that ran to completion."""
         self.oom_events = 0
-        """Batches refused for lack of device memory."""
         self.failures = 0
-        """Batches that raised because of :data:`SIM_FAIL_MARKER`."""
         self.peak_memory_bytes = 0
-        """Largest memory a completed batch used."""
         self.busy_s = 0.0
-        """Simulated device time spent on completed batches."""
         self.closed = False
         self._oversleep_s = 0.0
-        """Running mean of how much later than asked ``time.sleep`` returns (see :meth:`_hold`)."""
         _bmp_classes()  # built now, not on the first request's path
 
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
-        """Exact sim tokens of each input, truncated to ``max_length`` when given."""
         return SimTokenizer.tokenize(inputs, max_length)
 
     def tokenizer_factory(self) -> Callable[[], SimTokenizer]:
@@ -421,7 +333,6 @@ class SimBackend:
         return SimTokenizer
 
     def windows(self, encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEncoding]:
-        """Overlapping windows of at most ``max_length`` tokens of an over-long input."""
         if max_length > self.info.max_input_tokens:
             raise ValueError(
                 f"window length {max_length} exceeds the model's {self.info.max_input_tokens}"
@@ -436,11 +347,8 @@ class SimBackend:
         return sum(lengths) if self.ragged else len(lengths) * max(lengths)
 
     def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
-        """Sleep for the modelled time and return one unit vector per row.
-
-        Raises DeviceOutOfMemory before spending time, as an allocation would; ValueError
-        for a poisoned batch or an over-long row.
-        """
+        """Sleep the modelled time, return one unit vector per row; DeviceOutOfMemory before
+        spending time, ValueError for a poisoned batch or an over-long row."""
         if self.closed:
             raise RuntimeError("sim backend is closed")
         rows: list[SimEncoding] = []
@@ -486,16 +394,12 @@ class SimBackend:
         return outputs
 
     def _hold(self, until: float) -> None:
-        """Keep the device busy until ``until`` (``perf_counter`` seconds), GIL released.
-
-        Each sleep is shortened by the running mean of its wake-up lateness, which no GPU
-        adds, so a batch lasts its modelled time on average.
-        """
+        """Sleep (GIL released) until ``until``, less the running mean of the wake-up lateness
+        no GPU adds, so a batch lasts its modelled time on average."""
         remaining = until - time.perf_counter()
         if remaining <= 0:
             return
-        asked = max(0.0, remaining - self._oversleep_s)
-        time.sleep(asked)
+        time.sleep(max(0.0, remaining - self._oversleep_s))
         late = time.perf_counter() - until
         self._oversleep_s = max(0.0, min(0.002, self._oversleep_s + 0.1 * late))
 
@@ -506,9 +410,8 @@ class SimBackend:
 
 def build_sim_backend(settings: Any) -> SimBackend:
     """The sim backend from the ``sim_*`` settings: ``sim_<name>`` is the keyword ``<name>``."""
-    prefix = "sim_"
     knobs = {
-        name.removeprefix(prefix): getattr(settings, name)
-        for name in type(settings).model_fields if name.startswith(prefix)
+        name.removeprefix("sim_"): getattr(settings, name)
+        for name in type(settings).model_fields if name.startswith("sim_")
     }
     return SimBackend(**knobs)

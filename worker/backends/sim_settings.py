@@ -1,6 +1,4 @@
-"""The simulated GPU's settings and its registration; importing this needs no numpy,
-so ``tokenq worker --help`` works without the worker extra.
-"""
+"""The simulated GPU's settings and registration; no numpy, so ``--help`` needs no extra."""
 
 from __future__ import annotations
 
@@ -39,4 +37,3 @@ class SimSettings(BackendSettings):
 BACKEND = BackendEntry(
     name="sim", settings=SimSettings, build="tokenq.worker.backends.sim:build_sim_backend"
 )
-"""``--backend sim``: registered in :data:`tokenq.worker.backends.registry.BUILT_IN`."""

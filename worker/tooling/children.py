@@ -1,12 +1,6 @@
-"""Child processes that are restarted when they fail and die with their parent.
-
-:class:`Supervisor` (``tokenq worker --devices``, ``tokenq up``) restarts a child
-that exits non-zero after a :class:`RestartPolicy` backoff (0 and 2 are final);
-the first SIGTERM/SIGINT sends SIGTERM then SIGKILL, a second (over a second
-later) SIGKILLs at once.
-Children die with the parent via ``PR_SET_PDEATHSIG`` on Linux (it fires when the
-forking *thread* exits: start children from the main thread), else a guard
-process (``python -m tokenq.worker.tooling.children``).
+"""Child processes restarted when they fail (:class:`RestartPolicy`) and dying with their
+parent: ``PR_SET_PDEATHSIG`` on Linux (it fires when the forking *thread* exits: start them
+from the main thread), else a guard process (``python -m tokenq.worker.tooling.children``).
 """
 
 from __future__ import annotations
@@ -30,8 +24,7 @@ from tokenq.shared.exit_codes import EXIT_OK, EXIT_USAGE, MEANINGS
 log = logging.getLogger("tokenq.worker")
 
 _POLL_S = 0.1
-_REPEAT_S = 1.0
-"""A second stop signal within this time is the same stop, not a request to kill."""
+_REPEAT_S = 1.0  # a second stop signal within this time is the same stop, not a kill
 _KILL_WAIT_S = 10.0
 _GUARD_POLL_S = 0.5
 
@@ -56,16 +49,10 @@ def shell_status(code: int) -> int:
     return code if code >= 0 else 128 - code
 
 
-# ---------------------------------------------------------------- the policy
-
-
 @dataclass(frozen=True)
 class RestartPolicy:
-    """When a child that exited is started again: pure, no clock, no I/O.
-
-    The wait starts at ``initial_s`` and doubles up to ``max_s``; a child that ran
-    ``reset_after_s`` starts over. Codes in ``final_codes`` are never restarted.
-    """
+    """When a child that exited is started again: the wait starts at ``initial_s`` and doubles
+    up to ``max_s``, a child that ran ``reset_after_s`` starts over; ``final_codes`` never."""
 
     initial_s: float = 1.0
     max_s: float = 30.0
@@ -73,17 +60,12 @@ class RestartPolicy:
     final_codes: frozenset[int] = frozenset({EXIT_OK, EXIT_USAGE})
 
     def delay(self, code: int, ran_s: float, previous_s: float | None) -> float | None:
-        """Seconds to wait before restarting (None: do not); ``code`` negative is a signal,
-        ``previous_s`` the last delay (None before any restart).
-        """
+        """Seconds to wait before restarting (None: do not); ``previous_s``: the last delay."""
         if code in self.final_codes:
             return None
         if previous_s is None or ran_s >= self.reset_after_s:
             return self.initial_s
         return min(previous_s * 2, self.max_s)
-
-
-# ------------------------------------------------------ dying with the parent
 
 
 def _load_prctl() -> Any:
@@ -130,12 +112,8 @@ def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
 
 
 def die_with_parent(parent: int, signum: int = signal.SIGKILL, *, use_prctl: bool = True) -> str:
-    """Called in a child process: end it (``signum``) once ``parent`` has exited.
-
-    For children spawned by multiprocessing (no ``preexec_fn``): ``prctl`` on Linux,
-    else a thread polling the parent (``use_prctl=False`` forces it). Returns
-    "prctl" or "poll".
-    """
+    """In a child spawned by multiprocessing: end it (``signum``) once ``parent`` has exited,
+    by ``prctl`` on Linux, else a thread polling the parent; returns "prctl" or "poll"."""
     how = "prctl" if use_prctl and prctl(_PR_SET_PDEATHSIG, signum) else "poll"
     if how == "poll":
         threading.Thread(target=_poll_parent, args=(parent, signum), daemon=True,
@@ -158,11 +136,8 @@ def guarded(argv: Sequence[str], parent: int | None = None) -> list[str]:
 
 
 def _guard_main(args: Sequence[str]) -> int:
-    """``python -m tokenq.worker.tooling.children PARENT_PID COMMAND...``.
-
-    Runs COMMAND, forwards signals, exits as it does, and SIGTERMs it (SIGKILL 30 s
-    later) once PARENT_PID is gone.
-    """
+    """``python -m tokenq.worker.tooling.children PARENT_PID COMMAND...``: run COMMAND, forward
+    signals, exit as it does; SIGTERM it (SIGKILL 30 s later) once PARENT_PID is gone."""
     if len(args) < 2 or not args[0].isdigit():
         print(
             "usage: python -m tokenq.worker.tooling.children PARENT_PID COMMAND...",
@@ -206,9 +181,6 @@ def _guard_main(args: Sequence[str]) -> int:
     return code
 
 
-# ----------------------------------------------------------------- the parent
-
-
 @dataclass
 class Child:
     """One supervised command: its current process, and its restart history."""
@@ -220,26 +192,16 @@ class Child:
     popen: dict[str, Any] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
-    returncode: int | None = None
-    """The last exit's return code (None while the first process runs)."""
+    returncode: int | None = None  # the last exit's (None while the first process runs)
     restarts: int = 0
-    restart_at: float | None = None
-    """When the pending restart is due (monotonic), or None."""
-    delay_s: float | None = None
-    """The delay before the last restart (the policy doubles it)."""
-    finished: bool = False
-    """Exited and will not be started again."""
-    _alive: bool = False
-    """The current process was started and its exit not yet handled."""
+    restart_at: float | None = None  # when the pending restart is due (monotonic)
+    delay_s: float | None = None  # the delay before the last restart (the policy doubles it)
+    finished: bool = False  # exited and will not be started again
+    running: bool = False  # started, and its exit not yet seen by the supervisor
 
     @property
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
-
-    @property
-    def running(self) -> bool:
-        """The current process has not been seen to exit by the supervisor."""
-        return self._alive
 
     @property
     def live(self) -> bool:
@@ -248,19 +210,12 @@ class Child:
 
 
 class Supervisor:
-    """Children, restarted by a :class:`RestartPolicy`, stopped together, never orphaned.
-
-    From the main thread: :meth:`start`, :meth:`run` (or :meth:`poll`), then
-    :meth:`stop` in a ``finally``. Signal handlers only record the stop.
-    """
+    """Children restarted by a :class:`RestartPolicy`, stopped together, never orphaned; from
+    the main thread: :meth:`start`, :meth:`run`, then :meth:`stop` in a ``finally``."""
 
     def __init__(
-        self,
-        policy: RestartPolicy | None = None,
-        *,
-        stop_timeout_s: float = 30.0,
-        poll_s: float = _POLL_S,
-        die_with_parent: DeathMode = "auto",
+        self, policy: RestartPolicy | None = None, *, stop_timeout_s: float = 30.0,
+        poll_s: float = _POLL_S, die_with_parent: DeathMode = "auto",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy or RestartPolicy()
@@ -271,18 +226,14 @@ class Supervisor:
         self.children: list[Child] = []
         self._signals = 0
         self._first_signal = 0.0
-        self._stop_requested = False
+        self.stopping = False  # a stop was asked for: no more restarts; run returns
         self._previous: dict[int, object] = {}
-
-    # ------------------------------------------------------------- starting
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], *,
-        restart: bool = True, new_session: bool = False, **popen: Any,
+        restart: bool = True, **popen: Any,
     ) -> Child:
-        """Start ``argv`` as child ``name``; ``new_session`` keeps a terminal's Ctrl-C from it."""
-        if new_session:
-            popen["start_new_session"] = True
+        """Start ``argv`` as child ``name``; ``popen`` goes to :class:`subprocess.Popen`."""
         child = Child(name, list(argv), dict(env), restart=restart, popen=popen)
         self.children.append(child)
         self._spawn(child)
@@ -299,9 +250,7 @@ class Supervisor:
             argv = guarded(argv)
         child.process = subprocess.Popen(argv, env=child.env, **popen)
         child.started_at = self.clock()
-        child._alive = True
-
-    # -------------------------------------------------------------- signals
+        child.running = True
 
     def install_signal_handlers(self) -> None:
         """First SIGTERM/SIGINT: stop (see :meth:`run`); a later second one: SIGKILL all."""
@@ -320,7 +269,7 @@ class Supervisor:
         self._signals += 1
         if self._signals == 1:
             self._first_signal = now
-            self._stop_requested = True
+            self.stopping = True
             names = ", ".join(child.name for child in self.children if child.running)
             log.info("signal %s: stopping %s", signal.Signals(signum).name, names or "(none)")
         else:
@@ -329,17 +278,7 @@ class Supervisor:
 
     def request_stop(self) -> None:
         """What a stop signal does: no more restarts; :meth:`run` returns."""
-        self._stop_requested = True
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop_requested
-
-    # ---------------------------------------------------------------- state
-
-    @property
-    def running(self) -> int:
-        return sum(child.running for child in self.children)
+        self.stopping = True
 
     def poll(self) -> list[Child]:
         """Notice exits, schedule restarts, start those that are due; the children that exited."""
@@ -361,7 +300,7 @@ class Supervisor:
     def _on_exit(self, child: Child, process: subprocess.Popen[bytes], now: float) -> None:
         code = process.returncode
         child.returncode = code
-        child._alive = False
+        child.running = False
         ran = now - child.started_at
         what = (f"{child.name} (pid {process.pid}) exited with {describe_exit(code)} "
                 f"after {ran:.1f}s")
@@ -372,10 +311,7 @@ class Supervisor:
         delay = self.policy.delay(code, ran, child.delay_s) if child.restart else None
         if delay is None:
             child.finished = True
-            if code == 0:
-                log.info("%s; not restarting", what)
-            else:
-                log.error("%s; not restarting", what)
+            log.log(logging.INFO if code == 0 else logging.ERROR, "%s; not restarting", what)
             return
         child.delay_s = delay
         child.restart_at = now + delay
@@ -387,14 +323,9 @@ class Supervisor:
             self.poll()
             if self.stopping:
                 return
-            if until is not None:
-                if until():
-                    return
-            elif not any(child.live for child in self.children):
+            if until() if until is not None else not any(c.live for c in self.children):
                 return
             time.sleep(self.poll_s)
-
-    # -------------------------------------------------------------- stopping
 
     def send(self, sig: int, children: Iterable[Child] | None = None) -> None:
         for child in self.children if children is None else children:
@@ -404,7 +335,7 @@ class Supervisor:
 
     def kill(self) -> None:
         """SIGKILL every running child now (safe in a signal handler: no waiting)."""
-        self._stop_requested = True
+        self.stopping = True
         for child in self.children:
             child.restart_at = None
             process = child.process
@@ -426,11 +357,9 @@ class Supervisor:
 
     def stop(self, children: Sequence[Child] | None = None,
              timeout_s: float | None = None) -> None:
-        """SIGTERM ``children`` (default all), wait the stop timeout, SIGKILL whoever is left.
-
-        Nothing is restarted after this.
-        """
-        self._stop_requested = True
+        """SIGTERM ``children`` (default all), wait the stop timeout, SIGKILL whoever is left;
+        nothing is restarted after this."""
+        self.stopping = True
         chosen = list(self.children if children is None else children)
         timeout = self.stop_timeout_s if timeout_s is None else timeout_s
         for child in chosen:

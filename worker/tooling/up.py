@@ -1,12 +1,6 @@
-"""``tokenq up``: a private Redis and N workers, for development and demos.
-
-Without ``--redis-url`` it starts ``redis-server`` (AOF, loopback, a free port,
-a temporary directory or ``--data-dir``), then N workers, and prints::
-
-    tokenq up: enqueue to redis://127.0.0.1:PORT/0 queue NAME
-
-Children are supervised (:mod:`tokenq.worker.tooling.children`); Ctrl-C stops
-the workers, then Redis. Flags after ``--`` go to every worker.
+"""``tokenq up``: a private Redis (unless ``--redis-url``; AOF, loopback, a free port) and N
+supervised workers, for development and demos; Ctrl-C stops the workers, then Redis. Flags
+after ``--`` go to every worker.
 """
 
 from __future__ import annotations
@@ -43,26 +37,18 @@ log = logging.getLogger("tokenq.worker")
 
 _REDIS_START_S = 10.0
 _REDIS_STOP_S = 10.0
-_PING_S = 1.0
-"""How long the check of a ``--redis-url`` waits for its answer."""
+_PING_S = 1.0  # how long the check of a --redis-url waits for its answer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    own, worker_flags = split_passthrough(args)
+    at = args.index("--") if "--" in args else len(args)  # worker flags after "--"
+    own, worker_flags = args[:at], args[at + 1:]
     return run_command(UpSettings, own, "tokenq up", lambda s: up(s, worker_flags))
 
 
-def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
-    """``tokenq up`` flags before ``--``, flags for every worker after it."""
-    if "--" in argv:
-        at = argv.index("--")
-        return argv[:at], argv[at + 1:]
-    return argv, []
-
-
 PASSED_ON = ("queue", "prefix", "backend", "shards")
-"""``tokenq up`` settings every worker gets unchanged (the URL and metrics port are per worker)."""
+"""``tokenq up`` settings every worker gets unchanged (URL and metrics port are per worker)."""
 
 
 def worker_command(settings: UpSettings, redis_url: str, index: int,
@@ -74,11 +60,6 @@ def worker_command(settings: UpSettings, redis_url: str, index: int,
     if settings.metrics_port:
         command += [flag(WorkerSettings, "metrics_port"), str(settings.metrics_port + index)]
     return command + list(extra)
-
-
-def redis_command(directory: Path, port: int) -> list[str]:
-    """The private redis-server, AOF on; started here as a supervised child."""
-    return server_command(directory, port, appendonly=True)
 
 
 def up(settings: UpSettings, worker_flags: Sequence[str]) -> int:
@@ -102,8 +83,8 @@ def up(settings: UpSettings, worker_flags: Sequence[str]) -> int:
             # Its own session: a Ctrl-C at the terminal reaches the workers and
             # ``tokenq up``, which stops the server last, after the workers published.
             server = supervisor.start(
-                "redis-server", redis_command(directory, port), os.environ, new_session=True,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                "redis-server", server_command(directory, port, appendonly=True), os.environ,
+                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             if not _wait_for_redis(supervisor, server, redis_url):
                 return 0 if supervisor.stopping else 1  # a stop during start is clean
@@ -154,8 +135,7 @@ def _wait_for_redis(supervisor: Supervisor, server: Child, url: str) -> bool:
 
 def _say_if_unreachable(url: str) -> None:
     """Warn at once, naming the URL and the error, when ``--redis-url`` does not answer a
-    ping (the workers start anyway and wait for Redis).
-    """
+    ping (the workers start anyway and wait for Redis)."""
     client = redis_client.sync_client(parse_redis_url(url), {
         "socket_timeout": _PING_S, "socket_connect_timeout": _PING_S,
         "retry": Retry(NoBackoff(), 0),

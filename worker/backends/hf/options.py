@@ -1,8 +1,5 @@
-"""The Hugging Face backend's options, and the device and dtype they come to.
-
-:class:`HFOptions` is :class:`~tokenq.worker.backends.hf.settings.HFSettings` on
-its own, frozen, built by :meth:`HFOptions.from_settings` from any object with
-those attributes (missing ones default); a bad value is one named ConfigError.
+"""The Hugging Face backend's options (:class:`HFOptions`, frozen), and the device and dtype
+they come to; a bad value is one named ConfigError.
 """
 
 from __future__ import annotations
@@ -15,18 +12,8 @@ import torch
 from pydantic import ConfigDict, ValidationError
 
 from tokenq.shared.errors import ConfigError
-from tokenq.shared.settings import Task as HFTask
 from tokenq.shared.settings import describe_errors
 from tokenq.worker.backends.hf.settings import HFSettings
-
-__all__ = [
-    "HFOptions",
-    "HFTask",
-    "cpu_has_bf16_matmul",
-    "resolve_autocast",
-    "resolve_device",
-    "resolve_dtype",
-]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +27,7 @@ class HFOptions(HFSettings):
 
     @classmethod
     def from_settings(cls, settings: Any) -> HFOptions:
-        """Pick this backend's fields off a settings object; a bad value is a ConfigError."""
+        """This backend's fields of any settings object (missing ones default)."""
         values = {
             name: getattr(settings, name)
             for name in cls.model_fields
@@ -70,9 +57,8 @@ def resolve_device(requested: str) -> torch.device:
 
 
 def resolve_dtype(requested: str, device: torch.device, *, explicit_device: bool) -> torch.dtype:
-    """fp16 on CPU: refused when the CPU was asked for, fp32 with a warning when it was a fallback
-    (a GPU config should still start on a CPU box).
-    """
+    """The weights' dtype; fp16 on CPU is refused when the CPU was asked for, else fp32 with a
+    warning (a GPU config should still start on a CPU box)."""
     if requested == "auto":
         return torch.float16 if device.type == "cuda" else torch.float32
     if requested == "bf16-mixed":  # the weights stay fp32: resolve_autocast says the rest
@@ -80,9 +66,8 @@ def resolve_dtype(requested: str, device: torch.device, *, explicit_device: bool
     if requested == "fp16" and device.type == "cpu":
         if explicit_device:
             raise ConfigError("dtype fp16 is not supported on device cpu: use fp32 or bf16")
-        warnings.warn(
-            "no CUDA device: running in fp32 instead of fp16", RuntimeWarning, stacklevel=3
-        )
+        warnings.warn("no CUDA device: running in fp32 instead of fp16", RuntimeWarning,
+                      stacklevel=3)
         log.warning("no CUDA device: running in fp32 instead of fp16")
         return torch.float32
     if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -91,12 +76,8 @@ def resolve_dtype(requested: str, device: torch.device, *, explicit_device: bool
 
 
 def resolve_autocast(requested: str, device: torch.device) -> torch.dtype | None:
-    """The dtype the matrix products run in under ``--dtype bf16-mixed`` (else None).
-
-    Autocast keeps the residual stream and LayerNorm in fp32, closer to fp32 than
-    ``bf16`` (docs/decisions/0041-bf16-mixed.md; docs/BENCHMARKS.md, "bf16-mixed").
-    Refused on a CPU without bf16 instructions, where it would be slower than fp32.
-    """
+    """The dtype the matrix products run in under ``--dtype bf16-mixed`` (else None); refused
+    on a CPU without bf16 instructions (docs/decisions/0041-bf16-mixed.md)."""
     if requested != "bf16-mixed":
         return None
     if device.type == "cuda":
@@ -112,8 +93,7 @@ def resolve_autocast(requested: str, device: torch.device) -> torch.dtype | None
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch reports it;
-    no when torch's private probes are absent.
-    """
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch's private
+    probes report it (no when they are absent)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)

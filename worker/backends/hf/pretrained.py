@@ -1,8 +1,5 @@
-"""Loading a model and its tokenizer through transformers, and the limits they state.
-
-Every load-time refusal that needs transformers lives here: a slow tokenizer,
-an empty vocabulary, a missing classification head, remote code without
-``--trust-remote-code`` (off by default, passed to every Auto class).
+"""Loading a model and its tokenizer through transformers, the limits they state, and every
+load-time refusal that needs transformers (slow tokenizer, no vocabulary, untrained head).
 """
 
 from __future__ import annotations
@@ -15,19 +12,10 @@ from tokenq.shared.errors import ConfigError
 from tokenq.worker.backends.hf.load import ModelSource, check_remote_code
 from tokenq.worker.backends.hf.options import HFOptions
 
-__all__ = ["load_pretrained", "max_input_tokens", "pad_token_id"]
-
-# Models whose position table keeps two slots for the padding offset, so
-# max_position_embeddings (514) is two more than the longest input (512).
-_POSITION_OFFSET = {
-    "roberta": 2,
-    "xlm-roberta": 2,
-    "camembert": 2,
-    "mpnet": 2,
-    "longformer": 2,
-    "data2vec-text": 2,
-    "ibert": 2,
-}
+# Models whose position table keeps two slots for the padding offset (514 for 512 tokens).
+_POSITION_OFFSET = dict.fromkeys(
+    ("roberta", "xlm-roberta", "camembert", "mpnet", "longformer", "data2vec-text", "ibert"), 2
+)
 _NO_LIMIT = 1_000_000  # tokenizers without a model_max_length report ~1e30
 
 
@@ -77,9 +65,7 @@ def load_pretrained(
 
 
 def pad_token_id(tokenizer: Any) -> int:
-    """What pads a batch: the pad token, else EOS, else 0 (the mask hides it; an id in
-    the vocabulary keeps the lookup in range).
-    """
+    """What pads a batch: the pad token, else EOS, else 0 (the mask hides it)."""
     for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if isinstance(candidate, int):
             return candidate
@@ -87,10 +73,7 @@ def pad_token_id(tokenizer: Any) -> int:
 
 
 def max_input_tokens(
-    source: ModelSource,
-    max_seq_length: int | None,
-    tokenizer: Any,
-    config: Any,
+    source: ModelSource, max_seq_length: int | None, tokenizer: Any, config: Any,
     options: HFOptions,
 ) -> int:
     """The smallest of max_seq_length, the tokenizer's limit and the position table."""

@@ -1,63 +1,310 @@
-"""int8 weights for ``--runtime onnx`` (``--quantize int8``), offered only behind a measured gate.
+"""int8 weights for ``--runtime onnx`` (``--quantize int8``), served only behind a gate.
 
-On every start (int8 kernels differ by CPU) the int8 and fp32 graphs answer a
-calibration set, compared as the worker returns rows (lowest cosine for
-``embed``; per-label Pearson for scores); a model that moved past
-``--quantize-min-cosine`` is refused with the number. :data:`RECIPE` and the
-choice are docs/decisions/0043-int8-behind-a-gate.md: when the uniform graph
-misses, a sensitivity pass (at most :data:`SENSITIVITY_MAX_NODES`, about
-:data:`SENSITIVITY_SECONDS`) and :func:`exclusion_steps` leave the most
-sensitive nodes in fp32, never over half. Graphs and the choice
-(``int8-choice-<key>.json``) are cached beside the export.
+On every start the int8 and fp32 graphs answer a calibration set, compared as the worker
+returns rows; below ``--quantize-min-cosine`` the most sensitive nodes stay fp32 (never
+over half), else the model is refused (docs/decisions/0043-int8-behind-a-gate.md). Graphs
+and the choice are cached beside the export, renamed into place.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
 
 from tokenq.shared.errors import ConfigError
-from tokenq.worker.backends.hf.calibration import (
-    CALIBRATION_MAX_TOKENS,
-    CALIBRATION_PAIRS,
-    CALIBRATION_TEXTS,
-    Calibration,
-    Encoder,
-    Finish,
-    GateReport,
-    Int8Request,
-)
-from tokenq.worker.backends.hf.int8_files import (
-    RECIPE,
-    cache_key,
-    keep,
-    quantisable_nodes,
-    quantize_or_refuse,
-    quantized_model,
-)
-
-__all__ = [
-    "CALIBRATION_MAX_TOKENS",
-    "CALIBRATION_PAIRS",
-    "CALIBRATION_TEXTS",
-    "RECIPE",
-    "Finish",
-    "GateReport",
-    "Int8Request",
-    "exclusion_steps",
-    "int8_encoder",
-    "quantized_model",
-]
+from tokenq.shared.text import exception_headline
+from tokenq.worker.backends.hf.encoding import HFEncoding, pad_rows
 
 log = logging.getLogger(__name__)
+
+CALIBRATION_MAX_TOKENS = 128
+CALIBRATION_BATCH = 8
+
+CALIBRATION_TEXTS: tuple[str, ...] = (
+    "x",
+    "42",
+    "how do I reset my password",
+    "weather tomorrow in lisbon",
+    "cheap flights to tokyo",
+    "python list comprehension example",
+    "What is the capital of Australia?",
+    "The quick brown fox jumps over the lazy dog.",
+    "café naïve résumé — déjà vu",
+    "def add(a, b):\n    return a + b  # the sum",
+    "The mitochondrion is the powerhouse of the cell: it produces most of the chemical "
+    "energy needed to power the cell's biochemical reactions, stored as ATP.",
+    "In 1969 Apollo 11 landed on the Moon. Neil Armstrong and Buzz Aldrin walked on the "
+    "surface while Michael Collins orbited above in the command module, and the crew "
+    "returned safely to Earth eight days after launch.",
+    "A work queue packs requests into batches by token budget, so that a GPU is kept busy "
+    "without any single batch running out of memory; producers push requests onto a "
+    "stream, workers pull, pack within their own budget, run the model and push each "
+    "reply to the request's key. " * 3,
+    "东京是日本的首都，也是世界上人口最多的城市之一。",
+    "猫在桌子上睡觉",
+    "Москва — столица России и крупнейший город страны.",
+    "Где находится ближайшая аптека?",
+    "مرحبا بالعالم",
+    "¿Dónde está la biblioteca?",
+    "Der schnelle braune Fuchs springt über den faulen Hund.",
+)
+"""Short queries and long passages, English and other scripts: where int8 errors show."""
+
+CALIBRATION_PAIRS: tuple[tuple[str, str], ...] = tuple(
+    (query, passage)
+    for query in ("how do I reset my password", "what is the capital of australia", "猫")
+    for passage in (
+        CALIBRATION_TEXTS[10], CALIBRATION_TEXTS[11], "Canberra is the capital city of Australia.",
+        "To reset your password, open settings and choose 'forgot password'.",
+        CALIBRATION_TEXTS[12], CALIBRATION_TEXTS[13],
+    )
+)
+"""(query, passage) pairs, relevant and not, for a cross-encoder."""
+
+Encoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(ids, attention mask, type ids) -> hidden states (embed) or logits (classify, rerank)."""
+Finish = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(transformer output, attention mask) -> the rows the worker returns."""
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Request:
+    """What the gate needs from the backend: the refusal's wording, the tokenizer, the head."""
+
+    model: str  # named in the refusal
+    min_cosine: float
+    tokenizer: Any
+    pad_id: int
+    pairs: bool  # a cross-encoder: calibrate on (query, passage) pairs
+    max_tokens: int
+    finish: Finish | None
+    """The embedding head; None: the output is the rows (logits), compared per label."""
+
+
+@dataclass(frozen=True, slots=True)
+class GateReport:
+    """What the calibration measured; :meth:`describe` goes into the backend's info."""
+
+    min_cosine: float
+    gate: float
+    rows: int
+    max_abs_diff: float
+    compared: str
+    fp32_nodes: int = 0  # quantisable nodes left in fp32 in the graph measured
+    nodes: int = 0  # quantisable nodes in the graph (0: not counted)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "quantize": "int8",
+            "quantize_cosine": round(self.min_cosine, 6),
+            "quantize_fp32_nodes": self.fp32_nodes,
+        }
+
+
+class Calibration:
+    """The fp32 graph's answers to the calibration set, run once; candidates compared to them."""
+
+    def __init__(self, reference: Encoder, request: Int8Request) -> None:
+        self.request = request
+        self.batches = calibration_batches(request)
+        self.want = self._answers(reference)
+
+    def _answers(self, encoder: Encoder) -> np.ndarray:
+        rows = []
+        with torch.inference_mode():
+            for ids, mask, type_ids in self.batches:
+                output = encoder(ids, mask, type_ids)
+                finish = self.request.finish
+                answer = output if finish is None else finish(output, mask)
+                rows.append(answer.float().numpy().astype(np.float64))
+        return np.concatenate(rows)
+
+    def measure(self, candidate: Encoder, *, fp32_nodes: int) -> GateReport:
+        """``candidate`` on the calibration set, compared as the worker would return its rows."""
+        a, b = self.want, self._answers(candidate)
+        if self.request.finish is None:  # scores: each label's column over the set, centred
+            lowest = _lowest_cosine((a - a.mean(0)).T, (b - b.mean(0)).T)
+            compared = "scores (per label, centred)"
+        else:
+            lowest = _lowest_cosine(a, b)
+            compared = "vectors"
+            a, b = _unit(a), _unit(b)  # the difference as the default (normalised) answer shows
+        return GateReport(
+            min_cosine=lowest, gate=self.request.min_cosine, rows=len(a),
+            max_abs_diff=float(np.abs(a - b).max()), compared=compared, fp32_nodes=fp32_nodes,
+        )
+
+
+def _unit(rows: np.ndarray) -> np.ndarray:
+    return rows / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1e-12)
+
+
+def _lowest_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The lowest cosine between matching rows; two rows that are both zero count as equal."""
+    dots = (a * b).sum(-1)
+    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    both_zero = (np.linalg.norm(a, axis=-1) < 1e-12) & (np.linalg.norm(b, axis=-1) < 1e-12)
+    cosines = np.where(both_zero, 1.0, dots / np.maximum(norms, 1e-300))
+    return float(cosines.min())
+
+
+def calibration_batches(
+    request: Int8Request,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The calibration set tokenized as the backend tokenizes, right-padded in small batches."""
+    if request.pairs:
+        firsts: Sequence[str] = [q for q, _ in CALIBRATION_PAIRS]
+        seconds: Sequence[str] | None = [p for _, p in CALIBRATION_PAIRS]
+    else:
+        firsts, seconds = CALIBRATION_TEXTS, None
+    encoded = request.tokenizer(
+        list(firsts), list(seconds) if seconds is not None else None, add_special_tokens=True,
+        truncation="longest_first", max_length=request.max_tokens, return_attention_mask=False,
+        return_token_type_ids=request.pairs, verbose=False,
+    )
+    ids_rows = encoded["input_ids"]
+    type_rows = encoded["token_type_ids"] if request.pairs else [None] * len(ids_rows)
+    rows = [
+        HFEncoding(tuple(ids), None if types is None else tuple(types))
+        for ids, types in zip(ids_rows, type_rows, strict=True)
+    ]
+    batches = []
+    for start in range(0, len(rows), CALIBRATION_BATCH):
+        ids, mask, type_ids = pad_rows(rows[start : start + CALIBRATION_BATCH], request.pad_id)
+        batches.append((torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(type_ids)))
+    return batches
+
+
+QUANTIZE_FORMAT = 2
+"""Bumped whenever what :func:`quantized_model` writes changes, so old files are not reused."""
+RECIPE: dict[str, Any] = {
+    "op_types_to_quantize": ["MatMul"],
+    "per_channel": True,
+    "reduce_range": True,
+    "weight_type": "QInt8",
+}
+"""``quantize_dynamic``'s arguments; part of the cache key."""
+
+
+def quantisable_nodes(fp32: Path) -> list[str]:
+    """The nodes the recipe quantises: its op types, with an initializer as the weight."""
+    import onnx
+
+    graph = onnx.load(str(fp32), load_external_data=False).graph
+    weights = {tensor.name for tensor in graph.initializer}
+    kinds = set(RECIPE["op_types_to_quantize"])
+    return [
+        node.name
+        for node in graph.node
+        if node.op_type in kinds and len(node.input) > 1 and node.input[1] in weights
+    ]
+
+
+def cache_key(described: dict[str, Any]) -> str:
+    import onnxruntime
+
+    described = {**described, "recipe": RECIPE, "format": QUANTIZE_FORMAT,
+                 "onnxruntime": onnxruntime.__version__}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _folder(fp32: Path, exclude: Sequence[str]) -> Path:
+    return fp32.parent / f"int8-{cache_key({'exclude': sorted(exclude)})}"
+
+
+def quantized_model(fp32: Path, *, family: str = "", exclude: Sequence[str] = ()) -> Path:
+    """The int8 graph of ``fp32`` with ``exclude`` left fp32, quantised now unless cached."""
+    done = _folder(fp32, exclude) / fp32.name
+    if done.is_file():
+        log.info("onnx runtime: reusing the int8 graph %s", done)
+        return done
+    scratch = Path(tempfile.mkdtemp(prefix=f".{done.parent.name}.", dir=fp32.parent))
+    try:
+        quantize_or_refuse(fp32, scratch / fp32.name, family, exclude=exclude)
+        return keep(scratch / fp32.name, fp32, exclude)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def keep(made: Path, fp32: Path, exclude: Sequence[str]) -> Path:
+    """Rename the folder holding ``made`` into the cache; the loser of a race keeps the winner's."""
+    folder = _folder(fp32, exclude)
+    done = folder / fp32.name
+    try:
+        os.rename(made.parent, folder)
+    except OSError:  # another worker renamed its int8 graph into place first
+        if not done.is_file():
+            raise
+    else:
+        log.info("onnx runtime: quantised to int8: %s", done)
+    return done
+
+
+def quantize_or_refuse(
+    source: Path, target: Path, family: str, *, exclude: Sequence[str] = (),
+    only: Sequence[str] | None = None,
+) -> None:
+    try:
+        _quantize(source, target, exclude=exclude, only=only)
+    except Exception as exc:  # the quantizer fails in many ways, all meaning the same here
+        raise ConfigError(
+            f"--quantize int8: ONNX Runtime's quantizer cannot take model {family!r} "
+            f"({exception_headline(exc)}); use --quantize none"
+        ) from exc
+
+
+def _quantize(
+    source: Path, target: Path, *, exclude: Sequence[str] = (), only: Sequence[str] | None = None
+) -> None:
+    """One ``quantize_dynamic`` call: the recipe, less ``exclude``, or only ``only``."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with _quiet_quantizer():
+        quantize_dynamic(
+            str(source), str(target), op_types_to_quantize=list(RECIPE["op_types_to_quantize"]),
+            per_channel=RECIPE["per_channel"], reduce_range=RECIPE["reduce_range"],
+            weight_type=QuantType[RECIPE["weight_type"]],
+            nodes_to_quantize=list(only) if only is not None else None,
+            nodes_to_exclude=list(exclude),
+            # The fused graph's contrib ops (Attention, SkipLayerNormalization)
+            # defeat ONNX shape inference; their outputs are fp32.
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+        )
+
+
+class _QuantizerChatter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.WARNING or (
+            record.levelno == logging.WARNING and "pre-processing" not in record.getMessage()
+        )
+
+
+@contextmanager
+def _quiet_quantizer() -> Iterator[None]:
+    """The quantizer logs a line per tensor, and advice on its pre-processing, on the root
+    logger; neither is the operator's concern. Its errors still get through."""
+    hint = _QuantizerChatter()
+    root = logging.getLogger()
+    root.addFilter(hint)
+    try:
+        yield
+    finally:
+        root.removeFilter(hint)
+
 
 E = TypeVar("E", bound=Encoder)
 SENSITIVITY_MAX_NODES = 48
@@ -66,15 +313,11 @@ SENSITIVITY_SECONDS = 120.0
 """The sensitivity pass stops measuring after this long; the nodes left count as harmless."""
 
 
-
 def int8_encoder(
     fp32: Encoder, fp32_path: Path, open_encoder: Callable[[Path], E], request: Int8Request
 ) -> tuple[E, GateReport]:
-    """The int8 twin of ``fp32`` (the session on ``fp32_path``), if it passes the gate.
-
-    Cached choice, else uniform, else :func:`_choose`'s mixed graph; a ConfigError
-    names the model, the lowest cosine and the gate when none passes.
-    """
+    """The int8 twin of ``fp32`` (the session on ``fp32_path``) that passes the gate: the
+    cached choice, else :func:`_choose`'s; else a ConfigError naming the lowest cosine."""
     calibration = Calibration(fp32, request)
     choice_file = _choice_file(fp32_path, request)
     cached, nodes = _read_choice(choice_file)
@@ -85,10 +328,7 @@ def int8_encoder(
         if not report.min_cosine >= report.gate:
             log.warning(
                 "onnx runtime: the cached choice of %d fp32 nodes measured %.5f here, below "
-                "the gate %g; choosing again",
-                len(cached),
-                report.min_cosine,
-                report.gate,
+                "the gate %g; choosing again", len(cached), report.min_cosine, report.gate,
             )
             cached = None
     if cached is None:
@@ -97,15 +337,8 @@ def int8_encoder(
     log.info(
         "onnx runtime: int8 %s passed the gate: lowest cosine %.5f to fp32 %s on %d "
         "calibration rows (gate %g, largest absolute difference %.3g, %d of %d "
-        "quantisable nodes left in fp32)",
-        path,
-        report.min_cosine,
-        report.compared,
-        report.rows,
-        report.gate,
-        report.max_abs_diff,
-        report.fp32_nodes,
-        report.nodes,
+        "quantisable nodes left in fp32)", path, report.min_cosine, report.compared,
+        report.rows, report.gate, report.max_abs_diff, report.fp32_nodes, report.nodes,
     )
     return int8, report
 
@@ -113,10 +346,8 @@ def int8_encoder(
 def _choose(
     fp32_path: Path, open_encoder: Callable[[Path], E], calibration: Calibration
 ) -> tuple[Path, E, GateReport, list[str]]:
-    """The uniform int8 graph if it passes; else the fewest most sensitive nodes left fp32.
-
-    Failing graphs are made in a scratch folder and dropped; only the one served is cached.
-    """
+    """The uniform int8 graph if it passes; else the fewest most sensitive nodes left fp32
+    (failing graphs are made in a scratch folder; only the one served is cached)."""
     request = calibration.request
     started = time.monotonic()
     path = quantized_model(fp32_path, family=request.model)
@@ -131,9 +362,7 @@ def _choose(
     rounds = 1
     scratch = Path(tempfile.mkdtemp(prefix=".int8-search.", dir=fp32_path.parent))
     try:
-        ranked, measured_alone = _sensitivity(
-            fp32_path, open_encoder, calibration, nodes, scratch
-        )
+        ranked, measured_alone = _sensitivity(fp32_path, open_encoder, calibration, nodes, scratch)
         rounds += measured_alone
         for count in exclusion_steps(len(nodes)):
             exclude = ranked[:count]
@@ -145,11 +374,7 @@ def _choose(
             measured = replace(measured, nodes=len(nodes))
             log.info(
                 "onnx runtime: int8 with %d of %d nodes left in fp32: lowest cosine %.5f "
-                "(gate %g)",
-                count,
-                len(nodes),
-                measured.min_cosine,
-                measured.gate,
+                "(gate %g)", count, len(nodes), measured.min_cosine, measured.gate,
             )
             if measured.min_cosine > best.min_cosine:
                 best = measured
@@ -158,11 +383,8 @@ def _choose(
                 break
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    log.info(
-        "onnx runtime: int8 choice took %d quantisations in %.1f s",
-        rounds,
-        time.monotonic() - started,
-    )
+    log.info("onnx runtime: int8 choice took %d quantisations in %.1f s",
+             rounds, time.monotonic() - started)
     _refuse_unless_passed(best, request)
     return path, open_encoder(path), best, exclude
 
@@ -187,8 +409,7 @@ def _refuse_unless_passed(report: GateReport, request: Int8Request) -> None:
 
 def exclusion_steps(nodes: int) -> list[int]:
     """How many of the most sensitive nodes each greedy round leaves in fp32: 1, 2, 3, 4,
-    then growing by half up to half the nodes, so O(log n) rounds.
-    """
+    then growing by half up to half the nodes, so O(log n) rounds."""
     cap, steps, count = nodes // 2, [], 1
     while count < cap:
         steps.append(count)
@@ -197,25 +418,16 @@ def exclusion_steps(nodes: int) -> list[int]:
 
 
 def _sensitivity(
-    fp32_path: Path,
-    open_encoder: Callable[[Path], E],
-    calibration: Calibration,
-    nodes: list[str],
+    fp32_path: Path, open_encoder: Callable[[Path], E], calibration: Calibration, nodes: list[str],
     scratch: Path,
 ) -> tuple[list[str], int]:
-    """``nodes``, the most sensitive first, and how many were measured.
-
-    Each is quantised alone and measured (cheaper proxies ranked poorly:
-    docs/decisions/0043-int8-behind-a-gate.md); at most :data:`SENSITIVITY_MAX_NODES`,
-    within :data:`SENSITIVITY_SECONDS`. A node not measured counts as harmless.
-    """
+    """``nodes``, the most sensitive first (each quantised alone and measured, within the
+    SENSITIVITY_ limits; one not measured counts as harmless), and how many were measured."""
     started = time.monotonic()
     tried = nodes[:SENSITIVITY_MAX_NODES]
     log.info(
         "onnx runtime: int8 misses the gate %g; measuring %d of %d quantisable nodes "
-        "one by one to choose which stay fp32",
-        calibration.request.min_cosine,
-        len(tried),
+        "one by one to choose which stay fp32", calibration.request.min_cosine, len(tried),
         len(nodes),
     )
     loss: dict[str, float] = {}
@@ -224,34 +436,22 @@ def _sensitivity(
     for done, node in enumerate(tried, start=1):
         elapsed = time.monotonic() - started
         if loss and elapsed > SENSITIVITY_SECONDS:
-            log.warning(
-                "onnx runtime: sensitivity pass stopped after %.0f s at %d of %d nodes",
-                elapsed,
-                len(loss),
-                len(tried),
-            )
+            log.warning("onnx runtime: sensitivity pass stopped after %.0f s at %d of %d nodes",
+                        elapsed, len(loss), len(tried))
             break
         quantize_or_refuse(fp32_path, candidate, calibration.request.model, only=[node])
         report = calibration.measure(open_encoder(candidate), fp32_nodes=len(nodes) - 1)
         loss[node] = 1.0 - report.min_cosine
-        log.info(
-            "onnx runtime: sensitivity %d/%d: %s alone in int8 loses %.5f",
-            done,
-            len(tried),
-            node,
-            loss[node],
-        )
+        log.info("onnx runtime: sensitivity %d/%d: %s alone in int8 loses %.5f",
+                 done, len(tried), node, loss[node])
     return sorted(nodes, key=lambda node: -loss.get(node, 0.0)), len(loss)
 
 
 def _choice_file(fp32: Path, request: Int8Request) -> Path:
     """Where the chosen exclusion list is kept: keyed by the gate, the recipe and the set."""
-    described = {
-        "gate": request.min_cosine,
-        "pairs": request.pairs,
-        "max_tokens": request.max_tokens,
-        "calibration": CALIBRATION_PAIRS if request.pairs else CALIBRATION_TEXTS,
-    }
+    described = {"gate": request.min_cosine, "pairs": request.pairs,
+                 "max_tokens": request.max_tokens,
+                 "calibration": CALIBRATION_PAIRS if request.pairs else CALIBRATION_TEXTS}
     return fp32.parent / f"int8-choice-{cache_key(described)}.json"
 
 
@@ -270,17 +470,8 @@ def _read_choice(file: Path) -> tuple[list[str] | None, int]:
 
 def _write_choice(file: Path, exclude: list[str], report: GateReport) -> None:
     """Atomically: a reader sees the old file or the new one, never half of one."""
-    text = json.dumps(
-        {
-            "exclude": exclude,
-            "gate": report.gate,
-            "measured": report.min_cosine,
-            "nodes": report.nodes,
-        },
-        indent=1,
-    )
+    text = json.dumps({"exclude": exclude, "gate": report.gate, "measured": report.min_cosine,
+                       "nodes": report.nodes}, indent=1)
     scratch = file.with_name(f".{file.name}.{os.getpid()}")
     scratch.write_text(text)
     os.replace(scratch, file)
-
-

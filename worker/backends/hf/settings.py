@@ -1,8 +1,4 @@
-"""The Hugging Face backend's settings and its registration; importing this needs no torch.
-
-:class:`HFSettings` is what ``tokenq worker`` parses for ``--backend hf``; the
-builder is named by module path, so torch loads only when hf is chosen.
-"""
+"""The Hugging Face backend's settings and registration; importing this needs no torch."""
 
 from __future__ import annotations
 
@@ -15,14 +11,8 @@ from tokenq.shared.settings import BackendSettings, Task
 from tokenq.worker.backends.registry import BackendEntry
 
 _DTYPE_ALIASES = {
-    "float32": "fp32",
-    "float": "fp32",
-    "float16": "fp16",
-    "half": "fp16",
-    "bfloat16": "bf16",
-    "mixed-bf16": "bf16-mixed",
-    "bf16_mixed": "bf16-mixed",
-    "amp-bf16": "bf16-mixed",
+    "float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+    "mixed-bf16": "bf16-mixed", "bf16_mixed": "bf16-mixed", "amp-bf16": "bf16-mixed",
 }
 
 
@@ -115,8 +105,6 @@ class HFSettings(BackendSettings):
         return value
 
 
-
 BACKEND = BackendEntry(
     name="hf", settings=HFSettings, build="tokenq.worker.backends.hf.backend:build_hf_backend"
 )
-"""``--backend hf``: registered in :data:`tokenq.worker.backends.registry.BUILT_IN`."""
