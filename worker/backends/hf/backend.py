@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +59,11 @@ __all__ = ["HFBackend", "HFOptions", "build_hf_backend"]
 log = logging.getLogger(__name__)
 
 
+SKIP_FORWARD_ENV = "TOKENQ_BENCH_SKIP_FORWARD"
+"""Benchmarks only (``run.py feed``): ``1`` answers zeros instead of running the model, so
+a worker's own CPU around the forward can be measured."""
+
+
 def build_hf_backend(settings: Any) -> HFBackend:
     """The worker's factory for ``--backend hf``."""
     return HFBackend.load(HFOptions.from_settings(settings))
@@ -97,6 +103,10 @@ class HFBackend:
         self._prompt_lengths = PromptLengths(self._prompt_ids, set(tokenizer.all_special_ids))
         # On the CPU the heap grows with every new batch shape (host_memory explains).
         self._heap = HeapTrimmer() if device.type == "cpu" else None
+        self._skip_forward = os.environ.get(SKIP_FORWARD_ENV) == "1"
+        if self._skip_forward:
+            log.warning("%s=1: the model's forward is skipped, every answer is zeros",
+                        SKIP_FORWARD_ENV)
 
     @property
     def pooling(self) -> tuple[str, ...]:
@@ -288,6 +298,8 @@ class HFBackend:
         if self._encoder is None:
             raise RuntimeError("the hf backend is closed")
         tensors = self._pad(batch)
+        if self._skip_forward:
+            return [np.zeros(self.info.dim or 1, dtype=np.float32) for _ in batch]
         token_rows = [(row, enc.length) for row, enc in enumerate(batch) if enc.tokens]
         try:
             result = self._forward(*tensors, token_rows=token_rows)
