@@ -44,6 +44,7 @@ from tokenq.worker.backends.hf.options import (
     resolve_device,
     resolve_dtype,
 )
+from tokenq.worker.backends.hf.prefix import PrefixTokenizer
 from tokenq.worker.backends.hf.pretrained import load_pretrained, max_input_tokens, pad_token_id
 from tokenq.worker.backends.hf.runtime import (
     Encoder,
@@ -92,6 +93,7 @@ class HFBackend:
         # The transformers wrapper sets truncation on the shared Rust tokenizer before
         # each call, so concurrent calls could truncate with each other's max_length.
         self._tokenizer_lock = threading.Lock()
+        self._prefix = PrefixTokenizer(tokenizer.backend_tokenizer, tokenizer.truncation_side)
         self._lowercase = lowercase
         self._hf_task: HFTask = info.extra["hf_task"]
         self._pad_id = pad_token_id(tokenizer)
@@ -212,27 +214,19 @@ class HFBackend:
                     f"({self._min_length[is_pair]})"
                 )
             texts = [self._prepare(inputs[i].prompt + inputs[i].text) for i in indices]
-            text_pairs = [self._prepare(inputs[i].text_pair or "") for i in indices]
+            pieces: list[Any] = texts
+            if is_pair:
+                pieces = [(text, self._prepare(inputs[i].text_pair or ""))
+                          for text, i in zip(texts, indices, strict=True)]
             with self._tokenizer_lock:
-                batch = self._tokenizer(
-                    texts,
-                    text_pairs if is_pair else None,
-                    add_special_tokens=True,
-                    truncation="longest_first" if max_length is not None else False,
-                    max_length=max_length,
-                    return_attention_mask=False,
-                    return_token_type_ids=is_pair,
-                    verbose=False,
-                )
-                # Measured under the same lock: it tokenizes with truncation too.
+                encodings, cut = self._prefix.encode(pieces, max_length)
                 prompts = {p: self._prompt_lengths(p) for p in {inputs[i].prompt for i in indices}}
-            rust = batch.encodings  # None for a slow tokenizer: then truncation is unknown
             for row, i in enumerate(indices):
-                type_ids = tuple(batch["token_type_ids"][row]) if is_pair else None
-                prompt_length = prompts[inputs[i].prompt]
-                ids = tuple(batch["input_ids"][row])
-                out[i] = HFEncoding(ids, type_ids, prompt_length, tokens=inputs[i].tokens,
-                                    truncated=_cut(rust, row, len(ids), max_length))
+                encoding = encodings[row]
+                out[i] = HFEncoding(tuple(encoding.ids),
+                                    tuple(encoding.type_ids) if is_pair else None,
+                                    prompts[inputs[i].prompt], tokens=inputs[i].tokens,
+                                    truncated=cut[row])
         return [enc for enc in out if enc is not None]
 
     def windows(self, encoding: HFEncoding, max_length: int, overlap: int) -> list[HFEncoding]:
@@ -504,10 +498,3 @@ def is_device_lost(exc: BaseException) -> bool:
     """Whether ``exc`` is a CUDA error no later call on this process can recover from."""
     message = str(exc)
     return "CUDA error" in message and any(part in message for part in _STICKY_CUDA_ERRORS)
-
-
-def _cut(rust: list | None, row: int, length: int, max_length: int | None) -> bool | None:
-    """Whether truncation cut row ``row``: the Rust encoding keeps what it cut as overflow."""
-    if max_length is None or length < max_length:
-        return False
-    return None if rust is None else bool(rust[row].overflowing)

@@ -81,11 +81,12 @@ class PrefixTokenizer:
     def reads_prefixes(self) -> bool:
         return self._cuttable
 
-    def encode(self, texts: list[str], max_length: int | None) -> tuple[list[Encoding],
+    def encode(self, texts: list[Any], max_length: int | None) -> tuple[list[Encoding],
                                                                         list[bool]]:
-        """Each text's encoding and whether truncation cut it (``None``: no truncation)."""
+        """Each text's encoding and whether truncation cut it (``None``: no truncation);
+        (text, text_pair) tuples are read whole, truncated 'longest_first'."""
         self._set_truncation(max_length)
-        if max_length is None or not self._cuttable:
+        if max_length is None or not self._cuttable or not isinstance(texts[0], str):
             encodings = self._tokenizer.encode_batch(texts)
             return encodings, [bool(e.overflowing) for e in encodings]
         found: list[Encoding | None] = [None] * len(texts)
