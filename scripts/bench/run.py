@@ -11,6 +11,7 @@ Suites (docs/BENCHMARKS.md has the latest figures and how to read them):
   mixed-latency  closed loop of 32 callers on the seed mix: query/passage latency, priority on/off
   shards    one queue of 1 vs 3 shards on a local Redis Cluster: commands and Redis CPU per node
   cpu       null backend: CPU per request of producer, worker and redis-server, each alone
+  feed      hf worker, forward skipped: its CPU per request against the Rust tokenizer's
   plots     draw docs/img/*.png from the JSON results (--results DIR)
   all       every suite above, JSON into --results DIR, then the plots
 
@@ -53,6 +54,7 @@ import harness  # noqa: E402
 
 SUITES = (
     "seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency", "shards", "cpu",
+    "feed",
 )
 RUNTIME_SUITES = ("real", "mixed-latency")
 """Suites that take ``--runtime``: the ones that run the hf backend."""

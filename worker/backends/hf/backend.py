@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from tokenq.worker.backends.hf.options import (
     resolve_device,
     resolve_dtype,
 )
+from tokenq.worker.backends.hf.prefix import PrefixTokenizer
 from tokenq.worker.backends.hf.pretrained import load_pretrained, max_input_tokens, pad_token_id
 from tokenq.worker.backends.hf.runtime import (
     Encoder,
@@ -46,6 +48,11 @@ from tokenq.worker.backends.hf.runtime import (
 )
 
 log = logging.getLogger(__name__)
+
+
+SKIP_FORWARD_ENV = "TOKENQ_BENCH_SKIP_FORWARD"
+"""Benchmarks only (``run.py feed``): ``1`` answers zeros instead of running the model, so
+a worker's own CPU around the forward can be measured."""
 
 
 def build_hf_backend(settings: Any) -> HFBackend:
@@ -70,6 +77,7 @@ class HFBackend:
         # The transformers wrapper sets truncation on the shared Rust tokenizer before
         # each call, so concurrent calls could truncate with each other's max_length.
         self._tokenizer_lock = threading.Lock()
+        self._prefix = PrefixTokenizer(tokenizer.backend_tokenizer, tokenizer.truncation_side)
         self._lowercase = lowercase
         self._pad_id = pad_token_id(tokenizer)
         self._special_layout = _special_token_layout(tokenizer)
@@ -80,6 +88,10 @@ class HFBackend:
         self._prompt_lengths = PromptLengths(self._prompt_ids, set(tokenizer.all_special_ids))
         # On the CPU the heap grows with every new batch shape (host_memory explains).
         self._heap = HeapTrimmer() if self.device.type == "cpu" else None
+        self._skip_forward = os.environ.get(SKIP_FORWARD_ENV) == "1"
+        if self._skip_forward:
+            log.warning("%s=1: the model's forward is skipped, every answer is zeros",
+                        SKIP_FORWARD_ENV)
 
     @property
     def pooling(self) -> tuple[str, ...]:
@@ -146,23 +158,19 @@ class HFBackend:
                     f"({self._min_length[is_pair]})"
                 )
             texts = [self._prepare(inputs[i].prompt + inputs[i].text) for i in indices]
-            text_pairs = [self._prepare(inputs[i].text_pair or "") for i in indices]
+            pieces: list[Any] = texts
+            if is_pair:
+                pieces = [(text, self._prepare(inputs[i].text_pair or ""))
+                          for text, i in zip(texts, indices, strict=True)]
             with self._tokenizer_lock:
-                batch = self._tokenizer(
-                    texts, text_pairs if is_pair else None, add_special_tokens=True,
-                    truncation="longest_first" if max_length is not None else False,
-                    max_length=max_length, return_attention_mask=False,
-                    return_token_type_ids=is_pair, verbose=False,
-                )
-                # Measured under the same lock: it tokenizes with truncation too.
+                encodings, cut = self._prefix.encode(pieces, max_length)
                 prompts = {p: self._prompt_lengths(p) for p in {inputs[i].prompt for i in indices}}
-            rust = batch.encodings  # None for a slow tokenizer: then truncation is unknown
             for row, i in enumerate(indices):
-                type_ids = tuple(batch["token_type_ids"][row]) if is_pair else None
-                prompt_length = prompts[inputs[i].prompt]
-                ids = tuple(batch["input_ids"][row])
-                out[i] = HFEncoding(ids, type_ids, prompt_length, tokens=inputs[i].tokens,
-                                    truncated=_cut(rust, row, len(ids), max_length))
+                encoding = encodings[row]
+                out[i] = HFEncoding(tuple(encoding.ids),
+                                    tuple(encoding.type_ids) if is_pair else None,
+                                    prompts[inputs[i].prompt], tokens=inputs[i].tokens,
+                                    truncated=cut[row])
         return [enc for enc in out if enc is not None]
 
     def windows(self, encoding: HFEncoding, max_length: int, overlap: int) -> list[HFEncoding]:
@@ -218,6 +226,8 @@ class HFBackend:
         if self._encoder is None:
             raise RuntimeError("the hf backend is closed")
         tensors = self._pad(batch)
+        if self._skip_forward:
+            return [np.zeros(self.info.dim or 1, dtype=np.float32) for _ in batch]
         token_rows = [(row, enc.length) for row, enc in enumerate(batch) if enc.tokens]
         try:
             result = self._forward(*tensors, token_rows=token_rows)
@@ -355,10 +365,3 @@ _STICKY_CUDA_ERRORS = (
     "GPU is lost",
 )
 """CUDA errors after which the context is unusable until the process restarts."""
-
-
-def _cut(rust: list | None, row: int, length: int, max_length: int | None) -> bool | None:
-    """Whether truncation cut row ``row``: the Rust encoding keeps what it cut as overflow."""
-    if max_length is None or length < max_length:
-        return False
-    return None if rust is None else bool(rust[row].overflowing)

@@ -1,0 +1,116 @@
+"""Suite ``feed``: what a worker spends around the model's forward, against the Rust
+tokenizer alone over the same whole texts.
+
+The hf worker runs all-MiniLM-L6-v2 with its forward skipped (``TOKENQ_BENCH_SKIP_FORWARD=1``:
+zeros of the model's shape, answered at once), so its CPU per request is everything a
+GPU worker's host does: read, tokenize, pack, pad, publish. The tokenizer row is
+``tokenizers.Tokenizer.encode_batch`` over the same texts, whole and untruncated, in this
+process. Three mixes: the seed scenario (~1,500-word passages, half queries), gpu_seed's
+(280-330-word passages, half queries) and short queries (12-28 words).
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+import redis
+from texts import seed_mix, uniform_mix
+
+from tokenq.producer import Client
+from tokenq.shared import keys
+
+SKIP_FORWARD = "TOKENQ_BENCH_SKIP_FORWARD"
+SIZES = {"tiny": 200, "small": 2000, "full": 6000}
+REPEATS = {"tiny": 1, "small": 3, "full": 3}
+MIXES = {
+    "seed": lambda n: seed_mix(n).texts,
+    "gpu_seed": lambda n: seed_mix(n, passages=(280, 330)).texts,
+    "queries": lambda n: uniform_mix(n, 12, 28).texts,
+}
+COLUMNS = ["mix", "worker_cpu_us", "tokenizer_cpu_us", "worker_over_tokenizer", "requests_per_s"]
+
+
+def skips_forward() -> bool:
+    """Whether the tokenq measured has the switch (an older baseline runs its forward)."""
+    from tokenq.worker.backends.hf import backend
+
+    return getattr(backend, "SKIP_FORWARD_ENV", None) == SKIP_FORWARD
+
+
+def tokenizer_cpu(texts: list[str]) -> float:
+    """CPU seconds of the Rust tokenizer over ``texts``, whole (its threads included)."""
+    from tokenizers import Tokenizer
+
+    from tokenq.worker.backends.hf.load import bundled_model_dir
+
+    tokenizer = Tokenizer.from_file(str(bundled_model_dir() / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    tokenizer.encode_batch(texts[:64])  # its thread pool started, off the clock
+    started = time.process_time()
+    tokenizer.encode_batch(texts)
+    return time.process_time() - started
+
+
+def worker_cpu(server: Any, workdir: Path, texts: list[str], tag: str) -> tuple[float, float]:
+    """(worker CPU s, wall s) of one hf worker, forward skipped, answering ``texts``."""
+    queue = harness.new_queue(tag)
+    reply_key = harness.reply_key_for(queue)
+    with Client(redis_url=server.url, queue=queue, max_queue_length=0) as producer:
+        for start in range(0, len(texts), harness.SUBMIT_CHUNK):
+            producer.submit_many(texts[start:start + harness.SUBMIT_CHUNK], reply_to=reply_key)
+    client = redis.Redis.from_url(server.url)
+    worker = harness.start_tokenq(server, queue, workdir, tag, ["--backend", "hf"],
+                                  env={SKIP_FORWARD: "1"})
+    try:
+        alive = keys.worker_alive(keys.QueueRef(queue), tag)
+        while not client.exists(alive):
+            if worker.process.poll() is not None:
+                raise RuntimeError(worker.output())
+            time.sleep(0.005)
+        started = time.perf_counter()
+        own = harness.cpu_seconds(worker.process.pid)
+        deadline = started + 600.0
+        while client.llen(reply_key) < len(texts):
+            if worker.process.poll() is not None or time.perf_counter() > deadline:
+                raise RuntimeError(f"the worker stopped answering:\n{worker.output()}")
+            time.sleep(0.01)
+        return harness.cpu_seconds(worker.process.pid) - own, time.perf_counter() - started
+    finally:
+        worker.stop()
+        client.close()
+
+
+def run(size: str) -> dict[str, Any]:
+    requests = SIZES[size]
+    rows = []
+    skipped = skips_forward()
+    with harness.private_redis() as server, tempfile.TemporaryDirectory() as directory:
+        for mix, make in MIXES.items():
+            texts = make(requests)
+            tokenizer = statistics.median(tokenizer_cpu(texts) for _ in range(REPEATS[size]))
+            runs = [worker_cpu(server, Path(directory), texts, f"{mix.replace('_', '')}{i}")
+                    for i in range(REPEATS[size])] if skipped else []
+            row: dict[str, Any] = {
+                "mix": mix,
+                "tokenizer_cpu_us": round(tokenizer / requests * 1e6, 1),
+            }
+            if runs:
+                worker = statistics.median(run[0] for run in runs)
+                row |= {
+                    "worker_cpu_us": round(worker / requests * 1e6, 1),
+                    "worker_over_tokenizer": round(worker / tokenizer, 3),
+                    "requests_per_s": round(requests / statistics.median(r[1] for r in runs), 1),
+                }
+            rows.append(row)
+            redis.Redis.from_url(server.url).flushall()
+    notes = [f"{requests:,} requests a mix, median of {REPEATS[size]}; all-MiniLM-L6-v2 "
+             "(256 tokens), forward skipped"]
+    if not skipped:
+        notes.append("this tokenq has no forward switch: worker rows left out")
+    return {"columns": COLUMNS, "rows": rows, "notes": notes}
