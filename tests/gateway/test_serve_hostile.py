@@ -24,6 +24,7 @@ here tries to break one:
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -126,13 +127,18 @@ def assert_bounded(model: type, raw: bytes) -> None:
     """Parsing ``raw`` is an answer or an ApiError, within time and memory linear in its size.
 
     Timed without tracemalloc (which slows every allocation), then traced. The time is
-    this process's CPU time, not the wall clock: a quadratic parse shows in both, while
-    a loaded CI machine stretches only the wall clock (the in-process parse runs no
-    children).
+    this thread's CPU time with the collector paused: a quadratic parse shows in it, while
+    a loaded machine, another thread of this process (a tokenizer's pool spinning) or a
+    collection of an earlier test's garbage do not.
     """
-    started = time.process_time()
-    refused(model, raw)
-    seconds = time.process_time() - started
+    gc.collect()
+    gc.disable()
+    try:
+        started = time.thread_time()
+        refused(model, raw)
+        seconds = time.thread_time() - started
+    finally:
+        gc.enable()
     assert seconds <= 0.2 + SECONDS_PER_MB * len(raw) / 1e6, (seconds, len(raw))
     tracemalloc.start()
     try:
