@@ -25,7 +25,7 @@ from tokenq.producer import Client
 from tokenq.shared import keys
 
 SKIP_FORWARD = "TOKENQ_BENCH_SKIP_FORWARD"
-SIZES = {"tiny": 200, "small": 2000, "full": 6000}
+SIZES = {"tiny": 48, "small": 2000, "full": 6000}
 REPEATS = {"tiny": 1, "small": 3, "full": 3}
 MIXES = {
     "seed": lambda n: seed_mix(n).texts,

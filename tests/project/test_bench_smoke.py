@@ -84,6 +84,18 @@ def test_cpu(tmp_path: Path) -> None:
     assert both >= rows["worker"]["redis_cpu_us_per_request"]
 
 
+def test_feed(tmp_path: Path) -> None:
+    """Each mix: the worker's CPU with its forward skipped and the tokenizer's, and their
+    ratio; the skip switch is the one the suite names."""
+    pytest.importorskip("transformers")
+    result = run_suite("feed", tmp_path, 300.0)
+    rows = {row["mix"]: row for row in result["rows"]}
+    assert set(rows) == {"seed", "gpu_seed", "queries"}
+    for mix, row in rows.items():
+        assert row["worker_cpu_us"] > 0 and row["tokenizer_cpu_us"] > 0, mix
+        assert row["worker_over_tokenizer"] > 0 and row["requests_per_s"] > 0, mix
+
+
 @pytest.fixture(scope="module")
 def scale_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tiny scale run, shared by the scale test and the plots test."""
