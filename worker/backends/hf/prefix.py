@@ -77,10 +77,6 @@ class PrefixTokenizer:
         self._chars_per_token = first_chars_per_token
         self._max_length: int | None = None
 
-    @property
-    def reads_prefixes(self) -> bool:
-        return self._cuttable
-
     def encode(self, texts: list[Any], max_length: int | None) -> tuple[list[Encoding],
                                                                         list[bool]]:
         """Each text's encoding and whether truncation cut it (``None``: no truncation);
