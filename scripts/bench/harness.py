@@ -265,6 +265,15 @@ class WorkerProc:
             time.sleep(0.05)
         raise RuntimeError(f"worker {self.name} not ready in {timeout}s:\n{self.output()}")
 
+    def wait_replies(self, client: redis.Redis, reply_key: str, count: int,
+                     timeout: float = 600.0) -> None:
+        """Block until ``reply_key`` holds ``count`` replies; raise if the worker stops first."""
+        deadline = time.monotonic() + timeout
+        while client.llen(reply_key) < count:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {self.name} stopped answering:\n{self.output()}")
+            time.sleep(0.01)
+
     def stop(self, timeout: float = 60.0) -> bool:
         """SIGTERM (the worker answers what it holds and flushes its logs), then reap;
         False when it had to be killed (its batch log and counters may be incomplete)."""

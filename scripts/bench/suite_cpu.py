@@ -83,18 +83,10 @@ def drain(server: Any, workdir: Path, queue: str, name: str, reply_key: str,
     client = redis.Redis.from_url(server.url)
     worker = harness.start_tokenq(server, queue, workdir, name, NULL_FLAGS)
     try:
-        alive = keys.worker_alive(keys.QueueRef(queue), name)
-        while not client.exists(alive):
-            if worker.process.poll() is not None:
-                raise RuntimeError(worker.output())
-            time.sleep(0.005)
+        worker.wait_ready(client)
         started = time.perf_counter()
         own, redis_cpu = harness.cpu_seconds(worker.process.pid), harness.redis_cpu_seconds(client)
-        deadline = started + 600.0
-        while client.llen(reply_key) < requests:
-            if worker.process.poll() is not None or time.perf_counter() > deadline:
-                raise RuntimeError(f"the worker stopped answering:\n{worker.output()}")
-            time.sleep(0.01)
+        worker.wait_replies(client, reply_key, requests)
         return (harness.cpu_seconds(worker.process.pid) - own,
                 harness.redis_cpu_seconds(client) - redis_cpu, time.perf_counter() - started)
     finally:

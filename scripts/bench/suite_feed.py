@@ -22,7 +22,6 @@ import redis
 from texts import seed_mix, uniform_mix
 
 from tokenq.producer import Client
-from tokenq.shared import keys
 
 SKIP_FORWARD = "TOKENQ_BENCH_SKIP_FORWARD"
 SIZES = {"tiny": 48, "small": 2000, "full": 6000}
@@ -68,18 +67,10 @@ def worker_cpu(server: Any, workdir: Path, texts: list[str], tag: str) -> tuple[
     worker = harness.start_tokenq(server, queue, workdir, tag, ["--backend", "hf"],
                                   env={SKIP_FORWARD: "1"})
     try:
-        alive = keys.worker_alive(keys.QueueRef(queue), tag)
-        while not client.exists(alive):
-            if worker.process.poll() is not None:
-                raise RuntimeError(worker.output())
-            time.sleep(0.005)
+        worker.wait_ready(client)
         started = time.perf_counter()
         own = harness.cpu_seconds(worker.process.pid)
-        deadline = started + 600.0
-        while client.llen(reply_key) < len(texts):
-            if worker.process.poll() is not None or time.perf_counter() > deadline:
-                raise RuntimeError(f"the worker stopped answering:\n{worker.output()}")
-            time.sleep(0.01)
+        worker.wait_replies(client, reply_key, len(texts))
         return harness.cpu_seconds(worker.process.pid) - own, time.perf_counter() - started
     finally:
         worker.stop()

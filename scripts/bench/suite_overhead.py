@@ -54,7 +54,6 @@ import redis
 from texts import uniform_mix
 
 from tokenq.producer import Client
-from tokenq.shared import keys
 from tokenq.worker.tooling.embedded import RedisServer
 
 SIZES = {"tiny": 600, "small": 5000, "full": 20000}
@@ -169,11 +168,7 @@ def producer_then_worker(server: RedisServer, workdir: Path, texts: list[str]) -
     middle = harness.commandstats(client)
     worker = harness.start_tokenq(server, queue, workdir, "drain", NULL_FLAGS)
     collector = harness.Collector(server.url, reply_key, len(texts), 600.0, workers=[worker])
-    alive = keys.worker_alive(keys.QueueRef(queue), "drain")
-    while not client.exists(alive):
-        if worker.process.poll() is not None:
-            raise RuntimeError(worker.output())
-        time.sleep(0.005)
+    worker.wait_ready(client)
     started = time.perf_counter()
     worker_cpu = harness.cpu_seconds(worker.process.pid)
     server_cpu = harness.redis_cpu_seconds(client)
