@@ -114,7 +114,7 @@ def _list(r: redis.Redis, lanes: dlq.Lanes, settings: DlqSettings) -> int:
         for lane, letter in letters:
             print(json.dumps(_letter_json(lanes, lane, letter), ensure_ascii=False))
     else:
-        total = sum(dlq.counts(r, lanes).values())
+        total = dlq.count(r, lanes)
         print(f"{plural(total, 'dead letter')} in {lanes.where(keys.dead)}" + (
             f" (showing {len(letters)})" if len(letters) < total else ""))
         if letters:
@@ -128,11 +128,18 @@ def _list(r: redis.Redis, lanes: dlq.Lanes, settings: DlqSettings) -> int:
 
 
 def _letter_json(lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter) -> dict[str, Any]:
-    """A letter's ``--json`` line; a sharded queue's also says its lane and its name."""
-    doc = dlq.letter_json(letter)
-    if not lanes.sharded:
-        return doc
-    return {"shard": lane.shard, "entry": lanes.name(lane, letter.entry_id), **doc}
+    """A letter's ``--json`` line: text fields as strings, binary ones (``opts``) as hex; a
+    sharded queue's also says its lane and its name."""
+    where = {"shard": lane.shard, "entry": lanes.name(lane, letter.entry_id)}
+    return {
+        **(where if lanes.sharded else {}),
+        "entry_id": letter.entry_id, "request_id": letter.request_id,
+        "error_code": letter.error_code, "error": dlq.reason_text(letter.error),
+        "worker": letter.worker, "deliveries": letter.deliveries, "at_ms": letter.at_ms,
+        "source_id": letter.source_id, "truncated": letter.truncated,
+        "request": {name: value if isinstance(value, str) else {"hex": value.hex()}
+                    for name, value in letter.request.items()},
+    }
 
 
 def _row(lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter, now_ms: int) -> tuple[str, ...]:

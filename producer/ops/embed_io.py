@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from tokenq.shared.failures import CommandFailed
+from tokenq.shared.flags import UsageError
 
 MANIFEST_VERSION = 1
 _LOCK = "lock"
@@ -123,7 +124,7 @@ def output_format(output: Path) -> str:
         return "npy"
     if suffix in {".jsonl", ".ndjson"}:
         return "jsonl"
-    raise ValueError(f"output must end in .npy or .jsonl, got {output.name!r}")
+    raise UsageError(f"output must end in .npy or .jsonl, got {output.name!r}")
 
 
 class Checkpoint:
@@ -408,14 +409,11 @@ def _json_lines(records: Iterable[dict[str, Any]]) -> bytes:
 def _row_from_record(line: bytes) -> Row | None:
     """A ``.part.jsonl`` line's row (written by ``asdict``), or None for a line that is not one."""
     try:
-        record = json.loads(line)
-        row = Row(int(record["index"]), record.get("id"), record.get("vector"),
-                  str(record.get("kind") or "embedding"), record.get("tokens"),
-                  record.get("error_code"), record.get("error_message"))
-    except (ValueError, TypeError, KeyError):
+        row = Row(**json.loads(line))
+    except (ValueError, TypeError):
         return None
-    if (row.vector is None) == (row.error_code is None):  # exactly one of them
-        return None
+    if not isinstance(row.index, int) or (row.vector is None) == (row.error_code is None):
+        return None  # a row has exactly one of them
     return row
 
 
