@@ -256,11 +256,19 @@ class Checkpoint:
             self.manifest["dim"] = dim
             self._write_manifest()
 
+    def _learn_dim(self, rows: list[Row]) -> None:
+        """Pin the output's width from the first vector seen (a chunk of failures has none)."""
+        if self.dim is None:
+            width = next((len(row.vector) for row in rows if row.vector is not None), None)
+            if width is not None:
+                self.set_dim(width)
+
     def _write_manifest(self) -> None:
         _atomic_write(self.directory / _MANIFEST, json.dumps(self.manifest, indent=2).encode())
 
     def write_partial(self, number: int, rows: list[Row]) -> None:
         """Save the rows of unfinished chunk ``number`` that are back (replacing any before)."""
+        self._learn_dim(rows)
         _atomic_write(self._chunk(number, _PART), _json_lines(map(asdict, rows)))
 
     def partial_rows(self, done: set[int]) -> dict[int, dict[int, Row]]:
@@ -289,6 +297,7 @@ class Checkpoint:
 
     def write_chunk(self, number: int, rows: list[Row]) -> None:
         """Store one finished chunk, its ``.done`` marker last, then drop its saved rows."""
+        self._learn_dim(rows)
         _check_widths(rows, self.dim, self.manifest.get("queue"))
         if self.format == "npy":
             _atomic_write(self._chunk(number, ".npy"), _npy_bytes(rows, self.dim))

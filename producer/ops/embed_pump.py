@@ -194,7 +194,6 @@ class _Chunks:
         """Write the rows back so far of every unfinished chunk (at an interruption)."""
         for number, rows in sorted(self.rows.items()):
             if rows:
-                _learn_dim(self.checkpoint, rows.values())
                 self.checkpoint.write_partial(number, sorted(rows.values(),
                                                              key=lambda row: row.index))
 
@@ -205,7 +204,6 @@ class _Chunks:
         if number == self.first and self.current is not None:
             self._judge(number, only_known=False)
         rows = sorted(self.rows[number].values(), key=lambda row: row.index)
-        _learn_dim(self.checkpoint, rows)
         self.checkpoint.write_chunk(number, rows)
         self.forget([row.index for row in rows])
         del self.rows[number], self.expected[number]
@@ -243,14 +241,6 @@ def same_failure(rows: Sequence[Row], size: int) -> tuple[int, Row] | None:
         return None
     kind, failed = kinds.most_common(1)[0]
     return (failed, first[kind]) if failed * 2 > size else None
-
-
-def _learn_dim(checkpoint: Checkpoint, rows: Any) -> None:
-    """Pin the output's width from the first vector seen (a chunk of failures has none)."""
-    if checkpoint.dim is None:
-        widths = [len(row.vector) for row in rows if row.vector is not None]
-        if widths:
-            checkpoint.set_dim(widths[0])
 
 
 def _groups(items: Iterator[Item], chunk_size: int,
