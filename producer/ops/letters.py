@@ -104,30 +104,22 @@ class Lanes:
         between = ", " if len(shards) == 2 else " … "
         return f"{key(shards[0])}{between}{key(shards[-1])} and {key(plain)}"
 
-    def target(self, word: str) -> Target | str:
-        """The letter ``word`` names (a bare id in a sharded queue: lane None, whichever
-        holds it), or ``word`` with why it names none."""
-        head, slash, tail = word.partition("/")
-        named = self.sharded and slash
-        normal = entry_id(tail if named else word)
-        if normal is None:
-            return f"{word} (not a stream entry id)"
-        if not named:
-            return Target(None if self.sharded else self.queue, normal)
-        lane = self._lane(head.strip())
-        if lane is None:
-            return f"{word} (no such shard: the queue has shards 0-{len(self.all) - 2} and plain)"
-        return Target(lane, normal)
-
     def targets(self, words: Sequence[str]) -> tuple[list[Target], list[str]]:
-        """(the letters named, in order and without repeats; each word naming none, with why)."""
+        """(the letters named, in order and without repeats, a bare id in a sharded queue with
+        lane None: whichever holds it; each word naming none, with why)."""
         wanted: list[Target] = []
         invalid: list[str] = []
         for word in words:
-            found = self.target(word)
-            if isinstance(found, str):
-                invalid.append(found)
-            elif found not in wanted:
+            head, slash, tail = word.partition("/")
+            named = self.sharded and slash
+            normal = entry_id(tail if named else word)
+            lane = self._lane(head.strip()) if named else None if self.sharded else self.queue
+            if normal is None:
+                invalid.append(f"{word} (not a stream entry id)")
+            elif named and lane is None:
+                invalid.append(f"{word} (no such shard: the queue has shards "
+                               f"0-{len(self.all) - 2} and plain)")
+            elif (found := Target(lane, normal)) not in wanted:
                 wanted.append(found)
         return wanted, invalid
 
