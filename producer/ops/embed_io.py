@@ -174,9 +174,7 @@ class Checkpoint:
             if not isinstance(found, dict):
                 raise ResumeMismatch(f"{manifest_path} is not a tokenq embed manifest; re-run "
                                      "with --restart to discard the partial results")
-            if _compared(found) != _compared(self.manifest):
-                changed = sorted(k for k in set(found) | set(self.manifest)
-                                 if k not in _UNCHECKED and found.get(k) != self.manifest.get(k))
+            if changed := self._changed(found):
                 raise ResumeMismatch(
                     f"{self.directory} is from a different run ({', '.join(changed)} changed); "
                     "re-run with --restart to discard it")
@@ -191,6 +189,11 @@ class Checkpoint:
             self.manifest["requests"] = secrets.token_hex(8)
             self._write_manifest()
         return set(self._numbers(_DONE))
+
+    def _changed(self, found: dict[str, Any]) -> list[str]:
+        """The keys an earlier run's manifest ``found`` differs in (but :data:`_UNCHECKED`)."""
+        return sorted(k for k in found.keys() | self.manifest.keys()
+                      if k not in _UNCHECKED and found.get(k) != self.manifest.get(k))
 
     def _check_model(self, stored: dict[str, Any] | None) -> None:
         """Refuse to resume with another model than the saved rows'; unknown on either side
@@ -211,8 +214,7 @@ class Checkpoint:
             found = json.loads((leftover / _MANIFEST).read_text())
         except (OSError, ValueError, UnicodeDecodeError):
             return False
-        return (isinstance(found, dict) and _compared(found) == _compared(self.manifest)
-                and self.output.exists())
+        return isinstance(found, dict) and not self._changed(found) and self.output.exists()
 
     def _failed_in_output(self) -> int:
         """How many rows of a complete OUTPUT are errors."""
@@ -441,11 +443,6 @@ def _check_widths(rows: list[Row], dim: int | None, queue: object) -> None:
             f"queue {queue!r} answered vectors of {sorted(widths - {dim})[0]} values where this "
             f"run's earlier ones have {dim}: its model changed; re-run with --restart to "
             "embed everything with the new model")
-
-
-def _compared(manifest: dict[str, Any]) -> dict[str, Any]:
-    """A manifest without the keys compared on their own (:data:`_UNCHECKED`)."""
-    return {k: v for k, v in manifest.items() if k not in _UNCHECKED}
 
 
 def _remove_tree(directory: Path, keep: str | None = None, *, complete: bool = False) -> None:
