@@ -219,7 +219,7 @@ def retry(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None, *, max_qu
         newest: list[tuple[bytes, Any]] = r.xrevrange(  # type: ignore[assignment]  # as in _pages
             keys.dead(q), "+", "-", count=1)
         outcome.last_id = newest[0][0].decode() if newest else None
-        pages: Iterator[list[str]] = iter(()) if outcome.last_id is None else _pages(
+        pages: Iterator[Sequence[str]] = iter(()) if outcome.last_id is None else _pages(
             r, q, outcome.last_id)
     else:
         pages = (ids[i:i + _PAGE] for i in range(0, len(ids), _PAGE))
