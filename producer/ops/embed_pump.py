@@ -103,28 +103,22 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
         for number, group in _groups(items, settings.chunk_size, settings.batch_size):
             with held():
                 chunks.reached(number)
+                inputs = len(group)
                 if settings.blank == "skip":
-                    blank = [item.index for item in group if item.blank]
-                    tally.blank.extend(blank)
-                    progress.advance(len(blank))
+                    tally.blank.extend(item.index for item in group if item.blank)
                     group = [item for item in group if not item.blank]
-                if number in done:
-                    tally.skipped += len(group)
-                    progress.advance(len(group))
-                    continue
-                new = chunks.sent(number, group)
+                new = [] if number in done else chunks.sent(number, group)
                 tally.skipped += len(group) - len(new)
-                progress.advance(len(group) - len(new))
                 bad = [Row(item.index, item.id, error_code="bad_input", error_message=item.problem)
                        for item in new if item.text is None]
                 tally.count(bad)
-                progress.advance(len(bad))
                 chunks.received(number, bad)
-            sendable = [item for item in new if item.text is not None]
+                sendable = [item for item in new if item.text is not None]
+                progress.advance(inputs - len(sendable))  # the sent ones as their rows come
             settle(block=False)
-            while len(outstanding) >= threads:
-                settle(block=True)
             if sendable:
+                while len(outstanding) >= threads:
+                    settle(block=True)
                 outstanding[pool.submit(_infer_group, client, sendable, token,
                                         settings, written_as)] = number
         with held():
