@@ -5,6 +5,7 @@ Named letters not found, or skipped, are named on stderr and make the exit statu
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from tokenq.shared.settings import DlqSettings
 from tokenq.shared.text import plural
 
 _PREVIEW = 60
+_ID_WORD = re.compile(rf"(?:(?:\d+|{dlq.PLAIN})/)?\d+(?:-\d*)?")  # an entry id or a letter's name
 
 ACTIONS = {
     "list": "show the oldest --count letters (or the --id ones): code, reason, worker, age",
@@ -39,18 +41,10 @@ def spread_ids(argv: list[str]) -> list[str]:
     out: list[str] = []
     for arg in argv:
         after_id = len(out) >= 2 and out[-2] == "--id" and out[-1] != "--id"  # an --id's value
-        if after_id and _looks_like_id(arg):
+        if after_id and _ID_WORD.fullmatch(arg):
             out.append("--id")
         out.append(arg)
     return out
-
-
-def _looks_like_id(arg: str) -> bool:
-    lane, slash, rest = arg.partition("/")
-    if slash and (lane.isdigit() or lane == dlq.PLAIN):
-        arg = rest  # a sharded queue's letter: <shard>/<entry id>
-    ms, _, seq = arg.partition("-")
-    return ms.isdigit() and (seq == "" or seq.isdigit())
 
 
 Work = list[tuple[keys.QueueRef, list[str] | None]]  # by lane: entry ids, or None for all

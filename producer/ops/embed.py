@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 
@@ -178,7 +178,6 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
     finally:
         checkpoint.close()
         signals.restore()
-    return 1  # not reached: _leave does not return
 
 
 def _exit(code: int) -> int:
@@ -189,7 +188,7 @@ def _exit(code: int) -> int:
     return code
 
 
-def _leave(code: int) -> None:
+def _leave(code: int) -> NoReturn:
     """Exit now, not waiting for the threads of groups still out (in a read until
     ``--timeout-s``); everything worth keeping is on disk."""
     sys.stdout.flush()
