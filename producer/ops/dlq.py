@@ -5,6 +5,7 @@ Named letters not found, or skipped, are named on stderr and make the exit statu
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from tokenq.shared.settings import DlqSettings
 from tokenq.shared.text import plural
 
 _PREVIEW = 60
+_ID_WORD = re.compile(rf"(?:(?:\d+|{dlq.PLAIN})/)?\d+(?:-\d*)?")  # an entry id or a letter's name
 
 ACTIONS = {
     "list": "show the oldest --count letters (or the --id ones): code, reason, worker, age",
@@ -39,18 +41,10 @@ def spread_ids(argv: list[str]) -> list[str]:
     out: list[str] = []
     for arg in argv:
         after_id = len(out) >= 2 and out[-2] == "--id" and out[-1] != "--id"  # an --id's value
-        if after_id and _looks_like_id(arg):
+        if after_id and _ID_WORD.fullmatch(arg):
             out.append("--id")
         out.append(arg)
     return out
-
-
-def _looks_like_id(arg: str) -> bool:
-    lane, slash, rest = arg.partition("/")
-    if slash and (lane.isdigit() or lane == dlq.PLAIN):
-        arg = rest  # a sharded queue's letter: <shard>/<entry id>
-    ms, _, seq = arg.partition("-")
-    return ms.isdigit() and (seq == "" or seq.isdigit())
 
 
 Work = list[tuple[keys.QueueRef, list[str] | None]]  # by lane: entry ids, or None for all
@@ -114,7 +108,7 @@ def _list(r: redis.Redis, lanes: dlq.Lanes, settings: DlqSettings) -> int:
         for lane, letter in letters:
             print(json.dumps(_letter_json(lanes, lane, letter), ensure_ascii=False))
     else:
-        total = sum(dlq.counts(r, lanes).values())
+        total = dlq.count(r, lanes)
         print(f"{plural(total, 'dead letter')} in {lanes.where(keys.dead)}" + (
             f" (showing {len(letters)})" if len(letters) < total else ""))
         if letters:
@@ -128,11 +122,18 @@ def _list(r: redis.Redis, lanes: dlq.Lanes, settings: DlqSettings) -> int:
 
 
 def _letter_json(lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter) -> dict[str, Any]:
-    """A letter's ``--json`` line; a sharded queue's also says its lane and its name."""
-    doc = dlq.letter_json(letter)
-    if not lanes.sharded:
-        return doc
-    return {"shard": lane.shard, "entry": lanes.name(lane, letter.entry_id), **doc}
+    """A letter's ``--json`` line: text fields as strings, binary ones (``opts``) as hex; a
+    sharded queue's also says its lane and its name."""
+    where = {"shard": lane.shard, "entry": lanes.name(lane, letter.entry_id)}
+    return {
+        **(where if lanes.sharded else {}),
+        "entry_id": letter.entry_id, "request_id": letter.request_id,
+        "error_code": letter.error_code, "error": dlq.reason_text(letter.error),
+        "worker": letter.worker, "deliveries": letter.deliveries, "at_ms": letter.at_ms,
+        "source_id": letter.source_id, "truncated": letter.truncated,
+        "request": {name: value if isinstance(value, str) else {"hex": value.hex()}
+                    for name, value in letter.request.items()},
+    }
 
 
 def _row(lanes: dlq.Lanes, lane: keys.QueueRef, letter: DeadLetter, now_ms: int) -> tuple[str, ...]:

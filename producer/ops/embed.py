@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 
@@ -55,11 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def embed(settings: EmbedSettings) -> int:
-    try:
-        out_format = output_format(settings.output)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    if out_format == "npy":
+    if output_format(settings.output) == "npy":
         try:
             import numpy  # noqa: F401
         except ImportError:
@@ -69,8 +65,11 @@ def embed(settings: EmbedSettings) -> int:
         raise UsageError(f"--output {settings.output} is a directory; name a .npy or .jsonl "
                          "file")
     fmt = input_format(settings.file, settings.input_format)
-    if settings.file != "-" and not _readable(settings.file):
-        raise UsageError(f"cannot read {settings.file}")
+    if settings.file != "-":
+        try:
+            open(settings.file, "rb").close()
+        except OSError:
+            raise UsageError(f"cannot read {settings.file}") from None
     q = QueueRef(settings.queue, settings.prefix)
     with connection(settings.redis_url, settings.socket_timeout_s, [q]) as ops:
         return _embed(settings, ops, q, fmt)
@@ -131,7 +130,10 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
     signals.install()
     try:
         with unwrapped(lambda: signals.stopping), Client(settings=settings) as client:
-            manifest["model"] = _model(client)
+            try:
+                manifest["model"] = model_identity(parse_config(client.config()))
+            except redis.exceptions.NoPermissionError:
+                manifest["model"] = None  # unknown: the checkpoint keeps what it knows
             with signals.held():
                 try:
                     done = checkpoint.open(restart=settings.restart)
@@ -176,7 +178,6 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef, fmt: str) -> 
     finally:
         checkpoint.close()
         signals.restore()
-    return 1  # not reached: _leave does not return
 
 
 def _exit(code: int) -> int:
@@ -187,7 +188,7 @@ def _exit(code: int) -> int:
     return code
 
 
-def _leave(code: int) -> None:
+def _leave(code: int) -> NoReturn:
     """Exit now, not waiting for the threads of groups still out (in a read until
     ``--timeout-s``); everything worth keeping is on disk."""
     sys.stdout.flush()
@@ -203,14 +204,6 @@ def _heartbeats(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, float]] | 
         print(f"tokenq embed: this Redis user may not read {keys.workers(q)} (ACL); the "
               "summary leaves out what the workers did", file=sys.stderr)
         return None
-
-
-def _readable(path: str) -> bool:
-    try:
-        with open(path, "rb"):
-            return True
-    except OSError:
-        return False
 
 
 def _run(settings: EmbedSettings, checkpoint: Checkpoint, client: Client, ops: redis.Redis,
@@ -239,14 +232,6 @@ def _run(settings: EmbedSettings, checkpoint: Checkpoint, client: Client, ops: r
                   f"{one_line(str(exc))}", file=sys.stderr)
     _summary(settings, tally, elapsed, workers, failed)
     return 1 if failed else 0
-
-
-def _model(client: Client) -> dict[str, str | int | None] | None:
-    """The model the queue serves, for the checkpoint; None when unknown or unreadable."""
-    try:
-        return model_identity(parse_config(client.config()))
-    except redis.exceptions.NoPermissionError:
-        return None
 
 
 def _queue_dim(client: Client, settings: EmbedSettings) -> int:

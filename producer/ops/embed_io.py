@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from tokenq.shared.failures import CommandFailed
+from tokenq.shared.flags import UsageError
 
 MANIFEST_VERSION = 1
 _LOCK = "lock"
@@ -123,7 +124,7 @@ def output_format(output: Path) -> str:
         return "npy"
     if suffix in {".jsonl", ".ndjson"}:
         return "jsonl"
-    raise ValueError(f"output must end in .npy or .jsonl, got {output.name!r}")
+    raise UsageError(f"output must end in .npy or .jsonl, got {output.name!r}")
 
 
 class Checkpoint:
@@ -173,9 +174,7 @@ class Checkpoint:
             if not isinstance(found, dict):
                 raise ResumeMismatch(f"{manifest_path} is not a tokenq embed manifest; re-run "
                                      "with --restart to discard the partial results")
-            if _compared(found) != _compared(self.manifest):
-                changed = sorted(k for k in set(found) | set(self.manifest)
-                                 if k not in _UNCHECKED and found.get(k) != self.manifest.get(k))
+            if changed := self._changed(found):
                 raise ResumeMismatch(
                     f"{self.directory} is from a different run ({', '.join(changed)} changed); "
                     "re-run with --restart to discard it")
@@ -190,6 +189,11 @@ class Checkpoint:
             self.manifest["requests"] = secrets.token_hex(8)
             self._write_manifest()
         return set(self._numbers(_DONE))
+
+    def _changed(self, found: dict[str, Any]) -> list[str]:
+        """The keys an earlier run's manifest ``found`` differs in (but :data:`_UNCHECKED`)."""
+        return sorted(k for k in found.keys() | self.manifest.keys()
+                      if k not in _UNCHECKED and found.get(k) != self.manifest.get(k))
 
     def _check_model(self, stored: dict[str, Any] | None) -> None:
         """Refuse to resume with another model than the saved rows'; unknown on either side
@@ -210,8 +214,7 @@ class Checkpoint:
             found = json.loads((leftover / _MANIFEST).read_text())
         except (OSError, ValueError, UnicodeDecodeError):
             return False
-        return (isinstance(found, dict) and _compared(found) == _compared(self.manifest)
-                and self.output.exists())
+        return isinstance(found, dict) and not self._changed(found) and self.output.exists()
 
     def _failed_in_output(self) -> int:
         """How many rows of a complete OUTPUT are errors."""
@@ -255,11 +258,19 @@ class Checkpoint:
             self.manifest["dim"] = dim
             self._write_manifest()
 
+    def _learn_dim(self, rows: list[Row]) -> None:
+        """Pin the output's width from the first vector seen (a chunk of failures has none)."""
+        if self.dim is None:
+            width = next((len(row.vector) for row in rows if row.vector is not None), None)
+            if width is not None:
+                self.set_dim(width)
+
     def _write_manifest(self) -> None:
         _atomic_write(self.directory / _MANIFEST, json.dumps(self.manifest, indent=2).encode())
 
     def write_partial(self, number: int, rows: list[Row]) -> None:
         """Save the rows of unfinished chunk ``number`` that are back (replacing any before)."""
+        self._learn_dim(rows)
         _atomic_write(self._chunk(number, _PART), _json_lines(map(asdict, rows)))
 
     def partial_rows(self, done: set[int]) -> dict[int, dict[int, Row]]:
@@ -288,6 +299,7 @@ class Checkpoint:
 
     def write_chunk(self, number: int, rows: list[Row]) -> None:
         """Store one finished chunk, its ``.done`` marker last, then drop its saved rows."""
+        self._learn_dim(rows)
         _check_widths(rows, self.dim, self.manifest.get("queue"))
         if self.format == "npy":
             _atomic_write(self._chunk(number, ".npy"), _npy_bytes(rows, self.dim))
@@ -408,14 +420,11 @@ def _json_lines(records: Iterable[dict[str, Any]]) -> bytes:
 def _row_from_record(line: bytes) -> Row | None:
     """A ``.part.jsonl`` line's row (written by ``asdict``), or None for a line that is not one."""
     try:
-        record = json.loads(line)
-        row = Row(int(record["index"]), record.get("id"), record.get("vector"),
-                  str(record.get("kind") or "embedding"), record.get("tokens"),
-                  record.get("error_code"), record.get("error_message"))
-    except (ValueError, TypeError, KeyError):
+        row = Row(**json.loads(line))
+    except (ValueError, TypeError):
         return None
-    if (row.vector is None) == (row.error_code is None):  # exactly one of them
-        return None
+    if not isinstance(row.index, int) or (row.vector is None) == (row.error_code is None):
+        return None  # a row has exactly one of them
     return row
 
 
@@ -434,11 +443,6 @@ def _check_widths(rows: list[Row], dim: int | None, queue: object) -> None:
             f"queue {queue!r} answered vectors of {sorted(widths - {dim})[0]} values where this "
             f"run's earlier ones have {dim}: its model changed; re-run with --restart to "
             "embed everything with the new model")
-
-
-def _compared(manifest: dict[str, Any]) -> dict[str, Any]:
-    """A manifest without the keys compared on their own (:data:`_UNCHECKED`)."""
-    return {k: v for k, v in manifest.items() if k not in _UNCHECKED}
 
 
 def _remove_tree(directory: Path, keep: str | None = None, *, complete: bool = False) -> None:

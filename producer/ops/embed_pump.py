@@ -103,28 +103,22 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, done: 
         for number, group in _groups(items, settings.chunk_size, settings.batch_size):
             with held():
                 chunks.reached(number)
+                inputs = len(group)
                 if settings.blank == "skip":
-                    blank = [item.index for item in group if item.blank]
-                    tally.blank.extend(blank)
-                    progress.advance(len(blank))
+                    tally.blank.extend(item.index for item in group if item.blank)
                     group = [item for item in group if not item.blank]
-                if number in done:
-                    tally.skipped += len(group)
-                    progress.advance(len(group))
-                    continue
-                new = chunks.sent(number, group)
+                new = [] if number in done else chunks.sent(number, group)
                 tally.skipped += len(group) - len(new)
-                progress.advance(len(group) - len(new))
                 bad = [Row(item.index, item.id, error_code="bad_input", error_message=item.problem)
                        for item in new if item.text is None]
                 tally.count(bad)
-                progress.advance(len(bad))
                 chunks.received(number, bad)
-            sendable = [item for item in new if item.text is not None]
+                sendable = [item for item in new if item.text is not None]
+                progress.advance(inputs - len(sendable))  # the sent ones as their rows come
             settle(block=False)
-            while len(outstanding) >= threads:
-                settle(block=True)
             if sendable:
+                while len(outstanding) >= threads:
+                    settle(block=True)
                 outstanding[pool.submit(_infer_group, client, sendable, token,
                                         settings, written_as)] = number
         with held():
@@ -194,7 +188,6 @@ class _Chunks:
         """Write the rows back so far of every unfinished chunk (at an interruption)."""
         for number, rows in sorted(self.rows.items()):
             if rows:
-                _learn_dim(self.checkpoint, rows.values())
                 self.checkpoint.write_partial(number, sorted(rows.values(),
                                                              key=lambda row: row.index))
 
@@ -205,7 +198,6 @@ class _Chunks:
         if number == self.first and self.current is not None:
             self._judge(number, only_known=False)
         rows = sorted(self.rows[number].values(), key=lambda row: row.index)
-        _learn_dim(self.checkpoint, rows)
         self.checkpoint.write_chunk(number, rows)
         self.forget([row.index for row in rows])
         del self.rows[number], self.expected[number]
@@ -243,14 +235,6 @@ def same_failure(rows: Sequence[Row], size: int) -> tuple[int, Row] | None:
         return None
     kind, failed = kinds.most_common(1)[0]
     return (failed, first[kind]) if failed * 2 > size else None
-
-
-def _learn_dim(checkpoint: Checkpoint, rows: Any) -> None:
-    """Pin the output's width from the first vector seen (a chunk of failures has none)."""
-    if checkpoint.dim is None:
-        widths = [len(row.vector) for row in rows if row.vector is not None]
-        if widths:
-            checkpoint.set_dim(widths[0])
 
 
 def _groups(items: Iterator[Item], chunk_size: int,

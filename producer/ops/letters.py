@@ -41,26 +41,12 @@ def reason_text(reason: str | None) -> str | None:
     return _BYTES_LITERAL.sub(as_text, reason)
 
 
-def letter_json(letter: DeadLetter) -> dict[str, Any]:
-    """One letter for ``dlq list --json``: text fields as strings, binary ones (``opts``) as hex."""
-    request = {
-        name: value if isinstance(value, str) else {"hex": value.hex()}
-        for name, value in letter.request.items()
-    }
-    return {
-        "entry_id": letter.entry_id, "request_id": letter.request_id,
-        "error_code": letter.error_code, "error": reason_text(letter.error),
-        "worker": letter.worker, "deliveries": letter.deliveries, "at_ms": letter.at_ms,
-        "source_id": letter.source_id, "truncated": letter.truncated, "request": request,
-    }
-
-
 @dataclass(slots=True)
 class RetryOutcome:
     """What :func:`retry` did, letter by letter (dead-stream entry ids)."""
 
     moved: list[str] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)  # named ids not there (or not ids)
+    missing: list[str] = field(default_factory=list)  # named ids not there
     vanished: list[str] = field(default_factory=list)  # --all: deleted by someone meanwhile
     skipped: dict[str, str] = field(default_factory=dict)  # left in place, id -> why
     last_id: str | None = None  # --all: the dead stream's last id when the retry started
@@ -78,19 +64,6 @@ def entry_id(text: str) -> str | None:
     if int(ms) > _MAX_U64 or int(seq) > _MAX_U64:
         return None
     return f"{int(ms)}-{int(seq)}"
-
-
-def resolve_ids(ids: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(complete ids to look up, in order and without repeats; words that are not stream ids)."""
-    wanted: list[str] = []
-    invalid: list[str] = []
-    for text in ids:
-        normal = entry_id(text)
-        if normal is None:
-            invalid.append(text)
-        elif normal not in wanted:
-            wanted.append(normal)
-    return wanted, invalid
 
 
 PLAIN = "plain"  # a letter's lane on a sharded queue's plain {q} (``-`` would read as a flag)
@@ -131,30 +104,22 @@ class Lanes:
         between = ", " if len(shards) == 2 else " … "
         return f"{key(shards[0])}{between}{key(shards[-1])} and {key(plain)}"
 
-    def target(self, word: str) -> Target | str:
-        """The letter ``word`` names (a bare id in a sharded queue: lane None, whichever
-        holds it), or ``word`` with why it names none."""
-        head, slash, tail = word.partition("/")
-        named = self.sharded and slash
-        normal = entry_id(tail if named else word)
-        if normal is None:
-            return f"{word} (not a stream entry id)"
-        if not named:
-            return Target(None if self.sharded else self.queue, normal)
-        lane = self._lane(head.strip())
-        if lane is None:
-            return f"{word} (no such shard: the queue has shards 0-{len(self.all) - 2} and plain)"
-        return Target(lane, normal)
-
     def targets(self, words: Sequence[str]) -> tuple[list[Target], list[str]]:
-        """(the letters named, in order and without repeats; each word naming none, with why)."""
+        """(the letters named, in order and without repeats, a bare id in a sharded queue with
+        lane None: whichever holds it; each word naming none, with why)."""
         wanted: list[Target] = []
         invalid: list[str] = []
         for word in words:
-            found = self.target(word)
-            if isinstance(found, str):
-                invalid.append(found)
-            elif found not in wanted:
+            head, slash, tail = word.partition("/")
+            named = self.sharded and slash
+            normal = entry_id(tail if named else word)
+            lane = self._lane(head.strip()) if named else None if self.sharded else self.queue
+            if normal is None:
+                invalid.append(f"{word} (not a stream entry id)")
+            elif named and lane is None:
+                invalid.append(f"{word} (no such shard: the queue has shards "
+                               f"0-{len(self.all) - 2} and plain)")
+            elif (found := Target(lane, normal)) not in wanted:
                 wanted.append(found)
         return wanted, invalid
 
@@ -171,10 +136,9 @@ class Lanes:
         return self.all[int(text)]
 
 
-def counts(r: redis.Redis, lanes: Lanes) -> dict[keys.QueueRef, int]:
-    """Each lane's number of dead letters (one pipeline)."""
-    found = pipelined(r, lambda pipe, lane: pipe.xlen(keys.dead(lane)), lanes.all)
-    return {lane: int(n) for lane, n in zip(lanes.all, found, strict=True)}
+def count(r: redis.Redis, lanes: Lanes) -> int:
+    """The lanes' dead letters together (one pipeline)."""
+    return sum(pipelined(r, lambda pipe, lane: pipe.xlen(keys.dead(lane)), lanes.all))
 
 
 Letters = list[tuple[keys.QueueRef, DeadLetter]]  # each with its lane
@@ -246,20 +210,19 @@ def _pages(r: redis.Redis, q: keys.QueueRef, end: str) -> Iterator[list[str]]:
 
 def retry(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None, *, max_queue_length: int,
           drop_deadline: bool = False, until_full: bool = False) -> RetryOutcome:
-    """Re-enqueue the named letters (``ids=None``: every letter there when it starts); a page
-    that would pass ``max_queue_length`` raises :class:`QueueFull` (earlier pages stay moved),
-    or with ``until_full`` ends it with ``outcome.full`` set."""
+    """Re-enqueue the letters of complete entry ids ``ids`` (None: every letter there when it
+    starts); a page that would pass ``max_queue_length`` raises :class:`QueueFull` (earlier
+    pages stay moved), or with ``until_full`` ends it with ``outcome.full`` set."""
     script = functions.Function(r, "dlq_retry")  # dlq_retry.lua, by FCALL
     outcome = RetryOutcome()
     if ids is None:
         newest: list[tuple[bytes, Any]] = r.xrevrange(  # type: ignore[assignment]  # as in _pages
             keys.dead(q), "+", "-", count=1)
         outcome.last_id = newest[0][0].decode() if newest else None
-        pages: Iterator[list[str]] = iter(()) if outcome.last_id is None else _pages(
+        pages: Iterator[Sequence[str]] = iter(()) if outcome.last_id is None else _pages(
             r, q, outcome.last_id)
     else:
-        wanted, outcome.missing = resolve_ids(ids)
-        pages = (wanted[i:i + _PAGE] for i in range(0, len(wanted), _PAGE))
+        pages = (ids[i:i + _PAGE] for i in range(0, len(ids), _PAGE))
     for page in pages:
         try:
             answers = script(keys=[keys.dead(q), keys.requests(q)],
@@ -297,8 +260,8 @@ def _skip_reason(answer: list[bytes]) -> str:
 
 
 def purge(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None) -> tuple[int, list[str]]:
-    """Delete the named letters (``ids=None``: the whole dead stream): (how many, the named
-    ids not there)."""
+    """Delete the letters of complete entry ids ``ids`` (None: the whole dead stream): (how
+    many, the named ids not there)."""
     if ids is None:
         dead = keys.dead(q)
 
@@ -313,14 +276,11 @@ def purge(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None) -> tuple[
 
         removed, _ = r.transaction(drop, dead)  # type: ignore[misc]  # redis-py: list | None
         return int(removed), []
-    wanted, missing = resolve_ids(ids)
+    missing: list[str] = []
     removed = 0
-    for start in range(0, len(wanted), _PAGE):
-        page = wanted[start:start + _PAGE]
-        with r.pipeline(transaction=False) as pipe:
-            for one in page:
-                pipe.xdel(keys.dead(q), one)
-            deleted = pipe.execute()
+    for start in range(0, len(ids), _PAGE):
+        page = ids[start:start + _PAGE]
+        deleted = pipelined(r, lambda pipe, one: pipe.xdel(keys.dead(q), one), page)
         for one, n in zip(page, deleted, strict=True):
             if int(n):
                 removed += 1

@@ -171,8 +171,7 @@ def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str 
                                "error": str(explain(exc, r, [q], redis_url))})
     doc = {"version": SNAPSHOT_VERSION, "at": round(now, 3),
            "redis_url": redact_url(redis_url) if redis_url else "", "queues": rows}
-    sharded = queue_totals(rows)
-    if sharded:
+    if sharded := queue_totals(rows):
         doc["totals"] = sharded
     if unreadable:
         doc["unreadable"] = unreadable
@@ -359,9 +358,8 @@ _SUMMED = ("requests_ok", "requests_failed", "batches", "tokens", "padded_tokens
 
 
 def _totals(workers: list[dict[str, Any]]) -> dict[str, Any]:
-    totals: dict[str, Any] = {name: sum(w[name] for w in workers) for name in _SUMMED}
-    totals["requests_per_s"] = round(totals["requests_per_s"], 3)
-    totals["tokens_per_s"] = round(totals["tokens_per_s"], 3)
+    # round() leaves the integer counters as they are: only the rates have decimals
+    totals: dict[str, Any] = {name: round(sum(w[name] for w in workers), 3) for name in _SUMMED}
     return {**totals, "workers": len(workers),
             "padding_efficiency": ratio(totals["tokens"], totals["padded_tokens"])}
 

@@ -24,17 +24,12 @@ def stats(settings: StatsSettings) -> int:
                             settings.socket_timeout_s)
     if settings.as_json:
         print(json.dumps(doc, indent=2, sort_keys=True))
-    elif doc["queues"] or not doc.get("unreadable"):
-        print(render_text(doc))
+    elif doc["queues"]:
+        print("\n\n".join(_head(q) if whole else _queue_block(q)
+                          for whole, q in in_display_order(doc)))
+    elif not doc.get("unreadable"):
+        print("no tokenq queues found (nothing has been enqueued or served yet)")
     return report_unreadable("tokenq stats", doc)
-
-
-def render_text(doc: dict[str, Any]) -> str:
-    """The snapshot as aligned plain text (no colour, no terminal needed)."""
-    if not doc["queues"]:
-        return "no tokenq queues found (nothing has been enqueued or served yet)"
-    blocks = [_head(q) if whole else _queue_block(q) for whole, q in in_display_order(doc)]
-    return "\n\n".join(blocks)
 
 
 def in_display_order(doc: dict[str, Any]) -> Iterator[tuple[bool, dict[str, Any]]]:

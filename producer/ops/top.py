@@ -101,20 +101,17 @@ class RecentRates:
         self._rates: Rates = {}
 
     def update(self, doc: dict[str, Any]) -> Rates:
-        seen = set()
+        last = {}  # the workers in this snapshot: one gone is forgotten
         for q in doc["queues"]:
             for w in q["workers"]:
                 key = (q["label"], w["consumer"])
-                seen.add(key)
-                now = (w["at"], w["requests_ok"] + w["requests_failed"], w["tokens"])
+                now = last[key] = (w["at"], w["requests_ok"] + w["requests_failed"], w["tokens"])
                 before = self._last.get(key)
                 if before is not None and now[0] > before[0]:
                     span = now[0] - before[0]
                     self._rates[key] = ((now[1] - before[1]) / span, (now[2] - before[2]) / span)
-                self._last[key] = now
-        for key in set(self._last) - seen:
-            self._last.pop(key, None)
-            self._rates.pop(key, None)
+        self._last = last
+        self._rates = {key: rate for key, rate in self._rates.items() if key in last}
         return dict(self._rates)
 
 
