@@ -83,7 +83,6 @@ def _load_prctl() -> Any:
 
 _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 
 
 def prctl(option: int, value: int) -> bool:
