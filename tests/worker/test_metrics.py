@@ -25,8 +25,8 @@ from tokenq.worker import endpoint, metrics
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER
 from tokenq.worker.batch_stats import BatchRecord, WorkerStats, exit_line
 from tokenq.worker.health import Health
-from tokenq.worker.histograms import BatchHistogram
 from tokenq.worker.loop import beat
+from tokenq.worker.metrics import BatchHistogram
 from tokenq.worker.pipeline.jobs import Answer, error_answer
 from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling.embedded import free_port
