@@ -123,8 +123,8 @@ class Batcher:
         self.max_request_bytes = options.max_request_bytes
         self.stats = BatcherStats()
         self._incoming: deque[_Pending] = deque()
-        self._tokenizing: list[_Pending] = []
         self._ids = itertools.count()
+        self._tokenizing: list[_Pending] = []
         """The chunk the tokenizer thread holds: out of ``_incoming``, not yet in the packer."""
         self._stopped: Failure | None = None
         """Set when a task died; what every later answer becomes."""
@@ -203,8 +203,8 @@ class Batcher:
             self._enqueue(text, pair, timeout_s, priority, opts)
             for text, pair in zip(texts, pairs, strict=True)
         ]
-        futures = [pending.future for pending in queued]
-        results = await asyncio.gather(*futures, return_exceptions=True)
+        results = await asyncio.gather(*(pending.future for pending in queued),
+                                       return_exceptions=True)
         if not return_exceptions:
             for result in results:
                 if isinstance(result, BaseException):
@@ -261,7 +261,8 @@ class Batcher:
     ) -> _Pending:
         loop = self._start()
         deadline = None if timeout_s is None else _epoch_ms() + int(timeout_s * 1000)
-        request = _request(str(next(self._ids)), text, text_pair, priority, opts)
+        request = wire.Request(id=str(next(self._ids)), text=text, tokens=0, reply_to="",
+                               text_pair=text_pair, priority=priority, opts=opts)
         pending = _Pending(request, deadline, monotonic_ms(), loop.create_future())
         pending.future.add_done_callback(self._on_future_done)
         self._incoming.append(pending)
@@ -334,12 +335,6 @@ class Batcher:
             self._fail_everything(exc)
             raise
 
-    def _prune(self) -> None:
-        """Drop what callers gave up on before costing a batch (device thread, feed's lock held)."""
-        if self._abandoned:
-            self._abandoned = False
-            self._packer.remove_where(lambda job: job.ref.future.done())
-
     def _execute(self, batch: Batch[Job[_Pending]]) -> BatchOutcome[_Pending]:
         """Run one batch and adapt the budget (in the device thread, which alone changes it)."""
         outcome = self._pipeline.run_batch(batch.payloads, _epoch_ms())
@@ -347,12 +342,7 @@ class Batcher:
         return outcome
 
     async def _settle(self, batch: Batch[Job[_Pending]], outcome: BatchOutcome[_Pending]) -> None:
-        self._account(batch, outcome.failed_runs)
-        for done in outcome.answered:
-            self._answer(done.ref, done.result)
-
-    def _account(self, batch: Batch[Job[_Pending]], events: list[FailedRun]) -> None:
-        stats = self.stats
+        stats, events = self.stats, outcome.failed_runs
         stats.batches += 1
         stats.rows += batch.rows
         stats.tokens += batch.tokens
@@ -364,6 +354,8 @@ class Batcher:
                 stats.error_events += 1
         if events:
             stats.failed_runs = (stats.failed_runs + events)[-100:]
+        for done in outcome.answered:
+            self._answer(done.ref, done.result)
 
     # ----------------------------------------------------------------- answers
 
@@ -399,13 +391,6 @@ class Batcher:
         self._feed.wake()
 
 
-def _request(
-    request_id: str, text: str, text_pair: str | None, priority: int, opts: Mapping[str, Any]
-) -> wire.Request:
-    return wire.Request(id=request_id, text=text, tokens=0, reply_to="", text_pair=text_pair,
-                        priority=priority, opts=opts)
-
-
 class _Rules(Rules):
     """What the device thread asks a :class:`Batcher`."""
 
@@ -421,4 +406,8 @@ class _Rules(Rules):
             batcher._incoming or batcher._tokenizing or batcher._packer)
 
     def prune(self) -> None:
-        self._batcher._prune()
+        """Drop what callers gave up on before costing a batch (device thread, feed's lock held)."""
+        batcher = self._batcher
+        if batcher._abandoned:
+            batcher._abandoned = False
+            batcher._packer.remove_where(lambda job: job.ref.future.done())

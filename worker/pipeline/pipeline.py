@@ -204,9 +204,12 @@ class Pipeline(Generic[K]):
         )
 
     def admit(self, items: Sequence[Admit[K]], now_epoch_ms: int) -> Admitted[K]:
-        """Jobs for the requests worth running; an answer now for the rest."""
+        """Jobs for the requests worth running; an answer now for the rest. Tokenizes in one
+        call per truncation length (one call unless requests differ)."""
         out: Admitted[K] = Admitted()
-        valid: list[tuple[Admit[K], RequestOptions]] = []
+        cut: list[tuple[Admit[K], RequestOptions]] = []  # tokenized to the model's limit
+        whole: list[tuple[Admit[K], RequestOptions]] = []
+        truncating = self.policy == "truncate"
         for item in items:
             if item.deadline_ms is not None and item.deadline_ms <= now_epoch_ms:
                 late = now_epoch_ms - item.deadline_ms
@@ -226,32 +229,13 @@ class Pipeline(Generic[K]):
                 out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, f"opts: {exc}",
                                                  getattr(exc, "param", None)))
                 continue
-            valid.append((item, options))
-        if valid:
-            self._tokenize(valid, out)
-        return out
-
-    def _truncates(self, options: RequestOptions) -> bool:
-        """Whether this request's input is cut to the model's limit when it is longer."""
-        return self.policy == "truncate" if options.truncate is None else options.truncate
-
-    def _tokenize(
-        self, items: Sequence[tuple[Admit[K], RequestOptions]], out: Admitted[K]
-    ) -> None:
-        """Tokenize in one call per truncation length (one call unless requests differ)."""
-        cut: list[tuple[Admit[K], RequestOptions]] = []
-        whole: list[tuple[Admit[K], RequestOptions]] = []
-        default = cut if self._truncates(NO_OPTIONS) else whole  # requests that say nothing
-        for entry in items:
-            options = entry[1]
-            if options is NO_OPTIONS:
-                default.append(entry)
-            else:
-                (cut if self._truncates(options) else whole).append(entry)
+            truncates = truncating if options.truncate is None else options.truncate
+            (cut if truncates else whole).append((item, options))
         if cut:
             self._tokenize_with(cut, self.info.max_input_tokens, out)
         if whole:
             self._tokenize_with(whole, None, out)
+        return out
 
     def _tokenize_with(
         self, items: Sequence[tuple[Admit[K], RequestOptions]], max_length: int | None,
@@ -454,45 +438,32 @@ class Pipeline(Generic[K]):
         )
 
     def encoded_reply(self, outcome: Outcome[K]) -> tuple[bytes, bool]:
-        """The reply's msgpack bytes, and whether it is a success."""
-        result = outcome.result
-        if self.info.embeds and not isinstance(result, Failure) and result.ndim == 1:
+        """The reply's msgpack bytes, and whether it is a success; a cut input's says so."""
+        request, result, tokens = outcome.request, outcome.result, outcome.tokens
+        if isinstance(result, Failure):
+            failed = wire.error_reply(request.id, result.code, result.message, result.param)
+            return wire.encode_reply(failed), False
+        if self.info.embeds and result.ndim == 1:
             vector = np.ascontiguousarray(result, dtype="<f4")
             return wire.encode_embedding_reply(
-                outcome.request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens,
+                request.id, vector.tobytes(), int(vector.shape[0]), tokens=tokens,
                 truncated=outcome.truncated,
             ), True
-        reply = self.reply(outcome)
-        return wire.encode_reply(reply), reply.ok
-
-    def reply(self, outcome: Outcome[K]) -> wire.Reply:
-        """The wire reply for a finished request, saying whether its input was cut."""
-        reply = self._reply(outcome)
-        return replace(reply, truncated=True) if outcome.truncated and reply.ok else reply
-
-    def _reply(self, outcome: Outcome[K]) -> wire.Reply:
-        """The wire reply for a finished request: an embedding or scores, or the error."""
-        request, result = outcome.request, outcome.result
-        if isinstance(result, Failure):
-            return wire.error_reply(request.id, result.code, result.message, result.param)
         if result.ndim == 2:  # output: tokens (Finisher.one): one vector per token
             rows = np.ascontiguousarray(result, dtype="<f4")
-            return wire.token_embeddings_reply(
-                request.id, rows.tobytes(), int(rows.shape[1]), tokens=outcome.tokens
-            )
-        if self.info.embeds:
-            vector = np.ascontiguousarray(result, dtype="<f4")
-            return wire.embedding_reply(
-                request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens
-            )
-        if self.info.task == "sparse":
+            reply = wire.token_embeddings_reply(request.id, rows.tobytes(), int(rows.shape[1]),
+                                                tokens=tokens)
+        elif self.info.task == "sparse":
             indices, values = sparse_entries(result)
-            return wire.sparse_reply(
-                request.id, indices, values, int(np.size(result)), tokens=outcome.tokens
-            )
-        scores = np.ravel(result).tolist()
-        labels = self.info.labels if len(self.info.labels) == len(scores) else None
-        return wire.scores_reply(request.id, scores, tokens=outcome.tokens, labels=labels)
+            reply = wire.sparse_reply(request.id, indices, values, int(np.size(result)),
+                                      tokens=tokens)
+        else:
+            scores = np.ravel(result).tolist()
+            labels = self.info.labels if len(self.info.labels) == len(scores) else None
+            reply = wire.scores_reply(request.id, scores, tokens=tokens, labels=labels)
+        if outcome.truncated:
+            reply = replace(reply, truncated=True)
+        return wire.encode_reply(reply), True
 
 
 _DEADLINE = Failure(ErrorCode.DEADLINE_EXCEEDED.value, "deadline passed before the request ran")
