@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -45,9 +45,6 @@ class FailedRun:
         return self.rows * self.longest
 
 
-OnFailedRun = Callable[[FailedRun], None]
-
-
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for any framework's "device out of memory" error."""
     if isinstance(exc, MemoryError):
@@ -64,13 +61,10 @@ def describe(exc: BaseException) -> str:
 
 
 def run_isolated(
-    backend: Backend,
-    encodings: Sequence[Encoding],
-    *,
-    on_oom: OnFailedRun | None = None,
-    on_error: OnFailedRun | None = None,
+    backend: Backend, encodings: Sequence[Encoding], failed_runs: list[FailedRun] | None = None
 ) -> list[np.ndarray | Failure]:
-    """Run ``encodings`` as one batch; answer every row with a vector or a Failure."""
+    """Run ``encodings`` as one batch; answer every row with a vector or a Failure. Each
+    ``backend.run`` that raised is added to ``failed_runs``."""
     results: list[np.ndarray | Failure | None] = [None] * len(encodings)
     # An explicit stack, not recursion, keeps backend tracebacks short.
     pending: list[tuple[int, int]] = [(0, len(encodings))] if encodings else []
@@ -93,7 +87,8 @@ def run_isolated(
                 tokens=sum(lengths),
                 error=describe(exc),
             )
-            _notify(on_oom if oom else on_error, event)
+            if failed_runs is not None:
+                failed_runs.append(event)
             if len(rows) == 1:
                 code = ErrorCode.OUT_OF_MEMORY if oom else ErrorCode.INFERENCE_FAILED
                 log.warning("row failed alone (%s): %s", code.value, event.error)
@@ -140,16 +135,6 @@ def _checked(output: object) -> np.ndarray | Failure:
     if not np.isfinite(array).all():
         return Failure(ErrorCode.INFERENCE_FAILED.value, "output contains NaN or infinity")
     return array
-
-
-def _notify(callback: OnFailedRun | None, event: FailedRun) -> None:
-    """Call a caller's hook; a failing hook is logged, never allowed to lose results."""
-    if callback is None:
-        return
-    try:
-        callback(event)
-    except Exception:
-        log.exception("on_oom/on_error callback raised; ignored")
 
 
 def _missing() -> Failure:

@@ -358,10 +358,7 @@ class Pipeline(Generic[K]):
         device_ms = 0.0
         if live:
             started = time.perf_counter()
-            results = run_isolated(
-                self.backend, [job.encoding for job in live],
-                on_oom=failed_runs.append, on_error=failed_runs.append,
-            )
+            results = run_isolated(self.backend, [job.encoding for job in live], failed_runs)
             device_ms = (time.perf_counter() - started) * 1000.0
             answered += self.settle(live, results)
         return BatchOutcome(answered, failed_runs, device_ms)
