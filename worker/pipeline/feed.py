@@ -151,11 +151,6 @@ class DeviceFeed(Generic[T, R]):
                     held += batch.payloads
             return held
 
-    def running(self) -> list[T]:
-        """The payloads of the batch on the device now (empty when idle)."""
-        batch = self._running
-        return [] if batch is None else batch.payloads
-
     def __len__(self) -> int:
         return len(self.packer)
 
@@ -214,11 +209,11 @@ class DeviceFeed(Generic[T, R]):
                     self._running = None
                     self._unsettled_batches.append(batch)
                     self.packer.observe(batch.cost, elapsed_ms)
-                if not self._post((batch, result)):
+                if not self._send((batch, result)):
                     return
         except BaseException as exc:  # the loop raises it: a worker failure, not a request's
             error = ordinary(exc)
-        self._post(_Done(error))
+        self._send(_Done(error))
 
     def _next(self) -> Batch[T] | None:
         """Wait for the packer's next batch; None once finished (or cancelled)."""
@@ -241,10 +236,6 @@ class DeviceFeed(Generic[T, R]):
                 ready = self.packer.ready_at()
                 self._lock.wait(None if ready is None else max(0.0, (ready - now) / 1000.0))
             return None
-
-    def _post(self, item: tuple[Batch[T], R] | _Done) -> bool:
-        """Hand ``item`` to the event loop; False when the loop is gone."""
-        return self._results is not None and self._send(item)
 
     def _send(self, message: object) -> bool:
         """Put ``message`` in the loop's inbox, waking the loop unless a wake-up is already
