@@ -41,8 +41,5 @@ async def check_server(client: aioredis.Redis) -> list[str]:
 
 
 def _value(reply: dict, name: str) -> str | None:
-    for key, value in reply.items():
-        key_text = key.decode() if isinstance(key, bytes) else key
-        if key_text == name:
-            return value.decode() if isinstance(value, bytes) else value
-    return None
+    value = reply.get(name.encode(), reply.get(name))
+    return value.decode() if isinstance(value, bytes) else value
