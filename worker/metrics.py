@@ -217,12 +217,6 @@ class Metrics(NullMetrics):
 
         return make_wsgi_app(self.registry)  # type: ignore[no-any-return]
 
-    def text(self) -> str:
-        """The exposition text, as a scrape would see it (tests, debugging)."""
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry).decode()
-
 
 def create(settings: WorkerSettings) -> NullMetrics:
     """Metrics for a worker process: real when ``metrics_port`` is set (and the library is in)."""

@@ -151,9 +151,6 @@ class DeviceFeed(Generic[T, R]):
                     held += batch.payloads
             return held
 
-    def __len__(self) -> int:
-        return len(self.packer)
-
     async def run(self, settle: Callable[[Batch[T], R], Awaitable[None]]) -> None:
         """Start the device thread and settle its results until it finishes."""
         self._loop = asyncio.get_running_loop()
@@ -260,10 +257,8 @@ class DeviceFeed(Generic[T, R]):
             messages = list(self._inbox)
             self._inbox.clear()
             self._wake_pending = False
-        results = self._results
         for message in messages:
             if message is _TAKEN:
-                if self._rules.taken is not None:
-                    self._rules.taken()
-            elif results is not None:
-                results.put_nowait(message)  # type: ignore[arg-type]
+                self._rules.taken()  # type: ignore[misc]  # sent only when it is set
+            else:
+                self._results.put_nowait(message)  # type: ignore[union-attr, arg-type]

@@ -65,8 +65,6 @@ class TokenizerPool:
     def __init__(
         self, factory: Callable[[], Tokenizer], processes: int, *, use_prctl: bool = True
     ) -> None:
-        if processes < 1:
-            raise ConfigError(f"tokenize processes must be at least 1, got {processes}")
         self.factory = factory
         self.processes = processes
         self.use_prctl = use_prctl

@@ -90,14 +90,6 @@ def prctl(option: int, value: int) -> bool:
     return _PRCTL is not None and _PRCTL(option, value, 0, 0, 0) == 0
 
 
-def _death_mode(mode: DeathMode) -> DeathMode:
-    if mode == "auto":
-        return "prctl" if _PRCTL is not None else "guard"
-    if mode == "prctl" and _PRCTL is None:
-        raise RuntimeError("prctl(PR_SET_PDEATHSIG) needs Linux")
-    return mode
-
-
 def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
     """Run in the child between fork and exec: SIGTERM me when ``parent`` dies."""
     prctl = _PRCTL
@@ -220,7 +212,10 @@ class Supervisor:
         self.policy = policy or RestartPolicy()
         self.stop_timeout_s = stop_timeout_s
         self.poll_s = poll_s
-        self.death_mode = _death_mode(die_with_parent)
+        if die_with_parent == "prctl" and _PRCTL is None:
+            raise RuntimeError("prctl(PR_SET_PDEATHSIG) needs Linux")
+        auto = "prctl" if _PRCTL is not None else "guard"
+        self.death_mode = auto if die_with_parent == "auto" else die_with_parent
         self.clock = clock
         self.children: list[Child] = []
         self._signals = 0
@@ -274,10 +269,6 @@ class Supervisor:
         else:
             log.warning("second signal: killing children")
             self.kill()
-
-    def request_stop(self) -> None:
-        """What a stop signal does: no more restarts; :meth:`run` returns."""
-        self.stopping = True
 
     def poll(self) -> list[Child]:
         """Notice exits, schedule restarts, start those that are due; the children that exited."""
