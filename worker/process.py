@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
 import sys
 
 from tokenq.shared.exit_codes import EXIT_HUNG
-from tokenq.worker import collector, endpoint, metrics
+from tokenq.worker import endpoint, metrics
 from tokenq.worker.backends.plugins import load_backend
 from tokenq.worker.health import Health
 from tokenq.worker.loop.stages import Overdue
@@ -17,6 +18,10 @@ from tokenq.worker.loop.worker import Worker, WorkerHung, watchdog_period_s
 from tokenq.worker.settings import WorkerSettings
 
 log = logging.getLogger("tokenq.worker")
+
+YOUNG_THRESHOLD = 10_000
+"""Net container allocations between two collections of the garbage collector's youngest
+generation, once the worker runs."""
 
 
 async def serve(settings: WorkerSettings) -> None:
@@ -45,7 +50,7 @@ async def _load_and_run(
         backend.close()
         raise
     info = backend.info
-    collector.settle_after_startup()  # the model and the worker are built: freeze them
+    settle_after_startup()  # the model and the worker are built: freeze them
     worker_metrics.describe(
         consumer=worker.consumer, model=info.model, backend=info.name, device=info.device
     )
@@ -72,3 +77,11 @@ def _exit_hung(why: str) -> None:
     logging.shutdown()
     sys.stderr.flush()
     os._exit(EXIT_HUNG)
+
+
+def settle_after_startup() -> None:
+    """Collect startup's garbage, freeze what is left, and widen the youngest generation."""
+    gc.collect()
+    gc.freeze()
+    _, middle, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_THRESHOLD, middle, oldest)
