@@ -92,38 +92,34 @@ def prctl(option: int, value: int) -> bool:
 
 def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
     """Run in the child between fork and exec: SIGTERM me when ``parent`` dies."""
-    prctl = _PRCTL
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before the line above: too late to ask
             os._exit(1)
 
     return preexec
 
 
-def die_with_parent(parent: int, signum: int = signal.SIGKILL, *, use_prctl: bool = True) -> str:
-    """In a child spawned by multiprocessing: end it (``signum``) once ``parent`` has exited,
-    by ``prctl`` on Linux, else a thread polling the parent; returns "prctl" or "poll"."""
-    how = "prctl" if use_prctl and prctl(_PR_SET_PDEATHSIG, signum) else "poll"
-    if how == "poll":
-        threading.Thread(target=_poll_parent, args=(parent, signum), daemon=True,
+def die_with_parent(parent: int, *, use_prctl: bool = True) -> None:
+    """In a child spawned by multiprocessing: SIGKILL it once ``parent`` has exited, by
+    ``prctl`` on Linux, else a thread polling the parent."""
+    if not (use_prctl and prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)):
+        threading.Thread(target=_poll_parent, args=(parent,), daemon=True,
                          name="tokenq-parent-watch").start()
     if os.getppid() != parent:  # it died before the watch began: too late to be told
-        os.kill(os.getpid(), signum)
-    return how
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _poll_parent(parent: int, signum: int) -> None:
+def _poll_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(_GUARD_POLL_S)
-    os.kill(os.getpid(), signum)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
-def guarded(argv: Sequence[str], parent: int | None = None) -> list[str]:
-    """``argv`` run under the guard that ends it when ``parent`` (default: us) exits."""
-    return [sys.executable, "-m", "tokenq.worker.tooling.children", str(parent or os.getpid()),
-            *argv]
+def guarded(argv: Sequence[str]) -> list[str]:
+    """``argv`` run under the guard that ends it when this process exits."""
+    return [sys.executable, "-m", "tokenq.worker.tooling.children", str(os.getpid()), *argv]
 
 
 def _guard_main(args: Sequence[str]) -> int:
