@@ -231,10 +231,8 @@ class Batcher:
             raise RuntimeError("Batcher is closed")
         validate_text(text, f"text{where}", self.max_request_bytes)
         if text_pair is not None:
-            # The same refusal the Redis worker answers with, raised up front.
-            why = self._pipeline.pair_refusal()
-            if why is not None:
-                raise BadRequest(f"text_pair{where}: {why}")
+            if self._pipeline.pair_refusal is not None:  # the Redis worker's refusal, up front
+                raise BadRequest(f"text_pair{where}: {self._pipeline.pair_refusal}")
             validate_text(text_pair, f"text_pair{where}", self.max_request_bytes)
 
     def _opts(self, options: Mapping[str, Any]) -> dict[str, Any]:

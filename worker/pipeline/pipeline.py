@@ -45,7 +45,6 @@ OverLength = Literal["truncate", "reject", "chunk"]
 """What happens to an input longer than the model takes (``--policy``)."""
 
 
-
 @dataclass(slots=True)
 class ChunkGroup:
     """The windows of one over-long request under the ``chunk`` policy."""
@@ -57,10 +56,6 @@ class ChunkGroup:
     @property
     def complete(self) -> bool:
         return self.failure is not None or len(self.results) == len(self.lengths)
-
-    def windows(self) -> list[np.ndarray]:
-        """The windows' rows, in order (call when :attr:`complete` without a failure)."""
-        return [self.results[index] for index in range(len(self.lengths))]
 
 
 @dataclass(slots=True, eq=False)
@@ -140,13 +135,8 @@ class BatchOutcome(Generic[K]):
         return sum(run.rows > 1 for run in self.ooms)
 
 
-def budget_for(
-    info: BackendInfo,
-    max_batch_tokens: int,
-    max_batch_size: int,
-    cost_model: CostModel | str | None,
-    reason: str,
-) -> Budget:
+def budget_for(info: BackendInfo, max_batch_tokens: int, max_batch_size: int,
+               cost_model: CostModel | str | None, reason: str) -> Budget:
     """The batch budget both loops run under; a ConfigError for one the model cannot honour."""
     if max_batch_tokens < info.max_input_tokens:
         raise ConfigError(
@@ -186,6 +176,10 @@ class Pipeline(Generic[K]):
         self._windowing = windowing_of(backend) if info.embeds else None
         self.facts = facts_of(info)
         self.finisher = Finisher(info)
+        self.pair_refusal = None if info.pairs else (
+            f"this queue's model ({info.model}) takes single texts, "
+            "but the request carries a text_pair")
+        """Why this model cannot take a (text, text_pair) request, or None when it can."""
         if policy == "chunk" and self._windowing is None:
             raise ConfigError(
                 f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
@@ -193,15 +187,6 @@ class Pipeline(Generic[K]):
             )
 
     # ------------------------------------------------------------------ admit
-
-    def pair_refusal(self) -> str | None:
-        """Why this model cannot take a (text, text_pair) request, or None when it can."""
-        if self.info.pairs:
-            return None
-        return (
-            f"this queue's model ({self.info.model}) takes single texts, "
-            "but the request carries a text_pair"
-        )
 
     def admit(self, items: Sequence[Admit[K]], now_epoch_ms: int) -> Admitted[K]:
         """Jobs for the requests worth running; an answer now for the rest. Tokenizes in one
@@ -218,9 +203,8 @@ class Pipeline(Generic[K]):
                     f"deadline passed {late} ms before the request could run",
                 ))
                 continue
-            why = self.pair_refusal() if item.request.text_pair is not None else None
-            if why is not None:
-                out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, why))
+            if item.request.text_pair is not None and self.pair_refusal is not None:
+                out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, self.pair_refusal))
                 continue
             opts = item.request.opts
             try:
@@ -395,7 +379,8 @@ class Pipeline(Generic[K]):
                 continue
             group.results[job.chunk_index] = result
             if group.complete:
-                combined = self.finisher.combine(group.windows(), group.lengths, job.options)
+                windows = [group.results[index] for index in range(len(group.lengths))]
+                combined = self.finisher.combine(windows, group.lengths, job.options)
                 out.append(Outcome(job.ref, job.request, combined, sum(group.lengths)))
         return out
 
