@@ -30,13 +30,13 @@ async def serve(settings: WorkerSettings) -> None:
     """
     health = Health(settings.heartbeat_s, watchdog_period_s(settings))
     worker_metrics = metrics.create(settings)
-    served = endpoint.serve(settings.metrics_host, settings.metrics_port, health,
-                            worker_metrics.wsgi_app())
+    close = endpoint.serve(settings.metrics_host, settings.metrics_port, health,
+                           worker_metrics.wsgi_app())
     try:
         await _load_and_run(settings, health, worker_metrics)
     finally:
-        if served is not None:
-            served.close()
+        if close is not None:
+            close()
 
 
 async def _load_and_run(

@@ -224,8 +224,8 @@ def test_metrics_are_off_by_default_and_a_taken_port_is_a_config_error():
 
 def test_without_prometheus_client_only_metrics_is_missing():
     port = free_port()
-    served = endpoint.serve("127.0.0.1", port, Health(1.0), None)
-    assert served is not None
+    close = endpoint.serve("127.0.0.1", port, Health(1.0), None)
+    assert close is not None
     try:
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
@@ -233,7 +233,7 @@ def test_without_prometheus_client_only_metrics_is_missing():
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=5) as live:
             assert live.status == 200
     finally:
-        served.close()
+        close()
 
 
 @pytest.mark.parametrize("flags", [("--log-format", "json"), ("--log-json",)])
