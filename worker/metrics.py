@@ -232,8 +232,7 @@ def create(settings: WorkerSettings) -> NullMetrics:
 
 def _ages_s(entry_ids: Iterable[bytes], now_epoch_ms: int) -> list[float]:
     """Seconds from each entry's enqueue (its stream id, Redis's clock) to ``now`` (the
-    worker's estimate of that clock); negatives clip to 0, malformed ids are skipped.
-    """
+    worker's estimate of that clock); negatives clip to 0, malformed ids are skipped."""
     ages = []
     for entry_id in entry_ids:
         enqueued_ms = wire.stream_id_ms(entry_id)

@@ -26,8 +26,7 @@ generation, once the worker runs."""
 
 async def serve(settings: WorkerSettings) -> None:
     """Open the endpoint, load the backend, run the worker until a signal; the endpoint
-    opens first (``/readyz``: ``model loading``) and closes last.
-    """
+    opens first (``/readyz``: ``model loading``) and closes last."""
     health = Health(settings.heartbeat_s, watchdog_period_s(settings))
     worker_metrics = metrics.create(settings)
     close = endpoint.serve(settings.metrics_host, settings.metrics_port, health,

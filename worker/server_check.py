@@ -1,7 +1,6 @@
 """Start-up check that the Redis server is configured the way tokenq assumes
 (docs/RELIABILITY.md): ``maxmemory-policy noeviction`` and an append-only file.
-A worker warns and carries on; an ACL user without CONFIG rights skips the check.
-"""
+A worker warns and carries on; an ACL user without CONFIG rights skips the check."""
 
 from __future__ import annotations
 

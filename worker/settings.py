@@ -20,8 +20,7 @@ class _RefusesOtherBackends(BaseWorkerSettings):
     @model_validator(mode="after")
     def _no_options_of_another_backend(self) -> Any:
         """Refuse another backend's options, so none is silently ignored (``--model X --backend
-        sim`` would serve simulated vectors under X's name); a plain factory reads any.
-        """
+        sim`` would serve simulated vectors under X's name); a plain factory reads any."""
         backend = self.backend.strip()
         chosen = entry_for(backend)
         if chosen is None:

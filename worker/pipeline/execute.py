@@ -29,8 +29,7 @@ Failure = ErrorInfo
 @dataclass(frozen=True, slots=True)
 class FailedRun:
     """One ``backend.run`` call that raised: ``rows > 1`` was split and retried, ``rows == 1``
-    fails for good.
-    """
+    fails for good."""
 
     reason: Literal["oom", "error"]
     rows: int
@@ -106,8 +105,7 @@ def run_isolated(
 
 def _checked_rows(outputs: Sequence[object]) -> list[np.ndarray | Failure]:
     """:func:`_checked` for every row, with one stacked numpy finiteness test when all rows
-    are 1-D float32 of one length (per-row calls cost more than a fast model's run).
-    """
+    are 1-D float32 of one length (per-row calls cost more than a fast model's run)."""
     rows = list(outputs)
     if len(rows) > 1 and all(
         type(row) is np.ndarray and row.dtype == np.float32 and row.ndim == 1
@@ -146,8 +144,7 @@ def adapt_budget(
     adaptive: AdaptiveBudget, packer: Packer[Any], ooms: Sequence[FailedRun], who: str
 ) -> None:
     """Feed one batch's OOM events to the adaptive budget and the packer: it drops below the
-    failed cost, and climbs back slowly after clean batches.
-    """
+    failed cost, and climbs back slowly after clean batches."""
     before = adaptive.current
     if ooms:
         padded = packer.budget.cost_model is CostModel.PADDED

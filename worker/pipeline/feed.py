@@ -96,8 +96,7 @@ class Rules:
 
 class DeviceFeed(Generic[T, R]):
     """A packer shared by the event loop (which adds) and a device thread (which takes):
-    ``execute(batch)`` runs in the thread, :meth:`run`'s ``settle`` gets its result on the loop.
-    """
+    ``execute(batch)`` runs in the thread, :meth:`run`'s ``settle`` gets its result on the loop."""
 
     def __init__(
         self, packer: Packer[T], execute: Callable[[Batch[T]], R], rules: Rules, *,
@@ -142,8 +141,7 @@ class DeviceFeed(Generic[T, R]):
 
     def held(self) -> list[T]:
         """Every payload buffered, on the device, or ran and not settled (a snapshot); whoever
-        stops the feed answers them.
-        """
+        stops the feed answers them."""
         with self._lock:
             held = [item.payload for item in self.packer]
             for batch in (self._running, *self._unsettled_batches):

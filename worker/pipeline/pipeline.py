@@ -388,8 +388,7 @@ class Pipeline(Generic[K]):
 
     def encoded_replies(self, outcomes: Sequence[Outcome[K]]) -> list[tuple[bytes, bool]]:
         """:meth:`encoded_reply` of each outcome, in order, with one float32 conversion and
-        one :func:`~tokenq.shared.wire.encode_embedding_replies` per embedding width.
-        """
+        one :func:`~tokenq.shared.wire.encode_embedding_replies` per embedding width."""
         replies: list[tuple[bytes, bool] | None] = [None] * len(outcomes)
         if self.info.embeds:
             by_width: dict[int, list[int]] = {}

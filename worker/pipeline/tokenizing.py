@@ -100,8 +100,7 @@ class TokenizerPool:
 
     def close(self) -> None:
         """Stop the children (what they were doing is dropped); safe to call twice. A child
-        still busy after :data:`CLOSE_GRACE_S` is killed.
-        """
+        still busy after :data:`CLOSE_GRACE_S` is killed."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
@@ -129,8 +128,7 @@ class TokenizerPool:
 
     def _replace(self, broken: ProcessPoolExecutor) -> ProcessPoolExecutor:
         """A fresh pool in place of ``broken``, unless the pool was closed or replaced meanwhile
-        (no orphan children after :meth:`close`, no double replacement).
-        """
+        (no orphan children after :meth:`close`, no double replacement)."""
         with self._lock:
             if self._executor is broken:
                 self._executor = self._new_executor()
@@ -147,8 +145,7 @@ class TokenizerPool:
 
 def _stop(executor: ProcessPoolExecutor) -> None:
     """Shut ``executor`` down, killing a child not finished in :data:`CLOSE_GRACE_S`
-    (``shutdown`` has no time-out before Python 3.14).
-    """
+    (``shutdown`` has no time-out before Python 3.14)."""
     children = list((executor._processes or {}).values())
     executor.shutdown(wait=False, cancel_futures=True)
     deadline = time.monotonic() + CLOSE_GRACE_S

@@ -1,7 +1,6 @@
 """Child processes restarted when they fail (:class:`RestartPolicy`) and dying with their
 parent: ``PR_SET_PDEATHSIG`` on Linux (it fires when the forking *thread* exits: start them
-from the main thread), else a guard process (``python -m tokenq.worker.tooling.children``).
-"""
+from the main thread), else a guard process (``python -m tokenq.worker.tooling.children``)."""
 
 from __future__ import annotations
 
