@@ -80,17 +80,14 @@ class WorkerStats:
                 "device_s": round(device_ms / 1000.0, 3)}
 
 
-def _two_places(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def exit_line(fields: dict[str, Any]) -> str:
     """:meth:`WorkerStats.exit_fields` as one line a person reads at a glance."""
+    efficiency = fields["padding_efficiency"]
     return (
         f"worker {fields['worker']} stopped after {_duration(fields['uptime_s'])}: "
         f"{plural(fields['requests_ok'], 'request')} ok, {fields['requests_failed']:,} failed, "
         f"{plural(fields['batches'], 'batch')}, {plural(fields['tokens'], 'token')} "
-        f"(padding efficiency {_two_places(fields['padding_efficiency'])}), "
+        f"(padding efficiency {'-' if efficiency is None else format(efficiency, '.2f')}), "
         f"{fields['device_s']:,.1f}s on the device, {plural(fields['oom_splits'], 'OOM split')}, "
         f"{fields['reclaimed']:,} reclaimed, {fields['dead_lettered']:,} dead-lettered"
     )

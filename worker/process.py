@@ -32,38 +32,27 @@ async def serve(settings: WorkerSettings) -> None:
     close = endpoint.serve(settings.metrics_host, settings.metrics_port, health,
                            worker_metrics.wsgi_app())
     try:
-        await _load_and_run(settings, health, worker_metrics)
+        backend = await asyncio.to_thread(load_backend, settings)
+        try:
+            worker = Worker(settings, backend, metrics=worker_metrics, health=health,
+                            on_stuck=_exit_stuck)
+            settle_after_startup()  # the model and the worker are built: freeze them
+            info = backend.info
+            worker_metrics.describe(
+                consumer=worker.consumer, model=info.model, backend=info.name, device=info.device
+            )
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                asyncio.get_running_loop().add_signal_handler(sig, worker.stop)
+            await worker.run()
+        except WorkerHung as exc:
+            # The hung batch's thread cannot be stopped, and interpreter shutdown
+            # would wait for it forever: leave at once, as a crash would.
+            _exit_hung(str(exc))
+        finally:
+            backend.close()
     finally:
         if close is not None:
             close()
-
-
-async def _load_and_run(
-    settings: WorkerSettings, health: Health, worker_metrics: metrics.NullMetrics
-) -> None:
-    backend = await asyncio.to_thread(load_backend, settings)
-    try:
-        worker = Worker(settings, backend, metrics=worker_metrics, health=health,
-                        on_stuck=_exit_stuck)
-    except BaseException:
-        backend.close()
-        raise
-    info = backend.info
-    settle_after_startup()  # the model and the worker are built: freeze them
-    worker_metrics.describe(
-        consumer=worker.consumer, model=info.model, backend=info.name, device=info.device
-    )
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stop)
-    try:
-        await worker.run()
-    except WorkerHung as exc:
-        # The hung batch's thread cannot be stopped, and interpreter shutdown
-        # would wait for it forever: leave at once, as a crash would.
-        _exit_hung(str(exc))
-    finally:
-        backend.close()
 
 
 def _exit_stuck(late: Overdue) -> None:
