@@ -38,7 +38,7 @@ def _build(factory: Callable[[], Tokenizer], parent: int, use_prctl: bool) -> No
     _tokenizer = factory()
 
 
-def _ready() -> bool:
+def _ready(_: int) -> bool:
     return _tokenizer is not None
 
 
@@ -77,10 +77,7 @@ class TokenizerPool:
         with self._lock:
             self._executor = self._new_executor()
         try:
-            # One call per child, so the pool builds all of them.
-            checks = [self._executor.submit(_ready) for _ in range(self.processes)]
-            for check in checks:
-                check.result()
+            list(self._executor.map(_ready, range(self.processes)))  # one call a child: all built
         except BrokenProcessPool as exc:
             self.close()
             raise ConfigError(
