@@ -241,7 +241,11 @@ class Pipeline(Generic[K]):
                 for item in items:
                     self._tokenize_with([item], max_length, out)
                 return
-            out.answered.append(self._failed(items[0][0], *_tokenizer_failure(exc)))
+            if isinstance(exc, ValueError):  # the backend refusing this input (its contract)
+                failure = ErrorCode.BAD_REQUEST, f"tokenizer refused input: {exc}"
+            else:
+                failure = ErrorCode.INFERENCE_FAILED, f"tokenizer failed: {describe(exc)}"
+            out.answered.append(self._failed(items[0][0], *failure))
             return
         cut = self._cut(inputs, encodings, max_length)
         for index, ((item, options), encoding) in enumerate(zip(items, encodings, strict=True)):
@@ -448,10 +452,3 @@ class Pipeline(Generic[K]):
 
 
 _DEADLINE = Failure(ErrorCode.DEADLINE_EXCEEDED.value, "deadline passed before the request ran")
-
-
-def _tokenizer_failure(exc: Exception) -> tuple[ErrorCode, str]:
-    """ValueError is the backend refusing this input (the Backend contract); else a fault."""
-    if isinstance(exc, ValueError):
-        return ErrorCode.BAD_REQUEST, f"tokenizer refused input: {exc}"
-    return ErrorCode.INFERENCE_FAILED, f"tokenizer failed: {describe(exc)}"
