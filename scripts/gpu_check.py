@@ -180,11 +180,12 @@ def check_oom(
                 f"with {ballast.bytes / GIB:.0f} GiB of ballast",
             )
         assert batch is not None
-        ooms: list[FailedRun] = []
-        errors: list[FailedRun] = []
+        runs: list[FailedRun] = []
         started = time.perf_counter()
-        outcome = run_isolated(backend, batch, on_oom=ooms.append, on_error=errors.append)
+        outcome = run_isolated(backend, batch, runs)
         seconds = time.perf_counter() - started
+        ooms = [event for event in runs if event.reason == "oom"]
+        errors = [event for event in runs if event.reason != "oom"]
     finally:
         ballast.release()
     failures = [o for o in outcome if isinstance(o, Failure)]

@@ -72,34 +72,22 @@ class WorkerStats:
 
     def exit_fields(self, worker: str, now: float) -> dict[str, Any]:
         """The exit log line's fields (``--log-format json`` logs them as they are)."""
-        return {
-            "event": "worker_stopped",
-            "worker": worker,
-            "uptime_s": round(max(0.0, now - self.started_at), 3),
-            "requests_ok": self.requests_ok,
-            "requests_failed": self.requests_failed,
-            "batches": self.batches,
-            "tokens": self.tokens,
-            "padded_tokens": self.padded_tokens,
-            "padding_efficiency": ratio(self.tokens, self.padded_tokens),  # None: no batch
-            "device_s": round(self.device_ms / 1000.0, 3),
-            "oom_splits": self.oom_splits,
-            "reclaimed": self.reclaimed,
-            "dead_lettered": self.dead_lettered,
-        }
-
-
-def _two_places(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+        counts = asdict(self)
+        started, device_ms = counts.pop("started_at"), counts.pop("device_ms")
+        return {"event": "worker_stopped", "worker": worker,
+                "uptime_s": round(max(0.0, now - started), 3), **counts,
+                "padding_efficiency": ratio(self.tokens, self.padded_tokens),  # None: no batch
+                "device_s": round(device_ms / 1000.0, 3)}
 
 
 def exit_line(fields: dict[str, Any]) -> str:
     """:meth:`WorkerStats.exit_fields` as one line a person reads at a glance."""
+    efficiency = fields["padding_efficiency"]
     return (
         f"worker {fields['worker']} stopped after {_duration(fields['uptime_s'])}: "
         f"{plural(fields['requests_ok'], 'request')} ok, {fields['requests_failed']:,} failed, "
         f"{plural(fields['batches'], 'batch')}, {plural(fields['tokens'], 'token')} "
-        f"(padding efficiency {_two_places(fields['padding_efficiency'])}), "
+        f"(padding efficiency {'-' if efficiency is None else format(efficiency, '.2f')}), "
         f"{fields['device_s']:,.1f}s on the device, {plural(fields['oom_splits'], 'OOM split')}, "
         f"{fields['reclaimed']:,} reclaimed, {fields['dead_lettered']:,} dead-lettered"
     )

@@ -65,25 +65,11 @@ def app(health: Health, metrics_app: WsgiApp | None) -> WsgiApp:
     return route
 
 
-class Endpoint:
-    """The server and the thread it runs in."""
-
-    def __init__(self, server: WSGIServer) -> None:
-        self._server = server
-        self.port = server.server_address[1]
-        self._thread = threading.Thread(
-            target=server.serve_forever, name="tokenq-endpoint", daemon=True
-        )
-        self._thread.start()
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
-
-
-def serve(host: str, port: int, health: Health, metrics_app: WsgiApp | None) -> Endpoint | None:
-    """Start the endpoint (None for port 0); a :class:`ConfigError` when it cannot bind."""
+def serve(
+    host: str, port: int, health: Health, metrics_app: WsgiApp | None
+) -> Callable[[], None] | None:
+    """Start the endpoint in a thread and return what closes it (None for port 0); a
+    :class:`ConfigError` when it cannot bind."""
     if not port:
         return None
     server_class = _Server6 if ":" in host else _Server
@@ -91,5 +77,13 @@ def serve(host: str, port: int, health: Health, metrics_app: WsgiApp | None) -> 
         server = make_server(host, port, app(health, metrics_app), server_class, _QuietHandler)
     except OSError as exc:  # port taken, address not local: say which, exit 2
         raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    thread = threading.Thread(target=server.serve_forever, name="tokenq-endpoint", daemon=True)
+    thread.start()
     log.info("metrics and probes on http://%s:%d (/metrics /livez /readyz)", host, port)
-    return Endpoint(server)
+
+    def close() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return close

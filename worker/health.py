@@ -26,8 +26,7 @@ class Verdict:
 
 class Health:
     """What the probes know about one worker process: plain attributes written by the loop
-    and read by the endpoint's thread (atomic stores).
-    """
+    and read by the endpoint's thread (atomic stores)."""
 
     def __init__(self, heartbeat_s: float, watchdog_period_s: float = 1.0) -> None:
         self.stall_after_s = 3.0 * max(heartbeat_s, watchdog_period_s)

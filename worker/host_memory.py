@@ -14,8 +14,7 @@ V1_DIR, V1_FILE = "memory", "memory.limit_in_bytes"
 
 def limit_in(path: Path) -> int | None:
     """The byte limit a cgroup file states, or None (no file, no limit, not a number, or
-    beyond a pebibyte: cgroup v1's "no limit").
-    """
+    beyond a pebibyte: cgroup v1's "no limit")."""
     try:
         text = path.read_text(encoding="ascii", errors="replace").strip()
     except OSError:

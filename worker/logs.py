@@ -32,10 +32,8 @@ class JsonFormatter(logging.Formatter):
 
 def configure(level: str, *, json_lines: bool) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if json_lines:
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    plain = logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler.setFormatter(JsonFormatter() if json_lines else plain)
     root = logging.getLogger("tokenq")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

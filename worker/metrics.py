@@ -1,9 +1,13 @@
-"""Prometheus metrics of one worker process (``--metrics-port``; off by default)."""
+"""Prometheus metrics of one worker process (``--metrics-port``; off by default), the
+per-request histograms fed a whole batch in one call."""
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections.abc import Iterable, Sequence
+import math
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenq.shared import wire
@@ -56,9 +60,6 @@ class NullMetrics:
     def redis_refused(self, reason: str) -> None:
         """Redis refused a call for its own state (``oom``, ``readonly``, ...); it is retried."""
 
-    def budget(self, tokens: int) -> None:
-        """The batch budget now in force (it drops after an OOM and climbs back)."""
-
     def queue_depth(self, length: int, pending: int, lag: int) -> None:
         """The queue as Redis sees it (refreshed every heartbeat): what autoscalers read."""
 
@@ -72,7 +73,7 @@ class Metrics(NullMetrics):
 
     enabled = True
 
-    def __init__(self, queue: str, registry: Any = None) -> None:
+    def __init__(self, queue: str) -> None:
         import prometheus_client
         from prometheus_client import (
             CollectorRegistry,
@@ -84,61 +85,47 @@ class Metrics(NullMetrics):
             ProcessCollector,
         )
 
-        from tokenq.worker.histograms import BatchHistogram
-
         # Process-wide and read at each scrape (the variable is read once at import,
         # maybe already done). prometheus-client < 0.20 has no switch.
         disable = getattr(prometheus_client, "disable_created_metrics", None)
         if disable is not None:
             disable()
-        own = registry is None
-        self.registry = CollectorRegistry() if own else registry
+        self.registry = registry = CollectorRegistry()
         self.queue = queue
-        if own:  # the default registry has these already
-            ProcessCollector(registry=self.registry)
-            PlatformCollector(registry=self.registry)
-            GCCollector(registry=self.registry)
+        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+            collector(registry=registry)
 
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-            return Counter(name, doc, ("queue", *labels), registry=self.registry)
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, ("queue",), registry=registry).labels(queue)
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
             return Histogram(name, doc, ("queue",), buckets=buckets,
-                             registry=self.registry).labels(queue)
+                             registry=registry).labels(queue)
 
         def per_request(name: str, doc: str, buckets: Sequence[float]) -> BatchHistogram:
-            return BatchHistogram(name, doc, buckets, {"queue": queue}, self.registry)
+            return BatchHistogram(name, doc, buckets, {"queue": queue}, registry)
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, ("queue",), registry=self.registry).labels(queue)
+            return Gauge(name, doc, ("queue",), registry=registry).labels(queue)
 
-        self._requests = counter(
-            "tokenq_requests", "Requests answered, by outcome (ok or error code)", ("outcome",)
-        )
-        self._batches = counter("tokenq_batches", "Batches run on the device").labels(queue)
-        self._tokens = counter("tokenq_tokens", "Real (unpadded) tokens run").labels(queue)
-        self._padded = counter(
-            "tokenq_padded_tokens", "Tokens run including padding").labels(queue)
-        self._oom_splits = counter(
-            "tokenq_oom_splits", "Batches split after out-of-memory").labels(queue)
-        self._reclaimed = counter(
-            "tokenq_reclaimed", "Entries claimed from other consumers").labels(queue)
-        self._dead = counter("tokenq_dead_lettered", "Requests moved to the dead stream"
-                             ).labels(queue)
-        self._refusals = counter(
-            "tokenq_redis_refusals",
-            "Calls Redis refused for its own state (oom, readonly, ...), retried", ("reason",))
+        self._requests = Counter("tokenq_requests", "Requests answered, by outcome (ok or error "
+                                 "code)", ("queue", "outcome"), registry=registry)
+        self._refusals = Counter(
+            "tokenq_redis_refusals", "Calls Redis refused for its own state (oom, readonly, ...), "
+            "retried", ("queue", "reason"), registry=registry)
+        self._batches = counter("tokenq_batches", "Batches run on the device")
+        self._tokens = counter("tokenq_tokens", "Real (unpadded) tokens run")
+        self._padded = counter("tokenq_padded_tokens", "Tokens run including padding")
+        self._oom_splits = counter("tokenq_oom_splits", "Batches split after out-of-memory")
+        self._reclaimed = counter("tokenq_reclaimed", "Entries claimed from other consumers")
+        self._dead = counter("tokenq_dead_lettered", "Requests moved to the dead stream")
         self._rows = histogram("tokenq_batch_rows", "Rows (sequences) per batch", ROW_BUCKETS)
         self._batch_tokens = histogram(
-            "tokenq_batch_tokens", "Real tokens per batch", TOKEN_BUCKETS
-        )
-        self._efficiency = histogram(
-            "tokenq_batch_padding_efficiency_ratio", "Real / padded tokens per batch",
-            EFFICIENCY_BUCKETS,
-        )
+            "tokenq_batch_tokens", "Real tokens per batch", TOKEN_BUCKETS)
+        self._efficiency = histogram("tokenq_batch_padding_efficiency_ratio",
+                                     "Real / padded tokens per batch", EFFICIENCY_BUCKETS)
         self._infer = histogram(
-            "tokenq_inference_seconds", "Time one batch spent in the backend", INFER_BUCKETS
-        )
+            "tokenq_inference_seconds", "Time one batch spent in the backend", INFER_BUCKETS)
         self._tokenize = histogram(
             "tokenq_tokenization_seconds",
             "Time to admit one read: decode-checks and exact tokenization of its requests",
@@ -161,11 +148,10 @@ class Metrics(NullMetrics):
             "tokenq_queue_length", "Entries in the request stream (XLEN): waiting or held")
         self._pending = gauge(
             "tokenq_queue_pending", "Entries delivered to some worker and not yet answered")
-        self._lag = gauge(
-            "tokenq_queue_lag", "Entries no worker has read yet (the group's lag)")
+        self._lag = gauge("tokenq_queue_lag", "Entries no worker has read yet (the group's lag)")
         self._info = Gauge(
             "tokenq_worker_info", "Static facts about the worker (value is always 1)",
-            ("queue", "consumer", "model", "backend", "device"), registry=self.registry,
+            ("queue", "consumer", "model", "backend", "device"), registry=registry,
         )
         self._requests.labels(queue, "ok")  # present from the start, so rate() works at once
         self._refusals.labels(queue, "oom")  # so an alert on it has a series before the first
@@ -221,9 +207,6 @@ class Metrics(NullMetrics):
     def redis_refused(self, reason: str) -> None:
         self._refusals.labels(self.queue, reason).inc()
 
-    def budget(self, tokens: int) -> None:
-        self._budget.set(tokens)
-
     def queue_depth(self, length: int, pending: int, lag: int) -> None:
         self._length.set(length)
         self._pending.set(pending)
@@ -233,12 +216,6 @@ class Metrics(NullMetrics):
         from prometheus_client import make_wsgi_app
 
         return make_wsgi_app(self.registry)  # type: ignore[no-any-return]
-
-    def text(self) -> str:
-        """The exposition text, as a scrape would see it (tests, debugging)."""
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry).decode()
 
 
 def create(settings: WorkerSettings) -> NullMetrics:
@@ -255,11 +232,61 @@ def create(settings: WorkerSettings) -> NullMetrics:
 
 def _ages_s(entry_ids: Iterable[bytes], now_epoch_ms: int) -> list[float]:
     """Seconds from each entry's enqueue (its stream id, Redis's clock) to ``now`` (the
-    worker's estimate of that clock); negatives clip to 0, malformed ids are skipped.
-    """
+    worker's estimate of that clock); negatives clip to 0, malformed ids are skipped."""
     ages = []
     for entry_id in entry_ids:
         enqueued_ms = wire.stream_id_ms(entry_id)
         if enqueued_ms is not None:
             ages.append(max(0, now_epoch_ms - enqueued_ms) / 1000.0)
     return ages
+
+
+class BatchHistogram:
+    """A histogram series fed in bulk; register it on a ``CollectorRegistry``."""
+
+    def __init__(
+        self, name: str, documentation: str, buckets: Sequence[float],
+        labels: dict[str, str], registry: Any,
+    ) -> None:
+        bounds = sorted(float(b) for b in buckets if not math.isinf(b))
+        if not bounds:
+            raise ValueError(f"{name}: a histogram needs at least one finite bucket")
+        self.name = name
+        self._doc = documentation
+        self._bounds = bounds
+        self._labels = dict(labels)
+        self._counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        """Add every value (scraped from another thread: one lock for the whole call)."""
+        bounds, place = self._bounds, bisect.bisect_left
+        with self._lock:
+            counts = self._counts
+            total = 0.0
+            for value in values:
+                counts[place(bounds, value)] += 1  # first bound >= value: Prometheus's le
+                total += value
+            self._sum += total
+
+    def describe(self) -> list[Any]:
+        """The family without samples, so the registry can refuse a duplicate name."""
+        from prometheus_client.core import HistogramMetricFamily
+
+        return [HistogramMetricFamily(self.name, self._doc, labels=list(self._labels))]
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, running = [], 0
+        for bound, count in zip([*self._bounds, math.inf], counts, strict=True):
+            running += count
+            cumulative.append((floatToGoString(bound), running))
+        family = HistogramMetricFamily(self.name, self._doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), cumulative, total)
+        yield family

@@ -36,19 +36,13 @@ def connect(settings: WorkerSettings) -> aioredis.Redis | aioredis.RedisCluster:
 def stream_read_keys(args: tuple[Any, ...]) -> list[Any] | None:
     """The keys of an ``XREADGROUP``/``XREAD`` command line (the first half after ``STREAMS``),
     or None when it is not one or does not parse (the caller then asks Redis)."""
-    name = (args[0].decode() if isinstance(args[0], bytes) else str(args[0])) if args else ""
-    options_from = {"XREADGROUP": 4, "XREAD": 1}.get(name.upper())  # past GROUP group consumer
-    if options_from is None:
-        return None
     words = [a.decode() if isinstance(a, bytes) else str(a) for a in args]
-    try:
-        at = next(i for i in range(options_from, len(words)) if words[i].upper() == "STREAMS")
-    except StopIteration:
+    options_from = {"XREADGROUP": 4, "XREAD": 1}.get(words[0].upper() if words else "")
+    if options_from is None:  # XREADGROUP's options come after GROUP group consumer
         return None
-    rest = list(args[at + 1:])
-    if not rest or len(rest) % 2:
-        return None
-    return rest[: len(rest) // 2]
+    at = next((i for i in range(options_from, len(words)) if words[i].upper() == "STREAMS"), None)
+    rest = [] if at is None else list(args[at + 1:])
+    return rest[: len(rest) // 2] if rest and not len(rest) % 2 else None
 
 
 class _StreamKeysParser(AsyncCommandsParser):

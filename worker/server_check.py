@@ -1,7 +1,6 @@
 """Start-up check that the Redis server is configured the way tokenq assumes
 (docs/RELIABILITY.md): ``maxmemory-policy noeviction`` and an append-only file.
-A worker warns and carries on; an ACL user without CONFIG rights skips the check.
-"""
+A worker warns and carries on; an ACL user without CONFIG rights skips the check."""
 
 from __future__ import annotations
 
@@ -41,8 +40,5 @@ async def check_server(client: aioredis.Redis) -> list[str]:
 
 
 def _value(reply: dict, name: str) -> str | None:
-    for key, value in reply.items():
-        key_text = key.decode() if isinstance(key, bytes) else key
-        if key_text == name:
-            return value.decode() if isinstance(value, bytes) else value
-    return None
+    value = reply.get(name.encode(), reply.get(name))
+    return value.decode() if isinstance(value, bytes) else value

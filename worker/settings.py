@@ -20,8 +20,7 @@ class _RefusesOtherBackends(BaseWorkerSettings):
     @model_validator(mode="after")
     def _no_options_of_another_backend(self) -> Any:
         """Refuse another backend's options, so none is silently ignored (``--model X --backend
-        sim`` would serve simulated vectors under X's name); a plain factory reads any.
-        """
+        sim`` would serve simulated vectors under X's name); a plain factory reads any."""
         backend = self.backend.strip()
         chosen = entry_for(backend)
         if chosen is None:
@@ -33,16 +32,13 @@ class _RefusesOtherBackends(BaseWorkerSettings):
             given = sorted(name for name in self.model_fields_set
                            if name in other.settings.model_fields and name not in own)
             if given:
-                raise ValueError(_refusal(type(self), backend, other.name, given))
+                flags = ", ".join(flag(type(self), name) for name in given)
+                many, owner = len(given) > 1, other.name
+                raise ValueError(
+                    f"--backend {backend} ignores {flags}: "
+                    f"{'they are options' if many else 'it is an option'} of --backend {owner}; "
+                    f"drop {'them' if many else 'it'} or use --backend {owner}")
         return self
-
-
-def _refusal(cls: type[BaseWorkerSettings], backend: str, owner: str, given: list[str]) -> str:
-    flags = ", ".join(flag(cls, name) for name in given)
-    many = len(given) > 1
-    return (f"--backend {backend} ignores {flags}: "
-            f"{'they are options' if many else 'it is an option'} of --backend {owner}; "
-            f"drop {'them' if many else 'it'} or use --backend {owner}")
 
 
 def _compose(extra: tuple[BackendEntry, ...]) -> type[BaseWorkerSettings]:

@@ -43,10 +43,13 @@ from tokenq.producer import Client
 from tokenq.producer.config import EstimatorMode
 from tokenq.shared import keys, wire
 from tokenq.shared.redis_url import parse_redis_url
-from tokenq.worker.tooling.embedded import RedisServer
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent.parent
+# The private redis-server is the tests' own (tests/ is not installed): add the repository root.
+sys.path.insert(0, str(REPO_ROOT))
+from tests.redis_server import RedisServer  # noqa: E402
+
 SUBMIT_CHUNK = 250
 RUNTIME_ENV = "BENCH_RUNTIME"
 """``run.py --runtime``: the hf runtime a suite compares with torch (``torch``: none)."""

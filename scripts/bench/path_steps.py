@@ -22,7 +22,7 @@ another, and each step's time is summed:
 10. the room given back (``Intake.published``).
 
 The collector is set up as the ``tokenq worker`` command sets it
-(``worker/collector.py``), so young collections cost what they cost there.
+(``worker/process.py``), so young collections cost what they cost there.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from texts import uniform_mix
 
 from tokenq.shared import keys, packing, wire
 from tokenq.shared.packer import Budget, CostModel, Packer
-from tokenq.worker import collector
+from tokenq.worker import process as collector
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Lane
 from tokenq.worker.loop.outbox import answers_by_lane

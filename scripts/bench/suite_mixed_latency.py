@@ -58,11 +58,11 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from harness import RedisServer
 from suite_seed import CAPACITY_TOKENS, SIM
 from texts import seed_mix
 
 from tokenq.producer import AsyncClient
-from tokenq.worker.tooling.embedded import RedisServer
 
 CALLERS = 32
 SECONDS = {"tiny": 2.0, "small": 8.0, "full": 25.0}

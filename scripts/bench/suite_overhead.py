@@ -51,10 +51,10 @@ from typing import Any
 
 import harness
 import redis
+from harness import RedisServer
 from texts import uniform_mix
 
 from tokenq.producer import Client
-from tokenq.worker.tooling.embedded import RedisServer
 
 SIZES = {"tiny": 600, "small": 5000, "full": 20000}
 INFER_LOOPS = {"tiny": 30, "small": 200, "full": 500}

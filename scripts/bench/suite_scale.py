@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from harness import RedisServer
 from texts import uniform_mix
-
-from tokenq.worker.tooling.embedded import RedisServer
 
 COUNTS = {"tiny": (1, 2), "small": (1, 2, 4), "full": (1, 2, 4, 8)}
 PER_WORKER = {"tiny": 40, "small": 300, "full": 1000}

@@ -27,9 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import harness
+from harness import RedisServer
 from texts import Mix, seed_mix
-
-from tokenq.worker.tooling.embedded import RedisServer
 
 SIZES = {"tiny": 120, "small": 1000, "full": 5000}
 BYTES_PER_TOKEN = 4096

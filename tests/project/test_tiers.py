@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests import redis_server
 from tests.blocked_imports import blocking_env
 from tests.conftest import REPO_ROOT
 from tests.redis_server import free_ports
-from tokenq.worker.tooling import embedded
 
 MODEL_LIBRARIES = ("torch", "transformers", "tokenizers")
 
@@ -106,8 +106,8 @@ def test_a_redis_server_whose_chosen_port_is_taken_starts_on_another(
         holder.listen()
         taken = holder.getsockname()[1]
         ports = iter([taken, free_ports()])
-        monkeypatch.setattr(embedded, "free_port", lambda: next(ports))
-        server = embedded.RedisServer(tmp_path / "moved")
+        monkeypatch.setattr(redis_server, "free_port", lambda: next(ports))
+        server = redis_server.RedisServer(tmp_path / "moved")
         assert server.port == taken
         server.start()
         try:

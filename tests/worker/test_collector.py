@@ -1,4 +1,4 @@
-"""The worker's garbage collector settings (worker/collector.py): startup frozen, the
+"""The worker's garbage collector settings (worker/process.py): startup frozen, the
 youngest generation widened, cycles still freed; and a real worker draining a backlog
 without collecting every few dozen requests."""
 
@@ -20,7 +20,7 @@ BACKLOG = 4_000
 def test_settling_freezes_startup_and_still_frees_cycles() -> None:
     code = textwrap.dedent("""
         import gc
-        from tokenq.worker import collector
+        from tokenq.worker import process as collector
         collector.settle_after_startup()
         assert gc.isenabled()
         assert gc.get_freeze_count() > 1000, gc.get_freeze_count()

@@ -60,7 +60,7 @@ def test_oom_splits_until_every_row_is_answered() -> None:
     backend = CountingSim(bytes_per_token=1, capacity_bytes=40)
     texts = [f"row {i} " + "w " * 6 for i in range(16)]
     events: list[FailedRun] = []
-    results = run_isolated(backend, encode_all(backend, texts), on_oom=events.append)
+    results = run_isolated(backend, encode_all(backend, texts), events)
     assert_answers(texts, results, bad=set())
     assert [e.rows for e in events] == [16, 8, 8]
     assert all(e.reason == "oom" and e.longest == 10 for e in events)
@@ -84,7 +84,7 @@ def test_poison_row_fails_alone_among_16() -> None:
     texts = [f"text number {i}" for i in range(16)]
     texts[11] = f"poisoned {SIM_FAIL_MARKER}"
     errors: list[FailedRun] = []
-    results = run_isolated(backend, encode_all(backend, texts), on_error=errors.append)
+    results = run_isolated(backend, encode_all(backend, texts), errors)
     assert_answers(texts, results, bad={11})
     failure = results[11]
     assert isinstance(failure, Failure)
@@ -179,25 +179,12 @@ def test_framework_oom_is_recognised_by_name() -> None:
         return [np.ones(DIM, dtype=np.float32) for _ in batch]
 
     backend = ScriptedBackend(answer)
-    ooms: list[FailedRun] = []
-    errors: list[FailedRun] = []
-    results = run_isolated(
-        backend, encode_all(backend, list("abcdefg")), on_oom=ooms.append, on_error=errors.append
-    )
+    runs: list[FailedRun] = []
+    results = run_isolated(backend, encode_all(backend, list("abcdefg")), runs)
     assert all(isinstance(r, np.ndarray) for r in results)
-    assert [e.rows for e in ooms] == [7, 3, 4] and not errors
+    assert [(e.reason, e.rows) for e in runs] == [("oom", 7), ("oom", 3), ("oom", 4)]
     assert is_out_of_memory(OutOfMemoryError()) and is_out_of_memory(MemoryError())
     assert not is_out_of_memory(RuntimeError("out of memory"))
-
-
-def test_a_failing_callback_loses_no_results() -> None:
-    backend = CountingSim(bytes_per_token=1, capacity_bytes=6)
-
-    def explode(event: FailedRun) -> None:
-        raise RuntimeError("metrics are down")
-
-    results = run_isolated(backend, encode_all(backend, ["a", "b", "c"]), on_oom=explode)
-    assert all(isinstance(r, np.ndarray) for r in results)
 
 
 def test_long_messages_are_capped() -> None:

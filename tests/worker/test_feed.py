@@ -350,12 +350,12 @@ def test_no_batch_is_taken_while_may_take_says_no_and_one_is_once_woken() -> Non
         task = asyncio.create_task(feed.run(settle))
         feed.add([job("a"), job("b")])
         await asyncio.sleep(0.3)
-        assert device.ran == [] and len(feed) == 2, "a batch was taken with no room"
+        assert device.ran == [] and len(feed.packer) == 2, "a batch was taken with no room"
         room[0] = True
         feed.wake()  # room made: the thread looks again
         while not settled:
             await asyncio.sleep(0.01)
-        assert settled == [["a", "b"]] and len(feed) == 0
+        assert settled == [["a", "b"]] and len(feed.packer) == 0
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -25,8 +25,8 @@ from tokenq.worker import endpoint, metrics
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER
 from tokenq.worker.batch_stats import BatchRecord, WorkerStats, exit_line
 from tokenq.worker.health import Health
-from tokenq.worker.histograms import BatchHistogram
 from tokenq.worker.loop import beat
+from tokenq.worker.metrics import BatchHistogram
 from tokenq.worker.pipeline.jobs import Answer, error_answer
 from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling.embedded import free_port
@@ -123,6 +123,13 @@ def test_metrics_endpoint_after_a_run(sim_worker, redis_url, queue_name):
             ] == [0, 0, 0]
 
 
+def scraped(worker: metrics.Metrics) -> str:
+    """The exposition text of ``worker``'s registry, as a scrape would see it."""
+    from prometheus_client import generate_latest
+
+    return generate_latest(worker.registry).decode()
+
+
 @pytest.mark.unit
 def test_worker_registries_do_not_collide():
     first, second = metrics.Metrics("a"), metrics.Metrics("b")
@@ -138,7 +145,7 @@ def test_worker_registries_do_not_collide():
     first.reclaimed(3)
     first.dead_lettered(2)
     first.queue_depth(length=7, pending=5, lag=2)
-    text = first.text()
+    text = scraped(first)
     assert 'tokenq_batches_total{queue="a"} 1.0' in text
     assert 'tokenq_requests_total{outcome="ok",queue="a"} 1.0' in text
     assert 'tokenq_requests_total{outcome="too_long",queue="a"} 1.0' in text
@@ -157,7 +164,7 @@ def test_worker_registries_do_not_collide():
     assert 'tokenq_queue_length{queue="a"} 7.0' in text
     assert 'tokenq_queue_pending{queue="a"} 5.0' in text
     assert 'tokenq_queue_lag{queue="a"} 2.0' in text
-    assert 'tokenq_batches_total{queue="b"} 0.0' in second.text()
+    assert 'tokenq_batches_total{queue="b"} 0.0' in scraped(second)
     assert "_created" not in text and "process_cpu_seconds_total" in text
 
 
@@ -217,8 +224,8 @@ def test_metrics_are_off_by_default_and_a_taken_port_is_a_config_error():
 
 def test_without_prometheus_client_only_metrics_is_missing():
     port = free_port()
-    served = endpoint.serve("127.0.0.1", port, Health(1.0), None)
-    assert served is not None
+    close = endpoint.serve("127.0.0.1", port, Health(1.0), None)
+    assert close is not None
     try:
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
@@ -226,7 +233,7 @@ def test_without_prometheus_client_only_metrics_is_missing():
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=5) as live:
             assert live.status == 200
     finally:
-        served.close()
+        close()
 
 
 @pytest.mark.parametrize("flags", [("--log-format", "json"), ("--log-json",)])

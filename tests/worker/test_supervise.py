@@ -217,7 +217,7 @@ def test_stop_sigterms_then_sigkills_who_overstays(supervisor: Supervisor, logge
 
 def test_nothing_restarts_once_stopping(supervisor: Supervisor):
     child = supervisor.start("crasher", exits(EXIT_FATAL), os.environ)
-    supervisor.request_stop()
+    supervisor.stopping = True  # what a stop signal does
     settle(supervisor, lambda: child.finished)
     assert child.restarts == 0 and child.restart_at is None
 

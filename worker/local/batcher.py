@@ -51,14 +51,8 @@ def _epoch_ms() -> int:
     return int(time.time() * 1000)
 
 
-@dataclass(slots=True, eq=False)
-class _Pending:
-    """One submitted input on its way through tokenizer, packer and device."""
-
-    request: wire.Request
-    deadline_ms: int | None
-    arrived_ms: float
-    future: asyncio.Future[np.ndarray]
+_Future = asyncio.Future[np.ndarray]
+"""Each request's reference through the pipeline: what its caller awaits."""
 
 
 @dataclass(slots=True)
@@ -106,10 +100,10 @@ class Batcher:
         info = backend.info
         budget = budget_for(info, max_batch_tokens, max_batch_size, options.cost_model,
                             "set by max_batch_tokens")
-        self._pipeline: Pipeline[_Pending] = Pipeline(
+        self._pipeline: Pipeline[_Future] = Pipeline(
             backend, policy=options.policy, chunk_overlap=options.chunk_overlap)
         try:
-            self._packer: Packer[Job[_Pending]] = Packer(
+            self._packer: Packer[Job[_Future]] = Packer(
                 budget, linger_ms, max_padding_ratio=options.max_padding_ratio,
                 aging_ms=options.aging_ms, max_batch_ms=options.max_batch_ms,
             )
@@ -117,14 +111,14 @@ class Batcher:
             raise ConfigError(str(exc)) from None
         # Lowered after an OOM, raised slowly, never below one full-length input.
         self._adaptive = AdaptiveBudget(max_batch_tokens, info.max_input_tokens)
-        self._feed: DeviceFeed[Job[_Pending], BatchOutcome[_Pending]] = DeviceFeed(
+        self._feed: DeviceFeed[Job[_Future], BatchOutcome[_Future]] = DeviceFeed(
             self._packer, self._execute, _Rules(self), name="tokenq-batcher-device")
         self.backend = backend
         self.max_request_bytes = options.max_request_bytes
         self.stats = BatcherStats()
-        self._incoming: deque[_Pending] = deque()
-        self._tokenizing: list[_Pending] = []
+        self._incoming: deque[Admit[_Future]] = deque()
         self._ids = itertools.count()
+        self._tokenizing: list[Admit[_Future]] = []
         """The chunk the tokenizer thread holds: out of ``_incoming``, not yet in the packer."""
         self._stopped: Failure | None = None
         """Set when a task died; what every later answer becomes."""
@@ -150,7 +144,7 @@ class Batcher:
         opts = self._opts(options)
         return await self._enqueue(
             text, text_pair, timeout_s, validate_priority(priority), opts
-        ).future
+        ).ref
 
     @overload
     async def submit_many(
@@ -203,8 +197,8 @@ class Batcher:
             self._enqueue(text, pair, timeout_s, priority, opts)
             for text, pair in zip(texts, pairs, strict=True)
         ]
-        futures = [pending.future for pending in queued]
-        results = await asyncio.gather(*futures, return_exceptions=True)
+        results = await asyncio.gather(*(pending.ref for pending in queued),
+                                       return_exceptions=True)
         if not return_exceptions:
             for result in results:
                 if isinstance(result, BaseException):
@@ -237,10 +231,8 @@ class Batcher:
             raise RuntimeError("Batcher is closed")
         validate_text(text, f"text{where}", self.max_request_bytes)
         if text_pair is not None:
-            # The same refusal the Redis worker answers with, raised up front.
-            why = self._pipeline.pair_refusal()
-            if why is not None:
-                raise BadRequest(f"text_pair{where}: {why}")
+            if self._pipeline.pair_refusal is not None:  # the Redis worker's refusal, up front
+                raise BadRequest(f"text_pair{where}: {self._pipeline.pair_refusal}")
             validate_text(text_pair, f"text_pair{where}", self.max_request_bytes)
 
     def _opts(self, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -258,18 +250,19 @@ class Batcher:
     def _enqueue(
         self, text: str, text_pair: str | None, timeout_s: float | None, priority: int,
         opts: Mapping[str, Any],
-    ) -> _Pending:
+    ) -> Admit[_Future]:
         loop = self._start()
         deadline = None if timeout_s is None else _epoch_ms() + int(timeout_s * 1000)
-        request = _request(str(next(self._ids)), text, text_pair, priority, opts)
-        pending = _Pending(request, deadline, monotonic_ms(), loop.create_future())
-        pending.future.add_done_callback(self._on_future_done)
+        request = wire.Request(id=str(next(self._ids)), text=text, tokens=0, reply_to="",
+                               text_pair=text_pair, priority=priority, opts=opts)
+        pending = Admit(loop.create_future(), request, deadline, monotonic_ms())
+        pending.ref.add_done_callback(self._on_future_done)
         self._incoming.append(pending)
         self.stats.submitted += 1
         self._wake_tokenizer.set()
         return pending
 
-    def _on_future_done(self, future: asyncio.Future[np.ndarray]) -> None:
+    def _on_future_done(self, future: _Future) -> None:
         # A caller that gave up leaves its entry; the device task drops it before the next pick.
         if future.cancelled():
             self._abandoned = True
@@ -298,17 +291,16 @@ class Batcher:
                     self._wake_tokenizer.clear()
                     await self._wake_tokenizer.wait()
                     continue
-                chunk: list[_Pending] = []
+                chunk: list[Admit[_Future]] = []
                 while self._incoming and len(chunk) < TOKENIZE_CHUNK:
                     pending = self._incoming.popleft()
-                    if not pending.future.done():
+                    if not pending.ref.done():
                         chunk.append(pending)
                 if not chunk:
                     continue
                 self._tokenizing = chunk
-                items = [Admit(p, p.request, p.deadline_ms, p.arrived_ms) for p in chunk]
-                admitted = await asyncio.to_thread(in_thread, self._pipeline.admit, items,
-                                             _epoch_ms())
+                admitted = await asyncio.to_thread(in_thread, self._pipeline.admit, chunk,
+                                                   _epoch_ms())
                 for outcome in admitted.answered:
                     self._answer(outcome.ref, outcome.result)
                 for item, why in admitted.broken:
@@ -334,25 +326,14 @@ class Batcher:
             self._fail_everything(exc)
             raise
 
-    def _prune(self) -> None:
-        """Drop what callers gave up on before costing a batch (device thread, feed's lock held)."""
-        if self._abandoned:
-            self._abandoned = False
-            self._packer.remove_where(lambda job: job.ref.future.done())
-
-    def _execute(self, batch: Batch[Job[_Pending]]) -> BatchOutcome[_Pending]:
+    def _execute(self, batch: Batch[Job[_Future]]) -> BatchOutcome[_Future]:
         """Run one batch and adapt the budget (in the device thread, which alone changes it)."""
         outcome = self._pipeline.run_batch(batch.payloads, _epoch_ms())
         adapt_budget(self._adaptive, self._packer, outcome.ooms, "batcher")
         return outcome
 
-    async def _settle(self, batch: Batch[Job[_Pending]], outcome: BatchOutcome[_Pending]) -> None:
-        self._account(batch, outcome.failed_runs)
-        for done in outcome.answered:
-            self._answer(done.ref, done.result)
-
-    def _account(self, batch: Batch[Job[_Pending]], events: list[FailedRun]) -> None:
-        stats = self.stats
+    async def _settle(self, batch: Batch[Job[_Future]], outcome: BatchOutcome[_Future]) -> None:
+        stats, events = self.stats, outcome.failed_runs
         stats.batches += 1
         stats.rows += batch.rows
         stats.tokens += batch.tokens
@@ -364,18 +345,20 @@ class Batcher:
                 stats.error_events += 1
         if events:
             stats.failed_runs = (stats.failed_runs + events)[-100:]
+        for done in outcome.answered:
+            self._answer(done.ref, done.result)
 
     # ----------------------------------------------------------------- answers
 
-    def _answer(self, pending: _Pending, result: np.ndarray | Failure) -> None:
-        if pending.future.done():
+    def _answer(self, future: _Future, result: np.ndarray | Failure) -> None:
+        if future.done():
             return
         if isinstance(result, Failure):
             self.stats.failed += 1
-            pending.future.set_exception(
+            future.set_exception(
                 remote_error(result.code, result.message, param=result.param))
         else:
-            pending.future.set_result(result)
+            future.set_result(result)
 
     def _fail_everything(self, exc: BaseException) -> None:
         """A task died (a bug, or the loop is shutting down): no caller may hang."""
@@ -385,25 +368,17 @@ class Batcher:
         failure = Failure(ErrorCode.INFERENCE_FAILED.value, f"batcher stopped: {describe(exc)}")
         self._stopped = self._stopped or failure
         doomed = [
-            *self._incoming,
-            *self._tokenizing,
+            *(pending.ref for pending in (*self._incoming, *self._tokenizing)),
             *(job.ref for job in self._feed.held()),
         ]
         self._incoming.clear()
         self._tokenizing = []
         self._feed.remove_where(lambda _: True)
-        for pending in doomed:
-            self._answer(pending, failure)
+        for future in doomed:
+            self._answer(future, failure)
         # Wake the other task so it notices the shutdown.
         self._wake_tokenizer.set()
         self._feed.wake()
-
-
-def _request(
-    request_id: str, text: str, text_pair: str | None, priority: int, opts: Mapping[str, Any]
-) -> wire.Request:
-    return wire.Request(id=request_id, text=text, tokens=0, reply_to="", text_pair=text_pair,
-                        priority=priority, opts=opts)
 
 
 class _Rules(Rules):
@@ -421,4 +396,8 @@ class _Rules(Rules):
             batcher._incoming or batcher._tokenizing or batcher._packer)
 
     def prune(self) -> None:
-        self._batcher._prune()
+        """Drop what callers gave up on before costing a batch (device thread, feed's lock held)."""
+        batcher = self._batcher
+        if batcher._abandoned:
+            batcher._abandoned = False
+            batcher._packer.remove_where(lambda job: job.ref.done())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -29,8 +29,7 @@ Failure = ErrorInfo
 @dataclass(frozen=True, slots=True)
 class FailedRun:
     """One ``backend.run`` call that raised: ``rows > 1`` was split and retried, ``rows == 1``
-    fails for good.
-    """
+    fails for good."""
 
     reason: Literal["oom", "error"]
     rows: int
@@ -43,9 +42,6 @@ class FailedRun:
     def padded_tokens(self) -> int:
         """rows x longest: what a padded model tried to hold when it failed."""
         return self.rows * self.longest
-
-
-OnFailedRun = Callable[[FailedRun], None]
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -64,13 +60,10 @@ def describe(exc: BaseException) -> str:
 
 
 def run_isolated(
-    backend: Backend,
-    encodings: Sequence[Encoding],
-    *,
-    on_oom: OnFailedRun | None = None,
-    on_error: OnFailedRun | None = None,
+    backend: Backend, encodings: Sequence[Encoding], failed_runs: list[FailedRun] | None = None
 ) -> list[np.ndarray | Failure]:
-    """Run ``encodings`` as one batch; answer every row with a vector or a Failure."""
+    """Run ``encodings`` as one batch; answer every row with a vector or a Failure. Each
+    ``backend.run`` that raised is added to ``failed_runs``."""
     results: list[np.ndarray | Failure | None] = [None] * len(encodings)
     # An explicit stack, not recursion, keeps backend tracebacks short.
     pending: list[tuple[int, int]] = [(0, len(encodings))] if encodings else []
@@ -93,7 +86,8 @@ def run_isolated(
                 tokens=sum(lengths),
                 error=describe(exc),
             )
-            _notify(on_oom if oom else on_error, event)
+            if failed_runs is not None:
+                failed_runs.append(event)
             if len(rows) == 1:
                 code = ErrorCode.OUT_OF_MEMORY if oom else ErrorCode.INFERENCE_FAILED
                 log.warning("row failed alone (%s): %s", code.value, event.error)
@@ -106,13 +100,12 @@ def run_isolated(
                 pending.append((start, middle))
             continue
         results[start:start + len(outputs)] = _checked_rows(outputs)
-    return [result if result is not None else _missing() for result in results]
+    return results  # type: ignore[return-value]  # each row was answered or failed alone
 
 
 def _checked_rows(outputs: Sequence[object]) -> list[np.ndarray | Failure]:
     """:func:`_checked` for every row, with one stacked numpy finiteness test when all rows
-    are 1-D float32 of one length (per-row calls cost more than a fast model's run).
-    """
+    are 1-D float32 of one length (per-row calls cost more than a fast model's run)."""
     rows = list(outputs)
     if len(rows) > 1 and all(
         type(row) is np.ndarray and row.dtype == np.float32 and row.ndim == 1
@@ -142,27 +135,11 @@ def _checked(output: object) -> np.ndarray | Failure:
     return array
 
 
-def _notify(callback: OnFailedRun | None, event: FailedRun) -> None:
-    """Call a caller's hook; a failing hook is logged, never allowed to lose results."""
-    if callback is None:
-        return
-    try:
-        callback(event)
-    except Exception:
-        log.exception("on_oom/on_error callback raised; ignored")
-
-
-def _missing() -> Failure:
-    # Unreachable: every row is either answered by a run or fails alone.
-    return Failure(ErrorCode.INFERENCE_FAILED.value, "row was never run (tokenq bug)")
-
-
 def adapt_budget(
     adaptive: AdaptiveBudget, packer: Packer[Any], ooms: Sequence[FailedRun], who: str
 ) -> None:
     """Feed one batch's OOM events to the adaptive budget and the packer: it drops below the
-    failed cost, and climbs back slowly after clean batches.
-    """
+    failed cost, and climbs back slowly after clean batches."""
     before = adaptive.current
     if ooms:
         padded = packer.budget.cost_model is CostModel.PADDED

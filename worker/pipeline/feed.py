@@ -96,8 +96,7 @@ class Rules:
 
 class DeviceFeed(Generic[T, R]):
     """A packer shared by the event loop (which adds) and a device thread (which takes):
-    ``execute(batch)`` runs in the thread, :meth:`run`'s ``settle`` gets its result on the loop.
-    """
+    ``execute(batch)`` runs in the thread, :meth:`run`'s ``settle`` gets its result on the loop."""
 
     def __init__(
         self, packer: Packer[T], execute: Callable[[Batch[T]], R], rules: Rules, *,
@@ -142,22 +141,13 @@ class DeviceFeed(Generic[T, R]):
 
     def held(self) -> list[T]:
         """Every payload buffered, on the device, or ran and not settled (a snapshot); whoever
-        stops the feed answers them.
-        """
+        stops the feed answers them."""
         with self._lock:
             held = [item.payload for item in self.packer]
             for batch in (self._running, *self._unsettled_batches):
                 if batch is not None:
                     held += batch.payloads
             return held
-
-    def running(self) -> list[T]:
-        """The payloads of the batch on the device now (empty when idle)."""
-        batch = self._running
-        return [] if batch is None else batch.payloads
-
-    def __len__(self) -> int:
-        return len(self.packer)
 
     async def run(self, settle: Callable[[Batch[T], R], Awaitable[None]]) -> None:
         """Start the device thread and settle its results until it finishes."""
@@ -214,11 +204,11 @@ class DeviceFeed(Generic[T, R]):
                     self._running = None
                     self._unsettled_batches.append(batch)
                     self.packer.observe(batch.cost, elapsed_ms)
-                if not self._post((batch, result)):
+                if not self._send((batch, result)):
                     return
         except BaseException as exc:  # the loop raises it: a worker failure, not a request's
             error = ordinary(exc)
-        self._post(_Done(error))
+        self._send(_Done(error))
 
     def _next(self) -> Batch[T] | None:
         """Wait for the packer's next batch; None once finished (or cancelled)."""
@@ -241,10 +231,6 @@ class DeviceFeed(Generic[T, R]):
                 ready = self.packer.ready_at()
                 self._lock.wait(None if ready is None else max(0.0, (ready - now) / 1000.0))
             return None
-
-    def _post(self, item: tuple[Batch[T], R] | _Done) -> bool:
-        """Hand ``item`` to the event loop; False when the loop is gone."""
-        return self._results is not None and self._send(item)
 
     def _send(self, message: object) -> bool:
         """Put ``message`` in the loop's inbox, waking the loop unless a wake-up is already
@@ -269,10 +255,8 @@ class DeviceFeed(Generic[T, R]):
             messages = list(self._inbox)
             self._inbox.clear()
             self._wake_pending = False
-        results = self._results
         for message in messages:
             if message is _TAKEN:
-                if self._rules.taken is not None:
-                    self._rules.taken()
-            elif results is not None:
-                results.put_nowait(message)  # type: ignore[arg-type]
+                self._rules.taken()  # type: ignore[misc]  # sent only when it is set
+            else:
+                self._results.put_nowait(message)  # type: ignore[union-attr, arg-type]

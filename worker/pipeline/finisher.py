@@ -51,8 +51,7 @@ class Finisher:
 
     def one(self, row: np.ndarray, option: RequestOptions, *, combined: bool = False) -> np.ndarray:
         """One request's answer; a ``combined`` row (a chunked mean) is not unit length.
-        ``output: tokens`` rows come back one row per token (2-D).
-        """
+        ``output: tokens`` rows come back one row per token (2-D)."""
         if option.output_tokens:
             assert self.info.token_dim is not None  # parse_options refused it otherwise
             return np.ascontiguousarray(row, dtype=np.float32).reshape(-1, self.info.token_dim)
@@ -72,8 +71,7 @@ class Finisher:
         self, windows: Sequence[np.ndarray], lengths: Sequence[int], option: RequestOptions
     ) -> np.ndarray:
         """A chunked input's answer from its windows' rows; normalised windows are made unit
-        length first, so each counts by its length alone.
-        """
+        length first, so each counts by its length alone."""
         normalize = self.info.normalized if option.normalize is None else option.normalize
         if normalize and self.info.raw_vectors:
             windows = list(_unit(np.stack(windows)))

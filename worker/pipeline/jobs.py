@@ -66,8 +66,7 @@ def dead_answer(
     now_epoch_ms: int,
 ) -> Answer:
     """Answer an entry with an error and move it to the dead stream, original fields
-    (for ``tokenq dlq retry``) plus ``dead_*`` fields saying why, who and when.
-    """
+    (for ``tokenq dlq retry``) plus ``dead_*`` fields saying why, who and when."""
     known_id = wire.request_id_of(fields)
     request_id = known_id or entry_id.decode()
     reply_to = wire.reply_to_of(fields)

@@ -45,7 +45,6 @@ OverLength = Literal["truncate", "reject", "chunk"]
 """What happens to an input longer than the model takes (``--policy``)."""
 
 
-
 @dataclass(slots=True)
 class ChunkGroup:
     """The windows of one over-long request under the ``chunk`` policy."""
@@ -57,10 +56,6 @@ class ChunkGroup:
     @property
     def complete(self) -> bool:
         return self.failure is not None or len(self.results) == len(self.lengths)
-
-    def windows(self) -> list[np.ndarray]:
-        """The windows' rows, in order (call when :attr:`complete` without a failure)."""
-        return [self.results[index] for index in range(len(self.lengths))]
 
 
 @dataclass(slots=True, eq=False)
@@ -140,13 +135,8 @@ class BatchOutcome(Generic[K]):
         return sum(run.rows > 1 for run in self.ooms)
 
 
-def budget_for(
-    info: BackendInfo,
-    max_batch_tokens: int,
-    max_batch_size: int,
-    cost_model: CostModel | str | None,
-    reason: str,
-) -> Budget:
+def budget_for(info: BackendInfo, max_batch_tokens: int, max_batch_size: int,
+               cost_model: CostModel | str | None, reason: str) -> Budget:
     """The batch budget both loops run under; a ConfigError for one the model cannot honour."""
     if max_batch_tokens < info.max_input_tokens:
         raise ConfigError(
@@ -186,6 +176,10 @@ class Pipeline(Generic[K]):
         self._windowing = windowing_of(backend) if info.embeds else None
         self.facts = facts_of(info)
         self.finisher = Finisher(info)
+        self.pair_refusal = None if info.pairs else (
+            f"this queue's model ({info.model}) takes single texts, "
+            "but the request carries a text_pair")
+        """Why this model cannot take a (text, text_pair) request, or None when it can."""
         if policy == "chunk" and self._windowing is None:
             raise ConfigError(
                 f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
@@ -194,19 +188,13 @@ class Pipeline(Generic[K]):
 
     # ------------------------------------------------------------------ admit
 
-    def pair_refusal(self) -> str | None:
-        """Why this model cannot take a (text, text_pair) request, or None when it can."""
-        if self.info.pairs:
-            return None
-        return (
-            f"this queue's model ({self.info.model}) takes single texts, "
-            "but the request carries a text_pair"
-        )
-
     def admit(self, items: Sequence[Admit[K]], now_epoch_ms: int) -> Admitted[K]:
-        """Jobs for the requests worth running; an answer now for the rest."""
+        """Jobs for the requests worth running; an answer now for the rest. Tokenizes in one
+        call per truncation length (one call unless requests differ)."""
         out: Admitted[K] = Admitted()
-        valid: list[tuple[Admit[K], RequestOptions]] = []
+        cut: list[tuple[Admit[K], RequestOptions]] = []  # tokenized to the model's limit
+        whole: list[tuple[Admit[K], RequestOptions]] = []
+        truncating = self.policy == "truncate"
         for item in items:
             if item.deadline_ms is not None and item.deadline_ms <= now_epoch_ms:
                 late = now_epoch_ms - item.deadline_ms
@@ -215,9 +203,8 @@ class Pipeline(Generic[K]):
                     f"deadline passed {late} ms before the request could run",
                 ))
                 continue
-            why = self.pair_refusal() if item.request.text_pair is not None else None
-            if why is not None:
-                out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, why))
+            if item.request.text_pair is not None and self.pair_refusal is not None:
+                out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, self.pair_refusal))
                 continue
             opts = item.request.opts
             try:
@@ -226,32 +213,13 @@ class Pipeline(Generic[K]):
                 out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, f"opts: {exc}",
                                                  getattr(exc, "param", None)))
                 continue
-            valid.append((item, options))
-        if valid:
-            self._tokenize(valid, out)
-        return out
-
-    def _truncates(self, options: RequestOptions) -> bool:
-        """Whether this request's input is cut to the model's limit when it is longer."""
-        return self.policy == "truncate" if options.truncate is None else options.truncate
-
-    def _tokenize(
-        self, items: Sequence[tuple[Admit[K], RequestOptions]], out: Admitted[K]
-    ) -> None:
-        """Tokenize in one call per truncation length (one call unless requests differ)."""
-        cut: list[tuple[Admit[K], RequestOptions]] = []
-        whole: list[tuple[Admit[K], RequestOptions]] = []
-        default = cut if self._truncates(NO_OPTIONS) else whole  # requests that say nothing
-        for entry in items:
-            options = entry[1]
-            if options is NO_OPTIONS:
-                default.append(entry)
-            else:
-                (cut if self._truncates(options) else whole).append(entry)
+            truncates = truncating if options.truncate is None else options.truncate
+            (cut if truncates else whole).append((item, options))
         if cut:
             self._tokenize_with(cut, self.info.max_input_tokens, out)
         if whole:
             self._tokenize_with(whole, None, out)
+        return out
 
     def _tokenize_with(
         self, items: Sequence[tuple[Admit[K], RequestOptions]], max_length: int | None,
@@ -273,7 +241,11 @@ class Pipeline(Generic[K]):
                 for item in items:
                     self._tokenize_with([item], max_length, out)
                 return
-            out.answered.append(self._failed(items[0][0], *_tokenizer_failure(exc)))
+            if isinstance(exc, ValueError):  # the backend refusing this input (its contract)
+                failure = ErrorCode.BAD_REQUEST, f"tokenizer refused input: {exc}"
+            else:
+                failure = ErrorCode.INFERENCE_FAILED, f"tokenizer failed: {describe(exc)}"
+            out.answered.append(self._failed(items[0][0], *failure))
             return
         cut = self._cut(inputs, encodings, max_length)
         for index, ((item, options), encoding) in enumerate(zip(items, encodings, strict=True)):
@@ -374,10 +346,7 @@ class Pipeline(Generic[K]):
         device_ms = 0.0
         if live:
             started = time.perf_counter()
-            results = run_isolated(
-                self.backend, [job.encoding for job in live],
-                on_oom=failed_runs.append, on_error=failed_runs.append,
-            )
+            results = run_isolated(self.backend, [job.encoding for job in live], failed_runs)
             device_ms = (time.perf_counter() - started) * 1000.0
             answered += self.settle(live, results)
         return BatchOutcome(answered, failed_runs, device_ms)
@@ -414,7 +383,8 @@ class Pipeline(Generic[K]):
                 continue
             group.results[job.chunk_index] = result
             if group.complete:
-                combined = self.finisher.combine(group.windows(), group.lengths, job.options)
+                windows = [group.results[index] for index in range(len(group.lengths))]
+                combined = self.finisher.combine(windows, group.lengths, job.options)
                 out.append(Outcome(job.ref, job.request, combined, sum(group.lengths)))
         return out
 
@@ -422,8 +392,7 @@ class Pipeline(Generic[K]):
 
     def encoded_replies(self, outcomes: Sequence[Outcome[K]]) -> list[tuple[bytes, bool]]:
         """:meth:`encoded_reply` of each outcome, in order, with one float32 conversion and
-        one :func:`~tokenq.shared.wire.encode_embedding_replies` per embedding width.
-        """
+        one :func:`~tokenq.shared.wire.encode_embedding_replies` per embedding width."""
         replies: list[tuple[bytes, bool] | None] = [None] * len(outcomes)
         if self.info.embeds:
             by_width: dict[int, list[int]] = {}
@@ -454,52 +423,32 @@ class Pipeline(Generic[K]):
         )
 
     def encoded_reply(self, outcome: Outcome[K]) -> tuple[bytes, bool]:
-        """The reply's msgpack bytes, and whether it is a success."""
-        result = outcome.result
-        if self.info.embeds and not isinstance(result, Failure) and result.ndim == 1:
+        """The reply's msgpack bytes, and whether it is a success; a cut input's says so."""
+        request, result, tokens = outcome.request, outcome.result, outcome.tokens
+        if isinstance(result, Failure):
+            failed = wire.error_reply(request.id, result.code, result.message, result.param)
+            return wire.encode_reply(failed), False
+        if self.info.embeds and result.ndim == 1:
             vector = np.ascontiguousarray(result, dtype="<f4")
             return wire.encode_embedding_reply(
-                outcome.request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens,
+                request.id, vector.tobytes(), int(vector.shape[0]), tokens=tokens,
                 truncated=outcome.truncated,
             ), True
-        reply = self.reply(outcome)
-        return wire.encode_reply(reply), reply.ok
-
-    def reply(self, outcome: Outcome[K]) -> wire.Reply:
-        """The wire reply for a finished request, saying whether its input was cut."""
-        reply = self._reply(outcome)
-        return replace(reply, truncated=True) if outcome.truncated and reply.ok else reply
-
-    def _reply(self, outcome: Outcome[K]) -> wire.Reply:
-        """The wire reply for a finished request: an embedding or scores, or the error."""
-        request, result = outcome.request, outcome.result
-        if isinstance(result, Failure):
-            return wire.error_reply(request.id, result.code, result.message, result.param)
         if result.ndim == 2:  # output: tokens (Finisher.one): one vector per token
             rows = np.ascontiguousarray(result, dtype="<f4")
-            return wire.token_embeddings_reply(
-                request.id, rows.tobytes(), int(rows.shape[1]), tokens=outcome.tokens
-            )
-        if self.info.embeds:
-            vector = np.ascontiguousarray(result, dtype="<f4")
-            return wire.embedding_reply(
-                request.id, vector.tobytes(), int(vector.shape[0]), tokens=outcome.tokens
-            )
-        if self.info.task == "sparse":
+            reply = wire.token_embeddings_reply(request.id, rows.tobytes(), int(rows.shape[1]),
+                                                tokens=tokens)
+        elif self.info.task == "sparse":
             indices, values = sparse_entries(result)
-            return wire.sparse_reply(
-                request.id, indices, values, int(np.size(result)), tokens=outcome.tokens
-            )
-        scores = np.ravel(result).tolist()
-        labels = self.info.labels if len(self.info.labels) == len(scores) else None
-        return wire.scores_reply(request.id, scores, tokens=outcome.tokens, labels=labels)
+            reply = wire.sparse_reply(request.id, indices, values, int(np.size(result)),
+                                      tokens=tokens)
+        else:
+            scores = np.ravel(result).tolist()
+            labels = self.info.labels if len(self.info.labels) == len(scores) else None
+            reply = wire.scores_reply(request.id, scores, tokens=tokens, labels=labels)
+        if outcome.truncated:
+            reply = replace(reply, truncated=True)
+        return wire.encode_reply(reply), True
 
 
 _DEADLINE = Failure(ErrorCode.DEADLINE_EXCEEDED.value, "deadline passed before the request ran")
-
-
-def _tokenizer_failure(exc: Exception) -> tuple[ErrorCode, str]:
-    """ValueError is the backend refusing this input (the Backend contract); else a fault."""
-    if isinstance(exc, ValueError):
-        return ErrorCode.BAD_REQUEST, f"tokenizer refused input: {exc}"
-    return ErrorCode.INFERENCE_FAILED, f"tokenizer failed: {describe(exc)}"

@@ -38,7 +38,7 @@ def _build(factory: Callable[[], Tokenizer], parent: int, use_prctl: bool) -> No
     _tokenizer = factory()
 
 
-def _ready() -> bool:
+def _ready(_: int) -> bool:
     return _tokenizer is not None
 
 
@@ -65,8 +65,6 @@ class TokenizerPool:
     def __init__(
         self, factory: Callable[[], Tokenizer], processes: int, *, use_prctl: bool = True
     ) -> None:
-        if processes < 1:
-            raise ConfigError(f"tokenize processes must be at least 1, got {processes}")
         self.factory = factory
         self.processes = processes
         self.use_prctl = use_prctl
@@ -79,10 +77,7 @@ class TokenizerPool:
         with self._lock:
             self._executor = self._new_executor()
         try:
-            # One call per child, so the pool builds all of them.
-            checks = [self._executor.submit(_ready) for _ in range(self.processes)]
-            for check in checks:
-                check.result()
+            list(self._executor.map(_ready, range(self.processes)))  # one call a child: all built
         except BrokenProcessPool as exc:
             self.close()
             raise ConfigError(
@@ -102,8 +97,7 @@ class TokenizerPool:
 
     def close(self) -> None:
         """Stop the children (what they were doing is dropped); safe to call twice. A child
-        still busy after :data:`CLOSE_GRACE_S` is killed.
-        """
+        still busy after :data:`CLOSE_GRACE_S` is killed."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
@@ -131,8 +125,7 @@ class TokenizerPool:
 
     def _replace(self, broken: ProcessPoolExecutor) -> ProcessPoolExecutor:
         """A fresh pool in place of ``broken``, unless the pool was closed or replaced meanwhile
-        (no orphan children after :meth:`close`, no double replacement).
-        """
+        (no orphan children after :meth:`close`, no double replacement)."""
         with self._lock:
             if self._executor is broken:
                 self._executor = self._new_executor()
@@ -149,8 +142,7 @@ class TokenizerPool:
 
 def _stop(executor: ProcessPoolExecutor) -> None:
     """Shut ``executor`` down, killing a child not finished in :data:`CLOSE_GRACE_S`
-    (``shutdown`` has no time-out before Python 3.14).
-    """
+    (``shutdown`` has no time-out before Python 3.14)."""
     children = list((executor._processes or {}).values())
     executor.shutdown(wait=False, cancel_futures=True)
     deadline = time.monotonic() + CLOSE_GRACE_S

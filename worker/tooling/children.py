@@ -1,7 +1,6 @@
 """Child processes restarted when they fail (:class:`RestartPolicy`) and dying with their
 parent: ``PR_SET_PDEATHSIG`` on Linux (it fires when the forking *thread* exits: start them
-from the main thread), else a guard process (``python -m tokenq.worker.tooling.children``).
-"""
+from the main thread), else a guard process (``python -m tokenq.worker.tooling.children``)."""
 
 from __future__ import annotations
 
@@ -83,7 +82,6 @@ def _load_prctl() -> Any:
 
 _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 
 
 def prctl(option: int, value: int) -> bool:
@@ -91,48 +89,36 @@ def prctl(option: int, value: int) -> bool:
     return _PRCTL is not None and _PRCTL(option, value, 0, 0, 0) == 0
 
 
-def _death_mode(mode: DeathMode) -> DeathMode:
-    if mode == "auto":
-        return "prctl" if _PRCTL is not None else "guard"
-    if mode == "prctl" and _PRCTL is None:
-        raise RuntimeError("prctl(PR_SET_PDEATHSIG) needs Linux")
-    return mode
-
-
 def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
     """Run in the child between fork and exec: SIGTERM me when ``parent`` dies."""
-    prctl = _PRCTL
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # the parent died before the line above: too late to ask
             os._exit(1)
 
     return preexec
 
 
-def die_with_parent(parent: int, signum: int = signal.SIGKILL, *, use_prctl: bool = True) -> str:
-    """In a child spawned by multiprocessing: end it (``signum``) once ``parent`` has exited,
-    by ``prctl`` on Linux, else a thread polling the parent; returns "prctl" or "poll"."""
-    how = "prctl" if use_prctl and prctl(_PR_SET_PDEATHSIG, signum) else "poll"
-    if how == "poll":
-        threading.Thread(target=_poll_parent, args=(parent, signum), daemon=True,
+def die_with_parent(parent: int, *, use_prctl: bool = True) -> None:
+    """In a child spawned by multiprocessing: SIGKILL it once ``parent`` has exited, by
+    ``prctl`` on Linux, else a thread polling the parent."""
+    if not (use_prctl and prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)):
+        threading.Thread(target=_poll_parent, args=(parent,), daemon=True,
                          name="tokenq-parent-watch").start()
     if os.getppid() != parent:  # it died before the watch began: too late to be told
-        os.kill(os.getpid(), signum)
-    return how
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _poll_parent(parent: int, signum: int) -> None:
+def _poll_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(_GUARD_POLL_S)
-    os.kill(os.getpid(), signum)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
-def guarded(argv: Sequence[str], parent: int | None = None) -> list[str]:
-    """``argv`` run under the guard that ends it when ``parent`` (default: us) exits."""
-    return [sys.executable, "-m", "tokenq.worker.tooling.children", str(parent or os.getpid()),
-            *argv]
+def guarded(argv: Sequence[str]) -> list[str]:
+    """``argv`` run under the guard that ends it when this process exits."""
+    return [sys.executable, "-m", "tokenq.worker.tooling.children", str(os.getpid()), *argv]
 
 
 def _guard_main(args: Sequence[str]) -> int:
@@ -221,7 +207,10 @@ class Supervisor:
         self.policy = policy or RestartPolicy()
         self.stop_timeout_s = stop_timeout_s
         self.poll_s = poll_s
-        self.death_mode = _death_mode(die_with_parent)
+        if die_with_parent == "prctl" and _PRCTL is None:
+            raise RuntimeError("prctl(PR_SET_PDEATHSIG) needs Linux")
+        auto = "prctl" if _PRCTL is not None else "guard"
+        self.death_mode = auto if die_with_parent == "auto" else die_with_parent
         self.clock = clock
         self.children: list[Child] = []
         self._signals = 0
@@ -275,10 +264,6 @@ class Supervisor:
         else:
             log.warning("second signal: killing children")
             self.kill()
-
-    def request_stop(self) -> None:
-        """What a stop signal does: no more restarts; :meth:`run` returns."""
-        self.stopping = True
 
     def poll(self) -> list[Child]:
         """Notice exits, schedule restarts, start those that are due; the children that exited."""

@@ -1,7 +1,6 @@
 """``tokenq worker --devices 0,1``: supervised worker processes per GPU (one CUDA context,
 GIL and budget each), each with its own ``CUDA_VISIBLE_DEVICES``, consumer name, device
-share and metrics port; other flags pass on.
-"""
+share and metrics port; other flags pass on."""
 
 from __future__ import annotations
 

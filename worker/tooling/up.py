@@ -1,7 +1,6 @@
 """``tokenq up``: a private Redis (unless ``--redis-url``; AOF, loopback, a free port) and N
 supervised workers, for development and demos; Ctrl-C stops the workers, then Redis. Flags
-after ``--`` go to every worker.
-"""
+after ``--`` go to every worker."""
 
 from __future__ import annotations
 
