@@ -31,11 +31,10 @@
 -- All or nothing holds because everything is checked before the first write, and Redis
 -- refuses a script for memory only at its first write ("OOM ...").
 --
--- The block between tokenq:include and tokenq:end is a copy of shared/lua/queue_full.lua,
--- so this file stays a complete script any language can run (docs/PROTOCOL.md);
--- `python -m tokenq.shared.lua_scripts producer/lua/enqueue.lua` refreshes it.
+-- The block between tokenq:include and tokenq:end is the queue_full.lua fragment itself,
+-- which dlq_retry.lua includes; so this file is a complete script (docs/PROTOCOL.md).
 
--- tokenq:include queue_full.lua (a copy: edit shared/lua/queue_full.lua)
+-- tokenq:include queue_full.lua (the fragment is written here)
 -- queue_full(stream, max_len, adding): the queue's length limit, for every
 -- script that adds entries to a request stream (KEYS: the stream, XLEN).
 -- nil when `adding` more entries fit under max_len (0 means no limit);
