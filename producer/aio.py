@@ -4,7 +4,6 @@ reply key resolves every caller's future, so waiting callers hold no connection 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -19,7 +18,6 @@ from tokenq.producer.deadline import DEADLINE_GRACE_S, Deadline, backoff_s, bloc
 from tokenq.producer.lanes import Lane
 from tokenq.producer.prepare import TextItem
 from tokenq.producer.replies import Outcome, Result, decode, outcome
-from tokenq.producer.tokenizer import TokenizerEstimator, load_estimator
 from tokenq.shared import functions
 from tokenq.shared.errors import TokenqError
 from tokenq.shared.failures import error_text
@@ -76,7 +74,6 @@ class AsyncClient(ProducerBase):
         self._unreachable: BaseException | None = None
         self._closing = False
         self._config_task: asyncio.Task[dict[str, str]] | None = None
-        self._loading: dict[str, asyncio.Future[TokenizerEstimator | str]] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -217,12 +214,7 @@ class AsyncClient(ProducerBase):
             while not isinstance(step, calls.Done):
                 if isinstance(step, calls.Listen):
                     listening += step.ids
-                try:
-                    answer = await self._perform(step)
-                except Exception as exc:
-                    step = calls.resume(call, failure=redis_deadlines.failure(exc))
-                else:
-                    step = calls.resume(call, answer)
+                step = calls.resume(call, await self._perform(step))
             return step.value
         finally:
             call.close()
@@ -248,19 +240,24 @@ class AsyncClient(ProducerBase):
         )
 
     async def _perform(self, step: calls.Step) -> Any:
-        match step:
-            case calls.Send(command, args, kwargs, deadline):
-                return await self._attempt(deadline, self._command(command), *args, **kwargs)
-            case calls.Sleep(seconds):
-                await asyncio.sleep(seconds)
-            case calls.ShareConfigRead(deadline):
-                await self._share_config_read(deadline)
-            case calls.LoadTokenizer(path, deadline):
-                await self._load_tokenizer(path, deadline)
-            case calls.Listen(ids, key):
-                self._listen_for(ids, key)
-            case calls.Collect(ids, deadline):
-                return await self._collect(ids, deadline)
+        """The step's answer, or its failure (thrown into the call)."""
+        try:
+            match step:
+                case calls.Send(command, args, kwargs, deadline):
+                    return await self._attempt(deadline, self._command(command), *args, **kwargs)
+                case calls.Sleep(seconds):
+                    await asyncio.sleep(seconds)
+                case calls.ShareConfigRead(deadline):
+                    await self._share_config_read(deadline)
+                case calls.LoadTokenizer(path, deadline):
+                    loading = asyncio.wrap_future(self._tokenizer_load(path))
+                    await asyncio.wait({loading}, timeout=deadline.left())
+                case calls.Listen(ids, key):
+                    self._listen_for(ids, key)
+                case calls.Collect(ids, deadline):
+                    return await self._collect(ids, deadline)
+        except Exception as exc:
+            return redis_deadlines.failure(exc)
         return None
 
     async def _attempt(
@@ -307,21 +304,6 @@ class AsyncClient(ProducerBase):
             self._config_task = None
         if not task.cancelled():
             task.exception()  # retrieved: only its leader raises it
-
-    async def _load_tokenizer(self, path: str, deadline: Deadline) -> None:
-        """Load ``path`` in a worker thread, once; wait for it until the deadline."""
-        loading = self._loading.get(path)
-        if loading is None or loading.get_loop() is not asyncio.get_running_loop():
-            loading = asyncio.ensure_future(asyncio.to_thread(load_estimator, path))
-            loading.add_done_callback(functools.partial(self._tokenizer_loaded, path))
-            self._loading[path] = loading
-        await asyncio.wait({loading}, timeout=deadline.left())
-
-    def _tokenizer_loaded(self, path: str, loading: asyncio.Future[Any]) -> None:
-        if self._loading.get(path) is loading:
-            del self._loading[path]
-        if not loading.cancelled():
-            self._core.config.take_tokenizer(path, loading.exception() or loading.result())
 
     # ------------------------------------------------------------- listener
 

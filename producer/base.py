@@ -3,6 +3,8 @@ besides their calls: how they are made, and how a :class:`~.calls.Send` names wh
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +12,7 @@ from tokenq.producer.call_options import ClientOptions, refuse_unknown
 from tokenq.producer.calls import DURABLE_ENQUEUE
 from tokenq.producer.config import DEFAULT_CONFIG_TTL_S
 from tokenq.producer.core import ClientCore, make_settings
+from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared.settings import ClientSettings
 
 if TYPE_CHECKING:
@@ -38,6 +41,8 @@ class ProducerBase:
             options.get("config_ttl_s", DEFAULT_CONFIG_TTL_S), options.get("refuse_early", True),
         )
         self.client_id = self._core.lanes.home.new_id()
+        self._loading: dict[str, concurrent.futures.Future[None]] = {}
+        self._loading_lock = threading.Lock()
         self._connect(options.get("max_connections"))
 
     def _connect(self, max_connections: int | None) -> None:
@@ -56,6 +61,28 @@ class ProducerBase:
     ) -> Any:
         """The enqueue script and ``WAIT`` in one pipeline, so both run on one connection."""
         raise NotImplementedError
+
+    def _tokenizer_load(self, path: str) -> concurrent.futures.Future[None]:
+        """The load of ``path`` into the config cache, started once in a daemon thread of its
+        own; callers wait for it only until their deadlines."""
+        with self._loading_lock:
+            loading = self._loading.get(path)
+            if loading is None:
+                loading = self._loading[path] = concurrent.futures.Future()
+                loading.set_running_or_notify_cancel()  # a waiter's cancel cannot end it
+                threading.Thread(target=self._load, args=(path, loading), daemon=True,
+                                 name=f"tokenq-tokenizer-{self.client_id[:12]}").start()
+        return loading
+
+    def _load(self, path: str, loading: concurrent.futures.Future[None]) -> None:
+        try:
+            loaded: Any = load_estimator(path)
+        except Exception as exc:  # load_estimator never raises; a bug must not strand waiters
+            loaded = exc
+        self._core.config.take_tokenizer(path, loaded)
+        with self._loading_lock:
+            del self._loading[path]
+        loading.set_result(None)
 
     @property
     def unreplicated(self) -> int:

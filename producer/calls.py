@@ -152,13 +152,12 @@ class Done(Generic[T]):
     value: T
 
 
-def resume(
-    call: Call[T], answer: Any = None, failure: BaseException | None = None
-) -> Step | Done[T]:
-    """The call's next step, given the last step's ``answer`` or ``failure``; Done at its end.
-    A :class:`CommandFailed` it does not handle reaches the caller as redis-py's exception."""
+def resume(call: Call[T], answer: Any = None) -> Step | Done[T]:
+    """The call's next step, given the last step's ``answer`` (an Exception: its failure, thrown
+    in); Done at its end. A :class:`CommandFailed` it does not handle reaches the caller as
+    redis-py's exception."""
     try:
-        return call.send(answer) if failure is None else call.throw(failure)
+        return call.throw(answer) if isinstance(answer, Exception) else call.send(answer)
     except StopIteration as stop:
         return Done(stop.value)
     except CommandFailed as failed:

@@ -128,7 +128,7 @@ def test_queue_full_message(core: ClientCore, refusal: str, shown: str) -> None:
     call = calls.submit_many(core, ["a", "b", "c"], {})
     calls.resume(call)
     with pytest.raises(QueueFull, match="holds 9 of at most 10") as full:
-        calls.resume(call, failure=failure(redis.ResponseError(refusal)))
+        calls.resume(call, failure(redis.ResponseError(refusal)))
     assert shown in str(full.value)
 
 
