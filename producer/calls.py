@@ -33,9 +33,6 @@ from tokenq.shared.text import plural
 
 T = TypeVar("T")
 
-ENQUEUE_SCRIPT = lua_scripts.load("tokenq.producer", "enqueue.lua")
-PEEK_SCRIPT = lua_scripts.load("tokenq.producer", "peek_replies.lua")
-
 ENQUEUE = "enqueue"
 """The :class:`Send` command name of the enqueue script (enqueue.lua)."""
 PEEK = "peek_replies"
@@ -47,7 +44,7 @@ ENQUEUE_SEEN = "enqueue_seen"
 """The enqueue script as a read-only function: at ``maxmemory`` it still answers a batch
 written before (:func:`_written_before`)."""
 
-SCRIPTS = {ENQUEUE: ENQUEUE_SCRIPT, PEEK: PEEK_SCRIPT, ENQUEUE_SEEN: ENQUEUE_SCRIPT}
+SCRIPTS = (ENQUEUE, PEEK, ENQUEUE_SEEN)
 """Every script a :class:`Send` may name; each client calls it as a function of tokenq's
 library (``FCALL``; ``EVALSHA`` before Redis 7)."""
 
@@ -511,11 +508,11 @@ def own_replies(
 
 
 def drain(
-    core: ClientCore, lane: Lane, reply_key: str, pending: set[str], deadline: Deadline,
-    started: float,
-) -> Call[Outcomes]:
-    """Outcomes of the ``pending`` ids, whose replies land on ``reply_key``: ``LRANGE``, then
-    ``LTRIM`` what was read (workers only append); ``BLMOVE key key`` waits when empty."""
+    core: ClientCore, reply_key: str, pending: set[str], deadline: Deadline
+) -> Call[tuple[Outcomes, BaseException | None]]:
+    """Outcomes of the ``pending`` ids (left holding those unanswered), whose replies land on
+    ``reply_key``, and Redis's last outage: ``LRANGE``, then ``LTRIM`` what was read (workers
+    only append); ``BLMOVE key key`` waits when empty."""
     outcomes: Outcomes = {}
 
     def pop(block_s: float, popped: list[Any]) -> Call[None]:
@@ -531,31 +528,7 @@ def drain(
     def take(raw: bytes) -> None:
         shared_key_reply(pending, raw, outcomes)
 
-    unreachable = yield from _poll(core, deadline, pending, pop, take)
-    yield from _missing(core, lane, sorted(pending), outcomes, started, unreachable)
-    return outcomes
-
-
-def written(
-    core: ClientCore, lane: Lane, batch: list[Prepared], deadline: Deadline, key: str | None
-) -> Call[tuple[Lane, list[Prepared]]]:
-    """Enqueue ``batch``, first having the client's listener of ``key`` (if any) keep its
-    replies: a reply may beat the script's answer."""
-    if key is not None:
-        yield Listen(tuple(p.id for p in batch), key)
-    yield from enqueue(core, lane, batch, deadline, awaited=True)
-    return lane, batch
-
-
-def listened(
-    core: ClientCore, lane: Lane, batch: Sequence[Prepared], deadline: Deadline, started: float
-) -> Call[Outcomes]:
-    """Collect what the client's listener resolves for ``batch`` (see :func:`written`)."""
-    ids = tuple(p.id for p in batch)
-    outcomes, unreachable = yield Collect(ids, deadline)
-    missing = [i for i in ids if i not in outcomes]
-    yield from _missing(core, lane, missing, outcomes, started, unreachable)
-    return outcomes
+    return outcomes, (yield from _poll(core, deadline, pending, pop, take))
 
 
 def retired_shards_named(
@@ -597,17 +570,11 @@ def submit(
     core: ClientCore, text: str, text_pair: str | None, options: SubmitOptions
 ) -> Call[str]:
     """Enqueue one text; its id. Bounded by ``settings.timeout_s``."""
-    refuse_unknown(options, SubmitOptions, "submit")
-    deadline = Deadline.after(core.settings.timeout_s)
-    yield from ensure_config(core, deadline)
 
-    def write(lane: Lane) -> Call[str]:
-        prepared = core.preparer.prepare(
-            lane, text, now_ms=_now_ms(), text_pair=text_pair, **options)
-        yield from enqueue(core, lane, [prepared], deadline)
-        return prepared.id
+    def prepare(lane: Lane, now_ms: int) -> list[Prepared]:
+        return [core.preparer.prepare(lane, text, now_ms=now_ms, text_pair=text_pair, **options)]
 
-    return (yield from on_current_shard(core, deadline, write, options.get("reply_to")))
+    return (yield from _submit(core, "submit", prepare, options))[0]
 
 
 def submit_many(
@@ -615,18 +582,29 @@ def submit_many(
     unique: Sequence[str] | None = None,
 ) -> Call[list[str]]:
     """Enqueue a batch all or nothing; the ids in input order (``unique``: the ids to give)."""
-    refuse_unknown(options, SubmitOptions, "submit_many")
-    deadline = Deadline.after(core.settings.timeout_s)
-    yield from ensure_config(core, deadline)
     items = _replayable(texts)
 
+    def prepare(lane: Lane, now_ms: int) -> list[Prepared]:
+        return core.preparer.prepare_many(lane, items, now_ms=now_ms, unique=unique, **options)
+
+    pin = unique[0] if unique else None  # a retry of the same ids: the same shard
+    return (yield from _submit(core, "submit_many", prepare, options, pin))
+
+
+def _submit(
+    core: ClientCore, name: str, prepare: Callable[[Lane, int], list[Prepared]],
+    options: SubmitOptions, pin: str | None = None,
+) -> Call[list[str]]:
+    """Enqueue what ``prepare`` makes for the lane chosen (``pin``: see :func:`choose_shard`)."""
+    refuse_unknown(options, SubmitOptions, name)
+    deadline = Deadline.after(core.settings.timeout_s)
+    yield from ensure_config(core, deadline)
+
     def write(lane: Lane) -> Call[list[str]]:
-        batch = core.preparer.prepare_many(lane, items, now_ms=_now_ms(), unique=unique,
-                                           **options)
+        batch = prepare(lane, _now_ms())
         yield from enqueue(core, lane, batch, deadline)
         return [p.id for p in batch]
 
-    pin = unique[0] if unique else None  # a retry of the same ids: the same shard
     return (yield from on_current_shard(core, deadline, write, options.get("reply_to"), pin))
 
 
@@ -659,54 +637,66 @@ def infer(
     options: RequestOptions, listener: Listener | None,
 ) -> Call[Result]:
     """Enqueue one text and wait for its result (``listener``: the client's listened key)."""
-    refuse_unknown(options, RequestOptions, "infer")
-    started = time.monotonic()
-    deadline = Deadline(started + _timeout(core, timeout_s), persist=True)
-    yield from ensure_config(core, deadline)
 
-    def write(lane: Lane) -> Call[tuple[Lane, list[Prepared]]]:
-        request = _infer_request(deadline, options)
-        key = None if listener is None else listener(lane)
-        prepared = core.preparer.prepare(lane, text, text_pair=text_pair, reply_to=key,
-                                         **request)
-        return (yield from written(core, lane, [prepared], deadline, key))
+    def prepare(lane: Lane, key: str | None, request: dict[str, Any]) -> list[Prepared]:
+        return [core.preparer.prepare(lane, text, text_pair=text_pair, reply_to=key, **request)]
 
-    lane, batch = yield from on_current_shard(core, deadline, write)
-    (prepared,) = batch
-    if listener is None:
-        wanted = {prepared.reply_to: prepared.id}
-        outcomes, unreachable = yield from own_replies(core, wanted, deadline)
-        yield from _missing(core, lane, list(wanted.values()), outcomes, started, unreachable)
-    else:
-        outcomes = yield from listened(core, lane, batch, deadline, started)
-    return settle([prepared.id], outcomes, False)[0]
+    return (yield from _infer(core, "infer", prepare, timeout_s, options, listener, False))[0]
 
 
 def infer_many(
     core: ClientCore, texts: Iterable[TextItem], timeout_s: float | None,
     return_exceptions: bool, options: RequestOptions, listener: Listener | None,
 ) -> Call[list[Any]]:
-    """Enqueue a batch all or nothing and wait for every result, in input order."""
-    refuse_unknown(options, RequestOptions, "infer_many")
+    """Enqueue a batch all or nothing and wait for every result, in input order; without a
+    ``listener`` the replies land on one key of the call's."""
+    items = _replayable(texts)
+
+    def prepare(lane: Lane, key: str | None, request: dict[str, Any]) -> list[Prepared]:
+        key = key or lane.reply_key(lane.new_id())
+        return core.preparer.prepare_many(lane, items, reply_to=key, **request)
+
+    call = _infer(core, "infer_many", prepare, timeout_s, options, listener, return_exceptions)
+    return (yield from call)
+
+
+def _infer(
+    core: ClientCore, name: str,
+    prepare: Callable[[Lane, str | None, dict[str, Any]], list[Prepared]],
+    timeout_s: float | None, options: RequestOptions, listener: Listener | None,
+    return_exceptions: bool,
+) -> Call[list[Any]]:
+    """Enqueue what ``prepare`` makes and wait for its replies: from the client's listener (a
+    reply may beat the script's answer, so it listens first), else from their reply keys."""
+    refuse_unknown(options, RequestOptions, name)
     started = time.monotonic()
     deadline = Deadline(started + _timeout(core, timeout_s), persist=True)
     yield from ensure_config(core, deadline)
-    items = _replayable(texts)
 
     def write(lane: Lane) -> Call[tuple[Lane, list[Prepared]]]:
-        key = lane.reply_key(lane.new_id()) if listener is None else listener(lane)
-        request = _infer_request(deadline, options)
-        batch = core.preparer.prepare_many(lane, items, reply_to=key, **request)
-        return (yield from written(core, lane, batch, deadline, None if listener is None else key))
+        key = None if listener is None else listener(lane)
+        batch = prepare(lane, key, _infer_request(deadline, options))
+        if key is not None:
+            yield Listen(tuple(p.id for p in batch), key)
+        yield from enqueue(core, lane, batch, deadline, awaited=True)
+        return lane, batch
 
     lane, batch = yield from on_current_shard(core, deadline, write)
-    if listener is None:
-        reply_key = batch[0].reply_to if batch else ""
-        outcomes = yield from drain(core, lane, reply_key, {p.id for p in batch}, deadline,
-                                    started)
+    ids = [p.id for p in batch]
+    if listener is not None:
+        outcomes, unreachable = yield Collect(tuple(ids), deadline)
+        missing = [i for i in ids if i not in outcomes]
+    elif name == "infer":  # on its own reply key
+        wanted = {batch[0].reply_to: batch[0].id}
+        outcomes, unreachable = yield from own_replies(core, wanted, deadline)
+        missing = list(wanted.values())
     else:
-        outcomes = yield from listened(core, lane, batch, deadline, started)
-    return settle([p.id for p in batch], outcomes, return_exceptions)
+        pending = set(ids)
+        reply_key = batch[0].reply_to if batch else ""
+        outcomes, unreachable = yield from drain(core, reply_key, pending, deadline)
+        missing = sorted(pending)
+    yield from _missing(core, lane, missing, outcomes, started, unreachable)
+    return settle(ids, outcomes, return_exceptions)
 
 
 def _timeout(core: ClientCore, timeout_s: float | None) -> float:

@@ -31,10 +31,11 @@ from tokenq.producer import (
     calls,
     estimate_tokens,
 )
-from tokenq.producer.calls import ENQUEUE_SCRIPT
 from tokenq.producer.prepare import Prepared
-from tokenq.shared import keys, wire
+from tokenq.shared import keys, lua_scripts, wire
 from tokenq.shared.settings import ClientSettings
+
+ENQUEUE_SCRIPT = lua_scripts.load("tokenq.producer", "enqueue.lua")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
