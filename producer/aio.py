@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import redis
 
 from tokenq.producer import calls, nodes, redis_deadlines
-from tokenq.producer.base import ProducerBase
 from tokenq.producer.call_options import RequestOptions, SubmitOptions
+from tokenq.producer.core import ProducerBase
 from tokenq.producer.deadline import DEADLINE_GRACE_S, Deadline, backoff_s, block_s
 from tokenq.producer.lanes import Lane
 from tokenq.producer.prepare import TextItem

@@ -9,11 +9,10 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from tokenq.producer.call_options import RequestOptions, SubmitOptions, refuse_unknown
 from tokenq.producer.config import decode_config
-from tokenq.producer.core import ClientCore
 from tokenq.producer.deadline import Deadline, backoff_s, block_s, check_seconds
 from tokenq.producer.lanes import Lane, check_ids
 from tokenq.producer.prepare import Prepared, TextItem, infer_deadline
@@ -30,6 +29,9 @@ from tokenq.shared import keys, lua_scripts
 from tokenq.shared.errors import BrokerOutOfMemory, BrokerUnavailable, NotReplicated, QueueFull
 from tokenq.shared.failures import error_text
 from tokenq.shared.text import plural
+
+if TYPE_CHECKING:
+    from tokenq.producer.core import ClientCore
 
 T = TypeVar("T")
 

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenq.producer import calls, nodes, redis_deadlines
-from tokenq.producer.base import ProducerBase
 from tokenq.producer.call_options import RequestOptions, SubmitOptions
+from tokenq.producer.core import ProducerBase
 from tokenq.producer.deadline import Deadline
 from tokenq.producer.prepare import Prepared, TextItem
 from tokenq.producer.replies import Result
