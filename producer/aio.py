@@ -59,13 +59,11 @@ class AsyncClient(ProducerBase):
 
     def _connect(self, max_connections: int | None) -> None:
         self._reply_key = self._listen_key(self._core.lanes.home)
-        self._redis, self._listen_redis = redis_deadlines.async_redis(
-            self.settings,
-            self.client_id,
-            DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
-        )
+        self._redis, listen = redis_deadlines.async_redis(
+            self.settings, self.client_id,
+            DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections)
         # One listener per reply key: each shard's replies land in its own slot.
-        self._listen_clients: dict[str, Any] = {self._reply_key: self._listen_redis}
+        self._listen_clients: dict[str, Any] = {self._reply_key: listen}
         self._listeners: dict[str, asyncio.Task[None]] = {}
         self._trimming: set[str] = set()  # keys whose listener trims what it delivered
         self._node_clients: dict[str, Any] = {}  # Cluster nodes' plain clients (durable)
@@ -334,9 +332,8 @@ class AsyncClient(ProducerBase):
         listener = self._listeners.get(key)
         if listener is None or listener.done():
             if key not in self._listen_clients:
-                self._listen_clients[key] = redis_deadlines.async_listener(
-                    self.settings, self.client_id
-                )
+                self._listen_clients[key] = redis_deadlines.async_client(
+                    self.settings, self.client_id)
             self._listeners[key] = asyncio.get_running_loop().create_task(
                 self._listen(key), name=f"tokenq-listener-{self.client_id[:12]}"
             )

@@ -281,31 +281,21 @@ def async_redis(
     settings: ClientSettings, client_id: str, max_connections: int
 ) -> tuple[redis.asyncio.Redis | redis.asyncio.RedisCluster,
            redis.asyncio.Redis | redis.asyncio.RedisCluster]:
-    """The async client's command pool (``max_connections``, per node in a cluster, where a
-    command fails at once when a node has none free), and its listener's connection."""
-    command = _async_client(settings, client_id, max_connections=max_connections,
-                            wait_s=settings.timeout_s)
-    return command, async_listener(settings, client_id)
+    """The async client's command pool and its listener's connection (:func:`async_client`)."""
+    return async_client(settings, client_id, max_connections), async_client(settings, client_id)
 
 
-def async_listener(
-    settings: ClientSettings, client_id: str
+def async_client(
+    settings: ClientSettings, client_id: str, max_connections: int | None = None
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-    """A listener's client of one connection (per node, in a cluster), for one reply key."""
-    return _async_client(settings, client_id, one_connection=True)
-
-
-def _async_client(
-    settings: ClientSettings, client_id: str, *, max_connections: int | None = None,
-    wait_s: float | None = None, one_connection: bool = False,
-) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-    """A pool of ``max_connections`` waiting at most ``wait_s`` (and never past a caller's
-    deadline) for a free one; or a client of ``one_connection``."""
+    """A pool of ``max_connections`` (per node in a cluster, where a command fails at once when
+    a node has none free) waiting ``timeout_s`` at most, and never past a caller's deadline, for
+    a free one; None: a listener's one connection (per node) for one reply key."""
+    one = max_connections is None
     return redis_client.async_client(
         parse_redis_url(settings.redis_url), _options(settings, AsyncDeadlineRetry, client_id),
-        ASYNC_HOOKS, max_connections=max_connections, wait_s=wait_s,
-        one_connection=one_connection,
-        cluster_retry=_retry(settings, AsyncDeadlineRetry),
+        ASYNC_HOOKS, max_connections=max_connections, wait_s=None if one else settings.timeout_s,
+        one_connection=one, cluster_retry=_retry(settings, AsyncDeadlineRetry),
     )
 
 
