@@ -13,7 +13,7 @@ from tokenq.producer import calls, nodes, redis_deadlines
 from tokenq.producer.call_options import RequestOptions, SubmitOptions
 from tokenq.producer.core import ProducerBase
 from tokenq.producer.deadline import Deadline
-from tokenq.producer.prepare import Prepared, TextItem
+from tokenq.producer.prepare import TextItem
 from tokenq.producer.replies import Result
 from tokenq.shared import functions
 
@@ -154,11 +154,6 @@ class Client(ProducerBase):
         refreshes the copy enqueues are checked against."""
         deadline = Deadline.after(self.settings.timeout_s)
         return self._run(calls.read_config(self._core, deadline, strict=True))
-
-    def _enqueue(self, batch: Sequence[Prepared], deadline: Deadline | None = None) -> None:
-        """Write prepared requests as ``submit_many`` would (tests replay batches with it)."""
-        deadline = deadline or Deadline.after(self.settings.timeout_s)
-        self._run(calls.enqueue(self._core, self._core.lanes.home, batch, deadline))
 
     # --------------------------------------------------------------- driver
 
