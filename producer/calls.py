@@ -703,9 +703,7 @@ def _infer(
 
 def _timeout(core: ClientCore, timeout_s: float | None) -> float:
     """The caller's wait in seconds, defaulting to the configured one."""
-    if timeout_s is None:
-        return core.settings.timeout_s
-    return check_seconds(timeout_s, "timeout_s")
+    return core.settings.timeout_s if timeout_s is None else check_seconds(timeout_s, "timeout_s")
 
 
 def _replayable(texts: Iterable[TextItem]) -> Iterable[TextItem]:
