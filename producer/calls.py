@@ -212,12 +212,9 @@ def ensure_config(core: ClientCore, deadline: Deadline) -> Call[None]:
 def choose_shard(
     core: ClientCore, deadline: Deadline, reply_to: object = None, pin: str | None = None
 ) -> Call[Lane]:
-    """The lane (shard) an enqueueing call writes to; the plain ``{q}`` unsharded.
-
-    A ``reply_to`` in one shard's reply namespace pins the call to that shard, a caller-chosen
-    id ``pin`` to the shard it hashes to; else the chooser picks (``shortest``: after one XLEN
-    per shard when its reading is stale; a refused XLEN leaves it round robin).
-    """
+    """The lane an enqueueing call writes to (``{q}`` unsharded): the shard a ``reply_to`` names,
+    or the one a caller-chosen id ``pin`` hashes to, else the chooser's pick (``shortest``: after
+    an XLEN per shard when its reading is stale; a refused XLEN leaves it round robin)."""
     lanes = core.lanes
     count = lanes.count()
     if count == 1:
@@ -246,12 +243,9 @@ def on_current_shard(
     core: ClientCore, deadline: Deadline, write: Callable[[Lane], Call[T]],
     reply_to: object = None, pin: str | None = None,
 ) -> Call[T]:
-    """``write`` to the shard :func:`choose_shard` picks; to another if that one is retired.
-
-    A client whose shard count is stale may pick a shard the workers retired; the script
-    refuses it with nothing written, and the call reads the config and chooses again. Only a
-    count that still includes the refused shard reaches the caller, as :class:`ShardRetired`.
-    """
+    """``write`` to the shard :func:`choose_shard` picks. One the workers retired (a stale count)
+    the script refuses, writing nothing: the call re-reads the config and chooses again; only a
+    count that still includes that shard reaches the caller, as :class:`ShardRetired`."""
     while True:
         lane = yield from choose_shard(core, deadline, reply_to, pin)
         try:
@@ -293,11 +287,8 @@ def enqueue(
     awaited: bool = False,
 ) -> Call[None]:
     """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit.
-
-    A durable enqueue too few replicas confirmed raises NotReplicated, unless ``awaited`` (the
-    call waits for the replies anyway): then it is counted and logged, since the requests are
-    queued (docs/decisions/0025-durable-enqueue-waits-on.md).
-    """
+    A durable enqueue too few replicas confirmed is NotReplicated, or if ``awaited`` counted and
+    logged (its replies are awaited: docs/decisions/0025-durable-enqueue-waits-on.md)."""
     if not batch:
         return
     settings = core.settings
@@ -347,12 +338,9 @@ def enqueue(
 def _written_before(
     core: ClientCore, arguments: dict[str, Any], deadline: Deadline
 ) -> Call[bool]:
-    """After Redis refused the enqueue for memory: whether an earlier try wrote the batch.
-
-    Redis refuses a function that may write at ``maxmemory`` even when it would write nothing,
-    so the retry of a batch written before would read "nothing was written"; the read-only
-    twin (:data:`ENQUEUE_SEEN`) answers it from its seen keys, and fails for anything new.
-    """
+    """After Redis refused the enqueue for memory (even a retry that would write nothing): whether
+    an earlier try wrote the batch, as the read-only twin (:data:`ENQUEUE_SEEN`) answers from its
+    seen keys; it fails for anything new."""
     try:
         yield from command(core, deadline, ENQUEUE_SEEN, **arguments)
     except ErrorReply:
@@ -384,13 +372,9 @@ def _poll(
     pop: Callable[[float, list[Any]], Call[None]], take: Callable[[Any], None], *,
     at_least_once: bool = False,
 ) -> Call[BaseException | None]:
-    """Pop replies with ``pop`` and hand each to ``take`` until none is ``pending`` or the
-    deadline; Redis's last outage, or None.
-
-    Each pop blocks under the socket timeout, so this loop waits out the caller's time; an
-    outage is backed off and tried again until then. ``at_least_once`` pops once even past
-    the deadline: replies that landed while the caller waited on another shard count.
-    """
+    """Pop replies (each pop blocks under the socket timeout) and ``take`` each until none is
+    ``pending`` or the deadline, backing off an outage; Redis's last outage, or None.
+    ``at_least_once``: pop once even past the deadline (replies landed while waiting elsewhere)."""
     unreachable: BaseException | None = None
     failures = 0
     tried = not at_least_once
@@ -476,13 +460,9 @@ def own_replies(
     core: ClientCore, wanted: dict[str, str], deadline: Deadline, *, at_least_once: bool = False,
     keep: bool = False,
 ) -> Call[tuple[Outcomes, BaseException | None]]:
-    """Outcomes of requests whose replies land on their own keys (``wanted``: key -> id, left
-    holding the ids not answered), and Redis's last outage.
-
-    Nothing is removed before it is in hand (docs/RELIABILITY.md): peek_replies.lua reads
-    every key still missing, ``BLMOVE key key`` waits on the first without removing anything,
-    and the keys read are deleted at the end (unless ``keep``).
-    """
+    """Outcomes of replies on their own keys (``wanted``: key -> id, left holding those not
+    answered) and Redis's last outage. Nothing is removed before it is in hand: peek_replies.lua,
+    ``BLMOVE key key`` on the first, DEL at the end unless ``keep`` (docs/RELIABILITY.md)."""
     outcomes: Outcomes = {}
     read: list[str] = []
 
