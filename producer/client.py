@@ -80,12 +80,9 @@ class Client(ProducerBase):
     def submit(
         self, text: str, *, text_pair: str | None = None, **options: Unpack[SubmitOptions]
     ) -> str:
-        """Enqueue one text and return its request id; fetch the reply with :meth:`result`.
-
-        ``deadline_s`` (seconds from now) or ``deadline_ms`` (epoch ms) tells workers when the
-        answer stops being useful; ``reply_to`` overrides the reply key. Raises QueueFull at
-        the queue's limit and BadRequest (InputTooLong) for invalid input, writing nothing.
-        """
+        """Enqueue one text; its request id, for :meth:`result`. ``deadline_s`` (from now) or
+        ``deadline_ms`` (epoch ms): when the answer stops being useful; ``reply_to``: another reply
+        key. QueueFull at the queue's limit, BadRequest (InputTooLong) for bad input: no write."""
         return self._run(calls.submit(self._core, text, text_pair, options))
 
     def submit_many(
@@ -121,12 +118,9 @@ class Client(ProducerBase):
         self, text: str, *, text_pair: str | None = None, timeout_s: float | None = None,
         **options: Unpack[RequestOptions],
     ) -> Result:
-        """Enqueue one text and wait for its result on its own reply key.
-
-        Within ``timeout_s`` an outage is retried, then BrokerUnavailable; no answer is
-        ReplyTimeout. Unless a deadline is given the request carries what is left of the
-        timeout, so no worker spends device time on an answer nobody awaits.
-        """
+        """Enqueue one text and wait for its result on its own reply key: an outage is retried
+        within ``timeout_s`` (then BrokerUnavailable), no answer is ReplyTimeout. Without a deadline
+        the request carries the rest of the timeout: no device time on answers nobody awaits."""
         return self._run(calls.infer(self._core, text, text_pair, timeout_s, options, None))
 
     def infer_many(

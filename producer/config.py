@@ -128,13 +128,9 @@ class Estimating:
 
 @dataclass
 class ConfigCache:
-    """One client's copy of the config hash, the estimator it selects, and when to read again.
-
-    ``mode``: ``auto`` counts exactly when the config names a tokenizer the producer can load,
-    ``heuristic`` never loads one, ``exact`` refuses to enqueue without one, ``custom`` is the
-    caller's estimator. Tokenizer loads are remembered per path, success or failure. Changes
-    are made whole under a lock: callers and the tokenizer's loader change it.
-    """
+    """One client's copy of the config hash, the estimator it selects (``mode``: the client's
+    ``estimator``, ``custom`` for a callable) and when to read again; tokenizer loads are kept per
+    path, success or failure. Changed whole under a lock (by callers and the tokenizer loader)."""
 
     mode: EstimatorMode | Literal["custom"]
     custom: PairEstimate | None = None
