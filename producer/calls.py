@@ -15,7 +15,7 @@ from tokenq.producer.call_options import RequestOptions, SubmitOptions, refuse_u
 from tokenq.producer.config import decode_config
 from tokenq.producer.deadline import Deadline, backoff_s, block_s, check_seconds
 from tokenq.producer.lanes import Lane, check_ids
-from tokenq.producer.prepare import Prepared, TextItem, infer_deadline
+from tokenq.producer.prepare import Prepared, TextItem
 from tokenq.producer.replies import (
     Outcome,
     ReplyTimeout,
@@ -25,7 +25,7 @@ from tokenq.producer.replies import (
     shared_key_reply,
 )
 from tokenq.producer.shards import ShardRetired, is_retired, shard_for
-from tokenq.shared import keys, lua_scripts
+from tokenq.shared import keys, lua_scripts, wire
 from tokenq.shared.errors import BrokerOutOfMemory, BrokerUnavailable, NotReplicated, QueueFull
 from tokenq.shared.failures import error_text
 from tokenq.shared.text import plural
@@ -698,11 +698,12 @@ def _replayable(texts: Iterable[TextItem]) -> Iterable[TextItem]:
 
 
 def _infer_request(deadline: Deadline, options: RequestOptions) -> dict[str, Any]:
-    """An infer call's request options; its deadline, unless given, is the rest of the timeout."""
-    deadline_s, deadline_ms = infer_deadline(
-        deadline.remaining(), options.get("deadline_s"), options.get("deadline_ms")
-    )
-    return {**options, "now_ms": _now_ms(), "deadline_s": deadline_s, "deadline_ms": deadline_ms}
+    """An infer call's request options. Its deadline, unless given, is the rest of the timeout
+    (capped at the protocol's largest): no worker spends device time on an answer nobody awaits."""
+    request: dict[str, Any] = {**options, "now_ms": _now_ms()}
+    if options.get("deadline_s") is None and options.get("deadline_ms") is None:
+        request["deadline_s"] = min(max(deadline.remaining(), 0.001), wire.MAX_TIMEOUT_MS / 1000)
+    return request
 
 
 def _now_ms() -> int:

@@ -60,17 +60,6 @@ def utf8_size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
-def infer_deadline(
-    remaining_s: float, deadline_s: float | None, deadline_ms: int | None
-) -> tuple[float | None, int | None]:
-    """An infer call's deadline: the caller's own, else the rest of its timeout (capped at
-    the protocol's largest), so no worker spends device time on an answer nobody awaits."""
-    if deadline_s is None and deadline_ms is None:
-        ceiling = wire.MAX_TIMEOUT_MS / 1000
-        return min(max(remaining_s, 0.001), ceiling), None
-    return deadline_s, deadline_ms
-
-
 def timeout_ms(deadline_s: float | None, deadline_ms: int | None, now_ms: int) -> int | None:
     """The relative ``timeout_ms`` field (counted on Redis's clock from the entry's id) from a
     relative or an absolute deadline; only ``deadline_ms`` uses the caller's clock."""
