@@ -26,7 +26,13 @@ from tokenq.producer.replies import (
 )
 from tokenq.producer.shards import ShardRetired, is_retired, shard_for
 from tokenq.shared import keys, lua_scripts, wire
-from tokenq.shared.errors import BrokerOutOfMemory, BrokerUnavailable, NotReplicated, QueueFull
+from tokenq.shared.errors import (
+    BadRequest,
+    BrokerOutOfMemory,
+    BrokerUnavailable,
+    NotReplicated,
+    QueueFull,
+)
 from tokenq.shared.failures import error_text
 from tokenq.shared.text import plural
 
@@ -564,7 +570,7 @@ def submit_many(
     unique: Sequence[str] | None = None,
 ) -> Call[list[str]]:
     """Enqueue a batch all or nothing; the ids in input order (``unique``: the ids to give)."""
-    items = _replayable(texts)
+    items = _texts(texts)
 
     def prepare(lane: Lane, now_ms: int) -> list[Prepared]:
         return core.preparer.prepare_many(lane, items, now_ms=now_ms, unique=unique, **options)
@@ -632,7 +638,7 @@ def infer_many(
 ) -> Call[list[Any]]:
     """Enqueue a batch all or nothing and wait for every result, in input order; without a
     ``listener`` the replies land on one key of the call's."""
-    items = _replayable(texts)
+    items = _texts(texts)
 
     def prepare(lane: Lane, key: str | None, request: dict[str, Any]) -> list[Prepared]:
         key = key or lane.reply_key(lane.new_id())
@@ -686,15 +692,17 @@ def _timeout(core: ClientCore, timeout_s: float | None) -> float:
     return core.settings.timeout_s if timeout_s is None else check_seconds(timeout_s, "timeout_s")
 
 
-def _replayable(texts: Iterable[TextItem]) -> Iterable[TextItem]:
+def _texts(texts: Iterable[TextItem]) -> list[TextItem]:
     """``texts`` as a list, so a call retried on another shard prepares the same inputs; a
-    string or a non-iterable as it is, for ``prepare_many`` to refuse by name."""
+    string or a non-iterable is a BadRequest."""
     if isinstance(texts, (str, bytes)):
-        return texts
+        raise BadRequest("texts must be a sequence of strings, not a single string (use "
+                         "submit/infer for one text)", param="texts")
     try:
         return list(texts)
     except TypeError:
-        return texts
+        raise BadRequest(f"texts must be a sequence of strings, got {type(texts).__name__}",
+                         param="texts") from None
 
 
 def _infer_request(deadline: Deadline, options: RequestOptions) -> dict[str, Any]:
