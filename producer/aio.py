@@ -4,7 +4,6 @@ reply key resolves every caller's future, so waiting callers hold no connection 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -13,13 +12,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import redis
 
 from tokenq.producer import calls, nodes, redis_deadlines
-from tokenq.producer.base import ProducerBase
 from tokenq.producer.call_options import RequestOptions, SubmitOptions
+from tokenq.producer.core import ProducerBase
 from tokenq.producer.deadline import DEADLINE_GRACE_S, Deadline, backoff_s, block_s
 from tokenq.producer.lanes import Lane
 from tokenq.producer.prepare import TextItem
 from tokenq.producer.replies import Outcome, Result, decode, outcome
-from tokenq.producer.tokenizer import TokenizerEstimator, load_estimator
 from tokenq.shared import functions
 from tokenq.shared.errors import TokenqError
 from tokenq.shared.failures import error_text
@@ -61,13 +59,11 @@ class AsyncClient(ProducerBase):
 
     def _connect(self, max_connections: int | None) -> None:
         self._reply_key = self._listen_key(self._core.lanes.home)
-        self._redis, self._listen_redis = redis_deadlines.async_redis(
-            self.settings,
-            self.client_id,
-            DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
-        )
+        self._redis, listen = redis_deadlines.async_redis(
+            self.settings, self.client_id,
+            DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections)
         # One listener per reply key: each shard's replies land in its own slot.
-        self._listen_clients: dict[str, Any] = {self._reply_key: self._listen_redis}
+        self._listen_clients: dict[str, Any] = {self._reply_key: listen}
         self._listeners: dict[str, asyncio.Task[None]] = {}
         self._trimming: set[str] = set()  # keys whose listener trims what it delivered
         self._node_clients: dict[str, Any] = {}  # Cluster nodes' plain clients (durable)
@@ -76,7 +72,6 @@ class AsyncClient(ProducerBase):
         self._unreachable: BaseException | None = None
         self._closing = False
         self._config_task: asyncio.Task[dict[str, str]] | None = None
-        self._loading: dict[str, asyncio.Future[TokenizerEstimator | str]] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -217,12 +212,7 @@ class AsyncClient(ProducerBase):
             while not isinstance(step, calls.Done):
                 if isinstance(step, calls.Listen):
                     listening += step.ids
-                try:
-                    answer = await self._perform(step)
-                except Exception as exc:
-                    step = calls.resume(call, failure=redis_deadlines.failure(exc))
-                else:
-                    step = calls.resume(call, answer)
+                step = calls.resume(call, await self._perform(step))
             return step.value
         finally:
             call.close()
@@ -248,19 +238,24 @@ class AsyncClient(ProducerBase):
         )
 
     async def _perform(self, step: calls.Step) -> Any:
-        match step:
-            case calls.Send(command, args, kwargs, deadline):
-                return await self._attempt(deadline, self._command(command), *args, **kwargs)
-            case calls.Sleep(seconds):
-                await asyncio.sleep(seconds)
-            case calls.ShareConfigRead(deadline):
-                await self._share_config_read(deadline)
-            case calls.LoadTokenizer(path, deadline):
-                await self._load_tokenizer(path, deadline)
-            case calls.Listen(ids, key):
-                self._listen_for(ids, key)
-            case calls.Collect(ids, deadline):
-                return await self._collect(ids, deadline)
+        """The step's answer, or its failure (thrown into the call)."""
+        try:
+            match step:
+                case calls.Send(command, args, kwargs, deadline):
+                    return await self._attempt(deadline, self._command(command), *args, **kwargs)
+                case calls.Sleep(seconds):
+                    await asyncio.sleep(seconds)
+                case calls.ShareConfigRead(deadline):
+                    await self._share_config_read(deadline)
+                case calls.LoadTokenizer(path, deadline):
+                    loading = asyncio.wrap_future(self._tokenizer_load(path))
+                    await asyncio.wait({loading}, timeout=deadline.left())
+                case calls.Listen(ids, key):
+                    self._listen_for(ids, key)
+                case calls.Collect(ids, deadline):
+                    return await self._collect(ids, deadline)
+        except Exception as exc:
+            return redis_deadlines.failure(exc)
         return None
 
     async def _attempt(
@@ -308,21 +303,6 @@ class AsyncClient(ProducerBase):
         if not task.cancelled():
             task.exception()  # retrieved: only its leader raises it
 
-    async def _load_tokenizer(self, path: str, deadline: Deadline) -> None:
-        """Load ``path`` in a worker thread, once; wait for it until the deadline."""
-        loading = self._loading.get(path)
-        if loading is None or loading.get_loop() is not asyncio.get_running_loop():
-            loading = asyncio.ensure_future(asyncio.to_thread(load_estimator, path))
-            loading.add_done_callback(functools.partial(self._tokenizer_loaded, path))
-            self._loading[path] = loading
-        await asyncio.wait({loading}, timeout=deadline.left())
-
-    def _tokenizer_loaded(self, path: str, loading: asyncio.Future[Any]) -> None:
-        if self._loading.get(path) is loading:
-            del self._loading[path]
-        if not loading.cancelled():
-            self._core.config.take_tokenizer(path, loading.exception() or loading.result())
-
     # ------------------------------------------------------------- listener
 
     def _listen_for(self, ids: Sequence[str], key: str) -> None:
@@ -352,9 +332,8 @@ class AsyncClient(ProducerBase):
         listener = self._listeners.get(key)
         if listener is None or listener.done():
             if key not in self._listen_clients:
-                self._listen_clients[key] = redis_deadlines.async_listener(
-                    self.settings, self.client_id
-                )
+                self._listen_clients[key] = redis_deadlines.async_client(
+                    self.settings, self.client_id)
             self._listeners[key] = asyncio.get_running_loop().create_task(
                 self._listen(key), name=f"tokenq-listener-{self.client_id[:12]}"
             )

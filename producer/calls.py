@@ -9,14 +9,13 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from tokenq.producer.call_options import RequestOptions, SubmitOptions, refuse_unknown
 from tokenq.producer.config import decode_config
-from tokenq.producer.core import ClientCore
 from tokenq.producer.deadline import Deadline, backoff_s, block_s, check_seconds
 from tokenq.producer.lanes import Lane, check_ids
-from tokenq.producer.prepare import Prepared, TextItem, infer_deadline
+from tokenq.producer.prepare import Prepared, TextItem
 from tokenq.producer.replies import (
     Outcome,
     ReplyTimeout,
@@ -26,15 +25,21 @@ from tokenq.producer.replies import (
     shared_key_reply,
 )
 from tokenq.producer.shards import ShardRetired, is_retired, shard_for
-from tokenq.shared import keys, lua_scripts
-from tokenq.shared.errors import BrokerOutOfMemory, BrokerUnavailable, NotReplicated, QueueFull
+from tokenq.shared import keys, lua_scripts, wire
+from tokenq.shared.errors import (
+    BadRequest,
+    BrokerOutOfMemory,
+    BrokerUnavailable,
+    NotReplicated,
+    QueueFull,
+)
 from tokenq.shared.failures import error_text
 from tokenq.shared.text import plural
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from tokenq.producer.core import ClientCore
 
-ENQUEUE_SCRIPT = lua_scripts.load("tokenq.producer", "enqueue.lua")
-PEEK_SCRIPT = lua_scripts.load("tokenq.producer", "peek_replies.lua")
+T = TypeVar("T")
 
 ENQUEUE = "enqueue"
 """The :class:`Send` command name of the enqueue script (enqueue.lua)."""
@@ -47,7 +52,7 @@ ENQUEUE_SEEN = "enqueue_seen"
 """The enqueue script as a read-only function: at ``maxmemory`` it still answers a batch
 written before (:func:`_written_before`)."""
 
-SCRIPTS = {ENQUEUE: ENQUEUE_SCRIPT, PEEK: PEEK_SCRIPT, ENQUEUE_SEEN: ENQUEUE_SCRIPT}
+SCRIPTS = (ENQUEUE, PEEK, ENQUEUE_SEEN)
 """Every script a :class:`Send` may name; each client calls it as a function of tokenq's
 library (``FCALL``; ``EVALSHA`` before Redis 7)."""
 
@@ -152,13 +157,12 @@ class Done(Generic[T]):
     value: T
 
 
-def resume(
-    call: Call[T], answer: Any = None, failure: BaseException | None = None
-) -> Step | Done[T]:
-    """The call's next step, given the last step's ``answer`` or ``failure``; Done at its end.
-    A :class:`CommandFailed` it does not handle reaches the caller as redis-py's exception."""
+def resume(call: Call[T], answer: Any = None) -> Step | Done[T]:
+    """The call's next step, given the last step's ``answer`` (an Exception: its failure, thrown
+    in); Done at its end. A :class:`CommandFailed` it does not handle reaches the caller as
+    redis-py's exception."""
     try:
-        return call.send(answer) if failure is None else call.throw(failure)
+        return call.throw(answer) if isinstance(answer, Exception) else call.send(answer)
     except StopIteration as stop:
         return Done(stop.value)
     except CommandFailed as failed:
@@ -214,12 +218,9 @@ def ensure_config(core: ClientCore, deadline: Deadline) -> Call[None]:
 def choose_shard(
     core: ClientCore, deadline: Deadline, reply_to: object = None, pin: str | None = None
 ) -> Call[Lane]:
-    """The lane (shard) an enqueueing call writes to; the plain ``{q}`` unsharded.
-
-    A ``reply_to`` in one shard's reply namespace pins the call to that shard, a caller-chosen
-    id ``pin`` to the shard it hashes to; else the chooser picks (``shortest``: after one XLEN
-    per shard when its reading is stale; a refused XLEN leaves it round robin).
-    """
+    """The lane an enqueueing call writes to (``{q}`` unsharded): the shard a ``reply_to`` names,
+    or the one a caller-chosen id ``pin`` hashes to, else the chooser's pick (``shortest``: after
+    an XLEN per shard when its reading is stale; a refused XLEN leaves it round robin)."""
     lanes = core.lanes
     count = lanes.count()
     if count == 1:
@@ -248,12 +249,9 @@ def on_current_shard(
     core: ClientCore, deadline: Deadline, write: Callable[[Lane], Call[T]],
     reply_to: object = None, pin: str | None = None,
 ) -> Call[T]:
-    """``write`` to the shard :func:`choose_shard` picks; to another if that one is retired.
-
-    A client whose shard count is stale may pick a shard the workers retired; the script
-    refuses it with nothing written, and the call reads the config and chooses again. Only a
-    count that still includes the refused shard reaches the caller, as :class:`ShardRetired`.
-    """
+    """``write`` to the shard :func:`choose_shard` picks. One the workers retired (a stale count)
+    the script refuses, writing nothing: the call re-reads the config and chooses again; only a
+    count that still includes that shard reaches the caller, as :class:`ShardRetired`."""
     while True:
         lane = yield from choose_shard(core, deadline, reply_to, pin)
         try:
@@ -295,11 +293,8 @@ def enqueue(
     awaited: bool = False,
 ) -> Call[None]:
     """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit.
-
-    A durable enqueue too few replicas confirmed raises NotReplicated, unless ``awaited`` (the
-    call waits for the replies anyway): then it is counted and logged, since the requests are
-    queued (docs/decisions/0025-durable-enqueue-waits-on.md).
-    """
+    A durable enqueue too few replicas confirmed is NotReplicated, or if ``awaited`` counted and
+    logged (its replies are awaited: docs/decisions/0025-durable-enqueue-waits-on.md)."""
     if not batch:
         return
     settings = core.settings
@@ -349,12 +344,9 @@ def enqueue(
 def _written_before(
     core: ClientCore, arguments: dict[str, Any], deadline: Deadline
 ) -> Call[bool]:
-    """After Redis refused the enqueue for memory: whether an earlier try wrote the batch.
-
-    Redis refuses a function that may write at ``maxmemory`` even when it would write nothing,
-    so the retry of a batch written before would read "nothing was written"; the read-only
-    twin (:data:`ENQUEUE_SEEN`) answers it from its seen keys, and fails for anything new.
-    """
+    """After Redis refused the enqueue for memory (even a retry that would write nothing): whether
+    an earlier try wrote the batch, as the read-only twin (:data:`ENQUEUE_SEEN`) answers from its
+    seen keys; it fails for anything new."""
     try:
         yield from command(core, deadline, ENQUEUE_SEEN, **arguments)
     except ErrorReply:
@@ -386,13 +378,9 @@ def _poll(
     pop: Callable[[float, list[Any]], Call[None]], take: Callable[[Any], None], *,
     at_least_once: bool = False,
 ) -> Call[BaseException | None]:
-    """Pop replies with ``pop`` and hand each to ``take`` until none is ``pending`` or the
-    deadline; Redis's last outage, or None.
-
-    Each pop blocks under the socket timeout, so this loop waits out the caller's time; an
-    outage is backed off and tried again until then. ``at_least_once`` pops once even past
-    the deadline: replies that landed while the caller waited on another shard count.
-    """
+    """Pop replies (each pop blocks under the socket timeout) and ``take`` each until none is
+    ``pending`` or the deadline, backing off an outage; Redis's last outage, or None.
+    ``at_least_once``: pop once even past the deadline (replies landed while waiting elsewhere)."""
     unreachable: BaseException | None = None
     failures = 0
     tried = not at_least_once
@@ -478,13 +466,9 @@ def own_replies(
     core: ClientCore, wanted: dict[str, str], deadline: Deadline, *, at_least_once: bool = False,
     keep: bool = False,
 ) -> Call[tuple[Outcomes, BaseException | None]]:
-    """Outcomes of requests whose replies land on their own keys (``wanted``: key -> id, left
-    holding the ids not answered), and Redis's last outage.
-
-    Nothing is removed before it is in hand (docs/RELIABILITY.md): peek_replies.lua reads
-    every key still missing, ``BLMOVE key key`` waits on the first without removing anything,
-    and the keys read are deleted at the end (unless ``keep``).
-    """
+    """Outcomes of replies on their own keys (``wanted``: key -> id, left holding those not
+    answered) and Redis's last outage. Nothing is removed before it is in hand: peek_replies.lua,
+    ``BLMOVE key key`` on the first, DEL at the end unless ``keep`` (docs/RELIABILITY.md)."""
     outcomes: Outcomes = {}
     read: list[str] = []
 
@@ -512,11 +496,11 @@ def own_replies(
 
 
 def drain(
-    core: ClientCore, lane: Lane, reply_key: str, pending: set[str], deadline: Deadline,
-    started: float,
-) -> Call[Outcomes]:
-    """Outcomes of the ``pending`` ids, whose replies land on ``reply_key``: ``LRANGE``, then
-    ``LTRIM`` what was read (workers only append); ``BLMOVE key key`` waits when empty."""
+    core: ClientCore, reply_key: str, pending: set[str], deadline: Deadline
+) -> Call[tuple[Outcomes, BaseException | None]]:
+    """Outcomes of the ``pending`` ids (left holding those unanswered), whose replies land on
+    ``reply_key``, and Redis's last outage: ``LRANGE``, then ``LTRIM`` what was read (workers
+    only append); ``BLMOVE key key`` waits when empty."""
     outcomes: Outcomes = {}
 
     def pop(block_s: float, popped: list[Any]) -> Call[None]:
@@ -532,31 +516,7 @@ def drain(
     def take(raw: bytes) -> None:
         shared_key_reply(pending, raw, outcomes)
 
-    unreachable = yield from _poll(core, deadline, pending, pop, take)
-    yield from _missing(core, lane, sorted(pending), outcomes, started, unreachable)
-    return outcomes
-
-
-def written(
-    core: ClientCore, lane: Lane, batch: list[Prepared], deadline: Deadline, key: str | None
-) -> Call[tuple[Lane, list[Prepared]]]:
-    """Enqueue ``batch``, first having the client's listener of ``key`` (if any) keep its
-    replies: a reply may beat the script's answer."""
-    if key is not None:
-        yield Listen(tuple(p.id for p in batch), key)
-    yield from enqueue(core, lane, batch, deadline, awaited=True)
-    return lane, batch
-
-
-def listened(
-    core: ClientCore, lane: Lane, batch: Sequence[Prepared], deadline: Deadline, started: float
-) -> Call[Outcomes]:
-    """Collect what the client's listener resolves for ``batch`` (see :func:`written`)."""
-    ids = tuple(p.id for p in batch)
-    outcomes, unreachable = yield Collect(ids, deadline)
-    missing = [i for i in ids if i not in outcomes]
-    yield from _missing(core, lane, missing, outcomes, started, unreachable)
-    return outcomes
+    return outcomes, (yield from _poll(core, deadline, pending, pop, take))
 
 
 def retired_shards_named(
@@ -598,17 +558,11 @@ def submit(
     core: ClientCore, text: str, text_pair: str | None, options: SubmitOptions
 ) -> Call[str]:
     """Enqueue one text; its id. Bounded by ``settings.timeout_s``."""
-    refuse_unknown(options, SubmitOptions, "submit")
-    deadline = Deadline.after(core.settings.timeout_s)
-    yield from ensure_config(core, deadline)
 
-    def write(lane: Lane) -> Call[str]:
-        prepared = core.preparer.prepare(
-            lane, text, now_ms=_now_ms(), text_pair=text_pair, **options)
-        yield from enqueue(core, lane, [prepared], deadline)
-        return prepared.id
+    def prepare(lane: Lane, now_ms: int) -> list[Prepared]:
+        return [core.preparer.prepare(lane, text, now_ms=now_ms, text_pair=text_pair, **options)]
 
-    return (yield from on_current_shard(core, deadline, write, options.get("reply_to")))
+    return (yield from _submit(core, "submit", prepare, options))[0]
 
 
 def submit_many(
@@ -616,18 +570,29 @@ def submit_many(
     unique: Sequence[str] | None = None,
 ) -> Call[list[str]]:
     """Enqueue a batch all or nothing; the ids in input order (``unique``: the ids to give)."""
-    refuse_unknown(options, SubmitOptions, "submit_many")
+    items = _texts(texts)
+
+    def prepare(lane: Lane, now_ms: int) -> list[Prepared]:
+        return core.preparer.prepare_many(lane, items, now_ms=now_ms, unique=unique, **options)
+
+    pin = unique[0] if unique else None  # a retry of the same ids: the same shard
+    return (yield from _submit(core, "submit_many", prepare, options, pin))
+
+
+def _submit(
+    core: ClientCore, name: str, prepare: Callable[[Lane, int], list[Prepared]],
+    options: SubmitOptions, pin: str | None = None,
+) -> Call[list[str]]:
+    """Enqueue what ``prepare`` makes for the lane chosen (``pin``: see :func:`choose_shard`)."""
+    refuse_unknown(options, SubmitOptions, name)
     deadline = Deadline.after(core.settings.timeout_s)
     yield from ensure_config(core, deadline)
-    items = _replayable(texts)
 
     def write(lane: Lane) -> Call[list[str]]:
-        batch = core.preparer.prepare_many(lane, items, now_ms=_now_ms(), unique=unique,
-                                           **options)
+        batch = prepare(lane, _now_ms())
         yield from enqueue(core, lane, batch, deadline)
         return [p.id for p in batch]
 
-    pin = unique[0] if unique else None  # a retry of the same ids: the same shard
     return (yield from on_current_shard(core, deadline, write, options.get("reply_to"), pin))
 
 
@@ -660,80 +625,93 @@ def infer(
     options: RequestOptions, listener: Listener | None,
 ) -> Call[Result]:
     """Enqueue one text and wait for its result (``listener``: the client's listened key)."""
-    refuse_unknown(options, RequestOptions, "infer")
-    started = time.monotonic()
-    deadline = Deadline(started + _timeout(core, timeout_s), persist=True)
-    yield from ensure_config(core, deadline)
 
-    def write(lane: Lane) -> Call[tuple[Lane, list[Prepared]]]:
-        request = _infer_request(deadline, options)
-        key = None if listener is None else listener(lane)
-        prepared = core.preparer.prepare(lane, text, text_pair=text_pair, reply_to=key,
-                                         **request)
-        return (yield from written(core, lane, [prepared], deadline, key))
+    def prepare(lane: Lane, key: str | None, request: dict[str, Any]) -> list[Prepared]:
+        return [core.preparer.prepare(lane, text, text_pair=text_pair, reply_to=key, **request)]
 
-    lane, batch = yield from on_current_shard(core, deadline, write)
-    (prepared,) = batch
-    if listener is None:
-        wanted = {prepared.reply_to: prepared.id}
-        outcomes, unreachable = yield from own_replies(core, wanted, deadline)
-        yield from _missing(core, lane, list(wanted.values()), outcomes, started, unreachable)
-    else:
-        outcomes = yield from listened(core, lane, batch, deadline, started)
-    return settle([prepared.id], outcomes, False)[0]
+    return (yield from _infer(core, "infer", prepare, timeout_s, options, listener, False))[0]
 
 
 def infer_many(
     core: ClientCore, texts: Iterable[TextItem], timeout_s: float | None,
     return_exceptions: bool, options: RequestOptions, listener: Listener | None,
 ) -> Call[list[Any]]:
-    """Enqueue a batch all or nothing and wait for every result, in input order."""
-    refuse_unknown(options, RequestOptions, "infer_many")
+    """Enqueue a batch all or nothing and wait for every result, in input order; without a
+    ``listener`` the replies land on one key of the call's."""
+    items = _texts(texts)
+
+    def prepare(lane: Lane, key: str | None, request: dict[str, Any]) -> list[Prepared]:
+        key = key or lane.reply_key(lane.new_id())
+        return core.preparer.prepare_many(lane, items, reply_to=key, **request)
+
+    call = _infer(core, "infer_many", prepare, timeout_s, options, listener, return_exceptions)
+    return (yield from call)
+
+
+def _infer(
+    core: ClientCore, name: str,
+    prepare: Callable[[Lane, str | None, dict[str, Any]], list[Prepared]],
+    timeout_s: float | None, options: RequestOptions, listener: Listener | None,
+    return_exceptions: bool,
+) -> Call[list[Any]]:
+    """Enqueue what ``prepare`` makes and wait for its replies: from the client's listener (a
+    reply may beat the script's answer, so it listens first), else from their reply keys."""
+    refuse_unknown(options, RequestOptions, name)
     started = time.monotonic()
     deadline = Deadline(started + _timeout(core, timeout_s), persist=True)
     yield from ensure_config(core, deadline)
-    items = _replayable(texts)
 
     def write(lane: Lane) -> Call[tuple[Lane, list[Prepared]]]:
-        key = lane.reply_key(lane.new_id()) if listener is None else listener(lane)
-        request = _infer_request(deadline, options)
-        batch = core.preparer.prepare_many(lane, items, reply_to=key, **request)
-        return (yield from written(core, lane, batch, deadline, None if listener is None else key))
+        key = None if listener is None else listener(lane)
+        batch = prepare(lane, key, _infer_request(deadline, options))
+        if key is not None:
+            yield Listen(tuple(p.id for p in batch), key)
+        yield from enqueue(core, lane, batch, deadline, awaited=True)
+        return lane, batch
 
     lane, batch = yield from on_current_shard(core, deadline, write)
-    if listener is None:
-        reply_key = batch[0].reply_to if batch else ""
-        outcomes = yield from drain(core, lane, reply_key, {p.id for p in batch}, deadline,
-                                    started)
+    ids = [p.id for p in batch]
+    if listener is not None:
+        outcomes, unreachable = yield Collect(tuple(ids), deadline)
+        missing = [i for i in ids if i not in outcomes]
+    elif name == "infer":  # on its own reply key
+        wanted = {batch[0].reply_to: batch[0].id}
+        outcomes, unreachable = yield from own_replies(core, wanted, deadline)
+        missing = list(wanted.values())
     else:
-        outcomes = yield from listened(core, lane, batch, deadline, started)
-    return settle([p.id for p in batch], outcomes, return_exceptions)
+        pending = set(ids)
+        reply_key = batch[0].reply_to if batch else ""
+        outcomes, unreachable = yield from drain(core, reply_key, pending, deadline)
+        missing = sorted(pending)
+    yield from _missing(core, lane, missing, outcomes, started, unreachable)
+    return settle(ids, outcomes, return_exceptions)
 
 
 def _timeout(core: ClientCore, timeout_s: float | None) -> float:
     """The caller's wait in seconds, defaulting to the configured one."""
-    if timeout_s is None:
-        return core.settings.timeout_s
-    return check_seconds(timeout_s, "timeout_s")
+    return core.settings.timeout_s if timeout_s is None else check_seconds(timeout_s, "timeout_s")
 
 
-def _replayable(texts: Iterable[TextItem]) -> Iterable[TextItem]:
+def _texts(texts: Iterable[TextItem]) -> list[TextItem]:
     """``texts`` as a list, so a call retried on another shard prepares the same inputs; a
-    string or a non-iterable as it is, for ``prepare_many`` to refuse by name."""
+    string or a non-iterable is a BadRequest."""
     if isinstance(texts, (str, bytes)):
-        return texts
+        raise BadRequest("texts must be a sequence of strings, not a single string (use "
+                         "submit/infer for one text)", param="texts")
     try:
         return list(texts)
     except TypeError:
-        return texts
+        raise BadRequest(f"texts must be a sequence of strings, got {type(texts).__name__}",
+                         param="texts") from None
 
 
 def _infer_request(deadline: Deadline, options: RequestOptions) -> dict[str, Any]:
-    """An infer call's request options; its deadline, unless given, is the rest of the timeout."""
-    deadline_s, deadline_ms = infer_deadline(
-        deadline.remaining(), options.get("deadline_s"), options.get("deadline_ms")
-    )
-    return {**options, "now_ms": _now_ms(), "deadline_s": deadline_s, "deadline_ms": deadline_ms}
+    """An infer call's request options. Its deadline, unless given, is the rest of the timeout
+    (capped at the protocol's largest): no worker spends device time on an answer nobody awaits."""
+    request: dict[str, Any] = {**options, "now_ms": _now_ms()}
+    if options.get("deadline_s") is None and options.get("deadline_ms") is None:
+        request["deadline_s"] = min(max(deadline.remaining(), 0.001), wire.MAX_TIMEOUT_MS / 1000)
+    return request
 
 
 def _now_ms() -> int:

@@ -3,18 +3,18 @@ command run in the calling thread under the caller's deadline (:mod:`.redis_dead
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenq.producer import calls, nodes, redis_deadlines
-from tokenq.producer.base import ProducerBase
 from tokenq.producer.call_options import RequestOptions, SubmitOptions
+from tokenq.producer.core import ProducerBase
 from tokenq.producer.deadline import Deadline
-from tokenq.producer.prepare import Prepared, TextItem
+from tokenq.producer.prepare import TextItem
 from tokenq.producer.replies import Result
-from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared import functions
 
 if TYPE_CHECKING:
@@ -44,9 +44,8 @@ class Client(ProducerBase):
     """
 
     def _connect(self, max_connections: int | None) -> None:
-        self._config_state = threading.Lock()  # held only to look at or update the two below
+        self._config_state = threading.Lock()  # held only to look at or update the one below
         self._config_read: threading.Event | None = None  # set when the read in flight ends
-        self._loading: dict[str, threading.Event] = {}
         self._redis = redis_deadlines.sync_redis(self.settings, self.client_id, max_connections)
         self._scripts = {name: functions.Function(self._redis, name) for name in calls.SCRIPTS}
 
@@ -81,12 +80,9 @@ class Client(ProducerBase):
     def submit(
         self, text: str, *, text_pair: str | None = None, **options: Unpack[SubmitOptions]
     ) -> str:
-        """Enqueue one text and return its request id; fetch the reply with :meth:`result`.
-
-        ``deadline_s`` (seconds from now) or ``deadline_ms`` (epoch ms) tells workers when the
-        answer stops being useful; ``reply_to`` overrides the reply key. Raises QueueFull at
-        the queue's limit and BadRequest (InputTooLong) for invalid input, writing nothing.
-        """
+        """Enqueue one text; its request id, for :meth:`result`. ``deadline_s`` (from now) or
+        ``deadline_ms`` (epoch ms): when the answer stops being useful; ``reply_to``: another reply
+        key. QueueFull at the queue's limit, BadRequest (InputTooLong) for bad input: no write."""
         return self._run(calls.submit(self._core, text, text_pair, options))
 
     def submit_many(
@@ -122,12 +118,9 @@ class Client(ProducerBase):
         self, text: str, *, text_pair: str | None = None, timeout_s: float | None = None,
         **options: Unpack[RequestOptions],
     ) -> Result:
-        """Enqueue one text and wait for its result on its own reply key.
-
-        Within ``timeout_s`` an outage is retried, then BrokerUnavailable; no answer is
-        ReplyTimeout. Unless a deadline is given the request carries what is left of the
-        timeout, so no worker spends device time on an answer nobody awaits.
-        """
+        """Enqueue one text and wait for its result on its own reply key: an outage is retried
+        within ``timeout_s`` (then BrokerUnavailable), no answer is ReplyTimeout. Without a deadline
+        the request carries the rest of the timeout: no device time on answers nobody awaits."""
         return self._run(calls.infer(self._core, text, text_pair, timeout_s, options, None))
 
     def infer_many(
@@ -156,11 +149,6 @@ class Client(ProducerBase):
         deadline = Deadline.after(self.settings.timeout_s)
         return self._run(calls.read_config(self._core, deadline, strict=True))
 
-    def _enqueue(self, batch: Sequence[Prepared], deadline: Deadline | None = None) -> None:
-        """Write prepared requests as ``submit_many`` would (tests replay batches with it)."""
-        deadline = deadline or Deadline.after(self.settings.timeout_s)
-        self._run(calls.enqueue(self._core, self._core.lanes.home, batch, deadline))
-
     # --------------------------------------------------------------- driver
 
     def _run(self, call: calls.Call[T]) -> T:
@@ -168,29 +156,28 @@ class Client(ProducerBase):
         try:
             step = calls.resume(call)
             while not isinstance(step, calls.Done):
-                try:
-                    answer = self._perform(step)
-                except Exception as exc:
-                    step = calls.resume(call, failure=redis_deadlines.failure(exc))
-                else:
-                    step = calls.resume(call, answer)
+                step = calls.resume(call, self._perform(step))
             return step.value
         finally:
             call.close()
 
     def _perform(self, step: calls.Step) -> Any:
-        if type(step) is calls.Send:  # the common step, ahead of the match below
-            with redis_deadlines.for_caller(step.deadline):
-                return self._command(step.command)(*step.args, **step.kwargs)
-        match step:
-            case calls.Sleep(seconds):
-                time.sleep(seconds)
-            case calls.ShareConfigRead(deadline):
-                self._share_config_read(deadline)
-            case calls.LoadTokenizer(path, deadline):
-                self._load_tokenizer(path, deadline)
-            case _:  # Listen, Collect: this client has no listener
-                raise TypeError(f"Client cannot perform {step!r}")
+        """The step's answer, or its failure (thrown into the call)."""
+        try:
+            if type(step) is calls.Send:  # the common step, ahead of the match below
+                with redis_deadlines.for_caller(step.deadline):
+                    return self._command(step.command)(*step.args, **step.kwargs)
+            match step:
+                case calls.Sleep(seconds):
+                    time.sleep(seconds)
+                case calls.ShareConfigRead(deadline):
+                    self._share_config_read(deadline)
+                case calls.LoadTokenizer(path, deadline):
+                    concurrent.futures.wait([self._tokenizer_load(path)], deadline.left())
+                case _:  # Listen, Collect: this client has no listener
+                    raise TypeError(f"Client cannot perform {step!r}")
+        except Exception as exc:
+            return redis_deadlines.failure(exc)
         return None
 
     def _share_config_read(self, deadline: Deadline) -> None:
@@ -211,27 +198,3 @@ class Client(ProducerBase):
             with self._config_state:
                 self._config_read = None
             done.set()
-
-    def _load_tokenizer(self, path: str, deadline: Deadline) -> None:
-        """Load ``path`` in a thread of its own, unless it is loading; wait until the deadline."""
-        with self._config_state:
-            done = self._loading.get(path)
-            if done is None:
-                done = self._loading[path] = threading.Event()
-                threading.Thread(
-                    target=self._load_in_background,
-                    args=(path, done),
-                    name=f"tokenq-tokenizer-{self.client_id[:12]}",
-                    daemon=True,
-                ).start()
-        done.wait(deadline.left())
-
-    def _load_in_background(self, path: str, done: threading.Event) -> None:
-        try:
-            loaded: Any = load_estimator(path)
-        except Exception as exc:  # load_estimator never raises; a bug must not strand waiters
-            loaded = exc
-        self._core.config.take_tokenizer(path, loaded)
-        with self._config_state:
-            self._loading.pop(path, None)
-        done.set()

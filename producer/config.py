@@ -128,13 +128,9 @@ class Estimating:
 
 @dataclass
 class ConfigCache:
-    """One client's copy of the config hash, the estimator it selects, and when to read again.
-
-    ``mode``: ``auto`` counts exactly when the config names a tokenizer the producer can load,
-    ``heuristic`` never loads one, ``exact`` refuses to enqueue without one, ``custom`` is the
-    caller's estimator. Tokenizer loads are remembered per path, success or failure. Changes
-    are made whole under a lock: callers and the tokenizer's loader change it.
-    """
+    """One client's copy of the config hash, the estimator it selects (``mode``: the client's
+    ``estimator``, ``custom`` for a callable) and when to read again; tokenizer loads are kept per
+    path, success or failure. Changed whole under a lock (by callers and the tokenizer loader)."""
 
     mode: EstimatorMode | Literal["custom"]
     custom: PairEstimate | None = None
@@ -229,26 +225,19 @@ class ConfigCache:
 
 def config_cache(estimator: EstimatorChoice, config_ttl_s: float, key: str = "") -> ConfigCache:
     """The config cache for a client's ``estimator=`` and ``config_ttl_s=`` arguments."""
-    if isinstance(config_ttl_s, bool) or not isinstance(config_ttl_s, (int, float)):
-        raise BadRequest(f"config_ttl_s must be a number of seconds, got {config_ttl_s!r}",
-                         param="config_ttl_s")
-    if not math.isfinite(config_ttl_s) or config_ttl_s < 0:
-        raise BadRequest(f"config_ttl_s must be a finite number >= 0, got {config_ttl_s!r}",
-                         param="config_ttl_s")
+    if (isinstance(config_ttl_s, bool) or not isinstance(config_ttl_s, (int, float))
+            or not math.isfinite(config_ttl_s) or config_ttl_s < 0):
+        raise BadRequest(f"config_ttl_s must be a number of seconds, finite and >= 0, got "
+                         f"{config_ttl_s!r}", param="config_ttl_s")
     ttl_s = float(config_ttl_s)
     if estimator is None:
         return ConfigCache("auto", ttl_s=ttl_s, key=key)
-    if isinstance(estimator, str):
-        if estimator not in ESTIMATOR_MODES:
-            raise BadRequest(
-                f"estimator must be one of {', '.join(map(repr, ESTIMATOR_MODES))} "
-                f"or a callable, got {estimator!r}",
-                param="estimator",
-            )
+    if isinstance(estimator, str) and estimator in ESTIMATOR_MODES:
         return ConfigCache(estimator, ttl_s=ttl_s, key=key)  # type: ignore[arg-type]
-    if not callable(estimator):
-        raise BadRequest(f"estimator must be a mode name or a callable, got {estimator!r}",
-                         param="estimator")
+    if isinstance(estimator, str) or not callable(estimator):
+        modes = ", ".join(map(repr, ESTIMATOR_MODES))
+        raise BadRequest(f"estimator must be one of {modes} (a mode name) or a callable, got "
+                         f"{estimator!r}", param="estimator")
     exact = getattr(estimator, "exact", False) is True
     return ConfigCache("custom", _pair_aware(estimator), exact, ttl_s, key)
 

@@ -79,12 +79,6 @@ class Lane:
         return keys.reply(self.queue, reply_id)
 
 
-def lane_of(queue: keys.QueueRef, shard: int | None) -> Lane:
-    """The lane of ``queue`` for ``shard`` (None: the plain ``{q}``)."""
-    on = keys.QueueRef(queue.name, queue.prefix, shard)
-    return Lane(shard, on, keys.requests(on), keys.workers(on))
-
-
 class Lanes:
     """A client's lanes, made once each, and which lane an id's reply is on. ``config`` gives the
     config hash last read (None: none), whose shard count counts unless ``wanted``
@@ -97,18 +91,21 @@ class Lanes:
         self._queue = queue
         self._wanted = wanted
         self._config = config
-        self.home = lane_of(queue, None)
+        self._made: dict[int | None, Lane] = {}
+        self.home = self.lane(None)
         """The plain ``{q}``: where an unsharded queue's requests go."""
-        self._made: dict[int | None, Lane] = {None: self.home}
 
     def count(self) -> int:
         """The queue's shard count as this client knows it (:func:`.shards.shard_count`)."""
         return shard_count(self._wanted, self._config(), self._queue.name)
 
     def lane(self, shard: int | None) -> Lane:
+        """The lane of ``shard`` (None: the plain ``{q}``), made once."""
         made = self._made.get(shard)
         if made is None:
-            made = self._made.setdefault(shard, lane_of(self._queue, shard))
+            on = keys.QueueRef(self._queue.name, self._queue.prefix, shard)
+            lane = Lane(shard, on, keys.requests(on), keys.workers(on))
+            made = self._made.setdefault(shard, lane)
         return made
 
     def every(self) -> list[Lane]:

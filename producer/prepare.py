@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,17 +58,6 @@ class CallOptions:
 def utf8_size(text: str) -> int:
     """Bytes of ``text`` in UTF-8 (checked valid before): an ASCII text is not encoded."""
     return len(text) if text.isascii() else len(text.encode("utf-8"))
-
-
-def infer_deadline(
-    remaining_s: float, deadline_s: float | None, deadline_ms: int | None
-) -> tuple[float | None, int | None]:
-    """An infer call's deadline: the caller's own, else the rest of its timeout (capped at
-    the protocol's largest), so no worker spends device time on an answer nobody awaits."""
-    if deadline_s is None and deadline_ms is None:
-        ceiling = wire.MAX_TIMEOUT_MS / 1000
-        return min(max(remaining_s, 0.001), ceiling), None
-    return deadline_s, deadline_ms
 
 
 def timeout_ms(deadline_s: float | None, deadline_ms: int | None, now_ms: int) -> int | None:
@@ -176,34 +165,22 @@ class Preparer:
         return self._prepare(lane, text, text_pair, None, self._call(options, now_ms))
 
     def prepare_many(
-        self, lane: Lane, texts: Iterable[TextItem], *, now_ms: int,
+        self, lane: Lane, texts: Sequence[TextItem], *, now_ms: int,
         unique: Sequence[str] | None = None, **options: Unpack[SubmitOptions],
     ) -> list[Prepared]:
         """A whole batch checked before anything is written (texts or ``(text, text_pair)``).
         ``unique``: each request's id (before its shard prefix) instead of a fresh one, so a retry
         names the same requests and the dedupe writes them once (``Idempotency-Key``)."""
-        if isinstance(texts, (str, bytes)):
-            raise BadRequest(
-                "texts must be a sequence of strings, not a single string "
-                "(use submit/infer for one text)",
-                param="texts",
-            )
-        try:
-            items = list(texts)
-        except TypeError:
-            raise BadRequest(
-                f"texts must be a sequence of strings, got {type(texts).__name__}", param="texts"
-            ) from None
-        if not items:
+        if not texts:
             return []
         call = self._call(options, now_ms)
         if unique is None:
-            return [self._prepare(lane, item, None, i, call) for i, item in enumerate(items)]
-        if len(unique) != len(items):
-            raise BadRequest(f"{len(unique)} ids for {len(items)} texts", param="texts")
+            return [self._prepare(lane, item, None, i, call) for i, item in enumerate(texts)]
+        if len(unique) != len(texts):
+            raise BadRequest(f"{len(unique)} ids for {len(texts)} texts", param="texts")
         check_ids(unique)
         return [self._prepare(lane, item, None, i, call, unique[i])
-                for i, item in enumerate(items)]
+                for i, item in enumerate(texts)]
 
     def _call(self, options: SubmitOptions, now_ms: int) -> CallOptions:
         """What the options make of every request of one call (checked once per call)."""

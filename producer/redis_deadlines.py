@@ -199,30 +199,6 @@ class DeadlineBackoff(ExponentialBackoff):
         return max(0.0, min(backoff, deadline - time.monotonic()))
 
 
-class DeadlineRetries:
-    """Mixin for redis-py's ``Retry`` (sync or asyncio): past the caller's deadline
-    ``_retries`` reads as 0, so no retry starts and the failure is raised."""
-
-    @property
-    def _retries(self) -> int:
-        deadline = CALLER_DEADLINE.get()
-        if deadline is not None and deadline <= time.monotonic():
-            return 0
-        return self._tokenq_retries
-
-    @_retries.setter
-    def _retries(self, value: int) -> None:
-        self._tokenq_retries = value
-
-
-class DeadlineRetry(DeadlineRetries, Retry):
-    """redis-py's ``Retry``, bounded by the caller's deadline."""
-
-
-class AsyncDeadlineRetry(DeadlineRetries, AsyncRetry):
-    """redis-py's asyncio ``Retry``, bounded by the caller's deadline."""
-
-
 class _RetriesLeft(int):
     """A retry count that reads as none left (``> 0`` is False) once the caller's deadline
     passed: redis-py's cluster client counts ``get_retries()`` down itself."""
@@ -237,19 +213,28 @@ class _RetriesLeft(int):
         return _RetriesLeft(int(self) - other)  # type: ignore[operator]
 
 
-class _ClusterRetries:
-    """Mixin for the cluster clients' retry: what it hands out to count down is a _RetriesLeft."""
+class DeadlineRetries:
+    """Mixin for redis-py's ``Retry`` (sync or asyncio, any client): past the caller's deadline
+    ``_retries`` reads as 0, so no retry starts and the failure is raised."""
 
-    def get_retries(self) -> int:
-        return _RetriesLeft(self._retries)  # type: ignore[attr-defined]
+    @property
+    def _retries(self) -> int:
+        deadline = CALLER_DEADLINE.get()
+        if deadline is not None and deadline <= time.monotonic():
+            return 0
+        return _RetriesLeft(self._tokenq_retries)
+
+    @_retries.setter
+    def _retries(self, value: int) -> None:
+        self._tokenq_retries = value
 
 
-class ClusterDeadlineRetry(_ClusterRetries, DeadlineRetry):
-    """The sync ``RedisCluster``'s retry: none starts after the caller's deadline."""
+class DeadlineRetry(DeadlineRetries, Retry):
+    """redis-py's ``Retry``, bounded by the caller's deadline."""
 
 
-class AsyncClusterDeadlineRetry(_ClusterRetries, AsyncDeadlineRetry):
-    """The asyncio ``RedisCluster``'s retry: none starts after the caller's deadline."""
+class AsyncDeadlineRetry(DeadlineRetries, AsyncRetry):
+    """redis-py's asyncio ``Retry``, bounded by the caller's deadline."""
 
 
 def _retry(settings: ClientSettings, retry_class: type) -> Any:
@@ -288,7 +273,7 @@ def sync_redis(
     return redis_client.sync_client(
         parse_redis_url(settings.redis_url), _options(settings, DeadlineRetry, client_id),
         SYNC_HOOKS, max_connections=max_connections, wait_s=settings.timeout_s,
-        cluster_retry=_retry(settings, ClusterDeadlineRetry), lazy=True,
+        cluster_retry=_retry(settings, DeadlineRetry), lazy=True,
     )
 
 
@@ -296,31 +281,21 @@ def async_redis(
     settings: ClientSettings, client_id: str, max_connections: int
 ) -> tuple[redis.asyncio.Redis | redis.asyncio.RedisCluster,
            redis.asyncio.Redis | redis.asyncio.RedisCluster]:
-    """The async client's command pool (``max_connections``, per node in a cluster, where a
-    command fails at once when a node has none free), and its listener's connection."""
-    command = _async_client(settings, client_id, max_connections=max_connections,
-                            wait_s=settings.timeout_s)
-    return command, async_listener(settings, client_id)
+    """The async client's command pool and its listener's connection (:func:`async_client`)."""
+    return async_client(settings, client_id, max_connections), async_client(settings, client_id)
 
 
-def async_listener(
-    settings: ClientSettings, client_id: str
+def async_client(
+    settings: ClientSettings, client_id: str, max_connections: int | None = None
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-    """A listener's client of one connection (per node, in a cluster), for one reply key."""
-    return _async_client(settings, client_id, one_connection=True)
-
-
-def _async_client(
-    settings: ClientSettings, client_id: str, *, max_connections: int | None = None,
-    wait_s: float | None = None, one_connection: bool = False,
-) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-    """A pool of ``max_connections`` waiting at most ``wait_s`` (and never past a caller's
-    deadline) for a free one; or a client of ``one_connection``."""
+    """A pool of ``max_connections`` (per node in a cluster, where a command fails at once when
+    a node has none free) waiting ``timeout_s`` at most, and never past a caller's deadline, for
+    a free one; None: a listener's one connection (per node) for one reply key."""
+    one = max_connections is None
     return redis_client.async_client(
         parse_redis_url(settings.redis_url), _options(settings, AsyncDeadlineRetry, client_id),
-        ASYNC_HOOKS, max_connections=max_connections, wait_s=wait_s,
-        one_connection=one_connection,
-        cluster_retry=_retry(settings, AsyncClusterDeadlineRetry),
+        ASYNC_HOOKS, max_connections=max_connections, wait_s=None if one else settings.timeout_s,
+        one_connection=one, cluster_retry=_retry(settings, AsyncDeadlineRetry),
     )
 
 

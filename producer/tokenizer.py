@@ -25,7 +25,8 @@ class TokenizerEstimator:
         # 128 tokens); the worker tokenizes without either.
         tokenizer.no_truncation()
         tokenizer.no_padding()
-        self._tokenizer = tokenizer
+        self.tokenizer = tokenizer
+        """The loaded ``tokenizers.Tokenizer`` (the gateway's ``/tokenize`` and ``/decode``)."""
         self.source = source
 
     @classmethod
@@ -45,14 +46,9 @@ class TokenizerEstimator:
             raise OSError(f"{source} is not a readable tokenizer.json: {exc}") from exc
         return cls(tokenizer, source)
 
-    @property
-    def tokenizer(self) -> Any:
-        """The loaded ``tokenizers.Tokenizer`` (the gateway's ``/tokenize`` and ``/decode``)."""
-        return self._tokenizer
-
     def __call__(self, text: str, text_pair: str | None = None) -> int:
         """Token count of ``text`` (with ``text_pair``), special tokens included."""
-        return len(self._tokenizer.encode(text, text_pair, add_special_tokens=True))
+        return len(self.tokenizer.encode(text, text_pair, add_special_tokens=True))
 
     def __repr__(self) -> str:
         return f"TokenizerEstimator({self.source!r})"

@@ -1,8 +1,8 @@
 """The one loader of tokenq's Lua scripts, their fragments (``shared/lua/``) and QUEUEFULL reply.
 
 A script names a fragment on a line ``-- tokenq:include <name>.lua``, spliced in at load.
-``producer/lua/enqueue.lua`` must run as it is, so it carries a *copy* closed by
-``-- tokenq:end <name>.lua``: :func:`load` refuses a stale copy, and
+``producer/lua/enqueue.lua`` must run as it is, so it hosts its fragment between the include
+line and ``-- tokenq:end <name>.lua`` (:data:`HOSTED`); :func:`load` refuses a stale copy, and
 ``python -m tokenq.shared.lua_scripts FILE`` refreshes it. :func:`library` is every script as
 one Redis Functions library, named by its code's hash (docs/decisions/0058-redis-functions.md).
 """
@@ -27,9 +27,18 @@ class StaleFragment(RuntimeError):
     """A script's copy of a fragment is not the fragment (refresh it with this module)."""
 
 
+HOSTED = {"queue_full.lua": ("tokenq.producer", "enqueue.lua")}
+"""Fragments written in the script that must run as a file, between its include and end lines."""
+
+
 def fragment(name: str) -> str:
-    """The text of ``shared/lua/<name>``, ending in one newline."""
-    text = resources.files("tokenq.shared").joinpath("lua").joinpath(name).read_text("utf-8")
+    """The text of ``shared/lua/<name>`` (or its block in the script :data:`HOSTED` names),
+    ending in one newline."""
+    package, file = HOSTED.get(name, ("tokenq.shared", name))
+    text = resources.files(package).joinpath("lua").joinpath(file).read_text("utf-8")
+    if name != file:
+        text = text.split(f"-- tokenq:include {name}", 1)[1].split("\n", 1)[1]
+        text = text.split(f"-- tokenq:end {name}", 1)[0]
     return text.rstrip("\n") + "\n"
 
 

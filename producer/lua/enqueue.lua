@@ -22,20 +22,16 @@
 -- a batch whose entries were all seen before is never refused. An id twice in one
 -- batch is added once. On a retired shard new entries are refused with "RETIRED ...".
 --
--- Why: the seen keys make a retry after a lost reply write nothing twice; they are read
--- before the length check so that retry is not refused either
--- (docs/decisions/0020-seen-key-per-request.md, 0021-one-seen-key-per-call.md). The
--- retired marker keeps a producer holding an old shard count off a draining shard
--- (docs/decisions/0029-drain-retired-shards.md). One script makes the check and the
--- writes atomic, and never trims (docs/decisions/0019-enqueue-script.md).
--- All or nothing holds because everything is checked before the first write, and Redis
--- refuses a script for memory only at its first write ("OOM ...").
+-- Why (docs/decisions/0019, 0020, 0021, 0029): seen keys, read before the length check, make
+-- a retry after a lost reply write nothing twice and not be refused; the retired marker keeps
+-- an old shard count off a draining shard; one script makes check and writes atomic, never
+-- trimming. All or nothing: everything is checked before the first write, and Redis refuses a
+-- script for memory only at its first write ("OOM ...").
 --
--- The block between tokenq:include and tokenq:end is a copy of shared/lua/queue_full.lua,
--- so this file stays a complete script any language can run (docs/PROTOCOL.md);
--- `python -m tokenq.shared.lua_scripts producer/lua/enqueue.lua` refreshes it.
+-- The block between tokenq:include and tokenq:end is the queue_full.lua fragment itself,
+-- which dlq_retry.lua includes; so this file is a complete script (docs/PROTOCOL.md).
 
--- tokenq:include queue_full.lua (a copy: edit shared/lua/queue_full.lua)
+-- tokenq:include queue_full.lua (the fragment is written here)
 -- queue_full(stream, max_len, adding): the queue's length limit, for every
 -- script that adds entries to a request stream (KEYS: the stream, XLEN).
 -- nil when `adding` more entries fit under max_len (0 means no limit);

@@ -438,7 +438,7 @@ def test_pipeline_wait_in_a_cluster_pipeline_goes_where_it_is_sent(
 
 
 def test_retry_counts_read_as_spent_after_the_deadline() -> None:
-    retry = connection.ClusterDeadlineRetry(connection.DeadlineBackoff(), 5)
+    retry = connection.DeadlineRetry(connection.DeadlineBackoff(), 5)
     left = retry.get_retries()
     assert left > 0 and left == 5
     with for_caller(time.monotonic() - 0.1):

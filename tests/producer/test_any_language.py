@@ -20,10 +20,11 @@ import pytest
 
 from tests.conftest import REPO_ROOT
 from tests.support import DIM, MAX_INPUT
-from tokenq.producer.calls import ENQUEUE_SCRIPT
 from tokenq.shared import keys, lua_scripts
 from tokenq.shared.keys import QueueRef
 from tokenq.worker.backends.sim import expected_vector
+
+ENQUEUE_SCRIPT = lua_scripts.load("tokenq.producer", "enqueue.lua")
 
 pytest_plugins = ("tests.cli_fixtures",)
 

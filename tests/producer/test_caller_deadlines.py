@@ -423,13 +423,11 @@ def test_a_slow_tokenizer_load_holds_no_caller_past_its_deadline(
     redis_url: str, queue_name: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The load goes on in the background; callers carry on with the heuristic meanwhile."""
-    import tokenq.producer.aio
-    import tokenq.producer.client
+    import tokenq.producer.core
 
     r.hset(keys.config(keys.QueueRef(queue_name)), mapping={"tokenizer": "/nowhere/t.json"})
     calls: list[str] = []
-    monkeypatch.setattr(tokenq.producer.client, "load_estimator", _slow_loader(calls, 1.5))
-    monkeypatch.setattr(tokenq.producer.aio, "load_estimator", _slow_loader(calls, 1.5))
+    monkeypatch.setattr(tokenq.producer.core, "load_estimator", _slow_loader(calls, 1.5))
     timeout = 0.5
     with Client(redis_url, queue_name, timeout_s=timeout) as client:
         for _ in range(2):

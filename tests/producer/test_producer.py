@@ -31,10 +31,12 @@ from tokenq.producer import (
     calls,
     estimate_tokens,
 )
-from tokenq.producer.calls import ENQUEUE_SCRIPT
+from tokenq.producer.deadline import Deadline
 from tokenq.producer.prepare import Prepared
-from tokenq.shared import keys, wire
+from tokenq.shared import keys, lua_scripts, wire
 from tokenq.shared.settings import ClientSettings
+
+ENQUEUE_SCRIPT = lua_scripts.load("tokenq.producer", "enqueue.lua")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,6 +44,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def prepare_many(client: Client, texts: list[str], **options: Any) -> list[Prepared]:
     """Requests prepared as the client's unsharded calls prepare them."""
     return client._core.preparer.prepare_many(client._core.lanes.home, texts, **options)
+
+
+def enqueue(client: Client, batch: list[Prepared]) -> None:
+    """Write prepared requests as an unsharded ``submit_many`` would (a retry replays them)."""
+    deadline = Deadline.after(client.settings.timeout_s)
+    client._run(calls.enqueue(client._core, client._core.lanes.home, batch, deadline))
 
 
 @pytest.fixture
@@ -356,8 +364,8 @@ def test_a_retried_enqueue_does_not_add_a_request_twice(
     url = f"redis://127.0.0.1:{r.connection_pool.connection_kwargs['port']}/0"
     with Client(url, queue_name, max_queue_length=0) as client:
         batch = prepare_many(client, [f"text {i}" for i in range(3)], now_ms=0)
-        client._enqueue(batch)
-        client._enqueue(batch)
+        enqueue(client, batch)
+        enqueue(client, batch)
     assert r.xlen(stream(queue_name)) == 2 + 3
 
 
@@ -384,14 +392,14 @@ def test_a_retry_of_an_enqueue_that_filled_the_queue_is_not_queue_full(
         assert r.xlen(stream(queue_name)) == limit
         again = script(**call)  # the same call again: what redis-py's retry sends
         assert again == first and r.xlen(stream(queue_name)) == limit
-        client._enqueue(batch)  # through the client: no QueueFull either
+        enqueue(client, batch)  # through the client: no QueueFull either
         assert r.xlen(stream(queue_name)) == limit
         if named:
             # One new entry among seen ones still counts, and still writes nothing.
             extra = prepare_many(client, ["one too many"], now_ms=0,
                                  unique=[uuid.uuid4().hex])[0]
             with pytest.raises(QueueFull, match="1 more would not fit"):
-                client._enqueue([*batch, extra])
+                enqueue(client, [*batch, extra])
             assert r.xlen(stream(queue_name)) == limit and not r.exists(
                 keys.seen(keys.QueueRef(queue_name), extra.id)
             )

@@ -43,7 +43,7 @@ def answer(call: calls.Call[Any], reply: Any = None) -> calls.Step | calls.Done[
 
 def fail(call: calls.Call[Any], error: Exception) -> calls.Step | calls.Done[Any]:
     """Resume ``call`` as a driver does after redis-py raised ``error``."""
-    return calls.resume(call, failure=failure(error))
+    return calls.resume(call, failure(error))
 
 
 def test_submit_reads_a_stale_config_then_enqueues_once() -> None:

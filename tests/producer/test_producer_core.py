@@ -18,8 +18,8 @@ from tokenq.producer import (
     calls,
 )
 from tokenq.producer.core import ClientCore, make_settings
-from tokenq.producer.deadline import BLOCK_FLOOR_S, block_s
-from tokenq.producer.prepare import Prepared, infer_deadline
+from tokenq.producer.deadline import BLOCK_FLOOR_S, Deadline, block_s
+from tokenq.producer.prepare import Prepared
 from tokenq.producer.redis_deadlines import failure
 from tokenq.producer.replies import decode, outcome, settle
 from tokenq.shared import keys, wire
@@ -77,11 +77,15 @@ def test_deadlines_become_relative_timeout_ms(core: ClientCore) -> None:
     with pytest.raises(BadRequest, match="out of range"):
         timeout_ms(deadline_s=wire.MAX_TIMEOUT_MS / 1000 + 1)
     # infer's own deadline: what is left of its timeout, capped at the protocol's largest.
-    assert infer_deadline(2.5, None, None) == (2.5, None)
-    assert infer_deadline(-1.0, None, None) == (0.001, None)
-    assert infer_deadline(1e12, None, None) == (wire.MAX_TIMEOUT_MS / 1000, None)
-    assert infer_deadline(2.5, 9.0, None) == (9.0, None)
-    assert infer_deadline(2.5, None, NOW_MS) == (None, NOW_MS)
+    def infer_deadline(remaining_s: float, **given: Any) -> Any:
+        request = calls._infer_request(Deadline.after(remaining_s), given)  # type: ignore[arg-type]
+        return request.get("deadline_s"), request.get("deadline_ms")
+
+    assert infer_deadline(2.5) == (pytest.approx(2.5, abs=0.5), None)
+    assert infer_deadline(-1.0) == (0.001, None)
+    assert infer_deadline(1e12) == (wire.MAX_TIMEOUT_MS / 1000, None)
+    assert infer_deadline(2.5, deadline_s=9.0) == (9.0, None)
+    assert infer_deadline(2.5, deadline_ms=NOW_MS) == (None, NOW_MS)
 
 
 def test_token_estimates_past_the_protocol_limit_are_refused() -> None:
@@ -128,7 +132,7 @@ def test_queue_full_message(core: ClientCore, refusal: str, shown: str) -> None:
     call = calls.submit_many(core, ["a", "b", "c"], {})
     calls.resume(call)
     with pytest.raises(QueueFull, match="holds 9 of at most 10") as full:
-        calls.resume(call, failure=failure(redis.ResponseError(refusal)))
+        calls.resume(call, failure(redis.ResponseError(refusal)))
     assert shown in str(full.value)
 
 

@@ -28,8 +28,10 @@ import redis.asyncio
 from tests.faults.test_acl import create_users, user_url
 from tests.redis_cluster import LocalCluster, redis_cluster  # noqa: F401
 from tests.redis_server import RedisServer
-from tokenq.producer import AsyncClient, Client
+from tokenq.producer import AsyncClient, Client, calls
+from tokenq.producer.deadline import Deadline
 from tokenq.producer.ops import functions as functions_cli
+from tokenq.producer.prepare import Prepared
 from tokenq.shared import functions, keys, lua_scripts, wire
 from tokenq.shared.errors import QueueFull
 from tokenq.shared.failures import failure_message
@@ -253,12 +255,16 @@ def test_at_maxmemory_the_retry_of_a_written_batch_is_answered_not_refused(
         core = client._core
         batch = core.preparer.prepare_many(core.lanes.home, [f"text {i}" for i in range(3)],
                                            now_ms=0)
-        client._enqueue(batch)
+
+        def enqueue(batch: list[Prepared]) -> None:
+            client._run(calls.enqueue(core, core.lanes.home, batch, Deadline.after(5)))
+
+        enqueue(batch)
         admin.config_set("maxmemory", "1")
         try:
-            client._enqueue(batch)  # what a retry after a lost reply sends
+            enqueue(batch)  # what a retry after a lost reply sends
             with pytest.raises(QueueFull, match="out of memory"):
-                client._enqueue([*batch, core.preparer.prepare(core.lanes.home, "new", now_ms=0)])
+                enqueue([*batch, core.preparer.prepare(core.lanes.home, "new", now_ms=0)])
         finally:
             admin.config_set("maxmemory", "0")
     assert admin.xlen(keys.requests(keys.QueueRef(queue))) == 3

@@ -26,11 +26,12 @@ import redis
 from tests.support import SimModel, fleet_fixture, wait_for
 from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import AsyncClient, Client
-from tokenq.producer.calls import ENQUEUE_SCRIPT
 from tokenq.producer.shards import ShardRetired
-from tokenq.shared import keys
+from tokenq.shared import keys, lua_scripts
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import ClientSettings
+
+ENQUEUE_SCRIPT = lua_scripts.load("tokenq.producer", "enqueue.lua")
 
 fleet = fleet_fixture(*SimModel(dim=8).flags("--heartbeat-s", "0.3"))
 
