@@ -166,13 +166,8 @@ Shards = Annotated[int, Field(ge=1, le=MAX_SHARDS)]
 
 def _shards(default: int | None) -> Any:
     """The one definition of ``shards``; workers default to 1, producers to learning it."""
-    return Field(
-        default,
-        description="the queue's shard count K: streams {q:0}..{q:K-1}, each in its own Redis "
-        "Cluster slot, plus {q}. Workers serve K (default 1) and publish it in the config hash; "
-        "producers learn it from there (default) or are told it, and one that differs from "
-        "the workers' is refused",
-    )
+    return Field(default, description="the queue's shard count K (streams {q:0}..{q:K-1} plus "
+                 "{q}); producers learn it from the workers' config hash, or must match it")
 
 
 ShardChoice = Literal["round_robin", "shortest"]
@@ -191,10 +186,8 @@ class _Settings(BaseSettings):
         hide_input_in_errors=True,  # a bad value may be a URL with its password
     )
 
-    redis_url: RedisUrl = Field(
-        DEFAULT_REDIS_URL, description="Redis URL; rediss:// for TLS, user:password@ for ACL "
-        "users; redis+cluster://host:port,... for a Redis Cluster, "
-        "redis+sentinel://host:port,.../service for a Sentinel-watched master")
+    redis_url: RedisUrl = Field(DEFAULT_REDIS_URL, description="Redis URL: redis://, rediss:// "
+                                "(TLS), redis+cluster://h:p,..., redis+sentinel://h:p,.../service")
     prefix: Annotated[str, AfterValidator(_key_prefix)] = Field(
         DEFAULT_PREFIX, description="key prefix of every tokenq key")
     socket_timeout_s: SocketTimeout = 5.0
@@ -226,29 +219,23 @@ class _Requests(_QueueSettings):
 
 
 class _QueueLimit(BaseModel):
-    max_queue_length: int = Field(
-        100_000, ge=0, description="the most requests the queue may hold: past it an enqueue fails "
-        "with QueueFull and dlq retry moves nothing; a worker refuses (queue_full) the entries "
-        "written around that limit (0: no limit)")
+    max_queue_length: int = Field(100_000, ge=0, description="most requests the queue holds; "
+                                  "past it enqueue raises QueueFull (0: no limit)")
 
 
 class _JsonOutput(BaseModel):
-    as_json: bool = Field(
-        False, description="print JSON instead of text (the format is in docs/OPERATIONS.md)",
-        json_schema_extra={"flag": "--json"})
+    as_json: bool = Field(False, description="print JSON instead of text (docs/OPERATIONS.md)",
+                          json_schema_extra={"flag": "--json"})
 
 
 class _WorkerProcess(BaseModel):
     """What each worker process runs: ``tokenq worker`` flags, passed on by ``tokenq up``."""
 
-    backend: str = Field(
-        "hf", description="'hf' (the real model; the bundled all-MiniLM-L6-v2 without --model), "
-        "'sim' (a simulated GPU, for tests and benchmarks), or a plugin as "
-        "'package.module:factory'")
+    backend: str = Field("hf", description="'hf' (a real model), 'sim' (a simulated GPU) or a "
+                         "plugin 'package.module:factory'")
     shards: Shards | None = _shards(1)
     metrics_port: Port = Field(
-        0, description="serve Prometheus metrics on this port (0: off); worker i of tokenq up or "
-        "--devices uses port + i")
+        0, description="Prometheus metrics port (0: off); worker i of up or --devices: port + i")
 
 
 class BackendSettings(BaseModel):
@@ -282,28 +269,22 @@ class ClientSettings(_QueueLimit, _Requests):
 
     timeout_s: ReplyTimeout = 30.0
     retries: Retries = 5
-    dedupe_ttl_s: float = Field(
-        60.0, ge=0, description="remember enqueued request ids this long, so a retried enqueue "
-        "cannot add a request twice (0: off)", json_schema_extra=REDIS_MS)
-    durable_replicas: int = Field(
-        0, ge=0, le=64, description="durable enqueue: each enqueue returns only once this many "
-        "replicas have it (Redis WAIT, on the connection that wrote it), so an accepted request "
-        "survives a failover; fewer in time: a submit raises NotReplicated, an infer waits for its "
-        "results as usual (logged, counted) (0: off, return once the primary has it)")
-    durable_timeout_ms: int = Field(
-        1000, ge=1, le=600_000, description="longest a durable enqueue waits for its replicas "
-        "(never past the call's own timeout; it may be longer than --socket-timeout-s)")
+    dedupe_ttl_s: float = Field(60.0, ge=0, description="remember enqueued ids this long so a "
+                                "retry adds nothing twice (0: off)", json_schema_extra=REDIS_MS)
+    durable_replicas: int = Field(0, ge=0, le=64, description="an enqueue returns once this many "
+                                  "replicas have it (Redis WAIT; 0: off)")
+    durable_timeout_ms: int = Field(1000, ge=1, le=600_000, description="longest a durable "
+                                    "enqueue waits for its replicas (within the call's timeout)")
     shards: Shards | None = _shards(None)
-    shard_choice: ShardChoice = Field(
-        "round_robin", description="which shard each enqueueing call writes to: round_robin, or "
-        "shortest (the shortest stream by lengths read at most once a second)")
+    shard_choice: ShardChoice = Field("round_robin", description="the shard each call writes to: "
+                                      "round_robin, or shortest (lengths read once a second)")
 
 
 class _Survey(_Settings):
     """What tokenq stats and tokenq top look at."""
 
     queue: QueueName | None = Field(
-        None, description="only this queue (default: every queue found by SCAN under the prefix)")
+        None, description="only this queue (default: every queue under the prefix)")
 
 
 class StatsSettings(_JsonOutput, _Survey):
@@ -329,9 +310,8 @@ class DlqSettings(_QueueLimit, _JsonOutput, _QueueSettings):
 
     action: CliPositionalArg[Literal["list", "retry", "purge"]] = Field(
         description="list the dead letters, retry them (back onto the queue), or purge them")
-    id: list[str] = Field(
-        default_factory=list, description="dead-stream entry ids to act on (--id A B, --id A --id "
-        "B or --id A,B)")
+    id: list[str] = Field(default_factory=list, description="dead-stream entry ids to act on "
+                          "(--id A B, --id A --id B or --id A,B)")
     all: bool = Field(False, description="act on every dead letter")
     count: int = Field(100, ge=1, description="list: show at most this many (oldest first)")
     drop_deadline: bool = Field(
@@ -354,25 +334,20 @@ class EmbedSettings(ClientSettings):
     output: Path = Field(
         description="where the vectors go: .npy (a float32 matrix, needs numpy) or .jsonl")
     input_format: Literal["auto", "text", "jsonl"] = Field(
-        "auto", description="input format; auto: jsonl for .jsonl/.ndjson files, else one text per "
-        "line", json_schema_extra={"flag": "--format"})
+        "auto", description="auto: jsonl for .jsonl/.ndjson, else one text per line",
+        json_schema_extra={"flag": "--format"})
     field: str = Field("text", description="jsonl input: the field holding the text")
-    id_field: str = Field(
-        "id", description="jsonl input: copy this field (when present) into .jsonl output as id")
-    blank: Literal["skip", "error"] = Field(
-        "skip", description="blank inputs (a whitespace-only line or text field): skip: no row "
-        "(.jsonl rows keep their input index; .npy lists the skipped in OUTPUT.skipped.txt); "
-        "error: an error row each")
+    id_field: str = Field("id", description="jsonl input: copied into .jsonl output as id")
+    blank: Literal["skip", "error"] = Field("skip", description="blank inputs: skip (no row; .npy "
+                                            "lists them in OUTPUT.skipped.txt) or an error row")
     chunk_size: int = Field(
         2048, ge=1, description="inputs per checkpoint: a re-run resumes after the last one")
     batch_size: int = Field(64, ge=1, description="inputs per enqueue call (one reply key)")
-    max_in_flight: int = Field(
-        1024, ge=1, description="most inputs enqueued and not yet answered at any time")
+    max_in_flight: int = Field(1024, ge=1, description="most inputs enqueued and unanswered")
     timeout_s: ReplyTimeout = 300.0  # one enqueue call of --batch-size inputs
     restart: bool = Field(False, description="discard progress from an earlier run and start over")
-    progress: bool = Field(
-        True, description="show a progress bar on stderr",
-        json_schema_extra={"off_help": "no progress bar on stderr (logs, scripts, CI)"})
+    progress: bool = Field(True, description="show a progress bar on stderr",
+                           json_schema_extra={"off_help": "no progress bar on stderr"})
 
 
 class ServeSettings(ClientSettings):
@@ -380,30 +355,20 @@ class ServeSettings(ClientSettings):
 
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: Port = Field(8080, description="port to listen on")
-    models: str = Field(
-        "", description="model names and their queues, 'name=queue,name=queue'; the first is the "
-        "default; empty: every model name is served by --queue")
-    max_client_batch_size: int = Field(
-        2048, ge=1, description="most inputs one HTTP request may carry (more: 413)")
-    max_body_bytes: int = Field(
-        16 << 20, ge=1024, description="largest request body accepted (more: 413)")
-    max_concurrent_requests: int = Field(
-        512, ge=1, description="most POST requests in flight at once, bodies being read included "
-        "(more: 429 at once, as TEI's --max-concurrent-requests)")
-    api_key: str | None = Field(
-        None, description="require 'Authorization: Bearer <key>' on every route but /health, "
-        "/ready and /metrics (401 without it), as TEI's --api-key; better given as TOKENQ_API_KEY "
-        "than on a command line others can read")
-    cors_allow_origin: str = Field(
-        "", description="origins a browser may call from, comma-separated ('*': any); empty: no "
-        "CORS headers, so browsers refuse cross-origin calls")
-    cold_start_s: float = Field(
-        0.0, ge=0, description="with no live worker on the queue: 0 answers 503 'no live worker' "
-        "at once and writes nothing; N > 0 queues the request (a KEDA-scaled fleet at zero sees "
-        "it) and waits up to N s for a worker to start, else 503")
-    header_timeout_s: float = Field(
-        10.0, gt=0, description="a connection must send a request's headers within this long of "
-        "opening or of its last answer, else it is closed (the body has --timeout-s: 408)")
+    models: str = Field("", description="'name=queue,...' (the first is the default); empty: "
+                        "--queue serves every model name")
+    max_client_batch_size: int = Field(2048, ge=1, description="most inputs per request (413)")
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body (413)")
+    max_concurrent_requests: int = Field(512, ge=1, description="most POSTs in flight, bodies "
+                                         "being read included (more: 429)")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' but on "
+                                "/health, /ready, /metrics (401); best as TOKENQ_API_KEY")
+    cors_allow_origin: str = Field("", description="origins browsers may call from, "
+                                   "comma-separated ('*': any; empty: no CORS headers)")
+    cold_start_s: float = Field(0.0, ge=0, description="with no live worker: 0 answers 503 at "
+                                "once; N queues the request and waits N s for a worker")
+    header_timeout_s: float = Field(10.0, gt=0, description="close a connection that sends no "
+                                    "request headers this long after opening or its last answer")
 
     @field_validator("models")
     @classmethod
@@ -433,14 +398,10 @@ class UpSettings(_WorkerProcess, _QueueSettings):
     """A local Redis and N workers, for development and demos; flags after -- go to each worker."""
 
     redis_url: RedisUrl | None = Field(  # type: ignore[assignment]
-        None,
-        description="use this Redis instead of starting a private redis-server (AOF on) "
-        "on a free loopback port",
-    )
+        None, description="use this Redis instead of a private redis-server (AOF on, loopback)")
     workers: int = Field(2, ge=0, description="worker processes to start")
     data_dir: Path | None = Field(
-        None, description="the private Redis's data directory (default: a temporary one, removed "
-        "at exit)")
+        None, description="the private Redis's data directory (default: a temporary one)")
     port: Port = Field(0, description="the private Redis's port (0: a free one)")
     stop_timeout_s: float = Field(
         30.0, gt=0, description="how long workers get to finish after Ctrl-C before SIGKILL")

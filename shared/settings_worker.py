@@ -32,36 +32,28 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
 
     consumer: str | None = Field(
         None, description="consumer name in the group (default: host-pid-random)")
-    max_batch_tokens: int | Literal["auto"] = Field(
-        16384, description="token budget of one batch; 'auto' calibrates it on CUDA against free "
-        "memory (on CPU: max(8 x max input, 16384))")
+    max_batch_tokens: int | Literal["auto"] = Field(16384, description="token budget of one "
+                                                    "batch; 'auto': fit to free CUDA memory")
     max_batch_size: int = Field(256, ge=1, description="most rows in one batch")
     linger_ms: float = Field(
         2.0, ge=0, description="how long an idle device waits to fill an unsealed batch")
-    max_padding_ratio: float = Field(
-        1.0, ge=0, description="a request joins a batch only if the padding it adds is at most "
-        "this times its own length (inf: always)", json_schema_extra={"inf": True})
-    aging_ms: float = Field(
-        1000.0, gt=0, description="each priority class stands this much earlier in line; a request "
-        "at the head of the line this long is never passed over")
+    max_padding_ratio: float = Field(1.0, ge=0, description="most padding a request may add, "
+                                     "times its length (inf: any)", json_schema_extra={"inf": True})
+    aging_ms: float = Field(1000.0, gt=0, description="each priority class stands this much "
+                            "earlier in line; a head this old is never passed over")
     max_batch_ms: float | None = Field(
-        None, gt=0, description="latency target: no batch is planned to hold the device longer "
-        "than this (learned from measured batch times; default: no cap)")
+        None, gt=0, description="plan no batch longer than this on the device (default: no cap)")
     cost_model: Literal["auto", "padded", "ragged"] = Field(
         "auto", description="batch cost: rows x longest (padded) or sum (ragged); auto asks the "
         "backend")
     policy: Literal["truncate", "reject", "chunk"] = Field(
-        "truncate", description="over-long input: truncate to the model's limit, reject with an "
-        "error, or chunk into overlapping windows")
+        "truncate", description="over-long input: truncate, reject, or chunk into windows")
     chunk_overlap: int = Field(
         32, ge=0, description="chunk policy: tokens shared by consecutive windows")
-    tokenize_processes: int = Field(
-        0, ge=0, le=256, description="tokenize in this many child processes, for a backend whose "
-        "tokenizer holds the GIL (it must offer a tokenizer factory); 0: in a thread of the worker")
-    admit_inline_ms: float = Field(
-        2.0, ge=0, le=1000, description="a read predicted to take at most this long to tokenize "
-        "and admit runs on the event loop instead of a thread (cheaper for short text; 0: always a "
-        "thread)")
+    tokenize_processes: int = Field(0, ge=0, le=256, description="tokenize in this many child "
+                                    "processes (0: a thread of the worker)")
+    admit_inline_ms: float = Field(2.0, ge=0, le=1000, description="tokenize a read predicted "
+                                   "this fast on the event loop, not a thread (0: never)")
     read_ahead_budgets: float = Field(
         4.0, gt=0, description="read at most this many budgets of estimated tokens ahead")
     block_ms: int = Field(
@@ -72,28 +64,20 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
         2.0, gt=0, description="heartbeat interval; a worker silent for 3 beats is presumed dead",
         json_schema_extra=REDIS_MS,  # its liveness key lives int(3 × heartbeat_s × 1000) ms
     )
-    claim_idle_s: float = Field(
-        300.0, gt=0, description="entries idle this long are claimed whoever holds them (the "
-        "safety net behind heartbeats; longer than any batch can take)", json_schema_extra=REDIS_MS)
+    claim_idle_s: float = Field(300.0, gt=0, description="entries idle this long are claimed "
+                                "whoever holds them", json_schema_extra=REDIS_MS)
     max_deliveries: int = Field(
         3, ge=1, description="an entry delivered more often goes to the dead stream")
     dead_max_len: int = Field(
         10_000, ge=1, description="the dead stream is trimmed (approximately) to this many")
-    dead_max_letter_bytes: int = Field(
-        16 * 1024, ge=1024, description="a dead letter keeps at most this many bytes of the "
-        "entry's fields (longer ones are cut and named in dead_truncated)")
-    read_ahead_bytes: int | None = Field(
-        None, ge=1, description="hold at most about this many bytes of what was read and not yet "
-        "answered on Redis: requests, their encodings, replies waiting to be published (with "
-        "--read-ahead-budgets: whichever is reached first); a read asks for this over the largest "
-        "entry (--max-request-bytes + 67 KiB). Default: a 32nd of the memory the worker may use "
-        "(the least of the machine's memory and its cgroup limits), from 64 MiB to 1 GiB")
-    batch_timeout_s: float = Field(
-        300.0, gt=0, description="a batch still on the device after this long is hung: the worker "
-        "stops reading and refreshing its claims, and exits 3 so its supervisor restarts it")
-    reply_to_prefixes: str = Field(
-        "", description="comma-separated key prefixes a request's reply_to may name besides the "
-        "queue's own reply keys (default: none; tokenq's other keys are always refused)")
+    dead_max_letter_bytes: int = Field(16 * 1024, ge=1024, description="bytes of the entry's "
+                                       "fields a dead letter keeps (cut ones: dead_truncated)")
+    read_ahead_bytes: int | None = Field(None, ge=1, description="bytes read and not yet answered "
+                                         "(default: 1/32 of the worker's memory, 64 MiB-1 GiB)")
+    batch_timeout_s: float = Field(300.0, gt=0, description="a batch on the device this long is "
+                                   "hung: the worker exits 3 for its supervisor to restart")
+    reply_to_prefixes: str = Field("", description="comma-separated key prefixes reply_to may "
+                                   "name besides the queue's reply keys")
     batch_log: Path | None = Field(
         None, description="append one JSON line per batch to this file (rows, tokens, cost)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
@@ -102,23 +86,14 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
     log_json: bool = Field(False, description="the same as --log-format json")
     exit_when_idle_s: float | None = Field(
         None, gt=0, description="exit after the queue has been empty this long (batch jobs)")
-    # Loopback by default, like `tokenq serve`'s --host: /metrics names the queue,
-    # the model and the consumers, so another machine sees it only when asked.
-    metrics_host: str = Field(
-        "127.0.0.1", description="address the metrics endpoint binds to (0.0.0.0: every interface, "
-        "as a container needs for a probe or Prometheus from outside it)")
-    devices: str | None = Field(
-        None, description="run one worker process per GPU, e.g. '0,1' (each child gets "
-        "CUDA_VISIBLE_DEVICES=N, --device cuda:0 and a consumer name suffixed -gpuN)")
-    processes_per_device: int = Field(
-        1, ge=1, le=MAX_PROCESSES_PER_DEVICE, description="with --devices: worker processes on "
-        "each GPU (Triton's instance count): each adds a core's worth of Python per request and a "
-        "copy of the model in the GPU's memory, and plans its auto budget on 1/N of the "
-        "--device-share")
-    device_share: float = Field(
-        1.0, gt=0.0, le=1.0, description="the share of the device's free memory this worker's auto "
-        "budget plans for (with --devices, the share of each GPU: --processes-per-device N gives "
-        "each child share/N)")
+    metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds to "
+                              "(0.0.0.0: every interface)")
+    devices: str | None = Field(None, description="one worker process per GPU, e.g. '0,1' "
+                                "(CUDA_VISIBLE_DEVICES=N, consumer suffixed -gpuN)")
+    processes_per_device: int = Field(1, ge=1, le=MAX_PROCESSES_PER_DEVICE, description="with "
+                                      "--devices: worker processes per GPU, each a model copy")
+    device_share: float = Field(1.0, gt=0.0, le=1.0, description="the share of the device's free "
+                                "memory the auto budget plans for (split among its processes)")
 
     # Checks that span two settings sit on the later one, so the message names it.
 
