@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenq.shared.redis_text import as_text
 from tokenq.shared.request_options import ModelFacts
@@ -94,36 +94,28 @@ def encode_config(config: QueueConfig) -> dict[str, str]:
     return out
 
 
+_INTS = {"max_input_tokens": 1, "protocol": 0, "max_batch_tokens": 1, "dim": 1, "updated_at": 0,
+         "shards": 1, "tokenize_processes": 0, "token_dim": 1}
+"""The whole-number fields, each with the least value it may hold."""
+_BOOLS = ("pairs", "padded", "normalized", "raw_vectors")
+
+
 def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
     """The config from an HGETALL (bytes or text); None when the hash is missing (empty)."""
     if not raw:
         return None
     text = {as_text(k): as_text(v) for k, v in raw.items()}
-    return QueueConfig(
-        max_input_tokens=_int(text, "max_input_tokens", minimum=1),
+    values: dict[str, Any] = {field.name: text.get(field.name) or None
+                              for field in fields(QueueConfig)}
+    values.update({name: _int(text, name, minimum=least) for name, least in _INTS.items()})
+    values.update({name: _FLAGS.get(text.get(name, "").strip()) for name in _BOOLS})
+    values.update(
         policy=text.get("policy", "").strip().lower() or None,
-        pairs=_FLAGS.get(text.get("pairs", "").strip()),
-        tokenizer=text.get("tokenizer") or None,
-        model=text.get("model") or None,
-        protocol=_int(text, "protocol", minimum=0),
-        backend=text.get("backend") or None,
-        task=text.get("task") or None,
-        padded=_FLAGS.get(text.get("padded", "").strip()),
-        max_batch_tokens=_int(text, "max_batch_tokens", minimum=1),
-        dim=_int(text, "dim", minimum=1),
-        normalized=_FLAGS.get(text.get("normalized", "").strip()),
         labels=_labels(text.get("labels")),
         prompts=_prompts(text.get("prompts")),
         default_prompt_name=_default_prompt_name(text),
-        updated_at=_int(text, "updated_at", minimum=0),
-        shards=_int(text, "shards", minimum=1),
-        enqueue_function=text.get("enqueue_function") or None,
-        dtype=text.get("dtype") or None,
-        tokenize_processes=_int(text, "tokenize_processes", minimum=0),
-        token_dim=_int(text, "token_dim", minimum=1),
-        raw_vectors=_FLAGS.get(text.get("raw_vectors", "").strip()),
-        pooling=text.get("pooling") or None,
     )
+    return QueueConfig(**values)
 
 
 def _default_prompt_name(text: Mapping[str, str]) -> str | None:
