@@ -394,16 +394,11 @@ def deadline_of(request: Request, entry_id: bytes | str) -> int | None:
     ``timeout_ms`` counts from the entry's stream id (stamped by Redis); an absolute
     ``deadline_ms`` is the producer's clock, taken as it is; with both, the earlier wins.
     """
-    if request.deadline_ms is None and request.timeout_ms is None:
-        return None  # most requests: nothing to look at (this runs once per request)
-    candidates = []
-    if request.deadline_ms is not None:
-        candidates.append(request.deadline_ms)
-    if request.timeout_ms is not None:
-        added_ms = stream_id_ms(entry_id)
-        if added_ms is not None:
-            candidates.append(added_ms + request.timeout_ms)
-    return min(candidates) if candidates else None
+    deadline = request.deadline_ms
+    if request.timeout_ms is not None and (added_ms := stream_id_ms(entry_id)) is not None:
+        relative = added_ms + request.timeout_ms
+        deadline = relative if deadline is None else min(deadline, relative)
+    return deadline
 
 
 def _unpack_opts(packed: bytes) -> dict[str, Any]:
