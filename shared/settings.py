@@ -43,15 +43,19 @@ def is_positional(settings_cls: type[BaseModel], name: str) -> bool:
     return info is not None and _POSITIONAL in info.metadata
 
 
+def _extra(settings_cls: type[BaseModel], name: str) -> dict[str, Any]:
+    """Setting ``name``'s ``json_schema_extra``: its flag's spelling and marks ({}: none)."""
+    info = settings_cls.model_fields.get(name)
+    extra = info.json_schema_extra if info is not None else None
+    return extra if isinstance(extra, dict) else {}
+
+
 def flag(settings_cls: type[BaseModel], name: str) -> str:
     """The command-line spelling of setting ``name``: ``--max-batch-tokens``, ``ACTION``."""
     if is_positional(settings_cls, name):
         return name.upper()
-    info = settings_cls.model_fields.get(name)
-    extra = info.json_schema_extra if info is not None else None
-    if isinstance(extra, dict) and isinstance(extra.get("flag"), str):
-        return str(extra["flag"])
-    return "--" + name.replace("_", "-")
+    spelt = _extra(settings_cls, name).get("flag")
+    return spelt if isinstance(spelt, str) else "--" + name.replace("_", "-")
 
 
 def env_var(name: str) -> str:
@@ -94,16 +98,6 @@ def _redis_url(value: str) -> str:
     return value
 
 
-def _queue_name(value: str) -> str:
-    QueueRef(value)  # raises ValueError naming the bad name
-    return value
-
-
-def _key_prefix(value: str) -> str:
-    QueueRef("x", value)  # raises ValueError naming the bad prefix
-    return value
-
-
 MAX_EXACT_INT = 2**53
 """The largest whole number any setting may be (exact as a Lua double in a Redis script)."""
 MAX_SECONDS = 10**9
@@ -133,13 +127,6 @@ def check_number(value: object, name: str, *, allow_inf: bool = False) -> object
     return value
 
 
-def _marked(settings_cls: type[BaseModel], name: str, mark: str) -> bool:
-    """Whether setting ``name`` carries ``json_schema_extra={mark: True}``."""
-    info = settings_cls.model_fields.get(name)
-    extra = info.json_schema_extra if info is not None else None
-    return isinstance(extra, dict) and extra.get(mark) is True
-
-
 REDIS_MS: JsonDict = {"redis_ms": True}
 """``json_schema_extra`` of a seconds setting Redis gets in whole milliseconds (a TTL)."""
 
@@ -154,7 +141,8 @@ def check_redis_ms(value: object, name: str) -> object:
 
 
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
-QueueName = Annotated[str, AfterValidator(_queue_name)]
+QueueName = Annotated[str, AfterValidator(lambda value: QueueRef(value).name)]
+"""A queue name; a bad one is QueueRef's ValueError, which names it."""
 SocketTimeout = Annotated[float, Field(gt=0, description="Redis socket timeout, seconds")]
 Retries = Annotated[int, Field(ge=0, description="Redis command retries (exponential backoff)")]
 ReplyTimeout = Annotated[
@@ -188,7 +176,7 @@ class _Settings(BaseSettings):
 
     redis_url: RedisUrl = Field(DEFAULT_REDIS_URL, description="Redis URL: redis://, rediss:// "
                                 "(TLS), redis+cluster://h:p,..., redis+sentinel://h:p,.../service")
-    prefix: Annotated[str, AfterValidator(_key_prefix)] = Field(
+    prefix: Annotated[str, AfterValidator(lambda value: QueueRef("x", value).prefix)] = Field(
         DEFAULT_PREFIX, description="key prefix of every tokenq key")
     socket_timeout_s: SocketTimeout = 5.0
 
@@ -197,8 +185,9 @@ class _Settings(BaseSettings):
     def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
         """Every number of every command's settings within what Redis and Python take."""
         name = info.field_name or ""
-        value = check_number(value, name, allow_inf=_marked(cls, name, "inf"))
-        return check_redis_ms(value, name) if _marked(cls, name, "redis_ms") else value
+        marks = _extra(cls, name)
+        value = check_number(value, name, allow_inf=marks.get("inf") is True)
+        return check_redis_ms(value, name) if marks.get("redis_ms") is True else value
 
 
 class _QueueSettings(_Settings):
