@@ -170,29 +170,27 @@ def describe(
     queue's own values (``policy``, ...) are its settings, absent when left out."""
     embeds = info.task == "embed"
     return QueueConfig(
+        **{name: getattr(info, name) for name in _AS_DESCRIBED},
         protocol=PROTOCOL_VERSION,
         backend=info.name,
-        model=info.model,
-        task=info.task,
-        max_input_tokens=info.max_input_tokens,
         policy=policy,
-        pairs=info.pairs,
-        padded=info.padded,
         max_batch_tokens=max_batch_tokens,
         updated_at=updated_at,
-        dim=info.dim,
         normalized=info.normalized if embeds else None,
         raw_vectors=info.raw_vectors if embeds else None,
+        pooling=info.pooling if embeds else None,
         labels=info.labels or None,
         prompts=dict(info.prompts),
         default_prompt_name=info.default_prompt_name or "",
         tokenizer=info.tokenizer or None,
         shards=shards if shards > 1 else None,  # absent means 1: one shard's hash is unchanged
-        dtype=info.dtype,
         tokenize_processes=tokenize_processes,
-        token_dim=info.token_dim,
-        pooling=info.pooling if embeds else None,
     )
+
+
+_AS_DESCRIBED = ("model", "task", "max_input_tokens", "pairs", "padded", "dim", "dtype",
+                 "token_dim")
+"""The config fields a backend's description holds as they are."""
 
 
 MODEL_IDENTITY = ("backend", "model", "task", "dim")
