@@ -29,7 +29,7 @@ import bisect
 import itertools
 import operator
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from enum import Enum
 from typing import Generic, TypeVar
 
@@ -552,30 +552,26 @@ def _ragged_rows(
     return [*below, order[position], *above], sealed
 
 
+@dataclass(slots=True)
 class AdaptiveBudget:
     """The token budget after out-of-memory errors: ``backoff`` x the failed cost (not below
     ``floor``), then ``growth`` x after ``recover_after`` clean batches, up to ``ceiling``."""
 
-    def __init__(
-        self,
-        ceiling: int,
-        floor: int,
-        *,
-        backoff: float = 0.75,
-        growth: float = 1.05,
-        recover_after: int = 20,
-    ) -> None:
-        if not 1 <= floor <= ceiling:
-            raise ValueError(f"need 1 <= floor ({floor}) <= ceiling ({ceiling})")
-        if not 0 < backoff < 1 or growth <= 1 or recover_after < 1:
+    ceiling: int
+    floor: int
+    _: KW_ONLY
+    backoff: float = 0.75
+    growth: float = 1.05
+    recover_after: int = 20
+    current: int = field(init=False)
+    _streak: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.floor <= self.ceiling:
+            raise ValueError(f"need 1 <= floor ({self.floor}) <= ceiling ({self.ceiling})")
+        if not 0 < self.backoff < 1 or self.growth <= 1 or self.recover_after < 1:
             raise ValueError("need 0 < backoff < 1, growth > 1, recover_after >= 1")
-        self.ceiling = ceiling
-        self.floor = floor
-        self.current = ceiling
-        self.backoff = backoff
-        self.growth = growth
-        self.recover_after = recover_after
-        self._streak = 0
+        self.current = self.ceiling
 
     def on_oom(self, failed_cost: int) -> int:
         """A batch costing ``failed_cost`` tokens ran out of memory; returns the new budget."""
