@@ -438,15 +438,12 @@ def reply_to_of(fields: Mapping[bytes | str, bytes | str]) -> str | None:
 
 
 def _text_of(fields: Mapping[bytes | str, bytes | str], wanted: str) -> str | None:
-    """The first field named ``wanted`` as text; None when there is none or it is not UTF-8."""
-    for key, value in fields.items():
-        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        if name == wanted:
-            try:
-                return value.decode("utf-8") if isinstance(value, bytes) else value
-            except UnicodeDecodeError:
-                return None
-    return None
+    """The field named ``wanted`` as text; None when there is none or it is not UTF-8."""
+    value = fields.get(wanted, fields.get(wanted.encode()))
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else value
+    except UnicodeDecodeError:
+        return None
 
 
 def embedding_reply(
