@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any
 
 import msgpack
 
@@ -72,11 +71,8 @@ def decode_heartbeat(raw: bytes) -> Heartbeat:
         raise DecodeError(f"heartbeat is not valid msgpack: {exc}") from None
     if not isinstance(body, dict):
         raise DecodeError("heartbeat must be a msgpack map")
-    values: dict[str, Any] = {}
-    for f in fields(Heartbeat):
-        if f.name in body:
-            values[f.name] = _value(f.name, body[f.name], optional=f.default is None)
-    return Heartbeat(**values)
+    return Heartbeat(**{f.name: _value(f.name, body[f.name], optional=f.default is None)
+                        for f in fields(Heartbeat) if f.name in body})
 
 
 def _value(name: str, value: object, *, optional: bool) -> object:
