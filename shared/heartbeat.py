@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Any
 
 import msgpack
 
@@ -75,7 +76,7 @@ def decode_heartbeat(raw: bytes) -> Heartbeat:
                         for f in fields(Heartbeat) if f.name in body})
 
 
-def _value(name: str, value: object, *, optional: bool) -> object:
+def _value(name: str, value: object, *, optional: bool) -> Any:
     if value is None and optional:
         return None
     if name in _TEXT:
