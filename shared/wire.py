@@ -184,9 +184,9 @@ def validate_text(value: object, field_name: str, max_bytes: int) -> str:
     return value
 
 
-def validate_priority(value: object, field_name: str = "priority") -> int:
+def validate_priority(value: object) -> int:
     """A caller's priority: an int from 0 to :data:`MAX_PRIORITY` (None means 0)."""
-    return 0 if value is None else _check_range(field_name, value, 0, MAX_PRIORITY)
+    return 0 if value is None else _check_range("priority", value, 0, MAX_PRIORITY)
 
 
 def validate_id(value: object, field_name: str = "id") -> str:
