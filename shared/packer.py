@@ -146,10 +146,10 @@ class BatchTimer:
     """``ms = fixed + per_token x cost``, fitted by least squares with exponential forgetting
     to the batches that ran; until ``min_batches`` it answers from a prior and caps nothing."""
 
-    def __init__(self, *, decay: float = 0.95, min_batches: int = 8) -> None:
-        if not 0 < decay < 1:
-            raise ValueError(f"decay must be in (0, 1), got {decay}")
-        self.decay = decay
+    DECAY = 0.95
+    """Each batch observed weighs this much less at every later one."""
+
+    def __init__(self, *, min_batches: int = 8) -> None:
         self.min_batches = min_batches
         self.batches = 0
         self.fixed_ms = 1.0
@@ -160,7 +160,7 @@ class BatchTimer:
         """One batch of ``cost`` tokens took ``ms`` milliseconds."""
         if cost < 1 or not ms >= 0 or ms == float("inf"):
             return
-        sums = [value * self.decay for value in self._sums]
+        sums = [value * self.DECAY for value in self._sums]
         for index, value in enumerate((1.0, cost, ms, cost * cost, cost * ms)):
             sums[index] += value
         self._sums = sums
