@@ -92,16 +92,9 @@ def encode_letter(
     """The letter's fields, in order, ready for XADD: the capped request, then ``dead_*``."""
     original, cut = capped_fields(fields, max_bytes)
     truncated: tuple[Field, ...] = ((TRUNCATED, cut),) if cut else ()
-    return (
-        *original,
-        *truncated,
-        (ERROR_CODE, death.code),
-        (ERROR, death.message),
-        (WORKER, death.worker),
-        (DELIVERIES, str(death.deliveries)),
-        (AT_MS, str(death.at_ms)),
-        (SOURCE_ID, death.source_id),
-    )
+    said = (death.code, death.message, death.worker, str(death.deliveries), str(death.at_ms),
+            death.source_id)
+    return (*original, *truncated, *zip(DEATH_FIELDS, said, strict=True))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,6 @@ def failure_message(
     from tokenq.shared import redis_refusal
 
     where = f"Redis at {redact(redis_url)}" if redis_url else "Redis"
-    timeout = socket_timeout_s
     text = _SCRIPT_NOISE.sub("", one_line(str(exc))) or type(exc).__name__
     if isinstance(exc, CommandFailed):
         return text
@@ -32,7 +31,7 @@ def failure_message(
     if isinstance(exc, redis.TimeoutError) or (
         isinstance(exc, redis.ConnectionError) and "timeout" in text.lower()
     ):
-        within = f" within --socket-timeout-s {timeout:g}" if timeout else ""
+        within = f" within --socket-timeout-s {socket_timeout_s:g}" if socket_timeout_s else ""
         return f"cannot reach {where}: no answer{within} ({text})"
     if isinstance(exc, redis.ConnectionError):
         return f"cannot reach {where}: {text}"
@@ -48,11 +47,7 @@ def failure_message(
         return f"{where} answered an error: {text}"
     from tokenq.shared.errors import TokenqError
 
-    if isinstance(exc, TokenqError):
-        return text
-    if isinstance(exc, OSError):
-        return text
-    return None
+    return text if isinstance(exc, (TokenqError, OSError)) else None
 
 
 _SCRIPT_NOISE = re.compile(

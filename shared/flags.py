@@ -76,13 +76,10 @@ def environment_help(settings_cls: Any) -> str:
         names.append(f"{env_var(name)} ({spelt})" if apart else env_var(name))
     head = ("environment: every option is also a variable (flags win over the environment, "
             "the environment over the defaults; a switch takes true or false):")
-    lines = [""]
-    for at, name in enumerate(names):
-        word = name + ("," if at < len(names) - 1 else "")
-        if lines[-1] and len(lines[-1]) + 1 + len(word) > 77:  # a name is never cut in two
-            lines.append("")
-        lines[-1] += (" " if lines[-1] else "") + word
-    return "\n".join(textwrap.wrap(head, 79) + ["  " + line for line in lines])
+    # A name is never cut in two: the space in "TOKENQ_AS_JSON (--json)" is held until wrapped.
+    lines = textwrap.wrap(", ".join(name.replace(" ", "\0") for name in names), 77,
+                          break_long_words=False, break_on_hyphens=False)
+    return "\n".join(textwrap.wrap(head, 79) + ["  " + line.replace("\0", " ") for line in lines])
 
 
 def _argument_adder(settings_cls: Any) -> Callable[..., Any]:

@@ -45,7 +45,8 @@ def _missing(cause: BaseException) -> FunctionsMissing:
 
 
 class _Mode:
-    """What one Redis client has learnt: whether it must use scripts instead of functions."""
+    """What one Redis client has learnt (shared by all its functions): whether it must use
+    scripts instead of functions."""
 
     __slots__ = ("__weakref__", "scripts")
 
@@ -54,14 +55,6 @@ class _Mode:
 
 
 _MODES: weakref.WeakKeyDictionary[Any, _Mode] = weakref.WeakKeyDictionary()
-
-
-def _mode(client: Any) -> _Mode:
-    """The mode shared by every function of ``client`` (learnt once, not per call site)."""
-    mode = _MODES.get(client)
-    if mode is None:
-        mode = _MODES[client] = _Mode()
-    return mode
 
 
 def _is_pipeline(client: Any) -> bool:
@@ -79,7 +72,7 @@ class _Base:
         """A read-only function goes by FCALL_RO, which Redis refuses to let write."""
         self._source = lib.scripts[short]
         self._client = client
-        self._mode = _mode(client)
+        self._mode = _MODES.setdefault(client, _Mode())
         self._script: Any = None
 
     def _script_of(self) -> Any:
@@ -161,11 +154,9 @@ class AsyncFunction(_Base):
 
 
 def _load_failed(exc: redis.exceptions.ResponseError, missing_ok: bool) -> None:
-    """Raise what a refused ``FUNCTION LOAD`` means (or return: Redis has no Functions)."""
-    if _NO_FUNCTION_CMD.search(str(exc)):
-        if missing_ok:
-            return
-        raise exc
+    """None when Redis has no Functions and ``missing_ok``, else what the refusal means."""
+    if _NO_FUNCTION_CMD.search(str(exc)) and missing_ok:
+        return
     if isinstance(exc, redis.exceptions.NoPermissionError) and not missing_ok:
         raise _missing(exc) from exc
     raise exc

@@ -14,9 +14,24 @@ from tokenq.shared.errors import DecodeError
 _LIMITS = {"max_str_len": 1 << 16, "max_bin_len": 1 << 16, "max_map_len": 256}
 
 
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    """What one worker says about itself: who, its batch budget, and its totals since start."""
+@dataclass(slots=True)
+class Totals:
+    """A worker's totals since start: kept by the worker, published in each heartbeat."""
+
+    requests_ok: int = 0
+    requests_failed: int = 0
+    batches: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    device_ms: float = 0.0
+    oom_splits: int = 0
+    reclaimed: int = 0
+    dead_lettered: int = 0
+
+
+@dataclass(slots=True)
+class Heartbeat(Totals):
+    """What one worker says about itself: who, its batch budget, and its :class:`Totals`."""
 
     host: str | None = None
     pid: int | None = None
@@ -31,15 +46,6 @@ class Heartbeat:
     max_batch_size: int | None = None
     buffered: int = 0
     """Requests read and waiting in its packer."""
-    requests_ok: int = 0
-    requests_failed: int = 0
-    batches: int = 0
-    tokens: int = 0
-    padded_tokens: int = 0
-    device_ms: float = 0.0
-    oom_splits: int = 0
-    reclaimed: int = 0
-    dead_lettered: int = 0
     padding_efficiency: float = 1.0
 
     @property
@@ -66,14 +72,11 @@ def decode_heartbeat(raw: bytes) -> Heartbeat:
         raise DecodeError(f"heartbeat is not valid msgpack: {exc}") from None
     if not isinstance(body, dict):
         raise DecodeError("heartbeat must be a msgpack map")
-    values: dict[str, Any] = {}
-    for f in fields(Heartbeat):
-        if f.name in body:
-            values[f.name] = _value(f.name, body[f.name], optional=f.default is None)
-    return Heartbeat(**values)
+    return Heartbeat(**{f.name: _value(f.name, body[f.name], optional=f.default is None)
+                        for f in fields(Heartbeat) if f.name in body})
 
 
-def _value(name: str, value: object, *, optional: bool) -> object:
+def _value(name: str, value: object, *, optional: bool) -> Any:
     if value is None and optional:
         return None
     if name in _TEXT:

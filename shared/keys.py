@@ -153,6 +153,16 @@ def workers(q: QueueRef) -> str:
     return f"{q.tag}:workers"
 
 
+def retired(q: QueueRef) -> str:
+    """A retired shard's marker: present, the shard takes no new requests (enqueue.lua)."""
+    return f"{q.tag}:retired"
+
+
+def shards_served(q: QueueRef) -> str:
+    """The highest shard count the queue served while shards beyond today's still drain."""
+    return f"{q.tag}:shards_served"
+
+
 def worker_alive(q: QueueRef, consumer: str) -> str:
     """A per-worker key with a TTL: present means the worker is alive."""
     return f"{q.tag}:worker:{consumer}"
@@ -213,16 +223,6 @@ def _is_tokenq_key(prefix: str, key: str) -> bool:
     return match is not None and match.group("kind") != "reply"
 
 
-def retired(q: QueueRef) -> str:
-    """A retired shard's marker: present, the shard takes no new requests (enqueue.lua)."""
-    return f"{q.tag}:retired"
-
-
-def shards_served(q: QueueRef) -> str:
-    """The highest shard count the queue served while shards beyond today's still drain."""
-    return f"{q.tag}:shards_served"
-
-
 def seen(q: QueueRef, request_id: str) -> str:
     """Marks a request id as enqueued, so a retried enqueue does not add it twice."""
     return f"{q.tag}:seen:{request_id}"
@@ -237,7 +237,7 @@ def seen_call(q: QueueRef, request_ids: Iterable[str]) -> str:
 
 def reply_pattern(q: QueueRef) -> str:
     """A SCAN pattern matching every reply key of the queue."""
-    return f"{q.tag}:reply:*"
+    return reply_prefix(q) + "*"
 
 
 def idempotent_answer(q: QueueRef, key_digest: str) -> str:
@@ -247,4 +247,4 @@ def idempotent_answer(q: QueueRef, key_digest: str) -> str:
 
 def idempotent_lease(q: QueueRef, key_digest: str) -> str:
     """Held by the gateway request now computing that key's answer (a retry waits meanwhile)."""
-    return f"{q.tag}:idem:{key_digest}:lease"
+    return idempotent_answer(q, key_digest) + ":lease"

@@ -28,13 +28,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from dataclasses import KW_ONLY, dataclass, field, replace
 from enum import Enum
 from typing import Generic, TypeVar
 
 from tokenq.shared import wire
-from tokenq.shared.arrival_line import ArrivalLine
 
 T = TypeVar("T")
 
@@ -147,10 +146,10 @@ class BatchTimer:
     """``ms = fixed + per_token x cost``, fitted by least squares with exponential forgetting
     to the batches that ran; until ``min_batches`` it answers from a prior and caps nothing."""
 
-    def __init__(self, *, decay: float = 0.95, min_batches: int = 8) -> None:
-        if not 0 < decay < 1:
-            raise ValueError(f"decay must be in (0, 1), got {decay}")
-        self.decay = decay
+    DECAY = 0.95
+    """Each batch observed weighs this much less at every later one."""
+
+    def __init__(self, *, min_batches: int = 8) -> None:
         self.min_batches = min_batches
         self.batches = 0
         self.fixed_ms = 1.0
@@ -161,7 +160,7 @@ class BatchTimer:
         """One batch of ``cost`` tokens took ``ms`` milliseconds."""
         if cost < 1 or not ms >= 0 or ms == float("inf"):
             return
-        sums = [value * self.decay for value in self._sums]
+        sums = [value * self.DECAY for value in self._sums]
         for index, value in enumerate((1.0, cost, ms, cost * cost, cost * ms)):
             sums[index] += value
         self._sums = sums
@@ -191,6 +190,72 @@ class BatchTimer:
         if not self.learned:
             return None
         return max(1, int((ms - self.fixed_ms) / self.per_token_ms))
+
+
+Entry = tuple[float, int]
+"""(virtual arrival, sequence): the line's order; sequences are unique."""
+SLACK = 64
+"""Removed entries of the line tolerated beyond the live count before the list is rebuilt."""
+
+
+class ArrivalLine:
+    """The packer's line (rule 1's order), with requests taken out lazily: a removed entry
+    stays, skipped, until the head passes it or removed ones outnumber live ones plus
+    :data:`SLACK`; ``live`` (the packer's mapping) says which sequences are still buffered."""
+
+    def __init__(self, live: Collection[int]) -> None:
+        self._live = live
+        self._entries: list[Entry] = []
+        """Ascending; entries whose sequence is not in ``live`` are removed ones."""
+        self._start = 0
+        """Every entry before this index is a removed one."""
+        self._removed = 0
+        """How many removed entries the list still holds."""
+
+    def add(self, entries: list[Entry]) -> None:
+        """Put requests in line (their sequences must already be live)."""
+        line = self._entries
+        if len(entries) == 1:  # one: a bisection, not a pass over the line
+            position = bisect.bisect_left(line, entries[0])
+            line.insert(position, entries[0])
+            self._start = min(self._start, position)
+        else:  # appended, then one sort: about one pass over an already sorted line
+            line += entries
+            line.sort()
+            self._start = 0
+
+    def removed(self, count: int) -> None:
+        """``count`` requests left the buffer; rebuild when removed ones are too many."""
+        self._removed += count
+        if self._removed > len(self._live) + SLACK:
+            live = self._live
+            self._entries = [entry for entry in self._entries if entry[1] in live]
+            self._start = self._removed = 0
+
+    def head(self) -> int | None:
+        """The first live sequence in line, or None when nothing is buffered."""
+        line, live, start = self._entries, self._live, self._start
+        end = len(line)
+        while start < end and line[start][1] not in live:
+            start += 1
+        self._start = start
+        return line[start][1] if start < end else None
+
+    def seqs(self) -> Iterator[int]:
+        """Live sequences in line order, from the head."""
+        self.head()  # moves the start past removed entries at the front
+        live = self._live
+        return (seq for _, seq in itertools.islice(self._entries, self._start, None)
+                if seq in live)
+
+    def entries(self) -> list[Entry]:
+        """The live entries, in order (a copy: for views and tests)."""
+        live = self._live
+        return [entry for entry in self._entries if entry[1] in live]
+
+    def held(self) -> int:
+        """Entries the list holds, removed ones included (the bound tests check)."""
+        return len(self._entries)
 
 
 class Packer(Generic[T]):
@@ -487,30 +552,26 @@ def _ragged_rows(
     return [*below, order[position], *above], sealed
 
 
+@dataclass(slots=True)
 class AdaptiveBudget:
     """The token budget after out-of-memory errors: ``backoff`` x the failed cost (not below
     ``floor``), then ``growth`` x after ``recover_after`` clean batches, up to ``ceiling``."""
 
-    def __init__(
-        self,
-        ceiling: int,
-        floor: int,
-        *,
-        backoff: float = 0.75,
-        growth: float = 1.05,
-        recover_after: int = 20,
-    ) -> None:
-        if not 1 <= floor <= ceiling:
-            raise ValueError(f"need 1 <= floor ({floor}) <= ceiling ({ceiling})")
-        if not 0 < backoff < 1 or growth <= 1 or recover_after < 1:
+    ceiling: int
+    floor: int
+    _: KW_ONLY
+    backoff: float = 0.75
+    growth: float = 1.05
+    recover_after: int = 20
+    current: int = field(init=False)
+    _streak: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.floor <= self.ceiling:
+            raise ValueError(f"need 1 <= floor ({self.floor}) <= ceiling ({self.ceiling})")
+        if not 0 < self.backoff < 1 or self.growth <= 1 or self.recover_after < 1:
             raise ValueError("need 0 < backoff < 1, growth > 1, recover_after >= 1")
-        self.ceiling = ceiling
-        self.floor = floor
-        self.current = ceiling
-        self.backoff = backoff
-        self.growth = growth
-        self.recover_after = recover_after
-        self._streak = 0
+        self.current = self.ceiling
 
     def on_oom(self, failed_cost: int) -> int:
         """A batch costing ``failed_cost`` tokens ran out of memory; returns the new budget."""

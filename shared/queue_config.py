@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenq.shared.redis_text import as_text
 from tokenq.shared.request_options import ModelFacts
@@ -94,36 +94,28 @@ def encode_config(config: QueueConfig) -> dict[str, str]:
     return out
 
 
+_INTS = {"max_input_tokens": 1, "protocol": 0, "max_batch_tokens": 1, "dim": 1, "updated_at": 0,
+         "shards": 1, "tokenize_processes": 0, "token_dim": 1}
+"""The whole-number fields, each with the least value it may hold."""
+_BOOLS = ("pairs", "padded", "normalized", "raw_vectors")
+
+
 def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
     """The config from an HGETALL (bytes or text); None when the hash is missing (empty)."""
     if not raw:
         return None
     text = {as_text(k): as_text(v) for k, v in raw.items()}
-    return QueueConfig(
-        max_input_tokens=_int(text, "max_input_tokens", minimum=1),
+    values: dict[str, Any] = {field.name: text.get(field.name) or None
+                              for field in fields(QueueConfig)}
+    values.update({name: _int(text, name, minimum=least) for name, least in _INTS.items()})
+    values.update({name: _FLAGS.get(text.get(name, "").strip()) for name in _BOOLS})
+    values.update(
         policy=text.get("policy", "").strip().lower() or None,
-        pairs=_FLAGS.get(text.get("pairs", "").strip()),
-        tokenizer=text.get("tokenizer") or None,
-        model=text.get("model") or None,
-        protocol=_int(text, "protocol", minimum=0),
-        backend=text.get("backend") or None,
-        task=text.get("task") or None,
-        padded=_FLAGS.get(text.get("padded", "").strip()),
-        max_batch_tokens=_int(text, "max_batch_tokens", minimum=1),
-        dim=_int(text, "dim", minimum=1),
-        normalized=_FLAGS.get(text.get("normalized", "").strip()),
         labels=_labels(text.get("labels")),
         prompts=_prompts(text.get("prompts")),
         default_prompt_name=_default_prompt_name(text),
-        updated_at=_int(text, "updated_at", minimum=0),
-        shards=_int(text, "shards", minimum=1),
-        enqueue_function=text.get("enqueue_function") or None,
-        dtype=text.get("dtype") or None,
-        tokenize_processes=_int(text, "tokenize_processes", minimum=0),
-        token_dim=_int(text, "token_dim", minimum=1),
-        raw_vectors=_FLAGS.get(text.get("raw_vectors", "").strip()),
-        pooling=text.get("pooling") or None,
     )
+    return QueueConfig(**values)
 
 
 def _default_prompt_name(text: Mapping[str, str]) -> str | None:
@@ -178,29 +170,27 @@ def describe(
     queue's own values (``policy``, ...) are its settings, absent when left out."""
     embeds = info.task == "embed"
     return QueueConfig(
+        **{name: getattr(info, name) for name in _AS_DESCRIBED},
         protocol=PROTOCOL_VERSION,
         backend=info.name,
-        model=info.model,
-        task=info.task,
-        max_input_tokens=info.max_input_tokens,
         policy=policy,
-        pairs=info.pairs,
-        padded=info.padded,
         max_batch_tokens=max_batch_tokens,
         updated_at=updated_at,
-        dim=info.dim,
         normalized=info.normalized if embeds else None,
         raw_vectors=info.raw_vectors if embeds else None,
+        pooling=info.pooling if embeds else None,
         labels=info.labels or None,
         prompts=dict(info.prompts),
         default_prompt_name=info.default_prompt_name or "",
         tokenizer=info.tokenizer or None,
         shards=shards if shards > 1 else None,  # absent means 1: one shard's hash is unchanged
-        dtype=info.dtype,
         tokenize_processes=tokenize_processes,
-        token_dim=info.token_dim,
-        pooling=info.pooling if embeds else None,
     )
+
+
+_AS_DESCRIBED = ("model", "task", "max_input_tokens", "pairs", "padded", "dim", "dtype",
+                 "token_dim")
+"""The config fields a backend's description holds as they are."""
 
 
 MODEL_IDENTITY = ("backend", "model", "task", "dim")

@@ -20,7 +20,6 @@ import redis.sentinel
 
 from tokenq.shared import functions
 from tokenq.shared.redis_url import RedisTarget
-from tokenq.shared.sentinel_connection import managed_connection
 
 UNCAPPED = 2**31
 """redis-py's own "no cap" on a pool's connections (an asyncio cluster wants a number)."""
@@ -56,6 +55,63 @@ def with_mixins(connection_class: type, *mixins: type) -> type:
     if not missing:
         return connection_class
     return type(f"Tokenq{connection_class.__name__}", (*missing, connection_class), {})
+
+
+class FollowsMaster:
+    """Mixin in front of redis-py's sync ``SentinelManagedConnection`` (or its TLS twin): every
+    reconnect, also one inside a command's retry, asks the sentinels where the master is."""
+
+    connection_pool: Any
+    host: str
+    port: int
+
+    def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if getattr(self, "_sock", None) is None:
+            self._connect_retry()  # type: ignore[attr-defined]  # the lookup, then connect_to
+
+    def connect_to(self, address: tuple[str, int]) -> None:
+        self.host, self.port = address
+        super(redis.sentinel.SentinelManagedConnection, self).connect_check_health(  # type: ignore[misc]
+            check_health=self.connection_pool.check_connection, retry_socket_connect=False
+        )
+
+
+class AsyncFollowsMaster:
+    """The asyncio twin of :class:`FollowsMaster`."""
+
+    connection_pool: Any
+    host: str
+    port: int
+
+    async def connect_check_health(
+        self, check_health: bool = True, retry_socket_connect: bool = True
+    ) -> None:
+        if not self.is_connected:  # type: ignore[attr-defined]
+            await self._connect_retry()  # type: ignore[attr-defined]
+
+    async def connect_to(self, address: tuple[str, int]) -> None:
+        self.host, self.port = address
+        await super(  # type: ignore[misc]
+            redis.asyncio.sentinel.SentinelManagedConnection, self
+        ).connect_check_health(
+            check_health=self.connection_pool.check_connection, retry_socket_connect=False
+        )
+
+
+@functools.cache
+def managed_connection(*, tls: bool, asyncio: bool) -> type:
+    """The Sentinel-managed connection class that follows the master, made once per kind."""
+    if asyncio:
+        base: type = (redis.asyncio.sentinel.SentinelManagedSSLConnection if tls
+                      else redis.asyncio.sentinel.SentinelManagedConnection)
+        mixin: type = AsyncFollowsMaster
+    else:
+        base = (redis.sentinel.SentinelManagedSSLConnection if tls
+                else redis.sentinel.SentinelManagedConnection)
+        mixin = FollowsMaster
+    return type(f"Following{base.__name__}", (mixin, base), {})
 
 
 class _HookedPool:

@@ -43,15 +43,19 @@ def is_positional(settings_cls: type[BaseModel], name: str) -> bool:
     return info is not None and _POSITIONAL in info.metadata
 
 
+def _extra(settings_cls: type[BaseModel], name: str) -> dict[str, Any]:
+    """Setting ``name``'s ``json_schema_extra``: its flag's spelling and marks ({}: none)."""
+    info = settings_cls.model_fields.get(name)
+    extra = info.json_schema_extra if info is not None else None
+    return extra if isinstance(extra, dict) else {}
+
+
 def flag(settings_cls: type[BaseModel], name: str) -> str:
     """The command-line spelling of setting ``name``: ``--max-batch-tokens``, ``ACTION``."""
     if is_positional(settings_cls, name):
         return name.upper()
-    info = settings_cls.model_fields.get(name)
-    extra = info.json_schema_extra if info is not None else None
-    if isinstance(extra, dict) and isinstance(extra.get("flag"), str):
-        return str(extra["flag"])
-    return "--" + name.replace("_", "-")
+    spelt = _extra(settings_cls, name).get("flag")
+    return spelt if isinstance(spelt, str) else "--" + name.replace("_", "-")
 
 
 def env_var(name: str) -> str:
@@ -94,16 +98,6 @@ def _redis_url(value: str) -> str:
     return value
 
 
-def _queue_name(value: str) -> str:
-    QueueRef(value)  # raises ValueError naming the bad name
-    return value
-
-
-def _key_prefix(value: str) -> str:
-    QueueRef("x", value)  # raises ValueError naming the bad prefix
-    return value
-
-
 MAX_EXACT_INT = 2**53
 """The largest whole number any setting may be (exact as a Lua double in a Redis script)."""
 MAX_SECONDS = 10**9
@@ -133,13 +127,6 @@ def check_number(value: object, name: str, *, allow_inf: bool = False) -> object
     return value
 
 
-def _marked(settings_cls: type[BaseModel], name: str, mark: str) -> bool:
-    """Whether setting ``name`` carries ``json_schema_extra={mark: True}``."""
-    info = settings_cls.model_fields.get(name)
-    extra = info.json_schema_extra if info is not None else None
-    return isinstance(extra, dict) and extra.get(mark) is True
-
-
 REDIS_MS: JsonDict = {"redis_ms": True}
 """``json_schema_extra`` of a seconds setting Redis gets in whole milliseconds (a TTL)."""
 
@@ -154,7 +141,8 @@ def check_redis_ms(value: object, name: str) -> object:
 
 
 RedisUrl = Annotated[str, AfterValidator(_redis_url)]
-QueueName = Annotated[str, AfterValidator(_queue_name)]
+QueueName = Annotated[str, AfterValidator(lambda value: QueueRef(value).name)]
+"""A queue name; a bad one is QueueRef's ValueError, which names it."""
 SocketTimeout = Annotated[float, Field(gt=0, description="Redis socket timeout, seconds")]
 Retries = Annotated[int, Field(ge=0, description="Redis command retries (exponential backoff)")]
 ReplyTimeout = Annotated[
@@ -166,13 +154,8 @@ Shards = Annotated[int, Field(ge=1, le=MAX_SHARDS)]
 
 def _shards(default: int | None) -> Any:
     """The one definition of ``shards``; workers default to 1, producers to learning it."""
-    return Field(
-        default,
-        description="the queue's shard count K: streams {q:0}..{q:K-1}, each in its own Redis "
-        "Cluster slot, plus {q}. Workers serve K (default 1) and publish it in the config hash; "
-        "producers learn it from there (default) or are told it, and one that differs from "
-        "the workers' is refused",
-    )
+    return Field(default, description="the queue's shard count K (streams {q:0}..{q:K-1} plus "
+                 "{q}); producers learn it from the workers' config hash, or must match it")
 
 
 ShardChoice = Literal["round_robin", "shortest"]
@@ -191,11 +174,9 @@ class _Settings(BaseSettings):
         hide_input_in_errors=True,  # a bad value may be a URL with its password
     )
 
-    redis_url: RedisUrl = Field(
-        DEFAULT_REDIS_URL, description="Redis URL; rediss:// for TLS, user:password@ for ACL "
-        "users; redis+cluster://host:port,... for a Redis Cluster, "
-        "redis+sentinel://host:port,.../service for a Sentinel-watched master")
-    prefix: Annotated[str, AfterValidator(_key_prefix)] = Field(
+    redis_url: RedisUrl = Field(DEFAULT_REDIS_URL, description="Redis URL: redis://, rediss:// "
+                                "(TLS), redis+cluster://h:p,..., redis+sentinel://h:p,.../service")
+    prefix: Annotated[str, AfterValidator(lambda value: QueueRef("x", value).prefix)] = Field(
         DEFAULT_PREFIX, description="key prefix of every tokenq key")
     socket_timeout_s: SocketTimeout = 5.0
 
@@ -204,8 +185,9 @@ class _Settings(BaseSettings):
     def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
         """Every number of every command's settings within what Redis and Python take."""
         name = info.field_name or ""
-        value = check_number(value, name, allow_inf=_marked(cls, name, "inf"))
-        return check_redis_ms(value, name) if _marked(cls, name, "redis_ms") else value
+        marks = _extra(cls, name)
+        value = check_number(value, name, allow_inf=marks.get("inf") is True)
+        return check_redis_ms(value, name) if marks.get("redis_ms") is True else value
 
 
 class _QueueSettings(_Settings):
@@ -226,29 +208,23 @@ class _Requests(_QueueSettings):
 
 
 class _QueueLimit(BaseModel):
-    max_queue_length: int = Field(
-        100_000, ge=0, description="the most requests the queue may hold: past it an enqueue fails "
-        "with QueueFull and dlq retry moves nothing; a worker refuses (queue_full) the entries "
-        "written around that limit (0: no limit)")
+    max_queue_length: int = Field(100_000, ge=0, description="most requests the queue holds; "
+                                  "past it enqueue raises QueueFull (0: no limit)")
 
 
 class _JsonOutput(BaseModel):
-    as_json: bool = Field(
-        False, description="print JSON instead of text (the format is in docs/OPERATIONS.md)",
-        json_schema_extra={"flag": "--json"})
+    as_json: bool = Field(False, description="print JSON instead of text (docs/OPERATIONS.md)",
+                          json_schema_extra={"flag": "--json"})
 
 
 class _WorkerProcess(BaseModel):
     """What each worker process runs: ``tokenq worker`` flags, passed on by ``tokenq up``."""
 
-    backend: str = Field(
-        "hf", description="'hf' (the real model; the bundled all-MiniLM-L6-v2 without --model), "
-        "'sim' (a simulated GPU, for tests and benchmarks), or a plugin as "
-        "'package.module:factory'")
+    backend: str = Field("hf", description="'hf' (a real model), 'sim' (a simulated GPU) or a "
+                         "plugin 'package.module:factory'")
     shards: Shards | None = _shards(1)
     metrics_port: Port = Field(
-        0, description="serve Prometheus metrics on this port (0: off); worker i of tokenq up or "
-        "--devices uses port + i")
+        0, description="Prometheus metrics port (0: off); worker i of up or --devices: port + i")
 
 
 class BackendSettings(BaseModel):
@@ -282,28 +258,22 @@ class ClientSettings(_QueueLimit, _Requests):
 
     timeout_s: ReplyTimeout = 30.0
     retries: Retries = 5
-    dedupe_ttl_s: float = Field(
-        60.0, ge=0, description="remember enqueued request ids this long, so a retried enqueue "
-        "cannot add a request twice (0: off)", json_schema_extra=REDIS_MS)
-    durable_replicas: int = Field(
-        0, ge=0, le=64, description="durable enqueue: each enqueue returns only once this many "
-        "replicas have it (Redis WAIT, on the connection that wrote it), so an accepted request "
-        "survives a failover; fewer in time: a submit raises NotReplicated, an infer waits for its "
-        "results as usual (logged, counted) (0: off, return once the primary has it)")
-    durable_timeout_ms: int = Field(
-        1000, ge=1, le=600_000, description="longest a durable enqueue waits for its replicas "
-        "(never past the call's own timeout; it may be longer than --socket-timeout-s)")
+    dedupe_ttl_s: float = Field(60.0, ge=0, description="remember enqueued ids this long so a "
+                                "retry adds nothing twice (0: off)", json_schema_extra=REDIS_MS)
+    durable_replicas: int = Field(0, ge=0, le=64, description="an enqueue returns once this many "
+                                  "replicas have it (Redis WAIT; 0: off)")
+    durable_timeout_ms: int = Field(1000, ge=1, le=600_000, description="longest a durable "
+                                    "enqueue waits for its replicas (within the call's timeout)")
     shards: Shards | None = _shards(None)
-    shard_choice: ShardChoice = Field(
-        "round_robin", description="which shard each enqueueing call writes to: round_robin, or "
-        "shortest (the shortest stream by lengths read at most once a second)")
+    shard_choice: ShardChoice = Field("round_robin", description="the shard each call writes to: "
+                                      "round_robin, or shortest (lengths read once a second)")
 
 
 class _Survey(_Settings):
     """What tokenq stats and tokenq top look at."""
 
     queue: QueueName | None = Field(
-        None, description="only this queue (default: every queue found by SCAN under the prefix)")
+        None, description="only this queue (default: every queue under the prefix)")
 
 
 class StatsSettings(_JsonOutput, _Survey):
@@ -329,9 +299,8 @@ class DlqSettings(_QueueLimit, _JsonOutput, _QueueSettings):
 
     action: CliPositionalArg[Literal["list", "retry", "purge"]] = Field(
         description="list the dead letters, retry them (back onto the queue), or purge them")
-    id: list[str] = Field(
-        default_factory=list, description="dead-stream entry ids to act on (--id A B, --id A --id "
-        "B or --id A,B)")
+    id: list[str] = Field(default_factory=list, description="dead-stream entry ids to act on "
+                          "(--id A B, --id A --id B or --id A,B)")
     all: bool = Field(False, description="act on every dead letter")
     count: int = Field(100, ge=1, description="list: show at most this many (oldest first)")
     drop_deadline: bool = Field(
@@ -354,25 +323,20 @@ class EmbedSettings(ClientSettings):
     output: Path = Field(
         description="where the vectors go: .npy (a float32 matrix, needs numpy) or .jsonl")
     input_format: Literal["auto", "text", "jsonl"] = Field(
-        "auto", description="input format; auto: jsonl for .jsonl/.ndjson files, else one text per "
-        "line", json_schema_extra={"flag": "--format"})
+        "auto", description="auto: jsonl for .jsonl/.ndjson, else one text per line",
+        json_schema_extra={"flag": "--format"})
     field: str = Field("text", description="jsonl input: the field holding the text")
-    id_field: str = Field(
-        "id", description="jsonl input: copy this field (when present) into .jsonl output as id")
-    blank: Literal["skip", "error"] = Field(
-        "skip", description="blank inputs (a whitespace-only line or text field): skip: no row "
-        "(.jsonl rows keep their input index; .npy lists the skipped in OUTPUT.skipped.txt); "
-        "error: an error row each")
+    id_field: str = Field("id", description="jsonl input: copied into .jsonl output as id")
+    blank: Literal["skip", "error"] = Field("skip", description="blank inputs: skip (no row; .npy "
+                                            "lists them in OUTPUT.skipped.txt) or an error row")
     chunk_size: int = Field(
         2048, ge=1, description="inputs per checkpoint: a re-run resumes after the last one")
     batch_size: int = Field(64, ge=1, description="inputs per enqueue call (one reply key)")
-    max_in_flight: int = Field(
-        1024, ge=1, description="most inputs enqueued and not yet answered at any time")
+    max_in_flight: int = Field(1024, ge=1, description="most inputs enqueued and unanswered")
     timeout_s: ReplyTimeout = 300.0  # one enqueue call of --batch-size inputs
     restart: bool = Field(False, description="discard progress from an earlier run and start over")
-    progress: bool = Field(
-        True, description="show a progress bar on stderr",
-        json_schema_extra={"off_help": "no progress bar on stderr (logs, scripts, CI)"})
+    progress: bool = Field(True, description="show a progress bar on stderr",
+                           json_schema_extra={"off_help": "no progress bar on stderr"})
 
 
 class ServeSettings(ClientSettings):
@@ -380,30 +344,20 @@ class ServeSettings(ClientSettings):
 
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: Port = Field(8080, description="port to listen on")
-    models: str = Field(
-        "", description="model names and their queues, 'name=queue,name=queue'; the first is the "
-        "default; empty: every model name is served by --queue")
-    max_client_batch_size: int = Field(
-        2048, ge=1, description="most inputs one HTTP request may carry (more: 413)")
-    max_body_bytes: int = Field(
-        16 << 20, ge=1024, description="largest request body accepted (more: 413)")
-    max_concurrent_requests: int = Field(
-        512, ge=1, description="most POST requests in flight at once, bodies being read included "
-        "(more: 429 at once, as TEI's --max-concurrent-requests)")
-    api_key: str | None = Field(
-        None, description="require 'Authorization: Bearer <key>' on every route but /health, "
-        "/ready and /metrics (401 without it), as TEI's --api-key; better given as TOKENQ_API_KEY "
-        "than on a command line others can read")
-    cors_allow_origin: str = Field(
-        "", description="origins a browser may call from, comma-separated ('*': any); empty: no "
-        "CORS headers, so browsers refuse cross-origin calls")
-    cold_start_s: float = Field(
-        0.0, ge=0, description="with no live worker on the queue: 0 answers 503 'no live worker' "
-        "at once and writes nothing; N > 0 queues the request (a KEDA-scaled fleet at zero sees "
-        "it) and waits up to N s for a worker to start, else 503")
-    header_timeout_s: float = Field(
-        10.0, gt=0, description="a connection must send a request's headers within this long of "
-        "opening or of its last answer, else it is closed (the body has --timeout-s: 408)")
+    models: str = Field("", description="'name=queue,...' (the first is the default); empty: "
+                        "--queue serves every model name")
+    max_client_batch_size: int = Field(2048, ge=1, description="most inputs per request (413)")
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body (413)")
+    max_concurrent_requests: int = Field(512, ge=1, description="most POSTs in flight, bodies "
+                                         "being read included (more: 429)")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' but on "
+                                "/health, /ready, /metrics (401); best as TOKENQ_API_KEY")
+    cors_allow_origin: str = Field("", description="origins browsers may call from, "
+                                   "comma-separated ('*': any; empty: no CORS headers)")
+    cold_start_s: float = Field(0.0, ge=0, description="with no live worker: 0 answers 503 at "
+                                "once; N queues the request and waits N s for a worker")
+    header_timeout_s: float = Field(10.0, gt=0, description="close a connection that sends no "
+                                    "request headers this long after opening or its last answer")
 
     @field_validator("models")
     @classmethod
@@ -433,14 +387,190 @@ class UpSettings(_WorkerProcess, _QueueSettings):
     """A local Redis and N workers, for development and demos; flags after -- go to each worker."""
 
     redis_url: RedisUrl | None = Field(  # type: ignore[assignment]
-        None,
-        description="use this Redis instead of starting a private redis-server (AOF on) "
-        "on a free loopback port",
-    )
+        None, description="use this Redis instead of a private redis-server (AOF on, loopback)")
     workers: int = Field(2, ge=0, description="worker processes to start")
     data_dir: Path | None = Field(
-        None, description="the private Redis's data directory (default: a temporary one, removed "
-        "at exit)")
+        None, description="the private Redis's data directory (default: a temporary one)")
     port: Port = Field(0, description="the private Redis's port (0: a free one)")
     stop_timeout_s: float = Field(
         30.0, gt=0, description="how long workers get to finish after Ctrl-C before SIGKILL")
+
+
+MAX_DEVICES = 64
+"""Most GPUs ``--devices`` lists (8 GPUs of 7 MIG slices fit), so a typo starts no thousands."""
+MAX_PROCESSES_PER_DEVICE = 8
+"""Most worker processes per GPU: each holds a copy of the model and a CUDA context."""
+
+
+class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
+    """Run one worker process on a queue (--devices: one per GPU)."""
+
+    # Longer than a caller's: a worker rides out a Redis restart instead of failing.
+    socket_timeout_s: SocketTimeout = 10.0
+    retries: Retries = 10
+
+    consumer: str | None = Field(
+        None, description="consumer name in the group (default: host-pid-random)")
+    max_batch_tokens: int | Literal["auto"] = Field(16384, description="token budget of one "
+                                                    "batch; 'auto': fit to free CUDA memory")
+    max_batch_size: int = Field(256, ge=1, description="most rows in one batch")
+    linger_ms: float = Field(
+        2.0, ge=0, description="how long an idle device waits to fill an unsealed batch")
+    max_padding_ratio: float = Field(1.0, ge=0, description="most padding a request may add, "
+                                     "times its length (inf: any)", json_schema_extra={"inf": True})
+    aging_ms: float = Field(1000.0, gt=0, description="each priority class stands this much "
+                            "earlier in line; a head this old is never passed over")
+    max_batch_ms: float | None = Field(
+        None, gt=0, description="plan no batch longer than this on the device (default: no cap)")
+    cost_model: Literal["auto", "padded", "ragged"] = Field(
+        "auto", description="batch cost: rows x longest (padded) or sum (ragged); auto asks the "
+        "backend")
+    policy: Literal["truncate", "reject", "chunk"] = Field(
+        "truncate", description="over-long input: truncate, reject, or chunk into windows")
+    chunk_overlap: int = Field(
+        32, ge=0, description="chunk policy: tokens shared by consecutive windows")
+    tokenize_processes: int = Field(0, ge=0, le=256, description="tokenize in this many child "
+                                    "processes (0: a thread of the worker)")
+    admit_inline_ms: float = Field(2.0, ge=0, le=1000, description="tokenize a read predicted "
+                                   "this fast on the event loop, not a thread (0: never)")
+    read_ahead_budgets: float = Field(
+        4.0, gt=0, description="read at most this many budgets of estimated tokens ahead")
+    block_ms: int = Field(
+        1000, ge=1, description="XREADGROUP BLOCK time; kept below --socket-timeout-s")
+    reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push",
+                               json_schema_extra=REDIS_MS)
+    heartbeat_s: float = Field(
+        2.0, gt=0, description="heartbeat interval; a worker silent for 3 beats is presumed dead",
+        json_schema_extra=REDIS_MS,  # its liveness key lives int(3 × heartbeat_s × 1000) ms
+    )
+    claim_idle_s: float = Field(300.0, gt=0, description="entries idle this long are claimed "
+                                "whoever holds them", json_schema_extra=REDIS_MS)
+    max_deliveries: int = Field(
+        3, ge=1, description="an entry delivered more often goes to the dead stream")
+    dead_max_len: int = Field(
+        10_000, ge=1, description="the dead stream is trimmed (approximately) to this many")
+    dead_max_letter_bytes: int = Field(16 * 1024, ge=1024, description="bytes of the entry's "
+                                       "fields a dead letter keeps (cut ones: dead_truncated)")
+    read_ahead_bytes: int | None = Field(None, ge=1, description="bytes read and not yet answered "
+                                         "(default: 1/32 of the worker's memory, 64 MiB-1 GiB)")
+    batch_timeout_s: float = Field(300.0, gt=0, description="a batch on the device this long is "
+                                   "hung: the worker exits 3 for its supervisor to restart")
+    reply_to_prefixes: str = Field("", description="comma-separated key prefixes reply_to may "
+                                   "name besides the queue's reply keys")
+    batch_log: Path | None = Field(
+        None, description="append one JSON line per batch to this file (rows, tokens, cost)")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="text lines, or one JSON object per line (for log shippers)")
+    log_json: bool = Field(False, description="the same as --log-format json")
+    exit_when_idle_s: float | None = Field(
+        None, gt=0, description="exit after the queue has been empty this long (batch jobs)")
+    metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds to "
+                              "(0.0.0.0: every interface)")
+    devices: str | None = Field(None, description="one worker process per GPU, e.g. '0,1' "
+                                "(CUDA_VISIBLE_DEVICES=N, consumer suffixed -gpuN)")
+    processes_per_device: int = Field(1, ge=1, le=MAX_PROCESSES_PER_DEVICE, description="with "
+                                      "--devices: worker processes per GPU, each a model copy")
+    device_share: float = Field(1.0, gt=0.0, le=1.0, description="the share of the device's free "
+                                "memory the auto budget plans for (split among its processes)")
+
+    # Checks that span two settings sit on the later one, so the message names it.
+
+    @field_validator("max_batch_tokens", mode="before")
+    @classmethod
+    def _parse_budget(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() != "auto":
+            try:
+                int(value)
+            except ValueError:
+                raise ValueError(
+                    f"max_batch_tokens must be a whole number or 'auto', got {value!r}"
+                ) from None
+        return value
+
+    @field_validator("max_batch_tokens")
+    @classmethod
+    def _check_budget(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1 or 'auto', got {value}")
+        return value
+
+    @field_validator("block_ms")
+    @classmethod
+    def _check_block(cls, value: int, info: ValidationInfo) -> int:
+        timeout = info.data.get("socket_timeout_s")
+        if timeout is not None and value / 1000 >= timeout:
+            raise ValueError(
+                f"block_ms ({value}) must be shorter than socket_timeout_s "
+                f"({timeout}s), or blocking reads would time out"
+            )
+        return value
+
+    @field_validator("batch_timeout_s")
+    @classmethod
+    def _check_batch_timeout(cls, value: float, info: ValidationInfo) -> float:
+        beat = info.data.get("heartbeat_s")
+        if beat is not None and value <= beat:
+            raise ValueError(
+                f"batch_timeout_s ({value}s) must be longer than heartbeat_s ({beat}s)"
+            )
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        if value.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR: {value!r}")
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        parts = _split_devices(value)
+        if not parts:
+            raise ValueError(f"devices must be GPU indices or ids like '0,1': {value!r}")
+        if len(parts) > MAX_DEVICES:
+            raise ValueError(f"devices lists {len(parts)} GPUs; at most {MAX_DEVICES}")
+        twice = sorted({part for part in parts if parts.count(part) > 1})
+        if twice:
+            # Both children would be one consumer, each taking the other's entries as its own.
+            raise ValueError(
+                f"devices lists {', '.join(twice)} more than once; for more than one worker "
+                "process on a GPU use --processes-per-device"
+            )
+        return value
+
+    @field_validator("processes_per_device")
+    @classmethod
+    def _check_processes(cls, value: int, info: ValidationInfo) -> int:
+        if value > 1 and info.data.get("devices") is None:
+            raise ValueError(
+                "processes_per_device needs --devices (the GPUs to start them on); without "
+                "it, start more tokenq worker processes on the queue"
+            )
+        return value
+
+    @property
+    def logs_json(self) -> bool:
+        """Whether the worker logs JSON lines (``--log-format json`` or ``--log-json``)."""
+        return self.log_format == "json" or self.log_json
+
+    @property
+    def reply_to_prefix_list(self) -> tuple[str, ...]:
+        """``--reply-to-prefixes`` split on commas, empty parts dropped."""
+        return tuple(part.strip() for part in self.reply_to_prefixes.split(",") if part.strip())
+
+    @property
+    def device_list(self) -> list[str]:
+        """``--devices`` split on commas (CUDA_VISIBLE_DEVICES accepts indices or UUIDs)."""
+        return [] if self.devices is None else _split_devices(self.devices)
+
+
+def _split_devices(devices: str) -> list[str]:
+    parts = [part.strip() for part in devices.split(",")]
+    if not all(parts) or any(" " in part for part in parts):
+        return []
+    return parts
+

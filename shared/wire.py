@@ -184,9 +184,9 @@ def validate_text(value: object, field_name: str, max_bytes: int) -> str:
     return value
 
 
-def validate_priority(value: object, field_name: str = "priority") -> int:
+def validate_priority(value: object) -> int:
     """A caller's priority: an int from 0 to :data:`MAX_PRIORITY` (None means 0)."""
-    return 0 if value is None else _check_range(field_name, value, 0, MAX_PRIORITY)
+    return 0 if value is None else _check_range("priority", value, 0, MAX_PRIORITY)
 
 
 def validate_id(value: object, field_name: str = "id") -> str:
@@ -394,16 +394,11 @@ def deadline_of(request: Request, entry_id: bytes | str) -> int | None:
     ``timeout_ms`` counts from the entry's stream id (stamped by Redis); an absolute
     ``deadline_ms`` is the producer's clock, taken as it is; with both, the earlier wins.
     """
-    if request.deadline_ms is None and request.timeout_ms is None:
-        return None  # most requests: nothing to look at (this runs once per request)
-    candidates = []
-    if request.deadline_ms is not None:
-        candidates.append(request.deadline_ms)
-    if request.timeout_ms is not None:
-        added_ms = stream_id_ms(entry_id)
-        if added_ms is not None:
-            candidates.append(added_ms + request.timeout_ms)
-    return min(candidates) if candidates else None
+    deadline = request.deadline_ms
+    if request.timeout_ms is not None and (added_ms := stream_id_ms(entry_id)) is not None:
+        relative = added_ms + request.timeout_ms
+        deadline = relative if deadline is None else min(deadline, relative)
+    return deadline
 
 
 def _unpack_opts(packed: bytes) -> dict[str, Any]:
@@ -443,15 +438,12 @@ def reply_to_of(fields: Mapping[bytes | str, bytes | str]) -> str | None:
 
 
 def _text_of(fields: Mapping[bytes | str, bytes | str], wanted: str) -> str | None:
-    """The first field named ``wanted`` as text; None when there is none or it is not UTF-8."""
-    for key, value in fields.items():
-        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
-        if name == wanted:
-            try:
-                return value.decode("utf-8") if isinstance(value, bytes) else value
-            except UnicodeDecodeError:
-                return None
-    return None
+    """The field named ``wanted`` as text; None when there is none or it is not UTF-8."""
+    value = fields.get(wanted, fields.get(wanted.encode()))
+    try:
+        return value.decode("utf-8") if isinstance(value, bytes) else value
+    except UnicodeDecodeError:
+        return None
 
 
 def embedding_reply(

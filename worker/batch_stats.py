@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tokenq.shared.heartbeat import Totals
 from tokenq.shared.text import plural, ratio
 
 log = logging.getLogger("tokenq.worker")
@@ -38,19 +39,10 @@ _RECORD_FIELDS = tuple(item.name for item in fields(BatchRecord))
 
 
 @dataclass(slots=True)
-class WorkerStats:
+class WorkerStats(Totals):
     """Totals since start; published in each heartbeat."""
 
     started_at: float = field(default_factory=time.time)
-    requests_ok: int = 0
-    requests_failed: int = 0
-    batches: int = 0
-    tokens: int = 0
-    padded_tokens: int = 0
-    device_ms: float = 0.0
-    oom_splits: int = 0
-    reclaimed: int = 0
-    dead_lettered: int = 0
 
     def record(self, batch: BatchRecord) -> None:
         self.batches += 1

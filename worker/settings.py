@@ -9,8 +9,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from tokenq.shared.settings import env_var, flag
-from tokenq.shared.settings_worker import BaseWorkerSettings
+from tokenq.shared.settings import BaseWorkerSettings, env_var, flag
 from tokenq.worker.backends.registry import BackendEntry, entry_for, registered
 
 

@@ -26,11 +26,7 @@ local function copy_capped(fields, letter_bytes, record)
     end
   end
   if #cut > 0 then
-    local shown = {}
-    for i = 1, math.min(#cut, MAX_TRUNCATED_NAMES) do
-      shown[i] = cut[i]
-    end
-    local names = table.concat(shown, ",")
+    local names = table.concat(cut, ",", 1, math.min(#cut, MAX_TRUNCATED_NAMES))
     if #cut > MAX_TRUNCATED_NAMES then
       names = names .. ",+" .. (#cut - MAX_TRUNCATED_NAMES) .. " more"
     end

@@ -1,4 +1,4 @@
-"""The packer's line (``shared/arrival_line.py``) against a plain sorted list.
+"""The packer's line (``ArrivalLine`` in ``shared/packer.py``) against a plain sorted list.
 
 Any sequence of adds (one or many at a time, anywhere in the order) and
 removals (any subset): the head, the walk from it and the live entries are
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenq.shared.arrival_line import SLACK, ArrivalLine
+from tokenq.shared.packer import SLACK, ArrivalLine
 
 pytestmark = pytest.mark.unit
 

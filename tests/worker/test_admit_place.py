@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.worker.test_stage_deadlines import FakeClock
-from tokenq.shared.settings_worker import BaseWorkerSettings
+from tokenq.shared.settings import BaseWorkerSettings
 from tokenq.worker.loop.admit_place import FALL, REQUEST_UNITS, AdmitPlace
 from tokenq.worker.loop.lifecycle import Lifecycle
 from tokenq.worker.loop.loop_guard import LoopGuard, patience_s
