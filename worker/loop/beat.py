@@ -81,7 +81,7 @@ class Beat:
             self._depth_failed = True
             return
         self._depth_failed = False
-        self._wiring.recorder.queue_depth(found.length, found.pending, found.lag)
+        self._wiring.recorder.metrics.queue_depth(found.length, found.pending, found.lag)
 
     async def _beat_lanes(self, status: Heartbeat, ttl_ms: int) -> None:
         """Beat, and keep held entries' claims fresh, on every lane at once, each bounded by

@@ -90,7 +90,8 @@ class Outbox:
         """
         queue = self._queues[lane.index]
         assert lane.publisher is not None
-        limit_s, limit_name = self._wiring.call_deadline
+        wiring = self._wiring
+        limit_s, limit_name = wiring.call_deadline
         last = False
         while not last:
             answers = await queue.get()
@@ -104,7 +105,7 @@ class Outbox:
                 answers = [*answers, *more]
             self._publishing += 1
             try:
-                with self._wiring.stages.running(
+                with wiring.stages.running(
                     PUBLISH, f"publishing {len(answers)} answers on {lane.stream}",
                     limit_s, limit_name,
                 ) as restart:
@@ -114,7 +115,7 @@ class Outbox:
                 self._publishing -= 1
                 self._intake.published(lane.index, [answer.entry_id for answer in answers])
                 self._room_made()
-            self._wiring.recorder.published(answers, self._wiring.clock.now_ms())
+            wiring.recorder.metrics.answered(answers, now_epoch_ms=wiring.clock.now_ms())
 
     def _retrying(self, restart: Callable[[], None]) -> bool:
         """Asked before each retry: give up (past the stop grace)? Restarts the publish stage's

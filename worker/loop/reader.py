@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
@@ -28,8 +27,6 @@ from tokenq.worker.pipeline.jobs import Answer, dead_answer, decode_entries
 from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job
 
 log = logging.getLogger("tokenq.worker")
-
-_T = TypeVar("_T")
 
 HISTORY_COUNT = 256
 MAX_READ_COUNT = 1024
@@ -75,8 +72,6 @@ class Reader:
         self._pipeline = device.pipeline
         self._readers_left = 0
         self._last_activity = time.monotonic()
-        self._stopped: asyncio.Future[Any] | None = None
-        """What :meth:`_until_stopped` waits on besides the read (:meth:`_stop_waiter`)."""
         self._admit_place = AdmitPlace(settings.admit_inline_ms / 1000,
                                        threads_only=settings.tokenize_processes > 0)
         self._length_limit = settings.max_queue_length
@@ -105,6 +100,9 @@ class Reader:
         a failed read (history ones too) is counted for ``/readyz`` and retried."""
         self._health.reader_started(lane.index)
         history: str | None = "0"  # where the next history read starts; None: all read
+        # Once the worker is told to stop, a read gets only a short grace.
+        until_stopped = functools.partial(self._lifecycle.until_stopped,
+                                          grace_s=self.settings.block_ms / 1000 + 1.0)
         try:
             backoff = 0.1
             while self._lifecycle.reading() and not lane.drained:
@@ -113,21 +111,22 @@ class Reader:
                     self._lifecycle.stop()
                     break
                 count = self._read_count(MAX_READ_COUNT if history is None else HISTORY_COUNT)
-                if count == 0:
-                    await self._wait_for_room()
+                if count == 0:  # wait until something read is answered (or a second passes)
+                    self._lifecycle.room_made.clear()
+                    await wait_event(self._lifecycle.room_made, 1.0)
                     continue
                 entries = None
                 try:
                     if history is not None:
-                        history = await self._until_stopped(
+                        history = await until_stopped(
                             self._read_history(lane, history, count))
                     else:
                         with self._intake.bytes.reserving(count):
-                            if await self._until_stopped(self._reclaim(lane, count)):
+                            if await until_stopped(self._reclaim(lane, count)):
                                 self._health.read_ok(lane.index)
                                 continue
-                            await self._until_stopped(self._refuse_excess(lane))
-                            entries = await self._until_stopped(
+                            await until_stopped(self._refuse_excess(lane))
+                            entries = await until_stopped(
                                 self._xread(lane, ">", count, self.settings.block_ms)
                             )
                             self._intake.hold(lane.index, entries or [])
@@ -144,36 +143,7 @@ class Reader:
             self._health.reader_ended(lane.index)
             self._readers_left -= 1
             if self._readers_left <= 0:
-                if self._stopped is not None:
-                    self._stopped.cancel()
-                    self._stopped = None
                 self._device.end_input()
-
-    async def _wait_for_room(self) -> None:
-        """Wait until something read was answered (or a second passed): room to read more."""
-        self._lifecycle.room_made.clear()
-        await wait_event(self._lifecycle.room_made, 1.0)
-
-    async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
-        """Run one read; once the worker is told to stop, give it only a short grace."""
-        task = asyncio.ensure_future(read)
-        await asyncio.wait({task, self._stop_waiter()}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            await asyncio.wait({task}, timeout=self.settings.block_ms / 1000 + 1.0)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, RedisError):
-            await task
-        return None
-
-    def _stop_waiter(self) -> asyncio.Future[Any]:
-        """One future per reader that ends at the stop, shared by every read (not a task per read).
-        """
-        waiter = self._stopped
-        if waiter is None or waiter.get_loop() is not asyncio.get_running_loop():
-            waiter = self._stopped = asyncio.ensure_future(self._lifecycle.stopping.wait())
-        return waiter
 
     async def _reclaim(self, lane: Lane, count: int) -> bool:
         """Every heartbeat interval, take over entries of dead workers; True if any."""
@@ -369,7 +339,7 @@ class Reader:
         started = time.perf_counter()
         admitted = self._pipeline.admit(items, now_epoch_ms)
         seconds = time.perf_counter() - started
-        self._recorder.tokenized(seconds)
+        self._recorder.metrics.tokenized(seconds)
         return admitted, seconds
 
 

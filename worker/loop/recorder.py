@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from tokenq.shared.packer import Batch, Budget
 from tokenq.worker.batch_stats import BatchLog, BatchRecord, WorkerStats
@@ -50,21 +49,6 @@ class Recorder:
     def reclaimed(self, n: int) -> None:
         self.stats.reclaimed += n
         self.metrics.reclaimed(n)
-
-    def tokenized(self, seconds: float) -> None:
-        self.metrics.tokenized(seconds)
-
-    def published(self, answers: Sequence[Answer], now_epoch_ms: int) -> None:
-        self.metrics.answered(answers, now_epoch_ms=now_epoch_ms)
-
-    def redis_refused(self, reason: str) -> None:
-        self.metrics.redis_refused(reason)
-
-    def queue_depth(self, length: int, pending: int, lag: int) -> None:
-        self.metrics.queue_depth(length, pending, lag)
-
-    def exit_fields(self, now: float) -> dict[str, Any]:
-        return self.stats.exit_fields(self.consumer, now)
 
     def close(self) -> None:
         self._batch_log.close()

@@ -12,7 +12,6 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -30,7 +29,7 @@ from tokenq.worker.loop import presence, read_ahead
 from tokenq.worker.loop.beat import Beat
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake
-from tokenq.worker.loop.lanes import Lane, LaneSet, Ref, Retirement
+from tokenq.worker.loop.lanes import LaneSet, Ref, Retirement
 from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Wiring
 from tokenq.worker.loop.loop_guard import LoopGuard
 from tokenq.worker.loop.outbox import Outbox
@@ -38,7 +37,7 @@ from tokenq.worker.loop.publish import Publisher, Target
 from tokenq.worker.loop.reader import Reader
 from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.recovery import Reclaimer
-from tokenq.worker.loop.stages import Overdue, StageClock, Stages, redis_call_deadline_s
+from tokenq.worker.loop.stages import Overdue, StageClock, Stages
 from tokenq.worker.loop.watchdog import Watchdog, WorkerHung, watchdog_period_s
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.feed import Aborted, ordinary, wait_event
@@ -49,8 +48,8 @@ from tokenq.worker.redis_connect import connect
 from tokenq.worker.server_check import check_server
 from tokenq.worker.settings import WorkerSettings
 
-__all__ = ["Plan", "Worker", "WorkerHung", "default_consumer_name", "plan",
-           "redis_call_deadline_s", "watchdog_period_s"]
+__all__ = ["Worker", "WorkerHung", "choose_budget", "default_consumer_name",
+           "watchdog_period_s"]
 
 log = logging.getLogger("tokenq.worker")
 
@@ -59,18 +58,8 @@ def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Limits the worker runs under, derived once from settings and the backend."""
-
-    budget: Budget
-    budget_reason: str
-    policy: str
-
-
-def plan(settings: WorkerSettings, backend: Backend) -> Plan:
-    """Choose the budget and cost model; refuse settings the model cannot honour."""
-    info = backend.info
+def choose_budget(settings: WorkerSettings, backend: Backend) -> tuple[Budget, str]:
+    """The budget and cost model, and why that budget; refuses what the model cannot honour."""
     if settings.max_batch_tokens == "auto":
         from tokenq.worker.backends.calibrate import calibrate_budget
 
@@ -79,8 +68,8 @@ def plan(settings: WorkerSettings, backend: Backend) -> Plan:
         reason = f"auto: {reason}"
     else:
         tokens, reason = int(settings.max_batch_tokens), "set by --max-batch-tokens"
-    budget = budget_for(info, tokens, settings.max_batch_size, settings.cost_model, reason)
-    return Plan(budget=budget, budget_reason=reason, policy=settings.policy)
+    return budget_for(backend.info, tokens, settings.max_batch_size, settings.cost_model,
+                      reason), reason
 
 
 class Worker:
@@ -103,10 +92,9 @@ class Worker:
         self.health = health if health is not None else Health(
             settings.heartbeat_s, watchdog_period_s(settings))
         self.backend = backend
-        self.queue = settings.queue_ref
         self.consumer = settings.consumer or default_consumer_name()
-        self._retirement = Retirement(self.queue, settings.shards or 1)
-        self.plan = plan(settings, backend)
+        self._retirement = Retirement(settings.queue_ref, settings.shards or 1)
+        self.budget, self._budget_reason = choose_budget(settings, backend)
         self._tokenizer_pool = pool_for(backend, settings.tokenize_processes)
         period_s = watchdog_period_s(settings)
         stage_clock = StageClock(period_s)  # ticked by the guard: a stopped process's time left out
@@ -127,29 +115,40 @@ class Worker:
             max_input_tokens=backend.info.max_input_tokens,
         )
         self._outbox = Outbox(self._wiring, self._intake, self._room_made)
-        packer: Packer[Job[Ref]] = Packer(
-            self.plan.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio,
+        self.packer: Packer[Job[Ref]] = Packer(
+            self.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio,
             aging_ms=settings.aging_ms, max_batch_ms=settings.max_batch_ms,
         )
         pipeline: Pipeline[Ref] = Pipeline(backend, policy=settings.policy,
                                            chunk_overlap=settings.chunk_overlap,
                                            tokenizer=self._tokenizer_pool)
-        self._device = Device(self._wiring, pipeline, packer, self._intake, self._outbox)
-        self.packer = packer
+        self._device = Device(self._wiring, pipeline, self.packer, self._intake, self._outbox)
         self.lanes = LaneSet(self._dead_letter_policy)
-        for queue in keys.lanes_of(self.queue, settings.shards or 1):
-            self._add_lane(queue)
+        self._config_fields = functools.partial(
+            presence.config_fields, backend.info, policy=settings.policy,
+            max_batch_tokens=self.budget.max_batch_tokens, shards=settings.shards or 1,
+            tokenize_processes=settings.tokenize_processes)
         self._guard = None if on_stuck is None else LoopGuard(
             stages=self._wiring.stages, lifecycle=lifecycle,
             period_s=period_s, on_stuck=on_stuck, clock=stage_clock,
         )
-        self.health.loaded()  # the backend is built and the plan holds: the model is in
+        self.health.loaded()  # the backend is built and the budget holds: the model is in
 
-    def _add_lane(self, queue: keys.QueueRef, *, retired: bool = False) -> Lane:
-        """A lane read into the packer, with its own outbox (its index: its number)."""
+    def _add_lane(self, queue: keys.QueueRef, *, retired: bool = False) -> None:
+        """A lane read into the packer, with its own outbox and what reclaims and publishes on
+        it; a retired one (``lanes.Retirement``) is read until drained, then removed."""
         lane = self.lanes.add(queue, retired=retired)
         self._outbox.add_lane()
-        return lane
+        settings = self.settings
+        lane.reclaimer = Reclaimer(
+            self.client, queue, self.consumer, dead_after_ms=int(settings.heartbeat_s * 3000),
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
+        lane.publisher = Publisher(
+            self.client, Target(lane.stream, keys.dead(queue), keys.GROUP, self.consumer),
+            reply_ttl_ms=int(settings.reply_ttl_s * 1000), dead_max_len=settings.dead_max_len,
+            dead_max_letter_bytes=settings.dead_max_letter_bytes, hooks=self._wiring,
+        )
 
     def _dead_letter_policy(self, queue: keys.QueueRef) -> DeadLetterPolicy:
         """A lane's rules for dead letters and reply keys: replies stay in the lane's slot."""
@@ -190,8 +189,8 @@ class Worker:
         self._wiring.client = self.client
         reader = Reader(self._wiring, self.lanes, self._intake, self._device, self._outbox,
                         self._config_fields)
-        for lane in self.lanes:
-            self._equip(lane)
+        for queue in keys.lanes_of(self.settings.queue_ref, self.settings.shards or 1):
+            self._add_lane(queue)
         if self._tokenizer_pool is not None:
             await asyncio.to_thread(self._tokenizer_pool.start)
         if not await self._join(reader):  # stopped before Redis ever answered
@@ -233,28 +232,8 @@ class Worker:
                 log.warning("could not deregister: %s", error_text(exc))
             self._recorder.close()
             await self._close()
-            fields = self._recorder.exit_fields(time.time())
+            fields = self.stats.exit_fields(self.consumer, time.time())
             log.info(exit_line(fields), extra={FIELDS: fields})
-
-    def _equip(self, lane: Lane) -> None:
-        """Give a lane what reclaims and publishes on it."""
-        lane.reclaimer = Reclaimer(
-            self.client, lane.queue, self.consumer,
-            dead_after_ms=int(self.settings.heartbeat_s * 3000),
-            claim_idle_ms=int(self.settings.claim_idle_s * 1000),
-        )
-        lane.publisher = Publisher(
-            self.client, Target(lane.stream, keys.dead(lane.queue), keys.GROUP, self.consumer),
-            reply_ttl_ms=int(self.settings.reply_ttl_s * 1000),
-            dead_max_len=self.settings.dead_max_len,
-            dead_max_letter_bytes=self.settings.dead_max_letter_bytes, hooks=self._wiring,
-        )
-
-    def _add_retired(self, queues: list[keys.QueueRef]) -> None:
-        """Read retired shards too (``lanes.Retirement``): extra lanes into the same packer,
-        each answered and dead-lettered on its own, until it is drained and removed."""
-        for queue in queues:
-            self._equip(self._add_lane(queue, retired=True))
 
     async def _leave(self) -> None:
         for lane in self.lanes:
@@ -274,7 +253,7 @@ class Worker:
         try:
             while not stopping.is_set():
                 try:
-                    if await self._lifecycle.unless_stopping(self._join_once(reader, probe)):
+                    if await self._lifecycle.until_stopped(self._join_once(reader, probe), 0):
                         self.health.redis_answered()
                         return True
                 except RedisError as exc:
@@ -291,36 +270,30 @@ class Worker:
         finally:
             await probe.aclose()
 
-    async def _join_once(self, reader: Reader, probe: aioredis.Redis) -> None:
-        """One try at the join: a ping without retries, then the join's writes."""
+    async def _join_once(self, reader: Reader, probe: aioredis.Redis) -> bool:
+        """One try at the join: a ping without retries, then the join's writes (True)."""
         await probe.ping()
-        self._add_retired(await self._retirement.join(self.client))
+        for queue in await self._retirement.join(self.client):
+            self._add_lane(queue, retired=True)
         for lane in self.lanes:
             await reader.ensure_group(lane)
         await check_server(self.client)
         await self._wiring.clock.sync(self.client)
         for lane in self.lanes:
             await presence.write_config(self.client, lane.queue, self._config_fields())
-
-    def _config_fields(self) -> dict[str, str]:
-        return presence.config_fields(
-            self.backend.info, policy=self.plan.policy,
-            max_batch_tokens=self.plan.budget.max_batch_tokens,
-            shards=self.settings.shards or 1,
-            tokenize_processes=self.settings.tokenize_processes,
-        )
+        return True
 
     def _log_start(self) -> None:
         info = self.backend.info
-        budget = self.plan.budget
+        budget = self.budget
         log.info(
             "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
             "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s read_ahead=%d MiB%s",
             self.consumer, self.lanes.streams(), info.model, info.task,
             info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
-            self.plan.budget_reason, budget.max_batch_size, self.settings.linger_ms,
-            self.plan.policy, self._intake.bytes.limit // (1024 * 1024),
+            self._budget_reason, budget.max_batch_size, self.settings.linger_ms,
+            self.settings.policy, self._intake.bytes.limit // (1024 * 1024),
             f" pooling={info.pooling}" if info.pooling else "",
         )
 
@@ -333,8 +306,8 @@ class Worker:
             model=self.backend.info.model,
             at=time.time(),
             max_batch_tokens=self.packer.budget.max_batch_tokens,
-            configured_batch_tokens=self.plan.budget.max_batch_tokens,
-            max_batch_size=self.plan.budget.max_batch_size,
+            configured_batch_tokens=self.budget.max_batch_tokens,
+            max_batch_size=self.budget.max_batch_size,
             buffered=len(self.packer),
         )
 
