@@ -11,10 +11,11 @@ from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from tokenq.shared import keys, wire
+from tokenq.shared import functions, keys, wire
 from tokenq.shared.errors import ErrorCode
 from tokenq.shared.failures import error_text
-from tokenq.worker.loop import excess, presence
+from tokenq.shared.redis_refusal import error_code
+from tokenq.worker.loop import presence
 from tokenq.worker.loop.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake
@@ -23,13 +24,15 @@ from tokenq.worker.loop.lifecycle import Wiring
 from tokenq.worker.loop.outbox import Outbox, answers_by_lane
 from tokenq.worker.loop.stages import READ, TOKENIZING
 from tokenq.worker.pipeline.feed import monotonic_ms, wait_event
-from tokenq.worker.pipeline.jobs import Answer, dead_answer, decode_entries
+from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy, dead_answer, decode_entries
 from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job
 
 log = logging.getLogger("tokenq.worker")
 
 HISTORY_COUNT = 256
 MAX_READ_COUNT = 1024
+EXCESS_AT_MOST = 256
+"""Most entries past the length limit one check takes: the next read's check takes the next."""
 
 Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
 """What XREADGROUP and XCLAIM return: entry ids and fields.
@@ -44,6 +47,30 @@ def stream_entries(reply: Any) -> Entries:
     if isinstance(reply, dict):
         return next(iter(reply.values()))[0]
     return reply[0][1]
+
+
+async def claim_excess(
+    client: Any, stream: str, consumer: str, max_len: int
+) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The newest undelivered entries of ``stream`` beyond ``max_len`` (written around
+    enqueue's limit), made pending to ``consumer`` and deleted (``claim_excess.lua``)."""
+    taken = await functions.AsyncFunction(client, "claim_excess")(
+        keys=[stream], args=[keys.GROUP, consumer, max_len, EXCESS_AT_MOST])
+    return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+            for entry_id, flat in taken or []]
+
+
+def excess_refusals(
+    entries: list[tuple[bytes, dict[bytes, bytes]]], max_len: int, *, policy: DeadLetterPolicy,
+    now_epoch_ms: int,
+) -> list[Answer]:
+    """A ``queue_full`` dead letter for each entry taken, answered on its reply key."""
+    message = (f"the queue held more than its maximum length ({max_len}) when this request "
+               "was written around tokenq's enqueue (a plain XADD?): it was refused as an "
+               "enqueue past the limit is")
+    return [dead_answer(entry_id, fields, ErrorCode.QUEUE_FULL, message, policy=policy,
+                        deliveries=1, now_epoch_ms=now_epoch_ms)
+            for entry_id, fields in entries]
 
 
 class Reader:
@@ -164,18 +191,18 @@ class Reader:
         return True
 
     async def _refuse_excess(self, lane: Lane) -> None:
-        """Refuse the entries past the queue's length limit (:mod:`excess`); a Redis that
-        refuses the check for good (ACL) turns it off with one warning.
+        """Refuse the entries past the queue's length limit; a Redis that refuses the check to
+        this ACL user (FCALL's key, or a command the function runs) turns it off, warning once.
         """
         if not self._length_limit:
             return
         try:
             with self._stages.running(READ, f"the length check on {lane.stream}",
                                       *self._call_deadline):
-                entries = await excess.claim(self.client, lane.stream, self.consumer,
+                entries = await claim_excess(self.client, lane.stream, self.consumer,
                                              self._length_limit)
-        except ResponseError as exc:
-            if not excess.acl_refused(exc):
+        except ResponseError as exc:  # a WRONGTYPE stream fails the read instead
+            if error_code(exc) != "NOPERM" and "executing the script can't" not in str(exc):
                 raise
             log.warning("cannot check %s against max_queue_length (%s): entries written "
                         "around enqueue's limit are not refused by this worker",
@@ -189,7 +216,7 @@ class Reader:
                     lane.stream, self._length_limit)
         # Not held: a claim refresh (XCLAIM) of an entry deleted from the stream would drop
         # it from the pending list before its answer is published.
-        answers = excess.refusals(entries, self._length_limit, policy=lane.dead_letters,
+        answers = excess_refusals(entries, self._length_limit, policy=lane.dead_letters,
                                   now_epoch_ms=self._now_epoch_ms())
         self._recorder.refused_at_intake(answers)
         self._outbox.emit(lane.index, answers)

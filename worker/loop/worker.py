@@ -31,14 +31,13 @@ from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import LaneSet, Ref, Retirement
 from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Wiring
-from tokenq.worker.loop.loop_guard import LoopGuard
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.publish import Publisher, Target
 from tokenq.worker.loop.reader import Reader
 from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.recovery import Reclaimer
 from tokenq.worker.loop.stages import Overdue, StageClock, Stages
-from tokenq.worker.loop.watchdog import Watchdog, WorkerHung, watchdog_period_s
+from tokenq.worker.loop.watchdog import LoopGuard, Watchdog, WorkerHung, watchdog_period_s
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.feed import Aborted, ordinary, wait_event
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
@@ -85,7 +84,7 @@ class Worker:
         health: Health | None = None,
         on_stuck: Callable[[Overdue], None] | None = None,
     ) -> None:
-        """``on_stuck``: called by a :class:`~tokenq.worker.loop.loop_guard.LoopGuard` thread
+        """``on_stuck``: called by a :class:`~tokenq.worker.loop.watchdog.LoopGuard` thread
         when the event loop is stuck in an overdue stage; None in tests that run in-process."""
         self.settings = settings
         self.metrics = metrics if metrics is not None else NullMetrics()
