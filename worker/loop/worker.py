@@ -25,10 +25,10 @@ from tokenq.worker.backends.base import Backend
 from tokenq.worker.batch_stats import exit_line
 from tokenq.worker.health import Health
 from tokenq.worker.logs import FIELDS
-from tokenq.worker.loop import presence, read_ahead
+from tokenq.worker.loop import presence
 from tokenq.worker.loop.beat import Beat
 from tokenq.worker.loop.device import Device
-from tokenq.worker.loop.intake import Intake
+from tokenq.worker.loop.intake import Intake, auto_limit
 from tokenq.worker.loop.lanes import LaneSet, Ref, Retirement
 from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Wiring
 from tokenq.worker.loop.outbox import Outbox
@@ -107,7 +107,7 @@ class Worker:
         self._own_client = client is None
         room = settings.read_ahead_bytes
         if room is None:  # not set: a share of the memory this worker may use
-            room = read_ahead.auto_limit(host_memory.usable_bytes())
+            room = auto_limit(host_memory.usable_bytes())
         self._intake = Intake(
             read_ahead_budgets=settings.read_ahead_budgets, read_ahead_bytes=room,
             max_entry_bytes=wire.max_entry_bytes(settings.max_request_bytes),
