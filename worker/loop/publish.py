@@ -86,13 +86,15 @@ class Publisher:
                                1, b"0"))
         return keys, [*self._head, len(answers), PackedArgs(count, b"".join(parts))]
 
-    async def publish_once(self, answers: Sequence[Answer]) -> int:
+    async def publish_once(
+        self, answers: Sequence[Answer], refused: Mapping[bytes, str] | None = None
+    ) -> int:
         """One script call; returns how many answers were still ours to publish."""
         if not answers:
             return 0
-        keys, args = self.arguments(answers)
         try:
-            published, undeliverable, unwritten = await self._call(keys, args)
+            published, undeliverable, unwritten = await self._call(
+                *self.arguments(answers, refused))
         except ResponseError as exc:
             if redis_refusal.refused_now(exc):
                 raise
@@ -101,19 +103,15 @@ class Publisher:
             if len(answers) > 1:
                 return sum([await self.publish_once([answer]) for answer in answers])
             answer = answers[0]
-            reason = f"NOPERM {exc}" if isinstance(exc, NoPermissionError) else str(exc)
-            why = f"reply_to {answer.reply_to} refused the reply: {reason}"[:1000]
-            keys, args = self.arguments(answers, refused={answer.entry_id: why})
-            try:
-                published, undeliverable, unwritten = await self._call(keys, args)
-            except ResponseError as again:
-                if redis_refusal.refused_now(again):
-                    raise
-                # Not even the bare ack goes through: leave it pending (it counts towards
+            if refused:
+                # Not even the bare ack went through: left pending (it counts towards
                 # max_deliveries) rather than wedge the worker.
                 log.error("could not settle entry %r (%s); leaving it pending",
-                          answer.entry_id, again)
+                          answer.entry_id, exc)
                 return 0
+            reason = f"NOPERM {exc}" if isinstance(exc, NoPermissionError) else str(exc)
+            why = f"reply_to {answer.reply_to} refused the reply: {reason}"[:1000]
+            return await self.publish_once(answers, {answer.entry_id: why})
         if undeliverable:
             log.warning(
                 "%d answers could not be pushed: their reply_to is not a list this worker "
