@@ -81,7 +81,6 @@ class Reader:
         config_fields: Callable[[], dict[str, str]],
     ) -> None:
         """``config_fields``: the queue's config hash, written again when Redis lost it."""
-        self._wiring = wiring
         self.client = wiring.client
         self.consumer = wiring.consumer
         self.settings = settings = wiring.settings

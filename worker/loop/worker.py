@@ -20,6 +20,7 @@ from tokenq.shared import keys, wire
 from tokenq.shared.failures import error_text, failure_message
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import Budget, Packer
+from tokenq.shared.queue_config import describe, encode_config
 from tokenq.worker import host_memory
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.batch_stats import exit_line
@@ -103,8 +104,7 @@ class Worker:
         self.stats = self._recorder.stats
         self._wiring = Wiring(self.consumer, settings, lifecycle, Stages(stage_clock),
                               self._recorder, self.health)
-        self._client = client
-        self._own_client = client is None
+        self._client = client  # None: run() connects, and closes what it connected
         room = settings.read_ahead_bytes
         if room is None:  # not set: a share of the memory this worker may use
             room = auto_limit(host_memory.usable_bytes())
@@ -123,10 +123,6 @@ class Worker:
                                            tokenizer=self._tokenizer_pool)
         self._device = Device(self._wiring, pipeline, self.packer, self._intake, self._outbox)
         self.lanes = LaneSet(self._dead_letter_policy)
-        self._config_fields = functools.partial(
-            presence.config_fields, backend.info, policy=settings.policy,
-            max_batch_tokens=self.budget.max_batch_tokens, shards=settings.shards or 1,
-            tokenize_processes=settings.tokenize_processes)
         self._guard = None if on_stuck is None else LoopGuard(
             stages=self._wiring.stages, lifecycle=lifecycle,
             period_s=period_s, on_stuck=on_stuck, clock=stage_clock,
@@ -138,13 +134,13 @@ class Worker:
         it; a retired one (``lanes.Retirement``) is read until drained, then removed."""
         lane = self.lanes.add(queue, retired=retired)
         self._outbox.add_lane()
-        settings = self.settings
+        settings, client = self.settings, self._wiring.client
         lane.reclaimer = Reclaimer(
-            self.client, queue, self.consumer, dead_after_ms=int(settings.heartbeat_s * 3000),
+            client, queue, self.consumer, dead_after_ms=int(settings.heartbeat_s * 3000),
             claim_idle_ms=int(settings.claim_idle_s * 1000),
         )
         lane.publisher = Publisher(
-            self.client, Target(lane.stream, keys.dead(queue), keys.GROUP, self.consumer),
+            client, Target(lane.stream, keys.dead(queue), keys.GROUP, self.consumer),
             reply_ttl_ms=int(settings.reply_ttl_s * 1000), dead_max_len=settings.dead_max_len,
             dead_max_letter_bytes=settings.dead_max_letter_bytes, hooks=self._wiring,
         )
@@ -160,12 +156,6 @@ class Worker:
             check_reply_to=keys.reply_to_check(queue, settings.reply_to_prefix_list),
             max_letter_bytes=settings.dead_max_letter_bytes,
         )
-
-    @property
-    def client(self) -> aioredis.Redis:
-        if self._client is None:
-            self._client = connect(self.settings)
-        return self._client
 
     def stop(self) -> None:
         """Stop reading; finish and answer what was read; then return from run()."""
@@ -185,7 +175,7 @@ class Worker:
 
     async def run(self) -> None:
         """Serve the queue until stop() is called (or the idle timeout passes)."""
-        self._wiring.client = self.client
+        self._wiring.client = self._client or connect(self.settings)
         reader = Reader(self._wiring, self.lanes, self._intake, self._device, self._outbox,
                         self._config_fields)
         for queue in keys.lanes_of(self.settings.queue_ref, self.settings.shards or 1):
@@ -236,13 +226,13 @@ class Worker:
 
     async def _leave(self) -> None:
         for lane in self.lanes:
-            await presence.leave(self.client, lane.queue, self.consumer)
+            await presence.leave(self._wiring.client, lane.queue, self.consumer)
 
     async def _close(self) -> None:
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.close()
-        if self._own_client and self._client is not None:
-            await self._client.aclose()
+        if self._client is None:
+            await self._wiring.client.aclose()
 
     async def _join(self, reader: Reader) -> bool:
         """Create the group and publish the config, waiting for Redis if it is not up yet."""
@@ -272,15 +262,23 @@ class Worker:
     async def _join_once(self, reader: Reader, probe: aioredis.Redis) -> bool:
         """One try at the join: a ping without retries, then the join's writes (True)."""
         await probe.ping()
-        for queue in await self._retirement.join(self.client):
+        client = self._wiring.client
+        for queue in await self._retirement.join(client):
             self._add_lane(queue, retired=True)
         for lane in self.lanes:
             await reader.ensure_group(lane)
-        await check_server(self.client)
-        await self._wiring.clock.sync(self.client)
+        await check_server(client)
+        await self._wiring.clock.sync(client)
         for lane in self.lanes:
-            await presence.write_config(self.client, lane.queue, self._config_fields())
+            await presence.write_config(client, lane.queue, self._config_fields())
         return True
+
+    def _config_fields(self) -> dict[str, str]:
+        """The config hash's fields (strings, so redis-cli HGETALL reads them)."""
+        return encode_config(describe(
+            self.backend.info, policy=self.settings.policy,
+            max_batch_tokens=self.budget.max_batch_tokens, shards=self.settings.shards or 1,
+            tokenize_processes=self.settings.tokenize_processes, updated_at=int(time.time())))
 
     def _log_start(self) -> None:
         info = self.backend.info
