@@ -40,19 +40,17 @@ class Lifecycle:
         """Called once, at the first stop (whoever asks for it: a signal, the idle timeout)."""
         self._stopped: asyncio.Future[None] | None = None
 
-    def stop(self) -> bool:
-        """Mark the stop (True the first time)."""
-        first = not self.stopping.is_set()
-        if first:
-            self.stop_started = self._clock()
-        self.stopping.set()
+    def stop(self) -> None:
+        """Mark the stop; the first one calls the ``on_stop`` hooks."""
         self.room_made.set()
+        if self.stopping.is_set():
+            return
+        self.stop_started = self._clock()
+        self.stopping.set()
         if self._stopped is not None and not self._stopped.done():
             self._stopped.set_result(None)
-        if first:
-            for hook in self.on_stop:
-                hook()
-        return first
+        for hook in self.on_stop:
+            hook()
 
     async def until_stopped(self, work: Awaitable[_T], grace_s: float) -> _T | None:
         """``work``'s result (or error); once a stop comes it gets ``grace_s`` more, then is

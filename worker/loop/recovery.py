@@ -28,12 +28,7 @@ class Reclaimer:
     """One worker's view of who else holds work, and the claiming of it."""
 
     def __init__(
-        self,
-        client: aioredis.Redis,
-        queue: keys.QueueRef,
-        consumer: str,
-        *,
-        dead_after_ms: int,
+        self, client: aioredis.Redis, queue: keys.QueueRef, consumer: str, *, dead_after_ms: int,
         claim_idle_ms: int,
     ) -> None:
         self._client = client
@@ -74,18 +69,15 @@ class Reclaimer:
         )
         return {p["message_id"]: int(p["times_delivered"]) for p in pending}
 
-    async def _prune_heartbeats(self, members: set[str]) -> None:
-        """Drop heartbeat rows of workers gone from the group (the group was recreated, or the
-        consumer removed by hand).
-        """
-        rows = await self._client.hkeys(keys.workers(self._queue))
-        for name in {as_text(row) for row in rows} - members - {self._consumer}:
-            await presence.drop_consumer(self._client, self._queue, name)
-
     async def _from_dead_consumers(self, limit: int) -> list[tuple[bytes, int]]:
         candidates: list[tuple[bytes, int]] = []
         consumers = await self._client.xinfo_consumers(self._stream, keys.GROUP)
-        await self._prune_heartbeats({as_text(info["name"]) for info in consumers})
+        # Heartbeat rows of workers gone from the group (it was recreated, or one was removed
+        # by hand) are dropped.
+        rows = await self._client.hkeys(keys.workers(self._queue))
+        members = {as_text(info["name"]) for info in consumers}
+        for name in {as_text(row) for row in rows} - members - {self._consumer}:
+            await presence.drop_consumer(self._client, self._queue, name)
         for info in consumers:
             name = as_text(info["name"])
             if name == self._consumer:

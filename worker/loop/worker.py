@@ -38,7 +38,7 @@ from tokenq.worker.loop.reader import Reader
 from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.recovery import Reclaimer
 from tokenq.worker.loop.stages import Overdue, StageClock, Stages
-from tokenq.worker.loop.watchdog import LoopGuard, Watchdog, WorkerHung, watchdog_period_s
+from tokenq.worker.loop.watchdog import LoopGuard, WorkerHung, watch, watchdog_period_s
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.feed import Aborted, ordinary, wait_event
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
@@ -199,7 +199,7 @@ class Worker:
               for lane in self.lanes),
         ]
         watchdog = asyncio.create_task(
-            Watchdog(self._wiring, self.lanes, self._device, self._outbox).run(),
+            watch(self._wiring, self.lanes, self._device, self._outbox),
             name="tokenq-watchdog")
         if self._guard is not None:
             self._guard.start()
