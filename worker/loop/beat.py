@@ -1,7 +1,6 @@
 """The heartbeat: each ``heartbeat_s``, presence on every lane (``presence.py``), held entries'
 claims kept fresh, retired lanes tended, the Redis clock synced, the depth measured (metrics
-on). A hung worker stops beating so peers take its entries.
-"""
+on). A hung worker stops beating so peers take its entries."""
 
 from __future__ import annotations
 
@@ -84,8 +83,7 @@ class Beat:
 
     async def _beat_lanes(self, status: Heartbeat, ttl_ms: int) -> None:
         """Beat, and keep held entries' claims fresh, on every lane at once, each bounded by
-        the liveness TTL (a down shard cannot lapse the others); raises if no lane took it.
-        """
+        the liveness TTL (a down shard cannot lapse the others); raises if no lane took it."""
         held = self._intake.held_by_lane()
         lanes = list(self._lanes)
         if len(lanes) == 1:

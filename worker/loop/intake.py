@@ -59,8 +59,7 @@ class ByteRoom:
     @contextmanager
     def reserving(self, count: int) -> Iterator[None]:
         """Reserve ``count`` maximum-size entries for the ``with`` block (one read); :meth:`hold`
-        what it brought before the block ends.
-        """
+        what it brought before the block ends."""
         reserved = count * self.max_entry
         self.reserved += reserved
         try:
@@ -180,8 +179,7 @@ class Intake:
         self, lane: int, entries: Iterable[tuple[bytes, Mapping[bytes, bytes] | None]]
     ) -> None:
         """Count a read's entries as held, before its reservation ends; a deleted entry (no
-        fields) holds nothing.
-        """
+        fields) holds nothing."""
         present = [(entry_id, fields) for entry_id, fields in entries if fields]
         self.bytes.hold_all(lane, [entry_id for entry_id, _ in present],
                             [entry_bytes(fields) for _, fields in present])

@@ -1,7 +1,6 @@
 """The worker's answers on their way to Redis: one outbox and one publish task per lane (a
 shard whose node is down holds back only its own). What waits counts as held in the
-read-ahead room (:class:`~tokenq.worker.loop.intake.Intake`), which bounds the outboxes.
-"""
+read-ahead room (:class:`~tokenq.worker.loop.intake.Intake`), which bounds the outboxes."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def answers_by_lane(
     pipeline: Pipeline[Any], outcomes: Iterable[Outcome[Ref]]
 ) -> dict[int, list[Answer]]:
     """The answers finished requests' entries are owed, by lane, each named by its bare
-    entry id; one loop per batch, replies encoded together (this runs per request).
-    """
+    entry id; one loop per batch, replies encoded together (this runs per request)."""
     owed: dict[int, list[Answer]] = {}
     outcomes = list(outcomes)
     for outcome, (payload, ok) in zip(outcomes, pipeline.encoded_replies(outcomes),
@@ -86,8 +84,7 @@ class Outbox:
 
     async def run(self, lane: Lane) -> None:
         """Publish one lane's answers in bulk (up to ``PUBLISH_CHUNK`` a call), so round trips
-        do not add up; published entries stop counting as held.
-        """
+        do not add up; published entries stop counting as held."""
         queue = self._queues[lane.index]
         assert lane.publisher is not None
         wiring = self._wiring
@@ -119,7 +116,6 @@ class Outbox:
 
     def _retrying(self, restart: Callable[[], None]) -> bool:
         """Asked before each retry: give up (past the stop grace)? Restarts the publish stage's
-        clock, since its deadline bounds one attempt (waiting for Redis is not a hang).
-        """
+        clock, since its deadline bounds one attempt (waiting for Redis is not a hang)."""
         restart()
         return self._wiring.lifecycle.past_grace()

@@ -61,8 +61,7 @@ async def leave(client: aioredis.Redis, q: keys.QueueRef, consumer: str) -> None
 
 async def drop_consumer(client: aioredis.Redis, q: keys.QueueRef, consumer: str) -> bool:
     """Remove a gone consumer's heartbeat row, and it from the group if it holds nothing
-    (``drop_consumer.lua`` re-checks atomically); True when it left the group.
-    """
+    (``drop_consumer.lua`` re-checks atomically); True when it left the group."""
     script = functions.AsyncFunction(client, "drop_consumer")  # drop_consumer.lua, by FCALL
     removed = await script(
         keys=[keys.requests(q), keys.worker_alive(q, consumer), keys.workers(q)],

@@ -139,8 +139,7 @@ class Publisher:
         give_up: Callable[[], bool] = lambda: False,
     ) -> int:
         """Publish, retrying while Redis is unreachable; ``give_up`` is asked before each retry
-        (a stopping worker leaves the entries pending after a grace).
-        """
+        (a stopping worker leaves the entries pending after a grace)."""
         delay = 0.1
         failed, since = 0, time.monotonic()
         while True:

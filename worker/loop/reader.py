@@ -191,8 +191,7 @@ class Reader:
 
     async def _refuse_excess(self, lane: Lane) -> None:
         """Refuse the entries past the queue's length limit; a Redis that refuses the check to
-        this ACL user (FCALL's key, or a command the function runs) turns it off, warning once.
-        """
+        this ACL user (FCALL's key, or a command the function runs) turns it off, warning once."""
         if not self._length_limit:
             return
         try:

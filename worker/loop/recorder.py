@@ -1,6 +1,5 @@
 """What the worker reports about its work, recorded in one call per event, so no call
-site updates one sink (heartbeat totals, metrics, batch log) and forgets another.
-"""
+site updates one sink (heartbeat totals, metrics, batch log) and forgets another."""
 
 from __future__ import annotations
 

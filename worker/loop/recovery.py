@@ -41,8 +41,7 @@ class Reclaimer:
 
     async def scan(self, limit: int, held: Container[bytes]) -> Claimed:
         """Claim at most ``limit`` entries: dead consumers', forgotten ones, then long-idle ones;
-        none in ``held``.
-        """
+        none in ``held``."""
         claimed = Claimed()
         if limit <= 0:
             return claimed

@@ -89,8 +89,7 @@ class Stages:
         self, now: float, stopped_at: float | None = None, stop_grace_s: float = 0.0
     ) -> Overdue | None:
         """The running stage furthest past its deadline, or None; after ``stopped_at`` a stage a
-        stop shortens must end within ``stop_grace_s`` of the later of its start and the stop.
-        """
+        stop shortens must end within ``stop_grace_s`` of the later of its start and the stop."""
         worst: tuple[float, Overdue] | None = None
         for stage in self.now_running():
             late = now - (stage.started + stage.limit_s)

@@ -66,8 +66,7 @@ async def watch(wiring: Wiring, lanes: LaneSet, device: Device, outbox: Outbox) 
 
 def patience_s(period_s: float) -> float:
     """How long a stage may stay overdue before the guard calls the loop stuck: the
-    watchdog's period, its grace, both stop graces and a margin, so the watchdog wins.
-    """
+    watchdog's period, its grace, both stop graces and a margin, so the watchdog wins."""
     return period_s + 3 * STOP_GRACE_S + 2.0
 
 
