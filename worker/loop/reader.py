@@ -164,7 +164,7 @@ class Reader:
                     backoff = min(backoff * 2, 5.0)
                     continue
                 if entries:
-                    await self.take(lane, entries, held=True)
+                    await self._take(lane, entries)
         finally:
             self._health.reader_ended(lane.index)
             self._readers_left -= 1
@@ -186,7 +186,8 @@ class Reader:
         if not claimed.entries:
             return False
         self._recorder.reclaimed(len(claimed.entries))
-        await self.take(lane, claimed.entries, claimed.deliveries)
+        self._intake.hold(lane.index, claimed.entries)
+        await self._take(lane, claimed.entries, claimed.deliveries)
         return True
 
     async def _refuse_excess(self, lane: Lane) -> None:
@@ -230,7 +231,7 @@ class Reader:
             return None
         assert lane.reclaimer is not None
         deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
-        await self.take(lane, entries, deliveries, held=True)
+        await self._take(lane, entries, deliveries)
         return entries[-1][0].decode()
 
     async def _xread(self, lane: Lane, last_id: str, count: int, block_ms: int | None) -> Entries:
@@ -270,19 +271,16 @@ class Reader:
 
     # ----------------------------------------------------------------- taking
 
-    async def take(
-        self, lane: Lane, entries: Entries, deliveries: dict[bytes, int] | None = None, *,
-        held: bool = False,
+    async def _take(
+        self, lane: Lane, entries: Entries, deliveries: dict[bytes, int] | None = None
     ) -> None:
-        """Decode, tokenize and buffer one read; no entry can make this raise."""
+        """Decode, tokenize and buffer one read, held already; no entry can make this raise."""
         self._last_activity = time.monotonic()
         deliveries = deliveries or {}
         present = [(entry_id, fields) for entry_id, fields in entries if fields]
         if len(present) < len(entries):  # deleted while pending to us: nothing to answer
             self._outbox.emit(lane.index, [Answer(entry_id, None, b"", ok=False)
                                            for entry_id, fields in entries if not fields])
-        if not held:
-            self._intake.hold(lane.index, entries)
         await self._take_present(lane, present, deliveries)
         self._device.wake()
 

@@ -28,7 +28,14 @@ class Recorder:
         started_epoch_ms: int, budget_now: int,
     ) -> None:
         """One batch the device ran: totals, metrics and its batch-log line."""
-        record = batch_record(self.consumer, batch, packed_under, outcome)
+        record = BatchRecord(
+            worker=self.consumer, rows=batch.rows, tokens=batch.tokens,
+            padded_tokens=batch.padded_tokens, cost=batch.cost,
+            max_batch_tokens=packed_under.max_batch_tokens,
+            max_batch_size=packed_under.max_batch_size, sealed=batch.sealed,
+            device_ms=round(outcome.device_ms, 3),
+            failed=sum(not done.ok for done in outcome.answered), oom_splits=outcome.oom_splits,
+        )
         self.stats.record(record)
         if self.metrics.enabled:
             self.metrics.batch(
@@ -51,22 +58,3 @@ class Recorder:
 
     def close(self) -> None:
         self._batch_log.close()
-
-
-def batch_record(
-    worker: str, batch: Batch[Job[Ref]], packed_under: Budget, outcome: BatchOutcome[Ref]
-) -> BatchRecord:
-    """The batch log's line (and the stats' and metrics' input) for one batch."""
-    return BatchRecord(
-        worker=worker,
-        rows=batch.rows,
-        tokens=batch.tokens,
-        padded_tokens=batch.padded_tokens,
-        cost=batch.cost,
-        max_batch_tokens=packed_under.max_batch_tokens,
-        max_batch_size=packed_under.max_batch_size,
-        sealed=batch.sealed,
-        device_ms=round(outcome.device_ms, 3),
-        failed=sum(not done.ok for done in outcome.answered),
-        oom_splits=outcome.oom_splits,
-    )
