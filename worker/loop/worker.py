@@ -48,15 +48,9 @@ from tokenq.worker.redis_connect import connect
 from tokenq.worker.server_check import check_server
 from tokenq.worker.settings import WorkerSettings
 
-__all__ = ["Worker", "WorkerHung", "choose_budget", "default_consumer_name",
-           "watchdog_period_s"]
+__all__ = ["Worker", "WorkerHung", "watchdog_period_s"]
 
 log = logging.getLogger("tokenq.worker")
-
-def default_consumer_name() -> str:
-    """host-pid-random: unique per process, readable in XINFO CONSUMERS."""
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
 
 def choose_budget(settings: WorkerSettings, backend: Backend) -> tuple[Budget, str]:
     """The budget and cost model, and why that budget; refuses what the model cannot honour."""
@@ -76,14 +70,8 @@ class Worker:
     """One worker process's loop over one queue: wires the parts and runs their tasks."""
 
     def __init__(
-        self,
-        settings: WorkerSettings,
-        backend: Backend,
-        *,
-        client: aioredis.Redis | None = None,
-        metrics: NullMetrics | None = None,
-        health: Health | None = None,
-        on_stuck: Callable[[Overdue], None] | None = None,
+        self, settings: WorkerSettings, backend: Backend, *, metrics: NullMetrics | None = None,
+        health: Health | None = None, on_stuck: Callable[[Overdue], None] | None = None,
     ) -> None:
         """``on_stuck``: called by a :class:`~tokenq.worker.loop.watchdog.LoopGuard` thread
         when the event loop is stuck in an overdue stage; None in tests that run in-process."""
@@ -92,7 +80,9 @@ class Worker:
         self.health = health if health is not None else Health(
             settings.heartbeat_s, watchdog_period_s(settings))
         self.backend = backend
-        self.consumer = settings.consumer or default_consumer_name()
+        # host-pid-random: unique per process, readable in XINFO CONSUMERS
+        self.consumer = (settings.consumer
+                         or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
         self._retirement = Retirement(settings.queue_ref, settings.shards or 1)
         self.budget, self._budget_reason = choose_budget(settings, backend)
         self._tokenizer_pool = pool_for(backend, settings.tokenize_processes)
@@ -104,7 +94,6 @@ class Worker:
         self.stats = self._recorder.stats
         self._wiring = Wiring(self.consumer, settings, lifecycle, Stages(stage_clock),
                               self._recorder, self.health)
-        self._client = client  # None: run() connects, and closes what it connected
         room = settings.read_ahead_bytes
         if room is None:  # not set: a share of the memory this worker may use
             room = auto_limit(host_memory.usable_bytes())
@@ -175,7 +164,7 @@ class Worker:
 
     async def run(self) -> None:
         """Serve the queue until stop() is called (or the idle timeout passes)."""
-        self._wiring.client = self._client or connect(self.settings)
+        self._wiring.client = connect(self.settings)
         reader = Reader(self._wiring, self.lanes, self._intake, self._device, self._outbox,
                         self._config_fields)
         for queue in keys.lanes_of(self.settings.queue_ref, self.settings.shards or 1):
@@ -231,8 +220,7 @@ class Worker:
     async def _close(self) -> None:
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.close()
-        if self._client is None:
-            await self._wiring.client.aclose()
+        await self._wiring.client.aclose()
 
     async def _join(self, reader: Reader) -> bool:
         """Create the group and publish the config, waiting for Redis if it is not up yet."""
