@@ -116,16 +116,12 @@ class Reader:
 
     # ---------------------------------------------------------------- reading
 
-    def _read_count(self, cap: int = MAX_READ_COUNT) -> int:
-        packer = self._device.packer
-        return self._intake.read_count(packer.budget.max_batch_tokens, packer.buffered_tokens,
-                                       readers=len(self._lanes), cap=cap)
-
     async def run(self, lane: Lane) -> None:
         """Read one lane, its own history first, until the worker stops or the lane is removed;
         a failed read (history ones too) is counted for ``/readyz`` and retried."""
         self._health.reader_started(lane.index)
         history: str | None = "0"  # where the next history read starts; None: all read
+        packer = self._device.packer
         # Once the worker is told to stop, a read gets only a short grace.
         until_stopped = functools.partial(self._lifecycle.until_stopped,
                                           grace_s=self.settings.block_ms / 1000 + 1.0)
@@ -136,7 +132,10 @@ class Reader:
                     log.info("queue idle for %.1fs; exiting", self.settings.exit_when_idle_s)
                     self._lifecycle.stop()
                     break
-                count = self._read_count(MAX_READ_COUNT if history is None else HISTORY_COUNT)
+                cap = MAX_READ_COUNT if history is None else HISTORY_COUNT
+                count = self._intake.read_count(packer.budget.max_batch_tokens,
+                                                packer.buffered_tokens, readers=len(self._lanes),
+                                                cap=cap)
                 if count == 0:  # wait until something read is answered (or a second passes)
                     self._lifecycle.room_made.clear()
                     await wait_event(self._lifecycle.room_made, 1.0)
@@ -144,17 +143,14 @@ class Reader:
                 entries = None
                 try:
                     if history is not None:
-                        history = await until_stopped(
-                            self._read_history(lane, history, count))
+                        history = await until_stopped(self._read_history(lane, history, count))
                     else:
                         with self._intake.bytes.reserving(count):
                             if await until_stopped(self._reclaim(lane, count)):
                                 self._health.read_ok(lane.index)
                                 continue
                             await until_stopped(self._refuse_excess(lane))
-                            entries = await until_stopped(
-                                self._xread(lane, ">", count, self.settings.block_ms)
-                            )
+                            entries = await until_stopped(self._xread(lane, ">", count))
                             self._intake.hold(lane.index, entries or [])
                     self._health.read_ok(lane.index)
                     backoff = 0.1
@@ -225,7 +221,7 @@ class Reader:
         name); the next start, or None once all are read. Each counts as a delivery, so one
         that crashed the last process is dead-lettered after ``max_deliveries``."""
         with self._intake.bytes.reserving(count):
-            entries = await self._xread(lane, last, count, None)
+            entries = await self._xread(lane, last, count)
             self._intake.hold(lane.index, entries)
         if not entries:
             return None
@@ -234,12 +230,13 @@ class Reader:
         await self._take(lane, entries, deliveries)
         return entries[-1][0].decode()
 
-    async def _xread(self, lane: Lane, last_id: str, count: int, block_ms: int | None) -> Entries:
+    async def _xread(self, lane: Lane, last_id: str, count: int) -> Entries:
+        """New entries (``last_id`` ``>``, blocking up to ``block_ms``), or history after it."""
         with self._stages.running(READ, f"an XREADGROUP on {lane.stream}",
                                   *self._call_deadline):
             reply = await self.client.xreadgroup(
-                keys.GROUP, self.consumer, {lane.stream: last_id}, count=count, block=block_ms
-            )
+                keys.GROUP, self.consumer, {lane.stream: last_id}, count=count,
+                block=self.settings.block_ms if last_id == ">" else None)
         return stream_entries(reply)
 
     async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
