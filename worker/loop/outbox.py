@@ -38,11 +38,6 @@ def answers_by_lane(
     return owed
 
 
-def letter_bytes(fields: Iterable[tuple[bytes | str, bytes | str]]) -> int:
-    """What a dead letter's fields hold (a rare answer: sized only when there is one)."""
-    return sum(len(name) + len(value) for name, value in fields)
-
-
 class Outbox:
     """The answers owed on each lane, and the tasks that publish them."""
 
@@ -64,7 +59,8 @@ class Outbox:
         """Hand one lane's answers to its publish task: until published, each entry counts
         as held for its packed reply's bytes (and a dead letter's), not its request's."""
         self._intake.emitted(lane, [answer.entry_id for answer in answers], [
-            len(answer.payload) + (letter_bytes(answer.dead_fields) if answer.dead_fields else 0)
+            len(answer.payload) + (sum(len(name) + len(value) for name, value in answer.dead_fields)
+                                   if answer.dead_fields else 0)  # a rare dead letter's fields
             for answer in answers])
         self._queues[lane].put_nowait(answers)
 
