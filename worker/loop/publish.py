@@ -113,17 +113,13 @@ class Publisher:
             why = f"reply_to {answer.reply_to} refused the reply: {reason}"[:1000]
             return await self.publish_once(answers, {answer.entry_id: why})
         if undeliverable:
-            log.warning(
-                "%d answers could not be pushed: their reply_to is not a list this worker "
-                "may write (wrong type or ACL); moved those entries to the dead stream",
-                undeliverable,
-            )
+            log.warning("%d answers could not be pushed: their reply_to is not a list this "
+                        "worker may write (wrong type or ACL); moved those entries to the dead "
+                        "stream", undeliverable)
         if unwritten:
-            log.error(
-                "%d dead letters could not be written: %s is not a stream (someone else "
-                "wrote that key); their entries were answered and acked all the same",
-                unwritten, self._dead,
-            )
+            log.error("%d dead letters could not be written: %s is not a stream (someone else "
+                      "wrote that key); their entries were answered and acked all the same",
+                      unwritten, self._dead)
         return int(published)
 
     async def _call(self, keys: list[str], args: list[object]) -> list[int]:
@@ -132,10 +128,7 @@ class Publisher:
             keys=keys, args=args if self._packed else spelled_out(args))
 
     async def publish(
-        self,
-        answers: Sequence[Answer],
-        *,
-        max_backoff_s: float = 5.0,
+        self, answers: Sequence[Answer], *, max_backoff_s: float = 5.0,
         give_up: Callable[[], bool] = lambda: False,
     ) -> int:
         """Publish, retrying while Redis is unreachable; ``give_up`` is asked before each retry
@@ -147,13 +140,22 @@ class Publisher:
                 published = await self.publish_once(answers)
             except RedisError as exc:
                 if give_up():
-                    log.warning(
-                        "could not publish %d answers (%s) while stopping; leaving their "
-                        "entries pending for another worker", len(answers), error_text(exc),
-                    )
+                    log.warning("could not publish %d answers (%s) while stopping; leaving "
+                                "their entries pending for another worker", len(answers),
+                                error_text(exc))
                     return 0
                 failed += 1
-                self._failed(exc, len(answers), first=failed == 1)
+                # A refusal goes to the hooks; logged once per episode at warning.
+                refusal = isinstance(exc, ResponseError) or redis_refusal.error_code(exc) != ""
+                if refusal and self._hooks is not None:
+                    self._hooks.refused(redis_refusal.reason(exc), str(exc))
+                what = "Redis refuses writes" if refusal else "Redis is unreachable"
+                if redis_refusal.is_out_of_memory(exc):
+                    what = "Redis is out of memory (maxmemory) and refuses writes"
+                log.log(logging.WARNING if failed == 1 else logging.DEBUG,
+                        "could not publish %d answers: %s (%s); keeping them and their entries "
+                        "pending, retrying with backoff until Redis takes them", len(answers),
+                        what, error_text(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_backoff_s)
                 continue
@@ -163,26 +165,10 @@ class Publisher:
             if self._hooks is not None:
                 self._hooks.published()
             if published < len(answers):
-                log.warning(
-                    "%d of %d answers were no longer ours (claimed by another worker "
-                    "or already answered); dropped them",
-                    len(answers) - published, len(answers),
-                )
+                log.warning("%d of %d answers were no longer ours (claimed by another worker "
+                            "or already answered); dropped them", len(answers) - published,
+                            len(answers))
             return published
-
-    def _failed(self, exc: RedisError, n: int, *, first: bool) -> None:
-        """One failed try: a refusal goes to the hooks; logged once per episode at warning."""
-        refusal = isinstance(exc, ResponseError) or redis_refusal.error_code(exc) != ""
-        if refusal and self._hooks is not None:
-            self._hooks.refused(redis_refusal.reason(exc), str(exc))
-        what = "Redis refuses writes" if refusal else "Redis is unreachable"
-        if redis_refusal.is_out_of_memory(exc):
-            what = "Redis is out of memory (maxmemory) and refuses writes"
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
-            "could not publish %d answers: %s (%s); keeping them and their entries "
-            "pending, retrying with backoff until Redis takes them", n, what, error_text(exc),
-        )
 
 
 def spelled_out(args: Sequence[object]) -> list[object]:

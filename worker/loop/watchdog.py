@@ -48,11 +48,9 @@ async def watch(wiring: Wiring, lanes: LaneSet, device: Device, outbox: Outbox) 
             continue
         lifecycle.hung = True
         wiring.health.stage_hung(late.stage.name, late.reason)
-        log.critical(
-            "%s hung: %s (for %.0fs); stopping to read and to keep claims, so that "
-            "other workers take this worker's requests, and exiting",
-            late.stage.name, late.reason, now - late.stage.started,
-        )
+        log.critical("%s hung: %s (for %.0fs); stopping to read and to keep claims, so that "
+                     "other workers take this worker's requests, and exiting",
+                     late.stage.name, late.reason, now - late.stage.started)
         device.wake()  # and the readers waiting for room: they see the hang
         lifecycle.room_made.set()
         grace = time.monotonic() + STOP_GRACE_S
@@ -108,10 +106,8 @@ class LoopGuard:
                 late = self.check(self._clock())
                 if late is None:
                     continue
-                log.critical(
-                    "event loop stuck: %s, and the watchdog could not act for %.0fs more; "
-                    "exiting", late.reason, self._patience_s,
-                )
+                log.critical("event loop stuck: %s, and the watchdog could not act for %.0fs "
+                             "more; exiting", late.reason, self._patience_s)
                 self._on_stuck(late)
                 return
         finally:
