@@ -136,8 +136,6 @@ class Intake:
         self.answer_bytes = 0
         """The bytes of the answers emitted and not yet published (their packed replies)."""
 
-    # ------------------------------------------------------------------ tokens
-
     def room(self, max_batch_tokens: int, buffered_tokens: int) -> float:
         """Estimated tokens the worker may still read ahead."""
         limit = self.read_ahead_budgets * max_batch_tokens
@@ -172,8 +170,6 @@ class Intake:
             yield
         finally:
             self.inflight_estimate -= claimed
-
-    # ------------------------------------------------------------------- bytes
 
     def hold(
         self, lane: int, entries: Iterable[tuple[bytes, Mapping[bytes, bytes] | None]]

@@ -114,8 +114,6 @@ class Reader:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    # ---------------------------------------------------------------- reading
-
     async def run(self, lane: Lane) -> None:
         """Read one lane, its own history first, until the worker stops or the lane is removed;
         a failed read (history ones too) is counted for ``/readyz`` and retried."""
@@ -265,8 +263,6 @@ class Reader:
         if limit is None or self._device.feed.held() or self._intake.busy():
             return False
         return time.monotonic() - self._last_activity >= limit
-
-    # ----------------------------------------------------------------- taking
 
     async def _take(
         self, lane: Lane, entries: Entries, deliveries: dict[bytes, int] | None = None

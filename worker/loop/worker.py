@@ -160,8 +160,6 @@ class Worker:
         self._lifecycle.room_made.set()
         self._device.wake()
 
-    # ------------------------------------------------------------------ lifecycle
-
     async def run(self) -> None:
         """Serve the queue until stop() is called (or the idle timeout passes)."""
         self._wiring.client = connect(self.settings)
