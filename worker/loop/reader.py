@@ -35,9 +35,7 @@ EXCESS_AT_MOST = 256
 """Most entries past the length limit one check takes: the next read's check takes the next."""
 
 Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
-"""What XREADGROUP and XCLAIM return: entry ids and fields.
-
-Empty fields (``{}`` or None) mean an entry deleted while pending."""
+"""What XREADGROUP and XCLAIM return: ids and fields (``{}`` or None: deleted while pending)."""
 
 
 def stream_entries(reply: Any) -> Entries:
