@@ -113,9 +113,8 @@ class Worker:
         self._device = Device(self._wiring, pipeline, self.packer, self._intake, self._outbox)
         self.lanes = LaneSet(self._dead_letter_policy)
         self._guard = None if on_stuck is None else LoopGuard(
-            stages=self._wiring.stages, lifecycle=lifecycle,
-            period_s=period_s, on_stuck=on_stuck, clock=stage_clock,
-        )
+            stages=self._wiring.stages, lifecycle=lifecycle, period_s=period_s,
+            on_stuck=on_stuck, clock=stage_clock)
         self.health.loaded()  # the backend is built and the budget holds: the model is in
 
     def _add_lane(self, queue: keys.QueueRef, *, retired: bool = False) -> None:
@@ -138,8 +137,7 @@ class Worker:
         """A lane's rules for dead letters and reply keys: replies stay in the lane's slot."""
         settings = self.settings
         return DeadLetterPolicy(
-            worker=self.consumer,
-            max_deliveries=settings.max_deliveries,
+            worker=self.consumer, max_deliveries=settings.max_deliveries,
             default_reply_to=functools.partial(keys.reply, queue),
             max_request_bytes=settings.max_request_bytes,
             check_reply_to=keys.reply_to_check(queue, settings.reply_to_prefix_list),
@@ -272,8 +270,7 @@ class Worker:
         log.info(
             "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
             "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s read_ahead=%d MiB%s",
-            self.consumer, self.lanes.streams(), info.model, info.task,
-            info.device, info.dtype,
+            self.consumer, self.lanes.streams(), info.model, info.task, info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
             self._budget_reason, budget.max_batch_size, self.settings.linger_ms,
             self.settings.policy, self._intake.bytes.limit // (1024 * 1024),
@@ -283,15 +280,11 @@ class Worker:
     def status(self) -> Heartbeat:
         """What the heartbeat publishes (``tokenq stats`` reads it)."""
         return Heartbeat(
-            **self.stats.snapshot(),
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            model=self.backend.info.model,
-            at=time.time(),
+            **self.stats.snapshot(), host=socket.gethostname(), pid=os.getpid(),
+            model=self.backend.info.model, at=time.time(),
             max_batch_tokens=self.packer.budget.max_batch_tokens,
             configured_batch_tokens=self.budget.max_batch_tokens,
-            max_batch_size=self.budget.max_batch_size,
-            buffered=len(self.packer),
+            max_batch_size=self.budget.max_batch_size, buffered=len(self.packer),
         )
 
 
