@@ -87,9 +87,7 @@ class Device(Rules):
 
     async def _settle(self, batch: Batch[Job[Ref]], ran: Ran) -> None:
         """Account for and answer one batch the device thread ran (on the event loop)."""
-        self._wiring.recorder.batch(
-            batch, ran.outcome, packed_under=ran.packed_under,
-            started_epoch_ms=ran.started_epoch_ms,
-            budget_now=self.packer.budget.max_batch_tokens,
-        )
+        self._wiring.recorder.batch(batch, ran.outcome, packed_under=ran.packed_under,
+                                    started_epoch_ms=ran.started_epoch_ms,
+                                    budget_now=self.packer.budget.max_batch_tokens)
         self._outbox.emit_outcomes(self.pipeline, ran.outcome.answered)

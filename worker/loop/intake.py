@@ -125,10 +125,8 @@ class Intake:
         self.bytes = ByteRoom(read_ahead_bytes, max_entry_bytes)
         """The byte bound on read-ahead: held < read_ahead_bytes + one largest entry."""
         self.avg_estimate = float(max(1, max_input_tokens))
-        """Estimated tokens per request, which turns the token room into a read's count.
-
-        Starts at the longest input the model takes, so a first read cannot overshoot;
-        then a 0.1 EMA per request (:meth:`learn`)."""
+        """Estimated tokens per request, turning the token room into a read's count: at first the
+        longest input the model takes (a first read cannot overshoot), then a 0.1 EMA (learn)."""
         self.inflight_estimate = 0
         """The producers' token estimates of the reads being tokenized now."""
         self.unpublished_answers = 0

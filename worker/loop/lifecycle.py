@@ -80,10 +80,8 @@ class Lifecycle:
 
     def past_grace(self) -> bool:
         """A stopping (or hung) worker gives up on an unreachable Redis after a grace."""
-        if self.hung:
-            return True
         started = self.stop_started
-        return started is not None and self._clock() - started > STOP_GRACE_S
+        return self.hung or (started is not None and self._clock() - started > STOP_GRACE_S)
 
 
 class RedisClock:

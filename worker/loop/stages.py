@@ -93,8 +93,7 @@ class Stages:
         worst: tuple[float, Overdue] | None = None
         for stage in self.now_running():
             late = now - (stage.started + stage.limit_s)
-            reason = (f"{stage.what} for more than {stage.limit_name} "
-                      f"({stage.limit_s:g}s)")
+            reason = f"{stage.what} for more than {stage.limit_name} ({stage.limit_s:g}s)"
             if stopped_at is not None and stage.shortened_by_stop:
                 after_stop = now - (max(stage.started, stopped_at) + stop_grace_s)
                 if after_stop > late:
