@@ -124,7 +124,8 @@ async def measure(client: Any, streams: list[str]) -> Depth:
             pipe.xlen(stream)
             pipe.xinfo_groups(stream)
             length, groups = await pipe.execute()
-        group = next((g for g in groups if as_text(g.get("name")) == keys.GROUP), {})
+        group: dict[str, Any] = next(
+            (g for g in groups if as_text(g.get("name")) == keys.GROUP), {})
         found.append(depth(int(length), int(group.get("pending") or 0),
                            group_exists=bool(group), reported_lag=group.get("lag")))
     return total(found)

@@ -55,7 +55,7 @@ class Lifecycle:
     async def until_stopped(self, work: Awaitable[_T], grace_s: float) -> _T | None:
         """``work``'s result (or error); once a stop comes it gets ``grace_s`` more, then is
         cancelled (None), a cancel redis-py swallows waited on for a second at most."""
-        task = asyncio.ensure_future(work)
+        task: asyncio.Future[Any] = asyncio.ensure_future(work)
         await asyncio.wait({task, self._stop_future()}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done() and grace_s > 0:
             await asyncio.wait({task}, timeout=grace_s)
