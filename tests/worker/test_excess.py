@@ -1,4 +1,4 @@
-"""``claim_excess.lua`` (:mod:`tokenq.worker.loop.excess`) on a real Redis: which entries a
+"""``claim_excess.lua`` (``reader.claim_excess``) on a real Redis: which entries a
 worker takes as written past the queue's length limit, and which it leaves.
 
 The end-to-end path, under the documented ACL users, is
@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from tokenq.shared import keys
 from tokenq.shared.errors import ErrorCode
-from tokenq.worker.loop import excess
+from tokenq.worker.loop.reader import EXCESS_AT_MOST, claim_excess, excess_refusals
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
 
 
@@ -25,11 +25,11 @@ def fill(r: redis.Redis, stream: str, n: int) -> list[bytes]:
     return [r.xadd(stream, {"v": "1", "id": f"r{i}", "text": f"text {i}"}) for i in range(n)]
 
 
-def claim(redis_url: str, stream: str, max_len: int) -> excess.Entries:
-    async def run() -> excess.Entries:
+def claim(redis_url: str, stream: str, max_len: int) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    async def run() -> list[tuple[bytes, dict[bytes, bytes]]]:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            return await excess.claim(client, stream, "me", max_len)
+            return await claim_excess(client, stream, "me", max_len)
         finally:
             await client.aclose()
 
@@ -67,8 +67,8 @@ def test_at_most_a_page_is_taken_at_once(
     r: redis.Redis, redis_url: str, queue_name: str,
 ) -> None:
     stream = keys.requests(keys.QueueRef(queue_name))
-    fill(r, stream, excess.TAKE_AT_MOST + 11)
-    assert len(claim(redis_url, stream, 1)) == excess.TAKE_AT_MOST
+    fill(r, stream, EXCESS_AT_MOST + 11)
+    assert len(claim(redis_url, stream, 1)) == EXCESS_AT_MOST
     assert len(claim(redis_url, stream, 1)) == 10
     assert r.xlen(stream) == 1
 
@@ -85,7 +85,7 @@ def test_a_refusal_is_a_queue_full_dead_letter_answered_on_the_callers_key(
     entries = [(b"1-0", {b"v": b"1", b"id": b"a", b"text": b"t",
                          b"reply_to": keys.reply(q, "shared").encode()}),
                (b"2-0", {b"v": b"1", b"id": b"b", b"text": b"t", b"reply_to": b"elsewhere"})]
-    first, second = excess.refusals(entries, 3, policy=policy, now_epoch_ms=1)
+    first, second = excess_refusals(entries, 3, policy=policy, now_epoch_ms=1)
     assert first.reply_to == keys.reply(q, "shared")
     assert second.reply_to == keys.reply(q, "b")  # never a key outside the namespace
     for answer in (first, second):

@@ -1,7 +1,7 @@
 """The default read-ahead room is a share of the memory the worker may use.
 
 ``worker/host_memory.py`` reads the cgroup's limit (v2 or v1) and the
-machine's memory; ``read_ahead.auto_limit`` turns that into the byte room.
+machine's memory; ``intake.auto_limit`` turns that into the byte room.
 Hostile files (unlimited, garbage, a v1 "no limit", a megabyte of digits, a
 directory) count as no limit and never stop a worker.
 """
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from tokenq.worker import host_memory
 from tokenq.worker.backends.sim import SimBackend
-from tokenq.worker.loop.read_ahead import AUTO_MAX, AUTO_MIN, AUTO_SHARE, auto_limit
+from tokenq.worker.loop.intake import AUTO_MAX, AUTO_MIN, AUTO_SHARE, auto_limit
 from tokenq.worker.loop.worker import Worker
 from tokenq.worker.settings import WorkerSettings
 

@@ -30,8 +30,8 @@ from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import Client
 from tokenq.worker.backends.sim import SIM_HANG_MARKER
 from tokenq.worker.loop.lifecycle import Lifecycle
-from tokenq.worker.loop.loop_guard import LoopGuard
 from tokenq.worker.loop.stages import TOKENIZING, Overdue, StageClock, Stages
+from tokenq.worker.loop.watchdog import LoopGuard
 
 MODEL = SimModel()
 BATCH_TIMEOUT_S = 3.0

@@ -2,7 +2,7 @@
 
 The worker once turned the byte room into an XREADGROUP count through a
 running mean of entry sizes: after many small entries, one read took 120
-entries of 96 KB against a 1 MiB bound. :class:`~tokenq.worker.loop.read_ahead.ByteRoom`
+entries of 96 KB against a 1 MiB bound. :class:`~tokenq.worker.loop.intake.ByteRoom`
 counts every entry a read may bring as the largest a producer can write and
 reserves that room until the entries are held. Here hypothesis drives it
 through any interleaving of reads on several lanes (asked, answered with any
@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 from tests.cli_support import SIM_FLAGS, wait_for
 from tests.workers import Fleet
 from tokenq.shared import keys, wire
-from tokenq.worker.loop.read_ahead import ByteRoom
+from tokenq.worker.loop.intake import ByteRoom
 
 MAX_ENTRY = 1000
 

@@ -1,7 +1,6 @@
 """The heartbeat: each ``heartbeat_s``, presence on every lane (``presence.py``), held entries'
 claims kept fresh, retired lanes tended, the Redis clock synced, the depth measured (metrics
-on). A hung worker stops beating so peers take its entries.
-"""
+on). A hung worker stops beating so peers take its entries."""
 
 from __future__ import annotations
 
@@ -72,8 +71,7 @@ class Beat:
     async def _measure_depth(self) -> None:
         """Refresh the queue-depth gauges; a failure (an ACL without XLEN) is logged once."""
         try:
-            found = await measure(self._wiring.client,
-                                              [lane.stream for lane in self._lanes])
+            found = await measure(self._wiring.client, [lane.stream for lane in self._lanes])
         except RedisError as exc:
             if not self._depth_failed:
                 log.warning("queue depth metrics unavailable (%s); needs XLEN and "
@@ -81,22 +79,19 @@ class Beat:
             self._depth_failed = True
             return
         self._depth_failed = False
-        self._wiring.recorder.queue_depth(found.length, found.pending, found.lag)
+        self._wiring.recorder.metrics.queue_depth(found.length, found.pending, found.lag)
 
     async def _beat_lanes(self, status: Heartbeat, ttl_ms: int) -> None:
         """Beat, and keep held entries' claims fresh, on every lane at once, each bounded by
-        the liveness TTL (a down shard cannot lapse the others); raises if no lane took it.
-        """
+        the liveness TTL (a down shard cannot lapse the others); raises if no lane took it."""
         held = self._intake.held_by_lane()
         lanes = list(self._lanes)
         if len(lanes) == 1:
             await self._beat_lane(lanes[0], status, ttl_ms, held.get(lanes[0].index, []))
             return
-        results = await asyncio.gather(*(
-            asyncio.wait_for(self._beat_lane(lane, status, ttl_ms, held.get(lane.index, [])),
-                             ttl_ms / 1000)
-            for lane in lanes
-        ), return_exceptions=True)
+        results = await asyncio.gather(*(asyncio.wait_for(
+            self._beat_lane(lane, status, ttl_ms, held.get(lane.index, [])), ttl_ms / 1000)
+            for lane in lanes), return_exceptions=True)
         failed = [(lane, outcome) for lane, outcome in zip(lanes, results, strict=True)
                   if isinstance(outcome, BaseException)]
         for lane, exc in failed:
@@ -109,35 +104,28 @@ class Beat:
     async def _beat_lane(
         self, lane: Lane, status: Heartbeat, ttl_ms: int, held: list[bytes]
     ) -> None:
-        await presence.beat(self._wiring.client, lane.queue, self._wiring.consumer, status,
-                            ttl_ms)
-        await self._keep_claims_fresh(lane, held)
-
-    async def _keep_claims_fresh(self, lane: Lane, held: list[bytes]) -> None:
-        """Reset the idle time of held entries so nobody claims them; never while a batch is
-        hung (that worker must let them go).
-        """
+        """Beat, then reset the idle time of held entries so nobody claims them; never while a
+        stage is hung (that worker must let them go)."""
+        client, consumer = self._wiring.client, self._wiring.consumer
+        await presence.beat(client, lane.queue, consumer, status, ttl_ms)
         for start in range(0, len(held), CLAIM_CHUNK):
             if self._wiring.lifecycle.hung:
                 return
-            await self._wiring.client.xclaim(
-                lane.stream, keys.GROUP, self._wiring.consumer, 0, held[start:start + CLAIM_CHUNK],
-                justid=True,
-            )
+            await client.xclaim(lane.stream, keys.GROUP, consumer, 0,
+                                held[start:start + CLAIM_CHUNK], justid=True)
 
 
 async def measure(client: Any, streams: list[str]) -> Depth:
     """The queue's depth now, over all its streams (raises RedisError, e.g. NOPERM without
     ``+xlen +xinfo|groups``)."""
-    return total([await _measure_one(client, stream) for stream in streams])
-
-
-async def _measure_one(client: Any, stream: str) -> Depth:
-    async with client.pipeline(transaction=False) as pipe:
-        pipe.xlen(stream)
-        pipe.xinfo_groups(stream)
-        length, groups = await pipe.execute()
-    group = next((g for g in groups if as_text(g.get("name")) == keys.GROUP), None)
-    pending = int(group.get("pending") or 0) if group else 0
-    return depth(int(length), pending, group_exists=group is not None,
-                 reported_lag=group.get("lag") if group else None)
+    found = []
+    for stream in streams:
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)
+            length, groups = await pipe.execute()
+        group: dict[str, Any] = next(
+            (g for g in groups if as_text(g.get("name")) == keys.GROUP), {})
+        found.append(depth(int(length), int(group.get("pending") or 0),
+                           group_exists=bool(group), reported_lag=group.get("lag")))
+    return total(found)

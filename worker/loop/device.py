@@ -43,8 +43,6 @@ class Device(Rules):
         self.input_ended = False
         self.feed: DeviceFeed[Job[Ref], Ran] = DeviceFeed(packer, self._execute, self)
 
-    # ------------------------------------------------- the readers' side (event loop)
-
     def add(self, jobs: Iterable[Job[Ref]]) -> None:
         self.feed.add(jobs)
 
@@ -61,8 +59,7 @@ class Device(Rules):
         await self.feed.run(self._settle)
         self._outbox.close()
 
-    # ----------------------------------------------- rules the device thread asks
-
+    # The rules the device thread asks (``feed.Rules``):
     def flushing(self) -> bool:
         return self._wiring.lifecycle.stopping.is_set()
 
@@ -74,8 +71,6 @@ class Device(Rules):
 
     def taken(self) -> None:  # type: ignore[override]
         self._wiring.lifecycle.room_made.set()
-
-    # ------------------------------------------------------------------ batches
 
     def _execute(self, batch: Batch[Job[Ref]]) -> Ran:
         """Run one batch and adapt the budget (device thread: the only one that changes it,
@@ -92,9 +87,7 @@ class Device(Rules):
 
     async def _settle(self, batch: Batch[Job[Ref]], ran: Ran) -> None:
         """Account for and answer one batch the device thread ran (on the event loop)."""
-        self._wiring.recorder.batch(
-            batch, ran.outcome, packed_under=ran.packed_under,
-            started_epoch_ms=ran.started_epoch_ms,
-            budget_now=self.packer.budget.max_batch_tokens,
-        )
+        self._wiring.recorder.batch(batch, ran.outcome, packed_under=ran.packed_under,
+                                    started_epoch_ms=ran.started_epoch_ms,
+                                    budget_now=self.packer.budget.max_batch_tokens)
         self._outbox.emit_outcomes(self.pipeline, ran.outcome.answered)

@@ -90,10 +90,6 @@ class LaneSet:
         return ", ".join(lane.stream for lane in self._lanes)
 
 
-_GONE = ("removed", "gone")
-"""What remove_retired.lua answers for a lane nobody reads any more."""
-
-
 class Retirement:
     """The shards a queue served beyond its count today: found at a worker's join, drained,
     then removed (docs/OPERATIONS.md, "Changing K")."""
@@ -102,8 +98,7 @@ class Retirement:
         self.queue = queue
         self.shards = shards
         self._found: set[keys.QueueRef] = set()
-        self._unremovable: set[keys.QueueRef] = set()
-        """Retired lanes whose removal Redis refused for good (warned once each)."""
+        self._unremovable: set[keys.QueueRef] = set()  # removal refused for good: warned
 
     async def join(self, client: aioredis.Redis) -> list[keys.QueueRef]:
         """Mark the retired shards and unmark this worker's own; the retired shards with a
@@ -146,9 +141,15 @@ class Retirement:
             except ResponseError as exc:
                 if redis_refusal.refused_now(exc):
                     raise  # Redis refuses writes now (OOM ...): the beat reports it, tries again
-                self._cannot_remove(q, exc)
+                # Refused for good (wrong key type, ACL): warned once and read on, rather than
+                # a failing beat turning /readyz red for ever.
+                if q not in self._unremovable:
+                    self._unremovable.add(q)
+                    log.warning("cannot remove the drained retired shard %s (%s); it is still "
+                                "read, and stays until an operator fixes its keys",
+                                keys.requests(q), error_text(exc))
                 continue
-            if as_text(state) in _GONE:
+            if as_text(state) in ("removed", "gone"):  # nobody reads the lane any more
                 await client.delete(keys.worker_alive(q, consumer))
                 await client.hdel(keys.workers(q), consumer)
                 done.append(lane)
@@ -159,16 +160,6 @@ class Retirement:
             if not left:
                 await client.delete(keys.shards_served(self.queue))
         return done
-
-    def _cannot_remove(self, q: keys.QueueRef, exc: ResponseError) -> None:
-        """A lane whose removal Redis refuses for good (wrong key type, ACL): logged once and
-        read on, rather than a failing beat turning ``/readyz`` red for ever.
-        """
-        if q not in self._unremovable:
-            self._unremovable.add(q)
-            log.warning("cannot remove the drained retired shard %s (%s); it is still read, "
-                        "and stays until an operator fixes its keys", keys.requests(q),
-                        error_text(exc))
 
     async def _served(self, client: aioredis.Redis) -> int | None:
         """The highest shard count on record: ``shards_served``, or the config hash's count."""

@@ -9,12 +9,14 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenq.worker.health import Health
 from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.stages import REDIS_CALL_BOUND, Stages, redis_call_deadline_s
 from tokenq.worker.settings import WorkerSettings
+
+_T = TypeVar("_T")
 
 STOP_GRACE_S = 5.0
 """How long a stopping worker keeps trying to publish and deregister while Redis is down."""
@@ -36,45 +38,50 @@ class Lifecycle:
         """Set by the watchdog: read nothing, refresh no claims, give up on Redis soon."""
         self.on_stop: list[Callable[[], None]] = []
         """Called once, at the first stop (whoever asks for it: a signal, the idle timeout)."""
+        self._stopped: asyncio.Future[None] | None = None
 
-    def stop(self) -> bool:
-        """Mark the stop (True the first time)."""
-        first = not self.stopping.is_set()
-        if first:
-            self.stop_started = self._clock()
-        self.stopping.set()
+    def stop(self) -> None:
+        """Mark the stop; the first one calls the ``on_stop`` hooks."""
         self.room_made.set()
-        if first:
-            for hook in self.on_stop:
-                hook()
-        return first
+        if self.stopping.is_set():
+            return
+        self.stop_started = self._clock()
+        self.stopping.set()
+        if self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
+        for hook in self.on_stop:
+            hook()
 
-    async def unless_stopping(self, work: Awaitable[object]) -> bool:
-        """Run ``work`` to its end (True), or abandon it once a stop comes (False); a cancel
-        redis-py swallows is waited on for a second at most."""
-        task = asyncio.ensure_future(work)
-        stop = asyncio.ensure_future(self.stopping.wait())
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
+    async def until_stopped(self, work: Awaitable[_T], grace_s: float) -> _T | None:
+        """``work``'s result (or error); once a stop comes it gets ``grace_s`` more, then is
+        cancelled (None), a cancel redis-py swallows waited on for a second at most."""
+        task: asyncio.Future[Any] = asyncio.ensure_future(work)
+        await asyncio.wait({task, self._stop_future()}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and grace_s > 0:
+            await asyncio.wait({task}, timeout=grace_s)
         if task.done():
-            task.result()  # its error, if it failed
-            return True
+            return task.result()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await asyncio.wait_for(task, 1.0)
-        return False
+        return None
+
+    def _stop_future(self) -> asyncio.Future[None]:
+        """A plain future the stop resolves, one per event loop (not a task per wait)."""
+        stopped = self._stopped
+        if stopped is None or stopped.get_loop() is not asyncio.get_running_loop():
+            stopped = self._stopped = asyncio.get_running_loop().create_future()
+            if self.stopping.is_set():
+                stopped.set_result(None)
+        return stopped
 
     def reading(self) -> bool:
         return not (self.stopping.is_set() or self.hung)
 
     def past_grace(self) -> bool:
         """A stopping (or hung) worker gives up on an unreachable Redis after a grace."""
-        if self.hung:
-            return True
         started = self.stop_started
-        return started is not None and self._clock() - started > STOP_GRACE_S
+        return self.hung or (started is not None and self._clock() - started > STOP_GRACE_S)
 
 
 class RedisClock:
@@ -117,7 +124,7 @@ class Wiring:
 
     def refused(self, reason: str, error: str) -> None:
         """Redis refused a publish call (OOM, READONLY, ...): counted, and /readyz says why."""
-        self.recorder.redis_refused(reason)
+        self.recorder.metrics.redis_refused(reason)
         self.health.publish_refused(f"{reason}: {error}"[:200])
 
     def published(self) -> None:

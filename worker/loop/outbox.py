@@ -1,7 +1,6 @@
 """The worker's answers on their way to Redis: one outbox and one publish task per lane (a
 shard whose node is down holds back only its own). What waits counts as held in the
-read-ahead room (:class:`~tokenq.worker.loop.intake.Intake`), which bounds the outboxes.
-"""
+read-ahead room (:class:`~tokenq.worker.loop.intake.Intake`), which bounds the outboxes."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def answers_by_lane(
     pipeline: Pipeline[Any], outcomes: Iterable[Outcome[Ref]]
 ) -> dict[int, list[Answer]]:
     """The answers finished requests' entries are owed, by lane, each named by its bare
-    entry id; one loop per batch, replies encoded together (this runs per request).
-    """
+    entry id; one loop per batch, replies encoded together (this runs per request)."""
     owed: dict[int, list[Answer]] = {}
     outcomes = list(outcomes)
     for outcome, (payload, ok) in zip(outcomes, pipeline.encoded_replies(outcomes),
@@ -38,11 +36,6 @@ def answers_by_lane(
         answers.append(Answer(entry_id, outcome.request.reply_to, payload, ok, (),
                               None if ok else outcome.code))
     return owed
-
-
-def letter_bytes(fields: Iterable[tuple[bytes | str, bytes | str]]) -> int:
-    """What a dead letter's fields hold (a rare answer: sized only when there is one)."""
-    return sum(len(name) + len(value) for name, value in fields)
 
 
 class Outbox:
@@ -66,7 +59,8 @@ class Outbox:
         """Hand one lane's answers to its publish task: until published, each entry counts
         as held for its packed reply's bytes (and a dead letter's), not its request's."""
         self._intake.emitted(lane, [answer.entry_id for answer in answers], [
-            len(answer.payload) + (letter_bytes(answer.dead_fields) if answer.dead_fields else 0)
+            len(answer.payload) + (sum(len(name) + len(value) for name, value in answer.dead_fields)
+                                   if answer.dead_fields else 0)  # a rare dead letter's fields
             for answer in answers])
         self._queues[lane].put_nowait(answers)
 
@@ -86,11 +80,11 @@ class Outbox:
 
     async def run(self, lane: Lane) -> None:
         """Publish one lane's answers in bulk (up to ``PUBLISH_CHUNK`` a call), so round trips
-        do not add up; published entries stop counting as held.
-        """
+        do not add up; published entries stop counting as held."""
         queue = self._queues[lane.index]
         assert lane.publisher is not None
-        limit_s, limit_name = self._wiring.call_deadline
+        wiring = self._wiring
+        limit_s, limit_name = wiring.call_deadline
         last = False
         while not last:
             answers = await queue.get()
@@ -104,7 +98,7 @@ class Outbox:
                 answers = [*answers, *more]
             self._publishing += 1
             try:
-                with self._wiring.stages.running(
+                with wiring.stages.running(
                     PUBLISH, f"publishing {len(answers)} answers on {lane.stream}",
                     limit_s, limit_name,
                 ) as restart:
@@ -114,11 +108,10 @@ class Outbox:
                 self._publishing -= 1
                 self._intake.published(lane.index, [answer.entry_id for answer in answers])
                 self._room_made()
-            self._wiring.recorder.published(answers, self._wiring.clock.now_ms())
+            wiring.recorder.metrics.answered(answers, now_epoch_ms=wiring.clock.now_ms())
 
     def _retrying(self, restart: Callable[[], None]) -> bool:
         """Asked before each retry: give up (past the stop grace)? Restarts the publish stage's
-        clock, since its deadline bounds one attempt (waiting for Redis is not a hang).
-        """
+        clock, since its deadline bounds one attempt (waiting for Redis is not a hang)."""
         restart()
         return self._wiring.lifecycle.past_grace()

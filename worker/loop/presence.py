@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, RedisError
@@ -11,21 +10,8 @@ from redis.exceptions import NoPermissionError, RedisError
 from tokenq.shared import functions, keys, lua_scripts, redis_refusal
 from tokenq.shared.failures import error_text
 from tokenq.shared.heartbeat import Heartbeat, encode_heartbeat
-from tokenq.shared.queue_config import describe, encode_config
-from tokenq.worker.backends.base import BackendInfo
 
 log = logging.getLogger("tokenq.worker")
-
-
-def config_fields(
-    info: BackendInfo, *, policy: str, max_batch_tokens: int, shards: int = 1,
-    tokenize_processes: int = 0,
-) -> dict[str, str]:
-    """The config hash's fields (strings, so redis-cli HGETALL reads them)."""
-    return encode_config(describe(
-        info, policy=policy, max_batch_tokens=max_batch_tokens, shards=shards,
-        tokenize_processes=tokenize_processes, updated_at=int(time.time()),
-    ))
 
 
 _ONLY_WHEN_SET = ("shards", functions.ENQUEUE_FUNCTION_FIELD)
@@ -33,29 +19,22 @@ _ONLY_WHEN_SET = ("shards", functions.ENQUEUE_FUNCTION_FIELD)
 
 
 async def write_config(client: aioredis.Redis, q: keys.QueueRef, fields: dict[str, str]) -> None:
-    """Load tokenq's functions, then write the config hash naming the enqueue function."""
-    if await load_functions(client):
-        enqueue = lua_scripts.library().functions["enqueue"]
-        fields = {**fields, functions.ENQUEUE_FUNCTION_FIELD: enqueue}
+    """Load tokenq's functions, then write the config hash naming the enqueue function (none on
+    Redis < 7, EVALSHA there, or when this worker's ACL may not load them)."""
+    try:
+        if await functions.async_load(client) is not None:
+            enqueue = lua_scripts.library().functions["enqueue"]
+            fields = {**fields, functions.ENQUEUE_FUNCTION_FIELD: enqueue}
+    except NoPermissionError as exc:
+        log.warning("cannot load tokenq's Redis functions (%s): producers whose ACL allows "
+                    "only FCALL will fail until an admin runs `tokenq functions load` or this "
+                    "worker's ACL gets +function|load (docs/SECURITY.md)", error_text(exc))
     stale = [name for name in _ONLY_WHEN_SET if name not in fields]
     async with client.pipeline(transaction=True) as pipe:
         pipe.hset(keys.config(q), mapping=fields)
         if stale:
             pipe.hdel(keys.config(q), *stale)
         await pipe.execute()
-
-
-async def load_functions(client: aioredis.Redis) -> bool:
-    """``FUNCTION LOAD`` tokenq's library; False on Redis < 7 (EVALSHA there) or when this
-    worker's ACL may not load it (it logs how producers get them).
-    """
-    try:
-        return await functions.async_load(client) is not None
-    except NoPermissionError as exc:
-        log.warning("cannot load tokenq's Redis functions (%s): producers whose ACL allows "
-                    "only FCALL will fail until an admin runs `tokenq functions load` or this "
-                    "worker's ACL gets +function|load (docs/SECURITY.md)", error_text(exc))
-        return False
 
 
 async def beat(
@@ -82,8 +61,7 @@ async def leave(client: aioredis.Redis, q: keys.QueueRef, consumer: str) -> None
 
 async def drop_consumer(client: aioredis.Redis, q: keys.QueueRef, consumer: str) -> bool:
     """Remove a gone consumer's heartbeat row, and it from the group if it holds nothing
-    (``drop_consumer.lua`` re-checks atomically); True when it left the group.
-    """
+    (``drop_consumer.lua`` re-checks atomically); True when it left the group."""
     script = functions.AsyncFunction(client, "drop_consumer")  # drop_consumer.lua, by FCALL
     removed = await script(
         keys=[keys.requests(q), keys.worker_alive(q, consumer), keys.workers(q)],

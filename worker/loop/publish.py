@@ -86,13 +86,15 @@ class Publisher:
                                1, b"0"))
         return keys, [*self._head, len(answers), PackedArgs(count, b"".join(parts))]
 
-    async def publish_once(self, answers: Sequence[Answer]) -> int:
+    async def publish_once(
+        self, answers: Sequence[Answer], refused: Mapping[bytes, str] | None = None
+    ) -> int:
         """One script call; returns how many answers were still ours to publish."""
         if not answers:
             return 0
-        keys, args = self.arguments(answers)
         try:
-            published, undeliverable, unwritten = await self._call(keys, args)
+            published, undeliverable, unwritten = await self._call(
+                *self.arguments(answers, refused))
         except ResponseError as exc:
             if redis_refusal.refused_now(exc):
                 raise
@@ -101,31 +103,23 @@ class Publisher:
             if len(answers) > 1:
                 return sum([await self.publish_once([answer]) for answer in answers])
             answer = answers[0]
-            reason = f"NOPERM {exc}" if isinstance(exc, NoPermissionError) else str(exc)
-            why = f"reply_to {answer.reply_to} refused the reply: {reason}"[:1000]
-            keys, args = self.arguments(answers, refused={answer.entry_id: why})
-            try:
-                published, undeliverable, unwritten = await self._call(keys, args)
-            except ResponseError as again:
-                if redis_refusal.refused_now(again):
-                    raise
-                # Not even the bare ack goes through: leave it pending (it counts towards
+            if refused:
+                # Not even the bare ack went through: left pending (it counts towards
                 # max_deliveries) rather than wedge the worker.
                 log.error("could not settle entry %r (%s); leaving it pending",
-                          answer.entry_id, again)
+                          answer.entry_id, exc)
                 return 0
+            reason = f"NOPERM {exc}" if isinstance(exc, NoPermissionError) else str(exc)
+            why = f"reply_to {answer.reply_to} refused the reply: {reason}"[:1000]
+            return await self.publish_once(answers, {answer.entry_id: why})
         if undeliverable:
-            log.warning(
-                "%d answers could not be pushed: their reply_to is not a list this worker "
-                "may write (wrong type or ACL); moved those entries to the dead stream",
-                undeliverable,
-            )
+            log.warning("%d answers could not be pushed: their reply_to is not a list this "
+                        "worker may write (wrong type or ACL); moved those entries to the dead "
+                        "stream", undeliverable)
         if unwritten:
-            log.error(
-                "%d dead letters could not be written: %s is not a stream (someone else "
-                "wrote that key); their entries were answered and acked all the same",
-                unwritten, self._dead,
-            )
+            log.error("%d dead letters could not be written: %s is not a stream (someone else "
+                      "wrote that key); their entries were answered and acked all the same",
+                      unwritten, self._dead)
         return int(published)
 
     async def _call(self, keys: list[str], args: list[object]) -> list[int]:
@@ -134,15 +128,11 @@ class Publisher:
             keys=keys, args=args if self._packed else spelled_out(args))
 
     async def publish(
-        self,
-        answers: Sequence[Answer],
-        *,
-        max_backoff_s: float = 5.0,
+        self, answers: Sequence[Answer], *, max_backoff_s: float = 5.0,
         give_up: Callable[[], bool] = lambda: False,
     ) -> int:
         """Publish, retrying while Redis is unreachable; ``give_up`` is asked before each retry
-        (a stopping worker leaves the entries pending after a grace).
-        """
+        (a stopping worker leaves the entries pending after a grace)."""
         delay = 0.1
         failed, since = 0, time.monotonic()
         while True:
@@ -150,13 +140,22 @@ class Publisher:
                 published = await self.publish_once(answers)
             except RedisError as exc:
                 if give_up():
-                    log.warning(
-                        "could not publish %d answers (%s) while stopping; leaving their "
-                        "entries pending for another worker", len(answers), error_text(exc),
-                    )
+                    log.warning("could not publish %d answers (%s) while stopping; leaving "
+                                "their entries pending for another worker", len(answers),
+                                error_text(exc))
                     return 0
                 failed += 1
-                self._failed(exc, len(answers), first=failed == 1)
+                # A refusal goes to the hooks; logged once per episode at warning.
+                refusal = isinstance(exc, ResponseError) or redis_refusal.error_code(exc) != ""
+                if refusal and self._hooks is not None:
+                    self._hooks.refused(redis_refusal.reason(exc), str(exc))
+                what = "Redis refuses writes" if refusal else "Redis is unreachable"
+                if redis_refusal.is_out_of_memory(exc):
+                    what = "Redis is out of memory (maxmemory) and refuses writes"
+                log.log(logging.WARNING if failed == 1 else logging.DEBUG,
+                        "could not publish %d answers: %s (%s); keeping them and their entries "
+                        "pending, retrying with backoff until Redis takes them", len(answers),
+                        what, error_text(exc))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, max_backoff_s)
                 continue
@@ -166,26 +165,10 @@ class Publisher:
             if self._hooks is not None:
                 self._hooks.published()
             if published < len(answers):
-                log.warning(
-                    "%d of %d answers were no longer ours (claimed by another worker "
-                    "or already answered); dropped them",
-                    len(answers) - published, len(answers),
-                )
+                log.warning("%d of %d answers were no longer ours (claimed by another worker "
+                            "or already answered); dropped them", len(answers) - published,
+                            len(answers))
             return published
-
-    def _failed(self, exc: RedisError, n: int, *, first: bool) -> None:
-        """One failed try: a refusal goes to the hooks; logged once per episode at warning."""
-        refusal = isinstance(exc, ResponseError) or redis_refusal.error_code(exc) != ""
-        if refusal and self._hooks is not None:
-            self._hooks.refused(redis_refusal.reason(exc), str(exc))
-        what = "Redis refuses writes" if refusal else "Redis is unreachable"
-        if redis_refusal.is_out_of_memory(exc):
-            what = "Redis is out of memory (maxmemory) and refuses writes"
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
-            "could not publish %d answers: %s (%s); keeping them and their entries "
-            "pending, retrying with backoff until Redis takes them", n, what, error_text(exc),
-        )
 
 
 def spelled_out(args: Sequence[object]) -> list[object]:

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
-from tokenq.shared import keys, wire
+from tokenq.shared import functions, keys, wire
 from tokenq.shared.errors import ErrorCode
 from tokenq.shared.failures import error_text
-from tokenq.worker.loop import excess, presence
+from tokenq.shared.redis_refusal import error_code
+from tokenq.worker.loop import presence
 from tokenq.worker.loop.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake
@@ -24,20 +24,18 @@ from tokenq.worker.loop.lifecycle import Wiring
 from tokenq.worker.loop.outbox import Outbox, answers_by_lane
 from tokenq.worker.loop.stages import READ, TOKENIZING
 from tokenq.worker.pipeline.feed import monotonic_ms, wait_event
-from tokenq.worker.pipeline.jobs import Answer, dead_answer, decode_entries
+from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy, dead_answer, decode_entries
 from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job
 
 log = logging.getLogger("tokenq.worker")
 
-_T = TypeVar("_T")
-
 HISTORY_COUNT = 256
 MAX_READ_COUNT = 1024
+EXCESS_AT_MOST = 256
+"""Most entries past the length limit one check takes: the next read's check takes the next."""
 
 Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
-"""What XREADGROUP and XCLAIM return: entry ids and fields.
-
-Empty fields (``{}`` or None) mean an entry deleted while pending."""
+"""What XREADGROUP and XCLAIM return: ids and fields (``{}`` or None: deleted while pending)."""
 
 
 def stream_entries(reply: Any) -> Entries:
@@ -49,6 +47,30 @@ def stream_entries(reply: Any) -> Entries:
     return reply[0][1]
 
 
+async def claim_excess(
+    client: Any, stream: str, consumer: str, max_len: int
+) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """The newest undelivered entries of ``stream`` beyond ``max_len`` (written around
+    enqueue's limit), made pending to ``consumer`` and deleted (``claim_excess.lua``)."""
+    taken = await functions.AsyncFunction(client, "claim_excess")(
+        keys=[stream], args=[keys.GROUP, consumer, max_len, EXCESS_AT_MOST])
+    return [(entry_id, dict(zip(flat[::2], flat[1::2], strict=True)))
+            for entry_id, flat in taken or []]
+
+
+def excess_refusals(
+    entries: list[tuple[bytes, dict[bytes, bytes]]], max_len: int, *, policy: DeadLetterPolicy,
+    now_epoch_ms: int,
+) -> list[Answer]:
+    """A ``queue_full`` dead letter for each entry taken, answered on its reply key."""
+    message = (f"the queue held more than its maximum length ({max_len}) when this request "
+               "was written around tokenq's enqueue (a plain XADD?): it was refused as an "
+               "enqueue past the limit is")
+    return [dead_answer(entry_id, fields, ErrorCode.QUEUE_FULL, message, policy=policy,
+                        deliveries=1, now_epoch_ms=now_epoch_ms)
+            for entry_id, fields in entries]
+
+
 class Reader:
     """Reads every lane into the packer, within the read-ahead room."""
 
@@ -57,7 +79,6 @@ class Reader:
         config_fields: Callable[[], dict[str, str]],
     ) -> None:
         """``config_fields``: the queue's config hash, written again when Redis lost it."""
-        self._wiring = wiring
         self.client = wiring.client
         self.consumer = wiring.consumer
         self.settings = settings = wiring.settings
@@ -75,8 +96,6 @@ class Reader:
         self._pipeline = device.pipeline
         self._readers_left = 0
         self._last_activity = time.monotonic()
-        self._stopped: asyncio.Future[Any] | None = None
-        """What :meth:`_until_stopped` waits on besides the read (:meth:`_stop_waiter`)."""
         self._admit_place = AdmitPlace(settings.admit_inline_ms / 1000,
                                        threads_only=settings.tokenize_processes > 0)
         self._length_limit = settings.max_queue_length
@@ -93,18 +112,15 @@ class Reader:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    # ---------------------------------------------------------------- reading
-
-    def _read_count(self, cap: int = MAX_READ_COUNT) -> int:
-        packer = self._device.packer
-        return self._intake.read_count(packer.budget.max_batch_tokens, packer.buffered_tokens,
-                                       readers=len(self._lanes), cap=cap)
-
     async def run(self, lane: Lane) -> None:
         """Read one lane, its own history first, until the worker stops or the lane is removed;
         a failed read (history ones too) is counted for ``/readyz`` and retried."""
         self._health.reader_started(lane.index)
         history: str | None = "0"  # where the next history read starts; None: all read
+        packer = self._device.packer
+        # Once the worker is told to stop, a read gets only a short grace.
+        until_stopped = functools.partial(self._lifecycle.until_stopped,
+                                          grace_s=self.settings.block_ms / 1000 + 1.0)
         try:
             backoff = 0.1
             while self._lifecycle.reading() and not lane.drained:
@@ -112,24 +128,25 @@ class Reader:
                     log.info("queue idle for %.1fs; exiting", self.settings.exit_when_idle_s)
                     self._lifecycle.stop()
                     break
-                count = self._read_count(MAX_READ_COUNT if history is None else HISTORY_COUNT)
-                if count == 0:
-                    await self._wait_for_room()
+                cap = MAX_READ_COUNT if history is None else HISTORY_COUNT
+                count = self._intake.read_count(packer.budget.max_batch_tokens,
+                                                packer.buffered_tokens, readers=len(self._lanes),
+                                                cap=cap)
+                if count == 0:  # wait until something read is answered (or a second passes)
+                    self._lifecycle.room_made.clear()
+                    await wait_event(self._lifecycle.room_made, 1.0)
                     continue
                 entries = None
                 try:
                     if history is not None:
-                        history = await self._until_stopped(
-                            self._read_history(lane, history, count))
+                        history = await until_stopped(self._read_history(lane, history, count))
                     else:
                         with self._intake.bytes.reserving(count):
-                            if await self._until_stopped(self._reclaim(lane, count)):
+                            if await until_stopped(self._reclaim(lane, count)):
                                 self._health.read_ok(lane.index)
                                 continue
-                            await self._until_stopped(self._refuse_excess(lane))
-                            entries = await self._until_stopped(
-                                self._xread(lane, ">", count, self.settings.block_ms)
-                            )
+                            await until_stopped(self._refuse_excess(lane))
+                            entries = await until_stopped(self._xread(lane, ">", count))
                             self._intake.hold(lane.index, entries or [])
                     self._health.read_ok(lane.index)
                     backoff = 0.1
@@ -139,41 +156,12 @@ class Reader:
                     backoff = min(backoff * 2, 5.0)
                     continue
                 if entries:
-                    await self.take(lane, entries, held=True)
+                    await self._take(lane, entries)
         finally:
             self._health.reader_ended(lane.index)
             self._readers_left -= 1
             if self._readers_left <= 0:
-                if self._stopped is not None:
-                    self._stopped.cancel()
-                    self._stopped = None
                 self._device.end_input()
-
-    async def _wait_for_room(self) -> None:
-        """Wait until something read was answered (or a second passed): room to read more."""
-        self._lifecycle.room_made.clear()
-        await wait_event(self._lifecycle.room_made, 1.0)
-
-    async def _until_stopped(self, read: Coroutine[Any, Any, _T]) -> _T | None:
-        """Run one read; once the worker is told to stop, give it only a short grace."""
-        task = asyncio.ensure_future(read)
-        await asyncio.wait({task, self._stop_waiter()}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            await asyncio.wait({task}, timeout=self.settings.block_ms / 1000 + 1.0)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, RedisError):
-            await task
-        return None
-
-    def _stop_waiter(self) -> asyncio.Future[Any]:
-        """One future per reader that ends at the stop, shared by every read (not a task per read).
-        """
-        waiter = self._stopped
-        if waiter is None or waiter.get_loop() is not asyncio.get_running_loop():
-            waiter = self._stopped = asyncio.ensure_future(self._lifecycle.stopping.wait())
-        return waiter
 
     async def _reclaim(self, lane: Lane, count: int) -> bool:
         """Every heartbeat interval, take over entries of dead workers; True if any."""
@@ -190,22 +178,22 @@ class Reader:
         if not claimed.entries:
             return False
         self._recorder.reclaimed(len(claimed.entries))
-        await self.take(lane, claimed.entries, claimed.deliveries)
+        self._intake.hold(lane.index, claimed.entries)
+        await self._take(lane, claimed.entries, claimed.deliveries)
         return True
 
     async def _refuse_excess(self, lane: Lane) -> None:
-        """Refuse the entries past the queue's length limit (:mod:`excess`); a Redis that
-        refuses the check for good (ACL) turns it off with one warning.
-        """
+        """Refuse the entries past the queue's length limit; a Redis that refuses the check to
+        this ACL user (FCALL's key, or a command the function runs) turns it off, warning once."""
         if not self._length_limit:
             return
         try:
             with self._stages.running(READ, f"the length check on {lane.stream}",
                                       *self._call_deadline):
-                entries = await excess.claim(self.client, lane.stream, self.consumer,
+                entries = await claim_excess(self.client, lane.stream, self.consumer,
                                              self._length_limit)
-        except ResponseError as exc:
-            if not excess.acl_refused(exc):
+        except ResponseError as exc:  # a WRONGTYPE stream fails the read instead
+            if error_code(exc) != "NOPERM" and "executing the script can't" not in str(exc):
                 raise
             log.warning("cannot check %s against max_queue_length (%s): entries written "
                         "around enqueue's limit are not refused by this worker",
@@ -219,7 +207,7 @@ class Reader:
                     lane.stream, self._length_limit)
         # Not held: a claim refresh (XCLAIM) of an entry deleted from the stream would drop
         # it from the pending list before its answer is published.
-        answers = excess.refusals(entries, self._length_limit, policy=lane.dead_letters,
+        answers = excess_refusals(entries, self._length_limit, policy=lane.dead_letters,
                                   now_epoch_ms=self._now_epoch_ms())
         self._recorder.refused_at_intake(answers)
         self._outbox.emit(lane.index, answers)
@@ -229,21 +217,22 @@ class Reader:
         name); the next start, or None once all are read. Each counts as a delivery, so one
         that crashed the last process is dead-lettered after ``max_deliveries``."""
         with self._intake.bytes.reserving(count):
-            entries = await self._xread(lane, last, count, None)
+            entries = await self._xread(lane, last, count)
             self._intake.hold(lane.index, entries)
         if not entries:
             return None
         assert lane.reclaimer is not None
         deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
-        await self.take(lane, entries, deliveries, held=True)
+        await self._take(lane, entries, deliveries)
         return entries[-1][0].decode()
 
-    async def _xread(self, lane: Lane, last_id: str, count: int, block_ms: int | None) -> Entries:
+    async def _xread(self, lane: Lane, last_id: str, count: int) -> Entries:
+        """New entries (``last_id`` ``>``, blocking up to ``block_ms``), or history after it."""
         with self._stages.running(READ, f"an XREADGROUP on {lane.stream}",
                                   *self._call_deadline):
             reply = await self.client.xreadgroup(
-                keys.GROUP, self.consumer, {lane.stream: last_id}, count=count, block=block_ms
-            )
+                keys.GROUP, self.consumer, {lane.stream: last_id}, count=count,
+                block=self.settings.block_ms if last_id == ">" else None)
         return stream_entries(reply)
 
     async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
@@ -273,21 +262,16 @@ class Reader:
             return False
         return time.monotonic() - self._last_activity >= limit
 
-    # ----------------------------------------------------------------- taking
-
-    async def take(
-        self, lane: Lane, entries: Entries, deliveries: dict[bytes, int] | None = None, *,
-        held: bool = False,
+    async def _take(
+        self, lane: Lane, entries: Entries, deliveries: dict[bytes, int] | None = None
     ) -> None:
-        """Decode, tokenize and buffer one read; no entry can make this raise."""
+        """Decode, tokenize and buffer one read, held already; no entry can make this raise."""
         self._last_activity = time.monotonic()
         deliveries = deliveries or {}
         present = [(entry_id, fields) for entry_id, fields in entries if fields]
         if len(present) < len(entries):  # deleted while pending to us: nothing to answer
             self._outbox.emit(lane.index, [Answer(entry_id, None, b"", ok=False)
                                            for entry_id, fields in entries if not fields])
-        if not held:
-            self._intake.hold(lane.index, entries)
         await self._take_present(lane, present, deliveries)
         self._device.wake()
 
@@ -369,7 +353,7 @@ class Reader:
         started = time.perf_counter()
         admitted = self._pipeline.admit(items, now_epoch_ms)
         seconds = time.perf_counter() - started
-        self._recorder.tokenized(seconds)
+        self._recorder.metrics.tokenized(seconds)
         return admitted, seconds
 
 

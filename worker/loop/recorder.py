@@ -1,12 +1,10 @@
 """What the worker reports about its work, recorded in one call per event, so no call
-site updates one sink (heartbeat totals, metrics, batch log) and forgets another.
-"""
+site updates one sink (heartbeat totals, metrics, batch log) and forgets another."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from tokenq.shared.packer import Batch, Budget
 from tokenq.worker.batch_stats import BatchLog, BatchRecord, WorkerStats
@@ -30,7 +28,14 @@ class Recorder:
         started_epoch_ms: int, budget_now: int,
     ) -> None:
         """One batch the device ran: totals, metrics and its batch-log line."""
-        record = batch_record(self.consumer, batch, packed_under, outcome)
+        record = BatchRecord(
+            worker=self.consumer, rows=batch.rows, tokens=batch.tokens,
+            padded_tokens=batch.padded_tokens, cost=batch.cost,
+            max_batch_tokens=packed_under.max_batch_tokens,
+            max_batch_size=packed_under.max_batch_size, sealed=batch.sealed,
+            device_ms=round(outcome.device_ms, 3),
+            failed=sum(not done.ok for done in outcome.answered), oom_splits=outcome.oom_splits,
+        )
         self.stats.record(record)
         if self.metrics.enabled:
             self.metrics.batch(
@@ -51,39 +56,5 @@ class Recorder:
         self.stats.reclaimed += n
         self.metrics.reclaimed(n)
 
-    def tokenized(self, seconds: float) -> None:
-        self.metrics.tokenized(seconds)
-
-    def published(self, answers: Sequence[Answer], now_epoch_ms: int) -> None:
-        self.metrics.answered(answers, now_epoch_ms=now_epoch_ms)
-
-    def redis_refused(self, reason: str) -> None:
-        self.metrics.redis_refused(reason)
-
-    def queue_depth(self, length: int, pending: int, lag: int) -> None:
-        self.metrics.queue_depth(length, pending, lag)
-
-    def exit_fields(self, now: float) -> dict[str, Any]:
-        return self.stats.exit_fields(self.consumer, now)
-
     def close(self) -> None:
         self._batch_log.close()
-
-
-def batch_record(
-    worker: str, batch: Batch[Job[Ref]], packed_under: Budget, outcome: BatchOutcome[Ref]
-) -> BatchRecord:
-    """The batch log's line (and the stats' and metrics' input) for one batch."""
-    return BatchRecord(
-        worker=worker,
-        rows=batch.rows,
-        tokens=batch.tokens,
-        padded_tokens=batch.padded_tokens,
-        cost=batch.cost,
-        max_batch_tokens=packed_under.max_batch_tokens,
-        max_batch_size=packed_under.max_batch_size,
-        sealed=batch.sealed,
-        device_ms=round(outcome.device_ms, 3),
-        failed=sum(not done.ok for done in outcome.answered),
-        oom_splits=outcome.oom_splits,
-    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -28,12 +29,7 @@ class Reclaimer:
     """One worker's view of who else holds work, and the claiming of it."""
 
     def __init__(
-        self,
-        client: aioredis.Redis,
-        queue: keys.QueueRef,
-        consumer: str,
-        *,
-        dead_after_ms: int,
+        self, client: aioredis.Redis, queue: keys.QueueRef, consumer: str, *, dead_after_ms: int,
         claim_idle_ms: int,
     ) -> None:
         self._client = client
@@ -46,22 +42,19 @@ class Reclaimer:
 
     async def scan(self, limit: int, held: Container[bytes]) -> Claimed:
         """Claim at most ``limit`` entries: dead consumers', forgotten ones, then long-idle ones;
-        none in ``held``.
-        """
+        none in ``held``."""
         claimed = Claimed()
         if limit <= 0:
             return claimed
         # A dead consumer may hold what it once claimed from us while we were presumed dead.
-        candidates = [c for c in await self._from_dead_consumers(limit) if c[0] not in held]
-        await self._claim(candidates, self._dead_after_ms, claimed)
+        await self._claim(await self._from_dead_consumers(limit, held), self._dead_after_ms,
+                          claimed)
         room = limit - len(claimed.entries)
         if room > 0:
-            forgotten = await self._forgotten(room, held)
-            await self._claim(forgotten, self._dead_after_ms, claimed)
+            await self._claim(await self._forgotten(room, held), self._dead_after_ms, claimed)
             room = limit - len(claimed.entries)
         if room > 0:
-            long_idle = [c for c in await self._long_idle(room) if c[0] not in held]
-            await self._claim(long_idle, self._claim_idle_ms, claimed)
+            await self._claim(await self._long_idle(room, held), self._claim_idle_ms, claimed)
         return claimed
 
     async def own_deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
@@ -72,20 +65,17 @@ class Reclaimer:
             self._stream, keys.GROUP, min=entry_ids[0], max=entry_ids[-1],
             count=len(entry_ids), consumername=self._consumer,
         )
-        return {p["message_id"]: int(p["times_delivered"]) for p in pending}
+        return _deliveries(pending)
 
-    async def _prune_heartbeats(self, members: set[str]) -> None:
-        """Drop heartbeat rows of workers gone from the group (the group was recreated, or the
-        consumer removed by hand).
-        """
+    async def _from_dead_consumers(self, limit: int, held: Container[bytes]) -> dict[bytes, int]:
+        candidates: dict[bytes, int] = {}
+        consumers = await self._client.xinfo_consumers(self._stream, keys.GROUP)
+        # Heartbeat rows of workers gone from the group (it was recreated, or one was removed
+        # by hand) are dropped.
         rows = await self._client.hkeys(keys.workers(self._queue))
+        members = {as_text(info["name"]) for info in consumers}
         for name in {as_text(row) for row in rows} - members - {self._consumer}:
             await presence.drop_consumer(self._client, self._queue, name)
-
-    async def _from_dead_consumers(self, limit: int) -> list[tuple[bytes, int]]:
-        candidates: list[tuple[bytes, int]] = []
-        consumers = await self._client.xinfo_consumers(self._stream, keys.GROUP)
-        await self._prune_heartbeats({as_text(info["name"]) for info in consumers})
         for info in consumers:
             name = as_text(info["name"])
             if name == self._consumer:
@@ -103,25 +93,24 @@ class Reclaimer:
                 self._stream, keys.GROUP, min="-", max="+",
                 count=limit - len(candidates), consumername=name,
             )
-            candidates += [(p["message_id"], int(p["times_delivered"])) for p in pending]
+            candidates.update(_deliveries(pending, held))
             if len(candidates) >= limit:
                 break
         return candidates
 
-    async def _forgotten(self, limit: int, held: Container[bytes]) -> list[tuple[bytes, int]]:
+    async def _forgotten(self, limit: int, held: Container[bytes]) -> dict[bytes, int]:
         """This consumer's entries idle as long as a dead consumer's that it does not hold."""
         pending = await self._client.xpending_range(
             self._stream, keys.GROUP, min="-", max="+", count=limit,
             idle=self._dead_after_ms, consumername=self._consumer,
         )
-        forgotten = [(p["message_id"], int(p["times_delivered"])) for p in pending
-                     if p["message_id"] not in held]
+        forgotten = _deliveries(pending, held)
         if forgotten:
             log.warning("%d entries pending to this worker on %s were unknown to it (a lost "
                         "read, or a failover); taking them again", len(forgotten), self._stream)
         return forgotten
 
-    async def _long_idle(self, limit: int) -> list[tuple[bytes, int]]:
+    async def _long_idle(self, limit: int, held: Container[bytes]) -> dict[bytes, int]:
         pending = await self._client.xpending_range(
             self._stream, keys.GROUP, min=self._cursor, max="+", count=limit,
             idle=self._claim_idle_ms,
@@ -130,19 +119,21 @@ class Reclaimer:
             self._cursor = "-"  # walked to the end; start over next scan
         else:
             self._cursor = "(" + as_text(pending[-1]["message_id"])
-        return [(p["message_id"], int(p["times_delivered"])) for p in pending]
+        return _deliveries(pending, held)
 
-    async def _claim(
-        self, candidates: list[tuple[bytes, int]], min_idle_ms: int, into: Claimed
-    ) -> None:
-        if not candidates:
+    async def _claim(self, delivered: dict[bytes, int], min_idle_ms: int, into: Claimed) -> None:
+        if not delivered:
             return
-        delivered = dict(candidates)
         entries = await self._client.xclaim(
-            self._stream, keys.GROUP, self._consumer, min_idle_ms, list(delivered)
-        )
+            self._stream, keys.GROUP, self._consumer, min_idle_ms, list(delivered))
         for entry_id, fields in entries:
             into.entries.append((entry_id, fields))
             into.deliveries[entry_id] = delivered.get(entry_id, 0) + 1
         if entries:
             log.warning("claimed %d entries from workers presumed dead", len(entries))
+
+
+def _deliveries(pending: list[dict[str, Any]], held: Container[bytes] = ()) -> dict[bytes, int]:
+    """How often each pending entry (of an XPENDING range) was delivered; none in ``held``."""
+    return {p["message_id"]: int(p["times_delivered"]) for p in pending
+            if p["message_id"] not in held}

@@ -89,13 +89,11 @@ class Stages:
         self, now: float, stopped_at: float | None = None, stop_grace_s: float = 0.0
     ) -> Overdue | None:
         """The running stage furthest past its deadline, or None; after ``stopped_at`` a stage a
-        stop shortens must end within ``stop_grace_s`` of the later of its start and the stop.
-        """
+        stop shortens must end within ``stop_grace_s`` of the later of its start and the stop."""
         worst: tuple[float, Overdue] | None = None
         for stage in self.now_running():
             late = now - (stage.started + stage.limit_s)
-            reason = (f"{stage.what} for more than {stage.limit_name} "
-                      f"({stage.limit_s:g}s)")
+            reason = f"{stage.what} for more than {stage.limit_name} ({stage.limit_s:g}s)"
             if stopped_at is not None and stage.shortened_by_stop:
                 after_stop = now - (max(stage.started, stopped_at) + stop_grace_s)
                 if after_stop > late:

@@ -12,7 +12,6 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -21,25 +20,25 @@ from tokenq.shared import keys, wire
 from tokenq.shared.failures import error_text, failure_message
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import Budget, Packer
+from tokenq.shared.queue_config import describe, encode_config
 from tokenq.worker import host_memory
 from tokenq.worker.backends.base import Backend
 from tokenq.worker.batch_stats import exit_line
 from tokenq.worker.health import Health
 from tokenq.worker.logs import FIELDS
-from tokenq.worker.loop import presence, read_ahead
+from tokenq.worker.loop import presence
 from tokenq.worker.loop.beat import Beat
 from tokenq.worker.loop.device import Device
-from tokenq.worker.loop.intake import Intake
-from tokenq.worker.loop.lanes import Lane, LaneSet, Ref, Retirement
+from tokenq.worker.loop.intake import Intake, auto_limit
+from tokenq.worker.loop.lanes import LaneSet, Ref, Retirement
 from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Wiring
-from tokenq.worker.loop.loop_guard import LoopGuard
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.publish import Publisher, Target
 from tokenq.worker.loop.reader import Reader
 from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.recovery import Reclaimer
-from tokenq.worker.loop.stages import Overdue, StageClock, Stages, redis_call_deadline_s
-from tokenq.worker.loop.watchdog import Watchdog, WorkerHung, watchdog_period_s
+from tokenq.worker.loop.stages import Overdue, StageClock, Stages
+from tokenq.worker.loop.watchdog import LoopGuard, WorkerHung, watch, watchdog_period_s
 from tokenq.worker.metrics import NullMetrics
 from tokenq.worker.pipeline.feed import Aborted, ordinary, wait_event
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
@@ -49,28 +48,12 @@ from tokenq.worker.redis_connect import connect
 from tokenq.worker.server_check import check_server
 from tokenq.worker.settings import WorkerSettings
 
-__all__ = ["Plan", "Worker", "WorkerHung", "default_consumer_name", "plan",
-           "redis_call_deadline_s", "watchdog_period_s"]
+__all__ = ["Worker", "WorkerHung", "watchdog_period_s"]
 
 log = logging.getLogger("tokenq.worker")
 
-def default_consumer_name() -> str:
-    """host-pid-random: unique per process, readable in XINFO CONSUMERS."""
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Limits the worker runs under, derived once from settings and the backend."""
-
-    budget: Budget
-    budget_reason: str
-    policy: str
-
-
-def plan(settings: WorkerSettings, backend: Backend) -> Plan:
-    """Choose the budget and cost model; refuse settings the model cannot honour."""
-    info = backend.info
+def choose_budget(settings: WorkerSettings, backend: Backend) -> tuple[Budget, str]:
+    """The budget and cost model, and why that budget; refuses what the model cannot honour."""
     if settings.max_batch_tokens == "auto":
         from tokenq.worker.backends.calibrate import calibrate_budget
 
@@ -79,34 +62,29 @@ def plan(settings: WorkerSettings, backend: Backend) -> Plan:
         reason = f"auto: {reason}"
     else:
         tokens, reason = int(settings.max_batch_tokens), "set by --max-batch-tokens"
-    budget = budget_for(info, tokens, settings.max_batch_size, settings.cost_model, reason)
-    return Plan(budget=budget, budget_reason=reason, policy=settings.policy)
+    return budget_for(backend.info, tokens, settings.max_batch_size, settings.cost_model,
+                      reason), reason
 
 
 class Worker:
     """One worker process's loop over one queue: wires the parts and runs their tasks."""
 
     def __init__(
-        self,
-        settings: WorkerSettings,
-        backend: Backend,
-        *,
-        client: aioredis.Redis | None = None,
-        metrics: NullMetrics | None = None,
-        health: Health | None = None,
-        on_stuck: Callable[[Overdue], None] | None = None,
+        self, settings: WorkerSettings, backend: Backend, *, metrics: NullMetrics | None = None,
+        health: Health | None = None, on_stuck: Callable[[Overdue], None] | None = None,
     ) -> None:
-        """``on_stuck``: called by a :class:`~tokenq.worker.loop.loop_guard.LoopGuard` thread
+        """``on_stuck``: called by a :class:`~tokenq.worker.loop.watchdog.LoopGuard` thread
         when the event loop is stuck in an overdue stage; None in tests that run in-process."""
         self.settings = settings
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.health = health if health is not None else Health(
             settings.heartbeat_s, watchdog_period_s(settings))
         self.backend = backend
-        self.queue = settings.queue_ref
-        self.consumer = settings.consumer or default_consumer_name()
-        self._retirement = Retirement(self.queue, settings.shards or 1)
-        self.plan = plan(settings, backend)
+        # host-pid-random: unique per process, readable in XINFO CONSUMERS
+        self.consumer = (settings.consumer
+                         or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}")
+        self._retirement = Retirement(settings.queue_ref, settings.shards or 1)
+        self.budget, self._budget_reason = choose_budget(settings, backend)
         self._tokenizer_pool = pool_for(backend, settings.tokenize_processes)
         period_s = watchdog_period_s(settings)
         stage_clock = StageClock(period_s)  # ticked by the guard: a stopped process's time left out
@@ -116,58 +94,55 @@ class Worker:
         self.stats = self._recorder.stats
         self._wiring = Wiring(self.consumer, settings, lifecycle, Stages(stage_clock),
                               self._recorder, self.health)
-        self._client = client
-        self._own_client = client is None
         room = settings.read_ahead_bytes
         if room is None:  # not set: a share of the memory this worker may use
-            room = read_ahead.auto_limit(host_memory.usable_bytes())
+            room = auto_limit(host_memory.usable_bytes())
         self._intake = Intake(
             read_ahead_budgets=settings.read_ahead_budgets, read_ahead_bytes=room,
             max_entry_bytes=wire.max_entry_bytes(settings.max_request_bytes),
             max_input_tokens=backend.info.max_input_tokens,
         )
         self._outbox = Outbox(self._wiring, self._intake, self._room_made)
-        packer: Packer[Job[Ref]] = Packer(
-            self.plan.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio,
+        self.packer: Packer[Job[Ref]] = Packer(
+            self.budget, settings.linger_ms, max_padding_ratio=settings.max_padding_ratio,
             aging_ms=settings.aging_ms, max_batch_ms=settings.max_batch_ms,
         )
         pipeline: Pipeline[Ref] = Pipeline(backend, policy=settings.policy,
                                            chunk_overlap=settings.chunk_overlap,
                                            tokenizer=self._tokenizer_pool)
-        self._device = Device(self._wiring, pipeline, packer, self._intake, self._outbox)
-        self.packer = packer
+        self._device = Device(self._wiring, pipeline, self.packer, self._intake, self._outbox)
         self.lanes = LaneSet(self._dead_letter_policy)
-        for queue in keys.lanes_of(self.queue, settings.shards or 1):
-            self._add_lane(queue)
         self._guard = None if on_stuck is None else LoopGuard(
-            stages=self._wiring.stages, lifecycle=lifecycle,
-            period_s=period_s, on_stuck=on_stuck, clock=stage_clock,
-        )
-        self.health.loaded()  # the backend is built and the plan holds: the model is in
+            stages=self._wiring.stages, lifecycle=lifecycle, period_s=period_s,
+            on_stuck=on_stuck, clock=stage_clock)
+        self.health.loaded()  # the backend is built and the budget holds: the model is in
 
-    def _add_lane(self, queue: keys.QueueRef, *, retired: bool = False) -> Lane:
-        """A lane read into the packer, with its own outbox (its index: its number)."""
+    def _add_lane(self, queue: keys.QueueRef, *, retired: bool = False) -> None:
+        """A lane read into the packer, with its own outbox and what reclaims and publishes on
+        it; a retired one (``lanes.Retirement``) is read until drained, then removed."""
         lane = self.lanes.add(queue, retired=retired)
         self._outbox.add_lane()
-        return lane
+        settings, client = self.settings, self._wiring.client
+        lane.reclaimer = Reclaimer(
+            client, queue, self.consumer, dead_after_ms=int(settings.heartbeat_s * 3000),
+            claim_idle_ms=int(settings.claim_idle_s * 1000),
+        )
+        lane.publisher = Publisher(
+            client, Target(lane.stream, keys.dead(queue), keys.GROUP, self.consumer),
+            reply_ttl_ms=int(settings.reply_ttl_s * 1000), dead_max_len=settings.dead_max_len,
+            dead_max_letter_bytes=settings.dead_max_letter_bytes, hooks=self._wiring,
+        )
 
     def _dead_letter_policy(self, queue: keys.QueueRef) -> DeadLetterPolicy:
         """A lane's rules for dead letters and reply keys: replies stay in the lane's slot."""
         settings = self.settings
         return DeadLetterPolicy(
-            worker=self.consumer,
-            max_deliveries=settings.max_deliveries,
+            worker=self.consumer, max_deliveries=settings.max_deliveries,
             default_reply_to=functools.partial(keys.reply, queue),
             max_request_bytes=settings.max_request_bytes,
             check_reply_to=keys.reply_to_check(queue, settings.reply_to_prefix_list),
             max_letter_bytes=settings.dead_max_letter_bytes,
         )
-
-    @property
-    def client(self) -> aioredis.Redis:
-        if self._client is None:
-            self._client = connect(self.settings)
-        return self._client
 
     def stop(self) -> None:
         """Stop reading; finish and answer what was read; then return from run()."""
@@ -183,15 +158,13 @@ class Worker:
         self._lifecycle.room_made.set()
         self._device.wake()
 
-    # ------------------------------------------------------------------ lifecycle
-
     async def run(self) -> None:
         """Serve the queue until stop() is called (or the idle timeout passes)."""
-        self._wiring.client = self.client
+        self._wiring.client = connect(self.settings)
         reader = Reader(self._wiring, self.lanes, self._intake, self._device, self._outbox,
                         self._config_fields)
-        for lane in self.lanes:
-            self._equip(lane)
+        for queue in keys.lanes_of(self.settings.queue_ref, self.settings.shards or 1):
+            self._add_lane(queue)
         if self._tokenizer_pool is not None:
             await asyncio.to_thread(self._tokenizer_pool.start)
         if not await self._join(reader):  # stopped before Redis ever answered
@@ -211,7 +184,7 @@ class Worker:
               for lane in self.lanes),
         ]
         watchdog = asyncio.create_task(
-            Watchdog(self._wiring, self.lanes, self._device, self._outbox).run(),
+            watch(self._wiring, self.lanes, self._device, self._outbox),
             name="tokenq-watchdog")
         if self._guard is not None:
             self._guard.start()
@@ -233,38 +206,17 @@ class Worker:
                 log.warning("could not deregister: %s", error_text(exc))
             self._recorder.close()
             await self._close()
-            fields = self._recorder.exit_fields(time.time())
+            fields = self.stats.exit_fields(self.consumer, time.time())
             log.info(exit_line(fields), extra={FIELDS: fields})
-
-    def _equip(self, lane: Lane) -> None:
-        """Give a lane what reclaims and publishes on it."""
-        lane.reclaimer = Reclaimer(
-            self.client, lane.queue, self.consumer,
-            dead_after_ms=int(self.settings.heartbeat_s * 3000),
-            claim_idle_ms=int(self.settings.claim_idle_s * 1000),
-        )
-        lane.publisher = Publisher(
-            self.client, Target(lane.stream, keys.dead(lane.queue), keys.GROUP, self.consumer),
-            reply_ttl_ms=int(self.settings.reply_ttl_s * 1000),
-            dead_max_len=self.settings.dead_max_len,
-            dead_max_letter_bytes=self.settings.dead_max_letter_bytes, hooks=self._wiring,
-        )
-
-    def _add_retired(self, queues: list[keys.QueueRef]) -> None:
-        """Read retired shards too (``lanes.Retirement``): extra lanes into the same packer,
-        each answered and dead-lettered on its own, until it is drained and removed."""
-        for queue in queues:
-            self._equip(self._add_lane(queue, retired=True))
 
     async def _leave(self) -> None:
         for lane in self.lanes:
-            await presence.leave(self.client, lane.queue, self.consumer)
+            await presence.leave(self._wiring.client, lane.queue, self.consumer)
 
     async def _close(self) -> None:
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.close()
-        if self._own_client and self._client is not None:
-            await self._client.aclose()
+        await self._wiring.client.aclose()
 
     async def _join(self, reader: Reader) -> bool:
         """Create the group and publish the config, waiting for Redis if it is not up yet."""
@@ -274,7 +226,7 @@ class Worker:
         try:
             while not stopping.is_set():
                 try:
-                    if await self._lifecycle.unless_stopping(self._join_once(reader, probe)):
+                    if await self._lifecycle.until_stopped(self._join_once(reader, probe), 0):
                         self.health.redis_answered()
                         return True
                 except RedisError as exc:
@@ -291,51 +243,48 @@ class Worker:
         finally:
             await probe.aclose()
 
-    async def _join_once(self, reader: Reader, probe: aioredis.Redis) -> None:
-        """One try at the join: a ping without retries, then the join's writes."""
+    async def _join_once(self, reader: Reader, probe: aioredis.Redis) -> bool:
+        """One try at the join: a ping without retries, then the join's writes (True)."""
         await probe.ping()
-        self._add_retired(await self._retirement.join(self.client))
+        client = self._wiring.client
+        for queue in await self._retirement.join(client):
+            self._add_lane(queue, retired=True)
         for lane in self.lanes:
             await reader.ensure_group(lane)
-        await check_server(self.client)
-        await self._wiring.clock.sync(self.client)
+        await check_server(client)
+        await self._wiring.clock.sync(client)
         for lane in self.lanes:
-            await presence.write_config(self.client, lane.queue, self._config_fields())
+            await presence.write_config(client, lane.queue, self._config_fields())
+        return True
 
     def _config_fields(self) -> dict[str, str]:
-        return presence.config_fields(
-            self.backend.info, policy=self.plan.policy,
-            max_batch_tokens=self.plan.budget.max_batch_tokens,
-            shards=self.settings.shards or 1,
-            tokenize_processes=self.settings.tokenize_processes,
-        )
+        """The config hash's fields (strings, so redis-cli HGETALL reads them)."""
+        return encode_config(describe(
+            self.backend.info, policy=self.settings.policy,
+            max_batch_tokens=self.budget.max_batch_tokens, shards=self.settings.shards or 1,
+            tokenize_processes=self.settings.tokenize_processes, updated_at=int(time.time())))
 
     def _log_start(self) -> None:
         info = self.backend.info
-        budget = self.plan.budget
+        budget = self.budget
         log.info(
             "worker %s on %s: model=%s task=%s device=%s dtype=%s max_input=%d "
             "budget=%d tokens (%s; %s) rows<=%d linger=%.1fms policy=%s read_ahead=%d MiB%s",
-            self.consumer, self.lanes.streams(), info.model, info.task,
-            info.device, info.dtype,
+            self.consumer, self.lanes.streams(), info.model, info.task, info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
-            self.plan.budget_reason, budget.max_batch_size, self.settings.linger_ms,
-            self.plan.policy, self._intake.bytes.limit // (1024 * 1024),
+            self._budget_reason, budget.max_batch_size, self.settings.linger_ms,
+            self.settings.policy, self._intake.bytes.limit // (1024 * 1024),
             f" pooling={info.pooling}" if info.pooling else "",
         )
 
     def status(self) -> Heartbeat:
         """What the heartbeat publishes (``tokenq stats`` reads it)."""
         return Heartbeat(
-            **self.stats.snapshot(),
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            model=self.backend.info.model,
-            at=time.time(),
+            **self.stats.snapshot(), host=socket.gethostname(), pid=os.getpid(),
+            model=self.backend.info.model, at=time.time(),
             max_batch_tokens=self.packer.budget.max_batch_tokens,
-            configured_batch_tokens=self.plan.budget.max_batch_tokens,
-            max_batch_size=self.plan.budget.max_batch_size,
-            buffered=len(self.packer),
+            configured_batch_tokens=self.budget.max_batch_tokens,
+            max_batch_size=self.budget.max_batch_size, buffered=len(self.packer),
         )
 
 

@@ -8,16 +8,14 @@
 --
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
 -- ARGV[5] dead_max_letter_bytes (cap on the entry's own fields in a dead letter)
--- ARGV[6] n, then for each answer:
---   entry_id, reply (index into KEYS of its reply key; 0 = no reply; -1 = its
---   reply_to was refused before the script ran, see below), payload (msgpack
---   reply; with -1, why it was refused), k (dead-letter field pairs; 0 = not a
---   dead letter), then k field/value pairs
+-- ARGV[6] n, then for each answer: entry_id, reply (index into KEYS of its reply
+--   key; 0 = no reply; -1 = its reply_to was refused before the script ran, see
+--   below), payload (msgpack reply; with -1, why it was refused), k (dead-letter
+--   field pairs; 0 = not a dead letter), then k field/value pairs
 --
 -- An answer is published only while its entry is still pending to this
--- consumer. If another worker claimed it (this one was presumed dead), or it
--- was already answered, the answer is dropped here: the owner answers, so the
--- caller sees exactly one reply.
+-- consumer: one another worker claimed (this one was presumed dead), or one
+-- already answered, is dropped here, so the caller sees exactly one reply.
 --
 -- A reply_to that can never take the reply (WRONGTYPE caught with pcall; NOPERM
 -- or CROSSSLOT refuse the whole call, so publish.py retries one answer at a time
@@ -43,15 +41,11 @@ local group, consumer = ARGV[1], ARGV[2]
 -- A count Redis takes as an integer: digits only, at most 15 of them (so
 -- that now + ttl_ms cannot overflow PEXPIRE's bound either).
 local function count(text, least)
-  if type(text) ~= "string" or #text > 15 or not string.match(text, "^%d+$")
-      or tonumber(text) < least then
-    return nil
-  end
-  return tonumber(text)
+  local digits = type(text) == "string" and #text <= 15 and string.match(text, "^%d+$")
+  return digits and tonumber(text) >= least and tonumber(text) or nil
 end
 
-local ttl_ms = ARGV[3]
-local dead_max_len = ARGV[4]
+local ttl_ms, dead_max_len = ARGV[3], ARGV[4]
 local letter_bytes = count(ARGV[5], 0)
 local n = count(ARGV[6], 0)
 if count(ttl_ms, 1) == nil or count(dead_max_len, 0) == nil or letter_bytes == nil
