@@ -8,5 +8,7 @@ python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[worker,dev,onnx]'
+# One resolve; --no-compile: Python writes the .pyc of what is imported on first import,
+# instead of pip compiling every module of torch and the rest (a minute of CPU).
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 \
+    -e '.[worker,dev,onnx]'
