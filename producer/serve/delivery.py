@@ -149,11 +149,11 @@ async def deliver(
                 _cold_start(queue, client, work, cold_start_s, liveness)))
         return await reachability.watch(queue, client, work)
     except BrokerUnavailable as down:  # Redis went after (or while) the job was written
-        raise left_queued(from_exception(down), unique) from down
+        raise no_retry(from_exception(down), unique is None) from down
     except DeadlineExceeded as late:  # the replies say so: a retry of the key reads them again
-        raise too_late(from_exception(late), unique) from late
+        raise no_retry(from_exception(late), unique is not None) from late
     except ApiError as error:
-        raise left_queued(error, unique) from None
+        raise no_retry(error, unique is None and error.status >= 500) from None
     finally:
         work.cancel()  # a no-op once it is done
 
@@ -171,18 +171,10 @@ async def _cold_start(queue: str, client: AsyncClient, work: asyncio.Future[Any]
         await asyncio.wait({work}, timeout=WORKER_POLL_S)
 
 
-def left_queued(error: ApiError, unique: list[str] | None) -> ApiError:
-    """``error`` for a request whose entries may stay queued: without an ``Idempotency-Key`` a
-    retry would queue them again, so ``x-should-retry: false`` (the OpenAI SDK obeys it)."""
-    if unique is None and error.status >= 500:
-        error.headers = {**error.headers, "x-should-retry": "false"}
-    return error
-
-
-def too_late(error: ApiError, unique: list[str] | None) -> ApiError:
-    """``error`` for replies ``deadline_exceeded``: under an ``Idempotency-Key`` a retry reads
-    the same replies, so ``x-should-retry: false``."""
-    if unique is not None:
+def no_retry(error: ApiError, when: bool) -> ApiError:
+    """``error`` with ``x-should-retry: false`` (the OpenAI SDK obeys it) ``when`` a retry
+    would queue the entries again (no ``Idempotency-Key``) or read the same expired replies."""
+    if when:
         error.headers = {**error.headers, "x-should-retry": "false"}
     return error
 
