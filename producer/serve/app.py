@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -44,7 +44,6 @@ from tokenq.shared.settings import ServeSettings
 
 DISCONNECT_POLL_S = 0.1  # how often a waiting route checks whether its client is still there
 
-Shape = Callable[[ApiError], dict[str, Any]]
 Check = Callable[[QueueConfig | None, str, Job], None]
 """Refuses a job before it is sent when the queue's config says its model cannot answer it."""
 Build = Callable[[list[Result], Any, str, QueueConfig | None], render.Later]
@@ -107,8 +106,8 @@ class Gateway:
         it may run in a child process) returns; its size is kept for :meth:`infer`."""
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.timeout_s)
         request.state.body_bytes = len(raw)
-        if delivery.IDEMPOTENCY_HEADER in request.headers:
-            request.state.body_digest = delivery.body_digest(raw)
+        if idempotency.HEADER in request.headers:
+            request.state.body_digest = idempotency.body_digest(raw)
         return await self.parser.run(raw, prepare)
 
     async def infer(self, request: Request, queue: str, job: Job) -> list[Result]:
@@ -117,8 +116,8 @@ class Gateway:
         check_job(job.items, job.options, job.where, request.state.body_bytes,
                   self.settings.max_client_batch_size)
         self.inputs.labels(queue).inc(len(job.items))
-        key = request.headers.get(delivery.IDEMPOTENCY_HEADER)
-        unique = None if key is None else delivery.idempotent_ids(
+        key = request.headers.get(idempotency.HEADER)
+        unique = None if key is None else idempotency.request_ids(
             key, queue, request.state.body_digest, len(job.items))
         claim = None
         if key is not None and unique is not None and self.settings.dedupe_ttl_s > 0:
@@ -139,10 +138,10 @@ class Gateway:
 
 
     async def answer(
-        self, route: str, shape: Shape, work: Callable[[], Awaitable[Any]], admit: bool = False
+        self, route: str, work: Callable[[], Awaitable[Any]], admit: bool = False
     ) -> Response:
-        """Run a route's work; every failure in the route's own error shape. ``admit``: it counts
-        against ``--max-concurrent-requests`` (POST routes; never the probes)."""
+        """Run a route's work; every failure in the shape of the route's API family. ``admit``:
+        it counts against ``--max-concurrent-requests`` (POST routes; never the probes)."""
         started = time.perf_counter()
         claimed = idempotency.current.set(None)
         try:
@@ -154,9 +153,7 @@ class Gateway:
                                 media_type="application/json",
                                 headers={"Idempotent-Replayed": "true"})
         except Exception as exc:  # mapped, or re-raised by from_exception if it is a bug
-            error = from_exception(exc)
-            response = JSONResponse(shape(error), status_code=error.status,
-                                    headers=error.headers)
+            response = edge.error_response(route, from_exception(exc))
             await _keep_answer(response)
         finally:
             idempotency.current.reset(claimed)
@@ -165,7 +162,7 @@ class Gateway:
         return response
 
     async def serve(self, request: Request, route: str, prepare: Callable[[bytes], Any],
-                    check: Check, build: Build, shape: Shape = ApiError.tei_body) -> Response:
+                    check: Check, build: Build) -> Response:
         """A route that sends its body's job to a queue: ``check`` the queue's config before
         anything is sent, then ``build`` the answer from the results."""
         async def work() -> render.Later:
@@ -175,14 +172,14 @@ class Gateway:
             config = await self.config(queue)
             check(config, model, job)
             return build(await self.infer(request, queue, job), body, model, config)
-        return await self.answer(route, shape, work, admit=True)
+        return await self.answer(route, work, admit=True)
 
     async def health(self) -> Response:
         """``GET /health`` (and TEI's ``GET /``): each queue's length while its Redis answers."""
         async def work() -> dict[str, Any]:
             lengths = {q: await self.ask(q, AsyncClient.queue_length) for q in self.queues}
             return {"status": "ok", "queue_lengths": lengths}
-        return await self.answer("/health", ApiError.tei_body, work)
+        return await self.answer("/health", work)
 
 
 async def _keep_answer(response: Response) -> None:
@@ -270,7 +267,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 "queue": queue,
                 "models": gateway.models or {gateway.default_model(): queue},
             }
-        return await gateway.answer("/info", ApiError.tei_body, work)
+        return await gateway.answer("/info", work)
 
     @app.get("/health")
     @app.get("/livez")  # the worker's name for its liveness probe: one probe config for both
@@ -288,7 +285,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 raise ApiError(503, f"no live worker serves queue(s) {', '.join(idle)}",
                                code="no_worker")
             return {"status": "ready", "workers": alive}
-        return await gateway.answer("/ready", ApiError.tei_body, work)
+        return await gateway.answer("/ready", work)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,10 +1,10 @@
 """How a route's job reaches its queue: no live worker (503, or ``--cold-start-s``), retried
-requests (``Idempotency-Key``), a Redis gone (every wait ends within ~1.5 s). 0033-gateway-503s."""
+requests (``Idempotency-Key``, :mod:`.idempotency`), a Redis gone (every wait ends within
+~1.5 s). 0033-gateway-503s."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from typing import Any, TypeVar
@@ -24,27 +24,6 @@ PROBE_S = 0.25  # how often a waiting request's queue is asked whether its Redis
 
 PROBE_TIMEOUT_S = 1.0
 """How long a probe waits for ``XLEN``: a Redis silent that long is gone or frozen."""
-
-IDEMPOTENCY_HEADER = "idempotency-key"
-"""The header OpenAI's API and Stripe-style clients name a retried request with."""
-
-MAX_KEY_CHARS = 255  # the longest ``Idempotency-Key`` taken (OpenAI's and Stripe's own limit)
-
-
-def body_digest(body: bytes) -> bytes:
-    """What :func:`idempotent_ids` knows of a body (kept instead of the body itself)."""
-    return hashlib.sha256(body).digest()
-
-
-def idempotent_ids(key: str, queue: str, digest: bytes, count: int) -> list[str]:
-    """``count`` request ids (32 hex digits) that only this key, queue and body produce (a key
-    reused for another body is other work)."""
-    if not 0 < len(key) <= MAX_KEY_CHARS:
-        raise ApiError(400, f"Idempotency-Key: 1 to {MAX_KEY_CHARS} characters",
-                       param="Idempotency-Key", code="invalid_idempotency_key")
-    base = hashlib.sha256(b"\0".join((key.encode(), queue.encode(), digest))).digest()
-    return [hashlib.sha256(base + index.to_bytes(8, "big")).hexdigest()[:32]
-            for index in range(count)]
 
 
 def no_worker(queue: str, why: str) -> ApiError:

@@ -16,7 +16,7 @@ from typing_extensions import NotRequired, TypedDict
 from tokenq.producer import Result
 from tokenq.producer.serve import render, schemas, scores
 from tokenq.producer.serve.bounds import kind
-from tokenq.producer.serve.errors import ApiError, empty, invalid
+from tokenq.producer.serve.errors import empty, invalid
 from tokenq.producer.serve.schemas import Body, Job, parse_job
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ async def embeddings(request: Request) -> Response:
         request, request.url.path, schemas.openai_request, schemas.require_embeddings,
         lambda results, body, *_: render.Later(
             schemas.openai_answer, results, body.model, body.encoding_format,
-            headers=schemas.truncation_headers(results)), ApiError.openai_body)
+            headers=schemas.truncation_headers(results)))
 
 
 def model_card(name: str) -> dict[str, Any]:
@@ -133,7 +133,7 @@ async def list_models(request: Request) -> Response:
     async def work() -> dict[str, Any]:
         names = list(gateway.models) or [gateway.default_model()]
         return {"object": "list", "data": [model_card(name) for name in names]}
-    return await gateway.answer("/v1/models", ApiError.openai_body, work)
+    return await gateway.answer("/v1/models", work)
 
 
 @router.get("/v1/models/{model:path}")
@@ -143,14 +143,13 @@ async def get_model(request: Request, model: str) -> Response:
     async def work() -> dict[str, Any]:
         gateway.queue_of(model)  # 404 for a name --models does not list; without it any
         return model_card(model)  # name is served by --queue, as /v1/embeddings takes it
-    return await gateway.answer("/v1/models/{model}", ApiError.openai_body, work)
+    return await gateway.answer("/v1/models/{model}", work)
 
 
 @router.post("/v1/rerank")
 async def rerank(request: Request) -> Response:
     return await request.app.state.gateway.serve(request, "/v1/rerank", rerank_request,
-                                                 scores.require_reranker, _later(rerank_answer),
-                                                 ApiError.openai_body)
+                                                 scores.require_reranker, _later(rerank_answer))
 
 
 class RelevantSpans(TypedDict):
@@ -190,6 +189,5 @@ def rerank_v2_answer(results: list[Any], body: RerankV2, model: str) -> dict[str
 @router.post("/v2/rerank")
 async def rerank_v2(request: Request) -> Response:
     return await request.app.state.gateway.serve(request, "/v2/rerank", rerank_v2_request,
-                                                 scores.require_reranker, _later(rerank_v2_answer),
-                                                 ApiError.cohere_body)
+                                                 scores.require_reranker, _later(rerank_v2_answer))
 

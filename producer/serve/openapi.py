@@ -273,11 +273,6 @@ def _complete(spec: dict[str, Any]) -> None:
 
 def _content(description: str, kind: Any, components: dict[str, Any]) -> dict[str, Any]:
     """A JSON ``content`` entry for ``kind``, its named parts moved into ``components``."""
-    schema = _schema(kind, components)
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _schema(kind: Any, components: dict[str, Any]) -> dict[str, Any]:
     schema = TypeAdapter(kind).json_schema(ref_template="#/components/schemas/{model}")
     definitions: dict[str, Any] = schema.pop("$defs", {})
     if "title" in schema and schema.get("type") == "object":
@@ -286,4 +281,4 @@ def _schema(kind: Any, components: dict[str, Any]) -> dict[str, Any]:
     for name, definition in definitions.items():
         if components.setdefault(name, definition) != definition:  # two types, one name: a bug
             raise ValueError(f"two schemas are named {name!r}")
-    return schema
+    return {"description": description, "content": {"application/json": {"schema": schema}}}

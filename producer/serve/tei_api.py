@@ -35,6 +35,7 @@ from tokenq.producer.serve.schemas import (
     Direction,
     Job,
     given,
+    one_kind,
     parse,
     parse_job,
     refuse_left,
@@ -69,10 +70,6 @@ class TEISimilarity(Body):
     model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
-def _texts(value: Any) -> Any:
-    return text_or_list(value, "inputs", (TEXT,))
-
-
 def _ids(value: Any) -> Any:
     if type(value) is str:
         raise invalid("ids", "expected a list of token ids or a list of such lists")
@@ -86,8 +83,7 @@ def _ids(value: Any) -> Any:
 class TEITokenize(Body):
     """``POST /tokenize``."""
 
-    inputs: Annotated[str | list[str],
-                      PlainValidator(_texts, json_schema_input_type=str | list[str])]
+    inputs: Annotated[str | list[str], one_kind("inputs", TEXT, shape=str | list[str])]
     add_special_tokens: bool = True
     prompt_name: str | None = None
     model: str | None = None
@@ -310,7 +306,7 @@ async def root(request: Request) -> Response:
     try:
         config = await gateway.config(gateway.queue_of(None))
     except Exception as exc:  # Redis down: answered as /embed answers it
-        return await gateway.answer("/", ApiError.tei_body, functools.partial(_reraise, exc))
+        return await gateway.answer("/", functools.partial(_reraise, exc))
     task = config.task if config is not None else None
     if task == "rerank" or (task is None and config is not None and config.pairs):
         return await rerank(request)
@@ -343,7 +339,7 @@ async def tokenize(request: Request) -> Response:
         check_count(text_bytes(texts), MAX_TOKENIZE_BYTES, "bytes of text", "inputs",
                     "/tokenize answers a record per token: send fewer or shorter texts")
         return render.Later(tokenize_answer, tokenizer, texts, body.add_special_tokens)
-    return await gateway.answer("/tokenize", ApiError.tei_body, work, admit=True)
+    return await gateway.answer("/tokenize", work, admit=True)
 
 
 @router.post("/decode")
@@ -360,4 +356,4 @@ async def decode(request: Request) -> Response:
         check_decode(rows, longest)
         return await asyncio.to_thread(tokenizer.decode_batch, rows,
                                        skip_special_tokens=body.skip_special_tokens)
-    return await gateway.answer("/decode", ApiError.tei_body, work, admit=True)
+    return await gateway.answer("/decode", work, admit=True)
