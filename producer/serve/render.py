@@ -55,15 +55,9 @@ def _dumps(value: Any) -> bytes:
                       separators=(",", ":")).encode("utf-8")
 
 
-def build(value: Any) -> bytes:
-    """``value`` encoded, built first if it is :class:`Later`."""
-    return encode(value.fn(*value.args) if isinstance(value, Later) else value)
-
-
 async def respond(value: Any) -> Response:
-    """A route's answer as a JSON response, built and encoded off the event loop."""
-    if isinstance(value, Response):
-        return value
-    headers = value.headers if isinstance(value, Later) else None
-    return Response(await asyncio.to_thread(build, value), media_type=MEDIA_TYPE,
-                    headers=headers)
+    """A route's answer as a JSON response, built (if :class:`Later`) and encoded off the
+    event loop."""
+    later = value if isinstance(value, Later) else Later(lambda: value)
+    data = await asyncio.to_thread(lambda: encode(later.fn(*later.args)))
+    return Response(data, media_type=MEDIA_TYPE, headers=later.headers)
