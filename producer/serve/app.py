@@ -10,7 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -30,7 +30,6 @@ from tokenq.producer.serve import (
     openai_api,
     openapi,
     render,
-    schemas,
     scores,
     sparse_api,
     tei_api,
@@ -45,7 +44,10 @@ from tokenq.shared.settings import ServeSettings
 
 DISCONNECT_POLL_S = 0.1  # how often a waiting route checks whether its client is still there
 
-Shape = Callable[[ApiError], dict[str, Any]]
+Check = Callable[[QueueConfig | None, str, Job], None]
+"""Refuses a job before it is sent when the queue's config says its model cannot answer it."""
+Build = Callable[[list[Result], Any, str, QueueConfig | None], render.Later]
+"""The answer of ``(results, body, model, config)``, to build off the event loop."""
 T = TypeVar("T")
 
 
@@ -59,6 +61,7 @@ class Gateway:
         self.clients: dict[str, AsyncClient] = {}
         self.admission = Admission(settings.max_concurrent_requests)
         self.parser = Parser()
+        self.tokenizers = tei_api.Tokenizers()
         self.liveness = delivery.Liveness()
         self.reachability = delivery.Reachability()
         self.registry = CollectorRegistry()
@@ -103,8 +106,8 @@ class Gateway:
         it may run in a child process) returns; its size is kept for :meth:`infer`."""
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.timeout_s)
         request.state.body_bytes = len(raw)
-        if delivery.IDEMPOTENCY_HEADER in request.headers:
-            request.state.body_digest = delivery.body_digest(raw)
+        if idempotency.HEADER in request.headers:
+            request.state.body_digest = idempotency.body_digest(raw)
         return await self.parser.run(raw, prepare)
 
     async def infer(self, request: Request, queue: str, job: Job) -> list[Result]:
@@ -113,8 +116,8 @@ class Gateway:
         check_job(job.items, job.options, job.where, request.state.body_bytes,
                   self.settings.max_client_batch_size)
         self.inputs.labels(queue).inc(len(job.items))
-        key = request.headers.get(delivery.IDEMPOTENCY_HEADER)
-        unique = None if key is None else delivery.idempotent_ids(
+        key = request.headers.get(idempotency.HEADER)
+        unique = None if key is None else idempotency.request_ids(
             key, queue, request.state.body_digest, len(job.items))
         claim = None
         if key is not None and unique is not None and self.settings.dedupe_ttl_s > 0:
@@ -132,6 +135,62 @@ class Gateway:
             ))
         except Exception as exc:
             raise from_exception(exc, job.options, job.where) from exc
+
+
+    async def answer(
+        self, route: str, work: Callable[[], Awaitable[Any]], admit: bool = False
+    ) -> Response:
+        """Run a route's work; every failure in the shape of the route's API family. ``admit``:
+        it counts against ``--max-concurrent-requests`` (POST routes; never the probes)."""
+        started = time.perf_counter()
+        claimed = idempotency.current.set(None)
+        try:
+            with self.admission.admit() if admit else nullcontext():
+                response = await render.respond(await work())
+                await _keep_answer(response)
+        except idempotency.Replay as replay:
+            response = Response(replay.body, status_code=replay.status,
+                                media_type="application/json",
+                                headers={"Idempotent-Replayed": "true"})
+        except Exception as exc:  # mapped, or re-raised by from_exception if it is a bug
+            response = edge.error_response(route, from_exception(exc))
+            await _keep_answer(response)
+        finally:
+            idempotency.current.reset(claimed)
+        self.requests.labels(route, str(response.status_code)).inc()
+        self.seconds.labels(route).observe(time.perf_counter() - started)
+        return response
+
+    async def serve(self, request: Request, route: str, prepare: Callable[[bytes], Any],
+                    check: Check, build: Build) -> Response:
+        """A route that sends its body's job to a queue: ``check`` the queue's config before
+        anything is sent, then ``build`` the answer from the results."""
+        async def work() -> render.Later:
+            body, job = await self.read(request, prepare)
+            queue = self.queue_of(body.model)
+            model = body.model or self.default_model()
+            config = await self.config(queue)
+            check(config, model, job)
+            return build(await self.infer(request, queue, job), body, model, config)
+        return await self.answer(route, work, admit=True)
+
+    async def health(self) -> Response:
+        """``GET /health`` (and TEI's ``GET /``): each queue's length while its Redis answers."""
+        async def work() -> dict[str, Any]:
+            lengths = {q: await self.ask(q, AsyncClient.queue_length) for q in self.queues}
+            return {"status": "ok", "queue_lengths": lengths}
+        return await self.answer("/health", work)
+
+
+async def _keep_answer(response: Response) -> None:
+    """Store a 200 under the request's Idempotency-Key (if it claimed one); free its lease."""
+    claim = idempotency.current.get()
+    if claim is None:
+        return
+    idempotency.current.set(None)
+    if response.status_code == 200:
+        await claim.store(response.status_code, bytes(response.body))
+    await claim.release()
 
 
 async def watched(request: Request, work: Awaitable[T]) -> T:
@@ -184,65 +243,8 @@ def create_app(settings: ServeSettings) -> FastAPI:
     app.state.gateway = gateway
     edge.install(app, settings)
 
-    async def answer(
-        route: str, shape: Shape, work: Callable[[], Awaitable[Any]], admit: bool = False
-    ) -> Response:
-        """Run a route's work; every failure in the route's own error shape. ``admit``: it counts
-        against ``--max-concurrent-requests`` (POST routes; never the probes)."""
-        started = time.perf_counter()
-        claimed = idempotency.current.set(None)
-        try:
-            with gateway.admission.admit() if admit else nullcontext():
-                response = await render.respond(await work())
-                await keep_answer(response)
-        except idempotency.Replay as replay:
-            response = Response(replay.body, status_code=replay.status,
-                                media_type="application/json",
-                                headers={"Idempotent-Replayed": "true"})
-        except Exception as exc:  # mapped, or re-raised by from_exception if it is a bug
-            error = from_exception(exc)
-            response = JSONResponse(shape(error), status_code=error.status,
-                                    headers=error.headers)
-            await keep_answer(response)
-        finally:
-            idempotency.current.reset(claimed)
-        gateway.requests.labels(route, str(response.status_code)).inc()
-        gateway.seconds.labels(route).observe(time.perf_counter() - started)
-        return response
-
-    async def keep_answer(response: Response) -> None:
-        """Store a 200 under the request's Idempotency-Key (if it claimed one); free its lease."""
-        claim = idempotency.current.get()
-        if claim is None:
-            return
-        idempotency.current.set(None)
-        if response.status_code == 200:
-            await claim.store(response.status_code, bytes(response.body))
-        await claim.release()
-
-    app.state.answer = answer  # for the routes of other modules (openai_api)
-    app.include_router(openai_api.router)
-    app.include_router(sparse_api.router(gateway, answer))
-
-    async def openai_embeddings(request: Request, route: str) -> Response:
-        async def work() -> Response:
-            body, job = await gateway.read(request, schemas.openai_request)
-            queue = gateway.queue_of(body.model)
-            schemas.require_embeddings(await gateway.config(queue), body.model)
-            results = await gateway.infer(request, queue, job)
-            response = await render.respond(render.Later(
-                schemas.openai_answer, results, body.model, body.encoding_format))
-            response.headers.update(schemas.truncation_headers(results))
-            return response
-        return await answer(route, ApiError.openai_body, work, admit=True)
-
-    @app.post("/v1/embeddings")
-    async def openai_route(request: Request) -> Response:
-        return await openai_embeddings(request, "/v1/embeddings")
-
-    @app.post("/embeddings")
-    async def infinity_route(request: Request) -> Response:
-        return await openai_embeddings(request, "/embeddings")
+    for module in (openai_api, sparse_api, tei_api):
+        app.include_router(module.router)
 
     @app.get("/info")
     async def info() -> Response:
@@ -265,15 +267,13 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 "queue": queue,
                 "models": gateway.models or {gateway.default_model(): queue},
             }
-        return await answer("/info", ApiError.tei_body, work)
+        return await gateway.answer("/info", work)
 
     @app.get("/health")
     @app.get("/livez")  # the worker's name for its liveness probe: one probe config for both
+    @app.get("/ping")  # TEI's (SageMaker's)
     async def health() -> Response:
-        async def work() -> dict[str, Any]:
-            lengths = {q: await gateway.ask(q, AsyncClient.queue_length) for q in gateway.queues}
-            return {"status": "ok", "queue_lengths": lengths}
-        return await answer("/health", ApiError.tei_body, work)
+        return await gateway.health()
 
     @app.get("/ready")
     @app.get("/readyz")  # the worker's name
@@ -285,13 +285,11 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 raise ApiError(503, f"no live worker serves queue(s) {', '.join(idle)}",
                                code="no_worker")
             return {"status": "ready", "workers": alive}
-        return await answer("/ready", ApiError.tei_body, work)
+        return await gateway.answer("/ready", work)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.include_router(tei_api.router(gateway, answer, health))  # /embed, POST /, /tokenize ...
     openapi.describe(app)
     return app
-

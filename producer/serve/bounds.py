@@ -100,15 +100,14 @@ class Parser:
     C JSON decoder holds the GIL; a thread would stop the loop). ``prepare`` must be
     module-level (pickled by name)."""
 
-    def __init__(self, processes: int = PARSE_PROCESSES) -> None:
-        self.processes = processes
+    def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
 
     async def run(self, raw: bytes, prepare: Callable[[bytes], T]) -> T:
         if len(raw) <= OFFLOAD_BYTES:
             return prepare(raw)
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.processes, get_context("spawn"),
+            self._pool = ProcessPoolExecutor(PARSE_PROCESSES, get_context("spawn"),
                                              initializer=_parser_started, initargs=(os.getpid(),))
         try:
             outcome = await asyncio.get_running_loop().run_in_executor(

@@ -1,10 +1,10 @@
 """How a route's job reaches its queue: no live worker (503, or ``--cold-start-s``), retried
-requests (``Idempotency-Key``), a Redis gone (every wait ends within ~1.5 s). 0033-gateway-503s."""
+requests (``Idempotency-Key``, :mod:`.idempotency`), a Redis gone (every wait ends within
+~1.5 s). 0033-gateway-503s."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from typing import Any, TypeVar
@@ -24,27 +24,6 @@ PROBE_S = 0.25  # how often a waiting request's queue is asked whether its Redis
 
 PROBE_TIMEOUT_S = 1.0
 """How long a probe waits for ``XLEN``: a Redis silent that long is gone or frozen."""
-
-IDEMPOTENCY_HEADER = "idempotency-key"
-"""The header OpenAI's API and Stripe-style clients name a retried request with."""
-
-MAX_KEY_CHARS = 255  # the longest ``Idempotency-Key`` taken (OpenAI's and Stripe's own limit)
-
-
-def body_digest(body: bytes) -> bytes:
-    """What :func:`idempotent_ids` knows of a body (kept instead of the body itself)."""
-    return hashlib.sha256(body).digest()
-
-
-def idempotent_ids(key: str, queue: str, digest: bytes, count: int) -> list[str]:
-    """``count`` request ids (32 hex digits) that only this key, queue and body produce (a key
-    reused for another body is other work)."""
-    if not 0 < len(key) <= MAX_KEY_CHARS:
-        raise ApiError(400, f"Idempotency-Key: 1 to {MAX_KEY_CHARS} characters",
-                       param="Idempotency-Key", code="invalid_idempotency_key")
-    base = hashlib.sha256(b"\0".join((key.encode(), queue.encode(), digest))).digest()
-    return [hashlib.sha256(base + index.to_bytes(8, "big")).hexdigest()[:32]
-            for index in range(count)]
 
 
 def no_worker(queue: str, why: str) -> ApiError:
@@ -149,11 +128,11 @@ async def deliver(
                 _cold_start(queue, client, work, cold_start_s, liveness)))
         return await reachability.watch(queue, client, work)
     except BrokerUnavailable as down:  # Redis went after (or while) the job was written
-        raise left_queued(from_exception(down), unique) from down
+        raise no_retry(from_exception(down), unique is None) from down
     except DeadlineExceeded as late:  # the replies say so: a retry of the key reads them again
-        raise too_late(from_exception(late), unique) from late
+        raise no_retry(from_exception(late), unique is not None) from late
     except ApiError as error:
-        raise left_queued(error, unique) from None
+        raise no_retry(error, unique is None and error.status >= 500) from None
     finally:
         work.cancel()  # a no-op once it is done
 
@@ -171,18 +150,10 @@ async def _cold_start(queue: str, client: AsyncClient, work: asyncio.Future[Any]
         await asyncio.wait({work}, timeout=WORKER_POLL_S)
 
 
-def left_queued(error: ApiError, unique: list[str] | None) -> ApiError:
-    """``error`` for a request whose entries may stay queued: without an ``Idempotency-Key`` a
-    retry would queue them again, so ``x-should-retry: false`` (the OpenAI SDK obeys it)."""
-    if unique is None and error.status >= 500:
-        error.headers = {**error.headers, "x-should-retry": "false"}
-    return error
-
-
-def too_late(error: ApiError, unique: list[str] | None) -> ApiError:
-    """``error`` for replies ``deadline_exceeded``: under an ``Idempotency-Key`` a retry reads
-    the same replies, so ``x-should-retry: false``."""
-    if unique is not None:
+def no_retry(error: ApiError, when: bool) -> ApiError:
+    """``error`` with ``x-should-retry: false`` (the OpenAI SDK obeys it) ``when`` a retry
+    would queue the entries again (no ``Idempotency-Key``) or read the same expired replies."""
+    if when:
         error.headers = {**error.headers, "x-should-retry": "false"}
     return error
 

@@ -124,10 +124,12 @@ def from_exception(
 
 
 def _param(exc: BadRequest | RemoteError, message: str | None = None) -> str | None:
-    """The parameter ``exc`` names; a worker's reply without ``param`` names it in the text."""
+    """The parameter ``exc`` names; a worker's reply without ``param`` names it first in the
+    text, when that is an option's name."""
     if exc.param is not None or message is None:
         return exc.param
-    return _named_option_of_old_worker(message.removeprefix(_OPTION_PREFIX))
+    match = re.match(r"(\w+)", message.removeprefix(_OPTION_PREFIX))
+    return match.group(1) if match and match.group(1) in WORKER_OPTIONS else None
 
 
 def _client_fault(
@@ -140,9 +142,3 @@ def _client_fault(
     if not message.startswith(param):
         message = f"{param}: {message}"
     return ApiError(422, message, param=param, code=code)
-
-
-def _named_option_of_old_worker(message: str) -> str | None:
-    """The first word of ``message`` when that is an option's name."""
-    match = re.match(r"(\w+)", message)
-    return match.group(1) if match and match.group(1) in WORKER_OPTIONS else None

@@ -27,12 +27,14 @@ SETTLE_TIMEOUT_S = 1.0
 LEASE_GRACE_S = 2.0
 """How long past ``--timeout-s`` a computing request's lease lasts (its store, its cleanup)."""
 
-HEADER = "Idempotency-Key"  # the header's name as errors name it (``param``)
+HEADER = "Idempotency-Key"  # OpenAI's API and Stripe-style clients name a retried request so
+
+MAX_KEY_CHARS = 255  # the longest key taken (OpenAI's and Stripe's own limit)
 
 log = logging.getLogger("tokenq.serve")
 
 current: ContextVar[Claim | None] = ContextVar("tokenq_idempotency_claim", default=None)
-"""The claim of the request being answered, for the route's answer to store (app.answer)."""
+"""The claim of the request being answered, for the route's answer to store (Gateway.answer)."""
 
 
 @dataclass
@@ -85,6 +87,22 @@ class Claim:
             log.debug("could not drop an Idempotency-Key's lease; it expires")
 
 
+def body_digest(body: bytes) -> bytes:
+    """What :func:`request_ids` knows of a body (kept instead of the body itself)."""
+    return hashlib.sha256(body).digest()
+
+
+def request_ids(key: str, queue: str, digest: bytes, count: int) -> list[str]:
+    """``count`` request ids (32 hex digits) that only this key, queue and body produce (a key
+    reused for another body is other work)."""
+    if not 0 < len(key) <= MAX_KEY_CHARS:
+        raise ApiError(400, f"{HEADER}: 1 to {MAX_KEY_CHARS} characters", param=HEADER,
+                       code="invalid_idempotency_key")
+    base = hashlib.sha256(b"\0".join((key.encode(), queue.encode(), digest))).digest()
+    return [hashlib.sha256(base + index.to_bytes(8, "big")).hexdigest()[:32]
+            for index in range(count)]
+
+
 def key_digest(key: str) -> str:
     """The ``<h>`` of a key's Redis names: the client's text, of any characters, hashed."""
     return hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -120,8 +138,11 @@ async def claim(
             # the first to claim, or the first attempt is gone: take over its requests
             if await client.command("set", lease, token, nx=True, px=lease_ms):
                 return own
-            if time.monotonic() >= until:
-                raise in_flight()
+            if time.monotonic() >= until:  # the first attempt still computes (the IETF draft's 409)
+                raise ApiError(409, f"a request with this {HEADER} is still being answered; "
+                               "retry later for its answer", param=HEADER,
+                               code="idempotency_key_in_flight",
+                               headers={"Retry-After": "1", "x-should-retry": "true"})
             await asyncio.sleep(POLL_S)
     except redis.ResponseError as refused:
         log.warning("could not claim an Idempotency-Key (%s); answering without storing "
@@ -139,9 +160,3 @@ def _check(held: dict[str, object], fp: bytes) -> None:
     if isinstance(status, int) and isinstance(body, bytes):
         raise Replay(status, body)
 
-
-def in_flight() -> ApiError:
-    """The first attempt still computes: retry later (409, as the IETF draft has it)."""
-    return ApiError(409, f"a request with this {HEADER} is still being answered; retry "
-                    "later for its answer", param=HEADER, code="idempotency_key_in_flight",
-                    headers={"Retry-After": "1", "x-should-retry": "true"})

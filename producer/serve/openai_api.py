@@ -3,19 +3,24 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ConfigDict, Field, PlainValidator
 from typing_extensions import NotRequired, TypedDict
 
-from tokenq.producer.serve import openapi, render, scores
+from tokenq.producer import Result
+from tokenq.producer.serve import render, schemas, scores
 from tokenq.producer.serve.bounds import kind
-from tokenq.producer.serve.errors import ApiError, empty, invalid
-from tokenq.producer.serve.schemas import Body, Job, parse
+from tokenq.producer.serve.errors import empty, invalid
+from tokenq.producer.serve.schemas import Body, Job, parse_job
+
+if TYPE_CHECKING:
+    from tokenq.producer.serve.app import Build
 
 router = APIRouter()
 
@@ -74,10 +79,7 @@ def rerank_job(body: RerankBody) -> Job:
     return Job([(body.query, text) for text in body.documents], {}, "documents")
 
 
-def rerank_request(raw: bytes) -> tuple[Rerank, Job]:
-    """The body and its job (module level: bounds.Parser pickles it by name)."""
-    body = parse(Rerank, raw)
-    return body, rerank_job(body)
+rerank_request = functools.partial(parse_job, Rerank, rerank_job)
 
 
 def ranked(body: RerankBody, results: list[Any], return_documents: bool = False
@@ -98,28 +100,26 @@ def tokens_of(results: list[Any]) -> int:
     return sum(result.tokens or 0 for result in results)
 
 
-def rerank_answer(body: Rerank, model: str, results: list[Any]) -> dict[str, Any]:
+def rerank_answer(results: list[Any], body: Rerank, model: str) -> dict[str, Any]:
     """Cohere's v1 answer, with OpenAI's ``object``, ``model`` and ``usage`` beside it."""
     tokens = tokens_of(results)
     return {"object": "list", "results": ranked(body, results, body.return_documents),
             "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-async def serve_rerank(request: Request, route: str, read: Callable[[bytes], tuple[Any, Job]],
-                       answer: Callable[..., Any], shape: Callable[[ApiError], Any]
-                       ) -> Response:
-    """A Cohere-style rerank route: ``read`` parses the body, ``answer(body, model,
-    results)`` writes the answer, ``shape`` the errors; refused before anything is queued
-    unless the queue's model is a reranker."""
-    gateway = request.app.state.gateway
+def _later(answer: Callable[[list[Result], Any, str], Any]) -> Build:
+    """``answer(results, body, model)`` to build off the event loop."""
+    return lambda results, body, model, config: render.Later(answer, results, body, model)
 
-    async def work() -> render.Later:
-        body, job = await gateway.read(request, read)
-        queue = gateway.queue_of(body.model)
-        scores.require_reranker(await gateway.config(queue))
-        results = await gateway.infer(request, queue, job)
-        return render.Later(answer, body, body.model or gateway.default_model(), results)
-    return await request.app.state.answer(route, shape, work, admit=True)
+
+@router.post("/v1/embeddings")
+@router.post("/embeddings")  # Infinity's
+async def embeddings(request: Request) -> Response:
+    return await request.app.state.gateway.serve(
+        request, request.url.path, schemas.openai_request, schemas.require_embeddings,
+        lambda results, body, *_: render.Later(
+            schemas.openai_answer, results, body.model, body.encoding_format,
+            headers=schemas.truncation_headers(results)))
 
 
 def model_card(name: str) -> dict[str, Any]:
@@ -133,7 +133,7 @@ async def list_models(request: Request) -> Response:
     async def work() -> dict[str, Any]:
         names = list(gateway.models) or [gateway.default_model()]
         return {"object": "list", "data": [model_card(name) for name in names]}
-    return await request.app.state.answer("/v1/models", ApiError.openai_body, work)
+    return await gateway.answer("/v1/models", work)
 
 
 @router.get("/v1/models/{model:path}")
@@ -143,13 +143,13 @@ async def get_model(request: Request, model: str) -> Response:
     async def work() -> dict[str, Any]:
         gateway.queue_of(model)  # 404 for a name --models does not list; without it any
         return model_card(model)  # name is served by --queue, as /v1/embeddings takes it
-    return await request.app.state.answer("/v1/models/{model}", ApiError.openai_body, work)
+    return await gateway.answer("/v1/models/{model}", work)
 
 
 @router.post("/v1/rerank")
 async def rerank(request: Request) -> Response:
-    return await serve_rerank(request, "/v1/rerank", rerank_request, rerank_answer,
-                              ApiError.openai_body)
+    return await request.app.state.gateway.serve(request, "/v1/rerank", rerank_request,
+                                                 scores.require_reranker, _later(rerank_answer))
 
 
 class RelevantSpans(TypedDict):
@@ -168,16 +168,18 @@ class RerankV2(RerankBody):
     priority: Annotated[int, Field(ge=0)] | None = None  # accepted, unused: not tokenq's classes
 
 
-def rerank_v2_request(raw: bytes) -> tuple[RerankV2, Job]:
-    """The body and its job (module level: bounds.Parser pickles it by name)."""
-    body = parse(RerankV2, raw)
+def rerank_v2_job(body: RerankV2) -> Job:
+    """:func:`rerank_job`; ``relevant_spans`` are not served."""
     if body.relevant_spans is not None and body.relevant_spans["mode"] == "enabled":
         raise invalid("relevant_spans", "not served: a cross-encoder scores whole documents "
                       "and finds no spans; leave it out or send mode 'disabled'")
-    return body, rerank_job(body)
+    return rerank_job(body)
 
 
-def rerank_v2_answer(body: RerankV2, model: str, results: list[Any]) -> dict[str, Any]:
+rerank_v2_request = functools.partial(parse_job, RerankV2, rerank_v2_job)
+
+
+def rerank_v2_answer(results: list[Any], body: RerankV2, model: str) -> dict[str, Any]:
     """Cohere's v2 answer (``model`` is not part of it)."""
     return {"id": str(uuid.uuid4()), "results": ranked(body, results), "meta": {
         "api_version": {"version": API_VERSION},
@@ -186,15 +188,6 @@ def rerank_v2_answer(body: RerankV2, model: str, results: list[Any]) -> dict[str
 
 @router.post("/v2/rerank")
 async def rerank_v2(request: Request) -> Response:
-    return await serve_rerank(request, "/v2/rerank", rerank_v2_request, rerank_v2_answer,
-                              ApiError.cohere_body)
+    return await request.app.state.gateway.serve(request, "/v2/rerank", rerank_v2_request,
+                                                 scores.require_reranker, _later(rerank_v2_answer))
 
-
-openapi.describe_route("post", "/v1/rerank", Rerank, openapi.RerankList, openapi.OpenAIError,
-                       "Cohere/Jina-style rerank")
-openapi.describe_route("get", "/v1/models", None, openapi.ModelList, openapi.OpenAIError,
-                       "OpenAI: the models served")
-openapi.describe_route("get", "/v1/models/{model}", None, openapi.ModelCard,
-                       openapi.OpenAIError, "OpenAI: one model", statuses=(401, 404, 503))
-openapi.describe_route("post", "/v2/rerank", RerankV2, openapi.RerankV2Answer,
-                       openapi.CohereError, "Cohere v2 rerank")

@@ -11,10 +11,10 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, TypeAdapter
+from pydantic import TypeAdapter
 from typing_extensions import NotRequired, TypedDict
 
-from tokenq.producer.serve import schemas, scores, tei_api
+from tokenq.producer.serve import openai_api, schemas, scores, sparse_api, tei_api
 from tokenq.producer.serve.errors import ApiError, body_for
 
 ERROR_STATUSES = {
@@ -179,57 +179,48 @@ Predictions = list[Prediction] | list[list[Prediction]]
 
 @dataclass(frozen=True)
 class Route:
-    """What one route takes and answers, for the document."""
+    """What one route takes and answers, for the document (its errors: its path's family)."""
 
     body: Any  # the body's pydantic model (or a union); None for a GET
     answer: Any  # the 200 answer's type
-    error: type = TEIError
-    summary: str = ""
+    summary: str
     statuses: tuple[int, ...] | None = None  # None: ERROR_STATUSES for a POST, else GET's
 
 
-_TEI_POST = {
-    "/embed": Route(schemas.TEIEmbed, Embeddings, summary="TEI: embeddings"),
-    "/rerank": Route(scores.TEIRerank, list[Rank], summary="TEI: rerank texts against a query"),
-    "/predict": Route(scores.TEIPredict, Predictions, summary="TEI: classify"),
-    "/similarity": Route(tei_api.TEISimilarity, list[float],
-                         summary="TEI: cosine of a sentence with others"),
-    "/tokenize": Route(tei_api.TEITokenize, list[list[SimpleToken]],
-                       summary="TEI: the queue's tokenizer"),
-    "/decode": Route(tei_api.TEIDecode, list[str], summary="TEI: ids back to text"),
-    "/": Route(schemas.TEIEmbed | tei_api.TEISimilarity | scores.TEIPredict | scores.TEIRerank,
-               Embeddings | list[float] | Predictions | list[Rank],
-               summary="TEI: the route of the model's kind (embed or similarity, predict, "
-                       "rerank)"),
-}
-_OPENAI_POST = {
-    path: Route(schemas.OpenAIEmbeddings, OpenAIEmbeddingList, OpenAIError,
-                summary="OpenAI (and Infinity): embeddings")
-    for path in ("/v1/embeddings", "/embeddings")
-}
-_GET = {
-    "/info": Route(None, dict[str, Any], summary="TEI: the model and the gateway's limits"),
-    "/health": Route(None, dict[str, Any], summary="200 while Redis answers"),
-    "/": Route(None, dict[str, Any], summary="TEI's health alias"),
-    "/ping": Route(None, dict[str, Any], summary="TEI's (SageMaker's) health alias"),
-    "/ready": Route(None, dict[str, Any], summary="200 while every queue has a live worker"),
-    "/livez": Route(None, dict[str, Any], summary="the worker's name for /health"),
-    "/readyz": Route(None, dict[str, Any], summary="the worker's name for /ready"),
-}
-
+_OPENAI = Route(schemas.OpenAIEmbeddings, OpenAIEmbeddingList,
+                "OpenAI (and Infinity): embeddings")
 ROUTES: dict[tuple[str, str], Route] = {
-    **{("post", path): route
-       for path, route in {**_TEI_POST, **_OPENAI_POST}.items()},
-    **{("get", path): route for path, route in _GET.items()},
+    ("post", "/embed"): Route(schemas.TEIEmbed, Embeddings, "TEI: embeddings"),
+    ("post", "/rerank"): Route(scores.TEIRerank, list[Rank], "TEI: rerank texts against a query"),
+    ("post", "/predict"): Route(scores.TEIPredict, Predictions, "TEI: classify"),
+    ("post", "/similarity"): Route(tei_api.TEISimilarity, list[float],
+                                   "TEI: cosine of a sentence with others"),
+    ("post", "/tokenize"): Route(tei_api.TEITokenize, list[list[SimpleToken]],
+                                 "TEI: the queue's tokenizer"),
+    ("post", "/decode"): Route(tei_api.TEIDecode, list[str], "TEI: ids back to text"),
+    ("post", "/"): Route(
+        schemas.TEIEmbed | tei_api.TEISimilarity | scores.TEIPredict | scores.TEIRerank,
+        Embeddings | list[float] | Predictions | list[Rank],
+        "TEI: the route of the model's kind (embed or similarity, predict, rerank)"),
+    ("post", "/embed_sparse"): Route(sparse_api.TEIPerToken, list[list[SparseValue]],
+                                     "TEI: sparse (SPLADE) embeddings"),
+    ("post", "/embed_all"): Route(sparse_api.TEIPerToken, list[list[list[float]]],
+                                  "TEI: every token's embedding"),
+    ("post", "/v1/embeddings"): _OPENAI,
+    ("post", "/embeddings"): _OPENAI,
+    ("post", "/v1/rerank"): Route(openai_api.Rerank, RerankList, "Cohere/Jina-style rerank"),
+    ("post", "/v2/rerank"): Route(openai_api.RerankV2, RerankV2Answer, "Cohere v2 rerank"),
+    ("get", "/v1/models"): Route(None, ModelList, "OpenAI: the models served"),
+    ("get", "/v1/models/{model}"): Route(None, ModelCard, "OpenAI: one model", (401, 404, 503)),
+    ("get", "/info"): Route(None, dict[str, Any], "TEI: the model and the gateway's limits"),
+    ("get", "/health"): Route(None, dict[str, Any], "200 while Redis answers"),
+    ("get", "/"): Route(None, dict[str, Any], "TEI's health alias"),
+    ("get", "/ping"): Route(None, dict[str, Any], "TEI's (SageMaker's) health alias"),
+    ("get", "/ready"): Route(None, dict[str, Any], "200 while every queue has a live worker"),
+    ("get", "/livez"): Route(None, dict[str, Any], "the worker's name for /health"),
+    ("get", "/readyz"): Route(None, dict[str, Any], "the worker's name for /ready"),
 }
-"""Each described route by (method, path); other modules add theirs with :func:`describe_route`."""
-
-
-def describe_route(method: str, path: str, body: Any, answer: Any, error: type = TEIError,
-                   summary: str = "", statuses: tuple[int, ...] | None = None) -> None:
-    """Publish ``method path``'s body model, answer type and error statuses in the document."""
-    ROUTES[(method.lower(), path)] = Route(body, answer, error, summary, statuses)
-
+"""Each described route by (method, path)."""
 
 _GET_STATUSES = (401, 503)
 
@@ -258,43 +249,31 @@ def describe(app: FastAPI) -> None:
 
 def _complete(spec: dict[str, Any]) -> None:
     components: dict[str, Any] = spec.setdefault("components", {}).setdefault("schemas", {})
-    for path, operations in spec.get("paths", {}).items():
+    for path, operations in spec["paths"].items():
         for method, operation in operations.items():
             name = path.strip("/").replace("/", "_").replace("{", "").replace("}", "")
             operation["operationId"] = f"{method}_{name or 'root'}"
-            route = ROUTES.get((method, path))
-            error = route.error if route else ERROR_BODIES[body_for(path)]
             if path == "/metrics":
                 operation["responses"] = {"200": {
                     "description": "Prometheus text",
                     "content": {"text/plain": {"schema": {"type": "string"}}}}}
                 continue
-            if route is not None:
-                operation["summary"] = route.summary or operation.get("summary", "")
-                operation["responses"] = {"200": _content("the answer", route.answer,
-                                                          components)}
-                if route.body is not None:
-                    operation["requestBody"] = {
-                        "required": True, **_content("the body", route.body, components)}
-            operation.setdefault("responses", {}).pop("422", None)  # FastAPI's own shape
-            statuses = route.statuses if route is not None and route.statuses else (
-                tuple(ERROR_STATUSES) if method == "post" else _GET_STATUSES)
-            for status in statuses:
+            route = ROUTES[(method, path)]  # a route missing here: the document fails its test
+            operation["summary"] = route.summary
+            operation["responses"] = {"200": _content("the answer", route.answer, components)}
+            if route.body is not None:
+                operation["requestBody"] = {
+                    "required": True, **_content("the body", route.body, components)}
+            error = ERROR_BODIES[body_for(path)]
+            for status in route.statuses or (
+                    tuple(ERROR_STATUSES) if method == "post" else _GET_STATUSES):
                 operation["responses"][str(status)] = _content(
                     ERROR_STATUSES[status], error, components)
 
 
 def _content(description: str, kind: Any, components: dict[str, Any]) -> dict[str, Any]:
     """A JSON ``content`` entry for ``kind``, its named parts moved into ``components``."""
-    schema = _schema(kind, components)
-    return {"description": description, "content": {"application/json": {"schema": schema}}}
-
-
-def _schema(kind: Any, components: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(kind, type) and issubclass(kind, BaseModel):
-        schema = kind.model_json_schema(ref_template="#/components/schemas/{model}")
-    else:
-        schema = TypeAdapter(kind).json_schema(ref_template="#/components/schemas/{model}")
+    schema = TypeAdapter(kind).json_schema(ref_template="#/components/schemas/{model}")
     definitions: dict[str, Any] = schema.pop("$defs", {})
     if "title" in schema and schema.get("type") == "object":
         definitions[schema["title"]] = schema
@@ -302,4 +281,4 @@ def _schema(kind: Any, components: dict[str, Any]) -> dict[str, Any]:
     for name, definition in definitions.items():
         if components.setdefault(name, definition) != definition:  # two types, one name: a bug
             raise ValueError(f"two schemas are named {name!r}")
-    return schema
+    return {"description": description, "content": {"application/json": {"schema": schema}}}

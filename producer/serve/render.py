@@ -6,16 +6,12 @@ from __future__ import annotations
 import array
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import Response
 
 MEDIA_TYPE = "application/json"
-
-Answer = Callable[..., Awaitable[Response]]
-"""``create_app``'s ``answer(route, shape, work, admit)``: metrics, admission, error bodies."""
-
 
 class Raw:
     """JSON already encoded (a route that writes its records straight to bytes); a wrapper,
@@ -29,10 +25,11 @@ class Raw:
 
 class Later:
     """An answer to build in the thread that encodes it: ``fn(*args)``, which may raise an
-    ApiError (it is answered as the route's own error)."""
+    ApiError (it is answered as the route's own error); sent with ``headers``."""
 
-    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.fn, self.args = fn, args
+    def __init__(self, fn: Callable[..., Any], *args: Any,
+                 headers: dict[str, str] | None = None) -> None:
+        self.fn, self.args, self.headers = fn, args, headers
 
 
 def encode(value: Any) -> bytes:
@@ -58,13 +55,9 @@ def _dumps(value: Any) -> bytes:
                       separators=(",", ":")).encode("utf-8")
 
 
-def build(value: Any) -> bytes:
-    """``value`` encoded, built first if it is :class:`Later`."""
-    return encode(value.fn(*value.args) if isinstance(value, Later) else value)
-
-
 async def respond(value: Any) -> Response:
-    """A route's answer as a JSON response, built and encoded off the event loop."""
-    if isinstance(value, Response):
-        return value
-    return Response(await asyncio.to_thread(build, value), media_type=MEDIA_TYPE)
+    """A route's answer as a JSON response, built (if :class:`Later`) and encoded off the
+    event loop."""
+    later = value if isinstance(value, Later) else Later(lambda: value)
+    data = await asyncio.to_thread(lambda: encode(later.fn(*later.args)))
+    return Response(data, media_type=MEDIA_TYPE, headers=later.headers)

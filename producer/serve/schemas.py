@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import array
 import base64
+import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Protocol
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
@@ -19,6 +20,8 @@ from tokenq.producer.serve.bounds import TEXT, TEXT_OR_TOKENS, TOKEN, TOKENS
 from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
 from tokenq.shared.queue_config import QueueConfig
 from tokenq.shared.request_options import MAX_DIMENSIONS
+
+T = TypeVar("T")
 
 Dimensions = Annotated[int, Field(ge=0, le=MAX_DIMENSIONS, strict=True)]
 """OpenAI's ``dimensions``; 0 means all of them, as Infinity (whose client sends 0) reads it."""
@@ -71,16 +74,22 @@ class OpenAIEmbeddings(Body):
     truncate: bool | None = None  # TEI's, in ``extra_body``: false refuses an over-long input
 
 
-class TEIEmbed(Body):
-    """``POST /embed`` (text-embeddings-inference)."""
+class TEIPerToken(Body):
+    """``POST /embed_sparse`` and ``/embed_all`` (TEI's ``EmbedSparseRequest`` and
+    ``EmbedAllRequest``): what every TEI body that embeds texts has."""
 
     inputs: TEIInputs
-    normalize: bool = True
     truncate: bool | None = None
     truncation_direction: Direction = "Right"
     prompt_name: str | None = None
-    dimensions: Dimensions | None = None
     model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
+
+
+class TEIEmbed(TEIPerToken):
+    """``POST /embed`` (text-embeddings-inference)."""
+
+    normalize: bool = True
+    dimensions: Dimensions | None = None
 
 
 def parse(model: type[Body], raw: bytes) -> Any:
@@ -94,16 +103,11 @@ def parse(model: type[Body], raw: bytes) -> Any:
         raise invalid(where, first.get("msg", "invalid")) from None
 
 
-def openai_request(raw: bytes) -> tuple[OpenAIEmbeddings, Job]:
-    """``/v1/embeddings``' body and job (module level: bounds.Parser pickles it by name)."""
-    body = parse(OpenAIEmbeddings, raw)
-    return body, openai_job(body)
-
-
-def tei_embed_request(raw: bytes) -> tuple[TEIEmbed, Job]:
-    """``/embed``'s body and job."""
-    body = parse(TEIEmbed, raw)
-    return body, tei_embed_job(body)
+def parse_job(model: type[Body], job: Callable[[Any], T], raw: bytes) -> tuple[Any, T]:
+    """The body as ``model``, and ``job`` of it: a route's ``prepare``, made with
+    ``functools.partial`` of module-level parts (bounds.Parser pickles it by name)."""
+    body = parse(model, raw)
+    return body, job(body)
 
 
 def openai_job(body: OpenAIEmbeddings) -> Job:
@@ -127,6 +131,9 @@ TOKEN_IDS_REFUSED = (
 """Ids of the client's own tokenizer cannot be decoded for the model's (0032-strict-bodies)."""
 
 
+openai_request = functools.partial(parse_job, OpenAIEmbeddings, openai_job)
+
+
 def tei_embed_job(body: TEIEmbed) -> Job:
     """The texts of a TEI request and its options (``normalize`` always: TEI's default is true)."""
     job = tei_job(body, {"normalize": body.normalize})
@@ -135,18 +142,10 @@ def tei_embed_job(body: TEIEmbed) -> Job:
     return job
 
 
-class TEIBody(Protocol):
-    """What every TEI body that embeds texts has (``/embed``, ``/embed_sparse``, ``/embed_all``)."""
-
-    inputs: TEIShape
-    truncate: bool | None
-    prompt_name: str | None
-
-    @property
-    def truncation_direction(self) -> str: ...  # read-only: a body's is a narrower Literal
+tei_embed_request = functools.partial(parse_job, TEIEmbed, tei_embed_job)
 
 
-def tei_job(body: TEIBody, options: dict[str, Any]) -> Job:
+def tei_job(body: TEIPerToken, options: dict[str, Any]) -> Job:
     """A TEI body's texts, with ``options`` and ``truncate`` and ``prompt_name`` when given;
     token ids, an empty list and ``truncation_direction: Left`` are refused."""
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
@@ -171,7 +170,7 @@ def refuse_left(direction: str) -> None:
                       "Left is not supported: the workers keep the start of an input (Right)")
 
 
-def require_embeddings(config: QueueConfig | None, model: str) -> None:
+def require_embeddings(config: QueueConfig | None, model: str, *_: Any) -> None:
     """424 before anything is sent when the queue's config says its model answers scores."""
     if config is not None and config.task not in (None, "embed"):
         raise _not_embeddings(model)

@@ -3,6 +3,7 @@ queue can answer is its config hash's ``task``, ``pairs``, ``labels``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Annotated, Any
@@ -19,7 +20,7 @@ from tokenq.producer.serve.schemas import (
     Job,
     given,
     one_kind,
-    parse,
+    parse_job,
     refuse_left,
 )
 from tokenq.shared.queue_config import QueueConfig
@@ -68,31 +69,28 @@ def rerank_job(body: TEIRerank) -> Job:
     return Job([(body.query, text) for text in body.texts], _options(body), "texts")
 
 
-def rerank_request(raw: bytes) -> tuple[TEIRerank, Job]:
-    """``/rerank``'s body and job (module level: bounds.Parser pickles it by name)."""
-    body = parse(TEIRerank, raw)
-    return body, rerank_job(body)
+def is_batch(body: TEIPredict) -> bool:
+    """As TEI reads ``inputs``: a string or a flat list (``[text]``, ``[text, text_pair]``) is
+    one input, a list of lists a batch."""
+    return not isinstance(body.inputs, str) and not all(isinstance(i, str) for i in body.inputs)
 
 
-def predict_request(raw: bytes) -> tuple[TEIPredict, tuple[Job, bool]]:
-    """``/predict``'s body, its job and whether it is a batch."""
-    body = parse(TEIPredict, raw)
-    return body, predict_job(body)
-
-
-def predict_job(body: TEIPredict) -> tuple[Job, bool]:
-    """The inputs of a predict request, and whether it is a batch: as TEI reads ``inputs``, a
-    string or a flat list (``[text]``, ``[text, text_pair]``) is one input."""
+def predict_job(body: TEIPredict) -> Job:
+    """The inputs of a predict request (:func:`is_batch`)."""
     inputs = body.inputs
     if isinstance(inputs, str):
-        return Job([inputs], _options(body), "inputs"), False
+        return Job([inputs], _options(body), "inputs")
     if not inputs:
         raise empty("inputs")
-    if all(isinstance(item, str) for item in inputs):
+    if not is_batch(body):
         one = _sequence(inputs, "inputs")  # type: ignore[arg-type]
-        return Job([one], _options(body), "inputs"), False
+        return Job([one], _options(body), "inputs")
     items = [_sequence(item, f"inputs[{index}]") for index, item in enumerate(inputs)]
-    return Job(items, _options(body), "inputs"), True
+    return Job(items, _options(body), "inputs")
+
+
+rerank_request = functools.partial(parse_job, TEIRerank, rerank_job)
+predict_request = functools.partial(parse_job, TEIPredict, predict_job)
 
 
 def _sequence(parts: Sequence[str], where: str) -> TextItem:
@@ -104,7 +102,7 @@ def _sequence(parts: Sequence[str], where: str) -> TextItem:
                   "send a batch as a list of those")
 
 
-def require_reranker(config: QueueConfig | None) -> None:
+def require_reranker(config: QueueConfig | None, *_: Any) -> None:
     """424 unless the queue's model is a reranker (TEI refuses any other model, too)."""
     if config is None:
         return  # no worker has described the queue yet: the workers will decide
@@ -116,7 +114,7 @@ def require_reranker(config: QueueConfig | None) -> None:
                       f"{kind}; /rerank needs a cross-encoder run with --task rerank")
 
 
-def require_classifier(config: QueueConfig | None, job: Job) -> None:
+def require_classifier(config: QueueConfig | None, model: str, job: Job) -> None:
     """424 unless the queue's model answers scores, and takes pairs if ``job`` has any."""
     if config is None:
         return

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 from fastapi import APIRouter, Request
@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
 
 from tokenq.producer import Result
-from tokenq.producer.serve import render, schemas, scores
+from tokenq.producer.serve import render, schemas, scores, sparse_api
 from tokenq.producer.serve.bounds import (
     MAX_DECODE_BYTES,
     MAX_TOKENIZE_BYTES,
@@ -28,10 +28,19 @@ from tokenq.producer.serve.bounds import (
     text_bytes,
     text_or_list,
 )
-from tokenq.producer.serve.errors import ApiError, empty, invalid, too_large
-from tokenq.producer.serve.render import Answer, Raw, encode
-from tokenq.producer.serve.schemas import Body, Direction, Job, given, parse, refuse_left
-from tokenq.producer.tokenizer import TokenizerEstimator
+from tokenq.producer.serve.errors import ApiError, empty, invalid
+from tokenq.producer.serve.render import Raw, encode
+from tokenq.producer.serve.schemas import (
+    Body,
+    Direction,
+    Job,
+    given,
+    one_kind,
+    parse,
+    parse_job,
+    refuse_left,
+)
+from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared.queue_config import QueueConfig
 
 if TYPE_CHECKING:
@@ -61,10 +70,6 @@ class TEISimilarity(Body):
     model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
-def _texts(value: Any) -> Any:
-    return text_or_list(value, "inputs", (TEXT,))
-
-
 def _ids(value: Any) -> Any:
     if type(value) is str:
         raise invalid("ids", "expected a list of token ids or a list of such lists")
@@ -78,8 +83,7 @@ def _ids(value: Any) -> Any:
 class TEITokenize(Body):
     """``POST /tokenize``."""
 
-    inputs: Annotated[str | list[str],
-                      PlainValidator(_texts, json_schema_input_type=str | list[str])]
+    inputs: Annotated[str | list[str], one_kind("inputs", TEXT, shape=str | list[str])]
     add_special_tokens: bool = True
     prompt_name: str | None = None
     model: str | None = None
@@ -99,13 +103,8 @@ tokenize_request = functools.partial(parse, TEITokenize)
 decode_request = functools.partial(parse, TEIDecode)
 
 
-def similarity_request(raw: bytes) -> tuple[TEISimilarity, Job]:
-    """``/similarity``'s body and job: the source first, then each sentence."""
-    body = parse(TEISimilarity, raw)
-    return body, similarity_job(body)
-
-
 def similarity_job(body: TEISimilarity) -> Job:
+    """The source first, then each sentence."""
     if not body.inputs.sentences:
         raise empty("inputs.sentences")
     parameters = body.parameters or SimilarityParameters()
@@ -113,6 +112,9 @@ def similarity_job(body: TEISimilarity) -> Job:
     options = given(truncate=parameters.truncate, prompt_name=parameters.prompt_name)
     items = [body.inputs.source_sentence, *body.inputs.sentences]
     return Job(items, options, "inputs")  # type: ignore[arg-type]
+
+
+similarity_request = functools.partial(parse_job, TEISimilarity, similarity_job)
 
 
 def root_embed_request(raw: bytes) -> tuple[Any, Job]:
@@ -223,160 +225,135 @@ class Tokenizers:
     """The queues' tokenizers, loaded once per published path, off the event loop."""
 
     def __init__(self) -> None:
-        self._loaded: dict[str, TokenizerEstimator | str] = {}
-        self._longest: dict[int, int] = {}
+        self._loaded: dict[str, tuple[Any, int] | str] = {}
 
-    async def longest(self, tokenizer: Any) -> int:
-        """UTF-8 bytes of ``tokenizer``'s longest token (added tokens included), once."""
-        key = id(tokenizer)  # the loaded tokenizers live as long as this object
-        if key not in self._longest:
-            self._longest[key] = await asyncio.to_thread(_longest, tokenizer)
-        return self._longest[key]
-
-    async def of(self, config: QueueConfig | None) -> Any:
-        """The ``tokenizers.Tokenizer`` of the queue described by ``config``, or a 422."""
+    async def of(self, config: QueueConfig | None) -> tuple[Any, int]:
+        """The ``tokenizers.Tokenizer`` of the queue described by ``config``, with the UTF-8
+        bytes of its longest token (added tokens included), or a 422."""
         path = config.tokenizer if config is not None else None
         if path is None:
-            raise _tokenizer_error("this queue's workers publish no tokenizer.json "
-                                   "(the sim backend has none; or no worker has started)")
+            raise ApiError(422, "this queue's workers publish no tokenizer.json (the sim "
+                           "backend has none; or no worker has started)", code="tokenizer")
         if path not in self._loaded:
             self._loaded[path] = await asyncio.to_thread(_load, path)
         loaded = self._loaded[path]
         if isinstance(loaded, str):
-            raise _tokenizer_error(f"the gateway cannot load the queue's tokenizer: {loaded}")
-        return loaded.tokenizer
+            raise ApiError(422, f"the gateway cannot use the queue's tokenizer: {loaded}",
+                           code="tokenizer")
+        return loaded
 
 
-def _longest(tokenizer: Any) -> int:
-    return max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=1)
-
-
-def _load(path: str) -> TokenizerEstimator | str:
-    try:
-        return TokenizerEstimator.from_file(path)
-    except ImportError:
-        return "the tokenizers package is not installed (pip install 'tokenq[exact]')"
-    except OSError as exc:
-        return str(exc)
-
-
-def _tokenizer_error(message: str) -> ApiError:
-    return ApiError(422, message, code="tokenizer")
+def _load(path: str) -> tuple[Any, int] | str:
+    loaded = load_estimator(path)
+    if isinstance(loaded, str):
+        return loaded
+    vocab = loaded.tokenizer.get_vocab()
+    return loaded.tokenizer, max((len(token.encode("utf-8")) for token in vocab), default=1)
 
 
 async def _reraise(exc: Exception) -> None:
     raise exc
 
 
-def _check_count(count: int, where: str, limit: int) -> None:
-    if count > limit:
-        raise too_large(where, f"{count} inputs, over --max-client-batch-size {limit}")
+def _check_inputs(count: int, where: str, limit: int) -> None:
+    check_count(count, limit, "inputs", where, "the most --max-client-batch-size allows")
 
 
-def router(gateway: Gateway, answer: Answer, health: Callable[[], Awaitable[Response]]
-           ) -> APIRouter:
-    """TEI's routes but ``/info`` and ``/health`` over ``gateway``, answered through ``answer``;
-    ``health`` answers ``GET /`` and ``/ping`` too."""
-    api = APIRouter()
-    tokenizers = Tokenizers()
-    limit = gateway.settings.max_client_batch_size
+def _vectors(results: list[Result], body: Any, model: str, *_: Any) -> render.Later:
+    """``/embed``'s answer, or ``/similarity``'s for its body."""
+    if isinstance(body, TEISimilarity):
+        return render.Later(similarity_answer, results, model)
+    return render.Later(schemas.tei_answer, results, model)
 
-    async def embed_or_similarity(request: Request, route: str,
-                                  prepare: Callable[[bytes], tuple[Any, Job]]) -> Response:
-        async def work() -> render.Later:
-            body, job = await gateway.read(request, prepare)
-            queue = gateway.queue_of(body.model)
-            model = body.model or gateway.default_model()
-            schemas.require_embeddings(await gateway.config(queue), model)
-            results = await gateway.infer(request, queue, job)
-            if isinstance(body, TEISimilarity):
-                return render.Later(similarity_answer, results, model)
-            return render.Later(schemas.tei_answer, results, model)
-        return await answer(route, ApiError.tei_body, work, admit=True)
 
-    @api.post("/embed")
-    async def embed(request: Request) -> Response:
-        return await embed_or_similarity(request, "/embed", schemas.tei_embed_request)
+router = APIRouter()
 
-    @api.post("/rerank")
-    async def rerank(request: Request) -> Response:
-        async def work() -> render.Later:
-            body, job = await gateway.read(request, scores.rerank_request)
-            queue = gateway.queue_of(body.model)
-            scores.require_reranker(await gateway.config(queue))
-            results = await gateway.infer(request, queue, job)
-            return render.Later(scores.rerank_answer, results, body.texts, body.return_text)
-        return await answer("/rerank", ApiError.tei_body, work, admit=True)
 
-    @api.post("/predict")
-    async def predict(request: Request) -> Response:
-        async def work() -> render.Later:
-            body, (job, batched) = await gateway.read(request, scores.predict_request)
-            queue = gateway.queue_of(body.model)
-            config = await gateway.config(queue)
-            scores.require_classifier(config, job)
-            results = await gateway.infer(request, queue, job)
-            return render.Later(scores.predict_answer, results, batched,
-                                config.labels if config else None)
-        return await answer("/predict", ApiError.tei_body, work, admit=True)
+@router.post("/embed")
+async def embed(request: Request) -> Response:
+    return await request.app.state.gateway.serve(request, "/embed", schemas.tei_embed_request,
+                                                 schemas.require_embeddings, _vectors)
 
-    @api.post("/similarity")
-    async def similarity(request: Request) -> Response:
-        return await embed_or_similarity(request, "/similarity", similarity_request)
 
-    @api.api_route("/", methods=["GET", "POST"])  # one route: a 405 there names both methods
-    async def root(request: Request) -> Response:
-        """TEI's ``POST /``: the route of the default queue's kind; ``GET /``: its health."""
-        if request.method == "GET":
-            return await health()
-        try:
-            config = await gateway.config(gateway.queue_of(None))
-        except Exception as exc:  # Redis down: answered as /embed answers it
-            return await answer("/", ApiError.tei_body, functools.partial(_reraise, exc))
-        task = config.task if config is not None else None
-        if task == "rerank" or (task is None and config is not None and config.pairs):
-            return await rerank(request)
-        if task == "sparse":  # TEI: a SPLADE model's POST / is /embed_sparse
-            from tokenq.producer.serve import sparse_api  # here: sparse_api -> openapi -> us
+@router.post("/rerank")
+async def rerank(request: Request) -> Response:
+    return await request.app.state.gateway.serve(
+        request, "/rerank", scores.rerank_request, scores.require_reranker,
+        lambda results, body, *_: render.Later(scores.rerank_answer, results, body.texts,
+                                               body.return_text))
 
-            return await sparse_api.embed_sparse(gateway, answer, request, "/")
-        if task not in (None, "embed"):
-            return await predict(request)
-        return await embed_or_similarity(request, "/", root_embed_request)
 
-    @api.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        async def work() -> render.Later:
-            body = await gateway.read(request, tokenize_request)
-            texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-            if not texts:
-                raise empty("inputs")
-            _check_count(len(texts), "inputs", limit)
-            config = await gateway.config(gateway.queue_of(body.model))
-            tokenizer = await tokenizers.of(config)
-            if body.prompt_name is not None:
-                prompts = (config.prompts if config is not None else None) or {}
-                if body.prompt_name not in prompts:
-                    raise invalid("prompt_name", f"{body.prompt_name!r} is not one of the "
-                                  f"model's prompts ({', '.join(prompts) or 'none'})")
-                texts = [prompts[body.prompt_name] + text for text in texts]
-            check_count(text_bytes(texts), MAX_TOKENIZE_BYTES, "bytes of text", "inputs",
-                        "/tokenize answers a record per token: send fewer or shorter texts")
-            return render.Later(tokenize_answer, tokenizer, texts, body.add_special_tokens)
-        return await answer("/tokenize", ApiError.tei_body, work, admit=True)
+@router.post("/predict")
+async def predict(request: Request) -> Response:
+    return await request.app.state.gateway.serve(
+        request, "/predict", scores.predict_request, scores.require_classifier,
+        lambda results, body, model, config: render.Later(
+            scores.predict_answer, results, scores.is_batch(body), config and config.labels))
 
-    @api.post("/decode")
-    async def decode(request: Request) -> Response:
-        async def work() -> list[str]:
-            body = await gateway.read(request, decode_request)
-            nested = body.ids and isinstance(body.ids[0], list)
-            rows = cast("list[list[int]]", body.ids if nested else [body.ids])
-            _check_count(len(rows), "ids", limit)
-            tokenizer = await tokenizers.of(await gateway.config(gateway.queue_of(body.model)))
-            check_decode(rows, await tokenizers.longest(tokenizer))
-            return await asyncio.to_thread(tokenizer.decode_batch, rows,
-                                           skip_special_tokens=body.skip_special_tokens)
-        return await answer("/decode", ApiError.tei_body, work, admit=True)
 
-    api.add_api_route("/ping", health, methods=["GET"], name="ping")
-    return api
+@router.post("/similarity")
+async def similarity(request: Request) -> Response:
+    return await request.app.state.gateway.serve(request, "/similarity", similarity_request,
+                                                 schemas.require_embeddings, _vectors)
+
+
+@router.api_route("/", methods=["GET", "POST"])  # one route: a 405 there names both methods
+async def root(request: Request) -> Response:
+    """TEI's ``POST /``: the route of the default queue's kind; ``GET /``: its health."""
+    gateway: Gateway = request.app.state.gateway
+    if request.method == "GET":
+        return await gateway.health()
+    try:
+        config = await gateway.config(gateway.queue_of(None))
+    except Exception as exc:  # Redis down: answered as /embed answers it
+        return await gateway.answer("/", functools.partial(_reraise, exc))
+    task = config.task if config is not None else None
+    if task == "rerank" or (task is None and config is not None and config.pairs):
+        return await rerank(request)
+    if task == "sparse":  # TEI: a SPLADE model's POST / is /embed_sparse
+        return await sparse_api.embed_sparse(request, "/")
+    if task not in (None, "embed"):
+        return await predict(request)
+    return await gateway.serve(request, "/", root_embed_request, schemas.require_embeddings,
+                               _vectors)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+
+    async def work() -> render.Later:
+        body = await gateway.read(request, tokenize_request)
+        texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+        if not texts:
+            raise empty("inputs")
+        _check_inputs(len(texts), "inputs", gateway.settings.max_client_batch_size)
+        config = await gateway.config(gateway.queue_of(body.model))
+        tokenizer, _ = await gateway.tokenizers.of(config)
+        if body.prompt_name is not None:
+            prompts = (config.prompts if config is not None else None) or {}
+            if body.prompt_name not in prompts:
+                raise invalid("prompt_name", f"{body.prompt_name!r} is not one of the "
+                              f"model's prompts ({', '.join(prompts) or 'none'})")
+            texts = [prompts[body.prompt_name] + text for text in texts]
+        check_count(text_bytes(texts), MAX_TOKENIZE_BYTES, "bytes of text", "inputs",
+                    "/tokenize answers a record per token: send fewer or shorter texts")
+        return render.Later(tokenize_answer, tokenizer, texts, body.add_special_tokens)
+    return await gateway.answer("/tokenize", work, admit=True)
+
+
+@router.post("/decode")
+async def decode(request: Request) -> Response:
+    gateway: Gateway = request.app.state.gateway
+
+    async def work() -> list[str]:
+        body = await gateway.read(request, decode_request)
+        nested = body.ids and isinstance(body.ids[0], list)
+        rows = cast("list[list[int]]", body.ids if nested else [body.ids])
+        _check_inputs(len(rows), "ids", gateway.settings.max_client_batch_size)
+        config = await gateway.config(gateway.queue_of(body.model))
+        tokenizer, longest = await gateway.tokenizers.of(config)
+        check_decode(rows, longest)
+        return await asyncio.to_thread(tokenizer.decode_batch, rows,
+                                       skip_special_tokens=body.skip_special_tokens)
+    return await gateway.answer("/decode", work, admit=True)

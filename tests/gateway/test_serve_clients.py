@@ -496,12 +496,12 @@ def test_slow_heads_are_closed_and_a_leaving_client_is_one_log_line(served):
 
 @pytest.mark.unit
 def test_a_key_names_the_same_requests_only_for_the_same_body():
-    from tokenq.producer.serve.delivery import body_digest, idempotent_ids
+    from tokenq.producer.serve.idempotency import body_digest, request_ids
 
-    one = idempotent_ids("k", "q", body_digest(b"{}"), 3)
-    assert one == idempotent_ids("k", "q", body_digest(b"{}"), 3) and len(set(one)) == 3
-    assert not set(one) & set(idempotent_ids("k", "q", body_digest(b"{ }"), 3))
-    assert not set(one) & set(idempotent_ids("k", "q2", body_digest(b"{}"), 3))
+    one = request_ids("k", "q", body_digest(b"{}"), 3)
+    assert one == request_ids("k", "q", body_digest(b"{}"), 3) and len(set(one)) == 3
+    assert not set(one) & set(request_ids("k", "q", body_digest(b"{ }"), 3))
+    assert not set(one) & set(request_ids("k", "q2", body_digest(b"{}"), 3))
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in one)
 
 

@@ -158,8 +158,8 @@ def test_rerank_is_one_pair_per_text_with_its_options():
     ([["a"]], ["a"], True),
 ])
 def test_predict_reads_inputs_as_tei_does(inputs, items, batched):
-    job, is_batch = scores.predict_job(body(scores.TEIPredict, {"inputs": inputs}))
-    assert (job.items, is_batch) == (items, batched)
+    parsed = body(scores.TEIPredict, {"inputs": inputs})
+    assert (scores.predict_job(parsed).items, scores.is_batch(parsed)) == (items, batched)
 
 
 @pytest.mark.parametrize(("inputs", "status", "field"), [
@@ -184,11 +184,13 @@ def test_scoring_routes_refuse_a_queue_whose_model_cannot_answer():
         assert error.status == 424 and error.code == "not_a_reranker"
         assert "re-ranker" in error.message
     pair = schemas.Job([("a", "b")])
-    scores.require_classifier(QueueConfig(task="rerank", pairs=True), pair)
-    scores.require_classifier(QueueConfig(task="classify", pairs=False), schemas.Job(["a"]))
-    embedder = refused(scores.require_classifier, QueueConfig(task="embed"), pair)
+    scores.require_classifier(QueueConfig(task="rerank", pairs=True), "m", pair)
+    scores.require_classifier(QueueConfig(task="classify", pairs=False), "m",
+                              schemas.Job(["a"]))
+    embedder = refused(scores.require_classifier, QueueConfig(task="embed"), "m", pair)
     assert embedder.code == "not_a_classifier"
-    single = refused(scores.require_classifier, QueueConfig(task="classify", pairs=False), pair)
+    single = refused(scores.require_classifier, QueueConfig(task="classify", pairs=False), "m",
+                     pair)
     assert single.param == "inputs" and "pair" in single.message
 
 
@@ -310,7 +312,7 @@ def test_any_json_body_is_a_job_or_an_api_error(value):
         (schemas.OpenAIEmbeddings, schemas.openai_job),
         (schemas.TEIEmbed, schemas.tei_embed_job),
         (scores.TEIRerank, scores.rerank_job),
-        (scores.TEIPredict, lambda parsed: scores.predict_job(parsed)[0]),
+        (scores.TEIPredict, scores.predict_job),
     ]
     for model, build in builders:
         try:
