@@ -22,7 +22,7 @@ from tokenq.worker.backends.base import BackendInfo, TextInput
 from tokenq.worker.backends.chunks import sliding_windows
 from tokenq.worker.backends.hf.encoding import HFEncoding, PromptLengths, pad_rows
 from tokenq.worker.backends.hf.head import EmbeddingHead, SparseHead, build_embedding_head
-from tokenq.worker.backends.hf.host_memory import HeapTrimmer, bound_library_caches
+from tokenq.worker.backends.hf.heap_trim import HeapTrimmer, bound_library_caches
 from tokenq.worker.backends.hf.layout import (
     SentenceTransformerConfig,
     classify_activation,
