@@ -1,9 +1,5 @@
-"""The Hugging Face transformers backend (``--backend hf``): embed, classify, rerank, sparse.
-
-Fast tokenizer; each batch right-padded to its longest row under a mask; eager torch or
-ONNX Runtime (:mod:`.runtime`); float32 rows. Tasks: docs/MODELS.md. Only this package
-imports torch.
-"""
+"""The Hugging Face transformers backend (``--backend hf``): embed, classify, rerank, sparse;
+fast tokenizer, batches right-padded under a mask, eager torch or ONNX Runtime, float32 rows."""
 
 from __future__ import annotations
 
@@ -27,7 +23,6 @@ from tokenq.worker.backends.hf.layout import (
     SentenceTransformerConfig,
     classify_activation,
     read_sentence_transformer_config,
-    read_sparse_config,
     rerank_activation,
 )
 from tokenq.worker.backends.hf.load import ModelSource, resolve_model, tokenizer_json
@@ -74,8 +69,8 @@ class HFBackend:
         self.sparse = sparse
         self._encoder: Encoder | None = encoder
         self._tokenizer = tokenizer
-        # The transformers wrapper sets truncation on the shared Rust tokenizer before
-        # each call, so concurrent calls could truncate with each other's max_length.
+        # Truncation is state on a tokenizer, set before each call (by the transformers
+        # wrapper on the shared Rust one, by the PrefixTokenizer on its own): one call at a time.
         self._tokenizer_lock = threading.Lock()
         self._prefix = PrefixTokenizer(tokenizer.backend_tokenizer, tokenizer.truncation_side)
         self._lowercase = lowercase
@@ -86,7 +81,7 @@ class HFBackend:
             True: tokenizer.num_special_tokens_to_add(pair=True) + 2,
         }
         self._prompt_lengths = PromptLengths(self._prompt_ids, set(tokenizer.all_special_ids))
-        # On the CPU the heap grows with every new batch shape (host_memory explains).
+        # On the CPU the heap grows with every new batch shape (heap_trim explains).
         self._heap = HeapTrimmer() if self.device.type == "cpu" else None
         self._skip_forward = os.environ.get(SKIP_FORWARD_ENV) == "1"
         if self._skip_forward:
@@ -102,11 +97,15 @@ class HFBackend:
     def load(cls, options: HFOptions) -> HFBackend:
         """Load model and tokenizer as ``options`` say; every refusal is a ConfigError."""
         source = resolve_model(options.model)
-        st, sparse = SentenceTransformerConfig(), None
-        if options.task in ("embed", "rerank"):
+        if options.task == "sparse" and options.runtime == "onnx":
+            raise ConfigError(
+                f"model {source.name!r}: --task sparse runs on --runtime torch only "
+                "(the ONNX export does not take a masked-LM head)"
+            )
+        st = SentenceTransformerConfig()
+        if options.task != "classify":
             st = read_sentence_transformer_config(source, options.task)
-        elif options.task == "sparse":
-            st, sparse = _sparse_layout(source, options)
+        sparse = None if st.splade is None else SparseHead(*st.splade)
         tokenizer_path = tokenizer_json(source, st.subfolder)
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device, explicit_device=options.device != "auto")
@@ -298,26 +297,23 @@ def _describe(
     """The model's :class:`BackendInfo`; ``extra`` holds the runtime's facts."""
     task = options.task
     extra = {"hf_task": task, "path": source.location, **extra}
-    activation = "none"
+    activation, labels = "none", ()
     if head is not None:
         extra.update(head.describe())
         dim = head.dim
     elif sparse is not None:
         extra.update(sparse.describe())
         dim = int(config.vocab_size)
-    else:
-        activation = (
+    else:  # a scorer: its activation, and each score's label name
+        activation = extra["activation"] = (
             rerank_activation(source.name, st.activation_fn, config) if task == "rerank"
             else classify_activation(config)
         )
-        extra["activation"] = activation
         dim = int(config.num_labels)
+        names = getattr(config, "id2label", None) or {}
+        labels = tuple(str(names.get(i, i)) for i in range(dim))
     if options.trust_remote_code:
         extra["trust_remote_code"] = True
-    labels: tuple[str, ...] = ()
-    if task in ("classify", "rerank"):  # a classifier's label names by score index
-        names = getattr(config, "id2label", None) or {}
-        labels = tuple(str(names.get(i, i)) for i in range(int(config.num_labels)))
     return BackendInfo(
         name="hf", model=source.name, task=task, max_input_tokens=max_input, padded=True,
         dim=dim, device=device, dtype=dtype, tokenizer=tokenizer_path, pairs=task == "rerank",
@@ -329,24 +325,6 @@ def _describe(
         pooling="+".join(head.modes) if head is not None else None,
         extra=extra,
     )
-
-
-def _sparse_layout(
-    source: ModelSource, options: HFOptions
-) -> tuple[SentenceTransformerConfig, SparseHead]:
-    """A SPLADE model's layout; ``--runtime onnx`` is refused (the export takes no MLM head)."""
-    if options.runtime == "onnx":
-        raise ConfigError(
-            f"model {source.name!r}: --task sparse runs on --runtime torch only "
-            "(the ONNX export does not take a masked-LM head)"
-        )
-    sparse = read_sparse_config(source)
-    st = SentenceTransformerConfig(
-        present=True, subfolder=sparse.subfolder, max_seq_length=sparse.max_seq_length,
-        do_lower_case=sparse.do_lower_case, prompts=sparse.prompts,
-        default_prompt_name=sparse.default_prompt_name,
-    )
-    return st, SparseHead(sparse)
 
 
 def _special_token_layout(tokenizer: Any) -> tuple[int, int] | None:

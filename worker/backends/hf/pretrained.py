@@ -85,17 +85,17 @@ def max_input_tokens(
     positions = getattr(config, "max_position_embeddings", None)
     if positions:
         limits.append(int(positions) - _POSITION_OFFSET.get(config.model_type, 0))
-    if not limits and options.max_input_tokens is None:
-        raise ConfigError(f"model {source.name!r} states no max input length: set max_input_tokens")
-    model_limit = min(limits) if limits else options.max_input_tokens
-    assert model_limit is not None
-    if options.max_input_tokens is None:
-        return model_limit
-    if options.max_input_tokens > model_limit:
+    cap = options.max_input_tokens
+    if cap is None:
+        if not limits:
+            raise ConfigError(
+                f"model {source.name!r} states no max input length: set max_input_tokens"
+            )
+        return min(limits)
+    if limits and cap > min(limits):
         raise ConfigError(
-            f"max_input_tokens {options.max_input_tokens} exceeds model {source.name!r}'s "
-            f"limit of {model_limit}"
+            f"max_input_tokens {cap} exceeds model {source.name!r}'s limit of {min(limits)}"
         )
-    if options.max_input_tokens < tokenizer.num_special_tokens_to_add(pair=False) + 1:
-        raise ConfigError(f"max_input_tokens {options.max_input_tokens} leaves no room for text")
-    return options.max_input_tokens
+    if cap < tokenizer.num_special_tokens_to_add(pair=False) + 1:
+        raise ConfigError(f"max_input_tokens {cap} leaves no room for text")
+    return cap
