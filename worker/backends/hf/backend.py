@@ -25,7 +25,14 @@ from tokenq.worker.backends.hf.layout import (
     read_sentence_transformer_config,
     rerank_activation,
 )
-from tokenq.worker.backends.hf.load import ModelSource, resolve_model, tokenizer_json
+from tokenq.worker.backends.hf.load import (
+    ModelSource,
+    load_pretrained,
+    max_input_tokens,
+    pad_token_id,
+    resolve_model,
+    tokenizer_json,
+)
 from tokenq.worker.backends.hf.options import (
     HFOptions,
     resolve_autocast,
@@ -33,7 +40,6 @@ from tokenq.worker.backends.hf.options import (
     resolve_dtype,
 )
 from tokenq.worker.backends.hf.prefix import PrefixTokenizer
-from tokenq.worker.backends.hf.pretrained import load_pretrained, max_input_tokens, pad_token_id
 from tokenq.worker.backends.hf.runtime import (
     Encoder,
     Runtime,

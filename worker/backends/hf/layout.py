@@ -154,18 +154,12 @@ def _ordered(modules: list[Any], source: ModelSource) -> list[Mapping[str, Any]]
 def _check_order(source: ModelSource, task: str, kinds: list[str]) -> None:
     """Transformer, Pooling, Dense*, Normalize? for embed; Transformer alone for rerank;
     MLMTransformer, SpladePooling for sparse."""
-    if task == "sparse":
-        if kinds != list(_SPARSE_MODULES):
+    fixed = {"rerank": ["Transformer"], "sparse": list(_SPARSE_MODULES)}.get(task)
+    if fixed is not None:
+        if kinds != fixed:
             raise ConfigError(
                 f"model {source.name!r}: sentence-transformers modules {kinds} are not "
-                f"supported for --task sparse (tokenq runs {list(_SPARSE_MODULES)})"
-            )
-        return
-    if task == "rerank":
-        if kinds != ["Transformer"]:
-            raise ConfigError(
-                f"model {source.name!r}: sentence-transformers modules {kinds} are not supported "
-                "for --task rerank (tokenq runs one Transformer module (a cross-encoder))"
+                f"supported for --task {task} (tokenq runs {fixed})"
             )
         return
     supported = ("Transformer", "Pooling", "Dense", "Normalize")

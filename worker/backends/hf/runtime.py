@@ -24,9 +24,8 @@ from tokenq.worker.backends.hf.export import (
     default_cache_dir,
     export,
 )
-from tokenq.worker.backends.hf.load import ModelSource, find_file, join
+from tokenq.worker.backends.hf.load import ModelSource, find_file, join, pad_token_id
 from tokenq.worker.backends.hf.options import HFOptions
-from tokenq.worker.backends.hf.pretrained import pad_token_id
 from tokenq.worker.backends.hf.quantize import (
     CALIBRATION_MAX_TOKENS,
     Encoder,
@@ -39,8 +38,7 @@ log = logging.getLogger(__name__)
 
 Runtime = Literal["torch", "onnx"]
 
-PROBE_TOLERANCE = 1e-4
-"""Largest ONNX-vs-torch difference (relative to the row's largest value, at least 1)."""
+PROBE_TOLERANCE = 1e-4  # largest ONNX-vs-torch difference, relative to max(1, largest value)
 
 
 class TorchEncoder:
@@ -167,7 +165,6 @@ def build_encoder(
     onnx: exported (or reused), checked against torch on a probe batch, and with
     ``--quantize int8`` the gated int8 twin (``finish``: the head the gate compares through).
     """
-    check_quantize(options, runtime)
     uses_type_ids = "token_type_ids" in tokenizer.model_input_names
     logits = options.task != "embed"
     if runtime == "torch":
