@@ -16,7 +16,7 @@ import torch
 from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backends.base import BackendInfo, TextInput
 from tokenq.worker.backends.chunks import sliding_windows
-from tokenq.worker.backends.hf.encoding import HFEncoding, PromptLengths, pad_rows
+from tokenq.worker.backends.hf.encoding import HFEncoding, pad_rows, prompt_lengths
 from tokenq.worker.backends.hf.head import EmbeddingHead, SparseHead, build_embedding_head
 from tokenq.worker.backends.hf.heap_trim import HeapTrimmer, bound_library_caches
 from tokenq.worker.backends.hf.layout import (
@@ -51,9 +51,9 @@ from tokenq.worker.backends.hf.runtime import (
 log = logging.getLogger(__name__)
 
 
+# Benchmarks only (run.py feed): 1 answers zeros instead of running the model, so a worker's
+# own CPU around the forward can be measured.
 SKIP_FORWARD_ENV = "TOKENQ_BENCH_SKIP_FORWARD"
-"""Benchmarks only (``run.py feed``): ``1`` answers zeros instead of running the model, so
-a worker's own CPU around the forward can be measured."""
 
 
 def build_hf_backend(settings: Any) -> HFBackend:
@@ -86,7 +86,7 @@ class HFBackend:
             False: tokenizer.num_special_tokens_to_add(pair=False) + 1,
             True: tokenizer.num_special_tokens_to_add(pair=True) + 2,
         }
-        self._prompt_lengths = PromptLengths(self._prompt_ids, set(tokenizer.all_special_ids))
+        self._prompt_lengths = prompt_lengths(self._prompt_ids, set(tokenizer.all_special_ids))
         # On the CPU the heap grows with every new batch shape (heap_trim explains).
         self._heap = HeapTrimmer() if self.device.type == "cpu" else None
         self._skip_forward = os.environ.get(SKIP_FORWARD_ENV) == "1"
@@ -343,9 +343,8 @@ def _special_token_layout(tokenizer: Any) -> tuple[int, int] | None:
     return None
 
 
-_STICKY_CUDA_ERRORS = (
+_STICKY_CUDA_ERRORS = (  # after these the CUDA context is unusable until the process restarts
     "illegal memory access", "device-side assert", "unspecified launch failure",
     "an illegal instruction", "misaligned address", "uncorrectable ECC error", "device not ready",
     "GPU is lost",
 )
-"""CUDA errors after which the context is unusable until the process restarts."""

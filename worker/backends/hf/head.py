@@ -109,10 +109,7 @@ def load_dense_head(
 ) -> tuple[torch.nn.Sequential | None, int]:
     """The Dense modules in order and the size they end with (None: none); a size
     mismatch is a ConfigError at start-up."""
-    if not configs:
-        return None, in_features
-    modules = []
-    size = in_features
+    modules, size = [], in_features
     for config in configs:
         if config.in_features != size:
             raise ConfigError(
@@ -127,7 +124,7 @@ def load_dense_head(
             raise ConfigError(f"model {source.name!r}: Dense {config.path!r}: {message}") from exc
         modules.append(module)
         size = config.out_features
-    return torch.nn.Sequential(*modules).eval(), size
+    return (torch.nn.Sequential(*modules).eval() if modules else None), size
 
 
 def _dense_weights(

