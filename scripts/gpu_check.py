@@ -421,9 +421,8 @@ def load_torch_model(model: str | None, dtype: str) -> tuple[Any, Any, Path]:
     import torch
 
     from tokenq.worker.backends.hf.layout import read_sentence_transformer_config
-    from tokenq.worker.backends.hf.load import find_file, join, resolve_model
+    from tokenq.worker.backends.hf.load import find_file, join, load_pretrained, resolve_model
     from tokenq.worker.backends.hf.options import HFOptions
-    from tokenq.worker.backends.hf.pretrained import load_pretrained
 
     torch_dtype = {"fp16": torch.float16, "fp32": torch.float32}[dtype]
     source = resolve_model(model)
@@ -571,7 +570,7 @@ def check_onnx_cuda(
         return Check(name, True, missing, skipped=True)
     if budget < backend.info.max_input_tokens:
         return Check(name, False, f"budget {budget} is below the max input length")
-    from tokenq.worker.backends.hf.pretrained import pad_token_id
+    from tokenq.worker.backends.hf.load import pad_token_id
     from tokenq.worker.backends.hf.runtime import TorchEncoder
 
     tokenizer, fp16_model, model_dir = load_torch_model(model, "fp16")

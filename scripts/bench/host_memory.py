@@ -6,7 +6,7 @@ worker's own forward path) over ``--shapes`` distinct shapes drawn from rows
 1-32 x lengths 4-128 (every fourth length, every second past 1,024 shapes, every
 one past 2,016), each in a fresh process, two ways per dtype:
 
-* ``unbounded``: what tokenq did before ``worker/backends/hf/host_memory.py``:
+* ``unbounded``: what tokenq did before ``worker/backends/hf/heap_trim.py``:
   oneDNN's caches at their 1,024-entry default and no heap trimming;
 * ``bounded``: what the worker does now (caches at 256 entries, the heap
   trimmed when the process has grown by the slack).
@@ -53,7 +53,7 @@ def child(dtype: str, mode: str, shapes: int) -> dict[str, Any]:
 
     from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
     from tokenq.worker.backends.hf.encoding import HFEncoding
-    from tokenq.worker.backends.hf.host_memory import resident_bytes
+    from tokenq.worker.backends.hf.heap_trim import resident_bytes
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     backend = HFBackend.load(HFOptions(device="cpu", dtype=dtype))

@@ -35,7 +35,7 @@ import gpu_check  # noqa: E402  (scripts/ is not a package)
 
 from tests.tiny_bert import write_tiny_bert  # noqa: E402
 from tokenq.worker.backends.hf.backend import HFBackend, HFOptions  # noqa: E402
-from tokenq.worker.backends.hf.pretrained import pad_token_id  # noqa: E402
+from tokenq.worker.backends.hf.load import pad_token_id  # noqa: E402
 from tokenq.worker.backends.hf.runtime import TorchEncoder  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -12,16 +12,13 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 
 Task = Literal["embed", "classify", "rerank", "sparse"]
-"""What the model does, as ``--task`` names it: ``embed`` replies carry an embedding;
-``classify`` and ``rerank`` carry scores; ``sparse`` (SPLADE) carries the nonzero
-(token id, weight) pairs of the dense row ``run`` returns."""
+"""``--task``: embed replies carry an embedding, classify and rerank scores, sparse (SPLADE)
+the nonzero (token id, weight) pairs of the dense row ``run`` returns."""
 
 TASKS: tuple[Task, ...] = ("embed", "classify", "rerank", "sparse")
 
 Activation = Literal["none", "sigmoid", "softmax"]
-"""A scoring model's activation over its logits: ``sigmoid`` per score, ``softmax``
-across them, or ``none`` (regression, or logits by design)."""
-ACTIVATIONS: tuple[Activation, ...] = ("none", "sigmoid", "softmax")
+"""A scoring model's activation over its logits (``none``: regression, or logits by design)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,18 +28,14 @@ class BackendInfo:
     name: str  # 'sim', 'hf', or a plugin's own name
     model: str  # id or path, for the config hash and logs
     task: Task
-    max_input_tokens: int
-    """Longest sequence the model accepts, special tokens included."""
-    padded: bool = True
-    """True when a batch costs rows x longest; False for varlen (ragged) kernels."""
+    max_input_tokens: int  # the longest sequence the model accepts, special tokens included
+    padded: bool = True  # a batch costs rows x longest; False for varlen (ragged) kernels
     dim: int | None = None  # embedding size, or number of scores
     device: str = "cpu"
     dtype: str = "float32"
-    tokenizer: str | None = None
-    """Path of a tokenizer.json producers may load for exact estimates, if any."""
+    tokenizer: str | None = None  # a tokenizer.json producers may load for exact estimates
     pairs: bool = False  # takes (text, text_pair) inputs (cross-encoders)
-    normalized: bool = False
-    """Its embeddings are unit length, so a chunked input's combined vector is re-normalised."""
+    normalized: bool = False  # unit-length embeddings (a chunked input's mean re-normalised)
     labels: tuple[str, ...] = ()  # a classifier's name for each score, in order
     raw_vectors: bool = False
     """``run`` returns embeddings before L2 normalisation, so the worker normalises per
@@ -51,18 +44,13 @@ class BackendInfo:
     activation: Activation = "none"
     """What turns a row's raw scores (``run`` always returns the logits) into the scores
     a reply carries by default; a request with ``raw_scores: true`` gets the logits."""
-    prompts: Mapping[str, str] = field(default_factory=dict)
-    """Named prompts (sentence-transformers' ``prompts``): the text each prepends."""
-    default_prompt_name: str | None = None
-    """The prompt a request gets when it names none (sentence-transformers' default)."""
+    prompts: Mapping[str, str] = field(default_factory=dict)  # name -> the text it prepends
+    default_prompt_name: str | None = None  # the prompt of a request that names none
     token_dim: int | None = None
     """Size of each token's vector for ``output: tokens`` (``run`` returns ``length x
     token_dim`` flattened); None: such a request is refused."""
-    pooling: str | None = None
-    """How an embedding model pools its token states (``mean``, ``cls``, ``mean+max``);
-    None: not said. Published as the config's ``pooling`` (the gateway's ``/info``)."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Backend-specific facts for logs and the config hash; the worker never reads them."""
+    pooling: str | None = None  # ``mean``, ``cls``, ``mean+max``...; the gateway's ``/info``
+    extra: dict[str, Any] = field(default_factory=dict)  # facts for logs and the config hash
 
     @property
     def embeds(self) -> bool:
@@ -72,19 +60,15 @@ class BackendInfo:
 
 @dataclass(slots=True)
 class TextInput:
-    """One input sequence, or a (query, passage) pair for a cross-encoder.
-
-    Not frozen: it is made per request on the hot path
-    (docs/decisions/0024-per-request-records-not-frozen.md).
-    """
+    """One input sequence, or a (query, passage) pair for a cross-encoder; not frozen, as it
+    is made per request on the hot path (docs/decisions/0024-per-request-records-not-frozen.md)."""
 
     text: str
     text_pair: str | None = None
     prompt: str = ""
     """Text put before ``text`` (a resolved prompt), tokenized with it so its tokens are
     costed; separate so pooling with ``include_prompt: false`` can tell where it ends."""
-    tokens: bool = False
-    """Answer this input's token embeddings (``BackendInfo.token_dim``), not its pooled one."""
+    tokens: bool = False  # answer its token embeddings (``BackendInfo.token_dim``), not pooled
 
 
 class Encoding(Protocol):
@@ -97,16 +81,20 @@ class Encoding(Protocol):
         ...
 
 
-@runtime_checkable
-class Backend(Protocol):
-    """A model the worker can feed batches to."""
-
-    info: BackendInfo
+class Tokenizer(Protocol):
+    """What tokenizes as a backend does."""
 
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
         """Tokenize inputs, truncated to ``max_length`` when given (in a thread, on read-ahead
         batches); ``ValueError`` only for inputs the backend cannot take at all."""
         ...
+
+
+@runtime_checkable
+class Backend(Tokenizer, Protocol):
+    """A model the worker can feed batches to."""
+
+    info: BackendInfo
 
     def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
         """One float32 1-D array per row, in order; :class:`~tokenq.shared.errors.DeviceOutOfMemory`
@@ -131,13 +119,6 @@ class Windowing(Protocol):
 def windowing_of(backend: Backend) -> Windowing | None:
     """The backend's :class:`Windowing` capability, or None: the one place it is looked up."""
     return backend if isinstance(backend, Windowing) else None
-
-
-class Tokenizer(Protocol):
-    """Anything that tokenizes as :meth:`Backend.tokenize` does (a backend is one)."""
-
-    def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
-        ...
 
 
 @runtime_checkable

@@ -17,8 +17,6 @@ def calibrate_budget(
 ) -> tuple[int, str]:
     """A token budget for ``backend`` and a sentence saying how it was chosen; ``share`` is this
     process's part of the device (``--device-share``, ``--processes-per-device``)."""
-    if not 0 < safety <= 1:
-        raise ValueError(f"safety must be in (0, 1]: {safety}")
     if not 0 < share <= 1:
         raise ValueError(f"share must be in (0, 1]: {share}")
     max_len = int(backend.info.max_input_tokens)

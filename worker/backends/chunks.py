@@ -14,8 +14,6 @@ def sliding_windows(
 ) -> list[tuple[int, ...]]:
     """Windows of at most ``max_length`` tokens of ``ids`` (``prefix + content + suffix``):
     the content cut with ``overlap`` shared tokens, the specials around each; whole if it fits."""
-    if n_prefix < 0 or n_suffix < 0 or n_prefix + n_suffix > len(ids):
-        raise ValueError(f"bad special-token counts {n_prefix}+{n_suffix} for {len(ids)} ids")
     width = max_length - n_prefix - n_suffix
     if width < 1:
         raise ValueError(
@@ -30,8 +28,7 @@ def sliding_windows(
     prefix, suffix = ids[:n_prefix], ids[len(ids) - n_suffix :]
     content = ids[n_prefix : len(ids) - n_suffix]
     stride = width - overlap
-    windows = []
-    start = 0
+    windows, start = [], 0
     while True:
         windows.append(prefix + content[start : start + width] + suffix)
         if start + width >= len(content):
@@ -44,13 +41,7 @@ def combine_chunks(
 ) -> np.ndarray:
     """One input's window embeddings combined by a length-weighted mean (``lengths``: their
     token counts), re-normalised when the model's embeddings are."""
-    if len(vectors) == 0:
-        raise ValueError("combine_chunks needs at least one vector")
-    if len(vectors) != len(lengths):
-        raise ValueError(f"{len(vectors)} vectors but {len(lengths)} lengths")
     weights = np.asarray(lengths, dtype=np.float64)
-    if np.any(weights <= 0):
-        raise ValueError(f"window lengths must be positive: {list(lengths)}")
     stacked = np.stack([np.asarray(v, dtype=np.float64) for v in vectors])
     mean = weights @ stacked / weights.sum()
     if normalize:

@@ -4,6 +4,7 @@ settings) into a Backend, or one :class:`ConfigError` naming the spec and why no
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Callable
@@ -70,14 +71,12 @@ def _plugin_factory(spec: str) -> Callable[[Any], Any]:
         raise ConfigError(
             f"backend {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}"
         ) from exc
-    target: Any = module
-    for part in attr_path.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ConfigError(
-                f"backend {spec!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
+    try:
+        target = functools.reduce(getattr, attr_path.split("."), module)
+    except AttributeError:
+        raise ConfigError(
+            f"backend {spec!r}: module {module_name!r} has no attribute {attr_path!r}"
+        ) from None
     if not callable(target):
         raise ConfigError(
             f"backend {spec!r}: {attr_path!r} is a {type(target).__name__}, not a callable "
@@ -99,32 +98,27 @@ def _call(factory: Callable[[Any], Any], settings: Any, spec: str) -> Any:
 
 
 def _checked(backend: Any, spec: str) -> Backend:
-    """Refuse a factory result that is not a Backend, naming the members it lacks."""
+    """Refuse a factory result that is not a Backend, naming what is wrong with it."""
+    problem = _problem(backend)
+    if problem is not None:
+        raise ConfigError(f"backend {spec!r}: {problem}")
+    return cast(Backend, backend)
+
+
+def _problem(backend: Any) -> str | None:
+    kind = type(backend).__name__
     missing = [name for name in _BACKEND_MEMBERS if not hasattr(backend, name)]
     if missing:
-        raise ConfigError(
-            f"backend {spec!r}: the factory returned a {type(backend).__name__}, which "
-            f"lacks {', '.join(missing)} (see tokenq.worker.backends.base.Backend)"
-        )
+        return (f"the factory returned a {kind}, which lacks {', '.join(missing)} "
+                "(see tokenq.worker.backends.base.Backend)")
     not_callable = [name for name in _BACKEND_MEMBERS[1:] if not callable(getattr(backend, name))]
     if not_callable:
-        raise ConfigError(
-            f"backend {spec!r}: {', '.join(not_callable)} of the returned "
-            f"{type(backend).__name__} must be methods"
-        )
-    if not isinstance(backend.info, BackendInfo):
-        raise ConfigError(
-            f"backend {spec!r}: info must be a tokenq.worker.backends.base.BackendInfo, "
-            f"got {type(backend.info).__name__}"
-        )
-    if backend.info.task not in TASKS:
-        raise ConfigError(
-            f"backend {spec!r}: info.task must be one of {', '.join(TASKS)}, "
-            f"got {backend.info.task!r}"
-        )
-    if backend.info.max_input_tokens < 1:
-        raise ConfigError(
-            f"backend {spec!r}: info.max_input_tokens must be >= 1, "
-            f"got {backend.info.max_input_tokens}"
-        )
-    return cast(Backend, backend)
+        return f"{', '.join(not_callable)} of the returned {kind} must be methods"
+    info = backend.info
+    if not isinstance(info, BackendInfo):
+        return f"info must be a tokenq.worker.backends.base.BackendInfo, got {type(info).__name__}"
+    if info.task not in TASKS:
+        return f"info.task must be one of {', '.join(TASKS)}, got {info.task!r}"
+    if info.max_input_tokens < 1:
+        return f"info.max_input_tokens must be >= 1, got {info.max_input_tokens}"
+    return None

@@ -22,14 +22,9 @@ from tokenq.shared.errors import ConfigError, DeviceOutOfMemory
 from tokenq.worker.backends.base import BackendInfo, Encoding, TextInput
 from tokenq.worker.backends.chunks import combine_chunks, sliding_windows
 
-SIM_FAIL_MARKER = "<<tokenq-sim-fail>>"
-"""A text containing this makes any batch it is in raise ``ValueError``."""
-
-SIM_HANG_MARKER = "<<tokenq-sim-hang>>"
-"""A text with this makes its batch sleep ``hang_s`` seconds (when ``hang_s > 0``)."""
-
-SIM_NAN_MARKER = "<<tokenq-sim-nan>>"
-"""A text containing this gets an all-NaN vector (the rest of its batch is fine)."""
+SIM_FAIL_MARKER = "<<tokenq-sim-fail>>"  # its batch raises ValueError
+SIM_HANG_MARKER = "<<tokenq-sim-hang>>"  # its batch sleeps ``hang_s`` seconds first
+SIM_NAN_MARKER = "<<tokenq-sim-nan>>"  # its vector is all NaN (the rest of its batch is fine)
 
 SPECIAL_TOKENS = 2  # [CLS] text [SEP]
 PAIR_SPECIAL_TOKENS = 3  # [CLS] text [SEP] text_pair [SEP]
@@ -46,8 +41,7 @@ _TOKEN = re.compile(rf"[{_CJK}]|(?:(?![{_CJK}])\w)+|[^\w\s]")
 
 
 _WORD, _IDEOGRAPH, _SPACE, _MARK = 0, 1, 2, 3  # character classes, as _TOKEN sees them
-_SCAN_FROM_CHARS = 256
-"""Texts this long are tokenized by :class:`_ScannedTokens`, shorter ones by the regex."""
+_SCAN_FROM_CHARS = 256  # texts this long are tokenized by _ScannedTokens, shorter by the regex
 
 
 def _class_of(char: str) -> int:
@@ -153,8 +147,7 @@ class SimEncoding:
     kept: tuple[int, int]  # text's content tokens kept[0] to kept[1] - 1 (truncated, a window)
     pair_text: str | None
     pair_kept: int  # how many of pair_text's content tokens were kept (0 without a pair)
-    digest: bytes = field(repr=False)
-    """Hash of the kept tokens, the vector's seed; computed off the device's path."""
+    digest: bytes = field(repr=False)  # the kept tokens' hash, the vector's seed
     fail: bool = False  # the input carried a marker: SIM_FAIL_MARKER, _NAN_, _HANG_
     nan: bool = False
     hang: bool = False
@@ -315,11 +308,7 @@ class SimBackend:
         self.ragged = ragged
         # Counters of completed (or refused) batches, locked: read from another thread.
         self._lock = threading.Lock()
-        self.batches = 0
-        self.rows = 0
-        self.oom_events = 0
-        self.failures = 0
-        self.peak_memory_bytes = 0
+        self.batches = self.rows = self.oom_events = self.failures = self.peak_memory_bytes = 0
         self.busy_s = 0.0
         self.closed = False
         self._oversleep_s = 0.0
@@ -342,9 +331,7 @@ class SimBackend:
     def cost(self, batch: Sequence[SimEncoding]) -> int:
         """Tokens the simulated device pays for a batch (its memory and time driver)."""
         lengths = [encoding.length for encoding in batch]
-        if not lengths:
-            return 0
-        return sum(lengths) if self.ragged else len(lengths) * max(lengths)
+        return sum(lengths) if self.ragged else len(lengths) * max(lengths, default=0)
 
     def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
         """Sleep the modelled time, return one unit vector per row; DeviceOutOfMemory before

@@ -19,18 +19,12 @@ class SimSettings(BackendSettings):
     sim_max_input_tokens: int = Field(2048, ge=1, description="the model's max input length")
     sim_batch_ms: float = Field(0.5, ge=0, description="fixed time per batch, ms")
     sim_token_us: float = Field(0.05, ge=0, description="time per padded token, us")
-    sim_bytes_per_token: int = Field(
-        4096, ge=1, description="device memory per padded token, bytes"
-    )
-    sim_capacity_bytes: int = Field(
-        1 << 30, ge=1, description="device memory; a larger batch raises out-of-memory"
-    )
+    sim_bytes_per_token: int = Field(4096, ge=1, description="device memory per token, bytes")
+    sim_capacity_bytes: int = Field(1 << 30, ge=1, description="device memory; past it, OOM")
     sim_ragged: bool = Field(False, description="behave as a varlen (ragged) model")
     sim_pairs: bool = Field(False, description="take (text, text_pair) inputs like a reranker")
     sim_hang_s: float = Field(
-        0.0, ge=0,
-        description="a batch holding the text <<tokenq-sim-hang>> sleeps this long "
-        "(a hung device, for tests of --batch-timeout-s); 0: the marker is plain text",
+        0.0, ge=0, description="a batch holding <<tokenq-sim-hang>> sleeps this long; 0: off"
     )
 
 

@@ -1,9 +1,5 @@
-"""The Hugging Face transformers backend (``--backend hf``): embed, classify, rerank, sparse.
-
-Fast tokenizer; each batch right-padded to its longest row under a mask; eager torch or
-ONNX Runtime (:mod:`.runtime`); float32 rows. Tasks: docs/MODELS.md. Only this package
-imports torch.
-"""
+"""The Hugging Face transformers backend (``--backend hf``): embed, classify, rerank, sparse;
+fast tokenizer, batches right-padded under a mask, eager torch or ONNX Runtime, float32 rows."""
 
 from __future__ import annotations
 
@@ -20,17 +16,23 @@ import torch
 from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backends.base import BackendInfo, TextInput
 from tokenq.worker.backends.chunks import sliding_windows
-from tokenq.worker.backends.hf.encoding import HFEncoding, PromptLengths, pad_rows
+from tokenq.worker.backends.hf.encoding import HFEncoding, pad_rows, prompt_lengths
 from tokenq.worker.backends.hf.head import EmbeddingHead, SparseHead, build_embedding_head
-from tokenq.worker.backends.hf.host_memory import HeapTrimmer, bound_library_caches
+from tokenq.worker.backends.hf.heap_trim import HeapTrimmer, bound_library_caches
 from tokenq.worker.backends.hf.layout import (
     SentenceTransformerConfig,
     classify_activation,
     read_sentence_transformer_config,
-    read_sparse_config,
     rerank_activation,
 )
-from tokenq.worker.backends.hf.load import ModelSource, resolve_model, tokenizer_json
+from tokenq.worker.backends.hf.load import (
+    ModelSource,
+    load_pretrained,
+    max_input_tokens,
+    pad_token_id,
+    resolve_model,
+    tokenizer_json,
+)
 from tokenq.worker.backends.hf.options import (
     HFOptions,
     resolve_autocast,
@@ -38,7 +40,6 @@ from tokenq.worker.backends.hf.options import (
     resolve_dtype,
 )
 from tokenq.worker.backends.hf.prefix import PrefixTokenizer
-from tokenq.worker.backends.hf.pretrained import load_pretrained, max_input_tokens, pad_token_id
 from tokenq.worker.backends.hf.runtime import (
     Encoder,
     Runtime,
@@ -50,9 +51,9 @@ from tokenq.worker.backends.hf.runtime import (
 log = logging.getLogger(__name__)
 
 
+# Benchmarks only (run.py feed): 1 answers zeros instead of running the model, so a worker's
+# own CPU around the forward can be measured.
 SKIP_FORWARD_ENV = "TOKENQ_BENCH_SKIP_FORWARD"
-"""Benchmarks only (``run.py feed``): ``1`` answers zeros instead of running the model, so
-a worker's own CPU around the forward can be measured."""
 
 
 def build_hf_backend(settings: Any) -> HFBackend:
@@ -74,8 +75,8 @@ class HFBackend:
         self.sparse = sparse
         self._encoder: Encoder | None = encoder
         self._tokenizer = tokenizer
-        # The transformers wrapper sets truncation on the shared Rust tokenizer before
-        # each call, so concurrent calls could truncate with each other's max_length.
+        # Truncation is state on a tokenizer, set before each call (by the transformers
+        # wrapper on the shared Rust one, by the PrefixTokenizer on its own): one call at a time.
         self._tokenizer_lock = threading.Lock()
         self._prefix = PrefixTokenizer(tokenizer.backend_tokenizer, tokenizer.truncation_side)
         self._lowercase = lowercase
@@ -85,8 +86,8 @@ class HFBackend:
             False: tokenizer.num_special_tokens_to_add(pair=False) + 1,
             True: tokenizer.num_special_tokens_to_add(pair=True) + 2,
         }
-        self._prompt_lengths = PromptLengths(self._prompt_ids, set(tokenizer.all_special_ids))
-        # On the CPU the heap grows with every new batch shape (host_memory explains).
+        self._prompt_lengths = prompt_lengths(self._prompt_ids, set(tokenizer.all_special_ids))
+        # On the CPU the heap grows with every new batch shape (heap_trim explains).
         self._heap = HeapTrimmer() if self.device.type == "cpu" else None
         self._skip_forward = os.environ.get(SKIP_FORWARD_ENV) == "1"
         if self._skip_forward:
@@ -102,11 +103,15 @@ class HFBackend:
     def load(cls, options: HFOptions) -> HFBackend:
         """Load model and tokenizer as ``options`` say; every refusal is a ConfigError."""
         source = resolve_model(options.model)
-        st, sparse = SentenceTransformerConfig(), None
-        if options.task in ("embed", "rerank"):
+        if options.task == "sparse" and options.runtime == "onnx":
+            raise ConfigError(
+                f"model {source.name!r}: --task sparse runs on --runtime torch only "
+                "(the ONNX export does not take a masked-LM head)"
+            )
+        st = SentenceTransformerConfig()
+        if options.task != "classify":
             st = read_sentence_transformer_config(source, options.task)
-        elif options.task == "sparse":
-            st, sparse = _sparse_layout(source, options)
+        sparse = None if st.splade is None else SparseHead(*st.splade)
         tokenizer_path = tokenizer_json(source, st.subfolder)
         device = resolve_device(options.device)
         dtype = resolve_dtype(options.dtype, device, explicit_device=options.device != "auto")
@@ -298,26 +303,23 @@ def _describe(
     """The model's :class:`BackendInfo`; ``extra`` holds the runtime's facts."""
     task = options.task
     extra = {"hf_task": task, "path": source.location, **extra}
-    activation = "none"
+    activation, labels = "none", ()
     if head is not None:
         extra.update(head.describe())
         dim = head.dim
     elif sparse is not None:
         extra.update(sparse.describe())
         dim = int(config.vocab_size)
-    else:
-        activation = (
+    else:  # a scorer: its activation, and each score's label name
+        activation = extra["activation"] = (
             rerank_activation(source.name, st.activation_fn, config) if task == "rerank"
             else classify_activation(config)
         )
-        extra["activation"] = activation
         dim = int(config.num_labels)
+        names = getattr(config, "id2label", None) or {}
+        labels = tuple(str(names.get(i, i)) for i in range(dim))
     if options.trust_remote_code:
         extra["trust_remote_code"] = True
-    labels: tuple[str, ...] = ()
-    if task in ("classify", "rerank"):  # a classifier's label names by score index
-        names = getattr(config, "id2label", None) or {}
-        labels = tuple(str(names.get(i, i)) for i in range(int(config.num_labels)))
     return BackendInfo(
         name="hf", model=source.name, task=task, max_input_tokens=max_input, padded=True,
         dim=dim, device=device, dtype=dtype, tokenizer=tokenizer_path, pairs=task == "rerank",
@@ -331,24 +333,6 @@ def _describe(
     )
 
 
-def _sparse_layout(
-    source: ModelSource, options: HFOptions
-) -> tuple[SentenceTransformerConfig, SparseHead]:
-    """A SPLADE model's layout; ``--runtime onnx`` is refused (the export takes no MLM head)."""
-    if options.runtime == "onnx":
-        raise ConfigError(
-            f"model {source.name!r}: --task sparse runs on --runtime torch only "
-            "(the ONNX export does not take a masked-LM head)"
-        )
-    sparse = read_sparse_config(source)
-    st = SentenceTransformerConfig(
-        present=True, subfolder=sparse.subfolder, max_seq_length=sparse.max_seq_length,
-        do_lower_case=sparse.do_lower_case, prompts=sparse.prompts,
-        default_prompt_name=sparse.default_prompt_name,
-    )
-    return st, SparseHead(sparse)
-
-
 def _special_token_layout(tokenizer: Any) -> tuple[int, int] | None:
     """How many special tokens go before and after one sequence, found by a probe (any template)."""
     bare = tokenizer("hello world", add_special_tokens=False)["input_ids"]
@@ -359,9 +343,8 @@ def _special_token_layout(tokenizer: Any) -> tuple[int, int] | None:
     return None
 
 
-_STICKY_CUDA_ERRORS = (
+_STICKY_CUDA_ERRORS = (  # after these the CUDA context is unusable until the process restarts
     "illegal memory access", "device-side assert", "unspecified launch failure",
     "an illegal instruction", "misaligned address", "uncorrectable ECC error", "device not ready",
     "GPU is lost",
 )
-"""CUDA errors after which the context is unusable until the process restarts."""

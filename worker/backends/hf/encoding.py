@@ -43,22 +43,16 @@ def pad_rows(batch: Sequence[HFEncoding], pad_id: int) -> tuple[np.ndarray, ...]
     return ids, mask, type_ids
 
 
-class PromptLengths:
-    """sentence-transformers' prompt length (its ids alone, less a trailing special token),
-    one measurement per prompt text; keeps the ``size`` most recently used."""
+def prompt_lengths(
+    measure: Callable[[str], list[int]], special_ids: set[int], size: int = 1024
+) -> Callable[[str], int]:
+    """sentence-transformers' prompt length (its ids alone, less a trailing special token; 0
+    for no prompt), one measurement per prompt text, the ``size`` most recently used kept."""
+    special = frozenset(special_ids)
 
-    def __init__(
-        self, measure: Callable[[str], list[int]], special_ids: set[int], size: int = 1024
-    ) -> None:
-        special = frozenset(special_ids)
+    @functools.lru_cache(maxsize=size)
+    def length(prompt: str) -> int:
+        ids = measure(prompt)
+        return len(ids) - (1 if ids and ids[-1] in special else 0)
 
-        @functools.lru_cache(maxsize=size)
-        def length(prompt: str) -> int:
-            ids = measure(prompt)
-            return len(ids) - (1 if ids and ids[-1] in special else 0)
-
-        self._length = length
-
-    def __call__(self, prompt: str) -> int:
-        """The prompt's length in tokens (0 for no prompt)."""
-        return self._length(prompt) if prompt else 0
+    return lambda prompt: length(prompt) if prompt else 0

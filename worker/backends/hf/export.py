@@ -12,7 +12,8 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ def _file_identity(path: Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
-class _Exportable(torch.nn.Module):
+class Exportable(torch.nn.Module):
     """The transformer with the positional inputs the graph takes and the one output it gives."""
 
     def __init__(self, model: torch.nn.Module, inputs: Iterable[str], logits: bool) -> None:
@@ -76,24 +77,35 @@ class _Exportable(torch.nn.Module):
 
 def export(model: torch.nn.Module, folder: Path, inputs: tuple[str, ...], *, logits: bool) -> Path:
     """``folder/model.onnx``, exported now unless a whole export is already there."""
-    done = folder / MODEL_FILE
-    if done.is_file():
-        return done
+    if (folder / MODEL_FILE).is_file():
+        return folder / MODEL_FILE
     folder.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with scratch_beside(folder) as scratch:
         _write(model, scratch / MODEL_FILE, inputs, logits=logits)
         _fuse(scratch / MODEL_FILE, getattr(model, "config", None))
-        try:
-            os.rename(scratch, folder)
-        except OSError:  # another worker renamed its export into place first
-            if not done.is_file():
-                raise
-        else:
-            log.info("exported the model to ONNX: %s", folder)
+        log.info("exported the model to ONNX: %s", folder)
+        return rename_into_place(scratch, folder, MODEL_FILE)
+
+
+@contextmanager
+def scratch_beside(folder: Path) -> Iterator[Path]:
+    """A private folder beside ``folder`` to write into, removed afterwards."""
+    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        yield scratch
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return done
+
+
+def rename_into_place(made: Path, folder: Path, name: str) -> Path:
+    """``folder/name`` once ``made`` is renamed to ``folder``; the loser of a race between
+    workers keeps the winner's."""
+    try:
+        os.rename(made, folder)
+    except OSError:
+        if not (folder / name).is_file():
+            raise
+    return folder / name
 
 
 def _write(model: torch.nn.Module, path: Path, inputs: tuple[str, ...], *, logits: bool) -> None:
@@ -114,7 +126,7 @@ def _write(model: torch.nn.Module, path: Path, inputs: tuple[str, ...], *, logit
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.simplefilter("ignore")  # tracer warnings about Python control flow
             torch.onnx.export(
-                _Exportable(model, inputs, logits).eval(), tuple(example[name] for name in inputs),
+                Exportable(model, inputs, logits).eval(), tuple(example[name] for name in inputs),
                 str(path), input_names=list(inputs), output_names=[OUTPUT], dynamic_axes=axes,
                 opset_version=OPSET, do_constant_folding=True, dynamo=False,
             )

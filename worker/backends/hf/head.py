@@ -1,9 +1,5 @@
-"""From token states to the rows an embedding or SPLADE model returns, in float32.
-
-Pooling as sentence-transformers 6's ``Pooling`` (masked, so a row pools the same alone or
-batched; an empty row gives zeros in ``max`` mode, not ``-inf``), then its Dense modules;
-:class:`EmbeddingHead` stops before L2 normalisation, which the pipeline does per request.
-"""
+"""From token states to an embedding or SPLADE model's rows: sentence-transformers' Pooling
+(masked: a row pools the same alone or batched) and Dense modules, before L2 normalisation."""
 
 from __future__ import annotations
 
@@ -17,12 +13,9 @@ import torch
 
 from tokenq.shared.errors import ConfigError
 from tokenq.worker.backends.hf.layout import (
-    DENSE_ACTIVATIONS,
-    POOLING_MODES,
     DenseConfig,
     PoolingMode,
     SentenceTransformerConfig,
-    SparseConfig,
 )
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join
 from tokenq.worker.backends.hf.options import HFOptions
@@ -44,13 +37,7 @@ def pool(
     if skip is not None:
         positions = torch.arange(weights.shape[1], device=weights.device)
         weights = weights * (positions.unsqueeze(0) >= skip.unsqueeze(1))
-    parts = []
-    for mode in modes:
-        pooler = _POOLERS.get(mode)
-        if pooler is None:
-            raise ValueError(f"unknown pooling mode {mode!r}; expected one of {POOLING_MODES}")
-        parts.append(pooler(hidden, weights))
-    return torch.cat(parts, dim=-1)
+    return torch.cat([_POOLERS[mode](hidden, weights) for mode in modes], dim=-1)
 
 
 def _cls(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -104,12 +91,7 @@ class Dense(torch.nn.Module):
     def __init__(self, config: DenseConfig) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(config.in_features, config.out_features, bias=config.bias)
-        cls = getattr(torch.nn, config.activation, None)
-        if config.activation not in DENSE_ACTIVATIONS or not isinstance(cls, type):
-            raise ConfigError(
-                f"Dense activation {config.activation!r} is not a supported torch.nn activation"
-            )
-        self.activation = cls()
+        self.activation = getattr(torch.nn, config.activation)()  # one of DENSE_ACTIVATIONS
         self.use_residual = config.use_residual
         self.residual: torch.nn.Linear | None = None
         if config.use_residual and config.in_features != config.out_features:
@@ -127,10 +109,7 @@ def load_dense_head(
 ) -> tuple[torch.nn.Sequential | None, int]:
     """The Dense modules in order and the size they end with (None: none); a size
     mismatch is a ConfigError at start-up."""
-    if not configs:
-        return None, in_features
-    modules = []
-    size = in_features
+    modules, size = [], in_features
     for config in configs:
         if config.in_features != size:
             raise ConfigError(
@@ -145,7 +124,7 @@ def load_dense_head(
             raise ConfigError(f"model {source.name!r}: Dense {config.path!r}: {message}") from exc
         modules.append(module)
         size = config.out_features
-    return torch.nn.Sequential(*modules).eval(), size
+    return (torch.nn.Sequential(*modules).eval() if modules else None), size
 
 
 def _dense_weights(
@@ -237,9 +216,8 @@ class SparseHead:
     """sentence-transformers' ``SpladePooling``: (MLM logits rows x tokens x vocab, mask) ->
     ``log1p(relu(x))`` (``log1p_relu``: once more), max or sum over tokens; padding zeroed."""
 
-    def __init__(self, config: SparseConfig) -> None:
-        self.strategy = config.strategy
-        self.activation = config.activation
+    def __init__(self, strategy: str, activation: str) -> None:
+        self.strategy, self.activation = strategy, activation
 
     def __call__(self, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         weights = (logits.float() * mask.unsqueeze(-1).float()).relu_().log1p_()

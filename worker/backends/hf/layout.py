@@ -1,14 +1,11 @@
-"""What a sentence-transformers model's own files say it is, read without torch.
-
-Modules, pooling, Dense shapes, prompts, a scorer's activation, and every refusal naming
-the module, key or value; semantics of sentence-transformers 6, legacy keys too.
-"""
+"""What a sentence-transformers model's own files say it is (modules, pooling, Dense, prompts,
+a scorer's activation), read without torch; anything else refused by name."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from tokenq.shared.errors import ConfigError
 from tokenq.worker.backends.base import Activation
@@ -16,9 +13,7 @@ from tokenq.worker.backends.hf.load import ModelSource, join, read_json
 
 PoolingMode = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
 
-POOLING_MODES: tuple[PoolingMode, ...] = (
-    "cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"
-)
+POOLING_MODES: tuple[PoolingMode, ...] = get_args(PoolingMode)
 """Every mode, in the order sentence-transformers concatenates the legacy boolean keys."""
 
 _LEGACY_POOLING_KEYS: dict[str, PoolingMode] = {
@@ -40,7 +35,9 @@ _TRANSFORMER_CONFIGS = tuple(
     for name in ("bert", "roberta", "distilbert", "camembert", "albert", "xlm-roberta", "xlnet")
 )
 # What the Transformer module must compute for each task tokenq can serve from it.
-_TRANSFORMER_TASK = {"embed": "feature-extraction", "rerank": "sequence-classification"}
+_TRANSFORMER_TASK = {
+    "embed": "feature-extraction", "rerank": "sequence-classification", "sparse": "fill-mask"
+}
 _TRANSFORMER_OUTPUT = {"embed": "token_embeddings", "rerank": "scores"}
 # A SentenceTransformer starts with these prompts, empty unless the model's config fills them.
 _EMBED_DEFAULT_PROMPTS = ("query", "document")
@@ -62,8 +59,7 @@ class DenseConfig:
     in_features: int
     out_features: int
     bias: bool = True
-    activation: str = "Tanh"
-    """A ``torch.nn`` class name from :data:`DENSE_ACTIVATIONS` (Tanh when none is saved)."""
+    activation: str = "Tanh"  # a torch.nn class name from DENSE_ACTIVATIONS
     use_residual: bool = False
 
 
@@ -71,7 +67,6 @@ class DenseConfig:
 class SentenceTransformerConfig:
     """What a sentence-transformers model's own files say; all defaults for a plain model."""
 
-    present: bool = False
     subfolder: str = ""  # where the Transformer module's files are ('' for the root)
     pooling: PoolingConfig | None = None
     dense: tuple[DenseConfig, ...] = ()
@@ -81,26 +76,34 @@ class SentenceTransformerConfig:
     prompts: Mapping[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
     activation_fn: str | None = None  # a cross-encoder's, as config_sentence_transformers saved
+    splade: tuple[str, str] | None = None  # a SPLADE model's pooling strategy and activation
 
 
 def read_sentence_transformer_config(
-    source: ModelSource, task: Literal["embed", "rerank"]
+    source: ModelSource, task: Literal["embed", "rerank", "sparse"]
 ) -> SentenceTransformerConfig:
     """Read modules.json and the files it points to (a plain transformers model has none);
     any layout but :func:`_check_order`'s is a ConfigError naming it."""
     modules = read_json(source, "modules.json")
     if not isinstance(modules, list):
+        if task == "sparse":
+            raise ConfigError(
+                f"model {source.name!r} has no modules.json: --task sparse needs a "
+                "sentence-transformers SparseEncoder (MLMTransformer, SpladePooling)"
+            )
         return SentenceTransformerConfig(prompts=_prompts({}, task, source)[0])
     kinds = [(_kind(m), str(m.get("path", "")).strip("/")) for m in _ordered(modules, source)]
     _check_order(source, task, [kind for kind, _ in kinds])
-    subfolder, pooling, dense, normalize = "", None, [], False
+    subfolder, pooling, dense, normalize, splade = "", None, [], False, None
     for kind, path in kinds:
-        if kind == "Transformer":
+        if kind in ("Transformer", "MLMTransformer"):
             subfolder = path
         elif kind == "Pooling":
             pooling = _pooling(source, join(path, "config.json"))
         elif kind == "Dense":
             dense.append(_dense(source, path))
+        elif kind == "SpladePooling":
+            splade = _splade(source, join(path, "config.json"))
         else:
             normalize = True
     transformer = _transformer_config(source, subfolder, task)
@@ -109,11 +112,11 @@ def read_sentence_transformer_config(
     max_seq = transformer.get("max_seq_length")
     activation_fn = model_config.get("activation_fn")
     return SentenceTransformerConfig(
-        present=True, subfolder=subfolder, pooling=pooling, dense=tuple(dense),
+        subfolder=subfolder, pooling=pooling, dense=tuple(dense),
         normalize=normalize, max_seq_length=int(max_seq) if max_seq else None,
         do_lower_case=bool(transformer.get("do_lower_case", False)), prompts=prompts,
         default_prompt_name=default_prompt_name,
-        activation_fn=str(activation_fn) if activation_fn is not None else None,
+        activation_fn=str(activation_fn) if activation_fn is not None else None, splade=splade,
     )
 
 
@@ -149,12 +152,14 @@ def _ordered(modules: list[Any], source: ModelSource) -> list[Mapping[str, Any]]
 
 
 def _check_order(source: ModelSource, task: str, kinds: list[str]) -> None:
-    """Transformer, Pooling, Dense*, Normalize? for embed; Transformer alone for rerank."""
-    if task == "rerank":
-        if kinds != ["Transformer"]:
+    """Transformer, Pooling, Dense*, Normalize? for embed; Transformer alone for rerank;
+    MLMTransformer, SpladePooling for sparse."""
+    fixed = {"rerank": ["Transformer"], "sparse": list(_SPARSE_MODULES)}.get(task)
+    if fixed is not None:
+        if kinds != fixed:
             raise ConfigError(
-                f"model {source.name!r}: sentence-transformers modules {kinds} are not supported "
-                "for --task rerank (tokenq runs one Transformer module (a cross-encoder))"
+                f"model {source.name!r}: sentence-transformers modules {kinds} are not "
+                f"supported for --task {task} (tokenq runs {fixed})"
             )
         return
     supported = ("Transformer", "Pooling", "Dense", "Normalize")
@@ -202,7 +207,7 @@ def _transformer_config(source: ModelSource, subfolder: str, task: str) -> Mappi
             f"(modality_config 'message' in {where}); tokenq tokenizes plain text only"
         )
     output = config.get("module_output_name")
-    if output is not None and output != _TRANSFORMER_OUTPUT[task]:
+    if output is not None and output != _TRANSFORMER_OUTPUT.get(task, output):
         raise ConfigError(
             f"model {source.name!r}: module_output_name {output!r} in {where} is not supported "
             f"(tokenq reads {_TRANSFORMER_OUTPUT[task]!r})"
@@ -259,7 +264,7 @@ def _prompts(
 ) -> tuple[dict[str, str], str | None]:
     """Named prompts as sentence-transformers loads them (a SentenceTransformer starts with
     empty ``query`` and ``document`` ones, a CrossEncoder with none), and the default one."""
-    prompts: dict[str, str] = dict.fromkeys(_EMBED_DEFAULT_PROMPTS, "") if task == "embed" else {}
+    prompts = dict.fromkeys(_EMBED_DEFAULT_PROMPTS, "") if task != "rerank" else {}
     saved = config.get("prompts") or {}
     if not isinstance(saved, Mapping):
         raise ConfigError(f"model {source.name!r}: prompts in config_sentence_transformers.json")
@@ -280,35 +285,8 @@ SPLADE_STRATEGIES = ("max", "sum")
 SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 
 
-@dataclass(frozen=True, slots=True)
-class SparseConfig:
-    """A SparseEncoder's MLMTransformer + SpladePooling, as its files say."""
-
-    subfolder: str = ""
-    strategy: str = "max"
-    activation: str = "relu"
-    max_seq_length: int | None = None
-    do_lower_case: bool = False
-    prompts: Mapping[str, str] = field(default_factory=dict)
-    default_prompt_name: str | None = None
-
-
-def read_sparse_config(source: ModelSource) -> SparseConfig:
-    """A SPLADE model's layout; anything but MLMTransformer then SpladePooling is refused."""
-    modules = read_json(source, "modules.json")
-    if not isinstance(modules, list):
-        raise ConfigError(
-            f"model {source.name!r} has no modules.json: --task sparse needs a "
-            "sentence-transformers SparseEncoder (MLMTransformer, SpladePooling)"
-        )
-    kinds = [(_kind(m), str(m.get("path", "")).strip("/")) for m in _ordered(modules, source)]
-    if [kind for kind, _ in kinds] != list(_SPARSE_MODULES):
-        raise ConfigError(
-            f"model {source.name!r}: sentence-transformers modules {[k for k, _ in kinds]} are "
-            f"not supported for --task sparse (tokenq runs {list(_SPARSE_MODULES)})"
-        )
-    subfolder, pooling_path = kinds[0][1], kinds[1][1]
-    where = join(pooling_path, "config.json")
+def _splade(source: ModelSource, where: str) -> tuple[str, str]:
+    """A SpladePooling config's strategy and activation, refused unless tokenq runs them."""
     pooling = read_json(source, where) or {}
     strategy = str(pooling.get("pooling_strategy", "max"))
     activation = str(pooling.get("activation_function", "relu"))
@@ -318,24 +296,7 @@ def read_sparse_config(source: ModelSource) -> SparseConfig:
             f"activation_function {activation!r} in {where} is not supported "
             f"(tokenq runs {list(SPLADE_STRATEGIES)} / {list(SPLADE_ACTIVATIONS)})"
         )
-    transformer: Mapping[str, Any] = read_json(
-        source, join(subfolder, "sentence_bert_config.json")
-    ) or {}
-    task = transformer.get("transformer_task")
-    if task not in (None, "fill-mask"):
-        raise ConfigError(
-            f"model {source.name!r}: its MLMTransformer computes {task!r}; "
-            "--task sparse needs 'fill-mask' (masked-LM logits)"
-        )
-    model_config = read_json(source, "config_sentence_transformers.json") or {}
-    prompts, default_prompt_name = _prompts(model_config, "embed", source)
-    max_seq = transformer.get("max_seq_length")
-    return SparseConfig(
-        subfolder=subfolder, strategy=strategy, activation=activation,
-        max_seq_length=int(max_seq) if max_seq else None,
-        do_lower_case=bool(transformer.get("do_lower_case", False)), prompts=prompts,
-        default_prompt_name=default_prompt_name,
-    )
+    return strategy, activation
 
 
 _CROSS_ENCODER_CLASSES: dict[str, Activation] = {

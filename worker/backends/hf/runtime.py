@@ -1,10 +1,6 @@
-"""Which runtime runs the transformer (``--runtime``), and the :data:`Encoder` both give.
-
-``torch``: any device and dtype. ``onnx``: ONNX Runtime on the CPU in fp32 (the ``onnx``
-extra), exported once and checked against torch on every start
-(docs/decisions/0040-onnx-runtime.md); ``--quantize int8`` needs it. ``auto``: onnx where
-it can run, else torch.
-"""
+"""Which runtime runs the transformer (``--runtime``: torch, or ONNX Runtime on the CPU in
+fp32, checked against torch on every start: docs/decisions/0040-onnx-runtime.md), and the
+:data:`Encoder` each gives."""
 
 from __future__ import annotations
 
@@ -21,10 +17,15 @@ import torch
 
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.text import exception_headline
-from tokenq.worker.backends.hf.export import INPUTS, cache_key, default_cache_dir, export
-from tokenq.worker.backends.hf.load import ModelSource, find_file, join
+from tokenq.worker.backends.hf.export import (
+    INPUTS,
+    Exportable,
+    cache_key,
+    default_cache_dir,
+    export,
+)
+from tokenq.worker.backends.hf.load import ModelSource, find_file, join, pad_token_id
 from tokenq.worker.backends.hf.options import HFOptions
-from tokenq.worker.backends.hf.pretrained import pad_token_id
 from tokenq.worker.backends.hf.quantize import (
     CALIBRATION_MAX_TOKENS,
     Encoder,
@@ -37,8 +38,7 @@ log = logging.getLogger(__name__)
 
 Runtime = Literal["torch", "onnx"]
 
-PROBE_TOLERANCE = 1e-4
-"""Largest ONNX-vs-torch difference (relative to the row's largest value, at least 1)."""
+PROBE_TOLERANCE = 1e-4  # largest ONNX-vs-torch difference, relative to max(1, largest value)
 
 
 class TorchEncoder:
@@ -51,7 +51,8 @@ class TorchEncoder:
         self.model = model
         self._uses_type_ids = uses_type_ids
         self._logits = logits
-        device = _device_of(model)
+        parameter = next(model.parameters(), None)  # none: the CPU
+        device = torch.device("cpu") if parameter is None else parameter.device
         self._attention = attention_kernels(device)
         self._autocast = autocast
         self._precision: Callable[[], AbstractContextManager[Any]] = (
@@ -86,18 +87,11 @@ def attention_kernels(device: torch.device) -> Callable[[], AbstractContextManag
     return functools.partial(sdpa_kernel, kernels)
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    """Where the model's weights are (the CPU for a model without any)."""
-    parameter = next(model.parameters(), None)
-    return torch.device("cpu") if parameter is None else parameter.device
-
-
 class OnnxEncoder:
     """The exported transformer: (ids, mask, type ids) in, hidden states or logits out."""
 
     def __init__(self, session: Any, path: Path) -> None:
-        self.session = session
-        self.path = path
+        self.session, self.path = session, path
         self._inputs = tuple(item.name for item in session.get_inputs())
 
     def __call__(
@@ -128,13 +122,10 @@ def resolve_runtime(requested: str, device: torch.device, dtype: torch.dtype) ->
         return "torch"
     fits = device.type == "cpu" and dtype == torch.float32
     if requested == "auto":
-        if not fits:
-            return "torch"
         try:
-            import_onnxruntime()
-        except ConfigError:
+            return "onnx" if fits and import_onnxruntime() else "torch"
+        except ConfigError:  # the extra is not installed
             return "torch"
-        return "onnx"
     if device.type != "cpu":
         raise ConfigError(
             f"--runtime onnx runs on the CPU only, not {device}: ONNX Runtime's CUDA provider "
@@ -174,7 +165,6 @@ def build_encoder(
     onnx: exported (or reused), checked against torch on a probe batch, and with
     ``--quantize int8`` the gated int8 twin (``finish``: the head the gate compares through).
     """
-    check_quantize(options, runtime)
     uses_type_ids = "token_type_ids" in tokenizer.model_input_names
     logits = options.task != "embed"
     if runtime == "torch":
@@ -237,8 +227,7 @@ def _check_against_torch(
     type_ids = torch.zeros_like(ids)
     given = {"input_ids": ids, "attention_mask": mask, "token_type_ids": type_ids}
     with torch.inference_mode():
-        output = model(**{name: given[name] for name in inputs})
-        expected = (output.logits if logits else output[0]).float().numpy()
+        expected = Exportable(model, inputs, logits)(*(given[n] for n in inputs)).float().numpy()
     got = encoder(ids, mask, type_ids).numpy()
     real = slice(None) if logits else mask.numpy().astype(bool)
     want, have = expected[real], got[real]

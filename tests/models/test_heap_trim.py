@@ -1,4 +1,4 @@
-"""A CPU worker's resident memory stays bounded over many batch shapes (hf/host_memory.py).
+"""A CPU worker's resident memory stays bounded over many batch shapes (hf/heap_trim.py).
 
 What it promises (docs/OPERATIONS.md, "Memory of a CPU worker"): oneDNN's
 caches are capped unless the operator set them; after a forward, once the
@@ -25,9 +25,9 @@ pytest.importorskip("torch")
 
 from tests.tiny_bert import SAMPLE_TEXTS, write_tiny_bert
 from tokenq.worker.backends.base import TextInput
-from tokenq.worker.backends.hf import host_memory
+from tokenq.worker.backends.hf import heap_trim
 from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
-from tokenq.worker.backends.hf.host_memory import (
+from tokenq.worker.backends.hf.heap_trim import (
     LIBRARY_CACHE_CAPACITY,
     MIN_TRIM_SLACK_BYTES,
     HeapTrimmer,
@@ -88,7 +88,7 @@ def test_a_large_process_gets_a_proportional_slack() -> None:
 @pytest.mark.parametrize("where", ["no /proc", "no malloc_trim"])
 def test_inert_where_it_cannot_measure_or_trim(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if where == "no malloc_trim":
-        monkeypatch.setattr(host_memory, "_glibc_trim", lambda: None)
+        monkeypatch.setattr(heap_trim, "_glibc_trim", lambda: None)
         trimmer = HeapTrimmer(resident=lambda: 10**12)
     else:
         trimmer = HeapTrimmer(resident=lambda: None, trim=lambda: pytest.fail("trimmed blind"))
@@ -103,13 +103,13 @@ def test_glibc_gives_back_pages_held_between_live_allocations(
     """The worker's case in small: blocks freed between blocks still live stay resident
     until a trim, which gives them back without touching the live ones."""
     # The slack from here, whatever this process's size (a full test run makes it large).
-    monkeypatch.setattr(host_memory, "TRIM_SLACK_SHARE", 0.0)
+    monkeypatch.setattr(heap_trim, "TRIM_SLACK_SHARE", 0.0)
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
     size = 100 * 1024  # under glibc's mmap threshold: on the heap, as activations are
-    trim = host_memory._glibc_trim()
+    trim = heap_trim._glibc_trim()
     assert trim is not None
     trim()  # what earlier tests freed goes back first: the blocks below fault in fresh pages
     trimmer = HeapTrimmer(min_slack=64 * MiB)
@@ -147,23 +147,23 @@ def test_a_cpu_backend_checks_its_heap_after_each_forward(tmp_path: Path) -> Non
 _SHAPES_CHILD = """
 import json, os, random, sys
 import torch
-from tokenq.worker.backends.hf import host_memory
+from tokenq.worker.backends.hf import heap_trim
 from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
 from tokenq.worker.backends.hf.encoding import HFEncoding
 
 model, dtype, slack = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.set_num_threads(1)
 backend = HFBackend.load(HFOptions(model=model, device="cpu", dtype=dtype))
-host_memory.TRIM_SLACK_SHARE = 0.0  # the slack from the given floor, as the model is tiny
-backend._heap = host_memory.HeapTrimmer(min_slack=slack)
+heap_trim.TRIM_SLACK_SHARE = 0.0  # the slack from the given floor, as the model is tiny
+backend._heap = heap_trim.HeapTrimmer(min_slack=slack)
 shapes = [(rows, length) for rows in range(1, 33) for length in range(4, 129, 2)]
 rng = random.Random(3)
 rng.shuffle(shapes)
-loaded, growth = host_memory.resident_bytes(), []
+loaded, growth = heap_trim.resident_bytes(), []
 for done, (rows, length) in enumerate(shapes, 1):
     backend.run([HFEncoding(tuple(rng.randrange(5, 60) for _ in range(length)))] * rows)
     if done % 126 == 0:
-        growth.append(host_memory.resident_bytes() - loaded)
+        growth.append(heap_trim.resident_bytes() - loaded)
 print(json.dumps({"shapes": len(shapes), "growth": growth, "trims": backend._heap.trims,
                   "caches": os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]}))
 """
