@@ -32,19 +32,6 @@ _LEAK_GRACE_S = 5.0
 """A process still exiting when the last test ended (SIGTERM sent, not waited for) gets this."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup``, a module's tests that share a module-scoped fixture (a
-    loaded model, a fleet of workers) run on one xdist process, which builds it once."""
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        defs = getattr(item, "_fixtureinfo", None)
-        shared = defs is not None and any(
-            fixture.scope in ("module", "class") and fixture.baseid.startswith(module)
-            for fixtures in defs.name2fixturedefs.values() for fixture in fixtures)
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(module))
-
-
 @pytest.fixture(scope="session", autouse=True)
 def ctrl_c_reaches_children() -> Iterator[None]:
     """Ctrl-C is an interrupt in every process a test starts, however pytest was started.

@@ -255,9 +255,11 @@ class WorkerProc:
         )
 
     def wait_ready(
-        self, client: redis.Redis | redis.RedisCluster, timeout: float = 120.0
+        self, client: redis.Redis | redis.RedisCluster, timeout: float = 120.0,
+        poll_s: float = 0.05,
     ) -> None:
-        """Block until the worker's liveness key exists (it has joined the group)."""
+        """Block until the worker's liveness key exists (it has joined the group); a suite
+        that times a backlog's drain from here polls finely (it starts reading at once)."""
         alive = keys.worker_alive(keys.QueueRef(self.queue), self.name)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -265,7 +267,7 @@ class WorkerProc:
                 return
             if self.process.poll() is not None:
                 raise RuntimeError(f"worker {self.name} exited early:\n{self.output()}")
-            time.sleep(0.05)
+            time.sleep(poll_s)
         raise RuntimeError(f"worker {self.name} not ready in {timeout}s:\n{self.output()}")
 
     def wait_replies(self, client: redis.Redis, reply_key: str, count: int,

@@ -83,7 +83,7 @@ def drain(server: Any, workdir: Path, queue: str, name: str, reply_key: str,
     client = redis.Redis.from_url(server.url)
     worker = harness.start_tokenq(server, queue, workdir, name, NULL_FLAGS)
     try:
-        worker.wait_ready(client)
+        worker.wait_ready(client, poll_s=0.005)
         started = time.perf_counter()
         own, redis_cpu = harness.cpu_seconds(worker.process.pid), harness.redis_cpu_seconds(client)
         worker.wait_replies(client, reply_key, requests)

@@ -67,7 +67,7 @@ def worker_cpu(server: Any, workdir: Path, texts: list[str], tag: str) -> tuple[
     worker = harness.start_tokenq(server, queue, workdir, tag, ["--backend", "hf"],
                                   env={SKIP_FORWARD: "1"})
     try:
-        worker.wait_ready(client)
+        worker.wait_ready(client, poll_s=0.005)
         started = time.perf_counter()
         own = harness.cpu_seconds(worker.process.pid)
         worker.wait_replies(client, reply_key, len(texts))

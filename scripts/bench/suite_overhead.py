@@ -168,7 +168,7 @@ def producer_then_worker(server: RedisServer, workdir: Path, texts: list[str]) -
     middle = harness.commandstats(client)
     worker = harness.start_tokenq(server, queue, workdir, "drain", NULL_FLAGS)
     collector = harness.Collector(server.url, reply_key, len(texts), 600.0, workers=[worker])
-    worker.wait_ready(client)
+    worker.wait_ready(client, poll_s=0.005)
     started = time.perf_counter()
     worker_cpu = harness.cpu_seconds(worker.process.pid)
     server_cpu = harness.redis_cpu_seconds(client)

@@ -11,6 +11,7 @@ checked by telling it its model lives on CUDA.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +19,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tokenq.worker.backends.hf import runtime  # noqa: E402
 from tokenq.worker.backends.hf.runtime import TorchEncoder, attention_kernels  # noqa: E402
 
 FLAGS = {
@@ -69,8 +69,9 @@ def test_the_torch_encoder_runs_a_cuda_models_forward_without_cudnn_attention(
     mask = torch.ones_like(ids)
     on_cpu = Recorder()
     TorchEncoder(on_cpu, uses_type_ids=False, logits=False)(ids, mask, mask)
-    monkeypatch.setattr(runtime, "_device_of", lambda model: torch.device("cuda", 0))
     on_cuda = Recorder()
+    on_cuda_weights = SimpleNamespace(device=torch.device("cuda", 0))  # where the encoder looks
+    monkeypatch.setattr(on_cuda, "parameters", lambda: iter([on_cuda_weights]))
     output = TorchEncoder(on_cuda, uses_type_ids=False, logits=False)(ids, mask, mask)
     assert on_cpu.cudnn_allowed == [True]
     assert on_cuda.cudnn_allowed == [False]

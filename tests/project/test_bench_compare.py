@@ -9,9 +9,11 @@ hand-made suite results; one slow test runs the whole thing on ``cpu``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,16 @@ def result(*rows: dict[str, Any], columns: list[str] | None = None) -> dict[str,
 
 def by_key(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
     return {(row["setting"], row["figure"]): row for row in rows}
+
+
+@pytest.fixture
+def own_worktree_list(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The repository's worktree list to this test alone: the tests that compare it before
+    and after take this lock in turn, whichever xdist process runs them."""
+    lock = tmp_path_factory.getbasetemp().parent / "git-worktrees.lock"
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
 
 
 def worktrees() -> set[str]:
@@ -176,6 +188,7 @@ def test_a_rev_that_is_not_a_commit_is_refused() -> None:
 # ------------------------------------------------------------ through run.py
 
 
+@pytest.mark.usefixtures("own_worktree_list")
 def test_run_py_refuses_a_bad_rev_in_one_line_and_creates_nothing() -> None:
     before = worktrees()
     completed = subprocess.run(
@@ -189,6 +202,7 @@ def test_run_py_refuses_a_bad_rev_in_one_line_and_creates_nothing() -> None:
     assert worktrees() == before
 
 
+@pytest.mark.usefixtures("own_worktree_list")
 def test_the_baseline_imports_its_own_tree_and_the_worktree_goes_away() -> None:
     before = worktrees()
     with compare.baseline_tree(compare.resolve_commit("HEAD")) as (tree, overlay):
@@ -201,6 +215,7 @@ def test_the_baseline_imports_its_own_tree_and_the_worktree_goes_away() -> None:
     assert not tree.exists() and not overlay.exists()
 
 
+@pytest.mark.usefixtures("own_worktree_list")
 def test_the_worktree_goes_away_when_the_comparison_fails() -> None:
     before = worktrees()
     with pytest.raises(RuntimeError), compare.baseline_tree(compare.resolve_commit("HEAD")):
@@ -208,6 +223,7 @@ def test_the_worktree_goes_away_when_the_comparison_fails() -> None:
     assert worktrees() == before
 
 
+@pytest.mark.usefixtures("own_worktree_list")
 @pytest.mark.slow
 def test_a_suite_against_head_end_to_end(tmp_path: Path) -> None:
     """One round of each side of the ``cpu`` suite at tiny size (the shortest suite with
