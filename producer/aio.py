@@ -4,30 +4,27 @@ reply key resolves every caller's future, so waiting callers hold no connection 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import redis
 
 from tokenq.producer import calls, nodes, redis_deadlines
-from tokenq.producer.call_options import RequestOptions, SubmitOptions
-from tokenq.producer.core import ProducerBase
+from tokenq.producer.core import ClientCore, ProducerBase
 from tokenq.producer.deadline import DEADLINE_GRACE_S, Deadline, backoff_s, block_s
 from tokenq.producer.lanes import Lane
-from tokenq.producer.prepare import TextItem
-from tokenq.producer.replies import Outcome, Result, decode, outcome
+from tokenq.producer.replies import Outcome, decode, outcome
 from tokenq.shared import functions
 from tokenq.shared.errors import TokenqError
 from tokenq.shared.failures import error_text
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
 log = logging.getLogger("tokenq.producer")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 DEFAULT_MAX_CONNECTIONS = 16
 """Pooled connections per AsyncClient; callers beyond it wait for a free one."""
@@ -46,6 +43,18 @@ _BACKSTOP_S = 0.05
 the caller stops waiting for it regardless."""
 
 
+def awaiting(
+    call: Callable[Concatenate[ClientCore, P], calls.Call[T]],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """The method of :class:`AsyncClient` that performs ``call`` on the event loop."""
+
+    async def method(self: AsyncClient, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(call(self._core, *args, **kwargs))
+
+    functools.update_wrapper(method, call)
+    return method
+
+
 def _forget(task: asyncio.Future[Any]) -> None:
     """Cancel a task nobody waits for any more; its outcome is retrieved, never logged."""
     task.cancel()
@@ -58,10 +67,14 @@ class AsyncClient(ProducerBase):
     :data:`DEFAULT_MAX_CONNECTIONS`; each listener has a connection of its own)."""
 
     def _connect(self, max_connections: int | None) -> None:
+        self._closing = False
         self._reply_key = self._listen_key(self._core.lanes.home)
+        self._core.listener = self._listen_key
         self._redis, listen = redis_deadlines.async_redis(
-            self.settings, self.client_id,
-            DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections)
+            self.settings,
+            self.client_id,
+            DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
+        )
         # One listener per reply key: each shard's replies land in its own slot.
         self._listen_clients: dict[str, Any] = {self._reply_key: listen}
         self._listeners: dict[str, asyncio.Task[None]] = {}
@@ -70,7 +83,6 @@ class AsyncClient(ProducerBase):
         self._scripts = {name: functions.AsyncFunction(self._redis, name) for name in calls.SCRIPTS}
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
         self._unreachable: BaseException | None = None
-        self._closing = False
         self._config_task: asyncio.Task[dict[str, str]] | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -118,7 +130,10 @@ class AsyncClient(ProducerBase):
             await pipe.execute()
 
     def _listen_key(self, lane: Lane) -> str:
-        """The reply key this client's listener reads for requests written to ``lane``."""
+        """The reply key this client's listener reads for requests written to ``lane``; an
+        ``infer`` call asks for it before it writes anything."""
+        if self._closing:
+            raise TokenqError("the AsyncClient is closed")
         return lane.reply_key(self.client_id)
 
     async def __aenter__(self) -> AsyncClient:
@@ -127,79 +142,17 @@ class AsyncClient(ProducerBase):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    # ---------------------------------------------------------------- calls
-
-    async def submit(
-        self, text: str, *, text_pair: str | None = None, **options: Unpack[SubmitOptions]
-    ) -> str:
-        """Enqueue one text; its reply goes to its own key, for :meth:`result`."""
-        return await self._run(calls.submit(self._core, text, text_pair, options))
-
-    async def submit_many(
-        self, texts: Iterable[TextItem], *, unique: Sequence[str] | None = None,
-        **options: Unpack[SubmitOptions],
-    ) -> list[str]:
-        """Enqueue a batch all or nothing; ids in input order (``unique``: see ``Client``)."""
-        return await self._run(calls.submit_many(self._core, texts, options, unique))
-
-    async def result(self, request_id: str, timeout_s: float | None = None) -> Result:
-        """Wait for the reply to a request :meth:`submit` made (here or elsewhere)."""
-        results: list[Result] = await self.results([request_id], timeout_s)
-        return results[0]
-
-    async def results(
-        self, request_ids: Sequence[str], timeout_s: float | None = None, *,
-        return_exceptions: bool = False, keep: bool = False,
-    ) -> list[Any]:
-        """Wait for several requests' replies; ``keep`` leaves them for :meth:`forget` (or TTL)."""
-        call = calls.results(self._core, request_ids, timeout_s, return_exceptions, keep)
-        return await self._run(call)
-
-    async def forget(self, request_ids: Sequence[str]) -> None:
-        """Delete the replies :meth:`results` kept for ``request_ids`` (best effort)."""
-        await self._run(calls.forget_replies(self._core, request_ids))
-
-    async def command(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """One redis-py command by name, bounded by ``timeout_s`` (keys kept beside the queue's)."""
-        deadline = Deadline.after(self.settings.timeout_s)
-        return await self._run(calls.command(self._core, deadline, name, *args, **kwargs))
-
-    async def infer(
-        self, text: str, *, text_pair: str | None = None, timeout_s: float | None = None,
-        **options: Unpack[RequestOptions],
-    ) -> Result:
-        """Enqueue one text and wait for its result on the client's listened reply key."""
-        self._check_open()
-        call = calls.infer(self._core, text, text_pair, timeout_s, options, self._listen_key)
-        return await self._run(call)
-
-    async def infer_many(
-        self, texts: Iterable[TextItem], *, timeout_s: float | None = None,
-        return_exceptions: bool = False, **options: Unpack[RequestOptions],
-    ) -> list[Any]:
-        """Enqueue a batch all or nothing and wait for every result, in input order."""
-        self._check_open()
-        call = calls.infer_many(
-            self._core, texts, timeout_s, return_exceptions, options, self._listen_key
-        )
-        return await self._run(call)
-
-    async def workers_alive(self) -> int:
-        """How many workers of the queue are alive now (see ``Client.workers_alive``)."""
-        return await self._run(calls.workers_alive(self._core))
-
-    async def queue_length(self, timeout_s: float | None = None) -> int:
-        """How many requests the queue's stream holds (see ``Client.queue_length``)."""
-        return await self._run(calls.queue_length(self._core, timeout_s))
-
-    async def config(self) -> dict[str, str]:
-        """The queue's config hash; refreshes the cached copy (see ``Client.config``)."""
-        deadline = Deadline.after(self.settings.timeout_s)
-        return await self._run(calls.read_config(self._core, deadline, strict=True))
-
-    def _check_open(self) -> None:
-        if self._closing:
-            raise TokenqError("the AsyncClient is closed")
+    submit = awaiting(calls.submit)
+    submit_many = awaiting(calls.submit_many)
+    result = awaiting(calls.result)
+    results = awaiting(calls.results)
+    forget = awaiting(calls.forget)
+    command = awaiting(calls.command)
+    infer = awaiting(calls.infer)
+    infer_many = awaiting(calls.infer_many)
+    workers_alive = awaiting(calls.workers_alive)
+    queue_length = awaiting(calls.queue_length)
+    config = awaiting(calls.config)
 
     # --------------------------------------------------------------- driver
 
@@ -232,7 +185,8 @@ class AsyncClient(ProducerBase):
 
         enqueue = self._scripts[calls.ENQUEUE]  # on a node without tokenq's functions: load, again
         return await nodes.async_run_pinned(
-            self._redis, keys[0],
+            self._redis,
+            keys[0],
             lambda node: enqueue.guarded(node, lambda: enqueue_and_wait(node)),
             self._node_clients,
         )
@@ -333,7 +287,8 @@ class AsyncClient(ProducerBase):
         if listener is None or listener.done():
             if key not in self._listen_clients:
                 self._listen_clients[key] = redis_deadlines.async_client(
-                    self.settings, self.client_id)
+                    self.settings, self.client_id
+                )
             self._listeners[key] = asyncio.get_running_loop().create_task(
                 self._listen(key), name=f"tokenq-listener-{self.client_id[:12]}"
             )

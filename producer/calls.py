@@ -37,6 +37,8 @@ from tokenq.shared.failures import error_text
 from tokenq.shared.text import plural
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from tokenq.producer.core import ClientCore
 
 T = TypeVar("T")
@@ -143,8 +145,6 @@ class Collect:
 
 Step = Send | Sleep | ShareConfigRead | LoadTokenizer | Listen | Collect
 
-Listener = Callable[[Lane], str]
-"""The reply key a client's listener reads for requests written to a lane (AsyncClient)."""
 Call = Generator[Step, Any, T]
 """A call in progress: yields steps, is sent their answers, returns the call's value."""
 Outcomes = dict[str, Outcome | Exception]
@@ -173,7 +173,7 @@ def resume(call: Call[T], answer: Any = None) -> Step | Done[T]:
 # ------------------------------------------------------------------ commands
 
 
-def command(
+def execute(
     core: ClientCore, deadline: Deadline, name: str, *args: Any, **kwargs: Any
 ) -> Call[Any]:
     """One command for a caller; BrokerUnavailable when Redis stays unreachable. With
@@ -196,7 +196,7 @@ def read_config(core: ClientCore, deadline: Deadline, *, strict: bool) -> Call[d
     """HGETALL the config hash into the cache, loading a tokenizer it newly names; not
     ``strict``, a refused read (an ACL) leaves the client without early checks."""
     try:
-        raw = yield from command(core, deadline, "hgetall", core.config.key)
+        raw = yield from execute(core, deadline, "hgetall", core.config.key)
     except ErrorReply as refused:
         if strict:
             raise
@@ -237,7 +237,7 @@ def choose_shard(
         try:
             for shard in range(count):
                 key = lanes.lane(shard).stream_key
-                lengths.append(int((yield from command(core, deadline, "xlen", key))))
+                lengths.append(int((yield from execute(core, deadline, "xlen", key))))
         except ErrorReply as refused:
             log.debug("cannot read the shards' lengths (%s); choosing round robin", refused.error)
             lengths = []
@@ -246,8 +246,11 @@ def choose_shard(
 
 
 def on_current_shard(
-    core: ClientCore, deadline: Deadline, write: Callable[[Lane], Call[T]],
-    reply_to: object = None, pin: str | None = None,
+    core: ClientCore,
+    deadline: Deadline,
+    write: Callable[[Lane], Call[T]],
+    reply_to: object = None,
+    pin: str | None = None,
 ) -> Call[T]:
     """``write`` to the shard :func:`choose_shard` picks. One the workers retired (a stale count)
     the script refuses, writing nothing: the call re-reads the config and chooses again; only a
@@ -261,8 +264,12 @@ def on_current_shard(
             count = core.lanes.count()
             if count > 1 and retired.shard < count:  # a count of 1 is the plain {q} alone
                 raise
-            log.info("shard %d of queue %r is retired; choosing again among %d shards",
-                     retired.shard, core.settings.queue, count)
+            log.info(
+                "shard %d of queue %r is retired; choosing again among %d shards",
+                retired.shard,
+                core.settings.queue,
+                count,
+            )
 
 
 def enqueue_arguments(core: ClientCore, lane: Lane, batch: Sequence[Prepared]) -> dict[str, Any]:
@@ -289,7 +296,11 @@ def enqueue_arguments(core: ClientCore, lane: Lane, batch: Sequence[Prepared]) -
 
 
 def enqueue(
-    core: ClientCore, lane: Lane, batch: Sequence[Prepared], deadline: Deadline, *,
+    core: ClientCore,
+    lane: Lane,
+    batch: Sequence[Prepared],
+    deadline: Deadline,
+    *,
     awaited: bool = False,
 ) -> Call[None]:
     """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit.
@@ -304,17 +315,19 @@ def enqueue(
         # With ``persist`` a lost reply is retried with the same ids and seen keys, which the
         # script answers without adding anything.
         if not replicas:
-            yield from command(core, deadline, ENQUEUE, **arguments)
+            yield from execute(core, deadline, ENQUEUE, **arguments)
         else:
             wait_ms = max(1, min(settings.durable_timeout_ms, int(deadline.remaining() * 1000)))
-            _, confirmed = yield from command(core, deadline, DURABLE_ENQUEUE, **arguments,
-                                              replicas=replicas, timeout_ms=wait_ms)
+            _, confirmed = yield from execute(
+                core, deadline, DURABLE_ENQUEUE, **arguments, replicas=replicas, timeout_ms=wait_ms
+            )
     except OutOfMemory:
         if replicas or not (yield from _written_before(core, arguments, deadline)):
             raise BrokerOutOfMemory(
                 f"Redis at {core.url} is out of memory (maxmemory) and refused "
                 f"{plural(len(batch), 'request')} for queue {settings.queue!r}; "
-                "nothing was written") from None
+                "nothing was written"
+            ) from None
     except ErrorReply as refused:
         message = str(refused.error)
         if lane.shard is not None and is_retired(message):
@@ -336,46 +349,35 @@ def enqueue(
         due = core.unconfirmed.add(len(batch), time.monotonic())
         if not awaited:
             raise missed
-        log.log(logging.WARNING if due else logging.DEBUG,
-                "%s; waiting for their replies as usual", missed)
+        log.log(
+            logging.WARNING if due else logging.DEBUG,
+            "%s; waiting for their replies as usual",
+            missed,
+        )
     core.chooser.added(lane.shard, len(batch))
 
 
-def _written_before(
-    core: ClientCore, arguments: dict[str, Any], deadline: Deadline
-) -> Call[bool]:
+def _written_before(core: ClientCore, arguments: dict[str, Any], deadline: Deadline) -> Call[bool]:
     """After Redis refused the enqueue for memory (even a retry that would write nothing): whether
     an earlier try wrote the batch, as the read-only twin (:data:`ENQUEUE_SEEN`) answers from its
     seen keys; it fails for anything new."""
     try:
-        yield from command(core, deadline, ENQUEUE_SEEN, **arguments)
+        yield from execute(core, deadline, ENQUEUE_SEEN, **arguments)
     except ErrorReply:
         return False
     return True
-
-
-def queue_length(core: ClientCore, timeout_s: float | None = None) -> Call[int]:
-    """XLEN of the queue's stream, summed over a sharded queue's; bounded by ``timeout_s``
-    (``settings.timeout_s`` without one)."""
-    deadline = Deadline.after(core.settings.timeout_s if timeout_s is None else timeout_s)
-    yield from ensure_config(core, deadline)
-    total = 0
-    for lane in core.lanes.every():
-        total += int((yield from command(core, deadline, "xlen", lane.stream_key)))
-    return total
-
-
-def workers_alive(core: ClientCore) -> Call[int]:
-    """:func:`live_workers` for a caller, bounded by ``settings.timeout_s``."""
-    return (yield from live_workers(core, core.lanes.home, Deadline.after(core.settings.timeout_s)))
 
 
 # ------------------------------------------------------------------- waiting
 
 
 def _poll(
-    core: ClientCore, deadline: Deadline, pending: Sized,
-    pop: Callable[[float, list[Any]], Call[None]], take: Callable[[Any], None], *,
+    core: ClientCore,
+    deadline: Deadline,
+    pending: Sized,
+    pop: Callable[[float, list[Any]], Call[None]],
+    take: Callable[[Any], None],
+    *,
     at_least_once: bool = False,
 ) -> Call[BaseException | None]:
     """Pop replies (each pop blocks under the socket timeout) and ``take`` each until none is
@@ -406,12 +408,14 @@ def _poll(
 def live_workers(core: ClientCore, lane: Lane, deadline: Deadline) -> Call[int]:
     """How many of the lane's workers are alive: named in its workers hash, liveness key set
     (it expires three heartbeats after a worker's last beat)."""
-    names = yield from command(core, deadline, "hkeys", lane.workers_key)
+    names = yield from execute(core, deadline, "hkeys", lane.workers_key)
     if not names:
         return 0
-    alive = [keys.worker_alive(lane.queue, name.decode() if isinstance(name, bytes) else name)
-             for name in names]
-    return int((yield from command(core, deadline, "exists", *alive)))
+    alive = [
+        keys.worker_alive(lane.queue, name.decode() if isinstance(name, bytes) else name)
+        for name in names
+    ]
+    return int((yield from execute(core, deadline, "exists", *alive)))
 
 
 def why_unanswered(core: ClientCore, lane: Lane) -> Call[str | None]:
@@ -432,7 +436,11 @@ def why_unanswered(core: ClientCore, lane: Lane) -> Call[str | None]:
 
 
 def _missing(
-    core: ClientCore, lane: Lane, ids: Sequence[str], outcomes: Outcomes, started: float,
+    core: ClientCore,
+    lane: Lane,
+    ids: Sequence[str],
+    outcomes: Outcomes,
+    started: float,
     unreachable: BaseException | None,
 ) -> Call[None]:
     """Record a timeout (or Redis being down) for every request of ``ids`` still unanswered."""
@@ -441,8 +449,7 @@ def _missing(
     waited_s = time.monotonic() - started
     if unreachable is not None:
         error: Exception = BrokerUnavailable(
-            f"Redis at {core.url} was unreachable until the {waited_s:.2f}s "
-            f"timeout: {unreachable}"
+            f"Redis at {core.url} was unreachable until the {waited_s:.2f}s timeout: {unreachable}"
         )
     else:
         error = ReplyTimeout(list(ids), waited_s, (yield from why_unanswered(core, lane)))
@@ -463,7 +470,11 @@ def _forget(deadline: Deadline, command: str, *args: Any) -> Call[None]:
 
 
 def own_replies(
-    core: ClientCore, wanted: dict[str, str], deadline: Deadline, *, at_least_once: bool = False,
+    core: ClientCore,
+    wanted: dict[str, str],
+    deadline: Deadline,
+    *,
+    at_least_once: bool = False,
     keep: bool = False,
 ) -> Call[tuple[Outcomes, BaseException | None]]:
     """Outcomes of replies on their own keys (``wanted``: key -> id, left holding those not
@@ -534,30 +545,29 @@ def retired_shards_named(
     for shard in core.lanes.shards_beyond(request_ids):
         marker = keys.retired(core.lanes.lane(shard).queue)
         try:
-            if (yield from command(core, deadline, "exists", marker)):
+            if (yield from execute(core, deadline, "exists", marker)):
                 retired.add(shard)
         except (ErrorReply, BrokerUnavailable) as exc:
-            log.debug("cannot tell whether shard %d is retired (%s): taken as not", shard,
-                      error_text(exc))
+            log.debug(
+                "cannot tell whether shard %d is retired (%s): taken as not", shard, error_text(exc)
+            )
     return frozenset(retired)
 
 
-def forget_replies(core: ClientCore, request_ids: Sequence[str]) -> Call[None]:
-    """Delete the reply keys of requests whose replies were read with ``keep`` (best effort)."""
-    deadline = Deadline.after(core.settings.timeout_s)
-    check_ids(request_ids)
-    retired = yield from retired_shards_named(core, request_ids, deadline)
-    for wanted in core.lanes.reply_keys(request_ids, retired).values():
-        yield from _forget(deadline, "delete", *wanted)
-
-
 # --------------------------------------------------------------------- calls
+# The public calls: each client's method of the same name performs one (client.py, aio.py).
 
 
 def submit(
-    core: ClientCore, text: str, text_pair: str | None, options: SubmitOptions
+    core: ClientCore,
+    text: str,
+    *,
+    text_pair: str | None = None,
+    **options: Unpack[SubmitOptions],
 ) -> Call[str]:
-    """Enqueue one text; its id. Bounded by ``settings.timeout_s``."""
+    """Enqueue one text; its request id, for :meth:`result`. ``deadline_s`` (from now) or
+    ``deadline_ms`` (epoch ms): when the answer stops being useful; ``reply_to``: another reply
+    key. QueueFull at the queue's limit, BadRequest (InputTooLong) for bad input: no write."""
 
     def prepare(lane: Lane, now_ms: int) -> list[Prepared]:
         return [core.preparer.prepare(lane, text, now_ms=now_ms, text_pair=text_pair, **options)]
@@ -566,10 +576,15 @@ def submit(
 
 
 def submit_many(
-    core: ClientCore, texts: Iterable[TextItem], options: SubmitOptions,
+    core: ClientCore,
+    texts: Iterable[TextItem],
+    *,
     unique: Sequence[str] | None = None,
+    **options: Unpack[SubmitOptions],
 ) -> Call[list[str]]:
-    """Enqueue a batch all or nothing; the ids in input order (``unique``: the ids to give)."""
+    """Enqueue a batch (texts or ``(text, text_pair)`` tuples) all or nothing; the ids.
+    ``unique``: the requests' ids (32 hex digits each) instead of fresh ones: a retry that names
+    the same ids is written once (``dedupe_ttl_s``)."""
     items = _texts(texts)
 
     def prepare(lane: Lane, now_ms: int) -> list[Prepared]:
@@ -580,10 +595,14 @@ def submit_many(
 
 
 def _submit(
-    core: ClientCore, name: str, prepare: Callable[[Lane, int], list[Prepared]],
-    options: SubmitOptions, pin: str | None = None,
+    core: ClientCore,
+    name: str,
+    prepare: Callable[[Lane, int], list[Prepared]],
+    options: SubmitOptions,
+    pin: str | None = None,
 ) -> Call[list[str]]:
-    """Enqueue what ``prepare`` makes for the lane chosen (``pin``: see :func:`choose_shard`)."""
+    """Enqueue what ``prepare`` makes for the lane chosen (``pin``: see :func:`choose_shard`),
+    bounded by ``settings.timeout_s``."""
     refuse_unknown(options, SubmitOptions, name)
     deadline = Deadline.after(core.settings.timeout_s)
     yield from ensure_config(core, deadline)
@@ -596,12 +615,24 @@ def _submit(
     return (yield from on_current_shard(core, deadline, write, options.get("reply_to"), pin))
 
 
+def result(core: ClientCore, request_id: str, timeout_s: float | None = None) -> Call[Result]:
+    """Wait for the reply to ``request_id`` (from this or any other process). Raises the
+    worker's error as RemoteError (or DeadlineExceeded), ReplyTimeout when no reply comes in
+    time. The first caller to fetch a reply consumes it."""
+    return (yield from results(core, [request_id], timeout_s))[0]
+
+
 def results(
-    core: ClientCore, request_ids: Sequence[str], timeout_s: float | None, return_exceptions: bool,
+    core: ClientCore,
+    request_ids: Sequence[str],
+    timeout_s: float | None = None,
+    *,
+    return_exceptions: bool = False,
     keep: bool = False,
 ) -> Call[list[Any]]:
-    """Wait for submitted requests' replies on their own keys (shard by shard); outcomes in
-    input order. ``keep`` leaves them for another reader (until their TTL, or forget)."""
+    """Wait for several submitted requests' replies; results in input order. Keys are deleted
+    once their replies are in hand, unless ``keep`` (then :meth:`forget` or the worker's
+    ``reply_ttl_s`` does). ``return_exceptions``: errors in place."""
     started = time.monotonic()
     deadline = Deadline(started + _timeout(core, timeout_s))
     check_ids(request_ids)
@@ -611,8 +642,7 @@ def results(
     outcomes: Outcomes = {}
     unreachable: BaseException | None = None
     for wanted in by_shard.values():
-        got, down = yield from own_replies(core, wanted, deadline, at_least_once=several,
-                                           keep=keep)
+        got, down = yield from own_replies(core, wanted, deadline, at_least_once=several, keep=keep)
         outcomes.update(got)
         unreachable = unreachable or down
     missing = [i for wanted in by_shard.values() for i in wanted.values()]
@@ -620,38 +650,61 @@ def results(
     return settle(request_ids, outcomes, return_exceptions)
 
 
+def forget(core: ClientCore, request_ids: Sequence[str]) -> Call[None]:
+    """Delete the replies :meth:`results` kept for ``request_ids`` (best effort)."""
+    deadline = Deadline.after(core.settings.timeout_s)
+    check_ids(request_ids)
+    retired = yield from retired_shards_named(core, request_ids, deadline)
+    for wanted in core.lanes.reply_keys(request_ids, retired).values():
+        yield from _forget(deadline, "delete", *wanted)
+
+
 def infer(
-    core: ClientCore, text: str, text_pair: str | None, timeout_s: float | None,
-    options: RequestOptions, listener: Listener | None,
+    core: ClientCore,
+    text: str,
+    *,
+    text_pair: str | None = None,
+    timeout_s: float | None = None,
+    **options: Unpack[RequestOptions],
 ) -> Call[Result]:
-    """Enqueue one text and wait for its result (``listener``: the client's listened key)."""
+    """Enqueue one text and wait for its result on its own reply key (an AsyncClient's: on the
+    key it listens to): an outage is retried within ``timeout_s`` (then BrokerUnavailable), no
+    answer is ReplyTimeout. Without a deadline the request carries the rest of the timeout: no
+    device time on answers nobody awaits."""
 
     def prepare(lane: Lane, key: str | None, request: dict[str, Any]) -> list[Prepared]:
         return [core.preparer.prepare(lane, text, text_pair=text_pair, reply_to=key, **request)]
 
-    return (yield from _infer(core, "infer", prepare, timeout_s, options, listener, False))[0]
+    return (yield from _infer(core, "infer", prepare, timeout_s, options, False))[0]
 
 
 def infer_many(
-    core: ClientCore, texts: Iterable[TextItem], timeout_s: float | None,
-    return_exceptions: bool, options: RequestOptions, listener: Listener | None,
+    core: ClientCore,
+    texts: Iterable[TextItem],
+    *,
+    timeout_s: float | None = None,
+    return_exceptions: bool = False,
+    **options: Unpack[RequestOptions],
 ) -> Call[list[Any]]:
-    """Enqueue a batch all or nothing and wait for every result, in input order; without a
-    ``listener`` the replies land on one key of the call's."""
+    """Enqueue a batch all or nothing and wait for every result, in input order. The replies
+    land on one key of the call's (an AsyncClient's: on the key it listens to). Without
+    ``return_exceptions`` the first failed item is raised once every reply is in or the timeout
+    has passed."""
     items = _texts(texts)
 
     def prepare(lane: Lane, key: str | None, request: dict[str, Any]) -> list[Prepared]:
         key = key or lane.reply_key(lane.new_id())
         return core.preparer.prepare_many(lane, items, reply_to=key, **request)
 
-    call = _infer(core, "infer_many", prepare, timeout_s, options, listener, return_exceptions)
-    return (yield from call)
+    return (yield from _infer(core, "infer_many", prepare, timeout_s, options, return_exceptions))
 
 
 def _infer(
-    core: ClientCore, name: str,
+    core: ClientCore,
+    name: str,
     prepare: Callable[[Lane, str | None, dict[str, Any]], list[Prepared]],
-    timeout_s: float | None, options: RequestOptions, listener: Listener | None,
+    timeout_s: float | None,
+    options: RequestOptions,
     return_exceptions: bool,
 ) -> Call[list[Any]]:
     """Enqueue what ``prepare`` makes and wait for its replies: from the client's listener (a
@@ -660,6 +713,7 @@ def _infer(
     started = time.monotonic()
     deadline = Deadline(started + _timeout(core, timeout_s), persist=True)
     yield from ensure_config(core, deadline)
+    listener = core.listener
 
     def write(lane: Lane) -> Call[tuple[Lane, list[Prepared]]]:
         key = None if listener is None else listener(lane)
@@ -687,6 +741,34 @@ def _infer(
     return settle(ids, outcomes, return_exceptions)
 
 
+def workers_alive(core: ClientCore) -> Call[int]:
+    """How many workers of the queue are alive now (0: nobody would answer); needs the
+    optional reads of docs/SECURITY.md (``HKEYS``, ``EXISTS``)."""
+    return (yield from live_workers(core, core.lanes.home, Deadline.after(core.settings.timeout_s)))
+
+
+def queue_length(core: ClientCore, timeout_s: float | None = None) -> Call[int]:
+    """How many requests the queue's stream holds (pending and in flight; summed over a sharded
+    queue's); raises ``BrokerUnavailable`` past ``timeout_s`` (default ``settings.timeout_s``)."""
+    deadline = Deadline.after(core.settings.timeout_s if timeout_s is None else timeout_s)
+    yield from ensure_config(core, deadline)
+    total = 0
+    for lane in core.lanes.every():
+        total += int((yield from execute(core, deadline, "xlen", lane.stream_key)))
+    return total
+
+
+def config(core: ClientCore) -> Call[dict[str, str]]:
+    """The queue's config hash as workers published it (empty before any started); also
+    refreshes the copy enqueues are checked against."""
+    return read_config(core, Deadline.after(core.settings.timeout_s), strict=True)
+
+
+def command(core: ClientCore, name: str, *args: Any, **kwargs: Any) -> Call[Any]:
+    """One redis-py command by name, bounded by ``timeout_s`` (keys kept beside the queue's)."""
+    return execute(core, Deadline.after(core.settings.timeout_s), name, *args, **kwargs)
+
+
 def _timeout(core: ClientCore, timeout_s: float | None) -> float:
     """The caller's wait in seconds, defaulting to the configured one."""
     return core.settings.timeout_s if timeout_s is None else check_seconds(timeout_s, "timeout_s")
@@ -696,13 +778,17 @@ def _texts(texts: Iterable[TextItem]) -> list[TextItem]:
     """``texts`` as a list, so a call retried on another shard prepares the same inputs; a
     string or a non-iterable is a BadRequest."""
     if isinstance(texts, (str, bytes)):
-        raise BadRequest("texts must be a sequence of strings, not a single string (use "
-                         "submit/infer for one text)", param="texts")
+        raise BadRequest(
+            "texts must be a sequence of strings, not a single string (use "
+            "submit/infer for one text)",
+            param="texts",
+        )
     try:
         return list(texts)
     except TypeError:
-        raise BadRequest(f"texts must be a sequence of strings, got {type(texts).__name__}",
-                         param="texts") from None
+        raise BadRequest(
+            f"texts must be a sequence of strings, got {type(texts).__name__}", param="texts"
+        ) from None
 
 
 def _infer_request(deadline: Deadline, options: RequestOptions) -> dict[str, Any]:

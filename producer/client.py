@@ -4,23 +4,31 @@ command run in the calling thread under the caller's deadline (:mod:`.redis_dead
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from tokenq.producer import calls, nodes, redis_deadlines
-from tokenq.producer.call_options import RequestOptions, SubmitOptions
-from tokenq.producer.core import ProducerBase
+from tokenq.producer.core import ClientCore, ProducerBase
 from tokenq.producer.deadline import Deadline
-from tokenq.producer.prepare import TextItem
-from tokenq.producer.replies import Result
 from tokenq.shared import functions
 
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def blocking(
+    call: Callable[Concatenate[ClientCore, P], calls.Call[T]],
+) -> Callable[Concatenate[Client, P], T]:
+    """The method of :class:`Client` that performs ``call`` in the calling thread."""
+
+    def method(self: Client, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(call(self._core, *args, **kwargs))
+
+    functools.update_wrapper(method, call)
+    return method
 
 
 class Client(ProducerBase):
@@ -75,79 +83,16 @@ class Client(ProducerBase):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- calls
-
-    def submit(
-        self, text: str, *, text_pair: str | None = None, **options: Unpack[SubmitOptions]
-    ) -> str:
-        """Enqueue one text; its request id, for :meth:`result`. ``deadline_s`` (from now) or
-        ``deadline_ms`` (epoch ms): when the answer stops being useful; ``reply_to``: another reply
-        key. QueueFull at the queue's limit, BadRequest (InputTooLong) for bad input: no write."""
-        return self._run(calls.submit(self._core, text, text_pair, options))
-
-    def submit_many(
-        self, texts: Iterable[TextItem], *, unique: Sequence[str] | None = None,
-        **options: Unpack[SubmitOptions],
-    ) -> list[str]:
-        """Enqueue a batch (texts or ``(text, text_pair)`` tuples) all or nothing; the ids.
-        ``unique``: the requests' ids (32 hex digits each) instead of fresh ones: a retry that names
-        the same ids is written once (``dedupe_ttl_s``)."""
-        return self._run(calls.submit_many(self._core, texts, options, unique))
-
-    def result(self, request_id: str, timeout_s: float | None = None) -> Result:
-        """Wait for the reply to ``request_id`` (from this or any other process). Raises the
-        worker's error as RemoteError (or DeadlineExceeded), ReplyTimeout when no reply comes in
-        time. The first caller to fetch a reply consumes it."""
-        return self.results([request_id], timeout_s)[0]
-
-    def results(
-        self, request_ids: Sequence[str], timeout_s: float | None = None, *,
-        return_exceptions: bool = False, keep: bool = False,
-    ) -> list[Any]:
-        """Wait for several submitted requests' replies; results in input order. Keys are deleted
-        once their replies are in hand, unless ``keep`` (then :meth:`forget` or the worker's
-        ``reply_ttl_s`` does). ``return_exceptions``: errors in place."""
-        return self._run(calls.results(self._core, request_ids, timeout_s, return_exceptions,
-                                       keep))
-
-    def forget(self, request_ids: Sequence[str]) -> None:
-        """Delete the replies :meth:`results` kept for ``request_ids`` (best effort)."""
-        self._run(calls.forget_replies(self._core, request_ids))
-
-    def infer(
-        self, text: str, *, text_pair: str | None = None, timeout_s: float | None = None,
-        **options: Unpack[RequestOptions],
-    ) -> Result:
-        """Enqueue one text and wait for its result on its own reply key: an outage is retried
-        within ``timeout_s`` (then BrokerUnavailable), no answer is ReplyTimeout. Without a deadline
-        the request carries the rest of the timeout: no device time on answers nobody awaits."""
-        return self._run(calls.infer(self._core, text, text_pair, timeout_s, options, None))
-
-    def infer_many(
-        self, texts: Iterable[TextItem], *, timeout_s: float | None = None,
-        return_exceptions: bool = False, **options: Unpack[RequestOptions],
-    ) -> list[Any]:
-        """Enqueue a batch all or nothing and wait for every result, in input order. The replies
-        land on one key of the call's. Without ``return_exceptions`` the first failed item is raised
-        once every reply is in or the timeout has passed."""
-        call = calls.infer_many(self._core, texts, timeout_s, return_exceptions, options, None)
-        return self._run(call)
-
-    def workers_alive(self) -> int:
-        """How many workers of the queue are alive now (0: nobody would answer); needs the
-        optional reads of docs/SECURITY.md (``HKEYS``, ``EXISTS``)."""
-        return self._run(calls.workers_alive(self._core))
-
-    def queue_length(self, timeout_s: float | None = None) -> int:
-        """How many requests the queue's stream holds (pending and in flight); raises
-        ``BrokerUnavailable`` past ``timeout_s`` (default ``settings.timeout_s``)."""
-        return self._run(calls.queue_length(self._core, timeout_s))
-
-    def config(self) -> dict[str, str]:
-        """The queue's config hash as workers published it (empty before any started); also
-        refreshes the copy enqueues are checked against."""
-        deadline = Deadline.after(self.settings.timeout_s)
-        return self._run(calls.read_config(self._core, deadline, strict=True))
+    submit = blocking(calls.submit)
+    submit_many = blocking(calls.submit_many)
+    result = blocking(calls.result)
+    results = blocking(calls.results)
+    forget = blocking(calls.forget)
+    infer = blocking(calls.infer)
+    infer_many = blocking(calls.infer_many)
+    workers_alive = blocking(calls.workers_alive)
+    queue_length = blocking(calls.queue_length)
+    config = blocking(calls.config)
 
     # --------------------------------------------------------------- driver
 

@@ -15,7 +15,7 @@ import pydantic
 from tokenq.producer.call_options import ClientOptions, refuse_unknown
 from tokenq.producer.calls import DURABLE_ENQUEUE
 from tokenq.producer.config import DEFAULT_CONFIG_TTL_S, EstimatorChoice, config_cache
-from tokenq.producer.lanes import Lanes
+from tokenq.producer.lanes import Lane, Lanes
 from tokenq.producer.prepare import Preparer
 from tokenq.producer.prepare import TextItem as TextItem  # the gateway's import
 from tokenq.producer.shards import ShardChooser
@@ -71,7 +71,16 @@ def make_settings(settings: ClientSettings | None, **overrides: Any) -> ClientSe
 class ClientCore:
     """The parts one client's calls share; made from its settings and constructor options."""
 
-    __slots__ = ("chooser", "config", "lanes", "preparer", "settings", "unconfirmed", "url")
+    __slots__ = (
+        "chooser",
+        "config",
+        "lanes",
+        "listener",
+        "preparer",
+        "settings",
+        "unconfirmed",
+        "url",
+    )
 
     def __init__(
         self,
@@ -89,6 +98,8 @@ class ClientCore:
         self.preparer = Preparer(settings, self.config, refuse_early)
         self.chooser = ShardChooser(settings.shard_choice)
         self.unconfirmed = Unconfirmed()
+        self.listener: Callable[[Lane], str] | None = None
+        """The reply key an AsyncClient's listener reads for requests written to a lane."""
 
 
 class ProducerBase:
@@ -100,17 +111,27 @@ class ProducerBase:
     """The functions a Send may name (:data:`~.calls.SCRIPTS`), sync or asyncio."""
 
     def __init__(
-        self, redis_url: str | None = None, queue: str | None = None, *,
-        settings: ClientSettings | None = None, **options: Unpack[ClientOptions],
+        self,
+        redis_url: str | None = None,
+        queue: str | None = None,
+        *,
+        settings: ClientSettings | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
         refuse_unknown(options, ClientOptions, type(self).__name__)
         self.settings = make_settings(
-            settings, redis_url=redis_url, queue=queue, prefix=options.get("prefix"),
-            max_queue_length=options.get("max_queue_length"), timeout_s=options.get("timeout_s"),
+            settings,
+            redis_url=redis_url,
+            queue=queue,
+            prefix=options.get("prefix"),
+            max_queue_length=options.get("max_queue_length"),
+            timeout_s=options.get("timeout_s"),
         )
         self._core = ClientCore(
-            self.settings, options.get("estimator", "auto"),
-            options.get("config_ttl_s", DEFAULT_CONFIG_TTL_S), options.get("refuse_early", True),
+            self.settings,
+            options.get("estimator", "auto"),
+            options.get("config_ttl_s", DEFAULT_CONFIG_TTL_S),
+            options.get("refuse_early", True),
         )
         self.client_id = self._core.lanes.home.new_id()
         self._loading: dict[str, concurrent.futures.Future[None]] = {}
@@ -142,8 +163,12 @@ class ProducerBase:
             if loading is None:
                 loading = self._loading[path] = concurrent.futures.Future()
                 loading.set_running_or_notify_cancel()  # a waiter's cancel cannot end it
-                threading.Thread(target=self._load, args=(path, loading), daemon=True,
-                                 name=f"tokenq-tokenizer-{self.client_id[:12]}").start()
+                threading.Thread(
+                    target=self._load,
+                    args=(path, loading),
+                    daemon=True,
+                    name=f"tokenq-tokenizer-{self.client_id[:12]}",
+                ).start()
         return loading
 
     def _load(self, path: str, loading: concurrent.futures.Future[None]) -> None:

@@ -48,7 +48,7 @@ def fail(call: calls.Call[Any], error: Exception) -> calls.Step | calls.Done[Any
 
 def test_submit_reads_a_stale_config_then_enqueues_once() -> None:
     core = ClientCore(ClientSettings(queue="q"))
-    call = calls.submit(core, "hello", None, {"deadline_s": 5})
+    call = calls.submit(core, "hello", deadline_s=5)
     assert isinstance(step := calls.resume(call), calls.ShareConfigRead)
     step = answer(call)
     assert isinstance(step, calls.Send) and step.command == calls.ENQUEUE
@@ -62,11 +62,11 @@ def test_submit_reads_a_stale_config_then_enqueues_once() -> None:
 
 def test_queue_full_is_refused_and_other_error_replies_stay_redis_errors() -> None:
     core = fresh_core()
-    call = calls.submit(core, "a", None, {})
+    call = calls.submit(core, "a")
     assert isinstance(calls.resume(call), calls.Send)
     with pytest.raises(QueueFull, match="holds 9 of at most 10"):
         fail(call, redis.ResponseError("QUEUEFULL 9 10 1"))
-    call = calls.submit(core, "a", None, {})
+    call = calls.submit(core, "a")
     calls.resume(call)
     with pytest.raises(redis.ResponseError, match="NOPERM"):
         fail(call, redis.ResponseError("NOPERM no access"))
@@ -75,24 +75,24 @@ def test_queue_full_is_refused_and_other_error_replies_stay_redis_errors() -> No
 def test_a_durable_enqueue_waits_within_the_call_and_refuses_a_shortfall() -> None:
     """One step carries the script and WAIT (one connection); WAIT never outlasts the call."""
     core = fresh_core(durable_replicas=2, durable_timeout_ms=5000, timeout_s=1)
-    call = calls.submit(core, "a", None, {})
+    call = calls.submit(core, "a")
     step = calls.resume(call)
     assert isinstance(step, calls.Send) and step.command == calls.DURABLE_ENQUEUE
     assert step.kwargs["replicas"] == 2 and 1 <= step.kwargs["timeout_ms"] <= 1000
     done = answer(call, ([b"1-0"], 2))
     assert isinstance(done, calls.Done)
-    call = calls.submit(core, "a", None, {})
+    call = calls.submit(core, "a")
     calls.resume(call)
     with pytest.raises(NotReplicated, match="1 of 2 replicas") as info:
         answer(call, ([b"1-0"], 1))
     assert len(info.value.request_ids) == 1
-    call = calls.submit(fresh_core(), "a", None, {})  # not durable: the plain script
+    call = calls.submit(fresh_core(), "a")  # not durable: the plain script
     assert calls.resume(call).command == calls.ENQUEUE  # type: ignore[union-attr]
 
 
 def test_infer_retries_a_lost_enqueue_with_the_same_entries() -> None:
     core = fresh_core()
-    call = calls.infer(core, "a", None, 5.0, {}, None)
+    call = calls.infer(core, "a", timeout_s=5.0)
     first = calls.resume(call)
     assert isinstance(first, calls.Send)
     pause = fail(call, redis.ConnectionError("reset"))
@@ -112,7 +112,7 @@ def test_infer_retries_a_lost_enqueue_with_the_same_entries() -> None:
 )
 def test_submit_gives_up_after_redis_pys_own_retries(error: Exception, shown: str) -> None:
     """No persist: one outage (a BUSY reply counts as one) is BrokerUnavailable at once."""
-    call = calls.submit(fresh_core(), "a", None, {})
+    call = calls.submit(fresh_core(), "a")
     calls.resume(call)
     with pytest.raises(BrokerUnavailable, match=shown):
         fail(call, error)
@@ -121,7 +121,7 @@ def test_submit_gives_up_after_redis_pys_own_retries(error: Exception, shown: st
 def test_results_wait_on_own_keys_until_the_deadline() -> None:
     core = fresh_core()
     request_id = core.lanes.home.new_id()
-    call = calls.results(core, [request_id], 0.05, False)
+    call = calls.results(core, [request_id], 0.05)
     step = calls.resume(call)
     key = core.lanes.home.reply_key(request_id)
     assert isinstance(step, calls.Send) and step.command == "blmove"
@@ -141,7 +141,7 @@ def test_results_wait_on_own_keys_until_the_deadline() -> None:
 @pytest.mark.parametrize("workers", [[], [b"w1"]])
 def test_a_timeout_with_no_live_worker_says_so(workers: list[bytes]) -> None:
     core = fresh_core()
-    call = calls.results(core, [core.lanes.home.new_id()], 0.01, False)
+    call = calls.results(core, [core.lanes.home.new_id()], 0.01)
     calls.resume(call)
     time.sleep(0.02)
     check = answer(call, None)
@@ -158,7 +158,7 @@ def test_a_timeout_with_no_live_worker_says_so(workers: list[bytes]) -> None:
 
 def test_a_liveness_check_that_fails_gives_the_plain_timeout() -> None:
     core = fresh_core()
-    call = calls.results(core, [core.lanes.home.new_id()], 0.01, False)
+    call = calls.results(core, [core.lanes.home.new_id()], 0.01)
     calls.resume(call)
     time.sleep(0.02)
     answer(call, None)
@@ -171,7 +171,7 @@ def test_results_delete_a_reply_key_only_once_its_reply_is_in_hand() -> None:
     core = fresh_core()
     request_id = core.lanes.home.new_id()
     key = core.lanes.home.reply_key(request_id)
-    call = calls.results(core, [request_id], 5.0, False)
+    call = calls.results(core, [request_id], 5.0)
     calls.resume(call)
     raw = wire.encode_reply(wire.scores_reply(request_id, [0.5]))
     delete = answer(call, raw)
@@ -188,13 +188,15 @@ def test_a_read_lost_on_its_way_is_read_again_since_nothing_was_removed() -> Non
     core = fresh_core()
     request_id = core.lanes.home.new_id()
     key = core.lanes.home.reply_key(request_id)
-    call = calls.results(core, [request_id], 5.0, False)
+    call = calls.results(core, [request_id], 5.0)
     first = calls.resume(call)
     pause = fail(call, redis.ConnectionError("reset after the reply was sent"))
     assert isinstance(pause, calls.Sleep)
     again = answer(call)
-    assert isinstance(again, calls.Send) and (again.command, again.args) == (first.command,
-                                                                             first.args)
+    assert isinstance(again, calls.Send) and (again.command, again.args) == (
+        first.command,
+        first.args,
+    )
     raw = wire.encode_reply(wire.scores_reply(request_id, [0.25]))
     delete = answer(call, raw)
     assert isinstance(delete, calls.Send) and (delete.command, delete.args) == ("delete", (key,))
@@ -207,7 +209,7 @@ def test_results_of_many_read_every_missing_key_at_once_then_wait_on_one() -> No
     ids = [core.lanes.home.new_id() for _ in range(3)]
     reply_keys = [core.lanes.home.reply_key(i) for i in ids]
     raws = [wire.encode_reply(wire.scores_reply(i, [float(n)])) for n, i in enumerate(ids)]
-    call = calls.results(core, ids, 5.0, False)
+    call = calls.results(core, ids, 5.0)
     peek = calls.resume(call)
     assert isinstance(peek, calls.Send) and peek.command == calls.PEEK
     assert peek.kwargs == {"keys": reply_keys}
@@ -228,7 +230,7 @@ def test_results_of_many_read_every_missing_key_at_once_then_wait_on_one() -> No
 
 def test_infer_many_reads_its_shared_key_then_trims_what_it_read() -> None:
     core = fresh_core()
-    call = calls.infer_many(core, ["a", "b"], 5.0, False, {}, None)
+    call = calls.infer_many(core, ["a", "b"], timeout_s=5.0)
     enqueue = calls.resume(call)
     assert isinstance(enqueue, calls.Send) and enqueue.command == calls.ENQUEUE
     read = answer(call, [b"1-0", b"1-1"])
@@ -257,7 +259,8 @@ def test_infer_many_reads_its_shared_key_then_trims_what_it_read() -> None:
 
 def test_async_infer_listens_before_it_enqueues() -> None:
     core = fresh_core()
-    call = calls.infer_many(core, ["a", "b"], 5.0, True, {}, lambda lane: "client-key")
+    core.listener = lambda lane: "client-key"
+    call = calls.infer_many(core, ["a", "b"], timeout_s=5.0, return_exceptions=True)
     listen = calls.resume(call)
     assert isinstance(listen, calls.Listen) and len(listen.ids) == 2
     assert listen.key == "client-key"
@@ -273,12 +276,23 @@ def test_async_infer_listens_before_it_enqueues() -> None:
 
 def test_an_unknown_keyword_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'reply_to'"):
-        calls.resume(calls.infer(fresh_core(), "a", None, None, {"reply_to": "k"}, None))
+        calls.resume(calls.infer(fresh_core(), "a", reply_to="k"))  # type: ignore[call-arg]
 
 
-@pytest.mark.parametrize("module", ["core.py", "calls.py", "call_options.py", "config.py",
-                                    "shards.py", "lanes.py", "prepare.py", "replies.py",
-                                    "deadline.py"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "core.py",
+        "calls.py",
+        "call_options.py",
+        "config.py",
+        "shards.py",
+        "lanes.py",
+        "prepare.py",
+        "replies.py",
+        "deadline.py",
+    ],
+)
 def test_the_sans_io_modules_import_no_redis_and_no_asyncio(module: str) -> None:
     path = Path(__file__).resolve().parents[2] / "producer" / module
     imported = set()

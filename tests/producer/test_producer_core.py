@@ -76,6 +76,7 @@ def test_deadlines_become_relative_timeout_ms(core: ClientCore) -> None:
         timeout_ms(deadline_ms=NOW_MS + wire.MAX_TIMEOUT_MS + 1)
     with pytest.raises(BadRequest, match="out of range"):
         timeout_ms(deadline_s=wire.MAX_TIMEOUT_MS / 1000 + 1)
+
     # infer's own deadline: what is left of its timeout, capped at the protocol's largest.
     def infer_deadline(remaining_s: float, **given: Any) -> Any:
         request = calls._infer_request(Deadline.after(remaining_s), given)  # type: ignore[arg-type]
@@ -108,9 +109,7 @@ def test_script_args_layout(core: ClientCore) -> None:
     args = arguments["args"]
     # max_len, n, dedupe TTL (ms) of one seen key for this call of fresh ids
     assert args[:3] == [10, 2, "call:60000"]
-    assert arguments["keys"] == [
-        lane.stream_key, keys.seen_call(lane.queue, [p.id for p in batch])
-    ]
+    assert arguments["keys"] == [lane.stream_key, keys.seen_call(lane.queue, [p.id for p in batch])]
     named = prepare_many(core, ["a", "b"], now_ms=NOW_MS, unique=["1" * 32, "2" * 32])
     arguments = calls.enqueue_arguments(core, lane, named)
     assert arguments["args"][:3] == [10, 2, 60_000]  # the caller's ids: a key each
@@ -123,13 +122,16 @@ def test_script_args_layout(core: ClientCore) -> None:
     assert "text_pair" in args[second_at + 1 :]
 
 
-@pytest.mark.parametrize(("refusal", "shown"), [
-    ("QUEUEFULL 9 10 2", "2 more"),  # 2 of the 3 were new to the script
-    ("QUEUEFULL 9 10", "3 more"),  # an older script's answer
-])
+@pytest.mark.parametrize(
+    ("refusal", "shown"),
+    [
+        ("QUEUEFULL 9 10 2", "2 more"),  # 2 of the 3 were new to the script
+        ("QUEUEFULL 9 10", "3 more"),  # an older script's answer
+    ],
+)
 def test_queue_full_message(core: ClientCore, refusal: str, shown: str) -> None:
     core.config.take({}, time.monotonic())
-    call = calls.submit_many(core, ["a", "b", "c"], {})
+    call = calls.submit_many(core, ["a", "b", "c"])
     calls.resume(call)
     with pytest.raises(QueueFull, match="holds 9 of at most 10") as full:
         calls.resume(call, failure(redis.ResponseError(refusal)))
