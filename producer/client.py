@@ -52,8 +52,7 @@ class Client(ProducerBase):
     """
 
     def _connect(self, max_connections: int | None) -> None:
-        self._config_state = threading.Lock()  # held only to look at or update the one below
-        self._config_read: threading.Event | None = None  # set when the read in flight ends
+        self._config_read = threading.Lock()  # held by the thread reading the config hash
         self._redis = redis_deadlines.sync_redis(self.settings, self.client_id, max_connections)
         self._scripts = {name: functions.Function(self._redis, name) for name in calls.SCRIPTS}
 
@@ -126,20 +125,12 @@ class Client(ProducerBase):
         return None
 
     def _share_config_read(self, deadline: Deadline) -> None:
-        """Read the config hash in this thread, or wait for another thread's read to end."""
-        with self._config_state:
-            if not self._core.config.due(time.monotonic()):
-                return  # read meanwhile
-            done = self._config_read
-            leading = done is None
-            if done is None:
-                done = self._config_read = threading.Event()
-        if not leading:
-            done.wait(deadline.left())
+        """Read the config hash in this thread unless another thread's read is under way: wait
+        for that (until the deadline), then read only if it did not succeed."""
+        if not self._config_read.acquire(timeout=deadline.left()):
             return
         try:
-            self._run(calls.read_config(self._core, deadline, strict=False))
+            if self._core.config.due(time.monotonic()):
+                self._run(calls.read_config(self._core, deadline, strict=False))
         finally:
-            with self._config_state:
-                self._config_read = None
-            done.set()
+            self._config_read.release()
