@@ -148,6 +148,8 @@ Step = Send | Sleep | ShareConfigRead | LoadTokenizer | Listen | Collect
 Call = Generator[Step, Any, T]
 """A call in progress: yields steps, is sent their answers, returns the call's value."""
 Outcomes = dict[str, Outcome | Exception]
+Texts = tuple[str, str | None] | list[TextItem]
+"""A call's inputs: one ``(text, text_pair)`` (submit, infer), or a batch's list."""
 
 
 @dataclass(slots=True, eq=False)
@@ -568,11 +570,7 @@ def submit(
     """Enqueue one text; its request id, for :meth:`result`. ``deadline_s`` (from now) or
     ``deadline_ms`` (epoch ms): when the answer stops being useful; ``reply_to``: another reply
     key. QueueFull at the queue's limit, BadRequest (InputTooLong) for bad input: no write."""
-
-    def prepare(lane: Lane, now_ms: int) -> list[Prepared]:
-        return [core.preparer.prepare(lane, text, now_ms=now_ms, text_pair=text_pair, **options)]
-
-    return (yield from _submit(core, "submit", prepare, options))[0]
+    return (yield from _submit(core, (text, text_pair), options))[0]
 
 
 def submit_many(
@@ -585,34 +583,34 @@ def submit_many(
     """Enqueue a batch (texts or ``(text, text_pair)`` tuples) all or nothing; the ids.
     ``unique``: the requests' ids (32 hex digits each) instead of fresh ones: a retry that names
     the same ids is written once (``dedupe_ttl_s``)."""
-    items = _texts(texts)
-
-    def prepare(lane: Lane, now_ms: int) -> list[Prepared]:
-        return core.preparer.prepare_many(lane, items, now_ms=now_ms, unique=unique, **options)
-
-    pin = unique[0] if unique else None  # a retry of the same ids: the same shard
-    return (yield from _submit(core, "submit_many", prepare, options, pin))
+    return (yield from _submit(core, _texts(texts), options, unique))
 
 
 def _submit(
-    core: ClientCore,
-    name: str,
-    prepare: Callable[[Lane, int], list[Prepared]],
-    options: SubmitOptions,
-    pin: str | None = None,
+    core: ClientCore, texts: Texts, options: SubmitOptions, unique: Sequence[str] | None = None
 ) -> Call[list[str]]:
-    """Enqueue what ``prepare`` makes for the lane chosen (``pin``: see :func:`choose_shard`),
-    bounded by ``settings.timeout_s``."""
-    refuse_unknown(options, SubmitOptions, name)
+    """Enqueue ``texts`` to the lane chosen, bounded by ``settings.timeout_s``; a call naming its
+    ids (``unique``) goes where they hash to, as each retry of it does."""
+    refuse_unknown(options, SubmitOptions, _name("submit", texts))
     deadline = Deadline.after(core.settings.timeout_s)
     yield from ensure_config(core, deadline)
 
     def write(lane: Lane) -> Call[list[str]]:
-        batch = prepare(lane, _now_ms())
+        batch = _prepare(core, lane, texts, unique, now_ms=_now_ms(), **options)
         yield from enqueue(core, lane, batch, deadline)
         return [p.id for p in batch]
 
+    pin = unique[0] if unique else None
     return (yield from on_current_shard(core, deadline, write, options.get("reply_to"), pin))
+
+
+def _prepare(
+    core: ClientCore, lane: Lane, texts: Texts, unique: Sequence[str] | None = None, **options: Any
+) -> list[Prepared]:
+    """The requests for ``lane``: one for a ``(text, text_pair)`` call, else the batch's."""
+    if isinstance(texts, tuple):
+        return [core.preparer.prepare(lane, texts[0], text_pair=texts[1], **options)]
+    return core.preparer.prepare_many(lane, texts, unique=unique, **options)
 
 
 def result(core: ClientCore, request_id: str, timeout_s: float | None = None) -> Call[Result]:
@@ -671,11 +669,7 @@ def infer(
     key it listens to): an outage is retried within ``timeout_s`` (then BrokerUnavailable), no
     answer is ReplyTimeout. Without a deadline the request carries the rest of the timeout: no
     device time on answers nobody awaits."""
-
-    def prepare(lane: Lane, key: str | None, request: dict[str, Any]) -> list[Prepared]:
-        return [core.preparer.prepare(lane, text, text_pair=text_pair, reply_to=key, **request)]
-
-    return (yield from _infer(core, "infer", prepare, timeout_s, options, False))[0]
+    return (yield from _infer(core, (text, text_pair), timeout_s, options, False))[0]
 
 
 def infer_many(
@@ -690,36 +684,27 @@ def infer_many(
     land on one key of the call's (an AsyncClient's: on the key it listens to). Without
     ``return_exceptions`` the first failed item is raised once every reply is in or the timeout
     has passed."""
-    items = _texts(texts)
-
-    def prepare(lane: Lane, key: str | None, request: dict[str, Any]) -> list[Prepared]:
-        key = key or lane.reply_key(lane.new_id())
-        return core.preparer.prepare_many(lane, items, reply_to=key, **request)
-
-    return (yield from _infer(core, "infer_many", prepare, timeout_s, options, return_exceptions))
+    return (yield from _infer(core, _texts(texts), timeout_s, options, return_exceptions))
 
 
 def _infer(
-    core: ClientCore,
-    name: str,
-    prepare: Callable[[Lane, str | None, dict[str, Any]], list[Prepared]],
-    timeout_s: float | None,
-    options: RequestOptions,
-    return_exceptions: bool,
+    core: ClientCore, texts: Texts, timeout_s: float | None, options: RequestOptions, errors: bool
 ) -> Call[list[Any]]:
-    """Enqueue what ``prepare`` makes and wait for its replies: from the client's listener (a
-    reply may beat the script's answer, so it listens first), else from their reply keys."""
-    refuse_unknown(options, RequestOptions, name)
+    """Enqueue ``texts`` and wait for their replies: from the client's listener (a reply may beat
+    the script's answer, so it listens first), else from their reply keys (a batch's: one key of
+    the call's)."""
+    refuse_unknown(options, RequestOptions, _name("infer", texts))
     started = time.monotonic()
     deadline = Deadline(started + _timeout(core, timeout_s), persist=True)
     yield from ensure_config(core, deadline)
     listener = core.listener
 
     def write(lane: Lane) -> Call[tuple[Lane, list[Prepared]]]:
-        key = None if listener is None else listener(lane)
-        batch = prepare(lane, key, _infer_request(deadline, options))
-        if key is not None:
-            yield Listen(tuple(p.id for p in batch), key)
+        listened = None if listener is None else listener(lane)
+        key = listened or (None if isinstance(texts, tuple) else lane.reply_key(lane.new_id()))
+        batch = _prepare(core, lane, texts, reply_to=key, **_infer_request(deadline, options))
+        if listened is not None:
+            yield Listen(tuple(p.id for p in batch), listened)
         yield from enqueue(core, lane, batch, deadline, awaited=True)
         return lane, batch
 
@@ -728,7 +713,7 @@ def _infer(
     if listener is not None:
         outcomes, unreachable = yield Collect(tuple(ids), deadline)
         missing = [i for i in ids if i not in outcomes]
-    elif name == "infer":  # on its own reply key
+    elif isinstance(texts, tuple):  # on its own reply key
         wanted = {batch[0].reply_to: batch[0].id}
         outcomes, unreachable = yield from own_replies(core, wanted, deadline)
         missing = list(wanted.values())
@@ -738,7 +723,7 @@ def _infer(
         outcomes, unreachable = yield from drain(core, reply_key, pending, deadline)
         missing = sorted(pending)
     yield from _missing(core, lane, missing, outcomes, started, unreachable)
-    return settle(ids, outcomes, return_exceptions)
+    return settle(ids, outcomes, errors)
 
 
 def workers_alive(core: ClientCore) -> Call[int]:
@@ -798,6 +783,11 @@ def _infer_request(deadline: Deadline, options: RequestOptions) -> dict[str, Any
     if options.get("deadline_s") is None and options.get("deadline_ms") is None:
         request["deadline_s"] = min(max(deadline.remaining(), 0.001), wire.MAX_TIMEOUT_MS / 1000)
     return request
+
+
+def _name(call: str, texts: Texts) -> str:
+    """The public name of a call of ``texts``: ``call`` for one text, ``call_many`` for a batch."""
+    return call if isinstance(texts, tuple) else f"{call}_many"
 
 
 def _now_ms() -> int:
