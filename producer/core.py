@@ -109,6 +109,10 @@ class ProducerBase:
     _redis: Any
     _scripts: dict[str, Any]
     """The functions a Send may name (:data:`~.calls.SCRIPTS`), sync or asyncio."""
+    _connect: Callable[[int | None], None]
+    """Makes the Redis client(s) and the functions they call; connections open lazily."""
+    _durable_enqueue: Callable[..., Any]
+    """The enqueue script and ``WAIT`` in one pipeline, so both run on one connection."""
 
     def __init__(
         self,
@@ -138,22 +142,12 @@ class ProducerBase:
         self._loading_lock = threading.Lock()
         self._connect(options.get("max_connections"))
 
-    def _connect(self, max_connections: int | None) -> None:
-        """Make the Redis client(s) and the functions they call; connections open lazily."""
-        raise NotImplementedError
-
     def _command(self, name: str) -> Callable[..., Any]:
         """What a Send named: a redis-py method, a script, or the durable enqueue."""
         if name == DURABLE_ENQUEUE:
             return self._durable_enqueue
         script = self._scripts.get(name)
         return script if script is not None else getattr(self._redis, name)
-
-    def _durable_enqueue(
-        self, *, keys: list[str], args: list[Any], replicas: int, timeout_ms: int
-    ) -> Any:
-        """The enqueue script and ``WAIT`` in one pipeline, so both run on one connection."""
-        raise NotImplementedError
 
     def _tokenizer_load(self, path: str) -> concurrent.futures.Future[None]:
         """The load of ``path`` into the config cache, started once in a daemon thread of its
