@@ -226,9 +226,7 @@ def test_redis_dying_mid_wait_is_broker_unavailable(tmp_path: Path, queue_name: 
     run(main)
 
 
-def test_listener_reports_outage_as_broker_unavailable(
-    redis_url: str, queue_name: str
-) -> None:
+def test_listener_reports_outage_as_broker_unavailable(redis_url: str, queue_name: str) -> None:
     """A listener that cannot reach Redis turns a waiter's timeout into BrokerUnavailable."""
 
     async def main() -> None:
@@ -267,6 +265,7 @@ def test_unknown_replies_are_dropped(redis_url: str, queue_name: str) -> None:
 def test_aclose_fails_pending_waiters(redis_url: str, queue_name: str, r: redis.Redis) -> None:
     """And a listener blocked on an empty key is cancelled (BLMOVE removes nothing): no
     marker or anything else is left on the key."""
+
     async def main() -> None:
         client = AsyncClient(redis_url, queue_name, timeout_s=10)
         waiting = asyncio.ensure_future(client.infer("a"))
@@ -281,6 +280,23 @@ def test_aclose_fails_pending_waiters(redis_url: str, queue_name: str, r: redis.
 
     run(main)
     assert not r.keys(keys.reply(keys.QueueRef(queue_name), "*"))
+
+
+def test_a_closed_client_refuses_to_infer_and_writes_nothing(
+    redis_url: str, queue_name: str, r: redis.Redis
+) -> None:
+    async def main() -> None:
+        client = AsyncClient(redis_url, queue_name, timeout_s=10)
+        await client.aclose()
+        started = time.monotonic()
+        with pytest.raises(TokenqError, match="is closed"):
+            await client.infer("a")
+        with pytest.raises(TokenqError, match="is closed"):
+            await client.infer_many(["a", "b"])
+        assert time.monotonic() - started < 1
+
+    run(main)
+    assert not r.exists(keys.requests(keys.QueueRef(queue_name)))
 
 
 def test_listener_stops_when_nobody_waits(
@@ -308,6 +324,7 @@ def test_aclose_right_after_the_answers_leaves_no_reply_behind(
     distant Redis), it is still in flight when ``async with`` ends, and a
     close that cancelled it left answered replies on Redis until their TTL.
     """
+
     async def main() -> None:
         async with AsyncClient(redis_url, queue_name, timeout_s=10) as client:
             listening = client._listen_clients[client._reply_key]
@@ -323,4 +340,3 @@ def test_aclose_right_after_the_answers_leaves_no_reply_behind(
 
     run(main)
     assert not r.keys(keys.reply(keys.QueueRef(queue_name), "*")), "answered replies were left"
-
