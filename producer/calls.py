@@ -532,17 +532,19 @@ def drain(
     return outcomes, (yield from _poll(core, deadline, pending, pop, take))
 
 
-def retired_shards_named(
+def reply_keys(
     core: ClientCore, request_ids: Sequence[str], deadline: Deadline
-) -> Call[frozenset[int]]:
-    """Of the shards ``request_ids`` name that the queue does not have now, the retired ones
-    (their markers stay); best effort: a read refused or unanswered counts as not retired."""
+) -> Call[dict[int | None, dict[str, str]]]:
+    """Reply key -> id of the (checked) ``request_ids``, by the shard each reply is on. A shard
+    an id names that the queue does not have now counts if retired (its marker stays); best
+    effort: a read refused or unanswered counts as not retired."""
+    check_ids(request_ids)
     if all(keys.shard_in_id(request_id) is None for request_id in request_ids):
-        return frozenset()
+        return core.lanes.reply_keys(request_ids)
     try:
         yield from ensure_config(core, deadline)
     except BrokerUnavailable:
-        return frozenset()
+        return core.lanes.reply_keys(request_ids)
     retired: set[int] = set()
     for shard in core.lanes.shards_beyond(request_ids):
         marker = keys.retired(core.lanes.lane(shard).queue)
@@ -553,7 +555,7 @@ def retired_shards_named(
             log.debug(
                 "cannot tell whether shard %d is retired (%s): taken as not", shard, error_text(exc)
             )
-    return frozenset(retired)
+    return core.lanes.reply_keys(request_ids, retired)
 
 
 # --------------------------------------------------------------------- calls
@@ -633,9 +635,7 @@ def results(
     ``reply_ttl_s`` does). ``return_exceptions``: errors in place."""
     started = time.monotonic()
     deadline = Deadline(started + _timeout(core, timeout_s))
-    check_ids(request_ids)
-    retired = yield from retired_shards_named(core, request_ids, deadline)
-    by_shard = core.lanes.reply_keys(request_ids, retired)
+    by_shard = yield from reply_keys(core, request_ids, deadline)
     several = len(by_shard) > 1
     outcomes: Outcomes = {}
     unreachable: BaseException | None = None
@@ -651,9 +651,7 @@ def results(
 def forget(core: ClientCore, request_ids: Sequence[str]) -> Call[None]:
     """Delete the replies :meth:`results` kept for ``request_ids`` (best effort)."""
     deadline = Deadline.after(core.settings.timeout_s)
-    check_ids(request_ids)
-    retired = yield from retired_shards_named(core, request_ids, deadline)
-    for wanted in core.lanes.reply_keys(request_ids, retired).values():
+    for wanted in (yield from reply_keys(core, request_ids, deadline)).values():
         yield from _forget(deadline, "delete", *wanted)
 
 
