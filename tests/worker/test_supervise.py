@@ -233,14 +233,11 @@ def test_the_guard_passes_exit_codes_and_signals_through(tmp_path: Path):
 PARENT = """
 import os, sys
 from tokenq.worker.tooling.children import Supervisor
-sup = Supervisor(die_with_parent=sys.argv[1], stop_timeout_s=5)
-sup.install_signal_handlers()
-child = sup.start("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], os.environ)
-print(child.pid, flush=True)
-try:
+with Supervisor(die_with_parent=sys.argv[1], stop_timeout_s=5) as sup:
+    child = sup.start("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
+                      os.environ)
+    print(child.pid, flush=True)
     sup.run()
-finally:
-    sup.stop()
 sys.exit(sup.exit_code())
 """
 
