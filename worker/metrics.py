@@ -4,6 +4,7 @@ per-request histograms fed a whole batch in one call."""
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -170,17 +171,11 @@ class Metrics(NullMetrics):
         observe_many(self._input, input_tokens)
 
     def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int) -> None:
-        counts: dict[str, int] = {}
-        replied = []
-        for answer in answers:
-            outcome = answer.outcome
-            if outcome is None:
-                continue  # entry deleted while pending: acked, nobody to answer
-            counts[outcome] = counts.get(outcome, 0) + 1
-            replied.append(answer.entry_id)
-        for outcome, n in counts.items():
+        # An entry deleted while pending has no outcome: acked, nobody to answer.
+        replied = [answer for answer in answers if answer.outcome is not None]
+        for outcome, n in collections.Counter(answer.outcome for answer in replied).items():
             self._requests.labels(self.queue, outcome).inc(n)
-        observe_many(self._duration, _ages_s(replied, now_epoch_ms))
+        observe_many(self._duration, _ages_s((a.entry_id for a in replied), now_epoch_ms))
 
     def reclaimed(self, n: int) -> None:
         self._reclaimed.inc(n)

@@ -313,7 +313,7 @@ class Supervisor:
 
     def _send(self, sig: int, children: Iterable[Child]) -> None:
         for child in children:
-            if child.running and child.process is not None:
+            if child.running and child.process is not None:  # not reaped: still our pid
                 with contextlib.suppress(ProcessLookupError):  # exited just now
                     child.process.send_signal(sig)
 
@@ -322,10 +322,7 @@ class Supervisor:
         self.stopping = True
         for child in self.children:
             child.restart_at = None
-            process = child.process
-            if process is not None and process.returncode is None:  # not reaped: still our pid
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGKILL)
+        self._send(signal.SIGKILL, self.children)
 
     def stop(self, children: Sequence[Child] | None = None,
              timeout_s: float | None = None) -> None:
