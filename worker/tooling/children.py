@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -88,15 +89,11 @@ def prctl(option: int, value: int) -> bool:
     return _PRCTL is not None and _PRCTL(option, value, 0, 0, 0) == 0
 
 
-def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
+def _pdeathsig_preexec(parent: int) -> None:
     """Run in the child between fork and exec: SIGTERM me when ``parent`` dies."""
-
-    def preexec() -> None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the line above: too late to ask
-            os._exit(1)
-
-    return preexec
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the line above: too late to ask
+        os._exit(1)
 
 
 def die_with_parent(parent: int, *, use_prctl: bool = True) -> None:
@@ -124,10 +121,8 @@ def _guard_main(args: Sequence[str]) -> int:
     """``python -m tokenq.worker.tooling.children PARENT_PID COMMAND...``: run COMMAND, forward
     signals, exit as it does; SIGTERM it (SIGKILL 30 s later) once PARENT_PID is gone."""
     if len(args) < 2 or not args[0].isdigit():
-        print(
-            "usage: python -m tokenq.worker.tooling.children PARENT_PID COMMAND...",
-            file=sys.stderr,
-        )
+        print("usage: python -m tokenq.worker.tooling.children PARENT_PID COMMAND...",
+              file=sys.stderr)
         return EXIT_USAGE
     parent = int(args[0])
     pending: list[int] = []  # signals that came before the child existed
@@ -244,7 +239,7 @@ class Supervisor:
             log.debug("starting %s off the main thread: it dies when this thread does", child.name)
         argv, popen = child.argv, dict(child.popen)
         if self.death_mode == "prctl":
-            popen["preexec_fn"] = _pdeathsig_preexec(os.getpid())
+            popen["preexec_fn"] = functools.partial(_pdeathsig_preexec, os.getpid())
         elif self.death_mode == "guard":
             argv = guarded(argv)
         child.process = subprocess.Popen(argv, env=child.env, **popen)
