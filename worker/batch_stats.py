@@ -53,14 +53,9 @@ class WorkerStats(Totals):
         self.requests_ok += batch.rows - batch.failed
         self.requests_failed += batch.failed
 
-    @property
-    def padding_efficiency(self) -> float:
-        return self.tokens / self.padded_tokens if self.padded_tokens else 1.0
-
     def snapshot(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["padding_efficiency"] = round(self.padding_efficiency, 4)
-        return data
+        efficiency = ratio(self.tokens, self.padded_tokens)
+        return {**asdict(self), "padding_efficiency": 1.0 if efficiency is None else efficiency}
 
     def exit_fields(self, worker: str, now: float) -> dict[str, Any]:
         """The exit log line's fields (``--log-format json`` logs them as they are)."""

@@ -12,7 +12,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from tokenq.shared.errors import ConfigError
-from tokenq.worker.health import Health, Verdict
+from tokenq.worker.health import Health
 
 log = logging.getLogger("tokenq.worker")
 
@@ -40,26 +40,23 @@ class _QuietHandler(WSGIRequestHandler):
 
 def app(health: Health, metrics_app: WsgiApp | None) -> WsgiApp:
     """The WSGI application: three routes, everything else 404."""
-
-    def probe(verdict: Verdict, start_response: Callable[..., Any]) -> list[bytes]:
-        status = "200 OK" if verdict.ok else "503 Service Unavailable"
-        body = (verdict.text + "\n").encode()
-        start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
-                                ("Content-Length", str(len(body))),
-                                ("Cache-Control", "no-store")])
-        return [body]
+    probes = {**dict.fromkeys(LIVE_PATHS, health.live), **dict.fromkeys(READY_PATHS, health.ready)}
 
     def route(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
-        if path in LIVE_PATHS:
-            return probe(health.live(time.monotonic()), start_response)
-        if path in READY_PATHS:
-            return probe(health.ready(time.monotonic()), start_response)
         if path == "/metrics" and metrics_app is not None:
             return metrics_app(environ, start_response)
-        body = b"not found: try /metrics, /livez or /readyz\n"
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8"),
-                                         ("Content-Length", str(len(body)))])
+        probe = probes.get(path)
+        verdict = None if probe is None else probe(time.monotonic())
+        if verdict is None:
+            status, text = "404 Not Found", "not found: try /metrics, /livez or /readyz"
+        else:
+            status = "200 OK" if verdict.ok else "503 Service Unavailable"
+            text = verdict.text
+        body = (text + "\n").encode()
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+                                ("Content-Length", str(len(body))),
+                                ("Cache-Control", "no-store")])
         return [body]
 
     return route

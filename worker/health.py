@@ -16,8 +16,11 @@ loop's backoff makes three about 0.7 s: one blip is not enough)."""
 class Verdict:
     """An answer for a probe: ok, or the reasons it is not (short, for people)."""
 
-    ok: bool
     reasons: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
 
     @property
     def text(self) -> str:
@@ -120,13 +123,11 @@ class Health:
 
     def live(self, now: float) -> Verdict:
         if self.hung is not None:
-            return Verdict(False, (self.hung,))
+            return Verdict((self.hung,))
         if self._ticked is not None and now - self._ticked > self.stall_after_s:
-            return Verdict(False, (
-                f"event loop stalled: no heartbeat or watchdog tick for "
-                f"{now - self._ticked:.1f}s",
-            ))
-        return Verdict(True)
+            stalled = f"no heartbeat or watchdog tick for {now - self._ticked:.1f}s"
+            return Verdict((f"event loop stalled: {stalled}",))
+        return Verdict()
 
     def ready(self, now: float) -> Verdict:
         reasons: list[str] = []
@@ -146,6 +147,4 @@ class Health:
             reasons.append(f"redis refuses writes: {self.publish_refusal}")
         if self.stopping:
             reasons.append(STOPPING)
-        live = self.live(now)
-        reasons += live.reasons
-        return Verdict(not reasons, tuple(reasons))
+        return Verdict((*reasons, *self.live(now).reasons))

@@ -4,10 +4,9 @@ per-request histograms fed a whole batch in one call."""
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
-import math
-import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenq.shared import wire
@@ -86,69 +85,59 @@ class Metrics(NullMetrics):
         )
 
         # Process-wide and read at each scrape (the variable is read once at import,
-        # maybe already done). prometheus-client < 0.20 has no switch.
-        disable = getattr(prometheus_client, "disable_created_metrics", None)
-        if disable is not None:
-            disable()
+        # maybe already done).
+        prometheus_client.disable_created_metrics()
         self.registry = registry = CollectorRegistry()
         self.queue = queue
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=registry)
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, ("queue",), registry=registry).labels(queue)
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            return Histogram(name, doc, ("queue",), buckets=buckets,
-                             registry=registry).labels(queue)
-
-        def per_request(name: str, doc: str, buckets: Sequence[float]) -> BatchHistogram:
-            return BatchHistogram(name, doc, buckets, {"queue": queue}, registry)
-
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, ("queue",), registry=registry).labels(queue)
+        def series(kind: Any, name: str, doc: str, **options: Any) -> Any:
+            """``kind``'s series for this queue."""
+            return kind(name, doc, ("queue",), registry=registry, **options).labels(queue)
 
         self._requests = Counter("tokenq_requests", "Requests answered, by outcome (ok or error "
                                  "code)", ("queue", "outcome"), registry=registry)
         self._refusals = Counter(
             "tokenq_redis_refusals", "Calls Redis refused for its own state (oom, readonly, ...), "
             "retried", ("queue", "reason"), registry=registry)
-        self._batches = counter("tokenq_batches", "Batches run on the device")
-        self._tokens = counter("tokenq_tokens", "Real (unpadded) tokens run")
-        self._padded = counter("tokenq_padded_tokens", "Tokens run including padding")
-        self._oom_splits = counter("tokenq_oom_splits", "Batches split after out-of-memory")
-        self._reclaimed = counter("tokenq_reclaimed", "Entries claimed from other consumers")
-        self._dead = counter("tokenq_dead_lettered", "Requests moved to the dead stream")
-        self._rows = histogram("tokenq_batch_rows", "Rows (sequences) per batch", ROW_BUCKETS)
-        self._batch_tokens = histogram(
-            "tokenq_batch_tokens", "Real tokens per batch", TOKEN_BUCKETS)
-        self._efficiency = histogram("tokenq_batch_padding_efficiency_ratio",
-                                     "Real / padded tokens per batch", EFFICIENCY_BUCKETS)
-        self._infer = histogram(
-            "tokenq_inference_seconds", "Time one batch spent in the backend", INFER_BUCKETS)
-        self._tokenize = histogram(
-            "tokenq_tokenization_seconds",
+        self._batches = series(Counter, "tokenq_batches", "Batches run on the device")
+        self._tokens = series(Counter, "tokenq_tokens", "Real (unpadded) tokens run")
+        self._padded = series(Counter, "tokenq_padded_tokens", "Tokens run including padding")
+        self._oom_splits = series(
+            Counter, "tokenq_oom_splits", "Batches split after out-of-memory")
+        self._reclaimed = series(
+            Counter, "tokenq_reclaimed", "Entries claimed from other consumers")
+        self._dead = series(Counter, "tokenq_dead_lettered", "Requests moved to the dead stream")
+        self._rows = series(Histogram, "tokenq_batch_rows", "Rows (sequences) per batch",
+                            buckets=ROW_BUCKETS)
+        self._batch_tokens = series(Histogram, "tokenq_batch_tokens", "Real tokens per batch",
+                                    buckets=TOKEN_BUCKETS)
+        self._efficiency = series(Histogram, "tokenq_batch_padding_efficiency_ratio",
+                                  "Real / padded tokens per batch", buckets=EFFICIENCY_BUCKETS)
+        self._infer = series(Histogram, "tokenq_inference_seconds",
+                             "Time one batch spent in the backend", buckets=INFER_BUCKETS)
+        self._tokenize = series(
+            Histogram, "tokenq_tokenization_seconds",
             "Time to admit one read: decode-checks and exact tokenization of its requests",
-            INFER_BUCKETS,
-        )
-        self._wait = per_request(
-            "tokenq_queue_wait_seconds",
-            "From enqueue (the stream entry id's time) to the start of its batch", WAIT_BUCKETS,
-        )
-        self._duration = per_request(
-            "tokenq_request_duration_seconds",
-            "From enqueue (the stream entry id's time) to its reply's publish", WAIT_BUCKETS,
-        )
-        self._input = per_request(
-            "tokenq_request_input_tokens", "Tokens of each request run (after truncation)",
-            INPUT_BUCKETS,
-        )
-        self._budget = gauge("tokenq_batch_budget_tokens", "Token budget now in force")
-        self._length = gauge(
-            "tokenq_queue_length", "Entries in the request stream (XLEN): waiting or held")
-        self._pending = gauge(
-            "tokenq_queue_pending", "Entries delivered to some worker and not yet answered")
-        self._lag = gauge("tokenq_queue_lag", "Entries no worker has read yet (the group's lag)")
+            buckets=INFER_BUCKETS)
+        self._wait = series(
+            Histogram, "tokenq_queue_wait_seconds",
+            "From enqueue (the stream entry id's time) to the start of its batch",
+            buckets=WAIT_BUCKETS)
+        self._duration = series(
+            Histogram, "tokenq_request_duration_seconds",
+            "From enqueue (the stream entry id's time) to its reply's publish",
+            buckets=WAIT_BUCKETS)
+        self._input = series(Histogram, "tokenq_request_input_tokens",
+                             "Tokens of each request run (after truncation)", buckets=INPUT_BUCKETS)
+        self._budget = series(Gauge, "tokenq_batch_budget_tokens", "Token budget now in force")
+        self._length = series(Gauge, "tokenq_queue_length",
+                              "Entries in the request stream (XLEN): waiting or held")
+        self._pending = series(Gauge, "tokenq_queue_pending",
+                               "Entries delivered to some worker and not yet answered")
+        self._lag = series(
+            Gauge, "tokenq_queue_lag", "Entries no worker has read yet (the group's lag)")
         self._info = Gauge(
             "tokenq_worker_info", "Static facts about the worker (value is always 1)",
             ("queue", "consumer", "model", "backend", "device"), registry=registry,
@@ -171,38 +160,28 @@ class Metrics(NullMetrics):
         self._batches.inc()
         self._tokens.inc(record.tokens)
         self._padded.inc(record.padded_tokens)
-        if record.oom_splits:
-            self._oom_splits.inc(record.oom_splits)
+        self._oom_splits.inc(record.oom_splits)
         self._rows.observe(record.rows)
         self._batch_tokens.observe(record.tokens)
         if record.padded_tokens:
             self._efficiency.observe(record.tokens / record.padded_tokens)
         self._infer.observe(record.device_ms / 1000.0)
         self._budget.set(budget)
-        self._wait.observe_many(_ages_s(entry_ids, started_epoch_ms))
-        if input_tokens:
-            self._input.observe_many(input_tokens)
+        observe_many(self._wait, _ages_s(entry_ids, started_epoch_ms))
+        observe_many(self._input, input_tokens)
 
     def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int) -> None:
-        counts: dict[str, int] = {}
-        replied = []
-        for answer in answers:
-            outcome = answer.outcome
-            if outcome is None:
-                continue  # entry deleted while pending: acked, nobody to answer
-            counts[outcome] = counts.get(outcome, 0) + 1
-            replied.append(answer.entry_id)
-        for outcome, n in counts.items():
+        # An entry deleted while pending has no outcome: acked, nobody to answer.
+        replied = [answer for answer in answers if answer.outcome is not None]
+        for outcome, n in collections.Counter(answer.outcome for answer in replied).items():
             self._requests.labels(self.queue, outcome).inc(n)
-        self._duration.observe_many(_ages_s(replied, now_epoch_ms))
+        observe_many(self._duration, _ages_s((a.entry_id for a in replied), now_epoch_ms))
 
     def reclaimed(self, n: int) -> None:
-        if n:
-            self._reclaimed.inc(n)
+        self._reclaimed.inc(n)
 
     def dead_lettered(self, n: int) -> None:
-        if n:
-            self._dead.inc(n)
+        self._dead.inc(n)
 
     def redis_refused(self, reason: str) -> None:
         self._refusals.labels(self.queue, reason).inc()
@@ -241,52 +220,16 @@ def _ages_s(entry_ids: Iterable[bytes], now_epoch_ms: int) -> list[float]:
     return ages
 
 
-class BatchHistogram:
-    """A histogram series fed in bulk; register it on a ``CollectorRegistry``."""
-
-    def __init__(
-        self, name: str, documentation: str, buckets: Sequence[float],
-        labels: dict[str, str], registry: Any,
-    ) -> None:
-        bounds = sorted(float(b) for b in buckets if not math.isinf(b))
-        if not bounds:
-            raise ValueError(f"{name}: a histogram needs at least one finite bucket")
-        self.name = name
-        self._doc = documentation
-        self._bounds = bounds
-        self._labels = dict(labels)
-        self._counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self._sum = 0.0
-        self._lock = threading.Lock()
-        registry.register(self)
-
-    def observe_many(self, values: Iterable[float]) -> None:
-        """Add every value (scraped from another thread: one lock for the whole call)."""
-        bounds, place = self._bounds, bisect.bisect_left
-        with self._lock:
-            counts = self._counts
-            total = 0.0
-            for value in values:
-                counts[place(bounds, value)] += 1  # first bound >= value: Prometheus's le
-                total += value
-            self._sum += total
-
-    def describe(self) -> list[Any]:
-        """The family without samples, so the registry can refuse a duplicate name."""
-        from prometheus_client.core import HistogramMetricFamily
-
-        return [HistogramMetricFamily(self.name, self._doc, labels=list(self._labels))]
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import HistogramMetricFamily
-        from prometheus_client.utils import floatToGoString
-
-        with self._lock:
-            counts, total = list(self._counts), self._sum
-        cumulative, running = [], 0
-        for bound, count in zip([*self._bounds, math.inf], counts, strict=True):
-            running += count
-            cumulative.append((floatToGoString(bound), running))
-        family = HistogramMetricFamily(self.name, self._doc, labels=list(self._labels))
-        family.add_metric(list(self._labels.values()), cumulative, total)
-        yield family
+def observe_many(histogram: Any, values: Iterable[float]) -> None:
+    """Add every value to one series of a ``prometheus_client`` histogram, one update per
+    bucket instead of per value: the bucket and sum values its own ``observe`` updates."""
+    bounds = histogram._upper_bounds  # the last one is +Inf
+    counts = [0] * len(bounds)
+    total = 0.0
+    for value in values:
+        counts[bisect.bisect_left(bounds, value)] += 1  # first bound >= value: Prometheus's le
+        total += value
+    for bucket, count in zip(histogram._buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)
+    histogram._sum.inc(total)

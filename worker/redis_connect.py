@@ -1,7 +1,9 @@
-"""One place that turns settings into a resilient asyncio Redis client."""
+"""The worker's Redis: its resilient asyncio client, made from settings in one place, and the
+start-up check that the server is configured the way tokenq assumes (docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -9,13 +11,17 @@ from redis._parsers import AsyncCommandsParser
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tokenq.shared import redis_client
+from tokenq.shared.failures import error_text
 from tokenq.shared.packing import HiredisPacking as HiredisPacking  # the mixin, for tests
 from tokenq.shared.packing import packed
 from tokenq.shared.redis_url import parse_redis_url
 from tokenq.worker.settings import WorkerSettings
+
+log = logging.getLogger("tokenq.worker")
 
 
 def connect(settings: WorkerSettings) -> aioredis.Redis | aioredis.RedisCluster:
@@ -55,3 +61,25 @@ class _StreamKeysParser(AsyncCommandsParser):
 
 HOOKS = redis_client.ClientHooks(connection=packed, cluster_parser=_StreamKeysParser)
 """The worker's connections pack in C, on any topology; a cluster finds a read's keys itself."""
+
+
+async def check_server(client: aioredis.Redis) -> None:
+    """Warn, and carry on, unless the server has ``maxmemory-policy noeviction`` and an
+    append-only file; an ACL user without CONFIG rights skips the check."""
+    try:
+        policy = _config(await client.config_get("maxmemory-policy"), "maxmemory-policy")
+        appendonly = _config(await client.config_get("appendonly"), "appendonly")
+    except RedisError as exc:
+        log.debug("cannot read the server's settings (%s); skipping the check", error_text(exc))
+        return
+    if policy and policy != "noeviction":
+        log.warning("Redis maxmemory-policy is %r: under memory pressure it may evict pending "
+                    "requests or replies; set maxmemory-policy noeviction", policy)
+    if appendonly == "no":
+        log.warning("Redis appendonly is off: a Redis restart loses every queued request; "
+                    "set appendonly yes and appendfsync everysec for durability")
+
+
+def _config(reply: dict, name: str) -> str | None:
+    value = reply.get(name.encode(), reply.get(name))
+    return value.decode() if isinstance(value, bytes) else value

@@ -65,7 +65,8 @@ def settings_class(backend: str) -> type[BaseWorkerSettings]:
 
 def chosen_backend(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str:
     """The ``--backend`` a command line chooses, else ``TOKENQ_BACKEND``, else the default."""
-    value: str | None = None
+    env = os.environ if environ is None else environ
+    value = env.get(env_var("backend"), BaseWorkerSettings.model_fields["backend"].default)
     for at, arg in enumerate(argv):
         if arg == "--":
             break
@@ -73,11 +74,7 @@ def chosen_backend(argv: Sequence[str], environ: Mapping[str, str] | None = None
             value = argv[at + 1]
         elif arg.startswith("--backend="):
             value = arg.partition("=")[2]
-    if value is not None:
-        return value
-    env = os.environ if environ is None else environ
-    default = BaseWorkerSettings.model_fields["backend"].default
-    return str(env.get(env_var("backend"), default))
+    return str(value)
 
 
 def settings_class_for(argv: Sequence[str]) -> type[BaseWorkerSettings]:

@@ -26,7 +26,7 @@ from tokenq.worker.backends.sim import SIM_FAIL_MARKER
 from tokenq.worker.batch_stats import BatchRecord, WorkerStats, exit_line
 from tokenq.worker.health import Health
 from tokenq.worker.loop import beat
-from tokenq.worker.metrics import BatchHistogram
+from tokenq.worker.metrics import observe_many
 from tokenq.worker.pipeline.jobs import Answer, error_answer
 from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling.embedded import free_port
@@ -174,7 +174,8 @@ def test_a_batch_histogram_matches_the_librarys_buckets():
 
     values = [0.0, 1.0, 1.5, 2.0, 3.0, 1e9, -1.0]
     ours, theirs = CollectorRegistry(), CollectorRegistry()
-    BatchHistogram("h", "doc", (1.0, 2.0, 3.0), {"queue": "q"}, ours).observe_many(values)
+    bulk = Histogram("h", "doc", ("queue",), buckets=(1.0, 2.0, 3.0), registry=ours)
+    observe_many(bulk.labels("q"), values)
     reference = Histogram("h", "doc", ("queue",), buckets=(1.0, 2.0, 3.0), registry=theirs)
     for value in values:
         reference.labels("q").observe(value)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -233,14 +234,11 @@ def test_the_guard_passes_exit_codes_and_signals_through(tmp_path: Path):
 PARENT = """
 import os, sys
 from tokenq.worker.tooling.children import Supervisor
-sup = Supervisor(die_with_parent=sys.argv[1], stop_timeout_s=5)
-sup.install_signal_handlers()
-child = sup.start("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], os.environ)
-print(child.pid, flush=True)
-try:
+with Supervisor(die_with_parent=sys.argv[1], stop_timeout_s=5) as sup:
+    child = sup.start("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
+                      os.environ)
+    print(child.pid, flush=True)
     sup.run()
-finally:
-    sup.stop()
 sys.exit(sup.exit_code())
 """
 
@@ -288,3 +286,31 @@ def test_sigterm_to_the_parent_stops_the_children_and_it_exits_0(
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(timeout=30) == 0
     assert not wait_gone(below, 5)
+
+
+STUBBORN_PARENT = """
+import os, sys
+from tokenq.worker.tooling.children import Supervisor
+stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+with Supervisor(stop_timeout_s=60) as sup:
+    child = sup.start("stubborn", [sys.executable, "-c", stubborn], os.environ)
+    print(child.pid, flush=True)
+    sup.run()
+sys.exit(sup.exit_code())
+"""
+
+
+@linux_only
+def test_a_second_signal_kills_the_children_at_once(spawn, tmp_path: Path):
+    script = tmp_path / "parent.py"
+    script.write_text(STUBBORN_PARENT)
+    parent = spawn([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    wait_for(lambda: "time.sleep(120)" in cmdline(child), timeout=30, what="the child")
+    parent.send_signal(signal.SIGTERM)  # the child ignores it: the parent waits up to 60 s
+    wait_for(lambda: alive(child), timeout=5, what="the child still running")
+    time.sleep(1.5)  # past the window in which a repeat is the same stop
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=20) == 128 + signal.SIGKILL
+    assert not wait_gone([child], 5)

@@ -194,3 +194,38 @@ def test_a_sync_socket_closed_under_a_command_fails_it_as_a_connection_error(
         connection.send_command("PING")
     assert isinstance(failure.value.__cause__, AttributeError)
     connection.disconnect()
+
+
+def test_the_start_up_check_warns_of_eviction_and_no_append_only_file(
+    redis_url: str, r, caplog: pytest.LogCaptureFixture,
+) -> None:
+    import asyncio
+    import logging
+
+    from tokenq.worker.redis_connect import check_server
+
+    async def check() -> None:
+        client = connect(WorkerSettings(redis_url=redis_url))
+        try:
+            await check_server(client)
+        finally:
+            await client.aclose()
+
+    before = r.config_get("maxmemory-policy")["maxmemory-policy"], r.config_get("appendonly")
+    logger = logging.getLogger("tokenq.worker")
+    logger.addHandler(caplog.handler)
+    try:
+        r.config_set("maxmemory-policy", "allkeys-lru")
+        r.config_set("appendonly", "no")
+        asyncio.run(check())
+        assert "Redis maxmemory-policy is 'allkeys-lru'" in caplog.text
+        assert "Redis appendonly is off" in caplog.text
+        caplog.clear()
+        r.config_set("maxmemory-policy", "noeviction")
+        r.config_set("appendonly", "yes")
+        asyncio.run(check())
+        assert "maxmemory-policy" not in caplog.text and "appendonly" not in caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)
+        r.config_set("maxmemory-policy", before[0])
+        r.config_set("appendonly", before[1]["appendonly"])

@@ -338,11 +338,9 @@ class Batcher:
         stats.rows += batch.rows
         stats.tokens += batch.tokens
         stats.cost_tokens += batch.cost
-        for event in events:
-            if event.reason == "oom":
-                stats.oom_events += 1
-            else:
-                stats.error_events += 1
+        ooms = sum(event.reason == "oom" for event in events)
+        stats.oom_events += ooms
+        stats.error_events += len(events) - ooms
         if events:
             stats.failed_runs = (stats.failed_runs + events)[-100:]
         for done in outcome.answered:
@@ -381,23 +379,23 @@ class Batcher:
         self._feed.wake()
 
 
+@dataclass
 class _Rules(Rules):
     """What the device thread asks a :class:`Batcher`."""
 
-    def __init__(self, batcher: Batcher) -> None:
-        self._batcher = batcher
+    batcher: Batcher
 
     def flushing(self) -> bool:
-        return self._batcher._closing
+        return self.batcher._closing
 
     def finished(self) -> bool:
-        batcher = self._batcher
+        batcher = self.batcher
         return batcher._closing and not (
             batcher._incoming or batcher._tokenizing or batcher._packer)
 
     def prune(self) -> None:
         """Drop what callers gave up on before costing a batch (device thread, feed's lock held)."""
-        batcher = self._batcher
+        batcher = self.batcher
         if batcher._abandoned:
             batcher._abandoned = False
             batcher._packer.remove_where(lambda job: job.ref.done())

@@ -44,8 +44,7 @@ from tokenq.worker.pipeline.feed import Aborted, ordinary, wait_event
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
 from tokenq.worker.pipeline.pipeline import Job, Pipeline, budget_for
 from tokenq.worker.pipeline.tokenizing import pool_for
-from tokenq.worker.redis_connect import connect
-from tokenq.worker.server_check import check_server
+from tokenq.worker.redis_connect import check_server, connect
 from tokenq.worker.settings import WorkerSettings
 
 __all__ = ["Worker", "WorkerHung", "watchdog_period_s"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -74,8 +75,7 @@ def _load_prctl() -> Any:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                      ctypes.c_ulong]
+    prctl.argtypes = [ctypes.c_int, *[ctypes.c_ulong] * 4]
     prctl.restype = ctypes.c_int
     return prctl
 
@@ -89,15 +89,11 @@ def prctl(option: int, value: int) -> bool:
     return _PRCTL is not None and _PRCTL(option, value, 0, 0, 0) == 0
 
 
-def _pdeathsig_preexec(parent: int) -> Callable[[], None]:
+def _pdeathsig_preexec(parent: int) -> None:
     """Run in the child between fork and exec: SIGTERM me when ``parent`` dies."""
-
-    def preexec() -> None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the line above: too late to ask
-            os._exit(1)
-
-    return preexec
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the line above: too late to ask
+        os._exit(1)
 
 
 def die_with_parent(parent: int, *, use_prctl: bool = True) -> None:
@@ -125,35 +121,30 @@ def _guard_main(args: Sequence[str]) -> int:
     """``python -m tokenq.worker.tooling.children PARENT_PID COMMAND...``: run COMMAND, forward
     signals, exit as it does; SIGTERM it (SIGKILL 30 s later) once PARENT_PID is gone."""
     if len(args) < 2 or not args[0].isdigit():
-        print(
-            "usage: python -m tokenq.worker.tooling.children PARENT_PID COMMAND...",
-            file=sys.stderr,
-        )
+        print("usage: python -m tokenq.worker.tooling.children PARENT_PID COMMAND...",
+              file=sys.stderr)
         return EXIT_USAGE
     parent = int(args[0])
     pending: list[int] = []  # signals that came before the child existed
-    started: list[subprocess.Popen[bytes]] = []
+    child: subprocess.Popen[bytes] | None = None
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        if not started:
+        if child is None:
             pending.append(signum)
-            return
-        with contextlib.suppress(ProcessLookupError):
-            started[0].send_signal(signum)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     child = subprocess.Popen(list(args[1:]))
-    started.append(child)
     for signum in pending:
         child.send_signal(signum)
     orphaned_at: float | None = None
     while True:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             code = child.wait(timeout=_GUARD_POLL_S)
             break
-        except subprocess.TimeoutExpired:
-            pass
         if orphaned_at is None and os.getppid() != parent:
             orphaned_at = time.monotonic()
             child.terminate()
@@ -197,7 +188,9 @@ class Child:
 
 class Supervisor:
     """Children restarted by a :class:`RestartPolicy`, stopped together, never orphaned; from
-    the main thread: :meth:`start`, :meth:`run`, then :meth:`stop` in a ``finally``."""
+    the main thread: ``with Supervisor() as sup:`` (a first SIGTERM/SIGINT stops, see
+    :meth:`run`; a later second one SIGKILLs all; every child stopped on the way out), then
+    :meth:`start` and :meth:`run`."""
 
     def __init__(
         self, policy: RestartPolicy | None = None, *, stop_timeout_s: float = 30.0,
@@ -213,10 +206,22 @@ class Supervisor:
         self.death_mode = auto if die_with_parent == "auto" else die_with_parent
         self.clock = clock
         self.children: list[Child] = []
-        self._signals = 0
-        self._first_signal = 0.0
         self.stopping = False  # a stop was asked for: no more restarts; run returns
-        self._previous: dict[int, object] = {}
+        self._signalled_at: float | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> Supervisor:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.stop()
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous.clear()
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], *,
@@ -234,45 +239,30 @@ class Supervisor:
             log.debug("starting %s off the main thread: it dies when this thread does", child.name)
         argv, popen = child.argv, dict(child.popen)
         if self.death_mode == "prctl":
-            popen["preexec_fn"] = _pdeathsig_preexec(os.getpid())
+            popen["preexec_fn"] = functools.partial(_pdeathsig_preexec, os.getpid())
         elif self.death_mode == "guard":
             argv = guarded(argv)
         child.process = subprocess.Popen(argv, env=child.env, **popen)
         child.started_at = self.clock()
         child.running = True
 
-    def install_signal_handlers(self) -> None:
-        """First SIGTERM/SIGINT: stop (see :meth:`run`); a later second one: SIGKILL all."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._on_signal)
-
-    def restore_signal_handlers(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        self._previous.clear()
-
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         now = time.monotonic()
-        if self._signals and now - self._first_signal < _REPEAT_S:
-            return  # the same stop sent to the whole process group (timeout(1), a shell)
-        self._signals += 1
-        if self._signals == 1:
-            self._first_signal = now
+        if self._signalled_at is None:
+            self._signalled_at = now
             self.stopping = True
             names = ", ".join(child.name for child in self.children if child.running)
             log.info("signal %s: stopping %s", signal.Signals(signum).name, names or "(none)")
-        else:
-            log.warning("second signal: killing children")
+        elif now - self._signalled_at >= _REPEAT_S:  # sooner: the same stop sent to the
+            log.warning("second signal: killing children")  # process group (timeout(1), a shell)
             self.kill()
 
-    def poll(self) -> list[Child]:
-        """Notice exits, schedule restarts, start those that are due; the children that exited."""
-        exited = []
+    def poll(self) -> None:
+        """Notice exits, schedule restarts, start those that are due."""
         now = self.clock()
         for child in self.children:
             process = child.process
             if process is not None and child.running and process.poll() is not None:
-                exited.append(child)
                 self._on_exit(child, process, now)
             if child.restart_at is not None and now >= child.restart_at and not self.stopping:
                 child.restart_at = None
@@ -280,11 +270,9 @@ class Supervisor:
                 self._spawn(child)
                 log.warning("restarted %s (pid %d; restart %d)", child.name, child.pid,
                             child.restarts)
-        return exited
 
     def _on_exit(self, child: Child, process: subprocess.Popen[bytes], now: float) -> None:
-        code = process.returncode
-        child.returncode = code
+        code = child.returncode = process.returncode
         child.running = False
         ran = now - child.started_at
         what = (f"{child.name} (pid {process.pid}) exited with {describe_exit(code)} "
@@ -304,17 +292,23 @@ class Supervisor:
 
     def run(self, until: Callable[[], object] | None = None) -> None:
         """Poll until a stop, ``until()``, or (without it) no child running or due to restart."""
+        done = until or (lambda: not any(child.live for child in self.children))
+        self._poll_until(lambda: self.stopping or done())
+
+    def _poll_until(self, done: Callable[[], object], timeout: float | None = None) -> bool:
+        """Poll until ``done()`` (True) or ``timeout`` passed (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.poll()
-            if self.stopping:
-                return
-            if until() if until is not None else not any(c.live for c in self.children):
-                return
+            if done():
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
             time.sleep(self.poll_s)
 
-    def send(self, sig: int, children: Iterable[Child] | None = None) -> None:
-        for child in self.children if children is None else children:
-            if child.running and child.process is not None:
+    def _send(self, sig: int, children: Iterable[Child]) -> None:
+        for child in children:
+            if child.running and child.process is not None:  # not reaped: still our pid
                 with contextlib.suppress(ProcessLookupError):  # exited just now
                     child.process.send_signal(sig)
 
@@ -323,22 +317,7 @@ class Supervisor:
         self.stopping = True
         for child in self.children:
             child.restart_at = None
-            process = child.process
-            if process is not None and process.returncode is None:  # not reaped: still our pid
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGKILL)
-
-    def wait(self, children: Sequence[Child] | None = None, timeout: float | None = None) -> bool:
-        """Wait until ``children`` (default all) exited (True) or ``timeout`` passed (False)."""
-        chosen = self.children if children is None else children
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self.poll()
-            if not any(child.running for child in chosen):
-                return True
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(self.poll_s)
+        self._send(signal.SIGKILL, self.children)
 
     def stop(self, children: Sequence[Child] | None = None,
              timeout_s: float | None = None) -> None:
@@ -350,15 +329,16 @@ class Supervisor:
         for child in chosen:
             child.finished = True
             child.restart_at = None
-        if not any(child.running for child in chosen):
-            self.poll()
-            return
-        self.send(signal.SIGTERM, chosen)
-        if not self.wait(chosen, timeout):
+        self._send(signal.SIGTERM, chosen)
+
+        def exited() -> bool:
+            return not any(child.running for child in chosen)
+
+        if not self._poll_until(exited, timeout):
             names = ", ".join(child.name for child in chosen if child.running)
             log.warning("still running after %gs: %s; killing", timeout, names)
-            self.send(signal.SIGKILL, chosen)
-            self.wait(chosen, _KILL_WAIT_S)
+            self._send(signal.SIGKILL, chosen)
+            self._poll_until(exited, _KILL_WAIT_S)
 
     def exit_code(self) -> int:
         """The parent's exit status: 0 when every child ended cleanly, else the first failure's."""

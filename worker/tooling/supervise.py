@@ -70,15 +70,10 @@ def device_commands(
 def run_per_device(settings: WorkerSettings, argv: Sequence[str]) -> int:
     """Run one worker per device, restarting those that fail, until all are done or a stop;
     exit 0, 2 when every child stopped on a usage error, or the first child's failure."""
-    supervisor = Supervisor(stop_timeout_s=STOP_TIMEOUT_S)
-    supervisor.install_signal_handlers()
-    try:
+    with Supervisor(stop_timeout_s=STOP_TIMEOUT_S) as supervisor:
         for name, child_argv, child_env in device_commands(settings, argv, os.environ):
             if supervisor.stopping:
                 break
             supervisor.start(name, child_argv, child_env)
         supervisor.run()
-    finally:
-        supervisor.stop()
-        supervisor.restore_signal_handlers()
     return supervisor.exit_code()

@@ -8,7 +8,6 @@ import contextlib
 import importlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,57 +64,55 @@ def up(settings: UpSettings, worker_flags: Sequence[str]) -> int:
     # Its workers need the worker extra: say so now, in one line, before Redis starts.
     importlib.import_module("tokenq.worker.process")
     logs.configure("INFO", json_lines=False)
-    temp_dir: str | None = None
-    supervisor = Supervisor(stop_timeout_s=settings.stop_timeout_s)
-    supervisor.install_signal_handlers()  # before anything starts: Ctrl-C always cleans up
     server: Child | None = None
     workers: list[Child] = []
-    try:
-        redis_url = settings.redis_url
-        if redis_url is None:
-            if settings.data_dir is None:
-                temp_dir = tempfile.mkdtemp(prefix="tokenq-up-")
-            directory = settings.data_dir or Path(temp_dir or ".")
-            directory.mkdir(parents=True, exist_ok=True)
-            port = settings.port or free_port()
-            redis_url = f"redis://127.0.0.1:{port}/0"
-            # Its own session: a Ctrl-C at the terminal reaches the workers and
-            # ``tokenq up``, which stops the server last, after the workers published.
-            server = supervisor.start(
-                "redis-server", server_command(directory, port, appendonly=True), os.environ,
-                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-            if not _wait_for_redis(supervisor, server, redis_url):
-                return 0 if supervisor.stopping else 1  # a stop during start is clean
-            log.info("redis-server on %s (AOF on, data in %s)", redis_url, directory)
-        else:
-            _say_if_unreachable(redis_url)
-        # Worker settings pass through as TOKENQ_*; names, ports and devices are per worker.
-        env = {k: v for k, v in os.environ.items() if k not in PER_CHILD_ENV}
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        for index in range(settings.workers):
-            if supervisor.stopping:
-                break
-            command = worker_command(settings, redis_url, index, worker_flags)
-            workers.append(supervisor.start(f"worker {index}", command, env))
-        if not supervisor.stopping:
-            print(f"tokenq up: enqueue to {redis_url} queue {settings.queue}", flush=True)
-            _watch(supervisor, server, workers, redis_url, settings)
-    finally:
-        supervisor.stop(workers)
-        if server is not None:
-            supervisor.stop([server], _REDIS_STOP_S)
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-        supervisor.restore_signal_handlers()
+    # Signal handlers before anything starts: Ctrl-C always cleans up; the directory goes last.
+    with (
+        tempfile.TemporaryDirectory(prefix="tokenq-up-", ignore_cleanup_errors=True) as temp,
+        Supervisor(stop_timeout_s=settings.stop_timeout_s) as supervisor,
+    ):
+        try:
+            redis_url = settings.redis_url
+            if redis_url is None:
+                directory = settings.data_dir or Path(temp)
+                directory.mkdir(parents=True, exist_ok=True)
+                port = settings.port or free_port()
+                redis_url = f"redis://127.0.0.1:{port}/0"
+                # Its own session: a Ctrl-C at the terminal reaches the workers and
+                # ``tokenq up``, which stops the server last, after the workers published.
+                server = supervisor.start(
+                    "redis-server", server_command(directory, port, appendonly=True),
+                    os.environ, start_new_session=True, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                if not _wait_for_redis(supervisor, server, redis_url):
+                    return 0 if supervisor.stopping else 1  # a stop during start is clean
+                log.info("redis-server on %s (AOF on, data in %s)", redis_url, directory)
+            else:
+                _say_if_unreachable(redis_url)
+            # Worker settings pass through as TOKENQ_*; names, ports and devices are per worker.
+            env = {k: v for k, v in os.environ.items() if k not in PER_CHILD_ENV}
+            env.setdefault("PYTHONUNBUFFERED", "1")
+            for index in range(settings.workers):
+                if supervisor.stopping:
+                    break
+                command = worker_command(settings, redis_url, index, worker_flags)
+                workers.append(supervisor.start(f"worker {index}", command, env))
+            if not supervisor.stopping:
+                print(f"tokenq up: enqueue to {redis_url} queue {settings.queue}", flush=True)
+                _watch(supervisor, server, workers, redis_url, settings)
+        finally:
+            supervisor.stop(workers)  # the workers first: Redis outlives their last publish
+            if server is not None:
+                supervisor.stop([server], _REDIS_STOP_S)
     return supervisor.exit_code()
 
 
 def _wait_for_redis(supervisor: Supervisor, server: Child, url: str) -> bool:
     """True once the new server answers PING; False if it exits or a stop comes first."""
-    client = redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
     deadline = time.monotonic() + _REDIS_START_S
-    try:
+    with contextlib.closing(redis.Redis.from_url(
+            url, socket_timeout=0.5, socket_connect_timeout=0.5)) as client:
         while time.monotonic() < deadline and not supervisor.stopping:
             with contextlib.suppress(redis.RedisError):
                 client.ping()
@@ -125,27 +122,22 @@ def _wait_for_redis(supervisor: Supervisor, server: Child, url: str) -> bool:
                           describe_exit(server.process.returncode))
                 return False
             time.sleep(0.05)
-        if not supervisor.stopping:
-            log.error("redis-server did not answer on %s within %.0fs", url, _REDIS_START_S)
-        return False
-    finally:
-        client.close()
+    if not supervisor.stopping:
+        log.error("redis-server did not answer on %s within %.0fs", url, _REDIS_START_S)
+    return False
 
 
 def _say_if_unreachable(url: str) -> None:
     """Warn at once, naming the URL and the error, when ``--redis-url`` does not answer a
     ping (the workers start anyway and wait for Redis)."""
-    client = redis_client.sync_client(parse_redis_url(url), {
-        "socket_timeout": _PING_S, "socket_connect_timeout": _PING_S,
-        "retry": Retry(NoBackoff(), 0),
-    })
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        log.warning("%s; starting the workers, which wait for it",
-                    (failure_message(exc, url, _PING_S) or error_text(exc)).rstrip("."))
-    finally:
-        client.close()
+    options = {"socket_timeout": _PING_S, "socket_connect_timeout": _PING_S,
+               "retry": Retry(NoBackoff(), 0)}
+    with contextlib.closing(redis_client.sync_client(parse_redis_url(url), options)) as client:
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            log.warning("%s; starting the workers, which wait for it",
+                        (failure_message(exc, url, _PING_S) or error_text(exc)).rstrip("."))
 
 
 def _watch(supervisor: Supervisor, server: Child | None, workers: list[Child],
@@ -153,7 +145,6 @@ def _watch(supervisor: Supervisor, server: Child | None, workers: list[Child],
     """Report when the workers are ready; return on a stop, when all are done, or Redis is."""
     q = keys.QueueRef(settings.queue, settings.prefix)
     ready = not workers
-    client = redis.Redis.from_url(redis_url, socket_timeout=2.0)
 
     def done() -> bool:
         nonlocal ready
@@ -171,7 +162,5 @@ def _watch(supervisor: Supervisor, server: Child | None, workers: list[Child],
                       f"(tokenq stats --redis-url {redis_url})", flush=True)
         return False
 
-    try:
+    with contextlib.closing(redis.Redis.from_url(redis_url, socket_timeout=2.0)) as client:
         supervisor.run(done)
-    finally:
-        client.close()
