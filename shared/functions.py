@@ -10,6 +10,7 @@ import inspect
 import re
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import redis
@@ -44,17 +45,9 @@ def _missing(cause: BaseException) -> FunctionsMissing:
     )
 
 
-class _Mode:
-    """What one Redis client has learnt (shared by all its functions): whether it must use
-    scripts instead of functions."""
-
-    __slots__ = ("__weakref__", "scripts")
-
-    def __init__(self) -> None:
-        self.scripts = False
-
-
-_MODES: weakref.WeakKeyDictionary[Any, _Mode] = weakref.WeakKeyDictionary()
+_MODES: weakref.WeakKeyDictionary[Any, SimpleNamespace] = weakref.WeakKeyDictionary()
+"""What each Redis client has learnt (shared by all its functions): ``scripts``, whether it must
+use scripts instead of functions."""
 
 
 def _is_pipeline(client: Any) -> bool:
@@ -72,7 +65,7 @@ class _Base:
         """A read-only function goes by FCALL_RO, which Redis refuses to let write."""
         self._source = lib.scripts[short]
         self._client = client
-        self._mode = _MODES.setdefault(client, _Mode())
+        self._mode = _MODES.setdefault(client, SimpleNamespace(scripts=False))
         self._script: Any = None
 
     def _script_of(self) -> Any:
@@ -80,15 +73,16 @@ class _Base:
             self._script = self._client.register_script(self._source)
         return self._script
 
-    def _recovery(self, exc: redis.exceptions.ResponseError, loaded: bool) -> str | None:
-        """``"load"``, ``"scripts"`` (switched to EVALSHA) or None (not ours: raise)."""
+    def _must_load(self, exc: redis.exceptions.ResponseError, loaded: bool) -> bool:
+        """After ``exc``, whether to load the library before the next try (False: switched to
+        EVALSHA); ``exc`` itself when it is not one of these."""
         text = str(exc)
         if not self._mode.scripts and _NO_FCALL.search(text):
             self._mode.scripts = True
-            return "scripts"
+            return False
         if _NOT_FOUND in text and not loaded:
-            return "load"
-        return None
+            return True
+        raise exc
 
 
 class Function(_Base):
@@ -114,10 +108,7 @@ class Function(_Base):
             try:
                 return operation()
             except redis.exceptions.ResponseError as exc:
-                step = self._recovery(exc, loaded)
-                if step is None:
-                    raise
-                if step == "load":
+                if self._must_load(exc, loaded):
                     load(target, missing_ok=False)
                     loaded = True
 
@@ -145,10 +136,7 @@ class AsyncFunction(_Base):
             try:
                 return await operation()
             except redis.exceptions.ResponseError as exc:
-                step = self._recovery(exc, loaded)
-                if step is None:
-                    raise
-                if step == "load":
+                if self._must_load(exc, loaded):
                     await async_load(target, missing_ok=False)
                     loaded = True
 
