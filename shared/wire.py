@@ -37,6 +37,9 @@ MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
 MAX_PRIORITY = 9
 """Largest ``priority``; 0 (the default) is the lowest class."""
 _MAX_VERSION = 1_000_000
+RANGES = {"tokens": (0, MAX_TOKENS), "deadline_ms": (0, MAX_EPOCH_MS),
+          "timeout_ms": (1, MAX_TIMEOUT_MS), "priority": (0, MAX_PRIORITY)}
+"""Each numeric request field's bounds, inclusive: what encoding and decoding both check."""
 _FIELD_OVERHEAD_BYTES = 512
 """Room for the field names and numeric fields of one entry."""
 
@@ -186,7 +189,7 @@ def validate_text(value: object, field_name: str, max_bytes: int) -> str:
 
 def validate_priority(value: object) -> int:
     """A caller's priority: an int from 0 to :data:`MAX_PRIORITY` (None means 0)."""
-    return 0 if value is None else _check_range("priority", value, 0, MAX_PRIORITY)
+    return 0 if value is None else _check_range("priority", value, *RANGES["priority"])
 
 
 def validate_id(value: object, field_name: str = "id") -> str:
@@ -205,27 +208,16 @@ def validate_id(value: object, field_name: str = "id") -> str:
 
 def encode_request(request: Request) -> dict[str, str | bytes]:
     """Stream fields for one request, ready for XADD (ranges checked as decoding checks them)."""
-    _check_range("tokens", request.tokens, 0, MAX_TOKENS)
-    if request.deadline_ms is not None:
-        _check_range("deadline_ms", request.deadline_ms, 0, MAX_EPOCH_MS)
-    if request.timeout_ms is not None:
-        _check_range("timeout_ms", request.timeout_ms, 1, MAX_TIMEOUT_MS)
-    _check_range("priority", request.priority, 0, MAX_PRIORITY)
-    fields: dict[str, str | bytes] = {
-        "v": str(PROTOCOL_VERSION),
-        "id": request.id,
-        "text": request.text,
-        "tokens": str(int(request.tokens)),
-        "reply_to": request.reply_to,
-    }
+    tokens = _check_range("tokens", request.tokens, *RANGES["tokens"])
+    fields: dict[str, str | bytes] = {"v": str(PROTOCOL_VERSION), "id": request.id,
+                                      "text": request.text, "tokens": str(tokens),
+                                      "reply_to": request.reply_to}
     if request.text_pair is not None:
         fields["text_pair"] = request.text_pair
-    if request.deadline_ms is not None:
-        fields["deadline_ms"] = str(int(request.deadline_ms))
-    if request.timeout_ms is not None:
-        fields["timeout_ms"] = str(int(request.timeout_ms))
-    if request.priority:
-        fields["priority"] = str(int(request.priority))
+    for name in ("deadline_ms", "timeout_ms", "priority"):
+        value = getattr(request, name)
+        if value is not None and (value or name != "priority"):  # priority 0 goes unwritten
+            fields[name] = str(_check_range(name, value, *RANGES[name]))
     if request.opts:
         packed = pack(dict(request.opts))
         if len(packed) > MAX_OPTS_BYTES:
@@ -247,7 +239,7 @@ def _text_field(raw: bytes, name: str) -> str:
         raise DecodeError(f"field {name!r} is not valid UTF-8") from None
 
 
-def _int_field(raw: bytes, name: str, *, minimum: int, maximum: int) -> int:
+def _int_field(raw: bytes, name: str, minimum: int, maximum: int) -> int:
     """Plain ASCII digits in ``[minimum, maximum]`` (no sign, space or ``_``), else a DecodeError
     naming the limit; a field too long to be in range is refused before any bignum work."""
     if len(raw) > _MAX_INT_DIGITS and raw.lstrip(b"0").isdigit():
@@ -342,7 +334,7 @@ def decode_fields(
         tokens = 0
     elif not (len(tokens_raw) < _SHORT_DIGITS and tokens_raw.isdigit()
               and (tokens := int(tokens_raw)) <= MAX_TOKENS):
-        tokens = _int_field(tokens_raw, "tokens", minimum=0, maximum=MAX_TOKENS)
+        tokens = _int_field(tokens_raw, "tokens", *RANGES["tokens"])
 
     reply_raw = get(b"reply_to")
     if reply_raw is not None:
@@ -367,11 +359,11 @@ def decode_fields(
     named = 3 + (pair_raw is not None) + (tokens_raw is not None) + (reply_raw is not None)
     if len(raw) > named:  # anything more: the optional fields (or names no one reads)
         if value := get(b"deadline_ms"):
-            deadline_ms = _int_field(value, "deadline_ms", minimum=0, maximum=MAX_EPOCH_MS)
+            deadline_ms = _int_field(value, "deadline_ms", *RANGES["deadline_ms"])
         if value := get(b"timeout_ms"):
-            timeout_ms = _int_field(value, "timeout_ms", minimum=1, maximum=MAX_TIMEOUT_MS)
+            timeout_ms = _int_field(value, "timeout_ms", *RANGES["timeout_ms"])
         if value := get(b"priority"):
-            priority = _int_field(value, "priority", minimum=0, maximum=MAX_PRIORITY)
+            priority = _int_field(value, "priority", *RANGES["priority"])
         if value := get(b"opts"):
             opts = _unpack_opts(value)
 
