@@ -68,10 +68,13 @@ class _Base:
         self._mode = _MODES.setdefault(client, SimpleNamespace(scripts=False))
         self._script: Any = None
 
-    def _script_of(self) -> Any:
+    def _issue(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """The call on ``target``: ``FCALL``, or the script once this client has fallen back."""
+        if not self._mode.scripts:
+            return getattr(target, self._command)(self.name, len(keys), *keys, *args)
         if self._script is None:
             self._script = self._client.register_script(self._source)
-        return self._script
+        return self._script(keys=keys, args=args, client=target)
 
     def _must_load(self, exc: redis.exceptions.ResponseError, loaded: bool) -> bool:
         """After ``exc``, whether to load the library before the next try (False: switched to
@@ -92,13 +95,8 @@ class Function(_Base):
                  client: Any = None) -> Any:
         target = self._client if client is None else client
         if _is_pipeline(target):  # queued: the pipeline's caller wraps execute in guarded()
-            return self._send(target, keys, args)
-        return self.guarded(target, lambda: self._send(target, keys, args))
-
-    def _send(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        if self._mode.scripts:
-            return self._script_of()(keys=keys, args=args, client=target)
-        return getattr(target, self._command)(self.name, len(keys), *keys, *args)
+            return self._issue(target, keys, args)
+        return self.guarded(target, lambda: self._issue(target, keys, args))
 
     def guarded(self, target: Any, operation: Callable[[], T]) -> T:
         """``operation`` (which calls this function on ``target``), loading the library or
@@ -124,10 +122,8 @@ class AsyncFunction(_Base):
         return await self.guarded(target, lambda: self._send(target, keys, args))
 
     async def _send(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        if self._mode.scripts:
-            return await self._script_of()(keys=keys, args=args, client=target)
-        call = getattr(target, self._command)(self.name, len(keys), *keys, *args)
-        return call if _is_pipeline(target) else await call
+        call = self._issue(target, keys, args)  # a script's call is awaited, a queued FCALL not
+        return call if _is_pipeline(target) and not self._mode.scripts else await call
 
     async def guarded(self, target: Any, operation: Callable[[], Awaitable[T]]) -> T:
         """The asyncio twin of :meth:`Function.guarded`."""
