@@ -122,18 +122,12 @@ def requests_pattern(prefix: str = DEFAULT_PREFIX) -> str:
 
 def queue_of(key: str, prefix: str = DEFAULT_PREFIX) -> QueueRef | None:
     """The queue (shard) whose request stream ``key`` is, or None: :func:`requests` undone."""
-    head, tail = f"{prefix}:{{", "}:requests"
-    if not (key.startswith(head) and key.endswith(tail)):
+    # Names hold no ':', so what follows one is the shard.
+    match = re.fullmatch(rf"{re.escape(prefix)}:\{{([^:]*)(?::([0-9]+))?\}}:requests", key)
+    if match is None:
         return None
-    inner = key[len(head):-len(tail)]
-    name, shard = inner, None
-    if ":" in inner:  # names hold no ':', so this is a shard
-        name, _, shard_text = inner.rpartition(":")
-        if not (shard_text.isascii() and shard_text.isdigit()):
-            return None
-        shard = int(shard_text)
     try:
-        return QueueRef(name, prefix, shard)
+        return QueueRef(match[1], prefix, None if match[2] is None else int(match[2]))
     except ValueError:
         return None
 
