@@ -5,21 +5,16 @@ Lua twin of these rules.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenq.shared.redis_text import as_text
 
 PREFIX = "dead_"
 """Every field a letter adds to the request's starts with this, and no other does."""
-ERROR_CODE = "dead_error_code"
-ERROR = "dead_error"
-WORKER = "dead_worker"
-DELIVERIES = "dead_deliveries"
-AT_MS = "dead_at_ms"
-SOURCE_ID = "dead_source_id"
-DEATH_FIELDS = (ERROR_CODE, ERROR, WORKER, DELIVERIES, AT_MS, SOURCE_ID)
-"""The fields every letter carries, in the order they are written."""
+DEATH_FIELDS = ("dead_error_code", "dead_error", "dead_worker", "dead_deliveries", "dead_at_ms",
+                "dead_source_id")
+"""The fields every letter carries, in the order they are written (:class:`Death`'s)."""
 TRUNCATED = "dead_truncated"
 """Names the fields a letter cut to stay within its caps (comma-separated)."""
 MAX_LETTER_FIELDS = 256
@@ -33,9 +28,7 @@ Field = tuple[bytes | str, bytes | str]
 
 def is_dead_field(name: bytes | str) -> bool:
     """Whether a field is the letter's own (``dead_*``) rather than the request's."""
-    if isinstance(name, bytes):
-        return name.startswith(_PREFIX_BYTES)
-    return name.startswith(PREFIX)
+    return name.startswith(_PREFIX_BYTES) if isinstance(name, bytes) else name.startswith(PREFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +69,9 @@ def capped_fields(
             data = data[:room]
         room -= len(data)
         kept.append((name, data))
-    return kept, truncated_names(cut)
-
-
-def truncated_names(cut: Sequence[str]) -> str:
-    """The ``dead_truncated`` value for the names cut, in order, bounded."""
-    shown = ",".join(cut[:MAX_TRUNCATED_NAMES])
     more = len(cut) - MAX_TRUNCATED_NAMES
-    return f"{shown},+{more} more" if more > 0 else shown
+    shown = ",".join(cut[:MAX_TRUNCATED_NAMES])
+    return kept, f"{shown},+{more} more" if more > 0 else shown
 
 
 def encode_letter(
@@ -112,29 +100,12 @@ class DeadLetter:
         value = self.request.get("id", "")
         return value if isinstance(value, str) else value.decode(errors="replace")
 
-    @property
-    def error_code(self) -> str | None:
-        return self.dead.get(ERROR_CODE)
-
-    @property
-    def error(self) -> str | None:
-        return self.dead.get(ERROR)
-
-    @property
-    def worker(self) -> str | None:
-        return self.dead.get(WORKER)
-
-    @property
-    def deliveries(self) -> int | None:
-        return _int(self.dead.get(DELIVERIES))
-
-    @property
-    def at_ms(self) -> int | None:
-        return _int(self.dead.get(AT_MS))
-
-    @property
-    def source_id(self) -> str | None:
-        return self.dead.get(SOURCE_ID)
+    error_code = property(lambda self: self.dead.get("dead_error_code"))
+    error = property(lambda self: self.dead.get("dead_error"))
+    worker = property(lambda self: self.dead.get("dead_worker"))
+    deliveries = property(lambda self: _int(self.dead.get("dead_deliveries")))
+    at_ms = property(lambda self: _int(self.dead.get("dead_at_ms")))
+    source_id = property(lambda self: self.dead.get("dead_source_id"))
 
     @property
     def truncated(self) -> list[str] | None:

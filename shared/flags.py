@@ -131,17 +131,13 @@ def off_help(info: Any) -> str:
 
 
 def _literal_choices(annotation: Any) -> list[str]:
-    """The values of a ``Literal[...]`` annotation (through ``Annotated``), else []."""
+    """The values of a ``Literal[...]`` annotation (through ``Annotated``, ``| None``), else []."""
     from typing import Literal, get_args, get_origin
 
-    while get_origin(annotation) is not None and get_origin(annotation) is not Literal:
-        args = get_args(annotation)
-        if not args:
-            return []
-        annotation = args[0]
     if get_origin(annotation) is Literal:
         return [str(value) for value in get_args(annotation)]
-    return []
+    args = get_args(annotation)
+    return _literal_choices(args[0]) if args and get_origin(annotation) is not None else []
 
 
 def _help_text(info: Any) -> str:

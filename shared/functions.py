@@ -10,6 +10,7 @@ import inspect
 import re
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import redis
@@ -44,17 +45,9 @@ def _missing(cause: BaseException) -> FunctionsMissing:
     )
 
 
-class _Mode:
-    """What one Redis client has learnt (shared by all its functions): whether it must use
-    scripts instead of functions."""
-
-    __slots__ = ("__weakref__", "scripts")
-
-    def __init__(self) -> None:
-        self.scripts = False
-
-
-_MODES: weakref.WeakKeyDictionary[Any, _Mode] = weakref.WeakKeyDictionary()
+_MODES: weakref.WeakKeyDictionary[Any, SimpleNamespace] = weakref.WeakKeyDictionary()
+"""What each Redis client has learnt (shared by all its functions): ``scripts``, whether it must
+use scripts instead of functions."""
 
 
 def _is_pipeline(client: Any) -> bool:
@@ -72,23 +65,27 @@ class _Base:
         """A read-only function goes by FCALL_RO, which Redis refuses to let write."""
         self._source = lib.scripts[short]
         self._client = client
-        self._mode = _MODES.setdefault(client, _Mode())
+        self._mode = _MODES.setdefault(client, SimpleNamespace(scripts=False))
         self._script: Any = None
 
-    def _script_of(self) -> Any:
+    def _issue(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """The call on ``target``: ``FCALL``, or the script once this client has fallen back."""
+        if not self._mode.scripts:
+            return getattr(target, self._command)(self.name, len(keys), *keys, *args)
         if self._script is None:
             self._script = self._client.register_script(self._source)
-        return self._script
+        return self._script(keys=keys, args=args, client=target)
 
-    def _recovery(self, exc: redis.exceptions.ResponseError, loaded: bool) -> str | None:
-        """``"load"``, ``"scripts"`` (switched to EVALSHA) or None (not ours: raise)."""
+    def _must_load(self, exc: redis.exceptions.ResponseError, loaded: bool) -> bool:
+        """After ``exc``, whether to load the library before the next try (False: switched to
+        EVALSHA); ``exc`` itself when it is not one of these."""
         text = str(exc)
         if not self._mode.scripts and _NO_FCALL.search(text):
             self._mode.scripts = True
-            return "scripts"
+            return False
         if _NOT_FOUND in text and not loaded:
-            return "load"
-        return None
+            return True
+        raise exc
 
 
 class Function(_Base):
@@ -98,13 +95,8 @@ class Function(_Base):
                  client: Any = None) -> Any:
         target = self._client if client is None else client
         if _is_pipeline(target):  # queued: the pipeline's caller wraps execute in guarded()
-            return self._send(target, keys, args)
-        return self.guarded(target, lambda: self._send(target, keys, args))
-
-    def _send(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        if self._mode.scripts:
-            return self._script_of()(keys=keys, args=args, client=target)
-        return getattr(target, self._command)(self.name, len(keys), *keys, *args)
+            return self._issue(target, keys, args)
+        return self.guarded(target, lambda: self._issue(target, keys, args))
 
     def guarded(self, target: Any, operation: Callable[[], T]) -> T:
         """``operation`` (which calls this function on ``target``), loading the library or
@@ -114,10 +106,7 @@ class Function(_Base):
             try:
                 return operation()
             except redis.exceptions.ResponseError as exc:
-                step = self._recovery(exc, loaded)
-                if step is None:
-                    raise
-                if step == "load":
+                if self._must_load(exc, loaded):
                     load(target, missing_ok=False)
                     loaded = True
 
@@ -133,10 +122,8 @@ class AsyncFunction(_Base):
         return await self.guarded(target, lambda: self._send(target, keys, args))
 
     async def _send(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        if self._mode.scripts:
-            return await self._script_of()(keys=keys, args=args, client=target)
-        call = getattr(target, self._command)(self.name, len(keys), *keys, *args)
-        return call if _is_pipeline(target) else await call
+        call = self._issue(target, keys, args)  # a script's call is awaited, a queued FCALL not
+        return call if _is_pipeline(target) and not self._mode.scripts else await call
 
     async def guarded(self, target: Any, operation: Callable[[], Awaitable[T]]) -> T:
         """The asyncio twin of :meth:`Function.guarded`."""
@@ -145,10 +132,7 @@ class AsyncFunction(_Base):
             try:
                 return await operation()
             except redis.exceptions.ResponseError as exc:
-                step = self._recovery(exc, loaded)
-                if step is None:
-                    raise
-                if step == "load":
+                if self._must_load(exc, loaded):
                     await async_load(target, missing_ok=False)
                     loaded = True
 

@@ -122,18 +122,12 @@ def requests_pattern(prefix: str = DEFAULT_PREFIX) -> str:
 
 def queue_of(key: str, prefix: str = DEFAULT_PREFIX) -> QueueRef | None:
     """The queue (shard) whose request stream ``key`` is, or None: :func:`requests` undone."""
-    head, tail = f"{prefix}:{{", "}:requests"
-    if not (key.startswith(head) and key.endswith(tail)):
+    # Names hold no ':', so what follows one is the shard.
+    match = re.fullmatch(rf"{re.escape(prefix)}:\{{([^:]*)(?::([0-9]+))?\}}:requests", key)
+    if match is None:
         return None
-    inner = key[len(head):-len(tail)]
-    name, shard = inner, None
-    if ":" in inner:  # names hold no ':', so this is a shard
-        name, _, shard_text = inner.rpartition(":")
-        if not (shard_text.isascii() and shard_text.isdigit()):
-            return None
-        shard = int(shard_text)
     try:
-        return QueueRef(name, prefix, shard)
+        return QueueRef(match[1], prefix, None if match[2] is None else int(match[2]))
     except ValueError:
         return None
 
@@ -191,28 +185,27 @@ def reply_to_refusal(
 ) -> str | None:
     """Why a worker must not push a reply onto ``reply_to`` (None: it may): only the queue's
     reply namespace, or ``extra_prefixes``, and never another tokenq key (docs/PROTOCOL.md)."""
-    own = reply_prefix(q)
-    if reply_to.startswith(own):
-        return None if len(reply_to) > len(own) else "it names no reply id after the prefix"
-    if _is_tokenq_key(q.prefix, reply_to):
-        return f"it is one of tokenq's own keys, not a reply key (replies go under {own!r})"
-    if any(reply_to.startswith(prefix) for prefix in extra_prefixes if prefix):
-        return None
-    return f"it is outside the queue's reply namespace {own!r}"
+    return reply_to_check(q, extra_prefixes)(reply_to)
 
 
 def reply_to_check(
     q: QueueRef, extra_prefixes: tuple[str, ...] = ()
 ) -> Callable[[str], str | None]:
-    """:func:`reply_to_refusal` for one queue, answering its own reply keys with one
-    ``startswith`` (it runs once per request)."""
+    """:func:`reply_to_refusal` for one queue, made once: it runs once per request, and
+    answers the queue's own reply keys with one ``startswith``."""
     own = reply_prefix(q)
     shortest = len(own) + 1
 
     def refusal(reply_to: str) -> str | None:
         if len(reply_to) >= shortest and reply_to.startswith(own):
             return None
-        return reply_to_refusal(q, reply_to, extra_prefixes)
+        if reply_to.startswith(own):
+            return "it names no reply id after the prefix"
+        if _is_tokenq_key(q.prefix, reply_to):
+            return f"it is one of tokenq's own keys, not a reply key (replies go under {own!r})"
+        if any(reply_to.startswith(prefix) for prefix in extra_prefixes if prefix):
+            return None
+        return f"it is outside the queue's reply namespace {own!r}"
 
     return refusal
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 QUEUE_FULL = "QUEUEFULL"
 """First word of the error a script answers when entries would not fit in the queue."""
-_INCLUDE = re.compile(r"-- tokenq:include (?P<name>[\w.-]+\.lua)\b.*")
+_INCLUDE = re.compile(r"^-- tokenq:include (?P<name>[\w.-]+\.lua)\b.*$", re.M)
 
 
 class StaleFragment(RuntimeError):
@@ -51,32 +51,25 @@ def assemble(source: str) -> str:
 def _expand(source: str, *, splice: bool) -> tuple[str, list[str]]:
     """(``source`` with its copies refreshed and, with ``splice``, its include lines
     filled; the names of the copies that were stale)."""
-    lines = source.splitlines(keepends=True)
     out: list[str] = []
     stale: list[str] = []
     at = 0
-    while at < len(lines):
-        line = lines[at]
-        match = _INCLUDE.fullmatch(line.rstrip("\n"))
-        at += 1
-        out.append(line)
-        if match is None:
+    for match in _INCLUDE.finditer(source):
+        if match.start() < at:
+            continue  # an include line inside a copy just refreshed
+        name = match["name"]
+        end = re.compile(rf"^-- tokenq:end {re.escape(name)}$", re.M).search(source, match.end())
+        if end is None and not splice:
             continue
-        name = match.group("name")
-        end = f"-- tokenq:end {name}"
-        close = next((i for i in range(at, len(lines)) if lines[i].rstrip("\n") == end), None)
-        if close is None and not splice:
-            continue
-        if not line.endswith("\n"):
-            out[-1] = line + "\n"
         text = fragment(name)
-        out.append(text)
-        if close is not None:  # a copy: keep its markers, refresh what is between them
-            if "".join(lines[at:close]) != text:
+        out += [source[at:match.end()], "\n", text]
+        if end is not None:  # a copy: keep its markers, refresh what is between them
+            if source[match.end() + 1:end.start()] != text:
                 stale.append(name)
-            out.append(lines[close])
-            at = close + 1
-    return "".join(out), stale
+            at = end.start()
+        else:
+            at = min(match.end() + 1, len(source))
+    return "".join([*out, source[at:]]), stale
 
 
 def load(package: str, name: str) -> str:

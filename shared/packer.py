@@ -31,7 +31,7 @@ import operator
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from tokenq.shared import wire
 
@@ -198,6 +198,18 @@ SLACK = 64
 """Removed entries of the line tolerated beyond the live count before the list is rebuilt."""
 
 
+def _insert_sorted(ordered: list[Any], new: list[Any]) -> int:
+    """Put ``new`` into the sorted list ``ordered``: one by a bisection, more appended and sorted
+    once (about one pass over an already sorted list); the first position that changed."""
+    if len(new) == 1:
+        position = bisect.bisect_left(ordered, new[0])
+        ordered.insert(position, new[0])
+        return position
+    ordered += new
+    ordered.sort()
+    return 0
+
+
 class ArrivalLine:
     """The packer's line (rule 1's order), with requests taken out lazily: a removed entry
     stays, skipped, until the head passes it or removed ones outnumber live ones plus
@@ -214,15 +226,7 @@ class ArrivalLine:
 
     def add(self, entries: list[Entry]) -> None:
         """Put requests in line (their sequences must already be live)."""
-        line = self._entries
-        if len(entries) == 1:  # one: a bisection, not a pass over the line
-            position = bisect.bisect_left(line, entries[0])
-            line.insert(position, entries[0])
-            self._start = min(self._start, position)
-        else:  # appended, then one sort: about one pass over an already sorted line
-            line += entries
-            line.sort()
-            self._start = 0
+        self._start = min(self._start, _insert_sorted(self._entries, entries))
 
     def removed(self, count: int) -> None:
         """``count`` requests left the buffer; rebuild when removed ones are too many."""
@@ -309,12 +313,7 @@ class Packer(Generic[T]):
                     f"priority must be from 0 to {MAX_PRIORITY}, got {item.priority}")
         virtual_arrival = self.virtual_arrival
         self._items.update((item.seq, item) for item in made)
-        if len(made) == 1:  # one request: a bisection, not a pass over the buffer
-            item = made[0]
-            bisect.insort(self._by_length, (item.length, item.seq))
-        else:
-            self._by_length += [(item.length, item.seq) for item in made]
-            self._by_length.sort()
+        _insert_sorted(self._by_length, [(item.length, item.seq) for item in made])
         self._line.add([(virtual_arrival(item), item.seq) for item in made])
         self._tokens += sum(item.length for item in made)
         return made

@@ -111,18 +111,12 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
     values.update({name: _FLAGS.get(text.get(name, "").strip()) for name in _BOOLS})
     values.update(
         policy=text.get("policy", "").strip().lower() or None,
-        labels=_labels(text.get("labels")),
-        prompts=_prompts(text.get("prompts")),
-        default_prompt_name=_default_prompt_name(text),
+        labels=_json_strings(text.get("labels"), list),
+        prompts=_json_strings(text.get("prompts"), dict),
+        # Read under its old name from older workers; the new name wins even when empty.
+        default_prompt_name=text.get("default_prompt_name", text.get("default_prompt")) or None,
     )
     return QueueConfig(**values)
-
-
-def _default_prompt_name(text: Mapping[str, str]) -> str | None:
-    """The field, else its old name ``default_prompt``; the new name wins even when empty."""
-    if "default_prompt_name" in text:
-        return text["default_prompt_name"] or None
-    return text.get("default_prompt") or None
 
 
 class ModelDescription(Protocol):
@@ -226,30 +220,16 @@ def model_facts(config: QueueConfig | None) -> ModelFacts:
     )
 
 
-def _labels(raw: str | None) -> tuple[str, ...] | None:
-    """A JSON array of strings, or None for anything else."""
-    value = _json(raw)
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        return None
-    return tuple(value)
-
-
-def _prompts(raw: str | None) -> dict[str, str] | None:
-    """A JSON object of strings, or None for anything else."""
-    value = _json(raw)
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        return None
-    return value
-
-
-def _json(raw: str | None) -> object:
-    """The JSON value of a field, or None when it is absent or not JSON."""
-    if raw is None:
-        return None
+def _json_strings(raw: str | None, kind: type[list[Any]] | type[dict[str, Any]]) -> Any:
+    """A JSON array (as a tuple) or object of strings, or None for anything else."""
     try:
-        return json.loads(raw)
+        value = json.loads(raw or "null")
     except ValueError:
         return None
+    items = value.values() if isinstance(value, dict) else value
+    if not isinstance(value, kind) or not all(isinstance(item, str) for item in items):
+        return None
+    return tuple(value) if kind is list else value
 
 
 def _int(fields: Mapping[str, str], name: str, *, minimum: int) -> int | None:

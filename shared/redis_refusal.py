@@ -11,6 +11,7 @@ KNOWN_NOW = ("OOM", "READONLY", "MASTERDOWN", "LOADING", "BUSY", "MISCONF", "TRY
              "CLUSTERDOWN", "NOREPLICAS")
 """Codes of "Redis refuses writes right now" that get their own metric label; any other
 error is of that kind too, labelled ``other``."""
+_KNOWN = (*KEY_REFUSES, *KNOWN_NOW)
 _BY_CLASS = {
     "NoPermissionError": "NOPERM",
     "OutOfMemoryError": "OOM",
@@ -29,7 +30,7 @@ def error_code(error: BaseException | str) -> str:
     redis-py's ``status_code`` or class, else the message (a script's error is searched)."""
     if not isinstance(error, str):
         code = getattr(error, "status_code", None)
-        if code in KEY_REFUSES or code in KNOWN_NOW:
+        if code in _KNOWN:
             return str(code)
         for cls in type(error).__mro__:
             if cls.__name__ in _BY_CLASS:
@@ -37,9 +38,9 @@ def error_code(error: BaseException | str) -> str:
         error = str(error)
     words = error.lstrip("-").split(" ", 1)
     first = words[0] if words else ""
-    if first in KEY_REFUSES or first in KNOWN_NOW:
+    if first in _KNOWN:
         return first
-    for code in (*KEY_REFUSES, *KNOWN_NOW):
+    for code in _KNOWN:
         if f"-{code} " in error or f": {code} " in error:
             return code
     return first if first.isupper() else ""
@@ -59,9 +60,7 @@ def refused_now(error: BaseException | str) -> bool:
 def reason(error: BaseException | str) -> str:
     """The metric label and log word for a refusal: ``oom``, ``readonly``, ... or ``other``."""
     code = error_code(error)
-    if code in KEY_REFUSES or code in KNOWN_NOW:
-        return code.lower()
-    return "other"
+    return code.lower() if code in _KNOWN else "other"
 
 
 def is_out_of_memory(error: BaseException | str) -> bool:

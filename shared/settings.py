@@ -478,20 +478,15 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
 
     @field_validator("max_batch_tokens", mode="before")
     @classmethod
-    def _parse_budget(cls, value: Any) -> Any:
+    def _check_budget(cls, value: Any) -> Any:
         if isinstance(value, str) and value.strip() != "auto":
             try:
-                int(value)
+                value = int(value)
             except ValueError:
                 raise ValueError(
                     f"max_batch_tokens must be a whole number or 'auto', got {value!r}"
                 ) from None
-        return value
-
-    @field_validator("max_batch_tokens")
-    @classmethod
-    def _check_budget(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
+        if type(value) is int and value < 1:
             raise ValueError(f"max_batch_tokens must be >= 1 or 'auto', got {value}")
         return value
 

@@ -37,6 +37,9 @@ MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
 MAX_PRIORITY = 9
 """Largest ``priority``; 0 (the default) is the lowest class."""
 _MAX_VERSION = 1_000_000
+RANGES = {"tokens": (0, MAX_TOKENS), "deadline_ms": (0, MAX_EPOCH_MS),
+          "timeout_ms": (1, MAX_TIMEOUT_MS), "priority": (0, MAX_PRIORITY)}
+"""Each numeric request field's bounds, inclusive: what encoding and decoding both check."""
 _FIELD_OVERHEAD_BYTES = 512
 """Room for the field names and numeric fields of one entry."""
 
@@ -186,7 +189,7 @@ def validate_text(value: object, field_name: str, max_bytes: int) -> str:
 
 def validate_priority(value: object) -> int:
     """A caller's priority: an int from 0 to :data:`MAX_PRIORITY` (None means 0)."""
-    return 0 if value is None else _check_range("priority", value, 0, MAX_PRIORITY)
+    return 0 if value is None else _check_range("priority", value, *RANGES["priority"])
 
 
 def validate_id(value: object, field_name: str = "id") -> str:
@@ -205,27 +208,16 @@ def validate_id(value: object, field_name: str = "id") -> str:
 
 def encode_request(request: Request) -> dict[str, str | bytes]:
     """Stream fields for one request, ready for XADD (ranges checked as decoding checks them)."""
-    _check_range("tokens", request.tokens, 0, MAX_TOKENS)
-    if request.deadline_ms is not None:
-        _check_range("deadline_ms", request.deadline_ms, 0, MAX_EPOCH_MS)
-    if request.timeout_ms is not None:
-        _check_range("timeout_ms", request.timeout_ms, 1, MAX_TIMEOUT_MS)
-    _check_range("priority", request.priority, 0, MAX_PRIORITY)
-    fields: dict[str, str | bytes] = {
-        "v": str(PROTOCOL_VERSION),
-        "id": request.id,
-        "text": request.text,
-        "tokens": str(int(request.tokens)),
-        "reply_to": request.reply_to,
-    }
+    tokens = _check_range("tokens", request.tokens, *RANGES["tokens"])
+    fields: dict[str, str | bytes] = {"v": str(PROTOCOL_VERSION), "id": request.id,
+                                      "text": request.text, "tokens": str(tokens),
+                                      "reply_to": request.reply_to}
     if request.text_pair is not None:
         fields["text_pair"] = request.text_pair
-    if request.deadline_ms is not None:
-        fields["deadline_ms"] = str(int(request.deadline_ms))
-    if request.timeout_ms is not None:
-        fields["timeout_ms"] = str(int(request.timeout_ms))
-    if request.priority:
-        fields["priority"] = str(int(request.priority))
+    for name in ("deadline_ms", "timeout_ms", "priority"):
+        value = getattr(request, name)
+        if value is not None and (value or name != "priority"):  # priority 0 goes unwritten
+            fields[name] = str(_check_range(name, value, *RANGES[name]))
     if request.opts:
         packed = pack(dict(request.opts))
         if len(packed) > MAX_OPTS_BYTES:
@@ -247,7 +239,7 @@ def _text_field(raw: bytes, name: str) -> str:
         raise DecodeError(f"field {name!r} is not valid UTF-8") from None
 
 
-def _int_field(raw: bytes, name: str, *, minimum: int, maximum: int) -> int:
+def _int_field(raw: bytes, name: str, minimum: int, maximum: int) -> int:
     """Plain ASCII digits in ``[minimum, maximum]`` (no sign, space or ``_``), else a DecodeError
     naming the limit; a field too long to be in range is refused before any bignum work."""
     if len(raw) > _MAX_INT_DIGITS and raw.lstrip(b"0").isdigit():
@@ -342,7 +334,7 @@ def decode_fields(
         tokens = 0
     elif not (len(tokens_raw) < _SHORT_DIGITS and tokens_raw.isdigit()
               and (tokens := int(tokens_raw)) <= MAX_TOKENS):
-        tokens = _int_field(tokens_raw, "tokens", minimum=0, maximum=MAX_TOKENS)
+        tokens = _int_field(tokens_raw, "tokens", *RANGES["tokens"])
 
     reply_raw = get(b"reply_to")
     if reply_raw is not None:
@@ -367,11 +359,11 @@ def decode_fields(
     named = 3 + (pair_raw is not None) + (tokens_raw is not None) + (reply_raw is not None)
     if len(raw) > named:  # anything more: the optional fields (or names no one reads)
         if value := get(b"deadline_ms"):
-            deadline_ms = _int_field(value, "deadline_ms", minimum=0, maximum=MAX_EPOCH_MS)
+            deadline_ms = _int_field(value, "deadline_ms", *RANGES["deadline_ms"])
         if value := get(b"timeout_ms"):
-            timeout_ms = _int_field(value, "timeout_ms", minimum=1, maximum=MAX_TIMEOUT_MS)
+            timeout_ms = _int_field(value, "timeout_ms", *RANGES["timeout_ms"])
         if value := get(b"priority"):
-            priority = _int_field(value, "priority", minimum=0, maximum=MAX_PRIORITY)
+            priority = _int_field(value, "priority", *RANGES["priority"])
         if value := get(b"opts"):
             opts = _unpack_opts(value)
 
@@ -446,59 +438,27 @@ def _text_of(fields: Mapping[bytes | str, bytes | str], wanted: str) -> str | No
         return None
 
 
-def embedding_reply(
-    request_id: str, embedding: bytes, dim: int, tokens: int | None = None
-) -> Reply:
-    """A successful embedding reply; ``embedding`` is little-endian float32 bytes."""
-    if len(embedding) != 4 * dim:
-        raise ValueError(f"embedding has {len(embedding)} bytes, expected 4 * {dim}")
-    return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens)
+def _embedding(body: Mapping[str, Any], error: type[Exception]) -> dict[str, Any]:
+    embedding, dim = body.get("embedding"), body.get("dim")
+    if not (isinstance(embedding, bytes) and type(dim) is int) or len(embedding) != 4 * dim:
+        raise error("reply 'embedding' must be 4*dim bytes of float32")
+    return {"embedding": embedding, "dim": dim}
 
 
-def scores_reply(
-    request_id: str,
-    scores: Sequence[float],
-    tokens: int | None = None,
-    labels: Sequence[str] | None = None,
-) -> Reply:
-    """A successful classification / rerank reply; ``labels`` name the scores, in order."""
-    if labels is not None and len(labels) != len(scores):
-        raise ValueError(f"{len(labels)} labels for {len(scores)} scores")
-    return Reply(
-        id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens,
-        labels=tuple(labels) if labels else None,
-    )
-
-
-def sparse_reply(
-    request_id: str, indices: bytes, values: bytes, dim: int, tokens: int | None = None
-) -> Reply:
-    """A successful sparse (SPLADE) reply: the nonzeros of a ``dim``-long row, ``indices``
-    little-endian uint32 and ``values`` little-endian float32, one each per nonzero."""
-    _check_sparse(indices, values, dim, ValueError)
-    return Reply(id=request_id, ok=True, dim=dim, tokens=tokens,
-                 sparse_indices=indices, sparse_values=values)
-
-
-def token_embeddings_reply(
-    request_id: str, vectors: bytes, dim: int, tokens: int | None = None
-) -> Reply:
-    """A successful ``output: tokens`` reply: ``len(vectors) / (4 * dim)`` vectors of ``dim``."""
-    _check_token_embeddings(vectors, dim, ValueError)
-    return Reply(id=request_id, ok=True, dim=dim, tokens=tokens, token_embeddings=vectors)
-
-
-def _check_token_embeddings(vectors: object, dim: object, error: type[Exception]) -> None:
-    """Raise ``error`` unless ``vectors`` is a whole number (>= 1) of ``dim`` float32s."""
+def _token_embeddings(body: Mapping[str, Any], error: type[Exception]) -> dict[str, Any]:
+    """A whole number (>= 1) of ``dim`` float32s, at most :data:`MAX_TOKEN_EMBEDDING_FLOATS`."""
+    vectors, dim = body.get("token_embeddings"), body.get("dim")
     if not (isinstance(vectors, bytes) and type(dim) is int and dim > 0):
         raise error("token-embeddings reply needs 'token_embeddings' bytes and a positive 'dim'")
     if not vectors or len(vectors) % (4 * dim) or len(vectors) > 4 * MAX_TOKEN_EMBEDDING_FLOATS:
         raise error(f"token-embeddings reply must be one or more vectors of 4*dim bytes, "
                     f"at most {MAX_TOKEN_EMBEDDING_FLOATS} floats")
+    return {"token_embeddings": vectors, "dim": dim}
 
 
-def _check_sparse(indices: object, values: object, dim: object, error: type[Exception]) -> None:
-    """Raise ``error`` unless the pair is a well-formed sparse row of ``dim``."""
+def _sparse(body: Mapping[str, Any], error: type[Exception]) -> dict[str, Any]:
+    """A well-formed sparse row of ``dim``: increasing uint32 indices below it, a float each."""
+    indices, values, dim = body.get("sparse_indices"), body.get("sparse_values"), body.get("dim")
     if not (isinstance(indices, bytes) and isinstance(values, bytes)
             and type(dim) is int and dim > 0):
         raise error("sparse reply needs 'sparse_indices', 'sparse_values' bytes and 'dim'")
@@ -509,6 +469,64 @@ def _check_sparse(indices: object, values: object, dim: object, error: type[Exce
         found = _le_array("I", indices)
         if any(b <= a for a, b in itertools.pairwise(found)) or found[-1] >= dim:
             raise error("sparse reply's 'sparse_indices' must increase and be below 'dim'")
+    return {"sparse_indices": indices, "sparse_values": values, "dim": dim}
+
+
+def _scores(body: Mapping[str, Any], error: type[Exception]) -> dict[str, Any]:
+    scores, labels = body.get("scores"), body.get("labels")
+    if not (isinstance(scores, list) and all(isinstance(s, (int, float)) for s in scores)):
+        raise error("reply 'scores' must be a list of numbers")
+    if labels is not None and not (isinstance(labels, list) and len(labels) == len(scores)
+                                   and all(isinstance(label, str) for label in labels)):
+        raise error(f"reply 'labels' must be one string per score ({len(scores)} scores)")
+    return {"scores": tuple(float(s) for s in scores), "labels": tuple(labels) if labels else None}
+
+
+_KINDS: dict[str, Callable[[Mapping[str, Any], type[Exception]], dict[str, Any]]] = {
+    "embedding": _embedding, "token_embeddings": _token_embeddings,
+    "sparse_indices": _sparse, "scores": _scores,
+}
+"""Each kind of successful reply, by the field that marks it: its one check, which returns the
+:class:`Reply` fields (constructors raise ValueError, decoding DecodeError)."""
+_BODY_FIELDS = ("embedding", "token_embeddings", "sparse_indices", "sparse_values", "dim",
+                "scores", "labels")
+"""The kinds' fields, in the order a reply map carries them."""
+
+
+def embedding_reply(
+    request_id: str, embedding: bytes, dim: int, tokens: int | None = None
+) -> Reply:
+    """A successful embedding reply; ``embedding`` is little-endian float32 bytes."""
+    fields = _embedding({"embedding": embedding, "dim": dim}, ValueError)
+    return Reply(request_id, True, tokens=tokens, **fields)
+
+
+def scores_reply(
+    request_id: str,
+    scores: Sequence[float],
+    tokens: int | None = None,
+    labels: Sequence[str] | None = None,
+) -> Reply:
+    """A successful classification / rerank reply; ``labels`` name the scores, in order."""
+    body = {"scores": [float(s) for s in scores], "labels": None if labels is None else [*labels]}
+    return Reply(request_id, True, tokens=tokens, **_scores(body, ValueError))
+
+
+def sparse_reply(
+    request_id: str, indices: bytes, values: bytes, dim: int, tokens: int | None = None
+) -> Reply:
+    """A successful sparse (SPLADE) reply: the nonzeros of a ``dim``-long row, ``indices``
+    little-endian uint32 and ``values`` little-endian float32, one each per nonzero."""
+    body = {"sparse_indices": indices, "sparse_values": values, "dim": dim}
+    return Reply(request_id, True, tokens=tokens, **_sparse(body, ValueError))
+
+
+def token_embeddings_reply(
+    request_id: str, vectors: bytes, dim: int, tokens: int | None = None
+) -> Reply:
+    """A successful ``output: tokens`` reply: ``len(vectors) / (4 * dim)`` vectors of ``dim``."""
+    fields = _token_embeddings({"token_embeddings": vectors, "dim": dim}, ValueError)
+    return Reply(request_id, True, tokens=tokens, **fields)
 
 
 def error_reply(request_id: str, code: str, message: str, param: str | None = None) -> Reply:
@@ -555,28 +573,13 @@ def encode_embedding_replies(
     ]
 
 
-def _error_param(value: object) -> str | None:
-    """An error reply's ``param``: a short string, else None (a reader never fails on it)."""
-    return value if isinstance(value, str) and 0 < len(value) <= MAX_PARAM_CHARS else None
-
-
 def encode_reply(reply: Reply) -> bytes:
     """The msgpack map a worker RPUSHes onto ``reply_to``."""
     body: dict[str, Any] = {"id": reply.id, "ok": reply.ok}
-    if reply.embedding is not None:
-        body["embedding"] = reply.embedding
-        body["dim"] = reply.dim
-    if reply.token_embeddings is not None:
-        body["token_embeddings"] = reply.token_embeddings
-        body["dim"] = reply.dim
-    if reply.sparse_indices is not None:
-        body["sparse_indices"] = reply.sparse_indices
-        body["sparse_values"] = reply.sparse_values
-        body["dim"] = reply.dim
-    if reply.scores is not None:
-        body["scores"] = list(reply.scores)
-        if reply.labels:
-            body["labels"] = list(reply.labels)
+    for name in _BODY_FIELDS:
+        value = getattr(reply, name)
+        if value is not None and (value or name != "labels"):
+            body[name] = list(value) if isinstance(value, tuple) else value
     if reply.error is not None:
         body["error"] = {"code": reply.error.code, "message": reply.error.message}
         if reply.error.param is not None:
@@ -598,60 +601,26 @@ def decode_reply(packed: bytes) -> Reply:
         raise DecodeError(f"reply is not valid msgpack: {exc}") from None
     if not isinstance(body, dict):
         raise DecodeError("reply must be a msgpack map")
-    request_id = body.get("id")
+    request_id, ok = body.get("id"), body.get("ok")
     if not isinstance(request_id, str):
         raise DecodeError("reply has no string 'id'")
-    ok = body.get("ok")
     if not isinstance(ok, bool):
         raise DecodeError("reply has no boolean 'ok'")
     if not ok:
         error = body.get("error")
         if not isinstance(error, dict):
             raise DecodeError("error reply has no 'error' map")
-        return Reply(
-            id=request_id,
-            ok=False,
-            error=ErrorInfo(code=str(error.get("code", "")), message=str(error.get("message", "")),
-                            param=_error_param(error.get("param"))),
-        )
-    tokens = body.get("tokens")
+        param = error.get("param")  # a short string, else None: a reader never fails on it
+        return Reply(request_id, False, error=ErrorInfo(
+            str(error.get("code", "")), str(error.get("message", "")),
+            param if isinstance(param, str) and 0 < len(param) <= MAX_PARAM_CHARS else None))
+    tokens, truncated = body.get("tokens"), body.get("truncated", False)
     if tokens is not None and (type(tokens) is not int or tokens < 0):
         raise DecodeError("reply 'tokens' must be a non-negative integer")
-    truncated = body.get("truncated", False)
     if type(truncated) is not bool:
         raise DecodeError("reply 'truncated' must be a boolean")
-    embedding = body.get("embedding")
-    if embedding is not None:
-        dim = body.get("dim")
-        if not (isinstance(embedding, bytes) and isinstance(dim, int)) \
-                or len(embedding) != 4 * dim:
-            raise DecodeError("reply 'embedding' must be 4*dim bytes of float32")
-        return Reply(id=request_id, ok=True, embedding=embedding, dim=dim, tokens=tokens,
-                     truncated=truncated)
-    if "token_embeddings" in body:
-        vectors, dim = body.get("token_embeddings"), body.get("dim")
-        _check_token_embeddings(vectors, dim, DecodeError)
-        return Reply(id=request_id, ok=True, dim=dim, tokens=tokens,  # type: ignore[arg-type]
-                     token_embeddings=vectors, truncated=truncated)  # type: ignore[arg-type]
-    if "sparse_indices" in body:
-        indices, values = body.get("sparse_indices"), body.get("sparse_values")
-        dim = body.get("dim")
-        _check_sparse(indices, values, dim, DecodeError)
-        return Reply(id=request_id, ok=True, dim=dim, tokens=tokens,  # type: ignore[arg-type]
-                     sparse_indices=indices, sparse_values=values,  # type: ignore[arg-type]
-                     truncated=truncated)
-    scores = body.get("scores")
-    if isinstance(scores, list) and all(isinstance(s, (int, float)) for s in scores):
-        labels = body.get("labels")
-        if labels is not None and not (
-            isinstance(labels, list)
-            and len(labels) == len(scores)
-            and all(isinstance(label, str) for label in labels)
-        ):
-            raise DecodeError("reply 'labels' must be one string per score")
-        return Reply(
-            id=request_id, ok=True, scores=tuple(float(s) for s in scores), tokens=tokens,
-            labels=tuple(labels) if labels else None, truncated=truncated,
-        )
-    raise DecodeError("successful reply carries none of 'embedding', 'token_embeddings', "
-                      "'sparse_indices', 'scores'")
+    kind = next((name for name in _KINDS if body.get(name) is not None), None)
+    if kind is None:
+        raise DecodeError(f"successful reply carries none of {', '.join(map(repr, _KINDS))}")
+    return Reply(request_id, True, tokens=tokens, truncated=truncated,
+                 **_KINDS[kind](body, DecodeError))

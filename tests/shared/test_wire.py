@@ -420,7 +420,7 @@ def test_reply_map_layout_is_what_the_protocol_documents() -> None:
     labelled = wire.scores_reply("b", [0.9, 0.1], labels=["pos", "neg"])
     body = msgpack.unpackb(wire.encode_reply(labelled))
     assert body == {"id": "b", "ok": True, "scores": [0.9, 0.1], "labels": ["pos", "neg"]}
-    with pytest.raises(ValueError, match="2 labels for 1 scores"):
+    with pytest.raises(ValueError, match="one string per score"):
         wire.scores_reply("b", [0.5], labels=["a", "b"])
     for bad in (["only one"], [1, 2], "ab"):
         packed = msgpack.packb({"id": "b", "ok": True, "scores": [0.5, 0.5], "labels": bad})
@@ -436,7 +436,7 @@ def test_reply_map_layout_is_what_the_protocol_documents() -> None:
 
 
 def test_embedding_reply_checks_its_size() -> None:
-    with pytest.raises(ValueError, match="expected 4"):
+    with pytest.raises(ValueError, match=r"4\*dim bytes"):
         wire.embedding_reply("a", b"\x00" * 5, 1)
 
 
