@@ -110,14 +110,6 @@ def request_id(token: str, index: int) -> str:
     return f"{token}{index:016x}"
 
 
-def count_lines(path: str) -> int | None:
-    """How many inputs a file holds (None for stdin), for the progress bar."""
-    if path == "-":
-        return None
-    with open(path, "rb") as stream:
-        return sum(1 for _ in stream)
-
-
 def output_format(output: Path) -> str:
     suffix = output.suffix.lower()
     if suffix == ".npy":
@@ -137,6 +129,8 @@ class Checkpoint:
         self.manifest = manifest
         self.complete = False  # OUTPUT is written: an interruption has nothing to resume
         self._lock_file: BinaryIO | None = None
+        self.done: set[int] = set()  # the chunks an earlier run finished (once open)
+        self.saved: dict[int, dict[int, Row]] = {}  # rows of unfinished ones, by chunk, index
 
     @staticmethod
     def describe_input(path: str) -> dict[str, Any]:
@@ -151,9 +145,9 @@ class Checkpoint:
         """Where the directory goes once OUTPUT is complete, to be removed in any order."""
         return self.output.with_name(self.output.name + ".removing")
 
-    def open(self, *, restart: bool) -> set[int]:
+    def open(self, *, restart: bool) -> None:
         """Create or reuse the directory, locked until :meth:`assemble` or :meth:`close`;
-        return the chunks already done (:class:`AlreadyComplete`: OUTPUT already is)."""
+        read what is :attr:`done` and :attr:`saved` (:class:`AlreadyComplete`: OUTPUT is)."""
         manifest_path = self.directory / _MANIFEST
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock()
@@ -188,7 +182,8 @@ class Checkpoint:
         else:
             self.manifest["requests"] = secrets.token_hex(8)
             self._write_manifest()
-        return set(self._numbers(_DONE))
+        self.done = set(self._numbers(_DONE))
+        self.saved = self._partial_rows()
 
     def _changed(self, found: dict[str, Any]) -> list[str]:
         """The keys an earlier run's manifest ``found`` differs in (but :data:`_UNCHECKED`)."""
@@ -273,14 +268,14 @@ class Checkpoint:
         self._learn_dim(rows)
         _atomic_write(self._chunk(number, _PART), _json_lines(map(asdict, rows)))
 
-    def partial_rows(self, done: set[int]) -> dict[int, dict[int, Row]]:
+    def _partial_rows(self) -> dict[int, dict[int, Row]]:
         """The rows saved for unfinished chunks, by chunk and index (an unreadable or stray
         row is left out, to be sent again; those of done chunks are removed)."""
         chunk_size = int(self.manifest["chunk_size"])
         out: dict[int, dict[int, Row]] = {}
         for number in self._numbers(_PART):
             path = self._chunk(number, _PART)
-            if number in done:
+            if number in self.done:
                 path.unlink(missing_ok=True)
                 continue
             rows = {}
