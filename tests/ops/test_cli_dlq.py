@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from tests.support import DIM, MAX_INPUT, wait_for
-from tokenq.producer.ops import letters as dlq
+from tokenq.producer.ops import dlq
 from tokenq.producer.ops.dlq import ACTIONS, spread_ids
 from tokenq.producer.ops.dlq import main as dlq_main
 from tokenq.shared import keys
