@@ -160,12 +160,9 @@ class Checkpoint:
             if complete:
                 self.discard()
                 raise AlreadyComplete(self.output, self._failed_in_output())
+        found = _manifest_in(self.directory)
         if manifest_path.exists():
-            try:
-                found = json.loads(manifest_path.read_text())
-            except (ValueError, UnicodeDecodeError):
-                found = None
-            if not isinstance(found, dict):
+            if found is None:
                 raise ResumeMismatch(f"{manifest_path} is not a tokenq embed manifest; re-run "
                                      "with --restart to discard the partial results")
             if changed := self._changed(found):
@@ -175,13 +172,10 @@ class Checkpoint:
             self._check_model(found.get("model"))
             if found.get("dim") is not None:
                 self.manifest["dim"] = found["dim"]
-            self.manifest["requests"] = found.get("requests") or secrets.token_hex(8)
-            if (self.manifest.get("model"), self.manifest["requests"]) != (
-                    found.get("model"), found.get("requests")):
-                self._write_manifest()  # the first run did not know its model: now pinned
-        else:
-            self.manifest["requests"] = secrets.token_hex(8)
-            self._write_manifest()
+        self.manifest["requests"] = (found or {}).get("requests") or secrets.token_hex(8)
+        if found is None or (self.manifest.get("model"), self.manifest["requests"]) != (
+                found.get("model"), found.get("requests")):
+            self._write_manifest()  # new, or the first run did not know its model: now pinned
         self.done = set(self._numbers(_DONE))
         self.saved = self._partial_rows()
 
@@ -205,11 +199,8 @@ class Checkpoint:
 
     def _completed_by(self, leftover: Path) -> bool:
         """Whether ``leftover`` (a directory being removed) is this command's finished run."""
-        try:
-            found = json.loads((leftover / _MANIFEST).read_text())
-        except (OSError, ValueError, UnicodeDecodeError):
-            return False
-        return isinstance(found, dict) and not self._changed(found) and self.output.exists()
+        found = _manifest_in(leftover)
+        return found is not None and not self._changed(found) and self.output.exists()
 
     def _failed_in_output(self) -> int:
         """How many rows of a complete OUTPUT are errors."""
@@ -378,6 +369,15 @@ class Checkpoint:
                 # A chunk whose every input failed before the width was known is (n, 0).
                 block = part if part.shape[1] == dim else np.full((part.shape[0], dim), np.nan)
                 out.write(np.ascontiguousarray(block, dtype="<f4").tobytes())
+
+
+def _manifest_in(directory: Path) -> dict[str, Any] | None:
+    """The manifest ``directory`` holds, or None (none, or not a JSON object)."""
+    try:
+        found = json.loads((directory / _MANIFEST).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _npy_bytes(rows: list[Row], dim: int | None) -> bytes:
