@@ -23,7 +23,6 @@ from tokenq.producer.ops.stats import format_table
 from tokenq.shared import functions, keys, lua_scripts
 from tokenq.shared.cli import run_command
 from tokenq.shared.dead_letter import DeadLetter, parse_letter
-from tokenq.shared.errors import QueueFull
 from tokenq.shared.redis_text import as_text
 from tokenq.shared.settings import DlqSettings
 from tokenq.shared.text import plural
@@ -213,10 +212,10 @@ def _pages(r: redis.Redis, q: keys.QueueRef, end: str) -> Iterator[list[str]]:
 
 
 def retry(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None, *, max_queue_length: int,
-          drop_deadline: bool = False, until_full: bool = False) -> RetryOutcome:
+          drop_deadline: bool = False) -> RetryOutcome:
     """Re-enqueue the letters of complete entry ids ``ids`` (None: every letter there when it
-    starts); a page that would pass ``max_queue_length`` raises :class:`QueueFull` (earlier
-    pages stay moved), or with ``until_full`` ends it with ``outcome.full`` set."""
+    starts); a page that would pass ``max_queue_length`` ends it with ``outcome.full`` set
+    (earlier pages stay moved)."""
     script = functions.Function(r, "dlq_retry")  # dlq_retry.lua, by FCALL
     outcome = RetryOutcome()
     if ids is None:
@@ -239,8 +238,6 @@ def retry(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None, *, max_qu
             outcome.full = (f"{lane}queue {q.name!r} holds {full.length} of at most "
                             f"{full.limit} requests; moved "
                             f"{plural(len(outcome.moved), 'dead letter')} before it filled")
-            if not until_full:
-                raise QueueFull(outcome.full) from None
             return outcome
         for one, answer in zip(page, answers, strict=True):
             if isinstance(answer, list):  # [b"truncated", b"text,opts"] or [b"empty", b""]
@@ -443,8 +440,7 @@ def _retry(r: redis.Redis, lanes: Lanes, work: Work, missing: list[str],
     """Retry lane by lane, each onto its own stream (a full lane does not stop the others);
     True when something failed."""
     outcomes = [(lane, retry(r, lane, ids, drop_deadline=settings.drop_deadline,
-                                 max_queue_length=settings.max_queue_length, until_full=True))
-                for lane, ids in work]
+                             max_queue_length=settings.max_queue_length)) for lane, ids in work]
     full = [outcome.full for _, outcome in outcomes if outcome.full is not None]
     if full and not lanes.sharded:
         print(f"tokenq dlq: {full[0]}", file=sys.stderr)

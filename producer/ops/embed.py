@@ -240,8 +240,7 @@ def _run(settings: EmbedSettings, checkpoint: Checkpoint, client: Client, ops: r
     with signals.held():
         if checkpoint.format == "npy" and checkpoint.dim is None:
             checkpoint.set_dim(_queue_dim(client, settings))
-        checkpoint.write_skipped(tally.blank)
-        failed = checkpoint.assemble()
+        failed = checkpoint.assemble(tally.blank)
     workers = None
     if before is not None:
         try:
@@ -503,8 +502,7 @@ class _Chunks:
         """Write the rows back so far of every unfinished chunk (at an interruption)."""
         for number, rows in sorted(self.rows.items()):
             if rows:
-                self.checkpoint.write_partial(number, sorted(rows.values(),
-                                                             key=lambda row: row.index))
+                self.checkpoint.write_partial(number, _in_order(rows))
 
     def _maybe_finish(self, number: int) -> None:
         passed = self.current is None or number < self.current
@@ -512,44 +510,40 @@ class _Chunks:
             return
         if number == self.first and self.current is not None:
             self._judge(number, only_known=False)
-        rows = sorted(self.rows[number].values(), key=lambda row: row.index)
+        rows = _in_order(self.rows[number])
         self.checkpoint.write_chunk(number, rows)
         self.forget([row.index for row in rows])
         del self.rows[number], self.expected[number]
 
     def _judge(self, number: int, *, only_known: bool) -> None:
+        """Stop the run when more than half of chunk ``number``'s inputs failed the same way
+        (the error code; for ``bad_input`` the problem's kind, without its details)."""
         if self.judged:
             return
+        kinds: Counter[tuple[str, str]] = Counter()
+        first: dict[tuple[str, str], Row] = {}
+        for row in _in_order(self.rows[number]):
+            if row.error_code is not None:
+                problem = (row.error_message or "").split(":", 1)[0]
+                kind = (row.error_code, problem if row.error_code == "bad_input" else "")
+                kinds[kind] += 1
+                first.setdefault(kind, row)
         size = self.expected[number]
-        verdict = same_failure(list(self.rows[number].values()), size)
-        if verdict is not None:
-            failed, example = verdict
-            first = number * self.chunk_size + 1
-            hint = " (see --format and --field)" if example.error_code == "bad_input" else ""
-            raise StoppedEarly(
-                f"stopped early: {failed} of the {plural(size, 'input')} on lines {first}-"
-                f"{first + size - 1} failed the same way, e.g. line {example.index + 1}: "
-                f"{example.error_code}: {example.error_message}{hint}; the rest would most "
-                "likely fail too, so the run stops here")
+        for kind, failed in kinds.most_common(1):
+            if failed * 2 > size:
+                example, start = first[kind], number * self.chunk_size + 1
+                hint = " (see --format and --field)" if example.error_code == "bad_input" else ""
+                raise StoppedEarly(
+                    f"stopped early: {failed} of the {plural(size, 'input')} on lines {start}-"
+                    f"{start + size - 1} failed the same way, e.g. line {example.index + 1}: "
+                    f"{example.error_code}: {example.error_message}{hint}; the rest would most "
+                    "likely fail too, so the run stops here")
         self.judged = not only_known
 
 
-def same_failure(rows: Sequence[Row], size: int) -> tuple[int, Row] | None:
-    """(how many, the first of them) when more than half of a chunk of ``size`` inputs failed
-    the same way (the error code; for ``bad_input`` the problem's kind); else None."""
-    kinds: Counter[tuple[str, str]] = Counter()
-    first: dict[tuple[str, str], Row] = {}
-    for row in sorted(rows, key=lambda row: row.index):
-        if row.error_code is None:
-            continue
-        problem = (row.error_message or "").split(":", 1)[0]  # its kind, without details
-        kind = (row.error_code, problem if row.error_code == "bad_input" else "")
-        kinds[kind] += 1
-        first.setdefault(kind, row)
-    if not kinds:
-        return None
-    kind, failed = kinds.most_common(1)[0]
-    return (failed, first[kind]) if failed * 2 > size else None
+def _in_order(rows: dict[int, Row]) -> list[Row]:
+    """A chunk's rows (by input index) in input order."""
+    return [rows[index] for index in sorted(rows)]
 
 
 def _groups(items: Iterator[Item], chunk_size: int,

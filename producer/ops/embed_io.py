@@ -9,7 +9,7 @@ import json
 import os
 import secrets
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -239,17 +239,14 @@ class Checkpoint:
     def dim(self) -> int | None:
         return self.manifest.get("dim")
 
-    def set_dim(self, dim: int) -> None:
-        if self.manifest.get("dim") is None:
+    def set_dim(self, dim: int | None) -> None:
+        """Pin the output's width (the first vector seen: a chunk of failures has none)."""
+        if self.manifest.get("dim") is None and dim is not None:
             self.manifest["dim"] = dim
             self._write_manifest()
 
     def _learn_dim(self, rows: list[Row]) -> None:
-        """Pin the output's width from the first vector seen (a chunk of failures has none)."""
-        if self.dim is None:
-            width = next((len(row.vector) for row in rows if row.vector is not None), None)
-            if width is not None:
-                self.set_dim(width)
+        self.set_dim(next((len(row.vector) for row in rows if row.vector is not None), None))
 
     def _write_manifest(self) -> None:
         _atomic_write(self.directory / _MANIFEST, json.dumps(self.manifest, indent=2).encode())
@@ -296,17 +293,28 @@ class Checkpoint:
         _atomic_write(self._chunk(number, _DONE), str(len(rows)).encode())
         self._chunk(number, _PART).unlink(missing_ok=True)
 
-    def assemble(self) -> int:
-        """Join every chunk into OUTPUT (and OUTPUT.errors.jsonl); rename the directory to
-        :attr:`removing` (OUTPUT is complete), remove it; return the number of failed rows."""
+    def assemble(self, skipped: Sequence[int] = ()) -> int:
+        """Join every chunk into OUTPUT (and OUTPUT.errors.jsonl; for ``.npy``, whose rows
+        carry no index, OUTPUT.skipped.txt: the ``skipped`` blank inputs' indexes, one a line,
+        no file for none); rename the directory to :attr:`removing` (OUTPUT is complete),
+        remove it; return the number of failed rows."""
         numbers = self._numbers(_DONE)
         if numbers != list(range(len(numbers))):
             raise CommandFailed(f"{self.directory} is missing chunks; re-run the same "
                                 "command to finish them")
-        failed = self._join_errors(numbers)
         if self.format == "npy":
+            skipped_path = self.output.with_name(self.output.name + ".skipped.txt")
+            if skipped:
+                _atomic_write(skipped_path, "".join(f"{index}\n" for index in skipped).encode())
+            else:
+                skipped_path.unlink(missing_ok=True)
+            errors = self.output.with_name(self.output.name + ".errors.jsonl")
+            if not (failed := self._join_files(numbers, ".errors.jsonl", errors)):
+                errors.unlink(missing_ok=True)
             self._join_npy(numbers)
-        else:
+        else:  # the errors are rows of the output itself
+            failed = sum(len(self._chunk(n, ".errors.jsonl").read_bytes().splitlines())
+                         for n in numbers)
             self._join_files(numbers, ".jsonl", self.output)
         self.close()
         if self.removing.exists():  # left by a finished run before this one: not ours
@@ -316,33 +324,12 @@ class Checkpoint:
         self.complete = True
         return failed
 
-    def write_skipped(self, skipped: list[int]) -> None:
-        """OUTPUT.skipped.txt for ``.npy`` (rows carry no index): the skipped blank inputs'
-        indexes, one a line (none: no file); before :meth:`assemble`, so never stale."""
-        if self.format != "npy":
-            return
-        path = self.output.with_name(self.output.name + ".skipped.txt")
-        if skipped:
-            _atomic_write(path, "".join(f"{index}\n" for index in skipped).encode())
-        else:
-            path.unlink(missing_ok=True)
-
     def _chunk(self, number: int, suffix: str) -> Path:
         return self.directory / f"chunk-{number:06d}{suffix}"
 
     def _numbers(self, suffix: str) -> list[int]:
         """The chunks with a ``suffix`` file, in order."""
         return sorted(int(p.name[6:12]) for p in self.directory.glob("chunk-??????" + suffix))
-
-    def _join_errors(self, numbers: list[int]) -> int:
-        errors_path = self.output.with_name(self.output.name + ".errors.jsonl")
-        if self.format == "jsonl":  # errors are in the output itself
-            return sum(len(self._chunk(n, ".errors.jsonl").read_bytes().splitlines())
-                       for n in numbers)
-        failed = self._join_files(numbers, ".errors.jsonl", errors_path)
-        if not failed:
-            errors_path.unlink(missing_ok=True)
-        return failed
 
     def _join_files(self, numbers: list[int], suffix: str, target: Path) -> int:
         lines = 0

@@ -603,9 +603,9 @@ def test_a_crash_at_any_step_of_completion_leaves_what_a_rerun_finishes(
     def crashing_run(at: int, out: Path) -> CrashingOs:
         fake = CrashingOs(at)
 
-        def armed(checkpoint: Checkpoint) -> int:
+        def armed(checkpoint: Checkpoint, *args: object) -> int:
             fake.armed = True  # only the completion's steps count
-            return assemble(checkpoint)
+            return assemble(checkpoint, *args)
 
         with monkeypatch.context() as patch:
             patch.setattr(embed_io, "os", fake)
@@ -655,7 +655,7 @@ def test_a_resume_under_another_model_is_refused_naming_both(
     out = tmp_path / "out.npy"
     args = (str(source), "--output", str(out), "--chunk-size", "4")
 
-    def crash(checkpoint: Checkpoint) -> int:
+    def crash(checkpoint: Checkpoint, *args: object) -> int:
         raise Crash("stopped before joining")
 
     with monkeypatch.context() as patch:  # every chunk saved, the output not yet written
