@@ -172,20 +172,20 @@ def _id_order(raw: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-Placed = tuple[dict[keys.QueueRef, list[str]], list[str], dict[str, list[str]]]
+Found = tuple[Letters, dict[keys.QueueRef, list[str]], list[str], dict[str, list[str]]]
 
 
-def place(lanes: Lanes, targets: Sequence[Target], found: set[tuple[keys.QueueRef, str]], *,
-          named_found: bool = False) -> Placed:
-    """Each target's lane among the ``found`` (lane, entry id) pairs (``named_found``: a
-    target with a lane is there): (ids by lane; names found nowhere; bare id -> the names
-    of the letters in several lanes, placed nowhere: a wrong letter cannot be undone)."""
+def find(r: redis.Redis, lanes: Lanes, words: Sequence[str]) -> Found:
+    """The letters ``words`` name: (those read, each lane's that hold one; their entry ids by
+    lane; the words naming none, with why; bare id -> the names of the letters in several
+    lanes, placed nowhere: a wrong letter cannot be undone)."""
+    targets, missing = lanes.targets(words)
+    letters = read_letters(r, [one for t in targets for one in lanes.candidates(t)])
+    found = {(lane, letter.entry_id) for lane, letter in letters}
     by_lane: dict[keys.QueueRef, list[str]] = {}
-    missing: list[str] = []
     ambiguous: dict[str, list[str]] = {}
     for target in targets:
-        where = [lane for lane, one in lanes.candidates(target)
-                 if (named_found and target.lane is not None) or (lane, one) in found]
+        where = [lane for lane, one in lanes.candidates(target) if (lane, one) in found]
         if not where:
             missing.append(target.entry_id if target.lane is None
                            else lanes.name(target.lane, target.entry_id))
@@ -193,7 +193,8 @@ def place(lanes: Lanes, targets: Sequence[Target], found: set[tuple[keys.QueueRe
             ambiguous[target.entry_id] = [lanes.name(lane, target.entry_id) for lane in where]
         else:
             by_lane.setdefault(where[0], []).append(target.entry_id)
-    return {lane: by_lane[lane] for lane in lanes.all if lane in by_lane}, missing, ambiguous
+    placed = {lane: by_lane[lane] for lane in lanes.all if lane in by_lane}
+    return letters, placed, missing, ambiguous
 
 
 def _pages(r: redis.Redis, q: keys.QueueRef, end: str) -> Iterator[list[str]]:
@@ -331,11 +332,8 @@ def run(settings: DlqSettings) -> int:
         missing: list[str] = []
         ambiguous: dict[str, list[str]] = {}
         if not settings.all:
-            targets, missing = lanes.targets(settings.id)
-            bare = [one for t in targets if t.lane is None for one in lanes.candidates(t)]
-            found = {(lane, letter.entry_id) for lane, letter in read_letters(r, bare)}
-            by_lane, unfound, ambiguous = place(lanes, targets, found, named_found=True)
-            work, missing = list(by_lane.items()), missing + unfound
+            _, by_lane, missing, ambiguous = find(r, lanes, settings.id)
+            work = list(by_lane.items())
         if settings.action == "retry":
             failed = _retry(r, lanes, work, missing, settings)
         else:
@@ -365,14 +363,9 @@ _COLUMNS = ("entry", "request", "code", "reason", "deliveries", "worker", "age",
 
 
 def _list(r: redis.Redis, lanes: Lanes, settings: DlqSettings) -> int:
-    targets, missing = lanes.targets(settings.id)
-    if settings.id:
-        letters = read_letters(r, [one for t in targets for one in lanes.candidates(t)])
-    else:
+    letters, _, missing, ambiguous = find(r, lanes, settings.id)
+    if not settings.id:
         letters = oldest(r, lanes, settings.count)
-    found = {(lane, letter.entry_id) for lane, letter in letters}
-    _, unfound, ambiguous = place(lanes, targets, found)
-    missing += unfound
     if settings.as_json:
         for lane, letter in letters:
             print(json.dumps(_letter_json(lanes, lane, letter), ensure_ascii=False))

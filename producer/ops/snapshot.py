@@ -181,8 +181,10 @@ def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
     """A sharded queue as a whole: its lanes summed, each worker counted once."""
     measured = total([Depth(lane["length"], lane["pending"], lane["lag"], lane["lag_exact"])
                       for lane in lanes])
-    workers = _distinct_workers(lanes)
-    live = {worker["consumer"] for worker in workers}
+    freshest: dict[str, dict[str, Any]] = {}  # each live worker once: it serves every lane
+    for worker in sorted((w for lane in lanes for w in lane["workers"]), key=lambda w: -w["at"]):
+        freshest.setdefault(worker["consumer"], worker)
+    workers, live = [freshest[name] for name in sorted(freshest)], set(freshest)
     oldest = [lane["oldest_pending_ms"] for lane in lanes if lane["oldest_pending_ms"] is not None]
     shards = sum(1 for lane in lanes if lane["shard"] is not None)
     return {
@@ -195,17 +197,6 @@ def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
         "stale_workers": sorted({n for lane in lanes for n in lane["stale_workers"]} - live),
         "totals": _totals(workers),
     }
-
-
-def _distinct_workers(lanes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each live worker once (its freshest heartbeat): one worker serves every lane."""
-    freshest: dict[str, dict[str, Any]] = {}
-    for lane in lanes:
-        for worker in lane["workers"]:
-            seen = freshest.get(worker["consumer"])
-            if seen is None or worker["at"] > seen["at"]:
-                freshest[worker["consumer"]] = worker
-    return [freshest[name] for name in sorted(freshest)]
 
 
 def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
