@@ -431,7 +431,7 @@ def _done(lanes: Lanes, verb: str, done: dict[keys.QueueRef, int],
 def _retry(r: redis.Redis, lanes: Lanes, work: Work, missing: list[str],
            settings: DlqSettings) -> bool:
     """Retry lane by lane, each onto its own stream (a full lane does not stop the others);
-    True when something failed."""
+    the letters left in place or found gone named on stderr; True when something failed."""
     outcomes = [(lane, retry(r, lane, ids, drop_deadline=settings.drop_deadline,
                              max_queue_length=settings.max_queue_length)) for lane, ids in work]
     full = [outcome.full for _, outcome in outcomes if outcome.full is not None]
@@ -439,37 +439,27 @@ def _retry(r: redis.Redis, lanes: Lanes, work: Work, missing: list[str],
         print(f"tokenq dlq: {full[0]}", file=sys.stderr)
         return True
     moved = {lane: len(outcome.moved) for lane, outcome in outcomes}
-    print(_done(lanes, "retried", moved, keys.requests, "onto") + _upto(lanes, outcomes))
+    ends = [outcome.last_id for _, outcome in outcomes if outcome.last_id is not None]
+    upto = f" (every letter up to {ends[0]}, the last when the retry started)" if ends else ""
+    if ends and lanes.sharded:  # retry --all's end: each lane's last letter when it started
+        upto = " (in each lane, every letter up to the last there when the retry started)"
+    print(_done(lanes, "retried", moved, keys.requests, "onto") + upto)
     for line in full:
         print(f"tokenq dlq: {line}", file=sys.stderr)
     for lane, outcome in outcomes:
-        _report_outcome(lanes, lane, outcome)
+        for one, why in outcome.skipped.items():
+            print(f"tokenq dlq: skipped {lanes.name(lane, one)}: {why}; it stays in "
+                  f"{keys.dead(lane)} (inspect it with dlq list --id, drop it with dlq purge "
+                  "--id)", file=sys.stderr)
+        if outcome.vanished:
+            print(f"tokenq dlq: {plural(len(outcome.vanished), 'letter')} deleted by someone "
+                  f"else while the retry ran: "
+                  f"{', '.join(lanes.name(lane, one) for one in outcome.vanished)}",
+                  file=sys.stderr)
     missing = missing + [lanes.name(lane, one) for lane, outcome in outcomes
                          for one in outcome.missing]
     _report_missing(lanes, missing)
     return bool(missing or full or any(outcome.skipped for _, outcome in outcomes))
-
-
-def _upto(lanes: Lanes, outcomes: list[tuple[keys.QueueRef, RetryOutcome]]) -> str:
-    """``retry --all``'s snapshot end: where each lane's dead stream ended when it started."""
-    ends = [outcome.last_id for _, outcome in outcomes if outcome.last_id is not None]
-    if not ends:
-        return ""
-    if lanes.sharded:
-        return " (in each lane, every letter up to the last there when the retry started)"
-    return f" (every letter up to {ends[0]}, the last when the retry started)"
-
-
-def _report_outcome(lanes: Lanes, lane: keys.QueueRef, outcome: RetryOutcome) -> None:
-    """The letters of one lane a retry left in place or found gone, on stderr."""
-    for one, why in outcome.skipped.items():
-        print(f"tokenq dlq: skipped {lanes.name(lane, one)}: {why}; it stays in "
-              f"{keys.dead(lane)} (inspect it with dlq list --id, drop it with dlq purge --id)",
-              file=sys.stderr)
-    if outcome.vanished:
-        print(f"tokenq dlq: {plural(len(outcome.vanished), 'letter')} deleted by someone "
-              f"else while the retry ran: "
-              f"{', '.join(lanes.name(lane, one) for one in outcome.vanished)}", file=sys.stderr)
 
 
 def _purge(r: redis.Redis, lanes: Lanes, work: Work, missing: list[str]) -> bool:

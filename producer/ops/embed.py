@@ -33,6 +33,7 @@ from tokenq.producer import (
     ReplyTimeout,
     Result,
 )
+from tokenq.producer.ops import snapshot
 from tokenq.producer.ops.embed_io import (
     AlreadyComplete,
     Checkpoint,
@@ -44,13 +45,6 @@ from tokenq.producer.ops.embed_io import (
     output_format,
     read_items,
     request_id,
-)
-from tokenq.producer.ops.snapshot import (
-    connection,
-    counter_delta,
-    explain,
-    heartbeat_counters,
-    live_names,
 )
 from tokenq.shared import keys
 from tokenq.shared.cli import run_command
@@ -95,7 +89,7 @@ def embed(settings: EmbedSettings) -> int:
         except OSError:
             raise UsageError(f"cannot read {settings.file}") from None
     q = QueueRef(settings.queue, settings.prefix)
-    with connection(settings.redis_url, settings.socket_timeout_s, [q]) as ops:
+    with snapshot.connection(settings.redis_url, settings.socket_timeout_s, [q]) as ops:
         return _embed(settings, ops, q)
 
 
@@ -136,8 +130,13 @@ class _Signals:
 
 
 def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef) -> int:
-    before = _heartbeats(ops, q)  # first: a Redis failure is told before anything is written
-    if before is not None and not before:
+    before: dict[str, dict[str, float]] | None = None  # the workers' counters (ACL: unknown)
+    try:  # first: a Redis failure is told before anything is written
+        before = snapshot.heartbeat_counters(ops, q)
+    except redis.exceptions.NoPermissionError:
+        print(f"tokenq embed: this Redis user may not read {keys.workers(q)} (ACL); the "
+              "summary leaves out what the workers did", file=sys.stderr)
+    if before == {}:
         print(f"tokenq embed: no worker has a heartbeat on queue {settings.queue!r} yet; "
               "requests wait until one starts", file=sys.stderr)
     fmt = input_format(settings.file, settings.input_format)
@@ -180,7 +179,8 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef) -> int:
         if isinstance(exc, BrokerUnavailable):
             message = one_line(str(exc))
         else:
-            message = str(explain(exc, ops, [q], settings.redis_url, settings.socket_timeout_s))
+            message = str(snapshot.explain(exc, ops, [q], settings.redis_url,
+                                           settings.socket_timeout_s))
         print(f"tokenq embed: {message}; {resume}", file=sys.stderr)
         return _exit(1)
     except StoppedEarly as exc:
@@ -216,16 +216,6 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _heartbeats(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, float]] | None:
-    """The workers' heartbeat counters, or None when this ACL user may not read them."""
-    try:
-        return heartbeat_counters(ops, q)
-    except redis.exceptions.NoPermissionError:
-        print(f"tokenq embed: this Redis user may not read {keys.workers(q)} (ACL); the "
-              "summary leaves out what the workers did", file=sys.stderr)
-        return None
-
-
 def _run(settings: EmbedSettings, checkpoint: Checkpoint, client: Client, ops: redis.Redis,
          q: QueueRef, before: dict[str, dict[str, float]] | None, signals: _Signals) -> int:
     """The loop, the output, the summary."""
@@ -244,7 +234,7 @@ def _run(settings: EmbedSettings, checkpoint: Checkpoint, client: Client, ops: r
     workers = None
     if before is not None:
         try:
-            workers = counter_delta(before, _settled_counters(ops, q))
+            workers = snapshot.counter_delta(before, _settled_counters(ops, q))
         except redis.RedisError as exc:  # the output is written: only the summary loses a line
             print(f"tokenq embed: could not read the workers' heartbeats after the run: "
                   f"{one_line(str(exc))}", file=sys.stderr)
@@ -309,12 +299,12 @@ def _settled_counters(ops: redis.Redis, q: QueueRef) -> dict[str, dict[str, floa
     """Heartbeat counters once every live worker has beaten again since the run ended (each
     ``at`` compared with the same worker's; gives up after a few seconds)."""
     deadline = time.monotonic() + _HEARTBEAT_WAIT_S
-    after = heartbeat_counters(ops, q)
-    alive = live_names(ops, q, after)
+    after = snapshot.heartbeat_counters(ops, q)
+    alive = snapshot.live_names(ops, q, after)
     waiting = {name: c["at"] for name, c in after.items() if name in alive}
     while waiting and time.monotonic() < deadline:
         time.sleep(0.2)
-        after = heartbeat_counters(ops, q)
+        after = snapshot.heartbeat_counters(ops, q)
         waiting = {name: at for name, at in waiting.items()
                    if name in after and after[name]["at"] <= at}
     return after

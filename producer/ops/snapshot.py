@@ -203,7 +203,12 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
     """One queue's entry of the snapshot."""
     stream = keys.requests(q)
     group = _group_info(r, stream)
-    pending, oldest_pending_ms = _pending(r, stream, group is not None, now)
+    pending, oldest_pending_ms = 0, None
+    if group is not None:
+        summary = r.xpending(stream, keys.GROUP)
+        pending = int(summary.get("pending") or 0)
+        if pending and summary.get("min"):  # the oldest pending entry's age, by its id
+            oldest_pending_ms = max(0, int(now * 1000) - entry_ms(summary["min"]))
     length = int(r.xlen(stream))
     measured = depth(length, pending, group_exists=group is not None,
                      reported_lag=group.get("lag") if group else None)
@@ -232,18 +237,6 @@ def _group_info(r: redis.Redis, stream: str) -> dict[str, Any] | None:
         if as_text(group.get("name")) == keys.GROUP:
             return group
     return None
-
-
-def _pending(r: redis.Redis, stream: str, has_group: bool, now: float) -> tuple[int, int | None]:
-    """Pending count and the age of the oldest pending entry (from its id's timestamp)."""
-    if not has_group:
-        return 0, None
-    summary = r.xpending(stream, keys.GROUP)
-    count = int(summary.get("pending") or 0)
-    oldest = summary.get("min")
-    if not count or not oldest:
-        return count, None
-    return count, max(0, int(now * 1000) - entry_ms(oldest))
 
 
 def entry_ms(entry_id: bytes | str) -> int:

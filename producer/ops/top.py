@@ -11,15 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tokenq.producer.ops import stats
 from tokenq.producer.ops.snapshot import connect, read_snapshot, report_unreadable, unreadable_lines
-from tokenq.producer.ops.stats import (
-    WORKER_COLUMNS,
-    backlog,
-    gone_line,
-    in_display_order,
-    unserved_line,
-    worker_row,
-)
 from tokenq.shared.cli import run_command, silence_stdout
 from tokenq.shared.flags import UsageError
 from tokenq.shared.settings import TopSettings
@@ -124,26 +117,26 @@ def render(doc: dict[str, Any], *, with_unreadable: bool = True) -> Any:
         parts += [Text(line, style="bold red") for line in unreadable_lines(doc)]
     if not doc["queues"] and not doc.get("unreadable"):
         parts.append(Text("no tokenq queues found"))
-    for whole, q in in_display_order(doc):
-        head = f"queue {q['label']}  {backlog(q)}"
+    for whole, q in stats.in_display_order(doc):
+        head = f"queue {q['label']}  {stats.backlog(q)}"
         if whole:  # a sharded queue's sum: its workers are in its lanes' tables
             parts.append(Text(head, style="bold"))
         else:
             table = Table(title=head, title_justify="left", expand=False)
-            for column in WORKER_COLUMNS:
+            for column in stats.WORKER_COLUMNS:
                 table.add_column(column, justify="left" if column in {"worker", "host"}
                                  else "right", no_wrap=True, min_width=len(column))
             for w in q["workers"]:
-                cells = list(worker_row(w))
+                cells = list(stats.worker_row(w))
                 if w.get("recent_requests_per_s") is not None:  # not the lifetime averages
                     cells[5] = f"{w['recent_requests_per_s']:.1f}"
                     cells[6] = f"{w['recent_tokens_per_s']:.0f}"
                 table.add_row(*cells)
             parts.append(table)
-        unserved = unserved_line(q)
+        unserved = stats.unserved_line(q)
         if unserved is not None:
             parts.append(Text(unserved, style=UNSERVED_STYLE))
         if not whole and q["stale_workers"]:
-            parts.append(Text(gone_line(q), style="dim"))
+            parts.append(Text(stats.gone_line(q), style="dim"))
     return Group(*parts)
 
