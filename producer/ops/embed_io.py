@@ -9,7 +9,7 @@ import json
 import os
 import secrets
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -110,14 +110,6 @@ def request_id(token: str, index: int) -> str:
     return f"{token}{index:016x}"
 
 
-def count_lines(path: str) -> int | None:
-    """How many inputs a file holds (None for stdin), for the progress bar."""
-    if path == "-":
-        return None
-    with open(path, "rb") as stream:
-        return sum(1 for _ in stream)
-
-
 def output_format(output: Path) -> str:
     suffix = output.suffix.lower()
     if suffix == ".npy":
@@ -137,6 +129,8 @@ class Checkpoint:
         self.manifest = manifest
         self.complete = False  # OUTPUT is written: an interruption has nothing to resume
         self._lock_file: BinaryIO | None = None
+        self.done: set[int] = set()  # the chunks an earlier run finished (once open)
+        self.saved: dict[int, dict[int, Row]] = {}  # rows of unfinished ones, by chunk, index
 
     @staticmethod
     def describe_input(path: str) -> dict[str, Any]:
@@ -151,9 +145,9 @@ class Checkpoint:
         """Where the directory goes once OUTPUT is complete, to be removed in any order."""
         return self.output.with_name(self.output.name + ".removing")
 
-    def open(self, *, restart: bool) -> set[int]:
+    def open(self, *, restart: bool) -> None:
         """Create or reuse the directory, locked until :meth:`assemble` or :meth:`close`;
-        return the chunks already done (:class:`AlreadyComplete`: OUTPUT already is)."""
+        read what is :attr:`done` and :attr:`saved` (:class:`AlreadyComplete`: OUTPUT is)."""
         manifest_path = self.directory / _MANIFEST
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock()
@@ -166,12 +160,9 @@ class Checkpoint:
             if complete:
                 self.discard()
                 raise AlreadyComplete(self.output, self._failed_in_output())
+        found = _manifest_in(self.directory)
         if manifest_path.exists():
-            try:
-                found = json.loads(manifest_path.read_text())
-            except (ValueError, UnicodeDecodeError):
-                found = None
-            if not isinstance(found, dict):
+            if found is None:
                 raise ResumeMismatch(f"{manifest_path} is not a tokenq embed manifest; re-run "
                                      "with --restart to discard the partial results")
             if changed := self._changed(found):
@@ -181,14 +172,12 @@ class Checkpoint:
             self._check_model(found.get("model"))
             if found.get("dim") is not None:
                 self.manifest["dim"] = found["dim"]
-            self.manifest["requests"] = found.get("requests") or secrets.token_hex(8)
-            if (self.manifest.get("model"), self.manifest["requests"]) != (
-                    found.get("model"), found.get("requests")):
-                self._write_manifest()  # the first run did not know its model: now pinned
-        else:
-            self.manifest["requests"] = secrets.token_hex(8)
-            self._write_manifest()
-        return set(self._numbers(_DONE))
+        self.manifest["requests"] = (found or {}).get("requests") or secrets.token_hex(8)
+        if found is None or (self.manifest.get("model"), self.manifest["requests"]) != (
+                found.get("model"), found.get("requests")):
+            self._write_manifest()  # new, or the first run did not know its model: now pinned
+        self.done = set(self._numbers(_DONE))
+        self.saved = self._partial_rows()
 
     def _changed(self, found: dict[str, Any]) -> list[str]:
         """The keys an earlier run's manifest ``found`` differs in (but :data:`_UNCHECKED`)."""
@@ -210,11 +199,8 @@ class Checkpoint:
 
     def _completed_by(self, leftover: Path) -> bool:
         """Whether ``leftover`` (a directory being removed) is this command's finished run."""
-        try:
-            found = json.loads((leftover / _MANIFEST).read_text())
-        except (OSError, ValueError, UnicodeDecodeError):
-            return False
-        return isinstance(found, dict) and not self._changed(found) and self.output.exists()
+        found = _manifest_in(leftover)
+        return found is not None and not self._changed(found) and self.output.exists()
 
     def _failed_in_output(self) -> int:
         """How many rows of a complete OUTPUT are errors."""
@@ -253,17 +239,14 @@ class Checkpoint:
     def dim(self) -> int | None:
         return self.manifest.get("dim")
 
-    def set_dim(self, dim: int) -> None:
-        if self.manifest.get("dim") is None:
+    def set_dim(self, dim: int | None) -> None:
+        """Pin the output's width (the first vector seen: a chunk of failures has none)."""
+        if self.manifest.get("dim") is None and dim is not None:
             self.manifest["dim"] = dim
             self._write_manifest()
 
     def _learn_dim(self, rows: list[Row]) -> None:
-        """Pin the output's width from the first vector seen (a chunk of failures has none)."""
-        if self.dim is None:
-            width = next((len(row.vector) for row in rows if row.vector is not None), None)
-            if width is not None:
-                self.set_dim(width)
+        self.set_dim(next((len(row.vector) for row in rows if row.vector is not None), None))
 
     def _write_manifest(self) -> None:
         _atomic_write(self.directory / _MANIFEST, json.dumps(self.manifest, indent=2).encode())
@@ -273,14 +256,14 @@ class Checkpoint:
         self._learn_dim(rows)
         _atomic_write(self._chunk(number, _PART), _json_lines(map(asdict, rows)))
 
-    def partial_rows(self, done: set[int]) -> dict[int, dict[int, Row]]:
+    def _partial_rows(self) -> dict[int, dict[int, Row]]:
         """The rows saved for unfinished chunks, by chunk and index (an unreadable or stray
         row is left out, to be sent again; those of done chunks are removed)."""
         chunk_size = int(self.manifest["chunk_size"])
         out: dict[int, dict[int, Row]] = {}
         for number in self._numbers(_PART):
             path = self._chunk(number, _PART)
-            if number in done:
+            if number in self.done:
                 path.unlink(missing_ok=True)
                 continue
             rows = {}
@@ -310,17 +293,28 @@ class Checkpoint:
         _atomic_write(self._chunk(number, _DONE), str(len(rows)).encode())
         self._chunk(number, _PART).unlink(missing_ok=True)
 
-    def assemble(self) -> int:
-        """Join every chunk into OUTPUT (and OUTPUT.errors.jsonl); rename the directory to
-        :attr:`removing` (OUTPUT is complete), remove it; return the number of failed rows."""
+    def assemble(self, skipped: Sequence[int] = ()) -> int:
+        """Join every chunk into OUTPUT (and OUTPUT.errors.jsonl; for ``.npy``, whose rows
+        carry no index, OUTPUT.skipped.txt: the ``skipped`` blank inputs' indexes, one a line,
+        no file for none); rename the directory to :attr:`removing` (OUTPUT is complete),
+        remove it; return the number of failed rows."""
         numbers = self._numbers(_DONE)
         if numbers != list(range(len(numbers))):
             raise CommandFailed(f"{self.directory} is missing chunks; re-run the same "
                                 "command to finish them")
-        failed = self._join_errors(numbers)
         if self.format == "npy":
+            skipped_path = self.output.with_name(self.output.name + ".skipped.txt")
+            if skipped:
+                _atomic_write(skipped_path, "".join(f"{index}\n" for index in skipped).encode())
+            else:
+                skipped_path.unlink(missing_ok=True)
+            errors = self.output.with_name(self.output.name + ".errors.jsonl")
+            if not (failed := self._join_files(numbers, ".errors.jsonl", errors)):
+                errors.unlink(missing_ok=True)
             self._join_npy(numbers)
-        else:
+        else:  # the errors are rows of the output itself
+            failed = sum(len(self._chunk(n, ".errors.jsonl").read_bytes().splitlines())
+                         for n in numbers)
             self._join_files(numbers, ".jsonl", self.output)
         self.close()
         if self.removing.exists():  # left by a finished run before this one: not ours
@@ -330,33 +324,12 @@ class Checkpoint:
         self.complete = True
         return failed
 
-    def write_skipped(self, skipped: list[int]) -> None:
-        """OUTPUT.skipped.txt for ``.npy`` (rows carry no index): the skipped blank inputs'
-        indexes, one a line (none: no file); before :meth:`assemble`, so never stale."""
-        if self.format != "npy":
-            return
-        path = self.output.with_name(self.output.name + ".skipped.txt")
-        if skipped:
-            _atomic_write(path, "".join(f"{index}\n" for index in skipped).encode())
-        else:
-            path.unlink(missing_ok=True)
-
     def _chunk(self, number: int, suffix: str) -> Path:
         return self.directory / f"chunk-{number:06d}{suffix}"
 
     def _numbers(self, suffix: str) -> list[int]:
         """The chunks with a ``suffix`` file, in order."""
         return sorted(int(p.name[6:12]) for p in self.directory.glob("chunk-??????" + suffix))
-
-    def _join_errors(self, numbers: list[int]) -> int:
-        errors_path = self.output.with_name(self.output.name + ".errors.jsonl")
-        if self.format == "jsonl":  # errors are in the output itself
-            return sum(len(self._chunk(n, ".errors.jsonl").read_bytes().splitlines())
-                       for n in numbers)
-        failed = self._join_files(numbers, ".errors.jsonl", errors_path)
-        if not failed:
-            errors_path.unlink(missing_ok=True)
-        return failed
 
     def _join_files(self, numbers: list[int], suffix: str, target: Path) -> int:
         lines = 0
@@ -383,6 +356,15 @@ class Checkpoint:
                 # A chunk whose every input failed before the width was known is (n, 0).
                 block = part if part.shape[1] == dim else np.full((part.shape[0], dim), np.nan)
                 out.write(np.ascontiguousarray(block, dtype="<f4").tobytes())
+
+
+def _manifest_in(directory: Path) -> dict[str, Any] | None:
+    """The manifest ``directory`` holds, or None (none, or not a JSON object)."""
+    try:
+        found = json.loads((directory / _MANIFEST).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _npy_bytes(rows: list[Row], dim: int | None) -> bytes:

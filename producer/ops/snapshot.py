@@ -68,19 +68,6 @@ def redis_now(r: redis.Redis) -> float:
     return int(seconds) + int(micros) / 1e6
 
 
-def wrong_type_keys(r: redis.Redis, queues: Iterable[keys.QueueRef]) -> list[str]:
-    """``"KEY is a T, not a U"`` for each of the queues' keys that has the wrong type."""
-    expected: dict[str, str] = {}
-    for q in queues:
-        expected.update({keys.requests(q): "stream", keys.dead(q): "stream",
-                         keys.workers(q): "hash", keys.config(q): "hash"})
-    names = list(expected)
-    found = [as_text(kind) for kind in pipelined(r, lambda pipe, name: pipe.type(name), names)]
-    return [f"{name} is a {kind}, not a {expected[name]}"
-            for name, kind in zip(names, found, strict=True)
-            if kind not in ("none", expected[name])]
-
-
 def pipelined(r: redis.Redis, call: Callable[[Any, Any], object], items: Iterable[Any]) -> list:
     """``call(pipe, item)`` for each item, in one round trip: the replies, in order."""
     with r.pipeline(transaction=False) as pipe:
@@ -91,32 +78,27 @@ def pipelined(r: redis.Redis, call: Callable[[Any, Any], object], items: Iterabl
 
 def explain(exc: redis.RedisError, r: redis.Redis, queues: Iterable[keys.QueueRef],
             redis_url: str, socket_timeout_s: float | None = None) -> CommandFailed:
-    """``exc`` as the operator's one-line :class:`CommandFailed`; a WRONGTYPE names the key."""
+    """``exc`` as the operator's one-line :class:`CommandFailed`; a WRONGTYPE names each of
+    the queues' keys that has the wrong type."""
     message = failure_message(exc, redis_url, socket_timeout_s) or str(exc)
-    if is_wrong_type(exc):
-        try:
-            culprits = wrong_type_keys(r, queues)
-        except redis.RedisError:
-            culprits = []
-        if culprits:
-            message = (f"Redis at {redact_url(redis_url)}: {'; '.join(culprits)} (not written by "
-                       "tokenq, or by another program using its prefix; rename or delete it, "
-                       "or choose another --prefix)")
+    if not is_wrong_type(exc):
+        return CommandFailed(message)
+    expected: dict[str, str] = {}
+    for q in queues:
+        expected.update({keys.requests(q): "stream", keys.dead(q): "stream",
+                         keys.workers(q): "hash", keys.config(q): "hash"})
+    try:
+        found = [as_text(kind) for kind in pipelined(r, lambda pipe, k: pipe.type(k), expected)]
+    except redis.RedisError:
+        found = []
+    culprits = [f"{name} is a {kind}, not a {expected[name]}"
+                for name, kind in zip(expected, found, strict=False)
+                if kind not in ("none", expected[name])]
+    if culprits:
+        message = (f"Redis at {redact_url(redis_url)}: {'; '.join(culprits)} (not written by "
+                   "tokenq, or by another program using its prefix; rename or delete it, "
+                   "or choose another --prefix)")
     return CommandFailed(message)
-
-
-def queue_lanes(r: redis.Redis, q: keys.QueueRef) -> tuple[keys.QueueRef, ...]:
-    """Every lane ``q`` is served on: ``(q,)``, or its shards then the plain ``{q}``, by the
-    ``shards`` its workers publish (absent or unreadable: 1), plus retired shards that still
-    have a stream, up to ``shards_served`` (docs/OPERATIONS.md, "Changing K")."""
-    shards = _count(r, keys.config(q), "shards") or 1
-    lanes = keys.lanes_of(q, shards)
-    served = _count(r, keys.shards_served(q))
-    retired = [shard for shard in keys.retired_shards(q, shards, served or 1)
-               if r.exists(keys.requests(shard))]
-    if not retired:
-        return lanes
-    return (*(lane for lane in lanes if lane.shard is not None), *retired, q)
 
 
 def _count(r: redis.Redis, key: str, field: str | None = None) -> int | None:
@@ -171,8 +153,12 @@ def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str 
                                "error": str(explain(exc, r, [q], redis_url))})
     doc = {"version": SNAPSHOT_VERSION, "at": round(now, 3),
            "redis_url": redact_url(redis_url) if redis_url else "", "queues": rows}
-    if sharded := queue_totals(rows):
-        doc["totals"] = sharded
+    by_queue: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_queue.setdefault(row["queue"], []).append(row)
+    if sharded := [_queue_total(name, lanes) for name, lanes in by_queue.items()
+                   if any(lane["shard"] is not None for lane in lanes)]:
+        doc["totals"] = sharded  # one aggregate per sharded queue, in order
     if unreadable:
         doc["unreadable"] = unreadable
     return doc
@@ -191,21 +177,14 @@ def report_unreadable(prog: str, doc: dict[str, Any]) -> int:
     return EXIT_FAILED if lines else 0
 
 
-def queue_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One aggregate per sharded queue among ``rows`` (one with a ``{q:k}`` row), in order."""
-    by_queue: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        by_queue.setdefault(row["queue"], []).append(row)
-    return [_queue_total(name, lanes) for name, lanes in by_queue.items()
-            if any(lane["shard"] is not None for lane in lanes)]
-
-
 def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
     """A sharded queue as a whole: its lanes summed, each worker counted once."""
     measured = total([Depth(lane["length"], lane["pending"], lane["lag"], lane["lag_exact"])
                       for lane in lanes])
-    workers = _distinct_workers(lanes)
-    live = {worker["consumer"] for worker in workers}
+    freshest: dict[str, dict[str, Any]] = {}  # each live worker once: it serves every lane
+    for worker in sorted((w for lane in lanes for w in lane["workers"]), key=lambda w: -w["at"]):
+        freshest.setdefault(worker["consumer"], worker)
+    workers, live = [freshest[name] for name in sorted(freshest)], set(freshest)
     oldest = [lane["oldest_pending_ms"] for lane in lanes if lane["oldest_pending_ms"] is not None]
     shards = sum(1 for lane in lanes if lane["shard"] is not None)
     return {
@@ -220,22 +199,16 @@ def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _distinct_workers(lanes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each live worker once (its freshest heartbeat): one worker serves every lane."""
-    freshest: dict[str, dict[str, Any]] = {}
-    for lane in lanes:
-        for worker in lane["workers"]:
-            seen = freshest.get(worker["consumer"])
-            if seen is None or worker["at"] > seen["at"]:
-                freshest[worker["consumer"]] = worker
-    return [freshest[name] for name in sorted(freshest)]
-
-
 def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
     """One queue's entry of the snapshot."""
     stream = keys.requests(q)
     group = _group_info(r, stream)
-    pending, oldest_pending_ms = _pending(r, stream, group is not None, now)
+    pending, oldest_pending_ms = 0, None
+    if group is not None:
+        summary = r.xpending(stream, keys.GROUP)
+        pending = int(summary.get("pending") or 0)
+        if pending and summary.get("min"):  # the oldest pending entry's age, by its id
+            oldest_pending_ms = max(0, int(now * 1000) - entry_ms(summary["min"]))
     length = int(r.xlen(stream))
     measured = depth(length, pending, group_exists=group is not None,
                      reported_lag=group.get("lag") if group else None)
@@ -266,18 +239,6 @@ def _group_info(r: redis.Redis, stream: str) -> dict[str, Any] | None:
     return None
 
 
-def _pending(r: redis.Redis, stream: str, has_group: bool, now: float) -> tuple[int, int | None]:
-    """Pending count and the age of the oldest pending entry (from its id's timestamp)."""
-    if not has_group:
-        return 0, None
-    summary = r.xpending(stream, keys.GROUP)
-    count = int(summary.get("pending") or 0)
-    oldest = summary.get("min")
-    if not count or not oldest:
-        return count, None
-    return count, max(0, int(now * 1000) - entry_ms(oldest))
-
-
 def entry_ms(entry_id: bytes | str) -> int:
     """The Unix-ms timestamp a stream entry id starts with."""
     return int(as_text(entry_id).split("-", 1)[0])
@@ -295,19 +256,12 @@ def _workers(r: redis.Redis, q: keys.QueueRef,
              now: float) -> tuple[list[dict[str, Any]], list[str]]:
     """Live workers (heartbeat row and liveness key) and the names of the rest: rows whose
     liveness key expired (died without deregistering) or that cannot be decoded."""
-    beats = r.hgetall(keys.workers(q))
-    names = sorted(as_text(name) for name in beats)
-    if not names:
-        return [], []
-    alive = live_names(r, q, names)
-    live, stale = [], []
-    for name in names:
-        beat = _decode_beat(beats.get(name.encode()))
-        if name not in alive or beat is None:
-            stale.append(name)
-            continue
-        live.append(_worker_view(name, beat, now))
-    return live, stale
+    beats = heartbeats(r, q)
+    alive = live_names(r, q, beats)
+    live = {name: beat for name, beat in sorted(beats.items())
+            if name in alive and beat is not None}
+    return ([_worker_view(name, beat, now) for name, beat in live.items()],
+            sorted(beats.keys() - live.keys()))
 
 
 def live_names(r: redis.Redis, q: keys.QueueRef, names: Iterable[str]) -> set[str]:
@@ -319,14 +273,16 @@ def live_names(r: redis.Redis, q: keys.QueueRef, names: Iterable[str]) -> set[st
     return {name for name, is_alive in zip(names, alive, strict=True) if is_alive}
 
 
-def _decode_beat(raw: object) -> Heartbeat | None:
-    """A heartbeat row, or None when it is missing or no tokenq worker wrote it."""
-    if not isinstance(raw, bytes):
-        return None
-    try:
-        return decode_heartbeat(raw)
-    except DecodeError:
-        return None
+def heartbeats(r: redis.Redis, q: keys.QueueRef) -> dict[str, Heartbeat | None]:
+    """Each row of the workers hash by consumer: its heartbeat, None where no tokenq worker
+    wrote it."""
+    beats: dict[str, Heartbeat | None] = {}
+    for name, raw in r.hgetall(keys.workers(q)).items():
+        try:
+            beats[as_text(name)] = decode_heartbeat(raw)  # type: ignore[arg-type]  # bytes
+        except DecodeError:
+            beats[as_text(name)] = None
+    return beats
 
 
 _COPIED = ("host", "pid", "model", "max_batch_tokens", "configured_batch_tokens",
@@ -370,15 +326,9 @@ _COUNTERS = ("requests_ok", "requests_failed", "batches", "tokens", "padded_toke
 
 def heartbeat_counters(r: redis.Redis, q: keys.QueueRef) -> dict[str, dict[str, float]]:
     """Each heartbeat's cumulative counters (and ``at``) by consumer, for deltas."""
-    out: dict[str, dict[str, float]] = {}
-    for name, raw in r.hgetall(keys.workers(q)).items():
-        beat = _decode_beat(raw)
-        if beat is None:  # not a heartbeat tokenq wrote
-            continue
-        counters = {field: float(getattr(beat, field)) for field in _COUNTERS}
-        counters["at"] = beat.at or 0.0
-        out[as_text(name)] = counters
-    return out
+    return {name: {**{field: float(getattr(beat, field)) for field in _COUNTERS},
+                   "at": beat.at or 0.0}
+            for name, beat in heartbeats(r, q).items() if beat is not None}
 
 
 def counter_delta(before: dict[str, dict[str, float]], after: dict[str,
@@ -409,9 +359,18 @@ def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str
 
 
 def known_lanes(r: redis.Redis, q: keys.QueueRef) -> tuple[keys.QueueRef, ...]:
-    """:func:`queue_lanes`; a :class:`CommandFailed` naming the queues there are when no lane
-    has a key (else a misspelt ``--queue`` would look like an empty queue)."""
-    lanes = queue_lanes(r, q)
+    """Every lane ``q`` is served on: ``(q,)``, or its shards then the plain ``{q}``, by the
+    ``shards`` its workers publish (absent or unreadable: 1), plus retired shards that still
+    have a stream, up to ``shards_served`` (docs/OPERATIONS.md, "Changing K"). A
+    :class:`CommandFailed` naming the queues there are when no lane has a key (else a
+    misspelt ``--queue`` would look like an empty queue)."""
+    shards = _count(r, keys.config(q), "shards") or 1
+    lanes = keys.lanes_of(q, shards)
+    served = _count(r, keys.shards_served(q)) or 1
+    retired = [shard for shard in keys.retired_shards(q, shards, served)
+               if r.exists(keys.requests(shard))]
+    if retired:
+        lanes = (*(lane for lane in lanes if lane.shard is not None), *retired, q)
     if any(r.exists(keys.requests(lane), keys.config(lane), keys.workers(lane), keys.dead(lane))
            for lane in lanes):  # one EXISTS per lane, its keys in one slot
         return lanes

@@ -31,7 +31,7 @@ from tests.redis_server import RedisServer, free_ports
 from tests.worker.test_health import get
 from tests.workers import Fleet
 from tokenq.producer import BrokerOutOfMemory, BrokerUnavailable, Client, QueueFull
-from tokenq.producer.ops import letters
+from tokenq.producer.ops import dlq
 from tokenq.shared import keys, lua_scripts, redis_refusal, wire
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.health import Health
@@ -297,11 +297,11 @@ def test_dead_letter_retry_into_a_full_redis_moves_nothing(full) -> None:
     letter = r.xadd(keys.dead(q), {"id": "d1", "text": "hi", "dead_error_code": "dead_letter"})
     fill(r)
     with pytest.raises(redis.ResponseError) as refused:  # Redis 6 wraps it: "Error running…"
-        letters.retry(r, q, [letter.decode()], max_queue_length=0)
+        dlq.retry(r, q, [letter.decode()], max_queue_length=0)
     assert redis_refusal.is_out_of_memory(refused.value), refused.value
     assert r.xlen(keys.dead(q)) == 1 and r.xlen(keys.requests(q)) == 0
     free(r)
-    assert letters.retry(r, q, [letter.decode()], max_queue_length=0).moved == [letter.decode()]
+    assert dlq.retry(r, q, [letter.decode()], max_queue_length=0).moved == [letter.decode()]
     assert r.xlen(keys.dead(q)) == 0 and r.xlen(keys.requests(q)) == 1
     record("Redis full: dead-letter retry", requests=1, refused_while_full=1, lost=0,
            duplicates=0)

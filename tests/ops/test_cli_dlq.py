@@ -13,11 +13,10 @@ import pytest
 import redis
 
 from tests.support import DIM, MAX_INPUT, wait_for
-from tokenq.producer.ops import letters as dlq
+from tokenq.producer.ops import dlq
 from tokenq.producer.ops.dlq import ACTIONS, spread_ids
 from tokenq.producer.ops.dlq import main as dlq_main
 from tokenq.shared import keys
-from tokenq.shared.errors import QueueFull
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import DlqSettings
 from tokenq.worker.backends.sim import expected_vector
@@ -100,8 +99,8 @@ def test_retry_all_pages_and_drop_deadline(redis_url, queue_name, r, capsys):
 def test_retry_respects_the_queue_limit_and_reports_missing_ids(redis_url, queue_name, r, capsys):
     q = QueueRef(queue_name)
     ids = [bury(r, q, f"r{i}", "t") for i in range(3)]
-    with pytest.raises(QueueFull):
-        dlq.retry(r, q, ids, max_queue_length=2)
+    outcome = dlq.retry(r, q, ids, max_queue_length=2)
+    assert "holds 0 of at most 2 requests; moved 0 dead letters" in str(outcome.full)
     assert r.xlen(keys.dead(q)) == 3 and r.xlen(keys.requests(q)) == 0  # nothing moved
     code, _, err = run(capsys, redis_url, queue_name, "retry", "--id", ids[0],
                        "--max-queue-length", "2")

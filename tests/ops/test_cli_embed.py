@@ -25,10 +25,9 @@ from tests.faults.test_acl import documented_rules
 from tests.support import DIM, MAX_INPUT, wait_for
 from tokenq.producer import Result
 from tokenq.producer.ops import embed_io
-from tokenq.producer.ops.embed import _settled_counters
+from tokenq.producer.ops.embed import Tally, _settled_counters, pump
 from tokenq.producer.ops.embed import main as embed_main
 from tokenq.producer.ops.embed_io import Checkpoint, Row
-from tokenq.producer.ops.embed_pump import Tally, pump
 from tokenq.shared import keys
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import EmbedSettings
@@ -401,8 +400,8 @@ def test_progress_moves_as_groups_finish_in_any_order(tmp_path):
 
     def run() -> None:
         try:
-            pump(settings, client, checkpoint, set(), {}, "text",  # type: ignore[arg-type]
-                 Tally(), seen, contextlib.nullcontext)
+            pump(settings, client, checkpoint, Tally(), seen,  # type: ignore[arg-type]
+                 contextlib.nullcontext)
         except BaseException as exc:
             failed.append(exc)
 
@@ -497,7 +496,7 @@ def test_an_interruption_keeps_what_finished_among_cancelled_and_failed_groups()
     from concurrent.futures import Future
 
     from tokenq.producer import ReplyTimeout
-    from tokenq.producer.ops.embed_pump import answered
+    from tokenq.producer.ops.embed import answered
 
     done, failed, cancelled, running = Future(), Future(), Future(), Future()
     done.set_result(["row"])
@@ -604,9 +603,9 @@ def test_a_crash_at_any_step_of_completion_leaves_what_a_rerun_finishes(
     def crashing_run(at: int, out: Path) -> CrashingOs:
         fake = CrashingOs(at)
 
-        def armed(checkpoint: Checkpoint) -> int:
+        def armed(checkpoint: Checkpoint, *args: object) -> int:
             fake.armed = True  # only the completion's steps count
-            return assemble(checkpoint)
+            return assemble(checkpoint, *args)
 
         with monkeypatch.context() as patch:
             patch.setattr(embed_io, "os", fake)
@@ -656,7 +655,7 @@ def test_a_resume_under_another_model_is_refused_naming_both(
     out = tmp_path / "out.npy"
     args = (str(source), "--output", str(out), "--chunk-size", "4")
 
-    def crash(checkpoint: Checkpoint) -> int:
+    def crash(checkpoint: Checkpoint, *args: object) -> int:
         raise Crash("stopped before joining")
 
     with monkeypatch.context() as patch:  # every chunk saved, the output not yet written

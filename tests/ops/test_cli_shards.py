@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import redis
 
-from tokenq.producer.ops import letters
+from tokenq.producer.ops import dlq
 from tokenq.producer.ops.dlq import main as dlq_main
 from tokenq.producer.ops.dlq import spread_ids
 from tokenq.producer.ops.stats import main as stats_main
@@ -204,15 +204,15 @@ def test_retry_keeps_each_lanes_own_limit(sharded, redis_url, queue_name, r, cap
 def test_retry_counts_what_a_lane_moved_before_it_filled(redis_url, queue_name, r, capsys):
     r.hset(keys.config(QueueRef(queue_name)), "shards", str(SHARDS))
     q0, q1 = lane(queue_name, 0), lane(queue_name, 1)
-    for i in range(letters._PAGE + 50):  # two pages on shard 0; the second does not fit
+    for i in range(dlq._PAGE + 50):  # two pages on shard 0; the second does not fit
         bury(r, q0, f"0.r{i}", f"1700000000000-{i}")
     bury(r, q1, "1.r", "1700000000000-0")
     code, out, err = run(capsys, redis_url, queue_name, "retry", "--all",
-                         "--max-queue-length", str(letters._PAGE + 10))
+                         "--max-queue-length", str(dlq._PAGE + 10))
     assert code == 1
-    assert out.startswith(f"retried {letters._PAGE + 1} dead letters: "
-                          f"{letters._PAGE} onto {keys.requests(q0)}, 1 onto ")
-    assert f"moved {letters._PAGE} dead letters before it filled" in err
+    assert out.startswith(f"retried {dlq._PAGE + 1} dead letters: "
+                          f"{dlq._PAGE} onto {keys.requests(q0)}, 1 onto ")
+    assert f"moved {dlq._PAGE} dead letters before it filled" in err
     assert r.xlen(keys.dead(q0)) == 50 and r.xlen(keys.dead(q1)) == 0
 
 

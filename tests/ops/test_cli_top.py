@@ -81,7 +81,7 @@ def test_a_queue_with_requests_and_no_live_worker_is_marked_in_its_own_style(
     r.xadd(keys.requests(keys.QueueRef(queue_name)), {"v": "1", "id": "a", "text": "hello"})
     client = connect(redis_url)
     try:
-        frame = render(read_snapshot(client, "tokenq", queue_name, redis_url), {})
+        frame = render(read_snapshot(client, "tokenq", queue_name, redis_url))
     finally:
         client.close()
     marked = [str(part) for part in frame.renderables
