@@ -32,10 +32,9 @@ from tokenq.worker.health import READ_FAILURES_BEFORE_UNREADY, Health
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake, entry_bytes
 from tokenq.worker.loop.lanes import LaneSet, Ref
-from tokenq.worker.loop.lifecycle import Lifecycle, Wiring
+from tokenq.worker.loop.lifecycle import Lifecycle, Recorder, Wiring
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.reader import Reader
-from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.recovery import Claimed
 from tokenq.worker.loop.stages import Stages
 from tokenq.worker.metrics import NullMetrics

@@ -31,11 +31,10 @@ from tokenq.worker.loop.beat import Beat
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake, auto_limit
 from tokenq.worker.loop.lanes import LaneSet, Ref, Retirement
-from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Wiring
+from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Recorder, Wiring
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.publish import Publisher, Target
 from tokenq.worker.loop.reader import Reader
-from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.recovery import Reclaimer
 from tokenq.worker.loop.stages import Overdue, StageClock, Stages
 from tokenq.worker.loop.watchdog import LoopGuard, WorkerHung, watch, watchdog_period_s
