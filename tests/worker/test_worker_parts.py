@@ -64,22 +64,22 @@ def test_what_the_intake_holds_stays_under_the_byte_bound(
     serial = 0
     for sizes, publish in rounds:
         count = intake.read_count(1_000_000, 0, readers=readers, cap=1024)
-        room = intake.bytes.limit - intake.bytes.used()
+        room = intake.limit - intake.used()
         assert (count == 0) == (room <= 0)
         if count:
-            with intake.bytes.reserving(count):
+            with intake.reserving(count):
                 entries = []
                 for size in sizes[:count]:
                     serial += 1
                     entries.append((b"1-%d" % serial, {b"f": b"x" * (size - 1)}))
                 intake.hold(serial % readers, entries)
-            assert intake.bytes.used() < limit + MAX_ENTRY  # held, the reservation gone
+            assert intake.used() < limit + MAX_ENTRY  # held, the reservation gone
         for lane, ids in list(intake.held_by_lane().items())[:1]:
             answered = ids[:publish]  # answers no larger than their requests: bound unmoved
-            intake.emitted(lane, answered, [intake.bytes.size_of(lane, i) or 0 for i in answered])
+            intake.emitted(lane, answered, [intake.size_of(lane, i) or 0 for i in answered])
             intake.published(lane, answered)
-        assert intake.bytes.used() < limit + MAX_ENTRY
-    assert intake.bytes.reserved == 0
+        assert intake.used() < limit + MAX_ENTRY
+    assert intake.reserved == 0
 
 
 @given(st.integers(1, 100_000), st.integers(0, 100_000), st.integers(0, 1000),
@@ -351,14 +351,14 @@ def test_the_same_entry_id_on_two_lanes_is_held_and_released_apart() -> None:
     intake.hold(0, [(b"5-0", {b"f": b"abc"})])
     intake.hold(1, [(b"5-0", {b"f": b"abcdefg"}), (b"6-0", None)])
     assert intake.held_by_lane() == {0: [b"5-0"], 1: [b"5-0"]}
-    assert intake.bytes.used() == 4 + 8
+    assert intake.used() == 4 + 8
     intake.emitted(0, [b"5-0"], [4])
     intake.published(0, [b"5-0"])
-    assert intake.held_by_lane() == {1: [b"5-0"]} and intake.bytes.used() == 8
+    assert intake.held_by_lane() == {1: [b"5-0"]} and intake.used() == 8
     intake.emitted(1, [b"5-0"], [8])
     intake.emitted(1, [b"9-9"], [0])  # an entry deleted while pending: answered with nothing
     intake.published(1, [b"5-0", b"9-9"])
-    assert intake.held_by_lane() == {} and intake.bytes.used() == 0
+    assert intake.held_by_lane() == {} and intake.used() == 0
     assert intake.unpublished_answers == 0
 
 

@@ -200,7 +200,7 @@ class Reader:
         lane.last_reclaim = now
         assert lane.reclaimer is not None
         # What we hold must not be run (and answered) twice: the scan claims none of it.
-        with self._intake.bytes.reserving(count), self._w.stages.running(
+        with self._intake.reserving(count), self._w.stages.running(
                 READ, f"the reclaim scan on {lane.stream}", *self._w.call_deadline):
             claimed = await lane.reclaimer.scan(
                 count, set(self._intake.held_by_lane().get(lane.index, ())))
@@ -255,7 +255,7 @@ class Reader:
     async def _xread(self, lane: Lane, last_id: str, count: int) -> Entries:
         """New entries (``last_id`` ``>``, blocking up to ``block_ms``), or history after it,
         held before the read's reservation ends."""
-        with self._intake.bytes.reserving(count), self._w.stages.running(
+        with self._intake.reserving(count), self._w.stages.running(
                 READ, f"an XREADGROUP on {lane.stream}", *self._w.call_deadline):
             reply = await self._w.client.xreadgroup(
                 keys.GROUP, self._w.consumer, {lane.stream: last_id}, count=count,

@@ -272,7 +272,7 @@ class Worker:
             self.consumer, self.lanes.streams(), info.model, info.task, info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
             self._budget_reason, budget.max_batch_size, self.settings.linger_ms,
-            self.settings.policy, self._intake.bytes.limit // (1024 * 1024),
+            self.settings.policy, self._intake.limit // (1024 * 1024),
             f" pooling={info.pooling}" if info.pooling else "",
         )
 
