@@ -218,11 +218,10 @@ class Parts:
         self.packer: Packer[Any] = Packer(Budget(4096, 64))
         self.outbox = Outbox(self.wiring, self.intake, self.lifecycle.room_made.set)
         self.device = Device(self.wiring, self.pipeline, self.packer, self.intake, self.outbox)
-        self.lanes = LaneSet(self._policy)
+        self.lanes = LaneSet()
         for queue in keys.lanes_of(keys.QueueRef("parts"), shards):
-            lane = self.lanes.add(queue)
-            lane.reclaimer = FakeReclaimer()  # type: ignore[assignment]
-            lane.publisher = FakePublisher()  # type: ignore[assignment]
+            self.lanes.add(queue, self._policy(queue), FakeReclaimer(),  # type: ignore[arg-type]
+                           FakePublisher())  # type: ignore[arg-type]
             self.outbox.add_lane()
         self.lane_list = list(self.lanes)
         self.reader = Reader(self.wiring, self.lanes, self.intake, self.device, self.outbox,

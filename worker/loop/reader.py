@@ -198,7 +198,6 @@ class Reader:
         if now - lane.last_reclaim < self._w.settings.heartbeat_s:
             return False
         lane.last_reclaim = now
-        assert lane.reclaimer is not None
         # What we hold must not be run (and answered) twice: the scan claims none of it.
         with self._intake.reserving(count), self._w.stages.running(
                 READ, f"the reclaim scan on {lane.stream}", *self._w.call_deadline):
@@ -247,7 +246,6 @@ class Reader:
         entries = await self._xread(lane, last, count)
         if not entries:
             return None
-        assert lane.reclaimer is not None
         deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
         await self._take(lane, entries, deliveries)
         return entries[-1][0].decode()
