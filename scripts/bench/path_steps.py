@@ -86,10 +86,10 @@ def measure(reads: int) -> dict[str, Any]:
         max_request_bytes=wire.DEFAULT_MAX_REQUEST_BYTES,
         check_reply_to=keys.reply_to_check(queue), max_letter_bytes=1000,
     )
-    lane = Lane(0, queue, policy)
     pipeline: Pipeline[Any] = Pipeline(NullBackend())
     publisher = Publisher(aioredis.Redis(), Target("s", "d", "g", "c"),
                           reply_ttl_ms=60_000, dead_max_len=10, dead_max_letter_bytes=10)
+    lane = Lane(0, queue, policy, None, publisher)  # type: ignore[arg-type]  # nothing reclaims
     pack_command = packing.HiredisPacking().pack_command
     read = stream_read(queue, READ)
     spent: collections.Counter[str] = collections.Counter()

@@ -242,7 +242,7 @@ def test_a_retired_lane_removal_refused_for_memory_loses_nothing_and_happens_lat
                                 socket_timeout=10)
         try:
             assert await retirement.join(client) == [gone]
-            lane = Lane(0, gone, None, retired=True)  # type: ignore[arg-type]
+            lane = Lane(0, gone, None, None, None, retired=True)  # type: ignore[arg-type]
             fill(r)
             with contextlib.suppress(redis.exceptions.RedisError):  # the beat logs it
                 assert await retirement.tend(client, [lane], "c1") == []

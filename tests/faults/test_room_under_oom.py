@@ -66,15 +66,15 @@ def test_an_answered_entry_counts_for_its_reply_until_published() -> None:
     intake = Intake(read_ahead_budgets=4.0, read_ahead_bytes=64 * 1024,
                     max_entry_bytes=4096, max_input_tokens=64)
     intake.hold(0, [(b"1-0", {b"text": b"x" * 170}), (b"2-0", {b"text": b"y" * 170})])
-    assert intake.bytes.used() == 2 * 174 and intake.answers_fit()
+    assert intake.used() == 2 * 174 and intake.answers_fit()
     reply = b"r" * 16_400
     letter = Answer(b"2-0", "k", b"e" * 60, ok=False, dead_fields=((b"text", b"y" * 170),))
     _Outboxes(intake).emit(0, [Answer(b"1-0", "k", reply, ok=True), letter])
-    assert intake.bytes.size_of(0, b"1-0") == len(reply)
-    assert intake.bytes.size_of(0, b"2-0") == 60 + 4 + 170  # its reply and its dead letter
-    assert intake.bytes.used() == intake.answer_bytes == len(reply) + 234
+    assert intake.size_of(0, b"1-0") == len(reply)
+    assert intake.size_of(0, b"2-0") == 60 + 4 + 170  # its reply and its dead letter
+    assert intake.used() == intake.answer_bytes == len(reply) + 234
     intake.published(0, [b"1-0", b"2-0"])
-    assert intake.bytes.used() == 0 and intake.answer_bytes == 0
+    assert intake.used() == 0 and intake.answer_bytes == 0
 
 
 def test_answers_filling_the_room_stop_reads_and_batches_but_one_always_goes() -> None:

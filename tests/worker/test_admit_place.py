@@ -1,4 +1,5 @@
-"""Where a read is admitted (``worker/loop/admit_place.py``) and the guard behind a stuck loop.
+"""Where a read is admitted (``AdmitPlace``, ``worker/loop/reader.py``) and the guard behind a
+stuck loop.
 
 The rule is pure, so it is driven with plain numbers: nothing before a read
 was measured, a cheap tokenizer moves to the loop, one expensive read sends
@@ -19,8 +20,8 @@ from hypothesis import strategies as st
 
 from tests.worker.test_stage_deadlines import FakeClock
 from tokenq.shared.settings import BaseWorkerSettings
-from tokenq.worker.loop.admit_place import FALL, REQUEST_UNITS, AdmitPlace
 from tokenq.worker.loop.lifecycle import Lifecycle
+from tokenq.worker.loop.reader import FALL, REQUEST_UNITS, AdmitPlace
 from tokenq.worker.loop.stages import TOKENIZING, Overdue, StageClock, Stages
 from tokenq.worker.loop.watchdog import LoopGuard, patience_s
 

@@ -101,7 +101,7 @@ def test_the_room_is_a_32nd_of_memory_between_64_mib_and_1_gib(memory: int | Non
 def test_the_worker_uses_the_setting_when_given_and_the_share_otherwise() -> None:
     def room(**given: int) -> int:
         settings = WorkerSettings(queue="room", backend="sim", **given)
-        return Worker(settings, SimBackend())._intake.bytes.limit
+        return Worker(settings, SimBackend())._intake.limit
 
     assert room(read_ahead_bytes=12345) == 12345
     assert room() == auto_limit(host_memory.usable_bytes())

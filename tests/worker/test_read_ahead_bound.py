@@ -2,7 +2,7 @@
 
 The worker once turned the byte room into an XREADGROUP count through a
 running mean of entry sizes: after many small entries, one read took 120
-entries of 96 KB against a 1 MiB bound. :class:`~tokenq.worker.loop.intake.ByteRoom`
+entries of 96 KB against a 1 MiB bound. :class:`~tokenq.worker.loop.intake.Intake`
 counts every entry a read may bring as the largest a producer can write and
 reserves that room until the entries are held. Here hypothesis drives it
 through any interleaving of reads on several lanes (asked, answered with any
@@ -32,9 +32,15 @@ from hypothesis.stateful import (
 from tests.cli_support import SIM_FLAGS, wait_for
 from tests.workers import Fleet
 from tokenq.shared import keys, wire
-from tokenq.worker.loop.intake import ByteRoom
+from tokenq.worker.loop.intake import Intake
 
 MAX_ENTRY = 1000
+
+
+def byte_room(limit: int, max_entry: int) -> Intake:
+    """An intake whose token room never binds: only its bytes decide a read's count."""
+    return Intake(read_ahead_budgets=1e12, read_ahead_bytes=limit, max_entry_bytes=max_entry,
+                  max_input_tokens=1)
 
 
 class ReadAheadMachine(RuleBasedStateMachine):
@@ -44,7 +50,7 @@ class ReadAheadMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.room = ByteRoom(limit=4000, max_entry=MAX_ENTRY)
+        self.room = byte_room(4000, MAX_ENTRY)
         self.next_ref = 0
         self.open: dict[int, tuple[int, object]] = {}
         """Reads asked for and not answered: their count and their reservation."""
@@ -52,7 +58,7 @@ class ReadAheadMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.open) < 8)
     @rule(target=reads, cap=st.integers(1, 1024), readers=st.integers(1, 8))
     def ask(self, cap: int, readers: int) -> int:
-        count = self.room.count(cap, readers)
+        count = self.room.read_count(1, 0, readers=readers, cap=cap)
         if count == 0:
             assert self.room.used() >= self.room.limit  # refused only without room
             return -1
@@ -74,21 +80,22 @@ class ReadAheadMachine(RuleBasedStateMachine):
             taken = sizes[:count]  # Redis returns at most COUNT entries
             ids = [b"e%d" % (self.next_ref + i) for i in range(len(taken))]
             self.next_ref += len(taken)
-            self.room.hold_all(read % 3, ids, taken)  # any lane: the bound spans them all
+            fields = [{b"": b"x" * size} for size in taken]  # entries of exactly those sizes
+            self.room.hold(read % 3, zip(ids, fields, strict=True))  # any lane: the bound spans all
         reservation.__exit__(None, None, None)  # type: ignore[attr-defined]
 
     @rule(data=st.data())
     def publish(self, data: st.DataObject) -> None:
-        held = sorted((lane, entry_id) for lane, ids in self.room.held().items()
+        held = sorted((lane, entry_id) for lane, ids in self.room.held_by_lane().items()
                       for entry_id in ids)
         if held:
             for lane, entry_id in data.draw(st.lists(st.sampled_from(held), max_size=len(held))):
-                self.room.release_all(lane, [entry_id, b"never held"])
+                self.room.published(lane, [entry_id, b"never held"])
 
     @invariant()
     def bounded(self) -> None:
         sizes = [self.room.size_of(lane, entry_id)
-                 for lane, ids in self.room.held().items() for entry_id in ids]
+                 for lane, ids in self.room.held_by_lane().items() for entry_id in ids]
         assert sum(size or 0 for size in sizes) <= self.room.used()
         assert self.room.used() < self.room.limit + self.room.max_entry
 
@@ -103,9 +110,9 @@ TestReadAheadBound.settings = settings(max_examples=300, stateful_step_count=60,
 def test_a_read_is_asked_for_whenever_there_is_room_and_never_beyond_it(
     limit: int, max_entry: int, used: int, cap: int, readers: int,
 ) -> None:
-    room = ByteRoom(limit, max_entry)
+    room = byte_room(limit, max_entry)
     room.reserved = used
-    count = room.count(cap, readers)
+    count = room.read_count(1, 0, readers=readers, cap=cap)
     if used >= limit:
         assert count == 0
     else:

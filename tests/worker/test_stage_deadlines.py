@@ -125,9 +125,10 @@ def test_a_hung_tokenizer_fails_livez_exits_3_and_a_peer_answers_its_read(
 def test_a_tokenizer_hung_on_the_event_loop_is_ended_by_the_guard_and_a_peer_answers(
     fleet: Fleet, r: redis.Redis, redis_url: str, queue_name: str, pids: Path,
 ):
-    """A read predicted cheap is admitted on the event loop (``worker/loop/admit_place.py``), so
-    a tokenizer that hangs there blocks the watchdog too: the loop guard's thread ends the
-    worker (exit 3, naming the stage), and a peer answers the hung read."""
+    """A read predicted cheap is admitted on the event loop (``AdmitPlace``, in
+    ``worker/loop/reader.py``), so a tokenizer that hangs there blocks the watchdog too: the
+    loop guard's thread ends the worker (exit 3, naming the stage), and a peer answers the hung
+    read."""
     worker = fleet.start(*HANGING, *FAST_BEAT, "--batch-timeout-s", "2",
                          name="hung", ready=r, queue=queue_name)
     with Client(redis_url=redis_url, queue=queue_name) as client:
@@ -245,7 +246,7 @@ def test_a_stage_is_overdue_only_past_its_own_deadline_and_the_latest_is_named()
         assert stages.overdue(114.0) is None
         late = stages.overdue(116.0)
         assert late is not None and late.stage.name == DEVICE
-    assert stages.overdue(1e9) is None and stages.now_running() == []
+    assert stages.overdue(1e9) is None  # every stage ended: none is left running
 
 
 @pytest.mark.unit

@@ -32,10 +32,9 @@ from tokenq.worker.health import READ_FAILURES_BEFORE_UNREADY, Health
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake, entry_bytes
 from tokenq.worker.loop.lanes import LaneSet, Ref
-from tokenq.worker.loop.lifecycle import Lifecycle, Wiring
+from tokenq.worker.loop.lifecycle import Lifecycle, Recorder, Wiring
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.reader import Reader
-from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.recovery import Claimed
 from tokenq.worker.loop.stages import Stages
 from tokenq.worker.metrics import NullMetrics
@@ -65,22 +64,22 @@ def test_what_the_intake_holds_stays_under_the_byte_bound(
     serial = 0
     for sizes, publish in rounds:
         count = intake.read_count(1_000_000, 0, readers=readers, cap=1024)
-        room = intake.bytes.limit - intake.bytes.used()
+        room = intake.limit - intake.used()
         assert (count == 0) == (room <= 0)
         if count:
-            with intake.bytes.reserving(count):
+            with intake.reserving(count):
                 entries = []
                 for size in sizes[:count]:
                     serial += 1
                     entries.append((b"1-%d" % serial, {b"f": b"x" * (size - 1)}))
                 intake.hold(serial % readers, entries)
-            assert intake.bytes.used() < limit + MAX_ENTRY  # held, the reservation gone
+            assert intake.used() < limit + MAX_ENTRY  # held, the reservation gone
         for lane, ids in list(intake.held_by_lane().items())[:1]:
             answered = ids[:publish]  # answers no larger than their requests: bound unmoved
-            intake.emitted(lane, answered, [intake.bytes.size_of(lane, i) or 0 for i in answered])
+            intake.emitted(lane, answered, [intake.size_of(lane, i) or 0 for i in answered])
             intake.published(lane, answered)
-        assert intake.bytes.used() < limit + MAX_ENTRY
-    assert intake.bytes.reserved == 0
+        assert intake.used() < limit + MAX_ENTRY
+    assert intake.reserved == 0
 
 
 @given(st.integers(1, 100_000), st.integers(0, 100_000), st.integers(0, 1000),
@@ -219,11 +218,10 @@ class Parts:
         self.packer: Packer[Any] = Packer(Budget(4096, 64))
         self.outbox = Outbox(self.wiring, self.intake, self.lifecycle.room_made.set)
         self.device = Device(self.wiring, self.pipeline, self.packer, self.intake, self.outbox)
-        self.lanes = LaneSet(self._policy)
+        self.lanes = LaneSet()
         for queue in keys.lanes_of(keys.QueueRef("parts"), shards):
-            lane = self.lanes.add(queue)
-            lane.reclaimer = FakeReclaimer()  # type: ignore[assignment]
-            lane.publisher = FakePublisher()  # type: ignore[assignment]
+            self.lanes.add(queue, self._policy(queue), FakeReclaimer(),  # type: ignore[arg-type]
+                           FakePublisher())  # type: ignore[arg-type]
             self.outbox.add_lane()
         self.lane_list = list(self.lanes)
         self.reader = Reader(self.wiring, self.lanes, self.intake, self.device, self.outbox,
@@ -352,14 +350,14 @@ def test_the_same_entry_id_on_two_lanes_is_held_and_released_apart() -> None:
     intake.hold(0, [(b"5-0", {b"f": b"abc"})])
     intake.hold(1, [(b"5-0", {b"f": b"abcdefg"}), (b"6-0", None)])
     assert intake.held_by_lane() == {0: [b"5-0"], 1: [b"5-0"]}
-    assert intake.bytes.used() == 4 + 8
+    assert intake.used() == 4 + 8
     intake.emitted(0, [b"5-0"], [4])
     intake.published(0, [b"5-0"])
-    assert intake.held_by_lane() == {1: [b"5-0"]} and intake.bytes.used() == 8
+    assert intake.held_by_lane() == {1: [b"5-0"]} and intake.used() == 8
     intake.emitted(1, [b"5-0"], [8])
     intake.emitted(1, [b"9-9"], [0])  # an entry deleted while pending: answered with nothing
     intake.published(1, [b"5-0", b"9-9"])
-    assert intake.held_by_lane() == {} and intake.bytes.used() == 0
+    assert intake.held_by_lane() == {} and intake.used() == 0
     assert intake.unpublished_answers == 0
 
 

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -29,19 +30,16 @@ CLAIM_CHUNK = 512
 """Most entry ids one XCLAIM refreshes."""
 
 
+@dataclass(slots=True)
 class Beat:
     """The worker's heartbeat task and what it keeps fresh."""
 
-    def __init__(
-        self, wiring: Wiring, lanes: LaneSet, intake: Intake, retirement: Retirement,
-        status: Callable[[], Heartbeat],
-    ) -> None:
-        self._wiring = wiring
-        self._lanes = lanes
-        self._intake = intake
-        self._retirement = retirement
-        self._status = status
-        self._depth_failed = False
+    _wiring: Wiring
+    _lanes: LaneSet
+    _intake: Intake
+    _retirement: Retirement
+    _status: Callable[[], Heartbeat]
+    _depth_failed: bool = False
 
     async def run(self) -> None:
         wiring = self._wiring

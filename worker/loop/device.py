@@ -4,7 +4,6 @@ settled on the loop: recorded, the budget adapted, their answers handed to the o
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
 from tokenq.worker.loop.intake import Intake
@@ -16,14 +15,9 @@ from tokenq.worker.pipeline.execute import adapt_budget
 from tokenq.worker.pipeline.feed import DeviceFeed, Rules
 from tokenq.worker.pipeline.pipeline import BatchOutcome, Job, Pipeline
 
-
-@dataclass(frozen=True, slots=True)
-class Ran:
-    """What the device thread hands the event loop for one batch."""
-
-    outcome: BatchOutcome[Ref]
-    packed_under: Budget
-    started_epoch_ms: int
+Ran = tuple[BatchOutcome[Ref], Budget, int]
+"""What the device thread hands the event loop for one batch: its outcome, the budget it was
+packed under, and when it started (epoch ms on Redis's clock)."""
 
 
 class Device(Rules):
@@ -83,11 +77,12 @@ class Device(Rules):
         ):
             outcome = self.pipeline.run_batch(batch.payloads, now)
         adapt_budget(self.adaptive, self.packer, outcome.ooms, "worker")
-        return Ran(outcome, packed_under, now)
+        return outcome, packed_under, now
 
     async def _settle(self, batch: Batch[Job[Ref]], ran: Ran) -> None:
         """Account for and answer one batch the device thread ran (on the event loop)."""
-        self._wiring.recorder.batch(batch, ran.outcome, packed_under=ran.packed_under,
-                                    started_epoch_ms=ran.started_epoch_ms,
+        outcome, packed_under, started_epoch_ms = ran
+        self._wiring.recorder.batch(batch, outcome, packed_under=packed_under,
+                                    started_epoch_ms=started_epoch_ms,
                                     budget_now=self.packer.budget.max_batch_tokens)
-        self._outbox.emit_outcomes(self.pipeline, ran.outcome.answered)
+        self._outbox.emit_outcomes(self.pipeline, outcome.answered)

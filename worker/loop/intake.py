@@ -1,6 +1,5 @@
-"""The read-ahead room, in tokens (:class:`Intake`) and bytes (:class:`ByteRoom`): entries in the
-packer, reads being tokenized and answers awaiting publish all count. Pure: what the packer holds
-is passed in."""
+"""The read-ahead room, in tokens and bytes (:class:`Intake`): entries in the packer, reads being
+tokenized and answers awaiting publish all count. Pure: what the packer holds is passed in."""
 
 from __future__ import annotations
 
@@ -24,86 +23,6 @@ def auto_limit(memory_bytes: int | None) -> int:
     return max(AUTO_MIN, min(AUTO_MAX, memory_bytes // AUTO_SHARE))
 
 
-class ByteRoom:
-    """The bytes a worker holds (entries read, not yet answered) and reserves for reads."""
-
-    def __init__(self, limit: int, max_entry: int) -> None:
-        self.limit = limit
-        self.max_entry = max_entry
-        self._held: dict[int, dict[bytes, int]] = {}
-        """What each entry held counts for, by lane, then by entry id: its raw size
-        (:meth:`hold_all`), then its answer's once it is answered (:meth:`charge_all`)."""
-        self._charged = 0
-        """The sum of ``_held``'s sizes, kept as they change (``used`` runs before each read)."""
-        self.reserved = 0
-        """Bytes reserved for reads asked for and not yet held."""
-
-    def used(self) -> int:
-        return self._charged + self.reserved
-
-    def held(self) -> dict[int, list[bytes]]:
-        """The ids of the entries held, by lane (lanes holding none left out)."""
-        return {lane: list(sizes) for lane, sizes in self._held.items() if sizes}
-
-    def size_of(self, lane: int, entry_id: bytes) -> int | None:
-        """What one held entry counts for (None: not held)."""
-        return self._held.get(lane, {}).get(entry_id)
-
-    def count(self, cap: int, readers: int = 1, also: int = 0) -> int:
-        """How many entries the next read may ask for: 0 while there is no room."""
-        room = self.limit - self.used() - also
-        if room <= 0:
-            return 0
-        return max(1, min(cap, room // self.max_entry // max(1, readers)))
-
-    @contextmanager
-    def reserving(self, count: int) -> Iterator[None]:
-        """Reserve ``count`` maximum-size entries for the ``with`` block (one read); :meth:`hold`
-        what it brought before the block ends."""
-        reserved = count * self.max_entry
-        self.reserved += reserved
-        try:
-            yield
-        finally:
-            self.reserved -= reserved
-
-    def hold_all(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> None:
-        """Hold a read's entries of ``lane`` (ids and sizes in the same order), in one call
-        (an id held already counts for its new size instead)."""
-        held = self._held.get(lane)
-        if held is None:
-            held = self._held[lane] = {}
-        before = sum(map(held.get, entry_ids, itertools.repeat(0))) if held else 0
-        held.update(zip(entry_ids, sizes, strict=True))
-        self._charged += sum(sizes) - before
-
-    def charge_all(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> int:
-        """Make held entries of ``lane`` count for their answers' ``sizes``; the bytes now charged.
-        """
-        held = self._held.get(lane)
-        if not held:
-            return 0
-        before = list(map(held.get, entry_ids))
-        if None in before:  # rare: filter per answer only then
-            kept = [(entry_id, size) for entry_id, size, was
-                    in zip(entry_ids, sizes, before, strict=True) if was is not None]
-            entry_ids, sizes = [entry_id for entry_id, _ in kept], [size for _, size in kept]
-            before = [was for was in before if was is not None]
-        held.update(zip(entry_ids, sizes, strict=True))
-        charged = sum(sizes)
-        self._charged += charged - sum(before)  # type: ignore[arg-type]
-        return charged
-
-    def release_all(self, lane: int, entry_ids: Iterable[bytes]) -> int:
-        """Stop holding entries of ``lane`` (unheld ids skipped); the bytes they counted for."""
-        held = self._held.get(lane)
-        if not held:
-            return 0
-        released = sum(map(held.pop, entry_ids, itertools.repeat(0)))
-        self._charged -= released
-        return released
-
-
 TOKEN_BYTES = 40
 """What one token of a buffered encoding holds: the Hugging Face backend's ids are a
 tuple of Python ints (an 8-byte pointer and a 28-byte int each; the sim holds less)."""
@@ -115,15 +34,24 @@ def entry_bytes(fields: Mapping[bytes, bytes]) -> int:
 
 
 class Intake:
-    """The read-ahead room and the running mean of tokens per entry that sizes reads."""
+    """The read-ahead room, the bytes held (entries read, not yet answered) and reserved for
+    reads, and the running mean of tokens per entry that sizes reads."""
 
     def __init__(
         self, *, read_ahead_budgets: float, read_ahead_bytes: int, max_entry_bytes: int,
         max_input_tokens: int,
     ) -> None:
         self.read_ahead_budgets = read_ahead_budgets
-        self.bytes = ByteRoom(read_ahead_bytes, max_entry_bytes)
-        """The byte bound on read-ahead: held < read_ahead_bytes + one largest entry."""
+        self.limit = read_ahead_bytes
+        """The byte bound on read-ahead: held < ``limit`` + one largest entry (``max_entry``)."""
+        self.max_entry = max_entry_bytes
+        self._held: dict[int, dict[bytes, int]] = {}
+        """What each entry held counts for, by lane, then by entry id: its raw size
+        (:meth:`hold`), then its answer's once it is answered (:meth:`emitted`)."""
+        self._charged = 0
+        """The sum of ``_held``'s sizes, kept as they change (``used`` runs before each read)."""
+        self.reserved = 0
+        """Bytes reserved for reads asked for and not yet held."""
         self.avg_estimate = float(max(1, max_input_tokens))
         """Estimated tokens per request, turning the token room into a read's count: at first the
         longest input the model takes (a first read cannot overshoot), then a 0.1 EMA (learn)."""
@@ -134,6 +62,19 @@ class Intake:
         self.answer_bytes = 0
         """The bytes of the answers emitted and not yet published (their packed replies)."""
 
+    def used(self) -> int:
+        """The bytes held and reserved."""
+        return self._charged + self.reserved
+
+    def held_by_lane(self) -> dict[int, list[bytes]]:
+        """The entry ids the worker holds (read, not yet answered on Redis), by lane (lanes
+        holding none left out)."""
+        return {lane: list(sizes) for lane, sizes in self._held.items() if sizes}
+
+    def size_of(self, lane: int, entry_id: bytes) -> int | None:
+        """What one held entry counts for (None: not held)."""
+        return self._held.get(lane, {}).get(entry_id)
+
     def room(self, max_batch_tokens: int, buffered_tokens: int) -> float:
         """Estimated tokens the worker may still read ahead."""
         limit = self.read_ahead_budgets * max_batch_tokens
@@ -143,14 +84,26 @@ class Intake:
     def read_count(
         self, max_batch_tokens: int, buffered_tokens: int, *, readers: int, cap: int
     ) -> int:
-        """How many entries the next read may take (0: no room now)."""
+        """How many entries the next read may take (0: no room now); every lane reads at once,
+        so each takes its share of both rooms."""
         tokens = self.room(max_batch_tokens, buffered_tokens)
-        # Every lane reads at once, so each takes its share of both rooms.
-        by_bytes = self.bytes.count(cap, readers=readers, also=buffered_tokens * TOKEN_BYTES)
-        if tokens <= 0 or by_bytes == 0:
+        room = self.limit - self.used() - buffered_tokens * TOKEN_BYTES
+        if tokens <= 0 or room <= 0:
             return 0
+        by_bytes = max(1, min(cap, room // self.max_entry // max(1, readers)))
         share = tokens // self.avg_estimate // readers
         return int(min(by_bytes, max(1, share)))
+
+    @contextmanager
+    def reserving(self, count: int) -> Iterator[None]:
+        """Reserve ``count`` maximum-size entries for the ``with`` block (one read); :meth:`hold`
+        what it brought before the block ends."""
+        reserved = count * self.max_entry
+        self.reserved += reserved
+        try:
+            yield
+        finally:
+            self.reserved -= reserved
 
     def learn(self, requests: int, exact_tokens: int) -> None:
         """Move the running mean of tokens per entry towards one read's (0.1 EMA per entry)."""
@@ -172,31 +125,48 @@ class Intake:
     def hold(
         self, lane: int, entries: Iterable[tuple[bytes, Mapping[bytes, bytes] | None]]
     ) -> None:
-        """Count a read's entries as held, before its reservation ends; a deleted entry (no
-        fields) holds nothing."""
+        """Count a read's entries of ``lane`` as held, in one call, before its reservation ends;
+        a deleted entry (no fields) holds nothing, an id held already counts for its new size."""
         present = [(entry_id, fields) for entry_id, fields in entries if fields]
-        self.bytes.hold_all(lane, [entry_id for entry_id, _ in present],
-                            [entry_bytes(fields) for _, fields in present])
+        entry_ids = [entry_id for entry_id, _ in present]
+        sizes = [entry_bytes(fields) for _, fields in present]
+        held = self._held.setdefault(lane, {})
+        before = sum(map(held.get, entry_ids, itertools.repeat(0))) if held else 0
+        held.update(zip(entry_ids, sizes, strict=True))
+        self._charged += sum(sizes) - before
 
     def emitted(self, lane: int, entry_ids: Sequence[bytes], sizes: Sequence[int]) -> None:
-        """Answers handed to the outbox, their bytes in ``sizes``: from now on each entry
+        """Answers handed to the outbox, their bytes in ``sizes``: from now on each entry held
         counts for its answer (not its request) until published."""
         self.unpublished_answers += len(entry_ids)
-        self.answer_bytes += self.bytes.charge_all(lane, entry_ids, sizes)
+        held = self._held.get(lane)
+        if not held:
+            return
+        before = list(map(held.get, entry_ids))
+        if None in before:  # rare: filter per answer only then
+            kept = [(entry_id, size) for entry_id, size, was
+                    in zip(entry_ids, sizes, before, strict=True) if was is not None]
+            entry_ids, sizes = [entry_id for entry_id, _ in kept], [size for _, size in kept]
+            before = [was for was in before if was is not None]
+        held.update(zip(entry_ids, sizes, strict=True))
+        charged = sum(sizes)
+        self._charged += charged - sum(before)  # type: ignore[arg-type]
+        self.answer_bytes += charged
 
     def published(self, lane: int, entry_ids: Sequence[bytes]) -> None:
-        """Answers published (or given up on): their entries stop holding room."""
-        self.answer_bytes -= self.bytes.release_all(lane, entry_ids)
+        """Answers published (or given up on): their entries (unheld ids skipped) stop holding
+        room."""
         self.unpublished_answers -= len(entry_ids)
+        held = self._held.get(lane)
+        if held:
+            released = sum(map(held.pop, entry_ids, itertools.repeat(0)))
+            self._charged -= released
+            self.answer_bytes -= released
 
     def answers_fit(self) -> bool:
         """Whether the device may take another batch: the answers awaiting publish fill less
         than the byte room."""
-        return self.answer_bytes < self.bytes.limit
-
-    def held_by_lane(self) -> dict[int, list[bytes]]:
-        """The entry ids the worker holds (read, not yet answered on Redis), by lane."""
-        return self.bytes.held()
+        return self.answer_bytes < self.limit
 
     def busy(self) -> bool:
         """Whether a read is being tokenized now (the worker is not idle)."""

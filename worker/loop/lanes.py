@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -36,8 +36,8 @@ class Lane:
     index: int
     queue: keys.QueueRef
     dead_letters: DeadLetterPolicy
-    reclaimer: Reclaimer | None = None
-    publisher: Publisher | None = None
+    reclaimer: Reclaimer
+    publisher: Publisher
     last_reclaim: float = 0.0
     retired: bool = False
     """A shard beyond the queue's shard count, read until drained (:class:`Retirement`)."""
@@ -62,14 +62,16 @@ class LaneSet:
     """The worker's lanes, owned here: the worker adds, the beat removes drained retired ones,
     every other part asks (iterating a snapshot)."""
 
-    def __init__(self, policy: Callable[[keys.QueueRef], DeadLetterPolicy]) -> None:
-        self._policy = policy
+    def __init__(self) -> None:
         self._lanes: list[Lane] = []
         self._count = 0
 
-    def add(self, queue: keys.QueueRef, *, retired: bool = False) -> Lane:
+    def add(
+        self, queue: keys.QueueRef, dead_letters: DeadLetterPolicy, reclaimer: Reclaimer,
+        publisher: Publisher, *, retired: bool = False,
+    ) -> Lane:
         """A lane for ``queue``, numbered in the order added (its outbox's index)."""
-        lane = Lane(self._count, queue, self._policy(queue), retired=retired)
+        lane = Lane(self._count, queue, dead_letters, reclaimer, publisher, retired=retired)
         self._count += 1
         self._lanes.append(lane)
         return lane

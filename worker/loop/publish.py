@@ -92,9 +92,10 @@ class Publisher:
         """One script call; returns how many answers were still ours to publish."""
         if not answers:
             return 0
-        try:
-            published, undeliverable, unwritten = await self._call(
-                *self.arguments(answers, refused))
+        keys, args = self.arguments(answers, refused)
+        try:  # packed arguments spelled out for a client that needs them
+            published, undeliverable, unwritten = await self._script(
+                keys=keys, args=args if self._packed else spelled_out(args))
         except ResponseError as exc:
             if redis_refusal.refused_now(exc):
                 raise
@@ -121,11 +122,6 @@ class Publisher:
                       "wrote that key); their entries were answered and acked all the same",
                       unwritten, self._dead)
         return int(published)
-
-    async def _call(self, keys: list[str], args: list[object]) -> list[int]:
-        """Run publish.lua; packed arguments are spelled out for a client that needs them."""
-        return await self._script(  # type: ignore[no-any-return]
-            keys=keys, args=args if self._packed else spelled_out(args))
 
     async def publish(
         self, answers: Sequence[Answer], *, max_backoff_s: float = 5.0,

@@ -1,4 +1,5 @@
-"""Reading the worker's lanes: one task per lane, into the device's packer."""
+"""Reading the worker's lanes: one task per lane, into the device's packer; where a read is
+admitted (:class:`AdmitPlace`: on the event loop when that costs less than a thread hop)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from tokenq.shared.errors import ErrorCode
 from tokenq.shared.failures import error_text
 from tokenq.shared.redis_refusal import error_code
 from tokenq.worker.loop import presence
-from tokenq.worker.loop.admit_place import INLINE_LIMIT_NAME, INLINE_LIMIT_S, AdmitPlace
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Lane, LaneSet, Ref
@@ -25,7 +25,7 @@ from tokenq.worker.loop.outbox import Outbox, answers_by_lane
 from tokenq.worker.loop.stages import READ, TOKENIZING
 from tokenq.worker.pipeline.feed import monotonic_ms, wait_event
 from tokenq.worker.pipeline.jobs import Answer, DeadLetterPolicy, dead_answer, decode_entries
-from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job
+from tokenq.worker.pipeline.pipeline import Admit, Admitted, Job, Pipeline
 
 log = logging.getLogger("tokenq.worker")
 
@@ -33,6 +33,49 @@ HISTORY_COUNT = 256
 MAX_READ_COUNT = 1024
 EXCESS_AT_MOST = 256
 """Most entries past the length limit one check takes: the next read's check takes the next."""
+
+REQUEST_UNITS = 64
+"""What one request costs in characters' worth of work, besides its text."""
+FALL = 0.1
+"""How far the rate moves down towards a cheaper read's, per read."""
+INLINE_LIMIT_S = 10.0
+"""A read admitted on the loop is hung after this long (or ``batch_timeout_s``, if
+shorter): it holds the whole loop while it runs."""
+INLINE_LIMIT_NAME = "the limit of a read admitted on the event loop"
+"""How that deadline is named in ``/livez`` and the log."""
+
+
+class AdmitPlace:
+    """Decides, read by read, whether admission runs on the event loop or in a thread."""
+
+    def __init__(self, budget_s: float, *, threads_only: bool = False) -> None:
+        if budget_s < 0:
+            raise ValueError(f"budget_s must be >= 0, got {budget_s}")
+        self.budget_s = 0.0 if threads_only else budget_s
+        self.seconds_per_unit: float | None = None
+        """The learned cost of one unit of a read (None until a read was admitted)."""
+
+    @staticmethod
+    def units(requests: int, characters: int) -> int:
+        """A read's size in units of work: its requests and its text."""
+        return requests * REQUEST_UNITS + characters
+
+    def on_loop(self, units: int) -> bool:
+        """Whether a read of ``units`` is predicted to cost at most the budget."""
+        rate = self.seconds_per_unit
+        return rate is not None and rate * units <= self.budget_s
+
+    def learn(self, units: int, seconds: float) -> None:
+        """A read of ``units`` took ``seconds`` to admit (wherever it ran)."""
+        if units <= 0 or seconds < 0:
+            return
+        observed = seconds / units
+        rate = self.seconds_per_unit
+        if rate is None or observed >= rate:
+            self.seconds_per_unit = observed
+        else:
+            self.seconds_per_unit = rate + FALL * (observed - rate)
+
 
 Entries = list[tuple[bytes, dict[bytes, bytes] | None]]
 """What XREADGROUP and XCLAIM return: ids and fields (``{}`` or None: deleted while pending)."""
@@ -79,23 +122,15 @@ class Reader:
         config_fields: Callable[[], dict[str, str]],
     ) -> None:
         """``config_fields``: the queue's config hash, written again when Redis lost it."""
-        self.client = wiring.client
-        self.consumer = wiring.consumer
-        self.settings = settings = wiring.settings
+        self._w = wiring
         self._lanes = lanes
         self._intake = intake
         self._device = device
         self._outbox = outbox
         self._config_fields = config_fields
-        self._lifecycle = wiring.lifecycle
-        self._stages = wiring.stages
-        self._recorder = wiring.recorder
-        self._health = wiring.health
-        self._now_epoch_ms = wiring.clock.now_ms
-        self._call_deadline = wiring.call_deadline
-        self._pipeline = device.pipeline
         self._readers_left = 0
         self._last_activity = time.monotonic()
+        settings = wiring.settings
         self._admit_place = AdmitPlace(settings.admit_inline_ms / 1000,
                                        threads_only=settings.tokenize_processes > 0)
         self._length_limit = settings.max_queue_length
@@ -107,7 +142,7 @@ class Reader:
 
     async def ensure_group(self, lane: Lane) -> None:
         try:
-            await self.client.xgroup_create(lane.stream, keys.GROUP, id="0", mkstream=True)
+            await self._w.client.xgroup_create(lane.stream, keys.GROUP, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -115,50 +150,44 @@ class Reader:
     async def run(self, lane: Lane) -> None:
         """Read one lane, its own history first, until the worker stops or the lane is removed;
         a failed read (history ones too) is counted for ``/readyz`` and retried."""
-        self._health.reader_started(lane.index)
+        w, health, lifecycle = self._w, self._w.health, self._w.lifecycle
+        health.reader_started(lane.index)
         history: str | None = "0"  # where the next history read starts; None: all read
         packer = self._device.packer
         # Once the worker is told to stop, a read gets only a short grace.
-        until_stopped = functools.partial(self._lifecycle.until_stopped,
-                                          grace_s=self.settings.block_ms / 1000 + 1.0)
+        until_stopped = functools.partial(lifecycle.until_stopped,
+                                          grace_s=w.settings.block_ms / 1000 + 1.0)
         try:
             backoff = 0.1
-            while self._lifecycle.reading() and not lane.drained:
+            while lifecycle.reading() and not lane.drained:
                 if history is None and self._idle_expired():
-                    log.info("queue idle for %.1fs; exiting", self.settings.exit_when_idle_s)
-                    self._lifecycle.stop()
+                    log.info("queue idle for %.1fs; exiting", w.settings.exit_when_idle_s)
+                    lifecycle.stop()
                     break
-                cap = MAX_READ_COUNT if history is None else HISTORY_COUNT
-                count = self._intake.read_count(packer.budget.max_batch_tokens,
-                                                packer.buffered_tokens, readers=len(self._lanes),
-                                                cap=cap)
+                count = self._intake.read_count(
+                    packer.budget.max_batch_tokens, packer.buffered_tokens,
+                    readers=len(self._lanes), cap=MAX_READ_COUNT if history is None else
+                    HISTORY_COUNT)
                 if count == 0:  # wait until something read is answered (or a second passes)
-                    self._lifecycle.room_made.clear()
-                    await wait_event(self._lifecycle.room_made, 1.0)
+                    lifecycle.room_made.clear()
+                    await wait_event(lifecycle.room_made, 1.0)
                     continue
-                entries = None
                 try:
                     if history is not None:
                         history = await until_stopped(self._read_history(lane, history, count))
-                    else:
-                        with self._intake.bytes.reserving(count):
-                            if await until_stopped(self._reclaim(lane, count)):
-                                self._health.read_ok(lane.index)
-                                continue
-                            await until_stopped(self._refuse_excess(lane))
-                            entries = await until_stopped(self._xread(lane, ">", count))
-                            self._intake.hold(lane.index, entries or [])
-                    self._health.read_ok(lane.index)
+                    elif not await until_stopped(self._reclaim(lane, count)):
+                        await until_stopped(self._refuse_excess(lane))
+                        entries = await until_stopped(self._xread(lane, ">", count))
+                        if entries:
+                            await self._take(lane, entries)
+                    health.read_ok(lane.index)
                     backoff = 0.1
                 except RedisError as exc:
-                    self._health.read_failed(lane.index, exc)
+                    health.read_failed(lane.index, exc)
                     await self._on_read_error(lane, exc, backoff)
                     backoff = min(backoff * 2, 5.0)
-                    continue
-                if entries:
-                    await self._take(lane, entries)
         finally:
-            self._health.reader_ended(lane.index)
+            health.reader_ended(lane.index)
             self._readers_left -= 1
             if self._readers_left <= 0:
                 self._device.end_input()
@@ -166,19 +195,18 @@ class Reader:
     async def _reclaim(self, lane: Lane, count: int) -> bool:
         """Every heartbeat interval, take over entries of dead workers; True if any."""
         now = time.monotonic()
-        if now - lane.last_reclaim < self.settings.heartbeat_s:
+        if now - lane.last_reclaim < self._w.settings.heartbeat_s:
             return False
         lane.last_reclaim = now
-        assert lane.reclaimer is not None
         # What we hold must not be run (and answered) twice: the scan claims none of it.
-        with self._stages.running(READ, f"the reclaim scan on {lane.stream}",
-                                  *self._call_deadline):
+        with self._intake.reserving(count), self._w.stages.running(
+                READ, f"the reclaim scan on {lane.stream}", *self._w.call_deadline):
             claimed = await lane.reclaimer.scan(
                 count, set(self._intake.held_by_lane().get(lane.index, ())))
+            self._intake.hold(lane.index, claimed.entries)
         if not claimed.entries:
             return False
-        self._recorder.reclaimed(len(claimed.entries))
-        self._intake.hold(lane.index, claimed.entries)
+        self._w.recorder.reclaimed(len(claimed.entries))
         await self._take(lane, claimed.entries, claimed.deliveries)
         return True
 
@@ -188,9 +216,9 @@ class Reader:
         if not self._length_limit:
             return
         try:
-            with self._stages.running(READ, f"the length check on {lane.stream}",
-                                      *self._call_deadline):
-                entries = await claim_excess(self.client, lane.stream, self.consumer,
+            with self._w.stages.running(READ, f"the length check on {lane.stream}",
+                                        *self._w.call_deadline):
+                entries = await claim_excess(self._w.client, lane.stream, self._w.consumer,
                                              self._length_limit)
         except ResponseError as exc:  # a WRONGTYPE stream fails the read instead
             if error_code(exc) != "NOPERM" and "executing the script can't" not in str(exc):
@@ -207,33 +235,32 @@ class Reader:
                     lane.stream, self._length_limit)
         # Not held: a claim refresh (XCLAIM) of an entry deleted from the stream would drop
         # it from the pending list before its answer is published.
-        answers = excess_refusals(entries, self._length_limit, policy=lane.dead_letters,
-                                  now_epoch_ms=self._now_epoch_ms())
-        self._recorder.refused_at_intake(answers)
-        self._outbox.emit(lane.index, answers)
+        self._refused(lane, excess_refusals(entries, self._length_limit,
+                                            policy=lane.dead_letters,
+                                            now_epoch_ms=self._w.clock.now_ms()))
 
     async def _read_history(self, lane: Lane, last: str, count: int) -> str | None:
         """Re-read entries this consumer already owns after ``last`` (a restart under the same
         name); the next start, or None once all are read. Each counts as a delivery, so one
         that crashed the last process is dead-lettered after ``max_deliveries``."""
-        with self._intake.bytes.reserving(count):
-            entries = await self._xread(lane, last, count)
-            self._intake.hold(lane.index, entries)
+        entries = await self._xread(lane, last, count)
         if not entries:
             return None
-        assert lane.reclaimer is not None
         deliveries = await lane.reclaimer.own_deliveries([e[0] for e in entries])
         await self._take(lane, entries, deliveries)
         return entries[-1][0].decode()
 
     async def _xread(self, lane: Lane, last_id: str, count: int) -> Entries:
-        """New entries (``last_id`` ``>``, blocking up to ``block_ms``), or history after it."""
-        with self._stages.running(READ, f"an XREADGROUP on {lane.stream}",
-                                  *self._call_deadline):
-            reply = await self.client.xreadgroup(
-                keys.GROUP, self.consumer, {lane.stream: last_id}, count=count,
-                block=self.settings.block_ms if last_id == ">" else None)
-        return stream_entries(reply)
+        """New entries (``last_id`` ``>``, blocking up to ``block_ms``), or history after it,
+        held before the read's reservation ends."""
+        with self._intake.reserving(count), self._w.stages.running(
+                READ, f"an XREADGROUP on {lane.stream}", *self._w.call_deadline):
+            reply = await self._w.client.xreadgroup(
+                keys.GROUP, self._w.consumer, {lane.stream: last_id}, count=count,
+                block=self._w.settings.block_ms if last_id == ">" else None)
+            entries = stream_entries(reply)
+            self._intake.hold(lane.index, entries)
+        return entries
 
     async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
         # A retired lane's stream is never made again here. NOGROUP or "no such key":
@@ -243,44 +270,49 @@ class Reader:
         if missing and not lane.retired:
             log.warning("consumer group missing on %s (Redis restarted empty?); recreating it",
                         lane.stream)
-            self._health.joined = False
+            self._w.health.joined = False
             try:
                 await self.ensure_group(lane)
                 # An empty Redis lost the config hash too; producers need it back
                 # for their early checks and exact estimates.
-                await presence.write_config(self.client, lane.queue, self._config_fields())
-                self._health.joined = True
+                await presence.write_config(self._w.client, lane.queue, self._config_fields())
+                self._w.health.joined = True
                 return
             except RedisError:
                 pass
         log.warning("read failed (%s); retrying in %.1fs", error_text(exc), backoff)
-        await wait_event(self._lifecycle.stopping, backoff)
+        await wait_event(self._w.lifecycle.stopping, backoff)
 
     def _idle_expired(self) -> bool:
-        limit = self.settings.exit_when_idle_s
+        limit = self._w.settings.exit_when_idle_s
         if limit is None or self._device.feed.held() or self._intake.busy():
             return False
         return time.monotonic() - self._last_activity >= limit
+
+    def _refused(self, lane: Lane, answers: list[Answer]) -> None:
+        """Answers owed for entries of ``lane`` that never reach the device."""
+        if answers:
+            self._w.recorder.refused_at_intake(answers)
+            self._outbox.emit(lane.index, answers)
 
     async def _take(
         self, lane: Lane, entries: Entries, deliveries: dict[bytes, int] | None = None
     ) -> None:
         """Decode, tokenize and buffer one read, held already; no entry can make this raise."""
         self._last_activity = time.monotonic()
-        deliveries = deliveries or {}
         present = [(entry_id, fields) for entry_id, fields in entries if fields]
         if len(present) < len(entries):  # deleted while pending to us: nothing to answer
             self._outbox.emit(lane.index, [Answer(entry_id, None, b"", ok=False)
                                            for entry_id, fields in entries if not fields])
-        await self._take_present(lane, present, deliveries)
+        if present:
+            await self._take_present(lane, present, deliveries or {})
         self._device.wake()
 
     async def _take_present(
         self, lane: Lane, present: list[tuple[bytes, dict[bytes, bytes]]],
         deliveries: dict[bytes, int],
     ) -> None:
-        if not present:
-            return
+        """A read that fails is taken entry by entry; an entry that fails is dead-lettered."""
         try:
             jobs, answers = await self._prepare(lane, present, deliveries)
         except Exception as exc:
@@ -288,73 +320,70 @@ class Reader:
                 for one in present:
                     await self._take_present(lane, [one], deliveries)
                 return
-            entry_id, fields = present[0]
-            log.exception("entry %r could not be taken; dead-lettering it", entry_id)
-            why = f"{type(exc).__name__}: {exc}"
-            jobs, answers = [], [
-                _untakable(lane, entry_id, fields, why, deliveries, self._now_epoch_ms())
-            ]
+            log.exception("entry %r could not be taken; dead-lettering it", present[0][0])
+            jobs, answers = [], [_untakable(lane, *present[0], f"{type(exc).__name__}: {exc}",
+                                            deliveries, self._w.clock.now_ms())]
         self._device.add(jobs)
-        if answers:
-            self._recorder.refused_at_intake(answers)
-            self._outbox.emit(lane.index, answers)
+        self._refused(lane, answers)
 
     async def _prepare(
         self, lane: Lane, present: list[tuple[bytes, dict[bytes, bytes]]],
         deliveries: dict[bytes, int],
     ) -> tuple[list[Job[Ref]], list[Answer]]:
-        """Jobs to buffer and answers owed for one read, with no effect on the buffer."""
-        now = self._now_epoch_ms()
+        """Jobs to buffer and answers owed for one read, with no effect on the buffer; admitted
+        on the event loop when ``AdmitPlace`` says it is cheap, else in a thread."""
+        now = self._w.clock.now_ms()
         decoded = decode_entries(
             present, policy=lane.dead_letters, deliveries=deliveries, now_epoch_ms=now
         )
-        answers = list(decoded.answers)
-        if not decoded.requests:
+        answers, requests = list(decoded.answers), decoded.requests
+        if not requests:
             return [], answers
-        claimed = sum(max(1, request.tokens) for _, request in decoded.requests)
-        units = AdmitPlace.units(len(decoded.requests), sum(
-            len(request.text) + len(request.text_pair or "") for _, request in decoded.requests))
-        admit = functools.partial(self._admit, lane, decoded.requests, monotonic_ms(), now)
+        units = AdmitPlace.units(len(requests), sum(
+            len(request.text) + len(request.text_pair or "") for _, request in requests))
+        admit = functools.partial(_admit, self._device.pipeline, lane, requests, monotonic_ms(),
+                                  now)
+        settings = self._w.settings
         on_loop = self._admit_place.on_loop(units)
         if on_loop:
             where, limit = " on the event loop", (
-                min(INLINE_LIMIT_S, self.settings.batch_timeout_s), INLINE_LIMIT_NAME)
+                min(INLINE_LIMIT_S, settings.batch_timeout_s), INLINE_LIMIT_NAME)
         else:
-            where, limit = "", (self.settings.batch_timeout_s, "batch_timeout_s")
-        with self._intake.estimating(claimed), self._stages.running(
-            TOKENIZING, f"a read of {len(decoded.requests)} requests being tokenized{where}",
+            where, limit = "", (settings.batch_timeout_s, "batch_timeout_s")
+        claimed = sum(max(1, request.tokens) for _, request in requests)
+        with self._intake.estimating(claimed), self._w.stages.running(
+            TOKENIZING, f"a read of {len(requests)} requests being tokenized{where}",
             *limit, shortened_by_stop=True,
         ):
             admitted, seconds = admit() if on_loop else await asyncio.to_thread(admit)
+        self._w.recorder.metrics.tokenized(seconds)
         self._admit_place.learn(units, seconds)
-        for owed in answers_by_lane(self._pipeline, admitted.answered).values():
+        for owed in answers_by_lane(self._device.pipeline, admitted.answered).values():
             answers += owed  # all on this lane: the read's own entries
         fields = dict(present) if admitted.broken else {}
         answers += [
             _untakable(lane, item.ref.entry_id, fields[item.ref.entry_id], why, deliveries, now)
             for item, why in admitted.broken
         ]
-        self._intake.learn(len(decoded.requests),
-                           sum(job.encoding.length for job in admitted.jobs))
+        self._intake.learn(len(requests), sum(job.encoding.length for job in admitted.jobs))
         return admitted.jobs, answers
 
-    def _admit(
-        self, lane: Lane, requests: list[tuple[bytes, wire.Request]], read_ms: float,
-        now_epoch_ms: int,
-    ) -> tuple[Admitted[Ref], float]:
-        """The pipeline's admission of one read and the seconds it took (in a thread, or on the
-        event loop when ``AdmitPlace`` says it is cheap)."""
-        deadline_of = wire.deadline_of
-        items = [
-            Admit(ref, request, deadline_of(request, entry_id), read_ms)
-            for ref, (entry_id, request) in zip(
-                lane.refs([entry_id for entry_id, _ in requests]), requests, strict=True)
-        ]
-        started = time.perf_counter()
-        admitted = self._pipeline.admit(items, now_epoch_ms)
-        seconds = time.perf_counter() - started
-        self._recorder.metrics.tokenized(seconds)
-        return admitted, seconds
+
+def _admit(
+    pipeline: Pipeline[Ref], lane: Lane, requests: list[tuple[bytes, wire.Request]],
+    read_ms: float, now_epoch_ms: int,
+) -> tuple[Admitted[Ref], float]:
+    """The pipeline's admission of one read and the seconds it took (in a thread, or on the
+    event loop when ``AdmitPlace`` says it is cheap)."""
+    deadline_of = wire.deadline_of
+    items = [
+        Admit(ref, request, deadline_of(request, entry_id), read_ms)
+        for ref, (entry_id, request) in zip(
+            lane.refs([entry_id for entry_id, _ in requests]), requests, strict=True)
+    ]
+    started = time.perf_counter()
+    admitted = pipeline.admit(items, now_epoch_ms)
+    return admitted, time.perf_counter() - started
 
 
 def _untakable(

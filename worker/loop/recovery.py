@@ -25,71 +25,68 @@ class Claimed:
     deliveries: dict[bytes, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
 class Reclaimer:
     """One worker's view of who else holds work, and the claiming of it."""
 
-    def __init__(
-        self, client: aioredis.Redis, queue: keys.QueueRef, consumer: str, *, dead_after_ms: int,
-        claim_idle_ms: int,
-    ) -> None:
-        self._client = client
-        self._queue = queue
-        self._stream = keys.requests(queue)
-        self._consumer = consumer
-        self._dead_after_ms = dead_after_ms
-        self._claim_idle_ms = claim_idle_ms
-        self._cursor = "-"
+    client: aioredis.Redis
+    queue: keys.QueueRef
+    consumer: str
+    dead_after_ms: int = field(kw_only=True)
+    claim_idle_ms: int = field(kw_only=True)
+    _cursor: str = field(init=False, default="-")
+    _stream: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._stream = keys.requests(self.queue)
 
     async def scan(self, limit: int, held: Container[bytes]) -> Claimed:
         """Claim at most ``limit`` entries: dead consumers', forgotten ones, then long-idle ones;
-        none in ``held``."""
+        none in ``held``. (A dead consumer may hold what it once claimed from us while we were
+        presumed dead.)"""
         claimed = Claimed()
-        if limit <= 0:
-            return claimed
-        # A dead consumer may hold what it once claimed from us while we were presumed dead.
-        await self._claim(await self._from_dead_consumers(limit, held), self._dead_after_ms,
-                          claimed)
-        room = limit - len(claimed.entries)
-        if room > 0:
-            await self._claim(await self._forgotten(room, held), self._dead_after_ms, claimed)
+        for find, min_idle_ms in ((self._from_dead_consumers, self.dead_after_ms),
+                                  (self._forgotten, self.dead_after_ms),
+                                  (self._long_idle, self.claim_idle_ms)):
             room = limit - len(claimed.entries)
-        if room > 0:
-            await self._claim(await self._long_idle(room, held), self._claim_idle_ms, claimed)
+            if room <= 0:
+                break
+            await self._claim(await find(room, held), min_idle_ms, claimed)
         return claimed
 
     async def own_deliveries(self, entry_ids: list[bytes]) -> dict[bytes, int]:
         """How often each of this consumer's own pending entries has been delivered."""
         if not entry_ids:
             return {}
-        pending = await self._client.xpending_range(
+        pending = await self.client.xpending_range(
             self._stream, keys.GROUP, min=entry_ids[0], max=entry_ids[-1],
-            count=len(entry_ids), consumername=self._consumer,
+            count=len(entry_ids), consumername=self.consumer,
         )
         return _deliveries(pending)
 
     async def _from_dead_consumers(self, limit: int, held: Container[bytes]) -> dict[bytes, int]:
         candidates: dict[bytes, int] = {}
-        consumers = await self._client.xinfo_consumers(self._stream, keys.GROUP)
+        consumers = await self.client.xinfo_consumers(self._stream, keys.GROUP)
         # Heartbeat rows of workers gone from the group (it was recreated, or one was removed
         # by hand) are dropped.
-        rows = await self._client.hkeys(keys.workers(self._queue))
+        rows = await self.client.hkeys(keys.workers(self.queue))
         members = {as_text(info["name"]) for info in consumers}
-        for name in {as_text(row) for row in rows} - members - {self._consumer}:
-            await presence.drop_consumer(self._client, self._queue, name)
+        for name in {as_text(row) for row in rows} - members - {self.consumer}:
+            await presence.drop_consumer(self.client, self.queue, name)
         for info in consumers:
             name = as_text(info["name"])
-            if name == self._consumer:
+            if name == self.consumer:
                 continue
-            if await self._client.exists(keys.worker_alive(self._queue, name)):
+            if await self.client.exists(keys.worker_alive(self.queue, name)):
                 continue
             if int(info["pending"]) == 0:
-                if int(info["idle"]) >= self._dead_after_ms:
-                    await presence.drop_consumer(self._client, self._queue, name)
+                if int(info["idle"]) >= self.dead_after_ms:
+                    await presence.drop_consumer(self.client, self.queue, name)
                 continue
             # Gone with entries pending: the script drops its stale heartbeat
             # row and keeps it in the group until its entries are claimed.
-            await presence.drop_consumer(self._client, self._queue, name)
-            pending = await self._client.xpending_range(
+            await presence.drop_consumer(self.client, self.queue, name)
+            pending = await self.client.xpending_range(
                 self._stream, keys.GROUP, min="-", max="+",
                 count=limit - len(candidates), consumername=name,
             )
@@ -100,9 +97,9 @@ class Reclaimer:
 
     async def _forgotten(self, limit: int, held: Container[bytes]) -> dict[bytes, int]:
         """This consumer's entries idle as long as a dead consumer's that it does not hold."""
-        pending = await self._client.xpending_range(
+        pending = await self.client.xpending_range(
             self._stream, keys.GROUP, min="-", max="+", count=limit,
-            idle=self._dead_after_ms, consumername=self._consumer,
+            idle=self.dead_after_ms, consumername=self.consumer,
         )
         forgotten = _deliveries(pending, held)
         if forgotten:
@@ -111,9 +108,9 @@ class Reclaimer:
         return forgotten
 
     async def _long_idle(self, limit: int, held: Container[bytes]) -> dict[bytes, int]:
-        pending = await self._client.xpending_range(
+        pending = await self.client.xpending_range(
             self._stream, keys.GROUP, min=self._cursor, max="+", count=limit,
-            idle=self._claim_idle_ms,
+            idle=self.claim_idle_ms,
         )
         if len(pending) < limit:
             self._cursor = "-"  # walked to the end; start over next scan
@@ -124,8 +121,8 @@ class Reclaimer:
     async def _claim(self, delivered: dict[bytes, int], min_idle_ms: int, into: Claimed) -> None:
         if not delivered:
             return
-        entries = await self._client.xclaim(
-            self._stream, keys.GROUP, self._consumer, min_idle_ms, list(delivered))
+        entries = await self.client.xclaim(
+            self._stream, keys.GROUP, self.consumer, min_idle_ms, list(delivered))
         for entry_id, fields in entries:
             into.entries.append((entry_id, fields))
             into.deliveries[entry_id] = delivered.get(entry_id, 0) + 1

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from tokenq.worker.settings import WorkerSettings
@@ -25,20 +25,15 @@ PUBLISH = "publish"
 class Stage:
     """One running stage: what it is doing, since when, and its deadline."""
 
-    name: str
-    """Which stage (:data:`DEVICE`, :data:`TOKENIZING`, :data:`READ`, :data:`PUBLISH`)."""
-    what: str
-    """What it holds, for people: ``a batch of 12 requests on the device``."""
+    name: str  # DEVICE, TOKENIZING, READ or PUBLISH
+    what: str  # what it holds, for people: "a batch of 12 requests on the device"
     started: float
     limit_s: float
-    limit_name: str
-    """The setting (or rule) the limit comes from, named in the probe and the log."""
-    shortened_by_stop: bool = False
-    """True for tokenizing: once the worker stops, it gets only the stop grace."""
+    limit_name: str  # the setting (or rule) the limit comes from, named in the probe and log
+    shortened_by_stop: bool = False  # tokenizing: once the worker stops, only the stop grace
 
 
-@dataclass(frozen=True, slots=True)
-class Overdue:
+class Overdue(NamedTuple):
     """A stage past its deadline, and the sentence that says so."""
 
     stage: Stage
@@ -81,17 +76,15 @@ class Stages:
         """Now on the clock the stages' starts are read from."""
         return self._clock()
 
-    def now_running(self) -> list[Stage]:
-        with self._lock:
-            return list(self._running.values())
-
     def overdue(
         self, now: float, stopped_at: float | None = None, stop_grace_s: float = 0.0
     ) -> Overdue | None:
         """The running stage furthest past its deadline, or None; after ``stopped_at`` a stage a
         stop shortens must end within ``stop_grace_s`` of the later of its start and the stop."""
         worst: tuple[float, Overdue] | None = None
-        for stage in self.now_running():
+        with self._lock:
+            running = list(self._running.values())
+        for stage in running:
             late = now - (stage.started + stage.limit_s)
             reason = f"{stage.what} for more than {stage.limit_name} ({stage.limit_s:g}s)"
             if stopped_at is not None and stage.shortened_by_stop:
@@ -121,9 +114,8 @@ class StageClock:
         self._left_out = 0.0
 
     def _uncounted(self, raw_now: float) -> float:
-        if self._last_tick is None:
-            return 0.0
-        return max(0.0, raw_now - self._last_tick - self._max_gap_s)
+        last = self._last_tick
+        return 0.0 if last is None else max(0.0, raw_now - last - self._max_gap_s)
 
     def __call__(self) -> float:
         with self._lock:

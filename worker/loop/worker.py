@@ -31,11 +31,10 @@ from tokenq.worker.loop.beat import Beat
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake, auto_limit
 from tokenq.worker.loop.lanes import LaneSet, Ref, Retirement
-from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Wiring
+from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Recorder, Wiring
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.publish import Publisher, Target
 from tokenq.worker.loop.reader import Reader
-from tokenq.worker.loop.recorder import Recorder
 from tokenq.worker.loop.recovery import Reclaimer
 from tokenq.worker.loop.stages import Overdue, StageClock, Stages
 from tokenq.worker.loop.watchdog import LoopGuard, WorkerHung, watch, watchdog_period_s
@@ -110,7 +109,7 @@ class Worker:
                                            chunk_overlap=settings.chunk_overlap,
                                            tokenizer=self._tokenizer_pool)
         self._device = Device(self._wiring, pipeline, self.packer, self._intake, self._outbox)
-        self.lanes = LaneSet(self._dead_letter_policy)
+        self.lanes = LaneSet()
         self._guard = None if on_stuck is None else LoopGuard(
             stages=self._wiring.stages, lifecycle=lifecycle, period_s=period_s,
             on_stuck=on_stuck, clock=stage_clock)
@@ -118,29 +117,26 @@ class Worker:
 
     def _add_lane(self, queue: keys.QueueRef, *, retired: bool = False) -> None:
         """A lane read into the packer, with its own outbox and what reclaims and publishes on
-        it; a retired one (``lanes.Retirement``) is read until drained, then removed."""
-        lane = self.lanes.add(queue, retired=retired)
+        it (replies stay in the lane's slot); a retired one (``lanes.Retirement``) is read
+        until drained, then removed."""
         self._outbox.add_lane()
         settings, client = self.settings, self._wiring.client
-        lane.reclaimer = Reclaimer(
-            client, queue, self.consumer, dead_after_ms=int(settings.heartbeat_s * 3000),
-            claim_idle_ms=int(settings.claim_idle_s * 1000),
-        )
-        lane.publisher = Publisher(
-            client, Target(lane.stream, keys.dead(queue), keys.GROUP, self.consumer),
-            reply_ttl_ms=int(settings.reply_ttl_s * 1000), dead_max_len=settings.dead_max_len,
-            dead_max_letter_bytes=settings.dead_max_letter_bytes, hooks=self._wiring,
-        )
-
-    def _dead_letter_policy(self, queue: keys.QueueRef) -> DeadLetterPolicy:
-        """A lane's rules for dead letters and reply keys: replies stay in the lane's slot."""
-        settings = self.settings
-        return DeadLetterPolicy(
-            worker=self.consumer, max_deliveries=settings.max_deliveries,
-            default_reply_to=functools.partial(keys.reply, queue),
-            max_request_bytes=settings.max_request_bytes,
-            check_reply_to=keys.reply_to_check(queue, settings.reply_to_prefix_list),
-            max_letter_bytes=settings.dead_max_letter_bytes,
+        self.lanes.add(
+            queue, DeadLetterPolicy(
+                worker=self.consumer, max_deliveries=settings.max_deliveries,
+                default_reply_to=functools.partial(keys.reply, queue),
+                max_request_bytes=settings.max_request_bytes,
+                check_reply_to=keys.reply_to_check(queue, settings.reply_to_prefix_list),
+                max_letter_bytes=settings.dead_max_letter_bytes,
+            ),
+            Reclaimer(client, queue, self.consumer, dead_after_ms=int(settings.heartbeat_s * 3000),
+                      claim_idle_ms=int(settings.claim_idle_s * 1000)),
+            Publisher(client, Target(keys.requests(queue), keys.dead(queue), keys.GROUP,
+                                     self.consumer),
+                      reply_ttl_ms=int(settings.reply_ttl_s * 1000),
+                      dead_max_len=settings.dead_max_len,
+                      dead_max_letter_bytes=settings.dead_max_letter_bytes, hooks=self._wiring),
+            retired=retired,
         )
 
     def stop(self) -> None:
@@ -272,7 +268,7 @@ class Worker:
             self.consumer, self.lanes.streams(), info.model, info.task, info.device, info.dtype,
             info.max_input_tokens, budget.max_batch_tokens, budget.cost_model.value,
             self._budget_reason, budget.max_batch_size, self.settings.linger_ms,
-            self.settings.policy, self._intake.bytes.limit // (1024 * 1024),
+            self.settings.policy, self._intake.limit // (1024 * 1024),
             f" pooling={info.pooling}" if info.pooling else "",
         )
 

@@ -1,35 +1,22 @@
 -- publish.lua: answer a batch of requests, each exactly once, in one atomic step.
 --
--- Keys touched (all share the queue's hash tag, so one Cluster slot; a custom
--- reply_to must carry the same tag under Cluster):
+-- Keys (one hash tag, so one Cluster slot; a custom reply_to must carry it too):
 --   KEYS[1]     <prefix>:{q}:requests   stream  XPENDING (ownership), XRANGE, XACK, XDEL
 --   KEYS[2]     <prefix>:{q}:dead       stream  XADD MAXLEN ~ (dead letters only)
---   KEYS[3..]   reply keys              list    RPUSH (one per key and 1,000 replies), PEXPIRE with the first
---
+--   KEYS[3..]   reply keys              list    RPUSH (per key and 1,000 replies), PEXPIRE
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
--- ARGV[5] dead_max_letter_bytes (cap on the entry's own fields in a dead letter)
--- ARGV[6] n, then for each answer: entry_id, reply (index into KEYS of its reply
---   key; 0 = no reply; -1 = its reply_to was refused before the script ran, see
---   below), payload (msgpack reply; with -1, why it was refused), k (dead-letter
---   field pairs; 0 = not a dead letter), then k field/value pairs
+-- ARGV[5] dead_max_letter_bytes   ARGV[6] n, then per answer: entry_id, reply (its
+--   key's KEYS index; 0 = none; -1 = reply_to refused before the call, payload then
+--   says why), payload (msgpack reply), k (dead-letter field pairs), k pairs
 --
--- An answer is published only while its entry is still pending to this
--- consumer: one another worker claimed (this one was presumed dead), or one
--- already answered, is dropped here, so the caller sees exactly one reply.
---
--- A reply_to that can never take the reply (WRONGTYPE caught with pcall; NOPERM
--- or CROSSSLOT refuse the whole call, so publish.py retries one answer at a time
--- and passes reply -1) is acked and dead-lettered as bad_request rather than
--- failing the batch forever. A dead key that refuses its letter is counted, not
--- fatal. When Redis refuses writes now (OOM, READONLY, MASTERDOWN: key_refuses
--- in shared/lua/refusal.lua tells them apart), the script returns the error at
--- once and publish.py retries the whole call; every argument is checked before
--- the first write, and numbers pass as their digits (a Lua number would be
--- written 1e+15).
---
--- Returns {published, undeliverable, unwritten}: answers settled, those
--- dead-lettered because reply_to refused, and dead letters the dead key refused.
--- Letters follow tokenq.shared.dead_letter's format: each tokenq:include line is
+-- An answer is published only while its entry is still pending to this consumer
+-- (one claimed by another worker, or answered, is dropped): exactly one reply.
+-- A reply_to that can never take it (WRONGTYPE here; NOPERM or CROSSSLOT refuse the
+-- call, and publish.py retries answer by answer with reply -1) is acked and
+-- dead-lettered as bad_request; a dead key refusing its letter is counted. A Redis
+-- refusing writes now (OOM, READONLY, MASTERDOWN: refusal.lua's key_refuses) ends
+-- the call with its error after settling what was pushed, and publish.py retries.
+-- Returns {published, undeliverable, unwritten}. Each tokenq:include line is
 -- replaced by that fragment of shared/lua/ when the script is loaded.
 
 -- tokenq:include dead_fields.lua

@@ -60,15 +60,8 @@ def in_thread(call: Callable[..., R], *args: Any) -> R:
 
 _TAKEN = object()
 """The inbox's message that a batch left the packer (the loop then calls ``Rules.taken``)."""
-
-
-class _Done:
-    """What the device thread posts last: it stopped, and why (None: finished)."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException | None) -> None:
-        self.error = error
+_FINISHED = object()
+"""The device thread's last message when it finished; when it failed, the error is its last."""
 
 
 class Rules:
@@ -113,7 +106,7 @@ class DeviceFeed(Generic[T, R]):
         """Batches whose results are on their way to ``settle`` (still held, not answered)."""
         self._cancelled = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._results: asyncio.Queue[tuple[Batch[T], R] | _Done] | None = None
+        self._results: asyncio.Queue[tuple[Batch[T], R] | object] | None = None
         self._inbox: collections.deque[object] = collections.deque()
         """Messages from the device thread the loop has not read yet (under the lock)."""
         self._wake_pending = False
@@ -162,10 +155,10 @@ class DeviceFeed(Generic[T, R]):
         try:
             while True:
                 item = await self._results.get()
-                if isinstance(item, _Done):
-                    thread.join()  # posting _Done was its last act: this returns at once
-                    if item.error is not None:
-                        raise item.error
+                if not isinstance(item, tuple):
+                    thread.join()  # its last message was its last act: this returns at once
+                    if isinstance(item, Exception):
+                        raise item
                     return
                 try:
                     await settle(*item)
@@ -182,7 +175,7 @@ class DeviceFeed(Generic[T, R]):
     # ---------------------------------------------------------- device thread
 
     def _device_thread(self) -> None:
-        error: BaseException | None = None
+        last: object = _FINISHED
         try:
             while True:
                 self._unsettled.acquire()
@@ -207,8 +200,8 @@ class DeviceFeed(Generic[T, R]):
                 if not self._send((batch, result)):
                     return
         except BaseException as exc:  # the loop raises it: a worker failure, not a request's
-            error = ordinary(exc)
-        self._send(_Done(error))
+            last = ordinary(exc)
+        self._send(last)
 
     def _next(self) -> Batch[T] | None:
         """Wait for the packer's next batch; None once finished (or cancelled)."""

@@ -102,32 +102,22 @@ def decode_entries(
     dead_letter = functools.partial(dead_answer, policy=policy, now_epoch_ms=now_epoch_ms)
     for entry_id, fields in entries:
         count = deliveries.get(entry_id, 1) if deliveries else 1
-
         if count > policy.max_deliveries:
-            out.answers.append(dead_letter(
-                entry_id, fields, ErrorCode.DEAD_LETTER,
+            why = ErrorCode.DEAD_LETTER, (
                 f"delivered {count} times without an answer (max_deliveries "
-                f"{policy.max_deliveries}): the workers holding it died; moved to dead letters",
-                deliveries=count,
-            ))
-            continue
-        try:
-            request = wire.decode_fields(
-                fields,
-                max_request_bytes=policy.max_request_bytes,
-                default_reply_to=policy.default_reply_to,
-                check_reply_to=policy.check_reply_to,
-            )
-        except DecodeError as exc:
-            out.answers.append(dead_letter(
-                entry_id, fields, ErrorCode.BAD_REQUEST, str(exc), deliveries=count))
-            continue
-        except Exception as exc:  # a decoder bug must not take the worker down
-            log.exception("unexpected error decoding entry %s", entry_id)
-            out.answers.append(dead_letter(
-                entry_id, fields, ErrorCode.BAD_REQUEST,
-                f"entry could not be decoded: {type(exc).__name__}: {exc}", deliveries=count,
-            ))
-            continue
-        out.requests.append((entry_id, request))
+                f"{policy.max_deliveries}): the workers holding it died; moved to dead letters")
+        else:
+            try:
+                out.requests.append((entry_id, wire.decode_fields(
+                    fields, max_request_bytes=policy.max_request_bytes,
+                    default_reply_to=policy.default_reply_to,
+                    check_reply_to=policy.check_reply_to)))
+                continue
+            except DecodeError as exc:
+                why = ErrorCode.BAD_REQUEST, str(exc)
+            except Exception as exc:  # a decoder bug must not take the worker down
+                log.exception("unexpected error decoding entry %s", entry_id)
+                why = ErrorCode.BAD_REQUEST, (
+                    f"entry could not be decoded: {type(exc).__name__}: {exc}")
+        out.answers.append(dead_letter(entry_id, fields, *why, deliveries=count))
     return out

@@ -13,12 +13,7 @@ import numpy as np
 from tokenq.shared import wire
 from tokenq.shared.errors import ConfigError, ErrorCode
 from tokenq.shared.packer import Budget, CostModel
-from tokenq.shared.request_options import (
-    NO_OPTIONS,
-    RequestOptions,
-    parse_options,
-    prompt_of,
-)
+from tokenq.shared.request_options import NO_OPTIONS, RequestOptions, parse_options, prompt_of
 from tokenq.worker.backends.base import (
     Backend,
     BackendInfo,
@@ -38,8 +33,7 @@ from tokenq.worker.pipeline.finisher import Finisher, facts_of, sparse_entries
 
 K = TypeVar("K")
 
-# Admit, Job and Outcome are made per request on the hot path: plain slotted
-# classes, not frozen dataclasses. Nothing mutates them after construction.
+# Admit, Job and Outcome are made per request on the hot path: slotted, not frozen.
 
 OverLength = Literal["truncate", "reject", "chunk"]
 """What happens to an input longer than the model takes (``--policy``)."""
@@ -60,25 +54,21 @@ class ChunkGroup:
 
 @dataclass(slots=True, eq=False)
 class Admit(Generic[K]):
-    """One request offered to :meth:`Pipeline.admit`."""
+    """One request offered to :meth:`Pipeline.admit`: its deadline in epoch ms on the caller's
+    clock (Redis's, for the worker) or None, and the monotonic ms it arrived (the packer's
+    arrival time: linger and age count from it)."""
 
     ref: K
     request: wire.Request
     deadline_ms: int | None
-    """Epoch ms on the caller's reference clock (Redis's, for the worker), or None."""
     arrived_ms: float
-    """Monotonic ms it arrived (the packer's arrival time: linger and age count from it)."""
 
 
 @dataclass(slots=True, eq=False)
-class Job(Generic[K]):
+class Job(Admit[K]):
     """A request (or one window of a chunked request) that is ready to be packed."""
 
-    ref: K
-    request: wire.Request
     encoding: Encoding
-    deadline_ms: int | None
-    arrived_ms: float
     chunk: ChunkGroup | None = None
     chunk_index: int = 0
     options: RequestOptions = NO_OPTIONS
@@ -322,7 +312,7 @@ class Pipeline(Generic[K]):
     def _job(item: Admit[K], options: RequestOptions, encoding: Encoding,
              chunk: ChunkGroup | None = None, chunk_index: int = 0,
              truncated: bool = False) -> Job[K]:
-        return Job(item.ref, item.request, encoding, item.deadline_ms, item.arrived_ms,
+        return Job(item.ref, item.request, item.deadline_ms, item.arrived_ms, encoding,
                    chunk, chunk_index, options, truncated)
 
     @staticmethod
