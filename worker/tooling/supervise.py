@@ -4,7 +4,6 @@ share and metrics port; other flags pass on."""
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
@@ -14,9 +13,7 @@ from pathlib import Path
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import env_var, flag
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.tooling.children import Supervisor
-
-log = logging.getLogger("tokenq.worker")
+from tokenq.worker.tooling.children import Supervisor, log
 
 STOP_TIMEOUT_S = 30.0
 """How long children get to finish after SIGTERM before SIGKILL."""
