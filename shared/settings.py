@@ -469,8 +469,9 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
                               "(0.0.0.0: every interface)")
     devices: str | None = Field(None, description="one worker process per GPU, e.g. '0,1' "
                                 "(CUDA_VISIBLE_DEVICES=N, consumer suffixed -gpuN)")
-    processes_per_device: int = Field(1, ge=1, le=MAX_PROCESSES_PER_DEVICE, description="with "
-                                      "--devices: worker processes per GPU, each a model copy")
+    processes_per_device: Annotated[int, Field(ge=1, le=MAX_PROCESSES_PER_DEVICE)] | Literal[
+        "auto"] = Field(1, description="with --devices: worker processes per GPU, each a model "
+                        "copy; auto: 2 for a small model on a GPU, else 1")
     device_share: float = Field(1.0, gt=0.0, le=1.0, description="the share of the device's free "
                                 "memory the auto budget plans for (split among its processes)")
 
@@ -539,11 +540,11 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
 
     @field_validator("processes_per_device")
     @classmethod
-    def _check_processes(cls, value: int, info: ValidationInfo) -> int:
-        if value > 1 and info.data.get("devices") is None:
+    def _check_processes(cls, value: int | str, info: ValidationInfo) -> int | str:
+        if value != 1 and info.data.get("devices") is None:
             raise ValueError(
-                "processes_per_device needs --devices (the GPUs to start them on); without "
-                "it, start more tokenq worker processes on the queue"
+                f"processes_per_device {value} needs --devices (the GPUs to start them on); "
+                "without it, start more tokenq worker processes on the queue"
             )
         return value
 

@@ -36,7 +36,8 @@ from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import UpSettings
 from tokenq.worker.backends.sim import expected_vector
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.tooling.supervise import device_commands, strip_flags
+from tokenq.worker.tooling import supervise
+from tokenq.worker.tooling.supervise import auto_processes, device_commands, strip_flags
 from tokenq.worker.tooling.up import main as up_main
 from tokenq.worker.tooling.up import worker_command
 
@@ -422,7 +423,9 @@ def test_processes_per_device_names_each_child_and_shares_the_device():
 @pytest.mark.parametrize(("given", "refusal"), [
     ({"devices": "0,1,0"}, "devices lists 0 more than once"),
     ({"devices": "GPU-a, GPU-a"}, "devices lists GPU-a more than once"),
-    ({"processes_per_device": 2}, "processes_per_device needs --devices"),
+    ({"processes_per_device": 2}, "processes_per_device 2 needs --devices"),
+    ({"processes_per_device": "auto"}, "processes_per_device auto needs --devices"),
+    ({"devices": "0", "processes_per_device": "two"}, "Input should be 'auto'"),
     ({"devices": "0", "processes_per_device": 9}, "less than or equal to 8"),
     ({"devices": "0", "processes_per_device": 0}, "greater than or equal to 1"),
     ({"device_share": 0}, "greater than 0"),
@@ -434,6 +437,61 @@ def test_devices_a_gpu_twice_or_processes_without_devices_are_refused_by_name(gi
     """Two children under one consumer name would take each other's entries on a restart."""
     with pytest.raises(ValueError, match=refusal):
         WorkerSettings(**given)
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(("weights", "device", "share", "count"), [
+    (90 << 20, 80 * GIB, 1.0, 2),  # MiniLM on an H100
+    (2 * GIB, 8 * GIB, 1.0, 2),  # the largest small model, two copies just fit
+    (14 * GIB, 140 * GIB, 1.0, 1),  # a 7B model keeps the GPU busy alone
+    (1 * GIB, 8 * GIB, 0.5, 1),  # small, but two copies do not fit in its share
+    (90 << 20, None, 1.0, 1),  # no CUDA
+    (None, 80 * GIB, 1.0, 1),  # weights not found
+])
+def test_processes_per_device_auto_rule(weights, device, share, count):
+    assert auto_processes(weights, device, share)[0] == count
+
+
+def _fake_model(folder: Path, weights: int) -> str:
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with open(folder / "model.safetensors", "wb") as file:
+        file.truncate(weights)  # sparse: no disk used
+    return str(folder)
+
+
+@pytest.mark.unit
+def test_processes_per_device_auto_reads_the_model_folder_and_the_device(
+        monkeypatch, tmp_path, caplog):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: type("Props", (), {"total_memory": (80 + index) * GIB}))
+    tiny, big = _fake_model(tmp_path / "tiny", 1 << 20), _fake_model(tmp_path / "big", 3 * GIB)
+    assert supervise.processes_per_device(WorkerSettings(devices="0", model=big,
+                                                         processes_per_device="auto")) == 1
+    assert supervise.processes_per_device(WorkerSettings(devices="0", backend="sim",
+                                                         processes_per_device="auto")) == 1
+    assert supervise.processes_per_device(WorkerSettings(devices="0", processes_per_device=3)) == 3
+    settings = WorkerSettings(devices="0,3", processes_per_device="auto", model=tiny,
+                              consumer="n", device_share=0.9)
+    caplog.set_level("INFO", logger="tokenq.worker")
+    commands = device_commands(settings, ["--processes-per-device", "auto"], {})
+    assert "--processes-per-device auto: 2 per device (0.00 GiB of weights, 72.0 GiB" in caplog.text
+    assert [name for name, _, _ in commands] == ["n-gpu0-1", "n-gpu0-2", "n-gpu3-1", "n-gpu3-2"]
+    for _, child_argv, _ in commands:
+        assert float(child_argv[child_argv.index("--device-share") + 1]) == pytest.approx(0.45)
+        assert "auto" not in child_argv
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert len(device_commands(settings, [], {})) == 2
+    assert "auto: 1 per device (no CUDA device)" in caplog.text
+    # Without --model: the hf backend's bundled model, a small one.
+    assert supervise._weights_bytes(None) == pytest.approx(90 << 20, rel=0.1)
 
 
 def test_the_cli_refuses_a_repeated_device_with_exit_2(redis_url, queue_name):

@@ -8,13 +8,20 @@ import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+from tokenq.shared.errors import ConfigError
 from tokenq.shared.settings import env_var, flag
 from tokenq.worker.settings import WorkerSettings
-from tokenq.worker.tooling.children import Supervisor
+from tokenq.worker.tooling.children import Supervisor, log
 
 STOP_TIMEOUT_S = 30.0
 """How long children get to finish after SIGTERM before SIGKILL."""
+SMALL_MODEL_BYTES = 2 << 30
+"""``--processes-per-device auto`` starts two processes for weights at most this big: a small
+model leaves the GPU waiting on one process's Python, a 7B one keeps it busy alone."""
+HEADROOM_BYTES = 2 << 30
+"""What auto leaves each of its two processes beside the weights (CUDA context, activations)."""
 
 _PER_CHILD = ("devices", "processes_per_device", "device_share", "consumer", "device",
               "metrics_port")
@@ -39,13 +46,64 @@ def strip_flags(argv: Sequence[str], flags: Sequence[str]) -> list[str]:
     return out
 
 
+def auto_processes(weights: int | None, device_bytes: int | None, share: float) -> tuple[int, str]:
+    """``--processes-per-device auto``'s rule: how many processes per GPU, and why."""
+    if device_bytes is None:
+        return 1, "no CUDA device"
+    if weights is None:
+        return 1, "the model's weight files were not found"
+    room = share * device_bytes
+    count = 2 if weights <= SMALL_MODEL_BYTES and 2 * (weights + HEADROOM_BYTES) <= room else 1
+    return count, f"{weights / 2**30:.2f} GiB of weights, {room / 2**30:.1f} GiB of GPU share"
+
+
+def _weights_bytes(model: str | None) -> int | None:
+    """Bytes of the ``--backend hf`` model's weight files (safetensors, else .bin)."""
+    from huggingface_hub import snapshot_download
+
+    from tokenq.worker.backends.hf.load import resolve_model
+
+    try:
+        source = resolve_model(model)
+        folder = Path(source.location if source.local
+                      else snapshot_download(source.location, local_files_only=True))
+    except (ConfigError, OSError):
+        return None  # the children say why
+    files = list(folder.glob("*.safetensors")) or list(folder.glob("*.bin"))
+    return sum(path.stat().st_size for path in files) or None
+
+
+def _device_bytes() -> int | None:
+    """The smallest visible GPU's total memory (read, nothing allocated), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.get_device_properties(index).total_memory
+               for index in range(torch.cuda.device_count()))
+
+
+def processes_per_device(settings: WorkerSettings) -> int:
+    """``--processes-per-device``, ``auto`` resolved once, here in the supervisor."""
+    if settings.processes_per_device != "auto":
+        return int(settings.processes_per_device)
+    backend = settings.backend.strip()
+    if backend != "hf":  # the sim shares no GPU; a plugin's model size is unknown
+        count, why = 1, f"--backend {backend}"
+    else:
+        count, why = auto_processes(_weights_bytes(settings.model), _device_bytes(),
+                                    settings.device_share)
+    log.info("--processes-per-device auto: %d per device (%s)", count, why)
+    return count
+
+
 def device_commands(
     settings: WorkerSettings, argv: Sequence[str], env: Mapping[str, str]
 ) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, argv, env) of each child of ``tokenq worker --devices``, device by device."""
     base = settings.consumer or f"{socket.gethostname()}-{os.getpid()}"
     common = strip_flags(argv, _PER_CHILD_FLAGS)
-    per_device = settings.processes_per_device
+    per_device = processes_per_device(settings)
     # The operator's share is of the whole device; its N processes split it.
     share = settings.device_share / per_device
     slots = [(device, k) for device in settings.device_list for k in range(1, per_device + 1)]
