@@ -33,20 +33,18 @@ from tokenq.worker.backends.hf.load import (
     resolve_model,
     tokenizer_json,
 )
-from tokenq.worker.backends.hf.options import (
-    HFOptions,
-    resolve_autocast,
-    resolve_device,
-    resolve_dtype,
-)
 from tokenq.worker.backends.hf.prefix import PrefixTokenizer
 from tokenq.worker.backends.hf.runtime import (
     Encoder,
     Runtime,
     build_encoder,
     check_quantize,
+    resolve_autocast,
+    resolve_device,
+    resolve_dtype,
     resolve_runtime,
 )
+from tokenq.worker.backends.hf.settings import HFOptions
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +106,7 @@ class HFBackend:
                 f"model {source.name!r}: --task sparse runs on --runtime torch only "
                 "(the ONNX export does not take a masked-LM head)"
             )
-        st = SentenceTransformerConfig()
-        if options.task != "classify":
-            st = read_sentence_transformer_config(source, options.task)
+        st = read_sentence_transformer_config(source, options.task)
         sparse = None if st.splade is None else SparseHead(*st.splade)
         tokenizer_path = tokenizer_json(source, st.subfolder)
         device = resolve_device(options.device)

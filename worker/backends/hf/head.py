@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from tokenq.worker.backends.hf.layout import (
     SentenceTransformerConfig,
 )
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join
-from tokenq.worker.backends.hf.options import HFOptions
+from tokenq.worker.backends.hf.settings import HFOptions
 
 log = logging.getLogger(__name__)
 
@@ -37,51 +37,26 @@ def pool(
     if skip is not None:
         positions = torch.arange(weights.shape[1], device=weights.device)
         weights = weights * (positions.unsqueeze(0) >= skip.unsqueeze(1))
-    return torch.cat([_POOLERS[mode](hidden, weights) for mode in modes], dim=-1)
+    return torch.cat([_pool(mode, hidden, weights) for mode in modes], dim=-1)
 
 
-def _cls(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    first = mask.argmax(dim=1)  # the first pooled token; 0 for a row with none
-    return hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
-
-
-def _max(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    masked = hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values
-    return torch.where(mask.sum(dim=1, keepdim=True) > 0, masked, torch.zeros_like(masked))
-
-
-def _sum_and_count(hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = (hidden * mask.unsqueeze(-1)).sum(dim=1)
-    return summed, mask.sum(dim=1, keepdim=True).clamp(min=1e-9)
-
-
-def _mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    summed, count = _sum_and_count(hidden, mask)
-    return summed / count
-
-
-def _mean_sqrt_len(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    summed, count = _sum_and_count(hidden, mask)
-    return summed / count.sqrt()
-
-
-def _weighted_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
-    weights = mask * positions.unsqueeze(0)
-    summed = (hidden * weights.unsqueeze(-1)).sum(dim=1)
-    return summed / weights.sum(dim=1, keepdim=True).clamp(min=1e-9)
-
-
-def _last_token(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    last = mask.shape[1] - 1 - mask.flip(1).argmax(dim=1)
+def _pool(mode: PoolingMode, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One mode of sentence-transformers' Pooling under a float ``mask``; a row with no
+    pooled token pools to zeros."""
     rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return hidden[rows, last] * mask[rows, last].unsqueeze(-1)  # zeros for a row with none
-
-
-_POOLERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "cls": _cls, "max": _max, "mean": _mean, "mean_sqrt_len_tokens": _mean_sqrt_len,
-    "weightedmean": _weighted_mean, "lasttoken": _last_token,
-}
+    if mode == "cls":
+        return hidden[rows, mask.argmax(dim=1)]  # the first pooled token
+    if mode == "lasttoken":
+        last = mask.shape[1] - 1 - mask.flip(1).argmax(dim=1)
+        return hidden[rows, last] * mask[rows, last].unsqueeze(-1)
+    if mode == "max":
+        masked = hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values
+        return torch.where(mask.sum(dim=1, keepdim=True) > 0, masked, torch.zeros_like(masked))
+    if mode == "weightedmean":  # a mean weighted by position, 1 for the first token
+        mask = mask * torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
+    summed = (hidden * mask.unsqueeze(-1)).sum(dim=1)
+    count = mask.sum(dim=1, keepdim=True).clamp(min=1e-9)
+    return summed / (count.sqrt() if mode == "mean_sqrt_len_tokens" else count)
 
 
 class Dense(torch.nn.Module):
@@ -192,7 +167,7 @@ def build_embedding_head(
     device: torch.device,
 ) -> EmbeddingHead:
     """The head as the model's files describe it, ``--pooling``/``--normalize`` overriding."""
-    saved = st.pooling.modes if st.pooling else None
+    saved = st.pooling
     modes: tuple[PoolingMode, ...]
     if options.pooling == "auto":
         if saved is None:
@@ -208,8 +183,7 @@ def build_embedding_head(
     if dense is not None:
         dense = dense.to(device)
     normalize = st.normalize if options.normalize == "auto" else options.normalize == "true"
-    include_prompt = st.pooling.include_prompt if st.pooling else True
-    return EmbeddingHead(modes, include_prompt, normalize, dense, dim)
+    return EmbeddingHead(modes, st.include_prompt, normalize, dense, dim)
 
 
 class SparseHead:

