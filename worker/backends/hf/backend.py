@@ -146,13 +146,19 @@ class HFBackend:
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[HFEncoding]:
         """One fast-tokenizer call per kind of input (single, pair); the prompt goes before the
         text, truncation keeps the specials and cuts pairs 'longest_first'."""
-        self._check_inputs(inputs)
-        singles = [i for i, item in enumerate(inputs) if item.text_pair is None]
-        pairs = [i for i, item in enumerate(inputs) if item.text_pair is not None]
         out: list[HFEncoding | None] = [None] * len(inputs)
-        for indices, is_pair in ((singles, False), (pairs, True)):
+        task = self.info.task
+        for is_pair in (False, True):
+            indices = [i for i, item in enumerate(inputs) if (item.text_pair is None) != is_pair]
             if not indices:
                 continue
+            if task != "classify" and is_pair != (task == "rerank"):
+                raise BadRequest(
+                    f"input {indices[0]} is a (text, text_pair) pair, but {self.info.model} is "
+                    "an embedding model: send one text per input" if is_pair
+                    else f"input {indices[0]} has no text_pair: a rerank (cross-encoder) model "
+                    "scores (query, passage) pairs"
+                )
             if max_length is not None and max_length < self._min_length[is_pair]:
                 raise ValueError(
                     f"max_length {max_length} is shorter than the special tokens need "
@@ -193,19 +199,6 @@ class HFBackend:
         n_prefix = min(max(n_prefix, encoding.prompt_length), encoding.length - n_suffix)
         ids = sliding_windows(encoding.ids, n_prefix, n_suffix, max_length, overlap)
         return [HFEncoding(window, None, encoding.prompt_length) for window in ids]
-
-    def _check_inputs(self, inputs: Sequence[TextInput]) -> None:
-        for i, item in enumerate(inputs):
-            if self.info.task in ("embed", "sparse") and item.text_pair is not None:
-                raise BadRequest(
-                    f"input {i} is a (text, text_pair) pair, but {self.info.model} is an "
-                    "embedding model: send one text per input"
-                )
-            if self.info.task == "rerank" and item.text_pair is None:
-                raise BadRequest(
-                    f"input {i} has no text_pair: a rerank (cross-encoder) model scores "
-                    "(query, passage) pairs"
-                )
 
     def _prepare(self, text: str) -> str:
         return text.lower() if self._lowercase else text

@@ -79,33 +79,15 @@ class Dense(torch.nn.Module):
         return out
 
 
-def load_dense_head(
-    source: ModelSource, configs: Sequence[DenseConfig], in_features: int
-) -> tuple[torch.nn.Sequential | None, int]:
-    """The Dense modules in order and the size they end with (None: none); a size
-    mismatch is a ConfigError at start-up."""
-    modules, size = [], in_features
-    for config in configs:
-        if config.in_features != size:
-            raise ConfigError(
-                f"model {source.name!r}: Dense module {config.path!r} takes {config.in_features} "
-                f"values but is given {size}"
-            )
-        module = Dense(config)
-        try:
-            module.load_state_dict(_dense_weights(source, config, module), strict=True)
-        except RuntimeError as exc:  # a tensor of the wrong shape
-            message = str(exc).splitlines()[-1].strip()
-            raise ConfigError(f"model {source.name!r}: Dense {config.path!r}: {message}") from exc
-        modules.append(module)
-        size = config.out_features
-    return (torch.nn.Sequential(*modules).eval() if modules else None), size
-
-
-def _dense_weights(
-    source: ModelSource, config: DenseConfig, module: Dense
-) -> dict[str, torch.Tensor]:
-    """The module's tensors (safetensors, else ``weights_only`` pickle), checked by name."""
+def _load_dense(source: ModelSource, config: DenseConfig, given: int) -> Dense:
+    """One Dense module given ``given`` values, its tensors read (safetensors, else a
+    ``weights_only`` pickle) and checked by name and shape: a mismatch is a ConfigError."""
+    if config.in_features != given:
+        raise ConfigError(
+            f"model {source.name!r}: Dense module {config.path!r} takes {config.in_features} "
+            f"values but is given {given}"
+        )
+    module = Dense(config)
     safetensors_path = find_file(source, join(config.path, "model.safetensors"))
     bin_path = find_file(source, join(config.path, "pytorch_model.bin"))
     try:
@@ -131,7 +113,12 @@ def _dense_weights(
             f"model {source.name!r}: Dense module {config.path!r} holds {got}, "
             f"expected {sorted(expected)}"
         )
-    return {key: value.float() for key, value in state.items()}
+    try:
+        module.load_state_dict({key: value.float() for key, value in state.items()}, strict=True)
+    except RuntimeError as exc:  # a tensor of the wrong shape
+        message = str(exc).splitlines()[-1].strip()
+        raise ConfigError(f"model {source.name!r}: Dense {config.path!r}: {message}") from exc
+    return module
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +166,11 @@ def build_embedding_head(
             log.warning("model %r was trained with %s pooling; using %s as configured",
                         source.name, "+".join(saved), chosen)
         modes = (chosen,)
-    dense, dim = load_dense_head(source, st.dense, hidden_size * len(modes))
-    if dense is not None:
-        dense = dense.to(device)
+    modules, dim = [], hidden_size * len(modes)
+    for config in st.dense:
+        modules.append(_load_dense(source, config, dim))
+        dim = config.out_features
+    dense = torch.nn.Sequential(*modules).eval().to(device) if modules else None
     normalize = st.normalize if options.normalize == "auto" else options.normalize == "true"
     return EmbeddingHead(modes, st.include_prompt, normalize, dense, dim)
 

@@ -73,9 +73,7 @@ class SentenceTransformerConfig:
     splade: tuple[str, str] | None = None  # a SPLADE model's pooling strategy and activation
 
 
-def read_sentence_transformer_config(
-    source: ModelSource, task: str
-) -> SentenceTransformerConfig:
+def read_sentence_transformer_config(source: ModelSource, task: str) -> SentenceTransformerConfig:
     """Read modules.json and the files it points to (a plain transformers model has none;
     a classifier's are not read); any layout but :func:`_check_order`'s is a ConfigError."""
     if task == "classify":
@@ -88,7 +86,12 @@ def read_sentence_transformer_config(
                 "sentence-transformers SparseEncoder (MLMTransformer, SpladePooling)"
             )
         return SentenceTransformerConfig(prompts=_prompts({}, task, source)[0])
-    kinds = [(_kind(m), str(m.get("path", "")).strip("/")) for m in _ordered(modules, source)]
+    if not all(isinstance(m, Mapping) for m in modules):
+        raise ConfigError(f"model {source.name!r}: modules.json must be a list of objects")
+    kinds = [  # each module's class name and folder, in order
+        (str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", "")).strip("/"))
+        for m in sorted(modules, key=lambda m: m.get("idx", 0))
+    ]
     _check_order(source, task, [kind for kind, _ in kinds])
     subfolder, pooling, include_prompt, dense, normalize, splade = "", None, True, [], False, None
     for kind, path in kinds:
@@ -135,16 +138,6 @@ def pooling_modes(value: Any, where: str) -> tuple[PoolingMode, ...]:
     if unknown:
         raise ValueError(f"pooling_mode {unknown} in {where} is not one of {list(POOLING_MODES)}")
     return tuple(names)
-
-
-def _kind(module: Mapping[str, Any]) -> str:
-    return str(module.get("type", "")).rsplit(".", 1)[-1]
-
-
-def _ordered(modules: list[Any], source: ModelSource) -> list[Mapping[str, Any]]:
-    if not all(isinstance(m, Mapping) for m in modules):
-        raise ConfigError(f"model {source.name!r}: modules.json must be a list of objects")
-    return sorted(modules, key=lambda m: m.get("idx", 0))
 
 
 _LAYOUTS = {  # the modules tokenq runs for each task: in words, and as a pattern over their kinds
