@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, DeviceOutOfMemory
+from tokenq.shared.errors import BadRequest, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backends.base import BackendInfo, TextInput
 from tokenq.worker.backends.chunks import sliding_windows
 from tokenq.worker.backends.hf.encoding import HFEncoding, pad_rows, prompt_lengths
@@ -36,9 +36,7 @@ from tokenq.worker.backends.hf.load import (
 from tokenq.worker.backends.hf.prefix import PrefixTokenizer
 from tokenq.worker.backends.hf.runtime import (
     Encoder,
-    Runtime,
     build_encoder,
-    check_quantize,
     resolve_autocast,
     resolve_device,
     resolve_dtype,
@@ -101,11 +99,6 @@ class HFBackend:
     def load(cls, options: HFOptions) -> HFBackend:
         """Load model and tokenizer as ``options`` say; every refusal is a ConfigError."""
         source = resolve_model(options.model)
-        if options.task == "sparse" and options.runtime == "onnx":
-            raise ConfigError(
-                f"model {source.name!r}: --task sparse runs on --runtime torch only "
-                "(the ONNX export does not take a masked-LM head)"
-            )
         st = read_sentence_transformer_config(source, options.task)
         sparse = None if st.splade is None else SparseHead(*st.splade)
         tokenizer_path = tokenizer_json(source, st.subfolder)
@@ -114,12 +107,7 @@ class HFBackend:
         autocast = resolve_autocast(options.dtype, device)  # refused here, before the load
         if device.type == "cpu":
             bound_library_caches()  # before any forward creates the caches
-        # A sparse model stays on torch whatever --runtime auto would pick.
-        runtime: Runtime = (
-            "torch" if sparse is not None
-            else resolve_runtime(options.runtime, device, autocast or dtype)
-        )
-        check_quantize(options, runtime)  # before the slow load
+        runtime = resolve_runtime(options, device, autocast or dtype)  # before the slow load
         tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
         model.to(device).eval()
         head = None

@@ -173,43 +173,44 @@ def import_onnxruntime() -> Any:
     return onnxruntime
 
 
-def resolve_runtime(requested: str, device: torch.device, dtype: torch.dtype) -> Runtime:
-    """``--runtime`` made concrete for this device and dtype, or a ConfigError saying why not."""
-    if requested == "torch":
-        return "torch"
-    fits = device.type == "cpu" and dtype == torch.float32
-    if requested == "auto":
-        try:
-            return "onnx" if fits and import_onnxruntime() else "torch"
-        except ConfigError:  # the extra is not installed
-            return "torch"
-    if device.type != "cpu":
+def resolve_runtime(options: HFOptions, device: torch.device, dtype: torch.dtype) -> Runtime:
+    """``--runtime`` made concrete for this task, device and dtype, and ``--quantize`` refused
+    on torch (saying which setting made it torch); a ConfigError says why not."""
+    runtime: Runtime = "torch"
+    if options.task == "sparse" and options.runtime == "onnx":
         raise ConfigError(
-            f"--runtime onnx runs on the CPU only, not {device}: ONNX Runtime's CUDA provider "
-            "is not offered until it is measured faster than torch fp16; use --runtime torch"
+            "--task sparse runs on --runtime torch only (the ONNX export does not take a "
+            "masked-LM head)"
         )
-    if dtype != torch.float32:
+    if options.task != "sparse" and options.runtime == "auto":
+        with contextlib.suppress(ConfigError):  # the extra is not installed
+            if device.type == "cpu" and dtype == torch.float32 and import_onnxruntime():
+                runtime = "onnx"
+    elif options.runtime == "onnx":
+        if device.type != "cpu":
+            raise ConfigError(
+                f"--runtime onnx runs on the CPU only, not {device}: ONNX Runtime's CUDA "
+                "provider is not offered until it is measured faster than torch fp16; use "
+                "--runtime torch"
+            )
+        if dtype != torch.float32:
+            raise ConfigError(
+                f"--runtime onnx runs in fp32 only, not {str(dtype).removeprefix('torch.')}: "
+                "use --dtype fp32 or --runtime torch"
+            )
+        import_onnxruntime()
+        runtime = "onnx"
+    if options.quantize != "none" and runtime == "torch":
+        why = (
+            "--task sparse runs on torch only" if options.task == "sparse"
+            else "--runtime auto chose torch for this device and dtype" if options.runtime == "auto"
+            else "--runtime torch"
+        )
         raise ConfigError(
-            f"--runtime onnx runs in fp32 only, not {str(dtype).removeprefix('torch.')}: "
-            "use --dtype fp32 or --runtime torch"
+            f"--quantize {options.quantize} quantises the ONNX graph and needs --runtime onnx "
+            f"({why}): use --runtime onnx or --quantize none"
         )
-    import_onnxruntime()
-    return "onnx"
-
-
-def check_quantize(options: HFOptions, runtime: Runtime) -> None:
-    """Refuse ``--quantize`` on the torch runtime, saying which setting made it torch."""
-    if options.quantize == "none" or runtime == "onnx":
-        return
-    why = (
-        "--task sparse runs on torch only" if options.task == "sparse"
-        else "--runtime auto chose torch for this device and dtype" if options.runtime == "auto"
-        else "--runtime torch"
-    )
-    raise ConfigError(
-        f"--quantize {options.quantize} quantises the ONNX graph and needs --runtime onnx "
-        f"({why}): use --runtime onnx or --quantize none"
-    )
+    return runtime
 
 
 def build_encoder(
