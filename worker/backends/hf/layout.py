@@ -129,17 +129,6 @@ def torch_nn_class(path: str) -> str | None:
     return parts[-1] if parts[-1].isidentifier() else None
 
 
-def pooling_modes(value: Any, where: str) -> tuple[PoolingMode, ...]:
-    """A ``pooling_mode`` value (one name or a list of names) as a tuple; ValueError if unknown."""
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list | tuple) or not names:
-        raise ValueError(f"pooling_mode in {where} must be a mode or a list of modes: {value!r}")
-    unknown = [name for name in names if name not in POOLING_MODES]
-    if unknown:
-        raise ValueError(f"pooling_mode {unknown} in {where} is not one of {list(POOLING_MODES)}")
-    return tuple(names)
-
-
 _LAYOUTS = {  # the modules tokenq runs for each task: in words, and as a pattern over their kinds
     "embed": ("Transformer, Pooling, then any Dense, then Normalize",
               r"Transformer Pooling( Dense)*( Normalize)?"),
@@ -197,17 +186,22 @@ def _transformer_config(source: ModelSource, subfolder: str, task: str) -> Mappi
 
 
 def _pooling(source: ModelSource, filename: str) -> tuple[tuple[PoolingMode, ...], bool]:
-    """A Pooling config: the new ``pooling_mode`` key wins, else the legacy booleans, else mean."""
+    """A Pooling config's modes and include_prompt: the new ``pooling_mode`` key (a mode or a
+    list of modes) wins, else the legacy booleans, else mean."""
     config = read_json(source, filename) or {}
-    try:
-        if "pooling_mode" in config:
-            modes = pooling_modes(config["pooling_mode"], filename)
-        else:
-            enabled = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key))
-            modes = enabled or ("mean",)
-    except ValueError as exc:
-        raise ConfigError(f"model {source.name!r}: {exc}") from exc
-    return modes, bool(config.get("include_prompt", True))
+    if "pooling_mode" not in config:
+        enabled = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key))
+        return enabled or ("mean",), bool(config.get("include_prompt", True))
+    value = config["pooling_mode"]
+    modes = [value] if isinstance(value, str) else value
+    if not isinstance(modes, list | tuple) or not modes or any(
+        mode not in POOLING_MODES for mode in modes
+    ):
+        raise ConfigError(
+            f"model {source.name!r}: pooling_mode {value!r} in {filename} is not a mode or a "
+            f"list of modes of {list(POOLING_MODES)}"
+        )
+    return tuple(modes), bool(config.get("include_prompt", True))
 
 
 def _dense(source: ModelSource, path: str) -> DenseConfig:

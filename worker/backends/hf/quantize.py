@@ -271,7 +271,11 @@ def int8_encoder(
     """The int8 twin of ``fp32`` (the session on ``fp32_path``) that passes the gate: the
     cached choice, else :func:`_choose`'s; else a ConfigError naming the lowest cosine."""
     calibration = Calibration(fp32, request)
-    choice_file = _choice_file(fp32_path, request)
+    # The choice is kept keyed by the gate, the recipe and the calibration set.
+    choice_file = fp32_path.parent / "int8-choice-{}.json".format(cache_key({
+        "gate": request.min_cosine, "pairs": request.pairs, "max_tokens": request.max_tokens,
+        "calibration": CALIBRATION_PAIRS if request.pairs else CALIBRATION_TEXTS,
+    }))
     cached, nodes = _read_choice(choice_file)
     if cached is not None:
         path = quantized_model(fp32_path, family=request.model, exclude=cached)
@@ -392,14 +396,6 @@ def _sensitivity(
         log.info("onnx runtime: sensitivity %d/%d: %s alone in int8 loses %.5f",
                  done, len(tried), node, loss[node])
     return sorted(nodes, key=lambda node: -loss.get(node, 0.0)), len(loss)
-
-
-def _choice_file(fp32: Path, request: Int8Request) -> Path:
-    """Where the chosen exclusion list is kept: keyed by the gate, the recipe and the set."""
-    described = {"gate": request.min_cosine, "pairs": request.pairs,
-                 "max_tokens": request.max_tokens,
-                 "calibration": CALIBRATION_PAIRS if request.pairs else CALIBRATION_TEXTS}
-    return fp32.parent / f"int8-choice-{cache_key(described)}.json"
 
 
 def _read_choice(file: Path) -> tuple[list[str] | None, int]:
