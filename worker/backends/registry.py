@@ -104,16 +104,14 @@ def by_name(name: str) -> BackendEntry | None:
 
 
 @functools.cache
-def plugin_entry(spec: str) -> BackendEntry | None:
-    """The :class:`BackendEntry` a ``pkg.mod:attr`` spec names, or None (it does not
-    import, or names a plain factory)."""
+def entry_for(spec: str) -> BackendEntry | None:
+    """The entry of the backend a ``--backend`` value chooses: registered, or a plugin's
+    ``pkg.mod:attr`` naming one; None for a plain factory or a spec that does not import."""
+    found = by_name(spec)
+    if found is not None:
+        return found
     try:
         target = resolve(spec.strip())
     except Exception:  # reported, with its cause, when the backend is loaded
         return None
     return target if isinstance(target, BackendEntry) else None
-
-
-def entry_for(spec: str) -> BackendEntry | None:
-    """The entry of the backend a ``--backend`` value chooses (registered or plugin), or None."""
-    return by_name(spec) or plugin_entry(spec)
