@@ -422,7 +422,7 @@ def load_torch_model(model: str | None, dtype: str) -> tuple[Any, Any, Path]:
 
     from tokenq.worker.backends.hf.layout import read_sentence_transformer_config
     from tokenq.worker.backends.hf.load import find_file, join, load_pretrained, resolve_model
-    from tokenq.worker.backends.hf.options import HFOptions
+    from tokenq.worker.backends.hf.settings import HFOptions
 
     torch_dtype = {"fp16": torch.float16, "fp32": torch.float32}[dtype]
     source = resolve_model(model)

@@ -36,7 +36,7 @@ from tokenq.shared.errors import ConfigError  # noqa: E402
 from tokenq.shared.flags import parse_settings  # noqa: E402
 from tokenq.worker.backends.base import TextInput  # noqa: E402
 from tokenq.worker.backends.hf import backend as backend_module  # noqa: E402
-from tokenq.worker.backends.hf import options as options_module  # noqa: E402
+from tokenq.worker.backends.hf import runtime as runtime_module  # noqa: E402
 from tokenq.worker.backends.hf.backend import HFBackend, HFOptions  # noqa: E402
 from tokenq.worker.backends.hf.load import bundled_model_dir  # noqa: E402
 from tokenq.worker.settings import settings_class_for  # noqa: E402
@@ -47,7 +47,7 @@ SAMPLE = REPO_ROOT / "scripts" / "data" / "sample.jsonl"
 @pytest.fixture
 def bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """This CPU said to have bf16 instructions (emulated by torch where it has not)."""
-    monkeypatch.setattr(options_module, "cpu_has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(runtime_module, "cpu_has_bf16_matmul", lambda: True)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_a_cpu_without_bf16_refuses_it_before_the_model_loads(
 ) -> None:
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
-    assert not options_module.cpu_has_bf16_matmul()
+    assert not runtime_module.cpu_has_bf16_matmul()
 
     def never(*_: object, **__: object) -> None:
         raise AssertionError("the model was loaded before the refusal")
@@ -115,7 +115,7 @@ def test_a_cpu_without_bf16_refuses_it_before_the_model_loads(
 def test_a_torch_without_the_probes_refuses_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
-    assert not options_module.cpu_has_bf16_matmul()
+    assert not runtime_module.cpu_has_bf16_matmul()
 
 
 @pytest.mark.usefixtures("bf16_cpu")

@@ -185,7 +185,7 @@ def test_resident_memory_is_flat_over_2016_batch_shapes_in_fp32_and_bf16_mixed(
     bf16-mixed; bounded, +55 and +184 MiB at most, the second half adding 3 MiB to each
     half's peak. So: the growth stays under 256 MiB (the capped caches' share, bf16-mixed)
     plus the slack plus a forward, and the second half's peak within a slack of the first's."""
-    from tokenq.worker.backends.hf.options import cpu_has_bf16_matmul
+    from tokenq.worker.backends.hf.runtime import cpu_has_bf16_matmul
 
     dtypes = ["fp32"] + (["bf16-mixed"] if cpu_has_bf16_matmul() else [])
     model = str(write_tiny_bert(tmp_path / "m", max_position_embeddings=160))

@@ -150,24 +150,27 @@ def test_without_the_extra_onnx_is_refused_by_name_and_auto_picks_torch(
     monkeypatch.setitem(sys.modules, missing, None)  # the import fails, as when not installed
     with pytest.raises(ConfigError, match=r"--runtime onnx needs .*pip install 'tokenq\[onnx\]'"):
         load(bert, tmp_path)
-    assert resolve_runtime("auto", CPU, torch.float32) == "torch"
+    assert resolve_runtime(HFOptions(runtime="auto"), CPU, torch.float32) == "torch"
     backend = HFBackend.load(HFOptions(model=str(bert), device="cpu", runtime="auto"))
     assert backend.info.extra["runtime"] == "torch"
     assert not list(tmp_path.iterdir())
 
 
 def test_auto_picks_onnx_on_the_cpu_in_fp32_and_torch_otherwise() -> None:
-    assert resolve_runtime("auto", CPU, torch.float32) == "onnx"
-    assert resolve_runtime("auto", CPU, torch.bfloat16) == "torch"
-    assert resolve_runtime("auto", torch.device("cuda", 0), torch.float16) == "torch"
-    assert resolve_runtime("torch", CPU, torch.float32) == "torch"
+    auto = HFOptions(runtime="auto")
+    assert resolve_runtime(auto, CPU, torch.float32) == "onnx"
+    assert resolve_runtime(auto, CPU, torch.bfloat16) == "torch"
+    assert resolve_runtime(auto, torch.device("cuda", 0), torch.float16) == "torch"
+    assert resolve_runtime(HFOptions(runtime="torch"), CPU, torch.float32) == "torch"
+    sparse = HFOptions(runtime="auto", task="sparse")  # a SPLADE head runs on torch only
+    assert resolve_runtime(sparse, CPU, torch.float32) == "torch"
 
 
 def test_onnx_is_refused_on_cuda_and_outside_fp32() -> None:
     with pytest.raises(ConfigError, match=r"CPU only, not cuda:0.*--runtime torch"):
-        resolve_runtime("onnx", torch.device("cuda", 0), torch.float32)
+        resolve_runtime(HFOptions(runtime="onnx"), torch.device("cuda", 0), torch.float32)
     with pytest.raises(ConfigError, match=r"fp32 only, not bfloat16"):
-        resolve_runtime("onnx", CPU, torch.bfloat16)
+        resolve_runtime(HFOptions(runtime="onnx"), CPU, torch.bfloat16)
 
 
 def test_a_family_the_exporter_cannot_take_is_refused_by_name(

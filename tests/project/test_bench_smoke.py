@@ -216,7 +216,7 @@ def test_real_compares_bf16_mixed_with_fp32(tmp_path: Path) -> None:
     """``real --dtype bf16-mixed``: the bf16-mixed rows beside fp32's, its vectors within
     0.9999 of sentence-transformers', the ratio (not its size) and the command to rerun it."""
     pytest.importorskip("sentence_transformers")
-    from tokenq.worker.backends.hf.options import cpu_has_bf16_matmul
+    from tokenq.worker.backends.hf.runtime import cpu_has_bf16_matmul
 
     if not cpu_has_bf16_matmul():
         pytest.skip("this CPU has no bf16 instructions: the worker refuses bf16-mixed")

@@ -180,7 +180,7 @@ def test_a_setting_two_commands_share_is_defined_once() -> None:
 
 def test_the_hf_options_are_the_worker_settings_own_definitions() -> None:
     pytest.importorskip("torch")
-    from tokenq.worker.backends.hf.options import HFOptions
+    from tokenq.worker.backends.hf.settings import HFOptions
 
     assert issubclass(WorkerSettings, HFSettings) and issubclass(HFOptions, HFSettings)
     for name in HFSettings.model_fields:

@@ -8,11 +8,13 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
 
+from tokenq.shared.errors import ConfigError
 from tokenq.shared.failures import error_text
 from tokenq.shared.settings import BackendSettings
 
@@ -37,27 +39,50 @@ class BackendEntry:
 
     def builder(self) -> Callable[[Any], Any]:
         """The builder itself, importing its module when it was named by path."""
-        return _resolve(self.build) if isinstance(self.build, str) else self.build
+        return resolve(self.build) if isinstance(self.build, str) else self.build
 
     def __call__(self, settings: Any) -> Any:
         """Build the backend: an entry is also the ``factory(settings)`` a plugin names."""
         return self.builder()(settings)
 
 
-def _resolve(path: str) -> Any:
-    """The object a ``module:attribute`` path names."""
-    module, _, attr = path.partition(":")
-    target: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        target = getattr(target, part)
-    return target
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_SPEC = re.compile(rf"^{_IDENTIFIER}(\.{_IDENTIFIER})*:{_IDENTIFIER}(\.{_IDENTIFIER})*$")
+
+
+def resolve(spec: str) -> Any:
+    """The object a ``package.module:attribute`` spec names, or a ConfigError saying why not."""
+    if not _SPEC.match(spec):
+        names = ", ".join(repr(entry.name) for entry in registered())
+        raise ConfigError(f"it is not {names} or a plugin as 'package.module:factory'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        why = (
+            f"module {module_name!r} not found"
+            if exc.name and (module_name + ".").startswith(exc.name + ".")
+            else f"importing {module_name!r} failed, it needs {exc.name!r}, which is not installed"
+        )
+        hint = (
+            "install the worker extra: pip install 'tokenq[worker]'"
+            if module_name.startswith("tokenq.")
+            else "is it installed, or on PYTHONPATH?"
+        )
+        raise ConfigError(f"{why} ({hint})") from exc
+    except Exception as exc:
+        raise ConfigError(f"importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
+    try:
+        return functools.reduce(getattr, attr.split("."), module)
+    except AttributeError:
+        raise ConfigError(f"module {module_name!r} has no attribute {attr!r}") from None
 
 
 @functools.cache
 def registered() -> tuple[BackendEntry, ...]:
     """Every registered backend: built-in, then entry points (one that fails to load is
     logged and left out)."""
-    found = [_resolve(path) for path in BUILT_IN]
+    found = [resolve(path) for path in BUILT_IN]
     names = {entry.name for entry in found}
     for point in entry_points(group=ENTRY_POINT_GROUP):
         if point.name in names:
@@ -79,18 +104,14 @@ def by_name(name: str) -> BackendEntry | None:
 
 
 @functools.cache
-def plugin_entry(spec: str) -> BackendEntry | None:
-    """The :class:`BackendEntry` a ``pkg.mod:attr`` spec names, or None (it does not
-    import, or names a plain factory)."""
-    if ":" not in spec:
-        return None
+def entry_for(spec: str) -> BackendEntry | None:
+    """The entry of the backend a ``--backend`` value chooses: registered, or a plugin's
+    ``pkg.mod:attr`` naming one; None for a plain factory or a spec that does not import."""
+    found = by_name(spec)
+    if found is not None:
+        return found
     try:
-        target = _resolve(spec.strip())
+        target = resolve(spec.strip())
     except Exception:  # reported, with its cause, when the backend is loaded
         return None
     return target if isinstance(target, BackendEntry) else None
-
-
-def entry_for(spec: str) -> BackendEntry | None:
-    """The entry of the backend a ``--backend`` value chooses (registered or plugin), or None."""
-    return by_name(spec) or plugin_entry(spec)

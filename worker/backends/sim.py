@@ -285,7 +285,7 @@ class SimTokenizer:
         return [encode(item.prompt + item.text, item.text_pair, max_length) for item in inputs]
 
 
-class SimBackend:
+class SimBackend(SimTokenizer):
     """A simulated encoder on a simulated device; see the module docstring."""
 
     def __init__(
@@ -312,10 +312,7 @@ class SimBackend:
         self.busy_s = 0.0
         self.closed = False
         self._oversleep_s = 0.0
-        _bmp_classes()  # built now, not on the first request's path
-
-    def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[Encoding]:
-        return SimTokenizer.tokenize(inputs, max_length)
+        super().__init__()
 
     def tokenizer_factory(self) -> Callable[[], SimTokenizer]:
         """The sim's tokenizer for ``--tokenize-processes`` (it is Python, so it holds the GIL)."""

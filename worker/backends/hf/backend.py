@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenq.shared.errors import BadRequest, ConfigError, DeviceLost, DeviceOutOfMemory
+from tokenq.shared.errors import BadRequest, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backends.base import BackendInfo, TextInput
 from tokenq.worker.backends.chunks import sliding_windows
 from tokenq.worker.backends.hf.encoding import HFEncoding, pad_rows, prompt_lengths
@@ -33,20 +33,16 @@ from tokenq.worker.backends.hf.load import (
     resolve_model,
     tokenizer_json,
 )
-from tokenq.worker.backends.hf.options import (
-    HFOptions,
-    resolve_autocast,
-    resolve_device,
-    resolve_dtype,
-)
 from tokenq.worker.backends.hf.prefix import PrefixTokenizer
 from tokenq.worker.backends.hf.runtime import (
     Encoder,
-    Runtime,
     build_encoder,
-    check_quantize,
+    resolve_autocast,
+    resolve_device,
+    resolve_dtype,
     resolve_runtime,
 )
+from tokenq.worker.backends.hf.settings import HFOptions
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +99,7 @@ class HFBackend:
     def load(cls, options: HFOptions) -> HFBackend:
         """Load model and tokenizer as ``options`` say; every refusal is a ConfigError."""
         source = resolve_model(options.model)
-        if options.task == "sparse" and options.runtime == "onnx":
-            raise ConfigError(
-                f"model {source.name!r}: --task sparse runs on --runtime torch only "
-                "(the ONNX export does not take a masked-LM head)"
-            )
-        st = SentenceTransformerConfig()
-        if options.task != "classify":
-            st = read_sentence_transformer_config(source, options.task)
+        st = read_sentence_transformer_config(source, options.task)
         sparse = None if st.splade is None else SparseHead(*st.splade)
         tokenizer_path = tokenizer_json(source, st.subfolder)
         device = resolve_device(options.device)
@@ -118,12 +107,7 @@ class HFBackend:
         autocast = resolve_autocast(options.dtype, device)  # refused here, before the load
         if device.type == "cpu":
             bound_library_caches()  # before any forward creates the caches
-        # A sparse model stays on torch whatever --runtime auto would pick.
-        runtime: Runtime = (
-            "torch" if sparse is not None
-            else resolve_runtime(options.runtime, device, autocast or dtype)
-        )
-        check_quantize(options, runtime)  # before the slow load
+        runtime = resolve_runtime(options, device, autocast or dtype)  # before the slow load
         tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
         model.to(device).eval()
         head = None
@@ -150,13 +134,19 @@ class HFBackend:
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[HFEncoding]:
         """One fast-tokenizer call per kind of input (single, pair); the prompt goes before the
         text, truncation keeps the specials and cuts pairs 'longest_first'."""
-        self._check_inputs(inputs)
-        singles = [i for i, item in enumerate(inputs) if item.text_pair is None]
-        pairs = [i for i, item in enumerate(inputs) if item.text_pair is not None]
         out: list[HFEncoding | None] = [None] * len(inputs)
-        for indices, is_pair in ((singles, False), (pairs, True)):
+        task = self.info.task
+        for is_pair in (False, True):
+            indices = [i for i, item in enumerate(inputs) if (item.text_pair is None) != is_pair]
             if not indices:
                 continue
+            if task != "classify" and is_pair != (task == "rerank"):
+                raise BadRequest(
+                    f"input {indices[0]} is a (text, text_pair) pair, but {self.info.model} is "
+                    "an embedding model: send one text per input" if is_pair
+                    else f"input {indices[0]} has no text_pair: a rerank (cross-encoder) model "
+                    "scores (query, passage) pairs"
+                )
             if max_length is not None and max_length < self._min_length[is_pair]:
                 raise ValueError(
                     f"max_length {max_length} is shorter than the special tokens need "
@@ -197,19 +187,6 @@ class HFBackend:
         n_prefix = min(max(n_prefix, encoding.prompt_length), encoding.length - n_suffix)
         ids = sliding_windows(encoding.ids, n_prefix, n_suffix, max_length, overlap)
         return [HFEncoding(window, None, encoding.prompt_length) for window in ids]
-
-    def _check_inputs(self, inputs: Sequence[TextInput]) -> None:
-        for i, item in enumerate(inputs):
-            if self.info.task in ("embed", "sparse") and item.text_pair is not None:
-                raise BadRequest(
-                    f"input {i} is a (text, text_pair) pair, but {self.info.model} is an "
-                    "embedding model: send one text per input"
-                )
-            if self.info.task == "rerank" and item.text_pair is None:
-                raise BadRequest(
-                    f"input {i} has no text_pair: a rerank (cross-encoder) model scores "
-                    "(query, passage) pairs"
-                )
 
     def _prepare(self, text: str) -> str:
         return text.lower() if self._lowercase else text

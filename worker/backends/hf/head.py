@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from tokenq.worker.backends.hf.layout import (
     SentenceTransformerConfig,
 )
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join
-from tokenq.worker.backends.hf.options import HFOptions
+from tokenq.worker.backends.hf.settings import HFOptions
 
 log = logging.getLogger(__name__)
 
@@ -37,51 +37,26 @@ def pool(
     if skip is not None:
         positions = torch.arange(weights.shape[1], device=weights.device)
         weights = weights * (positions.unsqueeze(0) >= skip.unsqueeze(1))
-    return torch.cat([_POOLERS[mode](hidden, weights) for mode in modes], dim=-1)
+    return torch.cat([_pool(mode, hidden, weights) for mode in modes], dim=-1)
 
 
-def _cls(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    first = mask.argmax(dim=1)  # the first pooled token; 0 for a row with none
-    return hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
-
-
-def _max(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    masked = hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values
-    return torch.where(mask.sum(dim=1, keepdim=True) > 0, masked, torch.zeros_like(masked))
-
-
-def _sum_and_count(hidden: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = (hidden * mask.unsqueeze(-1)).sum(dim=1)
-    return summed, mask.sum(dim=1, keepdim=True).clamp(min=1e-9)
-
-
-def _mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    summed, count = _sum_and_count(hidden, mask)
-    return summed / count
-
-
-def _mean_sqrt_len(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    summed, count = _sum_and_count(hidden, mask)
-    return summed / count.sqrt()
-
-
-def _weighted_mean(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
-    weights = mask * positions.unsqueeze(0)
-    summed = (hidden * weights.unsqueeze(-1)).sum(dim=1)
-    return summed / weights.sum(dim=1, keepdim=True).clamp(min=1e-9)
-
-
-def _last_token(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    last = mask.shape[1] - 1 - mask.flip(1).argmax(dim=1)
+def _pool(mode: PoolingMode, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One mode of sentence-transformers' Pooling under a float ``mask``; a row with no
+    pooled token pools to zeros."""
     rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return hidden[rows, last] * mask[rows, last].unsqueeze(-1)  # zeros for a row with none
-
-
-_POOLERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "cls": _cls, "max": _max, "mean": _mean, "mean_sqrt_len_tokens": _mean_sqrt_len,
-    "weightedmean": _weighted_mean, "lasttoken": _last_token,
-}
+    if mode == "cls":
+        return hidden[rows, mask.argmax(dim=1)]  # the first pooled token
+    if mode == "lasttoken":
+        last = mask.shape[1] - 1 - mask.flip(1).argmax(dim=1)
+        return hidden[rows, last] * mask[rows, last].unsqueeze(-1)
+    if mode == "max":
+        masked = hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values
+        return torch.where(mask.sum(dim=1, keepdim=True) > 0, masked, torch.zeros_like(masked))
+    if mode == "weightedmean":  # a mean weighted by position, 1 for the first token
+        mask = mask * torch.arange(1, mask.shape[1] + 1, device=mask.device, dtype=mask.dtype)
+    summed = (hidden * mask.unsqueeze(-1)).sum(dim=1)
+    count = mask.sum(dim=1, keepdim=True).clamp(min=1e-9)
+    return summed / (count.sqrt() if mode == "mean_sqrt_len_tokens" else count)
 
 
 class Dense(torch.nn.Module):
@@ -104,33 +79,15 @@ class Dense(torch.nn.Module):
         return out
 
 
-def load_dense_head(
-    source: ModelSource, configs: Sequence[DenseConfig], in_features: int
-) -> tuple[torch.nn.Sequential | None, int]:
-    """The Dense modules in order and the size they end with (None: none); a size
-    mismatch is a ConfigError at start-up."""
-    modules, size = [], in_features
-    for config in configs:
-        if config.in_features != size:
-            raise ConfigError(
-                f"model {source.name!r}: Dense module {config.path!r} takes {config.in_features} "
-                f"values but is given {size}"
-            )
-        module = Dense(config)
-        try:
-            module.load_state_dict(_dense_weights(source, config, module), strict=True)
-        except RuntimeError as exc:  # a tensor of the wrong shape
-            message = str(exc).splitlines()[-1].strip()
-            raise ConfigError(f"model {source.name!r}: Dense {config.path!r}: {message}") from exc
-        modules.append(module)
-        size = config.out_features
-    return (torch.nn.Sequential(*modules).eval() if modules else None), size
-
-
-def _dense_weights(
-    source: ModelSource, config: DenseConfig, module: Dense
-) -> dict[str, torch.Tensor]:
-    """The module's tensors (safetensors, else ``weights_only`` pickle), checked by name."""
+def _load_dense(source: ModelSource, config: DenseConfig, given: int) -> Dense:
+    """One Dense module given ``given`` values, its tensors read (safetensors, else a
+    ``weights_only`` pickle) and checked by name and shape: a mismatch is a ConfigError."""
+    if config.in_features != given:
+        raise ConfigError(
+            f"model {source.name!r}: Dense module {config.path!r} takes {config.in_features} "
+            f"values but is given {given}"
+        )
+    module = Dense(config)
     safetensors_path = find_file(source, join(config.path, "model.safetensors"))
     bin_path = find_file(source, join(config.path, "pytorch_model.bin"))
     try:
@@ -156,7 +113,12 @@ def _dense_weights(
             f"model {source.name!r}: Dense module {config.path!r} holds {got}, "
             f"expected {sorted(expected)}"
         )
-    return {key: value.float() for key, value in state.items()}
+    try:
+        module.load_state_dict({key: value.float() for key, value in state.items()}, strict=True)
+    except RuntimeError as exc:  # a tensor of the wrong shape
+        message = str(exc).splitlines()[-1].strip()
+        raise ConfigError(f"model {source.name!r}: Dense {config.path!r}: {message}") from exc
+    return module
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +154,7 @@ def build_embedding_head(
     device: torch.device,
 ) -> EmbeddingHead:
     """The head as the model's files describe it, ``--pooling``/``--normalize`` overriding."""
-    saved = st.pooling.modes if st.pooling else None
+    saved = st.pooling
     modes: tuple[PoolingMode, ...]
     if options.pooling == "auto":
         if saved is None:
@@ -204,12 +166,13 @@ def build_embedding_head(
             log.warning("model %r was trained with %s pooling; using %s as configured",
                         source.name, "+".join(saved), chosen)
         modes = (chosen,)
-    dense, dim = load_dense_head(source, st.dense, hidden_size * len(modes))
-    if dense is not None:
-        dense = dense.to(device)
+    modules, dim = [], hidden_size * len(modes)
+    for config in st.dense:
+        modules.append(_load_dense(source, config, dim))
+        dim = config.out_features
+    dense = torch.nn.Sequential(*modules).eval().to(device) if modules else None
     normalize = st.normalize if options.normalize == "auto" else options.normalize == "true"
-    include_prompt = st.pooling.include_prompt if st.pooling else True
-    return EmbeddingHead(modes, include_prompt, normalize, dense, dim)
+    return EmbeddingHead(modes, st.include_prompt, normalize, dense, dim)
 
 
 class SparseHead:

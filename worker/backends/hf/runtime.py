@@ -1,12 +1,13 @@
-"""Which runtime runs the transformer (``--runtime``: torch, or ONNX Runtime on the CPU in
-fp32, checked against torch on every start: docs/decisions/0040-onnx-runtime.md), and the
-:data:`Encoder` each gives."""
+"""Where and how the transformer runs: the device and dtype the options come to, the runtime
+(``--runtime``: torch, or ONNX Runtime on the CPU in fp32, checked against torch on every
+start: docs/decisions/0040-onnx-runtime.md), and the :data:`Encoder` each gives."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -25,7 +26,6 @@ from tokenq.worker.backends.hf.export import (
     export,
 )
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join, pad_token_id
-from tokenq.worker.backends.hf.options import HFOptions
 from tokenq.worker.backends.hf.quantize import (
     CALIBRATION_MAX_TOKENS,
     Encoder,
@@ -33,6 +33,7 @@ from tokenq.worker.backends.hf.quantize import (
     Int8Request,
     int8_encoder,
 )
+from tokenq.worker.backends.hf.settings import HFOptions
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +42,77 @@ Runtime = Literal["torch", "onnx"]
 PROBE_TOLERANCE = 1e-4  # largest ONNX-vs-torch difference, relative to max(1, largest value)
 
 
-class TorchEncoder:
-    """The transformer in eager torch, as loaded."""
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def resolve_device(requested: str) -> torch.device:
+    """A concrete device (``cuda`` becomes ``cuda:<current>``), or a ConfigError saying why not."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"device {requested!r}: CUDA is not available to torch {torch.__version__}"
+        )
+    index = int(requested.split(":")[1]) if ":" in requested else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device {requested!r}: only {torch.cuda.device_count()} CUDA devices")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(requested: str, device: torch.device, *, explicit_device: bool) -> torch.dtype:
+    """The weights' dtype; fp16 on CPU is refused when the CPU was asked for, else fp32 with a
+    warning (a GPU config should still start on a CPU box)."""
+    if requested == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if requested == "bf16-mixed":  # the weights stay fp32: resolve_autocast says the rest
+        return torch.float32
+    if requested == "fp16" and device.type == "cpu":
+        if explicit_device:
+            raise ConfigError("dtype fp16 is not supported on device cpu: use fp32 or bf16")
+        warnings.warn("no CUDA device: running in fp32 instead of fp16", RuntimeWarning,
+                      stacklevel=3)
+        log.warning("no CUDA device: running in fp32 instead of fp16")
+        return torch.float32
+    if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"dtype bf16 is not supported on {device}: use fp16 or fp32")
+    return _DTYPES[requested]
+
+
+def resolve_autocast(requested: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the matrix products run in under ``--dtype bf16-mixed`` (else None); refused
+    on a CPU without bf16 instructions (docs/decisions/0041-bf16-mixed.md)."""
+    if requested != "bf16-mixed":
+        return None
+    if device.type == "cuda":
+        if not torch.cuda.is_bf16_supported():
+            raise ConfigError(f"dtype bf16-mixed is not supported on {device}: use fp16 or fp32")
+        return torch.bfloat16
+    if not cpu_has_bf16_matmul():
+        raise ConfigError(
+            "dtype bf16-mixed needs a CPU with bf16 instructions (AVX512-BF16 or AMX), "
+            "which this one lacks: torch would emulate bf16, slower than fp32; use fp32"
+        )
+    return torch.bfloat16
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch's private
+    probes report it (no when they are absent)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
+class TorchEncoder(Exportable):
+    """The transformer in eager torch, as loaded: the traced module, run under
+    :func:`attention_kernels` and, with ``autocast``, its mixed precision."""
 
     def __init__(
         self, model: torch.nn.Module, *, uses_type_ids: bool, logits: bool,
         autocast: torch.dtype | None = None,
     ) -> None:
-        self.model = model
-        self._uses_type_ids = uses_type_ids
-        self._logits = logits
+        super().__init__(model, INPUTS if uses_type_ids else INPUTS[:2], logits)
         parameter = next(model.parameters(), None)  # none: the CPU
         device = torch.device("cpu") if parameter is None else parameter.device
         self._attention = attention_kernels(device)
@@ -61,15 +123,10 @@ class TorchEncoder:
             else functools.partial(torch.autocast, device.type, dtype=autocast)
         )
 
-    def __call__(
-        self, ids: torch.Tensor, mask: torch.Tensor, type_ids: torch.Tensor
-    ) -> torch.Tensor:
-        kwargs = {"input_ids": ids, "attention_mask": mask}
-        if self._uses_type_ids:
-            kwargs["token_type_ids"] = type_ids
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        """(ids, mask, type ids): the type ids dropped where the model takes none."""
         with self._attention(), self._precision():
-            output = self.model(**kwargs)
-        result = output.logits if self._logits else output[0]
+            result = super().forward(*tensors[: len(self.inputs)])
         # Under autocast a model's last op may hand back bf16; the head after it is fp32.
         return result if self._autocast is None else result.float()
 
@@ -116,43 +173,44 @@ def import_onnxruntime() -> Any:
     return onnxruntime
 
 
-def resolve_runtime(requested: str, device: torch.device, dtype: torch.dtype) -> Runtime:
-    """``--runtime`` made concrete for this device and dtype, or a ConfigError saying why not."""
-    if requested == "torch":
-        return "torch"
-    fits = device.type == "cpu" and dtype == torch.float32
-    if requested == "auto":
-        try:
-            return "onnx" if fits and import_onnxruntime() else "torch"
-        except ConfigError:  # the extra is not installed
-            return "torch"
-    if device.type != "cpu":
+def resolve_runtime(options: HFOptions, device: torch.device, dtype: torch.dtype) -> Runtime:
+    """``--runtime`` made concrete for this task, device and dtype, and ``--quantize`` refused
+    on torch (saying which setting made it torch); a ConfigError says why not."""
+    runtime: Runtime = "torch"
+    if options.task == "sparse" and options.runtime == "onnx":
         raise ConfigError(
-            f"--runtime onnx runs on the CPU only, not {device}: ONNX Runtime's CUDA provider "
-            "is not offered until it is measured faster than torch fp16; use --runtime torch"
+            "--task sparse runs on --runtime torch only (the ONNX export does not take a "
+            "masked-LM head)"
         )
-    if dtype != torch.float32:
+    if options.task != "sparse" and options.runtime == "auto":
+        with contextlib.suppress(ConfigError):  # the extra is not installed
+            if device.type == "cpu" and dtype == torch.float32 and import_onnxruntime():
+                runtime = "onnx"
+    elif options.runtime == "onnx":
+        if device.type != "cpu":
+            raise ConfigError(
+                f"--runtime onnx runs on the CPU only, not {device}: ONNX Runtime's CUDA "
+                "provider is not offered until it is measured faster than torch fp16; use "
+                "--runtime torch"
+            )
+        if dtype != torch.float32:
+            raise ConfigError(
+                f"--runtime onnx runs in fp32 only, not {str(dtype).removeprefix('torch.')}: "
+                "use --dtype fp32 or --runtime torch"
+            )
+        import_onnxruntime()
+        runtime = "onnx"
+    if options.quantize != "none" and runtime == "torch":
+        why = (
+            "--task sparse runs on torch only" if options.task == "sparse"
+            else "--runtime auto chose torch for this device and dtype" if options.runtime == "auto"
+            else "--runtime torch"
+        )
         raise ConfigError(
-            f"--runtime onnx runs in fp32 only, not {str(dtype).removeprefix('torch.')}: "
-            "use --dtype fp32 or --runtime torch"
+            f"--quantize {options.quantize} quantises the ONNX graph and needs --runtime onnx "
+            f"({why}): use --runtime onnx or --quantize none"
         )
-    import_onnxruntime()
-    return "onnx"
-
-
-def check_quantize(options: HFOptions, runtime: Runtime) -> None:
-    """Refuse ``--quantize`` on the torch runtime, saying which setting made it torch."""
-    if options.quantize == "none" or runtime == "onnx":
-        return
-    why = (
-        "--task sparse runs on torch only" if options.task == "sparse"
-        else "--runtime auto chose torch for this device and dtype" if options.runtime == "auto"
-        else "--runtime torch"
-    )
-    raise ConfigError(
-        f"--quantize {options.quantize} quantises the ONNX graph and needs --runtime onnx "
-        f"({why}): use --runtime onnx or --quantize none"
-    )
+    return runtime
 
 
 def build_encoder(
@@ -167,14 +225,14 @@ def build_encoder(
     """
     uses_type_ids = "token_type_ids" in tokenizer.model_input_names
     logits = options.task != "embed"
+    encoder = TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits, autocast=autocast)
     if runtime == "torch":
-        encoder = TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits, autocast=autocast)
         return encoder, {}
     ort = import_onnxruntime()
     config_path = find_file(source, join(subfolder, "config.json"))
     assert config_path is not None  # transformers loaded the model from it
     family = str(getattr(model.config, "model_type", type(model).__name__))
-    inputs = INPUTS if uses_type_ids else INPUTS[:2]
+    inputs = encoder.inputs
     key = cache_key(Path(config_path).parent, {
         "task": options.task, "inputs": inputs, "class": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype),
@@ -188,8 +246,7 @@ def build_encoder(
             f"({exception_headline(exc)}); use --runtime torch"
         ) from exc
     onnx = OnnxEncoder(_session(ort, path), path)
-    _check_against_torch(onnx, model, inputs, family=family, vocab_size=len(tokenizer),
-                         logits=logits)
+    _check_against_torch(onnx, encoder, family=family, vocab_size=len(tokenizer))
     if options.quantize != "int8":
         return onnx, {}
     assert logits or finish is not None, "an embedding model's gate compares through its head"
@@ -213,8 +270,7 @@ def _session(ort: Any, path: Path) -> Any:
 
 
 def _check_against_torch(
-    encoder: OnnxEncoder, model: torch.nn.Module, inputs: tuple[str, ...], *, family: str,
-    vocab_size: int, logits: bool,
+    onnx: OnnxEncoder, torch_encoder: TorchEncoder, *, family: str, vocab_size: int
 ) -> None:
     """Refuse an export whose answers on a padded probe batch differ from torch's (its shape
     differs from the trace's, so a frozen dimension fails too)."""
@@ -225,11 +281,10 @@ def _check_against_torch(
     for row, length in enumerate(lengths):
         mask[row, :length] = 1
     type_ids = torch.zeros_like(ids)
-    given = {"input_ids": ids, "attention_mask": mask, "token_type_ids": type_ids}
     with torch.inference_mode():
-        expected = Exportable(model, inputs, logits)(*(given[n] for n in inputs)).float().numpy()
-    got = encoder(ids, mask, type_ids).numpy()
-    real = slice(None) if logits else mask.numpy().astype(bool)
+        expected = torch_encoder(ids, mask, type_ids).float().numpy()
+    got = onnx(ids, mask, type_ids).numpy()
+    real = slice(None) if torch_encoder.logits else mask.numpy().astype(bool)
     want, have = expected[real], got[real]
     scale = max(1.0, float(np.abs(want).max()))
     if want.shape != have.shape or not np.all(np.abs(want - have) <= PROBE_TOLERANCE * scale):
@@ -239,4 +294,4 @@ def _check_against_torch(
             f"what torch does (largest difference {worst:.3g} on a probe batch); "
             "use --runtime torch"
         )
-    log.info("onnx runtime: %s checked against torch on a probe batch", encoder.path)
+    log.info("onnx runtime: %s checked against torch on a probe batch", onnx.path)

@@ -1,13 +1,15 @@
-"""The Hugging Face backend's settings and registration; importing this needs no torch."""
+"""The Hugging Face backend's settings, the frozen :class:`HFOptions` it is built from, and its
+registration; importing this needs no torch."""
 
 from __future__ import annotations
 
 import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
-from tokenq.shared.settings import BackendSettings, Task
+from tokenq.shared.errors import ConfigError
+from tokenq.shared.settings import BackendSettings, Task, describe_errors
 from tokenq.worker.backends.registry import BackendEntry
 
 _DTYPE_ALIASES = {
@@ -74,6 +76,26 @@ class HFSettings(BackendSettings):
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N: {value!r}")
         return value
+
+
+class HFOptions(HFSettings):
+    """The worker settings the HF backend reads, validated where WorkerSettings validates them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> HFOptions:
+        """This backend's fields of any settings object (missing ones default)."""
+        values = {
+            name: getattr(settings, name)
+            for name in cls.model_fields
+            if getattr(settings, name, None) is not None
+        }
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            problems = "; ".join(describe_errors(exc, cls))
+            raise ConfigError(f"hf backend settings: {problems}") from exc
 
 
 BACKEND = BackendEntry(
