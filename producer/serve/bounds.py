@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import chain, compress, islice
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -110,15 +110,11 @@ class Parser:
             self._pool = ProcessPoolExecutor(PARSE_PROCESSES, get_context("spawn"),
                                              initializer=_parser_started, initargs=(os.getpid(),))
         try:
-            outcome = await asyncio.get_running_loop().run_in_executor(
-                self._pool, _prepare_apart, prepare, raw)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, prepare, raw)
         except BrokenProcessPool:  # a child died (killed for memory?): start afresh
             self.close()
             raise ApiError(503, "the body's parser process died; retry later",
                            code="unavailable") from None
-        if isinstance(outcome, _Refused):
-            raise ApiError(**outcome.fields)
-        return outcome
 
     def close(self) -> None:
         if self._pool is not None:
@@ -137,20 +133,6 @@ def _parser_started(gateway: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="tokenq-parent-watch", daemon=True).start()
-
-
-@dataclass(frozen=True, slots=True)
-class _Refused:
-    """An ApiError's fields, as they cross from a parser process (keywords do not pickle)."""
-
-    fields: dict[str, Any]
-
-
-def _prepare_apart(prepare: Callable[[bytes], T], raw: bytes) -> T | _Refused:
-    try:
-        return prepare(raw)
-    except ApiError as error:
-        return _Refused(asdict(error))
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:

@@ -62,7 +62,6 @@ class RerankBody(Body):
     documents: Annotated[list[str], PlainValidator(
         documents_only, json_schema_input_type=list[str | TextObject])]
     top_n: Annotated[int, Field(ge=1)] | None = None
-    model: str | None = None
 
 
 class Rerank(RerankBody):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
 from tokenq.producer import Result
 from tokenq.producer.core import TextItem
@@ -26,8 +26,18 @@ T = TypeVar("T")
 Dimensions = Annotated[int, Field(ge=0, le=MAX_DIMENSIONS, strict=True)]
 """OpenAI's ``dimensions``; 0 means all of them, as Infinity (whose client sends 0) reads it."""
 
-Direction = Literal["Right", "right", "Left", "left"]
-"""TEI's ``truncation_direction``, spelled either way as TEI accepts it."""
+
+
+def _rightward(direction: str) -> str:
+    """422 for ``Left``: workers cut the end of an over-long input."""
+    if direction.lower() != "right":
+        raise invalid("truncation_direction",
+                      "Left is not supported: the workers keep the start of an input (Right)")
+    return direction
+
+
+Direction = Annotated[Literal["Right", "right", "Left", "left"], AfterValidator(_rightward)]
+"""TEI's ``truncation_direction``, spelled either way as TEI accepts it; only Right is served."""
 
 
 def one_kind(where: str, *variants: bounds.Variant, shape: Any = Any) -> PlainValidator:
@@ -57,6 +67,15 @@ class Body(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
+    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
+
+
+class Truncating(Body):
+    """What TEI's bodies of texts to run say of an over-long input."""
+
+    truncate: bool | None = None
+    truncation_direction: Direction = "Right"
+
 
 class OpenAIEmbeddings(Body):
     """``POST /v1/embeddings`` (OpenAI) and ``POST /embeddings`` (Infinity); unknown fields are
@@ -74,15 +93,12 @@ class OpenAIEmbeddings(Body):
     truncate: bool | None = None  # TEI's, in ``extra_body``: false refuses an over-long input
 
 
-class TEIPerToken(Body):
+class TEIPerToken(Truncating):
     """``POST /embed_sparse`` and ``/embed_all`` (TEI's ``EmbedSparseRequest`` and
     ``EmbedAllRequest``): what every TEI body that embeds texts has."""
 
     inputs: TEIInputs
-    truncate: bool | None = None
-    truncation_direction: Direction = "Right"
     prompt_name: str | None = None
-    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 class TEIEmbed(TEIPerToken):
@@ -147,13 +163,12 @@ tei_embed_request = functools.partial(parse_job, TEIEmbed, tei_embed_job)
 
 def tei_job(body: TEIPerToken, options: dict[str, Any]) -> Job:
     """A TEI body's texts, with ``options`` and ``truncate`` and ``prompt_name`` when given;
-    token ids, an empty list and ``truncation_direction: Left`` are refused."""
+    token ids and an empty list are refused."""
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not all(isinstance(item, str) for item in texts):
         raise invalid("inputs", "token-id input is not supported: send text")
     if not texts:
         raise empty("inputs")
-    refuse_left(body.truncation_direction)
     options = {**options, **given(truncate=body.truncate, prompt_name=body.prompt_name)}
     return Job(list(texts), options, "inputs")  # type: ignore[arg-type]
 
@@ -161,13 +176,6 @@ def tei_job(body: TEIPerToken, options: dict[str, Any]) -> Job:
 def given(**options: Any) -> dict[str, Any]:
     """The ``options`` that were given (not None)."""
     return {name: value for name, value in options.items() if value is not None}
-
-
-def refuse_left(direction: str) -> None:
-    """422 for ``truncation_direction: Left``: workers cut the end of an over-long input."""
-    if direction.lower() != "right":
-        raise invalid("truncation_direction",
-                      "Left is not supported: the workers keep the start of an input (Right)")
 
 
 def require_embeddings(config: QueueConfig | None, model: str, *_: Any) -> None:

@@ -14,15 +14,7 @@ from tokenq.producer import Result
 from tokenq.producer.core import TextItem
 from tokenq.producer.serve.bounds import TEXT, TEXTS, check_each, kind
 from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
-from tokenq.producer.serve.schemas import (
-    Body,
-    Direction,
-    Job,
-    given,
-    one_kind,
-    parse_job,
-    refuse_left,
-)
+from tokenq.producer.serve.schemas import Job, Truncating, given, one_kind, parse_job
 from tokenq.shared.queue_config import QueueConfig
 
 
@@ -34,31 +26,24 @@ def texts_only(value: Any) -> list[str]:
     return value
 
 
-class TEIRerank(Body):
+class TEIRerank(Truncating):
     """``POST /rerank``."""
 
     query: str
     texts: Annotated[list[str], PlainValidator(texts_only, json_schema_input_type=list[str])]
-    truncate: bool | None = None
-    truncation_direction: Direction = "Right"
     raw_scores: bool = False
     return_text: bool = False
-    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
-class TEIPredict(Body):
+class TEIPredict(Truncating):
     """``POST /predict``."""
 
     inputs: Annotated[str | list[str] | list[list[str]],
                       one_kind("inputs", TEXT, TEXTS, shape=str | list[str] | list[list[str]])]
-    truncate: bool | None = None
-    truncation_direction: Direction = "Right"
     raw_scores: bool = False
-    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 def _options(body: TEIRerank | TEIPredict) -> dict[str, Any]:
-    refuse_left(body.truncation_direction)
     return given(truncate=body.truncate, raw_scores=body.raw_scores or None)
 
 

@@ -38,7 +38,6 @@ from tokenq.producer.serve.schemas import (
     one_kind,
     parse,
     parse_job,
-    refuse_left,
 )
 from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared.queue_config import QueueConfig
@@ -67,7 +66,6 @@ class TEISimilarity(Body):
 
     inputs: SimilarityInput
     parameters: SimilarityParameters | None = None
-    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 def _ids(value: Any) -> Any:
@@ -86,7 +84,6 @@ class TEITokenize(Body):
     inputs: Annotated[str | list[str], one_kind("inputs", TEXT, shape=str | list[str])]
     add_special_tokens: bool = True
     prompt_name: str | None = None
-    model: str | None = None
 
 
 class TEIDecode(Body):
@@ -96,7 +93,6 @@ class TEIDecode(Body):
                    PlainValidator(_ids, json_schema_input_type=list[Annotated[int, Field(ge=0)]]
                                   | list[list[Annotated[int, Field(ge=0)]]])]
     skip_special_tokens: bool = True
-    model: str | None = None
 
 
 tokenize_request = functools.partial(parse, TEITokenize)
@@ -108,7 +104,6 @@ def similarity_job(body: TEISimilarity) -> Job:
     if not body.inputs.sentences:
         raise empty("inputs.sentences")
     parameters = body.parameters or SimilarityParameters()
-    refuse_left(parameters.truncation_direction)
     options = given(truncate=parameters.truncate, prompt_name=parameters.prompt_name)
     items = [body.inputs.source_sentence, *body.inputs.sentences]
     return Job(items, options, "inputs")  # type: ignore[arg-type]

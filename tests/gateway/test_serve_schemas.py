@@ -122,7 +122,7 @@ def test_tei_embed_sends_normalize_always_and_the_rest_when_given():
     ({"inputs": "a", "truncation_direction": "Left"}, 422, "truncation_direction"),
 ])
 def test_tei_embed_refusals(value, status, field):
-    error = refused(schemas.tei_embed_job, body(schemas.TEIEmbed, value))
+    error = refused(schemas.tei_embed_request, json.dumps(value).encode())
     assert (error.status, error.param) == (status, field)
     assert error.tei_body()["error_type"] == ("Empty" if status == 400 else "Validation")
 
@@ -146,8 +146,7 @@ def test_rerank_is_one_pair_per_text_with_its_options():
     empty = refused(scores.rerank_job, body(scores.TEIRerank, {"query": "q", "texts": []}))
     assert empty.status == 400 and empty.param == "texts"
     left = {"query": "q", "texts": ["a"], "truncation_direction": "left"}
-    assert refused(scores.rerank_job, body(scores.TEIRerank, left)).param == \
-        "truncation_direction"
+    assert refused(body, scores.TEIRerank, left).param == "truncation_direction"
 
 
 @pytest.mark.parametrize(("inputs", "items", "batched"), [
