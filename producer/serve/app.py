@@ -31,7 +31,6 @@ from tokenq.producer.serve import (
     openapi,
     render,
     scores,
-    sparse_api,
     tei_api,
 )
 from tokenq.producer.serve.bounds import Admission, Parser, check_job, read_body
@@ -46,8 +45,8 @@ DISCONNECT_POLL_S = 0.1  # how often a waiting route checks whether its client i
 
 Check = Callable[[QueueConfig | None, str, Job], None]
 """Refuses a job before it is sent when the queue's config says its model cannot answer it."""
-Build = Callable[[list[Result], Any, str, QueueConfig | None], render.Later]
-"""The answer of ``(results, body, model, config)``, to build off the event loop."""
+Answer = Callable[[list[Result], Any, str, QueueConfig | None], Any]
+"""The answer of ``(results, body, model, config)``, built off the event loop."""
 T = TypeVar("T")
 
 
@@ -61,7 +60,6 @@ class Gateway:
         self.clients: dict[str, AsyncClient] = {}
         self.admission = Admission(settings.max_concurrent_requests)
         self.parser = Parser()
-        self.tokenizers = tei_api.Tokenizers()
         self.liveness = delivery.Liveness()
         self.reachability = delivery.Reachability()
         self.registry = CollectorRegistry()
@@ -162,16 +160,19 @@ class Gateway:
         return response
 
     async def serve(self, request: Request, route: str, prepare: Callable[[bytes], Any],
-                    check: Check, build: Build) -> Response:
+                    check: Check, answer: Answer,
+                    headers: Callable[[list[Result]], dict[str, str]] | None = None) -> Response:
         """A route that sends its body's job to a queue: ``check`` the queue's config before
-        anything is sent, then ``build`` the answer from the results."""
+        anything is sent, then ``answer`` the results, sent with their ``headers``."""
         async def work() -> render.Later:
             body, job = await self.read(request, prepare)
             queue = self.queue_of(body.model)
             model = body.model or self.default_model()
             config = await self.config(queue)
             check(config, model, job)
-            return build(await self.infer(request, queue, job), body, model, config)
+            results = await self.infer(request, queue, job)
+            return render.Later(answer, results, body, model, config,
+                                headers=headers(results) if headers else None)
         return await self.answer(route, work, admit=True)
 
     async def health(self) -> Response:
@@ -243,7 +244,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     app.state.gateway = gateway
     edge.install(app, settings)
 
-    for module in (openai_api, sparse_api, tei_api):
+    for module in (openai_api, tei_api):
         app.include_router(module.router)
 
     @app.get("/info")

@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ConfigDict, Field, PlainValidator
 from typing_extensions import NotRequired, TypedDict
 
-from tokenq.producer import Result
-from tokenq.producer.serve import render, schemas, scores
+from tokenq.producer.serve import schemas, scores
 from tokenq.producer.serve.bounds import kind
 from tokenq.producer.serve.errors import empty, invalid
 from tokenq.producer.serve.schemas import Body, Job, parse_job
-
-if TYPE_CHECKING:
-    from tokenq.producer.serve.app import Build
 
 router = APIRouter()
 
@@ -99,16 +94,11 @@ def tokens_of(results: list[Any]) -> int:
     return sum(result.tokens or 0 for result in results)
 
 
-def rerank_answer(results: list[Any], body: Rerank, model: str) -> dict[str, Any]:
+def rerank_answer(results: list[Any], body: Rerank, model: str, *_: Any) -> dict[str, Any]:
     """Cohere's v1 answer, with OpenAI's ``object``, ``model`` and ``usage`` beside it."""
     tokens = tokens_of(results)
     return {"object": "list", "results": ranked(body, results, body.return_documents),
             "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-
-def _later(answer: Callable[[list[Result], Any, str], Any]) -> Build:
-    """``answer(results, body, model)`` to build off the event loop."""
-    return lambda results, body, model, config: render.Later(answer, results, body, model)
 
 
 @router.post("/v1/embeddings")
@@ -116,9 +106,7 @@ def _later(answer: Callable[[list[Result], Any, str], Any]) -> Build:
 async def embeddings(request: Request) -> Response:
     return await request.app.state.gateway.serve(
         request, request.url.path, schemas.openai_request, schemas.require_embeddings,
-        lambda results, body, *_: render.Later(
-            schemas.openai_answer, results, body.model, body.encoding_format,
-            headers=schemas.truncation_headers(results)))
+        schemas.openai_answer, schemas.truncation_headers)
 
 
 def model_card(name: str) -> dict[str, Any]:
@@ -148,7 +136,7 @@ async def get_model(request: Request, model: str) -> Response:
 @router.post("/v1/rerank")
 async def rerank(request: Request) -> Response:
     return await request.app.state.gateway.serve(request, "/v1/rerank", rerank_request,
-                                                 scores.require_reranker, _later(rerank_answer))
+                                                 scores.require_reranker, rerank_answer)
 
 
 class RelevantSpans(TypedDict):
@@ -178,7 +166,7 @@ def rerank_v2_job(body: RerankV2) -> Job:
 rerank_v2_request = functools.partial(parse_job, RerankV2, rerank_v2_job)
 
 
-def rerank_v2_answer(results: list[Any], body: RerankV2, model: str) -> dict[str, Any]:
+def rerank_v2_answer(results: list[Any], body: RerankV2, *_: Any) -> dict[str, Any]:
     """Cohere's v2 answer (``model`` is not part of it)."""
     return {"id": str(uuid.uuid4()), "results": ranked(body, results), "meta": {
         "api_version": {"version": API_VERSION},
@@ -188,5 +176,5 @@ def rerank_v2_answer(results: list[Any], body: RerankV2, model: str) -> dict[str
 @router.post("/v2/rerank")
 async def rerank_v2(request: Request) -> Response:
     return await request.app.state.gateway.serve(request, "/v2/rerank", rerank_v2_request,
-                                                 scores.require_reranker, _later(rerank_v2_answer))
+                                                 scores.require_reranker, rerank_v2_answer)
 

@@ -14,7 +14,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import TypeAdapter
 from typing_extensions import NotRequired, TypedDict
 
-from tokenq.producer.serve import openai_api, schemas, scores, sparse_api, tei_api
+from tokenq.producer.serve import openai_api, schemas, scores, tei_api
 from tokenq.producer.serve.errors import ApiError, body_for
 
 ERROR_STATUSES = {
@@ -202,9 +202,9 @@ ROUTES: dict[tuple[str, str], Route] = {
         schemas.TEIEmbed | tei_api.TEISimilarity | scores.TEIPredict | scores.TEIRerank,
         Embeddings | list[float] | Predictions | list[Rank],
         "TEI: the route of the model's kind (embed or similarity, predict, rerank)"),
-    ("post", "/embed_sparse"): Route(sparse_api.TEIPerToken, list[list[SparseValue]],
+    ("post", "/embed_sparse"): Route(schemas.TEIPerToken, list[list[SparseValue]],
                                      "TEI: sparse (SPLADE) embeddings"),
-    ("post", "/embed_all"): Route(sparse_api.TEIPerToken, list[list[list[float]]],
+    ("post", "/embed_all"): Route(schemas.TEIPerToken, list[list[list[float]]],
                                   "TEI: every token's embedding"),
     ("post", "/v1/embeddings"): _OPENAI,
     ("post", "/embeddings"): _OPENAI,

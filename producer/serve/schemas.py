@@ -202,10 +202,9 @@ def _not_embeddings(model: str) -> ApiError:
     )
 
 
-def openai_answer(
-    results: Sequence[Result], model: str, encoding_format: str
-) -> dict[str, Any]:
+def openai_answer(results: Sequence[Result], body: OpenAIEmbeddings, *_: Any) -> dict[str, Any]:
     """OpenAI's list of embeddings, with usage from the workers' exact token counts."""
+    model, encoding_format = body.model, body.encoding_format
     vectors = embeddings_of(results, model)
     tokens = sum(result.tokens or 0 for result in results)
     data = [{"object": "embedding", "index": index,
@@ -230,8 +229,3 @@ def _base64_le(vector: array.array) -> str:
         vector = array.array("f", vector)
         vector.byteswap()
     return base64.b64encode(vector.tobytes()).decode("ascii")
-
-
-def tei_answer(results: Sequence[Result], model: str) -> list[array.array]:
-    """TEI's list of vectors, one per input, in input order (render.encode writes each)."""
-    return embeddings_of(results, model)
