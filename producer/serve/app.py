@@ -26,7 +26,6 @@ from tokenq.producer import AsyncClient, Result
 from tokenq.producer.serve import (
     delivery,
     edge,
-    idempotency,
     openai_api,
     openapi,
     render,
@@ -104,27 +103,27 @@ class Gateway:
         it may run in a child process) returns; its size is kept for :meth:`infer`."""
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.timeout_s)
         request.state.body_bytes = len(raw)
-        if idempotency.HEADER in request.headers:
-            request.state.body_digest = idempotency.body_digest(raw)
+        if delivery.HEADER in request.headers:
+            request.state.body_digest = delivery.body_digest(raw)
         return await self.parser.run(raw, prepare)
 
     async def infer(self, request: Request, queue: str, job: Job) -> list[Result]:
         """``infer_many`` of ``job`` on ``queue`` within the bounds, cancelled if the client goes
-        away; under an ``Idempotency-Key`` it first claims its answer (:mod:`.idempotency`)."""
+        away; under an ``Idempotency-Key`` it first claims its answer (:class:`.delivery.Claim`)."""
         check_job(job.items, job.options, job.where, request.state.body_bytes,
                   self.settings.max_client_batch_size)
         self.inputs.labels(queue).inc(len(job.items))
-        key = request.headers.get(idempotency.HEADER)
-        unique = None if key is None else idempotency.request_ids(
+        key = request.headers.get(delivery.HEADER)
+        unique = None if key is None else delivery.request_ids(
             key, queue, request.state.body_digest, len(job.items))
         claim = None
         if key is not None and unique is not None and self.settings.dedupe_ttl_s > 0:
-            claim = await watched(request, self.ask(queue, lambda client: idempotency.claim(
+            claim = await watched(request, self.ask(queue, lambda client: delivery.claim(
                 client, QueueRef(queue, self.settings.prefix), key,
-                idempotency.fingerprint(request.url.path, request.state.body_digest), unique,
+                delivery.fingerprint(request.url.path, request.state.body_digest), unique,
                 window_s=self.settings.dedupe_ttl_s, timeout_s=self.settings.timeout_s,
                 max_bytes=self.settings.max_body_bytes)))
-            idempotency.current.set(claim)  # answer() stores what the route answers
+            delivery.current.set(claim)  # answer() stores what the route answers
         try:
             return await watched(request, delivery.deliver(
                 self.clients[queue], queue, job, timeout_s=self.settings.timeout_s,
@@ -141,12 +140,12 @@ class Gateway:
         """Run a route's work; every failure in the shape of the route's API family. ``admit``:
         it counts against ``--max-concurrent-requests`` (POST routes; never the probes)."""
         started = time.perf_counter()
-        claimed = idempotency.current.set(None)
+        claimed = delivery.current.set(None)
         try:
             with self.admission.admit() if admit else nullcontext():
                 response = await render.respond(await work())
                 await _keep_answer(response)
-        except idempotency.Replay as replay:
+        except delivery.Replay as replay:
             response = Response(replay.body, status_code=replay.status,
                                 media_type="application/json",
                                 headers={"Idempotent-Replayed": "true"})
@@ -154,7 +153,7 @@ class Gateway:
             response = edge.error_response(route, from_exception(exc))
             await _keep_answer(response)
         finally:
-            idempotency.current.reset(claimed)
+            delivery.current.reset(claimed)
         self.requests.labels(route, str(response.status_code)).inc()
         self.seconds.labels(route).observe(time.perf_counter() - started)
         return response
@@ -185,10 +184,10 @@ class Gateway:
 
 async def _keep_answer(response: Response) -> None:
     """Store a 200 under the request's Idempotency-Key (if it claimed one); free its lease."""
-    claim = idempotency.current.get()
+    claim = delivery.current.get()
     if claim is None:
         return
-    idempotency.current.set(None)
+    delivery.current.set(None)
     if response.status_code == 200:
         await claim.store(response.status_code, bytes(response.body))
     await claim.release()
