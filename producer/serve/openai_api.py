@@ -16,6 +16,7 @@ from tokenq.producer.serve import schemas, scores
 from tokenq.producer.serve.bounds import kind
 from tokenq.producer.serve.errors import empty, invalid
 from tokenq.producer.serve.schemas import Body, Job, parse_job
+from tokenq.producer.serve.tei_api import post
 
 router = APIRouter()
 
@@ -101,14 +102,6 @@ def rerank_answer(results: list[Any], body: Rerank, model: str, *_: Any) -> dict
             "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-@router.post("/v1/embeddings")
-@router.post("/embeddings")  # Infinity's
-async def embeddings(request: Request) -> Response:
-    return await request.app.state.gateway.serve(
-        request, request.url.path, schemas.openai_request, schemas.require_embeddings,
-        schemas.openai_answer, schemas.truncation_headers)
-
-
 def model_card(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": CREATED, "owned_by": "tokenq"}
 
@@ -131,12 +124,6 @@ async def get_model(request: Request, model: str) -> Response:
         gateway.queue_of(model)  # 404 for a name --models does not list; without it any
         return model_card(model)  # name is served by --queue, as /v1/embeddings takes it
     return await gateway.answer("/v1/models/{model}", work)
-
-
-@router.post("/v1/rerank")
-async def rerank(request: Request) -> Response:
-    return await request.app.state.gateway.serve(request, "/v1/rerank", rerank_request,
-                                                 scores.require_reranker, rerank_answer)
 
 
 class RelevantSpans(TypedDict):
@@ -173,8 +160,8 @@ def rerank_v2_answer(results: list[Any], body: RerankV2, *_: Any) -> dict[str, A
         "billed_units": {"input_tokens": tokens_of(results)}}}
 
 
-@router.post("/v2/rerank")
-async def rerank_v2(request: Request) -> Response:
-    return await request.app.state.gateway.serve(request, "/v2/rerank", rerank_v2_request,
-                                                 scores.require_reranker, rerank_v2_answer)
-
+for path in ("/v1/embeddings", "/embeddings"):  # the second: Infinity's
+    post(router, path, schemas.openai_request, schemas.require_embeddings,
+         schemas.openai_answer, schemas.truncation_headers)
+post(router, "/v1/rerank", rerank_request, scores.require_reranker, rerank_answer)
+post(router, "/v2/rerank", rerank_v2_request, scores.require_reranker, rerank_v2_answer)

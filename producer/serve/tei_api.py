@@ -315,34 +315,32 @@ def _tokens_fit(config: QueueConfig | None, model: str, job: Job) -> None:
         check_token_answer(len(job.items), config.max_input_tokens, config.token_dim, job.where)
 
 
+POSTS: dict[str, tuple[Any, ...]] = {
+    "/embed": (schemas.tei_embed_request, schemas.require_embeddings, _vectors),
+    "/rerank": (scores.rerank_request, scores.require_reranker, lambda results, body, *_:
+                scores.rerank_answer(results, body.texts, body.return_text)),
+    "/predict": (scores.predict_request, scores.require_classifier, lambda results, body, _, config:
+                 scores.predict_answer(results, scores.is_batch(body), config and config.labels)),
+    "/similarity": (similarity_request, schemas.require_embeddings, _vectors),
+    "/embed_sparse": (sparse_request, require_sparse,
+                      lambda results, _, model, *__: sparse_answer(results, model)),
+    "/embed_all": (all_request, _tokens_fit,
+                   lambda results, _, model, *__: tokens_answer(results, model)),
+}
+"""TEI's routes that send their body's job to a queue: what each hands ``Gateway.serve``."""
+
+
+def post(router: APIRouter, path: str, *how: Any) -> None:
+    """``POST path`` on ``router``: ``Gateway.serve`` with ``how`` (prepare, check, answer, and
+    the answer's headers if any)."""
+    async def route(request: Request) -> Response:
+        return await request.app.state.gateway.serve(request, path, *how)
+    router.add_api_route(path, route, methods=["POST"])
+
+
 router = APIRouter()
-
-
-@router.post("/embed")
-async def embed(request: Request) -> Response:
-    return await request.app.state.gateway.serve(request, "/embed", schemas.tei_embed_request,
-                                                 schemas.require_embeddings, _vectors)
-
-
-@router.post("/rerank")
-async def rerank(request: Request) -> Response:
-    return await request.app.state.gateway.serve(
-        request, "/rerank", scores.rerank_request, scores.require_reranker,
-        lambda results, body, *_: scores.rerank_answer(results, body.texts, body.return_text))
-
-
-@router.post("/predict")
-async def predict(request: Request) -> Response:
-    return await request.app.state.gateway.serve(
-        request, "/predict", scores.predict_request, scores.require_classifier,
-        lambda results, body, model, config: scores.predict_answer(
-            results, scores.is_batch(body), config and config.labels))
-
-
-@router.post("/similarity")
-async def similarity(request: Request) -> Response:
-    return await request.app.state.gateway.serve(request, "/similarity", similarity_request,
-                                                 schemas.require_embeddings, _vectors)
+for path, how in POSTS.items():
+    post(router, path, *how)
 
 
 @router.api_route("/", methods=["GET", "POST"])  # one route: a 405 there names both methods
@@ -357,11 +355,11 @@ async def root(request: Request) -> Response:
         return await gateway.answer("/", functools.partial(_reraise, exc))
     task = config.task if config is not None else None
     if task == "rerank" or (task is None and config is not None and config.pairs):
-        return await rerank(request)
+        return await gateway.serve(request, "/rerank", *POSTS["/rerank"])
     if task == "sparse":  # TEI: a SPLADE model's POST / is /embed_sparse
-        return await embed_sparse(request, "/")
+        return await gateway.serve(request, "/", *POSTS["/embed_sparse"])
     if task not in (None, "embed"):
-        return await predict(request)
+        return await gateway.serve(request, "/predict", *POSTS["/predict"])
     return await gateway.serve(request, "/", root_embed_request, schemas.require_embeddings,
                                _vectors)
 
@@ -405,23 +403,3 @@ async def decode(request: Request) -> Response:
         return await asyncio.to_thread(tokenizer.decode_batch, rows,
                                        skip_special_tokens=body.skip_special_tokens)
     return await gateway.answer("/decode", work, admit=True)
-
-
-async def embed_sparse(request: Request, route: str) -> Response:
-    """``/embed_sparse``; TEI's ``POST /`` on a sparse queue answers with it too."""
-    return await request.app.state.gateway.serve(
-        request, route, sparse_request, require_sparse,
-        lambda results, body, model, *_: sparse_answer(results, model))
-
-
-@router.post("/embed_sparse")
-async def sparse_route(request: Request) -> Response:
-    return await embed_sparse(request, "/embed_sparse")
-
-
-@router.post("/embed_all")
-async def embed_all(request: Request) -> Response:
-    return await request.app.state.gateway.serve(
-        request, "/embed_all", all_request, _tokens_fit,
-        lambda results, body, model, *_: tokens_answer(results, model))
-
