@@ -29,7 +29,7 @@ from tokenq.producer.serve import (
     openai_api,
     openapi,
     render,
-    scores,
+    schemas,
     tei_api,
 )
 from tokenq.producer.serve.bounds import Admission, Parser, check_job, read_body
@@ -256,7 +256,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 "served_model_name": gateway.default_model(),
                 "model_sha": None,
                 "model_dtype": config.dtype,
-                "model_type": scores.tei_model_type(config),
+                "model_type": schemas.tei_model_type(config),
                 "max_input_length": config.max_input_tokens,
                 "max_batch_tokens": config.max_batch_tokens,
                 "max_client_batch_size": settings.max_client_batch_size,

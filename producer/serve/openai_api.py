@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from pydantic import ConfigDict, Field, PlainValidator
 from typing_extensions import NotRequired, TypedDict
 
-from tokenq.producer.serve import schemas, scores
+from tokenq.producer.serve import schemas
 from tokenq.producer.serve.bounds import kind
 from tokenq.producer.serve.errors import empty, invalid
 from tokenq.producer.serve.schemas import Body, Job, parse_job
@@ -80,7 +80,7 @@ rerank_request = functools.partial(parse_job, Rerank, rerank_job)
 def ranked(body: RerankBody, results: list[Any], return_documents: bool = False
            ) -> list[dict[str, Any]]:
     """Cohere's ``results``: the best ``top_n`` documents, best first (ties in input order)."""
-    ranks = scores.rerank_answer(results, body.documents, return_documents)
+    ranks = schemas.rerank_answer(results, body.documents, return_documents)
     out = []
     for rank in ranks[:body.top_n]:
         entry: dict[str, Any] = {"index": rank["index"], "relevance_score": rank["score"]}
@@ -163,5 +163,5 @@ def rerank_v2_answer(results: list[Any], body: RerankV2, *_: Any) -> dict[str, A
 for path in ("/v1/embeddings", "/embeddings"):  # the second: Infinity's
     post(router, path, schemas.openai_request, schemas.require_embeddings,
          schemas.openai_answer, schemas.truncation_headers)
-post(router, "/v1/rerank", rerank_request, scores.require_reranker, rerank_answer)
-post(router, "/v2/rerank", rerank_v2_request, scores.require_reranker, rerank_v2_answer)
+post(router, "/v1/rerank", rerank_request, schemas.require_reranker, rerank_answer)
+post(router, "/v2/rerank", rerank_v2_request, schemas.require_reranker, rerank_v2_answer)

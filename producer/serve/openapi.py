@@ -14,7 +14,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import TypeAdapter
 from typing_extensions import NotRequired, TypedDict
 
-from tokenq.producer.serve import openai_api, schemas, scores, tei_api
+from tokenq.producer.serve import openai_api, schemas, tei_api
 from tokenq.producer.serve.errors import ApiError, body_for
 
 ERROR_STATUSES = {
@@ -191,15 +191,15 @@ _OPENAI = Route(schemas.OpenAIEmbeddings, OpenAIEmbeddingList,
                 "OpenAI (and Infinity): embeddings")
 ROUTES: dict[tuple[str, str], Route] = {
     ("post", "/embed"): Route(schemas.TEIEmbed, Embeddings, "TEI: embeddings"),
-    ("post", "/rerank"): Route(scores.TEIRerank, list[Rank], "TEI: rerank texts against a query"),
-    ("post", "/predict"): Route(scores.TEIPredict, Predictions, "TEI: classify"),
+    ("post", "/rerank"): Route(schemas.TEIRerank, list[Rank], "TEI: rerank texts against a query"),
+    ("post", "/predict"): Route(schemas.TEIPredict, Predictions, "TEI: classify"),
     ("post", "/similarity"): Route(tei_api.TEISimilarity, list[float],
                                    "TEI: cosine of a sentence with others"),
     ("post", "/tokenize"): Route(tei_api.TEITokenize, list[list[SimpleToken]],
                                  "TEI: the queue's tokenizer"),
     ("post", "/decode"): Route(tei_api.TEIDecode, list[str], "TEI: ids back to text"),
     ("post", "/"): Route(
-        schemas.TEIEmbed | tei_api.TEISimilarity | scores.TEIPredict | scores.TEIRerank,
+        schemas.TEIEmbed | tei_api.TEISimilarity | schemas.TEIPredict | schemas.TEIRerank,
         Embeddings | list[float] | Predictions | list[Rank],
         "TEI: the route of the model's kind (embed or similarity, predict, rerank)"),
     ("post", "/embed_sparse"): Route(schemas.TEIPerToken, list[list[SparseValue]],

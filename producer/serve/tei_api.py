@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
 
 from tokenq.producer import Result
-from tokenq.producer.serve import render, schemas, scores
+from tokenq.producer.serve import render, schemas
 from tokenq.producer.serve.bounds import (
     MAX_DECODE_BYTES,
     MAX_TOKEN_ANSWER_FLOATS,
@@ -317,10 +317,11 @@ def _tokens_fit(config: QueueConfig | None, model: str, job: Job) -> None:
 
 POSTS: dict[str, tuple[Any, ...]] = {
     "/embed": (schemas.tei_embed_request, schemas.require_embeddings, _vectors),
-    "/rerank": (scores.rerank_request, scores.require_reranker, lambda results, body, *_:
-                scores.rerank_answer(results, body.texts, body.return_text)),
-    "/predict": (scores.predict_request, scores.require_classifier, lambda results, body, _, config:
-                 scores.predict_answer(results, scores.is_batch(body), config and config.labels)),
+    "/rerank": (schemas.rerank_request, schemas.require_reranker, lambda results, body, *_:
+                schemas.rerank_answer(results, body.texts, body.return_text)),
+    "/predict": (schemas.predict_request, schemas.require_classifier,
+                 lambda results, body, _, config: schemas.predict_answer(
+                     results, schemas.is_batch(body), config and config.labels)),
     "/similarity": (similarity_request, schemas.require_embeddings, _vectors),
     "/embed_sparse": (sparse_request, require_sparse,
                       lambda results, _, model, *__: sparse_answer(results, model)),
