@@ -143,7 +143,10 @@ class Gateway:
         claimed = delivery.current.set(None)
         try:
             with self.admission.admit() if admit else nullcontext():
-                response = await render.respond(await work())
+                value = await work()  # built, if render.Later, and encoded off the event loop
+                later = value if isinstance(value, render.Later) else render.Later(lambda: value)
+                data = await asyncio.to_thread(lambda: render.encode(later.fn(*later.args)))
+                response = Response(data, media_type="application/json", headers=later.headers)
                 await _keep_answer(response)
         except delivery.Replay as replay:
             response = Response(replay.body, status_code=replay.status,

@@ -294,7 +294,13 @@ async def claim(
                 held = await client.command("get", record)
                 if held is None:
                     continue  # it expired between the two: claim it afresh
-                _check(msgpack.unpackb(held), fp)
+                held = msgpack.unpackb(held)
+                if held.get("fp") != fp:  # bound to another route or body
+                    raise ApiError(422, f"this {HEADER} was used with another route or request "
+                                   "body within the dedupe window; use a new key for a new "
+                                   "request", param=HEADER, code="idempotency_key_reused")
+                if isinstance(held.get("status"), int) and isinstance(held.get("body"), bytes):
+                    raise Replay(held["status"], held["body"])  # the stored answer
             # the first to claim, or the first attempt is gone: take over its requests
             if await client.command("set", lease, token, nx=True, px=lease_ms):
                 return own
@@ -308,15 +314,3 @@ async def claim(
         log.warning("could not claim an Idempotency-Key (%s); answering without storing "
                     "the answer", refused)
         return None
-
-
-def _check(held: dict[str, object], fp: bytes) -> None:
-    """Refuse a key bound to another route or body; replay a stored answer."""
-    if held.get("fp") != fp:
-        raise ApiError(422, f"this {HEADER} was used with another route or request body "
-                       "within the dedupe window; use a new key for a new request",
-                       param=HEADER, code="idempotency_key_reused")
-    status, body = held.get("status"), held.get("body")
-    if isinstance(status, int) and isinstance(body, bytes):
-        raise Replay(status, body)
-

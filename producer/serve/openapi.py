@@ -131,11 +131,6 @@ class RerankList(TypedDict):
     usage: OpenAIUsage
 
 
-class RerankV2Result(TypedDict):
-    index: int
-    relevance_score: float
-
-
 class CohereVersion(TypedDict):
     version: str
 
@@ -153,7 +148,7 @@ class RerankV2Answer(TypedDict):
     """``POST /v2/rerank``'s answer: Cohere's ``V2RerankResponse``, best first."""
 
     id: str
-    results: list[RerankV2Result]
+    results: list[RerankResult]  # never with ``document``
     meta: CohereMeta
 
 

@@ -136,12 +136,6 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     return math.fsum(x * y for x, y in zip(a, b, strict=True)) / norms
 
 
-def similarity_answer(results: Sequence[Result], model: str) -> list[float]:
-    """The source's cosine with each sentence, in the sentences' order."""
-    source, *others = schemas.embeddings_of(results, model)
-    return [cosine(source, vector) for vector in others]
-
-
 def tokenize_answer(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[Raw]:
     """Each text's ``SimpleToken`` list (:func:`token_answer`); a 413 beyond
     :data:`.bounds.MAX_TOKENIZE_TOKENS` in all, before any record is built (in a thread)."""
@@ -214,15 +208,6 @@ def token_answer(encoding: Any, text: str) -> Raw:
     return Raw(b"[" + b",".join(records) + b"]")
 
 
-def check_decode(rows: list[list[int]], longest: int) -> None:
-    """413 when ``rows`` could decode to more than :data:`.bounds.MAX_DECODE_BYTES`: each id
-    counted at ``longest`` (the vocabulary's longest token, in UTF-8 bytes) plus a space."""
-    ids = sum(map(len, rows))
-    most = MAX_DECODE_BYTES // (longest + 1)
-    check_count(ids, most, f"ids (each up to {longest + 1} bytes of text)", "ids",
-                f"at most {MAX_DECODE_BYTES} bytes of text are answered")
-
-
 async def tokenizer_of(config: QueueConfig | None) -> tuple[Any, int]:
     """The ``tokenizers.Tokenizer`` of the queue described by ``config``, with the UTF-8 bytes
     of its longest token (added tokens included), or a 422; loaded once per published path."""
@@ -255,10 +240,12 @@ def _check_inputs(count: int, where: str, limit: int) -> None:
 
 
 def _vectors(results: list[Result], body: Any, model: str, *_: Any) -> list[Any]:
-    """``/embed``'s answer (TEI's list of vectors), or ``/similarity``'s for its body."""
+    """``/embed``'s answer (TEI's list of vectors), or ``/similarity``'s for its body: the
+    source's cosine with each sentence, in the sentences' order."""
+    vectors = schemas.embeddings_of(results, model)
     if isinstance(body, TEISimilarity):
-        return similarity_answer(results, model)
-    return schemas.embeddings_of(results, model)
+        return [cosine(vectors[0], vector) for vector in vectors[1:]]
+    return vectors
 
 
 SPARSE_TASK = "sparse"  # the ``task`` a sparse queue's workers publish in its config hash
@@ -400,7 +387,10 @@ async def decode(request: Request) -> Response:
         _check_inputs(len(rows), "ids", gateway.settings.max_client_batch_size)
         config = await gateway.config(gateway.queue_of(body.model))
         tokenizer, longest = await tokenizer_of(config)
-        check_decode(rows, longest)
+        # each id counted at the vocabulary's longest token (in UTF-8 bytes) plus a space
+        check_count(sum(map(len, rows)), MAX_DECODE_BYTES // (longest + 1),
+                    f"ids (each up to {longest + 1} bytes of text)", "ids",
+                    f"at most {MAX_DECODE_BYTES} bytes of text are answered")
         return await asyncio.to_thread(tokenizer.decode_batch, rows,
                                        skip_special_tokens=body.skip_special_tokens)
     return await gateway.answer("/decode", work, admit=True)
