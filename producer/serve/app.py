@@ -120,7 +120,7 @@ class Gateway:
         if key is not None and unique is not None and self.settings.dedupe_ttl_s > 0:
             claim = await watched(request, self.ask(queue, lambda client: delivery.claim(
                 client, QueueRef(queue, self.settings.prefix), key,
-                delivery.fingerprint(request.url.path, request.state.body_digest), unique,
+                request.url.path, request.state.body_digest, unique,
                 window_s=self.settings.dedupe_ttl_s, timeout_s=self.settings.timeout_s,
                 max_bytes=self.settings.max_body_bytes)))
             delivery.current.set(claim)  # answer() stores what the route answers

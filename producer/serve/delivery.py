@@ -268,20 +268,16 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def fingerprint(route: str, body_digest: bytes) -> bytes:
-    """What a key is bound to: the route and the body."""
-    return route.encode() + b"\0" + body_digest
-
-
 async def claim(
-    client: AsyncClient, queue: QueueRef, key: str, fp: bytes, unique: list[str], *,
-    window_s: float, timeout_s: float, max_bytes: int,
+    client: AsyncClient, queue: QueueRef, key: str, route: str, digest: bytes,
+    unique: list[str], *, window_s: float, timeout_s: float, max_bytes: int,
 ) -> Claim | None:
     """This request's claim on ``key``'s answer, :class:`Replay` when stored; waits for another
-    holder's lease up to ``timeout_s`` (then 409); None when Redis refuses the claim."""
-    digest = key_digest(key)
-    record = keys.idempotent_answer(queue, digest)
-    lease = keys.idempotent_lease(queue, digest)
+    holder's lease up to ``timeout_s`` (then 409); None when Redis refuses the claim. The key
+    is bound to ``route`` and the body's ``digest``."""
+    fp = route.encode() + b"\0" + digest
+    record = keys.idempotent_answer(queue, key_digest(key))
+    lease = keys.idempotent_lease(queue, key_digest(key))
     window_ms = max(1, int(window_s * 1000))
     lease_ms = int((timeout_s + LEASE_GRACE_S) * 1000)
     token = secrets.token_hex(8)
