@@ -59,7 +59,6 @@ class Gateway:
         self.clients: dict[str, AsyncClient] = {}
         self.admission = Admission(settings.max_concurrent_requests)
         self.parser = Parser()
-        self.liveness = delivery.Liveness()
         self.reachability = delivery.Reachability()
         self.registry = CollectorRegistry()
         self.requests = Counter("tokenq_serve_requests", "HTTP requests answered, by route and "
@@ -127,8 +126,8 @@ class Gateway:
         try:
             return await watched(request, delivery.deliver(
                 self.clients[queue], queue, job, timeout_s=self.settings.timeout_s,
-                cold_start_s=self.settings.cold_start_s, liveness=self.liveness,
-                reachability=self.reachability, unique=unique, keep=claim is not None,
+                cold_start_s=self.settings.cold_start_s, reachability=self.reachability,
+                unique=unique, keep=claim is not None,
             ))
         except Exception as exc:
             raise from_exception(exc, job.options, job.where) from exc

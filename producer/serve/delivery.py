@@ -41,29 +41,22 @@ def no_worker(queue: str, why: str) -> ApiError:
                     headers={"Retry-After": "1"})
 
 
-class Liveness:
-    """Whether each queue has a live worker, a positive answer kept for :data:`ALIVE_CACHE_S`."""
-
-    def __init__(self) -> None:
-        self._seen: dict[str, float] = {}
-
-    async def alive(self, queue: str, client: AsyncClient) -> bool:
-        seen = self._seen.get(queue)
-        if seen is not None and time.monotonic() - seen < ALIVE_CACHE_S:
-            return True
-        if await client.workers_alive():
-            self._seen[queue] = time.monotonic()
-            return True
-        self._seen.pop(queue, None)
-        return False
-
-
 class Reachability:
     """Whether each queue's Redis still answers, asked at most once per :data:`PROBE_S`
-    per queue: every request waiting on the queue shares the probe in flight."""
+    per queue: every request waiting on the queue shares the probe in flight; and whether
+    the queue has a live worker, a yes kept for :data:`ALIVE_CACHE_S`."""
 
     def __init__(self) -> None:
         self._probes: dict[str, tuple[float, asyncio.Future[BrokerUnavailable | None]]] = {}
+        self._alive_at: dict[str, float] = {}
+
+    async def alive(self, queue: str, client: AsyncClient) -> bool:
+        if time.monotonic() - self._alive_at.get(queue, float("-inf")) < ALIVE_CACHE_S:
+            return True
+        if await client.workers_alive():
+            self._alive_at[queue] = time.monotonic()
+            return True
+        return False
 
     async def check(self, queue: str, client: AsyncClient) -> None:
         """Return when the queue's Redis answered the latest probe; else raise its outage."""
@@ -121,13 +114,13 @@ async def _probe(client: AsyncClient) -> BrokerUnavailable | None:
 
 async def deliver(
     client: AsyncClient, queue: str, job: Job, *, timeout_s: float, cold_start_s: float,
-    liveness: Liveness, reachability: Reachability, unique: list[str] | None,
+    reachability: Reachability, unique: list[str] | None,
     keep: bool = False,
 ) -> list[Result]:
     """The job's results, asked of ``queue`` as the module's rules say (``keep``: leave
     the replies on their keys for a retry, :mod:`.idempotency`)."""
     alive = await reachability.watch(queue, client,
-                                     asyncio.ensure_future(liveness.alive(queue, client)))
+                                     asyncio.ensure_future(reachability.alive(queue, client)))
     if not alive and cold_start_s <= 0:
         raise no_worker(queue, "nothing was queued (--cold-start-s 0); retry when /ready "
                         "answers 200")
@@ -135,7 +128,7 @@ async def deliver(
     try:
         if not alive:
             await reachability.watch(queue, client, asyncio.ensure_future(
-                _cold_start(queue, client, work, cold_start_s, liveness)))
+                _cold_start(queue, client, work, cold_start_s, reachability)))
         return await reachability.watch(queue, client, work)
     except BrokerUnavailable as down:  # Redis went after (or while) the job was written
         raise no_retry(from_exception(down), unique is None) from down
@@ -148,11 +141,11 @@ async def deliver(
 
 
 async def _cold_start(queue: str, client: AsyncClient, work: asyncio.Future[Any],
-                      cold_start_s: float, liveness: Liveness) -> None:
+                      cold_start_s: float, reachability: Reachability) -> None:
     """Return once a worker is alive or ``work`` is done; no_worker after ``cold_start_s``."""
     until = time.monotonic() + cold_start_s
     while not work.done():
-        if await liveness.alive(queue, client):
+        if await reachability.alive(queue, client):
             return
         if time.monotonic() >= until:
             raise no_worker(queue, f"none came alive within {cold_start_s} s "
