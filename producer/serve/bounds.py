@@ -47,12 +47,12 @@ PARSE_PROCESSES = 2
 """Big bodies decoded at once; more wait their turn (each expands to up to 40× its size)."""
 
 
+@dataclass
 class Admission:
     """At most ``limit`` requests in flight; one over it is a 429, not queued (TEI's rule)."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
+    limit: int
+    in_flight: int = 0
 
     @contextmanager
     def admit(self) -> Iterator[None]:

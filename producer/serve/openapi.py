@@ -109,16 +109,12 @@ class OpenAIEmbeddingList(TypedDict):
     usage: OpenAIUsage
 
 
-class RerankDocument(TypedDict):
-    text: str
-
-
 class RerankResult(TypedDict):
     """One of Cohere's ``results``: ``document`` only with ``return_documents``."""
 
     index: int
     relevance_score: float
-    document: NotRequired[RerankDocument]
+    document: NotRequired[openai_api.TextObject]
 
 
 class RerankList(TypedDict):
