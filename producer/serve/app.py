@@ -26,12 +26,10 @@ from tokenq.producer import AsyncClient, Result
 from tokenq.producer.serve import (
     delivery,
     edge,
-    idempotency,
     openai_api,
     openapi,
     render,
-    scores,
-    sparse_api,
+    schemas,
     tei_api,
 )
 from tokenq.producer.serve.bounds import Admission, Parser, check_job, read_body
@@ -46,8 +44,8 @@ DISCONNECT_POLL_S = 0.1  # how often a waiting route checks whether its client i
 
 Check = Callable[[QueueConfig | None, str, Job], None]
 """Refuses a job before it is sent when the queue's config says its model cannot answer it."""
-Build = Callable[[list[Result], Any, str, QueueConfig | None], render.Later]
-"""The answer of ``(results, body, model, config)``, to build off the event loop."""
+Answer = Callable[[list[Result], Any, str, QueueConfig | None], Any]
+"""The answer of ``(results, body, model, config)``, built off the event loop."""
 T = TypeVar("T")
 
 
@@ -61,8 +59,6 @@ class Gateway:
         self.clients: dict[str, AsyncClient] = {}
         self.admission = Admission(settings.max_concurrent_requests)
         self.parser = Parser()
-        self.tokenizers = tei_api.Tokenizers()
-        self.liveness = delivery.Liveness()
         self.reachability = delivery.Reachability()
         self.registry = CollectorRegistry()
         self.requests = Counter("tokenq_serve_requests", "HTTP requests answered, by route and "
@@ -106,32 +102,32 @@ class Gateway:
         it may run in a child process) returns; its size is kept for :meth:`infer`."""
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.timeout_s)
         request.state.body_bytes = len(raw)
-        if idempotency.HEADER in request.headers:
-            request.state.body_digest = idempotency.body_digest(raw)
+        if delivery.HEADER in request.headers:
+            request.state.body_digest = delivery.body_digest(raw)
         return await self.parser.run(raw, prepare)
 
     async def infer(self, request: Request, queue: str, job: Job) -> list[Result]:
         """``infer_many`` of ``job`` on ``queue`` within the bounds, cancelled if the client goes
-        away; under an ``Idempotency-Key`` it first claims its answer (:mod:`.idempotency`)."""
+        away; under an ``Idempotency-Key`` it first claims its answer (:class:`.delivery.Claim`)."""
         check_job(job.items, job.options, job.where, request.state.body_bytes,
                   self.settings.max_client_batch_size)
         self.inputs.labels(queue).inc(len(job.items))
-        key = request.headers.get(idempotency.HEADER)
-        unique = None if key is None else idempotency.request_ids(
+        key = request.headers.get(delivery.HEADER)
+        unique = None if key is None else delivery.request_ids(
             key, queue, request.state.body_digest, len(job.items))
         claim = None
         if key is not None and unique is not None and self.settings.dedupe_ttl_s > 0:
-            claim = await watched(request, self.ask(queue, lambda client: idempotency.claim(
+            claim = await watched(request, self.ask(queue, lambda client: delivery.claim(
                 client, QueueRef(queue, self.settings.prefix), key,
-                idempotency.fingerprint(request.url.path, request.state.body_digest), unique,
+                request.url.path, request.state.body_digest, unique,
                 window_s=self.settings.dedupe_ttl_s, timeout_s=self.settings.timeout_s,
                 max_bytes=self.settings.max_body_bytes)))
-            idempotency.current.set(claim)  # answer() stores what the route answers
+            delivery.current.set(claim)  # answer() stores what the route answers
         try:
             return await watched(request, delivery.deliver(
                 self.clients[queue], queue, job, timeout_s=self.settings.timeout_s,
-                cold_start_s=self.settings.cold_start_s, liveness=self.liveness,
-                reachability=self.reachability, unique=unique, keep=claim is not None,
+                cold_start_s=self.settings.cold_start_s, reachability=self.reachability,
+                unique=unique, keep=claim is not None,
             ))
         except Exception as exc:
             raise from_exception(exc, job.options, job.where) from exc
@@ -143,12 +139,15 @@ class Gateway:
         """Run a route's work; every failure in the shape of the route's API family. ``admit``:
         it counts against ``--max-concurrent-requests`` (POST routes; never the probes)."""
         started = time.perf_counter()
-        claimed = idempotency.current.set(None)
+        claimed = delivery.current.set(None)
         try:
             with self.admission.admit() if admit else nullcontext():
-                response = await render.respond(await work())
+                value = await work()  # built, if render.Later, and encoded off the event loop
+                later = value if isinstance(value, render.Later) else render.Later(lambda: value)
+                data = await asyncio.to_thread(lambda: render.encode(later.fn(*later.args)))
+                response = Response(data, media_type="application/json", headers=later.headers)
                 await _keep_answer(response)
-        except idempotency.Replay as replay:
+        except delivery.Replay as replay:
             response = Response(replay.body, status_code=replay.status,
                                 media_type="application/json",
                                 headers={"Idempotent-Replayed": "true"})
@@ -156,22 +155,25 @@ class Gateway:
             response = edge.error_response(route, from_exception(exc))
             await _keep_answer(response)
         finally:
-            idempotency.current.reset(claimed)
+            delivery.current.reset(claimed)
         self.requests.labels(route, str(response.status_code)).inc()
         self.seconds.labels(route).observe(time.perf_counter() - started)
         return response
 
     async def serve(self, request: Request, route: str, prepare: Callable[[bytes], Any],
-                    check: Check, build: Build) -> Response:
+                    check: Check, answer: Answer,
+                    headers: Callable[[list[Result]], dict[str, str]] | None = None) -> Response:
         """A route that sends its body's job to a queue: ``check`` the queue's config before
-        anything is sent, then ``build`` the answer from the results."""
+        anything is sent, then ``answer`` the results, sent with their ``headers``."""
         async def work() -> render.Later:
             body, job = await self.read(request, prepare)
             queue = self.queue_of(body.model)
             model = body.model or self.default_model()
             config = await self.config(queue)
             check(config, model, job)
-            return build(await self.infer(request, queue, job), body, model, config)
+            results = await self.infer(request, queue, job)
+            return render.Later(answer, results, body, model, config,
+                                headers=headers(results) if headers else None)
         return await self.answer(route, work, admit=True)
 
     async def health(self) -> Response:
@@ -184,10 +186,10 @@ class Gateway:
 
 async def _keep_answer(response: Response) -> None:
     """Store a 200 under the request's Idempotency-Key (if it claimed one); free its lease."""
-    claim = idempotency.current.get()
+    claim = delivery.current.get()
     if claim is None:
         return
-    idempotency.current.set(None)
+    delivery.current.set(None)
     if response.status_code == 200:
         await claim.store(response.status_code, bytes(response.body))
     await claim.release()
@@ -243,7 +245,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
     app.state.gateway = gateway
     edge.install(app, settings)
 
-    for module in (openai_api, sparse_api, tei_api):
+    for module in (openai_api, tei_api):
         app.include_router(module.router)
 
     @app.get("/info")
@@ -256,7 +258,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
                 "served_model_name": gateway.default_model(),
                 "model_sha": None,
                 "model_dtype": config.dtype,
-                "model_type": scores.tei_model_type(config),
+                "model_type": schemas.tei_model_type(config),
                 "max_input_length": config.max_input_tokens,
                 "max_batch_tokens": config.max_batch_tokens,
                 "max_client_batch_size": settings.max_client_batch_size,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from itertools import chain, compress, islice
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -47,12 +47,12 @@ PARSE_PROCESSES = 2
 """Big bodies decoded at once; more wait their turn (each expands to up to 40× its size)."""
 
 
+@dataclass
 class Admission:
     """At most ``limit`` requests in flight; one over it is a 429, not queued (TEI's rule)."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
+    limit: int
+    in_flight: int = 0
 
     @contextmanager
     def admit(self) -> Iterator[None]:
@@ -110,15 +110,11 @@ class Parser:
             self._pool = ProcessPoolExecutor(PARSE_PROCESSES, get_context("spawn"),
                                              initializer=_parser_started, initargs=(os.getpid(),))
         try:
-            outcome = await asyncio.get_running_loop().run_in_executor(
-                self._pool, _prepare_apart, prepare, raw)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, prepare, raw)
         except BrokenProcessPool:  # a child died (killed for memory?): start afresh
             self.close()
             raise ApiError(503, "the body's parser process died; retry later",
                            code="unavailable") from None
-        if isinstance(outcome, _Refused):
-            raise ApiError(**outcome.fields)
-        return outcome
 
     def close(self) -> None:
         if self._pool is not None:
@@ -137,20 +133,6 @@ def _parser_started(gateway: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="tokenq-parent-watch", daemon=True).start()
-
-
-@dataclass(frozen=True, slots=True)
-class _Refused:
-    """An ApiError's fields, as they cross from a parser process (keywords do not pickle)."""
-
-    fields: dict[str, Any]
-
-
-def _prepare_apart(prepare: Callable[[bytes], T], raw: bytes) -> T | _Refused:
-    try:
-        return prepare(raw)
-    except ApiError as error:
-        return _Refused(asdict(error))
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:

@@ -44,13 +44,6 @@ async def unrouted(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(path, error)
 
 
-def is_json(content_type: str) -> bool:
-    """``application/json``, ``application/<x>+json``, with or without parameters."""
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/")
-                                           and media.endswith("+json"))
-
-
 class Edge:
     """Steps 2-4 of the module's list, as plain ASGI (no body buffering, no task per call)."""
 
@@ -91,7 +84,9 @@ class Edge:
         content_type = headers.get(b"content-type")
         if scope["method"] == "POST" and content_type is not None:
             text = content_type.decode("latin-1")
-            if not is_json(text):
+            media = text.split(";", 1)[0].strip().lower()  # application/json or /<x>+json
+            if media != "application/json" and not (media.startswith("application/")
+                                                    and media.endswith("+json")):
                 return ApiError(415, f"Content-Type {text!r} is not served: send "
                                 "application/json", param="Content-Type",
                                 code="unsupported_media_type")

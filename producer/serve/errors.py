@@ -46,6 +46,9 @@ class ApiError(Exception):
     code: str | None = None  # a stable code: the worker's, or OpenAI's (``model_not_found``)
     headers: dict[str, str] = field(default_factory=dict)
 
+    def __reduce__(self) -> tuple[type[ApiError], tuple[Any, ...]]:  # from a parser process
+        return ApiError, (self.status, self.message, self.param, self.code, self.headers)
+
     def openai_body(self) -> dict[str, Any]:
         return {"error": {
             "message": self.message,

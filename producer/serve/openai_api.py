@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ConfigDict, Field, PlainValidator
 from typing_extensions import NotRequired, TypedDict
 
-from tokenq.producer import Result
-from tokenq.producer.serve import render, schemas, scores
+from tokenq.producer.serve import schemas
 from tokenq.producer.serve.bounds import kind
 from tokenq.producer.serve.errors import empty, invalid
 from tokenq.producer.serve.schemas import Body, Job, parse_job
-
-if TYPE_CHECKING:
-    from tokenq.producer.serve.app import Build
+from tokenq.producer.serve.tei_api import post
 
 router = APIRouter()
 
@@ -62,7 +58,6 @@ class RerankBody(Body):
     documents: Annotated[list[str], PlainValidator(
         documents_only, json_schema_input_type=list[str | TextObject])]
     top_n: Annotated[int, Field(ge=1)] | None = None
-    model: str | None = None
 
 
 class Rerank(RerankBody):
@@ -85,7 +80,7 @@ rerank_request = functools.partial(parse_job, Rerank, rerank_job)
 def ranked(body: RerankBody, results: list[Any], return_documents: bool = False
            ) -> list[dict[str, Any]]:
     """Cohere's ``results``: the best ``top_n`` documents, best first (ties in input order)."""
-    ranks = scores.rerank_answer(results, body.documents, return_documents)
+    ranks = schemas.rerank_answer(results, body.documents, return_documents)
     out = []
     for rank in ranks[:body.top_n]:
         entry: dict[str, Any] = {"index": rank["index"], "relevance_score": rank["score"]}
@@ -100,26 +95,11 @@ def tokens_of(results: list[Any]) -> int:
     return sum(result.tokens or 0 for result in results)
 
 
-def rerank_answer(results: list[Any], body: Rerank, model: str) -> dict[str, Any]:
+def rerank_answer(results: list[Any], body: Rerank, model: str, *_: Any) -> dict[str, Any]:
     """Cohere's v1 answer, with OpenAI's ``object``, ``model`` and ``usage`` beside it."""
     tokens = tokens_of(results)
     return {"object": "list", "results": ranked(body, results, body.return_documents),
             "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-
-def _later(answer: Callable[[list[Result], Any, str], Any]) -> Build:
-    """``answer(results, body, model)`` to build off the event loop."""
-    return lambda results, body, model, config: render.Later(answer, results, body, model)
-
-
-@router.post("/v1/embeddings")
-@router.post("/embeddings")  # Infinity's
-async def embeddings(request: Request) -> Response:
-    return await request.app.state.gateway.serve(
-        request, request.url.path, schemas.openai_request, schemas.require_embeddings,
-        lambda results, body, *_: render.Later(
-            schemas.openai_answer, results, body.model, body.encoding_format,
-            headers=schemas.truncation_headers(results)))
 
 
 def model_card(name: str) -> dict[str, Any]:
@@ -144,12 +124,6 @@ async def get_model(request: Request, model: str) -> Response:
         gateway.queue_of(model)  # 404 for a name --models does not list; without it any
         return model_card(model)  # name is served by --queue, as /v1/embeddings takes it
     return await gateway.answer("/v1/models/{model}", work)
-
-
-@router.post("/v1/rerank")
-async def rerank(request: Request) -> Response:
-    return await request.app.state.gateway.serve(request, "/v1/rerank", rerank_request,
-                                                 scores.require_reranker, _later(rerank_answer))
 
 
 class RelevantSpans(TypedDict):
@@ -179,15 +153,15 @@ def rerank_v2_job(body: RerankV2) -> Job:
 rerank_v2_request = functools.partial(parse_job, RerankV2, rerank_v2_job)
 
 
-def rerank_v2_answer(results: list[Any], body: RerankV2, model: str) -> dict[str, Any]:
+def rerank_v2_answer(results: list[Any], body: RerankV2, *_: Any) -> dict[str, Any]:
     """Cohere's v2 answer (``model`` is not part of it)."""
     return {"id": str(uuid.uuid4()), "results": ranked(body, results), "meta": {
         "api_version": {"version": API_VERSION},
         "billed_units": {"input_tokens": tokens_of(results)}}}
 
 
-@router.post("/v2/rerank")
-async def rerank_v2(request: Request) -> Response:
-    return await request.app.state.gateway.serve(request, "/v2/rerank", rerank_v2_request,
-                                                 scores.require_reranker, _later(rerank_v2_answer))
-
+for path in ("/v1/embeddings", "/embeddings"):  # the second: Infinity's
+    post(router, path, schemas.openai_request, schemas.require_embeddings,
+         schemas.openai_answer, schemas.truncation_headers)
+post(router, "/v1/rerank", rerank_request, schemas.require_reranker, rerank_answer)
+post(router, "/v2/rerank", rerank_v2_request, schemas.require_reranker, rerank_v2_answer)

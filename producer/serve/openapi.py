@@ -14,7 +14,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import TypeAdapter
 from typing_extensions import NotRequired, TypedDict
 
-from tokenq.producer.serve import openai_api, schemas, scores, sparse_api, tei_api
+from tokenq.producer.serve import openai_api, schemas, tei_api
 from tokenq.producer.serve.errors import ApiError, body_for
 
 ERROR_STATUSES = {
@@ -109,16 +109,12 @@ class OpenAIEmbeddingList(TypedDict):
     usage: OpenAIUsage
 
 
-class RerankDocument(TypedDict):
-    text: str
-
-
 class RerankResult(TypedDict):
     """One of Cohere's ``results``: ``document`` only with ``return_documents``."""
 
     index: int
     relevance_score: float
-    document: NotRequired[RerankDocument]
+    document: NotRequired[openai_api.TextObject]
 
 
 class RerankList(TypedDict):
@@ -129,11 +125,6 @@ class RerankList(TypedDict):
     results: list[RerankResult]
     model: str
     usage: OpenAIUsage
-
-
-class RerankV2Result(TypedDict):
-    index: int
-    relevance_score: float
 
 
 class CohereVersion(TypedDict):
@@ -153,7 +144,7 @@ class RerankV2Answer(TypedDict):
     """``POST /v2/rerank``'s answer: Cohere's ``V2RerankResponse``, best first."""
 
     id: str
-    results: list[RerankV2Result]
+    results: list[RerankResult]  # never with ``document``
     meta: CohereMeta
 
 
@@ -191,20 +182,20 @@ _OPENAI = Route(schemas.OpenAIEmbeddings, OpenAIEmbeddingList,
                 "OpenAI (and Infinity): embeddings")
 ROUTES: dict[tuple[str, str], Route] = {
     ("post", "/embed"): Route(schemas.TEIEmbed, Embeddings, "TEI: embeddings"),
-    ("post", "/rerank"): Route(scores.TEIRerank, list[Rank], "TEI: rerank texts against a query"),
-    ("post", "/predict"): Route(scores.TEIPredict, Predictions, "TEI: classify"),
+    ("post", "/rerank"): Route(schemas.TEIRerank, list[Rank], "TEI: rerank texts against a query"),
+    ("post", "/predict"): Route(schemas.TEIPredict, Predictions, "TEI: classify"),
     ("post", "/similarity"): Route(tei_api.TEISimilarity, list[float],
                                    "TEI: cosine of a sentence with others"),
     ("post", "/tokenize"): Route(tei_api.TEITokenize, list[list[SimpleToken]],
                                  "TEI: the queue's tokenizer"),
     ("post", "/decode"): Route(tei_api.TEIDecode, list[str], "TEI: ids back to text"),
     ("post", "/"): Route(
-        schemas.TEIEmbed | tei_api.TEISimilarity | scores.TEIPredict | scores.TEIRerank,
+        schemas.TEIEmbed | tei_api.TEISimilarity | schemas.TEIPredict | schemas.TEIRerank,
         Embeddings | list[float] | Predictions | list[Rank],
         "TEI: the route of the model's kind (embed or similarity, predict, rerank)"),
-    ("post", "/embed_sparse"): Route(sparse_api.TEIPerToken, list[list[SparseValue]],
+    ("post", "/embed_sparse"): Route(schemas.TEIPerToken, list[list[SparseValue]],
                                      "TEI: sparse (SPLADE) embeddings"),
-    ("post", "/embed_all"): Route(sparse_api.TEIPerToken, list[list[list[float]]],
+    ("post", "/embed_all"): Route(schemas.TEIPerToken, list[list[list[float]]],
                                   "TEI: every token's embedding"),
     ("post", "/v1/embeddings"): _OPENAI,
     ("post", "/embeddings"): _OPENAI,

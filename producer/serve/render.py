@@ -1,26 +1,21 @@
-"""Answers as JSON bytes, built in a thread a piece at a time (the GIL passes back to the loop
-between items), so ``/health`` keeps answering."""
+"""Answers as JSON bytes, built in a thread (``Gateway.answer``) a piece at a time (the GIL passes
+back to the loop between items), so ``/health`` keeps answering."""
 
 from __future__ import annotations
 
 import array
-import asyncio
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi.responses import Response
 
-MEDIA_TYPE = "application/json"
-
+@dataclass(frozen=True, slots=True)
 class Raw:
     """JSON already encoded (a route that writes its records straight to bytes); a wrapper,
     not a ``bytes`` subclass, so that no answer is copied to become one."""
 
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+    data: bytes
 
 
 class Later:
@@ -53,11 +48,3 @@ PIECES = (list, dict, str, Raw, array.array)
 def _dumps(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, allow_nan=False, indent=None,
                       separators=(",", ":")).encode("utf-8")
-
-
-async def respond(value: Any) -> Response:
-    """A route's answer as a JSON response, built (if :class:`Later`) and encoded off the
-    event loop."""
-    later = value if isinstance(value, Later) else Later(lambda: value)
-    data = await asyncio.to_thread(lambda: encode(later.fn(*later.args)))
-    return Response(data, media_type=MEDIA_TYPE, headers=later.headers)

@@ -1,22 +1,25 @@
-"""Embedding request bodies and answers, as OpenAI, TEI and Infinity clients send and expect them:
-a body becomes a :class:`Job`, a field that does not validate a 422 in the API's own shape."""
+"""Request bodies and answers, as OpenAI, TEI and Infinity clients send and expect them: a body
+becomes a :class:`Job`, a field that does not validate a 422 in the API's own shape. TEI's scoring
+routes (``/rerank``, ``/predict``) last: whether a queue can answer is its config hash's
+``task``, ``pairs``, ``labels``."""
 
 from __future__ import annotations
 
 import array
 import base64
 import functools
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError
 
 from tokenq.producer import Result
 from tokenq.producer.core import TextItem
 from tokenq.producer.serve import bounds
-from tokenq.producer.serve.bounds import TEXT, TEXT_OR_TOKENS, TOKEN, TOKENS
+from tokenq.producer.serve.bounds import TEXT, TEXT_OR_TOKENS, TEXTS, TOKEN, TOKENS
 from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
 from tokenq.shared.queue_config import QueueConfig
 from tokenq.shared.request_options import MAX_DIMENSIONS
@@ -26,8 +29,18 @@ T = TypeVar("T")
 Dimensions = Annotated[int, Field(ge=0, le=MAX_DIMENSIONS, strict=True)]
 """OpenAI's ``dimensions``; 0 means all of them, as Infinity (whose client sends 0) reads it."""
 
-Direction = Literal["Right", "right", "Left", "left"]
-"""TEI's ``truncation_direction``, spelled either way as TEI accepts it."""
+
+
+def _rightward(direction: str) -> str:
+    """422 for ``Left``: workers cut the end of an over-long input."""
+    if direction.lower() != "right":
+        raise invalid("truncation_direction",
+                      "Left is not supported: the workers keep the start of an input (Right)")
+    return direction
+
+
+Direction = Annotated[Literal["Right", "right", "Left", "left"], AfterValidator(_rightward)]
+"""TEI's ``truncation_direction``, spelled either way as TEI accepts it; only Right is served."""
 
 
 def one_kind(where: str, *variants: bounds.Variant, shape: Any = Any) -> PlainValidator:
@@ -57,6 +70,15 @@ class Body(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
 
+    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
+
+
+class Truncating(Body):
+    """What TEI's bodies of texts to run say of an over-long input."""
+
+    truncate: bool | None = None
+    truncation_direction: Direction = "Right"
+
 
 class OpenAIEmbeddings(Body):
     """``POST /v1/embeddings`` (OpenAI) and ``POST /embeddings`` (Infinity); unknown fields are
@@ -74,15 +96,12 @@ class OpenAIEmbeddings(Body):
     truncate: bool | None = None  # TEI's, in ``extra_body``: false refuses an over-long input
 
 
-class TEIPerToken(Body):
+class TEIPerToken(Truncating):
     """``POST /embed_sparse`` and ``/embed_all`` (TEI's ``EmbedSparseRequest`` and
     ``EmbedAllRequest``): what every TEI body that embeds texts has."""
 
     inputs: TEIInputs
-    truncate: bool | None = None
-    truncation_direction: Direction = "Right"
     prompt_name: str | None = None
-    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 class TEIEmbed(TEIPerToken):
@@ -147,13 +166,12 @@ tei_embed_request = functools.partial(parse_job, TEIEmbed, tei_embed_job)
 
 def tei_job(body: TEIPerToken, options: dict[str, Any]) -> Job:
     """A TEI body's texts, with ``options`` and ``truncate`` and ``prompt_name`` when given;
-    token ids, an empty list and ``truncation_direction: Left`` are refused."""
+    token ids and an empty list are refused."""
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     if not all(isinstance(item, str) for item in texts):
         raise invalid("inputs", "token-id input is not supported: send text")
     if not texts:
         raise empty("inputs")
-    refuse_left(body.truncation_direction)
     options = {**options, **given(truncate=body.truncate, prompt_name=body.prompt_name)}
     return Job(list(texts), options, "inputs")  # type: ignore[arg-type]
 
@@ -161,13 +179,6 @@ def tei_job(body: TEIPerToken, options: dict[str, Any]) -> Job:
 def given(**options: Any) -> dict[str, Any]:
     """The ``options`` that were given (not None)."""
     return {name: value for name, value in options.items() if value is not None}
-
-
-def refuse_left(direction: str) -> None:
-    """422 for ``truncation_direction: Left``: workers cut the end of an over-long input."""
-    if direction.lower() != "right":
-        raise invalid("truncation_direction",
-                      "Left is not supported: the workers keep the start of an input (Right)")
 
 
 def require_embeddings(config: QueueConfig | None, model: str, *_: Any) -> None:
@@ -194,10 +205,9 @@ def _not_embeddings(model: str) -> ApiError:
     )
 
 
-def openai_answer(
-    results: Sequence[Result], model: str, encoding_format: str
-) -> dict[str, Any]:
+def openai_answer(results: Sequence[Result], body: OpenAIEmbeddings, *_: Any) -> dict[str, Any]:
     """OpenAI's list of embeddings, with usage from the workers' exact token counts."""
+    model, encoding_format = body.model, body.encoding_format
     vectors = embeddings_of(results, model)
     tokens = sum(result.tokens or 0 for result in results)
     data = [{"object": "embedding", "index": index,
@@ -224,6 +234,161 @@ def _base64_le(vector: array.array) -> str:
     return base64.b64encode(vector.tobytes()).decode("ascii")
 
 
-def tei_answer(results: Sequence[Result], model: str) -> list[array.array]:
-    """TEI's list of vectors, one per input, in input order (render.encode writes each)."""
-    return embeddings_of(results, model)
+# TEI's scoring routes
+
+
+def texts_only(value: Any) -> list[str]:
+    """``texts``: a list of strings, checked in one pass that stops at the first that is not."""
+    if type(value) is not list:
+        raise invalid("texts", f"expected a list of strings, got {bounds.kind(value)}")
+    bounds.check_each(value, "texts", TEXT)
+    return value
+
+
+class TEIRerank(Truncating):
+    """``POST /rerank``."""
+
+    query: str
+    texts: Annotated[list[str], PlainValidator(texts_only, json_schema_input_type=list[str])]
+    raw_scores: bool = False
+    return_text: bool = False
+
+
+class TEIPredict(Truncating):
+    """``POST /predict``."""
+
+    inputs: Annotated[str | list[str] | list[list[str]],
+                      one_kind("inputs", TEXT, TEXTS, shape=str | list[str] | list[list[str]])]
+    raw_scores: bool = False
+
+
+def _options(body: TEIRerank | TEIPredict) -> dict[str, Any]:
+    return given(truncate=body.truncate, raw_scores=body.raw_scores or None)
+
+
+def rerank_job(body: TEIRerank) -> Job:
+    """One (query, text) pair per text."""
+    if not body.texts:
+        raise empty("texts")
+    return Job([(body.query, text) for text in body.texts], _options(body), "texts")
+
+
+def is_batch(body: TEIPredict) -> bool:
+    """As TEI reads ``inputs``: a string or a flat list (``[text]``, ``[text, text_pair]``) is
+    one input, a list of lists a batch."""
+    return not isinstance(body.inputs, str) and not all(isinstance(i, str) for i in body.inputs)
+
+
+def predict_job(body: TEIPredict) -> Job:
+    """The inputs of a predict request (:func:`is_batch`)."""
+    inputs = body.inputs
+    if isinstance(inputs, str):
+        return Job([inputs], _options(body), "inputs")
+    if not inputs:
+        raise empty("inputs")
+    if not is_batch(body):
+        one = _sequence(inputs, "inputs")  # type: ignore[arg-type]
+        return Job([one], _options(body), "inputs")
+    items = [_sequence(item, f"inputs[{index}]") for index, item in enumerate(inputs)]
+    return Job(items, _options(body), "inputs")
+
+
+rerank_request = functools.partial(parse_job, TEIRerank, rerank_job)
+predict_request = functools.partial(parse_job, TEIPredict, predict_job)
+
+
+def _sequence(parts: Sequence[str], where: str) -> TextItem:
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return (parts[0], parts[1])
+    raise invalid(where, f"{len(parts)} strings: an input is [text] or a pair [text, text_pair]; "
+                  "send a batch as a list of those")
+
+
+def require_reranker(config: QueueConfig | None, *_: Any) -> None:
+    """424 unless the queue's model is a reranker (TEI refuses any other model, too)."""
+    if config is None:
+        return  # no worker has described the queue yet: the workers will decide
+    if config.task == "rerank" or (config.task is None and config.pairs):
+        return
+    kind = {None: "takes no pairs", "embed": "embeds"}.get(config.task,
+                                                             f"is a {config.task!r} model")
+    raise wrong_model("not_a_reranker", f"model is not a re-ranker model: this queue's model "
+                      f"{kind}; /rerank needs a cross-encoder run with --task rerank")
+
+
+def require_classifier(config: QueueConfig | None, model: str, job: Job) -> None:
+    """424 unless the queue's model answers scores, and takes pairs if ``job`` has any."""
+    if config is None:
+        return
+    if config.task in (None, "embed", "sparse"):
+        kind = "answers sparse weights" if config.task == "sparse" else "embeds"
+        raise wrong_model("not_a_classifier", "model is not a classifier model: this queue's "
+                          f"model {kind}; /predict needs a classifier or a reranker")
+    if config.pairs is False and any(isinstance(item, tuple) for item in job.items):
+        raise invalid("inputs", "a pair [text, text_pair], but this queue's model takes "
+                      "single texts")
+
+
+def label_names(count: int, labels: Sequence[str] | None) -> list[str]:
+    """The name of each of ``count`` scores: ``labels`` when they fit, else ``LABEL_i``."""
+    if labels is not None and len(labels) == count:
+        return list(labels)
+    return [f"LABEL_{index}" for index in range(count)]
+
+
+def scores_of(result: Result) -> tuple[float, ...]:
+    """A result's scores; 424 for an embedding (the wrong kind) or a NaN (as TEI answers one)."""
+    if result.scores is None:
+        raise wrong_model("not_a_classifier", "the queue answered an embedding, not scores")
+    if any(math.isnan(score) for score in result.scores):
+        raise ApiError(424, "score is NaN", code="inference_failed")
+    return result.scores
+
+
+def rerank_answer(
+    results: Sequence[Result], texts: Sequence[str], return_text: bool
+) -> list[dict[str, Any]]:
+    """TEI's ranks, best first; ties keep input order."""
+    ranks: list[dict[str, Any]] = []
+    for index, result in enumerate(results):
+        rank: dict[str, Any] = {"index": index, "score": scores_of(result)[0]}
+        if return_text:
+            rank["text"] = texts[index]
+        ranks.append(rank)
+    ranks.sort(key=lambda rank: -rank["score"])
+    return ranks
+
+
+def predict_answer(
+    results: Sequence[Result], batched: bool, labels: Sequence[str] | None
+) -> list[Any]:
+    """TEI's predictions; a result's own labels first, then the queue's (``labels``)."""
+    answers = [_predictions(result, labels) for result in results]
+    return answers if batched else answers[0]
+
+
+def _predictions(result: Result, labels: Sequence[str] | None) -> list[dict[str, Any]]:
+    scores = scores_of(result)
+    names = label_names(len(scores), result.labels or labels)
+    pairs = zip(names, scores, strict=True)
+    predictions: list[dict[str, Any]] = [{"label": name, "score": score} for name, score in pairs]
+    predictions.sort(key=lambda prediction: -prediction["score"])
+    return predictions
+
+
+def tei_model_type(config: QueueConfig) -> dict[str, Any]:
+    """TEI's ``model_type``: ``embedding``, ``classifier`` (with ``id2label``) or ``reranker``."""
+    if config.task in (None, "embed"):
+        # TEI's spec requires ``pooling``: the workers' own, "unknown" where they publish none
+        return {"embedding": {"pooling": config.pooling or "unknown"}}
+    if config.task == "sparse":
+        return {"embedding": {"pooling": "splade"}}  # as TEI describes a SPLADE model
+    kind = "reranker" if config.task == "rerank" else "classifier"
+    count = config.dim or len(config.labels or ()) or (1 if kind == "reranker" else 0)
+    names = label_names(count, config.labels)
+    return {kind: {
+        "id2label": {str(index): label for index, label in enumerate(names)},
+        "label2id": {label: index for index, label in enumerate(names)},
+    }}

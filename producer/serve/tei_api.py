@@ -1,8 +1,12 @@
 """TEI's router (its ``docs/openapi.json`` the contract, 0037-tei-routes-and-openapi.md): /embed,
-/rerank, /predict, ``POST /`` by the model's kind, /similarity, /tokenize, /decode, aliases."""
+/rerank, /predict, ``POST /`` by the model's kind, /similarity, /tokenize, /decode, aliases;
+/embed_sparse (a SPLADE queue's nonzero weights per input, else 424) and /embed_all (every
+token's vector: the option ``output: "tokens"``, 413 beyond
+:data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` in the worst case, checked before sending)."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 import functools
 import math
@@ -15,30 +19,32 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
 
 from tokenq.producer import Result
-from tokenq.producer.serve import render, schemas, scores, sparse_api
+from tokenq.producer.serve import render, schemas
 from tokenq.producer.serve.bounds import (
     MAX_DECODE_BYTES,
+    MAX_TOKEN_ANSWER_FLOATS,
     MAX_TOKENIZE_BYTES,
     MAX_TOKENIZE_TOKENS,
     TEXT,
     TOKEN,
     TOKENS,
     check_count,
+    check_token_answer,
     decode_json,
     text_bytes,
     text_or_list,
 )
-from tokenq.producer.serve.errors import ApiError, empty, invalid
+from tokenq.producer.serve.errors import ApiError, empty, invalid, wrong_model
 from tokenq.producer.serve.render import Raw, encode
 from tokenq.producer.serve.schemas import (
     Body,
     Direction,
     Job,
+    TEIPerToken,
     given,
     one_kind,
     parse,
     parse_job,
-    refuse_left,
 )
 from tokenq.producer.tokenizer import load_estimator
 from tokenq.shared.queue_config import QueueConfig
@@ -67,7 +73,6 @@ class TEISimilarity(Body):
 
     inputs: SimilarityInput
     parameters: SimilarityParameters | None = None
-    model: str | None = None  # not TEI's: which of ``--models`` serves it (default: the first)
 
 
 def _ids(value: Any) -> Any:
@@ -86,7 +91,6 @@ class TEITokenize(Body):
     inputs: Annotated[str | list[str], one_kind("inputs", TEXT, shape=str | list[str])]
     add_special_tokens: bool = True
     prompt_name: str | None = None
-    model: str | None = None
 
 
 class TEIDecode(Body):
@@ -96,7 +100,6 @@ class TEIDecode(Body):
                    PlainValidator(_ids, json_schema_input_type=list[Annotated[int, Field(ge=0)]]
                                   | list[list[Annotated[int, Field(ge=0)]]])]
     skip_special_tokens: bool = True
-    model: str | None = None
 
 
 tokenize_request = functools.partial(parse, TEITokenize)
@@ -108,7 +111,6 @@ def similarity_job(body: TEISimilarity) -> Job:
     if not body.inputs.sentences:
         raise empty("inputs.sentences")
     parameters = body.parameters or SimilarityParameters()
-    refuse_left(parameters.truncation_direction)
     options = given(truncate=parameters.truncate, prompt_name=parameters.prompt_name)
     items = [body.inputs.source_sentence, *body.inputs.sentences]
     return Job(items, options, "inputs")  # type: ignore[arg-type]
@@ -132,12 +134,6 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     if norms == 0.0:
         return 0.0
     return math.fsum(x * y for x, y in zip(a, b, strict=True)) / norms
-
-
-def similarity_answer(results: Sequence[Result], model: str) -> list[float]:
-    """The source's cosine with each sentence, in the sentences' order."""
-    source, *others = schemas.embeddings_of(results, model)
-    return [cosine(source, vector) for vector in others]
 
 
 def tokenize_answer(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[Raw]:
@@ -212,37 +208,21 @@ def token_answer(encoding: Any, text: str) -> Raw:
     return Raw(b"[" + b",".join(records) + b"]")
 
 
-def check_decode(rows: list[list[int]], longest: int) -> None:
-    """413 when ``rows`` could decode to more than :data:`.bounds.MAX_DECODE_BYTES`: each id
-    counted at ``longest`` (the vocabulary's longest token, in UTF-8 bytes) plus a space."""
-    ids = sum(map(len, rows))
-    most = MAX_DECODE_BYTES // (longest + 1)
-    check_count(ids, most, f"ids (each up to {longest + 1} bytes of text)", "ids",
-                f"at most {MAX_DECODE_BYTES} bytes of text are answered")
+async def tokenizer_of(config: QueueConfig | None) -> tuple[Any, int]:
+    """The ``tokenizers.Tokenizer`` of the queue described by ``config``, with the UTF-8 bytes
+    of its longest token (added tokens included), or a 422; loaded once per published path."""
+    path = config.tokenizer if config is not None else None
+    if path is None:
+        raise ApiError(422, "this queue's workers publish no tokenizer.json (the sim "
+                       "backend has none; or no worker has started)", code="tokenizer")
+    loaded = await asyncio.to_thread(_load, path)
+    if isinstance(loaded, str):
+        raise ApiError(422, f"the gateway cannot use the queue's tokenizer: {loaded}",
+                       code="tokenizer")
+    return loaded
 
 
-class Tokenizers:
-    """The queues' tokenizers, loaded once per published path, off the event loop."""
-
-    def __init__(self) -> None:
-        self._loaded: dict[str, tuple[Any, int] | str] = {}
-
-    async def of(self, config: QueueConfig | None) -> tuple[Any, int]:
-        """The ``tokenizers.Tokenizer`` of the queue described by ``config``, with the UTF-8
-        bytes of its longest token (added tokens included), or a 422."""
-        path = config.tokenizer if config is not None else None
-        if path is None:
-            raise ApiError(422, "this queue's workers publish no tokenizer.json (the sim "
-                           "backend has none; or no worker has started)", code="tokenizer")
-        if path not in self._loaded:
-            self._loaded[path] = await asyncio.to_thread(_load, path)
-        loaded = self._loaded[path]
-        if isinstance(loaded, str):
-            raise ApiError(422, f"the gateway cannot use the queue's tokenizer: {loaded}",
-                           code="tokenizer")
-        return loaded
-
-
+@functools.cache
 def _load(path: str) -> tuple[Any, int] | str:
     loaded = load_estimator(path)
     if isinstance(loaded, str):
@@ -259,42 +239,96 @@ def _check_inputs(count: int, where: str, limit: int) -> None:
     check_count(count, limit, "inputs", where, "the most --max-client-batch-size allows")
 
 
-def _vectors(results: list[Result], body: Any, model: str, *_: Any) -> render.Later:
-    """``/embed``'s answer, or ``/similarity``'s for its body."""
+def _vectors(results: list[Result], body: Any, model: str, *_: Any) -> list[Any]:
+    """``/embed``'s answer (TEI's list of vectors), or ``/similarity``'s for its body: the
+    source's cosine with each sentence, in the sentences' order."""
+    vectors = schemas.embeddings_of(results, model)
     if isinstance(body, TEISimilarity):
-        return render.Later(similarity_answer, results, model)
-    return render.Later(schemas.tei_answer, results, model)
+        return [cosine(vectors[0], vector) for vector in vectors[1:]]
+    return vectors
+
+
+SPARSE_TASK = "sparse"  # the ``task`` a sparse queue's workers publish in its config hash
+
+sparse_request = functools.partial(parse_job, TEIPerToken,
+                                   functools.partial(schemas.tei_job, options={}))
+all_request = functools.partial(parse_job, TEIPerToken, functools.partial(
+    schemas.tei_job, options={"output": "tokens"}))  # every token's vector
+
+
+def require_sparse(config: QueueConfig | None, model: str, *_: Any) -> None:
+    """424 before anything is sent when the queue's config says it serves another kind."""
+    if config is not None and config.task is not None and config.task != SPARSE_TASK:
+        raise _not_sparse(model, config.task)
+
+
+def sparse_answer(results: Sequence[Result], model: str) -> list[Raw]:
+    """TEI's ``EmbedSparseResponse``: each input's nonzero ``{index, value}`` pairs, written
+    straight to JSON; 413 beyond :data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` weights in all."""
+    for result in results:
+        if result.sparse is None:
+            raise _not_sparse(model, "embed" if result.embedding is not None else "score")
+    check_count(sum(len(result.sparse or ()) for result in results), MAX_TOKEN_ANSWER_FLOATS,
+                "nonzero weights", "inputs", "send fewer inputs")
+    return [Raw(b"[" + b",".join(b'{"index":%d,"value":%s}' % (index, encode(float(value)))
+                                 for index, value in result.sparse or ()) + b"]")
+            for result in results]
+
+
+def tokens_answer(results: Sequence[Result], model: str) -> list[list[array.array]]:
+    """TEI's ``EmbedAllResponse``: each input's token vectors, in token order (render.encode
+    writes each)."""
+    answer = []
+    for result in results:
+        if result.token_embeddings is None:
+            raise wrong_model("not_an_embedding_model",
+                              f"model {model!r} answered no token embeddings")
+        answer.append(list(result.token_embeddings))
+    return answer
+
+
+def _not_sparse(model: str, task: str) -> ApiError:
+    return wrong_model(
+        "not_a_sparse_model",
+        f"model {model!r} is not a sparse (SPLADE) model (its queue serves task {task!r}): "
+        "/embed_sparse needs a queue whose workers run --task sparse",
+    )
+
+
+def _tokens_fit(config: QueueConfig | None, model: str, job: Job) -> None:
+    """Embeddings, and at most :data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` in the worst case."""
+    schemas.require_embeddings(config, model)
+    if config is not None:
+        check_token_answer(len(job.items), config.max_input_tokens, config.token_dim, job.where)
+
+
+POSTS: dict[str, tuple[Any, ...]] = {
+    "/embed": (schemas.tei_embed_request, schemas.require_embeddings, _vectors),
+    "/rerank": (schemas.rerank_request, schemas.require_reranker, lambda results, body, *_:
+                schemas.rerank_answer(results, body.texts, body.return_text)),
+    "/predict": (schemas.predict_request, schemas.require_classifier,
+                 lambda results, body, _, config: schemas.predict_answer(
+                     results, schemas.is_batch(body), config and config.labels)),
+    "/similarity": (similarity_request, schemas.require_embeddings, _vectors),
+    "/embed_sparse": (sparse_request, require_sparse,
+                      lambda results, _, model, *__: sparse_answer(results, model)),
+    "/embed_all": (all_request, _tokens_fit,
+                   lambda results, _, model, *__: tokens_answer(results, model)),
+}
+"""TEI's routes that send their body's job to a queue: what each hands ``Gateway.serve``."""
+
+
+def post(router: APIRouter, path: str, *how: Any) -> None:
+    """``POST path`` on ``router``: ``Gateway.serve`` with ``how`` (prepare, check, answer, and
+    the answer's headers if any)."""
+    async def route(request: Request) -> Response:
+        return await request.app.state.gateway.serve(request, path, *how)
+    router.add_api_route(path, route, methods=["POST"])
 
 
 router = APIRouter()
-
-
-@router.post("/embed")
-async def embed(request: Request) -> Response:
-    return await request.app.state.gateway.serve(request, "/embed", schemas.tei_embed_request,
-                                                 schemas.require_embeddings, _vectors)
-
-
-@router.post("/rerank")
-async def rerank(request: Request) -> Response:
-    return await request.app.state.gateway.serve(
-        request, "/rerank", scores.rerank_request, scores.require_reranker,
-        lambda results, body, *_: render.Later(scores.rerank_answer, results, body.texts,
-                                               body.return_text))
-
-
-@router.post("/predict")
-async def predict(request: Request) -> Response:
-    return await request.app.state.gateway.serve(
-        request, "/predict", scores.predict_request, scores.require_classifier,
-        lambda results, body, model, config: render.Later(
-            scores.predict_answer, results, scores.is_batch(body), config and config.labels))
-
-
-@router.post("/similarity")
-async def similarity(request: Request) -> Response:
-    return await request.app.state.gateway.serve(request, "/similarity", similarity_request,
-                                                 schemas.require_embeddings, _vectors)
+for path, how in POSTS.items():
+    post(router, path, *how)
 
 
 @router.api_route("/", methods=["GET", "POST"])  # one route: a 405 there names both methods
@@ -309,11 +343,11 @@ async def root(request: Request) -> Response:
         return await gateway.answer("/", functools.partial(_reraise, exc))
     task = config.task if config is not None else None
     if task == "rerank" or (task is None and config is not None and config.pairs):
-        return await rerank(request)
+        return await gateway.serve(request, "/rerank", *POSTS["/rerank"])
     if task == "sparse":  # TEI: a SPLADE model's POST / is /embed_sparse
-        return await sparse_api.embed_sparse(request, "/")
+        return await gateway.serve(request, "/", *POSTS["/embed_sparse"])
     if task not in (None, "embed"):
-        return await predict(request)
+        return await gateway.serve(request, "/predict", *POSTS["/predict"])
     return await gateway.serve(request, "/", root_embed_request, schemas.require_embeddings,
                                _vectors)
 
@@ -329,7 +363,7 @@ async def tokenize(request: Request) -> Response:
             raise empty("inputs")
         _check_inputs(len(texts), "inputs", gateway.settings.max_client_batch_size)
         config = await gateway.config(gateway.queue_of(body.model))
-        tokenizer, _ = await gateway.tokenizers.of(config)
+        tokenizer, _ = await tokenizer_of(config)
         if body.prompt_name is not None:
             prompts = (config.prompts if config is not None else None) or {}
             if body.prompt_name not in prompts:
@@ -352,8 +386,11 @@ async def decode(request: Request) -> Response:
         rows = cast("list[list[int]]", body.ids if nested else [body.ids])
         _check_inputs(len(rows), "ids", gateway.settings.max_client_batch_size)
         config = await gateway.config(gateway.queue_of(body.model))
-        tokenizer, longest = await gateway.tokenizers.of(config)
-        check_decode(rows, longest)
+        tokenizer, longest = await tokenizer_of(config)
+        # each id counted at the vocabulary's longest token (in UTF-8 bytes) plus a space
+        check_count(sum(map(len, rows)), MAX_DECODE_BYTES // (longest + 1),
+                    f"ids (each up to {longest + 1} bytes of text)", "ids",
+                    f"at most {MAX_DECODE_BYTES} bytes of text are answered")
         return await asyncio.to_thread(tokenizer.decode_batch, rows,
                                        skip_special_tokens=body.skip_special_tokens)
     return await gateway.answer("/decode", work, admit=True)

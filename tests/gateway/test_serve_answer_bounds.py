@@ -303,14 +303,14 @@ def test_encoding_a_piece_at_a_time_spells_what_one_json_dumps_spells():
 @pytest.mark.unit
 def test_a_sparse_answer_over_its_weight_cap_is_refused_before_it_is_written(monkeypatch):
     from tokenq.producer import Result
-    from tokenq.producer.serve import sparse_api
+    from tokenq.producer.serve import tei_api
     from tokenq.producer.serve.errors import ApiError
 
     results = [Result(id=str(i), dim=8, embedding=None, scores=None, tokens=None,
                       sparse=((1, 0.5), (7, 2.0))) for i in range(3)]
-    assert json.loads(encode(sparse_api.sparse_answer(results, "m"))) == [
+    assert json.loads(encode(tei_api.sparse_answer(results, "m"))) == [
         [{"index": 1, "value": 0.5}, {"index": 7, "value": 2.0}]] * 3
-    monkeypatch.setattr(sparse_api, "MAX_TOKEN_ANSWER_FLOATS", 5)
+    monkeypatch.setattr(tei_api, "MAX_TOKEN_ANSWER_FLOATS", 5)
     with pytest.raises(ApiError) as refused:
-        sparse_api.sparse_answer(results, "m")
+        tei_api.sparse_answer(results, "m")
     assert refused.value.status == 413 and "6 nonzero weights" in refused.value.message

@@ -496,7 +496,7 @@ def test_slow_heads_are_closed_and_a_leaving_client_is_one_log_line(served):
 
 @pytest.mark.unit
 def test_a_key_names_the_same_requests_only_for_the_same_body():
-    from tokenq.producer.serve.idempotency import body_digest, request_ids
+    from tokenq.producer.serve.delivery import body_digest, request_ids
 
     one = request_ids("k", "q", body_digest(b"{}"), 3)
     assert one == request_ids("k", "q", body_digest(b"{}"), 3) and len(set(one)) == 3

@@ -46,7 +46,7 @@ from hypothesis import strategies as st
 
 from tests.cli_support import wait_for
 from tests.redis_server import alive, cmdline, descendants, free_port
-from tokenq.producer.serve import bounds, schemas, scores, tei_api
+from tokenq.producer.serve import bounds, schemas, tei_api
 from tokenq.producer.serve.errors import ApiError
 from tokenq.shared import keys
 from tokenq.shared.settings import ServeSettings
@@ -63,10 +63,10 @@ from tokenq.producer.serve.bounds import (  # noqa: E402
     PARSE_PROCESSES,
 )
 
-MODELS = (schemas.OpenAIEmbeddings, schemas.TEIEmbed, scores.TEIRerank, scores.TEIPredict,
+MODELS = (schemas.OpenAIEmbeddings, schemas.TEIEmbed, schemas.TEIRerank, schemas.TEIPredict,
           tei_api.TEITokenize, tei_api.TEIDecode)
 FIELD = {schemas.OpenAIEmbeddings: "input", schemas.TEIEmbed: "inputs",
-         scores.TEIRerank: "texts", scores.TEIPredict: "inputs",
+         schemas.TEIRerank: "texts", schemas.TEIPredict: "inputs",
          tei_api.TEITokenize: "inputs", tei_api.TEIDecode: "ids"}
 
 SECONDS_PER_MB = 2.0
@@ -94,7 +94,7 @@ class HostileBody:
     def raw(self, model: type) -> bytes:
         items = [ITEMS[self.item]] * self.count + ([ITEMS[self.tail]] if self.tail else [])
         value = b"[" + b",".join(items) + b"]"
-        extra = b'"query":"q",' if model is scores.TEIRerank and self.field != "query" else b""
+        extra = b'"query":"q",' if model is schemas.TEIRerank and self.field != "query" else b""
         return b'{"model":"m",' + extra + b'"' + self.field.encode() + b'":' + value + b"}"
 
 
@@ -116,10 +116,10 @@ def parse_and_build(model: type, raw: bytes) -> None:
         schemas.openai_job(body)
     elif model is schemas.TEIEmbed:
         schemas.tei_embed_job(body)
-    elif model is scores.TEIRerank:
-        scores.rerank_job(body)
-    elif model is scores.TEIPredict:
-        scores.predict_job(body)
+    elif model is schemas.TEIRerank:
+        schemas.rerank_job(body)
+    elif model is schemas.TEIPredict:
+        schemas.predict_job(body)
     # /tokenize and /decode: the parse is all that comes before the tokenizer
 
 
@@ -306,7 +306,7 @@ def test_what_one_request_writes_to_redis_is_bounded_by_its_body(
 
 
 ROUTES = {schemas.OpenAIEmbeddings: "/v1/embeddings", schemas.TEIEmbed: "/embed",
-          scores.TEIRerank: "/rerank", scores.TEIPredict: "/predict",
+          schemas.TEIRerank: "/rerank", schemas.TEIPredict: "/predict",
           tei_api.TEITokenize: "/tokenize", tei_api.TEIDecode: "/decode"}
 
 

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tests.support import wait_for, wait_lane_ready
-from tokenq.producer.serve import idempotency
+from tokenq.producer.serve import delivery as idempotency
 from tokenq.shared import keys
 from tokenq.shared.settings import ServeSettings
 

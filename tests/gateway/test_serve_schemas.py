@@ -1,7 +1,7 @@
 """The gateway's sans-I/O core: request bodies in, jobs and answers out, no network.
 
 ``tokenq serve`` parses every body itself (producer/serve/schemas.py and
-scores.py) and maps every failure in one place (errors.py). These tests
+schemas.py) and maps every failure in one place (errors.py). These tests
 drive those functions directly: what each API's body becomes (the inputs
 and the options sent to the workers), what is refused and with which
 status and field, and how results become each API's answer. The same
@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenq.producer import BadRequest, QueueFull, RemoteError, Result
-from tokenq.producer.serve import schemas, scores
+from tokenq.producer.serve import schemas
 from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.shared.queue_config import QueueConfig
 
@@ -122,7 +122,7 @@ def test_tei_embed_sends_normalize_always_and_the_rest_when_given():
     ({"inputs": "a", "truncation_direction": "Left"}, 422, "truncation_direction"),
 ])
 def test_tei_embed_refusals(value, status, field):
-    error = refused(schemas.tei_embed_job, body(schemas.TEIEmbed, value))
+    error = refused(schemas.tei_embed_request, json.dumps(value).encode())
     assert (error.status, error.param) == (status, field)
     assert error.tei_body()["error_type"] == ("Empty" if status == 400 else "Validation")
 
@@ -135,19 +135,18 @@ def test_an_embedding_route_refuses_a_scoring_queue_before_sending():
 
 
 def test_rerank_is_one_pair_per_text_with_its_options():
-    job = scores.rerank_job(body(scores.TEIRerank, {
+    job = schemas.rerank_job(body(schemas.TEIRerank, {
         "query": "q", "texts": ["a", "b"], "raw_scores": True, "truncate": True,
     }))
     assert job == schemas.Job([("q", "a"), ("q", "b")], {"raw_scores": True, "truncate": True},
                               "texts")
-    quiet = scores.rerank_job(body(scores.TEIRerank, {"query": "q", "texts": ["a"],
+    quiet = schemas.rerank_job(body(schemas.TEIRerank, {"query": "q", "texts": ["a"],
                                                       "raw_scores": False}))
     assert quiet.options == {}
-    empty = refused(scores.rerank_job, body(scores.TEIRerank, {"query": "q", "texts": []}))
+    empty = refused(schemas.rerank_job, body(schemas.TEIRerank, {"query": "q", "texts": []}))
     assert empty.status == 400 and empty.param == "texts"
     left = {"query": "q", "texts": ["a"], "truncation_direction": "left"}
-    assert refused(scores.rerank_job, body(scores.TEIRerank, left)).param == \
-        "truncation_direction"
+    assert refused(body, schemas.TEIRerank, left).param == "truncation_direction"
 
 
 @pytest.mark.parametrize(("inputs", "items", "batched"), [
@@ -158,8 +157,8 @@ def test_rerank_is_one_pair_per_text_with_its_options():
     ([["a"]], ["a"], True),
 ])
 def test_predict_reads_inputs_as_tei_does(inputs, items, batched):
-    parsed = body(scores.TEIPredict, {"inputs": inputs})
-    assert (scores.predict_job(parsed).items, scores.is_batch(parsed)) == (items, batched)
+    parsed = body(schemas.TEIPredict, {"inputs": inputs})
+    assert (schemas.predict_job(parsed).items, schemas.is_batch(parsed)) == (items, batched)
 
 
 @pytest.mark.parametrize(("inputs", "status", "field"), [
@@ -170,26 +169,26 @@ def test_predict_reads_inputs_as_tei_does(inputs, items, batched):
 ])
 def test_predict_refuses_what_tei_refuses(inputs, status, field):
     def parse_and_build() -> None:
-        scores.predict_job(body(scores.TEIPredict, {"inputs": inputs}))
+        schemas.predict_job(body(schemas.TEIPredict, {"inputs": inputs}))
 
     error = refused(parse_and_build)
     assert error.status == status and error.param.startswith(field)
 
 
 def test_scoring_routes_refuse_a_queue_whose_model_cannot_answer():
-    scores.require_reranker(None)
-    scores.require_reranker(QueueConfig(task="rerank", pairs=True))
+    schemas.require_reranker(None)
+    schemas.require_reranker(QueueConfig(task="rerank", pairs=True))
     for config in (QueueConfig(task="embed"), QueueConfig(task="classify", pairs=False)):
-        error = refused(scores.require_reranker, config)
+        error = refused(schemas.require_reranker, config)
         assert error.status == 424 and error.code == "not_a_reranker"
         assert "re-ranker" in error.message
     pair = schemas.Job([("a", "b")])
-    scores.require_classifier(QueueConfig(task="rerank", pairs=True), "m", pair)
-    scores.require_classifier(QueueConfig(task="classify", pairs=False), "m",
+    schemas.require_classifier(QueueConfig(task="rerank", pairs=True), "m", pair)
+    schemas.require_classifier(QueueConfig(task="classify", pairs=False), "m",
                               schemas.Job(["a"]))
-    embedder = refused(scores.require_classifier, QueueConfig(task="embed"), "m", pair)
+    embedder = refused(schemas.require_classifier, QueueConfig(task="embed"), "m", pair)
     assert embedder.code == "not_a_classifier"
-    single = refused(scores.require_classifier, QueueConfig(task="classify", pairs=False), "m",
+    single = refused(schemas.require_classifier, QueueConfig(task="classify", pairs=False), "m",
                      pair)
     assert single.param == "inputs" and "pair" in single.message
 
@@ -204,7 +203,7 @@ score_lists = st.lists(st.floats(-50, 50, allow_nan=False, width=32), min_size=1
 @given(score_lists, st.booleans())
 def test_ranks_are_the_scores_best_first_by_their_input_index(values, return_text):
     texts = [f"text {i}" for i in range(len(values))]
-    ranks = scores.rerank_answer([result(scores_=(v,)) for v in values], texts, return_text)
+    ranks = schemas.rerank_answer([result(scores_=(v,)) for v in values], texts, return_text)
     assert sorted(rank["index"] for rank in ranks) == list(range(len(values)))
     assert [rank["score"] for rank in ranks] == sorted(values, reverse=True)
     for rank in ranks:
@@ -221,7 +220,7 @@ def test_predictions_name_every_score_best_first(rows, named, batched):
                else None)
         for row in rows
     ]
-    answer = scores.predict_answer(results, batched, None)
+    answer = schemas.predict_answer(results, batched, None)
     lists = answer if batched else [answer]
     assert len(lists) == len(rows)
     for row, predictions in zip(rows, lists, strict=True):
@@ -234,32 +233,32 @@ def test_predictions_name_every_score_best_first(rows, named, batched):
 
 def test_labels_come_from_the_result_then_the_queue_then_label_i():
     queue_labels = ("no", "yes")
-    own = scores.predict_answer([result(scores_=(0.2, 0.8), labels=("a", "b"))], False,
+    own = schemas.predict_answer([result(scores_=(0.2, 0.8), labels=("a", "b"))], False,
                                 queue_labels)
     assert own == [{"label": "b", "score": 0.8}, {"label": "a", "score": 0.2}]
-    from_queue = scores.predict_answer([result(scores_=(0.2, 0.8))], False, queue_labels)
+    from_queue = schemas.predict_answer([result(scores_=(0.2, 0.8))], False, queue_labels)
     assert [p["label"] for p in from_queue] == ["yes", "no"]
-    mismatched = scores.predict_answer([result(scores_=(0.2, 0.8, 0.0))], False, queue_labels)
+    mismatched = schemas.predict_answer([result(scores_=(0.2, 0.8, 0.0))], False, queue_labels)
     assert [p["label"] for p in mismatched] == ["LABEL_1", "LABEL_0", "LABEL_2"]
 
 
 def test_a_nan_score_is_the_models_failure_and_an_embedding_is_the_wrong_model():
-    nan = refused(scores.rerank_answer, [result(scores_=(math.nan,))], ["a"], False)
+    nan = refused(schemas.rerank_answer, [result(scores_=(math.nan,))], ["a"], False)
     assert nan.status == 424
-    vector = refused(scores.predict_answer, [result(vector=[0.6, 0.8])], False, None)
+    vector = refused(schemas.predict_answer, [result(vector=[0.6, 0.8])], False, None)
     assert vector.status == 424 and vector.code == "not_a_classifier"
 
 
 def test_info_model_type_follows_the_queues_task():
     embedder = {"embedding": {"pooling": "unknown"}}  # TEI's spec requires pooling
-    assert scores.tei_model_type(QueueConfig()) == embedder
-    assert scores.tei_model_type(QueueConfig(task="embed", dim=32)) == embedder
-    rerank = scores.tei_model_type(QueueConfig(task="rerank", dim=1))
+    assert schemas.tei_model_type(QueueConfig()) == embedder
+    assert schemas.tei_model_type(QueueConfig(task="embed", dim=32)) == embedder
+    rerank = schemas.tei_model_type(QueueConfig(task="rerank", dim=1))
     assert rerank == {"reranker": {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}}
-    named = scores.tei_model_type(QueueConfig(task="classify", dim=2, labels=("neg", "pos")))
+    named = schemas.tei_model_type(QueueConfig(task="classify", dim=2, labels=("neg", "pos")))
     assert named == {"classifier": {"id2label": {"0": "neg", "1": "pos"},
                                     "label2id": {"neg": 0, "pos": 1}}}
-    unnamed = scores.tei_model_type(QueueConfig(task="classify", dim=3))
+    unnamed = schemas.tei_model_type(QueueConfig(task="classify", dim=3))
     assert unnamed["classifier"]["id2label"] == {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
 
 
@@ -311,8 +310,8 @@ def test_any_json_body_is_a_job_or_an_api_error(value):
     builders = [
         (schemas.OpenAIEmbeddings, schemas.openai_job),
         (schemas.TEIEmbed, schemas.tei_embed_job),
-        (scores.TEIRerank, scores.rerank_job),
-        (scores.TEIPredict, scores.predict_job),
+        (schemas.TEIRerank, schemas.rerank_job),
+        (schemas.TEIPredict, schemas.predict_job),
     ]
     for model, build in builders:
         try:
