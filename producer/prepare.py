@@ -249,8 +249,7 @@ class Preparer:
 
         request_id = lane.new_id() if unique is None else keys.id_on_shard(lane.shard, unique)
         target = lane.reply_key(request_id) if call.reply_to is None else call.reply_to
-        fields = {**call.fields, "id": request_id, "text": text, "tokens": str(tokens),
-                  "reply_to": target}
+        fields = dict(call.fields, id=request_id, text=text, tokens=str(tokens), reply_to=target)
         if pair is None:
             del fields["text_pair"]
         else:
