@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenq.producer.call_options import SubmitOptions, worker_options
-from tokenq.producer.config import ConfigCache
+from tokenq.producer.config import ConfigCache, Estimating
 from tokenq.producer.deadline import check_seconds
 from tokenq.producer.lanes import Lane, check_ids
 from tokenq.shared import keys, wire
@@ -49,6 +49,8 @@ class CallOptions:
     reply_to: str | None
     fields: dict[str, str | bytes]
     """Every request's fields, encoded once: ``""`` for what each request has of its own."""
+    estimating: Estimating
+    """The config's view, read once for the call."""
     prompt: str = ""
     """The prompt the worker will put before each text, as far as the config says."""
     truncate: bool | None = None
@@ -198,7 +200,9 @@ class Preparer:
         except (TypeError, ValueError, OverflowError) as exc:
             # msgpack cannot encode something in opts (an int past 64 bits overflows)
             raise BadRequest(f"opts cannot be encoded as msgpack: {exc}", param="opts") from None
-        return CallOptions(reply_to, fields, prompt_of(checked, self.config.facts()),
+        estimating = self.config.current()
+        estimating.ensure_exact(self.settings.queue)
+        return CallOptions(reply_to, fields, estimating, prompt_of(checked, self.config.facts()),
                            checked.truncate)
 
     def _worker_options(self, opts: Mapping[str, Any]) -> RequestOptions:
@@ -239,12 +243,10 @@ class Preparer:
             if size > limit:
                 raise BadRequest(f"{where} is {size} bytes of UTF-8, over the limit of {limit} "
                                  "bytes", param=param)
-        estimating = self.config.current().for_length(chars)
-        queue = self.settings.queue
-        estimating.ensure_exact(queue)
+        estimating = call.estimating.for_length(chars)  # no exact problem: ensured per call
         tokens = _tokens(estimating.estimate, call.prompt + text, pair, where)
         if self.refuse_early:
-            estimating.check(queue, tokens=tokens, has_pair=pair is not None,
+            estimating.check(self.settings.queue, tokens=tokens, has_pair=pair is not None,
                              where=where, truncate=call.truncate, param=param)
 
         request_id = lane.new_id() if unique is None else keys.id_on_shard(lane.shard, unique)
