@@ -4,7 +4,6 @@ clients only perform the steps (:func:`resume`). No I/O here."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
@@ -289,11 +288,11 @@ def enqueue_arguments(core: ClientCore, lane: Lane, batch: Sequence[Prepared]) -
         dedupe = f"call:{ttl_ms}"
     retired = [] if lane.shard is None else [keys.retired(queue)]
     args: list[str | bytes | int] = [core.settings.max_queue_length, len(batch), dedupe]
-    append, extend = args.append, args.extend  # bound once: per entry below
     for prepared in batch:
         fields = prepared.fields
-        append(len(fields))
-        extend(itertools.chain.from_iterable(fields.items()))
+        args.append(len(fields))
+        for field in fields.items():  # measured faster than itertools.chain
+            args += field
     return {"keys": [lane.stream_key, *seen, *retired], "args": args}
 
 

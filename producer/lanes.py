@@ -12,8 +12,10 @@ from tokenq.shared import keys, wire
 from tokenq.shared.errors import BadRequest, DecodeError
 from tokenq.shared.queue_config import QueueConfig
 
-_UUID4_CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
-_UUID4_SET = (0x8000 << 48) | (4 << 76)
+_VERSION = bytes(byte & 0x0F | 0x40 for byte in range(256))
+"""A ``bytes.translate`` table: uuid4's version nibble (byte 6)."""
+_VARIANT = bytes(byte & 0x3F | 0x80 for byte in range(256))
+"""Its variant bits (byte 8)."""
 _IDS_PER_DRAW = 256
 """Ids made from one ``os.urandom`` call (4 KiB of randomness)."""
 
@@ -40,9 +42,11 @@ class _IdSource:
 
 def _draw(n: int) -> list[str]:
     """``n`` ids, ``uuid.uuid4().hex`` digit for digit, without the UUID objects."""
-    raw, from_bytes = os.urandom(16 * n), int.from_bytes
-    return ["%032x" % (from_bytes(raw[at:at + 16], "big") & _UUID4_CLEAR | _UUID4_SET)
-            for at in range(0, 16 * n, 16)]
+    raw = bytearray(os.urandom(16 * n))
+    raw[6::16] = raw[6::16].translate(_VERSION)  # every id's bytes at once: no int per id
+    raw[8::16] = raw[8::16].translate(_VARIANT)
+    digits = raw.hex()
+    return [digits[at:at + 32] for at in range(0, 32 * n, 32)]
 
 
 uuid4_hex = _IdSource().next

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenq.producer.call_options import SubmitOptions, worker_options
-from tokenq.producer.config import ConfigCache
+from tokenq.producer.config import ConfigCache, Estimating
 from tokenq.producer.deadline import check_seconds
 from tokenq.producer.lanes import Lane, check_ids
 from tokenq.shared import keys, wire
@@ -30,9 +30,9 @@ TextItem = str | tuple[str, str]
 """One input of a batch: a text, or a ``(text, text_pair)`` pair for rerankers."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Prepared:
-    """One validated request, ready for the enqueue script."""
+    """One validated request, ready for the enqueue script (not frozen: made per request)."""
 
     id: str
     reply_to: str
@@ -47,9 +47,10 @@ class CallOptions:
     """What one call's options decide for all its requests."""
 
     reply_to: str | None
-    timeout_ms: int | None
-    opts: Mapping[str, Any]
-    priority: int
+    fields: dict[str, str | bytes]
+    """Every request's fields, encoded once: ``""`` for what each request has of its own."""
+    estimating: Estimating
+    """The config's view, read once for the call."""
     prompt: str = ""
     """The prompt the worker will put before each text, as far as the config says."""
     truncate: bool | None = None
@@ -187,14 +188,22 @@ class Preparer:
         reply_to = options.get("reply_to")
         opts = _opts(options)
         checked = self._worker_options(opts)
-        return CallOptions(
-            reply_to=None if reply_to is None else _reply_to(reply_to),
-            timeout_ms=timeout_ms(options.get("deadline_s"), options.get("deadline_ms"), now_ms),
-            opts=opts,
-            priority=_priority(options.get("priority")),
-            prompt=prompt_of(checked, self.config.facts()),
-            truncate=checked.truncate,
-        )
+        reply_to = None if reply_to is None else _reply_to(reply_to)
+        deadline = timeout_ms(options.get("deadline_s"), options.get("deadline_ms"), now_ms)
+        # text_pair "" holds its place in the fields' order; a request without one drops it
+        request = wire.Request("", "", 0, "", None, "", opts, deadline,
+                               _priority(options.get("priority")))
+        try:
+            fields = wire.encode_request(request)
+        except DecodeError as exc:
+            raise BadRequest(str(exc), param="opts") from None
+        except (TypeError, ValueError, OverflowError) as exc:
+            # msgpack cannot encode something in opts (an int past 64 bits overflows)
+            raise BadRequest(f"opts cannot be encoded as msgpack: {exc}", param="opts") from None
+        estimating = self.config.current()
+        estimating.ensure_exact(self.settings.queue)
+        return CallOptions(reply_to, fields, estimating, prompt_of(checked, self.config.facts()),
+                           checked.truncate)
 
     def _worker_options(self, opts: Mapping[str, Any]) -> RequestOptions:
         """The request options as the worker will read them; BadRequest for a value it would
@@ -227,37 +236,24 @@ class Preparer:
         text = self._text(item, where, param)
         pair = None if text_pair is None else self._text(
             text_pair, f"{where} text_pair", "text_pair")
-        size = utf8_size(text) + (0 if pair is None else utf8_size(pair))
-        limit = self.settings.max_request_bytes
-        if size > limit:
-            raise BadRequest(f"{where} is {size} bytes of UTF-8, over the limit of {limit} bytes",
-                             param=param)
-        chars = len(text) + (0 if pair is None else len(pair))
-        estimating = self.config.current().for_length(chars)
-        queue = self.settings.queue
-        estimating.ensure_exact(queue)
+        chars = len(text)
+        if pair is not None:  # each text alone is within the limit: _text checked
+            chars += len(pair)
+            size, limit = utf8_size(text) + utf8_size(pair), self.settings.max_request_bytes
+            if size > limit:
+                raise BadRequest(f"{where} is {size} bytes of UTF-8, over the limit of {limit} "
+                                 "bytes", param=param)
+        estimating = call.estimating.for_length(chars)  # no exact problem: ensured per call
         tokens = _tokens(estimating.estimate, call.prompt + text, pair, where)
         if self.refuse_early:
-            estimating.check(queue, tokens=tokens, has_pair=pair is not None,
+            estimating.check(self.settings.queue, tokens=tokens, has_pair=pair is not None,
                              where=where, truncate=call.truncate, param=param)
 
         request_id = lane.new_id() if unique is None else keys.id_on_shard(lane.shard, unique)
         target = lane.reply_key(request_id) if call.reply_to is None else call.reply_to
-        request = wire.Request(
-            id=request_id,
-            text=text,
-            tokens=tokens,
-            reply_to=target,
-            timeout_ms=call.timeout_ms,
-            text_pair=pair,
-            opts=call.opts,
-            priority=call.priority,
-        )
-        try:
-            fields = wire.encode_request(request)
-        except DecodeError as exc:
-            raise BadRequest(str(exc), param="opts") from None
-        except (TypeError, ValueError, OverflowError) as exc:
-            # msgpack cannot encode something in opts (an int past 64 bits overflows)
-            raise BadRequest(f"opts cannot be encoded as msgpack: {exc}", param="opts") from None
-        return Prepared(id=request_id, reply_to=target, fields=fields, named=unique is not None)
+        fields = dict(call.fields, id=request_id, text=text, tokens=str(tokens), reply_to=target)
+        if pair is None:
+            del fields["text_pair"]
+        else:
+            fields["text_pair"] = pair
+        return Prepared(request_id, target, fields, unique is not None)

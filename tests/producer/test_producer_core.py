@@ -56,6 +56,13 @@ def test_prepare_builds_wire_fields(core: ClientCore) -> None:
     assert request.tokens == 3
 
 
+@pytest.mark.parametrize("options", [{}, {"priority": 3, "opts": {"a": 1}}, {"deadline_s": 2}])
+def test_prepared_fields_are_encode_requests_in_its_order(core: ClientCore, options: Any) -> None:
+    for prepared in prepare_many(core, ["a b", ("q", "pair")], now_ms=NOW_MS, **options):
+        request = wire.decode_request(prepared.fields)
+        assert list(wire.encode_request(request).items()) == list(prepared.fields.items())
+
+
 def test_deadlines_become_relative_timeout_ms(core: ClientCore) -> None:
     """timeout_ms counts on Redis's clock; only an absolute deadline uses the caller's."""
 
