@@ -47,6 +47,10 @@ BENCH = "tests/project/test_bench_smoke.py"
 SHARED_FIXTURE_TESTS = {
     f"{BENCH}::test_scale": f"{BENCH}::scale_results",
     f"{BENCH}::test_plots_from_results": f"{BENCH}::scale_results",
+    f"{BENCH}::test_mixed_latency": f"{BENCH}::test_real_and_mixed_latency",
+    f"{BENCH}::test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch": (
+        f"{BENCH}::test_real_and_mixed_latency"
+    ),
 }
 """Single tests of otherwise spread modules that share a module-scoped fixture."""
 
