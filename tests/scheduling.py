@@ -38,6 +38,7 @@ SHARED_FIXTURE_MODULES = frozenset(
         "tests/project/test_gpu_check_onnx.py",
         "tests/project/test_wheel.py",
         "tests/shared/test_functions.py",
+        "tests/worker/test_dashboard.py",
     }
 )
 """Modules whose module-scoped fixtures (or ``tests.redis_cluster``'s) cost seconds to
@@ -67,6 +68,12 @@ SLOW_FIRST = (
     "tests/gateway/test_serve_hostile.py::test_validation_is_linear",
     "tests/gateway/test_serve_hostile.py::test_the_shapes_the_issue_names_are_linear",
     "tests/worker/test_process_stop.py::test_a_worker_stopped_past",
+    "tests/faults/test_faults.py::test_kill_9_workers_repeatedly",
+    "tests/faults/test_hardening.py::test_read_ahead_is_bounded_in_bytes",
+    "tests/models/test_heap_trim.py",
+    "tests/ops/test_cli_up.py::test_up_with_an_existing_redis",
+    "tests/project/test_bench_compare.py::test_a_suite_against_head",
+    "tests/worker/test_e2e_core.py::test_ten_thousand",
     "tests/models/",
     "tests/faults/",
     "tests/project/test_wheel.py",
@@ -76,8 +83,8 @@ SLOW_FIRST = (
     "tests/project/",
     "tests/producer/",
 )
-"""Node id prefixes, roughly the slowest first (``--durations``): units are sent in this
-order, the rest (the quick tests of tests/shared and the like) last."""
+"""Node id prefixes, roughly the slowest first (``--durations``; the ``slow`` marks): units
+are sent in this order, the rest (the quick tests of tests/shared and the like) last."""
 
 
 def unit_of(nodeid: str) -> str:
