@@ -198,6 +198,7 @@ def test_plots_from_results(scale_results: Path, tmp_path: Path) -> None:
     assert not (images / "seed.png").exists()  # no seed.json: skipped, not failed
 
 
+@pytest.mark.timeout(660)  # its run's own limit is 600 s: a loaded box fails that, not this
 def test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch(
     tmp_path: Path, mixed_latency: dict[str, Any]
 ) -> None:
