@@ -160,3 +160,14 @@ def worker_env(redis_url: str, queue_name: str) -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
     )
     return env
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``-n N``: each module with costly module-scoped fixtures on one process, the slowest
+    tests first (``tests/scheduling.py``). An explicit ``--dist`` gets xdist's own."""
+    if config.getvalue("dist") != "load":
+        return None
+    from tests.scheduling import SharedFixtureScheduling
+
+    return SharedFixtureScheduling(config, log)
