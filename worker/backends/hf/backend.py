@@ -16,12 +16,7 @@ import torch
 from tokenq.shared.errors import BadRequest, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backends.base import BackendInfo, TextInput
 from tokenq.worker.backends.chunks import sliding_windows
-from tokenq.worker.backends.hf.encoding import (
-    HFEncoding,
-    flat_rows,
-    pad_rows,
-    prompt_lengths,
-)
+from tokenq.worker.backends.hf.encoding import HFEncoding, flat_rows, pad_rows, prompt_lengths
 from tokenq.worker.backends.hf.head import EmbeddingHead, SparseHead, build_embedding_head
 from tokenq.worker.backends.hf.heap_trim import HeapTrimmer, bound_library_caches
 from tokenq.worker.backends.hf.layout import (
@@ -213,7 +208,7 @@ class HFBackend:
             raise RuntimeError("the hf backend is closed")
         tensors = self._pad(batch)
         if self._skip_forward:
-            return [np.zeros(self.info.dim or 1, dtype=np.float32) for _ in batch]
+            return list(np.zeros((len(batch), self.info.dim or 1), dtype=np.float32))
         token_rows = [(row, enc.length) for row, enc in enumerate(batch) if enc.tokens]
         try:
             result = self._forward(*tensors, token_rows=token_rows)

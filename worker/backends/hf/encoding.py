@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # identity: arrays have no one truth value
 class HFEncoding:
     """One tokenized input, special tokens included, ready to be padded into a batch."""
 
