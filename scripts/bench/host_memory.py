@@ -49,6 +49,7 @@ def child(dtype: str, mode: str, shapes: int) -> dict[str, Any]:
     if mode == "unbounded":
         for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
             os.environ[name] = "1024"  # the libraries' defaults, before tokenq capped them
+    import numpy as np
     import torch
 
     from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
@@ -65,7 +66,7 @@ def child(dtype: str, mode: str, shapes: int) -> dict[str, Any]:
     loaded = resident_bytes() or 0
     growth, started = [], time.perf_counter()
     for done, (rows, length) in enumerate(chosen, 1):
-        ids = tuple(rng.randrange(1000, 20000) for _ in range(length))
+        ids = np.array([rng.randrange(1000, 20000) for _ in range(length)])
         backend.run([HFEncoding(ids)] * rows)
         if done % max(1, len(chosen) // 4) == 0:
             growth.append(round(((resident_bytes() or 0) - loaded) / 2**20))

@@ -16,7 +16,7 @@ import torch
 from tokenq.shared.errors import BadRequest, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backends.base import BackendInfo, TextInput
 from tokenq.worker.backends.chunks import sliding_windows
-from tokenq.worker.backends.hf.encoding import HFEncoding, pad_rows, prompt_lengths
+from tokenq.worker.backends.hf.encoding import HFEncoding, flat_rows, pad_rows, prompt_lengths
 from tokenq.worker.backends.hf.head import EmbeddingHead, SparseHead, build_embedding_head
 from tokenq.worker.backends.hf.heap_trim import HeapTrimmer, bound_library_caches
 from tokenq.worker.backends.hf.layout import (
@@ -160,12 +160,11 @@ class HFBackend:
             with self._tokenizer_lock:
                 encodings, cut = self._prefix.encode(pieces, max_length)
                 prompts = {p: self._prompt_lengths(p) for p in {inputs[i].prompt for i in indices}}
+            ids = flat_rows([e.ids for e in encodings])
+            types = flat_rows([e.type_ids for e in encodings]) if is_pair else [None] * len(ids)
             for row, i in enumerate(indices):
-                encoding = encodings[row]
-                out[i] = HFEncoding(tuple(encoding.ids),
-                                    tuple(encoding.type_ids) if is_pair else None,
-                                    prompts[inputs[i].prompt], tokens=inputs[i].tokens,
-                                    truncated=cut[row])
+                out[i] = HFEncoding(ids[row], types[row], prompts[inputs[i].prompt],
+                                    tokens=inputs[i].tokens, truncated=cut[row])
         return [enc for enc in out if enc is not None]
 
     def windows(self, encoding: HFEncoding, max_length: int, overlap: int) -> list[HFEncoding]:
@@ -186,7 +185,7 @@ class HFBackend:
         n_prefix, n_suffix = self._special_layout
         n_prefix = min(max(n_prefix, encoding.prompt_length), encoding.length - n_suffix)
         ids = sliding_windows(encoding.ids, n_prefix, n_suffix, max_length, overlap)
-        return [HFEncoding(window, None, encoding.prompt_length) for window in ids]
+        return [HFEncoding(np.array(window), None, encoding.prompt_length) for window in ids]
 
     def _prepare(self, text: str) -> str:
         return text.lower() if self._lowercase else text
@@ -209,7 +208,7 @@ class HFBackend:
             raise RuntimeError("the hf backend is closed")
         tensors = self._pad(batch)
         if self._skip_forward:
-            return [np.zeros(self.info.dim or 1, dtype=np.float32) for _ in batch]
+            return list(np.zeros((len(batch), self.info.dim or 1), dtype=np.float32))
         token_rows = [(row, enc.length) for row, enc in enumerate(batch) if enc.tokens]
         try:
             result = self._forward(*tensors, token_rows=token_rows)

@@ -4,18 +4,19 @@ lengths; no torch."""
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # identity: arrays have no one truth value
 class HFEncoding:
     """One tokenized input, special tokens included, ready to be padded into a batch."""
 
-    ids: tuple[int, ...]
-    type_ids: tuple[int, ...] | None = None  # a pair's segment ids; None: one sequence
+    ids: np.ndarray  # int64, one row (often a view of a whole tokenize call's ids)
+    type_ids: np.ndarray | None = None  # a pair's segment ids; None: one sequence
     prompt_length: int = 0
     """Leading tokens that are the prompt, specials before it included; pooling with
     ``include_prompt: false`` leaves them out, and a window repeats them."""
@@ -31,16 +32,25 @@ class HFEncoding:
         return self.type_ids is not None
 
 
+def flat_rows(rows: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    """``rows`` as int64 views of one flat array."""
+    ends = list(itertools.accumulate(len(row) for row in rows))
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, ends[-1] if ends else 0)
+    return [flat[start:end] for start, end in zip([0, *ends], ends, strict=False)]
+
+
 def pad_rows(batch: Sequence[HFEncoding], pad_id: int) -> tuple[np.ndarray, ...]:
     """ids, attention mask and type ids (rows x longest, int64), right-padded with ``pad_id``."""
-    ids = np.full((len(batch), max(enc.length for enc in batch)), pad_id, dtype=np.int64)
-    mask, type_ids = np.zeros_like(ids), np.zeros_like(ids)
-    for row, enc in enumerate(batch):
-        ids[row, : enc.length] = enc.ids
-        mask[row, : enc.length] = 1
-        if enc.type_ids is not None:
-            type_ids[row, : enc.length] = enc.type_ids
-    return ids, mask, type_ids
+    lengths = np.array([enc.length for enc in batch])
+    mask = np.arange(lengths.max()) < lengths[:, None]
+    ids = np.full(mask.shape, pad_id, dtype=np.int64)
+    ids[mask] = np.concatenate([enc.ids for enc in batch])
+    type_ids = np.zeros_like(ids)
+    if any(enc.is_pair for enc in batch):
+        rows = [np.zeros(enc.length, np.int64) if enc.type_ids is None else enc.type_ids
+                for enc in batch]
+        type_ids[mask] = np.concatenate(rows)
+    return ids, mask.astype(np.int64), type_ids
 
 
 def prompt_lengths(

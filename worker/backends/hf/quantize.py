@@ -19,7 +19,7 @@ import torch
 
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.text import exception_headline
-from tokenq.worker.backends.hf.encoding import HFEncoding, pad_rows
+from tokenq.worker.backends.hf.encoding import HFEncoding, flat_rows, pad_rows
 from tokenq.worker.backends.hf.export import rename_into_place, scratch_beside
 
 log = logging.getLogger(__name__)
@@ -159,12 +159,9 @@ def calibration_batches(
         truncation="longest_first", max_length=request.max_tokens, return_attention_mask=False,
         return_token_type_ids=request.pairs, verbose=False,
     )
-    ids_rows = encoded["input_ids"]
-    type_rows = encoded["token_type_ids"] if request.pairs else [None] * len(ids_rows)
-    rows = [
-        HFEncoding(tuple(ids), None if types is None else tuple(types))
-        for ids, types in zip(ids_rows, type_rows, strict=True)
-    ]
+    ids_rows = flat_rows(encoded["input_ids"])
+    type_rows = flat_rows(encoded["token_type_ids"]) if request.pairs else [None] * len(ids_rows)
+    rows = [HFEncoding(ids, types) for ids, types in zip(ids_rows, type_rows, strict=True)]
     batches = []
     for start in range(0, len(rows), CALIBRATION_BATCH):
         ids, mask, type_ids = pad_rows(rows[start : start + CALIBRATION_BATCH], request.pad_id)
