@@ -190,11 +190,9 @@ class Preparer:
         checked = self._worker_options(opts)
         reply_to = None if reply_to is None else _reply_to(reply_to)
         deadline = timeout_ms(options.get("deadline_s"), options.get("deadline_ms"), now_ms)
-        # text_pair "" holds its place in the fields' order; a request without one drops it
-        request = wire.Request("", "", 0, "", None, "", opts, deadline,
-                               _priority(options.get("priority")))
+        priority = _priority(options.get("priority"))
         try:
-            fields = wire.encode_request(request)
+            fields = wire.call_fields(opts, deadline, priority)
         except DecodeError as exc:
             raise BadRequest(str(exc), param="opts") from None
         except (TypeError, ValueError, OverflowError) as exc:
@@ -251,9 +249,5 @@ class Preparer:
 
         request_id = lane.new_id() if unique is None else keys.id_on_shard(lane.shard, unique)
         target = lane.reply_key(request_id) if call.reply_to is None else call.reply_to
-        fields = dict(call.fields, id=request_id, text=text, tokens=str(tokens), reply_to=target)
-        if pair is None:
-            del fields["text_pair"]
-        else:
-            fields["text_pair"] = pair
+        fields = wire.own_fields(call.fields, request_id, text, tokens, target, pair)
         return Prepared(request_id, target, fields, unique is not None)

@@ -226,6 +226,27 @@ def encode_request(request: Request) -> dict[str, str | bytes]:
     return fields
 
 
+def call_fields(
+    opts: Mapping[str, Any], timeout_ms: int | None, priority: int
+) -> dict[str, str | bytes]:
+    """The fields one call's requests share, encoded once (:func:`own_fields` adds each
+    request's); a ``text_pair`` placeholder holds that field's place in the order."""
+    return encode_request(Request(id="", text="", tokens=0, reply_to="", text_pair="", opts=opts,
+                                  timeout_ms=timeout_ms, priority=priority))
+
+
+def own_fields(shared: Mapping[str, str | bytes], request_id: str, text: str, tokens: int,
+               reply_to: str, text_pair: str | None) -> dict[str, str | bytes]:
+    """:func:`encode_request`'s fields for one request of a call (``shared``: its
+    :func:`call_fields`); ``tokens`` checked by the caller."""
+    fields = dict(shared, id=request_id, text=text, tokens=str(tokens), reply_to=reply_to)
+    if text_pair is None:
+        del fields["text_pair"]
+    else:
+        fields["text_pair"] = text_pair
+    return fields
+
+
 def _check_range(name: str, value: object, minimum: int, maximum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
         raise DecodeError(f"{name} must be an integer from {minimum} to {maximum}, got {value!r}")
