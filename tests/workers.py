@@ -92,6 +92,15 @@ class Fleet:
             worker.wait_ready(ready, queue, timeout=self.ready_timeout)
         return worker
 
+    def start_many(self, count: int, *flags: str, ready: redis.Redis, queue: str,
+                   env: dict[str, str] | None = None) -> list[WorkerProcess]:
+        """``count`` workers started at once, then each waited for: their imports overlap,
+        where one ``start(..., ready=...)`` after another waits out each in turn."""
+        workers = [self.start(*flags, env=env) for _ in range(count)]
+        for worker in workers:
+            worker.wait_ready(ready, queue, timeout=self.ready_timeout)
+        return workers
+
     def logs(self) -> str:
         return "\n".join(f"--- {w.name}\n{w.output()[-3000:]}" for w in self.started)
 

@@ -159,7 +159,7 @@ def test_kill_9_workers_repeatedly_every_request_answered_once(fleet, r, redis_u
     flags = ("--max-batch-tokens", "2048", "--max-batch-size", "32", "--sim-batch-ms", "15",
              "--max-deliveries", "1000",  # so that no request is dead-lettered by bad luck
              "--claim-idle-s", "3600")  # only the heartbeat path may rescue within the test
-    live = [fleet.start(*flags, ready=r, queue=queue_name) for _ in range(3)]
+    live = fleet.start_many(3, *flags, ready=r, queue=queue_name)
     texts = texts_for(1, n)
     inbox = Inbox(r, keys.reply(q, "kill9"))
     by_id: dict[str, str] = {}
@@ -217,7 +217,7 @@ def test_redis_restart_with_aof_answers_every_enqueued_request(fleet, worker_env
         env = {**env_for(worker_env, server.url), "TOKENQ_QUEUE": queue}
         admin = redis.Redis.from_url(server.url, socket_timeout=5)
         slow = ("--sim-batch-ms", "40", "--max-batch-size", "16", "--max-batch-tokens", "2048")
-        workers = [fleet.start(*slow, env=env, ready=admin, queue=queue) for _ in range(2)]
+        workers = fleet.start_many(2, *slow, env=env, ready=admin, queue=queue)
         outcome = _run_producers_across_restarts(server, queue, restarts, admin, q)
         checked, refused, backlog = outcome
         admin = redis.Redis.from_url(server.url, socket_timeout=5)

@@ -158,8 +158,10 @@ def collect(r: redis.Redis, reply_to: str, expected: int, timeout: float) -> lis
 @pytest.mark.slow
 def test_ten_thousand_mixed_requests_through_two_workers(start_worker, r, queue_name):
     budget = 16384
-    workers = [start_worker("--max-batch-tokens", str(budget), "--max-batch-size", "256")
-               for _ in range(2)]
+    workers = [start_worker("--max-batch-tokens", str(budget), "--max-batch-size", "256",
+                            wait=False) for _ in range(2)]
+    for worker in workers:  # started together: their imports overlap
+        worker.wait_ready(r, queue_name)
     rng = random.Random(7)
     lengths = [
         rng.randint(15, 23) if rng.random() < 0.5 else rng.randint(1400, 1550)

@@ -98,6 +98,8 @@ def test_a_hung_tokenizer_fails_livez_exits_3_and_a_peer_answers_its_read(
     ids = enqueue_with_poison(r, queue_name, 20)
     child = hung_pid(pids)
     assert (child != worker.process.pid) == (processes != "0")
+    # Started now, it loads while the watchdog waits out the deadline; the read is held.
+    peer = fleet.start(*SIM_FLAGS, *FAST_BEAT, name="peer")
     seen: list[tuple[int, str]] = []
 
     def failed() -> bool:
@@ -116,7 +118,7 @@ def test_a_hung_tokenizer_fails_livez_exits_3_and_a_peer_answers_its_read(
     wait_for(lambda: gone(child), 10, "the tokenizer child to end with its worker")
 
     # The claims were let go: a peer with a tokenizer that works answers every request.
-    fleet.start(*SIM_FLAGS, *FAST_BEAT, name="peer", ready=r, queue=queue_name)
+    peer.wait_ready(r, queue_name)
     with Client(redis_url=redis_url, queue=queue_name) as client:
         for request_id in ids:
             assert len(client.result(request_id, timeout_s=60).embedding) == DIM
@@ -139,12 +141,14 @@ def test_a_tokenizer_hung_on_the_event_loop_is_ended_by_the_guard_and_a_peer_ans
     ids = enqueue_with_poison(r, queue_name, 3)
     wait_for(lambda: os.listdir(pids), 30, "the tokenizer to hang")
     assert int(os.listdir(pids)[0]) == worker.process.pid  # in the worker itself
+    # Started now, it loads while the guard waits out its patience; the read is held.
+    peer = fleet.start(*SIM_FLAGS, *FAST_BEAT, name="peer")
     assert worker.process.wait(timeout=60) == 3, worker.output()[-3000:]
     output = worker.output()
     assert "tokenizing hung on the event loop" in output, output[-3000:]
     assert "being tokenized on the event loop" in output
 
-    fleet.start(*SIM_FLAGS, *FAST_BEAT, name="peer", ready=r, queue=queue_name)
+    peer.wait_ready(r, queue_name)
     with Client(redis_url=redis_url, queue=queue_name) as client:
         for request_id in ids:
             assert len(client.result(request_id, timeout_s=60).embedding) == DIM
