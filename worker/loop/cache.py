@@ -24,8 +24,8 @@ as ``MEMORY USAGE`` measures them (the ``cache`` benchmark's ``budget`` row)."""
 MEMORY_SHARE = 0.9
 """Past this share of Redis's maxmemory the cache adds nothing and gives back what Redis is
 over by: the rest is the queue's (``cache_put.lua``)."""
-MAX_WRITES = 4
-"""Cache writes in flight at most; a batch's entries past that are not cached."""
+MAX_WAITING = 8192
+"""Entries waiting for the cache's one write in flight at most; more are not cached."""
 _STAMP = struct.Struct(">Q")
 
 
@@ -39,34 +39,42 @@ class ResultCache:
         self._head = [budget_bytes, ttl_ms]
         self.budget_bytes = budget_bytes
         self._ttl_ms = ttl_ms
-        self._writes: set[asyncio.Task[None]] = set()
-        self._writing: dict[bytes, bytes] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._waiting: list[tuple[bytes, bytes]] = []
+        self.writing: dict[bytes, bytes] = {}
         """Replies on their way to Redis, answered from here meanwhile."""
         self.counted_bytes = 0
         """The cache's bytes as the last write counted them."""
 
     async def get(self, digests: Sequence[bytes]) -> list[bytes | None]:
         """The cached reply of each digest, or None (missing, expired, or Redis failing)."""
-        if self._writing and all(digest in self._writing for digest in digests):
-            return [self._writing[digest] for digest in digests]
+        if self.writing and all(digest in self.writing for digest in digests):
+            return [self.writing[digest] for digest in digests]
         try:
             values = await self._w.client.hmget(self._keys[0], list(digests))
         except RedisError as exc:
             log.warning("result cache lookup failed (%s): computing instead", error_text(exc))
             return [None] * len(digests)
         oldest = self._w.clock.now_ms() - self._ttl_ms
-        return [self._writing.get(digest) if value is None or len(value) <= 8
+        return [self.writing.get(digest) if value is None or len(value) <= 8
                 or _STAMP.unpack_from(value)[0] <= oldest else value[8:]
                 for digest, value in zip(digests, values, strict=True)]
 
     def put(self, entries: Sequence[tuple[bytes, bytes]]) -> None:
-        """Cache each (digest, reply) in the background (one write a batch)."""
-        if not entries or len(self._writes) >= MAX_WRITES:
+        """Cache each (digest, reply) in the background: one write in flight, which takes
+        every entry that waited for it."""
+        entries = entries[:MAX_WAITING - len(self._waiting)]
+        if not entries:
             return
-        self._writing.update(entries)
-        task = asyncio.create_task(self._write(entries), name="tokenq-cache-write")
-        self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+        self.writing.update(entries)
+        self._waiting += entries
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain(), name="tokenq-cache-write")
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            entries, self._waiting = self._waiting, []
+            await self._write(entries)
 
     async def _write(self, entries: Sequence[tuple[bytes, bytes]]) -> None:
         now = self._w.clock.now_ms()
@@ -85,7 +93,7 @@ class ResultCache:
                 await self._trim(now)
         finally:
             for digest, _ in entries:
-                self._writing.pop(digest, None)
+                self.writing.pop(digest, None)
 
     async def _trim(self, now: int) -> None:
         """Redis is at maxmemory: give back half the cache, so queue writes fit again."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tokenq.shared import wire
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
 from tokenq.worker.loop.cache import ResultCache
 from tokenq.worker.loop.intake import Intake
@@ -15,6 +16,7 @@ from tokenq.worker.loop.stages import DEVICE
 from tokenq.worker.pipeline.coalesce import Coalescer
 from tokenq.worker.pipeline.execute import adapt_budget
 from tokenq.worker.pipeline.feed import DeviceFeed, Rules
+from tokenq.worker.pipeline.jobs import Answer
 from tokenq.worker.pipeline.pipeline import BatchOutcome, Job, Pipeline
 
 Ran = tuple[BatchOutcome[Ref], Budget, int]
@@ -43,7 +45,25 @@ class Device(Rules):
         self.feed: DeviceFeed[Job[Ref], Ran] = DeviceFeed(packer, self._execute, self)
 
     def add(self, jobs: Iterable[Job[Ref]]) -> None:
+        if self.cache is not None and self.cache.writing:
+            jobs = self._answer_written(self.cache.writing, jobs)
         self.feed.add(self.coalescer.take(jobs))
+
+    def _answer_written(self, writing: dict[bytes, bytes],
+                        jobs: Iterable[Job[Ref]]) -> list[Job[Ref]]:
+        """Answer the jobs whose reply is on its way to the cache (they were looked up while
+        it was computed); the others are packed."""
+        rest = []
+        for job in jobs:
+            reply = None if job.digest is None or job.chunk else writing.get(job.digest)
+            if reply is None:
+                rest.append(job)
+                continue
+            self._outbox.emit(job.ref.lane, [Answer(
+                job.ref.entry_id, job.request.reply_to,
+                wire.reply_with_id(reply, job.request.id), ok=True)])
+            self._wiring.recorder.metrics.shared("hit", 1)
+        return rest
 
     def end_input(self) -> None:
         """Every reader has ended: run what is buffered, then finish."""
