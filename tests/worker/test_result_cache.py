@@ -213,3 +213,19 @@ def test_a_cache_redis_refuses_leaves_every_request_answered(
             assert all(SIM.vector_ok(f.embedding, t) for f, t in zip(results, texts, strict=True))
     assert rows_and_tokens(worker)[0] == 4  # twice the two distinct texts: nothing cached
     assert "result cache write refused" in worker.output()
+
+
+@pytest.mark.unit
+def test_the_hf_model_identity_is_its_weights_not_its_name(tmp_path) -> None:
+    from tokenq.worker.backends.hf.load import ModelSource, weights_identity
+
+    (tmp_path / "2_Dense").mkdir()
+    (tmp_path / "model.safetensors").write_bytes(b"weights" * 1000)
+    (tmp_path / "2_Dense" / "model.safetensors").write_bytes(b"head")
+    (tmp_path / "model.onnx").write_bytes(b"an export, not the weights")
+    source = ModelSource("my-model", str(tmp_path), local=True)
+    first = weights_identity(source)
+    (tmp_path / "model.onnx").write_bytes(b"another export")
+    assert weights_identity(source) == first
+    (tmp_path / "2_Dense" / "model.safetensors").write_bytes(b"hea!")
+    assert weights_identity(source) != first
