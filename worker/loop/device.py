@@ -118,6 +118,6 @@ class Device(Rules):
         if again:
             self.add(again)
         if self.cache is not None and led:
-            at = {outcome.ref: index for index, outcome in enumerate(answered)}
-            self.cache.put([(digest, replies[at[led_outcome.ref]][0])
-                            for digest, led_outcome in led if led_outcome.ok])
+            at = {done.ref: index for index, done in enumerate(answered)}
+            self.cache.put([(digest, replies[at[leader.ref]][0])
+                            for digest, leader in led if leader.ok])

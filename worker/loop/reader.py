@@ -371,7 +371,6 @@ class Reader:
         self._intake.learn(len(requests), sum(job.encoding.length for job in admitted.jobs))
         return admitted.jobs, answers
 
-
     async def _answer_cached(
         self, lane: Lane, requests: list[tuple[bytes, wire.Request]], cache: ResultCache,
     ) -> list[tuple[bytes, wire.Request]]:
