@@ -19,6 +19,9 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
                                         finished HTTP answer; TTL the dedupe window
     tokenq:{q}:idem:<h>:lease  string   which gateway request computes that answer now; TTL
                                         its --timeout-s and a grace
+    tokenq:{q}:cache           hash     result cache: digest -> written ms + reply (workers)
+    tokenq:{q}:cache_index     zset     the cache's digests by the ms each was written
+    tokenq:{q}:cache_bytes     string   the bytes the cache's entries are counted at
 
 The braces are a Redis Cluster hash tag: one queue's keys share a slot. A queue of K > 1
 shards is served on ``{q:0}`` … ``{q:K-1}``, each with every key above, plus the plain
@@ -241,3 +244,10 @@ def idempotent_answer(q: QueueRef, key_digest: str) -> str:
 def idempotent_lease(q: QueueRef, key_digest: str) -> str:
     """Held by the gateway request now computing that key's answer (a retry waits meanwhile)."""
     return idempotent_answer(q, key_digest) + ":lease"
+
+
+def cache(q: QueueRef) -> tuple[str, str, str]:
+    """The result cache's keys: its hash (a request's digest -> when it was written and its
+    reply), its index (the digests by the ms each was written: oldest evicted first) and the
+    bytes its entries are counted at (kept within its budget)."""
+    return f"{q.tag}:cache", f"{q.tag}:cache_index", f"{q.tag}:cache_bytes"

@@ -108,9 +108,12 @@ SCRIPTS: Mapping[str, Script] = {
     "drop_consumer": Script("tokenq.worker", "drop_consumer.lua", ("allow-oom",)),
     "remove_retired": Script("tokenq.worker", "remove_retired.lua", ("allow-oom",)),
     "claim_excess": Script("tokenq.worker", "claim_excess.lua", ("allow-oom",)),
+    "cache_put": Script("tokenq.worker", "cache_put.lua"),
+    "cache_trim": Script("tokenq.worker", "cache_put.lua", ("allow-oom",)),
 }
 """Every script tokenq runs, by its short name; ``enqueue_seen`` is enqueue.lua read-only,
-which still answers a retry at ``maxmemory``."""
+which still answers a retry at ``maxmemory``; ``cache_trim`` is cache_put.lua given no entries,
+which frees the cache's memory at ``maxmemory``."""
 FUNCTION_FLAGS = frozenset({"no-writes", "allow-oom", "allow-stale", "no-cluster",
                             "allow-cross-slot-keys"})
 """The flags Redis 7 accepts on a function."""

@@ -32,6 +32,8 @@ class WorkerOptions(TypedDict, total=False):
     """A classifier's or reranker's logits, without the model's activation."""
     output: str | None
     """``"tokens"``: one vector per token, not pooled (TEI's ``/embed_all``)."""
+    cache: bool | None
+    """False: computed afresh, neither answered from nor written to the result cache."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class RequestOptions:
     raw_scores: bool = False
     output_tokens: bool = False
     """``output: tokens``: the row is the token embeddings, flattened (tokens x token_dim)."""
+    cache: bool = True
 
     @property
     def shapes_output(self) -> bool:
@@ -120,6 +123,7 @@ def parse_options(opts: Mapping[str, Any], facts: ModelFacts) -> RequestOptions:
         truncate=_flag(opts, "truncate"),
         raw_scores=bool(raw_scores),
         output_tokens=output_tokens,
+        cache=_flag(opts, "cache") is not False,
     )
 
 

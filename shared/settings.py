@@ -439,6 +439,10 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
         1000, ge=1, description="XREADGROUP BLOCK time; kept below --socket-timeout-s")
     reply_ttl_s: float = Field(300.0, gt=0, description="reply keys expire this long after a push",
                                json_schema_extra=REDIS_MS)
+    cache_bytes: int = Field(0, ge=0, description="the result cache's budget in the queue's Redis "
+                             "(0: no cache; identical requests in flight still run once)")
+    cache_ttl_s: float = Field(3600.0, gt=0, description="a cached result is answered this long "
+                               "after it was computed", json_schema_extra=REDIS_MS)
     heartbeat_s: float = Field(
         2.0, gt=0, description="heartbeat interval; a worker silent for 3 beats is presumed dead",
         json_schema_extra=REDIS_MS,  # its liveness key lives int(3 × heartbeat_s × 1000) ms

@@ -612,6 +612,14 @@ def encode_reply(reply: Reply) -> bytes:
     return pack(body)
 
 
+def reply_with_id(packed: bytes, request_id: str) -> bytes:
+    """A reply's bytes as another request's: the same map with ``id`` replaced (a cached or
+    coalesced answer is byte for byte the one computing it would have made)."""
+    body = msgpack.unpackb(packed, raw=False, strict_map_key=True)
+    body["id"] = request_id
+    return pack(body)
+
+
 def decode_reply(packed: bytes) -> Reply:
     """Parse one reply map; raise DecodeError naming what is wrong."""
     if len(packed) > MAX_REPLY_BYTES:

@@ -62,6 +62,13 @@ class NullMetrics:
     def queue_depth(self, length: int, pending: int, lag: int) -> None:
         """The queue as Redis sees it (refreshed every heartbeat): what autoscalers read."""
 
+    def shared(self, how: str, n: int) -> None:
+        """``n`` requests looked up in the result cache (``hit``, ``miss``) or answered by an
+        identical request's row (``coalesced``)."""
+
+    def cache_bytes(self, n: int) -> None:
+        """The result cache's bytes, as its last write counted them."""
+
     def wsgi_app(self) -> WsgiApp | None:
         """The ``/metrics`` application (None: no metrics to serve)."""
         return None
@@ -138,11 +145,19 @@ class Metrics(NullMetrics):
                                "Entries delivered to some worker and not yet answered")
         self._lag = series(
             Gauge, "tokenq_queue_lag", "Entries no worker has read yet (the group's lag)")
+        self._shared = Counter(
+            "tokenq_cache_requests", "Requests looked up in the result cache (hit, miss) or "
+            "answered by an identical request's row (coalesced)", ("queue", "how"),
+            registry=registry)
+        self._cache_bytes = series(Gauge, "tokenq_cache_bytes",
+                                   "The result cache's bytes, as its last write counted them")
         self._info = Gauge(
             "tokenq_worker_info", "Static facts about the worker (value is always 1)",
             ("queue", "consumer", "model", "backend", "device"), registry=registry,
         )
         self._requests.labels(queue, "ok")  # present from the start, so rate() works at once
+        for how in ("hit", "miss", "coalesced"):
+            self._shared.labels(queue, how)
         self._refusals.labels(queue, "oom")  # so an alert on it has a series before the first
 
     def describe(self, **info: str) -> None:
@@ -190,6 +205,12 @@ class Metrics(NullMetrics):
         self._length.set(length)
         self._pending.set(pending)
         self._lag.set(lag)
+
+    def shared(self, how: str, n: int) -> None:
+        self._shared.labels(self.queue, how).inc(n)
+
+    def cache_bytes(self, n: int) -> None:
+        self._cache_bytes.set(n)
 
     def wsgi_app(self) -> WsgiApp:
         from prometheus_client import make_wsgi_app

@@ -322,7 +322,7 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
 # ------------------------------------------------- every right, on every key
 
 KEY_KINDS = ("requests", "dead", "config", "workers", "worker", "reply", "seen", "retired",
-             "shards_served", "idem")
+             "shards_served", "idem", "cache", "cache_index", "cache_bytes")
 """The queue's keys, by what :func:`key_of` names."""
 
 
@@ -332,6 +332,7 @@ def key_of(q: keys.QueueRef, kind: str) -> str:
         "workers": keys.workers(q), "worker": keys.worker_alive(q, "w"),
         "reply": keys.reply(q, "x"), "seen": keys.seen(q, "x"), "retired": keys.retired(q),
         "shards_served": keys.shards_served(q), "idem": keys.idempotent_answer(q, "x"),
+        **dict(zip(("cache", "cache_index", "cache_bytes"), keys.cache(q), strict=True)),
     }[kind]
 
 
@@ -372,6 +373,14 @@ KEYED = {
     "hget": ["HGET", "{k}", "f"],
     "hset": ["HSET", "{k}", "f", "v"],
     "hdel": ["HDEL", "{k}", "f"],
+    "hmget": ["HMGET", "{k}", "f"],
+    "hstrlen": ["HSTRLEN", "{k}", "f"],
+    "hsetnx": ["HSETNX", "{k}", "f", "v"],
+    "zadd": ["ZADD", "{k}", "1", "m"],
+    "zrange": ["ZRANGE", "{k}", "0", "1"],
+    "zrangebyscore": ["ZRANGEBYSCORE", "{k}", "-inf", "1"],
+    "zrem": ["ZREM", "{k}", "m"],
+    "zcard": ["ZCARD", "{k}"],
     "eval": ["EVAL", "return 1", "1", "{k}"],
 }
 """Commands on one key, each as ``ACL DRYRUN`` takes it (``{k}``: the key)."""
@@ -386,7 +395,7 @@ KEYLESS = {
     "eval": ["EVAL", "return 1", "0"], "flushall": ["FLUSHALL"], "keys": ["KEYS", "*"],
     "scan": ["SCAN", "0"], "config|set": ["CONFIG", "SET", "maxmemory", "1"],
     "client|kill": ["CLIENT", "KILL", "ID", "1"], "acl|setuser": ["ACL", "SETUSER", "x"],
-    "shutdown": ["SHUTDOWN"], "debug": ["DEBUG", "SLEEP", "0"],
+    "shutdown": ["SHUTDOWN"], "debug": ["DEBUG", "SLEEP", "0"], "info": ["INFO", "memory"],
 }
 """Commands on no key."""
 
@@ -405,7 +414,10 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
     },
     "worker": {
         "fcall": frozenset({"requests", "dead", "reply", "worker", "workers", "retired",
-                            "config"}),
+                            "config", "cache", "cache_index", "cache_bytes"}),
+        **{command: frozenset({"cache"}) for command in ("hmget", "hstrlen", "hsetnx")},
+        **{command: frozenset({"cache_index"}) for command in (
+            "zadd", "zrange", "zrangebyscore", "zrem", "zcard")},
         **{command: frozenset({"requests"}) for command in (
             "xgroup|create", "xgroup|delconsumer", "xreadgroup", "xack", "xdel", "xclaim",
             "xpending", "xinfo|consumers", "xinfo|groups", "xrange", "xrevrange")},
@@ -413,12 +425,13 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "xadd": frozenset({"dead"}),
         "exists": frozenset({"requests", "worker", "retired"}),
         "del": frozenset({"requests", "dead", "worker", "workers", "config", "shards_served",
-                          "retired"}),
+                          "retired", "cache", "cache_bytes"}),
         "rpush": frozenset({"reply"}),
         "pexpire": frozenset({"reply", "worker"}),
-        "set": frozenset({"worker", "shards_served", "retired"}),
-        "get": frozenset({"shards_served"}),
-        "hset": frozenset({"workers", "config"}), "hdel": frozenset({"workers", "config"}),
+        "set": frozenset({"worker", "shards_served", "retired", "cache_bytes"}),
+        "get": frozenset({"shards_served", "cache_bytes"}),
+        "hset": frozenset({"workers", "config"}),
+        "hdel": frozenset({"workers", "config", "cache"}),
         "hkeys": frozenset({"workers"}), "hget": frozenset({"config"}),
     },
 }
@@ -427,7 +440,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
 ALLOWED_KEYLESS = {
     "producer": frozenset({"multi", "exec", "client|setname"}),
     "worker": frozenset({"multi", "exec", "client|setname", "time", "ping", "config|get",
-                         "function|load"}),
+                         "function|load", "info"}),
 }
 
 

@@ -315,3 +315,13 @@ def test_path_steps_times_every_step_of_the_worker_path(tmp_path: Path) -> None:
 
 # Minutes of real workers and models: CI runs them; `-m 'not slow'` skips them.
 pytestmark = pytest.mark.slow
+
+
+def test_cache(tmp_path: Path) -> None:
+    """The figures the result cache promises hold even at tiny size (docs/OPERATIONS.md)."""
+    rows = run_suite("cache", tmp_path, 300.0)["rows"]
+    re_embed, same, budget, full = rows
+    assert re_embed["device_tokens_ratio"] <= 0.55 and re_embed["identical_vectors"] is True
+    assert same["forward_rows_64_identical"] == 1
+    assert budget["cache_bytes_over_budget"] == 0 and budget["cache_bytes"] > 0
+    assert full["queue_refused_at_maxmemory"] == 0 and full["used_over_maxmemory"] is False

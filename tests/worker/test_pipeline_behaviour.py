@@ -279,7 +279,8 @@ def test_an_expired_request_is_refused_before_tokenizing(open_loop) -> None:
 def test_the_padding_guard_keeps_short_and_long_apart(open_loop) -> None:
     async def main() -> None:
         backend = Recording()
-        texts = ["q"] * 4 + [" ".join(["w"] * 20)] * 4  # 3 and 22 tokens
+        # 3 and 22 tokens; distinct, as identical requests would run as one row
+        texts = [f"q{i}" for i in range(4)] + [" ".join([f"w{i}"] * 20) for i in range(4)]
         async with open_loop(backend, Knobs(max_padding_ratio=1.0, linger_ms=200)) as loop:
             answers = await loop.submit_all(texts)
         assert all(isinstance(answer, np.ndarray) for answer in answers)

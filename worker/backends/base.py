@@ -51,6 +51,9 @@ class BackendInfo:
     token_dim`` flattened); None: such a request is refused."""
     pooling: str | None = None  # ``mean``, ``cls``, ``mean+max``...; the gateway's ``/info``
     extra: dict[str, Any] = field(default_factory=dict)  # facts for logs and the config hash
+    weights: str = ""
+    """A digest of the model's weights or its revision: part of the result cache's key ("":
+    the model's name and facts only, so a model changed in place needs a new cache)."""
 
     @property
     def embeds(self) -> bool:

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tokenq.shared import wire
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
+from tokenq.worker.loop.cache import ResultCache
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Ref
 from tokenq.worker.loop.lifecycle import Wiring
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.stages import DEVICE
+from tokenq.worker.pipeline.coalesce import Coalescer
 from tokenq.worker.pipeline.execute import adapt_budget
 from tokenq.worker.pipeline.feed import DeviceFeed, Rules
+from tokenq.worker.pipeline.jobs import Answer
 from tokenq.worker.pipeline.pipeline import BatchOutcome, Job, Pipeline
 
 Ran = tuple[BatchOutcome[Ref], Budget, int]
@@ -21,24 +25,45 @@ packed under, and when it started (epoch ms on Redis's clock)."""
 
 
 class Device(Rules):
-    """Takes jobs from the readers, runs them in batches, hands their answers to the outbox."""
+    """Takes jobs from the readers, runs them in batches (identical ones as one row), hands
+    their answers to the outbox and the result cache."""
 
     def __init__(
         self, wiring: Wiring, pipeline: Pipeline[Ref], packer: Packer[Job[Ref]], intake: Intake,
-        outbox: Outbox,
+        outbox: Outbox, cache: ResultCache | None = None,
     ) -> None:
         self._wiring = wiring
         self.pipeline = pipeline
         self.packer = packer
         self._intake = intake
         self._outbox = outbox
+        self.cache = cache
+        self.coalescer: Coalescer[Ref] = Coalescer()
         self.adaptive = AdaptiveBudget(packer.budget.max_batch_tokens,
                                        pipeline.info.max_input_tokens)
         self.input_ended = False
         self.feed: DeviceFeed[Job[Ref], Ran] = DeviceFeed(packer, self._execute, self)
 
     def add(self, jobs: Iterable[Job[Ref]]) -> None:
-        self.feed.add(jobs)
+        if self.cache is not None and self.cache.writing:
+            jobs = self._answer_written(self.cache.writing, jobs)
+        self.feed.add(self.coalescer.take(jobs))
+
+    def _answer_written(self, writing: dict[bytes, bytes],
+                        jobs: Iterable[Job[Ref]]) -> list[Job[Ref]]:
+        """Answer the jobs whose reply is on its way to the cache (they were looked up while
+        it was computed); the others are packed."""
+        rest = []
+        for job in jobs:
+            reply = None if job.digest is None or job.chunk else writing.get(job.digest)
+            if reply is None:
+                rest.append(job)
+                continue
+            self._outbox.emit(job.ref.lane, [Answer(
+                job.ref.entry_id, job.request.reply_to,
+                wire.reply_with_id(reply, job.request.id), ok=True)])
+            self._wiring.recorder.metrics.shared("hit", 1)
+        return rest
 
     def end_input(self) -> None:
         """Every reader has ended: run what is buffered, then finish."""
@@ -85,4 +110,14 @@ class Device(Rules):
         self._wiring.recorder.batch(batch, outcome, packed_under=packed_under,
                                     started_epoch_ms=started_epoch_ms,
                                     budget_now=self.packer.budget.max_batch_tokens)
-        self._outbox.emit_outcomes(self.pipeline, outcome.answered)
+        shared, again, led = self.coalescer.settled(outcome.answered)
+        if shared:
+            self._wiring.recorder.metrics.shared("coalesced", len(shared))
+        answered = outcome.answered + shared if shared else outcome.answered
+        replies = self._outbox.emit_outcomes(self.pipeline, answered)
+        if again:
+            self.add(again)
+        if self.cache is not None and led:
+            at = {done.ref: index for index, done in enumerate(answered)}
+            self.cache.put([(digest, replies[at[leader.ref]][0])
+                            for digest, leader in led if leader.ok])

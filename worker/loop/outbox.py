@@ -21,14 +21,17 @@ PUBLISH_CHUNK = 2048
 
 
 def answers_by_lane(
-    pipeline: Pipeline[Any], outcomes: Iterable[Outcome[Ref]]
+    pipeline: Pipeline[Any], outcomes: Iterable[Outcome[Ref]],
+    replies: Sequence[tuple[bytes, bool]] | None = None,
 ) -> dict[int, list[Answer]]:
     """The answers finished requests' entries are owed, by lane, each named by its bare
-    entry id; one loop per batch, replies encoded together (this runs per request)."""
+    entry id; one loop per batch, replies encoded together (this runs per request) unless
+    given."""
     owed: dict[int, list[Answer]] = {}
     outcomes = list(outcomes)
-    for outcome, (payload, ok) in zip(outcomes, pipeline.encoded_replies(outcomes),
-                                      strict=True):
+    if replies is None:
+        replies = pipeline.encoded_replies(outcomes)
+    for outcome, (payload, ok) in zip(outcomes, replies, strict=True):
         lane, entry_id = outcome.ref
         answers = owed.get(lane)
         if answers is None:
@@ -64,10 +67,13 @@ class Outbox:
             for answer in answers])
         self._queues[lane].put_nowait(answers)
 
-    def emit_outcomes(self, pipeline: Pipeline[Any], outcomes: Sequence[Outcome[Ref]]) -> None:
-        """Answer finished requests, each on the lane its entry came from."""
-        for lane, answers in answers_by_lane(pipeline, outcomes).items():
+    def emit_outcomes(self, pipeline: Pipeline[Any],
+                      outcomes: Sequence[Outcome[Ref]]) -> list[tuple[bytes, bool]]:
+        """Answer finished requests, each on the lane its entry came from; their replies."""
+        replies = pipeline.encoded_replies(outcomes)
+        for lane, answers in answers_by_lane(pipeline, outcomes, replies).items():
             self.emit(lane, answers)
+        return replies
 
     def close(self) -> None:
         """No more answers: each publish task ends once its outbox is empty."""

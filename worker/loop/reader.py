@@ -17,6 +17,7 @@ from tokenq.shared.errors import ErrorCode
 from tokenq.shared.failures import error_text
 from tokenq.shared.redis_refusal import error_code
 from tokenq.worker.loop import presence
+from tokenq.worker.loop.cache import ResultCache
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Lane, LaneSet, Ref
@@ -337,6 +338,8 @@ class Reader:
             present, policy=lane.dead_letters, deliveries=deliveries, now_epoch_ms=now
         )
         answers, requests = list(decoded.answers), decoded.requests
+        if requests and self._device.cache is not None:
+            requests = await self._answer_cached(lane, requests, self._device.cache)
         if not requests:
             return [], answers
         units = AdmitPlace.units(len(requests), sum(
@@ -367,6 +370,29 @@ class Reader:
         ]
         self._intake.learn(len(requests), sum(job.encoding.length for job in admitted.jobs))
         return admitted.jobs, answers
+
+    async def _answer_cached(
+        self, lane: Lane, requests: list[tuple[bytes, wire.Request]], cache: ResultCache,
+    ) -> list[tuple[bytes, wire.Request]]:
+        """Answer from the result cache what it holds, before tokenizing; the rest go on."""
+        digests = [self._device.pipeline.digest(request) for _, request in requests]
+        asked = [digest for digest in digests if digest is not None]
+        if not asked:
+            return requests
+        found = dict(zip(asked, await cache.get(asked), strict=True))
+        rest, hits = [], []
+        for (entry_id, request), digest in zip(requests, digests, strict=True):
+            reply = None if digest is None else found[digest]
+            if reply is None:
+                rest.append((entry_id, request))
+            else:
+                hits.append(Answer(entry_id, request.reply_to,
+                                   wire.reply_with_id(reply, request.id), ok=True))
+        self._w.recorder.metrics.shared("hit", len(hits))
+        self._w.recorder.metrics.shared("miss", len(asked) - len(hits))
+        if hits:
+            self._outbox.emit(lane.index, hits)
+        return rest
 
 
 def _admit(

@@ -28,6 +28,7 @@ from tokenq.worker.health import Health
 from tokenq.worker.logs import FIELDS
 from tokenq.worker.loop import presence
 from tokenq.worker.loop.beat import Beat
+from tokenq.worker.loop.cache import ResultCache
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake, auto_limit
 from tokenq.worker.loop.lanes import LaneSet, Ref, Retirement
@@ -39,6 +40,7 @@ from tokenq.worker.loop.recovery import Reclaimer
 from tokenq.worker.loop.stages import Overdue, StageClock, Stages
 from tokenq.worker.loop.watchdog import LoopGuard, WorkerHung, watch, watchdog_period_s
 from tokenq.worker.metrics import NullMetrics
+from tokenq.worker.pipeline.digest import cache_scope, model_identity
 from tokenq.worker.pipeline.feed import Aborted, ordinary, wait_event
 from tokenq.worker.pipeline.jobs import DeadLetterPolicy
 from tokenq.worker.pipeline.pipeline import Job, Pipeline, budget_for
@@ -108,7 +110,13 @@ class Worker:
         pipeline: Pipeline[Ref] = Pipeline(backend, policy=settings.policy,
                                            chunk_overlap=settings.chunk_overlap,
                                            tokenizer=self._tokenizer_pool)
-        self._device = Device(self._wiring, pipeline, self.packer, self._intake, self._outbox)
+        pipeline.cache_scope = cache_scope(settings.queue, model_identity(backend.info),
+                                           settings.policy)
+        cache = None if not settings.cache_bytes else ResultCache(
+            self._wiring, settings.queue_ref, settings.cache_bytes,
+            int(settings.cache_ttl_s * 1000))
+        self._device = Device(self._wiring, pipeline, self.packer, self._intake, self._outbox,
+                              cache)
         self.lanes = LaneSet()
         self._guard = None if on_stuck is None else LoopGuard(
             stages=self._wiring.stages, lifecycle=lifecycle, period_s=period_s,

@@ -22,6 +22,7 @@ from tokenq.worker.backends.base import (
     Tokenizer,
     windowing_of,
 )
+from tokenq.worker.pipeline.digest import request_digest
 from tokenq.worker.pipeline.execute import (
     MAX_MESSAGE_CHARS,
     FailedRun,
@@ -74,6 +75,8 @@ class Job(Admit[K]):
     options: RequestOptions = NO_OPTIONS
     truncated: bool = False
     """The encoding is the input cut to the model's limit (the reply says so)."""
+    digest: bytes | None = None
+    """What the answer depends on, hashed (:meth:`Pipeline.digest`); None: not shared."""
 
 
 @dataclass(slots=True, eq=False)
@@ -170,6 +173,9 @@ class Pipeline(Generic[K]):
             f"this queue's model ({info.model}) takes single texts, "
             "but the request carries a text_pair")
         """Why this model cannot take a (text, text_pair) request, or None when it can."""
+        self.cache_scope: bytes | None = None
+        """The namespace, model identity and policy every digest is keyed with (32 bytes);
+        None: requests get no digest, so they are neither cached nor coalesced."""
         if policy == "chunk" and self._windowing is None:
             raise ConfigError(
                 f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
@@ -182,8 +188,8 @@ class Pipeline(Generic[K]):
         """Jobs for the requests worth running; an answer now for the rest. Tokenizes in one
         call per truncation length (one call unless requests differ)."""
         out: Admitted[K] = Admitted()
-        cut: list[tuple[Admit[K], RequestOptions]] = []  # tokenized to the model's limit
-        whole: list[tuple[Admit[K], RequestOptions]] = []
+        cut: list[tuple[Admit[K], RequestOptions, bytes | None]] = []  # to the model's limit
+        whole: list[tuple[Admit[K], RequestOptions, bytes | None]] = []
         truncating = self.policy == "truncate"
         for item in items:
             if item.deadline_ms is not None and item.deadline_ms <= now_epoch_ms:
@@ -204,21 +210,40 @@ class Pipeline(Generic[K]):
                                                  getattr(exc, "param", None)))
                 continue
             truncates = truncating if options.truncate is None else options.truncate
-            (cut if truncates else whole).append((item, options))
+            (cut if truncates else whole).append(
+                (item, options, self._digest(item.request, options, truncates)))
         if cut:
             self._tokenize_with(cut, self.info.max_input_tokens, out)
         if whole:
             self._tokenize_with(whole, None, out)
         return out
 
+    def digest(self, request: wire.Request) -> bytes | None:
+        """The request's digest (None: not shared, or options :meth:`admit` refuses)."""
+        try:
+            options = parse_options(request.opts, self.facts) if request.opts else NO_OPTIONS
+        except ValueError:
+            return None
+        truncating = self.policy == "truncate"
+        return self._digest(request, options,
+                            truncating if options.truncate is None else options.truncate)
+
+    def _digest(self, request: wire.Request, options: RequestOptions,
+                truncates: bool) -> bytes | None:
+        scope = self.cache_scope
+        if scope is None or not options.cache:
+            return None
+        return request_digest(scope, request, options, prompt_of(options, self.facts), truncates)
+
     def _tokenize_with(
-        self, items: Sequence[tuple[Admit[K], RequestOptions]], max_length: int | None,
+        self, items: Sequence[tuple[Admit[K], RequestOptions, bytes | None]],
+        max_length: int | None,
         out: Admitted[K],
     ) -> None:
         inputs = [
             TextInput(item.request.text, item.request.text_pair, prompt_of(options, self.facts),
                       options.output_tokens)
-            for item, options in items
+            for item, options, _ in items
         ]
         try:
             encodings = list(self.tokenizer.tokenize(inputs, max_length))
@@ -238,8 +263,9 @@ class Pipeline(Generic[K]):
             out.answered.append(self._failed(items[0][0], *failure))
             return
         cut = self._cut(inputs, encodings, max_length)
-        for index, ((item, options), encoding) in enumerate(zip(items, encodings, strict=True)):
-            self._place(item, options, encoding, out, truncated=index in cut)
+        for index, ((item, options, digest), encoding) in enumerate(
+                zip(items, encodings, strict=True)):
+            self._place(item, options, encoding, out, truncated=index in cut, digest=digest)
 
     def _cut(self, inputs: Sequence[TextInput], encodings: Sequence[Encoding],
              max_length: int | None) -> set[int]:
@@ -267,7 +293,7 @@ class Pipeline(Generic[K]):
 
     def _place(
         self, item: Admit[K], options: RequestOptions, encoding: Encoding, out: Admitted[K],
-        truncated: bool = False,
+        truncated: bool = False, digest: bytes | None = None,
     ) -> None:
         """Apply the over-length policy to one tokenized request."""
         length = getattr(encoding, "length", None)
@@ -284,7 +310,7 @@ class Pipeline(Generic[K]):
                     f"reply's limit of {wire.MAX_TOKEN_EMBEDDING_FLOATS} floats: send less text",
                 ))
                 return
-            out.jobs.append(self._job(item, options, encoding, truncated=truncated))
+            out.jobs.append(self._job(item, options, encoding, truncated=truncated, digest=digest))
             return
         if self._windowing is not None and self.policy == "chunk" and not options.output_tokens \
                 and item.request.text_pair is None and options.truncate is not True:
@@ -297,7 +323,7 @@ class Pipeline(Generic[K]):
                 return
             group = ChunkGroup(lengths=[window.length for window in windows])
             out.jobs += [
-                self._job(item, options, window, chunk=group, chunk_index=index)
+                self._job(item, options, window, chunk=group, chunk_index=index, digest=digest)
                 for index, window in enumerate(windows)
             ]
             return
@@ -311,9 +337,9 @@ class Pipeline(Generic[K]):
     @staticmethod
     def _job(item: Admit[K], options: RequestOptions, encoding: Encoding,
              chunk: ChunkGroup | None = None, chunk_index: int = 0,
-             truncated: bool = False) -> Job[K]:
+             truncated: bool = False, digest: bytes | None = None) -> Job[K]:
         return Job(item.ref, item.request, item.deadline_ms, item.arrived_ms, encoding,
-                   chunk, chunk_index, options, truncated)
+                   chunk, chunk_index, options, truncated, digest)
 
     @staticmethod
     def _failed(

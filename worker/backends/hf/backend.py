@@ -32,6 +32,7 @@ from tokenq.worker.backends.hf.load import (
     pad_token_id,
     resolve_model,
     tokenizer_json,
+    weights_identity,
 )
 from tokenq.worker.backends.hf.prefix import PrefixTokenizer
 from tokenq.worker.backends.hf.runtime import (
@@ -305,7 +306,7 @@ def _describe(
         # The encoder's hidden states are what an embedder's output: tokens answers.
         token_dim=int(config.hidden_size) if head is not None else None,
         pooling="+".join(head.modes) if head is not None else None,
-        extra=extra,
+        extra=extra, weights=weights_identity(source),
     )
 
 

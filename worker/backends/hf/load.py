@@ -4,6 +4,7 @@ transformers, with every load-time refusal; torch is imported only to load, so a
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import re
@@ -90,6 +91,23 @@ def resolve_model(model: str | None) -> ModelSource:
             "(with HF_HUB_OFFLINE=1 it must already be in the local cache)"
         )
     return ModelSource(model, model, local=False)
+
+
+def weights_identity(source: ModelSource) -> str:
+    """What the result cache keys the model by: a hub model's snapshot (its revision's commit),
+    else a SHA-256 of the weight files (``*.safetensors``, ``*.bin``: the heads' too) in its
+    directory, read once at start."""
+    if not source.local:
+        found = _cached_file(source.location, "config.json") or _cached_file(
+            source.location, "modules.json")
+        return f"revision {Path(found).parent.name}" if found else ""
+    root, digest = Path(source.location), hashlib.sha256()
+    for path in sorted(p for suffix in ("*.safetensors", "*.bin") for p in root.rglob(suffix)):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        with path.open("rb") as weights:
+            while block := weights.read(1 << 20):
+                digest.update(block)
+    return f"sha256 {digest.hexdigest()}"
 
 
 def _check_hub_reachable(model: str) -> None:

@@ -1,0 +1,35 @@
+"""A request's digest: everything its answer depends on, hashed (the result cache's key and
+what makes identical requests in flight one row: docs/OPERATIONS.md, "Result cache")."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from tokenq.shared import wire
+from tokenq.shared.queue_config import describe, encode_config
+from tokenq.shared.request_options import RequestOptions
+from tokenq.worker.backends.base import BackendInfo
+
+
+def cache_scope(namespace: str, model_identity: str, policy: str) -> bytes:
+    """The key every digest of a queue is made with: the namespace (today the queue; a tenant
+    later), the model's identity and the over-length policy."""
+    return hashlib.blake2b(wire.pack([namespace, model_identity, policy]), digest_size=32).digest()
+
+
+def request_digest(scope: bytes, request: wire.Request, options: RequestOptions, prompt: str,
+                   truncates: bool) -> bytes:
+    """What the answer depends on beyond ``scope`` (namespace, model identity, queue policy):
+    the prompt, the options that shape the output, the truncation and the text, hashed."""
+    return hashlib.blake2b(wire.pack([
+        prompt, options.dimensions, options.normalize, options.raw_scores,
+        options.output_tokens, truncates, request.text, request.text_pair,
+    ]), digest_size=16, key=scope).digest()
+
+
+def model_identity(info: BackendInfo) -> str:
+    """Which model answers, as exactly as the backend can say: its weights' digest or revision
+    when it gives one, and every fact of it that changes an answer."""
+    facts = encode_config(describe(info))
+    return json.dumps([info.weights, facts, info.extra], sort_keys=True, default=str)
