@@ -16,10 +16,10 @@ Rules:
    ``max_batch_ms``, the budget is capped at what :class:`BatchTimer` says runs that long.
 5. **Linger.** Asked only when the device is idle; an unsealed batch waits until
    ``linger_ms`` after its anchor arrived, a sealed one goes at once.
-6. **Choice.** The head's batch goes next, unless one anchored at the same or a higher
-   priority is (a) sealed while the head's lingers, or (b) both ready, it with the higher
-   response ratio ``(wait + estimate) / estimate``. (b) never passes over a head that has
-   waited ``aging_ms``: the aging bound.
+6. **Choice.** The cheapest batch goes next among the head's and those anchored at the same
+   or a higher priority: (a) a sealed one while the head's lingers, (b) any ready one. A
+   head passed over for ``aging_ms`` goes next once its batch is ready (the aging bound), so
+   a query is not held behind passages read while the last batch ran, however long it ran.
 7. **Oversize.** A request whose length alone breaks the budget goes alone.
 """
 
@@ -80,6 +80,8 @@ _CANDIDATE_SCAN = 64
 """How far down the line the packer looks for other anchors (a bound on pick cost)."""
 _LENGTH_ORDER = operator.attrgetter("length", "seq")
 """The length view's order, as a sort key for items (a batch's rows go out in it)."""
+_COST = operator.attrgetter("cost")
+"""Rule 6's order of candidates: cost, which a batch's time rises with."""
 
 
 @dataclass(slots=True)
@@ -181,9 +183,6 @@ class BatchTimer:
     @property
     def learned(self) -> bool:
         return self.batches >= self.min_batches
-
-    def estimate_ms(self, cost: int) -> float:
-        return self.fixed_ms + self.per_token_ms * cost
 
     def cost_within(self, ms: float) -> int | None:
         """The largest cost expected to run within ``ms``; None until learned."""
@@ -294,6 +293,8 @@ class Packer(Generic[T]):
         self._line = ArrivalLine(self._items.keys())  # rule 1's order, removed lazily
         self._seq = itertools.count()
         self._tokens = 0
+        self._passed = (-1, 0.0)
+        """(seq, ms): the head the last pick passed over, and when it was first passed over."""
 
     def add(self, length: int, arrived_ms: float, payload: T, priority: int = 0) -> Item[T]:
         """Buffer one request whose exact token length is known."""
@@ -376,21 +377,28 @@ class Packer(Generic[T]):
         return Batch(items=(head, *rest), cost=built.cost, sealed=built.sealed)
 
     def _choose(self, now_ms: float, flush: bool) -> Candidate[T] | None:
-        """Rule 6: the head's batch, or another one that may go before it."""
+        """Rule 6: the cheapest batch that may go now; the head's once it was passed over for
+        ``aging_ms``."""
         head = self.head()
         if head is None:
             return None
         budget = self.budget_now()
         first = self._build(head, budget)
         head_ready = self._ready(first, now_ms, flush)
-        if head_ready and now_ms - head.arrived_ms >= self.aging_ms:
-            return first  # the aging bound: a head this old is never passed over
+        seq, since = self._passed
+        if seq != head.seq:
+            since = now_ms
+        if head_ready and now_ms - since >= self.aging_ms:
+            return first  # the aging bound: a head passed over this long is not passed again
         others = self._other_candidates(first, budget)
-        if not head_ready:
-            sealed = [batch for batch in others if batch.sealed]
-            return max(sealed, key=lambda b: self._ratio(b, now_ms), default=None)
-        ready = [first, *(batch for batch in others if self._ready(batch, now_ms, flush))]
-        return max(ready, key=lambda b: self._ratio(b, now_ms))  # ties keep the head's
+        if head_ready:
+            ready = [first, *(batch for batch in others if self._ready(batch, now_ms, flush))]
+        else:
+            ready = [batch for batch in others if batch.sealed]
+        chosen = min(ready, key=_COST, default=None)  # ties keep the head's
+        if chosen is not None and chosen is not first:
+            self._passed = (head.seq, since)
+        return chosen
 
     def _other_candidates(self, first: Candidate[T], budget: Budget) -> list[Candidate[T]]:
         """Batches anchored further down the line, at requests of the head's priority or more;
@@ -413,12 +421,6 @@ class Packer(Generic[T]):
 
     def _ready(self, batch: Candidate[T], now_ms: float, flush: bool) -> bool:
         return batch.sealed or flush or now_ms >= batch.anchor.arrived_ms + self.linger_ms
-
-    def _ratio(self, batch: Candidate[T], now_ms: float) -> float:
-        """Response ratio: (wait + estimated run time) / estimated run time."""
-        estimate = max(self.timer.estimate_ms(batch.cost), 1e-3)
-        waited = max(0.0, now_ms - self.virtual_arrival(batch.anchor))
-        return (waited + estimate) / estimate
 
     def budget_now(self) -> Budget:
         """The budget batches are packed under now: ``budget``, capped by

@@ -419,7 +419,7 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
     max_padding_ratio: float = Field(1.0, ge=0, description="most padding a request may add, "
                                      "times its length (inf: any)", json_schema_extra={"inf": True})
     aging_ms: float = Field(1000.0, gt=0, description="each priority class stands this much "
-                            "earlier in line; a head this old is never passed over")
+                            "earlier in line; a head passed over this long goes next")
     max_batch_ms: float | None = Field(
         None, gt=0, description="plan no batch longer than this on the device (default: no cap)")
     cost_model: Literal["auto", "padded", "ragged"] = Field(

@@ -19,7 +19,7 @@ as the seed suite (2 ms per batch + 1 us per padded token, 16,384 tokens of
 * ``priority``: queries ``priority=1``, passages 0. A query then stands in
   line as if it had come ``aging_ms`` earlier, so it goes ahead of the
   passages that came less than that before it, while a passage at the head
-  of the line ``aging_ms`` long is never passed over (the aging bound), so
+  of the line passed over for ``aging_ms`` goes next (the aging bound), so
   passages slow down but do not starve.
 
 Each setting gives a row per class (query, passage) and one for all

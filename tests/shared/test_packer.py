@@ -186,6 +186,7 @@ class PackerMachine(RuleBasedStateMachine):
         self.model: dict[int, Item[int]] = {}
         self.next_payload = 0
         self.now = 0.0
+        self.passed: tuple[int, float] = (-1, 0.0)  # the head passed over, and since when
 
     @initialize(
         tokens=st.integers(min_value=1, max_value=16_384),
@@ -245,9 +246,11 @@ class PackerMachine(RuleBasedStateMachine):
             # only a sealed one while the head lingers, never past an aged head.
             assert max(item.priority for item in batch.items) >= head.priority
             assert due or batch.sealed, "an unsealed batch jumped a lingering head"
-            assert not (due and self.now - head.arrived_ms >= self.packer.aging_ms), (
-                "a head past the aging bound was passed over"
+            since = self.passed[1] if self.passed[0] == head.payload else self.now
+            assert not (due and self.now - since >= self.packer.aging_ms), (
+                "a head passed over for aging_ms was passed over again"
             )
+            self.passed = (head.payload, since)
         for item in batch.items:
             del self.model[item.payload]
 
@@ -461,8 +464,8 @@ def test_a_higher_class_goes_first_and_a_lower_one_ages_into_the_front() -> None
 
 
 def test_a_cheap_batch_does_not_wait_behind_an_expensive_one() -> None:
-    """Rule 6b: a query batch that has waited goes before a fresher-headed passage batch,
-    but a head past the aging bound goes first whatever is cheaper."""
+    """Rule 6b: a ready query batch goes before the passages' batch, until the passages' head
+    has been passed over for aging_ms; then it goes whatever is cheaper."""
     timer = BatchTimer(min_batches=1)
     for cost in (100, 8000):
         timer.observe(cost, 1.0 + cost / 1000)  # 1 ms + 1 us per token
@@ -470,13 +473,33 @@ def test_a_cheap_batch_does_not_wait_behind_an_expensive_one() -> None:
     for index in range(5):
         packer.add(1500, 0.0, f"passage{index}")
     for index in range(4):
-        packer.add(20, 5.0, f"query{index}")
-    batch = packer.next_batch(20.0)  # passages waited 20 ms for 9 ms; queries 15 for 1.1
+        packer.add(20, 15.0, f"query{index}")
+    batch = packer.next_batch(20.0)  # the passages came first; the queries cost less
     assert batch is not None and all(p.startswith("query") for p in batch.payloads)
     for index in range(4):
-        packer.add(20, 600.0, f"late{index}")
-    batch = packer.next_batch(600.0)  # the passages' head has waited past aging_ms
+        packer.add(20, 520.0, f"late{index}")
+    batch = packer.next_batch(525.0)  # the passages' head passed over for 505 ms
     assert batch is not None and all(p.startswith("passage") for p in batch.payloads)
+
+
+def test_queries_are_not_held_behind_passages_read_during_a_long_batch() -> None:
+    """Rule 6 on a slow device (a CPU): passages read while a batch longer than aging_ms ran
+    have waited past aging_ms when it ends, yet queries that came meanwhile go first; the
+    passages go once passed over for aging_ms."""
+    packer: Packer[str] = Packer(Budget(8192, 256), linger_ms=2.0, aging_ms=1000.0)
+    packer.add_all([(256, 100.0, f"passage{index}", 0) for index in range(16)])
+    packer.add_all([(20, 1400.0 + index, f"query{index}", 0) for index in range(6)])
+    batch = packer.next_batch(1600.0)  # the last batch ran 1,500 ms
+    assert batch is not None and sorted(batch.payloads) == [f"query{i}" for i in range(6)]
+    packer.add_all([(24, 1650.0, "query6", 0), (24, 1650.0, "query7", 0)])
+    batch = packer.next_batch(1700.0)  # passed over for 100 ms: the queries still go
+    assert batch is not None and sorted(batch.payloads) == ["query6", "query7"]
+    packer.add(20, 2590.0, "query8")
+    batch = packer.next_batch(2600.0)  # passed over for 1,000 ms: the passages go
+    assert batch is not None and len(batch.items) == 16
+    assert all(p.startswith("passage") for p in batch.payloads)
+    batch = packer.next_batch(2600.0)
+    assert batch is not None and batch.payloads == ["query8"]
 
 
 def test_the_device_does_not_idle_while_a_full_batch_waits() -> None:
@@ -531,9 +554,8 @@ def test_batch_timer_learns_a_straight_line(
     assert timer.cost_within(10.0) is None  # nothing learned yet: no cap
     for cost in costs:
         timer.observe(cost, fixed + per_token * cost)
-    for cost in (1, 100, 10_000):
-        assert timer.estimate_ms(cost) == pytest.approx(fixed + per_token * cost, rel=1e-3,
-                                                         abs=1e-3)
+    assert timer.fixed_ms == pytest.approx(fixed, rel=1e-3, abs=1e-3)
+    assert timer.per_token_ms == pytest.approx(per_token, rel=1e-3)
     within = timer.cost_within(fixed + per_token * 5000)
     assert within is not None and abs(within - 5000) <= max(2, 5000 * 1e-3)
 
