@@ -41,6 +41,8 @@ FALL = 0.1
 INLINE_LIMIT_S = 10.0
 """A read admitted on the loop is hung after this long (or ``batch_timeout_s``, if
 shorter): it holds the whole loop while it runs."""
+TURN_WAIT_S = 0.05
+"""Longest a lane waiting for its tenant's turn sleeps before it looks again."""
 INLINE_LIMIT_NAME = "the limit of a read admitted on the event loop"
 """How that deadline is named in ``/livez`` and the log."""
 
@@ -134,11 +136,17 @@ class Reader:
         self._admit_place = AdmitPlace(settings.admit_inline_ms / 1000,
                                        threads_only=settings.tokenize_processes > 0)
         self._length_limit = settings.max_queue_length
+        self._turn = asyncio.Event()
+        """Set as a tenant's read comes back: a lane waiting for its turn looks again."""
         """What :meth:`_refuse_excess` holds each lane to; 0 once Redis refused the check."""
 
     def starting(self) -> None:
         """Called once, as the read tasks (one per lane) are started."""
         self._readers_left = len(self._lanes)
+
+    def adding(self) -> None:
+        """Called as a read task is started for a lane added later (a tenant's)."""
+        self._readers_left += 1
 
     async def ensure_group(self, lane: Lane) -> None:
         try:
@@ -153,7 +161,7 @@ class Reader:
         w, health, lifecycle = self._w, self._w.health, self._w.lifecycle
         health.reader_started(lane.index)
         history: str | None = "0"  # where the next history read starts; None: all read
-        packer = self._device.packer
+        packer, fair = self._device.packer, self._lanes.fair
         # Once the worker is told to stop, a read gets only a short grace.
         until_stopped = functools.partial(lifecycle.until_stopped,
                                           grace_s=w.settings.block_ms / 1000 + 1.0)
@@ -175,11 +183,18 @@ class Reader:
                 try:
                     if history is not None:
                         history = await until_stopped(self._read_history(lane, history, count))
+                    elif not fair.may_read(lane.tenant, time.monotonic()):
+                        self._turn.clear()  # another tenant's turn: wait for a read of theirs
+                        await wait_event(self._turn, TURN_WAIT_S)
+                        continue
                     elif not await until_stopped(self._reclaim(lane, count)):
                         await until_stopped(self._refuse_excess(lane))
                         entries = await until_stopped(self._xread(lane, ">", count))
+                        fair.arrived(lane.tenant, full=len(entries) >= count,
+                                     now=time.monotonic())
                         if entries:
                             await self._take(lane, entries)
+                        self._turn.set()  # charged: a lane waiting for its turn looks again
                     health.read_ok(lane.index)
                     backoff = 0.1
                 except RedisError as exc:
@@ -351,6 +366,7 @@ class Reader:
         else:
             where, limit = "", (settings.batch_timeout_s, "batch_timeout_s")
         claimed = sum(max(1, request.tokens) for _, request in requests)
+        self._lanes.fair.charge(lane.tenant, claimed)
         with self._intake.estimating(claimed), self._w.stages.running(
             TOKENIZING, f"a read of {len(requests)} requests being tokenized{where}",
             *limit, shortened_by_stop=True,
