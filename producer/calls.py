@@ -352,8 +352,10 @@ def enqueue(
         full = lua_scripts.parse_queue_full(message)
         if full is None:
             raise
+        whose = "" if tenant is None else f" (tenant {tenant!r}'s stream)"
         raise QueueFull(  # an older script names no count of new entries
-            f"queue {settings.queue!r} holds {full.length} of at most {full.limit} requests; "
+            f"queue {settings.queue!r}{whose} holds {full.length} of at most {full.limit} "
+            "requests; "
             f"{full.adding or len(batch)} more would not fit, so nothing was written"
         ) from None
     if confirmed < replicas:

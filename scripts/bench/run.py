@@ -12,6 +12,7 @@ Suites (docs/BENCHMARKS.md has the latest figures and how to read them):
   shards    one queue of 1 vs 3 shards on a local Redis Cluster: commands and Redis CPU per node
   cpu       null backend: CPU per request of producer, worker and redis-server, each alone
   feed      hf worker, forward skipped: its CPU per request against the Rust tokenizer's
+  tenants   two tenants on one queue: B's latency beside A's flood, token shares by weight, caps
   plots     draw docs/img/*.png from the JSON results (--results DIR)
   all       every suite above, JSON into --results DIR, then the plots
 
@@ -54,7 +55,7 @@ import harness  # noqa: E402
 
 SUITES = (
     "seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency", "shards", "cpu",
-    "feed",
+    "feed", "tenants",
 )
 RUNTIME_SUITES = ("real", "mixed-latency")
 """Suites that take ``--runtime``: the ones that run the hf backend."""

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from tests.support import SIM_FLAGS, starter_fixture, wait_for
-from tokenq.producer import Client
+from tokenq.producer import Client, QueueFull
 from tokenq.shared import keys
 from tokenq.shared.errors import BadRequest
 from tokenq.shared.settings import tenant_keys
@@ -79,7 +79,7 @@ def served_share(fair: FairShare, sizes: dict[str, int], reads: int, per_read: i
         tenant = next(t for t in order[step % len(order):] + order[:step % len(order)]
                       if fair.may_read(t, now))
         fair.arrived(tenant, full=True, now=now)
-        fair.charge(tenant, per_read * sizes[tenant])
+        fair.charge(tenant, per_read * sizes[tenant], per_read)
         served[tenant] += per_read * sizes[tenant]
     total = sum(served.values())
     return {tenant: tokens / total for tenant, tokens in served.items()}
@@ -108,17 +108,17 @@ def test_a_lone_tenant_always_reads_and_an_idle_one_saves_up_no_credit():
     for step in range(50):  # a alone: never held back
         assert fair.may_read("a", step)
         fair.arrived("a", full=True, now=step)
-        fair.charge("a", 1000)
+        fair.charge("a", 1000, 1)
     # b was idle all along: its first read comes at once, but from a's level, not from 0 ...
     assert fair.may_read("b", 50)
     fair.arrived("b", full=True, now=50)
-    fair.charge("b", 10)
+    fair.charge("b", 10, 1)
     # ... so a is held back by b's reads since, not by 50,000 tokens of credit.
     assert fair.may_read("a", 50)
     fair.arrived("a", full=True, now=50)
-    fair.charge("a", 1000)
+    fair.charge("a", 1000, 1)
     assert not fair.may_read("a", 50)
-    fair.charge("b", 1000)
+    fair.charge("b", 1000, 1)
     assert fair.may_read("a", 50)
 
 
@@ -127,12 +127,12 @@ def test_a_tenant_that_drained_or_went_quiet_holds_nobody_back():
     fair = FairShare(quantum=100, stale_s=10)
     fair.arrived("a", full=True, now=0)
     fair.arrived("b", full=True, now=0)
-    fair.charge("a", 1000)
+    fair.charge("a", 1000, 1)
     assert not fair.may_read("a", 1)  # b's turn
     fair.arrived("b", full=False, now=1)  # b read what there was: no backlog
     assert fair.may_read("a", 1)
     fair.arrived("b", full=True, now=2)  # back, from a's level
-    fair.charge("a", 1000)
+    fair.charge("a", 1000, 1)
     assert not fair.may_read("a", 2)
     assert fair.may_read("a", 13)  # b's lane has not read for longer than stale_s
 
@@ -214,3 +214,15 @@ def test_saturated_tenants_share_processed_tokens_by_weight(
     wait_for(lambda: r.xlen(keys.tenant_requests(q, "b")) < 11000, timeout=30)
     share = processed_share(r, queue_name, {"a": 502, "b": 22}, 4.0)
     assert share["a"] == pytest.approx(want_a, abs=0.1), share
+
+
+def test_a_tenant_at_its_streams_limit_is_refused_alone_and_named(redis_url, r, queue_name):
+    with Client(redis_url=redis_url, queue=queue_name, max_queue_length=3,
+                refuse_early=False) as client:
+        client.submit_many(["x"] * 3, tenant="a")
+        with pytest.raises(QueueFull, match="tenant 'a'"):
+            client.submit("one too many", tenant="a")
+        client.submit_many(["y"] * 3, tenant="b")  # every other tenant keeps flowing
+        client.submit_many(["z"] * 3)
+    q = keys.QueueRef(queue_name)
+    assert [r.xlen(keys.tenant_requests(q, t)) for t in ("a", "b", keys.DEFAULT_TENANT)] == [3] * 3

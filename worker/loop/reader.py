@@ -176,6 +176,7 @@ class Reader:
                     packer.budget.max_batch_tokens, packer.buffered_tokens,
                     readers=len(self._lanes), cap=MAX_READ_COUNT if history is None else
                     HISTORY_COUNT)
+                count = fair.read_count(lane.tenant, count)
                 if count == 0:  # wait until something read is answered (or a second passes)
                     lifecycle.room_made.clear()
                     await wait_event(lifecycle.room_made, 1.0)
@@ -366,7 +367,6 @@ class Reader:
         else:
             where, limit = "", (settings.batch_timeout_s, "batch_timeout_s")
         claimed = sum(max(1, request.tokens) for _, request in requests)
-        self._lanes.fair.charge(lane.tenant, claimed)
         with self._intake.estimating(claimed), self._w.stages.running(
             TOKENIZING, f"a read of {len(requests)} requests being tokenized{where}",
             *limit, shortened_by_stop=True,
@@ -381,7 +381,9 @@ class Reader:
             _untakable(lane, item.ref.entry_id, fields[item.ref.entry_id], why, deliveries, now)
             for item, why in admitted.broken
         ]
-        self._intake.learn(len(requests), sum(job.encoding.length for job in admitted.jobs))
+        exact = sum(job.encoding.length for job in admitted.jobs)
+        self._intake.learn(len(requests), exact)
+        self._lanes.fair.charge(lane.tenant, exact, len(requests))
         return admitted.jobs, answers
 
 

@@ -40,6 +40,8 @@ class FairShare:
         self._tag: dict[str, float] = {}
         self._backlogged: dict[str, float] = {}
         """Tenant -> when its last read was full (more is waiting)."""
+        self._mean: dict[str, float] = {}
+        """Tenant -> its tokens per entry (a running mean), which sizes its reads."""
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
@@ -66,9 +68,19 @@ class FairShare:
         else:
             self._backlogged.pop(tenant, None)
 
-    def charge(self, tenant: str, tokens: int) -> None:
-        """``tokens`` (the producers' estimates) were read for ``tenant``."""
+    def read_count(self, tenant: str, count: int) -> int:
+        """``count`` cut to about one quantum of ``tenant``'s tokens, so a tenant of long entries
+        does not read far past its turn on a mean learned from another's short ones."""
+        mean = self._mean.get(tenant)
+        return count if mean is None else max(1, min(count, int(self.quantum / mean)))
+
+    def charge(self, tenant: str, tokens: int, entries: int) -> None:
+        """``entries`` holding ``tokens`` (exact, as tokenized) were read for ``tenant``."""
         self._tag[tenant] = self._tag.get(tenant, 0.0) + tokens / self.weight(tenant)
+        if entries > 0:
+            mean = self._mean.get(tenant)
+            per_entry = max(1.0, tokens / entries)
+            self._mean[tenant] = per_entry if mean is None else mean + 0.5 * (per_entry - mean)
 
 
 def parse_weights(raw: Mapping[object, object]) -> tuple[dict[str, float], float | None, list[str]]:
