@@ -315,3 +315,12 @@ def test_path_steps_times_every_step_of_the_worker_path(tmp_path: Path) -> None:
 
 # Minutes of real workers and models: CI runs them; `-m 'not slow'` skips them.
 pytestmark = pytest.mark.slow
+
+
+def test_tenants(tmp_path: Path) -> None:
+    result = run_suite("tenants", tmp_path, 300.0)
+    summary = {row["setting"]: row for row in result["rows"]}["summary"]
+    assert {"b_p50_ratio", "share_equal_a", "share_equal_b", "share_3to1_a",
+            "refused_other_tenant"} <= set(summary)
+    assert summary["refused_other_tenant"] == 0
+    assert summary["share_equal_a"] + summary["share_equal_b"] == pytest.approx(1, abs=0.002)

@@ -13,9 +13,9 @@ import redis
 
 from tests.support import SIM_FLAGS, starter_fixture, wait_for
 from tokenq.producer import Client, QueueFull
-from tokenq.shared import keys
+from tokenq.shared import keys, lua_scripts
 from tokenq.shared.errors import BadRequest
-from tokenq.shared.settings import tenant_keys
+from tokenq.shared.settings import ClientSettings, tenant_keys
 from tokenq.worker.loop.tenants import FairShare, parse_weights
 
 Q = keys.QueueRef("q")
@@ -226,3 +226,32 @@ def test_a_tenant_at_its_streams_limit_is_refused_alone_and_named(redis_url, r, 
         client.submit_many(["z"] * 3)
     q = keys.QueueRef(queue_name)
     assert [r.xlen(keys.tenant_requests(q, t)) for t in ("a", "b", keys.DEFAULT_TENANT)] == [3] * 3
+
+
+def test_the_enqueue_script_registers_a_tenants_stream_after_a_shards_marker(r, queue_name):
+    two = keys.QueueRef(queue_name, shard=2)
+    stream, marker, tenants = keys.tenant_requests(two, "a"), keys.retired(two), keys.tenants(two)
+    enqueue = r.register_script(lua_scripts.load("tokenq.producer", "enqueue.lua"))
+    entry = [2, "id", "2.a", "text", "hi"]
+    assert len(enqueue(keys=[stream, keys.seen(two, "2.a"), marker, tenants],
+                       args=[0, 1, 60000, *entry])) == 1
+    assert len(enqueue(keys=[stream, tenants], args=[0, 1, 0, *entry])) == 1  # no dedupe
+    assert r.smembers(tenants) == {stream.encode()} and r.xlen(stream) == 2
+    r.set(marker, "2")
+    with pytest.raises(redis.ResponseError, match=r"^RETIRED"):
+        enqueue(keys=[stream, keys.seen(two, "2.b"), marker, tenants],
+                args=[0, 1, 60000, 2, "id", "2.b", "text", "hi"])
+
+
+def test_a_sharded_queue_serves_its_tenants_on_every_shard(start_worker, redis_url, r,
+                                                           queue_name):
+    start_worker("--shards", "3", wait=False)
+    settings = ClientSettings(redis_url=redis_url, queue=queue_name, timeout_s=30, shards=3)
+    with Client(settings=settings) as client:
+        for i in range(12):
+            assert client.infer(f"text {i}", tenant="team-a").embedding is not None
+    written = {key for shard in keys.shards_of(keys.QueueRef(queue_name), 3)
+               for key in r.smembers(keys.tenants(shard))}
+    assert len(written) > 1  # the calls went to several shards, each in its own slot
+    assert all(keys.tenant_of(keys.queue_of(key.decode().rsplit(":", 1)[0]), key) == "team-a"
+               for key in written)
