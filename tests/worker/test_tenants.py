@@ -255,3 +255,19 @@ def test_a_sharded_queue_serves_its_tenants_on_every_shard(start_worker, redis_u
     assert len(written) > 1  # the calls went to several shards, each in its own slot
     assert all(keys.tenant_of(keys.queue_of(key.decode().rsplit(":", 1)[0]), key) == "team-a"
                for key in written)
+
+
+def test_junk_in_the_tenants_set_is_ignored_and_a_broken_stream_fails_alone(
+        start_worker, redis_url, r, queue_name):
+    q = keys.QueueRef(queue_name)
+    evil = keys.tenant_requests(q, "evil")
+    r.set(evil, "not a stream")
+    r.sadd(keys.tenants(q), evil, keys.requests(q), "tokenq:{elsewhere}:requests:x",
+           keys.requests(q) + ":a b", keys.config(q))
+    r.hset(keys.weights(q), mapping={"good": "nan", "*": "-1"})  # ignored, with a warning
+    worker = start_worker()
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        assert client.infer("served", tenant="good", timeout_s=30).embedding is not None
+        assert client.infer("served too", timeout_s=30).embedding is not None
+    assert r.type(evil) == b"string" and not r.exists("tokenq:{elsewhere}:requests:x")
+    wait_for(lambda: "ignored in" in worker.output(), what="the weights warning")

@@ -136,9 +136,9 @@ class Reader:
         self._admit_place = AdmitPlace(settings.admit_inline_ms / 1000,
                                        threads_only=settings.tokenize_processes > 0)
         self._length_limit = settings.max_queue_length
+        """What :meth:`_refuse_excess` holds each lane to; 0 once Redis refused the check."""
         self._turn = asyncio.Event()
         """Set as a tenant's read comes back: a lane waiting for its turn looks again."""
-        """What :meth:`_refuse_excess` holds each lane to; 0 once Redis refused the check."""
 
     def starting(self) -> None:
         """Called once, as the read tasks (one per lane) are started."""

@@ -5,6 +5,7 @@ them; :class:`Worker` wires the parts. Nothing one entry contains can end the pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -228,8 +229,9 @@ class Worker:
                         warned = True
                         break
                     lane = self._add_lane(queue, tenant=tenant)
-                    await reader.ensure_group(lane)
                     known.add((queue, tenant))
+                    with contextlib.suppress(RedisError):  # else its reader makes it on NOGROUP
+                        await reader.ensure_group(lane)
                     reader.adding()
                     tasks.append(asyncio.create_task(reader.run(lane),
                                                      name=f"tokenq-read-{lane.index}"))
@@ -323,7 +325,7 @@ async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task
     seen: set[asyncio.Task[None]] = set()
     while not all(task.done() for task in tasks):
         pending = {task for task in (*tasks, watchdog) if task not in seen}  # tasks may grow
-        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
         seen |= done
         for task in done:
             # Only run() cancels these: one that ended cancelled met a plugin's
