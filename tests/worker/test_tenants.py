@@ -271,3 +271,17 @@ def test_junk_in_the_tenants_set_is_ignored_and_a_broken_stream_fails_alone(
         assert client.infer("served too", timeout_s=30).embedding is not None
     assert r.type(evil) == b"string" and not r.exists("tokenq:{elsewhere}:requests:x")
     wait_for(lambda: "ignored in" in worker.output(), what="the weights warning")
+
+
+def test_a_dead_workers_entries_on_a_tenants_stream_are_taken_over(
+        start_worker, redis_url, r, queue_name):
+    q = keys.QueueRef(queue_name)
+    stream = keys.tenant_requests(q, "t")
+    with Client(redis_url=redis_url, queue=queue_name, refuse_early=False) as client:
+        ids = client.submit_many(["held by a ghost", "and this"], tenant="t")
+        r.xgroup_create(stream, keys.GROUP, id="0")
+        r.xreadgroup(keys.GROUP, "ghost", {stream: ">"})  # pending to a worker that is gone
+        assert r.xpending(stream, keys.GROUP)["pending"] == 2
+        start_worker()
+        assert all(result.embedding is not None for result in client.results(ids, 30))
+    assert r.xlen(stream) == 0  # answered on the tenant's stream: acked and deleted
