@@ -72,3 +72,18 @@ def test_a_bad_api_keys_setting_is_refused_without_showing_the_key():
     with pytest.raises(ValueError, match="part 1 is not tenant=key") as refused:
         ServeSettings(api_keys="sekrit")
     assert "sekrit" not in str(refused.value)
+
+
+def test_a_tenant_over_its_streams_limit_gets_a_429_naming_it_and_others_flow(
+        sim_worker, redis_url, r, queue_name):
+    sim_worker()
+    with gateway(redis_url, queue_name, api_keys="team-a=key-a,team-b=key-b",
+                 max_queue_length=2) as http:
+        a = {"Authorization": "Bearer key-a"}
+        full = http.post("/v1/embeddings", json={"model": "m", "input": ["1", "2", "3"]},
+                         headers=a)
+        assert full.status_code == 429 and full.headers["Retry-After"]
+        assert "tenant 'team-a'" in full.json()["error"]["message"]
+        fine = http.post("/v1/embeddings", json={"model": "m", "input": ["b's", "two"]},
+                         headers={"Authorization": "Bearer key-b"})
+        assert fine.status_code == 200, fine.text
