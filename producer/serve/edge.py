@@ -82,8 +82,8 @@ class Edge:
 
     def refusal(self, scope: Scope) -> ApiError | None:
         headers = dict(scope["headers"])
-        tenant = None
-        if self.tenants and scope["path"] not in OPEN_PATHS:
+        tenant, open_path = None, scope["path"] in OPEN_PATHS
+        if self.tenants and not open_path:
             given = headers.get(b"authorization", b"")
             matches = [named for expected, named in self.tenants.items()
                        if hmac.compare_digest(given, expected)]
@@ -92,7 +92,7 @@ class Edge:
                                 "<key>' (--api-key, --api-keys)", code="invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"})
             tenant = matches[0]
-        asked = headers.get(TENANT_HEADER)
+        asked = None if open_path else headers.get(TENANT_HEADER)
         if asked is not None:
             text = asked.decode("latin-1")
             try:
