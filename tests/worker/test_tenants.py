@@ -103,6 +103,18 @@ def test_weights_3_to_1_share_tokens_3_to_1():
 
 
 @pytest.mark.unit
+def test_a_read_is_cut_to_a_quantum_of_the_tenants_own_entries_and_no_room_stays_none():
+    fair = FairShare(quantum=8192)
+    assert fair.read_count("a", 300) == 300  # nothing learned yet: the room's count
+    fair.charge("a", 15000, 10)
+    fair.charge("b", 200, 10)
+    assert fair.read_count("a", 300) == 5 and fair.read_count("b", 300) == 300
+    assert fair.read_count("a", 0) == fair.read_count("b", 0) == 0
+    fair.charge("c", 50000, 1)  # longer than a quantum: still one at a time
+    assert fair.read_count("c", 300) == 1
+
+
+@pytest.mark.unit
 def test_a_lone_tenant_always_reads_and_an_idle_one_saves_up_no_credit():
     fair = FairShare(quantum=100)
     for step in range(50):  # a alone: never held back

@@ -72,7 +72,7 @@ class FairShare:
         """``count`` cut to about one quantum of ``tenant``'s tokens, so a tenant of long entries
         does not read far past its turn on a mean learned from another's short ones."""
         mean = self._mean.get(tenant)
-        return count if mean is None else max(1, min(count, int(self.quantum / mean)))
+        return count if mean is None else min(count, max(1, int(self.quantum / mean)))
 
     def charge(self, tenant: str, tokens: int, entries: int) -> None:
         """``entries`` holding ``tokens`` (exact, as tokenized) were read for ``tenant``."""
