@@ -35,6 +35,9 @@ class RequestOptions(WorkerOptions, total=False):
     priority: int | None
     """Scheduling class from 0 (the default) to 9: a worker batches a higher class first, and
     lower classes age into the front (docs/PROTOCOL.md)."""
+    tenant: str | None
+    """Whose request this is: it goes to that tenant's stream, which workers read in weighted
+    fair share by tokens with the other tenants' (None: the default tenant, the queue's stream)."""
 
 
 class SubmitOptions(RequestOptions, total=False):

@@ -273,9 +273,12 @@ def on_current_shard(
             )
 
 
-def enqueue_arguments(core: ClientCore, lane: Lane, batch: Sequence[Prepared]) -> dict[str, Any]:
+def enqueue_arguments(
+    core: ClientCore, lane: Lane, batch: Sequence[Prepared], tenant: str | None = None
+) -> dict[str, Any]:
     """``keys`` and ``args`` of enqueue.lua for ``batch``: fresh ids share one seen key for
-    the call, ids the caller named get one each (docs/decisions/0021-one-seen-key-per-call.md)."""
+    the call, ids the caller named get one each (docs/decisions/0021-one-seen-key-per-call.md);
+    a named tenant's stream is registered in the queue's tenants set."""
     queue = lane.queue
     ttl_ms = int(core.settings.dedupe_ttl_s * 1000)
     dedupe: str | int = ttl_ms
@@ -293,7 +296,19 @@ def enqueue_arguments(core: ClientCore, lane: Lane, batch: Sequence[Prepared]) -
         args.append(len(fields))
         for field in fields.items():  # measured faster than itertools.chain
             args += field
-    return {"keys": [lane.stream_key, *seen, *retired], "args": args}
+    if tenant is None or tenant == keys.DEFAULT_TENANT:
+        return {"keys": [lane.stream_key, *seen, *retired], "args": args}
+    return {"keys": [keys.tenant_requests(queue, tenant), *seen, *retired, keys.tenants(queue)],
+            "args": args}
+
+
+def tenant_of(options: Mapping[str, Any]) -> str | None:
+    """The call's ``tenant`` checked (None: the default tenant's stream); BadRequest if bad."""
+    tenant = options.get("tenant")
+    try:
+        return None if tenant is None else keys.check_tenant(tenant)
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="tenant") from None
 
 
 def enqueue(
@@ -303,6 +318,7 @@ def enqueue(
     deadline: Deadline,
     *,
     awaited: bool = False,
+    tenant: str | None = None,
 ) -> Call[None]:
     """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit.
     A durable enqueue too few replicas confirmed is NotReplicated, or if ``awaited`` counted and
@@ -311,7 +327,7 @@ def enqueue(
         return
     settings = core.settings
     replicas = confirmed = settings.durable_replicas
-    arguments = enqueue_arguments(core, lane, batch)
+    arguments = enqueue_arguments(core, lane, batch, tenant)
     try:
         # With ``persist`` a lost reply is retried with the same ids and seen keys, which the
         # script answers without adding anything.
@@ -336,8 +352,10 @@ def enqueue(
         full = lua_scripts.parse_queue_full(message)
         if full is None:
             raise
+        whose = "" if tenant is None else f" (tenant {tenant!r}'s stream)"
         raise QueueFull(  # an older script names no count of new entries
-            f"queue {settings.queue!r} holds {full.length} of at most {full.limit} requests; "
+            f"queue {settings.queue!r}{whose} holds {full.length} of at most {full.limit} "
+            "requests; "
             f"{full.adding or len(batch)} more would not fit, so nothing was written"
         ) from None
     if confirmed < replicas:
@@ -594,11 +612,12 @@ def _submit(
     ids (``unique``) goes where they hash to, as each retry of it does."""
     refuse_unknown(options, SubmitOptions, _name("submit", texts))
     deadline = Deadline.after(core.settings.timeout_s)
+    tenant = tenant_of(options)
     yield from ensure_config(core, deadline)
 
     def write(lane: Lane) -> Call[list[str]]:
         batch = _prepare(core, lane, texts, unique, now_ms=_now_ms(), **options)
-        yield from enqueue(core, lane, batch, deadline)
+        yield from enqueue(core, lane, batch, deadline, tenant=tenant)
         return [p.id for p in batch]
 
     pin = unique[0] if unique else None
@@ -693,6 +712,7 @@ def _infer(
     refuse_unknown(options, RequestOptions, _name("infer", texts))
     started = time.monotonic()
     deadline = Deadline(started + _timeout(core, timeout_s), persist=True)
+    tenant = tenant_of(options)
     yield from ensure_config(core, deadline)
     listener = core.listener
 
@@ -702,7 +722,7 @@ def _infer(
         batch = _prepare(core, lane, texts, reply_to=key, **_infer_request(deadline, options))
         if listened is not None:
             yield Listen(tuple(p.id for p in batch), listened)
-        yield from enqueue(core, lane, batch, deadline, awaited=True)
+        yield from enqueue(core, lane, batch, deadline, awaited=True, tenant=tenant)
         return lane, batch
 
     lane, batch = yield from on_current_shard(core, deadline, write)

@@ -3,6 +3,11 @@
 Layout for queue ``q`` under the default prefix ``tokenq``::
 
     tokenq:{q}:requests        stream   producers XADD; consumer group "workers"
+    tokenq:{q}:requests:<t>    stream   the same for tenant <t> (the default tenant's is
+                                        tokenq:{q}:requests)
+    tokenq:{q}:tenants         set      the tenant streams written to (enqueue.lua SADDs)
+    tokenq:{q}:weights         hash     tenant -> its weight in the fair share, set by the
+                                        operator; field "*" the weight of tenants not named
     tokenq:{q}:dead            stream   dead letters, with their error
     tokenq:{q}:config          hash     written by workers at start: model, limits, policy
     tokenq:{q}:workers         hash     consumer name -> last heartbeat (msgpack map)
@@ -42,6 +47,9 @@ DEFAULT_PREFIX = "tokenq"
 MAX_SHARDS = 256
 """The most shards a queue may have (a Cluster has 16384 slots; far more than nodes)."""
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_TENANT = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+DEFAULT_TENANT = "default"
+"""The tenant of a request that names none: its stream is the queue's own ``requests``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +124,41 @@ def shard_in_id(request_id: str) -> int | None:
 def requests(q: QueueRef) -> str:
     """The stream producers append requests to."""
     return f"{q.tag}:requests"
+
+
+def check_tenant(tenant: object) -> str:
+    """``tenant`` if it is a tenant name (1-64 letters, digits, '_', '.', '-'), else ValueError."""
+    if not isinstance(tenant, str) or not _TENANT.fullmatch(tenant):
+        shown = repr(tenant) if len(repr(tenant)) <= 80 else repr(tenant)[:77] + "..."
+        raise ValueError(f"tenant {shown} is invalid: use 1-64 characters from letters, "
+                         "digits, '_', '.', '-'")
+    return tenant
+
+
+def tenant_requests(q: QueueRef, tenant: str) -> str:
+    """The request stream of ``tenant`` (checked by :func:`check_tenant`) in the queue's slot."""
+    base = requests(q)
+    return base if tenant == DEFAULT_TENANT else f"{base}:{tenant}"
+
+
+def tenant_of(q: QueueRef, stream: object) -> str | None:
+    """The tenant whose stream :func:`tenant_requests` named ``stream``; None: not one."""
+    text = stream.decode(errors="replace") if isinstance(stream, bytes) else stream
+    head = requests(q) + ":"
+    if not isinstance(text, str) or not text.startswith(head):
+        return None
+    tenant = text[len(head):]
+    return tenant if _TENANT.fullmatch(tenant) and tenant != DEFAULT_TENANT else None
+
+
+def tenants(q: QueueRef) -> str:
+    """The set of tenant streams written to, which workers read (enqueue.lua adds to it)."""
+    return f"{q.tag}:tenants"
+
+
+def weights(q: QueueRef) -> str:
+    """The operator's hash of tenant weights (field ``*``: tenants not named)."""
+    return f"{q.tag}:weights"
 
 
 def requests_pattern(prefix: str = DEFAULT_PREFIX) -> str:

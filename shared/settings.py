@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic.json_schema import JsonDict
 from pydantic_settings import BaseSettings, CliPositionalArg, SettingsConfigDict
 
-from tokenq.shared.keys import DEFAULT_PREFIX, MAX_SHARDS, QueueRef
+from tokenq.shared.keys import DEFAULT_PREFIX, MAX_SHARDS, QueueRef, check_tenant
 from tokenq.shared.redis_url import parse_redis_url
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
 
@@ -352,6 +352,8 @@ class ServeSettings(ClientSettings):
                                          "being read included (more: 429)")
     api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' but on "
                                 "/health, /ready, /metrics (401); best as TOKENQ_API_KEY")
+    api_keys: str = Field("", description="'tenant=key,...': each API key names its caller's "
+                          "tenant, as --api-key accepts one; best as TOKENQ_API_KEYS")
     cors_allow_origin: str = Field("", description="origins browsers may call from, "
                                    "comma-separated ('*': any; empty: no CORS headers)")
     cold_start_s: float = Field(0.0, ge=0, description="with no live worker: 0 answers 503 at "
@@ -363,6 +365,12 @@ class ServeSettings(ClientSettings):
     @classmethod
     def _check_models(cls, value: str) -> str:
         _model_queues(value)  # raises ValueError naming the bad part
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, value: str) -> str:
+        tenant_keys(value)  # raises ValueError naming the bad part, never the key
         return value
 
     @property
@@ -380,6 +388,17 @@ def _model_queues(value: str) -> dict[str, str]:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", queue.strip()):
             raise ValueError(f"models: queue {queue.strip()!r} is not a queue name")
         out[name.strip()] = queue.strip()
+    return out
+
+
+def tenant_keys(value: str) -> dict[str, str]:
+    """``--api-keys`` as {key: tenant}; ValueError for a part that is not tenant=key."""
+    out: dict[str, str] = {}
+    for number, part in enumerate(filter(None, (item.strip() for item in value.split(","))), 1):
+        tenant, sep, key = part.partition("=")
+        if not sep or not key:
+            raise ValueError(f"api_keys: part {number} is not tenant=key")
+        out[key] = check_tenant(tenant)
     return out
 
 

@@ -7,8 +7,10 @@
 --                                                     dedupe_ttl_ms > 0: GET, SET PX
 --   or KEYS[2]    <prefix>:{q}:seen:call.<h> string   one for the whole call, only
 --                                                     with dedupe call:<ms>: GET, SET PX
---   then, optionally, one more key (after the seen keys, else KEYS[2]):
+--   then, optionally, after the seen keys (else from KEYS[2]), in this order:
 --                 <prefix>:{q:k}:retired     string   EXISTS: set on a retired shard
+--                 <prefix>:{q}:tenants       set      SADD KEYS[1] when it is a tenant's
+--                                                     stream, so workers find and read it
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   n: how many entries follow
@@ -68,7 +70,13 @@ end
 local per_entry = dedupe_ttl_ms > 0 and not per_call
 -- How many seen keys follow the stream: one per entry, one for the call, or none.
 local seen_keys = (per_call and 1) or (per_entry and n) or 0
-if dedupe_ttl_ms > 0 and #KEYS ~= seen_keys + 1 and #KEYS ~= seen_keys + 2 then
+-- After the seen keys: the retired marker, the tenants set (named by its suffix), or both.
+local tenants = KEYS[#KEYS]
+if #KEYS < seen_keys + 2 or string.sub(tenants, -8) ~= ":tenants" then
+  tenants = nil
+end
+local extra = #KEYS - seen_keys - 1 - (tenants and 1 or 0)
+if dedupe_ttl_ms > 0 and extra ~= 0 and extra ~= 1 then
   return redis.error_reply(per_call and "ERR tokenq enqueue: call: dedupe needs one seen key"
     or "ERR tokenq enqueue: dedupe needs one seen key per entry")
 end
@@ -124,7 +132,7 @@ elseif per_entry then
   end
 end
 
-local retired = KEYS[seen_keys + 2]
+local retired = extra == 1 and KEYS[seen_keys + 2] or nil
 if fresh > 0 and retired and redis.call("EXISTS", retired) == 1 then
   return redis.error_reply("RETIRED this shard takes no new requests: read the queue's "
     .. "config and choose a shard again")
@@ -146,6 +154,9 @@ for i = 1, n do
       redis.call("SET", KEYS[i + 1], ids[i], "PX", ttl_text)
     end
   end
+end
+if tenants and fresh > 0 then
+  redis.call("SADD", tenants, stream)
 end
 if per_call and n > 0 then
   redis.call("SET", KEYS[2], table.concat(ids, " "), "PX", ttl_text)

@@ -112,6 +112,9 @@ class Gateway:
         check_job(job.items, job.options, job.where, request.state.body_bytes,
                   self.settings.max_client_batch_size)
         self.inputs.labels(queue).inc(len(job.items))
+        tenant = getattr(request.state, "tenant", None)  # set by the edge (--api-keys, header)
+        if tenant is not None:
+            job.options["tenant"] = tenant
         key = request.headers.get(delivery.HEADER)
         unique = None if key is None else delivery.request_ids(
             key, queue, request.state.body_digest, len(job.items))

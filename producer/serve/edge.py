@@ -16,10 +16,13 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenq.producer.serve.errors import ApiError, body_for
-from tokenq.shared.settings import ServeSettings
+from tokenq.shared.keys import check_tenant
+from tokenq.shared.settings import ServeSettings, tenant_keys
 
 log = logging.getLogger("tokenq.serve")
 
+TENANT_HEADER = b"x-tokenq-tenant"
+"""Names the request's tenant, honoured unless the caller's API key names another."""
 OPEN_PATHS = frozenset({"/health", "/livez", "/ready", "/readyz", "/metrics", "/ping"})
 """Routes answered without ``--api-key``: probes and the Prometheus scrape."""
 
@@ -47,9 +50,13 @@ async def unrouted(request: Request, exc: HTTPException) -> JSONResponse:
 class Edge:
     """Steps 2-4 of the module's list, as plain ASGI (no body buffering, no task per call)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, api_keys: str = "") -> None:
         self.app = app
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.tenants: dict[bytes, str | None] = {
+            f"Bearer {key}".encode(): tenant for key, tenant in tenant_keys(api_keys).items()}
+        """Each accepted ``Authorization`` value and the tenant it names (None: any)."""
+        if api_key is not None:
+            self.tenants.setdefault(f"Bearer {api_key}".encode(), None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -75,12 +82,30 @@ class Edge:
 
     def refusal(self, scope: Scope) -> ApiError | None:
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+        tenant, open_path = None, scope["path"] in OPEN_PATHS
+        if self.tenants and not open_path:
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            matches = [named for expected, named in self.tenants.items()
+                       if hmac.compare_digest(given, expected)]
+            if not matches:
                 return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer "
-                                "<key>' (--api-key)", code="invalid_api_key",
+                                "<key>' (--api-key, --api-keys)", code="invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"})
+            tenant = matches[0]
+        asked = None if open_path else headers.get(TENANT_HEADER)
+        if asked is not None:
+            text = asked.decode("latin-1")
+            try:
+                check_tenant(text)
+            except ValueError as exc:
+                return ApiError(400, str(exc), param="X-Tokenq-Tenant", code="invalid_tenant")
+            if tenant is not None and text != tenant:
+                return ApiError(403, "X-Tokenq-Tenant names another tenant than the API key's "
+                                "(--api-keys): a key's tenant cannot be chosen by the caller",
+                                param="X-Tokenq-Tenant", code="forbidden_tenant")
+            tenant = text
+        if tenant is not None:
+            scope.setdefault("state", {})["tenant"] = tenant
         content_type = headers.get(b"content-type")
         if scope["method"] == "POST" and content_type is not None:
             text = content_type.decode("latin-1")
@@ -97,7 +122,7 @@ def install(app: FastAPI, settings: ServeSettings) -> None:
     """The edge's middleware and unknown-route answers on ``app`` (added last runs first:
     CORS is outermost)."""
     app.add_exception_handler(HTTPException, unrouted)  # type: ignore[arg-type]
-    app.add_middleware(Edge, api_key=settings.api_key)
+    app.add_middleware(Edge, api_key=settings.api_key, api_keys=settings.api_keys)
     origins = [item.strip() for item in settings.cors_allow_origin.split(",") if item.strip()]
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],

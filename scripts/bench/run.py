@@ -13,6 +13,7 @@ Suites (docs/BENCHMARKS.md has the latest figures and how to read them):
   cpu       null backend: CPU per request of producer, worker and redis-server, each alone
   feed      hf worker, forward skipped: its CPU per request against the Rust tokenizer's
   cache     the result cache and coalescing: device tokens re-embedding repeats, the budget
+  tenants   two tenants on one queue: B's latency beside A's flood, token shares by weight, caps
   plots     draw docs/img/*.png from the JSON results (--results DIR)
   all       every suite above, JSON into --results DIR, then the plots
 
@@ -55,7 +56,7 @@ import harness  # noqa: E402
 
 SUITES = (
     "seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency", "shards", "cpu",
-    "feed", "cache",
+    "feed", "cache", "tenants",
 )
 RUNTIME_SUITES = ("real", "mixed-latency")
 """Suites that take ``--runtime``: the ones that run the hf backend."""

@@ -325,3 +325,12 @@ def test_cache(tmp_path: Path) -> None:
     assert same["forward_rows_64_identical"] == 1
     assert budget["cache_bytes_over_budget"] == 0 and budget["cache_bytes"] > 0
     assert full["queue_refused_at_maxmemory"] == 0 and full["used_over_maxmemory"] is False
+
+
+def test_tenants(tmp_path: Path) -> None:
+    result = run_suite("tenants", tmp_path, 300.0)
+    summary = {row["setting"]: row for row in result["rows"]}["summary"]
+    assert {"b_p50_ratio", "share_equal_a", "share_equal_b", "share_3to1_a",
+            "refused_other_tenant"} <= set(summary)
+    assert summary["refused_other_tenant"] == 0
+    assert summary["share_equal_a"] + summary["share_equal_b"] == pytest.approx(1, abs=0.002)

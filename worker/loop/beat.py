@@ -105,7 +105,8 @@ class Beat:
         """Beat, then reset the idle time of held entries so nobody claims them; never while a
         stage is hung (that worker must let them go)."""
         client, consumer = self._wiring.client, self._wiring.consumer
-        await presence.beat(client, lane.queue, consumer, status, ttl_ms)
+        if lane.tenant == keys.DEFAULT_TENANT:  # a tenant's lane shares its queue's presence
+            await presence.beat(client, lane.queue, consumer, status, ttl_ms)
         for start in range(0, len(held), CLAIM_CHUNK):
             if self._wiring.lifecycle.hung:
                 return

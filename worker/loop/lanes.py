@@ -13,6 +13,7 @@ from redis.exceptions import NoPermissionError, ResponseError
 from tokenq.shared import functions, keys, redis_refusal
 from tokenq.shared.failures import error_text
 from tokenq.shared.redis_text import as_text
+from tokenq.worker.loop.tenants import FairShare
 
 log = logging.getLogger("tokenq.worker")
 
@@ -43,10 +44,12 @@ class Lane:
     """A shard beyond the queue's shard count, read until drained (:class:`Retirement`)."""
     drained: bool = False
     """A retired lane that is removed: nothing reads, beats or answers on it any more."""
+    tenant: str = keys.DEFAULT_TENANT
+    """Whose stream this is: the queue's own for the default tenant (:mod:`.tenants`)."""
     stream: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stream = keys.requests(self.queue)
+        self.stream = keys.tenant_requests(self.queue, self.tenant)
 
     def refs(self, entry_ids: Iterable[bytes]) -> list[Ref]:
         """The worker's names for entries of this lane, a read's at once (made per request:
@@ -65,13 +68,17 @@ class LaneSet:
     def __init__(self) -> None:
         self._lanes: list[Lane] = []
         self._count = 0
+        self.fair = FairShare()
+        """Whose turn it is to read, among the tenants' lanes."""
 
     def add(
         self, queue: keys.QueueRef, dead_letters: DeadLetterPolicy, reclaimer: Reclaimer,
-        publisher: Publisher, *, retired: bool = False,
+        publisher: Publisher, *, retired: bool = False, tenant: str = keys.DEFAULT_TENANT,
     ) -> Lane:
-        """A lane for ``queue``, numbered in the order added (its outbox's index)."""
-        lane = Lane(self._count, queue, dead_letters, reclaimer, publisher, retired=retired)
+        """A lane for ``queue`` (``tenant``'s stream), numbered in the order added (its outbox's
+        index)."""
+        lane = Lane(self._count, queue, dead_letters, reclaimer, publisher, retired=retired,
+                    tenant=tenant)
         self._count += 1
         self._lanes.append(lane)
         return lane

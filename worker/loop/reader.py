@@ -42,6 +42,8 @@ FALL = 0.1
 INLINE_LIMIT_S = 10.0
 """A read admitted on the loop is hung after this long (or ``batch_timeout_s``, if
 shorter): it holds the whole loop while it runs."""
+TURN_WAIT_S = 0.05
+"""Longest a lane waiting for its tenant's turn sleeps before it looks again."""
 INLINE_LIMIT_NAME = "the limit of a read admitted on the event loop"
 """How that deadline is named in ``/livez`` and the log."""
 
@@ -136,10 +138,16 @@ class Reader:
                                        threads_only=settings.tokenize_processes > 0)
         self._length_limit = settings.max_queue_length
         """What :meth:`_refuse_excess` holds each lane to; 0 once Redis refused the check."""
+        self._turn = asyncio.Event()
+        """Set as a tenant's read comes back: a lane waiting for its turn looks again."""
 
     def starting(self) -> None:
         """Called once, as the read tasks (one per lane) are started."""
         self._readers_left = len(self._lanes)
+
+    def adding(self) -> None:
+        """Called as a read task is started for a lane added later (a tenant's)."""
+        self._readers_left += 1
 
     async def ensure_group(self, lane: Lane) -> None:
         try:
@@ -154,7 +162,7 @@ class Reader:
         w, health, lifecycle = self._w, self._w.health, self._w.lifecycle
         health.reader_started(lane.index)
         history: str | None = "0"  # where the next history read starts; None: all read
-        packer = self._device.packer
+        packer, fair = self._device.packer, self._lanes.fair
         # Once the worker is told to stop, a read gets only a short grace.
         until_stopped = functools.partial(lifecycle.until_stopped,
                                           grace_s=w.settings.block_ms / 1000 + 1.0)
@@ -169,6 +177,7 @@ class Reader:
                     packer.budget.max_batch_tokens, packer.buffered_tokens,
                     readers=len(self._lanes), cap=MAX_READ_COUNT if history is None else
                     HISTORY_COUNT)
+                count = fair.read_count(lane.tenant, count)
                 if count == 0:  # wait until something read is answered (or a second passes)
                     lifecycle.room_made.clear()
                     await wait_event(lifecycle.room_made, 1.0)
@@ -176,11 +185,18 @@ class Reader:
                 try:
                     if history is not None:
                         history = await until_stopped(self._read_history(lane, history, count))
+                    elif not fair.may_read(lane.tenant, time.monotonic()):
+                        self._turn.clear()  # another tenant's turn: wait for a read of theirs
+                        await wait_event(self._turn, TURN_WAIT_S)
+                        continue
                     elif not await until_stopped(self._reclaim(lane, count)):
                         await until_stopped(self._refuse_excess(lane))
                         entries = await until_stopped(self._xread(lane, ">", count))
+                        fair.arrived(lane.tenant, full=len(entries) >= count,
+                                     now=time.monotonic())
                         if entries:
                             await self._take(lane, entries)
+                        self._turn.set()  # charged: a lane waiting for its turn looks again
                     health.read_ok(lane.index)
                     backoff = 0.1
                 except RedisError as exc:
@@ -368,7 +384,9 @@ class Reader:
             _untakable(lane, item.ref.entry_id, fields[item.ref.entry_id], why, deliveries, now)
             for item, why in admitted.broken
         ]
-        self._intake.learn(len(requests), sum(job.encoding.length for job in admitted.jobs))
+        exact = sum(job.encoding.length for job in admitted.jobs)
+        self._intake.learn(len(requests), exact)
+        self._lanes.fair.charge(lane.tenant, exact, len(requests))
         return admitted.jobs, answers
 
     async def _answer_cached(

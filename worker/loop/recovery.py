@@ -34,11 +34,12 @@ class Reclaimer:
     consumer: str
     dead_after_ms: int = field(kw_only=True)
     claim_idle_ms: int = field(kw_only=True)
+    tenant: str = field(kw_only=True, default=keys.DEFAULT_TENANT)
     _cursor: str = field(init=False, default="-")
     _stream: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self._stream = keys.requests(self.queue)
+        self._stream = keys.tenant_requests(self.queue, self.tenant)
 
     async def scan(self, limit: int, held: Container[bytes]) -> Claimed:
         """Claim at most ``limit`` entries: dead consumers', forgotten ones, then long-idle ones;

@@ -5,6 +5,7 @@ them; :class:`Worker` wires the parts. Nothing one entry contains can end the pr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -26,12 +27,12 @@ from tokenq.worker.backends.base import Backend
 from tokenq.worker.batch_stats import exit_line
 from tokenq.worker.health import Health
 from tokenq.worker.logs import FIELDS
-from tokenq.worker.loop import presence
+from tokenq.worker.loop import presence, tenants
 from tokenq.worker.loop.beat import Beat
 from tokenq.worker.loop.cache import ResultCache
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake, auto_limit
-from tokenq.worker.loop.lanes import LaneSet, Ref, Retirement
+from tokenq.worker.loop.lanes import Lane, LaneSet, Ref, Retirement
 from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Recorder, Wiring
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.publish import Publisher, Target
@@ -118,18 +119,22 @@ class Worker:
         self._device = Device(self._wiring, pipeline, self.packer, self._intake, self._outbox,
                               cache)
         self.lanes = LaneSet()
+        self.lanes.fair.quantum = self.budget.max_batch_tokens
         self._guard = None if on_stuck is None else LoopGuard(
             stages=self._wiring.stages, lifecycle=lifecycle, period_s=period_s,
             on_stuck=on_stuck, clock=stage_clock)
         self.health.loaded()  # the backend is built and the budget holds: the model is in
 
-    def _add_lane(self, queue: keys.QueueRef, *, retired: bool = False) -> None:
+    def _add_lane(
+        self, queue: keys.QueueRef, *, retired: bool = False, tenant: str = keys.DEFAULT_TENANT
+    ) -> Lane:
         """A lane read into the packer, with its own outbox and what reclaims and publishes on
         it (replies stay in the lane's slot); a retired one (``lanes.Retirement``) is read
-        until drained, then removed."""
+        until drained, then removed; ``tenant``'s stream of ``queue`` (:mod:`.tenants`)."""
         self._outbox.add_lane()
         settings, client = self.settings, self._wiring.client
-        self.lanes.add(
+        stream = keys.tenant_requests(queue, tenant)
+        return self.lanes.add(
             queue, DeadLetterPolicy(
                 worker=self.consumer, max_deliveries=settings.max_deliveries,
                 default_reply_to=functools.partial(keys.reply, queue),
@@ -138,13 +143,12 @@ class Worker:
                 max_letter_bytes=settings.dead_max_letter_bytes,
             ),
             Reclaimer(client, queue, self.consumer, dead_after_ms=int(settings.heartbeat_s * 3000),
-                      claim_idle_ms=int(settings.claim_idle_s * 1000)),
-            Publisher(client, Target(keys.requests(queue), keys.dead(queue), keys.GROUP,
-                                     self.consumer),
+                      claim_idle_ms=int(settings.claim_idle_s * 1000), tenant=tenant),
+            Publisher(client, Target(stream, keys.dead(queue), keys.GROUP, self.consumer),
                       reply_ttl_ms=int(settings.reply_ttl_s * 1000),
                       dead_max_len=settings.dead_max_len,
                       dead_max_letter_bytes=settings.dead_max_letter_bytes, hooks=self._wiring),
-            retired=retired,
+            retired=retired, tenant=tenant,
         )
 
     def stop(self) -> None:
@@ -186,6 +190,7 @@ class Worker:
             *(asyncio.create_task(self._outbox.run(lane), name=f"tokenq-publish-{lane.index}")
               for lane in self.lanes),
         ]
+        tasks.append(asyncio.create_task(self._tenant_lanes(reader, tasks), name="tokenq-tenants"))
         watchdog = asyncio.create_task(
             watch(self._wiring, self.lanes, self._device, self._outbox),
             name="tokenq-watchdog")
@@ -211,6 +216,38 @@ class Worker:
             await self._close()
             fields = self.stats.exit_fields(self.consumer, time.time())
             log.info(exit_line(fields), extra={FIELDS: fields})
+
+    async def _tenant_lanes(self, reader: Reader, tasks: list[asyncio.Task[None]]) -> None:
+        """Each heartbeat, while reading: the operator's weights, and a lane (read and publish
+        tasks added to ``tasks``) for each tenant stream new to this worker."""
+        known: set[tuple[keys.QueueRef, str]] = set()
+        homes = [lane.queue for lane in self.lanes if not lane.retired]
+        lifecycle, warned = self._lifecycle, False
+        while lifecycle.reading():
+            try:
+                found = await tenants.discover(self._wiring.client, homes,
+                                               self.settings.queue_ref, self.lanes.fair)
+                for queue, tenant in found:
+                    if (queue, tenant) in known:
+                        continue
+                    if len(known) >= tenants.MAX_TENANT_LANES:
+                        if not warned:
+                            log.warning("more than %d tenant streams: the rest are not read by "
+                                        "this worker", tenants.MAX_TENANT_LANES)
+                        warned = True
+                        break
+                    lane = self._add_lane(queue, tenant=tenant)
+                    known.add((queue, tenant))
+                    with contextlib.suppress(RedisError):  # else its reader makes it on NOGROUP
+                        await reader.ensure_group(lane)
+                    reader.adding()
+                    tasks.append(asyncio.create_task(reader.run(lane),
+                                                     name=f"tokenq-read-{lane.index}"))
+                    tasks.append(asyncio.create_task(self._outbox.run(lane),
+                                                     name=f"tokenq-publish-{lane.index}"))
+            except RedisError as exc:
+                log.warning("could not read the tenant streams or weights: %s", error_text(exc))
+            await wait_event(lifecycle.stopping, self.settings.heartbeat_s)
 
     async def _leave(self) -> None:
         for lane in self.lanes:
@@ -293,9 +330,11 @@ class Worker:
 
 async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task[None]) -> None:
     """Wait until every task has finished, raising the first exception any of them raises."""
-    pending: set[asyncio.Task[None]] = {*tasks, watchdog}
+    seen: set[asyncio.Task[None]] = set()
     while not all(task.done() for task in tasks):
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        pending = {task for task in (*tasks, watchdog) if task not in seen}  # tasks may grow
+        done, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        seen |= done
         for task in done:
             # Only run() cancels these: one that ended cancelled met a plugin's
             # CancelledError, and going on without it would hang its entries.

@@ -1,0 +1,169 @@
+"""Suite ``tenants``: two tenants on one queue, at one priority, on the simulated GPU.
+
+* ``b alone`` / ``b beside a's flood``: tenant B runs a closed loop of ``CALLERS`` short queries
+  (the seed mix's, 12-28 tokens), first alone, then while tenant A's 2,000 long passages
+  (1,350-1,650 tokens) wait in the queue; ``b_p50_ratio`` is B's p50 beside the flood over its
+  p50 alone (fair share reads B's query at once, so it waits for the batch on the device, not
+  for A's backlog).
+* ``equal`` / ``3to1``: both tenants saturate the worker (A long passages, B short queries);
+  each one's share of the tokens processed over the window (entries answered, gone from its
+  stream, times their sim length), with equal weights and with A weighted 3 to B's 1.
+* ``cap``: a client of ``max_queue_length`` CAP: A writes past it and is refused (QueueFull
+  naming A); ``refused_other_tenant`` counts B's writes refused meanwhile (0: B flows).
+
+The saturation phases run the sim at ``token_us`` 20 (a slower device), so 20-token queries
+keep it busy without the producer becoming the bottleneck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import harness
+from suite_mixed_latency import pools
+from suite_seed import SIM
+
+from tokenq.producer import AsyncClient, Client, QueueFull
+from tokenq.shared import keys
+
+CALLERS = 4
+SECONDS = {"tiny": 2.0, "small": 6.0, "full": 20.0}
+FLOOD = 2000
+BUDGET = 8192
+SLOW_SIM = {**SIM, "token_us": 20.0}
+CAP = 100
+COLUMNS = ["setting", "b_p50_ms", "a_share", "b_share", "b_requests", "refused"]
+
+
+def worker_flags(sim: dict[str, Any]) -> list[str]:
+    return ["--backend", "sim_probe:factory", *harness.sim_flags(sim),
+            "--max-batch-tokens", str(BUDGET), "--heartbeat-s", "0.5"]
+
+
+def submit(url: str, queue: str, tenant: str, texts: list[str]) -> None:
+    with Client(redis_url=url, queue=queue, max_queue_length=0) as client:
+        for start in range(0, len(texts), 500):
+            client.submit_many(texts[start:start + 500], tenant=tenant)
+
+
+async def b_loop(url: str, queue: str, queries: list[str], seconds: float) -> list[float]:
+    """Tenant B's closed loop: each caller's latencies in ms (the first call, which waits for the
+    workers to find B's stream, left out)."""
+    latencies: list[float] = []
+    async with AsyncClient(redis_url=url, queue=queue, max_queue_length=0) as client:
+        await client.infer(queries[0], tenant="b", timeout_s=30)
+        stop = time.perf_counter() + seconds
+
+        async def caller(index: int) -> None:
+            n = index
+            while time.perf_counter() < stop:
+                sent = time.perf_counter()
+                await client.infer(queries[n % len(queries)], tenant="b", timeout_s=30)
+                latencies.append((time.perf_counter() - sent) * 1000)
+                n += CALLERS
+
+        await asyncio.gather(*(caller(i) for i in range(CALLERS)))
+    return latencies
+
+
+def latency_row(server: Any, workdir: Path, setting: str, size: str, flood: list[str],
+                queries: list[str]) -> dict[str, Any]:
+    queue = harness.new_queue(setting.split()[-1])
+    worker = harness.start_tokenq(server, queue, workdir, setting.replace(" ", "-"),
+                                  worker_flags(SIM))
+    with harness.running([worker], server.url):
+        if flood:
+            submit(server.url, queue, "a", flood)
+        latencies = sorted(asyncio.run(b_loop(server.url, queue, queries, SECONDS[size])))
+    return {"setting": setting, "b_p50_ms": round(harness.percentile(latencies, 50), 2),
+            "b_requests": len(latencies)}
+
+
+def share_row(server: Any, workdir: Path, setting: str, size: str, weights: dict[str, str],
+              a: tuple[str, int], b: tuple[str, int]) -> dict[str, Any]:
+    """Both tenants backlogged; each one's share of the tokens processed over the window."""
+    queue = harness.new_queue(setting)
+    q = keys.QueueRef(queue)
+    window = SECONDS[size]
+    # Enough for both to stay backlogged past the window even were one served alone.
+    capacity = (window + 3) * 1e6 / SLOW_SIM["token_us"]
+    submit(server.url, queue, "a", [a[0]] * int(capacity / a[1]))
+    submit(server.url, queue, "b", [b[0]] * int(capacity / b[1]))
+    client = harness.connect(server.url)
+    if weights:
+        client.hset(keys.weights(q), mapping=weights)
+    streams = {"a": keys.tenant_requests(q, "a"), "b": keys.tenant_requests(q, "b")}
+    worker = harness.start_tokenq(server, queue, workdir, setting, worker_flags(SLOW_SIM))
+    with harness.running([worker], server.url):
+        time.sleep(1.0)  # the worker finds both streams and fills its read-ahead
+        before = {t: client.xlen(stream) for t, stream in streams.items()}
+        time.sleep(window)
+        after = {t: client.xlen(stream) for t, stream in streams.items()}
+    client.close()
+    done = {"a": (before["a"] - after["a"]) * a[1], "b": (before["b"] - after["b"]) * b[1]}
+    total = sum(done.values()) or 1
+    return {"setting": setting, "a_share": round(done["a"] / total, 3),
+            "b_share": round(done["b"] / total, 3), "backlogged": all(after.values())}
+
+
+def cap_row(server: Any) -> dict[str, Any]:
+    """A over its cap is refused, naming A; B's writes meanwhile."""
+    queue = harness.new_queue("cap")
+    refused = {"a": 0, "b": 0}
+    named = False
+    with Client(redis_url=server.url, queue=queue, max_queue_length=CAP,
+                refuse_early=False) as client:
+        for _ in range(2 * CAP // 10):
+            for tenant in ("a", "a", "b"):  # A writes twice as fast and passes its cap
+                try:
+                    client.submit_many(["x"] * 5, tenant=tenant)
+                except QueueFull as exc:
+                    refused[tenant] += 1
+                    named = named or "tenant 'a'" in str(exc)
+    return {"setting": "cap", "refused": refused["a"] + refused["b"],
+            "a_refused": refused["a"], "refused_other_tenant": refused["b"],
+            "refusal_names_tenant": named}
+
+
+def run(size: str) -> dict[str, Any]:
+    texts = pools()
+    queries = [text for text, _ in texts["query"]]
+    passage = texts["passage"][0]
+    query = texts["query"][0]
+    flood = [text for text, _ in texts["passage"]] * (FLOOD // len(texts["passage"]) + 1)
+    with harness.private_redis() as server, tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        rows = [latency_row(server, workdir, "b alone", size, [], queries),
+                latency_row(server, workdir, "b beside a's flood", size, flood[:FLOOD], queries),
+                share_row(server, workdir, "equal", size, {}, passage, query),
+                share_row(server, workdir, "3to1", size, {"a": "3", "b": "1"}, passage, query),
+                cap_row(server)]
+    by = {row["setting"]: row for row in rows}
+    alone, beside = by["b alone"]["b_p50_ms"], by["b beside a's flood"]["b_p50_ms"]
+    summary = {
+        "setting": "summary",
+        "b_p50_ratio": round(beside / alone, 2) if alone else None,
+        "share_equal_a": by["equal"]["a_share"], "share_equal_b": by["equal"]["b_share"],
+        "share_3to1_a": by["3to1"]["a_share"],
+        "refused_other_tenant": by["cap"]["refused_other_tenant"],
+    }
+    rows.append(summary)
+    notes = [f"B's p50 beside A's flood / alone: x{summary['b_p50_ratio']} "
+             f"({beside} vs {alone} ms; want <= 1.5)",
+             f"equal weights: A {summary['share_equal_a']}, B {summary['share_equal_b']} of the "
+             "tokens processed (want 0.45-0.55)",
+             f"weights 3:1: A {summary['share_3to1_a']} (want 0.675-0.825)",
+             f"over its cap A was refused {by['cap']['a_refused']} times, B "
+             f"{summary['refused_other_tenant']} (want 0)"]
+    return {
+        "columns": COLUMNS,
+        "rows": rows,
+        "config": {"callers": CALLERS, "seconds": SECONDS[size], "flood": FLOOD,
+                   "max_batch_tokens": BUDGET, "sim": SIM, "saturation_sim": SLOW_SIM,
+                   "passage_tokens": passage[1], "query_tokens": query[1], "cap": CAP},
+        "notes": notes,
+    }

@@ -1,0 +1,299 @@
+"""Tenants: a stream per tenant in the queue's slot, read in weighted fair share by tokens.
+
+The pure parts (names, weights, :class:`FairShare`) are unit tests; then a producer's tenant
+option on a real Redis, and sim workers serving two tenants: one tenant's flood does not
+starve the other, and the share of processed tokens follows the operator's weights."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from tests.support import SIM_FLAGS, starter_fixture, wait_for
+from tokenq.producer import Client, QueueFull
+from tokenq.shared import keys, lua_scripts
+from tokenq.shared.errors import BadRequest
+from tokenq.shared.settings import ClientSettings, tenant_keys
+from tokenq.worker.loop.tenants import FairShare, parse_weights
+
+Q = keys.QueueRef("q")
+
+
+# ------------------------------------------------------------------ names (unit)
+
+@pytest.mark.unit
+def test_a_tenants_stream_is_in_the_queues_slot_and_the_default_tenants_is_todays():
+    assert keys.tenant_requests(Q, keys.DEFAULT_TENANT) == keys.requests(Q)
+    stream = keys.tenant_requests(Q, "team-a")
+    assert stream == "tokenq:{q}:requests:team-a"
+    assert keys.tenant_of(Q, stream) == keys.tenant_of(Q, stream.encode()) == "team-a"
+    shard = keys.QueueRef("q", shard=3)
+    assert keys.tenant_requests(shard, "b").startswith(shard.tag + ":")
+    # Nothing else reads as a tenant's stream; the stats' scan of request streams skips them.
+    for other in (keys.requests(Q), keys.requests(Q) + ":", keys.requests(Q) + ":default",
+                  keys.requests(Q) + ":a b", "tokenq:{r}:requests:a", keys.dead(Q), 7):
+        assert keys.tenant_of(Q, other) is None
+    assert keys.queue_of(stream) is None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("bad", ["", "a" * 65, "a b", "a:b", "a{b}", "ü", "a\n", None, 3, b"a"])
+def test_a_bad_tenant_name_is_refused_clearly(bad):
+    with pytest.raises(ValueError, match=r"tenant .* is invalid: use 1-64 characters"):
+        keys.check_tenant(bad)
+    assert keys.check_tenant("A-z_0.9") == "A-z_0.9"
+
+
+@pytest.mark.unit
+def test_api_keys_name_tenants_and_a_bad_part_is_named_without_its_key():
+    assert tenant_keys(" a=k1, b=k=2 ,") == {"k1": "a", "k=2": "b"}
+    with pytest.raises(ValueError, match="part 2 is not tenant=key") as refused:
+        tenant_keys("a=k1,secret-key")
+    assert "secret" not in str(refused.value)
+    with pytest.raises(ValueError, match="tenant 'a b' is invalid"):
+        tenant_keys("a b=k1")
+
+
+@pytest.mark.unit
+def test_weights_are_read_and_bad_ones_ignored_with_the_field_named():
+    weights, default, ignored = parse_weights(
+        {b"a": b"3", "b": "0.5", "*": "2", "c": "0", "d": "nan", "e": "inf", "f": "x"})
+    assert weights == {"a": 3.0, "b": 0.5} and default == 2.0
+    assert [line.split(":")[0] for line in ignored] == ["'c'", "'d'", "'e'", "'f'"]
+    assert parse_weights({}) == ({}, None, [])
+
+
+# ------------------------------------------------------------ fair share (unit)
+
+def served_share(fair: FairShare, sizes: dict[str, int], reads: int, per_read: int = 8
+                 ) -> dict[str, float]:
+    """Tenants that always have a backlog read in turn as ``fair`` allows (the first allowed
+    one, in a rotating order); each read takes ``per_read`` entries of ``sizes[tenant]`` tokens.
+    Returns each tenant's share of the tokens read."""
+    served = dict.fromkeys(sizes, 0)
+    order = list(sizes)
+    for step in range(reads):
+        now = step * 0.001
+        tenant = next(t for t in order[step % len(order):] + order[:step % len(order)]
+                      if fair.may_read(t, now))
+        fair.arrived(tenant, full=True, now=now)
+        fair.charge(tenant, per_read * sizes[tenant], per_read)
+        served[tenant] += per_read * sizes[tenant]
+    total = sum(served.values())
+    return {tenant: tokens / total for tenant, tokens in served.items()}
+
+
+@pytest.mark.unit
+def test_equal_weights_share_tokens_not_entries():
+    share = served_share(FairShare(quantum=8192), {"a": 2000, "b": 20}, reads=4000)
+    assert 0.45 <= share["a"] <= 0.55, share
+
+
+@pytest.mark.unit
+def test_weights_3_to_1_share_tokens_3_to_1():
+    fair = FairShare(quantum=8192)
+    fair.weights = {"a": 3.0}
+    share = served_share(fair, {"a": 2000, "b": 20}, reads=8000)
+    assert share["a"] == pytest.approx(0.75, rel=0.1), share
+    fair = FairShare(quantum=8192)
+    fair.weights, fair.default_weight = {"a": 1.0}, 3.0  # '*': tenants not named
+    assert served_share(fair, {"a": 20, "b": 300}, reads=8000)["b"] == pytest.approx(0.75, rel=0.1)
+
+
+@pytest.mark.unit
+def test_a_read_is_cut_to_a_quantum_of_the_tenants_own_entries_and_no_room_stays_none():
+    fair = FairShare(quantum=8192)
+    assert fair.read_count("a", 300) == 300  # nothing learned yet: the room's count
+    fair.charge("a", 15000, 10)
+    fair.charge("b", 200, 10)
+    assert fair.read_count("a", 300) == 5 and fair.read_count("b", 300) == 300
+    assert fair.read_count("a", 0) == fair.read_count("b", 0) == 0
+    fair.charge("c", 50000, 1)  # longer than a quantum: still one at a time
+    assert fair.read_count("c", 300) == 1
+
+
+@pytest.mark.unit
+def test_a_lone_tenant_always_reads_and_an_idle_one_saves_up_no_credit():
+    fair = FairShare(quantum=100)
+    for step in range(50):  # a alone: never held back
+        assert fair.may_read("a", step)
+        fair.arrived("a", full=True, now=step)
+        fair.charge("a", 1000, 1)
+    # b was idle all along: its first read comes at once, but from a's level, not from 0 ...
+    assert fair.may_read("b", 50)
+    fair.arrived("b", full=True, now=50)
+    fair.charge("b", 10, 1)
+    # ... so a is held back by b's reads since, not by 50,000 tokens of credit.
+    assert fair.may_read("a", 50)
+    fair.arrived("a", full=True, now=50)
+    fair.charge("a", 1000, 1)
+    assert not fair.may_read("a", 50)
+    fair.charge("b", 1000, 1)
+    assert fair.may_read("a", 50)
+
+
+@pytest.mark.unit
+def test_a_tenant_that_drained_or_went_quiet_holds_nobody_back():
+    fair = FairShare(quantum=100, stale_s=10)
+    fair.arrived("a", full=True, now=0)
+    fair.arrived("b", full=True, now=0)
+    fair.charge("a", 1000, 1)
+    assert not fair.may_read("a", 1)  # b's turn
+    fair.arrived("b", full=False, now=1)  # b read what there was: no backlog
+    assert fair.may_read("a", 1)
+    fair.arrived("b", full=True, now=2)  # back, from a's level
+    fair.charge("a", 1000, 1)
+    assert not fair.may_read("a", 2)
+    assert fair.may_read("a", 13)  # b's lane has not read for longer than stale_s
+
+
+# ------------------------------------------------- the producer's option (real Redis)
+
+def test_a_tenant_writes_to_its_stream_and_registers_it(redis_url, r, queue_name):
+    q = keys.QueueRef(queue_name)
+    with Client(redis_url=redis_url, queue=queue_name, refuse_early=False) as client:
+        client.submit("for a", tenant="team-a")
+        client.submit_many(["one", "two"], tenant="team-a")
+        client.submit("nobody's", tenant=None)
+        client.submit("the default tenant's", tenant=keys.DEFAULT_TENANT)
+        for bad in ("a b", "x" * 65, 5):
+            with pytest.raises(BadRequest) as refused:
+                client.submit("never written", tenant=bad)
+            assert refused.value.param == "tenant"
+    assert r.xlen(keys.tenant_requests(q, "team-a")) == 3
+    assert r.xlen(keys.requests(q)) == 2
+    assert r.smembers(keys.tenants(q)) == {keys.tenant_requests(q, "team-a").encode()}
+    assert len(r.keys(f"{q.tag}:requests*")) == 2  # nothing written for the bad names
+
+
+# ---------------------------------------------------- sim workers serving tenants
+
+SLOW = ("--heartbeat-s", "0.3", "--sim-token-us", "20", "--sim-batch-ms", "2",
+        "--max-batch-tokens", "4096")
+start_worker = starter_fixture("start_worker", *SIM_FLAGS, *SLOW)
+
+
+def flood(redis_url: str, queue: str, tenant: str, words: int, count: int) -> None:
+    with Client(redis_url=redis_url, queue=queue, max_queue_length=0) as client:
+        text = " ".join(["token"] * words)
+        for start in range(0, count, 500):
+            client.submit_many([text] * min(500, count - start), tenant=tenant)
+
+
+def processed_share(r: redis.Redis, queue: str, tokens: dict[str, int], seconds: float
+                    ) -> dict[str, float]:
+    """Each tenant's share of the tokens processed over ``seconds`` (entries gone from its
+    stream, answered, times ``tokens[tenant]`` per entry); both must stay backlogged."""
+    q = keys.QueueRef(queue)
+
+    def left() -> dict[str, int]:
+        return {tenant: r.xlen(keys.tenant_requests(q, tenant)) for tenant in tokens}
+
+    before = left()
+    time.sleep(seconds)
+    after = left()
+    assert all(after.values()), after  # nobody ran dry: the share is under saturation
+    done = {tenant: (before[tenant] - after[tenant]) * tokens[tenant] for tenant in tokens}
+    total = sum(done.values())
+    return {tenant: spent / total for tenant, spent in done.items()}
+
+
+def test_one_tenants_flood_does_not_hold_up_anothers_query(start_worker, redis_url, r,
+                                                           queue_name):
+    start_worker()
+    flood(redis_url, queue_name, "a", 500, 2000)  # about 40 s of work
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.infer("warm the tenant up", tenant="b", timeout_s=30)  # b's stream is found
+        started = time.monotonic()
+        for _ in range(5):
+            client.infer("a short query", tenant="b", timeout_s=30)
+        per_query = (time.monotonic() - started) / 5
+    assert per_query < 1.0, per_query  # behind a's 40 s backlog, were it one stream
+    assert r.xlen(keys.tenant_requests(keys.QueueRef(queue_name), "a")) > 1000
+
+
+@pytest.mark.parametrize(("weights", "want_a"), [({}, 0.5), ({"a": "3"}, 0.75)])
+def test_saturated_tenants_share_processed_tokens_by_weight(
+        start_worker, redis_url, r, queue_name, weights, want_a):
+    q = keys.QueueRef(queue_name)
+    if weights:
+        r.hset(keys.weights(q), mapping=weights)
+    flood(redis_url, queue_name, "a", 500, 1500)  # 502 tokens each
+    flood(redis_url, queue_name, "b", 20, 12000)  # 22 tokens each
+    start_worker()
+    wait_for(lambda: r.xlen(keys.tenant_requests(q, "b")) < 11000, timeout=30)
+    share = processed_share(r, queue_name, {"a": 502, "b": 22}, 4.0)
+    assert share["a"] == pytest.approx(want_a, abs=0.1), share
+
+
+def test_a_tenant_at_its_streams_limit_is_refused_alone_and_named(redis_url, r, queue_name):
+    with Client(redis_url=redis_url, queue=queue_name, max_queue_length=3,
+                refuse_early=False) as client:
+        client.submit_many(["x"] * 3, tenant="a")
+        with pytest.raises(QueueFull, match="tenant 'a'"):
+            client.submit("one too many", tenant="a")
+        client.submit_many(["y"] * 3, tenant="b")  # every other tenant keeps flowing
+        client.submit_many(["z"] * 3)
+    q = keys.QueueRef(queue_name)
+    assert [r.xlen(keys.tenant_requests(q, t)) for t in ("a", "b", keys.DEFAULT_TENANT)] == [3] * 3
+
+
+def test_the_enqueue_script_registers_a_tenants_stream_after_a_shards_marker(r, queue_name):
+    two = keys.QueueRef(queue_name, shard=2)
+    stream, marker, tenants = keys.tenant_requests(two, "a"), keys.retired(two), keys.tenants(two)
+    enqueue = r.register_script(lua_scripts.load("tokenq.producer", "enqueue.lua"))
+    entry = [2, "id", "2.a", "text", "hi"]
+    assert len(enqueue(keys=[stream, keys.seen(two, "2.a"), marker, tenants],
+                       args=[0, 1, 60000, *entry])) == 1
+    assert len(enqueue(keys=[stream, tenants], args=[0, 1, 0, *entry])) == 1  # no dedupe
+    assert r.smembers(tenants) == {stream.encode()} and r.xlen(stream) == 2
+    r.set(marker, "2")
+    with pytest.raises(redis.ResponseError, match=r"^RETIRED"):
+        enqueue(keys=[stream, keys.seen(two, "2.b"), marker, tenants],
+                args=[0, 1, 60000, 2, "id", "2.b", "text", "hi"])
+
+
+def test_a_sharded_queue_serves_its_tenants_on_every_shard(start_worker, redis_url, r,
+                                                           queue_name):
+    start_worker("--shards", "3", wait=False)
+    settings = ClientSettings(redis_url=redis_url, queue=queue_name, timeout_s=30, shards=3)
+    with Client(settings=settings) as client:
+        for i in range(12):
+            assert client.infer(f"text {i}", tenant="team-a").embedding is not None
+    written = {key for shard in keys.shards_of(keys.QueueRef(queue_name), 3)
+               for key in r.smembers(keys.tenants(shard))}
+    assert len(written) > 1  # the calls went to several shards, each in its own slot
+    assert all(keys.tenant_of(keys.queue_of(key.decode().rsplit(":", 1)[0]), key) == "team-a"
+               for key in written)
+
+
+def test_junk_in_the_tenants_set_is_ignored_and_a_broken_stream_fails_alone(
+        start_worker, redis_url, r, queue_name):
+    q = keys.QueueRef(queue_name)
+    evil = keys.tenant_requests(q, "evil")
+    r.set(evil, "not a stream")
+    r.sadd(keys.tenants(q), evil, keys.requests(q), "tokenq:{elsewhere}:requests:x",
+           keys.requests(q) + ":a b", keys.config(q))
+    r.hset(keys.weights(q), mapping={"good": "nan", "*": "-1"})  # ignored, with a warning
+    worker = start_worker()
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        assert client.infer("served", tenant="good", timeout_s=30).embedding is not None
+        assert client.infer("served too", timeout_s=30).embedding is not None
+    assert r.type(evil) == b"string" and not r.exists("tokenq:{elsewhere}:requests:x")
+    wait_for(lambda: "ignored in" in worker.output(), what="the weights warning")
+
+
+def test_a_dead_workers_entries_on_a_tenants_stream_are_taken_over(
+        start_worker, redis_url, r, queue_name):
+    q = keys.QueueRef(queue_name)
+    stream = keys.tenant_requests(q, "t")
+    with Client(redis_url=redis_url, queue=queue_name, refuse_early=False) as client:
+        ids = client.submit_many(["held by a ghost", "and this"], tenant="t")
+        r.xgroup_create(stream, keys.GROUP, id="0")
+        r.xreadgroup(keys.GROUP, "ghost", {stream: ">"})  # pending to a worker that is gone
+        assert r.xpending(stream, keys.GROUP)["pending"] == 2
+        start_worker()
+        assert all(result.embedding is not None for result in client.results(ids, 30))
+    assert r.xlen(stream) == 0  # answered on the tenant's stream: acked and deleted

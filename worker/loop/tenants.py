@@ -1,0 +1,123 @@
+"""Tenants: which tenant streams a worker reads (:func:`discover`), the operator's weights
+(:func:`parse_weights`), and the weighted fair share of reads by tokens (:class:`FairShare`, pure).
+
+Fairness is decided where work enters the worker: its read-ahead room is bounded, so over time
+the tokens each tenant gets read are the tokens it gets processed, whatever order the packer
+runs them in."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+
+import redis.asyncio as aioredis
+
+from tokenq.shared import keys
+from tokenq.shared.redis_text import as_text
+
+log = logging.getLogger("tokenq.worker")
+
+MAX_TENANT_LANES = 256
+"""Most tenant streams one worker reads (each is a lane: a read and a publish task)."""
+MAX_WEIGHT = 1_000_000.0
+STALE_S = 10.0
+"""A tenant whose last full read is older than this holds no one back (its lane may be gone)."""
+
+
+class FairShare:
+    """Weighted fair reading over tokens: start-time fair queuing, deficit round robin without
+    rounds. A tenant's tag is the tokens read for it over its weight; a tenant may read while its
+    tag is under the lowest tag of the other backlogged tenants (their last read was full) plus
+    one quantum, so what a read overshoots is paid back by waiting. A tenant back from idle starts
+    at that lowest tag: no credit is saved up while idle, and its lone request is read at once."""
+
+    def __init__(self, quantum: float = 1.0, *, stale_s: float = STALE_S) -> None:
+        self.quantum = quantum
+        self.stale_s = stale_s
+        self.weights: dict[str, float] = {}
+        self.default_weight = 1.0
+        self._tag: dict[str, float] = {}
+        self._backlogged: dict[str, float] = {}
+        """Tenant -> when its last read was full (more is waiting)."""
+        self._mean: dict[str, float] = {}
+        """Tenant -> its tokens per entry (a running mean), which sizes its reads."""
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, self.default_weight)
+
+    def _floor(self, now: float, other_than: str) -> float | None:
+        """The lowest tag among the other tenants with a backlog; None: none has one."""
+        tags = [self._tag.get(tenant, 0.0) for tenant, at in self._backlogged.items()
+                if tenant != other_than and now - at <= self.stale_s]
+        return min(tags) if tags else None
+
+    def may_read(self, tenant: str, now: float) -> bool:
+        """Whether ``tenant`` may read now (else another tenant's turn comes first)."""
+        floor = self._floor(now, tenant)
+        return floor is None or self._tag.get(tenant, 0.0) < floor + self.quantum
+
+    def arrived(self, tenant: str, *, full: bool, now: float) -> None:
+        """A read of ``tenant`` came back, ``full`` when it took all it asked for."""
+        if tenant not in self._backlogged:  # back from idle: from the others' lowest tag
+            floor = self._floor(now, tenant)
+            if floor is not None:
+                self._tag[tenant] = max(self._tag.get(tenant, 0.0), floor)
+        if full:
+            self._backlogged[tenant] = now
+        else:
+            self._backlogged.pop(tenant, None)
+
+    def read_count(self, tenant: str, count: int) -> int:
+        """``count`` cut to about one quantum of ``tenant``'s tokens, so a tenant of long entries
+        does not read far past its turn on a mean learned from another's short ones."""
+        mean = self._mean.get(tenant)
+        return count if mean is None else min(count, max(1, int(self.quantum / mean)))
+
+    def charge(self, tenant: str, tokens: int, entries: int) -> None:
+        """``entries`` holding ``tokens`` (exact, as tokenized) were read for ``tenant``."""
+        self._tag[tenant] = self._tag.get(tenant, 0.0) + tokens / self.weight(tenant)
+        if entries > 0:
+            mean = self._mean.get(tenant)
+            per_entry = max(1.0, tokens / entries)
+            self._mean[tenant] = per_entry if mean is None else mean + 0.5 * (per_entry - mean)
+
+
+def parse_weights(raw: Mapping[object, object]) -> tuple[dict[str, float], float | None, list[str]]:
+    """The weights hash as {tenant: weight}, the weight of tenants not named (field ``*``; None:
+    not set) and what was ignored, each a line naming the field and why."""
+    weights: dict[str, float] = {}
+    default = None
+    ignored = []
+    for field, value in raw.items():
+        name, text = as_text(field), as_text(value)
+        try:
+            weight = float(text)
+        except ValueError:
+            weight = math.nan
+        if not 0 < weight <= MAX_WEIGHT:  # nan and inf fail too
+            ignored.append(f"{name!r}: {text[:40]!r} is not a weight (0 < w <= {MAX_WEIGHT:g})")
+        elif name == "*":
+            default = weight
+        else:
+            weights[name] = weight
+    return weights, default, ignored
+
+
+async def discover(
+    client: aioredis.Redis, queues: Iterable[keys.QueueRef], weights_of: keys.QueueRef,
+    fair: FairShare,
+) -> list[tuple[keys.QueueRef, str]]:
+    """Read the operator's weights into ``fair``, and every tenant stream registered on
+    ``queues``: (queue, tenant) pairs, stream names that are not a tenant's left out."""
+    weights, default, ignored = parse_weights(await client.hgetall(keys.weights(weights_of)))
+    if ignored:
+        log.warning("ignored in %s: %s", keys.weights(weights_of), "; ".join(ignored))
+    fair.weights, fair.default_weight = weights, 1.0 if default is None else default
+    found = []
+    for queue in queues:
+        for stream in await client.smembers(keys.tenants(queue)):
+            tenant = keys.tenant_of(queue, stream)
+            if tenant is not None:
+                found.append((queue, tenant))
+    return sorted(found, key=lambda pair: (str(pair[0].shard), pair[1]))
