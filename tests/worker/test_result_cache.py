@@ -229,3 +229,18 @@ def test_the_hf_model_identity_is_its_weights_not_its_name(tmp_path) -> None:
     assert weights_identity(source) == first
     (tmp_path / "2_Dense" / "model.safetensors").write_bytes(b"hea!")
     assert weights_identity(source) != first
+
+
+def test_tenants_never_share_a_cached_or_coalesced_answer(
+        start_worker, redis_url, r, queue_name) -> None:
+    """The digest's namespace is the request's tenant: the same text asked by two tenants runs
+    once for each and is cached once for each (docs/SECURITY.md)."""
+    worker = start_worker()
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.infer_many(["asked by both"] * 8, timeout_s=30, tenant="team-a")
+        wait_for(lambda: r.hlen(keys.cache(keys.QueueRef(queue_name))[0]) == 1)
+        client.infer_many(["asked by both"] * 8, timeout_s=30, tenant="team-b")
+        wait_for(lambda: r.hlen(keys.cache(keys.QueueRef(queue_name))[0]) == 2)
+        again = client.infer_many(["asked by both"] * 2, timeout_s=30, tenant="team-a")
+    assert all(SIM.vector_ok(result.embedding, "asked by both") for result in again)
+    assert rows_and_tokens(worker)[0] == 2  # one row per tenant; the third call a hit

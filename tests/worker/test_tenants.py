@@ -176,10 +176,12 @@ start_worker = starter_fixture("start_worker", *SIM_FLAGS, *SLOW)
 
 
 def flood(redis_url: str, queue: str, tenant: str, words: int, count: int) -> None:
+    """``count`` distinct texts of ``words`` words (identical ones would run as one row)."""
+    rest = " token" * (words - 1)
     with Client(redis_url=redis_url, queue=queue, max_queue_length=0) as client:
-        text = " ".join(["token"] * words)
         for start in range(0, count, 500):
-            client.submit_many([text] * min(500, count - start), tenant=tenant)
+            client.submit_many([f"t{i}{rest}" for i in range(start, min(start + 500, count))],
+                               tenant=tenant)
 
 
 def processed_share(r: redis.Redis, queue: str, tokens: dict[str, int], seconds: float

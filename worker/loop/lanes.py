@@ -67,6 +67,7 @@ class LaneSet:
 
     def __init__(self) -> None:
         self._lanes: list[Lane] = []
+        self._tenants: list[str] = []  # by lane index, removed lanes' included
         self._count = 0
         self.fair = FairShare()
         """Whose turn it is to read, among the tenants' lanes."""
@@ -81,7 +82,12 @@ class LaneSet:
                     tenant=tenant)
         self._count += 1
         self._lanes.append(lane)
+        self._tenants.append(tenant)
         return lane
+
+    def tenant(self, ref: Ref) -> str:
+        """Whose request ``ref`` is: its lane's tenant."""
+        return self._tenants[ref.lane]
 
     def remove(self, lane: Lane) -> None:
         """A drained retired lane: nothing reads, beats or answers on it any more."""

@@ -393,7 +393,9 @@ class Reader:
         self, lane: Lane, requests: list[tuple[bytes, wire.Request]], cache: ResultCache,
     ) -> list[tuple[bytes, wire.Request]]:
         """Answer from the result cache what it holds, before tokenizing; the rest go on."""
-        digests = [self._device.pipeline.digest(request) for _, request in requests]
+        digest = self._device.pipeline.digest
+        digests = [digest(Ref(lane.index, entry_id), request)
+                   for entry_id, request in requests]
         asked = [digest for digest in digests if digest is not None]
         if not asked:
             return requests

@@ -111,8 +111,10 @@ class Worker:
         pipeline: Pipeline[Ref] = Pipeline(backend, policy=settings.policy,
                                            chunk_overlap=settings.chunk_overlap,
                                            tokenizer=self._tokenizer_pool)
-        pipeline.cache_scope = cache_scope(settings.queue, model_identity(backend.info),
-                                           settings.policy)
+        identity = model_identity(backend.info)
+        scopes = functools.cache(
+            lambda tenant: cache_scope(f"{settings.queue}/{tenant}", identity, settings.policy))
+        pipeline.cache_scope = lambda ref: scopes(self.lanes.tenant(ref))
         cache = None if not settings.cache_bytes else ResultCache(
             self._wiring, settings.queue_ref, settings.cache_bytes,
             int(settings.cache_ttl_s * 1000))

@@ -13,8 +13,8 @@ from tokenq.worker.backends.base import BackendInfo
 
 
 def cache_scope(namespace: str, model_identity: str, policy: str) -> bytes:
-    """The key every digest of a queue is made with: the namespace (today the queue; a tenant
-    later), the model's identity and the over-length policy."""
+    """The key every digest in one namespace (a queue's tenant) is made with: the namespace,
+    the model's identity and the over-length policy."""
     return hashlib.blake2b(wire.pack([namespace, model_identity, policy]), digest_size=32).digest()
 
 

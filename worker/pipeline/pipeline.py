@@ -4,7 +4,7 @@ over-length policy), a batch run with failures isolated, replies. No I/O: caller
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, Literal, TypeVar
 
@@ -173,9 +173,9 @@ class Pipeline(Generic[K]):
             f"this queue's model ({info.model}) takes single texts, "
             "but the request carries a text_pair")
         """Why this model cannot take a (text, text_pair) request, or None when it can."""
-        self.cache_scope: bytes | None = None
-        """The namespace, model identity and policy every digest is keyed with (32 bytes);
-        None: requests get no digest, so they are neither cached nor coalesced."""
+        self.cache_scope: Callable[[K], bytes] | None = None
+        """A request's scope by its key: the namespace (its tenant), model identity and policy
+        its digest is keyed with (32 bytes); None: no digests, so nothing cached or coalesced."""
         if policy == "chunk" and self._windowing is None:
             raise ConfigError(
                 f"policy 'chunk' needs an embedding backend that can split inputs into windows; "
@@ -211,29 +211,29 @@ class Pipeline(Generic[K]):
                 continue
             truncates = truncating if options.truncate is None else options.truncate
             (cut if truncates else whole).append(
-                (item, options, self._digest(item.request, options, truncates)))
+                (item, options, self._digest(item.ref, item.request, options, truncates)))
         if cut:
             self._tokenize_with(cut, self.info.max_input_tokens, out)
         if whole:
             self._tokenize_with(whole, None, out)
         return out
 
-    def digest(self, request: wire.Request) -> bytes | None:
+    def digest(self, ref: K, request: wire.Request) -> bytes | None:
         """The request's digest (None: not shared, or options :meth:`admit` refuses)."""
         try:
             options = parse_options(request.opts, self.facts) if request.opts else NO_OPTIONS
         except ValueError:
             return None
         truncating = self.policy == "truncate"
-        return self._digest(request, options,
+        return self._digest(ref, request, options,
                             truncating if options.truncate is None else options.truncate)
 
-    def _digest(self, request: wire.Request, options: RequestOptions,
+    def _digest(self, ref: K, request: wire.Request, options: RequestOptions,
                 truncates: bool) -> bytes | None:
-        scope = self.cache_scope
-        if scope is None or not options.cache:
+        if self.cache_scope is None or not options.cache:
             return None
-        return request_digest(scope, request, options, prompt_of(options, self.facts), truncates)
+        return request_digest(self.cache_scope(ref), request, options,
+                              prompt_of(options, self.facts), truncates)
 
     def _tokenize_with(
         self, items: Sequence[tuple[Admit[K], RequestOptions, bytes | None]],
