@@ -291,10 +291,11 @@ def runtime_rows(
     Each of ``rounds`` rounds runs torch then ``runtime``, end to end
     and ideal, and the ratio is of the rounds' total times: on a shared
     machine, two measurements minutes apart differ by more than the runtimes
-    do, so the torch figures of the main table are not reused. Rows are
+    do, so the torch figures of the main table are not reused, except as
+    ``torch_round``: the first round's torch (tokenq, ideal) timings, already
+    measured (``--size tiny``, whose figures are noise anyway). Rows are
     appended to ``rows`` in place. ``setting``: the best torch tokenq row's
-    (name, budget, read-ahead). ``torch_round``: the first round's torch (tokenq, ideal)
-    timings, already measured, instead of running them again.
+    (name, budget, read-ahead).
     """
     from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
 
@@ -305,8 +306,8 @@ def runtime_rows(
     runtime_run = None
     for round_ in range(rounds):
         reused = torch_round if round_ == 0 else None
-        spent["tokenq torch"].append(reused[0] if reused else tokenq_run(texts, budget,
-                                                                         read_ahead)[0])
+        torch_timing = reused[0] if reused else tokenq_run(texts, budget, read_ahead)[0]
+        spent["tokenq torch"].append(torch_timing)
         timing, runtime_run = tokenq_run(texts, budget, read_ahead, runtime)
         spent["tokenq"].append(timing)
         spent["ideal torch"].append(reused[1] if reused else ideal_run(torch_backend, texts, best))
