@@ -65,7 +65,7 @@ from texts import seed_mix
 from tokenq.producer import AsyncClient
 
 CALLERS = 32
-SECONDS = {"tiny": 2.0, "small": 8.0, "full": 25.0}
+SECONDS = {"tiny": 1.0, "small": 8.0, "full": 25.0}
 POOL = 256
 """Distinct texts to draw from (half of each class); callers pick among them at random."""
 BUDGET = 8192

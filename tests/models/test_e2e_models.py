@@ -191,10 +191,10 @@ def _hf(path_of: str, *extra: str) -> Callable[[SimpleNamespace], tuple[str, ...
 
 
 SPECS: dict[str, Spec] = {
-    "embed_worker": Spec(_hf("embed")),
+    # ``auto`` on a CPU is the default budget (16,384 here): one worker serves both tests.
+    "embed_worker": Spec(_hf("embed", "--max-batch-tokens", "auto")),
     "reject_worker": Spec(_hf("embed", "--policy", "reject")),
     "chunk_worker": Spec(_hf("embed", "--policy", "chunk", "--chunk-overlap", str(CHUNK_OVERLAP))),
-    "auto_worker": Spec(_hf("embed", "--max-batch-tokens", "auto")),
     "classify_worker": Spec(_hf("classify", "--task", "classify")),
     "rerank_worker": Spec(_hf("rerank", "--task", "rerank")),
     "sim_oom_worker": Spec(lambda m: (
@@ -314,7 +314,6 @@ def _served_fixture(name: str) -> Any:
 embed_worker = _served_fixture("embed_worker")
 reject_worker = _served_fixture("reject_worker")
 chunk_worker = _served_fixture("chunk_worker")
-auto_worker = _served_fixture("auto_worker")
 classify_worker = _served_fixture("classify_worker")
 rerank_worker = _served_fixture("rerank_worker")
 sim_oom_worker = _served_fixture("sim_oom_worker")
@@ -630,8 +629,9 @@ def test_bad_start_up_settings_are_clear_errors(
 
 
 def test_auto_budget_on_cpu_says_what_and_why(
-    auto_worker: Served, r: redis.Redis, embed_ref: Reference
+    embed_worker: Served, r: redis.Redis, embed_ref: Reference
 ) -> None:
+    auto_worker = embed_worker  # started with --max-batch-tokens auto
     with auto_worker.client() as client:
         result = client.infer("hello world", timeout_s=TIMEOUT_S)
         config = client.config()
