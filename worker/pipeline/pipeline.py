@@ -189,8 +189,7 @@ class Pipeline(Generic[K]):
         call per truncation length (one call unless requests differ)."""
         out: Admitted[K] = Admitted()
         cut: list[tuple[Admit[K], RequestOptions, bytes | None]] = []  # to the model's limit
-        whole: list[tuple[Admit[K], RequestOptions, bytes | None]] = []
-        truncating = self.policy == "truncate"
+        whole: list[tuple[Admit[K], RequestOptions, bytes | None]] = []  # chunked when over it
         for item in items:
             if item.deadline_ms is not None and item.deadline_ms <= now_epoch_ms:
                 late = now_epoch_ms - item.deadline_ms
@@ -209,8 +208,9 @@ class Pipeline(Generic[K]):
                 out.answered.append(self._failed(item, ErrorCode.BAD_REQUEST, f"opts: {exc}",
                                                  getattr(exc, "param", None)))
                 continue
-            truncates = truncating if options.truncate is None else options.truncate
-            (cut if truncates else whole).append(
+            truncates = self._truncates(options)
+            chunks = self.policy == "chunk" and not truncates
+            (whole if chunks else cut).append(
                 (item, options, self._digest(item.ref, item.request, options, truncates)))
         if cut:
             self._tokenize_with(cut, self.info.max_input_tokens, out)
@@ -301,7 +301,7 @@ class Pipeline(Generic[K]):
             out.broken.append((item, f"the tokenizer gave an encoding of length {length!r}"))
             return
         limit = self.info.max_input_tokens
-        if length <= limit:
+        if length <= limit and not (truncated and not self._truncates(options)):
             if options.output_tokens and length * (self.info.token_dim or 0) > \
                     wire.MAX_TOKEN_EMBEDDING_FLOATS:
                 out.answered.append(self._failed(
@@ -331,8 +331,12 @@ class Pipeline(Generic[K]):
             else f"queue policy: {self.policy}"
         out.answered.append(self._failed(
             item, ErrorCode.TOO_LONG,
-            f"input is {length} tokens, over the model's limit of {limit} ({why})",
+            f"input is more than {limit} tokens, the model's limit ({why})",
         ))
+
+    def _truncates(self, options: RequestOptions) -> bool:
+        """Whether an input over the limit is cut to it (else refused, or chunked)."""
+        return self.policy == "truncate" if options.truncate is None else options.truncate
 
     @staticmethod
     def _job(item: Admit[K], options: RequestOptions, encoding: Encoding,

@@ -83,7 +83,7 @@ class PrefixTokenizer:
         (text, text_pair) tuples are read whole, truncated 'longest_first'."""
         self._set_truncation(max_length)
         if max_length is None or not self._cuttable or not isinstance(texts[0], str):
-            encodings = self._tokenizer.encode_batch(texts)
+            encodings = self._tokenizer.encode_batch_fast(texts)
             return encodings, [bool(e.overflowing) for e in encodings]
         found: list[Encoding | None] = [None] * len(texts)
         cut = [False] * len(texts)
@@ -92,8 +92,8 @@ class PrefixTokenizer:
         while pending:
             pieces = [_prefix(texts[i], limit) for i in pending]
             unread = []
-            for i, piece, encoding in zip(pending, pieces, self._tokenizer.encode_batch(pieces),
-                                          strict=True):
+            read = self._tokenizer.encode_batch_fast(pieces)  # no offsets: never read
+            for i, piece, encoding in zip(pending, pieces, read, strict=True):
                 overflowed = bool(encoding.overflowing)
                 if overflowed or len(piece) == len(texts[i]):
                     found[i], cut[i] = encoding, overflowed
