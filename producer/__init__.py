@@ -10,12 +10,11 @@ Needs only redis, msgpack and pydantic-settings (no torch, transformers or numpy
         results = client.results(ids, timeout_s=10)   # ... collect later, anywhere
 """
 
-from tokenq.producer.aio import AsyncClient
-from tokenq.producer.client import Client
-from tokenq.producer.config import HEURISTIC_MARGIN, Estimator, InputTooLong
-from tokenq.producer.estimate import estimate_tokens
-from tokenq.producer.replies import ReplyTimeout, Result
-from tokenq.producer.tokenizer import TokenizerEstimator
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from tokenq.shared.errors import (
     BadRequest,
     BrokerOutOfMemory,
@@ -27,6 +26,33 @@ from tokenq.shared.errors import (
     RemoteError,
     TokenqError,
 )
+
+if TYPE_CHECKING:
+    from tokenq.producer.aio import AsyncClient
+    from tokenq.producer.client import Client
+    from tokenq.producer.config import HEURISTIC_MARGIN, Estimator, InputTooLong
+    from tokenq.producer.estimate import estimate_tokens
+    from tokenq.producer.replies import ReplyTimeout, Result
+    from tokenq.producer.tokenizer import TokenizerEstimator
+
+_HOMES = {
+    "AsyncClient": "aio", "Client": "client", "HEURISTIC_MARGIN": "config",
+    "Estimator": "config", "InputTooLong": "config", "estimate_tokens": "estimate",
+    "ReplyTimeout": "replies", "Result": "replies", "TokenizerEstimator": "tokenizer",
+}
+"""Where each public name lives: its module is imported when the name is first used, so a
+process that needs one submodule (a worker reading ``lua/``, ``tokenq stats --help``) does
+not load the clients and redis.asyncio."""
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "HEURISTIC_MARGIN",

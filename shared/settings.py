@@ -172,6 +172,7 @@ class _Settings(BaseSettings):
         extra="ignore",
         validate_default=True,
         hide_input_in_errors=True,  # a bad value may be a URL with its password
+        defer_build=True,  # a process builds the one command's class it parses, not all
     )
 
     redis_url: RedisUrl = Field(DEFAULT_REDIS_URL, description="Redis URL: redis://, rediss:// "

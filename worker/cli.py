@@ -15,7 +15,6 @@ from tokenq.shared.exit_codes import EXIT_FATAL, EXIT_OK, EXIT_USAGE
 from tokenq.shared.flags import UsageError, parse_settings
 from tokenq.worker import logs
 from tokenq.worker.settings import settings_class_for
-from tokenq.worker.tooling.supervise import run_per_device
 
 log = logging.getLogger("tokenq.worker")
 
@@ -41,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         return report_missing_extra(PROG, exc)
     if settings.devices is not None:
+        from tokenq.worker.tooling.supervise import run_per_device
+
         return run_per_device(settings, args)
     try:
         asyncio.run(process.serve(settings))

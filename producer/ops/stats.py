@@ -8,7 +8,6 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tokenq.producer.ops.snapshot import connection, read_snapshot, report_unreadable
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import StatsSettings
 from tokenq.shared.text import percent
@@ -19,6 +18,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def stats(settings: StatsSettings) -> int:
+    # Here, not at the top: ``tokenq stats --help`` needs no Redis client.
+    from tokenq.producer.ops.snapshot import connection, read_snapshot, report_unreadable
+
     with connection(settings.redis_url, settings.socket_timeout_s, []) as r:
         doc = read_snapshot(r, settings.prefix, settings.queue, settings.redis_url,
                             settings.socket_timeout_s)
