@@ -82,8 +82,8 @@ def test_shrinking_drains_the_retired_shard_and_stale_producers_lose_nothing(
     lock = threading.Lock()
 
     def send(client: Client, n: int) -> None:
-        for i in range(n):
-            request_id = client.submit(f"after {i}")
+        for i in range(n):  # distinct texts: identical ones in flight run as one row
+            request_id = client.submit(f"after {id(client)} {i}")
             with lock:
                 after.append(request_id)
 

@@ -192,6 +192,8 @@ class Reader:
                     elif not await until_stopped(self._reclaim(lane, count)):
                         await until_stopped(self._refuse_excess(lane))
                         entries = await until_stopped(self._xread(lane, ">", count))
+                        if entries is None:  # stopped mid-read: the loop's test ends it
+                            continue
                         fair.arrived(lane.tenant, full=len(entries) >= count,
                                      now=time.monotonic())
                         if entries:
