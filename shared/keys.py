@@ -3,6 +3,9 @@
 Layout for queue ``q`` under the default prefix ``tokenq``::
 
     tokenq:{q}:requests        stream   producers XADD; consumer group "workers"
+    tokenq:{q}:pending         hash     pending tokens: "tokens" the sum of the stream's
+                                        counted entries' tokens, and <entry id> -> its tokens;
+                                        kept by the scripts that add or delete entries
     tokenq:{q}:dead            stream   dead letters, with their error
     tokenq:{q}:config          hash     written by workers at start: model, limits, policy
     tokenq:{q}:workers         hash     consumer name -> last heartbeat (msgpack map)
@@ -130,6 +133,16 @@ def queue_of(key: str, prefix: str = DEFAULT_PREFIX) -> QueueRef | None:
         return QueueRef(match[1], prefix, None if match[2] is None else int(match[2]))
     except ValueError:
         return None
+
+
+def pending(q: QueueRef) -> str:
+    """The queue's pending tokens (field :data:`PENDING_TOTAL`); its scripts name it from the
+    stream's key, ``:pending`` for ``:requests`` (``shared/lua`` ``pending_tokens.lua``)."""
+    return f"{q.tag}:pending"
+
+
+PENDING_TOTAL = "tokens"
+"""The field of :func:`pending` holding the sum; other fields are entry ids (tenants later)."""
 
 
 def dead(q: QueueRef) -> str:

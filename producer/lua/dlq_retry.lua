@@ -3,6 +3,7 @@
 -- Keys touched (both carry the queue's hash tag, so one Cluster slot):
 --   KEYS[1]  <prefix>:{q}:dead       stream   XRANGE id id, then XDEL
 --   KEYS[2]  <prefix>:{q}:requests   stream   XLEN, then XADD (never trimmed)
+--   and <prefix>:{q}:pending (named from KEYS[2]) hash HINCRBY, HSET: each request's tokens
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   drop_deadline: "1" leaves the request's deadline_ms field out
@@ -22,6 +23,7 @@
 -- Each tokenq:include line is replaced by that fragment of shared/lua/ when loaded.
 
 -- tokenq:include queue_full.lua
+-- tokenq:include pending_tokens.lua
 -- tokenq:include dead_fields.lua
 
 local dead = KEYS[1]
@@ -35,6 +37,7 @@ local drop_deadline = ARGV[2] == "1"
 local found = {}
 local skip = {}
 local count = 0
+local tokens, sum = {}, 0
 for i = 3, #ARGV do
   local entries = redis.call("XRANGE", dead, ARGV[i], ARGV[i])
   if #entries == 1 then
@@ -53,6 +56,8 @@ for i = 3, #ARGV do
     if skip[i] == nil then
       found[i] = entries[1]
       count = count + 1
+      tokens[i] = tokens_of(fields, 1, #fields)
+      sum = sum + tokens[i]
     end
   end
 end
@@ -62,7 +67,11 @@ if full then
   return full
 end
 
-local ids = {}
+local counting, refused = pending_start(stream, sum)
+if refused then
+  return refused
+end
+local ids, added = {}, {}
 for i = 3, #ARGV do
   local letter = found[i]
   if skip[i] ~= nil then
@@ -85,6 +94,11 @@ for i = 3, #ARGV do
     end
     ids[#ids + 1] = redis.call(unpack(entry))
     redis.call("XDEL", dead, letter[1])
+    if counting and tokens[i] > 0 then
+      added[#added + 1] = ids[#ids]
+      added[#added + 1] = tokens[i]
+    end
   end
 end
+pending_hold(stream, added)
 return ids

@@ -9,6 +9,8 @@
 --                                                     with dedupe call:<ms>: GET, SET PX
 --   then, optionally, one more key (after the seen keys, else KEYS[2]):
 --                 <prefix>:{q:k}:retired     string   EXISTS: set on a retired shard
+--   and, named from KEYS[1] (the same slot), <prefix>:{q}:pending hash HSET, HINCRBY:
+--   each new entry's tokens field, and their sum (pending_tokens.lua)
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   n: how many entries follow
@@ -28,8 +30,9 @@
 -- trimming. All or nothing: everything is checked before the first write, and Redis refuses a
 -- script for memory only at its first write ("OOM ...").
 --
--- The block between tokenq:include and tokenq:end is the queue_full.lua fragment itself,
--- which dlq_retry.lua includes; so this file is a complete script (docs/PROTOCOL.md).
+-- The blocks between tokenq:include and tokenq:end are the queue_full.lua and
+-- pending_tokens.lua fragments themselves, which other scripts include; so this file is a
+-- complete script (docs/PROTOCOL.md).
 
 -- tokenq:include queue_full.lua (the fragment is written here)
 -- queue_full(stream, max_len, adding): the queue's length limit, for every
@@ -48,6 +51,82 @@ local function queue_full(stream, max_len, adding)
   return redis.error_reply("QUEUEFULL " .. length .. " " .. max_len .. " " .. adding)
 end
 -- tokenq:end queue_full.lua
+
+-- tokenq:include pending_tokens.lua (the fragment is written here)
+-- The queue's pending tokens (docs/PROTOCOL.md), kept by every script that adds entries to a
+-- request stream or deletes them, in the same step. The hash is the stream's key with
+-- ":pending" for ":requests" (tokenq.shared.keys.pending): field "tokens" the sum, and a field
+-- per counted entry, its id: its tokens. An entry no script added (a plain XADD) is in
+-- neither, so its removal takes nothing off: the sum never goes below 0. Callers write the
+-- hash in the step that adds or deletes the entries.
+local PENDING_TOTAL = "tokens"
+local function pending_key(stream)
+  return (string.match(stream, "^(.*):requests$") or stream) .. ":pending"
+end
+-- tokens_of(list, first, last): the "tokens" field among the name/value pairs list[first..last],
+-- as a count (0 unless 1 to 8 digits, at most 2^24: what a worker decodes).
+local function tokens_of(list, first, last)
+  for j = first, last, 2 do
+    if list[j] == "tokens" then
+      local text = list[j + 1]
+      if #text <= 8 and string.match(text, "^%d+$") and tonumber(text) <= 16777216 then
+        return tonumber(text)
+      end
+      return 0
+    end
+  end
+  return 0
+end
+-- pending_total(stream, delta): the sum moved by delta.
+local function pending_total(stream, delta)
+  if delta ~= 0 then
+    redis.call("HINCRBY", pending_key(stream), PENDING_TOTAL, delta)
+  end
+end
+-- pending_start(stream, sum): an adding script's first write, the sum moved by its entries'
+-- tokens: true (hold them, pending_hold), false (this user may not write the hash: an ACL
+-- from before pending tokens; the entries go uncounted, as a plain XADD's), or nil and the
+-- error of a Redis refusing writes now (OOM, READONLY), which the script returns.
+local function pending_start(stream, sum)
+  if sum == 0 then
+    return true
+  end
+  local done = redis.pcall("HINCRBY", pending_key(stream), PENDING_TOTAL, sum)
+  if type(done) ~= "table" or not done.err then
+    return true
+  end
+  local text = tostring(done.err)
+  if string.find(text, "NOPERM", 1, true) or string.find(text, "user executing", 1, true) then
+    return false
+  end
+  return nil, done
+end
+-- pending_hold(stream, pairs): pairs = {id, tokens, ...} of the entries just added.
+local function pending_hold(stream, pairs)
+  for first = 1, #pairs, 1000 do
+    redis.call("HSET", pending_key(stream), unpack(pairs, first, math.min(first + 999, #pairs)))
+  end
+end
+-- pending_release(stream, ids): ids being deleted from the stream (counted or not, present or
+-- not): each counted one's tokens off the sum, once.
+local function pending_release(stream, ids)
+  local key, sum = pending_key(stream), 0
+  for first = 1, #ids, 1000 do
+    local slice = {unpack(ids, first, math.min(first + 999, #ids))}
+    local found, gone = redis.call("HMGET", key, unpack(slice)), {}
+    for j, tokens in ipairs(found) do
+      if tokens then
+        gone[#gone + 1] = slice[j]
+        sum = sum + tonumber(tokens)
+      end
+    end
+    if #gone > 0 then
+      redis.call("HDEL", key, unpack(gone))
+    end
+  end
+  pending_total(stream, -sum)
+end
+-- tokenq:end pending_tokens.lua
 
 local stream = KEYS[1]
 local max_len = tonumber(ARGV[1])
@@ -135,6 +214,18 @@ if full then
   return full
 end
 
+local counted, added, sum = {}, {}, 0
+for i = 1, n do
+  if same_as[i] == nil and ids[i] == nil then
+    local at = starts[i]
+    counted[i] = tokens_of(ARGV, at + 1, at + 2 * tonumber(ARGV[at]))
+    sum = sum + counted[i]
+  end
+end
+local counting, refused = pending_start(stream, sum)
+if refused then
+  return refused
+end
 for i = 1, n do
   if same_as[i] ~= nil then
     ids[i] = ids[same_as[i]]
@@ -142,11 +233,16 @@ for i = 1, n do
     -- The fields straight from ARGV: no table built per entry.
     local at = starts[i]
     ids[i] = redis.call("XADD", stream, "*", unpack(ARGV, at + 1, at + 2 * tonumber(ARGV[at])))
+    if counting and counted[i] > 0 then
+      added[#added + 1] = ids[i]
+      added[#added + 1] = counted[i]
+    end
     if per_entry then
       redis.call("SET", KEYS[i + 1], ids[i], "PX", ttl_text)
     end
   end
 end
+pending_hold(stream, added)
 if per_call and n > 0 then
   redis.call("SET", KEYS[2], table.concat(ids, " "), "PX", ttl_text)
 end

@@ -322,7 +322,7 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
 # ------------------------------------------------- every right, on every key
 
 KEY_KINDS = ("requests", "dead", "config", "workers", "worker", "reply", "seen", "retired",
-             "shards_served", "idem")
+             "shards_served", "idem", "pending")
 """The queue's keys, by what :func:`key_of` names."""
 
 
@@ -332,6 +332,7 @@ def key_of(q: keys.QueueRef, kind: str) -> str:
         "workers": keys.workers(q), "worker": keys.worker_alive(q, "w"),
         "reply": keys.reply(q, "x"), "seen": keys.seen(q, "x"), "retired": keys.retired(q),
         "shards_served": keys.shards_served(q), "idem": keys.idempotent_answer(q, "x"),
+        "pending": keys.pending(q),
     }[kind]
 
 
@@ -372,6 +373,8 @@ KEYED = {
     "hget": ["HGET", "{k}", "f"],
     "hset": ["HSET", "{k}", "f", "v"],
     "hdel": ["HDEL", "{k}", "f"],
+    "hmget": ["HMGET", "{k}", "f"],
+    "hincrby": ["HINCRBY", "{k}", "f", "1"],
     "eval": ["EVAL", "return 1", "1", "{k}"],
 }
 """Commands on one key, each as ``ACL DRYRUN`` takes it (``{k}``: the key)."""
@@ -402,6 +405,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "del": frozenset({"reply", "idem"}),
         "hgetall": frozenset({"config"}),
         "hkeys": frozenset({"workers", "worker"}),
+        "hset": frozenset({"pending"}), "hincrby": frozenset({"pending"}),
     },
     "worker": {
         "fcall": frozenset({"requests", "dead", "reply", "worker", "workers", "retired",
@@ -413,13 +417,15 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "xadd": frozenset({"dead"}),
         "exists": frozenset({"requests", "worker", "retired"}),
         "del": frozenset({"requests", "dead", "worker", "workers", "config", "shards_served",
-                          "retired"}),
+                          "retired", "pending"}),
         "rpush": frozenset({"reply"}),
         "pexpire": frozenset({"reply", "worker"}),
         "set": frozenset({"worker", "shards_served", "retired"}),
         "get": frozenset({"shards_served"}),
-        "hset": frozenset({"workers", "config"}), "hdel": frozenset({"workers", "config"}),
-        "hkeys": frozenset({"workers"}), "hget": frozenset({"config"}),
+        "hset": frozenset({"workers", "config"}),
+        "hdel": frozenset({"workers", "config", "pending"}),
+        "hkeys": frozenset({"workers"}), "hget": frozenset({"config", "pending"}),
+        "hmget": frozenset({"pending"}), "hincrby": frozenset({"pending"}),
     },
 }
 """Where docs/SECURITY.md's "Why each right" grants each keyed command; nowhere else."""

@@ -271,6 +271,7 @@ def _serve(r: redis.Redis, queue: str) -> None:
         for i in range(waiting):
             r.xadd(keys.requests(q), {"v": "1", "id": keys.id_on_shard(shard, f"r{i}"),
                                       "text": "t"})
+        r.hset(keys.pending(q), keys.PENDING_TOTAL, 10 * waiting)  # as enqueue.lua keeps it
         _beat(r, q, "w1", now, requests_ok=10, tokens=100, padded_tokens=100)
     r.xreadgroup(keys.GROUP, "w1", {keys.requests(lane(queue, 1)): ">"}, count=1)
     r.hset(keys.workers(lane(queue, 1)), "ghost", msgpack.packb({"at": now - 60}))
@@ -288,6 +289,8 @@ def test_stats_json_adds_a_total_per_sharded_queue(redis_url, queue_name, r, cap
     assert whole["queue"] == queue_name and whole["label"] == f"{queue_name} (3 shards)"
     assert whole["shards"] == 3 and whole["lanes"] == [row["label"] for row in doc["queues"]]
     assert (whole["length"], whole["pending"], whole["lag"], whole["dead"]) == (6, 1, 5, 2)
+    assert [row["pending_tokens"] for row in doc["queues"]] == [10, 20, 30, 0]
+    assert whole["pending_tokens"] == 60
     assert whole["oldest_pending_ms"] is not None
     assert whole["stale_workers"] == ["ghost"]
     assert whole["totals"]["workers"] == 1 and whole["totals"]["requests_ok"] == 10
@@ -308,14 +311,14 @@ def test_stats_and_top_show_the_whole_queue_after_its_lanes(redis_url, queue_nam
         f"queue {queue_name}", f"queue {queue_name}:0", f"queue {queue_name}:1",
         f"queue {queue_name}:2", f"queue {queue_name} (3 shards)"]
     assert heads[-1].startswith(
-        f"queue {queue_name} (3 shards): length 6  pending 1 (oldest ")
+        f"queue {queue_name} (3 shards): length 6 (60 tokens)  pending 1 (oldest ")
     assert "lag 5  dead 2  workers 1 (1 gone)  1.0 req/s" in heads[-1]
     assert len(blocks[-1].splitlines()) == 1  # the workers are in the lanes' tables
 
     assert top_main(["--redis-url", redis_url, "--queue", queue_name, "--once"]) == 0
     frame = capsys.readouterr().out
     assert frame.index(f"queue {queue_name}:2 ") < frame.index(f"queue {queue_name} (3 shards) ")
-    assert "length 6  pending 1" in frame
+    assert "length 6 (60 tokens)  pending 1" in frame
 
     assert top_main(["--redis-url", redis_url, "--queue", queue_name, "--json", "--once"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -3,6 +3,7 @@
 --
 -- Keys touched (one queue's hash tag, so one Cluster slot):
 --   KEYS[1]  <prefix>:{q}:requests   stream  XLEN, XINFO GROUPS, XREVRANGE, XCLAIM FORCE, XDEL
+--   and <prefix>:{q}:pending (named from KEYS[1]) hash: the taken entries' tokens off
 --
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] max_len (at least 1)   ARGV[4] most to take
 --
@@ -16,6 +17,8 @@
 
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local max_len, most = tonumber(ARGV[3]), tonumber(ARGV[4])
+-- tokenq:include pending_tokens.lua
+
 if max_len == nil or most == nil or max_len < 1 or most < 1 then
   return redis.error_reply("ERR tokenq claim_excess: max_len and the count must be at least 1")
 end
@@ -52,6 +55,7 @@ for i, entry in ipairs(taken) do
 end
 claim[#claim + 1] = "FORCE"
 claim[#claim + 1] = "JUSTID"
+pending_release(stream, ids)
 redis.call(unpack(claim))
 redis.call("XDEL", stream, unpack(ids))
 return taken

@@ -4,6 +4,8 @@
 --   KEYS[1]     <prefix>:{q}:requests   stream  XPENDING (ownership), XRANGE, XACK, XDEL
 --   KEYS[2]     <prefix>:{q}:dead       stream  XADD MAXLEN ~ (dead letters only)
 --   KEYS[3..]   reply keys              list    RPUSH (per key and 1,000 replies), PEXPIRE
+--   and <prefix>:{q}:pending (named from KEYS[1]) hash HMGET, HDEL, HINCRBY: the settled
+--   entries' tokens off the queue's pending tokens (pending_tokens.lua)
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
 -- ARGV[5] dead_max_letter_bytes   ARGV[6] n, then per answer: entry_id, reply (its
 --   key's KEYS index; 0 = none; -1 = reply_to refused before the call, payload then
@@ -22,6 +24,7 @@
 -- tokenq:include dead_fields.lua
 -- tokenq:include dead_letter.lua
 -- tokenq:include refusal.lua
+-- tokenq:include pending_tokens.lua
 
 local stream, dead = KEYS[1], KEYS[2]
 local group, consumer = ARGV[1], ARGV[2]
@@ -41,6 +44,9 @@ if count(ttl_ms, 1) == nil or count(dead_max_len, 0) == nil or letter_bytes == n
     .. "the dead stream's length and letter caps and n, 0 to 15 digits")
 end
 local unwritten = 0
+-- Before any write: a worker that may not keep the pending tokens (an ACL from before them)
+-- is refused here, not after its replies are pushed.
+redis.call("HGET", pending_key(stream), PENDING_TOTAL)
 
 -- nil when the letter was written or its key can never take it (counted in
 -- unwritten); else the error of a Redis that refuses writes now.
@@ -74,6 +80,7 @@ end
 local SLICE = 1000
 local settled, settled_at = {}, {}
 local function settle()
+  pending_release(stream, settled)
   for first = 1, #settled, SLICE do
     local ids = {unpack(settled, first, math.min(first + SLICE - 1, #settled))}
     redis.call("XACK", stream, group, unpack(ids))

@@ -1,0 +1,169 @@
+"""The queue's pending tokens (``keys.pending``, docs/PROTOCOL.md "Pending tokens"): every script
+that adds entries to a request stream or deletes them keeps the sum in the same step, so it is
+the sum of ``tokens`` over the stream's own entries after any interleaving of enqueue, reads,
+abandoned reads (a worker killed with its entries pending), reclaims, publish (replies and dead
+letters), entries taken past the limit, dlq retry, and Redis refusing writes (maxmemory).
+Entries written by a plain XADD are never counted, neither added nor taken off (a dlq retry of
+one's letter is written by a script: counted)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from tokenq.shared import functions, keys
+from tokenq.shared.keys import QueueRef
+
+CONSUMERS = ("alive", "killed")
+FULL = st.sampled_from([False, False, False, True])
+"""Whether Redis is out of memory for the call."""
+TOKENS = st.one_of(st.integers(0, 3000).map(str), st.sampled_from(
+    ["", "x", "-1", "007", "16777216", "16777217", "999999999", None]))
+"""A ``tokens`` field as any producer may write it (None: no field); digits up to 2^24 count."""
+
+
+def counted(fields: dict[bytes, bytes]) -> int:
+    """What the scripts count for an entry: its ``tokens`` digits, 0 when not 1 to 8 digits
+    at most 2^24 (what a worker decodes)."""
+    text = fields.get(b"tokens", b"")
+    if not (text.isdigit() and len(text) <= 8):
+        return 0
+    return int(text) if int(text) <= 1 << 24 else 0
+
+
+@pytest.fixture
+def over_memory(r: redis.Redis) -> Iterator[Any]:
+    """A context that makes Redis refuse writes for memory (``maxmemory`` 1 byte) while held."""
+    policy = r.config_get("maxmemory-policy")["maxmemory-policy"]
+    r.config_set("maxmemory-policy", "noeviction")
+
+    class Full:
+        def __enter__(self) -> None:
+            r.config_set("maxmemory", 1)
+
+        def __exit__(self, *exc: object) -> None:
+            r.config_set("maxmemory", 0)
+
+    yield Full
+    r.config_set("maxmemory", 0)
+    r.config_set("maxmemory-policy", policy)
+
+
+def test_pending_tokens_equal_the_stream_s_own_tokens_whatever_happens(
+    r: redis.Redis, queue_name: str, over_memory: Any
+) -> None:
+    machine = _machine(r, QueueRef(queue_name), over_memory)
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=40, stateful_step_count=40, deadline=None,
+        suppress_health_check=list(HealthCheck)))
+
+
+def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedStateMachine]:
+    stream, dead, reply = keys.requests(q), keys.dead(q), keys.reply(q, "r")
+    pending = keys.pending(q)
+    enqueue, publish = functions.Function(r, "enqueue"), functions.Function(r, "publish")
+    retry, excess = functions.Function(r, "dlq_retry"), functions.Function(r, "claim_excess")
+
+    def owned(consumer: str) -> list[bytes]:
+        return [p["message_id"] for p in r.xpending_range(stream, keys.GROUP, "-", "+", 1000,
+                                                          consumername=consumer)]
+
+    def entry(entry_id: bytes) -> dict[bytes, bytes]:
+        found = r.xrange(stream, entry_id, entry_id)
+        return found[0][1] if found else {}
+
+    class PendingTokens(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.plain: set[bytes] = set()
+            r.delete(stream, dead, reply, pending)
+            r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+
+        @rule(tokens=st.lists(TOKENS, min_size=1, max_size=5), limit=st.sampled_from([0, 0, 6]),
+              full=FULL)
+        def enqueue(self, tokens: list[str | None], limit: int, full: bool) -> None:
+            args: list[Any] = [limit, len(tokens), 0]
+            for i, value in enumerate(tokens):
+                fields = ["v", "1", "id", f"r{i}", "text", "t"]
+                fields += [] if value is None else ["tokens", value]
+                args += [len(fields) // 2, *fields]
+            self._refusable(full, lambda: enqueue(keys=[stream], args=args))
+
+        @rule(tokens=TOKENS)
+        def plain_xadd(self, tokens: str | None) -> None:
+            """Written around tokenq's enqueue: never counted."""
+            self.plain.add(r.xadd(stream, {"v": "1", "id": "p", "text": "t",
+                                           **({} if tokens is None else {"tokens": tokens})}))
+
+        @rule(consumer=st.sampled_from(CONSUMERS), count=st.integers(1, 4))
+        def read(self, consumer: str, count: int) -> None:
+            r.xreadgroup(keys.GROUP, consumer, {stream: ">"}, count=count)
+
+        @rule(to=st.sampled_from(CONSUMERS))
+        def reclaim(self, to: str) -> None:
+            """A peer takes over what a killed (or any) worker left pending."""
+            r.xautoclaim(stream, keys.GROUP, to, 0, "0-0", count=10)
+
+        @rule(consumer=st.sampled_from(CONSUMERS), how=st.lists(st.sampled_from(
+            ["reply", "none", "dead", "twice"]), min_size=1, max_size=6), full=FULL)
+        def publish(self, consumer: str, how: list[str], full: bool) -> None:
+            args: list[Any] = [keys.GROUP, consumer, 60_000, 1000, 4096, 0]
+            for entry_id, kind in zip(owned(consumer), how, strict=False):
+                letter: list[Any] = []
+                if kind == "dead":
+                    own = [part for pair in entry(entry_id).items() for part in pair]
+                    letter = [*own, "dead_error_code", "dead_letter", "dead_error", "x"]
+                for _ in range(2 if kind == "twice" else 1):
+                    args += [entry_id, 0 if kind in ("none", "dead") else 1, b"payload",
+                             len(letter) // 2, *letter]
+                    args[5] += 1
+            self._refusable(full, lambda: publish(keys=[stream, dead, reply], args=args))
+
+        @rule(consumer=st.sampled_from(CONSUMERS), keep=st.integers(1, 4), killed=st.booleans())
+        def take_excess(self, consumer: str, keep: int, killed: bool) -> None:
+            """Entries past the limit taken by a worker, then answered as queue_full letters
+            (unless it is killed first: they stay pending, deleted)."""
+            for entry_id, _ in excess(keys=[stream], args=[keys.GROUP, consumer, keep, 3]):
+                if not killed:
+                        publish(keys=[stream, dead, reply], args=[
+                        keys.GROUP, consumer, 60_000, 1000, 4096, 1, entry_id, 1, b"full", 0])
+
+        @rule(most=st.integers(1, 3), limit=st.sampled_from([0, 0, 4]), full=FULL,
+              drop_deadline=st.booleans())
+        def dlq_retry(self, most: int, limit: int, full: bool, drop_deadline: bool) -> None:
+            letters = [entry_id for entry_id, _ in r.xrange(dead, count=most)]
+            if letters:
+                self._refusable(full, lambda: retry(
+                    keys=[dead, stream], args=[limit, "1" if drop_deadline else "0", *letters]))
+
+        def _refusable(self, full: bool, call: Any) -> None:
+            """The call, with Redis out of memory when ``full``: refused or QUEUEFULL, it wrote
+            nothing (the invariants below say so)."""
+            try:
+                if full:
+                    with over_memory():
+                        call()
+                else:
+                    call()
+            except redis.exceptions.OutOfMemoryError:
+                assert full
+            except redis.ResponseError as exc:
+                assert str(exc).startswith("QUEUEFULL"), exc
+
+        @invariant()
+        def the_sum_is_the_stream_s_tokens(self) -> None:
+            entries = [(entry_id, fields) for entry_id, fields in r.xrange(stream)
+                       if entry_id not in self.plain]
+            held = {name: int(value) for name, value in r.hgetall(pending).items()}
+            total = held.pop(keys.PENDING_TOTAL.encode(), 0)
+            assert total == sum(counted(fields) for _, fields in entries) >= 0
+            assert held == {entry_id: counted(fields) for entry_id, fields in entries
+                            if counted(fields)}
+
+    return PendingTokens
