@@ -53,45 +53,31 @@ end
 -- tokenq:end queue_full.lua
 
 -- tokenq:include pending_tokens.lua (the fragment is written here)
--- The queue's pending tokens (docs/PROTOCOL.md), kept by every script that adds entries to a
--- request stream or deletes them, in the same step. The hash is the stream's key with
--- ":pending" for ":requests" (tokenq.shared.keys.pending): field "tokens" the sum, and a field
--- per counted entry, its id: its tokens. An entry no script added (a plain XADD) is in
--- neither, so its removal takes nothing off: the sum never goes below 0. Callers write the
--- hash in the step that adds or deletes the entries.
+-- The queue's pending tokens (docs/PROTOCOL.md), kept in the step that adds or deletes
+-- request entries. The hash is the stream's key with ":pending" for ":requests": field
+-- "tokens" the sum, and per counted entry its id -> its tokens. An entry no script added (a
+-- plain XADD) is in neither, so its removal takes nothing off: the sum never goes below 0.
 local PENDING_TOTAL = "tokens"
 local function pending_key(stream)
   return (string.match(stream, "^(.*):requests$") or stream) .. ":pending"
 end
--- tokens_of(list, first, last): the "tokens" field among the name/value pairs list[first..last],
--- as a count (0 unless 1 to 8 digits, at most 2^24: what a worker decodes).
+-- tokens_of(list, first, last): the "tokens" value among the name/value pairs
+-- list[first..last] as a count: 0 unless 1 to 8 digits, at most 2^24 (what a worker decodes).
 local function tokens_of(list, first, last)
   for j = first, last, 2 do
     if list[j] == "tokens" then
       local text = list[j + 1]
-      if #text <= 8 and string.match(text, "^%d+$") and tonumber(text) <= 16777216 then
-        return tonumber(text)
-      end
-      return 0
+      local value = #text <= 8 and string.find(text, "^%d+$") and tonumber(text)
+      return value and value <= 16777216 and value or 0
     end
   end
   return 0
 end
--- pending_total(stream, delta): the sum moved by delta.
-local function pending_total(stream, delta)
-  if delta ~= 0 then
-    redis.call("HINCRBY", pending_key(stream), PENDING_TOTAL, delta)
-  end
-end
--- pending_start(stream, sum): an adding script's first write, the sum moved by its entries'
--- tokens: true (hold them, pending_hold), false (this user may not write the hash: an ACL
--- from before pending tokens; the entries go uncounted, as a plain XADD's), or nil and the
--- error of a Redis refusing writes now (OOM, READONLY), which the script returns.
+-- pending_start(stream, sum): an adding script's first write. true: counted (then
+-- pending_hold); false: this user may not write the hash (an ACL from before it), so the
+-- entries go uncounted, as a plain XADD's; nil and the error of a Redis refusing writes now.
 local function pending_start(stream, sum)
-  if sum == 0 then
-    return true
-  end
-  local done = redis.pcall("HINCRBY", pending_key(stream), PENDING_TOTAL, sum)
+  local done = sum == 0 or redis.pcall("HINCRBY", pending_key(stream), PENDING_TOTAL, sum)
   if type(done) ~= "table" or not done.err then
     return true
   end
@@ -107,14 +93,14 @@ local function pending_hold(stream, pairs)
     redis.call("HSET", pending_key(stream), unpack(pairs, first, math.min(first + 999, #pairs)))
   end
 end
--- pending_release(stream, ids): ids being deleted from the stream (counted or not, present or
--- not): each counted one's tokens off the sum, once.
+-- pending_release(stream, ids): entries being deleted (counted or not, present or not):
+-- each counted one's tokens off the sum, once.
 local function pending_release(stream, ids)
   local key, sum = pending_key(stream), 0
   for first = 1, #ids, 1000 do
     local slice = {unpack(ids, first, math.min(first + 999, #ids))}
-    local found, gone = redis.call("HMGET", key, unpack(slice)), {}
-    for j, tokens in ipairs(found) do
+    local gone = {}
+    for j, tokens in ipairs(redis.call("HMGET", key, unpack(slice))) do
       if tokens then
         gone[#gone + 1] = slice[j]
         sum = sum + tonumber(tokens)
@@ -122,9 +108,10 @@ local function pending_release(stream, ids)
     end
     if #gone > 0 then
       redis.call("HDEL", key, unpack(gone))
+      redis.call("HINCRBY", key, PENDING_TOTAL, -sum)
+      sum = 0
     end
   end
-  pending_total(stream, -sum)
 end
 -- tokenq:end pending_tokens.lua
 

@@ -167,3 +167,17 @@ def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedSta
                             if counted(fields)}
 
     return PendingTokens
+
+
+def test_a_counted_entry_costs_the_hash_one_small_field(r: redis.Redis, queue_name: str) -> None:
+    """docs/PROTOCOL.md: about 85 bytes a counted entry (Redis 7.0), bounded here with slack."""
+    q, n = QueueRef(queue_name), 2000
+    enqueue = functions.Function(r, "enqueue")
+    for start in range(0, n, 500):
+        args: list[Any] = [0, 500, 0]
+        for i in range(start, start + 500):
+            args += [4, "v", "1", "id", f"r{i}", "text", "a short query", "tokens", "12"]
+        enqueue(keys=[keys.requests(q)], args=args)
+    assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == str(12 * n).encode()
+    assert r.hlen(keys.pending(q)) == n + 1
+    assert r.memory_usage(keys.pending(q), samples=0) / n < 120
