@@ -181,3 +181,29 @@ def test_a_counted_entry_costs_the_hash_one_small_field(r: redis.Redis, queue_na
     assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == str(12 * n).encode()
     assert r.hlen(keys.pending(q)) == n + 1
     assert r.memory_usage(keys.pending(q), samples=0) / n < 120
+
+
+def test_a_worker_that_may_not_keep_the_sum_is_refused_before_it_writes(
+    r: redis.Redis, redis_url: str, queue_name: str
+) -> None:
+    """docs/PROTOCOL.md: a worker's ACL without the hash's rights (one from before it) fails
+    each publish before any reply is pushed or entry acked, never half way."""
+    q = QueueRef(queue_name)
+    stream, reply = keys.requests(q), keys.reply(q, "r")
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    functions.Function(r, "enqueue")(keys=[stream], args=[0, 1, 0, 2, "id", "a", "tokens", "7"])
+    [(entry_id, _)] = r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1]
+    user = f"old-{queue_name}"
+    r.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
+                  commands=["+@all", "-hget", "-hmget", "-hdel", "-hincrby"])
+    try:
+        worker = redis.Redis.from_url(redis_url, username=user, password="pw")
+        with pytest.raises(redis.ResponseError):
+            functions.Function(worker, "publish")(keys=[stream, keys.dead(q), reply], args=[
+                keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 1, b"payload", 0])
+        worker.close()
+    finally:
+        r.acl_deluser(user)
+    assert r.llen(reply) == 0 and r.xlen(stream) == 1
+    assert r.xpending(stream, keys.GROUP)["pending"] == 1
+    assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == b"7"
