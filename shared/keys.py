@@ -4,7 +4,7 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
 
     tokenq:{q}:requests        stream   producers XADD; consumer group "workers"
     tokenq:{q}:pending         hash     pending tokens: "tokens" the sum of the stream's
-                                        counted entries' tokens, and <entry id> -> its tokens;
+                                        entries' first field "counted" (wire.COUNTED_FIELD);
                                         kept by the scripts that add or delete entries
     tokenq:{q}:dead            stream   dead letters, with their error
     tokenq:{q}:config          hash     written by workers at start: model, limits, policy
@@ -142,7 +142,7 @@ def pending(q: QueueRef) -> str:
 
 
 PENDING_TOTAL = "tokens"
-"""The field of :func:`pending` holding the sum; other fields are entry ids (tenants later)."""
+"""The field of :func:`pending` holding the sum; other fields are reserved (tenants later)."""
 
 
 def dead(q: QueueRef) -> str:

@@ -37,6 +37,11 @@ MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
 MAX_PRIORITY = 9
 """Largest ``priority``; 0 (the default) is the lowest class."""
 _MAX_VERSION = 1_000_000
+COUNTED_FIELD = "counted"
+"""The field tokenq's scripts write first into each entry they add: the tokens it adds to the
+queue's pending tokens (docs/PROTOCOL.md, "Pending tokens"); never a producer's to write, and
+not part of the request (decoding reads past it)."""
+_COUNTED_BYTES = COUNTED_FIELD.encode()
 RANGES = {"tokens": (0, MAX_TOKENS), "deadline_ms": (0, MAX_EPOCH_MS),
           "timeout_ms": (1, MAX_TIMEOUT_MS), "priority": (0, MAX_PRIORITY)}
 """Each numeric request field's bounds, inclusive: what encoding and decoding both check."""
@@ -377,7 +382,8 @@ def decode_fields(
     deadline_ms = timeout_ms = None
     priority = 0
     opts: dict[str, Any] = {}
-    named = 3 + (pair_raw is not None) + (tokens_raw is not None) + (reply_raw is not None)
+    named = (3 + (pair_raw is not None) + (tokens_raw is not None) + (reply_raw is not None)
+             + (_COUNTED_BYTES in raw))
     if len(raw) > named:  # anything more: the optional fields (or names no one reads)
         if value := get(b"deadline_ms"):
             deadline_ms = _int_field(value, "deadline_ms", *RANGES["deadline_ms"])

@@ -9,8 +9,8 @@
 --                                                     with dedupe call:<ms>: GET, SET PX
 --   then, optionally, one more key (after the seen keys, else KEYS[2]):
 --                 <prefix>:{q:k}:retired     string   EXISTS: set on a retired shard
---   and, named from KEYS[1] (the same slot), <prefix>:{q}:pending hash HSET, HINCRBY:
---   each new entry's tokens field, and their sum (pending_tokens.lua)
+--   and, named from KEYS[1] (the same slot), <prefix>:{q}:pending hash HINCRBY: the new
+--   entries' tokens, each also written into its entry as its first field (pending_tokens.lua)
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   n: how many entries follow
@@ -54,30 +54,54 @@ end
 
 -- tokenq:include pending_tokens.lua (the fragment is written here)
 -- The queue's pending tokens (docs/PROTOCOL.md), kept in the step that adds or deletes
--- request entries. The hash is the stream's key with ":pending" for ":requests": field
--- "tokens" the sum, and per counted entry its id -> its tokens. An entry no script added (a
--- plain XADD) is in neither, so its removal takes nothing off: the sum never goes below 0.
-local PENDING_TOTAL = "tokens"
+-- request entries. A script adding an entry writes its counted tokens into it, as the field
+-- COUNTED (first), and adds them to the sum: field "tokens" of the hash named from the
+-- stream's key, ":pending" for ":requests". A script deleting entries reads that field and
+-- takes the sum of what it really deletes off, once a call, never below 0: an entry written
+-- around the scripts (a plain XADD) has no such field, so it is counted neither way.
+local PENDING_TOTAL, COUNTED = "tokens", "counted"
 local function pending_key(stream)
   return (string.match(stream, "^(.*):requests$") or stream) .. ":pending"
 end
+-- count_of(text): a field value as a count: 0 unless 1 to 8 digits, at most 2^24 (what a
+-- worker decodes as tokens).
+local function count_of(text)
+  local value = #text <= 8 and string.find(text, "^%d+$") and tonumber(text)
+  return value and value <= 16777216 and value or 0
+end
 -- tokens_of(list, first, last): the "tokens" value among the name/value pairs
--- list[first..last] as a count: 0 unless 1 to 8 digits, at most 2^24 (what a worker decodes).
+-- list[first..last] as a count (absent: 0), and as the text COUNTED takes (its own text when
+-- it counts, so no number is formatted). Looked for first where Client writes it, 4th.
 local function tokens_of(list, first, last)
+  if last - first >= 7 and list[first + 6] == "tokens" then
+    local value = count_of(list[first + 7])
+    return value, value > 0 and list[first + 7] or "0"
+  end
   for j = first, last, 2 do
     if list[j] == "tokens" then
-      local text = list[j + 1]
-      local value = #text <= 8 and string.find(text, "^%d+$") and tonumber(text)
-      return value and value <= 16777216 and value or 0
+      local value = count_of(list[j + 1])
+      return value, value > 0 and list[j + 1] or "0"
     end
   end
-  return 0
+  return 0, "0"
 end
--- pending_start(stream, sum): an adding script's first write. true: counted (then
--- pending_hold); false: this user may not write the hash (an ACL from before it), so the
--- entries go uncounted, as a plain XADD's; nil and the error of a Redis refusing writes now.
-local function pending_start(stream, sum)
-  local done = sum == 0 or redis.pcall("HINCRBY", pending_key(stream), PENDING_TOTAL, sum)
+-- counted_of(fields): an entry's COUNTED value as a count, read only as its first field,
+-- where the scripts write it (anywhere else, or absent: 0).
+local function counted_of(fields)
+  return fields[1] == COUNTED and count_of(fields[2]) or 0
+end
+-- pending_start(stream, adding): before an adding script's first write, `adding` entries.
+-- true: counted (its entries get COUNTED, then pending_add); false: this user may not write
+-- the hash (an ACL from before it), so the entries go uncounted, as a plain XADD's. Redis 7
+-- asks the ACL, writing nothing; 6.2 adds 0 to the sum, as the first write: nil and the error
+-- of a Redis refusing writes now. Adding none writes nothing (a batch all seen before).
+local function pending_start(stream, adding)
+  if adding == 0 then
+    return true
+  elseif redis.acl_check_cmd then
+    return redis.acl_check_cmd("HINCRBY", pending_key(stream), PENDING_TOTAL, "0")
+  end
+  local done = redis.pcall("HINCRBY", pending_key(stream), PENDING_TOTAL, 0)
   if type(done) ~= "table" or not done.err then
     return true
   end
@@ -87,29 +111,19 @@ local function pending_start(stream, sum)
   end
   return nil, done
 end
--- pending_hold(stream, pairs): pairs = {id, tokens, ...} of the entries just added.
-local function pending_hold(stream, pairs)
-  for first = 1, #pairs, 1000 do
-    redis.call("HSET", pending_key(stream), unpack(pairs, first, math.min(first + 999, #pairs)))
+-- pending_add(stream, sum): the added entries' COUNTED values, after pending_start.
+local function pending_add(stream, sum)
+  if sum > 0 then
+    redis.call("HINCRBY", pending_key(stream), PENDING_TOTAL, sum)
   end
 end
--- pending_release(stream, ids): entries being deleted (counted or not, present or not):
--- each counted one's tokens off the sum, once.
-local function pending_release(stream, ids)
-  local key, sum = pending_key(stream), 0
-  for first = 1, #ids, 1000 do
-    local slice = {unpack(ids, first, math.min(first + 999, #ids))}
-    local gone = {}
-    for j, tokens in ipairs(redis.call("HMGET", key, unpack(slice))) do
-      if tokens then
-        gone[#gone + 1] = slice[j]
-        sum = sum + tonumber(tokens)
-      end
-    end
-    if #gone > 0 then
-      redis.call("HDEL", key, unpack(gone))
-      redis.call("HINCRBY", key, PENDING_TOTAL, -sum)
-      sum = 0
+-- pending_release(stream, sum): entries whose COUNTED values total sum are being deleted.
+local function pending_release(stream, sum)
+  if sum > 0 then
+    local key = pending_key(stream)
+    local left = redis.call("HINCRBY", key, PENDING_TOTAL, -sum)
+    if left < 0 then
+      redis.call("HINCRBY", key, PENDING_TOTAL, -left)  -- a forged COUNTED (docs/PROTOCOL.md)
     end
   end
 end
@@ -201,35 +215,31 @@ if full then
   return full
 end
 
-local counted, added, sum = {}, {}, 0
-for i = 1, n do
-  if same_as[i] == nil and ids[i] == nil then
-    local at = starts[i]
-    counted[i] = tokens_of(ARGV, at + 1, at + 2 * tonumber(ARGV[at]))
-    sum = sum + counted[i]
-  end
-end
-local counting, refused = pending_start(stream, sum)
+local counting, refused = pending_start(stream, fresh)
 if refused then
   return refused
 end
+local sum = 0
 for i = 1, n do
   if same_as[i] ~= nil then
     ids[i] = ids[same_as[i]]
   elseif ids[i] == nil then
     -- The fields straight from ARGV: no table built per entry.
     local at = starts[i]
-    ids[i] = redis.call("XADD", stream, "*", unpack(ARGV, at + 1, at + 2 * tonumber(ARGV[at])))
-    if counting and counted[i] > 0 then
-      added[#added + 1] = ids[i]
-      added[#added + 1] = counted[i]
+    local last = at + 2 * tonumber(ARGV[at])
+    if counting then
+      local value, text = tokens_of(ARGV, at + 1, last)
+      sum = sum + value
+      ids[i] = redis.call("XADD", stream, "*", COUNTED, text, unpack(ARGV, at + 1, last))
+    else
+      ids[i] = redis.call("XADD", stream, "*", unpack(ARGV, at + 1, last))
     end
     if per_entry then
       redis.call("SET", KEYS[i + 1], ids[i], "PX", ttl_text)
     end
   end
 end
-pending_hold(stream, added)
+pending_add(stream, sum)
 if per_call and n > 0 then
   redis.call("SET", KEYS[2], table.concat(ids, " "), "PX", ttl_text)
 end

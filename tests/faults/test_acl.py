@@ -405,7 +405,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "del": frozenset({"reply", "idem"}),
         "hgetall": frozenset({"config"}),
         "hkeys": frozenset({"workers", "worker"}),
-        "hset": frozenset({"pending"}), "hincrby": frozenset({"pending"}),
+        "hincrby": frozenset({"pending"}),
     },
     "worker": {
         "fcall": frozenset({"requests", "dead", "reply", "worker", "workers", "retired",
@@ -423,9 +423,9 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "set": frozenset({"worker", "shards_served", "retired"}),
         "get": frozenset({"shards_served"}),
         "hset": frozenset({"workers", "config"}),
-        "hdel": frozenset({"workers", "config", "pending"}),
+        "hdel": frozenset({"workers", "config"}),
         "hkeys": frozenset({"workers"}), "hget": frozenset({"config", "pending"}),
-        "hmget": frozenset({"pending"}), "hincrby": frozenset({"pending"}),
+        "hincrby": frozenset({"pending"}),
     },
 }
 """Where docs/SECURITY.md's "Why each right" grants each keyed command; nowhere else."""

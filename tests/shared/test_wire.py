@@ -204,6 +204,19 @@ def test_an_optional_field_is_read_whatever_else_is_there(
     assert wire.decode_fields(fields, default_reply_to=lambda rid: f"r:{rid}") == request
 
 
+@given(st.sets(st.sampled_from(["tokens", "reply_to", "deadline_ms", "timeout_ms",
+                                "priority"])), st.binary(max_size=12))
+def test_the_scripts_counted_field_is_read_past(given_fields: set[str], counted: bytes) -> None:
+    """docs/PROTOCOL.md: ``counted``, written first by tokenq's scripts (any value, as a plain
+    XADD may forge it), changes nothing in the request, optional fields included."""
+    fields = valid_fields(**{name: b"7" for name in given_fields},
+                          **dict.fromkeys({"tokens", "reply_to"} - given_fields))
+    marked = {wire.COUNTED_FIELD.encode(): counted, **fields}
+    plain = wire.decode_fields(fields, default_reply_to=lambda rid: f"r:{rid}")
+    assert wire.decode_fields(marked, default_reply_to=lambda rid: f"r:{rid}") == plain
+    assert wire.decode_request(marked, default_reply_to=lambda rid: f"r:{rid}") == plain
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

@@ -4,8 +4,8 @@
 --   KEYS[1]     <prefix>:{q}:requests   stream  XPENDING (ownership), XRANGE, XACK, XDEL
 --   KEYS[2]     <prefix>:{q}:dead       stream  XADD MAXLEN ~ (dead letters only)
 --   KEYS[3..]   reply keys              list    RPUSH (per key and 1,000 replies), PEXPIRE
---   and <prefix>:{q}:pending (named from KEYS[1]) hash HMGET, HDEL, HINCRBY: the settled
---   entries' tokens off the queue's pending tokens (pending_tokens.lua)
+--   and <prefix>:{q}:pending (named from KEYS[1]) hash HINCRBY: the settled entries'
+--   counted tokens (their first field, read by XRANGE) off the sum (pending_tokens.lua)
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
 -- ARGV[5] dead_max_letter_bytes   ARGV[6] n, then per answer: entry_id, reply (its
 --   key's KEYS index; 0 = none; -1 = reply_to refused before the call, payload then
@@ -45,8 +45,12 @@ if count(ttl_ms, 1) == nil or count(dead_max_len, 0) == nil or letter_bytes == n
 end
 local unwritten = 0
 -- Before any write: a worker that may not keep the pending tokens (an ACL from before them)
--- is refused here, not after its replies are pushed.
-redis.call("HGET", pending_key(stream), PENDING_TOTAL)
+-- is refused here, not after its replies are pushed (Redis 7; 6.2 checks each command).
+if redis.acl_check_cmd
+    and not redis.acl_check_cmd("HINCRBY", pending_key(stream), PENDING_TOTAL, "0") then
+  return redis.error_reply("NOPERM tokenq publish: this user may not HINCRBY "
+    .. pending_key(stream) .. " (docs/SECURITY.md)")
+end
 
 -- nil when the letter was written or its key can never take it (counted in
 -- unwritten); else the error of a Redis that refuses writes now.
@@ -79,8 +83,34 @@ end
 -- Most values one unpack hands a command: Lua's C stack takes about 8,000.
 local SLICE = 1000
 local settled, settled_at = {}, {}
+local low, high = nil, nil  -- the call's lowest and highest entry id (below)
+-- The sum of the COUNTED values of `settled`, read before they go: one XRANGE over the
+-- call's range of ids; an entry it did not show (a cut range, odd ids) is read alone. None
+-- is read while the sum is 0: every counted entry then counts 0.
+local function settled_tokens()
+  local counts, sum = {}, 0
+  local held = #settled > 0 and redis.call("HGET", pending_key(stream), PENDING_TOTAL)
+  if not held or tonumber(held) == 0 then
+    return 0
+  end
+  if low then
+    local range = redis.call("XRANGE", stream, low, high, "COUNT", 2 * #settled + 16)
+    for _, entry in ipairs(range) do
+      counts[entry[1]] = counted_of(entry[2])
+    end
+  end
+  for _, entry_id in ipairs(settled) do
+    local counted = counts[entry_id]
+    if counted == nil then
+      local found = redis.call("XRANGE", stream, entry_id, entry_id)
+      counted = found[1] and counted_of(found[1][2]) or 0
+    end
+    sum = sum + counted
+  end
+  return sum
+end
 local function settle()
-  pending_release(stream, settled)
+  pending_release(stream, settled_tokens())
   for first = 1, #settled, SLICE do
     local ids = {unpack(settled, first, math.min(first + SLICE - 1, #settled))}
     redis.call("XACK", stream, group, unpack(ids))
@@ -97,7 +127,7 @@ end
 -- call's ids; an entry the range did not show is asked about alone, so the range
 -- only saves work and can never drop an answer (odd ids, a cut reply).
 local find, sub = string.find, string.sub
-local low, low_ms, low_seq, high, high_ms, high_seq = nil, 0, 0, nil, 0, 0
+local low_ms, low_seq, high_ms, high_seq = 0, 0, 0, 0
 local pos = 7
 for _ = 1, n do
   local entry_id = ARGV[pos]
