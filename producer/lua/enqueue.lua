@@ -65,17 +65,22 @@ local function pending_key(stream)
 end
 -- count_of(text): a field value as a count: 0 unless 1 to 8 digits, at most 2^24 (what a
 -- worker decodes as tokens).
+local count_find = string.find  -- looked up once: count_of runs per entry
 local function count_of(text)
-  local value = #text <= 8 and string.find(text, "^%d+$") and tonumber(text)
+  local value = #text <= 8 and count_find(text, "^%d+$") and tonumber(text)
   return value and value <= 16777216 and value or 0
 end
 -- tokens_of(list, first, last): the "tokens" value among the name/value pairs
 -- list[first..last] as a count (absent: 0), and as the text COUNTED takes (its own text when
 -- it counts, so no number is formatted). Looked for first where Client writes it, 4th.
 local function tokens_of(list, first, last)
-  if last - first >= 7 and list[first + 6] == "tokens" then
-    local value = count_of(list[first + 7])
-    return value, value > 0 and list[first + 7] or "0"
+  if list[first + 6] == "tokens" and last - first >= 7 then
+    local text = list[first + 7]  -- count_of, inline on this path
+    local value = #text <= 8 and count_find(text, "^%d+$") and tonumber(text)
+    if value and value <= 16777216 and value > 0 then
+      return value, text
+    end
+    return 0, "0"
   end
   for j = first, last, 2 do
     if list[j] == "tokens" then

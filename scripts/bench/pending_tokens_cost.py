@@ -53,7 +53,11 @@ def library_of(rev: str, scratch: Path) -> dict[str, Any]:
     found = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                            text=True, cwd=scratch,
                            env={**os.environ, "PYTHONPATH": str(package.parent)})
-    return dict(json.loads(found.stdout))
+    lib = dict(json.loads(found.stdout))
+    # Whether publish takes each answer's counted tokens from the worker (after its payload).
+    lib["counted_arg"] = "counted (the entry's counted tokens" in (
+        tree / "worker" / "lua" / "publish.lua").read_text()
+    return lib
 
 
 def free_port() -> int:
@@ -98,8 +102,9 @@ def one_round(r: redis.Redis, label: str, lib: dict[str, Any], n: int, chars: in
     r.config_resetstat()
     for batch in read:
         args: list[Any] = [keys.GROUP, "c", 60_000, 1000, 4096, len(batch)]
-        for entry_id, _ in batch:
-            args += [entry_id, 3, b"p" * 512, 0]
+        for entry_id, fields in batch:
+            counted = [wire.counted_of(fields)] if lib["counted_arg"] else []
+            args += [entry_id, 3, b"p" * 512, *counted, 0]
         r.fcall(publish, 3, stream, dead, reply, *args)
     done, usec = fcall_usec(r)
     assert r.xlen(stream) == 0, "publish left entries"

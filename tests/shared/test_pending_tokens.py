@@ -123,8 +123,10 @@ def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedSta
                 if kind == "dead":
                     own = [part for pair in entry(entry_id).items() for part in pair]
                     letter = [*own, "dead_error_code", "dead_letter", "dead_error", "x"]
+                # the worker's value, read at delivery (a deleted entry's: 0)
+                value = wire.counted_of(entry(entry_id))
                 for _ in range(2 if kind == "twice" else 1):
-                    args += [entry_id, 0 if kind in ("none", "dead") else 1, b"payload",
+                    args += [entry_id, 0 if kind in ("none", "dead") else 1, b"payload", value,
                              len(letter) // 2, *letter]
                     args[5] += 1
             self._refusable(full, lambda: publish(keys=[stream, dead, reply], args=args))
@@ -136,7 +138,7 @@ def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedSta
             for entry_id, _ in excess(keys=[stream], args=[keys.GROUP, consumer, keep, 3]):
                 if not killed:
                         publish(keys=[stream, dead, reply], args=[
-                        keys.GROUP, consumer, 60_000, 1000, 4096, 1, entry_id, 1, b"full", 0])
+                        keys.GROUP, consumer, 60_000, 1000, 4096, 1, entry_id, 1, b"full", 0, 0])
 
         @rule(most=st.integers(1, 3), limit=st.sampled_from([0, 0, 4]), full=FULL,
               drop_deadline=st.booleans())
@@ -209,9 +211,10 @@ def test_a_forged_count_skews_the_sum_by_at_most_its_own_value_never_below_zero(
     r.xadd(stream, {wire.COUNTED_FIELD: "5", "v": "1", "id": "f", "text": "t"})
     r.xadd(stream, {wire.COUNTED_FIELD: "900", "v": "1", "id": "g", "text": "t"})
     publish = functions.Function(r, "publish")
-    for entry_id, _ in r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1][1:]:
+    for entry_id, fields in r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1][1:]:
         publish(keys=[stream, dead, reply], args=[
-            keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 1, b"payload", 0])
+            keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 1, b"payload",
+            wire.counted_of(fields), 0])
         assert int(r.hget(keys.pending(q), keys.PENDING_TOTAL)) >= 0
     assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == b"0"  # 7 - 5 = 2, then 2 - 900: 0
 
@@ -233,10 +236,34 @@ def test_a_worker_that_may_not_keep_the_sum_is_refused_before_it_writes(
         worker = redis.Redis.from_url(redis_url, username=user, password="pw")
         with pytest.raises(redis.ResponseError):
             functions.Function(worker, "publish")(keys=[stream, keys.dead(q), reply], args=[
-                keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 1, b"payload", 0])
+                keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 1, b"payload", 7, 0])
         worker.close()
     finally:
         r.acl_deluser(user)
     assert r.llen(reply) == 0 and r.xlen(stream) == 1
     assert r.xpending(stream, keys.GROUP)["pending"] == 1
     assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == b"7"
+
+
+@pytest.mark.parametrize("value", [b"x", b"-5", b"", b"1e3", b"123456789", b"16777217"])
+def test_publish_counts_a_counted_argument_that_is_no_count_as_0(
+    r: redis.Redis, queue_name: str, value: bytes
+) -> None:
+    """docs/PROTOCOL.md: publish takes off the counted values the worker passes (it reads no
+    entry back); one that is not 1 to 8 digits at most 2^24 takes off nothing, and an answer
+    no longer pending to its consumer (claimed by a peer, answered twice) takes off nothing."""
+    q = QueueRef(queue_name)
+    stream, dead, reply = keys.requests(q), keys.dead(q), keys.reply(q, "r")
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    functions.Function(r, "enqueue")(keys=[stream], args=[
+        0, 3, 0, 2, "id", "a", "tokens", "7", 2, "id", "b", "tokens", "5",
+        2, "id", "c", "tokens", "11"])
+    (a, _), (b, _), (c, fields_c) = r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1]
+    r.xclaim(stream, keys.GROUP, "peer", 0, [b])
+    publish = functions.Function(r, "publish")
+    assert publish(keys=[stream, dead, reply], args=[
+        keys.GROUP, "c", 60_000, 1000, 4096, 4, a, 3, b"p", value, 0, b, 3, b"p", 5, 0,
+        c, 0, b"p", wire.counted_of(fields_c), 0, c, 3, b"p", 11, 0]) == [2, 0, 0]
+    # 23 - 0 (a: its 7 stays) - 11 (c, once); b is the peer's, its 5 stays
+    assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == b"12"
+    assert r.xlen(stream) == 1
