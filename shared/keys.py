@@ -8,6 +8,9 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
     tokenq:{q}:tenants         set      the tenant streams written to (enqueue.lua SADDs)
     tokenq:{q}:weights         hash     tenant -> its weight in the fair share, set by the
                                         operator; field "*" the weight of tenants not named
+    tokenq:{q}:pending         hash     pending tokens: "tokens" the sum of the stream's
+                                        entries' first field "counted" (wire.COUNTED_FIELD);
+                                        kept by the scripts that add or delete entries
     tokenq:{q}:dead            stream   dead letters, with their error
     tokenq:{q}:config          hash     written by workers at start: model, limits, policy
     tokenq:{q}:workers         hash     consumer name -> last heartbeat (msgpack map)
@@ -176,6 +179,16 @@ def queue_of(key: str, prefix: str = DEFAULT_PREFIX) -> QueueRef | None:
         return QueueRef(match[1], prefix, None if match[2] is None else int(match[2]))
     except ValueError:
         return None
+
+
+def pending(q: QueueRef) -> str:
+    """The queue's pending tokens (field :data:`PENDING_TOTAL`); its scripts name it from the
+    stream's key, ``:pending`` for ``:requests`` (``shared/lua`` ``pending_tokens.lua``)."""
+    return f"{q.tag}:pending"
+
+
+PENDING_TOTAL = "tokens"
+"""The field of :func:`pending` holding the sum; other fields are reserved (tenants later)."""
 
 
 def dead(q: QueueRef) -> str:

@@ -27,7 +27,8 @@ class StaleFragment(RuntimeError):
     """A script's copy of a fragment is not the fragment (refresh it with this module)."""
 
 
-HOSTED = {"queue_full.lua": ("tokenq.producer", "enqueue.lua")}
+HOSTED = {"queue_full.lua": ("tokenq.producer", "enqueue.lua"),
+          "pending_tokens.lua": ("tokenq.producer", "enqueue.lua")}
 """Fragments written in the script that must run as a file, between its include and end lines."""
 
 

@@ -37,6 +37,11 @@ MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
 MAX_PRIORITY = 9
 """Largest ``priority``; 0 (the default) is the lowest class."""
 _MAX_VERSION = 1_000_000
+COUNTED_FIELD = "counted"
+"""The field tokenq's scripts write first into each entry they add: the tokens it adds to the
+queue's pending tokens (docs/PROTOCOL.md, "Pending tokens"); never a producer's to write, and
+not part of the request (decoding reads past it)."""
+_COUNTED_BYTES = COUNTED_FIELD.encode()
 RANGES = {"tokens": (0, MAX_TOKENS), "deadline_ms": (0, MAX_EPOCH_MS),
           "timeout_ms": (1, MAX_TIMEOUT_MS), "priority": (0, MAX_PRIORITY)}
 """Each numeric request field's bounds, inclusive: what encoding and decoding both check."""
@@ -93,6 +98,10 @@ class Request:
     """Relative deadline: ms after the entry's stream id, i.e. on Redis's clock."""
     priority: int = 0
     """Scheduling class, 0 to :data:`MAX_PRIORITY`: higher goes first (docs/PROTOCOL.md)."""
+    counted: int = 0
+    """The tokens tokenq's scripts counted for this entry in the queue's pending tokens (its
+    first field, :data:`COUNTED_FIELD`): what publishing it takes off the sum. 0 when it has none
+    (a plain XADD), when that field is not first, or is not 0 to :data:`MAX_TOKENS` in digits."""
 
     def utf8_size(self) -> int:
         """Bytes of text this request carries (what the size limit counts)."""
@@ -377,7 +386,12 @@ def decode_fields(
     deadline_ms = timeout_ms = None
     priority = 0
     opts: dict[str, Any] = {}
-    named = 3 + (pair_raw is not None) + (tokens_raw is not None) + (reply_raw is not None)
+    counted = 0
+    counted_raw = get(_COUNTED_BYTES)
+    if counted_raw is not None:
+        counted = counted_of(raw)
+    named = (3 + (pair_raw is not None) + (tokens_raw is not None) + (reply_raw is not None)
+             + (counted_raw is not None))
     if len(raw) > named:  # anything more: the optional fields (or names no one reads)
         if value := get(b"deadline_ms"):
             deadline_ms = _int_field(value, "deadline_ms", *RANGES["deadline_ms"])
@@ -389,7 +403,19 @@ def decode_fields(
             opts = _unpack_opts(value)
 
     return Request(request_id, text, tokens, reply_to, deadline_ms, text_pair, opts,
-                   timeout_ms, priority)
+                   timeout_ms, priority, counted)
+
+
+def counted_of(raw: Mapping[bytes, bytes]) -> int:
+    """An entry's counted tokens, as the scripts read them (``count_of`` in enqueue.lua): its
+    first field's value when that field is :data:`COUNTED_FIELD` and the value 1 to 8 digits
+    at most :data:`MAX_TOKENS`, else 0 (never an error: a broken one only counts nothing)."""
+    for name, value in raw.items():
+        if name == _COUNTED_BYTES and len(value) <= 8 and value.isdigit():
+            counted = int(value)
+            return counted if counted <= MAX_TOKENS else 0
+        return 0
+    return 0
 
 
 def stream_id_ms(entry_id: bytes | str) -> int | None:

@@ -123,3 +123,13 @@ def blpop_within(r: redis.Redis, key: str, timeout: float) -> bytes | None:
         if popped is not None:
             return popped[1]
     return None
+
+
+def pending_tokens(r: redis.Redis, q: keys.QueueRef) -> tuple[int, int]:
+    """(the queue's pending-token sum, the sum of ``tokens`` over its stream's entries), read
+    in one MULTI so no script runs between them; for streams only tokenq's clients wrote."""
+    with r.pipeline(transaction=True) as pipe:
+        pipe.hget(keys.pending(q), keys.PENDING_TOTAL)
+        pipe.xrange(keys.requests(q))
+        held, entries = pipe.execute()
+    return int(held or 0), sum(int(fields.get(b"tokens", 0)) for _, fields in entries)

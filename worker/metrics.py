@@ -59,8 +59,9 @@ class NullMetrics:
     def redis_refused(self, reason: str) -> None:
         """Redis refused a call for its own state (``oom``, ``readonly``, ...); it is retried."""
 
-    def queue_depth(self, length: int, pending: int, lag: int) -> None:
-        """The queue as Redis sees it (refreshed every heartbeat): what autoscalers read."""
+    def queue_depth(self, length: int, pending: int, lag: int, tokens: int = 0) -> None:
+        """The queue as Redis sees it, ``tokens`` its pending tokens (refreshed every
+        heartbeat): what autoscalers read."""
 
     def shared(self, how: str, n: int) -> None:
         """``n`` requests looked up in the result cache (``hit``, ``miss``) or answered by an
@@ -151,6 +152,9 @@ class Metrics(NullMetrics):
             registry=registry)
         self._cache_bytes = series(Gauge, "tokenq_cache_bytes",
                                    "The result cache's bytes, as its last write counted them")
+        self._pending_tokens = series(
+            Gauge, "tokenq_queue_pending_tokens",
+            "Tokens of the request stream's entries (waiting or held), as enqueue estimated")
         self._info = Gauge(
             "tokenq_worker_info", "Static facts about the worker (value is always 1)",
             ("queue", "consumer", "model", "backend", "device"), registry=registry,
@@ -201,7 +205,8 @@ class Metrics(NullMetrics):
     def redis_refused(self, reason: str) -> None:
         self._refusals.labels(self.queue, reason).inc()
 
-    def queue_depth(self, length: int, pending: int, lag: int) -> None:
+    def queue_depth(self, length: int, pending: int, lag: int, tokens: int = 0) -> None:
+        self._pending_tokens.set(tokens)
         self._length.set(length)
         self._pending.set(pending)
         self._lag.set(lag)

@@ -3,12 +3,15 @@
 -- Keys touched (both carry the queue's hash tag, so one Cluster slot):
 --   KEYS[1]  <prefix>:{q}:dead       stream   XRANGE id id, then XDEL
 --   KEYS[2]  <prefix>:{q}:requests   stream   XLEN, then XADD (never trimmed)
+--   and <prefix>:{q}:pending (named from KEYS[2]) hash HINCRBY: the requests' tokens, each
+--   also written into its entry as its first field (pending_tokens.lua)
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   drop_deadline: "1" leaves the request's deadline_ms field out
 -- ARGV[3..] dead-stream entry ids, complete ("<ms>-<seq>"; the caller checks)
 --
--- A letter goes back exactly as its producer wrote it: every dead_* field is left out.
+-- A letter goes back exactly as its producer wrote it: every dead_* field is left out, and
+-- its old counted-tokens field, written again from its tokens.
 -- A letter with dead_truncated (the worker cut fields to fit its byte cap) is left in place.
 --
 -- Returns, per id in order: the new request stream id; false when the dead stream has
@@ -22,6 +25,7 @@
 -- Each tokenq:include line is replaced by that fragment of shared/lua/ when loaded.
 
 -- tokenq:include queue_full.lua
+-- tokenq:include pending_tokens.lua
 -- tokenq:include dead_fields.lua
 
 local dead = KEYS[1]
@@ -35,6 +39,7 @@ local drop_deadline = ARGV[2] == "1"
 local found = {}
 local skip = {}
 local count = 0
+local tokens, sum = {}, 0
 for i = 3, #ARGV do
   local entries = redis.call("XRANGE", dead, ARGV[i], ARGV[i])
   if #entries == 1 then
@@ -43,7 +48,7 @@ for i = 3, #ARGV do
     for j = 1, #fields, 2 do
       if fields[j] == DEAD_TRUNCATED then
         skip[i] = {"truncated", fields[j + 1]}
-      elseif not is_dead_field(fields[j]) then
+      elseif not is_dead_field(fields[j]) and fields[j] ~= COUNTED then
         own = own + 1
       end
     end
@@ -53,6 +58,9 @@ for i = 3, #ARGV do
     if skip[i] == nil then
       found[i] = entries[1]
       count = count + 1
+      local value, text = tokens_of(fields, 1, #fields)
+      tokens[i] = text
+      sum = sum + value
     end
   end
 end
@@ -62,6 +70,10 @@ if full then
   return full
 end
 
+local counting, refused = pending_start(stream, count)
+if refused then
+  return refused
+end
 local ids = {}
 for i = 3, #ARGV do
   local letter = found[i]
@@ -72,9 +84,12 @@ for i = 3, #ARGV do
   else
     local fields = letter[2]
     local entry = {"XADD", stream, "*"}
+    if counting then
+      entry[4], entry[5] = COUNTED, tokens[i]
+    end
     for j = 1, #fields, 2 do
       local name = fields[j]
-      local keep = not is_dead_field(name)
+      local keep = not is_dead_field(name) and name ~= COUNTED
       if drop_deadline and name == "deadline_ms" then
         keep = false
       end
@@ -86,5 +101,8 @@ for i = 3, #ARGV do
     ids[#ids + 1] = redis.call(unpack(entry))
     redis.call("XDEL", dead, letter[1])
   end
+end
+if counting then
+  pending_add(stream, sum)
 end
 return ids

@@ -11,6 +11,8 @@
 --                 <prefix>:{q:k}:retired     string   EXISTS: set on a retired shard
 --                 <prefix>:{q}:tenants       set      SADD KEYS[1] when it is a tenant's
 --                                                     stream, so workers find and read it
+--   and, named from KEYS[1] (the same slot), <prefix>:{q}:pending hash HINCRBY: the new
+--   entries' tokens, each also written into its entry as its first field (pending_tokens.lua)
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   n: how many entries follow
@@ -30,8 +32,9 @@
 -- trimming. All or nothing: everything is checked before the first write, and Redis refuses a
 -- script for memory only at its first write ("OOM ...").
 --
--- The block between tokenq:include and tokenq:end is the queue_full.lua fragment itself,
--- which dlq_retry.lua includes; so this file is a complete script (docs/PROTOCOL.md).
+-- The blocks between tokenq:include and tokenq:end are the queue_full.lua and
+-- pending_tokens.lua fragments themselves, which other scripts include; so this file is a
+-- complete script (docs/PROTOCOL.md).
 
 -- tokenq:include queue_full.lua (the fragment is written here)
 -- queue_full(stream, max_len, adding): the queue's length limit, for every
@@ -50,6 +53,89 @@ local function queue_full(stream, max_len, adding)
   return redis.error_reply("QUEUEFULL " .. length .. " " .. max_len .. " " .. adding)
 end
 -- tokenq:end queue_full.lua
+
+-- tokenq:include pending_tokens.lua (the fragment is written here)
+-- The queue's pending tokens (docs/PROTOCOL.md), kept in the step that adds or deletes
+-- request entries. A script adding an entry writes its counted tokens into it, as the field
+-- COUNTED (first), and adds them to the sum: field "tokens" of the hash named from the
+-- stream's key, ":pending" for ":requests". A script deleting entries reads that field and
+-- takes the sum of what it really deletes off, once a call, never below 0: an entry written
+-- around the scripts (a plain XADD) has no such field, so it is counted neither way.
+local PENDING_TOTAL, COUNTED = "tokens", "counted"
+local function pending_key(stream)
+  return (string.match(stream, "^(.*):requests$") or string.match(stream, "^(.*):requests:[^:]+$")
+    or stream) .. ":pending"  -- a tenant's stream counts in its queue's sum
+end
+-- count_of(text): a field value as a count: 0 unless 1 to 8 digits, at most 2^24 (what a
+-- worker decodes as tokens).
+local count_find = string.find  -- looked up once: count_of runs per entry
+local function count_of(text)
+  local value = #text <= 8 and count_find(text, "^%d+$") and tonumber(text)
+  return value and value <= 16777216 and value or 0
+end
+-- tokens_of(list, first, last): the "tokens" value among the name/value pairs
+-- list[first..last] as a count (absent: 0), and as the text COUNTED takes (its own text when
+-- it counts, so no number is formatted). Looked for first where Client writes it, 4th.
+local function tokens_of(list, first, last)
+  if list[first + 6] == "tokens" and last - first >= 7 then
+    local text = list[first + 7]  -- count_of, inline on this path
+    local value = #text <= 8 and count_find(text, "^%d+$") and tonumber(text)
+    if value and value <= 16777216 and value > 0 then
+      return value, text
+    end
+    return 0, "0"
+  end
+  for j = first, last, 2 do
+    if list[j] == "tokens" then
+      local value = count_of(list[j + 1])
+      return value, value > 0 and list[j + 1] or "0"
+    end
+  end
+  return 0, "0"
+end
+-- counted_of(fields): an entry's COUNTED value as a count, read only as its first field,
+-- where the scripts write it (anywhere else, or absent: 0).
+local function counted_of(fields)
+  return fields[1] == COUNTED and count_of(fields[2]) or 0
+end
+-- pending_start(stream, adding): before an adding script's first write, `adding` entries.
+-- true: counted (its entries get COUNTED, then pending_add); false: this user may not write
+-- the hash (an ACL from before it), so the entries go uncounted, as a plain XADD's. Redis 7
+-- asks the ACL, writing nothing; 6.2 adds 0 to the sum, as the first write: nil and the error
+-- of a Redis refusing writes now. Adding none writes nothing (a batch all seen before).
+local function pending_start(stream, adding)
+  if adding == 0 then
+    return true
+  elseif redis.acl_check_cmd then
+    return redis.acl_check_cmd("HINCRBY", pending_key(stream), PENDING_TOTAL, "0")
+  end
+  local done = redis.pcall("HINCRBY", pending_key(stream), PENDING_TOTAL, 0)
+  if type(done) ~= "table" or not done.err then
+    return true
+  end
+  local text = tostring(done.err)
+  if string.find(text, "NOPERM", 1, true) or string.find(text, "user executing", 1, true) then
+    return false
+  end
+  return nil, done
+end
+-- pending_add(stream, sum): the added entries' COUNTED values, after pending_start.
+local function pending_add(stream, sum)
+  if sum > 0 then
+    redis.call("HINCRBY", pending_key(stream), PENDING_TOTAL, sum)
+  end
+end
+-- pending_release(stream, sum): entries whose COUNTED values total sum are being deleted.
+local function pending_release(stream, sum)
+  if sum > 0 then
+    local key = pending_key(stream)
+    local left = redis.call("HINCRBY", key, PENDING_TOTAL, -sum)
+    if left < 0 then
+      redis.call("HINCRBY", key, PENDING_TOTAL, -left)  -- a forged COUNTED (docs/PROTOCOL.md)
+    end
+  end
+end
+-- tokenq:end pending_tokens.lua
 
 local stream = KEYS[1]
 local max_len = tonumber(ARGV[1])
@@ -143,13 +229,25 @@ if full then
   return full
 end
 
+local counting, refused = pending_start(stream, fresh)
+if refused then
+  return refused
+end
+local sum = 0
 for i = 1, n do
   if same_as[i] ~= nil then
     ids[i] = ids[same_as[i]]
   elseif ids[i] == nil then
     -- The fields straight from ARGV: no table built per entry.
     local at = starts[i]
-    ids[i] = redis.call("XADD", stream, "*", unpack(ARGV, at + 1, at + 2 * tonumber(ARGV[at])))
+    local last = at + 2 * tonumber(ARGV[at])
+    if counting then
+      local value, text = tokens_of(ARGV, at + 1, last)
+      sum = sum + value
+      ids[i] = redis.call("XADD", stream, "*", COUNTED, text, unpack(ARGV, at + 1, last))
+    else
+      ids[i] = redis.call("XADD", stream, "*", unpack(ARGV, at + 1, last))
+    end
     if per_entry then
       redis.call("SET", KEYS[i + 1], ids[i], "PX", ttl_text)
     end
@@ -158,6 +256,7 @@ end
 if tenants and fresh > 0 then
   redis.call("SADD", tenants, stream)
 end
+pending_add(stream, sum)
 if per_call and n > 0 then
   redis.call("SET", KEYS[2], table.concat(ids, " "), "PX", ttl_text)
 end

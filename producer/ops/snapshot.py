@@ -179,8 +179,8 @@ def report_unreadable(prog: str, doc: dict[str, Any]) -> int:
 
 def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
     """A sharded queue as a whole: its lanes summed, each worker counted once."""
-    measured = total([Depth(lane["length"], lane["pending"], lane["lag"], lane["lag_exact"])
-                      for lane in lanes])
+    measured = total([Depth(lane["length"], lane["pending"], lane["lag"], lane["lag_exact"],
+                            lane["pending_tokens"]) for lane in lanes])
     freshest: dict[str, dict[str, Any]] = {}  # each live worker once: it serves every lane
     for worker in sorted((w for lane in lanes for w in lane["workers"]), key=lambda w: -w["at"]):
         freshest.setdefault(worker["consumer"], worker)
@@ -190,8 +190,8 @@ def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "queue": name, "label": f"{name} ({plural(shards, 'shard')})", "shards": shards,
         "lanes": [lane["label"] for lane in lanes],
-        "length": measured.length, "pending": measured.pending,
-        "oldest_pending_ms": max(oldest) if oldest else None,
+        "length": measured.length, "pending_tokens": measured.tokens,
+        "pending": measured.pending, "oldest_pending_ms": max(oldest) if oldest else None,
         "lag": measured.lag, "lag_exact": measured.lag_exact,
         "dead": sum(lane["dead"] for lane in lanes),
         "stale_workers": sorted({n for lane in lanes for n in lane["stale_workers"]} - live),
@@ -211,11 +211,13 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
             oldest_pending_ms = max(0, int(now * 1000) - entry_ms(summary["min"]))
     length = int(r.xlen(stream))
     measured = depth(length, pending, group_exists=group is not None,
-                     reported_lag=group.get("lag") if group else None)
+                     reported_lag=group.get("lag") if group else None,
+                     tokens=r.hget(keys.pending(q), keys.PENDING_TOTAL))
     workers, stale = _workers(r, q, now)
     return {
         "queue": q.name, "shard": q.shard, "label": queue_label(q), "stream": stream,
-        "length": length, "pending": pending, "oldest_pending_ms": oldest_pending_ms,
+        "length": length, "pending_tokens": measured.tokens, "pending": pending,
+        "oldest_pending_ms": oldest_pending_ms,
         "lag": measured.lag, "lag_exact": measured.lag_exact,
         "dead": int(r.xlen(keys.dead(q))),
         "group": group is not None,

@@ -75,7 +75,8 @@ def backlog(q: dict[str, Any]) -> str:
     oldest = "" if q["oldest_pending_ms"] is None else f" (oldest {q['oldest_pending_ms']}ms)"
     lag = str(q["lag"]) + ("" if q["lag_exact"] else "~")
     gone = f" ({len(q['stale_workers'])} gone)" if q["stale_workers"] else ""
-    return (f"length {q['length']}  pending {q['pending']}{oldest}  lag {lag}  "
+    return (f"length {q['length']} ({q['pending_tokens']} tokens)  "
+            f"pending {q['pending']}{oldest}  lag {lag}  "
             f"dead {q['dead']}  workers {q['totals']['workers']}{gone}")
 
 

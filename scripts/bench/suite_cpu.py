@@ -132,7 +132,8 @@ async def _floor(url: str, queue: str, requests: int) -> tuple[float, float, flo
             for entry_id, fields in stream_entries(reply):
                 request = wire.decode_fields(fields)
                 payload = wire.encode_embedding_reply(request.id, vector, FLOOR_DIM, tokens=3)
-                answers.append(Answer(entry_id, request.reply_to, payload, True))
+                answers.append(Answer(entry_id, request.reply_to, payload, True,
+                                      counted=request.counted))
             answered += await publisher.publish(answers)
         return (time.process_time() - own, harness.redis_cpu_seconds(server) - redis_cpu,
                 time.perf_counter() - started)

@@ -252,12 +252,12 @@ def run(size: str) -> dict[str, Any]:
     runtime = harness.bench_runtime()
     extra_config: dict[str, Any] = {}
     if runtime != "torch":
-        torch_round = None
+        torch_run = None
         if size in REUSED_TORCH_ROUND:
-            torch_round = (timings[tokenq_name], ideal[best])
+            torch_run = (timings[tokenq_name], ideal[best])
         extra_config, runtime_notes = runtime_rows(
             rows, runtime, texts, tokens, (tokenq_name, *setting_of[tokenq_name]), best,
-            backend, st_vectors, PAIRED_ROUNDS[size], torch_round,
+            backend, st_vectors, PAIRED_ROUNDS[size], torch_run,
         )
         ratios[f"{runtime}_over_torch"] = extra_config[f"{runtime}_over_torch"]
         notes += runtime_notes
@@ -284,7 +284,7 @@ def run(size: str) -> dict[str, Any]:
 def runtime_rows(
     rows: list[dict[str, Any]], runtime: str, texts: list[str], tokens: int,
     setting: tuple[str, int, float], best: int, torch_backend: Any, st_vectors: np.ndarray,
-    rounds: int, torch_round: tuple[Timing, Timing] | None = None,
+    rounds: int, torch_run: tuple[Timing, Timing] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The best tokenq setting and the ideal at its best budget, torch and ``runtime`` paired.
 
@@ -292,7 +292,7 @@ def runtime_rows(
     and ideal, and the ratio is of the rounds' total times: on a shared
     machine, two measurements minutes apart differ by more than the runtimes
     do, so the torch figures of the main table are not reused, except as
-    ``torch_round``: the first round's torch (tokenq, ideal) timings, already
+    ``torch_run``: the first pass's torch (tokenq, ideal) timings, already
     measured (``--size tiny``, whose figures are noise anyway). Rows are
     appended to ``rows`` in place. ``setting``: the best torch tokenq row's
     (name, budget, read-ahead).
@@ -305,7 +305,7 @@ def runtime_rows(
                                       "ideal": []}
     runtime_run = None
     for round_ in range(rounds):
-        reused = torch_round if round_ == 0 else None
+        reused = torch_run if round_ == 0 else None
         torch_timing = reused[0] if reused else tokenq_run(texts, budget, read_ahead)[0]
         spent["tokenq torch"].append(torch_timing)
         timing, runtime_run = tokenq_run(texts, budget, read_ahead, runtime)

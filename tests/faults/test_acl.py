@@ -322,7 +322,8 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
 # ------------------------------------------------- every right, on every key
 
 KEY_KINDS = ("requests", "dead", "config", "workers", "worker", "reply", "seen", "retired",
-             "shards_served", "idem", "cache", "cache_index", "cache_bytes")
+             "shards_served", "idem", "cache", "cache_index", "cache_bytes", "pending", "tenants",
+             "weights")
 """The queue's keys, by what :func:`key_of` names."""
 
 
@@ -333,6 +334,7 @@ def key_of(q: keys.QueueRef, kind: str) -> str:
         "reply": keys.reply(q, "x"), "seen": keys.seen(q, "x"), "retired": keys.retired(q),
         "shards_served": keys.shards_served(q), "idem": keys.idempotent_answer(q, "x"),
         **dict(zip(("cache", "cache_index", "cache_bytes"), keys.cache(q), strict=True)),
+        "pending": keys.pending(q), "tenants": keys.tenants(q), "weights": keys.weights(q),
     }[kind]
 
 
@@ -369,6 +371,7 @@ KEYED = {
     "ltrim": ["LTRIM", "{k}", "0", "-1"],
     "rpush": ["RPUSH", "{k}", "v"],
     "hgetall": ["HGETALL", "{k}"],
+    "smembers": ["SMEMBERS", "{k}"],
     "hkeys": ["HKEYS", "{k}"],
     "hget": ["HGET", "{k}", "f"],
     "hset": ["HSET", "{k}", "f", "v"],
@@ -381,6 +384,7 @@ KEYED = {
     "zrangebyscore": ["ZRANGEBYSCORE", "{k}", "-inf", "1"],
     "zrem": ["ZREM", "{k}", "m"],
     "zcard": ["ZCARD", "{k}"],
+    "hincrby": ["HINCRBY", "{k}", "f", "1"],
     "eval": ["EVAL", "return 1", "1", "{k}"],
 }
 """Commands on one key, each as ``ACL DRYRUN`` takes it (``{k}``: the key)."""
@@ -411,6 +415,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "del": frozenset({"reply", "idem"}),
         "hgetall": frozenset({"config"}),
         "hkeys": frozenset({"workers", "worker"}),
+        "hincrby": frozenset({"pending"}),
     },
     "worker": {
         "fcall": frozenset({"requests", "dead", "reply", "worker", "workers", "retired",
@@ -425,14 +430,16 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "xadd": frozenset({"dead"}),
         "exists": frozenset({"requests", "worker", "retired"}),
         "del": frozenset({"requests", "dead", "worker", "workers", "config", "shards_served",
-                          "retired", "cache", "cache_bytes"}),
+                          "retired", "cache", "cache_bytes", "pending"}),
         "rpush": frozenset({"reply"}),
         "pexpire": frozenset({"reply", "worker"}),
         "set": frozenset({"worker", "shards_served", "retired", "cache_bytes"}),
         "get": frozenset({"shards_served", "cache_bytes"}),
         "hset": frozenset({"workers", "config"}),
         "hdel": frozenset({"workers", "config", "cache"}),
-        "hkeys": frozenset({"workers"}), "hget": frozenset({"config"}),
+        "hkeys": frozenset({"workers"}), "hget": frozenset({"config", "pending"}),
+        "hincrby": frozenset({"pending"}),
+        "hgetall": frozenset({"weights"}), "smembers": frozenset({"tenants"}),
     },
 }
 """Where docs/SECURITY.md's "Why each right" grants each keyed command; nowhere else."""

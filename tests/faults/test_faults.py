@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 from tests.lossy_proxy import LossyProxy
 from tests.redis_server import RedisServer
-from tests.support import SimModel, blpop_within, fleet_fixture, wait_for
+from tests.support import SimModel, blpop_within, fleet_fixture, pending_tokens, wait_for
 from tokenq.producer import AsyncClient, Client
 from tokenq.shared import keys, wire
 from tokenq.shared.errors import BrokerUnavailable, RemoteError
@@ -180,6 +180,8 @@ def test_kill_9_workers_repeatedly_every_request_answered_once(fleet, r, redis_u
             held = pending_of(r, q, victim.name)
             victim.kill()
             orphaned.append(held)
+            counted, in_stream = pending_tokens(r, q)  # its batch left mid-way, unacked
+            assert counted == in_stream > 0
             live.remove(victim)
             live.append(fleet.start(*flags))
 
@@ -201,6 +203,7 @@ def test_kill_9_workers_repeatedly_every_request_answered_once(fleet, r, redis_u
     wait_for(lambda: pending_of(r, q) == 0, 30, "pending 0")
     assert r.xlen(keys.requests(q)) == 0
     assert r.xlen(keys.dead(q)) == 0
+    assert r.hgetall(keys.pending(q)) == {b"tokens": b"0"}  # every entry's field gone too
 
 
 # ------------------------------------------------------- 2. Redis restart, AOF on
@@ -609,6 +612,7 @@ def test_entry_whose_holders_keep_dying_becomes_a_dead_letter(fleet, r, redis_ur
     assert fields[b"dead_source_id"] == doomed_entry
     assert int(fields[b"dead_at_ms"]) > 0 and fields[b"dead_error"]
     assert r.xlen(stream) == 0 and pending_of(r, q) == 0
+    assert pending_tokens(r, q) == (0, 0)
     record("dead letter by delivery count", requests=2, dead_lettered=1, lost=0, duplicates=0)
 
 

@@ -453,7 +453,10 @@ class Harness:
         prefix = keys.reply_prefix(q).encode()
         allowed_new = (prefix, keys.seen(q, "").encode())
         created = [key for key in set(r.scan_iter(count=1000)) - self.before
-                   if not key.startswith(allowed_new) and key != keys.dead(q).encode()]
+                   if not key.startswith(allowed_new)
+                   and key not in (keys.dead(q).encode(), keys.pending(q).encode())]
+        assert r.type(keys.pending(q)) in (b"hash", b"none")  # its pending tokens, one field
+        assert set(r.hkeys(keys.pending(q))) <= {keys.PENDING_TOTAL.encode()}
         assert not created, f"keys outside the reply namespace appeared: {created[:10]}"
         owed_keys = {owed.reply_key for *_, owed in self.owed.values()
                      if owed.reply_key is not None and owed.reply_key != self.targets.inbox}

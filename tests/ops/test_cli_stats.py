@@ -28,7 +28,8 @@ from tokenq.shared.keys import queue_of as parse_queue_key
 pytest_plugins = ("tests.cli_fixtures",)
 
 QUEUE_FIELDS = {
-    "queue", "shard", "label", "stream", "length", "pending", "oldest_pending_ms", "lag",
+    "queue", "shard", "label", "stream", "length", "pending_tokens", "pending",
+    "oldest_pending_ms", "lag",
     "lag_exact", "dead", "group", "consumers", "workers", "stale_workers", "totals", "config",
 }
 WORKER_FIELDS = {

@@ -104,8 +104,16 @@ def redis_set(manifests: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def trigger(manifests: list[dict[str, Any]]) -> dict[str, Any]:
-    [only] = find(manifests, "ScaledObject")["spec"]["triggers"]
-    return only
+    [length] = [t for t in find(manifests, "ScaledObject")["spec"]["triggers"]
+                if t["type"] == "redis-streams"]
+    return length
+
+
+@pytest.fixture(scope="module")
+def token_trigger(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    [tokens] = [t for t in find(manifests, "ScaledObject")["spec"]["triggers"]
+                if t["type"] == "prometheus"]
+    return tokens
 
 
 def redis_conf(manifests: list[dict[str, Any]]) -> dict[str, str]:
@@ -370,6 +378,27 @@ def test_keda_scales_the_worker_on_its_queue_length(trigger, worker, manifests):
     auth = find(manifests, "TriggerAuthentication")
     assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
     assert [t["parameter"] for t in auth["spec"]["secretTargetRef"]] == ["password"]
+
+
+@pytest.mark.unit
+def test_keda_scales_on_pending_tokens_over_measured_tokens_per_second(token_trigger, worker):
+    """The prometheus trigger reads the figures the workers export, for their own queue;
+    it never comes back empty (which KEDA would read as an error or 0 alike), and the
+    length trigger, which needs no worker, wakes the fleet from zero."""
+    from tokenq.worker.metrics import Metrics
+
+    meta = token_trigger["metadata"]
+    queue = tokenq_env(container(worker))["TOKENQ_QUEUE"]
+    metrics = Metrics(queue)
+    metrics.queue_depth(1, 0, 1, 500)
+    exported = {m.name for m in metrics.registry.collect()}
+    query = " ".join(meta["query"].split())
+    named = set(re.findall(r"(tokenq_\w+)\{queue=\"([^\"]+)\"\}", query))
+    assert named == {("tokenq_queue_pending_tokens", queue), ("tokenq_tokens_total", queue)}
+    assert {"tokenq_queue_pending_tokens", "tokenq_tokens"} <= exported
+    assert query.startswith("(max(tokenq_queue_pending_tokens") and "/" in query
+    assert "or vector(2000)" in query and query.endswith("or vector(0)")  # from zero: 0, not empty
+    assert float(meta["threshold"]) > 0 and float(meta["activationThreshold"]) >= 0
 
 
 def test_the_stream_length_is_every_unanswered_request(redis_url, queue_name):

@@ -204,6 +204,42 @@ def test_an_optional_field_is_read_whatever_else_is_there(
     assert wire.decode_fields(fields, default_reply_to=lambda rid: f"r:{rid}") == request
 
 
+@given(st.sets(st.sampled_from(["tokens", "reply_to", "deadline_ms", "timeout_ms",
+                                "priority"])), st.binary(max_size=12))
+def test_the_scripts_counted_field_is_read_past(given_fields: set[str], counted: bytes) -> None:
+    """docs/PROTOCOL.md: ``counted``, written first by tokenq's scripts (any value, as a plain
+    XADD may forge it), changes nothing in the request, optional fields included."""
+    fields = valid_fields(**{name: b"7" for name in given_fields},
+                          **dict.fromkeys({"tokens", "reply_to"} - given_fields))
+    marked = {wire.COUNTED_FIELD.encode(): counted, **fields}
+    plain = wire.decode_fields(fields, default_reply_to=lambda rid: f"r:{rid}")
+    assert plain.counted == 0
+    plain.counted = wire.counted_of(marked)
+    assert wire.decode_fields(marked, default_reply_to=lambda rid: f"r:{rid}") == plain
+    assert wire.decode_request(marked, default_reply_to=lambda rid: f"r:{rid}") == plain
+
+
+@pytest.mark.parametrize(("value", "counted"), [
+    (b"7", 7), (b"007", 7), (b"0", 0), (b"16777216", 16777216), (b"16777217", 0),
+    (b"000000007", 0), (b"", 0), (b"-5", 0), (b"+5", 0), (b" 5", 0), (b"5.0", 0),
+    (b"1e3", 0), ("٣".encode(), 0), (b"99999999", 0),
+])
+def test_an_entry_s_counted_tokens_are_its_first_field_as_the_scripts_read_it(
+    value: bytes, counted: int
+) -> None:
+    """docs/PROTOCOL.md: the worker reads ``counted`` as enqueue.lua's count_of does (1 to 8
+    digits, at most 2^24; anything else counts 0, never an error), and only as the first
+    field, where the scripts write it."""
+    name = wire.COUNTED_FIELD.encode()
+    fields = valid_fields(tokens=b"3")
+    first = {name: value, **fields}
+    assert wire.counted_of(first) == counted
+    assert wire.decode_fields(first).counted == counted
+    later = {**fields, name: value}
+    assert wire.counted_of(later) == 0 and wire.decode_fields(later).counted == 0
+    assert wire.counted_of({}) == 0
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

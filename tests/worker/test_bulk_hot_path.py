@@ -202,7 +202,8 @@ def _layout(answers: list[Answer], refused: dict[bytes, str]) -> tuple[list[str]
             if answer.reply_to not in names[2:]:
                 names.append(answer.reply_to)
             slot, payload = str(names.index(answer.reply_to) + 1).encode(), answer.payload
-        argv += [answer.entry_id, slot, payload, str(len(answer.dead_fields)).encode()]
+        argv += [answer.entry_id, slot, payload, str(answer.counted).encode(),
+                 str(len(answer.dead_fields)).encode()]
         argv += [value.encode() if isinstance(value, str) else value
                  for pair in answer.dead_fields for value in pair]
     return names, argv
@@ -216,13 +217,15 @@ _texts = st.one_of(st.binary(max_size=40), st.text(max_size=20))
 @given(st.lists(st.tuples(
     st.binary(min_size=1, max_size=24), st.one_of(st.none(), st.sampled_from(["k1", "k2", "é"])),
     st.binary(max_size=300), st.lists(st.tuples(_texts, _texts), max_size=3), st.booleans(),
+    st.integers(0, wire.MAX_TOKENS),
 ), max_size=20))
 def test_a_calls_packed_arguments_are_the_layout_the_script_reads(rows: list) -> None:
     """Whatever the answers (no reply key, repeated ones, refused, dead-letter fields of
-    bytes or text, empty payloads, payloads that contain CRLF), the packed ARGV spelled out
-    is exactly the plain layout, and the tail counts its arguments."""
-    answers = [Answer(entry_id, reply_to, payload, ok=not dead, dead_fields=tuple(dead))
-               for entry_id, reply_to, payload, dead, _ in rows]
+    bytes or text, empty payloads, payloads that contain CRLF, any counted tokens), the packed
+    ARGV spelled out is exactly the plain layout, and the tail counts its arguments."""
+    answers = [Answer(entry_id, reply_to, payload, ok=not dead, dead_fields=tuple(dead),
+                      counted=counted)
+               for entry_id, reply_to, payload, dead, _, counted in rows]
     refused = {row[0]: f"refused {i} ✓" for i, row in enumerate(rows) if row[4]}
     publisher = Publisher(aioredis.Redis(), Target("stream", "dead", "group", "c1"),
                           reply_ttl_ms=60_000, dead_max_len=1000,

@@ -14,10 +14,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from tokenq.shared import keys
+from tokenq.shared import keys, wire
 from tokenq.shared.errors import ErrorCode
 from tokenq.worker.loop.reader import EXCESS_AT_MOST, claim_excess, excess_refusals
-from tokenq.worker.pipeline.jobs import DeadLetterPolicy
+from tokenq.worker.pipeline.jobs import DeadLetterPolicy, dead_answer
 
 
 def fill(r: redis.Redis, stream: str, n: int) -> list[bytes]:
@@ -93,6 +93,29 @@ def test_a_refusal_is_a_queue_full_dead_letter_answered_on_the_callers_key(
         letter = {_text(name): _text(value) for name, value in answer.dead_fields}
         assert letter["dead_error_code"] == ErrorCode.QUEUE_FULL.value
         assert letter["text"] == "t"  # the request as written, for `tokenq dlq`
+
+
+def test_a_refusal_takes_off_no_counted_tokens_a_dead_letter_takes_off_its_own(
+    queue_name: str,
+) -> None:
+    """docs/PROTOCOL.md, "Pending tokens": claim_excess took a taken entry's counted tokens
+    off already, so its refusal's answer carries 0; any other dead letter carries what the
+    entry's first field counts, for publish to take off."""
+    q = keys.QueueRef(queue_name)
+    policy = DeadLetterPolicy(
+        worker="me", max_deliveries=5, default_reply_to=functools.partial(keys.reply, q),
+        max_request_bytes=1 << 16, check_reply_to=keys.reply_to_check(q), max_letter_bytes=4096,
+    )
+    fields = {wire.COUNTED_FIELD.encode(): b"9", b"v": b"1", b"id": b"a", b"text": b"t",
+              b"tokens": b"9"}
+    [refusal] = excess_refusals([(b"1-0", fields)], 3, policy=policy, now_epoch_ms=1)
+    assert refusal.counted == 0
+    letter = dead_answer(b"1-0", fields, ErrorCode.BAD_REQUEST, "x", policy=policy,
+                         deliveries=6, now_epoch_ms=1)
+    assert letter.counted == 9
+    forged_later = {b"v": b"1", b"id": b"a", wire.COUNTED_FIELD.encode(): b"9"}
+    assert dead_answer(b"1-0", forged_later, ErrorCode.BAD_REQUEST, "x", policy=policy,
+                       deliveries=6, now_epoch_ms=1).counted == 0
 
 
 def _text(value: str | bytes) -> str:

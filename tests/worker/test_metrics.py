@@ -144,8 +144,9 @@ def test_worker_registries_do_not_collide():
     first.tokenized(0.002)
     first.reclaimed(3)
     first.dead_lettered(2)
-    first.queue_depth(length=7, pending=5, lag=2)
+    first.queue_depth(length=7, pending=5, lag=2, tokens=840)
     text = scraped(first)
+    assert 'tokenq_queue_pending_tokens{queue="a"} 840.0' in text
     assert 'tokenq_batches_total{queue="a"} 1.0' in text
     assert 'tokenq_requests_total{outcome="ok",queue="a"} 1.0' in text
     assert 'tokenq_requests_total{outcome="too_long",queue="a"} 1.0' in text
@@ -189,7 +190,8 @@ def test_a_batch_histogram_matches_the_librarys_buckets():
 
 def test_queue_depth_reads_length_pending_and_lag(r: redis.Redis, redis_url: str,
                                                   queue_name: str):
-    stream = keys.requests(keys.QueueRef(queue_name))
+    q = keys.QueueRef(queue_name)
+    stream = keys.requests(q)
     r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
     ids = [r.xadd(stream, {"n": str(i)}) for i in range(5)]
     r.xreadgroup(keys.GROUP, "c", {stream: ">"}, count=2)
@@ -197,13 +199,15 @@ def test_queue_depth_reads_length_pending_and_lag(r: redis.Redis, redis_url: str
     async def measure() -> Depth:
         client = aioredis.Redis.from_url(redis_url)
         try:
-            return await beat.measure(client, [stream])
+            return await beat.measure(client, [q])
         finally:
             await client.aclose()
 
     assert asyncio.run(measure()) == Depth(length=5, pending=2, lag=3, lag_exact=True)
     r.xdel(stream, ids[3])  # an unread entry deleted: Redis can no longer count the lag
-    assert asyncio.run(measure()) == Depth(length=4, pending=2, lag=2, lag_exact=False)
+    r.hset(keys.pending(q), keys.PENDING_TOTAL, 1234)  # as enqueue.lua keeps it
+    assert asyncio.run(measure()) == Depth(length=4, pending=2, lag=2, lag_exact=False,
+                                           tokens=1234)
 
 
 @pytest.mark.unit

@@ -69,15 +69,16 @@ class Beat:
     async def _measure_depth(self) -> None:
         """Refresh the queue-depth gauges; a failure (an ACL without XLEN) is logged once."""
         try:
-            found = await measure(self._wiring.client, [lane.stream for lane in self._lanes])
+            found = await measure(self._wiring.client, [lane.queue for lane in self._lanes])
         except RedisError as exc:
             if not self._depth_failed:
-                log.warning("queue depth metrics unavailable (%s); needs XLEN and "
-                            "XINFO GROUPS on %s", error_text(exc), self._lanes.streams())
+                log.warning("queue depth metrics unavailable (%s); needs XLEN, "
+                            "XINFO GROUPS and HGET on %s", error_text(exc), self._lanes.streams())
             self._depth_failed = True
             return
         self._depth_failed = False
-        self._wiring.recorder.metrics.queue_depth(found.length, found.pending, found.lag)
+        self._wiring.recorder.metrics.queue_depth(found.length, found.pending, found.lag,
+                                                  found.tokens)
 
     async def _beat_lanes(self, status: Heartbeat, ttl_ms: int) -> None:
         """Beat, and keep held entries' claims fresh, on every lane at once, each bounded by
@@ -114,17 +115,19 @@ class Beat:
                                 held[start:start + CLAIM_CHUNK], justid=True)
 
 
-async def measure(client: Any, streams: list[str]) -> Depth:
+async def measure(client: Any, queues: list[keys.QueueRef]) -> Depth:
     """The queue's depth now, over all its streams (raises RedisError, e.g. NOPERM without
-    ``+xlen +xinfo|groups``)."""
+    ``+xlen +xinfo|groups +hget``)."""
     found = []
-    for stream in streams:
+    for q in queues:
         async with client.pipeline(transaction=False) as pipe:
-            pipe.xlen(stream)
-            pipe.xinfo_groups(stream)
-            length, groups = await pipe.execute()
+            pipe.xlen(keys.requests(q))
+            pipe.xinfo_groups(keys.requests(q))
+            pipe.hget(keys.pending(q), keys.PENDING_TOTAL)
+            length, groups, tokens = await pipe.execute()
         group: dict[str, Any] = next(
             (g for g in groups if as_text(g.get("name")) == keys.GROUP), {})
         found.append(depth(int(length), int(group.get("pending") or 0),
-                           group_exists=bool(group), reported_lag=group.get("lag")))
+                           group_exists=bool(group), reported_lag=group.get("lag"),
+                           tokens=tokens))
     return total(found)

@@ -36,8 +36,9 @@ def answers_by_lane(
         answers = owed.get(lane)
         if answers is None:
             answers = owed[lane] = []
-        answers.append(Answer(entry_id, outcome.request.reply_to, payload, ok, (),
-                              None if ok else outcome.code))
+        request = outcome.request
+        answers.append(Answer(entry_id, request.reply_to, payload, ok, (),
+                              None if ok else outcome.code, request.counted))
     return owed
 
 

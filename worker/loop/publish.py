@@ -19,8 +19,8 @@ from tokenq.worker.pipeline.jobs import Answer
 
 log = logging.getLogger("tokenq.worker")
 
-_ANSWER = bulk_format(4)
-"""One answer with no dead-letter fields: entry id, reply key slot, payload, ``0``."""
+_ANSWER = bulk_format(5)
+"""One answer with no dead-letter fields: entry id, reply key slot, payload, counted, ``0``."""
 
 
 class Target(NamedTuple):
@@ -64,7 +64,7 @@ class Publisher:
         index: dict[str, bytes] = {}
         parts: list[bytes] = []
         add = parts.append  # bound once: this loop runs per answer
-        count = 4 * len(answers)
+        count = 5 * len(answers)
         for answer in answers:
             entry_id = answer.entry_id
             if refused and entry_id in refused:
@@ -76,14 +76,14 @@ class Publisher:
                     if slot == b"0":
                         keys.append(reply_to)
                         slot = index[reply_to] = b"%d" % len(keys)
-            dead_fields = answer.dead_fields
+            dead_fields, counted = answer.dead_fields, b"%d" % answer.counted
             if dead_fields:
-                add(b"".join(map(bulk, (entry_id, slot, payload, len(dead_fields),
+                add(b"".join(map(bulk, (entry_id, slot, payload, counted, len(dead_fields),
                                         *(value for pair in dead_fields for value in pair)))))
                 count += 2 * len(dead_fields)
             else:
                 add(_ANSWER % (len(entry_id), entry_id, len(slot), slot, len(payload), payload,
-                               1, b"0"))
+                               len(counted), counted, 1, b"0"))
         return keys, [*self._head, len(answers), PackedArgs(count, b"".join(parts))]
 
     async def publish_once(

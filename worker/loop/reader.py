@@ -112,8 +112,9 @@ def excess_refusals(
     message = (f"the queue held more than its maximum length ({max_len}) when this request "
                "was written around tokenq's enqueue (a plain XADD?): it was refused as an "
                "enqueue past the limit is")
+    # claim_excess took their counted tokens off already: publishing them takes off none.
     return [dead_answer(entry_id, fields, ErrorCode.QUEUE_FULL, message, policy=policy,
-                        deliveries=1, now_epoch_ms=now_epoch_ms)
+                        deliveries=1, now_epoch_ms=now_epoch_ms, counts=False)
             for entry_id, fields in entries]
 
 

@@ -3,6 +3,8 @@
 --
 -- Keys touched (one queue's hash tag, so one Cluster slot):
 --   KEYS[1]  <prefix>:{q}:requests   stream  XLEN, XINFO GROUPS, XREVRANGE, XCLAIM FORCE, XDEL
+--   and <prefix>:{q}:pending (named from KEYS[1]) hash HINCRBY: the taken entries' counted
+--   tokens (their first field) off the sum
 --
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] max_len (at least 1)   ARGV[4] most to take
 --
@@ -16,6 +18,8 @@
 
 local stream, group, consumer = KEYS[1], ARGV[1], ARGV[2]
 local max_len, most = tonumber(ARGV[3]), tonumber(ARGV[4])
+-- tokenq:include pending_tokens.lua
+
 if max_len == nil or most == nil or max_len < 1 or most < 1 then
   return redis.error_reply("ERR tokenq claim_excess: max_len and the count must be at least 1")
 end
@@ -45,13 +49,15 @@ local taken = redis.call("XREVRANGE", stream, "+", "(" .. delivered, "COUNT",
 if #taken == 0 then
   return {}
 end
-local claim, ids = {"XCLAIM", stream, group, consumer, "0"}, {}
+local claim, ids, sum = {"XCLAIM", stream, group, consumer, "0"}, {}, 0
 for i, entry in ipairs(taken) do
   ids[i] = entry[1]
   claim[#claim + 1] = entry[1]
+  sum = sum + counted_of(entry[2])
 end
 claim[#claim + 1] = "FORCE"
 claim[#claim + 1] = "JUSTID"
+pending_release(stream, sum)
 redis.call(unpack(claim))
 redis.call("XDEL", stream, unpack(ids))
 return taken

@@ -1,13 +1,21 @@
 -- publish.lua: answer a batch of requests, each exactly once, in one atomic step.
 --
 -- Keys (one hash tag, so one Cluster slot; a custom reply_to must carry it too):
---   KEYS[1]     <prefix>:{q}:requests   stream  XPENDING (ownership), XRANGE, XACK, XDEL
+--   KEYS[1]     <prefix>:{q}:requests   stream  XPENDING (ownership), XACK, XDEL; XRANGE
+--                                               (a letter the worker could not write)
 --   KEYS[2]     <prefix>:{q}:dead       stream  XADD MAXLEN ~ (dead letters only)
 --   KEYS[3..]   reply keys              list    RPUSH (per key and 1,000 replies), PEXPIRE
+--   and <prefix>:{q}:pending (named from KEYS[1]) hash HINCRBY: the settled entries'
+--   counted tokens off the sum (pending_tokens.lua), once a call
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
 -- ARGV[5] dead_max_letter_bytes   ARGV[6] n, then per answer: entry_id, reply (its
 --   key's KEYS index; 0 = none; -1 = reply_to refused before the call, payload then
---   says why), payload (msgpack reply), k (dead-letter field pairs), k pairs
+--   says why), payload (msgpack reply), counted (the entry's counted tokens as the worker
+--   read them at delivery, 0 when it had none; not a count: 0), k (dead-letter field
+--   pairs), k pairs
+--
+-- The counted values are the worker's (a trusted writer): no entry is read back for them.
+-- Only the answers really settled (still pending to this consumer) take theirs off.
 --
 -- An answer is published only while its entry is still pending to this consumer
 -- (one claimed by another worker, or answered, is dropped): exactly one reply.
@@ -22,6 +30,7 @@
 -- tokenq:include dead_fields.lua
 -- tokenq:include dead_letter.lua
 -- tokenq:include refusal.lua
+-- tokenq:include pending_tokens.lua
 
 local stream, dead = KEYS[1], KEYS[2]
 local group, consumer = ARGV[1], ARGV[2]
@@ -41,6 +50,13 @@ if count(ttl_ms, 1) == nil or count(dead_max_len, 0) == nil or letter_bytes == n
     .. "the dead stream's length and letter caps and n, 0 to 15 digits")
 end
 local unwritten = 0
+-- Before any write: a worker that may not keep the pending tokens (an ACL from before them)
+-- is refused here, not after its replies are pushed (Redis 7; 6.2 checks each command).
+if redis.acl_check_cmd
+    and not redis.acl_check_cmd("HINCRBY", pending_key(stream), PENDING_TOTAL, "0") then
+  return redis.error_reply("NOPERM tokenq publish: this user may not HINCRBY "
+    .. pending_key(stream) .. " (docs/SECURITY.md)")
+end
 
 -- nil when the letter was written or its key can never take it (counted in
 -- unwritten); else the error of a Redis that refuses writes now.
@@ -73,7 +89,11 @@ end
 -- Most values one unpack hands a command: Lua's C stack takes about 8,000.
 local SLICE = 1000
 local settled, settled_at = {}, {}
+local settled_sum = 0  -- the counted tokens of `settled`
+local low, high = nil, nil  -- the call's lowest and highest entry id (below)
 local function settle()
+  pending_release(stream, settled_sum)
+  settled_sum = 0
   for first = 1, #settled, SLICE do
     local ids = {unpack(settled, first, math.min(first + SLICE - 1, #settled))}
     redis.call("XACK", stream, group, unpack(ids))
@@ -90,11 +110,11 @@ end
 -- call's ids; an entry the range did not show is asked about alone, so the range
 -- only saves work and can never drop an answer (odd ids, a cut reply).
 local find, sub = string.find, string.sub
-local low, low_ms, low_seq, high, high_ms, high_seq = nil, 0, 0, nil, 0, 0
+local low_ms, low_seq, high_ms, high_seq = 0, 0, 0, 0
 local pos = 7
 for _ = 1, n do
   local entry_id = ARGV[pos]
-  local k = tonumber(ARGV[pos + 3])
+  local k = tonumber(ARGV[pos + 4])
   if entry_id == nil or k == nil then
     break  -- malformed: the loop below stops at it as it always did
   end
@@ -110,7 +130,7 @@ for _ = 1, n do
       end
     end
   end
-  pos = pos + 4 + 2 * k
+  pos = pos + 5 + 2 * k
 end
 local owned = {}
 if low then
@@ -135,7 +155,7 @@ local published, undeliverable = 0, 0
 
 -- An answer no one can be told: dead-lettered unless it is a dead letter already.
 -- nil, or the error of a Redis that refuses writes now.
-local function unanswerable(entry_id, deliveries, k, why)
+local function unanswerable(entry_id, deliveries, k, why, counted)
   if k == 0 then
     local refused = undeliverable_letter(entry_id, deliveries, why)
     if refused then
@@ -144,6 +164,7 @@ local function unanswerable(entry_id, deliveries, k, why)
   end
   undeliverable = undeliverable + 1
   settled[#settled + 1] = entry_id
+  settled_sum = settled_sum + counted
   published = published + 1
   return nil
 end
@@ -153,10 +174,10 @@ end
 local replies, reply_order = {}, {}
 local function push_all(reply, group)
   local key = KEYS[reply]
-  for first = 1, #group, 4 * SLICE do  -- four slots an answer
-    local last = math.min(first + 4 * SLICE - 1, #group)
+  for first = 1, #group, 5 * SLICE do  -- five slots an answer
+    local last = math.min(first + 5 * SLICE - 1, #group)
     local payloads = {}
-    for j = first + 2, last, 4 do
+    for j = first + 2, last, 5 do
       payloads[#payloads + 1] = group[j]
     end
     local pushed = redis.pcall("RPUSH", key, unpack(payloads))
@@ -171,14 +192,15 @@ local function push_all(reply, group)
       -- a TTL, even if something later in this call fails.
       redis.call("PEXPIRE", key, ttl_ms)
     end
-    for j = first, last, 4 do
+    for j = first, last, 5 do
       if why then
-        local refused = unanswerable(group[j], group[j + 1], group[j + 3], why)
+        local refused = unanswerable(group[j], group[j + 1], group[j + 3], why, group[j + 4])
         if refused then
           return refused
         end
       else
         settled[#settled + 1] = group[j]
+        settled_sum = settled_sum + group[j + 4]
         published = published + 1
       end
     end
@@ -189,16 +211,18 @@ end
 pos = 7
 for _ = 1, n do
   local entry_id, reply, payload = ARGV[pos], tonumber(ARGV[pos + 1]), ARGV[pos + 2]
-  local k = tonumber(ARGV[pos + 3])
+  local k = tonumber(ARGV[pos + 4])
   local deliveries = nil
   if not settled_at[entry_id] then
     deliveries = deliveries_of(entry_id)
   end
   if deliveries then
     settled_at[entry_id] = true
+    local counted = ARGV[pos + 3]
+    counted = (counted == "0" or counted == nil) and 0 or count_of(counted)
     if k > 0 then
       local record = {"XADD", dead, "MAXLEN", "~", dead_max_len, "*"}
-      for j = pos + 4, pos + 3 + 2 * k do
+      for j = pos + 5, pos + 4 + 2 * k do
         record[#record + 1] = ARGV[j]
       end
       local refused = write_letter(record)
@@ -213,22 +237,24 @@ for _ = 1, n do
         replies[reply] = group
         reply_order[#reply_order + 1] = reply
       end
-      -- Four slots an answer, flat: no table made per answer.
+      -- Five slots an answer, flat: no table made per answer.
       group[#group + 1] = entry_id
       group[#group + 1] = deliveries
       group[#group + 1] = payload
       group[#group + 1] = k
+      group[#group + 1] = counted
     elseif reply < 0 then  -- the worker's reason the reply reaches no one
-      local refused = unanswerable(entry_id, deliveries, k, payload)
+      local refused = unanswerable(entry_id, deliveries, k, payload, counted)
       if refused then
         return refuse(refused)
       end
     else  -- no reply wanted
       settled[#settled + 1] = entry_id
+      settled_sum = settled_sum + counted
       published = published + 1
     end
   end
-  pos = pos + 4 + 2 * k
+  pos = pos + 5 + 2 * k
 end
 for _, reply in ipairs(reply_order) do
   local refused = push_all(reply, replies[reply])

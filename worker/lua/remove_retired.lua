@@ -7,6 +7,7 @@
 --   KEYS[3]  <prefix>:{q:k}:retired    string  EXISTS (never removed here)
 --   KEYS[4]  <prefix>:{q:k}:workers    hash    DEL
 --   KEYS[5]  <prefix>:{q:k}:config     hash    DEL
+--   and <prefix>:{q:k}:pending (named from KEYS[1]) hash DEL (an empty stream counts 0)
 --
 -- ARGV[1] group
 --
@@ -18,6 +19,8 @@
 -- atomically, so its stream only shrinks and a producer with a stale shard count
 -- is refused, never writing where nobody reads. Dead letters keep the lane for
 -- `tokenq dlq`.
+
+-- tokenq:include pending_tokens.lua
 
 if redis.call("EXISTS", KEYS[3]) == 0 then
   return "active"
@@ -32,5 +35,5 @@ local pending = redis.pcall("XPENDING", KEYS[1], ARGV[1])
 if type(pending) == "table" and not pending.err and tonumber(pending[1]) > 0 then
   return "draining"
 end
-redis.call("DEL", KEYS[1], KEYS[2], KEYS[4], KEYS[5])
+redis.call("DEL", KEYS[1], KEYS[2], KEYS[4], KEYS[5], pending_key(KEYS[1]))
 return "removed"

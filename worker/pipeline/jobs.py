@@ -27,6 +27,10 @@ class Answer:
     """When not empty, the entry is also copied to the dead stream with these fields."""
     code: str | None = None
     """The error code of a failed reply (what metrics count), None otherwise."""
+    counted: int = 0
+    """The entry's counted tokens as read at delivery (:attr:`wire.Request.counted`), which
+    publishing it takes off the queue's pending tokens; 0 for an entry no script counted, or
+    one already taken off (deleted, or taken by ``claim_excess``)."""
 
     @property
     def outcome(self) -> str | None:
@@ -64,6 +68,7 @@ def dead_answer(
     policy: DeadLetterPolicy,
     deliveries: int,
     now_epoch_ms: int,
+    counts: bool = True,
 ) -> Answer:
     """Answer an entry with an error and move it to the dead stream, original fields
     (for ``tokenq dlq retry``) plus ``dead_*`` fields saying why, who and when."""
@@ -78,7 +83,8 @@ def dead_answer(
                               entry_id.decode())
     record = dead_letter.encode_letter(fields, death, max_bytes=policy.max_letter_bytes)
     answer = error_answer(entry_id, request_id, reply_to, code, message)
-    return dataclasses.replace(answer, dead_fields=record)
+    return dataclasses.replace(answer, dead_fields=record,
+                               counted=wire.counted_of(fields) if counts else 0)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,269 @@
+"""The queue's pending tokens (``keys.pending``, docs/PROTOCOL.md "Pending tokens"): every script
+that adds entries to a request stream or deletes them keeps the sum in the same step, so it is
+the sum of ``tokens`` over the stream's own entries after any interleaving of enqueue, reads,
+abandoned reads (a worker killed with its entries pending), reclaims, publish (replies and dead
+letters), entries taken past the limit, dlq retry, and Redis refusing writes (maxmemory).
+Entries written by a plain XADD are never counted, neither added nor taken off (a dlq retry of
+one's letter is written by a script: counted). Each counted entry carries its count as its first
+field (``counted``); the hash holds the sum alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from tokenq.shared import functions, keys, wire
+from tokenq.shared.keys import QueueRef
+
+CONSUMERS = ("alive", "killed")
+FULL = st.sampled_from([False, False, False, True])
+"""Whether Redis is out of memory for the call."""
+TOKENS = st.one_of(st.integers(0, 3000).map(str), st.sampled_from(
+    ["", "x", "-1", "007", "16777216", "16777217", "999999999", None]))
+"""A ``tokens`` field as any producer may write it (None: no field); digits up to 2^24 count."""
+
+
+MARK = wire.COUNTED_FIELD.encode()
+
+
+def counted(fields: dict[bytes, bytes]) -> int:
+    """What the scripts count for an entry: its ``tokens`` digits, 0 when not 1 to 8 digits
+    at most 2^24 (what a worker decodes)."""
+    text = fields.get(b"tokens", b"")
+    if not (text.isdigit() and len(text) <= 8):
+        return 0
+    return int(text) if int(text) <= 1 << 24 else 0
+
+
+@pytest.fixture
+def over_memory(r: redis.Redis) -> Iterator[Any]:
+    """A context that makes Redis refuse writes for memory (``maxmemory`` 1 byte) while held."""
+    policy = r.config_get("maxmemory-policy")["maxmemory-policy"]
+    r.config_set("maxmemory-policy", "noeviction")
+
+    class Full:
+        def __enter__(self) -> None:
+            r.config_set("maxmemory", 1)
+
+        def __exit__(self, *exc: object) -> None:
+            r.config_set("maxmemory", 0)
+
+    yield Full
+    r.config_set("maxmemory", 0)
+    r.config_set("maxmemory-policy", policy)
+
+
+def test_pending_tokens_equal_the_stream_s_own_tokens_whatever_happens(
+    r: redis.Redis, queue_name: str, over_memory: Any
+) -> None:
+    machine = _machine(r, QueueRef(queue_name), over_memory)
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=40, stateful_step_count=40, deadline=None,
+        suppress_health_check=list(HealthCheck)))
+
+
+def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedStateMachine]:
+    stream, dead, reply = keys.requests(q), keys.dead(q), keys.reply(q, "r")
+    pending = keys.pending(q)
+    enqueue, publish = functions.Function(r, "enqueue"), functions.Function(r, "publish")
+    retry, excess = functions.Function(r, "dlq_retry"), functions.Function(r, "claim_excess")
+
+    def owned(consumer: str) -> list[bytes]:
+        return [p["message_id"] for p in r.xpending_range(stream, keys.GROUP, "-", "+", 1000,
+                                                          consumername=consumer)]
+
+    def entry(entry_id: bytes) -> dict[bytes, bytes]:
+        found = r.xrange(stream, entry_id, entry_id)
+        return found[0][1] if found else {}
+
+    class PendingTokens(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.plain: set[bytes] = set()
+            r.delete(stream, dead, reply, pending)
+            r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+
+        @rule(tokens=st.lists(TOKENS, min_size=1, max_size=5), limit=st.sampled_from([0, 0, 6]),
+              full=FULL)
+        def enqueue(self, tokens: list[str | None], limit: int, full: bool) -> None:
+            args: list[Any] = [limit, len(tokens), 0]
+            for i, value in enumerate(tokens):
+                fields = ["v", "1", "id", f"r{i}", "text", "t"]
+                fields += [] if value is None else ["tokens", value]
+                args += [len(fields) // 2, *fields]
+            self._refusable(full, lambda: enqueue(keys=[stream], args=args))
+
+        @rule(tokens=TOKENS)
+        def plain_xadd(self, tokens: str | None) -> None:
+            """Written around tokenq's enqueue: never counted."""
+            self.plain.add(r.xadd(stream, {"v": "1", "id": "p", "text": "t",
+                                           **({} if tokens is None else {"tokens": tokens})}))
+
+        @rule(consumer=st.sampled_from(CONSUMERS), count=st.integers(1, 4))
+        def read(self, consumer: str, count: int) -> None:
+            r.xreadgroup(keys.GROUP, consumer, {stream: ">"}, count=count)
+
+        @rule(to=st.sampled_from(CONSUMERS))
+        def reclaim(self, to: str) -> None:
+            """A peer takes over what a killed (or any) worker left pending."""
+            r.xautoclaim(stream, keys.GROUP, to, 0, "0-0", count=10)
+
+        @rule(consumer=st.sampled_from(CONSUMERS), how=st.lists(st.sampled_from(
+            ["reply", "none", "dead", "twice"]), min_size=1, max_size=6), full=FULL)
+        def publish(self, consumer: str, how: list[str], full: bool) -> None:
+            args: list[Any] = [keys.GROUP, consumer, 60_000, 1000, 4096, 0]
+            for entry_id, kind in zip(owned(consumer), how, strict=False):
+                letter: list[Any] = []
+                if kind == "dead":
+                    own = [part for pair in entry(entry_id).items() for part in pair]
+                    letter = [*own, "dead_error_code", "dead_letter", "dead_error", "x"]
+                # the worker's value, read at delivery (a deleted entry's: 0)
+                value = wire.counted_of(entry(entry_id))
+                for _ in range(2 if kind == "twice" else 1):
+                    args += [entry_id, 0 if kind in ("none", "dead") else 1, b"payload", value,
+                             len(letter) // 2, *letter]
+                    args[5] += 1
+            self._refusable(full, lambda: publish(keys=[stream, dead, reply], args=args))
+
+        @rule(consumer=st.sampled_from(CONSUMERS), keep=st.integers(1, 4), killed=st.booleans())
+        def take_excess(self, consumer: str, keep: int, killed: bool) -> None:
+            """Entries past the limit taken by a worker, then answered as queue_full letters
+            (unless it is killed first: they stay pending, deleted)."""
+            for entry_id, _ in excess(keys=[stream], args=[keys.GROUP, consumer, keep, 3]):
+                if not killed:
+                        publish(keys=[stream, dead, reply], args=[
+                        keys.GROUP, consumer, 60_000, 1000, 4096, 1, entry_id, 1, b"full", 0, 0])
+
+        @rule(most=st.integers(1, 3), limit=st.sampled_from([0, 0, 4]), full=FULL,
+              drop_deadline=st.booleans())
+        def dlq_retry(self, most: int, limit: int, full: bool, drop_deadline: bool) -> None:
+            letters = [entry_id for entry_id, _ in r.xrange(dead, count=most)]
+            if letters:
+                self._refusable(full, lambda: retry(
+                    keys=[dead, stream], args=[limit, "1" if drop_deadline else "0", *letters]))
+
+        def _refusable(self, full: bool, call: Any) -> None:
+            """The call, with Redis out of memory when ``full``: refused or QUEUEFULL, it wrote
+            nothing (the invariants below say so)."""
+            try:
+                if full:
+                    with over_memory():
+                        call()
+                else:
+                    call()
+            except redis.exceptions.OutOfMemoryError:
+                assert full
+            except redis.ResponseError as exc:
+                assert str(exc).startswith("QUEUEFULL"), exc
+
+        @invariant()
+        def the_sum_is_the_stream_s_tokens(self) -> None:
+            held = {name: int(value) for name, value in r.hgetall(pending).items()}
+            assert set(held) <= {keys.PENDING_TOTAL.encode()}  # the sum alone, no entry's field
+            total, own = held.get(keys.PENDING_TOTAL.encode(), 0), 0
+            for entry_id, fields in r.xrange(stream):  # a dict in the entry's field order
+                first = next(iter(fields.items()))
+                if entry_id in self.plain:
+                    assert first[0] != MARK
+                    continue
+                # the tokens' own text where they count ("007" too), else 0
+                assert first == (MARK, fields[b"tokens"] if counted(fields) else b"0"), fields
+                own += counted(fields)
+            assert total == own >= 0
+
+    return PendingTokens
+
+
+def test_a_counted_entry_costs_a_few_bytes(r: redis.Redis, queue_name: str) -> None:
+    """docs/PROTOCOL.md: the count in each entry and the one sum cost a few bytes an entry over
+    a plain XADD of the same fields (the field's name is stored once per stream node)."""
+    q, plain, n = QueueRef(queue_name), QueueRef(f"{queue_name}-plain"), 2000
+    enqueue = functions.Function(r, "enqueue")
+    for start in range(0, n, 500):
+        args: list[Any] = [0, 500, 0]
+        for i in range(start, start + 500):
+            fields = {"v": "1", "id": f"r{i}", "text": "a short query", "tokens": "12"}
+            args += [4, *(part for pair in fields.items() for part in pair)]
+            r.xadd(keys.requests(plain), fields)
+        enqueue(keys=[keys.requests(q)], args=args)
+    assert r.hgetall(keys.pending(q)) == {b"tokens": str(12 * n).encode()}
+    counted = (r.memory_usage(keys.requests(q), samples=0)
+               + r.memory_usage(keys.pending(q), samples=0))
+    assert (counted - r.memory_usage(keys.requests(plain), samples=0)) / n < 5
+    r.delete(keys.requests(plain))
+
+
+def test_a_forged_count_skews_the_sum_by_at_most_its_own_value_never_below_zero(
+    r: redis.Redis, queue_name: str
+) -> None:
+    """docs/PROTOCOL.md: a plain XADD that writes ``counted`` first is taken off as it is
+    deleted, though never added: the sum is short by at most that value, clamped at 0."""
+    q = QueueRef(queue_name)
+    stream, dead, reply = keys.requests(q), keys.dead(q), keys.reply(q, "r")
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    functions.Function(r, "enqueue")(keys=[stream], args=[0, 1, 0, 2, "id", "a", "tokens", "7"])
+    r.xadd(stream, {wire.COUNTED_FIELD: "5", "v": "1", "id": "f", "text": "t"})
+    r.xadd(stream, {wire.COUNTED_FIELD: "900", "v": "1", "id": "g", "text": "t"})
+    publish = functions.Function(r, "publish")
+    for entry_id, fields in r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1][1:]:
+        publish(keys=[stream, dead, reply], args=[
+            keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 1, b"payload",
+            wire.counted_of(fields), 0])
+        assert int(r.hget(keys.pending(q), keys.PENDING_TOTAL)) >= 0
+    assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == b"0"  # 7 - 5 = 2, then 2 - 900: 0
+
+
+def test_a_worker_that_may_not_keep_the_sum_is_refused_before_it_writes(
+    r: redis.Redis, redis_url: str, queue_name: str
+) -> None:
+    """docs/PROTOCOL.md: a worker's ACL without the hash's rights (one from before it) fails
+    each publish before any reply is pushed or entry acked, never half way."""
+    q = QueueRef(queue_name)
+    stream, reply = keys.requests(q), keys.reply(q, "r")
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    functions.Function(r, "enqueue")(keys=[stream], args=[0, 1, 0, 2, "id", "a", "tokens", "7"])
+    [(entry_id, _)] = r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1]
+    user = f"old-{queue_name}"
+    r.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
+                  commands=["+@all", "-hincrby"])
+    try:
+        worker = redis.Redis.from_url(redis_url, username=user, password="pw")
+        with pytest.raises(redis.ResponseError):
+            functions.Function(worker, "publish")(keys=[stream, keys.dead(q), reply], args=[
+                keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 1, b"payload", 7, 0])
+        worker.close()
+    finally:
+        r.acl_deluser(user)
+    assert r.llen(reply) == 0 and r.xlen(stream) == 1
+    assert r.xpending(stream, keys.GROUP)["pending"] == 1
+    assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == b"7"
+
+
+@pytest.mark.parametrize("value", [b"x", b"-5", b"", b"1e3", b"123456789", b"16777217"])
+def test_publish_counts_a_counted_argument_that_is_no_count_as_0(
+    r: redis.Redis, queue_name: str, value: bytes
+) -> None:
+    """docs/PROTOCOL.md: publish takes off the counted values the worker passes (it reads no
+    entry back); one that is not 1 to 8 digits at most 2^24 takes off nothing, and an answer
+    no longer pending to its consumer (claimed by a peer, answered twice) takes off nothing."""
+    q = QueueRef(queue_name)
+    stream, dead, reply = keys.requests(q), keys.dead(q), keys.reply(q, "r")
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    functions.Function(r, "enqueue")(keys=[stream], args=[
+        0, 3, 0, 2, "id", "a", "tokens", "7", 2, "id", "b", "tokens", "5",
+        2, "id", "c", "tokens", "11"])
+    (a, _), (b, _), (c, fields_c) = r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1]
+    r.xclaim(stream, keys.GROUP, "peer", 0, [b])
+    publish = functions.Function(r, "publish")
+    assert publish(keys=[stream, dead, reply], args=[
+        keys.GROUP, "c", 60_000, 1000, 4096, 4, a, 3, b"p", value, 0, b, 3, b"p", 5, 0,
+        c, 0, b"p", wire.counted_of(fields_c), 0, c, 3, b"p", 11, 0]) == [2, 0, 0]
+    # 23 - 0 (a: its 7 stays) - 11 (c, once); b is the peer's, its 5 stays
+    assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == b"12"
+    assert r.xlen(stream) == 1
