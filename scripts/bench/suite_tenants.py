@@ -29,6 +29,7 @@ from suite_seed import SIM
 
 from tokenq.producer import AsyncClient, Client, QueueFull
 from tokenq.shared import keys
+from tokenq.worker.backends.sim import count_tokens
 
 CALLERS = 4
 SECONDS = {"tiny": 2.0, "small": 6.0, "full": 20.0}
@@ -48,6 +49,14 @@ def submit(url: str, queue: str, tenant: str, texts: list[str]) -> None:
     with Client(redis_url=url, queue=queue, max_queue_length=0) as client:
         for start in range(0, len(texts), 500):
             client.submit_many(texts[start:start + 500], tenant=tenant)
+
+
+def distinct(text: str, count: int, salt: int = 0) -> list[str]:
+    """``count`` texts of ``text``'s sim token count, each its own: identical requests in
+    flight run as one row, which would hide the load."""
+    head, _, rest = text.partition(" ")
+    assert count_tokens(f"{salt}x{count} {rest}") == count_tokens(text), head
+    return [f"{salt}x{i} {rest}" for i in range(count)]
 
 
 async def b_loop(url: str, queue: str, queries: list[str], seconds: float) -> list[float]:
@@ -91,8 +100,8 @@ def share_row(server: Any, workdir: Path, setting: str, size: str, weights: dict
     window = SECONDS[size]
     # Enough for both to stay backlogged past the window even were one served alone.
     capacity = (window + 3) * 1e6 / SLOW_SIM["token_us"]
-    submit(server.url, queue, "a", [a[0]] * int(capacity / a[1]))
-    submit(server.url, queue, "b", [b[0]] * int(capacity / b[1]))
+    submit(server.url, queue, "a", distinct(a[0], int(capacity / a[1])))
+    submit(server.url, queue, "b", distinct(b[0], int(capacity / b[1])))
     client = harness.connect(server.url)
     if weights:
         client.hset(keys.weights(q), mapping=weights)
@@ -134,7 +143,8 @@ def run(size: str) -> dict[str, Any]:
     queries = [text for text, _ in texts["query"]]
     passage = texts["passage"][0]
     query = texts["query"][0]
-    flood = [text for text, _ in texts["passage"]] * (FLOOD // len(texts["passage"]) + 1)
+    flood = [text for n, (passage_text, _) in enumerate(texts["passage"])
+             for text in distinct(passage_text, FLOOD // len(texts["passage"]) + 1, n)]
     with harness.private_redis() as server, tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         rows = [latency_row(server, workdir, "b alone", size, [], queries),
