@@ -196,8 +196,9 @@ def test_ages_use_redis_clock_when_the_operator_clock_is_off(
 
 
 def test_heartbeat_rows_without_a_liveness_key_are_gone_not_workers(
-    redis_url, queue_name, r, capsys
+    redis_url, queue_name, r, capsys, monkeypatch
 ):
+    monkeypatch.setenv("COLUMNS", "400")  # one header line, whatever width the run inherits
     q = QueueRef(queue_name)
     now = _redis_time(r)
     r.xadd(keys.requests(q), {"v": "1", "id": "a", "text": "hello"})

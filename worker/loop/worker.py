@@ -227,8 +227,10 @@ class Worker:
         lifecycle, warned = self._lifecycle, False
         while lifecycle.reading():
             try:
-                found = await tenants.discover(self._wiring.client, homes,
-                                               self.settings.queue_ref, self.lanes.fair)
+                found = await lifecycle.until_stopped(tenants.discover(
+                    self._wiring.client, homes, self.settings.queue_ref, self.lanes.fair), 0)
+                if found is None:  # stopped while Redis had not answered (frozen, slow)
+                    break
                 for queue, tenant in found:
                     if (queue, tenant) in known:
                         continue
