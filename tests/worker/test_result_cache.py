@@ -129,15 +129,18 @@ def test_a_repeated_text_is_answered_from_the_cache_with_the_computed_reply(
     entries, index, counted = keys.cache(q)
     assert r.hlen(entries) == len(texts) == r.zcard(index)
     assert 0 < int(r.get(counted)) <= BUDGET
+    assert int(r.hget(keys.pending(q), keys.PENDING_TOTAL)) == 0  # hits take their tokens off
 
 
-def test_identical_requests_in_one_call_make_one_row(start_worker, redis_url, queue_name):
+def test_identical_requests_in_one_call_make_one_row(start_worker, redis_url, r, queue_name):
     worker = start_worker()
     with Client(redis_url=redis_url, queue=queue_name) as client:
         results = client.infer_many(["the same question"] * 64, timeout_s=30)
     assert len({result.id for result in results}) == 64
     assert all(SIM.vector_ok(result.embedding, "the same question") for result in results)
     assert rows_and_tokens(worker)[0] == 1
+    pending = r.hget(keys.pending(keys.QueueRef(queue_name)), keys.PENDING_TOTAL)
+    assert int(pending) == 0  # the coalesced answers take their tokens off too
 
 
 def test_a_forged_digest_or_a_forged_entry_never_answers_anyone_else(

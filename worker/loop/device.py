@@ -61,7 +61,8 @@ class Device(Rules):
                 continue
             self._outbox.emit(job.ref.lane, [Answer(
                 job.ref.entry_id, job.request.reply_to,
-                wire.reply_with_id(reply, job.request.id), ok=True)])
+                wire.reply_with_id(reply, job.request.id), ok=True,
+                counted=job.request.counted)])
             self._wiring.recorder.metrics.shared("hit", 1)
         return rest
 

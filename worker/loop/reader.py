@@ -410,7 +410,8 @@ class Reader:
                 rest.append((entry_id, request))
             else:
                 hits.append(Answer(entry_id, request.reply_to,
-                                   wire.reply_with_id(reply, request.id), ok=True))
+                                   wire.reply_with_id(reply, request.id), ok=True,
+                                   counted=request.counted))
         self._w.recorder.metrics.shared("hit", len(hits))
         self._w.recorder.metrics.shared("miss", len(asked) - len(hits))
         if hits:
