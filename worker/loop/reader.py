@@ -357,14 +357,15 @@ class Reader:
             present, policy=lane.dead_letters, deliveries=deliveries, now_epoch_ms=now
         )
         answers, requests = list(decoded.answers), decoded.requests
+        digests: list[bytes | None] | None = None
         if requests and self._device.cache is not None:
-            requests = await self._answer_cached(lane, requests, self._device.cache)
+            requests, digests = await self._answer_cached(lane, requests, self._device.cache)
         if not requests:
             return [], answers
         units = AdmitPlace.units(len(requests), sum(
             len(request.text) + len(request.text_pair or "") for _, request in requests))
         admit = functools.partial(_admit, self._device.pipeline, lane, requests, monotonic_ms(),
-                                  now)
+                                  now, digests)
         settings = self._w.settings
         on_loop = self._admit_place.on_loop(units)
         if on_loop:
@@ -394,43 +395,48 @@ class Reader:
 
     async def _answer_cached(
         self, lane: Lane, requests: list[tuple[bytes, wire.Request]], cache: ResultCache,
-    ) -> list[tuple[bytes, wire.Request]]:
-        """Answer from the result cache what it holds, before tokenizing; the rest go on."""
+    ) -> tuple[list[tuple[bytes, wire.Request]], list[bytes | None]]:
+        """Answer from the result cache what it holds, before tokenizing; the rest go on, each
+        with its digest (computed once: admission takes it from here)."""
         digest = self._device.pipeline.digest
         digests = [digest(Ref(lane.index, entry_id), request)
                    for entry_id, request in requests]
         asked = [digest for digest in digests if digest is not None]
         if not asked:
-            return requests
+            return requests, digests
         found = dict(zip(asked, await cache.get(asked), strict=True))
-        rest, hits = [], []
+        rest, rest_digests, hits = [], [], []
         for (entry_id, request), digest in zip(requests, digests, strict=True):
             reply = None if digest is None else found[digest]
             if reply is None:
                 rest.append((entry_id, request))
+                rest_digests.append(digest)
             else:
                 hits.append(Answer(entry_id, request.reply_to,
                                    wire.reply_with_id(reply, request.id), ok=True,
                                    counted=request.counted))
-        self._w.recorder.metrics.shared("hit", len(hits))
-        self._w.recorder.metrics.shared("miss", len(asked) - len(hits))
+        self._w.recorder.shared("hit", len(hits))
+        self._w.recorder.shared("miss", len(asked) - len(hits))
         if hits:
             self._outbox.emit(lane.index, hits)
-        return rest
+        return rest, rest_digests
 
 
 def _admit(
     pipeline: Pipeline[Ref], lane: Lane, requests: list[tuple[bytes, wire.Request]],
-    read_ms: float, now_epoch_ms: int,
+    read_ms: float, now_epoch_ms: int, digests: list[bytes | None] | None = None,
 ) -> tuple[Admitted[Ref], float]:
     """The pipeline's admission of one read and the seconds it took (in a thread, or on the
-    event loop when ``AdmitPlace`` says it is cheap)."""
+    event loop when ``AdmitPlace`` says it is cheap); ``digests``: the cache lookup's."""
     deadline_of = wire.deadline_of
     items = [
         Admit(ref, request, deadline_of(request, entry_id), read_ms)
         for ref, (entry_id, request) in zip(
             lane.refs([entry_id for entry_id, _ in requests]), requests, strict=True)
     ]
+    if digests is not None:
+        for item, digest in zip(items, digests, strict=True):
+            item.digest = digest
     started = time.perf_counter()
     admitted = pipeline.admit(items, now_epoch_ms)
     return admitted, time.perf_counter() - started

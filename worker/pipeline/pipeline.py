@@ -63,6 +63,9 @@ class Admit(Generic[K]):
     request: wire.Request
     deadline_ms: int | None
     arrived_ms: float
+    digest: bytes | None = field(default=None, kw_only=True)
+    """What the answer depends on, hashed (:meth:`Pipeline.digest`), when the caller already
+    has it (a cache lookup); None: not shared, or computed by :meth:`Pipeline.admit`."""
 
 
 @dataclass(slots=True, eq=False)
@@ -75,8 +78,6 @@ class Job(Admit[K]):
     options: RequestOptions = NO_OPTIONS
     truncated: bool = False
     """The encoding is the input cut to the model's limit (the reply says so)."""
-    digest: bytes | None = None
-    """What the answer depends on, hashed (:meth:`Pipeline.digest`); None: not shared."""
 
 
 @dataclass(slots=True, eq=False)
@@ -210,8 +211,9 @@ class Pipeline(Generic[K]):
                 continue
             truncates = self._truncates(options)
             chunks = self.policy == "chunk" and not truncates
-            (whole if chunks else cut).append(
-                (item, options, self._digest(item.ref, item.request, options, truncates)))
+            digest = item.digest if item.digest is not None else self._digest(
+                item.ref, item.request, options, truncates)
+            (whole if chunks else cut).append((item, options, digest))
         if cut:
             self._tokenize_with(cut, self.info.max_input_tokens, out)
         if whole:
@@ -343,7 +345,7 @@ class Pipeline(Generic[K]):
              chunk: ChunkGroup | None = None, chunk_index: int = 0,
              truncated: bool = False, digest: bytes | None = None) -> Job[K]:
         return Job(item.ref, item.request, item.deadline_ms, item.arrived_ms, encoding,
-                   chunk, chunk_index, options, truncated, digest)
+                   chunk, chunk_index, options, truncated, digest=digest)
 
     @staticmethod
     def _failed(
