@@ -463,6 +463,8 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
                              "(0: no cache; identical requests in flight still run once)")
     cache_ttl_s: float = Field(3600.0, gt=0, description="a cached result is answered this long "
                                "after it was computed", json_schema_extra=REDIS_MS)
+    cache_across_tenants: bool = Field(False, description="share cached and coalesced answers "
+                                       "among the queue's tenants (default: each tenant its own)")
     heartbeat_s: float = Field(
         2.0, gt=0, description="heartbeat interval; a worker silent for 3 beats is presumed dead",
         json_schema_extra=REDIS_MS,  # its liveness key lives int(3 × heartbeat_s × 1000) ms

@@ -51,9 +51,6 @@ class BackendInfo:
     token_dim`` flattened); None: such a request is refused."""
     pooling: str | None = None  # ``mean``, ``cls``, ``mean+max``...; the gateway's ``/info``
     extra: dict[str, Any] = field(default_factory=dict)  # facts for logs and the config hash
-    weights: str = ""
-    """A digest of the model's weights or its revision: part of the result cache's key ("":
-    the model's name and facts only, so a model changed in place needs a new cache)."""
 
     @property
     def embeds(self) -> bool:
@@ -133,6 +130,22 @@ class TokenizerSource(Protocol):
         """A picklable callable that builds an equal tokenizer in another process; its
         encodings must pickle too, and be what :meth:`Backend.run` takes."""
         ...
+
+
+@runtime_checkable
+class WeightsIdentity(Protocol):
+    """The optional capability that names the model's weights in the result cache's key
+    (without it: the model's name and facts only, so a model changed in place needs a new
+    cache). Asked only when the cache is on: it may read every weight file."""
+
+    def weights_identity(self) -> str:
+        """A digest of the model's weights, or its revision."""
+        ...
+
+
+def weights_identity_of(backend: Backend) -> str:
+    """The backend's :class:`WeightsIdentity`, or "": the one place it is looked up."""
+    return backend.weights_identity() if isinstance(backend, WeightsIdentity) else ""
 
 
 def tokenizer_source_of(backend: Backend) -> TokenizerSource | None:

@@ -23,7 +23,7 @@ from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import Budget, Packer
 from tokenq.shared.queue_config import describe, encode_config
 from tokenq.worker import host_memory
-from tokenq.worker.backends.base import Backend
+from tokenq.worker.backends.base import Backend, weights_identity_of
 from tokenq.worker.batch_stats import exit_line
 from tokenq.worker.health import Health
 from tokenq.worker.logs import FIELDS
@@ -111,10 +111,7 @@ class Worker:
         pipeline: Pipeline[Ref] = Pipeline(backend, policy=settings.policy,
                                            chunk_overlap=settings.chunk_overlap,
                                            tokenizer=self._tokenizer_pool)
-        identity = model_identity(backend.info)
-        scopes = functools.cache(
-            lambda tenant: cache_scope(f"{settings.queue}/{tenant}", identity, settings.policy))
-        pipeline.cache_scope = lambda ref: scopes(self.lanes.tenant(ref))
+        pipeline.cache_scope = self._cache_scopes(settings, backend)
         cache = None if not settings.cache_bytes else ResultCache(
             self._wiring, settings.queue_ref, settings.cache_bytes,
             int(settings.cache_ttl_s * 1000))
@@ -126,6 +123,18 @@ class Worker:
             stages=self._wiring.stages, lifecycle=lifecycle, period_s=period_s,
             on_stuck=on_stuck, clock=stage_clock)
         self.health.loaded()  # the backend is built and the budget holds: the model is in
+
+    def _cache_scopes(self, settings: WorkerSettings, backend: Backend) -> Callable[[Ref], bytes]:
+        """Each request's digest scope: its tenant's on the queue, or the queue's with
+        ``--cache-across-tenants``. The weights are hashed only for a cache (they outlive this
+        process there); coalescing needs no more than the process's own model."""
+        identity = model_identity(backend.info, weights_identity_of(backend)
+                                  if settings.cache_bytes else "")
+        scope = functools.cache(
+            lambda namespace: cache_scope(namespace, identity, settings.policy))
+        if settings.cache_across_tenants:
+            return lambda ref: scope(settings.queue)
+        return lambda ref: scope(f"{settings.queue}/{self.lanes.tenant(ref)}")
 
     def _add_lane(
         self, queue: keys.QueueRef, *, retired: bool = False, tenant: str = keys.DEFAULT_TENANT

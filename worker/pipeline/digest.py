@@ -28,8 +28,8 @@ def request_digest(scope: bytes, request: wire.Request, options: RequestOptions,
     ]), digest_size=16, key=scope).digest()
 
 
-def model_identity(info: BackendInfo) -> str:
+def model_identity(info: BackendInfo, weights: str) -> str:
     """Which model answers, as exactly as the backend can say: its weights' digest or revision
-    when it gives one, and every fact of it that changes an answer."""
+    (``weights``: "" when it gives none) and every fact of it that changes an answer."""
     facts = encode_config(describe(info))
-    return json.dumps([info.weights, facts, info.extra], sort_keys=True, default=str)
+    return json.dumps([weights, facts, info.extra], sort_keys=True, default=str)

@@ -64,9 +64,10 @@ class HFBackend:
     def __init__(
         self, info: BackendInfo, encoder: Encoder, tokenizer: Any, *,
         head: EmbeddingHead | None = None, sparse: SparseHead | None = None,
-        lowercase: bool = False,
+        lowercase: bool = False, source: ModelSource | None = None,
     ) -> None:
         self.info = info
+        self._source = source
         self.device = torch.device(info.device)
         self.head = head
         self.sparse = sparse
@@ -130,7 +131,12 @@ class HFBackend:
             info.model, options.task, info.device, info.dtype, info.max_input_tokens,
             " ".join(f"{k}={v}" for k, v in info.extra.items() if k not in ("hf_task", "path")),
         )
-        return cls(info, encoder, tokenizer, head=head, sparse=sparse, lowercase=st.do_lower_case)
+        return cls(info, encoder, tokenizer, head=head, sparse=sparse, lowercase=st.do_lower_case,
+                   source=source)
+
+    def weights_identity(self) -> str:
+        """The result cache's name for these weights (``load.weights_identity``)."""
+        return "" if self._source is None else weights_identity(self._source)
 
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[HFEncoding]:
         """One fast-tokenizer call per kind of input (single, pair); the prompt goes before the
@@ -306,7 +312,7 @@ def _describe(
         # The encoder's hidden states are what an embedder's output: tokens answers.
         token_dim=int(config.hidden_size) if head is not None else None,
         pooling="+".join(head.modes) if head is not None else None,
-        extra=extra, weights=weights_identity(source),
+        extra=extra,
     )
 
 
