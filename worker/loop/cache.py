@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
-from tokenq.shared import functions, keys, redis_refusal
+from tokenq.shared import functions, keys, redis_refusal, wire
 from tokenq.shared.failures import error_text
 from tokenq.worker.loop.lifecycle import Wiring
 
@@ -45,6 +45,7 @@ class ResultCache:
         """Replies on their way to Redis, answered from here meanwhile."""
         self.counted_bytes = 0
         """The cache's bytes as the last write counted them."""
+        self._warned = False
 
     async def get(self, digests: Sequence[bytes]) -> list[bytes | None]:
         """The cached reply of each digest, or None (missing, expired, or Redis failing)."""
@@ -57,8 +58,22 @@ class ResultCache:
             return [None] * len(digests)
         oldest = self._w.clock.now_ms() - self._ttl_ms
         return [self.writing.get(digest) if value is None or len(value) <= 8
-                or _STAMP.unpack_from(value)[0] <= oldest else value[8:]
+                or _STAMP.unpack_from(value)[0] <= oldest else self._checked(value[8:])
                 for digest, value in zip(digests, values, strict=True)]
+
+    def _checked(self, reply: bytes) -> bytes | None:
+        """A cached reply, if it is one a worker would send (an answer, not an error); else
+        None, a miss: an entry not written by a worker is computed over, never answered."""
+        try:
+            if wire.decode_reply(reply).ok:
+                return reply
+        except ValueError:  # DecodeError, or a field no reply carries
+            pass
+        if not self._warned:
+            self._warned = True
+            log.warning("result cache entry in %s is not a reply (written by someone other "
+                        "than a worker?): computing instead", self._keys[0])
+        return None
 
     def put(self, entries: Sequence[tuple[bytes, bytes]]) -> None:
         """Cache each (digest, reply) in the background: one write in flight, which takes
