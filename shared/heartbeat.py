@@ -27,6 +27,12 @@ class Totals:
     oom_splits: int = 0
     reclaimed: int = 0
     dead_lettered: int = 0
+    cache_hits: int = 0
+    """Requests answered from the result cache."""
+    cache_misses: int = 0
+    """Requests looked up in the result cache and computed."""
+    coalesced: int = 0
+    """Requests answered by an identical request's row."""
 
 
 @dataclass(slots=True)

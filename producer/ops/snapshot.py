@@ -194,6 +194,7 @@ def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
         "pending": measured.pending, "oldest_pending_ms": max(oldest) if oldest else None,
         "lag": measured.lag, "lag_exact": measured.lag_exact,
         "dead": sum(lane["dead"] for lane in lanes),
+        "cache_bytes": lanes[0]["cache_bytes"],  # one cache for every shard
         "stale_workers": sorted({n for lane in lanes for n in lane["stale_workers"]} - live),
         "totals": _totals(workers),
     }
@@ -220,6 +221,7 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
         "oldest_pending_ms": oldest_pending_ms,
         "lag": measured.lag, "lag_exact": measured.lag_exact,
         "dead": int(r.xlen(keys.dead(q))),
+        "cache_bytes": int(r.get(keys.cache(keys.QueueRef(q.name, q.prefix))[2]) or 0),
         "group": group is not None,
         "consumers": _consumers(r, stream) if group is not None else [],
         "workers": workers, "stale_workers": stale, "totals": _totals(workers),
@@ -289,7 +291,7 @@ def heartbeats(r: redis.Redis, q: keys.QueueRef) -> dict[str, Heartbeat | None]:
 
 _COPIED = ("host", "pid", "model", "max_batch_tokens", "configured_batch_tokens",
            "max_batch_size", "buffered", "requests_ok", "requests_failed", "batches", "tokens",
-           "padded_tokens", "oom_splits")
+           "padded_tokens", "oom_splits", "cache_hits", "cache_misses", "coalesced")
 
 
 def _worker_view(name: str, beat: Heartbeat, now: float) -> dict[str, Any]:
@@ -312,7 +314,8 @@ def _worker_view(name: str, beat: Heartbeat, now: float) -> dict[str, Any]:
 
 
 _SUMMED = ("requests_ok", "requests_failed", "batches", "tokens", "padded_tokens",
-           "oom_splits", "buffered", "requests_per_s", "tokens_per_s")
+           "oom_splits", "buffered", "requests_per_s", "tokens_per_s", "cache_hits",
+           "cache_misses", "coalesced")
 
 
 def _totals(workers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenq.shared.cli import run_command
 from tokenq.shared.settings import StatsSettings
-from tokenq.shared.text import percent
+from tokenq.shared.text import percent, ratio
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,8 +52,18 @@ def _head(q: dict[str, Any]) -> str:
     head = (f"queue {q['label']}: {backlog(q)}  "
             f"{totals['requests_per_s']:.1f} req/s  {totals['tokens_per_s']:.0f} tok/s  "
             f"padding {percent(totals['padding_efficiency'])}")
-    unserved = unserved_line(q)
-    return head if unserved is None else f"{head}\n  {unserved}"
+    lines = [head, unserved_line(q), cache_line(q)]
+    return "\n  ".join(line for line in lines if line is not None)
+
+
+def cache_line(q: dict[str, Any]) -> str | None:
+    """The result cache and coalescing, for a queue that used them; else None."""
+    totals = q["totals"]
+    hits, misses = totals["cache_hits"], totals["cache_misses"]
+    if not (hits or misses or totals["coalesced"] or q["cache_bytes"]):
+        return None
+    return (f"cache: hit ratio {percent(ratio(hits, hits + misses))} ({hits} hits, "
+            f"{misses} misses)  {totals['coalesced']} coalesced  {q['cache_bytes']} bytes")
 
 
 def _queue_block(q: dict[str, Any]) -> str:

@@ -6,23 +6,32 @@ a refused cache write makes anyone get a wrong answer or lose one."""
 from __future__ import annotations
 
 import asyncio
+import struct
 import types
 
+import msgpack
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
 from tests.redis_full import fill, full_fixture
-from tests.support import SIM_FLAGS, SimModel, starter_fixture, wait_for
+from tests.support import FAST_BEAT, SIM_FLAGS, SimModel, starter_fixture, wait_for
 from tokenq.producer import Client
+from tokenq.producer.ops.snapshot import heartbeats
+from tokenq.producer.ops.stats import main as stats_main
 from tokenq.shared import keys, wire
 from tokenq.shared.request_options import NO_OPTIONS, RequestOptions
+from tokenq.worker.backends.sim import SimBackend
 from tokenq.worker.loop.cache import ResultCache
+from tokenq.worker.loop.lanes import Ref
+from tokenq.worker.loop.worker import Worker
 from tokenq.worker.metrics import NullMetrics
+from tokenq.worker.pipeline import pipeline as pipeline_module
 from tokenq.worker.pipeline.coalesce import Coalescer
 from tokenq.worker.pipeline.digest import cache_scope, request_digest
 from tokenq.worker.pipeline.execute import Failure
-from tokenq.worker.pipeline.pipeline import Job, Outcome
+from tokenq.worker.pipeline.pipeline import Admit, Job, Outcome, Pipeline
+from tokenq.worker.settings import WorkerSettings
 
 BUDGET = 200_000
 start_worker = starter_fixture("start_worker", *SIM_FLAGS, "--cache-bytes", str(BUDGET))
@@ -60,6 +69,50 @@ def test_the_digest_changes_with_everything_that_changes_the_answer() -> None:
                        NO_OPTIONS, "", True),
     ]
     assert len({base, *others}) == len(others) + 1
+
+
+@pytest.mark.unit
+def test_a_digest_the_cache_lookup_made_is_carried_not_computed_again(monkeypatch) -> None:
+    pipeline: Pipeline[int] = Pipeline(SimBackend(dim=8, batch_ms=0.0, token_us=0.0))
+    pipeline.cache_scope = lambda ref: b"s" * 32
+    computed = []
+    monkeypatch.setattr(pipeline_module, "request_digest",
+                        lambda *args: computed.append(args) or b"computed")
+    looked_up = pipeline.digest(1, request("a text"))
+    carried = Admit(1, request("a text"), None, 0.0, digest=looked_up)
+    fresh = Admit(2, request("another text"), None, 0.0)
+    admitted = pipeline.admit([carried, fresh], 0)
+    assert [job.digest for job in admitted.jobs] == [b"computed", b"computed"]
+    assert len(computed) == 2  # the lookup's, and the one request that had none
+
+
+class WeighedSim(SimBackend):
+    """A sim whose weights are hashed on request, counted (as the hf backend's are read)."""
+
+    hashed = 0
+
+    def weights_identity(self) -> str:
+        WeighedSim.hashed += 1
+        return f"sha256 {WeighedSim.hashed}"
+
+
+@pytest.mark.unit
+def test_the_weights_are_hashed_only_for_a_cache_and_scopes_follow_the_tenant_setting(
+        ) -> None:
+    def scopes(**given) -> tuple[bytes, bytes]:
+        worker = Worker(WorkerSettings(queue="scoped", backend="sim", **given), WeighedSim())
+        worker.lanes = types.SimpleNamespace(tenant=lambda ref: f"team-{ref.lane}")
+        scope = worker._device.pipeline.cache_scope
+        assert scope is not None
+        return scope(Ref(0, b"1-0")), scope(Ref(1, b"1-0"))
+
+    WeighedSim.hashed = 0
+    a, b = scopes()
+    assert WeighedSim.hashed == 0 and a != b  # no cache: no weights read; tenants apart
+    a, b = scopes(cache_bytes=1000)
+    assert WeighedSim.hashed == 1 and a != b
+    a, b = scopes(cache_bytes=1000, cache_across_tenants=True)
+    assert a == b
 
 
 def job(ref: int, digest: bytes | None) -> Job[int]:
@@ -235,15 +288,69 @@ def test_the_hf_model_identity_is_its_weights_not_its_name(tmp_path) -> None:
 
 
 def test_tenants_never_share_a_cached_or_coalesced_answer(
-        start_worker, redis_url, r, queue_name) -> None:
+        start_worker, redis_url, r, queue_name, capsys) -> None:
     """The digest's namespace is the request's tenant: the same text asked by two tenants runs
-    once for each and is cached once for each (docs/SECURITY.md)."""
-    worker = start_worker()
+    once for each and is cached once for each (docs/SECURITY.md): B's request for a text A
+    asked is computed as one for a text nobody asked, and its reply is the same in every field."""
+    worker = start_worker(*FAST_BEAT)
+    q = keys.QueueRef(queue_name)
     with Client(redis_url=redis_url, queue=queue_name) as client:
-        client.infer_many(["asked by both"] * 8, timeout_s=30, tenant="team-a")
-        wait_for(lambda: r.hlen(keys.cache(keys.QueueRef(queue_name))[0]) == 1)
-        client.infer_many(["asked by both"] * 8, timeout_s=30, tenant="team-b")
-        wait_for(lambda: r.hlen(keys.cache(keys.QueueRef(queue_name))[0]) == 2)
+        asked = client.infer_many(["asked by both"] * 8, timeout_s=30, tenant="team-a")
+        wait_for(lambda: r.hlen(keys.cache(q)[0]) == 1)
+        told = client.infer_many(["asked by both"] * 8, timeout_s=30, tenant="team-b")
+        assert rows_and_tokens(worker)[0] == 2  # computed for B: no hit, nothing coalesced
+        wait_for(lambda: r.hlen(keys.cache(q)[0]) == 2)
         again = client.infer_many(["asked by both"] * 2, timeout_s=30, tenant="team-a")
     assert all(SIM.vector_ok(result.embedding, "asked by both") for result in again)
     assert rows_and_tokens(worker)[0] == 2  # one row per tenant; the third call a hit
+    for a, b in zip(asked, told, strict=True):
+        assert (a.tokens, a.truncated) == (b.tokens, b.truncated)
+        assert np.array_equal(a.embedding, b.embedding)
+    # every request was looked up once (a hit or a miss); the metrics and stats show them
+
+    def counted() -> tuple[int, int, int]:
+        (beat,) = [beat for beat in heartbeats(r, q).values() if beat]
+        return beat.cache_hits, beat.cache_misses, beat.coalesced
+
+    wait_for(lambda: sum(counted()[:2]) == 18)
+    hits, misses, coalesced = counted()
+    assert hits >= 2 and coalesced >= 2  # A's last call; the first calls' shared rows
+    assert stats_main(["--redis-url", redis_url, "--queue", queue_name]) == 0
+    assert (f"cache: hit ratio {hits / 18:.1%} ({hits} hits, {misses} misses)  {coalesced} "
+            "coalesced") in capsys.readouterr().out
+
+
+def test_an_operator_may_share_the_cache_across_tenants(
+        start_worker, redis_url, r, queue_name) -> None:
+    worker = start_worker("--cache-across-tenants")
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.infer_many(["asked by both"] * 4, timeout_s=30, tenant="team-a")
+        wait_for(lambda: r.hlen(keys.cache(keys.QueueRef(queue_name))[0]) == 1)
+        told = client.infer_many(["asked by both"] * 4, timeout_s=30, tenant="team-b")
+    assert all(SIM.vector_ok(result.embedding, "asked by both") for result in told)
+    assert rows_and_tokens(worker)[0] == 1  # B's answered from A's entry
+
+
+@pytest.mark.parametrize("poison", [
+    b"\xc1 not msgpack", msgpack.packb([1, 2]), msgpack.packb({"id": "x", "ok": True}),
+    msgpack.packb({"id": "x", "ok": True, "embedding": b"abc", "dim": 9}),
+    wire.encode_reply(wire.error_reply("x", "inference_failed", "an error is never cached")),
+], ids=["garbage", "a-list", "no-body", "short-vector", "an-error"])
+def test_a_poisoned_cache_entry_is_computed_over_never_answered(
+        poison, start_worker, redis_url, r, queue_name) -> None:
+    """Garbage under a real digest (someone with write access to the cache's keys): the
+    worker computes the request as a miss, answers it correctly, and keeps serving."""
+    worker = start_worker()
+    entries = keys.cache(keys.QueueRef(queue_name))[0]
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.infer("the honest text", timeout_s=30)
+        wait_for(lambda: r.hlen(entries) == 1)
+        (digest,) = r.hkeys(entries)
+        r.hset(entries, digest, struct.pack(">Q", 2**62) + poison)  # fresh for ever
+        for _ in range(2):
+            result = client.infer("the honest text", timeout_s=30)
+            assert SIM.vector_ok(result.embedding, "the honest text")
+        other = client.infer("another text", timeout_s=30)
+    assert SIM.vector_ok(other.embedding, "another text")
+    assert rows_and_tokens(worker)[0] == 4  # computed each time the entry was poisoned
+    assert "is not a reply" in worker.output()

@@ -63,7 +63,7 @@ class Device(Rules):
                 job.ref.entry_id, job.request.reply_to,
                 wire.reply_with_id(reply, job.request.id), ok=True,
                 counted=job.request.counted)])
-            self._wiring.recorder.metrics.shared("hit", 1)
+            self._wiring.recorder.shared("hit", 1)
         return rest
 
     def end_input(self) -> None:
@@ -113,7 +113,7 @@ class Device(Rules):
                                     budget_now=self.packer.budget.max_batch_tokens)
         shared, again, led = self.coalescer.settled(outcome.answered)
         if shared:
-            self._wiring.recorder.metrics.shared("coalesced", len(shared))
+            self._wiring.recorder.shared("coalesced", len(shared))
         answered = outcome.answered + shared if shared else outcome.answered
         replies = self._outbox.emit_outcomes(self.pipeline, answered)
         if again:

@@ -130,6 +130,19 @@ class Recorder:
         self.stats.dead_lettered += dead
         self.metrics.dead_lettered(dead)
 
+    def shared(self, how: str, n: int) -> None:
+        """``n`` requests looked up in the result cache (``hit``, ``miss``) or answered by an
+        identical request's row (``coalesced``)."""
+        if not n:
+            return
+        if how == "hit":
+            self.stats.cache_hits += n
+        elif how == "miss":
+            self.stats.cache_misses += n
+        else:
+            self.stats.coalesced += n
+        self.metrics.shared(how, n)
+
     def reclaimed(self, n: int) -> None:
         self.stats.reclaimed += n
         self.metrics.reclaimed(n)
