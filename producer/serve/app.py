@@ -115,6 +115,8 @@ class Gateway:
         tenant = getattr(request.state, "tenant", None)  # set by the edge (--api-keys, header)
         if tenant is not None:
             job.options["tenant"] = tenant
+        if getattr(request.state, "cache", None) is False:  # X-Tokenq-Cache: false
+            job.options["cache"] = False
         key = request.headers.get(delivery.HEADER)
         unique = None if key is None else delivery.request_ids(
             key, queue, request.state.body_digest, len(job.items))

@@ -23,6 +23,8 @@ log = logging.getLogger("tokenq.serve")
 
 TENANT_HEADER = b"x-tokenq-tenant"
 """Names the request's tenant, honoured unless the caller's API key names another."""
+CACHE_HEADER = b"x-tokenq-cache"
+"""``false``: every request of the call is computed afresh (the request option ``cache``)."""
 OPEN_PATHS = frozenset({"/health", "/livez", "/ready", "/readyz", "/metrics", "/ping"})
 """Routes answered without ``--api-key``: probes and the Prometheus scrape."""
 
@@ -106,6 +108,13 @@ class Edge:
             tenant = text
         if tenant is not None:
             scope.setdefault("state", {})["tenant"] = tenant
+        cache = headers.get(CACHE_HEADER)
+        if cache is not None and not open_path:
+            flag = cache.decode("latin-1").strip().lower()
+            if flag not in ("true", "false"):
+                return ApiError(400, "X-Tokenq-Cache must be true or false", param="X-Tokenq-Cache",
+                                code="invalid_cache")
+            scope.setdefault("state", {})["cache"] = flag == "true"
         content_type = headers.get(b"content-type")
         if scope["method"] == "POST" and content_type is not None:
             text = content_type.decode("latin-1")

@@ -94,6 +94,7 @@ class OpenAIEmbeddings(Body):
     modality: str = "text"  # Infinity's: only text is served
     prompt_name: str | None = None  # TEI's, in ``extra_body``
     truncate: bool | None = None  # TEI's, in ``extra_body``: false refuses an over-long input
+    cache: bool | None = None  # tokenq's, in ``extra_body``: false computes afresh
 
 
 class TEIPerToken(Truncating):
@@ -139,7 +140,7 @@ def openai_job(body: OpenAIEmbeddings) -> Job:
     if not all(isinstance(text, str) for text in texts):
         raise invalid("input", TOKEN_IDS_REFUSED)
     options = given(dimensions=body.dimensions or None, prompt_name=body.prompt_name,
-                    truncate=body.truncate)
+                    truncate=body.truncate, cache=body.cache)
     return Job(list(texts), options)  # type: ignore[arg-type]
 
 
