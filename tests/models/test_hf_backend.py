@@ -112,6 +112,16 @@ def test_info_describes_the_model(embed: HFBackend, dirs: SimpleNamespace) -> No
     assert (dict(info.prompts), info.default_prompt_name) == ({"query": "", "document": ""}, None)
 
 
+def test_the_weights_are_hashed_when_asked_not_at_load(embed: HFBackend, dirs) -> None:
+    """The result cache asks (``--cache-bytes``); a worker without one never reads them."""
+    from tokenq.worker.backends.base import weights_identity_of
+    from tokenq.worker.backends.hf.load import ModelSource, weights_identity
+
+    assert not hasattr(embed.info, "weights")
+    expected = weights_identity(ModelSource(str(dirs.plain), str(dirs.plain), local=True))
+    assert weights_identity_of(embed) == expected and expected.startswith("sha256 ")
+
+
 def test_padding_never_changes_an_embedding(embed: HFBackend) -> None:
     encodings = embed.tokenize(texts(TEXTS), 64)
     assert len({e.length for e in encodings}) > 3  # really mixed lengths
