@@ -352,5 +352,6 @@ def test_a_poisoned_cache_entry_is_computed_over_never_answered(
             assert SIM.vector_ok(result.embedding, "the honest text")
         other = client.infer("another text", timeout_s=30)
     assert SIM.vector_ok(other.embedding, "another text")
-    assert rows_and_tokens(worker)[0] == 4  # computed each time the entry was poisoned
-    assert "is not a reply" in worker.output()
+    # computed over each time (the first ask may still find the reply its write just sent)
+    assert rows_and_tokens(worker)[0] in (3, 4)
+    wait_for(lambda: "is not a reply" in worker.output())
