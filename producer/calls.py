@@ -383,9 +383,9 @@ def enqueue(
 
 def over_quota(over: lua_scripts.OverQuotaReply, queue: str, entries: int) -> TokenqError:
     """The error for enqueue's ``OVERQUOTA``: QuotaExceeded, or BadRequest when one request
-    alone is over the cap (no wait would make room for it)."""
+    alone is over a cap above 0 (no wait would make room for it; 0 pauses the tenant)."""
     where = f"tenant {over.tenant!r} of queue {queue!r}"
-    if over.largest > over.cap:
+    if over.largest > over.cap > 0:
         return BadRequest(f"a request of {over.largest} tokens is over the quota of {where}, "
                           f"{over.cap} pending tokens: it can never be queued; nothing was "
                           "written", param="tenant")

@@ -222,6 +222,10 @@ def _count(value: object) -> int:
         return 0
 
 
+MAX_QUOTA = 10**15 - 1
+"""The largest quota ``enqueue.lua`` reads (15 digits): far past any queue's tokens."""
+
+
 def quotas(q: QueueRef) -> str:
     """The operator's hash of tenant quotas: tenant -> the most pending tokens enqueue lets it
     hold (field ``*``: tenants not named; absent: no cap). ``enqueue.lua`` names it from the
