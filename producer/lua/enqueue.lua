@@ -116,6 +116,19 @@ end
 local function counted_of(fields)
   return fields[1] == COUNTED and count_of(fields[2]) or 0
 end
+-- try(...): redis.pcall(...)'s reply; else nil and false when this user may not run it
+-- (NOPERM: an ACL from before the command), or nil and the error.
+local function try(...)
+  local reply = redis.pcall(...)
+  if type(reply) ~= "table" or not reply.err then
+    return reply
+  end
+  local text = tostring(reply.err)
+  if string.find(text, "NOPERM", 1, true) or string.find(text, "user executing", 1, true) then
+    return nil, false
+  end
+  return nil, reply
+end
 -- pending_start(stream, adding): before an adding script's first write, `adding` entries.
 -- true: counted (its entries get COUNTED, then pending_add); false: this user may not write
 -- the hash (an ACL from before it), so the entries go uncounted, as a plain XADD's. Redis 7
@@ -127,15 +140,11 @@ local function pending_start(stream, adding)
   elseif redis.acl_check_cmd then
     return redis.acl_check_cmd("HINCRBY", pending_key(stream), PENDING_TOTAL, "0")
   end
-  local done = redis.pcall("HINCRBY", pending_key(stream), PENDING_TOTAL, 0)
-  if type(done) ~= "table" or not done.err then
-    return true
+  local done, failed = try("HINCRBY", pending_key(stream), PENDING_TOTAL, 0)
+  if done or failed == false then
+    return done ~= nil
   end
-  local text = tostring(done.err)
-  if string.find(text, "NOPERM", 1, true) or string.find(text, "user executing", 1, true) then
-    return false
-  end
-  return nil, done
+  return nil, failed
 end
 -- pending_add(stream, sum): the added entries' COUNTED values, after pending_start.
 local function pending_add(stream, sum)
@@ -262,19 +271,6 @@ if full then
   return full
 end
 
--- read(...): a read's reply; nil when this user may not run it (NOPERM), and with it the error
--- to answer when it failed otherwise (a quotas key that is no hash: WRONGTYPE).
-local function read(...)
-  local reply = redis.pcall(...)
-  if type(reply) ~= "table" or not reply.err then
-    return reply
-  end
-  local text = tostring(reply.err)
-  if string.find(text, "NOPERM", 1, true) or string.find(text, "user executing", 1, true) then
-    return nil
-  end
-  return nil, reply
-end
 -- over_quota(): nil when the stream's tenant has no cap in the quotas hash (keys.quotas: its
 -- own field, else "*"), or a user who may not read the hashes (uncapped, as a user who may not
 -- keep the sum writes uncounted entries), or its pending tokens plus the new entries' stay
@@ -284,9 +280,9 @@ local function over_quota()
   local key, field = pending_of(stream)
   local quotas = string.sub(key, 1, -9) .. ":quotas"
   local tenant = field and string.sub(field, #PENDING_TOTAL + 2) or "default"
-  local caps, failed = read("HMGET", quotas, tenant, "*")
+  local caps, failed = try("HMGET", quotas, tenant, "*")
   if caps == nil or (caps[1] == false and caps[2] == false) then
-    return failed
+    return failed or nil
   end
   local text = caps[1] or caps[2]
   local cap = #text <= 15 and string.match(text, "^%d+$") and tonumber(text)
@@ -309,12 +305,12 @@ local function over_quota()
   end
   local held, all = 0, nil
   if field then
-    all, failed = read("HMGET", key, field)
+    all, failed = try("HMGET", key, field)
   else  -- the default tenant's share: the sum less the tenants' fields (keys.pending_field)
-    all, failed = read("HGETALL", key)
+    all, failed = try("HGETALL", key)
   end
   if all == nil then
-    return failed
+    return failed or nil
   end
   if field then
     held = tonumber(all[1]) or 0

@@ -121,3 +121,22 @@ def test_the_command_refuses_a_bad_quota_before_it_writes(
         assert run(redis_url, queue_name, *bad) == 2, bad
     assert not r.exists(keys.quotas(keys.QueueRef(queue_name)))
     assert "--tokens" in capsys.readouterr().err
+
+
+def test_a_producer_that_may_not_read_the_quotas_is_not_capped(
+    r: redis.Redis, redis_url: str, queue_name: str
+) -> None:
+    """docs/SECURITY.md: a producer's ACL from before quotas (no ``HMGET`` there) still
+    enqueues, uncapped, as one from before the pending tokens writes uncounted entries."""
+    q = keys.QueueRef(queue_name)
+    r.hset(keys.quotas(q), "a", 0)
+    user = f"old-{queue_name}"
+    r.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
+                  commands=["+@all", "-hmget", "-hgetall"])
+    try:
+        url = redis_url.replace("redis://", f"redis://{user}:pw@", 1)
+        with Client(redis_url=url, queue=queue_name) as client:
+            client.submit_many([TEXT], tenant="a")
+    finally:
+        r.acl_deluser(user)
+    assert held(r, q)["a"] == 9
