@@ -76,4 +76,4 @@ def show(r: redis.Redis, where: Sequence[keys.QueueRef], *, as_json: bool) -> No
     for name in names:
         quota = caps.get(name) or (f"{caps['*']} (*)" if "*" in caps and name != "*" else "-")
         pending = "" if name == "*" else str(held.get(name, 0))
-        print(f"{name:<24} {quota:>16} {pending:>12}")
+        print(f"{name:<24} {quota:>16} {pending:>12}".rstrip())
