@@ -5,13 +5,14 @@ that tenant and loses nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import pytest
 import redis
 
-from tokenq.producer import BadRequest, Client, QueueFull, QuotaExceeded
+from tokenq.producer import AsyncClient, BadRequest, Client, QueueFull, QuotaExceeded
 from tokenq.producer.ops import quotas
 from tokenq.shared import keys
 
@@ -140,3 +141,18 @@ def test_a_producer_that_may_not_read_the_quotas_is_not_capped(
     finally:
         r.acl_deluser(user)
     assert held(r, q)["a"] == 9
+
+
+def test_the_async_client_raises_the_same_quota_exceeded(
+    r: redis.Redis, redis_url: str, queue_name: str
+) -> None:
+    r.hset(keys.quotas(keys.QueueRef(queue_name)), "a", 10)
+
+    async def main() -> None:
+        async with AsyncClient(redis_url, queue_name) as client:
+            await client.submit_many([TEXT], tenant="a")
+            with pytest.raises(QuotaExceeded) as refused:
+                await client.submit_many([TEXT], tenant="a")
+            assert (refused.value.tenant, refused.value.quota) == ("a", 10)
+
+    asyncio.run(main())
