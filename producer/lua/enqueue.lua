@@ -156,24 +156,18 @@ local function pending_add(stream, sum)
     end
   end
 end
--- pending_release(stream, sum): entries whose COUNTED values total sum are being deleted. A
--- tenant's field is dropped at 0 and takes off at most what it held, and the sum as much,
--- never below 0: a forged COUNTED (docs/PROTOCOL.md) skews no other tenant's share.
+-- pending_release(stream, sum): entries whose COUNTED values total sum are being deleted:
+-- off the sum and a tenant's field, each never below 0 (a forged COUNTED, docs/PROTOCOL.md;
+-- entries counted before the tenant fields), the field dropped at 0.
 local function pending_release(stream, sum)
   if sum > 0 then
     local key, field = pending_of(stream)
-    if field then
-      local left = redis.call("HINCRBY", key, field, -sum)
-      if left <= 0 then
-        redis.call("HDEL", key, field)
-        sum = sum + left
-      end
+    local left = redis.call("HINCRBY", key, PENDING_TOTAL, -sum)
+    if left < 0 then
+      redis.call("HINCRBY", key, PENDING_TOTAL, -left)
     end
-    if sum > 0 then
-      local left = redis.call("HINCRBY", key, PENDING_TOTAL, -sum)
-      if left < 0 then
-        redis.call("HINCRBY", key, PENDING_TOTAL, -left)
-      end
+    if field and redis.call("HINCRBY", key, field, -sum) <= 0 then
+      redis.call("HDEL", key, field)
     end
   end
 end

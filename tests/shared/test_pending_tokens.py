@@ -315,3 +315,24 @@ def test_publish_counts_a_counted_argument_that_is_no_count_as_0(
     # 23 - 0 (a: its 7 stays) - 11 (c, once); b is the peer's, its 5 stays
     assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == b"12"
     assert r.xlen(stream) == 1
+
+
+def test_a_tenant_s_entries_counted_before_its_field_come_off_the_sum_exactly(
+    r: redis.Redis, queue_name: str
+) -> None:
+    """docs/PROTOCOL.md: an entry an older enqueue.lua counted in ``tokens`` alone comes off the
+    sum exactly; the tenant's field, short meanwhile, is dropped at 0 and exact again."""
+    q = QueueRef(queue_name)
+    stream, dead, reply = keys.tenant_requests(q, "a"), keys.dead(q), keys.reply(q, "r")
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    r.xadd(stream, {wire.COUNTED_FIELD: "5", "v": "1", "id": "old", "tokens": "5"})
+    r.hincrby(keys.pending(q), keys.PENDING_TOTAL, 5)  # as the older script kept it
+    functions.Function(r, "enqueue")(keys=[stream], args=[0, 1, 0, 2, "id", "b", "tokens", "7"])
+    assert r.hgetall(keys.pending(q)) == {b"tokens": b"12", b"tokens:a": b"7"}
+    publish = functions.Function(r, "publish")
+    for entry_id, fields in r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1]:
+        publish(keys=[stream, dead, reply], args=[
+            keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 1, b"p", wire.counted_of(fields), 0])
+    assert r.hgetall(keys.pending(q)) == {b"tokens": b"0"}
+    functions.Function(r, "enqueue")(keys=[stream], args=[0, 1, 0, 2, "id", "c", "tokens", "4"])
+    assert r.hgetall(keys.pending(q)) == {b"tokens": b"4", b"tokens:a": b"4"}
