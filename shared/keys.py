@@ -46,6 +46,7 @@ import hashlib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 GROUP = "workers"
 """The consumer group every worker of a queue reads through."""
@@ -201,7 +202,7 @@ def pending_field(tenant: str) -> str:
     return PENDING_TOTAL if tenant == DEFAULT_TENANT else _PENDING_OF + tenant
 
 
-def tenant_pending(fields: Mapping[bytes | str, bytes | str]) -> dict[str, int]:
+def tenant_pending(fields: Mapping[Any, Any]) -> dict[str, int]:
     """Each tenant's pending tokens from :func:`pending`'s fields (HGETALL): a named tenant's
     its own field; the default tenant's the sum less all the others, at least 0 (its stream's
     entries have no field of their own, so enqueue pays no second write for them)."""
