@@ -156,3 +156,15 @@ def test_the_async_client_raises_the_same_quota_exceeded(
             assert (refused.value.tenant, refused.value.quota) == ("a", 10)
 
     asyncio.run(main())
+
+
+def test_a_quotas_key_that_is_no_hash_fails_the_enqueue_writing_nothing(
+    r: redis.Redis, redis_url: str, queue_name: str
+) -> None:
+    q = keys.QueueRef(queue_name)
+    r.set(keys.quotas(q), "not a hash")
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        for tenant in (None, "a"):
+            with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+                client.submit_many([TEXT], tenant=tenant)
+    assert lengths(r, q) == (0, 0, 0) and not r.exists(keys.pending(q))
