@@ -23,6 +23,7 @@ from tokenq.shared.errors import (
     DeadlineExceeded,
     NotReplicated,
     QueueFull,
+    QuotaExceeded,
     RemoteError,
     TokenqError,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "InputTooLong",
     "NotReplicated",
     "QueueFull",
+    "QuotaExceeded",
     "RemoteError",
     "ReplyTimeout",
     "Result",

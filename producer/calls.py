@@ -31,6 +31,8 @@ from tokenq.shared.errors import (
     BrokerUnavailable,
     NotReplicated,
     QueueFull,
+    QuotaExceeded,
+    TokenqError,
 )
 from tokenq.shared.failures import error_text
 from tokenq.shared.text import plural
@@ -351,7 +353,10 @@ def enqueue(
             raise ShardRetired(settings.queue, lane.shard) from None
         full = lua_scripts.parse_queue_full(message)
         if full is None:
-            raise
+            over = lua_scripts.parse_over_quota(message)
+            if over is None:
+                raise
+            raise over_quota(over, settings.queue, len(batch)) from None
         whose = "" if tenant is None else f" (tenant {tenant!r}'s stream)"
         raise QueueFull(  # an older script names no count of new entries
             f"queue {settings.queue!r}{whose} holds {full.length} of at most {full.limit} "
@@ -374,6 +379,20 @@ def enqueue(
             missed,
         )
     core.chooser.added(lane.shard, len(batch))
+
+
+def over_quota(over: lua_scripts.OverQuotaReply, queue: str, entries: int) -> TokenqError:
+    """The error for enqueue's ``OVERQUOTA``: QuotaExceeded, or BadRequest when one request
+    alone is over a cap above 0 (no wait would make room for it; 0 pauses the tenant)."""
+    where = f"tenant {over.tenant!r} of queue {queue!r}"
+    if over.largest > over.cap > 0:
+        return BadRequest(f"a request of {over.largest} tokens is over the quota of {where}, "
+                          f"{over.cap} pending tokens: it can never be queued; nothing was "
+                          "written", param="tenant")
+    return QuotaExceeded(
+        f"{where} holds {over.held} pending tokens of its quota of {over.cap}; "
+        f"{plural(entries, 'request')} of {over.adding} more tokens would pass it, so nothing "
+        "was written", over.tenant, over.cap)
 
 
 def _written_before(core: ClientCore, arguments: dict[str, Any], deadline: Deadline) -> Call[bool]:

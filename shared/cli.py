@@ -39,6 +39,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         "queue lengths, pending, lag, workers, dead letters"),
     "top": Subcommand("tokenq.producer.ops.top", "tokenq stats, refreshed live", "cli"),
     "dlq": Subcommand("tokenq.producer.ops.dlq", "list, retry or purge a queue's dead letters"),
+    "quotas": Subcommand("tokenq.producer.ops.quotas",
+                         "show, set or clear tenants' quotas of pending tokens"),
     "functions": Subcommand("tokenq.producer.ops.functions",
                             "load tokenq's Lua functions (Redis 7+)"),
     "serve": Subcommand("tokenq.producer.serve.cli",

@@ -44,6 +44,17 @@ class QueueFull(TokenqError):
     """The queue is at its maximum length; nothing was written."""
 
 
+class QuotaExceeded(QueueFull):
+    """The call's tokens would take ``tenant``'s pending tokens past its ``quota`` (``tokenq
+    quotas``); nothing was written, and the tenant's other calls wait for room as at a full
+    queue, while other tenants' go on."""
+
+    def __init__(self, message: str, tenant: str = "", quota: int = 0) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.quota = quota
+
+
 class BrokerOutOfMemory(QueueFull):
     """Redis is at its ``maxmemory`` and refused the write; nothing was written (a
     :class:`QueueFull`: the same backpressure)."""

@@ -8,9 +8,12 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
     tokenq:{q}:tenants         set      the tenant streams written to (enqueue.lua SADDs)
     tokenq:{q}:weights         hash     tenant -> its weight in the fair share, set by the
                                         operator; field "*" the weight of tenants not named
-    tokenq:{q}:pending         hash     pending tokens: "tokens" the sum of the stream's
-                                        entries' first field "counted" (wire.COUNTED_FIELD);
+    tokenq:{q}:pending         hash     pending tokens: "tokens" the sum of the streams'
+                                        entries' first field "counted" (wire.COUNTED_FIELD),
+                                        "tokens:<t>" tenant <t>'s part (:func:`pending_field`);
                                         kept by the scripts that add or delete entries
+    tokenq:{q}:quotas          hash     tenant -> most pending tokens it may hold, set by the
+                                        operator (tokenq quotas); field "*": tenants not named
     tokenq:{q}:dead            stream   dead letters, with their error
     tokenq:{q}:config          hash     written by workers at start: model, limits, policy
     tokenq:{q}:workers         hash     consumer name -> last heartbeat (msgpack map)
@@ -41,8 +44,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 GROUP = "workers"
 """The consumer group every worker of a queue reads through."""
@@ -188,7 +192,46 @@ def pending(q: QueueRef) -> str:
 
 
 PENDING_TOTAL = "tokens"
-"""The field of :func:`pending` holding the sum; other fields are reserved (tenants later)."""
+"""The field of :func:`pending` holding the sum over every tenant's stream."""
+_PENDING_OF = PENDING_TOTAL + ":"
+
+
+def pending_field(tenant: str) -> str:
+    """The field of :func:`pending` holding ``tenant``'s pending tokens: ``tokens:<tenant>``,
+    absent at 0; the default tenant has none (:func:`tenant_pending`)."""
+    return PENDING_TOTAL if tenant == DEFAULT_TENANT else _PENDING_OF + tenant
+
+
+def tenant_pending(fields: Mapping[Any, Any]) -> dict[str, int]:
+    """Each tenant's pending tokens from :func:`pending`'s fields (HGETALL): a named tenant's
+    its own field; the default tenant's the sum less all the others, at least 0 (its stream's
+    entries have no field of their own, so enqueue pays no second write for them)."""
+    held: dict[str, int] = {}
+    for name, value in fields.items():
+        text = name.decode(errors="replace") if isinstance(name, bytes) else name
+        if text.startswith(_PENDING_OF) and _TENANT.fullmatch(text[len(_PENDING_OF):]):
+            held[text[len(_PENDING_OF):]] = _count(value)
+    total = _count(fields.get(PENDING_TOTAL, fields.get(PENDING_TOTAL.encode(), 0)))
+    return {DEFAULT_TENANT: max(0, total - sum(held.values())), **held}
+
+
+def _count(value: object) -> int:
+    """A hash value as an integer (0 when it is none)."""
+    try:
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return 0
+
+
+MAX_QUOTA = 10**15 - 1
+"""The largest quota ``enqueue.lua`` reads (15 digits): far past any queue's tokens."""
+
+
+def quotas(q: QueueRef) -> str:
+    """The operator's hash of tenant quotas: tenant -> the most pending tokens enqueue lets it
+    hold (field ``*``: tenants not named; absent: no cap). ``enqueue.lua`` names it from the
+    stream's key, ``:quotas`` for ``:requests``."""
+    return f"{q.tag}:quotas"
 
 
 def dead(q: QueueRef) -> str:

@@ -192,6 +192,31 @@ def parse_queue_full(message: str) -> QueueFullReply | None:
     return QueueFullReply(length, limit, words[3] if len(words) > 3 else None)
 
 
+OVER_QUOTA = "OVERQUOTA"
+"""First word of enqueue's error when new entries would take a tenant past its quota."""
+
+
+@dataclass(frozen=True, slots=True)
+class OverQuotaReply:
+    """What an ``OVERQUOTA`` refusal says: the tenant, the pending tokens it holds, its cap,
+    the tokens the call would add and its largest request's."""
+
+    tenant: str
+    held: int
+    cap: int
+    adding: int
+    largest: int
+
+
+def parse_over_quota(message: str) -> OverQuotaReply | None:
+    """The refusal in a script error's ``message``, or None when it is another error."""
+    words = message.split()
+    if len(words) != 6 or words[0] != OVER_QUOTA or not all(w.isdigit() for w in words[2:]):
+        return None
+    held, cap, adding, largest = map(int, words[2:])
+    return OverQuotaReply(words[1], held, cap, adding, largest)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Refresh the fragment copies in the named script files (``--check``: only report)."""
     args = list(sys.argv[1:] if argv is None else argv)

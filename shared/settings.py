@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic.json_schema import JsonDict
 from pydantic_settings import BaseSettings, CliPositionalArg, SettingsConfigDict
 
-from tokenq.shared.keys import DEFAULT_PREFIX, MAX_SHARDS, QueueRef, check_tenant
+from tokenq.shared.keys import DEFAULT_PREFIX, MAX_QUOTA, MAX_SHARDS, QueueRef, check_tenant
 from tokenq.shared.redis_url import parse_redis_url
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
 
@@ -313,6 +313,28 @@ class DlqSettings(_QueueLimit, _JsonOutput, _QueueSettings):
             raise ValueError(f"dlq {self.action} needs --id ENTRY_ID ... or --all")
         if self.id and self.all:
             raise ValueError("give --id or --all, not both")
+        return self
+
+
+class QuotasSettings(_JsonOutput, _QueueSettings):
+    """Show, set or clear a queue's tenant quotas of pending tokens (docs/OPERATIONS.md)."""
+
+    action: CliPositionalArg[Literal["show", "set", "clear"]] = Field(
+        description="show each quota and each tenant's pending tokens, set one, or clear them")
+    tenant: str | None = Field(None, description="set, clear: the tenant ('*': every tenant "
+                               "not named; 'default': requests of no tenant)")
+    tokens: int | None = Field(None, ge=0, le=MAX_QUOTA, description="set: the most pending "
+                               "tokens the tenant may hold; past it enqueue refuses (0: all)")
+    all: bool = Field(False, description="clear: every quota")
+
+    @model_validator(mode="after")
+    def _check_target(self) -> QuotasSettings:
+        if self.tenant is not None and self.tenant != "*":
+            check_tenant(self.tenant)
+        if self.action == "set" and (self.tenant is None or self.tokens is None):
+            raise ValueError("quotas set needs --tenant TENANT and --tokens N")
+        if self.action == "clear" and (self.tenant is None) == (not self.all):
+            raise ValueError("quotas clear needs --tenant TENANT or --all (not both)")
         return self
 
 

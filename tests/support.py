@@ -9,7 +9,7 @@ written here once so the suite's many worker-process tests cannot drift apart.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,11 +125,19 @@ def blpop_within(r: redis.Redis, key: str, timeout: float) -> bytes | None:
     return None
 
 
-def pending_tokens(r: redis.Redis, q: keys.QueueRef) -> tuple[int, int]:
-    """(the queue's pending-token sum, the sum of ``tokens`` over its stream's entries), read
-    in one MULTI so no script runs between them; for streams only tokenq's clients wrote."""
+def pending_tokens(
+    r: redis.Redis, q: keys.QueueRef, tenants: Sequence[str] = (keys.DEFAULT_TENANT,)
+) -> tuple[int, int]:
+    """(the queue's pending-token sum, the sum of ``tokens`` over its ``tenants``' streams'
+    entries), read in one MULTI so no script runs between them; for streams only tokenq's
+    clients wrote. Each tenant's own part is checked against its stream's on the way."""
     with r.pipeline(transaction=True) as pipe:
-        pipe.hget(keys.pending(q), keys.PENDING_TOTAL)
-        pipe.xrange(keys.requests(q))
-        held, entries = pipe.execute()
-    return int(held or 0), sum(int(fields.get(b"tokens", 0)) for _, fields in entries)
+        pipe.hgetall(keys.pending(q))
+        for tenant in tenants:
+            pipe.xrange(keys.tenant_requests(q, tenant))
+        held, *streams = pipe.execute()
+    own = {tenant: sum(int(fields.get(b"tokens", 0)) for _, fields in entries)
+           for tenant, entries in zip(tenants, streams, strict=True)}
+    shares = keys.tenant_pending(held)
+    assert shares == {t: n for t, n in own.items() if n or t == keys.DEFAULT_TENANT}, (held, own)
+    return int(held.get(keys.PENDING_TOTAL.encode(), 0)), sum(own.values())

@@ -4,7 +4,8 @@
 --   KEYS[1]  <prefix>:{q}:dead       stream   XRANGE id id, then XDEL
 --   KEYS[2]  <prefix>:{q}:requests   stream   XLEN, then XADD (never trimmed)
 --   and <prefix>:{q}:pending (named from KEYS[2]) hash HINCRBY: the requests' tokens, each
---   also written into its entry as its first field (pending_tokens.lua)
+--   also written into its entry as its first field (pending_tokens.lua), onto the sum and, for
+--   a tenant's stream, its field. Quotas do not refuse an operator's retry.
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   drop_deadline: "1" leaves the request's deadline_ms field out

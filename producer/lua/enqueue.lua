@@ -12,7 +12,9 @@
 --                 <prefix>:{q}:tenants       set      SADD KEYS[1] when it is a tenant's
 --                                                     stream, so workers find and read it
 --   and, named from KEYS[1] (the same slot), <prefix>:{q}:pending hash HINCRBY: the new
---   entries' tokens, each also written into its entry as its first field (pending_tokens.lua)
+--   entries' tokens, each also written into its entry as its first field, onto the sum and a
+--   tenant stream's own field (pending_tokens.lua); and <prefix>:{q}:quotas hash HMGET: the
+--   tenant's cap, then, only with one, its pending tokens (HMGET, or HGETALL for the default)
 --
 -- ARGV[1]   max_len: the queue's maximum length; 0 means no limit
 -- ARGV[2]   n: how many entries follow
@@ -25,6 +27,8 @@
 -- > max_len it writes nothing and answers "QUEUEFULL <xlen> <max_len> <new entries>";
 -- a batch whose entries were all seen before is never refused. An id twice in one
 -- batch is added once. On a retired shard new entries are refused with "RETIRED ...".
+-- When the new entries' tokens would take the stream's tenant's pending tokens past its
+-- quota it writes nothing and answers "OVERQUOTA <tenant> <held> <cap> <adding> <largest>".
 --
 -- Why (docs/decisions/0019, 0020, 0021, 0029): seen keys, read before the length check, make
 -- a retry after a lost reply write nothing twice and not be refused; the retired marker keeps
@@ -58,13 +62,27 @@ end
 -- The queue's pending tokens (docs/PROTOCOL.md), kept in the step that adds or deletes
 -- request entries. A script adding an entry writes its counted tokens into it, as the field
 -- COUNTED (first), and adds them to the sum: field "tokens" of the hash named from the
--- stream's key, ":pending" for ":requests". A script deleting entries reads that field and
--- takes the sum of what it really deletes off, once a call, never below 0: an entry written
--- around the scripts (a plain XADD) has no such field, so it is counted neither way.
+-- stream's key, ":pending" for ":requests", and, on a tenant's stream, to its field
+-- "tokens:<tenant>". A script deleting entries reads that field and takes the sum of what it
+-- really deletes off both, once a call, never below 0: an entry written around the scripts
+-- (a plain XADD) has no such field, so it is counted neither way.
 local PENDING_TOTAL, COUNTED = "tokens", "counted"
+-- pending_of(stream): the hash named from the stream's key (a tenant's stream counts in its
+-- queue's) and, for a tenant's stream, its own field "tokens:<tenant>" (keys.pending_field),
+-- kept with the sum in each step; nil for the default tenant, whose share is the rest.
+local function pending_of(stream)
+  local base = string.match(stream, "^(.*):requests$")
+  if base then
+    return base .. ":pending", nil
+  end
+  local queue, tenant = string.match(stream, "^(.*):requests:([^:]+)$")
+  if queue then
+    return queue .. ":pending", PENDING_TOTAL .. ":" .. tenant
+  end
+  return stream .. ":pending", nil
+end
 local function pending_key(stream)
-  return (string.match(stream, "^(.*):requests$") or string.match(stream, "^(.*):requests:[^:]+$")
-    or stream) .. ":pending"  -- a tenant's stream counts in its queue's sum
+  return (pending_of(stream))
 end
 -- count_of(text): a field value as a count: 0 unless 1 to 8 digits, at most 2^24 (what a
 -- worker decodes as tokens).
@@ -98,6 +116,19 @@ end
 local function counted_of(fields)
   return fields[1] == COUNTED and count_of(fields[2]) or 0
 end
+-- try(...): redis.pcall(...)'s reply; else nil and false when this user may not run it
+-- (NOPERM: an ACL from before the command), or nil and the error.
+local function try(...)
+  local reply = redis.pcall(...)
+  if type(reply) ~= "table" or not reply.err then
+    return reply
+  end
+  local text = tostring(reply.err)
+  if string.find(text, "NOPERM", 1, true) or string.find(text, "user executing", 1, true) then
+    return nil, false
+  end
+  return nil, reply
+end
 -- pending_start(stream, adding): before an adding script's first write, `adding` entries.
 -- true: counted (its entries get COUNTED, then pending_add); false: this user may not write
 -- the hash (an ACL from before it), so the entries go uncounted, as a plain XADD's. Redis 7
@@ -109,29 +140,34 @@ local function pending_start(stream, adding)
   elseif redis.acl_check_cmd then
     return redis.acl_check_cmd("HINCRBY", pending_key(stream), PENDING_TOTAL, "0")
   end
-  local done = redis.pcall("HINCRBY", pending_key(stream), PENDING_TOTAL, 0)
-  if type(done) ~= "table" or not done.err then
-    return true
+  local done, failed = try("HINCRBY", pending_key(stream), PENDING_TOTAL, 0)
+  if done or failed == false then
+    return done ~= nil
   end
-  local text = tostring(done.err)
-  if string.find(text, "NOPERM", 1, true) or string.find(text, "user executing", 1, true) then
-    return false
-  end
-  return nil, done
+  return nil, failed
 end
 -- pending_add(stream, sum): the added entries' COUNTED values, after pending_start.
 local function pending_add(stream, sum)
   if sum > 0 then
-    redis.call("HINCRBY", pending_key(stream), PENDING_TOTAL, sum)
+    local key, field = pending_of(stream)
+    redis.call("HINCRBY", key, PENDING_TOTAL, sum)
+    if field then
+      redis.call("HINCRBY", key, field, sum)
+    end
   end
 end
--- pending_release(stream, sum): entries whose COUNTED values total sum are being deleted.
+-- pending_release(stream, sum): entries whose COUNTED values total sum are being deleted:
+-- off the sum and a tenant's field, each never below 0 (a forged COUNTED, docs/PROTOCOL.md;
+-- entries counted before the tenant fields), the field dropped at 0.
 local function pending_release(stream, sum)
   if sum > 0 then
-    local key = pending_key(stream)
+    local key, field = pending_of(stream)
     local left = redis.call("HINCRBY", key, PENDING_TOTAL, -sum)
     if left < 0 then
-      redis.call("HINCRBY", key, PENDING_TOTAL, -left)  -- a forged COUNTED (docs/PROTOCOL.md)
+      redis.call("HINCRBY", key, PENDING_TOTAL, -left)
+    end
+    if field and redis.call("HINCRBY", key, field, -sum) <= 0 then
+      redis.call("HDEL", key, field)
     end
   end
 end
@@ -227,6 +263,72 @@ end
 local full = queue_full(stream, max_len, fresh)
 if full then
   return full
+end
+
+-- over_quota(): nil when the stream's tenant has no cap in the quotas hash (keys.quotas: its
+-- own field, else "*"), or a user who may not read the hashes (uncapped, as a user who may not
+-- keep the sum writes uncounted entries), or its pending tokens plus the new entries' stay
+-- within its cap; else the error "OVERQUOTA <tenant> <held> <cap> <adding> <largest new
+-- entry>", or one naming a cap that is not 0 to 15 digits. Reads nothing more without a cap.
+local function over_quota()
+  local key, field = pending_of(stream)
+  local quotas = string.sub(key, 1, -9) .. ":quotas"
+  local tenant = field and string.sub(field, #PENDING_TOTAL + 2) or "default"
+  local caps, failed = try("HMGET", quotas, tenant, "*")
+  if caps == nil or (caps[1] == false and caps[2] == false) then
+    return failed or nil
+  end
+  local text = caps[1] or caps[2]
+  local cap = #text <= 15 and string.match(text, "^%d+$") and tonumber(text)
+  if not cap then
+    return redis.error_reply("ERR tokenq enqueue: the quota for tenant " .. tenant .. " in "
+      .. quotas .. " is '" .. string.sub(text, 1, 40) .. "', not a count of tokens "
+      .. "(0 to 15 digits): fix it with tokenq quotas set or clear")
+  end
+  local adding, largest = 0, 0
+  for i = 1, n do
+    if ids[i] == nil and same_as[i] == nil then
+      local at = starts[i]
+      local value = tokens_of(ARGV, at + 1, at + 2 * tonumber(ARGV[at]))
+      adding = adding + value
+      largest = math.max(largest, value)
+    end
+  end
+  if adding == 0 then
+    return nil
+  end
+  local held, all = 0, nil
+  if field then
+    all, failed = try("HMGET", key, field)
+  else  -- the default tenant's share: the sum less the tenants' fields (keys.pending_field)
+    all, failed = try("HGETALL", key)
+  end
+  if all == nil then
+    return failed or nil
+  end
+  if field then
+    held = tonumber(all[1]) or 0
+  else
+    for j = 1, #all, 2 do
+      local value = tonumber(all[j + 1]) or 0
+      if all[j] == PENDING_TOTAL then
+        held = held + value
+      elseif string.sub(all[j], 1, #PENDING_TOTAL + 1) == PENDING_TOTAL .. ":" then
+        held = held - value
+      end
+    end
+    held = math.max(held, 0)
+  end
+  if held + adding <= cap then
+    return nil
+  end
+  return redis.error_reply(string.format("OVERQUOTA %s %.0f %.0f %.0f %.0f", tenant, held, cap,
+    adding, largest))
+end
+
+local over = fresh > 0 and over_quota()
+if over then
+  return over
 end
 
 local counting, refused = pending_start(stream, fresh)

@@ -13,6 +13,7 @@ from tokenq.producer import (
     BrokerUnavailable,
     DeadlineExceeded,
     QueueFull,
+    QuotaExceeded,
     RemoteError,
     ReplyTimeout,
 )
@@ -112,6 +113,9 @@ def from_exception(
     if isinstance(exc, BadRequest):
         code = getattr(exc, "code", ErrorCode.BAD_REQUEST.value)  # InputTooLong: too_long
         return _client_fault(str(exc), code, _param(exc), options, items)
+    if isinstance(exc, QuotaExceeded):
+        return ApiError(429, f"the tenant's quota is reached, retry later: {exc}",
+                        code="quota_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, QueueFull):
         return ApiError(429, f"the queue is full, retry later: {exc}", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})

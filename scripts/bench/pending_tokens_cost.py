@@ -30,7 +30,7 @@ import redis
 from tokenq.shared import keys, wire
 
 ROOT = Path(__file__).resolve().parents[2]
-SHAPES = ((256, 400), (32, 100))
+SHAPES = ((256, 400), (32, 100), (1, 100))
 """(entries a call, characters a text)."""
 
 

@@ -323,7 +323,7 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
 
 KEY_KINDS = ("requests", "dead", "config", "workers", "worker", "reply", "seen", "retired",
              "shards_served", "idem", "cache", "cache_index", "cache_bytes", "pending", "tenants",
-             "weights")
+             "weights", "quotas")
 """The queue's keys, by what :func:`key_of` names."""
 
 
@@ -335,6 +335,7 @@ def key_of(q: keys.QueueRef, kind: str) -> str:
         "shards_served": keys.shards_served(q), "idem": keys.idempotent_answer(q, "x"),
         **dict(zip(("cache", "cache_index", "cache_bytes"), keys.cache(q), strict=True)),
         "pending": keys.pending(q), "tenants": keys.tenants(q), "weights": keys.weights(q),
+        "quotas": keys.quotas(q),
     }[kind]
 
 
@@ -413,9 +414,10 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "exists": frozenset({"retired", "workers", "worker"}),
         **{command: frozenset({"reply"}) for command in _REPLY_WAIT},
         "del": frozenset({"reply", "idem"}),
-        "hgetall": frozenset({"config"}),
         "hkeys": frozenset({"workers", "worker"}),
         "hincrby": frozenset({"pending"}),
+        "hmget": frozenset({"pending", "quotas"}),
+        "hgetall": frozenset({"config", "pending"}),
     },
     "worker": {
         "fcall": frozenset({"requests", "dead", "reply", "worker", "workers", "retired",
@@ -436,7 +438,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "set": frozenset({"worker", "shards_served", "retired", "cache_bytes"}),
         "get": frozenset({"shards_served", "cache_bytes"}),
         "hset": frozenset({"workers", "config"}),
-        "hdel": frozenset({"workers", "config", "cache"}),
+        "hdel": frozenset({"workers", "config", "cache", "pending"}),
         "hkeys": frozenset({"workers"}), "hget": frozenset({"config", "pending"}),
         "hincrby": frozenset({"pending"}),
         "hgetall": frozenset({"weights"}), "smembers": frozenset({"tenants"}),

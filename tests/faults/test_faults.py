@@ -89,11 +89,17 @@ def texts_for(seed: int, n: int, longest: int = 120) -> list[str]:
     return [words(rng, rng.randint(3, longest)) for _ in range(n)]
 
 
-def pending_of(r: redis.Redis, q: keys.QueueRef, consumer: str | None = None) -> int:
-    stream = keys.requests(q)
-    if consumer is None:
-        return int(r.xpending(stream, keys.GROUP)["pending"])
-    return len(r.xpending_range(stream, keys.GROUP, "-", "+", 100_000, consumername=consumer))
+def pending_of(r: redis.Redis, q: keys.QueueRef, consumer: str | None = None,
+               tenants: tuple[str, ...] = (keys.DEFAULT_TENANT,)) -> int:
+    """Entries delivered and not acked, on the ``tenants``' streams (to ``consumer``)."""
+    held = 0
+    for stream in (keys.tenant_requests(q, tenant) for tenant in tenants):
+        if consumer is None:
+            held += int(r.xpending(stream, keys.GROUP)["pending"]) if r.exists(stream) else 0
+        else:
+            held += len(r.xpending_range(stream, keys.GROUP, "-", "+", 100_000,
+                                         consumername=consumer)) if r.exists(stream) else 0
+    return held
 
 
 class Inbox:
@@ -150,9 +156,13 @@ def env_for(worker_env: dict[str, str], url: str) -> dict[str, str]:
 # ------------------------------------------------------------------ 1. kill -9
 
 
+BOTH = (keys.DEFAULT_TENANT, "a")
+
+
 @pytest.mark.slow
 def test_kill_9_workers_repeatedly_every_request_answered_once(fleet, r, redis_url, queue_name):
-    """kill -9 a worker again and again under load; replacements start; nothing lost or doubled."""
+    """kill -9 a worker again and again under load; replacements start; nothing lost or doubled;
+    the pending tokens, the sum and tenant ``a``'s part, match the streams at each kill."""
     n = scaled(4000)
     kills = scaled(4)
     q = keys.QueueRef(queue_name)
@@ -166,7 +176,8 @@ def test_kill_9_workers_repeatedly_every_request_answered_once(fleet, r, redis_u
     with Client(redis_url=redis_url, queue=queue_name) as client:
         for start in range(0, n, 500):
             chunk = texts[start:start + 500]
-            ids = client.submit_many(chunk, reply_to=inbox.key)
+            tenant = "a" if start % 1000 else None  # half on a tenant's stream
+            ids = client.submit_many(chunk, reply_to=inbox.key, tenant=tenant)
             by_id.update(zip(ids, chunk, strict=True))
 
     rng = random.Random(2)
@@ -177,10 +188,10 @@ def test_kill_9_workers_repeatedly_every_request_answered_once(fleet, r, redis_u
         while thresholds and len(inbox.counts) >= thresholds[0]:
             thresholds.pop(0)
             victim = rng.choice(live)
-            held = pending_of(r, q, victim.name)
+            held = pending_of(r, q, victim.name, BOTH)
             victim.kill()
             orphaned.append(held)
-            counted, in_stream = pending_tokens(r, q)  # its batch left mid-way, unacked
+            counted, in_stream = pending_tokens(r, q, BOTH)  # its batch left mid-way, unacked
             assert counted == in_stream > 0
             live.remove(victim)
             live.append(fleet.start(*flags))
@@ -200,10 +211,10 @@ def test_kill_9_workers_repeatedly_every_request_answered_once(fleet, r, redis_u
     for request_id, text in by_id.items():
         reply = inbox.replies[request_id]
         assert reply.ok and vector_ok(reply.embedding, text), reply
-    wait_for(lambda: pending_of(r, q) == 0, 30, "pending 0")
-    assert r.xlen(keys.requests(q)) == 0
+    wait_for(lambda: pending_of(r, q, tenants=BOTH) == 0, 30, "pending 0")
+    assert r.xlen(keys.requests(q)) == r.xlen(keys.tenant_requests(q, "a")) == 0
     assert r.xlen(keys.dead(q)) == 0
-    assert r.hgetall(keys.pending(q)) == {b"tokens": b"0"}  # every entry's field gone too
+    assert r.hgetall(keys.pending(q)) == {b"tokens": b"0"}  # every entry's field, a's, gone too
 
 
 # ------------------------------------------------------- 2. Redis restart, AOF on

@@ -87,3 +87,23 @@ def test_a_tenant_over_its_streams_limit_gets_a_429_naming_it_and_others_flow(
         fine = http.post("/v1/embeddings", json={"model": "m", "input": ["b's", "two"]},
                          headers={"Authorization": "Bearer key-b"})
         assert fine.status_code == 200, fine.text
+
+
+def test_a_tenant_over_its_quota_gets_a_429_naming_it_and_others_flow(
+        sim_worker, redis_url, r, queue_name):
+    """docs/OPERATIONS.md, "Quotas": a paused tenant (quota 0) is told to retry later; one
+    request over a cap alone is a 422 that says it can never be queued."""
+    sim_worker()
+    q = keys.QueueRef(queue_name)
+    r.hset(keys.quotas(q), mapping={"team-a": 0, "team-c": 3})
+    with gateway(redis_url, queue_name, api_keys="team-a=key-a,team-b=key-b,team-c=key-c") as http:
+        over = http.post("/v1/embeddings", json=BODY, headers={"Authorization": "Bearer key-a"})
+        assert over.status_code == 429 and over.headers["Retry-After"], over.text
+        error = over.json()["error"]
+        assert error["code"] == "quota_exceeded" and "tenant 'team-a'" in error["message"]
+        assert "quota of 0" in error["message"]
+        fine = http.post("/v1/embeddings", json=BODY, headers={"Authorization": "Bearer key-b"})
+        assert fine.status_code == 200, fine.text
+        alone = http.post("/v1/embeddings", json=BODY, headers={"Authorization": "Bearer key-c"})
+        assert alone.status_code == 422 and "can never be queued" in alone.text, alone.text
+    assert r.xlen(keys.tenant_requests(q, "team-a")) == 0

@@ -114,7 +114,8 @@ def test_a_command_without_its_extra_says_which_in_one_line(
     assert done.stdout == ""
 
 
-@pytest.mark.parametrize("argv", [["stats"], ["dlq", "list"], ["functions", "load"]],
+@pytest.mark.parametrize("argv", [["stats"], ["dlq", "list"], ["functions", "load"],
+                                  ["quotas", "show"]],
                          ids=lambda argv: argv[0])
 def test_a_command_that_needs_no_extra_runs_on_a_bare_install(
     argv: list[str], bare_env: dict[str, str], tmp_path: Path,

@@ -135,6 +135,7 @@ def test_the_gateway_names_the_absent_redis_at_once_and_stops_at_once(
 
 @pytest.mark.parametrize("argv", [
     ["stats"], ["top", "--once"], ["top", "--json"], ["dlq", "list"], ["functions", "load"],
+    ["quotas", "show"],
     ["embed", "in.txt", "--output", "out.jsonl"],
 ], ids=" ".join)
 def test_a_one_shot_command_exits_1_with_one_line(

@@ -1,11 +1,12 @@
 """The queue's pending tokens (``keys.pending``, docs/PROTOCOL.md "Pending tokens"): every script
-that adds entries to a request stream or deletes them keeps the sum in the same step, so it is
-the sum of ``tokens`` over the stream's own entries after any interleaving of enqueue, reads,
+that adds entries to a request stream or deletes them keeps the sum, and the entry's tenant's
+field, in the same step, so each is the sum of ``tokens`` over its streams' own entries after
+any interleaving, on the default tenant's stream and others', of enqueue (under quotas), reads,
 abandoned reads (a worker killed with its entries pending), reclaims, publish (replies and dead
 letters), entries taken past the limit, dlq retry, and Redis refusing writes (maxmemory).
 Entries written by a plain XADD are never counted, neither added nor taken off (a dlq retry of
 one's letter is written by a script: counted). Each counted entry carries its count as its first
-field (``counted``); the hash holds the sum alone."""
+field (``counted``); the hash holds the sum and a field for each tenant holding any."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ TOKENS = st.one_of(st.integers(0, 3000).map(str), st.sampled_from(
 
 
 MARK = wire.COUNTED_FIELD.encode()
+TENANTS = (keys.DEFAULT_TENANT, "a", "b")
+TENANT = st.sampled_from(TENANTS)
 
 
 def counted(fields: dict[bytes, bytes]) -> int:
@@ -59,7 +62,7 @@ def over_memory(r: redis.Redis) -> Iterator[Any]:
     r.config_set("maxmemory-policy", policy)
 
 
-def test_pending_tokens_equal_the_stream_s_own_tokens_whatever_happens(
+def test_pending_tokens_equal_each_tenant_stream_s_own_tokens_whatever_happens(
     r: redis.Redis, queue_name: str, over_memory: Any
 ) -> None:
     machine = _machine(r, QueueRef(queue_name), over_memory)
@@ -69,88 +72,121 @@ def test_pending_tokens_equal_the_stream_s_own_tokens_whatever_happens(
 
 
 def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedStateMachine]:
-    stream, dead, reply = keys.requests(q), keys.dead(q), keys.reply(q, "r")
-    pending = keys.pending(q)
+    streams = {tenant: keys.tenant_requests(q, tenant) for tenant in TENANTS}
+    dead, reply, pending, quotas = keys.dead(q), keys.reply(q, "r"), keys.pending(q), keys.quotas(q)
     enqueue, publish = functions.Function(r, "enqueue"), functions.Function(r, "publish")
     retry, excess = functions.Function(r, "dlq_retry"), functions.Function(r, "claim_excess")
 
-    def owned(consumer: str) -> list[bytes]:
+    def owned(stream: str, consumer: str) -> list[bytes]:
         return [p["message_id"] for p in r.xpending_range(stream, keys.GROUP, "-", "+", 1000,
                                                           consumername=consumer)]
 
-    def entry(entry_id: bytes) -> dict[bytes, bytes]:
+    def entry(stream: str, entry_id: bytes) -> dict[bytes, bytes]:
         found = r.xrange(stream, entry_id, entry_id)
         return found[0][1] if found else {}
+
+    def own_tokens(tenant: str) -> int:
+        """The counted tokens of the tenant stream's own entries, pending or not yet read."""
+        return sum(counted(fields) for entry_id, fields in r.xrange(streams[tenant])
+                   if next(iter(fields)) == MARK)
 
     class PendingTokens(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.plain: set[bytes] = set()
-            r.delete(stream, dead, reply, pending)
-            r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+            r.delete(*streams.values(), dead, reply, pending, quotas)
+            for stream in streams.values():
+                r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
 
-        @rule(tokens=st.lists(TOKENS, min_size=1, max_size=5), limit=st.sampled_from([0, 0, 6]),
-              full=FULL)
-        def enqueue(self, tokens: list[str | None], limit: int, full: bool) -> None:
+        @rule(tenant=TENANT, tokens=st.lists(TOKENS, min_size=1, max_size=5),
+              limit=st.sampled_from([0, 0, 6]), full=FULL)
+        def enqueue(self, tenant: str, tokens: list[str | None], limit: int, full: bool) -> None:
             args: list[Any] = [limit, len(tokens), 0]
             for i, value in enumerate(tokens):
                 fields = ["v", "1", "id", f"r{i}", "text", "t"]
                 fields += [] if value is None else ["tokens", value]
                 args += [len(fields) // 2, *fields]
-            self._refusable(full, lambda: enqueue(keys=[stream], args=args))
+            before, cap = own_tokens(tenant), self._cap(tenant)
+            adding = sum(counted({b"tokens": (v or "").encode()}) for v in tokens)
+            written = self._refusable(full, lambda: enqueue(keys=[streams[tenant]], args=args))
+            if written and cap is not None and adding:
+                assert before + adding <= cap  # never past the cap
+            if written is None:  # refused for its quota: it was over
+                assert cap is not None and before + adding > cap
 
-        @rule(tokens=TOKENS)
-        def plain_xadd(self, tokens: str | None) -> None:
+        @rule(tenant=TENANT, cap=st.sampled_from([None, "0", "40", "3000", "9000", "*"]))
+        def set_quota(self, tenant: str, cap: str | None) -> None:
+            """The operator's caps: a tenant's own, or ``*`` for the others (``tokenq quotas``)."""
+            if cap is None:
+                r.hdel(quotas, tenant)
+            elif cap == "*":
+                r.hset(quotas, "*", "2000")
+            else:
+                r.hset(quotas, tenant, cap)
+
+        def _cap(self, tenant: str) -> int | None:
+            own, others = r.hmget(quotas, [tenant, "*"])
+            return None if own is None and others is None else int(own or others)
+
+        @rule(tenant=TENANT, tokens=TOKENS)
+        def plain_xadd(self, tenant: str, tokens: str | None) -> None:
             """Written around tokenq's enqueue: never counted."""
-            self.plain.add(r.xadd(stream, {"v": "1", "id": "p", "text": "t",
-                                           **({} if tokens is None else {"tokens": tokens})}))
+            fields = {"v": "1", "id": "p", "text": "t"}
+            self.plain.add(r.xadd(streams[tenant], {
+                **fields, **({} if tokens is None else {"tokens": tokens})}))
 
-        @rule(consumer=st.sampled_from(CONSUMERS), count=st.integers(1, 4))
-        def read(self, consumer: str, count: int) -> None:
-            r.xreadgroup(keys.GROUP, consumer, {stream: ">"}, count=count)
+        @rule(tenant=TENANT, consumer=st.sampled_from(CONSUMERS), count=st.integers(1, 4))
+        def read(self, tenant: str, consumer: str, count: int) -> None:
+            r.xreadgroup(keys.GROUP, consumer, {streams[tenant]: ">"}, count=count)
 
-        @rule(to=st.sampled_from(CONSUMERS))
-        def reclaim(self, to: str) -> None:
+        @rule(tenant=TENANT, to=st.sampled_from(CONSUMERS))
+        def reclaim(self, tenant: str, to: str) -> None:
             """A peer takes over what a killed (or any) worker left pending."""
-            r.xautoclaim(stream, keys.GROUP, to, 0, "0-0", count=10)
+            r.xautoclaim(streams[tenant], keys.GROUP, to, 0, "0-0", count=10)
 
-        @rule(consumer=st.sampled_from(CONSUMERS), how=st.lists(st.sampled_from(
+        @rule(tenant=TENANT, consumer=st.sampled_from(CONSUMERS), how=st.lists(st.sampled_from(
             ["reply", "none", "dead", "twice"]), min_size=1, max_size=6), full=FULL)
-        def publish(self, consumer: str, how: list[str], full: bool) -> None:
+        def publish(self, tenant: str, consumer: str, how: list[str], full: bool) -> None:
+            stream = streams[tenant]
             args: list[Any] = [keys.GROUP, consumer, 60_000, 1000, 4096, 0]
-            for entry_id, kind in zip(owned(consumer), how, strict=False):
+            for entry_id, kind in zip(owned(stream, consumer), how, strict=False):
                 letter: list[Any] = []
                 if kind == "dead":
-                    own = [part for pair in entry(entry_id).items() for part in pair]
+                    own = [part for pair in entry(stream, entry_id).items() for part in pair]
                     letter = [*own, "dead_error_code", "dead_letter", "dead_error", "x"]
                 # the worker's value, read at delivery (a deleted entry's: 0)
-                value = wire.counted_of(entry(entry_id))
+                value = wire.counted_of(entry(stream, entry_id))
                 for _ in range(2 if kind == "twice" else 1):
                     args += [entry_id, 0 if kind in ("none", "dead") else 1, b"payload", value,
                              len(letter) // 2, *letter]
                     args[5] += 1
             self._refusable(full, lambda: publish(keys=[stream, dead, reply], args=args))
 
-        @rule(consumer=st.sampled_from(CONSUMERS), keep=st.integers(1, 4), killed=st.booleans())
-        def take_excess(self, consumer: str, keep: int, killed: bool) -> None:
+        @rule(tenant=TENANT, consumer=st.sampled_from(CONSUMERS), keep=st.integers(1, 4),
+              killed=st.booleans())
+        def take_excess(self, tenant: str, consumer: str, keep: int, killed: bool) -> None:
             """Entries past the limit taken by a worker, then answered as queue_full letters
             (unless it is killed first: they stay pending, deleted)."""
+            stream = streams[tenant]
             for entry_id, _ in excess(keys=[stream], args=[keys.GROUP, consumer, keep, 3]):
                 if not killed:
-                        publish(keys=[stream, dead, reply], args=[
+                    publish(keys=[stream, dead, reply], args=[
                         keys.GROUP, consumer, 60_000, 1000, 4096, 1, entry_id, 1, b"full", 0, 0])
 
-        @rule(most=st.integers(1, 3), limit=st.sampled_from([0, 0, 4]), full=FULL,
+        @rule(tenant=TENANT, most=st.integers(1, 3), limit=st.sampled_from([0, 0, 4]), full=FULL,
               drop_deadline=st.booleans())
-        def dlq_retry(self, most: int, limit: int, full: bool, drop_deadline: bool) -> None:
+        def dlq_retry(self, tenant: str, most: int, limit: int, full: bool,
+                      drop_deadline: bool) -> None:
+            """Letters back onto a stream, any tenant's (quotas do not refuse a retry)."""
             letters = [entry_id for entry_id, _ in r.xrange(dead, count=most)]
             if letters:
-                self._refusable(full, lambda: retry(
-                    keys=[dead, stream], args=[limit, "1" if drop_deadline else "0", *letters]))
+                self._refusable(full, lambda: retry(keys=[dead, streams[tenant]], args=[
+                    limit, "1" if drop_deadline else "0", *letters]))
 
-        def _refusable(self, full: bool, call: Any) -> None:
-            """The call, with Redis out of memory when ``full``: refused or QUEUEFULL, it wrote
-            nothing (the invariants below say so)."""
+        def _refusable(self, full: bool, call: Any) -> bool | None:
+            """The call, with Redis out of memory when ``full``: True when it went through;
+            refused (OOM, QUEUEFULL: False; OVERQUOTA: None), it wrote nothing (the
+            invariants below say so)."""
             try:
                 if full:
                     with over_memory():
@@ -160,22 +196,34 @@ def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedSta
             except redis.exceptions.OutOfMemoryError:
                 assert full
             except redis.ResponseError as exc:
+                if str(exc).startswith("OVERQUOTA"):
+                    return None
                 assert str(exc).startswith("QUEUEFULL"), exc
+            else:
+                return True
+            return False
 
         @invariant()
-        def the_sum_is_the_stream_s_tokens(self) -> None:
-            held = {name: int(value) for name, value in r.hgetall(pending).items()}
-            assert set(held) <= {keys.PENDING_TOTAL.encode()}  # the sum alone, no entry's field
-            total, own = held.get(keys.PENDING_TOTAL.encode(), 0), 0
-            for entry_id, fields in r.xrange(stream):  # a dict in the entry's field order
-                first = next(iter(fields.items()))
-                if entry_id in self.plain:
-                    assert first[0] != MARK
-                    continue
-                # the tokens' own text where they count ("007" too), else 0
-                assert first == (MARK, fields[b"tokens"] if counted(fields) else b"0"), fields
-                own += counted(fields)
-            assert total == own >= 0
+        def each_sum_is_its_streams_tokens(self) -> None:
+            held = {name.decode(): int(value) for name, value in r.hgetall(pending).items()}
+            own = {tenant: 0 for tenant in TENANTS}
+            for tenant, stream in streams.items():
+                for entry_id, fields in r.xrange(stream):  # a dict in the entry's field order
+                    first = next(iter(fields.items()))
+                    if entry_id in self.plain:
+                        assert first[0] != MARK
+                        continue
+                    # the tokens' own text where they count ("007" too), else 0
+                    assert first == (MARK, fields[b"tokens"] if counted(fields) else b"0")
+                    own[tenant] += counted(fields)
+            # the sum and a field per tenant holding any, none at 0 (keys.pending_field)
+            fields = {keys.pending_field(t): n for t, n in own.items()
+                      if t != keys.DEFAULT_TENANT and n}
+            total = held.pop(keys.PENDING_TOTAL, 0)
+            assert held == fields
+            assert total == sum(own.values()) >= 0
+            shares = keys.tenant_pending(r.hgetall(pending))
+            assert shares == {t: n for t, n in own.items() if n or t == keys.DEFAULT_TENANT}
 
     return PendingTokens
 
@@ -267,3 +315,24 @@ def test_publish_counts_a_counted_argument_that_is_no_count_as_0(
     # 23 - 0 (a: its 7 stays) - 11 (c, once); b is the peer's, its 5 stays
     assert r.hget(keys.pending(q), keys.PENDING_TOTAL) == b"12"
     assert r.xlen(stream) == 1
+
+
+def test_a_tenant_s_entries_counted_before_its_field_come_off_the_sum_exactly(
+    r: redis.Redis, queue_name: str
+) -> None:
+    """docs/PROTOCOL.md: an entry an older enqueue.lua counted in ``tokens`` alone comes off the
+    sum exactly; the tenant's field, short meanwhile, is dropped at 0 and exact again."""
+    q = QueueRef(queue_name)
+    stream, dead, reply = keys.tenant_requests(q, "a"), keys.dead(q), keys.reply(q, "r")
+    r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    r.xadd(stream, {wire.COUNTED_FIELD: "5", "v": "1", "id": "old", "tokens": "5"})
+    r.hincrby(keys.pending(q), keys.PENDING_TOTAL, 5)  # as the older script kept it
+    functions.Function(r, "enqueue")(keys=[stream], args=[0, 1, 0, 2, "id", "b", "tokens", "7"])
+    assert r.hgetall(keys.pending(q)) == {b"tokens": b"12", b"tokens:a": b"7"}
+    publish = functions.Function(r, "publish")
+    for entry_id, fields in r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1]:
+        publish(keys=[stream, dead, reply], args=[
+            keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 1, b"p", wire.counted_of(fields), 0])
+    assert r.hgetall(keys.pending(q)) == {b"tokens": b"0"}
+    functions.Function(r, "enqueue")(keys=[stream], args=[0, 1, 0, 2, "id", "c", "tokens", "4"])
+    assert r.hgetall(keys.pending(q)) == {b"tokens": b"4", b"tokens:a": b"4"}

@@ -4,7 +4,7 @@
 -- Keys touched (one queue's hash tag, so one Cluster slot):
 --   KEYS[1]  <prefix>:{q}:requests   stream  XLEN, XINFO GROUPS, XREVRANGE, XCLAIM FORCE, XDEL
 --   and <prefix>:{q}:pending (named from KEYS[1]) hash HINCRBY: the taken entries' counted
---   tokens (their first field) off the sum
+--   tokens (their first field) off the sum and a tenant stream's field (HDEL at 0)
 --
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] max_len (at least 1)   ARGV[4] most to take
 --

@@ -6,7 +6,8 @@
 --   KEYS[2]     <prefix>:{q}:dead       stream  XADD MAXLEN ~ (dead letters only)
 --   KEYS[3..]   reply keys              list    RPUSH (per key and 1,000 replies), PEXPIRE
 --   and <prefix>:{q}:pending (named from KEYS[1]) hash HINCRBY: the settled entries'
---   counted tokens off the sum (pending_tokens.lua), once a call
+--   counted tokens off the sum and, on a tenant's stream, off its field, dropped (HDEL) at 0
+--   (pending_tokens.lua), once a call: each call is one stream's, so one tenant's
 -- ARGV[1] group   ARGV[2] consumer   ARGV[3] reply_ttl_ms   ARGV[4] dead_max_len
 -- ARGV[5] dead_max_letter_bytes   ARGV[6] n, then per answer: entry_id, reply (its
 --   key's KEYS index; 0 = none; -1 = reply_to refused before the call, payload then
@@ -52,10 +53,12 @@ end
 local unwritten = 0
 -- Before any write: a worker that may not keep the pending tokens (an ACL from before them)
 -- is refused here, not after its replies are pushed (Redis 7; 6.2 checks each command).
+local pending_hash, tenant_field = pending_of(stream)
 if redis.acl_check_cmd
-    and not redis.acl_check_cmd("HINCRBY", pending_key(stream), PENDING_TOTAL, "0") then
-  return redis.error_reply("NOPERM tokenq publish: this user may not HINCRBY "
-    .. pending_key(stream) .. " (docs/SECURITY.md)")
+    and not (redis.acl_check_cmd("HINCRBY", pending_hash, PENDING_TOTAL, "0")
+      and (tenant_field == nil or redis.acl_check_cmd("HDEL", pending_hash, tenant_field))) then
+  return redis.error_reply("NOPERM tokenq publish: this user may not HINCRBY and HDEL "
+    .. pending_hash .. " (docs/SECURITY.md)")
 end
 
 -- nil when the letter was written or its key can never take it (counted in
