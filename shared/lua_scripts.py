@@ -124,14 +124,10 @@ FUNCTION_FLAGS = frozenset({"no-writes", "allow-oom", "allow-stale", "no-cluster
 class Library:
     """tokenq's scripts as one Redis Functions library (``FUNCTION LOAD`` text and names)."""
 
-    name: str
-    """``tokenq_<hash>``: the hash is of the library's code, so each version has its own."""
-    code: str
-    """What ``FUNCTION LOAD`` takes: the ``#!lua`` line, then one function per script."""
-    functions: Mapping[str, str]
-    """Short name (``enqueue``) -> function name (``tokenq_<hash>_enqueue``), for ``FCALL``."""
-    scripts: Mapping[str, str]
-    """Short name -> the script's source, for ``EVALSHA`` where Redis has no Functions (< 7)."""
+    name: str  # tokenq_<hash>: the hash is of the library's code, so each version has its own
+    code: str  # what FUNCTION LOAD takes: the #!lua line, then one function per script
+    functions: Mapping[str, str]  # short name (enqueue) -> function name, for FCALL
+    scripts: Mapping[str, str]  # short name -> source, for EVALSHA where Redis < 7
 
 
 LIBRARY_PREFIX = "tokenq_"
@@ -179,8 +175,7 @@ class QueueFullReply:
 
     length: str
     limit: str
-    adding: str | None
-    """How many entries did not fit; None from scripts older than the dedupe keys."""
+    adding: str | None  # how many entries did not fit; None from scripts before dedupe keys
 
 
 def parse_queue_full(message: str) -> QueueFullReply | None:

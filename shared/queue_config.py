@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any
 
 from tokenq.shared.redis_text import as_text
 from tokenq.shared.request_options import ModelFacts
@@ -119,49 +119,13 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
     return QueueConfig(**values)
 
 
-class ModelDescription(Protocol):
-    """What :func:`describe` reads: the worker's ``BackendInfo`` has every one of these."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def model(self) -> str: ...
-    @property
-    def task(self) -> str: ...
-    @property
-    def max_input_tokens(self) -> int: ...
-    @property
-    def padded(self) -> bool: ...
-    @property
-    def dim(self) -> int | None: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def tokenizer(self) -> str | None: ...
-    @property
-    def pairs(self) -> bool: ...
-    @property
-    def normalized(self) -> bool: ...
-    @property
-    def labels(self) -> tuple[str, ...]: ...
-    @property
-    def raw_vectors(self) -> bool: ...
-    @property
-    def prompts(self) -> Mapping[str, str]: ...
-    @property
-    def default_prompt_name(self) -> str | None: ...
-    @property
-    def token_dim(self) -> int | None: ...
-    @property
-    def pooling(self) -> str | None: ...
-
-
 def describe(
-    info: ModelDescription, *, policy: str | None = None, max_batch_tokens: int | None = None,
+    info: Any, *, policy: str | None = None, max_batch_tokens: int | None = None,
     shards: int = 1, tokenize_processes: int | None = None, updated_at: int | None = None,
 ) -> QueueConfig:
-    """The config a worker with backend ``info`` publishes (the only way it makes one); the
-    queue's own values (``policy``, ...) are its settings, absent when left out."""
+    """The config a worker with backend ``info`` (its ``BackendInfo``, which this side cannot
+    import) publishes, the only way it makes one; the queue's own values (``policy``, ...) are
+    its settings, absent when left out."""
     embeds = info.task == "embed"
     return QueueConfig(
         **{name: getattr(info, name) for name in _AS_DESCRIBED},
