@@ -74,19 +74,14 @@ def _expand(source: str, *, splice: bool) -> tuple[str, list[str]]:
 
 
 def load(package: str, name: str) -> str:
-    """The source of ``<package>/lua/<name>`` with its fragments in place.
-
-    ``package`` is the caller's own (``"tokenq.producer"``, ``"tokenq.worker"``),
-    so this module imports neither side. Raises :class:`StaleFragment` when
-    the file carries an out-of-date copy of a fragment.
-    """
+    """``<package>/lua/<name>`` (the caller's package: this module imports neither side) with
+    its fragments in place; :class:`StaleFragment` when it holds an out-of-date copy of one."""
     source = resources.files(package).joinpath("lua").joinpath(name).read_text("utf-8")
     stale = _expand(source, splice=False)[1]
     if stale:
         raise StaleFragment(
             f"{package} lua/{name} holds an old copy of shared/lua/{', '.join(stale)}; "
-            f"run python -m tokenq.shared.lua_scripts on that file to refresh it"
-        )
+            f"run python -m tokenq.shared.lua_scripts on that file to refresh it")
     return assemble(source)
 
 

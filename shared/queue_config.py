@@ -114,8 +114,7 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         labels=_json_strings(text.get("labels"), list),
         prompts=_json_strings(text.get("prompts"), dict),
         # Read under its old name from older workers; the new name wins even when empty.
-        default_prompt_name=text.get("default_prompt_name", text.get("default_prompt")) or None,
-    )
+        default_prompt_name=text.get("default_prompt_name", text.get("default_prompt")) or None)
     return QueueConfig(**values)
 
 
@@ -142,8 +141,7 @@ def describe(
         default_prompt_name=info.default_prompt_name or "",
         tokenizer=info.tokenizer or None,
         shards=shards if shards > 1 else None,  # absent means 1: one shard's hash is unchanged
-        tokenize_processes=tokenize_processes,
-    )
+        tokenize_processes=tokenize_processes)
 
 
 _AS_DESCRIBED = ("model", "task", "max_input_tokens", "pairs", "padded", "dim", "dtype",
@@ -180,8 +178,7 @@ def model_facts(config: QueueConfig | None) -> ModelFacts:
         sparse=None if config.task is None else config.task == "sparse",
         token_dim=config.token_dim,
         can_output_tokens=(config.token_dim is not None if complete
-                           else True if config.token_dim else None),
-    )
+                           else True if config.token_dim else None))
 
 
 def _json_strings(raw: str | None, kind: type[list[Any]] | type[dict[str, Any]]) -> Any:

@@ -93,8 +93,7 @@ def _redis_url(value: str) -> str:
         given = f"not {value.split('://', 1)[0]}://" if "://" in value else "it has no scheme"
         raise ValueError(
             "redis_url must start with redis://, rediss://, unix://, redis+cluster:// or "
-            f"redis+sentinel:// ({given})"
-        )
+            f"redis+sentinel:// ({given})")
     return value
 
 

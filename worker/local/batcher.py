@@ -15,14 +15,7 @@ import numpy as np
 
 from tokenq.shared import wire
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode, remote_error
-from tokenq.shared.packer import (
-    DEFAULT_AGING_MS,
-    AdaptiveBudget,
-    Batch,
-    Budget,
-    CostModel,
-    Packer,
-)
+from tokenq.shared.packer import DEFAULT_AGING_MS, AdaptiveBudget, Batch, Budget, CostModel, Packer
 from tokenq.shared.request_options import WorkerOptions, parse_options
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_priority, validate_text
 from tokenq.worker.backends.base import Backend
