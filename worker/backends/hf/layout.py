@@ -81,8 +81,9 @@ def read_sentence_transformer_config(source: ModelSource, task: str) -> Sentence
     modules = read_json(source, "modules.json")
     if not isinstance(modules, list):
         if task == "sparse":
-            raise refused(source, "it has no modules.json: --task sparse needs a "
-                          "sentence-transformers SparseEncoder (MLMTransformer, SpladePooling)")
+            raise ConfigError(f"model {source.name!r} has no modules.json: --task sparse needs "
+                              "a sentence-transformers SparseEncoder (MLMTransformer, "
+                              "SpladePooling)")
         return SentenceTransformerConfig(prompts=_prompts({}, task, source)[0])
     if not all(isinstance(m, Mapping) for m in modules):
         raise refused(source, "modules.json must be a list of objects")
