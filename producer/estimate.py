@@ -33,8 +33,7 @@ _CJK = re.compile(f"[{_CJK_RANGES}]")
 # they belong to the word they sit in, not to the punctuation count.
 _MARKS = (
     "\u0300-\u036f\u0483-\u0489\u0591-\u05c7\u0610-\u061a\u064b-\u065f"
-    "\u0900-\u0dff\u0e00-\u0eff\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f"
-)
+    "\u0900-\u0dff\u0e00-\u0eff\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f")
 _LETTERS = re.compile(rf"(?:[^\W\d_]|[{_MARKS}])+")
 _DIGITS = re.compile(r"\d+")
 _ASCII_PUNCT = re.compile(r"[!-/:-@\[-`{-~]")  # BERT calls every one of these punctuation
@@ -80,18 +79,12 @@ class _Views(NamedTuple):
     """``bytes.translate`` tables mapping the bytes of one kind to a letter and every other
     byte to a space, so that a run of that letter is a word of that kind."""
 
-    latin: bytes
-    """Latin letters to ``a``: letters of other scripts end a run here."""
-    scripts: bytes
-    """Latin letters to ``a``, letters of other scripts to ``o``: whole words."""
-    digits: bytes
-    """Digits to ``a`` (the letter :func:`_run_tokens` counts runs of)."""
-    not_digits: bytes
-    """Every byte but the digits': deleting them says whether there is a number at all."""
-    glued: bytes
-    """Symbols to ``s`` (glued runs count once)."""
-    invisible: bytes
-    """What to delete before finding glued runs: control and format characters."""
+    latin: bytes  # Latin letters to a: letters of other scripts end a run here
+    scripts: bytes  # Latin letters to a, letters of other scripts to o: whole words
+    digits: bytes  # digits to a (the letter _run_tokens counts runs of)
+    not_digits: bytes  # every byte but the digits: deleting them says if there is a number
+    glued: bytes  # symbols to s (glued runs count once)
+    invisible: bytes  # deleted before finding glued runs: control and format characters
 
 
 def _table(kinds: dict[bytes, bytes]) -> bytes:
@@ -128,8 +121,7 @@ _TEXT_VIEWS = _Views(
     digits=_table({b"0123456789": b"a"}),
     not_digits=bytes(set(range(256)) - set(b"0123456789")),
     glued=_table({_SYMBOL.encode(): b"s"}),
-    invisible=_INVISIBLE.encode(),
-)
+    invisible=_INVISIBLE.encode())
 """Views of a text's UTF-8 bytes whose characters are ASCII, one token each
 (CJK, punctuation) or ASCII stand-ins."""
 
@@ -139,8 +131,7 @@ _CLASS_VIEWS = _Views(
     digits=_table({b"0D": b"a"}),
     not_digits=bytes(set(range(256)) - set(b"0D")),
     glued=_table({b"s": b"s"}),
-    invisible=b"x",
-)
+    invisible=b"x")
 """Views of a class string (see :class:`_Classes`)."""
 
 _MAX_STAND_INS = 32
@@ -149,12 +140,10 @@ it, the class path, which costs as much at about 50 (docs/ESTIMATES.md)."""
 
 
 def _count_standing_in(text: str, haystack: str) -> int:
-    """:func:`_count` of a text that may hold characters the byte views cannot see as they are.
-
-    Each distinct one (found in ``haystack``, which holds every non-ASCII character of the
-    text) is replaced all through the text by the ASCII stand-in of its class; what is left
-    outside ASCII (CJK, punctuation) counts one token a character, like its ``?``.
-    """
+    """:func:`_count` of a text that may hold characters the byte views cannot see as they are:
+    each distinct one (found in ``haystack``, every non-ASCII character of the text) is replaced
+    all through by the ASCII stand-in of its class; what is left outside ASCII (CJK,
+    punctuation) counts one token a character, like its ``?``."""
     stand_ins: dict[str, str] = {}
     found = _BEYOND_ONE_EACH.search(haystack)
     while found is not None:
@@ -171,8 +160,7 @@ def _count_standing_in(text: str, haystack: str) -> int:
     for char, stand_in in stand_ins.items():
         text = text.replace(char, stand_in)
     return _count_ascii(
-        text.encode("ascii", "replace"), other=_OTHER_LETTER in used, symbols=_SYMBOL in used,
-    )
+        text.encode("ascii", "replace"), other=_OTHER_LETTER in used, symbols=_SYMBOL in used)
 
 
 def _count_ascii(data: bytes, *, other: bool = False, symbols: bool = False) -> int:
@@ -186,8 +174,7 @@ def _count_classes(text: str) -> int:
     kinds = text.translate(_CLASSES).encode("ascii")
     return _tally(
         kinds, _CLASS_VIEWS, kinds.count(b"c") + kinds.count(b"p"),
-        other=b"o" in kinds or b"D" in kinds, symbols=b"s" in kinds,
-    )
+        other=b"o" in kinds or b"D" in kinds, symbols=b"s" in kinds)
 
 
 def _tally(
@@ -235,8 +222,7 @@ def _other_script_tokens(scripts: bytes) -> int:
     joined = b" ".join(words)
     return (
         _run_tokens(joined.translate(_WHOLE_WORDS), _OTHER_PIECE)
-        - _run_tokens(joined.translate(_LATIN_FRAGMENTS), _LATIN_PIECE)
-    )
+        - _run_tokens(joined.translate(_LATIN_FRAGMENTS), _LATIN_PIECE))
 
 
 _O = ord("o")
@@ -260,8 +246,7 @@ def _pieces(words: Sequence[bytes], piece: int) -> int:
     past :data:`_MAX_WORD_CHARS`."""
     return sum(
         1 if length > _MAX_WORD_CHARS else 1 + (length - 1) // piece
-        for length in map(len, words)
-    )
+        for length in map(len, words))
 
 
 class _Classes(dict[int, str]):

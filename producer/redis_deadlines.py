@@ -27,11 +27,8 @@ from tokenq.shared.settings import ClientSettings
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 """redis-py's errors for a Redis that did not answer (retried, then BrokerUnavailable)."""
 
-CLUSTER_UNAVAILABLE = (
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.SlotNotCoveredError,
-)
+CLUSTER_UNAVAILABLE = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+                       redis.exceptions.SlotNotCoveredError)
 """A cluster that could not run the command (mid-failover, a slot moving): as safe to retry."""
 
 REFUSED_NOW_RETRIED = {
@@ -46,14 +43,12 @@ MIN_SOCKET_TIMEOUT_S = 0.01
 """Floor of a deadline-bound socket timeout (0 would put the socket in non-blocking mode)."""
 
 CALLER_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "tokenq_caller_deadline", default=None
-)
+    "tokenq_caller_deadline", default=None)
 """The monotonic deadline of the caller on whose behalf Redis is called (None: no caller)."""
 
 
 SLOW_REPLY_S: contextvars.ContextVar[float] = contextvars.ContextVar(
-    "tokenq_slow_reply_s", default=0.0
-)
+    "tokenq_slow_reply_s", default=0.0)
 """How long Redis itself may take to answer, on top of the socket timeout (still ended by the
 caller's deadline): the durable enqueue's ``WAIT``, which waits on the server by design."""
 
@@ -242,8 +237,7 @@ def _retry(settings: ClientSettings, retry_class: type) -> Any:
     return retry_class(
         DeadlineBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
         settings.retries,
-        supported_errors=REDIS_DOWN,
-    )
+        supported_errors=REDIS_DOWN)
 
 
 def _options(settings: ClientSettings, retry_class: type, client_id: str) -> dict[str, Any]:
@@ -273,8 +267,7 @@ def sync_redis(
     return redis_client.sync_client(
         parse_redis_url(settings.redis_url), _options(settings, DeadlineRetry, client_id),
         SYNC_HOOKS, max_connections=max_connections, wait_s=settings.timeout_s,
-        cluster_retry=_retry(settings, DeadlineRetry), lazy=True,
-    )
+        cluster_retry=_retry(settings, DeadlineRetry), lazy=True)
 
 
 def async_redis(
@@ -295,8 +288,7 @@ def async_client(
     return redis_client.async_client(
         parse_redis_url(settings.redis_url), _options(settings, AsyncDeadlineRetry, client_id),
         ASYNC_HOOKS, max_connections=max_connections, wait_s=None if one else settings.timeout_s,
-        one_connection=one, cluster_retry=_retry(settings, AsyncDeadlineRetry),
-    )
+        one_connection=one, cluster_retry=_retry(settings, AsyncDeadlineRetry))
 
 
 def sync_client_for(url: str, **kwargs: Any) -> redis.Redis | redis.RedisCluster:

@@ -74,19 +74,14 @@ def _expand(source: str, *, splice: bool) -> tuple[str, list[str]]:
 
 
 def load(package: str, name: str) -> str:
-    """The source of ``<package>/lua/<name>`` with its fragments in place.
-
-    ``package`` is the caller's own (``"tokenq.producer"``, ``"tokenq.worker"``),
-    so this module imports neither side. Raises :class:`StaleFragment` when
-    the file carries an out-of-date copy of a fragment.
-    """
+    """``<package>/lua/<name>`` (the caller's package: this module imports neither side) with
+    its fragments in place; :class:`StaleFragment` when it holds an out-of-date copy of one."""
     source = resources.files(package).joinpath("lua").joinpath(name).read_text("utf-8")
     stale = _expand(source, splice=False)[1]
     if stale:
         raise StaleFragment(
             f"{package} lua/{name} holds an old copy of shared/lua/{', '.join(stale)}; "
-            f"run python -m tokenq.shared.lua_scripts on that file to refresh it"
-        )
+            f"run python -m tokenq.shared.lua_scripts on that file to refresh it")
     return assemble(source)
 
 
@@ -124,14 +119,10 @@ FUNCTION_FLAGS = frozenset({"no-writes", "allow-oom", "allow-stale", "no-cluster
 class Library:
     """tokenq's scripts as one Redis Functions library (``FUNCTION LOAD`` text and names)."""
 
-    name: str
-    """``tokenq_<hash>``: the hash is of the library's code, so each version has its own."""
-    code: str
-    """What ``FUNCTION LOAD`` takes: the ``#!lua`` line, then one function per script."""
-    functions: Mapping[str, str]
-    """Short name (``enqueue``) -> function name (``tokenq_<hash>_enqueue``), for ``FCALL``."""
-    scripts: Mapping[str, str]
-    """Short name -> the script's source, for ``EVALSHA`` where Redis has no Functions (< 7)."""
+    name: str  # tokenq_<hash>: the hash is of the library's code, so each version has its own
+    code: str  # what FUNCTION LOAD takes: the #!lua line, then one function per script
+    functions: Mapping[str, str]  # short name (enqueue) -> function name, for FCALL
+    scripts: Mapping[str, str]  # short name -> source, for EVALSHA where Redis < 7
 
 
 LIBRARY_PREFIX = "tokenq_"
@@ -179,8 +170,7 @@ class QueueFullReply:
 
     length: str
     limit: str
-    adding: str | None
-    """How many entries did not fit; None from scripts older than the dedupe keys."""
+    adding: str | None  # how many entries did not fit; None from scripts before dedupe keys
 
 
 def parse_queue_full(message: str) -> QueueFullReply | None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any
 
 from tokenq.shared.redis_text import as_text
 from tokenq.shared.request_options import ModelFacts
@@ -114,54 +114,17 @@ def parse_config(raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig 
         labels=_json_strings(text.get("labels"), list),
         prompts=_json_strings(text.get("prompts"), dict),
         # Read under its old name from older workers; the new name wins even when empty.
-        default_prompt_name=text.get("default_prompt_name", text.get("default_prompt")) or None,
-    )
+        default_prompt_name=text.get("default_prompt_name", text.get("default_prompt")) or None)
     return QueueConfig(**values)
 
 
-class ModelDescription(Protocol):
-    """What :func:`describe` reads: the worker's ``BackendInfo`` has every one of these."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def model(self) -> str: ...
-    @property
-    def task(self) -> str: ...
-    @property
-    def max_input_tokens(self) -> int: ...
-    @property
-    def padded(self) -> bool: ...
-    @property
-    def dim(self) -> int | None: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def tokenizer(self) -> str | None: ...
-    @property
-    def pairs(self) -> bool: ...
-    @property
-    def normalized(self) -> bool: ...
-    @property
-    def labels(self) -> tuple[str, ...]: ...
-    @property
-    def raw_vectors(self) -> bool: ...
-    @property
-    def prompts(self) -> Mapping[str, str]: ...
-    @property
-    def default_prompt_name(self) -> str | None: ...
-    @property
-    def token_dim(self) -> int | None: ...
-    @property
-    def pooling(self) -> str | None: ...
-
-
 def describe(
-    info: ModelDescription, *, policy: str | None = None, max_batch_tokens: int | None = None,
+    info: Any, *, policy: str | None = None, max_batch_tokens: int | None = None,
     shards: int = 1, tokenize_processes: int | None = None, updated_at: int | None = None,
 ) -> QueueConfig:
-    """The config a worker with backend ``info`` publishes (the only way it makes one); the
-    queue's own values (``policy``, ...) are its settings, absent when left out."""
+    """The config a worker with backend ``info`` (its ``BackendInfo``, which this side cannot
+    import) publishes, the only way it makes one; the queue's own values (``policy``, ...) are
+    its settings, absent when left out."""
     embeds = info.task == "embed"
     return QueueConfig(
         **{name: getattr(info, name) for name in _AS_DESCRIBED},
@@ -178,8 +141,7 @@ def describe(
         default_prompt_name=info.default_prompt_name or "",
         tokenizer=info.tokenizer or None,
         shards=shards if shards > 1 else None,  # absent means 1: one shard's hash is unchanged
-        tokenize_processes=tokenize_processes,
-    )
+        tokenize_processes=tokenize_processes)
 
 
 _AS_DESCRIBED = ("model", "task", "max_input_tokens", "pairs", "padded", "dim", "dtype",
@@ -216,8 +178,7 @@ def model_facts(config: QueueConfig | None) -> ModelFacts:
         sparse=None if config.task is None else config.task == "sparse",
         token_dim=config.token_dim,
         can_output_tokens=(config.token_dim is not None if complete
-                           else True if config.token_dim else None),
-    )
+                           else True if config.token_dim else None))
 
 
 def _json_strings(raw: str | None, kind: type[list[Any]] | type[dict[str, Any]]) -> Any:

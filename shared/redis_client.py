@@ -74,8 +74,7 @@ class FollowsMaster:
     def connect_to(self, address: tuple[str, int]) -> None:
         self.host, self.port = address
         super(redis.sentinel.SentinelManagedConnection, self).connect_check_health(  # type: ignore[misc]
-            check_health=self.connection_pool.check_connection, retry_socket_connect=False
-        )
+            check_health=self.connection_pool.check_connection, retry_socket_connect=False)
 
 
 class AsyncFollowsMaster:
@@ -96,8 +95,7 @@ class AsyncFollowsMaster:
         await super(  # type: ignore[misc]
             redis.asyncio.sentinel.SentinelManagedConnection, self
         ).connect_check_health(
-            check_health=self.connection_pool.check_connection, retry_socket_connect=False
-        )
+            check_health=self.connection_pool.check_connection, retry_socket_connect=False)
 
 
 @functools.cache
@@ -194,8 +192,7 @@ def async_client(
                        options, hooks, _cap(max_connections, wait_s))
     client = redis.asyncio.Redis(
         connection_pool=pool.from_url(target.url, **options, **_cap(max_connections, wait_s)),
-        single_connection_client=one_connection,
-    )
+        single_connection_client=one_connection)
     client.auto_close_connection_pool = True  # as Redis.from_url and from_pool: it owns the pool
     return client
 
@@ -229,8 +226,7 @@ def _master(
         sentinels_pool.connection_class = hooks.sentinels(sentinels_pool.connection_class)
     return sentinel.master_for(
         target.service, redis_class=redis_class, connection_pool_class=pool,
-        **options, **cap, **master_kwargs(target),
-    )
+        **options, **cap, **master_kwargs(target))
 
 
 def _cluster_options(options: dict[str, Any], cluster_retry: Any) -> dict[str, Any]:
@@ -283,8 +279,7 @@ def _async_cluster(
     client = redis.asyncio.RedisCluster(
         startup_nodes=[redis.asyncio.cluster.ClusterNode(h, p) for h, p in target.nodes],
         max_connections=UNCAPPED if max_connections is None else max_connections,
-        **master, **_cluster_options(options, cluster_retry),
-    )
+        **master, **_cluster_options(options, cluster_retry))
     connection_class = hooks.connection(client.connection_kwargs["connection_class"])
     client.connection_kwargs.update(connection_class=connection_class, **tls)
     for node in client.startup_nodes:

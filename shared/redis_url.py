@@ -27,8 +27,7 @@ _SCHEMES: dict[str, tuple[Kind, bool]] = {
 CLUSTER_FORM = "redis+cluster://[user[:password]@]host:port[,host:port...][/][?query]"
 SENTINEL_FORM = (
     "redis+sentinel://[user[:password]@]host:port[,host:port...]/service_name[/db]"
-    "[?sentinel_username=...&sentinel_password=...]"
-)
+    "[?sentinel_username=...&sentinel_password=...]")
 TLS_OPTIONS = frozenset({
     "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile",
     "ssl_password", "ssl_check_hostname",
@@ -80,10 +79,8 @@ def parse_redis_url(url: str) -> RedisTarget:
     entry = _SCHEMES.get(scheme.lower())
     if entry is None:
         if "+" in scheme:
-            raise ValueError(
-                f"unknown Redis URL scheme {scheme}:// (use redis+cluster://, "
-                "rediss+cluster://, redis+sentinel:// or rediss+sentinel://)"
-            )
+            raise ValueError(f"unknown Redis URL scheme {scheme}:// (use redis+cluster://, "
+                             "rediss+cluster://, redis+sentinel:// or rediss+sentinel://)")
         return RedisTarget("single", url)
     kind, tls = entry
     form = CLUSTER_FORM if kind == "cluster" else SENTINEL_FORM
@@ -109,10 +106,8 @@ def parse_redis_url(url: str) -> RedisTarget:
         _cluster_path(path, scheme)
         return RedisTarget("cluster", url, nodes, username, password, tls, options=options)
     service, db = _sentinel_path(path, scheme)
-    return RedisTarget(
-        "sentinel", url, nodes, username, password, tls, service, db,
-        sentinel_username, sentinel_password, options,
-    )
+    return RedisTarget("sentinel", url, nodes, username, password, tls, service, db,
+                       sentinel_username, sentinel_password, options)
 
 
 def _credentials(userinfo: str) -> tuple[str | None, str | None]:
@@ -153,10 +148,8 @@ def _query(query: str, scheme: str, tls: bool, kind: Kind) -> dict[str, str]:
             shown = f" {name!r}" if "password" not in name.lower() else ""
             raise ValueError(f"query field{shown} of the {scheme}:// URL has no '=value'")
         if name not in known:
-            raise ValueError(
-                f"unknown query option {name!r} in the {scheme}:// URL (known: "
-                f"{', '.join(sorted(known))})"
-            )
+            raise ValueError(f"unknown query option {name!r} in the {scheme}:// URL (known: "
+                             f"{', '.join(sorted(known))})")
         if name in options:
             raise ValueError(f"query option {name!r} is given twice in the {scheme}:// URL")
         if name in TLS_OPTIONS and not tls:

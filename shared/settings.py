@@ -93,8 +93,7 @@ def _redis_url(value: str) -> str:
         given = f"not {value.split('://', 1)[0]}://" if "://" in value else "it has no scheme"
         raise ValueError(
             "redis_url must start with redis://, rediss://, unix://, redis+cluster:// or "
-            f"redis+sentinel:// ({given})"
-        )
+            f"redis+sentinel:// ({given})")
     return value
 
 
@@ -402,22 +401,27 @@ class ServeSettings(ClientSettings):
         return _model_queues(self.models)
 
 
+def _parts(value: str) -> list[str]:
+    """A comma-separated setting's parts, stripped, empty ones dropped."""
+    return [part for part in (item.strip() for item in value.split(",")) if part]
+
+
 def _model_queues(value: str) -> dict[str, str]:
     out: dict[str, str] = {}
-    for part in filter(None, (item.strip() for item in value.split(","))):
-        name, sep, queue = part.partition("=")
-        if not sep or not name.strip() or not queue.strip():
+    for part in _parts(value):
+        name, sep, queue = (side.strip() for side in part.partition("="))
+        if not sep or not name or not queue:
             raise ValueError(f"models: {part!r} is not name=queue")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", queue.strip()):
-            raise ValueError(f"models: queue {queue.strip()!r} is not a queue name")
-        out[name.strip()] = queue.strip()
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", queue):
+            raise ValueError(f"models: queue {queue!r} is not a queue name")
+        out[name] = queue
     return out
 
 
 def tenant_keys(value: str) -> dict[str, str]:
     """``--api-keys`` as {key: tenant}; ValueError for a part that is not tenant=key."""
     out: dict[str, str] = {}
-    for number, part in enumerate(filter(None, (item.strip() for item in value.split(","))), 1):
+    for number, part in enumerate(_parts(value), 1):
         tenant, sep, key = part.partition("=")
         if not sep or not key:
             raise ValueError(f"api_keys: part {number} is not tenant=key")
@@ -453,8 +457,8 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
 
     consumer: str | None = Field(
         None, description="consumer name in the group (default: host-pid-random)")
-    max_batch_tokens: int | Literal["auto"] = Field(16384, description="token budget of one "
-                                                    "batch; 'auto': fit to free CUDA memory")
+    max_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        16384, description="token budget of one batch; 'auto': fit to free CUDA memory")
     max_batch_size: int = Field(256, ge=1, description="most rows in one batch")
     linger_ms: float = Field(
         2.0, ge=0, description="how long an idle device waits to fill an unsealed batch")
@@ -525,29 +529,13 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
 
     # Checks that span two settings sit on the later one, so the message names it.
 
-    @field_validator("max_batch_tokens", mode="before")
-    @classmethod
-    def _check_budget(cls, value: Any) -> Any:
-        if isinstance(value, str) and value.strip() != "auto":
-            try:
-                value = int(value)
-            except ValueError:
-                raise ValueError(
-                    f"max_batch_tokens must be a whole number or 'auto', got {value!r}"
-                ) from None
-        if type(value) is int and value < 1:
-            raise ValueError(f"max_batch_tokens must be >= 1 or 'auto', got {value}")
-        return value
-
     @field_validator("block_ms")
     @classmethod
     def _check_block(cls, value: int, info: ValidationInfo) -> int:
         timeout = info.data.get("socket_timeout_s")
         if timeout is not None and value / 1000 >= timeout:
-            raise ValueError(
-                f"block_ms ({value}) must be shorter than socket_timeout_s "
-                f"({timeout}s), or blocking reads would time out"
-            )
+            raise ValueError(f"block_ms ({value}) must be shorter than socket_timeout_s "
+                             f"({timeout}s), or blocking reads would time out")
         return value
 
     @field_validator("batch_timeout_s")
@@ -555,9 +543,8 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
     def _check_batch_timeout(cls, value: float, info: ValidationInfo) -> float:
         beat = info.data.get("heartbeat_s")
         if beat is not None and value <= beat:
-            raise ValueError(
-                f"batch_timeout_s ({value}s) must be longer than heartbeat_s ({beat}s)"
-            )
+            raise ValueError(f"batch_timeout_s ({value}s) must be longer than heartbeat_s "
+                             f"({beat}s)")
         return value
 
     @field_validator("log_level")
@@ -580,20 +567,17 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
         twice = sorted({part for part in parts if parts.count(part) > 1})
         if twice:
             # Both children would be one consumer, each taking the other's entries as its own.
-            raise ValueError(
-                f"devices lists {', '.join(twice)} more than once; for more than one worker "
-                "process on a GPU use --processes-per-device"
-            )
+            raise ValueError(f"devices lists {', '.join(twice)} more than once; for more than "
+                             "one worker process on a GPU use --processes-per-device")
         return value
 
     @field_validator("processes_per_device")
     @classmethod
     def _check_processes(cls, value: int | str, info: ValidationInfo) -> int | str:
         if value != 1 and info.data.get("devices") is None:
-            raise ValueError(
-                f"processes_per_device {value} needs --devices (the GPUs to start them on); "
-                "without it, start more tokenq worker processes on the queue"
-            )
+            raise ValueError(f"processes_per_device {value} needs --devices (the GPUs to start "
+                             "them on); without it, start more tokenq worker processes on the "
+                             "queue")
         return value
 
     @property
@@ -604,7 +588,7 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
     @property
     def reply_to_prefix_list(self) -> tuple[str, ...]:
         """``--reply-to-prefixes`` split on commas, empty parts dropped."""
-        return tuple(part.strip() for part in self.reply_to_prefixes.split(",") if part.strip())
+        return tuple(_parts(self.reply_to_prefixes))
 
     @property
     def device_list(self) -> list[str]:

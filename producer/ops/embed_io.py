@@ -17,7 +17,6 @@ from typing import Any, BinaryIO
 from tokenq.shared.failures import CommandFailed
 from tokenq.shared.flags import UsageError
 
-MANIFEST_VERSION = 1
 _LOCK = "lock"
 _MANIFEST = "manifest.json"
 _DONE = ".done"

@@ -15,14 +15,7 @@ import numpy as np
 
 from tokenq.shared import wire
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode, remote_error
-from tokenq.shared.packer import (
-    DEFAULT_AGING_MS,
-    AdaptiveBudget,
-    Batch,
-    Budget,
-    CostModel,
-    Packer,
-)
+from tokenq.shared.packer import DEFAULT_AGING_MS, AdaptiveBudget, Batch, Budget, CostModel, Packer
 from tokenq.shared.request_options import WorkerOptions, parse_options
 from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES, validate_priority, validate_text
 from tokenq.worker.backends.base import Backend
@@ -62,18 +55,12 @@ class BatcherStats:
     submitted: int = 0
     batches: int = 0
     rows: int = 0
-    tokens: int = 0
-    """Real (unpadded) tokens run."""
-    cost_tokens: int = 0
-    """Tokens paid under the cost model (rows x longest, or the sum)."""
-    oom_events: int = 0
-    """Runs that hit out-of-memory (each one split a batch or failed one row)."""
-    error_events: int = 0
-    """Runs that raised anything else."""
-    failed: int = 0
-    """Requests answered with an error."""
-    failed_runs: list[FailedRun] = field(default_factory=list, repr=False)
-    """The last few failed runs, newest last (at most 100)."""
+    tokens: int = 0  # real (unpadded) tokens run
+    cost_tokens: int = 0  # tokens paid under the cost model (rows x longest, or the sum)
+    oom_events: int = 0  # runs that hit out-of-memory (each split a batch or failed one row)
+    error_events: int = 0  # runs that raised anything else
+    failed: int = 0  # requests answered with an error
+    failed_runs: list[FailedRun] = field(default_factory=list, repr=False)  # last 100, newest last
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +92,7 @@ class Batcher:
         try:
             self._packer: Packer[Job[_Future]] = Packer(
                 budget, linger_ms, max_padding_ratio=options.max_padding_ratio,
-                aging_ms=options.aging_ms, max_batch_ms=options.max_batch_ms,
-            )
+                aging_ms=options.aging_ms, max_batch_ms=options.max_batch_ms)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         # Lowered after an OOM, raised slowly, never below one full-length input.
@@ -142,42 +128,26 @@ class Batcher:
         """The model's output for one input."""
         self._check(text, text_pair)
         opts = self._opts(options)
-        return await self._enqueue(
-            text, text_pair, timeout_s, validate_priority(priority), opts
-        ).ref
+        return await self._enqueue(text, text_pair, timeout_s, validate_priority(priority),
+                                   opts).ref
 
     @overload
     async def submit_many(
-        self,
-        texts: Sequence[str],
-        text_pairs: Sequence[str] | None = None,
-        *,
-        return_exceptions: Literal[False] = False,
-        timeout_s: float | None = None,
-        priority: int = 0,
-        **options: Unpack[WorkerOptions],
+        self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *,
+        return_exceptions: Literal[False] = False, timeout_s: float | None = None,
+        priority: int = 0, **options: Unpack[WorkerOptions],
     ) -> list[np.ndarray]: ...
 
     @overload
     async def submit_many(
-        self,
-        texts: Sequence[str],
-        text_pairs: Sequence[str] | None = None,
-        *,
-        return_exceptions: Literal[True],
-        timeout_s: float | None = None,
-        priority: int = 0,
+        self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *,
+        return_exceptions: Literal[True], timeout_s: float | None = None, priority: int = 0,
         **options: Unpack[WorkerOptions],
     ) -> list[np.ndarray | BaseException]: ...
 
     async def submit_many(
-        self,
-        texts: Sequence[str],
-        text_pairs: Sequence[str] | None = None,
-        *,
-        return_exceptions: bool = False,
-        timeout_s: float | None = None,
-        priority: int = 0,
+        self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *,
+        return_exceptions: bool = False, timeout_s: float | None = None, priority: int = 0,
         **options: Unpack[WorkerOptions],
     ) -> list[np.ndarray] | list[np.ndarray | BaseException]:
         """Outputs for many inputs, in order; batched together with everyone else's."""
@@ -193,10 +163,8 @@ class Batcher:
             self._check(text, pair, where=f"[{index}]")
         priority = validate_priority(priority)
         opts = self._opts(options)
-        queued = [
-            self._enqueue(text, pair, timeout_s, priority, opts)
-            for text, pair in zip(texts, pairs, strict=True)
-        ]
+        queued = [self._enqueue(text, pair, timeout_s, priority, opts)
+                  for text, pair in zip(texts, pairs, strict=True)]
         results = await asyncio.gather(*(pending.ref for pending in queued),
                                        return_exceptions=True)
         if not return_exceptions:
@@ -304,9 +272,8 @@ class Batcher:
                 for outcome in admitted.answered:
                     self._answer(outcome.ref, outcome.result)
                 for item, why in admitted.broken:
-                    self._answer(item.ref, Failure(
-                        ErrorCode.BAD_REQUEST.value, f"the batcher could not take this input: {why}"
-                    ))
+                    self._answer(item.ref, Failure(ErrorCode.BAD_REQUEST.value,
+                                                   f"the batcher could not take this input: {why}"))
                 if self._stopped is not None:
                     for job in admitted.jobs:
                         self._answer(job.ref, self._stopped)
@@ -353,8 +320,7 @@ class Batcher:
             return
         if isinstance(result, Failure):
             self.stats.failed += 1
-            future.set_exception(
-                remote_error(result.code, result.message, param=result.param))
+            future.set_exception(remote_error(result.code, result.message, param=result.param))
         else:
             future.set_result(result)
 
@@ -365,10 +331,8 @@ class Batcher:
         self._closing = True
         failure = Failure(ErrorCode.INFERENCE_FAILED.value, f"batcher stopped: {describe(exc)}")
         self._stopped = self._stopped or failure
-        doomed = [
-            *(pending.ref for pending in (*self._incoming, *self._tokenizing)),
-            *(job.ref for job in self._feed.held()),
-        ]
+        doomed = [*(pending.ref for pending in (*self._incoming, *self._tokenizing)),
+                  *(job.ref for job in self._feed.held())]
         self._incoming.clear()
         self._tokenizing = []
         self._feed.remove_where(lambda _: True)

@@ -83,8 +83,7 @@ def up(settings: UpSettings, worker_flags: Sequence[str]) -> int:
                 server = supervisor.start(
                     "redis-server", server_command(directory, port, appendonly=True),
                     os.environ, start_new_session=True, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+                    stderr=subprocess.DEVNULL)
                 if not _wait_for_redis(supervisor, server, redis_url):
                     return 0 if supervisor.stopping else 1  # a stop during start is clean
                 log.info("redis-server on %s (AOF on, data in %s)", redis_url, directory)

