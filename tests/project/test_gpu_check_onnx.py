@@ -87,7 +87,7 @@ def test_the_race_agrees_and_counts_every_real_token(
 ) -> None:
     torch_encoder, onnx_encoder, tokenizer = fp32_encoders
     padded = [gpu_check.pad(b.payloads, pad_token_id(tokenizer)) for b in batches]
-    race = gpu_check.race_runtimes(torch_encoder, onnx_encoder, padded, CPU, rounds=2)
+    race = gpu_check.race_runtimes(torch_encoder, onnx_encoder, padded, CPU, rounds=1)
     assert len(batches) > 1 and sum(b.rows for b in batches) == len(gpu_check.all_texts())
     assert race.tokens == sum(b.tokens for b in batches)
     assert race.min_cosine >= 0.9999, race
@@ -106,8 +106,11 @@ def test_the_race_agrees_and_counts_every_real_token(
 def test_padding_and_pooling_are_the_backends(
     backend: Any, batches: list[Any], fp32_encoders: tuple[Any, Any, Any]
 ) -> None:
-    """The vectors the race compares are the worker's (mean pooling, then unit length)."""
+    """The vectors the race compares are the worker's (mean pooling, then unit length), on
+    every eighth batch: short to long, each padded to its longest row."""
     torch_encoder, onnx_encoder, tokenizer = fp32_encoders
+    batches = batches[::8]
+    assert len(batches) > 2
     padded = [gpu_check.pad(b.payloads, pad_token_id(tokenizer)) for b in batches]
     expected = np.concatenate([np.stack(backend.run(b.payloads)) for b in batches])
     expected /= np.linalg.norm(expected, axis=1, keepdims=True)
