@@ -171,19 +171,37 @@ def test_each_family_answers_close_to_fp32(
 # -- the real model ---------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("bf16_cpu")
-def test_minilm_stays_within_cosine_0_9999_of_sentence_transformers() -> None:
-    """The promise docs/MODELS.md makes, over the repository's 300 sample lines."""
+def minilm_agreement(texts: list[str]) -> np.ndarray:
+    """Cosines between the bundled MiniLM's bf16-mixed vectors and sentence-transformers' fp32."""
+    st = pytest.importorskip("sentence_transformers")
+    got = rows(load(None, dtype="bf16-mixed"), [TextInput(text) for text in texts])
+    reference = st.SentenceTransformer(str(bundled_model_dir()), device="cpu")
+    return cosines(got, reference.encode(texts, batch_size=32))
+
+
+def sample_lines() -> list[str]:
     import json
 
-    st = pytest.importorskip("sentence_transformers")
     with SAMPLE.open(encoding="utf-8") as handle:
         texts = [json.loads(line)["text"] for line in handle if line.strip()]
     assert len(texts) == 300
-    backend = load(None, dtype="bf16-mixed")
-    got = rows(backend, [TextInput(text) for text in texts])
-    reference = st.SentenceTransformer(str(bundled_model_dir()), device="cpu")
-    want = reference.encode(texts, batch_size=32)
-    agreement = cosines(got, want)
+    return texts
+
+
+def test_minilm_stays_within_cosine_0_9999_of_sentence_transformers() -> None:
+    """The promise docs/MODELS.md makes, over the repository's 300 sample lines, on bf16
+    instructions (emulated, the 300 lines cost minutes of CPU: the few lines below run)."""
+    if not runtime_module.cpu_has_bf16_matmul():
+        pytest.skip("this CPU has no bf16 instructions: the worker refuses bf16-mixed")
+    agreement = minilm_agreement(sample_lines())
     assert agreement.min() >= 0.9999, f"lowest cosine {agreement.min():.6f}"
     assert agreement.min() < 1.0  # and it is not fp32 under another name
+
+
+@pytest.mark.usefixtures("bf16_cpu")
+def test_minilm_in_bf16_mixed_agrees_on_a_few_lines_whatever_the_cpu() -> None:
+    """The same bound on the sample's first few lines under 200 characters, English and
+    Chinese, with the roundings emulated where the CPU lacks the instructions (seconds)."""
+    agreement = minilm_agreement([text for text in sample_lines() if len(text) < 200][:4])
+    assert agreement.min() >= 0.9999, f"lowest cosine {agreement.min():.6f}"
+    assert agreement.min() < 1.0

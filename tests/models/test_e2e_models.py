@@ -593,6 +593,20 @@ def test_hf_out_of_memory_splits_and_lowers_the_budget(
 # ------------------------------------------------------------------------- start-up
 
 
+_START_UPS_CHILD = """
+import contextlib, io, json, sys
+from tokenq.worker.cli import main
+
+answers = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        answers[name] = [main(argv), err.getvalue()]
+print(json.dumps(answers))
+"""
+"""Runs ``tokenq worker``'s main on each case's flags in turn: one process importing torch
+rather than one a case (each case fails before its worker connects or starts a thread)."""
+
+
 def test_bad_start_up_settings_are_clear_errors(
     models: SimpleNamespace, redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -605,19 +619,17 @@ def test_bad_start_up_settings_are_clear_errors(
             "--model", str(models.classify), "--task", "classify", "--policy", "chunk"
         ),
     }
-    env = worker_environment(redis_server.url)
-    running = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "tokenq.worker", "--backend", "hf", "--queue", "bad", *flags],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for name, flags in cases.items()
-    }
-    out = {name: process.communicate(timeout=120) for name, process in running.items()}
-    for name, process in running.items():
-        assert process.returncode == 2, (name, out[name])
-        assert "Traceback" not in out[name][1], (name, out[name][1])
-    stderr = {name: err for name, (_, err) in out.items()}
+    argv = {name: ["--backend", "hf", "--queue", "bad", *flags] for name, flags in cases.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", _START_UPS_CHILD, json.dumps(argv)],
+        env=worker_environment(redis_server.url), capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, (code, err) in answers.items():
+        assert code == 2, (name, err)
+        assert "Traceback" not in err, (name, err)
+    stderr = {name: err for name, (_, err) in answers.items()}
     assert str(missing) in stderr["missing"] and "does not exist" in stderr["missing"]
     assert str(models.no_tokenizer) in stderr["no_tokenizer"]
     assert "no tokenizer" in stderr["no_tokenizer"]

@@ -31,25 +31,27 @@ BUNDLED_IDS = ("sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2",
                "Sentence-Transformers/ALL-MiniLM-L6-v2")
 UNREACHABLE_HUB = "http://127.0.0.1:9"  # the discard port: nothing listens, connects are refused
 
-# Resolve the id, then load the backend, in a fresh interpreter (huggingface_hub
-# reads HF_HUB_OFFLINE and HF_ENDPOINT at import). Prints what it found and how
-# long resolving took, and whether resolving imported transformers (a hub look-up).
+# Resolve each id, then (mode "load") load the backend, in a fresh interpreter
+# (huggingface_hub reads HF_HUB_OFFLINE and HF_ENDPOINT at import). Prints, an id a
+# line, what it found and how long resolving took, and whether transformers was
+# imported by then (a hub look-up: once imported, every later id reports it too).
 _LOAD = """
 import json, sys, time
 from types import SimpleNamespace
-start = time.monotonic()
-from tokenq.worker.backends.hf.load import resolve_model
-source = resolve_model(sys.argv[1])
-resolved_s = time.monotonic() - start
-looked_up = "transformers" in sys.modules
-out = {"name": source.name, "location": source.location, "local": source.local,
-       "resolved_s": resolved_s, "looked_up": looked_up}
-if sys.argv[2] == "load":
-    from tokenq.worker.backends.hf.backend import build_hf_backend
-    backend = build_hf_backend(SimpleNamespace(model=sys.argv[1], task="embed", device="cpu"))
-    out["model"] = backend.info.model
-    out["dim"] = backend.info.dim
-print(json.dumps(out))
+for model in sys.argv[2:]:
+    start = time.monotonic()
+    from tokenq.worker.backends.hf.load import resolve_model
+    source = resolve_model(model)
+    resolved_s = time.monotonic() - start
+    looked_up = "transformers" in sys.modules
+    out = {"name": source.name, "location": source.location, "local": source.local,
+           "resolved_s": resolved_s, "looked_up": looked_up}
+    if sys.argv[1] == "load":
+        from tokenq.worker.backends.hf.backend import build_hf_backend
+        backend = build_hf_backend(SimpleNamespace(model=model, task="embed", device="cpu"))
+        out["model"] = backend.info.model
+        out["dim"] = backend.info.dim
+    print(json.dumps(out))
 """
 
 
@@ -65,29 +67,31 @@ def _hub_env(tmp_path: Path, *, offline: bool) -> dict[str, str]:
     return env
 
 
-def _resolve(model: str, env: dict[str, str], mode: str) -> dict[str, object]:
-    done = subprocess.run([sys.executable, "-c", _LOAD, model, mode], env=env,
+def _resolve(models: tuple[str, ...], env: dict[str, str], mode: str) -> list[dict[str, object]]:
+    """What the child found for each of ``models``, in order (one interpreter for all)."""
+    done = subprocess.run([sys.executable, "-c", _LOAD, mode, *models], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.strip().splitlines()[-len(models):]]
 
 
 @pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
-@pytest.mark.parametrize("model", BUNDLED_IDS)
-def test_the_bundled_model_answers_to_its_own_id_without_the_hub(tmp_path, model, offline):
+def test_the_bundled_model_answers_to_its_own_id_without_the_hub(tmp_path, offline):
+    """Each of the bundled model's ids, in every spelling README.md and the hub use."""
     from tokenq.worker.backends.hf.load import DEFAULT_MODEL_NAME, bundled_model_dir
 
-    found = _resolve(model, _hub_env(tmp_path, offline=offline), "resolve")
-    assert found["location"] == str(bundled_model_dir()) and found["local"] is True
-    assert found["name"] == DEFAULT_MODEL_NAME  # one name in logs, stats and /info
-    assert found["looked_up"] is False, "resolving the bundled id went to the hub"
-    assert float(found["resolved_s"]) < 2.0  # type: ignore[arg-type]
+    answers = _resolve(BUNDLED_IDS, _hub_env(tmp_path, offline=offline), "resolve")
+    for model, found in zip(BUNDLED_IDS, answers, strict=True):
+        assert found["location"] == str(bundled_model_dir()) and found["local"] is True, model
+        assert found["name"] == DEFAULT_MODEL_NAME, model  # one name in logs, stats and /info
+        assert found["looked_up"] is False, f"resolving {model} went to the hub"
+        assert float(found["resolved_s"]) < 2.0, model  # type: ignore[arg-type]
 
 
 def test_the_readme_worker_model_loads_with_the_hub_unreachable(tmp_path):
     """The whole load, as `tokenq worker --model sentence-transformers/all-MiniLM-L6-v2` does it."""
     start = time.monotonic()
-    found = _resolve(BUNDLED_IDS[0], _hub_env(tmp_path, offline=False), "load")
+    [found] = _resolve(BUNDLED_IDS[:1], _hub_env(tmp_path, offline=False), "load")
     took = time.monotonic() - start
     assert found["model"] == BUNDLED_IDS[0] and found["dim"] == 384
     # It was ~55 s of hub retries, then a failure.

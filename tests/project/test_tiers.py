@@ -21,9 +21,14 @@ from tests.redis_server import free_ports
 MODEL_LIBRARIES = ("torch", "transformers", "tokenizers")
 
 
+UNUSED_PLUGINS = ("-p", "no:cacheprovider", "-p", "no:langsmith_plugin", "-p", "no:schemathesis",
+                  "-p", "no:anyio")
+"""pyproject.toml's addopts, for a run outside the checkout too (a second of imports each)."""
+
+
 def _pytest(args: list[str], env: dict[str, str] | None = None,
             cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+    return subprocess.run([sys.executable, "-m", "pytest", *UNUSED_PLUGINS, *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.plugins_for_tests import COMPUTE_US_ENV, TOKENIZE_HANG_MARKER
+from tests.plugins_for_tests import COMPUTE_US_ENV
 from tests.support import FAST_BEAT, SimModel, wait_for
 from tests.worker.test_stage_deadlines import FakeClock
 from tests.workers import Fleet, WorkerProcess
@@ -31,7 +31,7 @@ from tokenq.producer import Client
 from tokenq.worker.backends.sim import SIM_HANG_MARKER
 from tokenq.worker.loop.lifecycle import Lifecycle
 from tokenq.worker.loop.stages import TOKENIZING, Overdue, StageClock, Stages
-from tokenq.worker.loop.watchdog import LoopGuard
+from tokenq.worker.loop.watchdog import LoopGuard, patience_s
 
 MODEL = SimModel()
 BATCH_TIMEOUT_S = 3.0
@@ -79,36 +79,20 @@ def stopped_mid_batch_then_served(worker: WorkerProcess, client: Client, seconds
     assert "hung" not in worker.output(), worker.output()[-3000:]
 
 
-def test_a_worker_stopped_past_its_deadlines_serves_on_and_a_hung_device_still_ends_it(
+def test_a_worker_stopped_past_the_guards_patience_serves_on_and_a_hung_device_still_ends_it(
     fleet: Fleet, r: redis.Redis, redis_url: str, queue_name: str,
 ):
-    """Stopped for 10 s: over three times the batch timeout (3 s) and four times an
-    XREADGROUP's deadline (2.2 s), the watchdog's rules."""
+    """Stopped for 24 s: over seven times the batch timeout (3 s) and ten times an
+    XREADGROUP's deadline (2.2 s), the watchdog's rules, and past a stage's deadline plus
+    the loop guard's patience (about 18 s here), so the guard thread too would have called
+    the loop stuck. That the guard still finds a stage hung after a stop: the unit test below;
+    a tokenizer hung on the event loop ended by it: tests/worker/test_stage_deadlines.py."""
     worker = fleet.start(name="stopped", ready=r, queue=queue_name)
     with Client(redis_url=redis_url, queue=queue_name) as client:
-        stopped_mid_batch_then_served(worker, client, 10.0)
+        stopped_mid_batch_then_served(worker, client, 24.0)
         client.submit(f"{SIM_HANG_MARKER} a device that stops answering")
         assert worker.process.wait(timeout=30) == 3, worker.output()[-3000:]
     assert "device hung" in worker.output()
-
-
-@pytest.mark.slow
-def test_a_worker_stopped_past_the_guards_patience_serves_on_and_the_guard_still_ends_it(
-    fleet: Fleet, r: redis.Redis, redis_url: str, queue_name: str,
-):
-    """Stopped for 24 s: past a stage's deadline plus the loop guard's patience (about
-    18 s here), so the guard thread too would have called the loop stuck; after the
-    continue a tokenizer that hangs on the event loop is still ended by the guard."""
-    worker = fleet.start(name="stopped", ready=r, queue=queue_name)
-    with Client(redis_url=redis_url, queue=queue_name) as client:
-        for index in range(80):  # reads of one cheap request each: admitted on the loop
-            text = f"warm up {index}"
-            assert MODEL.vector_ok(client.result(client.submit(text), timeout_s=30).embedding,
-                                   text)
-        stopped_mid_batch_then_served(worker, client, 24.0)
-        client.submit(f"{TOKENIZE_HANG_MARKER} a tokenizer that never returns")
-        assert worker.process.wait(timeout=60) == 3, worker.output()[-3000:]
-    assert "tokenizing hung on the event loop" in worker.output()
 
 
 # ------------------------------------------------------------------ the clock
@@ -176,3 +160,28 @@ def test_the_guard_thread_leaves_out_a_stop_it_could_not_tick_through():
             guard.stop()
     assert called == []
     assert stages.now() < 100.0 + 1.0
+
+
+@pytest.mark.unit
+def test_after_a_stop_the_guard_still_finds_a_stage_hung_past_its_patience():
+    """What the guard checks once a period: the stop is left out, the time after the
+    continue counts, so a stage hung since is stuck past its deadline plus the patience."""
+    raw = FakeClock()
+    clock = StageClock(1.0, raw)
+    stages = Stages(clock)
+    guard = LoopGuard(stages=stages, lifecycle=Lifecycle(clock), period_s=1.0,
+                      on_stuck=lambda late: pytest.fail(f"called stuck: {late}"), clock=clock)
+    with stages.running(TOKENIZING, "a read", 1.0, "the limit"):
+        clock.tick()
+        raw.now += 1000.0  # a stop: 1.5 s of it counts
+        clock.tick()
+        assert guard.check(clock()) is None
+        for _ in range(17):  # then ticked once a second: 18.5 s counted
+            raw.now += 1.0
+            clock.tick()
+        assert patience_s(1.0) == 18.0
+        assert guard.check(clock()) is None  # 17.5 s past the deadline
+        raw.now += 1.0
+        clock.tick()
+        late = guard.check(clock())
+        assert late is not None and late.stage.name == TOKENIZING
