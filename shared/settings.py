@@ -457,7 +457,7 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
 
     consumer: str | None = Field(
         None, description="consumer name in the group (default: host-pid-random)")
-    max_batch_tokens: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+    max_batch_tokens: int | Literal["auto"] = Field(
         16384, description="token budget of one batch; 'auto': fit to free CUDA memory")
     max_batch_size: int = Field(256, ge=1, description="most rows in one batch")
     linger_ms: float = Field(
@@ -528,6 +528,16 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
                                 "memory the auto budget plans for (split among its processes)")
 
     # Checks that span two settings sit on the later one, so the message names it.
+
+    @field_validator("max_batch_tokens", mode="before")
+    @classmethod
+    def _check_budget(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip() != "auto":
+            value = int(value) if value.strip().isdigit() else value
+        if value != "auto" and not (type(value) is int and value >= 1):
+            raise ValueError(f"max_batch_tokens must be a whole number >= 1 or 'auto', "
+                             f"got {value!r}")
+        return value
 
     @field_validator("block_ms")
     @classmethod

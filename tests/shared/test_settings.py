@@ -245,7 +245,7 @@ def test_errors_use_the_flag_as_spelt_and_name_positionals() -> None:
 def test_one_line_per_setting_even_for_a_union() -> None:
     assert _errors(WorkerSettings, max_batch_tokens="lots") == [
         "--max-batch-tokens / TOKENQ_MAX_BATCH_TOKENS: max_batch_tokens must be a whole number "
-        "or 'auto', got 'lots'"]
+        ">= 1 or 'auto', got 'lots'"]
     assert len(_errors(WorkerSettings, max_batch_size=0, linger_ms=-1)) == 2
 
 
