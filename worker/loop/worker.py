@@ -142,7 +142,7 @@ class Worker:
                 default_reply_to=functools.partial(keys.reply, queue),
                 max_request_bytes=settings.max_request_bytes,
                 check_reply_to=keys.reply_to_check(queue, settings.reply_to_prefix_list),
-                max_letter_bytes=settings.dead_max_letter_bytes,
+                max_letter_bytes=settings.dead_max_letter_bytes, tenant=tenant,
             ),
             Reclaimer(client, queue, self.consumer, dead_after_ms=int(settings.heartbeat_s * 3000),
                       claim_idle_ms=int(settings.claim_idle_s * 1000), tenant=tenant),
