@@ -338,3 +338,18 @@ def test_a_letter_names_a_named_tenant_only_and_a_bad_name_reads_as_the_default(
     assert "dead_tenant" not in dict(dead_letter.encode_letter({"id": "x"}, plain, max_bytes=99))
     assert parse_letter("1-0", {b"id": b"x", b"dead_tenant": b"a b"}).tenant == keys.DEFAULT_TENANT
     assert parse_letter("1-0", {b"id": b"x"}).tenant == keys.DEFAULT_TENANT
+
+
+def test_a_new_tenants_first_request_is_served_at_once_not_at_the_next_heartbeat(
+        start_worker, redis_url, r, queue_name):
+    start_worker("--heartbeat-s", "60")  # tenants found at its beats alone: a minute's wait
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.infer("the default tenant's", timeout_s=30)  # the worker is up and idle
+        time.sleep(0.5)
+        took = []
+        for tenant in ("new-1", "new-2"):
+            started = time.monotonic()
+            assert client.infer("a lone request", tenant=tenant, timeout_s=30).embedding is not None
+            took.append(time.monotonic() - started)
+    assert max(took) < 2.0, took  # linger (2 ms) + one batch, with room for a loaded machine
+    assert r.xlen(keys.tenants_added(keys.QueueRef(queue_name))) == 2  # one entry per stream
