@@ -114,6 +114,8 @@ heartbeats = st.builds(
     reclaimed=counts,
     dead_lettered=counts,
     padding_efficiency=st.floats(min_value=0, max_value=1),
+    tenants=st.none() | st.dictionaries(words, st.lists(counts.map(float), min_size=3,
+                                                        max_size=3), max_size=5),
 )
 
 

@@ -356,6 +356,7 @@ class Worker:
             max_batch_tokens=self.packer.budget.max_batch_tokens,
             configured_batch_tokens=self.budget.max_batch_tokens,
             max_batch_size=self.budget.max_batch_size, buffered=len(self.packer),
+            tenants=self._recorder.tenants.snapshot(),
         )
 
 
