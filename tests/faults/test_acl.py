@@ -422,7 +422,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "del": frozenset({"reply", "idem"}),
         "hgetall": frozenset({"config"}),
         "hkeys": frozenset({"workers", "worker"}),
-        "hincrby": frozenset({"pending"}),
+        "hincrby": frozenset({"pending"}), "hget": frozenset({"pending"}),
     },
     "worker": {
         "fcall": frozenset({"requests", "tenant_requests", "dead", "reply", "worker", "workers",
