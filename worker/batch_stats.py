@@ -75,23 +75,23 @@ class WorkerStats(Totals):
 MAX_TENANT_LABELS = 64
 """Most tenants one worker names in its heartbeat and metrics; later ones count as others."""
 LATENCY_WINDOW = 128
-"""A tenant's p50 is of its last this many answers sampled ..."""
-LATENCY_SAMPLES = 8
-"""... of which one publish (a batch's answers, about as old) gives at most about this many."""
+"""A tenant's p50 is of its last this many publishes (one answer each: a batch's answers are
+about as old)."""
 
 
 class TenantTally:
-    """Answers per tenant: requests, their counted tokens (the unit of pending tokens) and the
-    p50 of their enqueue-to-publish times. The default tenant and the first tenants answered, up
-    to :data:`MAX_TENANT_LABELS` names, keep their name for the worker's life (a counter never
-    moves to another label); later ones are counted under ``OTHER_TENANTS``: a producer naming
-    thousands of tenants cannot grow a heartbeat or the metrics' series past that."""
+    """Answers per tenant: entries settled, their counted tokens (the unit of pending tokens)
+    and the p50 of their enqueue-to-publish times. The default tenant and the first tenants
+    answered, up to :data:`MAX_TENANT_LABELS` names, keep their name for the worker's life (a
+    counter never moves to another label); later ones are counted under ``OTHER_TENANTS``: a
+    producer naming thousands of tenants cannot grow a heartbeat or the metrics' series past
+    that."""
 
     def __init__(self, cap: int = MAX_TENANT_LABELS) -> None:
         self.cap = cap
         self._counts: dict[str, list[int]] = {DEFAULT_TENANT: [0, 0]}  # always named
-        """Label -> [requests, counted tokens]."""
-        self._recent: dict[str, collections.deque[int]] = {}
+        """Label -> [entries settled, counted tokens]."""
+        self._recent = {DEFAULT_TENANT: collections.deque[int](maxlen=LATENCY_WINDOW)}
 
     def label(self, tenant: str) -> str:
         """``tenant``'s label: its own name while there is room, else ``OTHER_TENANTS``."""
@@ -99,24 +99,26 @@ class TenantTally:
         return tenant if tenant in self._counts or named < self.cap else OTHER_TENANTS
 
     def answered(self, tenant: str, answers: Sequence[Any], now_epoch_ms: int) -> str:
-        """Count ``answers`` (replied ones) of ``tenant``'s stream; returns its label."""
+        """Count one publish of ``tenant``'s stream (its entries settled, their counted tokens;
+        its middle answer's age for the p50: one sample a publish keeps this off the hot path);
+        returns the tenant's label."""
         label = self.label(tenant)
-        replied = [answer for answer in answers if answer.outcome is not None]
-        if not replied:
+        if not answers:
             return label
-        counts = self._counts.setdefault(label, [0, 0])
-        counts[0] += len(replied)
-        counts[1] += sum(answer.counted for answer in replied)
-        recent = self._recent.setdefault(label, collections.deque(maxlen=LATENCY_WINDOW))
-        for answer in replied[::max(1, len(replied) // LATENCY_SAMPLES)]:
-            enqueued_ms = wire.stream_id_ms(answer.entry_id)
-            if enqueued_ms is not None:
-                recent.append(max(0, now_epoch_ms - enqueued_ms))
+        counts = self._counts.get(label)
+        if counts is None:
+            counts = self._counts[label] = [0, 0]
+            self._recent[label] = collections.deque(maxlen=LATENCY_WINDOW)
+        counts[0] += len(answers)
+        counts[1] += sum(answer.counted for answer in answers)
+        enqueued_ms = wire.stream_id_ms(answers[len(answers) // 2].entry_id)
+        if enqueued_ms is not None:
+            self._recent[label].append(max(0, now_epoch_ms - enqueued_ms))
         return label
 
     def snapshot(self) -> dict[str, list[float]] | None:
         """The heartbeat's ``tenants``: label -> [requests, tokens, p50 ms] (None: none yet)."""
-        return {label: [requests, tokens, statistics.median(self._recent.get(label) or [0])]
+        return {label: [requests, tokens, statistics.median(self._recent[label] or [0])]
                 for label, (requests, tokens) in self._counts.items() if requests} or None
 
 
