@@ -152,6 +152,7 @@ class AsyncClient(ProducerBase):
     infer_many = awaiting(calls.infer_many)
     workers_alive = awaiting(calls.workers_alive)
     queue_length = awaiting(calls.queue_length)
+    pending_tokens = awaiting(calls.pending_tokens)
     config = awaiting(calls.config)
 
     # --------------------------------------------------------------- driver

@@ -779,6 +779,19 @@ def queue_length(core: ClientCore, timeout_s: float | None = None) -> Call[int]:
     return total
 
 
+def pending_tokens(core: ClientCore, timeout_s: float | None = None) -> Call[int]:
+    """The queue's pending tokens (every tenant's, summed over a sharded queue's lanes: what
+    KEDA scales on); raises ``BrokerUnavailable`` past ``timeout_s``."""
+    deadline = Deadline.after(core.settings.timeout_s if timeout_s is None else timeout_s)
+    yield from ensure_config(core, deadline)
+    total = 0
+    for lane in core.lanes.every():
+        found = yield from execute(core, deadline, "hget", keys.pending(lane.queue),
+                                   keys.PENDING_TOTAL)
+        total += int(found or 0)
+    return total
+
+
 def config(core: ClientCore) -> Call[dict[str, str]]:
     """The queue's config hash as workers published it (empty before any started); also
     refreshes the copy enqueues are checked against."""

@@ -91,6 +91,7 @@ class Client(ProducerBase):
     infer_many = blocking(calls.infer_many)
     workers_alive = blocking(calls.workers_alive)
     queue_length = blocking(calls.queue_length)
+    pending_tokens = blocking(calls.pending_tokens)
     config = blocking(calls.config)
 
     # --------------------------------------------------------------- driver

@@ -8,10 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tokenq.shared import keys
 from tokenq.shared.redis_text import as_text
 
 PREFIX = "dead_"
 """Every field a letter adds to the request's starts with this, and no other does."""
+TENANT = "dead_tenant"
+"""The tenant whose stream the request was read from; only a named tenant's letter has it."""
 DEATH_FIELDS = ("dead_error_code", "dead_error", "dead_worker", "dead_deliveries", "dead_at_ms",
                 "dead_source_id")
 """The fields every letter carries, in the order they are written (:class:`Death`'s)."""
@@ -45,6 +48,8 @@ class Death:
     """Unix ms on Redis's clock."""
     source_id: str
     """The request's stream entry id."""
+    tenant: str = keys.DEFAULT_TENANT
+    """Whose stream it was read from (``dlq retry`` puts it back there)."""
 
 
 def capped_fields(
@@ -82,7 +87,9 @@ def encode_letter(
     truncated: tuple[Field, ...] = ((TRUNCATED, cut),) if cut else ()
     said = (death.code, death.message, death.worker, str(death.deliveries), str(death.at_ms),
             death.source_id)
-    return (*original, *truncated, *zip(DEATH_FIELDS, said, strict=True))
+    whose: tuple[Field, ...] = () if death.tenant == keys.DEFAULT_TENANT else (
+        (TENANT, death.tenant),)
+    return (*original, *truncated, *zip(DEATH_FIELDS, said, strict=True), *whose)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +113,16 @@ class DeadLetter:
     deliveries = property(lambda self: _int(self.dead.get("dead_deliveries")))
     at_ms = property(lambda self: _int(self.dead.get("dead_at_ms")))
     source_id = property(lambda self: self.dead.get("dead_source_id"))
+
+    @property
+    def tenant(self) -> str:
+        """The tenant whose stream the request came from (the default tenant's when the letter
+        names none, or a name that is not a tenant's)."""
+        named = self.dead.get(TENANT, keys.DEFAULT_TENANT)
+        try:
+            return keys.check_tenant(named)
+        except ValueError:
+            return keys.DEFAULT_TENANT
 
     @property
     def truncated(self) -> list[str] | None:

@@ -12,6 +12,8 @@ import msgpack
 from tokenq.shared.errors import DecodeError
 
 _LIMITS = {"max_str_len": 1 << 16, "max_bin_len": 1 << 16, "max_map_len": 256}
+OTHER_TENANTS = "(others)"
+"""The label of the tenants a worker does not name (not a tenant name: it has parentheses)."""
 
 
 @dataclass(slots=True)
@@ -53,6 +55,9 @@ class Heartbeat(Totals):
     buffered: int = 0
     """Requests read and waiting in its packer."""
     padding_efficiency: float = 1.0
+    tenants: dict[str, list[float]] | None = None
+    """Per tenant label: [requests, counted tokens, p50 ms of its recent answers] since start
+    (at most 64 named, the rest as ``OTHER_TENANTS``)."""
 
     @property
     def requests(self) -> int:
@@ -85,6 +90,8 @@ def decode_heartbeat(raw: bytes) -> Heartbeat:
 def _value(name: str, value: object, *, optional: bool) -> Any:
     if value is None and optional:
         return None
+    if name == "tenants":
+        return _tenants(value)
     if name in _TEXT:
         if not isinstance(value, str):
             raise DecodeError(f"heartbeat field {name!r} must be a string")
@@ -92,3 +99,17 @@ def _value(name: str, value: object, *, optional: bool) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise DecodeError(f"heartbeat field {name!r} must be a finite number, got {value!r:.40}")
     return float(value) if name in _FLOATS else int(value)
+
+
+def _tenants(value: object) -> dict[str, list[float]]:
+    """The ``tenants`` map checked: text labels, each three finite non-negative numbers."""
+    if not isinstance(value, dict):
+        raise DecodeError("heartbeat field 'tenants' must be a map")
+    out = {}
+    for label, figures in value.items():
+        if (not isinstance(label, str) or not isinstance(figures, list) or len(figures) != 3
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                           and math.isfinite(x) and x >= 0 for x in figures)):
+            raise DecodeError(f"heartbeat field 'tenants' has a bad entry {label!r:.40}")
+        out[label] = [float(x) for x in figures]
+    return out

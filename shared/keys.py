@@ -6,6 +6,8 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
     tokenq:{q}:requests:<t>    stream   the same for tenant <t> (the default tenant's is
                                         tokenq:{q}:requests)
     tokenq:{q}:tenants         set      the tenant streams written to (enqueue.lua SADDs)
+    tokenq:{q}:tenants:added   stream   a stream new to that set (enqueue.lua XADDs, MAXLEN
+                                        64): idle workers block on it to read a new tenant
     tokenq:{q}:weights         hash     tenant -> its weight in the fair share, set by the
                                         operator; field "*" the weight of tenants not named
     tokenq:{q}:pending         hash     pending tokens: "tokens" the sum of the streams'
@@ -161,6 +163,11 @@ def tenant_of(q: QueueRef, stream: object) -> str | None:
 def tenants(q: QueueRef) -> str:
     """The set of tenant streams written to, which workers read (enqueue.lua adds to it)."""
     return f"{q.tag}:tenants"
+
+
+def tenants_added(q: QueueRef) -> str:
+    """Where enqueue.lua tells workers a stream joined :func:`tenants` (one entry each)."""
+    return f"{tenants(q)}:added"
 
 
 def weights(q: QueueRef) -> str:

@@ -4,8 +4,17 @@ exact."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import contextlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenq.shared import keys
+from tokenq.shared.heartbeat import OTHER_TENANTS
+from tokenq.shared.redis_text import as_text
+
+_TENANT_FIELD = keys.PENDING_TOTAL + ":"
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +27,8 @@ class Depth:
     tokens: int = 0
     """Pending tokens: the sum of the ``tokens`` of the entries tokenq's scripts wrote
     (``keys.pending``)."""
+    tenants: dict[str, int] = field(default_factory=dict, compare=False)
+    """Pending tokens by tenant (:func:`tenant_tokens`); empty when not read."""
 
 
 def depth(
@@ -37,7 +48,40 @@ def total(parts: Sequence[Depth]) -> Depth:
     """The depth of a queue whose lanes have ``parts``: sums, exact only if every part is."""
     if len(parts) == 1:
         return parts[0]
+    tenants: Counter[str] = Counter()
+    for part in parts:
+        tenants.update(part.tenants)
     return Depth(
         sum(p.length for p in parts), sum(p.pending for p in parts), sum(p.lag for p in parts),
-        all(p.lag_exact for p in parts), sum(p.tokens for p in parts),
+        all(p.lag_exact for p in parts), sum(p.tokens for p in parts), dict(tenants),
     )
+
+
+def tenant_tokens(raw: Mapping[Any, Any]) -> dict[str, int]:
+    """Each tenant's pending tokens from the pending hash: ``tokens:<tenant>`` a named one's,
+    the default tenant's ``tokens`` less theirs; a field that is neither, or not a count, is
+    skipped; 0 for a tenant whose field is absent is the caller's."""
+    named: dict[str, int] = {}
+    total_tokens = 0
+    for raw_name, raw_value in raw.items():
+        name, value = as_text(raw_name), as_text(raw_value)
+        if not value.lstrip("-").isdigit():
+            continue
+        if name == keys.PENDING_TOTAL:
+            total_tokens = int(value)
+        elif name.startswith(_TENANT_FIELD):
+            tenant = name[len(_TENANT_FIELD):]
+            with contextlib.suppress(ValueError):
+                if keys.check_tenant(tenant) != keys.DEFAULT_TENANT:
+                    named[tenant] = max(0, int(value))
+    return {keys.DEFAULT_TENANT: max(0, total_tokens - sum(named.values())), **named}
+
+
+def bounded(values: Mapping[str, int], cap: int) -> dict[str, int]:
+    """The ``cap`` largest of ``values`` by name, the rest summed as ``OTHER_TENANTS``: what a
+    producer naming thousands of tenants cannot grow past."""
+    ranked = sorted(values.items(), key=lambda item: (-item[1], item[0]))
+    kept = dict(ranked[:cap])
+    if len(ranked) > cap:
+        kept[OTHER_TENANTS] = sum(value for _, value in ranked[cap:])
+    return kept

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tokenq.shared.heartbeat import Totals
+from tokenq.shared import wire
+from tokenq.shared.heartbeat import OTHER_TENANTS, Totals
+from tokenq.shared.keys import DEFAULT_TENANT
 from tokenq.shared.text import plural, ratio
 
 log = logging.getLogger("tokenq.worker")
@@ -65,6 +70,56 @@ class WorkerStats(Totals):
                 "uptime_s": round(max(0.0, now - started), 3), **counts,
                 "padding_efficiency": ratio(self.tokens, self.padded_tokens),  # None: no batch
                 "device_s": round(device_ms / 1000.0, 3)}
+
+
+MAX_TENANT_LABELS = 64
+"""Most tenants one worker names in its heartbeat and metrics; later ones count as others."""
+LATENCY_WINDOW = 128
+"""A tenant's p50 is of its last this many publishes (one answer each: a batch's answers are
+about as old)."""
+
+
+class TenantTally:
+    """Answers per tenant: entries settled, their counted tokens (the unit of pending tokens)
+    and the p50 of their enqueue-to-publish times. The default tenant and the first tenants
+    answered, up to :data:`MAX_TENANT_LABELS` names, keep their name for the worker's life (a
+    counter never moves to another label); later ones are counted under ``OTHER_TENANTS``: a
+    producer naming thousands of tenants cannot grow a heartbeat or the metrics' series past
+    that."""
+
+    def __init__(self, cap: int = MAX_TENANT_LABELS) -> None:
+        self.cap = cap
+        self._counts: dict[str, list[int]] = {DEFAULT_TENANT: [0, 0]}  # always named
+        """Label -> [entries settled, counted tokens]."""
+        self._recent = {DEFAULT_TENANT: collections.deque[int](maxlen=LATENCY_WINDOW)}
+
+    def label(self, tenant: str) -> str:
+        """``tenant``'s label: its own name while there is room, else ``OTHER_TENANTS``."""
+        named = len(self._counts) - (OTHER_TENANTS in self._counts)
+        return tenant if tenant in self._counts or named < self.cap else OTHER_TENANTS
+
+    def answered(self, tenant: str, answers: Sequence[Any], now_epoch_ms: int) -> str:
+        """Count one publish of ``tenant``'s stream (its entries settled, their counted tokens;
+        its middle answer's age for the p50: one sample a publish keeps this off the hot path);
+        returns the tenant's label."""
+        label = self.label(tenant)
+        if not answers:
+            return label
+        counts = self._counts.get(label)
+        if counts is None:
+            counts = self._counts[label] = [0, 0]
+            self._recent[label] = collections.deque(maxlen=LATENCY_WINDOW)
+        counts[0] += len(answers)
+        counts[1] += sum(answer.counted for answer in answers)
+        enqueued_ms = wire.stream_id_ms(answers[len(answers) // 2].entry_id)
+        if enqueued_ms is not None:
+            self._recent[label].append(max(0, now_epoch_ms - enqueued_ms))
+        return label
+
+    def snapshot(self) -> dict[str, list[float]] | None:
+        """The heartbeat's ``tenants``: label -> [requests, tokens, p50 ms] (None: none yet)."""
+        return {label: [requests, tokens, statistics.median(self._recent[label] or [0])]
+                for label, (requests, tokens) in self._counts.items() if requests} or None
 
 
 def exit_line(fields: dict[str, Any]) -> str:

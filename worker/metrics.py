@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tokenq.shared import wire
+from tokenq.shared.keys import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from tokenq.worker.batch_stats import BatchRecord
@@ -47,8 +48,10 @@ class NullMetrics:
         """One batch ran: its size, tokens, padding, queue wait, device time and ``input_tokens``.
         """
 
-    def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int) -> None:
-        """Replies published, counted by outcome, and each one's time since enqueue."""
+    def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int,
+                 tenant: str = DEFAULT_TENANT) -> None:
+        """Replies published, counted by outcome, and each one's time since enqueue, also by
+        ``tenant`` (a label :class:`TenantTally` bounds)."""
 
     def reclaimed(self, n: int) -> None:
         """``n`` entries taken over from dead or stuck consumers."""
@@ -62,6 +65,9 @@ class NullMetrics:
     def queue_depth(self, length: int, pending: int, lag: int, tokens: int = 0) -> None:
         """The queue as Redis sees it, ``tokens`` its pending tokens (refreshed every
         heartbeat): what autoscalers read."""
+
+    def tenant_pending(self, tokens: dict[str, int]) -> None:
+        """Each tenant label's pending tokens (bounded by :func:`queue_depth.bounded`)."""
 
     def shared(self, how: str, n: int) -> None:
         """``n`` requests looked up in the result cache (``hit``, ``miss``) or answered by an
@@ -155,6 +161,23 @@ class Metrics(NullMetrics):
         self._pending_tokens = series(
             Gauge, "tokenq_queue_pending_tokens",
             "Tokens of the request stream's entries (waiting or held), as enqueue estimated")
+        by_tenant = ("queue", "tenant")
+        self._tenant_requests = Counter(
+            "tokenq_tenant_requests", "Requests answered, by tenant (64 named per worker, the "
+            "rest as (others))", by_tenant, registry=registry)
+        self._tenant_tokens = Counter(
+            "tokenq_tenant_tokens", "Counted tokens of the requests answered, by tenant "
+            "(the unit of pending tokens)", by_tenant, registry=registry)
+        self._tenant_duration = Histogram(
+            "tokenq_tenant_request_duration_seconds", "From enqueue to its reply's publish, "
+            "by tenant", by_tenant, registry=registry, buckets=WAIT_BUCKETS)
+        self._tenant_pending = Gauge(
+            "tokenq_tenant_pending_tokens", "Pending tokens by tenant (the 64 with the most, the "
+            "rest as (others))", by_tenant, registry=registry)
+        for series_ in (self._tenant_requests, self._tenant_tokens, self._tenant_duration,
+                        self._tenant_pending):
+            series_.labels(queue, DEFAULT_TENANT)  # present from the start, as _requests'
+        self._pending_labels = {DEFAULT_TENANT}
         self._info = Gauge(
             "tokenq_worker_info", "Static facts about the worker (value is always 1)",
             ("queue", "consumer", "model", "backend", "device"), registry=registry,
@@ -189,12 +212,25 @@ class Metrics(NullMetrics):
         observe_many(self._wait, _ages_s(entry_ids, started_epoch_ms))
         observe_many(self._input, input_tokens)
 
-    def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int) -> None:
+    def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int,
+                 tenant: str = DEFAULT_TENANT) -> None:
         # An entry deleted while pending has no outcome: acked, nobody to answer.
         replied = [answer for answer in answers if answer.outcome is not None]
         for outcome, n in collections.Counter(answer.outcome for answer in replied).items():
             self._requests.labels(self.queue, outcome).inc(n)
-        observe_many(self._duration, _ages_s((a.entry_id for a in replied), now_epoch_ms))
+        ages = _ages_s((a.entry_id for a in replied), now_epoch_ms)
+        observe_many(self._duration, ages)
+        if replied:
+            self._tenant_requests.labels(self.queue, tenant).inc(len(replied))
+            self._tenant_tokens.labels(self.queue, tenant).inc(sum(a.counted for a in replied))
+            observe_many(self._tenant_duration.labels(self.queue, tenant), ages)
+
+    def tenant_pending(self, tokens: dict[str, int]) -> None:
+        for gone in self._pending_labels - tokens.keys():
+            self._tenant_pending.remove(self.queue, gone)
+        for tenant, n in tokens.items():
+            self._tenant_pending.labels(self.queue, tenant).set(n)
+        self._pending_labels = set(tokens)
 
     def reclaimed(self, n: int) -> None:
         self._reclaimed.inc(n)

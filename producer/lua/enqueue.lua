@@ -10,7 +10,9 @@
 --   then, optionally, after the seen keys (else from KEYS[2]), in this order:
 --                 <prefix>:{q:k}:retired     string   EXISTS: set on a retired shard
 --                 <prefix>:{q}:tenants       set      SADD KEYS[1] when it is a tenant's
---                                                     stream, so workers find and read it
+--                                                     stream, so workers find and read it;
+--                                                     when it was new, XADD (MAXLEN 64) to
+--                                                     <prefix>:{q}:tenants:added, named from it
 --   and, named from KEYS[1] (the same slot), <prefix>:{q}:pending hash HINCRBY: the new
 --   entries' tokens, each also written into its entry as its first field, onto the sum and a
 --   tenant stream's own field (pending_tokens.lua); and <prefix>:{q}:quotas hash HMGET: the
@@ -355,8 +357,9 @@ for i = 1, n do
     end
   end
 end
-if tenants and fresh > 0 then
-  redis.call("SADD", tenants, stream)
+if tenants and fresh > 0 and redis.call("SADD", tenants, stream) == 1 then
+  -- A stream new to the set: idle workers block on this, so they read it at once.
+  redis.call("XADD", tenants .. ":added", "MAXLEN", "64", "*", "stream", stream)
 end
 pending_add(stream, sum)
 if per_call and n > 0 then

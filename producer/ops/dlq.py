@@ -2,9 +2,9 @@
 sharded queue's letters are named ``<shard>/<id>`` or ``plain/<id>``. Named letters not found,
 or skipped, are named on stderr and make the exit status 1.
 
-A retry (``dlq_retry.lua``) re-adds the request's own fields onto the letter's own lane and
-deletes the letter atomically, within the length limit; truncated letters stay;
-``retry(ids=None)`` stops at the dead stream's last id as of its start."""
+A retry (``dlq_retry.lua``) re-adds the request's own fields onto the letter's own lane, on its
+tenant's stream (``dead_tenant``), and deletes the letter atomically, within the length limit;
+truncated letters stay; ``retry(ids=None)`` stops at the dead stream's last id as of its start."""
 
 from __future__ import annotations
 
@@ -227,29 +227,48 @@ def retry(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None, *, max_qu
             r, q, outcome.last_id)
     else:
         pages = (ids[i:i + _PAGE] for i in range(0, len(ids), _PAGE))
-    for page in pages:
-        try:
-            answers = script(keys=[keys.dead(q), keys.requests(q)],
-                             args=[max_queue_length, "1" if drop_deadline else "0", *page])
-        except redis.ResponseError as exc:
-            full = lua_scripts.parse_queue_full(str(exc))
-            if full is None:
-                raise
-            lane = "" if q.shard is None else f"shard {q.shard} of "  # the limit is per lane
-            outcome.full = (f"{lane}queue {q.name!r} holds {full.length} of at most "
-                            f"{full.limit} requests; moved "
-                            f"{plural(len(outcome.moved), 'dead letter')} before it filled")
-            return outcome
-        for one, answer in zip(page, answers, strict=True):
-            if isinstance(answer, list):  # [b"truncated", b"text,opts"] or [b"empty", b""]
-                outcome.skipped[one] = _skip_reason(answer)
-            elif answer:
-                outcome.moved.append(one)
-            elif ids is None:
-                outcome.vanished.append(one)
-            else:
-                outcome.missing.append(one)
+    for whole in pages:
+        for tenant, page in _by_tenant(r, q, whole).items():
+            try:
+                answers = script(keys=[keys.dead(q), keys.tenant_requests(q, tenant)],
+                                 args=[max_queue_length, "1" if drop_deadline else "0", *page])
+            except redis.ResponseError as exc:
+                full = lua_scripts.parse_queue_full(str(exc))
+                if full is None:
+                    raise
+                lane = "" if q.shard is None else f"shard {q.shard} of "  # the limit is per lane
+                whose = "" if tenant == keys.DEFAULT_TENANT else f"tenant {tenant!r} of "
+                outcome.full = (f"{whose}{lane}queue {q.name!r} holds {full.length} of at most "
+                                f"{full.limit} requests; moved "
+                                f"{plural(len(outcome.moved), 'dead letter')} before it filled")
+                return outcome
+            _tally(outcome, page, answers, listed=ids is not None)
     return outcome
+
+
+def _by_tenant(r: redis.Redis, q: keys.QueueRef, page: Sequence[str]) -> dict[str, list[str]]:
+    """The page's ids by the tenant whose stream each letter goes back to (one round trip)."""
+    pipe = r.pipeline(transaction=False)
+    for one in page:
+        pipe.xrange(keys.dead(q), one, one)
+    groups: dict[str, list[str]] = {}
+    for one, found in zip(page, pipe.execute(), strict=True):
+        tenant = parse_letter(*found[0]).tenant if found else keys.DEFAULT_TENANT
+        groups.setdefault(tenant, []).append(one)
+    return groups
+
+
+def _tally(outcome: RetryOutcome, page: Sequence[str], answers: Any, *, listed: bool) -> None:
+    """What the script did with each letter of ``page``, into ``outcome``."""
+    for one, answer in zip(page, answers, strict=True):
+        if isinstance(answer, list):  # [b"truncated", b"text,opts"] or [b"empty", b""]
+            outcome.skipped[one] = _skip_reason(answer)
+        elif answer:
+            outcome.moved.append(one)
+        elif listed:
+            outcome.missing.append(one)
+        else:
+            outcome.vanished.append(one)
 
 
 def _skip_reason(answer: list[bytes]) -> str:
@@ -392,7 +411,7 @@ def _letter_json(lanes: Lanes, lane: keys.QueueRef, letter: DeadLetter) -> dict[
         "entry_id": letter.entry_id, "request_id": letter.request_id,
         "error_code": letter.error_code, "error": reason_text(letter.error),
         "worker": letter.worker, "deliveries": letter.deliveries, "at_ms": letter.at_ms,
-        "source_id": letter.source_id, "truncated": letter.truncated,
+        "source_id": letter.source_id, "tenant": letter.tenant, "truncated": letter.truncated,
         "request": {name: value if isinstance(value, str) else {"hex": value.hex()}
                     for name, value in letter.request.items()},
     }

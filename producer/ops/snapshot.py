@@ -20,7 +20,7 @@ from tokenq.shared.failures import CommandFailed, failure_message, is_wrong_type
 from tokenq.shared.flags import UsageError
 from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat
 from tokenq.shared.queue_config import parse_config
-from tokenq.shared.queue_depth import Depth, depth, total
+from tokenq.shared.queue_depth import Depth, depth, tenant_tokens, total
 from tokenq.shared.redis_text import as_text
 from tokenq.shared.redis_url import redact as redact_url
 from tokenq.shared.text import plural, ratio
@@ -211,9 +211,10 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
         if pending and summary.get("min"):  # the oldest pending entry's age, by its id
             oldest_pending_ms = max(0, int(now * 1000) - entry_ms(summary["min"]))
     length = int(r.xlen(stream))
+    pending_hash: dict[bytes, bytes] = r.hgetall(keys.pending(q))  # type: ignore[assignment]
     measured = depth(length, pending, group_exists=group is not None,
                      reported_lag=group.get("lag") if group else None,
-                     tokens=r.hget(keys.pending(q), keys.PENDING_TOTAL))
+                     tokens=pending_hash.get(b"tokens"))
     workers, stale = _workers(r, q, now)
     return {
         "queue": q.name, "shard": q.shard, "label": queue_label(q), "stream": stream,
@@ -225,6 +226,7 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
         "group": group is not None,
         "consumers": _consumers(r, stream) if group is not None else [],
         "workers": workers, "stale_workers": stale, "totals": _totals(workers),
+        "tenants": tenant_rows(tenant_tokens(pending_hash), workers),
         "config": {k.decode(): v.decode(errors="replace")  # type: ignore[union-attr]  # bytes
                    for k, v in r.hgetall(keys.config(q)).items()},
     }
@@ -310,7 +312,28 @@ def _worker_view(name: str, beat: Heartbeat, now: float) -> dict[str, Any]:
         "tokens_per_s": round(beat.tokens / uptime, 3) if running else 0.0,
         "heartbeat_age_s": round(max(now - at, 0.0), 3),
         "at": round(at, 3),
+        "tenants": {label: {"requests": int(requests), "tokens": int(tokens), "p50_ms": p50,
+                            "tokens_per_s": round(tokens / uptime, 3) if running else 0.0}
+                    for label, (requests, tokens, p50) in (beat.tenants or {}).items()},
     }
+
+
+def tenant_rows(pending: dict[str, int], workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per tenant (label) of a lane: its pending tokens (0 when its field is absent), and
+    what the live workers answered for it: requests, counted tokens, tokens/s over their
+    uptime, and the highest of their p50s (ms; None: none answered it)."""
+    labels = sorted({*pending, *(label for w in workers for label in w["tenants"])})
+    rows = []
+    for label in labels:
+        served = [w["tenants"][label] for w in workers if label in w["tenants"]]
+        rows.append({
+            "tenant": label, "pending_tokens": pending.get(label, 0),
+            "requests": sum(t["requests"] for t in served),
+            "tokens": sum(t["tokens"] for t in served),
+            "tokens_per_s": round(sum(t["tokens_per_s"] for t in served), 3),
+            "p50_ms": max((t["p50_ms"] for t in served), default=None),
+        })
+    return rows
 
 
 _SUMMED = ("requests_ok", "requests_failed", "batches", "tokens", "padded_tokens",

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tokenq.shared.cli import run_command
+from tokenq.shared.keys import DEFAULT_TENANT
 from tokenq.shared.settings import StatsSettings
 from tokenq.shared.text import percent, ratio
 
@@ -71,6 +72,12 @@ def _queue_block(q: dict[str, Any]) -> str:
     if q["workers"]:
         lines.append("  " + format_table(WORKER_COLUMNS, [worker_row(w) for w in q["workers"]],
                                          indent="  "))
+    if has_tenants(q):
+        shown = busiest(q["tenants"])
+        lines.append("  " + format_table(TENANT_COLUMNS, [tenant_row(t) for t in shown],
+                                         indent="  "))
+        if len(shown) < len(q["tenants"]):
+            lines.append(f"  ({len(q['tenants']) - len(shown)} more tenants: --json lists all)")
     if q["stale_workers"]:
         lines.append(f"  {gone_line(q)}")
     if q["consumers"]:
@@ -119,6 +126,29 @@ def worker_row(w: dict[str, Any]) -> tuple[str, ...]:
         percent(w["padding_efficiency"]), str(w["requests_ok"]), str(w["requests_failed"]),
         str(w["batches"]), str(w["oom_splits"]), f"{w['heartbeat_age_s']:.1f}s",
     )
+
+
+TENANT_COLUMNS = ("tenant", "pending tokens", "tok/s", "requests", "p50")
+MAX_TENANT_ROWS = 20
+"""Most tenants a table shows: those with the most pending tokens, then the most served."""
+
+
+def has_tenants(q: dict[str, Any]) -> bool:
+    """Whether a lane has a tenant other than the default one (a table worth showing)."""
+    return any(t["tenant"] != DEFAULT_TENANT for t in q.get("tenants", ()))
+
+
+def busiest(tenants: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The :data:`MAX_TENANT_ROWS` tenants with the most pending, then served, tokens."""
+    ranked = sorted(tenants, key=lambda t: (-t["pending_tokens"], -t["tokens"], t["tenant"]))
+    return ranked[:MAX_TENANT_ROWS]
+
+
+def tenant_row(t: dict[str, Any], tokens_per_s: float | None = None) -> tuple[str, ...]:
+    """One tenant as table cells (``tokens_per_s``: a recent rate instead of the lifetime's)."""
+    rate = t["tokens_per_s"] if tokens_per_s is None else tokens_per_s
+    p50 = "-" if t["p50_ms"] is None else f"{t['p50_ms']:.0f}ms"
+    return (t["tenant"], str(t["pending_tokens"]), f"{rate:.0f}", str(t["requests"]), p50)
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "") -> str:

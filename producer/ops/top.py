@@ -78,27 +78,42 @@ UNSERVED_STYLE = "bold yellow"  # requests waiting, no live worker (red: unreada
 
 
 class RecentRates:
-    """Requests/s and tokens/s per worker between the last two heartbeats seen."""
+    """Requests/s and tokens/s per worker, and tokens/s per tenant, between the last two
+    heartbeats seen."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[str, str], tuple[float, float, float]] = {}
-        self._rates: dict[tuple[str, str], tuple[float, float]] = {}
+        self._last: dict[tuple[str, ...], tuple[float, float, float]] = {}
+        self._rates: dict[tuple[str, ...], tuple[float, float]] = {}
+
+    def _rate(self, last: dict[tuple[str, ...], tuple[float, float, float]],
+              key: tuple[str, ...], now: tuple[float, float, float]) -> tuple[float, float] | None:
+        """The rates of ``key``'s two counters since its last reading (None: not two yet)."""
+        last[key] = now
+        before = self._last.get(key)
+        if before is not None and now[0] > before[0]:
+            span = now[0] - before[0]
+            self._rates[key] = ((now[1] - before[1]) / span, (now[2] - before[2]) / span)
+        return self._rates.get(key)
 
     def update(self, doc: dict[str, Any]) -> dict[str, Any]:
         """``doc`` with each worker's ``recent_requests_per_s`` and ``recent_tokens_per_s``
-        (null until two of its heartbeats have been seen)."""
-        last = {}  # the workers in this snapshot: one gone is forgotten
+        and each tenant's ``recent_tokens_per_s`` (null until two heartbeats were seen)."""
+        last: dict[tuple[str, ...], tuple[float, float, float]] = {}  # one gone is forgotten
         for q in doc["queues"]:
+            by_tenant: dict[str, float] = {}
             for w in q["workers"]:
-                key = (q["label"], w["consumer"])
-                now = last[key] = (w["at"], w["requests_ok"] + w["requests_failed"], w["tokens"])
-                before = self._last.get(key)
-                if before is not None and now[0] > before[0]:
-                    span = now[0] - before[0]
-                    self._rates[key] = ((now[1] - before[1]) / span, (now[2] - before[2]) / span)
-                rate = self._rates.get(key)
+                rate = self._rate(last, (q["label"], w["consumer"]), (
+                    w["at"], w["requests_ok"] + w["requests_failed"], w["tokens"]))
                 w["recent_requests_per_s"] = None if rate is None else round(rate[0], 3)
                 w["recent_tokens_per_s"] = None if rate is None else round(rate[1], 3)
+                for label, t in w.get("tenants", {}).items():
+                    rate = self._rate(last, (q["label"], w["consumer"], label),
+                                      (w["at"], t["requests"], t["tokens"]))
+                    if rate is not None:
+                        by_tenant[label] = by_tenant.get(label, 0.0) + rate[1]
+            for t in q.get("tenants", ()):
+                recent = by_tenant.get(t["tenant"])
+                t["recent_tokens_per_s"] = None if recent is None else round(recent, 3)
         self._last = last
         self._rates = {key: rate for key, rate in self._rates.items() if key in last}
         return doc
@@ -133,6 +148,8 @@ def render(doc: dict[str, Any], *, with_unreadable: bool = True) -> Any:
                     cells[6] = f"{w['recent_tokens_per_s']:.0f}"
                 table.add_row(*cells)
             parts.append(table)
+            if stats.has_tenants(q):
+                parts.append(_tenant_table(q))
         unserved = stats.unserved_line(q)
         if unserved is not None:
             parts.append(Text(unserved, style=UNSERVED_STYLE))
@@ -140,3 +157,16 @@ def render(doc: dict[str, Any], *, with_unreadable: bool = True) -> Any:
             parts.append(Text(stats.gone_line(q), style="dim"))
     return Group(*parts)
 
+
+
+def _tenant_table(q: dict[str, Any]) -> Any:
+    """A lane's busiest tenants, at their recent rates where two heartbeats were seen."""
+    from rich.table import Table
+
+    table = Table(title="tenants", title_justify="left", expand=False)
+    for column in stats.TENANT_COLUMNS:
+        table.add_column(column, justify="left" if column == "tenant" else "right",
+                         no_wrap=True, min_width=len(column))
+    for t in stats.busiest(q["tenants"]):
+        table.add_row(*stats.tenant_row(t, t.get("recent_tokens_per_s")))
+    return table

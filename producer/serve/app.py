@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
@@ -40,6 +41,8 @@ from tokenq.shared.keys import QueueRef
 from tokenq.shared.queue_config import QueueConfig
 from tokenq.shared.settings import ServeSettings
 
+PENDING_EVERY_S = 5.0
+"""How often the gateway reads each queue's pending tokens for its gauge."""
 DISCONNECT_POLL_S = 0.1  # how often a waiting route checks whether its client is still there
 
 Check = Callable[[QueueConfig | None, str, Job], None]
@@ -71,6 +74,20 @@ class Gateway:
               "--max-concurrent-requests)", registry=self.registry,
               ).set_function(lambda: self.admission.in_flight)
         self.registry.register(_Unreplicated(self.clients))
+        self.pending = Gauge("tokenq_queue_pending_tokens", "The queue's pending tokens, every "
+                             "tenant's (read every few seconds, also while no worker runs: what "
+                             "KEDA wakes the workers from zero on)", ["queue"],
+                             registry=self.registry)
+
+    async def watch_pending(self) -> None:
+        """Keep ``tokenq_queue_pending_tokens`` fresh, every :data:`PENDING_EVERY_S`; a Redis
+        that does not answer (or refuses ``HGET``) leaves the last figure, or none."""
+        while True:
+            for queue, client in self.clients.items():
+                with contextlib.suppress(Exception):
+                    self.pending.labels(queue).set(
+                        await client.pending_tokens(timeout_s=PENDING_EVERY_S))
+            await asyncio.sleep(PENDING_EVERY_S)
 
     def queue_of(self, model: str | None) -> str:
         """The queue serving ``model``; 404 for a name ``--models`` does not list."""
@@ -243,6 +260,7 @@ def create_app(settings: ServeSettings) -> FastAPI:
             stack.callback(gateway.parser.close)
             announce = asyncio.ensure_future(gateway.reachability.announce(gateway.clients))
             stack.callback(announce.cancel)
+            stack.callback(asyncio.ensure_future(gateway.watch_pending()).cancel)
             yield
 
     app = FastAPI(title="tokenq serve", version=version(), lifespan=lifespan,

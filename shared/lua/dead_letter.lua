@@ -2,7 +2,8 @@
 -- (capped_fields, encode_letter), after dead_fields.lua.
 -- copy_capped(fields, letter_bytes, record): an entry's own fields (a flat name/value
 -- array) appended to record within the caps, dead_truncated naming what was cut.
--- append_death(record, code, why, worker, deliveries, at_ms, source_id): the dead_* fields.
+-- append_death(record, code, why, worker, deliveries, at_ms, source_id, stream): the dead_*
+-- fields, dead_tenant last when stream is a named tenant's (<...>:requests:<tenant>).
 local MAX_LETTER_FIELDS, MAX_TRUNCATED_NAMES, MAX_NAME_BYTES = 256, 16, 64
 
 local function copy_capped(fields, letter_bytes, record)
@@ -35,10 +36,15 @@ local function copy_capped(fields, letter_bytes, record)
   end
 end
 
-local function append_death(record, code, why, worker, deliveries, at_ms, source_id)
+local function append_death(record, code, why, worker, deliveries, at_ms, source_id, stream)
   for _, v in ipairs({"dead_error_code", code, "dead_error", why, "dead_worker", worker,
                       "dead_deliveries", tostring(deliveries),
                       "dead_at_ms", string.format("%d", at_ms), "dead_source_id", source_id}) do
     record[#record + 1] = v
+  end
+  local tenant = string.match(stream, ":requests:([%w_.%-]+)$")
+  if tenant then
+    record[#record + 1] = "dead_tenant"
+    record[#record + 1] = tenant
   end
 end

@@ -136,6 +136,9 @@ def test_documented_acl_users_run_the_whole_path_with_no_refusal(
                          "submit now, fetch later")
         assert client.config()["model"] == "sim"
         assert client.queue_length() >= 0
+        # A tenant's request: its stream registered, announced and read under the ACLs too.
+        assert vector_ok(client.infer("a tenant's", tenant="team-a", timeout_s=60).embedding,
+                         "a tenant's")
         orphan = client.result("orphan", timeout_s=60)
         assert vector_ok(orphan.embedding, "held by a dead worker")
 
@@ -323,7 +326,7 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
 
 KEY_KINDS = ("requests", "dead", "config", "workers", "worker", "reply", "seen", "retired",
              "shards_served", "idem", "cache", "cache_index", "cache_bytes", "pending", "tenants",
-             "weights", "quotas")
+             "weights", "quotas", "tenant_requests", "tenants_added")
 """The queue's keys, by what :func:`key_of` names."""
 
 
@@ -336,6 +339,7 @@ def key_of(q: keys.QueueRef, kind: str) -> str:
         **dict(zip(("cache", "cache_index", "cache_bytes"), keys.cache(q), strict=True)),
         "pending": keys.pending(q), "tenants": keys.tenants(q), "weights": keys.weights(q),
         "quotas": keys.quotas(q),
+        "tenant_requests": keys.tenant_requests(q, "t"), "tenants_added": keys.tenants_added(q),
     }[kind]
 
 
@@ -347,6 +351,8 @@ KEYED = {
     "xrange": ["XRANGE", "{k}", "-", "+"],
     "xrevrange": ["XREVRANGE", "{k}", "+", "-"],
     "xreadgroup": ["XREADGROUP", "GROUP", "workers", "c", "STREAMS", "{k}", ">"],
+    "xread": ["XREAD", "STREAMS", "{k}", "0"],
+    "sadd": ["SADD", "{k}", "m"],
     "xack": ["XACK", "{k}", "workers", "0-1"],
     "xdel": ["XDEL", "{k}", "0-1"],
     "xclaim": ["XCLAIM", "{k}", "workers", "c", "0", "0-1"],
@@ -407,32 +413,33 @@ KEYLESS = {
 _REPLY_WAIT = ("blmove", "lrange", "lindex", "ltrim", "del", "rpush", "pexpire")
 ALLOWED: dict[str, dict[str, frozenset[str]]] = {
     "producer": {
-        "fcall": frozenset({"requests", "seen", "retired"}),
+        "fcall": frozenset({"requests", "tenant_requests", "seen", "retired", "tenants"}),
         "fcall_ro": frozenset({"reply"}),
-        "xadd": frozenset({"requests"}), "xlen": frozenset({"requests"}),
+        "xadd": frozenset({"requests", "tenant_requests", "tenants_added"}),
+        "xlen": frozenset({"requests", "tenant_requests"}), "sadd": frozenset({"tenants"}),
         "get": frozenset({"seen", "idem"}), "set": frozenset({"seen", "idem"}),
         "exists": frozenset({"retired", "workers", "worker"}),
         **{command: frozenset({"reply"}) for command in _REPLY_WAIT},
         "del": frozenset({"reply", "idem"}),
         "hkeys": frozenset({"workers", "worker"}),
-        "hincrby": frozenset({"pending"}),
+        "hincrby": frozenset({"pending"}), "hget": frozenset({"pending"}),
         "hmget": frozenset({"pending", "quotas"}),
         "hgetall": frozenset({"config", "pending"}),
     },
     "worker": {
-        "fcall": frozenset({"requests", "dead", "reply", "worker", "workers", "retired",
-                            "config", "cache", "cache_index", "cache_bytes"}),
+        "fcall": frozenset({"requests", "tenant_requests", "dead", "reply", "worker", "workers",
+                            "retired", "config", "cache", "cache_index", "cache_bytes"}),
         **{command: frozenset({"cache"}) for command in ("hmget", "hstrlen", "hsetnx")},
         **{command: frozenset({"cache_index"}) for command in (
             "zadd", "zrange", "zrangebyscore", "zrem", "zcard")},
-        **{command: frozenset({"requests"}) for command in (
+        **{command: frozenset({"requests", "tenant_requests"}) for command in (
             "xgroup|create", "xgroup|delconsumer", "xreadgroup", "xack", "xdel", "xclaim",
             "xpending", "xinfo|consumers", "xinfo|groups", "xrange", "xrevrange")},
-        "xlen": frozenset({"requests", "dead"}),
-        "xadd": frozenset({"dead"}),
-        "exists": frozenset({"requests", "worker", "retired"}),
-        "del": frozenset({"requests", "dead", "worker", "workers", "config", "shards_served",
-                          "retired", "cache", "cache_bytes", "pending"}),
+        "xlen": frozenset({"requests", "tenant_requests", "dead"}),
+        "xadd": frozenset({"dead"}), "xread": frozenset({"tenants_added"}),
+        "exists": frozenset({"requests", "tenant_requests", "worker", "retired"}),
+        "del": frozenset({"requests", "tenant_requests", "dead", "worker", "workers", "config",
+                          "shards_served", "retired", "cache", "cache_bytes", "pending"}),
         "rpush": frozenset({"reply"}),
         "pexpire": frozenset({"reply", "worker"}),
         "set": frozenset({"worker", "shards_served", "retired", "cache_bytes"}),
@@ -441,7 +448,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "hdel": frozenset({"workers", "config", "cache", "pending"}),
         "hkeys": frozenset({"workers"}), "hget": frozenset({"config", "pending"}),
         "hincrby": frozenset({"pending"}),
-        "hgetall": frozenset({"weights"}), "smembers": frozenset({"tenants"}),
+        "hgetall": frozenset({"weights", "pending"}), "smembers": frozenset({"tenants"}),
     },
 }
 """Where docs/SECURITY.md's "Why each right" grants each keyed command; nowhere else."""

@@ -47,8 +47,10 @@ from tests.serve_process import (
     run_doc_code,
     start_gateway,
 )
+from tests.support import wait_for
 from tests.workers import WorkerProcess
 from tokenq.producer import AsyncClient, Result
+from tokenq.shared import keys
 from tokenq.shared.settings import ServeSettings
 from tokenq.worker.backends.sim import SIM_FAIL_MARKER, encode, expected_vector
 
@@ -528,3 +530,23 @@ def test_embedding_options_reach_the_hf_worker(hf):
         labels = http.post("/predict", json={"model": "classify", "inputs": text}).json()
         assert {p["label"] for p in labels} == set(CLASS_NAMES)
         assert http.post("/embed", json={"model": "large", "inputs": text}).status_code == 404
+
+
+def test_with_no_worker_the_gateway_exports_the_queues_pending_tokens_for_keda(
+        redis_url, queue_name):
+    with gateway(redis_url, queue_name, cold_start_s=0.2, timeout_s=0.5) as http:
+        waited = http.post("/embed", json={"inputs": "a tenant's first"},
+                           headers={"X-Tokenq-Tenant": "t"})
+        assert waited.status_code == 503  # no worker came: but it was queued, as KEDA needs
+        line = f'tokenq_queue_pending_tokens{{queue="{queue_name}"}}'
+
+        def exported() -> float:
+            found = [row for row in http.get("/metrics").text.splitlines()
+                     if row.startswith(line)]
+            return float(found[0].split()[1]) if found else 0.0
+
+        wait_for(lambda: exported() > 0, timeout=15, what="the pending tokens gauge")
+        q, r = keys.QueueRef(queue_name), redis.Redis.from_url(redis_url)
+        assert exported() == int(r.hget(keys.pending(q), keys.PENDING_TOTAL))
+        assert r.xlen(keys.tenant_requests(q, "t")) == 1  # a tenant's: not in XLEN(requests)
+        r.close()

@@ -31,14 +31,14 @@ QUEUE_FIELDS = {
     "queue", "shard", "label", "stream", "length", "pending_tokens", "pending",
     "oldest_pending_ms", "lag",
     "lag_exact", "dead", "cache_bytes", "group", "consumers", "workers", "stale_workers",
-    "totals", "config",
+    "totals", "config", "tenants",
 }
 WORKER_FIELDS = {
     "consumer", "host", "pid", "model", "max_batch_tokens", "configured_batch_tokens",
     "max_batch_size", "buffered", "requests_ok", "requests_failed", "batches", "tokens",
     "padded_tokens", "device_ms", "oom_splits", "padding_efficiency", "uptime_s",
     "requests_per_s", "tokens_per_s", "heartbeat_age_s", "at", "cache_hits", "cache_misses",
-    "coalesced",
+    "coalesced", "tenants",
 }
 
 

@@ -260,7 +260,7 @@ def test_the_worker_deployment_leaves_its_replicas_to_keda(worker, manifests):
     assert "replicas" not in worker["spec"]
     scaled = find(manifests, "ScaledObject")
     assert scaled["spec"]["scaleTargetRef"]["name"] == worker["metadata"]["name"]
-    assert 0 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+    assert scaled["spec"]["minReplicaCount"] == 0  # scales from zero: no idle GPU held
     assert scaled["spec"]["maxReplicaCount"] >= 1
     # The rollout waits for a ready new pod before stopping an old one.
     assert worker["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
@@ -399,6 +399,26 @@ def test_keda_scales_on_pending_tokens_over_measured_tokens_per_second(token_tri
     assert query.startswith("(max(tokenq_queue_pending_tokens") and "/" in query
     assert "or vector(2000)" in query and query.endswith("or vector(0)")  # from zero: 0, not empty
     assert float(meta["threshold"]) > 0 and float(meta["activationThreshold"]) >= 0
+
+
+@pytest.mark.unit
+def test_from_zero_the_gateways_export_the_pending_tokens_and_wait_out_the_cold_start(
+        token_trigger, gateway, worker):
+    """With no worker running, the prometheus trigger still reads the queue's pending tokens
+    (every tenant's): the gateways export them; and a gateway queues a request while no
+    worker is alive (a 503 would queue nothing, and KEDA would never wake one)."""
+    from tokenq.producer.serve.app import Gateway
+    from tokenq.shared.settings import ServeSettings
+
+    env = tokenq_env(container(gateway))
+    assert env["TOKENQ_QUEUE"] == tokenq_env(container(worker))["TOKENQ_QUEUE"]
+    assert 0 < float(env["TOKENQ_COLD_START_S"]) <= float(env["TOKENQ_TIMEOUT_S"])
+    served = Gateway(ServeSettings(queue=env["TOKENQ_QUEUE"]))
+    served.pending.labels(env["TOKENQ_QUEUE"]).set(7)
+    exported = {(sample.name, sample.labels.get("queue")) for family in served.registry.collect()
+                for sample in family.samples}
+    assert ("tokenq_queue_pending_tokens", env["TOKENQ_QUEUE"]) in exported
+    assert "max(tokenq_queue_pending_tokens" in " ".join(token_trigger["metadata"]["query"].split())
 
 
 def test_the_stream_length_is_every_unanswered_request(redis_url, queue_name):

@@ -16,7 +16,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenq.shared import dead_letter, lua_scripts
+from tokenq.shared import dead_letter, keys, lua_scripts
 from tokenq.shared.dead_letter import Death, encode_letter, is_dead_field, parse_letter
 from tokenq.shared.errors import DecodeError
 from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat, encode_heartbeat
@@ -114,6 +114,8 @@ heartbeats = st.builds(
     reclaimed=counts,
     dead_lettered=counts,
     padding_efficiency=st.floats(min_value=0, max_value=1),
+    tenants=st.none() | st.dictionaries(words, st.lists(counts.map(float), min_size=3,
+                                                        max_size=3), max_size=5),
 )
 
 
@@ -164,6 +166,7 @@ deaths = st.builds(
     deliveries=st.integers(min_value=1, max_value=1000),
     at_ms=st.integers(min_value=0, max_value=1 << 45),
     source_id=st.integers(min_value=0, max_value=1 << 45).map(lambda ms: f"{ms}-0"),
+    tenant=st.sampled_from([keys.DEFAULT_TENANT, "acme", "A-z_0.9"]),
 )
 request_fields = st.dictionaries(
     st.text(min_size=1, max_size=12).filter(lambda n: not n.startswith("dead_")),
@@ -181,9 +184,11 @@ def test_a_letter_within_its_cap_reads_back_as_the_request_and_its_death(
     letter = parse_letter(death.source_id, dict(encode_letter(fields, death, max_bytes=1 << 20)))
     assert letter.request == fields and letter.truncated is None
     assert (letter.error_code, letter.error, letter.worker, letter.deliveries, letter.at_ms,
-            letter.source_id) == (death.code, death.message, death.worker, death.deliveries,
-                                  death.at_ms, death.source_id)
-    assert set(letter.dead) == set(dead_letter.DEATH_FIELDS)
+            letter.source_id, letter.tenant) == (death.code, death.message, death.worker,
+                                                 death.deliveries, death.at_ms, death.source_id,
+                                                 death.tenant)
+    named = () if death.tenant == keys.DEFAULT_TENANT else (dead_letter.TENANT,)
+    assert set(letter.dead) == {*dead_letter.DEATH_FIELDS, *named}
 
 
 @pytest.mark.unit
@@ -223,11 +228,12 @@ LUA_LETTER = lua_scripts.assemble("""
 -- tokenq:include dead_letter.lua
 -- tokenq:end dead_letter.lua
 local record, fields = {}, {}
-for i = 8, #ARGV do
+for i = 9, #ARGV do
   fields[#fields + 1] = ARGV[i]
 end
 copy_capped(fields, tonumber(ARGV[1]), record)
-append_death(record, ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7])
+append_death(record, ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7],
+             ARGV[8])
 return record
 """)
 ascii_names = st.text(alphabet=string.ascii_letters + string.digits + "_", min_size=1,
@@ -244,7 +250,8 @@ def test_publish_lua_writes_the_letter_python_writes(
 ) -> None:
     flat = [part for pair in entry.items() for part in pair]
     args = [max_bytes, death.code, death.message, death.worker, death.deliveries,
-            death.at_ms, death.source_id, *flat]
+            death.at_ms, death.source_id,
+            keys.tenant_requests(keys.QueueRef("q", shard=2), death.tenant), *flat]
     from_lua = r.eval(LUA_LETTER, 0, *args)
     python = encode_letter(entry, death, max_bytes=max_bytes)
     as_bytes = [part if isinstance(part, bytes) else part.encode()

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import pytest
 import redis
 
 from tests.support import SIM_FLAGS, starter_fixture, wait_for
 from tokenq.producer import Client, QueueFull
-from tokenq.shared import keys, lua_scripts
+from tokenq.producer.ops.dlq import main as dlq_main
+from tokenq.shared import dead_letter, keys, lua_scripts
+from tokenq.shared.dead_letter import parse_letter
 from tokenq.shared.errors import BadRequest
 from tokenq.shared.settings import ClientSettings, tenant_keys
 from tokenq.worker.loop.tenants import FairShare, parse_weights
@@ -299,3 +302,54 @@ def test_a_dead_workers_entries_on_a_tenants_stream_are_taken_over(
         start_worker()
         assert all(result.embedding is not None for result in client.results(ids, 30))
     assert r.xlen(stream) == 0  # answered on the tenant's stream: acked and deleted
+
+
+def test_a_tenants_dead_letter_is_retried_onto_its_tenants_stream_and_answered(
+        start_worker, redis_url, r, queue_name):
+    q = keys.QueueRef(queue_name)
+    stream = keys.tenant_requests(q, "t")
+    with Client(redis_url=redis_url, queue=queue_name, refuse_early=False) as client:
+        client.submit("dies once, then runs", tenant="t")
+    r.xgroup_create(stream, keys.GROUP, id="0")
+    r.xreadgroup(keys.GROUP, "ghost", {stream: ">"})  # a gone worker's: delivered once
+    start_worker("--max-deliveries", "1")  # the takeover is its second delivery: dead
+    wait_for(lambda: r.xlen(keys.dead(q)) == 1, timeout=30, what="the dead letter")
+    [(letter_id, fields)] = r.xrange(keys.dead(q))
+    letter = parse_letter(letter_id, fields)
+    assert letter.tenant == "t" and fields[b"dead_tenant"] == b"t"
+    reply_to = letter.request["reply_to"]
+    assert r.blpop([reply_to], timeout=10) is not None  # the dead letter's error reply
+
+    assert dlq_main(["--redis-url", redis_url, "--queue", queue_name, "retry", "--all"]) == 0
+    popped = r.blpop([reply_to], timeout=20)
+    assert popped is not None, "the retried request was not answered"
+    assert msgpack.unpackb(popped[1], raw=False)["ok"] is True
+    assert r.xinfo_stream(stream)["entries-added"] == 2  # written, then retried there
+    assert r.xinfo_stream(keys.requests(q))["entries-added"] == 0
+    assert r.xlen(keys.dead(q)) == 0
+
+
+@pytest.mark.unit
+def test_a_letter_names_a_named_tenant_only_and_a_bad_name_reads_as_the_default():
+    death = dead_letter.Death("dead_letter", "why", "w", 4, 1, "1-0", "acme")
+    record = dict(dead_letter.encode_letter({"id": "x"}, death, max_bytes=100))
+    assert record["dead_tenant"] == "acme"
+    plain = dead_letter.Death("dead_letter", "why", "w", 4, 1, "1-0")
+    assert "dead_tenant" not in dict(dead_letter.encode_letter({"id": "x"}, plain, max_bytes=99))
+    assert parse_letter("1-0", {b"id": b"x", b"dead_tenant": b"a b"}).tenant == keys.DEFAULT_TENANT
+    assert parse_letter("1-0", {b"id": b"x"}).tenant == keys.DEFAULT_TENANT
+
+
+def test_a_new_tenants_first_request_is_served_at_once_not_at_the_next_heartbeat(
+        start_worker, redis_url, r, queue_name):
+    start_worker("--heartbeat-s", "60")  # tenants found at its beats alone: a minute's wait
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.infer("the default tenant's", timeout_s=30)  # the worker is up and idle
+        time.sleep(0.5)
+        took = []
+        for tenant in ("new-1", "new-2"):
+            started = time.monotonic()
+            assert client.infer("a lone request", tenant=tenant, timeout_s=30).embedding is not None
+            took.append(time.monotonic() - started)
+    assert max(took) < 2.0, took  # linger (2 ms) + one batch, with room for a loaded machine
+    assert r.xlen(keys.tenants_added(keys.QueueRef(queue_name))) == 2  # one entry per stream

@@ -5,6 +5,7 @@ on). A hung worker stops beating so peers take its entries."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -16,8 +17,9 @@ from redis.exceptions import RedisError
 from tokenq.shared import keys
 from tokenq.shared.failures import error_text
 from tokenq.shared.heartbeat import Heartbeat
-from tokenq.shared.queue_depth import Depth, depth, total
+from tokenq.shared.queue_depth import Depth, bounded, depth, tenant_tokens, total
 from tokenq.shared.redis_text import as_text
+from tokenq.worker.batch_stats import MAX_TENANT_LABELS
 from tokenq.worker.loop import presence
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Lane, LaneSet, Retirement
@@ -72,13 +74,14 @@ class Beat:
             found = await measure(self._wiring.client, [lane.queue for lane in self._lanes])
         except RedisError as exc:
             if not self._depth_failed:
-                log.warning("queue depth metrics unavailable (%s); needs XLEN, "
-                            "XINFO GROUPS and HGET on %s", error_text(exc), self._lanes.streams())
+                log.warning("queue depth metrics unavailable (%s); needs XLEN, XINFO GROUPS "
+                            "and HGETALL on %s", error_text(exc), self._lanes.streams())
             self._depth_failed = True
             return
         self._depth_failed = False
-        self._wiring.recorder.metrics.queue_depth(found.length, found.pending, found.lag,
-                                                  found.tokens)
+        metrics = self._wiring.recorder.metrics
+        metrics.queue_depth(found.length, found.pending, found.lag, found.tokens)
+        metrics.tenant_pending(bounded(found.tenants, MAX_TENANT_LABELS))
 
     async def _beat_lanes(self, status: Heartbeat, ttl_ms: int) -> None:
         """Beat, and keep held entries' claims fresh, on every lane at once, each bounded by
@@ -117,17 +120,17 @@ class Beat:
 
 async def measure(client: Any, queues: list[keys.QueueRef]) -> Depth:
     """The queue's depth now, over all its streams (raises RedisError, e.g. NOPERM without
-    ``+xlen +xinfo|groups +hget``)."""
+    ``+xlen +xinfo|groups +hgetall``)."""
     found = []
-    for q in queues:
+    for q in dict.fromkeys(queues):  # a tenant's lane is its queue's: counted once
         async with client.pipeline(transaction=False) as pipe:
             pipe.xlen(keys.requests(q))
             pipe.xinfo_groups(keys.requests(q))
-            pipe.hget(keys.pending(q), keys.PENDING_TOTAL)
-            length, groups, tokens = await pipe.execute()
+            pipe.hgetall(keys.pending(q))
+            length, groups, pending = await pipe.execute()
         group: dict[str, Any] = next(
             (g for g in groups if as_text(g.get("name")) == keys.GROUP), {})
-        found.append(depth(int(length), int(group.get("pending") or 0),
-                           group_exists=bool(group), reported_lag=group.get("lag"),
-                           tokens=tokens))
+        measured = depth(int(length), int(group.get("pending") or 0), group_exists=bool(group),
+                         reported_lag=group.get("lag"), tokens=pending.get(b"tokens"))
+        found.append(dataclasses.replace(measured, tenants=tenant_tokens(pending)))
     return total(found)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tokenq.shared.packer import Batch, Budget
-from tokenq.worker.batch_stats import BatchLog, BatchRecord, WorkerStats
+from tokenq.worker.batch_stats import BatchLog, BatchRecord, TenantTally, WorkerStats
 from tokenq.worker.health import Health
 from tokenq.worker.loop.lanes import Ref
 from tokenq.worker.loop.stages import REDIS_CALL_BOUND, Stages, redis_call_deadline_s
@@ -99,6 +99,7 @@ class Recorder:
         self.consumer = consumer
         self.metrics = metrics
         self.stats = WorkerStats()
+        self.tenants = TenantTally()
         self._batch_log = BatchLog(batch_log)
 
     def batch(
@@ -122,6 +123,11 @@ class Recorder:
                 started_epoch_ms=started_epoch_ms, budget=budget_now,
             )
         self._batch_log.write(record)
+
+    def answered(self, tenant: str, answers: Sequence[Answer], now_epoch_ms: int) -> None:
+        """Answers published for ``tenant``'s stream: its tally and the metrics."""
+        label = self.tenants.answered(tenant, answers, now_epoch_ms)
+        self.metrics.answered(answers, now_epoch_ms=now_epoch_ms, tenant=label)
 
     def refused_at_intake(self, answers: Sequence[Answer]) -> None:
         """Answers owed for entries that never reached the device (refused, dead letters)."""

@@ -114,7 +114,7 @@ class Outbox:
                 self._publishing -= 1
                 self._intake.published(lane.index, [answer.entry_id for answer in answers])
                 self._room_made()
-            wiring.recorder.metrics.answered(answers, now_epoch_ms=wiring.clock.now_ms())
+            wiring.recorder.answered(lane.tenant, answers, wiring.clock.now_ms())
 
     def _retrying(self, restart: Callable[[], None]) -> bool:
         """Asked before each retry: give up (past the stop grace)? Restarts the publish stage's

@@ -22,6 +22,7 @@ from tokenq.shared.failures import error_text, failure_message
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import Budget, Packer
 from tokenq.shared.queue_config import describe, encode_config
+from tokenq.shared.redis_refusal import error_code
 from tokenq.worker import host_memory
 from tokenq.worker.backends.base import Backend, weights_identity_of
 from tokenq.worker.batch_stats import exit_line
@@ -36,7 +37,7 @@ from tokenq.worker.loop.lanes import Lane, LaneSet, Ref, Retirement
 from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Recorder, Wiring
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.publish import Publisher, Target
-from tokenq.worker.loop.reader import Reader
+from tokenq.worker.loop.reader import Reader, stream_entries
 from tokenq.worker.loop.recovery import Reclaimer
 from tokenq.worker.loop.stages import Overdue, StageClock, Stages
 from tokenq.worker.loop.watchdog import LoopGuard, WorkerHung, watch, watchdog_period_s
@@ -151,7 +152,7 @@ class Worker:
                 default_reply_to=functools.partial(keys.reply, queue),
                 max_request_bytes=settings.max_request_bytes,
                 check_reply_to=keys.reply_to_check(queue, settings.reply_to_prefix_list),
-                max_letter_bytes=settings.dead_max_letter_bytes,
+                max_letter_bytes=settings.dead_max_letter_bytes, tenant=tenant,
             ),
             Reclaimer(client, queue, self.consumer, dead_after_ms=int(settings.heartbeat_s * 3000),
                       claim_idle_ms=int(settings.claim_idle_s * 1000), tenant=tenant),
@@ -229,12 +230,17 @@ class Worker:
             log.info(exit_line(fields), extra={FIELDS: fields})
 
     async def _tenant_lanes(self, reader: Reader, tasks: list[asyncio.Task[None]]) -> None:
-        """Each heartbeat, while reading: the operator's weights, and a lane (read and publish
-        tasks added to ``tasks``) for each tenant stream new to this worker."""
+        """Each heartbeat, and as soon as a producer adds a tenant stream, while reading: the
+        operator's weights, and a lane (read and publish tasks added to ``tasks``) for each
+        tenant stream new to this worker."""
         known: set[tuple[keys.QueueRef, str]] = set()
         homes = [lane.queue for lane in self.lanes if not lane.retired]
-        lifecycle, warned = self._lifecycle, False
+        lifecycle, warned, added = self._lifecycle, False, asyncio.Event()
+        tasks.extend(asyncio.create_task(self._tenants_added(home, added),
+                                         name=f"tokenq-tenants-added-{index}")
+                     for index, home in enumerate(homes))
         while lifecycle.reading():
+            added.clear()
             try:
                 found = await lifecycle.until_stopped(tenants.discover(
                     self._wiring.client, homes, self.settings.queue_ref, self.lanes.fair), 0)
@@ -260,7 +266,28 @@ class Worker:
                                                      name=f"tokenq-publish-{lane.index}"))
             except RedisError as exc:
                 log.warning("could not read the tenant streams or weights: %s", error_text(exc))
-            await wait_event(lifecycle.stopping, self.settings.heartbeat_s)
+            await lifecycle.until_stopped(wait_event(added, self.settings.heartbeat_s), 0)
+
+    async def _tenants_added(self, home: keys.QueueRef, added: asyncio.Event) -> None:
+        """Set ``added`` as each stream joins ``home``'s tenants set (enqueue.lua's entry on
+        :func:`keys.tenants_added`), blocking as a read does; a Redis that refuses the read (an
+        ACL without it) leaves finding tenants to the heartbeat."""
+        key, last, lifecycle = keys.tenants_added(home), "0-0", self._lifecycle
+        while lifecycle.reading():
+            try:
+                reply = await lifecycle.until_stopped(self._wiring.client.xread(
+                    {key: last}, block=self.settings.block_ms), 0)
+            except RedisError as exc:
+                if error_code(exc) == "NOPERM":
+                    log.warning("cannot read %s (%s): new tenant streams are found at the next "
+                                "heartbeat", key, error_text(exc))
+                    return
+                await wait_event(lifecycle.stopping, 1.0)  # the lanes' reads say why
+                continue
+            entries = stream_entries(reply)
+            if entries:
+                last = entries[-1][0]
+                added.set()
 
     async def _leave(self) -> None:
         for lane in self.lanes:
@@ -338,6 +365,7 @@ class Worker:
             max_batch_tokens=self.packer.budget.max_batch_tokens,
             configured_batch_tokens=self.budget.max_batch_tokens,
             max_batch_size=self.budget.max_batch_size, buffered=len(self.packer),
+            tenants=self._recorder.tenants.snapshot(),
         )
 
 

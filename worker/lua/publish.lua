@@ -82,7 +82,7 @@ local function undeliverable_letter(entry_id, deliveries, why)
   end
   local now = redis.call("TIME")
   local at_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-  append_death(record, "bad_request", why, consumer, deliveries, at_ms, entry_id)
+  append_death(record, "bad_request", why, consumer, deliveries, at_ms, entry_id, stream)
   return write_letter(record)
 end
 

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenq.shared import dead_letter, wire
+from tokenq.shared import dead_letter, keys, wire
 from tokenq.shared.errors import DecodeError, ErrorCode
 
 log = logging.getLogger("tokenq.worker")
@@ -57,6 +57,8 @@ class DeadLetterPolicy:
     """Why a named reply_to may not be written, or None (the reply namespace rule)."""
     max_letter_bytes: int
     """Bytes of the entry's own fields a dead letter keeps (the cap in shared/dead_letter.py)."""
+    tenant: str = keys.DEFAULT_TENANT
+    """Whose stream the entries are read from: the letter names it for ``dlq retry``."""
 
 
 def dead_answer(
@@ -80,7 +82,7 @@ def dead_answer(
     if reply_to is None and known_id is not None:
         reply_to = policy.default_reply_to(known_id)
     death = dead_letter.Death(code.value, message, policy.worker, deliveries, now_epoch_ms,
-                              entry_id.decode())
+                              entry_id.decode(), policy.tenant)
     record = dead_letter.encode_letter(fields, death, max_bytes=policy.max_letter_bytes)
     answer = error_answer(entry_id, request_id, reply_to, code, message)
     return dataclasses.replace(answer, dead_fields=record,
