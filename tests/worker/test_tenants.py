@@ -127,6 +127,9 @@ def test_a_tenant_has_a_quantum_of_its_own_room_and_sharing_takes_two_active_ten
     fair.took("b", 0.5)
     assert fair.sharing(1.0)
     assert not fair.sharing(1.6)  # a's last entries came more than ACTIVE_S ago
+    fair.arrived("a", full=True, now=1.6)  # ... but a backlog of a's keeps it active
+    fair.took("b", 2.0)
+    assert fair.sharing(2.5) and not fair.sharing(12.0)
 
 
 @pytest.mark.unit

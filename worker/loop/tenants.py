@@ -77,8 +77,12 @@ class FairShare:
         self._took[tenant] = now
 
     def sharing(self, now: float) -> bool:
-        """Whether more than one tenant's reads brought entries within :data:`ACTIVE_S`."""
-        return sum(now - at <= ACTIVE_S for at in self._took.values()) > 1
+        """Whether more than one tenant is active: has a backlog, or its reads brought entries
+        within :data:`ACTIVE_S` (a closed loop of queries has no backlog between them)."""
+        active = {tenant for tenant, at in self._took.items() if now - at <= ACTIVE_S}
+        active.update(tenant for tenant, at in self._backlogged.items()
+                      if now - at <= self.stale_s)
+        return len(active) > 1
 
     def read_count(self, tenant: str, count: int) -> int:
         """``count`` cut to about one quantum of ``tenant``'s tokens, so a tenant of long entries
