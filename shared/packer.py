@@ -79,7 +79,8 @@ MAX_PRIORITY = wire.MAX_PRIORITY
 SHARED_FIXED_TIMES = 4.0
 """While tenants share the device, no batch is planned longer than this many times the time
 model's fixed time per batch: the wait a batch on the device makes another tenant's query pay
-stays near the query's own batch, at most a quarter of the device's time lost to fixed costs."""
+stays near the query's own batch, and a full capped batch spends a quarter of its time on the
+fixed cost."""
 _CANDIDATES = 3
 """Batches weighed against each other per pick: the head's and up to two others."""
 _CANDIDATE_SCAN = 64

@@ -4,7 +4,8 @@
   (the seed mix's, 12-28 tokens), first alone, then while tenant A's 2,000 long passages
   (1,350-1,650 tokens) wait in the queue; ``b_p50_ratio`` is B's p50 beside the flood over its
   p50 alone (fair share reads B's query at once, so it waits for the batch on the device, not
-  for A's backlog).
+  for A's backlog, and that batch is a short one while B is active); ``a_per_s`` is A's
+  passages answered a second meanwhile, what those short batches cost A.
 * ``equal`` / ``3to1``: both tenants saturate the worker (A long passages, B short queries);
   each one's share of the tokens processed over the window (entries answered, gone from its
   stream, times their sim length), with equal weights and with A weighted 3 to B's 1.
@@ -43,11 +44,13 @@ FLOOD = 2000
 BUDGET = 8192
 SLOW_SIM = {**SIM, "token_us": 20.0}
 CAP = 100
+TIMEOUT_S = 120.0
+"""A query's reply wait: long, since on the real model B's first waits for a full batch of A's."""
 REAL_BUDGET = 1024
 """On the real model (a CPU): suite ``real``'s best budget there."""
 REAL_TOKENS_PER_S = 50_000.0
 """On the real model: more tokens a second than its CPU runs, so both tenants stay backlogged."""
-COLUMNS = ["setting", "b_p50_ms", "a_share", "b_share", "b_requests", "refused"]
+COLUMNS = ["setting", "b_p50_ms", "a_per_s", "a_share", "b_share", "b_requests", "refused"]
 
 
 def runtime() -> str | None:
@@ -97,14 +100,14 @@ async def b_loop(url: str, queue: str, queries: list[str], seconds: float) -> li
     workers to find B's stream, left out)."""
     latencies: list[float] = []
     async with AsyncClient(redis_url=url, queue=queue, max_queue_length=0) as client:
-        await client.infer(queries[0], tenant="b", timeout_s=30)
+        await client.infer(queries[0], tenant="b", timeout_s=TIMEOUT_S)
         stop = time.perf_counter() + seconds
 
         async def caller(index: int) -> None:
             n = index
             while time.perf_counter() < stop:
                 sent = time.perf_counter()
-                await client.infer(queries[n % len(queries)], tenant="b", timeout_s=30)
+                await client.infer(queries[n % len(queries)], tenant="b", timeout_s=TIMEOUT_S)
                 latencies.append((time.perf_counter() - sent) * 1000)
                 n += CALLERS
 
@@ -116,12 +119,18 @@ def latency_row(server: Any, workdir: Path, setting: str, size: str, flood: list
                 queries: list[str]) -> dict[str, Any]:
     queue = harness.new_queue(setting.split()[-1])
     worker = start_worker(server, queue, workdir, setting.replace(" ", "-"), SIM)
+    stream = keys.tenant_requests(keys.QueueRef(queue), "a")
+    client = harness.connect(server.url)
     with harness.running([worker], server.url):
         if flood:
             submit(server.url, queue, "a", flood)
+        before, started = client.xlen(stream), time.perf_counter()
         latencies = sorted(asyncio.run(b_loop(server.url, queue, queries, SECONDS[size])))
-    return {"setting": setting, "b_p50_ms": round(harness.percentile(latencies, 50), 2),
-            "b_requests": len(latencies)}
+        a_per_s = (before - client.xlen(stream)) / (time.perf_counter() - started)
+    client.close()
+    row = {"setting": setting, "b_p50_ms": round(harness.percentile(latencies, 50), 2),
+           "b_requests": len(latencies)}
+    return {**row, "a_per_s": round(a_per_s, 1)} if flood else row
 
 
 def share_row(server: Any, workdir: Path, setting: str, size: str, weights: dict[str, str],
