@@ -128,8 +128,11 @@ def test_a_tenant_has_a_quantum_of_its_own_room_and_sharing_takes_two_active_ten
     assert fair.sharing(1.0)
     assert not fair.sharing(1.6)  # a's last entries came more than ACTIVE_S ago
     fair.arrived("a", full=True, now=1.6)  # ... but a backlog of a's keeps it active
+    assert fair.own_room("a", 0) == 0  # a tenant with a backlog has no room of its own
     fair.took("b", 2.0)
     assert fair.sharing(2.5) and not fair.sharing(12.0)
+    fair.arrived("b", full=True, now=2.5)  # both backlogged: each waits for its own backlog
+    assert not fair.sharing(2.6)
 
 
 @pytest.mark.unit

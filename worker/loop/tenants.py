@@ -77,12 +77,13 @@ class FairShare:
         self._took[tenant] = now
 
     def sharing(self, now: float) -> bool:
-        """Whether more than one tenant is active: has a backlog, or its reads brought entries
-        within :data:`ACTIVE_S` (a closed loop of queries has no backlog between them)."""
+        """Whether a tenant without a backlog is active (its reads brought entries within
+        :data:`ACTIVE_S`) beside another active one (or one with a backlog): its queries wait
+        for the others' batches. Tenants all backlogged wait for their backlogs instead."""
         active = {tenant for tenant, at in self._took.items() if now - at <= ACTIVE_S}
         active.update(tenant for tenant, at in self._backlogged.items()
                       if now - at <= self.stale_s)
-        return len(active) > 1
+        return len(active) > 1 and any(tenant not in self._backlogged for tenant in active)
 
     def read_count(self, tenant: str, count: int) -> int:
         """``count`` cut to about one quantum of ``tenant``'s tokens, so a tenant of long entries
@@ -93,7 +94,10 @@ class FairShare:
     def own_room(self, tenant: str, held: int) -> int:
         """Entries ``tenant`` may read whatever the shared read-ahead room, holding ``held``: up
         to one quantum of its tokens, so one tenant's backlog filling the room does not hold
-        another's lone query back until a batch is taken."""
+        another's lone query back until a batch is taken; none for a tenant with a backlog,
+        which competes for the shared room (reading past it would read past its share)."""
+        if tenant in self._backlogged:
+            return 0
         mean = self._mean.get(tenant)
         if mean is None:
             return 0 if held else 1
