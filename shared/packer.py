@@ -14,8 +14,8 @@ Rules:
 4. **Seal.** A batch is *sealed* when the next candidate would break the token budget or the
    row limit. Cost is ``rows x longest`` (padded) or the sum of lengths (ragged); with
    ``max_batch_ms``, the budget is capped at what :class:`BatchTimer` says runs that long;
-   while tenants share the device (``shared``), at :data:`SHARED_FIXED_TIMES` a batch's fixed
-   time, so another tenant's query waits for a short batch, not a full one.
+   while a tenant without a backlog shares the device (``shared``), at
+   :data:`SHARED_FIXED_TIMES` a batch's fixed time: its query waits for a short batch.
 5. **Linger.** Asked only when the device is idle; an unsealed batch waits until
    ``linger_ms`` after its anchor arrived, a sealed one goes at once.
 6. **Choice.** The cheapest batch goes next among the head's and those anchored at the same
@@ -303,7 +303,8 @@ class Packer(Generic[T]):
         self._passed = (-1, 0.0)
         """(seq, ms): the head the last pick passed over, and when it was first passed over."""
         self.shared = False
-        """Set while more than one tenant's work arrives: batches are capped (rule 4)."""
+        """Set while a tenant without a backlog is active beside another: batches are capped
+        (rule 4)."""
 
     def add(self, length: int, arrived_ms: float, payload: T, priority: int = 0) -> Item[T]:
         """Buffer one request whose exact token length is known."""
