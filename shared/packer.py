@@ -13,7 +13,9 @@ Rules:
    own length is left for a later batch of its own kind.
 4. **Seal.** A batch is *sealed* when the next candidate would break the token budget or the
    row limit. Cost is ``rows x longest`` (padded) or the sum of lengths (ragged); with
-   ``max_batch_ms``, the budget is capped at what :class:`BatchTimer` says runs that long.
+   ``max_batch_ms``, the budget is capped at what :class:`BatchTimer` says runs that long;
+   while a tenant without a backlog shares the device (``shared``), at
+   :data:`SHARED_FIXED_TIMES` a batch's fixed time: its query waits for a short batch.
 5. **Linger.** Asked only when the device is idle; an unsealed batch waits until
    ``linger_ms`` after its anchor arrived, a sealed one goes at once.
 6. **Choice.** The cheapest batch goes next among the head's and those anchored at the same
@@ -74,6 +76,11 @@ class Budget:
 DEFAULT_AGING_MS = 1000.0
 """How much earlier each priority class stands in line, and the aging bound (rules 1, 6)."""
 MAX_PRIORITY = wire.MAX_PRIORITY
+SHARED_FIXED_TIMES = 4.0
+"""While tenants share the device, no batch is planned longer than this many times the time
+model's fixed time per batch: the wait a batch on the device makes another tenant's query pay
+stays near the query's own batch, and a full capped batch spends a quarter of its time on the
+fixed cost."""
 _CANDIDATES = 3
 """Batches weighed against each other per pick: the head's and up to two others."""
 _CANDIDATE_SCAN = 64
@@ -295,6 +302,9 @@ class Packer(Generic[T]):
         self._tokens = 0
         self._passed = (-1, 0.0)
         """(seq, ms): the head the last pick passed over, and when it was first passed over."""
+        self.shared = False
+        """Set while a tenant without a backlog is active beside another: batches are capped
+        (rule 4)."""
 
     def add(self, length: int, arrived_ms: float, payload: T, priority: int = 0) -> Item[T]:
         """Buffer one request whose exact token length is known."""
@@ -423,11 +433,15 @@ class Packer(Generic[T]):
         return batch.sealed or flush or now_ms >= batch.anchor.arrived_ms + self.linger_ms
 
     def budget_now(self) -> Budget:
-        """The budget batches are packed under now: ``budget``, capped by
-        ``max_batch_ms`` once the time model has learned (rule 4)."""
-        if self.max_batch_ms is None:
+        """The budget batches are packed under now: ``budget``, capped by ``max_batch_ms`` and,
+        while ``shared``, by a few fixed times per batch, once the time model has learned
+        (rule 4)."""
+        limits = [] if self.max_batch_ms is None else [self.max_batch_ms]
+        if self.shared and self.timer.fixed_ms > 0:
+            limits.append(SHARED_FIXED_TIMES * self.timer.fixed_ms)
+        if not limits:
             return self.budget
-        cap = self.timer.cost_within(self.max_batch_ms)
+        cap = self.timer.cost_within(min(limits))
         if cap is None or cap >= self.budget.max_batch_tokens:
             return self.budget
         return replace(self.budget, max_batch_tokens=cap)

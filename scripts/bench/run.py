@@ -26,7 +26,8 @@ how the baseline is imported without being installed.
 
 ``--runtime onnx`` (suites ``real`` and ``mixed-latency``) also runs the hf
 worker with ``--runtime onnx`` beside the torch one, in the same run, and
-reports onnx/torch; it reaches the suite as ``BENCH_RUNTIME``, so a
+reports onnx/torch; ``tenants --runtime torch`` (or ``onnx``) runs that suite on
+the real model instead of the sim. It reaches the suite as ``BENCH_RUNTIME``, so a
 ``--baseline`` run passes it to both sides. ``--dtype bf16-mixed`` does the
 same for the hf worker with ``--dtype bf16-mixed`` (a CPU with bf16
 instructions) against fp32.
@@ -58,7 +59,7 @@ SUITES = (
     "seed", "real", "overhead", "scale", "latency", "producer", "mixed-latency", "shards", "cpu",
     "feed", "cache", "tenants",
 )
-RUNTIME_SUITES = ("real", "mixed-latency")
+RUNTIME_SUITES = ("real", "mixed-latency", "tenants")
 """Suites that take ``--runtime``: the ones that run the hf backend."""
 DEFAULT_RESULTS = BENCH_DIR / "results"
 DEFAULT_IMAGES = BENCH_DIR.parent.parent / "docs" / "img"
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--runtime", choices=["torch", "onnx"],
         help=f"{', '.join(RUNTIME_SUITES)}: also run the hf worker on this runtime and "
-        "compare it with torch in the same run",
+        "compare it with torch in the same run (tenants: run the suite on the real model)",
     )
     parser.add_argument(
         "--dtype", choices=["bf16-mixed"],

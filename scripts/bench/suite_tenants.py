@@ -4,7 +4,8 @@
   (the seed mix's, 12-28 tokens), first alone, then while tenant A's 2,000 long passages
   (1,350-1,650 tokens) wait in the queue; ``b_p50_ratio`` is B's p50 beside the flood over its
   p50 alone (fair share reads B's query at once, so it waits for the batch on the device, not
-  for A's backlog).
+  for A's backlog, and that batch is a short one while B is active); ``a_per_s`` is A's
+  passages answered a second meanwhile, what those short batches cost A.
 * ``equal`` / ``3to1``: both tenants saturate the worker (A long passages, B short queries);
   each one's share of the tokens processed over the window (entries answered, gone from its
   stream, times their sim length), with equal weights and with A weighted 3 to B's 1.
@@ -13,18 +14,24 @@
 
 The saturation phases run the sim at ``token_us`` 20 (a slower device), so 20-token queries
 keep it busy without the producer becoming the bottleneck.
+
+``run.py tenants --runtime torch`` (or ``onnx``) runs every phase on the real model instead: one
+``--backend hf`` worker (the bundled all-MiniLM-L6-v2, its inputs cut at 256 tokens, on
+``BENCH_THREADS`` threads), the same figures; shares count each entry's tokens as the model's
+tokenizer does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import harness
-from suite_mixed_latency import pools
+from suite_mixed_latency import HF_THREADS, hf_flags, pools
 from suite_seed import SIM
 
 from tokenq.producer import AsyncClient, Client, QueueFull
@@ -37,12 +44,41 @@ FLOOD = 2000
 BUDGET = 8192
 SLOW_SIM = {**SIM, "token_us": 20.0}
 CAP = 100
-COLUMNS = ["setting", "b_p50_ms", "a_share", "b_share", "b_requests", "refused"]
+TIMEOUT_S = 120.0
+"""A query's reply wait: long, since on the real model B's first waits for a full batch of A's."""
+REAL_BUDGET = 1024
+"""On the real model (a CPU): suite ``real``'s best budget there."""
+REAL_TOKENS_PER_S = 50_000.0
+"""On the real model: more tokens a second than its CPU runs, so both tenants stay backlogged."""
+COLUMNS = ["setting", "b_p50_ms", "a_per_s", "a_share", "b_share", "b_requests", "refused"]
 
 
-def worker_flags(sim: dict[str, Any]) -> list[str]:
-    return ["--backend", "sim_probe:factory", *harness.sim_flags(sim),
-            "--max-batch-tokens", str(BUDGET), "--heartbeat-s", "0.5"]
+def runtime() -> str | None:
+    """The hf runtime ``run.py tenants --runtime`` names (None: the sim)."""
+    return os.environ.get(harness.RUNTIME_ENV)
+
+
+def start_worker(server: Any, queue: str, workdir: Path, name: str,
+                 sim: dict[str, Any]) -> Any:
+    """A worker on the sim as ``sim`` sets it, or on the real model (:func:`runtime`)."""
+    flags = ["--heartbeat-s", "0.5", "--max-batch-tokens"]
+    real = runtime()
+    if real is None:
+        return harness.start_tokenq(server, queue, workdir, name, [
+            "--backend", "sim_probe:factory", *harness.sim_flags(sim), *flags, str(BUDGET)])
+    threads = {"OMP_NUM_THREADS": str(HF_THREADS), "MKL_NUM_THREADS": str(HF_THREADS)}
+    return harness.start_tokenq(server, queue, workdir, name,
+                                [*hf_flags(real), *flags, str(REAL_BUDGET)], env=threads)
+
+
+def model_lengths(texts: list[str]) -> list[int]:
+    """Each text's tokens as the real model's worker counts them (cut at its limit)."""
+    from suite_real import lengths_of
+
+    from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
+
+    options = HFOptions(device="cpu", **harness.variant_options(runtime() or "torch"))
+    return lengths_of(HFBackend.load(options), texts)
 
 
 def submit(url: str, queue: str, tenant: str, texts: list[str]) -> None:
@@ -64,14 +100,14 @@ async def b_loop(url: str, queue: str, queries: list[str], seconds: float) -> li
     workers to find B's stream, left out)."""
     latencies: list[float] = []
     async with AsyncClient(redis_url=url, queue=queue, max_queue_length=0) as client:
-        await client.infer(queries[0], tenant="b", timeout_s=30)
+        await client.infer(queries[0], tenant="b", timeout_s=TIMEOUT_S)
         stop = time.perf_counter() + seconds
 
         async def caller(index: int) -> None:
             n = index
             while time.perf_counter() < stop:
                 sent = time.perf_counter()
-                await client.infer(queries[n % len(queries)], tenant="b", timeout_s=30)
+                await client.infer(queries[n % len(queries)], tenant="b", timeout_s=TIMEOUT_S)
                 latencies.append((time.perf_counter() - sent) * 1000)
                 n += CALLERS
 
@@ -82,14 +118,19 @@ async def b_loop(url: str, queue: str, queries: list[str], seconds: float) -> li
 def latency_row(server: Any, workdir: Path, setting: str, size: str, flood: list[str],
                 queries: list[str]) -> dict[str, Any]:
     queue = harness.new_queue(setting.split()[-1])
-    worker = harness.start_tokenq(server, queue, workdir, setting.replace(" ", "-"),
-                                  worker_flags(SIM))
+    worker = start_worker(server, queue, workdir, setting.replace(" ", "-"), SIM)
+    stream = keys.tenant_requests(keys.QueueRef(queue), "a")
+    client = harness.connect(server.url)
     with harness.running([worker], server.url):
         if flood:
             submit(server.url, queue, "a", flood)
+        before, started = client.xlen(stream), time.perf_counter()
         latencies = sorted(asyncio.run(b_loop(server.url, queue, queries, SECONDS[size])))
-    return {"setting": setting, "b_p50_ms": round(harness.percentile(latencies, 50), 2),
-            "b_requests": len(latencies)}
+        a_per_s = (before - client.xlen(stream)) / (time.perf_counter() - started)
+    client.close()
+    row = {"setting": setting, "b_p50_ms": round(harness.percentile(latencies, 50), 2),
+           "b_requests": len(latencies)}
+    return {**row, "a_per_s": round(a_per_s, 1)} if flood else row
 
 
 def share_row(server: Any, workdir: Path, setting: str, size: str, weights: dict[str, str],
@@ -99,14 +140,15 @@ def share_row(server: Any, workdir: Path, setting: str, size: str, weights: dict
     q = keys.QueueRef(queue)
     window = SECONDS[size]
     # Enough for both to stay backlogged past the window even were one served alone.
-    capacity = (window + 3) * 1e6 / SLOW_SIM["token_us"]
+    per_s = REAL_TOKENS_PER_S if runtime() else 1e6 / SLOW_SIM["token_us"]
+    capacity = (window + 3) * per_s
     submit(server.url, queue, "a", distinct(a[0], int(capacity / a[1])))
     submit(server.url, queue, "b", distinct(b[0], int(capacity / b[1])))
     client = harness.connect(server.url)
     if weights:
         client.hset(keys.weights(q), mapping=weights)
     streams = {"a": keys.tenant_requests(q, "a"), "b": keys.tenant_requests(q, "b")}
-    worker = harness.start_tokenq(server, queue, workdir, setting, worker_flags(SLOW_SIM))
+    worker = start_worker(server, queue, workdir, setting, SLOW_SIM)
     with harness.running([worker], server.url):
         time.sleep(1.0)  # the worker finds both streams and fills its read-ahead
         before = {t: client.xlen(stream) for t, stream in streams.items()}
@@ -143,6 +185,9 @@ def run(size: str) -> dict[str, Any]:
     queries = [text for text, _ in texts["query"]]
     passage = texts["passage"][0]
     query = texts["query"][0]
+    if runtime():
+        lengths = model_lengths([passage[0], query[0]])
+        passage, query = (passage[0], lengths[0]), (query[0], lengths[1])
     flood = [text for n, (passage_text, _) in enumerate(texts["passage"])
              for text in distinct(passage_text, FLOOD // len(texts["passage"]) + 1, n)]
     with harness.private_redis() as server, tempfile.TemporaryDirectory() as tmp:
@@ -172,8 +217,10 @@ def run(size: str) -> dict[str, Any]:
     return {
         "columns": COLUMNS,
         "rows": rows,
-        "config": {"callers": CALLERS, "seconds": SECONDS[size], "flood": FLOOD,
-                   "max_batch_tokens": BUDGET, "sim": SIM, "saturation_sim": SLOW_SIM,
+        "config": {"backend": f"hf-{runtime()}" if runtime() else "sim",
+                   "callers": CALLERS, "seconds": SECONDS[size], "flood": FLOOD,
+                   "max_batch_tokens": REAL_BUDGET if runtime() else BUDGET, "sim": SIM,
+                   "saturation_sim": SLOW_SIM,
                    "passage_tokens": passage[1], "query_tokens": query[1], "cap": CAP},
         "notes": notes,
     }

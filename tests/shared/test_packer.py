@@ -23,6 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from tokenq.shared import packer as rules
 from tokenq.shared.packer import MAX_PRIORITY, Batch, BatchTimer, Budget, CostModel, Item, Packer
 
 pytestmark = pytest.mark.unit
@@ -541,6 +542,27 @@ def test_max_batch_ms_caps_every_batch_once_the_time_model_has_learned(
         assert batch.cost <= max(cap, budget.max_batch_tokens) or batch.rows == 1
         if batch.rows > 1:
             assert batch.cost <= cap
+
+
+def test_while_tenants_share_the_device_a_batch_is_capped_at_a_few_fixed_times() -> None:
+    """Rule 4: shared, no batch is planned past SHARED_FIXED_TIMES the fixed time per batch,
+    so another tenant's query waits for a short batch; alone, the full budget."""
+    timer = BatchTimer(min_batches=2)
+    timer.observe(10, 2.0 + 0.01)
+    timer.observe(8000, 2.0 + 8.0)  # 2 ms + 1 us per token
+    packer: Packer[str] = Packer(Budget(8192, 256), timer=timer)
+    for n in range(10):
+        packer.add(1600, 0.0, f"p{n}")
+    assert packer.budget_now().max_batch_tokens == 8192
+    packer.shared = True
+    cap = timer.cost_within(rules.SHARED_FIXED_TIMES * 2.0)
+    assert cap is not None and cap < 8192
+    assert packer.budget_now().max_batch_tokens == cap
+    batch = packer.next_batch(0.0)
+    assert batch is not None and batch.rows == cap // 1600 and batch.cost <= cap
+    packer.shared = False
+    batch = packer.next_batch(0.0)
+    assert batch is not None and batch.rows == 5
 
 
 @given(

@@ -118,6 +118,27 @@ def test_a_read_is_cut_to_a_quantum_of_the_tenants_own_entries_and_no_room_stays
 
 
 @pytest.mark.unit
+def test_a_tenant_has_a_quantum_of_its_own_room_and_sharing_takes_two_active_tenants():
+    fair = FairShare(quantum=8192)
+    assert fair.own_room("b", 0) == 1 and fair.own_room("b", 1) == 0  # nothing learned: one
+    fair.charge("b", 200, 10)  # 20 tokens each: 409 fill a quantum
+    fair.charge("a", 16000, 10)  # 1,600 each: 5 do
+    assert fair.own_room("b", 4) == 405 and fair.own_room("a", 5) == 0
+    assert not fair.sharing(0.0)
+    fair.took("a", 0.0)
+    assert not fair.sharing(0.5)  # one tenant alone
+    fair.took("b", 0.5)
+    assert fair.sharing(1.0)
+    assert not fair.sharing(1.6)  # a's last entries came more than ACTIVE_S ago
+    fair.arrived("a", full=True, now=1.6)  # ... but a backlog of a's keeps it active
+    assert fair.own_room("a", 0) == 0  # a tenant with a backlog has no room of its own
+    fair.took("b", 2.0)
+    assert fair.sharing(2.5) and not fair.sharing(12.0)
+    fair.arrived("b", full=True, now=2.5)  # both backlogged: each waits for its own backlog
+    assert not fair.sharing(2.6)
+
+
+@pytest.mark.unit
 def test_a_lone_tenant_always_reads_and_an_idle_one_saves_up_no_credit():
     fair = FairShare(quantum=100)
     for step in range(50):  # a alone: never held back

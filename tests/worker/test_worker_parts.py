@@ -95,6 +95,15 @@ def test_no_token_room_means_no_read(budget: int, buffered: int, unpublished: in
         assert 1 <= count <= 1024
 
 
+def test_a_lanes_own_room_reads_past_a_full_token_room_but_never_past_the_bytes() -> None:
+    intake = _intake(limit=100_000)
+    assert intake.read_count(1000, 2000, readers=2, cap=64) == 0  # the token room is full
+    assert intake.read_count(1000, 2000, readers=2, cap=64, own=3) == 3
+    intake.hold(0, [(b"1-0", {b"f": b"x" * 100_000})])  # the byte room is full
+    assert intake.held_count(0) == 1 and intake.held_count(1) == 0
+    assert intake.read_count(1000, 2000, readers=2, cap=64, own=3) == 0
+
+
 @given(st.lists(st.tuples(st.integers(1, 64), st.integers(0, 100_000)), max_size=50))
 def test_the_running_mean_stays_within_what_was_read(reads: list[tuple[int, int]]) -> None:
     intake = _intake(max_input=512)

@@ -82,17 +82,23 @@ class Intake:
         return limit - buffered_tokens - self.inflight_estimate - waiting
 
     def read_count(
-        self, max_batch_tokens: int, buffered_tokens: int, *, readers: int, cap: int
+        self, max_batch_tokens: int, buffered_tokens: int, *, readers: int, cap: int,
+        own: int = 0,
     ) -> int:
         """How many entries the next read may take (0: no room now); every lane reads at once,
-        so each takes its share of both rooms."""
+        so each takes its share of both rooms. ``own``: entries the lane may read past the token
+        room (its tenant's own room), still within the byte room."""
         tokens = self.room(max_batch_tokens, buffered_tokens)
         room = self.limit - self.used() - buffered_tokens * TOKEN_BYTES
-        if tokens <= 0 or room <= 0:
+        if (tokens <= 0 and own <= 0) or room <= 0:
             return 0
         by_bytes = max(1, min(cap, room // self.max_entry // max(1, readers)))
-        share = tokens // self.avg_estimate // readers
-        return int(min(by_bytes, max(1, share)))
+        share = max(1, tokens // self.avg_estimate // readers) if tokens > 0 else 0
+        return int(min(by_bytes, max(share, own)))
+
+    def held_count(self, lane: int) -> int:
+        """Entries of ``lane`` held (read, not yet answered on Redis)."""
+        return len(self._held.get(lane, ()))
 
     @contextmanager
     def reserving(self, count: int) -> Iterator[None]:

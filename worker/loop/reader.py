@@ -177,7 +177,8 @@ class Reader:
                 count = self._intake.read_count(
                     packer.budget.max_batch_tokens, packer.buffered_tokens,
                     readers=len(self._lanes), cap=MAX_READ_COUNT if history is None else
-                    HISTORY_COUNT)
+                    HISTORY_COUNT,
+                    own=fair.own_room(lane.tenant, self._intake.held_count(lane.index)))
                 count = fair.read_count(lane.tenant, count)
                 if count == 0:  # wait until something read is answered (or a second passes)
                     lifecycle.room_made.clear()
@@ -198,6 +199,8 @@ class Reader:
                         fair.arrived(lane.tenant, full=len(entries) >= count,
                                      now=time.monotonic())
                         if entries:
+                            fair.took(lane.tenant, time.monotonic())
+                            packer.shared = fair.sharing(time.monotonic())
                             await self._take(lane, entries)
                         self._turn.set()  # charged: a lane waiting for its turn looks again
                     health.read_ok(lane.index)

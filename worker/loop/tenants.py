@@ -21,6 +21,8 @@ log = logging.getLogger("tokenq.worker")
 MAX_TENANT_LANES = 256
 """Most tenant streams one worker reads (each is a lane: a read and a publish task)."""
 MAX_WEIGHT = 1_000_000.0
+ACTIVE_S = 1.0
+"""A tenant whose last read brought entries this recently shares the device (:meth:`sharing`)."""
 STALE_S = 10.0
 """A tenant whose last full read is older than this holds no one back (its lane may be gone)."""
 
@@ -42,6 +44,8 @@ class FairShare:
         """Tenant -> when its last read was full (more is waiting)."""
         self._mean: dict[str, float] = {}
         """Tenant -> its tokens per entry (a running mean), which sizes its reads."""
+        self._took: dict[str, float] = {}
+        """Tenant -> when a read last brought it entries."""
 
     def weight(self, tenant: str) -> float:
         return self.weights.get(tenant, self.default_weight)
@@ -68,11 +72,36 @@ class FairShare:
         else:
             self._backlogged.pop(tenant, None)
 
+    def took(self, tenant: str, now: float) -> None:
+        """A read of ``tenant`` brought entries."""
+        self._took[tenant] = now
+
+    def sharing(self, now: float) -> bool:
+        """Whether a tenant without a backlog is active (its reads brought entries within
+        :data:`ACTIVE_S`) beside another active one (or one with a backlog): its queries wait
+        for the others' batches. Tenants all backlogged wait for their backlogs instead."""
+        active = {tenant for tenant, at in self._took.items() if now - at <= ACTIVE_S}
+        active.update(tenant for tenant, at in self._backlogged.items()
+                      if now - at <= self.stale_s)
+        return len(active) > 1 and any(tenant not in self._backlogged for tenant in active)
+
     def read_count(self, tenant: str, count: int) -> int:
         """``count`` cut to about one quantum of ``tenant``'s tokens, so a tenant of long entries
         does not read far past its turn on a mean learned from another's short ones."""
         mean = self._mean.get(tenant)
         return count if mean is None else min(count, max(1, int(self.quantum / mean)))
+
+    def own_room(self, tenant: str, held: int) -> int:
+        """Entries ``tenant`` may read whatever the shared read-ahead room, holding ``held``: up
+        to one quantum of its tokens, so one tenant's backlog filling the room does not hold
+        another's lone query back until a batch is taken; none for a tenant with a backlog,
+        which competes for the shared room (reading past it would read past its share)."""
+        if tenant in self._backlogged:
+            return 0
+        mean = self._mean.get(tenant)
+        if mean is None:
+            return 0 if held else 1
+        return max(0, int(self.quantum / mean) - held)
 
     def charge(self, tenant: str, tokens: int, entries: int) -> None:
         """``entries`` holding ``tokens`` (exact, as tokenized) were read for ``tenant``."""
