@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # One torch thread in every test process and every process a test starts (they inherit it;
 # set before any test module imports torch). The suite runs several processes per core: with
 # a thread per core each, their OpenMP threads spin-wait for each other, and a tiny model's
-# forward costs about ten times the CPU and wall it does on one thread.
+# forward costs many times the CPU and wall it takes on one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _NOT_LEAKS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
