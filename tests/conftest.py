@@ -27,6 +27,13 @@ from tests.unit_tier import pytest_runtest_call, pytest_runtest_setup  # noqa: F
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# Under xdist (-n N, what CI runs), one torch thread in every test process and every process
+# a test starts (they inherit it; set before any test module imports torch): N processes
+# already share the cores, and OpenMP threads that spin-wait for each other cost a tiny
+# model's forward many times the CPU and wall it takes on one thread.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 _NOT_LEAKS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 _LEAK_GRACE_S = 5.0
 """A process still exiting when the last test ended (SIGTERM sent, not waited for) gets this."""
