@@ -21,7 +21,7 @@ from tokenq.shared.request_options import (
 )
 from tokenq.worker.backends.base import BackendInfo
 from tokenq.worker.backends.chunks import combine_chunks
-from tokenq.worker.pipeline.finisher import Finisher, facts_of
+from tokenq.worker.pipeline.finisher import Finisher, facts_of, stack_rows
 
 pytestmark = pytest.mark.unit
 
@@ -113,6 +113,25 @@ def test_a_batch_is_finished_as_each_row_alone(
             expected = unit(expected)
         np.testing.assert_allclose(answer, expected, rtol=1e-5, atol=1e-6)
         assert answer.dtype == np.float32
+
+
+@pytest.mark.parametrize("rows", [
+    [np.arange(4, dtype=np.float32) + i for i in range(3)],  # equal 1-D rows: joined
+    list(np.ones((5, 3), dtype=np.float32)),  # views of one array
+    [np.zeros(0, dtype=np.float32)] * 2,  # empty rows
+    [np.ones(3, dtype=np.float32), np.ones(3, dtype=np.float64)],  # dtypes differ: np.stack
+    [np.ones((2, 2), dtype=np.float32)] * 2,  # 2-D rows: np.stack
+])
+def test_stack_rows_is_np_stack(rows: list[np.ndarray]) -> None:
+    stacked = stack_rows(rows)
+    expected = np.stack(rows)
+    assert stacked.shape == expected.shape and stacked.dtype == expected.dtype
+    np.testing.assert_array_equal(stacked, expected)
+
+
+def test_stack_rows_refuses_rows_of_different_lengths_as_np_stack_does() -> None:
+    with pytest.raises(ValueError):
+        stack_rows([np.ones(2, dtype=np.float32), np.ones(4, dtype=np.float32)])
 
 
 def test_normalize_false_is_refused_where_the_backend_cannot_honour_it() -> None:

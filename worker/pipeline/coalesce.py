@@ -23,17 +23,18 @@ class Coalescer(Generic[K]):
 
     def take(self, jobs: Iterable[Job[K]]) -> list[Job[K]]:
         """The jobs to pack; one whose digest has a leader waits for it instead."""
-        out = []
+        out: list[Job[K]] = []
+        keep, waiting_on, leaders = out.append, self._waiting, self._leaders  # per request
         for job in jobs:
             digest = job.digest
             if digest is None or job.chunk is not None:
-                out.append(job)
-            elif (waiting := self._waiting.get(digest)) is not None:
+                keep(job)
+            elif (waiting := waiting_on.get(digest)) is not None:
                 waiting.append(job)
             else:
-                self._waiting[digest] = []
-                self._leaders[job.ref] = digest
-                out.append(job)
+                waiting_on[digest] = []
+                leaders[job.ref] = digest
+                keep(job)
         return out
 
     def settled(self, outcomes: Sequence[Outcome[K]]
@@ -43,12 +44,15 @@ class Coalescer(Generic[K]):
         shared: list[Outcome[K]] = []
         again: list[Job[K]] = []
         led: list[tuple[bytes, Outcome[K]]] = []
+        leader, waiting_on = self._leaders.pop, self._waiting.pop  # bound once: per request
         for outcome in outcomes:
-            digest = self._leaders.pop(outcome.ref, None)
+            digest = leader(outcome.ref, None)
             if digest is None:
                 continue
-            waiting = self._waiting.pop(digest)
+            waiting = waiting_on(digest)
             led.append((digest, outcome))
+            if not waiting:  # the common case: no one waited
+                continue
             if outcome.code == ErrorCode.DEADLINE_EXCEEDED.value:
                 again += waiting
                 continue

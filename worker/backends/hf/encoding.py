@@ -6,14 +6,15 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 
-@dataclass(frozen=True, slots=True, eq=False)  # identity: arrays have no one truth value
+@dataclass(slots=True, eq=False)  # identity: arrays have no one truth value
 class HFEncoding:
-    """One tokenized input, special tokens included, ready to be padded into a batch."""
+    """One tokenized input, special tokens included, ready to be padded into a batch. Not
+    frozen, its length kept: made per request, its length read at every step."""
 
     ids: np.ndarray  # int64, one row (often a view of a whole tokenize call's ids)
     type_ids: np.ndarray | None = None  # a pair's segment ids; None: one sequence
@@ -22,10 +23,10 @@ class HFEncoding:
     ``include_prompt: false`` leaves them out, and a window repeats them."""
     tokens: bool = False  # answer every token's last hidden state (output: tokens)
     truncated: bool | None = False  # cut to max_length; None where it cannot tell
+    length: int = field(init=False)
 
-    @property
-    def length(self) -> int:
-        return len(self.ids)
+    def __post_init__(self) -> None:
+        self.length = len(self.ids)
 
     @property
     def is_pair(self) -> bool:
