@@ -252,8 +252,8 @@ def test_real_compares_bf16_mixed_with_fp32(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "refusal"),
     [
-        (["seed", "--runtime", "onnx"], "apply to real, mixed-latency, not 'seed'"),
-        (["cpu", "--dtype", "bf16-mixed"], "apply to real, mixed-latency, not 'cpu'"),
+        (["seed", "--runtime", "onnx"], "apply to real, mixed-latency, tenants, not 'seed'"),
+        (["cpu", "--dtype", "bf16-mixed"], "apply to real, mixed-latency, tenants, not 'cpu'"),
         (["real", "--runtime", "onnx", "--dtype", "bf16-mixed"], "one of them with torch fp32"),
     ],
 )
