@@ -288,6 +288,16 @@ def test_sigterm_to_the_parent_stops_the_children_and_it_exits_0(
     assert not wait_gone(below, 5)
 
 
+def ignores_sigterm(pid: int) -> bool:
+    """Whether ``pid`` ignores SIGTERM now (the ``SigIgn`` mask of /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
 STUBBORN_PARENT = """
 import os, sys
 from tokenq.worker.tooling.children import Supervisor
@@ -307,7 +317,8 @@ def test_a_second_signal_kills_the_children_at_once(spawn, tmp_path: Path):
     parent = spawn([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
-    wait_for(lambda: "time.sleep(120)" in cmdline(child), timeout=30, what="the child")
+    # Its command line shows at exec, before Python has set SIGTERM aside: wait for the mask.
+    wait_for(lambda: ignores_sigterm(child), timeout=30, what="the child ignoring SIGTERM")
     parent.send_signal(signal.SIGTERM)  # the child ignores it: the parent waits up to 60 s
     wait_for(lambda: alive(child), timeout=5, what="the child still running")
     time.sleep(1.5)  # past the window in which a repeat is the same stop
