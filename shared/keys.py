@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tokenq.shared.redis_text import as_text
+
 GROUP = "workers"
 """The consumer group every worker of a queue reads through."""
 DEFAULT_PREFIX = "tokenq"
@@ -212,22 +214,21 @@ def pending_field(tenant: str) -> str:
 def tenant_pending(fields: Mapping[Any, Any]) -> dict[str, int]:
     """Each tenant's pending tokens from :func:`pending`'s fields (HGETALL): a named tenant's
     its own field; the default tenant's the sum less all the others, at least 0 (its stream's
-    entries have no field of their own, so enqueue pays no second write for them)."""
+    entries have no field of their own, so enqueue pays no second write for them). A field
+    that names no tenant, or holds no count, is skipped."""
     held: dict[str, int] = {}
-    for name, value in fields.items():
-        text = name.decode(errors="replace") if isinstance(name, bytes) else name
-        if text.startswith(_PENDING_OF) and _TENANT.fullmatch(text[len(_PENDING_OF):]):
-            held[text[len(_PENDING_OF):]] = _count(value)
-    total = _count(fields.get(PENDING_TOTAL, fields.get(PENDING_TOTAL.encode(), 0)))
+    total = 0
+    for raw_name, raw_value in fields.items():
+        name, value = as_text(raw_name), as_text(raw_value)
+        if not value.lstrip("-").isdigit():
+            continue
+        tenant = name[len(_PENDING_OF):]
+        if name == PENDING_TOTAL:
+            total = int(value)
+        elif (name.startswith(_PENDING_OF) and _TENANT.fullmatch(tenant)
+              and tenant != DEFAULT_TENANT):
+            held[tenant] = max(0, int(value))
     return {DEFAULT_TENANT: max(0, total - sum(held.values())), **held}
-
-
-def _count(value: object) -> int:
-    """A hash value as an integer (0 when it is none)."""
-    try:
-        return int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        return 0
 
 
 MAX_QUOTA = 10**15 - 1

@@ -4,17 +4,11 @@ exact."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from tokenq.shared import keys
 from tokenq.shared.heartbeat import OTHER_TENANTS
-from tokenq.shared.redis_text import as_text
-
-_TENANT_FIELD = keys.PENDING_TOTAL + ":"
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +22,7 @@ class Depth:
     """Pending tokens: the sum of the ``tokens`` of the entries tokenq's scripts wrote
     (``keys.pending``)."""
     tenants: dict[str, int] = field(default_factory=dict, compare=False)
-    """Pending tokens by tenant (:func:`tenant_tokens`); empty when not read."""
+    """Pending tokens by tenant (``keys.tenant_pending``); empty when not read."""
 
 
 def depth(
@@ -55,26 +49,6 @@ def total(parts: Sequence[Depth]) -> Depth:
         sum(p.length for p in parts), sum(p.pending for p in parts), sum(p.lag for p in parts),
         all(p.lag_exact for p in parts), sum(p.tokens for p in parts), dict(tenants),
     )
-
-
-def tenant_tokens(raw: Mapping[Any, Any]) -> dict[str, int]:
-    """Each tenant's pending tokens from the pending hash: ``tokens:<tenant>`` a named one's,
-    the default tenant's ``tokens`` less theirs; a field that is neither, or not a count, is
-    skipped; 0 for a tenant whose field is absent is the caller's."""
-    named: dict[str, int] = {}
-    total_tokens = 0
-    for raw_name, raw_value in raw.items():
-        name, value = as_text(raw_name), as_text(raw_value)
-        if not value.lstrip("-").isdigit():
-            continue
-        if name == keys.PENDING_TOTAL:
-            total_tokens = int(value)
-        elif name.startswith(_TENANT_FIELD):
-            tenant = name[len(_TENANT_FIELD):]
-            with contextlib.suppress(ValueError):
-                if keys.check_tenant(tenant) != keys.DEFAULT_TENANT:
-                    named[tenant] = max(0, int(value))
-    return {keys.DEFAULT_TENANT: max(0, total_tokens - sum(named.values())), **named}
 
 
 def bounded(values: Mapping[str, int], cap: int) -> dict[str, int]:

@@ -20,7 +20,7 @@ from tokenq.shared.failures import CommandFailed, failure_message, is_wrong_type
 from tokenq.shared.flags import UsageError
 from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat
 from tokenq.shared.queue_config import parse_config
-from tokenq.shared.queue_depth import Depth, depth, tenant_tokens, total
+from tokenq.shared.queue_depth import Depth, depth, total
 from tokenq.shared.redis_text import as_text
 from tokenq.shared.redis_url import redact as redact_url
 from tokenq.shared.text import plural, ratio
@@ -226,7 +226,7 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
         "group": group is not None,
         "consumers": _consumers(r, stream) if group is not None else [],
         "workers": workers, "stale_workers": stale, "totals": _totals(workers),
-        "tenants": tenant_rows(tenant_tokens(pending_hash), workers),
+        "tenants": tenant_rows(keys.tenant_pending(pending_hash), workers),
         "config": {k.decode(): v.decode(errors="replace")  # type: ignore[union-attr]  # bytes
                    for k, v in r.hgetall(keys.config(q)).items()},
     }

@@ -14,7 +14,7 @@ from tokenq.producer import Client
 from tokenq.producer.ops.stats import main as stats_main
 from tokenq.shared import keys
 from tokenq.shared.heartbeat import OTHER_TENANTS, Heartbeat, decode_heartbeat, encode_heartbeat
-from tokenq.shared.queue_depth import bounded, tenant_tokens
+from tokenq.shared.queue_depth import bounded
 from tokenq.worker import metrics
 from tokenq.worker.batch_stats import MAX_TENANT_LABELS, TenantTally
 from tokenq.worker.pipeline.jobs import Answer
@@ -66,9 +66,9 @@ def test_a_tenants_p50_is_of_its_recent_answers():
 def test_pending_tokens_by_tenant_read_the_hash_and_a_thousand_stay_bounded():
     raw = {b"tokens": b"100", b"tokens:a": b"30", b"tokens:b": b"5", b"tokens:a b": b"9",
            b"tokens:default": b"7", b"other": b"1", b"tokens:c": b"x"}
-    assert tenant_tokens(raw) == {keys.DEFAULT_TENANT: 65, "a": 30, "b": 5}
-    assert tenant_tokens({}) == {keys.DEFAULT_TENANT: 0}
-    assert tenant_tokens({"tokens": "3", "tokens:a": "9"})[keys.DEFAULT_TENANT] == 0
+    assert keys.tenant_pending(raw) == {keys.DEFAULT_TENANT: 65, "a": 30, "b": 5}
+    assert keys.tenant_pending({}) == {keys.DEFAULT_TENANT: 0}
+    assert keys.tenant_pending({"tokens": "3", "tokens:a": "9"})[keys.DEFAULT_TENANT] == 0
     hostile = {f"t{i}": i for i in range(HOSTILE)}
     kept = bounded(hostile, MAX_TENANT_LABELS)
     assert len(kept) == MAX_TENANT_LABELS + 1 and "t999" in kept and "t0" not in kept

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 from tokenq.shared import keys
 from tokenq.shared.failures import error_text
 from tokenq.shared.heartbeat import Heartbeat
-from tokenq.shared.queue_depth import Depth, bounded, depth, tenant_tokens, total
+from tokenq.shared.queue_depth import Depth, bounded, depth, total
 from tokenq.shared.redis_text import as_text
 from tokenq.worker.batch_stats import MAX_TENANT_LABELS
 from tokenq.worker.loop import presence
@@ -132,5 +132,5 @@ async def measure(client: Any, queues: list[keys.QueueRef]) -> Depth:
             (g for g in groups if as_text(g.get("name")) == keys.GROUP), {})
         measured = depth(int(length), int(group.get("pending") or 0), group_exists=bool(group),
                          reported_lag=group.get("lag"), tokens=pending.get(b"tokens"))
-        found.append(dataclasses.replace(measured, tenants=tenant_tokens(pending)))
+        found.append(dataclasses.replace(measured, tenants=keys.tenant_pending(pending)))
     return total(found)
