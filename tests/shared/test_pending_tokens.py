@@ -93,7 +93,9 @@ def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedSta
     class PendingTokens(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.plain: set[bytes] = set()
+            self.plain: set[tuple[str, bytes]] = set()
+            """The plain XADDs' (stream, id): each stream numbers its own entries, so two
+            streams written in the same millisecond give the same id."""
             r.delete(*streams.values(), dead, reply, pending, quotas)
             for stream in streams.values():
                 r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
@@ -132,8 +134,8 @@ def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedSta
         def plain_xadd(self, tenant: str, tokens: str | None) -> None:
             """Written around tokenq's enqueue: never counted."""
             fields = {"v": "1", "id": "p", "text": "t"}
-            self.plain.add(r.xadd(streams[tenant], {
-                **fields, **({} if tokens is None else {"tokens": tokens})}))
+            self.plain.add((streams[tenant], r.xadd(streams[tenant], {
+                **fields, **({} if tokens is None else {"tokens": tokens})})))
 
         @rule(tenant=TENANT, consumer=st.sampled_from(CONSUMERS), count=st.integers(1, 4))
         def read(self, tenant: str, consumer: str, count: int) -> None:
@@ -210,7 +212,7 @@ def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedSta
             for tenant, stream in streams.items():
                 for entry_id, fields in r.xrange(stream):  # a dict in the entry's field order
                     first = next(iter(fields.items()))
-                    if entry_id in self.plain:
+                    if (stream, entry_id) in self.plain:
                         assert first[0] != MARK
                         continue
                     # the tokens' own text where they count ("007" too), else 0
