@@ -27,7 +27,7 @@ from tests.redis_server import RedisServer, free_port
 from tests.support import FAST_BEAT, SimModel, blpop_within, fleet_fixture, wait_for
 from tests.workers import Fleet
 from tokenq.producer import AsyncClient, Client
-from tokenq.shared import keys, wire
+from tokenq.shared import functions, keys, wire
 from tokenq.shared.errors import QueueFull
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -320,6 +320,55 @@ def test_a_sharded_queue_runs_under_the_documented_sharded_acl(
     denials = acl_denials(admin)
     assert not denials, f"commands refused in normal operation: {denials}"
     assert "NOPERM" not in worker.output(), worker.output()[-3000:]
+
+
+def test_a_retired_shard_with_tenant_streams_is_removed_under_the_documented_acl(
+    acl_server: RedisServer,
+) -> None:
+    """``remove_retired`` reads the shard's tenants set and its tenants' streams, and removes
+    the shard's keys and the drained streams, each by a command one selector of the
+    documented sharded worker rule allows whole; no refusal logged."""
+    queue, password = "aclretire", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    for words in sharded_rules(queue, password).values():
+        admin.execute_command(*words)
+    functions.load(admin)
+    two = keys.QueueRef(queue, shard=2)
+    main, tenant = keys.requests(two), keys.tenant_requests(two, "a")
+    for stream in (main, tenant):
+        admin.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+    admin.sadd(keys.tenants(two), tenant)
+    admin.xadd(tenant, {"v": "1"})
+    admin.set(keys.retired(two), "2")
+    worker = redis.Redis.from_url(user_url(acl_server, f"{queue}-worker", password),
+                                  socket_timeout=10)
+    remove = functions.Function(worker, "remove_retired")
+    names = [main, keys.dead(two), keys.retired(two), keys.workers(two), keys.config(two)]
+    assert remove(keys=names, args=[keys.GROUP]) == b"draining"
+    admin.xtrim(tenant, maxlen=0)
+    assert remove(keys=names, args=[keys.GROUP]) == b"removed"
+    assert not admin.exists(main, tenant) and admin.exists(keys.retired(two))
+    assert not acl_denials(admin)
+    worker.close()
+    admin.close()
+
+
+def test_the_result_cache_empties_under_the_documented_acl(acl_server: RedisServer) -> None:
+    """``cache_put`` removes the cache's hash and byte count once its last entry expires, each
+    by a command one selector of the documented worker rule allows whole: the count is never
+    left standing over an empty cache, and no write is refused."""
+    queue, password = "aclcache", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    create_users(admin, queue, password)
+    functions.load(admin)
+    worker = redis.Redis.from_url(user_url(acl_server, f"{queue}-worker", password),
+                                  socket_timeout=10)
+    put, names = functions.Function(worker, "cache_put"), list(keys.cache(keys.QueueRef(queue)))
+    assert put(keys=names, args=[10**6, 1000, 10_000, 64, 0.9, b"digest", b"v" * 20]) > 0
+    assert put(keys=names, args=[10**6, 1000, 20_000, 64, 0.9]) == 0  # expired: emptied
+    assert not admin.exists(*names) and not acl_denials(admin)
+    worker.close()
+    admin.close()
 
 
 # ------------------------------------------------- every right, on every key

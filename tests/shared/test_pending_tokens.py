@@ -159,8 +159,8 @@ def _machine(r: redis.Redis, q: QueueRef, over_memory: Any) -> type[RuleBasedSta
                 # the worker's value, read at delivery (a deleted entry's: 0)
                 value = wire.counted_of(entry(stream, entry_id))
                 for _ in range(2 if kind == "twice" else 1):
-                    args += [entry_id, 0 if kind in ("none", "dead") else 1, b"payload", value,
-                             len(letter) // 2, *letter]
+                    args += [entry_id, 0 if kind in ("none", "dead") else 3, b"payload", value,
+                             len(letter) // 2, *letter]  # 3: KEYS[3], the reply key
                     args[5] += 1
             self._refusable(full, lambda: publish(keys=[stream, dead, reply], args=args))
 

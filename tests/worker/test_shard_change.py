@@ -27,7 +27,7 @@ from tests.support import SimModel, fleet_fixture, wait_for
 from tests.workers import Fleet, WorkerProcess
 from tokenq.producer import AsyncClient, Client
 from tokenq.producer.shards import ShardRetired
-from tokenq.shared import keys, lua_scripts
+from tokenq.shared import functions, keys, lua_scripts, wire
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.settings import ClientSettings
 
@@ -212,3 +212,64 @@ def test_shrinking_to_one_shard_drains_every_numbered_shard(fleet, r, redis_url,
              "every shard removed", fleet=fleet)
     assert all(r.exists(keys.retired(s)) for s in numbered)
     assert "Traceback" not in one.output(), one.output()
+
+
+def test_a_retired_shard_stays_while_a_tenant_s_stream_holds_entries(r, queue_name):
+    """remove_retired.lua judges the shard drained over every stream it has: while a tenant's
+    stream holds entries, or entries read and not answered, the shard, its pending hash (that
+    tenant's field and the sum) and the stream stay; once they are answered all of it goes,
+    the empty tenant streams too. Members of the tenants set that name no tenant stream of
+    the shard, or no stream, are left alone."""
+    two = QueueRef(queue_name, shard=2)
+    main, tenant, pending = keys.requests(two), keys.tenant_requests(two, "a"), keys.pending(two)
+    r.xgroup_create(main, keys.GROUP, id="0", mkstream=True)
+    r.hset(keys.config(two), "shards", "3")
+    functions.Function(r, "enqueue")(keys=[tenant, keys.tenants(two)], args=[
+        0, 2, 0, 2, "id", "2.a", "tokens", "7", 2, "id", "2.b", "tokens", "5"])
+    r.xgroup_create(tenant, keys.GROUP, id="0")
+    junk = [keys.tenant_requests(two, "str"), keys.tenant_requests(QueueRef(queue_name), "x")]
+    r.set(junk[0], "not a stream")
+    r.xadd(junk[1], {"v": "1"})  # another slot's stream, named in this shard's set
+    r.sadd(keys.tenants(two), *junk, keys.config(two), main + ":default", main + ":a:b")
+    r.set(keys.retired(two), "2")
+    remove = functions.Function(r, "remove_retired")
+
+    def tend() -> str:
+        return remove(keys=[main, keys.dead(two), keys.retired(two), keys.workers(two),
+                            keys.config(two)], args=[keys.GROUP]).decode()
+
+    assert tend() == "draining"
+    [(_, entries)] = r.xreadgroup(keys.GROUP, "w", {tenant: ">"})
+    r.xdel(tenant, entries[0][0])  # read, then gone from the stream: still to be answered
+    assert tend() == "draining"
+    assert r.hgetall(pending) == {b"tokens": b"12", b"tokens:a": b"12"}
+    publish = functions.Function(r, "publish")
+    for entry_id, fields in entries:
+        publish(keys=[tenant, keys.dead(two), keys.reply(two, "r")], args=[
+            keys.GROUP, "w", 60_000, 1000, 4096, 1, entry_id, 3, b"p", wire.counted_of(fields),
+            0])
+        assert r.exists(main, tenant, pending, keys.config(two)) == 4
+        assert tend() == ("removed" if r.xlen(tenant) == 0 else "draining")
+    assert r.hgetall(pending) == {}  # answered to 0, then removed with the shard
+    assert not r.exists(main, tenant, keys.config(two))
+    assert r.exists(keys.retired(two), keys.tenants(two), *junk) == 4
+    assert tend() == "gone"
+
+
+def test_a_retired_shard_whose_own_stream_is_gone_stays_while_a_tenant_s_holds_entries(
+    r, queue_name
+):
+    """A shard whose own stream went first (removed by hand, or by a version that judged it
+    alone) is "gone" only once its tenants' streams are drained; those are removed then."""
+    two = QueueRef(queue_name, shard=2)
+    main, tenant = keys.requests(two), keys.tenant_requests(two, "a")
+    functions.Function(r, "enqueue")(keys=[tenant, keys.tenants(two)], args=[
+        0, 1, 0, 2, "id", "2.a", "tokens", "7"])
+    r.set(keys.retired(two), "2")
+    remove = functions.Function(r, "remove_retired")
+    names = [main, keys.dead(two), keys.retired(two), keys.workers(two), keys.config(two)]
+    assert remove(keys=names, args=[keys.GROUP]) == b"draining"
+    assert r.hgetall(keys.pending(two)) == {b"tokens": b"7", b"tokens:a": b"7"}
+    r.xtrim(tenant, maxlen=0)
+    assert remove(keys=names, args=[keys.GROUP]) == b"gone"
+    assert not r.exists(tenant)

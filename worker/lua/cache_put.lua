@@ -61,7 +61,8 @@ while used > budget do
 end
 if redis.call("ZCARD", KEYS[2]) == 0 then
   used = 0  -- a count that drifted (entries removed by hand) starts again
-  redis.call("DEL", KEYS[1], KEYS[3])
+  redis.call("DEL", KEYS[1])  -- a DEL each: an ACL grants each key in its own selector,
+  redis.call("DEL", KEYS[3])  -- and one selector must allow a command whole (docs/SECURITY.md)
 else
   redis.call("SET", KEYS[3], used)
 end

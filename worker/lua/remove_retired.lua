@@ -7,33 +7,68 @@
 --   KEYS[3]  <prefix>:{q:k}:retired    string  EXISTS (never removed here)
 --   KEYS[4]  <prefix>:{q:k}:workers    hash    DEL
 --   KEYS[5]  <prefix>:{q:k}:config     hash    DEL
---   and <prefix>:{q:k}:pending (named from KEYS[1]) hash DEL (an empty stream counts 0)
+--   and, named from KEYS[1] (once its own stream is drained): <prefix>:{q:k}:tenants set
+--   SMEMBERS (kept: a worker may only read it), each tenant stream it lists,
+--   <prefix>:{q:k}:requests:<t>, XLEN, XPENDING, then DEL; <prefix>:{q:k}:pending hash DEL
+--   (drained streams count 0)
 --
 -- ARGV[1] group
 --
 -- Returns "active" (no marker: the shard serves again, a worker grew the
 -- count back), "gone" (no stream: removed already), "draining" (requests,
--- pending entries or dead letters remain) or "removed".
+-- pending entries or dead letters remain, on its own stream or a tenant's) or "removed".
 --
 -- Why the marker decides and stays: enqueue.lua refuses a marked shard
--- atomically, so its stream only shrinks and a producer with a stale shard count
+-- atomically, so its streams only shrink and a producer with a stale shard count
 -- is refused, never writing where nobody reads. Dead letters keep the lane for
--- `tokenq dlq`.
+-- `tokenq dlq`. Drained means every stream of the shard, its tenants' too: their
+-- entries are counted in the one pending hash, which goes with the lane.
 
 -- tokenq:include pending_tokens.lua
 
 if redis.call("EXISTS", KEYS[3]) == 0 then
   return "active"
 end
-if redis.call("EXISTS", KEYS[1]) == 0 then
+
+-- unanswered(stream): whether entries of it were read and not yet answered (none without
+-- the group).
+local function unanswered(stream)
+  local pending = redis.pcall("XPENDING", stream, ARGV[1])
+  return type(pending) == "table" and not pending.err and tonumber(pending[1]) > 0
+end
+
+local exists = redis.call("EXISTS", KEYS[1]) == 1
+if exists and (redis.call("XLEN", KEYS[1]) > 0 or redis.call("XLEN", KEYS[2]) > 0
+    or unanswered(KEYS[1])) then
+  return "draining"
+end
+-- The tenant streams its tenants set lists: named <KEYS[1]>:<tenant> as keys.tenant_of reads
+-- them (so in this slot). Other members, which a producer may add, and keys that are not
+-- streams are left alone.
+local head, drained = KEYS[1] .. ":", {}
+local listed = (string.match(KEYS[1], "^(.*):requests$") or KEYS[1]) .. ":tenants"
+for _, name in ipairs(redis.call("SMEMBERS", listed)) do
+  local tenant = string.sub(name, #head + 1)
+  if string.sub(name, 1, #head) == head and #tenant <= 64 and tenant ~= "default"
+      and string.find(tenant, "^[A-Za-z0-9_.%-]+$") then
+    local length = redis.pcall("XLEN", name)
+    if type(length) == "number" then
+      if length > 0 or unanswered(name) then
+        return "draining"
+      end
+      drained[#drained + 1] = name
+    end
+  end
+end
+for _, stream in ipairs(drained) do
+  redis.call("DEL", stream)
+end
+if not exists then
   return "gone"
 end
-if redis.call("XLEN", KEYS[1]) > 0 or redis.call("XLEN", KEYS[2]) > 0 then
-  return "draining"
+-- A DEL per key: an ACL grants each kind of key in a selector of its own, and one command
+-- must be allowed whole by one selector (docs/SECURITY.md).
+for _, key in ipairs({KEYS[1], KEYS[2], KEYS[4], KEYS[5], pending_key(KEYS[1])}) do
+  redis.call("DEL", key)
 end
-local pending = redis.pcall("XPENDING", KEYS[1], ARGV[1])
-if type(pending) == "table" and not pending.err and tonumber(pending[1]) > 0 then
-  return "draining"
-end
-redis.call("DEL", KEYS[1], KEYS[2], KEYS[4], KEYS[5], pending_key(KEYS[1]))
 return "removed"
