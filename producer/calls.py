@@ -781,15 +781,26 @@ def queue_length(core: ClientCore, timeout_s: float | None = None) -> Call[int]:
 
 def pending_tokens(core: ClientCore, timeout_s: float | None = None) -> Call[int]:
     """The queue's pending tokens (every tenant's, summed over a sharded queue's lanes: what
-    KEDA scales on); raises ``BrokerUnavailable`` past ``timeout_s``."""
+    KEDA scales on; a sum holding no count, written by hand, counts 0 and is logged once);
+    raises ``BrokerUnavailable`` past ``timeout_s``."""
     deadline = Deadline.after(core.settings.timeout_s if timeout_s is None else timeout_s)
     yield from ensure_config(core, deadline)
     total = 0
     for lane in core.lanes.every():
-        found = yield from execute(core, deadline, "hget", keys.pending(lane.queue),
-                                   keys.PENDING_TOTAL)
-        total += int(found or 0)
+        key = keys.pending(lane.queue)
+        found = yield from execute(core, deadline, "hget", key, keys.PENDING_TOTAL)
+        counted = keys.pending_count(found)
+        if counted is None and found is not None and key not in _UNCOUNTED:
+            _UNCOUNTED.add(key)
+            log.warning("%s field %s holds %r, not a count: read as 0 until it is one again "
+                        "(tokenq's scripts keep it; docs/PROTOCOL.md, \"Pending tokens\")", key,
+                        keys.PENDING_TOTAL, found[:40])
+        total += max(0, counted or 0)
     return total
+
+
+_UNCOUNTED: set[str] = set()
+"""The pending hashes whose sum was found holding no count: each logged once a process."""
 
 
 def config(core: ClientCore) -> Call[dict[str, str]]:

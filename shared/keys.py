@@ -211,23 +211,33 @@ def pending_field(tenant: str) -> str:
     return PENDING_TOTAL if tenant == DEFAULT_TENANT else _PENDING_OF + tenant
 
 
+_COUNT = re.compile(r"-?[0-9]{1,19}")
+
+
+def pending_count(value: object) -> int | None:
+    """A field of :func:`pending` as the count Redis keeps there (HINCRBY's 64-bit integer), or
+    None when it holds none (absent, or written by hand): readers skip it, as the scripts do."""
+    text = as_text(value)
+    return int(text) if _COUNT.fullmatch(text) else None
+
+
 def tenant_pending(fields: Mapping[Any, Any]) -> dict[str, int]:
     """Each tenant's pending tokens from :func:`pending`'s fields (HGETALL): a named tenant's
     its own field; the default tenant's the sum less all the others, at least 0 (its stream's
     entries have no field of their own, so enqueue pays no second write for them). A field
-    that names no tenant, or holds no count, is skipped."""
+    that names no tenant, or holds no count (:func:`pending_count`), is skipped."""
     held: dict[str, int] = {}
     total = 0
     for raw_name, raw_value in fields.items():
-        name, value = as_text(raw_name), as_text(raw_value)
-        if not value.lstrip("-").isdigit():
+        name, value = as_text(raw_name), pending_count(raw_value)
+        if value is None:
             continue
         tenant = name[len(_PENDING_OF):]
         if name == PENDING_TOTAL:
-            total = int(value)
+            total = value
         elif (name.startswith(_PENDING_OF) and _TENANT.fullmatch(tenant)
               and tenant != DEFAULT_TENANT):
-            held[tenant] = max(0, int(value))
+            held[tenant] = max(0, value)
     return {DEFAULT_TENANT: max(0, total - sum(held.values())), **held}
 
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tokenq.shared.heartbeat import OTHER_TENANTS
+from tokenq.shared.keys import pending_count
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +30,8 @@ def depth(
     length: int, pending: int, *, group_exists: bool, reported_lag: object, tokens: object = None
 ) -> Depth:
     """The queue's depth from XLEN, the group's pending count, XINFO GROUPS' ``lag`` and the
-    pending-token sum (HGET; None: no hash yet, 0)."""
-    counted = int(tokens or 0)  # type: ignore[call-overload]
+    pending-token sum (HGET; None, no hash yet, or no count: 0, as ``keys.pending_count``)."""
+    counted = max(0, pending_count(tokens) or 0)
     if not group_exists:
         return Depth(length, 0, length, True, counted)  # nobody has read anything yet
     if reported_lag is None:

@@ -131,6 +131,25 @@ local function try(...)
   end
   return nil, reply
 end
+-- uncountable(err): whether a HINCRBY failed for what the hash holds, not for Redis: a value
+-- no count (written by hand), a sum past 2^63, a key that is no hash. The step goes on
+-- uncounted rather than fail after its first write; readers skip such a value, and log it.
+local function uncountable(err)
+  local text = tostring(err)
+  return string.find(text, "WRONGTYPE", 1, true) or string.find(text, "not an integer", 1, true)
+    or string.find(text, "overflow", 1, true)
+end
+-- add_to(key, field, by): HINCRBY's new value; nil when uncountable (any other error fails).
+local function add_to(key, field, by)
+  local reply = redis.pcall("HINCRBY", key, field, by)
+  if type(reply) == "table" and reply.err then
+    if uncountable(reply.err) then
+      return nil
+    end
+    error(reply)
+  end
+  return reply
+end
 -- pending_start(stream, adding): before an adding script's first write, `adding` entries.
 -- true: counted (its entries get COUNTED, then pending_add); false: this user may not write
 -- the hash (an ACL from before it), so the entries go uncounted, as a plain XADD's. Redis 7
@@ -145,6 +164,8 @@ local function pending_start(stream, adding)
   local done, failed = try("HINCRBY", pending_key(stream), PENDING_TOTAL, 0)
   if done or failed == false then
     return done ~= nil
+  elseif uncountable(failed.err) then
+    return true  -- counted in each entry; the sum, no count now, is left as it is
   end
   return nil, failed
 end
@@ -152,9 +173,9 @@ end
 local function pending_add(stream, sum)
   if sum > 0 then
     local key, field = pending_of(stream)
-    redis.call("HINCRBY", key, PENDING_TOTAL, sum)
+    add_to(key, PENDING_TOTAL, sum)
     if field then
-      redis.call("HINCRBY", key, field, sum)
+      add_to(key, field, sum)
     end
   end
 end
@@ -164,11 +185,12 @@ end
 local function pending_release(stream, sum)
   if sum > 0 then
     local key, field = pending_of(stream)
-    local left = redis.call("HINCRBY", key, PENDING_TOTAL, -sum)
-    if left < 0 then
-      redis.call("HINCRBY", key, PENDING_TOTAL, -left)
+    local left = add_to(key, PENDING_TOTAL, -sum)
+    if left and left < 0 then
+      add_to(key, PENDING_TOTAL, -left)
     end
-    if field and redis.call("HINCRBY", key, field, -sum) <= 0 then
+    local own = field and add_to(key, field, -sum)
+    if own and own <= 0 then
       redis.call("HDEL", key, field)
     end
   end

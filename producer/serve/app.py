@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, nullcontext
@@ -37,10 +37,12 @@ from tokenq.producer.serve.bounds import Admission, Parser, check_job, read_body
 from tokenq.producer.serve.errors import ApiError, from_exception
 from tokenq.producer.serve.schemas import Job
 from tokenq.shared.cli import version
+from tokenq.shared.failures import error_text
 from tokenq.shared.keys import QueueRef
 from tokenq.shared.queue_config import QueueConfig
 from tokenq.shared.settings import ServeSettings
 
+log = logging.getLogger("tokenq.serve")
 PENDING_EVERY_S = 5.0
 """How often the gateway reads each queue's pending tokens for its gauge."""
 DISCONNECT_POLL_S = 0.1  # how often a waiting route checks whether its client is still there
@@ -81,12 +83,21 @@ class Gateway:
 
     async def watch_pending(self) -> None:
         """Keep ``tokenq_queue_pending_tokens`` fresh, every :data:`PENDING_EVERY_S`; a Redis
-        that does not answer (or refuses ``HGET``) leaves the last figure, or none."""
+        that does not answer (or refuses ``HGET``) leaves the last figure, or none, logged once
+        until a refresh works again."""
+        failing: set[str] = set()
         while True:
             for queue, client in self.clients.items():
-                with contextlib.suppress(Exception):
+                try:
                     self.pending.labels(queue).set(
                         await client.pending_tokens(timeout_s=PENDING_EVERY_S))
+                except Exception as exc:
+                    if queue not in failing:
+                        log.warning("cannot refresh tokenq_queue_pending_tokens of queue %r "
+                                    "(%s); it keeps its last figure", queue, error_text(exc))
+                    failing.add(queue)
+                else:
+                    failing.discard(queue)
             await asyncio.sleep(PENDING_EVERY_S)
 
     def queue_of(self, model: str | None) -> str:

@@ -532,6 +532,39 @@ def test_embedding_options_reach_the_hf_worker(hf):
         assert http.post("/embed", json={"model": "large", "inputs": text}).status_code == 404
 
 
+def test_the_pending_tokens_gauge_skips_a_hand_written_sum_and_logs_a_failing_refresh_once(
+        redis_url, queue_name, monkeypatch, caplog):
+    """A sum holding no count is read as 0 (logged once), and a refresh Redis refuses (the hash
+    is no hash) keeps the last figure, logged once until a refresh works again."""
+    from tokenq.producer.serve import app
+
+    monkeypatch.setattr(app, "PENDING_EVERY_S", 0.02)
+    q, r = keys.QueueRef(queue_name), redis.Redis.from_url(redis_url)
+    r.hset(keys.pending(q), keys.PENDING_TOTAL, "12")
+    line = f'tokenq_queue_pending_tokens{{queue="{queue_name}"}}'
+    with gateway(redis_url, queue_name) as http:
+        def exported() -> float | None:
+            found = [row for row in http.get("/metrics").text.splitlines()
+                     if row.startswith(line)]
+            return float(found[0].split()[1]) if found else None
+
+        wait_for(lambda: exported() == 12, timeout=10, what="the gauge")
+        r.delete(keys.pending(q))
+        r.set(keys.pending(q), "not a hash")
+        wait_for(lambda: "cannot refresh" in caplog.text, timeout=10, what="the warning")
+        time.sleep(0.3)  # many refreshes, all refused
+        assert exported() == 12 and caplog.text.count("cannot refresh") == 1
+        r.delete(keys.pending(q))
+        r.hset(keys.pending(q), keys.PENDING_TOTAL, "\u00b2")
+        wait_for(lambda: exported() == 0, timeout=10, what="the hand-written sum read as 0")
+        time.sleep(0.3)
+        assert caplog.text.count("not a count") == 1, caplog.text
+        r.set(keys.pending(q), "not a hash")
+        wait_for(lambda: caplog.text.count("cannot refresh") == 2, timeout=10,
+                 what="a new failure after one that worked, logged again")
+    r.close()
+
+
 def test_with_no_worker_the_gateway_exports_the_queues_pending_tokens_for_keda(
         redis_url, queue_name):
     with gateway(redis_url, queue_name, cold_start_s=0.2, timeout_s=0.5) as http:

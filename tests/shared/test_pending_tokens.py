@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from tokenq.shared import functions, keys, wire
+from tokenq.producer import Client
+from tokenq.shared import functions, keys, queue_depth, wire
 from tokenq.shared.keys import QueueRef
 
 CONSUMERS = ("alive", "killed")
@@ -338,3 +339,78 @@ def test_a_tenant_s_entries_counted_before_its_field_come_off_the_sum_exactly(
     assert r.hgetall(keys.pending(q)) == {b"tokens": b"0"}
     functions.Function(r, "enqueue")(keys=[stream], args=[0, 1, 0, 2, "id", "c", "tokens", "4"])
     assert r.hgetall(keys.pending(q)) == {b"tokens": b"4", b"tokens:a": b"4"}
+
+
+@pytest.mark.parametrize("held", [
+    {"tokens": "x"}, {"tokens": str(2**63 - 1)}, {"tokens": "5", "tokens:a": "1.5"},
+    {"tokens": str(-2**63), "tokens:a": str(-2**63)}, None,
+], ids=["garbage", "past-2^63", "tenant-garbage", "at--2^63", "not-a-hash"])
+def test_a_pending_hash_holding_no_count_leaves_every_step_whole(
+    r: redis.Redis, queue_name: str, held: dict[str, str] | None
+) -> None:
+    """docs/PROTOCOL.md: a value Redis cannot add to (written by hand, past 2^63, a key that is
+    no hash) is left as it is and the step goes on uncounted: enqueue, publish and dlq retry
+    each write once and answer, never failing after a first write (an entry written for a call
+    that failed; a reply pushed again and again while its entry stays pending)."""
+    q = QueueRef(queue_name)
+    dead, reply, pending = keys.dead(q), keys.reply(q, "r"), keys.pending(q)
+    if held is None:
+        r.set(pending, "not a hash")
+    else:
+        r.hset(pending, mapping=held)
+    enqueue, publish = functions.Function(r, "enqueue"), functions.Function(r, "publish")
+    retry = functions.Function(r, "dlq_retry")
+    for tenant in ("a", keys.DEFAULT_TENANT):
+        stream = keys.tenant_requests(q, tenant)
+        r.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+        assert len(enqueue(keys=[stream], args=[0, 1, 0, 2, "id", "x", "tokens", "7"])) == 1
+        [(entry_id, fields)] = r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1]
+        assert publish(keys=[stream, dead, reply], args=[
+            keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 0, b"", wire.counted_of(fields),
+            2, "id", "x", "dead_error", "e"]) == [1, 0, 0]
+        [(letter, _)] = r.xrange(dead)
+        assert len(retry(keys=[dead, stream], args=[0, "0", letter])) == 1
+        [(entry_id, fields)] = r.xreadgroup(keys.GROUP, "c", {stream: ">"})[0][1]
+        assert publish(keys=[stream, dead, reply], args=[
+            keys.GROUP, "c", 60_000, 1000, 4096, 1, entry_id, 3, b"p", wire.counted_of(fields),
+            0]) == [1, 0, 0]
+        assert r.xlen(stream) == 0 and r.xpending(stream, keys.GROUP)["pending"] == 0
+    assert r.llen(reply) == 2 and r.xlen(dead) == 0
+    if held is None:
+        assert r.get(pending) == b"not a hash"
+    elif held["tokens"] == "x":
+        assert r.hget(pending, "tokens") == b"x"
+
+
+NO_COUNT = ["x", "", " 5", "+5", "5\n", "--5", "1.5", "1e3", "\u00b2", "\u0661\u0662", "9" * 5000,
+            "1" * 20]
+"""Values a hand may write into the pending hash that are no count HINCRBY keeps there (Unicode
+digits that int() takes, 5,000 digits that it refuses, a sign it would drop ...)."""
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value", NO_COUNT)
+def test_a_pending_field_holding_no_count_is_skipped_by_every_reader(value: str) -> None:
+    """docs/PROTOCOL.md: readers skip a value that is no count (``keys.pending_count``) rather
+    than raise (the worker's depth gauges, ``tokenq stats``, the gateway's gauge)."""
+    raw = value.encode()
+    assert keys.pending_count(value) is None and keys.pending_count(raw) is None
+    assert keys.tenant_pending({b"tokens": b"40", b"tokens:a": raw, b"tokens:b": b"15"}) == {
+        keys.DEFAULT_TENANT: 25, "b": 15}
+    assert keys.tenant_pending({b"tokens": raw, b"tokens:b": b"15"}) == {
+        keys.DEFAULT_TENANT: 0, "b": 15}
+    assert queue_depth.depth(3, 0, group_exists=False, reported_lag=None, tokens=raw).tokens == 0
+    assert [keys.pending_count(v) for v in (b"-5", b"0", str(2**63 - 1))] == [-5, 0, 2**63 - 1]
+
+
+def test_the_client_reads_a_hand_written_sum_as_0_and_logs_it_once(
+    r: redis.Redis, redis_url: str, queue_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    q = QueueRef(queue_name)
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        r.hset(keys.pending(q), keys.PENDING_TOTAL, "12")
+        assert client.pending_tokens() == 12
+        for value in ("\u00b2", "-3", "x"):
+            r.hset(keys.pending(q), keys.PENDING_TOTAL, value)
+            assert client.pending_tokens() == 0
+    assert caplog.text.count("not a count") == 1, caplog.text

@@ -188,6 +188,18 @@ def test_a_batch_histogram_matches_the_librarys_buckets():
     assert lines(ours) == lines(theirs)
 
 
+def measured(redis_url: str, q: keys.QueueRef) -> Depth:
+    """What the beat's ``measure`` reads of ``q`` now."""
+    async def measure() -> Depth:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            return await beat.measure(client, [q])
+        finally:
+            await client.aclose()
+
+    return asyncio.run(measure())
+
+
 def test_queue_depth_reads_length_pending_and_lag(r: redis.Redis, redis_url: str,
                                                   queue_name: str):
     q = keys.QueueRef(queue_name)
@@ -196,18 +208,24 @@ def test_queue_depth_reads_length_pending_and_lag(r: redis.Redis, redis_url: str
     ids = [r.xadd(stream, {"n": str(i)}) for i in range(5)]
     r.xreadgroup(keys.GROUP, "c", {stream: ">"}, count=2)
 
-    async def measure() -> Depth:
-        client = aioredis.Redis.from_url(redis_url)
-        try:
-            return await beat.measure(client, [q])
-        finally:
-            await client.aclose()
-
-    assert asyncio.run(measure()) == Depth(length=5, pending=2, lag=3, lag_exact=True)
+    assert measured(redis_url, q) == Depth(length=5, pending=2, lag=3, lag_exact=True)
     r.xdel(stream, ids[3])  # an unread entry deleted: Redis can no longer count the lag
     r.hset(keys.pending(q), keys.PENDING_TOTAL, 1234)  # as enqueue.lua keeps it
-    assert asyncio.run(measure()) == Depth(length=4, pending=2, lag=2, lag_exact=False,
+    assert measured(redis_url, q) == Depth(length=4, pending=2, lag=2, lag_exact=False,
                                            tokens=1234)
+
+
+def test_queue_depth_skips_pending_fields_written_by_hand(r: redis.Redis, redis_url: str,
+                                                           queue_name: str):
+    """The beat measures the depth outside its own error handling: a hand-written value in the
+    pending hash is skipped (keys.pending_count), never an error that ends the heartbeat."""
+    q = keys.QueueRef(queue_name)
+    r.xgroup_create(keys.requests(q), keys.GROUP, id="0", mkstream=True)
+    r.hset(keys.pending(q), mapping={"tokens": "\u0661\u0662", "tokens:a": "9" * 5000,
+                                     "tokens:b": "7"})
+
+    found = measured(redis_url, q)
+    assert found.tokens == 0 and found.tenants == {keys.DEFAULT_TENANT: 0, "b": 7}
 
 
 @pytest.mark.unit
