@@ -10,8 +10,9 @@
 --   then, optionally, after the seen keys (else from KEYS[2]), in this order:
 --                 <prefix>:{q:k}:retired     string   EXISTS: set on a retired shard
 --                 <prefix>:{q}:tenants       set      SADD KEYS[1] when it is a tenant's
---                                                     stream, so workers find and read it;
---                                                     when it was new, XADD (MAXLEN 64) to
+--                                                     stream, before the entries, so workers
+--                                                     find and read it; when it was new, XADD
+--                                                     (MAXLEN 64; best effort) to
 --                                                     <prefix>:{q}:tenants:added, named from it
 --   and, named from KEYS[1] (the same slot), <prefix>:{q}:pending hash HINCRBY: the new
 --   entries' tokens, each also written into its entry as its first field, onto the sum and a
@@ -359,6 +360,9 @@ local counting, refused = pending_start(stream, fresh)
 if refused then
   return refused
 end
+-- A tenant's stream is registered before its entries are written: a user who may not SADD is
+-- refused having written nothing (no worker reads a stream the set does not list).
+local announce = tenants and fresh > 0 and redis.call("SADD", tenants, stream) == 1
 local sum = 0
 for i = 1, n do
   if same_as[i] ~= nil then
@@ -379,9 +383,10 @@ for i = 1, n do
     end
   end
 end
-if tenants and fresh > 0 and redis.call("SADD", tenants, stream) == 1 then
-  -- A stream new to the set: idle workers block on this, so they read it at once.
-  redis.call("XADD", tenants .. ":added", "MAXLEN", "64", "*", "stream", stream)
+if announce then
+  -- A stream new to the set: idle workers block on this, so they read it at once. Best effort:
+  -- refused (an ACL from before it), workers find the stream at their next heartbeat.
+  redis.pcall("XADD", tenants .. ":added", "MAXLEN", "64", "*", "stream", stream)
 end
 pending_add(stream, sum)
 if per_call and n > 0 then

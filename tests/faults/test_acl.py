@@ -371,6 +371,40 @@ def test_the_result_cache_empties_under_the_documented_acl(acl_server: RedisServ
     admin.close()
 
 
+@pytest.mark.parametrize("missing", ["(+xadd ~tokenq:{q}:tenants:added)",
+                                     "(+sadd ~tokenq:{q}:tenants)"])
+def test_a_producer_without_a_tenant_right_never_writes_half_a_call(
+    acl_server: RedisServer, missing: str,
+) -> None:
+    """The documented producer rule less one tenant right (an ACL from before it): without
+    announcing a new tenant's stream (``tenants:added``) the call is whole and the stream found
+    at the workers' heartbeat; without registering it (``tenants``) the call is refused having
+    written nothing, never an entry no worker would read for a call that failed."""
+    queue, password = "acltenant", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    rule = documented_rules(queue, password)["producer"]
+    kept = [word for word in rule if word != missing.replace("{q}", "{" + queue + "}")]
+    assert len(kept) == len(rule) - 1, "docs/SECURITY.md no longer grants the right"
+    admin.execute_command(*kept)
+    functions.load(admin)
+    producer = redis.Redis.from_url(user_url(acl_server, f"{queue}-producer", password),
+                                    socket_timeout=10)
+    q = keys.QueueRef(queue)
+    stream, enqueue = keys.tenant_requests(q, "t"), functions.Function(producer, "enqueue")
+    args = [0, 1, 0, 2, "id", "a", "tokens", "7"]
+    if "sadd" in missing:
+        with pytest.raises(redis.ResponseError, match="can't run this command"):
+            enqueue(keys=[stream, keys.tenants(q)], args=args)
+        assert not admin.exists(stream, keys.tenants(q), keys.pending(q))
+    else:
+        assert len(enqueue(keys=[stream, keys.tenants(q)], args=args)) == 1
+        assert admin.smembers(keys.tenants(q)) == {stream.encode()}
+        assert admin.hgetall(keys.pending(q)) == {b"tokens": b"7", b"tokens:t": b"7"}
+        assert not admin.exists(keys.tenants_added(q))
+    producer.close()
+    admin.close()
+
+
 # ------------------------------------------------- every right, on every key
 
 KEY_KINDS = ("requests", "dead", "config", "workers", "worker", "reply", "seen", "retired",
