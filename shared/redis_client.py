@@ -148,8 +148,10 @@ def pool_class(hooks: ClientHooks, *, asyncio: bool, sentinel: bool, capped: boo
 
 
 def _cap(max_connections: int | None, wait_s: float | None) -> dict[str, Any]:
+    """A pool's size: uncapped given None (redis-py's own default is 100 connections, which a
+    worker's blocking reads, one a lane, outgrow), else ``max_connections`` waiting ``wait_s``."""
     if max_connections is None:
-        return {}
+        return {"max_connections": UNCAPPED}
     return {"max_connections": max_connections, "timeout": wait_s}
 
 
