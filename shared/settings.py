@@ -419,13 +419,16 @@ def _model_queues(value: str) -> dict[str, str]:
 
 
 def tenant_keys(value: str) -> dict[str, str]:
-    """``--api-keys`` as {key: tenant}; ValueError for a part that is not tenant=key."""
+    """``--api-keys`` as {key: tenant}; ValueError for a part that is not tenant=key, or that
+    gives a key to a second tenant (the key itself never in the message)."""
     out: dict[str, str] = {}
     for number, part in enumerate(_parts(value), 1):
         tenant, sep, key = part.partition("=")
         if not sep or not key:
             raise ValueError(f"api_keys: part {number} is not tenant=key")
-        out[key] = check_tenant(tenant)
+        if out.setdefault(key, check_tenant(tenant)) != tenant:  # whose would its caller be?
+            raise ValueError(f"api_keys: part {number} gives tenant {tenant!r} the key of "
+                             f"tenant {out[key]!r}")
     return out
 
 

@@ -57,6 +57,10 @@ def test_api_keys_name_tenants_and_a_bad_part_is_named_without_its_key():
     assert "secret" not in str(refused.value)
     with pytest.raises(ValueError, match="tenant 'a b' is invalid"):
         tenant_keys("a b=k1")
+    assert tenant_keys("a=k1,a=k1") == {"k1": "a"}
+    with pytest.raises(ValueError, match="part 2 gives tenant 'b' the key of tenant 'a'") as two:
+        tenant_keys("a=secret-key,b=secret-key")  # its caller would be b, silently
+    assert "secret" not in str(two.value)
 
 
 @pytest.mark.unit
@@ -392,4 +396,4 @@ def test_a_tenant_named_after_the_lane_cap_is_still_served(start_worker, redis_u
     with Client(redis_url=redis_url, queue=queue_name) as client:
         wait_for(lambda: sum(r.xlen(keys.tenant_requests(q, f"-{i:03d}"))
                              for i in range(MAX_TENANT_LANES)) == 0, 30, "the first tenants served")
-        assert client.infer("a later tenant", tenant="team-z", timeout_s=5).embedding is not None
+        assert client.infer("a later tenant", tenant="team-z", timeout_s=3).embedding is not None
