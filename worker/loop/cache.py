@@ -54,6 +54,7 @@ class ResultCache:
         self.budget_bytes = budget_bytes
         self._ttl_ms = ttl_ms
         self._task: asyncio.Task[None] | None = None
+        self._keeping: asyncio.Task[None] | None = None
         self._waiting: list[tuple[bytes, bytes | None]] = []
         self.writing: dict[bytes, bytes] = {}
         """Replies on their way to Redis, answered from here meanwhile."""
@@ -114,6 +115,20 @@ class ResultCache:
             log.warning("result cache entry in %s is not a reply (written by someone other "
                         "than a worker?): computing instead", self._keys[0])
         return None
+
+    def keep_claims(self, leading: Callable[[], list[bytes]]) -> None:
+        """Claim ``leading()`` (what this worker computes now) again each beat while it has
+        any: a claim lapses only when its holder is silent as long as a dead worker is."""
+        if self._keeping is None or self._keeping.done():
+            self._keeping = asyncio.create_task(self._keep(leading), name="tokenq-cache-claims")
+
+    async def _keep(self, leading: Callable[[], list[bytes]]) -> None:
+        while True:
+            await asyncio.sleep(self._lease_ms / 3000)
+            digests = leading()
+            if not digests:
+                return
+            await self.claim(digests)
 
     def put(self, entries: Sequence[tuple[bytes, bytes | None]]) -> None:
         """Cache each (digest, reply) in the background, ending its claim (a reply of None:

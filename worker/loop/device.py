@@ -49,6 +49,7 @@ class Device(Rules):
             self.cache.put(list({(job.digest, None) for job in jobs if job.chunk and job.digest}))
             if self.cache.writing:
                 jobs = self._answer_written(self.cache.writing, jobs)
+            self.cache.keep_claims(self.coalescer.leading)
         self.feed.add(self.coalescer.take(jobs))
 
     def _answer_written(self, writing: dict[bytes, bytes],
