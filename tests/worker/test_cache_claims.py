@@ -37,6 +37,8 @@ def cache_of(client: aioredis.Redis, consumer: str, heartbeat_s: float = 2.0) ->
 
 
 def test_a_claim_holds_for_its_lease_and_ends_as_its_answer_is_written(redis_url, r) -> None:
+    """Held against others, its own to its holder, taken over when asked; deleted with its
+    answer; lapsed after three beats; one longer than a lease is no worker's."""
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_url)
         a, b = cache_of(client, "a", heartbeat_s=0.1), cache_of(client, "b", heartbeat_s=0.1)
@@ -53,6 +55,10 @@ def test_a_claim_holds_for_its_lease_and_ends_as_its_answer_is_written(redis_url
         assert r.hlen(keys.cache(Q)[0]) == 1  # "two" was not cached
         await asyncio.sleep(0.4)  # b's lease on "two" lapses: its holder is presumed dead
         assert await a.claim([b"two"]) == [None]
+        r.set(keys.cache_claim(Q, b"forged"), "no worker")  # no lease: no worker wrote it
+        r.set(keys.cache_claim(Q, b"longer"), "no worker", px=10_000)
+        assert await a.claim([b"forged", b"longer"]) == [None, None]
+        assert r.get(keys.cache_claim(Q, b"forged")) == b"a"
         await client.aclose()
 
     asyncio.run(main())

@@ -11,13 +11,14 @@
 -- is claimed, ARGV[6] how many digests, from the first, to take over from whoever
 -- holds them; then the digests, ARGV[6+i] named by KEYS[1+i].
 --
--- Returns, per digest: its cached value when one is younger than the TTL; false
--- (nil) when this worker is to compute it (claimed now, or by it before, or
--- Redis past the share: nothing claimed); "" when another worker holds it.
+-- Returns, per digest: its cached value when one is younger than the TTL; "" when
+-- another worker holds it; else false (nil): this worker is to compute it, claimed
+-- for it (unless Redis is past the share: then nothing is written).
 -- A claim is deleted by cache_put.lua as its answer is written, or lapses.
 
 local me, now, ttl, lease, share, take =
-  ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+  ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]),
+  tonumber(ARGV[6])
 local room = nil
 
 local function claiming()
@@ -36,18 +37,17 @@ for i = 1, #KEYS - 1 do
   for k = 1, value and #value > 8 and 8 or 0 do
     written = written * 256 + string.byte(value, k)
   end
+  local holder = written <= now - ttl and redis.call("GET", KEYS[1 + i])
+  local left = holder and holder ~= me and i > take and redis.call("PTTL", KEYS[1 + i])
   if written > now - ttl then
     out[i] = value
-  elseif not claiming() then
-    out[i] = false
+  elseif left and left >= 0 and left <= lease then  -- else no worker's: no lease, or longer
+    out[i] = ""
   else
-    local holder = redis.call("GET", KEYS[1 + i])
-    if holder and holder ~= me and i > take then
-      out[i] = ""
-    else
+    if claiming() then
       redis.call("SET", KEYS[1 + i], me, "PX", lease)
-      out[i] = false
     end
+    out[i] = false
   end
 end
 return out
