@@ -73,16 +73,18 @@ class ResultCache:
         whoever holds them."""
         if self.writing and all(digest in self.writing for digest in digests):
             return [self.writing[digest] for digest in digests]
+        asked = list(dict.fromkeys(digests))  # identical requests in one read: asked once
         try:
-            values = await self._lookup(digests, take_over)
+            values = await self._lookup(asked, take_over)
         except RedisError as exc:
             log.warning("result cache lookup failed (%s): computing instead", error_text(exc))
             return [None] * len(digests)
         oldest = self._w.clock.now_ms() - self._ttl_ms
-        return [self.writing.get(digest) or (value if value == HELD else None)
-                if value is None or len(value) <= 8 or _STAMP.unpack_from(value)[0] <= oldest
-                else self._checked(value[8:])
-                for digest, value in zip(digests, values, strict=True)]
+        found = {digest: self.writing.get(digest) or (value if value == HELD else None)
+                 if value is None or len(value) <= 8 or _STAMP.unpack_from(value)[0] <= oldest
+                 else self._checked(value[8:])
+                 for digest, value in zip(asked, values, strict=True)}
+        return [found[digest] for digest in digests]
 
     async def _lookup(self, digests: Sequence[bytes], take_over: int) -> list[bytes | None]:
         """The cache's values, by ``cache_claim.lua``; by HMGET (nothing claimed, nothing
