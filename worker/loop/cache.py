@@ -178,7 +178,6 @@ class ResultCache:
             log.warning("result cache trim failed (%s)", error_text(exc))
 
 
-
 Entry = tuple[bytes, dict[bytes, bytes]]
 Take = Callable[[Lane, list[Entry], dict[bytes, int]], Awaitable[None]]
 """How a read's entries are taken (decoded, looked up, tokenized, buffered): the reader's."""
@@ -195,21 +194,51 @@ class _Parked:
 
 
 class Parking:
-    """Requests another worker holds the digest of: held (in this worker's pending list), not
-    tokenized, until that answer is cached (answered from it), or the claim ends unanswered
-    or lapses (its holder died), or half their time left is gone (computed here)."""
+    """Each read's lookup (:meth:`look_up`), and the requests it finds another worker holds
+    the digest of: held (in this worker's pending list), not tokenized, until that answer is
+    cached (answered from it), the claim ends unanswered or lapses (its holder died), or half
+    their time left is gone (computed here)."""
 
     def __init__(self, wiring: Wiring, cache: ResultCache,
                  emit: Callable[[int, list[Answer]], None], take: Take) -> None:
         self._w = wiring
-        self.cache = cache
+        self._cache = cache
         self._emit = emit
         self._take = take
         self._parked: dict[bytes, list[_Parked]] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def park(self, lane: Lane, entry: Entry, request: wire.Request, digest: bytes,
-             deliveries: int | None) -> None:
+    async def look_up(
+        self, lane: Lane, requests: list[tuple[bytes, wire.Request]],
+        digests: list[bytes | None], present: list[Entry], deliveries: dict[bytes, int],
+    ) -> tuple[list[tuple[bytes, wire.Request]], list[bytes | None]]:
+        """Answer one read's requests the cache holds and park those another worker holds,
+        before tokenizing; the rest, to compute here, with their digests (``None``: not
+        shared)."""
+        asked = [digest for digest in digests if digest is not None]
+        if not asked:
+            return requests, digests
+        found = dict(zip(asked, await self._cache.claim(asked), strict=True))
+        rest, rest_digests, hits, parked, fields = [], [], [], 0, dict(present)
+        for (entry_id, request), digest in zip(requests, digests, strict=True):
+            reply = None if digest is None else found[digest]
+            if reply is None:
+                rest.append((entry_id, request))
+                rest_digests.append(digest)
+            elif reply == HELD and digest:
+                parked += 1
+                self._park(lane, (entry_id, fields[entry_id]), request, digest,
+                           deliveries.get(entry_id))
+            else:
+                hits.append(cached_answer(entry_id, request, reply))
+        self._w.recorder.shared("hit", len(hits))
+        self._w.recorder.shared("miss", len(asked) - len(hits) - parked)
+        if hits:
+            self._emit(lane.index, hits)
+        return rest, rest_digests
+
+    def _park(self, lane: Lane, entry: Entry, request: wire.Request, digest: bytes,
+              deliveries: int | None) -> None:
         now = self._w.clock.now_ms()
         deadline = wire.deadline_of(request, entry[0])
         until = float("inf") if deadline is None else now + (deadline - now) / 2
@@ -229,7 +258,7 @@ class Parking:
                     if min(p.until_ms for p in parked) <= now}
             digests = [*late, *(d for d in self._parked if d not in late)]
             computed: list[_Parked] = []
-            for digest, verdict in zip(digests, await self.cache.claim(digests, len(late)),
+            for digest, verdict in zip(digests, await self._cache.claim(digests, len(late)),
                                        strict=True):
                 if verdict == HELD:
                     continue

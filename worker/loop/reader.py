@@ -17,7 +17,7 @@ from tokenq.shared.errors import ErrorCode
 from tokenq.shared.failures import error_text
 from tokenq.shared.redis_refusal import error_code
 from tokenq.worker.loop import presence
-from tokenq.worker.loop.cache import HELD, Parking, cached_answer
+from tokenq.worker.loop.cache import Parking
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Lane, LaneSet, Ref
@@ -364,8 +364,10 @@ class Reader:
         answers, requests = list(decoded.answers), decoded.requests
         digests: list[bytes | None] | None = None
         if requests and self._parking is not None:
-            requests, digests = await self._answer_cached(lane, requests, self._parking,
-                                                          present, deliveries)
+            digest = self._device.pipeline.digest
+            requests, digests = await self._parking.look_up(lane, requests, [
+                digest(Ref(lane.index, entry_id), request) for entry_id, request in requests
+            ], present, deliveries)
         if not requests:
             return [], answers
         units = AdmitPlace.units(len(requests), sum(
@@ -398,38 +400,6 @@ class Reader:
         self._intake.learn(len(requests), exact)
         self._lanes.fair.charge(lane.tenant, exact, len(requests))
         return admitted.jobs, answers
-
-    async def _answer_cached(
-        self, lane: Lane, requests: list[tuple[bytes, wire.Request]], parking: Parking,
-        present: list[tuple[bytes, dict[bytes, bytes]]], deliveries: dict[bytes, int],
-    ) -> tuple[list[tuple[bytes, wire.Request]], list[bytes | None]]:
-        """Answer from the result cache what it holds and park what another worker computes,
-        before tokenizing; the rest go on, each with its digest (computed once: admission
-        takes it from here) and claimed for this worker."""
-        digest = self._device.pipeline.digest
-        digests = [digest(Ref(lane.index, entry_id), request)
-                   for entry_id, request in requests]
-        asked = [digest for digest in digests if digest is not None]
-        if not asked:
-            return requests, digests
-        found = dict(zip(asked, await parking.cache.claim(asked), strict=True))
-        rest, rest_digests, hits, parked, fields = [], [], [], 0, dict(present)
-        for (entry_id, request), digest in zip(requests, digests, strict=True):
-            reply = None if digest is None else found[digest]
-            if reply is None:
-                rest.append((entry_id, request))
-                rest_digests.append(digest)
-            elif reply == HELD and digest:
-                parked += 1
-                parking.park(lane, (entry_id, fields[entry_id]), request, digest,
-                             deliveries.get(entry_id))
-            else:
-                hits.append(cached_answer(entry_id, request, reply))
-        self._w.recorder.shared("hit", len(hits))
-        self._w.recorder.shared("miss", len(asked) - len(hits) - parked)
-        if hits:
-            self._outbox.emit(lane.index, hits)
-        return rest, rest_digests
 
 
 def _admit(
