@@ -135,15 +135,18 @@ def parked_behind_a_slow_holder(start_worker, redis_url, r, queue_name, *flags):
 @pytest.mark.parametrize("killed", ["holder", "parker"])
 def test_parked_requests_are_answered_when_either_worker_is_killed(
         killed, start_worker, redis_url, r, queue_name) -> None:
-    """kill -9 mid-batch: the parker computes once the holder's lease lapses; the holder
-    reclaims what the parker held and answers it from the cache."""
+    """A live holder keeps its claim past a lease. Killed (-9) mid-batch, the parker computes
+    once its lease lapses; the parker killed, the holder reclaims what it held and answers it
+    from the cache."""
     holder, parker, client, first = parked_behind_a_slow_holder(
         start_worker, redis_url, r, queue_name, *FAST_BEAT)
     ids = [client.submit("slow text") for _ in range(4)]
     stream = keys.requests(keys.QueueRef(queue_name))
     wait_for(lambda: r.xpending(stream, keys.GROUP)["pending"] == 5, 10, "the parker's read")
-    time.sleep(0.3)
+    time.sleep(1.6)  # past a lease (3 beats of 0.5 s): the holder, alive, keeps its claim
     assert rows(parker) == 0  # parked: not computed while the holder's claim holds
+    (claim,) = r.keys(keys.cache_claim(keys.QueueRef(queue_name), b"") + "*")
+    assert r.get(claim) == b"holder"
     (holder if killed == "holder" else parker).kill()
     results = client.results([first, *ids], timeout_s=30)
     client.close()
