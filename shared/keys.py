@@ -35,6 +35,8 @@ Layout for queue ``q`` under the default prefix ``tokenq``::
     tokenq:{q}:cache           hash     result cache: digest -> written ms + reply (workers)
     tokenq:{q}:cache_index     zset     the cache's digests by the ms each was written
     tokenq:{q}:cache_bytes     string   the bytes the cache's entries are counted at
+    tokenq:{q}:cache_claim:<d> string   the worker computing digest <d> (hex) now, for the
+                                        others to wait for; TTL its lease
 
 The braces are a Redis Cluster hash tag: one queue's keys share a slot. A queue of K > 1
 shards is served on ``{q:0}`` … ``{q:K-1}``, each with every key above, plus the plain
@@ -368,3 +370,8 @@ def cache(q: QueueRef) -> tuple[str, str, str]:
     reply), its index (the digests by the ms each was written: oldest evicted first) and the
     bytes its entries are counted at (kept within its budget)."""
     return f"{q.tag}:cache", f"{q.tag}:cache_index", f"{q.tag}:cache_bytes"
+
+
+def cache_claim(q: QueueRef, digest: bytes) -> str:
+    """Names the worker computing ``digest`` now, so the others wait for its cached answer."""
+    return f"{q.tag}:cache_claim:{digest.hex()}"

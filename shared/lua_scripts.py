@@ -106,6 +106,7 @@ SCRIPTS: Mapping[str, Script] = {
     "claim_excess": Script("tokenq.worker", "claim_excess.lua", ("allow-oom",)),
     "cache_put": Script("tokenq.worker", "cache_put.lua"),
     "cache_trim": Script("tokenq.worker", "cache_put.lua", ("allow-oom",)),
+    "cache_claim": Script("tokenq.worker", "cache_claim.lua"),
 }
 """Every script tokenq runs, by its short name; ``enqueue_seen`` is enqueue.lua read-only,
 which still answers a retry at ``maxmemory``; ``cache_trim`` is cache_put.lua given no entries,

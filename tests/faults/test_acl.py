@@ -408,7 +408,8 @@ def test_a_producer_without_a_tenant_right_never_writes_half_a_call(
 # ------------------------------------------------- every right, on every key
 
 KEY_KINDS = ("requests", "dead", "config", "workers", "worker", "reply", "seen", "retired",
-             "shards_served", "idem", "cache", "cache_index", "cache_bytes", "pending", "tenants",
+             "shards_served", "idem", "cache", "cache_index", "cache_bytes", "cache_claim",
+             "pending", "tenants",
              "weights", "quotas", "tenant_requests", "tenants_added")
 """The queue's keys, by what :func:`key_of` names."""
 
@@ -420,6 +421,7 @@ def key_of(q: keys.QueueRef, kind: str) -> str:
         "reply": keys.reply(q, "x"), "seen": keys.seen(q, "x"), "retired": keys.retired(q),
         "shards_served": keys.shards_served(q), "idem": keys.idempotent_answer(q, "x"),
         **dict(zip(("cache", "cache_index", "cache_bytes"), keys.cache(q), strict=True)),
+        "cache_claim": keys.cache_claim(q, b"digest"),
         "pending": keys.pending(q), "tenants": keys.tenants(q), "weights": keys.weights(q),
         "quotas": keys.quotas(q),
         "tenant_requests": keys.tenant_requests(q, "t"), "tenants_added": keys.tenants_added(q),
@@ -453,6 +455,7 @@ KEYED = {
     "unlink": ["UNLINK", "{k}"],
     "exists": ["EXISTS", "{k}"],
     "pexpire": ["PEXPIRE", "{k}", "1000"],
+    "pttl": ["PTTL", "{k}"],
     "persist": ["PERSIST", "{k}"],
     "rename": ["RENAME", "{k}", "{k}"],
     "blmove": ["BLMOVE", "{k}", "{k}", "LEFT", "RIGHT", "1"],
@@ -511,7 +514,8 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
     },
     "worker": {
         "fcall": frozenset({"requests", "tenant_requests", "dead", "reply", "worker", "workers",
-                            "retired", "config", "cache", "cache_index", "cache_bytes"}),
+                            "retired", "config", "cache", "cache_index", "cache_bytes",
+                            "cache_claim"}),
         **{command: frozenset({"cache"}) for command in ("hmget", "hstrlen", "hsetnx")},
         **{command: frozenset({"cache_index"}) for command in (
             "zadd", "zrange", "zrangebyscore", "zrem", "zcard")},
@@ -522,14 +526,16 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "xadd": frozenset({"dead"}), "xread": frozenset({"tenants_added"}),
         "exists": frozenset({"requests", "tenant_requests", "worker", "retired"}),
         "del": frozenset({"requests", "tenant_requests", "dead", "worker", "workers", "config",
-                          "shards_served", "retired", "cache", "cache_bytes", "pending"}),
+                          "shards_served", "retired", "cache", "cache_bytes", "cache_claim",
+                          "pending"}),
         "rpush": frozenset({"reply"}),
         "pexpire": frozenset({"reply", "worker"}),
-        "set": frozenset({"worker", "shards_served", "retired", "cache_bytes"}),
-        "get": frozenset({"shards_served", "cache_bytes"}),
+        "set": frozenset({"worker", "shards_served", "retired", "cache_bytes", "cache_claim"}),
+        "get": frozenset({"shards_served", "cache_bytes", "cache_claim"}),
+        "pttl": frozenset({"cache_claim"}),
         "hset": frozenset({"workers", "config"}),
         "hdel": frozenset({"workers", "config", "cache", "pending"}),
-        "hkeys": frozenset({"workers"}), "hget": frozenset({"config", "pending"}),
+        "hkeys": frozenset({"workers"}), "hget": frozenset({"config", "pending", "cache"}),
         "hincrby": frozenset({"pending"}),
         "hgetall": frozenset({"weights", "pending"}), "smembers": frozenset({"tenants"}),
     },

@@ -232,7 +232,8 @@ def test_the_cache_stays_within_its_budget(start_worker, redis_url, r, queue_nam
 
 def wiring(client) -> types.SimpleNamespace:
     clock = types.SimpleNamespace(now_ms=lambda: 1_000_000)
-    return types.SimpleNamespace(client=client, clock=clock,
+    return types.SimpleNamespace(client=client, clock=clock, consumer="w",
+                                 settings=types.SimpleNamespace(heartbeat_s=2.0),
                                  recorder=types.SimpleNamespace(metrics=NullMetrics()))
 
 
@@ -246,10 +247,10 @@ def test_a_refused_cache_write_gives_memory_back_and_a_failed_lookup_is_a_miss(f
         await cache._write([(b"d%d" % i, b"x" * 1000) for i in range(50)])
         fill(sync)  # now at maxmemory: the next write is refused with OOM
         await cache._write([(b"late", b"y" * 1000)])
-        found = await cache.get([b"d1", b"late"])
+        found = await cache.claim([b"d1", b"late"])
         await client.aclose()
         broken = ResultCache(wiring(aioredis.Redis(port=1)), q, 1000, 1000)  # type: ignore[arg-type]
-        return found, await broken.get([b"d1"])
+        return found, await broken.claim([b"d1"])
 
     found, missed = asyncio.run(main())
     assert found[1] is None and missed == [None]

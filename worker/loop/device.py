@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenq.shared import wire
 from tokenq.shared.packer import AdaptiveBudget, Batch, Budget, Packer
-from tokenq.worker.loop.cache import ResultCache
+from tokenq.worker.loop.cache import ResultCache, cached_answer
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Ref
 from tokenq.worker.loop.lifecycle import Wiring
@@ -16,7 +15,6 @@ from tokenq.worker.loop.stages import DEVICE
 from tokenq.worker.pipeline.coalesce import Coalescer
 from tokenq.worker.pipeline.execute import adapt_budget
 from tokenq.worker.pipeline.feed import DeviceFeed, Rules
-from tokenq.worker.pipeline.jobs import Answer
 from tokenq.worker.pipeline.pipeline import BatchOutcome, Job, Pipeline
 
 Ran = tuple[BatchOutcome[Ref], Budget, int]
@@ -45,8 +43,13 @@ class Device(Rules):
         self.feed: DeviceFeed[Job[Ref], Ran] = DeviceFeed(packer, self._execute, self)
 
     def add(self, jobs: Iterable[Job[Ref]]) -> None:
-        if self.cache is not None and self.cache.writing:
-            jobs = self._answer_written(self.cache.writing, jobs)
+        if self.cache is not None:
+            jobs = list(jobs)
+            # A chunked request is neither coalesced nor cached: its claim ends now.
+            self.cache.put(list({(job.digest, None) for job in jobs if job.chunk and job.digest}))
+            if self.cache.writing:
+                jobs = self._answer_written(self.cache.writing, jobs)
+            self.cache.keep_claims(self.coalescer.leading)
         self.feed.add(self.coalescer.take(jobs))
 
     def _answer_written(self, writing: dict[bytes, bytes],
@@ -59,10 +62,7 @@ class Device(Rules):
             if reply is None:
                 rest.append(job)
                 continue
-            self._outbox.emit(job.ref.lane, [Answer(
-                job.ref.entry_id, job.request.reply_to,
-                wire.reply_with_id(reply, job.request.id), ok=True,
-                counted=job.request.counted)])
+            self._outbox.emit(job.ref.lane, [cached_answer(job.ref.entry_id, job.request, reply)])
             self._wiring.recorder.shared("hit", 1)
         return rest
 
@@ -120,5 +120,5 @@ class Device(Rules):
             self.add(again)
         if self.cache is not None and led:
             at = {done.ref: index for index, done in enumerate(answered)}
-            self.cache.put([(digest, replies[at[leader.ref]][0])
-                            for digest, leader in led if leader.ok])
+            self.cache.put([(digest, replies[at[leader.ref]][0] if leader.ok else None)
+                            for digest, leader in led])

@@ -17,7 +17,7 @@ from tokenq.shared.errors import ErrorCode
 from tokenq.shared.failures import error_text
 from tokenq.shared.redis_refusal import error_code
 from tokenq.worker.loop import presence
-from tokenq.worker.loop.cache import ResultCache
+from tokenq.worker.loop.cache import Parking
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake
 from tokenq.worker.loop.lanes import Lane, LaneSet, Ref
@@ -141,6 +141,8 @@ class Reader:
         """What :meth:`_refuse_excess` holds each lane to; 0 once Redis refused the check."""
         self._turn = asyncio.Event()
         """Set as a tenant's read comes back: a lane waiting for its turn looks again."""
+        self._parking = None if device.cache is None else Parking(
+            wiring, device.cache, outbox.emit, self._take)
 
     def starting(self) -> None:
         """Called once, as the read tasks (one per lane) are started."""
@@ -361,8 +363,11 @@ class Reader:
         )
         answers, requests = list(decoded.answers), decoded.requests
         digests: list[bytes | None] | None = None
-        if requests and self._device.cache is not None:
-            requests, digests = await self._answer_cached(lane, requests, self._device.cache)
+        if requests and self._parking is not None:
+            digest = self._device.pipeline.digest
+            requests, digests = await self._parking.look_up(lane, requests, [
+                digest(Ref(lane.index, entry_id), request) for entry_id, request in requests
+            ], present, deliveries)
         if not requests:
             return [], answers
         units = AdmitPlace.units(len(requests), sum(
@@ -395,34 +400,6 @@ class Reader:
         self._intake.learn(len(requests), exact)
         self._lanes.fair.charge(lane.tenant, exact, len(requests))
         return admitted.jobs, answers
-
-    async def _answer_cached(
-        self, lane: Lane, requests: list[tuple[bytes, wire.Request]], cache: ResultCache,
-    ) -> tuple[list[tuple[bytes, wire.Request]], list[bytes | None]]:
-        """Answer from the result cache what it holds, before tokenizing; the rest go on, each
-        with its digest (computed once: admission takes it from here)."""
-        digest = self._device.pipeline.digest
-        digests = [digest(Ref(lane.index, entry_id), request)
-                   for entry_id, request in requests]
-        asked = [digest for digest in digests if digest is not None]
-        if not asked:
-            return requests, digests
-        found = dict(zip(asked, await cache.get(asked), strict=True))
-        rest, rest_digests, hits = [], [], []
-        for (entry_id, request), digest in zip(requests, digests, strict=True):
-            reply = None if digest is None else found[digest]
-            if reply is None:
-                rest.append((entry_id, request))
-                rest_digests.append(digest)
-            else:
-                hits.append(Answer(entry_id, request.reply_to,
-                                   wire.reply_with_id(reply, request.id), ok=True,
-                                   counted=request.counted))
-        self._w.recorder.shared("hit", len(hits))
-        self._w.recorder.shared("miss", len(asked) - len(hits))
-        if hits:
-            self._outbox.emit(lane.index, hits)
-        return rest, rest_digests
 
 
 def _admit(

@@ -5,12 +5,15 @@
 --   KEYS[1]  <prefix>:{q}:cache        hash    digest -> 8-byte written ms + reply
 --   KEYS[2]  <prefix>:{q}:cache_index  zset    digest, scored by its written ms
 --   KEYS[3]  <prefix>:{q}:cache_bytes  string  the bytes the entries are counted at
+--   KEYS[3+j] <prefix>:{q}:cache_claim:<hex>  string  pair j's claim (cache_claim.lua),
+--            deleted: its answer is cached, or will not be
 --
 -- ARGV[1] budget bytes, ARGV[2] TTL ms, ARGV[3] now (epoch ms), ARGV[4] bytes
 -- counted per entry besides its digest (twice) and its value (a quarter more: the
 -- allocator's rounding), for Redis's own structures,
 -- ARGV[5] the share of maxmemory past which the cache only shrinks, then
--- digest, value pairs (none: only trim, as cache_trim does at maxmemory).
+-- digest, value pairs (none: only trim, as cache_trim does at maxmemory; an empty
+-- value: its claim ends, nothing is cached).
 --
 -- Returns the bytes the cache is counted at afterwards.
 --
@@ -44,10 +47,13 @@ local function drop(digests)
 end
 
 drop(redis.call("ZRANGEBYSCORE", KEYS[2], "-inf", now - ttl, "LIMIT", 0, 256))
+for i = 4, #KEYS do
+  redis.call("DEL", KEYS[i])
+end
 for i = 6, adding and #ARGV - 1 or 0, 2 do
   local digest, value = ARGV[i], ARGV[i + 1]
   local size = size_of(digest, #value)
-  if size <= budget and redis.call("HSETNX", KEYS[1], digest, value) == 1 then
+  if #value > 0 and size <= budget and redis.call("HSETNX", KEYS[1], digest, value) == 1 then
     redis.call("ZADD", KEYS[2], now, digest)
     used = used + size
   end

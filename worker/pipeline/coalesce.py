@@ -21,6 +21,10 @@ class Coalescer(Generic[K]):
         self.coalesced = 0
         """Requests answered by another's row, in all."""
 
+    def leading(self) -> list[bytes]:
+        """The digests whose leader is in flight (their claims are kept: ``cache.py``)."""
+        return list(self._waiting)
+
     def take(self, jobs: Iterable[Job[K]]) -> list[Job[K]]:
         """The jobs to pack; one whose digest has a leader waits for it instead."""
         out: list[Job[K]] = []
