@@ -16,7 +16,7 @@ class CommandFailed(Exception):
 def failure_message(
     exc: BaseException, redis_url: str | None = None, socket_timeout_s: float | None = None
 ) -> str | None:
-    """The one-line report of an operational failure, or None when ``exc`` is not one."""
+    """The one-line report of an operational failure; None when ``exc`` is not one."""
     from redis import exceptions as redis
 
     from tokenq.shared import redis_refusal

@@ -7,7 +7,7 @@ import argparse
 import inspect
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 S = TypeVar("S")
 
@@ -21,7 +21,7 @@ def parse_settings(
     actions: Mapping[str, str] | None = None,
 ) -> S:
     """Flags over ``TOKENQ_*`` over defaults; :class:`UsageError` naming each bad setting.
-    ``actions`` says what each value of the command's ACTION does, for ``--help``."""
+    ``actions``: what each value of the command's ACTION does, for ``--help``."""
     from pydantic import ValidationError
     from pydantic_settings import CliApp, CliSettingsSource, SettingsError
 
@@ -63,8 +63,8 @@ def _root_parser(
 
 
 def environment_help(settings_cls: Any) -> str:
-    """The ``--help`` paragraph listing every ``TOKENQ_*`` variable the command reads (with
-    its flag where that is spelt apart)."""
+    """The ``--help`` paragraph of every ``TOKENQ_*`` variable the command reads (with its flag
+    where that is spelt otherwise)."""
     from tokenq.shared.settings import env_var, flag, is_positional
 
     names = []
@@ -123,8 +123,8 @@ def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
 
 
 def off_help(info: Any) -> str:
-    """What a default-on switch's ``--no-X`` does: ``json_schema_extra["off_help"]``, since the
-    description says what the setting *is*."""
+    """What a default-on switch's ``--no-X`` does: ``json_schema_extra["off_help"]`` (the
+    description says what the setting *is*)."""
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
     said = extra.get("off_help")
     return str(said) if said else f"turn off (on by default): {info.description}"
@@ -132,8 +132,6 @@ def off_help(info: Any) -> str:
 
 def _literal_choices(annotation: Any) -> list[str]:
     """The values of a ``Literal[...]`` annotation (through ``Annotated``, ``| None``), else []."""
-    from typing import Literal, get_args, get_origin
-
     if get_origin(annotation) is Literal:
         return [str(value) for value in get_args(annotation)]
     args = get_args(annotation)

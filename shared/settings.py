@@ -4,7 +4,6 @@ commands share in a small base below); a backend's own live in its folder (Backe
 from __future__ import annotations
 
 import math
-import re
 import textwrap
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
@@ -402,9 +401,7 @@ def _model_queues(value: str) -> dict[str, str]:
         name, sep, queue = (side.strip() for side in part.partition("="))
         if not sep or not name or not queue:
             raise ValueError(f"models: {part!r} is not name=queue")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", queue):
-            raise ValueError(f"models: queue {queue!r} is not a queue name")
-        out[name] = queue
+        out[name] = QueueRef(queue).name  # a ValueError naming the queue name
     return out
 
 
