@@ -98,10 +98,9 @@ def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
         kwargs["help"] = _help_text(info)
         if isinstance(kwargs.get("metavar"), str) and str(kwargs["metavar"]).startswith("list["):
             kwargs["metavar"] = name.upper()
-        choices = _literal_choices(info.annotation)
-        if not names[0].startswith("-") and choices:
+        if not names[0].startswith("-") and get_origin(info.annotation) is Literal:
             # A positional's values are its actions: usage and help name them.
-            kwargs["metavar"] = "{" + ",".join(choices) + "}"
+            kwargs["metavar"] = "{" + ",".join(map(str, get_args(info.annotation))) + "}"
         if names[0].startswith("-"):
             names = (flag(settings_cls, name),)
         if kwargs.get("action") is argparse.BooleanOptionalAction:
@@ -128,14 +127,6 @@ def off_help(info: Any) -> str:
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
     said = extra.get("off_help")
     return str(said) if said else f"turn off (on by default): {info.description}"
-
-
-def _literal_choices(annotation: Any) -> list[str]:
-    """The values of a ``Literal[...]`` annotation (through ``Annotated``, ``| None``), else []."""
-    if get_origin(annotation) is Literal:
-        return [str(value) for value in get_args(annotation)]
-    args = get_args(annotation)
-    return _literal_choices(args[0]) if args and get_origin(annotation) is not None else []
 
 
 def _help_text(info: Any) -> str:

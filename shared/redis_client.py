@@ -93,18 +93,11 @@ class AsyncFollowsMaster:
             check_health=self.connection_pool.check_connection, retry_socket_connect=False)
 
 
-@functools.cache
 def managed_connection(*, tls: bool, asyncio: bool) -> type:
     """The Sentinel-managed connection class that follows the master, made once per kind."""
-    if asyncio:
-        base: type = (redis.asyncio.sentinel.SentinelManagedSSLConnection if tls
-                      else redis.asyncio.sentinel.SentinelManagedConnection)
-        mixin: type = AsyncFollowsMaster
-    else:
-        base = (redis.sentinel.SentinelManagedSSLConnection if tls
-                else redis.sentinel.SentinelManagedConnection)
-        mixin = FollowsMaster
-    return type(f"Following{base.__name__}", (mixin, base), {})
+    lib: Any = redis.asyncio.sentinel if asyncio else redis.sentinel
+    base = lib.SentinelManagedSSLConnection if tls else lib.SentinelManagedConnection
+    return with_mixins(base, AsyncFollowsMaster if asyncio else FollowsMaster)
 
 
 class _HookedPool:
