@@ -14,7 +14,7 @@ from typing import Literal
 
 from tokenq.producer.estimate import estimate_tokens
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode
-from tokenq.shared.queue_config import QueueConfig, model_facts
+from tokenq.shared.queue_config import QueueConfig, model_facts, parse_config
 from tokenq.shared.request_options import ModelFacts
 
 log = logging.getLogger("tokenq.producer")
@@ -154,7 +154,7 @@ class ConfigCache:
         """Adopt a fresh read (None: unreadable); the path of a tokenizer to load, or None. Until
         :meth:`take_tokenizer` has that path the read does not count (:meth:`due` stays true), so a
         load cut short by a cancelled caller is redone by the next one."""
-        config = QueueConfig.parse(fields or {})
+        config = parse_config(fields or {})
         path = config.tokenizer if config is not None else None
         with self._lock:
             if self.mode in ("auto", "exact") and path is not None and path not in self._loaded:

@@ -1,7 +1,5 @@
-"""The ``tokenq`` command: a thin dispatcher that imports a side only when needed (no torch for
-``tokenq stats``); every failure is one line ``tokenq <cmd>: <message>`` and an exit status
-(``shared/exit_codes.py``).
-"""
+"""The ``tokenq`` dispatcher, importing a side only when needed (no torch for ``tokenq stats``);
+every failure is one line ``tokenq <cmd>: <message>`` and an exit status (``exit_codes.py``)."""
 
 from __future__ import annotations
 
@@ -20,12 +18,12 @@ from tokenq.shared.interrupts import InterruptRecord, unwrapped
 
 @dataclass(frozen=True)
 class Subcommand:
-    """One ``tokenq`` subcommand: where its ``main`` lives, what it does, what it needs."""
+    """One ``tokenq`` subcommand: where its ``main`` lives, what it does, the pip extra it needs
+    to run (its ``--help`` never does)."""
 
     module: str
     summary: str
     extra: str | None = None
-    """The pip extra that running it needs (its ``--help`` never does), or None."""
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
@@ -58,7 +56,6 @@ def usage() -> str:
 
 
 def version() -> str:
-    """The installed tokenq's version, from the package metadata."""
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
 
@@ -80,10 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"tokenq: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)
         return EXIT_USAGE
-    prog = f"tokenq {name}"
     # The last defence for subcommands without run_command (``tokenq worker``).
     module = SUBCOMMANDS[name].module
-    return _guarded(prog, None, lambda: importlib.import_module(module).main(rest))
+    return _guarded(f"tokenq {name}", None, lambda: importlib.import_module(module).main(rest))
 
 
 def run_command(
@@ -127,8 +123,8 @@ def _guarded(prog: str, settings: object, call: object) -> int:
 
 
 def report_missing_extra(prog: str, exc: ModuleNotFoundError) -> int:
-    """Say in one line which pip extra ``prog`` needs and return :data:`EXIT_USAGE`; re-raise a
-    missing module of tokenq's own or of a command with no extra."""
+    """Say in one line which pip extra ``prog`` needs (:data:`EXIT_USAGE`); re-raise a missing
+    module of tokenq's own or of a command with no extra."""
     command = SUBCOMMANDS.get(prog.removeprefix("tokenq "))
     missing = (exc.name or "").partition(".")[0]
     if command is None or command.extra is None or missing in ("", "tokenq"):
@@ -144,8 +140,8 @@ def _print_usage_error(prog: str, exc: UsageError) -> None:
 
 
 def silence_stdout() -> None:
-    """Point stdout at /dev/null: its reader went away (``tokenq dlq list | head``), and
-    the interpreter's last flush must not fail again."""
+    """Point stdout at /dev/null: its reader went away, and the interpreter's last flush must
+    not fail again."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

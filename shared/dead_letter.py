@@ -1,7 +1,5 @@
-"""Dead letters (``keys.dead(q)``): the request's own fields, capped, then the ``dead_*`` fields
-saying why, who and when (docs/PROTOCOL.md). Sans-I/O; ``shared/lua/dead_letter.lua`` is the
-Lua twin of these rules.
-"""
+"""Dead letters (``keys.dead(q)``, docs/PROTOCOL.md): the request's own fields, capped, then the
+``dead_*`` fields saying why, who and when. Sans-I/O; ``shared/lua/dead_letter.lua`` is its twin."""
 
 from __future__ import annotations
 
@@ -14,12 +12,12 @@ from tokenq.shared.redis_text import as_text
 PREFIX = "dead_"
 """Every field a letter adds to the request's starts with this, and no other does."""
 TENANT = "dead_tenant"
-"""The tenant whose stream the request was read from; only a named tenant's letter has it."""
+"""Only a named tenant's letter has it."""
 DEATH_FIELDS = ("dead_error_code", "dead_error", "dead_worker", "dead_deliveries", "dead_at_ms",
                 "dead_source_id")
 """The fields every letter carries, in the order they are written (:class:`Death`'s)."""
 TRUNCATED = "dead_truncated"
-"""Names the fields a letter cut to stay within its caps (comma-separated)."""
+"""The fields a letter cut to stay within its caps, comma-separated."""
 MAX_LETTER_FIELDS = 256
 """Most of an entry's own fields a dead letter keeps (publish.lua's XADD is on Lua's stack)."""
 MAX_TRUNCATED_NAMES = 16
@@ -39,7 +37,7 @@ class Death:
     """Why, who and when: the ``dead_*`` fields of one letter."""
 
     code: str
-    """An ErrorCode value (``dead_letter``, ``bad_request``, ...)."""
+    """An ErrorCode value."""
     message: str
     worker: str
     """The consumer name of the worker that wrote the letter."""
@@ -100,7 +98,7 @@ class DeadLetter:
     request: dict[str, str | bytes]
     """The request's fields; a value that is not UTF-8 (``opts``) stays bytes."""
     dead: dict[str, str]
-    """Every ``dead_*`` field, as text (including any this version does not know)."""
+    """Every ``dead_*`` field as text, known to this version or not."""
 
     @property
     def request_id(self) -> str:
@@ -116,8 +114,8 @@ class DeadLetter:
 
     @property
     def tenant(self) -> str:
-        """The tenant whose stream the request came from (the default tenant's when the letter
-        names none, or a name that is not a tenant's)."""
+        """The tenant whose stream the request came from (the default one when the letter names
+        none, or no tenant's name)."""
         named = self.dead.get(TENANT, keys.DEFAULT_TENANT)
         try:
             return keys.check_tenant(named)

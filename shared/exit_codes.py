@@ -1,5 +1,5 @@
-"""Every exit status a tokenq command or worker process ends with (docs/OPERATIONS.md, "Exit
-status"): one home, so a supervisor never disagrees with the worker."""
+"""Every exit status of a tokenq command or worker (docs/OPERATIONS.md, "Exit status"): one home,
+so a supervisor never disagrees with the worker."""
 
 from __future__ import annotations
 

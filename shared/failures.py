@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from tokenq.shared import redis_refusal
+from tokenq.shared.errors import TokenqError
 from tokenq.shared.redis_url import redact
 from tokenq.shared.text import one_line
 
@@ -16,10 +18,8 @@ class CommandFailed(Exception):
 def failure_message(
     exc: BaseException, redis_url: str | None = None, socket_timeout_s: float | None = None
 ) -> str | None:
-    """The one-line report of an operational failure, or None when ``exc`` is not one."""
+    """The one-line report of an operational failure; None when ``exc`` is not one."""
     from redis import exceptions as redis
-
-    from tokenq.shared import redis_refusal
 
     where = f"Redis at {redact(redis_url)}" if redis_url else "Redis"
     text = _SCRIPT_NOISE.sub("", one_line(str(exc))) or type(exc).__name__
@@ -45,8 +45,6 @@ def failure_message(
                 "(nothing was written; free memory or raise maxmemory, then try again)")
     if isinstance(exc, redis.RedisError):
         return f"{where} answered an error: {text}"
-    from tokenq.shared.errors import TokenqError
-
     return text if isinstance(exc, (TokenqError, OSError)) else None
 
 
@@ -64,7 +62,5 @@ def error_text(exc: BaseException) -> str:
 def is_wrong_type(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis's WRONGTYPE (also when a pipeline wrapped it)."""
     from redis import exceptions as redis
-
-    from tokenq.shared import redis_refusal
 
     return isinstance(exc, redis.ResponseError) and redis_refusal.error_code(exc) == "WRONGTYPE"

@@ -7,7 +7,7 @@ import argparse
 import inspect
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 S = TypeVar("S")
 
@@ -21,7 +21,7 @@ def parse_settings(
     actions: Mapping[str, str] | None = None,
 ) -> S:
     """Flags over ``TOKENQ_*`` over defaults; :class:`UsageError` naming each bad setting.
-    ``actions`` says what each value of the command's ACTION does, for ``--help``."""
+    ``actions``: what each value of the command's ACTION does, for ``--help``."""
     from pydantic import ValidationError
     from pydantic_settings import CliApp, CliSettingsSource, SettingsError
 
@@ -63,8 +63,8 @@ def _root_parser(
 
 
 def environment_help(settings_cls: Any) -> str:
-    """The ``--help`` paragraph listing every ``TOKENQ_*`` variable the command reads (with
-    its flag where that is spelt apart)."""
+    """The ``--help`` paragraph of every ``TOKENQ_*`` variable the command reads (with its flag
+    where that is spelt otherwise)."""
     from tokenq.shared.settings import env_var, flag, is_positional
 
     names = []
@@ -98,10 +98,9 @@ def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
         kwargs["help"] = _help_text(info)
         if isinstance(kwargs.get("metavar"), str) and str(kwargs["metavar"]).startswith("list["):
             kwargs["metavar"] = name.upper()
-        choices = _literal_choices(info.annotation)
-        if not names[0].startswith("-") and choices:
+        if not names[0].startswith("-") and get_origin(info.annotation) is Literal:
             # A positional's values are its actions: usage and help name them.
-            kwargs["metavar"] = "{" + ",".join(choices) + "}"
+            kwargs["metavar"] = "{" + ",".join(map(str, get_args(info.annotation))) + "}"
         if names[0].startswith("-"):
             names = (flag(settings_cls, name),)
         if kwargs.get("action") is argparse.BooleanOptionalAction:
@@ -123,21 +122,11 @@ def _argument_adder(settings_cls: Any) -> Callable[..., Any]:
 
 
 def off_help(info: Any) -> str:
-    """What a default-on switch's ``--no-X`` does: ``json_schema_extra["off_help"]``, since the
-    description says what the setting *is*."""
+    """What a default-on switch's ``--no-X`` does: ``json_schema_extra["off_help"]`` (the
+    description says what the setting *is*)."""
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
     said = extra.get("off_help")
     return str(said) if said else f"turn off (on by default): {info.description}"
-
-
-def _literal_choices(annotation: Any) -> list[str]:
-    """The values of a ``Literal[...]`` annotation (through ``Annotated``, ``| None``), else []."""
-    from typing import Literal, get_args, get_origin
-
-    if get_origin(annotation) is Literal:
-        return [str(value) for value in get_args(annotation)]
-    args = get_args(annotation)
-    return _literal_choices(args[0]) if args and get_origin(annotation) is not None else []
 
 
 def _help_text(info: Any) -> str:

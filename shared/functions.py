@@ -1,7 +1,5 @@
-"""Loading and calling tokenq's Lua: ``FCALL`` of its function library, ``EVALSHA`` before Redis 7
-(docs/decisions/0058-redis-functions.md). A function not found is loaded and called again; a
-Redis or user without ``FCALL`` falls back to scripts for good.
-"""
+"""Calling tokenq's Lua: ``FCALL`` of its library (loaded and called again when not found), or
+``EVALSHA`` for good where Redis or the user has no ``FCALL`` (docs/decisions/0058)."""
 
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ _NO_FUNCTION_CMD = re.compile(r"unknown command [`']function", re.IGNORECASE)
 
 
 class FunctionsMissing(redis.exceptions.ResponseError):
-    """tokenq's library is not on this Redis and this user may not load it (a ResponseError:
-    no key is refused)."""
+    """tokenq's library is not on this Redis and this user may not load it."""
 
 
 def _missing(cause: BaseException) -> FunctionsMissing:
@@ -46,8 +43,7 @@ def _missing(cause: BaseException) -> FunctionsMissing:
 
 
 _MODES: weakref.WeakKeyDictionary[Any, SimpleNamespace] = weakref.WeakKeyDictionary()
-"""What each Redis client has learnt (shared by all its functions): ``scripts``, whether it must
-use scripts instead of functions."""
+"""Per Redis client, for all its functions: ``scripts``, whether it must use scripts instead."""
 
 
 def _is_pipeline(client: Any) -> bool:
@@ -61,8 +57,8 @@ class _Base:
     def __init__(self, client: Any, short: str) -> None:
         lib = lua_scripts.library()
         self.name = lib.functions[short]
+        # A read-only function goes by FCALL_RO, which Redis refuses to let write.
         self._command = "fcall_ro" if "no-writes" in lua_scripts.SCRIPTS[short].flags else "fcall"
-        """A read-only function goes by FCALL_RO, which Redis refuses to let write."""
         self._source = lib.scripts[short]
         self._client = client
         self._mode = _MODES.setdefault(client, SimpleNamespace(scripts=False))
@@ -78,7 +74,7 @@ class _Base:
 
     def _must_load(self, exc: redis.exceptions.ResponseError, loaded: bool) -> bool:
         """After ``exc``, whether to load the library before the next try (False: switched to
-        EVALSHA); ``exc`` itself when it is not one of these."""
+        EVALSHA); raises ``exc`` when it is neither."""
         text = str(exc)
         if not self._mode.scripts and _NO_FCALL.search(text):
             self._mode.scripts = True
@@ -99,8 +95,8 @@ class Function(_Base):
         return self.guarded(target, lambda: self._issue(target, keys, args))
 
     def guarded(self, target: Any, operation: Callable[[], T]) -> T:
-        """``operation`` (which calls this function on ``target``), loading the library or
-        falling back to scripts and running it again when that is what it lacked."""
+        """``operation`` (this function on ``target``), run again after loading the library or
+        falling back to scripts when that is what it lacked."""
         loaded = False
         while True:
             try:
@@ -147,8 +143,8 @@ def _load_failed(exc: redis.exceptions.ResponseError, missing_ok: bool) -> None:
 
 
 def load(client: Any, *, missing_ok: bool = True) -> str | None:
-    """``FUNCTION LOAD REPLACE`` tokenq's library (every primary of a Cluster); its name, or
-    None when Redis has no Functions and ``missing_ok``."""
+    """``FUNCTION LOAD REPLACE`` tokenq's library (every primary of a Cluster): its name, None
+    when Redis has no Functions and ``missing_ok``."""
     try:
         client.function_load(lua_scripts.library().code, replace=True)
     except redis.exceptions.ResponseError as exc:
@@ -168,7 +164,7 @@ async def async_load(client: Any, *, missing_ok: bool = True) -> str | None:
 
 
 def route_by_keys(client: T) -> T:
-    """``client`` (a sync or asyncio ``RedisCluster``) routing ``FCALL`` by its own keys, not by
+    """``client`` (a ``RedisCluster``, either twin) routing ``FCALL`` by its keys, not by
     ``COMMAND GETKEYS`` (a round trip, and a right no tokenq ACL grants)."""
     parser = client.commands_parser  # type: ignore[attr-defined]
     parser.__class__ = _keys_parser(type(parser))  # type: ignore[arg-type]  # a class is hashable

@@ -1,5 +1,5 @@
 """The heartbeat: one worker's row in ``keys.workers(q)``, a msgpack map of :class:`Heartbeat`'s
-fields (missing ones read as their default, unknown ones are ignored). Sans-I/O."""
+fields (missing ones read as their default, unknown ones ignored). Sans-I/O."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ class Totals:
     reclaimed: int = 0
     dead_lettered: int = 0
     cache_hits: int = 0
-    """Requests answered from the result cache."""
     cache_misses: int = 0
     """Requests looked up in the result cache and computed."""
     coalesced: int = 0
@@ -45,9 +44,8 @@ class Heartbeat(Totals):
     pid: int | None = None
     model: str | None = None
     at: float | None = None
-    """When it beat: Unix seconds on the *worker's* clock."""
+    """When it beat: Unix seconds on the *worker's* clock (``started_at`` too)."""
     started_at: float | None = None
-    """When the worker started, on the same clock."""
     max_batch_tokens: int | None = None
     """The token budget it packs batches to now (adaptive budgets move it)."""
     configured_batch_tokens: int | None = None
@@ -61,7 +59,6 @@ class Heartbeat(Totals):
 
     @property
     def requests(self) -> int:
-        """Requests answered since start, successes and failures."""
         return self.requests_ok + self.requests_failed
 
 

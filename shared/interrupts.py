@@ -18,7 +18,7 @@ class InterruptRecord:
         self.seen = False
 
     def interrupt(self, signum: int, frame: FrameType | None) -> NoReturn:
-        """The signal handler: record the interrupt, then raise it as Python's default would."""
+        """The handler: record the interrupt, then raise it as Python's default would."""
         self.seen = True
         raise KeyboardInterrupt
 

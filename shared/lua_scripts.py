@@ -1,11 +1,5 @@
-"""The one loader of tokenq's Lua scripts, their fragments (``shared/lua/``) and QUEUEFULL reply.
-
-A script names a fragment on a line ``-- tokenq:include <name>.lua``, spliced in at load.
-``producer/lua/enqueue.lua`` must run as it is, so it hosts its fragment between the include
-line and ``-- tokenq:end <name>.lua`` (:data:`HOSTED`); :func:`load` refuses a stale copy, and
-``python -m tokenq.shared.lua_scripts FILE`` refreshes it. :func:`library` is every script as
-one Redis Functions library, named by its code's hash (docs/decisions/0058-redis-functions.md).
-"""
+"""The one loader of tokenq's Lua scripts: each ``-- tokenq:include <name>.lua`` line spliced with
+that fragment (``shared/lua/``), every script as one Redis Functions library, their refusals."""
 
 from __future__ import annotations
 
@@ -29,12 +23,14 @@ class StaleFragment(RuntimeError):
 
 HOSTED = {"queue_full.lua": ("tokenq.producer", "enqueue.lua"),
           "pending_tokens.lua": ("tokenq.producer", "enqueue.lua")}
-"""Fragments written in the script that must run as a file, between its include and end lines."""
+"""Fragments written in the script that must run as it is (enqueue.lua), between the include line
+and ``-- tokenq:end <name>.lua``: :func:`load` refuses a stale copy, ``python -m
+tokenq.shared.lua_scripts FILE`` refreshes it."""
 
 
 def fragment(name: str) -> str:
-    """The text of ``shared/lua/<name>`` (or its block in the script :data:`HOSTED` names),
-    ending in one newline."""
+    """The text of ``shared/lua/<name>`` (or its block in :data:`HOSTED`'s script), one newline
+    at its end."""
     package, file = HOSTED.get(name, ("tokenq.shared", name))
     text = resources.files(package).joinpath("lua").joinpath(file).read_text("utf-8")
     if name != file:
@@ -44,14 +40,13 @@ def fragment(name: str) -> str:
 
 
 def assemble(source: str) -> str:
-    """``source`` with every fragment in place: spliced at each include line, and each
-    copy (an include line … ``-- tokenq:end <name>``) replaced by the current fragment."""
+    """``source`` with every fragment in place, at each include line and in each hosted copy."""
     return _expand(source, splice=True)[0]
 
 
 def _expand(source: str, *, splice: bool) -> tuple[str, list[str]]:
-    """(``source`` with its copies refreshed and, with ``splice``, its include lines
-    filled; the names of the copies that were stale)."""
+    """(``source`` with its copies refreshed and, with ``splice``, its include lines filled;
+    the names of the stale copies)."""
     out: list[str] = []
     stale: list[str] = []
     at = 0
@@ -144,7 +139,7 @@ def function_body(name: str, source: str, flags: Sequence[str]) -> str:
 
 @functools.cache
 def library() -> Library:
-    """tokenq's library, built from the script files as :func:`load` reads them (cached)."""
+    """tokenq's library, built once from the script files (docs/decisions/0058)."""
     return build_library({short: load(s.package, s.file) for short, s in SCRIPTS.items()})
 
 

@@ -1,7 +1,5 @@
-"""Redis commands packed by hiredis's C packer (redis-py's is per argument, in Python), or
-already packed by the caller (:class:`PackedArgs`); a connection closed under a command
-fails as the ``ConnectionError`` it is (docs/decisions/0023-connection-mixins.md).
-"""
+"""Redis commands packed by hiredis in C, or already by the caller (:class:`PackedArgs`); a
+connection closed under a command fails as a ``ConnectionError`` (docs/decisions/0023)."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ def bulk_format(count: int) -> bytes:
 
 
 def bulk(value: bytes | str | int) -> bytes:
-    """One argument as a RESP bulk string, as redis-py would send it (a lone surrogate is
-    ``?``); a bool or another type is a ``TypeError``."""
+    """One argument as a RESP bulk string, as redis-py sends it (a lone surrogate is ``?``); a
+    bool or another type is a ``TypeError``."""
     if isinstance(value, str):
         value = value.encode("utf-8", "replace")
     elif isinstance(value, int) and not isinstance(value, bool):
@@ -41,14 +39,13 @@ _ONE_BULK = bulk_format(1)
 
 @dataclass(frozen=True, slots=True)
 class PackedArgs:
-    """The last ``count`` arguments of a command, already RESP bulk strings (only for a
-    connection that :func:`takes_packed`)."""
+    """A command's last ``count`` arguments as RESP bulk strings (for :func:`takes_packed`)."""
 
     count: int
     data: bytes
 
     def values(self) -> list[bytes]:
-        """The arguments as bytes, in order (for a client that cannot take them packed)."""
+        """The arguments as bytes (for a client that cannot take them packed)."""
         out: list[bytes] = []
         data, at = self.data, 0
         for _ in range(self.count):
@@ -65,8 +62,7 @@ class PackedArgs:
 
 
 def takes_packed(client: Any) -> bool:
-    """Whether ``client``'s connections take :class:`PackedArgs` (a client tokenq made:
-    plain, Sentinel or Cluster, sync or asyncio)."""
+    """Whether ``client``'s connections take :class:`PackedArgs` (any client tokenq made)."""
     pool = getattr(client, "connection_pool", None)
     if pool is not None:
         connection_class = getattr(pool, "connection_class", None)
@@ -76,7 +72,7 @@ def takes_packed(client: Any) -> bool:
 
 
 def _joined(chunks: list[bytes], packed: PackedArgs) -> list[bytes]:
-    """A packed command's chunks with ``packed`` after them, its count added to the header."""
+    """A packed command's chunks with ``packed`` after them, counted in the header."""
     first = chunks[0]
     end = first.index(b"\r\n")
     count = int(first[1:end]) + packed.count
@@ -85,7 +81,7 @@ def _joined(chunks: list[bytes], packed: PackedArgs) -> list[bytes]:
 
 class HiredisPacking:
     """Connection mixin: ``pack_command`` in C, byte for byte redis-py's; what hiredis refuses
-    goes to redis-py's packer, so the errors are redis-py's."""
+    goes to redis-py's packer, for its errors."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
         if args and isinstance(args[-1], PackedArgs):
@@ -108,13 +104,11 @@ class HiredisPacking:
 
 
 class SyncHiredisPacking(HiredisPacking):
-    """The sync connection's mixin: its ``send_command`` packs through :meth:`pack_command`
-    (redis-py's calls its own serializer directly)."""
+    """The sync connection's mixin: ``send_command`` packs through :meth:`pack_command` (redis-py's
+    calls its own serializer)."""
 
     def send_command(self, *args: Any, **kwargs: Any) -> None:
-        self.send_packed_command(
-            self.pack_command(*args), check_health=kwargs.get("check_health", True)
-        )
+        self.send_packed_command(self.pack_command(*args), kwargs.get("check_health", True))
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         """redis-py's, with a socket closed under it failing as ``ConnectionError``."""
@@ -125,8 +119,8 @@ class SyncHiredisPacking(HiredisPacking):
 
 
 class AsyncHiredisPacking(HiredisPacking):
-    """The asyncio connection's mixin: C packing, and a connection closed under a command (a
-    concurrent ``disconnect`` leaves redis-py writing to ``None``) fails as ``ConnectionError``."""
+    """The asyncio connection's mixin (a concurrent ``disconnect`` leaves redis-py writing to
+    ``None``)."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
@@ -137,22 +131,19 @@ class AsyncHiredisPacking(HiredisPacking):
 
 def _lost(exc: AttributeError) -> redis.exceptions.ConnectionError:
     """The ``ConnectionError`` an ``AttributeError`` on ``None`` (the writer or socket, closed
-    under the send) is; any other ``AttributeError`` is a bug, raised as it is."""
+    under the send) is; raises any other, a bug."""
     if "'NoneType' object" not in str(exc):
         raise exc
     return redis.exceptions.ConnectionError(
-        f"the connection was closed while a command was being sent ({exc})"
-    )
+        f"the connection was closed while a command was being sent ({exc})")
 
 
 def packing_mixin(connection_class: type) -> type:
-    """The packing mixin for ``connection_class``: sync or asyncio."""
     if issubclass(connection_class, redis.asyncio.connection.AbstractConnection):
         return AsyncHiredisPacking
     return SyncHiredisPacking
 
 
 def packed(connection_class: type) -> type:
-    """``connection_class`` packing in C: the worker's hook into
-    :mod:`tokenq.shared.redis_client`, made once per class."""
+    """``connection_class`` packing in C (the worker's hook into :mod:`.redis_client`)."""
     return with_mixins(connection_class, packing_mixin(connection_class))

@@ -1,34 +1,5 @@
-"""The config hash (``keys.config(q)``): what a queue's workers tell its producers, every
-field a readable string. Sans-I/O; parsing never raises (a bad field reads as None):
-
-==================== ==================================================
-``protocol``         wire protocol version the workers speak
-``backend``          backend name (``hf``, ``sim``, ...)
-``model``            model id or path
-``task``             ``embed``, ``classify``, ``rerank`` or ``sparse`` (``--task``)
-``max_input_tokens`` the model's input limit, in tokens
-``policy``           ``reject``, ``truncate`` or ``chunk`` (over-long input)
-``pairs``            ``1``: the model takes query/passage pairs; ``0``: single texts
-``padded``           ``1``: batches cost rows x longest; ``0``: the sum of lengths
-``max_batch_tokens`` the workers' token budget per batch
-``dim``              embedding size, number of scores, or vocabulary size (sparse)
-``token_dim``        size of each token's vector for ``output: tokens``; absent: not offered
-``normalized``       ``1``: the model's embeddings are unit length; ``0``: they are not
-``labels``           a classifier's name for each score, in order: a JSON array of strings
-``prompts``          the model's named prompts: a JSON object, name to text (``{}``: none)
-``default_prompt_name`` the prompt name a request gets when it names none (empty: none;
-                     read under its old name ``default_prompt`` from older workers)
-``raw_vectors``      ``1``: the workers can answer ``normalize: false`` (their backend returns
-                     vectors before the final normalisation); embedding queues only
-``tokenizer``        path of the model's tokenizer.json (when it has one)
-``shards``           how many shards the queue's workers serve (``{q:0}`` … ``{q:K-1}``); absent: 1
-``enqueue_function`` the Redis function that enqueues (FCALL, docs/PROTOCOL.md); absent: Redis < 7
-``updated_at``       Unix seconds of the last write (the worker's clock)
-``dtype``            the weights' dtype as the backend runs them (``float32``, ``float16``, ...)
-``tokenize_processes`` tokenizer child processes per worker (``--tokenize-processes``; 0: a thread)
-``pooling``          an embedding model's pooling (``mean``, ``cls``, ``mean+max``); absent: unknown
-==================== ==================================================
-"""
+"""The config hash (``keys.config(q)``, docs/PROTOCOL.md "The config hash"): what a queue's
+workers tell its producers. Sans-I/O; parsing never raises (a bad field reads as None)."""
 
 from __future__ import annotations
 
@@ -71,11 +42,6 @@ class QueueConfig:
     token_dim: int | None = None
     raw_vectors: bool | None = None
     pooling: str | None = None
-
-    @classmethod
-    def parse(cls, raw: Mapping[str, str] | Mapping[bytes, bytes]) -> QueueConfig | None:
-        """Same as :func:`parse_config`."""
-        return parse_config(raw)
 
 
 def encode_config(config: QueueConfig) -> dict[str, str]:

@@ -1,6 +1,5 @@
 """How deep a queue is (length, pending, lag, pending tokens): the one rule ``tokenq stats`` and
-the worker's gauges share. Where Redis reports no lag, it is ``length - pending``, marked not
-exact."""
+the worker's gauges share."""
 
 from __future__ import annotations
 
@@ -18,10 +17,9 @@ class Depth:
     pending: int
     lag: int
     lag_exact: bool
-    """False when Redis gave no lag and it was derived from length and pending."""
+    """False when Redis gave no lag: it is ``length - pending``."""
     tokens: int = 0
-    """Pending tokens: the sum of the ``tokens`` of the entries tokenq's scripts wrote
-    (``keys.pending``)."""
+    """Pending tokens (``keys.pending``)."""
     tenants: dict[str, int] = field(default_factory=dict, compare=False)
     """Pending tokens by tenant (``keys.tenant_pending``); empty when not read."""
 

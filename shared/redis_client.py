@@ -1,7 +1,5 @@
-"""Every redis-py client tokenq makes, sync or asyncio, for one server, a Cluster or a
-Sentinel master; what differs between the sides is plugged in (:class:`ClientHooks`), not
-branched on (docs/decisions/0052-one-redis-client-factory.md).
-"""
+"""Every redis-py client tokenq makes, sync or asyncio, of one server, a Cluster or a Sentinel
+master; what differs between the sides is plugged in (:class:`ClientHooks`, docs/decisions/0052)."""
 
 from __future__ import annotations
 
@@ -26,17 +24,14 @@ UNCAPPED = 2**31
 
 
 def as_is(connection_class: type) -> type:
-    """The hook that keeps redis-py's connection class."""
     return connection_class
 
 
 @dataclass(frozen=True, slots=True)
 class ClientHooks:
-    """What one side plugs into every client (made once per side: classes are cached by it).
-
-    ``connection`` wraps every command connection class, ``sentinels`` those to the sentinels;
-    ``pool_wait`` is a mixin in front of a capped pool; ``cluster_parser`` a cluster's parser.
-    """
+    """What one side plugs into every client (made once: classes are cached by it): wrappers of
+    the command connections' class and the sentinels', a mixin in front of a capped pool, a
+    cluster's command parser."""
 
     connection: Callable[[type], type] = as_is
     sentinels: Callable[[type], type] = as_is
@@ -58,8 +53,8 @@ def with_mixins(connection_class: type, *mixins: type) -> type:
 
 
 class FollowsMaster:
-    """Mixin in front of redis-py's sync ``SentinelManagedConnection`` (or its TLS twin): every
-    reconnect, also one inside a command's retry, asks the sentinels where the master is."""
+    """Mixin in front of redis-py's sync ``SentinelManagedConnection`` (or TLS twin): every
+    reconnect, also within a command's retry, asks the sentinels where the master is."""
 
     connection_pool: Any
     host: str
@@ -98,23 +93,15 @@ class AsyncFollowsMaster:
             check_health=self.connection_pool.check_connection, retry_socket_connect=False)
 
 
-@functools.cache
 def managed_connection(*, tls: bool, asyncio: bool) -> type:
     """The Sentinel-managed connection class that follows the master, made once per kind."""
-    if asyncio:
-        base: type = (redis.asyncio.sentinel.SentinelManagedSSLConnection if tls
-                      else redis.asyncio.sentinel.SentinelManagedConnection)
-        mixin: type = AsyncFollowsMaster
-    else:
-        base = (redis.sentinel.SentinelManagedSSLConnection if tls
-                else redis.sentinel.SentinelManagedConnection)
-        mixin = FollowsMaster
-    return type(f"Following{base.__name__}", (mixin, base), {})
+    lib: Any = redis.asyncio.sentinel if asyncio else redis.sentinel
+    base = lib.SentinelManagedSSLConnection if tls else lib.SentinelManagedConnection
+    return with_mixins(base, AsyncFollowsMaster if asyncio else FollowsMaster)
 
 
 class _HookedPool:
-    """Pool mixin: the connections it makes are of the hooked class (a Sentinel pool's: the
-    managed connection that follows the master)."""
+    """Pool mixin: its connections are of the hooked class (a Sentinel pool's follow the master)."""
 
     _hooks: ClientHooks
     _asyncio: bool
@@ -160,9 +147,9 @@ def sync_client(
     max_connections: int | None = None, wait_s: float | None = None,
     cluster_retry: Any = None, lazy: bool = False,
 ) -> redis.Redis | redis.RedisCluster:
-    """A sync client of ``target`` with redis-py's client ``options``; ``max_connections``
-    caps a blocking pool (per node) that waits ``wait_s``. ``cluster_retry``: the retry a
-    cluster counts down itself; ``lazy``: a cluster is made at its first command."""
+    """A sync client of ``target`` with redis-py's ``options``; ``max_connections`` caps a
+    blocking pool (per node) that waits ``wait_s``; ``cluster_retry``: the retry a cluster
+    counts down itself; ``lazy``: a cluster is made at its first command."""
     capped = max_connections is not None
     if target.kind == "cluster":
         def make() -> redis.RedisCluster:
@@ -181,8 +168,8 @@ def async_client(
     max_connections: int | None = None, wait_s: float | None = None,
     cluster_retry: Any = None, one_connection: bool = False,
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-    """The asyncio twin of :func:`sync_client`; ``one_connection``: a client of one
-    connection (per node), for one blocking reader."""
+    """The asyncio twin of :func:`sync_client`; ``one_connection``: one connection (per node),
+    for one blocking reader."""
     if one_connection:
         max_connections, wait_s = (None, None) if target.kind == "single" else (1, None)
     if target.kind == "cluster":
@@ -209,20 +196,16 @@ def master_kwargs(target: RedisTarget) -> dict[str, Any]:
     return kwargs
 
 
-def sentinel_kwargs(target: RedisTarget, options: dict[str, Any]) -> dict[str, Any]:
-    """How to talk to the sentinels: the socket and retry options, their own credentials."""
-    kept = {name: value for name, value in options.items()
-            if name.startswith("socket_") or name in ("retry", "retry_on_error")}
-    return {**kept, "username": target.sentinel_username, "password": target.sentinel_password}
-
-
 def _master(
     sentinel_class: type, redis_class: type, pool: type, target: RedisTarget,
     options: dict[str, Any], hooks: ClientHooks, cap: dict[str, Any],
 ) -> Any:
     """The master of ``target.service``, found through the sentinels (asked with the same
     timeouts and retries, their own credentials, over connections of the hooked class)."""
-    sentinel = sentinel_class(target.nodes, sentinel_kwargs=sentinel_kwargs(target, options))
+    kept = {name: value for name, value in options.items()
+            if name.startswith("socket_") or name in ("retry", "retry_on_error")}
+    sentinel = sentinel_class(target.nodes, sentinel_kwargs={
+        **kept, "username": target.sentinel_username, "password": target.sentinel_password})
     for client in sentinel.sentinels:  # made on demand, later: the class can change now
         sentinels_pool = client.connection_pool
         sentinels_pool.connection_class = hooks.sentinels(sentinels_pool.connection_class)
@@ -245,10 +228,6 @@ def _routed(client: Any, hooks: ClientHooks) -> Any:
     return functions.route_by_keys(client)  # FCALL's keys too, without asking Redis
 
 
-def _node_url(host: str, port: int) -> str:
-    return f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
-
-
 def _sync_cluster(
     target: RedisTarget, options: dict[str, Any], hooks: ClientHooks,
     max_connections: int | None, wait_s: float | None, cluster_retry: Any,
@@ -264,7 +243,7 @@ def _sync_cluster(
     kwargs["connection_pool_class"] = pool_class(hooks, asyncio=False, sentinel=False,
                                                  capped=capped)
     return _routed(redis.RedisCluster(
-        url=_node_url(host, port),
+        url=f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}",
         startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in others],
         **kwargs, **_cap(max_connections, wait_s),
     ), hooks)
@@ -291,8 +270,8 @@ def _async_cluster(
 
 
 class LazyCluster:
-    """A sync ``RedisCluster`` made at its first command, so reading the topology happens
-    inside that caller's deadline instead of in the client's constructor."""
+    """A sync ``RedisCluster`` made at its first command, so reading the topology happens within
+    that caller's deadline, not the client's constructor."""
 
     def __init__(self, make: Callable[[], redis.RedisCluster]) -> None:
         self._make = make
@@ -300,7 +279,7 @@ class LazyCluster:
         self._lock = threading.Lock()
 
     def resolve(self) -> redis.RedisCluster:
-        """The ``RedisCluster``, made now if this is its first use (by one thread)."""
+        """The ``RedisCluster``, made now (by one thread) if this is its first use."""
         made = self._made
         if made is None:
             with self._lock:
@@ -321,7 +300,6 @@ class LazyCluster:
         return redis.commands.core.Script(self, script)  # type: ignore[arg-type]  # duck-typed
 
     def close(self) -> None:
-        """Close the cluster's connections, if it was ever made."""
         if self._made is not None:
             self._made.close()
 

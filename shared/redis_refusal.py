@@ -1,16 +1,12 @@
 """Which Redis errors mean "this key can never take this write" (settle without it, go on) and
-which "Redis refuses writes right now" (everything else: fail the call, retry it later).
-The Lua twin is ``shared/lua/refusal.lua`` (docs/decisions/0059-refused-write-is-a-failure.md).
-"""
+which "Redis refuses writes now" (any other: fail the call, retry later); lua/refusal.lua's twin."""
 
 from __future__ import annotations
 
 KEY_REFUSES = frozenset({"WRONGTYPE", "NOPERM", "CROSSSLOT"})
-"""Error codes that mean this key can never take this write (retrying will not help)."""
 KNOWN_NOW = ("OOM", "READONLY", "MASTERDOWN", "LOADING", "BUSY", "MISCONF", "TRYAGAIN",
              "CLUSTERDOWN", "NOREPLICAS")
-"""Codes of "Redis refuses writes right now" that get their own metric label; any other
-error is of that kind too, labelled ``other``."""
+"""Codes of "Redis refuses writes now" with their own metric label (any other: ``other``)."""
 _KNOWN = (*KEY_REFUSES, *KNOWN_NOW)
 _BY_CLASS = {
     "NoPermissionError": "NOPERM",
@@ -26,8 +22,8 @@ _BY_CLASS = {
 
 
 def error_code(error: BaseException | str) -> str:
-    """The Redis error code of ``error`` (``"OOM"``, ``"WRONGTYPE"``, ...), or ``""``: from
-    redis-py's ``status_code`` or class, else the message (a script's error is searched)."""
+    """The Redis error code of ``error`` (``"OOM"``, ...) or ``""``: from redis-py's
+    ``status_code`` or class, else the message (a script's error is searched)."""
     if not isinstance(error, str):
         code = getattr(error, "status_code", None)
         if code in _KNOWN:
@@ -47,13 +43,13 @@ def error_code(error: BaseException | str) -> str:
 
 
 def key_refuses(error: BaseException | str) -> bool:
-    """True when the key named can never take the write: settle without it, go on."""
+    """The key named can never take the write: settle without it, go on."""
     return error_code(error) in KEY_REFUSES
 
 
 def refused_now(error: BaseException | str) -> bool:
-    """True when Redis refuses for its own state (or for a reason not known): fail the
-    whole call, keep everything, retry later."""
+    """Redis refuses for its own state (or a reason not known): fail the whole call, keep
+    everything, retry later."""
     return not key_refuses(error)
 
 

@@ -1,13 +1,5 @@
-"""What a tokenq Redis URL names (sans-I/O); a bad one is a ValueError that never repeats a
-password. Single-server URLs (redis://, rediss://, unix://) are redis-py's, unparsed here::
-
-    redis+cluster://[user[:password]@]host:port[,host:port...][/][?query]
-    redis+sentinel://[user[:password]@]host:port[,host:port...]/service_name[/db][?query]
-
-``rediss+`` for TLS (to the master, not the sentinels); user, password and service are
-percent-encoded; the query takes the TLS options of :data:`TLS_OPTIONS` (TLS URLs only) and,
-for Sentinel, the sentinels' own ``sentinel_username`` and ``sentinel_password``.
-"""
+"""What a tokenq Redis URL names (:data:`CLUSTER_FORM`, :data:`SENTINEL_FORM`; ``rediss+``: TLS to
+the master, not the sentinels); a bad one is a ValueError that never repeats a password."""
 
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ _SCHEMES: dict[str, tuple[Kind, bool]] = {
     "redis+sentinel": ("sentinel", False),
     "rediss+sentinel": ("sentinel", True),
 }
-"""Scheme -> (kind, TLS); any scheme without a ``+`` is a single-server URL for redis-py."""
+"""Any scheme without a ``+`` is a single-server URL (redis://, rediss://, unix://), redis-py's."""
 CLUSTER_FORM = "redis+cluster://[user[:password]@]host:port[,host:port...][/][?query]"
 SENTINEL_FORM = (
     "redis+sentinel://[user[:password]@]host:port[,host:port...]/service_name[/db]"
@@ -69,7 +61,8 @@ class RedisTarget:
 
 
 def parse_redis_url(url: str) -> RedisTarget:
-    """What ``url`` names; a :class:`ValueError` naming the problem if it cannot be used."""
+    """What ``url`` names (user, password, service and query values percent-encoded); a
+    :class:`ValueError` naming the problem if it cannot be used."""
     if not isinstance(url, str):
         raise ValueError(f"a Redis URL is a string, not {type(url).__name__}")
     scheme, sep, rest = url.partition("://")
@@ -95,8 +88,9 @@ def parse_redis_url(url: str) -> RedisTarget:
         )
     if "#" in tail:
         raise ValueError(f"the {scheme}:// URL has a '#' fragment; a Redis URL has none")
-    userinfo, at, hosts = authority.rpartition("@")
-    username, password = _credentials(userinfo) if at else (None, None)
+    userinfo, _, hosts = authority.rpartition("@")
+    user, _, secret = userinfo.partition(":")  # empty ones count as absent, as in redis-py
+    username, password = unquote(user) or None, unquote(secret) or None
     nodes = _nodes(hosts, scheme, form)
     path, _, query = tail.partition("?")
     options = _query(query, scheme, tls, kind)
@@ -108,12 +102,6 @@ def parse_redis_url(url: str) -> RedisTarget:
     service, db = _sentinel_path(path, scheme)
     return RedisTarget("sentinel", url, nodes, username, password, tls, service, db,
                        sentinel_username, sentinel_password, options)
-
-
-def _credentials(userinfo: str) -> tuple[str | None, str | None]:
-    """``user[:password]``, percent-decoded; an empty one counts as absent, as in redis-py."""
-    user, _, password = userinfo.partition(":")
-    return unquote(user) or None, unquote(password) or None
 
 
 def _nodes(hosts: str, scheme: str, form: str) -> tuple[tuple[str, int], ...]:

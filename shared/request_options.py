@@ -1,6 +1,5 @@
-"""Per-request options (a request's ``opts`` map): their meaning and checks, one home for the
-worker and the producer (docs/PROTOCOL.md, "Request options"). Unknown keys are ignored.
-"""
+"""Per-request options (a request's ``opts`` map, docs/PROTOCOL.md "Request options"): their
+checks, one home for the worker and the producer. Unknown keys are ignored."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Any, TypedDict
 MAX_PROMPT_CHARS = 4096
 """Longest literal ``prompt`` a request may carry."""
 MAX_DIMENSIONS = 65_536
-"""Most ``dimensions`` a request may ask for, whatever the model (checked even unknown)."""
+"""Most ``dimensions`` a request may ask for, whatever the model (checked where it is unknown)."""
 
 
 class WorkerOptions(TypedDict, total=False):
@@ -39,23 +38,21 @@ class WorkerOptions(TypedDict, total=False):
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
     """What option checks need to know about the queue's model (None: unknown, the worker
-    checks); built by :func:`tokenq.shared.queue_config.model_facts`."""
+    checks): :func:`tokenq.shared.queue_config.model_facts`."""
 
     embeds: bool | None = None
-    """True: replies carry embeddings; False: scores; None: unknown."""
+    """True: replies carry embeddings; False: scores."""
     dim: int | None = None
     normalized: bool | None = None
-    """The model's default answer is unit length."""
     raw_vectors: bool | None = None
     """The worker can answer ``normalize: false``."""
     prompts: Mapping[str, str] | None = None
     default_prompt_name: str | None = None
     sparse: bool | None = None
-    """True: replies carry a sparse (SPLADE) model's weights, which take no output option."""
+    """A sparse (SPLADE) model's weights, which take no output option."""
     token_dim: int | None = None
-    """Size of each token's vector for ``output: tokens``; None: unknown or not offered."""
     can_output_tokens: bool | None = None
-    """The queue's backend answers ``output: tokens`` (None: unknown)."""
+    """The queue's backend answers ``output: tokens``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +60,18 @@ class RequestOptions:
     """The options one request asked for, checked; a field left None takes the default."""
 
     prompt: str | None = None
-    """The prompt text resolved from ``prompt``/``prompt_name``; None: the model's default."""
+    """The prompt text ``prompt`` or ``prompt_name`` gives; None: the model's default."""
     dimensions: int | None = None
     normalize: bool | None = None
     truncate: bool | None = None
     raw_scores: bool = False
     output_tokens: bool = False
-    """``output: tokens``: the row is the token embeddings, flattened (tokens x token_dim)."""
+    """The row is the token embeddings, flattened (tokens x token_dim)."""
     cache: bool = True
 
     @property
     def shapes_output(self) -> bool:
-        """Whether the answer differs from the model's default one (a result must be re-shaped)."""
+        """Whether a result must be re-shaped from the model's default answer."""
         return (self.dimensions is not None or self.normalize is not None or self.raw_scores
                 or self.output_tokens)
 
@@ -89,6 +86,7 @@ class OptionError(ValueError):
         super().__init__(message)
         self.param = param
 
+
 _KNOWN: frozenset[str] = WorkerOptions.__optional_keys__
 
 
@@ -102,10 +100,8 @@ def parse_options(opts: Mapping[str, Any], facts: ModelFacts) -> RequestOptions:
     if normalize is not None:
         _embedding_only("normalize", facts)
         if normalize is False and facts.normalized and facts.raw_vectors is False:
-            raise OptionError(
-                "normalize",
-                "normalize false: this queue's backend only answers unit-length embeddings",
-            )
+            raise OptionError("normalize", "normalize false: this queue's backend only answers "
+                              "unit-length embeddings")
     raw_scores = _flag(opts, "raw_scores")
     if raw_scores is not None and (facts.sparse or facts.embeds):
         kind = "is sparse" if facts.sparse else "embeds"
@@ -113,18 +109,10 @@ def parse_options(opts: Mapping[str, Any], facts: ModelFacts) -> RequestOptions:
             "raw_scores", f"raw_scores applies to classifiers and rerankers; this model {kind}")
     output_tokens = _output_tokens(opts.get("output"), facts)
     if output_tokens and (dimensions is not None or normalize is not None):
-        raise OptionError(
-            "output", "output tokens takes no dimensions or normalize (raw token vectors)"
-        )
-    return RequestOptions(
-        prompt=prompt,
-        dimensions=dimensions,
-        normalize=normalize,
-        truncate=_flag(opts, "truncate"),
-        raw_scores=bool(raw_scores),
-        output_tokens=output_tokens,
-        cache=_flag(opts, "cache") is not False,
-    )
+        raise OptionError("output", "output tokens takes no dimensions or normalize (raw token "
+                          "vectors)")
+    return RequestOptions(prompt, dimensions, normalize, _flag(opts, "truncate"), bool(raw_scores),
+                          output_tokens, _flag(opts, "cache") is not False)
 
 
 def default_prompt(facts: ModelFacts) -> str:
@@ -147,9 +135,8 @@ def _prompt(opts: Mapping[str, Any], facts: ModelFacts) -> str | None:
         if not isinstance(text, str):
             raise OptionError("prompt", f"prompt must be a string, got {type(text).__name__}")
         if len(text) > MAX_PROMPT_CHARS:
-            raise OptionError(
-                "prompt", f"prompt is {len(text)} characters, over {MAX_PROMPT_CHARS}"
-            )
+            raise OptionError("prompt",
+                              f"prompt is {len(text)} characters, over {MAX_PROMPT_CHARS}")
         return text
     if name is None:
         return None
@@ -160,9 +147,8 @@ def _prompt(opts: Mapping[str, Any], facts: ModelFacts) -> str | None:
     if name not in facts.prompts:
         known = sorted(facts.prompts)
         have = f"its prompts are {known}" if known else "it has no named prompts"
-        raise OptionError(
-            "prompt_name", f"prompt_name {name!r} is not one of this model's prompts ({have})"
-        )
+        raise OptionError("prompt_name",
+                          f"prompt_name {name!r} is not one of this model's prompts ({have})")
     return facts.prompts[name]
 
 
@@ -170,15 +156,13 @@ def _dimensions(value: object, facts: ModelFacts) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise OptionError(
-            "dimensions", f"dimensions must be an integer, got {type(value).__name__}"
-        )
+        raise OptionError("dimensions",
+                          f"dimensions must be an integer, got {type(value).__name__}")
     _embedding_only("dimensions", facts)
     if not 1 <= value <= MAX_DIMENSIONS:
         shown = f"{value}" if abs(value) < 10**12 else f"a {value.bit_length()}-bit integer"
-        raise OptionError(
-            "dimensions", f"dimensions must be from 1 to {MAX_DIMENSIONS}, got {shown}"
-        )
+        raise OptionError("dimensions",
+                          f"dimensions must be from 1 to {MAX_DIMENSIONS}, got {shown}")
     if facts.dim is not None and value > facts.dim:
         raise OptionError("dimensions", f"dimensions {value} is more than the model's {facts.dim}")
     return value
@@ -195,9 +179,8 @@ def _output_tokens(value: object, facts: ModelFacts) -> bool:
         raise OptionError("output", f"output must be one of {list(OUTPUTS)}, got {value!r}")
     _embedding_only("output", facts)
     if facts.can_output_tokens is False:
-        raise OptionError(
-            "output", "output tokens: this queue's backend does not answer token embeddings"
-        )
+        raise OptionError("output", "output tokens: this queue's backend does not answer token "
+                          "embeddings")
     return True
 
 
@@ -210,8 +193,7 @@ def _flag(opts: Mapping[str, Any], name: str) -> bool | None:
 
 def _embedding_only(name: str, facts: ModelFacts) -> None:
     if facts.sparse:
-        raise OptionError(
-            name, f"{name} applies to dense embeddings; this model is sparse (SPLADE)"
-        )
+        raise OptionError(name,
+                          f"{name} applies to dense embeddings; this model is sparse (SPLADE)")
     if facts.embeds is False:
         raise OptionError(name, f"{name} applies to embeddings; this model answers scores")

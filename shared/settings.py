@@ -1,13 +1,9 @@
-"""Every setting tokenq has, each defined once, with its default, bounds and help.
-
-Flags over ``TOKENQ_*`` variables over defaults; a setting shared by two commands lives in
-one of the small bases below. A backend's own settings live in its folder (BackendSettings).
-"""
+"""Every setting of every command, defined once with its default, bounds and help (a setting two
+commands share in a small base below); a backend's own live in its folder (BackendSettings)."""
 
 from __future__ import annotations
 
 import math
-import re
 import textwrap
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, get_args
@@ -31,20 +27,19 @@ from tokenq.shared.wire import DEFAULT_MAX_REQUEST_BYTES
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ENV_PREFIX = "TOKENQ_"
 Task = Literal["embed", "classify", "rerank", "sparse"]
-"""What a model computes: vectors, a score per label, one score per (query, passage), or
-a sparse (SPLADE) vector over the vocabulary."""
+"""What a model computes: vectors, a score per label or (query, passage), or a sparse vector."""
 _POSITIONAL = get_args(CliPositionalArg[str])[1]
 """The marker pydantic-settings puts on a positional argument's field."""
 
 
 def is_positional(settings_cls: type[BaseModel], name: str) -> bool:
-    """Whether ``name`` is a positional argument of ``settings_cls`` (``dlq ACTION``)."""
+    """Whether ``name`` is a positional argument (``dlq ACTION``)."""
     info = settings_cls.model_fields.get(name)
     return info is not None and _POSITIONAL in info.metadata
 
 
 def _extra(settings_cls: type[BaseModel], name: str) -> dict[str, Any]:
-    """Setting ``name``'s ``json_schema_extra``: its flag's spelling and marks ({}: none)."""
+    """Setting ``name``'s ``json_schema_extra``: its flag's spelling and marks."""
     info = settings_cls.model_fields.get(name)
     extra = info.json_schema_extra if info is not None else None
     return extra if isinstance(extra, dict) else {}
@@ -66,21 +61,18 @@ def env_var(name: str) -> str:
 def describe_errors(
     exc: ValidationError, settings_cls: type[BaseModel], *, flags: bool = True
 ) -> list[str]:
-    """One line per bad setting: ``--socket-timeout-s / TOKENQ_SOCKET_TIMEOUT_S: <why>``
-    (``flags=False``: the field's name for the flag); a check of no one field is its message."""
-    problems: dict[str, list[str]] = {}
+    """One line per bad setting, ``--socket-timeout-s / TOKENQ_SOCKET_TIMEOUT_S: <why>``
+    (``flags=False``: the field's name); a check of no one field is its message alone."""
+    problems: dict[str, dict[str, None]] = {}  # label -> its messages, each once, in order
     for error in exc.errors():
-        message = error["msg"].removeprefix("Value error, ")
         name = str(error["loc"][0]) if error["loc"] else ""
-        if not name or name not in settings_cls.model_fields:
+        if name not in settings_cls.model_fields:
             label = ""
         elif is_positional(settings_cls, name):
             label = flag(settings_cls, name)
         else:
             label = f"{flag(settings_cls, name) if flags else name} / {env_var(name)}"
-        seen = problems.setdefault(label, [])
-        if message not in seen:
-            seen.append(message)
+        problems.setdefault(label, {})[error["msg"].removeprefix("Value error, ")] = None
     return [f"{label}: {'; '.join(messages)}" if label else "; ".join(messages)
             for label, messages in problems.items()]
 
@@ -106,8 +98,8 @@ _UNIT_SCALE = {"_s": 1, "_ms": 1_000, "_us": 1_000_000}
 
 
 def check_number(value: object, name: str, *, allow_inf: bool = False) -> object:
-    """``value`` if a setting may hold it, else ValueError: never NaN, infinite only with
-    ``allow_inf``, a time at most :data:`MAX_SECONDS` in its unit, else :data:`MAX_EXACT_INT`."""
+    """``value`` if a setting may hold it, else ValueError: no NaN, infinite only with
+    ``allow_inf``, a time at most :data:`MAX_SECONDS`, any other number :data:`MAX_EXACT_INT`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
     if isinstance(value, float) and math.isnan(value):
@@ -132,7 +124,7 @@ REDIS_MS: JsonDict = {"redis_ms": True}
 
 def check_redis_ms(value: object, name: str) -> object:
     """``value`` unless it is a positive time under 1 ms, which Redis would get as 0 ms (a
-    refused TTL, dedupe off, every entry claimed): said at start instead."""
+    refused TTL, dedupe off, every entry claimed)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 0.001:
         raise ValueError(f"{name} must be 0.001 (1 ms) or more: Redis takes it in whole "
                          f"milliseconds, and {value:g}s would be 0 ms")
@@ -228,16 +220,14 @@ class _WorkerProcess(BaseModel):
 
 
 class BackendSettings(BaseModel):
-    """The base of a backend's own settings (declared in its folder, composed by the worker),
-    listed in ``--help`` under ``heading``."""
+    """The base of a backend's own settings (in its folder, composed by the worker), listed in
+    ``--help`` under ``heading`` (``--backend sim (a simulated GPU)``)."""
 
     heading: ClassVar[str] = ""
-    """The ``--help`` heading its flags go under, e.g. ``--backend sim (a simulated GPU)``."""
 
 
 def help_group(settings_cls: type[BaseModel], name: str) -> str | None:
-    """The ``heading`` of the first class in the MRO that has field ``name`` (a backend's
-    settings), or None for the command's own."""
+    """The ``heading`` of the backend settings that declare ``name``; None for the command's."""
     for base in settings_cls.__mro__:
         title = base.__dict__.get("heading")
         if isinstance(title, str) and title and name in getattr(base, "model_fields", {}):
@@ -246,8 +236,7 @@ def help_group(settings_cls: type[BaseModel], name: str) -> str | None:
 
 
 def group_environment(settings_cls: type[BaseModel], title: str) -> str:
-    """The ``TOKENQ_*`` variables ``--help`` lists under ``title`` ("variables:": the one
-    "environment:" paragraph stays the complete list)."""
+    """The ``TOKENQ_*`` variables ``--help`` lists under ``title`` as well."""
     names = [env_var(name) for name in settings_cls.model_fields
              if help_group(settings_cls, name) == title]
     return textwrap.fill("variables: " + ", ".join(names), 77) if names else ""
@@ -412,9 +401,7 @@ def _model_queues(value: str) -> dict[str, str]:
         name, sep, queue = (side.strip() for side in part.partition("="))
         if not sep or not name or not queue:
             raise ValueError(f"models: {part!r} is not name=queue")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,200}", queue):
-            raise ValueError(f"models: queue {queue!r} is not a queue name")
-        out[name] = queue
+        out[name] = QueueRef(queue).name  # a ValueError naming the queue name
     return out
 
 

@@ -1,7 +1,5 @@
-"""The wire format (docs/PROTOCOL.md): a request is one stream entry of readable fields, a reply
-one msgpack map on its ``reply_to`` list. Sans-I/O; every problem is a :class:`DecodeError`
-naming the field at fault.
-"""
+"""The wire format (docs/PROTOCOL.md): a request is one stream entry, a reply one msgpack map on
+its ``reply_to`` list. Sans-I/O; every problem is a :class:`DecodeError` naming the field."""
 
 from __future__ import annotations
 
@@ -33,14 +31,12 @@ MAX_TOKENS = 1 << 24
 MAX_EPOCH_MS = 253_402_300_799_999
 """Largest absolute ``deadline_ms``: the last millisecond of the year 9999."""
 MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000
-"""Largest relative ``timeout_ms``: 30 days."""
 MAX_PRIORITY = 9
 """Largest ``priority``; 0 (the default) is the lowest class."""
 _MAX_VERSION = 1_000_000
 COUNTED_FIELD = "counted"
-"""The field tokenq's scripts write first into each entry they add: the tokens it adds to the
-queue's pending tokens (docs/PROTOCOL.md, "Pending tokens"); never a producer's to write, and
-not part of the request (decoding reads past it)."""
+"""The first field tokenq's scripts write into an entry: its tokens in the queue's pending tokens
+(docs/PROTOCOL.md, "Pending tokens"); never a producer's, and not part of the request."""
 _COUNTED_BYTES = COUNTED_FIELD.encode()
 RANGES = {"tokens": (0, MAX_TOKENS), "deadline_ms": (0, MAX_EPOCH_MS),
           "timeout_ms": (1, MAX_TIMEOUT_MS), "priority": (0, MAX_PRIORITY)}
@@ -64,8 +60,8 @@ _packers = threading.local()
 
 
 def pack(value: object) -> bytes:
-    """``msgpack.packb(value, use_bin_type=True)`` through this thread's own Packer
-    (``packb`` builds one per call: half the cost of packing a reply)."""
+    """``msgpack.packb(value, use_bin_type=True)`` through this thread's own Packer (half the
+    cost: ``packb`` builds one per call)."""
     return _thread_packer().pack(value)
 
 
@@ -99,9 +95,8 @@ class Request:
     priority: int = 0
     """Scheduling class, 0 to :data:`MAX_PRIORITY`: higher goes first (docs/PROTOCOL.md)."""
     counted: int = 0
-    """The tokens tokenq's scripts counted for this entry in the queue's pending tokens (its
-    first field, :data:`COUNTED_FIELD`): what publishing it takes off the sum. 0 when it has none
-    (a plain XADD), when that field is not first, or is not 0 to :data:`MAX_TOKENS` in digits."""
+    """Its tokens in the queue's pending tokens (:func:`counted_of`): what publishing it takes
+    off the sum."""
 
     def utf8_size(self) -> int:
         """Bytes of text this request carries (what the size limit counts)."""
@@ -143,12 +138,6 @@ class Reply:
     truncated: bool = False
     """The input was cut to the model's limit (``tokens`` counts what was read)."""
 
-    def embedding_floats(self) -> list[float]:
-        """The embedding as Python floats (decoded from little-endian float32)."""
-        if self.embedding is None:
-            return []
-        return _le_array("f", self.embedding).tolist()
-
     def token_vectors(self) -> list[list[float]]:
         """A token-embeddings reply's vectors, one per token ([] otherwise)."""
         if self.token_embeddings is None or not self.dim:
@@ -169,9 +158,7 @@ def _le_array(typecode: str, data: bytes) -> Any:
     """``array.array(typecode)`` of little-endian bytes, in this machine's byte order."""
     import array
 
-    values = array.array(typecode)
-    if values.itemsize != 4:  # "I" is 4 bytes on every platform CPython supports; be sure
-        values = array.array("L" if typecode == "I" else typecode)
+    values = array.array(typecode)  # "I" and "f" are 4 bytes wherever CPython runs
     values.frombytes(data)
     if sys.byteorder == "big":
         values.byteswap()
@@ -288,23 +275,10 @@ def _int_field(raw: bytes, name: str, minimum: int, maximum: int) -> int:
     return value
 
 
-def decode_request(
-    fields: Mapping[bytes | str, bytes | str],
-    *,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-    default_reply_to: Callable[[str], str] | None = None,
-    check_reply_to: Callable[[str], str | None] | None = None,
-) -> Request:
-    """Parse one stream entry's fields (str or bytes) into a :class:`Request`.
-
-    ``default_reply_to`` maps an id to its reply key when the entry names none;
-    ``check_reply_to`` says why a named ``reply_to`` may not be written (None: it may).
-    """
-    return decode_fields(
-        {_as_bytes(key): _as_bytes(value) for key, value in fields.items()},
-        max_request_bytes=max_request_bytes, default_reply_to=default_reply_to,
-        check_reply_to=check_reply_to,
-    )
+def decode_request(fields: Mapping[bytes | str, bytes | str], **options: Any) -> Request:
+    """:func:`decode_fields` of an entry whose names and values may be str."""
+    return decode_fields({_as_bytes(key): _as_bytes(value) for key, value in fields.items()},
+                         **options)
 
 
 def _as_bytes(value: bytes | str) -> bytes:
@@ -319,8 +293,9 @@ def decode_fields(
     default_reply_to: Callable[[str], str] | None = None,
     check_reply_to: Callable[[str], str | None] | None = None,
 ) -> Request:
-    """:func:`decode_request` of bytes names and values, as Redis returns them: the hot path,
-    with no normalised copy of the entry. Every decoding rule lives here."""
+    """One entry's fields, bytes as Redis returns them, as a :class:`Request` (every decoding
+    rule lives here). ``default_reply_to`` maps an id to its reply key when the entry names
+    none; ``check_reply_to`` says why a named ``reply_to`` may not be written (None: it may)."""
     get = raw.get
     version = get(b"v")
     if version is None:
@@ -410,11 +385,9 @@ def counted_of(raw: Mapping[bytes, bytes]) -> int:
     """An entry's counted tokens, as the scripts read them (``count_of`` in enqueue.lua): its
     first field's value when that field is :data:`COUNTED_FIELD` and the value 1 to 8 digits
     at most :data:`MAX_TOKENS`, else 0 (never an error: a broken one only counts nothing)."""
-    for name, value in raw.items():
-        if name == _COUNTED_BYTES and len(value) <= 8 and value.isdigit():
-            counted = int(value)
-            return counted if counted <= MAX_TOKENS else 0
-        return 0
+    name, value = next(iter(raw.items()), (b"", b""))
+    if name == _COUNTED_BYTES and len(value) <= 8 and value.isdigit():
+        return int(value) if int(value) <= MAX_TOKENS else 0
     return 0
 
 
@@ -428,11 +401,8 @@ def stream_id_ms(entry_id: bytes | str) -> int | None:
 
 
 def deadline_of(request: Request, entry_id: bytes | str) -> int | None:
-    """When a request stops being worth running, in epoch ms on Redis's clock.
-
-    ``timeout_ms`` counts from the entry's stream id (stamped by Redis); an absolute
-    ``deadline_ms`` is the producer's clock, taken as it is; with both, the earlier wins.
-    """
+    """When a request stops being worth running, in epoch ms: ``timeout_ms`` after the entry's
+    stream id (Redis's clock) or ``deadline_ms`` (the producer's), the earlier of the two."""
     deadline = request.deadline_ms
     if request.timeout_ms is not None and (added_ms := stream_id_ms(entry_id)) is not None:
         relative = added_ms + request.timeout_ms
@@ -444,16 +414,9 @@ def _unpack_opts(packed: bytes) -> dict[str, Any]:
     if len(packed) > MAX_OPTS_BYTES:
         raise DecodeError(f"field 'opts' is {len(packed)} bytes, over {MAX_OPTS_BYTES}")
     try:
-        value = msgpack.unpackb(
-            packed,
-            raw=False,
-            strict_map_key=True,
-            max_array_len=1024,
-            max_map_len=256,
-            max_str_len=MAX_OPTS_BYTES,
-            max_bin_len=MAX_OPTS_BYTES,
-            max_ext_len=0,
-        )
+        value = msgpack.unpackb(packed, raw=False, strict_map_key=True, max_array_len=1024,
+                                max_map_len=256, max_str_len=MAX_OPTS_BYTES,
+                                max_bin_len=MAX_OPTS_BYTES, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types
         raise DecodeError(f"field 'opts' is not valid msgpack: {exc}") from None
     if not isinstance(value, dict):
@@ -533,7 +496,7 @@ _KINDS: dict[str, Callable[[Mapping[str, Any], type[Exception]], dict[str, Any]]
     "embedding": _embedding, "token_embeddings": _token_embeddings,
     "sparse_indices": _sparse, "scores": _scores,
 }
-"""Each kind of successful reply, by the field that marks it: its one check, which returns the
+"""Each kind of successful reply by the field that marks it: its check, returning the
 :class:`Reply` fields (constructors raise ValueError, decoding DecodeError)."""
 _BODY_FIELDS = ("embedding", "token_embeddings", "sparse_indices", "sparse_values", "dim",
                 "scores", "labels")

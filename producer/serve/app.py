@@ -39,7 +39,7 @@ from tokenq.producer.serve.schemas import Job
 from tokenq.shared.cli import version
 from tokenq.shared.failures import error_text
 from tokenq.shared.keys import QueueRef
-from tokenq.shared.queue_config import QueueConfig
+from tokenq.shared.queue_config import QueueConfig, parse_config
 from tokenq.shared.settings import ServeSettings
 
 log = logging.getLogger("tokenq.serve")
@@ -123,7 +123,7 @@ class Gateway:
 
     async def config(self, queue: str) -> QueueConfig | None:
         """The queue's config hash as its workers published it (None before any started)."""
-        return QueueConfig.parse(await self.ask(queue, AsyncClient.config))
+        return parse_config(await self.ask(queue, AsyncClient.config))
 
     async def read(self, request: Request, prepare: Callable[[bytes], T]) -> T:
         """The request's body, read within the bounds, made into what ``prepare`` (module-level:

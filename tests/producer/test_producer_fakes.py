@@ -94,7 +94,7 @@ def test_fake_worker_answers_on_reply_to(redis_url: str, queue_name: str, r: red
         worker.stop()
     assert popped is not None
     reply = wire.decode_reply(popped[1])
-    assert reply.id == "abc" and reply.embedding_floats() == [5.0, 3.0, 0.0]
+    assert reply.id == "abc" and struct.unpack("<3f", reply.embedding or b"") == (5.0, 3.0, 0.0)
     assert r.xlen(worker.stream) == 0
 
 
