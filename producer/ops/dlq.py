@@ -1,7 +1,5 @@
-"""``tokenq dlq list|retry|purge``: show, re-enqueue or delete dead letters, lane by lane (a
-sharded queue's are named ``<shard>/<id>`` or ``plain/<id>``); named letters not found, or
-skipped, are named on stderr and make the exit status 1. A retry (``dlq_retry.lua``) puts the
-request's own fields back on its lane's tenant stream and deletes the letter atomically."""
+"""``tokenq dlq list|retry|purge``: show, re-enqueue (``dlq_retry.lua``, atomically) or delete
+dead letters, lane by lane; letters named but not found or skipped make the exit status 1."""
 
 from __future__ import annotations
 

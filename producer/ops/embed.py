@@ -1,6 +1,5 @@
-"""``tokenq embed FILE --output OUT``: a file of texts through the queue, in input order,
-resumable: Ctrl-C and SIGTERM are one ``KeyboardInterrupt``, held back while a checkpoint
-file is written, after which every row that is back is saved; then a summary."""
+"""``tokenq embed FILE --output OUT``: a file of texts through the queue, in input order;
+resumable, an interruption saving every row that is back (:func:`pump`); then a summary."""
 
 from __future__ import annotations
 

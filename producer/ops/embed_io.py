@@ -1,6 +1,5 @@
 """``tokenq embed``'s files: inputs read, chunks checkpointed atomically in ``OUTPUT.partial/``
-(its manifest pins the input, settings, model and request-id token), joined into OUTPUT; a
-crash at any step leaves a resumable checkpoint or a complete output."""
+and joined into OUTPUT; a crash at any step leaves a resumable checkpoint or a whole output."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What ``tokenq stats`` and ``top`` see: one read-only snapshot of the queues as JSON-ready
-dicts (fields in docs/OPERATIONS.md: keep in step, bump ``SNAPSHOT_VERSION`` when one changes
-meaning)."""
+"""What ``tokenq stats`` and ``top`` see: a read-only snapshot of the queues as JSON-ready dicts
+(fields in docs/OPERATIONS.md: bump ``SNAPSHOT_VERSION`` when one changes meaning)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """How a route's job reaches its queue: no live worker (503, or ``--cold-start-s``), a Redis gone
-(every wait ends within ~1.5 s; 0033-gateway-503s), and one answer per ``Idempotency-Key``: the
-first attempt's, kept in Redis for any replica's retry; a record and a lease per key
-(docs/RELIABILITY.md, "Idempotent retries")."""
+(0033-gateway-503s), one answer per ``Idempotency-Key`` (docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""TEI's router (its ``docs/openapi.json`` the contract, 0037-tei-routes-and-openapi.md): /embed,
-/rerank, /predict, ``POST /`` by the model's kind, /similarity, /tokenize, /decode,
-/embed_sparse (a SPLADE queue's weights) and /embed_all (every token's vector)."""
+"""TEI's router (its ``docs/openapi.json`` the contract, 0037-tei-routes-and-openapi.md): the
+routes that send a job, ``POST /`` by the model's kind, /tokenize and /decode."""
 
 from __future__ import annotations
 
