@@ -176,10 +176,10 @@ def find(r: redis.Redis, lanes: Lanes, words: Sequence[str]) -> Found:
     by_lane: dict[keys.QueueRef, list[str]] = {}
     ambiguous: dict[str, list[str]] = {}
     for target in targets:
-        entry = target[1]
+        named, entry = target
         where = [lane for lane, one in lanes.candidates(target) if (lane, one) in found]
         if not where:
-            missing.append(lanes.name(target[0], entry))
+            missing.append(lanes.name(named, entry))
         elif len(where) > 1:
             ambiguous[entry] = [lanes.name(lane, entry) for lane in where]
         else:

@@ -375,11 +375,9 @@ def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str
 
 
 def known_lanes(r: redis.Redis, q: keys.QueueRef) -> tuple[keys.QueueRef, ...]:
-    """Every lane ``q`` is served on: ``(q,)``, or its shards then the plain ``{q}``, by the
-    ``shards`` its workers publish (absent or unreadable: 1), plus retired shards that still
-    have a stream, up to ``shards_served`` (docs/OPERATIONS.md, "Changing K"). A
-    :class:`CommandFailed` naming the queues there are when no lane has a key (else a
-    misspelt ``--queue`` would look like an empty queue)."""
+    """Every lane ``q`` is served on: its shards (retired ones that still have a stream too)
+    then the plain ``{q}``, by its config's ``shards`` (docs/OPERATIONS.md, "Changing K"); a
+    :class:`CommandFailed` when no lane has a key (a misspelt ``--queue``)."""
     shards = _count(r, keys.config(q), "shards") or 1
     lanes = keys.lanes_of(q, shards)
     served = _count(r, keys.shards_served(q)) or 1
