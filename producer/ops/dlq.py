@@ -1,10 +1,5 @@
-"""``tokenq dlq list|retry|purge``: show, re-enqueue or delete dead letters, lane by lane; a
-sharded queue's letters are named ``<shard>/<id>`` or ``plain/<id>``. Named letters not found,
-or skipped, are named on stderr and make the exit status 1.
-
-A retry (``dlq_retry.lua``) re-adds the request's own fields onto the letter's own lane, on its
-tenant's stream (``dead_tenant``), and deletes the letter atomically, within the length limit;
-truncated letters stay; ``retry(ids=None)`` stops at the dead stream's last id as of its start."""
+"""``tokenq dlq list|retry|purge``: show, re-enqueue (``dlq_retry.lua``, atomically) or delete
+dead letters, lane by lane; letters named but not found or skipped make the exit status 1."""
 
 from __future__ import annotations
 
@@ -77,12 +72,8 @@ def entry_id(text: str) -> str | None:
 PLAIN = "plain"  # a letter's lane on a sharded queue's plain {q} (``-`` would read as a flag)
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
-    """One letter an operator named: its entry id, and its lane (None: whichever holds it)."""
-
-    lane: keys.QueueRef | None
-    entry_id: str
+Target = tuple[keys.QueueRef | None, str]
+"""One letter an operator named: its lane (None: whichever holds it), and its entry id."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +88,9 @@ class Lanes:
     def sharded(self) -> bool:
         return len(self.all) > 1
 
-    def name(self, lane: keys.QueueRef, entry: str) -> str:
+    def name(self, lane: keys.QueueRef | None, entry: str) -> str:
         """The letter ``entry`` of ``lane`` as the table shows it and ``--id`` takes it."""
-        if not self.sharded:
+        if not self.sharded or lane is None:
             return entry
         return f"{PLAIN if lane.shard is None else lane.shard}/{entry}"
 
@@ -127,14 +118,14 @@ class Lanes:
             elif named and lane is None:
                 invalid.append(f"{word} (no such shard: the queue has shards "
                                f"0-{len(self.all) - 2} and plain)")
-            elif (found := Target(lane, normal)) not in wanted:
-                wanted.append(found)
+            elif (lane, normal) not in wanted:
+                wanted.append((lane, normal))
         return wanted, invalid
 
     def candidates(self, target: Target) -> list[tuple[keys.QueueRef, str]]:
         """Where ``target`` may be: its lane, or every lane for a bare id."""
-        lanes = self.all if target.lane is None else (target.lane,)
-        return [(lane, target.entry_id) for lane in lanes]
+        lane, entry = target
+        return [(one, entry) for one in (self.all if lane is None else (lane,))]
 
     def _lane(self, text: str) -> keys.QueueRef | None:
         if text == PLAIN:
@@ -185,14 +176,14 @@ def find(r: redis.Redis, lanes: Lanes, words: Sequence[str]) -> Found:
     by_lane: dict[keys.QueueRef, list[str]] = {}
     ambiguous: dict[str, list[str]] = {}
     for target in targets:
+        named, entry = target
         where = [lane for lane, one in lanes.candidates(target) if (lane, one) in found]
         if not where:
-            missing.append(target.entry_id if target.lane is None
-                           else lanes.name(target.lane, target.entry_id))
+            missing.append(lanes.name(named, entry))
         elif len(where) > 1:
-            ambiguous[target.entry_id] = [lanes.name(lane, target.entry_id) for lane in where]
+            ambiguous[entry] = [lanes.name(lane, entry) for lane in where]
         else:
-            by_lane.setdefault(where[0], []).append(target.entry_id)
+            by_lane.setdefault(where[0], []).append(entry)
     placed = {lane: by_lane[lane] for lane in lanes.all if lane in by_lane}
     return letters, placed, missing, ambiguous
 
@@ -248,13 +239,10 @@ def retry(r: redis.Redis, q: keys.QueueRef, ids: Sequence[str] | None, *, max_qu
 
 def _by_tenant(r: redis.Redis, q: keys.QueueRef, page: Sequence[str]) -> dict[str, list[str]]:
     """The page's ids by the tenant whose stream each letter goes back to (one round trip)."""
-    pipe = r.pipeline(transaction=False)
-    for one in page:
-        pipe.xrange(keys.dead(q), one, one)
+    tenants = {one.entry_id: one.tenant for _, one in read_letters(r, [(q, i) for i in page])}
     groups: dict[str, list[str]] = {}
-    for one, found in zip(page, pipe.execute(), strict=True):
-        tenant = parse_letter(*found[0]).tenant if found else keys.DEFAULT_TENANT
-        groups.setdefault(tenant, []).append(one)
+    for one in page:
+        groups.setdefault(tenants.get(one, keys.DEFAULT_TENANT), []).append(one)
     return groups
 
 
@@ -363,7 +351,6 @@ def run(settings: DlqSettings) -> int:
 
 
 def _report_missing(lanes: Lanes, missing: list[str]) -> None:
-    """The named letters no dead stream holds, on stderr (the caller exits 1)."""
     if not missing:
         return
     where = "any of the queue's dead streams" if lanes.sharded else "the dead stream"
@@ -371,7 +358,6 @@ def _report_missing(lanes: Lanes, missing: list[str]) -> None:
 
 
 def _report_ambiguous(ambiguous: dict[str, list[str]], outcome: str) -> None:
-    """Bare ids that more than one lane of a sharded queue holds, one line each."""
     for one, names in ambiguous.items():
         print(f"tokenq dlq: {one} is in more than one dead stream ({', '.join(names)}): "
               f"{outcome}", file=sys.stderr)
@@ -432,7 +418,6 @@ def _row(lanes: Lanes, lane: keys.QueueRef, letter: DeadLetter, now_ms: int) -> 
 
 
 def _preview(text: str) -> str:
-    """``text`` on one line, cut to fit a table cell."""
     text = " ".join(text.split())
     return text[:_PREVIEW - 1] + "…" if len(text) > _PREVIEW else text
 

@@ -1,10 +1,5 @@
-"""``tokenq embed FILE --output OUT``: a file of texts through the queue, in input order,
-resumable: Ctrl-C and SIGTERM are one ``KeyboardInterrupt``, held back while a checkpoint
-file is written, after which every row that is back is saved; then a summary.
-
-The loop (:func:`pump`): inputs out in groups (at most ``--max-in-flight`` unanswered) with
-request ids a resumed run repeats, replies kept until their chunk is on disk, every state
-change inside ``held()`` so an interruption lands between two; a chunk is written once done."""
+"""``tokenq embed FILE --output OUT``: a file of texts through the queue, in input order;
+resumable, an interruption saving every row that is back (:func:`pump`); then a summary."""
 
 from __future__ import annotations
 
@@ -201,7 +196,7 @@ def _embed(settings: EmbedSettings, ops: redis.Redis, q: QueueRef) -> int:
 
 
 def _exit(code: int) -> int:
-    """``code``, or :func:`_leave` with it while threads of groups are still out."""
+    """``code``, or :func:`_leave` with it while groups' threads are still out."""
     if any(thread.name.startswith(THREAD_PREFIX) and thread.is_alive()
            for thread in threading.enumerate()):
         _leave(code)
@@ -209,8 +204,7 @@ def _exit(code: int) -> int:
 
 
 def _leave(code: int) -> NoReturn:
-    """Exit now, not waiting for the threads of groups still out (in a read until
-    ``--timeout-s``); everything worth keeping is on disk."""
+    """Exit now, not waiting for the groups' threads (in a read until ``--timeout-s``)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -243,7 +237,6 @@ def _run(settings: EmbedSettings, checkpoint: Checkpoint, client: Client, ops: r
 
 
 def _count_lines(path: str) -> int | None:
-    """How many inputs a file holds (None for stdin), for the progress bar."""
     if path == "-":
         return None
     with open(path, "rb") as stream:
@@ -282,8 +275,7 @@ def progress_bar(total: int | None, enabled: bool) -> Progress:
 
 
 def _queue_dim(client: Client, settings: EmbedSettings) -> int:
-    """The queue config's ``dim``, for an .npy output no input gave a vector for (still a
-    ``(rows, dim)`` matrix)."""
+    """The queue config's ``dim``, for an .npy output no input gave a vector for."""
     config = parse_config(client.config())
     if config is None or config.dim is None:
         why = ("has no config hash (no worker has started on it yet)" if config is None
@@ -441,8 +433,7 @@ def pump(settings: EmbedSettings, client: Client, checkpoint: Checkpoint, tally:
 
 
 def answered(futures: Iterable[Future[T]]) -> list[Future[T]]:
-    """The futures that finished with a result (asking a cancelled one for its exception
-    raises)."""
+    """The futures that finished with a result (asking a cancelled one its exception raises)."""
     return [f for f in futures if f.done() and not f.cancelled() and f.exception() is None]
 
 
@@ -532,7 +523,6 @@ class _Chunks:
 
 
 def _in_order(rows: dict[int, Row]) -> list[Row]:
-    """A chunk's rows (by input index) in input order."""
     return [rows[index] for index in sorted(rows)]
 
 

@@ -1,6 +1,5 @@
 """``tokenq embed``'s files: inputs read, chunks checkpointed atomically in ``OUTPUT.partial/``
-(its manifest pins the input, settings, model and request-id token), joined into OUTPUT by
-streaming; a crash at any step leaves a resumable checkpoint or a complete output."""
+and joined into OUTPUT; a crash at any step leaves a resumable checkpoint or a whole output."""
 
 from __future__ import annotations
 
@@ -25,12 +24,11 @@ _UNCHECKED = ("dim", "model", "requests")  # manifest keys learned, checked alon
 
 
 class ResumeMismatch(Exception):
-    """The partial results on disk belong to a different run (input, settings or model changed)."""
+    """The partial results on disk belong to another run (input, settings or model changed)."""
 
 
 class AlreadyComplete(Exception):
-    """OUTPUT was written by an earlier run, which stopped while removing its checkpoint;
-    ``failed`` of its rows are errors."""
+    """An earlier run wrote OUTPUT and stopped while removing its checkpoint."""
 
     def __init__(self, output: Path, failed: int) -> None:
         super().__init__(f"{output} is already complete: an earlier run wrote it and stopped "
@@ -73,7 +71,7 @@ def input_format(path: str, chosen: str) -> str:
 
 
 def read_items(path: str, fmt: str, field: str, id_field: str) -> Iterator[Item]:
-    """Every input in file order, numbered from 0; one line is one input."""
+    """Every input (one a line) in file order, numbered from 0."""
     with (contextlib.nullcontext(sys.stdin.buffer) if path == "-"
           else open(path, "rb")) as stream:
         for index, raw in enumerate(stream):
@@ -104,8 +102,8 @@ def _item(index: int, raw: bytes, fmt: str, field: str, id_field: str) -> Item:
 
 
 def request_id(token: str, index: int) -> str:
-    """Input ``index``'s request id, 32 hex digits, the same in every run that resumes it (the
-    enqueue's dedupe writes a resent request once; its reply is where the first run left it)."""
+    """Input ``index``'s request id, the same in every run that resumes it (the enqueue's
+    dedupe writes a resent request once; its reply is where the first run left it)."""
     return f"{token}{index:016x}"
 
 
@@ -141,7 +139,7 @@ class Checkpoint:
 
     @property
     def removing(self) -> Path:
-        """Where the directory goes once OUTPUT is complete, to be removed in any order."""
+        """Where the directory goes once OUTPUT is complete, to be removed."""
         return self.output.with_name(self.output.name + ".removing")
 
     def open(self, *, restart: bool) -> None:
@@ -179,7 +177,7 @@ class Checkpoint:
         self.saved = self._partial_rows()
 
     def _changed(self, found: dict[str, Any]) -> list[str]:
-        """The keys an earlier run's manifest ``found`` differs in (but :data:`_UNCHECKED`)."""
+        """The keys (but :data:`_UNCHECKED`) an earlier run's manifest differs in."""
         return sorted(k for k in found.keys() | self.manifest.keys()
                       if k not in _UNCHECKED and found.get(k) != self.manifest.get(k))
 
@@ -202,7 +200,6 @@ class Checkpoint:
         return found is not None and not self._changed(found) and self.output.exists()
 
     def _failed_in_output(self) -> int:
-        """How many rows of a complete OUTPUT are errors."""
         if self.format == "npy":
             errors = self.output.with_name(self.output.name + ".errors.jsonl")
             return len(errors.read_bytes().splitlines()) if errors.exists() else 0
@@ -212,7 +209,7 @@ class Checkpoint:
     def _lock(self) -> None:
         try:
             import fcntl
-        except ImportError:  # not POSIX: no lock, as before
+        except ImportError:  # not POSIX: no lock
             return
         self._lock_file = (self.directory / _LOCK).open("wb")
         try:
@@ -240,7 +237,7 @@ class Checkpoint:
 
     def set_dim(self, dim: int | None) -> None:
         """Pin the output's width (the first vector seen: a chunk of failures has none)."""
-        if self.manifest.get("dim") is None and dim is not None:
+        if self.dim is None and dim is not None:
             self.manifest["dim"] = dim
             self._write_manifest()
 
@@ -251,13 +248,13 @@ class Checkpoint:
         _atomic_write(self.directory / _MANIFEST, json.dumps(self.manifest, indent=2).encode())
 
     def write_partial(self, number: int, rows: list[Row]) -> None:
-        """Save the rows of unfinished chunk ``number`` that are back (replacing any before)."""
+        """Save the rows back so far of unfinished chunk ``number``."""
         self._learn_dim(rows)
         _atomic_write(self._chunk(number, _PART), _json_lines(map(asdict, rows)))
 
     def _partial_rows(self) -> dict[int, dict[int, Row]]:
         """The rows saved for unfinished chunks, by chunk and index (an unreadable or stray
-        row is left out, to be sent again; those of done chunks are removed)."""
+        row is left out, to be sent again)."""
         chunk_size = int(self.manifest["chunk_size"])
         out: dict[int, dict[int, Row]] = {}
         for number in self._numbers(_PART):
@@ -275,7 +272,7 @@ class Checkpoint:
         return out
 
     def discard(self) -> None:
-        """Remove the directory and everything in it (a run that stopped before saving any)."""
+        """Remove the directory and everything in it."""
         self.close()
         _remove_tree(self.directory)
 
@@ -293,10 +290,9 @@ class Checkpoint:
         self._chunk(number, _PART).unlink(missing_ok=True)
 
     def assemble(self, skipped: Sequence[int] = ()) -> int:
-        """Join every chunk into OUTPUT (and OUTPUT.errors.jsonl; for ``.npy``, whose rows
-        carry no index, OUTPUT.skipped.txt: the ``skipped`` blank inputs' indexes, one a line,
-        no file for none); rename the directory to :attr:`removing` (OUTPUT is complete),
-        remove it; return the number of failed rows."""
+        """Join every chunk into OUTPUT (for ``.npy`` also OUTPUT.errors.jsonl and
+        OUTPUT.skipped.txt: the ``skipped`` blank inputs' indexes), then remove the directory;
+        the number of failed rows."""
         numbers = self._numbers(_DONE)
         if numbers != list(range(len(numbers))):
             raise CommandFailed(f"{self.directory} is missing chunks; re-run the same "
@@ -327,7 +323,6 @@ class Checkpoint:
         return self.directory / f"chunk-{number:06d}{suffix}"
 
     def _numbers(self, suffix: str) -> list[int]:
-        """The chunks with a ``suffix`` file, in order."""
         return sorted(int(p.name[6:12]) for p in self.directory.glob("chunk-??????" + suffix))
 
     def _join_files(self, numbers: list[int], suffix: str, target: Path) -> int:
@@ -340,8 +335,8 @@ class Checkpoint:
         return lines
 
     def _join_npy(self, numbers: list[int]) -> None:
-        """Stream the chunks into one ``(rows, dim)`` matrix with plain writes (a full disk
-        under a memory map is a silent SIGBUS; a write's ENOSPC is reported)."""
+        """Stream the chunks into one ``(rows, dim)`` matrix with plain writes (under a memory
+        map a full disk is a silent SIGBUS)."""
         import numpy as np
 
         parts = [np.load(self._chunk(n, ".npy"), mmap_mode="r") for n in numbers]
@@ -358,7 +353,6 @@ class Checkpoint:
 
 
 def _manifest_in(directory: Path) -> dict[str, Any] | None:
-    """The manifest ``directory`` holds, or None (none, or not a JSON object)."""
     try:
         found = json.loads((directory / _MANIFEST).read_text())
     except (OSError, ValueError, UnicodeDecodeError):
@@ -410,14 +404,14 @@ def _row_from_record(line: bytes) -> Row | None:
 
 
 def model_words(identity: dict[str, Any]) -> str:
-    """A model identity (``queue_config.model_identity``) in words: ``model M (backend, dim D)``."""
+    """A model identity in words: ``model M (backend, task, dim D)``."""
     details = ", ".join(f"{key} {identity[key]}" if key == "dim" else str(identity[key])
                         for key in ("backend", "task", "dim") if identity.get(key) is not None)
     return f"model {identity.get('model')}" + (f" ({details})" if details else "")
 
 
 def _check_widths(rows: list[Row], dim: int | None, queue: object) -> None:
-    """Refuse a chunk whose vectors are not all ``dim`` wide: another model answered."""
+    """Refuse a chunk whose vectors are not all ``dim`` wide (another model answered)."""
     widths = {len(row.vector) for row in rows if row.vector is not None}
     if dim is not None and widths - {dim}:
         raise ResumeMismatch(
@@ -452,7 +446,7 @@ def _remove_tree(directory: Path, keep: str | None = None, *, complete: bool = F
 @contextlib.contextmanager
 def _writing(target: Path, temp: Path) -> Iterator[BinaryIO]:
     """``temp`` open for writing, synced and renamed to ``target`` at the end; on failure
-    removed, an OSError becoming :class:`WriteFailed` naming ``target``."""
+    removed (an OSError becomes :class:`WriteFailed`)."""
     try:
         with temp.open("wb") as out:
             yield out

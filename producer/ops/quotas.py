@@ -1,6 +1,5 @@
-"""``tokenq quotas``: the operator's caps on each tenant's pending tokens (``keys.quotas``),
-which ``enqueue.lua`` holds atomically; ``show`` prints them beside each tenant's pending
-tokens. A sharded queue's every lane gets the same caps: each shard holds a tenant to it."""
+"""``tokenq quotas``: the operator's caps on each tenant's pending tokens (``keys.quotas``, held
+by ``enqueue.lua``), the same on every lane of a sharded queue."""
 
 from __future__ import annotations
 

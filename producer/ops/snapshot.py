@@ -1,6 +1,5 @@
-"""What ``tokenq stats`` and ``top`` see: one read-only snapshot of the queues as JSON-ready
-dicts (fields in docs/OPERATIONS.md: keep in step, bump ``SNAPSHOT_VERSION`` when one changes
-meaning). Each lane is a row; ``totals`` sums each sharded queue (absent when none is)."""
+"""What ``tokenq stats`` and ``top`` see: a read-only snapshot of the queues as JSON-ready dicts
+(fields in docs/OPERATIONS.md: bump ``SNAPSHOT_VERSION`` when one changes meaning)."""
 
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ SNAPSHOT_VERSION = 1
 
 
 def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
-    """A bytes client for operator commands (short timeouts, no retries). A bad URL is a
-    :class:`UsageError`; a cluster connects at once, and one that does not answer is a
-    :class:`CommandFailed`."""
+    """A bytes client for operator commands (short timeouts, no retries): a bad URL is a
+    :class:`UsageError`, a cluster that does not answer a :class:`CommandFailed`."""
     try:
         return sync_client_for(  # type: ignore[return-value]  # a cluster answers the same
             redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
@@ -47,8 +45,8 @@ def connect(redis_url: str, socket_timeout_s: float = 5.0) -> redis.Redis:
 @contextlib.contextmanager
 def connection(redis_url: str, socket_timeout_s: float,
                queues: Iterable[keys.QueueRef]) -> Iterator[redis.Redis]:
-    """:func:`connect` for one command: closed at the end, and a Redis failure inside
-    leaves as the operator's one line (:func:`explain`; a WRONGTYPE names the key)."""
+    """:func:`connect` for one command, closed at the end; a Redis failure inside leaves as
+    :func:`explain`'s one line."""
     r = connect(redis_url, socket_timeout_s)
     try:
         yield r
@@ -115,7 +113,7 @@ def _count(r: redis.Redis, key: str, field: str | None = None) -> int | None:
 
 
 def lane_order(q: keys.QueueRef) -> tuple[str, int]:
-    """How the tables sort lanes: by queue name, the plain ``{q}`` before its shards."""
+    """By queue name, the plain ``{q}`` before its shards."""
     return q.name, q.shard if q.shard is not None else -1
 
 
@@ -136,10 +134,8 @@ def queue_label(q: keys.QueueRef) -> str:
 
 
 def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str = "") -> dict:
-    """The whole ``tokenq stats --json`` document for ``queues``, timed on Redis's clock.
-
-    A lane Redis refuses to read (a wrong-type key, an ACL) goes under ``unreadable``,
-    naming the key, and the rest are still shown; an unreachable Redis fails it all."""
+    """The whole ``tokenq stats --json`` document for ``queues``, timed on Redis's clock; a
+    lane Redis refuses to read (a wrong-type key, an ACL) goes under ``unreadable``."""
     now = redis_now(r)
     rows: list[dict[str, Any]] = []
     unreadable: list[dict[str, Any]] = []
@@ -165,7 +161,6 @@ def snapshot(r: redis.Redis, queues: Iterable[keys.QueueRef], *, redis_url: str 
 
 
 def unreadable_lines(doc: dict[str, Any]) -> list[str]:
-    """One line per queue of the snapshot that Redis refused to read (its key named)."""
     return [f"queue {q['label']}: {q['error']}" for q in doc.get("unreadable", [])]
 
 
@@ -201,7 +196,6 @@ def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
-    """One queue's entry of the snapshot."""
     stream = keys.requests(q)
     group = _group_info(r, stream)
     pending, oldest_pending_ms = 0, None
@@ -260,8 +254,7 @@ def _consumers(r: redis.Redis, stream: str) -> list[dict[str, Any]]:
 
 def _workers(r: redis.Redis, q: keys.QueueRef,
              now: float) -> tuple[list[dict[str, Any]], list[str]]:
-    """Live workers (heartbeat row and liveness key) and the names of the rest: rows whose
-    liveness key expired (died without deregistering) or that cannot be decoded."""
+    """Live workers (heartbeat row and liveness key), and the names of the rest."""
     beats = heartbeats(r, q)
     alive = live_names(r, q, beats)
     live = {name: beat for name, beat in sorted(beats.items())
@@ -273,15 +266,12 @@ def _workers(r: redis.Redis, q: keys.QueueRef,
 def live_names(r: redis.Redis, q: keys.QueueRef, names: Iterable[str]) -> set[str]:
     """Those of ``names`` whose liveness key still exists."""
     names = list(names)
-    if not names:
-        return set()
     alive = pipelined(r, lambda pipe, name: pipe.exists(keys.worker_alive(q, name)), names)
     return {name for name, is_alive in zip(names, alive, strict=True) if is_alive}
 
 
 def heartbeats(r: redis.Redis, q: keys.QueueRef) -> dict[str, Heartbeat | None]:
-    """Each row of the workers hash by consumer: its heartbeat, None where no tokenq worker
-    wrote it."""
+    """Each row of the workers hash by consumer: its heartbeat, None if it cannot be decoded."""
     beats: dict[str, Heartbeat | None] = {}
     for name, raw in r.hgetall(keys.workers(q)).items():
         try:
@@ -319,9 +309,8 @@ def _worker_view(name: str, beat: Heartbeat, now: float) -> dict[str, Any]:
 
 
 def tenant_rows(pending: dict[str, int], workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per tenant (label) of a lane: its pending tokens (0 when its field is absent), and
-    what the live workers answered for it: requests, counted tokens, tokens/s over their
-    uptime, and the highest of their p50s (ms; None: none answered it)."""
+    """Per tenant of a lane: its pending tokens, and what the live workers answered for it
+    (their p50: the highest of theirs, None if none answered it)."""
     labels = sorted({*pending, *(label for w in workers for label in w["tenants"])})
     rows = []
     for label in labels:
@@ -373,8 +362,7 @@ def counter_delta(before: dict[str, dict[str, float]], after: dict[str,
 
 def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str,
                   socket_timeout_s: float | None = None) -> dict:
-    """Discover (or take, with every lane) the queues and snapshot them; a failure is the
-    operator's one-line :class:`CommandFailed`."""
+    """Discover (or take, with every lane) the queues and snapshot them."""
     queues: list[keys.QueueRef] = [keys.QueueRef(queue, prefix)] if queue else []
     try:
         if queue:  # every lane of a sharded queue, as SCAN would find them
@@ -387,11 +375,9 @@ def read_snapshot(r: redis.Redis, prefix: str, queue: str | None, redis_url: str
 
 
 def known_lanes(r: redis.Redis, q: keys.QueueRef) -> tuple[keys.QueueRef, ...]:
-    """Every lane ``q`` is served on: ``(q,)``, or its shards then the plain ``{q}``, by the
-    ``shards`` its workers publish (absent or unreadable: 1), plus retired shards that still
-    have a stream, up to ``shards_served`` (docs/OPERATIONS.md, "Changing K"). A
-    :class:`CommandFailed` naming the queues there are when no lane has a key (else a
-    misspelt ``--queue`` would look like an empty queue)."""
+    """Every lane ``q`` is served on: its shards (retired ones that still have a stream too)
+    then the plain ``{q}``, by its config's ``shards`` (docs/OPERATIONS.md, "Changing K"); a
+    :class:`CommandFailed` when no lane has a key (a misspelt ``--queue``)."""
     shards = _count(r, keys.config(q), "shards") or 1
     lanes = keys.lanes_of(q, shards)
     served = _count(r, keys.shards_served(q)) or 1

@@ -1,6 +1,5 @@
 """``tokenq stats``: every queue's backlog, workers and dead letters, as aligned text or
-(``--json``) the document of docs/OPERATIONS.md; a sharded queue is a block per lane, then
-their sum. Queues Redis refuses to read are named on stderr after the rest (exit 1)."""
+(``--json``) the document of docs/OPERATIONS.md."""
 
 from __future__ import annotations
 
@@ -36,8 +35,8 @@ def stats(settings: StatsSettings) -> int:
 
 
 def in_display_order(doc: dict[str, Any]) -> Iterator[tuple[bool, dict[str, Any]]]:
-    """(whether it is a sharded queue's sum, its entry): each lane's row, each sharded
-    queue's ``totals`` entry after its last lane."""
+    """(whether it is a sharded queue's sum, its entry): each lane's row, each sum after its
+    queue's last lane."""
     wholes = {whole["queue"]: whole for whole in doc.get("totals", [])}
     rows = doc["queues"]
     for at, row in enumerate(rows):
@@ -58,7 +57,7 @@ def _head(q: dict[str, Any]) -> str:
 
 
 def cache_line(q: dict[str, Any]) -> str | None:
-    """The result cache and coalescing, for a queue that used them; else None."""
+    """The result cache and coalescing, for a queue that used them."""
     totals = q["totals"]
     hits, misses = totals["cache_hits"], totals["cache_misses"]
     if not (hits or misses or totals["coalesced"] or q["cache_bytes"]):
@@ -88,7 +87,7 @@ def _queue_block(q: dict[str, Any]) -> str:
 
 
 def backlog(q: dict[str, Any]) -> str:
-    """A queue's backlog and workers on one line, as ``stats`` and ``top`` head a queue."""
+    """A queue's backlog and workers on one line."""
     oldest = "" if q["oldest_pending_ms"] is None else f" (oldest {q['oldest_pending_ms']}ms)"
     lag = str(q["lag"]) + ("" if q["lag_exact"] else "~")
     gone = f" ({len(q['stale_workers'])} gone)" if q["stale_workers"] else ""
@@ -98,15 +97,13 @@ def backlog(q: dict[str, Any]) -> str:
 
 
 def unserved_line(q: dict[str, Any]) -> str | None:
-    """``no live worker: N waiting`` for a queue (lane) holding requests and no live worker
-    (the producer's rule: a workers-hash row whose liveness key is set); else None."""
+    """``no live worker: N waiting`` for a lane holding requests and no live worker."""
     if q["length"] and not q["totals"]["workers"]:
         return f"no live worker: {q['length']:,} waiting"
     return None
 
 
 def gone_line(q: dict[str, Any]) -> str:
-    """The gone workers by name: rows of the workers hash whose liveness key expired."""
     return (f"gone (heartbeat row without a liveness key, or unreadable; not counted): "
             f"{', '.join(q['stale_workers'])}")
 
@@ -116,7 +113,7 @@ WORKER_COLUMNS = ("worker", "host", "budget", "rows", "buffered", "req/s", "tok/
 
 
 def worker_row(w: dict[str, Any]) -> tuple[str, ...]:
-    """One worker as table cells (lifetime averages; ``top`` shows recent rates)."""
+    """One worker as table cells (lifetime averages)."""
     budget = f"{w['max_batch_tokens']}"
     if w["configured_batch_tokens"] not in (None, w["max_batch_tokens"]):
         budget += f"/{w['configured_batch_tokens']}"
@@ -134,12 +131,11 @@ MAX_TENANT_ROWS = 20
 
 
 def has_tenants(q: dict[str, Any]) -> bool:
-    """Whether a lane has a tenant other than the default one (a table worth showing)."""
+    """Whether a lane has a tenant other than the default one."""
     return any(t["tenant"] != DEFAULT_TENANT for t in q.get("tenants", ()))
 
 
 def busiest(tenants: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The :data:`MAX_TENANT_ROWS` tenants with the most pending, then served, tokens."""
     ranked = sorted(tenants, key=lambda t: (-t["pending_tokens"], -t["tokens"], t["tenant"]))
     return ranked[:MAX_TENANT_ROWS]
 

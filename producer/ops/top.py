@@ -1,6 +1,5 @@
 """``tokenq top``: ``tokenq stats`` with each worker's rates over the last refresh, redrawn
-every ``--interval-s`` on a terminal (needs rich); ``--once`` or a pipe: one frame;
-``--json``: one snapshot a line, flushed, until Ctrl-C (needs no rich)."""
+every ``--interval-s`` (rich); ``--once`` or a pipe: one frame; ``--json``: a line a refresh."""
 
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ def top(settings: TopSettings) -> int:
 
 
 def _json_lines(settings: TopSettings, snapshot: Callable[[], dict[str, Any]]) -> int:
-    """One JSON line per refresh; the reader closing the pipe ends it quietly (status 0)."""
+    """One JSON line per refresh, until the reader closes the pipe (status 0)."""
     try:
         while True:
             doc = snapshot()
@@ -123,7 +122,6 @@ def render(doc: dict[str, Any], *, with_unreadable: bool = True) -> Any:
     """One frame: a table per queue (lane), a line summing each sharded queue, and (unless
     ``with_unreadable`` is False: a single frame leaves them to stderr) unreadable queues."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
     stamp = time.strftime("%H:%M:%S", time.localtime(doc["at"]))
@@ -137,19 +135,18 @@ def render(doc: dict[str, Any], *, with_unreadable: bool = True) -> Any:
         if whole:  # a sharded queue's sum: its workers are in its lanes' tables
             parts.append(Text(head, style="bold"))
         else:
-            table = Table(title=head, title_justify="left", expand=False)
-            for column in stats.WORKER_COLUMNS:
-                table.add_column(column, justify="left" if column in {"worker", "host"}
-                                 else "right", no_wrap=True, min_width=len(column))
+            rows = []
             for w in q["workers"]:
                 cells = list(stats.worker_row(w))
                 if w.get("recent_requests_per_s") is not None:  # not the lifetime averages
                     cells[5] = f"{w['recent_requests_per_s']:.1f}"
                     cells[6] = f"{w['recent_tokens_per_s']:.0f}"
-                table.add_row(*cells)
-            parts.append(table)
-            if stats.has_tenants(q):
-                parts.append(_tenant_table(q))
+                rows.append(cells)
+            parts.append(_table_of(head, stats.WORKER_COLUMNS, rows, {"worker", "host"}))
+            if stats.has_tenants(q):  # the busiest, at their recent rates where known
+                parts.append(_table_of("tenants", stats.TENANT_COLUMNS, [
+                    stats.tenant_row(t, t.get("recent_tokens_per_s"))
+                    for t in stats.busiest(q["tenants"])], {"tenant"}))
         unserved = stats.unserved_line(q)
         if unserved is not None:
             parts.append(Text(unserved, style=UNSERVED_STYLE))
@@ -158,15 +155,15 @@ def render(doc: dict[str, Any], *, with_unreadable: bool = True) -> Any:
     return Group(*parts)
 
 
-
-def _tenant_table(q: dict[str, Any]) -> Any:
-    """A lane's busiest tenants, at their recent rates where two heartbeats were seen."""
+def _table_of(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]],
+              left: set[str]) -> Any:
+    """A rich table of ``rows``, the ``left`` columns left-aligned, the rest right."""
     from rich.table import Table
 
-    table = Table(title="tenants", title_justify="left", expand=False)
-    for column in stats.TENANT_COLUMNS:
-        table.add_column(column, justify="left" if column == "tenant" else "right",
-                         no_wrap=True, min_width=len(column))
-    for t in stats.busiest(q["tenants"]):
-        table.add_row(*stats.tenant_row(t, t.get("recent_tokens_per_s")))
+    table = Table(title=title, title_justify="left", expand=False)
+    for column in columns:
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=True,
+                         min_width=len(column))
+    for row in rows:
+        table.add_row(*row)
     return table

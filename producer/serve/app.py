@@ -116,8 +116,8 @@ class Gateway:
         return next(iter(self.models), None) or self.settings.queue
 
     async def ask(self, queue: str, call: Callable[[AsyncClient], Coroutine[Any, Any, T]]) -> T:
-        """``call`` of the queue's client, ended by the 503 of a Redis gone as soon as the
-        probe finds it so (delivery.Reachability: about 1.5 s), however the call waits."""
+        """``call`` of the queue's client, ended by a 503 as soon as the probe finds its Redis
+        gone (delivery.Reachability)."""
         client = self.clients[queue]
         return await self.reachability.watch(queue, client, asyncio.ensure_future(call(client)))
 
@@ -126,8 +126,8 @@ class Gateway:
         return parse_config(await self.ask(queue, AsyncClient.config))
 
     async def read(self, request: Request, prepare: Callable[[bytes], T]) -> T:
-        """The request's body, read within the bounds, made into what ``prepare`` (module-level:
-        it may run in a child process) returns; its size is kept for :meth:`infer`."""
+        """``prepare`` (module-level: it may run in a child process) of the request's body, read
+        within the bounds."""
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.timeout_s)
         request.state.body_bytes = len(raw)
         if delivery.HEADER in request.headers:
@@ -164,7 +164,6 @@ class Gateway:
             ))
         except Exception as exc:
             raise from_exception(exc, job.options, job.where) from exc
-
 
     async def answer(
         self, route: str, work: Callable[[], Awaitable[Any]], admit: bool = False
@@ -210,7 +209,7 @@ class Gateway:
         return await self.answer(route, work, admit=True)
 
     async def health(self) -> Response:
-        """``GET /health`` (and TEI's ``GET /``): each queue's length while its Redis answers."""
+        """``GET /health``: each queue's length while its Redis answers."""
         async def work() -> dict[str, Any]:
             lengths = {q: await self.ask(q, AsyncClient.queue_length) for q in self.queues}
             return {"status": "ok", "queue_lengths": lengths}
@@ -243,8 +242,7 @@ async def watched(request: Request, work: Awaitable[T]) -> T:
 
 
 class _Unreplicated(Collector):
-    """``tokenq_serve_unreplicated_requests_total``: durable enqueues (``--durable-replicas``)
-    too few replicas confirmed, by queue (still answered 200); read at each scrape."""
+    """``tokenq_serve_unreplicated_requests_total``, read from the clients at each scrape."""
 
     def __init__(self, clients: dict[str, AsyncClient]) -> None:
         self._clients = clients
@@ -259,7 +257,6 @@ class _Unreplicated(Collector):
 
 
 def create_app(settings: ServeSettings) -> FastAPI:
-    """The gateway for ``settings``: one AsyncClient per queue, opened with the app."""
     gateway = Gateway(settings)
 
     @asynccontextmanager

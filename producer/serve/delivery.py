@@ -1,7 +1,5 @@
 """How a route's job reaches its queue: no live worker (503, or ``--cold-start-s``), a Redis gone
-(every wait ends within ~1.5 s; 0033-gateway-503s), and one answer per ``Idempotency-Key``: the
-first attempt's, kept in Redis for any replica's retry; a record and a lease per key
-(docs/RELIABILITY.md, "Idempotent retries")."""
+(0033-gateway-503s), one answer per ``Idempotency-Key`` (docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 
@@ -27,11 +25,8 @@ log = logging.getLogger("tokenq.serve")
 T = TypeVar("T")
 
 ALIVE_CACHE_S = 1.0  # how long a queue seen with a live worker is taken to still have one
-
 WORKER_POLL_S = 0.25  # how often a cold start asks whether a worker has come alive
-
 PROBE_S = 0.25  # how often a waiting request's queue is asked whether its Redis still answers
-
 PROBE_TIMEOUT_S = 1.0
 """How long a probe waits for ``XLEN``: a Redis silent that long is gone or frozen."""
 
@@ -59,7 +54,7 @@ class Reachability:
         return False
 
     async def check(self, queue: str, client: AsyncClient) -> None:
-        """Return when the queue's Redis answered the latest probe; else raise its outage."""
+        """Raise the queue's outage unless its Redis answered the latest probe."""
         started, probe = self._probes.get(queue, (0.0, None))
         if probe is None or (probe.done() and time.monotonic() - started >= PROBE_S):
             probe = asyncio.ensure_future(_probe(client))
@@ -81,8 +76,8 @@ class Reachability:
                     log.warning("tokenq serve: %s; every route answers 503 until it answers", why)
 
     async def watch(self, queue: str, client: AsyncClient, work: asyncio.Future[T]) -> T:
-        """``work``'s result, or the queue's outage as soon as a probe finds Redis gone
-        (``work`` is then cancelled: whatever it waits on, Redis will not answer it)."""
+        """``work``'s result, or the queue's outage as soon as a probe finds Redis gone (``work``
+        is then cancelled)."""
         try:
             while True:
                 done, _ = await asyncio.wait({work}, timeout=PROBE_S)
@@ -108,7 +103,7 @@ async def _probe(client: AsyncClient) -> BrokerUnavailable | None:
     except BrokerUnavailable as down:
         return down
     except Exception:  # no news of an outage; the request's own wait goes on
-        return None
+        pass
     return None
 
 
@@ -117,8 +112,8 @@ async def deliver(
     reachability: Reachability, unique: list[str] | None,
     keep: bool = False,
 ) -> list[Result]:
-    """The job's results, asked of ``queue`` as the module's rules say (``keep``: leave
-    the replies on their keys for a retry, :mod:`.idempotency`)."""
+    """The job's results, asked of ``queue`` as the module's rules say (``keep``: leave the
+    replies on their keys for a retry)."""
     alive = await reachability.watch(queue, client,
                                      asyncio.ensure_future(reachability.alive(queue, client)))
     if not alive and cold_start_s <= 0:
@@ -175,15 +170,12 @@ async def _send(
 # One answer per Idempotency-Key
 
 POLL_S = 0.1  # how often a retry asks whether the attempt it waits on has stored its answer
-
 SETTLE_TIMEOUT_S = 1.0
 """How long storing an answer or dropping a lease may hold up the answer (a hung Redis)."""
 
 LEASE_GRACE_S = 2.0
 """How long past ``--timeout-s`` a computing request's lease lasts (its store, its cleanup)."""
-
 HEADER = "Idempotency-Key"  # OpenAI's API and Stripe-style clients name a retried request so
-
 MAX_KEY_CHARS = 255  # the longest key taken (OpenAI's and Stripe's own limit)
 
 current: ContextVar[Claim | None] = ContextVar("tokenq_idempotency_claim", default=None)
@@ -241,13 +233,11 @@ class Claim:
 
 
 def body_digest(body: bytes) -> bytes:
-    """What :func:`request_ids` knows of a body (kept instead of the body itself)."""
     return hashlib.sha256(body).digest()
 
 
 def request_ids(key: str, queue: str, digest: bytes, count: int) -> list[str]:
-    """``count`` request ids (32 hex digits) that only this key, queue and body produce (a key
-    reused for another body is other work)."""
+    """``count`` request ids (32 hex digits) that only this key, queue and body produce."""
     if not 0 < len(key) <= MAX_KEY_CHARS:
         raise ApiError(400, f"{HEADER}: 1 to {MAX_KEY_CHARS} characters", param=HEADER,
                        code="invalid_idempotency_key")

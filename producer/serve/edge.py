@@ -1,6 +1,5 @@
-"""What is checked of a request before any route sees it, outermost first: CORS, ``--api-key``,
-a POST's ``Content-Type``, 499s logged, unknown paths and methods in their API's shape; and
-uvicorn's header timeout (docs/SECURITY.md, "The gateway")."""
+"""What is checked of a request before any route sees it (CORS, API keys, tenants, the
+``Content-Type``, unknown routes), and uvicorn's header timeout (docs/SECURITY.md)."""
 
 from __future__ import annotations
 

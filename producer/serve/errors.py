@@ -22,11 +22,8 @@ from tokenq.shared.errors import ErrorCode
 
 RETRY_AFTER_S = 1
 """What ``Retry-After`` says when the queue is full: about one batch's time is plenty."""
-
 _OPTION_PREFIX = "opts: "
 """How the producer's and the worker's messages mark an option's refusal (its name follows)."""
-
-
 _VALIDATION_CODES = {ErrorCode.BAD_REQUEST.value, ErrorCode.TOO_LONG.value}
 
 _CLIENT_STATUSES = (401, 404, 405, 413, 415, 422)
@@ -66,24 +63,17 @@ class ApiError(Exception):
         return {"message": self.message}
 
 
-OPENAI_PREFIXES = ("/v1/", "/embeddings")
-"""Paths whose errors are written in OpenAI's shape (Cohere's v1 rerank included)."""
-
-COHERE_PREFIXES = ("/v2/",)
-"""Paths whose errors are written in Cohere's shape (its v2 API); every other path is TEI's."""
-
-
 def body_for(path: str) -> Callable[[ApiError], dict[str, Any]]:
-    """The error body of the API family ``path`` belongs to, by its prefix."""
-    if path.startswith(OPENAI_PREFIXES):
+    """The error body of the API family ``path`` belongs to: OpenAI's (Cohere's v1 rerank
+    included), Cohere's v2, else TEI's."""
+    if path.startswith(("/v1/", "/embeddings")):
         return ApiError.openai_body
-    if path.startswith(COHERE_PREFIXES):
+    if path.startswith("/v2/"):
         return ApiError.cohere_body
     return ApiError.tei_body
 
 
 def invalid(param: str, message: str) -> ApiError:
-    """422 naming the field."""
     return ApiError(422, f"{param}: {message}", param=param)
 
 
@@ -98,7 +88,7 @@ def too_large(param: str, message: str) -> ApiError:
 
 def wrong_model(code: str, message: str) -> ApiError:
     """424 (TEI's ``Backend``, before any inference): the queue's model does not answer what
-    this route asks (``code``: ``not_an_embedding_model``, ...)."""
+    this route asks."""
     return ApiError(424, message, param="model", code=code)
 
 

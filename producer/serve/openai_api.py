@@ -20,11 +20,6 @@ from tokenq.producer.serve.tei_api import post
 
 router = APIRouter()
 
-CREATED = 0
-"""``created`` of every model: the gateway does not know when a model was made."""
-
-API_VERSION = "2"  # ``meta.api_version.version`` of every Cohere v2 answer
-
 
 def documents_only(value: Any) -> list[str]:
     """``documents``: strings or ``{"text": str}`` objects (Cohere's two spellings), as texts."""
@@ -68,7 +63,6 @@ class Rerank(RerankBody):
 
 
 def rerank_job(body: RerankBody) -> Job:
-    """One (query, document) pair per document."""
     if not body.documents:
         raise empty("documents")
     return Job([(body.query, text) for text in body.documents], {}, "documents")
@@ -91,7 +85,6 @@ def ranked(body: RerankBody, results: list[Any], return_documents: bool = False
 
 
 def tokens_of(results: list[Any]) -> int:
-    """The tokens the workers counted for the request's pairs."""
     return sum(result.tokens or 0 for result in results)
 
 
@@ -103,7 +96,8 @@ def rerank_answer(results: list[Any], body: Rerank, model: str, *_: Any) -> dict
 
 
 def model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": CREATED, "owned_by": "tokenq"}
+    # ``created``: the gateway does not know when a model was made
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tokenq"}
 
 
 @router.get("/v1/models")
@@ -156,7 +150,7 @@ rerank_v2_request = functools.partial(parse_job, RerankV2, rerank_v2_job)
 def rerank_v2_answer(results: list[Any], body: RerankV2, *_: Any) -> dict[str, Any]:
     """Cohere's v2 answer (``model`` is not part of it)."""
     return {"id": str(uuid.uuid4()), "results": ranked(body, results), "meta": {
-        "api_version": {"version": API_VERSION},
+        "api_version": {"version": "2"},
         "billed_units": {"input_tokens": tokens_of(results)}}}
 
 

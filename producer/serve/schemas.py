@@ -1,7 +1,5 @@
 """Request bodies and answers, as OpenAI, TEI and Infinity clients send and expect them: a body
-becomes a :class:`Job`, a field that does not validate a 422 in the API's own shape. TEI's scoring
-routes (``/rerank``, ``/predict``) last: whether a queue can answer is its config hash's
-``task``, ``pairs``, ``labels``."""
+becomes a :class:`Job`, a field that does not validate a 422 in the API's own shape."""
 
 from __future__ import annotations
 
@@ -30,9 +28,7 @@ Dimensions = Annotated[int, Field(ge=0, le=MAX_DIMENSIONS, strict=True)]
 """OpenAI's ``dimensions``; 0 means all of them, as Infinity (whose client sends 0) reads it."""
 
 
-
 def _rightward(direction: str) -> str:
-    """422 for ``Left``: workers cut the end of an over-long input."""
     if direction.lower() != "right":
         raise invalid("truncation_direction",
                       "Left is not supported: the workers keep the start of an input (Right)")
@@ -124,8 +120,8 @@ def parse(model: type[Body], raw: bytes) -> Any:
 
 
 def parse_job(model: type[Body], job: Callable[[Any], T], raw: bytes) -> tuple[Any, T]:
-    """The body as ``model``, and ``job`` of it: a route's ``prepare``, made with
-    ``functools.partial`` of module-level parts (bounds.Parser pickles it by name)."""
+    """The body as ``model``, and ``job`` of it: a route's ``prepare``, as a ``partial`` of
+    module-level parts (bounds.Parser pickles it by name)."""
     body = parse(model, raw)
     return body, job(body)
 
@@ -155,7 +151,6 @@ openai_request = functools.partial(parse_job, OpenAIEmbeddings, openai_job)
 
 
 def tei_embed_job(body: TEIEmbed) -> Job:
-    """The texts of a TEI request and its options (``normalize`` always: TEI's default is true)."""
     job = tei_job(body, {"normalize": body.normalize})
     if body.dimensions:
         job.options["dimensions"] = body.dimensions
@@ -178,12 +173,11 @@ def tei_job(body: TEIPerToken, options: dict[str, Any]) -> Job:
 
 
 def given(**options: Any) -> dict[str, Any]:
-    """The ``options`` that were given (not None)."""
     return {name: value for name, value in options.items() if value is not None}
 
 
 def require_embeddings(config: QueueConfig | None, model: str, *_: Any) -> None:
-    """424 before anything is sent when the queue's config says its model answers scores."""
+    """424 before anything is sent when the queue's config says its model embeds nothing."""
     if config is not None and config.task not in (None, "embed"):
         raise _not_embeddings(model)
 
@@ -223,7 +217,6 @@ TRUNCATED_HEADER = "x-tokenq-truncated"
 
 
 def truncation_headers(results: Sequence[Result]) -> dict[str, str]:
-    """:data:`TRUNCATED_HEADER`: the inputs whose replies say the model read them cut."""
     return {TRUNCATED_HEADER: str(sum(1 for result in results if result.truncated))}
 
 
@@ -239,7 +232,6 @@ def _base64_le(vector: array.array) -> str:
 
 
 def texts_only(value: Any) -> list[str]:
-    """``texts``: a list of strings, checked in one pass that stops at the first that is not."""
     if type(value) is not list:
         raise invalid("texts", f"expected a list of strings, got {bounds.kind(value)}")
     bounds.check_each(value, "texts", TEXT)
@@ -268,7 +260,6 @@ def _options(body: TEIRerank | TEIPredict) -> dict[str, Any]:
 
 
 def rerank_job(body: TEIRerank) -> Job:
-    """One (query, text) pair per text."""
     if not body.texts:
         raise empty("texts")
     return Job([(body.query, text) for text in body.texts], _options(body), "texts")
@@ -284,13 +275,13 @@ def predict_job(body: TEIPredict) -> Job:
     """The inputs of a predict request (:func:`is_batch`)."""
     inputs = body.inputs
     if isinstance(inputs, str):
-        return Job([inputs], _options(body), "inputs")
-    if not inputs:
+        items: list[TextItem] = [inputs]
+    elif not inputs:
         raise empty("inputs")
-    if not is_batch(body):
-        one = _sequence(inputs, "inputs")  # type: ignore[arg-type]
-        return Job([one], _options(body), "inputs")
-    items = [_sequence(item, f"inputs[{index}]") for index, item in enumerate(inputs)]
+    elif not is_batch(body):
+        items = [_sequence(inputs, "inputs")]  # type: ignore[arg-type]
+    else:
+        items = [_sequence(item, f"inputs[{index}]") for index, item in enumerate(inputs)]
     return Job(items, _options(body), "inputs")
 
 
@@ -308,10 +299,9 @@ def _sequence(parts: Sequence[str], where: str) -> TextItem:
 
 
 def require_reranker(config: QueueConfig | None, *_: Any) -> None:
-    """424 unless the queue's model is a reranker (TEI refuses any other model, too)."""
-    if config is None:
-        return  # no worker has described the queue yet: the workers will decide
-    if config.task == "rerank" or (config.task is None and config.pairs):
+    """424 unless the queue's model is a reranker (TEI refuses any other model, too); no
+    config (no worker has started): the workers decide."""
+    if config is None or config.task == "rerank" or (config.task is None and config.pairs):
         return
     kind = {None: "takes no pairs", "embed": "embeds"}.get(config.task,
                                                              f"is a {config.task!r} model")
@@ -333,7 +323,7 @@ def require_classifier(config: QueueConfig | None, model: str, job: Job) -> None
 
 
 def label_names(count: int, labels: Sequence[str] | None) -> list[str]:
-    """The name of each of ``count`` scores: ``labels`` when they fit, else ``LABEL_i``."""
+    """``labels`` when there are ``count`` of them, else ``LABEL_i``."""
     if labels is not None and len(labels) == count:
         return list(labels)
     return [f"LABEL_{index}" for index in range(count)]
@@ -373,10 +363,8 @@ def predict_answer(
 def _predictions(result: Result, labels: Sequence[str] | None) -> list[dict[str, Any]]:
     scores = scores_of(result)
     names = label_names(len(scores), result.labels or labels)
-    pairs = zip(names, scores, strict=True)
-    predictions: list[dict[str, Any]] = [{"label": name, "score": score} for name, score in pairs]
-    predictions.sort(key=lambda prediction: -prediction["score"])
-    return predictions
+    pairs = sorted(zip(names, scores, strict=True), key=lambda pair: -pair[1])  # stable
+    return [{"label": name, "score": score} for name, score in pairs]
 
 
 def tei_model_type(config: QueueConfig) -> dict[str, Any]:

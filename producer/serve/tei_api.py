@@ -1,8 +1,5 @@
-"""TEI's router (its ``docs/openapi.json`` the contract, 0037-tei-routes-and-openapi.md): /embed,
-/rerank, /predict, ``POST /`` by the model's kind, /similarity, /tokenize, /decode, aliases;
-/embed_sparse (a SPLADE queue's nonzero weights per input, else 424) and /embed_all (every
-token's vector: the option ``output: "tokens"``, 413 beyond
-:data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` in the worst case, checked before sending)."""
+"""TEI's router (its ``docs/openapi.json`` the contract, 0037-tei-routes-and-openapi.md): the
+routes that send a job, ``POST /`` by the model's kind, /tokenize and /decode."""
 
 from __future__ import annotations
 
@@ -69,7 +66,7 @@ class SimilarityParameters(BaseModel):
 
 
 class TEISimilarity(Body):
-    """``POST /similarity`` (and ``POST /`` on an embedder, with ``inputs`` an object)."""
+    """``POST /similarity`` (and ``POST /`` on an embedder, ``inputs`` an object)."""
 
     inputs: SimilarityInput
     parameters: SimilarityParameters | None = None
@@ -107,7 +104,6 @@ decode_request = functools.partial(parse, TEIDecode)
 
 
 def similarity_job(body: TEISimilarity) -> Job:
-    """The source first, then each sentence."""
     if not body.inputs.sentences:
         raise empty("inputs.sentences")
     parameters = body.parameters or SimilarityParameters()
@@ -137,8 +133,7 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def tokenize_answer(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> list[Raw]:
-    """Each text's ``SimpleToken`` list (:func:`token_answer`); a 413 beyond
-    :data:`.bounds.MAX_TOKENIZE_TOKENS` in all, before any record is built (in a thread)."""
+    """Each text's ``SimpleToken`` list; a 413 beyond :data:`.bounds.MAX_TOKENIZE_TOKENS`."""
     count_tokens(tokenizer, texts, add_special_tokens)
     encodings = tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
     check_count(sum(map(len, encodings)), MAX_TOKENIZE_TOKENS, "tokens", "inputs",
@@ -170,11 +165,8 @@ def _pieces(text: str) -> Iterator[str]:
 
 def count_tokens(tokenizer: Any, texts: list[str], add_special_tokens: bool) -> None:
     """413 as soon as ``texts`` surely pass :data:`.bounds.MAX_TOKENIZE_TOKENS`, counted a
-    group of pieces at a time so a request far over is refused without all its encodings.
-
-    A cut can change the count near it (a split word, a ``Strip`` normalizer), so each cut
-    forgives :data:`CUT_SLACK` tokens; what passes is counted exactly by ``tokenize_answer``.
-    """
+    group of pieces at a time, so a request far over is refused without all its encodings
+    (each cut forgives :data:`CUT_SLACK`; what passes is counted exactly after)."""
     count = len(texts) * tokenizer.num_special_tokens_to_add(False) if add_special_tokens else 0
     cuts = 0
     group: list[str] = []
@@ -209,8 +201,8 @@ def token_answer(encoding: Any, text: str) -> Raw:
 
 
 async def tokenizer_of(config: QueueConfig | None) -> tuple[Any, int]:
-    """The ``tokenizers.Tokenizer`` of the queue described by ``config``, with the UTF-8 bytes
-    of its longest token (added tokens included), or a 422; loaded once per published path."""
+    """The queue's ``tokenizers.Tokenizer`` and the UTF-8 bytes of its longest token, or a
+    422; loaded once per published path."""
     path = config.tokenizer if config is not None else None
     if path is None:
         raise ApiError(422, "this queue's workers publish no tokenizer.json (the sim "
@@ -240,15 +232,12 @@ def _check_inputs(count: int, where: str, limit: int) -> None:
 
 
 def _vectors(results: list[Result], body: Any, model: str, *_: Any) -> list[Any]:
-    """``/embed``'s answer (TEI's list of vectors), or ``/similarity``'s for its body: the
-    source's cosine with each sentence, in the sentences' order."""
+    """``/embed``'s vectors, or ``/similarity``'s cosine of the source with each sentence."""
     vectors = schemas.embeddings_of(results, model)
     if isinstance(body, TEISimilarity):
         return [cosine(vectors[0], vector) for vector in vectors[1:]]
     return vectors
 
-
-SPARSE_TASK = "sparse"  # the ``task`` a sparse queue's workers publish in its config hash
 
 sparse_request = functools.partial(parse_job, TEIPerToken,
                                    functools.partial(schemas.tei_job, options={}))
@@ -258,13 +247,13 @@ all_request = functools.partial(parse_job, TEIPerToken, functools.partial(
 
 def require_sparse(config: QueueConfig | None, model: str, *_: Any) -> None:
     """424 before anything is sent when the queue's config says it serves another kind."""
-    if config is not None and config.task is not None and config.task != SPARSE_TASK:
+    if config is not None and config.task not in (None, "sparse"):
         raise _not_sparse(model, config.task)
 
 
 def sparse_answer(results: Sequence[Result], model: str) -> list[Raw]:
-    """TEI's ``EmbedSparseResponse``: each input's nonzero ``{index, value}`` pairs, written
-    straight to JSON; 413 beyond :data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` weights in all."""
+    """TEI's ``EmbedSparseResponse``, written straight to JSON; 413 beyond
+    :data:`.bounds.MAX_TOKEN_ANSWER_FLOATS` weights in all."""
     for result in results:
         if result.sparse is None:
             raise _not_sparse(model, "embed" if result.embedding is not None else "score")
@@ -276,8 +265,7 @@ def sparse_answer(results: Sequence[Result], model: str) -> list[Raw]:
 
 
 def tokens_answer(results: Sequence[Result], model: str) -> list[list[array.array]]:
-    """TEI's ``EmbedAllResponse``: each input's token vectors, in token order (render.encode
-    writes each)."""
+    """TEI's ``EmbedAllResponse``: each input's token vectors, in token order."""
     answer = []
     for result in results:
         if result.token_embeddings is None:
@@ -319,8 +307,7 @@ POSTS: dict[str, tuple[Any, ...]] = {
 
 
 def post(router: APIRouter, path: str, *how: Any) -> None:
-    """``POST path`` on ``router``: ``Gateway.serve`` with ``how`` (prepare, check, answer, and
-    the answer's headers if any)."""
+    """``POST path`` on ``router``: ``Gateway.serve`` with ``how``."""
     async def route(request: Request) -> Response:
         return await request.app.state.gateway.serve(request, path, *how)
     router.add_api_route(path, route, methods=["POST"])
