@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -40,6 +40,7 @@ _CJK = (
 _TOKEN = re.compile(rf"[{_CJK}]|(?:(?![{_CJK}])\w)+|[^\w\s]")
 
 
+_IDEOGRAPH_RE = re.compile(rf"[{_CJK}]")
 _WORD, _IDEOGRAPH, _SPACE, _MARK = 0, 1, 2, 3  # character classes, as _TOKEN sees them
 _SCAN_FROM_CHARS = 256  # texts this long are tokenized by _ScannedTokens, shorter by the regex
 
@@ -52,18 +53,10 @@ def _class_of(char: str) -> int:
     return _SPACE if char.isspace() else _MARK
 
 
-_IDEOGRAPH_RE = re.compile(rf"[{_CJK}]")
-
-
 @functools.cache
 def _bmp_classes() -> np.ndarray:
     """The class of every character of the Basic Multilingual Plane (built once)."""
     return np.fromiter((_class_of(chr(code)) for code in range(0x10000)), np.uint8, 0x10000)
-
-
-@functools.cache
-def _astral_class(code: int) -> int:
-    return _class_of(chr(code))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +85,15 @@ class _ScannedTokens:
 
     codes: np.ndarray
     classes: np.ndarray
-    starts: np.ndarray
-    """Index of the first character of each token, ascending."""
+    starts: np.ndarray  # index of the first character of each token, ascending
 
     @classmethod
     def of(cls, text: str) -> _ScannedTokens:
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
         astral = codes > 0xFFFF
         classes = _bmp_classes()[np.where(astral, 0, codes)]
-        if astral.any():
-            for index in np.flatnonzero(astral):
-                classes[index] = _astral_class(int(codes[index]))
+        for index in np.flatnonzero(astral):
+            classes[index] = _class_of(chr(codes[index]))
         word = classes == _WORD
         follows_word = np.empty_like(word)
         follows_word[:1] = False
@@ -160,7 +151,7 @@ class SimEncoding:
 
     @property
     def pair_tokens(self) -> tuple[str, ...] | None:
-        """Content tokens of ``text_pair`` kept after truncation, if there was one."""
+        """Content tokens of ``text_pair`` this sequence holds, if there was one."""
         if self.pair_text is None:
             return None
         return tuple(split_tokens(self.pair_text)[: self.pair_kept])
@@ -220,8 +211,7 @@ def encode(text: str, text_pair: str | None = None, max_length: int | None = Non
 
 
 def _digest(canonical_sides: Iterable[bytes]) -> bytes:
-    """blake2b over each side's canonical tokens, length-prefixed so that sides never
-    collide by concatenation (a pair is not the text of its two sides)."""
+    """blake2b over each side's canonical tokens, length-prefixed: a pair is not its text."""
     digest = hashlib.blake2b(digest_size=32, person=b"tokenq-sim2")
     for raw in canonical_sides:
         digest.update(len(raw).to_bytes(8, "little"))
@@ -335,7 +325,6 @@ class SimBackend(SimTokenizer):
         spending time, ValueError for a poisoned batch or an over-long row."""
         if self.closed:
             raise RuntimeError("sim backend is closed")
-        rows: list[SimEncoding] = []
         for encoding in batch:
             if not isinstance(encoding, SimEncoding):
                 raise TypeError(f"sim backend got a {type(encoding).__name__}, not a SimEncoding")
@@ -344,7 +333,7 @@ class SimBackend(SimTokenizer):
                     f"a row of {encoding.length} tokens exceeds the model's "
                     f"max_input_tokens {self.info.max_input_tokens}"
                 )
-            rows.append(encoding)
+        rows = cast("Sequence[SimEncoding]", batch)
         if not rows:
             return []
         cost = self.cost(rows)
@@ -378,8 +367,7 @@ class SimBackend(SimTokenizer):
         return outputs
 
     def _hold(self, until: float) -> None:
-        """Sleep (GIL released) until ``until``, less the running mean of the wake-up lateness
-        no GPU adds, so a batch lasts its modelled time on average."""
+        """Sleep until ``until``, less the running mean of the wake-up lateness no GPU adds."""
         remaining = until - time.perf_counter()
         if remaining <= 0:
             return

@@ -27,8 +27,7 @@ _POLL_S = 0.1
 _REPEAT_S = 1.0  # a second stop signal within this time is the same stop, not a kill
 _KILL_WAIT_S = 10.0
 _GUARD_POLL_S = 0.5
-
-DeathMode = Literal["auto", "prctl", "guard", "none"]
+_PR_SET_PDEATHSIG = 1
 
 
 def describe_exit(code: int | None) -> str:
@@ -69,19 +68,16 @@ class RestartPolicy:
 
 
 def _load_prctl() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # not Linux
         return None
     prctl.argtypes = [ctypes.c_int, *[ctypes.c_ulong] * 4]
     prctl.restype = ctypes.c_int
     return prctl
 
 
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
 
 
 def prctl(option: int, value: int) -> bool:
@@ -90,7 +86,7 @@ def prctl(option: int, value: int) -> bool:
 
 
 def _pdeathsig_preexec(parent: int) -> None:
-    """Run in the child between fork and exec: SIGTERM me when ``parent`` dies."""
+    """In the child between fork and exec: SIGTERM me when ``parent`` dies."""
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the line above: too late to ask
         os._exit(1)
@@ -181,8 +177,7 @@ class Child:
         return None if self.process is None else self.process.pid
 
     @property
-    def live(self) -> bool:
-        """Running, or due to be restarted."""
+    def live(self) -> bool:  # running, or due to be restarted
         return self.running or self.restart_at is not None
 
 
@@ -194,7 +189,8 @@ class Supervisor:
 
     def __init__(
         self, policy: RestartPolicy | None = None, *, stop_timeout_s: float = 30.0,
-        poll_s: float = _POLL_S, die_with_parent: DeathMode = "auto",
+        poll_s: float = _POLL_S,
+        die_with_parent: Literal["auto", "prctl", "guard", "none"] = "auto",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy or RestartPolicy()

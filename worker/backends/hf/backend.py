@@ -20,7 +20,6 @@ from tokenq.worker.backends.hf.encoding import HFEncoding, flat_rows, pad_rows, 
 from tokenq.worker.backends.hf.head import EmbeddingHead, SparseHead, build_embedding_head
 from tokenq.worker.backends.hf.heap_trim import HeapTrimmer, bound_library_caches
 from tokenq.worker.backends.hf.layout import (
-    SentenceTransformerConfig,
     classify_activation,
     read_sentence_transformer_config,
     rerank_activation,
@@ -100,8 +99,9 @@ class HFBackend:
     @classmethod
     def load(cls, options: HFOptions) -> HFBackend:
         """Load model and tokenizer as ``options`` say; every refusal is a ConfigError."""
+        task = options.task
         source = resolve_model(options.model)
-        st = read_sentence_transformer_config(source, options.task)
+        st = read_sentence_transformer_config(source, task)
         sparse = None if st.splade is None else SparseHead(*st.splade)
         tokenizer_path = tokenizer_json(source, st.subfolder)
         device = resolve_device(options.device)
@@ -112,24 +112,51 @@ class HFBackend:
         runtime = resolve_runtime(options, device, autocast or dtype)  # before the slow load
         tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
         model.to(device).eval()
+        config = model.config
         head = None
-        if options.task == "embed":
-            head = build_embedding_head(source, st, options, int(model.config.hidden_size), device)
-        max_input = max_input_tokens(source, st.max_seq_length, tokenizer, model.config, options)
+        if task == "embed":
+            head = build_embedding_head(source, st, options, int(config.hidden_size), device)
+        max_input = max_input_tokens(source, st.max_seq_length, tokenizer, config, options)
         encoder, runtime_facts = build_encoder(
             runtime, model, tokenizer, source, st.subfolder, options,
             finish=None if head is None else (lambda output, mask: head(output, mask, None)),
             max_input=max_input, autocast=autocast,
         )
-        # bf16-mixed reads "bfloat16-mixed": what the products run in, and that it is mixed
-        dtype_name = str(autocast or dtype).removeprefix("torch.") + ("-mixed" if autocast else "")
-        info = _describe(source, st, options, head, sparse, model.config, max_input=max_input,
-                         device=str(device), dtype=dtype_name, tokenizer_path=tokenizer_path,
-                         extra={"runtime": runtime, **runtime_facts})
+        extra: dict[str, Any] = {"hf_task": task, "path": source.location, "runtime": runtime,
+                                 **runtime_facts}
+        activation, labels = "none", ()
+        if head is not None:
+            extra.update(head.describe())
+            dim = head.dim
+        elif sparse is not None:
+            extra.update(sparse.describe())
+            dim = int(config.vocab_size)
+        else:  # a scorer: its activation, and each score's label name
+            activation = extra["activation"] = (
+                rerank_activation(source.name, st.activation_fn, config) if task == "rerank"
+                else classify_activation(config)
+            )
+            dim = int(config.num_labels)
+            names = getattr(config, "id2label", None) or {}
+            labels = tuple(str(names.get(i, i)) for i in range(dim))
+        if options.trust_remote_code:
+            extra["trust_remote_code"] = True
+        info = BackendInfo(
+            name="hf", model=source.name, task=task, max_input_tokens=max_input, padded=True,
+            dim=dim, device=str(device), tokenizer=tokenizer_path, pairs=task == "rerank",
+            # bf16-mixed reads "bfloat16-mixed": what the products run in, and that it is mixed
+            dtype=str(autocast or dtype).removeprefix("torch.") + ("-mixed" if autocast else ""),
+            normalized=head is not None and head.normalize, labels=labels,
+            raw_vectors=head is not None, activation=activation,  # type: ignore[arg-type]
+            prompts=dict(st.prompts), default_prompt_name=st.default_prompt_name,
+            # The encoder's hidden states are what an embedder's output: tokens answers.
+            token_dim=int(config.hidden_size) if head is not None else None,
+            pooling="+".join(head.modes) if head is not None else None, extra=extra,
+        )
         log.info(
             "hf backend: %s task=%s device=%s dtype=%s max_input_tokens=%d %s",
-            info.model, options.task, info.device, info.dtype, info.max_input_tokens,
-            " ".join(f"{k}={v}" for k, v in info.extra.items() if k not in ("hf_task", "path")),
+            info.model, task, info.device, info.dtype, info.max_input_tokens,
+            " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("hf_task", "path")),
         )
         return cls(info, encoder, tokenizer, head=head, sparse=sparse, lowercase=st.do_lower_case,
                    source=source)
@@ -276,44 +303,6 @@ class HFBackend:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _describe(
-    source: ModelSource, st: SentenceTransformerConfig, options: HFOptions,
-    head: EmbeddingHead | None, sparse: SparseHead | None, config: Any, *, max_input: int,
-    device: str, dtype: str, tokenizer_path: str | None, extra: dict[str, Any],
-) -> BackendInfo:
-    """The model's :class:`BackendInfo`; ``extra`` holds the runtime's facts."""
-    task = options.task
-    extra = {"hf_task": task, "path": source.location, **extra}
-    activation, labels = "none", ()
-    if head is not None:
-        extra.update(head.describe())
-        dim = head.dim
-    elif sparse is not None:
-        extra.update(sparse.describe())
-        dim = int(config.vocab_size)
-    else:  # a scorer: its activation, and each score's label name
-        activation = extra["activation"] = (
-            rerank_activation(source.name, st.activation_fn, config) if task == "rerank"
-            else classify_activation(config)
-        )
-        dim = int(config.num_labels)
-        names = getattr(config, "id2label", None) or {}
-        labels = tuple(str(names.get(i, i)) for i in range(dim))
-    if options.trust_remote_code:
-        extra["trust_remote_code"] = True
-    return BackendInfo(
-        name="hf", model=source.name, task=task, max_input_tokens=max_input, padded=True,
-        dim=dim, device=device, dtype=dtype, tokenizer=tokenizer_path, pairs=task == "rerank",
-        normalized=head is not None and head.normalize, labels=labels,
-        raw_vectors=head is not None, activation=activation,  # type: ignore[arg-type]
-        prompts=dict(st.prompts), default_prompt_name=st.default_prompt_name,
-        # The encoder's hidden states are what an embedder's output: tokens answers.
-        token_dim=int(config.hidden_size) if head is not None else None,
-        pooling="+".join(head.modes) if head is not None else None,
-        extra=extra,
-    )
 
 
 def _special_token_layout(tokenizer: Any) -> tuple[int, int] | None:

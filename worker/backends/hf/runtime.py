@@ -1,6 +1,5 @@
-"""Where and how the transformer runs: the device and dtype the options come to, the runtime
-(``--runtime``: torch, or ONNX Runtime on the CPU in fp32, checked against torch on every
-start: docs/decisions/0040-onnx-runtime.md), and the :data:`Encoder` each gives."""
+"""Where and how the transformer runs: device, dtype and runtime (torch, or ONNX Runtime on the
+CPU in fp32, checked against torch at start: docs/decisions/0040-onnx-runtime.md)."""
 
 from __future__ import annotations
 
@@ -40,7 +39,6 @@ log = logging.getLogger(__name__)
 Runtime = Literal["torch", "onnx"]
 
 PROBE_TOLERANCE = 1e-4  # largest ONNX-vs-torch difference, relative to max(1, largest value)
-
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -98,15 +96,13 @@ def resolve_autocast(requested: str, device: torch.device) -> torch.dtype | None
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch's private
-    probes report it (no when they are absent)."""
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), by torch's probes."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 class TorchEncoder(Exportable):
-    """The transformer in eager torch, as loaded: the traced module, run under
-    :func:`attention_kernels` and, with ``autocast``, its mixed precision."""
+    """The transformer in eager torch, under :func:`attention_kernels` and ``autocast``."""
 
     def __init__(
         self, model: torch.nn.Module, *, uses_type_ids: bool, logits: bool,
@@ -124,7 +120,7 @@ class TorchEncoder(Exportable):
         )
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        """(ids, mask, type ids): the type ids dropped where the model takes none."""
+        """(ids, mask, type ids); the type ids dropped where the model takes none."""
         with self._attention(), self._precision():
             result = super().forward(*tensors[: len(self.inputs)])
         # Under autocast a model's last op may hand back bf16; the head after it is fp32.
@@ -174,8 +170,8 @@ def import_onnxruntime() -> Any:
 
 
 def resolve_runtime(options: HFOptions, device: torch.device, dtype: torch.dtype) -> Runtime:
-    """``--runtime`` made concrete for this task, device and dtype, and ``--quantize`` refused
-    on torch (saying which setting made it torch); a ConfigError says why not."""
+    """``--runtime`` made concrete for this task, device and dtype; ``--quantize`` refused on
+    torch, saying which setting made it torch."""
     runtime: Runtime = "torch"
     if options.task == "sparse" and options.runtime == "onnx":
         raise ConfigError(
@@ -218,11 +214,9 @@ def build_encoder(
     options: HFOptions, *, finish: Finish | None = None, max_input: int = CALIBRATION_MAX_TOKENS,
     autocast: torch.dtype | None = None,
 ) -> tuple[Encoder, dict[str, Any]]:
-    """The encoder ``runtime`` names for a model loaded in torch, and its facts for the info.
-
-    onnx: exported (or reused), checked against torch on a probe batch, and with
-    ``--quantize int8`` the gated int8 twin (``finish``: the head the gate compares through).
-    """
+    """The encoder ``runtime`` names, and its facts for the info; onnx: exported (or reused),
+    checked against torch, with ``--quantize int8`` the gated int8 twin (``finish``: the head
+    the gate compares through)."""
     uses_type_ids = "token_type_ids" in tokenizer.model_input_names
     logits = options.task != "embed"
     encoder = TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits, autocast=autocast)
@@ -272,8 +266,8 @@ def _session(ort: Any, path: Path) -> Any:
 def _check_against_torch(
     onnx: OnnxEncoder, torch_encoder: TorchEncoder, *, family: str, vocab_size: int
 ) -> None:
-    """Refuse an export whose answers on a padded probe batch differ from torch's (its shape
-    differs from the trace's, so a frozen dimension fails too)."""
+    """Refuse an export whose answers on a padded probe batch (shaped unlike the trace's)
+    differ from torch's."""
     lengths = (11, 6, 2)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, max(vocab_size, 1), (len(lengths), max(lengths)), generator=generator)
