@@ -133,24 +133,14 @@ class Metrics(NullMetrics):
     enabled = True
 
     def __init__(self, queue: str) -> None:
-        import prometheus_client
-        from prometheus_client import (
-            CollectorRegistry,
-            Counter,
-            Gauge,
-            GCCollector,
-            Histogram,
-            PlatformCollector,
-            ProcessCollector,
-        )
+        import prometheus_client as prom
 
-        prometheus_client.disable_created_metrics()  # process-wide, read at each scrape
-        self.registry = registry = CollectorRegistry()
+        prom.disable_created_metrics()  # process-wide, read at each scrape
+        self.registry = registry = prom.CollectorRegistry()
         self.queue = queue
-        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+        for collector in (prom.ProcessCollector, prom.PlatformCollector, prom.GCCollector):
             collector(registry=registry)
-
-        kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+        kinds = {"counter": prom.Counter, "gauge": prom.Gauge, "histogram": prom.Histogram}
         for attr, (kind, name, doc, extra) in _SERIES.items():
             if isinstance(extra, str):  # a second label: the family itself
                 buckets = {"buckets": WAIT_BUCKETS} if kind == "histogram" else {}
@@ -164,7 +154,7 @@ class Metrics(NullMetrics):
                        self._tenant_pending):
             family.labels(queue, DEFAULT_TENANT)  # present from the start, as _requests'
         self._pending_labels = {DEFAULT_TENANT}
-        self._info = Gauge(
+        self._info = prom.Gauge(
             "tokenq_worker_info", "Static facts about the worker (value is always 1)",
             ("queue", "consumer", "model", "backend", "device"), registry=registry,
         )

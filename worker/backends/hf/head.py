@@ -12,11 +12,7 @@ from typing import Any
 import torch
 
 from tokenq.shared.errors import ConfigError
-from tokenq.worker.backends.hf.layout import (
-    DenseConfig,
-    PoolingMode,
-    SentenceTransformerConfig,
-)
+from tokenq.worker.backends.hf.layout import DenseConfig, PoolingMode, SentenceTransformerConfig
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join
 from tokenq.worker.backends.hf.settings import HFOptions
 
@@ -41,8 +37,7 @@ def pool(
 
 
 def _pool(mode: PoolingMode, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One mode of sentence-transformers' Pooling under a float ``mask``; a row with no
-    pooled token pools to zeros."""
+    """One mode under a float ``mask``; a row with no pooled token pools to zeros."""
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     if mode == "cls":
         return hidden[rows, mask.argmax(dim=1)]  # the first pooled token
@@ -135,12 +130,11 @@ class EmbeddingHead:
     def __call__(
         self, hidden: torch.Tensor, mask: torch.Tensor, prompt_lengths: torch.Tensor | None
     ) -> torch.Tensor:
-        """Raw vectors, before any normalisation; the prompt is left out when the model says so."""
+        """Raw vectors; the prompt is left out when the model says so."""
         vectors = pool(hidden, mask, self.modes, None if self.include_prompt else prompt_lengths)
         return vectors if self.dense is None else self.dense(vectors)
 
-    def describe(self) -> dict[str, Any]:
-        """The head for logs (its pooling is ``BackendInfo.pooling``, published on its own)."""
+    def describe(self) -> dict[str, Any]:  # for logs (the pooling is BackendInfo.pooling)
         facts: dict[str, Any] = {"normalize": self.normalize, "include_prompt": self.include_prompt}
         if self.dense is not None:
             facts["dense"] = [

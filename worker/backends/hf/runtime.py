@@ -17,21 +17,9 @@ import torch
 
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.text import exception_headline
-from tokenq.worker.backends.hf.export import (
-    INPUTS,
-    Exportable,
-    cache_key,
-    default_cache_dir,
-    export,
-)
+from tokenq.worker.backends.hf import export, quantize
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join, pad_token_id
-from tokenq.worker.backends.hf.quantize import (
-    CALIBRATION_MAX_TOKENS,
-    Encoder,
-    Finish,
-    Int8Request,
-    int8_encoder,
-)
+from tokenq.worker.backends.hf.quantize import Encoder, Finish
 from tokenq.worker.backends.hf.settings import HFOptions
 
 log = logging.getLogger(__name__)
@@ -101,14 +89,14 @@ def cpu_has_bf16_matmul() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
-class TorchEncoder(Exportable):
+class TorchEncoder(export.Exportable):
     """The transformer in eager torch, under :func:`attention_kernels` and ``autocast``."""
 
     def __init__(
         self, model: torch.nn.Module, *, uses_type_ids: bool, logits: bool,
         autocast: torch.dtype | None = None,
     ) -> None:
-        super().__init__(model, INPUTS if uses_type_ids else INPUTS[:2], logits)
+        super().__init__(model, export.INPUTS if uses_type_ids else export.INPUTS[:2], logits)
         parameter = next(model.parameters(), None)  # none: the CPU
         device = torch.device("cpu") if parameter is None else parameter.device
         self._attention = attention_kernels(device)
@@ -211,8 +199,7 @@ def resolve_runtime(options: HFOptions, device: torch.device, dtype: torch.dtype
 
 def build_encoder(
     runtime: Runtime, model: torch.nn.Module, tokenizer: Any, source: ModelSource, subfolder: str,
-    options: HFOptions, *, finish: Finish | None = None, max_input: int = CALIBRATION_MAX_TOKENS,
-    autocast: torch.dtype | None = None,
+    options: HFOptions, *, finish: Finish | None, max_input: int, autocast: torch.dtype | None,
 ) -> tuple[Encoder, dict[str, Any]]:
     """The encoder ``runtime`` names, and its facts for the info; onnx: exported (or reused),
     checked against torch, with ``--quantize int8`` the gated int8 twin (``finish``: the head
@@ -227,13 +214,14 @@ def build_encoder(
     assert config_path is not None  # transformers loaded the model from it
     family = str(getattr(model.config, "model_type", type(model).__name__))
     inputs = encoder.inputs
-    key = cache_key(Path(config_path).parent, {
+    key = export.cache_key(Path(config_path).parent, {
         "task": options.task, "inputs": inputs, "class": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype),
         "trust_remote_code": options.trust_remote_code,
     })
     try:
-        path = export(model, default_cache_dir(options.onnx_cache_dir) / key, inputs, logits=logits)
+        folder = export.default_cache_dir(options.onnx_cache_dir) / key
+        path = export.export(model, folder, inputs, logits=logits)
     except Exception as exc:  # the exporter fails in many ways, all meaning the same here
         raise ConfigError(
             f"--runtime onnx: torch's ONNX exporter cannot take model family {family!r} "
@@ -244,12 +232,13 @@ def build_encoder(
     if options.quantize != "int8":
         return onnx, {}
     assert logits or finish is not None, "an embedding model's gate compares through its head"
-    request = Int8Request(
+    request = quantize.Int8Request(
         model=source.name, min_cosine=options.quantize_min_cosine, tokenizer=tokenizer,
         pad_id=pad_token_id(tokenizer), pairs=options.task == "rerank",
-        max_tokens=min(CALIBRATION_MAX_TOKENS, max_input), finish=finish,
+        max_tokens=min(quantize.CALIBRATION_MAX_TOKENS, max_input), finish=finish,
     )
-    int8, report = int8_encoder(onnx, path, lambda p: OnnxEncoder(_session(ort, p), p), request)
+    int8, report = quantize.int8_encoder(
+        onnx, path, lambda p: OnnxEncoder(_session(ort, p), p), request)
     return int8, report.describe()
 
 
