@@ -1,7 +1,6 @@
 """A simulated GPU (``--backend sim``): exact tokens (one per CJK character, ``\\w`` run or
 other mark, plus BERT's specials), modelled time and memory (OOM past capacity), and unit
-vectors from the kept tokens that :func:`expected_vector` predicts; marker texts poison.
-"""
+vectors from the kept tokens that :func:`expected_vector` predicts; marker texts poison."""
 
 from __future__ import annotations
 
@@ -70,8 +69,8 @@ class _MatchedTokens:
         return len(self.tokens)
 
     def canonical(self, first: int, last: int) -> bytes:
-        """Tokens ``first`` to ``last - 1`` as bytes that depend on those tokens alone:
-        their characters (UTF-32), then where each starts among them (uint32)."""
+        """Tokens ``first`` to ``last - 1`` as bytes of those tokens alone: their characters
+        (UTF-32), then where each starts among them (uint32)."""
         run = self.tokens[first:last]
         starts = itertools.accumulate(map(len, run[:-1]), initial=0) if run else ()
         chars = "".join(run).encode("utf-32-le", "surrogatepass")
@@ -81,7 +80,7 @@ class _MatchedTokens:
 @dataclass(frozen=True, slots=True)
 class _ScannedTokens:
     """Tokens found by classifying every code point at once (numpy): for long texts the regex
-    holds the GIL far longer; the tests hold the two to each other."""
+    holds the GIL far longer."""
 
     codes: np.ndarray
     classes: np.ndarray
@@ -145,13 +144,11 @@ class SimEncoding:
     truncated: bool = False
 
     @property
-    def tokens(self) -> tuple[str, ...]:
-        """Content tokens of ``text`` this sequence holds."""
+    def tokens(self) -> tuple[str, ...]:  # content tokens of ``text`` this sequence holds
         return tuple(split_tokens(self.text)[self.kept[0]:self.kept[1]])
 
     @property
     def pair_tokens(self) -> tuple[str, ...] | None:
-        """Content tokens of ``text_pair`` this sequence holds, if there was one."""
         if self.pair_text is None:
             return None
         return tuple(split_tokens(self.pair_text)[: self.pair_kept])
@@ -220,8 +217,8 @@ def _digest(canonical_sides: Iterable[bytes]) -> bytes:
 
 
 def vector_of(encoding: SimEncoding, dim: int) -> np.ndarray:
-    """The unit float32 vector of an encoding, from its digest through SHAKE-256 (the same
-    everywhere, unlike numpy's RNG)."""
+    """The unit float32 vector of an encoding: its digest through SHAKE-256 (unlike numpy's
+    RNG, the same everywhere)."""
     stream = hashlib.shake_256(encoding.digest).digest(4 * dim)
     values = np.frombuffer(stream, dtype="<u4").astype(np.float64) / 2.0**31 - 1.0
     norm = float(np.linalg.norm(values))
@@ -296,16 +293,14 @@ class SimBackend(SimTokenizer):
         self.batch_ms, self.token_us, self.hang_s = batch_ms, token_us, hang_s
         self.bytes_per_token, self.capacity_bytes = bytes_per_token, capacity_bytes
         self.ragged = ragged
-        # Counters of completed (or refused) batches, locked: read from another thread.
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # counters of batches run or refused, read by others
         self.batches = self.rows = self.oom_events = self.failures = self.peak_memory_bytes = 0
         self.busy_s = 0.0
         self.closed = False
         self._oversleep_s = 0.0
         super().__init__()
 
-    def tokenizer_factory(self) -> Callable[[], SimTokenizer]:
-        """The sim's tokenizer for ``--tokenize-processes`` (it is Python, so it holds the GIL)."""
+    def tokenizer_factory(self) -> Callable[[], SimTokenizer]:  # Python: it holds the GIL
         return SimTokenizer
 
     def windows(self, encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEncoding]:
@@ -316,7 +311,7 @@ class SimBackend(SimTokenizer):
         return _windows(encoding, max_length, overlap)
 
     def cost(self, batch: Sequence[SimEncoding]) -> int:
-        """Tokens the simulated device pays for a batch (its memory and time driver)."""
+        """Tokens the simulated device pays for a batch (what memory and time follow)."""
         lengths = [encoding.length for encoding in batch]
         return sum(lengths) if self.ragged else len(lengths) * max(lengths, default=0)
 
@@ -375,8 +370,7 @@ class SimBackend(SimTokenizer):
         late = time.perf_counter() - until
         self._oversleep_s = max(0.0, min(0.002, self._oversleep_s + 0.1 * late))
 
-    def close(self) -> None:
-        """Nothing to release; later runs raise, as with a freed device."""
+    def close(self) -> None:  # later runs raise, as with a freed device
         self.closed = True
 
 
