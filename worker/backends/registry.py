@@ -1,7 +1,5 @@
-"""Which backends exist: :class:`BackendEntry` (name, settings, builder) from
-:data:`BUILT_IN`, ``tokenq.backends`` entry points, or a ``--backend pkg.mod:attr`` naming
-one; the worker's settings are composed from them. A builder path is imported when built.
-"""
+"""Which backends exist: :class:`BackendEntry` (name, settings, builder) from :data:`BUILT_IN`,
+``tokenq.backends`` entry points, or a ``--backend pkg.mod:attr`` naming one."""
 
 from __future__ import annotations
 
@@ -76,8 +74,7 @@ def resolve(spec: str) -> Any:
 
 @functools.cache
 def registered() -> tuple[BackendEntry, ...]:
-    """Every registered backend: built-in, then entry points (one that fails to load is
-    logged and left out)."""
+    """Every registered backend: built-in, then entry points (one that fails is logged)."""
     found = [resolve(path) for path in BUILT_IN]
     names = {entry.name for entry in found}
     for point in entry_points(group=ENTRY_POINT_GROUP):

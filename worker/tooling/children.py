@@ -30,8 +30,7 @@ _GUARD_POLL_S = 0.5
 _PR_SET_PDEATHSIG = 1
 
 
-def describe_exit(code: int | None) -> str:
-    """``exit code 3 (a batch hung past batch_timeout_s)``, ``signal SIGKILL``, ..."""
+def describe_exit(code: int | None) -> str:  # exit code 3 (its meaning), signal SIGKILL, ...
     if code is None:
         return "running"
     if code < 0:
@@ -43,8 +42,7 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}" + (f" ({meaning})" if meaning else "")
 
 
-def shell_status(code: int) -> int:
-    """A child's return code as a shell exit status (a signal N is 128 + N)."""
+def shell_status(code: int) -> int:  # a signal N is 128 + N
     return code if code >= 0 else 128 - code
 
 
@@ -182,10 +180,9 @@ class Child:
 
 
 class Supervisor:
-    """Children restarted by a :class:`RestartPolicy`, stopped together, never orphaned; from
-    the main thread: ``with Supervisor() as sup:`` (a first SIGTERM/SIGINT stops, see
-    :meth:`run`; a later second one SIGKILLs all; every child stopped on the way out), then
-    :meth:`start` and :meth:`run`."""
+    """Children restarted by a :class:`RestartPolicy`, stopped together, never orphaned. From
+    the main thread, ``with Supervisor() as sup:``, then :meth:`start` and :meth:`run`; a first
+    SIGTERM/SIGINT stops, a later second one SIGKILLs all."""
 
     def __init__(
         self, policy: RestartPolicy | None = None, *, stop_timeout_s: float = 30.0,
