@@ -312,8 +312,7 @@ class Supervisor:
             child.restart_at = None
         self._send(signal.SIGKILL, self.children)
 
-    def stop(self, children: Sequence[Child] | None = None,
-             timeout_s: float | None = None) -> None:
+    def stop(self, children: Sequence[Child] | None = None, timeout_s: float | None = None) -> None:
         """SIGTERM ``children`` (default all), wait the stop timeout, SIGKILL whoever is left;
         nothing is restarted after this."""
         self.stopping = True

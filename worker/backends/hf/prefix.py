@@ -72,8 +72,7 @@ class PrefixTokenizer:
         self._chars_per_token = first_chars_per_token
         self._max_length: int | None = None
 
-    def encode(self, texts: list[Any], max_length: int | None) -> tuple[list[Encoding],
-                                                                        list[bool]]:
+    def encode(self, texts: list[Any], max_length: int | None) -> tuple[list[Encoding], list[bool]]:
         """Each text's encoding and whether truncation cut it (``None``: no truncation);
         (text, text_pair) tuples are read whole, truncated 'longest_first'."""
         self._set_truncation(max_length)
