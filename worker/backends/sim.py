@@ -292,7 +292,6 @@ class SimBackend(SimTokenizer):
         )
         self.batch_ms, self.token_us, self.hang_s = batch_ms, token_us, hang_s
         self.bytes_per_token, self.capacity_bytes = bytes_per_token, capacity_bytes
-        self.ragged = ragged
         self._lock = threading.Lock()  # counters of batches run or refused, read by others
         self.batches = self.rows = self.oom_events = self.failures = self.peak_memory_bytes = 0
         self.busy_s = 0.0
@@ -313,7 +312,7 @@ class SimBackend(SimTokenizer):
     def cost(self, batch: Sequence[SimEncoding]) -> int:
         """Tokens the simulated device pays for a batch (what memory and time follow)."""
         lengths = [encoding.length for encoding in batch]
-        return sum(lengths) if self.ragged else len(lengths) * max(lengths, default=0)
+        return len(lengths) * max(lengths, default=0) if self.info.padded else sum(lengths)
 
     def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
         """Sleep the modelled time, return one unit vector per row; DeviceOutOfMemory before
