@@ -1,7 +1,5 @@
-"""The interface every model backend implements: exact token lengths (``tokenize``),
-token-budgeted batches (``run``) and its limits (``info``); optional abilities are declared
-(:class:`BackendInfo` fields, protocols looked up once), never probed.
-"""
+"""The interface every model backend implements: exact token lengths (``tokenize``), batches
+(``run``), its limits (``info``); optional abilities are declared, never probed."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Turn the ``backend`` setting (a registered name, or ``package.module:factory`` taking the
-settings) into a Backend, or one :class:`ConfigError` naming the spec and why not.
-"""
+settings) into a Backend, or one :class:`ConfigError` naming the spec and why not."""
 
 from __future__ import annotations
 

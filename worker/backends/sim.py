@@ -1,6 +1,5 @@
-"""A simulated GPU (``--backend sim``): exact tokens (one per CJK character, ``\\w`` run or
-other mark, plus BERT's specials), modelled time and memory (OOM past capacity), and unit
-vectors from the kept tokens that :func:`expected_vector` predicts; marker texts poison."""
+"""A simulated GPU (``--backend sim``): exact tokens (a CJK character, ``\\w`` run or mark each,
+plus BERT's specials), time and memory (OOM past capacity), vectors :func:`expected_vector` has."""
 
 from __future__ import annotations
 

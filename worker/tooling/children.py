@@ -1,6 +1,5 @@
-"""Child processes restarted when they fail (:class:`RestartPolicy`) and dying with their
-parent: ``PR_SET_PDEATHSIG`` on Linux (it fires when the forking *thread* exits: start them
-from the main thread), else a guard process (``python -m tokenq.worker.tooling.children``)."""
+"""Child processes restarted when they fail and dying with their parent: ``PR_SET_PDEATHSIG`` on
+Linux (it fires when the forking *thread* exits: start them from the main thread), else a guard."""
 
 from __future__ import annotations
 

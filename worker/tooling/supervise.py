@@ -1,6 +1,5 @@
-"""``tokenq worker --devices 0,1``: supervised worker processes per GPU (one CUDA context,
-GIL and budget each), each with its own ``CUDA_VISIBLE_DEVICES``, consumer name, device
-share and metrics port; other flags pass on."""
+"""``tokenq worker --devices 0,1``: supervised worker processes per GPU, each with its own
+``CUDA_VISIBLE_DEVICES``, consumer name, device share and metrics port; other flags pass on."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``tokenq up``: a private Redis (unless ``--redis-url``; AOF, loopback, a free port) and N
-supervised workers, for development and demos; Ctrl-C stops the workers, then Redis. Flags
-after ``--`` go to every worker."""
+supervised workers; Ctrl-C stops the workers, then Redis. Flags after ``--`` go to each."""
 
 from __future__ import annotations
 

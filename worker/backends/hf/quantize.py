@@ -1,6 +1,5 @@
-"""int8 weights for ``--runtime onnx``, served only when their answers on a calibration set
-pass the gate, the most sensitive nodes left fp32 if need be (never over half); graphs and
-the choice cached beside the export (docs/decisions/0043-int8-behind-a-gate.md)."""
+"""int8 weights for ``--runtime onnx``, served only when they pass a gate on a calibration set,
+the most sensitive nodes left fp32 if need be (docs/decisions/0043-int8-behind-a-gate.md)."""
 
 from __future__ import annotations
 
