@@ -1,5 +1,5 @@
 """A simulated GPU (``--backend sim``): exact tokens (a CJK character, ``\\w`` run or mark each,
-plus BERT's specials), time and memory (OOM past capacity), vectors :func:`expected_vector` has."""
+plus BERT's specials), time and memory (OOM past capacity), vectors per :func:`expected_vector`."""
 
 from __future__ import annotations
 
