@@ -35,12 +35,11 @@ class BatchRecord:
     oom_splits: int
 
     def as_json(self) -> str:
-        """The batch log's line, without the newline (hand-written: ``asdict`` costs 3x)."""
+        """The batch log's line, without the newline (not ``asdict``: it costs 3x)."""
         return json.dumps({name: getattr(self, name) for name in _RECORD_FIELDS})
 
 
 _RECORD_FIELDS = tuple(item.name for item in fields(BatchRecord))
-"""The batch log's keys, in the record's order."""
 
 
 @dataclass(slots=True)
@@ -72,25 +71,19 @@ class WorkerStats(Totals):
                 "device_s": round(device_ms / 1000.0, 3)}
 
 
-MAX_TENANT_LABELS = 64
-"""Most tenants one worker names in its heartbeat and metrics; later ones count as others."""
-LATENCY_WINDOW = 128
-"""A tenant's p50 is of its last this many publishes (one answer each: a batch's answers are
-about as old)."""
+MAX_TENANT_LABELS = 64  # most tenants one worker names; later ones count as others
+LATENCY_WINDOW = 128  # a tenant's p50 is of its last this many publishes (one answer each)
 
 
 class TenantTally:
-    """Answers per tenant: entries settled, their counted tokens (the unit of pending tokens)
-    and the p50 of their enqueue-to-publish times. The default tenant and the first tenants
-    answered, up to :data:`MAX_TENANT_LABELS` names, keep their name for the worker's life (a
-    counter never moves to another label); later ones are counted under ``OTHER_TENANTS``: a
-    producer naming thousands of tenants cannot grow a heartbeat or the metrics' series past
-    that."""
+    """Answers per tenant: entries settled, their counted tokens and the p50 of their
+    enqueue-to-publish times. The default tenant and the first :data:`MAX_TENANT_LABELS`
+    answered keep their label for the worker's life; later ones count as ``OTHER_TENANTS``."""
 
     def __init__(self, cap: int = MAX_TENANT_LABELS) -> None:
         self.cap = cap
-        self._counts: dict[str, list[int]] = {DEFAULT_TENANT: [0, 0]}  # always named
-        """Label -> [entries settled, counted tokens]."""
+        # label -> [entries settled, counted tokens]; the default tenant always named
+        self._counts: dict[str, list[int]] = {DEFAULT_TENANT: [0, 0]}
         self._recent = {DEFAULT_TENANT: collections.deque[int](maxlen=LATENCY_WINDOW)}
 
     def label(self, tenant: str) -> str:
@@ -99,9 +92,8 @@ class TenantTally:
         return tenant if tenant in self._counts or named < self.cap else OTHER_TENANTS
 
     def answered(self, tenant: str, answers: Sequence[Any], now_epoch_ms: int) -> str:
-        """Count one publish of ``tenant``'s stream (its entries settled, their counted tokens;
-        its middle answer's age for the p50: one sample a publish keeps this off the hot path);
-        returns the tenant's label."""
+        """Count one publish of ``tenant``'s stream (its middle answer's age the p50's one
+        sample); returns the tenant's label."""
         label = self.label(tenant)
         if not answers:
             return label
@@ -135,8 +127,7 @@ def exit_line(fields: dict[str, Any]) -> str:
     )
 
 
-def _duration(seconds: float) -> str:
-    """``42.1s``, ``5m12s``, ``3h07m``."""
+def _duration(seconds: float) -> str:  # 42.1s, 5m12s, 3h07m
     if seconds < 60:
         return f"{seconds:.1f}s"
     minutes, secs = divmod(int(seconds), 60)
@@ -147,7 +138,7 @@ def _duration(seconds: float) -> str:
 
 
 class BatchLog:
-    """Appends one JSON line per batch to a file, when configured."""
+    """Appends one JSON line per batch to a file, when one is given."""
 
     def __init__(self, path: Path | None) -> None:
         self._file = path.open("a", encoding="utf-8", buffering=1) if path else None

@@ -16,11 +16,9 @@ from tokenq.worker.health import Health
 
 log = logging.getLogger("tokenq.worker")
 
+# Each probe by the worker's name and the gateway's (tokenq serve): one configuration fits both.
 LIVE_PATHS = ("/livez", "/health")
-"""Liveness, by the worker's name and the gateway's (``tokenq serve``), so one probe
-configuration fits both."""
 READY_PATHS = ("/readyz", "/ready")
-"""Readiness, likewise."""
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -39,7 +37,7 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def app(health: Health, metrics_app: WsgiApp | None) -> WsgiApp:
-    """The WSGI application: three routes, everything else 404."""
+    """The WSGI application: three routes (and the gateway's names), everything else 404."""
     probes = {**dict.fromkeys(LIVE_PATHS, health.live), **dict.fromkeys(READY_PATHS, health.ready)}
 
     def route(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:

@@ -37,20 +37,12 @@ class Health:
         self.model_loaded = False
         self.joined = False
         self.stopping = False
-        self.redis_error: str | None = None
-        """Why the last Redis check failed; None when it passed (or none ran yet)."""
-        self.hung: str | None = None
-        """The watchdog's reason once it fired (``device hung: ...``)."""
-        self._read_failures: dict[int, tuple[int, str]] = {}
-        """Per lane being read: consecutive failed reads and the last error."""
-        self.publish_refusal: str | None = None
-        """Why Redis refused the last try to publish answers; None once one went through."""
-        self._ticked: float | None = None
-        """Last tick of the event loop; None until the worker runs (and after it closed)."""
-        self._beat_since: float | None = None
-        """When the heartbeat now waiting on Redis started; None between beats."""
-
-    # ------------------------------------------------------------ facts
+        self.redis_error: str | None = None  # why the last Redis check failed
+        self.hung: str | None = None  # the watchdog's reason once it fired
+        self._read_failures: dict[int, tuple[int, str]] = {}  # lane: failures in a row, error
+        self.publish_refusal: str | None = None  # why Redis refused the last publish
+        self._ticked: float | None = None  # the loop's last tick; None unless it runs
+        self._beat_since: float | None = None  # when the heartbeat waiting on Redis started
 
     def loaded(self) -> None:
         self.model_loaded = True
@@ -82,7 +74,6 @@ class Health:
         self.publish_refusal = reason
 
     def publish_ok(self) -> None:
-        """A publish call went through: Redis takes writes again."""
         self.publish_refusal = None
 
     def stage_hung(self, stage: str, reason: str) -> None:
@@ -102,24 +93,14 @@ class Health:
         self._read_failures[lane] = (failures + 1, str(error) or type(error).__name__)
 
     def read_ok(self, lane: int) -> None:
-        """A read on ``lane`` got Redis's answer: the lane takes work."""
         if lane in self._read_failures:
             self._read_failures[lane] = (0, "")
-
-    def _reads_failing(self) -> str | None:
-        """The last error, when every lane's reads have failed often enough in a row."""
-        lanes = list(self._read_failures.values())
-        if not lanes or any(failures < READ_FAILURES_BEFORE_UNREADY for failures, _ in lanes):
-            return None
-        return lanes[-1][1]
 
     def closed(self) -> None:
         """The worker's tasks ended (the process is about to exit): stop expecting ticks."""
         self.stopping = True
         self._ticked = None
         self._beat_since = None
-
-    # --------------------------------------------------------- verdicts
 
     def live(self, now: float) -> Verdict:
         if self.hung is not None:
@@ -140,9 +121,9 @@ class Health:
             reasons.append(f"redis unreachable: no answer for {now - since:.1f}s")
         elif self.redis_error is not None:
             reasons.append(f"redis unreachable: {self.redis_error}")
-        reads = self._reads_failing()
-        if reads is not None:
-            reasons.append(f"reads failing: {reads}")
+        lanes = list(self._read_failures.values())
+        if lanes and all(failures >= READ_FAILURES_BEFORE_UNREADY for failures, _ in lanes):
+            reasons.append(f"reads failing: {lanes[-1][1]}")
         if self.publish_refusal is not None:
             reasons.append(f"redis refuses writes: {self.publish_refusal}")
         if self.stopping:

@@ -48,8 +48,7 @@ def limit_files(proc_cgroup: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> li
     return list(dict.fromkeys(files))
 
 
-def physical_bytes() -> int | None:
-    """The machine's memory, or None where the platform does not say."""
+def physical_bytes() -> int | None:  # None where the platform does not say
     try:
         pages, size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

@@ -7,8 +7,7 @@ import logging
 import sys
 from typing import Any
 
-FIELDS = "fields"
-"""The ``extra`` key whose dict :class:`JsonFormatter` spreads into the object."""
+FIELDS = "fields"  # the ``extra`` key whose dict JsonFormatter spreads into the object
 
 
 class JsonFormatter(logging.Formatter):

@@ -30,6 +30,56 @@ INFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                  0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+_SERIES: dict[str, tuple[str, str, str, Any]] = {
+    # attribute: (kind, name, help, buckets, or the second label of a family)
+    "_requests": ("counter", "tokenq_requests", "Requests answered, by outcome (ok or error code)",
+                  "outcome"),
+    "_refusals": ("counter", "tokenq_redis_refusals",
+                  "Calls Redis refused for its own state (oom, readonly, ...), retried", "reason"),
+    "_batches": ("counter", "tokenq_batches", "Batches run on the device", None),
+    "_tokens": ("counter", "tokenq_tokens", "Real (unpadded) tokens run", None),
+    "_padded": ("counter", "tokenq_padded_tokens", "Tokens run including padding", None),
+    "_oom_splits": ("counter", "tokenq_oom_splits", "Batches split after out-of-memory", None),
+    "_reclaimed": ("counter", "tokenq_reclaimed", "Entries claimed from other consumers", None),
+    "_dead": ("counter", "tokenq_dead_lettered", "Requests moved to the dead stream", None),
+    "_rows": ("histogram", "tokenq_batch_rows", "Rows (sequences) per batch", ROW_BUCKETS),
+    "_batch_tokens": ("histogram", "tokenq_batch_tokens", "Real tokens per batch", TOKEN_BUCKETS),
+    "_efficiency": ("histogram", "tokenq_batch_padding_efficiency_ratio",
+                    "Real / padded tokens per batch", EFFICIENCY_BUCKETS),
+    "_infer": ("histogram", "tokenq_inference_seconds", "Time one batch spent in the backend",
+               INFER_BUCKETS),
+    "_tokenize": ("histogram", "tokenq_tokenization_seconds",
+                  "Time to admit one read: decode-checks and exact tokenization of its requests",
+                  INFER_BUCKETS),
+    "_wait": ("histogram", "tokenq_queue_wait_seconds",
+              "From enqueue (the stream entry id's time) to the start of its batch", WAIT_BUCKETS),
+    "_duration": ("histogram", "tokenq_request_duration_seconds",
+                  "From enqueue (the stream entry id's time) to its reply's publish", WAIT_BUCKETS),
+    "_input": ("histogram", "tokenq_request_input_tokens",
+               "Tokens of each request run (after truncation)", INPUT_BUCKETS),
+    "_budget": ("gauge", "tokenq_batch_budget_tokens", "Token budget now in force", None),
+    "_length": ("gauge", "tokenq_queue_length",
+                "Entries in the request stream (XLEN): waiting or held", None),
+    "_pending": ("gauge", "tokenq_queue_pending",
+                 "Entries delivered to some worker and not yet answered", None),
+    "_lag": ("gauge", "tokenq_queue_lag", "Entries no worker has read yet (the group's lag)", None),
+    "_shared": ("counter", "tokenq_cache_requests", "Requests looked up in the result cache (hit, "
+                "miss) or answered by an identical request's row (coalesced)", "how"),
+    "_cache_bytes": ("gauge", "tokenq_cache_bytes",
+                     "The result cache's bytes, as its last write counted them", None),
+    "_pending_tokens": ("gauge", "tokenq_queue_pending_tokens", "Tokens of the request stream's "
+                        "entries (waiting or held), as enqueue estimated", None),
+    "_tenant_requests": ("counter", "tokenq_tenant_requests", "Requests answered, by tenant (64 "
+                         "named per worker, the rest as (others))", "tenant"),
+    "_tenant_tokens": ("counter", "tokenq_tenant_tokens", "Counted tokens of the requests "
+                       "answered, by tenant (the unit of pending tokens)", "tenant"),
+    "_tenant_duration": ("histogram", "tokenq_tenant_request_duration_seconds",
+                         "From enqueue to its reply's publish, by tenant", "tenant"),
+    "_tenant_pending": ("gauge", "tokenq_tenant_pending_tokens", "Pending tokens by tenant (the "
+                        "64 with the most, the rest as (others))", "tenant"),
+}
+
+
 class NullMetrics:
     """The hooks, doing nothing: what a worker without ``--metrics-port`` holds."""
 
@@ -45,13 +95,11 @@ class NullMetrics:
         self, record: BatchRecord, entry_ids: Iterable[bytes], *,
         input_tokens: Sequence[int], started_epoch_ms: int, budget: int,
     ) -> None:
-        """One batch ran: its size, tokens, padding, queue wait, device time and ``input_tokens``.
-        """
+        """One batch ran: its size, tokens, padding, queue wait, device time, input tokens."""
 
     def answered(self, answers: Sequence[Answer], *, now_epoch_ms: int,
                  tenant: str = DEFAULT_TENANT) -> None:
-        """Replies published, counted by outcome, and each one's time since enqueue, also by
-        ``tenant`` (a label :class:`TenantTally` bounds)."""
+        """Replies published: by outcome, time since enqueue, and by ``tenant`` (a label)."""
 
     def reclaimed(self, n: int) -> None:
         """``n`` entries taken over from dead or stuck consumers."""
@@ -63,15 +111,13 @@ class NullMetrics:
         """Redis refused a call for its own state (``oom``, ``readonly``, ...); it is retried."""
 
     def queue_depth(self, length: int, pending: int, lag: int, tokens: int = 0) -> None:
-        """The queue as Redis sees it, ``tokens`` its pending tokens (refreshed every
-        heartbeat): what autoscalers read."""
+        """The queue as Redis sees it, each heartbeat: what autoscalers read."""
 
     def tenant_pending(self, tokens: dict[str, int]) -> None:
         """Each tenant label's pending tokens (bounded by :func:`queue_depth.bounded`)."""
 
     def shared(self, how: str, n: int) -> None:
-        """``n`` requests looked up in the result cache (``hit``, ``miss``) or answered by an
-        identical request's row (``coalesced``)."""
+        """``n`` requests found in the result cache, missed, or ``coalesced`` with another."""
 
     def cache_bytes(self, n: int) -> None:
         """The result cache's bytes, as its last write counted them."""
@@ -87,98 +133,28 @@ class Metrics(NullMetrics):
     enabled = True
 
     def __init__(self, queue: str) -> None:
-        import prometheus_client
-        from prometheus_client import (
-            CollectorRegistry,
-            Counter,
-            Gauge,
-            GCCollector,
-            Histogram,
-            PlatformCollector,
-            ProcessCollector,
-        )
+        import prometheus_client as prom
 
-        # Process-wide and read at each scrape (the variable is read once at import,
-        # maybe already done).
-        prometheus_client.disable_created_metrics()
-        self.registry = registry = CollectorRegistry()
+        prom.disable_created_metrics()  # process-wide, read at each scrape
+        self.registry = registry = prom.CollectorRegistry()
         self.queue = queue
-        for collector in (ProcessCollector, PlatformCollector, GCCollector):
+        for collector in (prom.ProcessCollector, prom.PlatformCollector, prom.GCCollector):
             collector(registry=registry)
-
-        def series(kind: Any, name: str, doc: str, **options: Any) -> Any:
-            """``kind``'s series for this queue."""
-            return kind(name, doc, ("queue",), registry=registry, **options).labels(queue)
-
-        self._requests = Counter("tokenq_requests", "Requests answered, by outcome (ok or error "
-                                 "code)", ("queue", "outcome"), registry=registry)
-        self._refusals = Counter(
-            "tokenq_redis_refusals", "Calls Redis refused for its own state (oom, readonly, ...), "
-            "retried", ("queue", "reason"), registry=registry)
-        self._batches = series(Counter, "tokenq_batches", "Batches run on the device")
-        self._tokens = series(Counter, "tokenq_tokens", "Real (unpadded) tokens run")
-        self._padded = series(Counter, "tokenq_padded_tokens", "Tokens run including padding")
-        self._oom_splits = series(
-            Counter, "tokenq_oom_splits", "Batches split after out-of-memory")
-        self._reclaimed = series(
-            Counter, "tokenq_reclaimed", "Entries claimed from other consumers")
-        self._dead = series(Counter, "tokenq_dead_lettered", "Requests moved to the dead stream")
-        self._rows = series(Histogram, "tokenq_batch_rows", "Rows (sequences) per batch",
-                            buckets=ROW_BUCKETS)
-        self._batch_tokens = series(Histogram, "tokenq_batch_tokens", "Real tokens per batch",
-                                    buckets=TOKEN_BUCKETS)
-        self._efficiency = series(Histogram, "tokenq_batch_padding_efficiency_ratio",
-                                  "Real / padded tokens per batch", buckets=EFFICIENCY_BUCKETS)
-        self._infer = series(Histogram, "tokenq_inference_seconds",
-                             "Time one batch spent in the backend", buckets=INFER_BUCKETS)
-        self._tokenize = series(
-            Histogram, "tokenq_tokenization_seconds",
-            "Time to admit one read: decode-checks and exact tokenization of its requests",
-            buckets=INFER_BUCKETS)
-        self._wait = series(
-            Histogram, "tokenq_queue_wait_seconds",
-            "From enqueue (the stream entry id's time) to the start of its batch",
-            buckets=WAIT_BUCKETS)
-        self._duration = series(
-            Histogram, "tokenq_request_duration_seconds",
-            "From enqueue (the stream entry id's time) to its reply's publish",
-            buckets=WAIT_BUCKETS)
-        self._input = series(Histogram, "tokenq_request_input_tokens",
-                             "Tokens of each request run (after truncation)", buckets=INPUT_BUCKETS)
-        self._budget = series(Gauge, "tokenq_batch_budget_tokens", "Token budget now in force")
-        self._length = series(Gauge, "tokenq_queue_length",
-                              "Entries in the request stream (XLEN): waiting or held")
-        self._pending = series(Gauge, "tokenq_queue_pending",
-                               "Entries delivered to some worker and not yet answered")
-        self._lag = series(
-            Gauge, "tokenq_queue_lag", "Entries no worker has read yet (the group's lag)")
-        self._shared = Counter(
-            "tokenq_cache_requests", "Requests looked up in the result cache (hit, miss) or "
-            "answered by an identical request's row (coalesced)", ("queue", "how"),
-            registry=registry)
-        self._cache_bytes = series(Gauge, "tokenq_cache_bytes",
-                                   "The result cache's bytes, as its last write counted them")
-        self._pending_tokens = series(
-            Gauge, "tokenq_queue_pending_tokens",
-            "Tokens of the request stream's entries (waiting or held), as enqueue estimated")
-        by_tenant = ("queue", "tenant")
-        self._tenant_requests = Counter(
-            "tokenq_tenant_requests", "Requests answered, by tenant (64 named per worker, the "
-            "rest as (others))", by_tenant, registry=registry)
-        self._tenant_tokens = Counter(
-            "tokenq_tenant_tokens", "Counted tokens of the requests answered, by tenant "
-            "(the unit of pending tokens)", by_tenant, registry=registry)
-        self._tenant_duration = Histogram(
-            "tokenq_tenant_request_duration_seconds", "From enqueue to its reply's publish, "
-            "by tenant", by_tenant, registry=registry, buckets=WAIT_BUCKETS)
-        self._tenant_pending = Gauge(
-            "tokenq_tenant_pending_tokens", "Pending tokens by tenant (the 64 with the most, the "
-            "rest as (others))", by_tenant, registry=registry)
-        for series_ in (self._tenant_requests, self._tenant_tokens, self._tenant_duration,
-                        self._tenant_pending):
-            series_.labels(queue, DEFAULT_TENANT)  # present from the start, as _requests'
+        kinds = {"counter": prom.Counter, "gauge": prom.Gauge, "histogram": prom.Histogram}
+        for attr, (kind, name, doc, extra) in _SERIES.items():
+            if isinstance(extra, str):  # a second label: the family itself
+                buckets = {"buckets": WAIT_BUCKETS} if kind == "histogram" else {}
+                family = kinds[kind](name, doc, ("queue", extra), registry=registry, **buckets)
+                setattr(self, attr, family)
+            else:  # a series labelled by queue alone
+                buckets = {"buckets": extra} if extra else {}
+                family = kinds[kind](name, doc, ("queue",), registry=registry, **buckets)
+                setattr(self, attr, family.labels(queue))
+        for family in (self._tenant_requests, self._tenant_tokens, self._tenant_duration,
+                       self._tenant_pending):
+            family.labels(queue, DEFAULT_TENANT)  # present from the start, as _requests'
         self._pending_labels = {DEFAULT_TENANT}
-        self._info = Gauge(
+        self._info = prom.Gauge(
             "tokenq_worker_info", "Static facts about the worker (value is always 1)",
             ("queue", "consumer", "model", "backend", "device"), registry=registry,
         )

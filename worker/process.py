@@ -19,9 +19,7 @@ from tokenq.worker.settings import WorkerSettings
 
 log = logging.getLogger("tokenq.worker")
 
-YOUNG_THRESHOLD = 10_000
-"""Net container allocations between two collections of the garbage collector's youngest
-generation, once the worker runs."""
+YOUNG_THRESHOLD = 10_000  # allocations between two young-generation collections, once running
 
 
 async def serve(settings: WorkerSettings) -> None:
@@ -55,8 +53,7 @@ async def serve(settings: WorkerSettings) -> None:
             close()
 
 
-def _exit_stuck(late: Overdue) -> None:
-    """The loop guard's way out: the event loop itself is stuck in ``late``'s stage."""
+def _exit_stuck(late: Overdue) -> None:  # the event loop itself is stuck in late's stage
     _exit_hung(f"{late.stage.name} hung on the event loop: {late.reason}")
 
 

@@ -14,8 +14,6 @@ from tokenq.worker.backends.registry import BackendEntry, entry_for, registered
 
 
 class _RefusesOtherBackends(BaseWorkerSettings):
-    """The check every composed class carries: no option of a backend not chosen."""
-
     @model_validator(mode="after")
     def _no_options_of_another_backend(self) -> Any:
         """Refuse another backend's options, so none is silently ignored (``--model X --backend
@@ -25,9 +23,7 @@ class _RefusesOtherBackends(BaseWorkerSettings):
         if chosen is None:
             return self
         own = set(chosen.settings.model_fields)
-        for other in registered():
-            if other is chosen:
-                continue
+        for other in (entry for entry in registered() if entry is not chosen):
             given = sorted(name for name in self.model_fields_set
                            if name in other.settings.model_fields and name not in own)
             if given:
@@ -41,7 +37,6 @@ class _RefusesOtherBackends(BaseWorkerSettings):
 
 
 def _compose(extra: tuple[BackendEntry, ...]) -> type[BaseWorkerSettings]:
-    """A settings class with the worker's own settings and those of these backends."""
     bases = (*(entry.settings for entry in extra), _RefusesOtherBackends)
     return type("WorkerSettings", bases, {
         "__doc__": BaseWorkerSettings.__doc__,
@@ -52,15 +47,6 @@ def _compose(extra: tuple[BackendEntry, ...]) -> type[BaseWorkerSettings]:
 
 WorkerSettings: Any = _compose(registered())
 """The worker's settings with every registered backend's (``hf``, ``sim``, entry points)."""
-
-
-@functools.cache
-def settings_class(backend: str) -> type[BaseWorkerSettings]:
-    """:data:`WorkerSettings`, with the settings of a plugin ``backend`` names composed in."""
-    entry = entry_for(backend)
-    if entry is None or entry in registered():
-        return WorkerSettings  # type: ignore[no-any-return]
-    return _compose((entry, *registered()))
 
 
 def chosen_backend(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> str:
@@ -79,4 +65,12 @@ def chosen_backend(argv: Sequence[str], environ: Mapping[str, str] | None = None
 
 def settings_class_for(argv: Sequence[str]) -> type[BaseWorkerSettings]:
     """The settings class ``tokenq worker`` parses ``argv`` with (a plugin's flags included)."""
-    return settings_class(chosen_backend(argv))
+    return _settings_class(chosen_backend(argv))
+
+
+@functools.cache
+def _settings_class(backend: str) -> type[BaseWorkerSettings]:
+    entry = entry_for(backend)
+    if entry is None or entry in registered():
+        return WorkerSettings  # type: ignore[no-any-return]
+    return _compose((entry, *registered()))

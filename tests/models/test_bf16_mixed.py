@@ -35,7 +35,7 @@ from tests.tiny_models import write_sentence_transformer, write_tiny_decoder  # 
 from tokenq.shared.errors import ConfigError  # noqa: E402
 from tokenq.shared.flags import parse_settings  # noqa: E402
 from tokenq.worker.backends.base import TextInput  # noqa: E402
-from tokenq.worker.backends.hf import backend as backend_module  # noqa: E402
+from tokenq.worker.backends.hf import load as load_module  # noqa: E402
 from tokenq.worker.backends.hf import runtime as runtime_module  # noqa: E402
 from tokenq.worker.backends.hf.backend import HFBackend, HFOptions  # noqa: E402
 from tokenq.worker.backends.hf.load import bundled_model_dir  # noqa: E402
@@ -107,7 +107,7 @@ def test_a_cpu_without_bf16_refuses_it_before_the_model_loads(
     def never(*_: object, **__: object) -> None:
         raise AssertionError("the model was loaded before the refusal")
 
-    monkeypatch.setattr(backend_module, "load_pretrained", never)
+    monkeypatch.setattr(load_module, "load_pretrained", never)
     with pytest.raises(ConfigError, match=r"bf16 instructions \(AVX512-BF16 or AMX\).*use fp32"):
         load(models.plain, dtype="bf16-mixed")
 

@@ -1,21 +1,18 @@
-"""The interface every model backend implements: exact token lengths (``tokenize``),
-token-budgeted batches (``run``) and its limits (``info``); optional abilities are declared
-(:class:`BackendInfo` fields, protocols looked up once), never probed.
-"""
+"""The interface every model backend implements: exact token lengths (``tokenize``), batches
+(``run``), its limits (``info``); optional abilities are declared, never probed."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 import numpy as np
 
 Task = Literal["embed", "classify", "rerank", "sparse"]
 """``--task``: embed replies carry an embedding, classify and rerank scores, sparse (SPLADE)
 the nonzero (token id, weight) pairs of the dense row ``run`` returns."""
-
-TASKS: tuple[Task, ...] = ("embed", "classify", "rerank", "sparse")
+TASKS: tuple[Task, ...] = get_args(Task)
 
 Activation = Literal["none", "sigmoid", "softmax"]
 """A scoring model's activation over its logits (``none``: regression, or logits by design)."""
@@ -39,11 +36,10 @@ class BackendInfo:
     labels: tuple[str, ...] = ()  # a classifier's name for each score, in order
     raw_vectors: bool = False
     """``run`` returns embeddings before L2 normalisation, so the worker normalises per
-    request. False: a ``normalize: false`` request on a ``normalized`` queue is refused
-    (both sides read it as ``ModelFacts.raw_vectors``)."""
+    request. False: a ``normalize: false`` request on a ``normalized`` queue is refused."""
     activation: Activation = "none"
-    """What turns a row's raw scores (``run`` always returns the logits) into the scores
-    a reply carries by default; a request with ``raw_scores: true`` gets the logits."""
+    """What turns a row's logits (what ``run`` returns) into a reply's default scores; a
+    request with ``raw_scores: true`` gets the logits."""
     prompts: Mapping[str, str] = field(default_factory=dict)  # name -> the text it prepends
     default_prompt_name: str | None = None  # the prompt of a request that names none
     token_dim: int | None = None
@@ -66,8 +62,8 @@ class TextInput:
     text: str
     text_pair: str | None = None
     prompt: str = ""
-    """Text put before ``text`` (a resolved prompt), tokenized with it so its tokens are
-    costed; separate so pooling with ``include_prompt: false`` can tell where it ends."""
+    """A resolved prompt put before ``text``, tokenized with it so its tokens are costed;
+    separate so pooling with ``include_prompt: false`` can tell where it ends."""
     tokens: bool = False  # answer its token embeddings (``BackendInfo.token_dim``), not pooled
 
 
@@ -116,11 +112,6 @@ class Windowing(Protocol):
         ...
 
 
-def windowing_of(backend: Backend) -> Windowing | None:
-    """The backend's :class:`Windowing` capability, or None: the one place it is looked up."""
-    return backend if isinstance(backend, Windowing) else None
-
-
 @runtime_checkable
 class TokenizerSource(Protocol):
     """The optional capability behind ``--tokenize-processes``: a (GIL-holding) tokenizer
@@ -135,19 +126,20 @@ class TokenizerSource(Protocol):
 @runtime_checkable
 class WeightsIdentity(Protocol):
     """The optional capability that names the model's weights in the result cache's key
-    (without it: the model's name and facts only, so a model changed in place needs a new
-    cache). Asked only when the cache is on: it may read every weight file."""
+    (without it: the model's name and facts only). Asked only when the cache is on."""
 
     def weights_identity(self) -> str:
         """A digest of the model's weights, or its revision."""
         ...
 
 
-def weights_identity_of(backend: Backend) -> str:
-    """The backend's :class:`WeightsIdentity`, or "": the one place it is looked up."""
-    return backend.weights_identity() if isinstance(backend, WeightsIdentity) else ""
+def windowing_of(backend: Backend) -> Windowing | None:
+    return backend if isinstance(backend, Windowing) else None
 
 
 def tokenizer_source_of(backend: Backend) -> TokenizerSource | None:
-    """The backend's :class:`TokenizerSource` capability, or None: the one place it is looked up."""
     return backend if isinstance(backend, TokenizerSource) else None
+
+
+def weights_identity_of(backend: Backend) -> str:
+    return backend.weights_identity() if isinstance(backend, WeightsIdentity) else ""

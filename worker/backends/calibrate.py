@@ -1,7 +1,5 @@
 """A worker's token budget (``max_batch_tokens``) from its device: on CUDA, full-length probes
-of doubling rows until memory, an OOM or ``max_rows`` stops them, and a line through the last
-two; on CPU a documented default.
-"""
+of doubling rows and a line through the last two; on CPU a documented default."""
 
 from __future__ import annotations
 
@@ -97,12 +95,11 @@ def plan_budget(
             f"cuda: one row of {row_tokens} tokens does not fit in {usable_bytes} usable bytes"
         )
     tokens, peak = samples[-1]
-    if len(samples) >= 2 and samples[-1][0] > samples[-2][0]:
-        (t1, p1), (t2, p2) = samples[-2], samples[-1]
-        per_token = (p2 - p1) / (t2 - t1)
-        fixed = p2 - per_token * t2
-    else:
-        per_token, fixed = peak / tokens, 0.0
+    per_token, fixed = peak / tokens, 0.0
+    if len(samples) >= 2:  # rows double: the last two differ in tokens
+        t1, p1 = samples[-2]
+        per_token = (peak - p1) / (tokens - t1)
+        fixed = peak - per_token * tokens
     if per_token <= 0:
         per_token, fixed = max(peak, 1) / tokens, 0.0
     fixed = max(fixed, 0.0)  # a line that predicts negative memory would overshoot

@@ -1,6 +1,5 @@
 """The 'chunk' over-length policy's arithmetic, shared by every backend: overlapping windows
-combined by a length-weighted mean (docs/ARCHITECTURE.md, "Over-long input").
-"""
+combined by a length-weighted mean (docs/ARCHITECTURE.md, "Over-long input")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Turn the ``backend`` setting (a registered name, or ``package.module:factory`` taking the
-settings) into a Backend, or one :class:`ConfigError` naming the spec and why not.
-"""
+settings) into a Backend, or one :class:`ConfigError` naming the spec and why not."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ _BACKEND_MEMBERS = ("info", "tokenize", "run", "close")
 def load_backend(settings: Any) -> Backend:
     """Build the backend ``settings.backend`` names; ConfigError if it cannot."""
     spec = settings.backend.strip()
-    entry = by_name(spec)
-    try:  # a registered backend's builder is imported only now (hf's pulls in torch)
-        factory = resolve(spec) if entry is None else entry.builder()
+    try:  # a registered backend's builder is imported only when called (hf's pulls in torch)
+        factory = by_name(spec) or resolve(spec)
     except ConfigError as exc:
         raise ConfigError(f"backend {spec!r}: {exc}") from exc.__cause__
     if not callable(factory):
@@ -34,11 +32,6 @@ def load_backend(settings: Any) -> Backend:
         raise ConfigError(
             f"backend {spec!r}: the factory raised {type(exc).__name__}: {exc}"
         ) from exc
-    return _checked(backend, spec)
-
-
-def _checked(backend: Any, spec: str) -> Backend:
-    """Refuse a factory result that is not a Backend, naming what is wrong with it."""
     problem = _problem(backend)
     if problem is not None:
         raise ConfigError(f"backend {spec!r}: {problem}")
@@ -46,6 +39,7 @@ def _checked(backend: Any, spec: str) -> Backend:
 
 
 def _problem(backend: Any) -> str | None:
+    """What makes a factory's result not a Backend, or None."""
     kind = type(backend).__name__
     missing = [name for name in _BACKEND_MEMBERS if not hasattr(backend, name)]
     if missing:

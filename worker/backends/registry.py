@@ -1,7 +1,5 @@
-"""Which backends exist: :class:`BackendEntry` (name, settings, builder) from
-:data:`BUILT_IN`, ``tokenq.backends`` entry points, or a ``--backend pkg.mod:attr`` naming
-one; the worker's settings are composed from them. A builder path is imported when built.
-"""
+"""Which backends exist: :class:`BackendEntry` (name, settings, builder) from :data:`BUILT_IN`,
+``tokenq.backends`` entry points, or a ``--backend pkg.mod:attr`` naming one."""
 
 from __future__ import annotations
 
@@ -34,16 +32,12 @@ class BackendEntry:
 
     name: str  # the --backend value of a registered backend; a plugin's label
     settings: type[BackendSettings]  # its own flags, TOKENQ_* variables, --help heading
-    build: Callable[[Any], Any] | str
-    """``builder(settings) -> Backend``, or its ``"module:function"`` path, imported when used."""
-
-    def builder(self) -> Callable[[Any], Any]:
-        """The builder itself, importing its module when it was named by path."""
-        return resolve(self.build) if isinstance(self.build, str) else self.build
+    build: Callable[[Any], Any] | str  # builder(settings) -> Backend, or its "module:function"
 
     def __call__(self, settings: Any) -> Any:
-        """Build the backend: an entry is also the ``factory(settings)`` a plugin names."""
-        return self.builder()(settings)
+        """Build the backend (a builder named by path is imported now): an entry is also
+        the ``factory(settings)`` a plugin names."""
+        return (resolve(self.build) if isinstance(self.build, str) else self.build)(settings)
 
 
 _IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -80,8 +74,7 @@ def resolve(spec: str) -> Any:
 
 @functools.cache
 def registered() -> tuple[BackendEntry, ...]:
-    """Every registered backend: built-in, then entry points (one that fails to load is
-    logged and left out)."""
+    """Every registered backend: built-in, then entry points (one that fails is logged)."""
     found = [resolve(path) for path in BUILT_IN]
     names = {entry.name for entry in found}
     for point in entry_points(group=ENTRY_POINT_GROUP):
@@ -99,7 +92,6 @@ def registered() -> tuple[BackendEntry, ...]:
 
 
 def by_name(name: str) -> BackendEntry | None:
-    """The registered backend ``--backend name`` names, or None."""
     return next((entry for entry in registered() if entry.name == name.strip()), None)
 
 
@@ -107,8 +99,7 @@ def by_name(name: str) -> BackendEntry | None:
 def entry_for(spec: str) -> BackendEntry | None:
     """The entry of the backend a ``--backend`` value chooses: registered, or a plugin's
     ``pkg.mod:attr`` naming one; None for a plain factory or a spec that does not import."""
-    found = by_name(spec)
-    if found is not None:
+    if found := by_name(spec):
         return found
     try:
         target = resolve(spec.strip())

@@ -1,7 +1,5 @@
-"""A simulated GPU (``--backend sim``): exact tokens (one per CJK character, ``\\w`` run or
-other mark, plus BERT's specials), modelled time and memory (OOM past capacity), and unit
-vectors from the kept tokens that :func:`expected_vector` predicts; marker texts poison.
-"""
+"""A simulated GPU (``--backend sim``): exact tokens (a CJK character, ``\\w`` run or mark each,
+plus BERT's specials), time and memory (OOM past capacity), vectors per :func:`expected_vector`."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -40,6 +38,7 @@ _CJK = (
 _TOKEN = re.compile(rf"[{_CJK}]|(?:(?![{_CJK}])\w)+|[^\w\s]")
 
 
+_IDEOGRAPH_RE = re.compile(rf"[{_CJK}]")
 _WORD, _IDEOGRAPH, _SPACE, _MARK = 0, 1, 2, 3  # character classes, as _TOKEN sees them
 _SCAN_FROM_CHARS = 256  # texts this long are tokenized by _ScannedTokens, shorter by the regex
 
@@ -52,18 +51,10 @@ def _class_of(char: str) -> int:
     return _SPACE if char.isspace() else _MARK
 
 
-_IDEOGRAPH_RE = re.compile(rf"[{_CJK}]")
-
-
 @functools.cache
 def _bmp_classes() -> np.ndarray:
     """The class of every character of the Basic Multilingual Plane (built once)."""
     return np.fromiter((_class_of(chr(code)) for code in range(0x10000)), np.uint8, 0x10000)
-
-
-@functools.cache
-def _astral_class(code: int) -> int:
-    return _class_of(chr(code))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +68,8 @@ class _MatchedTokens:
         return len(self.tokens)
 
     def canonical(self, first: int, last: int) -> bytes:
-        """Tokens ``first`` to ``last - 1`` as bytes that depend on those tokens alone:
-        their characters (UTF-32), then where each starts among them (uint32)."""
+        """Tokens ``first`` to ``last - 1`` as bytes of those tokens alone: their characters
+        (UTF-32), then where each starts among them (uint32)."""
         run = self.tokens[first:last]
         starts = itertools.accumulate(map(len, run[:-1]), initial=0) if run else ()
         chars = "".join(run).encode("utf-32-le", "surrogatepass")
@@ -88,21 +79,19 @@ class _MatchedTokens:
 @dataclass(frozen=True, slots=True)
 class _ScannedTokens:
     """Tokens found by classifying every code point at once (numpy): for long texts the regex
-    holds the GIL far longer; the tests hold the two to each other."""
+    holds the GIL far longer."""
 
     codes: np.ndarray
     classes: np.ndarray
-    starts: np.ndarray
-    """Index of the first character of each token, ascending."""
+    starts: np.ndarray  # index of the first character of each token, ascending
 
     @classmethod
     def of(cls, text: str) -> _ScannedTokens:
         codes = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
         astral = codes > 0xFFFF
         classes = _bmp_classes()[np.where(astral, 0, codes)]
-        if astral.any():
-            for index in np.flatnonzero(astral):
-                classes[index] = _astral_class(int(codes[index]))
+        for index in np.flatnonzero(astral):
+            classes[index] = _class_of(chr(codes[index]))
         word = classes == _WORD
         follows_word = np.empty_like(word)
         follows_word[:1] = False
@@ -154,13 +143,11 @@ class SimEncoding:
     truncated: bool = False
 
     @property
-    def tokens(self) -> tuple[str, ...]:
-        """Content tokens of ``text`` this sequence holds."""
+    def tokens(self) -> tuple[str, ...]:  # content tokens of ``text`` this sequence holds
         return tuple(split_tokens(self.text)[self.kept[0]:self.kept[1]])
 
     @property
     def pair_tokens(self) -> tuple[str, ...] | None:
-        """Content tokens of ``text_pair`` kept after truncation, if there was one."""
         if self.pair_text is None:
             return None
         return tuple(split_tokens(self.pair_text)[: self.pair_kept])
@@ -220,8 +207,7 @@ def encode(text: str, text_pair: str | None = None, max_length: int | None = Non
 
 
 def _digest(canonical_sides: Iterable[bytes]) -> bytes:
-    """blake2b over each side's canonical tokens, length-prefixed so that sides never
-    collide by concatenation (a pair is not the text of its two sides)."""
+    """blake2b over each side's canonical tokens, length-prefixed: a pair is not its text."""
     digest = hashlib.blake2b(digest_size=32, person=b"tokenq-sim2")
     for raw in canonical_sides:
         digest.update(len(raw).to_bytes(8, "little"))
@@ -230,8 +216,8 @@ def _digest(canonical_sides: Iterable[bytes]) -> bytes:
 
 
 def vector_of(encoding: SimEncoding, dim: int) -> np.ndarray:
-    """The unit float32 vector of an encoding, from its digest through SHAKE-256 (the same
-    everywhere, unlike numpy's RNG)."""
+    """The unit float32 vector of an encoding: its digest through SHAKE-256 (unlike numpy's
+    RNG, the same everywhere)."""
     stream = hashlib.shake_256(encoding.digest).digest(4 * dim)
     values = np.frombuffer(stream, dtype="<u4").astype(np.float64) / 2.0**31 - 1.0
     norm = float(np.linalg.norm(values))
@@ -305,17 +291,14 @@ class SimBackend(SimTokenizer):
         )
         self.batch_ms, self.token_us, self.hang_s = batch_ms, token_us, hang_s
         self.bytes_per_token, self.capacity_bytes = bytes_per_token, capacity_bytes
-        self.ragged = ragged
-        # Counters of completed (or refused) batches, locked: read from another thread.
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # counters of batches run or refused, read by others
         self.batches = self.rows = self.oom_events = self.failures = self.peak_memory_bytes = 0
         self.busy_s = 0.0
         self.closed = False
         self._oversleep_s = 0.0
         super().__init__()
 
-    def tokenizer_factory(self) -> Callable[[], SimTokenizer]:
-        """The sim's tokenizer for ``--tokenize-processes`` (it is Python, so it holds the GIL)."""
+    def tokenizer_factory(self) -> Callable[[], SimTokenizer]:  # Python: it holds the GIL
         return SimTokenizer
 
     def windows(self, encoding: SimEncoding, max_length: int, overlap: int) -> list[SimEncoding]:
@@ -326,16 +309,15 @@ class SimBackend(SimTokenizer):
         return _windows(encoding, max_length, overlap)
 
     def cost(self, batch: Sequence[SimEncoding]) -> int:
-        """Tokens the simulated device pays for a batch (its memory and time driver)."""
+        """Tokens the simulated device pays for a batch (what memory and time follow)."""
         lengths = [encoding.length for encoding in batch]
-        return sum(lengths) if self.ragged else len(lengths) * max(lengths, default=0)
+        return len(lengths) * max(lengths, default=0) if self.info.padded else sum(lengths)
 
     def run(self, batch: Sequence[Encoding]) -> list[np.ndarray]:
         """Sleep the modelled time, return one unit vector per row; DeviceOutOfMemory before
         spending time, ValueError for a poisoned batch or an over-long row."""
         if self.closed:
             raise RuntimeError("sim backend is closed")
-        rows: list[SimEncoding] = []
         for encoding in batch:
             if not isinstance(encoding, SimEncoding):
                 raise TypeError(f"sim backend got a {type(encoding).__name__}, not a SimEncoding")
@@ -344,7 +326,7 @@ class SimBackend(SimTokenizer):
                     f"a row of {encoding.length} tokens exceeds the model's "
                     f"max_input_tokens {self.info.max_input_tokens}"
                 )
-            rows.append(encoding)
+        rows = cast("Sequence[SimEncoding]", batch)
         if not rows:
             return []
         cost = self.cost(rows)
@@ -378,8 +360,7 @@ class SimBackend(SimTokenizer):
         return outputs
 
     def _hold(self, until: float) -> None:
-        """Sleep (GIL released) until ``until``, less the running mean of the wake-up lateness
-        no GPU adds, so a batch lasts its modelled time on average."""
+        """Sleep until ``until``, less the running mean of the wake-up lateness no GPU adds."""
         remaining = until - time.perf_counter()
         if remaining <= 0:
             return
@@ -387,8 +368,7 @@ class SimBackend(SimTokenizer):
         late = time.perf_counter() - until
         self._oversleep_s = max(0.0, min(0.002, self._oversleep_s + 0.1 * late))
 
-    def close(self) -> None:
-        """Nothing to release; later runs raise, as with a freed device."""
+    def close(self) -> None:  # later runs raise, as with a freed device
         self.closed = True
 
 

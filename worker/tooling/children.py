@@ -1,6 +1,5 @@
-"""Child processes restarted when they fail (:class:`RestartPolicy`) and dying with their
-parent: ``PR_SET_PDEATHSIG`` on Linux (it fires when the forking *thread* exits: start them
-from the main thread), else a guard process (``python -m tokenq.worker.tooling.children``)."""
+"""Child processes restarted when they fail and dying with their parent: ``PR_SET_PDEATHSIG`` on
+Linux (it fires when the forking *thread* exits: start them from the main thread), else a guard."""
 
 from __future__ import annotations
 
@@ -27,12 +26,10 @@ _POLL_S = 0.1
 _REPEAT_S = 1.0  # a second stop signal within this time is the same stop, not a kill
 _KILL_WAIT_S = 10.0
 _GUARD_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1
 
-DeathMode = Literal["auto", "prctl", "guard", "none"]
 
-
-def describe_exit(code: int | None) -> str:
-    """``exit code 3 (a batch hung past batch_timeout_s)``, ``signal SIGKILL``, ..."""
+def describe_exit(code: int | None) -> str:  # exit code 3 (its meaning), signal SIGKILL, ...
     if code is None:
         return "running"
     if code < 0:
@@ -44,8 +41,7 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}" + (f" ({meaning})" if meaning else "")
 
 
-def shell_status(code: int) -> int:
-    """A child's return code as a shell exit status (a signal N is 128 + N)."""
+def shell_status(code: int) -> int:  # a signal N is 128 + N
     return code if code >= 0 else 128 - code
 
 
@@ -69,19 +65,16 @@ class RestartPolicy:
 
 
 def _load_prctl() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # not Linux
         return None
     prctl.argtypes = [ctypes.c_int, *[ctypes.c_ulong] * 4]
     prctl.restype = ctypes.c_int
     return prctl
 
 
-_PRCTL = _load_prctl()
-_PR_SET_PDEATHSIG = 1
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
 
 
 def prctl(option: int, value: int) -> bool:
@@ -90,7 +83,7 @@ def prctl(option: int, value: int) -> bool:
 
 
 def _pdeathsig_preexec(parent: int) -> None:
-    """Run in the child between fork and exec: SIGTERM me when ``parent`` dies."""
+    """In the child between fork and exec: SIGTERM me when ``parent`` dies."""
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:  # the parent died before the line above: too late to ask
         os._exit(1)
@@ -181,20 +174,19 @@ class Child:
         return None if self.process is None else self.process.pid
 
     @property
-    def live(self) -> bool:
-        """Running, or due to be restarted."""
+    def live(self) -> bool:  # running, or due to be restarted
         return self.running or self.restart_at is not None
 
 
 class Supervisor:
-    """Children restarted by a :class:`RestartPolicy`, stopped together, never orphaned; from
-    the main thread: ``with Supervisor() as sup:`` (a first SIGTERM/SIGINT stops, see
-    :meth:`run`; a later second one SIGKILLs all; every child stopped on the way out), then
-    :meth:`start` and :meth:`run`."""
+    """Children restarted by a :class:`RestartPolicy`, stopped together, never orphaned. From
+    the main thread, ``with Supervisor() as sup:``, then :meth:`start` and :meth:`run`; a first
+    SIGTERM/SIGINT stops, a later second one SIGKILLs all."""
 
     def __init__(
         self, policy: RestartPolicy | None = None, *, stop_timeout_s: float = 30.0,
-        poll_s: float = _POLL_S, die_with_parent: DeathMode = "auto",
+        poll_s: float = _POLL_S,
+        die_with_parent: Literal["auto", "prctl", "guard", "none"] = "auto",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy or RestartPolicy()
@@ -319,8 +311,7 @@ class Supervisor:
             child.restart_at = None
         self._send(signal.SIGKILL, self.children)
 
-    def stop(self, children: Sequence[Child] | None = None,
-             timeout_s: float | None = None) -> None:
+    def stop(self, children: Sequence[Child] | None = None, timeout_s: float | None = None) -> None:
         """SIGTERM ``children`` (default all), wait the stop timeout, SIGKILL whoever is left;
         nothing is restarted after this."""
         self.stopping = True

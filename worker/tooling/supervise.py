@@ -1,6 +1,5 @@
-"""``tokenq worker --devices 0,1``: supervised worker processes per GPU (one CUDA context,
-GIL and budget each), each with its own ``CUDA_VISIBLE_DEVICES``, consumer name, device
-share and metrics port; other flags pass on."""
+"""``tokenq worker --devices 0,1``: supervised worker processes per GPU, each with its own
+``CUDA_VISIBLE_DEVICES``, consumer name, device share and metrics port; other flags pass on."""
 
 from __future__ import annotations
 
@@ -15,17 +14,16 @@ from tokenq.shared.settings import env_var, flag
 from tokenq.worker.settings import WorkerSettings
 from tokenq.worker.tooling.children import Supervisor, log
 
-STOP_TIMEOUT_S = 30.0
-"""How long children get to finish after SIGTERM before SIGKILL."""
+STOP_TIMEOUT_S = 30.0  # how long children get to finish after SIGTERM before SIGKILL
+# ``--processes-per-device auto`` starts two processes for weights at most this big (a small
+# model leaves the GPU waiting on one process's Python, a 7B one keeps it busy alone), each
+# with this headroom beside the weights (CUDA context, activations).
 SMALL_MODEL_BYTES = 2 << 30
-"""``--processes-per-device auto`` starts two processes for weights at most this big: a small
-model leaves the GPU waiting on one process's Python, a 7B one keeps it busy alone."""
 HEADROOM_BYTES = 2 << 30
-"""What auto leaves each of its two processes beside the weights (CUDA context, activations)."""
 
+# The settings each child gets its own value of; every other one is passed on.
 _PER_CHILD = ("devices", "processes_per_device", "device_share", "consumer", "device",
               "metrics_port")
-"""The settings each child gets its own value of; every other one is passed on."""
 _PER_CHILD_FLAGS = tuple(flag(WorkerSettings, name) for name in _PER_CHILD)
 PER_CHILD_ENV = tuple(env_var(name) for name in _PER_CHILD)
 

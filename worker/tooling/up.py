@@ -1,6 +1,5 @@
 """``tokenq up``: a private Redis (unless ``--redis-url``; AOF, loopback, a free port) and N
-supervised workers, for development and demos; Ctrl-C stops the workers, then Redis. Flags
-after ``--`` go to every worker."""
+supervised workers; Ctrl-C stops the workers, then Redis. Flags after ``--`` go to each."""
 
 from __future__ import annotations
 
@@ -36,6 +35,8 @@ log = logging.getLogger("tokenq.worker")
 _REDIS_START_S = 10.0
 _REDIS_STOP_S = 10.0
 _PING_S = 1.0  # how long the check of a --redis-url waits for its answer
+# ``tokenq up`` settings every worker gets unchanged (URL and metrics port are per worker)
+PASSED_ON = ("queue", "prefix", "backend", "shards")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -45,13 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(UpSettings, own, "tokenq up", lambda s: up(s, worker_flags))
 
 
-PASSED_ON = ("queue", "prefix", "backend", "shards")
-"""``tokenq up`` settings every worker gets unchanged (URL and metrics port are per worker)."""
-
-
 def worker_command(settings: UpSettings, redis_url: str, index: int,
                    extra: Sequence[str]) -> list[str]:
-    """The argv of worker ``index``."""
     command = [sys.executable, "-m", "tokenq.worker", flag(WorkerSettings, "redis_url"), redis_url]
     for name in PASSED_ON:
         command += [flag(WorkerSettings, name), str(getattr(settings, name))]
@@ -127,8 +123,7 @@ def _wait_for_redis(supervisor: Supervisor, server: Child, url: str) -> bool:
 
 
 def _say_if_unreachable(url: str) -> None:
-    """Warn at once, naming the URL and the error, when ``--redis-url`` does not answer a
-    ping (the workers start anyway and wait for Redis)."""
+    """Warn at once when ``--redis-url`` does not answer a ping (the workers start anyway)."""
     options = {"socket_timeout": _PING_S, "socket_connect_timeout": _PING_S,
                "retry": Retry(NoBackoff(), 0)}
     with contextlib.closing(redis_client.sync_client(parse_redis_url(url), options)) as client:

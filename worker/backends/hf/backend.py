@@ -16,33 +16,12 @@ import torch
 from tokenq.shared.errors import BadRequest, DeviceLost, DeviceOutOfMemory
 from tokenq.worker.backends.base import BackendInfo, TextInput
 from tokenq.worker.backends.chunks import sliding_windows
+from tokenq.worker.backends.hf import layout, runtime
+from tokenq.worker.backends.hf import load as files
 from tokenq.worker.backends.hf.encoding import HFEncoding, flat_rows, pad_rows, prompt_lengths
 from tokenq.worker.backends.hf.head import EmbeddingHead, SparseHead, build_embedding_head
 from tokenq.worker.backends.hf.heap_trim import HeapTrimmer, bound_library_caches
-from tokenq.worker.backends.hf.layout import (
-    SentenceTransformerConfig,
-    classify_activation,
-    read_sentence_transformer_config,
-    rerank_activation,
-)
-from tokenq.worker.backends.hf.load import (
-    ModelSource,
-    load_pretrained,
-    max_input_tokens,
-    pad_token_id,
-    resolve_model,
-    tokenizer_json,
-    weights_identity,
-)
 from tokenq.worker.backends.hf.prefix import PrefixTokenizer
-from tokenq.worker.backends.hf.runtime import (
-    Encoder,
-    build_encoder,
-    resolve_autocast,
-    resolve_device,
-    resolve_dtype,
-    resolve_runtime,
-)
 from tokenq.worker.backends.hf.settings import HFOptions
 
 log = logging.getLogger(__name__)
@@ -62,23 +41,23 @@ class HFBackend:
     """A transformers model behind the :class:`~tokenq.worker.backends.base.Backend` protocol."""
 
     def __init__(
-        self, info: BackendInfo, encoder: Encoder, tokenizer: Any, *,
+        self, info: BackendInfo, encoder: runtime.Encoder, tokenizer: Any, *,
         head: EmbeddingHead | None = None, sparse: SparseHead | None = None,
-        lowercase: bool = False, source: ModelSource | None = None,
+        lowercase: bool = False, source: files.ModelSource | None = None,
     ) -> None:
         self.info = info
         self._source = source
         self.device = torch.device(info.device)
         self.head = head
         self.sparse = sparse
-        self._encoder: Encoder | None = encoder
+        self._encoder: runtime.Encoder | None = encoder
         self._tokenizer = tokenizer
         # Truncation is state on a tokenizer, set before each call (by the transformers
         # wrapper on the shared Rust one, by the PrefixTokenizer on its own): one call at a time.
         self._tokenizer_lock = threading.Lock()
         self._prefix = PrefixTokenizer(tokenizer.backend_tokenizer, tokenizer.truncation_side)
         self._lowercase = lowercase
-        self._pad_id = pad_token_id(tokenizer)
+        self._pad_id = files.pad_token_id(tokenizer)
         self._special_layout = _special_token_layout(tokenizer)
         self._min_length = {
             False: tokenizer.num_special_tokens_to_add(pair=False) + 1,
@@ -100,43 +79,72 @@ class HFBackend:
     @classmethod
     def load(cls, options: HFOptions) -> HFBackend:
         """Load model and tokenizer as ``options`` say; every refusal is a ConfigError."""
-        source = resolve_model(options.model)
-        st = read_sentence_transformer_config(source, options.task)
+        task = options.task
+        source = files.resolve_model(options.model)
+        st = layout.read_sentence_transformer_config(source, task)
         sparse = None if st.splade is None else SparseHead(*st.splade)
-        tokenizer_path = tokenizer_json(source, st.subfolder)
-        device = resolve_device(options.device)
-        dtype = resolve_dtype(options.dtype, device, explicit_device=options.device != "auto")
-        autocast = resolve_autocast(options.dtype, device)  # refused here, before the load
+        tokenizer_path = files.tokenizer_json(source, st.subfolder)
+        device = runtime.resolve_device(options.device)
+        explicit = options.device != "auto"
+        dtype = runtime.resolve_dtype(options.dtype, device, explicit_device=explicit)
+        autocast = runtime.resolve_autocast(options.dtype, device)  # refused before the load
         if device.type == "cpu":
             bound_library_caches()  # before any forward creates the caches
-        runtime = resolve_runtime(options, device, autocast or dtype)  # before the slow load
-        tokenizer, model = load_pretrained(source, st.subfolder, options, dtype)
+        engine = runtime.resolve_runtime(options, device, autocast or dtype)  # before the load
+        tokenizer, model = files.load_pretrained(source, st.subfolder, options, dtype)
         model.to(device).eval()
+        config = model.config
         head = None
-        if options.task == "embed":
-            head = build_embedding_head(source, st, options, int(model.config.hidden_size), device)
-        max_input = max_input_tokens(source, st.max_seq_length, tokenizer, model.config, options)
-        encoder, runtime_facts = build_encoder(
-            runtime, model, tokenizer, source, st.subfolder, options,
+        if task == "embed":
+            head = build_embedding_head(source, st, options, int(config.hidden_size), device)
+        max_input = files.max_input_tokens(source, st.max_seq_length, tokenizer, config, options)
+        encoder, runtime_facts = runtime.build_encoder(
+            engine, model, tokenizer, source, st.subfolder, options,
             finish=None if head is None else (lambda output, mask: head(output, mask, None)),
             max_input=max_input, autocast=autocast,
         )
-        # bf16-mixed reads "bfloat16-mixed": what the products run in, and that it is mixed
-        dtype_name = str(autocast or dtype).removeprefix("torch.") + ("-mixed" if autocast else "")
-        info = _describe(source, st, options, head, sparse, model.config, max_input=max_input,
-                         device=str(device), dtype=dtype_name, tokenizer_path=tokenizer_path,
-                         extra={"runtime": runtime, **runtime_facts})
+        extra: dict[str, Any] = {"hf_task": task, "path": source.location, "runtime": engine,
+                                 **runtime_facts}
+        activation, labels = "none", ()
+        if head is not None:
+            extra.update(head.describe())
+            dim = head.dim
+        elif sparse is not None:
+            extra.update(sparse.describe())
+            dim = int(config.vocab_size)
+        else:  # a scorer: its activation, and each score's label name
+            activation = extra["activation"] = (
+                layout.rerank_activation(source.name, st.activation_fn, config) if task == "rerank"
+                else layout.classify_activation(config)
+            )
+            dim = int(config.num_labels)
+            names = getattr(config, "id2label", None) or {}
+            labels = tuple(str(names.get(i, i)) for i in range(dim))
+        if options.trust_remote_code:
+            extra["trust_remote_code"] = True
+        info = BackendInfo(
+            name="hf", model=source.name, task=task, max_input_tokens=max_input, padded=True,
+            dim=dim, device=str(device), tokenizer=tokenizer_path, pairs=task == "rerank",
+            # bf16-mixed reads "bfloat16-mixed": what the products run in, and that it is mixed
+            dtype=str(autocast or dtype).removeprefix("torch.") + ("-mixed" if autocast else ""),
+            normalized=head is not None and head.normalize, labels=labels,
+            raw_vectors=head is not None, activation=activation,  # type: ignore[arg-type]
+            prompts=dict(st.prompts), default_prompt_name=st.default_prompt_name,
+            # The encoder's hidden states are what an embedder's output: tokens answers.
+            token_dim=int(config.hidden_size) if head is not None else None,
+            pooling="+".join(head.modes) if head is not None else None, extra=extra,
+        )
         log.info(
             "hf backend: %s task=%s device=%s dtype=%s max_input_tokens=%d %s",
-            info.model, options.task, info.device, info.dtype, info.max_input_tokens,
-            " ".join(f"{k}={v}" for k, v in info.extra.items() if k not in ("hf_task", "path")),
+            info.model, task, info.device, info.dtype, info.max_input_tokens,
+            " ".join(f"{k}={v}" for k, v in extra.items() if k not in ("hf_task", "path")),
         )
         return cls(info, encoder, tokenizer, head=head, sparse=sparse, lowercase=st.do_lower_case,
                    source=source)
 
     def weights_identity(self) -> str:
         """The result cache's name for these weights (``load.weights_identity``)."""
-        return "" if self._source is None else weights_identity(self._source)
+        return "" if self._source is None else files.weights_identity(self._source)
 
     def tokenize(self, inputs: Sequence[TextInput], max_length: int | None) -> list[HFEncoding]:
         """One fast-tokenizer call per kind of input (single, pair); the prompt goes before the
@@ -276,44 +284,6 @@ class HFBackend:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _describe(
-    source: ModelSource, st: SentenceTransformerConfig, options: HFOptions,
-    head: EmbeddingHead | None, sparse: SparseHead | None, config: Any, *, max_input: int,
-    device: str, dtype: str, tokenizer_path: str | None, extra: dict[str, Any],
-) -> BackendInfo:
-    """The model's :class:`BackendInfo`; ``extra`` holds the runtime's facts."""
-    task = options.task
-    extra = {"hf_task": task, "path": source.location, **extra}
-    activation, labels = "none", ()
-    if head is not None:
-        extra.update(head.describe())
-        dim = head.dim
-    elif sparse is not None:
-        extra.update(sparse.describe())
-        dim = int(config.vocab_size)
-    else:  # a scorer: its activation, and each score's label name
-        activation = extra["activation"] = (
-            rerank_activation(source.name, st.activation_fn, config) if task == "rerank"
-            else classify_activation(config)
-        )
-        dim = int(config.num_labels)
-        names = getattr(config, "id2label", None) or {}
-        labels = tuple(str(names.get(i, i)) for i in range(dim))
-    if options.trust_remote_code:
-        extra["trust_remote_code"] = True
-    return BackendInfo(
-        name="hf", model=source.name, task=task, max_input_tokens=max_input, padded=True,
-        dim=dim, device=device, dtype=dtype, tokenizer=tokenizer_path, pairs=task == "rerank",
-        normalized=head is not None and head.normalize, labels=labels,
-        raw_vectors=head is not None, activation=activation,  # type: ignore[arg-type]
-        prompts=dict(st.prompts), default_prompt_name=st.default_prompt_name,
-        # The encoder's hidden states are what an embedder's output: tokens answers.
-        token_dim=int(config.hidden_size) if head is not None else None,
-        pooling="+".join(head.modes) if head is not None else None,
-        extra=extra,
-    )
 
 
 def _special_token_layout(tokenizer: Any) -> tuple[int, int] | None:

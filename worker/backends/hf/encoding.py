@@ -1,4 +1,4 @@
-"""The Hugging Face backend's encodings (just the ids, to keep read-ahead small) and prompt
+"""The Hugging Face backend's encodings (just the ids: read-ahead stays small) and prompt
 lengths; no torch."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import numpy as np
 
 @dataclass(slots=True, eq=False)  # identity: arrays have no one truth value
 class HFEncoding:
-    """One tokenized input, special tokens included, ready to be padded into a batch. Not
-    frozen, its length kept: made per request, its length read at every step."""
+    """One tokenized input, special tokens included; not frozen, made per request."""
 
     ids: np.ndarray  # int64, one row (often a view of a whole tokenize call's ids)
     type_ids: np.ndarray | None = None  # a pair's segment ids; None: one sequence

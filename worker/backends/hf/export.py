@@ -1,7 +1,5 @@
-"""Exporting a loaded transformer (hidden states or logits only) to ONNX once, cached under a
-hash of the model's files and options, written privately and renamed into place so that
-concurrent workers see a whole export or none.
-"""
+"""Exporting a loaded transformer (hidden states or logits) to ONNX once, cached under a hash
+of the model's files and options, renamed into place: workers see a whole export or none."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ OPSET = 17  # LayerNormalization is native from 17 on
 MODEL_FILE = "model.onnx"
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 OUTPUT = "output"
-FUSED_FAMILIES = frozenset({"bert"})
-"""Families ONNX Runtime's transformer optimizer fuses (those the parity tests cover)."""
+FUSED_FAMILIES = frozenset({"bert"})  # ONNX Runtime's optimizer fuses these (parity-tested)
 
 
 def default_cache_dir(override: str | None) -> Path:
@@ -139,8 +136,7 @@ def _write(model: torch.nn.Module, path: Path, inputs: tuple[str, ...], *, logit
 
 def _eager_attention(model: torch.nn.Module) -> str | None:
     """Switch to eager attention for the trace (ONNX Runtime fuses its pattern, not SDPA's:
-    docs/decisions/0040-onnx-runtime.md); the one it replaced, or None if it cannot switch.
-    """
+    docs/decisions/0040-onnx-runtime.md); the one it replaced, or None if it cannot switch."""
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
     switch = getattr(model, "set_attn_implementation", None)
@@ -154,8 +150,7 @@ def _eager_attention(model: torch.nn.Module) -> str | None:
 
 
 def _fuse(path: Path, config: Any) -> None:
-    """Rewrite a one-file export of :data:`FUSED_FAMILIES` with ONNX Runtime's transformer
-    fusions (checked against torch anyway)."""
+    """Rewrite a one-file export of :data:`FUSED_FAMILIES` with ONNX Runtime's fusions."""
     family = getattr(config, "model_type", None)
     heads = getattr(config, "num_attention_heads", None)
     hidden = getattr(config, "hidden_size", None)

@@ -11,13 +11,8 @@ from typing import Any
 
 import torch
 
-from tokenq.shared.errors import ConfigError
-from tokenq.worker.backends.hf.layout import (
-    DenseConfig,
-    PoolingMode,
-    SentenceTransformerConfig,
-)
-from tokenq.worker.backends.hf.load import ModelSource, find_file, join
+from tokenq.worker.backends.hf.layout import DenseConfig, PoolingMode, SentenceTransformerConfig
+from tokenq.worker.backends.hf.load import ModelSource, find_file, join, refused
 from tokenq.worker.backends.hf.settings import HFOptions
 
 log = logging.getLogger(__name__)
@@ -41,8 +36,7 @@ def pool(
 
 
 def _pool(mode: PoolingMode, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One mode of sentence-transformers' Pooling under a float ``mask``; a row with no
-    pooled token pools to zeros."""
+    """One mode under a float ``mask``; a row with no pooled token pools to zeros."""
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     if mode == "cls":
         return hidden[rows, mask.argmax(dim=1)]  # the first pooled token
@@ -82,42 +76,34 @@ class Dense(torch.nn.Module):
 def _load_dense(source: ModelSource, config: DenseConfig, given: int) -> Dense:
     """One Dense module given ``given`` values, its tensors read (safetensors, else a
     ``weights_only`` pickle) and checked by name and shape: a mismatch is a ConfigError."""
+    where = config.path
     if config.in_features != given:
-        raise ConfigError(
-            f"model {source.name!r}: Dense module {config.path!r} takes {config.in_features} "
-            f"values but is given {given}"
-        )
+        raise refused(source, f"Dense module {where!r} takes {config.in_features} values but "
+                      f"is given {given}")
     module = Dense(config)
-    safetensors_path = find_file(source, join(config.path, "model.safetensors"))
-    bin_path = find_file(source, join(config.path, "pytorch_model.bin"))
+    safetensors_path = find_file(source, join(where, "model.safetensors"))
+    bin_path = find_file(source, join(where, "pytorch_model.bin"))
+    if not safetensors_path and not bin_path:
+        raise refused(source, f"Dense module {where!r} has no model.safetensors or "
+                      "pytorch_model.bin")
     try:
         if safetensors_path:
             from safetensors.torch import load_file
 
             state = load_file(safetensors_path)
-        elif bin_path:
-            state = torch.load(bin_path, map_location="cpu", weights_only=True)
         else:
-            raise ConfigError(
-                f"model {source.name!r}: Dense module {config.path!r} has no model.safetensors "
-                "or pytorch_model.bin"
-            )
+            state = torch.load(bin_path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:  # torn, or code
-        raise ConfigError(
-            f"model {source.name!r}: cannot read Dense {config.path!r}: {exc}"
-        ) from exc
+        raise refused(source, f"cannot read Dense {where!r}: {exc}") from exc
     expected = set(module.state_dict())
     if not isinstance(state, dict) or set(state) != expected:
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ConfigError(
-            f"model {source.name!r}: Dense module {config.path!r} holds {got}, "
-            f"expected {sorted(expected)}"
-        )
+        raise refused(source, f"Dense module {where!r} holds {got}, expected {sorted(expected)}")
     try:
         module.load_state_dict({key: value.float() for key, value in state.items()}, strict=True)
     except RuntimeError as exc:  # a tensor of the wrong shape
         message = str(exc).splitlines()[-1].strip()
-        raise ConfigError(f"model {source.name!r}: Dense {config.path!r}: {message}") from exc
+        raise refused(source, f"Dense {where!r}: {message}") from exc
     return module
 
 
@@ -135,12 +121,11 @@ class EmbeddingHead:
     def __call__(
         self, hidden: torch.Tensor, mask: torch.Tensor, prompt_lengths: torch.Tensor | None
     ) -> torch.Tensor:
-        """Raw vectors, before any normalisation; the prompt is left out when the model says so."""
+        """Raw vectors; the prompt is left out when the model says so."""
         vectors = pool(hidden, mask, self.modes, None if self.include_prompt else prompt_lengths)
         return vectors if self.dense is None else self.dense(vectors)
 
-    def describe(self) -> dict[str, Any]:
-        """The head for logs (its pooling is ``BackendInfo.pooling``, published on its own)."""
+    def describe(self) -> dict[str, Any]:  # for logs (the pooling is BackendInfo.pooling)
         facts: dict[str, Any] = {"normalize": self.normalize, "include_prompt": self.include_prompt}
         if self.dense is not None:
             facts["dense"] = [

@@ -1,7 +1,5 @@
-"""A CPU worker's resident memory kept bounded over batch shapes: the oneDNN caches capped and
-the heap trimmed once it grew a slack past the last trim
-(docs/decisions/0042-cpu-memory-over-batch-shapes.md).
-"""
+"""A CPU worker's resident memory bounded over batch shapes: the oneDNN caches capped, the heap
+trimmed once it grew a slack (docs/decisions/0042-cpu-memory-over-batch-shapes.md)."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ TRIM_SLACK_SHARE = 0.25  # the slack as a share of the size after a trim, when l
 
 
 def bound_library_caches(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Cap the oneDNN caches before the first forward creates them (an operator's value kept);
-    what is in effect."""
+    """Cap the oneDNN caches (an operator's value kept) before a forward creates them."""
     env = os.environ if environ is None else environ
     for name in _CACHE_VARIABLES:
         env.setdefault(name, str(LIBRARY_CACHE_CAPACITY))
@@ -37,8 +34,7 @@ def resident_bytes() -> int | None:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def _glibc_trim() -> Callable[[], object] | None:
-    """glibc's ``malloc_trim(0)``, or None where the C library is not glibc."""
+def _glibc_trim() -> Callable[[], object] | None:  # malloc_trim(0), None without glibc
     if platform.libc_ver()[0] != "glibc":
         return None
     try:
@@ -69,7 +65,7 @@ class HeapTrimmer:
         return level + max(self._min_slack, int(level * TRIM_SLACK_SHARE))
 
     def after_forward(self) -> bool:
-        """Trim if the process is over its limit (one read of /proc); True if it did."""
+        """Trim if the process is over its limit; True if it did."""
         if not self.active:
             return False
         now = self._resident()

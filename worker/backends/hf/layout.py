@@ -14,8 +14,7 @@ from tokenq.worker.backends.hf.load import ModelSource, join, read_json, refused
 
 PoolingMode = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
 
-POOLING_MODES: tuple[PoolingMode, ...] = get_args(PoolingMode)
-"""Every mode, in the order sentence-transformers concatenates the legacy boolean keys."""
+POOLING_MODES: tuple[PoolingMode, ...] = get_args(PoolingMode)  # in the legacy keys' order
 
 _LEGACY_POOLING_KEYS: dict[str, PoolingMode] = {
     "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
@@ -23,12 +22,11 @@ _LEGACY_POOLING_KEYS: dict[str, PoolingMode] = {
     "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken",
 }
 
-DENSE_ACTIVATIONS = frozenset({
+DENSE_ACTIVATIONS = frozenset({  # elementwise torch.nn activations without parameters
     "Identity", "Tanh", "ReLU", "GELU", "Sigmoid", "SiLU", "LeakyReLU", "ELU", "SELU", "CELU",
     "Softplus", "Softsign", "Mish", "Hardtanh", "Hardswish", "Hardsigmoid", "ReLU6", "LogSigmoid",
     "Tanhshrink",
 })
-"""Elementwise ``torch.nn`` activations without parameters a Dense module may name."""
 
 # Transformer-module config files, newest name first (sentence-transformers tries them in order).
 _TRANSFORMER_CONFIGS = tuple(
@@ -74,8 +72,8 @@ class SentenceTransformerConfig:
 
 
 def read_sentence_transformer_config(source: ModelSource, task: str) -> SentenceTransformerConfig:
-    """Read modules.json and the files it points to (a plain transformers model has none;
-    a classifier's are not read); any layout but :func:`_check_order`'s is a ConfigError."""
+    """Read modules.json and the files it points to (none for a plain transformers model,
+    not read for a classifier); a layout :data:`_LAYOUTS` does not allow is refused."""
     if task == "classify":
         return SentenceTransformerConfig()
     modules = read_json(source, "modules.json")
@@ -139,7 +137,6 @@ _MODULE_KINDS = frozenset(re.findall(r"\w+", " ".join(p for _, p in _LAYOUTS.val
 
 
 def _check_order(source: ModelSource, task: str, kinds: list[str]) -> None:
-    """Refuse a layout other than :data:`_LAYOUTS`' for ``task``, naming the modules."""
     wanted, pattern = _LAYOUTS[task]
     if re.fullmatch(pattern, " ".join(kinds)):
         return
@@ -177,8 +174,8 @@ def _transformer_config(source: ModelSource, subfolder: str, task: str) -> Mappi
 
 
 def _pooling(source: ModelSource, filename: str) -> tuple[tuple[PoolingMode, ...], bool]:
-    """A Pooling config's modes and include_prompt: the new ``pooling_mode`` key (a mode or a
-    list of modes) wins, else the legacy booleans, else mean."""
+    """A Pooling config's modes (``pooling_mode``, else the legacy booleans, else mean) and
+    include_prompt."""
     config = read_json(source, filename) or {}
     if "pooling_mode" not in config:
         enabled = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key))
@@ -194,7 +191,6 @@ def _pooling(source: ModelSource, filename: str) -> tuple[tuple[PoolingMode, ...
 
 
 def _dense(source: ModelSource, path: str) -> DenseConfig:
-    """A Dense config, refused unless it maps the sentence embedding through a known activation."""
     where = join(path, "config.json")
     config = read_json(source, where)
     if not isinstance(config, Mapping):
@@ -241,7 +237,6 @@ SPLADE_ACTIVATIONS = ("relu", "log1p_relu")
 
 
 def _splade(source: ModelSource, where: str) -> tuple[str, str]:
-    """A SpladePooling config's strategy and activation, refused unless tokenq runs them."""
     pooling = read_json(source, where) or {}
     strategy = str(pooling.get("pooling_strategy", "max"))
     activation = str(pooling.get("activation_function", "relu"))
@@ -259,14 +254,11 @@ _CROSS_ENCODER_CLASSES: dict[str, Activation] = {
 def rerank_activation(model: str, saved: str | None, config: Any) -> Activation:
     """sentence-transformers' CrossEncoder rule: the saved ``activation_fn`` (its own file,
     then config.json, then the legacy key), else sigmoid for one logit and none for more."""
-    path = saved
-    if path is None:
-        block = getattr(config, "sentence_transformers", None)
-        if isinstance(block, dict) and block.get("activation_fn") is not None:
-            path = str(block["activation_fn"])
-    if path is None:
-        legacy = getattr(config, "sbert_ce_default_activation_function", None)
-        path = str(legacy) if legacy is not None else None
+    block = getattr(config, "sentence_transformers", None)
+    block = block if isinstance(block, dict) else {}
+    found = (saved, block.get("activation_fn"),
+             getattr(config, "sbert_ce_default_activation_function", None))
+    path = next((str(value) for value in found if value is not None), None)
     if path is None:
         return "sigmoid" if int(config.num_labels) == 1 else "none"
     activation = _CROSS_ENCODER_CLASSES.get(torch_nn_class(path) or "")

@@ -1,6 +1,5 @@
-"""Finding a Hugging Face model's files (bundled, local or hub) and loading them through
-transformers, with every load-time refusal; torch is imported only to load, so a bad
-``--model`` is reported before the slow imports."""
+"""Finding a Hugging Face model's files (bundled, local or hub) and loading them, with every
+load-time refusal; torch is imported only to load, so a bad ``--model`` is reported first."""
 
 from __future__ import annotations
 
@@ -88,9 +87,8 @@ def resolve_model(model: str | None) -> ModelSource:
 
 
 def weights_identity(source: ModelSource) -> str:
-    """What the result cache keys the model by: a hub model's snapshot (its revision's commit),
-    else a SHA-256 of the weight files (``*.safetensors``, ``*.bin``: the heads' too) in its
-    directory, read once at start."""
+    """What the result cache keys the model by: a hub model's revision, else a SHA-256 of its
+    weight files (``*.safetensors``, ``*.bin``: the heads' too)."""
     if not source.local:
         found = _cached_file(source.location, "config.json") or _cached_file(
             source.location, "modules.json")
@@ -123,7 +121,6 @@ def _check_hub_reachable(model: str) -> None:
 
 
 def refused(source: ModelSource, why: str) -> ConfigError:
-    """The refusal of ``source``'s model for ``why``: ``model 'name': why``."""
     return ConfigError(f"model {source.name!r}: {why}")
 
 
@@ -156,7 +153,6 @@ def tokenizer_json(source: ModelSource, subfolder: str) -> str | None:
 
 
 def join(folder: str, name: str) -> str:
-    """``folder/name``, or ``name`` for the model root."""
     return f"{folder}/{name}" if folder else name
 
 
@@ -176,7 +172,6 @@ def check_remote_code(source: ModelSource, subfolder: str, trusted: bool) -> Non
 
 
 def _cached_file(repo_id: str, filename: str) -> str | None:
-    """A hub model's file through the Hugging Face cache (offline-aware), or None."""
     from transformers.utils import cached_file
 
     try:
@@ -232,7 +227,7 @@ def load_pretrained(
     import transformers
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # one worker process, logs not terminals
+    hf_logging.disable_progress_bar()
     check_remote_code(source, subfolder, options.trust_remote_code)
     where: dict[str, Any] = {"trust_remote_code": options.trust_remote_code}
     location = source.location

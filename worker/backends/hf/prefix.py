@@ -1,7 +1,5 @@
-"""Tokenize only the prefix of a long text that the model reads, with the ids and the
-truncation flag that tokenizing the whole text and truncating would give
-(docs/decisions/0088-prefix-tokenization.md).
-"""
+"""Tokenize only the prefix of a long text that the model reads, as tokenizing it whole and
+truncating would (docs/decisions/0088-prefix-tokenization.md)."""
 
 from __future__ import annotations
 
@@ -61,11 +59,8 @@ def _known(part: dict[str, Any] | None, allowed: frozenset[str], nested: str) ->
 
 
 class PrefixTokenizer:
-    """Encodes single texts truncated to ``max_length`` (special tokens included), reading
-    a prefix that grows fourfold until its tokens overflow the window or it is the text.
-
-    Not thread-safe: the caller holds its lock, as truncation is set on the tokenizer.
-    """
+    """Encodes single texts truncated to ``max_length``, reading a prefix that grows fourfold
+    until its tokens overflow the window or it is the text. Not thread-safe."""
 
     def __init__(self, tokenizer: Tokenizer, truncation_side: str = "right",
                  first_chars_per_token: int = 8) -> None:
@@ -77,8 +72,7 @@ class PrefixTokenizer:
         self._chars_per_token = first_chars_per_token
         self._max_length: int | None = None
 
-    def encode(self, texts: list[Any], max_length: int | None) -> tuple[list[Encoding],
-                                                                        list[bool]]:
+    def encode(self, texts: list[Any], max_length: int | None) -> tuple[list[Encoding], list[bool]]:
         """Each text's encoding and whether truncation cut it (``None``: no truncation);
         (text, text_pair) tuples are read whole, truncated 'longest_first'."""
         self._set_truncation(max_length)

@@ -1,6 +1,5 @@
-"""int8 weights for ``--runtime onnx``, served only when their answers on a calibration set
-pass the gate, with the most sensitive nodes left fp32 if need be (never over half);
-graphs and the choice cached beside the export (docs/decisions/0043-int8-behind-a-gate.md)."""
+"""int8 weights for ``--runtime onnx``, served only when they pass a gate on a calibration set,
+the most sensitive nodes left fp32 if need be (docs/decisions/0043-int8-behind-a-gate.md)."""
 
 from __future__ import annotations
 
@@ -75,7 +74,7 @@ Finish = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, mask) 
 
 @dataclass(frozen=True, slots=True)
 class Int8Request:
-    """What the gate needs from the backend: the refusal's wording, the tokenizer, the head."""
+    """What the gate needs from the backend."""
 
     model: str  # named in the refusal
     min_cosine: float
@@ -88,7 +87,7 @@ class Int8Request:
 
 @dataclass(frozen=True, slots=True)
 class GateReport:
-    """What the calibration measured; :meth:`describe` goes into the backend's info."""
+    """What the calibration measured."""
 
     min_cosine: float
     gate: float
@@ -98,7 +97,11 @@ class GateReport:
     fp32_nodes: int = 0  # quantisable nodes left in fp32 in the graph measured
     nodes: int = 0  # quantisable nodes in the graph (0: not counted)
 
-    def describe(self) -> dict[str, Any]:
+    @property
+    def passed(self) -> bool:
+        return self.min_cosine >= self.gate
+
+    def describe(self) -> dict[str, Any]:  # for the backend's info
         return {"quantize": "int8", "quantize_cosine": round(self.min_cosine, 6),
                 "quantize_fp32_nodes": self.fp32_nodes}
 
@@ -147,9 +150,7 @@ def _lowest_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.where((norm_a < 1e-12) & (norm_b < 1e-12), 1.0, cosines).min())
 
 
-def calibration_batches(
-    request: Int8Request,
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def calibration_batches(request: Int8Request) -> list[tuple[torch.Tensor, ...]]:
     """The calibration set tokenized as the backend tokenizes, right-padded in small batches."""
     firsts = [q for q, _ in CALIBRATION_PAIRS] if request.pairs else list(CALIBRATION_TEXTS)
     seconds = [p for _, p in CALIBRATION_PAIRS] if request.pairs else None
@@ -160,11 +161,9 @@ def calibration_batches(
     ids_rows = flat_rows(encoded["input_ids"])
     type_rows = flat_rows(encoded["token_type_ids"]) if request.pairs else [None] * len(ids_rows)
     rows = [HFEncoding(ids, types) for ids, types in zip(ids_rows, type_rows, strict=True)]
-    batches = []
-    for start in range(0, len(rows), CALIBRATION_BATCH):
-        ids, mask, type_ids = pad_rows(rows[start : start + CALIBRATION_BATCH], request.pad_id)
-        batches.append((torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(type_ids)))
-    return batches
+    batches = (pad_rows(rows[at : at + CALIBRATION_BATCH], request.pad_id)
+               for at in range(0, len(rows), CALIBRATION_BATCH))
+    return [tuple(map(torch.from_numpy, arrays)) for arrays in batches]
 
 
 QUANTIZE_FORMAT = 2  # bumped whenever what quantized_model writes changes: old files unused
@@ -198,11 +197,11 @@ def _folder(fp32: Path, exclude: Sequence[str]) -> Path:
 
 def quantized_model(fp32: Path, *, family: str = "", exclude: Sequence[str] = ()) -> Path:
     """The int8 graph of ``fp32`` with ``exclude`` left fp32, quantised now unless cached."""
-    folder = _folder(fp32, exclude)
-    if (folder / fp32.name).is_file():
-        log.info("onnx runtime: reusing the int8 graph %s", folder / fp32.name)
-        return folder / fp32.name
-    with scratch_beside(folder) as scratch:
+    cached = _folder(fp32, exclude) / fp32.name
+    if cached.is_file():
+        log.info("onnx runtime: reusing the int8 graph %s", cached)
+        return cached
+    with scratch_beside(cached.parent) as scratch:
         _quantize(fp32, scratch / fp32.name, family=family, exclude=exclude)
         return keep(scratch, fp32, exclude)
 
@@ -218,9 +217,8 @@ def _quantize(
     source: Path, target: Path, *, family: str, exclude: Sequence[str] = (),
     only: Sequence[str] | None = None,
 ) -> None:
-    """One ``quantize_dynamic`` call: the recipe, less ``exclude``, or only ``only``. Its line
-    per tensor and advice on pre-processing (the root logger's) are not the operator's
-    concern; its errors still get through, and a failure is refused by name."""
+    """One ``quantize_dynamic`` call: the recipe, less ``exclude``, or only ``only``; its
+    per-tensor lines and pre-processing advice (on the root logger) are filtered out."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -268,7 +266,7 @@ def int8_encoder(
         path = quantized_model(fp32_path, family=request.model, exclude=cached)
         int8 = open_encoder(path)
         report = calibration.measure(int8, len(cached), nodes)
-        if not report.min_cosine >= report.gate:
+        if not report.passed:
             log.warning(
                 "onnx runtime: the cached choice of %d fp32 nodes measured %.5f here, below "
                 "the gate %g; choosing again", len(cached), report.min_cosine, report.gate)
@@ -295,7 +293,7 @@ def _choose(
     int8 = open_encoder(path)
     nodes = quantisable_nodes(fp32_path)
     report = calibration.measure(int8, 0, len(nodes))
-    if report.min_cosine >= report.gate or len(nodes) < 2:
+    if report.passed or len(nodes) < 2:
         _refuse_unless_passed(report, request)
         return path, int8, report, []
     best, exclude = report, []
@@ -315,7 +313,7 @@ def _choose(
                 "(gate %g)", count, len(nodes), measured.min_cosine, measured.gate)
             if measured.min_cosine > best.min_cosine:
                 best = measured
-            if measured.min_cosine >= measured.gate:
+            if measured.passed:
                 path = keep(candidate.parent, fp32_path, exclude)
                 break
     log.info("onnx runtime: int8 choice took %d quantisations in %.1f s",
@@ -325,7 +323,7 @@ def _choose(
 
 
 def _refuse_unless_passed(report: GateReport, request: Int8Request) -> None:
-    if report.min_cosine >= report.gate:
+    if report.passed:
         return
     mixed = (f", the best of the graphs tried, with {report.fp32_nodes} of {report.nodes} "
              "quantisable nodes left in fp32 (at most half are: past that int8 is not worth it)"
@@ -381,17 +379,15 @@ def _read_choice(file: Path) -> tuple[list[str] | None, int]:
     """The cached nodes to leave fp32 and the quantisable count; None: choose (again)."""
     try:
         choice = json.loads(file.read_text())
-        exclude, nodes = choice["exclude"], int(choice["nodes"])
+        exclude, nodes = [str(n) for n in choice["exclude"]], int(choice["nodes"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None, 0
-    if not isinstance(exclude, list) or not all(isinstance(n, str) for n in exclude):
         return None, 0
     log.info("onnx runtime: reusing the int8 choice %s (%d nodes in fp32)", file, len(exclude))
     return exclude, nodes
 
 
 def _write_choice(file: Path, exclude: list[str], report: GateReport) -> None:
-    """Atomically: a reader sees the old file or the new one, never half of one."""
+    """Atomically: a reader sees the old file or the new one."""
     text = json.dumps({"exclude": exclude, "gate": report.gate, "measured": report.min_cosine,
                        "nodes": report.nodes}, indent=1)
     scratch = file.with_name(f".{file.name}.{os.getpid()}")

@@ -1,6 +1,5 @@
-"""Where and how the transformer runs: the device and dtype the options come to, the runtime
-(``--runtime``: torch, or ONNX Runtime on the CPU in fp32, checked against torch on every
-start: docs/decisions/0040-onnx-runtime.md), and the :data:`Encoder` each gives."""
+"""Where and how the transformer runs: device, dtype and runtime (torch, or ONNX Runtime on the
+CPU in fp32, checked against torch at start: docs/decisions/0040-onnx-runtime.md)."""
 
 from __future__ import annotations
 
@@ -18,21 +17,9 @@ import torch
 
 from tokenq.shared.errors import ConfigError
 from tokenq.shared.text import exception_headline
-from tokenq.worker.backends.hf.export import (
-    INPUTS,
-    Exportable,
-    cache_key,
-    default_cache_dir,
-    export,
-)
+from tokenq.worker.backends.hf import export, quantize
 from tokenq.worker.backends.hf.load import ModelSource, find_file, join, pad_token_id
-from tokenq.worker.backends.hf.quantize import (
-    CALIBRATION_MAX_TOKENS,
-    Encoder,
-    Finish,
-    Int8Request,
-    int8_encoder,
-)
+from tokenq.worker.backends.hf.quantize import Encoder, Finish
 from tokenq.worker.backends.hf.settings import HFOptions
 
 log = logging.getLogger(__name__)
@@ -40,7 +27,6 @@ log = logging.getLogger(__name__)
 Runtime = Literal["torch", "onnx"]
 
 PROBE_TOLERANCE = 1e-4  # largest ONNX-vs-torch difference, relative to max(1, largest value)
-
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -98,21 +84,19 @@ def resolve_autocast(requested: str, device: torch.device) -> torch.dtype | None
 
 
 def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), as torch's private
-    probes report it (no when they are absent)."""
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), by torch's probes."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
-class TorchEncoder(Exportable):
-    """The transformer in eager torch, as loaded: the traced module, run under
-    :func:`attention_kernels` and, with ``autocast``, its mixed precision."""
+class TorchEncoder(export.Exportable):
+    """The transformer in eager torch, under :func:`attention_kernels` and ``autocast``."""
 
     def __init__(
         self, model: torch.nn.Module, *, uses_type_ids: bool, logits: bool,
         autocast: torch.dtype | None = None,
     ) -> None:
-        super().__init__(model, INPUTS if uses_type_ids else INPUTS[:2], logits)
+        super().__init__(model, export.INPUTS if uses_type_ids else export.INPUTS[:2], logits)
         parameter = next(model.parameters(), None)  # none: the CPU
         device = torch.device("cpu") if parameter is None else parameter.device
         self._attention = attention_kernels(device)
@@ -124,7 +108,7 @@ class TorchEncoder(Exportable):
         )
 
     def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        """(ids, mask, type ids): the type ids dropped where the model takes none."""
+        """(ids, mask, type ids); the type ids dropped where the model takes none."""
         with self._attention(), self._precision():
             result = super().forward(*tensors[: len(self.inputs)])
         # Under autocast a model's last op may hand back bf16; the head after it is fp32.
@@ -174,8 +158,8 @@ def import_onnxruntime() -> Any:
 
 
 def resolve_runtime(options: HFOptions, device: torch.device, dtype: torch.dtype) -> Runtime:
-    """``--runtime`` made concrete for this task, device and dtype, and ``--quantize`` refused
-    on torch (saying which setting made it torch); a ConfigError says why not."""
+    """``--runtime`` made concrete for this task, device and dtype; ``--quantize`` refused on
+    torch, saying which setting made it torch."""
     runtime: Runtime = "torch"
     if options.task == "sparse" and options.runtime == "onnx":
         raise ConfigError(
@@ -215,14 +199,11 @@ def resolve_runtime(options: HFOptions, device: torch.device, dtype: torch.dtype
 
 def build_encoder(
     runtime: Runtime, model: torch.nn.Module, tokenizer: Any, source: ModelSource, subfolder: str,
-    options: HFOptions, *, finish: Finish | None = None, max_input: int = CALIBRATION_MAX_TOKENS,
-    autocast: torch.dtype | None = None,
+    options: HFOptions, *, finish: Finish | None, max_input: int, autocast: torch.dtype | None,
 ) -> tuple[Encoder, dict[str, Any]]:
-    """The encoder ``runtime`` names for a model loaded in torch, and its facts for the info.
-
-    onnx: exported (or reused), checked against torch on a probe batch, and with
-    ``--quantize int8`` the gated int8 twin (``finish``: the head the gate compares through).
-    """
+    """The encoder ``runtime`` names, and its facts for the info; onnx: exported (or reused),
+    checked against torch, with ``--quantize int8`` the gated int8 twin (``finish``: the head
+    the gate compares through)."""
     uses_type_ids = "token_type_ids" in tokenizer.model_input_names
     logits = options.task != "embed"
     encoder = TorchEncoder(model, uses_type_ids=uses_type_ids, logits=logits, autocast=autocast)
@@ -233,13 +214,14 @@ def build_encoder(
     assert config_path is not None  # transformers loaded the model from it
     family = str(getattr(model.config, "model_type", type(model).__name__))
     inputs = encoder.inputs
-    key = cache_key(Path(config_path).parent, {
+    key = export.cache_key(Path(config_path).parent, {
         "task": options.task, "inputs": inputs, "class": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype),
         "trust_remote_code": options.trust_remote_code,
     })
     try:
-        path = export(model, default_cache_dir(options.onnx_cache_dir) / key, inputs, logits=logits)
+        folder = export.default_cache_dir(options.onnx_cache_dir) / key
+        path = export.export(model, folder, inputs, logits=logits)
     except Exception as exc:  # the exporter fails in many ways, all meaning the same here
         raise ConfigError(
             f"--runtime onnx: torch's ONNX exporter cannot take model family {family!r} "
@@ -250,12 +232,13 @@ def build_encoder(
     if options.quantize != "int8":
         return onnx, {}
     assert logits or finish is not None, "an embedding model's gate compares through its head"
-    request = Int8Request(
+    request = quantize.Int8Request(
         model=source.name, min_cosine=options.quantize_min_cosine, tokenizer=tokenizer,
         pad_id=pad_token_id(tokenizer), pairs=options.task == "rerank",
-        max_tokens=min(CALIBRATION_MAX_TOKENS, max_input), finish=finish,
+        max_tokens=min(quantize.CALIBRATION_MAX_TOKENS, max_input), finish=finish,
     )
-    int8, report = int8_encoder(onnx, path, lambda p: OnnxEncoder(_session(ort, p), p), request)
+    int8, report = quantize.int8_encoder(
+        onnx, path, lambda p: OnnxEncoder(_session(ort, p), p), request)
     return int8, report.describe()
 
 
@@ -272,8 +255,8 @@ def _session(ort: Any, path: Path) -> Any:
 def _check_against_torch(
     onnx: OnnxEncoder, torch_encoder: TorchEncoder, *, family: str, vocab_size: int
 ) -> None:
-    """Refuse an export whose answers on a padded probe batch differ from torch's (its shape
-    differs from the trace's, so a frozen dimension fails too)."""
+    """Refuse an export whose answers on a padded probe batch (shaped unlike the trace's)
+    differ from torch's."""
     lengths = (11, 6, 2)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, max(vocab_size, 1), (len(lengths), max(lengths)), generator=generator)
