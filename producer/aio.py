@@ -29,18 +29,14 @@ P = ParamSpec("P")
 DEFAULT_MAX_CONNECTIONS = 16
 """Pooled connections per AsyncClient; callers beyond it wait for a free one."""
 
-_LISTEN_FOREVER_S = float("inf")
-
 _CANCEL_GRACE_S = 0.02
 _WAKE = b"tokenq:wake"
-"""Pushed on the client's own reply key by aclose; never a msgpack reply."""
+"""Pushed on a reply key by aclose to end its listener's wait; never a msgpack reply."""
 _WAKE_TTL_MS = 1000
 _WAKE_WAIT_S = 1.0
 """How long aclose tries to push the wake marker (Redis may be frozen)."""
-
 _BACKSTOP_S = 0.05
-"""A command's own (deadline-bound) socket timeout normally ends it; this much later
-the caller stops waiting for it regardless."""
+"""How long after its deadline-bound socket timeout the caller stops waiting for a command."""
 
 
 def awaiting(
@@ -85,8 +81,6 @@ class AsyncClient(ProducerBase):
         self._unreachable: BaseException | None = None
         self._config_task: asyncio.Task[dict[str, str]] | None = None
 
-    # ------------------------------------------------------------ lifecycle
-
     async def aclose(self) -> None:
         """Stop the listener, fail whoever still waits, close every connection."""
         self._closing = True
@@ -130,8 +124,7 @@ class AsyncClient(ProducerBase):
             await pipe.execute()
 
     def _listen_key(self, lane: Lane) -> str:
-        """The reply key this client's listener reads for requests written to ``lane``; an
-        ``infer`` call asks for it before it writes anything."""
+        """The reply key this client listens to for requests written to ``lane``."""
         if self._closing:
             raise TokenqError("the AsyncClient is closed")
         return lane.reply_key(self.client_id)
@@ -155,11 +148,8 @@ class AsyncClient(ProducerBase):
     pending_tokens = awaiting(calls.pending_tokens)
     config = awaiting(calls.config)
 
-    # --------------------------------------------------------------- driver
-
     async def _run(self, call: calls.Call[T]) -> T:
-        """Await ``call``'s steps until it returns; the ids it had the listener keep are
-        forgotten however it ends."""
+        """Await ``call``'s steps until it returns; then forget the ids it listened for."""
         listening: list[str] = []
         try:
             step = calls.resume(call)
@@ -216,8 +206,8 @@ class AsyncClient(ProducerBase):
     async def _attempt(
         self, deadline: float, command: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any
     ) -> T:
-        """One Redis command for a caller, as a task carrying its deadline (for the socket, pool
-        and retry bounds); past the deadline plus the grace it is cancelled, TimeoutError."""
+        """One Redis command, as a task carrying the caller's deadline (for the socket, pool and
+        retry bounds); cancelled past the deadline plus the grace: TimeoutError."""
         with redis_deadlines.for_caller(deadline):
             task = asyncio.ensure_future(command(*args, **kwargs))
         wait = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S + _BACKSTOP_S
@@ -230,8 +220,6 @@ class AsyncClient(ProducerBase):
             _forget(task)
             raise redis.TimeoutError("Redis did not answer before the caller's deadline")
         return task.result()
-
-    # --------------------------------------------------------------- config
 
     async def _share_config_read(self, deadline: Deadline) -> None:
         """Start the one config read as a task (cancelling its caller does not cancel it), or
@@ -258,8 +246,6 @@ class AsyncClient(ProducerBase):
         if not task.cancelled():
             task.exception()  # retrieved: only its leader raises it
 
-    # ------------------------------------------------------------- listener
-
     def _listen_for(self, ids: Sequence[str], key: str) -> None:
         """Give each id a future the listener of ``key`` resolves; make sure it is listening."""
         loop = asyncio.get_running_loop()
@@ -269,7 +255,6 @@ class AsyncClient(ProducerBase):
     async def _collect(
         self, ids: Sequence[str], deadline: Deadline
     ) -> tuple[dict[str, Outcome | Exception], BaseException | None]:
-        """The outcomes the listener resolved for ``ids`` by the deadline, and its last outage."""
         futures = {request_id: self._waiters[request_id] for request_id in ids}
         remaining = deadline.remaining()
         if futures and remaining > 0:
@@ -295,9 +280,8 @@ class AsyncClient(ProducerBase):
             )
 
     async def _listen(self, key: str) -> None:
-        """Read a reply key while anyone waits; resolve futures by id. As :func:`~.calls.drain`
-        does: LRANGE, deliver, only then LTRIM (docs/RELIABILITY.md); ``BLMOVE key key`` waits. A
-        reply read twice finds its future done and is dropped."""
+        """Read a reply key while anyone waits, resolving futures by id, as :func:`~.calls.drain`
+        does: LRANGE, deliver, only then LTRIM; ``BLMOVE key key`` waits."""
         failures = 0
         redis_ = self._listen_clients[key]
         while self._waiters and not self._closing:
@@ -306,7 +290,7 @@ class AsyncClient(ProducerBase):
             try:
                 landed = await redis_.lrange(key, 0, -1)
                 if not landed:
-                    wait_s = block_s(_LISTEN_FOREVER_S, self.settings.socket_timeout_s)
+                    wait_s = block_s(float("inf"), self.settings.socket_timeout_s)
                     if await redis_.blmove(key, key, wait_s, "LEFT", "RIGHT") is not None:
                         landed = await redis_.lrange(key, 0, -1)
                 failed = False

@@ -1,6 +1,5 @@
-"""What a queue's config hash lets a producer refuse before it enqueues (a pair when
-``pairs=0``; past ``max_input_tokens`` under ``policy=reject``), how it counts tokens, and the
-client's copy of the hash; no I/O and no clock (docs/ESTIMATES.md)."""
+"""What a queue's config hash lets a producer refuse before it enqueues, how it counts tokens,
+and the client's copy of the hash; no I/O and no clock (docs/ESTIMATES.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from typing import Literal
 from tokenq.producer.estimate import estimate_tokens
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode
 from tokenq.shared.queue_config import QueueConfig, model_facts
+from tokenq.shared.redis_text import as_text
 from tokenq.shared.request_options import ModelFacts
 
 log = logging.getLogger("tokenq.producer")
@@ -32,9 +32,7 @@ DEFAULT_CONFIG_TTL_S = 30.0
 
 EstimatorMode = Literal["auto", "heuristic", "exact"]
 ESTIMATOR_MODES: tuple[EstimatorMode, ...] = ("auto", "heuristic", "exact")
-
 PairEstimate = Callable[[str, str | None], int]
-
 Estimator = Callable[[str], int] | Callable[[str, str | None], int]
 """Token estimator: ``f(text)`` or ``f(text, text_pair)``; one with ``exact = True`` is
 compared with the queue's limit without the heuristic's margin."""
@@ -44,9 +42,9 @@ EstimatorChoice = EstimatorMode | Estimator | None
 
 
 class InputTooLong(BadRequest):
-    """An input is over the queue's ``max_input_tokens`` and the queue rejects such input. Raised
-    before enqueueing (nothing was written); the worker would answer ``too_long``. ``exact``:
-    whether ``tokens`` is the queue tokenizer's count or the heuristic's."""
+    """An input is over the queue's ``max_input_tokens`` and the queue rejects such input (the
+    worker would answer ``too_long``); nothing was written. ``exact``: whether ``tokens`` is the
+    queue tokenizer's count or the heuristic's."""
 
     code = ErrorCode.TOO_LONG.value
 
@@ -54,13 +52,9 @@ class InputTooLong(BadRequest):
         self, where: str, tokens: int, limit: int, queue: str, exact: bool, param: str = "text",
         why: str = "policy reject",
     ) -> None:
-        if exact:
-            size = f"{tokens} tokens"
-        else:
-            size = (
-                f"an estimated {tokens} tokens (heuristic; refused only past "
-                f"{HEURISTIC_MARGIN:g}x the limit)"
-            )
+        size = f"{tokens} tokens" if exact else (
+            f"an estimated {tokens} tokens (heuristic; refused only past "
+            f"{HEURISTIC_MARGIN:g}x the limit)")
         super().__init__(
             f"{where} is {size}, over the limit of {limit} tokens of queue {queue!r} "
             f"(max_input_tokens, {why}); nothing was written",
@@ -82,16 +76,14 @@ class Estimating:
     exact_problem: str | None = None
     """Why there is no exact count, when ``estimator="exact"`` asked for one."""
     exact_max_chars: int | None = None
-    """Inputs longer than this are estimated with the heuristic (AUTO_EXACT_MAX_CHARS)."""
+    """Longer inputs are estimated with the heuristic (:data:`AUTO_EXACT_MAX_CHARS`)."""
 
     def for_length(self, chars: int) -> Estimating:
-        """This view, or the heuristic one for an input too long to count exactly here."""
         if self.exact_max_chars is None or chars <= self.exact_max_chars:
             return self
         return Estimating(estimate_tokens, False, self.config)
 
     def ensure_exact(self, queue: str) -> None:
-        """Raise :class:`ConfigError` when ``estimator="exact"`` cannot be honoured."""
         if self.exact_problem is not None:
             raise ConfigError(
                 f"estimator='exact' but queue {queue!r} gives no tokenizer the producer can "
@@ -102,7 +94,7 @@ class Estimating:
         self, queue: str, *, tokens: int, has_pair: bool, where: str,
         truncate: bool | None = None, param: str = "text",
     ) -> None:
-        """Refuse what the worker would refuse, when the producer can tell (see the module).
+        """Refuse a pair when ``pairs=0``, and past ``max_input_tokens`` under ``policy=reject``;
         ``truncate``, the request's own option, overrides the queue's policy (but ``chunk``)."""
         config = self.config
         if config is None:
@@ -130,7 +122,7 @@ class Estimating:
 class ConfigCache:
     """One client's copy of the config hash, the estimator it selects (``mode``: the client's
     ``estimator``, ``custom`` for a callable) and when to read again; tokenizer loads are kept per
-    path, success or failure. Changed whole under a lock (by callers and the tokenizer loader)."""
+    path, success or failure. Changed under a lock (by callers and the tokenizer loader)."""
 
     mode: EstimatorMode | Literal["custom"]
     custom: PairEstimate | None = None
@@ -147,13 +139,13 @@ class ConfigCache:
     _facts_of: tuple[QueueConfig | None, ModelFacts] | None = field(default=None, init=False)
 
     def due(self, now_s: float) -> bool:
-        """Whether the next enqueue should read the config hash first (monotonic ``now_s``)."""
+        """Whether the next enqueue should read the config hash first."""
         return self._read_at is None or now_s - self._read_at >= self.ttl_s
 
     def take(self, fields: Mapping[str, str] | None, now_s: float) -> str | None:
         """Adopt a fresh read (None: unreadable); the path of a tokenizer to load, or None. Until
-        :meth:`take_tokenizer` has that path the read does not count (:meth:`due` stays true), so a
-        load cut short by a cancelled caller is redone by the next one."""
+        :meth:`take_tokenizer` has it the read does not count (:meth:`due` stays true): a load cut
+        short by a cancelled caller is redone by the next one."""
         config = QueueConfig.parse(fields or {})
         path = config.tokenizer if config is not None else None
         with self._lock:
@@ -166,7 +158,7 @@ class ConfigCache:
             return None
 
     def take_tokenizer(self, path: str, loaded: PairEstimate | str | BaseException) -> None:
-        """Adopt the result of loading ``path``: an estimator, or why (or how) it failed."""
+        """Adopt the result of loading ``path``: an estimator, or why it failed."""
         if isinstance(loaded, BaseException):
             loaded = f"cannot load {path}: {loaded}"
         if isinstance(loaded, str):
@@ -181,8 +173,8 @@ class ConfigCache:
                     self._read_at, self._pending_at = self._pending_at, None
 
     def unreadable(self, error: Exception, now_s: float) -> None:
-        """Carry on without early checks when Redis refuses the read (an ACL, a wrong type):
-        a producer's minimal ACL need not allow it (docs/PROTOCOL.md); warned once."""
+        """Carry on without early checks when Redis refuses the read (a producer's minimal ACL
+        need not allow it: docs/PROTOCOL.md); warned once."""
         level = logging.DEBUG if self._warned else logging.WARNING
         log.log(level, "cannot read %s (%s); enqueueing without early checks", self.key, error)
         self._warned = True
@@ -195,11 +187,11 @@ class ConfigCache:
         return self._view
 
     def config(self) -> QueueConfig | None:
-        """The config hash last read (None: none, or none readable)."""
+        """The config hash last read (None: none readable)."""
         return self.current().config
 
     def facts(self) -> ModelFacts:
-        """What the config says of the model, made once per config read."""
+        """What the config says of the model, made once per read."""
         config = self.config()
         made = self._facts_of
         if made is None or made[0] is not config:
@@ -244,14 +236,12 @@ def config_cache(estimator: EstimatorChoice, config_ttl_s: float, key: str = "")
 
 def _pair_aware(estimator: Estimator) -> PairEstimate:
     """``estimator`` callable as ``f(text, text_pair)``; a one-argument one counts each text
-    and the sums are added (it cannot know the pair's extra separator)."""
+    (it cannot know the pair's extra separator)."""
     try:
         params = inspect.signature(estimator).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
         return lambda text, pair: estimator(text)  # type: ignore[call-arg]
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params):
         return estimator  # type: ignore[return-value]
 
@@ -264,6 +254,4 @@ def _pair_aware(estimator: Estimator) -> PairEstimate:
 
 def decode_config(raw: Mapping[bytes, bytes]) -> dict[str, str]:
     """The config hash as text (undecodable bytes replaced, never an exception)."""
-    return {
-        k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()
-    }
+    return {as_text(k): as_text(v) for k, v in raw.items()}

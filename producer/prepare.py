@@ -39,7 +39,7 @@ class Prepared:
     fields: dict[str, str | bytes]
     named: bool = False
     """Whether the caller chose the id (``unique``): its retry may come in another call, so
-    it gets a seen key of its own; fresh ids share one key for the call."""
+    it gets a seen key of its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,6 @@ class CallOptions:
     fields: dict[str, str | bytes]
     """Every request's fields, encoded once: ``""`` for what each request has of its own."""
     estimating: Estimating
-    """The config's view, read once for the call."""
     prompt: str = ""
     """The prompt the worker will put before each text, as far as the config says."""
     truncate: bool | None = None
@@ -71,32 +70,21 @@ def timeout_ms(deadline_s: float | None, deadline_ms: int | None, now_ms: int) -
     if deadline_s is not None:
         seconds = check_seconds(deadline_s, "deadline_s")
         if seconds * 1000 > limit:
-            raise BadRequest(
-                f"deadline_s {deadline_s!r} is out of range: at most {limit // 1000} s "
-                "(30 days)",
-                param="deadline_s",
-            )
+            raise BadRequest(f"deadline_s {deadline_s!r} is out of range: at most {limit // 1000} "
+                             "s (30 days)", param="deadline_s")
         return max(1, math.ceil(seconds * 1000))
     if deadline_ms is None:
         return None
     if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int):
-        raise BadRequest(
-            f"deadline_ms must be an integer (epoch milliseconds), "
-            f"got {type(deadline_ms).__name__}",
-            param="deadline_ms",
-        )
-    if deadline_ms <= now_ms:
-        raise BadRequest(
-            f"deadline_ms {deadline_ms} has already passed (now is {now_ms} epoch ms)",
-            param="deadline_ms",
-        )
-    if deadline_ms - now_ms > limit:
-        raise BadRequest(
-            f"deadline_ms {deadline_ms} is out of range: at most {limit} ms (30 days) "
-            f"after now ({now_ms} epoch ms)",
-            param="deadline_ms",
-        )
-    return deadline_ms - now_ms
+        problem = f"must be an integer (epoch milliseconds), got {type(deadline_ms).__name__}"
+    elif deadline_ms <= now_ms:
+        problem = f"{deadline_ms} has already passed (now is {now_ms} epoch ms)"
+    elif deadline_ms - now_ms > limit:
+        problem = (f"{deadline_ms} is out of range: at most {limit} ms (30 days) after now "
+                   f"({now_ms} epoch ms)")
+    else:
+        return deadline_ms - now_ms
+    raise BadRequest(f"deadline_ms {problem}", param="deadline_ms")
 
 
 def _reply_to(value: object) -> str:
@@ -135,18 +123,13 @@ def _tokens(
 ) -> int:
     tokens = estimate(text, pair)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise BadRequest(
-            f"the token estimator returned {tokens!r} for {where}; "
-            "it must return a non-negative int",
-            param="estimator",
-        )
-    if tokens > wire.MAX_TOKENS:
-        raise BadRequest(
-            f"the token estimator returned {tokens} for {where}, over the protocol's "
-            f"limit of {wire.MAX_TOKENS} tokens; nothing was written",
-            param="estimator",
-        )
-    return tokens
+        problem = "; it must return a non-negative int"
+    elif tokens > wire.MAX_TOKENS:
+        problem = f", over the protocol's limit of {wire.MAX_TOKENS} tokens; nothing was written"
+    else:
+        return tokens
+    raise BadRequest(f"the token estimator returned {tokens!r} for {where}{problem}",
+                     param="estimator")
 
 
 class Preparer:
