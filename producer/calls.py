@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from tokenq.producer.call_options import RequestOptions, SubmitOptions, refuse_unknown
 from tokenq.producer.config import decode_config
@@ -79,8 +79,7 @@ class OutOfMemory(ErrorReply):
     """Redis refused a write at its ``maxmemory``; a script is refused before its first write."""
 
 
-@dataclass(slots=True, eq=False)  # made per command: no frozen-init cost
-class Send:
+class Send(NamedTuple):
     """Run a redis-py method, a :data:`SCRIPTS` name or :data:`DURABLE_ENQUEUE` by ``deadline``
     (monotonic) plus ``DEADLINE_GRACE_S``. Answer: the reply."""
 
@@ -90,21 +89,18 @@ class Send:
     deadline: float
 
 
-@dataclass(frozen=True, slots=True)
-class Sleep:
+class Sleep(NamedTuple):
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
-class ShareConfigRead:
+class ShareConfigRead(NamedTuple):
     """Run :func:`read_config` (not strict), or join the read in flight, until ``deadline``;
     only the caller whose read it is sees its failure."""
 
     deadline: Deadline
 
 
-@dataclass(frozen=True, slots=True)
-class LoadTokenizer:
+class LoadTokenizer(NamedTuple):
     """Load ``path`` into the config cache once, off the caller's thread (or loop); wait
     until ``deadline``, then carry on with the heuristic."""
 
@@ -112,16 +108,14 @@ class LoadTokenizer:
     deadline: Deadline
 
 
-@dataclass(frozen=True, slots=True)
-class Listen:
+class Listen(NamedTuple):
     """Have the client's listener of ``key`` keep the replies to ``ids``."""
 
     ids: tuple[str, ...]
     key: str
 
 
-@dataclass(frozen=True, slots=True)
-class Collect:
+class Collect(NamedTuple):
     """Wait for the listener's replies to ``ids`` until ``deadline``. Answer: ``(outcomes,
     unreachable)``: those in by then and the listener's last outage (or None)."""
 

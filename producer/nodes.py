@@ -15,7 +15,7 @@ T = TypeVar("T")
 
 _LOST = (redis.ConnectionError, redis.TimeoutError)
 _UNREAD = (redis.RedisError, redis.exceptions.RedisClusterException)
-"""What re-reading the topology raises when no node answers (the first error then stands)."""
+"""What re-reading the topology raises when no node answers (the first error stands)."""
 
 
 def _moved_twice() -> redis.ConnectionError:
