@@ -66,11 +66,8 @@ class AsyncClient(ProducerBase):
         self._closing = False
         self._reply_key = self._listen_key(self._core.lanes.home)
         self._core.listener = self._listen_key
-        self._redis, listen = redis_deadlines.async_redis(
-            self.settings,
-            self.client_id,
-            DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
-        )
+        pool = DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections
+        self._redis, listen = redis_deadlines.async_redis(self.settings, self.client_id, pool)
         # One listener per reply key: each shard's replies land in its own slot.
         self._listen_clients: dict[str, Any] = {self._reply_key: listen}
         self._listeners: dict[str, asyncio.Task[None]] = {}
@@ -104,9 +101,7 @@ class AsyncClient(ProducerBase):
                 return
         listener.cancel()
         done, _ = await asyncio.wait({listener}, timeout=_CANCEL_GRACE_S)
-        if not done:
-            # redis-py can swallow a cancel that lands while a command is
-            # being sent; the BLMOVE then runs its course. Wake it instead.
+        if not done:  # redis-py can swallow a cancel while sending: the BLMOVE runs on; wake it
             await self._wake_listener(key)
             await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
 
@@ -176,11 +171,8 @@ class AsyncClient(ProducerBase):
 
         enqueue = self._scripts[calls.ENQUEUE]  # on a node without tokenq's functions: load, again
         return await nodes.async_run_pinned(
-            self._redis,
-            keys[0],
-            lambda node: enqueue.guarded(node, lambda: enqueue_and_wait(node)),
-            self._node_clients,
-        )
+            self._redis, keys[0],
+            lambda node: enqueue.guarded(node, lambda: enqueue_and_wait(node)), self._node_clients)
 
     async def _perform(self, step: calls.Step) -> Any:
         """The step's answer, or its failure (thrown into the call)."""
@@ -228,9 +220,8 @@ class AsyncClient(ProducerBase):
         task = self._config_task
         leading = task is None or task.get_loop() is not loop
         if leading:
-            task = loop.create_task(
-                self._run(calls.read_config(self._core, deadline, strict=False))
-            )
+            read = calls.read_config(self._core, deadline, strict=False)
+            task = loop.create_task(self._run(read))
             task.add_done_callback(self._config_read_done)
             self._config_task = task
         assert task is not None

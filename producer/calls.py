@@ -717,25 +717,19 @@ def command(core: ClientCore, name: str, *args: Any, **kwargs: Any) -> Call[Any]
 
 
 def _timeout(core: ClientCore, timeout_s: float | None) -> float:
-    """The caller's wait in seconds, defaulting to the configured one."""
     return core.settings.timeout_s if timeout_s is None else check_seconds(timeout_s, "timeout_s")
 
 
 def _texts(texts: Iterable[TextItem]) -> list[TextItem]:
-    """``texts`` as a list, so a call retried on another shard prepares the same inputs; a
-    string or a non-iterable is a BadRequest."""
+    """``texts`` as a list, so a call retried on another shard prepares the same inputs."""
     if isinstance(texts, (str, bytes)):
-        raise BadRequest(
-            "texts must be a sequence of strings, not a single string (use "
-            "submit/infer for one text)",
-            param="texts",
-        )
+        raise BadRequest("texts must be a sequence of strings, not a single string (use "
+                         "submit/infer for one text)", param="texts")
     try:
         return list(texts)
     except TypeError:
-        raise BadRequest(
-            f"texts must be a sequence of strings, got {type(texts).__name__}", param="texts"
-        ) from None
+        raise BadRequest(f"texts must be a sequence of strings, got {type(texts).__name__}",
+                         param="texts") from None
 
 
 def _infer_request(deadline: Deadline, options: RequestOptions) -> dict[str, Any]:
@@ -748,7 +742,7 @@ def _infer_request(deadline: Deadline, options: RequestOptions) -> dict[str, Any
 
 
 def _name(call: str, texts: Texts) -> str:
-    """The public name of a call of ``texts``: ``call`` for one text, ``call_many`` for a batch."""
+    """``call`` for one text, ``call_many`` for a batch."""
     return call if isinstance(texts, tuple) else f"{call}_many"
 
 

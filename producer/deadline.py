@@ -52,8 +52,8 @@ class Deadline:
     persist: bool = False
 
     @classmethod
-    def after(cls, seconds: float, *, persist: bool = False) -> Deadline:
-        return cls(time.monotonic() + seconds, persist)
+    def after(cls, seconds: float) -> Deadline:
+        return cls(time.monotonic() + seconds)
 
     def remaining(self) -> float:
         return self.at - time.monotonic()

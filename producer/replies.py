@@ -123,21 +123,17 @@ def outcome(reply: wire.Reply) -> Outcome:
     )
 
 
-def undecodable(request_id: str, raw: bytes) -> RemoteError:
-    """The error for a reply on a request's own key that does not decode."""
-    try:
-        wire.decode_reply(raw)
-    except DecodeError as exc:
-        return RemoteError(BAD_REPLY, str(exc), request_id)
-    return RemoteError(BAD_REPLY, "reply names another request", request_id)
-
-
 def own_key_reply(wanted: dict[str, str], key: str, raw: bytes, outcomes: dict[str, Any]) -> None:
-    """Record the reply read from one request's own reply key (``wanted``: key -> id)."""
+    """Record the reply read from one request's own reply key (``wanted``: key -> id); one that
+    does not decode, or names another request, is the request's ``bad_reply`` error."""
     request_id = wanted.pop(key)
-    reply = decode(raw)
-    if reply is None or reply.id != request_id:
-        outcomes[request_id] = undecodable(request_id, raw)
+    try:
+        reply = wire.decode_reply(raw)
+    except DecodeError as exc:
+        outcomes[request_id] = RemoteError(BAD_REPLY, str(exc), request_id)
+        return
+    if reply.id != request_id:
+        outcomes[request_id] = RemoteError(BAD_REPLY, "reply names another request", request_id)
     else:
         outcomes[request_id] = outcome(reply)
 
