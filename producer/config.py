@@ -8,7 +8,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from tokenq.producer.estimate import estimate_tokens
@@ -118,25 +118,41 @@ class Estimating:
             raise InputTooLong(where, tokens, limit, queue, self.exact, param, why)
 
 
-@dataclass
 class ConfigCache:
     """One client's copy of the config hash, the estimator it selects (``mode``: the client's
     ``estimator``, ``custom`` for a callable) and when to read again; tokenizer loads are kept per
     path, success or failure. Changed under a lock (by callers and the tokenizer loader)."""
 
-    mode: EstimatorMode | Literal["custom"]
-    custom: PairEstimate | None = None
-    custom_exact: bool = False
-    ttl_s: float = DEFAULT_CONFIG_TTL_S
-    key: str = ""
-    """The config hash's key, named when it cannot be read."""
-    _read_at: float | None = field(default=None, init=False)
-    _pending_at: float | None = field(default=None, init=False)
-    _loaded: dict[str, PairEstimate | str] = field(default_factory=dict, init=False)
-    _view: Estimating | None = field(default=None, init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-    _warned: bool = field(default=False, init=False)
-    _facts_of: tuple[QueueConfig | None, ModelFacts] | None = field(default=None, init=False)
+    def __init__(
+        self, estimator: EstimatorChoice = None, ttl_s: float = DEFAULT_CONFIG_TTL_S, key: str = ""
+    ) -> None:
+        """The client's ``estimator=`` and ``config_ttl_s=``; ``key``: the config hash's, named
+        when it cannot be read."""
+        if (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))
+                or not math.isfinite(ttl_s) or ttl_s < 0):
+            raise BadRequest(f"config_ttl_s must be a number of seconds, finite and >= 0, got "
+                             f"{ttl_s!r}", param="config_ttl_s")
+        chosen = "auto" if estimator is None else estimator
+        self.mode: EstimatorMode | Literal["custom"] = "custom"
+        self.custom: PairEstimate | None = None
+        if isinstance(chosen, str) and chosen in ESTIMATOR_MODES:
+            self.mode = chosen  # type: ignore[assignment]
+        elif isinstance(chosen, str) or not callable(chosen):
+            modes = ", ".join(map(repr, ESTIMATOR_MODES))
+            raise BadRequest(f"estimator must be one of {modes} (a mode name) or a callable, got "
+                             f"{estimator!r}", param="estimator")
+        else:
+            self.custom = _pair_aware(chosen)
+        self.custom_exact = getattr(estimator, "exact", False) is True
+        self.ttl_s = float(ttl_s)
+        self.key = key
+        self._read_at: float | None = None
+        self._pending_at: float | None = None
+        self._loaded: dict[str, PairEstimate | str] = {}
+        self._view: Estimating | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+        self._facts_of: tuple[QueueConfig | None, ModelFacts] | None = None
 
     def due(self, now_s: float) -> bool:
         """Whether the next enqueue should read the config hash first."""
@@ -199,7 +215,7 @@ class ConfigCache:
         return made[1]
 
     def _select(self, config: QueueConfig | None, loaded: PairEstimate | str | None) -> Estimating:
-        if self.mode == "custom" and self.custom is not None:
+        if self.custom is not None:
             return Estimating(self.custom, self.custom_exact, config)
         if self.mode != "heuristic" and loaded is not None and not isinstance(loaded, str):
             cap = AUTO_EXACT_MAX_CHARS if self.mode == "auto" else None
@@ -213,25 +229,6 @@ class ConfigCache:
             else:
                 problem = loaded if isinstance(loaded, str) else "the tokenizer is not loaded yet"
         return Estimating(estimate_tokens, False, config, problem)
-
-
-def config_cache(estimator: EstimatorChoice, config_ttl_s: float, key: str = "") -> ConfigCache:
-    """The config cache for a client's ``estimator=`` and ``config_ttl_s=`` arguments."""
-    if (isinstance(config_ttl_s, bool) or not isinstance(config_ttl_s, (int, float))
-            or not math.isfinite(config_ttl_s) or config_ttl_s < 0):
-        raise BadRequest(f"config_ttl_s must be a number of seconds, finite and >= 0, got "
-                         f"{config_ttl_s!r}", param="config_ttl_s")
-    ttl_s = float(config_ttl_s)
-    if estimator is None:
-        return ConfigCache("auto", ttl_s=ttl_s, key=key)
-    if isinstance(estimator, str) and estimator in ESTIMATOR_MODES:
-        return ConfigCache(estimator, ttl_s=ttl_s, key=key)  # type: ignore[arg-type]
-    if isinstance(estimator, str) or not callable(estimator):
-        modes = ", ".join(map(repr, ESTIMATOR_MODES))
-        raise BadRequest(f"estimator must be one of {modes} (a mode name) or a callable, got "
-                         f"{estimator!r}", param="estimator")
-    exact = getattr(estimator, "exact", False) is True
-    return ConfigCache("custom", _pair_aware(estimator), exact, ttl_s, key)
 
 
 def _pair_aware(estimator: Estimator) -> PairEstimate:

@@ -13,7 +13,7 @@ import pydantic
 
 from tokenq.producer.call_options import ClientOptions, refuse_unknown
 from tokenq.producer.calls import DURABLE_ENQUEUE
-from tokenq.producer.config import DEFAULT_CONFIG_TTL_S, EstimatorChoice, config_cache
+from tokenq.producer.config import DEFAULT_CONFIG_TTL_S, ConfigCache, EstimatorChoice
 from tokenq.producer.lanes import Lane, Lanes
 from tokenq.producer.prepare import Preparer
 from tokenq.producer.prepare import TextItem as TextItem  # the gateway's import
@@ -80,7 +80,7 @@ class ClientCore:
         queue = settings.queue_ref
         self.settings = settings
         self.url = redact(settings.redis_url)  # for error text and logs
-        self.config = config_cache(estimator, config_ttl_s, keys.config(queue))
+        self.config = ConfigCache(estimator, config_ttl_s, keys.config(queue))
         self.lanes = Lanes(queue, settings.shards, self.config.config)
         self.preparer = Preparer(settings, self.config, refuse_early)
         self.chooser = ShardChooser(settings.shard_choice)
