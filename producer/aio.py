@@ -276,41 +276,30 @@ class AsyncClient(ProducerBase):
         failures = 0
         redis_ = self._listen_clients[key]
         while self._waiters and not self._closing:
-            landed: list[bytes] = []  # what was read is delivered even if a later command fails
-            failed = True
             try:
                 landed = await redis_.lrange(key, 0, -1)
                 if not landed:
                     wait_s = block_s(float("inf"), self.settings.socket_timeout_s)
                     if await redis_.blmove(key, key, wait_s, "LEFT", "RIGHT") is not None:
                         landed = await redis_.lrange(key, 0, -1)
-                failed = False
+                for raw in landed:
+                    if raw != _WAKE:
+                        self._deliver(raw)
+                if landed:  # a failed LTRIM reads them again: delivered ones are dropped
+                    self._trimming.add(key)
+                    try:
+                        await redis_.ltrim(key, len(landed), -1)
+                    finally:
+                        self._trimming.discard(key)
+                self._unreachable, failures = None, 0
             except Exception as exc:  # never let one odd error strand every waiter
-                self._listen_failed(exc)
-            for raw in landed:
-                if raw != _WAKE:
-                    self._deliver(raw)
-            if landed and not failed:
-                self._trimming.add(key)
-                try:
-                    await redis_.ltrim(key, len(landed), -1)
-                except Exception as exc:  # read again next time; delivered ones are dropped
-                    failed = True
-                    self._listen_failed(exc)
-                finally:
-                    self._trimming.discard(key)
-            if failed:
+                down = redis_deadlines.failure(exc)
+                if isinstance(down, calls.Unreachable):
+                    self._unreachable = down.error
+                else:
+                    log.exception("tokenq reply listener failed; retrying")
                 failures += 1
                 await asyncio.sleep(backoff_s(failures))
-            else:
-                self._unreachable, failures = None, 0
-
-    def _listen_failed(self, exc: Exception) -> None:
-        down = redis_deadlines.failure(exc)
-        if isinstance(down, calls.Unreachable):
-            self._unreachable = down.error
-        else:
-            log.exception("tokenq reply listener failed; retrying")
 
     def _deliver(self, raw: bytes) -> None:
         reply = decode(raw)
