@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tokenq.producer.call_options import SubmitOptions, worker_options
 from tokenq.producer.config import ConfigCache, Estimating
@@ -42,8 +42,7 @@ class Prepared:
     it gets a seen key of its own."""
 
 
-@dataclass(frozen=True, slots=True)
-class CallOptions:
+class CallOptions(NamedTuple):
     """What one call's options decide for all its requests."""
 
     reply_to: str | None
