@@ -661,16 +661,12 @@ def _infer(
     ids = [p.id for p in batch]
     if listener is not None:
         outcomes, unreachable = yield Collect(tuple(ids), deadline)
-        missing = [i for i in ids if i not in outcomes]
     elif isinstance(texts, tuple):  # on its own reply key
-        wanted = {batch[0].reply_to: batch[0].id}
-        outcomes, unreachable = yield from own_replies(core, wanted, deadline)
-        missing = list(wanted.values())
+        outcomes, unreachable = yield from own_replies(core, {batch[0].reply_to: ids[0]}, deadline)
     else:
-        pending = set(ids)
         reply_key = batch[0].reply_to if batch else ""
-        outcomes, unreachable = yield from drain(core, reply_key, pending, deadline)
-        missing = sorted(pending)
+        outcomes, unreachable = yield from drain(core, reply_key, set(ids), deadline)
+    missing = [i for i in ids if i not in outcomes]
     yield from _missing(core, lane, missing, outcomes, started, unreachable)
     return settle(ids, outcomes, errors)
 
