@@ -114,16 +114,6 @@ class Lanes:
             return [self.home]
         return [*(self.lane(k) for k in range(count)), self.home]
 
-    def shard_of_id(self, request_id: str, retired: Collection[int] = ()) -> int | None:
-        """The shard whose reply namespace holds ``request_id``'s reply; None: ``{q}``.
-        ``k.<unique>`` names shard ``k`` only where the queue has it now or had it (``retired``);
-        elsewhere it is a plain id another producer chose (docs/PROTOCOL.md, "K = 1")."""
-        shard = keys.shard_in_id(request_id)
-        if shard is None:
-            return None
-        count = self.count()
-        return shard if (count > 1 and shard < count) or shard in retired else None
-
     def shards_beyond(self, request_ids: Sequence[str]) -> list[int]:
         """The shards ids name that the queue does not have now: were they retired?"""
         count = self.count()
@@ -133,9 +123,15 @@ class Lanes:
     def reply_keys(
         self, request_ids: Sequence[str], retired: Collection[int] = ()
     ) -> dict[int | None, dict[str, str]]:
-        """Reply key -> request id, by the shard each (checked) id's reply is on."""
+        """Reply key -> request id, by the shard each (checked) id's reply is on: ``k.<unique>``
+        names shard ``k`` only where the queue has it now or had it (``retired``); elsewhere it is
+        a plain id another producer chose (docs/PROTOCOL.md, "K = 1")."""
         by_shard: dict[int | None, dict[str, str]] = {}
         for request_id in request_ids:
-            lane = self.lane(self.shard_of_id(request_id, retired))
+            shard = keys.shard_in_id(request_id)
+            if shard is not None and shard not in retired:
+                count = self.count()
+                shard = shard if count > 1 and shard < count else None
+            lane = self.lane(shard)
             by_shard.setdefault(lane.shard, {})[lane.reply_key(request_id)] = request_id
         return by_shard
