@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from tokenq.producer.call_options import RequestOptions, SubmitOptions, refuse_unknown
-from tokenq.producer.config import decode_config
 from tokenq.producer.deadline import Deadline, backoff_s, block_s, check_seconds
 from tokenq.producer.lanes import Lane, check_ids
 from tokenq.producer.prepare import Prepared, TextItem
@@ -181,7 +180,7 @@ def read_config(core: ClientCore, deadline: Deadline, *, strict: bool) -> Call[d
             raise
         core.config.unreadable(refused.error, time.monotonic())
         return {}
-    fields = decode_config(raw)
+    fields = {redis_text.as_text(k): redis_text.as_text(v) for k, v in raw.items()}
     path = core.config.take(fields, time.monotonic())
     if path is not None:
         yield LoadTokenizer(path, deadline)

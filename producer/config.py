@@ -14,7 +14,6 @@ from typing import Literal
 from tokenq.producer.estimate import estimate_tokens
 from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode
 from tokenq.shared.queue_config import QueueConfig, model_facts
-from tokenq.shared.redis_text import as_text
 from tokenq.shared.request_options import ModelFacts
 
 log = logging.getLogger("tokenq.producer")
@@ -248,7 +247,3 @@ def _pair_aware(estimator: Estimator) -> PairEstimate:
 
     return one_at_a_time
 
-
-def decode_config(raw: Mapping[bytes, bytes]) -> dict[str, str]:
-    """The config hash as text (undecodable bytes replaced, never an exception)."""
-    return {as_text(k): as_text(v) for k, v in raw.items()}

@@ -86,13 +86,6 @@ def timeout_ms(deadline_s: float | None, deadline_ms: int | None, now_ms: int) -
     raise BadRequest(f"deadline_ms {problem}", param="deadline_ms")
 
 
-def _reply_to(value: object) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= wire.MAX_REPLY_TO_CHARS:
-        raise BadRequest(f"reply_to must be a key name of 1-{wire.MAX_REPLY_TO_CHARS} chars",
-                         param="reply_to")
-    return value
-
-
 def _opts(options: SubmitOptions) -> Mapping[str, Any]:
     """The request's ``opts`` map: the caller's ``opts``, plus the worker options it named."""
     opts = options.get("opts")
@@ -107,14 +100,6 @@ def _opts(options: SubmitOptions) -> Mapping[str, Any]:
     if twice:
         raise BadRequest(f"{twice[0]} is given both as a keyword and in opts", param=twice[0])
     return {**opts, **named}
-
-
-def _priority(value: object) -> int:
-    try:
-        return wire.validate_priority(value)
-    except DecodeError as exc:
-        exc.param = "priority"
-        raise
 
 
 def _tokens(
@@ -170,9 +155,16 @@ class Preparer:
         reply_to = options.get("reply_to")
         opts = _opts(options)
         checked = self._worker_options(opts)
-        reply_to = None if reply_to is None else _reply_to(reply_to)
+        if reply_to is not None and (
+                not isinstance(reply_to, str) or not 0 < len(reply_to) <= wire.MAX_REPLY_TO_CHARS):
+            raise BadRequest(f"reply_to must be a key name of 1-{wire.MAX_REPLY_TO_CHARS} chars",
+                             param="reply_to")
         deadline = timeout_ms(options.get("deadline_s"), options.get("deadline_ms"), now_ms)
-        priority = _priority(options.get("priority"))
+        try:
+            priority = wire.validate_priority(options.get("priority"))
+        except DecodeError as exc:
+            exc.param = "priority"
+            raise
         try:
             fields = wire.call_fields(opts, deadline, priority)
         except DecodeError as exc:
