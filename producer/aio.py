@@ -238,10 +238,17 @@ class AsyncClient(ProducerBase):
             task.exception()  # retrieved: only its leader raises it
 
     def _listen_for(self, ids: Sequence[str], key: str) -> None:
-        """Give each id a future the listener of ``key`` resolves; make sure it is listening."""
+        """Give each id a future the listener of ``key`` resolves; start that listener unless it
+        is running (it stops when nobody waits)."""
         loop = asyncio.get_running_loop()
         self._waiters.update({request_id: loop.create_future() for request_id in ids})
-        self._ensure_listener(key)
+        listener = self._listeners.get(key)
+        if listener is None or listener.done():
+            if key not in self._listen_clients:
+                self._listen_clients[key] = redis_deadlines.async_client(
+                    self.settings, self.client_id)
+            self._listeners[key] = loop.create_task(
+                self._listen(key), name=f"tokenq-listener-{self.client_id[:12]}")
 
     async def _collect(
         self, ids: Sequence[str], deadline: Deadline
@@ -257,18 +264,6 @@ class AsyncClient(ProducerBase):
             if future.done()
         }
         return outcomes, self._unreachable
-
-    def _ensure_listener(self, key: str) -> None:
-        """Start the listener of ``key`` unless it is running (it stops when nobody waits)."""
-        listener = self._listeners.get(key)
-        if listener is None or listener.done():
-            if key not in self._listen_clients:
-                self._listen_clients[key] = redis_deadlines.async_client(
-                    self.settings, self.client_id
-                )
-            self._listeners[key] = asyncio.get_running_loop().create_task(
-                self._listen(key), name=f"tokenq-listener-{self.client_id[:12]}"
-            )
 
     async def _listen(self, key: str) -> None:
         """Read a reply key while anyone waits, resolving futures by id, as :func:`~.calls.drain`
