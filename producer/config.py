@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tokenq.producer.estimate import estimate_tokens
-from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode
+from tokenq.shared.errors import BadRequest, ErrorCode
 from tokenq.shared.queue_config import QueueConfig, model_facts
 from tokenq.shared.request_options import ModelFacts
 
@@ -81,13 +81,6 @@ class Estimating:
         if self.exact_max_chars is None or chars <= self.exact_max_chars:
             return self
         return Estimating(estimate_tokens, False, self.config)
-
-    def ensure_exact(self, queue: str) -> None:
-        if self.exact_problem is not None:
-            raise ConfigError(
-                f"estimator='exact' but queue {queue!r} gives no tokenizer the producer can "
-                f"load: {self.exact_problem}; nothing was written"
-            )
 
     def check(
         self, queue: str, *, tokens: int, has_pair: bool, where: str,

@@ -13,7 +13,7 @@ from tokenq.producer.config import ConfigCache, Estimating
 from tokenq.producer.deadline import check_seconds
 from tokenq.producer.lanes import Lane, check_ids
 from tokenq.shared import keys, wire
-from tokenq.shared.errors import BadRequest, DecodeError
+from tokenq.shared.errors import BadRequest, ConfigError, DecodeError
 from tokenq.shared.request_options import (
     NO_OPTIONS,
     OptionError,
@@ -173,7 +173,10 @@ class Preparer:
             # msgpack cannot encode something in opts (an int past 64 bits overflows)
             raise BadRequest(f"opts cannot be encoded as msgpack: {exc}", param="opts") from None
         estimating = self.config.current()
-        estimating.ensure_exact(self.settings.queue)
+        if estimating.exact_problem is not None:
+            raise ConfigError(f"estimator='exact' but queue {self.settings.queue!r} gives no "
+                              f"tokenizer the producer can load: {estimating.exact_problem}; "
+                              "nothing was written")
         return CallOptions(reply_to, fields, estimating, prompt_of(checked, self.config.facts()),
                            checked.truncate)
 

@@ -96,23 +96,9 @@ def failure(exc: Exception) -> Exception:
     return Unreachable(down)
 
 
-def bounded_timeout(configured: float | None, *, reads: bool = False) -> float | None:
-    """A socket (or pool) timeout cut to the caller's deadline plus the grace; ``reads``: a wait
-    for a reply, which :data:`slow_reply` lengthens."""
-    slow = SLOW_REPLY_S.get() if reads else 0.0
-    if slow and configured is not None:
-        configured += slow
-    deadline = CALLER_DEADLINE.get()
-    if deadline is None:
-        return configured
-    left = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S
-    if configured is not None:
-        left = min(configured, left)
-    return max(MIN_SOCKET_TIMEOUT_S, left)
-
-
 class _Bounded:
-    """A timeout attribute that reads as :func:`bounded_timeout` of the value kept in ``slot``."""
+    """A timeout attribute that reads as the value kept in ``slot`` cut to the caller's deadline
+    plus the grace; ``reads``: a wait for a reply, which :data:`slow_reply` lengthens."""
 
     def __init__(self, slot: str, *, reads: bool = False) -> None:
         self._slot = slot
@@ -121,7 +107,15 @@ class _Bounded:
     def __get__(self, obj: object, owner: type | None = None) -> Any:
         if obj is None:
             return self
-        return bounded_timeout(getattr(obj, self._slot, None), reads=self._reads)
+        configured: float | None = getattr(obj, self._slot, None)
+        slow = SLOW_REPLY_S.get() if self._reads else 0.0
+        if slow and configured is not None:
+            configured += slow
+        deadline = CALLER_DEADLINE.get()
+        if deadline is None:
+            return configured
+        left = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S
+        return max(MIN_SOCKET_TIMEOUT_S, left if configured is None else min(configured, left))
 
     def __set__(self, obj: object, value: float | None) -> None:
         setattr(obj, self._slot, value)
