@@ -101,16 +101,15 @@ class AsyncClient(ProducerBase):
                 return
         listener.cancel()
         done, _ = await asyncio.wait({listener}, timeout=_CANCEL_GRACE_S)
-        if not done:  # redis-py can swallow a cancel while sending: the BLMOVE runs on; wake it
-            await self._wake_listener(key)
-            await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
-
-    async def _wake_listener(self, key: str) -> None:
-        """Push a marker that ends a listener's BLMOVE at once (it expires unread if unneeded)."""
+        if done:
+            return
+        # redis-py can swallow a cancel while sending: the BLMOVE runs on. A marker pushed on
+        # the key ends it at once (and expires unread if unneeded).
         try:
             await self._attempt(time.monotonic() + _WAKE_WAIT_S, self._push_wake, key)
         except redis.RedisError as exc:  # down, or an ACL without RPUSH: closing must not fail
             log.debug("reply listener not woken (%s); it stops after its wait", error_text(exc))
+        await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
 
     async def _push_wake(self, key: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
