@@ -130,12 +130,8 @@ class ProducerBase:
             if loading is None:
                 loading = self._loading[path] = concurrent.futures.Future()
                 loading.set_running_or_notify_cancel()  # a waiter's cancel cannot end it
-                threading.Thread(
-                    target=self._load,
-                    args=(path, loading),
-                    daemon=True,
-                    name=f"tokenq-tokenizer-{self.client_id[:12]}",
-                ).start()
+                threading.Thread(target=self._load, args=(path, loading), daemon=True,
+                                 name=f"tokenq-tokenizer-{self.client_id[:12]}").start()
         return loading
 
     def _load(self, path: str, loading: concurrent.futures.Future[None]) -> None:
