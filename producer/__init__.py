@@ -41,9 +41,8 @@ _HOMES = {
     "Estimator": "config", "InputTooLong": "config", "estimate_tokens": "estimate",
     "ReplyTimeout": "replies", "Result": "replies", "TokenizerEstimator": "tokenizer",
 }
-"""Where each public name lives: its module is imported when the name is first used, so a
-process that needs one submodule (a worker reading ``lua/``, ``tokenq stats --help``) does
-not load the clients and redis.asyncio."""
+"""Where each public name lives, imported at its first use: a process that needs one submodule
+(a worker reading ``lua/``, ``tokenq stats --help``) loads neither client nor redis.asyncio."""
 
 
 def __getattr__(name: str) -> Any:

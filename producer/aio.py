@@ -29,18 +29,14 @@ P = ParamSpec("P")
 DEFAULT_MAX_CONNECTIONS = 16
 """Pooled connections per AsyncClient; callers beyond it wait for a free one."""
 
-_LISTEN_FOREVER_S = float("inf")
-
 _CANCEL_GRACE_S = 0.02
 _WAKE = b"tokenq:wake"
-"""Pushed on the client's own reply key by aclose; never a msgpack reply."""
+"""Pushed on a reply key by aclose to end its listener's wait; never a msgpack reply."""
 _WAKE_TTL_MS = 1000
 _WAKE_WAIT_S = 1.0
 """How long aclose tries to push the wake marker (Redis may be frozen)."""
-
 _BACKSTOP_S = 0.05
-"""A command's own (deadline-bound) socket timeout normally ends it; this much later
-the caller stops waiting for it regardless."""
+"""How long after its deadline-bound socket timeout the caller stops waiting for a command."""
 
 
 def awaiting(
@@ -70,11 +66,8 @@ class AsyncClient(ProducerBase):
         self._closing = False
         self._reply_key = self._listen_key(self._core.lanes.home)
         self._core.listener = self._listen_key
-        self._redis, listen = redis_deadlines.async_redis(
-            self.settings,
-            self.client_id,
-            DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections,
-        )
+        pool = DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections
+        self._redis, listen = redis_deadlines.async_redis(self.settings, self.client_id, pool)
         # One listener per reply key: each shard's replies land in its own slot.
         self._listen_clients: dict[str, Any] = {self._reply_key: listen}
         self._listeners: dict[str, asyncio.Task[None]] = {}
@@ -84,8 +77,6 @@ class AsyncClient(ProducerBase):
         self._waiters: dict[str, asyncio.Future[Outcome]] = {}
         self._unreachable: BaseException | None = None
         self._config_task: asyncio.Task[dict[str, str]] | None = None
-
-    # ------------------------------------------------------------ lifecycle
 
     async def aclose(self) -> None:
         """Stop the listener, fail whoever still waits, close every connection."""
@@ -110,18 +101,15 @@ class AsyncClient(ProducerBase):
                 return
         listener.cancel()
         done, _ = await asyncio.wait({listener}, timeout=_CANCEL_GRACE_S)
-        if not done:
-            # redis-py can swallow a cancel that lands while a command is
-            # being sent; the BLMOVE then runs its course. Wake it instead.
-            await self._wake_listener(key)
-            await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
-
-    async def _wake_listener(self, key: str) -> None:
-        """Push a marker that ends a listener's BLMOVE at once (it expires unread if unneeded)."""
+        if done:
+            return
+        # redis-py can swallow a cancel while sending: the BLMOVE runs on. A marker pushed on
+        # the key ends it at once (and expires unread if unneeded).
         try:
             await self._attempt(time.monotonic() + _WAKE_WAIT_S, self._push_wake, key)
         except redis.RedisError as exc:  # down, or an ACL without RPUSH: closing must not fail
             log.debug("reply listener not woken (%s); it stops after its wait", error_text(exc))
+        await asyncio.wait({listener}, timeout=self.settings.socket_timeout_s)
 
     async def _push_wake(self, key: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -130,8 +118,7 @@ class AsyncClient(ProducerBase):
             await pipe.execute()
 
     def _listen_key(self, lane: Lane) -> str:
-        """The reply key this client's listener reads for requests written to ``lane``; an
-        ``infer`` call asks for it before it writes anything."""
+        """The reply key this client listens to for requests written to ``lane``."""
         if self._closing:
             raise TokenqError("the AsyncClient is closed")
         return lane.reply_key(self.client_id)
@@ -155,11 +142,8 @@ class AsyncClient(ProducerBase):
     pending_tokens = awaiting(calls.pending_tokens)
     config = awaiting(calls.config)
 
-    # --------------------------------------------------------------- driver
-
     async def _run(self, call: calls.Call[T]) -> T:
-        """Await ``call``'s steps until it returns; the ids it had the listener keep are
-        forgotten however it ends."""
+        """Await ``call``'s steps until it returns; then forget the ids it listened for."""
         listening: list[str] = []
         try:
             step = calls.resume(call)
@@ -186,11 +170,8 @@ class AsyncClient(ProducerBase):
 
         enqueue = self._scripts[calls.ENQUEUE]  # on a node without tokenq's functions: load, again
         return await nodes.async_run_pinned(
-            self._redis,
-            keys[0],
-            lambda node: enqueue.guarded(node, lambda: enqueue_and_wait(node)),
-            self._node_clients,
-        )
+            self._redis, keys[0],
+            lambda node: enqueue.guarded(node, lambda: enqueue_and_wait(node)), self._node_clients)
 
     async def _perform(self, step: calls.Step) -> Any:
         """The step's answer, or its failure (thrown into the call)."""
@@ -216,8 +197,8 @@ class AsyncClient(ProducerBase):
     async def _attempt(
         self, deadline: float, command: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any
     ) -> T:
-        """One Redis command for a caller, as a task carrying its deadline (for the socket, pool
-        and retry bounds); past the deadline plus the grace it is cancelled, TimeoutError."""
+        """One Redis command, as a task carrying the caller's deadline (for the socket, pool and
+        retry bounds); cancelled past the deadline plus the grace: TimeoutError."""
         with redis_deadlines.for_caller(deadline):
             task = asyncio.ensure_future(command(*args, **kwargs))
         wait = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S + _BACKSTOP_S
@@ -231,8 +212,6 @@ class AsyncClient(ProducerBase):
             raise redis.TimeoutError("Redis did not answer before the caller's deadline")
         return task.result()
 
-    # --------------------------------------------------------------- config
-
     async def _share_config_read(self, deadline: Deadline) -> None:
         """Start the one config read as a task (cancelling its caller does not cancel it), or
         join it; wait until the deadline. Only the caller that started it sees its failure."""
@@ -240,9 +219,8 @@ class AsyncClient(ProducerBase):
         task = self._config_task
         leading = task is None or task.get_loop() is not loop
         if leading:
-            task = loop.create_task(
-                self._run(calls.read_config(self._core, deadline, strict=False))
-            )
+            read = calls.read_config(self._core, deadline, strict=False)
+            task = loop.create_task(self._run(read))
             task.add_done_callback(self._config_read_done)
             self._config_task = task
         assert task is not None
@@ -258,18 +236,22 @@ class AsyncClient(ProducerBase):
         if not task.cancelled():
             task.exception()  # retrieved: only its leader raises it
 
-    # ------------------------------------------------------------- listener
-
     def _listen_for(self, ids: Sequence[str], key: str) -> None:
-        """Give each id a future the listener of ``key`` resolves; make sure it is listening."""
+        """Give each id a future the listener of ``key`` resolves; start that listener unless it
+        is running (it stops when nobody waits)."""
         loop = asyncio.get_running_loop()
         self._waiters.update({request_id: loop.create_future() for request_id in ids})
-        self._ensure_listener(key)
+        listener = self._listeners.get(key)
+        if listener is None or listener.done():
+            if key not in self._listen_clients:
+                self._listen_clients[key] = redis_deadlines.async_client(
+                    self.settings, self.client_id)
+            self._listeners[key] = loop.create_task(
+                self._listen(key), name=f"tokenq-listener-{self.client_id[:12]}")
 
     async def _collect(
         self, ids: Sequence[str], deadline: Deadline
     ) -> tuple[dict[str, Outcome | Exception], BaseException | None]:
-        """The outcomes the listener resolved for ``ids`` by the deadline, and its last outage."""
         futures = {request_id: self._waiters[request_id] for request_id in ids}
         remaining = deadline.remaining()
         if futures and remaining > 0:
@@ -282,60 +264,36 @@ class AsyncClient(ProducerBase):
         }
         return outcomes, self._unreachable
 
-    def _ensure_listener(self, key: str) -> None:
-        """Start the listener of ``key`` unless it is running (it stops when nobody waits)."""
-        listener = self._listeners.get(key)
-        if listener is None or listener.done():
-            if key not in self._listen_clients:
-                self._listen_clients[key] = redis_deadlines.async_client(
-                    self.settings, self.client_id
-                )
-            self._listeners[key] = asyncio.get_running_loop().create_task(
-                self._listen(key), name=f"tokenq-listener-{self.client_id[:12]}"
-            )
-
     async def _listen(self, key: str) -> None:
-        """Read a reply key while anyone waits; resolve futures by id. As :func:`~.calls.drain`
-        does: LRANGE, deliver, only then LTRIM (docs/RELIABILITY.md); ``BLMOVE key key`` waits. A
-        reply read twice finds its future done and is dropped."""
+        """Read a reply key while anyone waits, resolving futures by id, as :func:`~.calls.drain`
+        does: LRANGE, deliver, only then LTRIM; ``BLMOVE key key`` waits."""
         failures = 0
         redis_ = self._listen_clients[key]
         while self._waiters and not self._closing:
-            landed: list[bytes] = []  # what was read is delivered even if a later command fails
-            failed = True
             try:
                 landed = await redis_.lrange(key, 0, -1)
                 if not landed:
-                    wait_s = block_s(_LISTEN_FOREVER_S, self.settings.socket_timeout_s)
+                    wait_s = block_s(float("inf"), self.settings.socket_timeout_s)
                     if await redis_.blmove(key, key, wait_s, "LEFT", "RIGHT") is not None:
                         landed = await redis_.lrange(key, 0, -1)
-                failed = False
+                for raw in landed:
+                    if raw != _WAKE:
+                        self._deliver(raw)
+                if landed:  # a failed LTRIM reads them again: delivered ones are dropped
+                    self._trimming.add(key)
+                    try:
+                        await redis_.ltrim(key, len(landed), -1)
+                    finally:
+                        self._trimming.discard(key)
+                self._unreachable, failures = None, 0
             except Exception as exc:  # never let one odd error strand every waiter
-                self._listen_failed(exc)
-            for raw in landed:
-                if raw != _WAKE:
-                    self._deliver(raw)
-            if landed and not failed:
-                self._trimming.add(key)
-                try:
-                    await redis_.ltrim(key, len(landed), -1)
-                except Exception as exc:  # read again next time; delivered ones are dropped
-                    failed = True
-                    self._listen_failed(exc)
-                finally:
-                    self._trimming.discard(key)
-            if failed:
+                down = redis_deadlines.failure(exc)
+                if isinstance(down, calls.Unreachable):
+                    self._unreachable = down.error
+                else:
+                    log.exception("tokenq reply listener failed; retrying")
                 failures += 1
                 await asyncio.sleep(backoff_s(failures))
-            else:
-                self._unreachable, failures = None, 0
-
-    def _listen_failed(self, exc: Exception) -> None:
-        down = redis_deadlines.failure(exc)
-        if isinstance(down, calls.Unreachable):
-            self._unreachable = down.error
-        else:
-            log.exception("tokenq reply listener failed; retrying")
 
     def _deliver(self, raw: bytes) -> None:
         reply = decode(raw)

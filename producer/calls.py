@@ -1,6 +1,5 @@
-"""Every call of a producer as the steps it takes, once for both clients (h11's shape): a
-generator that yields a :data:`Step` and is resumed with its answer or its failure; the
-clients only perform the steps (:func:`resume`). No I/O here."""
+"""Every call of a producer written once for both clients, as a generator that yields each
+:data:`Step` and is resumed with its answer or failure; the clients perform the steps. No I/O."""
 
 from __future__ import annotations
 
@@ -8,10 +7,9 @@ import logging
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from tokenq.producer.call_options import RequestOptions, SubmitOptions, refuse_unknown
-from tokenq.producer.config import decode_config
 from tokenq.producer.deadline import Deadline, backoff_s, block_s, check_seconds
 from tokenq.producer.lanes import Lane, check_ids
 from tokenq.producer.prepare import Prepared, TextItem
@@ -24,7 +22,7 @@ from tokenq.producer.replies import (
     shared_key_reply,
 )
 from tokenq.producer.shards import ShardRetired, is_retired, shard_for
-from tokenq.shared import keys, lua_scripts, wire
+from tokenq.shared import keys, lua_scripts, redis_text, wire
 from tokenq.shared.errors import (
     BadRequest,
     BrokerOutOfMemory,
@@ -44,28 +42,20 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-ENQUEUE = "enqueue"
-"""The :class:`Send` command name of the enqueue script (enqueue.lua)."""
-PEEK = "peek_replies"
-"""The :class:`Send` command name of peek_replies.lua."""
+ENQUEUE = "enqueue"  # enqueue.lua
+PEEK = "peek_replies"  # peek_replies.lua
+ENQUEUE_SEEN = "enqueue_seen"
+"""enqueue.lua read-only: at ``maxmemory`` it still answers a batch written before."""
+SCRIPTS = (ENQUEUE, PEEK, ENQUEUE_SEEN)
+"""The scripts a :class:`Send` may name, each called as a function of tokenq's library."""
 DURABLE_ENQUEUE = "durable_enqueue"
 """The enqueue script, then ``WAIT replicas timeout_ms``, on one connection (WAIT counts that
 connection's writes). Answer: the script's reply and how many replicas confirmed."""
-ENQUEUE_SEEN = "enqueue_seen"
-"""The enqueue script as a read-only function: at ``maxmemory`` it still answers a batch
-written before (:func:`_written_before`)."""
-
-SCRIPTS = (ENQUEUE, PEEK, ENQUEUE_SEEN)
-"""Every script a :class:`Send` may name; each client calls it as a function of tokenq's
-library (``FCALL``; ``EVALSHA`` before Redis 7)."""
 
 LIVENESS_CHECK_S = 0.1
 """How long the check behind a timeout's "no live worker" may take past the caller's deadline."""
 
 log = logging.getLogger("tokenq.producer")
-
-
-# ------------------------------------------------------------------ failures
 
 
 class CommandFailed(Exception):
@@ -88,14 +78,10 @@ class OutOfMemory(ErrorReply):
     """Redis refused a write at its ``maxmemory``; a script is refused before its first write."""
 
 
-# --------------------------------------------------------------------- steps
-
-
-@dataclass(slots=True, eq=False)  # made per command: no frozen-init cost
+@dataclass(slots=True, eq=False)  # made per command: the cheapest to make
 class Send:
-    """Run one command: a method of redis-py's client, or a name of :data:`SCRIPTS` or
-    :data:`DURABLE_ENQUEUE`, each wait of it bounded by ``deadline`` (monotonic) plus
-    ``DEADLINE_GRACE_S``. Answer: the reply."""
+    """Run a redis-py method, a :data:`SCRIPTS` name or :data:`DURABLE_ENQUEUE` by ``deadline``
+    (monotonic) plus ``DEADLINE_GRACE_S``. Answer: the reply."""
 
     command: str
     args: tuple[Any, ...]
@@ -103,48 +89,42 @@ class Send:
     deadline: float
 
 
-@dataclass(frozen=True, slots=True)
-class Sleep:
-    """Pause for ``seconds``. Answer: None."""
-
+class Sleep(NamedTuple):
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
-class ShareConfigRead:
+class ShareConfigRead(NamedTuple):
     """Run :func:`read_config` (not strict), or join the read in flight, until ``deadline``;
-    only the caller whose read it is sees its failure. Answer: None."""
+    only the caller whose read it is sees its failure."""
 
     deadline: Deadline
 
 
-@dataclass(frozen=True, slots=True)
-class LoadTokenizer:
+class LoadTokenizer(NamedTuple):
     """Load ``path`` into the config cache once, off the caller's thread (or loop); wait
-    until ``deadline``, then carry on with the heuristic. Answer: None."""
+    until ``deadline``, then carry on with the heuristic."""
 
     path: str
     deadline: Deadline
 
 
-@dataclass(frozen=True, slots=True)
-class Listen:
-    """Have the client's listener of ``key`` keep the replies to ``ids``. Answer: None."""
+class Listen(NamedTuple):
+    """Have the client's listener of ``key`` keep the replies to ``ids``."""
 
     ids: tuple[str, ...]
     key: str
 
 
-@dataclass(frozen=True, slots=True)
-class Collect:
-    """Wait until the listener holds every reply to ``ids``, or ``deadline``. Answer:
-    ``(outcomes, unreachable)``, those in by then and the listener's last outage (or None)."""
+class Collect(NamedTuple):
+    """Wait for the listener's replies to ``ids`` until ``deadline``. Answer: ``(outcomes,
+    unreachable)``: those in by then and the listener's last outage (or None)."""
 
     ids: tuple[str, ...]
     deadline: Deadline
 
 
 Step = Send | Sleep | ShareConfigRead | LoadTokenizer | Listen | Collect
+"""What a call asks its client to do; answered None unless it says otherwise."""
 
 Call = Generator[Step, Any, T]
 """A call in progress: yields steps, is sent their answers, returns the call's value."""
@@ -161,9 +141,8 @@ class Done(Generic[T]):
 
 
 def resume(call: Call[T], answer: Any = None) -> Step | Done[T]:
-    """The call's next step, given the last step's ``answer`` (an Exception: its failure, thrown
-    in); Done at its end. A :class:`CommandFailed` it does not handle reaches the caller as
-    redis-py's exception."""
+    """The call's next step given the last one's ``answer`` (an Exception is thrown in), or Done.
+    A :class:`CommandFailed` it does not handle reaches the caller as redis-py's exception."""
     try:
         return call.throw(answer) if isinstance(answer, Exception) else call.send(answer)
     except StopIteration as stop:
@@ -173,15 +152,12 @@ def resume(call: Call[T], answer: Any = None) -> Step | Done[T]:
         raise error from error.__cause__
 
 
-# ------------------------------------------------------------------ commands
-
-
 def execute(
     core: ClientCore, deadline: Deadline, name: str, *args: Any, **kwargs: Any
 ) -> Call[Any]:
-    """One command for a caller; BrokerUnavailable when Redis stays unreachable. With
-    ``deadline.persist`` an outage is tried again, with backoff, until the deadline (a retried
-    enqueue is deduplicated by the script); without it redis-py's retries are all."""
+    """One command; BrokerUnavailable when Redis stays unreachable. With ``deadline.persist`` an
+    outage is tried again, with backoff, until the deadline (a retried enqueue is deduplicated by
+    the script); without it redis-py's retries are all."""
     failures = 0
     while True:
         try:
@@ -205,7 +181,7 @@ def read_config(core: ClientCore, deadline: Deadline, *, strict: bool) -> Call[d
             raise
         core.config.unreadable(refused.error, time.monotonic())
         return {}
-    fields = decode_config(raw)
+    fields = {redis_text.as_text(k): redis_text.as_text(v) for k, v in raw.items()}
     path = core.config.take(fields, time.monotonic())
     if path is not None:
         yield LoadTokenizer(path, deadline)
@@ -249,11 +225,8 @@ def choose_shard(
 
 
 def on_current_shard(
-    core: ClientCore,
-    deadline: Deadline,
-    write: Callable[[Lane], Call[T]],
-    reply_to: object = None,
-    pin: str | None = None,
+    core: ClientCore, deadline: Deadline, write: Callable[[Lane], Call[T]],
+    reply_to: object = None, pin: str | None = None,
 ) -> Call[T]:
     """``write`` to the shard :func:`choose_shard` picks. One the workers retired (a stale count)
     the script refuses, writing nothing: the call re-reads the config and chooses again; only a
@@ -267,12 +240,8 @@ def on_current_shard(
             count = core.lanes.count()
             if count > 1 and retired.shard < count:  # a count of 1 is the plain {q} alone
                 raise
-            log.info(
-                "shard %d of queue %r is retired; choosing again among %d shards",
-                retired.shard,
-                core.settings.queue,
-                count,
-            )
+            log.info("shard %d of queue %r is retired; choosing again among %d shards",
+                     retired.shard, core.settings.queue, count)
 
 
 def enqueue_arguments(
@@ -314,13 +283,8 @@ def tenant_of(options: Mapping[str, Any]) -> str | None:
 
 
 def enqueue(
-    core: ClientCore,
-    lane: Lane,
-    batch: Sequence[Prepared],
-    deadline: Deadline,
-    *,
-    awaited: bool = False,
-    tenant: str | None = None,
+    core: ClientCore, lane: Lane, batch: Sequence[Prepared], deadline: Deadline, *,
+    awaited: bool = False, tenant: str | None = None,
 ) -> Call[None]:
     """Write ``batch`` with the enqueue script, all or nothing; QueueFull when it does not fit.
     A durable enqueue too few replicas confirmed is NotReplicated, or if ``awaited`` counted and
@@ -344,24 +308,22 @@ def enqueue(
         if replicas or not (yield from _written_before(core, arguments, deadline)):
             raise BrokerOutOfMemory(
                 f"Redis at {core.url} is out of memory (maxmemory) and refused "
-                f"{plural(len(batch), 'request')} for queue {settings.queue!r}; "
-                "nothing was written"
+                f"{plural(len(batch), 'request')} for queue {settings.queue!r}; nothing was written"
             ) from None
     except ErrorReply as refused:
         message = str(refused.error)
         if lane.shard is not None and is_retired(message):
             raise ShardRetired(settings.queue, lane.shard) from None
+        over = lua_scripts.parse_over_quota(message)
+        if over is not None:
+            raise over_quota(over, settings.queue, len(batch)) from None
         full = lua_scripts.parse_queue_full(message)
         if full is None:
-            over = lua_scripts.parse_over_quota(message)
-            if over is None:
-                raise
-            raise over_quota(over, settings.queue, len(batch)) from None
+            raise
         whose = "" if tenant is None else f" (tenant {tenant!r}'s stream)"
         raise QueueFull(  # an older script names no count of new entries
             f"queue {settings.queue!r}{whose} holds {full.length} of at most {full.limit} "
-            "requests; "
-            f"{full.adding or len(batch)} more would not fit, so nothing was written"
+            f"requests; {full.adding or len(batch)} more would not fit, so nothing was written"
         ) from None
     if confirmed < replicas:
         missed = NotReplicated(
@@ -373,11 +335,8 @@ def enqueue(
         due = core.unconfirmed.add(len(batch), time.monotonic())
         if not awaited:
             raise missed
-        log.log(
-            logging.WARNING if due else logging.DEBUG,
-            "%s; waiting for their replies as usual",
-            missed,
-        )
+        log.log(logging.WARNING if due else logging.DEBUG,
+                "%s; waiting for their replies as usual", missed)
     core.chooser.added(lane.shard, len(batch))
 
 
@@ -396,9 +355,8 @@ def over_quota(over: lua_scripts.OverQuotaReply, queue: str, entries: int) -> To
 
 
 def _written_before(core: ClientCore, arguments: dict[str, Any], deadline: Deadline) -> Call[bool]:
-    """After Redis refused the enqueue for memory (even a retry that would write nothing): whether
-    an earlier try wrote the batch, as the read-only twin (:data:`ENQUEUE_SEEN`) answers from its
-    seen keys; it fails for anything new."""
+    """After Redis refused the enqueue for memory: whether an earlier try wrote the batch, as
+    :data:`ENQUEUE_SEEN` answers from its seen keys (it fails for anything new)."""
     try:
         yield from execute(core, deadline, ENQUEUE_SEEN, **arguments)
     except ErrorReply:
@@ -406,16 +364,9 @@ def _written_before(core: ClientCore, arguments: dict[str, Any], deadline: Deadl
     return True
 
 
-# ------------------------------------------------------------------- waiting
-
-
 def _poll(
-    core: ClientCore,
-    deadline: Deadline,
-    pending: Sized,
-    pop: Callable[[float, list[Any]], Call[None]],
-    take: Callable[[Any], None],
-    *,
+    core: ClientCore, deadline: Deadline, pending: Sized,
+    pop: Callable[[float, list[Any]], Call[None]], take: Callable[[Any], None], *,
     at_least_once: bool = False,
 ) -> Call[BaseException | None]:
     """Pop replies (each pop blocks under the socket timeout) and ``take`` each until none is
@@ -424,7 +375,6 @@ def _poll(
     unreachable: BaseException | None = None
     failures = 0
     tried = not at_least_once
-    socket_timeout_s = core.settings.socket_timeout_s
     while pending:
         remaining = deadline.remaining()
         if remaining <= 0 and tried:
@@ -432,7 +382,7 @@ def _poll(
         tried = True
         popped: list[Any] = []
         try:
-            yield from pop(block_s(remaining, socket_timeout_s), popped)
+            yield from pop(block_s(remaining, core.settings.socket_timeout_s), popped)
             unreachable, failures = None, 0
         except Unreachable as down:
             unreachable, failures = down.error, failures + 1
@@ -449,10 +399,7 @@ def live_workers(core: ClientCore, lane: Lane, deadline: Deadline) -> Call[int]:
     names = yield from execute(core, deadline, "hkeys", lane.workers_key)
     if not names:
         return 0
-    alive = [
-        keys.worker_alive(lane.queue, name.decode() if isinstance(name, bytes) else name)
-        for name in names
-    ]
+    alive = [keys.worker_alive(lane.queue, redis_text.as_text(name)) for name in names]
     return int((yield from execute(core, deadline, "exists", *alive)))
 
 
@@ -464,21 +411,14 @@ def why_unanswered(core: ClientCore, lane: Lane) -> Call[str | None]:
     except Exception as exc:  # a timeout's message must not become another error
         log.debug("could not tell whether any worker is alive: %s", error_text(exc))
         return None
-    if alive:
-        return None
     name = core.settings.queue
-    return (
+    return None if alive else (
         f"no live worker serves queue {name!r} (no liveness key is set: none started, or "
-        f"all stopped or died); start one, e.g. tokenq worker --queue {name}"
-    )
+        f"all stopped or died); start one, e.g. tokenq worker --queue {name}")
 
 
 def _missing(
-    core: ClientCore,
-    lane: Lane,
-    ids: Sequence[str],
-    outcomes: Outcomes,
-    started: float,
+    core: ClientCore, lane: Lane, ids: Sequence[str], outcomes: Outcomes, started: float,
     unreachable: BaseException | None,
 ) -> Call[None]:
     """Record a timeout (or Redis being down) for every request of ``ids`` still unanswered."""
@@ -508,12 +448,8 @@ def _forget(deadline: Deadline, command: str, *args: Any) -> Call[None]:
 
 
 def own_replies(
-    core: ClientCore,
-    wanted: dict[str, str],
-    deadline: Deadline,
-    *,
-    at_least_once: bool = False,
-    keep: bool = False,
+    core: ClientCore, wanted: dict[str, str], deadline: Deadline, *,
+    at_least_once: bool = False, keep: bool = False,
 ) -> Call[tuple[Outcomes, BaseException | None]]:
     """Outcomes of replies on their own keys (``wanted``: key -> id, left holding those not
     answered) and Redis's last outage. Nothing is removed before it is in hand: peek_replies.lua,
@@ -588,21 +524,13 @@ def reply_keys(
             if (yield from execute(core, deadline, "exists", marker)):
                 retired.add(shard)
         except (ErrorReply, BrokerUnavailable) as exc:
-            log.debug(
-                "cannot tell whether shard %d is retired (%s): taken as not", shard, error_text(exc)
-            )
+            log.debug("cannot tell whether shard %d is retired (%s): taken as not", shard,
+                      error_text(exc))
     return core.lanes.reply_keys(request_ids, retired)
 
 
-# --------------------------------------------------------------------- calls
-# The public calls: each client's method of the same name performs one (client.py, aio.py).
-
-
 def submit(
-    core: ClientCore,
-    text: str,
-    *,
-    text_pair: str | None = None,
+    core: ClientCore, text: str, *, text_pair: str | None = None,
     **options: Unpack[SubmitOptions],
 ) -> Call[str]:
     """Enqueue one text; its request id, for :meth:`result`. ``deadline_s`` (from now) or
@@ -612,10 +540,7 @@ def submit(
 
 
 def submit_many(
-    core: ClientCore,
-    texts: Iterable[TextItem],
-    *,
-    unique: Sequence[str] | None = None,
+    core: ClientCore, texts: Iterable[TextItem], *, unique: Sequence[str] | None = None,
     **options: Unpack[SubmitOptions],
 ) -> Call[list[str]]:
     """Enqueue a batch (texts or ``(text, text_pair)`` tuples) all or nothing; the ids.
@@ -660,12 +585,8 @@ def result(core: ClientCore, request_id: str, timeout_s: float | None = None) ->
 
 
 def results(
-    core: ClientCore,
-    request_ids: Sequence[str],
-    timeout_s: float | None = None,
-    *,
-    return_exceptions: bool = False,
-    keep: bool = False,
+    core: ClientCore, request_ids: Sequence[str], timeout_s: float | None = None, *,
+    return_exceptions: bool = False, keep: bool = False,
 ) -> Call[list[Any]]:
     """Wait for several submitted requests' replies; results in input order. Keys are deleted
     once their replies are in hand, unless ``keep`` (then :meth:`forget` or the worker's
@@ -693,11 +614,7 @@ def forget(core: ClientCore, request_ids: Sequence[str]) -> Call[None]:
 
 
 def infer(
-    core: ClientCore,
-    text: str,
-    *,
-    text_pair: str | None = None,
-    timeout_s: float | None = None,
+    core: ClientCore, text: str, *, text_pair: str | None = None, timeout_s: float | None = None,
     **options: Unpack[RequestOptions],
 ) -> Call[Result]:
     """Enqueue one text and wait for its result on its own reply key (an AsyncClient's: on the
@@ -708,12 +625,8 @@ def infer(
 
 
 def infer_many(
-    core: ClientCore,
-    texts: Iterable[TextItem],
-    *,
-    timeout_s: float | None = None,
-    return_exceptions: bool = False,
-    **options: Unpack[RequestOptions],
+    core: ClientCore, texts: Iterable[TextItem], *, timeout_s: float | None = None,
+    return_exceptions: bool = False, **options: Unpack[RequestOptions],
 ) -> Call[list[Any]]:
     """Enqueue a batch all or nothing and wait for every result, in input order. The replies
     land on one key of the call's (an AsyncClient's: on the key it listens to). Without
@@ -748,16 +661,12 @@ def _infer(
     ids = [p.id for p in batch]
     if listener is not None:
         outcomes, unreachable = yield Collect(tuple(ids), deadline)
-        missing = [i for i in ids if i not in outcomes]
     elif isinstance(texts, tuple):  # on its own reply key
-        wanted = {batch[0].reply_to: batch[0].id}
-        outcomes, unreachable = yield from own_replies(core, wanted, deadline)
-        missing = list(wanted.values())
+        outcomes, unreachable = yield from own_replies(core, {batch[0].reply_to: ids[0]}, deadline)
     else:
-        pending = set(ids)
         reply_key = batch[0].reply_to if batch else ""
-        outcomes, unreachable = yield from drain(core, reply_key, pending, deadline)
-        missing = sorted(pending)
+        outcomes, unreachable = yield from drain(core, reply_key, set(ids), deadline)
+    missing = [i for i in ids if i not in outcomes]
     yield from _missing(core, lane, missing, outcomes, started, unreachable)
     return settle(ids, outcomes, errors)
 
@@ -815,25 +724,19 @@ def command(core: ClientCore, name: str, *args: Any, **kwargs: Any) -> Call[Any]
 
 
 def _timeout(core: ClientCore, timeout_s: float | None) -> float:
-    """The caller's wait in seconds, defaulting to the configured one."""
     return core.settings.timeout_s if timeout_s is None else check_seconds(timeout_s, "timeout_s")
 
 
 def _texts(texts: Iterable[TextItem]) -> list[TextItem]:
-    """``texts`` as a list, so a call retried on another shard prepares the same inputs; a
-    string or a non-iterable is a BadRequest."""
+    """``texts`` as a list, so a call retried on another shard prepares the same inputs."""
     if isinstance(texts, (str, bytes)):
-        raise BadRequest(
-            "texts must be a sequence of strings, not a single string (use "
-            "submit/infer for one text)",
-            param="texts",
-        )
+        raise BadRequest("texts must be a sequence of strings, not a single string (use "
+                         "submit/infer for one text)", param="texts")
     try:
         return list(texts)
     except TypeError:
-        raise BadRequest(
-            f"texts must be a sequence of strings, got {type(texts).__name__}", param="texts"
-        ) from None
+        raise BadRequest(f"texts must be a sequence of strings, got {type(texts).__name__}",
+                         param="texts") from None
 
 
 def _infer_request(deadline: Deadline, options: RequestOptions) -> dict[str, Any]:
@@ -846,7 +749,7 @@ def _infer_request(deadline: Deadline, options: RequestOptions) -> dict[str, Any
 
 
 def _name(call: str, texts: Texts) -> str:
-    """The public name of a call of ``texts``: ``call`` for one text, ``call_many`` for a batch."""
+    """``call`` for one text, ``call_many`` for a batch."""
     return call if isinstance(texts, tuple) else f"{call}_many"
 
 

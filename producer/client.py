@@ -94,8 +94,6 @@ class Client(ProducerBase):
     pending_tokens = blocking(calls.pending_tokens)
     config = blocking(calls.config)
 
-    # --------------------------------------------------------------- driver
-
     def _run(self, call: calls.Call[T]) -> T:
         """Perform ``call``'s steps in this thread, one after the other, until it returns."""
         try:

@@ -1,6 +1,5 @@
-"""What a queue's config hash lets a producer refuse before it enqueues (a pair when
-``pairs=0``; past ``max_input_tokens`` under ``policy=reject``), how it counts tokens, and the
-client's copy of the hash; no I/O and no clock (docs/ESTIMATES.md)."""
+"""What a queue's config hash lets a producer refuse before it enqueues, how it counts tokens,
+and the client's copy of the hash; no I/O and no clock (docs/ESTIMATES.md)."""
 
 from __future__ import annotations
 
@@ -9,11 +8,11 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from tokenq.producer.estimate import estimate_tokens
-from tokenq.shared.errors import BadRequest, ConfigError, ErrorCode
+from tokenq.shared.errors import BadRequest, ErrorCode
 from tokenq.shared.queue_config import QueueConfig, model_facts, parse_config
 from tokenq.shared.request_options import ModelFacts
 
@@ -32,9 +31,7 @@ DEFAULT_CONFIG_TTL_S = 30.0
 
 EstimatorMode = Literal["auto", "heuristic", "exact"]
 ESTIMATOR_MODES: tuple[EstimatorMode, ...] = ("auto", "heuristic", "exact")
-
 PairEstimate = Callable[[str, str | None], int]
-
 Estimator = Callable[[str], int] | Callable[[str, str | None], int]
 """Token estimator: ``f(text)`` or ``f(text, text_pair)``; one with ``exact = True`` is
 compared with the queue's limit without the heuristic's margin."""
@@ -44,9 +41,9 @@ EstimatorChoice = EstimatorMode | Estimator | None
 
 
 class InputTooLong(BadRequest):
-    """An input is over the queue's ``max_input_tokens`` and the queue rejects such input. Raised
-    before enqueueing (nothing was written); the worker would answer ``too_long``. ``exact``:
-    whether ``tokens`` is the queue tokenizer's count or the heuristic's."""
+    """An input is over the queue's ``max_input_tokens`` and the queue rejects such input (the
+    worker would answer ``too_long``); nothing was written. ``exact``: whether ``tokens`` is the
+    queue tokenizer's count or the heuristic's."""
 
     code = ErrorCode.TOO_LONG.value
 
@@ -54,13 +51,9 @@ class InputTooLong(BadRequest):
         self, where: str, tokens: int, limit: int, queue: str, exact: bool, param: str = "text",
         why: str = "policy reject",
     ) -> None:
-        if exact:
-            size = f"{tokens} tokens"
-        else:
-            size = (
-                f"an estimated {tokens} tokens (heuristic; refused only past "
-                f"{HEURISTIC_MARGIN:g}x the limit)"
-            )
+        size = f"{tokens} tokens" if exact else (
+            f"an estimated {tokens} tokens (heuristic; refused only past "
+            f"{HEURISTIC_MARGIN:g}x the limit)")
         super().__init__(
             f"{where} is {size}, over the limit of {limit} tokens of queue {queue!r} "
             f"(max_input_tokens, {why}); nothing was written",
@@ -82,27 +75,18 @@ class Estimating:
     exact_problem: str | None = None
     """Why there is no exact count, when ``estimator="exact"`` asked for one."""
     exact_max_chars: int | None = None
-    """Inputs longer than this are estimated with the heuristic (AUTO_EXACT_MAX_CHARS)."""
+    """Longer inputs are estimated with the heuristic (:data:`AUTO_EXACT_MAX_CHARS`)."""
 
     def for_length(self, chars: int) -> Estimating:
-        """This view, or the heuristic one for an input too long to count exactly here."""
         if self.exact_max_chars is None or chars <= self.exact_max_chars:
             return self
         return Estimating(estimate_tokens, False, self.config)
-
-    def ensure_exact(self, queue: str) -> None:
-        """Raise :class:`ConfigError` when ``estimator="exact"`` cannot be honoured."""
-        if self.exact_problem is not None:
-            raise ConfigError(
-                f"estimator='exact' but queue {queue!r} gives no tokenizer the producer can "
-                f"load: {self.exact_problem}; nothing was written"
-            )
 
     def check(
         self, queue: str, *, tokens: int, has_pair: bool, where: str,
         truncate: bool | None = None, param: str = "text",
     ) -> None:
-        """Refuse what the worker would refuse, when the producer can tell (see the module).
+        """Refuse a pair when ``pairs=0``, and past ``max_input_tokens`` under ``policy=reject``;
         ``truncate``, the request's own option, overrides the queue's policy (but ``chunk``)."""
         config = self.config
         if config is None:
@@ -126,34 +110,50 @@ class Estimating:
             raise InputTooLong(where, tokens, limit, queue, self.exact, param, why)
 
 
-@dataclass
 class ConfigCache:
     """One client's copy of the config hash, the estimator it selects (``mode``: the client's
     ``estimator``, ``custom`` for a callable) and when to read again; tokenizer loads are kept per
-    path, success or failure. Changed whole under a lock (by callers and the tokenizer loader)."""
+    path, success or failure. Changed under a lock (by callers and the tokenizer loader)."""
 
-    mode: EstimatorMode | Literal["custom"]
-    custom: PairEstimate | None = None
-    custom_exact: bool = False
-    ttl_s: float = DEFAULT_CONFIG_TTL_S
-    key: str = ""
-    """The config hash's key, named when it cannot be read."""
-    _read_at: float | None = field(default=None, init=False)
-    _pending_at: float | None = field(default=None, init=False)
-    _loaded: dict[str, PairEstimate | str] = field(default_factory=dict, init=False)
-    _view: Estimating | None = field(default=None, init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
-    _warned: bool = field(default=False, init=False)
-    _facts_of: tuple[QueueConfig | None, ModelFacts] | None = field(default=None, init=False)
+    def __init__(
+        self, estimator: EstimatorChoice = None, ttl_s: float = DEFAULT_CONFIG_TTL_S, key: str = ""
+    ) -> None:
+        """The client's ``estimator=`` and ``config_ttl_s=``; ``key``: the config hash's, named
+        when it cannot be read."""
+        if (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))
+                or not math.isfinite(ttl_s) or ttl_s < 0):
+            raise BadRequest(f"config_ttl_s must be a number of seconds, finite and >= 0, got "
+                             f"{ttl_s!r}", param="config_ttl_s")
+        chosen = "auto" if estimator is None else estimator
+        self.mode: EstimatorMode | Literal["custom"] = "custom"
+        self.custom: PairEstimate | None = None
+        if isinstance(chosen, str) and chosen in ESTIMATOR_MODES:
+            self.mode = chosen  # type: ignore[assignment]
+        elif isinstance(chosen, str) or not callable(chosen):
+            modes = ", ".join(map(repr, ESTIMATOR_MODES))
+            raise BadRequest(f"estimator must be one of {modes} (a mode name) or a callable, got "
+                             f"{estimator!r}", param="estimator")
+        else:
+            self.custom = _pair_aware(chosen)
+        self.custom_exact = getattr(estimator, "exact", False) is True
+        self.ttl_s = float(ttl_s)
+        self.key = key
+        self._read_at: float | None = None
+        self._pending_at: float | None = None
+        self._loaded: dict[str, PairEstimate | str] = {}
+        self._view: Estimating | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+        self._facts_of: tuple[QueueConfig | None, ModelFacts] | None = None
 
     def due(self, now_s: float) -> bool:
-        """Whether the next enqueue should read the config hash first (monotonic ``now_s``)."""
+        """Whether the next enqueue should read the config hash first."""
         return self._read_at is None or now_s - self._read_at >= self.ttl_s
 
     def take(self, fields: Mapping[str, str] | None, now_s: float) -> str | None:
         """Adopt a fresh read (None: unreadable); the path of a tokenizer to load, or None. Until
-        :meth:`take_tokenizer` has that path the read does not count (:meth:`due` stays true), so a
-        load cut short by a cancelled caller is redone by the next one."""
+        :meth:`take_tokenizer` has it the read does not count (:meth:`due` stays true): a load cut
+        short by a cancelled caller is redone by the next one."""
         config = parse_config(fields or {})
         path = config.tokenizer if config is not None else None
         with self._lock:
@@ -166,7 +166,7 @@ class ConfigCache:
             return None
 
     def take_tokenizer(self, path: str, loaded: PairEstimate | str | BaseException) -> None:
-        """Adopt the result of loading ``path``: an estimator, or why (or how) it failed."""
+        """Adopt the result of loading ``path``: an estimator, or why it failed."""
         if isinstance(loaded, BaseException):
             loaded = f"cannot load {path}: {loaded}"
         if isinstance(loaded, str):
@@ -181,8 +181,8 @@ class ConfigCache:
                     self._read_at, self._pending_at = self._pending_at, None
 
     def unreadable(self, error: Exception, now_s: float) -> None:
-        """Carry on without early checks when Redis refuses the read (an ACL, a wrong type):
-        a producer's minimal ACL need not allow it (docs/PROTOCOL.md); warned once."""
+        """Carry on without early checks when Redis refuses the read (a producer's minimal ACL
+        need not allow it: docs/PROTOCOL.md); warned once."""
         level = logging.DEBUG if self._warned else logging.WARNING
         log.log(level, "cannot read %s (%s); enqueueing without early checks", self.key, error)
         self._warned = True
@@ -195,11 +195,11 @@ class ConfigCache:
         return self._view
 
     def config(self) -> QueueConfig | None:
-        """The config hash last read (None: none, or none readable)."""
+        """The config hash last read (None: none readable)."""
         return self.current().config
 
     def facts(self) -> ModelFacts:
-        """What the config says of the model, made once per config read."""
+        """What the config says of the model, made once per read."""
         config = self.config()
         made = self._facts_of
         if made is None or made[0] is not config:
@@ -207,7 +207,7 @@ class ConfigCache:
         return made[1]
 
     def _select(self, config: QueueConfig | None, loaded: PairEstimate | str | None) -> Estimating:
-        if self.mode == "custom" and self.custom is not None:
+        if self.custom is not None:
             return Estimating(self.custom, self.custom_exact, config)
         if self.mode != "heuristic" and loaded is not None and not isinstance(loaded, str):
             cap = AUTO_EXACT_MAX_CHARS if self.mode == "auto" else None
@@ -223,35 +223,14 @@ class ConfigCache:
         return Estimating(estimate_tokens, False, config, problem)
 
 
-def config_cache(estimator: EstimatorChoice, config_ttl_s: float, key: str = "") -> ConfigCache:
-    """The config cache for a client's ``estimator=`` and ``config_ttl_s=`` arguments."""
-    if (isinstance(config_ttl_s, bool) or not isinstance(config_ttl_s, (int, float))
-            or not math.isfinite(config_ttl_s) or config_ttl_s < 0):
-        raise BadRequest(f"config_ttl_s must be a number of seconds, finite and >= 0, got "
-                         f"{config_ttl_s!r}", param="config_ttl_s")
-    ttl_s = float(config_ttl_s)
-    if estimator is None:
-        return ConfigCache("auto", ttl_s=ttl_s, key=key)
-    if isinstance(estimator, str) and estimator in ESTIMATOR_MODES:
-        return ConfigCache(estimator, ttl_s=ttl_s, key=key)  # type: ignore[arg-type]
-    if isinstance(estimator, str) or not callable(estimator):
-        modes = ", ".join(map(repr, ESTIMATOR_MODES))
-        raise BadRequest(f"estimator must be one of {modes} (a mode name) or a callable, got "
-                         f"{estimator!r}", param="estimator")
-    exact = getattr(estimator, "exact", False) is True
-    return ConfigCache("custom", _pair_aware(estimator), exact, ttl_s, key)
-
-
 def _pair_aware(estimator: Estimator) -> PairEstimate:
     """``estimator`` callable as ``f(text, text_pair)``; a one-argument one counts each text
-    and the sums are added (it cannot know the pair's extra separator)."""
+    (it cannot know the pair's extra separator)."""
     try:
         params = inspect.signature(estimator).parameters.values()
     except (TypeError, ValueError):  # builtins without a signature
         return lambda text, pair: estimator(text)  # type: ignore[call-arg]
-    positional = [
-        p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params):
         return estimator  # type: ignore[return-value]
 
@@ -261,9 +240,3 @@ def _pair_aware(estimator: Estimator) -> PairEstimate:
 
     return one_at_a_time
 
-
-def decode_config(raw: Mapping[bytes, bytes]) -> dict[str, str]:
-    """The config hash as text (undecodable bytes replaced, never an exception)."""
-    return {
-        k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()
-    }

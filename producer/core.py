@@ -1,6 +1,5 @@
-"""One client's state, shared by all its calls and lanes (:class:`ClientCore`: settings,
-config cache, lanes, preparer, shard chooser), and what both clients are made of
-(:class:`ProducerBase`)."""
+"""One client's state, shared by all its calls (:class:`ClientCore`), and what both clients
+are made of (:class:`ProducerBase`)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import pydantic
 
 from tokenq.producer.call_options import ClientOptions, refuse_unknown
 from tokenq.producer.calls import DURABLE_ENQUEUE
-from tokenq.producer.config import DEFAULT_CONFIG_TTL_S, EstimatorChoice, config_cache
+from tokenq.producer.config import DEFAULT_CONFIG_TTL_S, ConfigCache, EstimatorChoice
 from tokenq.producer.lanes import Lane, Lanes
 from tokenq.producer.prepare import Preparer
 from tokenq.producer.prepare import TextItem as TextItem  # the gateway's import
@@ -30,12 +29,12 @@ if TYPE_CHECKING:
 
 UNCONFIRMED_WARN_EVERY_S = 60.0
 """The warning for requests a durable enqueue wrote unconfirmed comes at most this often per
-client (the rest at DEBUG): a replica down for an hour must not log a line per request."""
+client (the rest at DEBUG)."""
 
 
 class Unconfirmed:
-    """How many requests durable enqueues wrote that too few replicas confirmed in time
-    (``Client.unreplicated``), and when to warn of it next (thread-safe)."""
+    """How many requests durable enqueues wrote unconfirmed (``Client.unreplicated``), and when
+    to warn of it next (thread-safe)."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -43,7 +42,7 @@ class Unconfirmed:
         self._warned_at = -math.inf
 
     def add(self, n: int, now_s: float) -> bool:
-        """Count ``n`` more; whether a warning is due (monotonic ``now_s``)."""
+        """Count ``n`` more; whether a warning is due."""
         with self._lock:
             self.count += n
             due = now_s - self._warned_at >= UNCONFIRMED_WARN_EVERY_S
@@ -53,9 +52,8 @@ class Unconfirmed:
 
 
 def make_settings(settings: ClientSettings | None, **overrides: Any) -> ClientSettings:
-    """Settings from ``TOKENQ_*`` (or ``settings``), with non-None keyword overrides on top. An
-    invalid value is a :class:`BadRequest` naming the first setting at fault, before any connection
-    is made."""
+    """Settings from ``TOKENQ_*`` (or ``settings``), with non-None keyword overrides on top; an
+    invalid value is a :class:`BadRequest` naming the first setting at fault."""
     given = {name: value for name, value in overrides.items() if value is not None}
     try:
         if settings is None:
@@ -69,31 +67,20 @@ def make_settings(settings: ClientSettings | None, **overrides: Any) -> ClientSe
 
 
 class ClientCore:
-    """The parts one client's calls share; made from its settings and constructor options."""
+    """What one client's calls share: settings, config cache, lanes, preparer, shard chooser."""
 
     __slots__ = (
-        "chooser",
-        "config",
-        "lanes",
-        "listener",
-        "preparer",
-        "settings",
-        "unconfirmed",
-        "url",
+        "chooser", "config", "lanes", "listener", "preparer", "settings", "unconfirmed", "url"
     )
 
     def __init__(
-        self,
-        settings: ClientSettings,
-        estimator: EstimatorChoice = None,
-        config_ttl_s: float = DEFAULT_CONFIG_TTL_S,
-        refuse_early: bool = True,
+        self, settings: ClientSettings, estimator: EstimatorChoice = None,
+        config_ttl_s: float = DEFAULT_CONFIG_TTL_S, refuse_early: bool = True,
     ) -> None:
         queue = settings.queue_ref
         self.settings = settings
-        self.url = redact(settings.redis_url)
-        """The Redis URL, password masked (error text and logs)."""
-        self.config = config_cache(estimator, config_ttl_s, keys.config(queue))
+        self.url = redact(settings.redis_url)  # for error text and logs
+        self.config = ConfigCache(estimator, config_ttl_s, keys.config(queue))
         self.lanes = Lanes(queue, settings.shards, self.config.config)
         self.preparer = Preparer(settings, self.config, refuse_early)
         self.chooser = ShardChooser(settings.shard_choice)
@@ -104,39 +91,25 @@ class ClientCore:
 
 class ProducerBase:
     """Settings, the :class:`ClientCore` and the client id; each twin adds its connection
-    (:meth:`_connect`) and its driver."""
+    (:meth:`_connect`: the Redis clients and :data:`~.calls.SCRIPTS`) and its driver."""
 
     _redis: Any
     _scripts: dict[str, Any]
-    """The functions a Send may name (:data:`~.calls.SCRIPTS`), sync or asyncio."""
     _connect: Callable[[int | None], None]
-    """Makes the Redis client(s) and the functions they call; connections open lazily."""
     _durable_enqueue: Callable[..., Any]
     """The enqueue script and ``WAIT`` in one pipeline, so both run on one connection."""
 
     def __init__(
-        self,
-        redis_url: str | None = None,
-        queue: str | None = None,
-        *,
-        settings: ClientSettings | None = None,
-        **options: Unpack[ClientOptions],
+        self, redis_url: str | None = None, queue: str | None = None, *,
+        settings: ClientSettings | None = None, **options: Unpack[ClientOptions],
     ) -> None:
         refuse_unknown(options, ClientOptions, type(self).__name__)
         self.settings = make_settings(
-            settings,
-            redis_url=redis_url,
-            queue=queue,
-            prefix=options.get("prefix"),
-            max_queue_length=options.get("max_queue_length"),
-            timeout_s=options.get("timeout_s"),
-        )
+            settings, redis_url=redis_url, queue=queue, prefix=options.get("prefix"),
+            max_queue_length=options.get("max_queue_length"), timeout_s=options.get("timeout_s"))
         self._core = ClientCore(
-            self.settings,
-            options.get("estimator", "auto"),
-            options.get("config_ttl_s", DEFAULT_CONFIG_TTL_S),
-            options.get("refuse_early", True),
-        )
+            self.settings, options.get("estimator", "auto"),
+            options.get("config_ttl_s", DEFAULT_CONFIG_TTL_S), options.get("refuse_early", True))
         self.client_id = self._core.lanes.home.new_id()
         self._loading: dict[str, concurrent.futures.Future[None]] = {}
         self._loading_lock = threading.Lock()
@@ -150,19 +123,15 @@ class ProducerBase:
         return script if script is not None else getattr(self._redis, name)
 
     def _tokenizer_load(self, path: str) -> concurrent.futures.Future[None]:
-        """The load of ``path`` into the config cache, started once in a daemon thread of its
-        own; callers wait for it only until their deadlines."""
+        """The load of ``path`` into the config cache, started once in a daemon thread; callers
+        wait for it only until their deadlines."""
         with self._loading_lock:
             loading = self._loading.get(path)
             if loading is None:
                 loading = self._loading[path] = concurrent.futures.Future()
                 loading.set_running_or_notify_cancel()  # a waiter's cancel cannot end it
-                threading.Thread(
-                    target=self._load,
-                    args=(path, loading),
-                    daemon=True,
-                    name=f"tokenq-tokenizer-{self.client_id[:12]}",
-                ).start()
+                threading.Thread(target=self._load, args=(path, loading), daemon=True,
+                                 name=f"tokenq-tokenizer-{self.client_id[:12]}").start()
         return loading
 
     def _load(self, path: str, loading: concurrent.futures.Future[None]) -> None:
@@ -178,12 +147,11 @@ class ProducerBase:
     @property
     def unreplicated(self) -> int:
         """How many requests this client's durable enqueues wrote that too few replicas
-        confirmed in time: raised as NotReplicated by the submits, logged by the infers."""
+        confirmed in time: NotReplicated for the submits, logged by the infers."""
         return self._core.unconfirmed.count
 
     @property
     def queue(self) -> str:
-        """The queue's name."""
         return self.settings.queue
 
     def __repr__(self) -> str:

@@ -10,7 +10,7 @@ from tokenq.shared.errors import BadRequest
 from tokenq.shared.settings import MAX_SECONDS
 
 BLOCK_FLOOR_S = 0.01
-"""Shortest blocking wait; a timeout of 0 would block forever, which tokenq never does."""
+"""Shortest blocking wait (a timeout of 0 would block forever)."""
 
 BACKOFF_BASE_S = 0.02
 BACKOFF_CAP_S = 0.5
@@ -29,15 +29,11 @@ def backoff_s(failures: int) -> float:
 def check_seconds(value: object, name: str) -> float:
     """``value`` as seconds a wait can take (positive, finite); else BadRequest naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(
-            f"{name} must be a number of seconds, got {type(value).__name__}", param=name
-        )
+        raise BadRequest(f"{name} must be a number of seconds, got {type(value).__name__}",
+                         param=name)
     if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
-        raise BadRequest(
-            f"{name} must be a positive number of seconds, at most {MAX_SECONDS:,} "
-            f"(about 31 years), got {value!r}",
-            param=name,
-        )
+        raise BadRequest(f"{name} must be a positive number of seconds, at most {MAX_SECONDS:,} "
+                         f"(about 31 years), got {value!r}", param=name)
     return float(value)
 
 
@@ -49,15 +45,15 @@ def block_s(remaining_s: float, socket_timeout_s: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Deadline:
-    """When one call gives up (``at``, monotonic). With ``persist`` an unreachable Redis is
-    tried again, with backoff, until then; without it redis-py's retries are all it gets."""
+    """When one call gives up (``at``, monotonic); with ``persist`` an unreachable Redis is
+    tried again, with backoff, until then."""
 
     at: float
     persist: bool = False
 
     @classmethod
-    def after(cls, seconds: float, *, persist: bool = False) -> Deadline:
-        return cls(time.monotonic() + seconds, persist)
+    def after(cls, seconds: float) -> Deadline:
+        return cls(time.monotonic() + seconds)
 
     def remaining(self) -> float:
         return self.at - time.monotonic()

@@ -28,17 +28,15 @@ _CJK_RANGES = (
     "\U00020000-\U0002fa1f"  # CJK extensions B-F and compatibility supplement
 )
 _CJK = re.compile(f"[{_CJK_RANGES}]")
-# Combining marks (accents written apart, Hebrew/Arabic vowel points, the
-# vowel signs of Indic and Thai scripts) are not "word" characters to \w, yet
-# they belong to the word they sit in, not to the punctuation count.
+# Combining marks (accents written apart, vowel points and signs) are not \w, yet belong to
+# the word they sit in.
 _MARKS = (
     "\u0300-\u036f\u0483-\u0489\u0591-\u05c7\u0610-\u061a\u064b-\u065f"
     "\u0900-\u0dff\u0e00-\u0eff\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f")
 _LETTERS = re.compile(rf"(?:[^\W\d_]|[{_MARKS}])+")
 _DIGITS = re.compile(r"\d+")
 _ASCII_PUNCT = re.compile(r"[!-/:-@\[-`{-~]")  # BERT calls every one of these punctuation
-# Everything else that is neither a word character, a space nor a mark:
-# Unicode punctuation, symbols, control and format characters.
+# Neither a word character, a space nor a mark: punctuation, symbols, control and format.
 _NON_ASCII_OTHER = re.compile(rf"[^\w\s\x00-\x7f{_MARKS}]+")
 _MAX_WORD_CHARS = 100
 """WordPiece's ``max_input_chars_per_word``: a longer word becomes one ``[UNK]``."""
@@ -63,12 +61,10 @@ def _count(text: str) -> int:
     if text.isascii():  # the common case: no CJK, marks or non-ASCII symbols to look for
         return _count_ascii(text.encode("ascii"))
     data = text.encode("utf-8", "surrogatepass")  # a lone surrogate is a character too
-    if len(data) > 2 * len(text):
-        # Mostly CJK: searched as it is, and counted one byte a character
-        # rather than three.
+    if len(data) > 2 * len(text):  # mostly CJK: searched as it is
         return _count_standing_in(text, text)
-    # Deleting the rest of ASCII leaves its punctuation and every non-ASCII
-    # character whole: a much shorter text to search than the text itself.
+    # Deleting the rest of ASCII leaves its punctuation and every non-ASCII character whole: a
+    # much shorter text to search.
     chars = data.translate(None, _NOT_ONE_EACH).decode("utf-8", "surrogatepass")
     if _BEYOND_ONE_EACH.search(chars) is None:  # ASCII plus CJK and punctuation
         return _tally(data, _TEXT_VIEWS, len(chars))
@@ -88,7 +84,7 @@ class _Views(NamedTuple):
 
 
 def _table(kinds: dict[bytes, bytes]) -> bytes:
-    """A ``bytes.translate`` table: each byte of a key becomes its value, every other a space."""
+    """A ``bytes.translate`` table: each byte of a key to its value, every other to a space."""
     table = bytearray(b" " * 256)
     for keys, value in kinds.items():
         for byte in keys:

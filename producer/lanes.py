@@ -1,5 +1,5 @@
-"""Request ids and the streams a producer writes to: one :class:`Lane` per shard, all that differs
-between shards; an id on shard ``k`` reads ``k.<32 hex digits>``."""
+"""Request ids and the streams a producer writes to: one :class:`Lane` per shard (an id on shard
+``k`` reads ``k.<32 hex digits>``)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,14 @@ from tokenq.shared import keys, wire
 from tokenq.shared.errors import BadRequest, DecodeError
 from tokenq.shared.queue_config import QueueConfig
 
-_VERSION = bytes(byte & 0x0F | 0x40 for byte in range(256))
-"""A ``bytes.translate`` table: uuid4's version nibble (byte 6)."""
-_VARIANT = bytes(byte & 0x3F | 0x80 for byte in range(256))
-"""Its variant bits (byte 8)."""
-_IDS_PER_DRAW = 256
-"""Ids made from one ``os.urandom`` call (4 KiB of randomness)."""
+_VERSION = bytes(byte & 0x0F | 0x40 for byte in range(256))  # uuid4's version nibble (byte 6)
+_VARIANT = bytes(byte & 0x3F | 0x80 for byte in range(256))  # and variant bits (byte 8)
+_IDS_PER_DRAW = 256  # 4 KiB of os.urandom
 
 
 class _IdSource:
-    """Fresh uuid4 hex ids, drawn from the OS in blocks: one system call per 256 ids. Thread-safe
-    (each id leaves by one atomic ``list.pop``); a forked child drops the block it inherited, else
-    parent and child would hand out the same ids."""
+    """Fresh uuid4 hex ids, drawn from the OS in blocks. Thread-safe (each id leaves by one atomic
+    ``list.pop``); a forked child drops the block it inherited, which its parent hands out."""
 
     def __init__(self) -> None:
         self._block: list[str] = []
@@ -75,7 +71,7 @@ class Lane:
     workers_key: str
 
     def new_id(self) -> str:
-        """A fresh request (or batch, or client) id: 32 hex digits of uuid4, after the shard."""
+        """A fresh request (or batch, or client) id on this shard."""
         return keys.id_on_shard(self.shard, uuid4_hex())
 
     def reply_key(self, reply_id: str) -> str:
@@ -84,9 +80,8 @@ class Lane:
 
 
 class Lanes:
-    """A client's lanes, made once each, and which lane an id's reply is on. ``config`` gives the
-    config hash last read (None: none), whose shard count counts unless ``wanted``
-    (``settings.shards``) names one."""
+    """A client's lanes, made once each, and which lane an id's reply is on; the shard count is
+    the config's (``config()``: the hash last read) or ``wanted`` (``settings.shards``)."""
 
     def __init__(
         self, queue: keys.QueueRef, wanted: int | None,
@@ -100,11 +95,11 @@ class Lanes:
         """The plain ``{q}``: where an unsharded queue's requests go."""
 
     def count(self) -> int:
-        """The queue's shard count as this client knows it (:func:`.shards.shard_count`)."""
+        """The queue's shard count as this client knows it."""
         return shard_count(self._wanted, self._config(), self._queue.name)
 
     def lane(self, shard: int | None) -> Lane:
-        """The lane of ``shard`` (None: the plain ``{q}``), made once."""
+        """The lane of ``shard`` (None: the plain ``{q}``)."""
         made = self._made.get(shard)
         if made is None:
             on = keys.QueueRef(self._queue.name, self._queue.prefix, shard)
@@ -119,16 +114,6 @@ class Lanes:
             return [self.home]
         return [*(self.lane(k) for k in range(count)), self.home]
 
-    def shard_of_id(self, request_id: str, retired: Collection[int] = ()) -> int | None:
-        """The shard whose reply namespace holds ``request_id``'s reply; None: ``{q}``.
-        ``k.<unique>`` names shard ``k`` only where the queue has it now or had it (``retired``);
-        elsewhere it is a plain id another producer chose (docs/PROTOCOL.md, "K = 1")."""
-        shard = keys.shard_in_id(request_id)
-        if shard is None:
-            return None
-        count = self.count()
-        return shard if (count > 1 and shard < count) or shard in retired else None
-
     def shards_beyond(self, request_ids: Sequence[str]) -> list[int]:
         """The shards ids name that the queue does not have now: were they retired?"""
         count = self.count()
@@ -138,9 +123,15 @@ class Lanes:
     def reply_keys(
         self, request_ids: Sequence[str], retired: Collection[int] = ()
     ) -> dict[int | None, dict[str, str]]:
-        """Reply key -> request id, by the shard each (checked) id's reply is on."""
+        """Reply key -> request id, by the shard each (checked) id's reply is on: ``k.<unique>``
+        names shard ``k`` only where the queue has it now or had it (``retired``); elsewhere it is
+        a plain id another producer chose (docs/PROTOCOL.md, "K = 1")."""
         by_shard: dict[int | None, dict[str, str]] = {}
         for request_id in request_ids:
-            lane = self.lane(self.shard_of_id(request_id, retired))
+            shard = keys.shard_in_id(request_id)
+            if shard is not None and shard not in retired:
+                count = self.count()
+                shard = shard if count > 1 and shard < count else None
+            lane = self.lane(shard)
             by_shard.setdefault(lane.shard, {})[lane.reply_key(request_id)] = request_id
         return by_shard

@@ -15,7 +15,7 @@ T = TypeVar("T")
 
 _LOST = (redis.ConnectionError, redis.TimeoutError)
 _UNREAD = (redis.RedisError, redis.exceptions.RedisClusterException)
-"""What re-reading the topology raises when no node answers (the first error then stands)."""
+"""What re-reading the topology raises when no node answers (the first error stands)."""
 
 
 def _moved_twice() -> redis.ConnectionError:
@@ -49,15 +49,21 @@ def run_pinned(client: Any, key: str, operation: Callable[[Any], T]) -> T:
 async def async_run_pinned(
     client: Any, key: str, operation: Callable[[Any], Awaitable[T]], made: dict[str, Any]
 ) -> T:
-    """The asyncio twin of :func:`run_pinned`; plain node clients are made once into ``made``."""
+    """The asyncio twin of :func:`run_pinned`; each node's plain client (with the cluster's
+    connection settings) is made once into ``made``."""
     if not isinstance(client, redis.asyncio.RedisCluster):
         return await operation(client)
     if not client.get_nodes():
         await client.initialize()
     for attempt in (1, 2):
-        node = client.get_node_from_key(key)
+        node: Any = client.get_node_from_key(key)  # not None: the cluster is initialised
+        plain = made.get(node.name)
+        if plain is None:
+            pool = redis.asyncio.ConnectionPool(
+                connection_class=node.connection_class, **node.connection_kwargs)
+            plain = made[node.name] = redis.asyncio.Redis(connection_pool=pool)
         try:
-            return await operation(_async_node_client(node, made))
+            return await operation(plain)
         except redis.exceptions.MovedError:
             await client.nodes_manager.initialize()
             if attempt == 2:
@@ -70,14 +76,3 @@ async def async_run_pinned(
             if attempt == 2 or not moved:
                 raise
     raise AssertionError("unreachable")
-
-
-def _async_node_client(node: Any, made: dict[str, Any]) -> Any:
-    """A plain asyncio client of one cluster node, with the cluster's connection settings."""
-    plain = made.get(node.name)
-    if plain is None:
-        pool = redis.asyncio.ConnectionPool(
-            connection_class=node.connection_class, **node.connection_kwargs
-        )
-        plain = made[node.name] = redis.asyncio.Redis(connection_pool=pool)
-    return plain

@@ -6,14 +6,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tokenq.producer.call_options import SubmitOptions, worker_options
 from tokenq.producer.config import ConfigCache, Estimating
 from tokenq.producer.deadline import check_seconds
 from tokenq.producer.lanes import Lane, check_ids
 from tokenq.shared import keys, wire
-from tokenq.shared.errors import BadRequest, DecodeError
+from tokenq.shared.errors import BadRequest, ConfigError, DecodeError
 from tokenq.shared.request_options import (
     NO_OPTIONS,
     OptionError,
@@ -39,18 +39,16 @@ class Prepared:
     fields: dict[str, str | bytes]
     named: bool = False
     """Whether the caller chose the id (``unique``): its retry may come in another call, so
-    it gets a seen key of its own; fresh ids share one key for the call."""
+    it gets a seen key of its own."""
 
 
-@dataclass(frozen=True, slots=True)
-class CallOptions:
+class CallOptions(NamedTuple):
     """What one call's options decide for all its requests."""
 
     reply_to: str | None
     fields: dict[str, str | bytes]
     """Every request's fields, encoded once: ``""`` for what each request has of its own."""
     estimating: Estimating
-    """The config's view, read once for the call."""
     prompt: str = ""
     """The prompt the worker will put before each text, as far as the config says."""
     truncate: bool | None = None
@@ -71,39 +69,21 @@ def timeout_ms(deadline_s: float | None, deadline_ms: int | None, now_ms: int) -
     if deadline_s is not None:
         seconds = check_seconds(deadline_s, "deadline_s")
         if seconds * 1000 > limit:
-            raise BadRequest(
-                f"deadline_s {deadline_s!r} is out of range: at most {limit // 1000} s "
-                "(30 days)",
-                param="deadline_s",
-            )
+            raise BadRequest(f"deadline_s {deadline_s!r} is out of range: at most {limit // 1000} "
+                             "s (30 days)", param="deadline_s")
         return max(1, math.ceil(seconds * 1000))
     if deadline_ms is None:
         return None
     if isinstance(deadline_ms, bool) or not isinstance(deadline_ms, int):
-        raise BadRequest(
-            f"deadline_ms must be an integer (epoch milliseconds), "
-            f"got {type(deadline_ms).__name__}",
-            param="deadline_ms",
-        )
-    if deadline_ms <= now_ms:
-        raise BadRequest(
-            f"deadline_ms {deadline_ms} has already passed (now is {now_ms} epoch ms)",
-            param="deadline_ms",
-        )
-    if deadline_ms - now_ms > limit:
-        raise BadRequest(
-            f"deadline_ms {deadline_ms} is out of range: at most {limit} ms (30 days) "
-            f"after now ({now_ms} epoch ms)",
-            param="deadline_ms",
-        )
-    return deadline_ms - now_ms
-
-
-def _reply_to(value: object) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= wire.MAX_REPLY_TO_CHARS:
-        raise BadRequest(f"reply_to must be a key name of 1-{wire.MAX_REPLY_TO_CHARS} chars",
-                         param="reply_to")
-    return value
+        problem = f"must be an integer (epoch milliseconds), got {type(deadline_ms).__name__}"
+    elif deadline_ms <= now_ms:
+        problem = f"{deadline_ms} has already passed (now is {now_ms} epoch ms)"
+    elif deadline_ms - now_ms > limit:
+        problem = (f"{deadline_ms} is out of range: at most {limit} ms (30 days) after now "
+                   f"({now_ms} epoch ms)")
+    else:
+        return deadline_ms - now_ms
+    raise BadRequest(f"deadline_ms {problem}", param="deadline_ms")
 
 
 def _opts(options: SubmitOptions) -> Mapping[str, Any]:
@@ -122,31 +102,18 @@ def _opts(options: SubmitOptions) -> Mapping[str, Any]:
     return {**opts, **named}
 
 
-def _priority(value: object) -> int:
-    try:
-        return wire.validate_priority(value)
-    except DecodeError as exc:
-        exc.param = "priority"
-        raise
-
-
 def _tokens(
     estimate: Callable[[str, str | None], int], text: str, pair: str | None, where: str
 ) -> int:
     tokens = estimate(text, pair)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
-        raise BadRequest(
-            f"the token estimator returned {tokens!r} for {where}; "
-            "it must return a non-negative int",
-            param="estimator",
-        )
-    if tokens > wire.MAX_TOKENS:
-        raise BadRequest(
-            f"the token estimator returned {tokens} for {where}, over the protocol's "
-            f"limit of {wire.MAX_TOKENS} tokens; nothing was written",
-            param="estimator",
-        )
-    return tokens
+        problem = "; it must return a non-negative int"
+    elif tokens > wire.MAX_TOKENS:
+        problem = f", over the protocol's limit of {wire.MAX_TOKENS} tokens; nothing was written"
+    else:
+        return tokens
+    raise BadRequest(f"the token estimator returned {tokens!r} for {where}{problem}",
+                     param="estimator")
 
 
 class Preparer:
@@ -188,9 +155,16 @@ class Preparer:
         reply_to = options.get("reply_to")
         opts = _opts(options)
         checked = self._worker_options(opts)
-        reply_to = None if reply_to is None else _reply_to(reply_to)
+        if reply_to is not None and (
+                not isinstance(reply_to, str) or not 0 < len(reply_to) <= wire.MAX_REPLY_TO_CHARS):
+            raise BadRequest(f"reply_to must be a key name of 1-{wire.MAX_REPLY_TO_CHARS} chars",
+                             param="reply_to")
         deadline = timeout_ms(options.get("deadline_s"), options.get("deadline_ms"), now_ms)
-        priority = _priority(options.get("priority"))
+        try:
+            priority = wire.validate_priority(options.get("priority"))
+        except DecodeError as exc:
+            exc.param = "priority"
+            raise
         try:
             fields = wire.call_fields(opts, deadline, priority)
         except DecodeError as exc:
@@ -199,7 +173,10 @@ class Preparer:
             # msgpack cannot encode something in opts (an int past 64 bits overflows)
             raise BadRequest(f"opts cannot be encoded as msgpack: {exc}", param="opts") from None
         estimating = self.config.current()
-        estimating.ensure_exact(self.settings.queue)
+        if estimating.exact_problem is not None:
+            raise ConfigError(f"estimator='exact' but queue {self.settings.queue!r} gives no "
+                              f"tokenizer the producer can load: {estimating.exact_problem}; "
+                              "nothing was written")
         return CallOptions(reply_to, fields, estimating, prompt_of(checked, self.config.facts()),
                            checked.truncate)
 

@@ -1,11 +1,11 @@
-"""How the producer plugs into redis-py so that no socket wait, pool wait or retry outlasts the
-caller: each command runs under :class:`for_caller`, and the connection, pool and retry hooks
-handed to :mod:`tokenq.shared.redis_client` read :data:`CALLER_DEADLINE`."""
+"""The hooks that keep redis-py's socket waits, pool waits and retries within the caller's
+deadline (:data:`CALLER_DEADLINE`, set by :func:`for_caller` around each command)."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import time
 from typing import Any
 
@@ -25,8 +25,7 @@ from tokenq.shared.redis_url import parse_redis_url
 from tokenq.shared.settings import ClientSettings
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
-"""redis-py's errors for a Redis that did not answer (retried, then BrokerUnavailable)."""
-
+"""A Redis that did not answer: retried, then BrokerUnavailable."""
 CLUSTER_UNAVAILABLE = (redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
                        redis.exceptions.SlotNotCoveredError)
 """A cluster that could not run the command (mid-failover, a slot moving): as safe to retry."""
@@ -36,31 +35,29 @@ REFUSED_NOW_RETRIED = {
     "READONLY": "Redis is a read-only replica (a failover may be under way)",
     "MASTERDOWN": "Redis is a replica that lost its master",
 }
-"""Error replies for a command Redis did not run because of its own state: retried within the
-call's deadline, then ``BrokerUnavailable`` naming the reason, like a refused connection."""
+"""Error replies for a command Redis did not run because of its own state: retried like a
+refused connection, then ``BrokerUnavailable`` naming the reason."""
 
 MIN_SOCKET_TIMEOUT_S = 0.01
-"""Floor of a deadline-bound socket timeout (0 would put the socket in non-blocking mode)."""
+"""Floor of a deadline-bound socket timeout (0 would make the socket non-blocking)."""
 
 CALLER_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "tokenq_caller_deadline", default=None)
 """The monotonic deadline of the caller on whose behalf Redis is called (None: no caller)."""
-
-
 SLOW_REPLY_S: contextvars.ContextVar[float] = contextvars.ContextVar(
     "tokenq_slow_reply_s", default=0.0)
-"""How long Redis itself may take to answer, on top of the socket timeout (still ended by the
-caller's deadline): the durable enqueue's ``WAIT``, which waits on the server by design."""
+"""How long Redis itself may take to answer on top of the socket timeout: the durable
+enqueue's ``WAIT``, which waits on the server by design."""
 
 
 class _Setting:
-    """Sets its context variable for the block; a class, not ``@contextmanager``, which costs
-    a microsecond more on every command."""
+    """Sets a context variable for the block (a class: ``@contextmanager`` costs a microsecond
+    more on every command)."""
 
-    __slots__ = ("_token", "_value")
-    _variable: contextvars.ContextVar[Any]
+    __slots__ = ("_token", "_value", "_variable")
 
-    def __init__(self, value: float) -> None:
+    def __init__(self, variable: contextvars.ContextVar[Any], value: float) -> None:
+        self._variable = variable
         self._value = value
 
     def __enter__(self) -> None:
@@ -70,24 +67,16 @@ class _Setting:
         self._variable.reset(self._token)
 
 
-class slow_reply(_Setting):
-    """Run the block's commands with ``seconds`` of :data:`SLOW_REPLY_S`."""
-
-    __slots__ = ()
-    _variable = SLOW_REPLY_S
-
-
-class for_caller(_Setting):
-    """Run what the block starts (a command, or a task it creates) under ``deadline``."""
-
-    __slots__ = ()
-    _variable = CALLER_DEADLINE
+slow_reply = functools.partial(_Setting, SLOW_REPLY_S)
+"""``with slow_reply(seconds)``: the block's commands get that much :data:`SLOW_REPLY_S`."""
+for_caller = functools.partial(_Setting, CALLER_DEADLINE)
+"""``with for_caller(deadline)``: what the block starts (a command, a task) runs under it."""
 
 
 def failure(exc: Exception) -> Exception:
-    """What to throw into a call for ``exc``: the calls' name for a command failure, else ``exc``.
-    :data:`REFUSED_NOW_RETRIED` and :data:`CLUSTER_UNAVAILABLE` count as Redis being down: the
-    command did not run, so it is as safe to retry as a refused connection."""
+    """What to throw into a call for ``exc``: :mod:`.calls`' name for a command failure, else
+    ``exc``; a command Redis did not run (:data:`REFUSED_NOW_RETRIED`,
+    :data:`CLUSTER_UNAVAILABLE`) counts as Redis being down."""
     if isinstance(exc, REDIS_DOWN):
         return Unreachable(exc)
     if isinstance(exc, CLUSTER_UNAVAILABLE) or (
@@ -107,26 +96,9 @@ def failure(exc: Exception) -> Exception:
     return Unreachable(down)
 
 
-# ------------------------------------------------------------------ timeouts
-
-
-def bounded_timeout(configured: float | None, *, reads: bool = False) -> float | None:
-    """A socket (or pool) timeout cut down to the current caller's deadline plus the grace;
-    ``reads``: a wait for a reply, which :class:`slow_reply` lengthens."""
-    slow = SLOW_REPLY_S.get() if reads else 0.0
-    if slow and configured is not None:
-        configured += slow
-    deadline = CALLER_DEADLINE.get()
-    if deadline is None:
-        return configured
-    left = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S
-    if configured is not None:
-        left = min(configured, left)
-    return max(MIN_SOCKET_TIMEOUT_S, left)
-
-
 class _Bounded:
-    """A timeout attribute that reads as :func:`bounded_timeout` of the value kept in ``slot``."""
+    """A timeout attribute that reads as the value kept in ``slot`` cut to the caller's deadline
+    plus the grace; ``reads``: a wait for a reply, which :data:`slow_reply` lengthens."""
 
     def __init__(self, slot: str, *, reads: bool = False) -> None:
         self._slot = slot
@@ -135,7 +107,15 @@ class _Bounded:
     def __get__(self, obj: object, owner: type | None = None) -> Any:
         if obj is None:
             return self
-        return bounded_timeout(getattr(obj, self._slot, None), reads=self._reads)
+        configured: float | None = getattr(obj, self._slot, None)
+        slow = SLOW_REPLY_S.get() if self._reads else 0.0
+        if slow and configured is not None:
+            configured += slow
+        deadline = CALLER_DEADLINE.get()
+        if deadline is None:
+            return configured
+        left = max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S
+        return max(MIN_SOCKET_TIMEOUT_S, left if configured is None else min(configured, left))
 
     def __set__(self, obj: object, value: float | None) -> None:
         setattr(obj, self._slot, value)
@@ -143,7 +123,7 @@ class _Bounded:
 
 class DeadlineTimeouts:
     """Mixin for a redis-py connection class: socket waits (connect, handshake, replies) end
-    at the caller's deadline; the configured values stay where redis-py keeps them."""
+    at the caller's deadline."""
 
     socket_timeout = _Bounded("_socket_timeout", reads=True)
     socket_connect_timeout = _Bounded("_socket_connect_timeout")
@@ -168,19 +148,12 @@ class _BoundedSockets(DeadlineTimeouts):
 
 def deadline_bound(connection_class: type, mixin: type = DeadlineTimeouts) -> type:
     """``connection_class`` (plain, TLS or Unix socket) with ``mixin`` in front, packing
-    commands in C (an enqueue carries a dozen arguments per request); made once."""
+    commands in C; made once."""
     if issubclass(connection_class, mixin):
         return connection_class
     return with_mixins(
         connection_class,  # type: ignore[arg-type]  # a class is hashable
         mixin, packing_mixin(connection_class))
-
-
-def _sync_bound(connection_class: type) -> type:
-    return deadline_bound(connection_class, _BoundedSockets)
-
-
-# ------------------------------------------------------------------- retries
 
 
 class DeadlineBackoff(ExponentialBackoff):
@@ -194,30 +167,28 @@ class DeadlineBackoff(ExponentialBackoff):
         return max(0.0, min(backoff, deadline - time.monotonic()))
 
 
+def _past_deadline() -> bool:
+    deadline = CALLER_DEADLINE.get()
+    return deadline is not None and deadline <= time.monotonic()
+
+
 class _RetriesLeft(int):
-    """A retry count that reads as none left (``> 0`` is False) once the caller's deadline
-    passed: redis-py's cluster client counts ``get_retries()`` down itself."""
+    """A retry count that reads as none left once the caller's deadline passed (redis-py's
+    cluster client counts ``get_retries()`` down itself)."""
 
     def __gt__(self, other: object) -> bool:
-        deadline = CALLER_DEADLINE.get()
-        if deadline is not None and deadline <= time.monotonic():
-            return False
-        return int(self) > other  # type: ignore[operator]
+        return not _past_deadline() and int(self) > other  # type: ignore[operator]
 
     def __sub__(self, other: object) -> _RetriesLeft:
         return _RetriesLeft(int(self) - other)  # type: ignore[operator]
 
 
 class DeadlineRetries:
-    """Mixin for redis-py's ``Retry`` (sync or asyncio, any client): past the caller's deadline
-    ``_retries`` reads as 0, so no retry starts and the failure is raised."""
+    """Mixin for redis-py's ``Retry``: past the caller's deadline no retry starts."""
 
     @property
     def _retries(self) -> int:
-        deadline = CALLER_DEADLINE.get()
-        if deadline is not None and deadline <= time.monotonic():
-            return 0
-        return _RetriesLeft(self._tokenq_retries)
+        return 0 if _past_deadline() else _RetriesLeft(self._tokenq_retries)
 
     @_retries.setter
     def _retries(self, value: int) -> None:
@@ -233,7 +204,6 @@ class AsyncDeadlineRetry(DeadlineRetries, AsyncRetry):
 
 
 def _retry(settings: ClientSettings, retry_class: type) -> Any:
-    """Retries with a deadline-bound backoff, of ``retry_class`` (sync, asyncio, cluster)."""
     return retry_class(
         DeadlineBackoff(cap=BACKOFF_CAP_S, base=BACKOFF_BASE_S),
         settings.retries,
@@ -241,7 +211,6 @@ def _retry(settings: ClientSettings, retry_class: type) -> Any:
 
 
 def _options(settings: ClientSettings, retry_class: type, client_id: str) -> dict[str, Any]:
-    """Socket timeouts, retries with backoff and a client name, for either client."""
     return {
         "socket_timeout": settings.socket_timeout_s,
         "socket_connect_timeout": settings.socket_timeout_s,
@@ -251,9 +220,7 @@ def _options(settings: ClientSettings, retry_class: type, client_id: str) -> dic
     }
 
 
-# ------------------------------------------------------------------- clients
-
-
+_sync_bound = functools.partial(deadline_bound, mixin=_BoundedSockets)
 SYNC_HOOKS = ClientHooks(connection=_sync_bound, sentinels=_sync_bound, pool_wait=DeadlinePoolWait)
 ASYNC_HOOKS = ClientHooks(connection=deadline_bound, sentinels=deadline_bound,
                           pool_wait=DeadlinePoolWait)
@@ -281,9 +248,9 @@ def async_redis(
 def async_client(
     settings: ClientSettings, client_id: str, max_connections: int | None = None
 ) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
-    """A pool of ``max_connections`` (per node in a cluster, where a command fails at once when
-    a node has none free) waiting ``timeout_s`` at most, and never past a caller's deadline, for
-    a free one; None: a listener's one connection (per node) for one reply key."""
+    """A pool of ``max_connections`` (per node of a cluster, where a command fails at once when
+    a node has none free) waiting ``timeout_s`` at most for a free one; None: a listener's one
+    connection (per node)."""
     one = max_connections is None
     return redis_client.async_client(
         parse_redis_url(settings.redis_url), _options(settings, AsyncDeadlineRetry, client_id),
@@ -292,6 +259,6 @@ def async_client(
 
 
 def sync_client_for(url: str, **kwargs: Any) -> redis.Redis | redis.RedisCluster:
-    """A plain sync client for ``url`` of any kind, with redis-py's ``kwargs``, for the
-    operator commands (no caller deadlines); a malformed URL is a ValueError."""
+    """A plain sync client for ``url`` of any kind, for the operator commands (no caller
+    deadlines); a malformed URL is a ValueError."""
     return redis_client.sync_client(parse_redis_url(url), kwargs)

@@ -1,5 +1,5 @@
-"""Reply bytes into a :class:`Result` or an exception; one that does not decode is dropped from a
-shared key and is the request's own ``bad_reply`` error from its own key."""
+"""Reply bytes into a :class:`Result` or an exception (one that does not decode: dropped from a
+shared key, the request's ``bad_reply`` error from its own key)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenq.shared import wire
-from tokenq.shared.errors import (
-    DecodeError,
-    ErrorCode,
-    RemoteError,
-    TokenqError,
-    remote_error,
-)
+from tokenq.shared.errors import DecodeError, ErrorCode, RemoteError, TokenqError, remote_error
 from tokenq.shared.text import plural
 
 log = logging.getLogger("tokenq.producer")
@@ -26,18 +20,16 @@ BAD_REPLY = ErrorCode.BAD_REPLY.value
 
 
 class ReplyTimeout(TokenqError, TimeoutError):
-    """No reply came before the caller's timeout (Redis itself was reachable). A builtin
-    ``TimeoutError`` too. The request may still run; ``Client.result(id)`` can fetch its reply
-    later, until it expires."""
+    """No reply came before the caller's timeout (Redis itself was reachable); a builtin
+    ``TimeoutError`` too. The request may still run: ``Client.result(id)`` fetches its reply
+    until it expires."""
 
     def __init__(self, request_ids: Sequence[str], waited_s: float, why: str | None = None) -> None:
         shown = ", ".join(request_ids[:5])
         more = f" and {len(request_ids) - 5} more" if len(request_ids) > 5 else ""
-        super().__init__(
-            f"no reply after {waited_s:.2f}s for {plural(len(request_ids), 'request')}: "
-            f"{shown}{more}"
-            + (f"; {why}" if why else "")
-        )
+        because = f"; {why}" if why else ""
+        super().__init__(f"no reply after {waited_s:.2f}s for "
+                         f"{plural(len(request_ids), 'request')}: {shown}{more}{because}")
         self.request_ids = tuple(request_ids)
         self.waited_s = waited_s
         self.why = why
@@ -66,6 +58,7 @@ class Result:
 
     def __repr__(self) -> str:
         """A short summary (the first values of a vector, scores with their labels)."""
+
         def head(values: Sequence[Any], show: Callable[[Any], str] = "{:.4g}".format,
                  brackets: str = "[]") -> str:
             shown = ", ".join(show(value) for value in values[:3])
@@ -97,7 +90,7 @@ Outcome = Result | RemoteError
 
 
 def decode(raw: bytes) -> wire.Reply | None:
-    """A reply map, or None (logged) when it does not decode or names no id."""
+    """A reply, or None (logged) when it does not decode or names no id."""
     try:
         return wire.decode_reply(raw)
     except DecodeError as exc:
@@ -130,21 +123,17 @@ def outcome(reply: wire.Reply) -> Outcome:
     )
 
 
-def undecodable(request_id: str, raw: bytes) -> RemoteError:
-    """The error for a reply on a request's own key that does not decode."""
-    try:
-        wire.decode_reply(raw)
-    except DecodeError as exc:
-        return RemoteError(BAD_REPLY, str(exc), request_id)
-    return RemoteError(BAD_REPLY, "reply names another request", request_id)
-
-
 def own_key_reply(wanted: dict[str, str], key: str, raw: bytes, outcomes: dict[str, Any]) -> None:
-    """Record the reply read from one request's own reply key (``wanted``: key -> id)."""
+    """Record the reply read from one request's own reply key (``wanted``: key -> id); one that
+    does not decode, or names another request, is the request's ``bad_reply`` error."""
     request_id = wanted.pop(key)
-    reply = decode(raw)
-    if reply is None or reply.id != request_id:
-        outcomes[request_id] = undecodable(request_id, raw)
+    try:
+        reply = wire.decode_reply(raw)
+    except DecodeError as exc:
+        outcomes[request_id] = RemoteError(BAD_REPLY, str(exc), request_id)
+        return
+    if reply.id != request_id:
+        outcomes[request_id] = RemoteError(BAD_REPLY, "reply names another request", request_id)
     else:
         outcomes[request_id] = outcome(reply)
 
@@ -160,9 +149,7 @@ def shared_key_reply(pending: set[str], raw: bytes, outcomes: dict[str, Any]) ->
 
 
 def settle(
-    ids: Sequence[str],
-    outcomes: Mapping[str, Outcome | Exception],
-    return_exceptions: bool,
+    ids: Sequence[str], outcomes: Mapping[str, Outcome | Exception], return_exceptions: bool
 ) -> list[Any]:
     """Outcomes in input order; raise the first error unless ``return_exceptions``."""
     ordered = [outcomes[i] for i in ids]

@@ -21,9 +21,8 @@ LENGTHS_TTL_S = 1.0
 
 
 class ShardRetired(ConfigError):
-    """The shard a call chose is retired: nothing was written. The calls choose again once the
-    config names fewer shards; a caller sees it only when its count still includes the shard (a
-    ``shards`` setting, a config it may not read)."""
+    """The shard a call chose is retired: nothing was written. A caller sees it only when its
+    count still includes the shard (a ``shards`` setting, a config it may not read)."""
 
     def __init__(self, queue: str, shard: int) -> None:
         super().__init__(
@@ -71,7 +70,7 @@ class ShardChooser:
         self._read_at: float | None = None
 
     def lengths_due(self, shards: int, now_s: float) -> bool:
-        """Whether the next choice should read the shards' lengths first (``shortest`` only)."""
+        """Whether the next choice should read the shards' lengths first (``shortest``)."""
         if self.choice != "shortest":
             return False
         with self._lock:
@@ -85,7 +84,6 @@ class ShardChooser:
             self._read_at = now_s
 
     def pick(self, shards: int) -> int:
-        """The shard the next enqueueing call goes to."""
         with self._lock:
             start = next(self._turn) % shards
             if self.choice != "shortest" or len(self._lengths) != shards:

@@ -11,12 +11,9 @@ MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
 
 
 class TokenizerEstimator:
-    """Counts tokens exactly as a Hugging Face fast tokenizer does, special tokens included.
-
-    A pair is encoded as a pair, as the worker encodes it. ``exact = True`` has the client
-    compare the count with the queue's limit without a margin. Pass one made with
-    :meth:`from_file` as ``estimator=`` when the producer has its own copy of the file.
-    """
+    """Counts tokens exactly as a Hugging Face fast tokenizer does, special tokens included (a
+    pair as a pair, as the worker does), so the client compares without a margin. Pass one made
+    with :meth:`from_file` as ``estimator=`` when the producer has its own copy of the file."""
 
     exact: ClassVar[bool] = True
 

@@ -1,5 +1,5 @@
--- enqueue.lua: append a batch of requests to a queue's stream, all or nothing,
--- unless that would push the stream past the queue's maximum length.
+-- enqueue.lua: append a batch of requests to a queue's stream, all or nothing, unless that
+-- would push the stream past the queue's maximum length.
 --
 -- Keys touched (all share the queue's hash tag, so one Cluster slot):
 --   KEYS[1]       <prefix>:{q}:requests      stream   XLEN, then XADD (never trimmed)
@@ -25,19 +25,17 @@
 --           seen key per entry, call:<ms> with one seen key for the call; 0 turns it off
 -- ARGV[4..] for each entry: k, its number of fields (1 to 1,000), then k field/value pairs
 --
--- Returns the n entry ids, in order: for an entry seen before, the id its first
--- enqueue got. Only new entries count against the limit: when XLEN + <new entries>
--- > max_len it writes nothing and answers "QUEUEFULL <xlen> <max_len> <new entries>";
--- a batch whose entries were all seen before is never refused. An id twice in one
--- batch is added once. On a retired shard new entries are refused with "RETIRED ...".
--- When the new entries' tokens would take the stream's tenant's pending tokens past its
--- quota it writes nothing and answers "OVERQUOTA <tenant> <held> <cap> <adding> <largest>".
+-- Returns the n entry ids, in order (an entry seen before: the id its first enqueue got; an id
+-- twice in one batch is added once). Only new entries count against the limit: when XLEN +
+-- <new entries> > max_len it writes nothing and answers "QUEUEFULL <xlen> <max_len> <new
+-- entries>" (a batch all seen before is never refused). On a retired shard new entries are
+-- refused with "RETIRED ...". When they would take the tenant's pending tokens past its quota it
+-- writes nothing and answers "OVERQUOTA <tenant> <held> <cap> <adding> <largest>".
 --
--- Why (docs/decisions/0019, 0020, 0021, 0029): seen keys, read before the length check, make
--- a retry after a lost reply write nothing twice and not be refused; the retired marker keeps
--- an old shard count off a draining shard; one script makes check and writes atomic, never
--- trimming. All or nothing: everything is checked before the first write, and Redis refuses a
--- script for memory only at its first write ("OOM ...").
+-- Why (docs/decisions/0019, 0020, 0021, 0029): seen keys, read before the length check, make a
+-- retry after a lost reply write nothing twice and not be refused; the retired marker keeps an
+-- old shard count off a draining shard; one script makes check and writes atomic. Everything is
+-- checked before the first write, and Redis refuses a script for memory only at its first write.
 --
 -- The blocks between tokenq:include and tokenq:end are the queue_full.lua and
 -- pending_tokens.lua fragments themselves, which other scripts include; so this file is a
