@@ -380,6 +380,20 @@ def test_a_new_tenants_first_request_is_served_at_once_not_at_the_next_heartbeat
     assert r.xlen(keys.tenants_added(keys.QueueRef(queue_name))) == 2  # one entry per stream
 
 
+def test_a_worker_reads_tenants_added_a_bounded_count_at_a_time(start_worker, r, queue_name):
+    """A ``tenants:added`` written past enqueue.lua's MAXLEN (by hand): read 64 entries a call,
+    never the whole stream into memory at once."""
+    added = keys.tenants_added(keys.QueueRef(queue_name))
+    with r.pipeline(transaction=False) as pipe:
+        for i in range(6400):
+            pipe.xadd(added, {"stream": f"junk-{i}"})
+        pipe.execute()
+    r.config_resetstat()
+    start_worker()
+    wait_for(lambda: int(r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0))
+             >= 6400 // 64, 20, "the entries read 64 at a time")
+
+
 @pytest.mark.xfail(strict=True, reason="a worker reads at most MAX_TENANT_LANES tenant streams, "
                    "chosen by name and kept for its life: one caller naming 256 tenants (the "
                    "gateway's X-Tokenq-Tenant without --api-keys) leaves every later tenant unread")

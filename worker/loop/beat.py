@@ -69,13 +69,15 @@ class Beat:
             await wait_event(lifecycle.closing, heartbeat_s)
 
     async def _measure_depth(self) -> None:
-        """Refresh the queue-depth gauges; a failure (an ACL without XLEN) is logged once."""
+        """Refresh the queue-depth gauges; a failure (an ACL without XLEN, a bug) is logged
+        once while it lasts, and the beat goes on."""
         try:
             found = await measure(self._wiring.client, [lane.queue for lane in self._lanes])
-        except RedisError as exc:
+        except Exception as exc:
             if not self._depth_failed:
                 log.warning("queue depth metrics unavailable (%s); needs XLEN, XINFO GROUPS "
-                            "and HGETALL on %s", error_text(exc), self._lanes.streams())
+                            "and HGETALL on %s", error_text(exc), self._lanes.streams(),
+                            exc_info=not isinstance(exc, RedisError))
             self._depth_failed = True
             return
         self._depth_failed = False

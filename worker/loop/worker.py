@@ -54,6 +54,10 @@ __all__ = ["Worker", "WorkerHung", "watchdog_period_s"]
 
 log = logging.getLogger("tokenq.worker")
 
+ADDED_COUNT = 64
+"""Most entries of ``tenants:added`` one read takes (enqueue.lua keeps 64; one written by hand
+may hold millions): one is enough to look for new tenants."""
+
 def choose_budget(settings: WorkerSettings, backend: Backend) -> tuple[Budget, str]:
     """The budget and cost model, and why that budget; refuses what the model cannot honour."""
     if settings.max_batch_tokens == "auto":
@@ -209,7 +213,7 @@ class Worker:
         if self._guard is not None:
             self._guard.start()
         try:
-            await _first_failure(tasks, watchdog)
+            await _first_failure(tasks, watchdog, beat)  # the beat watched, as the watchdog
         finally:
             if self._guard is not None:
                 self._guard.stop()
@@ -276,7 +280,7 @@ class Worker:
         while lifecycle.reading():
             try:
                 reply = await lifecycle.until_stopped(self._wiring.client.xread(
-                    {key: last}, block=self.settings.block_ms), 0)
+                    {key: last}, count=ADDED_COUNT, block=self.settings.block_ms), 0)
             except RedisError as exc:
                 if error_code(exc) == "NOPERM":
                     log.warning("cannot read %s (%s): new tenant streams are found at the next "
@@ -369,11 +373,12 @@ class Worker:
         )
 
 
-async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task[None]) -> None:
-    """Wait until every task has finished, raising the first exception any of them raises."""
+async def _first_failure(tasks: list[asyncio.Task[None]], *watched: asyncio.Task[None]) -> None:
+    """Wait until every task has finished, raising the first exception any of them, or of
+    ``watched`` (which run on after them), raises."""
     seen: set[asyncio.Task[None]] = set()
     while not all(task.done() for task in tasks):
-        pending = {task for task in (*tasks, watchdog) if task not in seen}  # tasks may grow
+        pending = {task for task in (*tasks, *watched) if task not in seen}  # tasks may grow
         done, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
         seen |= done
         for task in done:
