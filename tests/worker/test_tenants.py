@@ -196,6 +196,34 @@ def test_a_tenant_writes_to_its_stream_and_registers_it(redis_url, r, queue_name
     assert len(r.keys(f"{q.tag}:requests*")) == 2  # nothing written for the bad names
 
 
+@pytest.mark.unit
+def test_tenant_streams_past_the_lane_limit_take_turns_and_none_waits_for_ever():
+    """Ten streams all with entries, three lanes: each waits at most a few turns, first in
+    first read; an idle lane gives its turn up at once, a busy one after ``turn_s``."""
+    from tokenq.worker.loop.lanes import Rotation
+
+    rotation, streams = Rotation(3, turn_s=1.0), [(Q, f"t{i}") for i in range(10)]
+    reading: dict = {}
+    last_read = dict.fromkeys(streams, 0.0)
+    for now in range(1, 40):
+        opening, closing = rotation.plan(reading, 0, dict.fromkeys(streams, 5), float(now))
+        for stream in closing:
+            del reading[stream]
+        assert len(reading) + len(opening) <= 3
+        reading.update(dict.fromkeys(opening, float(now)))
+        last_read.update(dict.fromkeys(reading, float(now)))
+        if now > 10:
+            assert max(now - at for at in last_read.values()) <= 9, last_read
+    assert Rotation(3, 1.0).plan({}, 0, {(Q, "a"): 0, (Q, "b"): 2}, 0.0) == (
+        [(Q, "b"), (Q, "a")], [])  # room for all: every stream, those with entries first
+    busy, idle = {(Q, "a"): 0.0, (Q, "b"): 0.5}, {(Q, "c"): 0.0}
+    lengths = {(Q, "a"): 1, (Q, "b"): 1, (Q, "c"): 0, (Q, "d"): 1}
+    assert Rotation(3, 1.0).plan({**busy, **idle}, 0, lengths, 0.6) == ([], [(Q, "c")])
+    assert Rotation(2, 1.0).plan(busy, 0, lengths, 0.6) == ([], [])  # not a turn yet
+    assert Rotation(2, 1.0).plan(busy, 0, lengths, 1.2) == ([], [(Q, "a")])
+    assert Rotation(2, 1.0).plan(busy, 1, lengths, 1.2) == ([], [])  # a lane frees already
+
+
 # ---------------------------------------------------- sim workers serving tenants
 
 SLOW = ("--heartbeat-s", "0.3", "--sim-token-us", "20", "--sim-batch-ms", "2",
