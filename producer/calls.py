@@ -55,7 +55,10 @@ ENQUEUE_SEEN = "enqueue_seen"
 """The enqueue script as a read-only function: at ``maxmemory`` it still answers a batch
 written before (:func:`_written_before`)."""
 
-SCRIPTS = (ENQUEUE, PEEK, ENQUEUE_SEEN)
+QUEUE_DEPTH = "queue_depth"
+"""The :class:`Send` command name of queue_depth.lua: a lane's length over all its streams."""
+
+SCRIPTS = (ENQUEUE, PEEK, ENQUEUE_SEEN, QUEUE_DEPTH)
 """Every script a :class:`Send` may name; each client calls it as a function of tokenq's
 library (``FCALL``; ``EVALSHA`` before Redis 7)."""
 
@@ -769,13 +772,16 @@ def workers_alive(core: ClientCore) -> Call[int]:
 
 
 def queue_length(core: ClientCore, timeout_s: float | None = None) -> Call[int]:
-    """How many requests the queue's stream holds (pending and in flight; summed over a sharded
-    queue's); raises ``BrokerUnavailable`` past ``timeout_s`` (default ``settings.timeout_s``)."""
+    """How many requests the queue holds (pending and in flight), on its own stream and every
+    tenant's, summed over a sharded queue's lanes (queue_depth.lua: a call each); raises
+    ``BrokerUnavailable`` past ``timeout_s`` (default ``settings.timeout_s``)."""
     deadline = Deadline.after(core.settings.timeout_s if timeout_s is None else timeout_s)
     yield from ensure_config(core, deadline)
     total = 0
     for lane in core.lanes.every():
-        total += int((yield from execute(core, deadline, "xlen", lane.stream_key)))
+        found = yield from execute(core, deadline, QUEUE_DEPTH, keys=[lane.stream_key],
+                                   args=["length"])
+        total += int(found[0])
     return total
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenq.shared.heartbeat import OTHER_TENANTS
-from tokenq.shared.keys import pending_count
+from tokenq.shared.keys import pending_count, tenant_pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,15 @@ def depth(
     if reported_lag is None:
         return Depth(length, pending, max(0, length - pending), False, counted)
     return Depth(length, pending, int(reported_lag), True, counted)  # type: ignore[call-overload]
+
+
+def lane_depth(reply: Sequence[Any], pending: Mapping[Any, Any]) -> Depth:
+    """A lane's depth over all its streams, tenants' too: queue_depth.lua's ``depth`` reply
+    (length, pending, lag, exact: sums) and its pending hash (HGETALL), which the tenants'
+    figures (``keys.tenant_pending``) come from, so they add up to the pending tokens."""
+    length, held, lag, exact = (int(value) for value in reply)
+    return Depth(length, held, lag, bool(exact), max(0, pending_count(pending.get(b"tokens")) or 0),
+                 tenant_pending(pending))
 
 
 def total(parts: Sequence[Depth]) -> Depth:

@@ -215,6 +215,31 @@ def test_queue_depth_reads_length_pending_and_lag(r: redis.Redis, redis_url: str
                                            tokens=1234)
 
 
+def test_every_stream_of_the_queue_counts_in_its_length_depth_and_stats(
+        r: redis.Redis, redis_url: str, queue_name: str, capsys: pytest.CaptureFixture[str]):
+    """Tenants' entries count wherever the queue's depth is read: ``queue_length`` (/health),
+    the worker's gauges and ``tokenq stats``, whose tenants' tokens add up to its total."""
+    from tokenq.producer.ops.stats import main as stats_main
+
+    q = keys.QueueRef(queue_name)
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.submit_many(["one", "two"])
+        client.submit_many(["three"], tenant="a")
+        client.submit_many(["four", "five", "six"], tenant="b")
+        assert client.queue_length() == 6
+    b = keys.tenant_requests(q, "b")
+    r.xgroup_create(b, keys.GROUP, id="0")
+    r.xreadgroup(keys.GROUP, "c", {b: ">"}, count=2)
+    found = measured(redis_url, q)
+    assert (found.length, found.pending, found.lag) == (6, 2, 4), found  # no group: all lag
+    assert sum(found.tenants.values()) == found.tokens > 0
+    capsys.readouterr()
+    stats_main(["--redis-url", redis_url, "--queue", queue_name, "--json"])
+    [row] = json.loads(capsys.readouterr().out)["queues"]
+    assert (row["length"], row["pending"], row["lag"]) == (6, 2, 4)
+    assert sum(t["pending_tokens"] for t in row["tenants"]) == row["pending_tokens"], row
+
+
 def test_queue_depth_skips_pending_fields_written_by_hand(r: redis.Redis, redis_url: str,
                                                            queue_name: str):
     """A hand-written value in the pending hash is skipped (keys.pending_count), not an error
