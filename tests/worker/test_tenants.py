@@ -424,6 +424,35 @@ def test_a_worker_reads_tenants_added_a_bounded_count_at_a_time(start_worker, r,
              >= 6400 // 64, 20, "the entries read 64 at a time")
 
 
+def test_backlogged_tenants_past_the_lane_limit_take_turns_until_all_are_served(
+        redis_url, queue_name, monkeypatch):
+    """Five tenants with a backlog each, two lanes: lanes give their turn up after a
+    heartbeat, once what they hold is answered, and every tenant is served."""
+    import asyncio
+    import threading
+
+    from tokenq.worker.backends.sim import SimBackend
+    from tokenq.worker.loop import tenants
+    from tokenq.worker.loop.worker import Worker
+    from tokenq.worker.settings import WorkerSettings
+
+    monkeypatch.setattr(tenants, "MAX_TENANT_LANES", 2)
+    settings = WorkerSettings(redis_url=redis_url, queue=queue_name, backend="sim",
+                              heartbeat_s=0.3, block_ms=100, max_batch_tokens=256)
+    worker = Worker(settings, SimBackend(batch_ms=100.0, max_input_tokens=64))
+    thread = threading.Thread(target=asyncio.run, args=(worker.run(),))
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        ids = [request for t in range(5) for request in client.submit_many(
+            [f"tenant {t} request {i} " + "word " * 20 for i in range(40)], tenant=f"t{t}")]
+        thread.start()
+        try:
+            results = client.results(ids, timeout_s=30)
+        finally:
+            worker.stop()
+            thread.join(30)
+    assert all(result.embedding is not None for result in results)
+
+
 def test_a_tenant_named_after_the_lane_cap_is_still_served(start_worker, redis_url, r,
                                                            queue_name):
     """Past MAX_TENANT_LANES tenant streams (one caller may name that many), streams with
