@@ -1,5 +1,6 @@
-"""How deep a queue is (length, pending, lag, pending tokens): the one rule ``tokenq stats`` and
-the worker's gauges share."""
+"""How deep a queue is (length, pending, lag, pending tokens) over every stream it has, tenants'
+too (producer/lua/queue_depth.lua): the one rule ``tokenq stats`` and the worker's gauges
+share."""
 
 from __future__ import annotations
 
@@ -23,19 +24,6 @@ class Depth:
     """Pending tokens (``keys.pending``)."""
     tenants: dict[str, int] = field(default_factory=dict, compare=False)
     """Pending tokens by tenant (``keys.tenant_pending``); empty when not read."""
-
-
-def depth(
-    length: int, pending: int, *, group_exists: bool, reported_lag: object, tokens: object = None
-) -> Depth:
-    """The queue's depth from XLEN, the group's pending count, XINFO GROUPS' ``lag`` and the
-    pending-token sum (HGET; None, no hash yet, or no count: 0, as ``keys.pending_count``)."""
-    counted = max(0, pending_count(tokens) or 0)
-    if not group_exists:
-        return Depth(length, 0, length, True, counted)  # nobody has read anything yet
-    if reported_lag is None:
-        return Depth(length, pending, max(0, length - pending), False, counted)
-    return Depth(length, pending, int(reported_lag), True, counted)  # type: ignore[call-overload]
 
 
 def lane_depth(reply: Sequence[Any], pending: Mapping[Any, Any]) -> Depth:
