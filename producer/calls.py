@@ -46,7 +46,8 @@ ENQUEUE = "enqueue"  # enqueue.lua
 PEEK = "peek_replies"  # peek_replies.lua
 ENQUEUE_SEEN = "enqueue_seen"
 """enqueue.lua read-only: at ``maxmemory`` it still answers a batch written before."""
-SCRIPTS = (ENQUEUE, PEEK, ENQUEUE_SEEN)
+QUEUE_DEPTH = "queue_depth"  # queue_depth.lua: a lane's length over all its streams
+SCRIPTS = (ENQUEUE, PEEK, ENQUEUE_SEEN, QUEUE_DEPTH)
 """The scripts a :class:`Send` may name, each called as a function of tokenq's library."""
 DURABLE_ENQUEUE = "durable_enqueue"
 """The enqueue script, then ``WAIT replicas timeout_ms``, on one connection (WAIT counts that
@@ -678,13 +679,16 @@ def workers_alive(core: ClientCore) -> Call[int]:
 
 
 def queue_length(core: ClientCore, timeout_s: float | None = None) -> Call[int]:
-    """How many requests the queue's stream holds (pending and in flight; summed over a sharded
-    queue's); raises ``BrokerUnavailable`` past ``timeout_s`` (default ``settings.timeout_s``)."""
+    """How many requests the queue holds (pending and in flight), on its own stream and every
+    tenant's, summed over a sharded queue's lanes (queue_depth.lua: a call each); raises
+    ``BrokerUnavailable`` past ``timeout_s`` (default ``settings.timeout_s``)."""
     deadline = Deadline.after(core.settings.timeout_s if timeout_s is None else timeout_s)
     yield from ensure_config(core, deadline)
     total = 0
     for lane in core.lanes.every():
-        total += int((yield from execute(core, deadline, "xlen", lane.stream_key)))
+        found = yield from execute(core, deadline, QUEUE_DEPTH, keys=[lane.stream_key],
+                                   args=["length"])
+        total += int(found[0])
     return total
 
 

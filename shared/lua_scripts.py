@@ -94,6 +94,7 @@ SCRIPTS: Mapping[str, Script] = {
     "enqueue": Script("tokenq.producer", "enqueue.lua"),
     "enqueue_seen": Script("tokenq.producer", "enqueue.lua", ("no-writes",)),
     "peek_replies": Script("tokenq.producer", "peek_replies.lua", ("no-writes",)),
+    "queue_depth": Script("tokenq.producer", "queue_depth.lua", ("allow-oom",)),
     "dlq_retry": Script("tokenq.producer", "dlq_retry.lua"),
     "publish": Script("tokenq.worker", "publish.lua"),
     "drop_consumer": Script("tokenq.worker", "drop_consumer.lua", ("allow-oom",)),

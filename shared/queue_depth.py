@@ -1,14 +1,16 @@
-"""How deep a queue is (length, pending, lag, pending tokens): the one rule ``tokenq stats`` and
-the worker's gauges share."""
+"""How deep a queue is (length, pending, lag, pending tokens) over every stream it has, tenants'
+too (producer/lua/queue_depth.lua): the one rule ``tokenq stats`` and the worker's gauges
+share."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenq.shared.heartbeat import OTHER_TENANTS
-from tokenq.shared.keys import pending_count
+from tokenq.shared.keys import pending_count, tenant_pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,17 +26,13 @@ class Depth:
     """Pending tokens by tenant (``keys.tenant_pending``); empty when not read."""
 
 
-def depth(
-    length: int, pending: int, *, group_exists: bool, reported_lag: object, tokens: object = None
-) -> Depth:
-    """The queue's depth from XLEN, the group's pending count, XINFO GROUPS' ``lag`` and the
-    pending-token sum (HGET; None, no hash yet, or no count: 0, as ``keys.pending_count``)."""
-    counted = max(0, pending_count(tokens) or 0)
-    if not group_exists:
-        return Depth(length, 0, length, True, counted)  # nobody has read anything yet
-    if reported_lag is None:
-        return Depth(length, pending, max(0, length - pending), False, counted)
-    return Depth(length, pending, int(reported_lag), True, counted)  # type: ignore[call-overload]
+def lane_depth(reply: Sequence[Any], pending: Mapping[Any, Any]) -> Depth:
+    """A lane's depth over all its streams, tenants' too: queue_depth.lua's ``depth`` reply
+    (length, pending, lag, exact: sums) and its pending hash (HGETALL), which the tenants'
+    figures (``keys.tenant_pending``) come from, so they add up to the pending tokens."""
+    length, held, lag, exact = (int(value) for value in reply)
+    return Depth(length, held, lag, bool(exact), max(0, pending_count(pending.get(b"tokens")) or 0),
+                 tenant_pending(pending))
 
 
 def total(parts: Sequence[Depth]) -> Depth:

@@ -58,12 +58,13 @@ def run(settings: QuotasSettings) -> int:
 
 
 def show(r: redis.Redis, where: Sequence[keys.QueueRef], *, as_json: bool) -> None:
-    """Each tenant's quota (as the hash holds it: a bad value is shown as it is) and pending
-    tokens, summed over the lanes."""
+    """Each tenant's quota (as the hash holds it: a bad value or field shown as
+    :func:`_shown` bounds it) and pending tokens, summed over the lanes."""
     caps: dict[str, str] = {}
     held: dict[str, int] = {}
     for lane in where:
-        caps.update({as_text(k): as_text(v) for k, v in r.hgetall(keys.quotas(lane)).items()})
+        caps.update({_shown(as_text(k)): _shown(as_text(v))
+                     for k, v in r.hgetall(keys.quotas(lane)).items()})
         for tenant, tokens in keys.tenant_pending(r.hgetall(keys.pending(lane))).items():
             held[tenant] = held.get(tenant, 0) + tokens
     names = sorted(set(caps) | set(held), key=lambda name: (name == "*", name))
@@ -76,3 +77,15 @@ def show(r: redis.Redis, where: Sequence[keys.QueueRef], *, as_json: bool) -> No
         quota = caps.get(name) or (f"{caps['*']} (*)" if "*" in caps and name != "*" else "-")
         pending = "" if name == "*" else str(held.get(name, 0))
         print(f"{name:<24} {quota:>16} {pending:>12}".rstrip())
+
+
+SHOWN_AT_MOST = 40
+"""Most characters of a hash field or value shown: one written by hand may be megabytes."""
+
+
+def _shown(text: str) -> str:
+    """``text`` as printed: its repr when not printable (escapes reach no terminal), cut to
+    :data:`SHOWN_AT_MOST` characters with "..."."""
+    if not text.isprintable():
+        text = repr(text)
+    return text if len(text) <= SHOWN_AT_MOST else text[:SHOWN_AT_MOST - 3] + "..."

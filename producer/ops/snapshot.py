@@ -12,14 +12,14 @@ from typing import Any
 import redis
 
 from tokenq.producer.redis_deadlines import sync_client_for
-from tokenq.shared import keys, redis_refusal
+from tokenq.shared import functions, keys, redis_refusal
 from tokenq.shared.errors import DecodeError
 from tokenq.shared.exit_codes import EXIT_FAILED
 from tokenq.shared.failures import CommandFailed, failure_message, is_wrong_type
 from tokenq.shared.flags import UsageError
 from tokenq.shared.heartbeat import Heartbeat, decode_heartbeat
 from tokenq.shared.queue_config import parse_config
-from tokenq.shared.queue_depth import Depth, depth, total
+from tokenq.shared.queue_depth import Depth, lane_depth, total
 from tokenq.shared.redis_text import as_text
 from tokenq.shared.redis_url import redact as redact_url
 from tokenq.shared.text import plural, ratio
@@ -198,21 +198,19 @@ def _queue_total(name: str, lanes: list[dict[str, Any]]) -> dict[str, Any]:
 def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
     stream = keys.requests(q)
     group = _group_info(r, stream)
-    pending, oldest_pending_ms = 0, None
+    oldest_pending_ms = None
     if group is not None:
         summary = r.xpending(stream, keys.GROUP)
-        pending = int(summary.get("pending") or 0)
-        if pending and summary.get("min"):  # the oldest pending entry's age, by its id
+        if summary.get("pending") and summary.get("min"):  # its oldest pending entry's age
             oldest_pending_ms = max(0, int(now * 1000) - entry_ms(summary["min"]))
-    length = int(r.xlen(stream))
     pending_hash: dict[bytes, bytes] = r.hgetall(keys.pending(q))  # type: ignore[assignment]
-    measured = depth(length, pending, group_exists=group is not None,
-                     reported_lag=group.get("lag") if group else None,
-                     tokens=pending_hash.get(b"tokens"))
+    measured = lane_depth(functions.Function(r, "queue_depth")(
+        keys=[stream], args=["depth", keys.GROUP]), pending_hash)  # every stream, tenants' too
     workers, stale = _workers(r, q, now)
     return {
         "queue": q.name, "shard": q.shard, "label": queue_label(q), "stream": stream,
-        "length": length, "pending_tokens": measured.tokens, "pending": pending,
+        "length": measured.length, "pending_tokens": measured.tokens,
+        "pending": measured.pending,
         "oldest_pending_ms": oldest_pending_ms,
         "lag": measured.lag, "lag_exact": measured.lag_exact,
         "dead": int(r.xlen(keys.dead(q))),
@@ -220,7 +218,7 @@ def queue_stats(r: redis.Redis, q: keys.QueueRef, now: float) -> dict[str, Any]:
         "group": group is not None,
         "consumers": _consumers(r, stream) if group is not None else [],
         "workers": workers, "stale_workers": stale, "totals": _totals(workers),
-        "tenants": tenant_rows(keys.tenant_pending(pending_hash), workers),
+        "tenants": tenant_rows(measured.tenants, workers),
         "config": {k.decode(): v.decode(errors="replace")  # type: ignore[union-attr]  # bytes
                    for k, v in r.hgetall(keys.config(q)).items()},
     }

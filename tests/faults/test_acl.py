@@ -372,7 +372,7 @@ def test_the_result_cache_empties_under_the_documented_acl(acl_server: RedisServ
 
 
 @pytest.mark.parametrize("missing", ["(+xadd ~tokenq:{q}:tenants:added)",
-                                     "(+sadd ~tokenq:{q}:tenants)"])
+                                     "(+sadd +smembers ~tokenq:{q}:tenants)"])
 def test_a_producer_without_a_tenant_right_never_writes_half_a_call(
     acl_server: RedisServer, missing: str,
 ) -> None:
@@ -503,6 +503,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "fcall_ro": frozenset({"reply"}),
         "xadd": frozenset({"requests", "tenant_requests", "tenants_added"}),
         "xlen": frozenset({"requests", "tenant_requests"}), "sadd": frozenset({"tenants"}),
+        "smembers": frozenset({"tenants"}),
         "get": frozenset({"seen", "idem"}), "set": frozenset({"seen", "idem"}),
         "exists": frozenset({"retired", "workers", "worker"}),
         **{command: frozenset({"reply"}) for command in _REPLY_WAIT},

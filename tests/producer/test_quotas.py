@@ -113,6 +113,17 @@ def test_a_hostile_quota_refuses_that_tenant_clearly_and_loses_nothing(
     assert lengths(r, q) == (0, 0, 2) and held(r, q) == {"default": 0, "b": 18}
 
 
+def test_show_bounds_a_hostile_cap_and_field_written_by_hand(
+    r: redis.Redis, redis_url: str, queue_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    q = keys.QueueRef(queue_name)
+    r.hset(keys.quotas(q), mapping={"a": "9" * 100_000, "x" * 100_000: "5", "e": "\x1b[2J1"})
+    for args in ((), ("--json",)):
+        assert run(redis_url, queue_name, "show", *args) == 0
+        out = capsys.readouterr().out
+        assert len(out) < 1000 and "\x1b" not in out and "9" * 37 + "..." in out, out
+
+
 def test_the_command_refuses_a_bad_quota_before_it_writes(
     r: redis.Redis, redis_url: str, queue_name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

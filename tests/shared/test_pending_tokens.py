@@ -399,7 +399,7 @@ def test_a_pending_field_holding_no_count_is_skipped_by_every_reader(value: str)
         keys.DEFAULT_TENANT: 25, "b": 15}
     assert keys.tenant_pending({b"tokens": raw, b"tokens:b": b"15"}) == {
         keys.DEFAULT_TENANT: 0, "b": 15}
-    assert queue_depth.depth(3, 0, group_exists=False, reported_lag=None, tokens=raw).tokens == 0
+    assert queue_depth.lane_depth([3, 0, 3, 1], {b"tokens": raw}).tokens == 0
     assert [keys.pending_count(v) for v in (b"-5", b"0", str(2**63 - 1))] == [-5, 0, 2**63 - 1]
 
 

@@ -215,10 +215,35 @@ def test_queue_depth_reads_length_pending_and_lag(r: redis.Redis, redis_url: str
                                            tokens=1234)
 
 
+def test_every_stream_of_the_queue_counts_in_its_length_depth_and_stats(
+        r: redis.Redis, redis_url: str, queue_name: str, capsys: pytest.CaptureFixture[str]):
+    """Tenants' entries count wherever the queue's depth is read: ``queue_length`` (/health),
+    the worker's gauges and ``tokenq stats``, whose tenants' tokens add up to its total."""
+    from tokenq.producer.ops.stats import main as stats_main
+
+    q = keys.QueueRef(queue_name)
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.submit_many(["one", "two"])
+        client.submit_many(["three"], tenant="a")
+        client.submit_many(["four", "five", "six"], tenant="b")
+        assert client.queue_length() == 6
+    b = keys.tenant_requests(q, "b")
+    r.xgroup_create(b, keys.GROUP, id="0")
+    r.xreadgroup(keys.GROUP, "c", {b: ">"}, count=2)
+    found = measured(redis_url, q)
+    assert (found.length, found.pending, found.lag) == (6, 2, 4), found  # no group: all lag
+    assert sum(found.tenants.values()) == found.tokens > 0
+    capsys.readouterr()
+    stats_main(["--redis-url", redis_url, "--queue", queue_name, "--json"])
+    [row] = json.loads(capsys.readouterr().out)["queues"]
+    assert (row["length"], row["pending"], row["lag"]) == (6, 2, 4)
+    assert sum(t["pending_tokens"] for t in row["tenants"]) == row["pending_tokens"], row
+
+
 def test_queue_depth_skips_pending_fields_written_by_hand(r: redis.Redis, redis_url: str,
                                                            queue_name: str):
-    """The beat measures the depth outside its own error handling: a hand-written value in the
-    pending hash is skipped (keys.pending_count), never an error that ends the heartbeat."""
+    """A hand-written value in the pending hash is skipped (keys.pending_count), not an error
+    that leaves the depth gauges stale."""
     q = keys.QueueRef(queue_name)
     r.xgroup_create(keys.requests(q), keys.GROUP, id="0", mkstream=True)
     r.hset(keys.pending(q), mapping={"tokens": "\u0661\u0662", "tokens:a": "9" * 5000,
@@ -311,3 +336,35 @@ def test_exit_line_reads_large_numbers_with_separators():
                       oom_splits=1).exit_fields("w1", now=1.0)
     assert ": 1 request ok, 0 failed, 1 batch, 1 token " in exit_line(one)
     assert "1 OOM split," in exit_line(one)
+
+
+def test_a_failing_depth_measure_is_logged_once_and_the_beat_goes_on(
+        redis_url: str, queue_name: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from tokenq.worker.backends.sim import SimBackend
+    from tokenq.worker.loop.worker import Worker
+
+    calls = []
+
+    async def broken(client: object, queues: object) -> Depth:
+        calls.append(time.monotonic())
+        raise RuntimeError("a bug in the depth measure")
+
+    class On(metrics.NullMetrics):
+        enabled = True
+
+    monkeypatch.setattr(beat, "measure", broken)
+    settings = WorkerSettings(redis_url=redis_url, queue=queue_name, backend="sim",
+                              heartbeat_s=0.3, block_ms=100)
+
+    async def main() -> None:
+        worker = Worker(settings, SimBackend(), metrics=On())
+        running = asyncio.create_task(worker.run())
+        await asyncio.sleep(2.5)
+        assert not running.done()  # the worker serves on
+        worker.stop()
+        await asyncio.wait_for(running, 30)
+
+    asyncio.run(main())
+    assert len(calls) >= 4, calls  # a beat each 0.3 s, not one beat and silence
+    assert caplog.text.count("queue depth metrics unavailable") == 1, caplog.text

@@ -133,6 +133,20 @@ def test_shrinking_drains_the_retired_shard_and_stale_producers_lose_nothing(
         client.close()
 
 
+def test_a_retired_shards_tenant_streams_are_read_until_drained(fleet, r, redis_url, queue_name):
+    two = QueueRef(queue_name, shard=2)
+    old = start(fleet, r, queue_name, 3, "old")
+    stale = stale_client(redis_url, queue_name)
+    old.terminate()
+    ids = [stale.submit(f"a tenant's {i}", tenant="t") for i in range(9)]
+    assert shards_of_ids(ids)[2] and r.xlen(keys.tenant_requests(two, "t"))
+    start(fleet, r, queue_name, 2, "new")
+    assert all(result.embedding is not None for result in stale.results(ids, timeout_s=30))
+    wait_for(lambda: not r.exists(keys.requests(two), keys.tenant_requests(two, "t")), 10,
+             "shard 2 drained and removed", fleet=fleet)
+    stale.close()
+
+
 def test_growing_back_serves_the_retired_shard_again(fleet, r, redis_url, queue_name):
     two = QueueRef(queue_name, shard=2)
     start(fleet, r, queue_name, 3, "three").terminate()

@@ -5,7 +5,6 @@ on). A hung worker stops beating so peers take its entries."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -14,11 +13,10 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from tokenq.shared import keys
+from tokenq.shared import functions, keys
 from tokenq.shared.failures import error_text
 from tokenq.shared.heartbeat import Heartbeat
-from tokenq.shared.queue_depth import Depth, bounded, depth, total
-from tokenq.shared.redis_text import as_text
+from tokenq.shared.queue_depth import Depth, bounded, lane_depth, total
 from tokenq.worker.batch_stats import MAX_TENANT_LABELS
 from tokenq.worker.loop import presence
 from tokenq.worker.loop.intake import Intake
@@ -69,13 +67,15 @@ class Beat:
             await wait_event(lifecycle.closing, heartbeat_s)
 
     async def _measure_depth(self) -> None:
-        """Refresh the queue-depth gauges; a failure (an ACL without XLEN) is logged once."""
+        """Refresh the queue-depth gauges; a failure (an ACL without XLEN, a bug) is logged
+        once while it lasts, and the beat goes on."""
         try:
             found = await measure(self._wiring.client, [lane.queue for lane in self._lanes])
-        except RedisError as exc:
+        except Exception as exc:
             if not self._depth_failed:
-                log.warning("queue depth metrics unavailable (%s); needs XLEN, XINFO GROUPS "
-                            "and HGETALL on %s", error_text(exc), self._lanes.streams())
+                log.warning("queue depth metrics unavailable (%s); needs queue_depth.lua's "
+                            "reads (docs/SECURITY.md) on %s", error_text(exc),
+                            self._lanes.streams(), exc_info=not isinstance(exc, RedisError))
             self._depth_failed = True
             return
         self._depth_failed = False
@@ -119,18 +119,11 @@ class Beat:
 
 
 async def measure(client: Any, queues: list[keys.QueueRef]) -> Depth:
-    """The queue's depth now, over all its streams (raises RedisError, e.g. NOPERM without
-    ``+xlen +xinfo|groups +hgetall``)."""
-    found = []
+    """The queue's depth now, over every stream of each lane, tenants' too (queue_depth.lua,
+    then HGETALL of its pending hash; raises RedisError, e.g. NOPERM without ``+smembers`` of
+    ``tenants`` or ``+xlen +exists +xinfo|groups`` of ``requests*``)."""
+    script, found = functions.AsyncFunction(client, "queue_depth"), []
     for q in dict.fromkeys(queues):  # a tenant's lane is its queue's: counted once
-        async with client.pipeline(transaction=False) as pipe:
-            pipe.xlen(keys.requests(q))
-            pipe.xinfo_groups(keys.requests(q))
-            pipe.hgetall(keys.pending(q))
-            length, groups, pending = await pipe.execute()
-        group: dict[str, Any] = next(
-            (g for g in groups if as_text(g.get("name")) == keys.GROUP), {})
-        measured = depth(int(length), int(group.get("pending") or 0), group_exists=bool(group),
-                         reported_lag=group.get("lag"), tokens=pending.get(b"tokens"))
-        found.append(dataclasses.replace(measured, tenants=keys.tenant_pending(pending)))
+        reply = await script(keys=[keys.requests(q)], args=["depth", keys.GROUP])
+        found.append(lane_depth(reply, await client.hgetall(keys.pending(q))))
     return total(found)

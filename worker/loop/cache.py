@@ -66,6 +66,8 @@ class ResultCache:
         self._claims = True
         """False once Redis refused a claim to this user (NOPERM): plain lookups from then."""
         self._warned = self._refused = False
+        self._failing: set[str] = set()
+        """What fails now ("lookup", "write"): warned at the first failure, not each one."""
 
     async def claim(self, digests: Sequence[bytes], take_over: int = 0) -> list[bytes | None]:
         """Per digest: its cached reply; None: computed here (claimed for this worker, or Redis
@@ -77,8 +79,9 @@ class ResultCache:
         try:
             values = await self._lookup(asked, take_over)
         except RedisError as exc:
-            log.warning("result cache lookup failed (%s): computing instead", error_text(exc))
+            self._failed("lookup", "failed", "computing instead", exc)
             return [None] * len(digests)
+        self._went_through("lookup")
         oldest = self._w.clock.now_ms() - self._ttl_ms
         found = {digest: self.writing.get(digest) or (value if value == HELD else None)
                  if value is None or len(value) <= 8 or _STAMP.unpack_from(value)[0] <= oldest
@@ -159,14 +162,27 @@ class ResultCache:
             self.counted_bytes = int(await functions.AsyncFunction(self._w.client, "cache_put")(
                 [*self._keys, *claims], args))
             self._w.recorder.metrics.cache_bytes(self.counted_bytes)
+            self._went_through("write")
         except RedisError as exc:
-            log.warning("result cache write refused (%s): the answers went out uncached",
-                        error_text(exc))
+            self._failed("write", "refused", "the answers went out uncached", exc)
             if redis_refusal.is_out_of_memory(exc):
                 await self._trim(now)
         finally:
             for digest, _ in entries:
                 self.writing.pop(digest, None)
+
+    def _failed(self, what: str, how: str, meaning: str, exc: RedisError) -> None:
+        """A lookup or write failed: a warning at the first of a run, debug after (one a read
+        or a batch would flood the log), as publish logs its refusals."""
+        log.log(logging.DEBUG if what in self._failing else logging.WARNING,
+                "result cache %s %s (%s): %s, until one goes through", what, how,
+                error_text(exc), meaning)
+        self._failing.add(what)
+
+    def _went_through(self, what: str) -> None:
+        if what in self._failing:
+            self._failing.discard(what)
+            log.info("result cache %ss go through again", what)
 
     async def _trim(self, now: int) -> None:
         """Redis is at maxmemory: give back half the cache, so queue writes fit again."""

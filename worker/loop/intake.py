@@ -96,6 +96,11 @@ class Intake:
         share = max(1, tokens // self.avg_estimate // readers) if tokens > 0 else 0
         return int(min(by_bytes, max(share, own)))
 
+    def forget(self, lane: int) -> None:
+        """``lane`` is removed, holding nothing: its record goes too."""
+        if not self._held.get(lane):
+            self._held.pop(lane, None)
+
     def held_count(self, lane: int) -> int:
         """Entries of ``lane`` held (read, not yet answered on Redis)."""
         return len(self._held.get(lane, ()))

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -43,7 +44,8 @@ class Lane:
     retired: bool = False
     """A shard beyond the queue's shard count, read until drained (:class:`Retirement`)."""
     drained: bool = False
-    """A retired lane that is removed: nothing reads, beats or answers on it any more."""
+    """Nothing reads it any more: a retired lane removed, or a tenant's lane closed
+    (:meth:`LaneSet.close`), which beats and answers on until it is removed."""
     tenant: str = keys.DEFAULT_TENANT
     """Whose stream this is: the queue's own for the default tenant (:mod:`.tenants`)."""
     stream: str = field(init=False)
@@ -67,7 +69,7 @@ class LaneSet:
 
     def __init__(self) -> None:
         self._lanes: list[Lane] = []
-        self._tenants: list[str] = []  # by lane index, removed lanes' included
+        self._tenants: dict[int, str] = {}  # by lane index
         self._count = 0
         self.fair = FairShare()
         """Whose turn it is to read, among the tenants' lanes."""
@@ -82,17 +84,26 @@ class LaneSet:
                     tenant=tenant)
         self._count += 1
         self._lanes.append(lane)
-        self._tenants.append(tenant)
+        self._tenants[lane.index] = tenant
         return lane
 
     def tenant(self, ref: Ref) -> str:
         """Whose request ``ref`` is: its lane's tenant."""
         return self._tenants[ref.lane]
 
-    def remove(self, lane: Lane) -> None:
-        """A drained retired lane: nothing reads, beats or answers on it any more."""
+    def close(self, lane: Lane) -> None:
+        """Stop reading ``lane`` (a tenant's, giving its turn up): it beats and answers on
+        what it holds until :meth:`remove`."""
         lane.drained = True
-        self._lanes.remove(lane)
+        self.fair.arrived(lane.tenant, full=False, now=time.monotonic())  # holds nobody back
+
+    def remove(self, lane: Lane) -> None:
+        """A drained retired lane, or a closed one holding nothing: nothing reads, beats or
+        answers on it any more."""
+        lane.drained = True
+        if lane in self._lanes:  # a closed retired lane: removed by the beat or as closed
+            self._lanes.remove(lane)
+        self._tenants.pop(lane.index, None)
 
     def __iter__(self) -> Iterator[Lane]:
         return iter(tuple(self._lanes))
@@ -103,6 +114,45 @@ class LaneSet:
     def streams(self) -> str:
         """The streams read, for log lines."""
         return ", ".join(lane.stream for lane in self._lanes)
+
+
+Stream = tuple[keys.QueueRef, str]
+"""A tenant's stream: its queue (or shard) and tenant."""
+
+
+class Rotation:
+    """Which tenant streams a worker reads, ``limit`` at most at once (a lane each: a blocking
+    read holds a connection). Every stream while there is room; past it, streams with entries
+    take turns: one waiting gets the first lane free, idle lanes give theirs up first, then
+    those read longest (once read ``turn_s``), so none with entries goes unread for long."""
+
+    def __init__(self, limit: int, turn_s: float) -> None:
+        self.limit = limit
+        self.turn_s = turn_s
+        self._since: dict[Stream, float] = {}
+        """A stream with entries and no lane -> since when it waits (first in, first read)."""
+
+    def plan(self, reading: Mapping[Stream, float], closing: int, lengths: Mapping[Stream, int],
+             now: float) -> tuple[list[Stream], list[Stream]]:
+        """The streams to open lanes for and those whose lanes to close, given the streams
+        read (-> when opened), how many closed lanes still hold entries, and every tenant
+        stream's length (``lengths``: entries waiting or held)."""
+        unread = [stream for stream in lengths if stream not in reading]
+        self._since = {stream: self._since.get(stream, now) for stream in unread
+                       if lengths[stream] > 0}
+        waiting = sorted(self._since, key=lambda stream: (self._since[stream], _named(stream)))
+        idle = sorted((stream for stream in unread if stream not in self._since), key=_named)
+        free = max(0, self.limit - len(reading) - closing)
+        short = len(waiting) - free - closing
+        if short <= 0:
+            return (waiting + idle)[:free], []
+        by_turn = sorted(reading, key=lambda stream: (lengths.get(stream, 0) > 0, reading[stream]))
+        return waiting[:free], [stream for stream in by_turn if not lengths.get(stream, 0)
+                                or now - reading[stream] >= self.turn_s][:short]
+
+
+def _named(stream: Stream) -> tuple[str, str]:
+    return str(stream[0].shard), stream[1]
 
 
 class Retirement:

@@ -51,13 +51,21 @@ class Outbox:
         self._wiring = wiring
         self._intake = intake
         self._room_made = room_made
-        self._queues: list[asyncio.Queue[list[Answer] | None]] = []
+        self._queues: dict[int, asyncio.Queue[list[Answer] | None]] = {}  # by lane index
+        self._added = 0
         self._publishing = 0
         """How many lanes' publish calls are in flight."""
 
     def add_lane(self) -> None:
         """An outbox for the next lane (lanes are numbered in the order they are added)."""
-        self._queues.append(asyncio.Queue())
+        self._queues[self._added] = asyncio.Queue()
+        self._added += 1
+
+    def remove_lane(self, lane: int) -> None:
+        """``lane`` holds nothing and is read no more: its publish task ends."""
+        queue = self._queues.pop(lane, None)
+        if queue is not None:
+            queue.put_nowait(None)
 
     def emit(self, lane: int, answers: list[Answer]) -> None:
         """Hand one lane's answers to its publish task: until published, each entry counts
@@ -78,12 +86,12 @@ class Outbox:
 
     def close(self) -> None:
         """No more answers: each publish task ends once its outbox is empty."""
-        for queue in self._queues:
+        for queue in self._queues.values():
             queue.put_nowait(None)
 
     def unpublished(self) -> bool:
         """Whether any answer waits for, or is in, a publish call."""
-        return bool(self._publishing) or any(not queue.empty() for queue in self._queues)
+        return bool(self._publishing) or any(not queue.empty() for queue in self._queues.values())
 
     async def run(self, lane: Lane) -> None:
         """Publish one lane's answers in bulk (up to ``PUBLISH_CHUNK`` a call), so round trips

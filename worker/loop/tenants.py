@@ -19,7 +19,8 @@ from tokenq.shared.redis_text import as_text
 log = logging.getLogger("tokenq.worker")
 
 MAX_TENANT_LANES = 256
-"""Most tenant streams one worker reads (each is a lane: a read and a publish task)."""
+"""Most tenant streams one worker reads at once (each is a lane: a read and a publish task);
+past it they take turns (``lanes.Rotation``)."""
 MAX_WEIGHT = 1_000_000.0
 ACTIVE_S = 1.0
 """A tenant whose last read brought entries this recently shares the device (:meth:`sharing`)."""
@@ -133,20 +134,25 @@ def parse_weights(raw: Mapping[object, object]) -> tuple[dict[str, float], float
     return weights, default, ignored
 
 
+# ------------------------------------------------ the tenant streams a worker may read
+
 async def discover(
     client: aioredis.Redis, queues: Iterable[keys.QueueRef], weights_of: keys.QueueRef,
     fair: FairShare,
-) -> list[tuple[keys.QueueRef, str]]:
+) -> tuple[dict[tuple[keys.QueueRef, str], int], str]:
     """Read the operator's weights into ``fair``, and every tenant stream registered on
-    ``queues``: (queue, tenant) pairs, stream names that are not a tenant's left out."""
+    ``queues`` (stream names that are not a tenant's left out) with its length, in one
+    pipeline: {(queue, tenant): entries}, and what the weights hash holds that was ignored
+    ("": nothing)."""
     weights, default, ignored = parse_weights(await client.hgetall(keys.weights(weights_of)))
-    if ignored:
-        log.warning("ignored in %s: %s", keys.weights(weights_of), "; ".join(ignored))
     fair.weights, fair.default_weight = weights, 1.0 if default is None else default
-    found = []
-    for queue in queues:
-        for stream in await client.smembers(keys.tenants(queue)):
-            tenant = keys.tenant_of(queue, stream)
-            if tenant is not None:
-                found.append((queue, tenant))
-    return sorted(found, key=lambda pair: (str(pair[0].shard), pair[1]))
+    found = [(queue, tenant) for queue in queues
+             for stream in await client.smembers(keys.tenants(queue))
+             if (tenant := keys.tenant_of(queue, stream)) is not None]
+    async with client.pipeline(transaction=False) as pipe:
+        for queue, tenant in found:
+            pipe.xlen(keys.tenant_requests(queue, tenant))
+        lengths = await pipe.execute(raise_on_error=False) if found else []
+    counted = {pair: length if isinstance(length, int) else 0  # not a stream: nothing to read
+               for pair, length in zip(found, lengths, strict=True)}
+    return counted, "; ".join(ignored)

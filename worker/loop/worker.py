@@ -33,7 +33,7 @@ from tokenq.worker.loop.beat import Beat
 from tokenq.worker.loop.cache import ResultCache
 from tokenq.worker.loop.device import Device
 from tokenq.worker.loop.intake import Intake, auto_limit
-from tokenq.worker.loop.lanes import Lane, LaneSet, Ref, Retirement
+from tokenq.worker.loop.lanes import Lane, LaneSet, Ref, Retirement, Rotation, Stream
 from tokenq.worker.loop.lifecycle import STOP_GRACE_S, Lifecycle, Recorder, Wiring
 from tokenq.worker.loop.outbox import Outbox
 from tokenq.worker.loop.publish import Publisher, Target
@@ -53,6 +53,10 @@ from tokenq.worker.settings import WorkerSettings
 __all__ = ["Worker", "WorkerHung", "watchdog_period_s"]
 
 log = logging.getLogger("tokenq.worker")
+
+ADDED_COUNT = 64
+"""Most entries of ``tenants:added`` one read takes (enqueue.lua keeps 64; one written by hand
+may hold millions): one is enough to look for new tenants."""
 
 def choose_budget(settings: WorkerSettings, backend: Backend) -> tuple[Budget, str]:
     """The budget and cost model, and why that budget; refuses what the model cannot honour."""
@@ -209,7 +213,7 @@ class Worker:
         if self._guard is not None:
             self._guard.start()
         try:
-            await _first_failure(tasks, watchdog)
+            await _first_failure(tasks, watchdog, beat)  # the beat watched, as the watchdog
         finally:
             if self._guard is not None:
                 self._guard.stop()
@@ -231,42 +235,74 @@ class Worker:
 
     async def _tenant_lanes(self, reader: Reader, tasks: list[asyncio.Task[None]]) -> None:
         """Each heartbeat, and as soon as a producer adds a tenant stream, while reading: the
-        operator's weights, and a lane (read and publish tasks added to ``tasks``) for each
-        tenant stream new to this worker."""
-        known: set[tuple[keys.QueueRef, str]] = set()
-        homes = [lane.queue for lane in self.lanes if not lane.retired]
-        lifecycle, warned, added = self._lifecycle, False, asyncio.Event()
-        tasks.extend(asyncio.create_task(self._tenants_added(home, added),
-                                         name=f"tokenq-tenants-added-{index}")
-                     for index, home in enumerate(homes))
+        operator's weights, and the tenant streams read (:class:`lanes.Rotation`), a retired
+        shard's until drained: a lane (read and publish tasks added to ``tasks``) opened for
+        each given a turn, closed for each giving its turn up, removed once it holds nothing."""
+        lifecycle, added, ignored = self._lifecycle, asyncio.Event(), ""
+        rotation = Rotation(tenants.MAX_TENANT_LANES, self.settings.heartbeat_s)
+        opened: dict[Stream, tuple[Lane, float, asyncio.Task[None]]] = {}
+        closing: list[tuple[Lane, asyncio.Task[None]]] = []
+        tasks.extend(asyncio.create_task(self._tenants_added(lane.queue, added),
+                                         name=f"tokenq-tenants-added-{lane.index}")
+                     for lane in self.lanes if not lane.retired)
         while lifecycle.reading():
             added.clear()
+            homes = {lane.queue: lane.retired for lane in self.lanes  # drained retired: gone
+                     if lane.tenant == keys.DEFAULT_TENANT}
             try:
                 found = await lifecycle.until_stopped(tenants.discover(
                     self._wiring.client, homes, self.settings.queue_ref, self.lanes.fair), 0)
                 if found is None:  # stopped while Redis had not answered (frozen, slow)
                     break
-                for queue, tenant in found:
-                    if (queue, tenant) in known:
-                        continue
-                    if len(known) >= tenants.MAX_TENANT_LANES:
-                        if not warned:
-                            log.warning("more than %d tenant streams: the rest are not read by "
-                                        "this worker", tenants.MAX_TENANT_LANES)
-                        warned = True
-                        break
-                    lane = self._add_lane(queue, tenant=tenant)
-                    known.add((queue, tenant))
-                    with contextlib.suppress(RedisError):  # else its reader makes it on NOGROUP
-                        await reader.ensure_group(lane)
-                    reader.adding()
-                    tasks.append(asyncio.create_task(reader.run(lane),
-                                                     name=f"tokenq-read-{lane.index}"))
-                    tasks.append(asyncio.create_task(self._outbox.run(lane),
-                                                     name=f"tokenq-publish-{lane.index}"))
+                streams, now_ignored = found
+                if now_ignored and now_ignored != ignored:  # once while the hash holds it
+                    log.warning("ignored in %s: %s", keys.weights(self.settings.queue_ref),
+                                now_ignored)
+                ignored = now_ignored
+                closing = [(lane, task) for lane, task in closing if not self._removed(lane, task)]
+                opened = {stream: held for stream, held in opened.items() if not held[0].drained}
+                opening, giving_up = rotation.plan(
+                    {stream: at for stream, (_, at, _) in opened.items()}, len(closing),
+                    {stream: n for stream, n in streams.items() if n or not homes[stream[0]]},
+                    time.monotonic())
+                for stream in giving_up:
+                    lane, _, read = opened.pop(stream)
+                    self.lanes.close(lane)
+                    closing.append((lane, read))
+                for queue, tenant in opening:
+                    opened[queue, tenant] = await self._open_lane(reader, tasks, queue, tenant,
+                                                                  retired=homes[queue])
+                if giving_up:  # their reads end within a block: look again then, not a beat on
+                    await asyncio.wait([read for _, read in closing],
+                                       timeout=self.settings.block_ms / 1000 + 1.0)
+                    continue
             except RedisError as exc:
                 log.warning("could not read the tenant streams or weights: %s", error_text(exc))
             await lifecycle.until_stopped(wait_event(added, self.settings.heartbeat_s), 0)
+
+    async def _open_lane(
+        self, reader: Reader, tasks: list[asyncio.Task[None]], queue: keys.QueueRef, tenant: str,
+        *, retired: bool,
+    ) -> tuple[Lane, float, asyncio.Task[None]]:
+        """A lane for ``tenant``'s stream of ``queue``, read and published by tasks added to
+        ``tasks``: the lane, when it opened, and its read task."""
+        lane = self._add_lane(queue, tenant=tenant, retired=retired)
+        with contextlib.suppress(RedisError):  # else its reader makes it on NOGROUP
+            await reader.ensure_group(lane)
+        reader.adding()
+        read = asyncio.create_task(reader.run(lane), name=f"tokenq-read-{lane.index}")
+        tasks += [read, asyncio.create_task(self._outbox.run(lane),
+                                            name=f"tokenq-publish-{lane.index}")]
+        return lane, time.monotonic(), read
+
+    def _removed(self, lane: Lane, read: asyncio.Task[None]) -> bool:
+        """Remove a closed lane once its read has ended and it holds nothing (True)."""
+        if not read.done() or self._intake.held_count(lane.index):
+            return False
+        self.lanes.remove(lane)
+        self._outbox.remove_lane(lane.index)
+        self._intake.forget(lane.index)
+        return True
 
     async def _tenants_added(self, home: keys.QueueRef, added: asyncio.Event) -> None:
         """Set ``added`` as each stream joins ``home``'s tenants set (enqueue.lua's entry on
@@ -276,7 +312,7 @@ class Worker:
         while lifecycle.reading():
             try:
                 reply = await lifecycle.until_stopped(self._wiring.client.xread(
-                    {key: last}, block=self.settings.block_ms), 0)
+                    {key: last}, count=ADDED_COUNT, block=self.settings.block_ms), 0)
             except RedisError as exc:
                 if error_code(exc) == "NOPERM":
                     log.warning("cannot read %s (%s): new tenant streams are found at the next "
@@ -369,13 +405,13 @@ class Worker:
         )
 
 
-async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task[None]) -> None:
-    """Wait until every task has finished, raising the first exception any of them raises."""
-    seen: set[asyncio.Task[None]] = set()
-    while not all(task.done() for task in tasks):
-        pending = {task for task in (*tasks, watchdog) if task not in seen}  # tasks may grow
-        done, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-        seen |= done
+async def _first_failure(tasks: list[asyncio.Task[None]], *watched: asyncio.Task[None]) -> None:
+    """Wait until every task has finished, raising the first exception any of them, or of
+    ``watched`` (which run on after them), raises; finished tasks leave ``tasks`` (it grows
+    as tenants' lanes open)."""
+    while tasks:
+        running = {*tasks, *(task for task in watched if not task.done())}
+        done, _ = await asyncio.wait(running, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             # Only run() cancels these: one that ended cancelled met a plugin's
             # CancelledError, and going on without it would hang its entries.
@@ -383,3 +419,4 @@ async def _first_failure(tasks: list[asyncio.Task[None]], watchdog: asyncio.Task
                 raise Aborted(f"task {task.get_name()} stopped on CancelledError")
             if task.exception() is not None:
                 raise ordinary(task.exception(), f"task {task.get_name()}")  # type: ignore[arg-type]
+        tasks[:] = [task for task in tasks if not task.done()]
