@@ -142,6 +142,10 @@ class Reader:
         self._turn = asyncio.Event()
         """Set as a tenant's read comes back: a lane waiting for its turn looks again."""
 
+    def _light(self, job: Job[Ref]) -> bool:
+        """Whether ``job`` is a tenant's without a backlog (the packer serves it first)."""
+        return self._lanes.fair.light(self._lanes.tenant(job.ref))
+
     def starting(self) -> None:
         """Called once, as the read tasks (one per lane) are started."""
         self._readers_left = len(self._lanes)
@@ -200,7 +204,7 @@ class Reader:
                                      now=time.monotonic())
                         if entries:
                             fair.took(lane.tenant, time.monotonic())
-                            packer.shared = fair.sharing(time.monotonic())
+                            packer.light = self._light if fair.sharing(time.monotonic()) else None
                             await self._take(lane, entries)
                         self._turn.set()  # charged: a lane waiting for its turn looks again
                     health.read_ok(lane.index)

@@ -85,6 +85,10 @@ class FairShare:
                       if now - at <= self.stale_s)
         return len(active) > 1 and any(tenant not in self._backlogged for tenant in active)
 
+    def light(self, tenant: str) -> bool:
+        """Whether ``tenant`` has no backlog (its last read was not full)."""
+        return tenant not in self._backlogged
+
     def read_count(self, tenant: str, count: int) -> int:
         """``count`` cut to about one quantum of ``tenant``'s tokens, so a tenant of long entries
         does not read far past its turn on a mean learned from another's short ones."""
@@ -96,7 +100,7 @@ class FairShare:
         to one quantum of its tokens, so one tenant's backlog filling the room does not hold
         another's lone query back until a batch is taken; none for a tenant with a backlog,
         which competes for the shared room (reading past it would read past its share)."""
-        if tenant in self._backlogged:
+        if not self.light(tenant):
             return 0
         mean = self._mean.get(tenant)
         if mean is None:
