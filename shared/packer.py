@@ -190,6 +190,10 @@ class BatchTimer:
         self.per_token_ms = max(mean_y, 1e-6) / max(mean_x, 1.0)
         self.fixed_ms = 0.0
 
+    def ms(self, cost: int) -> float:
+        """The time a batch of ``cost`` tokens is expected to take."""
+        return self.fixed_ms + self.per_token_ms * cost
+
     @property
     def learned(self) -> bool:
         return self.batches >= self.min_batches

@@ -204,7 +204,9 @@ class Reader:
                                      now=time.monotonic())
                         if entries:
                             fair.took(lane.tenant, time.monotonic())
-                            packer.light = self._light if fair.sharing(time.monotonic()) else None
+                            full_s = packer.timer.ms(packer.budget.max_batch_tokens) / 1000
+                            packer.light = self._light if fair.sharing(
+                                time.monotonic(), full_s) else None
                             await self._take(lane, entries)
                         self._turn.set()  # charged: a lane waiting for its turn looks again
                     health.read_ok(lane.index)

@@ -23,6 +23,9 @@ MAX_TENANT_LANES = 256
 MAX_WEIGHT = 1_000_000.0
 ACTIVE_S = 1.0
 """A tenant whose last read brought entries this recently shares the device (:meth:`sharing`)."""
+ACTIVE_BATCHES = 4
+"""... or this many full batches' time, on a device slower than that: a light tenant's next read
+comes about one batch after its last."""
 STALE_S = 10.0
 """A tenant whose last full read is older than this holds no one back (its lane may be gone)."""
 
@@ -62,12 +65,13 @@ class FairShare:
         return floor is None or self._tag.get(tenant, 0.0) < floor + self.quantum
 
     def arrived(self, tenant: str, *, full: bool, now: float) -> None:
-        """A read of ``tenant`` came back, ``full`` when it took all it asked for."""
+        """A read of ``tenant`` came back, ``full`` when it took all it asked for; its first
+        (nothing learned of it, so it asked for one: :meth:`own_room`) shows no backlog."""
         if tenant not in self._backlogged:  # back from idle: from the others' lowest tag
             floor = self._floor(now, tenant)
             if floor is not None:
                 self._tag[tenant] = max(self._tag.get(tenant, 0.0), floor)
-        if full:
+        if full and tenant in self._mean:
             self._backlogged[tenant] = now
         else:
             self._backlogged.pop(tenant, None)
@@ -76,11 +80,13 @@ class FairShare:
         """A read of ``tenant`` brought entries."""
         self._took[tenant] = now
 
-    def sharing(self, now: float) -> bool:
+    def sharing(self, now: float, batch_s: float = 0.0) -> bool:
         """Whether a tenant without a backlog is active (its reads brought entries within
-        :data:`ACTIVE_S`) beside another active one (or one with a backlog): its queries wait
-        for the others' batches. Tenants all backlogged wait for their backlogs instead."""
-        active = {tenant for tenant, at in self._took.items() if now - at <= ACTIVE_S}
+        :data:`ACTIVE_S`, or :data:`ACTIVE_BATCHES` full batches of ``batch_s``) beside another
+        active one (or one with a backlog): its queries wait for the others' batches. Tenants
+        all backlogged wait for their backlogs instead."""
+        since = max(ACTIVE_S, ACTIVE_BATCHES * batch_s)
+        active = {tenant for tenant, at in self._took.items() if now - at <= since}
         active.update(tenant for tenant, at in self._backlogged.items()
                       if now - at <= self.stale_s)
         return len(active) > 1 and any(tenant not in self._backlogged for tenant in active)
