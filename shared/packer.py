@@ -23,8 +23,9 @@ Rules:
    head passed over for ``aging_ms`` goes next once its batch is ready (the aging bound), so
    a query is not held behind passages read while the last batch ran, however long it ran.
    While ``light`` says which requests are a tenant's without a backlog, the batch around the
-   first of them in line is weighed too, and does not linger once another batch may go: its
-   query waits for the batch on the device, not for the other tenant's read-ahead.
+   first of them in line is weighed too (the aging bound's head's beside it), and does not
+   linger once another batch may go: its query waits for the batch on the device, not for the
+   other tenant's read-ahead.
 7. **Oversize.** A request whose length alone breaks the budget goes alone.
 """
 
@@ -406,7 +407,7 @@ class Packer(Generic[T]):
         if seq != head.seq:
             since = now_ms
         if head_ready and now_ms - since >= self.aging_ms:
-            ready = [first]  # the aging bound: a head passed over this long goes next, or second
+            ready = [first]  # the aging bound: passed over this long, the head goes next
         elif head_ready:
             ready = [first, *(batch for batch in self._other_candidates(first, budget)
                               if self._ready(batch, now_ms, flush))]
