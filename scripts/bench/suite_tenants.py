@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -52,7 +53,7 @@ REAL_BUDGET = 1024
 """On the real model (a CPU): suite ``real``'s best budget there, the most it is given."""
 REAL_BATCH_S = 0.25
 """On the real model: the budget is what it runs in about this long (one passage at least)."""
-REAL_BATCHES = 20
+REAL_BATCHES = 40
 """On the real model: a window is at least this many budgets' batches long."""
 COLUMNS = ["setting", "b_p50_ms", "a_per_s", "capped", "a_share", "b_share", "b_requests",
            "refused"]
@@ -86,9 +87,10 @@ def start_worker(server: Any, queue: str, workdir: Path, name: str,
                                 env=threads)
 
 
-def real_plan(size: str, passage: str, query: str) -> tuple[Plan, int, int]:
+def real_plan(size: str, passage: str, query: str) -> tuple[Plan, float, float]:
     """The real model's plan from its speed on a batch of four passages (timed after a warm-up,
-    on the worker's threads), and the passage's and the query's tokens as it counts them."""
+    on the worker's threads), and the tokens of the passage's and the query's :func:`distinct`
+    copies as it counts them (a mean: the copies' numbers are tokens too)."""
     import torch
     from suite_real import lengths_of
 
@@ -97,7 +99,8 @@ def real_plan(size: str, passage: str, query: str) -> tuple[Plan, int, int]:
 
     backend = HFBackend.load(
         HFOptions(device="cpu", **harness.variant_options(runtime() or "torch")))
-    passage_tokens, query_tokens = lengths_of(backend, [passage, query])
+    passage_tokens, query_tokens = (statistics.mean(lengths_of(backend, distinct(text, 2000)[::50]))
+                                    for text in (passage, query))
     batch = backend.tokenize([TextInput(passage)] * 4, backend.info.max_input_tokens)
     threads = torch.get_num_threads()
     torch.set_num_threads(HF_THREADS)
@@ -109,7 +112,7 @@ def real_plan(size: str, passage: str, query: str) -> tuple[Plan, int, int]:
     finally:
         torch.set_num_threads(threads)
         backend.close()
-    budget = max(passage_tokens, min(REAL_BUDGET, int(per_s * REAL_BATCH_S)))
+    budget = max(int(passage_tokens), min(REAL_BUDGET, int(per_s * REAL_BATCH_S)))
     seconds = max(SECONDS[size], REAL_BATCHES * budget / per_s)
     flood = int(2 * (seconds + 3) * per_s / passage_tokens)
     return Plan(round(seconds, 1), flood, budget, 2 * per_s), passage_tokens, query_tokens
@@ -172,7 +175,7 @@ def latency_row(server: Any, workdir: Path, setting: str, plan: Plan, flood: lis
 
 
 def share_row(server: Any, workdir: Path, setting: str, plan: Plan, weights: dict[str, str],
-              a: tuple[str, int], b: tuple[str, int]) -> dict[str, Any]:
+              a: tuple[str, float], b: tuple[str, float]) -> dict[str, Any]:
     """Both tenants backlogged; each one's share of the tokens processed over the window."""
     queue = harness.new_queue(setting)
     q = keys.QueueRef(queue)
