@@ -14,7 +14,7 @@ Rules:
 4. **Seal.** A batch is *sealed* when the next candidate would break the token budget or the
    row limit. Cost is ``rows x longest`` (padded) or the sum of lengths (ragged); with
    ``max_batch_ms``, the budget is capped at what :class:`BatchTimer` says runs that long;
-   while a tenant without a backlog shares the device (``shared``), at
+   while a tenant without a backlog shares the device (``light`` set), at
    :data:`SHARED_FIXED_TIMES` a batch's fixed time: its query waits for a short batch.
 5. **Linger.** Asked only when the device is idle; an unsealed batch waits until
    ``linger_ms`` after its anchor arrived, a sealed one goes at once.
@@ -22,6 +22,10 @@ Rules:
    or a higher priority: (a) a sealed one while the head's lingers, (b) any ready one. A
    head passed over for ``aging_ms`` goes next once its batch is ready (the aging bound), so
    a query is not held behind passages read while the last batch ran, however long it ran.
+   While ``light`` says which requests are a tenant's without a backlog, the batch around the
+   first of them in line is weighed too (the aging bound's head's beside it), and does not
+   linger once another batch may go: its query waits for the batch on the device, not for the
+   other tenant's read-ahead.
 7. **Oversize.** A request whose length alone breaks the budget goes alone.
 """
 
@@ -187,6 +191,10 @@ class BatchTimer:
         self.per_token_ms = max(mean_y, 1e-6) / max(mean_x, 1.0)
         self.fixed_ms = 0.0
 
+    def ms(self, cost: int) -> float:
+        """The time a batch of ``cost`` tokens is expected to take."""
+        return self.fixed_ms + self.per_token_ms * cost
+
     @property
     def learned(self) -> bool:
         return self.batches >= self.min_batches
@@ -302,9 +310,9 @@ class Packer(Generic[T]):
         self._tokens = 0
         self._passed = (-1, 0.0)
         """(seq, ms): the head the last pick passed over, and when it was first passed over."""
-        self.shared = False
-        """Set while a tenant without a backlog is active beside another: batches are capped
-        (rule 4)."""
+        self.light: Callable[[T], bool] | None = None
+        """Set while a tenant without a backlog is active beside another: which requests are
+        its (rule 6); batches are capped (rule 4)."""
 
     def add(self, length: int, arrived_ms: float, payload: T, priority: int = 0) -> Item[T]:
         """Buffer one request whose exact token length is known."""
@@ -399,12 +407,15 @@ class Packer(Generic[T]):
         if seq != head.seq:
             since = now_ms
         if head_ready and now_ms - since >= self.aging_ms:
-            return first  # the aging bound: a head passed over this long is not passed again
-        others = self._other_candidates(first, budget)
-        if head_ready:
-            ready = [first, *(batch for batch in others if self._ready(batch, now_ms, flush))]
+            ready = [first]  # the aging bound: passed over this long, the head goes next
+        elif head_ready:
+            ready = [first, *(batch for batch in self._other_candidates(first, budget)
+                              if self._ready(batch, now_ms, flush))]
         else:
-            ready = [batch for batch in others if batch.sealed]
+            ready = [batch for batch in self._other_candidates(first, budget) if batch.sealed]
+        light = self._light_batch(head, budget)
+        if ready and light is not None:
+            ready.append(light)
         chosen = min(ready, key=_COST, default=None)  # ties keep the head's
         if chosen is not None and chosen is not first:
             self._passed = (head.seq, since)
@@ -429,15 +440,31 @@ class Packer(Generic[T]):
             found.append(batch)
         return found
 
+    def _light_batch(self, head: Item[T], budget: Budget) -> Candidate[T] | None:
+        """The batch of requests ``light`` names around the first of them in line, at the
+        head's priority or more (rule 6); None when it names none."""
+        light, items = self.light, self._items
+        if light is None:
+            return None
+        for seq in self._line.seqs():
+            item = items[seq]
+            if item.priority >= head.priority and light(item.payload):
+                built = self._build(item, budget)
+                rows = [row for row in built.rows if light(items[row[1]].payload)]
+                total = sum(length for length, _ in rows)
+                return Candidate(item, rows, budget.cost(len(rows), rows[-1][0], total),
+                                 built.sealed)
+        return None
+
     def _ready(self, batch: Candidate[T], now_ms: float, flush: bool) -> bool:
         return batch.sealed or flush or now_ms >= batch.anchor.arrived_ms + self.linger_ms
 
     def budget_now(self) -> Budget:
         """The budget batches are packed under now: ``budget``, capped by ``max_batch_ms`` and,
-        while ``shared``, by a few fixed times per batch, once the time model has learned
+        while ``light`` is set, by a few fixed times per batch, once the time model has learned
         (rule 4)."""
         limits = [] if self.max_batch_ms is None else [self.max_batch_ms]
-        if self.shared and self.timer.fixed_ms > 0:
+        if self.light is not None and self.timer.fixed_ms > 0:
             limits.append(SHARED_FIXED_TIMES * self.timer.fixed_ms)
         if not limits:
             return self.budget

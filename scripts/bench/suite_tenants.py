@@ -5,7 +5,8 @@
   (1,350-1,650 tokens) wait in the queue; ``b_p50_ratio`` is B's p50 beside the flood over its
   p50 alone (fair share reads B's query at once, so it waits for the batch on the device, not
   for A's backlog, and that batch is a short one while B is active); ``a_per_s`` is A's
-  passages answered a second meanwhile, what those short batches cost A.
+  passages answered a second meanwhile, what those short batches cost A; ``capped``, the share
+  of the batches packed under less than the budget (that cap).
 * ``equal`` / ``3to1``: both tenants saturate the worker (A long passages, B short queries);
   each one's share of the tokens processed over the window (entries answered, gone from its
   stream, times their sim length), with equal weights and with A weighted 3 to B's 1.
@@ -18,17 +19,19 @@ keep it busy without the producer becoming the bottleneck.
 ``run.py tenants --runtime torch`` (or ``onnx``) runs every phase on the real model instead: one
 ``--backend hf`` worker (the bundled all-MiniLM-L6-v2, its inputs cut at 256 tokens, on
 ``BENCH_THREADS`` threads), the same figures; shares count each entry's tokens as the model's
-tokenizer does.
+tokenizer does. The model's speed is measured first (:func:`real_plan`): the budget, the windows
+and A's flood follow from it, so a window holds many of A's batches on any CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import harness
 from suite_mixed_latency import HF_THREADS, hf_flags, pools
@@ -47,10 +50,23 @@ CAP = 100
 TIMEOUT_S = 120.0
 """A query's reply wait: long, since on the real model B's first waits for a full batch of A's."""
 REAL_BUDGET = 1024
-"""On the real model (a CPU): suite ``real``'s best budget there."""
-REAL_TOKENS_PER_S = 50_000.0
-"""On the real model: more tokens a second than its CPU runs, so both tenants stay backlogged."""
-COLUMNS = ["setting", "b_p50_ms", "a_per_s", "a_share", "b_share", "b_requests", "refused"]
+"""On the real model (a CPU): suite ``real``'s best budget there, the most it is given."""
+REAL_BATCH_S = 0.25
+"""On the real model: the budget is what it runs in about this long (one passage at least)."""
+REAL_BATCHES = 40
+"""On the real model: a window is at least this many budgets' batches long."""
+COLUMNS = ["setting", "b_p50_ms", "a_per_s", "capped", "a_share", "b_share", "b_requests",
+           "refused"]
+
+
+class Plan(NamedTuple):
+    """How long each window is, A's flood, the budget, and more tokens a second than the device
+    runs (both tenants stay backlogged through a share window)."""
+
+    seconds: float
+    flood: int
+    budget: int
+    tokens_per_s: float
 
 
 def runtime() -> str | None:
@@ -59,26 +75,47 @@ def runtime() -> str | None:
 
 
 def start_worker(server: Any, queue: str, workdir: Path, name: str,
-                 sim: dict[str, Any]) -> Any:
+                 sim: dict[str, Any], budget: int) -> Any:
     """A worker on the sim as ``sim`` sets it, or on the real model (:func:`runtime`)."""
-    flags = ["--heartbeat-s", "0.5", "--max-batch-tokens"]
+    flags = ["--heartbeat-s", "0.5", "--max-batch-tokens", str(budget)]
     real = runtime()
     if real is None:
         return harness.start_tokenq(server, queue, workdir, name, [
-            "--backend", "sim_probe:factory", *harness.sim_flags(sim), *flags, str(BUDGET)])
+            "--backend", "sim_probe:factory", *harness.sim_flags(sim), *flags])
     threads = {"OMP_NUM_THREADS": str(HF_THREADS), "MKL_NUM_THREADS": str(HF_THREADS)}
-    return harness.start_tokenq(server, queue, workdir, name,
-                                [*hf_flags(real), *flags, str(REAL_BUDGET)], env=threads)
+    return harness.start_tokenq(server, queue, workdir, name, [*hf_flags(real), *flags],
+                                env=threads)
 
 
-def model_lengths(texts: list[str]) -> list[int]:
-    """Each text's tokens as the real model's worker counts them (cut at its limit)."""
+def real_plan(size: str, passage: str, query: str) -> tuple[Plan, float, float]:
+    """The real model's plan from its speed on a batch of four passages (timed after a warm-up,
+    on the worker's threads), and the tokens of the passage's and the query's :func:`distinct`
+    copies as it counts them (a mean: the copies' numbers are tokens too)."""
+    import torch
     from suite_real import lengths_of
 
+    from tokenq.worker.backends.base import TextInput
     from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
 
-    options = HFOptions(device="cpu", **harness.variant_options(runtime() or "torch"))
-    return lengths_of(HFBackend.load(options), texts)
+    backend = HFBackend.load(
+        HFOptions(device="cpu", **harness.variant_options(runtime() or "torch")))
+    passage_tokens, query_tokens = (statistics.mean(lengths_of(backend, distinct(text, 2000)[::50]))
+                                    for text in (passage, query))
+    batch = backend.tokenize([TextInput(passage)] * 4, backend.info.max_input_tokens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(HF_THREADS)
+    try:
+        backend.run(batch)
+        started = time.perf_counter()
+        backend.run(batch)
+        per_s = 4 * passage_tokens / (time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+        backend.close()
+    budget = max(int(passage_tokens), min(REAL_BUDGET, int(per_s * REAL_BATCH_S)))
+    seconds = max(SECONDS[size], REAL_BATCHES * budget / per_s)
+    flood = int(2 * (seconds + 3) * per_s / passage_tokens)
+    return Plan(round(seconds, 1), flood, budget, 2 * per_s), passage_tokens, query_tokens
 
 
 def submit(url: str, queue: str, tenant: str, texts: list[str]) -> None:
@@ -115,40 +152,42 @@ async def b_loop(url: str, queue: str, queries: list[str], seconds: float) -> li
     return latencies
 
 
-def latency_row(server: Any, workdir: Path, setting: str, size: str, flood: list[str],
+def latency_row(server: Any, workdir: Path, setting: str, plan: Plan, flood: list[str],
                 queries: list[str]) -> dict[str, Any]:
+    """B's closed loop, beside A's ``flood`` if any; ``capped``: the share of the batches
+    packed under less than the budget (the cap while B is active)."""
     queue = harness.new_queue(setting.split()[-1])
-    worker = start_worker(server, queue, workdir, setting.replace(" ", "-"), SIM)
+    worker = start_worker(server, queue, workdir, setting.replace(" ", "-"), SIM, plan.budget)
     stream = keys.tenant_requests(keys.QueueRef(queue), "a")
     client = harness.connect(server.url)
     with harness.running([worker], server.url):
         if flood:
             submit(server.url, queue, "a", flood)
         before, started = client.xlen(stream), time.perf_counter()
-        latencies = sorted(asyncio.run(b_loop(server.url, queue, queries, SECONDS[size])))
+        latencies = sorted(asyncio.run(b_loop(server.url, queue, queries, plan.seconds)))
         a_per_s = (before - client.xlen(stream)) / (time.perf_counter() - started)
     client.close()
+    batches = worker.batches()
     row = {"setting": setting, "b_p50_ms": round(harness.percentile(latencies, 50), 2),
-           "b_requests": len(latencies)}
+           "b_requests": len(latencies), "capped": round(sum(
+               batch["max_batch_tokens"] < plan.budget for batch in batches) / len(batches), 3)}
     return {**row, "a_per_s": round(a_per_s, 1)} if flood else row
 
 
-def share_row(server: Any, workdir: Path, setting: str, size: str, weights: dict[str, str],
-              a: tuple[str, int], b: tuple[str, int]) -> dict[str, Any]:
+def share_row(server: Any, workdir: Path, setting: str, plan: Plan, weights: dict[str, str],
+              a: tuple[str, float], b: tuple[str, float]) -> dict[str, Any]:
     """Both tenants backlogged; each one's share of the tokens processed over the window."""
     queue = harness.new_queue(setting)
     q = keys.QueueRef(queue)
-    window = SECONDS[size]
-    # Enough for both to stay backlogged past the window even were one served alone.
-    per_s = REAL_TOKENS_PER_S if runtime() else 1e6 / SLOW_SIM["token_us"]
-    capacity = (window + 3) * per_s
+    window = plan.seconds
+    capacity = (window + 3) * plan.tokens_per_s  # both backlogged even were one served alone
     submit(server.url, queue, "a", distinct(a[0], int(capacity / a[1])))
     submit(server.url, queue, "b", distinct(b[0], int(capacity / b[1])))
     client = harness.connect(server.url)
     if weights:
         client.hset(keys.weights(q), mapping=weights)
     streams = {"a": keys.tenant_requests(q, "a"), "b": keys.tenant_requests(q, "b")}
-    worker = start_worker(server, queue, workdir, setting, SLOW_SIM)
+    worker = start_worker(server, queue, workdir, setting, SLOW_SIM, plan.budget)
     with harness.running([worker], server.url):
         time.sleep(1.0)  # the worker finds both streams and fills its read-ahead
         before = {t: client.xlen(stream) for t, stream in streams.items()}
@@ -185,17 +224,19 @@ def run(size: str) -> dict[str, Any]:
     queries = [text for text, _ in texts["query"]]
     passage = texts["passage"][0]
     query = texts["query"][0]
+    plan = Plan(SECONDS[size], FLOOD, BUDGET, 1e6 / SLOW_SIM["token_us"])
     if runtime():
-        lengths = model_lengths([passage[0], query[0]])
-        passage, query = (passage[0], lengths[0]), (query[0], lengths[1])
+        plan, passage_tokens, query_tokens = real_plan(size, passage[0], query[0])
+        passage, query = (passage[0], passage_tokens), (query[0], query_tokens)
     flood = [text for n, (passage_text, _) in enumerate(texts["passage"])
-             for text in distinct(passage_text, FLOOD // len(texts["passage"]) + 1, n)]
+             for text in distinct(passage_text, plan.flood // len(texts["passage"]) + 1, n)]
     with harness.private_redis() as server, tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        rows = [latency_row(server, workdir, "b alone", size, [], queries),
-                latency_row(server, workdir, "b beside a's flood", size, flood[:FLOOD], queries),
-                share_row(server, workdir, "equal", size, {}, passage, query),
-                share_row(server, workdir, "3to1", size, {"a": "3", "b": "1"}, passage, query),
+        rows = [latency_row(server, workdir, "b alone", plan, [], queries),
+                latency_row(server, workdir, "b beside a's flood", plan, flood[:plan.flood],
+                            queries),
+                share_row(server, workdir, "equal", plan, {}, passage, query),
+                share_row(server, workdir, "3to1", plan, {"a": "3", "b": "1"}, passage, query),
                 cap_row(server)]
     by = {row["setting"]: row for row in rows}
     alone, beside = by["b alone"]["b_p50_ms"], by["b beside a's flood"]["b_p50_ms"]
@@ -218,8 +259,8 @@ def run(size: str) -> dict[str, Any]:
         "columns": COLUMNS,
         "rows": rows,
         "config": {"backend": f"hf-{runtime()}" if runtime() else "sim",
-                   "callers": CALLERS, "seconds": SECONDS[size], "flood": FLOOD,
-                   "max_batch_tokens": REAL_BUDGET if runtime() else BUDGET, "sim": SIM,
+                   "callers": CALLERS, "seconds": plan.seconds, "flood": plan.flood,
+                   "max_batch_tokens": plan.budget, "sim": SIM,
                    "saturation_sim": SLOW_SIM,
                    "passage_tokens": passage[1], "query_tokens": query[1], "cap": CAP},
         "notes": notes,

@@ -523,6 +523,25 @@ def test_the_device_does_not_idle_while_a_full_batch_waits() -> None:
     assert batch is not None and sorted(batch.payloads) == ["query", "query2", "urgent"]
 
 
+def test_a_light_tenants_requests_go_next_in_a_batch_of_their_own() -> None:
+    """Rule 6, shared: a light tenant's lingering query, in line behind more of the other
+    tenant's passages than a pick looks at, goes next, without a passage to ride with; even
+    before a head passed over for aging_ms."""
+    packer: Packer[str] = Packer(Budget(8192, 256), linger_ms=2.0, aging_ms=1000.0)
+    packer.add_all([(1500, 0.0, f"a{index}", 0) for index in range(100)])
+    packer.add(20, 10.0, "b0")
+    batch = packer.next_batch(10.5)
+    assert batch is not None and "b0" not in batch.payloads
+    packer.light = lambda payload: payload.startswith("b")
+    batch = packer.next_batch(10.6)
+    assert batch is not None and batch.payloads == ["b0"]
+    packer.add(20, 1700.0, "b1")
+    batch = packer.next_batch(1700.0)
+    assert batch is not None and batch.payloads == ["b1"]
+    batch = packer.next_batch(1700.0)
+    assert batch is not None and all(payload.startswith("a") for payload in batch.payloads)
+
+
 @PROPERTY
 @given(workloads(max_items=40), st.integers(min_value=1, max_value=8), st.data())
 def test_max_batch_ms_caps_every_batch_once_the_time_model_has_learned(
@@ -554,13 +573,13 @@ def test_while_tenants_share_the_device_a_batch_is_capped_at_a_few_fixed_times()
     for n in range(10):
         packer.add(1600, 0.0, f"p{n}")
     assert packer.budget_now().max_batch_tokens == 8192
-    packer.shared = True
+    packer.light = lambda payload: False  # a light tenant is active; none of these is its
     cap = timer.cost_within(rules.SHARED_FIXED_TIMES * 2.0)
     assert cap is not None and cap < 8192
     assert packer.budget_now().max_batch_tokens == cap
     batch = packer.next_batch(0.0)
     assert batch is not None and batch.rows == cap // 1600 and batch.cost <= cap
-    packer.shared = False
+    packer.light = None
     batch = packer.next_batch(0.0)
     assert batch is not None and batch.rows == 5
 

@@ -134,6 +134,7 @@ def test_a_tenant_has_a_quantum_of_its_own_room_and_sharing_takes_two_active_ten
     fair.took("b", 0.5)
     assert fair.sharing(1.0)
     assert not fair.sharing(1.6)  # a's last entries came more than ACTIVE_S ago
+    assert fair.sharing(1.6, batch_s=0.5)  # ... but less than 4 batches of a slow device ago
     fair.arrived("a", full=True, now=1.6)  # ... but a backlog of a's keeps it active
     assert fair.own_room("a", 0) == 0  # a tenant with a backlog has no room of its own
     fair.took("b", 2.0)
@@ -153,6 +154,7 @@ def test_a_lone_tenant_always_reads_and_an_idle_one_saves_up_no_credit():
     assert fair.may_read("b", 50)
     fair.arrived("b", full=True, now=50)
     fair.charge("b", 10, 1)
+    fair.arrived("b", full=True, now=50)  # its second full read shows a backlog (not its first)
     # ... so a is held back by b's reads since, not by 50,000 tokens of credit.
     assert fair.may_read("a", 50)
     fair.arrived("a", full=True, now=50)
@@ -165,6 +167,8 @@ def test_a_lone_tenant_always_reads_and_an_idle_one_saves_up_no_credit():
 @pytest.mark.unit
 def test_a_tenant_that_drained_or_went_quiet_holds_nobody_back():
     fair = FairShare(quantum=100, stale_s=10)
+    fair.charge("a", 0, 1)  # both read before: a full read shows a backlog
+    fair.charge("b", 0, 1)
     fair.arrived("a", full=True, now=0)
     fair.arrived("b", full=True, now=0)
     fair.charge("a", 1000, 1)

@@ -144,6 +144,10 @@ class Reader:
         self._parking = None if device.cache is None else Parking(
             wiring, device.cache, outbox.emit, self._take)
 
+    def _light(self, job: Job[Ref]) -> bool:
+        """Whether ``job`` is a tenant's without a backlog (the packer serves it first)."""
+        return self._lanes.fair.light(self._lanes.tenant(job.ref))
+
     def starting(self) -> None:
         """Called once, as the read tasks (one per lane) are started."""
         self._readers_left = len(self._lanes)
@@ -202,7 +206,9 @@ class Reader:
                                      now=time.monotonic())
                         if entries:
                             fair.took(lane.tenant, time.monotonic())
-                            packer.shared = fair.sharing(time.monotonic())
+                            full_s = packer.timer.ms(packer.budget.max_batch_tokens) / 1000
+                            packer.light = self._light if fair.sharing(
+                                time.monotonic(), full_s) else None
                             await self._take(lane, entries)
                         self._turn.set()  # charged: a lane waiting for its turn looks again
                     health.read_ok(lane.index)

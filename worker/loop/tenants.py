@@ -24,6 +24,9 @@ past it they take turns (``lanes.Rotation``)."""
 MAX_WEIGHT = 1_000_000.0
 ACTIVE_S = 1.0
 """A tenant whose last read brought entries this recently shares the device (:meth:`sharing`)."""
+ACTIVE_BATCHES = 4
+"""... or this many full batches' time, on a device slower than that: a light tenant's next read
+comes about one batch after its last."""
 STALE_S = 10.0
 """A tenant whose last full read is older than this holds no one back (its lane may be gone)."""
 
@@ -63,12 +66,13 @@ class FairShare:
         return floor is None or self._tag.get(tenant, 0.0) < floor + self.quantum
 
     def arrived(self, tenant: str, *, full: bool, now: float) -> None:
-        """A read of ``tenant`` came back, ``full`` when it took all it asked for."""
+        """A read of ``tenant`` came back, ``full`` when it took all it asked for; its first
+        (nothing learned of it, so it asked for one: :meth:`own_room`) shows no backlog."""
         if tenant not in self._backlogged:  # back from idle: from the others' lowest tag
             floor = self._floor(now, tenant)
             if floor is not None:
                 self._tag[tenant] = max(self._tag.get(tenant, 0.0), floor)
-        if full:
+        if full and tenant in self._mean:
             self._backlogged[tenant] = now
         else:
             self._backlogged.pop(tenant, None)
@@ -77,14 +81,20 @@ class FairShare:
         """A read of ``tenant`` brought entries."""
         self._took[tenant] = now
 
-    def sharing(self, now: float) -> bool:
+    def sharing(self, now: float, batch_s: float = 0.0) -> bool:
         """Whether a tenant without a backlog is active (its reads brought entries within
-        :data:`ACTIVE_S`) beside another active one (or one with a backlog): its queries wait
-        for the others' batches. Tenants all backlogged wait for their backlogs instead."""
-        active = {tenant for tenant, at in self._took.items() if now - at <= ACTIVE_S}
+        :data:`ACTIVE_S`, or :data:`ACTIVE_BATCHES` full batches of ``batch_s``) beside another
+        active one (or one with a backlog): its queries wait for the others' batches. Tenants
+        all backlogged wait for their backlogs instead."""
+        since = max(ACTIVE_S, ACTIVE_BATCHES * batch_s)
+        active = {tenant for tenant, at in self._took.items() if now - at <= since}
         active.update(tenant for tenant, at in self._backlogged.items()
                       if now - at <= self.stale_s)
         return len(active) > 1 and any(tenant not in self._backlogged for tenant in active)
+
+    def light(self, tenant: str) -> bool:
+        """Whether ``tenant`` has no backlog (its last read was not full)."""
+        return tenant not in self._backlogged
 
     def read_count(self, tenant: str, count: int) -> int:
         """``count`` cut to about one quantum of ``tenant``'s tokens, so a tenant of long entries
@@ -97,7 +107,7 @@ class FairShare:
         to one quantum of its tokens, so one tenant's backlog filling the room does not hold
         another's lone query back until a batch is taken; none for a tenant with a backlog,
         which competes for the shared room (reading past it would read past its share)."""
-        if tenant in self._backlogged:
+        if not self.light(tenant):
             return 0
         mean = self._mean.get(tenant)
         if mean is None:
