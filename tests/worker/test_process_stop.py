@@ -27,7 +27,7 @@ from tests.plugins_for_tests import COMPUTE_US_ENV
 from tests.support import FAST_BEAT, SimModel, wait_for
 from tests.worker.test_stage_deadlines import FakeClock
 from tests.workers import Fleet, WorkerProcess
-from tokenq.producer import Client
+from tokenq.producer import Client, ReplyTimeout
 from tokenq.worker.backends.sim import SIM_HANG_MARKER
 from tokenq.worker.loop.lifecycle import Lifecycle
 from tokenq.worker.loop.stages import TOKENIZING, Overdue, StageClock, Stages
@@ -70,7 +70,11 @@ def stopped_mid_batch_then_served(worker: WorkerProcess, client: Client, seconds
     slow_id = client.submit(slow)
     time.sleep(0.3)  # the batch is on the device (about 0.9 s of CPU)
     stop_for(worker, seconds)
-    assert MODEL.vector_ok(client.result(slow_id, timeout_s=30).embedding, slow)
+    try:
+        answer = client.result(slow_id, timeout_s=30)
+    except ReplyTimeout as timeout:
+        raise AssertionError(worker.output()[-3000:]) from timeout
+    assert MODEL.vector_ok(answer.embedding, slow)
     for index in range(20):
         text = f"after the continue {index}"
         assert MODEL.vector_ok(client.result(client.submit(text), timeout_s=30).embedding, text)
