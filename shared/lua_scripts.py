@@ -99,6 +99,7 @@ SCRIPTS: Mapping[str, Script] = {
     "publish": Script("tokenq.worker", "publish.lua"),
     "drop_consumer": Script("tokenq.worker", "drop_consumer.lua", ("allow-oom",)),
     "remove_retired": Script("tokenq.worker", "remove_retired.lua", ("allow-oom",)),
+    "remove_idle_tenants": Script("tokenq.worker", "remove_idle_tenants.lua", ("allow-oom",)),
     "claim_excess": Script("tokenq.worker", "claim_excess.lua", ("allow-oom",)),
     "cache_put": Script("tokenq.worker", "cache_put.lua"),
     "cache_trim": Script("tokenq.worker", "cache_put.lua", ("allow-oom",)),

@@ -487,6 +487,9 @@ class BaseWorkerSettings(_WorkerProcess, _QueueLimit, _Requests):
     )
     claim_idle_s: float = Field(300.0, gt=0, description="entries idle this long are claimed "
                                 "whoever holds them", json_schema_extra=REDIS_MS)
+    tenant_idle_s: float = Field(600.0, gt=0, description="a tenant's stream empty, and "
+                                 "written no more for this long, is removed (made again by its "
+                                 "next request)", json_schema_extra=REDIS_MS)
     max_deliveries: int = Field(
         3, ge=1, description="an entry delivered more often goes to the dead stream")
     dead_max_len: int = Field(

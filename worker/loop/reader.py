@@ -4,6 +4,7 @@ admitted (:class:`AdmitPlace`: on the event loop when that costs less than a thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -157,10 +158,14 @@ class Reader:
         self._readers_left += 1
 
     async def ensure_group(self, lane: Lane) -> None:
+        """The group on ``lane``'s stream, from its first entry; a tenant's stream is not made
+        here (one removed as idle, ``remove_idle_tenants.lua``, is made by its next request:
+        made here it would be listed nowhere, never removed)."""
+        own = lane.tenant == keys.DEFAULT_TENANT
         try:
-            await self._w.client.xgroup_create(lane.stream, keys.GROUP, id="0", mkstream=True)
+            await self._w.client.xgroup_create(lane.stream, keys.GROUP, id="0", mkstream=own)
         except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
+            if "BUSYGROUP" not in str(exc) and (own or "requires the key" not in str(exc)):
                 raise
 
     async def run(self, lane: Lane) -> None:
@@ -214,7 +219,8 @@ class Reader:
                     health.read_ok(lane.index)
                     backoff = 0.1
                 except RedisError as exc:
-                    health.read_failed(lane.index, exc)
+                    if not _missing(exc) or lane.tenant == keys.DEFAULT_TENANT:
+                        health.read_failed(lane.index, exc)
                     await self._on_read_error(lane, exc, backoff)
                     backoff = min(backoff * 2, 5.0)
         finally:
@@ -294,10 +300,17 @@ class Reader:
         return entries
 
     async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
-        # A retired lane's stream is never made again here. NOGROUP or "no such key":
-        # the stream is gone (Redis restarted empty, or it was deleted).
-        missing = isinstance(exc, ResponseError) and any(
-            sign in str(exc) for sign in ("NOGROUP", "no such key"))
+        # A retired lane's stream is never made again here. NOGROUP, "no such key" or
+        # UNBLOCKED: the stream is gone (Redis restarted empty, or it was deleted).
+        missing = _missing(exc)
+        if missing and lane.tenant != keys.DEFAULT_TENANT:
+            # Removed as idle: its next request makes it again (the group from id 0 here), or
+            # the tenants' task closes the lane once the set no longer lists it.
+            if not lane.drained:
+                with contextlib.suppress(RedisError):
+                    await self.ensure_group(lane)
+                await wait_event(self._w.lifecycle.stopping, backoff)
+            return
         if missing and not lane.retired:
             log.warning("consumer group missing on %s (Redis restarted empty?); recreating it",
                         lane.stream)
@@ -406,6 +419,12 @@ class Reader:
         self._intake.learn(len(requests), exact)
         self._lanes.fair.charge(lane.tenant, exact, len(requests))
         return admitted.jobs, answers
+
+
+def _missing(exc: RedisError) -> bool:
+    """Whether ``exc`` says the stream or its group is gone."""
+    return isinstance(exc, ResponseError) and any(
+        sign in str(exc) for sign in ("NOGROUP", "no such key", "no longer exists"))
 
 
 def _admit(

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 
 import redis.asyncio as aioredis
 
-from tokenq.shared import keys
+from tokenq.shared import functions, keys
 from tokenq.shared.redis_text import as_text
 
 log = logging.getLogger("tokenq.worker")
@@ -27,6 +27,10 @@ ACTIVE_S = 1.0
 ACTIVE_BATCHES = 4
 """... or this many full batches' time, on a device slower than that: a light tenant's next read
 comes about one batch after its last."""
+SWEEP_BEATS = 5
+"""A worker looks for idle tenant streams to remove every this many heartbeats."""
+SWEEP_BATCH = 128
+"""Most streams one call of ``remove_idle_tenants.lua`` looks at (a short script)."""
 STALE_S = 10.0
 """A tenant whose last full read is older than this holds no one back (its lane may be gone)."""
 
@@ -114,6 +118,14 @@ class FairShare:
             return 0 if held else 1
         return max(0, int(self.quantum / mean) - held)
 
+    def retain(self, tenants: set[str]) -> None:
+        """Forget every tenant not in ``tenants`` (those with a lane or a listed stream): a
+        worker's state is bounded by the tenants active in the last idle window. One back
+        starts level with the others, as from idle."""
+        for state in (self._tag, self._backlogged, self._mean, self._took):
+            for tenant in [tenant for tenant in state if tenant not in tenants]:
+                del state[tenant]
+
     def charge(self, tenant: str, tokens: int, entries: int) -> None:
         """``entries`` holding ``tokens`` (exact, as tokenized) were read for ``tenant``."""
         self._tag[tenant] = self._tag.get(tenant, 0.0) + tokens / self.weight(tenant)
@@ -166,3 +178,21 @@ async def discover(
     counted = {pair: length if isinstance(length, int) else 0  # not a stream: nothing to read
                for pair, length in zip(found, lengths, strict=True)}
     return counted, "; ".join(ignored)
+
+
+async def remove_idle(
+    client: aioredis.Redis, queue: keys.QueueRef, tenants: Iterable[str], idle_ms: int,
+) -> list[str]:
+    """Remove ``tenants``' streams of ``queue`` that are empty, hold nothing unanswered and
+    were written last ``idle_ms`` ago or more, with their place in the tenants set and their
+    pending field (``remove_idle_tenants.lua``, :data:`SWEEP_BATCH` a call); the tenants
+    removed."""
+    script = functions.AsyncFunction(client, "remove_idle_tenants")
+    names = [keys.tenant_requests(queue, tenant) for tenant in tenants]
+    removed: list[str] = []
+    for at in range(0, len(names), SWEEP_BATCH):
+        gone = await script(keys=[keys.tenants(queue), *names[at:at + SWEEP_BATCH]],
+                            args=[keys.GROUP, idle_ms])
+        removed += [tenant for stream in gone or ()
+                    if (tenant := keys.tenant_of(queue, stream)) is not None]
+    return removed

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
-from tokenq.shared import keys, wire
+from tokenq.shared import keys, redis_refusal, wire
 from tokenq.shared.failures import error_text, failure_message
 from tokenq.shared.heartbeat import Heartbeat
 from tokenq.shared.packer import Budget, Packer
@@ -240,6 +240,7 @@ class Worker:
         each given a turn, closed for each giving its turn up, removed once it holds nothing."""
         lifecycle, added, ignored = self._lifecycle, asyncio.Event(), ""
         rotation = Rotation(tenants.MAX_TENANT_LANES, self.settings.heartbeat_s)
+        sweep = _Sweep(self.settings)
         opened: dict[Stream, tuple[Lane, float, asyncio.Task[None]]] = {}
         closing: list[tuple[Lane, asyncio.Task[None]]] = []
         tasks.extend(asyncio.create_task(self._tenants_added(lane.queue, added),
@@ -259,12 +260,16 @@ class Worker:
                     log.warning("ignored in %s: %s", keys.weights(self.settings.queue_ref),
                                 now_ignored)
                 ignored = now_ignored
+                for stream in await sweep.run(self._wiring.client, streams, homes):
+                    del streams[stream]
                 closing = [(lane, task) for lane, task in closing if not self._removed(lane, task)]
                 opened = {stream: held for stream, held in opened.items() if not held[0].drained}
                 opening, giving_up = rotation.plan(
                     {stream: at for stream, (_, at, _) in opened.items()}, len(closing),
                     {stream: n for stream, n in streams.items() if n or not homes[stream[0]]},
                     time.monotonic())
+                giving_up += [stream for stream in opened  # removed, or the set is gone
+                              if stream not in streams and stream not in giving_up]
                 for stream in giving_up:
                     lane, _, read = opened.pop(stream)
                     self.lanes.close(lane)
@@ -272,6 +277,8 @@ class Worker:
                 for queue, tenant in opening:
                     opened[queue, tenant] = await self._open_lane(reader, tasks, queue, tenant,
                                                                   retired=homes[queue])
+                self.lanes.fair.retain({lane.tenant for lane in self.lanes}
+                                       | {tenant for _, tenant in streams})
                 if giving_up:  # their reads end within a block: look again then, not a beat on
                     await asyncio.wait([read for _, read in closing],
                                        timeout=self.settings.block_ms / 1000 + 1.0)
@@ -403,6 +410,42 @@ class Worker:
             max_batch_size=self.budget.max_batch_size, buffered=len(self.packer),
             tenants=self._recorder.tenants.snapshot(),
         )
+
+
+class _Sweep:
+    """Every few heartbeats (:data:`tenants.SWEEP_BEATS`), the removal of the tenant streams
+    of a worker's own shards idle ``tenant_idle_s`` (``remove_idle_tenants.lua``); refused for
+    good (an ACL from before it), warned once and not tried again."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.every_s = tenants.SWEEP_BEATS * settings.heartbeat_s
+        self.idle_ms = int(settings.tenant_idle_s * 1000)
+        self.last = time.monotonic()
+        self.refused = False
+
+    async def run(self, client: aioredis.Redis, streams: dict[Stream, int],
+                  homes: dict[keys.QueueRef, bool]) -> list[Stream]:
+        """The streams of ``streams`` (listed, with their lengths) removed, if it is time."""
+        now = time.monotonic()
+        if self.refused or now - self.last < self.every_s:
+            return []
+        self.last = now
+        removed: list[Stream] = []
+        for home, retired in homes.items():
+            empty = [tenant for (queue, tenant), n in streams.items() if queue == home and not n]
+            if retired or not empty:
+                continue  # a retired shard's streams go with it (remove_retired.lua)
+            try:
+                gone = await tenants.remove_idle(client, home, empty, self.idle_ms)
+            except ResponseError as exc:
+                if redis_refusal.refused_now(exc):
+                    raise  # memory or a replica: the next sweep tries again
+                self.refused = True
+                log.warning("cannot remove idle tenant streams of %s (%s): every tenant named "
+                            "stays in Redis", keys.tenants(home), error_text(exc))
+                return removed
+            removed += [(home, tenant) for tenant in gone]
+        return removed
 
 
 async def _first_failure(tasks: list[asyncio.Task[None]], *watched: asyncio.Task[None]) -> None:
