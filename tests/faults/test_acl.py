@@ -353,6 +353,33 @@ def test_a_retired_shard_with_tenant_streams_is_removed_under_the_documented_acl
     admin.close()
 
 
+def test_idle_tenant_streams_are_removed_under_the_documented_acl(
+    acl_server: RedisServer,
+) -> None:
+    """``remove_idle_tenants`` unlists, deletes and uncounts an idle tenant's stream, each by a
+    command one selector of the documented worker rule (plain and sharded) allows whole."""
+    queue, password = "aclidle", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    for words in sharded_rules(queue, password).values():
+        admin.execute_command(*words)
+    functions.load(admin)
+    for q in (keys.QueueRef(queue), keys.QueueRef(queue, shard=1)):
+        stream = keys.tenant_requests(q, "a")
+        admin.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)
+        admin.sadd(keys.tenants(q), stream, keys.tenant_requests(q, "gone"))
+        admin.hset(keys.pending(q), mapping={"tokens": 3, "tokens:a": 3})
+        worker = redis.Redis.from_url(user_url(acl_server, f"{queue}-worker", password),
+                                      socket_timeout=10)
+        removed = functions.Function(worker, "remove_idle_tenants")(
+            keys=[keys.tenants(q), stream, keys.tenant_requests(q, "gone")],
+            args=[keys.GROUP, 0])
+        assert len(removed) == 2 and not admin.exists(stream, keys.tenants(q))
+        assert admin.hkeys(keys.pending(q)) == [b"tokens"]
+        worker.close()
+    assert not acl_denials(admin)
+    admin.close()
+
+
 def test_the_result_cache_empties_under_the_documented_acl(acl_server: RedisServer) -> None:
     """``cache_put`` removes the cache's hash and byte count once its last entry expires, each
     by a command one selector of the documented worker rule allows whole: the count is never
@@ -465,6 +492,9 @@ KEYED = {
     "rpush": ["RPUSH", "{k}", "v"],
     "hgetall": ["HGETALL", "{k}"],
     "smembers": ["SMEMBERS", "{k}"],
+    "sismember": ["SISMEMBER", "{k}", "m"],
+    "srem": ["SREM", "{k}", "m"],
+    "xinfo|stream": ["XINFO", "STREAM", "{k}"],
     "hkeys": ["HKEYS", "{k}"],
     "hget": ["HGET", "{k}", "f"],
     "hset": ["HSET", "{k}", "f", "v"],
@@ -515,14 +545,15 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
     },
     "worker": {
         "fcall": frozenset({"requests", "tenant_requests", "dead", "reply", "worker", "workers",
-                            "retired", "config", "cache", "cache_index", "cache_bytes",
-                            "cache_claim"}),
+                            "retired", "config", "tenants", "cache", "cache_index",
+                            "cache_bytes", "cache_claim"}),
         **{command: frozenset({"cache"}) for command in ("hmget", "hstrlen", "hsetnx")},
         **{command: frozenset({"cache_index"}) for command in (
             "zadd", "zrange", "zrangebyscore", "zrem", "zcard")},
         **{command: frozenset({"requests", "tenant_requests"}) for command in (
             "xgroup|create", "xgroup|delconsumer", "xreadgroup", "xack", "xdel", "xclaim",
-            "xpending", "xinfo|consumers", "xinfo|groups", "xrange", "xrevrange")},
+            "xpending", "xinfo|consumers", "xinfo|groups", "xinfo|stream", "xrange",
+            "xrevrange")},
         "xlen": frozenset({"requests", "tenant_requests", "dead"}),
         "xadd": frozenset({"dead"}), "xread": frozenset({"tenants_added"}),
         "exists": frozenset({"requests", "tenant_requests", "worker", "retired"}),
@@ -538,7 +569,8 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
         "hdel": frozenset({"workers", "config", "cache", "pending"}),
         "hkeys": frozenset({"workers"}), "hget": frozenset({"config", "pending", "cache"}),
         "hincrby": frozenset({"pending"}),
-        "hgetall": frozenset({"weights", "pending"}), "smembers": frozenset({"tenants"}),
+        "hgetall": frozenset({"weights", "pending"}),
+        **{command: frozenset({"tenants"}) for command in ("smembers", "sismember", "srem")},
     },
 }
 """Where docs/SECURITY.md's "Why each right" grants each keyed command; nowhere else."""

@@ -473,3 +473,156 @@ def test_a_tenant_named_after_the_lane_cap_is_still_served(start_worker, redis_u
         wait_for(lambda: sum(r.xlen(keys.tenant_requests(q, f"-{i:03d}"))
                              for i in range(MAX_TENANT_LANES)) == 0, 30, "the first tenants served")
         assert client.infer("a later tenant", tenant="team-z", timeout_s=3).embedding is not None
+
+
+# ------------------------------------------------------ idle tenant streams removed
+
+def remove_idle(r: redis.Redis, q: keys.QueueRef, tenants: list[str], idle_ms: int = 0
+                ) -> list[bytes]:
+    from tokenq.shared import functions
+
+    return functions.Function(r, "remove_idle_tenants")(
+        keys=[keys.tenants(q), *(keys.tenant_requests(q, t) for t in tenants)],
+        args=[keys.GROUP, idle_ms])
+
+
+def test_only_an_idle_tenants_stream_with_nothing_unanswered_is_removed(
+        redis_url, r, queue_name):
+    """``remove_idle_tenants.lua`` removes a listed tenant stream only when empty, with none
+    of it read and unanswered, and written last ``idle_ms`` ago: with its member of the set
+    and its pending field; its next request registers and announces it again."""
+    q = keys.QueueRef(queue_name)
+    with Client(redis_url=redis_url, queue=queue_name, refuse_early=False) as client:
+        for tenant in ("queued", "held", "recent", "done"):
+            client.submit(f"a request of {tenant}", tenant=tenant)
+    stream = {t: keys.tenant_requests(q, t) for t in ("queued", "held", "recent", "done")}
+    for name in ("held", "done"):  # read by a worker; held's deleted but never answered
+        r.xgroup_create(stream[name], keys.GROUP, id="0")
+        [(_, [(entry_id, _)])] = r.xreadgroup(keys.GROUP, "w", {stream[name]: ">"})
+        r.xdel(stream[name], entry_id)
+        if name == "done":
+            r.xack(stream[name], keys.GROUP, entry_id)
+    r.xtrim(stream["recent"], maxlen=0)
+    r.hset(keys.pending(q), mapping={"tokens:done": 5, "tokens:recent": 5})
+    junk = [keys.requests(q), keys.config(q), keys.tenant_requests(q, "absent")]
+    r.sadd(keys.tenants(q), *junk)
+    r.hset(keys.config(q), "shards", "1")
+    r.xgroup_create(keys.requests(q), keys.GROUP, id="0", mkstream=True)
+    r.xadd(keys.tenant_requests(q, "unlisted"), {"v": "1"})
+    r.xtrim(keys.tenant_requests(q, "unlisted"), maxlen=0)
+    names = [*stream, "unlisted", "absent", "default"]
+    # "recent" was written just now; a listed name with no stream is taken off the set
+    assert remove_idle(r, q, names, idle_ms=60_000) == [junk[2].encode()]
+    assert set(remove_idle(r, q, names)) == {stream["done"].encode(), stream["recent"].encode()}
+    assert not r.exists(stream["done"], stream["recent"])
+    assert r.exists(stream["queued"], stream["held"], keys.tenant_requests(q, "unlisted")) == 3
+    assert r.hkeys(keys.pending(q)) and not {b"tokens:done", b"tokens:recent"} & set(
+        r.hkeys(keys.pending(q)))
+    assert r.smembers(keys.tenants(q)) == {
+        stream["queued"].encode(), stream["held"].encode(), *(j.encode() for j in junk[:2])}
+    assert r.exists(keys.requests(q), keys.config(q)) == 2  # junk in the set left alone
+    added = r.xlen(keys.tenants_added(q))
+    with Client(redis_url=redis_url, queue=queue_name, refuse_early=False) as client:
+        client.submit("back again", tenant="done")
+    assert r.sismember(keys.tenants(q), stream["done"]) and r.xlen(stream["done"]) == 1
+    assert r.xlen(keys.tenants_added(q)) == added + 1  # announced again
+
+
+def in_process_worker(redis_url: str, queue_name: str, **settings: object):
+    """A sim worker run in a thread of this process (its state inspectable), and its thread."""
+    import asyncio
+    import threading
+
+    from tokenq.worker.backends.sim import SimBackend
+    from tokenq.worker.loop.worker import Worker
+    from tokenq.worker.settings import WorkerSettings
+
+    worker = Worker(WorkerSettings(redis_url=redis_url, queue=queue_name, backend="sim",
+                                   heartbeat_s=0.2, block_ms=100, **settings),
+                    SimBackend(batch_ms=1.0, max_input_tokens=64))
+    thread = threading.Thread(target=asyncio.run, args=(worker.run(),))
+    thread.start()
+    return worker, thread
+
+
+def test_a_thousand_tenants_named_once_are_gone_from_redis_and_the_worker_once_idle(
+        redis_url, r, queue_name):
+    """Every name used costs Redis a set member, a stream and a group, and a worker its lane
+    and fair-share state, only until it is idle ``tenant_idle_s``."""
+    q = keys.QueueRef(queue_name)
+    with Client(redis_url=redis_url, queue=queue_name, refuse_early=False) as client:
+        ids = [client.submit(f"once {i}", tenant=f"t{i:04d}") for i in range(1000)]
+    assert r.scard(keys.tenants(q)) == 1000 and len(r.keys(f"{q.tag}:requests:*")) == 1000
+    worker, thread = in_process_worker(redis_url, queue_name, tenant_idle_s=1.0)
+    try:
+        with Client(redis_url=redis_url, queue=queue_name) as client:
+            assert all(result.embedding is not None
+                       for result in client.results(ids, timeout_s=90))
+            wait_for(lambda: r.scard(keys.tenants(q)) == 0, 30, "the idle streams removed")
+            assert not r.keys(f"{q.tag}:requests:*")
+            assert not [f for f in r.hkeys(keys.pending(q)) if f.startswith(b"tokens:")]
+            wait_for(lambda: len(worker.lanes) == 1 and worker.lanes.fair.known() <= {
+                keys.DEFAULT_TENANT}, 30, "the worker's lanes and fair-share state dropped")
+            assert client.infer("still served", tenant="t0007", timeout_s=30).embedding is not None
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_tenant_enqueuing_while_its_stream_is_removed_loses_nothing(
+        redis_url, r, queue_name):
+    """Its stream removed as soon as it is empty, over and over, while the tenant sends one
+    request after another: each lands before the removal (kept) or after (registered
+    again, its group made again from id 0, by a worker whose lane lost the stream)."""
+    import threading
+
+    q = keys.QueueRef(queue_name)
+    worker, thread = in_process_worker(redis_url, queue_name)
+    stop, removals = threading.Event(), []
+
+    def sweep() -> None:
+        with redis.Redis.from_url(redis_url) as sweeper:
+            while not stop.is_set():
+                removals.extend(remove_idle(sweeper, q, ["racing"]))
+
+    sweeper = threading.Thread(target=sweep)
+    try:
+        with Client(redis_url=redis_url, queue=queue_name) as client:
+            client.infer("the worker is up", timeout_s=30)
+            sweeper.start()
+            took = []
+            for i in range(60):
+                started = time.monotonic()
+                result = client.infer(f"request {i}", tenant="racing", timeout_s=30)
+                assert result.embedding is not None
+                took.append(time.monotonic() - started)
+    finally:
+        stop.set()
+        if sweeper.is_alive():
+            sweeper.join(10)
+        worker.stop()
+        thread.join(30)
+    assert len(removals) >= 10, len(removals)  # the race ran: removed between requests
+    assert max(took) < 5.0, took
+
+
+def test_a_tenant_with_an_unanswered_entry_is_never_removed_by_a_worker(
+        start_worker, redis_url, r, queue_name):
+    """A sweeping worker (``--tenant-idle-s`` short) leaves an empty stream whose entry a live
+    worker read and has not answered, and removes it once that entry is answered."""
+    q = keys.QueueRef(queue_name)
+    stream = keys.tenant_requests(q, "t")
+    with Client(redis_url=redis_url, queue=queue_name, refuse_early=False) as client:
+        client.submit("held by a live worker", tenant="t")
+        r.xgroup_create(stream, keys.GROUP, id="0")
+        [(_, [(entry_id, _)])] = r.xreadgroup(keys.GROUP, "ghost", {stream: ">"})
+        r.xdel(stream, entry_id)  # deleted, not answered: the stream is empty
+        r.set(keys.worker_alive(q, "ghost"), "1", px=60_000)  # alive: nobody takes it over
+        start_worker("--tenant-idle-s", "0.2", "--claim-idle-s", "3600")
+        time.sleep(3.0)  # two sweeps (every 5 heartbeats of 0.3 s)
+        assert r.sismember(keys.tenants(q), stream) and r.exists(stream)
+        assert r.xpending(stream, keys.GROUP)["pending"] == 1
+        r.xack(stream, keys.GROUP, entry_id)  # answered at last
+    wait_for(lambda: not r.exists(stream) and not r.scard(keys.tenants(q)), 10,
+             "the answered stream removed")

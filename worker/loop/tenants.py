@@ -118,6 +118,10 @@ class FairShare:
             return 0 if held else 1
         return max(0, int(self.quantum / mean) - held)
 
+    def known(self) -> set[str]:
+        """The tenants it keeps state for."""
+        return {*self._tag, *self._backlogged, *self._mean, *self._took}
+
     def retain(self, tenants: set[str]) -> None:
         """Forget every tenant not in ``tenants`` (those with a lane or a listed stream): a
         worker's state is bounded by the tenants active in the last idle window. One back

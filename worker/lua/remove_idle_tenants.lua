@@ -4,7 +4,8 @@
 --
 -- Keys touched (one queue's hash tag, so one Cluster slot):
 --   KEYS[1]    <prefix>:{q}:tenants           set     SISMEMBER, SREM
---   KEYS[2..]  <prefix>:{q}:requests:<t>      stream  XLEN, XINFO STREAM, XPENDING, then DEL
+--   KEYS[2..]  <prefix>:{q}:requests:<t>      stream  XLEN, XINFO STREAM (EXISTS when it
+--                                                     fails), XPENDING, then DEL
 --   and, named from each stream: <prefix>:{q}:pending hash HDEL of its field tokens:<t>
 --
 -- ARGV[1] group
@@ -13,7 +14,8 @@
 --
 -- Returns the streams removed: each one the set lists, named as a tenant's stream of the set's
 -- queue, with no entry, none read and unanswered (the group's XPENDING), and idle. Others
--- (junk a producer put in the set, keys that are not streams) are left alone.
+-- (junk a producer put in the set, keys that are not streams) are left alone; a listed name
+-- with no key is taken off the set.
 --
 -- Why atomic: enqueue.lua is a script too, so a tenant's enqueue lands before the check (the
 -- stream is not empty: kept) or after the removal (its SADD answers 1 again: registered and
@@ -34,7 +36,7 @@ local function idle(stream)
   end
   local info = redis.pcall("XINFO", "STREAM", stream)
   if type(info) ~= "table" or info.err then
-    return false
+    return redis.call("EXISTS", stream) == 0  -- listed with no stream: nothing to keep
   end
   local last
   for i = 1, #info - 1, 2 do
