@@ -309,7 +309,7 @@ class Reader:
             if not lane.drained:
                 with contextlib.suppress(RedisError):
                     await self.ensure_group(lane)
-                await wait_event(self._w.lifecycle.stopping, backoff)
+                await wait_event(self._w.lifecycle.stopping, min(backoff, MISSING_WAIT_S))
             return
         if missing and not lane.retired:
             log.warning("consumer group missing on %s (Redis restarted empty?); recreating it",
@@ -419,6 +419,10 @@ class Reader:
         self._intake.learn(len(requests), exact)
         self._lanes.fair.charge(lane.tenant, exact, len(requests))
         return admitted.jobs, answers
+
+
+MISSING_WAIT_S = 1.0
+"""Longest wait between looks at a tenant's stream that is gone (its next request makes it)."""
 
 
 def _missing(exc: RedisError) -> bool:
