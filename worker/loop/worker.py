@@ -237,7 +237,9 @@ class Worker:
         """Each heartbeat, and as soon as a producer adds a tenant stream, while reading: the
         operator's weights, and the tenant streams read (:class:`lanes.Rotation`), a retired
         shard's until drained: a lane (read and publish tasks added to ``tasks``) opened for
-        each given a turn, closed for each giving its turn up, removed once it holds nothing."""
+        each given a turn, closed for each giving its turn up or no longer listed (removed as
+        idle: :class:`_Sweep`), removed once it holds nothing; fair-share state kept only for
+        tenants listed or read."""
         lifecycle, added, ignored = self._lifecycle, asyncio.Event(), ""
         rotation = Rotation(tenants.MAX_TENANT_LANES, self.settings.heartbeat_s)
         sweep = _Sweep(self.settings)
