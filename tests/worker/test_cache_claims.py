@@ -65,6 +65,35 @@ def test_a_claim_holds_for_its_lease_and_ends_as_its_answer_is_written(redis_url
     asyncio.run(main())
 
 
+def test_a_reply_written_while_a_lookup_was_in_flight_answers_that_lookup(redis_url) -> None:
+    """The lookup found this worker's own claim (compute) while its reply was computed and
+    written: the reply answers it, never a second row; kept only while lookups are in flight."""
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        cache = cache_of(client, "a")
+        assert await cache.claim([b"one"]) == [None]  # claimed: computed here
+        lookup = cache._lookup
+        release = asyncio.Event()
+
+        async def slow_lookup(digests, take_over):
+            found = await lookup(digests, take_over)  # its own claim: None
+            await release.wait()
+            return found
+
+        cache._lookup = slow_lookup  # type: ignore[method-assign]
+        in_flight = asyncio.create_task(cache.claim([b"one"]))
+        await asyncio.sleep(0.05)
+        cache.put([(b"one", REPLY)])
+        await cache._task  # written, its claim ended, no longer in ``writing``
+        assert not cache.writing
+        release.set()
+        assert await in_flight == [REPLY]
+        assert cache._written == {}  # nothing kept once no lookup is in flight
+        await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_past_the_memory_share_nothing_is_claimed_and_at_oom_a_lookup_still_answers(
         full, caplog) -> None:
     url, sync = full

@@ -58,6 +58,10 @@ class ResultCache:
         self._waiting: list[tuple[bytes, bytes | None]] = []
         self.writing: dict[bytes, bytes] = {}
         """Replies on their way to Redis, answered from here meanwhile."""
+        self._looking = 0
+        self._written: dict[bytes, bytes] = {}
+        """Replies written while a lookup was in flight, kept until none is: that lookup may
+        have found this worker's own claim, not yet the reply."""
         self.counted_bytes = 0
         """The cache's bytes as the last write counted them."""
         self._queue = queue
@@ -76,14 +80,20 @@ class ResultCache:
         if self.writing and all(digest in self.writing for digest in digests):
             return [self.writing[digest] for digest in digests]
         asked = list(dict.fromkeys(digests))  # identical requests in one read: asked once
+        self._looking += 1
         try:
             values = await self._lookup(asked, take_over)
+            answered = {**self._written, **self.writing} if self._written else self.writing
         except RedisError as exc:
             self._failed("lookup", "failed", "computing instead", exc)
             return [None] * len(digests)
+        finally:
+            self._looking -= 1
+            if not self._looking:
+                self._written.clear()
         self._went_through("lookup")
         oldest = self._w.clock.now_ms() - self._ttl_ms
-        found = {digest: self.writing.get(digest) or (value if value == HELD else None)
+        found = {digest: answered.get(digest) or (value if value == HELD else None)
                  if value is None or len(value) <= 8 or _STAMP.unpack_from(value)[0] <= oldest
                  else self._checked(value[8:])
                  for digest, value in zip(asked, values, strict=True)}
@@ -169,7 +179,9 @@ class ResultCache:
                 await self._trim(now)
         finally:
             for digest, _ in entries:
-                self.writing.pop(digest, None)
+                reply = self.writing.pop(digest, None)
+                if reply is not None and self._looking:
+                    self._written[digest] = reply
 
     def _failed(self, what: str, how: str, meaning: str, exc: RedisError) -> None:
         """A lookup or write failed: a warning at the first of a run, debug after (one a read
