@@ -242,9 +242,10 @@ class Pipeline(Generic[K]):
         max_length: int | None,
         out: Admitted[K],
     ) -> None:
+        default = prompt_of(NO_OPTIONS, self.facts)
         inputs = [
-            TextInput(item.request.text, item.request.text_pair, prompt_of(options, self.facts),
-                      options.output_tokens)
+            TextInput(item.request.text, item.request.text_pair,
+                      default if options.prompt is None else options.prompt, options.output_tokens)
             for item, options, _ in items
         ]
         try:
@@ -265,9 +266,16 @@ class Pipeline(Generic[K]):
             out.answered.append(self._failed(items[0][0], *failure))
             return
         cut = self._cut(inputs, encodings, max_length)
+        limit, jobs = self.info.max_input_tokens, out.jobs
         for index, ((item, options, digest), encoding) in enumerate(
                 zip(items, encodings, strict=True)):
-            self._place(item, options, encoding, out, truncated=index in cut, digest=digest)
+            length = getattr(encoding, "length", None)
+            if type(length) is int and 0 < length <= limit and index not in cut \
+                    and not options.output_tokens:  # the common case, as _place takes it
+                jobs.append(Job(item.ref, item.request, item.deadline_ms, item.arrived_ms,
+                                encoding, None, 0, options, False, digest=digest))
+            else:
+                self._place(item, options, encoding, out, truncated=index in cut, digest=digest)
 
     def _cut(self, inputs: Sequence[TextInput], encodings: Sequence[Encoding],
              max_length: int | None) -> set[int]:
