@@ -384,8 +384,12 @@ class Pipeline(Generic[K]):
     def settle(self, jobs: Sequence[Job[K]],
                results: Sequence[np.ndarray | Failure]) -> list[Outcome[K]]:
         """Outcomes for finished jobs; a chunked request finishes with its last window."""
-        whole = [i for i, (job, result) in enumerate(zip(jobs, results, strict=True))
-                 if job.chunk is None and not isinstance(result, Failure)]
+        if isinstance(results, np.ndarray) and (self.policy != "chunk" or all(
+                job.chunk is None for job in jobs)):  # every request whole, answered alike
+            whole: Sequence[int] = range(len(jobs))
+        else:
+            whole = [i for i, (job, result) in enumerate(zip(jobs, results, strict=True))
+                     if job.chunk is None and not isinstance(result, Failure)]
         if len(whole) == len(jobs):  # the common case: every request whole and answered
             rows = self.finisher.finish(results, [job.options for job in jobs])  # type: ignore[arg-type]
             return [Outcome(job.ref, job.request, row, job.encoding.length, job.truncated)
