@@ -572,10 +572,10 @@ def encode_embedding_replies(
             f"{len(request_ids)} replies of {dim} floats need {width * len(request_ids)} bytes "
             f"and {len(request_ids)} token counts; got {len(rows)} bytes, {len(tokens)} counts"
         )
-    head = _thread_packer().pack_map_header(5) + pack("id")
-    middle = pack("ok") + pack(True) + pack("embedding") + pack(bytes(width))[:-width]
-    tail = pack("dim") + pack(dim) + pack("tokens")
-    one = pack
+    one = _thread_packer().pack  # bound once: two packs a reply
+    head = _thread_packer().pack_map_header(5) + one("id")
+    middle = one("ok") + one(True) + one("embedding") + one(bytes(width))[:-width]
+    tail = one("dim") + one(dim) + one("tokens")
     return [
         b"".join((head, one(request_id), middle, rows[at:at + width], tail, one(count)))
         for request_id, at, count in zip(request_ids, range(0, len(rows), width), tokens,

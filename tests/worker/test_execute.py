@@ -128,6 +128,14 @@ def test_oom_never_fails_a_row_that_fits_alone(lengths: list[int], capacity: int
         assert isinstance(result, Failure) and result.code == ErrorCode.OUT_OF_MEMORY.value
 
 
+def test_alike_rows_of_one_run_come_back_as_one_2d_array() -> None:
+    backend = CountingSim()
+    texts = [f"text {i}" for i in range(5)]
+    results = run_isolated(backend, encode_all(backend, texts))
+    assert isinstance(results, np.ndarray) and results.shape == (5, DIM)
+    assert_answers(texts, list(results), set())
+
+
 def test_nan_output_fails_only_its_row() -> None:
     backend = CountingSim()
     texts = ["fine", f"{SIM_NAN_MARKER}", "also fine"]

@@ -61,9 +61,10 @@ def describe(exc: BaseException) -> str:
 
 def run_isolated(
     backend: Backend, encodings: Sequence[Encoding], failed_runs: list[FailedRun] | None = None
-) -> list[np.ndarray | Failure]:
-    """Run ``encodings`` as one batch; answer every row with a vector or a Failure. Each
-    ``backend.run`` that raised is added to ``failed_runs``."""
+) -> Sequence[np.ndarray | Failure]:
+    """Run ``encodings`` as one batch; answer every row with a vector or a Failure (one 2-D
+    array when all ran at once and are alike). Each ``backend.run`` that raised is added to
+    ``failed_runs``."""
     results: list[np.ndarray | Failure | None] = [None] * len(encodings)
     # An explicit stack, not recursion, keeps backend tracebacks short.
     pending: list[tuple[int, int]] = [(0, len(encodings))] if encodings else []
@@ -99,13 +100,17 @@ def run_isolated(
                 pending.append((middle, stop))
                 pending.append((start, middle))
             continue
-        results[start:start + len(outputs)] = _checked_rows(outputs)
+        checked = _checked_rows(outputs)
+        if len(checked) == len(encodings):  # the whole batch in one run: as checked
+            return checked
+        results[start:start + len(outputs)] = checked
     return results  # type: ignore[return-value]  # each row was answered or failed alone
 
 
-def _checked_rows(outputs: Sequence[object]) -> list[np.ndarray | Failure]:
+def _checked_rows(outputs: Sequence[object]) -> Sequence[np.ndarray | Failure]:
     """:func:`_checked` for every row, with one stacked numpy finiteness test when all rows
-    are 1-D float32 of one length (per-row calls cost more than a fast model's run)."""
+    are 1-D float32 of one length (per-row calls cost more than a fast model's run); rows
+    all finite so come back as one 2-D array, each row a row of it."""
     rows = list(outputs)
     if len(rows) > 1 and all(
         type(row) is np.ndarray and row.dtype == np.float32 and row.ndim == 1
@@ -113,9 +118,10 @@ def _checked_rows(outputs: Sequence[object]) -> list[np.ndarray | Failure]:
     ) and len({row.shape for row in rows}) == 1:  # type: ignore[union-attr]
         # concatenate, not stack: the same values at a third of the cost per row
         width = rows[0].shape[0]  # type: ignore[union-attr]
-        finite = np.isfinite(np.concatenate(rows)).reshape(len(rows), width).all(axis=1)  # type: ignore[arg-type]
+        stacked = np.concatenate(rows).reshape(len(rows), width)  # type: ignore[arg-type]
+        finite = np.isfinite(stacked).all(axis=1)
         if finite.all():
-            return rows  # type: ignore[return-value]
+            return stacked
         return [row if ok else _checked(row) for row, ok in zip(rows, finite.tolist(), strict=True)]
     return [_checked(row) for row in rows]
 

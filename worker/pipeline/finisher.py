@@ -34,11 +34,14 @@ class Finisher:
 
     def finish(
         self, rows: Sequence[np.ndarray], options: Sequence[RequestOptions]
-    ) -> list[np.ndarray]:
-        """The answer for each row (one request's whole result each), in order."""
-        out = list(rows)
+    ) -> Sequence[np.ndarray]:
+        """The answer for each row (one request's whole result each), in order; a 2-D array of
+        ``rows`` that asked nothing stays one (no object per row)."""
         if options.count(NO_OPTIONS) == len(options):  # no request asked anything: one step
-            return self._default(out) if self._default_work and out else out
+            if not self._default_work or not len(rows):
+                return rows
+            return self._shape(rows if isinstance(rows, np.ndarray) else stack_rows(rows))
+        out = list(rows)
         plain = [i for i, option in enumerate(options) if not option.shapes_output]
         if self._default_work and plain:
             done = self._default([out[i] for i in plain])
@@ -79,10 +82,12 @@ class Finisher:
         return self.one(mean, option, combined=True)
 
     def _default(self, rows: list[np.ndarray]) -> list[np.ndarray]:
-        stacked = stack_rows(rows).astype(np.float32, copy=False)
-        if self.embeds:
-            return list(_unit(stacked))
-        return list(_activate(stacked, self.info.activation))
+        return list(self._shape(stack_rows(rows)))
+
+    def _shape(self, stacked: np.ndarray) -> np.ndarray:
+        """Default requests' answers from their rows stacked."""
+        stacked = stacked.astype(np.float32, copy=False)
+        return _unit(stacked) if self.embeds else _activate(stacked, self.info.activation)
 
 
 def stack_rows(rows: Sequence[np.ndarray]) -> np.ndarray:

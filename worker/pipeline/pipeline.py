@@ -242,9 +242,10 @@ class Pipeline(Generic[K]):
         max_length: int | None,
         out: Admitted[K],
     ) -> None:
+        default = prompt_of(NO_OPTIONS, self.facts)
         inputs = [
-            TextInput(item.request.text, item.request.text_pair, prompt_of(options, self.facts),
-                      options.output_tokens)
+            TextInput(item.request.text, item.request.text_pair,
+                      default if options.prompt is None else options.prompt, options.output_tokens)
             for item, options, _ in items
         ]
         try:
@@ -265,9 +266,16 @@ class Pipeline(Generic[K]):
             out.answered.append(self._failed(items[0][0], *failure))
             return
         cut = self._cut(inputs, encodings, max_length)
+        limit, jobs = self.info.max_input_tokens, out.jobs
         for index, ((item, options, digest), encoding) in enumerate(
                 zip(items, encodings, strict=True)):
-            self._place(item, options, encoding, out, truncated=index in cut, digest=digest)
+            length = getattr(encoding, "length", None)
+            if type(length) is int and 0 < length <= limit and index not in cut \
+                    and not options.output_tokens:  # the common case, as _place takes it
+                jobs.append(Job(item.ref, item.request, item.deadline_ms, item.arrived_ms,
+                                encoding, None, 0, options, False, digest=digest))
+            else:
+                self._place(item, options, encoding, out, truncated=index in cut, digest=digest)
 
     def _cut(self, inputs: Sequence[TextInput], encodings: Sequence[Encoding],
              max_length: int | None) -> set[int]:
@@ -376,8 +384,12 @@ class Pipeline(Generic[K]):
     def settle(self, jobs: Sequence[Job[K]],
                results: Sequence[np.ndarray | Failure]) -> list[Outcome[K]]:
         """Outcomes for finished jobs; a chunked request finishes with its last window."""
-        whole = [i for i, (job, result) in enumerate(zip(jobs, results, strict=True))
-                 if job.chunk is None and not isinstance(result, Failure)]
+        if isinstance(results, np.ndarray) and (self.policy != "chunk" or all(
+                job.chunk is None for job in jobs)):  # every request whole, answered alike
+            whole: Sequence[int] = range(len(jobs))
+        else:
+            whole = [i for i, (job, result) in enumerate(zip(jobs, results, strict=True))
+                     if job.chunk is None and not isinstance(result, Failure)]
         if len(whole) == len(jobs):  # the common case: every request whole and answered
             rows = self.finisher.finish(results, [job.options for job in jobs])  # type: ignore[arg-type]
             return [Outcome(job.ref, job.request, row, job.encoding.length, job.truncated)

@@ -151,8 +151,10 @@ class HFBackend:
         text, truncation keeps the specials and cuts pairs 'longest_first'."""
         out: list[HFEncoding | None] = [None] * len(inputs)
         task = self.info.task
+        pairs = [i for i, item in enumerate(inputs) if item.text_pair is not None]
         for is_pair in (False, True):
-            indices = [i for i, item in enumerate(inputs) if (item.text_pair is None) != is_pair]
+            indices: Sequence[int] = pairs if is_pair else range(len(inputs)) if not pairs else [
+                i for i, item in enumerate(inputs) if item.text_pair is None]
             if not indices:
                 continue
             if task != "classify" and is_pair != (task == "rerank"):
@@ -167,7 +169,9 @@ class HFBackend:
                     f"max_length {max_length} is shorter than the special tokens need "
                     f"({self._min_length[is_pair]})"
                 )
-            texts = [self._prepare(inputs[i].prompt + inputs[i].text) for i in indices]
+            texts = [inputs[i].prompt + inputs[i].text for i in indices]
+            if self._lowercase:
+                texts = [text.lower() for text in texts]
             pieces: list[Any] = texts
             if is_pair:
                 pieces = [(text, self._prepare(inputs[i].text_pair or ""))
@@ -177,10 +181,10 @@ class HFBackend:
                 prompts = {p: self._prompt_lengths(p) for p in {inputs[i].prompt for i in indices}}
             ids = flat_rows([e.ids for e in encodings])
             types = flat_rows([e.type_ids for e in encodings]) if is_pair else [None] * len(ids)
-            for row, i in enumerate(indices):
-                out[i] = HFEncoding(ids[row], types[row], prompts[inputs[i].prompt],
-                                    tokens=inputs[i].tokens, truncated=cut[row])
-        return [enc for enc in out if enc is not None]
+            for i, row, type_row, truncated in zip(indices, ids, types, cut, strict=True):
+                item = inputs[i]
+                out[i] = HFEncoding(row, type_row, prompts[item.prompt], item.tokens, truncated)
+        return out  # type: ignore[return-value]  # each input is a pair or not: all filled
 
     def windows(self, encoding: HFEncoding, max_length: int, overlap: int) -> list[HFEncoding]:
         """Sliding windows of an over-long embedding input (the 'chunk' policy), each
