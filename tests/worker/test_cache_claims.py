@@ -71,7 +71,7 @@ def test_a_reply_written_while_a_lookup_was_in_flight_answers_that_lookup(redis_
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_url)
         cache = cache_of(client, "a")
-        assert await cache.claim([b"one"]) == [None]  # claimed: computed here
+        assert await cache.claim([b"in flight"]) == [None]  # claimed: computed here
         lookup = cache._lookup
         release = asyncio.Event()
 
@@ -81,9 +81,9 @@ def test_a_reply_written_while_a_lookup_was_in_flight_answers_that_lookup(redis_
             return found
 
         cache._lookup = slow_lookup  # type: ignore[method-assign]
-        in_flight = asyncio.create_task(cache.claim([b"one"]))
+        in_flight = asyncio.create_task(cache.claim([b"in flight"]))
         await asyncio.sleep(0.05)
-        cache.put([(b"one", REPLY)])
+        cache.put([(b"in flight", REPLY)])
         await cache._task  # written, its claim ended, no longer in ``writing``
         assert not cache.writing
         release.set()

@@ -219,7 +219,7 @@ class Reader:
                     health.read_ok(lane.index)
                     backoff = 0.1
                 except RedisError as exc:
-                    if not _missing(exc) or lane.tenant == keys.DEFAULT_TENANT:
+                    if not _missing(exc, lane) or lane.tenant == keys.DEFAULT_TENANT:
                         health.read_failed(lane.index, exc)
                     await self._on_read_error(lane, exc, backoff)
                     backoff = min(backoff * 2, 5.0)
@@ -302,7 +302,7 @@ class Reader:
     async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
         # A retired lane's stream is never made again here. NOGROUP, "no such key" or
         # UNBLOCKED: the stream is gone (Redis restarted empty, or it was deleted).
-        missing = _missing(exc)
+        missing = _missing(exc, lane)
         if missing and lane.tenant != keys.DEFAULT_TENANT:
             # Removed as idle: its next request makes it again (the group from id 0 here), or
             # the tenants' task closes the lane once the set no longer lists it.
@@ -425,10 +425,13 @@ MISSING_WAIT_S = 1.0
 """Longest wait between looks at a tenant's stream that is gone (its next request makes it)."""
 
 
-def _missing(exc: RedisError) -> bool:
-    """Whether ``exc`` says the stream or its group is gone."""
-    return isinstance(exc, ResponseError) and any(
-        sign in str(exc) for sign in ("NOGROUP", "no such key", "no longer exists"))
+def _missing(exc: RedisError, lane: Lane) -> bool:
+    """Whether ``exc`` says the stream or its group is gone; a tenant's stream also when it
+    was deleted under a blocked read (UNBLOCKED: removed as idle)."""
+    signs = ("NOGROUP", "no such key", "no longer exists")
+    if lane.tenant == keys.DEFAULT_TENANT:
+        signs = signs[:2]
+    return isinstance(exc, ResponseError) and any(sign in str(exc) for sign in signs)
 
 
 def _admit(
