@@ -83,17 +83,18 @@ class ResultCache:
         self._looking += 1
         try:
             values = await self._lookup(asked, take_over)
-            answered = {**self._written, **self.writing} if self._written else self.writing
+            written, writing = self._written, self.writing
         except RedisError as exc:
             self._failed("lookup", "failed", "computing instead", exc)
             return [None] * len(digests)
         finally:
             self._looking -= 1
-            if not self._looking:
-                self._written.clear()
+            if not self._looking and self._written:
+                self._written = {}
         self._went_through("lookup")
         oldest = self._w.clock.now_ms() - self._ttl_ms
-        found = {digest: answered.get(digest) or (value if value == HELD else None)
+        found = {digest: writing.get(digest) or written.get(digest)
+                 or (value if value == HELD else None)
                  if value is None or len(value) <= 8 or _STAMP.unpack_from(value)[0] <= oldest
                  else self._checked(value[8:])
                  for digest, value in zip(asked, values, strict=True)}

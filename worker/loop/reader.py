@@ -219,8 +219,6 @@ class Reader:
                     health.read_ok(lane.index)
                     backoff = 0.1
                 except RedisError as exc:
-                    if not _missing(exc, lane) or lane.tenant == keys.DEFAULT_TENANT:
-                        health.read_failed(lane.index, exc)
                     await self._on_read_error(lane, exc, backoff)
                     backoff = min(backoff * 2, 5.0)
         finally:
@@ -300,18 +298,19 @@ class Reader:
         return entries
 
     async def _on_read_error(self, lane: Lane, exc: RedisError, backoff: float) -> None:
-        # A retired lane's stream is never made again here. NOGROUP, "no such key" or
-        # UNBLOCKED: the stream is gone (Redis restarted empty, or it was deleted).
-        missing = _missing(exc, lane)
-        if missing and lane.tenant != keys.DEFAULT_TENANT:
-            # Removed as idle: its next request makes it again (the group from id 0 here), or
-            # the tenants' task closes the lane once the set no longer lists it.
+        """Wait out a failed read; counted for ``/readyz`` unless a tenant's stream was removed
+        as idle. A retired lane's stream is never made again here."""
+        if _tenant_removed(exc, lane):
+            # Its next request makes it again (the group from id 0 here), or the tenants'
+            # task closes the lane once the set no longer lists it.
             if not lane.drained:
                 with contextlib.suppress(RedisError):
                     await self.ensure_group(lane)
                 await wait_event(self._w.lifecycle.stopping, min(backoff, MISSING_WAIT_S))
             return
-        if missing and not lane.retired:
+        self._w.health.read_failed(lane.index, exc)
+        # NOGROUP or "no such key": the stream is gone (Redis restarted empty, or deleted).
+        if _missing(exc) and not lane.retired:
             log.warning("consumer group missing on %s (Redis restarted empty?); recreating it",
                         lane.stream)
             self._w.health.joined = False
@@ -425,13 +424,17 @@ MISSING_WAIT_S = 1.0
 """Longest wait between looks at a tenant's stream that is gone (its next request makes it)."""
 
 
-def _missing(exc: RedisError, lane: Lane) -> bool:
-    """Whether ``exc`` says the stream or its group is gone; a tenant's stream also when it
-    was deleted under a blocked read (UNBLOCKED: removed as idle)."""
-    signs = ("NOGROUP", "no such key", "no longer exists")
-    if lane.tenant == keys.DEFAULT_TENANT:
-        signs = signs[:2]
-    return isinstance(exc, ResponseError) and any(sign in str(exc) for sign in signs)
+def _missing(exc: RedisError) -> bool:
+    """Whether ``exc`` says the stream or its group is gone."""
+    return isinstance(exc, ResponseError) and any(
+        sign in str(exc) for sign in ("NOGROUP", "no such key"))
+
+
+def _tenant_removed(exc: RedisError, lane: Lane) -> bool:
+    """Whether ``exc`` says a tenant's stream is gone: missing, or deleted under a blocked read
+    (UNBLOCKED), as ``remove_idle_tenants.lua`` does to an idle one."""
+    return lane.tenant != keys.DEFAULT_TENANT and (
+        _missing(exc) or (isinstance(exc, ResponseError) and "no longer exists" in str(exc)))
 
 
 def _admit(
