@@ -58,7 +58,7 @@ import harness
 import numpy as np
 from texts import real_texts
 
-SIZES = {"tiny": 40, "small": 300, "full": 600}
+SIZES = {"tiny": 16, "small": 300, "full": 600}
 THREADS = int(os.environ.get("BENCH_THREADS", "1"))
 DEFAULT_BUDGET = 16384
 """The worker's default --max-batch-tokens."""
