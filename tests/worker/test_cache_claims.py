@@ -19,6 +19,7 @@ from tests.support import FAST_BEAT, SIM_FLAGS, SimModel, starter_fixture, wait_
 from tokenq.producer import AsyncClient, Client
 from tokenq.producer.ops.snapshot import heartbeats
 from tokenq.shared import keys, wire
+from tokenq.shared.errors import DeadlineExceeded
 from tokenq.worker.loop.cache import HELD, ResultCache
 from tokenq.worker.metrics import NullMetrics
 
@@ -194,3 +195,20 @@ def test_a_parked_request_short_of_time_is_computed_whoever_holds_it(
     assert SIM.vector_ok(client.result(first, timeout_s=30).embedding, "slow text")
     client.close()
     assert holder.process.poll() is None
+
+
+def test_a_request_refused_as_it_is_read_ends_its_claim_with_the_refusal(
+        start_worker, redis_url, r, queue_name) -> None:
+    """A request whose deadline passed while it waited in the stream is refused at admission:
+    its claim ends then, not a lease (three beats) later, so an identical request elsewhere is
+    not parked behind a request that will never run."""
+    start_worker("--sim-batch-ms", "1000", "--read-ahead-bytes", "1")
+    claims = keys.cache_claim(keys.QueueRef(queue_name), b"") + "*"
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        ahead = client.submit("ahead of it")
+        wait_for(lambda: r.keys(claims), 10, "the first request's claim")
+        late = client.submit("late text", deadline_s=0.2)  # read after the 1 s batch
+        with pytest.raises(DeadlineExceeded):
+            client.result(late, timeout_s=10)
+        wait_for(lambda: not r.keys(claims), 1.5, "every claim to end (the lease is 6 s)")
+        assert SIM.vector_ok(client.result(ahead, timeout_s=10).embedding, "ahead of it")

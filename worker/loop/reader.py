@@ -407,6 +407,8 @@ class Reader:
             admitted, seconds = admit() if on_loop else await asyncio.to_thread(admit)
         self._w.recorder.metrics.tokenized(seconds)
         self._admit_place.learn(units, seconds)
+        if digests is not None and self._device.cache is not None:
+            self._device.cache.put(_unrun(requests, digests, admitted.jobs))
         for owed in answers_by_lane(self._device.pipeline, admitted.answered).values():
             answers += owed  # all on this lane: the read's own entries
         fields = dict(present) if admitted.broken else {}
@@ -455,6 +457,17 @@ def _admit(
     started = time.perf_counter()
     admitted = pipeline.admit(items, now_epoch_ms)
     return admitted, time.perf_counter() - started
+
+
+def _unrun(requests: list[tuple[bytes, wire.Request]], digests: list[bytes | None],
+           jobs: list[Job[Ref]]) -> list[tuple[bytes, None]]:
+    """Claims to end now: the digests of requests admission answered (late, refused) or could
+    not take, none a job of this read runs; held, an identical request elsewhere would wait
+    for the claim to lapse."""
+    taken, running = {job.ref.entry_id for job in jobs}, {job.digest for job in jobs}
+    return [(digest, None) for digest in dict.fromkeys(
+        digest for (entry_id, _), digest in zip(requests, digests, strict=True)
+        if digest is not None and entry_id not in taken and digest not in running)]
 
 
 def _untakable(
