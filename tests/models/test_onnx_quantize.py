@@ -253,6 +253,18 @@ def test_the_sensitivity_pass_is_bounded_in_nodes_and_time(
     assert len([t for t in written if t.parent.name == "alone"]) == 1
 
 
+@pytest.mark.parametrize("exclude", ["Attention_0", {"Attention_0": 1}, [1, 2], [None]])
+def test_a_cached_choice_whose_nodes_are_not_names_is_chosen_again(
+    tmp_path: Path, exclude: object
+) -> None:
+    # A string is not read as its letters, a dict as its keys, numbers as names: choose again.
+    file = tmp_path / "int8-choice-x.json"
+    file.write_text(json.dumps({"exclude": exclude, "gate": 0.9, "measured": 0.95, "nodes": 4}))
+    assert quantize_module._read_choice(file) == (None, 0)
+    file.write_text(json.dumps({"exclude": ["Attention_0"], "gate": 0.9, "nodes": 4}))
+    assert quantize_module._read_choice(file) == (["Attention_0"], 4)
+
+
 def test_the_greedy_steps_grow_and_stop_at_half_the_nodes() -> None:
     assert quantize_module.exclusion_steps(18) == [1, 2, 3, 4, 6, 9]
     assert quantize_module.exclusion_steps(12) == [1, 2, 3, 4, 6]

@@ -379,9 +379,11 @@ def _read_choice(file: Path) -> tuple[list[str] | None, int]:
     """The cached nodes to leave fp32 and the quantisable count; None: choose (again)."""
     try:
         choice = json.loads(file.read_text())
-        exclude, nodes = [str(n) for n in choice["exclude"]], int(choice["nodes"])
+        exclude, nodes = choice["exclude"], int(choice["nodes"])
     except (OSError, ValueError, KeyError, TypeError):
         return None, 0
+    if not isinstance(exclude, list) or not all(isinstance(n, str) for n in exclude):
+        return None, 0  # not node names (a string would read as its letters)
     log.info("onnx runtime: reusing the int8 choice %s (%d nodes in fp32)", file, len(exclude))
     return exclude, nodes
 
