@@ -5,7 +5,7 @@
 --   KEYS[1]  <prefix>:{q}:requests     stream  XLEN; with "depth": EXISTS, XINFO GROUPS
 --   and, named from KEYS[1]: <prefix>:{q}:tenants set SMEMBERS; each tenant stream it lists,
 --   <prefix>:{q}:requests:<t>, the same (other members, which a producer may add, and keys
---   that are no stream are left alone)
+--   that are no stream are left alone; any other refusal, e.g. an ACL's, is the reply)
 --
 -- ARGV[1]  "length", or "depth"; ARGV[2] the consumer group (with "depth")
 --
@@ -28,6 +28,9 @@ end
 local length, pending, lag, exact = 0, 0, 0, 1
 for i, stream in ipairs(streams) do
   local n = i == 1 and redis.call("XLEN", stream) or redis.pcall("XLEN", stream)
+  if type(n) == "table" and n.err and not string.find(n.err, "WRONGTYPE", 1, true) then
+    return n  -- refused (an ACL): an error, never a sum that leaves the stream out
+  end
   if type(n) == "number" then
     length = length + n
     local group = nil
