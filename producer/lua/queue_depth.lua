@@ -14,14 +14,15 @@
 -- for a stream (before 7.0, or an entry deleted unread), whose lag is then length - pending.
 --
 -- Why a script: one round trip however many tenants a lane has; it costs a read per stream.
+
+-- tokenq:include tenant_stream.lua
+
 local depth = ARGV[1] == "depth"
 local streams = {KEYS[1]}
 local head = KEYS[1] .. ":"
 local listed = (string.match(KEYS[1], "^(.*):requests$") or KEYS[1]) .. ":tenants"
 for _, name in ipairs(redis.call("SMEMBERS", listed)) do
-  local tenant = string.sub(name, #head + 1)
-  if string.sub(name, 1, #head) == head and #tenant <= 64 and tenant ~= "default"
-      and string.find(tenant, "^[A-Za-z0-9_.%-]+$") then
+  if tenant_in(name, head) then
     streams[#streams + 1] = name
   end
 end
