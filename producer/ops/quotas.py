@@ -79,8 +79,9 @@ def show(r: redis.Redis, where: Sequence[keys.QueueRef], *, as_json: bool) -> No
         print(f"{name:<24} {quota:>16} {pending:>12}".rstrip())
 
 
-SHOWN_AT_MOST = 40
-"""Most characters of a hash field or value shown: one written by hand may be megabytes."""
+SHOWN_AT_MOST = 64
+"""Most characters of a hash field or value shown (one written by hand may be megabytes): the
+longest tenant name, so a tenant's row is its whole name, beside its pending tokens."""
 
 
 def _shown(text: str) -> str:

@@ -124,6 +124,20 @@ def test_show_bounds_a_hostile_cap_and_field_written_by_hand(
         assert len(out) < 1000 and "\x1b" not in out and "9" * 37 + "..." in out, out
 
 
+def test_show_names_a_64_character_tenant_whole_its_quota_beside_its_pending_tokens(
+    r: redis.Redis, redis_url: str, queue_name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tenant = "t" * 64  # the longest tenant name
+    assert run(redis_url, queue_name, "set", "--tenant", tenant, "--tokens", "30") == 0
+    with Client(redis_url=redis_url, queue=queue_name) as client:
+        client.submit_many([TEXT], tenant=tenant)
+    capsys.readouterr()
+    assert run(redis_url, queue_name, "show", "--json") == 0
+    assert json.loads(capsys.readouterr().out) == {
+        tenant: {"quota": "30", "pending_tokens": 9},
+        "default": {"quota": None, "pending_tokens": 0}}
+
+
 def test_the_command_refuses_a_bad_quota_before_it_writes(
     r: redis.Redis, redis_url: str, queue_name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
