@@ -270,6 +270,31 @@ def test_a_retired_shard_stays_while_a_tenant_s_stream_holds_entries(r, queue_na
     assert tend() == "gone"
 
 
+def test_a_retired_shard_whose_tenant_stream_may_not_be_read_stays_draining(
+    r, redis_url, queue_name
+):
+    """A tenant stream Redis refuses to read (an ACL without it) is not taken for a key that is
+    no stream: the shard is not judged drained past it, and nothing of it is removed."""
+    two = QueueRef(queue_name, shard=2)
+    main, tenant, pending = keys.requests(two), keys.tenant_requests(two, "a"), keys.pending(two)
+    r.xgroup_create(main, keys.GROUP, id="0", mkstream=True)
+    functions.Function(r, "enqueue")(keys=[tenant, keys.tenants(two)], args=[
+        0, 1, 0, 2, "id", "2.a", "tokens", "7"])
+    r.set(keys.retired(two), "2")
+    names = [main, keys.dead(two), keys.retired(two), keys.workers(two), keys.config(two)]
+    user = f"retire-{queue_name}"[:60]
+    r.acl_setuser(user, enabled=True, nopass=True, commands=[
+        "+fcall", "+exists", "+xlen", "+xpending", "+smembers", "+del"],
+                  keys=[*names, keys.tenants(two), pending])  # not the tenant's stream
+    try:
+        with redis.Redis.from_url(redis_url, username=user, password="") as limited:
+            state = functions.Function(limited, "remove_retired")(keys=names, args=[keys.GROUP])
+        assert state == b"draining"
+        assert r.exists(main, tenant, pending) == 3
+    finally:
+        r.acl_deluser(user)
+
+
 def test_a_retired_shard_whose_own_stream_is_gone_stays_while_a_tenant_s_holds_entries(
     r, queue_name
 ):
