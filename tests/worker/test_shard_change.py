@@ -270,9 +270,6 @@ def test_a_retired_shard_stays_while_a_tenant_s_stream_holds_entries(r, queue_na
     assert tend() == "gone"
 
 
-@pytest.mark.xfail(strict=True, reason="remove_retired.lua (worker/lua, outside this change's "
-                   "folders) skips a tenant stream whose XLEN an ACL refuses as if it were no "
-                   "stream, then removes the shard and its pending hash")
 def test_a_retired_shard_whose_tenant_stream_may_not_be_read_stays_draining(
     r, redis_url, queue_name
 ):

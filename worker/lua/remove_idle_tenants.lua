@@ -22,6 +22,7 @@
 -- announced, and a worker makes the group again from id 0).
 
 -- tokenq:include pending_tokens.lua
+-- tokenq:include tenant_stream.lua
 
 local head = string.sub(KEYS[1], 1, -#":tenants" - 1) .. ":requests:"
 local idle_ms = tonumber(ARGV[2])
@@ -54,10 +55,8 @@ end
 local removed = {}
 for i = 2, #KEYS do
   local stream = KEYS[i]
-  local tenant = string.sub(stream, #head + 1)
-  if string.sub(stream, 1, #head) == head and #tenant <= 64 and tenant ~= "default"
-      and string.find(tenant, "^[A-Za-z0-9_.%-]+$")
-      and redis.call("SISMEMBER", KEYS[1], stream) == 1 and idle(stream) then
+  if tenant_in(stream, head) and redis.call("SISMEMBER", KEYS[1], stream) == 1
+      and idle(stream) then
     local key, field = pending_of(stream)
     -- A command per key: an ACL grants each kind of key in a selector of its own, and one
     -- command must be allowed whole by one selector (docs/SECURITY.md).

@@ -25,6 +25,7 @@
 -- entries are counted in the one pending hash, which goes with the lane.
 
 -- tokenq:include pending_tokens.lua
+-- tokenq:include tenant_stream.lua
 
 if redis.call("EXISTS", KEYS[3]) == 0 then
   return "active"
@@ -44,15 +45,15 @@ if exists and (redis.call("XLEN", KEYS[1]) > 0 or redis.call("XLEN", KEYS[2]) > 
 end
 -- The tenant streams its tenants set lists: named <KEYS[1]>:<tenant> as keys.tenant_of reads
 -- them (so in this slot). Other members, which a producer may add, and keys that are not
--- streams are left alone.
+-- streams are left alone; a stream Redis refuses to read keeps the shard draining.
 local head, drained = KEYS[1] .. ":", {}
 local listed = (string.match(KEYS[1], "^(.*):requests$") or KEYS[1]) .. ":tenants"
 for _, name in ipairs(redis.call("SMEMBERS", listed)) do
-  local tenant = string.sub(name, #head + 1)
-  if string.sub(name, 1, #head) == head and #tenant <= 64 and tenant ~= "default"
-      and string.find(tenant, "^[A-Za-z0-9_.%-]+$") then
+  if tenant_in(name, head) then
     local length = redis.pcall("XLEN", name)
-    if type(length) == "number" then
+    if type(length) == "table" and not string.find(length.err, "WRONGTYPE", 1, true) then
+      return "draining"  -- refused (an ACL): it may hold entries, so nothing goes
+    elseif type(length) == "number" then
       if length > 0 or unanswered(name) then
         return "draining"
       end
