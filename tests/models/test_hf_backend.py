@@ -641,6 +641,9 @@ def test_probe_stops_at_out_of_memory_and_at_max_rows() -> None:
     )
     assert tokens == 1600 and "capped" in reason
     assert plan_budget([], usable_bytes=10, row_tokens=100, max_rows=4)[0] == 0
+    # Two probes of one size give no slope: the last one's bytes per token, no ZeroDivisionError.
+    repeated = [(200, 2000), (200, 2000)]
+    assert plan_budget(repeated, usable_bytes=10_000, row_tokens=100, max_rows=64)[0] == 1000
 
 
 # -- the real model -------------------------------------------------------------

@@ -96,8 +96,8 @@ def plan_budget(
         )
     tokens, peak = samples[-1]
     per_token, fixed = peak / tokens, 0.0
-    if len(samples) >= 2:  # rows double: the last two differ in tokens
-        t1, p1 = samples[-2]
+    t1, p1 = samples[-2] if len(samples) >= 2 else samples[-1]
+    if t1 != tokens:  # rows double, so the last two differ in tokens; a repeat gives no slope
         per_token = (peak - p1) / (tokens - t1)
         fixed = peak - per_token * tokens
     if per_token <= 0:
