@@ -28,7 +28,9 @@ run's span, and latency from the ``infer`` call to its return
 (``time.perf_counter`` in this process, so it includes the producer's own
 work), the first ``WARMUP`` of each class's requests left out of the
 percentiles. The closed loop fixes the concurrency rather than the rate: a
-setting that answers queries sooner also gets more queries to answer.
+setting that answers queries sooner also gets more queries to answer. The
+``all`` row's ``query_over_passage_p50`` is the queries' p50 over the passages'
+in the same run, the figure that drifts least with the machine's load.
 
 With ``run.py mixed-latency --runtime onnx`` (``BENCH_RUNTIME=onnx``) two
 more settings run the same closed loop on the real model instead of the
@@ -38,6 +40,10 @@ tokens) on ``--runtime torch`` and ``--runtime onnx``, every request
 priority 0; the notes give onnx/torch requests per second, the same load in
 the same run. ``--dtype bf16-mixed`` compares ``hf-bf16-mixed`` with
 ``hf-torch`` (fp32) the same way.
+
+``BENCH_SETTINGS`` (a comma-separated list of setting names) runs only those
+settings, e.g. ``BENCH_RUNTIME=onnx BENCH_SETTINGS=hf-torch`` the closed loop
+on the real model alone; the notes then compare only what ran.
 
 The suite also runs on an older tokenq whose producer has no ``priority``
 keyword (``run.py mixed-latency --baseline REV`` runs this file on REV's
@@ -189,6 +195,8 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
+SETTINGS_ENV = "BENCH_SETTINGS"
+"""Names of the settings to run, comma-separated (unset: every one)."""
 HF_THREADS = int(os.environ.get("BENCH_THREADS", "1"))
 """Threads of the hf worker (``OMP_NUM_THREADS``), as suite ``real`` runs it."""
 SIM_FLAGS = ["--backend", "sim_probe:factory", *harness.sim_flags(SIM)]
@@ -226,7 +234,9 @@ def run_setting(
         row = class_row(f"{setting} {cls}", mine, span)
         row.update({"mode": setting, "class": cls}, priority_supported=supported)
         rows.append(row)
+    query, passage = rows[0]["p50_ms"], rows[1]["p50_ms"]
     rows[-1].update(
+        query_over_passage_p50=round(query / passage, 3) if query and passage else None,
         seconds=round(span, 3),
         batches=totals["batches"],
         mean_rows=totals["mean_rows"],
@@ -238,22 +248,32 @@ def run_setting(
     return rows
 
 
+def chosen(names: list[str]) -> list[str]:
+    """``names`` cut to those ``BENCH_SETTINGS`` lists (all of them when it is unset)."""
+    wanted = os.environ.get(SETTINGS_ENV, "").strip()
+    if not wanted:
+        return names
+    picked = {name.strip() for name in wanted.split(",") if name.strip()}
+    if unknown := picked - set(names):
+        raise SystemExit(f"{SETTINGS_ENV}: no setting {', '.join(sorted(unknown))} in this run "
+                         f"(it has {', '.join(names)})")
+    return [name for name in names if name in picked]
+
+
 def run(size: str) -> dict[str, Any]:
     texts = pools()
     supported = priority_supported()
     rows: list[dict[str, Any]] = []
     runtime = harness.bench_runtime()
     hf_settings = {} if runtime == "torch" else {"hf-torch": "torch", f"hf-{runtime}": runtime}
+    names = chosen([*SETTINGS, *hf_settings])
     with harness.private_redis() as server, tempfile.TemporaryDirectory() as tmp:
-        for setting in SETTINGS:
-            rows += run_setting(server, Path(tmp), setting, size, texts, supported)
-        for setting, name in hf_settings.items():
-            rows += run_setting(
-                server, Path(tmp), setting, size, texts, supported, hf_flags(name)
-            )
+        for setting in names:
+            backend = SIM_FLAGS if setting in SETTINGS else hf_flags(hf_settings[setting])
+            rows += run_setting(server, Path(tmp), setting, size, texts, supported, backend)
     by = {row["setting"]: row for row in rows}
     notes = []
-    if hf_settings:
+    if f"hf-{runtime} all" in by and "hf-torch all" in by:
         mine, torch_all = by[f"hf-{runtime} all"], by["hf-torch all"]
         if mine["requests_per_s"] and torch_all["requests_per_s"]:
             notes.append(
@@ -261,15 +281,21 @@ def run(size: str) -> dict[str, Any]:
                 f"x{mine['requests_per_s'] / torch_all['requests_per_s']:.2f} "
                 f"({mine['requests_per_s']} vs {torch_all['requests_per_s']})"
             )
-    for cls in CLASSES:
-        base, prio = by[f"no-priority {cls}"]["p50_ms"], by[f"priority {cls}"]["p50_ms"]
-        if base and prio:
-            notes.append(f"{cls} p50, priority / no-priority: x{prio / base:.2f} "
-                         f"({prio:.1f} vs {base:.1f} ms)")
-    base_all = by["no-priority all"]["requests_per_s"]
-    prio_all = by["priority all"]["requests_per_s"]
-    if base_all and prio_all:
-        notes.append(f"all requests/s, priority / no-priority: x{prio_all / base_all:.2f}")
+    for setting in names:
+        if ratio := by[f"{setting} all"]["query_over_passage_p50"]:
+            notes.append(f"{setting}: query p50 / passage p50 x{ratio:.2f} "
+                         f"({by[f'{setting} query']['p50_ms']:.1f} vs "
+                         f"{by[f'{setting} passage']['p50_ms']:.1f} ms)")
+    if "no-priority" in names and "priority" in names:
+        for cls in CLASSES:
+            base, prio = by[f"no-priority {cls}"]["p50_ms"], by[f"priority {cls}"]["p50_ms"]
+            if base and prio:
+                notes.append(f"{cls} p50, priority / no-priority: x{prio / base:.2f} "
+                             f"({prio:.1f} vs {base:.1f} ms)")
+        base_all = by["no-priority all"]["requests_per_s"]
+        prio_all = by["priority all"]["requests_per_s"]
+        if base_all and prio_all:
+            notes.append(f"all requests/s, priority / no-priority: x{prio_all / base_all:.2f}")
     if not supported:
         notes.append("this tokenq has no priority keyword: the priority setting ran without it")
     return {
@@ -280,6 +306,7 @@ def run(size: str) -> dict[str, Any]:
             "seconds_per_setting": SECONDS[size],
             "mix": "50/50 random per request: queries 12-28 tokens, passages 1,350-1,650",
             "pool": {cls: len(group) for cls, group in texts.items()},
+            "settings": names,
             "priorities": SETTINGS,
             "priority_supported": supported,
             "runtime": runtime,

@@ -88,6 +88,7 @@ class Knobs:
     max_batch_size: int = 64
     linger_ms: float = 30.0
     max_padding_ratio: float = 1.0
+    aging_ms: float = 1000.0
 
 
 Answer = np.ndarray | BaseException
@@ -158,7 +159,7 @@ async def batcher_loop(backend: Recording, knobs: Knobs, redis_url: str) -> Asyn
         backend, max_batch_tokens=knobs.max_batch_tokens, max_batch_size=knobs.max_batch_size,
         linger_ms=knobs.linger_ms, options=BatcherOptions(
             policy=knobs.policy, chunk_overlap=knobs.chunk_overlap,
-            max_padding_ratio=knobs.max_padding_ratio),
+            max_padding_ratio=knobs.max_padding_ratio, aging_ms=knobs.aging_ms),
     ) as batcher:
         yield BatcherLoop(batcher)
 
@@ -170,7 +171,8 @@ async def redis_loop(backend: Recording, knobs: Knobs, redis_url: str) -> AsyncI
         redis_url=redis_url, queue=queue, backend="sim", policy=knobs.policy,
         chunk_overlap=knobs.chunk_overlap, max_batch_tokens=knobs.max_batch_tokens,
         max_batch_size=knobs.max_batch_size, linger_ms=knobs.linger_ms,
-        max_padding_ratio=knobs.max_padding_ratio, block_ms=100, heartbeat_s=1.0,
+        max_padding_ratio=knobs.max_padding_ratio, aging_ms=knobs.aging_ms, block_ms=100,
+        heartbeat_s=1.0,
     )
     worker = Worker(settings, backend)
     running = asyncio.create_task(worker.run())
@@ -290,6 +292,31 @@ def test_the_padding_guard_keeps_short_and_long_apart(open_loop) -> None:
         assert all(isinstance(answer, np.ndarray) for answer in answers)
         for shape in backend.shapes:
             assert max(shape) - min(shape) <= 1.0 * min(shape), backend.shapes
+
+    run(main())
+
+
+def test_queries_read_during_a_long_batch_go_before_the_passages_read_with_it(
+        open_loop) -> None:
+    """On a device whose batches outlast aging_ms (a CPU), passages read ahead have waited past
+    aging_ms when the batch on the device ends, yet the queries that came meanwhile take the
+    next batch; the passages go after them."""
+    async def main() -> None:
+        backend = Recording(slow_s=0.8)
+        passages = [" ".join([f"slow{i}"] * 20) for i in range(8)]  # 22 tokens each
+        queries = [f"q{i}" for i in range(3)]  # 3 tokens each
+        knobs = Knobs(max_batch_size=4, aging_ms=200.0)
+        async with open_loop(backend, knobs) as loop:
+            read_ahead = asyncio.ensure_future(loop.submit_all(passages))
+            while not backend.shapes:  # until four passages are on the device, four waiting
+                await asyncio.sleep(0.005)
+            answered = await loop.submit_all(queries)
+            answers = [*answered, *await read_ahead]
+        for text, answer in zip([*queries, *passages], answers, strict=True):
+            np.testing.assert_allclose(answer, expected_vector(text, DIM), rtol=1e-6)
+        first, after, *rest = backend.shapes
+        assert after == [3] * 3, backend.shapes  # the queries' batch, next after the first
+        assert {*first, *(length for shape in rest for length in shape)} == {22}
 
     run(main())
 
