@@ -385,10 +385,11 @@ def counted_of(raw: Mapping[bytes, bytes]) -> int:
     """An entry's counted tokens, as the scripts read them (``count_of`` in enqueue.lua): its
     first field's value when that field is :data:`COUNTED_FIELD` and the value 1 to 8 digits
     at most :data:`MAX_TOKENS`, else 0 (never an error: a broken one only counts nothing)."""
-    name, value = next(iter(raw.items()), (b"", b""))
-    if name == _COUNTED_BYTES and len(value) <= 8 and value.isdigit():
-        return int(value) if int(value) <= MAX_TOKENS else 0
-    return 0
+    value = raw.get(_COUNTED_BYTES)  # found first: most entries are counted
+    if value is None or len(value) > 8 or not value.isdigit() or next(iter(raw)) != _COUNTED_BYTES:
+        return 0
+    count = int(value)
+    return count if count <= MAX_TOKENS else 0
 
 
 def stream_id_ms(entry_id: bytes | str) -> int | None:
