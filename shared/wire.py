@@ -577,8 +577,9 @@ def encode_embedding_replies(
     head = _thread_packer().pack_map_header(5) + one("id")
     middle = one("ok") + one(True) + one("embedding") + one(bytes(width))[:-width]
     tail = one("dim") + one(dim) + one("tokens")
+    floats = memoryview(rows)  # each row joined from it, not copied out first
     return [
-        b"".join((head, one(request_id), middle, rows[at:at + width], tail, one(count)))
+        b"".join((head, one(request_id), middle, floats[at:at + width], tail, one(count)))
         for request_id, at, count in zip(request_ids, range(0, len(rows), width), tokens,
                                          strict=True)
     ]
