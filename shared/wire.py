@@ -385,10 +385,11 @@ def counted_of(raw: Mapping[bytes, bytes]) -> int:
     """An entry's counted tokens, as the scripts read them (``count_of`` in enqueue.lua): its
     first field's value when that field is :data:`COUNTED_FIELD` and the value 1 to 8 digits
     at most :data:`MAX_TOKENS`, else 0 (never an error: a broken one only counts nothing)."""
-    name, value = next(iter(raw.items()), (b"", b""))
-    if name == _COUNTED_BYTES and len(value) <= 8 and value.isdigit():
-        return int(value) if int(value) <= MAX_TOKENS else 0
-    return 0
+    value = raw.get(_COUNTED_BYTES)  # found first: most entries are counted
+    if value is None or len(value) > 8 or not value.isdigit() or next(iter(raw)) != _COUNTED_BYTES:
+        return 0
+    count = int(value)
+    return count if count <= MAX_TOKENS else 0
 
 
 def stream_id_ms(entry_id: bytes | str) -> int | None:
@@ -561,10 +562,11 @@ def encode_embedding_reply(
 
 
 def encode_embedding_replies(
-    request_ids: Sequence[str], rows: bytes, dim: int, tokens: Sequence[int]
+    request_ids: Sequence[str], rows: bytes | memoryview, dim: int, tokens: Sequence[int]
 ) -> list[bytes]:
     """``encode_embedding_reply(id, row, dim, tokens)`` for many rows of one width, byte for
-    byte; ``rows`` is their float32 little-endian values end to end. The parts all replies
+    byte; ``rows`` is their float32 little-endian values end to end (bytes, or a view of
+    them byte by byte). The parts all replies
     share are packed once, so each reply is two small packs and a join."""
     width = 4 * dim
     if dim < 1 or len(rows) != width * len(request_ids) or len(tokens) != len(request_ids):
@@ -576,8 +578,9 @@ def encode_embedding_replies(
     head = _thread_packer().pack_map_header(5) + one("id")
     middle = one("ok") + one(True) + one("embedding") + one(bytes(width))[:-width]
     tail = one("dim") + one(dim) + one("tokens")
+    floats = memoryview(rows)  # each row joined from it, not copied out first
     return [
-        b"".join((head, one(request_id), middle, rows[at:at + width], tail, one(count)))
+        b"".join((head, one(request_id), middle, floats[at:at + width], tail, one(count)))
         for request_id, at, count in zip(request_ids, range(0, len(rows), width), tokens,
                                          strict=True)
     ]

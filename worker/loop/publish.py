@@ -19,8 +19,11 @@ from tokenq.worker.pipeline.jobs import Answer
 
 log = logging.getLogger("tokenq.worker")
 
-_ANSWER = bulk_format(5)
-"""One answer with no dead-letter fields: entry id, reply key slot, payload, counted, ``0``."""
+_BEFORE_PAYLOAD = bulk_format(2) + b"$%d\r\n"
+_AFTER_PAYLOAD = b"\r\n" + bulk_format(2)
+"""One answer with no dead-letter fields, around its payload (joined once, with the call's
+other arguments, not copied per answer): entry id, reply key slot, the payload's length; then
+counted, ``0``."""
 
 
 class Target(NamedTuple):
@@ -82,8 +85,9 @@ class Publisher:
                                         *(value for pair in dead_fields for value in pair)))))
                 count += 2 * len(dead_fields)
             else:
-                add(_ANSWER % (len(entry_id), entry_id, len(slot), slot, len(payload), payload,
-                               len(counted), counted, 1, b"0"))
+                add(_BEFORE_PAYLOAD % (len(entry_id), entry_id, len(slot), slot, len(payload)))
+                add(payload)
+                add(_AFTER_PAYLOAD % (len(counted), counted, 1, b"0"))
         return keys, [*self._head, len(answers), PackedArgs(count, b"".join(parts))]
 
     async def publish_once(

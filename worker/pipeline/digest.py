@@ -3,8 +3,10 @@ what makes identical requests in flight one row: docs/OPERATIONS.md, "Result cac
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+from typing import Any
 
 from tokenq.shared import wire
 from tokenq.shared.queue_config import describe, encode_config
@@ -22,10 +24,19 @@ def request_digest(scope: bytes, request: wire.Request, options: RequestOptions,
                    truncates: bool) -> bytes:
     """What the answer depends on beyond ``scope`` (namespace, model identity, queue policy):
     the prompt, the options that shape the output, the truncation and the text, hashed."""
-    return hashlib.blake2b(wire.pack([
+    hasher = _keyed(scope).copy()
+    hasher.update(wire.pack([
         prompt, options.dimensions, options.normalize, options.raw_scores,
         options.output_tokens, truncates, request.text, request.text_pair,
-    ]), digest_size=16, key=scope).digest()
+    ]))
+    return hasher.digest()
+
+
+@functools.lru_cache(maxsize=1024)
+def _keyed(scope: bytes) -> Any:
+    """A blake2b keyed with ``scope``, to be copied: keying one costs more than hashing a short
+    request's bytes, and a worker makes its digests under a handful of scopes."""
+    return hashlib.blake2b(digest_size=16, key=scope)
 
 
 def model_identity(info: BackendInfo, weights: str) -> str:

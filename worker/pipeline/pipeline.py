@@ -450,8 +450,8 @@ class Pipeline(Generic[K]):
         vectors = [outcome.result for outcome in outcomes]
         # concatenate, not stack: the same bytes at a third of the cost per row
         rows = np.concatenate(vectors).astype("<f4", copy=False)  # type: ignore[arg-type]
-        return wire.encode_embedding_replies(
-            [outcome.request.id for outcome in outcomes], rows.tobytes(),
+        return wire.encode_embedding_replies(  # the rows' bytes read in place, not copied
+            [outcome.request.id for outcome in outcomes], memoryview(rows.view(np.uint8)),
             int(vectors[0].shape[0]),  # type: ignore[union-attr]
             [outcome.tokens for outcome in outcomes],
         )

@@ -88,7 +88,9 @@ class PrefixTokenizer:
             unread = []
             read = self._tokenizer.encode_batch_fast(pieces)  # no offsets: never read
             for i, piece, encoding in zip(pending, pieces, read, strict=True):
-                overflowed = bool(encoding.overflowing)
+                # Only a cut encoding overflows, and a cut one is max_length long: a shorter
+                # one's overflow (a list built per call) is never asked for.
+                overflowed = len(encoding) >= max_length and bool(encoding.overflowing)
                 if overflowed or len(piece) == len(texts[i]):
                     found[i], cut[i] = encoding, overflowed
                 else:
