@@ -113,6 +113,21 @@ def test_a_prefix_gives_the_ids_and_flag_of_the_whole_text_truncated(
     assert ([e.ids for e in encodings], cut) == _whole(tokenizer, texts, max_length)
 
 
+@pytest.mark.parametrize("name", list(BUILDERS))
+@settings(max_examples=60, deadline=None)
+@given(texts=st.lists(TEXTS, min_size=1, max_size=4), max_length=st.integers(4, 48))
+def test_a_first_prefix_learned_from_dense_texts_still_gives_the_whole_texts_ids(
+        name: str, texts: list[str], max_length: int) -> None:
+    """Taught by texts of about a character a token, the first prefix is short: texts whose
+    tokens take more characters (whitespace runs, long words) are read again, longer."""
+    tokenizer = _tokenizer(name)
+    prefix = PrefixTokenizer(tokenizer)
+    prefix.encode(["你好世界猫日本語 한국어 " * 4] * 40, 512)
+    assert prefix._chars_per_token < 2 or not cuttable(tokenizer)  # learned, where it cuts
+    encodings, cut = prefix.encode(texts, max_length)
+    assert ([e.ids for e in encodings], cut) == _whole(tokenizer, texts, max_length)
+
+
 def test_a_tiny_bert_tokenizer_is_cut_where_whitespace_starts(tmp_path: Path) -> None:
     tokenizer = _tiny_bert(tmp_path)
     assert cuttable(tokenizer)

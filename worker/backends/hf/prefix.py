@@ -3,6 +3,7 @@ truncating would (docs/decisions/0088-prefix-tokenization.md)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 from typing import Any
@@ -58,18 +59,31 @@ def _known(part: dict[str, Any] | None, allowed: frozenset[str], nested: str) ->
     return kind in allowed
 
 
+LEARNED_FROM = 32
+"""Whole texts read (of at least ``MIN_TOKENS_SEEN`` tokens) before their characters per
+token size the first prefix."""
+MIN_TOKENS_SEEN = 16
+MARGIN = 1.25
+"""The first prefix holds the 95th percentile of characters per token seen, a quarter more."""
+
+
 class PrefixTokenizer:
     """Encodes single texts truncated to ``max_length``, reading a prefix that grows fourfold
-    until its tokens overflow the window or it is the text. Not thread-safe."""
+    until its tokens overflow the window or it is the text. The first prefix holds
+    ``first_chars_per_token`` characters a token of the window until the texts read say how
+    many their tokens take (never more). Not thread-safe."""
 
     def __init__(self, tokenizer: Tokenizer, truncation_side: str = "right",
-                 first_chars_per_token: int = 8) -> None:
+                 first_chars_per_token: float = 8) -> None:
         self._tokenizer = Tokenizer.from_str(tokenizer.to_str())
         self._tokenizer.no_padding()
         self._tokenizer.no_truncation()
         self._side = truncation_side
         self._cuttable = truncation_side == "right" and cuttable(tokenizer)
+        self._most_chars_per_token = first_chars_per_token
         self._chars_per_token = first_chars_per_token
+        self._seen: collections.deque[float] = collections.deque(maxlen=256)
+        """Characters per token of the last whole texts read."""
         self._max_length: int | None = None
 
     def encode(self, texts: list[Any], max_length: int | None) -> tuple[list[Encoding], list[bool]]:
@@ -81,8 +95,9 @@ class PrefixTokenizer:
             return encodings, [bool(e.overflowing) for e in encodings]
         found: list[Encoding | None] = [None] * len(texts)
         cut = [False] * len(texts)
-        limit = max_length * self._chars_per_token
+        limit = int(max_length * self._chars_per_token) + 1
         pending = list(range(len(texts)))
+        seen = self._seen
         while pending:
             pieces = [_prefix(texts[i], limit) for i in pending]
             unread = []
@@ -90,13 +105,25 @@ class PrefixTokenizer:
             for i, piece, encoding in zip(pending, pieces, read, strict=True):
                 # Only a cut encoding overflows, and a cut one is max_length long: a shorter
                 # one's overflow (a list built per call) is never asked for.
-                overflowed = len(encoding) >= max_length and bool(encoding.overflowing)
-                if overflowed or len(piece) == len(texts[i]):
-                    found[i], cut[i] = encoding, overflowed
+                tokens = len(encoding)
+                overflowed = tokens >= max_length and bool(encoding.overflowing)
+                if overflowed:
+                    found[i], cut[i] = encoding, True
+                elif len(piece) == len(texts[i]):
+                    found[i] = encoding
+                    if tokens >= MIN_TOKENS_SEEN:
+                        seen.append(len(piece) / tokens)
                 else:
                     unread.append(i)
             pending, limit = unread, limit * 4
+        self._learn()
         return [e for e in found if e is not None], cut
+
+    def _learn(self) -> None:
+        """Size the next first prefix from the characters per token of the texts read."""
+        if len(self._seen) >= LEARNED_FROM:
+            high = sorted(self._seen)[int(len(self._seen) * 0.95)]
+            self._chars_per_token = min(self._most_chars_per_token, max(1.0, high * MARGIN))
 
     def _set_truncation(self, max_length: int | None) -> None:
         if max_length == self._max_length:
