@@ -565,9 +565,8 @@ def encode_embedding_replies(
     request_ids: Sequence[str], rows: bytes | memoryview, dim: int, tokens: Sequence[int]
 ) -> list[bytes]:
     """``encode_embedding_reply(id, row, dim, tokens)`` for many rows of one width, byte for
-    byte; ``rows`` is their float32 little-endian values end to end (bytes, or a view of
-    them byte by byte). The parts all replies
-    share are packed once, so each reply is two small packs and a join."""
+    byte; ``rows`` is their float32 little-endian values end to end (bytes, or a byte view of
+    them). The parts all replies share are packed once: each reply is two small packs and a join."""
     width = 4 * dim
     if dim < 1 or len(rows) != width * len(request_ids) or len(tokens) != len(request_ids):
         raise ValueError(

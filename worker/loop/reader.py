@@ -407,7 +407,8 @@ class Reader:
             admitted, seconds = admit() if on_loop else await asyncio.to_thread(admit)
         self._w.recorder.metrics.tokenized(seconds)
         self._admit_place.learn(units, seconds)
-        if digests is not None and self._device.cache is not None:
+        if digests is not None and self._device.cache is not None and (
+                admitted.answered or admitted.broken):  # else every request is a job
             self._device.cache.put(_unrun(requests, digests, admitted.jobs))
         for owed in answers_by_lane(self._device.pipeline, admitted.answered).values():
             answers += owed  # all on this lane: the read's own entries

@@ -97,7 +97,7 @@ class PrefixTokenizer:
         cut = [False] * len(texts)
         limit = int(max_length * self._chars_per_token) + 1
         pending = list(range(len(texts)))
-        seen = self._seen
+        seen, learned = self._seen, False
         while pending:
             pieces = [_prefix(texts[i], limit) for i in pending]
             unread = []
@@ -113,10 +113,12 @@ class PrefixTokenizer:
                     found[i] = encoding
                     if tokens >= MIN_TOKENS_SEEN:
                         seen.append(len(piece) / tokens)
+                        learned = True
                 else:
                     unread.append(i)
             pending, limit = unread, limit * 4
-        self._learn()
+        if learned:
+            self._learn()
         return [e for e in found if e is not None], cut
 
     def _learn(self) -> None:
