@@ -34,6 +34,8 @@ REFUSED_NOW_RETRIED = {
     "BUSY": "Redis is busy running a script",
     "READONLY": "Redis is a read-only replica (a failover may be under way)",
     "MASTERDOWN": "Redis is a replica that lost its master",
+    "MISCONF": "Redis refuses writes until it can save to disk",
+    "NOREPLICAS": "Redis refuses writes while fewer replicas than min-replicas-to-write answer",
 }
 """Error replies for a command Redis did not run because of its own state: retried like a
 refused connection, then ``BrokerUnavailable`` naming the reason."""

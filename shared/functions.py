@@ -57,8 +57,7 @@ class _Base:
     def __init__(self, client: Any, short: str) -> None:
         lib = lua_scripts.library()
         self.name = lib.functions[short]
-        # A read-only function goes by FCALL_RO, which Redis refuses to let write.
-        self._command = "fcall_ro" if "no-writes" in lua_scripts.SCRIPTS[short].flags else "fcall"
+        self._command = lua_scripts.SCRIPTS[short].command
         self._source = lib.scripts[short]
         self._client = client
         self._mode = _MODES.setdefault(client, SimpleNamespace(scripts=False))

@@ -88,13 +88,17 @@ class Script:
     package: str
     file: str
     flags: tuple[str, ...] = ()
+    command: str = "fcall"
+    """How clients call it. A ``no-writes`` function called by ``FCALL`` is a read to Redis
+    (it runs on a replica, and while Redis refuses writes); ``fcall_ro`` where the documented
+    ACL grants only that (the reply keys)."""
 
 
 SCRIPTS: Mapping[str, Script] = {
     "enqueue": Script("tokenq.producer", "enqueue.lua"),
     "enqueue_seen": Script("tokenq.producer", "enqueue.lua", ("no-writes",)),
-    "peek_replies": Script("tokenq.producer", "peek_replies.lua", ("no-writes",)),
-    "queue_depth": Script("tokenq.producer", "queue_depth.lua", ("allow-oom",)),
+    "peek_replies": Script("tokenq.producer", "peek_replies.lua", ("no-writes",), "fcall_ro"),
+    "queue_depth": Script("tokenq.producer", "queue_depth.lua", ("no-writes",)),
     "dlq_retry": Script("tokenq.producer", "dlq_retry.lua"),
     "publish": Script("tokenq.worker", "publish.lua"),
     "drop_consumer": Script("tokenq.worker", "drop_consumer.lua", ("allow-oom",)),

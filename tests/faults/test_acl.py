@@ -26,7 +26,8 @@ import redis
 from tests.redis_server import RedisServer, free_port
 from tests.support import FAST_BEAT, SimModel, blpop_within, fleet_fixture, wait_for
 from tests.workers import Fleet
-from tokenq.producer import AsyncClient, Client
+from tokenq.producer import AsyncClient, Client, calls
+from tokenq.producer.deadline import Deadline
 from tokenq.shared import functions, keys, wire
 from tokenq.shared.errors import QueueFull
 
@@ -394,6 +395,40 @@ def test_the_result_cache_empties_under_the_documented_acl(acl_server: RedisServ
     assert put(keys=names, args=[10**6, 1000, 10_000, 64, 0.9, b"digest", b"v" * 20]) > 0
     assert put(keys=names, args=[10**6, 1000, 20_000, 64, 0.9]) == 0  # expired: emptied
     assert not admin.exists(*names) and not acl_denials(admin)
+    worker.close()
+    admin.close()
+
+
+def test_reads_the_documented_users_make_run_when_redis_refuses_writes(
+    acl_server: RedisServer,
+) -> None:
+    """Each read-only function goes by a command the documented rules grant on its keys: at
+    ``maxmemory`` a producer's retry of a batch already written is answered by the read-only
+    enqueue (not "nothing was written"), and the queue's depth is read by both users."""
+    queue, password = "aclro", uuid.uuid4().hex
+    admin = redis.Redis(port=acl_server.port, socket_timeout=10)
+    create_users(admin, queue, password)
+    functions.load(admin)
+    with Client(user_url(acl_server, f"{queue}-producer", password), queue,
+                max_queue_length=0) as client:
+        core = client._core
+        batch = core.preparer.prepare_many(core.lanes.home, ["one", "two"], now_ms=0)
+
+        def enqueue() -> list[str]:
+            return client._run(calls.enqueue(core, core.lanes.home, batch, Deadline.after(5)))
+
+        first = enqueue()
+        admin.config_set("maxmemory", "1")
+        try:
+            assert enqueue() == first  # what a retry after a lost reply sends
+            assert client.queue_length() == 2
+        finally:
+            admin.config_set("maxmemory", "0")
+    worker = redis.Redis.from_url(user_url(acl_server, f"{queue}-worker", password),
+                                  socket_timeout=10)
+    depth = functions.Function(worker, "queue_depth")(
+        keys=[keys.requests(keys.QueueRef(queue))], args=["depth", keys.GROUP])
+    assert depth[0] == 2 and not acl_denials(admin)
     worker.close()
     admin.close()
 

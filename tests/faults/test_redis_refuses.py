@@ -13,6 +13,7 @@ checked against each other here too.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
@@ -32,7 +33,8 @@ from tests.worker.test_health import get
 from tests.workers import Fleet
 from tokenq.producer import BrokerOutOfMemory, BrokerUnavailable, Client, QueueFull
 from tokenq.producer.ops import dlq
-from tokenq.shared import keys, lua_scripts, redis_refusal, wire
+from tokenq.producer.ops.stats import main as stats_main
+from tokenq.shared import functions, keys, lua_scripts, redis_refusal, wire
 from tokenq.shared.settings import ClientSettings
 from tokenq.worker.health import Health
 from tokenq.worker.loop.publish import Publisher, Target, spelled_out
@@ -415,3 +417,50 @@ def test_a_write_refused_read_only_fails_the_call_by_name_and_infer_retries_it(r
     finally:
         promote.join()
     assert r.xlen(stream) == 1
+
+
+# ------------------------------------------------------- reads while Redis refuses writes
+
+
+WRITE_REFUSALS = frozenset({"READONLY", "NOREPLICAS", "MISCONF", "OOM"})
+
+
+def refuse_writes(r: redis.Redis, how: str) -> None:
+    """Make ``r`` refuse every write as a stale primary (``READONLY``) or a primary short of
+    replicas (``NOREPLICAS``, as ``MISCONF`` on a failing disk) does, keeping its data."""
+    if how == "readonly":
+        r.replicaof("127.0.0.1", str(free_ports()))
+    else:
+        r.config_set("min-replicas-to-write", "1")
+
+
+@pytest.mark.parametrize("how", ["readonly", "noreplicas"])
+def test_reads_go_on_while_redis_refuses_writes(tmp_path: Path, capsys, how: str) -> None:
+    """When Redis refuses writes an operator most needs the queue's depth: ``queue_length``,
+    ``tokenq stats`` and every read-only function still run (``FCALL`` of a ``no-writes``
+    function is a read to Redis), and the writes are still refused."""
+    server = RedisServer(tmp_path / "ro")
+    server.start()
+    r = redis.Redis.from_url(server.url, socket_timeout=10)
+    try:
+        functions.load(r)
+        with Client(redis_url=server.url, queue="ro", max_queue_length=0) as client:
+            client.submit_many(["a short text", "another one", "a third"])
+            refuse_writes(r, how)
+            assert client.queue_length() == 3
+            with pytest.raises(BrokerUnavailable):
+                client.submit("refused")
+        assert stats_main(["--redis-url", server.url, "--json", "--queue", "ro"]) == 0
+        [row] = json.loads(capsys.readouterr().out)["queues"]
+        assert (row["length"], row["lag"]) == (3, 3)
+        read_only = [short for short, script in lua_scripts.SCRIPTS.items()
+                     if "no-writes" in script.flags]
+        assert {"queue_depth", "peek_replies", "enqueue_seen"} <= set(read_only)
+        for short in read_only:  # run, whatever they answer to these arguments
+            try:
+                functions.Function(r, short)(keys=[keys.requests(keys.QueueRef("ro"))])
+            except redis.exceptions.ResponseError as exc:
+                assert redis_refusal.error_code(exc) not in WRITE_REFUSALS, f"{short}: {exc}"
+    finally:
+        r.close()
+        server.stop(kill=True)

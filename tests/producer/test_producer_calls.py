@@ -13,8 +13,10 @@ from typing import Any
 
 import pytest
 import redis
+from redis._parsers.base import BaseParser
 
 from tokenq.producer import (
+    BrokerOutOfMemory,
     BrokerUnavailable,
     NotReplicated,
     QueueFull,
@@ -24,7 +26,7 @@ from tokenq.producer import (
 )
 from tokenq.producer.core import ClientCore
 from tokenq.producer.redis_deadlines import failure
-from tokenq.shared import keys, wire
+from tokenq.shared import keys, redis_refusal, wire
 from tokenq.shared.settings import ClientSettings
 
 pytestmark = pytest.mark.unit
@@ -116,6 +118,19 @@ def test_submit_gives_up_after_redis_pys_own_retries(error: Exception, shown: st
     calls.resume(call)
     with pytest.raises(BrokerUnavailable, match=shown):
         fail(call, error)
+
+
+@pytest.mark.parametrize("code", redis_refusal.KNOWN_NOW)
+def test_every_refusal_for_redis_own_state_reaches_a_producer_by_name(code: str) -> None:
+    """A command Redis did not run for its own state (read-only, no disk, too few replicas,
+    full...) is retried as an outage, then ``BrokerUnavailable`` (or ``BrokerOutOfMemory``)
+    naming it: never a bare ``ResponseError``."""
+    error = BaseParser.parse_error(f"{code} refused for the test")  # as redis-py raises it
+    call = calls.submit(fresh_core(), "a")
+    calls.resume(call)
+    with pytest.raises((BrokerUnavailable, BrokerOutOfMemory)):
+        while True:  # out of memory, the call asks whether an earlier try was written
+            fail(call, error)
 
 
 def test_results_wait_on_own_keys_until_the_deadline() -> None:
