@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import array
 import logging
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,22 +102,16 @@ def outcome(reply: wire.Reply) -> Outcome:
     if not reply.ok:
         error = reply.error or wire.ErrorInfo(code="", message="")
         return remote_error(error.code, error.message, reply.id, error.param)
-    embedding = None
-    if reply.embedding is not None:
-        embedding = array.array("f")
-        embedding.frombytes(reply.embedding)
-        if sys.byteorder == "big":
-            embedding.byteswap()
     return Result(
         id=reply.id,
-        embedding=embedding,
+        embedding=reply.embedding_array(),
         dim=reply.dim,
         scores=reply.scores,
         tokens=reply.tokens,
         labels=reply.labels,
         sparse=tuple(reply.sparse_pairs()) if reply.sparse_indices is not None else None,
         token_embeddings=None if reply.token_embeddings is None else tuple(
-            array.array("f", vector) for vector in reply.token_vectors()),
+            reply.token_vectors()),
         truncated=reply.truncated,
     )
 

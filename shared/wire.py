@@ -3,6 +3,7 @@ its ``reply_to`` list. Sans-I/O; every problem is a :class:`DecodeError` naming 
 
 from __future__ import annotations
 
+import array
 import itertools
 import re
 import sys
@@ -138,11 +139,15 @@ class Reply:
     truncated: bool = False
     """The input was cut to the model's limit (``tokens`` counts what was read)."""
 
-    def token_vectors(self) -> list[list[float]]:
-        """A token-embeddings reply's vectors, one per token ([] otherwise)."""
+    def embedding_array(self) -> array.array[float] | None:
+        """The embedding as ``array('f')`` in this machine's byte order (None without one)."""
+        return None if self.embedding is None else _le_array("f", self.embedding)
+
+    def token_vectors(self) -> list[array.array[float]]:
+        """A token-embeddings reply's vectors, one ``array('f')`` per token ([] otherwise)."""
         if self.token_embeddings is None or not self.dim:
             return []
-        flat = _le_array("f", self.token_embeddings).tolist()
+        flat = _le_array("f", self.token_embeddings)
         return [flat[start:start + self.dim] for start in range(0, len(flat), self.dim)]
 
     def sparse_pairs(self) -> list[tuple[int, float]]:
@@ -156,8 +161,6 @@ class Reply:
 
 def _le_array(typecode: str, data: bytes) -> Any:
     """``array.array(typecode)`` of little-endian bytes, in this machine's byte order."""
-    import array
-
     values = array.array(typecode)  # "I" and "f" are 4 bytes wherever CPython runs
     values.frombytes(data)
     if sys.byteorder == "big":

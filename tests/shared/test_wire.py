@@ -389,7 +389,7 @@ def test_reply_round_trips(reply: Reply) -> None:
     if reply.token_embeddings is not None:
         assert reply.dim is not None
         flat = struct.unpack(f"<{len(reply.token_embeddings) // 4}f", reply.token_embeddings)
-        assert decoded.token_vectors() == [
+        assert [list(v) for v in decoded.token_vectors()] == [
             list(flat[i:i + reply.dim]) for i in range(0, len(flat), reply.dim)]
     if reply.sparse_indices is not None:
         count = len(reply.sparse_indices) // 4
@@ -404,7 +404,7 @@ def test_a_token_embeddings_reply_is_whole_vectors_within_its_bound() -> None:
     packed = wire.encode_reply(wire.token_embeddings_reply("t", vectors, 3, tokens=2))
     assert msgpack.unpackb(packed) == {"id": "t", "ok": True, "token_embeddings": vectors,
                                        "dim": 3, "tokens": 2}
-    assert wire.decode_reply(packed).token_vectors() == [[0, 1, 2], [3, 4, 5]]
+    assert [list(v) for v in wire.decode_reply(packed).token_vectors()] == [[0, 1, 2], [3, 4, 5]]
     huge = bytes(4 * (wire.MAX_TOKEN_EMBEDDING_FLOATS + 4))
     for fields in ({"token_embeddings": vectors, "dim": 4}, {"token_embeddings": b"", "dim": 3},
                    {"token_embeddings": vectors}, {"token_embeddings": vectors, "dim": 0},
