@@ -17,6 +17,12 @@ Busy counts each batch's wall time in the worker's device thread, waits for
 the interpreter lock included, so a mean batch time well above the forward
 timed alone says the same from the other side (docs/BENCHMARKS.md, "gpu").
 
+Then the forward alone on the same batches: each setting's batches, as its batch log
+shapes them (rows, longest, real tokens), run again through the backend's own pad and
+forward in this process, with nothing around them (``forward_alone_tokens_per_s``);
+``end_to_end_over_forward`` is the run's useful tokens/s over that: what the queue, the
+tokenizer and the worker's Python leave of the device's rate.
+
 Without a CUDA device it prints "no CUDA device; skipped" and exits 0, like
 ``scripts/gpu_check.py``. Run it where ``python -m tokenq.worker`` works::
 
@@ -36,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import numpy as np
 from texts import seed_mix
 
 from tokenq.producer.config import EstimatorMode
@@ -52,14 +59,41 @@ WARM_UP = 256
 COLUMNS = [
     "setting", "failed_requests", "requests_per_s", "useful_tokens_per_s", "device_busy",
     "mean_rows", "padding_efficiency", "mean_batch_ms", "worker_cpu_us", "producer_cpu_us",
-    "redis_cpu_us", "p50_ms", "p99_ms",
+    "redis_cpu_us", "p50_ms", "p99_ms", "forward_alone_tokens_per_s", "end_to_end_over_forward",
 ]
+REPLAY_WARM_UP = 3
+"""Batches replayed off the clock first (the first forwards of a shape plan its kernels)."""
+
+
+def shaped_like(record: dict[str, Any]) -> list[Any]:
+    """A batch of the logged shape: ``rows`` rows, the first ``longest`` tokens long, the rest
+    sharing the real tokens left (the forward's cost is its padded shape, not the ids)."""
+    from tokenq.worker.backends.hf.encoding import HFEncoding
+
+    rows, longest = record["rows"], record["padded_tokens"] // record["rows"]
+    lengths = [longest] + [0] * (rows - 1)
+    left = max(rows - 1, record["tokens"] - longest)
+    for row in range(1, rows):
+        lengths[row] = min(longest, max(1, left // (rows - row)))
+        left -= lengths[row]
+    return [HFEncoding(np.full(length, 1000, dtype=np.int64)) for length in lengths]
+
+
+def forward_alone_s(backend: Any, records: Sequence[dict[str, Any]]) -> float:
+    """Seconds the backend's pad and forward take over batches shaped as ``records``."""
+    batches = [shaped_like(record) for record in records]
+    for batch in batches[:REPLAY_WARM_UP]:
+        backend.run(batch)
+    started = time.perf_counter()
+    for batch in batches:
+        backend.run(batch)  # its rows come back to the host: each forward has finished
+    return time.perf_counter() - started
 
 
 def one_setting(
     texts: Sequence[str], budget: str, dtype: str, flags: Sequence[str], workdir: Path,
     estimator: EstimatorMode,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One worker with this budget: warmed up, then the whole burst, timed."""
     with harness.private_redis() as server:
         queue = harness.new_queue("gpu")
@@ -83,7 +117,7 @@ def one_setting(
         totals = harness.batch_totals(worker.batches()[warm:])
     summary = run.summary()
     per_request = 1e6 / max(1, run.requests)
-    return {
+    return ({
         "setting": f"{dtype} {budget}",
         **summary,
         **totals,
@@ -91,7 +125,7 @@ def one_setting(
         "worker_cpu_us": round(worker_cpu * per_request, 1),
         "producer_cpu_us": round(producer_cpu * per_request, 1),
         "redis_cpu_us": round(redis_cpu * per_request, 1),
-    }
+    }, worker.batches()[warm:])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -124,11 +158,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
     print(f"gpu_seed: {where}, {args.requests} requests "
           f"(half passages, half queries), {os.cpu_count()} CPUs", flush=True)
-    rows = []
+    rows, logs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for budget in args.settings:
-            rows.append(one_setting(texts, budget, args.dtype, flags, Path(tmp), args.estimator))
-            print(json.dumps(rows[-1]), flush=True)
+            row, records = one_setting(texts, budget, args.dtype, flags, Path(tmp), args.estimator)
+            rows.append(row)
+            logs.append(records)
+            print(json.dumps(row), flush=True)
+    # After the workers are gone: the device is this process's alone.
+    from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
+
+    backend = HFBackend.load(HFOptions(device=args.device, dtype=args.dtype, model=args.model))
+    for row, records in zip(rows, logs, strict=True):
+        alone = sum(r["tokens"] for r in records) / max(forward_alone_s(backend, records), 1e-9)
+        row["forward_alone_tokens_per_s"] = round(alone)
+        row["end_to_end_over_forward"] = round(row["useful_tokens_per_s"] / alone, 3)
+    backend.close()
     print(harness.format_table(rows, COLUMNS))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

@@ -275,6 +275,10 @@ def test_gpu_seed_runs_its_mix_through_a_real_worker_and_skips_without_cuda(
     assert row["failed_requests"] == 0 and row["batches"] > 0
     assert 0 < row["device_busy"] <= 1.0
     assert row["worker_cpu_us"] > 0 and row["useful_tokens_per_s"] > 0
+    # The same batches' forward alone, in the script's process (on a CPU, about as fast).
+    assert row["forward_alone_tokens_per_s"] > 0
+    assert row["end_to_end_over_forward"] == pytest.approx(
+        row["useful_tokens_per_s"] / row["forward_alone_tokens_per_s"], rel=0.01)
     try:
         import torch
     except ImportError:

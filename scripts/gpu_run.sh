@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# On a lent GPU machine, in one call (scripts/gpu_pack.sh made .gpu/ here first; the device
+# tool carries it): install .gpu/'s wheels beside the image's torch, then scripts/gpu_check.sh
+# and scripts/bench/gpu_seed.py (every setting, then the same batches' forward alone), each
+# one's output kept under $OUT. About five minutes on an H100 or H200.
+#   REQUESTS  gpu_seed's requests per setting (default 20000)
+#   DEVICE    cpu: try the path on a machine without a GPU (fp32, 64 requests, one setting)
+#   PYTHON    the Python holding torch (default python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+site=/tmp/tokenq-gpu-site
+out=${OUT:-/tmp/tokenq-gpu-out}
+model=$PWD/.gpu/model  # whole: the workers start in scripts/bench
+mkdir -p "$out"
+"$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" .gpu/wheels/*.whl
+export PYTHONPATH=$site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+if [ "${DEVICE:-cuda}" = "cpu" ]; then
+    seed_flags=(--device cpu --dtype fp32 --requests 64 --settings 2048)
+else
+    nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+    PYTHON=$python bash scripts/gpu_check.sh --model "$model" 2>&1 | tee "$out/gpu_check.txt"
+    seed_flags=(--requests "${REQUESTS:-20000}")
+fi
+"$python" scripts/bench/gpu_seed.py --model "$model" "${seed_flags[@]}" \
+    --json "$out/gpu_seed.json" 2>&1 | tee "$out/gpu_seed.txt"
