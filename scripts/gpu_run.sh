@@ -13,6 +13,10 @@ site=/tmp/tokenq-gpu-site
 out=${OUT:-/tmp/tokenq-gpu-out}
 model=$PWD/.gpu/model  # whole: the workers start in scripts/bench
 mkdir -p "$out"
+if ! compgen -G ".gpu/wheels/*.whl" > /dev/null || [ ! -d .gpu/model ]; then
+    echo "gpu_run: no .gpu/ here: run scripts/gpu_pack.sh where pip works, and carry .gpu" >&2
+    exit 2
+fi
 "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$site" .gpu/wheels/*.whl
 export PYTHONPATH=$site HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1

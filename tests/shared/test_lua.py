@@ -117,6 +117,29 @@ def test_every_script_file_is_a_function_of_the_library() -> None:
         assert library.functions[short] == f"{library.name}_{short}"
 
 
+READ_COMMANDS = frozenset({
+    "EXISTS", "GET", "HGET", "HGETALL", "HMGET", "HSTRLEN", "INFO", "LINDEX", "LLEN", "LRANGE",
+    "PTTL", "SISMEMBER", "SMEMBERS", "TIME", "XINFO", "XLEN", "XPENDING", "XRANGE", "XREVRANGE",
+    "ZCARD", "ZRANGE", "ZRANGEBYSCORE",
+})
+"""Commands that never write: a script that runs only these is a read."""
+
+
+@pytest.mark.unit
+def test_a_script_that_only_reads_runs_while_redis_refuses_writes() -> None:
+    """Redis takes an ``FCALL`` of a function not flagged ``no-writes`` for a write, refused by a
+    stale primary, a primary short of replicas, or one that cannot save: every script whose
+    commands (its fragments' too) are all reads is flagged so, and ``FCALL_RO``, which Redis
+    refuses for a function that may write, names only such functions."""
+    for short, script in lua_scripts.SCRIPTS.items():
+        assert script.command in ("fcall", "fcall_ro"), short
+        source = lua_scripts.load(script.package, script.file)
+        called = set(re.findall(r"redis\.p?call\(\s*(\"[A-Za-z|]+\"|[^\s,)]+)", source))
+        reads_only = {name.strip('"').upper() for name in called} <= READ_COMMANDS
+        if reads_only or script.command == "fcall_ro":
+            assert "no-writes" in script.flags, f"{short} only reads: flag it no-writes"
+
+
 @pytest.mark.unit
 def test_the_library_is_named_by_its_code() -> None:
     """Another version (any script changed) has other names, so both can be loaded at once;
