@@ -17,7 +17,7 @@ import redis.asyncio.client
 import redis.client
 import redis.cluster
 
-from tokenq.shared import lua_scripts
+from tokenq.shared import lua_scripts, redis_refusal
 
 T = TypeVar("T")
 ENQUEUE_FUNCTION_FIELD = "enqueue_function"
@@ -27,6 +27,8 @@ _NO_FCALL = re.compile(r"unknown command [`']fcall|no permissions to run the 'fc
                        re.IGNORECASE)
 """Redis has no Functions (< 7: ``unknown command `fcall```), or this user may not FCALL."""
 _NO_FUNCTION_CMD = re.compile(r"unknown command [`']function", re.IGNORECASE)
+_WRITES_REFUSED = frozenset({"READONLY", "MISCONF", "NOREPLICAS", "OOM"})
+"""Codes of a Redis refusing writes now, ``FUNCTION LOAD`` too; ``SCRIPT LOAD`` is no write."""
 
 
 class FunctionsMissing(redis.exceptions.ResponseError):
@@ -58,14 +60,21 @@ class _Base:
         lib = lua_scripts.library()
         self.name = lib.functions[short]
         self._command = lua_scripts.SCRIPTS[short].command
+        self._reads_only = "no-writes" in lua_scripts.SCRIPTS[short].flags
+        self._scripted = False  # a read run as a script: Redis refused to load the library
         self._source = lib.scripts[short]
         self._client = client
         self._mode = _MODES.setdefault(client, SimpleNamespace(scripts=False))
         self._script: Any = None
 
+    @property
+    def _by_script(self) -> bool:
+        return self._mode.scripts or self._scripted
+
     def _issue(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """The call on ``target``: ``FCALL``, or the script once this client has fallen back."""
-        if not self._mode.scripts:
+        """The call on ``target``: ``FCALL``, or the script once this client (or this read, where
+        Redis refused writes and the library) has fallen back."""
+        if not self._by_script:
             return getattr(target, self._command)(self.name, len(keys), *keys, *args)
         if self._script is None:
             self._script = self._client.register_script(self._source)
@@ -81,6 +90,14 @@ class _Base:
         if _NOT_FOUND in text and not loaded:
             return True
         raise exc
+
+    def _load_refused(self, exc: redis.exceptions.ResponseError) -> None:
+        """After ``FUNCTION LOAD`` failed with ``exc``: a read-only function runs as a script
+        from now on when Redis refuses writes (the library is then for a later try to load);
+        raises ``exc`` otherwise."""
+        if not (self._reads_only and redis_refusal.error_code(exc) in _WRITES_REFUSED):
+            raise exc
+        self._scripted = True
 
 
 class Function(_Base):
@@ -102,7 +119,10 @@ class Function(_Base):
                 return operation()
             except redis.exceptions.ResponseError as exc:
                 if self._must_load(exc, loaded):
-                    load(target, missing_ok=False)
+                    try:
+                        load(target, missing_ok=False)
+                    except redis.exceptions.ResponseError as refused:
+                        self._load_refused(refused)
                     loaded = True
 
 
@@ -118,7 +138,7 @@ class AsyncFunction(_Base):
 
     async def _send(self, target: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         call = self._issue(target, keys, args)  # a script's call is awaited, a queued FCALL not
-        return call if _is_pipeline(target) and not self._mode.scripts else await call
+        return call if _is_pipeline(target) and not self._by_script else await call
 
     async def guarded(self, target: Any, operation: Callable[[], Awaitable[T]]) -> T:
         """The asyncio twin of :meth:`Function.guarded`."""
@@ -128,7 +148,10 @@ class AsyncFunction(_Base):
                 return await operation()
             except redis.exceptions.ResponseError as exc:
                 if self._must_load(exc, loaded):
-                    await async_load(target, missing_ok=False)
+                    try:
+                        await async_load(target, missing_ok=False)
+                    except redis.exceptions.ResponseError as refused:
+                        self._load_refused(refused)
                     loaded = True
 
 

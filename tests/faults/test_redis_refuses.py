@@ -434,18 +434,34 @@ def refuse_writes(r: redis.Redis, how: str) -> None:
         r.config_set("min-replicas-to-write", "1")
 
 
+@pytest.mark.parametrize("library", ["loaded", "missing"])
 @pytest.mark.parametrize("how", ["readonly", "noreplicas"])
-def test_reads_go_on_while_redis_refuses_writes(tmp_path: Path, capsys, how: str) -> None:
+def test_reads_go_on_while_redis_refuses_writes(
+    tmp_path: Path, capsys, how: str, library: str,
+) -> None:
     """When Redis refuses writes an operator most needs the queue's depth: ``queue_length``,
-    ``tokenq stats`` and every read-only function still run (``FCALL`` of a ``no-writes``
-    function is a read to Redis), and the writes are still refused."""
+    ``tokenq stats``, the worker's gauges and every read-only function still run (``FCALL`` of
+    a ``no-writes`` function is a read to Redis), and the writes are still refused. Such a Redis
+    refuses ``FUNCTION LOAD`` too: where it lacks this version's library (an upgrade, a flush),
+    each read runs as a script (``SCRIPT LOAD`` is no write)."""
     server = RedisServer(tmp_path / "ro")
     server.start()
     r = redis.Redis.from_url(server.url, socket_timeout=10)
+
+    async def depth() -> list[int]:  # the worker's gauges: the asyncio twin
+        client = aioredis.Redis.from_url(server.url, socket_timeout=10)
+        try:
+            return await functions.AsyncFunction(client, "queue_depth")(
+                keys=[keys.requests(keys.QueueRef("ro"))], args=["depth", keys.GROUP])
+        finally:
+            await client.aclose()
+
     try:
         functions.load(r)
-        with Client(redis_url=server.url, queue="ro", max_queue_length=0) as client:
+        with Client(redis_url=server.url, queue="ro", max_queue_length=0, timeout_s=2) as client:
             client.submit_many(["a short text", "another one", "a third"])
+            if library == "missing":
+                r.function_flush()
             refuse_writes(r, how)
             assert client.queue_length() == 3
             with pytest.raises(BrokerUnavailable):
@@ -453,6 +469,7 @@ def test_reads_go_on_while_redis_refuses_writes(tmp_path: Path, capsys, how: str
         assert stats_main(["--redis-url", server.url, "--json", "--queue", "ro"]) == 0
         [row] = json.loads(capsys.readouterr().out)["queues"]
         assert (row["length"], row["lag"]) == (3, 3)
+        assert asyncio.run(depth())[:3] == [3, 0, 3]
         read_only = [short for short, script in lua_scripts.SCRIPTS.items()
                      if "no-writes" in script.flags]
         assert {"queue_depth", "peek_replies", "enqueue_seen"} <= set(read_only)
@@ -461,6 +478,7 @@ def test_reads_go_on_while_redis_refuses_writes(tmp_path: Path, capsys, how: str
                 functions.Function(r, short)(keys=[keys.requests(keys.QueueRef("ro"))])
             except redis.exceptions.ResponseError as exc:
                 assert redis_refusal.error_code(exc) not in WRITE_REFUSALS, f"{short}: {exc}"
+        assert bool(r.function_list()) == (library == "loaded")  # nothing loaded
     finally:
         r.close()
         server.stop(kill=True)
