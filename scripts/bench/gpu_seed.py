@@ -166,11 +166,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             logs.append(records)
             print(json.dumps(row), flush=True)
     # After the workers are gone: the device is this process's alone.
+    from tokenq.shared.errors import DeviceOutOfMemory
     from tokenq.worker.backends.hf.backend import HFBackend, HFOptions
 
     backend = HFBackend.load(HFOptions(device=args.device, dtype=args.dtype, model=args.model))
     for row, records in zip(rows, logs, strict=True):
-        alone = sum(r["tokens"] for r in records) / max(forward_alone_s(backend, records), 1e-9)
+        whole = [r for r in records if not r.get("oom_splits")]  # a split one ran as its parts
+        try:
+            seconds = forward_alone_s(backend, whole)
+        except DeviceOutOfMemory as exc:  # this process's memory is not the worker's
+            print(f"gpu_seed: the replay of {row['setting']} ran out of memory: {exc}")
+            continue
+        alone = sum(r["tokens"] for r in whole) / max(seconds, 1e-9)
         row["forward_alone_tokens_per_s"] = round(alone)
         row["end_to_end_over_forward"] = round(row["useful_tokens_per_s"] / alone, 3)
     backend.close()
