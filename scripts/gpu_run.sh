@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On a lent GPU machine, in one call (scripts/gpu_pack.sh made .gpu/ here first; the device
 # tool carries it): install .gpu/'s wheels beside the image's torch, then scripts/gpu_check.sh
-# and scripts/bench/gpu_seed.py (every setting, then the same batches' forward alone), each
-# one's output kept under $OUT. About five minutes on an H100 or H200.
-#   REQUESTS  gpu_seed's requests per setting (default 20000)
+# and scripts/bench/gpu_seed.py (the seed mix at every setting; queries alone in one process
+# and two), each with the same batches' forward alone, every output kept under $OUT. About
+# five minutes on an H100 or H200.
+#   REQUESTS  gpu_seed's requests per setting (default 20000); QUERIES the queries run's (60000)
 #   DEVICE    cpu: try the path on a machine without a GPU (fp32, 64 requests, one setting)
 #   PYTHON    the Python holding torch (default python3)
 set -euo pipefail
@@ -29,3 +30,8 @@ else
 fi
 "$python" scripts/bench/gpu_seed.py --model "$model" "${seed_flags[@]}" \
     --json "$out/gpu_seed.json" 2>&1 | tee "$out/gpu_seed.txt"
+if [ "${DEVICE:-cuda}" != "cpu" ]; then  # short text, one process and two (the GIL's limit)
+    "$python" scripts/bench/gpu_seed.py --model "$model" --mix queries --settings 65536 \
+        --processes 1 2 --requests "${QUERIES:-60000}" --json "$out/gpu_queries.json" 2>&1 \
+        | tee "$out/gpu_queries.txt"
+fi

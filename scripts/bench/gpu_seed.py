@@ -23,6 +23,10 @@ forward in this process, with nothing around them (``forward_alone_tokens_per_s`
 ``end_to_end_over_forward`` is the run's useful tokens/s over that: what the queue, the
 tokenizer and the worker's Python leave of the device's rate.
 
+``--processes 1 2`` runs each setting with one worker and with two on the one device (what
+``--processes-per-device 2`` starts; their forwards overlap, so end to end can pass the
+forward alone, replayed one batch at a time); ``--mix queries`` sends 12-28-word queries only.
+
 Without a CUDA device it prints "no CUDA device; skipped" and exits 0, like
 ``scripts/gpu_check.py``. Run it where ``python -m tokenq.worker`` works::
 
@@ -43,7 +47,7 @@ from typing import Any
 
 import harness
 import numpy as np
-from texts import seed_mix
+from texts import seed_mix, uniform_mix
 
 from tokenq.producer.config import EstimatorMode
 
@@ -53,11 +57,15 @@ PASSAGE_WORDS = (280, 330)
 Why not suite seed's own 1,500-word passages: the model reads 256 tokens of
 them, and counting the rest only costs the producer more.
 """
+MIXES = {
+    "seed": lambda n: seed_mix(n, passages=PASSAGE_WORDS).texts,
+    "queries": lambda n: uniform_mix(n, 12, 28).texts,
+}
 SETTINGS = ("16384", "65536", "auto")
 """--max-batch-tokens per run: the worker's default, four times it, and calibrated."""
 WARM_UP = 256
 COLUMNS = [
-    "setting", "failed_requests", "requests_per_s", "useful_tokens_per_s", "device_busy",
+    "mix", "setting", "failed_requests", "requests_per_s", "useful_tokens_per_s", "device_busy",
     "mean_rows", "padding_efficiency", "mean_batch_ms", "worker_cpu_us", "producer_cpu_us",
     "redis_cpu_us", "p50_ms", "p99_ms", "forward_alone_tokens_per_s", "end_to_end_over_forward",
 ]
@@ -92,40 +100,44 @@ def forward_alone_s(backend: Any, records: Sequence[dict[str, Any]]) -> float:
 
 def one_setting(
     texts: Sequence[str], budget: str, dtype: str, flags: Sequence[str], workdir: Path,
-    estimator: EstimatorMode,
+    estimator: EstimatorMode, processes: int = 1,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """One worker with this budget: warmed up, then the whole burst, timed."""
+    """``processes`` workers with this budget on one queue (one device): warmed up, then the
+    whole burst, timed; the CPU and device time of all of them."""
     with harness.private_redis() as server:
         queue = harness.new_queue("gpu")
-        worker = harness.start_tokenq(
-            server, queue, workdir, f"gpu-{budget}",
+        workers = [harness.start_tokenq(
+            server, queue, workdir, f"gpu-{budget}-{processes}-{index}",
             ["--backend", "hf", "--max-batch-tokens", budget, "--dtype", dtype, *flags],
-        )
+        ) for index in range(processes)]
         client = harness.connect(server.url)
-        with harness.running([worker], server.url):
-            harness.burst(server.url, queue, texts[:WARM_UP], workers=[worker],
+        with harness.running(workers, server.url):
+            harness.burst(server.url, queue, texts[:WARM_UP], workers=workers,
                           estimator=estimator)
-            warm = len(worker.batches())
-            worker_cpu = harness.cpu_seconds(worker.process.pid)
+            warm = [len(worker.batches()) for worker in workers]
+            worker_cpu = sum(harness.cpu_seconds(worker.process.pid) for worker in workers)
             producer_cpu = time.process_time()
             redis_cpu = harness.redis_cpu_seconds(client)
-            run = harness.burst(server.url, queue, texts, workers=[worker], estimator=estimator)
-            worker_cpu = harness.cpu_seconds(worker.process.pid) - worker_cpu
+            run = harness.burst(server.url, queue, texts, workers=workers, estimator=estimator)
+            worker_cpu = sum(harness.cpu_seconds(w.process.pid) for w in workers) - worker_cpu
             producer_cpu = time.process_time() - producer_cpu
             redis_cpu = harness.redis_cpu_seconds(client) - redis_cpu
         client.close()
-        totals = harness.batch_totals(worker.batches()[warm:])
+        records = [record for worker, skip in zip(workers, warm, strict=True)
+                   for record in worker.batches()[skip:]]
+        totals = harness.batch_totals(records)
     summary = run.summary()
     per_request = 1e6 / max(1, run.requests)
     return ({
-        "setting": f"{dtype} {budget}",
+        "setting": f"{dtype} {budget}" + (f" x{processes}" if processes > 1 else ""),
         **summary,
         **totals,
-        "device_busy": round(totals["device_ms"] / 1000 / summary["seconds"], 3),
+        # Over the processes: two forwards at once count twice.
+        "device_busy": round(totals["device_ms"] / 1000 / summary["seconds"] / processes, 3),
         "worker_cpu_us": round(worker_cpu * per_request, 1),
         "producer_cpu_us": round(producer_cpu * per_request, 1),
         "redis_cpu_us": round(redis_cpu * per_request, 1),
-    }, worker.batches()[warm:])
+    }, records)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -140,6 +152,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--estimator", default="heuristic", choices=["heuristic", "exact"],
                         help="the producer's token count (default heuristic: a web backend "
                         "without a tokenizer; exact costs this process ~0.7 ms a passage)")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1],
+                        help="workers on the one device, each setting run with each (default 1)")
+    parser.add_argument("--mix", choices=sorted(MIXES), default="seed",
+                        help="seed: half passages, half queries; queries: 12-28 words each")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
     return parser.parse_args(argv)
 
@@ -154,17 +170,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = ["--device", args.device]
     if args.model:
         flags += ["--model", args.model]
-    texts = seed_mix(args.requests, passages=PASSAGE_WORDS).texts
+    texts = MIXES[args.mix](args.requests)
     where = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device
-    print(f"gpu_seed: {where}, {args.requests} requests "
-          f"(half passages, half queries), {os.cpu_count()} CPUs", flush=True)
+    print(f"gpu_seed: {where}, {args.requests} requests ({args.mix} mix), "
+          f"{os.cpu_count()} CPUs", flush=True)
     rows, logs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for budget in args.settings:
-            row, records = one_setting(texts, budget, args.dtype, flags, Path(tmp), args.estimator)
-            rows.append(row)
-            logs.append(records)
-            print(json.dumps(row), flush=True)
+            for processes in args.processes:
+                row, records = one_setting(texts, budget, args.dtype, flags, Path(tmp),
+                                           args.estimator, processes)
+                rows.append({"mix": args.mix, "processes": processes, **row})
+                logs.append(records)
+                print(json.dumps(rows[-1]), flush=True)
     # After the workers are gone: the device is this process's alone.
     from tokenq.shared.errors import DeviceOutOfMemory
     from tokenq.worker.backends.hf.backend import HFBackend, HFOptions

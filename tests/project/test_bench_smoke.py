@@ -266,12 +266,13 @@ def test_gpu_seed_runs_its_mix_through_a_real_worker_and_skips_without_cuda(
     out = tmp_path / "gpu_seed.json"
     completed = subprocess.run(
         [sys.executable, str(script), "--device", "cpu", "--dtype", "fp32", "--requests", "24",
-         "--settings", "2048", "--json", str(out)],
+         "--settings", "2048", "--processes", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     (row,) = json.loads(out.read_text())
-    assert row["setting"] == "fp32 2048" and row["requests"] == 24
+    assert row["setting"] == "fp32 2048 x2" and row["requests"] == 24
+    assert (row["mix"], row["processes"]) == ("seed", 2)
     assert row["failed_requests"] == 0 and row["batches"] > 0
     assert 0 < row["device_busy"] <= 1.0
     assert row["worker_cpu_us"] > 0 and row["useful_tokens_per_s"] > 0
