@@ -27,8 +27,6 @@ _NO_FCALL = re.compile(r"unknown command [`']fcall|no permissions to run the 'fc
                        re.IGNORECASE)
 """Redis has no Functions (< 7: ``unknown command `fcall```), or this user may not FCALL."""
 _NO_FUNCTION_CMD = re.compile(r"unknown command [`']function", re.IGNORECASE)
-_WRITES_REFUSED = frozenset({"READONLY", "MISCONF", "NOREPLICAS", "OOM"})
-"""Codes of a Redis refusing writes now, ``FUNCTION LOAD`` too; ``SCRIPT LOAD`` is no write."""
 
 
 class FunctionsMissing(redis.exceptions.ResponseError):
@@ -93,9 +91,9 @@ class _Base:
 
     def _load_refused(self, exc: redis.exceptions.ResponseError) -> None:
         """After ``FUNCTION LOAD`` failed with ``exc``: a read-only function runs as a script
-        from now on when Redis refuses writes (the library is then for a later try to load);
-        raises ``exc`` otherwise."""
-        if not (self._reads_only and redis_refusal.error_code(exc) in _WRITES_REFUSED):
+        from now on when Redis refuses writes, ``FUNCTION LOAD`` too (``SCRIPT LOAD`` is no
+        write); raises ``exc`` otherwise."""
+        if not (self._reads_only and redis_refusal.error_code(exc) in redis_refusal.WRITES_REFUSED):
             raise exc
         self._scripted = True
 

@@ -7,6 +7,9 @@ KEY_REFUSES = frozenset({"WRONGTYPE", "NOPERM", "CROSSSLOT"})
 KNOWN_NOW = ("OOM", "READONLY", "MASTERDOWN", "LOADING", "BUSY", "MISCONF", "TRYAGAIN",
              "CLUSTERDOWN", "NOREPLICAS")
 """Codes of "Redis refuses writes now" with their own metric label (any other: ``other``)."""
+WRITES_REFUSED = frozenset({"OOM", "READONLY", "MISCONF", "NOREPLICAS"})
+"""Of those, the codes of a Redis that refuses every write and still answers reads (a full one,
+a stale primary, one that cannot save, one short of replicas)."""
 _KNOWN = (*KEY_REFUSES, *KNOWN_NOW)
 _BY_CLASS = {
     "NoPermissionError": "NOPERM",

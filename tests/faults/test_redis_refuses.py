@@ -422,9 +422,6 @@ def test_a_write_refused_read_only_fails_the_call_by_name_and_infer_retries_it(r
 # ------------------------------------------------------- reads while Redis refuses writes
 
 
-WRITE_REFUSALS = frozenset({"READONLY", "NOREPLICAS", "MISCONF", "OOM"})
-
-
 def refuse_writes(r: redis.Redis, how: str) -> None:
     """Make ``r`` refuse every write as a stale primary (``READONLY``) or a primary short of
     replicas (``NOREPLICAS``, as ``MISCONF`` on a failing disk) does, keeping its data."""
@@ -477,7 +474,8 @@ def test_reads_go_on_while_redis_refuses_writes(
             try:
                 functions.Function(r, short)(keys=[keys.requests(keys.QueueRef("ro"))])
             except redis.exceptions.ResponseError as exc:
-                assert redis_refusal.error_code(exc) not in WRITE_REFUSALS, f"{short}: {exc}"
+                assert redis_refusal.error_code(exc) not in redis_refusal.WRITES_REFUSED, (
+                    f"{short}: {exc}")
         assert bool(r.function_list()) == (library == "loaded")  # nothing loaded
     finally:
         r.close()
