@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -422,17 +423,25 @@ def test_a_write_refused_read_only_fails_the_call_by_name_and_infer_retries_it(r
 # ------------------------------------------------------- reads while Redis refuses writes
 
 
-def refuse_writes(r: redis.Redis, how: str) -> None:
-    """Make ``r`` refuse every write as a stale primary (``READONLY``) or a primary short of
-    replicas (``NOREPLICAS``, as ``MISCONF`` on a failing disk) does, keeping its data."""
+def refuse_writes(r: redis.Redis, how: str, directory: Path) -> None:
+    """Make ``r`` refuse every write as a stale primary (``READONLY``), a primary short of
+    replicas (``NOREPLICAS``) or one whose last save failed (``MISCONF``: its ``directory``
+    removed) does, keeping its data."""
     if how == "readonly":
         r.replicaof("127.0.0.1", str(free_ports()))
-    else:
+    elif how == "noreplicas":
         r.config_set("min-replicas-to-write", "1")
+    else:
+        shutil.rmtree(directory)
+        r.config_set("save", "3600 1")  # writes are refused only where saves are configured
+        r.config_set("stop-writes-on-bgsave-error", "yes")
+        r.bgsave()
+        wait_for(lambda: r.info("persistence")["rdb_last_bgsave_status"] == "err",
+                 what="a failed save")
 
 
 @pytest.mark.parametrize("library", ["loaded", "missing"])
-@pytest.mark.parametrize("how", ["readonly", "noreplicas"])
+@pytest.mark.parametrize("how", ["readonly", "noreplicas", "misconf"])
 def test_reads_go_on_while_redis_refuses_writes(
     tmp_path: Path, capsys, how: str, library: str,
 ) -> None:
@@ -459,7 +468,7 @@ def test_reads_go_on_while_redis_refuses_writes(
             client.submit_many(["a short text", "another one", "a third"])
             if library == "missing":
                 r.function_flush()
-            refuse_writes(r, how)
+            refuse_writes(r, how, server.directory)
             assert client.queue_length() == 3
             with pytest.raises(BrokerUnavailable):
                 client.submit("refused")
