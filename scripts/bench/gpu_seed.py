@@ -157,7 +157,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--mix", choices=sorted(MIXES), default="seed",
                         help="seed: half passages, half queries; queries: 12-28 words each")
     parser.add_argument("--json", type=Path, help="also write the rows to this file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.requests < 1 or min(args.processes) < 1:
+        parser.error("--requests and each --processes must be at least 1")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
