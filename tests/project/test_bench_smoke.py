@@ -91,7 +91,7 @@ def test_feed(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     result = run_suite("feed", tmp_path, 300.0)
     rows = {row["mix"]: row for row in result["rows"]}
-    assert set(rows) == {"seed", "gpu_seed", "queries"}
+    assert set(rows) == {"seed", "gpu_seed", "queries", "gpu_seed, cpu budget"}
     for mix, row in rows.items():
         assert row["worker_cpu_us"] > 0 and row["tokenizer_cpu_us"] > 0, mix
         assert row["worker_over_tokenizer"] > 0 and row["requests_per_s"] > 0, mix
