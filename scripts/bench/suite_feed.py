@@ -8,7 +8,10 @@ worker calibrates for this model (:data:`GPU_BUDGET`), not the CPU's default: pe
 costs are shared by four times fewer requests there, which the ``cpu budget`` row shows.
 The tokenizer is ``tokenizers.Tokenizer.encode_batch`` over the same texts, whole and
 untruncated, in this process, measured just before and just after each worker round: the
-machine's speed moves between rounds, and each round's ratio is read against its own.
+machine's speed moves between rounds, and each round's ratios are read against its own.
+The floor (:func:`floor_cpu`) is the least a Python worker on redis-py can do with the same
+queue: one thread reading, decoding, tokenizing whole texts truncated (no prefix), packing,
+padding, answering zeros and publishing, with none of tokenq's rules.
 Three mixes: the seed scenario (~1,500-word passages, half queries), gpu_seed's (280-330-word
 passages, half queries) and short queries (12-28 words). Each round meets a fresh worker with
 its whole backlog waiting.
@@ -45,7 +48,9 @@ SETTINGS = [("seed", "seed", GPU_BUDGET), ("gpu_seed", "gpu_seed", GPU_BUDGET),
             ("queries", "queries", GPU_BUDGET), ("gpu_seed, cpu budget", "gpu_seed", CPU_BUDGET)]
 """(row, mix, budget) for every row."""
 COLUMNS = ["mix", "budget", "worker_cpu_us", "tokenizer_cpu_us", "worker_over_tokenizer",
-           "rounds", "requests_per_s"]
+           "rounds", "floor_over_tokenizer", "requests_per_s"]
+READ_COUNT = 1024
+DIM = 384  # all-MiniLM-L6-v2's vectors
 
 
 def skips_forward() -> bool:
@@ -57,28 +62,86 @@ def skips_forward() -> bool:
 
 def tokenizer_cpu(texts: list[str]) -> float:
     """CPU seconds of the Rust tokenizer over ``texts``, whole (its threads included)."""
+    whole = tokenizer()
+    whole.encode_batch(texts[:64])  # its thread pool started, off the clock
+    started = time.process_time()
+    whole.encode_batch(texts)
+    return time.process_time() - started
+
+
+def tokenizer(truncate: int | None = None) -> Any:
     from tokenizers import Tokenizer
 
     from tokenq.worker.backends.hf.load import bundled_model_dir
 
     tokenizer = Tokenizer.from_file(str(bundled_model_dir() / "tokenizer.json"))
     tokenizer.no_padding()
-    tokenizer.no_truncation()
-    tokenizer.encode_batch(texts[:64])  # its thread pool started, off the clock
-    started = time.process_time()
-    tokenizer.encode_batch(texts)
-    return time.process_time() - started
+    if truncate is None:
+        tokenizer.no_truncation()
+    else:
+        tokenizer.enable_truncation(truncate)
+    return tokenizer
+
+
+def enqueue(server: Any, texts: list[str], tag: str) -> tuple[str, str]:
+    """``texts`` on a new queue, as tokenq's producer writes them; (queue, reply key)."""
+    queue = harness.new_queue(tag)
+    reply_key = harness.reply_key_for(queue)
+    with Client(redis_url=server.url, queue=queue, max_queue_length=0) as producer:
+        for start in range(0, len(texts), harness.SUBMIT_CHUNK):
+            producer.submit_many(texts[start:start + harness.SUBMIT_CHUNK], reply_to=reply_key)
+    return queue, reply_key
+
+
+def floor_cpu(server: Any, texts: list[str], budget: int, tag: str) -> float:
+    """CPU seconds of this process answering ``texts`` from Redis the least a Python worker
+    can: read, decode, tokenize what the model reads, pack sorted lengths under the padded
+    budget, pad, answer zeros, publish (RPUSH, XACK, XDEL pipelined). One thread, no rules."""
+    import numpy as np
+
+    from tokenq.shared import keys, wire
+
+    encode = tokenizer(truncate=256).encode_batch_fast
+    encode(texts[:64])  # its thread pool started, off the clock
+    queue, reply_key = enqueue(server, texts, tag)
+    stream = keys.requests(keys.QueueRef(queue))
+    client = redis.Redis.from_url(server.url)
+    client.xgroup_create(stream, keys.GROUP, id="0", mkstream=True)  # a worker's first act
+    started, answered = time.process_time(), 0
+    while answered < len(texts):
+        entries = client.xreadgroup(keys.GROUP, "floor", {stream: ">"}, count=READ_COUNT)[0][1]
+        requests = [wire.decode_fields(fields) for _, fields in entries]
+        rows = [encoding.ids for encoding in encode([r.text.lower() for r in requests])]
+        lengths = np.array([len(row) for row in rows])
+        order = np.argsort(lengths, kind="stable")
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and lengths[order[end]] * (end + 1 - start) <= budget:
+                end += 1
+            batch, start = order[start:end], end
+            mask = np.arange(lengths[batch].max()) < lengths[batch][:, None]
+            ids = np.zeros(mask.shape, np.int64)
+            ids[mask] = np.concatenate([rows[i] for i in batch])
+            vectors = np.zeros((len(batch), DIM), np.float32)
+            replies = wire.encode_embedding_replies(
+                [requests[i].id for i in batch], vectors.tobytes(), DIM, lengths[batch].tolist())
+            done = [entries[i][0] for i in batch]
+            pipe = client.pipeline(transaction=False)
+            pipe.rpush(reply_key, *replies).xack(stream, keys.GROUP, *done).xdel(stream, *done)
+            pipe.execute()
+        answered += len(entries)
+    spent = time.process_time() - started
+    client.flushall()
+    client.close()
+    return spent
 
 
 def worker_cpu(
     server: Any, workdir: Path, texts: list[str], budget: int, tag: str,
 ) -> tuple[float, float]:
     """(worker CPU s, wall s) of one hf worker, forward skipped, answering ``texts``."""
-    queue = harness.new_queue(tag)
-    reply_key = harness.reply_key_for(queue)
-    with Client(redis_url=server.url, queue=queue, max_queue_length=0) as producer:
-        for start in range(0, len(texts), harness.SUBMIT_CHUNK):
-            producer.submit_many(texts[start:start + harness.SUBMIT_CHUNK], reply_to=reply_key)
+    queue, reply_key = enqueue(server, texts, tag)
     client = redis.Redis.from_url(server.url)
     worker = harness.start_tokenq(
         server, queue, workdir, tag, ["--backend", "hf", "--max-batch-tokens", str(budget)],
@@ -99,18 +162,22 @@ def worker_cpu(
 
 def measure(server: Any, workdir: Path, name: str, texts: list[str], budget: int,
             rounds: int) -> dict[str, Any]:
-    """One row: each round the tokenizer, a fresh worker, the tokenizer again."""
+    """One row: each round the tokenizer, a fresh worker, the floor, the tokenizer again."""
     requests = len(texts)
     tokenizer_runs: list[float] = []
     worker_runs: list[tuple[float, float]] = []
     ratios: list[float] = []
+    floors: list[float] = []
     for i in range(rounds):
+        tag = f"{name.split(',')[0]}{i}"
         before = tokenizer_cpu(texts)
-        spent = worker_cpu(server, workdir, texts, budget, f"{name.split(',')[0]}{i}")
+        spent = worker_cpu(server, workdir, texts, budget, tag)
+        floor = floor_cpu(server, texts, budget, f"{tag}floor")
         after = tokenizer_cpu(texts)
         tokenizer_runs += [before, after]
         worker_runs.append(spent)
         ratios.append(spent[0] / ((before + after) / 2))
+        floors.append(floor / ((before + after) / 2))
     worker = statistics.median(cpu for cpu, _ in worker_runs)
     return {
         "mix": name,
@@ -119,6 +186,7 @@ def measure(server: Any, workdir: Path, name: str, texts: list[str], budget: int
         "tokenizer_cpu_us": round(statistics.median(tokenizer_runs) / requests * 1e6, 1),
         "worker_over_tokenizer": round(statistics.median(ratios), 3),
         "rounds": ", ".join(f"{r:.2f}" for r in ratios),
+        "floor_over_tokenizer": round(statistics.median(floors), 3),
         "requests_per_s": round(requests / statistics.median(w for _, w in worker_runs), 1),
     }
 

@@ -95,6 +95,7 @@ def test_feed(tmp_path: Path) -> None:
     for mix, row in rows.items():
         assert row["worker_cpu_us"] > 0 and row["tokenizer_cpu_us"] > 0, mix
         assert row["worker_over_tokenizer"] > 0 and row["requests_per_s"] > 0, mix
+        assert row["floor_over_tokenizer"] > 0, mix
 
 
 @pytest.fixture(scope="module")
