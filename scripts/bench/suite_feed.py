@@ -4,8 +4,8 @@ Rust tokenizer alone over the same whole texts.
 The hf worker runs all-MiniLM-L6-v2 with its forward skipped (``TOKENQ_BENCH_SKIP_FORWARD=1``:
 zeros of the model's shape, answered at once), so its CPU per request is everything a
 GPU worker's host does: read, tokenize, pack, pad, publish. It packs under the budget a GPU
-worker calibrates for this model (:data:`GPU_BUDGET`), not the CPU's default: per-batch
-costs are shared by four times fewer requests there, which the ``cpu budget`` row shows.
+worker calibrates for this model (:data:`GPU_BUDGET`), not the CPU's default, under which a
+batch's own costs are shared by a quarter as many requests (the ``cpu budget`` row).
 The tokenizer is ``tokenizers.Tokenizer.encode_batch`` over the same texts, whole and
 untruncated, in this process, measured just before and just after each worker round: the
 machine's speed moves between rounds, and each round's ratios are read against its own.
@@ -30,6 +30,7 @@ import redis
 from texts import seed_mix, uniform_mix
 
 from tokenq.producer import Client
+from tokenq.worker.backends.calibrate import CPU_DEFAULT_TOKENS
 
 SKIP_FORWARD = "TOKENQ_BENCH_SKIP_FORWARD"
 SIZES = {"tiny": 48, "small": 4000, "full": 12000}
@@ -37,20 +38,19 @@ ROUNDS = {"tiny": 1, "small": 5, "full": 5}
 GPU_BUDGET = 65536
 """What calibration picks on a GPU for all-MiniLM-L6-v2: its cap of 256 rows at the model's
 256 tokens (the H200 run in docs/BENCHMARKS.md found 65,536)."""
-CPU_BUDGET = 16384
-"""The CPU default (``calibrate.CPU_DEFAULT_TOKENS``), for the ``cpu budget`` row."""
 MIXES = {
     "seed": lambda n: seed_mix(n).texts,
     "gpu_seed": lambda n: seed_mix(n, passages=(280, 330)).texts,
     "queries": lambda n: uniform_mix(n, 12, 28).texts,
 }
 SETTINGS = [("seed", "seed", GPU_BUDGET), ("gpu_seed", "gpu_seed", GPU_BUDGET),
-            ("queries", "queries", GPU_BUDGET), ("gpu_seed, cpu budget", "gpu_seed", CPU_BUDGET)]
+            ("queries", "queries", GPU_BUDGET),
+            ("gpu_seed, cpu budget", "gpu_seed", CPU_DEFAULT_TOKENS)]
 """(row, mix, budget) for every row."""
 COLUMNS = ["mix", "budget", "worker_cpu_us", "tokenizer_cpu_us", "worker_over_tokenizer",
            "rounds", "floor_over_tokenizer", "requests_per_s"]
 READ_COUNT = 1024
-DIM = 384  # all-MiniLM-L6-v2's vectors
+DIM, MAX_TOKENS = 384, 256  # all-MiniLM-L6-v2's vectors and input
 
 
 def skips_forward() -> bool:
@@ -60,27 +60,28 @@ def skips_forward() -> bool:
     return getattr(backend, "SKIP_FORWARD_ENV", None) == SKIP_FORWARD
 
 
-def tokenizer_cpu(texts: list[str]) -> float:
-    """CPU seconds of the Rust tokenizer over ``texts``, whole (its threads included)."""
-    whole = tokenizer()
-    whole.encode_batch(texts[:64])  # its thread pool started, off the clock
-    started = time.process_time()
-    whole.encode_batch(texts)
-    return time.process_time() - started
-
-
-def tokenizer(truncate: int | None = None) -> Any:
+def rust_tokenizer(truncate: int | None = None) -> Any:
+    """The bundled model's ``tokenizers.Tokenizer``, unpadded, cut at ``truncate`` tokens."""
     from tokenizers import Tokenizer
 
     from tokenq.worker.backends.hf.load import bundled_model_dir
 
-    tokenizer = Tokenizer.from_file(str(bundled_model_dir() / "tokenizer.json"))
-    tokenizer.no_padding()
+    made = Tokenizer.from_file(str(bundled_model_dir() / "tokenizer.json"))
+    made.no_padding()
     if truncate is None:
-        tokenizer.no_truncation()
+        made.no_truncation()
     else:
-        tokenizer.enable_truncation(truncate)
-    return tokenizer
+        made.enable_truncation(truncate)
+    return made
+
+
+def tokenizer_cpu(texts: list[str]) -> float:
+    """CPU seconds of the Rust tokenizer over ``texts``, whole (its threads included)."""
+    whole = rust_tokenizer()
+    whole.encode_batch(texts[:64])  # its thread pool started, off the clock
+    started = time.process_time()
+    whole.encode_batch(texts)
+    return time.process_time() - started
 
 
 def enqueue(server: Any, texts: list[str], tag: str) -> tuple[str, str]:
@@ -101,7 +102,7 @@ def floor_cpu(server: Any, texts: list[str], budget: int, tag: str) -> float:
 
     from tokenq.shared import keys, wire
 
-    encode = tokenizer(truncate=256).encode_batch_fast
+    encode = rust_tokenizer(truncate=MAX_TOKENS).encode_batch_fast
     encode(texts[:64])  # its thread pool started, off the clock
     queue, reply_key = enqueue(server, texts, tag)
     stream = keys.requests(keys.QueueRef(queue))
@@ -154,8 +155,6 @@ def worker_cpu(
         return harness.cpu_seconds(worker.process.pid) - own, time.perf_counter() - started
     finally:
         worker.stop()
-        client.close()
-        client = redis.Redis.from_url(server.url)
         client.flushall()
         client.close()
 
