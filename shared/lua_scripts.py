@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 QUEUE_FULL = "QUEUEFULL"
 """First word of the error a script answers when entries would not fit in the queue."""
@@ -88,7 +89,7 @@ class Script:
     package: str
     file: str
     flags: tuple[str, ...] = ()
-    command: str = "fcall"
+    command: Literal["fcall", "fcall_ro"] = "fcall"
     """How clients call it. A ``no-writes`` function called by ``FCALL`` is a read to Redis
     (it runs on a replica, and while Redis refuses writes); ``fcall_ro`` where the documented
     ACL grants only that (the reply keys)."""
