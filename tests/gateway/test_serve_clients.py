@@ -7,7 +7,7 @@ tiny random cross-encoder run by the hf backend, compared with
 sentence-transformers on the same model files. Then the gateway's answers
 at its edges, each from its real condition: no live worker (at once, nothing
 written; or queued and answered once a worker starts, ``--cold-start-s``),
-Redis killed (every route 503 within 2 s), an SDK retrying a slow answer
+Redis killed (every route 503 within 3 s), an SDK retrying a slow answer
 (``Idempotency-Key``: each input queued once), ``--api-key``, CORS, strict
 statuses and shapes, slow and leaving clients, and the loopback default.
 The code each client runs here is the code docs/MIGRATING.md shows.
@@ -366,10 +366,14 @@ ROUTES = [*POSTS, ("GET", "/health", None), ("GET", "/ready", None), ("GET", "/i
           ("POST", "/embed_all", {"inputs": "x"}), ("POST", "/embed_sparse", {"inputs": "x"}),
           ("POST", "/", {"inputs": "x"}), ("GET", "/", None), ("GET", "/ping", None)]
 """Every route that needs Redis (``/v1/models``, ``/metrics``, ``/docs`` do not)."""
+UNREACHABLE_WITHIN_S = 3.0
+"""The promise (docs/OPERATIONS.md): a 503 on every route this soon after Redis goes."""
 
 
-def test_redis_killed_every_route_is_503_within_two_seconds(tmp_path, queue_name):
-    """Every route at once (each finds Redis gone in about a second: in turn, twenty)."""
+def test_redis_killed_every_route_is_503_within_three_seconds(tmp_path, queue_name):
+    """Every route at once (each finds Redis gone in about a second: in turn, twenty); the
+    bound is the retries' ~1.1 s of backoff with room for a loaded machine, far below any
+    timeout a route would otherwise wait out."""
     server = RedisServer(tmp_path)
     server.start()
     try:
@@ -385,7 +389,8 @@ def test_redis_killed_every_route_is_503_within_two_seconds(tmp_path, queue_name
             with ThreadPoolExecutor(len(ROUTES)) as pool:
                 answers = list(pool.map(lambda route: timed(*route), ROUTES))
             for (_, path, _), (answer, took) in zip(ROUTES, answers, strict=True):
-                assert answer.status_code == 503 and took < 2, (path, took, answer.text)
+                assert answer.status_code == 503 and took < UNREACHABLE_WITHIN_S, (
+                    path, took, answer.text)
     finally:
         server.stop()
 
@@ -526,7 +531,7 @@ def assert_waiting_requests_fail_fast(
     http: Any, r: redis.Redis, queue: str, outage: Callable[[], AbstractContextManager[Any]],
 ) -> None:
     """:data:`WAITING` posted and queued, then within ``outage()``: each a 503 naming Redis
-    within 3 s, ``x-should-retry: false`` (its entry stays queued)."""
+    within :data:`UNREACHABLE_WITHIN_S`, ``x-should-retry: false`` (its entry stays queued)."""
     with ThreadPoolExecutor(len(WAITING)) as pool:
         calls = {path: pool.submit(http.post, path, json=body) for path, body in WAITING}
         while added(r, queue) < len(WAITING):  # every request queued
@@ -539,7 +544,8 @@ def assert_waiting_requests_fail_fast(
                 answer = call.result(timeout=60)
                 took = time.monotonic() - started
                 assert answer.status_code == 503, (path, answer.text)
-                assert "Redis" in answer.text and took < 3, (path, took, answer.text)
+                assert "Redis" in answer.text and took < UNREACHABLE_WITHIN_S, (
+                    path, took, answer.text)
                 assert answer.headers["x-should-retry"] == "false"
 
 
