@@ -51,9 +51,9 @@ sys.path.insert(0, str(REPO_ROOT))
 from tests.redis_server import RedisServer  # noqa: E402
 
 SUBMIT_CHUNK = 250
+"""Requests per ``submit_many`` call in a burst (one Lua script call each)."""
 RUNTIME_ENV = "BENCH_RUNTIME"
 """``run.py --runtime``: the hf runtime a suite compares with torch (``torch``: none)."""
-"""Requests per ``submit_many`` call in a burst (one Lua script call each)."""
 
 
 # --------------------------------------------------------------------- machine
@@ -505,6 +505,12 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 def reply_key_for(queue: str) -> str:
     """A reply key under the queue's own hash tag, as ``infer_many`` would make."""
     return keys.reply(keys.QueueRef(queue), f"bench-{secrets.token_hex(4)}")
+
+
+def submit_in_chunks(producer: Client, texts: Sequence[str], **options: Any) -> None:
+    """Enqueue ``texts`` with ``producer``, :data:`SUBMIT_CHUNK` a ``submit_many`` call."""
+    for start in range(0, len(texts), SUBMIT_CHUNK):
+        producer.submit_many(texts[start:start + SUBMIT_CHUNK], **options)
 
 
 def burst(

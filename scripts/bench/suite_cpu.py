@@ -69,8 +69,7 @@ def enqueue(url: str, queue: str, reply_key: str, texts: list[str]) -> tuple[flo
         producer.submit_many(texts[:1], reply_to=reply_key)  # connect and load, off the clock
         started = time.perf_counter()
         own, server = time.process_time(), harness.redis_cpu_seconds(client)
-        for start in range(1, len(texts), harness.SUBMIT_CHUNK):
-            producer.submit_many(texts[start:start + harness.SUBMIT_CHUNK], reply_to=reply_key)
+        harness.submit_in_chunks(producer, texts[1:], reply_to=reply_key)
         result = (time.process_time() - own, harness.redis_cpu_seconds(client) - server,
                   time.perf_counter() - started)
     client.close()

@@ -92,8 +92,7 @@ def enqueue(server: Any, texts: list[str], tag: str) -> tuple[str, str]:
     queue = harness.new_queue(tag)
     reply_key = harness.reply_key_for(queue)
     with Client(redis_url=server.url, queue=queue, max_queue_length=0) as producer:
-        for start in range(0, len(texts), harness.SUBMIT_CHUNK):
-            producer.submit_many(texts[start:start + harness.SUBMIT_CHUNK], reply_to=reply_key)
+        harness.submit_in_chunks(producer, texts, reply_to=reply_key)
     return queue, reply_key
 
 
@@ -181,7 +180,7 @@ class WarmWorker:
         reply_key = harness.reply_key_for(self.queue)
         started = time.perf_counter()
         own = harness.cpu_seconds(self.worker.process.pid)
-        self.producer.submit_many(texts, reply_to=reply_key)
+        harness.submit_in_chunks(self.producer, texts, reply_to=reply_key)
         self.worker.wait_replies(self.client, reply_key, len(texts))
         spent = harness.cpu_seconds(self.worker.process.pid) - own
         self.client.delete(reply_key)

@@ -159,8 +159,7 @@ def producer_then_worker(server: RedisServer, workdir: Path, texts: list[str]) -
     with Client(redis_url=server.url, queue=queue, max_queue_length=0) as producer:
         started = time.perf_counter()
         own_cpu, server_cpu = time.process_time(), harness.redis_cpu_seconds(client)
-        for start in range(0, len(texts), harness.SUBMIT_CHUNK):
-            producer.submit_many(texts[start:start + harness.SUBMIT_CHUNK], reply_to=reply_key)
+        harness.submit_in_chunks(producer, texts, reply_to=reply_key)
         enqueue_s = time.perf_counter() - started
         enqueue_cpu = (
             time.process_time() - own_cpu, harness.redis_cpu_seconds(client) - server_cpu

@@ -62,8 +62,7 @@ def submit_row(url: str, texts: list[str]) -> dict[str, Any]:
         with Client(redis_url=url, queue=queue, max_queue_length=0) as client:
             client.submit("warm up")  # connection and config read out of the timing
             started = time.perf_counter()
-            for start in range(0, len(texts), harness.SUBMIT_CHUNK):
-                client.submit_many(texts[start:start + harness.SUBMIT_CHUNK])
+            harness.submit_in_chunks(client, texts)
             rates.append(len(texts) / (time.perf_counter() - started))
     return {
         "setting": f"submit_many, chunks of {harness.SUBMIT_CHUNK}",
