@@ -47,7 +47,7 @@ from typing import Any
 
 import harness
 import numpy as np
-from texts import seed_mix, uniform_mix
+from texts import SEED_QUERIES, seed_mix, uniform_mix
 
 from tokenq.producer.config import EstimatorMode
 
@@ -59,7 +59,7 @@ them, and counting the rest only costs the producer more.
 """
 MIXES = {
     "seed": lambda n: seed_mix(n, passages=PASSAGE_WORDS).texts,
-    "queries": lambda n: uniform_mix(n, 12, 28).texts,
+    "queries": lambda n: uniform_mix(n, *SEED_QUERIES).texts,
 }
 SETTINGS = ("16384", "65536", "auto")
 """--max-batch-tokens per run: the worker's default, four times it, and calibrated."""

@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gpu_seed
 import harness
 import redis
-from texts import seed_mix, uniform_mix
+from texts import seed_mix
 
 from tokenq.producer import Client
 from tokenq.shared import keys, wire
@@ -41,11 +42,8 @@ WARM = frozenset({"tiny"})
 GPU_BUDGET = 65536
 """What calibration picks on a GPU for all-MiniLM-L6-v2: its cap of 256 rows at the model's
 256 tokens (the H200 run in docs/BENCHMARKS.md found 65,536)."""
-MIXES = {
-    "seed": lambda n: seed_mix(n).texts,
-    "gpu_seed": lambda n: seed_mix(n, passages=(280, 330)).texts,
-    "queries": lambda n: uniform_mix(n, 12, 28).texts,
-}
+MIXES = {"seed": lambda n: seed_mix(n).texts, "gpu_seed": gpu_seed.MIXES["seed"],
+         "queries": gpu_seed.MIXES["queries"]}
 SETTINGS = [("seed", "seed", GPU_BUDGET), ("gpu_seed", "gpu_seed", GPU_BUDGET),
             ("queries", "queries", GPU_BUDGET),
             ("gpu_seed, cpu budget", "gpu_seed", CPU_DEFAULT_TOKENS)]
