@@ -19,6 +19,7 @@ its whole backlog waiting (at the tiny size, a smoke run, one worker per budget 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
@@ -169,10 +170,14 @@ class WarmWorker:
     def __init__(self, server: Any, workdir: Path, budget: int) -> None:
         self.queue = harness.new_queue(f"warm{budget}")
         self.client = redis.Redis.from_url(server.url)
-        self.worker = start_worker(server, self.queue, workdir, f"warm{budget}", budget)
-        self.worker.wait_ready(self.client)
         self.producer = Client(redis_url=server.url, queue=self.queue, max_queue_length=0)
-        self.producer.config()  # the queue's config (and tokenizer) loaded off the clock
+        self.worker = start_worker(server, self.queue, workdir, f"warm{budget}", budget)
+        try:
+            self.worker.wait_ready(self.client)
+            self.producer.config()  # the queue's config (and tokenizer) loaded off the clock
+        except BaseException:
+            self.close()  # a worker that never got ready is not left running
+            raise
 
     def __call__(self, texts: list[str]) -> tuple[float, float]:
         reply_key = harness.reply_key_for(self.queue)
@@ -188,6 +193,12 @@ class WarmWorker:
         self.producer.close()
         self.worker.stop()
         self.client.close()
+
+    def __enter__(self) -> WarmWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def measure(server: Any, workdir: Path, name: str, texts: list[str], budget: int,
@@ -231,14 +242,12 @@ def run(size: str) -> dict[str, Any]:
     if not skips_forward():
         notes.append("this tokenq has no forward switch: no rows")
         return {"columns": COLUMNS, "rows": [], "notes": notes}
-    with harness.private_redis() as server, tempfile.TemporaryDirectory() as directory:
+    with harness.private_redis() as server, tempfile.TemporaryDirectory() as directory, \
+            contextlib.ExitStack() as stack:
         workdir = Path(directory)
-        warm = {budget: WarmWorker(server, workdir, budget)
-                for budget in {budget for _, _, budget in SETTINGS}} if size in WARM else {}
-        try:
-            rows = [measure(server, workdir, name, texts[mix], budget, rounds, warm.get(budget))
-                    for name, mix, budget in SETTINGS]
-        finally:
-            for worker in warm.values():
-                worker.close()
+        budgets = {budget for _, _, budget in SETTINGS} if size in WARM else set()
+        warm = {budget: stack.enter_context(WarmWorker(server, workdir, budget))
+                for budget in budgets}
+        rows = [measure(server, workdir, name, texts[mix], budget, rounds, warm.get(budget))
+                for name, mix, budget in SETTINGS]
     return {"columns": COLUMNS, "rows": rows, "notes": notes}
