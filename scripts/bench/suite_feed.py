@@ -20,6 +20,7 @@ its whole backlog waiting (at the tiny size, a smoke run, one worker per budget 
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import tempfile
 import time
@@ -62,8 +63,10 @@ def skips_forward() -> bool:
     return getattr(backend, "SKIP_FORWARD_ENV", None) == SKIP_FORWARD
 
 
+@functools.cache
 def rust_tokenizer(truncate: int | None = None) -> Any:
-    """The bundled model's ``tokenizers.Tokenizer``, unpadded, cut at ``truncate`` tokens."""
+    """The bundled model's ``tokenizers.Tokenizer``, unpadded, cut at ``truncate`` tokens (read
+    from disk once: every round times two calls)."""
     from tokenizers import Tokenizer
 
     from tokenq.worker.backends.hf.load import bundled_model_dir
